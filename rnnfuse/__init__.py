@@ -1,0 +1,34 @@
+"""rnnfuse: run stacked Keras recurrent layers as one multi-layer cuDNN call.
+
+    fast = rnnfuse.optimize(model)   # shares every variable with `model`
+
+Public API: `analyze`, `optimize`, `FusedRNN`, the report records
+`FusionReport` and `FusionGroup`, `Reason`, and `FusionWarning`.
+
+Example:
+
+    >>> import keras, rnnfuse
+    >>> m = keras.Sequential([keras.Input((20, 4)),
+    ...                       keras.layers.LSTM(8, return_sequences=True),
+    ...                       keras.layers.LSTM(8)])
+    >>> len(rnnfuse.analyze(m).groups)
+    1
+"""
+
+__version__ = "0.1.0"
+
+from rnnfuse.api import analyze, optimize
+from rnnfuse.fused import FusedRNN
+from rnnfuse.passes.rewrite import FusionWarning
+from rnnfuse.reasons import Reason
+from rnnfuse.report import FusionGroup, FusionReport
+
+__all__ = [
+    "FusedRNN",
+    "FusionGroup",
+    "FusionReport",
+    "FusionWarning",
+    "Reason",
+    "analyze",
+    "optimize",
+]

@@ -1,0 +1,200 @@
+"""TensorFlow backend: a whole stack as one `tf.raw_ops.CudnnRNNV3` call.
+
+The flat parameter buffer is built on every call from the original Keras
+variables, so gradients reach them. Layout (cuDNN's canonical order; with it
+a fused 3-layer LSTM and GRU and a 2-layer bidirectional stack reproduced
+Keras' per-layer cuDNN output with max abs diff 0.0 on the H200):
+
+    flat = W(p0) ++ W(p1) ++ ... ++ B(p0) ++ B(p1) ++ ...
+
+over the pseudo-layers p = (level 0, fwd), (level 0, bwd), (level 1, fwd),
+... : every weight matrix first, then every bias. For one pseudo-layer with
+input width `n` (input_size at level 0, units * directions above) and
+`H = units`:
+
+- lstm: W = [W_i, W_f, W_c, W_o, R_i, R_f, R_c, R_o], each gate's matrix
+  transposed to [H, n] (R: [H, H]) and flattened row-major, which is exactly
+  `reshape(transpose(kernel), [-1])`. B = [0] * 4H (cuDNN's input biases,
+  unused by Keras) ++ Keras' bias (i, f, c, o).
+- gru (reset_after=True): Keras gate order (z, r, h) becomes cuDNN's
+  (r, z, h) in W, R and in both rows of Keras' (2, 3H) bias, which are
+  cuDNN's input and recurrent biases.
+- rnn_tanh / rnn_relu: W = [W, R]; B = [0] * H ++ Keras' bias.
+
+Sizes: weights G*H*(n + H), biases 2*G*H per pseudo-layer, G = 4, 3, 1.
+`use_bias=False` gives zero biases.
+
+Multi-layer states are passed time-major ([levels * directions, B, H]):
+TensorFlow does not transpose batch-major multi-layer states for cuDNN.
+`CudnnRNNCanonicalToParams` is not used: it aborted the process with a
+CHECK failure on flat per-gate weights.
+
+Example (on a machine with a GPU):
+
+    >>> import keras
+    >>> from rnnfuse.backends.base import StackSpec
+    >>> cells = ((keras.layers.GRUCell(4),),)
+    >>> cells[0][0].build((None, 3))
+    >>> int(pack_params(StackSpec("gru", 4, cells), "float32").shape[0])
+    108
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import tensorflow as tf
+
+from rnnfuse.backends.base import GATES, StackSpec
+
+__all__ = [
+    "is_available",
+    "mask_is_supported",
+    "pack_params",
+    "run_stack",
+    "unsupported_reason",
+]
+
+SUPPORTED_DTYPES = ("float16", "float32")
+
+
+def is_available() -> bool:
+    """Whether CudnnRNNV3 can run here: a CUDA build and a visible GPU."""
+    return bool(tf.config.list_logical_devices("GPU")) and tf.test.is_built_with_cuda()
+
+
+def unsupported_reason(stack: StackSpec, dtype: str) -> str | None:
+    """Why this backend cannot run `stack` in `dtype`, or None."""
+    if str(dtype) not in SUPPORTED_DTYPES:
+        return (
+            f"TensorFlow's cuDNN RNN runs float16 and float32, not {dtype}; "
+            "the original layers run instead"
+        )
+    if stack.proj_size:
+        return (
+            "TensorFlow 2.21's CudnnRNNV3 rejects every real LSTM projection "
+            "shape on cuDNN 9"
+        )
+    return None
+
+
+def mask_is_supported(mask: Any) -> tf.Tensor:
+    """True when `mask` [B, T] is right-padded and no sequence is empty."""
+    mask = tf.cast(mask, tf.bool)
+    lengths = tf.reduce_sum(tf.cast(mask, tf.int32), axis=1)
+    right_padded = tf.sequence_mask(lengths, maxlen=tf.shape(mask)[1])
+    return tf.logical_and(
+        tf.reduce_all(tf.equal(mask, right_padded)),
+        tf.reduce_all(lengths > 0),
+    )
+
+
+def _cell_params(kind: str, cell: Any, dtype: str) -> tuple[list, list]:
+    """(weights, biases) of one pseudo-layer, flattened in cuDNN order."""
+    kernel = tf.cast(cell.kernel, dtype)
+    recurrent = tf.cast(cell.recurrent_kernel, dtype)
+    units = int(recurrent.shape[0])
+    gates = GATES[kind]
+    w = tf.transpose(kernel)  # [G*H, n]: gate blocks of rows
+    r = tf.transpose(recurrent)  # [G*H, H]
+    if cell.use_bias:
+        bias = tf.cast(cell.bias, dtype)
+    else:
+        rows = 2 if kind == "gru" else 1
+        bias = tf.zeros([rows, gates * units], dtype)
+    if kind == "gru":
+        w, r = _zrh_to_rzh(w, units), _zrh_to_rzh(r, units)
+        bias = tf.reshape(bias, [2, 3 * units])
+        b_in = _zrh_to_rzh(bias[0], units)
+        b_rec = _zrh_to_rzh(bias[1], units)
+    else:
+        b_in = tf.zeros([gates * units], dtype)
+        b_rec = tf.reshape(bias, [-1])
+    return [tf.reshape(w, [-1]), tf.reshape(r, [-1])], [b_in, b_rec]
+
+
+def _zrh_to_rzh(x: tf.Tensor, units: int) -> tf.Tensor:
+    """Swap the first two gate blocks (Keras z, r -> cuDNN r, z) on axis 0."""
+    return tf.concat([x[units : 2 * units], x[:units], x[2 * units :]], axis=0)
+
+
+def pack_params(stack: StackSpec, dtype: str) -> tf.Tensor:
+    """The flat cuDNN parameter buffer of `stack`, from its live variables."""
+    weights, biases = [], []
+    for level in stack.cells:
+        for cell in level:
+            w, b = _cell_params(stack.kind, cell, dtype)
+            weights += w
+            biases += b
+    return tf.concat(weights + biases, axis=0)
+
+
+def _states(
+    given: Sequence[Any] | None, stack: StackSpec, batch: tf.Tensor, dtype
+) -> tf.Tensor:
+    """[levels * directions, B, H] from per-pseudo-layer states (None: 0)."""
+    zeros = tf.zeros(tf.stack([batch, stack.units]), dtype)
+    given = list(given or [])
+    given += [None] * (stack.num_pseudo_layers - len(given))
+    return tf.stack([zeros if s is None else tf.cast(s, dtype) for s in given])
+
+
+def cudnn_rnn(**kwargs):
+    """`tf.raw_ops.CudnnRNNV3`; one module-level name so tests can spy on it."""
+    return tf.raw_ops.CudnnRNNV3(**kwargs)
+
+
+def run_stack(
+    sequences: tf.Tensor,
+    *,
+    stack: StackSpec,
+    initial_h: Sequence[Any] | None = None,
+    initial_c: Sequence[Any] | None = None,
+    mask: Any = None,
+    reverse: bool = False,
+    dropout: float = 0.0,
+    seed: tuple[int, int] = (0, 0),
+):
+    """Runs `stack` over `sequences` [B, T, F] in one cuDNN call.
+
+    Args:
+        sequences: batch-major input, already in the compute dtype.
+        stack: the levels and cells to run.
+        initial_h, initial_c: per pseudo-layer initial states [B, H] (or
+            None for zeros), in cuDNN order (level-major, fwd before bwd).
+        mask: optional right-padded boolean mask [B, T]: sequence lengths.
+        reverse: the first level reads each sequence reversed; outputs stay
+            in processing order (as a Keras go_backwards layer returns them).
+        dropout: cuDNN's dropout between levels (training only).
+        seed: (seed, seed2) for that dropout.
+
+    Returns:
+        (outputs [B, T, D*H] with zeros past each sequence's length,
+         final h [L*D, B, H], final c [L*D, B, H] or None).
+    """
+    dtype = sequences.dtype
+    x = tf.transpose(sequences, [1, 0, 2])  # time-major [T, B, F]
+    steps, batch = tf.shape(x)[0], tf.shape(x)[1]
+    if mask is not None:
+        lengths = tf.reduce_sum(tf.cast(mask, tf.int32), axis=1)
+    else:
+        lengths = tf.fill(tf.expand_dims(batch, 0), steps)
+    if reverse:
+        x = tf.reverse_sequence(x, lengths, seq_axis=0, batch_axis=1)
+    lstm = stack.kind == "lstm"
+    outputs, h, c, _, _ = cudnn_rnn(
+        input=x,
+        input_h=_states(initial_h, stack, batch, dtype),
+        input_c=_states(initial_c, stack, batch, dtype) if lstm else tf.constant(0, dtype),
+        params=pack_params(stack, dtype),
+        sequence_lengths=lengths,
+        rnn_mode=stack.kind,
+        input_mode="linear_input",
+        direction="bidirectional" if stack.num_directions == 2 else "unidirectional",
+        dropout=float(dropout),
+        seed=int(seed[0]),
+        seed2=int(seed[1]),
+        is_training=True,
+        time_major=True,
+    )
+    return tf.transpose(outputs, [1, 0, 2]), h, (c if lstm else None)

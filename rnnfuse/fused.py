@@ -1,0 +1,380 @@
+"""`FusedRNN`: one Keras layer that runs a stack of recurrent layers at once.
+
+The layer holds the original layers (which own the variables) and, on every
+call, decides how to run them:
+
+1. If the active backend has a fused kernel that can run here (TensorFlow:
+   a GPU; a supported dtype), the whole stack runs as one multi-layer call
+   whose weights are packed from the original variables on every call, so
+   gradients and assignments reach them.
+2. Otherwise (no GPU, bfloat16, a reversed first layer under a mask) it
+   calls the original layers in sequence: exactly the original numbers.
+3. With a mask, the choice is made on the mask's values: a right-padded
+   mask becomes sequence lengths; any other mask runs the original layers
+   through Keras' generic loop (Keras' own cuDNN path would reject it).
+
+What it reproduces from the original stack: the first layer's input
+dropout (one mask per sequence, drawn from that layer's seed generator as
+Keras does), its `initial_state` and `go_backwards`; the last layer's
+`return_sequences`, `return_state`, merge mode and output mask; and the
+values at padded time steps (zeros where Keras runs cuDNN, the generic
+loop's `zero_output_for_mask` behaviour elsewhere).
+
+Example:
+
+    >>> import keras, numpy as np
+    >>> a = keras.layers.LSTM(8, return_sequences=True)
+    >>> b = keras.layers.LSTM(8)
+    >>> x = np.random.rand(2, 5, 3).astype("float32")
+    >>> y = b(a(x))
+    >>> fused = FusedRNN([a, b])
+    >>> bool(np.allclose(fused(x), y, atol=1e-6))
+    True
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any
+
+import keras
+from keras import ops, tree
+
+from rnnfuse.backends import StackSpec, get_backend
+from rnnfuse.reasons import Reason
+from rnnfuse.recurrent import describe, keras_runs_cudnn
+from rnnfuse.passes.rules import stack_link_reason
+
+__all__ = ["FusedRNN"]
+
+
+@keras.saving.register_keras_serializable(package="rnnfuse")
+class FusedRNN(keras.layers.Layer):
+    """Runs stacked recurrent layers as one multi-layer cuDNN call.
+
+    Args:
+        layers: the recurrent layers of the run, bottom to top. Each must be
+            fusable (see `rnnfuse.analyze`), and each must feed the next.
+        dropout_layers: optional, one entry per gap between layers: a
+            `keras.layers.Dropout` the fused call absorbs as cuDNN's
+            between-layer dropout, or None.
+        **kwargs: Keras layer arguments. `name` defaults to the last layer's
+            name (so model output names do not change), `dtype` to the
+            first layer's dtype policy.
+
+    Call arguments:
+        sequences: [batch, time, features].
+        initial_state: the first layer's initial state, as it would take it.
+        mask: [batch, time] boolean mask.
+        training: Python boolean.
+
+    Returns:
+        What the last layer returns (output, plus states with
+        `return_state=True`).
+
+    Raises:
+        ValueError: a layer that cannot be fused, or two layers that cannot
+            be stacked, naming the rule.
+    """
+
+    def __init__(self, layers, dropout_layers=None, **kwargs):
+        layers = list(layers)
+        if not layers:
+            raise ValueError("FusedRNN needs at least one layer; received [].")
+        views = []
+        for layer in layers:
+            view = describe(layer, require_built=False)
+            if isinstance(view, Reason):
+                raise ValueError(
+                    f"FusedRNN cannot fuse layer '{layer.name}' "
+                    f"({type(layer).__name__}): {view}"
+                )
+            views.append(view)
+        for upper, lower in zip(views, views[1:]):
+            reason = stack_link_reason(upper, lower)
+            if reason is not None:
+                raise ValueError(f"FusedRNN cannot stack these layers: {reason}")
+        dropout_layers = list(dropout_layers or [None] * (len(layers) - 1))
+        if len(dropout_layers) != len(layers) - 1:
+            raise ValueError(
+                "dropout_layers needs one entry per gap between layers "
+                f"({len(layers) - 1}); received {len(dropout_layers)}"
+            )
+        kwargs.setdefault("name", layers[-1].name)
+        kwargs.setdefault("dtype", layers[0].dtype_policy)
+        super().__init__(**kwargs)
+        self.fused_layers = layers
+        # Keras tracks lists of layers; keep the absorbed ones apart from
+        # their positions so the list holds no None.
+        self.absorbed_dropout = [d for d in dropout_layers if d is not None]
+        self._dropout_after = [i for i, d in enumerate(dropout_layers) if d is not None]
+        self._views = tuple(views)
+        self._stack = StackSpec(
+            kind=views[0].kind,
+            units=views[0].units,
+            cells=tuple(level for v in views for level in v.levels),
+            proj_size=views[0].proj_size,
+        )
+        self.supports_masking = True
+        # Which path the last call took ("fused" or "layers: <why>"); set
+        # when the call is traced, for diagnostics and tests.
+        self.last_path: str | None = None
+        if all(layer.built for layer in layers):
+            self.built = True
+
+    # -- Keras layer protocol -----------------------------------------------
+
+    @property
+    def stack(self) -> StackSpec:
+        """The levels and cells this layer runs."""
+        return self._stack
+
+    def build(self, sequences_shape, initial_state_shape=None):
+        shape = sequences_shape
+        for i, layer in enumerate(self.fused_layers):
+            if not layer.built:
+                if i == 0 and initial_state_shape is not None:
+                    layer.build(shape, initial_state_shape)
+                else:
+                    layer.build(shape)
+            shape = layer.compute_output_shape(shape)
+        for d in self.absorbed_dropout:
+            d.built = True
+        self.built = True
+
+    def compute_output_shape(self, sequences_shape, initial_state_shape=None):
+        shape = sequences_shape
+        for layer in self.fused_layers[:-1]:
+            shape = layer.compute_output_shape(shape)
+        return self.fused_layers[-1].compute_output_shape(shape)
+
+    def compute_mask(self, sequences, mask=None):
+        return self.fused_layers[-1].compute_mask(sequences, mask)
+
+    def get_config(self):
+        config = super().get_config()
+        config["layers"] = [
+            keras.saving.serialize_keras_object(l) for l in self.fused_layers
+        ]
+        dropout_layers = [None] * (len(self.fused_layers) - 1)
+        for i, d in zip(self._dropout_after, self.absorbed_dropout):
+            dropout_layers[i] = keras.saving.serialize_keras_object(d)
+        config["dropout_layers"] = dropout_layers
+        return config
+
+    @classmethod
+    def from_config(cls, config):
+        config = dict(config)
+        layers = [keras.saving.deserialize_keras_object(c) for c in config.pop("layers")]
+        dropout_layers = [
+            None if c is None else keras.saving.deserialize_keras_object(c)
+            for c in config.pop("dropout_layers", None) or []
+        ]
+        return cls(layers, dropout_layers=dropout_layers or None, **config)
+
+    # -- call ------------------------------------------------------------------
+
+    def call(self, sequences, initial_state=None, mask=None, training=None):
+        if mask is not None:
+            mask = tree.flatten(mask)[0]
+        reason = self._fallback_reason(mask)
+        if reason is not None:
+            self.last_path = f"layers: {reason}"
+            return self._call_layers(sequences, initial_state, mask, training)
+        self.last_path = "fused"
+        if mask is None:
+            return self._call_fused(sequences, initial_state, None, training)
+        # The mask's values decide: right-padded -> sequence lengths.
+        fused = lambda: self._call_fused(sequences, initial_state, mask, training)
+        layers = lambda: self._call_layers(
+            sequences, initial_state, mask, training, generic=True
+        )
+        structure = self._output_structure()
+        flat = ops.cond(
+            get_backend().mask_is_supported(mask),
+            lambda: tree.flatten(fused()),
+            lambda: tree.flatten(layers()),
+        )
+        return tree.pack_sequence_as(structure, flat)
+
+    def _fallback_reason(self, mask) -> str | None:
+        """Why this call must run the original layers, or None."""
+        backend = get_backend()
+        if backend is None:
+            return f"no fused kernel for the {keras.backend.backend()} backend"
+        if not backend.is_available():
+            return "no GPU visible to the backend"
+        reason = backend.unsupported_reason(self._stack, self.compute_dtype)
+        if reason is not None:
+            return reason
+        if mask is not None and self._views[0].go_backwards:
+            return "a go_backwards first layer under a mask"
+        return None
+
+    def _call_layers(self, sequences, initial_state, mask, training, generic=False):
+        """The original layers in sequence (exactly the original numbers)."""
+        x = sequences
+        context = _keras_generic_loop(self.fused_layers) if generic else contextlib.nullcontext()
+        dropouts = dict(zip(self._dropout_after, self.absorbed_dropout))
+        with context:
+            for i, layer in enumerate(self.fused_layers):
+                kwargs = {"training": training}
+                if mask is not None:
+                    kwargs["mask"] = mask
+                if i == 0 and initial_state is not None:
+                    kwargs["initial_state"] = initial_state
+                x = layer(x, **kwargs)
+                if i in dropouts:
+                    x = dropouts[i](x, training=training)
+        return x
+
+    def _call_fused(self, sequences, initial_state, mask, training):
+        """The whole stack as one backend call."""
+        backend = get_backend()
+        x = self._input_dropout(sequences, training)
+        initial_h, initial_c = self._initial_states(initial_state)
+        rate, seed = self._between_dropout(training)
+        outputs, final_h, final_c = backend.run_stack(
+            x,
+            stack=self._stack,
+            initial_h=initial_h,
+            initial_c=initial_c,
+            mask=mask,
+            reverse=self._views[0].go_backwards,
+            dropout=rate,
+            seed=seed,
+        )
+        return self._assemble(outputs, final_h, final_c, mask)
+
+    def _input_dropout(self, x, training):
+        """The first layer's input dropout, as Keras' cuDNN path applies it."""
+        view = self._views[0]
+        if not view.dropout:
+            return x
+        cell = view.levels[0][0]
+        # Keras draws the mask on every call (training or not), then uses it
+        # only when training; draw the same way so seed streams stay aligned.
+        dp_mask = cell.get_dropout_mask(x[:, 0, :])
+        if training:
+            x = x * ops.expand_dims(dp_mask, axis=1)
+        cell.reset_dropout_mask()
+        return x
+
+    def _between_dropout(self, training):
+        """(rate, seed) of cuDNN's between-level dropout for this call."""
+        if not training or not self.absorbed_dropout:
+            return 0.0, (0, 0)
+        rates = {float(d.rate) for d in self.absorbed_dropout}
+        rate = rates.pop() if len(rates) == 1 else max(rates)
+        seed = int(getattr(self.absorbed_dropout[0].seed_generator, "_initial_seed", 0) or 0)
+        return rate, (seed % (2**31), (seed // (2**31)) % (2**31))
+
+    def _initial_states(self, initial_state):
+        """Per pseudo-layer (h, c) lists for the first layer's levels."""
+        if initial_state is None:
+            return None, None
+        view = self._views[0]
+        lstm = self._stack.kind == "lstm"
+        if view.bidirectional:
+            flat = tree.flatten(initial_state)
+            half = len(flat) // 2
+            per_cell = [flat[:half], flat[half:]]
+        elif view.num_levels == 1:
+            per_cell = [tree.flatten(initial_state)]
+        else:
+            per_cell = [tree.flatten(s) for s in initial_state]
+        h = [s[0] for s in per_cell]
+        c = [s[1] for s in per_cell] if lstm else None
+        return h, c
+
+    def _assemble(self, outputs, final_h, final_c, mask):
+        """The last layer's return value from the fused call's results."""
+        view = self._views[-1]
+        dirs = view.num_directions
+        n = self._stack.num_pseudo_layers
+        own = range(n - view.num_levels * dirs, n)
+        hs = [final_h[i] for i in own]
+        cs = [final_c[i] for i in own] if final_c is not None else None
+        dtype = self.compute_dtype
+        if dirs == 1:
+            last = hs[-1]
+            if not view.return_sequences:
+                output = last
+            elif mask is not None and not (view.zero_output_for_mask or keras_runs_cudnn(view)):
+                # Keras' generic loop repeats the last output on padding.
+                keep = ops.expand_dims(ops.cast(mask, "bool"), -1)
+                output = ops.where(keep, outputs, ops.expand_dims(last, 1))
+            else:
+                output = outputs
+            result = (ops.cast(output, dtype),)
+            if view.return_state:
+                flat = [s for i in range(len(hs)) for s in ((hs[i], cs[i]) if cs else (hs[i],))]
+                flat = [ops.cast(s, dtype) for s in flat]
+                result += tuple(tree.pack_sequence_as(list(view.layer.state_size), flat))
+            return result if view.return_state else result[0]
+        width = self._stack.output_size
+        if view.return_sequences:
+            y, y_rev = outputs[..., :width], outputs[..., width:]
+        else:
+            y, y_rev = hs[0], hs[1]
+        y, y_rev = ops.cast(y, dtype), ops.cast(y_rev, dtype)
+        output = _merge(view.merge_mode, y, y_rev)
+        if not view.return_state:
+            return output
+        if cs is not None:
+            states = (hs[0], cs[0], hs[1], cs[1])
+        else:
+            states = (hs[0], hs[1])
+        states = tuple(ops.cast(s, dtype) for s in states)
+        if view.merge_mode is None:
+            return output + states
+        return (output,) + states
+
+    def _output_structure(self):
+        """A nested structure shaped like this layer's return value."""
+        view = self._views[-1]
+        n_out = 2 if (view.bidirectional and view.merge_mode is None) else 1
+        if not view.return_state:
+            return (0, 0) if n_out == 2 else 0
+        if view.bidirectional:
+            n_states = 4 if self._stack.kind == "lstm" else 2
+            return tuple([0] * (n_out + n_states))
+        return (0,) + tuple(tree.map_structure(lambda _: 0, list(view.layer.state_size)))
+
+
+def _merge(mode, y, y_rev):
+    """Keras Bidirectional's merge of the two directions."""
+    if mode == "concat":
+        return ops.concatenate([y, y_rev], axis=-1)
+    if mode == "sum":
+        return y + y_rev
+    if mode == "ave":
+        return (y + y_rev) / 2
+    if mode == "mul":
+        return y * y_rev
+    return (y, y_rev)
+
+
+@contextlib.contextmanager
+def _keras_generic_loop(layers):
+    """Temporarily sets use_cudnn=False on Keras' LSTM/GRU layers.
+
+    Used only while tracing the branch that handles masks cuDNN cannot take:
+    Keras' own cuDNN path would reject them (it asserts right padding).
+    """
+    touched = []
+    for layer in layers:
+        parts = (
+            (layer.forward_layer, layer.backward_layer)
+            if isinstance(layer, keras.layers.Bidirectional)
+            else (layer,)
+        )
+        for part in parts:
+            if getattr(part, "use_cudnn", None) in ("auto", True):
+                touched.append((part, part.use_cudnn))
+                part.use_cudnn = False
+    try:
+        yield
+    finally:
+        for part, value in touched:
+            part.use_cudnn = value

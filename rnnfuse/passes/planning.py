@@ -1,0 +1,252 @@
+"""Pass 3: find the maximal runs of fusable layers and explain the rest.
+
+`plan_fusion(graph, ...)` works in four steps:
+
+1. Candidates: every recurrent layer node gets a `RecurrentView` (it may
+   fuse) or a `Reason` (it may not: its own arguments, or it is shared).
+2. Links: from each candidate, follow its output to the single layer that
+   reads it (through an absorbable `Dropout` when allowed) and check the
+   link rules. A passing link becomes an edge of a new "chain" DiGraph.
+   Each layer reads one sequence and feeds one layer inside a run, so the
+   chain graph is a set of disjoint paths.
+3. Runs: each weakly connected component of the chain graph, in
+   topological order, is a run; runs with at least `min_layers` recurrent
+   levels become `FusionGroup`s.
+4. Reasons: every recurrent layer outside a group gets the reason of the
+   rule that stopped it: its own, the link to a neighbour, or a run too
+   short for `min_layers`.
+
+Example:
+
+    >>> import keras
+    >>> from rnnfuse.passes.graph import build_layer_graph
+    >>> m = keras.Sequential([keras.Input((6, 2)),
+    ...     keras.layers.LSTM(4, return_sequences=True, name="a"),
+    ...     keras.layers.LSTM(4, return_sequences=True, name="b"),
+    ...     keras.layers.LSTM(8, name="c")])
+    >>> report = plan_fusion(build_layer_graph(m), model_name=m.name)
+    >>> report.groups[0].layers, report.skipped["c"].rule
+    (('a', 'b'), 'units')
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import keras
+import networkx as nx
+
+from rnnfuse.passes.rules import layer_reason, link_reason
+from rnnfuse.reasons import Reason
+from rnnfuse.recurrent import RecurrentView, describe, is_recurrent
+from rnnfuse.report import FusionGroup, FusionReport
+
+__all__ = ["plan_fusion", "is_absorbable_dropout"]
+
+
+def is_absorbable_dropout(layer: Any) -> bool:
+    """A plain `Dropout` (per element, per time step) between RNN layers."""
+    return (
+        type(layer) is keras.layers.Dropout
+        and layer.noise_shape is None
+        and 0.0 <= float(layer.rate) < 1.0
+    )
+
+
+def plan_fusion(
+    graph: nx.DiGraph,
+    *,
+    model_name: str,
+    min_layers: int = 2,
+    absorb_dropout: bool = True,
+) -> FusionReport:
+    """Groups of fusable runs in `graph`, and a reason for every other RNN.
+
+    Args:
+        graph: a layer graph from `build_layer_graph`.
+        model_name: name shown in the report.
+        min_layers: the least number of recurrent levels worth fusing.
+        absorb_dropout: whether a `Dropout` layer between two recurrent
+            layers joins them (it becomes cuDNN's between-layer dropout).
+
+    Returns:
+        A `FusionReport`.
+    """
+    views, reasons = _candidates(graph)
+    chain, link_reasons, bridges = _links(graph, views, absorb_dropout)
+    groups, in_group = [], set()
+    for run in _runs(chain, views, graph):
+        levels = sum(views[k].num_levels for k in run)
+        if levels >= min_layers:
+            groups.append(_group(graph, run, views, bridges))
+            in_group.update(run)
+        elif len(run) > 1:
+            for key in run:
+                reasons[key] = Reason(
+                    "min_layers",
+                    f"its run ({' -> '.join(run)}) has {levels} recurrent "
+                    f"levels, fewer than min_layers={min_layers}",
+                )
+    for key in views:
+        if key not in in_group and key not in reasons:
+            reasons[key] = _lone_reason(
+                graph, key, views, reasons, link_reasons, min_layers
+            )
+    skipped = {k: reasons[k] for k in _graph_order(graph) if k in reasons}
+    notes = tuple(graph.graph.get("notes", ()))
+    return FusionReport(
+        model_name=model_name,
+        groups=tuple(groups),
+        skipped=skipped,
+        notes=notes,
+    )
+
+
+def _graph_order(graph: nx.DiGraph) -> list[str]:
+    return list(nx.lexicographical_topological_sort(graph)) if nx.is_directed_acyclic_graph(graph) else list(graph)
+
+
+def _candidates(graph: nx.DiGraph):
+    """Step 1: a view or a reason for every recurrent layer."""
+    views: dict[str, RecurrentView] = {}
+    reasons: dict[str, Reason] = {}
+    for key, data in graph.nodes(data=True):
+        if data["kind"] == "opaque":
+            for layer in _recurrent_sublayers(data["layer"]):
+                reasons[f"{key}/{layer.name}"] = Reason(
+                    "subclassed_model",
+                    f"it is inside the subclassed model '{key}', whose call() "
+                    "rnnfuse cannot see into; build that part as a Functional "
+                    "or Sequential model to fuse it",
+                )
+            continue
+        if data["kind"] != "layer" or not is_recurrent(data["layer"]):
+            continue
+        view = describe(data["layer"])
+        if isinstance(view, Reason):
+            reasons[key] = view
+            continue
+        reason = layer_reason(graph, key)
+        if reason is not None:
+            reasons[key] = reason
+        else:
+            views[key] = view
+    return views, reasons
+
+
+def _recurrent_sublayers(model: Any) -> list:
+    return [l for l in model._flatten_layers(include_self=False) if is_recurrent(l)]
+
+
+def _links(graph: nx.DiGraph, views: dict, absorb_dropout: bool):
+    """Step 2: the passing links (a chain DiGraph) and the failing ones."""
+    chain = nx.DiGraph()
+    chain.add_nodes_from(views)
+    link_reasons: dict[tuple[str, str], Reason] = {}
+    bridges: dict[tuple[str, str], tuple[str, ...]] = {}
+    for key, view in views.items():
+        target, via = _reader(graph, key, absorb_dropout)
+        if target is None or target not in views:
+            continue
+        reason = link_reason(graph, key, target, view, views[target], via)
+        if reason is None:
+            chain.add_edge(key, target)
+            bridges[(key, target)] = via
+        else:
+            link_reasons[(key, target)] = reason
+    # A layer read by two passing links cannot happen (one sequence input),
+    # but guard the path shape the later steps rely on.
+    for node in list(chain):
+        preds = list(chain.predecessors(node))
+        for extra in preds[1:]:
+            chain.remove_edge(extra, node)
+    return chain, link_reasons, bridges
+
+
+def _reader(graph: nx.DiGraph, key: str, absorb_dropout: bool):
+    """The recurrent layer that reads `key`'s output, and any Dropout between.
+
+    Returns (target key or None, tuple of bridge keys).
+    """
+    succ = list(graph.successors(key))
+    if len(succ) != 1:
+        # Several readers: report the link to a recurrent one, if any.
+        rnn = [s for s in succ if _is_rnn_node(graph, s)]
+        return (rnn[0], ()) if rnn else (None, ())
+    (nxt,) = succ
+    data = graph.nodes[nxt]
+    if data["kind"] == "layer" and absorb_dropout and is_absorbable_dropout(data["layer"]):
+        after = list(graph.successors(nxt))
+        if len(after) == 1 and _is_rnn_node(graph, after[0]):
+            return after[0], (nxt,)
+        return None, ()
+    return (nxt, ()) if _is_rnn_node(graph, nxt) else (None, ())
+
+
+def _is_rnn_node(graph: nx.DiGraph, key: str) -> bool:
+    data = graph.nodes[key]
+    return data["kind"] == "layer" and is_recurrent(data["layer"])
+
+
+def _runs(chain: nx.DiGraph, views: dict, graph: nx.DiGraph) -> list[list[str]]:
+    """Step 3: the paths of the chain graph, bottom to top, in graph order."""
+    order = {k: i for i, k in enumerate(_graph_order(graph))}
+    runs = []
+    for component in nx.weakly_connected_components(chain):
+        runs.append(list(nx.topological_sort(chain.subgraph(component))))
+    runs.sort(key=lambda run: order.get(run[0], 0))
+    return runs
+
+
+def _group(graph, run, views, bridges) -> FusionGroup:
+    first = views[run[0]]
+    absorbed = tuple(
+        b for upper, lower in zip(run, run[1:]) for b in bridges[(upper, lower)]
+    )
+    return FusionGroup(
+        layers=tuple(run),
+        cell=first.kind,
+        units=first.units,
+        num_layers=sum(views[k].num_levels for k in run),
+        input_size=first.input_size,
+        bidirectional=first.bidirectional,
+        proj_size=first.proj_size,
+        absorbed_dropout=absorbed,
+        scope=graph.nodes[run[0]]["scope"],
+        views=tuple(views[k] for k in run),
+        gap_dropout=tuple(
+            graph.nodes[bridges[(u, l)][0]]["layer"] if bridges[(u, l)] else None
+            for u, l in zip(run, run[1:])
+        ),
+    )
+
+
+def _lone_reason(graph, key, views, reasons, link_reasons, min_layers) -> Reason:
+    """Step 4: why an eligible layer ended up alone."""
+    for (upper, lower), reason in link_reasons.items():
+        if key in (upper, lower):
+            return reason.prefixed("not stacked with its neighbour: ")
+    for neighbour in list(graph.successors(key)) + list(graph.predecessors(key)):
+        if neighbour in reasons:
+            r = reasons[neighbour]
+            return Reason(
+                r.rule,
+                f"its neighbour '{neighbour}' cannot be fused: {r}",
+            )
+    if min_layers <= views[key].num_levels:
+        # Eligible and long enough alone: only a failed link stops it, and
+        # that case returned above. Reaching here means min_layers allows it.
+        return Reason("min_layers", f"min_layers={min_layers}")
+    feeds = ", ".join(
+        "a model output"
+        if graph.nodes[s]["kind"] == "output"
+        else f"'{s}' ({type(graph.nodes[s]['layer']).__name__})"
+        for s in graph.successors(key)
+    )
+    return Reason(
+        "not_stacked",
+        "no recurrent layer it could be fused with directly before or "
+        f"after it (its output feeds {feeds or 'nothing'}); a single layer "
+        f"has {views[key].num_levels} recurrent level(s), fewer than "
+        f"min_layers={min_layers}",
+    )

@@ -1,0 +1,208 @@
+"""Pass 4: a new model in which each fusion group is one `FusedRNN` layer.
+
+`rewrite_model(model, report, graph)` returns a new Sequential or Functional
+model with the same inputs, outputs and output names. Every layer that is
+not in a group is the same object as in `model`; each group's layers move
+inside a `FusedRNN` (still the same objects, so the variables are shared).
+`model` itself is never changed.
+
+How, per (sub-)model, bottom-up:
+
+1. Build one `FusedRNN` per group of this scope. A group whose fused layer
+   cannot be built keeps its original layers, with a warning.
+2. Rewrite nested sub-models that hold groups; the others stay as they are.
+3. Sequential: a new layer list, each run replaced by its fused layer.
+   Functional: `keras.models.clone_model` with the layers themselves as
+   clones and a `call_function` that calls the fused layer in place of a
+   run's first layer, passes the run's inner layers (and absorbed Dropout
+   layers) through, and returns the fused output at the run's last layer.
+
+Example:
+
+    >>> import keras
+    >>> from rnnfuse.passes.graph import build_layer_graph
+    >>> from rnnfuse.passes.planning import plan_fusion
+    >>> m = keras.Sequential([keras.Input((6, 2)),
+    ...     keras.layers.GRU(4, return_sequences=True),
+    ...     keras.layers.GRU(4), keras.layers.Dense(1)])
+    >>> g = build_layer_graph(m)
+    >>> new = rewrite_model(m, plan_fusion(g, model_name=m.name), g)
+    >>> [type(l).__name__ for l in new.layers]
+    ['FusedRNN', 'Dense']
+"""
+
+from __future__ import annotations
+
+import collections
+import warnings
+from typing import Any
+
+import keras
+import networkx as nx
+
+from rnnfuse.fused import FusedRNN
+from rnnfuse.passes.graph import is_graph_model
+from rnnfuse.report import FusionGroup, FusionReport
+
+__all__ = ["FusionWarning", "rewrite_model"]
+
+
+class FusionWarning(UserWarning):
+    """A group that could not be fused, or a model rnnfuse left as it was."""
+
+
+def rewrite_model(
+    model: keras.Model, report: FusionReport, graph: nx.DiGraph
+) -> keras.Model:
+    """A new model in which each group of `report` is one `FusedRNN`.
+
+    Args:
+        model: the analyzed Sequential or Functional model.
+        report: `plan_fusion`'s report for it.
+        graph: the layer graph the report was made from.
+
+    Returns:
+        A new `keras.Model` sharing every layer and variable with `model`.
+    """
+    by_scope: dict[str, list[FusionGroup]] = collections.defaultdict(list)
+    for group in report.groups:
+        by_scope[group.scope].append(group)
+    return _Rewriter(by_scope).rewrite(model, scope="", force_new=True)
+
+
+class _Rewriter:
+    def __init__(self, by_scope: dict[str, list[FusionGroup]]):
+        self.by_scope = by_scope
+        self.done: dict[int, Any] = {}
+
+    def _has_groups_under(self, scope: str) -> bool:
+        return any(s.startswith(scope) and groups for s, groups in self.by_scope.items())
+
+    def rewrite(self, model: Any, scope: str, force_new: bool = False) -> Any:
+        if id(model) in self.done:
+            return self.done[id(model)]
+        if not force_new and not self._has_groups_under(scope):
+            return model
+        fused = self._fused_layers(self.by_scope.get(scope, []))
+        replacements = {}
+        for layer in model.layers:
+            if is_graph_model(layer):
+                replacements[id(layer)] = self.rewrite(layer, f"{scope}{layer.name}/")
+        if isinstance(model, keras.Sequential):
+            new = _rewrite_sequential(model, fused, replacements)
+        else:
+            new = _rewrite_functional(model, fused, replacements)
+        self.done[id(model)] = new
+        return new
+
+    def _fused_layers(self, groups: list[FusionGroup]) -> list[tuple[FusionGroup, FusedRNN]]:
+        built = []
+        for group in groups:
+            layers = [v.layer for v in group.views]
+            try:
+                fused = FusedRNN(layers, dropout_layers=list(group.gap_dropout) or None)
+            except Exception as err:  # noqa: BLE001 - one bad group must not sink the rest
+                warnings.warn(
+                    f"rnnfuse: could not fuse {' -> '.join(group.layers)}; "
+                    f"those layers stay as they are ({type(err).__name__}: {err})",
+                    FusionWarning,
+                    stacklevel=4,
+                )
+                continue
+            built.append((group, fused))
+        return built
+
+
+def _members(group: FusionGroup) -> list[Any]:
+    """The run's layer objects and absorbed Dropout layers."""
+    layers = [v.layer for v in group.views]
+    return layers + [d for d in group.gap_dropout if d is not None]
+
+
+def _rewrite_sequential(model, fused, replacements) -> keras.Sequential:
+    first = {id(g.views[0].layer): f for g, f in fused}
+    absorbed = {id(m) for g, _ in fused for m in _members(g)[1:]}
+    layers = []
+    for layer in model.layers:
+        if id(layer) in first:
+            layers.append(first[id(layer)])
+        elif id(layer) not in absorbed:
+            layers.append(replacements.get(id(layer), layer))
+    input_layer = model._layers[0]
+    if isinstance(input_layer, keras.layers.InputLayer):
+        layers.insert(
+            0,
+            keras.Input(
+                batch_shape=input_layer.batch_shape,
+                dtype=input_layer.dtype,
+                name=input_layer.name,
+            ),
+        )
+    new = keras.Sequential(layers, name=model.name, trainable=model.trainable)
+    _copy_compile(model, new)
+    return new
+
+
+def _rewrite_functional(model, fused, replacements) -> keras.Model:
+    roles: dict[int, tuple[str, int]] = {}
+    for i, (group, _) in enumerate(fused):
+        members = _members(group)
+        layers = [v.layer for v in group.views]
+        for m in members:
+            roles[id(m)] = ("inner", i)
+        roles[id(layers[-1])] = ("last", i)
+        roles[id(layers[0])] = ("only", i) if len(layers) == 1 else ("first", i)
+    results: dict[int, Any] = {}
+
+    def call_function(layer, *args, **kwargs):
+        role = roles.get(id(layer))
+        if role is None:
+            return layer(*args, **kwargs)
+        what, i = role
+        if what in ("first", "only"):
+            out = _call_fused(fused[i][1], args, kwargs)
+            if what == "only":
+                return out
+            results[i] = out
+            return args[0]
+        if what == "inner":
+            return args[0]
+        return results[i]
+
+    new = keras.models.clone_model(
+        model,
+        clone_function=lambda layer: replacements.get(id(layer), layer),
+        call_function=call_function,
+    )
+    _copy_compile(model, new, already=True)
+    return new
+
+
+def _call_fused(fused: FusedRNN, args, kwargs):
+    """Calls `fused` with the arguments the run's first layer received."""
+    call_kwargs = {}
+    initial_state = kwargs.get("initial_state")
+    if initial_state is None and len(args) > 1:
+        initial_state = args[1]
+    if initial_state is not None:
+        call_kwargs["initial_state"] = initial_state
+    if kwargs.get("mask") is not None:
+        call_kwargs["mask"] = kwargs["mask"]
+    if kwargs.get("training") is not None:
+        call_kwargs["training"] = kwargs["training"]
+    return fused(args[0], **call_kwargs)
+
+
+def _copy_compile(model, new, already: bool = False) -> None:
+    """Carry `model`'s compile() arguments over, as clone_model does."""
+    if already or not getattr(model, "compiled", False):
+        return
+    try:
+        new.compile_from_config(model.get_compile_config())
+    except Exception as err:  # noqa: BLE001 - custom losses may not round-trip
+        warnings.warn(
+            f"rnnfuse: could not copy compile() arguments ({err}); call "
+            "compile() on the optimized model",
+            FusionWarning,
+            stacklevel=5,
+        )

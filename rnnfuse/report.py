@@ -1,0 +1,151 @@
+"""The records `analyze` returns: `FusionGroup` and `FusionReport`.
+
+A `FusionGroup` is one run of stacked recurrent layers that becomes one
+fused layer; a `FusionReport` lists the groups of a model and, for every
+recurrent layer left alone, the `Reason` why. `str(report)` is a plain-text
+table; `report.to_dict()` is JSON-ready.
+
+Example:
+
+    >>> import keras, rnnfuse
+    >>> m = keras.Sequential([keras.Input((10, 4)),
+    ...                       keras.layers.GRU(8, return_sequences=True),
+    ...                       keras.layers.GRU(8)])
+    >>> report = rnnfuse.analyze(m)
+    >>> [(g.cell, g.num_layers) for g in report.groups]
+    [('gru', 2)]
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import io
+import types
+from typing import Any, Mapping
+
+from rnnfuse.reasons import Reason
+
+__all__ = ["FusionGroup", "FusionReport"]
+
+
+@dataclasses.dataclass(frozen=True)
+class FusionGroup:
+    """One run of recurrent layers that runs as one multi-layer call."""
+
+    # Qualified names of the original layers, bottom to top. Layers inside
+    # nested models are prefixed with the sub-model's name ("enc/lstm").
+    layers: tuple[str, ...]
+    # cuDNN cell mode: "lstm", "gru", "rnn_tanh" or "rnn_relu".
+    cell: str
+    # Width of every layer's state.
+    units: int
+    # Recurrent levels of the fused call (a StackedRNNCells counts each cell).
+    num_layers: int
+    # Features of the run's input sequence.
+    input_size: int | None
+    # Whether every layer of the run is Bidirectional.
+    bidirectional: bool
+    # Recurrent projection width of a ProjectedLSTM run (0: none).
+    proj_size: int = 0
+    # Dropout layers between the run's layers, absorbed into the fused call.
+    absorbed_dropout: tuple[str, ...] = ()
+    # Qualified-name prefix of the (sub-)model holding the run ("" at top).
+    scope: str = ""
+    # The RecurrentViews of the layers (internal; not compared or printed).
+    views: tuple[Any, ...] = dataclasses.field(
+        default=(), repr=False, compare=False
+    )
+    # Per gap between layers: the absorbed Dropout layer object or None.
+    gap_dropout: tuple[Any, ...] = dataclasses.field(
+        default=(), repr=False, compare=False
+    )
+
+    def to_dict(self) -> dict:
+        hidden = ("views", "gap_dropout")
+        d = {
+            f.name: getattr(self, f.name)
+            for f in dataclasses.fields(self)
+            if f.name not in hidden
+        }
+        d["layers"] = list(self.layers)
+        d["absorbed_dropout"] = list(self.absorbed_dropout)
+        return d
+
+
+@dataclasses.dataclass(frozen=True)
+class FusionReport:
+    """What `analyze` found in a model."""
+
+    # Name of the analyzed model.
+    model_name: str
+    # The runs that fuse, in graph order.
+    groups: tuple[FusionGroup, ...]
+    # Every recurrent layer not in a group -> why (a `Reason`, a str).
+    skipped: Mapping[str, Reason]
+    # Model-level remarks (a subclassed model, for example).
+    notes: tuple[str, ...] = ()
+
+    def __post_init__(self):
+        object.__setattr__(self, "skipped", types.MappingProxyType(dict(self.skipped)))
+
+    @property
+    def absorbed(self) -> dict[str, str]:
+        """Absorbed Dropout layer -> first layer of its group."""
+        return {d: g.layers[0] for g in self.groups for d in g.absorbed_dropout}
+
+    def to_dict(self) -> dict:
+        """A JSON-ready dict of the report."""
+        return {
+            "model": self.model_name,
+            "groups": [g.to_dict() for g in self.groups],
+            "skipped": {
+                name: {"rule": getattr(r, "rule", "unknown"), "reason": str(r)}
+                for name, r in self.skipped.items()
+            },
+            "notes": list(self.notes),
+        }
+
+    def tables(self) -> list:
+        """rich Tables: the fused groups and the layers left alone."""
+        from rich.table import Table
+
+        fused = Table(title=f"rnnfuse: fused groups in '{self.model_name}'")
+        for col in ("#", "layers", "cell", "units", "levels", "input", "bidir"):
+            fused.add_column(col)
+        for i, g in enumerate(self.groups):
+            layers = " -> ".join(g.layers)
+            if g.absorbed_dropout:
+                layers += f"  (absorbs {', '.join(g.absorbed_dropout)})"
+            cell = g.cell + (f" (proj {g.proj_size})" if g.proj_size else "")
+            fused.add_row(
+                str(i),
+                layers,
+                cell,
+                str(g.units),
+                str(g.num_layers),
+                str(g.input_size),
+                "yes" if g.bidirectional else "no",
+            )
+        alone = Table(title="recurrent layers left as they are")
+        alone.add_column("layer")
+        alone.add_column("rule")
+        alone.add_column("why")
+        for name, reason in self.skipped.items():
+            alone.add_row(name, getattr(reason, "rule", ""), str(reason))
+        return [fused, alone]
+
+    def __str__(self) -> str:
+        from rich.console import Console
+
+        buf = io.StringIO()
+        console = Console(file=buf, width=120, no_color=True, highlight=False)
+        fused, alone = self.tables()
+        if self.groups:
+            console.print(fused)
+        else:
+            console.print(f"rnnfuse: no fusable runs in '{self.model_name}'.")
+        if self.skipped:
+            console.print(alone)
+        for note in self.notes:
+            console.print(f"note: {note}")
+        return buf.getvalue().rstrip("\n")
