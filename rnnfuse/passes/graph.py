@@ -14,7 +14,9 @@ of the sub-models it sits in (``"encoder/lstm_1"``). Special nodes are
   ``call()`` cannot be seen into);
 - ``layer``: the Keras layer object (None for inputs and outputs);
 - ``scope``: the qualified-name prefix of the (sub-)model holding the node;
-- ``calls``: how many times the layer object is called in the whole model.
+- ``calls``: how many times the layer object is called in the whole model;
+- ``mask_sources``: (producer key, output index) of the mask tensors the
+  call received (Keras 3 records a propagated mask as a ``mask`` argument).
 
 Edge attributes: ``role`` ("sequence" for the first positional argument,
 "initial_state", "mask", "other", or "output" for a model output) and
@@ -161,10 +163,14 @@ class _GraphBuilder:
                     self._add_submodel_call(node, op, scope, source)
                     continue
                 key = self._layer_node(op, scope)
+                masks = set()
                 for role, tensor in _argument_roles(node):
                     if id(tensor) in source:
                         src, index = source[id(tensor)]
                         self._add_edge(src, key, role, index)
+                        if role == "mask":
+                            masks.add((src, index))
+                self.graph.nodes[key].setdefault("mask_sources", frozenset(masks))
                 for i, out in enumerate(node.outputs):
                     source[id(out)] = (key, i)
 

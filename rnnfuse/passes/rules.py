@@ -146,10 +146,26 @@ def link_reason(
         reason = _single_consumer_reason(graph, src, dst)
         if reason is not None:
             return reason
+    upper_masks = graph.nodes[upper_key].get("mask_sources", frozenset())
+    lower_masks = graph.nodes[lower_key].get("mask_sources", frozenset())
+    if lower_masks != upper_masks:
+        if not upper_masks:
+            return Reason(
+                "mask",
+                f"'{upper_key}' runs without a mask but '{lower_key}' receives "
+                "one (Keras passes no mask to a layer called with an "
+                "initial_state); one fused call cannot mask only some layers",
+            )
+        return Reason(
+            "mask",
+            f"'{lower_key}' receives a different mask from '{upper_key}'; "
+            "inside a run every layer must see the mask the first one "
+            "passes on",
+        )
     extra = [
         (src, d["role"])
         for src, _, d in graph.in_edges(lower_key, data=True)
-        if src != chain[-2]
+        if src != chain[-2] and not (d["role"] == "mask" and (src, d["index"]) in lower_masks)
     ]
     for src, role in extra:
         if role == "initial_state":
