@@ -1,0 +1,63 @@
+"""Shared test setup: hypothesis profiles, seeds, and the emulated cuDNN op.
+
+Hypothesis profiles (HYPOTHESIS_PROFILE): "ci" (bounded, used by .ci/run),
+"dev" (the default for `make test`), "thorough" (`make test-thorough`).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+os.environ.setdefault("KERAS_BACKEND", "tensorflow")
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+sys.path.insert(0, os.path.dirname(__file__))
+
+import keras  # noqa: E402
+import pytest  # noqa: E402
+from hypothesis import HealthCheck, settings  # noqa: E402
+
+_common = dict(
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+    derandomize=False,
+)
+settings.register_profile("ci", max_examples=12, derandomize=True, **{k: v for k, v in _common.items() if k != "derandomize"})
+settings.register_profile("dev", max_examples=25, **_common)
+settings.register_profile("thorough", max_examples=200, **_common)
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "dev"))
+
+
+@pytest.fixture(autouse=True)
+def _fresh_keras_state():
+    """Each test starts with a float32 policy and a fixed seed."""
+    keras.config.set_dtype_policy("float32")
+    keras.utils.set_random_seed(1234)
+    yield
+    keras.config.set_dtype_policy("float32")
+
+
+@pytest.fixture
+def emulated_cudnn(monkeypatch):
+    """Runs FusedRNN's fused path on the CPU with a reference CudnnRNNV3.
+
+    The TensorFlow backend's `cudnn_rnn` (the one place that calls the op)
+    becomes the differentiable reference in cudnn_reference.py, and
+    `is_available()` says yes, so every fused-path step except the cuDNN
+    kernel itself runs in CI. Yields a list that records each emulated call.
+    """
+    if keras.backend.backend() != "tensorflow":
+        pytest.skip("the emulated CudnnRNNV3 is for the TensorFlow backend")
+    from cudnn_reference import emulated_cudnn_rnn
+
+    from rnnfuse.backends import tensorflow as tf_backend
+
+    calls = []
+
+    def spy(**kwargs):
+        calls.append(kwargs)
+        return emulated_cudnn_rnn(**kwargs)
+
+    monkeypatch.setattr(tf_backend, "cudnn_rnn", spy)
+    monkeypatch.setattr(tf_backend, "is_available", lambda: True)
+    yield calls
