@@ -19,7 +19,11 @@ from hypothesis import HealthCheck, settings  # noqa: E402
 
 _common = dict(
     deadline=None,
-    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+    suppress_health_check=[
+        HealthCheck.too_slow,
+        HealthCheck.data_too_large,
+        HealthCheck.function_scoped_fixture,
+    ],
     derandomize=False,
 )
 settings.register_profile("ci", max_examples=12, derandomize=True, **{k: v for k, v in _common.items() if k != "derandomize"})

@@ -1,0 +1,222 @@
+"""Benchmark under Keras' torch backend: the original model vs rnnfuse.optimize.
+
+For each configuration (cell kind, layers, batch, time steps, units, dtype
+policy) it builds one Keras model (Input -> `layers` stacked LSTM/GRU layers,
+all returning sequences), rewrites it with `rnnfuse.optimize` (the two share
+their variables) and times, in one process:
+
+- "train": forward + backward (torch autograd into the Keras variables),
+- "infer": forward under `torch.no_grad()`,
+
+for the original and the optimized model, interleaved (original, fused,
+original, fused, ...) after warm-up calls, and reports medians, the
+fused/original speedup and which path FusedRNN took.
+
+Run on the GPU machine (writes JSON after every configuration, so a run cut
+short keeps what it measured):
+
+    KERAS_BACKEND=torch python3 bench/bench_torch.py --out $OUT/bench_torch.json
+
+A small matrix for a CPU:
+
+    KERAS_BACKEND=torch python bench/bench_torch.py --quick --out /tmp/b.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+
+os.environ.setdefault("KERAS_BACKEND", "torch")
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+import keras  # noqa: E402
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+
+import rnnfuse  # noqa: E402
+from rnnfuse import FusedRNN  # noqa: E402
+
+FULL = dict(
+    kinds=["lstm", "gru"],
+    layers=[2, 4],
+    batch=[8, 64],
+    steps=[100, 1000],
+    units=[256, 512],
+    policies=["float32", "mixed_float16"],
+)
+QUICK = dict(
+    kinds=["lstm", "gru"],
+    layers=[2, 4],
+    batch=[16],
+    steps=[100],
+    units=[64, 128],
+    policies=["float32"],
+)
+
+
+def _csv(kind):
+    return lambda s: [kind(v) for v in s.split(",") if v]
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", required=True, help="JSON file to write")
+    p.add_argument("--quick", action="store_true", help="small CPU matrix")
+    p.add_argument("--kinds", type=_csv(str))
+    p.add_argument("--layers", type=_csv(int))
+    p.add_argument("--batch", type=_csv(int))
+    p.add_argument("--steps", type=_csv(int))
+    p.add_argument("--units", type=_csv(int))
+    p.add_argument("--policies", type=_csv(str))
+    p.add_argument("--modes", type=_csv(str), default=["train", "infer"])
+    p.add_argument("--repeats", type=int, default=10)
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument(
+        "--max-seconds", type=float, default=540.0,
+        help="stop starting new configurations after this long",
+    )
+    p.add_argument("--tf32", action="store_true", help="allow TF32 matmuls")
+    args = p.parse_args(argv)
+    base = QUICK if args.quick else FULL
+    for key, value in base.items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
+    return args
+
+
+def build(kind, layers, steps, units, policy):
+    keras.config.set_dtype_policy(policy)
+    try:
+        cls = {"lstm": keras.layers.LSTM, "gru": keras.layers.GRU}[kind]
+        inp = keras.Input((steps, units))
+        x = inp
+        for i in range(layers):
+            x = cls(units, return_sequences=True, name=f"{kind}_{i}")(x)
+        model = keras.Model(inp, x)
+    finally:
+        keras.config.set_dtype_policy("float32")
+    return model
+
+
+def _sync():
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def step_fn(model, x, mode):
+    variables = [v.value for v in model.trainable_variables]
+
+    def train():
+        for v in variables:
+            v.grad = None
+        y = model(x, training=True)
+        loss = torch.mean(torch.square(y.float()))
+        loss.backward()
+
+    def infer():
+        with torch.no_grad():
+            model(x, training=False)
+
+    return train if mode == "train" else infer
+
+
+def time_once(fn):
+    _sync()
+    start = time.perf_counter()
+    fn()
+    _sync()
+    return (time.perf_counter() - start) * 1e3
+
+
+def measure(config, args):
+    kind, layers, batch, steps, units, policy = config
+    keras.utils.set_random_seed(0)
+    model = build(kind, layers, steps, units, policy)
+    fast = rnnfuse.optimize(model)
+    fused = [l for l in fast._flatten_layers(include_self=False) if isinstance(l, FusedRNN)]
+    x = keras.ops.convert_to_tensor(
+        np.random.default_rng(0).standard_normal((batch, steps, units)).astype("float32")
+    )
+    rows = []
+    for mode in args.modes:
+        fns = {"original": step_fn(model, x, mode), "fused": step_fn(fast, x, mode)}
+        for fn in fns.values():
+            for _ in range(args.warmup):
+                fn()
+        times = {name: [] for name in fns}
+        for _ in range(args.repeats):
+            for name, fn in fns.items():  # interleaved
+                times[name].append(time_once(fn))
+        med = {name: statistics.median(t) for name, t in times.items()}
+        rows.append(
+            dict(
+                kind=kind, layers=layers, batch=batch, steps=steps, units=units,
+                policy=policy, mode=mode,
+                original_ms=med["original"], fused_ms=med["fused"],
+                speedup=med["original"] / med["fused"],
+                original_all_ms=times["original"], fused_all_ms=times["fused"],
+                fused_groups=len(fused),
+                fused_path=[l.last_path for l in fused],
+            )
+        )
+    return rows
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    if torch.cuda.is_available():
+        torch.backends.cuda.matmul.allow_tf32 = args.tf32
+        torch.backends.cudnn.allow_tf32 = args.tf32
+    meta = dict(
+        keras_backend=keras.backend.backend(),
+        keras=keras.__version__,
+        torch=torch.__version__,
+        cuda=torch.cuda.is_available(),
+        device=torch.cuda.get_device_name(0) if torch.cuda.is_available() else platform.processor() or "cpu",
+        cudnn=torch.backends.cudnn.version() if torch.cuda.is_available() else None,
+        cpu_threads=torch.get_num_threads(),
+        repeats=args.repeats,
+        warmup=args.warmup,
+        tf32=args.tf32,
+    )
+    if meta["keras_backend"] != "torch":
+        sys.exit("bench_torch.py needs KERAS_BACKEND=torch")
+    configs = list(
+        itertools.product(args.kinds, args.layers, args.batch, args.steps, args.units, args.policies)
+    )
+    results, skipped = [], []
+    start = time.perf_counter()
+    for config in configs:
+        if time.perf_counter() - start > args.max_seconds:
+            skipped.append(list(config))
+            continue
+        try:
+            rows = measure(config, args)
+        except Exception as e:  # noqa: BLE001 - record and go on
+            rows = [dict(config=list(config), error=f"{type(e).__name__}: {e}")]
+        results += rows
+        for r in rows:
+            if "error" in r:
+                print("ERROR", r["config"], r["error"], flush=True)
+            else:
+                print(
+                    f"{r['kind']} L{r['layers']} B{r['batch']} T{r['steps']} H{r['units']} "
+                    f"{r['policy']:14s} {r['mode']:5s} original {r['original_ms']:9.2f} ms  "
+                    f"fused {r['fused_ms']:9.2f} ms  x{r['speedup']:.2f}  {r['fused_path']}",
+                    flush=True,
+                )
+        with open(args.out, "w") as f:
+            json.dump(dict(meta=meta, results=results, skipped=skipped), f, indent=1)
+    if skipped:
+        print(f"time budget reached: {len(skipped)} configurations not run", flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,130 @@
+"""Small model builders shared by the tests."""
+
+from __future__ import annotations
+
+import keras
+import numpy as np
+
+KINDS = ("lstm", "gru", "rnn_tanh", "rnn_relu")
+
+
+def rnn_layer(kind: str, units: int, **kwargs) -> keras.layers.Layer:
+    """A Keras recurrent layer of cuDNN kind `kind`."""
+    if kind == "lstm":
+        return keras.layers.LSTM(units, **kwargs)
+    if kind == "gru":
+        return keras.layers.GRU(units, **kwargs)
+    activation = {"rnn_tanh": "tanh", "rnn_relu": "relu"}[kind]
+    return keras.layers.SimpleRNN(units, activation=activation, **kwargs)
+
+
+def num_states(kind: str) -> int:
+    return 2 if kind == "lstm" else 1
+
+
+def stack_model(
+    kind: str,
+    num_layers: int,
+    units: int = 6,
+    input_size: int = 5,
+    steps: int | None = 7,
+    *,
+    functional: bool = True,
+    last_return_sequences: bool = False,
+    last_return_state: bool = False,
+    go_backwards_first: bool = False,
+    initial_state: bool = False,
+    masked: bool = False,
+    dropout_first: float = 0.0,
+    head: bool = False,
+    dtype=None,
+) -> keras.Model:
+    """A stack of `num_layers` recurrent layers of one kind.
+
+    masked: the input is int tokens through Embedding(mask_zero=True).
+    initial_state: the first layer takes [h(, c)] model inputs.
+    """
+    layers = []
+    for i in range(num_layers):
+        last = i == num_layers - 1
+        layers.append(
+            rnn_layer(
+                kind,
+                units,
+                return_sequences=True if not last else last_return_sequences,
+                return_state=last and last_return_state,
+                go_backwards=go_backwards_first and i == 0,
+                dropout=dropout_first if i == 0 else 0.0,
+                name=f"{kind}_{i}",
+                dtype=dtype,
+            )
+        )
+    if masked:
+        inp = keras.Input((steps,), dtype="int32", name="tokens")
+        x = keras.layers.Embedding(11, input_size, mask_zero=True, name="embed")(inp)
+    else:
+        inp = keras.Input((steps, input_size), name="x")
+        x = inp
+    if not functional:
+        if initial_state or last_return_state:
+            raise ValueError("Sequential stacks take no states")
+        seq = [keras.Input((steps,), dtype="int32")] if masked else [keras.Input((steps, input_size))]
+        if masked:
+            seq.append(keras.layers.Embedding(11, input_size, mask_zero=True))
+        seq += layers
+        if head:
+            seq.append(keras.layers.Dense(3, name="head"))
+        return keras.Sequential(seq)
+    inputs = [inp]
+    kwargs = {}
+    if initial_state:
+        states = [
+            keras.Input((units,), name=f"s{j}") for j in range(num_states(kind))
+        ]
+        inputs += states
+        kwargs["initial_state"] = states
+    x = layers[0](x, **kwargs)
+    for layer in layers[1:]:
+        x = layer(x)
+    if head:
+        first = x[0] if isinstance(x, (list, tuple)) else x
+        x = keras.layers.Dense(3, name="head")(first)
+    return keras.Model(inputs if len(inputs) > 1 else inp, x)
+
+
+def random_inputs(model: keras.Model, batch: int, rng, *, padding: str = "right"):
+    """Inputs for `model`: floats, or tokens with padding 'right'/'middle'/'none'."""
+    values = []
+    for spec in model.inputs:
+        shape = [batch if d is None else d for d in spec.shape]
+        if "int" in str(spec.dtype):
+            tokens = rng.integers(1, 11, shape)
+            steps = shape[1]
+            for b in range(batch):
+                n = int(rng.integers(1, steps + 1))
+                if padding == "right":
+                    tokens[b, n:] = 0
+                elif padding == "middle" and steps > 2:
+                    tokens[b, int(rng.integers(1, steps - 1))] = 0
+            values.append(tokens.astype("int32"))
+        else:
+            values.append(rng.standard_normal(shape).astype("float32"))
+    return values if len(values) > 1 else values[0]
+
+
+def flat_numpy(x):
+    return [np.asarray(keras.ops.convert_to_numpy(t)) for t in keras.tree.flatten(x)]
+
+
+def max_abs_diff(a, b) -> float:
+    fa, fb = flat_numpy(a), flat_numpy(b)
+    if len(fa) != len(fb):
+        raise AssertionError(f"{len(fa)} outputs vs {len(fb)}")
+    return max(float(np.max(np.abs(p.astype(np.float64) - q.astype(np.float64)))) for p, q in zip(fa, fb))
+
+
+def fused_layers(model: keras.Model) -> list:
+    """Every FusedRNN in `model`, nested models included."""
+    from rnnfuse import FusedRNN
+
+    return [l for l in model._flatten_layers(include_self=False) if isinstance(l, FusedRNN)]

@@ -1,0 +1,140 @@
+"""Randomized equivalence: optimize(model) computes what model computes.
+
+The fused path runs through the emulated CudnnRNNV3 (see conftest.py), so
+everything FusedRNN does around the kernel (packing, masks -> lengths,
+reversal, states, output assembly, casting) is compared with the original
+Keras layers, outputs and gradients, on the CPU.
+"""
+
+from __future__ import annotations
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+from hypothesis import given
+from hypothesis import strategies as st
+
+import rnnfuse
+from builders import KINDS, fused_layers, max_abs_diff, random_inputs, stack_model
+
+
+def _outputs_and_grads(model, inputs, weights_for_loss):
+    variables = [v for v in model.trainable_variables]
+    with tf.GradientTape() as tape:
+        out = model(inputs, training=False)
+        flat = [tf.cast(t, tf.float32) for t in keras.tree.flatten(out)]
+        loss = sum(tf.reduce_sum(t * w[: t.shape[-1]]) for t, w in zip(flat, weights_for_loss))
+    grads = tape.gradient(loss, variables)
+    return out, {
+        v.path: None if g is None else tf.convert_to_tensor(g)
+        for v, g in zip(variables, grads)
+    }
+
+
+@st.composite
+def stacks(draw):
+    kind = draw(st.sampled_from(KINDS))
+    masked = draw(st.booleans())
+    initial_state = draw(st.booleans()) and not masked
+    return dict(
+        kind=kind,
+        num_layers=draw(st.integers(2, 5)),
+        units=draw(st.integers(1, 8)),
+        input_size=draw(st.integers(1, 6)),
+        last_return_sequences=draw(st.booleans()),
+        last_return_state=draw(st.booleans()),
+        go_backwards_first=draw(st.booleans()),
+        initial_state=initial_state,
+        masked=masked,
+        padding=draw(st.sampled_from(["right", "middle", "none"])),
+        mixed=draw(st.booleans()),
+        seed=draw(st.integers(0, 2**16)),
+    )
+
+
+@given(case=stacks())
+def test_optimized_stack_matches_original(case, emulated_cudnn):
+    if case["mixed"]:
+        keras.config.set_dtype_policy("mixed_float16")
+    try:
+        model = stack_model(
+            case["kind"],
+            case["num_layers"],
+            units=case["units"],
+            input_size=case["input_size"],
+            last_return_sequences=case["last_return_sequences"],
+            last_return_state=case["last_return_state"],
+            go_backwards_first=case["go_backwards_first"],
+            initial_state=case["initial_state"],
+            masked=case["masked"],
+        )
+    finally:
+        keras.config.set_dtype_policy("float32")
+    rng = np.random.default_rng(case["seed"])
+    for v in model.weights:  # non-trivial biases everywhere
+        v.assign(rng.uniform(-0.6, 0.6, v.shape).astype(v.dtype))
+    fast = rnnfuse.optimize(model)
+    fused = fused_layers(fast)
+    assert len(fused) == 1, rnnfuse.analyze(model)
+    assert fused[0].stack.num_levels == case["num_layers"]
+
+    inputs = random_inputs(model, 3, rng, padding=case["padding"])
+    loss_w = [rng.standard_normal(64).astype("float32") for _ in range(8)]
+    emulated_cudnn.clear()
+    expected, expected_grads = _outputs_and_grads(model, inputs, loss_w)
+    got, got_grads = _outputs_and_grads(fast, inputs, loss_w)
+
+    fused_path_expected = not (case["go_backwards_first"] and case["masked"])
+    assert bool(emulated_cudnn) == fused_path_expected, fused[0].last_path
+    tol = 2e-2 if case["mixed"] else 2e-5
+    assert max_abs_diff(got, expected) <= tol
+    assert got_grads.keys() == expected_grads.keys()
+    for path, g in expected_grads.items():
+        assert g is not None, path
+        diff = float(tf.reduce_max(tf.abs(tf.cast(got_grads[path], tf.float64) - tf.cast(g, tf.float64))))
+        assert diff <= (5e-2 if case["mixed"] else 1e-4), path
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("functional", [True, False])
+def test_sequential_and_functional_stacks_fuse_exactly(kind, functional, emulated_cudnn):
+    model = stack_model(kind, 3, functional=functional, head=True, masked=True)
+    fast = rnnfuse.optimize(model)
+    assert isinstance(fast, keras.Sequential) is (not functional)
+    assert len(fused_layers(fast)) == 1
+    inputs = random_inputs(model, 4, np.random.default_rng(3))
+    assert max_abs_diff(fast(inputs), model(inputs)) <= 2e-5
+    assert emulated_cudnn, "the fused path did not run"
+
+
+@pytest.mark.parametrize("kind", ["lstm", "gru"])
+def test_graph_mode_mask_switch_is_exact(kind, emulated_cudnn):
+    """In a tf.function the mask's values pick fused or original per call."""
+    model = stack_model(kind, 3, last_return_sequences=True, masked=True)
+    fast = rnnfuse.optimize(model)
+    step = tf.function(lambda x: fast(x))
+    rng = np.random.default_rng(4)
+    right = random_inputs(model, 3, rng, padding="right")
+    middle = random_inputs(model, 3, rng, padding="middle")
+    middle[0, 1] = 0  # at least one hole that is not right padding
+    assert max_abs_diff(step(right), model(right)) <= 2e-5
+    assert max_abs_diff(step(middle), model(middle)) <= 2e-5
+
+
+def test_input_dropout_of_first_layer_matches_keras_in_training(emulated_cudnn):
+    """Same mask draws from the first cell's seed generator as Keras."""
+    model = stack_model("gru", 2, dropout_first=0.4, last_return_sequences=True)
+    fast = rnnfuse.optimize(model)
+    x = random_inputs(model, 4, np.random.default_rng(5))
+    generator = model.layers[1].cell.seed_generator
+    state = generator.state.numpy()
+    expected = model(x, training=True)
+    generator.state.assign(state)
+    got = fast(x, training=True)
+    assert emulated_cudnn
+    assert max_abs_diff(got, expected) <= 2e-5
+    # Inference: no dropout, but the draw still advances the seed (as Keras).
+    before = generator.state.numpy().copy()
+    assert max_abs_diff(fast(x), model(x)) <= 2e-5
+    assert not np.array_equal(generator.state.numpy(), before)
