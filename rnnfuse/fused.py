@@ -129,6 +129,41 @@ class FusedRNN(keras.layers.Layer):
         """The levels and cells this layer runs."""
         return self._stack
 
+    def members(self) -> list:
+        """The run's layers in call order, absorbed Dropout layers in place.
+
+        (A method, not a property: Keras' saving walks properties.)
+        """
+        dropouts = dict(zip(self._dropout_after, self.absorbed_dropout))
+        out = []
+        for i, layer in enumerate(self.fused_layers):
+            out.append(layer)
+            if i in dropouts:
+                out.append(dropouts[i])
+        return out
+
+    @property
+    def uses_fused_kernel(self) -> bool:
+        """Whether calls here run the fused kernel (backend, device, dtype).
+
+        With a mask, the mask's values still decide per call.
+        """
+        return self._fallback_reason(None) is None
+
+    @property
+    def supports_jit(self) -> bool:
+        """False while the fused kernel may run: XLA cannot compile cuDNN ops.
+
+        Keras reads this (`model_supports_jit`) for `jit_compile="auto"`, as
+        it reads its own LSTM's. Where only the original layers can run (no
+        GPU, an unsupported dtype) it is what Keras says for those layers.
+        """
+        return self._supports_jit and not self.uses_fused_kernel
+
+    @supports_jit.setter
+    def supports_jit(self, value: bool) -> None:
+        self._supports_jit = bool(value)
+
     def build(self, sequences_shape, initial_state_shape=None):
         shape = sequences_shape
         for i, layer in enumerate(self.fused_layers):
@@ -181,6 +216,7 @@ class FusedRNN(keras.layers.Layer):
         if reason is not None:
             self.last_path = f"layers: {reason}"
             return self._call_layers(sequences, initial_state, mask, training)
+        self._check_not_xla()
         self.last_path = "fused"
         if mask is None:
             return self._call_fused(sequences, initial_state, None, training)
@@ -210,6 +246,18 @@ class FusedRNN(keras.layers.Layer):
         if mask is not None and self._views[0].go_backwards:
             return "a go_backwards first layer under a mask"
         return None
+
+    def _check_not_xla(self) -> None:
+        """A clear error where XLA would fail on the fused kernel later."""
+        in_xla = getattr(get_backend(), "in_xla_context", None)
+        if in_xla is not None and in_xla():
+            raise ValueError(
+                f"FusedRNN '{self.name}' runs cuDNN's fused RNN kernel here, "
+                "which XLA cannot compile, but it is being traced for XLA "
+                "(jit_compile=True). Fix: compile the model with "
+                "jit_compile='auto' or False (Keras then keeps this model "
+                "out of XLA, as it does for its own cuDNN LSTM)."
+            )
 
     def _call_layers(self, sequences, initial_state, mask, training, generic=False):
         """The original layers in sequence (exactly the original numbers)."""

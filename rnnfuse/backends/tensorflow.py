@@ -48,6 +48,7 @@ import tensorflow as tf
 from rnnfuse.backends.base import GATES, StackSpec
 
 __all__ = [
+    "in_xla_context",
     "is_available",
     "mask_is_supported",
     "pack_params",
@@ -137,6 +138,15 @@ def _states(
     given = list(given or [])
     given += [None] * (stack.num_pseudo_layers - len(given))
     return tf.stack([zeros if s is None else tf.cast(s, dtype) for s in given])
+
+
+def in_xla_context() -> bool:
+    """Whether the current trace is being compiled by XLA (jit_compile=True)."""
+    from tensorflow.python.ops import control_flow_util
+
+    return bool(
+        control_flow_util.GraphOrParentsInXlaContext(tf.compat.v1.get_default_graph())
+    )
 
 
 def cudnn_rnn(**kwargs):

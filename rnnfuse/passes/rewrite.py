@@ -42,6 +42,7 @@ import networkx as nx
 
 from rnnfuse.fused import FusedRNN
 from rnnfuse.passes.graph import is_graph_model
+from rnnfuse.persistence import as_optimized
 from rnnfuse.report import FusionGroup, FusionReport
 
 __all__ = ["FusionWarning", "rewrite_model"]
@@ -67,7 +68,9 @@ def rewrite_model(
     by_scope: dict[str, list[FusionGroup]] = collections.defaultdict(list)
     for group in report.groups:
         by_scope[group.scope].append(group)
-    return _Rewriter(by_scope).rewrite(model, scope="", force_new=True)
+    new = _Rewriter(by_scope).rewrite(model, scope="", force_new=True)
+    # Weight files in the original layout, registered classes (persistence.py).
+    return as_optimized(new)
 
 
 class _Rewriter:

@@ -1,0 +1,218 @@
+"""analyze/optimize at the public boundary: errors, sharing, no side effects."""
+
+from __future__ import annotations
+
+import keras
+import numpy as np
+import pytest
+
+import rnnfuse
+from builders import fused_layers, max_abs_diff, random_inputs, stack_model
+
+L = keras.layers
+
+
+# -- bad input ---------------------------------------------------------------
+
+
+@pytest.mark.parametrize("fn", [rnnfuse.analyze, rnnfuse.optimize])
+@pytest.mark.parametrize(
+    "bad, words",
+    [
+        (42, "builtins.int"),
+        ("model.keras", "load it first"),
+        (L.LSTM(3), "wrap the layer in a model"),
+    ],
+)
+def test_not_a_model_is_a_type_error_naming_the_type(fn, bad, words):
+    with pytest.raises(TypeError) as err:
+        fn(bad)
+    assert "expects a keras.Model; received" in str(err.value)
+    assert words in str(err.value)
+
+
+@pytest.mark.parametrize("fn", [rnnfuse.analyze, rnnfuse.optimize])
+def test_unbuilt_model_is_a_value_error_saying_how_to_build(fn):
+    model = keras.Sequential([L.LSTM(4, return_sequences=True), L.LSTM(4)])
+    with pytest.raises(ValueError, match="is not built.*keras.Input"):
+        fn(model)
+
+
+@pytest.mark.parametrize("bad", [0, -1, 1.5, True, "2"])
+def test_min_layers_must_be_a_positive_int(bad):
+    with pytest.raises(ValueError, match="min_layers must be a positive integer"):
+        rnnfuse.optimize(stack_model("lstm", 2), min_layers=bad)
+
+
+def test_fused_rnn_refuses_layers_that_do_not_stack():
+    a = L.LSTM(4, return_sequences=True)
+    b = L.GRU(4)
+    b(a(np.zeros((1, 3, 2), "float32")))
+    with pytest.raises(ValueError, match="cannot stack.*one kind of cell"):
+        rnnfuse.FusedRNN([a, b])
+    with pytest.raises(ValueError, match="needs at least one layer"):
+        rnnfuse.FusedRNN([])
+    with pytest.raises(ValueError, match="cannot fuse layer.*unroll"):
+        rnnfuse.FusedRNN([L.LSTM(4, unroll=True)])
+
+
+# -- the new model -------------------------------------------------------------
+
+
+def test_optimize_returns_new_model_with_same_interface_and_layers():
+    model = stack_model("lstm", 3, initial_state=True, last_return_state=True, head=True)
+    fast = rnnfuse.optimize(model)
+    assert fast is not model
+    assert len(fast.inputs) == len(model.inputs)
+    assert fast.output_names == model.output_names
+    (fused,) = fused_layers(fast)
+    assert [l.name for l in fused.fused_layers] == ["lstm_0", "lstm_1", "lstm_2"]
+    originals = {id(l) for l in model.layers}
+    for layer in fast.layers:
+        if not isinstance(layer, (rnnfuse.FusedRNN, L.InputLayer)):
+            assert id(layer) in originals
+    for layer in fused.fused_layers:
+        assert id(layer) in originals
+
+
+def test_output_names_stay_when_the_run_ends_at_a_model_output():
+    model = stack_model("gru", 3)
+    fast = rnnfuse.optimize(model)
+    assert fast.output_names == model.output_names == ["gru_2"]
+
+
+def test_variables_are_shared_not_copied():
+    model = stack_model("gru", 3, head=True)
+    fast = rnnfuse.optimize(model)
+    assert {id(v) for v in fast.weights} == {id(v) for v in model.weights}
+    assert len(fast.trainable_variables) == len(model.trainable_variables)
+
+
+def test_assigning_an_original_variable_changes_the_fused_output(emulated_cudnn):
+    model = stack_model("lstm", 3, last_return_sequences=True)
+    fast = rnnfuse.optimize(model)
+    x = random_inputs(model, 2, np.random.default_rng(0))
+    before = np.asarray(fast(x))
+    kernel = model.get_layer("lstm_1").cell.recurrent_kernel
+    kernel.assign(kernel.numpy() * 2.0)
+    after = np.asarray(fast(x))
+    assert emulated_cudnn, "the fused path did not run"
+    assert np.max(np.abs(after - before)) > 1e-3
+    assert max_abs_diff(after, model(x)) <= 2e-5
+
+
+def test_training_the_optimized_model_trains_the_original(emulated_cudnn, tmp_path):
+    model = stack_model("lstm", 2, head=True)
+    fast = rnnfuse.optimize(model)
+    fast.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
+    rng = np.random.default_rng(1)
+    x, y = random_inputs(model, 8, rng), rng.standard_normal((8, 3)).astype("float32")
+    before = [v.numpy().copy() for v in model.trainable_variables]
+    fast.fit(x, y, epochs=1, batch_size=8, verbose=0)
+    assert emulated_cudnn, "the fused path did not run"
+    changed = [not np.allclose(b, v.numpy()) for b, v in zip(before, model.trainable_variables)]
+    assert all(changed)
+    # The original's save() writes the trained weights as a plain Keras file.
+    path = tmp_path / "m.keras"
+    model.save(path)
+    loaded = keras.models.load_model(path)
+    for v, w in zip(model.weights, loaded.weights):
+        np.testing.assert_array_equal(v.numpy(), w.numpy())
+    assert not any(isinstance(l, rnnfuse.FusedRNN) for l in loaded._flatten_layers())
+
+
+def test_optimize_does_not_change_the_original_model():
+    model = stack_model("gru", 3, masked=True, head=True)
+    config = model.get_config()
+    layers = list(model.layers)
+    values = [v.numpy().copy() for v in model.weights]
+    x = random_inputs(model, 3, np.random.default_rng(2))
+    expected = np.asarray(model(x))
+    rnnfuse.optimize(model)
+    assert model.get_config() == config
+    assert model.layers == layers
+    for v, before in zip(model.weights, values):
+        np.testing.assert_array_equal(v.numpy(), before)
+    np.testing.assert_array_equal(np.asarray(model(x)), expected)
+    # analyzing again finds the same groups: the rewrite left no trace.
+    assert len(rnnfuse.analyze(model).groups) == 1
+
+
+def test_nested_models_are_rewritten_and_originals_kept():
+    inner = keras.Sequential(
+        [keras.Input((5, 3)), L.GRU(4, return_sequences=True), L.GRU(4, return_sequences=True)],
+        name="enc",
+    )
+    inp = keras.Input((5, 3))
+    out = L.Dense(2)(L.GRU(4)(inner(inp)))
+    model = keras.Model(inp, out)
+    fast = rnnfuse.optimize(model)
+    assert len(fused_layers(fast)) == 1
+    assert len(fused_layers(model)) == 0
+    assert not any(isinstance(l, rnnfuse.FusedRNN) for l in inner.layers)
+    x = random_inputs(model, 2, np.random.default_rng(3))
+    assert max_abs_diff(fast(x), model(x)) <= 1e-6
+
+
+def test_optimize_with_no_groups_still_returns_a_new_equal_model():
+    model = keras.Sequential([keras.Input((4, 2)), L.LSTM(3), L.Dense(1)])
+    fast = rnnfuse.optimize(model)
+    assert fast is not model
+    assert fast.layers == model.layers
+    x = np.ones((1, 4, 2), "float32")
+    np.testing.assert_array_equal(fast(x), model(x))
+
+
+def test_compile_arguments_are_carried_over():
+    model = stack_model("lstm", 2, head=True)
+    model.compile(optimizer="adam", loss="mse", metrics=["mae"])
+    fast = rnnfuse.optimize(model)
+    assert fast.compiled
+    assert fast.get_compile_config()["loss"] == "mse"
+
+
+# -- per-call decisions ----------------------------------------------------------
+
+
+def test_without_a_gpu_the_original_layers_run_exactly():
+    model = stack_model("lstm", 3, masked=True, last_return_sequences=True)
+    fast = rnnfuse.optimize(model)
+    x = random_inputs(model, 3, np.random.default_rng(4))
+    np.testing.assert_array_equal(np.asarray(fast(x)), np.asarray(model(x)))
+    (fused,) = fused_layers(fast)
+    assert fused.last_path == "layers: no GPU visible to the backend"
+
+
+def test_bfloat16_runs_the_original_layers(emulated_cudnn):
+    keras.config.set_dtype_policy("mixed_bfloat16")
+    model = stack_model("gru", 2)
+    keras.config.set_dtype_policy("float32")
+    fast = rnnfuse.optimize(model)
+    x = random_inputs(model, 2, np.random.default_rng(5))
+    np.testing.assert_array_equal(np.asarray(fast(x)), np.asarray(model(x)))
+    (fused,) = fused_layers(fast)
+    assert "bfloat16" in fused.last_path
+    assert not emulated_cudnn
+
+
+def test_mixed_float16_runs_the_fused_op_in_float16(emulated_cudnn):
+    keras.config.set_dtype_policy("mixed_float16")
+    model = stack_model("lstm", 2, last_return_sequences=True)
+    keras.config.set_dtype_policy("float32")
+    fast = rnnfuse.optimize(model)
+    x = random_inputs(model, 2, np.random.default_rng(6))
+    out = fast(x)
+    assert out.dtype == "float16"
+    assert emulated_cudnn[0]["params"].dtype.name == "float16"
+    assert emulated_cudnn[0]["input"].dtype.name == "float16"
+    assert max_abs_diff(out, model(x)) <= 1e-2
+
+
+def test_fused_rnn_config_round_trip():
+    model = stack_model("gru", 2)
+    (fused,) = fused_layers(rnnfuse.optimize(model))
+    clone = rnnfuse.FusedRNN.from_config(fused.get_config())
+    assert [type(l).__name__ for l in clone.fused_layers] == ["GRU", "GRU"]
+    assert clone.name == fused.name
+    out = clone(np.zeros((2, 7, 5), "float32"))
+    assert tuple(out.shape) == (2, 6)
