@@ -100,6 +100,13 @@ class FusedRNN(keras.layers.Layer):
                 "dropout_layers needs one entry per gap between layers "
                 f"({len(layers) - 1}); received {len(dropout_layers)}"
             )
+        rates = {None if d is None else float(d.rate) for d in dropout_layers}
+        if len(rates) > 1:
+            raise ValueError(
+                "FusedRNN: cuDNN applies one dropout rate between every pair "
+                "of layers; dropout_layers must be all None or all Dropout "
+                f"layers of one rate; received rates {sorted(rates, key=str)}"
+            )
         kwargs.setdefault("name", layers[-1].name)
         kwargs.setdefault("dtype", layers[0].dtype_policy)
         super().__init__(**kwargs)
@@ -312,8 +319,7 @@ class FusedRNN(keras.layers.Layer):
         """(rate, seed) of cuDNN's between-level dropout for this call."""
         if not training or not self.absorbed_dropout:
             return 0.0, (0, 0)
-        rates = {float(d.rate) for d in self.absorbed_dropout}
-        rate = rates.pop() if len(rates) == 1 else max(rates)
+        rate = float(self.absorbed_dropout[0].rate)
         seed = int(getattr(self.absorbed_dropout[0].seed_generator, "_initial_seed", 0) or 0)
         return rate, (seed % (2**31), (seed // (2**31)) % (2**31))
 

@@ -50,6 +50,7 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -150,29 +151,45 @@ class OptimizedSequential(_OriginalLayoutWeights, keras.Sequential):
     """A Sequential model made by `rnnfuse.optimize`; see `OptimizedModel`."""
 
 
-def as_optimized(model: keras.Model) -> keras.Model:
+def as_optimized(model: keras.Model, like: keras.Model | None = None) -> keras.Model:
     """`model` (a rewritten Sequential or Functional) as an Optimized* model.
 
     Builds an `OptimizedSequential` / `OptimizedModel` over the same layers
     and graph, with `model`'s name, trainable flag and compile() arguments.
-    Any other kind of model is returned as it is.
+    When `like` (the original model) was built under a `tf.distribute`
+    strategy and none is active now, the new model is made under that
+    strategy's scope, so `optimize` may be called outside it. Any other kind
+    of model is returned as it is.
     """
     if isinstance(model, (OptimizedModel, OptimizedSequential)):
         return model
-    if isinstance(model, keras.Sequential):
-        layers = list(model.layers)
-        first = model._layers[0] if model._layers else None
-        if isinstance(first, keras.layers.InputLayer):
-            layers.insert(0, _input_like(first.output, first))
-        new = OptimizedSequential(layers, name=model.name, trainable=model.trainable)
-    elif isinstance(model, Functional) and type(model) is Functional:
-        new = OptimizedModel(
-            model.input, model.output, name=model.name, trainable=model.trainable
-        )
-    else:
+    if not isinstance(model, keras.Sequential) and type(model) is not Functional:
         return model
-    _copy_compile(model, new)
+    with _strategy_scope(like):
+        if isinstance(model, keras.Sequential):
+            layers = list(model.layers)
+            first = model._layers[0] if model._layers else None
+            if isinstance(first, keras.layers.InputLayer):
+                layers.insert(0, _input_like(first.output, first))
+            new = OptimizedSequential(layers, name=model.name, trainable=model.trainable)
+        else:
+            new = OptimizedModel(
+                model.input, model.output, name=model.name, trainable=model.trainable
+            )
+        _copy_compile(model, new)
     return new
+
+
+def _strategy_scope(like: Any):
+    """The scope of `like`'s distribution strategy, if it has one and none is active."""
+    strategy = getattr(like, "_distribute_strategy", None)
+    if strategy is None or keras.backend.backend() != "tensorflow":
+        return contextlib.nullcontext()
+    import tensorflow as tf
+
+    if tf.distribute.has_strategy():
+        return contextlib.nullcontext()
+    return strategy.scope()
 
 
 def restore(model: keras.Model) -> keras.Model:

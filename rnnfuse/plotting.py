@@ -9,7 +9,9 @@ topological layers, and colours it with `analyze`'s verdicts:
 - each recurrent layer left alone: a red-bordered box whose last line is
   "not fused: <rule>" (the `Reason.rule`; `rnnfuse inspect` prints the text);
 - a subclassed sub-model rnnfuse cannot see into: a dark box;
-- every other layer: grey; model inputs and outputs: dashed white boxes.
+- every other layer: grey; model inputs and outputs: dashed white boxes;
+- arrows are the tensors between layers; a mask passed on is a dashed grey
+  arrow.
 
 It needs matplotlib (a test extra of rnnfuse, not a dependency) and draws
 on the Agg canvas directly, without pyplot, so it never changes the
@@ -141,7 +143,9 @@ def plot_layer_graph(
             va="center",
             fontsize=7,
             color=style.get("text", "black"),
-            zorder=3,
+            # Below the arrows: a box's outline is known only once it is
+            # drawn, and the arrows are clipped to it.
+            zorder=2,
             bbox=dict(
                 boxstyle="round,pad=0.35",
                 facecolor=style["fill"],
@@ -150,21 +154,23 @@ def plot_layer_graph(
                 linewidth=style.get("linewidth", 1.0),
             ),
         )
-    for src, dst in graph.edges():
+    for src, dst, role in graph.edges(data="role"):
+        mask = role == "mask"
         ax.annotate(
             "",
             xy=pos[dst],
             xytext=pos[src],
             arrowprops=dict(
                 arrowstyle="-|>",
-                color="#555555",
-                linewidth=0.8,
+                color="#aaaaaa" if mask else "#555555",
+                linestyle="dashed" if mask else "solid",
+                linewidth=0.7 if mask else 0.9,
                 shrinkA=2,
                 shrinkB=2,
                 patchA=boxes[src].get_bbox_patch(),
                 patchB=boxes[dst].get_bbox_patch(),
             ),
-            zorder=2,
+            zorder=3,
         )
 
     legend = [
@@ -174,10 +180,12 @@ def plot_layer_graph(
     if any(s["kind"] == "skipped" for s in styles.values()):
         legend.append(Patch(facecolor=_SKIPPED_FILL, edgecolor=_SKIPPED_EDGE, label="recurrent, not fused"))
     legend.append(Patch(facecolor=_OTHER, edgecolor="#999999", label="other layer"))
+    if any(role == "mask" for _, _, role in graph.edges(data="role")):
+        legend.append(Patch(facecolor="white", edgecolor="#aaaaaa", linestyle="dashed", label="mask (dashed arrow)"))
     fig.legend(handles=legend, loc="upper right", fontsize=7, frameon=False)
     fig.suptitle(
-        title or f"rnnfuse: '{report.model_name}': {len(report.groups)} fused group(s), "
-        f"{len(report.skipped)} recurrent layer(s) left alone",
+        title or f"rnnfuse: '{report.model_name}'\n{len(report.groups)} fused "
+        f"group(s), {len(report.skipped)} recurrent layer(s) left alone",
         fontsize=9,
         x=0.02,
         ha="left",
@@ -198,7 +206,14 @@ def _layout(graph: nx.DiGraph) -> tuple[dict, int, int]:
     pos = {}
     for row, nodes in enumerate(generations):
         offset = (width - len(nodes)) / 2
-        for col, key in enumerate(sorted(nodes, key=order.__getitem__)):
+
+        def placement(key):
+            # Below the first row: under the mean of the node's inputs,
+            # which keeps arrows short and rarely crossing.
+            xs = [pos[p][0] for p in graph.predecessors(key) if p in pos]
+            return (sum(xs) / len(xs) if xs else 0.0, order[key])
+
+        for col, key in enumerate(sorted(nodes, key=placement)):
             pos[key] = (offset + col, -row)
     return pos, len(generations), width
 

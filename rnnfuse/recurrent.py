@@ -140,6 +140,13 @@ def cell_kind(cell: Any) -> str | Reason:
             f"recurrent_dropout={cell.recurrent_dropout} draws a new mask "
             "inside the time loop, which cuDNN cannot do; set it to 0 to fuse",
         )
+    if getattr(cell, "dropout", 0) and getattr(cell, "implementation", 2) == 1:
+        return Reason(
+            "dropout_implementation",
+            f"dropout={cell.dropout} with implementation=1 applies a different "
+            "mask row to each gate in Keras' loop; cuDNN applies one input "
+            "mask (use the default implementation=2 to fuse)",
+        )
     if getattr(cell, "_rnnfuse_cell_kind", None):
         return cell._rnnfuse_cell_kind
     act = _activation_name(getattr(cell, "activation", None))
@@ -247,6 +254,14 @@ def _kinds_of(levels: tuple[tuple[Any, ...], ...]) -> str | Reason:
                 return kind
             kinds.add(kind)
             units.add((int(cell.units), int(getattr(cell, "proj_size", 0))))
+    for i, level in enumerate(levels[1:], start=1):
+        if getattr(level[0], "dropout", 0):
+            return Reason(
+                "dropout",
+                f"cell {i} of its StackedRNNCells has dropout="
+                f"{level[0].dropout}; input dropout can only be applied "
+                "before the first level of a fused call",
+            )
     if len(kinds) > 1:
         return Reason(
             "mixed_cells",

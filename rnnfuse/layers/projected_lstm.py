@@ -20,15 +20,21 @@ Two implementations of the same maths:
   all time steps (`x @ kernel + bias` over [T*B, F]), then a tight loop over
   time that runs only the recurrent GEMM, the gate maths and the projection.
   Variants (module switch, see `set_fast_path`; default from the environment
-  variable RNNFUSE_PROJECTED_LSTM_PATH, else "custom_xla"):
+  variable RNNFUSE_PROJECTED_LSTM_PATH, else "auto": "custom_xla" when a GPU
+  is visible, "custom" on the CPU, where XLA's compile time is not repaid):
 
   | variant        | loop                         | gradient                 |
   |----------------|------------------------------|--------------------------|
   | "custom_xla"   | tf.while_loop, XLA-compiled  | hand-written, XLA        |
   | "custom"       | tf.while_loop                | hand-written             |
-  | "while_xla"    | tf.while_loop, XLA-compiled  | TensorFlow autodiff      |
+  | "while_xla"    | tf.while_loop, XLA-compiled  | autodiff in XLA (*)      |
   | "while"        | tf.while_loop                | TensorFlow autodiff      |
   | "off"          | Keras' generic loop          | TensorFlow autodiff      |
+
+  (*) TensorFlow cannot differentiate a loop across an XLA function's
+  boundary, so "while_xla" differentiates a second run of the loop inside
+  XLA (one extra forward pass). When the whole train step is XLA-compiled
+  (Keras' `jit_compile`), every variant is compiled into it.
 
   The hand-written backward pass runs two GEMMs per step (dh @ P^T and
   dz @ R^T) and computes the weight gradients after the loop as two GEMMs
@@ -77,14 +83,14 @@ __all__ = [
     "set_fast_path",
 ]
 
-FAST_PATHS = ("custom_xla", "custom", "while_xla", "while", "off")
+FAST_PATHS = ("auto", "custom_xla", "custom", "while_xla", "while", "off")
 
 # Path name -> number of times a ProjectedLSTM call took it ("keras_loop" for
 # Keras' generic loop). Incremented when the call runs eagerly or is traced.
 PATH_COUNTS: collections.Counter = collections.Counter()
 
 _ENV_VAR = "RNNFUSE_PROJECTED_LSTM_PATH"
-_fast_path = "custom_xla"
+_fast_path = "auto"
 
 
 def _check_path(name: Any, where: str) -> str:
@@ -109,8 +115,17 @@ def set_fast_path(name: str) -> None:
     _fast_path = _check_path(name, "set_fast_path(name)")
 
 
-def get_fast_path() -> str:
-    """The ProjectedLSTM implementation new calls use (see `set_fast_path`)."""
+def get_fast_path(resolve: bool = False) -> str:
+    """The ProjectedLSTM implementation new calls use (see `set_fast_path`).
+
+    Args:
+        resolve: turn "auto" into the variant it means here ("custom_xla"
+            with a visible GPU, else "custom").
+    """
+    if resolve and _fast_path == "auto":
+        import tensorflow as tf
+
+        return "custom_xla" if tf.config.list_logical_devices("GPU") else "custom"
     return _fast_path
 
 
@@ -449,7 +464,7 @@ class ProjectedLSTM(keras.layers.RNN):
             self.last_path = f"keras_loop: {reason}"
             PATH_COUNTS["keras_loop"] += 1
             return super().inner_loop(sequences, initial_state, mask=mask, training=training)
-        variant = _fast_path
+        variant = get_fast_path(resolve=True)
         if variant.startswith("custom") and not _tanh_sigmoid(self.cell):
             variant = variant.replace("custom", "while")
         self.last_path = variant
@@ -667,7 +682,7 @@ def _fast_inner_loop(
         if zero_output_for_mask:
             shown = keep
         else:
-            shown = tf.cumsum(tf.cast(keep, tf.int32), axis=0) > 0
+            shown = keep
         outputs = tf.where(shown, hs, tf.zeros_like(hs))
     last_output = outputs[-1]
     if return_sequences:

@@ -75,7 +75,10 @@ def plan_fusion(
     views, reasons = _candidates(graph)
     chain, link_reasons, bridges = _links(graph, views, absorb_dropout)
     groups, in_group = [], set()
+    runs = []
     for run in _runs(chain, views, graph):
+        runs += _split_by_dropout(graph, run, bridges, link_reasons)
+    for run in runs:
         levels = sum(views[k].num_levels for k in run)
         if levels >= min_layers:
             groups.append(_group(graph, run, views, bridges))
@@ -196,6 +199,39 @@ def _runs(chain: nx.DiGraph, views: dict, graph: nx.DiGraph) -> list[list[str]]:
         runs.append(list(nx.topological_sort(chain.subgraph(component))))
     runs.sort(key=lambda run: order.get(run[0], 0))
     return runs
+
+
+def _gap_rate(graph, bridges, upper, lower) -> float | None:
+    via = bridges[(upper, lower)]
+    return float(graph.nodes[via[0]]["layer"].rate) if via else None
+
+
+def _split_by_dropout(graph, run, bridges, link_reasons) -> list[list[str]]:
+    """Splits `run` where the absorbed dropout between layers changes.
+
+    cuDNN applies one dropout rate between every pair of levels, so a run
+    whose gaps do not all carry a Dropout of the same rate (or all none)
+    is cut at the first gap that differs from the gaps before it.
+    """
+    pieces, current, rate = [], [run[0]], None
+    for upper, lower in zip(run, run[1:]):
+        gap = _gap_rate(graph, bridges, upper, lower)
+        if len(current) == 1:
+            rate = gap
+        if gap == rate:
+            current.append(lower)
+            continue
+        describe_gap = lambda r: "no Dropout" if r is None else f"Dropout({r})"
+        link_reasons[(upper, lower)] = Reason(
+            "dropout_between",
+            f"between '{upper}' and '{lower}' there is {describe_gap(gap)}, "
+            f"but the run before it has {describe_gap(rate)}; cuDNN applies "
+            "one dropout rate between every pair of layers",
+        )
+        pieces.append(current)
+        current, rate = [lower], None
+    pieces.append(current)
+    return pieces
 
 
 def _group(graph, run, views, bridges) -> FusionGroup:

@@ -70,7 +70,7 @@ def rewrite_model(
         by_scope[group.scope].append(group)
     new = _Rewriter(by_scope).rewrite(model, scope="", force_new=True)
     # Weight files in the original layout, registered classes (persistence.py).
-    return as_optimized(new)
+    return as_optimized(new, like=model)
 
 
 class _Rewriter:

@@ -1,0 +1,137 @@
+"""Printing, equivalence and timing helpers shared by the examples.
+
+Each example builds its model, then calls `report`, `check` and `timing`:
+
+    fast = report(model)                       # prints analyze(), returns optimize()
+    ok = check(model, fast, inputs)            # outputs match? prints PASS/FAIL
+    timing(model, fast, inputs, loss_fn=...)   # medians and ratio on this machine
+
+Everything here uses rnnfuse's public API only.
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import time
+
+os.environ.setdefault("KERAS_BACKEND", "tensorflow")
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+import keras  # noqa: E402
+import numpy as np  # noqa: E402
+import tensorflow as tf  # noqa: E402
+from rich.console import Console  # noqa: E402
+from rich.table import Table  # noqa: E402
+
+import rnnfuse  # noqa: E402
+
+console = Console(highlight=False)
+
+
+def report(model: keras.Model) -> keras.Model:
+    """Prints what rnnfuse fuses in `model` and returns the optimized model."""
+    result = rnnfuse.analyze(model)
+    console.rule(f"[bold]rnnfuse.analyze('{model.name}')")
+    fused, alone = result.tables()
+    console.print(fused)
+    if result.skipped:
+        console.print(alone)
+    return rnnfuse.optimize(model)
+
+
+def device() -> tuple[str, bool]:
+    """(where TensorFlow runs, whether that is a GPU)."""
+    gpus = tf.config.list_physical_devices("GPU")
+    if gpus:
+        name = tf.config.experimental.get_device_details(gpus[0]).get("device_name", "GPU")
+        return f"GPU ({name})", True
+    return f"CPU ({os.cpu_count()} cores, no GPU visible)", False
+
+
+def fused_paths(fast: keras.Model) -> dict[str, str]:
+    """Each FusedRNN layer -> the path its last call took."""
+    return {
+        layer.name: layer.last_path
+        for layer in fast._flatten_layers(include_self=False)
+        if isinstance(layer, rnnfuse.FusedRNN)
+    }
+
+
+def check(model: keras.Model, fast: keras.Model, inputs, tolerance: float = 1e-4) -> bool:
+    """Prints the max abs difference of the two models' outputs; True if within."""
+    expected = keras.tree.flatten(model(inputs, training=False))
+    actual = keras.tree.flatten(fast(inputs, training=False))
+    diff = max(
+        float(np.max(np.abs(np.asarray(a, np.float64) - np.asarray(b, np.float64))))
+        for a, b in zip(expected, actual)
+    )
+    console.rule("[bold]equivalence")
+    for name, path in fused_paths(fast).items():
+        console.print(f"{name}: {path}")
+    ok = len(expected) == len(actual) and diff <= tolerance
+    verdict = "[green]PASS" if ok else "[red]FAIL"
+    console.print(f"max abs diff of outputs, original vs optimized: {diff:.3g} (tolerance {tolerance:g}) {verdict}")
+    return ok
+
+
+def timing(model: keras.Model, fast: keras.Model, inputs, *, loss_fn=None, repeats: int = 7) -> dict:
+    """Times inference (and a training step when `loss_fn` is given).
+
+    `loss_fn(outputs) -> scalar` defines the training step: forward,
+    loss and gradients of every trainable variable (no optimizer update).
+    Returns {"inference": ratio, "train": ratio} (original / optimized).
+    """
+    where, on_gpu = device()
+    console.rule(f"[bold]timing on {where}")
+    table = Table()
+    for col in ("step", "original ms", "optimized ms", "speedup"):
+        table.add_column(col, justify="left" if col == "step" else "right")
+    ratios = {}
+    steps = {"inference": None}
+    if loss_fn is not None:
+        steps["train"] = loss_fn
+    for name, loss in steps.items():
+        a, b = _median_ms(_step(model, loss), _step(fast, loss), inputs, repeats)
+        ratios[name] = a / b
+        table.add_row(name, f"{a:.1f}", f"{b:.1f}", f"{a / b:.2f}x")
+    console.print(table)
+    if not on_gpu:
+        console.print(
+            "No GPU here: FusedRNN runs the original layers, so about 1.0x is "
+            "expected. On a CUDA GPU each group runs as one cuDNN call."
+        )
+    return ratios
+
+
+def _step(model: keras.Model, loss_fn):
+    variables = model.trainable_variables
+
+    @tf.function
+    def infer(x):
+        return keras.tree.flatten(model(x, training=False))[0]
+
+    @tf.function
+    def train(x):
+        with tf.GradientTape() as tape:
+            loss = loss_fn(model(x, training=True))
+        grads = tape.gradient(loss, variables)
+        return loss + tf.add_n([tf.reduce_sum(g) for g in grads if g is not None])
+
+    return infer if loss_fn is None else train
+
+
+def _median_ms(fn_a, fn_b, inputs, repeats: int) -> tuple[float, float]:
+    """Median milliseconds of each function, timed alternately."""
+    for fn in (fn_a, fn_b):
+        np.asarray(fn(inputs))  # trace and warm up
+    times = ([], [])
+    for i in range(repeats):
+        # Alternate which goes first so drift on a busy machine evens out.
+        order = (0, 1) if i % 2 == 0 else (1, 0)
+        for which in order:
+            fn = (fn_a, fn_b)[which]
+            start = time.perf_counter()
+            np.asarray(fn(inputs))  # .numpy() waits for the device
+            times[which].append(1000 * (time.perf_counter() - start))
+    return statistics.median(times[0]), statistics.median(times[1])
