@@ -6,6 +6,9 @@ Each example builds its model, then calls `report`, `check` and `timing`:
     ok = check(model, fast, inputs)            # outputs match? prints PASS/FAIL
     timing(model, fast, inputs, loss_fn=...)   # medians and ratio on this machine
 
+Every example takes `--quick`: time inference only, with fewer repeats (the
+tests use it; tracing a training step is the slow part on a CPU).
+
 Everything here uses rnnfuse's public API only.
 """
 
@@ -13,6 +16,7 @@ from __future__ import annotations
 
 import os
 import statistics
+import sys
 import time
 
 os.environ.setdefault("KERAS_BACKEND", "tensorflow")
@@ -89,7 +93,9 @@ def timing(model: keras.Model, fast: keras.Model, inputs, *, loss_fn=None, repea
         table.add_column(col, justify="left" if col == "step" else "right")
     ratios = {}
     steps = {"inference": None}
-    if loss_fn is not None:
+    if quick():
+        repeats = 3
+    elif loss_fn is not None:
         steps["train"] = loss_fn
     for name, loss in steps.items():
         a, b = _median_ms(_step(model, loss), _step(fast, loss), inputs, repeats)
@@ -102,6 +108,11 @@ def timing(model: keras.Model, fast: keras.Model, inputs, *, loss_fn=None, repea
             "expected. On a CUDA GPU each group runs as one cuDNN call."
         )
     return ratios
+
+
+def quick() -> bool:
+    """Whether the example was run with --quick."""
+    return "--quick" in sys.argv[1:]
 
 
 def _step(model: keras.Model, loss_fn):

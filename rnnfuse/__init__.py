@@ -2,7 +2,7 @@
 
     fast = rnnfuse.optimize(model)   # shares every variable with `model`
 
-Public API: `analyze`, `optimize`, `FusedRNN`, the report records
+Public API: `analyze`, `optimize`, `restore`, `FusedRNN`, the report records
 `FusionReport` and `FusionGroup`, `Reason`, and `FusionWarning`.
 
 Example:
@@ -20,6 +20,7 @@ __version__ = "0.1.0"
 from rnnfuse.api import analyze, optimize
 from rnnfuse.fused import FusedRNN
 from rnnfuse.passes.rewrite import FusionWarning
+from rnnfuse.persistence import restore
 from rnnfuse.reasons import Reason
 from rnnfuse.report import FusionGroup, FusionReport
 
@@ -31,4 +32,5 @@ __all__ = [
     "Reason",
     "analyze",
     "optimize",
+    "restore",
 ]

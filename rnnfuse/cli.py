@@ -478,7 +478,7 @@ def _import_module(spec: str, *, what: str):
             sys.modules.pop(name, None)
             raise CliError(
                 f"{what}: running '{spec}' failed: {type(err).__name__}: "
-                f"{_first_line(err)} (run with --debug for the traceback)"
+                f"{_first_line(err)}. Fix: correct that code (--debug shows the traceback)"
             ) from err
         return module
     if os.getcwd() not in sys.path and "" not in sys.path:
@@ -499,7 +499,7 @@ def _import_module(spec: str, *, what: str):
     except Exception as err:
         raise CliError(
             f"{what}: importing '{spec}' failed: {type(err).__name__}: "
-            f"{_first_line(err)} (run with --debug for the traceback)"
+            f"{_first_line(err)}. Fix: correct that code (--debug shows the traceback)"
         ) from err
 
 
@@ -533,13 +533,13 @@ def _call_function(source: str):
                 "function must take no required arguments"
             ) from err
         raise CliError(
-            f"calling {source}() failed: TypeError: {_first_line(err)} (run "
-            "with --debug for the traceback)"
+            f"calling {source}() failed: TypeError: {_first_line(err)}. Fix: "
+            "correct that code (--debug shows the traceback)"
         ) from err
     except Exception as err:
         raise CliError(
             f"calling {source}() failed: {type(err).__name__}: "
-            f"{_first_line(err)} (run with --debug for the traceback)"
+            f"{_first_line(err)}. Fix: correct that code (--debug shows the traceback)"
         ) from err
     if not isinstance(model, keras.Model):
         kind = f"{type(model).__module__}.{type(model).__qualname__}"
@@ -857,11 +857,11 @@ def _cmd_bench(args) -> int:
         mixed_precision=args.mixed_precision,
     )
     report = _analyze(model, args.min_layers)
-    fast = _optimize(model, args.min_layers)
     notes: list[str] = []
     inputs, described = random_inputs(
         model, batch=args.batch, steps=args.steps, rng=np.random.default_rng(0), notes=notes
     )
+    fast = _optimize(model, args.min_layers)
     device, on_gpu = _device()
     step_orig = _timed_step(model, args.train)
     step_fast = _timed_step(fast, args.train)
@@ -968,8 +968,8 @@ def _run_model(fn, inputs, command: str):
     except Exception as err:  # noqa: BLE001 - the user's model failed on our inputs
         raise CliError(
             f"{command}: running the model on random inputs failed: "
-            f"{type(err).__name__}: {_first_line(err)} (run with --debug for "
-            "the traceback)"
+            f"{type(err).__name__}: {_first_line(err)}. Fix: check that the "
+            "model runs on inputs of these shapes (--debug shows the traceback)"
         ) from err
 
 
@@ -1031,10 +1031,10 @@ def _cmd_check(args) -> int:
         mixed_precision=args.mixed_precision,
     )
     report = _analyze(model, args.min_layers)
-    fast = _optimize(model, args.min_layers)
     rng = np.random.default_rng(args.seed)
     notes: list[str] = []
     inputs, described = random_inputs(model, batch=args.batch, steps=args.steps, rng=rng, notes=notes)
+    fast = _optimize(model, args.min_layers)
     variables = list(model.trainable_variables)
     out_orig, grads_orig = _outputs_and_grads(model, inputs, variables, rng_seed=args.seed)
     out_fast, grads_fast = _outputs_and_grads(fast, inputs, variables, rng_seed=args.seed)
@@ -1113,8 +1113,8 @@ def _outputs_and_grads(model, inputs, variables, rng_seed: int):
     except Exception as err:  # noqa: BLE001 - the user's model failed on our inputs
         raise CliError(
             f"check: running the model on random inputs failed: "
-            f"{type(err).__name__}: {_first_line(err)} (run with --debug for "
-            "the traceback)"
+            f"{type(err).__name__}: {_first_line(err)}. Fix: check that the "
+            "model runs on inputs of these shapes (--debug shows the traceback)"
         ) from err
     outs = [t.numpy() for t in flat]
     grad_values = [

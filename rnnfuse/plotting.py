@@ -84,8 +84,8 @@ def plot_layer_graph(
     if not is_graph_model(model):
         raise ValueError(
             f"model '{getattr(model, 'name', model)}' is a subclassed model "
-            f"({type(model).__name__}); it has no layer graph to draw. Build it "
-            "as a Functional or Sequential model to draw it"
+            f"({type(model).__name__}); it has no layer graph to draw. Fix: "
+            "build it as a Functional or Sequential model"
         )
     if report is None:
         report = rnnfuse.analyze(model, min_layers=min_layers)

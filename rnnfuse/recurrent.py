@@ -36,6 +36,7 @@ Example:
 from __future__ import annotations
 
 import dataclasses
+import sys
 from typing import Any
 
 import keras
@@ -113,18 +114,24 @@ def is_recurrent(layer: Any) -> bool:
 
 def _activation_name(fn: Any) -> str | None:
     """'tanh', 'sigmoid' or 'relu' when `fn` is exactly that function."""
-    import tensorflow as tf  # TensorFlow is a hard dependency of rnnfuse.
-
     known = {
-        "tanh": (keras.activations.tanh, keras.ops.tanh, tf.tanh, tf.math.tanh),
-        "sigmoid": (
-            keras.activations.sigmoid,
-            keras.ops.sigmoid,
-            tf.sigmoid,
-            tf.math.sigmoid,
-        ),
-        "relu": (keras.activations.relu, keras.ops.relu, tf.nn.relu),
+        "tanh": [keras.activations.tanh, keras.ops.tanh],
+        "sigmoid": [keras.activations.sigmoid, keras.ops.sigmoid],
+        "relu": [keras.activations.relu, keras.ops.relu],
     }
+    # A framework's own function can only be `fn` if that framework is
+    # loaded: look in sys.modules instead of importing it (the torch backend
+    # runs without TensorFlow).
+    tf = sys.modules.get("tensorflow")
+    if tf is not None:
+        known["tanh"] += [tf.tanh, tf.math.tanh]
+        known["sigmoid"] += [tf.sigmoid, tf.math.sigmoid]
+        known["relu"] += [tf.nn.relu]
+    torch = sys.modules.get("torch")
+    if torch is not None:
+        known["tanh"] += [torch.tanh]
+        known["sigmoid"] += [torch.sigmoid]
+        known["relu"] += [torch.relu]
     for name, fns in known.items():
         if any(fn is f for f in fns):
             return name
@@ -380,6 +387,11 @@ def keras_runs_cudnn(view: RecurrentView) -> bool:
     `SimpleRNN`) on cuDNN when their arguments allow it and a GPU is
     visible. On that path padded time steps of a returned sequence are
     zeros; on the generic loop they follow `zero_output_for_mask`.
+
+    Keras' torch backend (3.15) runs LSTM/GRU on cuDNN only without a mask:
+    with one, `backend.lstm/gru` raise NotImplementedError and the generic
+    loop runs, so under torch padded steps always follow
+    `zero_output_for_mask` (False here).
     """
     layers = (
         (view.layer.forward_layer, view.layer.backward_layer)

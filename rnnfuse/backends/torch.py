@@ -66,6 +66,8 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
+import warnings
 from typing import Any, Sequence
 
 import keras
@@ -221,6 +223,23 @@ def _reverse_within_lengths(x: torch.Tensor, lengths: torch.Tensor) -> torch.Ten
     return torch.gather(x, 1, index.unsqueeze(-1).expand_as(x))
 
 
+@contextlib.contextmanager
+def _quiet_projection_warning(stack: StackSpec, x: torch.Tensor):
+    """Hides PyTorch's once-per-process note that oneDNN has no LSTMP.
+
+    On the CPU PyTorch runs projected LSTMs with its own native kernel and
+    says so with a UserWarning; that is the intended path here.
+    """
+    if not stack.proj_size or x.device.type != "cpu":
+        yield
+        return
+    with warnings.catch_warnings():
+        warnings.filterwarnings(
+            "ignore", message="LSTM with projections is not supported with oneDNN"
+        )
+        yield
+
+
 def torch_rnn(mode: str, *args):
     """`torch._VF.<mode>(*args)`; one module-level name so tests can spy on it."""
     return getattr(torch._VF, mode)(*args)
@@ -281,7 +300,8 @@ def run_stack(
         x = torch.flip(x, [1]) if lengths is None else _reverse_within_lengths(x, lengths)
 
     if lengths is None:
-        result = torch_rnn(stack.kind, x, hx, params, *flags, True)  # batch_first
+        with _quiet_projection_warning(stack, x):
+            result = torch_rnn(stack.kind, x, hx, params, *flags, True)  # batch_first
         outputs = result[0]
         final = result[1:]
     else:
@@ -292,9 +312,10 @@ def run_stack(
         hx_sorted = (
             tuple(s.index_select(1, order) for s in hx) if lstm else hx.index_select(1, order)
         )
-        result = torch_rnn(
-            stack.kind, packed.data, packed.batch_sizes, hx_sorted, params, *flags
-        )
+        with _quiet_projection_warning(stack, x):
+            result = torch_rnn(
+                stack.kind, packed.data, packed.batch_sizes, hx_sorted, params, *flags
+            )
         out = rnn_utils.PackedSequence(result[0], packed.batch_sizes, order, restore)
         outputs, _ = rnn_utils.pad_packed_sequence(out, batch_first=True, total_length=steps)
         final = tuple(s.index_select(1, restore) for s in result[1:])

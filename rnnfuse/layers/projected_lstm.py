@@ -682,7 +682,7 @@ def _fast_inner_loop(
         if zero_output_for_mask:
             shown = keep
         else:
-            shown = keep
+            shown = tf.cumsum(tf.cast(keep, tf.int32), axis=0) > 0
         outputs = tf.where(shown, hs, tf.zeros_like(hs))
     last_output = outputs[-1]
     if return_sequences:

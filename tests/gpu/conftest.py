@@ -3,12 +3,21 @@
 Run on the lent H200 as ../shared/gpu/README.md says, for example:
 
     bash .gpu/bin/tf-setup.sh && source .gpu/bin/tf-env.sh && python3 -m pytest -q tests/gpu
+
+RNNFUSE_GPU_DRYRUN=1 runs them on the CPU with the emulated CudnnRNNV3
+(tests/cudnn_reference.py), to check the tests themselves before spending
+GPU time; tests marked `real_gpu_only` (they inspect real kernels) are
+deselected then. A dry run proves nothing about cuDNN.
 """
 
 from __future__ import annotations
 
+import os
+
 import keras
 import pytest
+
+DRYRUN = bool(os.environ.get("RNNFUSE_GPU_DRYRUN"))
 
 
 def _gpu_visible() -> bool:
@@ -25,12 +34,27 @@ def _gpu_visible() -> bool:
 
 
 def pytest_collection_modifyitems(config, items):
+    if DRYRUN:
+        items[:] = [i for i in items if "real_gpu_only" not in i.keywords]
+        return
     if _gpu_visible():
         return
     skip = pytest.mark.skip(reason="needs a GPU visible to the Keras backend")
     for item in items:
         if "tests/gpu/" in str(item.fspath).replace("\\", "/"):
             item.add_marker(skip)
+
+
+@pytest.fixture(autouse=True)
+def _dryrun_emulation(monkeypatch):
+    if DRYRUN and keras.backend.backend() == "tensorflow":
+        from cudnn_reference import emulated_cudnn_rnn
+
+        from rnnfuse.backends import tensorflow as tf_backend
+
+        monkeypatch.setattr(tf_backend, "cudnn_rnn", emulated_cudnn_rnn)
+        monkeypatch.setattr(tf_backend, "is_available", lambda: True)
+    yield
 
 
 @pytest.fixture(autouse=True)

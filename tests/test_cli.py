@@ -1,0 +1,418 @@
+"""The `rnnfuse` command line: each command's output and exit codes.
+
+Most tests call `rnnfuse.cli.main(argv)` in this process (TensorFlow loads
+once); two run the installed console script and `python -m rnnfuse` as
+subprocesses. Every error case must exit 2 with exactly one line on stderr
+and no traceback.
+"""
+
+from __future__ import annotations
+
+import builtins
+import json
+import os
+import re
+import subprocess
+import sys
+import zipfile
+
+import keras
+import numpy as np
+import pytest
+
+import rnnfuse
+from rnnfuse import cli
+
+# A small module of model-building functions, loaded as module:function.
+MODELS = '''
+import keras
+
+def stack():
+    """Two LSTMs that fuse, then one of another width that does not."""
+    inp = keras.Input((8, 3), name="x")
+    x = keras.layers.LSTM(4, return_sequences=True, name="lstm_a")(inp)
+    x = keras.layers.LSTM(4, return_sequences=True, name="lstm_b")(x)
+    x = keras.layers.LSTM(6, name="lstm_wide")(x)
+    return keras.Model(inp, keras.layers.Dense(2, name="head")(x), name="stack")
+
+def fusable():
+    return keras.Sequential([
+        keras.Input((6, 3), name="x"),
+        keras.layers.LSTM(4, return_sequences=True, name="lstm_a"),
+        keras.layers.LSTM(4, name="lstm_b"),
+        keras.layers.Dense(2, name="head"),
+    ], name="fusable")
+
+def text():
+    tokens = keras.Input((None,), dtype="int32", name="tokens")
+    x = keras.layers.Embedding(7, 3, mask_zero=True, name="embed")(tokens)
+    x = keras.layers.GRU(4, return_sequences=True, name="gru_a")(x)
+    x = keras.layers.GRU(4, name="gru_b")(x)
+    return keras.Model(tokens, x, name="text")
+
+def open_features():
+    inp = keras.Input((5, None), name="x")
+    return keras.Model(inp, keras.layers.Activation("tanh")(inp))
+
+class Sub(keras.Model):
+    def __init__(self):
+        super().__init__()
+        self.a = keras.layers.LSTM(4, return_sequences=True)
+        self.b = keras.layers.LSTM(4)
+    def call(self, x):
+        return self.b(self.a(x))
+
+def subclassed():
+    model = Sub()
+    model(keras.ops.zeros((1, 5, 3)))
+    return model
+
+def not_a_model():
+    return [1, 2]
+
+def unbuilt():
+    return keras.Sequential([keras.layers.LSTM(4)])
+
+def boom():
+    return 1 / 0
+
+def needs_arg(units):
+    return None
+'''
+
+CUSTOM = '''
+import keras
+
+@keras.saving.register_keras_serializable(package="rnnfuse_cli_test")
+class Scale(keras.layers.Layer):
+    def call(self, x):
+        return 2.0 * x
+'''
+
+# TensorFlow's C++ start-up log lines (they go to fd 2 before rnnfuse runs).
+_TF_LOG = re.compile(
+    r"^(WARNING: All log messages before absl::InitializeLog\(\)"
+    r"|[IWEF]\d{4} \d\d:\d\d:\d\d\.\d+\s+\d+ \S+:\d+\])"
+)
+
+
+@pytest.fixture(scope="module")
+def workdir(tmp_path_factory):
+    """A folder with models.py, custom_layers.py and saved model files."""
+    path = tmp_path_factory.mktemp("cli")
+    (path / "models.py").write_text(MODELS)
+    (path / "custom_layers.py").write_text(CUSTOM)
+    sys.path.insert(0, str(path))
+    import models
+
+    models.stack().save(path / "stack.keras")
+    models.fusable().save(path / "fusable.keras")
+
+    import custom_layers
+
+    custom = keras.Sequential(
+        [keras.Input((4, 3)), keras.layers.LSTM(4, return_sequences=True), custom_layers.Scale()]
+    )
+    custom.save(path / "custom.keras")
+    lam = keras.Sequential([keras.Input((4, 3)), keras.layers.Lambda(lambda x: x * 2)])
+    lam.save(path / "lambda.keras")
+    _unregister_custom_layers()
+    sys.path.remove(str(path))
+    for name in ("models", "custom_layers"):
+        sys.modules.pop(name, None)
+    return path
+
+
+@pytest.fixture
+def in_workdir(workdir, monkeypatch):
+    monkeypatch.chdir(workdir)
+    monkeypatch.syspath_prepend(str(workdir))
+    yield workdir
+    for name in ("models", "custom_layers"):
+        sys.modules.pop(name, None)
+    _unregister_custom_layers()
+
+
+def _unregister_custom_layers():
+    objects = keras.saving.get_custom_objects()
+    for name in [n for n in objects if n.startswith("rnnfuse_cli_test>")]:
+        del objects[name]
+
+
+def _run(capsys, *argv):
+    code = cli.main([str(a) for a in argv])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+# -- inspect -------------------------------------------------------------------
+
+
+def test_inspect_prints_groups_and_reasons(in_workdir, capsys):
+    code, out, err = _run(capsys, "inspect", "stack.keras")
+    assert code == 0, err
+    model = keras.saving.load_model(in_workdir / "stack.keras")
+    report = rnnfuse.analyze(model)
+    for group in report.groups:
+        assert " -> ".join(group.layers) in out
+    for name, reason in report.skipped.items():
+        assert name in out and reason.rule in out
+    assert f"{len(report.groups)} group(s) fuse" in out
+
+
+def test_inspect_json_is_the_report(in_workdir, capsys):
+    code, out, err = _run(capsys, "inspect", "models.py:stack", "--json")
+    assert code == 0, err
+    data = json.loads(out)
+    import models
+
+    assert data == json.loads(json.dumps(rnnfuse.analyze(models.stack()).to_dict()))
+    assert data["groups"][0]["layers"] == ["lstm_a", "lstm_b"]
+    assert data["skipped"]["lstm_wide"]["rule"] == "units"
+
+
+def test_inspect_module_function_and_min_layers(in_workdir, capsys):
+    code, out, err = _run(capsys, "inspect", "models:fusable", "--min-layers", "3", "--json")
+    assert code == 0, err
+    data = json.loads(out)
+    assert data["groups"] == []
+    assert {v["rule"] for v in data["skipped"].values()} == {"min_layers"}
+
+
+def test_inspect_plot_writes_an_image(in_workdir, capsys, tmp_path):
+    target = tmp_path / "graph.png"
+    code, out, err = _run(capsys, "inspect", "stack.keras", "--plot", target)
+    assert code == 0, err
+    data = target.read_bytes()
+    assert len(data) > 1000 and data.startswith(b"\x89PNG")
+    assert str(target) in out
+
+
+def test_plot_marks_groups_and_skipped_layers():
+    from rnnfuse.plotting import _styles, plot_layer_graph
+    from rnnfuse.passes import build_layer_graph
+
+    inp = keras.Input((5, 3))
+    x = keras.layers.GRU(4, return_sequences=True, name="g1")(inp)
+    x = keras.layers.GRU(4, return_sequences=True, name="g2")(x)
+    x = keras.layers.SimpleRNN(4, activation="sigmoid", name="odd")(x)
+    model = keras.Model(inp, x)
+    report = rnnfuse.analyze(model)
+    styles = _styles(build_layer_graph(model), report)
+    assert styles["g1"]["kind"] == styles["g2"]["kind"] == "fused"
+    assert styles["odd"]["kind"] == "skipped"
+    assert report.skipped["odd"].rule in styles["odd"]["label"]
+    fig = plot_layer_graph(model, report=report)
+    assert any("group 0" in t.get_text() for t in fig.axes[0].texts)
+
+
+# -- check ---------------------------------------------------------------------
+
+
+def test_check_passes_through_the_fused_path(in_workdir, capsys, emulated_cudnn):
+    code, out, err = _run(capsys, "check", "stack.keras", "--json")
+    assert code == 0, err
+    result = json.loads(out)
+    assert emulated_cudnn, "the fused path did not run"
+    assert result["passed"] is True
+    assert set(result["fused_paths"].values()) == {"fused"}
+    assert result["outputs_max_abs_diff"] <= result["tolerance"]
+    assert result["gradients_max_abs_diff"] <= result["tolerance"]
+    assert result["gradients_max_abs"] > 0  # the gradients are not all zero
+    code, out, err = _run(capsys, "check", "stack.keras")
+    assert code == 0 and "PASS" in out and "lstm_b: fused" in out
+
+
+def test_check_fails_above_the_tolerance(in_workdir, capsys, emulated_cudnn, monkeypatch):
+    from rnnfuse.backends import tensorflow as tf_backend
+
+    exact = tf_backend.cudnn_rnn
+
+    def off_by_a_little(**kwargs):
+        out, h, c, reserve, host = exact(**kwargs)
+        return out + 1e-3, h + 1e-3, c, reserve, host
+
+    monkeypatch.setattr(tf_backend, "cudnn_rnn", off_by_a_little)
+    code, out, err = _run(capsys, "check", "stack.keras")
+    assert code == 1, err
+    assert "FAIL" in out
+    code, out, err = _run(capsys, "check", "stack.keras", "--tolerance", "1e-2")
+    assert code == 0 and "PASS" in out
+
+
+def test_check_on_cpu_runs_the_original_layers(in_workdir, capsys):
+    code, out, err = _run(capsys, "check", "models:text", "--steps", "6", "--json")
+    assert code == 0, err
+    result = json.loads(out)
+    assert result["outputs_max_abs_diff"] == 0.0
+    assert result["gradients_max_abs_diff"] == 0.0
+    assert "right-padded" in result["inputs"][0] and "[4, 6]" in result["inputs"][0]
+
+
+def test_random_inputs_follow_shapes_and_embeddings(in_workdir):
+    import models
+
+    model = models.text()
+    notes = []
+    tokens, described = cli.random_inputs(model, batch=5, steps=7, rng=np.random.default_rng(3), notes=notes)
+    tokens = np.asarray(tokens)
+    assert tokens.shape == (5, 7) and tokens.dtype == np.int32
+    vocab = model.get_layer("embed").input_dim
+    assert tokens.min() >= 0 and tokens.max() < vocab
+    for row in tokens:
+        length = int(np.count_nonzero(row))
+        assert length >= 1 and np.all(row[:length] > 0) and np.all(row[length:] == 0)
+    fixed = models.stack()
+    x, _ = cli.random_inputs(fixed, batch=2, steps=3, rng=np.random.default_rng(0), notes=notes)
+    assert np.asarray(x).shape == (2, 8, 3)  # the model's own time dimension
+    assert any("--steps 3" in n for n in notes)
+
+
+# -- bench ---------------------------------------------------------------------
+
+
+def test_bench_prints_device_medians_and_ratio(in_workdir, capsys):
+    code, out, err = _run(
+        capsys, "bench", "fusable.keras", "--batch", "2", "--repeats", "2", "--warmup", "1"
+    )
+    assert code == 0, err
+    assert "device:" in out and "median" in out and "speedup" in out
+    assert re.search(r"speedup .*: \d+\.\d\dx", out)
+    import tensorflow as tf
+
+    if not tf.config.list_physical_devices("GPU"):
+        assert "no GPU" in out and "1.0x" in out
+
+
+def test_bench_json_train_and_mixed_precision(in_workdir, capsys):
+    code, out, err = _run(
+        capsys, "bench", "models:text", "--batch", "2", "--steps", "5", "--repeats", "3",
+        "--warmup", "1", "--train", "--mixed-precision", "--json",
+    )
+    assert code == 0, err
+    result = json.loads(out)
+    assert result["mode"] == "train" and result["compute_dtype"] == "float16"
+    assert len(result["original_ms"]) == len(result["optimized_ms"]) == 3
+    assert result["speedup"] == pytest.approx(result["original_median_ms"] / result["optimized_median_ms"])
+
+
+def test_mixed_precision_rebuilds_a_saved_model(in_workdir):
+    model = cli.load_model("fusable.keras", mixed_precision=True)
+    assert {l.dtype_policy.name for l in model.layers} == {"mixed_float16"}
+    original = keras.saving.load_model(in_workdir / "fusable.keras")
+    for a, b in zip(model.weights, original.weights):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+# -- errors: exit 2, one line, no traceback --------------------------------------
+
+
+def _bad_files(path):
+    (path / "text.keras").write_text("not a model")
+    with zipfile.ZipFile(path / "nozip.keras", "w") as z:
+        z.writestr("readme.txt", "no config here")
+    (path / "saved").mkdir(exist_ok=True)
+    (path / "saved" / "saved_model.pb").write_bytes(b"")
+    (path / "w.weights.h5").write_bytes(b"\x89HDF\r\n\x1a\n")
+
+
+ERRORS = [
+    (["inspect", "missing.keras"], "no such file"),
+    (["inspect", "text.keras"], "not a Keras model file"),
+    (["inspect", "nozip.keras"], "no config.json"),
+    (["inspect", "saved"], "SavedModel"),
+    (["inspect", "w.weights.h5"], "weights only"),
+    (["inspect", "custom.keras"], "custom object 'Scale'"),
+    (["inspect", "lambda.keras"], "--unsafe"),
+    (["inspect", "nosuchmodule:build"], "cannot import module 'nosuchmodule'"),
+    (["inspect", "models:nothere"], "no function 'nothere'"),
+    (["inspect", "models:not_a_model"], "not a keras.Model"),
+    (["inspect", "models:unbuilt"], "not built"),
+    (["inspect", "models:boom"], "ZeroDivisionError"),
+    (["inspect", "models:needs_arg"], "no required arguments"),
+    (["inspect", "nothing-here"], "neither an existing file nor module:function"),
+    (["inspect", "models:subclassed", "--plot", "x.png"], "subclassed"),
+    (["inspect", "stack.keras", "--min-layers", "0"], "--min-layers"),
+    (["inspect", "stack.keras", "--frobnicate"], "unrecognized arguments"),
+    (["inspect"], "MODEL"),
+    ([], "choose a command"),
+    (["bench", "models:text", "--batch", "x"], "--batch"),
+    (["bench", "models:text"], "pass --steps"),
+    (["check", "stack.keras", "--tolerance", "-1"], "--tolerance"),
+    (["check", "models:open_features"], "open dimension"),
+    (["check", "models:subclassed"], "input shapes"),
+]
+
+
+@pytest.mark.parametrize("argv, expected", ERRORS, ids=[" ".join(a) or "none" for a, _ in ERRORS])
+def test_errors_are_one_line_exit_2(in_workdir, capsys, argv, expected):
+    _bad_files(in_workdir)
+    code, out, err = _run(capsys, *argv)
+    assert code == 2
+    lines = err.strip().splitlines()
+    assert len(lines) == 1, err
+    assert lines[0].startswith("rnnfuse: error: ")
+    assert expected in lines[0]
+    assert "Traceback" not in err
+    assert "Fix:" in lines[0] or "--help" in lines[0]
+
+
+def test_unreadable_file(in_workdir, capsys, monkeypatch):
+    real_open = builtins.open
+
+    def guarded(file, *args, **kwargs):
+        if str(file).endswith("stack.keras"):
+            raise PermissionError(13, "Permission denied", str(file))
+        return real_open(file, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "open", guarded)
+    code, out, err = _run(capsys, "inspect", "stack.keras")
+    assert code == 2 and len(err.strip().splitlines()) == 1
+    assert "cannot read 'stack.keras': Permission denied" in err
+
+
+def test_fixes_in_the_messages_work(in_workdir, capsys):
+    code, out, err = _run(capsys, "inspect", "custom.keras", "--import", "custom_layers.py", "--json")
+    assert code == 0, err
+    assert json.loads(out)["skipped"]["lstm"]["rule"] == "not_stacked"
+    code, out, err = _run(capsys, "inspect", "lambda.keras", "--unsafe", "--json")
+    assert code == 0, err
+
+
+def test_debug_shows_the_traceback(in_workdir, capsys):
+    code, out, err = _run(capsys, "inspect", "models:boom", "--debug")
+    assert code == 2
+    assert "Traceback" in err and "ZeroDivisionError" in err and "in boom" in err
+    assert err.strip().splitlines()[-1].startswith("rnnfuse: error: ")
+
+
+def test_unexpected_errors_exit_3(in_workdir, capsys, monkeypatch):
+    monkeypatch.setattr(cli, "_analyze", lambda model, n: {}["boom"])
+    code, out, err = _run(capsys, "inspect", "stack.keras")
+    assert code == 3
+    assert len(err.strip().splitlines()) == 1 and "KeyError" in err and "--debug" in err
+
+
+# -- installed entry points (subprocesses) -----------------------------------------
+
+
+def test_console_script_and_module_entry_points(workdir):
+    env = dict(os.environ, KERAS_BACKEND="tensorflow", TF_CPP_MIN_LOG_LEVEL="2")
+    script = os.path.join(os.path.dirname(sys.executable), "rnnfuse")
+    assert os.path.exists(script), "the rnnfuse console script is not installed next to python"
+    runs = [
+        subprocess.Popen(
+            cmd, cwd=workdir, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+        )
+        for cmd in (
+            [script, "inspect", "missing.keras"],
+            [sys.executable, "-m", "rnnfuse", "inspect", "stack.keras", "--json"],
+        )
+    ]
+    (err_out, err_err), (json_out, json_err) = (p.communicate(timeout=300) for p in runs)
+    ours = [l for l in err_err.splitlines() if l.strip() and not _TF_LOG.match(l)]
+    assert runs[0].returncode == 2, err_err
+    assert ours == [l for l in ours if l.startswith("rnnfuse: error: ")] and len(ours) == 1, err_err
+    assert "Traceback" not in err_err
+    assert runs[1].returncode == 0, json_err
+    assert json.loads(json_out)["groups"][0]["layers"] == ["lstm_a", "lstm_b"]

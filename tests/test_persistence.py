@@ -1,0 +1,236 @@
+"""Saving and loading optimized models (rnnfuse/persistence.py).
+
+- `.keras` round trip: same outputs, same fused structure, fused path runs.
+- `rnnfuse.restore`: a plain model of the original layers, current weights,
+  loadable (and its SavedModel servable) in a process without rnnfuse.
+- weight files: interchangeable between the original and the optimized
+  model in both directions, on a model whose naive fused layout differs.
+- `export()`: a SavedModel that serves the same numbers.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import h5py
+import keras
+import numpy as np
+import pytest
+from builders import fused_layers, max_abs_diff, random_inputs, stack_model
+
+import rnnfuse
+from rnnfuse.persistence import OptimizedModel, OptimizedSequential
+
+L = keras.layers
+
+
+def _interleaved_model() -> keras.Model:
+    """[lstm, lstm, dense, lstm]: fusing the first two shifts Keras' names.
+
+    The original's weights file names the last LSTM ``layers/lstm_2``; in the
+    optimized model's own layer list it would be ``layers/lstm``.
+    """
+    inp = keras.Input((5, 3))
+    x = L.LSTM(4, return_sequences=True)(inp)
+    x = L.LSTM(4, return_sequences=True)(x)
+    x = L.Dense(4)(x)
+    x = L.LSTM(4)(x)
+    return keras.Model(inp, L.Dense(2)(x))
+
+
+def _h5_paths(path) -> set[str]:
+    with h5py.File(path) as f:
+        names = []
+        f.visit(names.append)
+    return {n for n in names if "/vars/" in n}
+
+
+def _values(model) -> list[np.ndarray]:
+    return [v.numpy().copy() for v in model.weights]
+
+
+def _perturb(model, seed: int) -> None:
+    rng = np.random.default_rng(seed)
+    for v in model.weights:
+        v.assign(rng.standard_normal(v.shape).astype(v.dtype))
+
+
+# -- .keras ------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("functional", [True, False], ids=["functional", "sequential"])
+def test_keras_file_round_trip_keeps_outputs_and_fused_structure(
+    emulated_cudnn, tmp_path, functional
+):
+    model = stack_model("gru", 3, masked=True, head=True, functional=functional)
+    fast = rnnfuse.optimize(model)
+    assert isinstance(fast, OptimizedModel if functional else OptimizedSequential)
+    x = random_inputs(model, 4, np.random.default_rng(0))
+    expected = np.asarray(fast(x))
+    path = tmp_path / "fast.keras"
+    fast.save(path)
+    loaded = keras.models.load_model(path)
+    assert type(loaded) is type(fast)
+    assert [type(l).__name__ for l in loaded.layers] == [type(l).__name__ for l in fast.layers]
+    (fused,) = fused_layers(loaded)
+    assert [l.name for l in fused.fused_layers] == [
+        l.name for l in fused_layers(fast)[0].fused_layers
+    ]
+    calls = len(emulated_cudnn)
+    np.testing.assert_allclose(np.asarray(loaded(x)), expected, atol=1e-6)
+    assert len(emulated_cudnn) > calls and fused.last_path == "fused"
+    if functional:
+        assert loaded.output_names == model.output_names
+
+
+def test_keras_file_keeps_the_compile_state(tmp_path):
+    model = stack_model("lstm", 2, head=True)
+    fast = rnnfuse.optimize(model)
+    fast.compile(optimizer="adam", loss="mse", metrics=["mae"])
+    fast.save(tmp_path / "c.keras")
+    loaded = keras.models.load_model(tmp_path / "c.keras")
+    assert loaded.compiled and loaded.get_compile_config()["loss"] == "mse"
+
+
+# -- restore -------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("functional", [True, False], ids=["functional", "sequential"])
+def test_restore_gives_the_original_layers_with_current_weights(functional):
+    model = stack_model("lstm", 3, head=True, functional=functional)
+    inner = keras.Sequential([keras.Input((7, 5)), model], name="outer")
+    fast = rnnfuse.optimize(inner)
+    _perturb(fast, 1)  # "training": the shared variables change
+    plain = rnnfuse.restore(fast)
+    assert type(plain).__module__.startswith("keras.")
+    assert not fused_layers(plain)
+    assert "rnnfuse" not in json.dumps(plain.get_config())
+    restored_inner = plain.layers[0]
+    assert restored_inner is not model  # a rebuilt sub-model...
+    real = lambda m: [l for l in m.layers if not isinstance(l, L.InputLayer)]  # noqa: E731
+    assert real(restored_inner) == real(model)  # ...of the very same layers
+    assert {id(v) for v in plain.weights} == {id(v) for v in model.weights}
+    x = random_inputs(model, 3, np.random.default_rng(2))
+    assert max_abs_diff(plain(x), model(x)) == 0.0
+
+
+def test_restore_puts_absorbed_dropout_and_initial_state_back():
+    inp = keras.Input((6, 3))
+    h, c = keras.Input((4,)), keras.Input((4,))
+    x = L.LSTM(4, return_sequences=True)(inp, initial_state=[h, c])
+    x = L.Dropout(0.25, seed=3)(x)
+    out = L.LSTM(4)(x)
+    model = keras.Model([inp, h, c], out)
+    fast = rnnfuse.optimize(model)
+    assert fused_layers(fast) and fused_layers(fast)[0].absorbed_dropout
+    plain = rnnfuse.restore(fast)
+    assert [type(l).__name__ for l in plain.layers] == [type(l).__name__ for l in model.layers]
+    rng = np.random.default_rng(4)
+    args = [rng.standard_normal(s).astype("float32") for s in [(2, 6, 3), (2, 4), (2, 4)]]
+    assert max_abs_diff(plain(args), model(args)) == 0.0
+
+
+def test_restore_rejects_what_it_cannot_rebuild():
+    with pytest.raises(TypeError, match="expects a Sequential or Functional"):
+        rnnfuse.restore(L.LSTM(3))
+
+
+_NO_RNNFUSE = textwrap.dedent(
+    """
+    import os, sys
+    os.environ.setdefault("KERAS_BACKEND", "tensorflow")
+    import keras, numpy as np, tensorflow as tf
+    keras_path, saved_path, x_path = sys.argv[1:4]
+    x = np.load(x_path)
+    model = keras.models.load_model(keras_path)
+    served = tf.saved_model.load(saved_path)
+    assert "rnnfuse" not in sys.modules, "rnnfuse was imported"
+    np.save(x_path + ".keras.npy", np.asarray(model(x)))
+    np.save(x_path + ".saved.npy", np.asarray(served.serve(x)))
+    """
+)
+
+
+def test_restored_model_and_export_load_without_rnnfuse(tmp_path):
+    model = stack_model("gru", 2, head=True)
+    fast = rnnfuse.optimize(model)
+    _perturb(fast, 5)
+    x = random_inputs(model, 3, np.random.default_rng(6))
+    expected = np.asarray(fast(x))
+    rnnfuse.restore(fast).save(tmp_path / "plain.keras")
+    fast.export(str(tmp_path / "saved"), verbose=False)
+    np.save(tmp_path / "x.npy", x)
+    script = tmp_path / "load.py"
+    script.write_text(_NO_RNNFUSE)
+    env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3"}
+    env.pop("PYTHONPATH", None)
+    proc = subprocess.run(
+        [sys.executable, str(script), str(tmp_path / "plain.keras"),
+         str(tmp_path / "saved"), str(tmp_path / "x.npy")],
+        capture_output=True, text=True, timeout=240, env=env, cwd=str(tmp_path),
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    np.testing.assert_allclose(np.load(tmp_path / "x.npy.keras.npy"), expected, atol=1e-6)
+    np.testing.assert_allclose(np.load(tmp_path / "x.npy.saved.npy"), expected, atol=1e-6)
+
+
+# -- weight files ----------------------------------------------------------------
+
+
+def test_weights_file_of_the_optimized_model_has_the_original_layout(tmp_path):
+    model = _interleaved_model()
+    fast = rnnfuse.optimize(model)
+    assert len(fused_layers(fast)) == 1
+    model.save_weights(tmp_path / "orig.weights.h5")
+    fast.save_weights(tmp_path / "fast.weights.h5")
+    paths = _h5_paths(tmp_path / "orig.weights.h5")
+    assert "layers/lstm_2/cell/vars/0" in paths
+    assert _h5_paths(tmp_path / "fast.weights.h5") == paths
+
+
+@pytest.mark.parametrize("direction", ["original_to_optimized", "optimized_to_original"])
+def test_weights_files_are_interchangeable(tmp_path, direction):
+    source_model, target_model = _interleaved_model(), _interleaved_model()
+    source = source_model if direction == "original_to_optimized" else rnnfuse.optimize(source_model)
+    target = rnnfuse.optimize(target_model) if direction == "original_to_optimized" else target_model
+    _perturb(source_model, 7)
+    path = tmp_path / "w.weights.h5"
+    source.save_weights(path)
+    target.load_weights(path)
+    for a, b in zip(source_model.weights, target_model.weights):
+        np.testing.assert_array_equal(a.numpy(), b.numpy())
+    x = np.random.default_rng(8).standard_normal((2, 5, 3)).astype("float32")
+    assert max_abs_diff(target(x), source(x)) <= 1e-6
+
+
+def test_load_weights_reads_both_kinds_of_keras_archive(tmp_path):
+    model = _interleaved_model()
+    fast = rnnfuse.optimize(model)
+    _perturb(model, 9)
+    expected = _values(model)
+    model.save(tmp_path / "orig.keras")
+    fast.save(tmp_path / "fast.keras")
+    for archive in ("orig.keras", "fast.keras"):
+        _perturb(model, 10)
+        fast.load_weights(tmp_path / archive)
+        for v, e in zip(model.weights, expected):
+            np.testing.assert_array_equal(v.numpy(), e)
+
+
+# -- export --------------------------------------------------------------------
+
+
+def test_export_traced_here_serves_the_same_outputs(emulated_cudnn, tmp_path):
+    import tensorflow as tf
+
+    model = stack_model("rnn_tanh", 2, units=3, input_size=2, steps=3, head=True)
+    fast = rnnfuse.optimize(model)
+    x = random_inputs(model, 3, np.random.default_rng(12))
+    fast.export(str(tmp_path / "saved"), verbose=False)
+    assert emulated_cudnn, "the export did not trace the fused path"
+    served = tf.saved_model.load(str(tmp_path / "saved"))
+    np.testing.assert_allclose(np.asarray(served.serve(x)), np.asarray(model(x)), atol=2e-5)

@@ -1,0 +1,68 @@
+"""Tests of the PyTorch backend: collected only under KERAS_BACKEND=torch.
+
+Run them with (torch==2.13.0, the CPU build, in the venv):
+
+    KERAS_BACKEND=torch .venv/bin/python -m pytest -q tests/torch
+
+Under any other Keras backend the files here are not collected at all (they
+import torch, which a TensorFlow-only environment need not have).
+
+On the CPU these tests run the real fused kernels (PyTorch's CPU
+implementations of `torch._VF.lstm/gru/rnn_*`), not an emulation.
+"""
+
+from __future__ import annotations
+
+import keras
+import pytest
+
+if keras.backend.backend() != "torch":
+    collect_ignore_glob = ["test_*.py"]
+
+
+@pytest.fixture
+def torch_calls(monkeypatch):
+    """Records every `torch._VF` call the torch backend makes.
+
+    Yields a list of dicts (mode, packed, params, num_layers, dropout, train,
+    bidirectional); the calls still run.
+    """
+    import torch
+
+    from rnnfuse.backends import torch as torch_backend
+
+    calls = []
+    real = torch_backend.torch_rnn
+
+    def spy(mode, *args):
+        # Padded: (x, hx, params, has_biases, layers, dropout, train, bidir,
+        # batch_first); packed: (data, batch_sizes, hx, params, ...bidir).
+        packed = isinstance(args[1], torch.Tensor) and args[1].dtype == torch.int64
+        rest = args[2:] if packed else args[1:]
+        calls.append(
+            dict(
+                mode=mode,
+                packed=packed,
+                params=rest[1],
+                num_layers=rest[3],
+                dropout=rest[4],
+                train=rest[5],
+                bidirectional=rest[6],
+            )
+        )
+        return real(mode, *args)
+
+    monkeypatch.setattr(torch_backend, "torch_rnn", spy)
+    yield calls
+
+
+def pytest_collection_modifyitems(config, items):
+    # Keras' torch convert_to_numpy calls np.array(tensor); NumPy 2 warns
+    # that torch's __array__ takes no `copy`. Not ours; keep the output clean.
+    here = "tests/torch/"
+    quiet = pytest.mark.filterwarnings(
+        "ignore:__array__ implementation doesn't accept a copy keyword:DeprecationWarning"
+    )
+    for item in items:
+        if here in str(item.fspath).replace("\\", "/"):
+            item.add_marker(quiet)

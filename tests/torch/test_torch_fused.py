@@ -1,0 +1,360 @@
+"""optimize(model) under Keras' torch backend: the real fused kernels on the CPU.
+
+Every test compares the optimized model with the original one (Keras' own
+torch-backend layers), outputs and gradients, and checks through the
+`torch_calls` spy whether the one fused `torch._VF` call ran (or did not).
+"""
+
+from __future__ import annotations
+
+import keras
+import numpy as np
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+import rnnfuse
+from builders import KINDS, fused_layers, max_abs_diff, random_inputs, rnn_layer, stack_model
+from rnnfuse.backends import torch as torch_backend
+
+L = keras.layers
+
+
+def _randomize(model, rng):
+    for v in model.weights:
+        v.assign(rng.uniform(-0.6, 0.6, v.shape).astype(v.dtype))
+
+
+def _outputs_and_grads(model, inputs, loss_w):
+    variables = list(model.trainable_variables)
+    out = model(inputs, training=False)
+    flat = [t.float() for t in keras.tree.flatten(out)]
+    loss = sum((t * w[: t.shape[-1]]).sum() for t, w in zip(flat, loss_w))
+    grads = torch.autograd.grad(loss, [v.value for v in variables], allow_unused=True)
+    return out, {v.path: g for v, g in zip(variables, grads)}
+
+
+def _compare(model, fast, inputs, rng, *, tol, grad_tol):
+    loss_w = [torch.as_tensor(rng.standard_normal(64).astype("float32")) for _ in range(8)]
+    expected, expected_grads = _outputs_and_grads(model, inputs, loss_w)
+    got, got_grads = _outputs_and_grads(fast, inputs, loss_w)
+    shapes = lambda s: keras.tree.map_structure(lambda t: tuple(t.shape), s)  # noqa: E731
+    assert shapes(got) == shapes(expected)
+    assert max_abs_diff(got, expected) <= tol
+    assert got_grads.keys() == expected_grads.keys()
+    for path, g in expected_grads.items():
+        assert g is not None and got_grads[path] is not None, path
+        diff = float((got_grads[path].double() - g.double()).abs().max())
+        assert diff <= grad_tol, (path, diff)
+
+
+@st.composite
+def stacks(draw):
+    kind = draw(st.sampled_from(KINDS))
+    masked = draw(st.booleans())
+    return dict(
+        kind=kind,
+        num_layers=draw(st.integers(2, 4)),
+        units=draw(st.integers(1, 8)),
+        input_size=draw(st.integers(1, 6)),
+        last_return_sequences=draw(st.booleans()),
+        last_return_state=draw(st.booleans()),
+        go_backwards_first=draw(st.booleans()),
+        initial_state=draw(st.booleans()) and not masked,
+        masked=masked,
+        padding=draw(st.sampled_from(["right", "middle", "none"])),
+        seed=draw(st.integers(0, 2**16)),
+    )
+
+
+@given(case=stacks())
+def test_optimized_stack_matches_original(case, torch_calls):
+    model = stack_model(
+        case["kind"],
+        case["num_layers"],
+        units=case["units"],
+        input_size=case["input_size"],
+        last_return_sequences=case["last_return_sequences"],
+        last_return_state=case["last_return_state"],
+        go_backwards_first=case["go_backwards_first"],
+        initial_state=case["initial_state"],
+        masked=case["masked"],
+    )
+    rng = np.random.default_rng(case["seed"])
+    _randomize(model, rng)
+    fast = rnnfuse.optimize(model)
+    (fused,) = fused_layers(fast)
+    assert fused.stack.num_levels == case["num_layers"]
+    inputs = random_inputs(model, 3, rng, padding=case["padding"])
+    torch_calls.clear()
+    _compare(model, fast, inputs, rng, tol=2e-5, grad_tol=1e-4)
+
+    masked = case["masked"]
+    mask = (inputs != 0) if masked else None
+    right_padded = mask is None or bool(torch_backend.mask_is_supported(mask))
+    fused_ran = not (case["go_backwards_first"] and masked) and right_padded
+    assert bool(torch_calls) == fused_ran, fused.last_path
+    if fused_ran:
+        assert len(torch_calls) == 1
+        assert torch_calls[0]["num_layers"] == case["num_layers"]
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("functional", [True, False])
+def test_sequential_and_functional_masked_stacks(kind, functional, torch_calls):
+    model = stack_model(kind, 3, functional=functional, head=True, masked=True)
+    fast = rnnfuse.optimize(model)
+    assert isinstance(fast, keras.Sequential) is (not functional)
+    assert len(fused_layers(fast)) == 1
+    rng = np.random.default_rng(3)
+    inputs = random_inputs(model, 4, rng)
+    inputs[0, 2:] = 0  # at least one padded sequence
+    torch_calls.clear()
+    _compare(model, fast, inputs, rng, tol=2e-5, grad_tol=1e-4)
+    assert [c["packed"] for c in torch_calls] == [True]
+
+
+@pytest.mark.parametrize("kind", ["lstm", "gru"])
+def test_padded_steps_repeat_the_last_output_like_keras_torch(kind):
+    """Keras' torch backend runs masked LSTM/GRU on its generic loop.
+
+    With zero_output_for_mask=False that loop repeats the last valid output
+    at padded steps (Keras' TensorFlow cuDNN path would give zeros); the
+    fused layer must do what Keras does under the backend it runs on.
+    """
+    model = stack_model(kind, 2, last_return_sequences=True, masked=True)
+    fast = rnnfuse.optimize(model)
+    tokens = np.array([[3, 4, 5, 0, 0, 0, 0], [1, 2, 3, 4, 5, 6, 7]], "int32")
+    got = keras.ops.convert_to_numpy(fast(tokens))
+    expected = keras.ops.convert_to_numpy(model(tokens))
+    np.testing.assert_allclose(got, expected, atol=2e-6)
+    np.testing.assert_allclose(got[0, 3:], np.repeat(got[0, 2:3], 4, axis=0), atol=0)
+    assert np.abs(got[0, 3:]).max() > 0
+
+
+def test_zero_output_for_mask_gives_zeros_at_padded_steps(torch_calls):
+    inp = keras.Input((6,), dtype="int32")
+    x = L.Embedding(11, 4, mask_zero=True)(inp)
+    x = L.RNN(L.GRUCell(5), return_sequences=True)(x)
+    x = L.RNN(L.GRUCell(5), return_sequences=True, zero_output_for_mask=True)(x)
+    model = keras.Model(inp, x)
+    fast = rnnfuse.optimize(model)
+    tokens = np.array([[3, 4, 0, 0, 0, 0], [1, 2, 3, 4, 5, 6]], "int32")
+    got = keras.ops.convert_to_numpy(fast(tokens))
+    assert torch_calls
+    np.testing.assert_allclose(got, keras.ops.convert_to_numpy(model(tokens)), atol=2e-6)
+    assert not got[0, 2:].any()
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_masks_that_are_not_right_padded_run_the_original_layers(kind, torch_calls):
+    model = stack_model(kind, 3, last_return_sequences=True, masked=True)
+    fast = rnnfuse.optimize(model)
+    tokens = random_inputs(model, 3, np.random.default_rng(4), padding="middle")
+    tokens[0, 1] = 0  # a hole that is not right padding
+    torch_calls.clear()
+    assert max_abs_diff(fast(tokens), model(tokens)) == 0.0
+    assert not torch_calls
+
+
+@pytest.mark.parametrize("kind", ["lstm", "rnn_tanh"])
+def test_go_backwards_first_layer(kind, torch_calls):
+    model = stack_model(kind, 3, go_backwards_first=True, last_return_sequences=True)
+    rng = np.random.default_rng(2)
+    _randomize(model, rng)
+    fast = rnnfuse.optimize(model)
+    x = random_inputs(model, 3, rng)
+    torch_calls.clear()
+    _compare(model, fast, x, rng, tol=2e-5, grad_tol=1e-4)
+    assert len(torch_calls) == 1
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_initial_state_and_return_state(kind, torch_calls):
+    model = stack_model(kind, 3, initial_state=True, last_return_state=True, last_return_sequences=True)
+    rng = np.random.default_rng(6)
+    _randomize(model, rng)
+    fast = rnnfuse.optimize(model)
+    inputs = random_inputs(model, 3, rng)
+    torch_calls.clear()
+    _compare(model, fast, inputs, rng, tol=2e-5, grad_tol=1e-4)
+    assert len(torch_calls) == 1
+    assert len(fast(inputs)) == 1 + (2 if kind == "lstm" else 1)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("merge_mode", ["concat", "sum", None])
+@pytest.mark.parametrize("masked", [False, True])
+def test_bidirectional_stacks(kind, merge_mode, masked, torch_calls):
+    if masked:
+        inp = keras.Input((7,), dtype="int32")
+        x = L.Embedding(11, 5, mask_zero=True)(inp)
+    else:
+        inp = keras.Input((7, 5))
+        x = inp
+    for i in range(3):
+        last = i == 2
+        layer = rnn_layer(kind, 4, return_sequences=True, return_state=last)
+        x = L.Bidirectional(layer, merge_mode=merge_mode if last else "concat")(x)
+    model = keras.Model(inp, x)
+    rng = np.random.default_rng(9)
+    _randomize(model, rng)
+    fast = rnnfuse.optimize(model)
+    inputs = random_inputs(model, 3, rng)
+    if masked:
+        inputs[0, 3:] = 0
+    torch_calls.clear()
+    _compare(model, fast, inputs, rng, tol=2e-5, grad_tol=1e-4)
+    assert len(torch_calls) == 1
+    assert torch_calls[0]["bidirectional"] and torch_calls[0]["num_layers"] == 3
+
+
+@pytest.mark.parametrize("policy, tol", [("mixed_bfloat16", 6e-2), ("mixed_float16", 1e-2)])
+@pytest.mark.parametrize("kind", ["lstm", "gru"])
+def test_mixed_precision_runs_fused_in_the_compute_dtype(policy, tol, kind, torch_calls):
+    keras.config.set_dtype_policy(policy)
+    try:
+        model = stack_model(kind, 3, last_return_sequences=True, last_return_state=True, masked=True)
+    finally:
+        keras.config.set_dtype_policy("float32")
+    rng = np.random.default_rng(12)
+    fast = rnnfuse.optimize(model)
+    inputs = random_inputs(model, 3, rng)
+    torch_calls.clear()
+    _compare(model, fast, inputs, rng, tol=tol, grad_tol=10 * tol)
+    compute = getattr(torch, policy.split("_")[1])
+    assert {p.dtype for p in torch_calls[0]["params"]} == {compute}
+    out = fast(inputs)
+    assert {t.dtype for t in keras.tree.flatten(out)} == {compute}
+    assert all(v.value.dtype == torch.float32 for v in model.trainable_variables)
+
+
+def test_without_the_backend_the_original_layers_run_exactly(monkeypatch, torch_calls):
+    monkeypatch.setattr(torch_backend, "is_available", lambda: False)
+    model = stack_model("lstm", 3, masked=True, head=True)
+    fast = rnnfuse.optimize(model)
+    x = random_inputs(model, 3, np.random.default_rng(0))
+    assert max_abs_diff(fast(x), model(x)) == 0.0
+    assert not torch_calls
+    assert fused_layers(fast)[0].last_path.startswith("layers:")
+
+
+def test_unsupported_dtype_runs_the_original_layers(torch_calls):
+    model = stack_model("gru", 2, dtype="float64")
+    fast = rnnfuse.optimize(model)
+    (fused,) = fused_layers(fast)
+    x = random_inputs(model, 2, np.random.default_rng(0)).astype("float64")
+    assert max_abs_diff(fast(x), model(x)) <= 1e-12
+    assert len(torch_calls) == 1 and torch_calls[0]["params"][0].dtype == torch.float64
+    assert torch_backend.unsupported_reason(fused.stack, "int8") is not None
+
+
+def test_assigning_an_original_variable_changes_the_fused_output(torch_calls):
+    model = stack_model("lstm", 3, last_return_sequences=True)
+    fast = rnnfuse.optimize(model)
+    x = random_inputs(model, 2, np.random.default_rng(0))
+    before = keras.ops.convert_to_numpy(fast(x))
+    kernel = model.get_layer("lstm_1").cell.recurrent_kernel
+    kernel.assign(keras.ops.convert_to_numpy(kernel.value.detach()) * 2.0)
+    after = keras.ops.convert_to_numpy(fast(x))
+    assert torch_calls
+    assert np.max(np.abs(after - before)) > 1e-3
+    assert max_abs_diff(after, model(x)) <= 2e-5
+
+
+def _snapshot(model):
+    return [keras.ops.convert_to_numpy(v.value.detach()).copy() for v in model.trainable_variables]
+
+
+def _restore(model, values):
+    for v, value in zip(model.trainable_variables, values):
+        v.assign(value)
+
+
+@pytest.mark.parametrize("kind", ["lstm", "gru"])
+def test_fit_on_the_optimized_model_trains_the_original_like_fit_on_it(kind, torch_calls, tmp_path):
+    model = stack_model(kind, 3, head=True, masked=True)
+    fast = rnnfuse.optimize(model)
+    rng = np.random.default_rng(1)
+    x = random_inputs(model, 8, rng)
+    y = rng.standard_normal((8, 3)).astype("float32")
+    start = _snapshot(model)
+    trained = []
+    for m in (model, fast):
+        _restore(model, start)
+        m.compile(optimizer=keras.optimizers.SGD(0.5), loss="mse")
+        m.fit(x, y, epochs=2, batch_size=4, verbose=0, shuffle=False)
+        trained.append(_snapshot(model))
+    assert torch_calls, "the fused path did not run"
+    for a, b, s in zip(*trained, start):
+        assert np.abs(a - s).max() > 1e-4
+        np.testing.assert_allclose(b, a, atol=1e-5)
+    path = tmp_path / "m.keras"
+    model.save(path)
+    loaded = keras.models.load_model(path)
+    assert max_abs_diff(loaded(x), model(x)) <= 1e-6
+
+
+def test_absorbed_dropout_goes_to_the_fused_call_when_training(torch_calls):
+    inp = keras.Input((6, 3))
+    x = L.LSTM(5, return_sequences=True)(inp)
+    x = L.Dropout(0.25)(x)
+    x = L.LSTM(5, return_sequences=True)(x)
+    model = keras.Model(inp, x)
+    fast = rnnfuse.optimize(model)
+    (fused,) = fused_layers(fast)
+    assert fused.absorbed_dropout
+    data = np.random.default_rng(0).standard_normal((2, 6, 3)).astype("float32")
+    assert max_abs_diff(fast(data, training=False), model(data, training=False)) <= 2e-6
+    assert torch_calls[-1]["dropout"] == 0.0
+    fast(data, training=True)
+    assert torch_calls[-1]["dropout"] == 0.25 and torch_calls[-1]["train"]
+
+
+def test_input_dropout_of_first_layer_matches_keras_in_training(torch_calls):
+    model = stack_model("gru", 2, dropout_first=0.4, last_return_sequences=True)
+    fast = rnnfuse.optimize(model)
+    x = random_inputs(model, 4, np.random.default_rng(5))
+    # Keras' torch backend draws an unseeded layer's dropout mask from
+    # PyTorch's global RNG (a seeded one from the cell's seed generator).
+    generator = model.layers[1].cell.seed_generator
+    state = keras.ops.convert_to_numpy(generator.state.value).copy()
+    torch.manual_seed(7)
+    expected = model(x, training=True)
+    generator.state.assign(state)
+    torch.manual_seed(7)
+    got = fast(x, training=True)
+    assert torch_calls
+    assert max_abs_diff(got, expected) <= 2e-5
+    torch.manual_seed(8)
+    assert max_abs_diff(fast(x, training=True), expected) > 1e-3  # a new mask
+    assert max_abs_diff(fast(x, training=False), model(x, training=False)) <= 2e-5
+
+
+@pytest.mark.parametrize("kind", ["lstm", "gru", "rnn_relu"])
+def test_rnn_of_cells_and_stacked_cells(kind, torch_calls):
+    cell = {"lstm": L.LSTMCell, "gru": L.GRUCell, "rnn_relu": L.SimpleRNNCell}[kind]
+    kwargs = {"activation": "relu"} if kind == "rnn_relu" else {}
+    inp = keras.Input((6, 3))
+    x = L.RNN(L.StackedRNNCells([cell(4, **kwargs), cell(4, **kwargs)]), return_sequences=True)(inp)
+    x = L.RNN(cell(4, **kwargs), return_sequences=True)(x)
+    model = keras.Model(inp, x)
+    rng = np.random.default_rng(3)
+    _randomize(model, rng)
+    fast = rnnfuse.optimize(model)
+    x = random_inputs(model, 3, rng)
+    torch_calls.clear()
+    _compare(model, fast, x, rng, tol=2e-5, grad_tol=1e-4)
+    assert len(torch_calls) == 1 and torch_calls[0]["num_layers"] == 3
+
+
+def test_analyze_reports_groups_and_reasons_under_torch():
+    inp = keras.Input((6, 3))
+    x = L.LSTM(4, return_sequences=True)(inp)
+    x = L.LSTM(4, return_sequences=True)(x)
+    x = L.LSTM(4, return_sequences=True, recurrent_dropout=0.2)(x)
+    report = rnnfuse.analyze(keras.Model(inp, x))
+    assert len(report.groups) == 1
+    assert len(report.groups[0].layers) == 2
+    assert any("recurrent_dropout" in str(r) for r in report.skipped.values())
