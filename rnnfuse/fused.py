@@ -44,6 +44,7 @@ from rnnfuse.backends import StackSpec, get_backend
 from rnnfuse.reasons import Reason
 from rnnfuse.recurrent import describe, keras_runs_cudnn
 from rnnfuse.passes.rules import stack_link_reason
+from rnnfuse.tuning.algorithms import Algorithm
 
 __all__ = ["FusedRNN"]
 
@@ -58,6 +59,10 @@ class FusedRNN(keras.layers.Layer):
         dropout_layers: optional, one entry per gap between layers: a
             `keras.layers.Dropout` the fused call absorbs as cuDNN's
             between-layer dropout, or None.
+        algorithm: optional cuDNN algorithm name for the fused forward
+            kernel ("standard", "persistent_static", "persistent_dynamic",
+            each optionally with "+tc" for tensor ops); None keeps
+            TensorFlow's default. See `rnnfuse.tuning.algorithms`.
         **kwargs: Keras layer arguments. `name` defaults to the last layer's
             name (so model output names do not change), `dtype` to the
             first layer's dtype policy.
@@ -77,7 +82,7 @@ class FusedRNN(keras.layers.Layer):
             be stacked, naming the rule.
     """
 
-    def __init__(self, layers, dropout_layers=None, **kwargs):
+    def __init__(self, layers, dropout_layers=None, algorithm=None, **kwargs):
         layers = list(layers)
         if not layers:
             raise ValueError("FusedRNN needs at least one layer; received [].")
@@ -107,6 +112,7 @@ class FusedRNN(keras.layers.Layer):
                 "of layers; dropout_layers must be all None or all Dropout "
                 f"layers of one rate; received rates {sorted(rates, key=str)}"
             )
+        self.algorithm = None if algorithm is None else Algorithm.parse(algorithm).name
         kwargs.setdefault("name", layers[-1].name)
         kwargs.setdefault("dtype", layers[0].dtype_policy)
         super().__init__(**kwargs)
@@ -202,6 +208,7 @@ class FusedRNN(keras.layers.Layer):
         for i, d in zip(self._dropout_after, self.absorbed_dropout):
             dropout_layers[i] = keras.saving.serialize_keras_object(d)
         config["dropout_layers"] = dropout_layers
+        config["algorithm"] = self.algorithm
         return config
 
     @classmethod
@@ -289,6 +296,9 @@ class FusedRNN(keras.layers.Layer):
         x = self._input_dropout(sequences, training)
         initial_h, initial_c = self._initial_states(initial_state)
         rate, seed = self._between_dropout(training)
+        extra = {}
+        if self.algorithm is not None:
+            extra["algorithm"] = Algorithm.parse(self.algorithm)
         outputs, final_h, final_c = backend.run_stack(
             x,
             stack=self._stack,
@@ -298,6 +308,7 @@ class FusedRNN(keras.layers.Layer):
             reverse=self._views[0].go_backwards,
             dropout=rate,
             seed=seed,
+            **extra,
         )
         return self._assemble(outputs, final_h, final_c, mask)
 

@@ -46,6 +46,7 @@ from typing import Any, Sequence
 import tensorflow as tf
 
 from rnnfuse.backends.base import GATES, StackSpec
+from rnnfuse.tuning.algorithms import Algorithm, algorithm_env, set_env
 
 __all__ = [
     "in_xla_context",
@@ -56,7 +57,7 @@ __all__ = [
     "unsupported_reason",
 ]
 
-SUPPORTED_DTYPES = ("float16", "float32")
+SUPPORTED_DTYPES = ("float16", "float32", "float64")
 
 
 def is_available() -> bool:
@@ -68,7 +69,7 @@ def unsupported_reason(stack: StackSpec, dtype: str) -> str | None:
     """Why this backend cannot run `stack` in `dtype`, or None."""
     if str(dtype) not in SUPPORTED_DTYPES:
         return (
-            f"TensorFlow's cuDNN RNN runs float16 and float32, not {dtype}; "
+            f"TensorFlow's cuDNN RNN runs float16, float32 and float64, not {dtype}; "
             "the original layers run instead"
         )
     if stack.proj_size:
@@ -164,6 +165,7 @@ def run_stack(
     reverse: bool = False,
     dropout: float = 0.0,
     seed: tuple[int, int] = (0, 0),
+    algorithm: Algorithm | None = None,
 ):
     """Runs `stack` over `sequences` [B, T, F] in one cuDNN call.
 
@@ -177,6 +179,8 @@ def run_stack(
             in processing order (as a Keras go_backwards layer returns them).
         dropout: cuDNN's dropout between levels (training only).
         seed: (seed, seed2) for that dropout.
+        algorithm: the cuDNN algorithm of the forward kernel (None: the
+            default); see `_call_with_algorithm`.
 
     Returns:
         (outputs [B, T, D*H] with zeros past each sequence's length,
@@ -192,12 +196,14 @@ def run_stack(
     if reverse:
         x = tf.reverse_sequence(x, lengths, seq_axis=0, batch_axis=1)
     lstm = stack.kind == "lstm"
-    outputs, h, c, _, _ = cudnn_rnn(
+    tensors = dict(
         input=x,
         input_h=_states(initial_h, stack, batch, dtype),
         input_c=_states(initial_c, stack, batch, dtype) if lstm else tf.constant(0, dtype),
         params=pack_params(stack, dtype),
         sequence_lengths=lengths,
+    )
+    attrs = dict(
         rnn_mode=stack.kind,
         input_mode="linear_input",
         direction="bidirectional" if stack.num_directions == 2 else "unidirectional",
@@ -207,4 +213,53 @@ def run_stack(
         is_training=True,
         time_major=True,
     )
+    if algorithm is None:
+        outputs, h, c = cudnn_rnn(**tensors, **attrs)[:3]
+    else:
+        if not dropout:
+            attrs["seed2"] = algorithm.kernel_tag
+        outputs, h, c = _call_with_algorithm(algorithm, tensors, attrs)
     return tf.transpose(outputs, [1, 0, 2]), h, (c if lstm else None)
+
+
+def _call_with_algorithm(algorithm: Algorithm, tensors: dict, attrs: dict):
+    """`cudnn_rnn` whose forward kernel is built under `algorithm`.
+
+    TensorFlow reads the algorithm variables when it constructs a
+    CudnnRNNV3 kernel. Eagerly, the variables are set around the call (the
+    algorithm's own `seed2` keeps the kernel cache from reusing another
+    algorithm's kernel). In a graph, every kernel of a function is built
+    when the function is first run, so the call goes into an inner function
+    that is not inlined and is instantiated when it first runs; a
+    `py_function` sets the variables just before it and another restores
+    them just after (automatic control dependencies keep that order).
+    """
+    names = list(tensors)
+
+    def call(*values):
+        return tuple(cudnn_rnn(**dict(zip(names, values)), **attrs)[:3])
+
+    if tf.executing_eagerly():
+        with algorithm_env(algorithm):
+            return call(*tensors.values())
+    saved: dict = {}
+
+    def enter():
+        saved.update(set_env(algorithm.env()))
+        return 0
+
+    def leave():
+        set_env(dict(saved))
+        return 0
+
+    inner = tf.function(
+        call, autograph=False, experimental_attributes={"_noinline": True}
+    )
+    token = tf.py_function(enter, [], tf.int32)
+    with tf.control_dependencies([token]):
+        values = [tf.identity(t) for t in tensors.values()]
+    outputs = inner(*values)
+    with tf.control_dependencies(list(outputs)):
+        done = tf.py_function(leave, [], tf.int32)
+    with tf.control_dependencies([done]):
+        return tuple(tf.identity(t) for t in outputs)

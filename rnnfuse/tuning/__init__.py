@@ -1,0 +1,13 @@
+"""Tuning: choose, per fusion group, how to run it (fused, split, per-layer;
+cuDNN algorithm), by a static rule table or by timing on the device.
+
+Example:
+
+    >>> from rnnfuse.tuning import Algorithm
+    >>> Algorithm.parse("persistent_static+tc").algo
+    1
+"""
+
+from rnnfuse.tuning.algorithms import Algorithm, algorithm_env
+
+__all__ = ["Algorithm", "algorithm_env"]
