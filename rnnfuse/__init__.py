@@ -17,14 +17,19 @@ Example:
 
 __version__ = "0.1.0"
 
-from rnnfuse.api import analyze, optimize
+from rnnfuse.api import TuneShape, analyze, optimize
 from rnnfuse.fused import FusedRNN
 from rnnfuse.passes.rewrite import FusionWarning
 from rnnfuse.persistence import restore
 from rnnfuse.reasons import Reason
 from rnnfuse.report import FusionGroup, FusionReport
+from rnnfuse.tuning.plans import FUSED, PER_LAYER, Plan
 
 __all__ = [
+    "FUSED",
+    "PER_LAYER",
+    "Plan",
+    "TuneShape",
     "FusedRNN",
     "FusionGroup",
     "FusionReport",

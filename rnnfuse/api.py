@@ -20,8 +20,9 @@ Example:
 
 from __future__ import annotations
 
+import dataclasses
 import warnings
-from typing import Any
+from typing import Any, Callable
 
 import keras
 
@@ -30,9 +31,13 @@ from rnnfuse.passes.planning import plan_fusion
 from rnnfuse.passes.rewrite import FusionWarning, rewrite_model
 from rnnfuse.reasons import Reason
 from rnnfuse.recurrent import is_recurrent
-from rnnfuse.report import FusionReport
+from rnnfuse.report import FusionGroup, FusionReport
+from rnnfuse.tuning.cache import PlanCache
+from rnnfuse.tuning.plans import Plan, split_groups
+from rnnfuse.tuning.table import static_plan
+from rnnfuse.tuning.tuner import TuneResult, tune_plans
 
-__all__ = ["analyze", "optimize"]
+__all__ = ["TuneShape", "analyze", "choose_plans", "optimize"]
 
 
 def analyze(
@@ -70,7 +75,14 @@ def analyze(
 
 
 def optimize(
-    model: keras.Model, *, min_layers: int = 2, absorb_dropout: bool = True
+    model: keras.Model,
+    *,
+    min_layers: int = 2,
+    absorb_dropout: bool = True,
+    tune: Any = None,
+    training: bool = True,
+    plan: Plan | Callable[[FusionGroup], Plan] | None = None,
+    cache: Any = None,
 ) -> keras.Model:
     """A new model in which each fusable run is one `FusedRNN` layer.
 
@@ -83,6 +95,18 @@ def optimize(
         model: a built Keras 3 Sequential or Functional model.
         min_layers: the least number of recurrent levels worth fusing.
         absorb_dropout: see `analyze`.
+        tune: how each group's plan (fused whole, split, per-layer; cuDNN
+            algorithm) is chosen. None: the static rule table
+            (`rnnfuse.tuning.table`). A sample batch (what the model takes)
+            or `rnnfuse.TuneShape(batch_size, steps)`: time the candidates
+            on this device and keep the fastest per group; decisions are
+            cached on disk, so a second call costs nothing.
+        training: tune for training steps (forward + backward) or inference.
+        plan: force one `rnnfuse.Plan` for every group (or a callable
+            group -> Plan); overrides `tune`. `rnnfuse.FUSED` fuses every
+            run whole with TensorFlow's default algorithm.
+        cache: the plan cache for `tune`: None (the default file, see
+            `rnnfuse.tuning.cache`), False (none), a path, or a `PlanCache`.
 
     Returns:
         The optimized `keras.Model` (for a subclassed model: `model` itself,
@@ -90,7 +114,8 @@ def optimize(
 
     Raises:
         TypeError: `model` is not a Keras 3 model.
-        ValueError: `model` is not built, or `min_layers` is not valid.
+        ValueError: `model` is not built, or `min_layers`, `tune` or `plan`
+            is not valid.
     """
     _check_model(model, "optimize")
     _check_min_layers(min_layers, "optimize")
@@ -111,7 +136,78 @@ def optimize(
         min_layers=min_layers,
         absorb_dropout=absorb_dropout,
     )
-    return rewrite_model(model, report, graph)
+    plans = choose_plans(
+        model, report.groups, tune=tune, training=training, plan=plan, cache=cache
+    )
+    pairs = split_groups(report.groups, [r.plan for r in plans])
+    return rewrite_model(model, [g for g, _ in pairs], [a for _, a in pairs])
+
+
+@dataclasses.dataclass(frozen=True)
+class TuneShape:
+    """Input shape to tune for, when no sample batch is at hand."""
+
+    batch_size: int
+    # Time steps (used where the model's input shape leaves time open).
+    steps: int
+
+
+def choose_plans(model, groups, *, tune=None, training=True, plan=None, cache=None) -> list[TuneResult]:
+    """A `TuneResult` per group: forced, static, or measured (see optimize)."""
+    if plan is not None:
+        pick = plan if callable(plan) and not isinstance(plan, Plan) else (lambda g: plan)
+        chosen = []
+        for group in groups:
+            p = pick(group)
+            if not isinstance(p, Plan):
+                raise ValueError(
+                    "rnnfuse.optimize: plan must be an rnnfuse.Plan or a callable "
+                    f"returning one; received {type(p).__name__}"
+                )
+            chosen.append(TuneResult(group, p, "forced"))
+        return chosen
+    if tune is None or tune is False:
+        return [
+            TuneResult(g, static_plan(g, g.views[0].layer.compute_dtype, training), "static")
+            for g in groups
+        ]
+    batch, steps = _tune_shape(model, tune)
+    plan_cache = _plan_cache(cache)
+
+    def shape_of(group):
+        first = group.views[0].layer
+        try:
+            t = first.input.shape[1]
+        except (AttributeError, ValueError, IndexError, TypeError):
+            t = None
+        return (batch, t if t is not None else steps, group.input_size)
+
+    return tune_plans(groups, shape_of, training=training, cache=plan_cache)
+
+
+def _tune_shape(model, tune) -> tuple[int, int]:
+    if isinstance(tune, TuneShape):
+        return int(tune.batch_size), int(tune.steps)
+    first = keras.tree.flatten(tune)[0] if keras.tree.is_nested(tune) else tune
+    shape = getattr(first, "shape", None)
+    if shape is None or len(shape) < 2:
+        raise ValueError(
+            "rnnfuse.optimize: tune must be a sample batch shaped like the "
+            "model's input (batch, time, ...) or rnnfuse.TuneShape(batch_size, "
+            f"steps); received {type(tune).__name__}"
+            + (f" of shape {tuple(shape)}" if shape is not None else "")
+        )
+    return int(shape[0]), int(shape[1])
+
+
+def _plan_cache(cache) -> PlanCache | None:
+    if cache is False:
+        return None
+    if cache is None or cache is True:
+        return PlanCache()
+    if isinstance(cache, PlanCache):
+        return cache
+    return PlanCache(cache)
 
 
 def _check_model(model: Any, fn: str) -> None:

@@ -1,6 +1,6 @@
 """Pass 4: a new model in which each fusion group is one `FusedRNN` layer.
 
-`rewrite_model(model, report, graph)` returns a new Sequential or Functional
+`rewrite_model(model, groups)` returns a new Sequential or Functional
 model with the same inputs, outputs and output names. Every layer that is
 not in a group is the same object as in `model`; each group's layers move
 inside a `FusedRNN` (still the same objects, so the variables are shared).
@@ -25,8 +25,8 @@ Example:
     >>> m = keras.Sequential([keras.Input((6, 2)),
     ...     keras.layers.GRU(4, return_sequences=True),
     ...     keras.layers.GRU(4), keras.layers.Dense(1)])
-    >>> g = build_layer_graph(m)
-    >>> new = rewrite_model(m, plan_fusion(g, model_name=m.name), g)
+    >>> report = plan_fusion(build_layer_graph(m), model_name=m.name)
+    >>> new = rewrite_model(m, report.groups)
     >>> [type(l).__name__ for l in new.layers]
     ['FusedRNN', 'Dense']
 """
@@ -35,15 +35,14 @@ from __future__ import annotations
 
 import collections
 import warnings
-from typing import Any
+from typing import Any, Sequence
 
 import keras
-import networkx as nx
 
 from rnnfuse.fused import FusedRNN
 from rnnfuse.passes.graph import is_graph_model
 from rnnfuse.persistence import as_optimized
-from rnnfuse.report import FusionGroup, FusionReport
+from rnnfuse.report import FusionGroup
 
 __all__ = ["FusionWarning", "rewrite_model"]
 
@@ -53,28 +52,31 @@ class FusionWarning(UserWarning):
 
 
 def rewrite_model(
-    model: keras.Model, report: FusionReport, graph: nx.DiGraph
+    model: keras.Model,
+    groups: Sequence[FusionGroup],
+    algorithms: Sequence[str | None] | None = None,
 ) -> keras.Model:
-    """A new model in which each group of `report` is one `FusedRNN`.
+    """A new model in which each of `groups` is one `FusedRNN`.
 
     Args:
         model: the analyzed Sequential or Functional model.
-        report: `plan_fusion`'s report for it.
-        graph: the layer graph the report was made from.
+        groups: the groups to fuse (from `plan_fusion`, or split by a plan).
+        algorithms: optional cuDNN algorithm per group (None: default).
 
     Returns:
         A new `keras.Model` sharing every layer and variable with `model`.
     """
-    by_scope: dict[str, list[FusionGroup]] = collections.defaultdict(list)
-    for group in report.groups:
-        by_scope[group.scope].append(group)
+    algorithms = list(algorithms or [None] * len(groups))
+    by_scope: dict[str, list] = collections.defaultdict(list)
+    for group, algorithm in zip(groups, algorithms):
+        by_scope[group.scope].append((group, algorithm))
     new = _Rewriter(by_scope).rewrite(model, scope="", force_new=True)
     # Weight files in the original layout, registered classes (persistence.py).
     return as_optimized(new, like=model)
 
 
 class _Rewriter:
-    def __init__(self, by_scope: dict[str, list[FusionGroup]]):
+    def __init__(self, by_scope: dict[str, list]):
         self.by_scope = by_scope
         self.done: dict[int, Any] = {}
 
@@ -98,12 +100,16 @@ class _Rewriter:
         self.done[id(model)] = new
         return new
 
-    def _fused_layers(self, groups: list[FusionGroup]) -> list[tuple[FusionGroup, FusedRNN]]:
+    def _fused_layers(self, groups: list) -> list[tuple[FusionGroup, FusedRNN]]:
         built = []
-        for group in groups:
+        for group, algorithm in groups:
             layers = [v.layer for v in group.views]
             try:
-                fused = FusedRNN(layers, dropout_layers=list(group.gap_dropout) or None)
+                fused = FusedRNN(
+                    layers,
+                    dropout_layers=list(group.gap_dropout) or None,
+                    algorithm=algorithm,
+                )
             except Exception as err:  # noqa: BLE001 - one bad group must not sink the rest
                 warnings.warn(
                     f"rnnfuse: could not fuse {' -> '.join(group.layers)}; "

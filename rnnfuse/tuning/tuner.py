@@ -1,0 +1,317 @@
+"""Choose each group's plan by timing the candidates on this device.
+
+`tune_plans(groups, shape_of, ...)`, per group:
+
+1. Look the decision up in the plan cache (device, versions, group
+   signature, input shape, dtype, mode); a hit costs nothing.
+2. Otherwise build one step per candidate plan (`candidate_plans`): the
+   original layers, the whole run fused, the run split in two, each fused
+   plan with the default and the persistent cuDNN algorithm. A step is a
+   forward pass (inference) or forward + backward (training) of that group
+   alone on a random batch of the group's input shape.
+3. For training, a plan with a non-default algorithm is kept only if its
+   gradients are as close to a float64 reference (the default algorithm
+   in float64) as the default algorithm's are (within 2x): cuDNN's
+   backward pass does not take the debug algorithm.
+4. Time the steps side by side (`interleaved_medians`) and keep the
+   fastest; write the decision to the cache.
+
+Without a GPU there is nothing to time (the fused layer runs the original
+layers): the static rule table decides, and the result says so.
+
+The timer and the gradient check are parameters, so the planner and the
+cache logic are tested on the CPU with a deterministic fake timer.
+
+Example (no GPU: the static table answers):
+
+    >>> import keras
+    >>> from rnnfuse.passes import build_layer_graph, plan_fusion
+    >>> m = keras.Sequential([keras.Input((10, 4)),
+    ...     keras.layers.GRU(8, return_sequences=True), keras.layers.GRU(8)])
+    >>> groups = plan_fusion(build_layer_graph(m), model_name=m.name).groups
+    >>> [r.source for r in tune_plans(groups, lambda g: (2, 10, 4), progress=False)]
+    ['static: no GPU to time on']
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+from typing import Any, Callable, Sequence
+
+import keras
+import numpy as np
+
+from rnnfuse.backends import get_backend
+from rnnfuse.report import FusionGroup
+from rnnfuse.tuning.cache import PlanCache, cache_key
+from rnnfuse.tuning.plans import PER_LAYER, Plan, candidate_plans, split_groups
+from rnnfuse.tuning.table import static_plan
+from rnnfuse.tuning.timing import interleaved_medians
+
+__all__ = ["TuneResult", "tune_plans", "device_environment"]
+
+# A non-default algorithm's gradients may be at most this many times
+# further from the float64 reference than the default algorithm's.
+GRADIENT_SLACK = 2.0
+
+
+@dataclasses.dataclass(frozen=True)
+class TuneResult:
+    """The plan chosen for one group and how it was chosen."""
+
+    group: FusionGroup
+    plan: Plan
+    # "cache", "measured", or "static: <why>".
+    source: str
+    # Candidate name -> median seconds per step (empty unless measured).
+    timings: dict = dataclasses.field(default_factory=dict)
+    # Candidates dropped before timing, name -> why.
+    rejected: dict = dataclasses.field(default_factory=dict)
+
+
+def device_environment() -> dict | None:
+    """GPU name and library versions, or None without a usable GPU."""
+    backend = get_backend()
+    if backend is None or not backend.is_available():
+        return None
+    import rnnfuse
+
+    env = {"backend": keras.backend.backend(), "rnnfuse": rnnfuse.__version__}
+    if keras.backend.backend() == "tensorflow":
+        import tensorflow as tf
+
+        gpus = tf.config.list_physical_devices("GPU")
+        details = tf.config.experimental.get_device_details(gpus[0]) if gpus else {}
+        build = tf.sysconfig.get_build_info()
+        env.update(
+            device=details.get("device_name", "gpu"),
+            tensorflow=tf.__version__,
+            cudnn=str(build.get("cudnn_version", "?")),
+        )
+    return env
+
+
+def _input_batch(shape: tuple, dtype: str, seed: int = 0):
+    rng = np.random.default_rng(seed)
+    return keras.ops.convert_to_tensor(rng.standard_normal(shape).astype("float32"), dtype=dtype)
+
+
+def _runner(group: FusionGroup, plan: Plan, dtype: str | None = None) -> Callable:
+    """A callable x -> outputs that runs `group` under `plan`."""
+    from rnnfuse.fused import FusedRNN
+
+    if not plan.for_length(len(group.layers)).pieces:
+        layers = [v.layer for v in group.views]
+        dropouts = list(group.gap_dropout)
+
+        def per_layer(x, training):
+            for i, layer in enumerate(layers):
+                x = layer(x, training=training)
+                if i < len(dropouts) and dropouts[i] is not None:
+                    x = dropouts[i](x, training=training)
+            return x
+
+        return per_layer
+    pieces = [
+        FusedRNN(
+            [v.layer for v in g.views],
+            dropout_layers=list(g.gap_dropout) or None,
+            algorithm=algorithm,
+            **({"dtype": dtype} if dtype else {}),
+        )
+        for g, algorithm in split_groups([group], [plan])
+    ]
+
+    def fused(x, training):
+        for piece in pieces:
+            x = piece(x, training=training)
+        return x
+
+    return fused
+
+
+def _step(group: FusionGroup, run: Callable, x, training: bool):
+    """A compiled forward (+ backward) step; returns a scalar to sync on."""
+    import tensorflow as tf
+
+    variables = [w for v in group.views for w in v.layer.trainable_weights]
+
+    @tf.function(jit_compile=False)
+    def step():
+        if not training:
+            y = run(x, False)
+            return tf.add_n([tf.reduce_sum(tf.cast(t, tf.float32)) for t in keras.tree.flatten(y)])
+        with tf.GradientTape() as tape:
+            y = run(x, True)
+            loss = tf.add_n(
+                [tf.reduce_mean(tf.square(tf.cast(t, tf.float32))) for t in keras.tree.flatten(y)]
+            )
+        grads = tape.gradient(loss, variables)
+        return loss + tf.add_n([tf.reduce_sum(tf.cast(g, tf.float32)) * 0.0 for g in grads])
+
+    return step
+
+
+def gradient_error(group: FusionGroup, plan: Plan, x, reference) -> float:
+    """Max relative difference of `plan`'s gradients from `reference`'s."""
+    import tensorflow as tf
+
+    variables = [w for v in group.views for w in v.layer.trainable_weights]
+
+    def grads(run, inputs):
+        with tf.GradientTape() as tape:
+            y = run(inputs, False)
+            loss = tf.add_n(
+                [tf.reduce_sum(tf.cast(t, tf.float64) ** 2) for t in keras.tree.flatten(y)]
+            )
+        return [tf.cast(tf.convert_to_tensor(g), tf.float64) for g in tape.gradient(loss, variables)]
+
+    got = grads(_runner(group, plan), x)
+    if callable(reference):
+        reference = grads(reference, tf.cast(x, tf.float64))
+    scale = max(float(tf.reduce_max(tf.abs(r))) for r in reference) or 1.0
+    return max(float(tf.reduce_max(tf.abs(g - r))) for g, r in zip(got, reference)) / scale
+
+
+def tune_plans(
+    groups: Sequence[FusionGroup],
+    shape_of: Callable[[FusionGroup], tuple],
+    *,
+    training: bool = True,
+    cache: PlanCache | None = None,
+    measure: Callable | None = None,
+    check_gradients: Callable | None = None,
+    environment: dict | None = None,
+    progress: bool = True,
+    warmup: int = 2,
+    repeats: int = 5,
+) -> list[TuneResult]:
+    """The plan for each group, measured on this device (see module doc).
+
+    Args:
+        groups: the fusion groups of one model.
+        shape_of: group -> (batch, steps, features) of its input.
+        training: time forward + backward (True) or forward only.
+        cache: where decisions are kept (None: no cache).
+        measure: {name: step} -> {name: {"median": s}}; default times the
+            steps with `interleaved_medians`.
+        check_gradients: (group, plan, x, dtype) -> relative error against
+            a float64 reference; default runs it on the device.
+        environment: device and versions for the cache key; default reads
+            them (None without a GPU: the static table decides).
+        progress: show a progress bar.
+    """
+    environment = environment if environment is not None else device_environment()
+    results = []
+    if environment is None:
+        for group in groups:
+            dtype = group.views[0].layer.compute_dtype
+            results.append(
+                TuneResult(group, static_plan(group, dtype, training), "static: no GPU to time on")
+            )
+        return results
+    measure = measure or (lambda steps, on_step=None: interleaved_medians(
+        steps, warmup=warmup, repeats=repeats, on_step=on_step))
+    check_gradients = check_gradients or _default_gradient_check
+    jobs = []
+    for group in groups:
+        dtype = group.views[0].layer.compute_dtype
+        shape = tuple(int(d) for d in shape_of(group))
+        key = cache_key(environment, group, shape, dtype, training)
+        hit = cache.get(key) if cache is not None else None
+        if hit is not None and "plan" in hit:
+            try:
+                plan = Plan.from_dict(hit["plan"])
+            except (KeyError, TypeError, ValueError):
+                hit = None
+            else:
+                results.append(TuneResult(group, plan, "cache", dict(hit.get("timings", {}))))
+                continue
+        jobs.append((len(results), group, shape, dtype, key))
+        results.append(None)
+    if not jobs:
+        return results
+    bar = _progress(progress, sum(len(candidate_plans(g)) for _, g, *_ in jobs))
+    with bar:
+        for index, group, shape, dtype, key in jobs:
+            plans = candidate_plans(group)
+            rejected = {}
+            if training and any(p.algorithm for p in plans):
+                errors = {p.name: check_gradients(group, p, shape, dtype) for p in plans if p.pieces}
+                base = {p.pieces: errors[p.name] for p in plans if p.pieces and not p.algorithm}
+                for p in plans:
+                    if p.algorithm and errors[p.name] > GRADIENT_SLACK * base[p.pieces] + 1e-7:
+                        rejected[p.name] = (
+                            f"gradient error {errors[p.name]:.2e} vs "
+                            f"{base[p.pieces]:.2e} with the default algorithm"
+                        )
+            plans = [p for p in plans if p.name not in rejected]
+            steps = _steps(group, plans, shape, dtype, training)
+            stats = measure(steps, on_step=bar.advance_one) if _takes_on_step(measure) else measure(steps)
+            bar.advance_rest(len(plans) + len(rejected))
+            timings = {name: float(s["median"]) for name, s in stats.items()}
+            best = min(plans, key=lambda p: timings[p.name])
+            results[index] = TuneResult(group, best, "measured", timings, rejected)
+            if cache is not None:
+                cache.put(
+                    key,
+                    {
+                        "plan": best.to_dict(),
+                        "timings": timings,
+                        "rejected": rejected,
+                        "when": datetime.datetime.now(datetime.timezone.utc).isoformat(),
+                    },
+                )
+    return results
+
+
+def _takes_on_step(fn) -> bool:
+    import inspect
+
+    try:
+        return "on_step" in inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        return False
+
+
+def _steps(group, plans, shape, dtype, training) -> dict:
+    x = _input_batch(shape, dtype)
+    return {p.name: _step(group, _runner(group, p), x, training) for p in plans}
+
+
+def _default_gradient_check(group, plan, shape, dtype) -> float:
+    x = _input_batch(shape, dtype, seed=1)
+    reference = _runner(group, Plan((len(group.layers),)), dtype="float64")
+    return gradient_error(group, plan, x, reference)
+
+
+class _progress:
+    """A rich progress bar over candidate steps (or nothing)."""
+
+    def __init__(self, enabled: bool, total: int):
+        self.enabled, self.total, self.done = enabled, total, 0
+        self._bar = None
+
+    def __enter__(self):
+        if self.enabled:
+            from rich.progress import Progress
+
+            self._bar = Progress(transient=True)
+            self._bar.__enter__()
+            self._task = self._bar.add_task("rnnfuse: timing plans", total=self.total)
+        return self
+
+    def advance_one(self, _name=None):
+        if self._bar is not None:
+            self._bar.advance(self._task, 0.2)
+
+    def advance_rest(self, n):
+        self.done += n
+        if self._bar is not None:
+            self._bar.update(self._task, completed=self.done)
+
+    def __exit__(self, *exc):
+        if self._bar is not None:
+            self._bar.__exit__(*exc)
+        return False

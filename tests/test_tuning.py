@@ -1,0 +1,270 @@
+"""The planner, the plan cache and the cuDNN algorithm switch, on the CPU.
+
+Timing and gradient checks are injected (a deterministic fake timer), so
+these tests pin the decisions, the cache behaviour and the environment
+handling without a GPU.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import rnnfuse
+from builders import fused_layers, max_abs_diff, random_inputs, stack_model
+from rnnfuse.passes import build_layer_graph, plan_fusion
+from rnnfuse.tuning import algorithms
+from rnnfuse.tuning.algorithms import ENV_VARS, Algorithm, algorithm_env
+from rnnfuse.tuning.cache import PlanCache
+from rnnfuse.tuning.plans import FUSED, PER_LAYER, Plan, candidate_plans, split_groups
+from rnnfuse.tuning.tuner import tune_plans
+
+ENV = {"device": "FakeGPU", "tensorflow": "2.21.0", "cudnn": "9", "backend": "tensorflow", "rnnfuse": "0.1.0"}
+
+
+def _groups(model):
+    return plan_fusion(build_layer_graph(model), model_name=model.name).groups
+
+
+class FakeTimer:
+    """Returns fixed medians per candidate name; counts calls."""
+
+    def __init__(self, medians):
+        self.medians, self.calls = medians, 0
+
+    def __call__(self, steps):
+        self.calls += 1
+        return {name: {"median": self.medians.get(name, 1.0)} for name in steps}
+
+
+def _tune(groups, timer, *, training=True, cache=None, errors=None, env=ENV):
+    errors = errors or {}
+    return tune_plans(
+        groups,
+        lambda g: (8, 20, g.input_size),
+        training=training,
+        cache=cache,
+        measure=timer,
+        check_gradients=lambda g, p, shape, dtype: errors.get(p.name, 1e-6),
+        environment=env,
+        progress=False,
+    )
+
+
+@pytest.fixture(autouse=True)
+def _no_real_steps(monkeypatch):
+    """The fake timer never runs steps; building them is all we skip."""
+    from rnnfuse.tuning import tuner
+
+    monkeypatch.setattr(tuner, "_steps", lambda group, plans, shape, dtype, training: {p.name: None for p in plans})
+
+
+def test_candidates_cover_per_layer_whole_split_and_algorithms():
+    (group,) = _groups(stack_model("lstm", 4))
+    names = [p.name for p in candidate_plans(group)]
+    assert names == [
+        "per-layer",
+        "fused",
+        "fused @persistent_static+tc",
+        "split 2+2",
+        "split 2+2 @persistent_static+tc",
+    ]
+    (short,) = _groups(stack_model("gru", 2))
+    assert [p.name for p in candidate_plans(short)] == ["per-layer", "fused", "fused @persistent_static+tc"]
+
+
+def test_tuner_picks_the_fastest_candidate():
+    (group,) = _groups(stack_model("lstm", 4))
+    timer = FakeTimer({"per-layer": 1.0, "fused": 0.9, "split 2+2 @persistent_static+tc": 0.5})
+    (result,) = _tune([group], timer)
+    assert result.plan.name == "split 2+2 @persistent_static+tc"
+    assert result.source == "measured"
+    assert result.timings["per-layer"] == 1.0
+
+
+def test_never_slower_per_layer_wins_when_fusion_loses():
+    (group,) = _groups(stack_model("lstm", 4))
+    timer = FakeTimer({"per-layer": 0.5})  # every other candidate: 1.0
+    (result,) = _tune([group], timer)
+    assert result.plan == PER_LAYER
+
+
+def test_non_default_algorithm_with_bad_gradients_is_rejected_for_training():
+    (group,) = _groups(stack_model("lstm", 2))
+    timer = FakeTimer({"per-layer": 1.0, "fused": 0.8, "fused @persistent_static+tc": 0.4})
+    errors = {"fused": 1e-6, "fused @persistent_static+tc": 1e-3}
+    (trained,) = _tune([group], timer, errors=errors)
+    assert trained.plan.name == "fused"
+    assert "gradient error" in trained.rejected["fused @persistent_static+tc"]
+    (inferred,) = _tune([group], timer, errors=errors, training=False)
+    assert inferred.plan.name == "fused @persistent_static+tc"
+
+
+def test_second_tune_reads_the_cache_without_timing(tmp_path):
+    cache = PlanCache(tmp_path / "plans.json")
+    (group,) = _groups(stack_model("gru", 3))
+    timer = FakeTimer({"fused": 0.1})
+    (first,) = _tune([group], timer, cache=cache)
+    assert timer.calls == 1
+    again = FakeTimer({"per-layer": 0.01})
+    (second,) = _tune([group], again, cache=PlanCache(tmp_path / "plans.json"))
+    assert again.calls == 0
+    assert second.source == "cache" and second.plan == first.plan
+    # Another device, dtype or mode is another key.
+    (other,) = _tune([group], again, cache=cache, env={**ENV, "device": "OtherGPU"})
+    assert again.calls == 1 and other.plan == PER_LAYER
+    _tune([group], again, cache=cache, training=False)
+    assert again.calls == 2
+
+
+@pytest.mark.parametrize("content", ["{not json", json.dumps({"format": 99, "entries": {}}), json.dumps([1, 2])])
+def test_corrupt_or_stale_cache_is_ignored_with_a_warning(tmp_path, content):
+    path = tmp_path / "plans.json"
+    path.write_text(content)
+    (group,) = _groups(stack_model("gru", 2))
+    timer = FakeTimer({"fused": 0.1})
+    with pytest.warns(RuntimeWarning, match="ignoring the plan cache"):
+        (result,) = _tune([group], timer, cache=PlanCache(path))
+    assert timer.calls == 1 and result.plan.name == "fused"
+    assert json.loads(path.read_text())["format"] == 1  # rewritten
+
+
+def test_cache_entry_with_a_bad_plan_is_measured_again(tmp_path):
+    cache = PlanCache(tmp_path / "plans.json")
+    (group,) = _groups(stack_model("gru", 2))
+    _tune([group], FakeTimer({"fused": 0.1}), cache=cache)
+    data = json.loads((tmp_path / "plans.json").read_text())
+    for entry in data["entries"].values():
+        entry["plan"] = {"pieces": ["x"]}
+    (tmp_path / "plans.json").write_text(json.dumps(data))
+    timer = FakeTimer({"fused": 0.1})
+    _tune([group], timer, cache=PlanCache(tmp_path / "plans.json"))
+    assert timer.calls == 1
+
+
+def test_without_a_gpu_the_static_table_decides():
+    (group,) = _groups(stack_model("rnn_tanh", 3))
+    (result,) = tune_plans([group], lambda g: (2, 5, 5), progress=False)
+    assert result.source.startswith("static")
+    assert result.plan == FUSED
+
+
+# -- plans applied by optimize ----------------------------------------------------
+
+
+def test_split_plan_builds_two_fused_layers_and_stays_exact(emulated_cudnn):
+    model = stack_model("lstm", 4, last_return_sequences=True)
+    fast = rnnfuse.optimize(model, plan=Plan((2, 2)))
+    fused = fused_layers(fast)
+    assert [len(f.fused_layers) for f in fused] == [2, 2]
+    x = random_inputs(model, 2, np.random.default_rng(0))
+    assert max_abs_diff(fast(x), model(x)) <= 2e-5
+    assert len(emulated_cudnn) == 2
+
+
+def test_per_layer_plan_leaves_the_layers_alone():
+    model = stack_model("gru", 3)
+    fast = rnnfuse.optimize(model, plan=PER_LAYER)
+    assert fused_layers(fast) == []
+    assert [l.name for l in fast.layers[1:]] == ["gru_0", "gru_1", "gru_2"]
+
+
+def test_plan_that_does_not_cover_the_group_is_an_error():
+    with pytest.raises(ValueError, match="covers 3 layers; the group has 4"):
+        rnnfuse.optimize(stack_model("gru", 4), plan=Plan((1, 2)))
+    with pytest.raises(ValueError, match="plan must be an rnnfuse.Plan"):
+        rnnfuse.optimize(stack_model("gru", 2), plan=lambda g: "fused")
+
+
+def test_split_at_an_absorbed_dropout_is_refused():
+    inp = keras.Input((5, 3))
+    x = keras.layers.LSTM(4, return_sequences=True)(inp)
+    x = keras.layers.Dropout(0.2, name="drop")(x)
+    out = keras.layers.LSTM(4)(x)
+    (group,) = _groups(keras.Model(inp, out))
+    with pytest.raises(ValueError, match="absorbed Dropout 'drop'"):
+        split_groups([group], [Plan((1, 1))])
+
+
+def test_tune_with_a_sample_batch_on_cpu_uses_the_table(tmp_path):
+    model = stack_model("lstm", 2, head=True)
+    x = random_inputs(model, 4, np.random.default_rng(1))
+    fast = rnnfuse.optimize(model, tune=x, cache=tmp_path / "c.json")
+    assert len(fused_layers(fast)) == 1
+    fast2 = rnnfuse.optimize(model, tune=rnnfuse.TuneShape(batch_size=4, steps=7), cache=False)
+    assert len(fused_layers(fast2)) == 1
+    with pytest.raises(ValueError, match="tune must be a sample batch"):
+        rnnfuse.optimize(model, tune=3)
+
+
+def test_fused_layer_keeps_its_algorithm_in_its_config():
+    model = stack_model("gru", 2)
+    (fused,) = fused_layers(rnnfuse.optimize(model, plan=Plan((2,), "persistent_static+tc")))
+    assert fused.algorithm == "persistent_static+tc"
+    clone = rnnfuse.FusedRNN.from_config(fused.get_config())
+    assert clone.algorithm == "persistent_static+tc"
+    with pytest.raises(ValueError, match="unknown cuDNN algorithm"):
+        Plan((2,), "fastest")
+
+
+# -- the environment ------------------------------------------------------------------
+
+
+def test_algorithm_env_sets_and_restores_including_user_values(monkeypatch):
+    for name in ENV_VARS:
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("TF_DEBUG_CUDNN_RNN_USE_TENSOR_OPS", "user-value")
+    with algorithm_env(Algorithm.parse("persistent_dynamic")):
+        assert os.environ["TF_DEBUG_CUDNN_RNN"] == "1"
+        assert os.environ["TF_DEBUG_CUDNN_RNN_ALGO"] == "2"
+        assert os.environ["TF_DEBUG_CUDNN_RNN_USE_TENSOR_OPS"] == "0"
+    assert "TF_DEBUG_CUDNN_RNN" not in os.environ
+    assert "TF_DEBUG_CUDNN_RNN_ALGO" not in os.environ
+    assert os.environ["TF_DEBUG_CUDNN_RNN_USE_TENSOR_OPS"] == "user-value"
+    with pytest.raises(RuntimeError):
+        with algorithm_env(Algorithm(1, True)):
+            raise RuntimeError("boom")
+    assert "TF_DEBUG_CUDNN_RNN" not in os.environ
+
+
+def test_debug_mode_is_never_set_without_a_valid_algorithm():
+    for algo in (Algorithm(0), Algorithm(1, True), Algorithm(2)):
+        env = algo.env()
+        assert env["TF_DEBUG_CUDNN_RNN"] == "1" and env["TF_DEBUG_CUDNN_RNN_ALGO"] in "012"
+    with pytest.raises(ValueError, match="must be 0, 1 or 2"):
+        Algorithm(3)
+
+
+@pytest.mark.parametrize("graph", [False, True], ids=["eager", "tf.function"])
+def test_algorithm_is_set_while_the_kernel_runs_and_restored_after(graph, emulated_cudnn, monkeypatch):
+    """The env holds the algorithm when the op runs (eager) or when its inner
+    function first runs (graph), and is restored afterwards."""
+    from rnnfuse.backends import tensorflow as tf_backend
+
+    for name in ENV_VARS:
+        monkeypatch.delenv(name, raising=False)
+    seen = []
+    emulated = tf_backend.cudnn_rnn
+
+    def recording(**kwargs):
+        probe = tf.py_function(
+            lambda: seen.append(os.environ.get("TF_DEBUG_CUDNN_RNN_ALGO")) or 0, [], tf.int32
+        )
+        with tf.control_dependencies([probe]):
+            kwargs["input"] = tf.identity(kwargs["input"])
+        return emulated(**kwargs)
+
+    monkeypatch.setattr(tf_backend, "cudnn_rnn", recording)
+    model = stack_model("gru", 2, last_return_sequences=True)
+    fast = rnnfuse.optimize(model, plan=Plan((2,), "persistent_static+tc"))
+    x = random_inputs(model, 2, np.random.default_rng(2))
+    out = tf.function(lambda t: fast(t))(x) if graph else fast(x)
+    assert seen == ["1"]
+    assert all(name not in os.environ for name in ENV_VARS)
+    assert emulated_cudnn[-1]["seed2"] == Algorithm.parse("persistent_static+tc").kernel_tag
+    assert max_abs_diff(out, model(x)) <= 2e-5
