@@ -7,7 +7,8 @@ times every model of a configuration once), medians:
   proj 256, B=32, T=1000, float32 and mixed_float16, train step (forward,
   backward, SGD update) and inference. Models:
     plstm:<variant>     ProjectedLSTM on each fast-path variant
-                        (custom_xla, custom, while_xla, while; after the
+                        (custom_xla, custom_xla/u4 (4 steps per loop
+                        iteration), custom, while_xla, while; after the
                         first configuration only the --keep fastest)
     plstm:custom@jit    ProjectedLSTM with the whole step XLA-compiled
                         (what Keras' fit does on a GPU: jit_compile="auto")
@@ -68,7 +69,8 @@ from rnnfuse.layers import projected_lstm as plstm  # noqa: E402
 
 FULL = dict(batch=32, steps=1000, features=256, units=1024, proj=256, acoustic_features=80, vocab=64)
 QUICK = dict(batch=2, steps=12, features=8, units=16, proj=4, acoustic_features=6, vocab=5)
-VARIANTS = ["custom_xla", "custom", "while_xla", "while"]
+# "<fast path>" or "<fast path>/u<k>": k time steps per loop iteration.
+VARIANTS = ["custom_xla", "custom_xla/u4", "custom", "while_xla", "while"]
 
 
 def _csv(kind):
@@ -102,8 +104,9 @@ def parse_args(argv=None):
     args = p.parse_args(argv)
     args.sizes = QUICK if args.quick else FULL
     for v in args.variants:
-        if v not in VARIANTS:
-            p.error(f"--variants: unknown variant {v!r}; choose from {VARIANTS}")
+        name, _, unroll = v.partition("/u")
+        if name not in plstm.FAST_PATHS or (unroll and not unroll.isdigit()):
+            p.error(f"--variants: bad variant {v!r}; e.g. {VARIANTS}")
     return args
 
 
@@ -254,7 +257,8 @@ class Entry:
         self.error = None
 
     def call(self, x):
-        with plstm.fast_path(self.variant):
+        name, _, unroll = self.variant.partition("/u")
+        with plstm.fast_path(name, int(unroll or 1)):
             return float(self.step(x))  # float() waits for the device
 
 
@@ -363,14 +367,26 @@ def wavefront_entries(policy, mode, args, layers=4):
     )
     entries.append(Entry("wavefront@jit", wave, make_step(wave, mode, True, target)))
     if args.quick:
-        x = tf.random.normal([s["batch"], s["steps"], s["features"]])
-        with plstm.fast_path("custom"):
-            diff = float(tf.reduce_max(tf.abs(tf.cast(wave(x), "float32") - tf.cast(base(x), "float32"))))
-        tol = 1e-4 if policy == "float32" else 2e-2
-        if diff > tol:
-            raise AssertionError(f"wavefront prototype differs from the per-layer stack: {diff}")
-        print(f"wavefront prototype == per-layer stack ({policy}): max diff {diff:.2e}", flush=True)
+        _check_wavefront(wave, base, s, policy)
     return entries
+
+
+def _check_wavefront(wave, base, s, policy):
+    """The prototype computes what the per-layer stack computes (outputs and
+    gradients of every variable)."""
+    x = tf.random.normal([s["batch"], s["steps"], s["features"]])
+    r = tf.random.normal([s["batch"], s["steps"], s["proj"]])
+    results = []
+    for model in (wave, base):
+        with plstm.fast_path("custom"), tf.GradientTape() as tape:
+            out = tf.cast(model(x), "float32")
+            loss = tf.reduce_sum(out * r)
+        results.append([out] + tape.gradient(loss, base.trainable_variables))
+    diff = max(float(tf.reduce_max(tf.abs(a - b))) for a, b in zip(*results))
+    tol = 1e-4 if policy == "float32" else 5e-2
+    if diff > tol:
+        raise AssertionError(f"wavefront prototype differs from the per-layer stack: {diff}")
+    print(f"wavefront prototype == per-layer stack ({policy}): max diff {diff:.2e}", flush=True)
 
 
 def configurations(args):

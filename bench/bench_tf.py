@@ -44,7 +44,7 @@ import tensorflow as tf  # noqa: E402
 import rnnfuse  # noqa: E402
 from rnnfuse.passes import build_layer_graph, plan_fusion  # noqa: E402
 from rnnfuse.tuning.plans import candidate_plans  # noqa: E402
-from rnnfuse.tuning.table import static_plan  # noqa: E402
+from rnnfuse.tuning.table import regime_of, static_plan  # noqa: E402
 from rnnfuse.tuning.timing import interleaved_medians  # noqa: E402
 from rnnfuse.tuning.tuner import GRADIENT_SLACK, _default_gradient_check  # noqa: E402
 
@@ -188,6 +188,8 @@ def run_cell(cell: Cell, warmup: int, repeats: int) -> dict:
     base = medians["original"]
     return {
         "cell": dataclasses.asdict(cell),
+        "regime": dataclasses.asdict(regime_of(group, dtype, cell.mode == "train")),
+        "layers_in_group": len(group.layers),
         "name": cell.name,
         "medians_s": medians,
         "times_s": {k: v["times"] for k, v in stats.items()},

@@ -10,7 +10,11 @@ their variables) and times, in one process:
 
 for the original and the optimized model, interleaved (original, fused,
 original, fused, ...) after warm-up calls, and reports medians, the
-fused/original speedup and which path FusedRNN took.
+fused/original speedup and which path FusedRNN took. The optimized model is
+timed once per torch-backend call mode (`--call-modes`, default
+"auto,one,per_level": rnnfuse's choice, always one multi-layer call, one
+call per level; see rnnfuse.backends.torch.levels_per_call), so the table
+shows whether "auto" picks the faster of the two.
 
 Run on the GPU machine (writes JSON after every configuration, so a run cut
 short keeps what it measured):
@@ -42,6 +46,7 @@ import torch  # noqa: E402
 
 import rnnfuse  # noqa: E402
 from rnnfuse import FusedRNN  # noqa: E402
+from rnnfuse.backends import torch as torch_backend  # noqa: E402
 
 FULL = dict(
     kinds=["lstm", "gru"],
@@ -76,13 +81,15 @@ def parse_args(argv=None):
     p.add_argument("--units", type=_csv(int))
     p.add_argument("--policies", type=_csv(str))
     p.add_argument("--modes", type=_csv(str), default=["train", "infer"])
-    p.add_argument("--repeats", type=int, default=10)
-    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--call-modes", type=_csv(str), default=["auto", "one", "per_level"])
+    p.add_argument("--repeats", type=int, default=7)
+    p.add_argument("--warmup", type=int, default=2)
     p.add_argument(
         "--max-seconds", type=float, default=540.0,
         help="stop starting new configurations after this long",
     )
     p.add_argument("--tf32", action="store_true", help="allow TF32 matmuls")
+    p.add_argument("--threads", type=int, help="torch.set_num_threads (CPU runs)")
     args = p.parse_args(argv)
     base = QUICK if args.quick else FULL
     for key, value in base.items():
@@ -135,6 +142,33 @@ def time_once(fn):
     return (time.perf_counter() - start) * 1e3
 
 
+def _with_mode(fn, mode):
+    def run():
+        with torch_backend.call_mode(mode):
+            fn()
+
+    return run
+
+
+def _calls_per_step(fn, mode):
+    """(number of torch._VF calls, num_layers of each) in one step."""
+    seen = []
+    real = torch_backend.torch_rnn
+
+    def spy(kind, *args):
+        packed = isinstance(args[1], torch.Tensor) and args[1].dtype == torch.int64
+        seen.append(args[5] if packed else args[4])  # num_layers
+        return real(kind, *args)
+
+    torch_backend.torch_rnn = spy
+    try:
+        with torch_backend.call_mode(mode):
+            fn()
+    finally:
+        torch_backend.torch_rnn = real
+    return seen
+
+
 def measure(config, args):
     kind, layers, batch, steps, units, policy = config
     keras.utils.set_random_seed(0)
@@ -146,7 +180,11 @@ def measure(config, args):
     )
     rows = []
     for mode in args.modes:
-        fns = {"original": step_fn(model, x, mode), "fused": step_fn(fast, x, mode)}
+        fns = {"original": step_fn(model, x, mode)}
+        calls = {}
+        for call_mode in args.call_modes:
+            fns[f"fused:{call_mode}"] = _with_mode(step_fn(fast, x, mode), call_mode)
+            calls[call_mode] = _calls_per_step(step_fn(fast, x, mode), call_mode)
         for fn in fns.values():
             for _ in range(args.warmup):
                 fn()
@@ -159,9 +197,11 @@ def measure(config, args):
             dict(
                 kind=kind, layers=layers, batch=batch, steps=steps, units=units,
                 policy=policy, mode=mode,
-                original_ms=med["original"], fused_ms=med["fused"],
-                speedup=med["original"] / med["fused"],
-                original_all_ms=times["original"], fused_all_ms=times["fused"],
+                median_ms=med,
+                speedup={n: med["original"] / m for n, m in med.items() if n != "original"},
+                all_ms=times,
+                # num_layers of each torch._VF call in one step, per call mode
+                vf_calls=calls,
                 fused_groups=len(fused),
                 fused_path=[l.last_path for l in fused],
             )
@@ -171,6 +211,8 @@ def measure(config, args):
 
 def main(argv=None):
     args = parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
     if torch.cuda.is_available():
         torch.backends.cuda.matmul.allow_tf32 = args.tf32
         torch.backends.cudnn.allow_tf32 = args.tf32
@@ -206,10 +248,15 @@ def main(argv=None):
             if "error" in r:
                 print("ERROR", r["config"], r["error"], flush=True)
             else:
+                fused = "  ".join(
+                    f"{n} {m:8.2f} (x{r['speedup'][n]:.2f})"
+                    for n, m in r["median_ms"].items()
+                    if n != "original"
+                )
                 print(
                     f"{r['kind']} L{r['layers']} B{r['batch']} T{r['steps']} H{r['units']} "
-                    f"{r['policy']:14s} {r['mode']:5s} original {r['original_ms']:9.2f} ms  "
-                    f"fused {r['fused_ms']:9.2f} ms  x{r['speedup']:.2f}  {r['fused_path']}",
+                    f"{r['policy']:14s} {r['mode']:5s} original {r['median_ms']['original']:8.2f} ms  "
+                    f"{fused}  {r['fused_path']} calls={r['vf_calls']}",
                     flush=True,
                 )
         with open(args.out, "w") as f:

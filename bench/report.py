@@ -16,6 +16,16 @@ import math
 import sys
 
 
+def static_choice(row: dict) -> tuple[str, float]:
+    """(candidate name, speedup) the current rule table picks for a cell."""
+    sys.path.insert(0, __file__.rsplit("/bench/", 1)[0])
+    from rnnfuse.tuning.table import Regime, plan_for_regime
+
+    plan = plan_for_regime(Regime(**row["regime"])).for_length(row["layers_in_group"])
+    name = "original" if not plan.pieces else plan.name
+    return name, row["speedup"].get(name, float("nan"))
+
+
 def _fmt_ms(seconds: float) -> str:
     return f"{seconds * 1e3:.1f}"
 
@@ -31,6 +41,8 @@ def cells_table(data: dict) -> str:
             continue
         fused = {k: v for k, v in row["speedup"].items() if k != "original"}
         best = max(fused, key=fused.get)
+        if "regime" in row:
+            row["static"], row["static_speedup"] = static_choice(row)
         rows.append(
             "| {name} | {orig} | {fd:.2f}x | {bv:.2f}x ({bn}) | {tv:.2f}x | {tn} | {sv:.2f}x ({sn}) | {rej} |".format(
                 name=row["name"],
@@ -55,6 +67,10 @@ def _geomean(values) -> float:
 
 def summary(data: dict) -> str:
     ok = [r for r in data["cells"] if "error" not in r]
+    for r in ok:
+        if "regime" in r:
+            r["static"], r["static_speedup"] = static_choice(r)
+    static_worst = min(ok, key=lambda r: r["static_speedup"]) if ok else None
     lstm_gru_train = [r for r in ok if r["cell"]["kind"] in ("lstm", "gru", "bilstm", "bigru") and r["cell"]["mode"] == "train"]
     fp16_big = [r for r in lstm_gru_train if r["cell"]["dtype"] == "mixed_float16" and r["cell"]["batch"] >= 32]
     loops = [r for r in ok if r["cell"]["kind"] in ("simple_rnn", "rnn_lstmcell")]
@@ -62,6 +78,7 @@ def summary(data: dict) -> str:
     lines = [
         f"- cells measured: {len(ok)} (errors: {len(data['cells']) - len(ok)}, skipped: {len(data.get('skipped', []))})",
         f"- slowest tuned cell: {worst['tuned_speedup']:.2f}x ({worst['name']})" if worst else "",
+        f"- slowest cell under the static table (no tuning): {static_worst['static_speedup']:.2f}x ({static_worst['name']}, {static_worst['static']})" if static_worst else "",
         f"- geometric mean, LSTM/GRU training, tuned: {_geomean([r['tuned_speedup'] for r in lstm_gru_train]):.2f}x "
         f"(default fused plan: {_geomean([r['fused_default_speedup'] for r in lstm_gru_train]):.2f}x; n={len(lstm_gru_train)})",
         f"- mixed_float16 training at batch >= 32, tuned: geometric mean {_geomean([r['tuned_speedup'] for r in fp16_big]):.2f}x "

@@ -1,34 +1,69 @@
 """The static plan table: what to do with a group when nothing is timed.
 
 Used by `optimize` without `tune=` (and by the tuner when there is no GPU).
-Each rule is backed by numbers measured on an H200 (TF 2.21, cuDNN 9.19);
-the full matrix is in docs/benchmarks.md.
-
-1. A group with a layer Keras runs in its generic Python-level loop
-   (SimpleRNN, RNN(cell), StackedRNNCells, GRU/LSTM without bias): fuse it
-   whole, default algorithm. One cuDNN call replaces a while-loop of small
-   kernels (12.4x for SimpleRNN, 16.3x for RNN(LSTMCell), 4x512, B=64,
-   T=200, train step).
-2. LSTM/GRU (Keras already runs each layer on cuDNN):
-   see `_CUDNN_RULES` below, one row per regime, first match wins.
+A group is reduced to a `Regime` (cell kind, width, levels, directions,
+whether Keras runs it in its generic loop, dtype, training or inference)
+and the first rule of `RULES` that matches gives the plan. Each rule cites
+the H200 measurements behind it (TF 2.21, cuDNN 9.19; the full matrix is in
+docs/benchmarks.md, produced by bench/bench_tf.py).
 
 Example:
 
-    >>> import keras
-    >>> from rnnfuse.passes import build_layer_graph, plan_fusion
-    >>> m = keras.Sequential([keras.Input((10, 4)),
-    ...     keras.layers.SimpleRNN(8, return_sequences=True),
-    ...     keras.layers.SimpleRNN(8)])
-    >>> g = plan_fusion(build_layer_graph(m), model_name=m.name).groups[0]
-    >>> static_plan(g, "float32", training=True).name
+    >>> plan_for_regime(Regime("rnn_tanh", 512, 4, False, True, "float32", True)).name
     'fused'
 """
 
 from __future__ import annotations
 
-from rnnfuse.tuning.plans import FUSED, Plan
+import dataclasses
+from typing import Callable
 
-__all__ = ["static_plan"]
+from rnnfuse.tuning.plans import FUSED, PER_LAYER, Plan
+
+__all__ = ["Regime", "RULES", "plan_for_regime", "static_plan"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Regime:
+    """What the static table looks at."""
+
+    kind: str  # lstm, gru, rnn_tanh, rnn_relu
+    units: int
+    levels: int
+    bidirectional: bool
+    # Keras runs some layer of the group in its generic loop (SimpleRNN,
+    # RNN(cell), StackedRNNCells, LSTM/GRU without bias).
+    keras_loop: bool
+    dtype: str  # compute dtype: float32, float16, ...
+    training: bool
+
+
+# (name, predicate, plan, evidence). First match wins; the last rule is the
+# default. Evidence: speedup over the original model, H200, train step
+# unless noted, from bench/results/tf_h200.json.
+RULES: list[tuple[str, Callable[[Regime], bool], Plan, str]] = [
+    (
+        "generic-loop stacks",
+        lambda r: r.keras_loop,
+        FUSED,
+        "one cuDNN call replaces Keras' while-loop: DESIGN.md measured 12.4x "
+        "(SimpleRNN) and 16.3x (RNN(LSTMCell)) at 4x512, B=64, T=200",
+    ),
+    (
+        "default",
+        lambda r: True,
+        FUSED,
+        "fused with TensorFlow's default algorithm",
+    ),
+]
+
+
+def plan_for_regime(regime: Regime) -> Plan:
+    """The plan of the first rule in `RULES` that matches `regime`."""
+    for _name, predicate, plan, _evidence in RULES:
+        if predicate(regime):
+            return plan
+    return FUSED
 
 
 def _keras_loop(group) -> bool:
@@ -49,16 +84,22 @@ def _keras_loop(group) -> bool:
     return False
 
 
-# (predicate(group, dtype, training), plan, the measurement behind it).
-# Filled from bench/results; see docs/benchmarks.md "Static plan table".
-_CUDNN_RULES: list = []
+def regime_of(group, dtype: str, training: bool) -> Regime:
+    return Regime(
+        kind=group.cell,
+        units=group.units,
+        levels=group.num_layers,
+        bidirectional=group.bidirectional,
+        keras_loop=_keras_loop(group),
+        dtype=str(dtype),
+        training=bool(training),
+    )
 
 
 def static_plan(group, dtype: str, training: bool) -> Plan:
     """The plan the rule table gives `group` in `dtype`."""
-    if _keras_loop(group):
-        return FUSED
-    for predicate, plan, _evidence in _CUDNN_RULES:
-        if predicate(group, str(dtype), training):
-            return plan
-    return FUSED
+    return plan_for_regime(regime_of(group, dtype, training))
+
+
+# Keep PER_LAYER importable for rules that need it.
+_ = PER_LAYER
