@@ -17,6 +17,7 @@ Example:
 
 __version__ = "0.1.0"
 
+from rnnfuse import layers
 from rnnfuse.api import TuneShape, analyze, optimize
 from rnnfuse.fused import FusedRNN
 from rnnfuse.passes.rewrite import FusionWarning
@@ -36,6 +37,7 @@ __all__ = [
     "FusionWarning",
     "Reason",
     "analyze",
+    "layers",
     "optimize",
     "restore",
 ]

@@ -154,10 +154,20 @@ def cell_kind(cell: Any) -> str | Reason:
             "mask row to each gate in Keras' loop; cuDNN applies one input "
             "mask (use the default implementation=2 to fuse)",
         )
-    if getattr(cell, "_rnnfuse_cell_kind", None):
-        return cell._rnnfuse_cell_kind
     act = _activation_name(getattr(cell, "activation", None))
     rec = _activation_name(getattr(cell, "recurrent_activation", None))
+    declared = getattr(cell, "_rnnfuse_cell_kind", None)
+    if declared in ("lstm", "gru") and (act != "tanh" or rec != "sigmoid"):
+        # A cell that declares its kind (ProjectedLSTMCell) still needs
+        # cuDNN's activations.
+        return Reason(
+            "activation",
+            f"{name} uses activation={_fn_name(cell.activation)} and "
+            f"recurrent_activation={_fn_name(cell.recurrent_activation)}; "
+            "cuDNN computes only tanh and sigmoid",
+        )
+    if declared:
+        return declared
     if type(cell) in (keras.layers.LSTMCell, keras.layers.GRUCell):
         if act != "tanh" or rec != "sigmoid":
             return Reason(
@@ -349,8 +359,8 @@ def _describe_bidirectional(layer: Any, require_built: bool) -> RecurrentView | 
     ):
         return Reason(
             "bidirectional_mismatch",
-            f"its forward layer ({fview.kind}, {fview.units} units) and "
-            f"backward layer ({bview.kind}, {bview.units} units) differ",
+            f"its forward layer ({_width(fview)}) and backward layer "
+            f"({_width(bview)}) differ",
         )
     if fview.dropout or bview.dropout:
         return Reason(
@@ -373,6 +383,11 @@ def _describe_bidirectional(layer: Any, require_built: bool) -> RecurrentView | 
         # Bidirectional forces zero_output_for_mask = return_sequences.
         zero_output_for_mask=bool(layer.return_sequences),
     )
+
+
+def _width(view: RecurrentView) -> str:
+    proj = f", proj_size {view.proj_size}" if view.proj_size else ""
+    return f"{view.kind}, {view.units} units{proj}"
 
 
 def _part_name(wrapper: Any, part: Any) -> str:
