@@ -6,7 +6,7 @@ STAMP  := $(VENV)/.installed-stamp
 export KERAS_BACKEND ?= tensorflow
 export TF_CPP_MIN_LOG_LEVEL ?= 2
 
-.PHONY: demo test test-thorough venv clean
+.PHONY: demo test test-tf test-torch test-thorough venv clean
 
 venv: $(STAMP)
 
@@ -19,8 +19,21 @@ $(STAMP): setup.cfg pyproject.toml
 demo: $(STAMP)
 	$(BIN)/python examples/text_classifier.py
 
-test: $(STAMP)
-	$(BIN)/python -m pytest -q -p no:cacheprovider tests
+# The CPU suite under the TensorFlow backend, then the torch-backend tests
+# (tests/torch) under KERAS_BACKEND=torch. GPU tests (tests/gpu) skip here.
+test: test-tf test-torch
+
+test-tf: $(STAMP)
+	KERAS_BACKEND=tensorflow $(BIN)/python -m pytest -q -p no:cacheprovider tests
+
+# torch==2.13.0 is the CPU build this machine kind keeps on local disk; a bare
+# `torch` would pull a multi-GB CUDA build.
+$(VENV)/.torch-stamp: $(STAMP)
+	$(BIN)/python -m pip install -q torch==2.13.0
+	touch $@
+
+test-torch: $(VENV)/.torch-stamp
+	KERAS_BACKEND=torch $(BIN)/python -m pytest -q -p no:cacheprovider tests/torch
 
 test-thorough: $(STAMP)
 	HYPOTHESIS_PROFILE=thorough $(BIN)/python -m pytest -q tests

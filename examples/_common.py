@@ -21,10 +21,13 @@ import time
 
 os.environ.setdefault("KERAS_BACKEND", "tensorflow")
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+if os.environ["KERAS_BACKEND"] == "torch":
+    # Keras imports TensorFlow too when it is installed; on a CPU its threads
+    # and PyTorch's spinning OpenMP threads then slow torch down 10-50x.
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import keras  # noqa: E402
 import numpy as np  # noqa: E402
-import tensorflow as tf  # noqa: E402
 from rich.console import Console  # noqa: E402
 from rich.table import Table  # noqa: E402
 
@@ -45,7 +48,15 @@ def report(model: keras.Model) -> keras.Model:
 
 
 def device() -> tuple[str, bool]:
-    """(where TensorFlow runs, whether that is a GPU)."""
+    """(where the Keras backend runs, whether that is a GPU)."""
+    if keras.backend.backend() == "torch":
+        import torch
+
+        if torch.cuda.is_available():
+            return f"GPU ({torch.cuda.get_device_name(0)}, torch)", True
+        return f"CPU ({os.cpu_count()} cores, no GPU visible, torch)", False
+    import tensorflow as tf
+
     gpus = tf.config.list_physical_devices("GPU")
     if gpus:
         name = tf.config.experimental.get_device_details(gpus[0]).get("device_name", "GPU")
@@ -66,10 +77,8 @@ def check(model: keras.Model, fast: keras.Model, inputs, tolerance: float = 1e-4
     """Prints the max abs difference of the two models' outputs; True if within."""
     expected = keras.tree.flatten(model(inputs, training=False))
     actual = keras.tree.flatten(fast(inputs, training=False))
-    diff = max(
-        float(np.max(np.abs(np.asarray(a, np.float64) - np.asarray(b, np.float64))))
-        for a, b in zip(expected, actual)
-    )
+    as64 = lambda t: keras.ops.convert_to_numpy(t).astype(np.float64)
+    diff = max(float(np.max(np.abs(as64(a) - as64(b)))) for a, b in zip(expected, actual))
     console.rule("[bold]equivalence")
     for name, path in fused_paths(fast).items():
         console.print(f"{name}: {path}")
@@ -86,7 +95,7 @@ def timing(model: keras.Model, fast: keras.Model, inputs, *, loss_fn=None, repea
     loss and gradients of every trainable variable (no optimizer update).
     Returns {"inference": ratio, "train": ratio} (original / optimized).
     """
-    where, on_gpu = device()
+    where, _ = device()
     console.rule(f"[bold]timing on {where}")
     table = Table()
     for col in ("step", "original ms", "optimized ms", "speedup"):
@@ -102,9 +111,11 @@ def timing(model: keras.Model, fast: keras.Model, inputs, *, loss_fn=None, repea
         ratios[name] = a / b
         table.add_row(name, f"{a:.1f}", f"{b:.1f}", f"{a / b:.2f}x")
     console.print(table)
-    if not on_gpu:
+    fallback = {p for p in fused_paths(fast).values() if p and p.startswith("layers: ")}
+    if fallback:
+        why = "; ".join(sorted(p[len("layers: "):] for p in fallback))
         console.print(
-            "No GPU here: FusedRNN runs the original layers, so about 1.0x is "
+            f"FusedRNN ran the original layers here ({why}), so about 1.0x is "
             "expected. On a CUDA GPU each group runs as one cuDNN call."
         )
     return ratios
@@ -116,6 +127,11 @@ def quick() -> bool:
 
 
 def _step(model: keras.Model, loss_fn):
+    """One inference step (`loss_fn` None) or training step; returns numpy."""
+    if keras.backend.backend() == "torch":
+        return _torch_step(model, loss_fn)
+    import tensorflow as tf
+
     variables = model.trainable_variables
 
     @tf.function
@@ -129,13 +145,36 @@ def _step(model: keras.Model, loss_fn):
         grads = tape.gradient(loss, variables)
         return loss + tf.add_n([tf.reduce_sum(g) for g in grads if g is not None])
 
-    return infer if loss_fn is None else train
+    fn = infer if loss_fn is None else train
+    return lambda x: fn(x).numpy()  # .numpy() waits for the device
+
+
+def _torch_step(model: keras.Model, loss_fn):
+    import torch
+
+    params = [v.value for v in model.trainable_variables]
+
+    def run(x):
+        x = keras.ops.convert_to_tensor(x)
+        with torch.set_grad_enabled(loss_fn is not None):
+            out = model(x, training=loss_fn is not None)
+            if loss_fn is None:
+                result = keras.tree.flatten(out)[0]
+            else:
+                result = loss_fn(out)
+                grads = torch.autograd.grad(result, params, allow_unused=True)
+                result = result + sum(g.sum() for g in grads if g is not None)
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        return keras.ops.convert_to_numpy(result)
+
+    return run
 
 
 def _median_ms(fn_a, fn_b, inputs, repeats: int) -> tuple[float, float]:
     """Median milliseconds of each function, timed alternately."""
     for fn in (fn_a, fn_b):
-        np.asarray(fn(inputs))  # trace and warm up
+        fn(inputs)  # trace and warm up
     times = ([], [])
     for i in range(repeats):
         # Alternate which goes first so drift on a busy machine evens out.
@@ -143,6 +182,6 @@ def _median_ms(fn_a, fn_b, inputs, repeats: int) -> tuple[float, float]:
         for which in order:
             fn = (fn_a, fn_b)[which]
             start = time.perf_counter()
-            np.asarray(fn(inputs))  # .numpy() waits for the device
+            fn(inputs)
             times[which].append(1000 * (time.perf_counter() - start))
     return statistics.median(times[0]), statistics.median(times[1])

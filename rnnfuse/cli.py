@@ -3,22 +3,25 @@
 Commands (MODEL is a `.keras` file, or `module:function` / `path/to/file.py:fn`
 naming a function that takes no arguments and returns a built keras.Model):
 
-    rnnfuse inspect MODEL [--json] [--plot FILE.png] [--min-layers N]
+    rnnfuse inspect MODEL [--json] [--plot FILE.png]
     rnnfuse bench   MODEL [--batch N] [--steps T] [--train] [--mixed-precision]
-                          [--repeats K] [--warmup W] [--json]
+                          [--repeats K] [--warmup W] [--plan P] [--tune] [--json]
     rnnfuse check   MODEL [--tolerance X] [--batch N] [--steps T] [--seed S]
-                          [--mixed-precision] [--json]
+                          [--mixed-precision] [--plan P] [--json]
 
-Options every command takes: `--import MODULE` (import a module first, for
-example the one that registers a model's custom layers; repeatable),
-`--unsafe` (load a `.keras` file with `safe_mode=False`, for Lambda layers
-you trust), `--min-layers N` and `--debug` (tracebacks on errors).
+Options every command takes: `--min-layers N`, `--import MODULE` (import a
+module first, for example the one that registers a model's custom layers;
+repeatable), `--unsafe` (load a `.keras` file with `safe_mode=False`, for
+Lambda layers you trust) and `--debug` (warnings, and the traceback of an
+error). `--plan auto|fused|per-layer` picks how each group runs: auto is
+`rnnfuse.optimize`'s own choice.
 
 Exit codes: 0 success; 1 `check` found a difference above the tolerance;
 2 a problem with the input (a missing or unreadable file, a file that is not
-a Keras model, custom objects that cannot be found, a bad option): one line
-on stderr saying what and how to fix it; 3 an unexpected internal error
-(also one line; `--debug` shows the traceback).
+a Keras model, custom objects that cannot be found, a bad option, a function
+that does not return a model): one line on stderr saying what and how to fix
+it; 3 an unexpected internal error (also one line; `--debug` shows the
+traceback). TensorFlow may print its own start-up lines on stderr first.
 
 Random inputs (`bench`, `check`) follow each model input's shape and dtype:
 the batch size from `--batch`; the time axis (axis 1) from the input's shape,
@@ -26,6 +29,8 @@ or from `--steps` where the shape leaves it open; floats are standard
 normal; integer inputs that feed an `Embedding` get token ids below its
 `input_dim` (from 1 when `mask_zero=True`, and then right-padded with 0 to
 random lengths, so masks take the sequence-length path).
+
+`bench` and `check` run on the TensorFlow and torch Keras backends.
 
 Example:
 
@@ -195,6 +200,14 @@ def _parser() -> argparse.ArgumentParser:
         metavar="N",
         help="the least number of recurrent levels worth fusing (default 2)",
     )
+    plan = argparse.ArgumentParser(add_help=False)
+    plan.add_argument(
+        "--plan",
+        choices=("auto", "fused", "per-layer"),
+        default="auto",
+        help="how each group runs: optimize()'s choice (auto, the default), "
+        "every group fused whole (fused), or its original layers (per-layer)",
+    )
     common.add_argument(
         "--debug",
         action="store_true",
@@ -207,6 +220,16 @@ def _parser() -> argparse.ArgumentParser:
         description="See which stacked recurrent layers of a Keras 3 model "
         "fuse into one cuDNN call, how much faster that is here, and that "
         "it computes the same thing.",
+        epilog="examples:\n"
+        "  rnnfuse inspect model.keras --plot graph.png\n"
+        "  rnnfuse check model.keras\n"
+        "  rnnfuse bench model.keras --batch 32 --steps 200 --train\n"
+        "  rnnfuse inspect examples/speech_encoder.py:build_model\n\n"
+        "exit codes: 0 ok, 1 check above tolerance, 2 bad input (one line on "
+        "stderr),\n3 internal error. Run 'rnnfuse COMMAND --help' for a "
+        "command's options.\nDocs: docs/guide.md (the fusion rules), "
+        "docs/api.md.",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("--version", action="version", version=f"rnnfuse {__version__}")
     parser.add_argument("--debug", action="store_true", help=argparse.SUPPRESS)
@@ -225,7 +248,7 @@ def _parser() -> argparse.ArgumentParser:
 
     bench = commands.add_parser(
         "bench",
-        parents=[common],
+        parents=[common, plan],
         help="time the original and the optimized model on this machine",
     )
     bench.add_argument("--batch", type=_positive_int, default=32, metavar="N", help="batch size (default 32)")
@@ -247,12 +270,18 @@ def _parser() -> argparse.ArgumentParser:
     )
     bench.add_argument("--repeats", type=_positive_int, default=10, metavar="K", help="timed runs of each model (default 10)")
     bench.add_argument("--warmup", type=_positive_int, default=2, metavar="W", help="untimed runs first (default 2)")
+    bench.add_argument(
+        "--tune",
+        action="store_true",
+        help="let optimize() time each group's candidate plans on this device "
+        "for this batch and length (cached on disk) instead of its rule table",
+    )
     bench.add_argument("--json", action="store_true", help="print the results as JSON")
     bench.set_defaults(run=_cmd_bench)
 
     check = commands.add_parser(
         "check",
-        parents=[common],
+        parents=[common, plan],
         help="compare outputs and gradients of the original and optimized model",
     )
     check.add_argument(
@@ -436,10 +465,11 @@ def _load_error(path: str, err: BaseException) -> str:
     found = re.search(r"Could not locate (?:class|function) '([^']+)'", text)
     if found or "register_keras_serializable" in text:
         name = found.group(1) if found else "a custom object"
+        module = _module_of(path, name) or "MODULE"
         return (
             f"'{path}' uses the custom object '{name}', which is not "
-            "registered in this process. Fix: pass --import MODULE naming the "
-            "module that defines it (decorated with "
+            f"registered in this process. Fix: pass --import {module} (the "
+            "module that defines it, decorated with "
             "@keras.saving.register_keras_serializable()), or pass "
             "module:function that builds or loads the model"
         )
@@ -454,6 +484,28 @@ def _load_error(path: str, err: BaseException) -> str:
         "check that Keras 3 saved it with model.save(...) (run with --debug "
         "for the traceback)"
     )
+
+
+def _module_of(path: str, class_name: str) -> str | None:
+    """The module a .keras archive records for `class_name`, if any."""
+    found: list = []
+
+    def visit(node):
+        if isinstance(node, dict):
+            if node.get("class_name") == class_name and node.get("module"):
+                found.append(node["module"])
+            for value in node.values():
+                visit(value)
+        elif isinstance(node, list):
+            for value in node:
+                visit(value)
+
+    try:
+        with zipfile.ZipFile(path) as archive:
+            visit(json.loads(archive.read("config.json")))
+    except (OSError, KeyError, ValueError, zipfile.BadZipFile):
+        return None
+    return found[0] if found else None
 
 
 def _import_module(spec: str, *, what: str):
@@ -599,19 +651,34 @@ def _analyze(model, min_layers: int):
         raise CliError(_first_line(err, limit=600)) from err
 
 
-def _optimize(model, min_layers: int):
-    import rnnfuse
+def _optimize(model, report, args, *, tune=None, training=True):
+    """(optimized model, [(group, plan name, how it was chosen)]).
 
+    The plan of each group (fused whole, split, per layer) comes from
+    `--plan`: "auto" is `optimize`'s own choice (the static rule table, or
+    timing on this device with `tune`), "fused" forces every group fused.
+    """
+    import rnnfuse
+    from rnnfuse.api import choose_plans
+
+    forced = {"auto": None, "fused": rnnfuse.FUSED, "per-layer": rnnfuse.PER_LAYER}[args.plan]
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always", rnnfuse.FusionWarning)
         try:
-            fast = rnnfuse.optimize(model, min_layers=min_layers)
+            chosen = choose_plans(model, report.groups, tune=tune, training=training, plan=forced)
+            plans = {r.group.layers: r.plan for r in chosen}
+            fast = rnnfuse.optimize(
+                model,
+                min_layers=args.min_layers,
+                plan=lambda group: plans[group.layers],
+            )
         except (TypeError, ValueError) as err:
             raise CliError(_first_line(err, limit=600)) from err
     for w in caught:
         if issubclass(w.category, rnnfuse.FusionWarning):
             print(f"rnnfuse: warning: {_one_line(str(w.message))}", file=sys.stderr)
-    return fast
+    summary = [(" -> ".join(r.group.layers), r.plan.name, r.source) for r in chosen]
+    return fast, summary
 
 
 def _fused_layers(model) -> list:
@@ -746,28 +813,32 @@ def _embedding_inputs(model, specs) -> dict[int, tuple[int, bool]]:
     return found
 
 
-# -- device --------------------------------------------------------------------
+# -- backends: devices, timed steps, gradients -----------------------------------
 
 
-def _device() -> tuple[str, bool]:
-    """(a description of the device the backend runs on, whether it is a GPU)."""
+def _engine(command: str):
+    """The timing and gradient helpers of the active Keras backend."""
     import keras
 
-    if keras.backend.backend() == "tensorflow":
-        import tensorflow as tf
+    backend = keras.backend.backend()
+    if backend == "tensorflow":
+        return _TensorFlowEngine()
+    if backend == "torch":
+        return _TorchEngine()
+    raise CliError(
+        f"rnnfuse {command} runs on the TensorFlow or torch Keras backend; this "
+        f"process uses '{backend}'. Fix: set KERAS_BACKEND=tensorflow (or torch)"
+    )
 
-        gpus = tf.config.list_physical_devices("GPU")
-        if gpus:
-            try:
-                name = tf.config.experimental.get_device_details(gpus[0]).get("device_name", "GPU")
-            except Exception:  # noqa: BLE001 - the name is cosmetic
-                name = "GPU"
-            more = f" (+{len(gpus) - 1} more, unused)" if len(gpus) > 1 else ""
-            info = tf.sysconfig.get_build_info()
-            cudnn = info.get("cudnn_version")
-            return f"GPU: {name}{more}, TensorFlow {tf.__version__}" + (f", cuDNN {cudnn}" if cudnn else ""), True
-        return f"CPU: {_cpu_name()}, {os.cpu_count()} cores, TensorFlow {tf.__version__} (no GPU visible)", False
-    return f"{keras.backend.backend()} backend (rnnfuse has no fused kernel for it)", False
+
+def _loss_weights(flat_shapes, seed: int) -> list:
+    """One fixed random array per output, so gradients do not cancel."""
+    import numpy as np
+
+    return [
+        np.random.default_rng(seed + 1 + i).standard_normal(shape).astype("float32")
+        for i, shape in enumerate(flat_shapes)
+    ]
 
 
 def _cpu_name() -> str:
@@ -781,14 +852,182 @@ def _cpu_name() -> str:
     return platform.processor() or platform.machine() or "unknown"
 
 
-def _require_tensorflow(command: str) -> None:
-    import keras
+def _cpu_device(library: str) -> str:
+    return f"CPU: {_cpu_name()}, {os.cpu_count()} cores, {library} (no GPU visible)"
 
-    if keras.backend.backend() != "tensorflow":
+
+class _TensorFlowEngine:
+    """tf.function steps and GradientTape gradients."""
+
+    def device(self) -> tuple[str, bool]:
+        import tensorflow as tf
+
+        library = f"TensorFlow {tf.__version__}"
+        gpus = tf.config.list_physical_devices("GPU")
+        if not gpus:
+            return _cpu_device(library), False
+        try:
+            name = tf.config.experimental.get_device_details(gpus[0]).get("device_name", "GPU")
+        except Exception:  # noqa: BLE001 - the name is cosmetic
+            name = "GPU"
+        cudnn = tf.sysconfig.get_build_info().get("cudnn_version")
+        more = f" (+{len(gpus) - 1} more, unused)" if len(gpus) > 1 else ""
+        return f"GPU: {name}{more}, {library}" + (f", cuDNN {cudnn}" if cudnn else ""), True
+
+    def timing_notes(self, on_gpu: bool) -> list[str]:
+        return []
+
+    def exact_float32(self) -> None:
+        import tensorflow as tf
+
+        tf.config.experimental.enable_tensor_float_32_execution(False)
+
+    def step(self, model, train: bool):
+        """A compiled inference or training step; returns a float when done."""
+        import keras
+        import tensorflow as tf
+
+        variables = list(model.trainable_variables)
+
+        def loss_of(outputs):
+            flat = [tf.cast(t, tf.float32) for t in keras.tree.flatten(outputs)]
+            return tf.add_n([tf.reduce_mean(tf.square(t)) for t in flat])
+
+        @tf.function
+        def infer(inputs):
+            return loss_of(model(inputs, training=False))
+
+        @tf.function
+        def train_step(inputs):
+            with tf.GradientTape() as tape:
+                loss = loss_of(model(inputs, training=True))
+            grads = [g for g in tape.gradient(loss, variables) if g is not None]
+            # Depend on every gradient so the step is timed to its end.
+            return loss + tf.add_n([tf.reduce_sum(tf.cast(g, tf.float32)) for g in grads] or [0.0])
+
+        fn = train_step if train and variables else infer
+        return lambda inputs: float(fn(inputs).numpy())
+
+    def outputs_and_grads(self, model, inputs, variables, seed: int):
+        """Outputs (inference mode) and d(loss)/d(variables), as numpy.
+
+        Runs eagerly: one step does not pay back tracing a graph.
+        """
+        import keras
+        import numpy as np
+        import tensorflow as tf
+
+        with tf.GradientTape() as tape:
+            outputs = model(inputs, training=False)
+            flat = [tf.cast(t, tf.float32) for t in keras.tree.flatten(outputs)]
+            weights = _loss_weights([tuple(t.shape) for t in flat], seed)
+            loss = tf.add_n([tf.reduce_mean(t * w) for t, w in zip(flat, weights)])
+        grads = tape.gradient(loss, variables)
+        grads = [
+            np.zeros(v.shape, np.float32) if g is None else tf.cast(tf.convert_to_tensor(g), tf.float32).numpy()
+            for v, g in zip(variables, grads)
+        ]
+        return [t.numpy() for t in flat], grads
+
+
+class _TorchEngine:
+    """Eager torch steps and autograd gradients."""
+
+    def device(self) -> tuple[str, bool]:
+        import torch
+
+        library = f"PyTorch {torch.__version__}"
+        if not torch.cuda.is_available():
+            return _cpu_device(library), False
+        cudnn = torch.backends.cudnn.version()
+        return f"GPU: {torch.cuda.get_device_name(0)}, {library}" + (f", cuDNN {cudnn}" if cudnn else ""), True
+
+    def timing_notes(self, on_gpu: bool) -> list[str]:
+        if on_gpu or "tensorflow" not in sys.modules or os.environ.get("OMP_WAIT_POLICY"):
+            return []
+        return [
+            "TensorFlow is loaded in this process too (Keras imports it when it "
+            "is installed); on a CPU its threads and PyTorch's spinning OpenMP "
+            "threads can slow torch down 10-50x. Set OMP_WAIT_POLICY=PASSIVE "
+            "in the environment for steady CPU timings"
+        ]
+
+    def exact_float32(self) -> None:
+        import torch
+
+        torch.backends.cuda.matmul.allow_tf32 = False
+        torch.backends.cudnn.allow_tf32 = False
+
+    @staticmethod
+    def _tensors(inputs):
+        import keras
+
+        return keras.tree.map_structure(keras.ops.convert_to_tensor, inputs)
+
+    def step(self, model, train: bool):
+        import keras
+        import torch
+
+        params = [v.value for v in model.trainable_variables]
+
+        def run(inputs):
+            x = self._tensors(inputs)
+            with torch.set_grad_enabled(train):
+                flat = keras.tree.flatten(model(x, training=train))
+                loss = sum(torch.mean(torch.square(t.float())) for t in flat)
+                if train and params:
+                    grads = torch.autograd.grad(loss, params, allow_unused=True)
+                    loss = loss + sum(g.float().sum() for g in grads if g is not None)
+            if torch.cuda.is_available():
+                torch.cuda.synchronize()
+            return float(loss)
+
+        return run
+
+    def outputs_and_grads(self, model, inputs, variables, seed: int):
+        import keras
+        import numpy as np
+        import torch
+
+        flat = [t.float() for t in keras.tree.flatten(model(self._tensors(inputs), training=False))]
+        weights = _loss_weights([tuple(t.shape) for t in flat], seed)
+        loss = sum(torch.mean(t * torch.as_tensor(w, device=t.device)) for t, w in zip(flat, weights))
+        params = [v.value for v in variables]
+        grads = torch.autograd.grad(loss, params, allow_unused=True) if params else []
+        grads = [
+            np.zeros(tuple(v.shape), np.float32) if g is None else g.detach().float().cpu().numpy()
+            for v, g in zip(variables, grads)
+        ]
+        return [t.detach().cpu().numpy() for t in flat], grads
+
+
+def _run_model(fn, *args, command: str):
+    """Calls `fn(*args)`; a failure of the user's model becomes a CliError."""
+    try:
+        return fn(*args)
+    except CliError:
+        raise
+    except Exception as err:  # noqa: BLE001 - the user's model failed on our inputs
         raise CliError(
-            f"rnnfuse {command} runs on the TensorFlow backend; this process "
-            f"uses '{keras.backend.backend()}'. Fix: set KERAS_BACKEND=tensorflow"
+            f"{command}: running the model on random inputs failed: "
+            f"{type(err).__name__}: {_first_line(err)}. Fix: check that the "
+            "model runs on inputs of these shapes (--debug shows the traceback)"
+        ) from err
+
+
+def _caveat(paths: dict, groups: int) -> str | None:
+    """Why the two models should time alike here, if they should."""
+    if not groups:
+        return "nothing fuses in this model: both models run the same layers."
+    if not paths:
+        return "every group's plan keeps its layers: both models run the same layers."
+    fallback = sorted({p[len("layers: "):] for p in paths.values() if p and p.startswith("layers: ")})
+    if fallback:
+        return (
+            f"the fused layers ran the original layers here ({'; '.join(fallback)}), "
+            "so expect about 1.0x. On a CUDA GPU each group runs as one cuDNN call."
         )
+    return None
 
 
 # -- inspect -------------------------------------------------------------------
@@ -849,7 +1088,9 @@ def _plot(model, report, path: str) -> None:
 def _cmd_bench(args) -> int:
     import numpy as np
 
-    _require_tensorflow("bench")
+    import rnnfuse
+
+    engine = _engine("bench")
     model = load_model(
         args.model,
         imports=args.imports,
@@ -861,25 +1102,28 @@ def _cmd_bench(args) -> int:
     inputs, described = random_inputs(
         model, batch=args.batch, steps=args.steps, rng=np.random.default_rng(0), notes=notes
     )
-    fast = _optimize(model, args.min_layers)
-    device, on_gpu = _device()
-    step_orig = _timed_step(model, args.train)
-    step_fast = _timed_step(fast, args.train)
+    tune = None
+    if args.tune:
+        steps = next((np.shape(x)[1] for x in _flatten(inputs) if np.ndim(x) >= 2), 1)
+        tune = rnnfuse.TuneShape(args.batch, int(steps))
+    fast, summary = _optimize(model, report, args, tune=tune, training=args.train)
+    device, on_gpu = engine.device()
+    notes += engine.timing_notes(on_gpu)
+    steps = {"original": engine.step(model, args.train), "optimized": engine.step(fast, args.train)}
     times = {"original": [], "optimized": []}
-    total = 2 * (args.warmup + args.repeats)
     with _progress(disable=args.json) as progress:
-        task = progress.add_task("warming up", total=total)
+        task = progress.add_task("warming up", total=2 * (args.warmup + args.repeats))
         for _ in range(args.warmup):
-            for fn in (step_orig, step_fast):
-                _run_model(fn, inputs, "bench")
+            for fn in steps.values():
+                _run_model(fn, inputs, command="bench")
                 progress.advance(task)
         for i in range(args.repeats):
             progress.update(task, description=f"timing {i + 1}/{args.repeats}")
             # Alternate the order so drift does not favour either model.
-            order = [("original", step_orig), ("optimized", step_fast)]
-            for which, fn in order if i % 2 == 0 else order[::-1]:
+            order = ["original", "optimized"] if i % 2 == 0 else ["optimized", "original"]
+            for which in order:
                 start = time.perf_counter()
-                _run_model(fn, inputs, "bench")
+                _run_model(steps[which], inputs, command="bench")
                 times[which].append(1000 * (time.perf_counter() - start))
                 progress.advance(task)
     paths = {l.name: l.last_path for l in _fused_layers(fast)}
@@ -894,12 +1138,14 @@ def _cmd_bench(args) -> int:
         "inputs": described,
         "repeats": args.repeats,
         "groups": len(report.groups),
+        "plans": {layers: f"{plan} ({source})" for layers, plan, source in summary},
         "fused_paths": paths,
         "original_ms": times["original"],
         "optimized_ms": times["optimized"],
         "original_median_ms": orig_ms,
         "optimized_median_ms": fast_ms,
         "speedup": orig_ms / fast_ms if fast_ms > 0 else float("nan"),
+        "caveat": _caveat(paths, len(report.groups)),
         "notes": notes,
     }
     if args.json:
@@ -911,13 +1157,7 @@ def _cmd_bench(args) -> int:
 
 @contextlib.contextmanager
 def _progress(disable: bool):
-    from rich.progress import (
-        BarColumn,
-        MofNCompleteColumn,
-        Progress,
-        TextColumn,
-        TimeElapsedColumn,
-    )
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     progress = Progress(
         TextColumn("[progress.description]{task.description}"),
@@ -932,69 +1172,34 @@ def _progress(disable: bool):
         yield progress
 
 
-def _timed_step(model, train: bool):
-    """A compiled function: one inference or training step -> a scalar."""
-    import keras
-    import tensorflow as tf
-
-    variables = list(model.trainable_variables)
-
-    def loss_of(outputs):
-        flat = [tf.cast(t, tf.float32) for t in keras.tree.flatten(outputs)]
-        return tf.add_n([tf.reduce_mean(tf.square(t)) for t in flat])
-
-    @tf.function
-    def infer(inputs):
-        return loss_of(model(inputs, training=False))
-
-    @tf.function
-    def train_step(inputs):
-        with tf.GradientTape() as tape:
-            loss = loss_of(model(inputs, training=True))
-        grads = [g for g in tape.gradient(loss, variables) if g is not None]
-        # Depend on every gradient so the step is timed to its end.
-        return loss + tf.add_n([tf.reduce_sum(tf.cast(g, tf.float32)) for g in grads] or [0.0])
-
-    return train_step if train and variables else infer
-
-
-def _run_model(fn, inputs, command: str):
-    """Calls `fn(inputs)` and waits for the result."""
-    try:
-        out = fn(inputs)
-        return [x.numpy() for x in _flatten(out)]
-    except CliError:
-        raise
-    except Exception as err:  # noqa: BLE001 - the user's model failed on our inputs
-        raise CliError(
-            f"{command}: running the model on random inputs failed: "
-            f"{type(err).__name__}: {_first_line(err)}. Fix: check that the "
-            "model runs on inputs of these shapes (--debug shows the traceback)"
-        ) from err
-
-
 def _flatten(x):
     import keras
 
     return keras.tree.flatten(x)
 
 
+def _print_header(console, result: dict) -> None:
+    console.print(f"device: {result['device']}")
+    for line in result["inputs"]:
+        console.print(f"  input {line}")
+    for layers, plan in result["plans"].items():
+        console.print(f"  group {layers}: plan {plan}")
+    for name, path in result["fused_paths"].items():
+        console.print(f"  {name} ran: {path}")
+    for note in result["notes"]:
+        console.print(f"note: {note}")
+
+
 def _print_bench(result: dict) -> None:
     from rich.table import Table
 
     console = _console()
-    console.print(f"device: {result['device']}")
     console.print(
-        f"model '{result['model']}': {result['groups']} fused group(s); "
+        f"rnnfuse bench '{result['model']}': {result['groups']} fused group(s); "
         f"{result['mode']}, batch {result['batch']}, {result['compute_dtype']}, "
         f"{result['repeats']} timed runs each"
     )
-    for line in result["inputs"]:
-        console.print(f"  input {line}")
-    for name, path in result["fused_paths"].items():
-        console.print(f"  {name}: {path}")
-    for note in result["notes"]:
-        console.print(f"note: {note}")
+    _print_header(console, result)
     table = Table(title="milliseconds per step")
     for col in ("model", "median", "min", "max"):
         table.add_column(col, justify="right" if col != "model" else "left")
@@ -1004,12 +1209,9 @@ def _print_bench(result: dict) -> None:
     console.print(table)
     console.print(f"speedup (original / optimized, medians): {result['speedup']:.2f}x")
     if not result["gpu"]:
-        console.print(
-            "no GPU here: the fused layers run the original layers, so expect "
-            "about 1.0x. Run on a machine with a CUDA GPU to measure the fused call."
-        )
-    elif not result["groups"]:
-        console.print("nothing fused: both models run the same layers.")
+        console.print("no GPU visible: these are CPU timings.")
+    if result["caveat"]:
+        console.print(result["caveat"])
 
 
 # -- check ---------------------------------------------------------------------
@@ -1018,12 +1220,10 @@ def _print_bench(result: dict) -> None:
 def _cmd_check(args) -> int:
     import numpy as np
 
-    _require_tensorflow("check")
-    import tensorflow as tf
-
+    engine = _engine("check")
     # Keep float32 matmuls exact on GPUs, so the comparison shows rnnfuse's
     # differences rather than TF32 rounding in either model.
-    tf.config.experimental.enable_tensor_float_32_execution(False)
+    engine.exact_float32()
     model = load_model(
         args.model,
         imports=args.imports,
@@ -1034,14 +1234,15 @@ def _cmd_check(args) -> int:
     rng = np.random.default_rng(args.seed)
     notes: list[str] = []
     inputs, described = random_inputs(model, batch=args.batch, steps=args.steps, rng=rng, notes=notes)
-    fast = _optimize(model, args.min_layers)
+    fast, summary = _optimize(model, report, args)
     variables = list(model.trainable_variables)
-    out_orig, grads_orig = _outputs_and_grads(model, inputs, variables, rng_seed=args.seed)
-    out_fast, grads_fast = _outputs_and_grads(fast, inputs, variables, rng_seed=args.seed)
+    run = engine.outputs_and_grads
+    out_orig, grads_orig = _run_model(run, model, inputs, variables, args.seed, command="check")
+    out_fast, grads_fast = _run_model(run, fast, inputs, variables, args.seed, command="check")
     if len(out_orig) != len(out_fast):
         raise CliError(
             f"the optimized model returns {len(out_fast)} outputs and the "
-            f"original {len(out_orig)}; this is a bug in rnnfuse, please report it"
+            f"original {len(out_orig)}. Fix: this is a bug in rnnfuse; please report it"
         )
     out_diff, out_scale = _max_diff(out_orig, out_fast)
     grad_diff, grad_scale, worst = 0.0, 0.0, None
@@ -1053,11 +1254,14 @@ def _cmd_check(args) -> int:
     compute = _compute_dtype(model)
     tolerance = args.tolerance if args.tolerance is not None else DEFAULT_TOLERANCE.get(compute, 1e-4)
     passed = out_diff <= tolerance and grad_diff <= tolerance
+    paths = {l.name: l.last_path for l in _fused_layers(fast)}
     result = {
         "model": model.name,
-        "device": _device()[0],
+        "device": engine.device()[0],
+        "compute_dtype": compute,
         "groups": len(report.groups),
-        "fused_paths": {l.name: l.last_path for l in _fused_layers(fast)},
+        "plans": {layers: f"{plan} ({source})" for layers, plan, source in summary},
+        "fused_paths": paths,
         "inputs": described,
         "outputs_max_abs_diff": out_diff,
         "outputs_max_abs": out_scale,
@@ -1067,6 +1271,7 @@ def _cmd_check(args) -> int:
         "variables": len(variables),
         "tolerance": tolerance,
         "passed": passed,
+        "caveat": _caveat(paths, len(report.groups)),
         "notes": notes,
     }
     if args.json:
@@ -1083,45 +1288,6 @@ def _compute_dtype(model) -> str:
         if narrow in dtypes:
             return narrow
     return "float32"
-
-
-def _outputs_and_grads(model, inputs, variables, rng_seed: int):
-    """Outputs of `model` (inference mode) and d(loss)/d(variables).
-
-    The loss is the mean of each output times a fixed random tensor of its
-    shape, so every output element has its own weight and gradients do not
-    cancel.
-    """
-    import keras
-    import numpy as np
-    import tensorflow as tf
-
-    @tf.function
-    def step(inputs):
-        with tf.GradientTape() as tape:
-            outputs = model(inputs, training=False)
-            flat = [tf.cast(t, tf.float32) for t in keras.tree.flatten(outputs)]
-            weights = [
-                tf.constant(np.random.default_rng(rng_seed + 1 + i).standard_normal(t.shape), tf.float32)
-                for i, t in enumerate(flat)
-            ]
-            loss = tf.add_n([tf.reduce_mean(t * w) for t, w in zip(flat, weights)])
-        return flat, tape.gradient(loss, variables)
-
-    try:
-        flat, grads = step(inputs)
-    except Exception as err:  # noqa: BLE001 - the user's model failed on our inputs
-        raise CliError(
-            f"check: running the model on random inputs failed: "
-            f"{type(err).__name__}: {_first_line(err)}. Fix: check that the "
-            "model runs on inputs of these shapes (--debug shows the traceback)"
-        ) from err
-    outs = [t.numpy() for t in flat]
-    grad_values = [
-        np.zeros(v.shape, np.float32) if g is None else tf.cast(tf.convert_to_tensor(g), tf.float32).numpy()
-        for v, g in zip(variables, grads)
-    ]
-    return outs, grad_values
 
 
 def _max_diff(a: list, b: list) -> tuple[float, float]:
@@ -1141,15 +1307,11 @@ def _max_diff(a: list, b: list) -> tuple[float, float]:
 
 def _print_check(result: dict) -> None:
     console = _console()
-    console.print(f"device: {result['device']}")
-    console.print(f"model '{result['model']}': {result['groups']} fused group(s)")
-    for line in result["inputs"]:
-        console.print(f"  input {line}")
-    for name, path in result["fused_paths"].items():
-        console.print(f"  {name}: {path}")
-    for note in result["notes"]:
-        console.print(f"note: {note}")
-    tol = result["tolerance"]
+    console.print(
+        f"rnnfuse check '{result['model']}': {result['groups']} fused group(s), "
+        f"{result['compute_dtype']}"
+    )
+    _print_header(console, result)
     console.print(
         f"outputs:   max abs diff {result['outputs_max_abs_diff']:.3g} "
         f"(largest output {result['outputs_max_abs']:.3g})"
@@ -1160,9 +1322,10 @@ def _print_check(result: dict) -> None:
         f"{result['variables']} trainable variables (largest gradient "
         f"{result['gradients_max_abs']:.3g}{worst})"
     )
+    if result["caveat"]:
+        console.print(result["caveat"])
+    tol = result["tolerance"]
     if result["passed"]:
         console.print(f"PASS: both within the tolerance {tol:g}")
     else:
         console.print(f"FAIL: above the tolerance {tol:g}")
-    if not result["groups"]:
-        console.print("nothing fused: both models run the same layers.")

@@ -1,9 +1,11 @@
 """Saving, loading and un-fusing optimized models.
 
 `rnnfuse.optimize` returns an `OptimizedModel` (Functional) or an
-`OptimizedSequential`: the plain Keras classes plus the weight-file methods
-below, registered as "rnnfuse>OptimizedModel" / "rnnfuse>OptimizedSequential"
-so `keras.models.load_model` rebuilds them (with rnnfuse imported).
+`OptimizedSequential`: the plain Keras classes with their weight-file
+methods in the original layout (below) and a clear error for a forced
+`jit_compile=True` while cuDNN may run, registered as
+"rnnfuse>OptimizedModel" / "rnnfuse>OptimizedSequential" so
+`keras.models.load_model` rebuilds them (with rnnfuse imported).
 
 What goes where:
 
@@ -75,13 +77,21 @@ __all__ = [
 _FUSED_NAME = "rnnfuse>FusedRNN"
 
 
-class _OriginalLayoutWeights:
+class _OptimizedMixin:
     """save_weights/load_weights in the original model's file layout.
 
     Also refuses `jit_compile=True` with a clear error while a FusedRNN may
     run its cuDNN kernel (Keras alone would only warn that the model "doesn't
     support" it and quietly run without XLA).
     """
+
+    def _cudnn_layers(self) -> list[str]:
+        """Names of the FusedRNN layers that would run the fused kernel here."""
+        return [
+            layer.name
+            for layer in self._flatten_layers(include_self=False)
+            if isinstance(layer, FusedRNN) and layer.uses_fused_kernel
+        ]
 
     @property
     def jit_compile(self):
@@ -90,11 +100,7 @@ class _OriginalLayoutWeights:
     @jit_compile.setter
     def jit_compile(self, value):
         if value is True:
-            cudnn = [
-                layer.name
-                for layer in self._flatten_layers(include_self=False)
-                if isinstance(layer, FusedRNN) and layer.uses_fused_kernel
-            ]
+            cudnn = self._cudnn_layers()
             if cudnn:
                 raise ValueError(
                     f"jit_compile=True: model '{self.name}' runs its fused "
@@ -108,7 +114,11 @@ class _OriginalLayoutWeights:
     def compile_from_config(self, config):
         # A model compiled with jit_compile=True where no GPU was visible
         # may be loaded where one is: fall back to "auto" rather than fail.
-        if isinstance(config, dict) and config.get("jit_compile") is True:
+        if (
+            isinstance(config, dict)
+            and config.get("jit_compile") is True
+            and self._cudnn_layers()
+        ):
             config = {**config, "jit_compile": "auto"}
         return super().compile_from_config(config)
 
@@ -137,7 +147,7 @@ class _OriginalLayoutWeights:
 
 
 @keras.saving.register_keras_serializable(package="rnnfuse")
-class OptimizedModel(_OriginalLayoutWeights, Functional):
+class OptimizedModel(_OptimizedMixin, Functional):
     """A Functional model made by `rnnfuse.optimize`.
 
     Exactly a Functional model (same constructor, config and `.keras`
@@ -147,7 +157,7 @@ class OptimizedModel(_OriginalLayoutWeights, Functional):
 
 
 @keras.saving.register_keras_serializable(package="rnnfuse")
-class OptimizedSequential(_OriginalLayoutWeights, keras.Sequential):
+class OptimizedSequential(_OptimizedMixin, keras.Sequential):
     """A Sequential model made by `rnnfuse.optimize`; see `OptimizedModel`."""
 
 
@@ -293,9 +303,11 @@ def load_model(
         if match:
             raise ValueError(
                 f"rnnfuse.load_model: '{path}' uses the custom class or function "
-                f"'{match.group(1)}', which is not registered in this process. "
-                "Fix: import the module that defines it, or pass "
-                "custom_objects={name: object}."
+                f"{_describe_class(path, match.group(1))}, which is not "
+                "registered in this process. Fix: import the module that "
+                "defines it (registered with "
+                "@keras.saving.register_keras_serializable), or pass "
+                "custom_objects={registered name: object}."
             ) from err
         raise ValueError(
             f"rnnfuse.load_model: could not load '{path}' "
@@ -445,6 +457,34 @@ def _check_archive(path: str) -> None:
             f"rnnfuse.load_model: '{path}' is corrupt ({detail}). Fix: save "
             "the model again with model.save(path)."
         )
+
+
+def _describe_class(path: str, name: str) -> str:
+    """'name' plus the registered name and module the archive records for it."""
+    found = []
+
+    def visit(node):
+        if isinstance(node, dict):
+            if node.get("class_name") == name and not found:
+                found.append(node)
+            for value in node.values():
+                visit(value)
+        elif isinstance(node, list):
+            for value in node:
+                visit(value)
+
+    try:
+        with zipfile.ZipFile(path) as archive:
+            visit(json.loads(archive.read("config.json")))
+    except (OSError, KeyError, ValueError, zipfile.BadZipFile):
+        pass
+    if not found:
+        return f"'{name}'"
+    entry = found[0]
+    registered = entry.get("registered_name") or name
+    module = entry.get("module")
+    where = f", defined in module '{module}'" if module else ""
+    return f"'{name}' (registered name '{registered}'{where})"
 
 
 def _first_line(err: BaseException) -> str:

@@ -85,7 +85,11 @@ def test_optimized_stack_matches_original(case, emulated_cudnn):
     expected, expected_grads = _outputs_and_grads(model, inputs, loss_w)
     got, got_grads = _outputs_and_grads(fast, inputs, loss_w)
 
-    fused_path_expected = not (case["go_backwards_first"] and case["masked"])
+    # A mask with a hole runs the original layers (by value, per call); a
+    # reversed first layer under any mask does too (decided when traced).
+    fused_path_expected = not case["masked"] or (
+        case["padding"] != "middle" and not case["go_backwards_first"]
+    )
     assert bool(emulated_cudnn) == fused_path_expected, fused[0].last_path
     tol = 2e-2 if case["mixed"] else 2e-5
     assert max_abs_diff(got, expected) <= tol

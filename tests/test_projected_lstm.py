@@ -105,7 +105,8 @@ def _run(layer, x, path, *, h0=None, c0=None, mask=None, training=False, loss_w=
         kwargs["mask"] = tf.constant(mask)
     if h0 is not None:
         kwargs["initial_state"] = [h0v, c0v]
-    with plstm.fast_path(path):
+    name, _, unroll = path.partition("/u")
+    with plstm.fast_path(name, int(unroll or 1)):
         with tf.GradientTape() as tape:
             y, h, c = layer(x, **kwargs)
             w = loss_w or [np.ones(y.shape), np.ones(h.shape), np.ones(c.shape)]
@@ -129,11 +130,14 @@ def _close(a, b, atol, rtol=1e-4):
 
 
 # XLA compiles are slow on the CPU: the XLA variants run the general case
-# only (the unmasked XLA loop is compiled in the jit_compile test below).
+# only (the unmasked loop is XLA-compiled in the jit_compile test below, and
+# every case in tests/gpu).
 @pytest.mark.parametrize(
     "variant, case",
     [(v, "holes_backwards_state") for v in VARIANTS]
-    + [(v, "plain") for v in VARIANTS if not v.endswith("_xla")],
+    + [(v, "plain") for v in VARIANTS if not v.endswith("_xla")]
+    # Unrolled loops: 2 or 3 time steps per iteration (T = 6).
+    + [("custom/u2", "holes_backwards_state"), ("custom/u3", "plain")],
 )
 def test_every_variant_matches_float64_reference(variant, case):
     x, h0, c0, loss_w = _data()
@@ -146,7 +150,7 @@ def test_every_variant_matches_float64_reference(variant, case):
     outs, grads = _run(
         layer, x, variant, h0=init[0], c0=init[1], mask=mask, loss_w=loss_w
     )
-    assert layer.last_path.startswith("keras_loop" if variant == "off" else variant)
+    assert layer.last_path == variant if variant != "off" else layer.last_path.startswith("keras_loop")
 
     x64 = x.astype(np.float64)
 
@@ -370,6 +374,9 @@ def test_use_cudnn_true_raises_where_fast_path_cannot_run():
         layer(_data()[0])
     with pytest.raises(ValueError, match="unknown fast path 'fast'"):
         plstm.set_fast_path("fast")
+    with pytest.raises(ValueError, match="unroll=0"):
+        plstm.set_fast_path("custom", unroll=0)
+    assert (plstm.get_fast_path(), plstm.get_unroll()) == ("auto", 1)
 
 
 def test_config_round_trip_and_saved_model(tmp_path):
@@ -382,7 +389,8 @@ def test_config_round_trip_and_saved_model(tmp_path):
     assert layer.get_config()["proj_size"] == P
     inp = keras.Input((T, F))
     x = keras.layers.Bidirectional(ProjectedLSTM(U, P, return_sequences=True))(inp)
-    out = layer(x)
+    x = layer(x)
+    out = keras.layers.RNN(ProjectedLSTMCell(U, P), name="rnn_cell")(x)
     model = keras.Model(inp, out)
     data = _data()[0]
     path = tmp_path / "plstm.keras"
@@ -390,6 +398,7 @@ def test_config_round_trip_and_saved_model(tmp_path):
     loaded = keras.models.load_model(path)
     assert type(loaded.get_layer("plstm")) is ProjectedLSTM
     assert type(loaded.layers[1].forward_layer) is ProjectedLSTM
+    assert type(loaded.get_layer("rnn_cell").cell) is ProjectedLSTMCell
     _close(loaded.predict(data, verbose=0), model.predict(data, verbose=0), atol=1e-6)
 
 
@@ -429,6 +438,15 @@ def test_describe_projected_lstm():
     rd = ProjectedLSTM(U, P, recurrent_dropout=0.3)
     rd.build((B, T, F))
     assert describe(rd).rule == "recurrent_dropout"
+    # cuDNN (the torch backend runs projected stacks) computes tanh/sigmoid only.
+    relu = ProjectedLSTM(U, P, activation="relu")
+    relu.build((B, T, F))
+    assert describe(relu).rule == "activation"
+    assert "activation=relu" in describe(relu)
+    # The same maths as a custom cell under keras.layers.RNN is described alike.
+    rnn = keras.layers.RNN(ProjectedLSTMCell(U, P))
+    rnn.build((B, T, F))
+    assert (describe(rnn).kind, describe(rnn).proj_size) == ("lstm", P)
 
 
 def _stack(layers, masking=False):
@@ -494,3 +512,19 @@ def test_optimize_projected_stack_equals_original(bidirectional, emulated_cudnn)
     inner = fused[0].fused_layers[0]
     parts = (inner.forward_layer, inner.backward_layer) if bidirectional else (inner,)
     assert all(p.last_path == "custom" for p in parts)
+
+
+def test_auto_picks_xla_only_with_a_gpu_where_xla_compiles(monkeypatch):
+    assert plstm.get_fast_path(resolve=True) == "custom"  # no GPU here
+    monkeypatch.setattr(tf.config, "list_logical_devices", lambda kind=None: ["GPU:0"])
+    monkeypatch.setattr(plstm, "_xla_ok", True)
+    assert plstm.get_fast_path(resolve=True) == "custom_xla"
+
+    def broken(jit):
+        raise tf.errors.InternalError(None, None, "libdevice not found")
+
+    monkeypatch.setattr(plstm, "_xla_ok", None)
+    monkeypatch.setattr(plstm, "_custom_functions", broken)
+    with pytest.warns(RuntimeWarning, match="libdevice not found"):
+        assert plstm.get_fast_path(resolve=True) == "custom"
+    assert plstm.get_fast_path(resolve=True) == "custom"  # checked once

@@ -73,7 +73,9 @@ def test_fit_evaluate_predict_and_callbacks_track_the_original(emulated_cudnn, t
         x, y, batch_size=4, epochs=2, shuffle=False, verbose=0, validation_data=(xv, yv)
     )
     for key in ("loss", "mae", "val_loss"):
-        np.testing.assert_allclose(history.history[key], expected.history[key], rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(
+            history.history[key], expected.history[key], rtol=1e-5, atol=1e-6
+        )
     for a, b in zip(model.weights, reference.weights):
         np.testing.assert_allclose(a.numpy(), b.numpy(), atol=1e-5)
     expected_out = np.asarray(reference(xv))
@@ -126,7 +128,8 @@ def test_a_fused_layer_that_may_run_cudnn_opts_out_of_xla(emulated_cudnn, monkey
 
 def test_forcing_jit_compile_true_is_a_clear_error(emulated_cudnn):
     fast = rnnfuse.optimize(stack_model("rnn_tanh", 2, head=True))
-    with pytest.raises(ValueError, match=r"jit_compile=True.*'rnn_tanh_1'.*XLA cannot compile cuDNN.*jit_compile='auto'"):
+    words = r"jit_compile=True.*'rnn_tanh_1'.*XLA cannot compile cuDNN.*jit_compile='auto'"
+    with pytest.raises(ValueError, match=words):
         fast.compile(optimizer="sgd", loss="mse", jit_compile=True)
 
 

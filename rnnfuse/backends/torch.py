@@ -36,6 +36,16 @@ length before the first level, as `tf.reverse_sequence` does in the
 TensorFlow backend. Between-level dropout draws from PyTorch's global RNG
 (`keras.utils.set_random_seed` seeds it); the `seed` argument is unused.
 
+Calls: the whole stack is one `torch._VF` call with num_layers = levels,
+except that (call mode "auto", see `levels_per_call`) float16 stacks on CUDA
+that PyTorch would run on cuDNN's persistent kernel as single-layer calls
+run one call per level: PyTorch picks that kernel only for single-layer,
+unidirectional, unpacked float16 calls, and its fused multi-layer float16
+call was measured 2.5-6x slower than per-layer calls on the H200
+(../shared/DESIGN.md). `set_call_mode("one" | "per_level" | "auto")` (or
+the environment variable RNNFUSE_TORCH_CALLS) overrides the choice, for
+benchmarks.
+
 The CPU decision: `is_available()` is True without a GPU too. PyTorch has
 native CPU kernels for these ops (oneDNN for LSTM/GRU where it applies),
 computing the same equations as Keras' loops to float rounding (1e-6 in
@@ -43,12 +53,16 @@ float32, checked in tests/torch), and they run the whole time loop in C++
 while Keras' torch backend steps through time in Python (its
 `_fallback_lstm`/`_fallback_gru`, or the generic `rnn()` loop under a mask
 and for SimpleRNN/`RNN(cell)`). Measured on a 2-core CPU, torch 2.13.0+cpu,
-float32, forward + backward through a FusedRNN vs the original layers
-(bench/bench_torch.py --quick, medians over interleaved repeats):
+float32, median ms over 7 interleaved repeats, `bench/bench_torch.py --quick
+--layers 2 --threads 1` (a shared machine, load ~4: ratios, not absolute
+times, are the result):
 
-    2 x LSTM 64,  B=16, T=100:  fused  9.7 ms vs Keras 31.0 ms (3.2x)
-    2 x GRU 64,   B=16, T=100:  fused 11.7 ms vs Keras 34.5 ms (2.9x)
-    4 x LSTM 128, B=8,  T=200:  fused 69.0 ms vs Keras 151 ms  (2.2x)
+    2 x LSTM 64,  B=16, T=100: train 35.8 vs Keras 166 (4.6x), infer 5.3x
+    2 x LSTM 128, B=16, T=100: train  183 vs Keras 685 (3.7x), infer 3.0x
+    2 x GRU 64,   B=16, T=100: train  245 vs Keras 419 (1.7x), infer 4.3x
+    2 x GRU 128,  B=16, T=100: train  339 vs Keras 657 (1.9x), infer 2.1x
+
+(with 2 threads and 2 or 4 layers: 1.2x-5x, never slower.)
 
 So the fused call also runs on the CPU. The price: CPU results are no
 longer bit-identical to the original layers (differences at float
@@ -67,6 +81,7 @@ Example:
 from __future__ import annotations
 
 import contextlib
+import os
 import warnings
 from typing import Any, Sequence
 
@@ -77,15 +92,62 @@ from torch.nn.utils import rnn as rnn_utils
 from rnnfuse.backends.base import GATES, StackSpec
 
 __all__ = [
+    "CALL_MODES",
+    "call_mode",
+    "get_call_mode",
     "is_available",
+    "levels_per_call",
     "mask_is_supported",
     "pack_params",
     "run_stack",
+    "set_call_mode",
     "torch_rnn",
     "unsupported_reason",
 ]
 
 SUPPORTED_DTYPES = ("float16", "bfloat16", "float32", "float64")
+
+# "auto": one call for the whole stack, except where PyTorch would run
+# cuDNN's persistent kernel for single-layer calls only (see
+# `levels_per_call`); "one": always one call; "per_level": one call per level.
+CALL_MODES = ("auto", "one", "per_level")
+_ENV_VAR = "RNNFUSE_TORCH_CALLS"
+_call_mode = "auto"
+
+
+def set_call_mode(mode: str) -> None:
+    """How `run_stack` splits a stack into `torch._VF` calls (`CALL_MODES`).
+
+    Raises:
+        ValueError: `mode` is not one of `CALL_MODES`.
+    """
+    global _call_mode
+    if mode not in CALL_MODES:
+        raise ValueError(
+            f"set_call_mode(mode): unknown mode {mode!r}; expected one of "
+            f"{', '.join(repr(m) for m in CALL_MODES)}."
+        )
+    _call_mode = mode
+
+
+def get_call_mode() -> str:
+    """The current call mode (see `set_call_mode`)."""
+    return _call_mode
+
+
+@contextlib.contextmanager
+def call_mode(mode: str):
+    """Context manager: `set_call_mode(mode)` inside, the old mode after."""
+    old = _call_mode
+    set_call_mode(mode)
+    try:
+        yield
+    finally:
+        set_call_mode(old)
+
+
+if os.environ.get(_ENV_VAR):
+    set_call_mode(os.environ[_ENV_VAR])
 
 
 def is_available() -> bool:
@@ -240,6 +302,100 @@ def _quiet_projection_warning(stack: StackSpec, x: torch.Tensor):
         yield
 
 
+def _persistent_single_layer(kind: str, units: int, batch: int, steps: int, device) -> bool:
+    """Whether PyTorch runs a float16 single-layer call on cuDNN's persistent
+    kernel (`use_persist_common_heuristics` and `..._device_heuristics` in
+    aten/src/ATen/native/cudnn/RNN.cpp), for levels whose input width is
+    `units` (every level above the first)."""
+    if not (units <= 1024 and units % 128 == 0):
+        return False
+    prop = torch.cuda.get_device_properties(device)
+    if prop.major == 7:
+        if prop.minor == 5:
+            return False
+        return ((batch % 16 == 0 and batch not in (80, 112)) or batch == 8) and (
+            (steps >= 40 and batch <= 128)
+            or (steps >= 20 and batch <= 96)
+            or (steps >= 10 and batch <= 32)
+        )
+    if prop.major >= 8 and prop.multi_processor_count >= 98 and prop.minor != 6:
+        if kind == "gru":
+            return False
+        if kind == "lstm":
+            return batch % 8 == 0 and batch <= 128
+        return batch % 8 == 0 and batch <= 128 and (batch < 96 or units < 896)
+    return False
+
+
+def levels_per_call(stack: StackSpec, x: torch.Tensor, packed: bool) -> int:
+    """How many levels each `torch._VF` call runs (the call mode's choice).
+
+    "auto" runs the whole stack in one call, except for float16 on CUDA
+    where PyTorch picks cuDNN's persistent kernel only for single-layer,
+    unidirectional, unpacked calls without projection: there the fused
+    multi-layer call runs cuDNN's standard kernel and was measured 2.5-6x
+    slower than per-layer calls (H200, ../shared/DESIGN.md), so each level
+    gets its own call (still inside the one FusedRNN layer: no Keras loop,
+    no per-layer Python overhead, masks stay packed).
+    """
+    if _call_mode == "one" or stack.num_levels == 1:
+        return stack.num_levels
+    if _call_mode == "per_level":
+        return 1
+    if (
+        x.is_cuda
+        and x.dtype == torch.float16
+        and not packed
+        and stack.num_directions == 1
+        and not stack.proj_size
+        and _persistent_single_layer(
+            stack.kind, stack.units, int(x.shape[0]), int(x.shape[1]), x.device
+        )
+    ):
+        return 1
+    return stack.num_levels
+
+
+def _run_calls(
+    stack: StackSpec,
+    inputs: torch.Tensor,
+    batch_sizes: torch.Tensor | None,
+    hx: Any,
+    params: list[torch.Tensor],
+    dropout: float,
+    train: bool,
+    per_call: int,
+) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
+    """The stack as ceil(levels / per_call) `torch._VF` calls, chained.
+
+    `inputs` is batch-first [B, T, F], or packed data with `batch_sizes`
+    (a packed output feeds the next call as it is). Between calls the
+    between-level dropout is applied here; inside a call PyTorch applies it.
+    """
+    lstm = stack.kind == "lstm"
+    dirs = stack.num_directions
+    per_pseudo = len(params) // stack.num_pseudo_layers
+    y, finals = inputs, []
+    for first in range(0, stack.num_levels, per_call):
+        levels = min(per_call, stack.num_levels - first)
+        if first and dropout and train:
+            y = torch.nn.functional.dropout(y, dropout, training=True)
+        rows = slice(first * dirs, (first + levels) * dirs)
+        hx_part = tuple(s[rows] for s in hx) if lstm else hx[rows]
+        params_part = params[first * dirs * per_pseudo : (first + levels) * dirs * per_pseudo]
+        flags = (True, levels, dropout, train, dirs == 2)  # has_biases, ...
+        with _quiet_projection_warning(stack, y):
+            if batch_sizes is None:
+                result = torch_rnn(stack.kind, y, hx_part, params_part, *flags, True)
+            else:
+                result = torch_rnn(stack.kind, y, batch_sizes, hx_part, params_part, *flags)
+        y = result[0]
+        finals.append(result[1:])
+    if len(finals) == 1:
+        return y, tuple(finals[0])
+    return y, tuple(torch.cat(parts) for parts in zip(*finals))
+
+
 def torch_rnn(mode: str, *args):
     """`torch._VF.<mode>(*args)`; one module-level name so tests can spy on it."""
     return getattr(torch._VF, mode)(*args)
@@ -257,6 +413,8 @@ def run_stack(
     seed: tuple[int, int] = (0, 0),
 ):
     """Runs `stack` over `sequences` [B, T, F] in one PyTorch RNN call.
+
+    (Or one call per level where `levels_per_call` says so.)
 
     Args:
         sequences: batch-major input, already in the compute dtype.
@@ -283,13 +441,8 @@ def run_stack(
     hx: Any = (h0, _states(initial_c, stack, stack.units, batch, x)) if lstm else h0
     params = pack_params(stack, x.dtype, x.device)
     dropout = float(dropout)
-    flags = (
-        True,  # has_biases (zero tensors stand for use_bias=False)
-        stack.num_levels,
-        dropout,
-        torch.is_grad_enabled() or dropout > 0,  # train (cuDNN's backward needs it)
-        stack.num_directions == 2,
-    )
+    # cuDNN's backward needs train=True; dropout > 0 only comes when training.
+    train = torch.is_grad_enabled() or dropout > 0
 
     lengths = None
     if mask is not None:
@@ -298,12 +451,10 @@ def run_stack(
             lengths = lengths_cpu
     if reverse:
         x = torch.flip(x, [1]) if lengths is None else _reverse_within_lengths(x, lengths)
+    per_call = levels_per_call(stack, x, packed=lengths is not None)
 
     if lengths is None:
-        with _quiet_projection_warning(stack, x):
-            result = torch_rnn(stack.kind, x, hx, params, *flags, True)  # batch_first
-        outputs = result[0]
-        final = result[1:]
+        outputs, final = _run_calls(stack, x, None, hx, params, dropout, train, per_call)
     else:
         packed = rnn_utils.pack_padded_sequence(
             x, lengths, batch_first=True, enforce_sorted=False
@@ -312,13 +463,12 @@ def run_stack(
         hx_sorted = (
             tuple(s.index_select(1, order) for s in hx) if lstm else hx.index_select(1, order)
         )
-        with _quiet_projection_warning(stack, x):
-            result = torch_rnn(
-                stack.kind, packed.data, packed.batch_sizes, hx_sorted, params, *flags
-            )
-        out = rnn_utils.PackedSequence(result[0], packed.batch_sizes, order, restore)
+        data, final = _run_calls(
+            stack, packed.data, packed.batch_sizes, hx_sorted, params, dropout, train, per_call
+        )
+        out = rnn_utils.PackedSequence(data, packed.batch_sizes, order, restore)
         outputs, _ = rnn_utils.pad_packed_sequence(out, batch_first=True, total_length=steps)
-        final = tuple(s.index_select(1, restore) for s in result[1:])
+        final = tuple(s.index_select(1, restore) for s in final)
     final_h = final[0]
     final_c = final[1] if lstm else None
     return outputs, final_h, final_c

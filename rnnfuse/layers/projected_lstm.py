@@ -21,7 +21,8 @@ Two implementations of the same maths:
   time that runs only the recurrent GEMM, the gate maths and the projection.
   Variants (module switch, see `set_fast_path`; default from the environment
   variable RNNFUSE_PROJECTED_LSTM_PATH, else "auto": "custom_xla" when a GPU
-  is visible, "custom" on the CPU, where XLA's compile time is not repaid):
+  is visible and XLA compiles there (checked once), else "custom"; on the
+  CPU XLA's compile time is not repaid):
 
   | variant        | loop                         | gradient                 |
   |----------------|------------------------------|--------------------------|
@@ -41,6 +42,10 @@ Two implementations of the same maths:
   over all steps (dR = H_prev^T dZ, dP = M^T dH), as cuDNN does; autodiff
   accumulates them step by step. It needs tanh/sigmoid activations (other
   activations use the autodiff loop of the same compile mode).
+
+  `set_fast_path(name, unroll=k)` (or RNNFUSE_PROJECTED_LSTM_UNROLL) runs k
+  time steps per loop iteration when k divides the static sequence length,
+  trading a longer loop body for fewer iterations.
 
   The fast path is used when the backend is TensorFlow, `use_cudnn` is not
   False, `unroll` is False and there is no recurrent dropout (nor input
@@ -68,6 +73,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import os
+import warnings
 from typing import Any
 
 import keras
@@ -80,6 +86,7 @@ __all__ = [
     "ProjectedLSTMCell",
     "fast_path",
     "get_fast_path",
+    "get_unroll",
     "set_fast_path",
 ]
 
@@ -90,7 +97,9 @@ FAST_PATHS = ("auto", "custom_xla", "custom", "while_xla", "while", "off")
 PATH_COUNTS: collections.Counter = collections.Counter()
 
 _ENV_VAR = "RNNFUSE_PROJECTED_LSTM_PATH"
+_UNROLL_ENV_VAR = "RNNFUSE_PROJECTED_LSTM_UNROLL"
 _fast_path = "auto"
+_unroll = 1
 
 
 def _check_path(name: Any, where: str) -> str:
@@ -102,17 +111,36 @@ def _check_path(name: Any, where: str) -> str:
     return name
 
 
-def set_fast_path(name: str) -> None:
+def _check_unroll(unroll: Any, where: str) -> int:
+    if isinstance(unroll, bool) or not isinstance(unroll, int) or unroll < 1:
+        raise ValueError(
+            f"{where}: `unroll` must be a positive integer (time steps per loop "
+            f"iteration); received unroll={unroll!r}. Fix: pass e.g. unroll=4."
+        )
+    return unroll
+
+
+def set_fast_path(name: str, unroll: int | None = None) -> None:
     """Selects the ProjectedLSTM implementation for calls traced from now on.
 
     Args:
         name: one of `FAST_PATHS` ("off" runs Keras' generic loop).
+        unroll: optional; time steps per iteration of the fast path's loops
+            (1 by default). Used when it divides the static sequence length.
 
     Raises:
-        ValueError: `name` is not one of `FAST_PATHS`.
+        ValueError: `name` is not one of `FAST_PATHS`, or a bad `unroll`.
     """
-    global _fast_path
-    _fast_path = _check_path(name, "set_fast_path(name)")
+    global _fast_path, _unroll
+    name = _check_path(name, "set_fast_path(name)")
+    if unroll is not None:
+        _unroll = _check_unroll(unroll, "set_fast_path")
+    _fast_path = name
+
+
+def get_unroll() -> int:
+    """Time steps per loop iteration of the fast path (see `set_fast_path`)."""
+    return _unroll
 
 
 def get_fast_path(resolve: bool = False) -> str:
@@ -125,27 +153,64 @@ def get_fast_path(resolve: bool = False) -> str:
     if resolve and _fast_path == "auto":
         import tensorflow as tf
 
-        return "custom_xla" if tf.config.list_logical_devices("GPU") else "custom"
+        gpu = bool(tf.config.list_logical_devices("GPU"))
+        return "custom_xla" if gpu and _xla_works() else "custom"
     return _fast_path
 
 
+_xla_ok: bool | None = None
+
+
+def _xla_works() -> bool:
+    """Whether XLA can compile the fast path's loops here (checked once).
+
+    XLA on a GPU needs CUDA's libdevice and ptxas, which some TensorFlow
+    installs lack; "auto" then uses the "custom" loop instead of failing
+    at run time. The check compiles the loops for a 1x1 problem eagerly.
+    """
+    global _xla_ok
+    if _xla_ok is None:
+        import tensorflow as tf
+
+        with tf.init_scope():
+            try:
+                forward, backward = _custom_functions(jit=True)
+                xw, small = tf.zeros([2, 1, 4]), tf.zeros([1, 1])
+                hs, c, gates, cs = forward(xw, tf.zeros([1, 4]), small, small, small, None, 1)
+                backward(hs, c, tf.zeros([1, 4]), small, small, small, None, hs, gates, cs, 1)
+                _xla_ok = True
+            except (tf.errors.OpError, RuntimeError, ValueError) as err:
+                warnings.warn(
+                    "rnnfuse ProjectedLSTM: XLA cannot compile here, so the fast "
+                    f"path runs without it ('custom'). XLA said: {str(err)[:300]}",
+                    RuntimeWarning,
+                    stacklevel=2,
+                )
+                _xla_ok = False
+    return _xla_ok
+
+
 @contextlib.contextmanager
-def fast_path(name: str):
-    """Context manager: `set_fast_path(name)` inside, the old value after.
+def fast_path(name: str, unroll: int | None = None):
+    """Context manager: `set_fast_path(name, unroll)` inside, the old values after.
 
     The choice is read when a call runs eagerly or is traced, so trace the
     model (first `fit`/`predict` step, or a fresh `tf.function`) inside.
     """
-    old = _fast_path
-    set_fast_path(name)
+    old = (_fast_path, _unroll)
+    set_fast_path(name, unroll)
     try:
         yield
     finally:
-        set_fast_path(old)
+        set_fast_path(*old)
 
 
 if os.environ.get(_ENV_VAR):
     set_fast_path(_check_path(os.environ[_ENV_VAR], f"environment variable {_ENV_VAR}"))
+if os.environ.get(_UNROLL_ENV_VAR):
+    _unroll = _check_unroll(
+        int(os.environ[_UNROLL_ENV_VAR]), f"environment variable {_UNROLL_ENV_VAR}"
+    )
 
 
 def _check_size(value: Any, arg: str, cls: str) -> int:
@@ -346,7 +411,7 @@ class ProjectedLSTM(keras.layers.RNN):
         >>> import numpy as np
         >>> layer = ProjectedLSTM(32, 8, return_sequences=True)
         >>> y = layer(np.random.rand(4, 10, 6).astype("float32"))
-        >>> tuple(y.shape), [w.shape for w in layer.weights]
+        >>> tuple(y.shape), [tuple(w.shape) for w in layer.weights]
         ((4, 10, 8), [(6, 128), (8, 128), (128,), (32, 8)])
     """
 
@@ -467,8 +532,9 @@ class ProjectedLSTM(keras.layers.RNN):
         variant = get_fast_path(resolve=True)
         if variant.startswith("custom") and not _tanh_sigmoid(self.cell):
             variant = variant.replace("custom", "while")
-        self.last_path = variant
-        PATH_COUNTS[variant] += 1
+        unroll = _unroll_factor(sequences.shape[1])
+        self.last_path = variant + (f"/u{unroll}" if unroll > 1 else "")
+        PATH_COUNTS[self.last_path] += 1
         return _fast_inner_loop(
             self.cell,
             sequences,
@@ -479,6 +545,7 @@ class ProjectedLSTM(keras.layers.RNN):
             zero_output_for_mask=self.zero_output_for_mask,
             return_sequences=self.return_sequences,
             variant=variant,
+            unroll=unroll,
         )
 
     def call(self, sequences, initial_state=None, mask=None, training=False):
@@ -637,6 +704,7 @@ def _fast_inner_loop(
     zero_output_for_mask,
     return_sequences,
     variant,
+    unroll,
 ):
     """What `keras.layers.RNN.inner_loop` returns, computed on the fast path.
 
@@ -670,7 +738,7 @@ def _fast_inner_loop(
             keep = tf.reverse(keep, [0])
         keep = keep[:, :, None]
     hs, c_last = _recurrence(
-        variant, xw, recurrent, projection, h0, c0, keep, cell.activation,
+        variant, unroll, xw, recurrent, projection, h0, c0, keep, cell.activation,
         cell.recurrent_activation,
     )
     h_last = hs[-1]
@@ -692,13 +760,20 @@ def _fast_inner_loop(
     return last_output, outputs, [h_last, c_last]
 
 
-def _recurrence(variant, xw, recurrent, projection, h0, c0, keep, act, rec_act):
+def _recurrence(variant, unroll, xw, recurrent, projection, h0, c0, keep, act, rec_act):
     """(hs [T, B, P]: h after each step, c after the last step)."""
     jit = variant.endswith("_xla")
     if variant.startswith("custom"):
-        return _custom_recurrence(xw, recurrent, projection, h0, c0, keep, jit)
+        return _custom_recurrence(xw, recurrent, projection, h0, c0, keep, jit, unroll)
     fn = _autodiff_function(act, rec_act, jit)
-    return fn(xw, recurrent, projection, h0, c0, keep)
+    return fn(xw, recurrent, projection, h0, c0, keep, unroll)
+
+
+def _unroll_factor(steps) -> int:
+    """`get_unroll()` when it divides the (static) number of steps, else 1."""
+    if _unroll > 1 and steps is not None and int(steps) % _unroll == 0:
+        return _unroll
+    return 1
 
 
 _FUNCTIONS: dict = {}
@@ -717,9 +792,9 @@ def _autodiff_function(act, rec_act, jit):
     if key not in _FUNCTIONS:
         import tensorflow as tf
 
-        def forward(xw, recurrent, projection, h0, c0, keep):
+        def forward(xw, recurrent, projection, h0, c0, keep, unroll):
             hs, c, _, _ = _forward_loop(
-                xw, recurrent, projection, h0, c0, keep, act, rec_act, save=False
+                xw, recurrent, projection, h0, c0, keep, act, rec_act, False, unroll
             )
             return hs, c
 
@@ -729,24 +804,26 @@ def _autodiff_function(act, rec_act, jit):
 
         compiled = tf.function(forward, jit_compile=True, autograph=False)
 
-        def backward(d_hs, d_c, xw, recurrent, projection, h0, c0, keep):
+        def backward(d_hs, d_c, xw, recurrent, projection, h0, c0, keep, unroll):
             inputs = (xw, recurrent, projection, h0, c0)
             with tf.GradientTape() as tape:
                 tape.watch(inputs)
-                hs, c = forward(*inputs, keep)
+                hs, c = forward(*inputs, keep, unroll)
             return tape.gradient((hs, c), inputs, output_gradients=(d_hs, d_c))
 
         backward = tf.function(backward, jit_compile=True, autograph=False)
 
-        def run(xw, recurrent, projection, h0, c0, keep):
+        def run(xw, recurrent, projection, h0, c0, keep, unroll):
             @tf.custom_gradient
             def inner(xw, recurrent, projection, h0, c0):
-                hs, c = compiled(*_detached(xw, recurrent, projection, h0, c0), keep)
+                hs, c = compiled(*_detached(xw, recurrent, projection, h0, c0), keep, unroll)
 
                 def grad(d_hs, d_c):
                     d_hs = tf.zeros_like(hs) if d_hs is None else d_hs
                     d_c = tf.zeros_like(c) if d_c is None else d_c
-                    return backward(d_hs, d_c, xw, recurrent, projection, h0, c0, keep)
+                    return backward(
+                        d_hs, d_c, xw, recurrent, projection, h0, c0, keep, unroll
+                    )
 
                 return (hs, c), grad
 
@@ -761,9 +838,9 @@ def _custom_functions(jit):
     if key not in _FUNCTIONS:
         import tensorflow as tf
 
-        def forward(xw, recurrent, projection, h0, c0, keep):
+        def forward(xw, recurrent, projection, h0, c0, keep, unroll):
             return _forward_loop(
-                xw, recurrent, projection, h0, c0, keep, tf.tanh, tf.sigmoid, save=True
+                xw, recurrent, projection, h0, c0, keep, tf.tanh, tf.sigmoid, True, unroll
             )
 
         _FUNCTIONS[key] = (
@@ -773,7 +850,7 @@ def _custom_functions(jit):
     return _FUNCTIONS[key]
 
 
-def _custom_recurrence(xw, recurrent, projection, h0, c0, keep, jit):
+def _custom_recurrence(xw, recurrent, projection, h0, c0, keep, jit, unroll):
     import tensorflow as tf
 
     forward, backward = _custom_functions(jit)
@@ -781,14 +858,14 @@ def _custom_recurrence(xw, recurrent, projection, h0, c0, keep, jit):
     @tf.custom_gradient
     def run(xw, recurrent, projection, h0, c0):
         hs, c_last, gates, cs = forward(
-            *_detached(xw, recurrent, projection, h0, c0), keep
+            *_detached(xw, recurrent, projection, h0, c0), keep, unroll
         )
 
         def grad(d_hs, d_c_last):
             d_hs = tf.zeros_like(hs) if d_hs is None else d_hs
             d_c_last = tf.zeros_like(c_last) if d_c_last is None else d_c_last
             return backward(
-                d_hs, d_c_last, recurrent, projection, h0, c0, keep, hs, gates, cs
+                d_hs, d_c_last, recurrent, projection, h0, c0, keep, hs, gates, cs, unroll
             )
 
         return (hs, c_last), grad
@@ -808,8 +885,10 @@ def _detached(*tensors):
     return [tf.stop_gradient(t) for t in tensors]
 
 
-def _forward_loop(xw, recurrent, projection, h0, c0, keep, act, rec_act, save):
+def _forward_loop(xw, recurrent, projection, h0, c0, keep, act, rec_act, save, unroll):
     """The recurrence over time, given xw = x @ kernel + bias [T, B, 4U].
+
+    Each loop iteration runs `unroll` time steps (a divisor of T).
 
     Returns:
         (hs [T, B, P], c after the last step [B, U], and with `save` the
@@ -834,7 +913,7 @@ def _forward_loop(xw, recurrent, projection, h0, c0, keep, act, rec_act, save):
     if save:
         arrays += (array(c0, 4 * units), array(c0, units))
 
-    def body(t, h, c, arrays):
+    def step(t, h, c, arrays):
         z = xs.read(t) + tf.matmul(h, recurrent)
         z_i, z_f, z_g, z_o = tf.split(z, 4, axis=-1)
         i, f, o = rec_act(z_i), rec_act(z_f), rec_act(z_o)
@@ -851,20 +930,27 @@ def _forward_loop(xw, recurrent, projection, h0, c0, keep, act, rec_act, save):
                 arrays[1].write(t, tf.concat([i, f, g, o], axis=-1)),
                 arrays[2].write(t, c_new),
             )
-        return t + 1, h_new, c_new, out
+        return h_new, c_new, out
+
+    def body(t, h, c, arrays):
+        for j in range(unroll):
+            h, c, arrays = step(t + j, h, c, arrays)
+        return t + unroll, h, c, arrays
 
     _, _, c_last, arrays = tf.while_loop(
         lambda t, *_: t < steps,
         body,
         (tf.constant(0), h0, c0, arrays),
-        maximum_iterations=steps,
+        maximum_iterations=steps // unroll,
     )
     if save:
         return arrays[0].stack(), c_last, arrays[1].stack(), arrays[2].stack()
     return arrays[0].stack(), c_last, None, None
 
 
-def _backward_loop(d_hs, d_c_last, recurrent, projection, h0, c0, keep, hs, gates, cs):
+def _backward_loop(
+    d_hs, d_c_last, recurrent, projection, h0, c0, keep, hs, gates, cs, unroll
+):
     """Gradients of the tanh/sigmoid recurrence, as cuDNN computes them.
 
     Per step (backwards): dh_new = (dh + d_hs[t]) (masked), dm = dh_new @ P^T,
@@ -898,8 +984,7 @@ def _backward_loop(d_hs, d_c_last, recurrent, projection, h0, c0, keep, hs, gate
     dz_ta = tf.TensorArray(dtype, size=steps, element_shape=gates.shape[1:])
     dh_new_ta = tf.TensorArray(dtype, size=steps, element_shape=hs.shape[1:])
 
-    def body(k, dh, dc, dz_ta, dh_new_ta):
-        t = steps - 1 - k
+    def step(t, dh, dc, dz_ta, dh_new_ta):
         dh_total = dh + d_hs_ta.read(t)
         if keep_ta is not None:
             m = keep_ta.read(t)
@@ -925,13 +1010,18 @@ def _backward_loop(d_hs, d_c_last, recurrent, projection, h0, c0, keep, hs, gate
         if keep_ta is not None:
             dh_prev = dh_prev + dh_total * (1 - m)
             dc_prev = dc_prev + dc * (1 - m)
-        return k + 1, dh_prev, dc_prev, dz_ta.write(t, dz), dh_new_ta.write(t, dh_new)
+        return dh_prev, dc_prev, dz_ta.write(t, dz), dh_new_ta.write(t, dh_new)
+
+    def body(k, dh, dc, dz_ta, dh_new_ta):
+        for j in range(unroll):
+            dh, dc, dz_ta, dh_new_ta = step(steps - 1 - k - j, dh, dc, dz_ta, dh_new_ta)
+        return k + unroll, dh, dc, dz_ta, dh_new_ta
 
     _, d_h0, d_c0, dz_ta, dh_new_ta = tf.while_loop(
         lambda k, *_: k < steps,
         body,
         (tf.constant(0), tf.zeros_like(h0), d_c_last, dz_ta, dh_new_ta),
-        maximum_iterations=steps,
+        maximum_iterations=steps // unroll,
     )
     dz = dz_ta.stack()
     dh_new = dh_new_ta.stack()

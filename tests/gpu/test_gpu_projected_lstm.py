@@ -77,21 +77,26 @@ def _data(seed, batch=B, steps=T, features=F, units=U, proj=P):
     mask[1, : steps // 3] = False  # leading padding
     h0 = rng.normal(size=(batch, proj)).astype("float32")
     c0 = rng.normal(size=(batch, units)).astype("float32")
-    loss_w = [rng.normal(size=s).astype("float32") for s in ((batch, steps, proj), (batch, proj), (batch, units))]
+    shapes = ((batch, steps, proj), (batch, proj), (batch, units))
+    loss_w = [rng.normal(size=s).astype("float32") for s in shapes]
     return x, mask, h0, c0, loss_w
 
 
 def _layer_run(layer, x, mask, h0, c0, loss_w):
+    """Outputs and gradients on the GPU; an all-True mask is not passed."""
     h0v, c0v = tf.Variable(h0), tf.Variable(c0)
+    kwargs = {} if mask.all() else {"mask": tf.constant(mask)}
     with tf.device("/GPU:0"):
         with tf.GradientTape() as tape:
-            y, h, c = layer(x, mask=tf.constant(mask), initial_state=[h0v, c0v])
-            loss = sum(tf.reduce_sum(tf.cast(a, tf.float32) * w) for a, w in zip((y, h, c), loss_w))
+            y, h, c = layer(x, initial_state=[h0v, c0v], **kwargs)
+            outs = (y, h, c)
+            loss = sum(tf.reduce_sum(tf.cast(a, tf.float32) * w) for a, w in zip(outs, loss_w))
         cell = layer.cell
         wrt = [cell.kernel, cell.recurrent_kernel, cell.bias, cell.projection_kernel, h0v, c0v]
         grads = tape.gradient(loss, wrt)
     assert "GPU" in y.device, y.device
-    return [t.numpy().astype(np.float64) for t in (y, h, c)], [g.numpy().astype(np.float64) for g in grads]
+    as64 = lambda ts: [t.numpy().astype(np.float64) for t in ts]
+    return as64((y, h, c)), as64(grads)
 
 
 def _reference_run(layer, x, mask, h0, c0, loss_w, go_backwards, zero_output):
@@ -107,7 +112,9 @@ def _reference_run(layer, x, mask, h0, c0, loss_w, go_backwards, zero_output):
                 tf.constant(x, tf.float64), params[:4], params[4], params[5],
                 tf.constant(mask), go_backwards, zero_output,
             )
-            loss = sum(tf.reduce_sum(a * tf.constant(w, tf.float64)) for a, w in zip((y, h, c), loss_w))
+            loss = sum(
+                tf.reduce_sum(a * tf.constant(w, tf.float64)) for a, w in zip((y, h, c), loss_w)
+            )
         grads = tape.gradient(loss, params)
     return [t.numpy() for t in (y, h, c)], [g.numpy() for g in grads]
 
@@ -121,14 +128,17 @@ def test_auto_resolves_to_xla_on_gpu():
     assert plstm.get_fast_path(resolve=True) == "custom_xla"
 
 
-@pytest.mark.parametrize("variant", GPU_VARIANTS)
-@pytest.mark.parametrize("go_backwards", [False, True])
-def test_fast_path_on_gpu_matches_float64_reference(variant, go_backwards, spy):
+@pytest.mark.parametrize("variant", GPU_VARIANTS + ("custom_xla/u4",))
+@pytest.mark.parametrize("go_backwards, masked", [(False, True), (True, True), (False, False)])
+def test_fast_path_on_gpu_matches_float64_reference(variant, go_backwards, masked, spy):
     x, mask, h0, c0, loss_w = _data(1)
+    if not masked:
+        mask = np.ones_like(mask)
     layer = ProjectedLSTM(U, P, return_sequences=True, return_state=True, go_backwards=go_backwards)
-    with plstm.fast_path(variant):
+    name, _, unroll = variant.partition("/u")
+    with plstm.fast_path(name, int(unroll or 1)):
         outs, grads = _layer_run(layer, x, mask, h0, c0, loss_w)
-    assert spy == [variant] and layer.last_path == variant
+    assert spy == [name] and layer.last_path == variant
     ref_outs, ref_grads = _reference_run(layer, x, mask, h0, c0, loss_w, go_backwards, False)
     _assert_close(outs, ref_outs, atol=1e-5, rtol=1e-4)
     _assert_close(grads, ref_grads, atol=1e-4, rtol=1e-3)

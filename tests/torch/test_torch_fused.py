@@ -358,3 +358,19 @@ def test_analyze_reports_groups_and_reasons_under_torch():
     assert len(report.groups) == 1
     assert len(report.groups[0].layers) == 2
     assert any("recurrent_dropout" in str(r) for r in report.skipped.values())
+
+
+def test_saved_optimized_model_loads_and_runs_fused(torch_calls, tmp_path):
+    model = stack_model("gru", 3, masked=True, head=True)
+    rng = np.random.default_rng(13)
+    _randomize(model, rng)
+    fast = rnnfuse.optimize(model)
+    x = random_inputs(model, 3, rng)
+    x[0, 2:] = 0
+    path = tmp_path / "fast.keras"
+    fast.save(path)
+    loaded = keras.models.load_model(path)
+    assert len(fused_layers(loaded)) == 1
+    torch_calls.clear()
+    assert max_abs_diff(loaded(x), model(x)) <= 2e-5
+    assert len(torch_calls) == 1

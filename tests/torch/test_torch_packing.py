@@ -257,3 +257,51 @@ def test_unsupported_reason():
     assert "int32" in torch_backend.unsupported_reason(spec, "int32")
     too_wide = StackSpec("lstm", 4, cells, proj_size=4)
     assert "proj_size" in torch_backend.unsupported_reason(too_wide, "float32")
+
+
+@pytest.mark.parametrize("kind", ["lstm", "gru", "rnn_tanh"])
+@pytest.mark.parametrize("bidirectional", [False, True])
+@pytest.mark.parametrize("masked", [False, True])
+def test_per_level_calls_compute_what_one_call_computes(kind, bidirectional, masked, torch_calls):
+    rng = np.random.default_rng(21)
+    layers, x = _build(kind, 3, bidirectional, rng=rng)
+    spec = _spec(layers)
+    mask = (np.arange(T)[None, :] < np.array([6, 3, 1])[:, None]) if masked else None
+    n = 2 if kind == "lstm" else 1
+    h0 = [rng.standard_normal((B, H)).astype("float32") for _ in range(spec.num_pseudo_layers)]
+    kwargs = dict(stack=spec, mask=mask, initial_h=h0, initial_c=h0 if n == 2 else None)
+    xt = keras.ops.convert_to_tensor(x)
+    with torch_backend.call_mode("one"):
+        one = torch_backend.run_stack(xt, **kwargs)
+    with torch_backend.call_mode("per_level"):
+        per = torch_backend.run_stack(xt, **kwargs)
+    assert [c["num_layers"] for c in torch_calls] == [3, 1, 1, 1]
+    assert all(c["packed"] is masked for c in torch_calls)
+    for a, b in zip(one, per):
+        if a is None:
+            assert b is None
+        else:
+            np.testing.assert_allclose(_np(b), _np(a), atol=2e-6)
+
+
+def test_call_mode_auto_is_one_call_on_the_cpu(torch_calls):
+    layers, x = _build("lstm", 3, False)
+    assert torch_backend.get_call_mode() == "auto"
+    torch_backend.run_stack(keras.ops.convert_to_tensor(x).half(), stack=_spec(layers))
+    assert [c["num_layers"] for c in torch_calls] == [3]
+    with pytest.raises(ValueError, match="per_level"):
+        torch_backend.set_call_mode("split")
+
+
+def test_per_level_calls_apply_between_level_dropout(torch_calls):
+    layers, x = _build("gru", 3, False)
+    xt = keras.ops.convert_to_tensor(x)
+    spec = _spec(layers)
+    with torch_backend.call_mode("per_level"):
+        plain = _np(torch_backend.run_stack(xt, stack=spec)[0])
+        torch.manual_seed(0)
+        dropped = _np(torch_backend.run_stack(xt, stack=spec, dropout=0.5)[0])
+        torch.manual_seed(0)
+        again = _np(torch_backend.run_stack(xt, stack=spec, dropout=0.5)[0])
+    assert np.abs(dropped - plain).max() > 1e-3
+    np.testing.assert_array_equal(dropped, again)

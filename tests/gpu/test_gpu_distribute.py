@@ -1,0 +1,122 @@
+"""MirroredStrategy over two GPUs with the fused cuDNN kernel on each replica.
+
+Needs a machine with at least two GPUs (nvidia-h200-x2); skipped otherwise.
+With RNNFUSE_REPORT_DIR set, writes the numbers (loss curves, epoch times,
+replica spread) there as JSON.
+
+The all-reduce is `ReductionToOneDevice`, not NCCL: the staged TensorFlow
+carries no NCCL library, and the lent machines keep NVLink multicast off
+(NCCL_NVLS_ENABLE=0 is kept set here in any case).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+
+os.environ["NCCL_NVLS_ENABLE"] = "0"
+
+import keras  # noqa: E402
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+
+import rnnfuse  # noqa: E402
+from rnnfuse.backends import tensorflow as tf_backend  # noqa: E402
+
+STEPS, FEATURES, UNITS = 64, 32, 128
+GLOBAL_BATCH, SAMPLES, EPOCHS = 128, 1024, 3
+
+
+def _gpus() -> list:
+    import tensorflow as tf
+
+    return tf.config.list_logical_devices("GPU")
+
+
+pytestmark = pytest.mark.skipif(
+    keras.backend.backend() != "tensorflow" or len(_gpus()) < 2,
+    reason="needs TensorFlow and two GPUs",
+)
+
+
+def _stack() -> keras.Model:
+    return keras.Sequential([
+        keras.Input((STEPS, FEATURES)),
+        keras.layers.LSTM(UNITS, return_sequences=True),
+        keras.layers.LSTM(UNITS, return_sequences=True),
+        keras.layers.LSTM(UNITS),
+        keras.layers.Dense(4),
+    ])
+
+
+class _EpochTimes(keras.callbacks.Callback):
+    def on_train_begin(self, logs=None):
+        self.times = []
+
+    def on_epoch_begin(self, epoch, logs=None):
+        self._t = time.perf_counter()
+
+    def on_epoch_end(self, epoch, logs=None):
+        self.times.append(time.perf_counter() - self._t)
+
+
+def test_mirrored_fit_on_two_gpus_trains_the_same_variables(monkeypatch):
+    import tensorflow as tf
+
+    calls = []
+    real = tf_backend.cudnn_rnn
+    monkeypatch.setattr(tf_backend, "cudnn_rnn", lambda **kw: calls.append(1) or real(**kw))
+    devices = [d.name for d in _gpus()[:2]]
+    strategy = tf.distribute.MirroredStrategy(
+        devices, cross_device_ops=tf.distribute.ReductionToOneDevice()
+    )
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((SAMPLES, STEPS, FEATURES)).astype("float32")
+    y = rng.standard_normal((SAMPLES, 4)).astype("float32")
+    with strategy.scope():
+        keras.utils.set_random_seed(0)
+        model = _stack()
+        fast = rnnfuse.optimize(model, plan=rnnfuse.FUSED)  # whatever the table says
+        fast.compile(optimizer=keras.optimizers.Adam(1e-3), loss="mse")
+    initial = model.get_weights()
+    timer = _EpochTimes()
+    got = fast.fit(x, y, batch_size=GLOBAL_BATCH, epochs=EPOCHS, shuffle=False,
+                   verbose=0, callbacks=[timer])
+    assert len(calls) >= 2, "the fused kernel was not traced on both replicas"
+    spread = 0.0
+    for v in model.trainable_variables:
+        copies = strategy.experimental_local_results(v.value)
+        assert len(copies) == 2
+        assert len({c.device for c in copies}) == 2
+        spread = max(spread, max(float(np.max(np.abs(c.numpy() - copies[0].numpy())))
+                                 for c in copies))
+    # Single-GPU reference: the same global batches, the original layers.
+    reference = _stack()
+    reference.set_weights(initial)
+    reference.compile(optimizer=keras.optimizers.Adam(1e-3), loss="mse")
+    ref_timer = _EpochTimes()
+    want = reference.fit(x, y, batch_size=GLOBAL_BATCH, epochs=EPOCHS, shuffle=False,
+                         verbose=0, callbacks=[ref_timer])
+    weight_diff = max(float(np.max(np.abs(a - b)))
+                      for a, b in zip(model.get_weights(), reference.get_weights()))
+    data = {
+        "devices": devices,
+        "loss_mirrored_fused": got.history["loss"],
+        "loss_single_gpu_original": want.history["loss"],
+        "epoch_s_mirrored_fused": timer.times,
+        "epoch_s_single_gpu_original": ref_timer.times,
+        "replica_spread": spread,
+        "max_weight_diff": weight_diff,
+        "fused_calls": len(calls),
+    }
+    print(f"\nGPU_REPORT distribute {json.dumps(data)}")
+    folder = os.environ.get("RNNFUSE_REPORT_DIR")
+    if folder:
+        os.makedirs(folder, exist_ok=True)
+        with open(os.path.join(folder, "distribute.json"), "w") as f:
+            json.dump(data, f, indent=1)
+    assert spread == 0.0
+    assert got.history["loss"][-1] < got.history["loss"][0]
+    np.testing.assert_allclose(got.history["loss"], want.history["loss"], rtol=1e-3)
+    assert weight_diff <= 1e-3

@@ -1,0 +1,201 @@
+"""Training and exporting through the fused cuDNN kernel on a GPU.
+
+Run on the lent H200 (see tests/gpu/conftest.py); about a minute. With
+RNNFUSE_REPORT_DIR set, each test writes its numbers there as JSON (loss
+curves, epoch times, what the SavedModels contain) for the closing note.
+
+- fit: an optimized 3-layer stack and a copy of the original with identical
+  initial weights train 4 epochs on the same synthetic batches (float32, no
+  TF32); the loss curves agree within float tolerance, and the fused
+  CudnnRNNV3 provably ran (the backend's one call site is spied on, and the
+  traced train step holds exactly one CudnnRNNV3 op per fused group).
+- export: a SavedModel traced on the GPU holds CudnnRNNV3 (a GPU-only op);
+  the same model exported from a process that sees no GPU holds none and
+  serves on the CPU with the same numbers.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+import time
+
+import keras
+import numpy as np
+import pytest
+
+import rnnfuse
+from rnnfuse.backends import tensorflow as tf_backend
+
+STEPS, FEATURES, UNITS, LAYERS = 64, 32, 128, 3
+BATCH, SAMPLES, EPOCHS = 64, 512, 4
+
+
+def _report(name: str, data: dict) -> None:
+    print(f"\nGPU_REPORT {name} {json.dumps(data)}")
+    folder = os.environ.get("RNNFUSE_REPORT_DIR")
+    if folder:
+        os.makedirs(folder, exist_ok=True)
+        with open(os.path.join(folder, f"{name}.json"), "w") as f:
+            json.dump(data, f, indent=1)
+
+
+def _stack(kind: str) -> keras.Model:
+    layer = {
+        "lstm": keras.layers.LSTM,
+        "gru": keras.layers.GRU,
+        "rnn_tanh": keras.layers.SimpleRNN,
+    }[kind]
+    inp = keras.Input((STEPS, FEATURES))
+    x = inp
+    for i in range(LAYERS):
+        x = layer(UNITS, return_sequences=i < LAYERS - 1, name=f"{kind}_{i}")(x)
+    return keras.Model(inp, keras.layers.Dense(4, name="head")(x))
+
+
+def _data(seed: int = 0):
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal((SAMPLES, STEPS, FEATURES)).astype("float32")
+    y = rng.standard_normal((SAMPLES, 4)).astype("float32")
+    return x, y
+
+
+class _EpochTimes(keras.callbacks.Callback):
+    def on_train_begin(self, logs=None):
+        self.times = []
+
+    def on_epoch_begin(self, epoch, logs=None):
+        self._t = time.perf_counter()
+
+    def on_epoch_end(self, epoch, logs=None):
+        self.times.append(time.perf_counter() - self._t)
+
+
+def _cudnn_ops(graph) -> int:
+    """CudnnRNNV3 ops in `graph` and in every function it calls."""
+    count = sum(op.type == "CudnnRNNV3" for op in graph.get_operations())
+    for fdef in graph.as_graph_def().library.function:
+        count += sum(node.op == "CudnnRNNV3" for node in fdef.node_def)
+    return count
+
+
+@pytest.mark.parametrize("kind", ["lstm", "gru", "rnn_tanh"])
+def test_fit_through_the_fused_kernel_tracks_the_original(kind, monkeypatch):
+    import tensorflow as tf
+
+    calls = []
+    real = tf_backend.cudnn_rnn
+    monkeypatch.setattr(tf_backend, "cudnn_rnn", lambda **kw: calls.append(1) or real(**kw))
+    keras.utils.set_random_seed(0)
+    model = _stack(kind)
+    reference = _stack(kind)
+    reference.set_weights(model.get_weights())
+    fast = rnnfuse.optimize(model, plan=rnnfuse.FUSED)  # whatever the table says
+    (fused,) = [l for l in fast.layers if isinstance(l, rnnfuse.FusedRNN)]
+    assert fused.uses_fused_kernel and not fused.supports_jit
+    for m in (fast, reference):
+        m.compile(optimizer=keras.optimizers.Adam(1e-3), loss="mse", jit_compile=False)
+    x, y = _data()
+    timers = {"fused": _EpochTimes(), "original": _EpochTimes()}
+    got = fast.fit(x, y, batch_size=BATCH, epochs=EPOCHS, shuffle=False, verbose=0,
+                   callbacks=[timers["fused"]])
+    want = reference.fit(x, y, batch_size=BATCH, epochs=EPOCHS, shuffle=False, verbose=0,
+                         callbacks=[timers["original"]])
+    assert calls, "the fused CudnnRNNV3 call site never ran (silent fallback)"
+    assert fused.last_path == "fused"
+    step = tf.function(lambda t: fast(t, training=True))
+    graph = step.get_concrete_function(tf.TensorSpec((BATCH, STEPS, FEATURES))).graph
+    assert _cudnn_ops(graph) == 1, "expected one CudnnRNNV3 op for the one fused group"
+    weight_diff = max(
+        float(np.max(np.abs(a - b))) for a, b in zip(model.get_weights(), reference.get_weights())
+    )
+    _report(f"fit_{kind}", {
+        "loss_fused": got.history["loss"],
+        "loss_original": want.history["loss"],
+        "epoch_s_fused": timers["fused"].times,
+        "epoch_s_original": timers["original"].times,
+        "max_weight_diff": weight_diff,
+    })
+    assert got.history["loss"][-1] < got.history["loss"][0]  # it learned
+    np.testing.assert_allclose(got.history["loss"], want.history["loss"], rtol=1e-3)
+    assert weight_diff <= 1e-3
+
+
+def test_jit_compile_on_a_gpu():
+    model = _stack("rnn_tanh")
+    fast = rnnfuse.optimize(model, plan=rnnfuse.FUSED)  # whatever the table says
+    fast.compile(optimizer="adam", loss="mse", jit_compile="auto")
+    assert fast.jit_compile is False  # Keras keeps the cuDNN model out of XLA
+    with pytest.raises(ValueError, match="XLA cannot compile cuDNN"):
+        fast.compile(optimizer="adam", loss="mse", jit_compile=True)
+
+
+_CPU_EXPORT = textwrap.dedent(
+    """
+    import os, sys
+    os.environ["CUDA_VISIBLE_DEVICES"] = "-1"
+    import numpy as np, tensorflow as tf, keras
+    import rnnfuse
+    keras_path, gpu_saved, cpu_saved, x_path = sys.argv[1:5]
+    assert not tf.config.list_logical_devices("GPU")
+    fast = keras.models.load_model(keras_path)
+    fast.export(cpu_saved, verbose=False)
+    x = np.load(x_path)
+    cpu_served = tf.saved_model.load(cpu_saved)  # keep a reference: it owns the variables
+    np.save(x_path + ".cpu.npy", np.asarray(cpu_served.serve(x)))
+    try:
+        gpu_served = tf.saved_model.load(gpu_saved)
+        gpu_served.serve(x)
+        print("GPU_TRACED_ON_CPU ok")
+    except Exception as err:
+        first = str(err).splitlines()[0][:300] if str(err) else ""
+        print("GPU_TRACED_ON_CPU failed " + type(err).__name__ + ": " + first)
+    """
+)
+
+
+def _pb_has_cudnn(folder) -> bool:
+    with open(os.path.join(folder, "saved_model.pb"), "rb") as f:
+        return b"CudnnRNNV3" in f.read()
+
+
+def test_export_traced_on_gpu_holds_cudnn_and_cpu_export_serves_on_cpu(tmp_path):
+    import tensorflow as tf
+
+    keras.utils.set_random_seed(1)
+    model = _stack("lstm")
+    fast = rnnfuse.optimize(model, plan=rnnfuse.FUSED)  # whatever the table says
+    x = _data(1)[0][:8]
+    fast.save(tmp_path / "fast.keras")
+    fast.export(str(tmp_path / "gpu_saved"), verbose=False)
+    rnnfuse.restore(fast).export(str(tmp_path / "restored_gpu_saved"), verbose=False)
+    np.save(tmp_path / "x.npy", x)
+    served = tf.saved_model.load(str(tmp_path / "gpu_saved"))
+    gpu_out = np.asarray(served.serve(x))
+    script = tmp_path / "cpu_export.py"
+    script.write_text(_CPU_EXPORT)
+    proc = subprocess.run(
+        [sys.executable, str(script), str(tmp_path / "fast.keras"),
+         str(tmp_path / "gpu_saved"), str(tmp_path / "cpu_saved"), str(tmp_path / "x.npy")],
+        capture_output=True, text=True, timeout=300, env={**os.environ},
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    cpu_out = np.load(tmp_path / "x.npy.cpu.npy")
+    gpu_on_cpu = [l for l in proc.stdout.splitlines() if l.startswith("GPU_TRACED_ON_CPU")]
+    facts = {
+        "gpu_export_has_cudnn": _pb_has_cudnn(tmp_path / "gpu_saved"),
+        "restored_gpu_export_has_cudnn": _pb_has_cudnn(tmp_path / "restored_gpu_saved"),
+        "cpu_export_has_cudnn": _pb_has_cudnn(tmp_path / "cpu_saved"),
+        "cpu_vs_gpu_max_diff": float(np.max(np.abs(cpu_out - gpu_out))),
+        "gpu_traced_served_on_cpu": gpu_on_cpu[-1] if gpu_on_cpu else None,
+    }
+    _report("export", facts)
+    assert facts["gpu_export_has_cudnn"]
+    # docs/deployment.md says Keras' own LSTM traced on a GPU is GPU-only too.
+    assert facts["restored_gpu_export_has_cudnn"], "update docs/deployment.md"
+    assert not facts["cpu_export_has_cudnn"]
+    assert facts["cpu_vs_gpu_max_diff"] <= 1e-4
+    assert facts["gpu_traced_served_on_cpu"].startswith("GPU_TRACED_ON_CPU failed")
