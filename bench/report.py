@@ -21,7 +21,7 @@ def static_choice(row: dict) -> tuple[str, float]:
     sys.path.insert(0, __file__.rsplit("/bench/", 1)[0])
     from rnnfuse.tuning.table import Regime, plan_for_regime
 
-    plan = plan_for_regime(Regime(**row["regime"])).for_length(row["layers_in_group"])
+    plan = plan_for_regime(Regime(**row["regime"]), row["layers_in_group"]).for_length(row["layers_in_group"])
     name = "original" if not plan.pieces else plan.name
     return name, row["speedup"].get(name, float("nan"))
 

@@ -69,4 +69,5 @@ def _exact_float32():
 
         torch.backends.cuda.matmul.allow_tf32 = False
         torch.backends.cudnn.allow_tf32 = False
+        torch.set_float32_matmul_precision("highest")
     yield

@@ -1,5 +1,7 @@
 """FusedRNN on a real GPU against Keras' own per-layer path.
 
+Every test pins `plan=rnnfuse.FUSED` (the whole run, TensorFlow's default
+algorithm) to test fusion itself; test_gpu_plans.py covers the other plans.
 Every test proves the fused CudnnRNNV3 call ran (a spy on the backend's
 single call site, and in graph mode the op count in the traced graph), so a
 silent fallback to the original layers fails the test.
@@ -92,7 +94,7 @@ def test_fused_matches_keras_float32(kind, shape, cudnn_calls):
     shape = dict(shape)
     batch = shape.pop("batch")
     model = stack_model(kind, last_return_sequences=True, head=True, **shape)
-    fast = rnnfuse.optimize(model)
+    fast = rnnfuse.optimize(model, plan=rnnfuse.FUSED)
     x = random_inputs(model, batch, np.random.default_rng(0))
     out_err, grad_err = _compare(model, fast, x, out_tol=1e-5, grad_tol=1e-4)
     assert cudnn_calls and cudnn_calls[-1]["levels_x_dirs"] == shape["num_layers"]
@@ -100,12 +102,14 @@ def test_fused_matches_keras_float32(kind, shape, cudnn_calls):
     print(f"{kind} {shape}: rel out {out_err:.2e} grad {grad_err:.2e}")
 
 
-@pytest.mark.parametrize("kind", KINDS)
+# rnn_relu in float16 is compared against float64 instead (test_gpu_plans.py):
+# unbounded activations let two float16 computations drift apart (1.7e-2).
+@pytest.mark.parametrize("kind", ["lstm", "gru", "rnn_tanh"])
 def test_fused_matches_keras_mixed_float16(kind, cudnn_calls):
     keras.config.set_dtype_policy("mixed_float16")
     model = stack_model(kind, 3, units=32, input_size=16, steps=20, last_return_sequences=True)
     keras.config.set_dtype_policy("float32")
-    fast = rnnfuse.optimize(model)
+    fast = rnnfuse.optimize(model, plan=rnnfuse.FUSED)
     x = random_inputs(model, 8, np.random.default_rng(1))
     _compare(model, fast, x, out_tol=1e-2, grad_tol=1e-2)
     assert cudnn_calls[-1]["dtype"] == "float16"
@@ -116,7 +120,7 @@ def test_fused_matches_keras_mixed_float16(kind, cudnn_calls):
 def test_masks_states_and_reversal(kind, last_return_sequences, cudnn_calls):
     # Right-padded mask -> sequence lengths, fused.
     model = stack_model(kind, 3, masked=True, last_return_sequences=last_return_sequences, last_return_state=True)
-    fast = rnnfuse.optimize(model)
+    fast = rnnfuse.optimize(model, plan=rnnfuse.FUSED)
     rng = np.random.default_rng(2)
     x = random_inputs(model, 6, rng, padding="right")
     _compare(model, fast, x, out_tol=1e-5, grad_tol=1e-4)
@@ -124,7 +128,7 @@ def test_masks_states_and_reversal(kind, last_return_sequences, cudnn_calls):
     # Initial states and a reversed first layer.
     model = stack_model(kind, 3, initial_state=True, go_backwards_first=True, last_return_state=True,
                         last_return_sequences=last_return_sequences)
-    fast = rnnfuse.optimize(model)
+    fast = rnnfuse.optimize(model, plan=rnnfuse.FUSED)
     cudnn_calls.clear()
     _compare(model, fast, random_inputs(model, 5, rng), out_tol=1e-5, grad_tol=1e-4)
     assert cudnn_calls
@@ -133,7 +137,7 @@ def test_masks_states_and_reversal(kind, last_return_sequences, cudnn_calls):
 @pytest.mark.parametrize("kind", ["lstm", "gru"])
 def test_mask_that_is_not_right_padded_runs_the_original_layers(kind, cudnn_calls):
     model = stack_model(kind, 2, masked=True, last_return_sequences=True)
-    fast = rnnfuse.optimize(model)
+    fast = rnnfuse.optimize(model, plan=rnnfuse.FUSED)
     rng = np.random.default_rng(3)
     x = random_inputs(model, 4, rng, padding="middle")
     x[0, 1] = 0
@@ -158,7 +162,7 @@ def test_bidirectional_stack(kind, merge_mode, cudnn_calls):
         x = L.Bidirectional(rnn_layer(kind, 32, return_sequences=True))(x)
     out = L.Bidirectional(rnn_layer(kind, 32, return_sequences=True, return_state=True), merge_mode=merge_mode)(x)
     model = keras.Model(inp, out)
-    fast = rnnfuse.optimize(model)
+    fast = rnnfuse.optimize(model, plan=rnnfuse.FUSED)
     x = random_inputs(model, 8, np.random.default_rng(4))
     _compare(model, fast, x, out_tol=1e-5, grad_tol=1e-4)
     assert cudnn_calls[-1] == {"levels_x_dirs": 6, "dtype": "float32", "direction": "bidirectional", "dropout": 0.0}
@@ -170,7 +174,7 @@ def test_rnn_cell_and_stacked_cells(cell, cudnn_calls):
     x = L.RNN(cell(32), return_sequences=True)(inp)
     out = L.RNN(L.StackedRNNCells([cell(32), cell(32)]), return_sequences=True)(x)
     model = keras.Model(inp, out)
-    fast = rnnfuse.optimize(model)
+    fast = rnnfuse.optimize(model, plan=rnnfuse.FUSED)
     x = random_inputs(model, 8, np.random.default_rng(5))
     _compare(model, fast, x, out_tol=1e-5, grad_tol=1e-4)
     assert cudnn_calls[-1]["levels_x_dirs"] == 3
@@ -183,7 +187,7 @@ def test_absorbed_dropout_is_cudnn_dropout_in_training(cudnn_calls):
     x = L.Dropout(0.5)(x)
     out = L.LSTM(32, return_sequences=True)(x)
     model = keras.Model(inp, out)
-    fast = rnnfuse.optimize(model)
+    fast = rnnfuse.optimize(model, plan=rnnfuse.FUSED)
     x = random_inputs(model, 8, np.random.default_rng(6))
     assert _rel(fast(x), model(x)) <= 1e-5  # inference: exact
     trained = np.asarray(fast(x, training=True))
@@ -195,7 +199,7 @@ def test_absorbed_dropout_is_cudnn_dropout_in_training(cudnn_calls):
 @pytest.mark.parametrize("kind", ["lstm", "gru"])
 def test_graph_has_one_cudnn_op_per_group(kind):
     model = stack_model(kind, 4, units=32, input_size=8, steps=16, last_return_sequences=True)
-    fast = rnnfuse.optimize(model)
+    fast = rnnfuse.optimize(model, plan=rnnfuse.FUSED)
     x = tf.constant(random_inputs(model, 4, np.random.default_rng(7)))
     assert _cudnn_ops_in_graph(lambda t: model(t), x) == 4  # Keras: one per layer
     assert _cudnn_ops_in_graph(lambda t: fast(t), x) == 1  # fused: one call
@@ -203,7 +207,7 @@ def test_graph_has_one_cudnn_op_per_group(kind):
 
 def test_fit_with_fused_path(cudnn_calls):
     model = stack_model("lstm", 3, units=32, input_size=8, steps=20, head=True)
-    fast = rnnfuse.optimize(model)
+    fast = rnnfuse.optimize(model, plan=rnnfuse.FUSED)
     fast.compile(optimizer="adam", loss="mse")
     rng = np.random.default_rng(8)
     x, y = random_inputs(model, 64, rng), rng.standard_normal((64, 3)).astype("float32")

@@ -214,7 +214,10 @@ def test_training_on_gpu_matches_the_original(cudnn_calls):
         m.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
         m.fit(x, y, epochs=2, batch_size=8, verbose=0, shuffle=False)
         trained.append([v.value.detach().clone() for v in model.trainable_variables])
-    assert cudnn_calls and all(c["device"] == "cuda" for c in cudnn_calls)
+    # Keras traces the model once on the "meta" device to learn its output
+    # spec; every real call must be on the GPU.
+    assert any(c["device"] == "cuda" for c in cudnn_calls)
+    assert {c["device"] for c in cudnn_calls} <= {"cuda", "meta"}
     for a, b in zip(*trained):
         assert _rel(b, a) <= 1e-4
 
