@@ -44,7 +44,7 @@ from rnnfuse.backends import StackSpec, get_backend
 from rnnfuse.reasons import Reason
 from rnnfuse.recurrent import describe, keras_runs_cudnn
 from rnnfuse.passes.rules import stack_link_reason
-from rnnfuse.tuning.algorithms import Algorithm
+from rnnfuse.tuning.algorithms import Algorithm, restore_pending
 
 __all__ = ["FusedRNN"]
 
@@ -224,6 +224,9 @@ class FusedRNN(keras.layers.Layer):
     # -- call ------------------------------------------------------------------
 
     def call(self, sequences, initial_state=None, mask=None, training=None):
+        # A graph-mode call that failed mid-way may have left the cuDNN
+        # algorithm variables set: put the user's environment back first.
+        restore_pending()
         if mask is not None:
             mask = tree.flatten(mask)[0]
         reason = self._fallback_reason(mask)

@@ -268,3 +268,35 @@ def test_algorithm_is_set_while_the_kernel_runs_and_restored_after(graph, emulat
     assert all(name not in os.environ for name in ENV_VARS)
     assert emulated_cudnn[-1]["seed2"] == Algorithm.parse("persistent_static+tc").kernel_tag
     assert max_abs_diff(out, model(x)) <= 2e-5
+
+
+def test_tensor_ops_are_dropped_where_tensorflow_forbids_them():
+    from rnnfuse.backends.tensorflow import allowed_algorithm
+
+    algo = Algorithm.parse("persistent_static+tc")
+    assert allowed_algorithm(algo, "float16") == algo
+    assert allowed_algorithm(algo, "float64") == Algorithm(1, False)
+    enabled = tf.config.experimental.tensor_float_32_execution_enabled()
+    try:
+        tf.config.experimental.enable_tensor_float_32_execution(False)
+        assert allowed_algorithm(algo, "float32") == Algorithm(1, False)
+        tf.config.experimental.enable_tensor_float_32_execution(True)
+        assert allowed_algorithm(algo, "float32") == algo
+    finally:
+        tf.config.experimental.enable_tensor_float_32_execution(enabled)
+
+
+def test_variables_left_by_a_failed_graph_call_are_restored_by_the_next_call(monkeypatch):
+    """A graph-mode fused op that fails between its 'set' and 'restore' steps
+    leaves the variables set; the next FusedRNN call puts them back."""
+    for name in ENV_VARS:
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("TF_DEBUG_CUDNN_RNN_USE_TENSOR_OPS", "mine")
+    algorithms.begin_graph_algorithm(Algorithm(1, True))  # ... and the op fails
+    assert os.environ["TF_DEBUG_CUDNN_RNN_ALGO"] == "1"
+    model = stack_model("gru", 2)
+    rnnfuse.optimize(model, plan=FUSED)(random_inputs(model, 1, np.random.default_rng(3)))
+    assert "TF_DEBUG_CUDNN_RNN" not in os.environ
+    assert "TF_DEBUG_CUDNN_RNN_ALGO" not in os.environ
+    assert os.environ["TF_DEBUG_CUDNN_RNN_USE_TENSOR_OPS"] == "mine"
+    assert algorithms.restore_pending() is False

@@ -46,7 +46,12 @@ from typing import Any, Sequence
 import tensorflow as tf
 
 from rnnfuse.backends.base import GATES, StackSpec
-from rnnfuse.tuning.algorithms import Algorithm, algorithm_env, set_env
+from rnnfuse.tuning.algorithms import (
+    Algorithm,
+    algorithm_env,
+    begin_graph_algorithm,
+    end_graph_algorithm,
+)
 
 __all__ = [
     "in_xla_context",
@@ -222,6 +227,23 @@ def run_stack(
     return tf.transpose(outputs, [1, 0, 2]), h, (c if lstm else None)
 
 
+def allowed_algorithm(algorithm: Algorithm, dtype) -> Algorithm:
+    """`algorithm` without tensor ops where TensorFlow forbids them.
+
+    TensorFlow rejects tensor-op math ("Algo requests disallowed tensor op
+    evaluation") for float64, and for float32 when TF32 is turned off
+    (`tf.config.experimental.enable_tensor_float_32_execution(False)`).
+    """
+    dtype = tf.as_dtype(dtype)
+    forbidden = dtype == tf.float64 or (
+        dtype == tf.float32
+        and not tf.config.experimental.tensor_float_32_execution_enabled()
+    )
+    if algorithm.tensor_ops and forbidden:
+        return Algorithm(algorithm.algo, tensor_ops=False)
+    return algorithm
+
+
 def _call_with_algorithm(algorithm: Algorithm, tensors: dict, attrs: dict):
     """`cudnn_rnn` whose forward kernel is built under `algorithm`.
 
@@ -232,9 +254,12 @@ def _call_with_algorithm(algorithm: Algorithm, tensors: dict, attrs: dict):
     when the function is first run, so the call goes into an inner function
     that is not inlined and is instantiated when it first runs; a
     `py_function` sets the variables just before it and another restores
-    them just after (automatic control dependencies keep that order).
+    them just after (automatic control dependencies keep that order). If
+    the op fails in between, the next rnnfuse call restores them
+    (`rnnfuse.tuning.algorithms.restore_pending`).
     """
     names = list(tensors)
+    algorithm = allowed_algorithm(algorithm, tensors["input"].dtype)
 
     def call(*values):
         return tuple(cudnn_rnn(**dict(zip(names, values)), **attrs)[:3])
@@ -242,14 +267,13 @@ def _call_with_algorithm(algorithm: Algorithm, tensors: dict, attrs: dict):
     if tf.executing_eagerly():
         with algorithm_env(algorithm):
             return call(*tensors.values())
-    saved: dict = {}
 
     def enter():
-        saved.update(set_env(algorithm.env()))
+        begin_graph_algorithm(algorithm)
         return 0
 
     def leave():
-        set_env(dict(saved))
+        end_graph_algorithm()
         return 0
 
     inner = tf.function(

@@ -32,7 +32,14 @@ import dataclasses
 import os
 import threading
 
-__all__ = ["Algorithm", "algorithm_env", "ENV_VARS"]
+__all__ = [
+    "Algorithm",
+    "algorithm_env",
+    "begin_graph_algorithm",
+    "end_graph_algorithm",
+    "restore_pending",
+    "ENV_VARS",
+]
 
 ENV_VARS = (
     "TF_DEBUG_CUDNN_RNN",
@@ -117,3 +124,32 @@ def algorithm_env(algorithm: Algorithm | None):
         yield
     finally:
         set_env(previous)
+
+
+# Set by a graph-mode step before the fused op runs, cleared just after it.
+# If the op fails in between, the values stay here until `restore_pending`.
+_PENDING: list[dict[str, str | None]] = []
+
+
+def begin_graph_algorithm(algorithm: Algorithm) -> None:
+    """Sets `algorithm`'s variables for a graph-mode fused call (see the
+    TensorFlow backend); pair with `end_graph_algorithm`."""
+    with _LOCK:
+        restore_pending()
+        _PENDING.append(set_env(algorithm.env()))
+
+
+def end_graph_algorithm() -> None:
+    """Restores what `begin_graph_algorithm` replaced."""
+    restore_pending()
+
+
+def restore_pending() -> bool:
+    """Restores variables a failed graph-mode call left set; True if any."""
+    with _LOCK:
+        if not _PENDING:
+            return False
+        # The first entry holds what was there before any of them.
+        set_env(_PENDING[0])
+        _PENDING.clear()
+        return True
