@@ -33,7 +33,7 @@ $(VENV)/.torch-stamp: $(STAMP)
 	touch $@
 
 test-torch: $(VENV)/.torch-stamp
-	KERAS_BACKEND=torch $(BIN)/python -m pytest -q -p no:cacheprovider tests/torch
+	KERAS_BACKEND=torch OMP_WAIT_POLICY=PASSIVE $(BIN)/python -m pytest -q -p no:cacheprovider tests/torch
 
 test-thorough: $(STAMP)
 	HYPOTHESIS_PROFILE=thorough $(BIN)/python -m pytest -q tests

@@ -376,7 +376,7 @@ def test_use_cudnn_true_raises_where_fast_path_cannot_run():
         plstm.set_fast_path("fast")
     with pytest.raises(ValueError, match="unroll=0"):
         plstm.set_fast_path("custom", unroll=0)
-    assert (plstm.get_fast_path(), plstm.get_unroll()) == ("auto", 1)
+    assert (plstm.get_fast_path(), plstm.get_unroll()) == ("auto", 4)
 
 
 def test_config_round_trip_and_saved_model(tmp_path):

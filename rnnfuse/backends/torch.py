@@ -411,6 +411,7 @@ def run_stack(
     reverse: bool = False,
     dropout: float = 0.0,
     seed: tuple[int, int] = (0, 0),
+    algorithm: Any = None,
 ):
     """Runs `stack` over `sequences` [B, T, F] in one PyTorch RNN call.
 
@@ -427,6 +428,8 @@ def run_stack(
             in processing order (as a Keras go_backwards layer returns them).
         dropout: PyTorch's dropout between levels (training only).
         seed: unused (PyTorch's dropout draws from its global RNG).
+        algorithm: unused (PyTorch chooses cuDNN's algorithm itself; the
+            TensorFlow backend's algorithm switch has no PyTorch equivalent).
 
     Returns:
         (outputs [B, T, D*P'] with zeros past each sequence's length,

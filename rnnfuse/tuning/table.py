@@ -162,6 +162,16 @@ def regime_of(group, dtype: str, training: bool) -> Regime:
 
 
 def static_plan(group, dtype: str, training: bool) -> Plan:
-    """The plan the rule table gives `group` in `dtype`."""
+    """The plan the rule table gives `group` in `dtype`.
+
+    The table was measured with TensorFlow's kernels. Other backends fuse
+    every run whole: the torch backend makes its own never-slower choice
+    (one call, or one call per level where PyTorch's persistent kernels
+    need single-layer calls), and has no cuDNN algorithm switch.
+    """
+    import keras
+
+    if keras.backend.backend() != "tensorflow":
+        return FUSED
     return plan_for_regime(regime_of(group, dtype, training), len(group.layers))
 

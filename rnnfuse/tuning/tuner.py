@@ -204,12 +204,15 @@ def tune_plans(
     """
     environment = environment if environment is not None else device_environment()
     results = []
+    why = None
     if environment is None:
+        why = "static: no GPU to time on"
+    elif environment.get("backend", "tensorflow") != "tensorflow":
+        why = "static: tuning times TensorFlow plans; this backend picks its own calls"
+    if why is not None:
         for group in groups:
             dtype = group.views[0].layer.compute_dtype
-            results.append(
-                TuneResult(group, static_plan(group, dtype, training), "static: no GPU to time on")
-            )
+            results.append(TuneResult(group, static_plan(group, dtype, training), why))
         return results
     measure = measure or (lambda steps, on_step=None: interleaved_medians(
         steps, warmup=warmup, repeats=repeats, on_step=on_step))
