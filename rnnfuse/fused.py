@@ -46,7 +46,7 @@ from rnnfuse.recurrent import describe, keras_runs_cudnn
 from rnnfuse.passes.rules import stack_link_reason
 from rnnfuse.tuning.algorithms import Algorithm, restore_pending
 
-__all__ = ["FusedRNN"]
+__all__ = ["FusedRNN", "first_call_kwargs"]
 
 
 @keras.saving.register_keras_serializable(package="rnnfuse")
@@ -408,6 +408,24 @@ class FusedRNN(keras.layers.Layer):
             n_states = 4 if self._stack.kind == "lstm" else 2
             return tuple([0] * (n_out + n_states))
         return (0,) + tuple(tree.map_structure(lambda _: 0, list(view.layer.state_size)))
+
+
+def first_call_kwargs(args, kwargs) -> dict:
+    """The keyword arguments to replay a recorded call of a run's first layer.
+
+    Keeps what a Keras functional node recorded for it: `initial_state`
+    (keyword or second positional), an explicit `mask`, and `training`.
+    """
+    out = {}
+    initial_state = kwargs.get("initial_state")
+    if initial_state is None and len(args) > 1:
+        initial_state = args[1]
+    if initial_state is not None:
+        out["initial_state"] = initial_state
+    for name in ("mask", "training"):
+        if kwargs.get(name) is not None:
+            out[name] = kwargs[name]
+    return out
 
 
 def _merge(mode, y, y_rev):

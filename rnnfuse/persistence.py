@@ -64,7 +64,7 @@ import keras
 from keras import tree
 from keras.src.models.functional import Functional
 
-from rnnfuse.fused import FusedRNN
+from rnnfuse.fused import FusedRNN, first_call_kwargs
 
 __all__ = [
     "OptimizedModel",
@@ -370,17 +370,8 @@ def _restore_functional(model, replacements) -> keras.Model:
 
 def _call_members(fused: FusedRNN, args, kwargs):
     """Calls the layers of `fused` as the run's first layer was called."""
-    first = {}
-    initial_state = kwargs.get("initial_state")
-    if initial_state is None and len(args) > 1:
-        initial_state = args[1]
-    if initial_state is not None:
-        first["initial_state"] = initial_state
-    if kwargs.get("mask") is not None:
-        first["mask"] = kwargs["mask"]
-    rest = {}
-    if kwargs.get("training") is not None:
-        first["training"] = rest["training"] = kwargs["training"]
+    first = first_call_kwargs(args, kwargs)
+    rest = {"training": first["training"]} if "training" in first else {}
     x = args[0]
     for i, layer in enumerate(fused.members()):
         x = layer(x, **(first if i == 0 else rest))

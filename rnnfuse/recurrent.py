@@ -48,6 +48,7 @@ __all__ = [
     "RecurrentView",
     "describe",
     "is_recurrent",
+    "keras_has_cudnn_path",
     "keras_runs_cudnn",
 ]
 
@@ -395,6 +396,22 @@ def _part_name(wrapper: Any, part: Any) -> str:
     return f"{which} layer '{part.name}'"
 
 
+def keras_has_cudnn_path(view: RecurrentView) -> bool:
+    """Whether Keras has a cuDNN path for this layer at all: `LSTM` or
+    `GRU` (each direction of a Bidirectional) with a bias. Everything else
+    (SimpleRNN, RNN(cell), StackedRNNCells, no bias) runs Keras' generic
+    Python-level loop on every device."""
+    layers = (
+        (view.layer.forward_layer, view.layer.backward_layer)
+        if isinstance(view.layer, keras.layers.Bidirectional)
+        else (view.layer,)
+    )
+    return all(
+        type(layer) in (keras.layers.LSTM, keras.layers.GRU) and layer.cell.use_bias
+        for layer in layers
+    )
+
+
 def keras_runs_cudnn(view: RecurrentView) -> bool:
     """Whether Keras itself would run this layer on cuDNN here.
 
@@ -408,16 +425,8 @@ def keras_runs_cudnn(view: RecurrentView) -> bool:
     loop runs, so under torch padded steps always follow
     `zero_output_for_mask` (False here).
     """
-    layers = (
-        (view.layer.forward_layer, view.layer.backward_layer)
-        if isinstance(view.layer, keras.layers.Bidirectional)
-        else (view.layer,)
-    )
-    for layer in layers:
-        if type(layer) not in (keras.layers.LSTM, keras.layers.GRU):
-            return False
-        if not layer.cell.use_bias:
-            return False
+    if not keras_has_cudnn_path(view):
+        return False
     if keras.backend.backend() != "tensorflow":
         return False
     import tensorflow as tf

@@ -39,7 +39,7 @@ from typing import Any, Sequence
 
 import keras
 
-from rnnfuse.fused import FusedRNN
+from rnnfuse.fused import FusedRNN, first_call_kwargs
 from rnnfuse.passes.graph import is_graph_model
 from rnnfuse.persistence import as_optimized
 from rnnfuse.report import FusionGroup
@@ -189,17 +189,7 @@ def _rewrite_functional(model, fused, replacements) -> keras.Model:
 
 def _call_fused(fused: FusedRNN, args, kwargs):
     """Calls `fused` with the arguments the run's first layer received."""
-    call_kwargs = {}
-    initial_state = kwargs.get("initial_state")
-    if initial_state is None and len(args) > 1:
-        initial_state = args[1]
-    if initial_state is not None:
-        call_kwargs["initial_state"] = initial_state
-    if kwargs.get("mask") is not None:
-        call_kwargs["mask"] = kwargs["mask"]
-    if kwargs.get("training") is not None:
-        call_kwargs["training"] = kwargs["training"]
-    return fused(args[0], **call_kwargs)
+    return fused(args[0], **first_call_kwargs(args, kwargs))
 
 
 def _copy_compile(model, new, already: bool = False) -> None:

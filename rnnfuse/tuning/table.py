@@ -133,20 +133,9 @@ def plan_for_regime(regime: Regime, num_layers: int | None = None) -> Plan:
 
 def _keras_loop(group) -> bool:
     """Whether Keras runs some layer of `group` in its generic loop."""
-    import keras
+    from rnnfuse.recurrent import keras_has_cudnn_path
 
-    for view in group.views:
-        layers = (
-            (view.layer.forward_layer, view.layer.backward_layer)
-            if isinstance(view.layer, keras.layers.Bidirectional)
-            else (view.layer,)
-        )
-        for layer in layers:
-            if type(layer) not in (keras.layers.LSTM, keras.layers.GRU):
-                return True
-            if not layer.cell.use_bias:
-                return True
-    return False
+    return not all(keras_has_cudnn_path(view) for view in group.views)
 
 
 def regime_of(group, dtype: str, training: bool) -> Regime:
