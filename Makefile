@@ -20,7 +20,7 @@ demo: $(STAMP)
 	$(BIN)/python examples/text_classifier.py
 
 # The CPU suite under the TensorFlow backend, then the torch-backend tests
-# (tests/torch) under KERAS_BACKEND=torch. GPU tests (tests/gpu) skip here.
+# (tests/torch_backend) under KERAS_BACKEND=torch. GPU tests (tests/gpu) skip here.
 test: test-tf test-torch
 
 test-tf: $(STAMP)
@@ -33,7 +33,7 @@ $(VENV)/.torch-stamp: $(STAMP)
 	touch $@
 
 test-torch: $(VENV)/.torch-stamp
-	KERAS_BACKEND=torch OMP_WAIT_POLICY=PASSIVE $(BIN)/python -m pytest -q -p no:cacheprovider tests/torch
+	KERAS_BACKEND=torch OMP_WAIT_POLICY=PASSIVE $(BIN)/python -m pytest -q -p no:cacheprovider tests/torch_backend
 
 test-thorough: $(STAMP)
 	HYPOTHESIS_PROFILE=thorough $(BIN)/python -m pytest -q tests

@@ -49,7 +49,7 @@ benchmarks.
 The CPU decision: `is_available()` is True without a GPU too. PyTorch has
 native CPU kernels for these ops (oneDNN for LSTM/GRU where it applies),
 computing the same equations as Keras' loops to float rounding (1e-6 in
-float32, checked in tests/torch), and they run the whole time loop in C++
+float32, checked in tests/torch_backend), and they run the whole time loop in C++
 while Keras' torch backend steps through time in Python (its
 `_fallback_lstm`/`_fallback_gru`, or the generic `rnn()` loop under a mask
 and for SimpleRNN/`RNN(cell)`). Measured on a 2-core CPU, torch 2.13.0+cpu,

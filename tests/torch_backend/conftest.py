@@ -59,7 +59,7 @@ def torch_calls(monkeypatch):
 def pytest_collection_modifyitems(config, items):
     # Keras' torch convert_to_numpy calls np.array(tensor); NumPy 2 warns
     # that torch's __array__ takes no `copy`. Not ours; keep the output clean.
-    here = "tests/torch/"
+    here = "tests/torch_backend/"
     quiet = pytest.mark.filterwarnings(
         "ignore:__array__ implementation doesn't accept a copy keyword:DeprecationWarning"
     )
