@@ -36,6 +36,7 @@ from typing import Any
 import keras
 import networkx as nx
 
+from rnnfuse.backends import get_backend
 from rnnfuse.passes.rules import layer_reason, link_reason
 from rnnfuse.reasons import Reason
 from rnnfuse.recurrent import RecurrentView, describe, is_recurrent
@@ -95,6 +96,12 @@ def plan_fusion(
             reasons[key] = _lone_reason(
                 graph, key, views, reasons, link_reasons, min_layers
             )
+    no_kernel = _backend_reason()
+    if no_kernel is not None:
+        for group in groups:
+            for key in group.layers:
+                reasons[key] = no_kernel
+        groups = []
     skipped = {k: reasons[k] for k in _graph_order(graph) if k in reasons}
     notes = tuple(graph.graph.get("notes", ()))
     return FusionReport(
@@ -102,6 +109,25 @@ def plan_fusion(
         groups=tuple(groups),
         skipped=skipped,
         notes=notes,
+    )
+
+
+def _backend_reason() -> Reason | None:
+    """Why no run can fuse under the active Keras backend, or None."""
+    if get_backend() is not None:
+        return None
+    name = keras.backend.backend()
+    detail = ""
+    if name == "jax":
+        detail = (
+            " (jax.experimental.rnn is cuDNN LSTM only, float32 only, with no "
+            "CPU lowering, and Keras' JAX backend already uses it for single "
+            "LSTM layers; rnnfuse has not measured a fused JAX stack yet)"
+        )
+    return Reason(
+        "backend",
+        f"rnnfuse has no fused kernel for the {name} backend{detail}; the "
+        "original layers run as they are",
     )
 
 
