@@ -56,6 +56,16 @@ Two implementations of the same maths:
   with `zero_output_for_mask=True`, else the last unmasked output (zeros
   before the first one).
 
+Under the torch backend the fast path is PyTorch's own LSTMP
+(`nn.LSTM(proj_size=P)`'s `torch._VF.lstm` call, through
+`rnnfuse.backends.torch.run_stack`): cuDNN on CUDA, PyTorch's native kernel
+on the CPU; path "torch_fused". It runs when `use_cudnn` is not False, the
+fast path is not switched "off", `unroll` is False, there is no recurrent
+dropout (nor input dropout with `implementation=1`), the activations are
+tanh/sigmoid, proj_size < units (PyTorch's limit) and the mask is None or
+right-padded with no empty sequence (checked on its values; other masks run
+Keras' generic loop). Results match the generic loop to float rounding.
+
 `PATH_COUNTS` counts the paths taken (incremented each time `call` runs
 eagerly or is traced) and `layer.last_path` names the last one, so tests
 can prove which path ran.
@@ -383,13 +393,15 @@ class ProjectedLSTMCell(keras.layers.LSTMCell):
 
 @keras.saving.register_keras_serializable(package="rnnfuse")
 class ProjectedLSTM(keras.layers.RNN):
-    """LSTM with a recurrent projection (LSTMP), fast on TensorFlow.
+    """LSTM with a recurrent projection (LSTMP), fast on TensorFlow and torch.
 
     Every argument of `keras.layers.LSTM` behaves as there, with `proj_size`
     second. `use_cudnn` keeps LSTM's meaning of "the fast implementation":
     TensorFlow has no cuDNN kernel for projections, so "auto" and True pick
-    this module's fast path (True raises where it cannot run), False forces
-    Keras' generic loop. Like LSTM, `use_cudnn` is not serialized.
+    this module's fast path; under the torch backend they pick PyTorch's
+    proj_size LSTM (cuDNN on CUDA). True raises where the fast path cannot
+    run, False forces Keras' generic loop. Like LSTM, `use_cudnn` is not
+    serialized.
 
     Args:
         units: width of the cell state c.
@@ -506,14 +518,17 @@ class ProjectedLSTM(keras.layers.RNN):
 
     def _keras_loop_reason(self) -> str | None:
         """Why this layer must run Keras' generic loop, or None."""
-        if keras.backend.backend() != "tensorflow":
-            return f"the fast path is TensorFlow-only (backend: {keras.backend.backend()})"
+        backend = keras.backend.backend()
+        if backend not in ("tensorflow", "torch"):
+            return f"no fast path for the {backend} backend"
         if self.unroll:
             return "unroll=True"
         if self.cell.recurrent_dropout:
             return "recurrent_dropout draws masks inside the loop"
         if self.cell.dropout and getattr(self.cell, "dropout_mask_count", None):
             return "implementation=1 draws one input dropout mask per gate"
+        if backend == "torch":
+            return _torch_reason(self.cell)
         return None
 
     def inner_loop(self, sequences, initial_state, mask, training=False):
@@ -531,9 +546,9 @@ class ProjectedLSTM(keras.layers.RNN):
         if reason is None and _fast_path == "off":
             reason = "the fast path is switched off (set_fast_path('off'))"
         if reason is not None:
-            self.last_path = f"keras_loop: {reason}"
-            PATH_COUNTS["keras_loop"] += 1
-            return super().inner_loop(sequences, initial_state, mask=mask, training=training)
+            return self._keras_loop(sequences, initial_state, mask, training, reason)
+        if keras.backend.backend() == "torch":
+            return self._torch_loop(sequences, initial_state, mask, training)
         variant = get_fast_path(resolve=True)
         if variant.startswith("custom") and not _tanh_sigmoid(self.cell):
             variant = variant.replace("custom", "while")
@@ -551,6 +566,45 @@ class ProjectedLSTM(keras.layers.RNN):
             return_sequences=self.return_sequences,
             variant=variant,
             unroll=unroll,
+        )
+
+    def _keras_loop(self, sequences, initial_state, mask, training, reason):
+        self.last_path = f"keras_loop: {reason}"
+        PATH_COUNTS["keras_loop"] += 1
+        return super().inner_loop(sequences, initial_state, mask=mask, training=training)
+
+    def _torch_loop(self, sequences, initial_state, mask, training):
+        """PyTorch's proj_size LSTM (one `torch._VF.lstm` call), or under a
+        mask it cannot take (not right-padded, or an empty row) Keras' loop."""
+        from rnnfuse.backends import torch as torch_backend
+
+        def fused():
+            self.last_path = "torch_fused"
+            PATH_COUNTS["torch_fused"] += 1
+            return _torch_inner_loop(
+                self.cell,
+                sequences,
+                initial_state,
+                mask,
+                training=training,
+                go_backwards=self.go_backwards,
+                zero_output_for_mask=self.zero_output_for_mask,
+                return_sequences=self.return_sequences,
+            )
+
+        if mask is None:
+            return fused()
+        # Keras' torch backend runs eagerly: the mask's values pick the path.
+        return ops.cond(
+            torch_backend.mask_is_supported(mask),
+            fused,
+            lambda: self._keras_loop(
+                sequences,
+                initial_state,
+                mask,
+                training,
+                "the mask is not right-padded, or a sequence is empty",
+            ),
         )
 
     def call(self, sequences, initial_state=None, mask=None, training=False):
@@ -682,19 +736,13 @@ class ProjectedLSTM(keras.layers.RNN):
 
 
 def _tanh_sigmoid(cell) -> bool:
-    """Whether the cell uses exactly tanh and sigmoid (the hand-written grad)."""
-    import tensorflow as tf
+    """Whether the cell uses exactly tanh and sigmoid (the hand-written grad,
+    and the only activations PyTorch's fused LSTM computes)."""
+    from rnnfuse.recurrent import _activation_name
 
-    tanh = (keras.activations.tanh, keras.ops.tanh, tf.tanh, tf.math.tanh)
-    sigmoid = (
-        keras.activations.sigmoid,
-        keras.ops.sigmoid,
-        tf.sigmoid,
-        tf.math.sigmoid,
-        tf.nn.sigmoid,
-    )
-    return any(cell.activation is f for f in tanh) and any(
-        cell.recurrent_activation is f for f in sigmoid
+    return (
+        _activation_name(cell.activation) == "tanh"
+        and _activation_name(cell.recurrent_activation) == "sigmoid"
     )
 
 
@@ -1040,3 +1088,85 @@ def _backward_loop(
         tf.reshape(gated, [-1, units]), tf.reshape(dh_new, [-1, proj]), transpose_a=True
     )
     return dz, d_recurrent, d_projection, d_h0, d_c0
+
+
+# -- the fast path (torch) ----------------------------------------------------------
+
+
+def _torch_reason(cell) -> str | None:
+    """Why PyTorch's proj_size LSTM cannot compute this cell exactly, or None."""
+    from rnnfuse.backends import torch as torch_backend
+    from rnnfuse.backends.base import StackSpec
+
+    if not _tanh_sigmoid(cell):
+        return "PyTorch's fused LSTM computes only tanh and sigmoid activations"
+    stack = StackSpec("lstm", cell.units, ((cell,),), proj_size=cell.proj_size)
+    return torch_backend.unsupported_reason(stack, cell.compute_dtype)
+
+
+def _torch_inner_loop(
+    cell,
+    sequences,
+    initial_state,
+    mask,
+    *,
+    training,
+    go_backwards,
+    zero_output_for_mask,
+    return_sequences,
+):
+    """What `keras.layers.RNN.inner_loop` returns, from one `torch._VF.lstm`
+    call with `proj_size` (`rnnfuse.backends.torch.run_stack`).
+
+    `mask`, when given, is right-padded with no empty row. `run_stack`
+    returns outputs with zeros past each length, and with `reverse` each
+    sequence reversed within its length; Keras' loop instead reverses the
+    whole padded sequence, so a go_backwards layer first sees the padding
+    (state kept, output zeros) and then the valid steps. Rearranged here
+    to Keras' processing order; a masked step's output is zeros with
+    `zero_output_for_mask`, else the last unmasked output (zeros before the
+    first one), as in `_fast_inner_loop`.
+
+    Returns:
+        (last_output [B, P], outputs [B, T, P] (or [B, 1, P] when not
+        return_sequences, as the generic loop), [h [B, P], c [B, U]]).
+    """
+    import torch
+
+    from rnnfuse.backends import torch as torch_backend
+    from rnnfuse.backends.base import StackSpec
+
+    x = sequences
+    if training and 0.0 < cell.dropout < 1.0:
+        # The mask RNN.call drew for this call (one per sequence).
+        x = x * ops.expand_dims(cell.get_dropout_mask(sequences[:, 0, :]), axis=1)
+    stack = StackSpec("lstm", cell.units, ((cell,),), proj_size=cell.proj_size)
+    outputs, final_h, final_c = torch_backend.run_stack(
+        x,
+        stack=stack,
+        initial_h=[initial_state[0]],
+        initial_c=[initial_state[1]],
+        mask=mask,
+        reverse=go_backwards,
+    )
+    h_last, c_last = final_h[0], final_c[0]
+    if mask is not None:
+        keep = ops.convert_to_tensor(mask).to(device=outputs.device, dtype=torch.bool)
+        if go_backwards:
+            # Valid step j (processed j-th) moves to position T - length + j.
+            steps = outputs.shape[1]
+            lengths = keep.sum(dim=1, keepdim=True)  # [B, 1]
+            source = torch.arange(steps, device=outputs.device)[None] - (steps - lengths)
+            gathered = torch.gather(
+                outputs, 1, source.clamp(min=0)[:, :, None].expand_as(outputs)
+            )
+            outputs = torch.where(
+                (source >= 0)[:, :, None], gathered, torch.zeros_like(gathered)
+            )
+        elif not zero_output_for_mask:
+            # Past its length a row repeats its last output: the final h.
+            outputs = torch.where(keep[:, :, None], outputs, h_last[:, None, :])
+    last_output = outputs[:, -1]
+    if not return_sequences:
+        outputs = last_output[:, None, :]
+    return last_output, outputs, [h_last, c_last]

@@ -277,5 +277,58 @@ def test_projected_lstm_stack_runs_cudnn_projections(bidirectional, cudnn_calls)
     rel = _rel(torch.as_tensor(expected), got)
     assert rel <= 1e-5, rel
     # And against the layers' own (Keras loop) result, gradients included.
+    from rnnfuse.layers.projected_lstm import fast_path
+
     cudnn_calls.clear()
-    _compare(model, fast, inputs, out_tol=1e-5, grad_tol=1e-4)
+    with fast_path("off"):  # the original layers run Keras' loop, not their own call
+        _compare(model, fast, inputs, out_tol=1e-5, grad_tol=1e-4)
+
+
+@pytest.mark.parametrize("bidirectional", [False, True])
+def test_single_projected_lstm_layer_runs_cudnn(bidirectional, cudnn_calls):
+    """One ProjectedLSTM layer (no rnnfuse.optimize) runs cuDNN's LSTMP itself.
+
+    A right-padded mask (packed call) and, unidirectionally, go_backwards;
+    compared with Keras' generic loop (`fast_path("off")`), gradients included.
+    """
+    from rnnfuse.layers import ProjectedLSTM
+    from rnnfuse.layers.projected_lstm import fast_path
+
+    inp = keras.Input((40,), dtype="int32")
+    x = L.Embedding(50, 16, mask_zero=True)(inp)
+    layer = ProjectedLSTM(
+        64, 16, return_sequences=True, return_state=True, go_backwards=not bidirectional
+    )
+    outer = L.Bidirectional(layer) if bidirectional else layer
+    model = keras.Model(inp, outer(x))
+    _randomize(model, 10)
+    tokens = np.random.default_rng(11).integers(1, 50, (8, 40)).astype("int32")
+    tokens[1, 25:] = 0
+    tokens[5, 3:] = 0
+
+    def run():
+        out = model(tokens)
+        flat = [t.float() for t in keras.tree.flatten(out)]
+        loss = sum(
+            (t * torch.sin(torch.arange(t.shape[-1], device=t.device) + 1.0) + t**2).sum()
+            for t in flat
+        )
+        return flat, torch.autograd.grad(loss, [v.value for v in model.trainable_variables])
+
+    with fast_path("off"):
+        expected, expected_grads = run()
+    assert not cudnn_calls
+    got, got_grads = run()
+    parts = (outer.forward_layer, outer.backward_layer) if bidirectional else (layer,)
+    assert [p.last_path for p in parts] == ["torch_fused"] * len(parts)
+    assert len(cudnn_calls) == len(parts), cudnn_calls
+    for call in cudnn_calls:
+        assert call["device"] == "cuda" and call["packed"]
+        assert call["num_layers"] == 1 and call["bidirectional"] is False
+        assert call["cudnn"], "PyTorch did not run the layer's call on cuDNN"
+        assert tuple(call["params"][4].shape) == (16, 64)
+    assert [tuple(t.shape) for t in got] == [tuple(t.shape) for t in expected]
+    worst_out = max(_rel(g, e) for g, e in zip(got, expected))
+    worst_grad = max(_rel(g, e) for g, e in zip(got_grads, expected_grads))
+    assert worst_out <= 1e-5, worst_out
+    assert worst_grad <= 1e-4, worst_grad
