@@ -450,13 +450,14 @@ def _check_archive(path: str) -> None:
         )
 
 
-def _describe_class(path: str, name: str) -> str:
-    """'name' plus the registered name and module the archive records for it."""
-    found = []
+def archived_configs(path: str, class_name: str) -> list[dict]:
+    """Every config node of class `class_name` in a .keras archive, in
+    order ([] when the archive or its config.json cannot be read)."""
+    found: list = []
 
     def visit(node):
         if isinstance(node, dict):
-            if node.get("class_name") == name and not found:
+            if node.get("class_name") == class_name:
                 found.append(node)
             for value in node.values():
                 visit(value)
@@ -468,7 +469,13 @@ def _describe_class(path: str, name: str) -> str:
         with zipfile.ZipFile(path) as archive:
             visit(json.loads(archive.read("config.json")))
     except (OSError, KeyError, ValueError, zipfile.BadZipFile):
-        pass
+        return []
+    return found
+
+
+def _describe_class(path: str, name: str) -> str:
+    """'name' plus the registered name and module the archive records for it."""
+    found = archived_configs(path, name)
     if not found:
         return f"'{name}'"
     entry = found[0]

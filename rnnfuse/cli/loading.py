@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
-import json
 import os
 import re
 import sys
@@ -194,24 +193,10 @@ def _load_error(path: str, err: BaseException) -> str:
 
 def _module_of(path: str, class_name: str) -> str | None:
     """The module a .keras archive records for `class_name`, if any."""
-    found: list = []
+    from rnnfuse.persistence import archived_configs
 
-    def visit(node):
-        if isinstance(node, dict):
-            if node.get("class_name") == class_name and node.get("module"):
-                found.append(node["module"])
-            for value in node.values():
-                visit(value)
-        elif isinstance(node, list):
-            for value in node:
-                visit(value)
-
-    try:
-        with zipfile.ZipFile(path) as archive:
-            visit(json.loads(archive.read("config.json")))
-    except (OSError, KeyError, ValueError, zipfile.BadZipFile):
-        return None
-    return found[0] if found else None
+    modules = [c["module"] for c in archived_configs(path, class_name) if c.get("module")]
+    return modules[0] if modules else None
 
 
 def _import_module(spec: str, *, what: str):
