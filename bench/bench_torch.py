@@ -46,6 +46,7 @@ import torch  # noqa: E402
 
 import rnnfuse  # noqa: E402
 from rnnfuse import FusedRNN  # noqa: E402
+from rnnfuse.api import choose_plans  # noqa: E402
 from rnnfuse.backends import torch as torch_backend  # noqa: E402
 
 FULL = dict(
@@ -82,6 +83,11 @@ def parse_args(argv=None):
     p.add_argument("--policies", type=_csv(str))
     p.add_argument("--modes", type=_csv(str), default=["train", "infer"])
     p.add_argument("--call-modes", type=_csv(str), default=["auto", "one", "per_level"])
+    p.add_argument(
+        "--tuned",
+        action="store_true",
+        help="also time optimize(model, tune=...) (the plan the tuner measures and picks)",
+    )
     p.add_argument("--repeats", type=int, default=7)
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument(
@@ -169,6 +175,11 @@ def _calls_per_step(fn, mode):
     return seen
 
 
+def fast_groups(model):
+    """The fusion groups of `model` (what optimize would fuse)."""
+    return rnnfuse.analyze(model).groups
+
+
 def measure(config, args):
     kind, layers, batch, steps, units, policy = config
     keras.utils.set_random_seed(0)
@@ -185,6 +196,16 @@ def measure(config, args):
         for call_mode in args.call_modes:
             fns[f"fused:{call_mode}"] = _with_mode(step_fn(fast, x, mode), call_mode)
             calls[call_mode] = _calls_per_step(step_fn(fast, x, mode), call_mode)
+        tuned_plan = tuner_ms = None
+        if args.tuned:
+            (result,) = choose_plans(
+                model, fast_groups(model), tune=rnnfuse.TuneShape(batch, steps),
+                training=mode == "train", cache=False,
+            )
+            tuned_plan = result.plan.name
+            tuner_ms = {n: t * 1e3 for n, t in result.timings.items()}
+            tuned = rnnfuse.optimize(model, plan=result.plan)
+            fns["tuned"] = step_fn(tuned, x, mode)
         for fn in fns.values():
             for _ in range(args.warmup):
                 fn()
@@ -204,6 +225,8 @@ def measure(config, args):
                 vf_calls=calls,
                 fused_groups=len(fused),
                 fused_path=[l.last_path for l in fused],
+                tuned_plan=tuned_plan,
+                tuner_ms=tuner_ms,
             )
         )
     return rows
@@ -256,7 +279,8 @@ def main(argv=None):
                 print(
                     f"{r['kind']} L{r['layers']} B{r['batch']} T{r['steps']} H{r['units']} "
                     f"{r['policy']:14s} {r['mode']:5s} original {r['median_ms']['original']:8.2f} ms  "
-                    f"{fused}  {r['fused_path']} calls={r['vf_calls']}",
+                    f"{fused}  {r['fused_path']} calls={r['vf_calls']}"
+                    + (f" tuned={r['tuned_plan']}" if r["tuned_plan"] else ""),
                     flush=True,
                 )
         with open(args.out, "w") as f:

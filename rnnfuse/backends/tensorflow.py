@@ -52,22 +52,64 @@ from rnnfuse.tuning.algorithms import (
     begin_graph_algorithm,
     end_graph_algorithm,
 )
+from rnnfuse.tuning.plans import CANDIDATE_ALGORITHMS
 
 __all__ = [
+    "TUNED_ALGORITHMS",
+    "device_environment",
     "in_xla_context",
     "is_available",
     "mask_is_supported",
     "pack_params",
     "run_stack",
+    "timed_step",
     "unsupported_reason",
 ]
 
 SUPPORTED_DTYPES = ("float16", "float32", "float64")
 
+# The cuDNN algorithms the tuner tries for fused pieces (None: the default).
+TUNED_ALGORITHMS = CANDIDATE_ALGORITHMS
+
 
 def is_available() -> bool:
     """Whether CudnnRNNV3 can run here: a CUDA build and a visible GPU."""
     return bool(tf.config.list_logical_devices("GPU")) and tf.test.is_built_with_cuda()
+
+
+def device_environment() -> dict:
+    """The GPU and library versions that a tuned plan depends on."""
+    gpus = tf.config.list_physical_devices("GPU")
+    details = tf.config.experimental.get_device_details(gpus[0]) if gpus else {}
+    build = tf.sysconfig.get_build_info()
+    return {
+        "device": details.get("device_name", "gpu"),
+        "tensorflow": tf.__version__,
+        "cudnn": str(build.get("cudnn_version", "?")),
+    }
+
+
+def timed_step(run, x, variables: Sequence[Any], training: bool):
+    """A compiled step of `run(x, training)` (+ gradients) for the tuner.
+
+    Returns a callable giving a scalar tensor (converting it to NumPy waits
+    for the device).
+    """
+
+    @tf.function(jit_compile=False)
+    def step():
+        if not training:
+            y = run(x, False)
+            return tf.add_n([tf.reduce_sum(tf.cast(t, tf.float32)) for t in tf.nest.flatten(y)])
+        with tf.GradientTape() as tape:
+            y = run(x, True)
+            loss = tf.add_n(
+                [tf.reduce_mean(tf.square(tf.cast(t, tf.float32))) for t in tf.nest.flatten(y)]
+            )
+        grads = tape.gradient(loss, list(variables))
+        return loss + tf.add_n([tf.reduce_sum(tf.cast(g, tf.float32)) * 0.0 for g in grads])
+
+    return step
 
 
 def unsupported_reason(stack: StackSpec, dtype: str) -> str | None:

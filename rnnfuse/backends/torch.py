@@ -93,7 +93,9 @@ from rnnfuse.backends.base import GATES, StackSpec
 
 __all__ = [
     "CALL_MODES",
+    "TUNED_ALGORITHMS",
     "call_mode",
+    "device_environment",
     "get_call_mode",
     "is_available",
     "levels_per_call",
@@ -101,11 +103,15 @@ __all__ = [
     "pack_params",
     "run_stack",
     "set_call_mode",
+    "timed_step",
     "torch_rnn",
     "unsupported_reason",
 ]
 
 SUPPORTED_DTYPES = ("float16", "bfloat16", "float32", "float64")
+
+# PyTorch picks cuDNN's algorithm itself: the tuner times plans only.
+TUNED_ALGORITHMS = (None,)
 
 # "auto": one call for the whole stack, except where PyTorch would run
 # cuDNN's persistent kernel for single-layer calls only (see
@@ -156,6 +162,45 @@ def is_available() -> bool:
     See the module docstring for why the fused call also runs on the CPU.
     """
     return True
+
+
+def device_environment() -> dict:
+    """The device and library versions that a tuned plan depends on.
+
+    On the CPU the fused call runs PyTorch's own kernels, so the tuner
+    times plans there too (with the thread count in the key).
+    """
+    if torch.cuda.is_available():
+        device = torch.cuda.get_device_name(torch.cuda.current_device())
+    else:
+        device = f"cpu x{torch.get_num_threads()} threads"
+    return {
+        "device": device,
+        "torch": torch.__version__,
+        "cudnn": str(torch.backends.cudnn.version()) if torch.backends.cudnn.is_available() else "-",
+        "calls": _call_mode,
+    }
+
+
+def timed_step(run, x, variables: Sequence[Any], training: bool):
+    """A step of `run(x, training)` (+ gradients) for the tuner.
+
+    Returns a callable giving a scalar tensor (converting it to NumPy waits
+    for the device).
+    """
+    params = [getattr(v, "value", v) for v in variables]
+
+    def step():
+        if not training:
+            with torch.no_grad():
+                y = run(x, False)
+                return sum(t.float().sum() for t in keras.tree.flatten(y))
+        y = run(x, True)
+        loss = sum((t.float() ** 2).mean() for t in keras.tree.flatten(y))
+        grads = torch.autograd.grad(loss, params, allow_unused=True)
+        return loss.detach() + sum(g.float().sum() * 0.0 for g in grads if g is not None)
+
+    return step
 
 
 def unsupported_reason(stack: StackSpec, dtype: str) -> str | None:

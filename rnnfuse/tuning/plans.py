@@ -88,13 +88,24 @@ CANDIDATE_ALGORITHMS: tuple[str | None, ...] = (None, "persistent_static+tc")
 
 
 def candidate_plans(
-    group: FusionGroup, algorithms: Sequence[str | None] = CANDIDATE_ALGORITHMS
+    group: FusionGroup,
+    algorithms: Sequence[str | None] = CANDIDATE_ALGORITHMS,
+    *,
+    one_per_layer: bool = False,
 ) -> list[Plan]:
-    """What the tuner times for `group`, the per-layer original first."""
+    """What the tuner times for `group`, the per-layer original first.
+
+    The whole run; its two halves from 4 layers; with `one_per_layer`, one
+    fused call per layer (from 2 layers); each with every algorithm. Runs
+    with an absorbed Dropout are not split (the dropout lives in the fused
+    call).
+    """
     n = len(group.layers)
     shapes: list[tuple[int, ...]] = [(n,)]
     if n >= 4 and not group.absorbed_dropout:
         shapes.append((n // 2, n - n // 2))
+    if one_per_layer and n >= 2 and not group.absorbed_dropout:
+        shapes.append((1,) * n)
     plans = [PER_LAYER]
     for pieces in shapes:
         for algorithm in algorithms:

@@ -5,10 +5,12 @@
 1. Look the decision up in the plan cache (device, versions, group
    signature, input shape, dtype, mode); a hit costs nothing.
 2. Otherwise build one step per candidate plan (`candidate_plans`): the
-   original layers, the whole run fused, the run split in two, each fused
-   plan with the default and the persistent cuDNN algorithm. A step is a
-   forward pass (inference) or forward + backward (training) of that group
-   alone on a random batch of the group's input shape.
+   original layers, the whole run fused, the run split in two, and per
+   backend: TensorFlow times each fused plan with the default and the
+   persistent cuDNN algorithm; torch (no algorithm switch) adds one fused
+   call per layer. A step (the backend's `timed_step`) is a forward pass
+   (inference) or forward + backward (training) of that group alone on a
+   random batch of the group's input shape.
 3. For training, a plan with a non-default algorithm is kept only if its
    gradients are as close to a float64 reference (the default algorithm
    in float64) as the default algorithm's are (within 2x): cuDNN's
@@ -16,8 +18,10 @@
 4. Time the steps side by side (`interleaved_medians`) and keep the
    fastest; write the decision to the cache.
 
-Without a GPU there is nothing to time (the fused layer runs the original
-layers): the static rule table decides, and the result says so.
+Under TensorFlow without a GPU there is nothing to time (the fused layer
+runs the original layers): the static rule table decides, and the result
+says so. The torch backend's fused call also runs on the CPU, so there it
+is timed on the CPU.
 
 The timer and the gradient check are parameters, so the planner and the
 cache logic are tested on the CPU with a deterministic fake timer.
@@ -71,24 +75,18 @@ class TuneResult:
 
 
 def device_environment() -> dict | None:
-    """GPU name and library versions, or None without a usable GPU."""
+    """Device and library versions, or None when nothing can be timed.
+
+    None without a fused kernel for this Keras backend, or (TensorFlow)
+    without a GPU.
+    """
     backend = get_backend()
     if backend is None or not backend.is_available():
         return None
     import rnnfuse
 
     env = {"backend": keras.backend.backend(), "rnnfuse": rnnfuse.__version__}
-    if keras.backend.backend() == "tensorflow":
-        import tensorflow as tf
-
-        gpus = tf.config.list_physical_devices("GPU")
-        details = tf.config.experimental.get_device_details(gpus[0]) if gpus else {}
-        build = tf.sysconfig.get_build_info()
-        env.update(
-            device=details.get("device_name", "gpu"),
-            tensorflow=tf.__version__,
-            cudnn=str(build.get("cudnn_version", "?")),
-        )
+    env.update(backend.device_environment())
     return env
 
 
@@ -132,25 +130,9 @@ def _runner(group: FusionGroup, plan: Plan, dtype: str | None = None) -> Callabl
 
 
 def _step(group: FusionGroup, run: Callable, x, training: bool):
-    """A compiled forward (+ backward) step; returns a scalar to sync on."""
-    import tensorflow as tf
-
+    """A forward (+ backward) step on this backend; returns a scalar to sync on."""
     variables = [w for v in group.views for w in v.layer.trainable_weights]
-
-    @tf.function(jit_compile=False)
-    def step():
-        if not training:
-            y = run(x, False)
-            return tf.add_n([tf.reduce_sum(tf.cast(t, tf.float32)) for t in keras.tree.flatten(y)])
-        with tf.GradientTape() as tape:
-            y = run(x, True)
-            loss = tf.add_n(
-                [tf.reduce_mean(tf.square(tf.cast(t, tf.float32))) for t in keras.tree.flatten(y)]
-            )
-        grads = tape.gradient(loss, variables)
-        return loss + tf.add_n([tf.reduce_sum(tf.cast(g, tf.float32)) * 0.0 for g in grads])
-
-    return step
+    return get_backend().timed_step(run, x, variables, training)
 
 
 def gradient_error(group: FusionGroup, plan: Plan, x, reference) -> float:
@@ -204,16 +186,13 @@ def tune_plans(
     """
     environment = environment if environment is not None else device_environment()
     results = []
-    why = None
     if environment is None:
-        why = "static: no GPU to time on"
-    elif environment.get("backend", "tensorflow") != "tensorflow":
-        why = "static: tuning times TensorFlow plans; this backend picks its own calls"
-    if why is not None:
         for group in groups:
             dtype = group.views[0].layer.compute_dtype
-            results.append(TuneResult(group, static_plan(group, dtype, training), why))
+            plan = static_plan(group, dtype, training)
+            results.append(TuneResult(group, plan, "static: no GPU to time on"))
         return results
+    candidates = _candidates_for(environment.get("backend", "tensorflow"))
     measure = measure or (lambda steps, on_step=None: interleaved_medians(
         steps, warmup=warmup, repeats=repeats, on_step=on_step))
     check_gradients = check_gradients or _default_gradient_check
@@ -235,10 +214,10 @@ def tune_plans(
         results.append(None)
     if not jobs:
         return results
-    bar = _progress(progress, sum(len(candidate_plans(g)) for _, g, *_ in jobs))
+    bar = _progress(progress, sum(len(candidates(g)) for _, g, *_ in jobs))
     with bar:
         for index, group, shape, dtype, key in jobs:
-            plans = candidate_plans(group)
+            plans = candidates(group)
             rejected = {}
             if training and any(p.algorithm for p in plans):
                 errors = {p.name: check_gradients(group, p, shape, dtype) for p in plans if p.pieces}
@@ -267,6 +246,20 @@ def tune_plans(
                     },
                 )
     return results
+
+
+def _candidates_for(backend_name: str) -> Callable[[FusionGroup], list[Plan]]:
+    """group -> the plans to time on this backend.
+
+    TensorFlow: whole and halves, each with the default and the persistent
+    cuDNN algorithm. torch (no algorithm switch): whole, halves, and one
+    fused call per layer, which is where PyTorch runs cuDNN's persistent
+    kernels (single-layer float16 calls).
+    """
+    backend = get_backend(backend_name)
+    algorithms = getattr(backend, "TUNED_ALGORITHMS", (None,))
+    per_level = backend_name == "torch"
+    return lambda group: candidate_plans(group, algorithms, one_per_layer=per_level)
 
 
 def _takes_on_step(fn) -> bool:

@@ -1,0 +1,129 @@
+"""optimize(model, tune=...) under the torch backend: the plans are measured.
+
+The torch backend's fused call runs on the CPU as well, so the tuner times
+real candidates here (tiny shapes); a fake timer pins the decisions.
+"""
+
+from __future__ import annotations
+
+import keras
+import numpy as np
+import pytest
+
+import rnnfuse
+from builders import fused_layers, max_abs_diff, random_inputs, stack_model
+from rnnfuse.passes import build_layer_graph, plan_fusion
+from rnnfuse.tuning.cache import PlanCache
+from rnnfuse.tuning.tuner import device_environment, tune_plans
+
+
+def _groups(model):
+    return plan_fusion(build_layer_graph(model), model_name=model.name).groups
+
+
+class FakeTimer:
+    """Fixed medians per candidate name; records what it was asked to time."""
+
+    def __init__(self, medians):
+        self.medians, self.timed = medians, []
+
+    def __call__(self, steps):
+        self.timed.append(sorted(steps))
+        return {name: {"median": self.medians.get(name, 1.0)} for name in steps}
+
+
+def _tune(model, timer, **kwargs):
+    return tune_plans(
+        _groups(model),
+        lambda g: (4, 6, g.input_size),
+        measure=timer,
+        progress=False,
+        **kwargs,
+    )
+
+
+def test_environment_names_the_torch_device_and_versions():
+    import torch
+
+    env = device_environment()
+    assert env["backend"] == "torch"
+    assert env["torch"] == torch.__version__
+    assert env["device"].startswith("cpu") or torch.cuda.is_available()
+
+
+def test_candidates_are_per_layer_whole_halves_and_one_call_per_layer():
+    timer = FakeTimer({})
+    _tune(stack_model("lstm", 4, units=8, input_size=4, steps=6), timer)
+    assert timer.timed == [sorted(["per-layer", "fused", "split 2+2", "split 1+1+1+1"])]
+    # No cuDNN algorithm candidates: PyTorch picks its own.
+    assert not any("@" in name for name in timer.timed[0])
+
+
+@pytest.mark.parametrize(
+    "fastest, fused_count",
+    [("per-layer", 0), ("fused", 1), ("split 1+1+1", 3)],
+)
+def test_the_fastest_plan_is_built(fastest, fused_count, monkeypatch):
+    model = stack_model("gru", 3, units=8, input_size=4, steps=6)
+    medians = {"per-layer": 2.0, "fused": 2.0, "split 1+1+1": 2.0}
+    medians[fastest] = 1.0
+    from rnnfuse.tuning import tuner
+
+    real = tuner.interleaved_medians
+    monkeypatch.setattr(tuner, "interleaved_medians", lambda steps, **kw: FakeTimer(medians)(steps))
+    try:
+        fast = rnnfuse.optimize(model, tune=rnnfuse.TuneShape(4, 6), cache=False)
+    finally:
+        monkeypatch.setattr(tuner, "interleaved_medians", real)
+    assert len(fused_layers(fast)) == fused_count
+    x = random_inputs(model, 4, np.random.default_rng(0))
+    assert max_abs_diff(fast(x), model(x)) < 1e-5
+
+
+def test_real_timing_on_the_cpu_picks_a_measured_plan_and_caches_it(tmp_path):
+    model = stack_model("lstm", 2, units=8, input_size=4, steps=6, head=True)
+    cache = PlanCache(tmp_path / "plans.json")
+    (result,) = tune_plans(
+        _groups(model), lambda g: (4, 6, g.input_size), cache=cache, progress=False,
+        warmup=1, repeats=3,
+    )
+    assert result.source == "measured"
+    assert set(result.timings) == {"per-layer", "fused", "split 1+1"}
+    assert all(t > 0 for t in result.timings.values())
+    assert result.plan.name == min(result.timings, key=result.timings.get)
+    (again,) = tune_plans(_groups(model), lambda g: (4, 6, g.input_size), cache=cache, progress=False)
+    assert again.source == "cache" and again.plan == result.plan
+
+
+def test_optimize_with_a_sample_batch_stays_exact(tmp_path):
+    model = stack_model("gru", 2, units=8, input_size=4, steps=6, head=True)
+    x = random_inputs(model, 4, np.random.default_rng(1))
+    fast = rnnfuse.optimize(model, tune=x, cache=tmp_path / "plans.json")
+    assert max_abs_diff(fast(x), model(x)) < 1e-5
+    # The original model is untouched and still shares its variables.
+    assert {id(v) for v in fast.weights} == {id(v) for v in model.weights}
+
+
+def test_training_steps_reach_every_variable():
+    """The timed training step differentiates through the candidate."""
+    import torch
+
+    from rnnfuse.backends import torch as torch_backend
+
+    model = stack_model("lstm", 2, units=8, input_size=4, steps=6)
+    (group,) = _groups(model)
+    variables = [w for v in group.views for w in v.layer.trainable_weights]
+    x = keras.ops.convert_to_tensor(np.ones((2, 6, 4), "float32"))
+    seen = []
+
+    def run(inputs, training):
+        y = inputs
+        for view in group.views:
+            y = view.layer(y, training=training)
+        seen.append(torch.is_grad_enabled())
+        return y
+
+    train = torch_backend.timed_step(run, x, variables, training=True)
+    infer = torch_backend.timed_step(run, x, variables, training=False)
+    assert float(train()) > 0 and np.isfinite(float(infer()))
+    assert seen == [True, False]
