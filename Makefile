@@ -6,7 +6,7 @@ STAMP  := $(VENV)/.installed-stamp
 export KERAS_BACKEND ?= tensorflow
 export TF_CPP_MIN_LOG_LEVEL ?= 2
 
-.PHONY: demo test test-tf test-torch test-thorough venv clean
+.PHONY: demo test test-tf test-torch test-jax test-thorough venv clean
 
 venv: $(STAMP)
 
@@ -20,8 +20,9 @@ demo: $(STAMP)
 	$(BIN)/python examples/text_classifier.py
 
 # The CPU suite under the TensorFlow backend, then the torch-backend tests
-# (tests/torch_backend) under KERAS_BACKEND=torch. GPU tests (tests/gpu) skip here.
-test: test-tf test-torch
+# (tests/torch_backend) under KERAS_BACKEND=torch and the JAX-backend tests
+# (tests/jax_backend) under KERAS_BACKEND=jax. GPU tests (tests/gpu) skip here.
+test: test-tf test-torch test-jax
 
 test-tf: $(STAMP)
 	KERAS_BACKEND=tensorflow $(BIN)/python -m pytest -q -p no:cacheprovider tests
@@ -34,6 +35,14 @@ $(VENV)/.torch-stamp: $(STAMP)
 
 test-torch: $(VENV)/.torch-stamp
 	KERAS_BACKEND=torch OMP_WAIT_POLICY=PASSIVE $(BIN)/python -m pytest -q -p no:cacheprovider tests/torch_backend
+
+# jax==0.10.2 (CPU jaxlib) is what this machine kind's local index holds.
+$(VENV)/.jax-stamp: $(STAMP)
+	$(BIN)/python -m pip install -q jax==0.10.2 jaxlib==0.10.2
+	touch $@
+
+test-jax: $(VENV)/.jax-stamp
+	KERAS_BACKEND=jax $(BIN)/python -m pytest -q -p no:cacheprovider tests/jax_backend
 
 test-thorough: $(STAMP)
 	HYPOTHESIS_PROFILE=thorough $(BIN)/python -m pytest -q tests

@@ -13,6 +13,13 @@ Each backend module exposes the same functions (the contract below); the
 - `run_stack(sequences, *, stack, initial_h, initial_c, mask, reverse,
   dropout, seed) -> (outputs, final_h, final_c)`: the fused call itself;
   raises `NotImplementedError` when it cannot run.
+- For the tuner: `device_environment() -> dict` (device and versions for
+  the plan cache), `timed_step(run, x, variables, training)` (a callable
+  returning a scalar), `TUNED_ALGORITHMS` (cuDNN algorithms to time).
+
+Optional: `group_reason(group)` (why the backend never runs a fusion
+group; the planner reports it) and `ABSORBS_DROPOUT = False` (no between-level
+dropout: the planner does not absorb Dropout layers).
 
 Example:
 
@@ -34,6 +41,7 @@ __all__ = ["StackSpec", "get_backend"]
 _MODULES = {
     "tensorflow": "rnnfuse.backends.tensorflow",
     "torch": "rnnfuse.backends.torch",
+    "jax": "rnnfuse.backends.jax",
 }
 
 

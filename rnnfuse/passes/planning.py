@@ -74,6 +74,9 @@ def plan_fusion(
         A `FusionReport`.
     """
     views, reasons = _candidates(graph)
+    backend = get_backend()
+    # A backend without between-level dropout (JAX) never absorbs Dropout.
+    absorb_dropout = absorb_dropout and getattr(backend, "ABSORBS_DROPOUT", True)
     chain, link_reasons, bridges = _links(graph, views, absorb_dropout)
     groups, in_group = [], set()
     runs = []
@@ -102,6 +105,17 @@ def plan_fusion(
             for key in group.layers:
                 reasons[key] = no_kernel
         groups = []
+    group_reason = getattr(backend, "group_reason", None)
+    if group_reason is not None:
+        kept = []
+        for group in groups:
+            why = group_reason(group)
+            if why is None:
+                kept.append(group)
+                continue
+            for key in group.layers:
+                reasons[key] = Reason("backend", f"{why} (run {' -> '.join(group.layers)})")
+        groups = kept
     skipped = {k: reasons[k] for k in _graph_order(graph) if k in reasons}
     notes = tuple(graph.graph.get("notes", ()))
     return FusionReport(
@@ -117,17 +131,10 @@ def _backend_reason() -> Reason | None:
     if get_backend() is not None:
         return None
     name = keras.backend.backend()
-    detail = ""
-    if name == "jax":
-        detail = (
-            " (jax.experimental.rnn is cuDNN LSTM only, float32 only, with no "
-            "CPU lowering, and Keras' JAX backend already uses it for single "
-            "LSTM layers; rnnfuse has not measured a fused JAX stack yet)"
-        )
     return Reason(
         "backend",
-        f"rnnfuse has no fused kernel for the {name} backend{detail}; the "
-        "original layers run as they are",
+        f"rnnfuse has no fused kernel for the {name} backend; the original "
+        "layers run as they are",
     )
 
 

@@ -153,14 +153,19 @@ def regime_of(group, dtype: str, training: bool) -> Regime:
 def static_plan(group, dtype: str, training: bool) -> Plan:
     """The plan the rule table gives `group` in `dtype`.
 
-    The table was measured with TensorFlow's kernels. Other backends fuse
-    every run whole: the torch backend makes its own never-slower choice
-    (one call, or one call per level where PyTorch's persistent kernels
-    need single-layer calls), and has no cuDNN algorithm switch.
+    The table was measured with TensorFlow's kernels. The torch backend
+    fuses every run whole and makes its own call choice (one call, or one
+    call per level where PyTorch's persistent kernels need single-layer
+    calls). Under JAX, one multi-layer call measured 0.88x-1.62x against
+    Keras' per-layer calls (bench/bench_jax.py), so without `tune=` the
+    original layers stay; `tune=` fuses where it measures faster.
     """
     import keras
 
-    if keras.backend.backend() != "tensorflow":
+    backend = keras.backend.backend()
+    if backend == "jax":
+        return PER_LAYER
+    if backend != "tensorflow":
         return FUSED
     return plan_for_regime(regime_of(group, dtype, training), len(group.layers))
 

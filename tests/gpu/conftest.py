@@ -30,6 +30,10 @@ def _gpu_visible() -> bool:
         import torch
 
         return torch.cuda.is_available()
+    if backend == "jax":
+        import jax
+
+        return jax.default_backend() == "gpu"
     return False
 
 

@@ -1,7 +1,7 @@
 #!/bin/bash
 # On the GPU machine (no TensorFlow needed; carry .gpu/whl): the torch-backend
 # GPU tests and benchmark, then the JAX measurement. Logs and JSON go to $OUT.
-#   bash tools/gpu/run_torch_jax.sh torch|torch-tests|jax
+#   bash tools/gpu/run_torch_jax.sh torch|torch-tests|jax|jax-tests
 OUT=${OUT:-/tmp}
 mkdir -p /tmp/ks
 for w in .gpu/whl/keras-*.whl .gpu/whl/namex-*.whl .gpu/whl/optree-*.whl; do
@@ -19,6 +19,10 @@ case "$1" in
     KERAS_BACKEND=torch python3 bench/bench_torch.py --call-modes auto --tuned \
       --max-seconds ${BENCH_SECONDS:-220} --out $OUT/torch_tuned_h200.json > $OUT/torch_bench.log 2>&1
     tail -4 $OUT/torch_bench.log ;;
+  jax-tests)
+    KERAS_BACKEND=jax python3 -m pytest -q -p no:cacheprovider -s -rs tests/gpu/test_gpu_jax.py \
+      > $OUT/jax_gpu_tests.log 2>&1
+    grep -E "worst|tuner ms|custom calls|passed|failed|FAILED|Error" $OUT/jax_gpu_tests.log | tail -40 ;;
   jax)
     KERAS_BACKEND=jax python3 bench/bench_jax.py --max-seconds ${BENCH_SECONDS:-150} \
       --out $OUT/jax_h200.json 2>&1 | tee $OUT/jax_bench.log | tail -40 ;;

@@ -1,0 +1,250 @@
+"""JAX backend: an LSTM stack as one `jax.experimental.rnn.lstm` call.
+
+Keras' JAX backend (3.15) already runs each unmasked float32 `LSTM` layer
+on the GPU as one single-layer `jax.experimental.rnn.lstm` call (cuDNN).
+This backend runs a whole stack of LSTM levels as one call with
+num_layers = L. It is the only RNN jax.experimental.rnn has: GRU and
+SimpleRNN stacks, and other dtypes than float32, stay on Keras' path
+(`unsupported_reason`), and it has no CPU lowering (`is_available` needs a
+GPU).
+
+Measured on the H200 before this module was written (bench/bench_jax.py,
+docs/benchmarks.md): one multi-layer call against Keras' per-layer calls,
+float32, 32 cells: 0.88x-1.62x, geometric mean 1.07x; it wins at batch 64
+with 512 units (1.18x-1.62x) and loses up to 12% at batch 8. So the static
+plan under JAX keeps Keras' layers (`rnnfuse.tuning.table.static_plan`),
+and `optimize(model, tune=batch)` times both and fuses where it is faster.
+
+Weight blob (jax.experimental.rnn's `_get_params_shapes_in_lstm`, cuDNN's
+canonical layout): for each pseudo-layer p = (level 0, fwd), (level 0,
+bwd), (level 1, fwd), ...: W_ih [4H, n] then W_hh [4H, H], row-major; then
+for each pseudo-layer b_ih [4H], b_hh [4H]. Keras' gate order i, f, c, o is
+cuDNN's; W_ih = kernel^T, W_hh = recurrent_kernel^T, b_ih = Keras' bias,
+b_hh = 0. The blob is built inside the traced function from the live
+variables on every call, so gradients reach them.
+
+Not fused under JAX (the original layers run, exactly): masked calls
+(`mask_is_supported` is False), a go_backwards first layer and a last
+layer that returns its states (`group_reason`), float16/bfloat16, GRU and
+SimpleRNN. Between-level dropout has no seed in jax.experimental.rnn, so
+the planner does not absorb Dropout layers under JAX.
+
+Example (packing only; the call itself needs a GPU):
+
+    >>> import keras
+    >>> from rnnfuse.backends.base import StackSpec
+    >>> cell = keras.layers.LSTMCell(4)
+    >>> cell.build((None, 3))
+    >>> int(pack_params(StackSpec("lstm", 4, ((cell,),))).shape[0])
+    144
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import jax
+import jax.numpy as jnp
+import keras
+
+from rnnfuse.backends.base import StackSpec
+
+__all__ = [
+    "ABSORBS_DROPOUT",
+    "TUNED_ALGORITHMS",
+    "device_environment",
+    "is_available",
+    "group_reason",
+    "jax_lstm",
+    "mask_is_supported",
+    "pack_params",
+    "run_stack",
+    "timed_step",
+    "unsupported_reason",
+]
+
+# jax.experimental.rnn takes a dropout rate but no seed: no absorbed Dropout.
+ABSORBS_DROPOUT = False
+# cuDNN's algorithm is not selectable through jax.experimental.rnn.
+TUNED_ALGORITHMS = (None,)
+
+
+def is_available() -> bool:
+    """Whether jax.experimental.rnn can run here: JAX's default device is a GPU."""
+    return jax.default_backend() == "gpu"
+
+
+def _kind_reason(kind: str) -> str | None:
+    if kind != "lstm":
+        return (
+            f"jax.experimental.rnn runs only LSTMs, not {kind}; Keras' JAX "
+            "layers run as they are"
+        )
+    return None
+
+
+def group_reason(group: Any) -> str | None:
+    """Why a fusion group must stay with Keras' layers under JAX, or None.
+
+    Besides non-LSTM runs: a go_backwards first layer. Keras 3.15's JAX
+    cuDNN LSTM returns a go_backwards layer's sequence flipped back to input
+    order, while its own loop (and the TensorFlow and torch backends)
+    return it in processing order; on the H200 the two differ by 1.5
+    (relative, bench/diag_jax_states.py). rnnfuse's call follows the loop,
+    so fusing would change the numbers of the original model. And a last
+    layer that returns its states: with them in the loss, gradients of the
+    fused call and of Keras' layers differed by 3.8 (relative) on the H200
+    while the outputs agreed to 4e-7; not explained, so not fused.
+    """
+    reason = _kind_reason(group.cell)
+    if reason is None and group.views[0].go_backwards:
+        reason = (
+            "its first layer reads backwards, and Keras' JAX cuDNN LSTM orders "
+            "that layer's output differently from its own loop; the layers "
+            "run as they are"
+        )
+    if reason is None and group.views[-1].return_state:
+        reason = (
+            "its last layer returns its states: on the H200 the gradients "
+            "through fused final states differed from Keras' (unexplained), "
+            "so the layers run as they are"
+        )
+    return reason
+
+
+def unsupported_reason(stack: StackSpec, dtype: str) -> str | None:
+    """Why this backend cannot run `stack` in `dtype`, or None."""
+    reason = _kind_reason(stack.kind)
+    if reason is not None:
+        return reason
+    if str(dtype) != "float32":
+        return f"jax.experimental.rnn runs float32 only, not {dtype}"
+    if stack.proj_size:
+        return "jax.experimental.rnn has no LSTM projections"
+    return None
+
+
+def mask_is_supported(mask: Any):
+    """Always False: masked calls run Keras' layers (exactly).
+
+    `run_stack` turns a right-padded mask into `seq_lengths` (checked
+    against jax.experimental.rnn's reference on the CPU), but the masked
+    call was not shown to run fused on the H200, so it is not used.
+    """
+    del mask
+    return jnp.asarray(False)
+
+
+def _value(variable: Any) -> jax.Array:
+    return jnp.asarray(getattr(variable, "value", variable), jnp.float32)
+
+
+def pack_params(stack: StackSpec) -> jax.Array:
+    """The flat weight blob of `stack`, from its live variables."""
+    weights, biases = [], []
+    for level in stack.cells:
+        for cell in level:
+            weights += [_value(cell.kernel).T.ravel(), _value(cell.recurrent_kernel).T.ravel()]
+            bias = _value(cell.bias) if cell.use_bias else jnp.zeros((4 * stack.units,), jnp.float32)
+            biases += [bias, jnp.zeros_like(bias)]
+    return jnp.concatenate(weights + biases)
+
+
+def jax_lstm(*args, **kwargs):
+    """`jax.experimental.rnn.lstm`; one module-level name so tests can spy on it."""
+    from jax.experimental import rnn
+
+    return rnn.lstm(*args, **kwargs)
+
+
+def _states(given: Sequence[Any] | None, stack: StackSpec, batch: int) -> jax.Array:
+    """[levels * directions, B, H] from the first pseudo-layers' states (rest: 0)."""
+    zeros = jnp.zeros((batch, stack.units), jnp.float32)
+    given = list(given or [])
+    given += [None] * (stack.num_pseudo_layers - len(given))
+    return jnp.stack([zeros if s is None else jnp.asarray(s, jnp.float32) for s in given])
+
+
+def _reverse_within_lengths(x: jax.Array, lengths: jax.Array) -> jax.Array:
+    steps = x.shape[1]
+    t = jnp.arange(steps)[None, :]
+    index = jnp.where(t < lengths[:, None], lengths[:, None] - 1 - t, t)
+    return jnp.take_along_axis(x, index[:, :, None], axis=1)
+
+
+def run_stack(
+    sequences: Any,
+    *,
+    stack: StackSpec,
+    initial_h: Sequence[Any] | None = None,
+    initial_c: Sequence[Any] | None = None,
+    mask: Any = None,
+    reverse: bool = False,
+    dropout: float = 0.0,
+    seed: tuple[int, int] = (0, 0),
+    algorithm: Any = None,
+):
+    """Runs the LSTM `stack` over `sequences` [B, T, F] in one call.
+
+    Args are the backend contract's (rnnfuse.backends); `seed` and
+    `algorithm` are unused, and `dropout` must be 0 (see module doc).
+
+    Returns:
+        (outputs [B, T, D*H] with zeros past each length, final h
+         [L*D, B, H], final c [L*D, B, H]).
+    """
+    del seed, algorithm
+    if dropout:
+        raise NotImplementedError("jax.experimental.rnn has no seeded dropout")
+    x = jnp.asarray(sequences, jnp.float32)
+    batch, steps = x.shape[0], x.shape[1]
+    if mask is None:
+        lengths = jnp.full((batch,), steps, jnp.int32)
+    else:
+        lengths = jnp.asarray(mask).astype(jnp.int32).sum(axis=1)
+    if reverse:
+        x = jnp.flip(x, 1) if mask is None else _reverse_within_lengths(x, lengths)
+    y, h, c = jax_lstm(
+        x,
+        _states(initial_h, stack, batch),
+        _states(initial_c, stack, batch),
+        pack_params(stack),
+        lengths,
+        input_size=x.shape[-1],
+        hidden_size=stack.units,
+        num_layers=stack.num_levels,
+        dropout=0.0,
+        bidirectional=stack.num_directions == 2,
+    )
+    if mask is not None:
+        y = jnp.where(jnp.arange(steps)[None, :, None] < lengths[:, None, None], y, 0.0)
+    return y, h, c
+
+
+def device_environment() -> dict:
+    """The device and library versions that a tuned plan depends on."""
+    device = jax.devices()[0]
+    return {"device": getattr(device, "device_kind", str(device)), "jax": jax.__version__}
+
+
+def timed_step(run, x, variables: Sequence[Any], training: bool):
+    """A jitted step of `run(x, training)` (+ gradients) for the tuner.
+
+    The variables' values are the jitted function's arguments (through a
+    `keras.StatelessScope`), as in a Keras JAX train step.
+    """
+    variables = list(variables)
+
+    def loss(values, inputs):
+        with keras.StatelessScope(state_mapping=list(zip(variables, values))):
+            y = run(inputs, training)
+        return sum(jnp.mean(jnp.square(t.astype(jnp.float32))) for t in jax.tree.leaves(y))
+
+    fn = jax.jit(jax.value_and_grad(loss) if training else loss)
+    values = [v.value for v in variables]
+
+    def step():
+        out = fn(values, x)
+        return out[0] if training else out
+
+    return step

@@ -1,0 +1,168 @@
+"""FusedRNN under Keras' JAX backend on a real GPU (jax.experimental.rnn).
+
+Runs only with KERAS_BACKEND=jax and a GPU visible to JAX. A spy on the
+backend's single call site (`rnnfuse.backends.jax.jax_lstm`) proves the
+multi-layer call ran (a silent fallback to Keras' layers fails); the
+traced train step must hold one cuDNN custom call per fused stack.
+
+    KERAS_BACKEND=jax python3 -m pytest -q tests/gpu/test_gpu_jax.py
+
+Tolerances: float32 relative error <= 1e-5 (outputs), 1e-4 (gradients);
+matmul precision "highest" (no TF32), as Keras' own cuDNN LSTM then runs.
+"""
+
+from __future__ import annotations
+
+import keras
+import numpy as np
+import pytest
+
+if keras.backend.backend() != "jax":
+    pytest.skip("the JAX backend's GPU tests need KERAS_BACKEND=jax", allow_module_level=True)
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+
+import rnnfuse  # noqa: E402
+from builders import fused_layers, random_inputs, stack_model  # noqa: E402
+from rnnfuse.backends import jax as jax_backend  # noqa: E402
+
+L = keras.layers
+
+
+@pytest.fixture(autouse=True)
+def _highest_precision():
+    with jax.default_matmul_precision("highest"):
+        yield
+
+
+@pytest.fixture
+def lstm_calls(monkeypatch):
+    calls = []
+    real = jax_backend.jax_lstm
+
+    def spy(*args, **kwargs):
+        calls.append(dict(num_layers=kwargs["num_layers"], bidirectional=kwargs["bidirectional"],
+                          platform=jax.default_backend()))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(jax_backend, "jax_lstm", spy)
+    return calls
+
+
+def _rel(a, b) -> float:
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    return float(np.abs(a - b).max() / max(np.abs(b).max(), 1e-6))
+
+
+def _loss_and_grads(model, inputs):
+    variables = model.trainable_variables
+
+    def loss(values):
+        with keras.StatelessScope(state_mapping=list(zip(variables, values))):
+            out = model(inputs)
+        leaves = jax.tree.leaves(out)
+        return sum(jnp.sum(t * jnp.sin(jnp.arange(t.shape[-1]) + 1.0) + t**2) for t in leaves), leaves
+
+    (_, outs), grads = jax.value_and_grad(loss, has_aux=True)([v.value for v in variables])
+    return outs, grads
+
+
+def _compare(model, fast, inputs, out_tol=1e-5, grad_tol=1e-4):
+    (o0, g0), (o1, g1) = _loss_and_grads(model, inputs), _loss_and_grads(fast, inputs)
+    worst_out = max(_rel(b, a) for a, b in zip(o0, o1))
+    worst_grad = max(_rel(b, a) for a, b in zip(g0, g1))
+    print(f"worst relative (out, grad): {worst_out:.2e} {worst_grad:.2e}")
+    assert worst_out <= out_tol and worst_grad <= grad_tol, (worst_out, worst_grad)
+
+
+def _randomize(model, seed=0):
+    rng = np.random.default_rng(seed)
+    for v in model.weights:
+        v.assign(rng.uniform(-0.5, 0.5, v.shape).astype(v.dtype))
+
+
+@pytest.mark.parametrize("bidirectional", [False, True])
+def test_fused_lstm_stack_matches_keras_on_gpu(bidirectional, lstm_calls):
+    inp = keras.Input((50, 16))
+    x = inp
+    for _ in range(3):
+        layer = L.LSTM(32, return_sequences=True)
+        x = (L.Bidirectional(layer) if bidirectional else layer)(x)
+    model = keras.Model(inp, x)
+    _randomize(model)
+    fast = rnnfuse.optimize(model, plan=rnnfuse.FUSED)
+    assert len(fused_layers(fast)) == 1
+    inputs = np.random.default_rng(1).standard_normal((8, 50, 16)).astype("float32")
+    _compare(model, fast, inputs)
+    assert lstm_calls and {c["num_layers"] for c in lstm_calls} == {3}
+    assert all(c["bidirectional"] is bidirectional and c["platform"] == "gpu" for c in lstm_calls)
+
+
+def test_masked_call_runs_keras_layers_and_initial_state_fuses_on_gpu(lstm_calls):
+    model = stack_model("lstm", 3, units=32, input_size=16, steps=40, masked=True,
+                        last_return_sequences=True)
+    _randomize(model, 2)
+    fast = rnnfuse.optimize(model, plan=rnnfuse.FUSED)
+    tokens = random_inputs(model, 8, np.random.default_rng(3), padding="right")
+    tokens[0, 5:] = 0
+    np.testing.assert_array_equal(np.asarray(fast(tokens)), np.asarray(model(tokens)))
+    lstm_calls.clear()
+    model = stack_model("lstm", 2, units=32, input_size=16, steps=40, initial_state=True,
+                        last_return_sequences=True)
+    _randomize(model, 4)
+    fast = rnnfuse.optimize(model, plan=rnnfuse.FUSED)
+    assert len(fused_layers(fast)) == 1
+    _compare(model, fast, random_inputs(model, 8, np.random.default_rng(5)))
+    assert lstm_calls and lstm_calls[0]["num_layers"] == 2
+
+
+def test_jitted_train_step_holds_one_multi_layer_cudnn_call(lstm_calls):
+    model = stack_model("lstm", 3, units=64, input_size=32, steps=30, head=True)
+    fast = rnnfuse.optimize(model, plan=rnnfuse.FUSED)
+    x = random_inputs(model, 16, np.random.default_rng(6))
+    variables = fast.trainable_variables
+
+    def loss(values, inputs):
+        with keras.StatelessScope(state_mapping=list(zip(variables, values))):
+            return jnp.mean(fast(inputs) ** 2)
+
+    hlo = jax.jit(jax.grad(loss)).lower([v.value for v in variables], x).as_text()
+    cudnn = [line for line in hlo.splitlines() if "cudnn_rnn" in line and "custom_call" in line]
+    print("cuDNN RNN custom calls in the train step:", len(cudnn))
+    assert cudnn, "no cuDNN RNN custom call in the jitted step"
+    assert {c["num_layers"] for c in lstm_calls} == {3}
+
+
+def test_fit_on_gpu_matches_the_original(lstm_calls):
+    model = stack_model("lstm", 3, units=32, input_size=16, steps=30, head=True)
+    start = [np.asarray(v.value) for v in model.weights]
+    rng = np.random.default_rng(7)
+    x = random_inputs(model, 16, rng)
+    y = rng.standard_normal((16, 3)).astype("float32")
+    trained = []
+    for m in (model, rnnfuse.optimize(model, plan=rnnfuse.FUSED)):
+        for v, s in zip(model.weights, start):
+            v.assign(s)
+        m.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
+        m.fit(x, y, epochs=2, batch_size=8, verbose=0, shuffle=False)
+        trained.append([np.asarray(v.value) for v in model.weights])
+    assert lstm_calls
+    worst = max(_rel(b, a) for a, b in zip(*trained))
+    print(f"fit: worst relative weight difference {worst:.2e}")
+    assert worst <= 1e-4
+
+
+@pytest.mark.parametrize("batch, units", [(8, 256), (64, 512)])
+def test_tuner_keeps_the_faster_of_keras_and_fused(batch, units, lstm_calls):
+    from rnnfuse.api import choose_plans
+
+    model = stack_model("lstm", 4, units=units, input_size=units, steps=200, last_return_sequences=True)
+    (result,) = choose_plans(model, rnnfuse.analyze(model).groups,
+                             tune=rnnfuse.TuneShape(batch, 200), cache=False)
+    print(f"B{batch} H{units} tuner ms:", {n: round(t * 1e3, 2) for n, t in result.timings.items()},
+          "->", result.plan.name)
+    assert result.source == "measured"
+    assert set(result.timings) == {"per-layer", "fused", "split 2+2"}
+    assert result.plan.name == min(result.timings, key=result.timings.get)
+    assert lstm_calls, "the fused candidates never ran the multi-layer call"

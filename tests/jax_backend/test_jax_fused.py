@@ -1,0 +1,194 @@
+"""The JAX backend on the CPU, through jax.experimental.rnn's reference LSTM.
+
+Each fused model is compared with the original one (Keras' own JAX
+layers), outputs and gradients; the `emulated_jax_lstm` spy shows whether
+one multi-layer call ran.
+"""
+
+from __future__ import annotations
+
+import jax
+import keras
+import numpy as np
+import pytest
+
+import rnnfuse
+from builders import fused_layers, max_abs_diff, random_inputs, stack_model
+
+L = keras.layers
+
+
+def _randomize(model, seed=0):
+    rng = np.random.default_rng(seed)
+    for v in model.weights:
+        v.assign(rng.uniform(-0.5, 0.5, v.shape).astype(v.dtype))
+
+
+def _grads(model, inputs):
+    """Gradients of a fixed loss w.r.t. the model's variables (stateless)."""
+    variables = model.trainable_variables
+
+    def loss(values):
+        with keras.StatelessScope(state_mapping=list(zip(variables, values))):
+            out = model(inputs)
+        return sum(
+            jax.numpy.sum(t * jax.numpy.sin(jax.numpy.arange(t.shape[-1]) + 1.0) + t**2)
+            for t in jax.tree.leaves(out)
+        )
+
+    return jax.grad(loss)([v.value for v in variables])
+
+
+def _check(model, fast, inputs, tol=1e-5):
+    assert max_abs_diff(fast(inputs), model(inputs)) < tol
+    for a, b in zip(_grads(fast, inputs), _grads(model, inputs)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=10 * tol, rtol=10 * tol)
+
+
+@pytest.mark.parametrize("layers", [2, 3])
+def test_lstm_stack_is_one_call_and_matches_keras(layers, emulated_jax_lstm):
+    model = stack_model("lstm", layers, units=6, input_size=5, steps=7)
+    _randomize(model)
+    fast = rnnfuse.optimize(model, plan=rnnfuse.FUSED)
+    assert len(fused_layers(fast)) == 1
+    x = random_inputs(model, 3, np.random.default_rng(1))
+    _check(model, fast, x)
+    assert emulated_jax_lstm[0]["num_layers"] == layers
+    assert emulated_jax_lstm[0]["bidirectional"] is False
+
+
+def test_returned_states_are_left_to_keras_with_a_reason():
+    report = rnnfuse.analyze(stack_model("lstm", 2, last_return_state=True))
+    assert report.groups == ()
+    assert "returns its states" in next(iter(report.skipped.values()))
+
+
+def test_bidirectional_stack(emulated_jax_lstm):
+    inp = keras.Input((7, 5))
+    x = L.Bidirectional(L.LSTM(6, return_sequences=True))(inp)
+    x = L.Bidirectional(L.LSTM(6, return_sequences=True), merge_mode="sum")(x)
+    model = keras.Model(inp, x)
+    _randomize(model, 2)
+    fast = rnnfuse.optimize(model, plan=rnnfuse.FUSED)
+    assert len(fused_layers(fast)) == 1
+    data = np.random.default_rng(3).standard_normal((3, 7, 5)).astype("float32")
+    _check(model, fast, data)
+    assert emulated_jax_lstm[0] == dict(num_layers=2, bidirectional=True,
+                                        blob_size=emulated_jax_lstm[0]["blob_size"])
+
+
+def test_initial_state(emulated_jax_lstm):
+    model = stack_model("lstm", 2, units=6, input_size=5, steps=7, initial_state=True,
+                        last_return_sequences=True)
+    _randomize(model, 4)
+    fast = rnnfuse.optimize(model, plan=rnnfuse.FUSED)
+    assert len(fused_layers(fast)) == 1
+    inputs = random_inputs(model, 3, np.random.default_rng(5))
+    _check(model, fast, inputs)
+    assert len(emulated_jax_lstm) >= 1
+
+
+def test_go_backwards_first_layer_is_left_to_keras_with_a_reason():
+    """Keras' JAX cuDNN LSTM and its loop order a go_backwards output differently."""
+    model = stack_model("lstm", 3, go_backwards_first=True)
+    report = rnnfuse.analyze(model)
+    assert report.groups == ()
+    assert {r.rule for r in report.skipped.values()} == {"backend"}
+    assert "reads backwards" in next(iter(report.skipped.values()))
+
+
+def test_masked_calls_run_the_original_layers_exactly(emulated_jax_lstm):
+    model = stack_model("lstm", 2, units=6, input_size=5, steps=9, masked=True,
+                        last_return_sequences=True)
+    _randomize(model, 6)
+    fast = rnnfuse.optimize(model, plan=rnnfuse.FUSED)
+    tokens = random_inputs(model, 4, np.random.default_rng(7), padding="right")
+    tokens[0, 3:] = 0
+    np.testing.assert_array_equal(np.asarray(fast(tokens)), np.asarray(model(tokens)))
+
+
+def test_right_padded_lengths_match_keras_loop_in_run_stack(emulated_jax_lstm):
+    """run_stack's seq_lengths path itself (not used by FusedRNN under JAX yet)."""
+    import jax.numpy as jnp
+
+    from rnnfuse.backends import jax as jax_backend
+    from rnnfuse.backends.base import StackSpec
+
+    model = stack_model("lstm", 2, units=6, input_size=5, steps=9, last_return_sequences=True)
+    _randomize(model, 8)
+    x = np.random.default_rng(9).standard_normal((3, 9, 5)).astype("float32")
+    mask = np.arange(9)[None, :] < np.array([[9], [4], [1]])
+    cells = tuple((layer.cell,) for layer in model.layers[1:3])
+    y, _, _ = jax_backend.run_stack(x, stack=StackSpec("lstm", 6, cells), mask=jnp.asarray(mask))
+    expected = model.layers[2](model.layers[1](x, mask=mask), mask=mask)
+    keep = mask[:, :, None]
+    np.testing.assert_allclose(np.where(keep, y, 0), np.where(keep, expected, 0), atol=1e-5)
+    assert not np.any(np.asarray(y)[~mask])
+
+
+def test_fit_under_jit_trains_the_original_variables(emulated_jax_lstm):
+    model = stack_model("lstm", 2, units=6, input_size=5, steps=7, head=True)
+    _randomize(model, 10)
+    start = [np.asarray(v.value) for v in model.weights]
+    rng = np.random.default_rng(11)
+    x = random_inputs(model, 8, rng)
+    y = rng.standard_normal((8, 3)).astype("float32")
+    trained = []
+    for m in (model, rnnfuse.optimize(model, plan=rnnfuse.FUSED)):
+        for v, s in zip(model.weights, start):
+            v.assign(s)
+        m.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
+        m.fit(x, y, epochs=2, batch_size=4, verbose=0, shuffle=False)
+        trained.append([np.asarray(v.value) for v in model.weights])
+    assert emulated_jax_lstm, "fit did not run the fused call"
+    for a, b in zip(*trained):
+        np.testing.assert_allclose(b, a, atol=1e-5)
+    assert any(not np.allclose(a, s) for a, s in zip(trained[0], start))
+
+
+def test_without_tune_jax_keeps_keras_layers_and_says_why(emulated_jax_lstm):
+    model = stack_model("lstm", 3)
+    fast = rnnfuse.optimize(model)
+    assert fused_layers(fast) == []
+    report = rnnfuse.analyze(model)
+    assert len(report.groups) == 1  # it could fuse; the plan keeps the layers
+
+
+def test_gru_and_simple_rnn_runs_get_the_backend_reason():
+    for kind in ("gru", "rnn_tanh"):
+        report = rnnfuse.analyze(stack_model(kind, 3))
+        assert report.groups == ()
+        assert {r.rule for r in report.skipped.values()} == {"backend"}
+        assert "only LSTMs" in next(iter(report.skipped.values()))
+
+
+def test_dropout_between_layers_is_not_absorbed():
+    inp = keras.Input((7, 5))
+    x = L.LSTM(6, return_sequences=True)(inp)
+    x = L.Dropout(0.2)(x)
+    x = L.LSTM(6, return_sequences=True)(x)
+    x = L.LSTM(6)(x)
+    report = rnnfuse.analyze(keras.Model(inp, x))
+    (group,) = report.groups
+    assert len(group.layers) == 2 and not group.absorbed_dropout
+
+
+def test_float16_stack_runs_the_original_layers(emulated_jax_lstm):
+    model = stack_model("lstm", 2, dtype="mixed_float16")
+    fast = rnnfuse.optimize(model, plan=rnnfuse.FUSED)
+    x = random_inputs(model, 3, np.random.default_rng(12))
+    assert max_abs_diff(fast(x), model(x)) < 1e-3
+    assert not emulated_jax_lstm
+    assert "float32 only" in fused_layers(fast)[0].last_path
+
+
+def test_tuner_times_per_layer_and_fused_under_jax(emulated_jax_lstm):
+    from rnnfuse.api import choose_plans
+
+    model = stack_model("lstm", 2, units=6, input_size=5, steps=7)
+    (result,) = choose_plans(model, rnnfuse.analyze(model).groups,
+                             tune=rnnfuse.TuneShape(3, 7), cache=False)
+    assert result.source == "measured"
+    assert set(result.timings) == {"per-layer", "fused"}
+    assert result.plan.name == min(result.timings, key=result.timings.get)
+    assert emulated_jax_lstm, "the fused candidate was not timed"
