@@ -14,7 +14,8 @@ fused/original speedup and which path FusedRNN took. The optimized model is
 timed once per torch-backend call mode (`--call-modes`, default
 "auto,one,per_level": rnnfuse's choice, always one multi-layer call, one
 call per level; see rnnfuse.backends.torch.levels_per_call), so the table
-shows whether "auto" picks the faster of the two.
+shows whether "auto" picks the faster of the two. `--tuned` adds the plan
+that `optimize(model, tune=...)` measures and picks (timed beside them).
 
 Run on the GPU machine (writes JSON after every configuration, so a run cut
 short keeps what it measured):

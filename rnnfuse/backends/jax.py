@@ -24,9 +24,9 @@ b_hh = 0. The blob is built inside the traced function from the live
 variables on every call, so gradients reach them.
 
 Not fused under JAX (the original layers run, exactly): masked calls
-(`mask_is_supported` is False), a go_backwards first layer and a last
-layer that returns its states (`group_reason`), float16/bfloat16, GRU and
-SimpleRNN. Between-level dropout has no seed in jax.experimental.rnn, so
+(`mask_is_supported` is False: wrong gradients from the cuDNN call with
+ragged lengths on the H200), a go_backwards first layer (`group_reason`),
+float16/bfloat16, GRU and SimpleRNN. Between-level dropout has no seed in jax.experimental.rnn, so
 the planner does not absorb Dropout layers under JAX.
 
 Example (packing only; the call itself needs a GPU):
@@ -91,10 +91,7 @@ def group_reason(group: Any) -> str | None:
     order, while its own loop (and the TensorFlow and torch backends)
     return it in processing order; on the H200 the two differ by 1.5
     (relative, bench/diag_jax_states.py). rnnfuse's call follows the loop,
-    so fusing would change the numbers of the original model. And a last
-    layer that returns its states: with them in the loss, gradients of the
-    fused call and of Keras' layers differed by 3.8 (relative) on the H200
-    while the outputs agreed to 4e-7; not explained, so not fused.
+    so fusing would change the numbers of the original model.
     """
     reason = _kind_reason(group.cell)
     if reason is None and group.views[0].go_backwards:
@@ -102,12 +99,6 @@ def group_reason(group: Any) -> str | None:
             "its first layer reads backwards, and Keras' JAX cuDNN LSTM orders "
             "that layer's output differently from its own loop; the layers "
             "run as they are"
-        )
-    if reason is None and group.views[-1].return_state:
-        reason = (
-            "its last layer returns its states: on the H200 the gradients "
-            "through fused final states differed from Keras' (unexplained), "
-            "so the layers run as they are"
         )
     return reason
 
@@ -127,12 +118,23 @@ def unsupported_reason(stack: StackSpec, dtype: str) -> str | None:
 def mask_is_supported(mask: Any):
     """Always False: masked calls run Keras' layers (exactly).
 
-    `run_stack` turns a right-padded mask into `seq_lengths` (checked
-    against jax.experimental.rnn's reference on the CPU), but the masked
-    call was not shown to run fused on the H200, so it is not used.
+    `run_stack` turns a right-padded mask into `seq_lengths`, which matches
+    Keras' loop through jax.experimental.rnn's reference on the CPU and in
+    the forward pass on the H200 (6.1e-7), but the gradients of the cuDNN
+    call with ragged lengths were 7.6 (relative) from Keras' loop there
+    (bench/diag_jax_states.py), so masked calls are not fused.
     """
     del mask
     return jnp.asarray(False)
+
+
+def right_padded(mask: Any):
+    """True when `mask` [B, T] is right-padded and no sequence is empty
+    (what `mask_is_supported` would check if masked calls were fused)."""
+    mask = jnp.asarray(mask).astype(bool)
+    lengths = mask.sum(axis=1)
+    steps = jnp.arange(mask.shape[1])[None, :] < lengths[:, None]
+    return jnp.logical_and(jnp.all(mask == steps), jnp.all(lengths > 0))
 
 
 def _value(variable: Any) -> jax.Array:

@@ -99,7 +99,7 @@ def test_fused_lstm_stack_matches_keras_on_gpu(bidirectional, lstm_calls):
     assert all(c["bidirectional"] is bidirectional and c["platform"] == "gpu" for c in lstm_calls)
 
 
-def test_masked_call_runs_keras_layers_and_initial_state_fuses_on_gpu(lstm_calls):
+def test_masked_call_runs_keras_layers_and_initial_and_final_states_fuse_on_gpu(lstm_calls):
     model = stack_model("lstm", 3, units=32, input_size=16, steps=40, masked=True,
                         last_return_sequences=True)
     _randomize(model, 2)
@@ -109,7 +109,7 @@ def test_masked_call_runs_keras_layers_and_initial_state_fuses_on_gpu(lstm_calls
     np.testing.assert_array_equal(np.asarray(fast(tokens)), np.asarray(model(tokens)))
     lstm_calls.clear()
     model = stack_model("lstm", 2, units=32, input_size=16, steps=40, initial_state=True,
-                        last_return_sequences=True)
+                        last_return_state=True)
     _randomize(model, 4)
     fast = rnnfuse.optimize(model, plan=rnnfuse.FUSED)
     assert len(fused_layers(fast)) == 1

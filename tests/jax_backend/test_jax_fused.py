@@ -57,10 +57,15 @@ def test_lstm_stack_is_one_call_and_matches_keras(layers, emulated_jax_lstm):
     assert emulated_jax_lstm[0]["bidirectional"] is False
 
 
-def test_returned_states_are_left_to_keras_with_a_reason():
-    report = rnnfuse.analyze(stack_model("lstm", 2, last_return_state=True))
-    assert report.groups == ()
-    assert "returns its states" in next(iter(report.skipped.values()))
+@pytest.mark.parametrize("last_return_sequences", [False, True])
+def test_returned_states_with_initial_states(last_return_sequences, emulated_jax_lstm):
+    model = stack_model("lstm", 2, units=6, input_size=5, steps=7, initial_state=True,
+                        last_return_state=True, last_return_sequences=last_return_sequences)
+    _randomize(model, 3)
+    fast = rnnfuse.optimize(model, plan=rnnfuse.FUSED)
+    assert len(fused_layers(fast)) == 1
+    _check(model, fast, random_inputs(model, 3, np.random.default_rng(4)))
+    assert emulated_jax_lstm
 
 
 def test_bidirectional_stack(emulated_jax_lstm):
