@@ -170,8 +170,19 @@ class FusedRNN(keras.layers.Layer):
         Keras reads this (`model_supports_jit`) for `jit_compile="auto"`, as
         it reads its own LSTM's. Where only the original layers can run (no
         GPU, an unsupported dtype) it is what Keras says for those layers.
+        A backend whose fused call is itself an XLA op (JAX's cuDNN custom
+        call) keeps jit on.
         """
-        return self._supports_jit and not self.uses_fused_kernel
+        return self._supports_jit and not self.fused_call_blocks_xla
+
+    @property
+    def fused_call_blocks_xla(self) -> bool:
+        """Whether calls here run a fused kernel that XLA cannot compile
+        (TensorFlow's CudnnRNNV3; not JAX's cuDNN custom call, whose backend
+        sets `XLA_COMPILES_FUSED_CALL`)."""
+        if getattr(get_backend(), "XLA_COMPILES_FUSED_CALL", False):
+            return False
+        return self.uses_fused_kernel
 
     @supports_jit.setter
     def supports_jit(self, value: bool) -> None:

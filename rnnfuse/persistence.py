@@ -90,7 +90,7 @@ class _OptimizedMixin:
         return [
             layer.name
             for layer in self._flatten_layers(include_self=False)
-            if isinstance(layer, FusedRNN) and layer.uses_fused_kernel
+            if isinstance(layer, FusedRNN) and layer.fused_call_blocks_xla
         ]
 
     @property

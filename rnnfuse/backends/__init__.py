@@ -18,8 +18,10 @@ Each backend module exposes the same functions (the contract below); the
   returning a scalar), `TUNED_ALGORITHMS` (cuDNN algorithms to time).
 
 Optional: `group_reason(group)` (why the backend never runs a fusion
-group; the planner reports it) and `ABSORBS_DROPOUT = False` (no between-level
-dropout: the planner does not absorb Dropout layers).
+group; the planner reports it), `ABSORBS_DROPOUT = False` (no between-level
+dropout: the planner does not absorb Dropout layers) and
+`XLA_COMPILES_FUSED_CALL = True` (the fused call compiles under XLA, so
+`FusedRNN.supports_jit` stays True).
 
 Example:
 

@@ -52,6 +52,7 @@ from rnnfuse.backends.base import StackSpec
 __all__ = [
     "ABSORBS_DROPOUT",
     "TUNED_ALGORITHMS",
+    "XLA_COMPILES_FUSED_CALL",
     "device_environment",
     "is_available",
     "group_reason",
@@ -67,6 +68,9 @@ __all__ = [
 ABSORBS_DROPOUT = False
 # cuDNN's algorithm is not selectable through jax.experimental.rnn.
 TUNED_ALGORITHMS = (None,)
+# The call is an XLA custom call: jitted train steps (Keras' default under
+# JAX) keep working, so FusedRNN.supports_jit stays True.
+XLA_COMPILES_FUSED_CALL = True
 
 
 def is_available() -> bool:

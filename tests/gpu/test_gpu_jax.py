@@ -148,6 +148,7 @@ def test_fit_on_gpu_matches_the_original(lstm_calls):
         m.fit(x, y, epochs=2, batch_size=8, verbose=0, shuffle=False)
         trained.append([np.asarray(v.value) for v in model.weights])
     assert lstm_calls
+    assert m.jit_compile is True, "Keras' JAX trainer fell back to eager steps"
     worst = max(_rel(b, a) for a, b in zip(*trained))
     print(f"fit: worst relative weight difference {worst:.2e}")
     assert worst <= 1e-4

@@ -146,6 +146,9 @@ def test_fit_under_jit_trains_the_original_variables(emulated_jax_lstm):
         m.fit(x, y, epochs=2, batch_size=4, verbose=0, shuffle=False)
         trained.append([np.asarray(v.value) for v in model.weights])
     assert emulated_jax_lstm, "fit did not run the fused call"
+    # Keras' JAX trainer compiled the step with the fused layer in it.
+    assert all(layer.supports_jit for layer in fused_layers(m))
+    assert m.jit_compile is True
     for a, b in zip(*trained):
         np.testing.assert_allclose(b, a, atol=1e-5)
     assert any(not np.allclose(a, s) for a, s in zip(trained[0], start))
