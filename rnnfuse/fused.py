@@ -35,7 +35,6 @@ Example:
 from __future__ import annotations
 
 import contextlib
-from typing import Any
 
 import keras
 from keras import ops, tree

@@ -19,8 +19,9 @@ Each backend module exposes the same functions (the contract below); the
 
 Optional: `group_reason(group)` (why the backend never runs a fusion
 group; the planner reports it), `ABSORBS_DROPOUT = False` (no between-level
-dropout: the planner does not absorb Dropout layers) and
-`XLA_COMPILES_FUSED_CALL = True` (the fused call compiles under XLA, so
+dropout: the planner does not absorb Dropout layers),
+`TUNES_ONE_CALL_PER_LAYER = True` (the tuner also times one fused call per
+layer) and `XLA_COMPILES_FUSED_CALL = True` (the fused call compiles under XLA, so
 `FusedRNN.supports_jit` stays True).
 
 Example:

@@ -26,8 +26,9 @@ variables on every call, so gradients reach them.
 Not fused under JAX (the original layers run, exactly): masked calls
 (`mask_is_supported` is False: wrong gradients from the cuDNN call with
 ragged lengths on the H200), a go_backwards first layer (`group_reason`),
-float16/bfloat16, GRU and SimpleRNN. Between-level dropout has no seed in jax.experimental.rnn, so
-the planner does not absorb Dropout layers under JAX.
+float16/bfloat16, GRU and SimpleRNN. Between-level dropout has no seed in
+jax.experimental.rnn, so the planner does not absorb Dropout layers under
+JAX.
 
 Example (packing only; the call itself needs a GPU):
 
@@ -54,8 +55,8 @@ __all__ = [
     "TUNED_ALGORITHMS",
     "XLA_COMPILES_FUSED_CALL",
     "device_environment",
-    "is_available",
     "group_reason",
+    "is_available",
     "jax_lstm",
     "mask_is_supported",
     "pack_params",

@@ -94,6 +94,7 @@ from rnnfuse.backends.base import GATES, StackSpec
 __all__ = [
     "CALL_MODES",
     "TUNED_ALGORITHMS",
+    "TUNES_ONE_CALL_PER_LAYER",
     "call_mode",
     "device_environment",
     "get_call_mode",
@@ -110,8 +111,11 @@ __all__ = [
 
 SUPPORTED_DTYPES = ("float16", "bfloat16", "float32", "float64")
 
-# PyTorch picks cuDNN's algorithm itself: the tuner times plans only.
+# PyTorch picks cuDNN's algorithm itself: the tuner times plans only, and
+# adds one fused call per layer (where PyTorch runs cuDNN's persistent
+# kernels: single-layer float16 calls).
 TUNED_ALGORITHMS = (None,)
+TUNES_ONE_CALL_PER_LAYER = True
 
 # "auto": one call for the whole stack, except where PyTorch would run
 # cuDNN's persistent kernel for single-layer calls only (see

@@ -99,23 +99,15 @@ def plan_fusion(
             reasons[key] = _lone_reason(
                 graph, key, views, reasons, link_reasons, min_layers
             )
-    no_kernel = _backend_reason()
-    if no_kernel is not None:
-        for group in groups:
-            for key in group.layers:
-                reasons[key] = no_kernel
-        groups = []
-    group_reason = getattr(backend, "group_reason", None)
-    if group_reason is not None:
-        kept = []
-        for group in groups:
-            why = group_reason(group)
-            if why is None:
-                kept.append(group)
-                continue
-            for key in group.layers:
-                reasons[key] = Reason("backend", f"{why} (run {' -> '.join(group.layers)})")
-        groups = kept
+    kept = []
+    for group in groups:
+        why = _backend_reason(backend, group)
+        if why is None:
+            kept.append(group)
+            continue
+        for key in group.layers:
+            reasons[key] = why
+    groups = kept
     skipped = {k: reasons[k] for k in _graph_order(graph) if k in reasons}
     notes = tuple(graph.graph.get("notes", ()))
     return FusionReport(
@@ -126,16 +118,23 @@ def plan_fusion(
     )
 
 
-def _backend_reason() -> Reason | None:
-    """Why no run can fuse under the active Keras backend, or None."""
-    if get_backend() is not None:
+def _backend_reason(backend, group: FusionGroup) -> Reason | None:
+    """Why the active Keras backend cannot fuse `group`, or None.
+
+    No fused kernel for this Keras backend at all, or the backend's own
+    `group_reason` (JAX: LSTM only, no go_backwards first layer).
+    """
+    if backend is None:
+        return Reason(
+            "backend",
+            f"rnnfuse has no fused kernel for the {keras.backend.backend()} "
+            "backend; the original layers run as they are",
+        )
+    group_reason = getattr(backend, "group_reason", None)
+    why = group_reason(group) if group_reason is not None else None
+    if why is None:
         return None
-    name = keras.backend.backend()
-    return Reason(
-        "backend",
-        f"rnnfuse has no fused kernel for the {name} backend; the original "
-        "layers run as they are",
-    )
+    return Reason("backend", f"{why} (run {' -> '.join(group.layers)})")
 
 
 def _graph_order(graph: nx.DiGraph) -> list[str]:

@@ -41,7 +41,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
-from typing import Any, Callable, Sequence
+from typing import Callable, Sequence
 
 import keras
 import numpy as np
@@ -49,7 +49,7 @@ import numpy as np
 from rnnfuse.backends import get_backend
 from rnnfuse.report import FusionGroup
 from rnnfuse.tuning.cache import PlanCache, cache_key
-from rnnfuse.tuning.plans import PER_LAYER, Plan, candidate_plans, split_groups
+from rnnfuse.tuning.plans import Plan, candidate_plans, split_groups
 from rnnfuse.tuning.table import static_plan
 from rnnfuse.tuning.timing import interleaved_medians
 
@@ -258,8 +258,8 @@ def _candidates_for(backend_name: str) -> Callable[[FusionGroup], list[Plan]]:
     """
     backend = get_backend(backend_name)
     algorithms = getattr(backend, "TUNED_ALGORITHMS", (None,))
-    per_level = backend_name == "torch"
-    return lambda group: candidate_plans(group, algorithms, one_per_layer=per_level)
+    per_layer = getattr(backend, "TUNES_ONE_CALL_PER_LAYER", False)
+    return lambda group: candidate_plans(group, algorithms, one_per_layer=per_layer)
 
 
 def _takes_on_step(fn) -> bool:
