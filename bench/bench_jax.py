@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import json
 import os
 import statistics
 import sys
@@ -41,21 +40,18 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import keras  # noqa: E402
 import numpy as np  # noqa: E402
+from common import csv_list, run_matrix  # noqa: E402
 from jax.experimental import rnn as jax_rnn  # noqa: E402
-
-
-def _csv(kind):
-    return lambda text: [kind(v) for v in text.split(",")]
 
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", required=True, help="JSON file to write")
-    p.add_argument("--layers", type=_csv(int), default=[2, 4])
-    p.add_argument("--batch", type=_csv(int), default=[8, 64])
-    p.add_argument("--steps", type=_csv(int), default=[100, 1000])
-    p.add_argument("--units", type=_csv(int), default=[256, 512])
-    p.add_argument("--modes", type=_csv(str), default=["train", "infer"])
+    p.add_argument("--layers", type=csv_list(int), default=[2, 4])
+    p.add_argument("--batch", type=csv_list(int), default=[8, 64])
+    p.add_argument("--steps", type=csv_list(int), default=[100, 1000])
+    p.add_argument("--units", type=csv_list(int), default=[256, 512])
+    p.add_argument("--modes", type=csv_list(str), default=["train", "infer"])
     p.add_argument("--repeats", type=int, default=7)
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--max-seconds", type=float, default=240.0)
@@ -168,6 +164,15 @@ def measure(config, args):
     return rows
 
 
+def describe(r: dict) -> str:
+    return (
+        f"L{r['layers']} B{r['batch']} T{r['steps']} H{r['units']} {r['mode']:5s} "
+        f"keras {r['median_ms']['keras']:8.2f} ms  fused {r['median_ms']['fused']:8.2f} ms "
+        f"x{r['speedup']:.2f}  err out {r['errors']['output']:.1e} "
+        f"grad {r['errors']['gradient']:.1e}"
+    )
+
+
 def main(argv=None):
     args = parse_args(argv)
     jax.config.update("jax_default_matmul_precision", args.precision)
@@ -183,32 +188,14 @@ def main(argv=None):
         warmup=args.warmup,
     )
     print(meta, flush=True)
-    results, skipped = [], []
-    start = time.perf_counter()
-    for config in itertools.product(args.layers, args.batch, args.steps, args.units):
-        if time.perf_counter() - start > args.max_seconds:
-            skipped.append(list(config))
-            continue
-        try:
-            rows = measure(config, args)
-        except Exception as e:  # noqa: BLE001 - record and go on
-            rows = [dict(config=list(config), error=f"{type(e).__name__}: {e}")]
-        results += rows
-        for r in rows:
-            if "error" in r:
-                print("ERROR", r["config"], r["error"], flush=True)
-            else:
-                print(
-                    f"L{r['layers']} B{r['batch']} T{r['steps']} H{r['units']} {r['mode']:5s} "
-                    f"keras {r['median_ms']['keras']:8.2f} ms  fused {r['median_ms']['fused']:8.2f} ms "
-                    f"x{r['speedup']:.2f}  err out {r['errors']['output']:.1e} "
-                    f"grad {r['errors']['gradient']:.1e}",
-                    flush=True,
-                )
-        with open(args.out, "w") as f:
-            json.dump(dict(meta=meta, results=results, skipped=skipped), f, indent=1)
-    if skipped:
-        print(f"time budget reached: {len(skipped)} configurations not run", flush=True)
+    results = run_matrix(
+        itertools.product(args.layers, args.batch, args.steps, args.units),
+        lambda config: measure(config, args),
+        describe,
+        meta=meta,
+        out=args.out,
+        max_seconds=args.max_seconds,
+    )
     speedups = [r["speedup"] for r in results if "speedup" in r]
     if speedups:
         geo = float(np.exp(np.mean(np.log(speedups))))

@@ -60,8 +60,8 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 import keras  # noqa: E402
-import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
+from common import csv_list  # noqa: E402
 
 import rnnfuse  # noqa: E402
 from rnnfuse.layers import ProjectedLSTM, ProjectedLSTMCell  # noqa: E402
@@ -73,21 +73,17 @@ QUICK = dict(batch=2, steps=12, features=8, units=16, proj=4, acoustic_features=
 VARIANTS = ["custom_xla", "custom_xla/u4", "custom", "while_xla", "while"]
 
 
-def _csv(kind):
-    return lambda s: [kind(v) for v in s.split(",") if v]
-
-
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", required=True, help="JSON file to write")
     p.add_argument("--quick", action="store_true", help="small sizes (CPU check)")
     p.add_argument(
-        "--variants", type=_csv(str), default=VARIANTS,
+        "--variants", type=csv_list(str), default=VARIANTS,
         help="fast-path variants timed in the first stack configuration; later "
         "stack configurations time the --keep fastest of them",
     )
     p.add_argument("--keep", type=int, default=2, help="variants kept after the first configuration")
-    p.add_argument("--sections", type=_csv(str), default=["stack", "acoustic", "wavefront"])
+    p.add_argument("--sections", type=csv_list(str), default=["stack", "acoustic", "wavefront"])
     p.add_argument("--repeats", type=int, default=5, help="timed rounds at most")
     p.add_argument("--warmup", type=int, default=2, help="untimed calls per model")
     p.add_argument(
@@ -356,7 +352,6 @@ def wavefront_entries(policy, mode, args, layers=4):
     s = args.sizes
     target = tf.random.normal([s["batch"], s["steps"], s["proj"]])
     base = stack_model("plstm", layers, s, policy)
-    weights = base.get_weights()
     entries = []
     entries.append(
         Entry("plstm:custom@jit", base, make_step(base, mode, True, target), "custom", lambda: _paths(base))

@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import json
 import os
 import platform
 import statistics
@@ -44,6 +43,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 import keras  # noqa: E402
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
+from common import csv_list, run_matrix  # noqa: E402
 
 import rnnfuse  # noqa: E402
 from rnnfuse import FusedRNN  # noqa: E402
@@ -68,22 +68,18 @@ QUICK = dict(
 )
 
 
-def _csv(kind):
-    return lambda s: [kind(v) for v in s.split(",") if v]
-
-
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", required=True, help="JSON file to write")
     p.add_argument("--quick", action="store_true", help="small CPU matrix")
-    p.add_argument("--kinds", type=_csv(str))
-    p.add_argument("--layers", type=_csv(int))
-    p.add_argument("--batch", type=_csv(int))
-    p.add_argument("--steps", type=_csv(int))
-    p.add_argument("--units", type=_csv(int))
-    p.add_argument("--policies", type=_csv(str))
-    p.add_argument("--modes", type=_csv(str), default=["train", "infer"])
-    p.add_argument("--call-modes", type=_csv(str), default=["auto", "one", "per_level"])
+    p.add_argument("--kinds", type=csv_list(str))
+    p.add_argument("--layers", type=csv_list(int))
+    p.add_argument("--batch", type=csv_list(int))
+    p.add_argument("--steps", type=csv_list(int))
+    p.add_argument("--units", type=csv_list(int))
+    p.add_argument("--policies", type=csv_list(str))
+    p.add_argument("--modes", type=csv_list(str), default=["train", "infer"])
+    p.add_argument("--call-modes", type=csv_list(str), default=["auto", "one", "per_level"])
     p.add_argument(
         "--tuned",
         action="store_true",
@@ -233,6 +229,20 @@ def measure(config, args):
     return rows
 
 
+def describe(r: dict) -> str:
+    fused = "  ".join(
+        f"{n} {m:8.2f} (x{r['speedup'][n]:.2f})"
+        for n, m in r["median_ms"].items()
+        if n != "original"
+    )
+    return (
+        f"{r['kind']} L{r['layers']} B{r['batch']} T{r['steps']} H{r['units']} "
+        f"{r['policy']:14s} {r['mode']:5s} original {r['median_ms']['original']:8.2f} ms  "
+        f"{fused}  {r['fused_path']} calls={r['vf_calls']}"
+        + (f" tuned={r['tuned_plan']}" if r["tuned_plan"] else "")
+    )
+
+
 def main(argv=None):
     args = parse_args(argv)
     if args.threads:
@@ -257,38 +267,14 @@ def main(argv=None):
     configs = list(
         itertools.product(args.kinds, args.layers, args.batch, args.steps, args.units, args.policies)
     )
-    results, skipped = [], []
-    start = time.perf_counter()
-    for config in configs:
-        if time.perf_counter() - start > args.max_seconds:
-            skipped.append(list(config))
-            continue
-        try:
-            rows = measure(config, args)
-        except Exception as e:  # noqa: BLE001 - record and go on
-            rows = [dict(config=list(config), error=f"{type(e).__name__}: {e}")]
-        results += rows
-        for r in rows:
-            if "error" in r:
-                print("ERROR", r["config"], r["error"], flush=True)
-            else:
-                fused = "  ".join(
-                    f"{n} {m:8.2f} (x{r['speedup'][n]:.2f})"
-                    for n, m in r["median_ms"].items()
-                    if n != "original"
-                )
-                print(
-                    f"{r['kind']} L{r['layers']} B{r['batch']} T{r['steps']} H{r['units']} "
-                    f"{r['policy']:14s} {r['mode']:5s} original {r['median_ms']['original']:8.2f} ms  "
-                    f"{fused}  {r['fused_path']} calls={r['vf_calls']}"
-                    + (f" tuned={r['tuned_plan']}" if r["tuned_plan"] else ""),
-                    flush=True,
-                )
-        with open(args.out, "w") as f:
-            json.dump(dict(meta=meta, results=results, skipped=skipped), f, indent=1)
-    if skipped:
-        print(f"time budget reached: {len(skipped)} configurations not run", flush=True)
-
+    run_matrix(
+        configs,
+        lambda config: measure(config, args),
+        describe,
+        meta=meta,
+        out=args.out,
+        max_seconds=args.max_seconds,
+    )
 
 if __name__ == "__main__":
     main()
