@@ -128,3 +128,22 @@ def fused_layers(model: keras.Model) -> list:
     from rnnfuse import FusedRNN
 
     return [l for l in model._flatten_layers(include_self=False) if isinstance(l, FusedRNN)]
+
+
+def fit_from_same_start(model: keras.Model, fast: keras.Model, x, y, *, batch_size: int, epochs: int = 2):
+    """Fits `model`, then `fast` (which shares its variables), each from
+    `model`'s current weights with SGD(0.1) and MSE, unshuffled.
+
+    Returns:
+        (start, trained_original, trained_fast): `model.weights` as NumPy
+        arrays before, after the original's fit and after the fast one's.
+    """
+    start = [keras.ops.convert_to_numpy(v) for v in model.weights]
+    trained = []
+    for m in (model, fast):
+        for v, s in zip(model.weights, start):
+            v.assign(s)
+        m.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
+        m.fit(x, y, epochs=epochs, batch_size=batch_size, verbose=0, shuffle=False)
+        trained.append([keras.ops.convert_to_numpy(v) for v in model.weights])
+    return start, trained[0], trained[1]

@@ -24,7 +24,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
 import rnnfuse  # noqa: E402
-from builders import fused_layers, random_inputs, stack_model  # noqa: E402
+from builders import fit_from_same_start, fused_layers, random_inputs, stack_model  # noqa: E402
 from rnnfuse.backends import jax as jax_backend  # noqa: E402
 
 L = keras.layers
@@ -136,20 +136,14 @@ def test_jitted_train_step_holds_one_multi_layer_cudnn_call(lstm_calls):
 
 def test_fit_on_gpu_matches_the_original(lstm_calls):
     model = stack_model("lstm", 3, units=32, input_size=16, steps=30, head=True)
-    start = [np.asarray(v.value) for v in model.weights]
     rng = np.random.default_rng(7)
     x = random_inputs(model, 16, rng)
     y = rng.standard_normal((16, 3)).astype("float32")
-    trained = []
-    for m in (model, rnnfuse.optimize(model, plan=rnnfuse.FUSED)):
-        for v, s in zip(model.weights, start):
-            v.assign(s)
-        m.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
-        m.fit(x, y, epochs=2, batch_size=8, verbose=0, shuffle=False)
-        trained.append([np.asarray(v.value) for v in model.weights])
+    fast = rnnfuse.optimize(model, plan=rnnfuse.FUSED)
+    _, original, fused = fit_from_same_start(model, fast, x, y, batch_size=8)
     assert lstm_calls
-    assert m.jit_compile is True, "Keras' JAX trainer fell back to eager steps"
-    worst = max(_rel(b, a) for a, b in zip(*trained))
+    assert fast.jit_compile is True, "Keras' JAX trainer fell back to eager steps"
+    worst = max(_rel(b, a) for a, b in zip(original, fused))
     print(f"fit: worst relative weight difference {worst:.2e}")
     assert worst <= 1e-4
 

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 import rnnfuse
-from builders import fused_layers, max_abs_diff, random_inputs, stack_model
+from builders import fit_from_same_start, fused_layers, max_abs_diff, random_inputs, stack_model
 
 L = keras.layers
 
@@ -134,24 +134,18 @@ def test_right_padded_lengths_match_keras_loop_in_run_stack(emulated_jax_lstm):
 def test_fit_under_jit_trains_the_original_variables(emulated_jax_lstm):
     model = stack_model("lstm", 2, units=6, input_size=5, steps=7, head=True)
     _randomize(model, 10)
-    start = [np.asarray(v.value) for v in model.weights]
     rng = np.random.default_rng(11)
     x = random_inputs(model, 8, rng)
     y = rng.standard_normal((8, 3)).astype("float32")
-    trained = []
-    for m in (model, rnnfuse.optimize(model, plan=rnnfuse.FUSED)):
-        for v, s in zip(model.weights, start):
-            v.assign(s)
-        m.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
-        m.fit(x, y, epochs=2, batch_size=4, verbose=0, shuffle=False)
-        trained.append([np.asarray(v.value) for v in model.weights])
+    fast = rnnfuse.optimize(model, plan=rnnfuse.FUSED)
+    start, original, fused = fit_from_same_start(model, fast, x, y, batch_size=4)
     assert emulated_jax_lstm, "fit did not run the fused call"
     # Keras' JAX trainer compiled the step with the fused layer in it.
-    assert all(layer.supports_jit for layer in fused_layers(m))
-    assert m.jit_compile is True
-    for a, b in zip(*trained):
+    assert all(layer.supports_jit for layer in fused_layers(fast))
+    assert fast.jit_compile is True
+    for a, b in zip(original, fused):
         np.testing.assert_allclose(b, a, atol=1e-5)
-    assert any(not np.allclose(a, s) for a, s in zip(trained[0], start))
+    assert any(not np.allclose(a, s) for a, s in zip(original, start))
 
 
 def test_without_tune_jax_keeps_keras_layers_and_says_why(emulated_jax_lstm):
