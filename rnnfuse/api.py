@@ -32,12 +32,16 @@ from rnnfuse.passes.rewrite import FusionWarning, rewrite_model
 from rnnfuse.reasons import Reason
 from rnnfuse.recurrent import is_recurrent
 from rnnfuse.report import FusionGroup, FusionReport
+from rnnfuse.tuning import first_batch
 from rnnfuse.tuning.cache import PlanCache
 from rnnfuse.tuning.plans import Plan, split_groups
 from rnnfuse.tuning.table import static_plan
 from rnnfuse.tuning.tuner import TuneResult, tune_plans
 
 __all__ = ["TuneShape", "analyze", "choose_plans", "optimize"]
+
+# `optimize(tune=AUTO)`: plans chosen on the first batch (the default).
+AUTO = "auto"
 
 
 def analyze(
@@ -79,7 +83,7 @@ def optimize(
     *,
     min_layers: int = 2,
     absorb_dropout: bool = True,
-    tune: Any = None,
+    tune: Any = "auto",
     training: bool = True,
     plan: Plan | Callable[[FusionGroup], Plan] | None = None,
     cache: Any = None,
@@ -96,7 +100,11 @@ def optimize(
         min_layers: the least number of recurrent levels worth fusing.
         absorb_dropout: see `analyze`.
         tune: how each group's plan (fused whole, split, per-layer; cuDNN
-            algorithm) is chosen. None: the static rule table
+            algorithm) is chosen. "auto" (the default): the static rule
+            table now, then, on a GPU, the plans are timed on the first
+            batch the model meets in `fit`/`evaluate`/`predict` and the
+            fastest kept (`rnnfuse.tuning.first_batch`; cached on disk).
+            False or None: the static rule table only
             (`rnnfuse.tuning.table`). A sample batch (what the model takes)
             or `rnnfuse.TuneShape(batch_size, steps)`: time the candidates
             on this device and keep the fastest per group; decisions are
@@ -136,11 +144,27 @@ def optimize(
         min_layers=min_layers,
         absorb_dropout=absorb_dropout,
     )
+    if isinstance(tune, str) and tune == AUTO and plan is None:
+        if first_batch.can_time_here():
+            return _optimize_for_first_batch(model, report.groups, training, cache)
+        tune = None
     plans = choose_plans(
         model, report.groups, tune=tune, training=training, plan=plan, cache=cache
     )
     pairs = split_groups(report.groups, [r.plan for r in plans])
     return rewrite_model(model, [g for g, _ in pairs], [a for _, a in pairs])
+
+
+def _optimize_for_first_batch(model, groups, training, cache) -> keras.Model:
+    """One switchable FusedRNN per group, on its static plan for now; the
+    first batch chooses (`rnnfuse.tuning.first_batch`)."""
+    plans = [
+        static_plan(g, g.views[0].layer.compute_dtype, training).for_length(len(g.layers))
+        for g in groups
+    ]
+    pieces = [p.pieces if len(p.pieces) != 1 else None for p in plans]
+    new = rewrite_model(model, groups, [p.algorithm for p in plans], pieces=pieces)
+    return first_batch.attach(new, first_batch.AutoTune(cache=_plan_cache(cache)))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -166,7 +190,7 @@ def choose_plans(model, groups, *, tune=None, training=True, plan=None, cache=No
                 )
             chosen.append(TuneResult(group, p, "forced"))
         return chosen
-    if tune is None or tune is False:
+    if tune is None or tune is False or (isinstance(tune, str) and tune == AUTO):
         return [
             TuneResult(g, static_plan(g, g.views[0].layer.compute_dtype, training), "static")
             for g in groups

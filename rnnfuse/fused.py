@@ -62,6 +62,11 @@ class FusedRNN(keras.layers.Layer):
             kernel ("standard", "persistent_static", "persistent_dynamic",
             each optionally with "+tc" for tensor ops); None keeps
             TensorFlow's default. See `rnnfuse.tuning.algorithms`.
+        pieces: how calls run the stack: None (the default) one fused call
+            for the whole run; `()` the original layers one Keras call
+            each; `(a, b, ...)` consecutive fused calls of `a`, `b`, ...
+            layers (summing to the number of layers). `set_plan` switches
+            it later (rnnfuse's first-batch tuning does, before a trace).
         **kwargs: Keras layer arguments. `name` defaults to the last layer's
             name (so model output names do not change), `dtype` to the
             first layer's dtype policy.
@@ -81,7 +86,7 @@ class FusedRNN(keras.layers.Layer):
             be stacked, naming the rule.
     """
 
-    def __init__(self, layers, dropout_layers=None, algorithm=None, **kwargs):
+    def __init__(self, layers, dropout_layers=None, algorithm=None, pieces=None, **kwargs):
         layers = list(layers)
         if not layers:
             raise ValueError("FusedRNN needs at least one layer; received [].")
@@ -128,6 +133,12 @@ class FusedRNN(keras.layers.Layer):
             proj_size=views[0].proj_size,
         )
         self.supports_masking = True
+        # Sub-stacks a split plan runs, built on first use; a plain dict set
+        # with object.__setattr__ so Keras neither tracks nor saves them
+        # (they hold the same layers and variables as this layer).
+        object.__setattr__(self, "_piece_cache", {})
+        self._pieces = None
+        self.set_plan(pieces, self.algorithm)
         # Which path the last call took ("fused" or "layers: <why>"); set
         # when the call is traced, for diagnostics and tests.
         self.last_path: str | None = None
@@ -153,6 +164,49 @@ class FusedRNN(keras.layers.Layer):
             if i in dropouts:
                 out.append(dropouts[i])
         return out
+
+    @property
+    def pieces(self) -> tuple[int, ...] | None:
+        """How calls run the stack: None whole, () per layer, (a, b, ...) split."""
+        return self._pieces
+
+    def set_plan(self, pieces, algorithm=None) -> None:
+        """Switches how later traces run the stack (see the `pieces` argument).
+
+        Takes effect for the next trace (Keras re-traces its train/predict
+        functions after `make_train_function(force=True)`); the variables
+        and the layers are unchanged.
+
+        Raises:
+            ValueError: `pieces` do not cover the layers, or split at an
+                absorbed Dropout.
+        """
+        n = len(self.fused_layers)
+        if pieces is not None:
+            if isinstance(pieces, (str, bytes)) or not all(
+                isinstance(p, int) and not isinstance(p, bool) and p > 0 for p in tuple(pieces)
+            ):
+                raise ValueError(
+                    "FusedRNN: pieces must be None, () or a tuple of positive "
+                    f"layer counts; received {pieces!r}"
+                )
+            pieces = tuple(pieces)
+            if pieces and sum(pieces) != n:
+                raise ValueError(
+                    f"FusedRNN '{self.name}': pieces {pieces} cover {sum(pieces)} "
+                    f"layers; this layer runs {n}"
+                )
+            bounds = _piece_bounds(pieces)
+            for start, stop in bounds[:-1]:
+                if (stop - 1) in self._dropout_after:
+                    raise ValueError(
+                        f"FusedRNN '{self.name}': pieces {pieces} split at an "
+                        "absorbed Dropout layer; split elsewhere"
+                    )
+            if len(pieces) == 1:
+                pieces = None
+        self._pieces = pieces
+        self.algorithm = None if algorithm is None else Algorithm.parse(algorithm).name
 
     @property
     def uses_fused_kernel(self) -> bool:
@@ -181,6 +235,8 @@ class FusedRNN(keras.layers.Layer):
         sets `XLA_COMPILES_FUSED_CALL`)."""
         if getattr(get_backend(), "XLA_COMPILES_FUSED_CALL", False):
             return False
+        if self._pieces == ():
+            return False  # the plan runs the original layers
         return self.uses_fused_kernel
 
     @supports_jit.setter
@@ -219,6 +275,7 @@ class FusedRNN(keras.layers.Layer):
             dropout_layers[i] = keras.saving.serialize_keras_object(d)
         config["dropout_layers"] = dropout_layers
         config["algorithm"] = self.algorithm
+        config["pieces"] = None if self._pieces is None else list(self._pieces)
         return config
 
     @classmethod
@@ -229,6 +286,8 @@ class FusedRNN(keras.layers.Layer):
             None if c is None else keras.saving.deserialize_keras_object(c)
             for c in config.pop("dropout_layers", None) or []
         ]
+        if config.get("pieces") is not None:
+            config["pieces"] = tuple(config["pieces"])
         return cls(layers, dropout_layers=dropout_layers or None, **config)
 
     # -- call ------------------------------------------------------------------
@@ -239,6 +298,11 @@ class FusedRNN(keras.layers.Layer):
         restore_pending()
         if mask is not None:
             mask = tree.flatten(mask)[0]
+        if self._pieces == ():
+            self.last_path = "layers: the plan keeps the original layers"
+            return self._call_layers(sequences, initial_state, mask, training)
+        if self._pieces is not None:
+            return self._call_pieces(sequences, initial_state, mask, training)
         reason = self._fallback_reason(mask)
         if reason is not None:
             self.last_path = f"layers: {reason}"
@@ -302,6 +366,44 @@ class FusedRNN(keras.layers.Layer):
                 if i in dropouts:
                     x = dropouts[i](x, training=training)
         return x
+
+    def _call_pieces(self, sequences, initial_state, mask, training):
+        """A split plan: one fused call per piece, absorbed Dropout between."""
+        dropouts = dict(zip(self._dropout_after, self.absorbed_dropout))
+        x = sequences
+        paths = []
+        for start, stop in _piece_bounds(self._pieces):
+            piece = self._piece(start, stop)
+            kwargs = {"training": training}
+            if mask is not None:
+                kwargs["mask"] = mask
+            if start == 0 and initial_state is not None:
+                kwargs["initial_state"] = initial_state
+            x = piece(x, **kwargs)
+            paths.append(piece.last_path)
+            if (stop - 1) in dropouts:
+                x = dropouts[stop - 1](x, training=training)
+        self.last_path = "fused" if all(p == "fused" for p in paths) else "; ".join(
+            f"piece {i}: {p}" for i, p in enumerate(paths)
+        )
+        return x
+
+    def _piece(self, start: int, stop: int) -> "FusedRNN":
+        """The sub-stack layers[start:stop] as a FusedRNN (cached, untracked)."""
+        key = (start, stop, self.algorithm)
+        if key not in self._piece_cache:
+            gaps = [None] * (stop - start - 1)
+            for i, d in zip(self._dropout_after, self.absorbed_dropout):
+                if start <= i < stop - 1:
+                    gaps[i - start] = d
+            self._piece_cache[key] = FusedRNN(
+                self.fused_layers[start:stop],
+                dropout_layers=gaps or None,
+                algorithm=self.algorithm,
+                name=f"{self.name}_piece{start}",
+                dtype=self.dtype_policy,
+            )
+        return self._piece_cache[key]
 
     def _call_fused(self, sequences, initial_state, mask, training):
         """The whole stack as one backend call."""
@@ -436,6 +538,15 @@ def first_call_kwargs(args, kwargs) -> dict:
         if kwargs.get(name) is not None:
             out[name] = kwargs[name]
     return out
+
+
+def _piece_bounds(pieces) -> list[tuple[int, int]]:
+    """(start, stop) layer indices of each piece."""
+    bounds, start = [], 0
+    for size in pieces:
+        bounds.append((start, start + size))
+        start += size
+    return bounds
 
 
 def _merge(mode, y, y_rev):

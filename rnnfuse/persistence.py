@@ -65,6 +65,7 @@ from keras import tree
 from keras.src.models.functional import Functional
 
 from rnnfuse.fused import FusedRNN, first_call_kwargs
+from rnnfuse.tuning import first_batch
 
 __all__ = [
     "OptimizedModel",
@@ -111,6 +112,30 @@ class _OptimizedMixin:
                 )
         keras.Model.jit_compile.fset(self, value)
 
+    def compile(self, *args, **kwargs):
+        # Remember whether XLA was left to Keras ("auto"): first-batch tuning
+        # compares against the original layers the way Keras would run them.
+        state = getattr(self, "_rnnfuse_autotune", None)
+        if state is not None:
+            state.jit_auto = kwargs.get("jit_compile", "auto") == "auto"
+        return super().compile(*args, **kwargs)
+
+    def fit(self, x=None, y=None, batch_size=None, *args, **kwargs):
+        """`keras.Model.fit`, with plans first chosen on the first batch
+        (`rnnfuse.tuning.first_batch`; nothing is timed without a GPU)."""
+        first_batch.prepare(self, x, batch_size, training=True)
+        return super().fit(x, y, batch_size, *args, **kwargs)
+
+    def evaluate(self, x=None, y=None, batch_size=None, *args, **kwargs):
+        """`keras.Model.evaluate`, with plans first chosen on the first batch."""
+        first_batch.prepare(self, x, batch_size, training=False)
+        return super().evaluate(x, y, batch_size, *args, **kwargs)
+
+    def predict(self, x, batch_size=None, *args, **kwargs):
+        """`keras.Model.predict`, with plans first chosen on the first batch."""
+        first_batch.prepare(self, x, batch_size, training=False)
+        return super().predict(x, batch_size, *args, **kwargs)
+
     def compile_from_config(self, config):
         # A model compiled with jit_compile=True where no GPU was visible
         # may be loaded where one is: fall back to "auto" rather than fail.
@@ -120,7 +145,12 @@ class _OptimizedMixin:
             and self._cudnn_layers()
         ):
             config = {**config, "jit_compile": "auto"}
-        return super().compile_from_config(config)
+        # Keras' own compile_from_config, which skips a model whose compile()
+        # is overridden (ours only records the jit_compile argument).
+        config = keras.saving.deserialize_keras_object(config)
+        self.compile(**config)
+        if hasattr(self, "optimizer") and self.built:
+            self.optimizer.build(self.trainable_variables)
 
     def save_weights(self, filepath, overwrite=True, **kwargs):
         """Saves the weights as the original (unfused) model would.

@@ -55,6 +55,7 @@ def rewrite_model(
     model: keras.Model,
     groups: Sequence[FusionGroup],
     algorithms: Sequence[str | None] | None = None,
+    pieces: Sequence[tuple[int, ...] | None] | None = None,
 ) -> keras.Model:
     """A new model in which each of `groups` is one `FusedRNN`.
 
@@ -62,14 +63,17 @@ def rewrite_model(
         model: the analyzed Sequential or Functional model.
         groups: the groups to fuse (from `plan_fusion`, or split by a plan).
         algorithms: optional cuDNN algorithm per group (None: default).
+        pieces: optional `FusedRNN` pieces per group (None: whole; `()`:
+            the original layers inside a switchable FusedRNN).
 
     Returns:
         A new `keras.Model` sharing every layer and variable with `model`.
     """
     algorithms = list(algorithms or [None] * len(groups))
+    pieces = list(pieces or [None] * len(groups))
     by_scope: dict[str, list] = collections.defaultdict(list)
-    for group, algorithm in zip(groups, algorithms):
-        by_scope[group.scope].append((group, algorithm))
+    for group, algorithm, piece in zip(groups, algorithms, pieces):
+        by_scope[group.scope].append((group, algorithm, piece))
     new = _Rewriter(by_scope).rewrite(model, scope="", force_new=True)
     # Weight files in the original layout, registered classes (persistence.py).
     return as_optimized(new, like=model)
@@ -102,13 +106,14 @@ class _Rewriter:
 
     def _fused_layers(self, groups: list) -> list[tuple[FusionGroup, FusedRNN]]:
         built = []
-        for group, algorithm in groups:
+        for group, algorithm, pieces in groups:
             layers = [v.layer for v in group.views]
             try:
                 fused = FusedRNN(
                     layers,
                     dropout_layers=list(group.gap_dropout) or None,
                     algorithm=algorithm,
+                    pieces=pieces,
                 )
             except Exception as err:  # noqa: BLE001 - one bad group must not sink the rest
                 warnings.warn(

@@ -129,9 +129,15 @@ def _runner(group: FusionGroup, plan: Plan, dtype: str | None = None) -> Callabl
     return fused
 
 
-def _step(group: FusionGroup, run: Callable, x, training: bool):
-    """A forward (+ backward) step on this backend; returns a scalar to sync on."""
+def _step(group: FusionGroup, run: Callable, x, training: bool, jit: bool = False):
+    """A forward (+ backward) step on this backend; returns a scalar to sync on.
+
+    `jit`: compile the step with XLA (the per-layer baseline, where Keras
+    would compile the original model with XLA under jit_compile="auto").
+    """
     variables = [w for v in group.views for w in v.layer.trainable_weights]
+    if jit:
+        return get_backend().timed_step(run, x, variables, training, jit=True)
     return get_backend().timed_step(run, x, variables, training)
 
 
@@ -168,6 +174,7 @@ def tune_plans(
     progress: bool = True,
     warmup: int = 2,
     repeats: int = 5,
+    jit_baseline: bool = False,
 ) -> list[TuneResult]:
     """The plan for each group, measured on this device (see module doc).
 
@@ -183,6 +190,10 @@ def tune_plans(
         environment: device and versions for the cache key; default reads
             them (None without a GPU: the static table decides).
         progress: show a progress bar.
+        jit_baseline: time the original layers XLA-compiled, as Keras runs
+            them when it compiles the original model with XLA
+            (jit_compile="auto" on a model whose layers all support it); a
+            fused plan, which turns XLA off, must beat that.
     """
     environment = environment if environment is not None else device_environment()
     results = []
@@ -229,7 +240,7 @@ def tune_plans(
                             f"{base[p.pieces]:.2e} with the default algorithm"
                         )
             plans = [p for p in plans if p.name not in rejected]
-            steps = _steps(group, plans, shape, dtype, training)
+            steps = _steps(group, plans, shape, dtype, training, jit_baseline)
             stats = measure(steps, on_step=bar.advance_one) if _takes_on_step(measure) else measure(steps)
             bar.advance_rest(len(plans) + len(rejected))
             timings = {name: float(s["median"]) for name, s in stats.items()}
@@ -271,9 +282,12 @@ def _takes_on_step(fn) -> bool:
         return False
 
 
-def _steps(group, plans, shape, dtype, training) -> dict:
+def _steps(group, plans, shape, dtype, training, jit_baseline=False) -> dict:
     x = _input_batch(shape, dtype)
-    return {p.name: _step(group, _runner(group, p), x, training) for p in plans}
+    return {
+        p.name: _step(group, _runner(group, p), x, training, jit=jit_baseline and not p.pieces)
+        for p in plans
+    }
 
 
 def _default_gradient_check(group, plan, shape, dtype) -> float:

@@ -83,20 +83,22 @@ def device_environment() -> dict:
     details = tf.config.experimental.get_device_details(gpus[0]) if gpus else {}
     build = tf.sysconfig.get_build_info()
     return {
-        "device": details.get("device_name", "gpu"),
+        # "cpu": nothing real to time on (the emulated kernel in tests).
+        "device": details.get("device_name", "gpu") if gpus else "cpu",
         "tensorflow": tf.__version__,
         "cudnn": str(build.get("cudnn_version", "?")),
     }
 
 
-def timed_step(run, x, variables: Sequence[Any], training: bool):
+def timed_step(run, x, variables: Sequence[Any], training: bool, jit: bool = False):
     """A compiled step of `run(x, training)` (+ gradients) for the tuner.
 
-    Returns a callable giving a scalar tensor (converting it to NumPy waits
-    for the device).
+    `jit`: compile it with XLA (how Keras runs a model whose layers all
+    support XLA under jit_compile="auto"). Returns a callable giving a
+    scalar tensor (converting it to NumPy waits for the device).
     """
 
-    @tf.function(jit_compile=False)
+    @tf.function(jit_compile=bool(jit))
     def step():
         if not training:
             y = run(x, False)

@@ -1,0 +1,364 @@
+"""First-batch tuning: each group's plan chosen on the real batch shape.
+
+`rnnfuse.optimize(model)` (``tune="auto"``, the default) returns a model
+whose `fit`, `evaluate` and `predict` look at the first batch before any
+step runs. Where the backend can time its fused kernel here (a GPU; see
+`device_environment`), and no decision is cached for (device, backend,
+group signature, batch shape, dtype policy, training), it times every
+candidate plan of every `FusedRNN` on that shape (`tune_plans`: the
+original layers always among them, jit-compiled when Keras would compile
+the original model with XLA), keeps the fastest, caches it on disk, and
+switches the fused layers (`FusedRNN.set_plan`) before Keras traces its
+step function. One INFO line on the ``rnnfuse`` logger says what was
+measured and chosen, and how long it took; tuning that takes more than a
+few seconds shows a progress bar.
+
+Later shapes never stall on timing. Each mode (training, inference) is
+timed once per model: a shape seen later (the last partial batch, another
+sequence length, another `fit`) takes the cached decision for that exact
+shape if there is one, else the cached decision of the nearest shape for
+the same group, dtype and mode (distance: |log batch ratio| + |log steps
+ratio|), else keeps the plan it has (the first-batch decision, or the
+static table's where nothing was timed).
+
+Without a GPU (or with ``tune=False``) nothing is timed: the static table
+decides, exactly as before.
+
+Example (no GPU here: nothing is timed, nothing changes):
+
+    >>> import keras, numpy as np, rnnfuse
+    >>> m = keras.Sequential([keras.Input((10, 4)),
+    ...     keras.layers.GRU(8, return_sequences=True), keras.layers.GRU(8)])
+    >>> fast = rnnfuse.optimize(m)
+    >>> prepare(fast, np.zeros((2, 10, 4), "float32"), None, training=False)
+    []
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+import time
+from typing import Any, Callable
+
+import keras
+
+from rnnfuse.fused import FusedRNN
+from rnnfuse.recurrent import describe
+from rnnfuse.report import FusionGroup
+from rnnfuse.tuning.cache import PlanCache, cache_key, group_signature
+from rnnfuse.tuning.plans import Plan
+from rnnfuse.tuning.tuner import TuneResult, device_environment, tune_plans
+
+__all__ = ["AutoTune", "attach", "can_time_here", "first_batch_shape", "group_of", "prepare"]
+
+logger = logging.getLogger("rnnfuse")
+
+# Tuning longer than this shows a progress bar (seconds, estimated).
+PROGRESS_AFTER_S = 3.0
+
+
+@dataclasses.dataclass
+class AutoTune:
+    """First-batch tuning state kept on an optimized model."""
+
+    # Where decisions are kept (None: nowhere; every process times anew).
+    cache: PlanCache | None
+    # Whether the user compiled with jit_compile="auto" (Keras' default).
+    jit_auto: bool = True
+    # mode (True: training) -> the input shape timed for it.
+    timed: dict = dataclasses.field(default_factory=dict)
+    # For tests: tune_plans' measure / check_gradients / environment.
+    measure: Callable | None = None
+    check_gradients: Callable | None = None
+    environment: dict | None = None
+
+
+def can_time_here(environment: dict | None = None) -> bool:
+    """Whether first-batch tuning has an accelerator to time on here.
+
+    False without a fused kernel for this backend, under TensorFlow without
+    a GPU, and on a CPU (the torch backend's fused call runs there, but
+    nothing is timed on a CPU unless `tune=` asks for it).
+    """
+    environment = environment if environment is not None else device_environment()
+    if environment is None:
+        return False
+    device = str(environment.get("device", "")).lower()
+    return bool(device) and not device.startswith("cpu")
+
+
+def attach(model: keras.Model, state: AutoTune) -> keras.Model:
+    """Marks `model` (an optimized model) for first-batch tuning."""
+    object.__setattr__(model, "_rnnfuse_autotune", state)
+    return model
+
+
+def fused_layers(model: keras.Model) -> list[FusedRNN]:
+    """The FusedRNN layers of `model`, nested models included."""
+    return [l for l in model._flatten_layers(include_self=False) if isinstance(l, FusedRNN)]
+
+
+def group_of(fused: FusedRNN) -> FusionGroup:
+    """The `FusionGroup` record of the run a FusedRNN holds."""
+    views = tuple(describe(layer) for layer in fused.fused_layers)
+    gaps = [None] * (len(views) - 1)
+    for i, d in zip(fused._dropout_after, fused.absorbed_dropout):
+        gaps[i] = d
+    stack = fused.stack
+    return FusionGroup(
+        layers=tuple(l.name for l in fused.fused_layers),
+        cell=stack.kind,
+        units=stack.units,
+        num_layers=stack.num_levels,
+        input_size=views[0].input_size,
+        bidirectional=stack.num_directions == 2,
+        proj_size=stack.proj_size,
+        absorbed_dropout=tuple(d.name for d in fused.absorbed_dropout),
+        views=views,
+        gap_dropout=tuple(gaps),
+    )
+
+
+def first_batch_shape(x: Any, batch_size: int | None) -> tuple[int, ...] | None:
+    """(batch, time, ...) of the first batch `fit`/`predict` will draw from `x`.
+
+    Arrays and tensors: (min(batch_size or 32, len), *rest). A `tf.data`
+    dataset, a Keras `PyDataset`, or another iterable of batches: the shape
+    of its first element's first input (a dataset's static element spec
+    where it is fully known, else one element is read). None where the shape
+    cannot be known without consuming the user's data (a generator).
+    """
+    first = _first_input(x)
+    shape = getattr(first, "shape", None)
+    if shape is not None and not _is_batched_source(x):
+        shape = tuple(shape)
+        if len(shape) < 2:
+            return None
+        rows = int(shape[0])
+        return (min(batch_size or 32, rows),) + tuple(int(d) for d in shape[1:])
+    spec = getattr(x, "element_spec", None)
+    if spec is not None:
+        spec = keras.tree.flatten(spec)[0]
+        dims = tuple(spec.shape)
+        if dims and all(d is not None for d in dims):
+            return tuple(int(d) for d in dims)
+        try:
+            element = next(iter(x.take(1)))
+        except (StopIteration, TypeError, ValueError, AttributeError):
+            return None
+        return _shape_of_batch(element)
+    if hasattr(x, "__getitem__") and hasattr(x, "__len__") and _is_batched_source(x):
+        try:
+            return _shape_of_batch(x[0])
+        except (IndexError, KeyError, TypeError, ValueError):
+            return None
+    return None
+
+
+def _is_batched_source(x: Any) -> bool:
+    return hasattr(x, "element_spec") or type(x).__name__ == "PyDataset" or any(
+        c.__name__ == "PyDataset" for c in type(x).__mro__
+    )
+
+
+def _first_input(x: Any) -> Any:
+    if isinstance(x, dict):
+        return next(iter(x.values()), None)
+    if isinstance(x, (list, tuple)) and x and hasattr(x[0], "shape"):
+        return x[0]
+    return x
+
+
+def _shape_of_batch(batch: Any) -> tuple[int, ...] | None:
+    """Shape of the first input of one (x[, y[, w]]) batch."""
+    if isinstance(batch, tuple) and batch:
+        batch = batch[0]
+    first = keras.tree.flatten(batch)[0] if keras.tree.is_nested(batch) else batch
+    shape = getattr(first, "shape", None)
+    if shape is None or len(shape) < 2 or any(d is None for d in shape):
+        return None
+    return tuple(int(d) for d in shape)
+
+
+def _group_shape(fused: FusedRNN, group: FusionGroup, batch_shape: tuple) -> tuple:
+    """(batch, steps, features) of a group's input for the model's first batch."""
+    steps = None
+    try:
+        steps = fused.input.shape[1]
+    except (AttributeError, ValueError, IndexError, TypeError):
+        steps = None
+    if steps is None:
+        steps = batch_shape[1]
+    return (int(batch_shape[0]), int(steps), int(group.input_size or 1))
+
+
+def _keras_would_jit(model: keras.Model, state: AutoTune) -> bool:
+    """Whether Keras would XLA-compile the original model (jit_compile="auto")."""
+    if not state.jit_auto or keras.backend.backend() != "tensorflow":
+        return False
+    for layer in model._flatten_layers(include_self=False):
+        if isinstance(layer, FusedRNN):
+            members = [l for m in layer.members() for l in m._flatten_layers()]
+            if not all(m.supports_jit for m in members):
+                return False
+        elif not isinstance(layer, keras.Model) and not layer.supports_jit:
+            return False
+    return True
+
+
+def prepare(model: keras.Model, x: Any, batch_size: int | None, *, training: bool) -> list[TuneResult]:
+    """Chooses each FusedRNN's plan for the first batch of `x` (see module doc).
+
+    Returns the decisions that were timed or looked up (empty where nothing
+    was: no GPU, no FusedRNN, a shape that cannot be known, already done).
+    """
+    state = getattr(model, "_rnnfuse_autotune", None)
+    if state is None:
+        return []
+    layers = fused_layers(model)
+    if not layers:
+        return []
+    environment = state.environment if state.environment is not None else device_environment()
+    if environment is None:
+        return []
+    shape = first_batch_shape(x, batch_size)
+    if shape is None:
+        logger.info(
+            "rnnfuse: the first batch's shape cannot be read without consuming "
+            "the data; the fused layers keep their static plans"
+        )
+        return []
+    groups = [group_of(f) for f in layers]
+    shapes = {id(g): _group_shape(f, g, shape) for f, g in zip(layers, groups)}
+    if training in state.timed:
+        results = _nearest_decisions(state, environment, groups, shapes, training)
+    else:
+        start = time.perf_counter()
+        results = _timed_decisions(model, state, environment, groups, shapes, training)
+        state.timed[training] = shape
+        _log(results, shapes, training, time.perf_counter() - start)
+    changed = False
+    for fused, result in zip(layers, results):
+        if result is None:
+            continue
+        pieces = result.plan.for_length(len(fused.fused_layers)).pieces
+        pieces = None if len(pieces) == 1 else pieces
+        if pieces != fused.pieces or result.plan.algorithm != fused.algorithm:
+            fused.set_plan(pieces, result.plan.algorithm)
+            changed = True
+    if changed:
+        _retrace(model, state)
+    return [r for r in results if r is not None]
+
+
+def _timed_decisions(model, state, environment, groups, shapes, training):
+    try:
+        return tune_plans(
+            groups,
+            lambda g: shapes[id(g)],
+            training=training,
+            cache=state.cache,
+            measure=state.measure,
+            check_gradients=state.check_gradients,
+            environment=environment,
+            progress=True,
+            jit_baseline=_keras_would_jit(model, state),
+        )
+    except Exception as err:  # noqa: BLE001 - timing must never break the user's fit
+        logger.warning(
+            "rnnfuse: timing the plans on the first batch failed (%s: %s); "
+            "the fused layers keep their static plans",
+            type(err).__name__,
+            err,
+        )
+        return [None] * len(groups)
+
+
+def _nearest_decisions(state, environment, groups, shapes, training):
+    """Cached decisions for a later shape: exact, else the nearest shape."""
+    if state.cache is None:
+        return [None] * len(groups)
+    out = []
+    for group in groups:
+        dtype = group.views[0].layer.compute_dtype
+        shape = shapes[id(group)]
+        hit = state.cache.get(cache_key(environment, group, shape, dtype, training))
+        if hit is None:
+            hit = _nearest(state.cache, environment, group, shape, dtype, training)
+        plan = _plan_of(hit, group)
+        out.append(None if plan is None else TuneResult(group, plan, "cache"))
+    return out
+
+
+def _nearest(cache: PlanCache, environment, group, shape, dtype, training) -> dict | None:
+    """The cached entry of the nearest shape for the same group/dtype/mode."""
+    probe = cache_key(environment, group, (0,), dtype, training)
+    prefix, _, rest = probe.partition(f"||{group_signature(group)}||")
+    suffix = rest.partition("||")[2]
+    best, best_distance = None, math.inf
+    for key, entry in _entries(cache):
+        head, _, tail = key.partition(f"||{group_signature(group)}||")
+        if head != prefix or not tail.endswith("||" + suffix) or not isinstance(entry, dict):
+            continue
+        try:
+            other = tuple(int(d) for d in tail[: -len(suffix) - 2].strip("()").split(",") if d.strip())
+        except ValueError:
+            continue
+        if len(other) < 2:
+            continue
+        distance = abs(math.log(max(other[0], 1) / max(shape[0], 1))) + abs(
+            math.log(max(other[1], 1) / max(shape[1], 1))
+        )
+        if distance < best_distance:
+            best, best_distance = entry, distance
+    return best
+
+
+def _entries(cache: PlanCache):
+    """(key, entry) pairs of a plan cache."""
+    return list(cache._load().items())
+
+
+def _plan_of(hit: dict | None, group: FusionGroup) -> Plan | None:
+    if not isinstance(hit, dict) or "plan" not in hit:
+        return None
+    try:
+        plan = Plan.from_dict(hit["plan"])
+        plan.for_length(len(group.layers))
+    except (KeyError, TypeError, ValueError):
+        return None
+    return plan
+
+
+def _retrace(model: keras.Model, state: AutoTune) -> None:
+    """Drops Keras' traced step functions so the next step uses the new plans."""
+    for name in ("train_function", "test_function", "predict_function"):
+        if getattr(model, name, None) is not None:
+            setattr(model, name, None)
+    if state.jit_auto and getattr(model, "compiled", False):
+        # Keras resolved jit_compile="auto" at compile(); a plan that keeps
+        # the original layers may give the model its XLA back.
+        model.jit_compile = model._resolve_auto_jit_compile()
+
+
+def _log(results, shapes, training, seconds) -> None:
+    for result in results:
+        if result is None:
+            continue
+        group = result.group
+        timings = ", ".join(
+            f"{name} {1e3 * s:.2f} ms" for name, s in sorted(result.timings.items(), key=lambda kv: kv[1])
+        )
+        logger.info(
+            "rnnfuse: %s for %s %s (input %s): %s%s; chose %s (%.1f s)",
+            "tuned" if result.source == "measured" else f"plan from {result.source}",
+            " -> ".join(group.layers),
+            "training" if training else "inference",
+            shapes[id(group)],
+            timings or "no timings",
+            f"; rejected {result.rejected}" if result.rejected else "",
+            result.plan.name,
+            seconds,
+        )

@@ -1,0 +1,222 @@
+"""First-batch tuning (rnnfuse.tuning.first_batch) on the CPU.
+
+The device is faked (an environment that names a GPU), the timer is a
+deterministic fake, and the fused kernel is the emulated CudnnRNNV3, so
+these tests pin the decisions, the cache, the plan switch and its numbers
+without a GPU.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+
+import keras
+import numpy as np
+import pytest
+
+import rnnfuse
+from builders import fused_layers, max_abs_diff, random_inputs, stack_model
+from rnnfuse.tuning import first_batch, tuner
+from rnnfuse.tuning.cache import PlanCache
+
+ENV = {"device": "FakeGPU", "tensorflow": "2.21.0", "cudnn": "9", "backend": "tensorflow", "rnnfuse": "0.1.0"}
+
+
+class FakeTimer:
+    """Fixed medians per candidate name; counts calls and records names."""
+
+    def __init__(self, medians, fail=False):
+        self.medians, self.calls, self.fail, self.names = medians, 0, fail, []
+
+    def __call__(self, steps):
+        self.calls += 1
+        self.names.append(sorted(steps))
+        if self.fail:
+            raise RuntimeError("the device went away")
+        return {name: {"median": self.medians.get(name, 10.0)} for name in steps}
+
+
+@pytest.fixture
+def fake_gpu(monkeypatch):
+    """A device to 'time' on; steps are never built (the timer is fake)."""
+    monkeypatch.setattr(first_batch, "device_environment", lambda: dict(ENV))
+    built = []
+
+    def steps(group, plans, shape, dtype, training, jit_baseline=False):
+        built.append({"shape": shape, "jit_baseline": jit_baseline})
+        return {p.name: None for p in plans}
+
+    monkeypatch.setattr(tuner, "_steps", steps)
+    return built
+
+
+def _optimize(model, timer, cache):
+    fast = rnnfuse.optimize(model, cache=cache)
+    state = fast._rnnfuse_autotune
+    state.measure = timer
+    state.check_gradients = lambda g, p, shape, dtype: 1e-6
+    return fast
+
+
+def _data(model, n=16, seed=0):
+    rng = np.random.default_rng(seed)
+    x = random_inputs(model, n, rng)
+    y = model.predict(x, verbose=0)
+    return x, np.asarray(y)
+
+
+def test_first_fit_times_the_candidates_on_the_real_batch_and_keeps_the_fastest(
+    fake_gpu, emulated_cudnn, tmp_path
+):
+    model = stack_model("lstm", 4, units=6, steps=9, last_return_sequences=True)
+    timer = FakeTimer({"per-layer": 3.0, "fused": 2.0, "split 2+2": 1.0})
+    fast = _optimize(model, timer, PlanCache(tmp_path / "plans.json"))
+    (layer,) = fused_layers(fast)
+    x, y = _data(model, n=16)
+    fast.compile(optimizer="sgd", loss="mse")
+    fast.fit(x, y, batch_size=8, epochs=1, verbose=0)
+    assert timer.calls == 1
+    assert fake_gpu[0]["shape"] == (8, 9, 5), "timed on the first batch's shape"
+    assert layer.pieces == (2, 2)
+    assert "fused" in layer.last_path
+    # The split plan computes what the original layers compute.
+    assert max_abs_diff(fast.predict(x, verbose=0), model.predict(x, verbose=0)) <= 2e-5
+
+
+def test_a_cached_decision_is_used_without_timing(fake_gpu, emulated_cudnn, tmp_path):
+    cache = PlanCache(tmp_path / "plans.json")
+    model = stack_model("gru", 2, steps=6)
+    x, y = _data(model, n=8)
+    first = FakeTimer({"per-layer": 1.0, "fused": 2.0})
+    fast = _optimize(model, first, cache)
+    fast.compile(optimizer="sgd", loss="mse")
+    fast.fit(x, y, batch_size=8, verbose=0)
+    assert first.calls == 1
+    assert fused_layers(fast)[0].pieces == ()
+    again = FakeTimer({"per-layer": 1.0, "fused": 2.0})
+    fast2 = _optimize(model, again, PlanCache(tmp_path / "plans.json"))
+    fast2.compile(optimizer="sgd", loss="mse")
+    fast2.fit(x, y, batch_size=8, verbose=0)
+    assert again.calls == 0, "a cached shape must not be timed again"
+    assert fused_layers(fast2)[0].pieces == ()
+
+
+def test_later_shapes_take_the_nearest_cached_decision_and_never_stall(
+    fake_gpu, emulated_cudnn, tmp_path
+):
+    model = stack_model("lstm", 2, steps=None, input_size=3)
+    timer = FakeTimer({"per-layer": 1.0, "fused": 2.0})
+    fast = _optimize(model, timer, PlanCache(tmp_path / "plans.json"))
+    fast.compile(optimizer="sgd", loss="mse")
+    rng = np.random.default_rng(0)
+    for steps in (10, 12, 40):
+        x = rng.standard_normal((8, steps, 3)).astype("float32")
+        y = rng.standard_normal((8, 6)).astype("float32")
+        fast.fit(x, y, batch_size=8, verbose=0)
+    assert timer.calls == 1, "each mode is timed once per model"
+    assert fused_layers(fast)[0].pieces == ()
+
+
+def test_a_corrupt_cache_file_is_set_aside_and_tuning_goes_on(fake_gpu, emulated_cudnn, tmp_path):
+    path = tmp_path / "plans.json"
+    path.write_text("{not json")
+    model = stack_model("gru", 2, steps=5)
+    timer = FakeTimer({"per-layer": 2.0, "fused": 1.0})
+    fast = _optimize(model, timer, PlanCache(path))
+    fast.compile(optimizer="sgd", loss="mse")
+    x, y = _data(model, n=4)
+    with pytest.warns(RuntimeWarning, match="plan cache"):
+        fast.fit(x, y, batch_size=4, verbose=0)
+    assert timer.calls == 1
+    assert fused_layers(fast)[0].pieces is None
+    assert json.loads(path.read_text())["entries"], "the decision was written"
+
+
+def test_timing_that_fails_keeps_the_static_plan(fake_gpu, emulated_cudnn, tmp_path, caplog):
+    model = stack_model("lstm", 2, steps=5)
+    timer = FakeTimer({}, fail=True)
+    fast = _optimize(model, timer, PlanCache(tmp_path / "plans.json"))
+    (layer,) = fused_layers(fast)
+    before = (layer.pieces, layer.algorithm)
+    fast.compile(optimizer="sgd", loss="mse")
+    x, y = _data(model, n=4)
+    with caplog.at_level(logging.WARNING, logger="rnnfuse"):
+        fast.fit(x, y, batch_size=4, verbose=0)
+    assert (layer.pieces, layer.algorithm) == before
+    assert "timing the plans on the first batch failed" in caplog.text
+    assert max_abs_diff(fast.predict(x, verbose=0), model.predict(x, verbose=0)) <= 2e-5
+
+
+def test_the_baseline_is_timed_with_xla_where_keras_would_compile_the_original(fake_gpu, tmp_path):
+    # Keras compiles a SimpleRNN stack with XLA under jit_compile="auto";
+    # an LSTM stack only where it cannot run cuDNN (here: no GPU).
+    loops = stack_model("rnn_tanh", 2, steps=5)
+    cudnn = stack_model("lstm", 2, steps=5)
+    cudnn.layers[1].supports_jit = False  # as Keras sets it where cuDNN can run
+    for model, want in ((loops, True), (cudnn, False)):
+        fake_gpu.clear()
+        fast = _optimize(model, FakeTimer({"fused": 0.5}), PlanCache(tmp_path / f"{model.name}.json"))
+        x, _ = _data(model, n=4)
+        first_batch.prepare(fast, x, 4, training=False)
+        assert fake_gpu and fake_gpu[0]["jit_baseline"] is want, model.name
+
+
+def test_switching_to_per_layer_runs_the_original_layers(fake_gpu, emulated_cudnn, tmp_path, caplog):
+    model = stack_model("gru", 3, steps=6)
+    timer = FakeTimer({"per-layer": 1.0, "fused": 5.0})
+    fast = _optimize(model, timer, PlanCache(tmp_path / "plans.json"))
+    x, _ = _data(model, n=4)
+    with caplog.at_level(logging.INFO, logger="rnnfuse"):
+        out = fast.predict(x, verbose=0)
+    (layer,) = fused_layers(fast)
+    assert layer.pieces == ()
+    assert layer.last_path.startswith("layers:")
+    assert not layer.fused_call_blocks_xla
+    assert "chose per-layer" in caplog.text and "inference" in caplog.text
+    assert max_abs_diff(out, model.predict(x, verbose=0)) == 0.0
+
+
+def test_tune_false_and_no_gpu_time_nothing(emulated_cudnn, tmp_path):
+    model = stack_model("lstm", 2, steps=5)
+    assert not hasattr(rnnfuse.optimize(model, tune=False), "_rnnfuse_autotune")
+    # The emulated kernel is no device: "auto" falls back to the static table.
+    assert not first_batch.can_time_here()
+    assert not hasattr(rnnfuse.optimize(model), "_rnnfuse_autotune")
+
+
+@pytest.mark.parametrize(
+    "make, batch_size, want",
+    [
+        (lambda: np.zeros((10, 7, 3)), None, (10, 7, 3)),
+        (lambda: np.zeros((100, 7, 3)), 16, (16, 7, 3)),
+        (lambda: [np.zeros((5, 4, 2)), np.zeros((5, 1))], 8, (5, 4, 2)),
+        (lambda: {"a": np.zeros((6, 3, 2))}, None, (6, 3, 2)),
+    ],
+)
+def test_first_batch_shape_of_arrays(make, batch_size, want):
+    assert first_batch.first_batch_shape(make(), batch_size) == want
+
+
+def test_first_batch_shape_of_a_dataset_reads_one_element():
+    import tensorflow as tf
+
+    ds = tf.data.Dataset.from_tensor_slices((np.zeros((10, 7, 3), "float32"), np.zeros((10, 1)))).batch(4)
+    assert first_batch.first_batch_shape(ds, None) == (4, 7, 3)
+    gen = (b for b in [np.zeros((2, 3, 4))])
+    assert first_batch.first_batch_shape(gen, None) is None
+
+
+def test_set_plan_checks_its_arguments():
+    model = stack_model("lstm", 3, steps=5)
+    (layer,) = fused_layers(rnnfuse.optimize(model, tune=False))
+    with pytest.raises(ValueError, match="cover 2 layers; this layer runs 3"):
+        layer.set_plan((1, 1))
+    with pytest.raises(ValueError, match="positive layer counts; received"):
+        layer.set_plan((0, 3))
+    layer.set_plan((3,))
+    assert layer.pieces is None
+    restored = type(layer).from_config(layer.get_config())
+    assert restored.pieces is None
+    layer.set_plan((1, 2))
+    assert type(layer).from_config(layer.get_config()).pieces == (1, 2)
