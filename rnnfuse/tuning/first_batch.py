@@ -69,6 +69,8 @@ class AutoTune:
     jit_auto: bool = True
     # mode (True: training) -> the input shape timed for it.
     timed: dict = dataclasses.field(default_factory=dict)
+    # Seconds spent timing plans so far.
+    seconds: float = 0.0
     # For tests: tune_plans' measure / check_gradients / environment.
     measure: Callable | None = None
     check_gradients: Callable | None = None
@@ -238,6 +240,7 @@ def prepare(model: keras.Model, x: Any, batch_size: int | None, *, training: boo
         start = time.perf_counter()
         results = _timed_decisions(model, state, environment, groups, shapes, training)
         state.timed[training] = shape
+        state.seconds += time.perf_counter() - start
         _log(results, shapes, training, time.perf_counter() - start)
     changed = False
     for fused, result in zip(layers, results):

@@ -1,0 +1,239 @@
+"""What users feel: original vs `rnnfuse.optimize` through `model.fit` and `predict`.
+
+Every model is compiled with Keras' defaults (`compile(optimizer="adam",
+loss="mse")`: jit_compile="auto", so Keras turns XLA on where it would for
+the original) and trained through `fit`; nothing is pinned. The optimized
+model is made with `rnnfuse.optimize(model)` and its defaults (tune="auto":
+the first `fit` times the candidate plans on the real batch).
+
+Shapes are drawn with a fixed seed from this distribution (documented in
+docs/benchmarks.md), skipping any that equals a cell of the static table's
+matrix (bench/results/tf_h200.json):
+
+- kind: LSTM, GRU, SimpleRNN, Bidirectional(LSTM), Bidirectional(GRU)
+  (equal odds);
+- layers 2-8, units 32-1024 (multiples of 32), batch 1-512 and time steps
+  10-2000, each log-uniform;
+- dtype policy: float32, mixed_float16, mixed_bfloat16 (equal odds);
+- one model in five reads a masked Embedding (right-padded ragged lengths);
+- draws whose work (batch x steps x layers x units^2) exceeds a cap are
+  drawn again, so a cell stays within seconds on an H200 (the cap is in the
+  JSON's meta).
+
+Per model: the first optimized `fit` (which includes tuning) is timed on
+its own and reported as tuning time; then the two models alternate
+`fit(steps)` rounds (interleaved) and the per-step medians are compared;
+then `predict` likewise.
+
+    python bench/bench_user_view.py --out /tmp/user_tf.json --budget 300
+    KERAS_BACKEND=torch python bench/bench_user_view.py --out /tmp/user_torch.json
+    python bench/bench_user_view.py --quick --out /tmp/q.json   # tiny, any machine
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import platform
+import statistics
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import keras  # noqa: E402
+import numpy as np  # noqa: E402
+
+import rnnfuse  # noqa: E402
+
+KINDS = ("lstm", "gru", "simple_rnn", "bi_lstm", "bi_gru")
+DTYPES = ("float32", "mixed_float16", "mixed_bfloat16")
+WORK_CAP = 2.0e12  # batch * steps * layers * units^2
+
+
+def _log_uniform(rng, lo, hi):
+    return math.exp(rng.uniform(math.log(lo), math.log(hi)))
+
+
+def draw_shapes(n: int, seed: int = 2026, cap: float = WORK_CAP) -> list[dict]:
+    """`n` model shapes from the documented distribution (fixed seed)."""
+    rng = np.random.default_rng(seed)
+    out = []
+    while len(out) < n:
+        shape = dict(
+            kind=KINDS[int(rng.integers(len(KINDS)))],
+            layers=int(round(_log_uniform(rng, 2, 8))),
+            units=max(32, int(round(_log_uniform(rng, 32, 1024) / 32)) * 32),
+            batch=max(1, int(round(_log_uniform(rng, 1, 512)))),
+            steps=max(10, int(round(_log_uniform(rng, 10, 2000)))),
+            dtype=DTYPES[int(rng.integers(len(DTYPES)))],
+            masked=bool(rng.uniform() < 0.2),
+        )
+        work = shape["batch"] * shape["steps"] * shape["layers"] * shape["units"] ** 2
+        if work <= cap:
+            out.append(shape)
+    return out
+
+
+def build(shape: dict) -> keras.Model:
+    keras.config.set_dtype_policy(shape["dtype"])
+    try:
+        units, steps = shape["units"], shape["steps"]
+        if shape["masked"]:
+            inp = keras.Input((steps,), dtype="int32")
+            x = keras.layers.Embedding(1000, 64, mask_zero=True)(inp)
+        else:
+            inp = keras.Input((steps, 64))
+            x = inp
+        for i in range(shape["layers"]):
+            last = i == shape["layers"] - 1
+            x = _layer(shape["kind"], units, not last)(x)
+        out = keras.layers.Dense(8, dtype="float32")(x)
+        return keras.Model(inp, out)
+    finally:
+        keras.config.set_dtype_policy("float32")
+
+
+def _layer(kind, units, return_sequences):
+    make = {
+        "lstm": keras.layers.LSTM,
+        "gru": keras.layers.GRU,
+        "simple_rnn": keras.layers.SimpleRNN,
+        "bi_lstm": keras.layers.LSTM,
+        "bi_gru": keras.layers.GRU,
+    }[kind]
+    layer = make(units, return_sequences=return_sequences)
+    return keras.layers.Bidirectional(layer) if kind.startswith("bi_") else layer
+
+
+def data(shape: dict, rng) -> tuple:
+    b, t = shape["batch"], shape["steps"]
+    if shape["masked"]:
+        x = rng.integers(1, 1000, size=(b, t)).astype("int32")
+        lengths = rng.integers(max(1, t // 2), t + 1, size=b)
+        for i, n in enumerate(lengths):
+            x[i, n:] = 0
+    else:
+        x = rng.standard_normal((b, t, 64)).astype("float32")
+    return x, rng.standard_normal((b, 8)).astype("float32")
+
+
+def _per_step(fn, steps: int) -> float:
+    start = time.perf_counter()
+    fn()
+    return (time.perf_counter() - start) / steps
+
+
+def measure(shape: dict, rounds: int, steps: int) -> dict:
+    rng = np.random.default_rng(0)
+    model = build(shape)
+    x, y = data(shape, rng)
+    xs, ys = np.concatenate([x] * steps), np.concatenate([y] * steps)
+    b = shape["batch"]
+    fast = rnnfuse.optimize(model)
+    model.compile(optimizer="adam", loss="mse")
+    fast.compile(optimizer="adam", loss="mse")
+    tune_start = time.perf_counter()
+    fast.fit(x, y, batch_size=b, epochs=1, verbose=0)  # tunes, traces
+    first_fit_s = time.perf_counter() - tune_start
+    model.fit(x, y, batch_size=b, epochs=1, verbose=0)  # traces
+    times = {"original": [], "optimized": []}
+    for r in range(rounds):
+        order = [("original", model), ("optimized", fast)]
+        for name, m in order if r % 2 == 0 else order[::-1]:
+            times[name].append(
+                _per_step(lambda: m.fit(xs, ys, batch_size=b, epochs=1, verbose=0), steps)
+            )
+    model.predict(x, batch_size=b, verbose=0)
+    fast.predict(x, batch_size=b, verbose=0)
+    pred = {"original": [], "optimized": []}
+    for r in range(rounds):
+        for name, m in (("original", model), ("optimized", fast)):
+            pred[name].append(_per_step(lambda: m.predict(xs, batch_size=b, verbose=0), steps))
+    fit_o, fit_f = statistics.median(times["original"]), statistics.median(times["optimized"])
+    pr_o, pr_f = statistics.median(pred["original"]), statistics.median(pred["optimized"])
+    plans = [
+        dict(layers=[l.name for l in f.fused_layers], pieces=f.pieces, algorithm=f.algorithm)
+        for f in rnnfuse.tuning.first_batch.fused_layers(fast)
+    ]
+    return dict(
+        shape=shape,
+        fit_ms=dict(original=1e3 * fit_o, optimized=1e3 * fit_f),
+        fit_speedup=fit_o / fit_f,
+        predict_ms=dict(original=1e3 * pr_o, optimized=1e3 * pr_f),
+        predict_speedup=pr_o / pr_f,
+        first_fit_s=first_fit_s,
+        tuning_s=getattr(getattr(fast, "_rnnfuse_autotune", None), "seconds", 0.0),
+        jit_original=bool(model.jit_compile),
+        jit_optimized=bool(fast.jit_compile),
+        plans=plans,
+        raw=dict(fit=times, predict=pred),
+    )
+
+
+def summary(rows: list[dict]) -> dict:
+    ok = [r for r in rows if "fit_speedup" in r]
+    if not ok:
+        return {}
+    fits = [r["fit_speedup"] for r in ok]
+    return dict(
+        cells=len(ok),
+        fit_min=min(fits),
+        fit_geomean=math.exp(statistics.mean(math.log(s) for s in fits)),
+        fit_share_below_0_97=sum(s < 0.97 for s in fits) / len(fits),
+        predict_geomean=math.exp(statistics.mean(math.log(r["predict_speedup"]) for r in ok)),
+        tuning_s_total=sum(r["tuning_s"] for r in ok),
+    )
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--cells", type=int, default=30)
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--steps", type=int, default=10, help="fit steps per timed round")
+    parser.add_argument("--budget", type=float, default=420.0, help="seconds")
+    parser.add_argument("--seed", type=int, default=2026)
+    parser.add_argument("--quick", action="store_true", help="3 tiny cells, any machine")
+    args = parser.parse_args(argv)
+    shapes = draw_shapes(args.cells, args.seed)
+    if args.quick:
+        shapes = [dict(s, layers=2, units=32, batch=4, steps=10) for s in shapes[:3]]
+        args.rounds, args.steps = 2, 1
+    meta = dict(
+        backend=keras.backend.backend(),
+        keras=keras.__version__,
+        rnnfuse=rnnfuse.__version__,
+        python=platform.python_version(),
+        seed=args.seed,
+        work_cap=WORK_CAP,
+        rounds=args.rounds,
+        steps=args.steps,
+    )
+    rows, start = [], time.perf_counter()
+    for shape in shapes:
+        if time.perf_counter() - start > args.budget:
+            rows.append(dict(shape=shape, skipped="time budget"))
+            continue
+        try:
+            row = measure(shape, args.rounds, args.steps)
+            print(
+                f"{shape} fit {row['fit_speedup']:.2f}x predict {row['predict_speedup']:.2f}x "
+                f"tuning {row['tuning_s']:.1f}s",
+                flush=True,
+            )
+        except Exception as err:  # noqa: BLE001 - record and go on
+            row = dict(shape=shape, error=f"{type(err).__name__}: {err}")
+            print("ERROR", shape, row["error"], flush=True)
+        rows.append(row)
+        keras.backend.clear_session()
+        with open(args.out, "w") as f:
+            json.dump(dict(meta=meta, summary=summary(rows), results=rows), f, indent=1)
+    print(json.dumps(summary(rows), indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
