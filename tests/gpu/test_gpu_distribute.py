@@ -61,7 +61,7 @@ class _EpochTimes(keras.callbacks.Callback):
         self.times.append(time.perf_counter() - self._t)
 
 
-def test_mirrored_fit_on_two_gpus_trains_the_same_variables(monkeypatch):
+def test_mirrored_fit_on_two_gpus_trains_the_same_variables(monkeypatch, tmp_path):
     import tensorflow as tf
 
     calls = []
@@ -116,6 +116,14 @@ def test_mirrored_fit_on_two_gpus_trains_the_same_variables(monkeypatch):
         os.makedirs(folder, exist_ok=True)
         with open(os.path.join(folder, "distribute.json"), "w") as f:
             json.dump(data, f, indent=1)
+    # The trained result saves and loads (as the original's Keras file too).
+    fast.save(tmp_path / "fast.keras")
+    model.save(tmp_path / "model.keras")
+    loaded = keras.models.load_model(tmp_path / "fast.keras")
+    plain = keras.models.load_model(tmp_path / "model.keras")
+    want_y = model.predict(x[:32], verbose=0)
+    assert float(np.max(np.abs(loaded.predict(x[:32], verbose=0) - want_y))) <= 1e-4
+    assert float(np.max(np.abs(plain.predict(x[:32], verbose=0) - want_y))) <= 1e-4
     assert spread == 0.0
     assert got.history["loss"][-1] < got.history["loss"][0]
     np.testing.assert_allclose(got.history["loss"], want.history["loss"], rtol=1e-3)
