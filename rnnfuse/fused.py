@@ -40,9 +40,9 @@ import keras
 from keras import ops, tree
 
 from rnnfuse.backends import StackSpec, get_backend
-from rnnfuse.reasons import Reason
-from rnnfuse.recurrent import describe, keras_runs_cudnn
-from rnnfuse.passes.rules import stack_link_reason
+from rnnfuse.reasons import FUSED_PATH, CallPath, PathKind, Reason
+from rnnfuse.recurrent import describe, keras_has_cudnn_path
+from rnnfuse.rules import layer_reason, not_implemented, runtime_reason, stack_link_reason
 from rnnfuse.tuning.algorithms import Algorithm, restore_pending
 
 __all__ = ["FusedRNN", "first_call_kwargs"]
@@ -86,8 +86,11 @@ class FusedRNN(keras.layers.Layer):
         if not layers:
             raise ValueError("FusedRNN needs at least one layer; received [].")
         views = []
+        activations = get_backend().activation_functions()
         for layer in layers:
-            view = describe(layer, require_built=False)
+            view = layer_reason(layer, require_built=False, activations=activations)
+            if view is None:
+                view = describe(layer, require_built=False, activations=activations)
             if isinstance(view, Reason):
                 raise ValueError(
                     f"FusedRNN cannot fuse layer '{layer.name}' "
@@ -128,9 +131,9 @@ class FusedRNN(keras.layers.Layer):
             proj_size=views[0].proj_size,
         )
         self.supports_masking = True
-        # Which path the last call took ("fused" or "layers: <why>"); set
-        # when the call is traced, for diagnostics and tests.
-        self.last_path: str | None = None
+        # Which path the last call took (a CallPath: "fused" or
+        # "layers: <why>"); set when the call is traced.
+        self.last_path: CallPath | None = None
         if all(layer.built for layer in layers):
             self.built = True
 
@@ -179,7 +182,7 @@ class FusedRNN(keras.layers.Layer):
         """Whether calls here run a fused kernel that XLA cannot compile
         (TensorFlow's CudnnRNNV3; not JAX's cuDNN custom call, whose backend
         sets `XLA_COMPILES_FUSED_CALL`)."""
-        if getattr(get_backend(), "XLA_COMPILES_FUSED_CALL", False):
+        if get_backend().capabilities.xla_compiles_fused_call:
             return False
         return self.uses_fused_kernel
 
@@ -241,10 +244,10 @@ class FusedRNN(keras.layers.Layer):
             mask = tree.flatten(mask)[0]
         reason = self._fallback_reason(mask)
         if reason is not None:
-            self.last_path = f"layers: {reason}"
+            self.last_path = CallPath(PathKind.LAYERS, reason)
             return self._call_layers(sequences, initial_state, mask, training)
         self._check_not_xla()
-        self.last_path = "fused"
+        self.last_path = FUSED_PATH
         if mask is None:
             return self._call_fused(sequences, initial_state, None, training)
         # The mask's values decide: right-padded -> sequence lengths.
@@ -260,24 +263,14 @@ class FusedRNN(keras.layers.Layer):
         )
         return tree.pack_sequence_as(structure, flat)
 
-    def _fallback_reason(self, mask) -> str | None:
-        """Why this call must run the original layers, or None."""
-        backend = get_backend()
-        if backend is None:
-            return f"no fused kernel for the {keras.backend.backend()} backend"
-        if not backend.is_available():
-            return "no GPU visible to the backend"
-        reason = backend.unsupported_reason(self._stack, self.compute_dtype)
-        if reason is not None:
-            return reason
-        if mask is not None and self._views[0].go_backwards:
-            return "a go_backwards first layer under a mask"
-        return None
+    def _fallback_reason(self, mask) -> Reason | None:
+        """Why this call must run the original layers, or None (the
+        runtime rules of `rnnfuse.rules`)."""
+        return runtime_reason(get_backend(), self._stack, self.compute_dtype, self._views, mask)
 
     def _check_not_xla(self) -> None:
         """A clear error where XLA would fail on the fused kernel later."""
-        in_xla = getattr(get_backend(), "in_xla_context", None)
-        if in_xla is not None and in_xla():
+        if get_backend().in_xla_context():
             raise ValueError(
                 f"FusedRNN '{self.name}' runs cuDNN's fused RNN kernel here, "
                 "which XLA cannot compile, but it is being traced for XLA "
@@ -312,17 +305,23 @@ class FusedRNN(keras.layers.Layer):
         extra = {}
         if self.algorithm is not None:
             extra["algorithm"] = Algorithm.parse(self.algorithm)
-        outputs, final_h, final_c = backend.run_stack(
-            x,
-            stack=self._stack,
-            initial_h=initial_h,
-            initial_c=initial_c,
-            mask=mask,
-            reverse=self._views[0].go_backwards,
-            dropout=rate,
-            seed=seed,
-            **extra,
-        )
+        try:
+            outputs, final_h, final_c = backend.run_stack(
+                x,
+                stack=self._stack,
+                initial_h=initial_h,
+                initial_c=initial_c,
+                mask=mask,
+                reverse=self._views[0].go_backwards,
+                dropout=rate,
+                seed=seed,
+                **extra,
+            )
+        except NotImplementedError as err:
+            # As Keras' Bidirectional does for its fused LSTM: the backend
+            # cannot run this call, so the original layers run it.
+            self.last_path = CallPath(PathKind.LAYERS, not_implemented(backend.name, err))
+            return self._call_layers(sequences, initial_state, mask, training)
         return self._assemble(outputs, final_h, final_c, mask)
 
     def _input_dropout(self, x, training):
@@ -378,7 +377,9 @@ class FusedRNN(keras.layers.Layer):
             last = hs[-1]
             if not view.return_sequences:
                 output = last
-            elif mask is not None and not (view.zero_output_for_mask or keras_runs_cudnn(view)):
+            elif mask is not None and not (
+                view.zero_output_for_mask or (keras_has_cudnn_path(view) and get_backend().keras_runs_cudnn())
+            ):
                 # Keras' generic loop repeats the last output on padding.
                 keep = ops.expand_dims(ops.cast(mask, "bool"), -1)
                 output = ops.where(keep, outputs, ops.expand_dims(last, 1))

@@ -52,7 +52,6 @@ Example:
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import re
@@ -192,14 +191,9 @@ def as_optimized(model: keras.Model, like: keras.Model | None = None) -> keras.M
 
 def _strategy_scope(like: Any):
     """The scope of `like`'s distribution strategy, if it has one and none is active."""
-    strategy = getattr(like, "_distribute_strategy", None)
-    if strategy is None or keras.backend.backend() != "tensorflow":
-        return contextlib.nullcontext()
-    import tensorflow as tf
+    from rnnfuse.backends import get_backend
 
-    if tf.distribute.has_strategy():
-        return contextlib.nullcontext()
-    return strategy.scope()
+    return get_backend().strategy_scope(getattr(like, "_distribute_strategy", None))
 
 
 def restore(model: keras.Model) -> keras.Model:

@@ -120,7 +120,7 @@ def test_return_sequences_false_ends_a_run(functional):
 def test_return_sequences_false_between_two_rnn_layers_is_a_reason():
     # Keras accepts a 2-D input to an RNN only through another op, so check
     # the rule directly on the views.
-    from rnnfuse.passes.rules import stack_link_reason
+    from rnnfuse.rules import stack_link_reason
     from rnnfuse.recurrent import describe
 
     a, b = _lstm("a", return_sequences=False), _lstm("b")
@@ -286,10 +286,10 @@ def test_report_table_lists_groups_and_reasons():
 def test_backend_without_a_fused_kernel_leaves_every_run_with_a_reason(monkeypatch):
     """Under a Keras backend rnnfuse has no kernel for (OpenVINO), analyze
     says so and optimize wraps nothing."""
+    from rnnfuse.backends.base import NoFusedKernel
     from rnnfuse.passes import planning
 
-    monkeypatch.setattr(planning, "get_backend", lambda: None)
-    monkeypatch.setattr(planning.keras.backend, "backend", lambda: "openvino")
+    monkeypatch.setattr(planning, "get_backend", lambda: NoFusedKernel("openvino"))
     model = _seq(_lstm("a"), _lstm("b"), _lstm("c", return_sequences=False))
     report = rnnfuse.analyze(model)
     assert report.groups == ()
