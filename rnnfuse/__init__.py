@@ -22,13 +22,17 @@ from rnnfuse.api import TuneShape, analyze, optimize
 from rnnfuse.fused import FusedRNN
 from rnnfuse.passes.rewrite import FusionWarning
 from rnnfuse.persistence import restore
-from rnnfuse.reasons import Reason
-from rnnfuse.report import FusionGroup, FusionReport
+from rnnfuse.reasons import CallPath, PathKind, Reason
+from rnnfuse.report import FusionGroup, FusionReport, OptimizeResult, RewriteFailure
 from rnnfuse.tuning.plans import FUSED, PER_LAYER, Plan
 
 __all__ = [
     "FUSED",
     "PER_LAYER",
+    "CallPath",
+    "OptimizeResult",
+    "PathKind",
+    "RewriteFailure",
     "Plan",
     "TuneShape",
     "FusedRNN",

@@ -23,7 +23,7 @@ import os
 import platform
 from typing import Any, Sequence
 
-__all__ = ["Backend", "Capabilities", "GATES", "NoFusedKernel", "StackSpec", "cpu_description"]
+__all__ = ["Backend", "Capabilities", "GATES", "NoFusedKernel", "StackSpec", "cpu_description", "loss_weights"]
 
 # Gate matrices per cell kind (cuDNN's "pseudo-layer" has 2*G matrices).
 GATES = {"lstm": 4, "gru": 3, "rnn_tanh": 1, "rnn_relu": 1}
@@ -191,9 +191,10 @@ class Backend(abc.ABC):
         NumPy arrays (the tuner's gradient check)."""
 
     @abc.abstractmethod
-    def outputs_and_grads(self, model, inputs, variables, loss_weights) -> tuple[list, list]:
-        """(outputs, gradients) of sum(mean(output_i * loss_weights[i])) in
-        inference mode, as float32 NumPy arrays (check)."""
+    def outputs_and_grads(self, model, inputs, variables, seed: int) -> tuple[list, list]:
+        """(outputs, gradients) of sum(mean(output_i * w_i)) in inference
+        mode, w_i = `loss_weights(shapes, seed)[i]`, as float32 NumPy
+        arrays (`rnnfuse check`)."""
 
 
 class NoFusedKernel(Backend):
@@ -265,8 +266,19 @@ class NoFusedKernel(Backend):
     def gradients(self, run, x, variables):
         self._none("gradients")
 
-    def outputs_and_grads(self, model, inputs, variables, loss_weights):
+    def outputs_and_grads(self, model, inputs, variables, seed):
         self._none("gradients")
+
+
+def loss_weights(shapes, seed: int) -> list:
+    """One fixed random float32 array per output shape, so gradients of a
+    weighted sum do not cancel (the same numbers on every backend)."""
+    import numpy as np
+
+    return [
+        np.random.default_rng(seed + 1 + i).standard_normal(tuple(shape)).astype("float32")
+        for i, shape in enumerate(shapes)
+    ]
 
 
 def cpu_description(library: str) -> str:

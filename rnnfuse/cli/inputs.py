@@ -1,16 +1,20 @@
-"""Random inputs and the per-backend engines `bench` and `check` run.
+"""Random inputs for `bench` and `check`, and running the user's model.
+
+Timing, model steps and gradients are the backend's own
+(`rnnfuse.backends.get_backend()`: `describe_device`, `model_step`,
+`outputs_and_grads`), so `bench` and `check` run under every backend
+rnnfuse has a kernel for.
 
 Example:
 
-    >>> _loss_weights([(2, 3)], seed=0)[0].shape
-    (2, 3)
+    >>> import keras, numpy as np
+    >>> m = keras.Sequential([keras.Input((4, 2)), keras.layers.LSTM(3)])
+    >>> x, _ = random_inputs(m, batch=2, steps=None, rng=np.random.default_rng(0))
+    >>> x.shape
+    (2, 4, 2)
 """
 
 from __future__ import annotations
-
-import os
-import platform
-import sys
 
 from rnnfuse.cli.errors import CliError, _first_line
 
@@ -134,192 +138,23 @@ def _embedding_inputs(model, specs) -> dict[int, tuple[int, bool]]:
     return found
 
 
-# -- backends: devices, timed steps, gradients -----------------------------------
+# -- running the user's model ----------------------------------------------------
 
 
-def _engine(command: str):
-    """The timing and gradient helpers of the active Keras backend."""
-    import keras
+def _backend(command: str):
+    """The active Keras backend's `rnnfuse.backends.Backend` (its device
+    description, model steps and gradients); a CliError where rnnfuse has
+    no kernel for it."""
+    from rnnfuse.backends import get_backend
 
-    backend = keras.backend.backend()
-    if backend == "tensorflow":
-        return _TensorFlowEngine()
-    if backend == "torch":
-        return _TorchEngine()
-    raise CliError(
-        f"rnnfuse {command} runs on the TensorFlow or torch Keras backend; this "
-        f"process uses '{backend}'. Fix: set KERAS_BACKEND=tensorflow (or torch)"
-    )
-
-
-def _loss_weights(flat_shapes, seed: int) -> list:
-    """One fixed random array per output, so gradients do not cancel."""
-    import numpy as np
-
-    return [
-        np.random.default_rng(seed + 1 + i).standard_normal(shape).astype("float32")
-        for i, shape in enumerate(flat_shapes)
-    ]
-
-
-def _cpu_name() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine() or "unknown"
-
-
-def _cpu_device(library: str) -> str:
-    return f"CPU: {_cpu_name()}, {os.cpu_count()} cores, {library} (no GPU visible)"
-
-
-class _TensorFlowEngine:
-    """tf.function steps and GradientTape gradients."""
-
-    def device(self) -> tuple[str, bool]:
-        import tensorflow as tf
-
-        library = f"TensorFlow {tf.__version__}"
-        gpus = tf.config.list_physical_devices("GPU")
-        if not gpus:
-            return _cpu_device(library), False
-        try:
-            name = tf.config.experimental.get_device_details(gpus[0]).get("device_name", "GPU")
-        except Exception:  # noqa: BLE001 - the name is cosmetic
-            name = "GPU"
-        cudnn = tf.sysconfig.get_build_info().get("cudnn_version")
-        more = f" (+{len(gpus) - 1} more, unused)" if len(gpus) > 1 else ""
-        return f"GPU: {name}{more}, {library}" + (f", cuDNN {cudnn}" if cudnn else ""), True
-
-    def timing_notes(self, on_gpu: bool) -> list[str]:
-        return []
-
-    def exact_float32(self) -> None:
-        import tensorflow as tf
-
-        tf.config.experimental.enable_tensor_float_32_execution(False)
-
-    def step(self, model, train: bool):
-        """A compiled inference or training step; returns a float when done."""
-        import keras
-        import tensorflow as tf
-
-        variables = list(model.trainable_variables)
-
-        def loss_of(outputs):
-            flat = [tf.cast(t, tf.float32) for t in keras.tree.flatten(outputs)]
-            return tf.add_n([tf.reduce_mean(tf.square(t)) for t in flat])
-
-        @tf.function
-        def infer(inputs):
-            return loss_of(model(inputs, training=False))
-
-        @tf.function
-        def train_step(inputs):
-            with tf.GradientTape() as tape:
-                loss = loss_of(model(inputs, training=True))
-            grads = [g for g in tape.gradient(loss, variables) if g is not None]
-            # Depend on every gradient so the step is timed to its end.
-            return loss + tf.add_n([tf.reduce_sum(tf.cast(g, tf.float32)) for g in grads] or [0.0])
-
-        fn = train_step if train and variables else infer
-        return lambda inputs: float(fn(inputs).numpy())
-
-    def outputs_and_grads(self, model, inputs, variables, seed: int):
-        """Outputs (inference mode) and d(loss)/d(variables), as numpy.
-
-        Runs eagerly: one step does not pay back tracing a graph.
-        """
-        import keras
-        import numpy as np
-        import tensorflow as tf
-
-        with tf.GradientTape() as tape:
-            outputs = model(inputs, training=False)
-            flat = [tf.cast(t, tf.float32) for t in keras.tree.flatten(outputs)]
-            weights = _loss_weights([tuple(t.shape) for t in flat], seed)
-            loss = tf.add_n([tf.reduce_mean(t * w) for t, w in zip(flat, weights)])
-        grads = tape.gradient(loss, variables)
-        grads = [
-            np.zeros(v.shape, np.float32) if g is None else tf.cast(tf.convert_to_tensor(g), tf.float32).numpy()
-            for v, g in zip(variables, grads)
-        ]
-        return [t.numpy() for t in flat], grads
-
-
-class _TorchEngine:
-    """Eager torch steps and autograd gradients."""
-
-    def device(self) -> tuple[str, bool]:
-        import torch
-
-        library = f"PyTorch {torch.__version__}"
-        if not torch.cuda.is_available():
-            return _cpu_device(library), False
-        cudnn = torch.backends.cudnn.version()
-        return f"GPU: {torch.cuda.get_device_name(0)}, {library}" + (f", cuDNN {cudnn}" if cudnn else ""), True
-
-    def timing_notes(self, on_gpu: bool) -> list[str]:
-        if on_gpu or "tensorflow" not in sys.modules or os.environ.get("OMP_WAIT_POLICY"):
-            return []
-        return [
-            "TensorFlow is loaded in this process too (Keras imports it when it "
-            "is installed); on a CPU its threads and PyTorch's spinning OpenMP "
-            "threads can slow torch down 10-50x. Set OMP_WAIT_POLICY=PASSIVE "
-            "in the environment for steady CPU timings"
-        ]
-
-    def exact_float32(self) -> None:
-        import torch
-
-        torch.backends.cuda.matmul.allow_tf32 = False
-        torch.backends.cudnn.allow_tf32 = False
-
-    @staticmethod
-    def _tensors(inputs):
-        import keras
-
-        return keras.tree.map_structure(keras.ops.convert_to_tensor, inputs)
-
-    def step(self, model, train: bool):
-        import keras
-        import torch
-
-        params = [v.value for v in model.trainable_variables]
-
-        def run(inputs):
-            x = self._tensors(inputs)
-            with torch.set_grad_enabled(train):
-                flat = keras.tree.flatten(model(x, training=train))
-                loss = sum(torch.mean(torch.square(t.float())) for t in flat)
-                if train and params:
-                    grads = torch.autograd.grad(loss, params, allow_unused=True)
-                    loss = loss + sum(g.float().sum() for g in grads if g is not None)
-            if torch.cuda.is_available():
-                torch.cuda.synchronize()
-            return float(loss)
-
-        return run
-
-    def outputs_and_grads(self, model, inputs, variables, seed: int):
-        import keras
-        import numpy as np
-        import torch
-
-        flat = [t.float() for t in keras.tree.flatten(model(self._tensors(inputs), training=False))]
-        weights = _loss_weights([tuple(t.shape) for t in flat], seed)
-        loss = sum(torch.mean(t * torch.as_tensor(w, device=t.device)) for t, w in zip(flat, weights))
-        params = [v.value for v in variables]
-        grads = torch.autograd.grad(loss, params, allow_unused=True) if params else []
-        grads = [
-            np.zeros(tuple(v.shape), np.float32) if g is None else g.detach().float().cpu().numpy()
-            for v, g in zip(variables, grads)
-        ]
-        return [t.detach().cpu().numpy() for t in flat], grads
+    backend = get_backend()
+    if not backend.capabilities.fused_kernel:
+        raise CliError(
+            f"rnnfuse {command} runs on the TensorFlow, torch or JAX Keras backend; "
+            f"this process uses '{backend.name}'. Fix: set KERAS_BACKEND=tensorflow "
+            "(or torch, or jax)"
+        )
+    return backend
 
 
 def _run_model(fn, *args, command: str):
@@ -342,7 +177,7 @@ def _caveat(paths: dict, groups: int) -> str | None:
         return "nothing fuses in this model: both models run the same layers."
     if not paths:
         return "every group's plan keeps its layers: both models run the same layers."
-    fallback = sorted({p[len("layers: "):] for p in paths.values() if p and p.startswith("layers: ")})
+    fallback = sorted({str(p.reason) for p in paths.values() if getattr(p, "reason", None) is not None})
     if fallback:
         return (
             f"the fused layers ran the original layers here ({'; '.join(fallback)}), "

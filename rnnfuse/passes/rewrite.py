@@ -42,9 +42,9 @@ import keras
 from rnnfuse.fused import FusedRNN, first_call_kwargs
 from rnnfuse.passes.graph import is_graph_model
 from rnnfuse.persistence import as_optimized
-from rnnfuse.report import FusionGroup
+from rnnfuse.report import FusionGroup, RewriteFailure
 
-__all__ = ["FusionWarning", "rewrite_model"]
+__all__ = ["FusionWarning", "rewrite_model", "rewrite_with_failures"]
 
 
 class FusionWarning(UserWarning):
@@ -66,19 +66,31 @@ def rewrite_model(
     Returns:
         A new `keras.Model` sharing every layer and variable with `model`.
     """
+    return rewrite_with_failures(model, groups, algorithms)[0]
+
+
+def rewrite_with_failures(
+    model: keras.Model,
+    groups: Sequence[FusionGroup],
+    algorithms: Sequence[str | None] | None = None,
+) -> tuple[keras.Model, tuple[RewriteFailure, ...]]:
+    """`rewrite_model`, and the groups whose fused layer could not be built
+    (each also warned about with a `FusionWarning`)."""
     algorithms = list(algorithms or [None] * len(groups))
     by_scope: dict[str, list] = collections.defaultdict(list)
     for group, algorithm in zip(groups, algorithms):
         by_scope[group.scope].append((group, algorithm))
-    new = _Rewriter(by_scope).rewrite(model, scope="", force_new=True)
+    rewriter = _Rewriter(by_scope)
+    new = rewriter.rewrite(model, scope="", force_new=True)
     # Weight files in the original layout, registered classes (persistence.py).
-    return as_optimized(new, like=model)
+    return as_optimized(new, like=model), tuple(rewriter.failures)
 
 
 class _Rewriter:
     def __init__(self, by_scope: dict[str, list]):
         self.by_scope = by_scope
         self.done: dict[int, Any] = {}
+        self.failures: list[RewriteFailure] = []
 
     def _has_groups_under(self, scope: str) -> bool:
         return any(s.startswith(scope) and groups for s, groups in self.by_scope.items())
@@ -110,7 +122,11 @@ class _Rewriter:
                     dropout_layers=list(group.gap_dropout) or None,
                     algorithm=algorithm,
                 )
-            except Exception as err:  # noqa: BLE001 - one bad group must not sink the rest
+            except (ValueError, TypeError, NotImplementedError) as err:
+                # What FusedRNN raises for layers it cannot stack; recorded
+                # in the result, and one bad group must not sink the rest.
+                # Anything else is a bug in rnnfuse and propagates.
+                self.failures.append(RewriteFailure(group, f"{type(err).__name__}: {err}"))
                 warnings.warn(
                     f"rnnfuse: could not fuse {' -> '.join(group.layers)}; "
                     f"those layers stay as they are ({type(err).__name__}: {err})",

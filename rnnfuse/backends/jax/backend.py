@@ -21,7 +21,7 @@ import keras
 import numpy as np
 
 from rnnfuse.backends import jax as kernels
-from rnnfuse.backends.base import Backend, Capabilities, cpu_description
+from rnnfuse.backends.base import Backend, Capabilities, cpu_description, loss_weights
 
 __all__ = ["JaxBackend"]
 
@@ -121,7 +121,7 @@ class JaxBackend(Backend):
         grads = jax.grad(loss)([v.value for v in variables], x)
         return [np.asarray(g, np.float64) for g in grads]
 
-    def outputs_and_grads(self, model, inputs, variables, loss_weights):
+    def outputs_and_grads(self, model, inputs, variables, seed):
         wanted = {id(v) for v in variables}
         trainable = list(model.trainable_variables)
         frozen = [v.value for v in model.non_trainable_variables]
@@ -129,7 +129,8 @@ class JaxBackend(Backend):
         def loss(tv):
             y, _ = model.stateless_call(tv, frozen, inputs, training=False)
             flat = [t.astype(jnp.float32) for t in jax.tree.leaves(y)]
-            value = sum(jnp.mean(t * w) for t, w in zip(flat, loss_weights))
+            weights = loss_weights([tuple(t.shape) for t in flat], seed)
+            value = sum(jnp.mean(t * w) for t, w in zip(flat, weights))
             return value, flat
 
         grads, flat = jax.grad(loss, has_aux=True)([v.value for v in trainable])

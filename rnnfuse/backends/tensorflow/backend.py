@@ -23,7 +23,7 @@ import numpy as np
 import tensorflow as tf
 
 from rnnfuse.backends import tensorflow as kernels
-from rnnfuse.backends.base import Backend, Capabilities, cpu_description
+from rnnfuse.backends.base import Backend, Capabilities, cpu_description, loss_weights
 
 __all__ = ["TensorFlowBackend"]
 
@@ -140,12 +140,13 @@ class TensorFlowBackend(Backend):
             for v, g in zip(variables, tape.gradient(loss, variables))
         ]
 
-    def outputs_and_grads(self, model, inputs, variables, loss_weights):
+    def outputs_and_grads(self, model, inputs, variables, seed):
         # Eager: one step does not pay back tracing a graph.
         with tf.GradientTape() as tape:
             outputs = model(inputs, training=False)
             flat = [tf.cast(t, tf.float32) for t in keras.tree.flatten(outputs)]
-            loss = tf.add_n([tf.reduce_mean(t * w) for t, w in zip(flat, loss_weights)])
+            weights = loss_weights([tuple(t.shape) for t in flat], seed)
+            loss = tf.add_n([tf.reduce_mean(t * w) for t, w in zip(flat, weights)])
         grads = tape.gradient(loss, variables)
         grads = [
             np.zeros(v.shape, np.float32) if g is None

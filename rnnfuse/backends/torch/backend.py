@@ -22,7 +22,7 @@ import numpy as np
 import torch
 
 from rnnfuse.backends import torch as kernels
-from rnnfuse.backends.base import Backend, Capabilities, cpu_description
+from rnnfuse.backends.base import Backend, Capabilities, cpu_description, loss_weights
 
 __all__ = ["TorchBackend"]
 
@@ -126,11 +126,10 @@ class TorchBackend(Backend):
             for p, g in zip(params, grads)
         ]
 
-    def outputs_and_grads(self, model, inputs, variables, loss_weights):
+    def outputs_and_grads(self, model, inputs, variables, seed):
         flat = [t.float() for t in keras.tree.flatten(model(_tensors(inputs), training=False))]
-        loss = sum(
-            torch.mean(t * torch.as_tensor(w, device=t.device)) for t, w in zip(flat, loss_weights)
-        )
+        weights = loss_weights([tuple(t.shape) for t in flat], seed)
+        loss = sum(torch.mean(t * torch.as_tensor(w, device=t.device)) for t, w in zip(flat, weights))
         params = [v.value for v in variables]
         grads = torch.autograd.grad(loss, params, allow_unused=True) if params else []
         grads = [
