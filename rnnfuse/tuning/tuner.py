@@ -83,9 +83,9 @@ def device_environment() -> dict | None:
     backend = get_backend()
     if not backend.capabilities.fused_kernel or not backend.is_available():
         return None
-    import rnnfuse
+    from rnnfuse._version import __version__
 
-    env = {"backend": backend.name, "rnnfuse": rnnfuse.__version__}
+    env = {"backend": backend.name, "rnnfuse": __version__}
     env.update(backend.device_environment())
     return env
 
