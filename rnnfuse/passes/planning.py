@@ -105,7 +105,14 @@ def plan_fusion(
         for key in group.layers:
             reasons[key] = why
     groups = kept
-    skipped = {k: reasons[k] for k in _graph_order(graph) if k in reasons}
+    # In graph order; layers inside a node (a wrapper, a custom layer, a
+    # subclassed model) right after it.
+    order = {k: i for i, k in enumerate(_graph_order(graph))}
+    container = lambda k: k if k in order else k.rsplit("/", 1)[0]
+    skipped = {
+        k: reasons[k]
+        for k in sorted(reasons, key=lambda k: (order.get(container(k), len(order)), k not in order))
+    }
     notes = tuple(graph.graph.get("notes", ()))
     return FusionReport(
         model_name=model_name,

@@ -122,10 +122,9 @@ class _Rewriter:
                     dropout_layers=list(group.gap_dropout) or None,
                     algorithm=algorithm,
                 )
-            except (ValueError, TypeError, NotImplementedError) as err:
-                # What FusedRNN raises for layers it cannot stack; recorded
-                # in the result, and one bad group must not sink the rest.
-                # Anything else is a bug in rnnfuse and propagates.
+            except Exception as err:  # noqa: BLE001 - one bad group must not sink the rest
+                # Not silent: warned about, and recorded in the
+                # OptimizeResult (`failed`) with the exception.
                 self.failures.append(RewriteFailure(group, f"{type(err).__name__}: {err}"))
                 warnings.warn(
                     f"rnnfuse: could not fuse {' -> '.join(group.layers)}; "
