@@ -41,9 +41,8 @@ from rnnfuse._version import __version__
 from rnnfuse import layers
 from rnnfuse.api import TuneShape, analyze, optimize
 from rnnfuse.fused import FusedRNN
-from rnnfuse.passes.rewrite import FusionWarning
 from rnnfuse.persistence import restore
-from rnnfuse.reasons import CallPath, PathKind, Reason
+from rnnfuse.reasons import CallPath, FusionWarning, PathKind, Reason
 from rnnfuse.report import FusionGroup, FusionReport, OptimizeResult, RewriteFailure
 from rnnfuse.tuning.plans import FUSED, PER_LAYER, Plan
 

@@ -45,7 +45,7 @@ from rnnfuse.recurrent import describe, keras_has_cudnn_path
 from rnnfuse.rules import layer_reason, not_implemented, runtime_reason, stack_link_reason
 from rnnfuse.tuning.algorithms import Algorithm, restore_pending
 
-__all__ = ["FusedRNN", "first_call_kwargs"]
+__all__ = ["FusedRNN", "call_members", "first_call_kwargs"]
 
 
 @keras.saving.register_keras_serializable(package="rnnfuse")
@@ -281,20 +281,15 @@ class FusedRNN(keras.layers.Layer):
 
     def _call_layers(self, sequences, initial_state, mask, training, generic=False):
         """The original layers in sequence (exactly the original numbers)."""
-        x = sequences
         context = _keras_generic_loop(self.fused_layers) if generic else contextlib.nullcontext()
-        dropouts = dict(zip(self._dropout_after, self.absorbed_dropout))
+        rest = {"training": training}
+        if mask is not None:
+            rest["mask"] = mask
+        first = dict(rest)
+        if initial_state is not None:
+            first["initial_state"] = initial_state
         with context:
-            for i, layer in enumerate(self.fused_layers):
-                kwargs = {"training": training}
-                if mask is not None:
-                    kwargs["mask"] = mask
-                if i == 0 and initial_state is not None:
-                    kwargs["initial_state"] = initial_state
-                x = layer(x, **kwargs)
-                if i in dropouts:
-                    x = dropouts[i](x, training=training)
-        return x
+            return call_members(self.members(), sequences, first=first, rest=rest)
 
     def _call_fused(self, sequences, initial_state, mask, training):
         """The whole stack as one backend call."""
@@ -419,6 +414,28 @@ class FusedRNN(keras.layers.Layer):
             n_states = 4 if self._stack.kind == "lstm" else 2
             return tuple([0] * (n_out + n_states))
         return (0,) + tuple(tree.map_structure(lambda _: 0, list(view.layer.state_size)))
+
+
+def call_members(members, x, *, first: dict, rest: dict):
+    """Runs a run's layers one after the other: the one per-layer runner
+    (FusedRNN's fallback, the tuner's per-layer plan, `restore`).
+
+    Args:
+        members: the recurrent layers in call order, absorbed `Dropout`
+            layers in place (`FusedRNN.members()`).
+        x: the first layer's input sequence.
+        first: keyword arguments of the first layer (`initial_state`,
+            `mask`, `training`).
+        rest: keyword arguments of the later recurrent layers; a Dropout
+            gets only `training`.
+    """
+    for i, layer in enumerate(members):
+        if i and type(layer) is keras.layers.Dropout:
+            kwargs = {"training": rest["training"]} if "training" in rest else {}
+        else:
+            kwargs = first if i == 0 else rest
+        x = layer(x, **kwargs)
+    return x
 
 
 def first_call_kwargs(args, kwargs) -> dict:

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import enum
 
-__all__ = ["CallPath", "FUSED_PATH", "PathKind", "Reason"]
+__all__ = ["CallPath", "FUSED_PATH", "FusionWarning", "PathKind", "Reason"]
 
 
 class Reason(str):
@@ -75,3 +75,7 @@ class CallPath(str):
 
 
 FUSED_PATH = CallPath(PathKind.FUSED)
+
+
+class FusionWarning(UserWarning):
+    """A group that could not be fused, or a model rnnfuse left as it was."""

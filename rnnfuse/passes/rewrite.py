@@ -41,14 +41,11 @@ import keras
 
 from rnnfuse.fused import FusedRNN, first_call_kwargs
 from rnnfuse.passes.graph import is_graph_model
-from rnnfuse.persistence import as_optimized
+from rnnfuse.persistence import as_optimized, copy_compile
+from rnnfuse.reasons import FusionWarning
 from rnnfuse.report import FusionGroup, RewriteFailure
 
 __all__ = ["FusionWarning", "rewrite_model", "rewrite_with_failures"]
-
-
-class FusionWarning(UserWarning):
-    """A group that could not be fused, or a model rnnfuse left as it was."""
 
 
 def rewrite_model(
@@ -163,7 +160,7 @@ def _rewrite_sequential(model, fused, replacements) -> keras.Sequential:
             ),
         )
     new = keras.Sequential(layers, name=model.name, trainable=model.trainable)
-    _copy_compile(model, new)
+    copy_compile(model, new)
     return new
 
 
@@ -198,25 +195,10 @@ def _rewrite_functional(model, fused, replacements) -> keras.Model:
         clone_function=lambda layer: replacements.get(id(layer), layer),
         call_function=call_function,
     )
-    _copy_compile(model, new, already=True)
+    # clone_model carried the compile() arguments over itself.
     return new
 
 
 def _call_fused(fused: FusedRNN, args, kwargs):
     """Calls `fused` with the arguments the run's first layer received."""
     return fused(args[0], **first_call_kwargs(args, kwargs))
-
-
-def _copy_compile(model, new, already: bool = False) -> None:
-    """Carry `model`'s compile() arguments over, as clone_model does."""
-    if already or not getattr(model, "compiled", False):
-        return
-    try:
-        new.compile_from_config(model.get_compile_config())
-    except Exception as err:  # noqa: BLE001 - custom losses may not round-trip
-        warnings.warn(
-            f"rnnfuse: could not copy compile() arguments ({err}); call "
-            "compile() on the optimized model",
-            FusionWarning,
-            stacklevel=5,
-        )

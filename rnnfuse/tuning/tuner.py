@@ -97,18 +97,18 @@ def _input_batch(shape: tuple, dtype: str, seed: int = 0):
 
 def _runner(group: FusionGroup, plan: Plan, dtype: str | None = None) -> Callable:
     """A callable x -> outputs that runs `group` under `plan`."""
-    from rnnfuse.fused import FusedRNN
+    from rnnfuse.fused import FusedRNN, call_members
 
     if not plan.for_length(len(group.layers)).pieces:
-        layers = [v.layer for v in group.views]
-        dropouts = list(group.gap_dropout)
+        members = []
+        for i, view in enumerate(group.views):
+            members.append(view.layer)
+            if i < len(group.gap_dropout) and group.gap_dropout[i] is not None:
+                members.append(group.gap_dropout[i])
 
         def per_layer(x, training):
-            for i, layer in enumerate(layers):
-                x = layer(x, training=training)
-                if i < len(dropouts) and dropouts[i] is not None:
-                    x = dropouts[i](x, training=training)
-            return x
+            kwargs = {"training": training}
+            return call_members(members, x, first=kwargs, rest=kwargs)
 
         return per_layer
     pieces = [
