@@ -181,7 +181,7 @@ class FusedRNN(keras.layers.Layer):
     def fused_call_blocks_xla(self) -> bool:
         """Whether calls here run a fused kernel that XLA cannot compile
         (TensorFlow's CudnnRNNV3; not JAX's cuDNN custom call, whose backend
-        sets `XLA_COMPILES_FUSED_CALL`)."""
+        has `capabilities.xla_compiles_fused_call`)."""
         if get_backend().capabilities.xla_compiles_fused_call:
             return False
         return self.uses_fused_kernel
