@@ -13,13 +13,18 @@ Scopes and what a check takes:
   "part" (a unidirectional layer: check(part, ctx)), "cell"
   (check(cell, ctx)), "stack" (the levels of one part: check(part, levels,
   ctx)), "bidirectional" (check(layer, forward view, backward view)),
-  "node" (the layer's node in the model graph: check(graph, key)).
-- "link": one layer feeding the next inside a run. "views" checks take
-  (upper view, lower view); "graph" checks take (graph, upper key, lower
-  key, bridges).
-- "run": a run of linked layers (becomes a group or not).
+  "node" (the layer's node in the model graph: check(graph, key)),
+  "container" (a recurrent layer rnnfuse cannot reach, inside a subclassed
+  model, a wrapper or a custom layer: the check builds its Reason).
+- "link": one layer feeding the next inside a run. "edge" checks (the
+  edge's role, run first) and "graph" checks take (graph, upper key, lower
+  key, bridges); "views" checks take (upper view, lower view).
+- "run": a run of linked layers (becomes a group or not); the planner calls
+  each with what it measured (levels, gap rates, neighbours).
 - "backend": what the active backend never runs (check(backend, group)).
-- "runtime": why one `FusedRNN` call runs the original layers.
+- "runtime": why one `FusedRNN` call runs the original layers: "call"
+  checks take (backend, stack, dtype, views, mask); "raised" builds the
+  Reason for a NotImplementedError from the backend.
 
 Example:
 
