@@ -10,7 +10,7 @@ import keras
 import pytest
 
 import rnnfuse
-from builders import rnn_layer
+from builders import fused_layers, rnn_layer
 
 L = keras.layers
 
@@ -67,12 +67,15 @@ LAYER_RULE_CASES = [
 @pytest.mark.parametrize("case", LAYER_RULE_CASES, ids=[c[0] for c in LAYER_RULE_CASES])
 def test_layer_rule_leaves_layer_alone_with_reason(case):
     _, make, name, rule, words = case
-    report = rnnfuse.analyze(make())
+    model = make()
+    report = rnnfuse.analyze(model)
     assert report.groups == ()
     assert report.skipped[name].rule == rule
     assert words in report.skipped[name]
     # The layer it would have stacked with says why it stayed alone too.
     assert "b" in report.skipped
+    # Zero rewrites, not only zero groups.
+    assert fused_layers(rnnfuse.optimize(model)) == []
 
 
 # Link rules: a -> b can not be one call. Each factory builds [a, b, c]
@@ -99,10 +102,14 @@ LINK_CASES = [
 def test_link_rule_breaks_run_with_reason(case, functional):
     _, make, rule, words = case
     a, b, c = make()
-    report = rnnfuse.analyze(_three(a, b, c, functional=functional))
+    model = _three(a, b, c, functional=functional)
+    report = rnnfuse.analyze(model)
     assert [g.layers for g in report.groups] == [("b", "c")]
     assert report.skipped["a"].rule == rule
     assert words in report.skipped["a"]
+    # Exactly one rewrite, of (b, c); `a` stays the original layer.
+    (fused,) = fused_layers(rnnfuse.optimize(model))
+    assert [l.name for l in fused.fused_layers] == ["b", "c"]
 
 
 @pytest.mark.parametrize("functional", [False, True], ids=["sequential", "functional"])
