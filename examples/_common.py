@@ -9,15 +9,14 @@ Each example builds its model, then calls `report`, `check` and `timing`:
 Every example takes `--quick`: time inference only, with fewer repeats (the
 tests use it; tracing a training step is the slow part on a CPU).
 
-Everything here uses rnnfuse's public API only.
+Everything here uses rnnfuse's public API, the backend object
+(`rnnfuse.backends.get_backend()`) and the tuner's timing loop.
 """
 
 from __future__ import annotations
 
 import os
-import statistics
 import sys
-import time
 
 os.environ.setdefault("KERAS_BACKEND", "tensorflow")
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
@@ -32,6 +31,8 @@ from rich.console import Console  # noqa: E402
 from rich.table import Table  # noqa: E402
 
 import rnnfuse  # noqa: E402
+from rnnfuse.backends import get_backend  # noqa: E402
+from rnnfuse.tuning.timing import interleaved_medians  # noqa: E402
 
 console = Console(highlight=False)
 
@@ -111,9 +112,9 @@ def timing(model: keras.Model, fast: keras.Model, inputs, *, loss_fn=None, repea
         ratios[name] = a / b
         table.add_row(name, f"{a:.1f}", f"{b:.1f}", f"{a / b:.2f}x")
     console.print(table)
-    fallback = {p for p in fused_paths(fast).values() if p and p.startswith("layers: ")}
+    fallback = {p for p in fused_paths(fast).values() if p and p.kind is rnnfuse.PathKind.LAYERS}
     if fallback:
-        why = "; ".join(sorted(p[len("layers: "):] for p in fallback))
+        why = "; ".join(sorted(str(p.reason) for p in fallback))
         console.print(
             f"FusedRNN ran the original layers here ({why}), so about 1.0x is "
             "expected. On a CUDA GPU each group runs as one cuDNN call."
@@ -127,61 +128,17 @@ def quick() -> bool:
 
 
 def _step(model: keras.Model, loss_fn):
-    """One inference step (`loss_fn` None) or training step; returns numpy."""
-    if keras.backend.backend() == "torch":
-        return _torch_step(model, loss_fn)
-    import tensorflow as tf
-
-    variables = model.trainable_variables
-
-    @tf.function
-    def infer(x):
-        return keras.tree.flatten(model(x, training=False))[0]
-
-    @tf.function
-    def train(x):
-        with tf.GradientTape() as tape:
-            loss = loss_fn(model(x, training=True))
-        grads = tape.gradient(loss, variables)
-        return loss + tf.add_n([tf.reduce_sum(g) for g in grads if g is not None])
-
-    fn = infer if loss_fn is None else train
-    return lambda x: fn(x).numpy()  # .numpy() waits for the device
-
-
-def _torch_step(model: keras.Model, loss_fn):
-    import torch
-
-    params = [v.value for v in model.trainable_variables]
-
-    def run(x):
-        x = keras.ops.convert_to_tensor(x)
-        with torch.set_grad_enabled(loss_fn is not None):
-            out = model(x, training=loss_fn is not None)
-            if loss_fn is None:
-                result = keras.tree.flatten(out)[0]
-            else:
-                result = loss_fn(out)
-                grads = torch.autograd.grad(result, params, allow_unused=True)
-                result = result + sum(g.sum() for g in grads if g is not None)
-        if torch.cuda.is_available():
-            torch.cuda.synchronize()
-        return keras.ops.convert_to_numpy(result)
-
-    return run
+    """One inference step (`loss_fn` None) or training step (forward, loss,
+    gradients of every trainable variable) of this backend, returning when
+    the device is done: `rnnfuse bench`'s step. The training loss is the
+    backend's (mean squared outputs); `loss_fn` only asks for training."""
+    return get_backend().model_step(model, train=loss_fn is not None)
 
 
 def _median_ms(fn_a, fn_b, inputs, repeats: int) -> tuple[float, float]:
-    """Median milliseconds of each function, timed alternately."""
-    for fn in (fn_a, fn_b):
-        fn(inputs)  # trace and warm up
-    times = ([], [])
-    for i in range(repeats):
-        # Alternate which goes first so drift on a busy machine evens out.
-        order = (0, 1) if i % 2 == 0 else (1, 0)
-        for which in order:
-            fn = (fn_a, fn_b)[which]
-            start = time.perf_counter()
-            fn(inputs)
-            times[which].append(1000 * (time.perf_counter() - start))
-    return statistics.median(times[0]), statistics.median(times[1])
+    """Median milliseconds of each function: the tuner's and `rnnfuse
+    bench`'s timing loop (warm-up, then interleaved rounds)."""
+    stats = interleaved_medians(
+        {"a": lambda: fn_a(inputs), "b": lambda: fn_b(inputs)}, warmup=1, repeats=repeats
+    )
+    return 1000 * stats["a"]["median"], 1000 * stats["b"]["median"]

@@ -13,22 +13,46 @@ Example:
     ...                       keras.layers.LSTM(8)])
     >>> len(rnnfuse.analyze(m).groups)
     1
+
+The dependency rule. The package is in layers, lowest first; a module
+imports only from its own layer or the layers below it (also inside
+functions; tests/test_layering.py checks every import):
+
+    records        reasons.py (Reason, CallPath), report.py, _version.py
+    describe/graph recurrent.py (RecurrentView), passes/graph.py
+    rules          rules/ (the registry and every fusion rule)
+    backends       backends/ (the Backend contract and one package per
+                   framework; the only code importing TensorFlow, torch or
+                   JAX, and get_backend the only reader of
+                   keras.backend.backend())
+    layers         fused.py (FusedRNN), layers/ (ProjectedLSTM)
+    planning       passes/planning.py
+    tuning         tuning/
+    rewrite/saving passes/rewrite.py, persistence.py, passes/__init__.py
+    api            api.py, this package's __init__
+    cli/render     cli/, plotting.py, __main__.py
+
+`LAYERS` below is that list; `LAYER_EXCEPTIONS` names the imports that
+break it for now, each with the reason.
 """
 
-__version__ = "0.1.0"
+from rnnfuse._version import __version__
 
 from rnnfuse import layers
 from rnnfuse.api import TuneShape, analyze, optimize
 from rnnfuse.fused import FusedRNN
-from rnnfuse.passes.rewrite import FusionWarning
 from rnnfuse.persistence import restore
-from rnnfuse.reasons import Reason
-from rnnfuse.report import FusionGroup, FusionReport
+from rnnfuse.reasons import CallPath, FusionWarning, PathKind, Reason
+from rnnfuse.report import FusionGroup, FusionReport, OptimizeResult, RewriteFailure
 from rnnfuse.tuning.plans import FUSED, PER_LAYER, Plan
 
 __all__ = [
     "FUSED",
     "PER_LAYER",
+    "CallPath",
+    "OptimizeResult",
+    "PathKind",
+    "RewriteFailure",
     "Plan",
     "TuneShape",
     "FusedRNN",
@@ -41,3 +65,41 @@ __all__ = [
     "optimize",
     "restore",
 ]
+
+# The dependency rule (see the module doc): module-name prefixes per layer,
+# lowest first.
+LAYER_NAMES = (
+    "records",
+    "describe/graph",
+    "rules",
+    "backends",
+    "layers",
+    "planning",
+    "tuning",
+    "rewrite/saving",
+    "api",
+    "cli/render",
+)
+LAYERS = (
+    ("rnnfuse.reasons", "rnnfuse.report", "rnnfuse._version"),
+    ("rnnfuse.recurrent", "rnnfuse.passes.graph"),
+    ("rnnfuse.rules",),
+    ("rnnfuse.backends",),
+    ("rnnfuse.fused", "rnnfuse.layers"),
+    ("rnnfuse.passes.planning",),
+    ("rnnfuse.tuning",),
+    ("rnnfuse.passes", "rnnfuse.passes.rewrite", "rnnfuse.persistence"),
+    ("rnnfuse.api",),
+    ("rnnfuse.cli", "rnnfuse.plotting", "rnnfuse.__main__"),
+)
+# (importer, imported) -> why it is allowed for now.
+LAYER_EXCEPTIONS = {
+    ("rnnfuse.fused", "rnnfuse.tuning"): "Algorithm; issue 12 moves it to backends/algorithm.py",
+    ("rnnfuse.fused", "rnnfuse.tuning.algorithms"): "Algorithm and restore_pending; issue 12 moves "
+    "Algorithm to backends/algorithm.py and deletes the TF_DEBUG switch",
+    ("rnnfuse.backends.tensorflow", "rnnfuse.tuning"): "issue 12 (see below)",
+    ("rnnfuse.backends.tensorflow", "rnnfuse.tuning.algorithms"): "the TF_DEBUG algorithm switch, "
+    "which issue 12 deletes",
+    ("rnnfuse.backends.tensorflow", "rnnfuse.tuning.plans"): "CANDIDATE_ALGORITHMS; issue 12 moves "
+    "the algorithm candidates",
+}

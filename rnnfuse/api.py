@@ -28,10 +28,10 @@ import keras
 
 from rnnfuse.passes.graph import build_layer_graph, is_graph_model
 from rnnfuse.passes.planning import plan_fusion
-from rnnfuse.passes.rewrite import FusionWarning, rewrite_model
+from rnnfuse.passes.rewrite import FusionWarning, rewrite_with_failures
 from rnnfuse.reasons import Reason
 from rnnfuse.recurrent import is_recurrent
-from rnnfuse.report import FusionGroup, FusionReport
+from rnnfuse.report import FusionGroup, FusionReport, OptimizeResult
 from rnnfuse.tuning import first_batch
 from rnnfuse.tuning.cache import PlanCache
 from rnnfuse.tuning.plans import Plan, split_groups
@@ -87,7 +87,8 @@ def optimize(
     training: bool = True,
     plan: Plan | Callable[[FusionGroup], Plan] | None = None,
     cache: Any = None,
-) -> keras.Model:
+    return_result: bool = False,
+) -> keras.Model | OptimizeResult:
     """A new model in which each fusable run is one `FusedRNN` layer.
 
     The new model has the same inputs, outputs and output names; every layer
@@ -115,10 +116,14 @@ def optimize(
             run whole with TensorFlow's default algorithm.
         cache: the plan cache for `tune`: None (the default file, see
             `rnnfuse.tuning.cache`), False (none), a path, or a `PlanCache`.
+        return_result: return an `rnnfuse.OptimizeResult` (the model, the
+            report, the plan per group and the groups that failed to
+            rewrite) instead of the model alone.
 
     Returns:
         The optimized `keras.Model` (for a subclassed model: `model` itself,
-        with a warning, since its call() cannot be rewritten).
+        with a warning, since its call() cannot be rewritten), or with
+        `return_result=True` an `OptimizeResult` holding it.
 
     Raises:
         TypeError: `model` is not a Keras 3 model.
@@ -136,6 +141,8 @@ def optimize(
             FusionWarning,
             stacklevel=2,
         )
+        if return_result:
+            return OptimizeResult(model=model, report=_subclassed_report(model))
         return model
     graph = build_layer_graph(model)
     report = plan_fusion(
@@ -152,7 +159,10 @@ def optimize(
         model, report.groups, tune=tune, training=training, plan=plan, cache=cache
     )
     pairs = split_groups(report.groups, [r.plan for r in plans])
-    return rewrite_model(model, [g for g, _ in pairs], [a for _, a in pairs])
+    new, failed = rewrite_with_failures(model, [g for g, _ in pairs], [a for _, a in pairs])
+    if return_result:
+        return OptimizeResult(model=new, report=report, plans=tuple(plans), failed=failed)
+    return new
 
 
 def _optimize_for_first_batch(model, groups, training, cache) -> keras.Model:

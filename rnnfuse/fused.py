@@ -40,12 +40,13 @@ import keras
 from keras import ops, tree
 
 from rnnfuse.backends import StackSpec, get_backend
-from rnnfuse.reasons import Reason
-from rnnfuse.recurrent import describe, keras_runs_cudnn
-from rnnfuse.passes.rules import stack_link_reason
+from rnnfuse.reasons import FUSED_PATH, CallPath, PathKind, Reason
+from rnnfuse.recurrent import describe, keras_has_cudnn_path
+from rnnfuse.rules import layer_reason, not_implemented, runtime_reason, stack_link_reason
+from rnnfuse.rules.runtime import plan_per_layer
 from rnnfuse.tuning.algorithms import Algorithm, restore_pending
 
-__all__ = ["FusedRNN", "first_call_kwargs"]
+__all__ = ["FusedRNN", "call_members", "first_call_kwargs"]
 
 
 @keras.saving.register_keras_serializable(package="rnnfuse")
@@ -91,8 +92,11 @@ class FusedRNN(keras.layers.Layer):
         if not layers:
             raise ValueError("FusedRNN needs at least one layer; received [].")
         views = []
+        activations = get_backend().activation_functions()
         for layer in layers:
-            view = describe(layer, require_built=False)
+            view = layer_reason(layer, require_built=False, activations=activations)
+            if view is None:
+                view = describe(layer, require_built=False, activations=activations)
             if isinstance(view, Reason):
                 raise ValueError(
                     f"FusedRNN cannot fuse layer '{layer.name}' "
@@ -139,9 +143,9 @@ class FusedRNN(keras.layers.Layer):
         object.__setattr__(self, "_piece_cache", {})
         self._pieces = None
         self.set_plan(pieces, self.algorithm)
-        # Which path the last call took ("fused" or "layers: <why>"); set
-        # when the call is traced, for diagnostics and tests.
-        self.last_path: str | None = None
+        # Which path the last call took (a CallPath: "fused" or
+        # "layers: <why>"); set when the call is traced.
+        self.last_path: CallPath | None = None
         if all(layer.built for layer in layers):
             self.built = True
 
@@ -232,8 +236,8 @@ class FusedRNN(keras.layers.Layer):
     def fused_call_blocks_xla(self) -> bool:
         """Whether calls here run a fused kernel that XLA cannot compile
         (TensorFlow's CudnnRNNV3; not JAX's cuDNN custom call, whose backend
-        sets `XLA_COMPILES_FUSED_CALL`)."""
-        if getattr(get_backend(), "XLA_COMPILES_FUSED_CALL", False):
+        has `capabilities.xla_compiles_fused_call`)."""
+        if get_backend().capabilities.xla_compiles_fused_call:
             return False
         if self._pieces == ():
             return False  # the plan runs the original layers
@@ -299,16 +303,16 @@ class FusedRNN(keras.layers.Layer):
         if mask is not None:
             mask = tree.flatten(mask)[0]
         if self._pieces == ():
-            self.last_path = "layers: the plan keeps the original layers"
+            self.last_path = CallPath(PathKind.LAYERS, plan_per_layer())
             return self._call_layers(sequences, initial_state, mask, training)
         if self._pieces is not None:
             return self._call_pieces(sequences, initial_state, mask, training)
         reason = self._fallback_reason(mask)
         if reason is not None:
-            self.last_path = f"layers: {reason}"
+            self.last_path = CallPath(PathKind.LAYERS, reason)
             return self._call_layers(sequences, initial_state, mask, training)
         self._check_not_xla()
-        self.last_path = "fused"
+        self.last_path = FUSED_PATH
         if mask is None:
             return self._call_fused(sequences, initial_state, None, training)
         # The mask's values decide: right-padded -> sequence lengths.
@@ -324,24 +328,14 @@ class FusedRNN(keras.layers.Layer):
         )
         return tree.pack_sequence_as(structure, flat)
 
-    def _fallback_reason(self, mask) -> str | None:
-        """Why this call must run the original layers, or None."""
-        backend = get_backend()
-        if backend is None:
-            return f"no fused kernel for the {keras.backend.backend()} backend"
-        if not backend.is_available():
-            return "no GPU visible to the backend"
-        reason = backend.unsupported_reason(self._stack, self.compute_dtype)
-        if reason is not None:
-            return reason
-        if mask is not None and self._views[0].go_backwards:
-            return "a go_backwards first layer under a mask"
-        return None
+    def _fallback_reason(self, mask) -> Reason | None:
+        """Why this call must run the original layers, or None (the
+        runtime rules of `rnnfuse.rules`)."""
+        return runtime_reason(get_backend(), self._stack, self.compute_dtype, self._views, mask)
 
     def _check_not_xla(self) -> None:
         """A clear error where XLA would fail on the fused kernel later."""
-        in_xla = getattr(get_backend(), "in_xla_context", None)
-        if in_xla is not None and in_xla():
+        if get_backend().in_xla_context():
             raise ValueError(
                 f"FusedRNN '{self.name}' runs cuDNN's fused RNN kernel here, "
                 "which XLA cannot compile, but it is being traced for XLA "
@@ -352,20 +346,15 @@ class FusedRNN(keras.layers.Layer):
 
     def _call_layers(self, sequences, initial_state, mask, training, generic=False):
         """The original layers in sequence (exactly the original numbers)."""
-        x = sequences
         context = _keras_generic_loop(self.fused_layers) if generic else contextlib.nullcontext()
-        dropouts = dict(zip(self._dropout_after, self.absorbed_dropout))
+        rest = {"training": training}
+        if mask is not None:
+            rest["mask"] = mask
+        first = dict(rest)
+        if initial_state is not None:
+            first["initial_state"] = initial_state
         with context:
-            for i, layer in enumerate(self.fused_layers):
-                kwargs = {"training": training}
-                if mask is not None:
-                    kwargs["mask"] = mask
-                if i == 0 and initial_state is not None:
-                    kwargs["initial_state"] = initial_state
-                x = layer(x, **kwargs)
-                if i in dropouts:
-                    x = dropouts[i](x, training=training)
-        return x
+            return call_members(self.members(), sequences, first=first, rest=rest)
 
     def _call_pieces(self, sequences, initial_state, mask, training):
         """A split plan: one fused call per piece, absorbed Dropout between."""
@@ -383,9 +372,8 @@ class FusedRNN(keras.layers.Layer):
             paths.append(piece.last_path)
             if (stop - 1) in dropouts:
                 x = dropouts[stop - 1](x, training=training)
-        self.last_path = "fused" if all(p == "fused" for p in paths) else "; ".join(
-            f"piece {i}: {p}" for i, p in enumerate(paths)
-        )
+        # Fused only if every piece ran fused; else the first piece's reason.
+        self.last_path = next((p for p in paths if p.kind is not PathKind.FUSED), FUSED_PATH)
         return x
 
     def _piece(self, start: int, stop: int) -> "FusedRNN":
@@ -414,17 +402,23 @@ class FusedRNN(keras.layers.Layer):
         extra = {}
         if self.algorithm is not None:
             extra["algorithm"] = Algorithm.parse(self.algorithm)
-        outputs, final_h, final_c = backend.run_stack(
-            x,
-            stack=self._stack,
-            initial_h=initial_h,
-            initial_c=initial_c,
-            mask=mask,
-            reverse=self._views[0].go_backwards,
-            dropout=rate,
-            seed=seed,
-            **extra,
-        )
+        try:
+            outputs, final_h, final_c = backend.run_stack(
+                x,
+                stack=self._stack,
+                initial_h=initial_h,
+                initial_c=initial_c,
+                mask=mask,
+                reverse=self._views[0].go_backwards,
+                dropout=rate,
+                seed=seed,
+                **extra,
+            )
+        except NotImplementedError as err:
+            # As Keras' Bidirectional does for its fused LSTM: the backend
+            # cannot run this call, so the original layers run it.
+            self.last_path = CallPath(PathKind.LAYERS, not_implemented(backend.name, err))
+            return self._call_layers(sequences, initial_state, mask, training)
         return self._assemble(outputs, final_h, final_c, mask)
 
     def _input_dropout(self, x, training):
@@ -480,7 +474,9 @@ class FusedRNN(keras.layers.Layer):
             last = hs[-1]
             if not view.return_sequences:
                 output = last
-            elif mask is not None and not (view.zero_output_for_mask or keras_runs_cudnn(view)):
+            elif mask is not None and not (
+                view.zero_output_for_mask or (keras_has_cudnn_path(view) and get_backend().keras_runs_cudnn())
+            ):
                 # Keras' generic loop repeats the last output on padding.
                 keep = ops.expand_dims(ops.cast(mask, "bool"), -1)
                 output = ops.where(keep, outputs, ops.expand_dims(last, 1))
@@ -520,6 +516,28 @@ class FusedRNN(keras.layers.Layer):
             n_states = 4 if self._stack.kind == "lstm" else 2
             return tuple([0] * (n_out + n_states))
         return (0,) + tuple(tree.map_structure(lambda _: 0, list(view.layer.state_size)))
+
+
+def call_members(members, x, *, first: dict, rest: dict):
+    """Runs a run's layers one after the other: the one per-layer runner
+    (FusedRNN's fallback, the tuner's per-layer plan, `restore`).
+
+    Args:
+        members: the recurrent layers in call order, absorbed `Dropout`
+            layers in place (`FusedRNN.members()`).
+        x: the first layer's input sequence.
+        first: keyword arguments of the first layer (`initial_state`,
+            `mask`, `training`).
+        rest: keyword arguments of the later recurrent layers; a Dropout
+            gets only `training`.
+    """
+    for i, layer in enumerate(members):
+        if i and type(layer) is keras.layers.Dropout:
+            kwargs = {"training": rest["training"]} if "training" in rest else {}
+        else:
+            kwargs = first if i == 0 else rest
+        x = layer(x, **kwargs)
+    return x
 
 
 def first_call_kwargs(args, kwargs) -> dict:

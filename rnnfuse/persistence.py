@@ -52,7 +52,6 @@ Example:
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import re
@@ -64,7 +63,8 @@ import keras
 from keras import tree
 from keras.src.models.functional import Functional
 
-from rnnfuse.fused import FusedRNN, first_call_kwargs
+from rnnfuse.fused import FusedRNN, call_members, first_call_kwargs
+from rnnfuse.reasons import FusionWarning
 from rnnfuse.tuning import first_batch
 
 __all__ = [
@@ -216,20 +216,15 @@ def as_optimized(model: keras.Model, like: keras.Model | None = None) -> keras.M
             new = OptimizedModel(
                 model.input, model.output, name=model.name, trainable=model.trainable
             )
-        _copy_compile(model, new)
+        copy_compile(model, new)
     return new
 
 
 def _strategy_scope(like: Any):
     """The scope of `like`'s distribution strategy, if it has one and none is active."""
-    strategy = getattr(like, "_distribute_strategy", None)
-    if strategy is None or keras.backend.backend() != "tensorflow":
-        return contextlib.nullcontext()
-    import tensorflow as tf
+    from rnnfuse.backends import get_backend
 
-    if tf.distribute.has_strategy():
-        return contextlib.nullcontext()
-    return strategy.scope()
+    return get_backend().strategy_scope(getattr(like, "_distribute_strategy", None))
 
 
 def restore(model: keras.Model) -> keras.Model:
@@ -272,7 +267,7 @@ def restore(model: keras.Model) -> keras.Model:
             "the optimized model."
         )
     restored = _restore(model)
-    _copy_compile(model, restored)
+    copy_compile(model, restored)
     return restored
 
 
@@ -402,10 +397,7 @@ def _call_members(fused: FusedRNN, args, kwargs):
     """Calls the layers of `fused` as the run's first layer was called."""
     first = first_call_kwargs(args, kwargs)
     rest = {"training": first["training"]} if "training" in first else {}
-    x = args[0]
-    for i, layer in enumerate(fused.members()):
-        x = layer(x, **(first if i == 0 else rest))
-    return x
+    return call_members(fused.members(), args[0], first=first, rest=rest)
 
 
 def _input_like(tensor, input_layer) -> Any:
@@ -418,7 +410,10 @@ def _input_like(tensor, input_layer) -> Any:
     )
 
 
-def _copy_compile(model, new) -> None:
+def copy_compile(model, new) -> None:
+    """Carry `model`'s compile() arguments over to `new` (a fresh optimizer
+    with the same config), as clone_model does; a warning where they do
+    not round-trip. The one compile-copy of rewrite and saving."""
     if not getattr(model, "compiled", False):
         return
     try:
@@ -427,7 +422,7 @@ def _copy_compile(model, new) -> None:
         warnings.warn(
             f"rnnfuse: could not copy compile() arguments to '{new.name}' "
             f"({type(err).__name__}: {err}); call compile() on it",
-            UserWarning,
+            FusionWarning,
             stacklevel=3,
         )
 

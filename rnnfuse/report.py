@@ -1,4 +1,5 @@
-"""The records `analyze` returns: `FusionGroup` and `FusionReport`.
+"""The records `analyze` and `optimize` return: `FusionGroup`,
+`FusionReport`, and `OptimizeResult` (with its `RewriteFailure`s).
 
 A `FusionGroup` is one run of stacked recurrent layers that becomes one
 fused layer; a `FusionReport` lists the groups of a model and, for every
@@ -25,7 +26,7 @@ from typing import Any, Mapping
 
 from rnnfuse.reasons import Reason
 
-__all__ = ["FusionGroup", "FusionReport"]
+__all__ = ["FusionGroup", "FusionReport", "OptimizeResult", "RewriteFailure"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -149,3 +150,37 @@ class FusionReport:
         for note in self.notes:
             console.print(f"note: {note}")
         return buf.getvalue().rstrip("\n")
+
+
+@dataclasses.dataclass(frozen=True)
+class RewriteFailure:
+    """A group whose fused layer could not be built; its layers stay."""
+
+    # The group that stays unfused.
+    group: FusionGroup
+    # Why (the exception's type and message, as `FusedRNN` raised it).
+    reason: str
+
+
+@dataclasses.dataclass(frozen=True)
+class OptimizeResult:
+    """What `rnnfuse.optimize(model, return_result=True)` returns (like
+    torch.fx's `PassResult`): the new model and how it was made."""
+
+    # The optimized model (the input model itself when nothing could be
+    # rewritten: a subclassed model).
+    model: Any
+    # What analysis found: the groups and every other layer's reason.
+    report: FusionReport
+    # One `rnnfuse.tuning.TuneResult` per group of `report`: the plan and
+    # how it was chosen ("static", "forced", "measured", "cache").
+    plans: tuple[Any, ...] = ()
+    # Groups whose fused layer could not be built, and why.
+    failed: tuple[RewriteFailure, ...] = ()
+
+    @property
+    def modified(self) -> bool:
+        """Whether any FusedRNN layer was made."""
+        return self.model is not None and any(
+            type(l).__name__ == "FusedRNN" for l in self.model._flatten_layers(include_self=False)
+        )

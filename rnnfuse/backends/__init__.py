@@ -1,59 +1,60 @@
 """Backends: run a whole stack of recurrent levels as one fused call.
 
-Each backend module exposes the same functions (the contract below); the
-`FusedRNN` layer picks the module for the active Keras backend with
-`get_backend()` and never branches on the backend itself.
+`get_backend()` returns the `Backend` (rnnfuse.backends.base) of the active
+Keras backend: an object implementing the whole contract, with its
+`capabilities` as fields. It is the only place in rnnfuse that reads
+`keras.backend.backend()`; everything else asks the object. A Keras backend
+rnnfuse has no kernel for gets `NoFusedKernel` (every group keeps its
+layers, with a reason).
 
-- `is_available() -> bool`: the fused kernel can run in this process now
-  (for TensorFlow: a GPU is visible).
-- `unsupported_reason(stack, dtype) -> str | None`: a configuration the
-  fused kernel cannot run (the layer then calls the original layers).
-- `mask_is_supported(mask) -> bool tensor`: the mask is right-padded with no
-  empty sequence, so it can become sequence lengths.
-- `run_stack(sequences, *, stack, initial_h, initial_c, mask, reverse,
-  dropout, seed) -> (outputs, final_h, final_c)`: the fused call itself;
-  raises `NotImplementedError` when it cannot run.
-- For the tuner: `device_environment() -> dict` (device and versions for
-  the plan cache), `timed_step(run, x, variables, training)` (a callable
-  returning a scalar), `TUNED_ALGORITHMS` (cuDNN algorithms to time).
+Each backend is a package, `rnnfuse/backends/<name>/`: the package module
+holds the kernels (packing, the fused call, its timed step) and
+`backend.py` the contract class that delegates to them. Only code under
+`rnnfuse/backends/` imports TensorFlow, torch or JAX.
 
-Optional: `group_reason(group)` (why the backend never runs a fusion
-group; the planner reports it), `ABSORBS_DROPOUT = False` (no between-level
-dropout: the planner does not absorb Dropout layers),
-`TUNES_ONE_CALL_PER_LAYER = True` (the tuner also times one fused call per
-layer) and `XLA_COMPILES_FUSED_CALL = True` (the fused call compiles under XLA, so
-`FusedRNN.supports_jit` stays True).
+Adding a backend: a package `rnnfuse/backends/<name>/` with its kernels and
+a `backend.py` subclassing `Backend`, and one line in `_CLASSES` below.
 
 Example:
 
-    >>> get_backend().__name__
-    'rnnfuse.backends.tensorflow'
+    >>> get_backend().name
+    'tensorflow'
 """
 
 from __future__ import annotations
 
 import importlib
-from types import ModuleType
 
 import keras
 
-from rnnfuse.backends.base import StackSpec
+from rnnfuse.backends.base import Backend, Capabilities, NoFusedKernel, StackSpec
 
-__all__ = ["StackSpec", "get_backend"]
+__all__ = ["Backend", "Capabilities", "StackSpec", "get_backend"]
 
-_MODULES = {
-    "tensorflow": "rnnfuse.backends.tensorflow",
-    "torch": "rnnfuse.backends.torch",
-    "jax": "rnnfuse.backends.jax",
+# Keras backend name -> "module:class" of its contract implementation.
+_CLASSES = {
+    "tensorflow": "rnnfuse.backends.tensorflow.backend:TensorFlowBackend",
+    "torch": "rnnfuse.backends.torch.backend:TorchBackend",
+    "jax": "rnnfuse.backends.jax.backend:JaxBackend",
 }
 
+_INSTANCES: dict[str, Backend] = {}
 
-def get_backend(name: str | None = None) -> ModuleType | None:
-    """The backend module for Keras backend `name` (default: the active one).
 
-    Returns None for a Keras backend rnnfuse has no fused kernel for; the
-    fused layer then runs the original layers.
+def get_backend(name: str | None = None) -> Backend:
+    """The `Backend` for Keras backend `name` (default: the active one).
+
+    A Keras backend rnnfuse has no fused kernel for gets `NoFusedKernel`,
+    whose `capabilities.fused_kernel` is False.
     """
     name = name or keras.backend.backend()
-    module = _MODULES.get(name)
-    return importlib.import_module(module) if module else None
+    backend = _INSTANCES.get(name)
+    if backend is None:
+        target = _CLASSES.get(name)
+        if target is None:
+            backend = NoFusedKernel(name)
+        else:
+            module, cls = target.split(":")
+            backend = getattr(importlib.import_module(module), cls)()
+        _INSTANCES[name] = backend
+    return backend

@@ -1,4 +1,9 @@
-"""`StackSpec`: what a backend needs to know about a fused stack.
+"""The backend contract: `Backend`, its `Capabilities`, and `StackSpec`.
+
+`StackSpec` is what a backend needs to know about a fused stack. `Backend`
+is the abstract class every backend (rnnfuse/backends/<name>/backend.py)
+implements in full; `NoFusedKernel` stands in for Keras backends rnnfuse
+has no kernel for. This module imports no framework.
 
 Example:
 
@@ -11,10 +16,14 @@ Example:
 
 from __future__ import annotations
 
+import abc
+import contextlib
 import dataclasses
-from typing import Any
+import os
+import platform
+from typing import Any, Sequence
 
-__all__ = ["StackSpec", "GATES"]
+__all__ = ["Backend", "Capabilities", "GATES", "NoFusedKernel", "StackSpec", "cpu_description", "loss_weights"]
 
 # Gate matrices per cell kind (cuDNN's "pseudo-layer" has 2*G matrices).
 GATES = {"lstm": 4, "gru": 3, "rnn_tanh": 1, "rnn_relu": 1}
@@ -50,3 +59,243 @@ class StackSpec:
     @property
     def output_size(self) -> int:
         return self.proj_size or self.units
+
+
+# -- the backend contract --------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Capabilities:
+    """What a backend can do, as fields the planner and the layers read.
+
+    Replaces probing backend modules with `getattr`: every backend states
+    every field.
+    """
+
+    # There is a fused kernel for this Keras backend at all (False only for
+    # `NoFusedKernel`, the stand-in for Keras backends rnnfuse does not know).
+    fused_kernel: bool
+    # The fused call takes cuDNN's seeded between-level dropout, so the
+    # planner absorbs `Dropout` layers between recurrent layers.
+    absorbs_dropout: bool
+    # The fused call is itself an XLA op (JAX's cuDNN custom call), so
+    # `FusedRNN.supports_jit` stays True.
+    xla_compiles_fused_call: bool
+    # The tuner also times one fused call per layer (torch: where PyTorch
+    # runs cuDNN's persistent kernels).
+    tunes_one_call_per_layer: bool
+    # The cuDNN algorithms the tuner times for fused pieces (None: default).
+    tuned_algorithms: tuple = (None,)
+    # Which static plan table `rnnfuse.tuning.table.static_plan` uses
+    # without `tune=` (a name in `rnnfuse.tuning.table.TABLES`).
+    plan_table: str = "fused"
+    # ProjectedLSTM's own fast loop on this backend ("tensorflow", "torch"),
+    # or None: Keras' generic loop.
+    projected_lstm_loop: str | None = None
+    # Keras resolves jit_compile="auto" from its layers' `supports_jit` here
+    # (TensorFlow), so first-batch tuning times the original layers
+    # XLA-compiled where Keras would (torch: no XLA; JAX: always jitted).
+    auto_jit_from_layers: bool = False
+
+
+class Backend(abc.ABC):
+    """The contract every backend implements in full.
+
+    `rnnfuse.backends.get_backend()` returns one of these for the active
+    Keras backend. Kernel methods delegate to the backend package's module
+    functions at call time, so a test that replaces a module function
+    (`tf_backend.cudnn_rnn`, `jax_backend.is_available`) still takes effect.
+    """
+
+    # The Keras backend name ("tensorflow", "torch", "jax", ...).
+    name: str
+
+    @property
+    @abc.abstractmethod
+    def capabilities(self) -> Capabilities:
+        """The fields the planner, tuner and layers read."""
+
+    # -- planning -------------------------------------------------------------
+
+    @abc.abstractmethod
+    def group_reason(self, group: Any) -> str | None:
+        """Why this backend never runs fusion `group` fused, or None."""
+
+    # -- the fused call ---------------------------------------------------------
+
+    @abc.abstractmethod
+    def is_available(self) -> bool:
+        """The fused kernel can run in this process now (TF: a GPU)."""
+
+    @abc.abstractmethod
+    def unsupported_reason(self, stack: StackSpec, dtype: str) -> str | None:
+        """A configuration the fused kernel cannot run, or None."""
+
+    @abc.abstractmethod
+    def mask_is_supported(self, mask: Any) -> Any:
+        """Boolean tensor: the mask is right-padded with no empty sequence."""
+
+    @abc.abstractmethod
+    def run_stack(self, sequences, *, stack, initial_h=None, initial_c=None, mask=None,
+                  reverse=False, dropout=0.0, seed=(0, 0), algorithm=None):
+        """(outputs, final_h, final_c); raises NotImplementedError when it
+        cannot run this call (the layer then runs the original layers)."""
+
+    @abc.abstractmethod
+    def in_xla_context(self) -> bool:
+        """Whether the current trace is compiled by XLA where the fused call
+        cannot be (False where `xla_compiles_fused_call`)."""
+
+    @abc.abstractmethod
+    def keras_runs_cudnn(self) -> bool:
+        """Whether Keras' own LSTM/GRU run cuDNN here (padded steps of a
+        returned sequence are then zeros, not zero_output_for_mask's)."""
+
+    # -- runtime environment ------------------------------------------------------
+
+    @abc.abstractmethod
+    def strategy_scope(self, strategy: Any) -> Any:
+        """A context manager entering `strategy`'s scope when one is needed."""
+
+    @abc.abstractmethod
+    def activation_functions(self) -> dict:
+        """This framework's own tanh/sigmoid/relu: name -> list of functions."""
+
+    # -- timing and gradients (tuner, CLI, examples) --------------------------------
+
+    @abc.abstractmethod
+    def device_environment(self) -> dict:
+        """Device and library versions a tuned plan depends on (cache key)."""
+
+    @abc.abstractmethod
+    def describe_device(self) -> tuple[str, bool]:
+        """(one line naming the device and library, whether it is a GPU)."""
+
+    @abc.abstractmethod
+    def timing_notes(self, on_gpu: bool) -> list[str]:
+        """Remarks on what may distort timings in this process."""
+
+    @abc.abstractmethod
+    def exact_float32(self) -> None:
+        """Turn TF32 matmuls off (for numeric checks)."""
+
+    @abc.abstractmethod
+    def timed_step(self, run, x, variables: Sequence[Any], training: bool, jit: bool = False):
+        """A compiled step of `run(x, training)` (+ gradients) for the
+        tuner; returns a callable giving a scalar tensor. `jit`: compile it
+        with XLA (only asked where `capabilities.auto_jit_from_layers`)."""
+
+    @abc.abstractmethod
+    def model_step(self, model, train: bool):
+        """inputs -> float: one inference or training step of `model`,
+        returning when the device is done (bench)."""
+
+    @abc.abstractmethod
+    def gradients(self, run, x, variables: Sequence[Any]) -> list:
+        """d(sum of squared outputs of `run(x, False)`)/d(variables), float64
+        NumPy arrays (the tuner's gradient check)."""
+
+    @abc.abstractmethod
+    def outputs_and_grads(self, model, inputs, variables, seed: int) -> tuple[list, list]:
+        """(outputs, gradients) of sum(mean(output_i * w_i)) in inference
+        mode, w_i = `loss_weights(shapes, seed)[i]`, as float32 NumPy
+        arrays (`rnnfuse check`)."""
+
+
+class NoFusedKernel(Backend):
+    """A Keras backend rnnfuse has no kernel for (OpenVINO, numpy): every
+    group keeps its layers, with a reason; nothing here is timed."""
+
+    capabilities = Capabilities(
+        fused_kernel=False,
+        absorbs_dropout=False,
+        xla_compiles_fused_call=False,
+        tunes_one_call_per_layer=False,
+        plan_table="per_layer",
+    )
+
+    def __init__(self, name: str):
+        self.name = name
+
+    def _none(self, what: str):
+        raise NotImplementedError(f"rnnfuse has no {what} for the {self.name} backend")
+
+    def group_reason(self, group):
+        return (
+            f"rnnfuse has no fused kernel for the {self.name} backend; the "
+            "original layers run as they are"
+        )
+
+    def is_available(self):
+        return False
+
+    def unsupported_reason(self, stack, dtype):
+        return f"no fused kernel for the {self.name} backend"
+
+    def mask_is_supported(self, mask):
+        return False
+
+    def run_stack(self, sequences, **kwargs):
+        self._none("fused kernel")
+
+    def in_xla_context(self):
+        return False
+
+    def keras_runs_cudnn(self):
+        return False
+
+    def strategy_scope(self, strategy):
+        return contextlib.nullcontext()
+
+    def activation_functions(self):
+        return {}
+
+    def device_environment(self):
+        return {}
+
+    def describe_device(self):
+        self._none("timing")
+
+    def timing_notes(self, on_gpu):
+        return []
+
+    def exact_float32(self):
+        return None
+
+    def timed_step(self, run, x, variables, training, jit=False):
+        self._none("timing")
+
+    def model_step(self, model, train):
+        self._none("timing")
+
+    def gradients(self, run, x, variables):
+        self._none("gradients")
+
+    def outputs_and_grads(self, model, inputs, variables, seed):
+        self._none("gradients")
+
+
+def loss_weights(shapes, seed: int) -> list:
+    """One fixed random float32 array per output shape, so gradients of a
+    weighted sum do not cancel (the same numbers on every backend)."""
+    import numpy as np
+
+    return [
+        np.random.default_rng(seed + 1 + i).standard_normal(tuple(shape)).astype("float32")
+        for i, shape in enumerate(shapes)
+    ]
+
+
+def cpu_description(library: str) -> str:
+    """'CPU: <model name>, <n> cores, <library> (no GPU visible)'."""
+    name = None
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    name = line.split(":", 1)[1].strip()
+                    break
+    except OSError:
+        pass
+    name = name or platform.processor() or platform.machine() or "unknown"
+    return f"CPU: {name}, {os.cpu_count()} cores, {library} (no GPU visible)"

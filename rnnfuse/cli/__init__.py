@@ -48,14 +48,13 @@ import math
 import os
 import statistics
 import sys
-import time
 import traceback
 import warnings
 from typing import Sequence
 
-from rnnfuse.cli.engines import (
+from rnnfuse.cli.inputs import (
+    _backend,
     _caveat,
-    _engine,
     _run_model,
     random_inputs,
 )
@@ -320,34 +319,35 @@ def _analyze(model, min_layers: int):
         raise CliError(_first_line(err, limit=600)) from err
 
 
-def _optimize(model, report, args, *, tune=None, training=True):
-    """(optimized model, [(group, plan name, how it was chosen)]).
+def _optimize(model, args, *, tune=None, training=True):
+    """The `rnnfuse.OptimizeResult` of one `optimize` call, and the summary
+    [(group, plan name, how it was chosen)].
 
     The plan of each group (fused whole, split, per layer) comes from
     `--plan`: "auto" is `optimize`'s own choice (the static rule table, or
     timing on this device with `tune`), "fused" forces every group fused.
     """
     import rnnfuse
-    from rnnfuse.api import choose_plans
 
     forced = {"auto": None, "fused": rnnfuse.FUSED, "per-layer": rnnfuse.PER_LAYER}[args.plan]
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always", rnnfuse.FusionWarning)
         try:
-            chosen = choose_plans(model, report.groups, tune=tune, training=training, plan=forced)
-            plans = {r.group.layers: r.plan for r in chosen}
-            fast = rnnfuse.optimize(
+            result = rnnfuse.optimize(
                 model,
                 min_layers=args.min_layers,
-                plan=lambda group: plans[group.layers],
+                tune=tune,
+                training=training,
+                plan=forced,
+                return_result=True,
             )
         except (TypeError, ValueError) as err:
             raise CliError(_first_line(err, limit=600)) from err
     for w in caught:
         if issubclass(w.category, rnnfuse.FusionWarning):
             print(f"rnnfuse: warning: {_one_line(str(w.message))}", file=sys.stderr)
-    summary = [(" -> ".join(r.group.layers), r.plan.name, r.source) for r in chosen]
-    return fast, summary
+    summary = [(" -> ".join(r.group.layers), r.plan.name, r.source) for r in result.plans]
+    return result, summary
 
 
 def _fused_layers(model) -> list:
@@ -424,14 +424,16 @@ def _cmd_bench(args) -> int:
 
     import rnnfuse
 
-    engine = _engine("bench")
+    from rnnfuse.tuning.timing import interleaved_medians
+
+    backend = _backend("bench")
     model = load_model(
         args.model,
         imports=args.imports,
         safe_mode=not args.unsafe,
         mixed_precision=args.mixed_precision,
     )
-    report = _analyze(model, args.min_layers)
+    _analyze(model, args.min_layers)  # argument errors first, before inputs
     notes: list[str] = []
     inputs, described = random_inputs(
         model, batch=args.batch, steps=args.steps, rng=np.random.default_rng(0), notes=notes
@@ -440,26 +442,26 @@ def _cmd_bench(args) -> int:
     if args.tune:
         steps = next((np.shape(x)[1] for x in _flatten(inputs) if np.ndim(x) >= 2), 1)
         tune = rnnfuse.TuneShape(args.batch, int(steps))
-    fast, summary = _optimize(model, report, args, tune=tune, training=args.train)
-    device, on_gpu = engine.device()
-    notes += engine.timing_notes(on_gpu)
-    steps = {"original": engine.step(model, args.train), "optimized": engine.step(fast, args.train)}
-    times = {"original": [], "optimized": []}
+    optimized, summary = _optimize(model, args, tune=tune, training=args.train)
+    report, fast = optimized.report, optimized.model
+    device, on_gpu = backend.describe_device()
+    notes += backend.timing_notes(on_gpu)
+    models = {"original": model, "optimized": fast}
+    steps = {}
+    for which, m in models.items():
+        fn = backend.model_step(m, args.train)
+        steps[which] = lambda fn=fn: _run_model(fn, inputs, command="bench")
     with _progress(disable=args.json) as progress:
-        task = progress.add_task("warming up", total=2 * (args.warmup + args.repeats))
-        for _ in range(args.warmup):
-            for fn in steps.values():
-                _run_model(fn, inputs, command="bench")
-                progress.advance(task)
-        for i in range(args.repeats):
-            progress.update(task, description=f"timing {i + 1}/{args.repeats}")
-            # Alternate the order so drift does not favour either model.
-            order = ["original", "optimized"] if i % 2 == 0 else ["optimized", "original"]
-            for which in order:
-                start = time.perf_counter()
-                _run_model(steps[which], inputs, command="bench")
-                times[which].append(1000 * (time.perf_counter() - start))
-                progress.advance(task)
+        task = progress.add_task("timing", total=2 * args.repeats)
+        # The tuner's timing loop: warm-up, then interleaved rounds whose
+        # order rotates, so drift does not favour either model.
+        stats = interleaved_medians(
+            steps,
+            warmup=args.warmup,
+            repeats=args.repeats,
+            on_step=lambda _name: progress.advance(task),
+        )
+    times = {which: [1000 * t for t in stats[which]["times"]] for which in steps}
     paths = {l.name: l.last_path for l in _fused_layers(fast)}
     orig_ms, fast_ms = statistics.median(times["original"]), statistics.median(times["optimized"])
     result = {
@@ -554,23 +556,24 @@ def _print_bench(result: dict) -> None:
 def _cmd_check(args) -> int:
     import numpy as np
 
-    engine = _engine("check")
+    backend = _backend("check")
     # Keep float32 matmuls exact on GPUs, so the comparison shows rnnfuse's
     # differences rather than TF32 rounding in either model.
-    engine.exact_float32()
+    backend.exact_float32()
     model = load_model(
         args.model,
         imports=args.imports,
         safe_mode=not args.unsafe,
         mixed_precision=args.mixed_precision,
     )
-    report = _analyze(model, args.min_layers)
+    _analyze(model, args.min_layers)  # argument errors first, before inputs
     rng = np.random.default_rng(args.seed)
     notes: list[str] = []
     inputs, described = random_inputs(model, batch=args.batch, steps=args.steps, rng=rng, notes=notes)
-    fast, summary = _optimize(model, report, args)
+    optimized, summary = _optimize(model, args)
+    report, fast = optimized.report, optimized.model
     variables = list(model.trainable_variables)
-    run = engine.outputs_and_grads
+    run = backend.outputs_and_grads
     out_orig, grads_orig = _run_model(run, model, inputs, variables, args.seed, command="check")
     out_fast, grads_fast = _run_model(run, fast, inputs, variables, args.seed, command="check")
     if len(out_orig) != len(out_fast):
@@ -591,7 +594,7 @@ def _cmd_check(args) -> int:
     paths = {l.name: l.last_path for l in _fused_layers(fast)}
     result = {
         "model": model.name,
-        "device": engine.device()[0],
+        "device": backend.describe_device()[0],
         "compute_dtype": compute,
         "groups": len(report.groups),
         "plans": {layers: f"{plan} ({source})" for layers, plan, source in summary},

@@ -518,18 +518,27 @@ class ProjectedLSTM(keras.layers.RNN):
 
     def _keras_loop_reason(self) -> str | None:
         """Why this layer must run Keras' generic loop, or None."""
-        backend = keras.backend.backend()
-        if backend not in ("tensorflow", "torch"):
-            return f"no fast path for the {backend} backend"
+        from rnnfuse.backends import get_backend
+
+        backend = get_backend()
+        loop = backend.capabilities.projected_lstm_loop
+        if loop is None:
+            return f"no fast path for the {backend.name} backend"
         if self.unroll:
             return "unroll=True"
         if self.cell.recurrent_dropout:
             return "recurrent_dropout draws masks inside the loop"
         if self.cell.dropout and getattr(self.cell, "dropout_mask_count", None):
             return "implementation=1 draws one input dropout mask per gate"
-        if backend == "torch":
+        if loop == "torch":
             return _torch_reason(self.cell)
         return None
+
+    @staticmethod
+    def _keras_loop_backend() -> str | None:
+        from rnnfuse.backends import get_backend
+
+        return get_backend().capabilities.projected_lstm_loop
 
     def inner_loop(self, sequences, initial_state, mask, training=False):
         if tree.is_nested(mask):
@@ -547,7 +556,7 @@ class ProjectedLSTM(keras.layers.RNN):
             reason = "the fast path is switched off (set_fast_path('off'))"
         if reason is not None:
             return self._keras_loop(sequences, initial_state, mask, training, reason)
-        if keras.backend.backend() == "torch":
+        if self._keras_loop_backend() == "torch":
             return self._torch_loop(sequences, initial_state, mask, training)
         variant = get_fast_path(resolve=True)
         if variant.startswith("custom") and not _tanh_sigmoid(self.cell):
@@ -738,11 +747,13 @@ class ProjectedLSTM(keras.layers.RNN):
 def _tanh_sigmoid(cell) -> bool:
     """Whether the cell uses exactly tanh and sigmoid (the hand-written grad,
     and the only activations PyTorch's fused LSTM computes)."""
+    from rnnfuse.backends import get_backend
     from rnnfuse.recurrent import _activation_name
 
+    extra = get_backend().activation_functions()
     return (
-        _activation_name(cell.activation) == "tanh"
-        and _activation_name(cell.recurrent_activation) == "sigmoid"
+        _activation_name(cell.activation, extra) == "tanh"
+        and _activation_name(cell.recurrent_activation, extra) == "sigmoid"
     )
 
 

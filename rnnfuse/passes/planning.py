@@ -36,8 +36,8 @@ from typing import Any
 import keras
 import networkx as nx
 
+from rnnfuse import rules
 from rnnfuse.backends import get_backend
-from rnnfuse.passes.rules import layer_reason, link_reason
 from rnnfuse.reasons import Reason
 from rnnfuse.recurrent import RecurrentView, describe, is_recurrent
 from rnnfuse.report import FusionGroup, FusionReport
@@ -73,10 +73,10 @@ def plan_fusion(
     Returns:
         A `FusionReport`.
     """
-    views, reasons = _candidates(graph)
     backend = get_backend()
+    views, reasons = _candidates(graph, backend.activation_functions())
     # A backend without between-level dropout (JAX) never absorbs Dropout.
-    absorb_dropout = absorb_dropout and getattr(backend, "ABSORBS_DROPOUT", True)
+    absorb_dropout = absorb_dropout and backend.capabilities.absorbs_dropout
     chain, link_reasons, bridges = _links(graph, views, absorb_dropout)
     groups, in_group = [], set()
     runs = []
@@ -84,31 +84,35 @@ def plan_fusion(
         runs += _split_by_dropout(graph, run, bridges, link_reasons)
     for run in runs:
         levels = sum(views[k].num_levels for k in run)
-        if levels >= min_layers:
+        too_short = rules.min_layers_reason(run, levels, min_layers)
+        if too_short is None:
             groups.append(_group(graph, run, views, bridges))
             in_group.update(run)
         elif len(run) > 1:
             for key in run:
-                reasons[key] = Reason(
-                    "min_layers",
-                    f"its run ({' -> '.join(run)}) has {levels} recurrent "
-                    f"levels, fewer than min_layers={min_layers}",
-                )
+                reasons[key] = too_short
     for key in views:
         if key not in in_group and key not in reasons:
-            reasons[key] = _lone_reason(
-                graph, key, views, reasons, link_reasons, min_layers
+            reasons[key] = rules.lone_reason(
+                graph, key, views[key].num_levels, reasons, link_reasons, min_layers
             )
     kept = []
     for group in groups:
-        why = _backend_reason(backend, group)
+        why = rules.backend_reason(backend, group)
         if why is None:
             kept.append(group)
             continue
         for key in group.layers:
             reasons[key] = why
     groups = kept
-    skipped = {k: reasons[k] for k in _graph_order(graph) if k in reasons}
+    # In graph order; layers inside a node (a wrapper, a custom layer, a
+    # subclassed model) right after it.
+    order = {k: i for i, k in enumerate(_graph_order(graph))}
+    container = lambda k: k if k in order else k.rsplit("/", 1)[0]
+    skipped = {
+        k: reasons[k]
+        for k in sorted(reasons, key=lambda k: (order.get(container(k), len(order)), k not in order))
+    }
     notes = tuple(graph.graph.get("notes", ()))
     return FusionReport(
         model_name=model_name,
@@ -118,59 +122,34 @@ def plan_fusion(
     )
 
 
-def _backend_reason(backend, group: FusionGroup) -> Reason | None:
-    """Why the active Keras backend cannot fuse `group`, or None.
-
-    No fused kernel for this Keras backend at all, or the backend's own
-    `group_reason` (JAX: LSTM only, no go_backwards first layer).
-    """
-    if backend is None:
-        return Reason(
-            "backend",
-            f"rnnfuse has no fused kernel for the {keras.backend.backend()} "
-            "backend; the original layers run as they are",
-        )
-    group_reason = getattr(backend, "group_reason", None)
-    why = group_reason(group) if group_reason is not None else None
-    if why is None:
-        return None
-    return Reason("backend", f"{why} (run {' -> '.join(group.layers)})")
-
-
 def _graph_order(graph: nx.DiGraph) -> list[str]:
     return list(nx.lexicographical_topological_sort(graph)) if nx.is_directed_acyclic_graph(graph) else list(graph)
 
 
-def _candidates(graph: nx.DiGraph):
-    """Step 1: a view or a reason for every recurrent layer."""
+def _candidates(graph: nx.DiGraph, activations=None):
+    """Step 1: a view or a reason for every recurrent layer, including
+    those rnnfuse cannot reach (inside a subclassed model, a wrapper such
+    as TimeDistributed, or a custom layer)."""
     views: dict[str, RecurrentView] = {}
     reasons: dict[str, Reason] = {}
     for key, data in graph.nodes(data=True):
         if data["kind"] == "opaque":
-            for layer in _recurrent_sublayers(data["layer"]):
-                reasons[f"{key}/{layer.name}"] = Reason(
-                    "subclassed_model",
-                    f"it is inside the subclassed model '{key}', whose call() "
-                    "rnnfuse cannot see into; build that part as a Functional "
-                    "or Sequential model to fuse it",
-                )
+            for layer in rules.recurrent_sublayers(data["layer"]):
+                reasons[f"{key}/{layer.name}"] = rules.subclassed_model(key)
             continue
-        if data["kind"] != "layer" or not is_recurrent(data["layer"]):
+        if data["kind"] != "layer":
             continue
-        view = describe(data["layer"])
+        if not is_recurrent(data["layer"]):
+            for layer in rules.recurrent_sublayers(data["layer"]):
+                reasons[f"{key}/{layer.name}"] = rules.wrapped_layer(key, data["layer"])
+            continue
+        reason = rules.layer_reason(data["layer"], activations=activations, graph=graph, key=key)
+        view = describe(data["layer"], activations=activations) if reason is None else reason
         if isinstance(view, Reason):
             reasons[key] = view
-            continue
-        reason = layer_reason(graph, key)
-        if reason is not None:
-            reasons[key] = reason
         else:
             views[key] = view
     return views, reasons
-
-
-def _recurrent_sublayers(model: Any) -> list:
-    return [l for l in model._flatten_layers(include_self=False) if is_recurrent(l)]
 
 
 def _links(graph: nx.DiGraph, views: dict, absorb_dropout: bool):
@@ -183,7 +162,7 @@ def _links(graph: nx.DiGraph, views: dict, absorb_dropout: bool):
         target, via = _reader(graph, key, absorb_dropout)
         if target is None or target not in views:
             continue
-        reason = link_reason(graph, key, target, view, views[target], via)
+        reason = rules.link_reason(graph, key, target, view, views[target], via)
         if reason is None:
             chain.add_edge(key, target)
             bridges[(key, target)] = via
@@ -250,16 +229,11 @@ def _split_by_dropout(graph, run, bridges, link_reasons) -> list[list[str]]:
         gap = _gap_rate(graph, bridges, upper, lower)
         if len(current) == 1:
             rate = gap
-        if gap == rate:
+        reason = rules.dropout_between(upper, lower, gap, rate)
+        if reason is None:
             current.append(lower)
             continue
-        describe_gap = lambda r: "no Dropout" if r is None else f"Dropout({r})"
-        link_reasons[(upper, lower)] = Reason(
-            "dropout_between",
-            f"between '{upper}' and '{lower}' there is {describe_gap(gap)}, "
-            f"but the run before it has {describe_gap(rate)}; cuDNN applies "
-            "one dropout rate between every pair of layers",
-        )
+        link_reasons[(upper, lower)] = reason
         pieces.append(current)
         current, rate = [lower], None
     pieces.append(current)
@@ -286,35 +260,4 @@ def _group(graph, run, views, bridges) -> FusionGroup:
             graph.nodes[bridges[(u, l)][0]]["layer"] if bridges[(u, l)] else None
             for u, l in zip(run, run[1:])
         ),
-    )
-
-
-def _lone_reason(graph, key, views, reasons, link_reasons, min_layers) -> Reason:
-    """Step 4: why an eligible layer ended up alone."""
-    for (upper, lower), reason in link_reasons.items():
-        if key in (upper, lower):
-            return reason.prefixed("not stacked with its neighbour: ")
-    for neighbour in list(graph.successors(key)) + list(graph.predecessors(key)):
-        if neighbour in reasons:
-            r = reasons[neighbour]
-            return Reason(
-                r.rule,
-                f"its neighbour '{neighbour}' cannot be fused: {r}",
-            )
-    if min_layers <= views[key].num_levels:
-        # Eligible and long enough alone: only a failed link stops it, and
-        # that case returned above. Reaching here means min_layers allows it.
-        return Reason("min_layers", f"min_layers={min_layers}")
-    feeds = ", ".join(
-        "a model output"
-        if graph.nodes[s]["kind"] == "output"
-        else f"'{s}' ({type(graph.nodes[s]['layer']).__name__})"
-        for s in graph.successors(key)
-    )
-    return Reason(
-        "not_stacked",
-        "no recurrent layer it could be fused with directly before or "
-        f"after it (its output feeds {feeds or 'nothing'}); a single layer "
-        f"has {views[key].num_levels} recurrent level(s), fewer than "
-        f"min_layers={min_layers}",
     )

@@ -41,14 +41,11 @@ import keras
 
 from rnnfuse.fused import FusedRNN, first_call_kwargs
 from rnnfuse.passes.graph import is_graph_model
-from rnnfuse.persistence import as_optimized
-from rnnfuse.report import FusionGroup
+from rnnfuse.persistence import as_optimized, copy_compile
+from rnnfuse.reasons import FusionWarning
+from rnnfuse.report import FusionGroup, RewriteFailure
 
-__all__ = ["FusionWarning", "rewrite_model"]
-
-
-class FusionWarning(UserWarning):
-    """A group that could not be fused, or a model rnnfuse left as it was."""
+__all__ = ["FusionWarning", "rewrite_model", "rewrite_with_failures"]
 
 
 def rewrite_model(
@@ -69,20 +66,32 @@ def rewrite_model(
     Returns:
         A new `keras.Model` sharing every layer and variable with `model`.
     """
+    return rewrite_with_failures(model, groups, algorithms)[0]
+
+
+def rewrite_with_failures(
+    model: keras.Model,
+    groups: Sequence[FusionGroup],
+    algorithms: Sequence[str | None] | None = None,
+) -> tuple[keras.Model, tuple[RewriteFailure, ...]]:
+    """`rewrite_model`, and the groups whose fused layer could not be built
+    (each also warned about with a `FusionWarning`)."""
     algorithms = list(algorithms or [None] * len(groups))
     pieces = list(pieces or [None] * len(groups))
     by_scope: dict[str, list] = collections.defaultdict(list)
     for group, algorithm, piece in zip(groups, algorithms, pieces):
         by_scope[group.scope].append((group, algorithm, piece))
-    new = _Rewriter(by_scope).rewrite(model, scope="", force_new=True)
+    rewriter = _Rewriter(by_scope)
+    new = rewriter.rewrite(model, scope="", force_new=True)
     # Weight files in the original layout, registered classes (persistence.py).
-    return as_optimized(new, like=model)
+    return as_optimized(new, like=model), tuple(rewriter.failures)
 
 
 class _Rewriter:
     def __init__(self, by_scope: dict[str, list]):
         self.by_scope = by_scope
         self.done: dict[int, Any] = {}
+        self.failures: list[RewriteFailure] = []
 
     def _has_groups_under(self, scope: str) -> bool:
         return any(s.startswith(scope) and groups for s, groups in self.by_scope.items())
@@ -116,6 +125,9 @@ class _Rewriter:
                     pieces=pieces,
                 )
             except Exception as err:  # noqa: BLE001 - one bad group must not sink the rest
+                # Not silent: warned about, and recorded in the
+                # OptimizeResult (`failed`) with the exception.
+                self.failures.append(RewriteFailure(group, f"{type(err).__name__}: {err}"))
                 warnings.warn(
                     f"rnnfuse: could not fuse {' -> '.join(group.layers)}; "
                     f"those layers stay as they are ({type(err).__name__}: {err})",
@@ -153,7 +165,7 @@ def _rewrite_sequential(model, fused, replacements) -> keras.Sequential:
             ),
         )
     new = keras.Sequential(layers, name=model.name, trainable=model.trainable)
-    _copy_compile(model, new)
+    copy_compile(model, new)
     return new
 
 
@@ -188,25 +200,10 @@ def _rewrite_functional(model, fused, replacements) -> keras.Model:
         clone_function=lambda layer: replacements.get(id(layer), layer),
         call_function=call_function,
     )
-    _copy_compile(model, new, already=True)
+    # clone_model carried the compile() arguments over itself.
     return new
 
 
 def _call_fused(fused: FusedRNN, args, kwargs):
     """Calls `fused` with the arguments the run's first layer received."""
     return fused(args[0], **first_call_kwargs(args, kwargs))
-
-
-def _copy_compile(model, new, already: bool = False) -> None:
-    """Carry `model`'s compile() arguments over, as clone_model does."""
-    if already or not getattr(model, "compiled", False):
-        return
-    try:
-        new.compile_from_config(model.get_compile_config())
-    except Exception as err:  # noqa: BLE001 - custom losses may not round-trip
-        warnings.warn(
-            f"rnnfuse: could not copy compile() arguments ({err}); call "
-            "compile() on the optimized model",
-            FusionWarning,
-            stacklevel=5,
-        )

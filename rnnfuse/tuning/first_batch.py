@@ -44,6 +44,7 @@ from typing import Any, Callable
 
 import keras
 
+from rnnfuse.backends import get_backend
 from rnnfuse.fused import FusedRNN
 from rnnfuse.recurrent import describe
 from rnnfuse.report import FusionGroup
@@ -198,7 +199,7 @@ def _group_shape(fused: FusedRNN, group: FusionGroup, batch_shape: tuple) -> tup
 
 def _keras_would_jit(model: keras.Model, state: AutoTune) -> bool:
     """Whether Keras would XLA-compile the original model (jit_compile="auto")."""
-    if not state.jit_auto or keras.backend.backend() != "tensorflow":
+    if not state.jit_auto or not get_backend().capabilities.auto_jit_from_layers:
         return False
     for layer in model._flatten_layers(include_self=False):
         if isinstance(layer, FusedRNN):

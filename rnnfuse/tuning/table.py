@@ -22,9 +22,10 @@ from __future__ import annotations
 import dataclasses
 from typing import Callable
 
+from rnnfuse.backends import get_backend
 from rnnfuse.tuning.plans import FUSED, PER_LAYER, Plan
 
-__all__ = ["Regime", "RULES", "plan_for_regime", "static_plan"]
+__all__ = ["Regime", "RULES", "TABLES", "plan_for_regime", "static_plan"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -160,12 +161,19 @@ def static_plan(group, dtype: str, training: bool) -> Plan:
     Keras' per-layer calls (bench/bench_jax.py), so without `tune=` the
     original layers stay; `tune=` fuses where it measures faster.
     """
-    import keras
+    table = TABLES[get_backend().capabilities.plan_table]
+    return table(group, dtype, training)
 
-    backend = keras.backend.backend()
-    if backend == "jax":
-        return PER_LAYER
-    if backend != "tensorflow":
-        return FUSED
+
+def _tensorflow_table(group, dtype: str, training: bool) -> Plan:
     return plan_for_regime(regime_of(group, dtype, training), len(group.layers))
 
+
+# The static tables a backend can name (`Capabilities.plan_table`): the
+# H200 rule table above (measured with TensorFlow's kernels), "fuse every
+# run whole" and "keep Keras' layers".
+TABLES: dict[str, Callable] = {
+    "tensorflow": _tensorflow_table,
+    "fused": lambda group, dtype, training: FUSED,
+    "per_layer": lambda group, dtype, training: PER_LAYER,
+}

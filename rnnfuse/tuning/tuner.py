@@ -81,11 +81,11 @@ def device_environment() -> dict | None:
     without a GPU.
     """
     backend = get_backend()
-    if backend is None or not backend.is_available():
+    if not backend.capabilities.fused_kernel or not backend.is_available():
         return None
-    import rnnfuse
+    from rnnfuse._version import __version__
 
-    env = {"backend": keras.backend.backend(), "rnnfuse": rnnfuse.__version__}
+    env = {"backend": backend.name, "rnnfuse": __version__}
     env.update(backend.device_environment())
     return env
 
@@ -97,18 +97,18 @@ def _input_batch(shape: tuple, dtype: str, seed: int = 0):
 
 def _runner(group: FusionGroup, plan: Plan, dtype: str | None = None) -> Callable:
     """A callable x -> outputs that runs `group` under `plan`."""
-    from rnnfuse.fused import FusedRNN
+    from rnnfuse.fused import FusedRNN, call_members
 
     if not plan.for_length(len(group.layers)).pieces:
-        layers = [v.layer for v in group.views]
-        dropouts = list(group.gap_dropout)
+        members = []
+        for i, view in enumerate(group.views):
+            members.append(view.layer)
+            if i < len(group.gap_dropout) and group.gap_dropout[i] is not None:
+                members.append(group.gap_dropout[i])
 
         def per_layer(x, training):
-            for i, layer in enumerate(layers):
-                x = layer(x, training=training)
-                if i < len(dropouts) and dropouts[i] is not None:
-                    x = dropouts[i](x, training=training)
-            return x
+            kwargs = {"training": training}
+            return call_members(members, x, first=kwargs, rest=kwargs)
 
         return per_layer
     pieces = [
@@ -142,24 +142,19 @@ def _step(group: FusionGroup, run: Callable, x, training: bool, jit: bool = Fals
 
 
 def gradient_error(group: FusionGroup, plan: Plan, x, reference) -> float:
-    """Max relative difference of `plan`'s gradients from `reference`'s."""
-    import tensorflow as tf
+    """Max relative difference of `plan`'s gradients from `reference`'s.
 
+    `reference`: a list of float64 gradients, or a runner (x, training) ->
+    outputs run on `x` in float64. Gradients come from the backend
+    (`Backend.gradients`).
+    """
+    backend = get_backend()
     variables = [w for v in group.views for w in v.layer.trainable_weights]
-
-    def grads(run, inputs):
-        with tf.GradientTape() as tape:
-            y = run(inputs, False)
-            loss = tf.add_n(
-                [tf.reduce_sum(tf.cast(t, tf.float64) ** 2) for t in keras.tree.flatten(y)]
-            )
-        return [tf.cast(tf.convert_to_tensor(g), tf.float64) for g in tape.gradient(loss, variables)]
-
-    got = grads(_runner(group, plan), x)
+    got = backend.gradients(_runner(group, plan), x, variables)
     if callable(reference):
-        reference = grads(reference, tf.cast(x, tf.float64))
-    scale = max(float(tf.reduce_max(tf.abs(r))) for r in reference) or 1.0
-    return max(float(tf.reduce_max(tf.abs(g - r))) for g, r in zip(got, reference)) / scale
+        reference = backend.gradients(reference, keras.ops.cast(x, "float64"), variables)
+    scale = max(float(np.max(np.abs(r))) for r in reference) or 1.0
+    return max(float(np.max(np.abs(g - r))) for g, r in zip(got, reference)) / scale
 
 
 def tune_plans(
@@ -267,9 +262,9 @@ def _candidates_for(backend_name: str) -> Callable[[FusionGroup], list[Plan]]:
     fused call per layer, which is where PyTorch runs cuDNN's persistent
     kernels (single-layer float16 calls).
     """
-    backend = get_backend(backend_name)
-    algorithms = getattr(backend, "TUNED_ALGORITHMS", (None,))
-    per_layer = getattr(backend, "TUNES_ONE_CALL_PER_LAYER", False)
+    capabilities = get_backend(backend_name).capabilities
+    algorithms = capabilities.tuned_algorithms
+    per_layer = capabilities.tunes_one_call_per_layer
     return lambda group: candidate_plans(group, algorithms, one_per_layer=per_layer)
 
 

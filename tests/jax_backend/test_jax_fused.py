@@ -194,3 +194,24 @@ def test_tuner_times_per_layer_and_fused_under_jax(emulated_jax_lstm):
     assert set(result.timings) == {"per-layer", "fused"}
     assert result.plan.name == min(result.timings, key=result.timings.get)
     assert emulated_jax_lstm, "the fused candidate was not timed"
+
+
+def test_absorbed_dropout_in_training_falls_back_to_the_original_layers(emulated_jax_lstm):
+    """jax.experimental.rnn has no seeded dropout: run_stack raises
+    NotImplementedError in training, and FusedRNN runs the original layers
+    with the reason recorded (issue 11); in inference the fused call runs."""
+    from rnnfuse import FusedRNN, PathKind
+
+    a = keras.layers.LSTM(4, return_sequences=True, name="a")
+    b = keras.layers.LSTM(4, name="b")
+    drop = keras.layers.Dropout(0.3, seed=1)
+    x = np.random.default_rng(0).standard_normal((2, 5, 3)).astype("float32")
+    expected = keras.ops.convert_to_numpy(b(drop(a(x), training=False)))
+    fused = FusedRNN([a, b], dropout_layers=[drop])
+    y = fused(x, training=True)
+    assert fused.last_path.kind is PathKind.LAYERS
+    assert fused.last_path.reason.rule == "not_implemented"
+    assert "dropout" in fused.last_path.reason
+    assert tuple(y.shape) == (2, 4) and not emulated_jax_lstm
+    np.testing.assert_allclose(keras.ops.convert_to_numpy(fused(x, training=False)), expected, atol=1e-5)
+    assert fused.last_path.kind is PathKind.FUSED and emulated_jax_lstm

@@ -374,3 +374,23 @@ def test_saved_optimized_model_loads_and_runs_fused(torch_calls, tmp_path):
     torch_calls.clear()
     assert max_abs_diff(loaded(x), model(x)) <= 2e-5
     assert len(torch_calls) == 1
+
+
+def test_not_implemented_from_the_torch_backend_runs_the_original_layers(monkeypatch):
+    """FusedRNN catches NotImplementedError from run_stack (issue 11)."""
+    import keras
+
+    from rnnfuse import FusedRNN, PathKind
+
+    def refuse(*args, **kwargs):
+        raise NotImplementedError("not this call")
+
+    monkeypatch.setattr(torch_backend, "run_stack", refuse)
+    a = keras.layers.GRU(4, return_sequences=True)
+    b = keras.layers.GRU(4)
+    x = np.random.default_rng(0).standard_normal((2, 5, 3)).astype("float32")
+    expected = keras.ops.convert_to_numpy(b(a(x)))
+    fused = FusedRNN([a, b])
+    np.testing.assert_array_equal(keras.ops.convert_to_numpy(fused(x)), expected)
+    assert fused.last_path.kind is PathKind.LAYERS
+    assert fused.last_path.reason.rule == "not_implemented"

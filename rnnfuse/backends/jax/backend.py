@@ -1,0 +1,143 @@
+"""`JaxBackend`: the backend contract (rnnfuse.backends.base) for JAX.
+
+Kernel methods delegate to this package's module functions
+(`rnnfuse.backends.jax`) at call time; model steps for `rnnfuse bench` /
+`check` are jitted `stateless_call`s, as Keras' JAX trainer runs them.
+
+Example:
+
+    >>> JaxBackend().capabilities.absorbs_dropout
+    False
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Sequence
+
+import jax
+import jax.numpy as jnp
+import keras
+import numpy as np
+
+from rnnfuse.backends import jax as kernels
+from rnnfuse.backends.base import Backend, Capabilities, cpu_description, loss_weights
+
+__all__ = ["JaxBackend"]
+
+
+class JaxBackend(Backend):
+    """JAX: an LSTM stack as one `jax.experimental.rnn.lstm` call (GPU)."""
+
+    name = "jax"
+    capabilities = Capabilities(
+        fused_kernel=True,
+        # jax.experimental.rnn takes a dropout rate but no seed.
+        absorbs_dropout=False,
+        # The call is an XLA custom call: jitted train steps keep working.
+        xla_compiles_fused_call=True,
+        tunes_one_call_per_layer=False,
+        tuned_algorithms=(None,),
+        # One multi-layer call measured 0.88x-1.62x against Keras' per-layer
+        # calls (bench/bench_jax.py): without tune= the layers stay.
+        plan_table="per_layer",
+        projected_lstm_loop=None,
+    )
+
+    def group_reason(self, group):
+        return kernels.group_reason(group)
+
+    def is_available(self):
+        return kernels.is_available()
+
+    def unsupported_reason(self, stack, dtype):
+        return kernels.unsupported_reason(stack, dtype)
+
+    def mask_is_supported(self, mask):
+        return kernels.mask_is_supported(mask)
+
+    def run_stack(self, sequences, **kwargs):
+        return kernels.run_stack(sequences, **kwargs)
+
+    def in_xla_context(self):
+        return False
+
+    def keras_runs_cudnn(self):
+        return False
+
+    def strategy_scope(self, strategy):
+        return contextlib.nullcontext()
+
+    def activation_functions(self):
+        return {"tanh": [jnp.tanh], "sigmoid": [jax.nn.sigmoid], "relu": [jax.nn.relu]}
+
+    def device_environment(self):
+        return kernels.device_environment()
+
+    def describe_device(self):
+        library = f"JAX {jax.__version__}"
+        if jax.default_backend() != "gpu":
+            return cpu_description(library), False
+        device = jax.devices()[0]
+        return f"GPU: {getattr(device, 'device_kind', str(device))}, {library}", True
+
+    def timing_notes(self, on_gpu):
+        return []
+
+    def exact_float32(self):
+        jax.config.update("jax_default_matmul_precision", "highest")
+
+    def timed_step(self, run, x, variables, training, jit=False):
+        return kernels.timed_step(run, x, variables, training)
+
+    def model_step(self, model, train):
+        trainable = [v.value for v in model.trainable_variables]
+        frozen = [v.value for v in model.non_trainable_variables]
+
+        def loss(tv, inputs):
+            y, _ = model.stateless_call(tv, frozen, inputs, training=train)
+            return sum(jnp.mean(jnp.square(t.astype(jnp.float32))) for t in jax.tree.leaves(y))
+
+        if train and trainable:
+            grad = jax.value_and_grad(loss)
+
+            def full(tv, inputs):
+                value, grads = grad(tv, inputs)
+                return value + sum(jnp.sum(g.astype(jnp.float32)) for g in jax.tree.leaves(grads))
+
+            fn = jax.jit(full)
+        else:
+            fn = jax.jit(loss)
+        return lambda inputs: float(fn(trainable, inputs))
+
+    def gradients(self, run, x, variables: Sequence[Any]):
+        variables = list(variables)
+
+        def loss(values, inputs):
+            with keras.StatelessScope(state_mapping=list(zip(variables, values))):
+                y = run(inputs, False)
+            return sum(jnp.sum(jnp.square(t.astype(jnp.float32))) for t in jax.tree.leaves(y))
+
+        grads = jax.grad(loss)([v.value for v in variables], x)
+        return [np.asarray(g, np.float64) for g in grads]
+
+    def outputs_and_grads(self, model, inputs, variables, seed):
+        wanted = {id(v) for v in variables}
+        trainable = list(model.trainable_variables)
+        frozen = [v.value for v in model.non_trainable_variables]
+
+        def loss(tv):
+            y, _ = model.stateless_call(tv, frozen, inputs, training=False)
+            flat = [t.astype(jnp.float32) for t in jax.tree.leaves(y)]
+            weights = loss_weights([tuple(t.shape) for t in flat], seed)
+            value = sum(jnp.mean(t * w) for t, w in zip(flat, weights))
+            return value, flat
+
+        grads, flat = jax.grad(loss, has_aux=True)([v.value for v in trainable])
+        by_id = {id(v): g for v, g in zip(trainable, grads)}
+        out = [
+            np.asarray(by_id[id(v)], np.float32) if id(v) in by_id and id(v) in wanted
+            else np.zeros(tuple(v.shape), np.float32)
+            for v in variables
+        ]
+        return [np.asarray(t) for t in flat], out

@@ -1,0 +1,157 @@
+"""`TensorFlowBackend`: the backend contract (rnnfuse.backends.base) for
+TensorFlow.
+
+Kernel methods delegate to this package's module functions
+(`rnnfuse.backends.tensorflow`) at call time, so tests that replace
+`cudnn_rnn` or `is_available` there still take effect; the model steps and
+gradients for `rnnfuse bench` / `check` are `tf.function`s with
+`GradientTape`.
+
+Example:
+
+    >>> TensorFlowBackend().capabilities.plan_table
+    'tensorflow'
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Sequence
+
+import keras
+import numpy as np
+import tensorflow as tf
+
+from rnnfuse.backends import tensorflow as kernels
+from rnnfuse.backends.base import Backend, Capabilities, cpu_description, loss_weights
+
+__all__ = ["TensorFlowBackend"]
+
+
+class TensorFlowBackend(Backend):
+    """TensorFlow: one `CudnnRNNV3` call per stack (needs a GPU)."""
+
+    name = "tensorflow"
+
+    @property
+    def capabilities(self) -> Capabilities:
+        return Capabilities(
+            fused_kernel=True,
+            absorbs_dropout=True,
+            # CudnnRNNV3 has no XLA kernel.
+            xla_compiles_fused_call=False,
+            tunes_one_call_per_layer=False,
+            tuned_algorithms=tuple(kernels.TUNED_ALGORITHMS),
+            # The rule table measured on the H200 with these kernels.
+            plan_table="tensorflow",
+            projected_lstm_loop="tensorflow",
+            auto_jit_from_layers=True,
+        )
+
+    def group_reason(self, group):
+        return None
+
+    def is_available(self):
+        return kernels.is_available()
+
+    def unsupported_reason(self, stack, dtype):
+        return kernels.unsupported_reason(stack, dtype)
+
+    def mask_is_supported(self, mask):
+        return kernels.mask_is_supported(mask)
+
+    def run_stack(self, sequences, **kwargs):
+        return kernels.run_stack(sequences, **kwargs)
+
+    def in_xla_context(self):
+        return kernels.in_xla_context()
+
+    def keras_runs_cudnn(self):
+        return bool(tf.config.list_logical_devices("GPU"))
+
+    def strategy_scope(self, strategy):
+        if strategy is None or tf.distribute.has_strategy():
+            return contextlib.nullcontext()
+        return strategy.scope()
+
+    def activation_functions(self):
+        return {
+            "tanh": [tf.tanh, tf.math.tanh],
+            "sigmoid": [tf.sigmoid, tf.math.sigmoid],
+            "relu": [tf.nn.relu],
+        }
+
+    def device_environment(self):
+        return kernels.device_environment()
+
+    def describe_device(self):
+        library = f"TensorFlow {tf.__version__}"
+        gpus = tf.config.list_physical_devices("GPU")
+        if not gpus:
+            return cpu_description(library), False
+        try:
+            name = tf.config.experimental.get_device_details(gpus[0]).get("device_name", "GPU")
+        except Exception:  # noqa: BLE001 - the name is cosmetic
+            name = "GPU"
+        cudnn = tf.sysconfig.get_build_info().get("cudnn_version")
+        more = f" (+{len(gpus) - 1} more, unused)" if len(gpus) > 1 else ""
+        return f"GPU: {name}{more}, {library}" + (f", cuDNN {cudnn}" if cudnn else ""), True
+
+    def timing_notes(self, on_gpu):
+        return []
+
+    def exact_float32(self):
+        tf.config.experimental.enable_tensor_float_32_execution(False)
+
+    def timed_step(self, run, x, variables, training, jit=False):
+        return kernels.timed_step(run, x, variables, training, jit=jit)
+
+    def model_step(self, model, train):
+        variables = list(model.trainable_variables)
+
+        def loss_of(outputs):
+            flat = [tf.cast(t, tf.float32) for t in keras.tree.flatten(outputs)]
+            return tf.add_n([tf.reduce_mean(tf.square(t)) for t in flat])
+
+        @tf.function
+        def infer(inputs):
+            return loss_of(model(inputs, training=False))
+
+        @tf.function
+        def train_step(inputs):
+            with tf.GradientTape() as tape:
+                loss = loss_of(model(inputs, training=True))
+            grads = [g for g in tape.gradient(loss, variables) if g is not None]
+            # Depend on every gradient so the step is timed to its end.
+            return loss + tf.add_n([tf.reduce_sum(tf.cast(g, tf.float32)) for g in grads] or [0.0])
+
+        fn = train_step if train and variables else infer
+        return lambda inputs: float(fn(inputs).numpy())
+
+    def gradients(self, run, x, variables: Sequence[Any]):
+        variables = list(variables)
+        with tf.GradientTape() as tape:
+            y = run(x, False)
+            loss = tf.add_n(
+                [tf.reduce_sum(tf.cast(t, tf.float64) ** 2) for t in keras.tree.flatten(y)]
+            )
+        return [
+            np.zeros(tuple(v.shape)) if g is None
+            else tf.cast(tf.convert_to_tensor(g), tf.float64).numpy()
+            for v, g in zip(variables, tape.gradient(loss, variables))
+        ]
+
+    def outputs_and_grads(self, model, inputs, variables, seed):
+        # Eager: one step does not pay back tracing a graph.
+        with tf.GradientTape() as tape:
+            outputs = model(inputs, training=False)
+            flat = [tf.cast(t, tf.float32) for t in keras.tree.flatten(outputs)]
+            weights = loss_weights([tuple(t.shape) for t in flat], seed)
+            loss = tf.add_n([tf.reduce_mean(t * w) for t, w in zip(flat, weights)])
+        grads = tape.gradient(loss, variables)
+        grads = [
+            np.zeros(v.shape, np.float32) if g is None
+            else tf.cast(tf.convert_to_tensor(g), tf.float32).numpy()
+            for v, g in zip(variables, grads)
+        ]
+        return [t.numpy() for t in flat], grads

@@ -1,0 +1,143 @@
+"""`TorchBackend`: the backend contract (rnnfuse.backends.base) for torch.
+
+Kernel methods delegate to this package's module functions
+(`rnnfuse.backends.torch`) at call time; the model steps and gradients for
+`rnnfuse bench` / `check` are eager torch with autograd.
+
+Example:
+
+    >>> TorchBackend().capabilities.tunes_one_call_per_layer
+    True
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import sys
+from typing import Any, Sequence
+
+import keras
+import numpy as np
+import torch
+
+from rnnfuse.backends import torch as kernels
+from rnnfuse.backends.base import Backend, Capabilities, cpu_description, loss_weights
+
+__all__ = ["TorchBackend"]
+
+
+class TorchBackend(Backend):
+    """PyTorch: one `torch._VF` call per stack, on CUDA and on the CPU."""
+
+    name = "torch"
+    capabilities = Capabilities(
+        fused_kernel=True,
+        absorbs_dropout=True,
+        xla_compiles_fused_call=False,
+        tunes_one_call_per_layer=True,
+        tuned_algorithms=(None,),
+        # The H200 table was measured with TensorFlow's kernels: torch
+        # fuses every run whole and picks its own calls (levels_per_call).
+        plan_table="fused",
+        projected_lstm_loop="torch",
+    )
+
+    def group_reason(self, group):
+        return None
+
+    def is_available(self):
+        return kernels.is_available()
+
+    def unsupported_reason(self, stack, dtype):
+        return kernels.unsupported_reason(stack, dtype)
+
+    def mask_is_supported(self, mask):
+        return kernels.mask_is_supported(mask)
+
+    def run_stack(self, sequences, **kwargs):
+        return kernels.run_stack(sequences, **kwargs)
+
+    def in_xla_context(self):
+        return False
+
+    def keras_runs_cudnn(self):
+        # Keras 3.15's torch LSTM/GRU take cuDNN only without a mask.
+        return False
+
+    def strategy_scope(self, strategy):
+        return contextlib.nullcontext()
+
+    def activation_functions(self):
+        return {"tanh": [torch.tanh], "sigmoid": [torch.sigmoid], "relu": [torch.relu]}
+
+    def device_environment(self):
+        return kernels.device_environment()
+
+    def describe_device(self):
+        library = f"PyTorch {torch.__version__}"
+        if not torch.cuda.is_available():
+            return cpu_description(library), False
+        cudnn = torch.backends.cudnn.version()
+        name = torch.cuda.get_device_name(0)
+        return f"GPU: {name}, {library}" + (f", cuDNN {cudnn}" if cudnn else ""), True
+
+    def timing_notes(self, on_gpu):
+        if on_gpu or "tensorflow" not in sys.modules or os.environ.get("OMP_WAIT_POLICY"):
+            return []
+        return [
+            "TensorFlow is loaded in this process too (Keras imports it when it "
+            "is installed); on a CPU its threads and PyTorch's spinning OpenMP "
+            "threads can slow torch down 10-50x. Set OMP_WAIT_POLICY=PASSIVE "
+            "in the environment for steady CPU timings"
+        ]
+
+    def exact_float32(self):
+        torch.backends.cuda.matmul.allow_tf32 = False
+        torch.backends.cudnn.allow_tf32 = False
+
+    def timed_step(self, run, x, variables, training, jit=False):
+        return kernels.timed_step(run, x, variables, training)
+
+    def model_step(self, model, train):
+        params = [v.value for v in model.trainable_variables]
+
+        def run(inputs):
+            x = _tensors(inputs)
+            with torch.set_grad_enabled(train):
+                flat = keras.tree.flatten(model(x, training=train))
+                loss = sum(torch.mean(torch.square(t.float())) for t in flat)
+                if train and params:
+                    grads = torch.autograd.grad(loss, params, allow_unused=True)
+                    loss = loss + sum(g.float().sum() for g in grads if g is not None)
+            if torch.cuda.is_available():
+                torch.cuda.synchronize()
+            return float(loss)
+
+        return run
+
+    def gradients(self, run, x, variables: Sequence[Any]):
+        params = [getattr(v, "value", v) for v in variables]
+        y = run(x, False)
+        loss = sum((t.double() ** 2).sum() for t in keras.tree.flatten(y))
+        grads = torch.autograd.grad(loss, params, allow_unused=True)
+        return [
+            np.zeros(tuple(p.shape)) if g is None else g.detach().double().cpu().numpy()
+            for p, g in zip(params, grads)
+        ]
+
+    def outputs_and_grads(self, model, inputs, variables, seed):
+        flat = [t.float() for t in keras.tree.flatten(model(_tensors(inputs), training=False))]
+        weights = loss_weights([tuple(t.shape) for t in flat], seed)
+        loss = sum(torch.mean(t * torch.as_tensor(w, device=t.device)) for t, w in zip(flat, weights))
+        params = [v.value for v in variables]
+        grads = torch.autograd.grad(loss, params, allow_unused=True) if params else []
+        grads = [
+            np.zeros(tuple(v.shape), np.float32) if g is None else g.detach().float().cpu().numpy()
+            for v, g in zip(variables, grads)
+        ]
+        return [t.detach().cpu().numpy() for t in flat], grads
+
+
+def _tensors(inputs):
+    return keras.tree.map_structure(keras.ops.convert_to_tensor, inputs)

@@ -1,0 +1,186 @@
+"""Random inputs for `bench` and `check`, and running the user's model.
+
+Timing, model steps and gradients are the backend's own
+(`rnnfuse.backends.get_backend()`: `describe_device`, `model_step`,
+`outputs_and_grads`), so `bench` and `check` run under every backend
+rnnfuse has a kernel for.
+
+Example:
+
+    >>> import keras, numpy as np
+    >>> m = keras.Sequential([keras.Input((4, 2)), keras.layers.LSTM(3)])
+    >>> x, _ = random_inputs(m, batch=2, steps=None, rng=np.random.default_rng(0))
+    >>> x.shape
+    (2, 4, 2)
+"""
+
+from __future__ import annotations
+
+from rnnfuse.cli.errors import CliError, _first_line
+
+__all__ = ["random_inputs"]
+
+
+# -- random inputs -------------------------------------------------------------
+
+
+def random_inputs(model, *, batch: int, steps: int | None, rng, notes: list | None = None):
+    """Random arrays for every input of `model`, as `model(...)` takes them.
+
+    Args:
+        model: a built Functional or Sequential keras.Model.
+        batch: the batch size.
+        steps: the time steps for inputs whose axis 1 is None.
+        rng: a numpy Generator.
+        notes: a list that receives one line per remark (may be None).
+
+    Returns:
+        (inputs as the model takes them, list of one-line descriptions).
+
+    Raises:
+        CliError: the model has no inputs to read, or an open dimension
+            other than batch and time.
+    """
+    import keras
+
+    try:
+        specs = list(model.inputs)
+    except (AttributeError, ValueError) as err:
+        raise CliError(
+            f"cannot tell the input shapes of '{model.name}' "
+            f"({type(model).__name__}). Fix: build it as a Functional or "
+            "Sequential model starting with keras.Input(shape)"
+        ) from err
+    vocab = _embedding_inputs(model, specs)
+    arrays, described = [], []
+    for i, spec in enumerate(specs):
+        name = getattr(spec, "name", f"input_{i}")
+        shape = [batch]
+        for axis, dim in enumerate(spec.shape[1:], start=1):
+            if dim is not None:
+                if axis == 1 and steps is not None and dim != steps and notes is not None:
+                    notes.append(
+                        f"input '{name}' has a fixed time dimension of {dim}; "
+                        f"--steps {steps} does not apply to it"
+                    )
+                shape.append(int(dim))
+            elif axis == 1:
+                if steps is None:
+                    raise CliError(
+                        f"input '{name}' has no fixed time dimension (shape "
+                        f"{tuple(spec.shape)}). Fix: pass --steps T"
+                    )
+                shape.append(steps)
+            else:
+                raise CliError(
+                    f"input '{name}' has an open dimension at axis {axis} "
+                    f"(shape {tuple(spec.shape)}), so rnnfuse cannot make random "
+                    "inputs for it. Fix: give that dimension a size in "
+                    "keras.Input(shape)"
+                )
+        dtype = str(spec.dtype)
+        if "int" in dtype:
+            high, mask_zero = vocab.get(i, (2, False))
+            low = 1 if mask_zero and high > 1 else 0
+            values = rng.integers(low, high, size=shape)
+            text = f"{name}: {dtype} {shape}, token ids {low}..{high - 1}"
+            if mask_zero and len(shape) >= 2:
+                lengths = rng.integers(max(1, shape[1] // 2), shape[1] + 1, size=batch)
+                for b, n in enumerate(lengths):
+                    values[b, n:] = 0
+                text += ", right-padded with 0"
+            arrays.append(values.astype(dtype))
+        elif dtype == "bool":
+            arrays.append(rng.random(shape) < 0.5)
+            text = f"{name}: bool {shape}"
+        else:
+            arrays.append(rng.standard_normal(shape).astype(dtype))
+            text = f"{name}: {dtype} {shape}, standard normal"
+        described.append(text)
+    struct = getattr(model, "_inputs_struct", None)
+    if struct is not None:
+        packed = keras.tree.pack_sequence_as(struct, arrays)
+    else:
+        packed = arrays[0] if len(arrays) == 1 else arrays
+    return packed, described
+
+
+def _embedding_inputs(model, specs) -> dict[int, tuple[int, bool]]:
+    """Input index -> (smallest input_dim, any mask_zero) of the Embeddings it feeds."""
+    import keras
+
+    from rnnfuse.passes.graph import build_layer_graph, is_graph_model
+
+    if not is_graph_model(model):
+        return {}
+    graph = build_layer_graph(model)
+    found = {}
+    for i, spec in enumerate(specs):
+        key = f"<input:{spec.name}>"
+        if key not in graph:
+            continue
+        embeddings, seen, todo = [], {key}, [key]
+        while todo:
+            for nxt in graph.successors(todo.pop()):
+                if nxt in seen:
+                    continue
+                seen.add(nxt)
+                layer = graph.nodes[nxt].get("layer")
+                if isinstance(layer, keras.layers.Embedding):
+                    embeddings.append(layer)
+                else:
+                    todo.append(nxt)
+        if embeddings:
+            found[i] = (
+                min(int(e.input_dim) for e in embeddings),
+                any(bool(e.mask_zero) for e in embeddings),
+            )
+    return found
+
+
+# -- running the user's model ----------------------------------------------------
+
+
+def _backend(command: str):
+    """The active Keras backend's `rnnfuse.backends.Backend` (its device
+    description, model steps and gradients); a CliError where rnnfuse has
+    no kernel for it."""
+    from rnnfuse.backends import get_backend
+
+    backend = get_backend()
+    if not backend.capabilities.fused_kernel:
+        raise CliError(
+            f"rnnfuse {command} runs on the TensorFlow, torch or JAX Keras backend; "
+            f"this process uses '{backend.name}'. Fix: set KERAS_BACKEND=tensorflow "
+            "(or torch, or jax)"
+        )
+    return backend
+
+
+def _run_model(fn, *args, command: str):
+    """Calls `fn(*args)`; a failure of the user's model becomes a CliError."""
+    try:
+        return fn(*args)
+    except CliError:
+        raise
+    except Exception as err:  # noqa: BLE001 - the user's model failed on our inputs
+        raise CliError(
+            f"{command}: running the model on random inputs failed: "
+            f"{type(err).__name__}: {_first_line(err)}. Fix: check that the "
+            "model runs on inputs of these shapes (--debug shows the traceback)"
+        ) from err
+
+
+def _caveat(paths: dict, groups: int) -> str | None:
+    """Why the two models should time alike here, if they should."""
+    if not groups:
+        return "nothing fuses in this model: both models run the same layers."
+    if not paths:
+        return "every group's plan keeps its layers: both models run the same layers."
+    fallback = sorted({str(p.reason) for p in paths.values() if getattr(p, "reason", None) is not None})
+    if fallback:
+        return (
+            f"the fused layers ran the original layers here ({'; '.join(fallback)}), "
+            "so expect about 1.0x. On a CUDA GPU each group runs as one cuDNN call."
+        )
+    return None

@@ -1,0 +1,310 @@
+"""Link rules: can `upper` feed `lower` inside one fused call?
+
+Two kinds, both registered in `rnnfuse.rules.registry` with scope "link":
+
+- "views" rules need only the two layers' `RecurrentView`s
+  (`stack_link_reason`), so the `FusedRNN` layer checks them too;
+- "graph" rules need the model graph: the edge's role (does `lower` read
+  `upper`'s output sequence at all), other consumers, model outputs,
+  masks, extra inputs.
+
+`link_reason` runs, in order: the edge-role rules (an encoder -> decoder
+`initial_state` link is `not_sequence_input`, whatever the layers'
+arguments), the "views" rules, then the other graph rules. Every check
+returns None when the rule holds and a `Reason` when it does not; none of
+them raises.
+
+Example:
+
+    >>> import keras
+    >>> from rnnfuse.recurrent import describe
+    >>> a = keras.layers.LSTM(8, return_sequences=True, name="a")
+    >>> b = keras.layers.LSTM(16, name="b")
+    >>> _ = b(a(keras.ops.zeros((1, 4, 3))))
+    >>> stack_link_reason(describe(a), describe(b)).rule
+    'units'
+"""
+
+from __future__ import annotations
+
+import networkx as nx
+
+from rnnfuse.reasons import Reason
+from rnnfuse.recurrent import RecurrentView
+from rnnfuse.rules.registry import rule, rules_for
+
+__all__ = ["link_reason", "stack_link_reason"]
+
+
+def stack_link_reason(upper: RecurrentView, lower: RecurrentView) -> Reason | None:
+    """The "views" link rules for `upper` feeding `lower` in one cuDNN call.
+
+    `upper` is the layer below in the stack (it runs first); `lower` reads
+    its output sequence.
+    """
+    for r in rules_for("link", "views"):
+        reason = r.check(upper, lower)
+        if reason is not None:
+            return reason
+    return None
+
+
+def link_reason(
+    graph: nx.DiGraph,
+    upper_key: str,
+    lower_key: str,
+    upper: RecurrentView,
+    lower: RecurrentView,
+    bridges: tuple[str, ...] = (),
+) -> Reason | None:
+    """All link rules for `upper_key` -> (`bridges`) -> `lower_key`.
+
+    Args:
+        graph: the layer graph.
+        upper_key, lower_key: node keys of the two recurrent layers.
+        upper, lower: their views.
+        bridges: keys of layers between them that the fused call absorbs
+            (a `Dropout`), in order.
+    """
+    for r in rules_for("link", "edge"):
+        reason = r.check(graph, upper_key, lower_key, bridges)
+        if reason is not None:
+            return reason
+    reason = stack_link_reason(upper, lower)
+    if reason is not None:
+        return reason
+    for r in rules_for("link", "graph"):
+        reason = r.check(graph, upper_key, lower_key, bridges)
+        if reason is not None:
+            return reason
+    return None
+
+
+def _hops(upper_key, lower_key, bridges):
+    chain = [upper_key, *bridges, lower_key]
+    return list(zip(chain, chain[1:]))
+
+
+# -- edge roles: does `lower` read `upper`'s output sequence? ------------------------
+
+
+@rule("not_sequence_input", "link", "the next layer reads this layer's output as another argument (initial_state, mask), not as its input sequence", "edge")
+def _not_sequence_input(graph, upper_key, lower_key, bridges):
+    for src, dst in _hops(upper_key, lower_key, bridges):
+        role = graph.edges[src, dst]["role"]
+        if role != "sequence":
+            return Reason(
+                "not_sequence_input",
+                f"'{dst}' reads '{src}' as {role!r}, not as its input sequence",
+            )
+    return None
+
+
+@rule("reads_state", "link", "the next layer reads a state of this layer, not its output sequence", "edge")
+def _reads_state(graph, upper_key, lower_key, bridges):
+    for src, dst in _hops(upper_key, lower_key, bridges):
+        if graph.edges[src, dst]["index"] != 0:
+            return Reason("reads_state", f"'{dst}' reads a state of '{src}', not its output sequence")
+    return None
+
+
+# -- the two layers ----------------------------------------------------------------------
+
+
+@rule("cell_kind", "link", "the two layers have different cell kinds", "views")
+def _cell_kind(upper, lower):
+    if lower.kind != upper.kind:
+        return Reason(
+            "cell_kind",
+            f"'{lower.layer.name}' is a {lower.kind} layer and '{upper.layer.name}' a "
+            f"{upper.kind} layer; one cuDNN call runs one kind of cell",
+        )
+    return None
+
+
+@rule("units", "link", "the two layers have different widths", "views")
+def _units(upper, lower):
+    if lower.units != upper.units:
+        return Reason(
+            "units",
+            f"'{lower.layer.name}' has {lower.units} units and '{upper.layer.name}' has "
+            f"{upper.units}; one cuDNN call needs the same width in every layer",
+        )
+    return None
+
+
+@rule("proj_size", "link", "the two layers have different projection widths", "views")
+def _proj_size(upper, lower):
+    if lower.proj_size != upper.proj_size:
+        return Reason(
+            "proj_size",
+            f"'{lower.layer.name}' has proj_size={lower.proj_size} and '{upper.layer.name}' "
+            f"proj_size={upper.proj_size}",
+        )
+    return None
+
+
+@rule("direction", "link", "one layer is bidirectional and the other is not", "views")
+def _direction(upper, lower):
+    if lower.bidirectional != upper.bidirectional:
+        which = lambda v: "bidirectional" if v.bidirectional else "unidirectional"
+        return Reason(
+            "direction",
+            f"'{lower.layer.name}' is {which(lower)} and '{upper.layer.name}' is {which(upper)}",
+        )
+    return None
+
+
+@rule("return_sequences", "link", "a layer below the top of a run returns only its last output", "views")
+def _return_sequences(upper, lower):
+    if not upper.return_sequences:
+        return Reason(
+            "return_sequences",
+            f"'{upper.layer.name}' has return_sequences=False, so only its last output "
+            f"reaches '{lower.layer.name}'; every layer but the last of a run must return "
+            "sequences",
+        )
+    return None
+
+
+@rule("return_state", "link", "a layer below the top of a run returns its states", "views")
+def _return_state(upper, lower):
+    if upper.return_state:
+        return Reason(
+            "return_state",
+            f"'{upper.layer.name}' has return_state=True; only the last layer of a run may "
+            "return its states",
+        )
+    return None
+
+
+@rule("merge_mode", "link", "a Bidirectional below the top of a run merges its directions other than by concatenation", "views")
+def _merge_mode(upper, lower):
+    if upper.bidirectional and upper.merge_mode != "concat":
+        return Reason(
+            "merge_mode",
+            f"'{upper.layer.name}' merges its directions with merge_mode="
+            f"{upper.merge_mode!r}; cuDNN feeds the next layer the "
+            "concatenation, so only the last layer may use another merge_mode",
+        )
+    return None
+
+
+@rule("go_backwards", "link", "a go_backwards layer that is not the first of its run", "views")
+def _go_backwards(upper, lower):
+    if lower.go_backwards:
+        return Reason(
+            "go_backwards",
+            f"'{lower.layer.name}' has go_backwards=True but is not the first layer of the "
+            "run: Keras reverses the input of every go_backwards layer, so "
+            "such a stack alternates direction, which one cuDNN call cannot do",
+        )
+    return None
+
+
+@rule("dropout", "link", "input dropout on a layer that is not the first of its run", "views")
+def _dropout(upper, lower):
+    if lower.dropout:
+        return Reason(
+            "dropout",
+            f"'{lower.layer.name}' has dropout={lower.dropout}: its one-mask-per-sequence "
+            "input dropout can only be applied before the first layer of a run",
+        )
+    return None
+
+
+@rule("dtype_policy", "link", "the two layers run under different dtype policies", "views")
+def _dtype_policy(upper, lower):
+    lp, up = lower.layer.dtype_policy.name, upper.layer.dtype_policy.name
+    if lp != up:
+        return Reason(
+            "dtype_policy",
+            f"'{lower.layer.name}' runs under dtype policy {lp!r} and '{upper.layer.name}' "
+            f"under {up!r}",
+        )
+    return None
+
+
+# -- the rest of the graph -------------------------------------------------------------------
+
+
+@rule("model_output", "link", "an intermediate layer's output is also a model output", "graph")
+def _model_output(graph, upper_key, lower_key, bridges):
+    for src, _ in _hops(upper_key, lower_key, bridges):
+        outputs = [c for c in graph.successors(src) if graph.nodes[c]["kind"] == "output"]
+        if outputs:
+            where = graph.nodes[outputs[0]]["scope"].rstrip("/")
+            model = f"nested model '{where}'" if where else "the model"
+            return Reason(
+                "model_output",
+                f"the output of '{src}' is an output of {model}; "
+                "only the last layer of a run may be read from outside it",
+            )
+    return None
+
+
+@rule("other_consumer", "link", "an intermediate layer's output also feeds another layer", "graph")
+def _other_consumer(graph, upper_key, lower_key, bridges):
+    for src, dst in _hops(upper_key, lower_key, bridges):
+        others = [c for c in graph.successors(src) if c != dst]
+        if others:
+            names = ", ".join(f"'{c}'" for c in others)
+            return Reason(
+                "other_consumer",
+                f"the output of '{src}' also feeds {names}; inside "
+                "a run each layer's output may feed only the next layer",
+            )
+    return None
+
+
+@rule("mask", "link", "the two layers see different masks", "graph")
+def _mask(graph, upper_key, lower_key, bridges):
+    upper_masks = graph.nodes[upper_key].get("mask_sources", frozenset())
+    lower_masks = graph.nodes[lower_key].get("mask_sources", frozenset())
+    if lower_masks == upper_masks:
+        return None
+    if not upper_masks:
+        return Reason(
+            "mask",
+            f"'{upper_key}' runs without a mask but '{lower_key}' receives "
+            "one (Keras passes no mask to a layer called with an "
+            "initial_state); one fused call cannot mask only some layers",
+        )
+    return Reason(
+        "mask",
+        f"'{lower_key}' receives a different mask from '{upper_key}'; "
+        "inside a run every layer must see the mask the first one "
+        "passes on",
+    )
+
+
+def _extra_inputs(graph, upper_key, lower_key, bridges):
+    previous = ([upper_key, *bridges])[-1]
+    lower_masks = graph.nodes[lower_key].get("mask_sources", frozenset())
+    return [
+        (src, d["role"])
+        for src, _, d in graph.in_edges(lower_key, data=True)
+        if src != previous and not (d["role"] == "mask" and (src, d["index"]) in lower_masks)
+    ]
+
+
+@rule("initial_state", "link", "a layer that is not the first of its run gets an initial_state", "graph")
+def _initial_state(graph, upper_key, lower_key, bridges):
+    for src, role in _extra_inputs(graph, upper_key, lower_key, bridges)[:1]:
+        if role == "initial_state":
+            return Reason(
+                "initial_state",
+                f"'{lower_key}' gets an initial_state; only the first layer of a run may",
+            )
+    return None
+
+
+@rule("extra_input", "link", "a layer inside a run also reads another tensor (constants, a second input)", "graph")
+def _extra_input(graph, upper_key, lower_key, bridges):
+    for src, role in _extra_inputs(graph, upper_key, lower_key, bridges)[:1]:
+        return Reason(
+            "extra_input",
+            f"'{lower_key}' also reads '{src}' (as {role!r}); inside a run a layer "
+            "may read only the layer before it",
+        )
+    return None

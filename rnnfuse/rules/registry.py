@@ -1,0 +1,95 @@
+"""The rule registry: every fusion rule, by name, with its scope and doc.
+
+A `Rule` is a small record: a stable `name` (what `Reason.rule` says), a
+`scope`, a one-line `doc`, and a `check` that returns a `Reason` or None and
+never raises. Rules register themselves with `@rule(...)` in the modules of
+this package, in evaluation order; the planner and `FusedRNN` iterate
+`rules_for(scope, ...)`, and docs/guide.md's rule table is
+`markdown_table()` (tests/test_rules_registry.py fails when they differ).
+
+Scopes and what a check takes:
+
+- "layer": one recurrent layer on its own. `applies` says which part:
+  "part" (a unidirectional layer: check(part, ctx)), "cell"
+  (check(cell, ctx)), "stack" (the levels of one part: check(part, levels,
+  ctx)), "bidirectional" (check(layer, forward view, backward view)),
+  "node" (the layer's node in the model graph: check(graph, key)),
+  "container" (a recurrent layer rnnfuse cannot reach, inside a subclassed
+  model, a wrapper or a custom layer: the check builds its Reason).
+- "link": one layer feeding the next inside a run. "edge" checks (the
+  edge's role, run first) and "graph" checks take (graph, upper key, lower
+  key, bridges); "views" checks take (upper view, lower view).
+- "run": a run of linked layers (becomes a group or not); the planner calls
+  each with what it measured (levels, gap rates, neighbours).
+- "backend": what the active backend never runs (check(backend, group)).
+- "runtime": why one `FusedRNN` call runs the original layers: "call"
+  checks take (backend, stack, dtype, views, mask); "raised" builds the
+  Reason for a NotImplementedError from the backend; "plan" the Reason when
+  the group's plan keeps the original layers.
+
+Example:
+
+    >>> import rnnfuse.rules
+    >>> r = RULES[("layer", "recurrent_dropout")]
+    >>> r.scope, r.doc
+    ('layer', 'recurrent_dropout draws a new mask inside the time loop, which cuDNN cannot do')
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable
+
+__all__ = ["RULES", "SCOPES", "Rule", "markdown_table", "rule", "rules_for"]
+
+SCOPES = ("layer", "link", "run", "backend", "runtime")
+
+
+@dataclasses.dataclass(frozen=True)
+class Rule:
+    """One fusion rule."""
+
+    # Stable name; the `rule` of every Reason this check returns.
+    name: str
+    # "layer", "link", "run", "backend" or "runtime".
+    scope: str
+    # One line: what the rule refuses and why.
+    doc: str
+    # Returns a Reason when the rule fails, None when it holds.
+    check: Callable = dataclasses.field(repr=False, compare=False)
+    # Within a scope, what the check looks at (see the module doc).
+    applies: str = ""
+
+
+# (scope, name) -> Rule, in evaluation order.
+RULES: dict[tuple[str, str], Rule] = {}
+
+
+def rule(name: str, scope: str, doc: str, applies: str = "") -> Callable:
+    """Registers the decorated check as rule `name` of `scope`."""
+    if scope not in SCOPES:
+        raise ValueError(f"rule scope must be one of {SCOPES}; received {scope!r}")
+
+    def register(check: Callable) -> Callable:
+        key = (scope, name)
+        if key in RULES:
+            raise ValueError(f"rule {name!r} of scope {scope!r} is registered twice")
+        RULES[key] = Rule(name, scope, doc, check, applies)
+        return check
+
+    return register
+
+
+def rules_for(scope: str, applies: str | None = None) -> list[Rule]:
+    """The rules of `scope` (and `applies`), in evaluation order."""
+    return [
+        r for r in RULES.values() if r.scope == scope and (applies is None or r.applies == applies)
+    ]
+
+
+def markdown_table() -> str:
+    """The rule table of docs/guide.md: number, name, scope, doc."""
+    lines = ["| # | rule | scope | what it refuses |", "|---|------|-------|-----------------|"]
+    for i, r in enumerate(RULES.values(), start=1):
+        lines.append(f"| {i} | `{r.name}` | {r.scope} | {r.doc} |")
+    return "\n".join(lines)

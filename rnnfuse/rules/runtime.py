@@ -1,0 +1,71 @@
+"""Runtime rules: why one `FusedRNN` call runs the original layers.
+
+`runtime_reason(backend, stack, dtype, views, mask)` runs the "runtime"
+rules in order (at trace time in a `tf.function`); the layer records the
+answer as its `last_path` (a `rnnfuse.reasons.CallPath`). The last rule,
+`not_implemented`, is the backend raising `NotImplementedError` from
+`run_stack`, which `FusedRNN` catches.
+
+Example:
+
+    >>> from rnnfuse.backends.base import NoFusedKernel
+    >>> runtime_reason(NoFusedKernel("openvino"), None, "float32", (), None).rule
+    'no_fused_kernel'
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from rnnfuse.reasons import Reason
+from rnnfuse.rules.registry import rule, rules_for
+
+__all__ = ["runtime_reason"]
+
+
+def runtime_reason(backend: Any, stack: Any, dtype: str, views, mask) -> Reason | None:
+    """The first runtime rule this call fails, or None (the fused call runs)."""
+    for r in rules_for("runtime", "call"):
+        reason = r.check(backend, stack, dtype, views, mask)
+        if reason is not None:
+            return reason
+    return None
+
+
+@rule("no_fused_kernel", "runtime", "rnnfuse has no fused kernel for the active Keras backend (OpenVINO, numpy)", "call")
+def _no_fused_kernel(backend, stack, dtype, views, mask):
+    if not backend.capabilities.fused_kernel:
+        return Reason("no_fused_kernel", f"no fused kernel for the {backend.name} backend")
+    return None
+
+
+@rule("no_device", "runtime", "the fused kernel cannot run in this process (TensorFlow: no GPU visible)", "call")
+def _no_device(backend, stack, dtype, views, mask):
+    if not backend.is_available():
+        return Reason("no_device", "no GPU visible to the backend")
+    return None
+
+
+@rule("unsupported_config", "runtime", "a configuration the backend's kernel does not run (a dtype, projections on TensorFlow)", "call")
+def _unsupported_config(backend, stack, dtype, views, mask):
+    why = backend.unsupported_reason(stack, dtype)
+    return None if why is None else Reason("unsupported_config", why)
+
+
+@rule("go_backwards_mask", "runtime", "a go_backwards first layer under a mask", "call")
+def _go_backwards_mask(backend, stack, dtype, views, mask):
+    if mask is not None and views[0].go_backwards:
+        return Reason("go_backwards_mask", "a go_backwards first layer under a mask")
+    return None
+
+
+@rule("not_implemented", "runtime", "the backend raised NotImplementedError for this call (JAX: between-level dropout in training)", "raised")
+def not_implemented(backend_name: str, err: BaseException) -> Reason:
+    return Reason(
+        "not_implemented", f"the {backend_name} backend cannot run this call: {err}"
+    )
+
+
+@rule("plan_per_layer", "runtime", "the group's plan (tuned on the first batch, or the static table's) keeps the original layers", "plan")
+def plan_per_layer() -> Reason:
+    return Reason("plan_per_layer", "the plan keeps the original layers")

@@ -1,0 +1,61 @@
+"""rnnfuse.fused: FusedRNN's call paths (CallPath records) and its
+fallback to the original layers when the backend raises
+NotImplementedError (as Keras' Bidirectional falls back)."""
+
+from __future__ import annotations
+
+import keras
+import numpy as np
+
+import rnnfuse
+from rnnfuse import FusedRNN, PathKind
+
+from builders import max_abs_diff
+
+
+def _pair():
+    a = keras.layers.LSTM(4, return_sequences=True, name="a")
+    b = keras.layers.LSTM(4, name="b")
+    x = np.random.default_rng(0).standard_normal((2, 5, 3)).astype("float32")
+    expected = b(a(x))
+    return a, b, x, expected
+
+
+def test_without_a_device_the_path_is_a_record_with_the_rule():
+    a, b, x, expected = _pair()
+    fused = FusedRNN([a, b])
+    assert max_abs_diff(fused(x), expected) == 0.0
+    path = fused.last_path
+    assert path.kind is PathKind.LAYERS and path.reason.rule == "no_device"
+    assert str(path) == "layers: no GPU visible to the backend"
+
+
+def test_the_fused_path_is_the_fused_record(emulated_cudnn):
+    a, b, x, expected = _pair()
+    fused = FusedRNN([a, b])
+    assert max_abs_diff(fused(x), expected) <= 1e-5
+    assert fused.last_path.kind is PathKind.FUSED and fused.last_path == "fused"
+
+
+def test_not_implemented_from_the_backend_runs_the_original_layers(emulated_cudnn, monkeypatch):
+    from rnnfuse.backends import tensorflow as tf_backend
+
+    def refuse(*args, **kwargs):
+        raise NotImplementedError("not this call")
+
+    monkeypatch.setattr(tf_backend, "run_stack", refuse)
+    a, b, x, expected = _pair()
+    fused = FusedRNN([a, b])
+    assert max_abs_diff(fused(x), expected) == 0.0
+    assert fused.last_path.kind is PathKind.LAYERS
+    assert fused.last_path.reason.rule == "not_implemented"
+    assert "not this call" in fused.last_path
+    assert not emulated_cudnn
+
+
+def test_call_paths_pickle_and_compare_as_strings():
+    import pickle
+
+    path = rnnfuse.CallPath(PathKind.LAYERS, rnnfuse.Reason("no_device", "x"))
+    again = pickle.loads(pickle.dumps(path))
+    assert (again, again.kind, again.reason.rule) == ("layers: x", PathKind.LAYERS, "no_device")
