@@ -153,7 +153,8 @@ def optimize(
     )
     if isinstance(tune, str) and tune == AUTO and plan is None:
         if first_batch.can_time_here():
-            return _optimize_for_first_batch(model, report.groups, training, cache)
+            result = _optimize_for_first_batch(model, report, training, cache)
+            return result if return_result else result.model
         tune = None
     plans = choose_plans(
         model, report.groups, tune=tune, training=training, plan=plan, cache=cache
@@ -165,16 +166,19 @@ def optimize(
     return new
 
 
-def _optimize_for_first_batch(model, groups, training, cache) -> keras.Model:
+def _optimize_for_first_batch(model, report, training, cache) -> OptimizeResult:
     """One switchable FusedRNN per group, on its static plan for now; the
     first batch chooses (`rnnfuse.tuning.first_batch`)."""
+    groups = report.groups
     plans = [
-        static_plan(g, g.views[0].layer.compute_dtype, training).for_length(len(g.layers))
+        TuneResult(g, static_plan(g, g.views[0].layer.compute_dtype, training), "static: until the first batch")
         for g in groups
     ]
-    pieces = [p.pieces if len(p.pieces) != 1 else None for p in plans]
-    new = rewrite_model(model, groups, [p.algorithm for p in plans], pieces=pieces)
-    return first_batch.attach(new, first_batch.AutoTune(cache=_plan_cache(cache)))
+    full = [r.plan.for_length(len(g.layers)) for r, g in zip(plans, groups)]
+    pieces = [p.pieces if len(p.pieces) != 1 else None for p in full]
+    new, failed = rewrite_with_failures(model, groups, [p.algorithm for p in full], pieces)
+    first_batch.attach(new, first_batch.AutoTune(cache=_plan_cache(cache)))
+    return OptimizeResult(model=new, report=report, plans=tuple(plans), failed=failed)
 
 
 @dataclasses.dataclass(frozen=True)

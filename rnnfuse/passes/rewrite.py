@@ -66,13 +66,14 @@ def rewrite_model(
     Returns:
         A new `keras.Model` sharing every layer and variable with `model`.
     """
-    return rewrite_with_failures(model, groups, algorithms)[0]
+    return rewrite_with_failures(model, groups, algorithms, pieces)[0]
 
 
 def rewrite_with_failures(
     model: keras.Model,
     groups: Sequence[FusionGroup],
     algorithms: Sequence[str | None] | None = None,
+    pieces: Sequence[tuple[int, ...] | None] | None = None,
 ) -> tuple[keras.Model, tuple[RewriteFailure, ...]]:
     """`rewrite_model`, and the groups whose fused layer could not be built
     (each also warned about with a `FusionWarning`)."""
