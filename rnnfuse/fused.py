@@ -43,7 +43,7 @@ from rnnfuse.backends import StackSpec, get_backend
 from rnnfuse.reasons import Reason
 from rnnfuse.recurrent import describe, keras_runs_cudnn
 from rnnfuse.passes.rules import stack_link_reason
-from rnnfuse.tuning.algorithms import Algorithm, restore_pending
+from rnnfuse.backends.algorithm import Algorithm
 
 __all__ = ["FusedRNN", "first_call_kwargs"]
 
@@ -58,10 +58,11 @@ class FusedRNN(keras.layers.Layer):
         dropout_layers: optional, one entry per gap between layers: a
             `keras.layers.Dropout` the fused call absorbs as cuDNN's
             between-layer dropout, or None.
-        algorithm: optional cuDNN algorithm name for the fused forward
-            kernel ("standard", "persistent_static", "persistent_dynamic",
-            each optionally with "+tc" for tensor ops); None keeps
-            TensorFlow's default. See `rnnfuse.tuning.algorithms`.
+        algorithm: optional cuDNN algorithm name for the fused call
+            ("standard", "persistent_static", "persistent_dynamic",
+            "persistent_static_small_h", each optionally with "+tc" or
+            "+tcc" for tensor ops); None: standard. It runs in both passes
+            on rnnfuse's TensorFlow op. See `rnnfuse.backends.algorithm`.
         **kwargs: Keras layer arguments. `name` defaults to the last layer's
             name (so model output names do not change), `dtype` to the
             first layer's dtype policy.
@@ -234,9 +235,6 @@ class FusedRNN(keras.layers.Layer):
     # -- call ------------------------------------------------------------------
 
     def call(self, sequences, initial_state=None, mask=None, training=None):
-        # A graph-mode call that failed mid-way may have left the cuDNN
-        # algorithm variables set: put the user's environment back first.
-        restore_pending()
         if mask is not None:
             mask = tree.flatten(mask)[0]
         reason = self._fallback_reason(mask)
