@@ -98,8 +98,11 @@ def __getattr__(name):
 
 
 def op_loaded() -> bool:
-    """Whether rnnfuse's own cuDNN op is loaded (builds it on first use)."""
-    return is_available() and op_build.load_op() is not None
+    """Whether rnnfuse's own cuDNN op is loaded (builds it on first use).
+
+    `RNNFUSE_DISABLE_OP=1` (read on every call) keeps it off.
+    """
+    return is_available() and not op_build.disabled() and op_build.load_op() is not None
 
 
 def last_kernel() -> dict:
@@ -159,7 +162,9 @@ def unsupported_reason(stack: StackSpec, dtype: str) -> str | None:
     if needs_op and dtype in cudnn_op.OP_DTYPES:
         if op_loaded():
             return None
-        why = op_build.load_failure() or "no GPU visible"
+        why = (
+            "RNNFUSE_DISABLE_OP is set" if op_build.disabled() else op_build.load_failure() or "no GPU visible"
+        )
         what = "bfloat16" if dtype == "bfloat16" else "an LSTM projection"
         return (
             f"{what} needs rnnfuse's cuDNN op, which is not loaded ({why}); "
@@ -351,6 +356,8 @@ def _op_for(dtype, dropout: float):
     reason = cudnn_op.op_unsupported_reason(dtype, dropout)
     if reason is not None:
         return None, reason
+    if op_build.disabled():
+        return None, "rnnfuse's cuDNN op is turned off (RNNFUSE_DISABLE_OP)"
     module = op_build.load_op() if is_available() else None
     if module is None:
         return None, f"rnnfuse's cuDNN op is not loaded: {op_build.load_failure() or 'no GPU'}"

@@ -54,6 +54,7 @@ __all__ = [
     "BuildError",
     "build_op",
     "cache_dir",
+    "disabled",
     "find_cudnn",
     "library_path",
     "load_op",
@@ -80,9 +81,41 @@ def cache_dir() -> Path:
     env = os.environ.get("RNNFUSE_CACHE_DIR")
     if env:
         return Path(env) / "ops"
-    import platformdirs
+    try:
+        import platformdirs
+    except ImportError:  # an install without the dependency: XDG's default
+        base = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "rnnfuse"
+    else:
+        base = Path(platformdirs.user_cache_dir("rnnfuse"))
+    return base / "ops"
 
-    return Path(platformdirs.user_cache_dir("rnnfuse")) / "ops"
+
+class _FcntlLock:
+    """A process lock on `path` (used only when `filelock` is missing)."""
+
+    def __init__(self, path: str):
+        self.path = path
+
+    def __enter__(self):
+        import fcntl
+
+        self.f = open(self.path, "w")
+        fcntl.flock(self.f, fcntl.LOCK_EX)
+        return self
+
+    def __exit__(self, *exc):
+        import fcntl
+
+        fcntl.flock(self.f, fcntl.LOCK_UN)
+        self.f.close()
+
+
+def _file_lock(path: str):
+    try:
+        import filelock
+    except ImportError:
+        return _FcntlLock(path)
+    return filelock.FileLock(path)
 
 
 def find_cudnn() -> tuple[Path, Path]:
@@ -208,14 +241,12 @@ def build_op(force: bool = False, verbose: bool = False) -> Path:
     Raises:
         BuildError: no compiler, no headers, or the compiler failed.
     """
-    import filelock
-
     compiler = find_compiler()
     target = library_path()
     if target.exists() and not force:
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
-    with filelock.FileLock(str(target) + ".lock"):
+    with _file_lock(str(target) + ".lock"):
         if target.exists() and not force:
             return target  # another process built it while we waited
         fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
@@ -238,6 +269,11 @@ def build_op(force: bool = False, verbose: bool = False) -> Path:
             if os.path.exists(tmp):
                 os.unlink(tmp)
     return target
+
+
+def disabled() -> bool:
+    """Whether RNNFUSE_DISABLE_OP turns the op off (read on every call)."""
+    return os.environ.get("RNNFUSE_DISABLE_OP", "") not in ("", "0")
 
 
 def load_failure() -> str | None:
@@ -281,7 +317,7 @@ def load_op():
 
 
 def _load():
-    if os.environ.get("RNNFUSE_DISABLE_OP", "") not in ("", "0"):
+    if disabled():
         raise RuntimeError("RNNFUSE_DISABLE_OP is set. Fix: unset it to use the op")
     import tensorflow as tf
 
