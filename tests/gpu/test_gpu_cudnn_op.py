@@ -77,7 +77,10 @@ def _run(model, inputs, variables=None):
         out = model(inputs, training=True)
         loss = _loss(out)
     grads = tape.gradient(loss, variables)
-    return [np.asarray(t) for t in keras.tree.flatten(out)], [np.asarray(g) for g in grads]
+    return (
+        [np.asarray(t) for t in keras.tree.flatten(out)],
+        [np.asarray(tf.convert_to_tensor(g)) for g in grads],  # Embedding: IndexedSlices
+    )
 
 
 def _op_types(fn, *args) -> set:
@@ -140,10 +143,21 @@ def test_standard_float32_matches_keras_per_layer(kind, bidirectional):
     _assert_op_ran(fast, x)
     out_err = _rel(got, want)
     grad_err = max(_rel(g, w) for g, w in zip(ggot, gwant))
-    REPORT[f"standard f32 {kind} {'bi' if bidirectional else 'uni'}"] = [out_err, grad_err]
+    key = f"standard f32 {kind} {'bi' if bidirectional else 'uni'}"
+    REPORT[key] = [out_err, grad_err]
     print(kind, bidirectional, "out", out_err, "grad", grad_err)
     assert out_err <= 1e-5
-    assert grad_err <= 1e-4
+    if kind == "rnn_relu" and grad_err > 1e-4:
+        # ReLU's kink: a pre-activation within rounding of 0 takes another
+        # branch in one of the two float32 runs; judge both against float64.
+        twin = _float64_twin(lambda dt: build(dt), model)
+        _, g64 = _run(twin, x.astype("float64"))
+        fused64 = max(_rel(g, w) for g, w in zip(ggot, g64))
+        keras64 = max(_rel(g, w) for g, w in zip(gwant, g64))
+        REPORT[key] += [fused64, keras64]
+        assert fused64 <= max(1e-4, 2 * keras64)
+    else:
+        assert grad_err <= 1e-4
 
 
 @pytest.mark.parametrize("kind", ["lstm", "gru"])
@@ -177,26 +191,39 @@ def test_masks_initial_and_returned_states(kind):
 @pytest.mark.parametrize("bidirectional", [False, True], ids=["uni", "bi"])
 @pytest.mark.parametrize("kind", ["lstm", "gru"])
 def test_half_precision_matches_keras(kind, bidirectional, policy, tol):
-    keras.config.set_dtype_policy(policy)
-    inp = keras.Input((20, 16))
-    x = inp
-    for _ in range(2):
-        layer = (L.LSTM if kind == "lstm" else L.GRU)(32, return_sequences=True)
-        x = L.Bidirectional(layer)(x) if bidirectional else layer(x)
-    model = keras.Model(inp, x)
+    def build(dtype):
+        keras.config.set_dtype_policy(dtype)
+        inp = keras.Input((20, 16))
+        x = inp
+        for _ in range(2):
+            layer = (L.LSTM if kind == "lstm" else L.GRU)(32, return_sequences=True)
+            x = L.Bidirectional(layer)(x) if bidirectional else layer(x)
+        model = keras.Model(inp, x)
+        keras.config.set_dtype_policy("float32")
+        return model
+
+    model = build(policy)
     fast = rnnfuse.optimize(model, plan=FUSED)
     (fused,) = fused_layers(fast)
     x = np.random.default_rng(5).standard_normal((8, 20, 16)).astype("float32")
     (got,), ggot = _run(fast, x, model.trainable_variables)
     assert fused.last_path == "fused", fused.last_path
     assert tf_backend.last_kernel()["kernel"] == "RnnfuseCudnnRnn"
-    keras.config.set_dtype_policy("float32")
     (want,), gwant = _run(model, x)
+    twin = _float64_twin(build, model)
+    (exact,), gexact = _run(twin, x.astype("float64"))
     err = _rel(got, want)
     gerr = max(_rel(g, w) for g, w in zip(ggot, gwant))
-    REPORT[f"{policy} {kind} {'bi' if bidirectional else 'uni'}"] = [err, gerr]
-    print(policy, kind, bidirectional, err, gerr)
-    assert err <= tol and gerr <= 5 * tol
+    # Both against float64: which side is off, if any.
+    fast64 = (_rel(got, exact), max(_rel(g, w) for g, w in zip(ggot, gexact)))
+    keras64 = (_rel(want, exact), max(_rel(g, w) for g, w in zip(gwant, gexact)))
+    REPORT[f"{policy} {kind} {'bi' if bidirectional else 'uni'}"] = dict(
+        fused_vs_keras=[err, gerr], fused_vs_f64=fast64, keras_vs_f64=keras64,
+        grad_norms=[float(np.max(np.abs(g))) for g in ggot], keras_grad_norms=[float(np.max(np.abs(g))) for g in gwant],
+    )
+    print(policy, kind, bidirectional, err, gerr, fast64, keras64)
+    assert fast64[0] <= tol and fast64[1] <= 5 * tol
+    assert err <= 2 * tol
 
 
 ALGOS = ["persistent_static", "persistent_dynamic", "persistent_static_small_h"]
@@ -344,3 +371,77 @@ def test_fit_trains_with_the_op_in_mixed_bfloat16():
     hist = fast.fit(x, y, batch_size=16, epochs=3, verbose=0)
     assert hist.history["loss"][-1] < hist.history["loss"][0]
     assert tf_backend.last_kernel()["kernel"] == "RnnfuseCudnnRnn"
+
+
+@pytest.mark.parametrize("go_backwards", [False, True])
+def test_single_projected_lstm_layer_runs_the_op(go_backwards):
+    """ProjectedLSTM's own TensorFlow fast path is one RnnfuseCudnnRnn call
+    (no mask, not under XLA) and matches the float64 generic loop."""
+    def build(policy):
+        keras.config.set_dtype_policy(policy)
+        inp = keras.Input((25, 12))
+        layer = ProjectedLSTM(32, 8, return_sequences=True, go_backwards=go_backwards,
+                              use_cudnn=False if policy == "float64" else "auto")
+        model = keras.Model(inp, layer(inp))
+        keras.config.set_dtype_policy("float32")
+        return model, layer
+
+    model, layer = build("float32")
+    twin, _ = build("float64")
+    twin.set_weights([w.astype("float64") for w in model.get_weights()])
+    x = np.random.default_rng(10).standard_normal((6, 25, 12)).astype("float32")
+    (got,), ggot = _run(model, x)
+    assert layer.last_path == "cudnn_op"
+    (want,), gwant = _run(twin, x.astype("float64"))
+    err = _rel(got, want)
+    gerr = max(_rel(g, w) for g, w in zip(ggot, gwant))
+    REPORT[f"single ProjectedLSTM go_backwards={go_backwards}"] = [err, gerr]
+    assert err <= 1e-5 and gerr <= 1e-4
+    types = _op_types(lambda t: model(t, training=True), tf.constant(x))
+    assert "RnnfuseCudnnRnn" in types
+
+
+def test_half_precision_gradient_parts_against_float32():
+    """One LSTM layer through the op directly: each gradient (dx, dh0, dc0,
+    dparams) in float16/bfloat16 against the float32 op, per math type.
+    float16 must agree; the bfloat16 numbers are recorded."""
+    from rnnfuse.backends.tensorflow import cudnn_op
+
+    module = op_build.load_op()
+    steps, batch, n, units = 20, 8, 16, 32
+    rng = np.random.default_rng(11)
+    size = cudnn_op.flat_size("lstm", 2, 1, units, n)
+    arrays = [
+        rng.standard_normal((steps, batch, n)),
+        0.5 * rng.standard_normal((2, batch, units)),
+        0.5 * rng.standard_normal((2, batch, units)),
+        0.2 * rng.standard_normal((size,)),
+    ]
+    weights = tf.constant(rng.standard_normal((steps, batch, units)), tf.float32)
+
+    def grads(dtype, math):
+        xs = [tf.constant(a, dtype) for a in arrays]
+        with tf.GradientTape() as tape:
+            tape.watch(xs)
+            y, h, c, _ = module.rnnfuse_cudnn_rnn(
+                input=xs[0], input_h=xs[1], input_c=xs[2], params=xs[3],
+                sequence_lengths=tf.fill([batch], steps), rnn_mode="lstm",
+                num_layers=2, num_units=units, input_size=n, math_type=math,
+            )
+            loss = tf.reduce_sum(tf.cast(y, tf.float32) * weights) + tf.reduce_sum(tf.cast(h, tf.float32))
+        return [np.asarray(tf.cast(t, tf.float32)) for t in [y] + tape.gradient(loss, xs)]
+
+    ref = grads(tf.float32, "fma")
+    names = ["y", "dx", "dh0", "dc0", "dparams"]
+    parts = {}
+    for dtype in (tf.float16, tf.bfloat16):
+        for math in ("default", "tensor_op", "tensor_op_allow_conversion"):
+            try:
+                got = grads(dtype, math)
+            except tf.errors.OpError as err:
+                parts[f"{dtype.name} {math}"] = f"refused: {err.message[:150]}"
+                continue
+            parts[f"{dtype.name} {math}"] = {k: _rel(g, r) for k, g, r in zip(names, got, ref)}
+    REPORT["gradient parts vs float32"] = parts
+    print(json.dumps(parts, indent=1))
+    assert all(v <= 2e-2 for v in parts["float16 tensor_op"].values())
