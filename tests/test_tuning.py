@@ -269,3 +269,22 @@ def test_without_the_op_an_algorithm_runs_as_standard_and_says_so(emulated_cudnn
     assert "persistent_static+tc algorithm asked for runs as standard" in last["reason"]
     assert max_abs_diff(out, model(x)) <= 2e-5
     assert tf_backend.TUNED_ALGORITHMS == (None,)
+
+
+def test_an_algorithm_cudnn_refuses_is_rejected_with_its_reason():
+    """cuDNN refusing an algorithm for a shape reaches the tuner as an op
+    error; the plan is rejected with the message, the others are timed."""
+    (group,) = _groups(stack_model("gru", 2))
+
+    def check(g, plan, shape, dtype):
+        if plan.algorithm == "persistent_static+tc":
+            raise tf.errors.UnimplementedError(None, None, "CUDNN_STATUS_NOT_SUPPORTED here")
+        return 1e-6
+
+    timer = FakeTimer({"per-layer": 1.0, "fused": 0.8, "fused @persistent_dynamic+tc": 0.5})
+    (result,) = tune_plans(
+        [group], lambda g: (8, 20, g.input_size), measure=timer, check_gradients=check,
+        environment=ENV, progress=False,
+    )
+    assert result.plan.name == "fused @persistent_dynamic+tc"
+    assert "CUDNN_STATUS_NOT_SUPPORTED" in result.rejected["fused @persistent_static+tc"]
