@@ -204,3 +204,10 @@ def test_projected_stack_runs_the_op_and_matches(emulated_op, monkeypatch):
     assert out.shape == (2, 3)
     assert (seen["proj_size"], seen["num_units"], tuple(seen["input_h"].shape), tuple(seen["input_c"].shape)) == (3, 6, (2, 2, 3), (2, 2, 6))
     assert seen["params"].shape[0] == cudnn_op.flat_size("lstm", 2, 1, 6, 5, proj_size=3)
+
+
+def test_what_the_op_does_not_run_has_a_reason():
+    assert cudnn_op.op_unsupported_reason("float32") is None
+    assert cudnn_op.op_unsupported_reason("bfloat16") is None
+    assert "between-layer dropout" in cudnn_op.op_unsupported_reason("float16", dropout=0.2)
+    assert "not float64" in cudnn_op.op_unsupported_reason("float64")
