@@ -93,13 +93,4 @@ LAYERS = (
     ("rnnfuse.cli", "rnnfuse.plotting", "rnnfuse.__main__"),
 )
 # (importer, imported) -> why it is allowed for now.
-LAYER_EXCEPTIONS = {
-    ("rnnfuse.fused", "rnnfuse.tuning"): "Algorithm; issue 12 moves it to backends/algorithm.py",
-    ("rnnfuse.fused", "rnnfuse.tuning.algorithms"): "Algorithm and restore_pending; issue 12 moves "
-    "Algorithm to backends/algorithm.py and deletes the TF_DEBUG switch",
-    ("rnnfuse.backends.tensorflow", "rnnfuse.tuning"): "issue 12 (see below)",
-    ("rnnfuse.backends.tensorflow", "rnnfuse.tuning.algorithms"): "the TF_DEBUG algorithm switch, "
-    "which issue 12 deletes",
-    ("rnnfuse.backends.tensorflow", "rnnfuse.tuning.plans"): "CANDIDATE_ALGORITHMS; issue 12 moves "
-    "the algorithm candidates",
-}
+LAYER_EXCEPTIONS: dict = {}

@@ -40,11 +40,11 @@ import keras
 from keras import ops, tree
 
 from rnnfuse.backends import StackSpec, get_backend
+from rnnfuse.backends.algorithm import Algorithm
 from rnnfuse.reasons import FUSED_PATH, CallPath, PathKind, Reason
 from rnnfuse.recurrent import describe, keras_has_cudnn_path
 from rnnfuse.rules import layer_reason, not_implemented, runtime_reason, stack_link_reason
 from rnnfuse.rules.runtime import plan_per_layer
-from rnnfuse.tuning.algorithms import Algorithm, restore_pending
 
 __all__ = ["FusedRNN", "call_members", "first_call_kwargs"]
 
@@ -59,10 +59,11 @@ class FusedRNN(keras.layers.Layer):
         dropout_layers: optional, one entry per gap between layers: a
             `keras.layers.Dropout` the fused call absorbs as cuDNN's
             between-layer dropout, or None.
-        algorithm: optional cuDNN algorithm name for the fused forward
-            kernel ("standard", "persistent_static", "persistent_dynamic",
-            each optionally with "+tc" for tensor ops); None keeps
-            TensorFlow's default. See `rnnfuse.tuning.algorithms`.
+        algorithm: optional cuDNN algorithm name for the fused call
+            ("standard", "persistent_static", "persistent_dynamic",
+            "persistent_static_small_h", each optionally with "+tc" or
+            "+tcc" for tensor ops); None: standard. It runs in both passes
+            on rnnfuse's TensorFlow op. See `rnnfuse.backends.algorithm`.
         pieces: how calls run the stack: None (the default) one fused call
             for the whole run; `()` the original layers one Keras call
             each; `(a, b, ...)` consecutive fused calls of `a`, `b`, ...
@@ -297,9 +298,6 @@ class FusedRNN(keras.layers.Layer):
     # -- call ------------------------------------------------------------------
 
     def call(self, sequences, initial_state=None, mask=None, training=None):
-        # A graph-mode call that failed mid-way may have left the cuDNN
-        # algorithm variables set: put the user's environment back first.
-        restore_pending()
         if mask is not None:
             mask = tree.flatten(mask)[0]
         if self._pieces == ():

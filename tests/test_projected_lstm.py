@@ -529,3 +529,19 @@ def test_auto_picks_xla_only_with_a_gpu_where_xla_compiles(monkeypatch):
     with pytest.warns(RuntimeWarning, match="libdevice not found"):
         assert plstm.get_fast_path(resolve=True) == "custom"
     assert plstm.get_fast_path(resolve=True) == "custom"  # checked once
+
+
+def test_output_keeps_its_static_time_dimension_for_an_unrolled_layer_after_it():
+    """Issue 15 item 9: ProjectedLSTM -> LSTM(unroll=True) trains under
+    TensorFlow's graph mode (the fast path's loop lost the time dimension)."""
+    inp = keras.Input((6, 3))
+    seq = ProjectedLSTM(8, 4, return_sequences=True)
+    x = seq(inp)
+    assert tuple(x.shape) == (None, 6, 4)
+    x = keras.layers.LSTM(5, unroll=True)(x)
+    model = keras.Model(inp, x)
+    model.compile("adam", "mse", jit_compile=False)
+    hist = model.fit(np.zeros((4, 6, 3), "float32"), np.zeros((4, 5), "float32"), verbose=0, epochs=1)
+    assert np.isfinite(hist.history["loss"][0])
+    graph = tf.function(lambda t: seq(t)).get_concrete_function(tf.TensorSpec([None, 6, 3])).graph
+    assert graph.outputs[0].shape.as_list() == [None, 6, 4]

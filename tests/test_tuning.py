@@ -1,8 +1,8 @@
-"""The planner, the plan cache and the cuDNN algorithm switch, on the CPU.
+"""The planner, the plan cache and the cuDNN algorithm record, on the CPU.
 
 Timing and gradient checks are injected (a deterministic fake timer), so
-these tests pin the decisions, the cache behaviour and the environment
-handling without a GPU.
+these tests pin the decisions, the cache behaviour and the algorithm
+record without a GPU.
 """
 
 from __future__ import annotations
@@ -18,8 +18,7 @@ import tensorflow as tf
 import rnnfuse
 from builders import fused_layers, max_abs_diff, random_inputs, stack_model
 from rnnfuse.passes import build_layer_graph, plan_fusion
-from rnnfuse.tuning import algorithms
-from rnnfuse.tuning.algorithms import ENV_VARS, Algorithm, algorithm_env
+from rnnfuse.tuning.algorithms import Algorithm
 from rnnfuse.tuning.cache import PlanCache
 from rnnfuse.tuning.plans import FUSED, PER_LAYER, Plan, candidate_plans, split_groups
 from rnnfuse.tuning.tuner import tune_plans
@@ -40,6 +39,14 @@ class FakeTimer:
     def __call__(self, steps):
         self.calls += 1
         return {name: {"median": self.medians.get(name, 1.0)} for name in steps}
+
+
+@pytest.fixture(autouse=True)
+def _op_loaded(monkeypatch):
+    """The fake-GPU tuner tests time the algorithms rnnfuse's op runs."""
+    from rnnfuse.backends import tensorflow as tf_backend
+
+    monkeypatch.setattr(tf_backend, "op_loaded", lambda: True)
 
 
 def _tune(groups, timer, *, training=True, cache=None, errors=None, env=ENV):
@@ -71,11 +78,18 @@ def test_candidates_cover_per_layer_whole_split_and_algorithms():
         "per-layer",
         "fused",
         "fused @persistent_static+tc",
+        "fused @persistent_dynamic+tc",
         "split 2+2",
         "split 2+2 @persistent_static+tc",
+        "split 2+2 @persistent_dynamic+tc",
     ]
     (short,) = _groups(stack_model("gru", 2))
-    assert [p.name for p in candidate_plans(short)] == ["per-layer", "fused", "fused @persistent_static+tc"]
+    assert [p.name for p in candidate_plans(short)] == [
+        "per-layer",
+        "fused",
+        "fused @persistent_static+tc",
+        "fused @persistent_dynamic+tc",
+    ]
 
 
 def test_tuner_picks_the_fastest_candidate():
@@ -212,91 +226,65 @@ def test_fused_layer_keeps_its_algorithm_in_its_config():
         Plan((2,), "fastest")
 
 
-# -- the environment ------------------------------------------------------------------
+# -- the algorithm record ------------------------------------------------------------
 
 
-def test_algorithm_env_sets_and_restores_including_user_values(monkeypatch):
-    for name in ENV_VARS:
-        monkeypatch.delenv(name, raising=False)
-    monkeypatch.setenv("TF_DEBUG_CUDNN_RNN_USE_TENSOR_OPS", "user-value")
-    with algorithm_env(Algorithm.parse("persistent_dynamic")):
-        assert os.environ["TF_DEBUG_CUDNN_RNN"] == "1"
-        assert os.environ["TF_DEBUG_CUDNN_RNN_ALGO"] == "2"
-        assert os.environ["TF_DEBUG_CUDNN_RNN_USE_TENSOR_OPS"] == "0"
-    assert "TF_DEBUG_CUDNN_RNN" not in os.environ
-    assert "TF_DEBUG_CUDNN_RNN_ALGO" not in os.environ
-    assert os.environ["TF_DEBUG_CUDNN_RNN_USE_TENSOR_OPS"] == "user-value"
-    with pytest.raises(RuntimeError):
-        with algorithm_env(Algorithm(1, True)):
-            raise RuntimeError("boom")
-    assert "TF_DEBUG_CUDNN_RNN" not in os.environ
+def test_algorithm_names_round_trip_for_every_algorithm_and_math_type():
+    from rnnfuse.backends.algorithm import ALGORITHM_NAMES, MATH_TYPES
+
+    for algo, base in enumerate(ALGORITHM_NAMES):
+        for math, suffix in MATH_TYPES.items():
+            parsed = Algorithm.parse(base + suffix)
+            assert (parsed.algo, parsed.math, parsed.name) == (algo, math, base + suffix)
+    assert Algorithm(1, True) == Algorithm.parse("persistent_static+tc")
+    with pytest.raises(ValueError, match="must be 0-3"):
+        Algorithm(4)
+    with pytest.raises(ValueError, match="unknown cuDNN algorithm"):
+        Algorithm.parse("persistent_static+fast")
 
 
-def test_debug_mode_is_never_set_without_a_valid_algorithm():
-    for algo in (Algorithm(0), Algorithm(1, True), Algorithm(2)):
-        env = algo.env()
-        assert env["TF_DEBUG_CUDNN_RNN"] == "1" and env["TF_DEBUG_CUDNN_RNN_ALGO"] in "012"
-    with pytest.raises(ValueError, match="must be 0, 1 or 2"):
-        Algorithm(3)
+def test_no_process_wide_algorithm_state_is_left():
+    """The algorithm is an attribute of the op call: no environment variable."""
+    import rnnfuse.tuning.algorithms as algorithms
+
+    assert not hasattr(algorithms, "algorithm_env")
+    model = stack_model("gru", 2)
+    rnnfuse.optimize(model, plan=Plan((2,), "persistent_static+tc"))(
+        random_inputs(model, 1, np.random.default_rng(3))
+    )
+    assert not any(k.startswith("TF_DEBUG_CUDNN_RNN") for k in os.environ)
 
 
-@pytest.mark.parametrize("graph", [False, True], ids=["eager", "tf.function"])
-def test_algorithm_is_set_while_the_kernel_runs_and_restored_after(graph, emulated_cudnn, monkeypatch):
-    """The env holds the algorithm when the op runs (eager) or when its inner
-    function first runs (graph), and is restored afterwards."""
+def test_without_the_op_an_algorithm_runs_as_standard_and_says_so(emulated_cudnn, monkeypatch):
     from rnnfuse.backends import tensorflow as tf_backend
 
-    for name in ENV_VARS:
-        monkeypatch.delenv(name, raising=False)
-    seen = []
-    emulated = tf_backend.cudnn_rnn
+    monkeypatch.setattr(tf_backend, "op_loaded", lambda: False)
 
-    def recording(**kwargs):
-        probe = tf.py_function(
-            lambda: seen.append(os.environ.get("TF_DEBUG_CUDNN_RNN_ALGO")) or 0, [], tf.int32
-        )
-        with tf.control_dependencies([probe]):
-            kwargs["input"] = tf.identity(kwargs["input"])
-        return emulated(**kwargs)
-
-    monkeypatch.setattr(tf_backend, "cudnn_rnn", recording)
     model = stack_model("gru", 2, last_return_sequences=True)
     fast = rnnfuse.optimize(model, plan=Plan((2,), "persistent_static+tc"))
     x = random_inputs(model, 2, np.random.default_rng(2))
-    out = tf.function(lambda t: fast(t))(x) if graph else fast(x)
-    assert seen == ["1"]
-    assert all(name not in os.environ for name in ENV_VARS)
-    assert emulated_cudnn[-1]["seed2"] == Algorithm.parse("persistent_static+tc").kernel_tag
+    out = fast(x)
+    last = tf_backend.last_kernel()
+    assert last["kernel"] == "CudnnRNNV3" and last["algorithm"] == "standard"
+    assert "persistent_static+tc algorithm asked for runs as standard" in last["reason"]
     assert max_abs_diff(out, model(x)) <= 2e-5
+    assert tf_backend.TUNED_ALGORITHMS == (None,)
 
 
-def test_tensor_ops_are_dropped_where_tensorflow_forbids_them():
-    from rnnfuse.backends.tensorflow import allowed_algorithm
+def test_an_algorithm_cudnn_refuses_is_rejected_with_its_reason():
+    """cuDNN refusing an algorithm for a shape reaches the tuner as an op
+    error; the plan is rejected with the message, the others are timed."""
+    (group,) = _groups(stack_model("gru", 2))
 
-    algo = Algorithm.parse("persistent_static+tc")
-    assert allowed_algorithm(algo, "float16") == algo
-    assert allowed_algorithm(algo, "float64") == Algorithm(1, False)
-    enabled = tf.config.experimental.tensor_float_32_execution_enabled()
-    try:
-        tf.config.experimental.enable_tensor_float_32_execution(False)
-        assert allowed_algorithm(algo, "float32") == Algorithm(1, False)
-        tf.config.experimental.enable_tensor_float_32_execution(True)
-        assert allowed_algorithm(algo, "float32") == algo
-    finally:
-        tf.config.experimental.enable_tensor_float_32_execution(enabled)
+    def check(g, plan, shape, dtype):
+        if plan.algorithm == "persistent_static+tc":
+            raise tf.errors.UnimplementedError(None, None, "CUDNN_STATUS_NOT_SUPPORTED here")
+        return 1e-6
 
-
-def test_variables_left_by_a_failed_graph_call_are_restored_by_the_next_call(monkeypatch):
-    """A graph-mode fused op that fails between its 'set' and 'restore' steps
-    leaves the variables set; the next FusedRNN call puts them back."""
-    for name in ENV_VARS:
-        monkeypatch.delenv(name, raising=False)
-    monkeypatch.setenv("TF_DEBUG_CUDNN_RNN_USE_TENSOR_OPS", "mine")
-    algorithms.begin_graph_algorithm(Algorithm(1, True))  # ... and the op fails
-    assert os.environ["TF_DEBUG_CUDNN_RNN_ALGO"] == "1"
-    model = stack_model("gru", 2)
-    rnnfuse.optimize(model, plan=FUSED)(random_inputs(model, 1, np.random.default_rng(3)))
-    assert "TF_DEBUG_CUDNN_RNN" not in os.environ
-    assert "TF_DEBUG_CUDNN_RNN_ALGO" not in os.environ
-    assert os.environ["TF_DEBUG_CUDNN_RNN_USE_TENSOR_OPS"] == "mine"
-    assert algorithms.restore_pending() is False
+    timer = FakeTimer({"per-layer": 1.0, "fused": 0.8, "fused @persistent_dynamic+tc": 0.5})
+    (result,) = tune_plans(
+        [group], lambda g: (8, 20, g.input_size), measure=timer, check_gradients=check,
+        environment=ENV, progress=False,
+    )
+    assert result.plan.name == "fused @persistent_dynamic+tc"
+    assert "CUDNN_STATUS_NOT_SUPPORTED" in result.rejected["fused @persistent_static+tc"]

@@ -72,6 +72,18 @@ DEFAULT_TOLERANCE = {"float32": 1e-4, "float16": 2e-2, "bfloat16": 5e-2}
 # -- entry point ---------------------------------------------------------------
 
 
+def _cmd_build_ops(args) -> int:
+    """`rnnfuse build-ops`: compile the TensorFlow op, print its path."""
+    from rnnfuse.backends.tensorflow import op_build
+
+    try:
+        path = op_build.build_op(force=args.force)
+    except op_build.BuildError as err:
+        raise CliError(f"building the op failed: {err}") from err
+    print(path)
+    return EXIT_OK
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Runs the command line; returns the exit code.
 
@@ -295,6 +307,14 @@ def _parser() -> argparse.ArgumentParser:
     )
     check.add_argument("--json", action="store_true", help="print the results as JSON")
     check.set_defaults(run=_cmd_check)
+
+    build_ops = commands.add_parser(
+        "build-ops",
+        help="compile rnnfuse's cuDNN RNN op for TensorFlow now (no GPU needed) "
+        "and print where the library went",
+    )
+    build_ops.add_argument("--force", action="store_true", help="rebuild even if cached")
+    build_ops.set_defaults(run=_cmd_build_ops)
 
     parser.set_defaults(run=_no_command)
     return parser

@@ -56,6 +56,13 @@ Two implementations of the same maths:
   with `zero_output_for_mask=True`, else the last unmasked output (zeros
   before the first one).
 
+On the TensorFlow backend with a GPU, rnnfuse's own cuDNN op
+(`rnnfuse.backends.tensorflow.cudnn_op`, path "cudnn_op") runs the layer as
+one cuDNN LSTMP call, forward and backward, when there is no mask, the
+activations are tanh/sigmoid, the op is loaded and the call is not being
+compiled by XLA; the loops above are the fallback. The fast path's outputs
+keep the static shapes Keras' loop gives (time dimension included).
+
 Under the torch backend the fast path is PyTorch's own LSTMP
 (`nn.LSTM(proj_size=P)`'s `torch._VF.lstm` call, through
 `rnnfuse.backends.torch.run_stack`): cuDNN on CUDA, PyTorch's native kernel
@@ -558,13 +565,25 @@ class ProjectedLSTM(keras.layers.RNN):
             return self._keras_loop(sequences, initial_state, mask, training, reason)
         if self._keras_loop_backend() == "torch":
             return self._torch_loop(sequences, initial_state, mask, training)
+        if mask is None and _tf_op_reason(self.cell) is None:
+            self.last_path = "cudnn_op"
+            PATH_COUNTS["cudnn_op"] += 1
+            result = _tf_op_inner_loop(
+                self.cell,
+                sequences,
+                initial_state,
+                training=training,
+                go_backwards=self.go_backwards,
+                return_sequences=self.return_sequences,
+            )
+            return _static_shapes(result, sequences, self.cell, self.return_sequences)
         variant = get_fast_path(resolve=True)
         if variant.startswith("custom") and not _tanh_sigmoid(self.cell):
             variant = variant.replace("custom", "while")
         unroll = _unroll_factor(sequences.shape[1])
         self.last_path = variant + (f"/u{unroll}" if unroll > 1 else "")
         PATH_COUNTS[self.last_path] += 1
-        return _fast_inner_loop(
+        result = _fast_inner_loop(
             self.cell,
             sequences,
             initial_state,
@@ -576,6 +595,7 @@ class ProjectedLSTM(keras.layers.RNN):
             variant=variant,
             unroll=unroll,
         )
+        return _static_shapes(result, sequences, self.cell, self.return_sequences)
 
     def _keras_loop(self, sequences, initial_state, mask, training, reason):
         self.last_path = f"keras_loop: {reason}"
@@ -1102,6 +1122,76 @@ def _backward_loop(
 
 
 # -- the fast path (torch) ----------------------------------------------------------
+
+
+def _static_shapes(result, sequences, cell, return_sequences):
+    """`result` with the static shapes Keras' own loop gives (a graph-mode
+    while loop loses the time dimension; an unrolled layer after this one
+    needs it)."""
+    last_output, outputs, (h, c) = result
+    batch, steps = sequences.shape[0], sequences.shape[1]
+    p, u = cell.proj_size, cell.units
+    for tensor, shape in (
+        (last_output, [batch, p]),
+        (outputs, [batch, steps if return_sequences else 1, p]),
+        (h, [batch, p]),
+        (c, [batch, u]),
+    ):
+        if hasattr(tensor, "set_shape"):
+            tensor.set_shape(shape)
+    return last_output, outputs, [h, c]
+
+
+def _tf_op_reason(cell) -> str | None:
+    """Why rnnfuse's cuDNN op (TensorFlow) cannot run this cell, or None.
+
+    It runs when a GPU is visible and the op is loaded, the activations are
+    tanh/sigmoid, the dtype is float16/bfloat16/float32, and the call is not
+    being compiled by XLA (the op has no XLA kernel; the XLA loop runs then).
+    """
+    from rnnfuse.backends import tensorflow as tf_backend
+    from rnnfuse.backends.base import StackSpec
+
+    if not _tanh_sigmoid(cell):
+        return "cuDNN computes only tanh and sigmoid activations"
+    if not tf_backend.is_available():
+        return "no GPU"
+    if tf_backend.in_xla_context():
+        return "the call is compiled by XLA"
+    stack = StackSpec("lstm", cell.units, ((cell,),), proj_size=cell.proj_size)
+    if str(cell.compute_dtype) == "float64":
+        return "float64"
+    if not tf_backend.op_loaded():
+        return "rnnfuse's cuDNN op is not loaded"
+    return tf_backend.unsupported_reason(stack, cell.compute_dtype)
+
+
+def _tf_op_inner_loop(cell, sequences, initial_state, *, training, go_backwards, return_sequences):
+    """What `keras.layers.RNN.inner_loop` returns (no mask), from one
+    RnnfuseCudnnRnn call with `proj_size` (TensorFlow backend)."""
+    import tensorflow as tf
+
+    from rnnfuse.backends import tensorflow as tf_backend
+    from rnnfuse.backends.base import StackSpec
+
+    x = sequences
+    if training and 0.0 < cell.dropout < 1.0:
+        # The mask RNN.call drew for this call (one per sequence).
+        x = x * tf.expand_dims(cell.get_dropout_mask(sequences[:, 0, :]), axis=1)
+    if go_backwards:
+        x = tf.reverse(x, [1])  # no mask: every row is full length
+    stack = StackSpec("lstm", cell.units, ((cell,),), proj_size=cell.proj_size)
+    outputs, final_h, final_c = tf_backend.run_stack(
+        x,
+        stack=stack,
+        initial_h=[initial_state[0]],
+        initial_c=[initial_state[1]],
+    )
+    h_last, c_last = final_h[0], final_c[0]
+    last_output = outputs[:, -1]
+    if not return_sequences:
+        outputs = last_output[:, None, :]
+    return last_output, outputs, [h_last, c_last]
 
 
 def _torch_reason(cell) -> str | None:

@@ -8,6 +8,6 @@ Example:
     1
 """
 
-from rnnfuse.tuning.algorithms import Algorithm, algorithm_env
+from rnnfuse.backends.algorithm import Algorithm
 
-__all__ = ["Algorithm", "algorithm_env"]
+__all__ = ["Algorithm"]

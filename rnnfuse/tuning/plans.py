@@ -8,7 +8,7 @@ A `Plan` says how to run a group of `n` recurrent layers:
 - `pieces=()`: the original layers, one Keras call each;
 
 and, for fused pieces, which cuDNN algorithm their forward kernel uses
-(None: TensorFlow's default).
+(None: cuDNN's standard algorithm).
 
 `candidate_plans(group)` lists what the tuner times; `split_groups` turns
 groups and their plans into the groups the rewrite builds.
@@ -27,7 +27,7 @@ import dataclasses
 from typing import Iterable, Sequence
 
 from rnnfuse.report import FusionGroup
-from rnnfuse.tuning.algorithms import Algorithm
+from rnnfuse.backends.algorithm import Algorithm
 
 __all__ = ["Plan", "FUSED", "PER_LAYER", "candidate_plans", "split_groups"]
 
@@ -83,8 +83,14 @@ class Plan:
 FUSED = Plan(whole=True)
 PER_LAYER = Plan(())
 
-# The algorithms the tuner tries for fused pieces (None: the default).
-CANDIDATE_ALGORITHMS: tuple[str | None, ...] = (None, "persistent_static+tc")
+# The algorithms the tuner tries for fused pieces (None: the standard one).
+# On TensorFlow they need rnnfuse's own op, which runs the algorithm in the
+# backward pass too (the backend's TUNED_ALGORITHMS is (None,) without it).
+CANDIDATE_ALGORITHMS: tuple[str | None, ...] = (
+    None,
+    "persistent_static+tc",
+    "persistent_dynamic+tc",
+)
 
 
 def candidate_plans(

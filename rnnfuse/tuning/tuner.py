@@ -7,14 +7,16 @@
 2. Otherwise build one step per candidate plan (`candidate_plans`): the
    original layers, the whole run fused, the run split in two, and per
    backend: TensorFlow times each fused plan with the default and the
-   persistent cuDNN algorithm; torch (no algorithm switch) adds one fused
+   persistent cuDNN algorithms (rnnfuse's own op runs them in both
+   passes; without it only the default); torch (no algorithm switch) adds one fused
    call per layer. A step (the backend's `timed_step`) is a forward pass
    (inference) or forward + backward (training) of that group alone on a
    random batch of the group's input shape.
 3. For training, a plan with a non-default algorithm is kept only if its
    gradients are as close to a float64 reference (the default algorithm
-   in float64) as the default algorithm's are (within 2x): cuDNN's
-   backward pass does not take the debug algorithm.
+   in float64) as the default algorithm's are (within 2x); a plan whose
+   algorithm cuDNN refuses for this shape (an op error) is rejected with
+   cuDNN's message.
 4. Time the steps side by side (`interleaved_medians`) and keep the
    fastest; write the decision to the cache.
 
@@ -226,9 +228,20 @@ def tune_plans(
             plans = candidates(group)
             rejected = {}
             if training and any(p.algorithm for p in plans):
-                errors = {p.name: check_gradients(group, p, shape, dtype) for p in plans if p.pieces}
+                errors = {}
+                for p in plans:
+                    if not p.pieces:
+                        continue
+                    try:
+                        errors[p.name] = check_gradients(group, p, shape, dtype)
+                    except Exception as exc:  # cuDNN refusing an algorithm: an op error
+                        if not p.algorithm or not _is_op_error(exc):
+                            raise
+                        rejected[p.name] = f"cuDNN refused it: {str(exc).strip().splitlines()[-1][:200]}"
                 base = {p.pieces: errors[p.name] for p in plans if p.pieces and not p.algorithm}
                 for p in plans:
+                    if p.name in rejected:
+                        continue
                     if p.algorithm and errors[p.name] > GRADIENT_SLACK * base[p.pieces] + 1e-7:
                         rejected[p.name] = (
                             f"gradient error {errors[p.name]:.2e} vs "
@@ -283,6 +296,12 @@ def _steps(group, plans, shape, dtype, training, jit_baseline=False) -> dict:
         p.name: _step(group, _runner(group, p), x, training, jit=jit_baseline and not p.pieces)
         for p in plans
     }
+
+
+def _is_op_error(exc: Exception) -> bool:
+    """A backend kernel's runtime error (TensorFlow's OpError), by name so
+    tuning needs no TensorFlow import."""
+    return any(c.__name__ == "OpError" for c in type(exc).__mro__)
 
 
 def _default_gradient_check(group, plan, shape, dtype) -> float:

@@ -62,6 +62,16 @@ def _dryrun_emulation(monkeypatch):
 
 
 @pytest.fixture(autouse=True)
+def _cudnnrnnv3_outside_the_op_tests(request, monkeypatch):
+    """The older GPU tests prove the CudnnRNNV3 path (their spies sit on its
+    call site): they run with rnnfuse's own op turned off;
+    test_gpu_cudnn_op.py tests the op."""
+    if "cudnn_op" not in request.module.__name__:
+        monkeypatch.setenv("RNNFUSE_DISABLE_OP", "1")
+    yield
+
+
+@pytest.fixture(autouse=True)
 def _exact_float32():
     """No TF32 in float32 matmuls, so Keras' loop and cuDNN compare tightly."""
     if keras.backend.backend() == "tensorflow":

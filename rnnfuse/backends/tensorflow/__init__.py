@@ -1,4 +1,15 @@
-"""TensorFlow backend: a whole stack as one `tf.raw_ops.CudnnRNNV3` call.
+"""TensorFlow backend: a whole stack as one cuDNN call.
+
+Two kernels run a fused stack:
+
+- rnnfuse's own op `RnnfuseCudnnRnn` (csrc/, built and loaded on first GPU
+  use by `op_build.load_op()`; see `cudnn_op`): the plan's cuDNN algorithm
+  in the forward and the backward pass, LSTM projections, bfloat16;
+- `tf.raw_ops.CudnnRNNV3`, the fallback when the op is not loaded (or for
+  float64 and between-layer dropout): standard algorithm only, no
+  projections, no bfloat16. `last_kernel()` says which ran last and why.
+
+Both take the same flat parameters.
 
 The flat parameter buffer is built on every call from the original Keras
 variables, so gradients reach them. Layout (cuDNN's canonical order; with it
@@ -20,8 +31,13 @@ input width `n` (input_size at level 0, units * directions above) and
   (r, z, h) in W, R and in both rows of Keras' (2, 3H) bias, which are
   cuDNN's input and recurrent biases.
 - rnn_tanh / rnn_relu: W = [W, R]; B = [0] * H ++ Keras' bias.
+- lstm with projection P (rnnfuse's op only; `ProjectedLSTMCell`): W =
+  [W_i..W_o ([H, n] each), R_i..R_o ([H, P] each: transposed
+  recurrent_kernel [P, 4H]), M_proj [P, H] (transposed projection_kernel
+  [H, P])]; B as for lstm; the input width above level 0 is P * directions.
 
-Sizes: weights G*H*(n + H), biases 2*G*H per pseudo-layer, G = 4, 3, 1.
+Sizes: weights G*H*(n + R) + P*H, biases 2*G*H per pseudo-layer, G = 4, 3,
+1, R = P or H (P = 0 without projection).
 `use_bias=False` gives zero biases.
 
 Multi-layer states are passed time-major ([levels * directions, B, H]):
@@ -45,20 +61,18 @@ from typing import Any, Sequence
 
 import tensorflow as tf
 
+import logging
+
+from rnnfuse.backends.algorithm import Algorithm
 from rnnfuse.backends.base import GATES, StackSpec
-from rnnfuse.tuning.algorithms import (
-    Algorithm,
-    algorithm_env,
-    begin_graph_algorithm,
-    end_graph_algorithm,
-)
-from rnnfuse.tuning.plans import CANDIDATE_ALGORITHMS
+from rnnfuse.backends.tensorflow import cudnn_op, op_build
 
 __all__ = [
     "TUNED_ALGORITHMS",
     "device_environment",
     "in_xla_context",
     "is_available",
+    "last_kernel",
     "mask_is_supported",
     "pack_params",
     "run_stack",
@@ -67,9 +81,34 @@ __all__ = [
 ]
 
 SUPPORTED_DTYPES = ("float16", "float32", "float64")
+logger = logging.getLogger("rnnfuse")
 
-# The cuDNN algorithms the tuner tries for fused pieces (None: the default).
-TUNED_ALGORITHMS = CANDIDATE_ALGORITHMS
+# The cuDNN algorithms the tuner tries for fused pieces when rnnfuse's op is
+# loaded (None: the standard algorithm); without the op only the standard.
+OP_TUNED_ALGORITHMS = (None, "persistent_static+tc", "persistent_dynamic+tc")
+
+# What the last fused call ran: {"kernel": ..., "algorithm": ..., "reason": ...}.
+_LAST: dict = {"kernel": None, "algorithm": None, "reason": None}
+
+
+def __getattr__(name):
+    if name == "TUNED_ALGORITHMS":
+        return OP_TUNED_ALGORITHMS if op_loaded() else (None,)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def op_loaded() -> bool:
+    """Whether rnnfuse's own cuDNN op is loaded (builds it on first use).
+
+    `RNNFUSE_DISABLE_OP=1` (read on every call) keeps it off.
+    """
+    return is_available() and not op_build.disabled() and op_build.load_op() is not None
+
+
+def last_kernel() -> dict:
+    """Which kernel the last fused call traced ("RnnfuseCudnnRnn" or
+    "CudnnRNNV3"), its algorithm, and why the op was not used."""
+    return dict(_LAST)
 
 
 def is_available() -> bool:
@@ -115,16 +154,28 @@ def timed_step(run, x, variables: Sequence[Any], training: bool, jit: bool = Fal
 
 
 def unsupported_reason(stack: StackSpec, dtype: str) -> str | None:
-    """Why this backend cannot run `stack` in `dtype`, or None."""
-    if str(dtype) not in SUPPORTED_DTYPES:
+    """Why this backend cannot run `stack` in `dtype`, or None.
+
+    bfloat16 and projections need rnnfuse's own op (CudnnRNNV3 casts
+    bfloat16 to float32 and rejects every real projection shape).
+    """
+    dtype = str(dtype)
+    needs_op = dtype == "bfloat16" or stack.proj_size
+    if needs_op and dtype in cudnn_op.OP_DTYPES:
+        if op_loaded():
+            return None
+        why = (
+            "RNNFUSE_DISABLE_OP is set" if op_build.disabled() else op_build.load_failure() or "no GPU visible"
+        )
+        what = "bfloat16" if dtype == "bfloat16" else "an LSTM projection"
         return (
-            f"TensorFlow's cuDNN RNN runs float16, float32 and float64, not {dtype}; "
+            f"{what} needs rnnfuse's cuDNN op, which is not loaded ({why}); "
             "the original layers run instead"
         )
-    if stack.proj_size:
+    if dtype not in SUPPORTED_DTYPES:
         return (
-            "TensorFlow 2.21's CudnnRNNV3 rejects every real LSTM projection "
-            "shape on cuDNN 9"
+            f"TensorFlow's cuDNN RNN runs float16, bfloat16 (rnnfuse's op), float32 "
+            f"and float64, not {dtype}; the original layers run instead"
         )
     return None
 
@@ -144,7 +195,7 @@ def _cell_params(kind: str, cell: Any, dtype: str) -> tuple[list, list]:
     """(weights, biases) of one pseudo-layer, flattened in cuDNN order."""
     kernel = tf.cast(cell.kernel, dtype)
     recurrent = tf.cast(cell.recurrent_kernel, dtype)
-    units = int(recurrent.shape[0])
+    units = int(recurrent.shape[1]) // GATES[kind]
     gates = GATES[kind]
     w = tf.transpose(kernel)  # [G*H, n]: gate blocks of rows
     r = tf.transpose(recurrent)  # [G*H, H]
@@ -161,7 +212,11 @@ def _cell_params(kind: str, cell: Any, dtype: str) -> tuple[list, list]:
     else:
         b_in = tf.zeros([gates * units], dtype)
         b_rec = tf.reshape(bias, [-1])
-    return [tf.reshape(w, [-1]), tf.reshape(r, [-1])], [b_in, b_rec]
+    weights = [tf.reshape(w, [-1]), tf.reshape(r, [-1])]
+    projection = getattr(cell, "projection_kernel", None)
+    if projection is not None:  # [H, P] -> cuDNN's [P, H]
+        weights.append(tf.reshape(tf.transpose(tf.cast(projection, dtype)), [-1]))
+    return weights, [b_in, b_rec]
 
 
 def _zrh_to_rzh(x: tf.Tensor, units: int) -> tf.Tensor:
@@ -181,10 +236,10 @@ def pack_params(stack: StackSpec, dtype: str) -> tf.Tensor:
 
 
 def _states(
-    given: Sequence[Any] | None, stack: StackSpec, batch: tf.Tensor, dtype
+    given: Sequence[Any] | None, stack: StackSpec, batch: tf.Tensor, dtype, width: int = 0
 ) -> tf.Tensor:
     """[levels * directions, B, H] from per-pseudo-layer states (None: 0)."""
-    zeros = tf.zeros(tf.stack([batch, stack.units]), dtype)
+    zeros = tf.zeros(tf.stack([batch, width or stack.units]), dtype)
     given = list(given or [])
     given += [None] * (stack.num_pseudo_layers - len(given))
     return tf.stack([zeros if s is None else tf.cast(s, dtype) for s in given])
@@ -221,19 +276,21 @@ def run_stack(
     Args:
         sequences: batch-major input, already in the compute dtype.
         stack: the levels and cells to run.
-        initial_h, initial_c: per pseudo-layer initial states [B, H] (or
-            None for zeros), in cuDNN order (level-major, fwd before bwd).
+        initial_h, initial_c: per pseudo-layer initial states [B, R] and
+            [B, H] (or None for zeros), in cuDNN order (level-major, fwd
+            before bwd).
         mask: optional right-padded boolean mask [B, T]: sequence lengths.
         reverse: the first level reads each sequence reversed; outputs stay
             in processing order (as a Keras go_backwards layer returns them).
         dropout: cuDNN's dropout between levels (training only).
         seed: (seed, seed2) for that dropout.
-        algorithm: the cuDNN algorithm of the forward kernel (None: the
-            default); see `_call_with_algorithm`.
+        algorithm: the cuDNN algorithm of the call (None: standard). It runs
+            in both passes on rnnfuse's op; the CudnnRNNV3 fallback runs the
+            standard algorithm whatever is asked (see `last_kernel()`).
 
     Returns:
-        (outputs [B, T, D*H] with zeros past each sequence's length,
-         final h [L*D, B, H], final c [L*D, B, H] or None).
+        (outputs [B, T, D*R] with zeros past each sequence's length,
+         final h [L*D, B, R], final c [L*D, B, H] or None).
     """
     dtype = sequences.dtype
     x = tf.transpose(sequences, [1, 0, 2])  # time-major [T, B, F]
@@ -245,6 +302,36 @@ def run_stack(
     if reverse:
         x = tf.reverse_sequence(x, lengths, seq_axis=0, batch_axis=1)
     lstm = stack.kind == "lstm"
+    module, reason = _op_for(dtype, dropout)
+    if module is not None:
+        input_size = int(stack.cells[0][0].kernel.shape[0])
+        outputs, h, c = cudnn_op.run_op(
+            module,
+            x,
+            _states(initial_h, stack, batch, dtype, width=stack.output_size),
+            _states(initial_c, stack, batch, dtype) if lstm else tf.zeros([0], dtype),
+            pack_params(stack, dtype),
+            lengths,
+            kind=stack.kind,
+            num_layers=stack.num_levels,
+            num_directions=stack.num_directions,
+            units=stack.units,
+            input_size=input_size,
+            proj_size=stack.proj_size,
+            algorithm=algorithm,
+            dropout=dropout,
+            seed=int(seed[0]),
+        )
+        _LAST.update(kernel="RnnfuseCudnnRnn", algorithm=(algorithm or Algorithm()).name, reason=None)
+        return tf.transpose(outputs, [1, 0, 2]), h, (c if lstm else None)
+    if stack.proj_size or tf.as_dtype(dtype) == tf.bfloat16:
+        raise NotImplementedError(
+            f"this stack needs rnnfuse's cuDNN op, which cannot run it: {reason}"
+        )
+    if algorithm is not None and not algorithm.is_standard:
+        reason = f"{reason}; the {algorithm.name} algorithm asked for runs as standard"
+        logger.info("rnnfuse: CudnnRNNV3 fallback: %s", reason)
+    _LAST.update(kernel="CudnnRNNV3", algorithm="standard", reason=reason)
     tensors = dict(
         input=x,
         input_h=_states(initial_h, stack, batch, dtype),
@@ -262,72 +349,18 @@ def run_stack(
         is_training=True,
         time_major=True,
     )
-    if algorithm is None:
-        outputs, h, c = cudnn_rnn(**tensors, **attrs)[:3]
-    else:
-        if not dropout:
-            attrs["seed2"] = algorithm.kernel_tag
-        outputs, h, c = _call_with_algorithm(algorithm, tensors, attrs)
+    outputs, h, c = cudnn_rnn(**tensors, **attrs)[:3]
     return tf.transpose(outputs, [1, 0, 2]), h, (c if lstm else None)
 
 
-def allowed_algorithm(algorithm: Algorithm, dtype) -> Algorithm:
-    """`algorithm` without tensor ops where TensorFlow forbids them.
-
-    TensorFlow rejects tensor-op math ("Algo requests disallowed tensor op
-    evaluation") for float64, and for float32 when TF32 is turned off
-    (`tf.config.experimental.enable_tensor_float_32_execution(False)`).
-    """
-    dtype = tf.as_dtype(dtype)
-    forbidden = dtype == tf.float64 or (
-        dtype == tf.float32
-        and not tf.config.experimental.tensor_float_32_execution_enabled()
-    )
-    if algorithm.tensor_ops and forbidden:
-        return Algorithm(algorithm.algo, tensor_ops=False)
-    return algorithm
-
-
-def _call_with_algorithm(algorithm: Algorithm, tensors: dict, attrs: dict):
-    """`cudnn_rnn` whose forward kernel is built under `algorithm`.
-
-    TensorFlow reads the algorithm variables when it constructs a
-    CudnnRNNV3 kernel. Eagerly, the variables are set around the call (the
-    algorithm's own `seed2` keeps the kernel cache from reusing another
-    algorithm's kernel). In a graph, every kernel of a function is built
-    when the function is first run, so the call goes into an inner function
-    that is not inlined and is instantiated when it first runs; a
-    `py_function` sets the variables just before it and another restores
-    them just after (automatic control dependencies keep that order). If
-    the op fails in between, the next rnnfuse call restores them
-    (`rnnfuse.tuning.algorithms.restore_pending`).
-    """
-    names = list(tensors)
-    algorithm = allowed_algorithm(algorithm, tensors["input"].dtype)
-
-    def call(*values):
-        return tuple(cudnn_rnn(**dict(zip(names, values)), **attrs)[:3])
-
-    if tf.executing_eagerly():
-        with algorithm_env(algorithm):
-            return call(*tensors.values())
-
-    def enter():
-        begin_graph_algorithm(algorithm)
-        return 0
-
-    def leave():
-        end_graph_algorithm()
-        return 0
-
-    inner = tf.function(
-        call, autograph=False, experimental_attributes={"_noinline": True}
-    )
-    token = tf.py_function(enter, [], tf.int32)
-    with tf.control_dependencies([token]):
-        values = [tf.identity(t) for t in tensors.values()]
-    outputs = inner(*values)
-    with tf.control_dependencies(list(outputs)):
-        done = tf.py_function(leave, [], tf.int32)
-    with tf.control_dependencies([done]):
-        return tuple(tf.identity(t) for t in outputs)
+def _op_for(dtype, dropout: float):
+    """(op module, None) when rnnfuse's op runs this call, else (None, reason)."""
+    reason = cudnn_op.op_unsupported_reason(dtype, dropout)
+    if reason is not None:
+        return None, reason
+    if op_build.disabled():
+        return None, "rnnfuse's cuDNN op is turned off (RNNFUSE_DISABLE_OP)"
+    module = op_build.load_op() if is_available() else None
+    if module is None:
+        return None, f"rnnfuse's cuDNN op is not loaded: {op_build.load_failure() or 'no GPU'}"
+    return module, None

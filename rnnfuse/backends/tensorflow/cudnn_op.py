@@ -1,0 +1,238 @@
+"""Python side of rnnfuse's own cuDNN RNN op (csrc/rnnfuse_cudnn_rnn.cc).
+
+`run_op` calls `RnnfuseCudnnRnn` on time-major data with the canonical
+flat parameters that `pack_params` builds (the CudnnRNNV3 layout, with the
+projection matrix appended per pseudo-layer for an LSTM with `proj_size`,
+see `rnnfuse.backends.tensorflow`), and the gradient registered here runs
+`RnnfuseCudnnRnnBackprop` with the SAME attributes, so the algorithm of the
+forward is the algorithm of the backward.
+
+Attribute checks happen here, before TensorFlow sees the op, so a wrong
+call fails with a ValueError naming the argument; what cuDNN itself
+refuses (a persistent algorithm with this shape, ...) comes back as a
+`tf.errors.OpError` (UnimplementedError for CUDNN_STATUS_NOT_SUPPORTED).
+
+Example (with a GPU and the op built):
+
+    >>> module = op_build.load_op()  # doctest: +SKIP
+    >>> y, h, c = run_op(module, x, h0, c0, params, lengths, kind="lstm",
+    ...                  num_layers=2, num_directions=1, units=8,
+    ...                  input_size=3)  # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import tensorflow as tf
+
+from rnnfuse.backends.algorithm import Algorithm
+
+__all__ = [
+    "OP_DTYPES",
+    "call_op",
+    "flat_size",
+    "math_type_for",
+    "op_unsupported_reason",
+    "register_gradient",
+    "run_op",
+]
+
+OP_DTYPES = ("float16", "bfloat16", "float32")
+_KINDS = ("lstm", "gru", "rnn_tanh", "rnn_relu")
+_GATES = {"lstm": 4, "gru": 3, "rnn_tanh": 1, "rnn_relu": 1}
+# The attributes both ops share (the gradient copies them from the forward).
+SHARED_ATTRS = (
+    "rnn_mode",
+    "direction",
+    "num_layers",
+    "num_units",
+    "proj_size",
+    "input_size",
+    "algorithm",
+    "math_type",
+    "dropout",
+    "seed",
+)
+_MODULE: list[Any] = []
+
+
+def flat_size(kind: str, num_layers: int, num_directions: int, units: int,
+              input_size: int, proj_size: int = 0) -> int:
+    """Elements of the canonical flat buffer (see the C++ source's header)."""
+    g, h, r = _GATES[kind], units, proj_size or units
+    total = 0
+    for p in range(num_layers * num_directions):
+        n = input_size if p < num_directions else num_directions * r
+        total += g * h * n + g * h * r + proj_size * h + 2 * g * h
+    return total
+
+
+def op_unsupported_reason(dtype: Any, dropout: float = 0.0) -> str | None:
+    """Why the op cannot run this call (then CudnnRNNV3 runs), or None."""
+    name = tf.as_dtype(dtype).name
+    if name not in OP_DTYPES:
+        return f"rnnfuse's cuDNN op runs float16, bfloat16 and float32, not {name}"
+    if dropout:
+        return "rnnfuse's cuDNN op does not run between-layer dropout yet"
+    return None
+
+
+def math_type_for(algorithm: Algorithm, dtype: Any) -> str:
+    """The op's math_type attribute for `algorithm` in `dtype`.
+
+    float32: "fma" when TF32 is off (TensorFlow's
+    `enable_tensor_float_32_execution(False)`) so results stay IEEE float32
+    as Keras' own call gives them; half types: tensor ops unless asked
+    otherwise (what TensorFlow and PyTorch do).
+    """
+    name = tf.as_dtype(dtype).name
+    if name == "float32" and not tf.config.experimental.tensor_float_32_execution_enabled():
+        return "fma"
+    if name in ("float16", "bfloat16") and algorithm.math == "default":
+        return "tensor_op"
+    return algorithm.math
+
+
+def _module():
+    if not _MODULE:
+        from rnnfuse.backends.tensorflow import op_build
+
+        module = op_build.load_op()
+        if module is None:
+            raise NotImplementedError(
+                f"rnnfuse's cuDNN op is not loaded: {op_build.load_failure()}"
+            )
+        _MODULE.append(module)
+    return _MODULE[0]
+
+
+def call_op(module, **kwargs):
+    """`RnnfuseCudnnRnn` (one module-level name so tests can spy on it)."""
+    return module.rnnfuse_cudnn_rnn(**kwargs)
+
+
+def run_op(
+    module,
+    x,
+    h,
+    c,
+    params,
+    lengths,
+    *,
+    kind: str,
+    num_layers: int,
+    num_directions: int,
+    units: int,
+    input_size: int,
+    proj_size: int = 0,
+    algorithm: Algorithm | None = None,
+    dropout: float = 0.0,
+    seed: int = 0,
+    is_training: bool = True,
+):
+    """One `RnnfuseCudnnRnn` call; returns (outputs [T, B, D*R], h, c).
+
+    Args:
+        module: the loaded op module (`op_build.load_op()`).
+        x: time-major input [T, B, input_size].
+        h: initial h [L*D, B, R] (R = proj_size or units).
+        c: initial c [L*D, B, units] for an LSTM; ignored otherwise (pass
+            an empty tensor).
+        params: canonical flat parameters.
+        lengths: int32 [B] sequence lengths, each in [1, T].
+
+    Raises:
+        ValueError: an argument the op would reject, named.
+    """
+    if kind not in _KINDS:
+        raise ValueError(f"run_op: kind must be one of {_KINDS}; received {kind!r}")
+    if num_directions not in (1, 2):
+        raise ValueError(f"run_op: num_directions must be 1 or 2; received {num_directions}")
+    if proj_size and (kind != "lstm" or not 0 < proj_size < units):
+        raise ValueError(
+            f"run_op: proj_size={proj_size} needs kind='lstm' and 0 < proj_size < units "
+            f"({units}); received kind={kind!r}"
+        )
+    dtype = tf.as_dtype(x.dtype)
+    reason = op_unsupported_reason(dtype, dropout)
+    if reason is not None:
+        raise ValueError(f"run_op: {reason}")
+    for name, t in (("h", h), ("c", c), ("params", params)):
+        if tf.as_dtype(t.dtype) != dtype:
+            raise ValueError(
+                f"run_op: {name} has dtype {tf.as_dtype(t.dtype).name}; the input is {dtype.name}"
+            )
+    if x.shape.rank is not None and x.shape.rank != 3:
+        raise ValueError(f"run_op: x must be [time, batch, features]; received shape {x.shape}")
+    if x.shape.rank == 3 and x.shape[-1] is not None and x.shape[-1] != input_size:
+        raise ValueError(
+            f"run_op: x has {x.shape[-1]} features; input_size is {input_size}"
+        )
+    expected = flat_size(kind, num_layers, num_directions, units, input_size, proj_size)
+    if params.shape.rank == 1 and params.shape[0] is not None and params.shape[0] != expected:
+        raise ValueError(
+            f"run_op: params has {params.shape[0]} elements; this stack needs {expected}"
+        )
+    algorithm = algorithm or Algorithm()
+    outputs, final_h, final_c, _ = call_op(
+        module,
+        input=x,
+        input_h=h,
+        input_c=c,
+        params=params,
+        sequence_lengths=tf.cast(lengths, tf.int32),
+        rnn_mode=kind,
+        direction="bidirectional" if num_directions == 2 else "unidirectional",
+        num_layers=int(num_layers),
+        num_units=int(units),
+        proj_size=int(proj_size),
+        input_size=int(input_size),
+        algorithm=algorithm.algorithm_name,
+        math_type=math_type_for(algorithm, dtype),
+        dropout=float(dropout),
+        seed=int(seed),
+        is_training=bool(is_training),
+    )
+    return outputs, final_h, final_c
+
+
+def _gradient(op, d_output, d_h, d_c, _d_reserve):
+    """RnnfuseCudnnRnn's gradient: the backprop op with the same attributes."""
+    if not op.get_attr("is_training"):
+        raise ValueError(
+            "RnnfuseCudnnRnn ran with is_training=False (no reserve space); "
+            "it has no gradient. Fix: call it with is_training=True"
+        )
+    x, h, c, params, lengths = op.inputs
+    output, out_h, out_c, reserve = op.outputs
+    d_output = tf.zeros_like(output) if d_output is None else d_output
+    d_h = tf.zeros_like(out_h) if d_h is None else d_h
+    d_c = tf.zeros_like(out_c) if d_c is None else d_c
+    attrs = {name: op.get_attr(name) for name in SHARED_ATTRS}
+    attrs = {k: (v.decode() if isinstance(v, bytes) else v) for k, v in attrs.items()}
+    dx, dh, dc, dparams = _module().rnnfuse_cudnn_rnn_backprop(
+        input=x,
+        input_h=h,
+        input_c=c,
+        params=params,
+        sequence_lengths=lengths,
+        output=output,
+        output_backprop=d_output,
+        output_h_backprop=d_h,
+        output_c_backprop=d_c,
+        reserve_space=reserve,
+        **attrs,
+    )
+    return dx, dh, dc, dparams, None
+
+
+def register_gradient() -> None:
+    """Registers `_gradient` for RnnfuseCudnnRnn (once per process)."""
+    if getattr(register_gradient, "done", False):
+        return
+    try:
+        tf.RegisterGradient("RnnfuseCudnnRnn")(_gradient)
+    except KeyError:  # already registered (module reloaded)
+        pass
+    register_gradient.done = True

@@ -1,0 +1,344 @@
+"""Builds and loads rnnfuse's own cuDNN RNN op for TensorFlow (csrc/).
+
+Nothing to do for the user: the first time a GPU is visible, `load_op()`
+compiles `csrc/rnnfuse_cudnn_rnn.cc` (a few seconds of g++, about 20 s on
+two cores) with TensorFlow's compile and link flags (`tf.sysconfig`) and
+loads it. The library is cached in the user cache folder
+(`platformdirs.user_cache_dir("rnnfuse")/ops/`, or `$RNNFUSE_CACHE_DIR`),
+under a name keyed by the TensorFlow version, the cuDNN version and a
+hash of the source and build flags; a `filelock` lock keeps two processes
+from building at once (the second waits, then loads the first's library).
+
+What the build needs:
+
+- a C++17 compiler: `$CXX`, else `g++`, else `c++`;
+- TensorFlow's headers (its wheel ships them, CUDA's runtime headers
+  included under `include/third_party/gpus/cuda/include`);
+- cuDNN 9's headers and `libcudnn.so.9`, found in this order: `$CUDNN`
+  (a folder with include/ and lib/), the `nvidia-cudnn-cu12` pip package
+  (`pip install rnnfuse[cuda]`), `$CUDNN_HOME`/`$CUDA_HOME`, the system
+  (/usr/include, /usr/lib/x86_64-linux-gnu).
+
+libcudnn.so.9 is linked as a NEEDED entry (`--no-as-needed`) with an rpath
+to the folder it was found in; no CUDA runtime is linked (its calls bind to
+the runtime inside libtensorflow_framework.so.2).
+
+If anything fails (no compiler, no headers, a load error), `load_op()`
+warns once (logger "rnnfuse" and `warnings.warn`) with the reason and the
+fix, returns None, and the TensorFlow backend keeps using CudnnRNNV3.
+`RNNFUSE_DISABLE_OP=1` turns the op off. `rnnfuse build-ops` prebuilds.
+
+Example (no GPU needed; compiles only):
+
+    >>> path = build_op()  # doctest: +SKIP
+    >>> path.name  # doctest: +SKIP
+    'rnnfuse_cudnn_rnn.so'
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+import warnings
+from pathlib import Path
+from typing import Any
+
+__all__ = [
+    "BuildError",
+    "build_op",
+    "cache_dir",
+    "disabled",
+    "find_cudnn",
+    "library_path",
+    "load_op",
+    "load_failure",
+]
+
+logger = logging.getLogger("rnnfuse")
+
+SOURCE_DIR = Path(__file__).resolve().parent / "csrc"
+SOURCES = ("rnnfuse_cudnn_rnn.cc",)
+LIBRARY_NAME = "rnnfuse_cudnn_rnn.so"
+_FLAGS_VERSION = "1"  # bump when the build command changes
+
+_LOCK = threading.Lock()
+_STATE: dict[str, Any] = {"module": None, "tried": False, "reason": None, "warned": False}
+
+
+class BuildError(RuntimeError):
+    """The op could not be built; the message says why and how to fix it."""
+
+
+def cache_dir() -> Path:
+    """Where built libraries go: $RNNFUSE_CACHE_DIR or the user cache dir."""
+    env = os.environ.get("RNNFUSE_CACHE_DIR")
+    if env:
+        return Path(env) / "ops"
+    try:
+        import platformdirs
+    except ImportError:  # an install without the dependency: XDG's default
+        base = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "rnnfuse"
+    else:
+        base = Path(platformdirs.user_cache_dir("rnnfuse"))
+    return base / "ops"
+
+
+class _FcntlLock:
+    """A process lock on `path` (used only when `filelock` is missing)."""
+
+    def __init__(self, path: str):
+        self.path = path
+
+    def __enter__(self):
+        import fcntl
+
+        self.f = open(self.path, "w")
+        fcntl.flock(self.f, fcntl.LOCK_EX)
+        return self
+
+    def __exit__(self, *exc):
+        import fcntl
+
+        fcntl.flock(self.f, fcntl.LOCK_UN)
+        self.f.close()
+
+
+def _file_lock(path: str):
+    try:
+        import filelock
+    except ImportError:
+        return _FcntlLock(path)
+    return filelock.FileLock(path)
+
+
+def find_cudnn() -> tuple[Path, Path]:
+    """(include dir, lib dir) of a cuDNN 9 install; raises BuildError."""
+    candidates: list[tuple[str, Path]] = []
+    if os.environ.get("CUDNN"):
+        candidates.append(("$CUDNN", Path(os.environ["CUDNN"])))
+    try:
+        import importlib.util
+
+        spec = importlib.util.find_spec("nvidia.cudnn")
+    except (ImportError, ValueError):
+        spec = None
+    if spec is not None:
+        for loc in spec.submodule_search_locations or []:
+            candidates.append(("nvidia-cudnn-cu12", Path(loc)))
+    for var in ("CUDNN_HOME", "CUDA_HOME", "CUDA_PATH"):
+        if os.environ.get(var):
+            candidates.append((f"${var}", Path(os.environ[var])))
+    candidates.append(("system", Path("/usr")))
+    candidates.append(("/usr/local/cuda", Path("/usr/local/cuda")))
+    tried = []
+    for origin, root in candidates:
+        includes = [root / "include", root / "include" / "x86_64-linux-gnu"]
+        libs = [root / "lib", root / "lib64", root / "lib" / "x86_64-linux-gnu"]
+        inc = next((d for d in includes if (d / "cudnn.h").is_file()), None)
+        lib = next((d for d in libs if (d / "libcudnn.so.9").exists()), None)
+        if inc is not None and lib is not None:
+            return inc, lib
+        tried.append(f"{origin} ({root})")
+    raise BuildError(
+        "no cuDNN 9 headers and libcudnn.so.9 found (looked in "
+        + ", ".join(tried)
+        + "). Fix: pip install 'rnnfuse[cuda]' (nvidia-cudnn-cu12), or set "
+        "CUDNN to a folder with include/cudnn.h and lib/libcudnn.so.9"
+    )
+
+
+def cudnn_header_version(include: Path) -> str:
+    """'9.28.0' from cudnn_version.h."""
+    text = ""
+    for name in ("cudnn_version.h", "cudnn_version_v9.h", "cudnn.h"):
+        p = include / name
+        if p.is_file():
+            text += p.read_text(errors="replace")
+    parts = [re.search(rf"#define CUDNN_{k}\s+(\d+)", text) for k in ("MAJOR", "MINOR", "PATCHLEVEL")]
+    if not all(parts):
+        return "unknown"
+    return ".".join(m.group(1) for m in parts)
+
+
+def find_compiler() -> str:
+    """The C++ compiler to use; raises BuildError."""
+    for name in (os.environ.get("CXX"), "g++", "c++"):
+        if name and shutil.which(name):
+            return shutil.which(name)
+    raise BuildError(
+        "no C++ compiler found (looked for $CXX, g++, c++ on PATH). Fix: install "
+        "one (for example `apt-get install g++`) or set CXX"
+    )
+
+
+def _tf_flags() -> tuple[list[str], list[str], str, str]:
+    import tensorflow as tf
+
+    include = tf.sysconfig.get_include()
+    compile_flags = list(tf.sysconfig.get_compile_flags())
+    link_flags = list(tf.sysconfig.get_link_flags())
+    cuda_include = os.path.join(include, "third_party", "gpus", "cuda", "include")
+    if not os.path.isfile(os.path.join(cuda_include, "cuda_runtime_api.h")):
+        home = os.environ.get("CUDA_HOME", "/usr/local/cuda")
+        cuda_include = os.path.join(home, "include")
+    return compile_flags, link_flags, cuda_include, tf.__version__
+
+
+def build_command(compiler: str, output: Path) -> list[str]:
+    """The compile command for the op (raises BuildError)."""
+    cudnn_inc, cudnn_lib = find_cudnn()
+    compile_flags, link_flags, cuda_include, _ = _tf_flags()
+    if not os.path.isfile(os.path.join(cuda_include, "cuda_runtime_api.h")):
+        raise BuildError(
+            "no CUDA runtime headers (cuda_runtime_api.h) in TensorFlow's wheel or "
+            "$CUDA_HOME/include. Fix: set CUDA_HOME to a CUDA toolkit"
+        )
+    return [
+        compiler,
+        "-std=c++17",
+        "-shared",
+        "-fPIC",
+        "-O2",
+        "-DGOOGLE_CUDA=1",
+        "-w",
+        *compile_flags,
+        f"-I{cuda_include}",
+        f"-I{cudnn_inc}",
+        *[str(SOURCE_DIR / s) for s in SOURCES],
+        "-o",
+        str(output),
+        *link_flags,
+        f"-L{cudnn_lib}",
+        f"-Wl,-rpath,{cudnn_lib}",
+        "-Wl,--no-as-needed",
+        "-l:libcudnn.so.9",
+        "-Wl,--as-needed",
+    ]
+
+
+def library_path() -> Path:
+    """Where the op library for this TensorFlow/cuDNN/source goes."""
+    cudnn_inc, _ = find_cudnn()
+    import tensorflow as tf
+
+    digest = hashlib.sha256(_FLAGS_VERSION.encode())
+    for name in SOURCES:
+        digest.update((SOURCE_DIR / name).read_bytes())
+    key = f"tf{tf.__version__}-cudnn{cudnn_header_version(cudnn_inc)}-{digest.hexdigest()[:12]}"
+    return cache_dir() / key / LIBRARY_NAME
+
+
+def build_op(force: bool = False, verbose: bool = False) -> Path:
+    """Compiles the op (unless cached) and returns the library's path.
+
+    Raises:
+        BuildError: no compiler, no headers, or the compiler failed.
+    """
+    compiler = find_compiler()
+    target = library_path()
+    if target.exists() and not force:
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with _file_lock(str(target) + ".lock"):
+        if target.exists() and not force:
+            return target  # another process built it while we waited
+        fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
+        os.close(fd)
+        cmd = build_command(compiler, Path(tmp))
+        if verbose:
+            print(" ".join(cmd), file=sys.stderr)
+        logger.info("rnnfuse: building its cuDNN RNN op for TensorFlow (%s)", target)
+        try:
+            proc = subprocess.run(cmd, capture_output=True, text=True)
+            if proc.returncode != 0:
+                tail = "\n".join((proc.stderr or proc.stdout).strip().splitlines()[-15:])
+                raise BuildError(
+                    f"compiling the op failed ({Path(compiler).name} exit {proc.returncode}):\n{tail}\n"
+                    "Fix: check that TensorFlow's headers match the installed TensorFlow "
+                    "and that g++ supports C++17"
+                )
+            os.replace(tmp, target)
+        finally:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
+    return target
+
+
+def disabled() -> bool:
+    """Whether RNNFUSE_DISABLE_OP turns the op off (read on every call)."""
+    return os.environ.get("RNNFUSE_DISABLE_OP", "") not in ("", "0")
+
+
+def load_failure() -> str | None:
+    """Why the op is not loaded (after `load_op()` was tried), or None."""
+    return _STATE["reason"]
+
+
+def _warn(reason: str) -> None:
+    if _STATE["warned"]:
+        return
+    _STATE["warned"] = True
+    message = (
+        f"rnnfuse: its own cuDNN RNN op is not available ({reason}); fused "
+        "TensorFlow stacks run on tf.raw_ops.CudnnRNNV3 (standard cuDNN algorithm "
+        "only, no projections, no bfloat16)."
+    )
+    logger.warning(message)
+    warnings.warn(message, RuntimeWarning, stacklevel=3)
+
+
+def load_op():
+    """The loaded op module (with `rnnfuse_cudnn_rnn`, `..._backprop`), or None.
+
+    Builds it on first use. Loads only when TensorFlow sees a GPU; any
+    failure warns once and returns None (see the module docstring).
+    """
+    if _STATE["tried"]:
+        return _STATE["module"]
+    with _LOCK:
+        if _STATE["tried"]:
+            return _STATE["module"]
+        module, reason = None, None
+        try:
+            module = _load()
+        except Exception as exc:  # any failure means: use CudnnRNNV3
+            reason = str(exc) or type(exc).__name__
+        _STATE.update(module=module, reason=reason, tried=True)
+        if module is None and reason and not reason.startswith("no GPU"):
+            _warn(reason)
+        return module
+
+
+def _load():
+    if disabled():
+        raise RuntimeError("RNNFUSE_DISABLE_OP is set. Fix: unset it to use the op")
+    import tensorflow as tf
+
+    if not tf.config.list_physical_devices("GPU"):
+        raise RuntimeError("no GPU visible to TensorFlow")
+    if not tf.test.is_built_with_cuda():
+        raise RuntimeError("this TensorFlow is not built with CUDA")
+    path = build_op()
+    try:
+        module = tf.load_op_library(str(path))
+    except Exception as exc:
+        raise RuntimeError(
+            f"loading {path} failed: {exc}. Fix: delete {path.parent} to rebuild, or "
+            "make libcudnn.so.9 loadable (pip install 'rnnfuse[cuda]')"
+        ) from exc
+    from rnnfuse.backends.tensorflow import cudnn_op
+
+    cudnn_op.register_gradient()
+    return module
+
+
+def reset_for_tests() -> None:
+    """Forget a previous load attempt (tests only)."""
+    _STATE.update(module=None, tried=False, reason=None, warned=False)

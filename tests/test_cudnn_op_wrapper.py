@@ -1,0 +1,213 @@
+"""The Python side of rnnfuse's cuDNN op, on the CPU.
+
+The op's kernels are GPU-only, so here `cudnn_op.call_op` (the one place that
+calls the op) is replaced by the CudnnRNNV3 reference of
+tests/cudnn_reference.py (same flat layout, same time-major contract). That
+checks everything around the kernel: argument checks, attributes (algorithm
+and math type), states, masks, packing (projections included) and the
+fallback decisions.
+"""
+
+from __future__ import annotations
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import rnnfuse
+from builders import KINDS, fused_layers, max_abs_diff, random_inputs, stack_model
+from rnnfuse.backends import tensorflow as tf_backend
+from rnnfuse.backends.algorithm import Algorithm
+from rnnfuse.backends.base import StackSpec
+from rnnfuse.backends.tensorflow import cudnn_op
+from rnnfuse.layers import ProjectedLSTM
+from rnnfuse.layers.projected_lstm import ProjectedLSTMCell
+from rnnfuse.tuning.plans import FUSED, Plan
+
+
+class _Module:
+    """Stands in for the loaded op library."""
+
+
+@pytest.fixture
+def emulated_op(monkeypatch):
+    """The fused path goes to rnnfuse's op, emulated; records the attrs."""
+    from cudnn_reference import emulated_cudnn_rnn
+
+    calls = []
+
+    def fake(module, **kw):
+        calls.append(kw)
+        y, h, c = emulated_cudnn_rnn(
+            input=kw["input"], input_h=kw["input_h"],
+            input_c=kw["input_c"] if kw["rnn_mode"] == "lstm" else tf.zeros_like(kw["input_h"]),
+            params=kw["params"], sequence_lengths=kw["sequence_lengths"], rnn_mode=kw["rnn_mode"],
+            direction=kw["direction"], time_major=True,
+        )[:3]
+        if kw["rnn_mode"] != "lstm":
+            c = tf.zeros([0], y.dtype)
+        return y, h, c, tf.zeros([0], tf.uint8)
+
+    monkeypatch.setattr(cudnn_op, "call_op", fake)
+    monkeypatch.setattr(tf_backend, "is_available", lambda: True)
+    monkeypatch.setattr(tf_backend, "op_loaded", lambda: True)
+    monkeypatch.setattr(tf_backend, "_op_for", lambda dtype, dropout: (
+        (_Module(), None) if cudnn_op.op_unsupported_reason(dtype, dropout) is None
+        else (None, cudnn_op.op_unsupported_reason(dtype, dropout))))
+    return calls
+
+
+@pytest.mark.parametrize("bidirectional", [False, True])
+@pytest.mark.parametrize("kind", KINDS)
+def test_flat_size_is_what_pack_params_builds(kind, bidirectional):
+    from builders import rnn_layer
+
+    dirs = 2 if bidirectional else 1
+    cells = []
+    width = 5
+    for _ in range(3):
+        level = []
+        for _ in range(dirs):
+            layer = rnn_layer(kind, 6)
+            layer.build((None, None, width))
+            level.append(layer.cell)
+        cells.append(tuple(level))
+        width = 6 * dirs
+    spec = StackSpec(kind, 6, tuple(cells))
+    assert int(tf_backend.pack_params(spec, "float32").shape[0]) == cudnn_op.flat_size(kind, 3, dirs, 6, 5)
+
+
+def test_projection_layout_appends_the_transposed_projection_per_pseudo_layer():
+    cells = []
+    for n in (5, 3):
+        cell = ProjectedLSTMCell(6, proj_size=3)
+        cell.build((None, n))
+        cells.append((cell,))
+    spec = StackSpec("lstm", 6, tuple(cells), proj_size=3)
+    flat = tf_backend.pack_params(spec, "float32").numpy()
+    assert flat.size == cudnn_op.flat_size("lstm", 2, 1, 6, 5, proj_size=3)
+    c0 = cells[0][0]
+    w = 4 * 6 * 5
+    r = 4 * 6 * 3
+    np.testing.assert_array_equal(flat[:w], np.asarray(c0.kernel).T.reshape(-1))
+    np.testing.assert_array_equal(flat[w : w + r], np.asarray(c0.recurrent_kernel).T.reshape(-1))
+    np.testing.assert_array_equal(flat[w + r : w + r + 18], np.asarray(c0.projection_kernel).T.reshape(-1))
+
+
+@pytest.mark.parametrize(
+    "kwargs,needle",
+    [
+        (dict(kind="lstmp"), "kind must be one of"),
+        (dict(num_directions=3), "num_directions must be 1 or 2"),
+        (dict(kind="gru", proj_size=2), "proj_size=2 needs kind='lstm'"),
+        (dict(proj_size=6), "0 < proj_size < units"),
+        (dict(input_size=4), "x has 5 features; input_size is 4"),
+    ],
+)
+def test_run_op_names_the_bad_argument(kwargs, needle):
+    args = dict(kind="lstm", num_layers=1, num_directions=1, units=6, input_size=5)
+    args.update(kwargs)
+    x = tf.zeros([7, 2, 5])
+    h = tf.zeros([1, 2, 6])
+    with pytest.raises(ValueError, match=needle.replace("(", r"\(").replace("+", r"\+")):
+        cudnn_op.run_op(_Module(), x, h, h, tf.zeros([10]), tf.fill([2], 7), **args)
+
+
+def test_run_op_checks_dtypes_and_param_size():
+    x = tf.zeros([7, 2, 5], tf.float64)
+    args = dict(kind="gru", num_layers=1, num_directions=1, units=6, input_size=5)
+    with pytest.raises(ValueError, match="not float64"):
+        cudnn_op.run_op(_Module(), x, x, x, x, tf.fill([2], 7), **args)
+    x = tf.zeros([7, 2, 5])
+    with pytest.raises(ValueError, match="h has dtype float16"):
+        cudnn_op.run_op(_Module(), x, tf.zeros([1, 2, 6], tf.float16), x, x, tf.fill([2], 7), **args)
+    with pytest.raises(ValueError, match="params has 10 elements; this stack needs 234"):
+        cudnn_op.run_op(_Module(), x, tf.zeros([1, 2, 6]), x, tf.zeros([10]), tf.fill([2], 7), **args)
+
+
+def test_math_type_follows_dtype_and_tf32():
+    enabled = tf.config.experimental.tensor_float_32_execution_enabled()
+    try:
+        tf.config.experimental.enable_tensor_float_32_execution(False)
+        assert cudnn_op.math_type_for(Algorithm.parse("persistent_static+tc"), "float32") == "fma"
+        tf.config.experimental.enable_tensor_float_32_execution(True)
+        assert cudnn_op.math_type_for(Algorithm.parse("standard"), "float32") == "default"
+        assert cudnn_op.math_type_for(Algorithm.parse("standard+tc"), "float32") == "tensor_op"
+    finally:
+        tf.config.experimental.enable_tensor_float_32_execution(enabled)
+    assert cudnn_op.math_type_for(Algorithm.parse("standard"), "float16") == "tensor_op"
+    assert cudnn_op.math_type_for(Algorithm.parse("standard+tcc"), "bfloat16") == "tensor_op_allow_conversion"
+
+
+@pytest.mark.parametrize("graph", [False, True], ids=["eager", "tf.function"])
+@pytest.mark.parametrize("kind", ["lstm", "gru", "rnn_relu"])
+def test_fused_stack_runs_the_op_with_the_plans_algorithm(kind, graph, emulated_op):
+    model = stack_model(kind, 3, masked=True, last_return_sequences=True)
+    fast = rnnfuse.optimize(model, plan=Plan((3,), "persistent_dynamic+tc"))
+    x = random_inputs(model, 3, np.random.default_rng(0))
+    out = tf.function(lambda t: fast(t))(x) if graph else fast(x)
+    assert max_abs_diff(out, model(x)) <= 2e-5
+    call = emulated_op[-1]
+    assert (call["algorithm"], call["num_layers"], call["rnn_mode"]) == ("persistent_dynamic", 3, kind)
+    assert call["math_type"] in ("tensor_op", "fma")  # fma where TF32 is off
+    assert tf_backend.last_kernel() == {"kernel": "RnnfuseCudnnRnn", "algorithm": "persistent_dynamic+tc", "reason": None}
+
+
+def test_bidirectional_states_go_in_cudnn_order(emulated_op):
+    model = stack_model("lstm", 2, initial_state=True, last_return_state=True)
+    fast = rnnfuse.optimize(model, plan=FUSED)
+    x = random_inputs(model, 2, np.random.default_rng(1))
+    for got, want in zip(keras.tree.flatten(fast(x)), keras.tree.flatten(model(x))):
+        assert max_abs_diff(got, want) <= 2e-5
+    assert emulated_op[-1]["input_h"].shape == (2, 2, 6)
+
+
+def test_dropout_and_float64_use_cudnnrnnv3(emulated_op, emulated_cudnn):
+    model = stack_model("gru", 2, dtype="float64")
+    rnnfuse.optimize(model, plan=FUSED)(random_inputs(model, 2, np.random.default_rng(2)))
+    assert tf_backend.last_kernel()["kernel"] == "CudnnRNNV3"
+    assert "not float64" in tf_backend.last_kernel()["reason"]
+    assert emulated_op == [] and emulated_cudnn
+
+
+def test_bfloat16_and_projections_fall_back_to_the_layers_without_the_op(emulated_cudnn):
+    keras.config.set_dtype_policy("mixed_bfloat16")
+    try:
+        model = stack_model("lstm", 2)
+    finally:
+        keras.config.set_dtype_policy("float32")
+    fast = rnnfuse.optimize(model, plan=FUSED)
+    fast(random_inputs(model, 2, np.random.default_rng(3)))
+    (fused,) = fused_layers(fast)
+    assert fused.last_path.startswith("layers: bfloat16 needs rnnfuse's cuDNN op")
+    assert emulated_cudnn == []
+
+
+def test_projected_stack_runs_the_op_and_matches(emulated_op, monkeypatch):
+    """A ProjectedLSTM stack reaches the op with proj_size (the emulator has
+    no projection, so only the call is checked)."""
+    inp = keras.Input((7, 5))
+    x = ProjectedLSTM(6, 3, return_sequences=True)(inp)
+    x = ProjectedLSTM(6, 3)(x)
+    model = keras.Model(inp, x)
+    fast = rnnfuse.optimize(model, plan=FUSED)
+    seen = {}
+
+    def fake(module, **kw):
+        seen.update(kw)
+        t, b = kw["input"].shape[0], kw["input"].shape[1]
+        return tf.zeros([t, b, 3]), tf.zeros([2, b, 3]), tf.zeros([2, b, 6]), tf.zeros([0], tf.uint8)
+
+    monkeypatch.setattr(cudnn_op, "call_op", fake)
+    out = fast(np.zeros((2, 7, 5), "float32"))
+    assert out.shape == (2, 3)
+    assert (seen["proj_size"], seen["num_units"], tuple(seen["input_h"].shape), tuple(seen["input_c"].shape)) == (3, 6, (2, 2, 3), (2, 2, 6))
+    assert seen["params"].shape[0] == cudnn_op.flat_size("lstm", 2, 1, 6, 5, proj_size=3)
+
+
+def test_what_the_op_does_not_run_has_a_reason():
+    assert cudnn_op.op_unsupported_reason("float32") is None
+    assert cudnn_op.op_unsupported_reason("bfloat16") is None
+    assert "between-layer dropout" in cudnn_op.op_unsupported_reason("float16", dropout=0.2)
+    assert "not float64" in cudnn_op.op_unsupported_reason("float64")
