@@ -234,7 +234,9 @@ def as_optimized(model: keras.Model, like: keras.Model | None = None) -> keras.M
             layers = list(model.layers)
             first = model._layers[0] if model._layers else None
             if isinstance(first, keras.layers.InputLayer):
-                layers.insert(0, _input_like(first.output, first))
+                # The same InputLayer: sub-models cut from this model's
+                # layers see one input, as in the original.
+                layers.insert(0, first.output)
             new = OptimizedSequential(layers, name=model.name, trainable=model.trainable)
         else:
             new = OptimizedModel(
