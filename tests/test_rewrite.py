@@ -52,3 +52,29 @@ def test_a_sub_model_of_an_optimized_sequential_builds():
     sub = keras.Model(fast.inputs[0], fast.get_layer("head").output)
     x = np.random.default_rng(1).standard_normal((2, 7, 5)).astype("float32")
     assert max_abs_diff(sub(x), model(x)) == 0.0
+
+
+def _graph_ops(model, x) -> list[str]:
+    """The op types of `model`'s traced training forward pass (TensorFlow)."""
+    import tensorflow as tf
+
+    fn = tf.function(lambda t: model(t, training=True))
+    graph = fn.get_concrete_function(tf.TensorSpec(x.shape, x.dtype)).graph
+    return sorted(op.type for op in graph.get_operations())
+
+
+@pytest.mark.parametrize("functional", [True, False], ids=["functional", "sequential"])
+def test_a_model_with_nothing_fused_is_the_original_graph(functional):
+    if keras.backend.backend() != "tensorflow":
+        pytest.skip("counts TensorFlow graph ops")
+    model = stack_model("gru", 3, units=8, head=True, functional=functional)
+    fast = rnnfuse.optimize(model, plan=PER_LAYER)
+    assert not fused_layers(fast) and fast is not model
+    assert fast.layers == model.layers
+    if functional:
+        # The very same nodes: no layer is called again, nothing is added.
+        assert [id(t) for t in fast.outputs] == [id(t) for t in model.outputs]
+        assert [id(t) for t in fast.inputs] == [id(t) for t in model.inputs]
+    x = np.random.default_rng(2).standard_normal((4, 7, 5)).astype("float32")
+    assert _graph_ops(fast, x) == _graph_ops(model, x)
+    np.testing.assert_array_equal(fast(x), model(x))

@@ -67,6 +67,12 @@ def rewrite_model(
         A new `keras.Model` sharing every layer and variable with `model`.
     """
     algorithms = list(algorithms or [None] * len(groups))
+    if not groups:
+        # Nothing to fuse: the original graph itself (the same nodes, no
+        # layer called again), so the model costs what `model` costs.
+        same = as_optimized(model, like=model)
+        if same is not model:
+            return same
     by_scope: dict[str, list] = collections.defaultdict(list)
     for group, algorithm in zip(groups, algorithms):
         by_scope[group.scope].append((group, algorithm))
