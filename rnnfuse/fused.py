@@ -18,7 +18,13 @@ dropout (one mask per sequence, drawn from that layer's seed generator as
 Keras does), its `initial_state` and `go_backwards`; the last layer's
 `return_sequences`, `return_state`, merge mode and output mask; and the
 values at padded time steps (zeros where Keras runs cuDNN, the generic
-loop's `zero_output_for_mask` behaviour elsewhere).
+loop's `zero_output_for_mask` behaviour elsewhere, including its last
+output: that of the last time step, zero for a right-padded row).
+
+Not reproduced bit for bit: training-mode outputs with input `dropout`
+under torch. Unseeded dropout draws from PyTorch's global generator, in
+another order than Keras' per-step loop draws: the same distribution,
+other masks.
 
 Example:
 
@@ -378,6 +384,12 @@ class FusedRNN(keras.layers.Layer):
             last = hs[-1]
             if not view.return_sequences:
                 output = last
+                if mask is not None and view.zero_output_for_mask and not keras_runs_cudnn(view):
+                    # Keras' generic loop returns the output of the last
+                    # time step, zeroed where that step is masked (a
+                    # right-padded row), not the last valid step's.
+                    keep = ops.expand_dims(ops.cast(mask[:, -1], "bool"), -1)
+                    output = ops.where(keep, last, ops.zeros_like(last))
             elif mask is not None and not (view.zero_output_for_mask or keras_runs_cudnn(view)):
                 # Keras' generic loop repeats the last output on padding.
                 keep = ops.expand_dims(ops.cast(mask, "bool"), -1)
