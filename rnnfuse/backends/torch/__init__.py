@@ -43,8 +43,8 @@ run one call per level: PyTorch picks that kernel only for single-layer,
 unidirectional, unpacked float16 calls, and its fused multi-layer float16
 call was measured 2.5-6x slower than per-layer calls on the H200
 (../shared/DESIGN.md). `set_call_mode("one" | "per_level" | "auto")` (or
-the environment variable RNNFUSE_TORCH_CALLS) overrides the choice, for
-benchmarks.
+the environment variable RNNFUSE_TORCH_CALLS) overrides the choice for the
+process, `with call_mode(...)` for the calls of one thread, for benchmarks.
 
 The CPU decision: `is_available()` is True without a GPU too. PyTorch has
 native CPU kernels for these ops (oneDNN for LSTM/GRU where it applies),
@@ -81,6 +81,7 @@ Example:
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import os
 import warnings
 from typing import Any, Sequence
@@ -122,38 +123,64 @@ TUNES_ONE_CALL_PER_LAYER = True
 # `levels_per_call`); "one": always one call; "per_level": one call per level.
 CALL_MODES = ("auto", "one", "per_level")
 _ENV_VAR = "RNNFUSE_TORCH_CALLS"
-_call_mode = "auto"
+# The process-wide default (set_call_mode, RNNFUSE_TORCH_CALLS) and the
+# mode of the current thread / context (call_mode()). A context variable
+# starts unset in every new thread, so one thread's `with call_mode(...)`
+# is never seen by another, and leaving the block resets exactly what it
+# set, whatever the order in which threads leave theirs.
+_default_mode = "auto"
+_context_mode: contextvars.ContextVar[str | None] = contextvars.ContextVar(
+    "rnnfuse_torch_call_mode", default=None
+)
+
+
+def _check_mode(mode: Any, where: str) -> str:
+    if mode not in CALL_MODES:
+        raise ValueError(
+            f"{where}: unknown mode {mode!r}; expected one of "
+            f"{', '.join(repr(m) for m in CALL_MODES)}."
+        )
+    return mode
 
 
 def set_call_mode(mode: str) -> None:
-    """How `run_stack` splits a stack into `torch._VF` calls (`CALL_MODES`).
+    """The process-wide default of how `run_stack` splits a stack into
+    `torch._VF` calls (`CALL_MODES`); `call_mode()` blocks override it.
 
     Raises:
         ValueError: `mode` is not one of `CALL_MODES`.
     """
-    global _call_mode
-    if mode not in CALL_MODES:
-        raise ValueError(
-            f"set_call_mode(mode): unknown mode {mode!r}; expected one of "
-            f"{', '.join(repr(m) for m in CALL_MODES)}."
-        )
-    _call_mode = mode
+    global _default_mode
+    _default_mode = _check_mode(mode, "set_call_mode(mode)")
 
 
 def get_call_mode() -> str:
-    """The current call mode (see `set_call_mode`)."""
-    return _call_mode
+    """The call mode in force here: the innermost `call_mode()` block of this
+    thread, else the process default (see `set_call_mode`)."""
+    mode = _context_mode.get()
+    return _default_mode if mode is None else mode
 
 
 @contextlib.contextmanager
 def call_mode(mode: str):
-    """Context manager: `set_call_mode(mode)` inside, the old mode after."""
-    old = _call_mode
-    set_call_mode(mode)
+    """Context manager: calls made in this block, in this thread only, use `mode`.
+
+    Other threads keep their own mode, and nothing is left changed after
+    the block (the mode is a context variable, not process state).
+
+    Example:
+
+        >>> with call_mode("per_level"):
+        ...     get_call_mode()
+        'per_level'
+        >>> get_call_mode()
+        'auto'
+    """
+    token = _context_mode.set(_check_mode(mode, "call_mode(mode)"))
     try:
         yield
     finally:
-        set_call_mode(old)
+        _context_mode.reset(token)
 
 
 if os.environ.get(_ENV_VAR):
@@ -182,7 +209,7 @@ def device_environment() -> dict:
         "device": device,
         "torch": torch.__version__,
         "cudnn": str(torch.backends.cudnn.version()) if torch.backends.cudnn.is_available() else "-",
-        "calls": _call_mode,
+        "calls": get_call_mode(),
     }
 
 
@@ -387,9 +414,10 @@ def levels_per_call(stack: StackSpec, x: torch.Tensor, packed: bool) -> int:
     gets its own call (still inside the one FusedRNN layer: no Keras loop,
     no per-layer Python overhead, masks stay packed).
     """
-    if _call_mode == "one" or stack.num_levels == 1:
+    mode = get_call_mode()
+    if mode == "one" or stack.num_levels == 1:
         return stack.num_levels
-    if _call_mode == "per_level":
+    if mode == "per_level":
         return 1
     if (
         x.is_cuda
