@@ -47,7 +47,7 @@ from keras import ops, tree
 
 from rnnfuse.backends import StackSpec, get_backend
 from rnnfuse.reasons import Reason
-from rnnfuse.recurrent import describe, keras_runs_cudnn
+from rnnfuse.recurrent import describe, keras_has_cudnn_path, keras_runs_cudnn
 from rnnfuse.passes.rules import stack_link_reason
 from rnnfuse.tuning.algorithms import Algorithm, restore_pending
 
@@ -132,6 +132,7 @@ class FusedRNN(keras.layers.Layer):
             units=views[0].units,
             cells=tuple(level for v in views for level in v.levels),
             proj_size=views[0].proj_size,
+            keras_loop=any(not keras_has_cudnn_path(v) and not v.proj_size for v in views),
         )
         self.supports_masking = True
         # Which path the last call took ("fused" or "layers: <why>"); set

@@ -46,6 +46,12 @@ call was measured 2.5-6x slower than per-layer calls on the H200
 the environment variable RNNFUSE_TORCH_CALLS) overrides the choice for the
 process, `with call_mode(...)` for the calls of one thread, for benchmarks.
 
+Precision: float32 stacks that Keras runs in its Python loop (SimpleRNN,
+RNN(cell), masked layers) run on cuDNN with TF32 off unless the user
+allows TF32 matmuls (`needs_exact_float32`), so they follow the original
+computation's precision; LSTM/GRU stacks follow `torch.backends.cudnn
+.allow_tf32` as Keras' own cuDNN layers do.
+
 The CPU decision: `is_available()` is True without a GPU too. PyTorch has
 native CPU kernels for these ops (oneDNN for LSTM/GRU where it applies),
 computing the same equations as Keras' loops to float rounding (1e-6 in
@@ -83,6 +89,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import os
+import threading
 import warnings
 from typing import Any, Sequence
 
@@ -102,6 +109,7 @@ __all__ = [
     "is_available",
     "levels_per_call",
     "mask_is_supported",
+    "needs_exact_float32",
     "pack_params",
     "run_stack",
     "set_call_mode",
@@ -473,6 +481,121 @@ def _run_calls(
     return y, tuple(torch.cat(parts) for parts in zip(*finals))
 
 
+# -- float32 precision ---------------------------------------------------------
+#
+# Keras runs SimpleRNN, RNN(cell) and (under torch) every masked layer in its
+# Python loop, whose float32 matmuls follow torch.backends.cuda.matmul
+# .allow_tf32 (False by default): exact float32. cuDNN's RNN kernels follow
+# torch.backends.cudnn.allow_tf32 (True by default): TF32 on Ampere and
+# later, up to 8e-4 from Keras on a relu stack. So a fused call for such a
+# stack runs with cuDNN's TF32 off when the matmul setting is off.
+#
+# PyTorch has only the process-wide flag, read when a cuDNN RNN call (and
+# its backward) sets up its descriptors. So the flag is held off by a
+# counted, locked hold: the first holder saves the user's value, the last
+# one puts it back, whatever the order in which threads finish; the hold
+# spans the host-side forward calls and, for training, the backward of the
+# same calls (two identity autograd nodes around them). Nothing stays
+# changed after the last fused call and its backward.
+
+_TF32_LOCK = threading.Lock()
+_tf32_holds = 0
+_tf32_user_value: bool | None = None
+
+
+def _hold_exact_float32() -> None:
+    global _tf32_holds, _tf32_user_value
+    with _TF32_LOCK:
+        if _tf32_holds == 0:
+            _tf32_user_value = torch.backends.cudnn.allow_tf32
+            torch.backends.cudnn.allow_tf32 = False
+        _tf32_holds += 1
+
+
+def _release_exact_float32() -> None:
+    global _tf32_holds
+    with _TF32_LOCK:
+        _tf32_holds -= 1
+        if _tf32_holds == 0:
+            torch.backends.cudnn.allow_tf32 = _tf32_user_value
+
+
+def needs_exact_float32(stack: StackSpec, x: torch.Tensor, mask: Any) -> bool:
+    """Whether this call must run cuDNN without TF32 to follow the original.
+
+    True for float32 on CUDA where Keras' loop (which runs `stack` when
+    `stack.keras_loop`, and masked LSTM/GRU layers under torch) computes
+    exact float32 matmuls while cuDNN would use TF32.
+    """
+    if not (x.is_cuda and x.dtype == torch.float32):
+        return False
+    if torch.backends.cuda.matmul.allow_tf32 or not torch.backends.cudnn.allow_tf32:
+        return False
+    return stack.keras_loop or (mask is not None and not stack.proj_size)
+
+
+class _Hold:
+    """One call's hold on exact float32 in its backward pass."""
+
+    def __init__(self):
+        self.held = False
+
+
+class _BackwardReleases(torch.autograd.Function):
+    """Identity on a call's inputs; its backward (after the call's) releases."""
+
+    @staticmethod
+    def forward(ctx, hold, *tensors):
+        ctx.hold = hold
+        return tuple(t.view_as(t) for t in tensors)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        if ctx.hold.held:
+            ctx.hold.held = False
+            _release_exact_float32()
+        return (None, *grads)
+
+
+class _BackwardHolds(torch.autograd.Function):
+    """Identity on a call's outputs; its backward (before the call's) holds."""
+
+    @staticmethod
+    def forward(ctx, hold, *tensors):
+        ctx.hold = hold
+        return tuple(t.view_as(t) for t in tensors)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        if not ctx.hold.held:
+            ctx.hold.held = True
+            _hold_exact_float32()
+        return (None, *grads)
+
+
+def _run_calls_exact(stack, inputs, batch_sizes, hx, params, dropout, train, per_call):
+    """`_run_calls` with cuDNN's TF32 off in its forward and its backward."""
+    lstm = stack.kind == "lstm"
+    states = list(hx) if lstm else [hx]
+    tensors = [inputs, *states, *params]
+    track = torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
+    if track:
+        hold = _Hold()
+        tensors = list(_BackwardReleases.apply(hold, *tensors))
+        inputs, states = tensors[0], tensors[1 : 1 + len(states)]
+        params = tensors[1 + len(states) :]
+        hx = tuple(states) if lstm else states[0]
+    _hold_exact_float32()
+    try:
+        y, finals = _run_calls(stack, inputs, batch_sizes, hx, params, dropout, train, per_call)
+    finally:
+        _release_exact_float32()
+    if track and y.requires_grad:
+        out = _BackwardHolds.apply(hold, y, *finals)
+        y, finals = out[0], tuple(out[1:])
+    return y, finals
+
+
 def torch_rnn(mode: str, *args):
     """`torch._VF.<mode>(*args)`; one module-level name so tests can spy on it."""
     return getattr(torch._VF, mode)(*args)
@@ -532,9 +655,10 @@ def run_stack(
     if reverse:
         x = torch.flip(x, [1]) if lengths is None else _reverse_within_lengths(x, lengths)
     per_call = levels_per_call(stack, x, packed=lengths is not None)
+    run_calls = _run_calls_exact if needs_exact_float32(stack, x, mask) else _run_calls
 
     if lengths is None:
-        outputs, final = _run_calls(stack, x, None, hx, params, dropout, train, per_call)
+        outputs, final = run_calls(stack, x, None, hx, params, dropout, train, per_call)
     else:
         packed = rnn_utils.pack_padded_sequence(
             x, lengths, batch_first=True, enforce_sorted=False
@@ -543,7 +667,7 @@ def run_stack(
         hx_sorted = (
             tuple(s.index_select(1, order) for s in hx) if lstm else hx.index_select(1, order)
         )
-        data, final = _run_calls(
+        data, final = run_calls(
             stack, packed.data, packed.batch_sizes, hx_sorted, params, dropout, train, per_call
         )
         out = rnn_utils.PackedSequence(data, packed.batch_sizes, order, restore)
