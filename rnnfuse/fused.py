@@ -83,14 +83,14 @@ class FusedRNN(keras.layers.Layer):
         `return_state=True`).
 
     Raises:
+        TypeError: `layers` is not a list of Keras layers, or
+            `dropout_layers` holds something other than Dropout layers.
         ValueError: a layer that cannot be fused, or two layers that cannot
             be stacked, naming the rule.
     """
 
     def __init__(self, layers, dropout_layers=None, algorithm=None, **kwargs):
-        layers = list(layers)
-        if not layers:
-            raise ValueError("FusedRNN needs at least one layer; received [].")
+        layers = _layer_list(layers)
         views = []
         for layer in layers:
             view = describe(layer, require_built=False)
@@ -104,12 +104,7 @@ class FusedRNN(keras.layers.Layer):
             reason = stack_link_reason(upper, lower)
             if reason is not None:
                 raise ValueError(f"FusedRNN cannot stack these layers: {reason}")
-        dropout_layers = list(dropout_layers or [None] * (len(layers) - 1))
-        if len(dropout_layers) != len(layers) - 1:
-            raise ValueError(
-                "dropout_layers needs one entry per gap between layers "
-                f"({len(layers) - 1}); received {len(dropout_layers)}"
-            )
+        dropout_layers = _dropout_list(dropout_layers, len(layers))
         rates = {None if d is None else float(d.rate) for d in dropout_layers}
         if len(rates) > 1:
             raise ValueError(
@@ -431,6 +426,68 @@ class FusedRNN(keras.layers.Layer):
             n_states = 4 if self._stack.kind == "lstm" else 2
             return tuple([0] * (n_out + n_states))
         return (0,) + tuple(tree.map_structure(lambda _: 0, list(view.layer.state_size)))
+
+
+def _layer_list(layers) -> list:
+    """`layers` as a list of Keras layers, or a clear error."""
+    example = "FusedRNN([keras.layers.LSTM(8, return_sequences=True), keras.layers.LSTM(8)])"
+    if isinstance(layers, keras.layers.Layer):
+        raise TypeError(
+            f"FusedRNN(layers) expects a list of recurrent layers; received the "
+            f"single layer '{layers.name}' ({type(layers).__name__}). Fix: "
+            f"FusedRNN([{layers.name}]), e.g. {example}."
+        )
+    if layers is None or isinstance(layers, (str, bytes)) or not hasattr(layers, "__iter__"):
+        raise TypeError(
+            "FusedRNN(layers) expects a list of Keras recurrent layer objects; "
+            f"received {type(layers).__name__} {layers!r}. Fix: pass the layers "
+            f"themselves, e.g. {example}."
+        )
+    layers = list(layers)
+    if not layers:
+        raise ValueError("FusedRNN needs at least one layer; received [].")
+    for i, layer in enumerate(layers):
+        if not isinstance(layer, keras.layers.Layer):
+            raise TypeError(
+                f"FusedRNN(layers): layers[{i}] is {type(layer).__name__} "
+                f"{layer!r}, not a Keras layer. Fix: pass the recurrent layer "
+                f"objects, e.g. {example}."
+            )
+    return layers
+
+
+def _dropout_list(dropout_layers, num_layers: int) -> list:
+    """One Dropout layer or None per gap between layers, or a clear error."""
+    gaps = num_layers - 1
+    if dropout_layers is None:
+        return [None] * gaps
+    if isinstance(dropout_layers, (str, bytes)) or not hasattr(dropout_layers, "__iter__"):
+        raise TypeError(
+            "FusedRNN(dropout_layers) expects a list with one entry per gap "
+            f"between layers ({gaps}); received {type(dropout_layers).__name__} "
+            f"{dropout_layers!r}."
+        )
+    dropout_layers = list(dropout_layers)
+    if not dropout_layers:
+        return [None] * gaps
+    if len(dropout_layers) != gaps:
+        raise ValueError(
+            "dropout_layers needs one entry per gap between layers "
+            f"({gaps}); received {len(dropout_layers)}"
+        )
+    for i, d in enumerate(dropout_layers):
+        if d is not None and not isinstance(d, keras.layers.Dropout):
+            fix = (
+                f" Fix: pass the layer, e.g. keras.layers.Dropout({d!r}), in "
+                "every gap (cuDNN applies one rate between every pair of levels)."
+                if isinstance(d, (int, float)) and not isinstance(d, bool)
+                else ""
+            )
+            raise TypeError(
+                f"FusedRNN(dropout_layers): entry {i} is {type(d).__name__} {d!r}; "
+                f"each entry must be a keras.layers.Dropout layer or None.{fix}"
+            )
+    return dropout_layers
 
 
 def first_call_kwargs(args, kwargs) -> dict:

@@ -265,8 +265,9 @@ def restore(model: keras.Model) -> keras.Model:
     it holds, called as the original model called them (absorbed Dropout
     layers back in place). The layers are the same objects, so the result
     has the current (trained) weights and shares them with `model`. Its
-    config names only Keras classes: `restore(fast).save("m.keras")` loads
-    where rnnfuse is not installed. `model`'s compile() arguments are
+    config names only Keras classes (except rnnfuse's own layers, such as
+    `rnnfuse.layers.ProjectedLSTM`, which need `import rnnfuse` to load):
+    `restore(fast).save("m.keras")` loads where rnnfuse is not installed. `model`'s compile() arguments are
     carried over (a fresh optimizer with the same config).
 
     Args:

@@ -339,3 +339,45 @@ def warnings_as_errors():
     with warnings.catch_warnings():
         warnings.filterwarnings("error", message=".*Skipping variable loading.*")
         yield
+
+
+_LOAD_PROJECTED = textwrap.dedent(
+    """
+    import os, sys
+    os.environ.setdefault("KERAS_BACKEND", "tensorflow")
+    if sys.argv[2] == "import":
+        sys.path.insert(0, sys.argv[3])
+        import rnnfuse  # noqa: F401 - registers rnnfuse>ProjectedLSTM
+    import keras
+    try:
+        keras.models.load_model(sys.argv[1])
+    except Exception as err:
+        print("FAILED", type(err).__name__, " ".join(str(err).split())[:300])
+    else:
+        print("LOADED")
+    """
+)
+
+
+def test_a_restored_model_holding_projected_lstm_needs_rnnfuse_imported(tmp_path):
+    """What docs/deployment.md says: restore() removes FusedRNN, not rnnfuse's
+    own layers; a ProjectedLSTM model loads only with rnnfuse imported."""
+    from rnnfuse.layers import ProjectedLSTM
+
+    model = keras.Sequential(
+        [keras.Input((4, 3)), ProjectedLSTM(6, 3, return_sequences=True), ProjectedLSTM(6, 3)]
+    )
+    rnnfuse.restore(rnnfuse.optimize(model)).save(tmp_path / "p.keras")
+    script = tmp_path / "load.py"
+    script.write_text(_LOAD_PROJECTED)
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3"}
+    results = {}
+    for how in ("plain", "import"):
+        proc = subprocess.run(
+            [sys.executable, str(script), str(tmp_path / "p.keras"), how, root],
+            capture_output=True, text=True, timeout=240, env=env, cwd=str(tmp_path),
+        )
+        results[how] = proc.stdout.strip().splitlines()[-1]
+    assert results["plain"].startswith("FAILED"), results
+    assert results["import"] == "LOADED", results
