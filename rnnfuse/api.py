@@ -73,7 +73,38 @@ def analyze(
         min_layers=min_layers,
         absorb_dropout=absorb_dropout,
     )
+    already = fused_layer_notes(model)
+    if already:
+        report = dataclasses.replace(report, notes=tuple(report.notes) + tuple(already))
     return report
+
+
+def fused_layer_notes(model: keras.Model) -> list[str]:
+    """One line per `FusedRNN` already in `model` (an optimized model, or one
+    loaded from its .keras file): the layers it runs and how."""
+    from rnnfuse.fused import FusedRNN
+
+    notes = []
+    for layer in model._flatten_layers(include_self=False):
+        if not isinstance(layer, FusedRNN):
+            continue
+        stack = layer.stack
+        kinds = sorted({type(l).__name__ for l in layer.fused_layers})
+        shape = (
+            f"{stack.kind}, {stack.num_levels} level(s)"
+            + (" x 2 directions" if stack.num_directions == 2 else "")
+            + f", {stack.units} units"
+            + (f", proj_size {stack.proj_size}" if stack.proj_size else "")
+        )
+        dropout = f", absorbing {len(layer.absorbed_dropout)} Dropout" if layer.absorbed_dropout else ""
+        algorithm = f", cuDNN algorithm {layer.algorithm}" if layer.algorithm else ""
+        notes.append(
+            f"'{layer.name}' is a FusedRNN (already optimized): it runs "
+            f"{' -> '.join(l.name for l in layer.fused_layers)} "
+            f"({'/'.join(kinds)}; {shape}{dropout}{algorithm}) as one fused call; "
+            "rnnfuse.restore(model) gives back the original layers."
+        )
+    return notes
 
 
 def optimize(

@@ -466,6 +466,19 @@ def test_inspect_of_a_subclassed_model_says_it_cannot_look_inside(in_workdir, ca
     assert re.search(r"cannot look inside '\w+': it is a subclassed model \(Sub\)", " ".join(out.split()))
 
 
+def test_inspect_of_a_saved_optimized_model_names_its_fused_layers(in_workdir, capsys, tmp_path):
+    model = keras.models.load_model(in_workdir / "fusable.keras")
+    rnnfuse.optimize(model).save(tmp_path / "fast.keras")
+    code, out, _ = _run(capsys, "inspect", tmp_path / "fast.keras")
+    text = " ".join(out.split())
+    assert code == 0
+    assert "already optimized" in text and "no fusable runs" not in text
+    assert "'lstm_b' is a FusedRNN (already optimized): it runs lstm_a -> lstm_b" in text
+    assert "1 FusedRNN layer(s) already run 2 recurrent layer(s)" in text
+    code, out, _ = _run(capsys, "inspect", tmp_path / "fast.keras", "--json")
+    assert any("FusedRNN" in n for n in json.loads(out)["notes"])
+
+
 def test_check_refuses_sizes_that_do_not_fit_before_allocating(in_workdir, capsys, monkeypatch):
     import tracemalloc
 

@@ -379,6 +379,7 @@ def _cmd_inspect(args) -> int:
 
     console = _console()
     fused, alone = report.tables()
+    already = _fused_layers(model)
     if report.groups:
         console.print(fused)
     elif not is_graph_model(model):
@@ -386,6 +387,8 @@ def _cmd_inspect(args) -> int:
             f"rnnfuse: cannot look inside '{report.model_name}': it is a subclassed "
             f"model ({type(model).__name__}), whose call() rnnfuse cannot read."
         )
+    elif already:
+        console.print(f"rnnfuse: '{report.model_name}' is already optimized; no further fusable runs.")
     else:
         console.print(f"rnnfuse: no fusable runs in '{report.model_name}'.")
     if report.skipped:
@@ -397,6 +400,9 @@ def _cmd_inspect(args) -> int:
         f"{len(report.groups)} group(s) fuse {fused_count} layer(s); "
         f"{len(report.skipped)} recurrent layer(s) stay as they are"
     )
+    if already:
+        inside = sum(len(l.fused_layers) for l in already)
+        summary += f"; {len(already)} FusedRNN layer(s) already run {inside} recurrent layer(s)"
     console.print(summary + ".")
     if args.plot:
         console.print(f"layer graph drawn to {args.plot}")
