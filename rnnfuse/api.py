@@ -42,7 +42,7 @@ __all__ = ["TuneShape", "analyze", "choose_plans", "optimize"]
 
 
 def analyze(
-    model: keras.Model, *, min_layers: int = 2, absorb_dropout: bool = True
+    model: keras.Model, *, min_layers: int | None = None, absorb_dropout: bool = True
 ) -> FusionReport:
     """Finds the runs of `model`'s recurrent layers that fuse, and why not.
 
@@ -50,6 +50,9 @@ def analyze(
         model: a built Keras 3 Sequential or Functional model (nested
             sub-models are looked into).
         min_layers: the least number of recurrent levels worth fusing.
+            None (the default): per kind, 1 for layers Keras runs in its
+            Python loop (SimpleRNN, RNN(cell), RNN(StackedRNNCells)), 2
+            for Keras' cuDNN LSTM/GRU layers and ProjectedLSTM.
         absorb_dropout: treat a `Dropout` layer between two recurrent layers
             as cuDNN's between-layer dropout instead of a break in the run.
 
@@ -110,7 +113,7 @@ def fused_layer_notes(model: keras.Model) -> list[str]:
 def optimize(
     model: keras.Model,
     *,
-    min_layers: int = 2,
+    min_layers: int | None = None,
     absorb_dropout: bool = True,
     tune: Any = None,
     training: bool = True,
@@ -126,7 +129,8 @@ def optimize(
 
     Args:
         model: a built Keras 3 Sequential or Functional model.
-        min_layers: the least number of recurrent levels worth fusing.
+        min_layers: the least number of recurrent levels worth fusing
+            (None: per kind, see `analyze`).
         absorb_dropout: see `analyze`.
         tune: how each group's plan (fused whole, split, per-layer; cuDNN
             algorithm) is chosen. None: the static rule table
@@ -324,10 +328,12 @@ def _check_model(model: Any, fn: str) -> None:
 
 
 def _check_min_layers(min_layers: Any, fn: str) -> None:
+    if min_layers is None:
+        return
     if isinstance(min_layers, bool) or not isinstance(min_layers, int) or min_layers < 1:
         raise ValueError(
-            f"rnnfuse.{fn}: min_layers must be a positive integer; received "
-            f"{min_layers!r}."
+            f"rnnfuse.{fn}: min_layers must be a positive integer (or None for "
+            f"the per-kind default); received {min_layers!r}."
         )
 
 

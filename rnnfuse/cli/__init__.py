@@ -186,9 +186,10 @@ def _parser() -> argparse.ArgumentParser:
     common.add_argument(
         "--min-layers",
         type=_positive_int,
-        default=2,
+        default=None,
         metavar="N",
-        help="the least number of recurrent levels worth fusing (default 2)",
+        help="the least number of recurrent levels worth fusing (default: 1 "
+        "for SimpleRNN/RNN(cell) layers, 2 for LSTM/GRU)",
     )
     plan = argparse.ArgumentParser(add_help=False)
     plan.add_argument(
