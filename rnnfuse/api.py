@@ -21,6 +21,7 @@ Example:
 from __future__ import annotations
 
 import dataclasses
+import os
 import warnings
 from typing import Any, Callable
 
@@ -45,7 +46,7 @@ AUTO = "auto"
 
 
 def analyze(
-    model: keras.Model, *, min_layers: int = 2, absorb_dropout: bool = True
+    model: keras.Model, *, min_layers: int | None = None, absorb_dropout: bool = True
 ) -> FusionReport:
     """Finds the runs of `model`'s recurrent layers that fuse, and why not.
 
@@ -53,6 +54,9 @@ def analyze(
         model: a built Keras 3 Sequential or Functional model (nested
             sub-models are looked into).
         min_layers: the least number of recurrent levels worth fusing.
+            None (the default): per kind, 1 for layers Keras runs in its
+            Python loop (SimpleRNN, RNN(cell), RNN(StackedRNNCells)), 2
+            for Keras' cuDNN LSTM/GRU layers and ProjectedLSTM.
         absorb_dropout: treat a `Dropout` layer between two recurrent layers
             as cuDNN's between-layer dropout instead of a break in the run.
 
@@ -70,18 +74,50 @@ def analyze(
     if not is_graph_model(model):
         return _subclassed_report(model)
     graph = build_layer_graph(model)
-    return plan_fusion(
+    report = plan_fusion(
         graph,
         model_name=model.name,
         min_layers=min_layers,
         absorb_dropout=absorb_dropout,
     )
+    already = fused_layer_notes(model)
+    if already:
+        report = dataclasses.replace(report, notes=tuple(report.notes) + tuple(already))
+    return report
+
+
+def fused_layer_notes(model: keras.Model) -> list[str]:
+    """One line per `FusedRNN` already in `model` (an optimized model, or one
+    loaded from its .keras file): the layers it runs and how."""
+    from rnnfuse.fused import FusedRNN
+
+    notes = []
+    for layer in model._flatten_layers(include_self=False):
+        if not isinstance(layer, FusedRNN):
+            continue
+        stack = layer.stack
+        kinds = sorted({type(l).__name__ for l in layer.fused_layers})
+        shape = (
+            f"{stack.kind}, {stack.num_levels} level(s)"
+            + (" x 2 directions" if stack.num_directions == 2 else "")
+            + f", {stack.units} units"
+            + (f", proj_size {stack.proj_size}" if stack.proj_size else "")
+        )
+        dropout = f", absorbing {len(layer.absorbed_dropout)} Dropout" if layer.absorbed_dropout else ""
+        algorithm = f", cuDNN algorithm {layer.algorithm}" if layer.algorithm else ""
+        notes.append(
+            f"'{layer.name}' is a FusedRNN (already optimized): it runs "
+            f"{' -> '.join(l.name for l in layer.fused_layers)} "
+            f"({'/'.join(kinds)}; {shape}{dropout}{algorithm}) as one fused call; "
+            "rnnfuse.restore(model) gives back the original layers."
+        )
+    return notes
 
 
 def optimize(
     model: keras.Model,
     *,
-    min_layers: int = 2,
+    min_layers: int | None = None,
     absorb_dropout: bool = True,
     tune: Any = "auto",
     training: bool = True,
@@ -98,7 +134,8 @@ def optimize(
 
     Args:
         model: a built Keras 3 Sequential or Functional model.
-        min_layers: the least number of recurrent levels worth fusing.
+        min_layers: the least number of recurrent levels worth fusing
+            (None: per kind, see `analyze`).
         absorb_dropout: see `analyze`.
         tune: how each group's plan (fused whole, split, per-layer; cuDNN
             algorithm) is chosen. "auto" (the default): the static rule
@@ -132,6 +169,8 @@ def optimize(
     """
     _check_model(model, "optimize")
     _check_min_layers(min_layers, "optimize")
+    if not (cache is None or cache is False or cache is True or isinstance(cache, PlanCache)):
+        _plan_cache(cache)  # a bad cache argument fails before any work
     if not is_graph_model(model):
         warnings.warn(
             f"rnnfuse.optimize: '{model.name}' is a subclassed model "
@@ -183,11 +222,39 @@ def _optimize_for_first_batch(model, report, training, cache) -> OptimizeResult:
 
 @dataclasses.dataclass(frozen=True)
 class TuneShape:
-    """Input shape to tune for, when no sample batch is at hand."""
+    """Input shape to tune for, when no sample batch is at hand.
+
+    Raises:
+        ValueError: `batch_size` or `steps` is not a positive integer.
+
+    Example:
+
+        >>> TuneShape(32, 100).steps
+        100
+    """
 
     batch_size: int
     # Time steps (used where the model's input shape leaves time open).
     steps: int
+
+    def __post_init__(self):
+        for name in ("batch_size", "steps"):
+            value = getattr(self, name)
+            object.__setattr__(self, name, _positive_int(value, name))
+
+
+def _positive_int(value: Any, name: str) -> int:
+    """`value` as an int if it is a positive integer (NumPy ints too)."""
+    import numbers
+
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
+        raise ValueError(
+            f"rnnfuse.TuneShape: {name} must be a positive integer; received "
+            f"{value!r} ({type(value).__name__}). Fix: e.g. "
+            "rnnfuse.TuneShape(batch_size=32, steps=100), the batch size and "
+            "number of time steps you train or serve with."
+        )
+    return int(value)
 
 
 def choose_plans(model, groups, *, tune=None, training=True, plan=None, cache=None) -> list[TuneResult]:
@@ -226,6 +293,14 @@ def choose_plans(model, groups, *, tune=None, training=True, plan=None, cache=No
 def _tune_shape(model, tune) -> tuple[int, int]:
     if isinstance(tune, TuneShape):
         return int(tune.batch_size), int(tune.steps)
+    if isinstance(tune, (tuple, list)) and len(tune) == 2 and all(
+        isinstance(v, (int, float, str)) for v in tune
+    ):
+        raise ValueError(
+            "rnnfuse.optimize: tune must be a sample batch or "
+            f"rnnfuse.TuneShape(batch_size, steps); received the {type(tune).__name__} "
+            f"{tune!r}. Fix: tune=rnnfuse.TuneShape{tuple(tune)!r}."
+        )
     first = keras.tree.flatten(tune)[0] if keras.tree.is_nested(tune) else tune
     shape = getattr(first, "shape", None)
     if shape is None or len(shape) < 2:
@@ -235,7 +310,14 @@ def _tune_shape(model, tune) -> tuple[int, int]:
             f"steps); received {type(tune).__name__}"
             + (f" of shape {tuple(shape)}" if shape is not None else "")
         )
-    return int(shape[0]), int(shape[1])
+    batch, steps = shape[0], shape[1]
+    if batch is None or steps is None or int(batch) < 1 or int(steps) < 1:
+        raise ValueError(
+            "rnnfuse.optimize: tune's sample batch must have at least one "
+            f"sequence and one time step; received shape {tuple(shape)}. Fix: "
+            "pass a real batch, or rnnfuse.TuneShape(batch_size, steps)."
+        )
+    return int(batch), int(steps)
 
 
 def _plan_cache(cache) -> PlanCache | None:
@@ -245,7 +327,17 @@ def _plan_cache(cache) -> PlanCache | None:
         return PlanCache()
     if isinstance(cache, PlanCache):
         return cache
-    return PlanCache(cache)
+    if not isinstance(cache, (str, os.PathLike)):
+        raise TypeError(
+            "rnnfuse.optimize: cache must be None (the default file), False (no "
+            "cache), a file path or an rnnfuse.tuning.cache.PlanCache; received "
+            f"{type(cache).__name__} {cache!r}. Fix: e.g. cache='plans.json' or "
+            "cache=False."
+        )
+    try:
+        return PlanCache(cache)
+    except ValueError as err:
+        raise ValueError(f"rnnfuse.optimize: cache={os.fspath(cache)!r}: {err}") from None
 
 
 def _check_model(model: Any, fn: str) -> None:
@@ -274,10 +366,12 @@ def _check_model(model: Any, fn: str) -> None:
 
 
 def _check_min_layers(min_layers: Any, fn: str) -> None:
+    if min_layers is None:
+        return
     if isinstance(min_layers, bool) or not isinstance(min_layers, int) or min_layers < 1:
         raise ValueError(
-            f"rnnfuse.{fn}: min_layers must be a positive integer; received "
-            f"{min_layers!r}."
+            f"rnnfuse.{fn}: min_layers must be a positive integer (or None for "
+            f"the per-kind default); received {min_layers!r}."
         )
 
 

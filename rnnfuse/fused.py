@@ -18,7 +18,13 @@ dropout (one mask per sequence, drawn from that layer's seed generator as
 Keras does), its `initial_state` and `go_backwards`; the last layer's
 `return_sequences`, `return_state`, merge mode and output mask; and the
 values at padded time steps (zeros where Keras runs cuDNN, the generic
-loop's `zero_output_for_mask` behaviour elsewhere).
+loop's `zero_output_for_mask` behaviour elsewhere, including its last
+output: that of the last time step, zero for a right-padded row).
+
+Not reproduced bit for bit: training-mode outputs with input `dropout`
+under torch. Unseeded dropout draws from PyTorch's global generator, in
+another order than Keras' per-step loop draws: the same distribution,
+other masks.
 
 Example:
 
@@ -84,14 +90,14 @@ class FusedRNN(keras.layers.Layer):
         `return_state=True`).
 
     Raises:
+        TypeError: `layers` is not a list of Keras layers, or
+            `dropout_layers` holds something other than Dropout layers.
         ValueError: a layer that cannot be fused, or two layers that cannot
             be stacked, naming the rule.
     """
 
     def __init__(self, layers, dropout_layers=None, algorithm=None, pieces=None, **kwargs):
-        layers = list(layers)
-        if not layers:
-            raise ValueError("FusedRNN needs at least one layer; received [].")
+        layers = _layer_list(layers)
         views = []
         activations = get_backend().activation_functions()
         for layer in layers:
@@ -108,12 +114,7 @@ class FusedRNN(keras.layers.Layer):
             reason = stack_link_reason(upper, lower)
             if reason is not None:
                 raise ValueError(f"FusedRNN cannot stack these layers: {reason}")
-        dropout_layers = list(dropout_layers or [None] * (len(layers) - 1))
-        if len(dropout_layers) != len(layers) - 1:
-            raise ValueError(
-                "dropout_layers needs one entry per gap between layers "
-                f"({len(layers) - 1}); received {len(dropout_layers)}"
-            )
+        dropout_layers = _dropout_list(dropout_layers, len(layers))
         rates = {None if d is None else float(d.rate) for d in dropout_layers}
         if len(rates) > 1:
             raise ValueError(
@@ -136,6 +137,7 @@ class FusedRNN(keras.layers.Layer):
             units=views[0].units,
             cells=tuple(level for v in views for level in v.levels),
             proj_size=views[0].proj_size,
+            keras_loop=any(not keras_has_cudnn_path(v) and not v.proj_size for v in views),
         )
         self.supports_masking = True
         # Sub-stacks a split plan runs, built on first use; a plain dict set
@@ -472,6 +474,12 @@ class FusedRNN(keras.layers.Layer):
             last = hs[-1]
             if not view.return_sequences:
                 output = last
+                if mask is not None and view.zero_output_for_mask and not (keras_has_cudnn_path(view) and get_backend().keras_runs_cudnn()):
+                    # Keras' generic loop returns the output of the last
+                    # time step, zeroed where that step is masked (a
+                    # right-padded row), not the last valid step's.
+                    keep = ops.expand_dims(ops.cast(mask[:, -1], "bool"), -1)
+                    output = ops.where(keep, last, ops.zeros_like(last))
             elif mask is not None and not (
                 view.zero_output_for_mask or (keras_has_cudnn_path(view) and get_backend().keras_runs_cudnn())
             ):
@@ -536,6 +544,68 @@ def call_members(members, x, *, first: dict, rest: dict):
             kwargs = first if i == 0 else rest
         x = layer(x, **kwargs)
     return x
+
+
+def _layer_list(layers) -> list:
+    """`layers` as a list of Keras layers, or a clear error."""
+    example = "FusedRNN([keras.layers.LSTM(8, return_sequences=True), keras.layers.LSTM(8)])"
+    if isinstance(layers, keras.layers.Layer):
+        raise TypeError(
+            f"FusedRNN(layers) expects a list of recurrent layers; received the "
+            f"single layer '{layers.name}' ({type(layers).__name__}). Fix: "
+            f"FusedRNN([{layers.name}]), e.g. {example}."
+        )
+    if layers is None or isinstance(layers, (str, bytes)) or not hasattr(layers, "__iter__"):
+        raise TypeError(
+            "FusedRNN(layers) expects a list of Keras recurrent layer objects; "
+            f"received {type(layers).__name__} {layers!r}. Fix: pass the layers "
+            f"themselves, e.g. {example}."
+        )
+    layers = list(layers)
+    if not layers:
+        raise ValueError("FusedRNN needs at least one layer; received [].")
+    for i, layer in enumerate(layers):
+        if not isinstance(layer, keras.layers.Layer):
+            raise TypeError(
+                f"FusedRNN(layers): layers[{i}] is {type(layer).__name__} "
+                f"{layer!r}, not a Keras layer. Fix: pass the recurrent layer "
+                f"objects, e.g. {example}."
+            )
+    return layers
+
+
+def _dropout_list(dropout_layers, num_layers: int) -> list:
+    """One Dropout layer or None per gap between layers, or a clear error."""
+    gaps = num_layers - 1
+    if dropout_layers is None:
+        return [None] * gaps
+    if isinstance(dropout_layers, (str, bytes)) or not hasattr(dropout_layers, "__iter__"):
+        raise TypeError(
+            "FusedRNN(dropout_layers) expects a list with one entry per gap "
+            f"between layers ({gaps}); received {type(dropout_layers).__name__} "
+            f"{dropout_layers!r}."
+        )
+    dropout_layers = list(dropout_layers)
+    if not dropout_layers:
+        return [None] * gaps
+    if len(dropout_layers) != gaps:
+        raise ValueError(
+            "dropout_layers needs one entry per gap between layers "
+            f"({gaps}); received {len(dropout_layers)}"
+        )
+    for i, d in enumerate(dropout_layers):
+        if d is not None and not isinstance(d, keras.layers.Dropout):
+            fix = (
+                f" Fix: pass the layer, e.g. keras.layers.Dropout({d!r}), in "
+                "every gap (cuDNN applies one rate between every pair of levels)."
+                if isinstance(d, (int, float)) and not isinstance(d, bool)
+                else ""
+            )
+            raise TypeError(
+                f"FusedRNN(dropout_layers): entry {i} is {type(d).__name__} {d!r}; "
+                f"each entry must be a keras.layers.Dropout layer or None.{fix}"
+            )
+    return dropout_layers
 
 
 def first_call_kwargs(args, kwargs) -> dict:

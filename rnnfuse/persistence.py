@@ -152,13 +152,30 @@ class _OptimizedMixin:
         if hasattr(self, "optimizer") and self.built:
             self.optimizer.build(self.trainable_variables)
 
+    # Variables in the original model's order. Keras numbers an optimizer's
+    # slot variables by the position of their model variable in the list the
+    # optimizer was built with (`model.trainable_variables`), and a weights
+    # file stores them by number; so the optimized model lists its variables
+    # as the original model does (as `restore(self)` does), and the optimizer
+    # state in a weights file means the same in both models. `get_weights()`
+    # and `set_weights()` are then interchangeable too.
+
+    @property
+    def weights(self):
+        return _in_original_order(self, super().weights)
+
+    @property
+    def variables(self):
+        return _in_original_order(self, super().variables)
+
     def save_weights(self, filepath, overwrite=True, **kwargs):
         """Saves the weights as the original (unfused) model would.
 
-        The file loads into the original model, into `rnnfuse.restore(self)`
-        and into this model. Arguments are those of `keras.Model.save_weights`.
+        The file (weights and, once built, the optimizer's state) loads into
+        the original model, into `rnnfuse.restore(self)` and into this
+        model. Arguments are those of `keras.Model.save_weights`.
         """
-        return _restore(self).save_weights(filepath, overwrite=overwrite, **kwargs)
+        return _weights_model(self).save_weights(filepath, overwrite=overwrite, **kwargs)
 
     def load_weights(self, filepath, skip_mismatch=False, **kwargs):
         """Loads weights saved by the original model or by this model.
@@ -171,9 +188,46 @@ class _OptimizedMixin:
         """
         if _is_fused_archive(filepath):
             return super().load_weights(filepath, skip_mismatch=skip_mismatch, **kwargs)
-        return _restore(self).load_weights(
+        return _weights_model(self).load_weights(
             filepath, skip_mismatch=skip_mismatch, **kwargs
         )
+
+
+def _weights_model(model) -> keras.Model:
+    """`_restore(model)` holding `model`'s optimizer, for weight files.
+
+    Keras writes (and reads) a model's optimizer state with its weights
+    (``optimizer/vars/<i>``); the plain stand-in shares the optimizer
+    object, so both go through it. As in Keras, an optimizer that is not
+    built yet has no state to load (Keras warns and skips it).
+    """
+    plain = _restore(model)
+    optimizer = getattr(model, "optimizer", None)
+    if optimizer is not None:
+        plain.optimizer = optimizer
+    return plain
+
+
+def _in_original_order(model, variables: list) -> list:
+    """`variables` sorted as the original (restored) model lists them."""
+    rank = model.__dict__.get("_rnnfuse_rank")
+    if rank is None:
+        if model.__dict__.get("_rnnfuse_ranking") or not model.built:
+            return variables
+        object.__setattr__(model, "_rnnfuse_ranking", True)
+        try:
+            plain = _restore(model)
+            rank = {id(v): i for i, v in enumerate(plain.variables)}
+        except Exception:  # noqa: BLE001 - a model restore cannot rebuild keeps its order
+            rank = {}
+        finally:
+            object.__setattr__(model, "_rnnfuse_ranking", False)
+        object.__setattr__(model, "_rnnfuse_rank", rank)
+    if not rank:
+        return variables
+    last = len(rank)
+    order = sorted(range(len(variables)), key=lambda i: (rank.get(id(variables[i]), last), i))
+    return [variables[i] for i in order]
 
 
 @keras.saving.register_keras_serializable(package="rnnfuse")
@@ -210,7 +264,9 @@ def as_optimized(model: keras.Model, like: keras.Model | None = None) -> keras.M
             layers = list(model.layers)
             first = model._layers[0] if model._layers else None
             if isinstance(first, keras.layers.InputLayer):
-                layers.insert(0, _input_like(first.output, first))
+                # The same InputLayer: sub-models cut from this model's
+                # layers see one input, as in the original.
+                layers.insert(0, first.output)
             new = OptimizedSequential(layers, name=model.name, trainable=model.trainable)
         else:
             new = OptimizedModel(
@@ -234,8 +290,9 @@ def restore(model: keras.Model) -> keras.Model:
     it holds, called as the original model called them (absorbed Dropout
     layers back in place). The layers are the same objects, so the result
     has the current (trained) weights and shares them with `model`. Its
-    config names only Keras classes: `restore(fast).save("m.keras")` loads
-    where rnnfuse is not installed. `model`'s compile() arguments are
+    config names only Keras classes (except rnnfuse's own layers, such as
+    `rnnfuse.layers.ProjectedLSTM`, which need `import rnnfuse` to load):
+    `restore(fast).save("m.keras")` loads where rnnfuse is not installed. `model`'s compile() arguments are
     carried over (a fresh optimizer with the same config).
 
     Args:

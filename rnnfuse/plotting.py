@@ -52,7 +52,7 @@ def plot_layer_graph(
     path: str | os.PathLike | None = None,
     *,
     report: Any = None,
-    min_layers: int = 2,
+    min_layers: int | None = None,
     title: str | None = None,
     dpi: int = 120,
 ):

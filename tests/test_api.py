@@ -56,6 +56,61 @@ def test_fused_rnn_refuses_layers_that_do_not_stack():
         rnnfuse.FusedRNN([L.LSTM(4, unroll=True)])
 
 
+@pytest.mark.parametrize(
+    "batch, steps, words",
+    [(-1, 5, "batch_size must be a positive integer; received -1"),
+     (0, 5, "batch_size must be a positive integer; received 0"),
+     (2, 0, "steps must be a positive integer; received 0"),
+     ("a", "b", "batch_size must be a positive integer; received 'a' (str)"),
+     (2, 1.5, "steps must be a positive integer; received 1.5"),
+     (True, 5, "received True")],
+)
+def test_tune_shape_must_be_positive_integers(batch, steps, words):
+    with pytest.raises(ValueError, match="Fix: e.g. rnnfuse.TuneShape") as err:
+        rnnfuse.TuneShape(batch, steps)
+    assert words in str(err.value)
+    assert rnnfuse.TuneShape(np.int64(4), 7) == rnnfuse.TuneShape(4, 7)
+
+
+def test_tune_as_a_bare_tuple_says_to_use_tune_shape():
+    with pytest.raises(ValueError, match=r"received the tuple \(4, 5\). Fix: tune=rnnfuse.TuneShape\(4, 5\)"):
+        rnnfuse.optimize(stack_model("lstm", 2), tune=(4, 5), cache=False)
+
+
+@pytest.mark.parametrize("bad", [123, 1.5, ["plans.json"], object()])
+def test_cache_of_the_wrong_type_names_what_was_received(bad):
+    with pytest.raises(TypeError, match="cache must be None .*received .*Fix: e.g. cache="):
+        rnnfuse.optimize(stack_model("lstm", 2), cache=bad)
+
+
+def test_cache_under_a_regular_file_is_refused(tmp_path):
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(ValueError, match="is a regular file, not a folder"):
+        rnnfuse.optimize(stack_model("lstm", 2), cache=tmp_path / "file" / "plans.json")
+
+
+@pytest.mark.parametrize(
+    "layers, words",
+    [(None, "received NoneType None"),
+     ("lstm", "received str 'lstm'"),
+     ([1, 2], "layers[0] is int 1, not a Keras layer"),
+     (L.LSTM(3), "received the single layer")],
+)
+def test_fused_rnn_layers_must_be_a_list_of_layers(layers, words):
+    with pytest.raises(TypeError, match="Fix: ") as err:
+        rnnfuse.FusedRNN(layers)
+    assert words in str(err.value)
+
+
+def test_fused_rnn_dropout_layers_must_be_dropout_layers():
+    a, b = L.LSTM(4, return_sequences=True), L.LSTM(4)
+    with pytest.raises(TypeError, match=r"entry 0 is float 0.5.*keras.layers.Dropout\(0.5\)"):
+        rnnfuse.FusedRNN([a, b], dropout_layers=[0.5])
+    with pytest.raises(TypeError, match="one entry per gap"):
+        rnnfuse.FusedRNN([a, b], dropout_layers=0.5)
+    assert rnnfuse.FusedRNN([a, b], dropout_layers=[L.Dropout(0.5)]).absorbed_dropout
+
+
 # -- the new model -------------------------------------------------------------
 
 

@@ -12,7 +12,7 @@ import pytest
 import tensorflow as tf
 
 import rnnfuse
-from builders import fused_layers, max_abs_diff, random_inputs, rnn_layer
+from builders import fused_layers, max_abs_diff, random_inputs, rnn_layer, stack_model
 
 L = keras.layers
 MERGE_MODES = ["concat", "sum", "mul", "ave", None]
@@ -258,3 +258,39 @@ def test_dropout_with_noise_shape_is_not_absorbed():
     report = rnnfuse.analyze(keras.Model(inp, out))
     assert report.groups == ()
     assert "'d' (Dropout)" in report.skipped["a"]
+
+
+# -- loop kinds fuse from one layer (issue 15, coverage) ------------------------
+
+
+def _single(kind: str) -> keras.Model:
+    inp = keras.Input((7, 5))
+    layer = {
+        "simple_rnn": lambda: L.SimpleRNN(6, activation="relu"),
+        "rnn_cell": lambda: L.RNN(L.GRUCell(6)),
+        "stacked_cells": lambda: L.RNN(L.StackedRNNCells([L.LSTMCell(6)])),
+        "bidirectional_simple_rnn": lambda: L.Bidirectional(L.SimpleRNN(6)),
+    }[kind]()
+    return keras.Model(inp, L.Dense(2)(layer(inp)))
+
+
+@pytest.mark.parametrize("kind", ["simple_rnn", "rnn_cell", "stacked_cells", "bidirectional_simple_rnn"])
+def test_a_single_loop_layer_fuses_by_default(kind, emulated_cudnn):
+    model = _single(kind)
+    report = rnnfuse.analyze(model)
+    assert len(report.groups) == 1 and report.groups[0].num_layers == 1
+    fast = rnnfuse.optimize(model)
+    x = np.random.default_rng(0).standard_normal((3, 7, 5)).astype("float32")
+    emulated_cudnn.clear()
+    assert max_abs_diff(fast(x), model(x)) <= 1e-5
+    assert emulated_cudnn, "the fused kernel did not run"
+    # An explicit min_layers applies to every kind.
+    assert rnnfuse.analyze(model, min_layers=2).skipped
+
+
+@pytest.mark.parametrize("kind", ["lstm", "gru"])
+def test_a_single_cudnn_layer_stays_as_it_is(kind):
+    model = stack_model(kind, 1, head=True)
+    report = rnnfuse.analyze(model)
+    assert report.groups == ()
+    assert "min_layers=2" in report.skipped[f"{kind}_0"]

@@ -344,6 +344,11 @@ ERRORS = [
     (["check", "stack.keras", "--tolerance", "-1"], "--tolerance"),
     (["check", "models:open_features"], "open dimension"),
     (["check", "models:subclassed"], "input shapes"),
+    # Sizes are checked against available memory before allocating.
+    (["check", "fusable.keras", "--batch", "1000000000"], "needs at least"),
+    (["check", "models:text", "--steps", "1000000000"], "needs at least"),
+    (["bench", "models:text", "--steps", "1000000000"], "needs at least"),
+    (["inspect", "stack.keras", "--plot", "out.txt"], "'.txt' is not an image format"),
 ]
 
 
@@ -450,3 +455,42 @@ def test_python_m_rnnfuse_subprocesses(workdir):
         assert result["device"].startswith(("CPU", "GPU")) and "PyTorch" in result["device"]
         assert set(result["fused_paths"].values()) == {"fused"}
         assert result["passed"] and result["outputs_max_abs_diff"] <= 1e-5
+
+
+# -- issue 15: what inspect says about subclassed and optimized models -------------
+
+
+def test_inspect_of_a_subclassed_model_says_it_cannot_look_inside(in_workdir, capsys):
+    code, out, _ = _run(capsys, "inspect", "models:subclassed")
+    assert code == 0
+    assert re.search(r"cannot look inside '\w+': it is a subclassed model \(Sub\)", " ".join(out.split()))
+
+
+def test_inspect_of_a_saved_optimized_model_names_its_fused_layers(in_workdir, capsys, tmp_path):
+    model = keras.models.load_model(in_workdir / "fusable.keras")
+    rnnfuse.optimize(model).save(tmp_path / "fast.keras")
+    code, out, _ = _run(capsys, "inspect", tmp_path / "fast.keras")
+    text = " ".join(out.split())
+    assert code == 0
+    assert "already optimized" in text and "no fusable runs" not in text
+    assert "'lstm_b' is a FusedRNN (already optimized): it runs lstm_a -> lstm_b" in text
+    assert "1 FusedRNN layer(s) already run 2 recurrent layer(s)" in text
+    code, out, _ = _run(capsys, "inspect", tmp_path / "fast.keras", "--json")
+    assert any("FusedRNN" in n for n in json.loads(out)["notes"])
+
+
+def test_check_refuses_sizes_that_do_not_fit_before_allocating(in_workdir, capsys, monkeypatch):
+    import tracemalloc
+
+    from rnnfuse.cli import inputs as engines
+
+    monkeypatch.setattr(engines, "available_memory", lambda: 10 * 2**20)  # 10 MiB
+    tracemalloc.start()
+    try:
+        # 200000 x 6 x 3 inputs alone would be 29 MB in float64.
+        code, _, err = _run(capsys, "check", "fusable.keras", "--batch", "200000")
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert code == 2 and "needs at least" in err and "is available" in err
+    assert peak < 20 * 2**20

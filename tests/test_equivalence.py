@@ -142,3 +142,30 @@ def test_input_dropout_of_first_layer_matches_keras_in_training(emulated_cudnn):
     before = generator.state.numpy().copy()
     assert max_abs_diff(fast(x), model(x)) <= 2e-5
     assert not np.array_equal(generator.state.numpy(), before)
+
+
+def _zero_output_last_model(kind: str, return_state: bool) -> keras.Model:
+    """Masked stack whose last layer returns one output with zero_output_for_mask."""
+    from builders import rnn_layer
+
+    inp = keras.Input((6,), dtype="int32")
+    x = keras.layers.Embedding(11, 4, mask_zero=True)(inp)
+    x = rnn_layer(kind, 5, return_sequences=True)(x)
+    x = rnn_layer(kind, 5, zero_output_for_mask=True, return_state=return_state)(x)
+    return keras.Model(inp, x)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("return_state", [False, True])
+def test_zero_output_for_mask_last_output_is_the_last_steps(kind, return_state, emulated_cudnn):
+    """Keras' loop returns the last time step's output: zero for a padded row."""
+    model = _zero_output_last_model(kind, return_state)
+    fast = rnnfuse.optimize(model)
+    assert fused_layers(fast)
+    tokens = np.array([[3, 4, 0, 0, 0, 0], [1, 2, 3, 4, 5, 6]], "int32")
+    emulated_cudnn.clear()
+    got, expected = fast(tokens), model(tokens)
+    assert emulated_cudnn, "the fused path did not run"
+    assert max_abs_diff(got, expected) <= 1e-5
+    output = np.asarray(keras.tree.flatten(got)[0])
+    assert not output[0].any() and output[1].any()

@@ -10,11 +10,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
 import sys
 import textwrap
+import warnings
 
 import h5py
 import keras
@@ -235,3 +237,147 @@ def test_export_traced_here_serves_the_same_outputs(emulated_cudnn, tmp_path):
     assert emulated_cudnn, "the export did not trace the fused path"
     served = tf.saved_model.load(str(tmp_path / "saved"))
     np.testing.assert_allclose(np.asarray(served.serve(x)), np.asarray(model(x)), atol=2e-5)
+
+
+# -- optimizer state in weight files (issue 15, item 1) -------------------------
+
+
+def _branchy_model() -> keras.Model:
+    """A run whose layers are not neighbours in the original's layer list.
+
+    The original lists a/side/b/side2; the optimized model's own list would
+    put the fused a+b after side, so without care its optimizer slots would
+    be numbered in another order than the original's.
+    """
+    inp = keras.Input((5, 3), name="seq")
+    a = L.LSTM(4, return_sequences=True, name="a")(inp)
+    side = L.Dense(2, name="side")(inp)
+    b = L.GRU(4, return_sequences=True, name="b")(a)
+    b = L.GRU(4, return_sequences=True, name="b2")(b)
+    side2 = L.Dense(2, name="side2")(side)
+    out = L.Dense(1, name="head")(L.Concatenate()([b, side2]))
+    model = keras.Model(inp, out)
+    return model
+
+
+def _trained(model, seed: int):
+    model.compile(optimizer="adam", loss="mse")
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal((8, 5, 3)).astype("float32")
+    y = rng.standard_normal((8, 5, 1)).astype("float32")
+    model.fit(x, y, epochs=2, batch_size=4, verbose=0)
+    return x, y
+
+
+def _optimizer_values(model) -> list[np.ndarray]:
+    return [np.asarray(v.numpy()).copy() for v in model.optimizer.variables]
+
+
+def _fresh(model):
+    model.compile(optimizer="adam", loss="mse")
+    model.optimizer.build(model.trainable_variables)
+    return model
+
+
+def test_optimized_model_lists_variables_in_the_original_order():
+    model = _branchy_model()
+    fast = rnnfuse.optimize(model)
+    assert fused_layers(fast)
+    assert [v.path for v in fast.trainable_variables] == [
+        v.path for v in model.trainable_variables
+    ]
+    assert [id(v) for v in fast.weights] == [id(v) for v in model.weights]
+
+
+@pytest.mark.parametrize("direction", ["original_to_optimized", "optimized_to_original"])
+def test_weights_files_carry_the_optimizer_state_both_ways(tmp_path, direction):
+    source_model, target_model = _branchy_model(), _branchy_model()
+    if direction == "original_to_optimized":
+        source, target = source_model, rnnfuse.optimize(target_model)
+    else:
+        source, target = rnnfuse.optimize(source_model), target_model
+    x, y = _trained(source, 1)
+    path = tmp_path / "w.weights.h5"
+    source.save_weights(path)
+    optimizer_paths = {p for p in _h5_paths(path) if p.startswith("optimizer/")}
+    assert len(optimizer_paths) == len(source.optimizer.variables) > 2
+    _fresh(target)
+    with warnings_as_errors():
+        target.load_weights(path)
+    for a, b in zip(source_model.weights, target_model.weights):
+        np.testing.assert_array_equal(a.numpy(), b.numpy())
+    for a, b in zip(_optimizer_values(source), _optimizer_values(target)):
+        np.testing.assert_array_equal(a, b)
+    # Resuming training continues from the same Adam state: same next step.
+    source.fit(x, y, epochs=1, batch_size=8, verbose=0, shuffle=False)
+    target.fit(x, y, epochs=1, batch_size=8, verbose=0, shuffle=False)
+    for a, b in zip(source_model.weights, target_model.weights):
+        np.testing.assert_allclose(a.numpy(), b.numpy(), atol=1e-5)
+
+
+def test_model_checkpoint_weights_only_resumes_the_original(tmp_path):
+    model = _branchy_model()
+    fast = rnnfuse.optimize(model)
+    path = tmp_path / "ckpt.weights.h5"
+    fast.compile(optimizer="adam", loss="mse")
+    rng = np.random.default_rng(3)
+    x = rng.standard_normal((8, 5, 3)).astype("float32")
+    y = rng.standard_normal((8, 5, 1)).astype("float32")
+    checkpoint = keras.callbacks.ModelCheckpoint(str(path), save_weights_only=True)
+    fast.fit(x, y, epochs=2, batch_size=4, verbose=0, callbacks=[checkpoint])
+    again = _fresh(_branchy_model())
+    with warnings_as_errors():
+        again.load_weights(path)
+    assert int(again.optimizer.iterations.numpy()) == 4
+    for a, b in zip(_optimizer_values(fast), _optimizer_values(again)):
+        np.testing.assert_array_equal(a, b)
+
+
+@contextlib.contextmanager
+def warnings_as_errors():
+    """Keras warns (and skips the optimizer) when its state does not fit."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message=".*Skipping variable loading.*")
+        yield
+
+
+_LOAD_PROJECTED = textwrap.dedent(
+    """
+    import os, sys
+    os.environ.setdefault("KERAS_BACKEND", "tensorflow")
+    if sys.argv[2] == "import":
+        sys.path.insert(0, sys.argv[3])
+        import rnnfuse  # noqa: F401 - registers rnnfuse>ProjectedLSTM
+    import keras
+    try:
+        keras.models.load_model(sys.argv[1])
+    except Exception as err:
+        print("FAILED", type(err).__name__, " ".join(str(err).split())[:300])
+    else:
+        print("LOADED")
+    """
+)
+
+
+def test_a_restored_model_holding_projected_lstm_needs_rnnfuse_imported(tmp_path):
+    """What docs/deployment.md says: restore() removes FusedRNN, not rnnfuse's
+    own layers; a ProjectedLSTM model loads only with rnnfuse imported."""
+    from rnnfuse.layers import ProjectedLSTM
+
+    model = keras.Sequential(
+        [keras.Input((4, 3)), ProjectedLSTM(6, 3, return_sequences=True), ProjectedLSTM(6, 3)]
+    )
+    rnnfuse.restore(rnnfuse.optimize(model)).save(tmp_path / "p.keras")
+    script = tmp_path / "load.py"
+    script.write_text(_LOAD_PROJECTED)
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3"}
+    results = {}
+    for how in ("plain", "import"):
+        proc = subprocess.run(
+            [sys.executable, str(script), str(tmp_path / "p.keras"), how, root],
+            capture_output=True, text=True, timeout=240, env=env, cwd=str(tmp_path),
+        )
+        results[how] = proc.stdout.strip().splitlines()[-1]
+    assert results["plain"].startswith("FAILED"), results
+    assert results["import"] == "LOADED", results

@@ -157,7 +157,8 @@ def test_cache_entry_with_a_bad_plan_is_measured_again(tmp_path):
         entry["plan"] = {"pieces": ["x"]}
     (tmp_path / "plans.json").write_text(json.dumps(data))
     timer = FakeTimer({"fused": 0.1})
-    _tune([group], timer, cache=PlanCache(tmp_path / "plans.json"))
+    with pytest.warns(RuntimeWarning, match="setting aside the cached plan"):
+        _tune([group], timer, cache=PlanCache(tmp_path / "plans.json"))
     assert timer.calls == 1
 
 
@@ -288,3 +289,20 @@ def test_an_algorithm_cudnn_refuses_is_rejected_with_its_reason():
     )
     assert result.plan.name == "fused @persistent_dynamic+tc"
     assert "CUDNN_STATUS_NOT_SUPPORTED" in result.rejected["fused @persistent_static+tc"]
+
+
+def test_cached_plan_that_does_not_fit_the_group_is_set_aside_and_retuned(tmp_path):
+    cache = PlanCache(tmp_path / "plans.json")
+    (group,) = _groups(stack_model("gru", 2))
+    _tune([group], FakeTimer({"fused": 0.1}), cache=cache)
+    data = json.loads((tmp_path / "plans.json").read_text())
+    for entry in data["entries"].values():
+        entry["plan"] = {"pieces": [5], "algorithm": None}  # 5 layers for a 2-layer group
+    (tmp_path / "plans.json").write_text(json.dumps(data))
+    timer = FakeTimer({"fused": 0.1})
+    with pytest.warns(RuntimeWarning, match="setting aside.*covers 5 layers; the group has 2"):
+        (result,) = _tune([group], timer, cache=PlanCache(tmp_path / "plans.json"))
+    assert timer.calls == 1 and result.source == "measured"
+    data = json.loads((tmp_path / "plans.json").read_text())
+    assert len(data["set_aside"]) == 1
+    assert [e["plan"]["pieces"] for e in data["entries"].values()] == [[2]]

@@ -42,6 +42,12 @@ class StackSpec:
     cells: tuple[tuple[Any, ...], ...]
     # Recurrent projection width (0: none).
     proj_size: int = 0
+    # Some of the original layers have no Keras cuDNN path (SimpleRNN,
+    # RNN(cell), no bias): Keras runs them in its generic loop, whose float32
+    # matmuls follow the backend's matmul precision, not cuDNN's (torch:
+    # `torch.backends.cuda.matmul.allow_tf32`, False by default, while
+    # `torch.backends.cudnn.allow_tf32` is True by default).
+    keras_loop: bool = False
 
     @property
     def num_levels(self) -> int:

@@ -197,9 +197,10 @@ def _parser() -> argparse.ArgumentParser:
     common.add_argument(
         "--min-layers",
         type=_positive_int,
-        default=2,
+        default=None,
         metavar="N",
-        help="the least number of recurrent levels worth fusing (default 2)",
+        help="the least number of recurrent levels worth fusing (default: 1 "
+        "for SimpleRNN/RNN(cell) layers, 2 for LSTM/GRU)",
     )
     plan = argparse.ArgumentParser(add_help=False)
     plan.add_argument(
@@ -395,10 +396,20 @@ def _cmd_inspect(args) -> int:
     if args.json:
         print(json.dumps(report.to_dict(), indent=2))
         return EXIT_OK
+    from rnnfuse.passes.graph import is_graph_model
+
     console = _console()
     fused, alone = report.tables()
+    already = _fused_layers(model)
     if report.groups:
         console.print(fused)
+    elif not is_graph_model(model):
+        console.print(
+            f"rnnfuse: cannot look inside '{report.model_name}': it is a subclassed "
+            f"model ({type(model).__name__}), whose call() rnnfuse cannot read."
+        )
+    elif already:
+        console.print(f"rnnfuse: '{report.model_name}' is already optimized; no further fusable runs.")
     else:
         console.print(f"rnnfuse: no fusable runs in '{report.model_name}'.")
     if report.skipped:
@@ -406,10 +417,14 @@ def _cmd_inspect(args) -> int:
     for note in report.notes:
         console.print(f"note: {note}")
     fused_count = sum(len(g.layers) for g in report.groups)
-    console.print(
+    summary = (
         f"{len(report.groups)} group(s) fuse {fused_count} layer(s); "
-        f"{len(report.skipped)} recurrent layer(s) stay as they are."
+        f"{len(report.skipped)} recurrent layer(s) stay as they are"
     )
+    if already:
+        inside = sum(len(l.fused_layers) for l in already)
+        summary += f"; {len(already)} FusedRNN layer(s) already run {inside} recurrent layer(s)"
+    console.print(summary + ".")
     if args.plot:
         console.print(f"layer graph drawn to {args.plot}")
     return EXIT_OK
@@ -422,6 +437,17 @@ def _plot(model, report, path: str) -> None:
         raise CliError(
             f"--plot needs matplotlib ({_first_line(err)}). Fix: pip install matplotlib"
         ) from err
+    from matplotlib.backend_bases import FigureCanvasBase
+
+    formats = sorted(FigureCanvasBase.get_supported_filetypes())
+    extension = os.path.splitext(path)[1].lower().lstrip(".")
+    if extension not in formats:
+        raise CliError(
+            f"--plot: cannot draw to '{path}': "
+            + (f"'.{extension}' is not an image format" if extension else "no file extension")
+            + f". Fix: end the name in one of {', '.join('.' + f for f in formats)} "
+            "(e.g. graph.png)"
+        )
     folder = os.path.dirname(os.path.abspath(path))
     if not os.path.isdir(folder):
         raise CliError(f"--plot: no such folder: '{folder}'. Fix: create it first")

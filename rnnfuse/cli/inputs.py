@@ -16,12 +16,70 @@ Example:
 
 from __future__ import annotations
 
+import os
+
 from rnnfuse.cli.errors import CliError, _first_line
 
 __all__ = ["random_inputs"]
 
 
 # -- random inputs -------------------------------------------------------------
+
+
+def _elements(shape, batch: int, steps: int | None) -> int:
+    """Elements of one example-shaped tensor: None -> batch (axis 0), steps (axis 1)."""
+    n = 1
+    for axis, dim in enumerate(shape):
+        if dim is None:
+            dim = batch if axis == 0 else (steps or 1)
+        n *= int(dim)
+    return n
+
+
+def available_memory() -> int | None:
+    """Bytes of memory available to this process now (None: unknown)."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (AttributeError, ValueError, OSError):
+        return None
+
+
+def _check_memory(model, specs, batch: int, steps: int | None) -> None:
+    """A clear error before allocating inputs and activations that cannot fit.
+
+    The estimate is a floor: the inputs (drawn in float64), and every
+    layer's output for the original and the optimized model with its
+    gradient (4 copies in float32).
+    """
+    import keras
+
+    needed = sum(8 * _elements(spec.shape, batch, steps) for spec in specs)
+    for layer in model._flatten_layers(include_self=False):
+        try:
+            outputs = layer.output
+        except (AttributeError, ValueError):
+            continue
+        for out in keras.tree.flatten(outputs):
+            shape = getattr(out, "shape", None)
+            if shape is not None and len(shape) >= 1:
+                needed += 4 * 4 * _elements(shape, batch, steps)
+    available = available_memory()
+    if available is not None and needed > available:
+        gib = lambda n: f"{n / 2**30:.1f} GiB"  # noqa: E731
+        raise CliError(
+            f"--batch {batch}"
+            + (f" --steps {steps}" if steps is not None else "")
+            + f" needs at least {gib(needed)} for the inputs and activations of "
+            f"'{model.name}', and {gib(available)} is available. Fix: pass a "
+            "smaller --batch or --steps"
+        )
 
 
 def random_inputs(model, *, batch: int, steps: int | None, rng, notes: list | None = None):
@@ -52,6 +110,7 @@ def random_inputs(model, *, batch: int, steps: int | None, rng, notes: list | No
             "Sequential model starting with keras.Input(shape)"
         ) from err
     vocab = _embedding_inputs(model, specs)
+    _check_memory(model, specs, batch, steps)
     arrays, described = [], []
     for i, spec in enumerate(specs):
         name = getattr(spec, "name", f"input_{i}")

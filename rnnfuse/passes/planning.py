@@ -11,7 +11,10 @@
    chain graph is a set of disjoint paths.
 3. Runs: each weakly connected component of the chain graph, in
    topological order, is a run; runs with at least `min_layers` recurrent
-   levels become `FusionGroup`s.
+   levels become `FusionGroup`s. With `min_layers=None` (the default) the
+   least is per kind (`default_min_layers`): 1 for runs of layers Keras
+   runs in its Python loop (SimpleRNN, RNN(cell), RNN(StackedRNNCells):
+   one cuDNN call replaces the loop even for one layer), 2 otherwise.
 4. Reasons: every recurrent layer outside a group gets the reason of the
    rule that stopped it: its own, the link to a neighbour, or a run too
    short for `min_layers`.
@@ -42,7 +45,7 @@ from rnnfuse.reasons import Reason
 from rnnfuse.recurrent import RecurrentView, describe, is_recurrent
 from rnnfuse.report import FusionGroup, FusionReport
 
-__all__ = ["plan_fusion", "is_absorbable_dropout"]
+__all__ = ["default_min_layers", "is_absorbable_dropout", "plan_fusion"]
 
 
 def is_absorbable_dropout(layer: Any) -> bool:
@@ -54,11 +57,32 @@ def is_absorbable_dropout(layer: Any) -> bool:
     )
 
 
+# The least number of levels worth fusing when min_layers is None: a run
+# Keras runs in its generic Python loop gains from one cuDNN call even for
+# one level (about 8x on the torch CPU path for a relu SimpleRNN); a run
+# of Keras' own cuDNN LSTM/GRU layers gains from fusing two or more.
+MIN_LAYERS_LOOP = 1
+MIN_LAYERS_CUDNN = 2
+
+
+def default_min_layers(views: list[RecurrentView]) -> int:
+    """The default least number of levels for a run of `views`.
+
+    `MIN_LAYERS_LOOP` (1) when every layer runs in Keras' generic loop
+    (no Keras cuDNN path, no projection), else `MIN_LAYERS_CUDNN` (2).
+    """
+    from rnnfuse.recurrent import keras_has_cudnn_path
+
+    if all(not keras_has_cudnn_path(v) and not v.proj_size for v in views):
+        return MIN_LAYERS_LOOP
+    return MIN_LAYERS_CUDNN
+
+
 def plan_fusion(
     graph: nx.DiGraph,
     *,
     model_name: str,
-    min_layers: int = 2,
+    min_layers: int | None = None,
     absorb_dropout: bool = True,
 ) -> FusionReport:
     """Groups of fusable runs in `graph`, and a reason for every other RNN.
@@ -66,7 +90,8 @@ def plan_fusion(
     Args:
         graph: a layer graph from `build_layer_graph`.
         model_name: name shown in the report.
-        min_layers: the least number of recurrent levels worth fusing.
+        min_layers: the least number of recurrent levels worth fusing;
+            None: per kind (`default_min_layers`).
         absorb_dropout: whether a `Dropout` layer between two recurrent
             layers joins them (it becomes cuDNN's between-layer dropout).
 
@@ -82,9 +107,12 @@ def plan_fusion(
     runs = []
     for run in _runs(chain, views, graph):
         runs += _split_by_dropout(graph, run, bridges, link_reasons)
+    least = {}
     for run in runs:
         levels = sum(views[k].num_levels for k in run)
-        too_short = rules.min_layers_reason(run, levels, min_layers)
+        need = min_layers if min_layers is not None else default_min_layers([views[k] for k in run])
+        least.update({k: need for k in run})
+        too_short = rules.min_layers_reason(run, levels, need)
         if too_short is None:
             groups.append(_group(graph, run, views, bridges))
             in_group.update(run)
@@ -93,8 +121,11 @@ def plan_fusion(
                 reasons[key] = too_short
     for key in views:
         if key not in in_group and key not in reasons:
+            need = least.get(key)
+            if need is None:
+                need = min_layers if min_layers is not None else default_min_layers([views[key]])
             reasons[key] = rules.lone_reason(
-                graph, key, views[key].num_levels, reasons, link_reasons, min_layers
+                graph, key, views[key].num_levels, reasons, link_reasons, need
             )
     kept = []
     for group in groups:

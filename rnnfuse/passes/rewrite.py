@@ -79,6 +79,12 @@ def rewrite_with_failures(
     (each also warned about with a `FusionWarning`)."""
     algorithms = list(algorithms or [None] * len(groups))
     pieces = list(pieces or [None] * len(groups))
+    if not groups:
+        # Nothing to fuse: the original graph itself (the same nodes, no
+        # layer called again), so the model costs what `model` costs.
+        same = as_optimized(model, like=model)
+        if same is not model:
+            return same, ()
     by_scope: dict[str, list] = collections.defaultdict(list)
     for group, algorithm, piece in zip(groups, algorithms, pieces):
         by_scope[group.scope].append((group, algorithm, piece))
@@ -157,14 +163,8 @@ def _rewrite_sequential(model, fused, replacements) -> keras.Sequential:
             layers.append(replacements.get(id(layer), layer))
     input_layer = model._layers[0]
     if isinstance(input_layer, keras.layers.InputLayer):
-        layers.insert(
-            0,
-            keras.Input(
-                batch_shape=input_layer.batch_shape,
-                dtype=input_layer.dtype,
-                name=input_layer.name,
-            ),
-        )
+        # The original InputLayer itself (see _rewrite_functional).
+        layers.insert(0, input_layer.output)
     new = keras.Sequential(layers, name=model.name, trainable=model.trainable)
     copy_compile(model, new)
     return new
@@ -196,8 +196,14 @@ def _rewrite_functional(model, fused, replacements) -> keras.Model:
             return args[0]
         return results[i]
 
+    # The original input tensors, not new ones: the rewritten model then has
+    # the original InputLayers (same names), so a sub-model cut from its
+    # layers, `keras.Model(fast.get_layer("image").output,
+    # fast.get_layer("dense2").output)`, finds one input of each name (the
+    # layers' first outputs are those of the original graph).
     new = keras.models.clone_model(
         model,
+        input_tensors=model.input,
         clone_function=lambda layer: replacements.get(id(layer), layer),
         call_function=call_function,
     )

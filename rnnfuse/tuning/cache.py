@@ -1,13 +1,27 @@
 """An on-disk cache of tuned plans, so a second `optimize` costs nothing.
 
-One JSON file (default ``~/.cache/rnnfuse/plans.json``, or the folder in
-``RNNFUSE_CACHE_DIR``). A key holds everything a decision depends on: the
-device (GPU name), the TensorFlow and cuDNN versions, the group's signature
-(cell, width, levels per layer, directions, input width, absorbed dropout),
-the input shape, the dtype and whether it was tuned for training. A file
-that cannot be read, is not JSON, or was written by another cache format is
-ignored with a warning (and rewritten on the next save); entries for another
-device or version simply never match.
+One JSON file: ``plans.json`` in the user cache folder that platformdirs
+gives for "rnnfuse" (``~/.cache/rnnfuse`` on Linux, ``~/Library/Caches/
+rnnfuse`` on macOS, ``%LOCALAPPDATA%\\rnnfuse\\Cache`` on Windows), or in
+``$RNNFUSE_CACHE_DIR``. A key holds everything a decision depends on: the
+device (GPU name), the library and cuDNN versions, the group's signature
+(cell, width, levels per layer, directions, input width, absorbed
+dropout), the input shape, the dtype and whether it was tuned for training.
+
+Several processes may tune at once. Every write is a read-modify-write
+under a file lock (``plans.json.lock``, filelock): the file is read again,
+the new entry merged in, written to ``plans.json.tmp``, fsync'ed and moved
+over ``plans.json`` with an atomic replace, so no entry of another writer is
+lost and a reader never sees half a file. A writer killed mid-write leaves
+at most that one temporary file, which the next process to take the lock
+removes.
+
+Damage is set aside, never fatal: a file that is not JSON or not in this
+cache format is renamed ``plans.json.corrupt-<time>`` with a warning (and
+a new file starts); an entry whose plan does not fit its group (see
+`PlanCache.set_aside`) moves to the file's ``set_aside`` section with a
+warning, and the group is tuned again. Entries for another device or
+version simply never match.
 
 Example:
 
@@ -20,22 +34,31 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import pathlib
-import tempfile
+import time
 import warnings
 from typing import Any
 
 __all__ = ["PlanCache", "default_cache_path", "group_signature", "cache_key"]
 
 FORMAT = 1
+# Seconds a process waits for another's lock before giving up on the cache.
+LOCK_TIMEOUT = 60.0
 
 
 def default_cache_path() -> pathlib.Path:
+    """``plans.json`` in ``$RNNFUSE_CACHE_DIR`` or the user cache folder."""
     root = os.environ.get("RNNFUSE_CACHE_DIR")
-    base = pathlib.Path(root) if root else pathlib.Path.home() / ".cache" / "rnnfuse"
-    return base / "plans.json"
+    if root:
+        return pathlib.Path(root) / "plans.json"
+    try:
+        import platformdirs
+    except ImportError:  # pragma: no cover - platformdirs is a dependency
+        return pathlib.Path.home() / ".cache" / "rnnfuse" / "plans.json"
+    return pathlib.Path(platformdirs.user_cache_dir("rnnfuse", appauthor=False)) / "plans.json"
 
 
 def group_signature(group: Any) -> str:
@@ -58,52 +81,188 @@ def cache_key(environment: dict, group: Any, shape: tuple, dtype: str, training:
 
 
 class PlanCache:
-    """A JSON file of tuning decisions."""
+    """A JSON file of tuning decisions, safe for concurrent processes.
+
+    Args:
+        path: the cache file (default: `default_cache_path()`).
+
+    Raises:
+        TypeError: `path` is not a path.
+        ValueError: `path` is a folder, or a parent of it is a regular file.
+    """
 
     def __init__(self, path: str | os.PathLike | None = None):
-        self.path = pathlib.Path(path) if path is not None else default_cache_path()
+        if path is None:
+            path = default_cache_path()
+        elif isinstance(path, bool) or not isinstance(path, (str, os.PathLike)):
+            raise TypeError(
+                "PlanCache(path): expected a file path (str or os.PathLike); "
+                f"received {type(path).__name__} {path!r}. Fix: pass a path such "
+                "as 'plans.json', cache=False for no cache, or None for the default."
+            )
+        self.path = pathlib.Path(path)
+        _check_location(self.path)
         self._entries: dict[str, Any] | None = None
 
-    def _load(self) -> dict[str, Any]:
-        if self._entries is not None:
-            return self._entries
-        self._entries = {}
+    # -- reading ---------------------------------------------------------------
+
+    def get(self, key: str) -> dict | None:
+        """The entry under `key`, or None."""
+        if self._entries is None:
+            with self._locked():
+                self._entries = self._read(set_aside_damage=True)["entries"]
+        entry = self._entries.get(key)
+        return entry if isinstance(entry, dict) else None
+
+    def items(self) -> list[tuple[str, dict]]:
+        """Every (key, entry) pair (first-batch tuning's nearest-shape rule)."""
+        if self._entries is None:
+            with self._locked():
+                self._entries = self._read(set_aside_damage=True)["entries"]
+        return [(k, v) for k, v in self._entries.items() if isinstance(v, dict)]
+
+    # -- writing ---------------------------------------------------------------
+
+    def put(self, key: str, value: dict) -> None:
+        """Stores `value` under `key` (read-modify-write under the lock)."""
+        with self._locked():
+            data = self._read(set_aside_damage=True)
+            data["entries"][key] = value
+            self._write(data)
+            self._entries = data["entries"]
+
+    def set_aside(self, key: str, reason: str) -> None:
+        """Moves the entry under `key` to the file's ``set_aside`` section.
+
+        For an entry that cannot be used (a plan covering 5 layers for a
+        2-layer group, pieces that are not numbers): warns with `reason`;
+        the caller tunes the group again.
+        """
+        warnings.warn(
+            f"rnnfuse: setting aside the cached plan for this group in "
+            f"{self.path} ({reason}); it will be tuned again",
+            RuntimeWarning,
+            stacklevel=3,
+        )
+        with self._locked():
+            data = self._read(set_aside_damage=True)
+            entry = data["entries"].pop(key, None)
+            if entry is not None:
+                data.setdefault("set_aside", {})[key] = {"entry": entry, "reason": reason}
+                self._write(data)
+            self._entries = data["entries"]
+
+    # -- the file ----------------------------------------------------------------
+
+    @property
+    def _tmp_path(self) -> pathlib.Path:
+        return self.path.with_name(self.path.name + ".tmp")
+
+    @contextlib.contextmanager
+    def _locked(self):
+        """The cache's file lock; removes what a killed writer left."""
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        with _file_lock(self.path.with_name(self.path.name + ".lock")):
+            # Only a lock holder writes the temporary file: one found now
+            # belongs to a writer that died before its replace.
+            with contextlib.suppress(FileNotFoundError):
+                self._tmp_path.unlink()
+            yield
+
+    def _read(self, set_aside_damage: bool) -> dict:
+        """The file's content (lock held); damage renamed aside with a warning."""
+        empty = {"format": FORMAT, "entries": {}}
         if not self.path.exists():
-            return self._entries
+            return empty
         try:
             data = json.loads(self.path.read_text())
         except (OSError, ValueError) as err:
-            warnings.warn(
-                f"rnnfuse: ignoring the plan cache {self.path} ({err}); it will "
-                "be rewritten",
-                RuntimeWarning,
-                stacklevel=3,
-            )
-            return self._entries
-        if not isinstance(data, dict) or data.get("format") != FORMAT or not isinstance(
-            data.get("entries"), dict
-        ):
-            warnings.warn(
-                f"rnnfuse: ignoring the plan cache {self.path}: it is not in "
-                f"cache format {FORMAT}; it will be rewritten",
-                RuntimeWarning,
-                stacklevel=3,
-            )
-            return self._entries
-        self._entries = data["entries"]
-        return self._entries
+            problem = f"it cannot be read as JSON ({type(err).__name__}: {err})"
+        else:
+            if (
+                isinstance(data, dict)
+                and data.get("format") == FORMAT
+                and isinstance(data.get("entries"), dict)
+            ):
+                return data
+            problem = f"it is not in cache format {FORMAT}"
+        aside = self.path.with_name(f"{self.path.name}.corrupt-{time.strftime('%Y%m%dT%H%M%S')}")
+        if set_aside_damage:
+            with contextlib.suppress(OSError):
+                os.replace(self.path, aside)
+        warnings.warn(
+            f"rnnfuse: ignoring the plan cache {self.path}: {problem}; moved it "
+            f"to {aside.name} and starting a new one",
+            RuntimeWarning,
+            stacklevel=4,
+        )
+        return empty
 
-    def get(self, key: str) -> dict | None:
-        entry = self._load().get(key)
-        return entry if isinstance(entry, dict) else None
+    def _write(self, data: dict) -> None:
+        """fsync'ed temporary file, then an atomic replace (lock held)."""
+        payload = json.dumps(data, indent=1, sort_keys=True)
+        tmp = self._tmp_path
+        try:
+            with open(tmp, "w") as f:
+                f.write(payload)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, self.path)
+        except BaseException:
+            with contextlib.suppress(OSError):
+                tmp.unlink()
+            raise
+        _fsync_folder(self.path.parent)
 
-    def put(self, key: str, value: dict) -> None:
-        entries = self._load()
-        entries[key] = value
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        payload = json.dumps({"format": FORMAT, "entries": entries}, indent=1, sort_keys=True)
-        # Write atomically: a crash mid-write never leaves half a file.
-        fd, tmp = tempfile.mkstemp(dir=self.path.parent, prefix=".plans-")
-        with os.fdopen(fd, "w") as f:
-            f.write(payload)
-        os.replace(tmp, self.path)
+
+def _check_location(path: pathlib.Path) -> None:
+    """A clear error for a cache path that can never hold a file."""
+    if path.is_dir():
+        raise ValueError(
+            f"PlanCache(path): '{path}' is a folder. Fix: pass a file path "
+            f"inside it, e.g. '{path / 'plans.json'}'."
+        )
+    for parent in path.parents:
+        if parent.exists():
+            if not parent.is_dir():
+                raise ValueError(
+                    f"PlanCache(path): cannot create the plan cache '{path}': "
+                    f"'{parent}' is a regular file, not a folder. Fix: choose a "
+                    "path under a folder (or cache=False for no cache)."
+                )
+            break
+
+
+def _fsync_folder(folder: pathlib.Path) -> None:
+    """Makes the replace itself durable where the OS allows (POSIX)."""
+    try:
+        fd = os.open(folder, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+@contextlib.contextmanager
+def _file_lock(path: pathlib.Path):
+    """An inter-process lock on `path` (filelock; fcntl where it is missing)."""
+    try:
+        import filelock
+    except ImportError:  # pragma: no cover - filelock is a dependency
+        filelock = None
+    if filelock is not None:
+        with filelock.FileLock(str(path), timeout=LOCK_TIMEOUT):
+            yield
+        return
+    import fcntl  # pragma: no cover
+
+    with open(path, "a") as f:  # pragma: no cover
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)

@@ -322,7 +322,7 @@ def _nearest(cache: PlanCache, environment, group, shape, dtype, training) -> di
 
 def _entries(cache: PlanCache):
     """(key, entry) pairs of a plan cache."""
-    return list(cache._load().items())
+    return cache.items()
 
 
 def _plan_of(hit: dict | None, group: FusionGroup) -> Plan | None:

@@ -210,14 +210,12 @@ def tune_plans(
         shape = tuple(int(d) for d in shape_of(group))
         key = cache_key(environment, group, shape, dtype, training)
         hit = cache.get(key) if cache is not None else None
-        if hit is not None and "plan" in hit:
-            try:
-                plan = Plan.from_dict(hit["plan"])
-            except (KeyError, TypeError, ValueError):
-                hit = None
-            else:
+        if hit is not None:
+            plan, problem = _cached_plan(hit, group)
+            if plan is not None:
                 results.append(TuneResult(group, plan, "cache", dict(hit.get("timings", {}))))
                 continue
+            cache.set_aside(key, problem)
         jobs.append((len(results), group, shape, dtype, key))
         results.append(None)
     if not jobs:
@@ -265,6 +263,16 @@ def tune_plans(
                     },
                 )
     return results
+
+
+def _cached_plan(entry: dict, group: FusionGroup) -> tuple[Plan | None, str]:
+    """(the cached plan, "") if it fits `group`, else (None, what is wrong)."""
+    try:
+        plan = Plan.from_dict(entry["plan"])
+        split_groups([group], [plan])  # pieces add up, no split at a Dropout
+    except (KeyError, TypeError, ValueError) as err:
+        return None, f"{type(err).__name__}: {err}"
+    return plan, ""
 
 
 def _candidates_for(backend_name: str) -> Callable[[FusionGroup], list[Plan]]:

@@ -394,3 +394,23 @@ def test_not_implemented_from_the_torch_backend_runs_the_original_layers(monkeyp
     np.testing.assert_array_equal(keras.ops.convert_to_numpy(fused(x)), expected)
     assert fused.last_path.kind is PathKind.LAYERS
     assert fused.last_path.reason.rule == "not_implemented"
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("return_state", [False, True])
+def test_zero_output_for_mask_last_output_is_the_last_steps(kind, return_state, torch_calls):
+    """Keras' loop returns the last time step's output: zero for a padded row
+    (the fused call's final state is the last valid step's)."""
+    inp = keras.Input((6,), dtype="int32")
+    x = L.Embedding(11, 4, mask_zero=True)(inp)
+    x = rnn_layer(kind, 5, return_sequences=True)(x)
+    x = rnn_layer(kind, 5, zero_output_for_mask=True, return_state=return_state)(x)
+    model = keras.Model(inp, x)
+    fast = rnnfuse.optimize(model)
+    tokens = np.array([[3, 4, 0, 0, 0, 0], [1, 2, 3, 4, 5, 6]], "int32")
+    torch_calls.clear()
+    got, expected = fast(tokens), model(tokens)
+    assert torch_calls, "the fused call did not run"
+    assert max_abs_diff(got, expected) <= 2e-6
+    output = keras.ops.convert_to_numpy(keras.tree.flatten(got)[0])
+    assert not output[0].any() and output[1].any()

@@ -43,8 +43,14 @@ run one call per level: PyTorch picks that kernel only for single-layer,
 unidirectional, unpacked float16 calls, and its fused multi-layer float16
 call was measured 2.5-6x slower than per-layer calls on the H200
 (../shared/DESIGN.md). `set_call_mode("one" | "per_level" | "auto")` (or
-the environment variable RNNFUSE_TORCH_CALLS) overrides the choice, for
-benchmarks.
+the environment variable RNNFUSE_TORCH_CALLS) overrides the choice for the
+process, `with call_mode(...)` for the calls of one thread, for benchmarks.
+
+Precision: float32 stacks that Keras runs in its Python loop (SimpleRNN,
+RNN(cell), masked layers) run on cuDNN with TF32 off unless the user
+allows TF32 matmuls (`needs_exact_float32`), so they follow the original
+computation's precision; LSTM/GRU stacks follow `torch.backends.cudnn
+.allow_tf32` as Keras' own cuDNN layers do.
 
 The CPU decision: `is_available()` is True without a GPU too. PyTorch has
 native CPU kernels for these ops (oneDNN for LSTM/GRU where it applies),
@@ -81,7 +87,9 @@ Example:
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import os
+import threading
 import warnings
 from typing import Any, Sequence
 
@@ -101,6 +109,7 @@ __all__ = [
     "is_available",
     "levels_per_call",
     "mask_is_supported",
+    "needs_exact_float32",
     "pack_params",
     "run_stack",
     "set_call_mode",
@@ -122,38 +131,64 @@ TUNES_ONE_CALL_PER_LAYER = True
 # `levels_per_call`); "one": always one call; "per_level": one call per level.
 CALL_MODES = ("auto", "one", "per_level")
 _ENV_VAR = "RNNFUSE_TORCH_CALLS"
-_call_mode = "auto"
+# The process-wide default (set_call_mode, RNNFUSE_TORCH_CALLS) and the
+# mode of the current thread / context (call_mode()). A context variable
+# starts unset in every new thread, so one thread's `with call_mode(...)`
+# is never seen by another, and leaving the block resets exactly what it
+# set, whatever the order in which threads leave theirs.
+_default_mode = "auto"
+_context_mode: contextvars.ContextVar[str | None] = contextvars.ContextVar(
+    "rnnfuse_torch_call_mode", default=None
+)
+
+
+def _check_mode(mode: Any, where: str) -> str:
+    if mode not in CALL_MODES:
+        raise ValueError(
+            f"{where}: unknown mode {mode!r}; expected one of "
+            f"{', '.join(repr(m) for m in CALL_MODES)}."
+        )
+    return mode
 
 
 def set_call_mode(mode: str) -> None:
-    """How `run_stack` splits a stack into `torch._VF` calls (`CALL_MODES`).
+    """The process-wide default of how `run_stack` splits a stack into
+    `torch._VF` calls (`CALL_MODES`); `call_mode()` blocks override it.
 
     Raises:
         ValueError: `mode` is not one of `CALL_MODES`.
     """
-    global _call_mode
-    if mode not in CALL_MODES:
-        raise ValueError(
-            f"set_call_mode(mode): unknown mode {mode!r}; expected one of "
-            f"{', '.join(repr(m) for m in CALL_MODES)}."
-        )
-    _call_mode = mode
+    global _default_mode
+    _default_mode = _check_mode(mode, "set_call_mode(mode)")
 
 
 def get_call_mode() -> str:
-    """The current call mode (see `set_call_mode`)."""
-    return _call_mode
+    """The call mode in force here: the innermost `call_mode()` block of this
+    thread, else the process default (see `set_call_mode`)."""
+    mode = _context_mode.get()
+    return _default_mode if mode is None else mode
 
 
 @contextlib.contextmanager
 def call_mode(mode: str):
-    """Context manager: `set_call_mode(mode)` inside, the old mode after."""
-    old = _call_mode
-    set_call_mode(mode)
+    """Context manager: calls made in this block, in this thread only, use `mode`.
+
+    Other threads keep their own mode, and nothing is left changed after
+    the block (the mode is a context variable, not process state).
+
+    Example:
+
+        >>> with call_mode("per_level"):
+        ...     get_call_mode()
+        'per_level'
+        >>> get_call_mode()
+        'auto'
+    """
+    token = _context_mode.set(_check_mode(mode, "call_mode(mode)"))
     try:
         yield
     finally:
-        set_call_mode(old)
+        _context_mode.reset(token)
 
 
 if os.environ.get(_ENV_VAR):
@@ -182,7 +217,7 @@ def device_environment() -> dict:
         "device": device,
         "torch": torch.__version__,
         "cudnn": str(torch.backends.cudnn.version()) if torch.backends.cudnn.is_available() else "-",
-        "calls": _call_mode,
+        "calls": get_call_mode(),
     }
 
 
@@ -387,9 +422,10 @@ def levels_per_call(stack: StackSpec, x: torch.Tensor, packed: bool) -> int:
     gets its own call (still inside the one FusedRNN layer: no Keras loop,
     no per-layer Python overhead, masks stay packed).
     """
-    if _call_mode == "one" or stack.num_levels == 1:
+    mode = get_call_mode()
+    if mode == "one" or stack.num_levels == 1:
         return stack.num_levels
-    if _call_mode == "per_level":
+    if mode == "per_level":
         return 1
     if (
         x.is_cuda
@@ -443,6 +479,121 @@ def _run_calls(
     if len(finals) == 1:
         return y, tuple(finals[0])
     return y, tuple(torch.cat(parts) for parts in zip(*finals))
+
+
+# -- float32 precision ---------------------------------------------------------
+#
+# Keras runs SimpleRNN, RNN(cell) and (under torch) every masked layer in its
+# Python loop, whose float32 matmuls follow torch.backends.cuda.matmul
+# .allow_tf32 (False by default): exact float32. cuDNN's RNN kernels follow
+# torch.backends.cudnn.allow_tf32 (True by default): TF32 on Ampere and
+# later, up to 8e-4 from Keras on a relu stack. So a fused call for such a
+# stack runs with cuDNN's TF32 off when the matmul setting is off.
+#
+# PyTorch has only the process-wide flag, read when a cuDNN RNN call (and
+# its backward) sets up its descriptors. So the flag is held off by a
+# counted, locked hold: the first holder saves the user's value, the last
+# one puts it back, whatever the order in which threads finish; the hold
+# spans the host-side forward calls and, for training, the backward of the
+# same calls (two identity autograd nodes around them). Nothing stays
+# changed after the last fused call and its backward.
+
+_TF32_LOCK = threading.Lock()
+_tf32_holds = 0
+_tf32_user_value: bool | None = None
+
+
+def _hold_exact_float32() -> None:
+    global _tf32_holds, _tf32_user_value
+    with _TF32_LOCK:
+        if _tf32_holds == 0:
+            _tf32_user_value = torch.backends.cudnn.allow_tf32
+            torch.backends.cudnn.allow_tf32 = False
+        _tf32_holds += 1
+
+
+def _release_exact_float32() -> None:
+    global _tf32_holds
+    with _TF32_LOCK:
+        _tf32_holds -= 1
+        if _tf32_holds == 0:
+            torch.backends.cudnn.allow_tf32 = _tf32_user_value
+
+
+def needs_exact_float32(stack: StackSpec, x: torch.Tensor, mask: Any) -> bool:
+    """Whether this call must run cuDNN without TF32 to follow the original.
+
+    True for float32 on CUDA where Keras' loop (which runs `stack` when
+    `stack.keras_loop`, and masked LSTM/GRU layers under torch) computes
+    exact float32 matmuls while cuDNN would use TF32.
+    """
+    if not (x.is_cuda and x.dtype == torch.float32):
+        return False
+    if torch.backends.cuda.matmul.allow_tf32 or not torch.backends.cudnn.allow_tf32:
+        return False
+    return stack.keras_loop or (mask is not None and not stack.proj_size)
+
+
+class _Hold:
+    """One call's hold on exact float32 in its backward pass."""
+
+    def __init__(self):
+        self.held = False
+
+
+class _BackwardReleases(torch.autograd.Function):
+    """Identity on a call's inputs; its backward (after the call's) releases."""
+
+    @staticmethod
+    def forward(ctx, hold, *tensors):
+        ctx.hold = hold
+        return tuple(t.view_as(t) for t in tensors)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        if ctx.hold.held:
+            ctx.hold.held = False
+            _release_exact_float32()
+        return (None, *grads)
+
+
+class _BackwardHolds(torch.autograd.Function):
+    """Identity on a call's outputs; its backward (before the call's) holds."""
+
+    @staticmethod
+    def forward(ctx, hold, *tensors):
+        ctx.hold = hold
+        return tuple(t.view_as(t) for t in tensors)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        if not ctx.hold.held:
+            ctx.hold.held = True
+            _hold_exact_float32()
+        return (None, *grads)
+
+
+def _run_calls_exact(stack, inputs, batch_sizes, hx, params, dropout, train, per_call):
+    """`_run_calls` with cuDNN's TF32 off in its forward and its backward."""
+    lstm = stack.kind == "lstm"
+    states = list(hx) if lstm else [hx]
+    tensors = [inputs, *states, *params]
+    track = torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
+    if track:
+        hold = _Hold()
+        tensors = list(_BackwardReleases.apply(hold, *tensors))
+        inputs, states = tensors[0], tensors[1 : 1 + len(states)]
+        params = tensors[1 + len(states) :]
+        hx = tuple(states) if lstm else states[0]
+    _hold_exact_float32()
+    try:
+        y, finals = _run_calls(stack, inputs, batch_sizes, hx, params, dropout, train, per_call)
+    finally:
+        _release_exact_float32()
+    if track and y.requires_grad:
+        out = _BackwardHolds.apply(hold, y, *finals)
+        y, finals = out[0], tuple(out[1:])
+    return y, finals
 
 
 def torch_rnn(mode: str, *args):
@@ -504,9 +655,10 @@ def run_stack(
     if reverse:
         x = torch.flip(x, [1]) if lengths is None else _reverse_within_lengths(x, lengths)
     per_call = levels_per_call(stack, x, packed=lengths is not None)
+    run_calls = _run_calls_exact if needs_exact_float32(stack, x, mask) else _run_calls
 
     if lengths is None:
-        outputs, final = _run_calls(stack, x, None, hx, params, dropout, train, per_call)
+        outputs, final = run_calls(stack, x, None, hx, params, dropout, train, per_call)
     else:
         packed = rnn_utils.pack_padded_sequence(
             x, lengths, batch_first=True, enforce_sorted=False
@@ -515,7 +667,7 @@ def run_stack(
         hx_sorted = (
             tuple(s.index_select(1, order) for s in hx) if lstm else hx.index_select(1, order)
         )
-        data, final = _run_calls(
+        data, final = run_calls(
             stack, packed.data, packed.batch_sizes, hx_sorted, params, dropout, train, per_call
         )
         out = rnn_utils.PackedSequence(data, packed.batch_sizes, order, restore)

@@ -1,0 +1,125 @@
+"""The plan cache file (rnnfuse/tuning/cache.py): location, concurrency, damage."""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import platformdirs
+import pytest
+
+from rnnfuse.tuning.cache import PlanCache, default_cache_path
+
+_ROOT = str(pathlib.Path(__file__).resolve().parents[1])
+
+
+def test_default_location_is_the_platform_user_cache(monkeypatch, tmp_path):
+    monkeypatch.delenv("RNNFUSE_CACHE_DIR", raising=False)
+    expected = pathlib.Path(platformdirs.user_cache_dir("rnnfuse", appauthor=False))
+    assert default_cache_path() == expected / "plans.json"
+    monkeypatch.setenv("RNNFUSE_CACHE_DIR", str(tmp_path))
+    assert default_cache_path() == tmp_path / "plans.json"
+
+
+_WRITER = textwrap.dedent(
+    """
+    import sys
+    sys.path.insert(0, sys.argv[3])
+    from rnnfuse.tuning.cache import PlanCache
+    path, name = sys.argv[1], sys.argv[2]
+    for i in range(int(sys.argv[4])):
+        # A new PlanCache per entry, as separate optimize() calls would make.
+        PlanCache(path).put(f"{name}-{i}", {"plan": {"pieces": [2], "algorithm": None}})
+    """
+)
+
+
+def test_two_writer_processes_lose_no_entry(tmp_path):
+    path = tmp_path / "plans.json"
+    script = tmp_path / "writer.py"
+    script.write_text(_WRITER)
+    n = 120
+    procs = [
+        subprocess.Popen([sys.executable, str(script), str(path), name, _ROOT, str(n)])
+        for name in ("a", "b")
+    ]
+    assert [p.wait(timeout=240) for p in procs] == [0, 0]
+    entries = json.loads(path.read_text())["entries"]
+    assert len(entries) == 2 * n
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["plans.json", "plans.json.lock", "writer.py"]
+
+
+_KILLED = textwrap.dedent(
+    """
+    import os, sys, time
+    sys.path.insert(0, sys.argv[2])
+    from rnnfuse.tuning.cache import PlanCache
+    cache = PlanCache(sys.argv[1])
+    def stuck(*args):  # killed after writing the temporary file
+        print("written", flush=True)
+        time.sleep(600)
+    os.replace = stuck
+    cache.put("late", {"plan": {"pieces": [3], "algorithm": None}})
+    """
+)
+
+
+def test_a_killed_writer_leaves_no_temporary_file_and_loses_nothing(tmp_path):
+    path = tmp_path / "plans.json"
+    PlanCache(path).put("early", {"plan": {"pieces": [2], "algorithm": None}})
+    script = tmp_path / "killed.py"
+    script.write_text(_KILLED)
+    proc = subprocess.Popen(
+        [sys.executable, str(script), str(path), _ROOT], stdout=subprocess.PIPE, text=True
+    )
+    assert proc.stdout.readline().strip() == "written"
+    assert (tmp_path / "plans.json.tmp").exists()
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait(timeout=30)
+    cache = PlanCache(path)
+    assert cache.get("early")["plan"]["pieces"] == [2]  # the old file is whole
+    assert cache.get("late") is None
+    assert not (tmp_path / "plans.json.tmp").exists()
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".plans-")]
+
+
+def test_a_corrupt_file_is_set_aside_with_a_warning(tmp_path):
+    path = tmp_path / "plans.json"
+    path.write_text("{not json")
+    with pytest.warns(RuntimeWarning, match="moved it to plans.json.corrupt-"):
+        assert PlanCache(path).get("k") is None
+    (aside,) = [p for p in tmp_path.iterdir() if ".corrupt-" in p.name]
+    assert aside.read_text() == "{not json"
+    PlanCache(path).put("k", {"plan": {"pieces": [1], "algorithm": None}})
+    assert json.loads(path.read_text())["entries"]["k"]["plan"]["pieces"] == [1]
+
+
+def test_set_aside_moves_the_entry_with_its_reason(tmp_path):
+    cache = PlanCache(tmp_path / "plans.json")
+    cache.put("k", {"plan": {"pieces": [5], "algorithm": None}})
+    with pytest.warns(RuntimeWarning, match="setting aside.*covers 5 layers"):
+        cache.set_aside("k", "plan 'fused' covers 5 layers; the group has 2")
+    data = json.loads((tmp_path / "plans.json").read_text())
+    assert "k" not in data["entries"]
+    assert data["set_aside"]["k"]["entry"]["plan"]["pieces"] == [5]
+    assert PlanCache(tmp_path / "plans.json").get("k") is None
+
+
+@pytest.mark.parametrize("bad", [123, 1.5, True, ["plans.json"]])
+def test_a_cache_path_that_is_not_a_path_names_what_was_received(bad):
+    with pytest.raises(TypeError, match=r"expected a file path.*received"):
+        PlanCache(bad)
+
+
+def test_a_cache_path_under_a_regular_file_is_refused(tmp_path):
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(ValueError, match=r"'.*file' is a regular file, not a folder"):
+        PlanCache(tmp_path / "file" / "plans.json")
+    with pytest.raises(ValueError, match="is a folder"):
+        PlanCache(tmp_path)
