@@ -69,7 +69,10 @@ def test_a_layer_next_to_an_unfusable_one_names_its_own_rule():
         L.GRU(4, recurrent_dropout=0.2, return_sequences=True, name="g"),
         L.SimpleRNN(4, name="s"),
     )
-    report = rnnfuse.analyze(model)
+    # By default a SimpleRNN fuses from one layer (a loop kind) ...
+    assert [g.layers for g in rnnfuse.analyze(model).groups] == [("s",)]
+    # ... with min_layers=2 it stays, naming its neighbour's rule.
+    report = rnnfuse.analyze(model, min_layers=2)
     assert report.skipped["g"].rule == "recurrent_dropout"
     assert report.skipped["s"].rule == "neighbour_unfusable"
     assert "'g'" in report.skipped["s"] and "recurrent_dropout" in report.skipped["s"]
