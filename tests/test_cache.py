@@ -123,3 +123,21 @@ def test_a_cache_path_under_a_regular_file_is_refused(tmp_path):
         PlanCache(tmp_path / "file" / "plans.json")
     with pytest.raises(ValueError, match="is a folder"):
         PlanCache(tmp_path)
+
+
+def test_a_cache_that_cannot_be_locked_warns_and_optimize_goes_on(tmp_path, monkeypatch):
+    from rnnfuse.tuning import cache as cache_module
+
+    path = tmp_path / "plans.json"
+    PlanCache(path).put("k", {"plan": {"pieces": [2], "algorithm": None}})
+
+    def denied(lock_path):
+        raise PermissionError(13, "Permission denied", str(lock_path))
+
+    monkeypatch.setattr(cache_module, "_file_lock", denied)
+    cache = PlanCache(path)
+    with pytest.warns(RuntimeWarning, match="could not read the plan cache.*RNNFUSE_CACHE_DIR"):
+        assert cache.get("k")["plan"]["pieces"] == [2]
+    with pytest.warns(RuntimeWarning, match="could not write the plan cache"):
+        cache.put("new", {"plan": {"pieces": [1], "algorithm": None}})
+    assert cache.get("new")["plan"]["pieces"] == [1]  # kept for this process

@@ -42,7 +42,7 @@ import networkx as nx
 from rnnfuse import rules
 from rnnfuse.backends import get_backend
 from rnnfuse.reasons import Reason
-from rnnfuse.recurrent import RecurrentView, describe, is_recurrent
+from rnnfuse.recurrent import RecurrentView, describe, is_recurrent, keras_has_cudnn_path
 from rnnfuse.report import FusionGroup, FusionReport
 
 __all__ = ["default_min_layers", "is_absorbable_dropout", "plan_fusion"]
@@ -71,8 +71,6 @@ def default_min_layers(views: list[RecurrentView]) -> int:
     `MIN_LAYERS_LOOP` (1) when every layer runs in Keras' generic loop
     (no Keras cuDNN path, no projection), else `MIN_LAYERS_CUDNN` (2).
     """
-    from rnnfuse.recurrent import keras_has_cudnn_path
-
     if all(not keras_has_cudnn_path(v) and not v.proj_size for v in views):
         return MIN_LAYERS_LOOP
     return MIN_LAYERS_CUDNN

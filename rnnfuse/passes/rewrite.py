@@ -6,7 +6,9 @@ not in a group is the same object as in `model`; each group's layers move
 inside a `FusedRNN` (still the same objects, so the variables are shared).
 `model` itself is never changed.
 
-How, per (sub-)model, bottom-up:
+With no group at all, the result is an optimized model over `model`'s own
+graph (the same nodes: nothing runs twice, nothing is added). Otherwise,
+per (sub-)model, bottom-up:
 
 1. Build one `FusedRNN` per group of this scope. A group whose fused layer
    cannot be built keeps its original layers, with a warning.

@@ -109,8 +109,14 @@ class PlanCache:
     def get(self, key: str) -> dict | None:
         """The entry under `key`, or None."""
         if self._entries is None:
-            with self._locked():
-                self._entries = self._read(set_aside_damage=True)["entries"]
+            try:
+                with self._locked():
+                    self._entries = self._read(set_aside_damage=True)["entries"]
+            except (OSError, TimeoutError) as err:
+                # A folder we may not write (or a lock held too long): read
+                # without the lock; damage is then reported, not moved.
+                self._warn_unusable("read", err)
+                self._entries = self._read(set_aside_damage=False)["entries"]
         entry = self._entries.get(key)
         return entry if isinstance(entry, dict) else None
 
@@ -125,11 +131,17 @@ class PlanCache:
 
     def put(self, key: str, value: dict) -> None:
         """Stores `value` under `key` (read-modify-write under the lock)."""
-        with self._locked():
-            data = self._read(set_aside_damage=True)
-            data["entries"][key] = value
-            self._write(data)
-            self._entries = data["entries"]
+        try:
+            with self._locked():
+                data = self._read(set_aside_damage=True)
+                data["entries"][key] = value
+                self._write(data)
+                self._entries = data["entries"]
+        except (OSError, TimeoutError) as err:
+            # The decision still applies to this call; only caching fails.
+            self._warn_unusable("write", err)
+            if self._entries is not None:
+                self._entries[key] = value
 
     def set_aside(self, key: str, reason: str) -> None:
         """Moves the entry under `key` to the file's ``set_aside`` section.
@@ -144,13 +156,28 @@ class PlanCache:
             RuntimeWarning,
             stacklevel=3,
         )
-        with self._locked():
-            data = self._read(set_aside_damage=True)
-            entry = data["entries"].pop(key, None)
-            if entry is not None:
-                data.setdefault("set_aside", {})[key] = {"entry": entry, "reason": reason}
-                self._write(data)
-            self._entries = data["entries"]
+        try:
+            with self._locked():
+                data = self._read(set_aside_damage=True)
+                entry = data["entries"].pop(key, None)
+                if entry is not None:
+                    data.setdefault("set_aside", {})[key] = {"entry": entry, "reason": reason}
+                    self._write(data)
+                self._entries = data["entries"]
+        except (OSError, TimeoutError) as err:
+            self._warn_unusable("write", err)
+            if self._entries is not None:
+                self._entries.pop(key, None)
+
+    def _warn_unusable(self, what: str, err: BaseException) -> None:
+        warnings.warn(
+            f"rnnfuse: could not {what} the plan cache {self.path} under its "
+            f"lock ({type(err).__name__}: {err}); tuning decisions are not "
+            "shared with other processes. Fix: point RNNFUSE_CACHE_DIR at a "
+            "writable folder, or pass cache=False.",
+            RuntimeWarning,
+            stacklevel=4,
+        )
 
     # -- the file ----------------------------------------------------------------
 

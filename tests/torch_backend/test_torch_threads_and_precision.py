@@ -202,3 +202,21 @@ def test_needs_exact_float32_only_on_cuda_in_float32(tf32_watch):
     _, real_needs = tf32_watch
     fused = fused_layers(rnnfuse.optimize(_loop_model("simple_rnn")))[0]
     assert not real_needs(fused.stack, torch.zeros(2, 3, 5), None)  # the CPU has no TF32
+
+
+def test_a_hold_left_by_a_failed_backward_is_released_with_its_graph():
+    import gc
+
+    old = torch.backends.cudnn.allow_tf32
+    try:
+        torch.backends.cudnn.allow_tf32 = True
+        hold = torch_backend._Hold()
+        torch_backend._hold_exact_float32()  # as _BackwardHolds.backward does
+        hold.held = True
+        # ... and the cuDNN backward raised: _BackwardReleases never ran.
+        assert torch.backends.cudnn.allow_tf32 is False
+        del hold
+        gc.collect()
+        assert torch.backends.cudnn.allow_tf32 is True and torch_backend._tf32_holds == 0
+    finally:
+        torch.backends.cudnn.allow_tf32 = old

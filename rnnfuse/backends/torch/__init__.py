@@ -91,6 +91,7 @@ import contextvars
 import os
 import threading
 import warnings
+import weakref
 from typing import Any, Sequence
 
 import keras
@@ -535,10 +536,30 @@ def needs_exact_float32(stack: StackSpec, x: torch.Tensor, mask: Any) -> bool:
 
 
 class _Hold:
-    """One call's hold on exact float32 in its backward pass."""
+    """One call's hold on exact float32 in its backward pass.
+
+    If the backward stops between the two nodes (an error inside the cuDNN
+    call's backward), the hold is released when the graph that references
+    it is freed.
+    """
 
     def __init__(self):
-        self.held = False
+        self._state = [False]
+        weakref.finalize(self, _release_if_held, self._state)
+
+    @property
+    def held(self) -> bool:
+        return self._state[0]
+
+    @held.setter
+    def held(self, value: bool) -> None:
+        self._state[0] = value
+
+
+def _release_if_held(state: list) -> None:
+    if state[0]:
+        state[0] = False
+        _release_exact_float32()
 
 
 class _BackwardReleases(torch.autograd.Function):
