@@ -21,6 +21,7 @@ Example:
 from __future__ import annotations
 
 import dataclasses
+import logging
 import warnings
 from typing import Any, Callable
 
@@ -38,6 +39,8 @@ from rnnfuse.tuning.table import static_plan
 from rnnfuse.tuning.tuner import TuneResult, tune_plans
 
 __all__ = ["TuneShape", "analyze", "choose_plans", "optimize"]
+
+logger = logging.getLogger("rnnfuse")
 
 
 def analyze(
@@ -139,8 +142,26 @@ def optimize(
     plans = choose_plans(
         model, report.groups, tune=tune, training=training, plan=plan, cache=cache
     )
+    _say_if_nothing_runs_fused(model, plans)
     pairs = split_groups(report.groups, [r.plan for r in plans])
     return rewrite_model(model, [g for g, _ in pairs], [a for _, a in pairs])
+
+
+def _say_if_nothing_runs_fused(model, plans: list[TuneResult]) -> None:
+    """One warning on the `rnnfuse` logger when no group will run fused here."""
+    from rnnfuse.placement import backend_name, nothing_fused_reason
+
+    why = nothing_fused_reason([r.plan for r in plans], [r.source for r in plans])
+    if why is not None:
+        logger.warning(
+            "optimize('%s'): none of its %d fusion group(s) will run fused on "
+            "the %s backend here (%s); its FusedRNN layers run the original "
+            "layers: the same results at the same speed.",
+            model.name,
+            len(plans),
+            backend_name(),
+            why,
+        )
 
 
 @dataclasses.dataclass(frozen=True)

@@ -35,7 +35,11 @@ from typing import Any
 
 import networkx as nx
 
-__all__ = ["plot_layer_graph"]
+__all__ = ["MissingPlotDependency", "plot_layer_graph"]
+
+
+class MissingPlotDependency(ImportError):
+    """matplotlib is not installed; the message says how to install it."""
 
 _OTHER = "#e8e8e8"
 _SKIPPED_EDGE = "#c62828"
@@ -74,9 +78,15 @@ def plot_layer_graph(
         ValueError: `model` is a subclassed model (it has no layer graph).
         ImportError: matplotlib is not installed.
     """
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-    from matplotlib.figure import Figure
-    from matplotlib.patches import FancyBboxPatch, Patch
+    try:
+        from matplotlib.backends.backend_agg import FigureCanvasAgg
+        from matplotlib.figure import Figure
+        from matplotlib.patches import FancyBboxPatch, Patch
+    except ImportError as err:
+        raise MissingPlotDependency(
+            "drawing needs matplotlib, which is not installed. Fix: pip install "
+            "'rnnfuse[plot]'"
+        ) from err
 
     import rnnfuse
     from rnnfuse.passes.graph import build_layer_graph, is_graph_model
