@@ -65,10 +65,16 @@ def import_keras():
         backend = selected_backend()
         known = {module for module, _ in _BACKEND_PACKAGES.values()} | {"jaxlib"}
         if missing in known:
+            chosen = (
+                f"KERAS_BACKEND={backend}"
+                if os.environ.get("KERAS_BACKEND")
+                else f"the Keras backend is {backend} (KERAS_BACKEND is not set)"
+            )
+            others = ", ".join(b for b in _BACKEND_PACKAGES if b != backend)
             raise ImportError(
-                f"rnnfuse: KERAS_BACKEND={backend} but {missing} is not installed; "
-                f"pip install 'rnnfuse[{_extra_for(backend)}]' (or set "
-                "KERAS_BACKEND to a backend you have: tensorflow, torch, jax)"
+                f"rnnfuse: {chosen} but {missing} is not installed; pip install "
+                f"'rnnfuse[{_extra_for(backend)}]', or set KERAS_BACKEND to "
+                f"another backend ({others})"
             ) from err
         raise
     return keras

@@ -154,9 +154,9 @@ def _say_if_nothing_runs_fused(model, plans: list[TuneResult]) -> None:
     why = nothing_fused_reason([r.plan for r in plans], [r.source for r in plans])
     if why is not None:
         logger.warning(
-            "optimize('%s'): none of its %d fusion group(s) will run fused on "
-            "the %s backend here (%s); its FusedRNN layers run the original "
-            "layers: the same results at the same speed.",
+            "optimize('%s'): none of its %d fusion group(s) will run fused "
+            "on the %s backend here, so the optimized model runs the original "
+            "layers at their speed: %s.",
             model.name,
             len(plans),
             backend_name(),

@@ -135,7 +135,7 @@ def _load_library() -> None:
     try:
         rnnfuse._load_api()
     except ImportError as err:
-        raise CliError(_first_line(err)) from err
+        raise CliError(_first_line(err).removeprefix("rnnfuse: ")) from err
 
 
 def _fail(err: CliError, debug: bool, code: int) -> int:
