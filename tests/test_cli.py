@@ -190,22 +190,91 @@ def test_inspect_plot_writes_an_image(in_workdir, capsys, tmp_path):
     assert str(target) in out
 
 
-def test_plot_marks_groups_and_skipped_layers():
-    from rnnfuse.plotting import _styles, plot_layer_graph
-    from rnnfuse.passes import build_layer_graph
+def _two_towers():
+    """Two inputs, two fusable towers, and a skip connection past one tower."""
+    a = keras.Input((6, 3), name="query")
+    b = keras.Input((7, 3), name="document")
+    x = keras.layers.LSTM(4, return_sequences=True, name="q1")(a)
+    x = keras.layers.LSTM(4, name="q2")(x)
+    y = keras.layers.GRU(4, return_sequences=True, name="d1")(b)
+    y = keras.layers.GRU(4, name="d2")(y)
+    z = keras.layers.Concatenate(name="join")([x, y])
+    skip = keras.layers.GlobalAveragePooling1D(name="pool")(a)
+    z = keras.layers.Concatenate(name="with_skip")([z, skip])
+    return keras.Model([a, b], keras.layers.Dense(1, name="score")(z))
 
-    inp = keras.Input((5, 3))
-    x = keras.layers.GRU(4, return_sequences=True, name="g1")(inp)
+
+def test_plot_boxes_use_names_shapes_and_verdicts():
+    from rnnfuse.passes import build_layer_graph
+    from rnnfuse.plotting import _picture
+
+    tokens = keras.Input((None,), dtype="int32")
+    x = keras.layers.Embedding(9, 3, mask_zero=True, name="embed")(tokens)
+    x = keras.layers.GRU(4, return_sequences=True, name="g1")(x)
     x = keras.layers.GRU(4, return_sequences=True, name="g2")(x)
     x = keras.layers.SimpleRNN(4, activation="sigmoid", name="odd")(x)
-    model = keras.Model(inp, x)
+    model = keras.Model(tokens, x)
     report = rnnfuse.analyze(model)
-    styles = _styles(build_layer_graph(model), report)
-    assert styles["g1"]["kind"] == styles["g2"]["kind"] == "fused"
-    assert styles["odd"]["kind"] == "skipped"
-    assert report.skipped["odd"].rule in styles["odd"]["label"]
-    fig = plot_layer_graph(model, report=report)
-    assert any("group 0" in t.get_text() for t in fig.axes[0].texts)
+    picture = _picture(model, build_layer_graph(model), report, None)
+    assert picture.boxes["g1"].kind == picture.boxes["g2"].kind == "fused"
+    assert picture.boxes["odd"].kind == "skipped"
+    assert f"not fused: {report.skipped['odd'].rule}" in picture.boxes["odd"].lines
+    assert "(None, None, 4) -> (None, None, 4)" in picture.boxes["g2"].lines
+    assert "mask from embed" in picture.boxes["g1"].lines
+    # User-facing names only: no auto-generated tensor names, no mask ops.
+    text = " ".join(b.label for b in picture.boxes.values())
+    assert "keras_tensor" not in text and "NotEqual" not in text and "not_equal" not in text
+
+
+@pytest.mark.parametrize("engine", ["matplotlib", "graphviz"])
+def test_plot_of_two_towers_keeps_arrows_off_other_boxes(engine, tmp_path):
+    from rnnfuse.plotting import _has_graphviz, _layout, _picture, plot_layer_graph
+    from rnnfuse.passes import build_layer_graph
+
+    if engine == "graphviz" and not _has_graphviz():
+        pytest.skip("pydot or Graphviz's dot is not installed")
+    model = _two_towers()
+    plot_layer_graph(model, tmp_path / "towers.png", engine=engine)
+    assert (tmp_path / "towers.png").read_bytes().startswith(b"\x89PNG")
+    if engine == "graphviz":
+        return  # dot routes its own edges around nodes
+    picture = _picture(model, build_layer_graph(model), rnnfuse.analyze(model), None)
+    layout = _layout(picture)
+
+    def inside(point, key, margin=1e-6):
+        (x, y), (w, h) = layout.centre[key], layout.size[key]
+        return abs(point[0] - x) < w / 2 - margin and abs(point[1] - y) < h / 2 - margin
+
+    for (src, dst), route in zip(picture.arrows, layout.routes):
+        # Sample every segment; no point may fall inside an unrelated box.
+        for (x0, y0), (x1, y1) in zip(route, route[1:]):
+            for t in np.linspace(0, 1, 25):
+                point = (x0 + t * (x1 - x0), y0 + t * (y1 - y0))
+                hit = [k for k in picture.boxes if k not in (src, dst) and inside(point, k)]
+                assert not hit, (src, dst, hit)
+    # Group frames hold only their group's boxes: members share one column.
+    for i in picture.groups:
+        members = [k for k, b in picture.boxes.items() if b.group == i]
+        assert len({round(layout.centre[k][0], 6) for k in members}) == 1
+
+
+def test_plot_without_matplotlib_is_one_line_exit_2(in_workdir, capsys, monkeypatch, tmp_path):
+    import rnnfuse.plotting
+
+    real_import = builtins.__import__
+
+    def no_plotting(name, *args, **kwargs):
+        if name.startswith(("matplotlib", "pydot")):
+            raise ModuleNotFoundError(f"No module named '{name}'", name=name)
+        return real_import(name, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "__import__", no_plotting)
+    code, out, err = _run(capsys, "inspect", "stack.keras", "--plot", tmp_path / "g.png")
+    assert code == 2
+    assert err.strip().splitlines() == [
+        "rnnfuse: error: --plot: drawing needs matplotlib, which is not installed. "
+        "Fix: pip install 'rnnfuse[plot]'"
+    ]
 
 
 # -- check ---------------------------------------------------------------------
