@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import logging
+
 import keras
 import numpy as np
 import pytest
@@ -245,3 +247,21 @@ def test_summary_lists_the_original_layers_inside_each_fused_layer():
     assert f"Total params: {model.count_params():,}" in text
     # The same list that Keras' summary reads, in call order.
     assert [l.name for l in fused_layers(fast)[0].layers] == ["enc_a", "between", "enc_b"]
+
+
+def test_optimize_warns_once_when_nothing_runs_fused_here(caplog):
+    import tensorflow as tf
+
+    if tf.config.list_physical_devices("GPU"):
+        pytest.skip("needs a machine without a GPU")
+    model = keras.Sequential([keras.Input((5, 3)), keras.layers.GRU(4, return_sequences=True),
+                              keras.layers.GRU(4)], name="two_grus")
+    with caplog.at_level(logging.WARNING, logger="rnnfuse"):
+        rnnfuse.optimize(model)
+    [record] = [r for r in caplog.records if r.name == "rnnfuse"]
+    assert "optimize('two_grus'): none of its 1 fusion group(s) will run fused" in record.getMessage()
+    assert "needs a CUDA GPU" in record.getMessage()
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="rnnfuse"):
+        rnnfuse.optimize(model, plan=rnnfuse.PER_LAYER)
+    assert "plan was forced to per-layer" in caplog.records[0].getMessage()

@@ -472,18 +472,26 @@ def test_debug_shows_the_traceback(in_workdir, capsys):
     assert err.strip().splitlines()[-1].startswith("rnnfuse: error: ")
 
 
-def test_quiet_and_verbose_set_the_rnnfuse_logger(in_workdir, capsys):
+def test_quiet_and_verbose_set_the_rnnfuse_logger(in_workdir, capsys, monkeypatch):
     import tensorflow as tf
 
     if tf.config.list_physical_devices("GPU"):
-        pytest.skip("the no-fused-group warning appears only without a GPU")
-    code, out, err = _run(capsys, "check", "fusable.keras", "--batch", "2")
-    assert code == 0 and "rnnfuse: warning: optimize('fusable'): none of its 1 fusion group" in err
-    code, out, err = _run(capsys, "check", "fusable.keras", "--batch", "2", "-q")
-    assert code == 0 and err == "" and "PASS" in out
-    code, out, err = _run(capsys, "-v", "inspect", "fusable.keras")
-    assert code == 0 and logging.getLogger("rnnfuse").level == logging.DEBUG
-    assert not [h for h in logging.getLogger("rnnfuse").handlers if getattr(h, "_rnnfuse_cli", False)]
+        pytest.skip("the before-timing notice appears only without a GPU")
+    bench = ("bench", "fusable.keras", "--batch", "2", "--repeats", "1", "--warmup", "1", "--json")
+    code, out, err = _run(capsys, *bench)
+    # JSON on stdout, the notice (INFO on the rnnfuse logger) on stderr.
+    assert code == 0 and json.loads(out)["command"] == "bench"
+    assert err.startswith("rnnfuse: before timing: no group runs fused here"), err
+    # optimize()'s own warning is left out: the command says it per group.
+    assert "optimize('fusable')" not in err
+    code, out, err = _run(capsys, *bench, "-q")
+    assert code == 0 and err == ""
+    seen = []
+    monkeypatch.setattr(cli, "_cmd_inspect", lambda args: seen.append(logging.getLogger("rnnfuse").level) or 0)
+    assert cli.main(["-v", "inspect", "fusable.keras"]) == 0 and seen == [logging.DEBUG]
+    # The command puts the logger back as it found it.
+    logger = logging.getLogger("rnnfuse")
+    assert logger.propagate and not [h for h in logger.handlers if getattr(h, "_rnnfuse_cli", False)]
 
 
 def test_unexpected_errors_exit_3(in_workdir, capsys, monkeypatch):

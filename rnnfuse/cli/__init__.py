@@ -106,7 +106,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _fail(err, debug, EXIT_USAGE)
     debug = bool(getattr(args, "debug", False))
     level = verbosity_level(quiet=getattr(args, "quiet", 0), verbose=getattr(args, "verbose", 0))
-    handler = configure_logging(level)
+    restore_logging = configure_logging(level)
     try:
         with quiet_native_stderr(debug), _quiet(debug):
             if args.run is not _no_command:
@@ -125,7 +125,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         wrapped.__cause__ = err
         return _fail(wrapped, debug, EXIT_INTERNAL)
     finally:
-        logging.getLogger("rnnfuse").removeHandler(handler)
+        restore_logging()
 
 
 def _load_library() -> None:
@@ -389,7 +389,11 @@ def _optimize(model, chosen, args):
     import rnnfuse
 
     plans = {r.group.layers: r.plan for r in chosen}
-    with warnings.catch_warnings(record=True) as caught:
+    # The commands say themselves, per group, where nothing runs fused.
+    said_here = _DropRecords("_say_if_nothing_runs_fused")
+    logger.addFilter(said_here)
+    with contextlib.ExitStack() as stack, warnings.catch_warnings(record=True) as caught:
+        stack.callback(logger.removeFilter, said_here)
         warnings.simplefilter("always", rnnfuse.FusionWarning)
         try:
             fast = rnnfuse.optimize(
@@ -403,6 +407,17 @@ def _optimize(model, chosen, args):
         if issubclass(w.category, rnnfuse.FusionWarning):
             logger.warning(_one_line(str(w.message)))
     return fast
+
+
+class _DropRecords(logging.Filter):
+    """Drops the log records one function of the library emits."""
+
+    def __init__(self, func_name: str):
+        super().__init__()
+        self.func_name = func_name
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return record.funcName != self.func_name
 
 
 def _fused_layers(model) -> list:
@@ -679,7 +694,7 @@ def _print_bench(console, result: dict, early: str | None) -> None:
     )
     if not result["gpu"]:
         console.print("no GPU visible: these are CPU timings.")
-    if result["caveat"] and result["caveat"] != early:
+    if result["caveat"] and not early:  # a fallback only the run revealed
         console.print(result["caveat"])
 
 

@@ -59,9 +59,14 @@ class _Formatter(logging.Formatter):
         return prefix + record.getMessage()
 
 
-def configure_logging(level: int) -> logging.Handler:
-    """Sends the `rnnfuse` logger to stderr at `level`; returns the handler."""
+def configure_logging(level: int):
+    """Sends the `rnnfuse` logger to stderr at `level`.
+
+    Returns a function that puts the logger back as it was (main() calls it
+    when the command ends, so an in-process caller's logging is untouched).
+    """
     logger = logging.getLogger("rnnfuse")
+    before = (logger.level, logger.propagate)
     for old in [h for h in logger.handlers if getattr(h, "_rnnfuse_cli", False)]:
         logger.removeHandler(old)
     handler = logging.StreamHandler(_CurrentStderr())
@@ -70,7 +75,13 @@ def configure_logging(level: int) -> logging.Handler:
     logger.addHandler(handler)
     logger.setLevel(level)
     logger.propagate = False
-    return handler
+
+    def restore() -> None:
+        logger.removeHandler(handler)
+        logger.setLevel(before[0])
+        logger.propagate = before[1]
+
+    return restore
 
 
 class _CurrentStderr(io.TextIOBase):
