@@ -106,18 +106,22 @@ def __getattr__(name: str):
 def _started_by_command_line() -> bool:
     """Whether this import is the `rnnfuse` script's (or `python -m rnnfuse`'s).
 
-    The script's wrapper imports `rnnfuse.cli` before anything else, so this
-    package is imported with sys.argv[0] naming the script (or "-m" while
-    `python -m` looks the module up). The command line then loads the API
-    itself after parsing its arguments.
+    The script's wrapper imports `rnnfuse.cli` before anything else, with
+    sys.argv[0] naming the script; `python -m rnnfuse` shows in
+    sys.orig_argv. The command line then loads the API itself after parsing
+    its arguments. Any other import (a program that imports rnnfuse, even
+    one run with `python -m`) loads it now.
     """
     if os.environ.get("RNNFUSE_EAGER_IMPORT") == "1":
         return False
-    argv0 = sys.argv[0] if sys.argv else ""
-    base = os.path.basename(argv0).lower()
-    return base in ("rnnfuse", "rnnfuse.exe", "rnnfuse-script.py") or (
-        argv0 == "-m" and "keras" not in sys.modules
-    )
+    argv0 = os.path.basename(sys.argv[0] if sys.argv else "").lower()
+    if argv0 in ("rnnfuse", "rnnfuse.exe", "rnnfuse-script.py"):
+        return True
+    orig = list(getattr(sys, "orig_argv", []))
+    for i, arg in enumerate(orig[:-1]):
+        if arg == "-m":
+            return orig[i + 1] in ("rnnfuse", "rnnfuse.cli")
+    return False
 
 
 if not _started_by_command_line():

@@ -501,7 +501,7 @@ def _cmd_inspect(args) -> int:
     )
     why = _here(chosen)
     if why:
-        console.print(f"here: the fused layers would run the original layers ({why}).")
+        console.print(f"here, no group runs fused: {why}.")
     if args.plot:
         console.print(f"layer graph drawn to {args.plot}")
     return EXIT_OK
