@@ -6,14 +6,14 @@ STAMP  := $(VENV)/.installed-stamp
 export KERAS_BACKEND ?= tensorflow
 export TF_CPP_MIN_LOG_LEVEL ?= 2
 
-.PHONY: demo test test-tf test-torch test-jax test-thorough venv clean
+.PHONY: demo test test-tf test-torch test-jax test-thorough wheel-check venv clean
 
 venv: $(STAMP)
 
 $(STAMP): setup.cfg pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
-	$(BIN)/python -m pip install -q -e ".[test]"
+	$(BIN)/python -m pip install -q -e ".[test,tensorflow]"
 	touch $(STAMP)
 
 demo: $(STAMP)
@@ -43,6 +43,25 @@ $(VENV)/.jax-stamp: $(STAMP)
 
 test-jax: $(VENV)/.jax-stamp
 	KERAS_BACKEND=jax $(BIN)/python -m pytest -q -p no:cacheprovider tests/jax_backend
+
+# Build the wheel, install it with its declared dependencies only (no Keras
+# backend) in a fresh venv, and check that pip sees no broken requirement,
+# that the package data (py.typed, the JSON Schema) is in it and that the
+# command answers --version without a backend.
+wheel-check:
+	@set -e; tmp=$$(mktemp -d); trap 'rm -rf "$$tmp"' EXIT; \
+	$(PYTHON) -m venv "$$tmp/venv"; \
+	"$$tmp/venv/bin/python" -m pip install -q --upgrade pip; \
+	"$$tmp/venv/bin/python" -m pip wheel -q --no-deps -w "$$tmp/dist" .; \
+	"$$tmp/venv/bin/python" -m pip install -q "$$tmp"/dist/rnnfuse-*.whl; \
+	"$$tmp/venv/bin/python" -m pip check; \
+	"$$tmp/venv/bin/python" -c "import sys, zipfile; \
+	names = set(zipfile.ZipFile(sys.argv[1]).namelist()); \
+	missing = {'rnnfuse/py.typed', 'rnnfuse/schema/cli-output-v1.json'} - names; \
+	sys.exit(f'wheel lacks {sorted(missing)}' if missing else 0)" "$$tmp"/dist/rnnfuse-*.whl; \
+	cd "$$tmp"; \
+	"$$tmp/venv/bin/rnnfuse" --version; \
+	echo "wheel-check: $$(ls "$$tmp"/dist) installs, pip check clean"
 
 test-thorough: $(STAMP)
 	HYPOTHESIS_PROFILE=thorough $(BIN)/python -m pytest -q tests

@@ -5,6 +5,18 @@
 Public API: `analyze`, `optimize`, `restore`, `FusedRNN`, the report records
 `FusionReport` and `FusionGroup`, `Reason`, and `FusionWarning`.
 
+`import rnnfuse` imports keras (and so the Keras backend) and registers
+rnnfuse's layers, so `keras.models.load_model` reads optimized models. When
+the selected backend is not installed it raises an ImportError naming the
+extra to install (`pip install 'rnnfuse[torch]'`). Only the `rnnfuse`
+command defers all that until its arguments are parsed, so `rnnfuse --help`
+answers at once.
+
+rnnfuse logs its own messages to one logger, `logging.getLogger("rnnfuse")`
+(it adds no handler: warnings reach stderr through Python's default, INFO
+and DEBUG only where you configure logging); problems with what you passed
+are `FusionWarning`s (`warnings.warn`).
+
 Example:
 
     >>> import keras, rnnfuse
@@ -36,15 +48,12 @@ functions; tests/test_layering.py checks every import):
 break it for now, each with the reason.
 """
 
-from rnnfuse._version import __version__
+from __future__ import annotations
 
-from rnnfuse import layers
-from rnnfuse.api import TuneShape, analyze, optimize
-from rnnfuse.fused import FusedRNN
-from rnnfuse.persistence import restore
-from rnnfuse.reasons import CallPath, FusionWarning, PathKind, Reason
-from rnnfuse.report import FusionGroup, FusionReport, OptimizeResult, RewriteFailure
-from rnnfuse.tuning.plans import FUSED, PER_LAYER, Plan
+import os
+import sys
+
+from rnnfuse._version import __version__
 
 __all__ = [
     "FUSED",
@@ -94,3 +103,84 @@ LAYERS = (
 )
 # (importer, imported) -> why it is allowed for now.
 LAYER_EXCEPTIONS: dict = {}
+
+
+_loading = False
+
+
+def _load_api() -> None:
+    """Imports keras and the public API into this module (idempotent)."""
+    global _loading
+    if _loading or "optimize" in globals():
+        return
+    _loading = True
+    try:
+        _import_public_names()
+    finally:
+        _loading = False
+
+
+def _import_public_names() -> None:
+    from rnnfuse._deps import import_keras
+
+    import_keras()
+    import rnnfuse.layers as layers
+    from rnnfuse.api import TuneShape, analyze, optimize
+    from rnnfuse.fused import FusedRNN
+    from rnnfuse.persistence import restore
+    from rnnfuse.reasons import CallPath, FusionWarning, PathKind, Reason
+    from rnnfuse.report import FusionGroup, FusionReport, OptimizeResult, RewriteFailure
+    from rnnfuse.tuning.plans import FUSED, PER_LAYER, Plan
+
+    globals().update(
+        CallPath=CallPath,
+        PathKind=PathKind,
+        OptimizeResult=OptimizeResult,
+        RewriteFailure=RewriteFailure,
+        FUSED=FUSED,
+        PER_LAYER=PER_LAYER,
+        Plan=Plan,
+        TuneShape=TuneShape,
+        FusedRNN=FusedRNN,
+        FusionGroup=FusionGroup,
+        FusionReport=FusionReport,
+        FusionWarning=FusionWarning,
+        Reason=Reason,
+        analyze=analyze,
+        layers=layers,
+        optimize=optimize,
+        restore=restore,
+    )
+
+
+def __getattr__(name: str):
+    # Reached only while the `rnnfuse` command defers the import (below).
+    if name in __all__:
+        _load_api()
+        return globals()[name]
+    raise AttributeError(f"module 'rnnfuse' has no attribute {name!r}")
+
+
+def _started_by_command_line() -> bool:
+    """Whether this import is the `rnnfuse` script's (or `python -m rnnfuse`'s).
+
+    The script's wrapper imports `rnnfuse.cli` before anything else, with
+    sys.argv[0] naming the script; `python -m rnnfuse` shows in
+    sys.orig_argv. The command line then loads the API itself after parsing
+    its arguments. Any other import (a program that imports rnnfuse, even
+    one run with `python -m`) loads it now.
+    """
+    if os.environ.get("RNNFUSE_EAGER_IMPORT") == "1":
+        return False
+    argv0 = os.path.basename(sys.argv[0] if sys.argv else "").lower()
+    if argv0 in ("rnnfuse", "rnnfuse.exe", "rnnfuse-script.py"):
+        return True
+    orig = list(getattr(sys, "orig_argv", []))
+    for i, arg in enumerate(orig[:-1]):
+        if arg == "-m":
+            return orig[i + 1] in ("rnnfuse", "rnnfuse.cli")
+    return False
+
+
+if not _started_by_command_line():
+    _load_api()

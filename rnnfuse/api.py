@@ -21,6 +21,7 @@ Example:
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
 import warnings
 from typing import Any, Callable
@@ -43,6 +44,8 @@ __all__ = ["TuneShape", "analyze", "choose_plans", "optimize"]
 
 # `optimize(tune=AUTO)`: plans chosen on the first batch (the default).
 AUTO = "auto"
+
+logger = logging.getLogger("rnnfuse")
 
 
 def analyze(
@@ -198,6 +201,7 @@ def optimize(
     plans = choose_plans(
         model, report.groups, tune=tune, training=training, plan=plan, cache=cache
     )
+    _say_if_nothing_runs_fused(model, plans)
     pairs = split_groups(report.groups, [r.plan for r in plans])
     new, failed = rewrite_with_failures(model, [g for g, _ in pairs], [a for _, a in pairs])
     if return_result:
@@ -218,6 +222,23 @@ def _optimize_for_first_batch(model, report, training, cache) -> OptimizeResult:
     new, failed = rewrite_with_failures(model, groups, [p.algorithm for p in full], pieces)
     first_batch.attach(new, first_batch.AutoTune(cache=_plan_cache(cache)))
     return OptimizeResult(model=new, report=report, plans=tuple(plans), failed=failed)
+
+
+def _say_if_nothing_runs_fused(model, plans: list[TuneResult]) -> None:
+    """One warning on the `rnnfuse` logger when no group will run fused here."""
+    from rnnfuse.placement import backend_name, nothing_fused_reason
+
+    why = nothing_fused_reason([r.plan for r in plans], [r.source for r in plans])
+    if why is not None:
+        logger.warning(
+            "optimize('%s'): none of its %d fusion group(s) will run fused "
+            "on the %s backend here, so the optimized model runs the original "
+            "layers at their speed: %s.",
+            model.name,
+            len(plans),
+            backend_name(),
+            why,
+        )
 
 
 @dataclasses.dataclass(frozen=True)

@@ -159,6 +159,18 @@ class FusedRNN(keras.layers.Layer):
         """The levels and cells this layer runs."""
         return self._stack
 
+    @property
+    def layers(self) -> list:
+        """The original layers this layer runs, as `members()` lists them.
+
+        Keras' `summary(expand_nested=True)` and `plot_model(expand_nested=
+        True)` list these under the FusedRNN row, with their own output
+        shapes and parameter counts. Saving is unchanged: Keras' saver
+        reaches the same layer objects through `fused_layers` first and
+        skips objects it has visited.
+        """
+        return self.members()
+
     def members(self) -> list:
         """The run's layers in call order, absorbed Dropout layers in place.
 

@@ -1,21 +1,36 @@
 """Draws a model's layer graph with the fused groups highlighted.
 
 `plot_layer_graph(model, path)` draws the graph `build_layer_graph` sees
-(nested models expanded, one box per layer call) from top to bottom in
-topological layers, and colours it with `analyze`'s verdicts:
+(nested models expanded, one box per layer call), laid out top to bottom
+like `keras.utils.plot_model(show_shapes=True)`, and colours it with
+`analyze`'s verdicts:
 
+- each box: the layer's name, its class and its input and output shapes;
+  model inputs show their name, shape and dtype;
 - each fused group: its layers (and absorbed Dropout layers) filled with the
-  group's colour inside a shaded frame labelled "group i: <cell> x <levels>";
+  group's colour inside a frame labelled "group i: <cell> x <levels>"; the
+  frame holds no other layer;
 - each recurrent layer left alone: a red-bordered box whose last line is
   "not fused: <rule>" (the `Reason.rule`; `rnnfuse inspect` prints the text);
 - a subclassed sub-model rnnfuse cannot see into: a dark box;
-- every other layer: grey; model inputs and outputs: dashed white boxes;
-- arrows are the tensors between layers; a mask passed on is a dashed grey
-  arrow.
+- every other layer: grey;
+- arrows are the tensors between layers. A mask Keras passes along is not
+  drawn as an arrow: the layer that receives it says "mask from <layer>"
+  (the Embedding with mask_zero=True, for example). Keras' internal mask
+  ops (NotEqual) and the model's output markers are not drawn.
 
-It needs matplotlib (a test extra of rnnfuse, not a dependency) and draws
-on the Agg canvas directly, without pyplot, so it never changes the
-process's matplotlib backend or opens a window.
+Two renderers, one picture:
+
+- "graphviz": with pydot and Graphviz's `dot` program installed
+  (`pip install 'rnnfuse[plot]'` and `apt-get install graphviz`), what
+  plot_model uses: groups (and nested models) are Graphviz clusters and
+  `dot` routes the arrows around the boxes;
+- "matplotlib": everywhere else. A layered layout (one row per
+  topological generation; an arrow that skips rows gets a waypoint in each
+  row it crosses, with a slot of its own) and arrows drawn as vertical and
+  horizontal segments in the gaps between rows, so no arrow runs through a
+  box. It draws on the Agg canvas directly, without pyplot, so it never
+  changes the process's matplotlib backend or opens a window.
 
 Example:
 
@@ -23,21 +38,27 @@ Example:
     >>> m = keras.Sequential([keras.Input((6, 2)),
     ...     keras.layers.GRU(4, return_sequences=True),
     ...     keras.layers.GRU(4), keras.layers.Dense(1)])
-    >>> fig = plot_layer_graph(m)            # or plot_layer_graph(m, "m.png")
+    >>> fig = plot_layer_graph(m, engine="matplotlib")   # or (m, "m.png")
     >>> type(fig).__name__
     'Figure'
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
+import re
+import shutil
 from typing import Any
 
 import networkx as nx
 
-__all__ = ["plot_layer_graph"]
+__all__ = ["MissingPlotDependency", "plot_layer_graph"]
+
+ENGINES = ("auto", "graphviz", "matplotlib")
 
 _OTHER = "#e8e8e8"
+_OTHER_EDGE = "#999999"
 _SKIPPED_EDGE = "#c62828"
 _SKIPPED_FILL = "#fdecea"
 _OPAQUE = "#616161"
@@ -45,221 +66,207 @@ _GROUP_COLOURS = (
     "#4e79a7", "#f28e2b", "#59a14f", "#b07aa1", "#edc948",
     "#76b7b2", "#ff9da7", "#9c755f", "#bab0ac", "#e15759",
 )
+_INSTALL = "pip install 'rnnfuse[plot]'"
 
 
-def plot_layer_graph(
-    model: Any,
-    path: str | os.PathLike | None = None,
-    *,
-    report: Any = None,
-    min_layers: int | None = None,
-    title: str | None = None,
-    dpi: int = 120,
-):
-    """Draws `model`'s layer graph, fused groups highlighted.
-
-    Args:
-        model: a built Sequential or Functional keras.Model.
-        path: where to save the drawing (.png, .svg, .pdf, ...); None to
-            only return the figure.
-        report: `rnnfuse.analyze(model)`'s report, if already computed.
-        min_layers: passed to `analyze` when `report` is None.
-        title: the figure's title (default: the model's name).
-        dpi: resolution of a saved raster image.
-
-    Returns:
-        The `matplotlib.figure.Figure`.
-
-    Raises:
-        ValueError: `model` is a subclassed model (it has no layer graph).
-        ImportError: matplotlib is not installed.
-    """
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-    from matplotlib.figure import Figure
-    from matplotlib.patches import FancyBboxPatch, Patch
-
-    import rnnfuse
-    from rnnfuse.passes.graph import build_layer_graph, is_graph_model
-
-    if not is_graph_model(model):
-        raise ValueError(
-            f"model '{getattr(model, 'name', model)}' is a subclassed model "
-            f"({type(model).__name__}); it has no layer graph to draw. Fix: "
-            "build it as a Functional or Sequential model"
-        )
-    if report is None:
-        report = rnnfuse.analyze(model, min_layers=min_layers)
-    graph = build_layer_graph(model)
-    pos, rows, width = _layout(graph)
-    styles = _styles(graph, report)
-
-    fig = Figure(figsize=(max(6.0, 2.6 * width), max(3.0, 1.05 * rows + 1.2)))
-    FigureCanvasAgg(fig)
-    ax = fig.add_axes((0.02, 0.02, 0.96, 0.90))
-    ax.set_axis_off()
-    ax.set_xlim(-0.5, width - 0.5)
-    ax.set_ylim(-rows + 0.4, 0.6)
-
-    for i, group in enumerate(report.groups):
-        members = [k for k in (*group.layers, *group.absorbed_dropout) if k in pos]
-        if not members:
-            continue
-        xs = [pos[k][0] for k in members]
-        ys = [pos[k][1] for k in members]
-        colour = _GROUP_COLOURS[i % len(_GROUP_COLOURS)]
-        ax.add_patch(
-            FancyBboxPatch(
-                (min(xs) - 0.46, min(ys) - 0.36),
-                max(xs) - min(xs) + 0.92,
-                max(ys) - min(ys) + 0.72,
-                boxstyle="round,pad=0.02,rounding_size=0.08",
-                facecolor=colour,
-                alpha=0.18,
-                edgecolor=colour,
-                linewidth=1.5,
-                zorder=0,
-            )
-        )
-        ax.text(
-            max(xs) + 0.44,
-            max(ys) + 0.32,
-            f"group {i}: {group.cell} x {group.num_layers}",
-            ha="right",
-            va="top",
-            fontsize=7,
-            color=colour,
-            fontweight="bold",
-            zorder=1,
-        )
-
-    boxes = {}
-    for key, (x, y) in pos.items():
-        style = styles[key]
-        boxes[key] = ax.text(
-            x,
-            y,
-            style["label"],
-            ha="center",
-            va="center",
-            fontsize=7,
-            color=style.get("text", "black"),
-            # Below the arrows: a box's outline is known only once it is
-            # drawn, and the arrows are clipped to it.
-            zorder=2,
-            bbox=dict(
-                boxstyle="round,pad=0.35",
-                facecolor=style["fill"],
-                edgecolor=style["edge"],
-                linestyle=style.get("linestyle", "solid"),
-                linewidth=style.get("linewidth", 1.0),
-            ),
-        )
-    for src, dst, role in graph.edges(data="role"):
-        mask = role == "mask"
-        ax.annotate(
-            "",
-            xy=pos[dst],
-            xytext=pos[src],
-            arrowprops=dict(
-                arrowstyle="-|>",
-                color="#aaaaaa" if mask else "#555555",
-                linestyle="dashed" if mask else "solid",
-                linewidth=0.7 if mask else 0.9,
-                shrinkA=2,
-                shrinkB=2,
-                patchA=boxes[src].get_bbox_patch(),
-                patchB=boxes[dst].get_bbox_patch(),
-            ),
-            zorder=3,
-        )
-
-    legend = [
-        Patch(facecolor=_GROUP_COLOURS[i % len(_GROUP_COLOURS)], label=f"fused group {i}")
-        for i in range(len(report.groups))
-    ]
-    if any(s["kind"] == "skipped" for s in styles.values()):
-        legend.append(Patch(facecolor=_SKIPPED_FILL, edgecolor=_SKIPPED_EDGE, label="recurrent, not fused"))
-    legend.append(Patch(facecolor=_OTHER, edgecolor="#999999", label="other layer"))
-    if any(role == "mask" for _, _, role in graph.edges(data="role")):
-        legend.append(Patch(facecolor="white", edgecolor="#aaaaaa", linestyle="dashed", label="mask (dashed arrow)"))
-    fig.legend(handles=legend, loc="upper right", fontsize=7, frameon=False)
-    fig.suptitle(
-        title or f"rnnfuse: '{report.model_name}'\n{len(report.groups)} fused "
-        f"group(s), {len(report.skipped)} recurrent layer(s) left alone",
-        fontsize=9,
-        x=0.02,
-        ha="left",
-    )
-    if path is not None:
-        fig.savefig(os.fspath(path), dpi=dpi)
-    return fig
+class MissingPlotDependency(ImportError):
+    """A plotting dependency is not installed; the message says how to fix it."""
 
 
-def _layout(graph: nx.DiGraph) -> tuple[dict, int, int]:
-    """Positions: one row per topological generation, top to bottom."""
-    if nx.is_directed_acyclic_graph(graph):
-        generations = [list(g) for g in nx.topological_generations(graph)]
-    else:  # cannot happen for a Keras graph; stay drawable anyway
-        generations = [[n] for n in graph]
-    width = max((len(g) for g in generations), default=1)
-    order = {key: i for i, key in enumerate(graph)}
-    pos = {}
-    for row, nodes in enumerate(generations):
-        offset = (width - len(nodes)) / 2
-
-        def placement(key):
-            # Below the first row: under the mean of the node's inputs,
-            # which keeps arrows short and rarely crossing.
-            xs = [pos[p][0] for p in graph.predecessors(key) if p in pos]
-            return (sum(xs) / len(xs) if xs else 0.0, order[key])
-
-        for col, key in enumerate(sorted(nodes, key=placement)):
-            pos[key] = (offset + col, -row)
-    return pos, len(generations), width
+# -- what to draw (shared by both renderers) -----------------------------------
 
 
-def _styles(graph: nx.DiGraph, report: Any) -> dict[str, dict]:
-    """Label and colours of every node."""
+@dataclasses.dataclass(frozen=True)
+class _Box:
+    """One box of the picture."""
+
+    # "fused", "skipped", "opaque", "other" or "input".
+    kind: str
+    # Text lines: name, class, shapes, verdict.
+    lines: tuple[str, ...]
+    fill: str
+    edge: str
+    text: str = "black"
+    # Index of the fused group it belongs to, or None.
+    group: int | None = None
+    # Qualified-name prefix of the (sub-)model holding it.
+    scope: str = ""
+    dashed: bool = False
+
+    @property
+    def label(self) -> str:
+        return "\n".join(self.lines)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Picture:
+    """The boxes, the arrows between them and the groups' titles."""
+
+    boxes: dict[str, _Box]
+    # (source key, target key) in graph order.
+    arrows: list[tuple[str, str]]
+    # group index -> (title, colour).
+    groups: dict[int, tuple[str, str]]
+    title: str
+
+
+def _picture(model: Any, graph: nx.DiGraph, report: Any, title: str | None) -> _Picture:
+    """Boxes with user-facing names and shapes; masks become a label line."""
     group_of = {}
     for i, group in enumerate(report.groups):
         for key in (*group.layers, *group.absorbed_dropout):
             group_of[key] = i
-    styles = {}
+    hidden = {k for k, d in graph.nodes(data=True) if d["kind"] == "output" or _mask_op(graph, k)}
+    masks: dict[str, list[str]] = {}
+    for src, dst, role in graph.edges(data="role"):
+        if role == "mask" and dst not in hidden:
+            origin = _mask_origin(graph, src) if src in hidden else _name(src)
+            masks.setdefault(dst, [])
+            if origin not in masks[dst]:
+                masks[dst].append(origin)
+    boxes = {}
     for key, data in graph.nodes(data=True):
-        layer = data.get("layer")
-        if data["kind"] in ("input", "output"):
-            name = key[len(data["scope"]):]
-            styles[key] = dict(
-                kind="io", label=name.strip("<>").replace(":", ": ", 1),
-                fill="white", edge="#999999", linestyle="dashed",
-            )
+        if key in hidden:
             continue
-        label = f"{key}\n{_class_name(layer)}"
-        if key in group_of:
-            colour = _GROUP_COLOURS[group_of[key] % len(_GROUP_COLOURS)]
-            styles[key] = dict(kind="fused", label=label, fill=colour, edge=colour, text="white", linewidth=1.5)
-        elif key in report.skipped:
-            rule = getattr(report.skipped[key], "rule", "")
-            styles[key] = dict(
-                kind="skipped", label=f"{label}\nnot fused: {rule}",
-                fill=_SKIPPED_FILL, edge=_SKIPPED_EDGE, linewidth=1.8,
-            )
-        elif data["kind"] == "opaque":
-            inner = sorted({
-                getattr(r, "rule", "") for k, r in report.skipped.items() if k.startswith(key + "/")
-            })
-            extra = f"\nnot fused: {', '.join(inner)}" if inner else ""
-            styles[key] = dict(
-                kind="skipped" if inner else "opaque", label=f"{label} (subclassed){extra}",
-                fill=_OPAQUE, edge=_SKIPPED_EDGE if inner else _OPAQUE, text="white",
-            )
-        else:
-            styles[key] = dict(kind="other", label=label, fill=_OTHER, edge="#999999")
-    return styles
+        boxes[key] = _box(model, graph, report, key, data, group_of, masks.get(key, []))
+    arrows = []
+    for src, dst, role in graph.edges(data="role"):
+        if role == "mask":
+            continue
+        for a, b in _bridged(graph, src, dst, hidden):
+            if (a, b) not in arrows and a in boxes and b in boxes:
+                arrows.append((a, b))
+    groups = {
+        i: (f"group {i}: {g.cell} x {g.num_layers}", _GROUP_COLOURS[i % len(_GROUP_COLOURS)])
+        for i, g in enumerate(report.groups)
+    }
+    text = title or (
+        f"rnnfuse: '{report.model_name}': {len(report.groups)} fused group(s), "
+        f"{len(report.skipped)} recurrent layer(s) left alone"
+    )
+    return _Picture(boxes, arrows, groups, text)
+
+
+def _bridged(graph, src, dst, hidden):
+    """The arrow src -> dst, or arrows around a hidden node in between."""
+    if dst in hidden:
+        return []  # an output marker, or a mask op: nothing drawn after it
+    if src in hidden:
+        return [(p, dst) for p in graph.predecessors(src) if p not in hidden]
+    return [(src, dst)]
+
+
+def _mask_op(graph: nx.DiGraph, key: str) -> bool:
+    """A Keras op (not a layer) whose outputs are only masks (NotEqual)."""
+    import keras
+
+    data = graph.nodes[key]
+    layer = data.get("layer")
+    if data["kind"] != "layer" or layer is None or isinstance(layer, keras.layers.Layer):
+        return False
+    roles = [role for _, _, role in graph.out_edges(key, data="role")]
+    return bool(roles) and all(role == "mask" for role in roles)
+
+
+def _mask_origin(graph: nx.DiGraph, op_key: str) -> str:
+    """The layer a hidden mask op stands for: the Embedding(mask_zero=True)
+    reading the same tensor, else the op's input."""
+    sources = list(graph.predecessors(op_key))
+    for src in sources:
+        for sibling in graph.successors(src):
+            layer = graph.nodes[sibling].get("layer")
+            if getattr(layer, "mask_zero", False):
+                return _name(sibling)
+    return ", ".join(_name(s) for s in sources) or "?"
+
+
+def _name(key: str) -> str:
+    """A node's name as the user gave it."""
+    match = re.fullmatch(r"(.*)<(input|output):(.*)>", key)
+    if match is None:
+        return key
+    scope, _, name = match.groups()
+    if re.fullmatch(r"(keras_tensor|input_layer)(_\d+)?", name):
+        name = "input"
+    return scope + name
+
+
+def _box(model, graph, report, key, data, group_of, masks) -> _Box:
+    layer = data.get("layer")
+    if data["kind"] == "input":
+        tensor = _input_tensor(model, graph, key, data["scope"])
+        lines = [_name(key), "Input"]
+        if tensor is not None:
+            lines.append(f"{_shape(tensor.shape)} {tensor.dtype}")
+        return _Box("input", tuple(lines), "white", _OTHER_EDGE, scope=data["scope"], dashed=True)
+    lines = [key, _class_name(layer)]
+    shapes = _shapes(layer)
+    if shapes:
+        lines.append(shapes)
+    if masks:
+        lines.append(f"mask from {', '.join(masks)}")
+    if key in group_of:
+        colour = _GROUP_COLOURS[group_of[key] % len(_GROUP_COLOURS)]
+        return _Box("fused", tuple(lines), colour, colour, "white", group_of[key], data["scope"])
+    if key in report.skipped:
+        rule = getattr(report.skipped[key], "rule", "")
+        lines.append(f"not fused: {rule}")
+        return _Box("skipped", tuple(lines), _SKIPPED_FILL, _SKIPPED_EDGE, scope=data["scope"])
+    if data["kind"] == "opaque":
+        inner = sorted(
+            {getattr(r, "rule", "") for k, r in report.skipped.items() if k.startswith(key + "/")}
+        )
+        lines[1] += " (subclassed)"
+        if inner:
+            lines.append(f"not fused: {', '.join(inner)}")
+        edge = _SKIPPED_EDGE if inner else _OPAQUE
+        return _Box("skipped" if inner else "opaque", tuple(lines), _OPAQUE, edge, "white", scope=data["scope"])
+    return _Box("other", tuple(lines), _OTHER, _OTHER_EDGE, scope=data["scope"])
+
+
+def _input_tensor(model, graph, key, scope):
+    owner = graph.graph.get("scopes", {}).get(scope, model)
+    name = key[len(scope):][len("<input:"):-1]
+    for tensor in getattr(owner, "inputs", None) or []:
+        if getattr(tensor, "name", None) == name:
+            return tensor
+    return None
+
+
+def _shape(shape) -> str:
+    return "(" + ", ".join(str(d) for d in shape) + (",)" if len(shape) == 1 else ")")
+
+
+def _shapes(layer) -> str:
+    """ "in -> out" shapes of the layer's first call, as plot_model shows them."""
+    from keras import tree
+
+    nodes = getattr(layer, "_inbound_nodes", None) or []
+    if not nodes:
+        return ""
+    node = nodes[0]
+
+    def text(tensors):
+        shapes = [_shape(t.shape) for t in tree.flatten(tensors) if hasattr(t, "shape")]
+        return shapes[0] if len(shapes) == 1 else "[" + ", ".join(shapes) + "]"
+
+    # The positional arguments: a mask or initial state passed by keyword
+    # is not the layer's input.
+    args = getattr(getattr(node, "arguments", None), "args", None)
+    inputs = args[0] if args and len(args) == 1 else (args or node.input_tensors)
+    try:
+        return f"{text(inputs)} -> {text(node.output_tensors)}"
+    except (AttributeError, TypeError, ValueError):
+        return ""
 
 
 def _class_name(layer: Any) -> str:
+    import keras
+
     name = type(layer).__name__
+    if layer is not None and not isinstance(layer, keras.layers.Layer):
+        # A Keras op in a functional graph: name it as the user called it.
+        return "keras.ops." + re.sub(r"(?<!^)(?=[A-Z])", "_", name).lower()
     inner = getattr(layer, "forward_layer", None)
     if inner is not None:
         return f"{name}({type(inner).__name__})"
@@ -270,3 +277,438 @@ def _class_name(layer: Any) -> str:
             return f"RNN(Stacked[{', '.join(type(c).__name__ for c in cells)}])"
         return f"RNN({type(cell).__name__})"
     return name
+
+
+# -- entry point ---------------------------------------------------------------
+
+
+def plot_layer_graph(
+    model: Any,
+    path: str | os.PathLike | None = None,
+    *,
+    report: Any = None,
+    min_layers: int = 2,
+    title: str | None = None,
+    dpi: int = 120,
+    engine: str = "auto",
+):
+    """Draws `model`'s layer graph, fused groups highlighted.
+
+    Args:
+        model: a built Sequential or Functional keras.Model.
+        path: where to save the drawing (.png, .svg, .pdf, ...); None to
+            only return the drawing.
+        report: `rnnfuse.analyze(model)`'s report, if already computed.
+        min_layers: passed to `analyze` when `report` is None.
+        title: the picture's title (default: the model's name and counts).
+        dpi: resolution of a saved raster image.
+        engine: "graphviz" (pydot and Graphviz's `dot`), "matplotlib", or
+            "auto": graphviz where both are installed, else matplotlib.
+
+    Returns:
+        A `matplotlib.figure.Figure` (matplotlib) or a `pydot.Dot` (graphviz).
+
+    Raises:
+        ValueError: `model` is a subclassed model (it has no layer graph),
+            or `engine` is not one of the above.
+        MissingPlotDependency: the renderer's package is not installed (an
+            ImportError whose message names the install command).
+    """
+    import rnnfuse
+    from rnnfuse.passes.graph import build_layer_graph, is_graph_model
+
+    if engine not in ENGINES:
+        raise ValueError(f"plot_layer_graph: engine must be one of {ENGINES}; received {engine!r}")
+    if not is_graph_model(model):
+        raise ValueError(
+            f"model '{getattr(model, 'name', model)}' is a subclassed model "
+            f"({type(model).__name__}); it has no layer graph to draw. Fix: "
+            "build it as a Functional or Sequential model"
+        )
+    if engine == "auto":
+        engine = "graphviz" if _has_graphviz() else "matplotlib"
+    if report is None:
+        report = rnnfuse.analyze(model, min_layers=min_layers)
+    picture = _picture(model, build_layer_graph(model), report, title)
+    if engine == "graphviz":
+        return _draw_graphviz(picture, path, dpi)
+    return _draw_matplotlib(picture, path, dpi)
+
+
+def _has_graphviz() -> bool:
+    try:
+        import pydot  # noqa: F401
+    except ImportError:
+        return False
+    return shutil.which("dot") is not None
+
+
+# -- graphviz ------------------------------------------------------------------
+
+
+def _draw_graphviz(picture: _Picture, path, dpi: int):
+    try:
+        import pydot
+    except ImportError as err:
+        raise MissingPlotDependency(
+            f"engine='graphviz' needs pydot, which is not installed. Fix: {_INSTALL}"
+        ) from err
+    dot = pydot.Dot(
+        graph_type="digraph", rankdir="TB", nodesep="0.3", ranksep="0.35",
+        fontname="Helvetica", label=_quote(picture.title), labelloc="t",
+        fontsize="12", dpi=str(dpi), concentrate="false",
+    )
+    dot.set_node_defaults(shape="box", style="rounded,filled", fontname="Helvetica", fontsize="10")
+    dot.set_edge_defaults(color="#555555", arrowsize="0.7")
+    parents: dict[str, Any] = {"": dot}
+
+    def scope_graph(scope: str):
+        # A nested model is a cluster of its own, inside its parent's.
+        if scope not in parents:
+            outer = scope.rstrip("/").rpartition("/")[0]
+            outer = outer + "/" if outer else ""
+            cluster = pydot.Cluster(
+                f"scope_{len(parents)}", label=_quote(f"model {scope.rstrip('/')}"),
+                style="dashed", color="#999999", fontname="Helvetica", fontsize="10",
+            )
+            scope_graph(outer).add_subgraph(cluster)
+            parents[scope] = cluster
+        return parents[scope]
+
+    clusters = {}
+    for key, box in picture.boxes.items():
+        owner = scope_graph(box.scope)
+        if box.group is not None:
+            if box.group not in clusters:
+                title, colour = picture.groups[box.group]
+                clusters[box.group] = pydot.Cluster(
+                    f"group_{box.group}", label=_quote(title), color=colour,
+                    fontcolor=colour, style="rounded,filled", fillcolor=colour + "26",
+                    fontname="Helvetica-Bold", fontsize="10", penwidth="1.5", labeljust="r", labelloc="b",
+                )
+                owner.add_subgraph(clusters[box.group])
+            owner = clusters[box.group]
+        style = "rounded,filled" + (",dashed" if box.dashed else "")
+        owner.add_node(
+            pydot.Node(
+                _id(key), label=_quote(box.label), fillcolor=box.fill, color=box.edge,
+                fontcolor=box.text, style=style,
+                penwidth="1.8" if box.kind == "skipped" else "1",
+            )
+        )
+    for src, dst in picture.arrows:
+        dot.add_edge(pydot.Edge(_id(src), _id(dst)))
+    if path is not None:
+        fmt = os.path.splitext(os.fspath(path))[1].lstrip(".").lower() or "png"
+        try:
+            dot.write(os.fspath(path), format=fmt)
+        except FileNotFoundError as err:
+            raise MissingPlotDependency(
+                "engine='graphviz' needs Graphviz's `dot` program, which is not "
+                "on PATH. Fix: apt-get install graphviz (or brew install graphviz)"
+            ) from err
+    return dot
+
+
+def _id(key: str) -> str:
+    return '"' + key.replace("\\", "\\\\").replace('"', '\\"') + '"'
+
+
+def _quote(text: str) -> str:
+    return '"' + text.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n") + '"'
+
+
+# -- matplotlib ----------------------------------------------------------------
+
+# Sizes in inches: a character of the 7 pt font, a text line, the gaps.
+_CHAR_W, _LINE_H, _PAD = 0.056, 0.135, 0.08
+_ROW_GAP, _COL_GAP, _MARGIN = 0.42, 0.25, 0.3
+
+
+def _draw_matplotlib(picture: _Picture, path, dpi: int):
+    try:
+        from matplotlib.backends.backend_agg import FigureCanvasAgg
+        from matplotlib.figure import Figure
+        from matplotlib.patches import FancyBboxPatch, Patch
+        from matplotlib.path import Path
+        from matplotlib.patches import FancyArrowPatch, PathPatch
+    except ImportError as err:
+        raise MissingPlotDependency(
+            f"drawing needs matplotlib, which is not installed. Fix: {_INSTALL}"
+        ) from err
+
+    layout = _layout(picture)
+    fig = Figure(figsize=(layout.width, layout.height))
+    FigureCanvasAgg(fig)
+    ax = fig.add_axes((0, 0, 1, 1))
+    ax.set_axis_off()
+    ax.set_xlim(0, layout.width)
+    ax.set_ylim(0, layout.height)
+
+    # Group frames: one rounded rectangle per member and a band between
+    # consecutive members, so the frame holds the group's boxes only.
+    for i, (title, colour) in picture.groups.items():
+        members = [k for k, b in picture.boxes.items() if b.group == i]
+        if not members:
+            continue
+        members.sort(key=lambda k: -layout.centre[k][1])
+        pad = 0.07
+        for j, key in enumerate(members):
+            (x, y), (w, h) = layout.centre[key], layout.size[key]
+            top = h / 2 + pad + (_LINE_H + 0.02 if j == 0 else 0)
+            ax.add_patch(
+                FancyBboxPatch(
+                    (x - w / 2 - pad, y - h / 2 - pad), w + 2 * pad, h / 2 + pad + top,
+                    boxstyle="round,pad=0,rounding_size=0.06", facecolor=colour,
+                    alpha=0.16, edgecolor="none", zorder=0,
+                )
+            )
+            if j == 0:
+                ax.text(x - w / 2 - pad + 0.04, y + top - 0.03, title, ha="left", va="top",
+                        fontsize=6.5, color=colour, fontweight="bold", zorder=1)
+            if j + 1 < len(members):
+                (x2, y2), (w2, h2) = layout.centre[members[j + 1]], layout.size[members[j + 1]]
+                if abs(x2 - x) < 1e-6:
+                    band = min(w, w2) * 0.5
+                    ax.add_patch(
+                        FancyBboxPatch(
+                            (x - band / 2, y2 + h2 / 2 + pad), band, (y - h / 2 - pad) - (y2 + h2 / 2 + pad),
+                            boxstyle="square,pad=0", facecolor=colour, alpha=0.16,
+                            edgecolor="none", zorder=0,
+                        )
+                    )
+
+    for key, box in picture.boxes.items():
+        (x, y), (w, h) = layout.centre[key], layout.size[key]
+        ax.add_patch(
+            FancyBboxPatch(
+                (x - w / 2, y - h / 2), w, h, boxstyle="round,pad=0,rounding_size=0.05",
+                facecolor=box.fill, edgecolor=box.edge,
+                linestyle="dashed" if box.dashed else "solid",
+                linewidth=1.8 if box.kind == "skipped" else (1.3 if box.kind == "fused" else 0.9),
+                zorder=2,
+            )
+        )
+        for n, line in enumerate(box.lines):
+            ax.text(
+                x, y + h / 2 - _PAD - (n + 0.5) * _LINE_H, line, ha="center", va="center",
+                fontsize=7, color=box.text, zorder=3,
+                fontweight="bold" if n == 0 else "normal",
+            )
+
+    for points in layout.routes:
+        vertices = [points[0]]
+        for p in points[1:]:
+            vertices.append(p)
+        *body, end = vertices
+        if len(body) >= 1:
+            ax.add_patch(
+                PathPatch(Path(body + [end]), facecolor="none", edgecolor="#555555",
+                          linewidth=0.8, zorder=1)
+            )
+        ax.add_patch(
+            FancyArrowPatch(body[-1], end, arrowstyle="-|>", mutation_scale=7,
+                            color="#555555", linewidth=0.8, zorder=1, shrinkA=0, shrinkB=0)
+        )
+
+    legend = _legend(picture, Patch)
+    fig.text(_MARGIN / layout.width, 1 - 0.12 / layout.height, picture.title, fontsize=8,
+             ha="left", va="top")
+    # Under the title, so a long title never runs into it.
+    fig.legend(handles=legend, loc="upper right", fontsize=6.5, frameon=False,
+               bbox_to_anchor=(1 - 0.1 / layout.width, 1 - 0.32 / layout.height))
+    if path is not None:
+        fig.savefig(os.fspath(path), dpi=dpi)
+    return fig
+
+
+def _legend(picture: _Picture, Patch) -> list:
+    legend = [Patch(facecolor=c, label=f"fused {t.split(':')[0]}") for t, c in picture.groups.values()]
+    if any(b.kind == "skipped" for b in picture.boxes.values()):
+        legend.append(Patch(facecolor=_SKIPPED_FILL, edgecolor=_SKIPPED_EDGE, label="recurrent, not fused"))
+    legend.append(Patch(facecolor=_OTHER, edgecolor=_OTHER_EDGE, label="other layer"))
+    return legend
+
+
+@dataclasses.dataclass
+class _Layout:
+    centre: dict[str, tuple[float, float]]
+    size: dict[str, tuple[float, float]]
+    # One polyline per arrow (inches), source box edge to target box edge.
+    routes: list[list[tuple[float, float]]]
+    width: float
+    height: float
+
+
+def _layout(picture: _Picture) -> _Layout:
+    """A layered layout; every arrow segment runs between adjacent rows.
+
+    1. Rows: the longest path from a source (topological generations).
+    2. An arrow that skips rows gets a waypoint in each row it crosses.
+    3. Order within rows: barycentres of the neighbours, swept down and up.
+    4. x: each row's slots in that order, pulled to their neighbours' mean
+       and pushed apart to fit the boxes.
+    5. Arrows: down from the source, across in the gap above the target's
+       row, down into the target.
+    """
+    graph = nx.DiGraph()
+    graph.add_nodes_from(picture.boxes)
+    graph.add_edges_from(picture.arrows)
+    if nx.is_directed_acyclic_graph(graph):
+        generations = [list(g) for g in nx.topological_generations(graph)]
+    else:  # cannot happen for a Keras graph; stay drawable anyway
+        generations = [[n] for n in graph]
+    row = {k: r for r, g in enumerate(generations) for k in g}
+    size = {}
+    for key, box in picture.boxes.items():
+        chars = max(len(line) for line in box.lines)
+        size[key] = (chars * _CHAR_W + 2 * _PAD + 0.1, len(box.lines) * _LINE_H + 2 * _PAD)
+
+    # 2. Waypoints ("~" keys) for arrows that skip rows.
+    rows: list[list[str]] = [list(g) for g in generations]
+    chains = []
+    for src, dst in picture.arrows:
+        chain = [src]
+        for r in range(row[src] + 1, row[dst]):
+            way = f"~{src}~{dst}~{r}"
+            rows[r].append(way)
+            row[way] = r
+            size[way] = (0.12, 0.0)
+            chain.append(way)
+        chain.append(dst)
+        chains.append(chain)
+    preds: dict[str, list[str]] = {k: [] for k in row}
+    succs: dict[str, list[str]] = {k: [] for k in row}
+    for chain in chains:
+        for a, b in zip(chain, chain[1:]):
+            succs[a].append(b)
+            preds[b].append(a)
+
+    # 3. Order by barycentres.
+    index = {k: i for r in rows for i, k in enumerate(r)}
+    for sweep in range(6):
+        down = sweep % 2 == 0
+        order = range(1, len(rows)) if down else range(len(rows) - 2, -1, -1)
+        for r in order:
+            def bary(k, down=down):
+                near = preds[k] if down else succs[k]
+                return sum(index[n] for n in near) / len(near) if near else index[k]
+
+            rows[r].sort(key=bary)
+            index.update({k: i for i, k in enumerate(rows[r])})
+
+    # 4. x positions (inches, box centres).
+    x: dict[str, float] = {}
+    for r_nodes in rows:
+        left = 0.0
+        for k in r_nodes:
+            x[k] = left + size[k][0] / 2
+            left += size[k][0] + _COL_GAP
+    # A box with one input, whose producer feeds only it (a run's next
+    # layer, a waypoint), goes straight under its producer.
+    straight = {k for k in row if len(preds[k]) == 1 and len(succs[preds[k][0]]) == 1}
+    for sweep in range(9):
+        down = sweep % 2 == 0
+        order = rows if down else rows[::-1]
+        for r_nodes in order:
+            wanted, priority = [], []
+            for k in r_nodes:
+                near = preds[k] if down else succs[k]
+                wanted.append(sum(x[n] for n in near) / len(near) if near else x[k])
+                priority.append((k in straight, len(preds[k]) + len(succs[k])))
+            _fit(r_nodes, wanted, priority, size, x)
+    low = min(x[k] - size[k][0] / 2 for k in x)
+    for k in x:
+        x[k] += _MARGIN - low
+    content = max(x[k] + size[k][0] / 2 for k in x) + _MARGIN
+    width = max(content, 5.0, len(picture.title) * 0.075 + 2 * _MARGIN)
+    for k in x:  # centred under the title
+        x[k] += (width - content) / 2
+
+    # Row heights and y (top row highest; a band at the top for the title).
+    heights = [max([size[k][1] for k in r_nodes] + [0.3]) for r_nodes in rows]
+    y: dict[str, float] = {}
+    entries = len(picture.groups) + 1 + any(b.kind == "skipped" for b in picture.boxes.values())
+    top = 0.45 + 0.14 * entries
+    total = top + sum(heights) + _ROW_GAP * max(len(rows) - 1, 0) + _MARGIN
+    cursor = total - top
+    row_top, row_bottom = [], []
+    for r_nodes, h in zip(rows, heights):
+        for k in r_nodes:
+            y[k] = cursor - h / 2
+        row_top.append(cursor)
+        row_bottom.append(cursor - h)
+        cursor -= h + _ROW_GAP
+
+    # 5. Routes: a lane per source in each gap, so horizontal runs of
+    # different arrows do not overlap.
+    routes = []
+    lanes: dict[tuple[int, str], float] = {}
+    for gap in range(len(rows) - 1):
+        sources = sorted({a for chain in chains for a, b in zip(chain, chain[1:]) if row[a] == gap},
+                         key=lambda k: x[k])
+        for n, src in enumerate(sources):
+            lanes[(gap, src)] = row_bottom[gap] - _ROW_GAP * (n + 1) / (len(sources) + 1)
+    # Where arrows leave and enter a box: spread along its edge, in the
+    # order of the boxes at their other ends.
+    exits, entries = {}, {}
+    for key in picture.boxes:
+        outs = sorted(succs[key], key=lambda k: x[k])
+        ins = sorted(preds[key], key=lambda k: x[k])
+        for port, (ends, near) in enumerate(((outs, exits), (ins, entries))):
+            span = min(size[key][0] * 0.5, 0.3 * max(len(ends) - 1, 0))
+            for n, other in enumerate(ends):
+                offset = span * (n / (len(ends) - 1) - 0.5) if len(ends) > 1 else 0.0
+                near[(key, other)] = x[key] + offset
+    for chain in chains:
+        points = []
+        for a, b in zip(chain, chain[1:]):
+            xa = exits.get((a, b), x[a])
+            xb = entries.get((b, a), x[b])
+            if not points:
+                points.append((xa, y[a] - size[a][1] / 2))
+            lane = lanes[(row[a], a)]
+            points.append((xa, lane))
+            points.append((xb, lane))
+            points.append((xb, y[b] + size[b][1] / 2))
+        routes.append(_simplify(points))
+    return _Layout({k: (x[k], y[k]) for k in picture.boxes}, size, routes, width, total)
+
+
+def _fit(nodes: list[str], wanted: list[float], priority: list, size: dict, x: dict) -> None:
+    """x positions near `wanted`, in order, with boxes a gap apart.
+
+    Boxes are placed in priority order, each as near its wanted x as the
+    boxes already placed in the row allow (the priority-layout step of
+    Sugiyama-style drawings).
+    """
+    def need(i: int, j: int) -> float:
+        lo, hi = min(i, j), max(i, j)
+        return sum(size[nodes[m]][0] for m in range(lo, hi + 1)) - (
+            size[nodes[lo]][0] + size[nodes[hi]][0]
+        ) / 2 + _COL_GAP * (hi - lo)
+
+    placed: dict[int, float] = {}
+    for i in sorted(range(len(nodes)), key=lambda i: priority[i], reverse=True):
+        low = max((placed[j] + need(j, i) for j in placed if j < i), default=float("-inf"))
+        high = min((placed[j] - need(i, j) for j in placed if j > i), default=float("inf"))
+        placed[i] = min(max(wanted[i], low), high) if low <= high else low
+    for i, k in enumerate(nodes):
+        x[k] = placed[i]
+
+
+def _simplify(points: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    """Drops repeated points and the middle of straight runs."""
+    out: list[tuple[float, float]] = []
+    for p in points:
+        if out and abs(out[-1][0] - p[0]) < 1e-9 and abs(out[-1][1] - p[1]) < 1e-9:
+            continue
+        if len(out) >= 2:
+            (x0, y0), (x1, y1) = out[-2], out[-1]
+            if (abs(x0 - x1) < 1e-9 and abs(x1 - p[0]) < 1e-9) or (
+                abs(y0 - y1) < 1e-9 and abs(y1 - p[1]) < 1e-9
+            ):
+                out[-1] = p
+                continue
+        out.append(p)
+    return out

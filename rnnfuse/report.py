@@ -106,13 +106,20 @@ class FusionReport:
             "notes": list(self.notes),
         }
 
-    def tables(self) -> list:
-        """rich Tables: the fused groups and the layers left alone."""
+    def tables(self, runs: list[str] | None = None, runs_title: str = "runs") -> list:
+        """rich Tables: the fused groups and the layers left alone.
+
+        Args:
+            runs: one extra cell per group (the CLI's "how it runs here").
+            runs_title: that column's title.
+        """
         from rich.table import Table
 
         fused = Table(title=f"rnnfuse: fused groups in '{self.model_name}'")
         for col in ("#", "layers", "cell", "units", "levels", "input", "bidir"):
             fused.add_column(col)
+        if runs is not None:
+            fused.add_column(runs_title)
         for i, g in enumerate(self.groups):
             layers = " -> ".join(g.layers)
             if g.absorbed_dropout:
@@ -126,6 +133,7 @@ class FusionReport:
                 str(g.num_layers),
                 str(g.input_size),
                 "yes" if g.bidirectional else "no",
+                *([runs[i]] if runs is not None else []),
             )
         alone = Table(title="recurrent layers left as they are")
         alone.add_column("layer")

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import logging
+
 import keras
 import numpy as np
 import pytest
@@ -271,3 +273,50 @@ def test_fused_rnn_config_round_trip():
     assert clone.name == fused.name
     out = clone(np.zeros((2, 7, 5), "float32"))
     assert tuple(out.shape) == (2, 6)
+
+
+def test_summary_lists_the_original_layers_inside_each_fused_layer():
+    inp = keras.Input((10, 3), name="x")
+    x = keras.layers.LSTM(4, return_sequences=True, name="enc_a")(inp)
+    x = keras.layers.Dropout(0.1, name="between")(x)
+    x = keras.layers.LSTM(4, return_sequences=True, name="enc_b")(x)
+    x = keras.layers.GRU(5, return_sequences=True, name="dec_a")(x)
+    x = keras.layers.GRU(5, name="dec_b")(x)
+    model = keras.Model(inp, keras.layers.Dense(2, name="head")(x))
+    fast = rnnfuse.optimize(model, plan=rnnfuse.FUSED)
+    assert len(fused_layers(fast)) == 2
+    assert fast.count_params() == model.count_params()
+    lines = []
+    fast.summary(expand_nested=True, print_fn=lambda line, **kw: lines.append(line))
+    text = "\n".join(lines)
+    for name, cls, shape in [
+        ("enc_a", "LSTM", "(None, 10, 4)"),
+        ("between", "Dropout", "(None, 10, 4)"),
+        ("enc_b", "LSTM", "(None, 10, 4)"),
+        ("dec_a", "GRU", "(None, 10, 5)"),
+        ("dec_b", "GRU", "(None, 5)"),
+    ]:
+        layer = model.get_layer(name)
+        [row] = [l for l in text.splitlines() if f"└ {name} ({cls})" in l]
+        assert shape in row and f"{layer.count_params():,}" in row
+    assert f"Total params: {model.count_params():,}" in text
+    # The same list that Keras' summary reads, in call order.
+    assert [l.name for l in fused_layers(fast)[0].layers] == ["enc_a", "between", "enc_b"]
+
+
+def test_optimize_warns_once_when_nothing_runs_fused_here(caplog):
+    import tensorflow as tf
+
+    if tf.config.list_physical_devices("GPU"):
+        pytest.skip("needs a machine without a GPU")
+    model = keras.Sequential([keras.Input((5, 3)), keras.layers.GRU(4, return_sequences=True),
+                              keras.layers.GRU(4)], name="two_grus")
+    with caplog.at_level(logging.WARNING, logger="rnnfuse"):
+        rnnfuse.optimize(model)
+    [record] = [r for r in caplog.records if r.name == "rnnfuse"]
+    assert "optimize('two_grus'): none of its 1 fusion group(s) will run fused" in record.getMessage()
+    assert "needs a CUDA GPU" in record.getMessage()
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="rnnfuse"):
+        rnnfuse.optimize(model, plan=rnnfuse.PER_LAYER)
+    assert "plan was forced to per-layer" in caplog.records[0].getMessage()

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import builtins
 import json
+import logging
 import os
 import re
 import subprocess
@@ -90,13 +91,6 @@ class Scale(keras.layers.Layer):
         return 2.0 * x
 '''
 
-# TensorFlow's C++ start-up log lines (they go to fd 2 before rnnfuse runs).
-_TF_LOG = re.compile(
-    r"^(WARNING: All log messages before absl::InitializeLog\(\)"
-    r"|[IWEF]\d{4} [\d:.]+\s+\d+ \S+:\d+\])"
-)
-
-
 @pytest.fixture(scope="module")
 def workdir(tmp_path_factory):
     """A folder with models.py, custom_layers.py and saved model files."""
@@ -158,7 +152,7 @@ def test_inspect_prints_groups_and_reasons(in_workdir, capsys):
         assert " -> ".join(group.layers) in out
     for name, reason in report.skipped.items():
         assert name in out and reason.rule in out
-    assert f"{len(report.groups)} group(s) fuse" in out
+    assert f"{len(report.groups)} group(s) of" in out
 
 
 def test_inspect_json_is_the_report(in_workdir, capsys):
@@ -167,7 +161,14 @@ def test_inspect_json_is_the_report(in_workdir, capsys):
     data = json.loads(out)
     import models
 
-    assert data == json.loads(json.dumps(rnnfuse.analyze(models.stack()).to_dict()))
+    report = json.loads(json.dumps(rnnfuse.analyze(models.stack()).to_dict()))
+    assert data["schema_version"] == 1 and data["command"] == "inspect"
+    assert data["skipped"] == report["skipped"] and data["notes"] == report["notes"]
+    for group, expected in zip(data["groups"], report["groups"], strict=True):
+        assert {k: group[k] for k in expected} == expected
+        assert group["plan"]["source"] == "static"
+        # No GPU in CI: the fused layer would run the original layers.
+        assert group["runs"]["fused"] is False and "GPU" in group["runs"]["why"]
     assert data["groups"][0]["layers"] == ["lstm_a", "lstm_b"]
     assert data["skipped"]["lstm_wide"]["rule"] == "units"
 
@@ -189,22 +190,91 @@ def test_inspect_plot_writes_an_image(in_workdir, capsys, tmp_path):
     assert str(target) in out
 
 
-def test_plot_marks_groups_and_skipped_layers():
-    from rnnfuse.plotting import _styles, plot_layer_graph
-    from rnnfuse.passes import build_layer_graph
+def _two_towers():
+    """Two inputs, two fusable towers, and a skip connection past one tower."""
+    a = keras.Input((6, 3), name="query")
+    b = keras.Input((7, 3), name="document")
+    x = keras.layers.LSTM(4, return_sequences=True, name="q1")(a)
+    x = keras.layers.LSTM(4, name="q2")(x)
+    y = keras.layers.GRU(4, return_sequences=True, name="d1")(b)
+    y = keras.layers.GRU(4, name="d2")(y)
+    z = keras.layers.Concatenate(name="join")([x, y])
+    skip = keras.layers.GlobalAveragePooling1D(name="pool")(a)
+    z = keras.layers.Concatenate(name="with_skip")([z, skip])
+    return keras.Model([a, b], keras.layers.Dense(1, name="score")(z))
 
-    inp = keras.Input((5, 3))
-    x = keras.layers.GRU(4, return_sequences=True, name="g1")(inp)
+
+def test_plot_boxes_use_names_shapes_and_verdicts():
+    from rnnfuse.passes import build_layer_graph
+    from rnnfuse.plotting import _picture
+
+    tokens = keras.Input((None,), dtype="int32")
+    x = keras.layers.Embedding(9, 3, mask_zero=True, name="embed")(tokens)
+    x = keras.layers.GRU(4, return_sequences=True, name="g1")(x)
     x = keras.layers.GRU(4, return_sequences=True, name="g2")(x)
     x = keras.layers.SimpleRNN(4, activation="sigmoid", name="odd")(x)
-    model = keras.Model(inp, x)
+    model = keras.Model(tokens, x)
     report = rnnfuse.analyze(model)
-    styles = _styles(build_layer_graph(model), report)
-    assert styles["g1"]["kind"] == styles["g2"]["kind"] == "fused"
-    assert styles["odd"]["kind"] == "skipped"
-    assert report.skipped["odd"].rule in styles["odd"]["label"]
-    fig = plot_layer_graph(model, report=report)
-    assert any("group 0" in t.get_text() for t in fig.axes[0].texts)
+    picture = _picture(model, build_layer_graph(model), report, None)
+    assert picture.boxes["g1"].kind == picture.boxes["g2"].kind == "fused"
+    assert picture.boxes["odd"].kind == "skipped"
+    assert f"not fused: {report.skipped['odd'].rule}" in picture.boxes["odd"].lines
+    assert "(None, None, 4) -> (None, None, 4)" in picture.boxes["g2"].lines
+    assert "mask from embed" in picture.boxes["g1"].lines
+    # User-facing names only: no auto-generated tensor names, no mask ops.
+    text = " ".join(b.label for b in picture.boxes.values())
+    assert "keras_tensor" not in text and "NotEqual" not in text and "not_equal" not in text
+
+
+@pytest.mark.parametrize("engine", ["matplotlib", "graphviz"])
+def test_plot_of_two_towers_keeps_arrows_off_other_boxes(engine, tmp_path):
+    from rnnfuse.plotting import _has_graphviz, _layout, _picture, plot_layer_graph
+    from rnnfuse.passes import build_layer_graph
+
+    if engine == "graphviz" and not _has_graphviz():
+        pytest.skip("pydot or Graphviz's dot is not installed")
+    model = _two_towers()
+    plot_layer_graph(model, tmp_path / "towers.png", engine=engine)
+    assert (tmp_path / "towers.png").read_bytes().startswith(b"\x89PNG")
+    if engine == "graphviz":
+        return  # dot routes its own edges around nodes
+    picture = _picture(model, build_layer_graph(model), rnnfuse.analyze(model), None)
+    layout = _layout(picture)
+
+    def inside(point, key, margin=1e-6):
+        (x, y), (w, h) = layout.centre[key], layout.size[key]
+        return abs(point[0] - x) < w / 2 - margin and abs(point[1] - y) < h / 2 - margin
+
+    for (src, dst), route in zip(picture.arrows, layout.routes):
+        # Sample every segment; no point may fall inside an unrelated box.
+        for (x0, y0), (x1, y1) in zip(route, route[1:]):
+            for t in np.linspace(0, 1, 25):
+                point = (x0 + t * (x1 - x0), y0 + t * (y1 - y0))
+                hit = [k for k in picture.boxes if k not in (src, dst) and inside(point, k)]
+                assert not hit, (src, dst, hit)
+    # Group frames hold only their group's boxes: members share one column.
+    for i in picture.groups:
+        members = [k for k, b in picture.boxes.items() if b.group == i]
+        assert len({round(layout.centre[k][0], 6) for k in members}) == 1
+
+
+def test_plot_without_matplotlib_is_one_line_exit_2(in_workdir, capsys, monkeypatch, tmp_path):
+    import rnnfuse.plotting
+
+    real_import = builtins.__import__
+
+    def no_plotting(name, *args, **kwargs):
+        if name.startswith(("matplotlib", "pydot")):
+            raise ModuleNotFoundError(f"No module named '{name}'", name=name)
+        return real_import(name, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "__import__", no_plotting)
+    code, out, err = _run(capsys, "inspect", "stack.keras", "--plot", tmp_path / "g.png")
+    assert code == 2
+    assert err.strip().splitlines() == [
+        "rnnfuse: error: --plot: drawing needs matplotlib, which is not installed. "
+        "Fix: pip install 'rnnfuse[plot]'"
+    ]
 
 
 # -- check ---------------------------------------------------------------------
@@ -217,8 +287,10 @@ def test_check_passes_through_the_fused_path(in_workdir, capsys, emulated_cudnn)
     assert emulated_cudnn, "the fused path did not run"
     assert result["passed"] is True
     assert set(result["fused_paths"].values()) == {"fused"}
-    assert result["plans"] == {"lstm_a -> lstm_b": "fused (forced)"}
-    assert result["caveat"] is None
+    [group] = result["groups"]
+    assert group["layers"] == ["lstm_a", "lstm_b"]
+    assert group["plan"] == {"name": "fused", "pieces": [2], "algorithm": None, "source": "forced"}
+    assert result["caveat"] is None and result["compared_fused_path"] is True
     assert result["outputs_max_abs_diff"] <= result["tolerance"] == cli.DEFAULT_TOLERANCE["float32"]
     assert result["gradients_max_abs_diff"] <= result["tolerance"]
     assert result["gradients_max_abs"] > 0  # the gradients are not all zero
@@ -249,7 +321,12 @@ def test_check_on_cpu_runs_the_original_layers(in_workdir, capsys):
     result = json.loads(out)
     assert result["outputs_max_abs_diff"] == 0.0
     assert result["gradients_max_abs_diff"] == 0.0
-    assert "right-padded" in result["inputs"][0] and "[4, 6]" in result["inputs"][0]
+    [tokens] = result["inputs"]
+    assert tokens["shape"] == [4, 6] and tokens["dtype"] == "int32"
+    assert "right-padded" in tokens["values"]
+    # Said in so many words: the check compared the original layers with themselves.
+    assert result["compared_fused_path"] is False
+    assert any("against themselves" in note for note in result["notes"])
 
 
 def test_random_inputs_follow_shapes_and_embeddings(in_workdir):
@@ -285,6 +362,8 @@ def test_bench_prints_device_medians_and_ratio(in_workdir, capsys):
 
     if not tf.config.list_physical_devices("GPU"):
         assert "no GPU" in out and "1.0x" in out
+        # The caveat comes before the timings, not after them.
+        assert out.index("before timing:") < out.index("milliseconds per step")
 
 
 def test_bench_json_train_and_mixed_precision(in_workdir, capsys):
@@ -398,6 +477,28 @@ def test_debug_shows_the_traceback(in_workdir, capsys):
     assert err.strip().splitlines()[-1].startswith("rnnfuse: error: ")
 
 
+def test_quiet_and_verbose_set_the_rnnfuse_logger(in_workdir, capsys, monkeypatch):
+    import tensorflow as tf
+
+    if tf.config.list_physical_devices("GPU"):
+        pytest.skip("the before-timing notice appears only without a GPU")
+    bench = ("bench", "fusable.keras", "--batch", "2", "--repeats", "1", "--warmup", "1", "--json")
+    code, out, err = _run(capsys, *bench)
+    # JSON on stdout, the notice (INFO on the rnnfuse logger) on stderr.
+    assert code == 0 and json.loads(out)["command"] == "bench"
+    assert err.startswith("rnnfuse: before timing: no group runs fused here"), err
+    # optimize()'s own warning is left out: the command says it per group.
+    assert "optimize('fusable')" not in err
+    code, out, err = _run(capsys, *bench, "-q")
+    assert code == 0 and err == ""
+    seen = []
+    monkeypatch.setattr(cli, "_cmd_inspect", lambda args: seen.append(logging.getLogger("rnnfuse").level) or 0)
+    assert cli.main(["-v", "inspect", "fusable.keras"]) == 0 and seen == [logging.DEBUG]
+    # The command puts the logger back as it found it.
+    logger = logging.getLogger("rnnfuse")
+    assert logger.propagate and not [h for h in logger.handlers if getattr(h, "_rnnfuse_cli", False)]
+
+
 def test_unexpected_errors_exit_3(in_workdir, capsys, monkeypatch):
     monkeypatch.setattr(cli, "_analyze", lambda model, n: {}["boom"])
     code, out, err = _run(capsys, "inspect", "stack.keras")
@@ -415,6 +516,24 @@ def test_console_script_is_declared():
     assert script.load() is cli.main
 
 
+@pytest.mark.parametrize("flag", ["--help", "--version"])
+def test_help_and_version_do_not_import_keras(flag):
+    """The script's import of rnnfuse defers keras until a command runs."""
+    code = (
+        "import sys, time; start = time.perf_counter(); "
+        f"sys.argv = ['rnnfuse', '{flag}']; from rnnfuse.cli import main; rc = main(); "
+        "print('keras' in sys.modules, 'numpy' in sys.modules, rc, time.perf_counter() - start)"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
+        cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+    )
+    keras_loaded, numpy_loaded, rc, seconds = done.stdout.split()[-4:]
+    assert (keras_loaded, numpy_loaded, rc) == ("False", "False", "0"), done.stderr
+    assert float(seconds) < 2.0  # 0.05 s here; generous for loaded CI machines
+    assert done.stderr == ""
+
+
 def test_python_m_rnnfuse_subprocesses(workdir):
     """`python -m rnnfuse`: an error is one line (TensorFlow); check on torch.
 
@@ -423,7 +542,10 @@ def test_python_m_rnnfuse_subprocesses(workdir):
     """
     import importlib.util
 
-    base = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2")
+    # The rnnfuse under test, not whichever one the environment installed.
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    path = os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p)
+    base = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", PYTHONPATH=path)
     commands = {
         "error": (["inspect", "missing.keras"], dict(base, KERAS_BACKEND="tensorflow")),
     }
@@ -444,7 +566,8 @@ def test_python_m_rnnfuse_subprocesses(workdir):
     (out, err), code = results["error"]
     assert code == 2, err
     assert out == ""
-    ours = [l for l in err.splitlines() if l.strip() and not _TF_LOG.match(l)]
+    # Exactly one line: TensorFlow's C++ start-up lines are dropped too.
+    ours = [l for l in err.splitlines() if l.strip()]
     assert len(ours) == 1 and ours[0].startswith("rnnfuse: error: no such file"), err
     assert "Traceback" not in err
 

@@ -12,8 +12,9 @@ naming a function that takes no arguments and returns a built keras.Model):
 Options every command takes: `--min-layers N`, `--import MODULE` (import a
 module first, for example the one that registers a model's custom layers;
 repeatable), `--unsafe` (load a `.keras` file with `safe_mode=False`, for
-Lambda layers you trust) and `--debug` (warnings, and the traceback of an
-error). `--plan auto|fused|per-layer` picks how each group runs: auto is
+Lambda layers you trust), `-q` (errors only), `-v` (debug messages too) and
+`--debug` (TensorFlow's own log lines, Python warnings, and the traceback of
+an error). `--plan auto|fused|per-layer` picks how each group runs: auto is
 `rnnfuse.optimize`'s own choice.
 
 Exit codes: 0 success; 1 `check` found a difference above the tolerance;
@@ -21,7 +22,15 @@ Exit codes: 0 success; 1 `check` found a difference above the tolerance;
 a Keras model, custom objects that cannot be found, a bad option, a function
 that does not return a model): one line on stderr saying what and how to fix
 it; 3 an unexpected internal error (also one line; `--debug` shows the
-traceback). TensorFlow may print its own start-up lines on stderr first.
+traceback).
+
+Start-up: `--help` and `--version` answer without importing keras; a command
+imports keras (and the backend) after its arguments are parsed. TensorFlow's
+C++ start-up log lines are dropped unless `--debug` (see `rnnfuse.cli.quiet`).
+rnnfuse's own messages go through the `rnnfuse` logger to stderr.
+
+`--json` prints one record whose fields and types are fixed by
+`schema_version` (rnnfuse/schema/cli-output-v1.json; `rnnfuse.cli.output`).
 
 Random inputs (`bench`, `check`) follow each model input's shape and dtype:
 the batch size from `--batch`; the time axis (axis 1) from the input's shape,
@@ -44,10 +53,12 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import logging
 import math
 import os
 import statistics
 import sys
+import time
 import traceback
 import warnings
 from typing import Sequence
@@ -60,8 +71,11 @@ from rnnfuse.cli.inputs import (
 )
 from rnnfuse.cli.errors import CliError, _first_line, _one_line
 from rnnfuse.cli.loading import load_model
+from rnnfuse.cli.quiet import configure_logging, quiet_native_stderr, verbosity_level
 
 __all__ = ["CliError", "load_model", "main", "random_inputs"]
+
+logger = logging.getLogger("rnnfuse")
 
 EXIT_OK, EXIT_MISMATCH, EXIT_USAGE, EXIT_INTERNAL = 0, 1, 2, 3
 
@@ -102,8 +116,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         return int(done.code or 0)
     except CliError as err:
         return _fail(err, debug, EXIT_USAGE)
+    debug = bool(getattr(args, "debug", False))
+    level = verbosity_level(quiet=getattr(args, "quiet", 0), verbose=getattr(args, "verbose", 0))
+    restore_logging = configure_logging(level)
     try:
-        with _quiet(debug):
+        with quiet_native_stderr(debug), _quiet(debug):
+            if args.run is not _no_command:
+                _load_library()
             return args.run(args)
     except CliError as err:
         return _fail(err, debug, EXIT_USAGE)
@@ -117,6 +136,18 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
         wrapped.__cause__ = err
         return _fail(wrapped, debug, EXIT_INTERNAL)
+    finally:
+        restore_logging()
+
+
+def _load_library() -> None:
+    """Imports keras and rnnfuse's API, after the arguments are parsed."""
+    import rnnfuse
+
+    try:
+        rnnfuse._load_api()
+    except ImportError as err:
+        raise CliError(_first_line(err).removeprefix("rnnfuse: ")) from err
 
 
 def _fail(err: CliError, debug: bool, code: int) -> int:
@@ -169,8 +200,19 @@ def _tolerance(text: str) -> float:
     return value
 
 
+def _add_verbosity(parser: argparse.ArgumentParser, default) -> None:
+    parser.add_argument(
+        "-q", "--quiet", action="count", default=default,
+        help="print only errors (and the command's result)",
+    )
+    parser.add_argument(
+        "-v", "--verbose", action="count", default=default,
+        help="print debug messages too",
+    )
+
+
 def _parser() -> argparse.ArgumentParser:
-    from rnnfuse import __version__
+    from rnnfuse.cli.output import rnnfuse_version
 
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument(
@@ -197,10 +239,9 @@ def _parser() -> argparse.ArgumentParser:
     common.add_argument(
         "--min-layers",
         type=_positive_int,
-        default=None,
+        default=2,
         metavar="N",
-        help="the least number of recurrent levels worth fusing (default: 1 "
-        "for SimpleRNN/RNN(cell) layers, 2 for LSTM/GRU)",
+        help="the least number of recurrent levels worth fusing (default 2)",
     )
     plan = argparse.ArgumentParser(add_help=False)
     plan.add_argument(
@@ -214,8 +255,10 @@ def _parser() -> argparse.ArgumentParser:
         "--debug",
         action="store_true",
         default=argparse.SUPPRESS,
-        help="show Python warnings, and the traceback of an error",
+        help="show TensorFlow's log lines, Python warnings, and the traceback "
+        "of an error",
     )
+    _add_verbosity(common, argparse.SUPPRESS)
 
     parser = _Parser(
         prog="rnnfuse",
@@ -226,15 +269,17 @@ def _parser() -> argparse.ArgumentParser:
         "  rnnfuse inspect model.keras --plot graph.png\n"
         "  rnnfuse check model.keras\n"
         "  rnnfuse bench model.keras --batch 32 --steps 200 --train\n"
-        "  rnnfuse inspect examples/speech_encoder.py:build_model\n\n"
+        "  rnnfuse inspect examples/speech_encoder.py:build_model\n"
+        "  rnnfuse check model.keras --json | jq .passed\n\n"
         "exit codes: 0 ok, 1 check above tolerance, 2 bad input (one line on "
         "stderr),\n3 internal error. Run 'rnnfuse COMMAND --help' for a "
-        "command's options.\nDocs: docs/guide.md (the fusion rules), "
-        "docs/api.md.",
+        "command's options.\nDocs: "
+        "https://github.com/rnnfuse/rnnfuse/blob/main/docs/guide.md",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    parser.add_argument("--version", action="version", version=f"rnnfuse {__version__}")
+    parser.add_argument("--version", action="version", version=f"rnnfuse {rnnfuse_version()}")
     parser.add_argument("--debug", action="store_true", help=argparse.SUPPRESS)
+    _add_verbosity(parser, 0)
     commands = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
 
     inspect = commands.add_parser(
@@ -340,35 +385,67 @@ def _analyze(model, min_layers: int):
         raise CliError(_first_line(err, limit=600)) from err
 
 
-def _optimize(model, args, *, tune=None, training=True):
-    """The `rnnfuse.OptimizeResult` of one `optimize` call, and the summary
-    [(group, plan name, how it was chosen)].
+def _forced_plan(args):
+    import rnnfuse
+
+    return {"auto": None, "fused": rnnfuse.FUSED, "per-layer": rnnfuse.PER_LAYER}[
+        getattr(args, "plan", "auto")
+    ]
+
+
+def _choose(model, report, args, *, tune=None, training=True) -> list:
+    """Each group's `TuneResult` (group, plan, how it was chosen), for
+    `inspect`, which builds no model.
 
     The plan of each group (fused whole, split, per layer) comes from
     `--plan`: "auto" is `optimize`'s own choice (the static rule table, or
     timing on this device with `tune`), "fused" forces every group fused.
     """
+    from rnnfuse.api import choose_plans
+
+    try:
+        return choose_plans(model, report.groups, tune=tune, training=training, plan=_forced_plan(args))
+    except (TypeError, ValueError) as err:
+        raise CliError(_first_line(err, limit=600)) from err
+
+
+def _optimize(model, args, *, tune=None, training=True):
+    """The `rnnfuse.OptimizeResult` of one `optimize` call (model, report,
+    each group's `TuneResult`); the pipeline runs once."""
     import rnnfuse
 
-    forced = {"auto": None, "fused": rnnfuse.FUSED, "per-layer": rnnfuse.PER_LAYER}[args.plan]
-    with warnings.catch_warnings(record=True) as caught:
+    # The commands say themselves, per group, where nothing runs fused.
+    said_here = _DropRecords("_say_if_nothing_runs_fused")
+    logger.addFilter(said_here)
+    with contextlib.ExitStack() as stack, warnings.catch_warnings(record=True) as caught:
+        stack.callback(logger.removeFilter, said_here)
         warnings.simplefilter("always", rnnfuse.FusionWarning)
         try:
             result = rnnfuse.optimize(
                 model,
                 min_layers=args.min_layers,
-                tune=tune,
+                tune=tune if tune is not None else False,
                 training=training,
-                plan=forced,
+                plan=_forced_plan(args),
                 return_result=True,
             )
         except (TypeError, ValueError) as err:
             raise CliError(_first_line(err, limit=600)) from err
     for w in caught:
         if issubclass(w.category, rnnfuse.FusionWarning):
-            print(f"rnnfuse: warning: {_one_line(str(w.message))}", file=sys.stderr)
-    summary = [(" -> ".join(r.group.layers), r.plan.name, r.source) for r in result.plans]
-    return result, summary
+            logger.warning(_one_line(str(w.message)))
+    return result
+
+
+class _DropRecords(logging.Filter):
+    """Drops the log records one function of the library emits."""
+
+    def __init__(self, func_name: str):
+        super().__init__()
+        self.func_name = func_name
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return record.funcName != self.func_name
 
 
 def _fused_layers(model) -> list:
@@ -385,21 +462,57 @@ def _console(stderr: bool = False):
     return Console(file=stream, width=width, highlight=False)
 
 
+def _print_json(result: dict) -> None:
+    print(json.dumps(result, indent=2, allow_nan=False, default=_json_number))
+
+
+def _json_number(value):
+    # numpy scalars that slipped through; NaN/inf become null (valid JSON).
+    try:
+        number = float(value)
+    except (TypeError, ValueError):
+        return str(value)
+    return number if math.isfinite(number) else None
+
+
+def _finite(value: float) -> float | None:
+    return value if math.isfinite(value) else None
+
+
+def _here(chosen) -> str | None:
+    """Why no group runs fused here, or None: said before any work is timed."""
+    from rnnfuse.placement import nothing_fused_reason
+
+    return nothing_fused_reason([r.plan for r in chosen], [r.source for r in chosen])
+
+
 # -- inspect -------------------------------------------------------------------
 
 
 def _cmd_inspect(args) -> int:
+    from rnnfuse.cli.output import envelope, group_records
+    from rnnfuse.passes.graph import is_graph_model
+    from rnnfuse.placement import backend_name
+
     model = load_model(args.model, imports=args.imports, safe_mode=not args.unsafe)
     report = _analyze(model, args.min_layers)
+    chosen = _choose(model, report, args)
+    groups = group_records(chosen)
     if args.plot:
         _plot(model, report, args.plot)
     if args.json:
-        print(json.dumps(report.to_dict(), indent=2))
+        data = report.to_dict()
+        result = {
+            **envelope("inspect", report.model_name),
+            "groups": groups,
+            "skipped": data["skipped"],
+            "notes": data["notes"],
+        }
+        _print_json(result)
         return EXIT_OK
-    from rnnfuse.passes.graph import is_graph_model
-
     console = _console()
-    fused, alone = report.tables()
+    here = [f"plan {g['plan']['name']}; runs {g['runs']['how']}" for g in groups]
+    fused, alone = report.tables(runs=here, runs_title=f"runs here ({backend_name()})")
     already = _fused_layers(model)
     if report.groups:
         console.print(fused)
@@ -417,29 +530,30 @@ def _cmd_inspect(args) -> int:
     for note in report.notes:
         console.print(f"note: {note}")
     fused_count = sum(len(g.layers) for g in report.groups)
-    summary = (
-        f"{len(report.groups)} group(s) fuse {fused_count} layer(s); "
+    running = sum(1 for g in groups if g["runs"]["fused"])
+    console.print(
+        f"{len(report.groups)} group(s) of {fused_count} layer(s) can fuse; "
+        f"{running} run(s) fused here ({backend_name()}); "
         f"{len(report.skipped)} recurrent layer(s) stay as they are"
+        + (
+            f"; {len(already)} FusedRNN layer(s) already run "
+            f"{sum(len(l.fused_layers) for l in already)} recurrent layer(s)."
+            if already
+            else "."
+        )
     )
-    if already:
-        inside = sum(len(l.fused_layers) for l in already)
-        summary += f"; {len(already)} FusedRNN layer(s) already run {inside} recurrent layer(s)"
-    console.print(summary + ".")
+    why = _here(chosen)
+    if why:
+        console.print(f"here, no group runs fused: {why}.")
     if args.plot:
         console.print(f"layer graph drawn to {args.plot}")
     return EXIT_OK
 
 
 def _plot(model, report, path: str) -> None:
-    try:
-        from rnnfuse.plotting import plot_layer_graph
-    except ImportError as err:
-        raise CliError(
-            f"--plot needs matplotlib ({_first_line(err)}). Fix: pip install matplotlib"
-        ) from err
-    from matplotlib.backend_bases import FigureCanvasBase
+    from rnnfuse.plotting import MissingPlotDependency, plot_layer_graph
 
-    formats = sorted(FigureCanvasBase.get_supported_filetypes())
+    formats = ("png", "svg", "pdf", "jpg", "jpeg", "eps", "ps", "tif", "tiff", "webp")
     extension = os.path.splitext(path)[1].lower().lstrip(".")
     if extension not in formats:
         raise CliError(
@@ -453,6 +567,8 @@ def _plot(model, report, path: str) -> None:
         raise CliError(f"--plot: no such folder: '{folder}'. Fix: create it first")
     try:
         plot_layer_graph(model, path, report=report)
+    except MissingPlotDependency as err:
+        raise CliError(f"--plot: {err}") from err
     except ValueError as err:
         raise CliError(f"--plot: {_first_line(err)}") from err
     except OSError as err:
@@ -469,17 +585,16 @@ def _cmd_bench(args) -> int:
     import numpy as np
 
     import rnnfuse
+    from rnnfuse.cli.output import envelope, group_records, input_records
 
-    from rnnfuse.tuning.timing import interleaved_medians
-
-    backend = _backend("bench")
+    engine = _backend("bench")
     model = load_model(
         args.model,
         imports=args.imports,
         safe_mode=not args.unsafe,
         mixed_precision=args.mixed_precision,
     )
-    _analyze(model, args.min_layers)  # argument errors first, before inputs
+    report = _analyze(model, args.min_layers)
     notes: list[str] = []
     inputs, described = random_inputs(
         model, batch=args.batch, steps=args.steps, rng=np.random.default_rng(0), notes=notes
@@ -488,53 +603,85 @@ def _cmd_bench(args) -> int:
     if args.tune:
         steps = next((np.shape(x)[1] for x in _flatten(inputs) if np.ndim(x) >= 2), 1)
         tune = rnnfuse.TuneShape(args.batch, int(steps))
-    optimized, summary = _optimize(model, args, tune=tune, training=args.train)
-    report, fast = optimized.report, optimized.model
-    device, on_gpu = backend.describe_device()
-    notes += backend.timing_notes(on_gpu)
-    models = {"original": model, "optimized": fast}
-    steps = {}
-    for which, m in models.items():
-        fn = backend.model_step(m, args.train)
-        steps[which] = lambda fn=fn: _run_model(fn, inputs, command="bench")
-    with _progress(disable=args.json) as progress:
-        task = progress.add_task("timing", total=2 * args.repeats)
-        # The tuner's timing loop: warm-up, then interleaved rounds whose
-        # order rotates, so drift does not favour either model.
-        stats = interleaved_medians(
-            steps,
-            warmup=args.warmup,
-            repeats=args.repeats,
-            on_step=lambda _name: progress.advance(task),
-        )
-    times = {which: [1000 * t for t in stats[which]["times"]] for which in steps}
-    paths = {l.name: l.last_path for l in _fused_layers(fast)}
-    orig_ms, fast_ms = statistics.median(times["original"]), statistics.median(times["optimized"])
+    optimized = _optimize(model, args, tune=tune, training=args.train)
+    chosen, fast = list(optimized.plans), optimized.model
+    device, on_gpu = engine.describe_device()
+    notes += engine.timing_notes(on_gpu)
     result = {
-        "model": model.name,
+        **envelope("bench", model.name),
         "device": device,
         "gpu": on_gpu,
         "mode": "train" if args.train else "inference",
         "compute_dtype": _compute_dtype(model),
         "batch": args.batch,
-        "inputs": described,
+        "inputs": input_records(described),
         "repeats": args.repeats,
-        "groups": len(report.groups),
-        "plans": {layers: f"{plan} ({source})" for layers, plan, source in summary},
-        "fused_paths": paths,
-        "original_ms": times["original"],
-        "optimized_ms": times["optimized"],
-        "original_median_ms": orig_ms,
-        "optimized_median_ms": fast_ms,
-        "speedup": orig_ms / fast_ms if fast_ms > 0 else float("nan"),
-        "caveat": _caveat(paths, len(report.groups)),
+        "warmup": args.warmup,
+        "groups": group_records(chosen),
         "notes": notes,
     }
+    # Say what the numbers can show before spending the time on them.
+    early = _early_caveat(report, chosen)
+    if not args.json:
+        console = _console()
+        console.print(
+            f"rnnfuse bench '{result['model']}': {len(report.groups)} fusion group(s); "
+            f"{result['mode']}, batch {result['batch']}, {result['compute_dtype']}, "
+            f"{result['repeats']} timed runs each"
+        )
+        _print_header(console, result)
+        if early:
+            console.print(f"before timing: {early}")
+    elif early:
+        logger.info("before timing: %s", early)
+    steps = {"original": engine.model_step(model, args.train), "optimized": engine.model_step(fast, args.train)}
+    times = {"original": [], "optimized": []}
+    with _progress(disable=args.json or logger.level >= logging.ERROR) as progress:
+        task = progress.add_task("warming up", total=2 * (args.warmup + args.repeats))
+        for _ in range(args.warmup):
+            for fn in steps.values():
+                _run_model(fn, inputs, command="bench")
+                progress.advance(task)
+        for i in range(args.repeats):
+            progress.update(task, description=f"timing {i + 1}/{args.repeats}")
+            # Alternate the order so drift does not favour either model.
+            order = ["original", "optimized"] if i % 2 == 0 else ["optimized", "original"]
+            for which in order:
+                start = time.perf_counter()
+                _run_model(steps[which], inputs, command="bench")
+                times[which].append(1000 * (time.perf_counter() - start))
+                progress.advance(task)
+    paths = {l.name: l.last_path for l in _fused_layers(fast)}
+    orig_ms, fast_ms = statistics.median(times["original"]), statistics.median(times["optimized"])
+    result.update(
+        {
+            "fused_paths": paths,
+            "original_ms": times["original"],
+            "optimized_ms": times["optimized"],
+            "original_median_ms": orig_ms,
+            "optimized_median_ms": fast_ms,
+            "speedup": orig_ms / fast_ms if fast_ms > 0 else None,
+            "caveat": _caveat(paths, len(report.groups)),
+        }
+    )
     if args.json:
-        print(json.dumps(result, indent=2))
+        _print_json(result)
     else:
-        _print_bench(result)
+        _print_bench(console, result, early)
     return EXIT_OK
+
+
+def _early_caveat(report, chosen) -> str | None:
+    """What the timing can show, from the plans alone (before any run)."""
+    if not report.groups:
+        return "nothing fuses in this model: both models run the same layers, so expect about 1.0x."
+    why = _here(chosen)
+    if why:
+        return (
+            f"no group runs fused here ({why}): both models run the same layers, "
+            "so expect about 1.0x. On a CUDA GPU each group runs as one cuDNN call."
+        )
+    return None
 
 
 @contextlib.contextmanager
@@ -561,27 +708,30 @@ def _flatten(x):
 
 
 def _print_header(console, result: dict) -> None:
-    console.print(f"device: {result['device']}")
-    for line in result["inputs"]:
-        console.print(f"  input {line}")
-    for layers, plan in result["plans"].items():
-        console.print(f"  group {layers}: plan {plan}")
-    for name, path in result["fused_paths"].items():
-        console.print(f"  {name} ran: {path}")
+    from rnnfuse.cli.output import describe_input
+
+    console.print(f"device: {result['device']} ({result['backend']} backend)")
+    for record in result["inputs"]:
+        console.print(f"  input {describe_input(record)}")
+    for group in result["groups"]:
+        plan, runs = group["plan"], group["runs"]
+        console.print(
+            f"  group {' -> '.join(group['layers'])}: plan {plan['name']} "
+            f"({plan['source']}); here: {runs['how']}"
+        )
     for note in result["notes"]:
         console.print(f"note: {note}")
 
 
-def _print_bench(result: dict) -> None:
+def _print_ran(console, result: dict) -> None:
+    for name, path in result["fused_paths"].items():
+        console.print(f"  {name} ran: {path}")
+
+
+def _print_bench(console, result: dict, early: str | None) -> None:
     from rich.table import Table
 
-    console = _console()
-    console.print(
-        f"rnnfuse bench '{result['model']}': {result['groups']} fused group(s); "
-        f"{result['mode']}, batch {result['batch']}, {result['compute_dtype']}, "
-        f"{result['repeats']} timed runs each"
-    )
-    _print_header(console, result)
+    _print_ran(console, result)
     table = Table(title="milliseconds per step")
     for col in ("model", "median", "min", "max"):
         table.add_column(col, justify="right" if col != "model" else "left")
@@ -589,10 +739,14 @@ def _print_bench(result: dict) -> None:
         t = result[f"{which}_ms"]
         table.add_row(which, f"{statistics.median(t):.2f}", f"{min(t):.2f}", f"{max(t):.2f}")
     console.print(table)
-    console.print(f"speedup (original / optimized, medians): {result['speedup']:.2f}x")
+    speedup = result["speedup"]
+    console.print(
+        "speedup (original / optimized, medians): "
+        + (f"{speedup:.2f}x" if speedup is not None else "n/a")
+    )
     if not result["gpu"]:
         console.print("no GPU visible: these are CPU timings.")
-    if result["caveat"]:
+    if result["caveat"] and not early:  # a fallback only the run revealed
         console.print(result["caveat"])
 
 
@@ -602,24 +756,26 @@ def _print_bench(result: dict) -> None:
 def _cmd_check(args) -> int:
     import numpy as np
 
-    backend = _backend("check")
+    from rnnfuse.cli.output import envelope, group_records, input_records
+
+    engine = _backend("check")
     # Keep float32 matmuls exact on GPUs, so the comparison shows rnnfuse's
     # differences rather than TF32 rounding in either model.
-    backend.exact_float32()
+    engine.exact_float32()
     model = load_model(
         args.model,
         imports=args.imports,
         safe_mode=not args.unsafe,
         mixed_precision=args.mixed_precision,
     )
-    _analyze(model, args.min_layers)  # argument errors first, before inputs
+    report = _analyze(model, args.min_layers)
     rng = np.random.default_rng(args.seed)
     notes: list[str] = []
     inputs, described = random_inputs(model, batch=args.batch, steps=args.steps, rng=rng, notes=notes)
-    optimized, summary = _optimize(model, args)
-    report, fast = optimized.report, optimized.model
+    optimized = _optimize(model, args)
+    chosen, fast = list(optimized.plans), optimized.model
     variables = list(model.trainable_variables)
-    run = backend.outputs_and_grads
+    run = engine.outputs_and_grads
     out_orig, grads_orig = _run_model(run, model, inputs, variables, args.seed, command="check")
     out_fast, grads_fast = _run_model(run, fast, inputs, variables, args.seed, command="check")
     if len(out_orig) != len(out_fast):
@@ -638,30 +794,63 @@ def _cmd_check(args) -> int:
     tolerance = args.tolerance if args.tolerance is not None else DEFAULT_TOLERANCE.get(compute, 1e-4)
     passed = out_diff <= tolerance and grad_diff <= tolerance
     paths = {l.name: l.last_path for l in _fused_layers(fast)}
+    compared_fused = any(p == "fused" or (p and not p.startswith("layers")) for p in paths.values())
+    device, on_gpu = engine.describe_device()
     result = {
-        "model": model.name,
-        "device": backend.describe_device()[0],
+        **envelope("check", model.name),
+        "device": device,
+        "gpu": bool(on_gpu),
         "compute_dtype": compute,
-        "groups": len(report.groups),
-        "plans": {layers: f"{plan} ({source})" for layers, plan, source in summary},
+        "batch": args.batch,
+        "groups": group_records(chosen),
         "fused_paths": paths,
-        "inputs": described,
-        "outputs_max_abs_diff": out_diff,
+        "inputs": input_records(described),
+        "outputs_max_abs_diff": _finite(out_diff),
         "outputs_max_abs": out_scale,
-        "gradients_max_abs_diff": grad_diff,
+        "gradients_max_abs_diff": _finite(grad_diff),
         "gradients_max_abs": grad_scale,
         "gradients_worst_variable": worst,
         "variables": len(variables),
         "tolerance": tolerance,
         "passed": passed,
+        "compared_fused_path": compared_fused,
         "caveat": _caveat(paths, len(report.groups)),
         "notes": notes,
     }
+    if report.groups and not compared_fused:
+        result["notes"].append(_self_comparison_note(chosen))
     if args.json:
-        print(json.dumps(result, indent=2))
+        _print_json(result)
     else:
         _print_check(result)
     return EXIT_OK if passed else EXIT_MISMATCH
+
+
+def _self_comparison_note(chosen) -> str:
+    """Says that `check` compared the original layers against themselves."""
+    import importlib.util
+
+    from rnnfuse.placement import backend_name
+
+    why = _here(chosen) or "every fused layer fell back to the original layers"
+    text = (
+        f"no fused call ran here ({why}), so this compared the original layers "
+        "against themselves: PASS says nothing about the fused kernel."
+    )
+    if backend_name() == "tensorflow":
+        if importlib.util.find_spec("torch") is not None:
+            text += (
+                " To compare a fused call on this machine, run under "
+                "KERAS_BACKEND=torch (its fused call runs on the CPU too)."
+            )
+        else:
+            text += (
+                " To compare a fused call on a CPU: pip install 'rnnfuse[torch]' "
+                "and run under KERAS_BACKEND=torch; or run on a CUDA GPU."
+            )
+    else:
+        text += " Run on a CUDA GPU to compare the fused call."
+    return text
 
 
 def _compute_dtype(model) -> str:
@@ -691,24 +880,30 @@ def _max_diff(a: list, b: list) -> tuple[float, float]:
 def _print_check(result: dict) -> None:
     console = _console()
     console.print(
-        f"rnnfuse check '{result['model']}': {result['groups']} fused group(s), "
+        f"rnnfuse check '{result['model']}': {len(result['groups'])} fusion group(s), "
         f"{result['compute_dtype']}"
     )
     _print_header(console, result)
+    _print_ran(console, result)
+    out_diff = result["outputs_max_abs_diff"]
+    grad_diff = result["gradients_max_abs_diff"]
+    out_text = f"{out_diff:.3g}" if out_diff is not None else "inf (shapes differ)"
+    grad_text = f"{grad_diff:.3g}" if grad_diff is not None else "inf (shapes differ)"
     console.print(
-        f"outputs:   max abs diff {result['outputs_max_abs_diff']:.3g} "
+        f"outputs:   max abs diff {out_text} "
         f"(largest output {result['outputs_max_abs']:.3g})"
     )
-    worst = f", worst {result['gradients_worst_variable']}" if result["gradients_max_abs_diff"] else ""
+    worst = f", worst {result['gradients_worst_variable']}" if grad_diff else ""
     console.print(
-        f"gradients: max abs diff {result['gradients_max_abs_diff']:.3g} over "
+        f"gradients: max abs diff {grad_text} over "
         f"{result['variables']} trainable variables (largest gradient "
         f"{result['gradients_max_abs']:.3g}{worst})"
     )
-    if result["caveat"]:
+    if result["caveat"] and result["compared_fused_path"]:
         console.print(result["caveat"])
     tol = result["tolerance"]
     if result["passed"]:
-        console.print(f"PASS: both within the tolerance {tol:g}")
+        suffix = "" if result["compared_fused_path"] or not result["groups"] else " (original layers against themselves)"
+        console.print(f"PASS: both within the tolerance {tol:g}{suffix}")
     else:
         console.print(f"FAIL: above the tolerance {tol:g}")

@@ -90,8 +90,8 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import logging
 import os
-import warnings
 from typing import Any
 
 import keras
@@ -107,6 +107,8 @@ __all__ = [
     "get_unroll",
     "set_fast_path",
 ]
+
+logger = logging.getLogger("rnnfuse")
 
 FAST_PATHS = ("auto", "custom_xla", "custom", "while_xla", "while", "off")
 
@@ -202,11 +204,11 @@ def _xla_works() -> bool:
                 backward(hs, c, tf.zeros([1, 4]), small, small, small, None, hs, gates, cs, 1)
                 _xla_ok = True
             except (tf.errors.OpError, RuntimeError, ValueError) as err:
-                warnings.warn(
-                    "rnnfuse ProjectedLSTM: XLA cannot compile here, so the fast "
-                    f"path runs without it ('custom'). XLA said: {str(err)[:300]}",
-                    RuntimeWarning,
-                    stacklevel=2,
+                # Informational: the layer recovers by itself.
+                logger.warning(
+                    "ProjectedLSTM: XLA cannot compile here, so the fast path "
+                    "runs without it ('custom'). XLA said: %s",
+                    str(err)[:300],
                 )
                 _xla_ok = False
     return _xla_ok

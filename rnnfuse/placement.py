@@ -1,0 +1,101 @@
+"""Where each fusion group's plan runs on this backend and device.
+
+`optimize` can build `FusedRNN` layers that still run the original layers:
+TensorFlow's fused kernel needs a CUDA GPU, JAX's needs JAX on a GPU, and
+the static plan keeps Keras' layers under JAX. `placement(plan)` says, for
+one group's plan, whether its fused call will run here and how;
+`nothing_fused_reason` gives the one line `optimize` logs when no group of
+a model will.
+
+Example:
+
+    >>> from rnnfuse.tuning.plans import PER_LAYER
+    >>> placement(PER_LAYER).fused
+    False
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Sequence
+
+__all__ = ["Placement", "backend_name", "nothing_fused_reason", "placement"]
+
+# Why a backend's fused kernel cannot run in this process (is_available()
+# is False), by backend name.
+_UNAVAILABLE = {
+    "tensorflow": "TensorFlow's fused kernel (CudnnRNNV3) needs a CUDA GPU and "
+    "none is visible",
+    "jax": "JAX's fused kernel (jax.experimental.rnn) needs JAX on a GPU and "
+    "JAX's default device is not one",
+}
+
+
+_ORIGINAL = "the original layers"
+
+
+@dataclasses.dataclass(frozen=True)
+class Placement:
+    """How one group runs here."""
+
+    # Whether its fused call(s) will run (False: the original layers run).
+    fused: bool
+    # What runs: "one fused call", "2 fused calls" or "the original layers".
+    how: str
+    # Why the original layers run (None when fused).
+    why: str | None = None
+
+    def __str__(self) -> str:
+        return self.how + (f" ({self.why})" if self.why else "")
+
+
+def backend_name() -> str:
+    """The active Keras backend, as rnnfuse's backend registry names it."""
+    from rnnfuse.backends import get_backend
+
+    module = get_backend()
+    if module is not None:
+        return module.__name__.rsplit(".", 1)[-1]
+    import keras
+
+    return keras.backend.backend()
+
+
+def placement(plan, source: str = "static") -> Placement:
+    """Whether a group with `plan` runs fused on this backend and device."""
+    from rnnfuse.backends import get_backend
+
+    if not plan.whole and not plan.pieces:
+        kind = source.split(":")[0]
+        why = {
+            "static": "the static plan for this backend keeps them",
+            "forced": "the plan was forced to per-layer",
+        }.get(kind, "timing on this device found them fastest")
+        if kind == "static" and backend_name() == "jax":
+            why = (
+                "under JAX the static plan keeps Keras' layers, since one fused "
+                "call measured 0.88x-1.62x of them; optimize(model, tune=batch) "
+                "times both on a GPU"
+            )
+        return Placement(False, _ORIGINAL, why)
+    module = get_backend()
+    name = backend_name()
+    if module is None:
+        return Placement(False, _ORIGINAL, f"rnnfuse has no fused kernel for the {name} backend")
+    if not module.is_available():
+        why = _UNAVAILABLE.get(name, f"the {name} fused kernel cannot run here")
+        return Placement(False, _ORIGINAL, why)
+    calls = "one fused call" if len(plan.pieces) <= 1 else f"{len(plan.pieces)} fused calls"
+    return Placement(True, calls)
+
+
+def nothing_fused_reason(plans: Sequence, sources: Sequence[str] | None = None) -> str | None:
+    """Why none of the groups with `plans` runs fused here, or None if one does."""
+    if not plans:
+        return None
+    sources = list(sources or ["static"] * len(plans))
+    found = [placement(p, s) for p, s in zip(plans, sources)]
+    if any(p.fused for p in found):
+        return None
+    reasons = sorted({p.why for p in found if p.why})
+    return "; ".join(reasons)
