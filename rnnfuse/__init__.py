@@ -30,7 +30,8 @@ The dependency rule. The package is in layers, lowest first; a module
 imports only from its own layer or the layers below it (also inside
 functions; tests/test_layering.py checks every import):
 
-    records        reasons.py (Reason, CallPath), report.py, _version.py
+    records        reasons.py (Reason, CallPath), report.py, _version.py,
+                   _deps.py (importing keras), schema/ (JSON Schema files)
     describe/graph recurrent.py (RecurrentView), passes/graph.py
     rules          rules/ (the registry and every fusion rule)
     backends       backends/ (the Backend contract and one package per
@@ -39,7 +40,7 @@ functions; tests/test_layering.py checks every import):
                    keras.backend.backend())
     layers         fused.py (FusedRNN), layers/ (ProjectedLSTM)
     planning       passes/planning.py
-    tuning         tuning/
+    tuning         tuning/, placement.py (where a plan runs here)
     rewrite/saving passes/rewrite.py, persistence.py, passes/__init__.py
     api            api.py, this package's __init__
     cli/render     cli/, plotting.py, __main__.py
@@ -90,13 +91,13 @@ LAYER_NAMES = (
     "cli/render",
 )
 LAYERS = (
-    ("rnnfuse.reasons", "rnnfuse.report", "rnnfuse._version"),
+    ("rnnfuse.reasons", "rnnfuse.report", "rnnfuse._version", "rnnfuse._deps", "rnnfuse.schema"),
     ("rnnfuse.recurrent", "rnnfuse.passes.graph"),
     ("rnnfuse.rules",),
     ("rnnfuse.backends",),
     ("rnnfuse.fused", "rnnfuse.layers"),
     ("rnnfuse.passes.planning",),
-    ("rnnfuse.tuning",),
+    ("rnnfuse.tuning", "rnnfuse.placement"),
     ("rnnfuse.passes", "rnnfuse.passes.rewrite", "rnnfuse.persistence"),
     ("rnnfuse.api",),
     ("rnnfuse.cli", "rnnfuse.plotting", "rnnfuse.__main__"),

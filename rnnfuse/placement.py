@@ -24,8 +24,8 @@ __all__ = ["Placement", "backend_name", "nothing_fused_reason", "placement"]
 # Why a backend's fused kernel cannot run in this process (is_available()
 # is False), by backend name.
 _UNAVAILABLE = {
-    "tensorflow": "TensorFlow's fused kernel (CudnnRNNV3) needs a CUDA GPU and "
-    "none is visible",
+    "tensorflow": "TensorFlow's fused kernels (rnnfuse's cuDNN op, CudnnRNNV3) "
+    "need a CUDA GPU and none is visible",
     "jax": "JAX's fused kernel (jax.experimental.rnn) needs JAX on a GPU and "
     "JAX's default device is not one",
 }
@@ -53,12 +53,7 @@ def backend_name() -> str:
     """The active Keras backend, as rnnfuse's backend registry names it."""
     from rnnfuse.backends import get_backend
 
-    module = get_backend()
-    if module is not None:
-        return module.__name__.rsplit(".", 1)[-1]
-    import keras
-
-    return keras.backend.backend()
+    return get_backend().name
 
 
 def placement(plan, source: str = "static") -> Placement:
@@ -71,18 +66,18 @@ def placement(plan, source: str = "static") -> Placement:
             "static": "the static plan for this backend keeps them",
             "forced": "the plan was forced to per-layer",
         }.get(kind, "timing on this device found them fastest")
-        if kind == "static" and backend_name() == "jax":
+        if kind == "static" and get_backend().capabilities.plan_table == "per_layer":
             why = (
                 "under JAX the static plan keeps Keras' layers, since one fused "
                 "call measured 0.88x-1.62x of them; optimize(model, tune=batch) "
                 "times both on a GPU"
             )
         return Placement(False, _ORIGINAL, why)
-    module = get_backend()
-    name = backend_name()
-    if module is None:
+    backend = get_backend()
+    name = backend.name
+    if not backend.capabilities.fused_kernel:
         return Placement(False, _ORIGINAL, f"rnnfuse has no fused kernel for the {name} backend")
-    if not module.is_available():
+    if not backend.is_available():
         why = _UNAVAILABLE.get(name, f"the {name} fused kernel cannot run here")
         return Placement(False, _ORIGINAL, why)
     calls = "one fused call" if len(plan.pieces) <= 1 else f"{len(plan.pieces)} fused calls"
