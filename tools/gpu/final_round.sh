@@ -1,0 +1,27 @@
+#!/bin/bash
+# On the H200 after the staging runs: build rnnfuse's cuDNN op as a user's
+# first GPU use would, run the TensorFlow GPU suite, then the user-view
+# benchmark (fit/predict through optimize()'s defaults) until DEADLINE_S
+# seconds after the start. Logs and JSON go to $OUT.
+#   DEADLINE_S=420 bash tools/gpu/final_round.sh
+OUT=${OUT:-/tmp}
+start=$(date +%s)
+left() { echo $(( ${DEADLINE_S:-420} - ($(date +%s) - start) )); }
+bash tools/gpu/setup.sh > $OUT/setup.log 2>&1 || { tail -20 $OUT/setup.log; exit 3; }
+source tools/gpu/env.sh
+source tools/gpu/xla.sh
+export CUDNN=${CUDNN:-/opt/torch/.venv/lib/python3.12/site-packages/nvidia/cudnn}
+export RNNFUSE_CACHE_DIR=/tmp/rnnfuse-cache PYTHONUNBUFFERED=1
+python3 -m rnnfuse build-ops > $OUT/build.log 2>&1; echo "build-ops rc $? at $(( $(date +%s) - start )) s: $(tail -1 $OUT/build.log)"
+RNNFUSE_REPORT_DIR=$OUT timeout $(( $(left) - ${BENCH_S:-150} )) python3 -m pytest -q -p no:cacheprovider -rs tests/gpu \
+  --ignore=tests/gpu/test_gpu_torch.py --ignore=tests/gpu/test_gpu_distribute.py \
+  --ignore=tests/gpu/test_gpu_distribute_torch.py --ignore=tests/gpu/test_gpu_jax.py \
+  --junitxml=$OUT/gpu_tests.xml > $OUT/gpu_tests.log 2>&1
+echo "tests rc $? at $(( $(date +%s) - start )) s"
+grep -E "passed|failed|^FAILED|^ERROR" $OUT/gpu_tests.log | grep -v "^I0000\|^W0000" | tail -30
+b=$(( $(left) - 20 ))
+[ $b -lt 40 ] && exit 0
+timeout $(( b + 15 )) python3 bench/bench_user_view.py --anchors --budget $b --rounds 3 --steps 5 \
+  --out $OUT/user_view_tf_h200.json > $OUT/user_view.log 2>&1
+echo "bench rc $? at $(( $(date +%s) - start )) s"
+grep -E "fit .*x predict|ERROR|cells|geomean|below" $OUT/user_view.log | tail -20
