@@ -65,8 +65,8 @@ def _dryrun_emulation(monkeypatch):
 def _cudnnrnnv3_outside_the_op_tests(request, monkeypatch):
     """The older GPU tests prove the CudnnRNNV3 path (their spies sit on its
     call site): they run with rnnfuse's own op turned off;
-    test_gpu_cudnn_op.py tests the op."""
-    if "cudnn_op" not in request.module.__name__:
+    test_gpu_cudnn_op.py and tests marked `cudnn_op` test the op."""
+    if "cudnn_op" not in request.module.__name__ and not request.node.get_closest_marker("cudnn_op"):
         monkeypatch.setenv("RNNFUSE_DISABLE_OP", "1")
     yield
 

@@ -254,7 +254,7 @@ def build_op(force: bool = False, verbose: bool = False) -> Path:
         cmd = build_command(compiler, Path(tmp))
         if verbose:
             print(" ".join(cmd), file=sys.stderr)
-        logger.info("rnnfuse: building its cuDNN RNN op for TensorFlow (%s)", target)
+        logger.info("building rnnfuse's cuDNN RNN op for TensorFlow (%s)", target)
         try:
             proc = subprocess.run(cmd, capture_output=True, text=True)
             if proc.returncode != 0:
