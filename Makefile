@@ -14,6 +14,10 @@ $(STAMP): setup.cfg pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -m pip install -q -e ".[test,tensorflow]"
+	# cuDNN 9's headers and libcudnn.so.9, which the test that compiles
+	# rnnfuse's TensorFlow op links against (no GPU needed; --no-deps skips
+	# the 600 MB cuBLAS wheel it does not use).
+	$(BIN)/python -m pip install -q --no-deps "nvidia-cudnn-cu12>=9.1"
 	touch $(STAMP)
 
 demo: $(STAMP)
