@@ -46,7 +46,7 @@ from rnnfuse.passes import build_layer_graph, plan_fusion  # noqa: E402
 from rnnfuse.tuning.plans import candidate_plans  # noqa: E402
 from rnnfuse.tuning.table import regime_of, static_plan  # noqa: E402
 from rnnfuse.tuning.timing import interleaved_medians  # noqa: E402
-from rnnfuse.tuning.tuner import GRADIENT_SLACK, _default_gradient_check  # noqa: E402
+from rnnfuse.tuning.tuner import _default_gradient_check, gradient_tolerance  # noqa: E402
 
 L = keras.layers
 
@@ -172,7 +172,7 @@ def run_cell(cell: Cell, warmup: int, repeats: int) -> dict:
         for p in plans:
             if p.algorithm:
                 base = errors[[q for q in plans if q.pieces == p.pieces and not q.algorithm][0].name]
-                if errors[p.name] > GRADIENT_SLACK * base + 1e-7:
+                if errors[p.name] > gradient_tolerance(base, dtype):
                     rejected[p.name] = f"gradient error {errors[p.name]:.2e} vs {base:.2e}"
     steps = {"original": make_step(model, x, cell.mode)}
     for p in plans:

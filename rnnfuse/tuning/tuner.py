@@ -60,6 +60,25 @@ __all__ = ["TuneResult", "tune_plans", "device_environment"]
 # A non-default algorithm's gradients may be at most this many times
 # further from the float64 reference than the default algorithm's.
 GRADIENT_SLACK = 2.0
+# ... or within this many units of the compute dtype's rounding (relative):
+# in float16, every algorithm's gradients are ~1e-3 from float64 (the fp16
+# rounding of activations), so "2x the default's" alone would reject
+# cuDNN's persistent kernels on noise (H200: 7.6e-4 persistent vs ~3e-4).
+ROUNDING_UNITS = 4.0
+_EPS = {"float16": 2.0**-10, "bfloat16": 2.0**-7}
+
+
+def gradient_tolerance(default_error: float, dtype: str) -> float:
+    """The largest gradient error (vs float64) a non-default algorithm may
+    have: GRADIENT_SLACK x the default algorithm's, or ROUNDING_UNITS units
+    of `dtype`'s rounding, whichever is larger.
+
+        >>> gradient_tolerance(1e-5, "float32") == 2e-5 + 1e-7
+        True
+        >>> gradient_tolerance(3e-4, "float16") > 7.6e-4
+        True
+    """
+    return max(GRADIENT_SLACK * default_error + 1e-7, ROUNDING_UNITS * _EPS.get(str(dtype), 0.0))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -240,7 +259,7 @@ def tune_plans(
                 for p in plans:
                     if p.name in rejected:
                         continue
-                    if p.algorithm and errors[p.name] > GRADIENT_SLACK * base[p.pieces] + 1e-7:
+                    if p.algorithm and errors[p.name] > gradient_tolerance(base[p.pieces], dtype):
                         rejected[p.name] = (
                             f"gradient error {errors[p.name]:.2e} vs "
                             f"{base[p.pieces]:.2e} with the default algorithm"
