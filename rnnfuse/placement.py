@@ -24,8 +24,8 @@ __all__ = ["Placement", "backend_name", "nothing_fused_reason", "placement"]
 # Why a backend's fused kernel cannot run in this process (is_available()
 # is False), by backend name.
 _UNAVAILABLE = {
-    "tensorflow": "TensorFlow's fused kernels (rnnfuse's cuDNN op, CudnnRNNV3) "
-    "need a CUDA GPU and none is visible",
+    "tensorflow": "TensorFlow's fused kernel (rnnfuse's cuDNN op, or CudnnRNNV3) "
+    "needs a CUDA GPU and none is visible",
     "jax": "JAX's fused kernel (jax.experimental.rnn) needs JAX on a GPU and "
     "JAX's default device is not one",
 }

@@ -23,7 +23,7 @@ import os
 import platform
 from typing import Any, Sequence
 
-__all__ = ["Backend", "Capabilities", "GATES", "NoFusedKernel", "StackSpec", "cpu_description", "loss_weights"]
+__all__ = ["Backend", "Capabilities", "GATES", "KernelModuleBackend", "NoFusedKernel", "StackSpec", "cpu_description", "loss_weights"]
 
 # Gate matrices per cell kind (cuDNN's "pseudo-layer" has 2*G matrices).
 GATES = {"lstm": 4, "gru": 3, "rnn_tanh": 1, "rnn_relu": 1}
@@ -206,6 +206,30 @@ class Backend(abc.ABC):
         """(outputs, gradients) of sum(mean(output_i * w_i)) in inference
         mode, w_i = `loss_weights(shapes, seed)[i]`, as float32 NumPy
         arrays (`rnnfuse check`)."""
+
+
+class KernelModuleBackend(Backend):
+    """A backend whose kernel calls are its package's module functions.
+
+    Subclasses set `kernels` (the backend package, e.g.
+    `rnnfuse.backends.torch`); the kernel methods look the function up on
+    it at call time, so a test that replaces a module function still takes
+    effect.
+    """
+
+    kernels: Any = None
+
+    def is_available(self):
+        return self.kernels.is_available()
+
+    def unsupported_reason(self, stack, dtype):
+        return self.kernels.unsupported_reason(stack, dtype)
+
+    def mask_is_supported(self, mask):
+        return self.kernels.mask_is_supported(mask)
+
+    def run_stack(self, sequences, **kwargs):
+        return self.kernels.run_stack(sequences, **kwargs)
 
 
 class NoFusedKernel(Backend):

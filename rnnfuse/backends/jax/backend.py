@@ -21,15 +21,16 @@ import keras
 import numpy as np
 
 from rnnfuse.backends import jax as kernels
-from rnnfuse.backends.base import Backend, Capabilities, cpu_description, loss_weights
+from rnnfuse.backends.base import KernelModuleBackend, Capabilities, cpu_description, loss_weights
 
 __all__ = ["JaxBackend"]
 
 
-class JaxBackend(Backend):
+class JaxBackend(KernelModuleBackend):
     """JAX: an LSTM stack as one `jax.experimental.rnn.lstm` call (GPU)."""
 
     name = "jax"
+    kernels = kernels
     capabilities = Capabilities(
         fused_kernel=True,
         # jax.experimental.rnn takes a dropout rate but no seed.
@@ -46,18 +47,6 @@ class JaxBackend(Backend):
 
     def group_reason(self, group):
         return kernels.group_reason(group)
-
-    def is_available(self):
-        return kernels.is_available()
-
-    def unsupported_reason(self, stack, dtype):
-        return kernels.unsupported_reason(stack, dtype)
-
-    def mask_is_supported(self, mask):
-        return kernels.mask_is_supported(mask)
-
-    def run_stack(self, sequences, **kwargs):
-        return kernels.run_stack(sequences, **kwargs)
 
     def in_xla_context(self):
         return False

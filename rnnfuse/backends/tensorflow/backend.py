@@ -23,15 +23,16 @@ import numpy as np
 import tensorflow as tf
 
 from rnnfuse.backends import tensorflow as kernels
-from rnnfuse.backends.base import Backend, Capabilities, cpu_description, loss_weights
+from rnnfuse.backends.base import KernelModuleBackend, Capabilities, cpu_description, loss_weights
 
 __all__ = ["TensorFlowBackend"]
 
 
-class TensorFlowBackend(Backend):
+class TensorFlowBackend(KernelModuleBackend):
     """TensorFlow: one `CudnnRNNV3` call per stack (needs a GPU)."""
 
     name = "tensorflow"
+    kernels = kernels
 
     @property
     def capabilities(self) -> Capabilities:
@@ -50,18 +51,6 @@ class TensorFlowBackend(Backend):
 
     def group_reason(self, group):
         return None
-
-    def is_available(self):
-        return kernels.is_available()
-
-    def unsupported_reason(self, stack, dtype):
-        return kernels.unsupported_reason(stack, dtype)
-
-    def mask_is_supported(self, mask):
-        return kernels.mask_is_supported(mask)
-
-    def run_stack(self, sequences, **kwargs):
-        return kernels.run_stack(sequences, **kwargs)
 
     def in_xla_context(self):
         return kernels.in_xla_context()

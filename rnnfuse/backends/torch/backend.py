@@ -22,15 +22,16 @@ import numpy as np
 import torch
 
 from rnnfuse.backends import torch as kernels
-from rnnfuse.backends.base import Backend, Capabilities, cpu_description, loss_weights
+from rnnfuse.backends.base import KernelModuleBackend, Capabilities, cpu_description, loss_weights
 
 __all__ = ["TorchBackend"]
 
 
-class TorchBackend(Backend):
+class TorchBackend(KernelModuleBackend):
     """PyTorch: one `torch._VF` call per stack, on CUDA and on the CPU."""
 
     name = "torch"
+    kernels = kernels
     capabilities = Capabilities(
         fused_kernel=True,
         absorbs_dropout=True,
@@ -45,18 +46,6 @@ class TorchBackend(Backend):
 
     def group_reason(self, group):
         return None
-
-    def is_available(self):
-        return kernels.is_available()
-
-    def unsupported_reason(self, stack, dtype):
-        return kernels.unsupported_reason(stack, dtype)
-
-    def mask_is_supported(self, mask):
-        return kernels.mask_is_supported(mask)
-
-    def run_stack(self, sequences, **kwargs):
-        return kernels.run_stack(sequences, **kwargs)
 
     def in_xla_context(self):
         return False
