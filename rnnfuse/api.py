@@ -83,10 +83,34 @@ def analyze(
         min_layers=min_layers,
         absorb_dropout=absorb_dropout,
     )
-    already = fused_layer_notes(model)
-    if already:
-        report = dataclasses.replace(report, notes=tuple(report.notes) + tuple(already))
+    extra = fused_layer_notes(model) + xla_cost_notes(model, report)
+    if extra:
+        report = dataclasses.replace(report, notes=tuple(report.notes) + tuple(extra))
     return report
+
+
+def xla_cost_notes(model: keras.Model, report: FusionReport) -> list[str]:
+    """A note when fusing would cost the model XLA here: Keras compiles the
+    original with XLA under jit_compile="auto" (every layer supports it, as
+    for a SimpleRNN stack), and the fused kernel on this device cannot be
+    XLA-compiled, so a fused model runs without XLA."""
+    from rnnfuse.backends import get_backend
+
+    backend = get_backend()
+    caps = backend.capabilities
+    if not report.groups or not caps.auto_jit_from_layers or caps.xla_compiles_fused_call:
+        return []
+    if not backend.is_available():
+        return []  # no fused kernel runs here; the fused layers keep XLA
+    if not all(layer.supports_jit for layer in model._flatten_layers(include_self=False)):
+        return []
+    return [
+        f"fusing costs '{model.name}' XLA here: Keras compiles the original with "
+        "XLA (jit_compile='auto'), and the fused cuDNN kernel cannot be compiled "
+        "by XLA, so the optimized model runs without it; first-batch tuning "
+        "times the original XLA-compiled and keeps the original layers where "
+        "they are faster."
+    ]
 
 
 def fused_layer_notes(model: keras.Model) -> list[str]:

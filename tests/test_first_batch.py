@@ -220,3 +220,20 @@ def test_set_plan_checks_its_arguments():
     assert restored.pieces is None
     layer.set_plan((1, 2))
     assert type(layer).from_config(layer.get_config()).pieces == (1, 2)
+
+
+def test_analyze_says_when_fusing_costs_the_model_xla(emulated_cudnn):
+    # A SimpleRNN stack: Keras compiles it with XLA under jit_compile="auto";
+    # the fused cuDNN kernel (here: emulated, so "available") cannot be.
+    loops = stack_model("rnn_tanh", 2, steps=5)
+    (note,) = [n for n in rnnfuse.analyze(loops).notes if "XLA" in n]
+    assert "fusing costs" in note and "jit_compile='auto'" in note
+    # An LSTM stack Keras itself runs on cuDNN has no XLA to lose.
+    cudnn = stack_model("lstm", 2, steps=5)
+    cudnn.layers[1].supports_jit = False
+    assert not [n for n in rnnfuse.analyze(cudnn).notes if "XLA" in n]
+
+
+def test_no_xla_note_where_no_fused_kernel_runs():
+    loops = stack_model("rnn_tanh", 2, steps=5)
+    assert not [n for n in rnnfuse.analyze(loops).notes if "XLA" in n]
