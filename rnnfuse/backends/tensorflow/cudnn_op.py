@@ -236,3 +236,8 @@ def register_gradient() -> None:
     except KeyError:  # already registered (module reloaded)
         pass
     register_gradient.done = True
+
+
+# Gradients are registered by op type name, so this holds before the library
+# is loaded (op_build loads it; this module calls it, not the other way).
+register_gradient()

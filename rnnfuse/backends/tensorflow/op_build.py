@@ -333,9 +333,6 @@ def _load():
             f"loading {path} failed: {exc}. Fix: delete {path.parent} to rebuild, or "
             "make libcudnn.so.9 loadable (pip install 'rnnfuse[cuda]')"
         ) from exc
-    from rnnfuse.backends.tensorflow import cudnn_op
-
-    cudnn_op.register_gradient()
     return module
 
 
