@@ -19,4 +19,4 @@ def test_check_runs_under_torch(tmp_path, capsys):
     code = cli.main(["check", str(path), "--batch", "2", "--json"])
     out = json.loads(capsys.readouterr().out)
     assert code == 0 and out["passed"] and "PyTorch" in out["device"]
-    assert out["groups"] == 1 and all(p == "fused" for p in out["fused_paths"].values())
+    assert len(out["groups"]) == 1 and all(p == "fused" for p in out["fused_paths"].values())
