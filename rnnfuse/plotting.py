@@ -287,7 +287,7 @@ def plot_layer_graph(
     path: str | os.PathLike | None = None,
     *,
     report: Any = None,
-    min_layers: int = 2,
+    min_layers: int | None = None,
     title: str | None = None,
     dpi: int = 120,
     engine: str = "auto",

@@ -239,9 +239,10 @@ def _parser() -> argparse.ArgumentParser:
     common.add_argument(
         "--min-layers",
         type=_positive_int,
-        default=2,
+        default=None,
         metavar="N",
-        help="the least number of recurrent levels worth fusing (default 2)",
+        help="the least number of recurrent levels worth fusing (default: per kind, 1 for "
+        "layers Keras runs in its Python loop, 2 for LSTM/GRU/ProjectedLSTM)",
     )
     plan = argparse.ArgumentParser(add_help=False)
     plan.add_argument(
@@ -376,7 +377,7 @@ def _no_command(args) -> int:
 # -- analysis helpers ----------------------------------------------------------
 
 
-def _analyze(model, min_layers: int):
+def _analyze(model, min_layers: int | None):
     import rnnfuse
 
     try:
