@@ -51,6 +51,7 @@ import rnnfuse  # noqa: E402
 KINDS = ("lstm", "gru", "simple_rnn", "bi_lstm", "bi_gru")
 DTYPES = ("float32", "mixed_float16", "mixed_bfloat16")
 WORK_CAP = 2.0e12  # batch * steps * layers * units^2
+STEPS_PER_EPOCH = 100  # for the tuning-overhead figure only
 
 
 def _log_uniform(rng, lo, hi):
@@ -194,6 +195,27 @@ def summary(rows: list[dict]) -> dict:
         fit_share_below_0_97=sum(s < 0.97 for s in fits) / len(fits),
         predict_geomean=math.exp(statistics.mean(math.log(r["predict_speedup"]) for r in ok)),
         tuning_s_total=sum(r["tuning_s"] for r in ok),
+        **tuning_overhead(ok),
+    )
+
+
+def tuning_overhead(rows: list[dict]) -> dict:
+    """Tuning time as a share of a 10-epoch `fit` of the median model.
+
+    The median model is the cell whose optimized per-step `fit` time is the
+    median of the matrix; an epoch is taken as STEPS_PER_EPOCH steps (the
+    benchmark's own rounds are far shorter than a real epoch).
+    """
+    if not rows:
+        return {}
+    ranked = sorted(rows, key=lambda r: r["fit_ms"]["optimized"])
+    mid = ranked[len(ranked) // 2]
+    ten_epochs_s = 10 * STEPS_PER_EPOCH * mid["fit_ms"]["optimized"] / 1e3
+    return dict(
+        median_model=mid["shape"],
+        median_model_tuning_s=mid["tuning_s"],
+        median_model_10_epochs_s=ten_epochs_s,
+        tuning_overhead_share=mid["tuning_s"] / (ten_epochs_s + mid["tuning_s"]),
     )
 
 
@@ -207,8 +229,12 @@ def main(argv=None) -> int:
     parser.add_argument("--seed", type=int, default=2026)
     parser.add_argument("--quick", action="store_true", help="3 tiny cells, any machine")
     parser.add_argument("--anchors", action="store_true", help="time the ANCHORS cells first")
+    parser.add_argument(
+        "--skip", type=int, default=0,
+        help="leave out the first N drawn cells (to split one matrix over several runs)",
+    )
     args = parser.parse_args(argv)
-    shapes = draw_shapes(args.cells, args.seed)
+    shapes = draw_shapes(args.cells, args.seed)[args.skip:]
     if args.anchors:
         shapes = [dict(a) for a in ANCHORS] + shapes
     if args.quick:
@@ -220,7 +246,9 @@ def main(argv=None) -> int:
         rnnfuse=rnnfuse.__version__,
         python=platform.python_version(),
         seed=args.seed,
+        skip=args.skip,
         work_cap=WORK_CAP,
+        steps_per_epoch_for_overhead=STEPS_PER_EPOCH,
         rounds=args.rounds,
         steps=args.steps,
     )
@@ -233,7 +261,7 @@ def main(argv=None) -> int:
             row = measure(shape, args.rounds, args.steps)
             print(
                 f"{shape} fit {row['fit_speedup']:.2f}x predict {row['predict_speedup']:.2f}x "
-                f"tuning {row['tuning_s']:.1f}s",
+                f"tuning {row['tuning_s']:.1f}s plans {[(p['pieces'], p['algorithm']) for p in row['plans']]}",
                 flush=True,
             )
         except Exception as err:  # noqa: BLE001 - record and go on

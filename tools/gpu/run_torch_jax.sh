@@ -1,7 +1,7 @@
 #!/bin/bash
 # On the GPU machine (no TensorFlow needed; carry .gpu/whl): the torch-backend
 # GPU tests and benchmark, then the JAX measurement. Logs and JSON go to $OUT.
-#   bash tools/gpu/run_torch_jax.sh torch|torch-tests|jax|jax-tests
+#   bash tools/gpu/run_torch_jax.sh torch|torch-tests|torch-view|jax|jax-tests
 OUT=${OUT:-/tmp}
 mkdir -p /tmp/ks
 for w in .gpu/whl/keras-*.whl .gpu/whl/namex-*.whl .gpu/whl/optree-*.whl; do
@@ -19,6 +19,11 @@ case "$1" in
     KERAS_BACKEND=torch python3 bench/bench_torch.py --call-modes auto --tuned \
       --max-seconds ${BENCH_SECONDS:-220} --out $OUT/torch_tuned_h200.json > $OUT/torch_bench.log 2>&1
     tail -4 $OUT/torch_bench.log ;;
+  torch-view)
+    KERAS_BACKEND=torch timeout $(( ${BENCH_SECONDS:-400} + 60 )) python3 bench/bench_user_view.py \
+      ${BENCH_ARGS---anchors} --budget ${BENCH_SECONDS:-400} --rounds 3 --steps 5 \
+      --out $OUT/user_view_torch_h200${BENCH_TAG}.json > $OUT/user_view_torch.log 2>&1
+    grep -E "fit .*x predict|ERROR|cells|geomean|below|overhead" $OUT/user_view_torch.log | tail -40 ;;
   jax-tests)
     KERAS_BACKEND=jax python3 -m pytest -q -p no:cacheprovider -s -rs tests/gpu/test_gpu_jax.py \
       > $OUT/jax_gpu_tests.log 2>&1
