@@ -22,8 +22,10 @@ matrix (bench/results/tf_h200.json):
 
 Per model: the first optimized `fit` (which includes tuning) is timed on
 its own and reported as tuning time; then the two models alternate
-`fit(steps)` rounds (interleaved) and the per-step medians are compared;
-then `predict` likewise.
+`fit(steps)` rounds (interleaved, the order flipped every round) and the
+per-step medians are compared; then `predict` likewise. The steps in a
+round are sized from one timed step so a round lasts about ROUND_S seconds
+(1 to --steps steps).
 
     python bench/bench_user_view.py --out /tmp/user_tf.json --budget 300
     KERAS_BACKEND=torch python bench/bench_user_view.py --out /tmp/user_torch.json
@@ -52,6 +54,7 @@ KINDS = ("lstm", "gru", "simple_rnn", "bi_lstm", "bi_gru")
 DTYPES = ("float32", "mixed_float16", "mixed_bfloat16")
 WORK_CAP = 2.0e12  # batch * steps * layers * units^2
 STEPS_PER_EPOCH = 100  # for the tuning-overhead figure only
+ROUND_S = 0.3  # target seconds of one timed round (see steps_for)
 
 
 def _log_uniform(rng, lo, hi):
@@ -136,11 +139,19 @@ def _per_step(fn, steps: int) -> float:
     return (time.perf_counter() - start) / steps
 
 
+def steps_for(step_s: float, most: int, round_s: float = ROUND_S) -> int:
+    """Steps per timed round: enough for about `round_s` seconds, 1 to `most`.
+
+    >>> steps_for(0.025, 20), steps_for(2.0, 20)
+    (12, 1)
+    """
+    return max(1, min(most, math.ceil(round_s / max(step_s, 1e-6))))
+
+
 def measure(shape: dict, rounds: int, steps: int) -> dict:
     rng = np.random.default_rng(0)
     model = build(shape)
     x, y = data(shape, rng)
-    xs, ys = np.concatenate([x] * steps), np.concatenate([y] * steps)
     b = shape["batch"]
     fast = rnnfuse.optimize(model)
     model.compile(optimizer="adam", loss="mse")
@@ -149,6 +160,14 @@ def measure(shape: dict, rounds: int, steps: int) -> dict:
     fast.fit(x, y, batch_size=b, epochs=1, verbose=0)  # tunes, traces
     first_fit_s = time.perf_counter() - tune_start
     model.fit(x, y, batch_size=b, epochs=1, verbose=0)  # traces
+    # One more step each, to size the rounds: a slow cell gets fewer steps a
+    # round, a fast one more (less noise from Python and launch jitter).
+    one = max(
+        _per_step(lambda: m.fit(x, y, batch_size=b, epochs=1, verbose=0), 1)
+        for m in (model, fast)
+    )
+    steps = steps_for(one, steps)
+    xs, ys = np.concatenate([x] * steps), np.concatenate([y] * steps)
     times = {"original": [], "optimized": []}
     for r in range(rounds):
         order = [("original", model), ("optimized", fast)]
@@ -160,7 +179,8 @@ def measure(shape: dict, rounds: int, steps: int) -> dict:
     fast.predict(x, batch_size=b, verbose=0)
     pred = {"original": [], "optimized": []}
     for r in range(rounds):
-        for name, m in (("original", model), ("optimized", fast)):
+        order = [("original", model), ("optimized", fast)]
+        for name, m in order if r % 2 == 0 else order[::-1]:
             pred[name].append(_per_step(lambda: m.predict(xs, batch_size=b, verbose=0), steps))
     fit_o, fit_f = statistics.median(times["original"]), statistics.median(times["optimized"])
     pr_o, pr_f = statistics.median(pred["original"]), statistics.median(pred["optimized"])
@@ -175,6 +195,7 @@ def measure(shape: dict, rounds: int, steps: int) -> dict:
         predict_ms=dict(original=1e3 * pr_o, optimized=1e3 * pr_f),
         predict_speedup=pr_o / pr_f,
         first_fit_s=first_fit_s,
+        steps_per_round=steps,
         tuning_s=getattr(getattr(fast, "_rnnfuse_autotune", None), "seconds", 0.0),
         jit_original=bool(model.jit_compile),
         jit_optimized=bool(fast.jit_compile),
@@ -224,7 +245,10 @@ def main(argv=None) -> int:
     parser.add_argument("--out", required=True)
     parser.add_argument("--cells", type=int, default=30)
     parser.add_argument("--rounds", type=int, default=5)
-    parser.add_argument("--steps", type=int, default=10, help="fit steps per timed round")
+    parser.add_argument(
+        "--steps", type=int, default=20,
+        help="most fit/predict steps per timed round (fewer for slow cells: ROUND_S)",
+    )
     parser.add_argument("--budget", type=float, default=420.0, help="seconds")
     parser.add_argument("--seed", type=int, default=2026)
     parser.add_argument("--quick", action="store_true", help="3 tiny cells, any machine")

@@ -1,0 +1,157 @@
+"""Tables and a plot from bench_user_view.py's JSON (one or more parts).
+
+Parts of one matrix (runs split with `--skip`) are merged per backend, in
+draw order; a cell measured twice keeps its first measurement.
+
+    python bench/report_user_view.py bench/results/user_view_torch_h200_*.json \\
+        --plot docs/benchmarks_user_view.png > /tmp/table.md
+
+Example (what a cell's row looks like):
+
+    >>> row = dict(shape=dict(kind="gru", layers=3, units=64, batch=8, steps=50,
+    ...            dtype="float32", masked=True), fit_speedup=1.5,
+    ...            predict_speedup=2.0, tuning_s=0.4, plans=[dict(pieces=None, algorithm=None)],
+    ...            fit_ms=dict(original=3.0, optimized=2.0))
+    >>> print(markdown_row(1, row))
+    | 1 | gru 3x64 B8 T50 float32 masked | 3.0 / 2.0 | **1.50x** | 2.00x | 0.4 s | fused |
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+import sys
+
+
+def shape_text(shape: dict) -> str:
+    text = (
+        f"{shape['kind']} {shape['layers']}x{shape['units']} B{shape['batch']} "
+        f"T{shape['steps']} {shape['dtype']}"
+    )
+    return text + (" masked" if shape.get("masked") else "")
+
+
+def plan_text(plans: list[dict]) -> str:
+    out = []
+    for plan in plans:
+        pieces = plan.get("pieces")
+        name = (
+            "fused" if pieces is None
+            else "per layer" if tuple(pieces) == ()
+            else "split " + "+".join(str(p) for p in pieces)
+        )
+        if plan.get("algorithm"):
+            name += f" @{plan['algorithm']}"
+        out.append(name)
+    return "; ".join(out) or "-"
+
+
+def markdown_row(i: int, row: dict) -> str:
+    fit = row["fit_speedup"]
+    mark = "**" if fit >= 0.97 else ""
+    return (
+        f"| {i} | {shape_text(row['shape'])} | {row['fit_ms']['original']:.1f} / "
+        f"{row['fit_ms']['optimized']:.1f} | {mark}{fit:.2f}x{mark} | "
+        f"{row['predict_speedup']:.2f}x | {row['tuning_s']:.1f} s | {plan_text(row['plans'])} |"
+    )
+
+
+def merge(paths: list[str]) -> dict[str, dict]:
+    """Per backend: meta of the first part and every measured row."""
+    out: dict[str, dict] = {}
+    for path in paths:
+        with open(path) as f:
+            data = json.load(f)
+        backend = data["meta"]["backend"]
+        entry = out.setdefault(backend, dict(meta=data["meta"], rows=[], other=[], seen=set()))
+        for row in data["results"]:
+            key = json.dumps(row["shape"], sort_keys=True)
+            if "fit_speedup" in row and key not in entry["seen"]:
+                entry["seen"].add(key)
+                entry["rows"].append(row)
+            elif "fit_speedup" not in row and "error" in row:
+                entry["other"].append(row)
+    return out
+
+
+def summary(rows: list[dict]) -> dict:
+    fits = [r["fit_speedup"] for r in rows]
+    preds = [r["predict_speedup"] for r in rows]
+    geo = lambda xs: math.exp(statistics.mean(math.log(x) for x in xs))
+    return dict(
+        cells=len(rows),
+        fit_min=min(fits),
+        fit_geomean=geo(fits),
+        fit_below=sum(f < 0.97 for f in fits),
+        predict_min=min(preds),
+        predict_geomean=geo(preds),
+        predict_below=sum(p < 0.97 for p in preds),
+        tuning_s=sum(r["tuning_s"] for r in rows),
+    )
+
+
+def markdown(merged: dict[str, dict]) -> str:
+    lines = []
+    for backend, entry in merged.items():
+        rows = entry["rows"]
+        if not rows:
+            continue
+        s = summary(rows)
+        lines += [
+            f"#### {backend}: {s['cells']} cells",
+            "",
+            f"fit: min {s['fit_min']:.2f}x, geometric mean {s['fit_geomean']:.2f}x, "
+            f"{s['fit_below']} of {s['cells']} below 0.97x; predict: min {s['predict_min']:.2f}x, "
+            f"geometric mean {s['predict_geomean']:.2f}x, {s['predict_below']} below 0.97x; "
+            f"first-batch tuning {s['tuning_s']:.0f} s in all.",
+            "",
+            "| # | model | fit ms/step original / optimized | fit | predict | tuning | plan chosen |",
+            "|---:|---|---:|---:|---:|---:|---|",
+        ]
+        lines += [markdown_row(i, r) for i, r in enumerate(rows, 1)]
+        for row in entry["other"]:
+            lines.append(f"| - | {shape_text(row['shape'])} | error: {row['error'][:120]} | | | | |")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def plot(merged: dict[str, dict], path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    backends = [b for b, e in merged.items() if e["rows"]]
+    fig, axes = plt.subplots(1, len(backends), figsize=(6 * len(backends), 4), squeeze=False)
+    for ax, backend in zip(axes[0], backends):
+        rows = merged[backend]["rows"]
+        idx = range(1, len(rows) + 1)
+        ax.scatter(idx, [r["fit_speedup"] for r in rows], label="fit", marker="o")
+        ax.scatter(idx, [r["predict_speedup"] for r in rows], label="predict", marker="x")
+        ax.axhline(0.97, color="red", linewidth=0.8, linestyle="--", label="0.97x")
+        ax.axhline(1.0, color="grey", linewidth=0.5)
+        ax.set_yscale("log")
+        ax.set_xlabel("drawn cell")
+        ax.set_ylabel("speedup over the original (log)")
+        ax.set_title(f"{backend}: optimize() defaults, H200")
+        ax.legend(loc="upper left")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("parts", nargs="+")
+    parser.add_argument("--plot")
+    args = parser.parse_args(argv)
+    merged = merge(args.parts)
+    print(markdown(merged))
+    if args.plot:
+        plot(merged, args.plot)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
