@@ -139,6 +139,13 @@ def _per_step(fn, steps: int) -> float:
     return (time.perf_counter() - start) / steps
 
 
+def _plans(fast: keras.Model) -> list[dict]:
+    return [
+        dict(layers=[l.name for l in f.fused_layers], pieces=f.pieces, algorithm=f.algorithm)
+        for f in rnnfuse.tuning.first_batch.fused_layers(fast)
+    ]
+
+
 def steps_for(step_s: float, most: int, round_s: float = ROUND_S) -> int:
     """Steps per timed round: enough for about `round_s` seconds, 1 to `most`.
 
@@ -175,8 +182,9 @@ def measure(shape: dict, rounds: int, steps: int) -> dict:
             times[name].append(
                 _per_step(lambda: m.fit(xs, ys, batch_size=b, epochs=1, verbose=0), steps)
             )
+    plans = _plans(fast)  # the training plans, chosen on the first fit
     model.predict(x, batch_size=b, verbose=0)
-    fast.predict(x, batch_size=b, verbose=0)
+    fast.predict(x, batch_size=b, verbose=0)  # tunes for inference
     pred = {"original": [], "optimized": []}
     for r in range(rounds):
         order = [("original", model), ("optimized", fast)]
@@ -184,10 +192,6 @@ def measure(shape: dict, rounds: int, steps: int) -> dict:
             pred[name].append(_per_step(lambda: m.predict(xs, batch_size=b, verbose=0), steps))
     fit_o, fit_f = statistics.median(times["original"]), statistics.median(times["optimized"])
     pr_o, pr_f = statistics.median(pred["original"]), statistics.median(pred["optimized"])
-    plans = [
-        dict(layers=[l.name for l in f.fused_layers], pieces=f.pieces, algorithm=f.algorithm)
-        for f in rnnfuse.tuning.first_batch.fused_layers(fast)
-    ]
     return dict(
         shape=shape,
         fit_ms=dict(original=1e3 * fit_o, optimized=1e3 * fit_f),
@@ -200,6 +204,7 @@ def measure(shape: dict, rounds: int, steps: int) -> dict:
         jit_original=bool(model.jit_compile),
         jit_optimized=bool(fast.jit_compile),
         plans=plans,
+        plans_predict=_plans(fast),
         raw=dict(fit=times, predict=pred),
     )
 

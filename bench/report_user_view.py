@@ -13,7 +13,7 @@ Example (what a cell's row looks like):
     ...            predict_speedup=2.0, tuning_s=0.4, plans=[dict(pieces=None, algorithm=None)],
     ...            fit_ms=dict(original=3.0, optimized=2.0))
     >>> print(markdown_row(1, row))
-    | 1 | gru 3x64 B8 T50 float32 masked | 3.0 / 2.0 | **1.50x** | 2.00x | 0.4 s | fused |
+    | 1 | gru 3x64 B8 T50 float32 masked | 3.0 / 2.0 | **1.50x** | 2.00x | 0.4 s | fused | - |
 """
 
 from __future__ import annotations
@@ -54,7 +54,8 @@ def markdown_row(i: int, row: dict) -> str:
     return (
         f"| {i} | {shape_text(row['shape'])} | {row['fit_ms']['original']:.1f} / "
         f"{row['fit_ms']['optimized']:.1f} | {mark}{fit:.2f}x{mark} | "
-        f"{row['predict_speedup']:.2f}x | {row['tuning_s']:.1f} s | {plan_text(row['plans'])} |"
+        f"{row['predict_speedup']:.2f}x | {row['tuning_s']:.1f} s | {plan_text(row['plans'])} | "
+        f"{plan_text(row.get('plans_predict', []))} |"
     )
 
 
@@ -107,12 +108,12 @@ def markdown(merged: dict[str, dict]) -> str:
             f"geometric mean {s['predict_geomean']:.2f}x, {s['predict_below']} below 0.97x; "
             f"first-batch tuning {s['tuning_s']:.0f} s in all.",
             "",
-            "| # | model | fit ms/step original / optimized | fit | predict | tuning | plan chosen |",
-            "|---:|---|---:|---:|---:|---:|---|",
+            "| # | model | fit ms/step original / optimized | fit | predict | tuning | fit plan | predict plan |",
+            "|---:|---|---:|---:|---:|---:|---|---|",
         ]
         lines += [markdown_row(i, r) for i, r in enumerate(rows, 1)]
         for row in entry["other"]:
-            lines.append(f"| - | {shape_text(row['shape'])} | error: {row['error'][:120]} | | | | |")
+            lines.append(f"| - | {shape_text(row['shape'])} | error: {row['error'][:120]} | | | | | |")
         lines.append("")
     return "\n".join(lines)
 

@@ -43,8 +43,8 @@ def fake_gpu(monkeypatch):
     monkeypatch.setattr(first_batch, "device_environment", lambda: dict(ENV))
     built = []
 
-    def steps(group, plans, shape, dtype, training, jit_baseline=False):
-        built.append({"shape": shape, "jit_baseline": jit_baseline})
+    def steps(group, plans, shape, dtype, training, jit_baseline=False, masked=False):
+        built.append({"shape": shape, "jit_baseline": jit_baseline, "masked": masked})
         return {p.name: None for p in plans}
 
     monkeypatch.setattr(tuner, "_steps", steps)
@@ -82,6 +82,49 @@ def test_first_fit_times_the_candidates_on_the_real_batch_and_keeps_the_fastest(
     assert "fused" in layer.last_path
     # The split plan computes what the original layers compute.
     assert max_abs_diff(fast.predict(x, verbose=0), model.predict(x, verbose=0)) <= 2e-5
+
+
+def test_a_masked_input_is_timed_with_a_mask_and_cached_as_its_own_decision(
+    fake_gpu, emulated_cudnn, tmp_path
+):
+    # Under torch a mask sends Keras' LSTM/GRU to their Python loop (33x
+    # slower on the H200): timing the candidates unmasked misjudges them.
+    cache = PlanCache(tmp_path / "plans.json")
+    masked = stack_model("gru", 2, steps=6, masked=True)
+    assert first_batch.receives_mask(fused_layers(rnnfuse.optimize(masked, cache=cache))[0])
+    x, y = _data(masked, n=8)
+    fast = _optimize(masked, FakeTimer({"per-layer": 2.0, "fused": 1.0}), cache)
+    fast.compile(optimizer="sgd", loss="mse")
+    fast.fit(x, y, batch_size=8, verbose=0)
+    assert fake_gpu[-1]["masked"] is True
+    plain = stack_model("gru", 2, steps=6)
+    assert not first_batch.receives_mask(fused_layers(rnnfuse.optimize(plain, cache=cache))[0])
+    xp, yp = _data(plain, n=8)
+    timer = FakeTimer({"per-layer": 1.0, "fused": 2.0})
+    fast2 = _optimize(plain, timer, cache)
+    fast2.compile(optimizer="sgd", loss="mse")
+    fast2.fit(xp, yp, batch_size=8, verbose=0)
+    assert timer.calls == 1, "the masked decision must not stand in for an unmasked input"
+    assert fake_gpu[-1]["masked"] is False
+    keys = [k for k, _ in cache.items()]
+    assert sum(k.endswith("||masked") for k in keys) == 1 and len(keys) == 2
+
+
+def test_the_padding_mask_for_timing_is_right_padded_and_reaches_the_layers(emulated_cudnn):
+    model = stack_model("lstm", 2, units=4, steps=7, masked=True)
+    fast = rnnfuse.optimize(model, tune=False)
+    group = first_batch.group_of(fused_layers(fast)[0])
+    mask = keras.ops.convert_to_numpy(tuner.padding_mask((5, 7)))
+    assert mask[0].all() and not mask.all()
+    assert all(list(row) == sorted(row, reverse=True) for row in mask)
+    x = tuner._input_batch((5, 7, group.input_size), "float32")
+    seen = []
+    for plan in (rnnfuse.tuning.plans.PER_LAYER, rnnfuse.tuning.plans.FUSED):
+        run = tuner._runner(group, plan)
+        out = tuner._with_mask(run, tuner.padding_mask((5, 7)))(x, False)
+        plain = run(x, False)
+        seen.append(max_abs_diff(out, plain))
+    assert all(d > 1e-4 for d in seen), "the mask changed neither plan's output"
 
 
 def test_a_cached_decision_is_used_without_timing(fake_gpu, emulated_cudnn, tmp_path):

@@ -68,7 +68,7 @@ def _no_real_steps(monkeypatch):
     """The fake timer never runs steps; building them is all we skip."""
     from rnnfuse.tuning import tuner
 
-    monkeypatch.setattr(tuner, "_steps", lambda group, plans, shape, dtype, training, jit_baseline=False: {p.name: None for p in plans})
+    monkeypatch.setattr(tuner, "_steps", lambda group, plans, shape, dtype, training, jit_baseline=False, masked=False: {p.name: None for p in plans})
 
 
 def test_candidates_cover_per_layer_whole_split_and_algorithms():

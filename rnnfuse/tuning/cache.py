@@ -74,10 +74,15 @@ def group_signature(group: Any) -> str:
     )
 
 
-def cache_key(environment: dict, group: Any, shape: tuple, dtype: str, training: bool) -> str:
+def cache_key(
+    environment: dict, group: Any, shape: tuple, dtype: str, training: bool, masked: bool = False
+) -> str:
+    """The cache key of one decision. A masked input (right-padded sequence
+    lengths) is its own decision: it changes which kernels Keras runs."""
     env = "|".join(f"{k}={environment[k]}" for k in sorted(environment))
     mode = "train" if training else "infer"
-    return f"{env}||{group_signature(group)}||{tuple(shape)}||{dtype}||{mode}"
+    key = f"{env}||{group_signature(group)}||{tuple(shape)}||{dtype}||{mode}"
+    return key + "||masked" if masked else key
 
 
 class PlanCache:

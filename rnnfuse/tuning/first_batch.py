@@ -197,6 +197,20 @@ def _group_shape(fused: FusedRNN, group: FusionGroup, batch_shape: tuple) -> tup
     return (int(batch_shape[0]), int(steps), int(group.input_size or 1))
 
 
+def receives_mask(fused: FusedRNN) -> bool:
+    """Whether `fused` is called with a padding mask in its model (the
+    rewrite passes the mask as an argument; Keras' own propagation sets it
+    on the input tensor)."""
+    for node in getattr(fused, "_inbound_nodes", ()):
+        arguments = getattr(node, "arguments", None)
+        if arguments is not None and arguments.kwargs.get("mask") is not None:
+            return True
+        for tensor in keras.tree.flatten(getattr(node, "input_tensors", ())):
+            if getattr(tensor, "_keras_mask", None) is not None:
+                return True
+    return False
+
+
 def _keras_would_jit(model: keras.Model, state: AutoTune) -> bool:
     """Whether Keras would XLA-compile the original model (jit_compile="auto")."""
     if not state.jit_auto or not get_backend().capabilities.auto_jit_from_layers:
@@ -235,11 +249,12 @@ def prepare(model: keras.Model, x: Any, batch_size: int | None, *, training: boo
         return []
     groups = [group_of(f) for f in layers]
     shapes = {id(g): _group_shape(f, g, shape) for f, g in zip(layers, groups)}
+    masked = {id(g): receives_mask(f) for f, g in zip(layers, groups)}
     if training in state.timed:
-        results = _nearest_decisions(state, environment, groups, shapes, training)
+        results = _nearest_decisions(state, environment, groups, shapes, training, masked)
     else:
         start = time.perf_counter()
-        results = _timed_decisions(model, state, environment, groups, shapes, training)
+        results = _timed_decisions(model, state, environment, groups, shapes, training, masked)
         state.timed[training] = shape
         state.seconds += time.perf_counter() - start
         _log(results, shapes, training, time.perf_counter() - start)
@@ -257,7 +272,7 @@ def prepare(model: keras.Model, x: Any, batch_size: int | None, *, training: boo
     return [r for r in results if r is not None]
 
 
-def _timed_decisions(model, state, environment, groups, shapes, training):
+def _timed_decisions(model, state, environment, groups, shapes, training, masked):
     try:
         return tune_plans(
             groups,
@@ -269,6 +284,7 @@ def _timed_decisions(model, state, environment, groups, shapes, training):
             environment=environment,
             progress=True,
             jit_baseline=_keras_would_jit(model, state),
+            masked_of=lambda g: masked[id(g)],
         )
     except Exception as err:  # noqa: BLE001 - timing must never break the user's fit
         logger.warning(
@@ -280,7 +296,7 @@ def _timed_decisions(model, state, environment, groups, shapes, training):
         return [None] * len(groups)
 
 
-def _nearest_decisions(state, environment, groups, shapes, training):
+def _nearest_decisions(state, environment, groups, shapes, training, masked):
     """Cached decisions for a later shape: exact, else the nearest shape."""
     if state.cache is None:
         return [None] * len(groups)
@@ -288,17 +304,19 @@ def _nearest_decisions(state, environment, groups, shapes, training):
     for group in groups:
         dtype = group.views[0].layer.compute_dtype
         shape = shapes[id(group)]
-        hit = state.cache.get(cache_key(environment, group, shape, dtype, training))
+        is_masked = masked[id(group)]
+        hit = state.cache.get(cache_key(environment, group, shape, dtype, training, is_masked))
         if hit is None:
-            hit = _nearest(state.cache, environment, group, shape, dtype, training)
+            hit = _nearest(state.cache, environment, group, shape, dtype, training, is_masked)
         plan = _plan_of(hit, group)
         out.append(None if plan is None else TuneResult(group, plan, "cache"))
     return out
 
 
-def _nearest(cache: PlanCache, environment, group, shape, dtype, training) -> dict | None:
-    """The cached entry of the nearest shape for the same group/dtype/mode."""
-    probe = cache_key(environment, group, (0,), dtype, training)
+def _nearest(cache: PlanCache, environment, group, shape, dtype, training, masked=False) -> dict | None:
+    """The cached entry of the nearest shape for the same group/dtype/mode
+    (and the same masked or unmasked input)."""
+    probe = cache_key(environment, group, (0,), dtype, training, masked)
     prefix, _, rest = probe.partition(f"||{group_signature(group)}||")
     suffix = rest.partition("||")[2]
     best, best_distance = None, math.inf

@@ -116,6 +116,29 @@ def _input_batch(shape: tuple, dtype: str, seed: int = 0):
     return keras.ops.convert_to_tensor(rng.standard_normal(shape).astype("float32"), dtype=dtype)
 
 
+def padding_mask(shape: tuple, seed: int = 0):
+    """A right-padded boolean mask (batch, steps) like a real ragged batch:
+    lengths drawn between half the steps and all of them, the first row
+    full length (so the padded length is the real one).
+
+    >>> m = keras.ops.convert_to_numpy(padding_mask((3, 8)))
+    >>> m.shape, bool(m[0].all()), all((row[:-1] >= row[1:]).all() for row in m)
+    ((3, 8), True, True)
+    """
+    rng = np.random.default_rng(seed)
+    batch, steps = int(shape[0]), int(shape[1])
+    lengths = rng.integers(max(1, steps // 2), steps + 1, size=batch)
+    lengths[0] = steps
+    return keras.ops.convert_to_tensor(np.arange(steps)[None, :] < lengths[:, None])
+
+
+def _with_mask(run: Callable, mask) -> Callable:
+    """`run` with the padding mask passed to every call (None: `run` itself)."""
+    if mask is None:
+        return run
+    return lambda x, training: run(x, training, mask=mask)
+
+
 def _runner(group: FusionGroup, plan: Plan, dtype: str | None = None) -> Callable:
     """A callable x -> outputs that runs `group` under `plan`."""
     from rnnfuse.fused import FusedRNN, call_members
@@ -127,8 +150,10 @@ def _runner(group: FusionGroup, plan: Plan, dtype: str | None = None) -> Callabl
             if i < len(group.gap_dropout) and group.gap_dropout[i] is not None:
                 members.append(group.gap_dropout[i])
 
-        def per_layer(x, training):
+        def per_layer(x, training, mask=None):
             kwargs = {"training": training}
+            if mask is not None:
+                kwargs["mask"] = mask
             return call_members(members, x, first=kwargs, rest=kwargs)
 
         return per_layer
@@ -142,9 +167,10 @@ def _runner(group: FusionGroup, plan: Plan, dtype: str | None = None) -> Callabl
         for g, algorithm in split_groups([group], [plan])
     ]
 
-    def fused(x, training):
+    def fused(x, training, mask=None):
+        kwargs = {} if mask is None else {"mask": mask}
         for piece in pieces:
-            x = piece(x, training=training)
+            x = piece(x, training=training, **kwargs)
         return x
 
     return fused
@@ -191,6 +217,7 @@ def tune_plans(
     warmup: int = 2,
     repeats: int = 5,
     jit_baseline: bool = False,
+    masked_of: Callable[[FusionGroup], bool] | None = None,
 ) -> list[TuneResult]:
     """The plan for each group, measured on this device (see module doc).
 
@@ -210,6 +237,10 @@ def tune_plans(
             them when it compiles the original model with XLA
             (jit_compile="auto" on a model whose layers all support it); a
             fused plan, which turns XLA off, must beat that.
+        masked_of: group -> whether its input carries a padding mask (the
+            candidates are then timed with a right-padded mask, since a
+            mask changes the kernels Keras runs: under torch it sends
+            Keras' LSTM/GRU to their Python loop). Default: no mask.
     """
     environment = environment if environment is not None else device_environment()
     results = []
@@ -227,7 +258,8 @@ def tune_plans(
     for group in groups:
         dtype = group.views[0].layer.compute_dtype
         shape = tuple(int(d) for d in shape_of(group))
-        key = cache_key(environment, group, shape, dtype, training)
+        masked = bool(masked_of(group)) if masked_of is not None else False
+        key = cache_key(environment, group, shape, dtype, training, masked)
         hit = cache.get(key) if cache is not None else None
         if hit is not None:
             plan, problem = _cached_plan(hit, group)
@@ -235,13 +267,13 @@ def tune_plans(
                 results.append(TuneResult(group, plan, "cache", dict(hit.get("timings", {}))))
                 continue
             cache.set_aside(key, problem)
-        jobs.append((len(results), group, shape, dtype, key))
+        jobs.append((len(results), group, shape, dtype, key, masked))
         results.append(None)
     if not jobs:
         return results
     bar = _progress(progress, sum(len(candidates(g)) for _, g, *_ in jobs))
     with bar:
-        for index, group, shape, dtype, key in jobs:
+        for index, group, shape, dtype, key, masked in jobs:
             plans = candidates(group)
             rejected = {}
             if training and any(p.algorithm for p in plans):
@@ -265,7 +297,7 @@ def tune_plans(
                             f"{base[p.pieces]:.2e} with the default algorithm"
                         )
             plans = [p for p in plans if p.name not in rejected]
-            steps = _steps(group, plans, shape, dtype, training, jit_baseline)
+            steps = _steps(group, plans, shape, dtype, training, jit_baseline, masked)
             stats = measure(steps, on_step=bar.advance_one) if _takes_on_step(measure) else measure(steps)
             bar.advance_rest(len(plans) + len(rejected))
             timings = {name: float(s["median"]) for name, s in stats.items()}
@@ -317,10 +349,14 @@ def _takes_on_step(fn) -> bool:
         return False
 
 
-def _steps(group, plans, shape, dtype, training, jit_baseline=False) -> dict:
+def _steps(group, plans, shape, dtype, training, jit_baseline=False, masked=False) -> dict:
     x = _input_batch(shape, dtype)
+    mask = padding_mask(shape) if masked else None
     return {
-        p.name: _step(group, _runner(group, p), x, training, jit=jit_baseline and not p.pieces)
+        p.name: _step(
+            group, _with_mask(_runner(group, p), mask), x, training,
+            jit=jit_baseline and not p.pieces,
+        )
         for p in plans
     }
 
