@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import math
 import os
 import platform
@@ -263,6 +264,10 @@ def main(argv=None) -> int:
         help="leave out the first N drawn cells (to split one matrix over several runs)",
     )
     args = parser.parse_args(argv)
+    # First-batch tuning's INFO lines (what was timed, in ms, and chosen)
+    # go to stderr beside the results.
+    logging.basicConfig(format="%(name)s %(levelname)s %(message)s")
+    logging.getLogger("rnnfuse").setLevel(logging.INFO)
     shapes = draw_shapes(args.cells, args.seed)[args.skip:]
     if args.anchors:
         shapes = [dict(a) for a in ANCHORS] + shapes
