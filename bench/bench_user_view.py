@@ -258,7 +258,10 @@ def main(argv=None) -> int:
     parser.add_argument("--budget", type=float, default=420.0, help="seconds")
     parser.add_argument("--seed", type=int, default=2026)
     parser.add_argument("--quick", action="store_true", help="3 tiny cells, any machine")
-    parser.add_argument("--anchors", action="store_true", help="time the ANCHORS cells first")
+    parser.add_argument(
+        "--anchors", type=int, nargs="?", const=len(ANCHORS), default=0, metavar="N",
+        help="time the first N ANCHORS cells first (all without N)",
+    )
     parser.add_argument(
         "--skip", type=int, default=0,
         help="leave out the first N drawn cells (to split one matrix over several runs)",
@@ -270,7 +273,7 @@ def main(argv=None) -> int:
     logging.getLogger("rnnfuse").setLevel(logging.INFO)
     shapes = draw_shapes(args.cells, args.seed)[args.skip:]
     if args.anchors:
-        shapes = [dict(a) for a in ANCHORS] + shapes
+        shapes = [dict(a) for a in ANCHORS[: args.anchors]] + shapes
     if args.quick:
         shapes = [dict(s, layers=2, units=32, batch=4, steps=10) for s in shapes[:3]]
         args.rounds, args.steps = 2, 1
