@@ -16,7 +16,9 @@ call, decides how to run them:
 What it reproduces from the original stack: the first layer's input
 dropout (one mask per sequence, drawn from that layer's seed generator as
 Keras does), its `initial_state` and `go_backwards`; the last layer's
-`return_sequences`, `return_state`, merge mode and output mask; and the
+`return_sequences`, `return_state`, merge mode and output mask; a
+Bidirectional inside the run merging by "sum" or "ave" (the next level's
+input kernel is packed doubled: `StackSpec.input_merges`); and the
 values at padded time steps (zeros where Keras runs cuDNN, the generic
 loop's `zero_output_for_mask` behaviour elsewhere, including its last
 output: that of the last time step, zero for a right-padded row).
@@ -48,7 +50,7 @@ from keras import ops, tree
 from rnnfuse.backends import StackSpec, get_backend
 from rnnfuse.backends.algorithm import Algorithm
 from rnnfuse.reasons import FUSED_PATH, CallPath, PathKind, Reason
-from rnnfuse.recurrent import describe, keras_has_cudnn_path
+from rnnfuse.recurrent import describe, input_merges, keras_has_cudnn_path
 from rnnfuse.rules import layer_reason, not_implemented, runtime_reason, stack_link_reason
 from rnnfuse.rules.runtime import plan_per_layer
 
@@ -138,6 +140,7 @@ class FusedRNN(keras.layers.Layer):
             cells=tuple(level for v in views for level in v.levels),
             proj_size=views[0].proj_size,
             keras_loop=any(not keras_has_cudnn_path(v) and not v.proj_size for v in views),
+            input_merges=input_merges(views),
         )
         self.supports_masking = True
         # Sub-stacks a split plan runs, built on first use; a plain dict set

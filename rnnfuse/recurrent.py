@@ -46,13 +46,25 @@ from rnnfuse.reasons import Reason
 
 __all__ = [
     "CELL_KINDS",
+    "PACKED_MERGES",
+    "STACKABLE_MERGES",
     "RecurrentView",
     "describe",
+    "input_merges",
     "is_recurrent",
     "keras_has_cudnn_path",
 ]
 
 CELL_KINDS = ("lstm", "gru", "rnn_tanh", "rnn_relu")
+
+# The merge modes of a Bidirectional below the top of a fused run: cuDNN
+# feeds the next level the concatenation [fwd, bwd] ("concat" as it is);
+# "sum" and "ave" are linear in it, so the next level's input kernel is
+# packed doubled instead (PACKED_MERGES; rnnfuse.backends.base.StackSpec
+# .input_merges). "mul" and None (the pair) are not linear in it: such a
+# layer ends its run.
+PACKED_MERGES = ("sum", "ave")
+STACKABLE_MERGES = ("concat", *PACKED_MERGES)
 
 _LAYER_OF_CELL = {
     keras.layers.LSTMCell: keras.layers.LSTM,
@@ -250,6 +262,33 @@ def _describe_bidirectional(layer: Any, require_built: bool, activations=None) -
         # Bidirectional forces zero_output_for_mask = return_sequences.
         zero_output_for_mask=bool(layer.return_sequences),
     )
+
+
+def input_merges(views) -> tuple[str | None, ...]:
+    """Per level of the stack `views` make (bottom to top, every view's
+    levels in turn): "sum" or "ave" where the level reads a Bidirectional
+    below it merged that way, else None.
+
+    Example:
+
+        >>> import keras
+        >>> a = keras.layers.Bidirectional(keras.layers.GRU(4, return_sequences=True), merge_mode="sum")
+        >>> b = keras.layers.Bidirectional(keras.layers.GRU(4))
+        >>> _ = b(a(keras.ops.zeros((1, 3, 2))))
+        >>> input_merges([describe(a), describe(b)])
+        (None, 'sum')
+    """
+    merges: list[str | None] = []
+    below = None
+    for view in views:
+        for level in range(view.num_levels):
+            merge = None
+            if level == 0 and below is not None and below.bidirectional:
+                if below.merge_mode in PACKED_MERGES:
+                    merge = below.merge_mode
+            merges.append(merge)
+        below = view
+    return tuple(merges)
 
 
 def keras_has_cudnn_path(view: RecurrentView) -> bool:

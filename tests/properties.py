@@ -62,8 +62,9 @@ def topologies(draw):
         steps=draw(st.integers(2, 6)),
         cells=draw(st.lists(st.booleans(), min_size=num_layers, max_size=num_layers)),
         bidirectional=bidirectional,
-        # Between levels only concat fuses; the last layer takes any mode.
-        inner_merge=draw(st.sampled_from(("concat", "concat", "sum"))),
+        # Between levels concat, sum and ave fuse (sum/ave through the next
+        # level's doubled kernel); the last layer takes any mode.
+        inner_merge=draw(st.sampled_from(("concat", "concat", "sum", "ave"))),
         # A Sequential model takes one output per layer: no merge_mode=None.
         last_merge=draw(st.sampled_from(MERGE_MODES if functional else MERGE_MODES[:-1])),
         functional=functional,

@@ -25,11 +25,11 @@ def _randomize(model, seed=0):
         v.assign(rng.uniform(-0.5, 0.5, v.shape).astype(v.dtype))
 
 
-def _check(model, emulated_cudnn, *, masked_padding="right", tol=2e-5, seed=0):
+def _check(model, emulated_cudnn, *, masked_padding="right", tol=2e-5, seed=0, num_fused=1, **optimize_kwargs):
     """optimize(model) == model in outputs and gradients, fused path used."""
     _randomize(model, seed)
-    fast = rnnfuse.optimize(model)
-    assert len(fused_layers(fast)) == 1, rnnfuse.analyze(model)
+    fast = rnnfuse.optimize(model, **optimize_kwargs)
+    assert len(fused_layers(fast)) == num_fused, rnnfuse.analyze(model)
     rng = np.random.default_rng(seed)
     x = random_inputs(model, 3, rng, padding=masked_padding)
     emulated_cudnn.clear()
@@ -108,12 +108,14 @@ def test_bidirectional_rules():
     def model(*layers):
         return keras.Sequential([keras.Input((6, 3)), *layers])
 
-    # A non-concat merge must be last.
+    # A "mul" merge must be last ("sum" and "ave" are packed: see below).
     r = rnnfuse.analyze(model(
-        L.Bidirectional(L.LSTM(4, return_sequences=True), merge_mode="ave", name="a"),
+        L.Bidirectional(L.LSTM(4, return_sequences=True), merge_mode="mul", name="a"),
         L.Bidirectional(L.LSTM(4), name="b"),
     ))
     assert r.skipped["a"].rule == "merge_mode"
+    assert "merge_mode='mul'" in r.skipped["a"]
+    assert "only merge_mode 'concat', 'sum' or 'ave' can be packed" in r.skipped["a"]
     # Directions that differ in width.
     r = rnnfuse.analyze(model(
         L.Bidirectional(
@@ -137,6 +139,145 @@ def test_bidirectional_rules():
     ))
     assert r.skipped["a"].rule == "unroll"
     assert "forward layer" in r.skipped["a"]
+
+
+# -- "sum" and "ave" below the top of a run (issue 15) -----------------------------
+#
+# cuDNN feeds the next level [fwd, bwd]; the packer doubles that level's input
+# kernel ([W; W], [W/2; W/2]) so it reads fwd + bwd or their mean.
+
+
+def _merged_stack(kind, merge_mode, *, masked, top_merge="concat", levels=3, **top):
+    if masked:
+        inp = keras.Input((7,), dtype="int32")
+        x = L.Embedding(11, 3, mask_zero=True)(inp)
+    else:
+        inp = keras.Input((7, 3))
+        x = inp
+    for i in range(levels - 1):
+        x = L.Bidirectional(rnn_layer(kind, 4, return_sequences=True), merge_mode=merge_mode, name=f"b{i}")(x)
+    top.setdefault("return_sequences", True)
+    out = L.Bidirectional(rnn_layer(kind, 4, **top), merge_mode=top_merge, name=f"b{levels - 1}")(x)
+    return keras.Model(inp, out)
+
+
+@pytest.mark.parametrize("kind", ["lstm", "gru", "rnn_tanh", "rnn_relu"])
+@pytest.mark.parametrize("merge_mode", ["sum", "ave"])
+@pytest.mark.parametrize("masked", [False, True], ids=["unmasked", "right_padded"])
+def test_sum_and_ave_below_the_top_fuse_into_one_call(kind, merge_mode, masked, emulated_cudnn):
+    model = _merged_stack(kind, merge_mode, masked=masked)
+    (group,) = rnnfuse.analyze(model).groups
+    assert group.layers == ("b0", "b1", "b2") and group.bidirectional
+    assert rnnfuse.analyze(model).skipped == {}
+    fast = _check(model, emulated_cudnn, plan=rnnfuse.FUSED)
+    (fused,) = fused_layers(fast)
+    assert fused.stack.input_merges == (None, merge_mode, merge_mode)
+    assert fused.last_path == "fused"
+    # One call of all three bidirectional levels.
+    assert {int(c["input_h"].shape[0]) for c in emulated_cudnn} == {6}
+    assert {c["direction"] for c in emulated_cudnn} == {"bidirectional"}
+
+
+@pytest.mark.parametrize("kind", ["lstm", "gru"])
+def test_merged_levels_with_a_merged_top_returning_states(kind, emulated_cudnn):
+    # ave inside, sum on top (FusedRNN's own merge), states returned.
+    model = _merged_stack(kind, "ave", masked=True, top_merge="sum", return_sequences=False, return_state=True)
+    fast = _check(model, emulated_cudnn, plan=rnnfuse.FUSED)
+    assert fused_layers(fast)[0].stack.input_merges == (None, "ave", "ave")
+
+
+def test_assigning_the_original_kernel_changes_the_fused_output(emulated_cudnn):
+    model = _merged_stack("gru", "ave", masked=False)
+    _randomize(model, 3)
+    fast = rnnfuse.optimize(model, plan=rnnfuse.FUSED)
+    x = np.random.default_rng(3).standard_normal((2, 7, 3)).astype("float32")
+    before = np.asarray(fast(x))
+    kernel = model.get_layer("b1").forward_layer.cell.kernel
+    kernel.assign(kernel.numpy() * 0.5)
+    after = np.asarray(fast(x))
+    assert np.max(np.abs(after - before)) > 1e-3
+    assert max_abs_diff(after, model(x)) <= 2e-5
+
+
+def test_a_saved_merged_stack_loads_with_the_same_packing(emulated_cudnn, tmp_path):
+    model = _merged_stack("lstm", "sum", masked=True)
+    _randomize(model, 5)
+    fast = rnnfuse.optimize(model, plan=rnnfuse.FUSED)
+    x = random_inputs(model, 3, np.random.default_rng(5))
+    fast.save(tmp_path / "fast.keras")
+    loaded = keras.models.load_model(tmp_path / "fast.keras")
+    (fused,) = fused_layers(loaded)
+    assert fused.stack.input_merges == (None, "sum", "sum")
+    emulated_cudnn.clear()
+    assert max_abs_diff(loaded(x), model(x)) <= 2e-5
+    assert emulated_cudnn and fused.last_path == "fused"
+
+
+@pytest.mark.parametrize("pieces", [(), (1, 2), (2, 1), (1, 1, 1)])
+def test_pieces_split_between_a_summing_level_and_the_next(pieces, emulated_cudnn):
+    """A split after a "sum" level: the piece below ends with that layer (its
+    own merge), the piece above starts with plain input, so nothing is packed
+    doubled at the split."""
+    model = _merged_stack("lstm", "sum", masked=True)
+    _randomize(model, 4)
+    layers = [model.get_layer(f"b{i}") for i in range(3)]
+    fused = rnnfuse.FusedRNN(layers, pieces=pieces)
+    x = random_inputs(model, 3, np.random.default_rng(4))
+    embedded = model.layers[1](x)
+    mask = model.layers[1].compute_mask(x)
+    emulated_cudnn.clear()
+    with tf.GradientTape(persistent=True) as tape:
+        got = fused(embedded, mask=mask)
+        want = model(x)
+        losses = [tf.reduce_sum(t**2) for t in (got, want)]
+    assert max_abs_diff(got, want) <= 2e-5
+    variables = [v for l in layers for v in l.trainable_variables]
+    for a, b in zip(tape.gradient(losses[0], variables), tape.gradient(losses[1], variables)):
+        assert float(tf.reduce_max(tf.abs(a - b))) <= 2e-4
+    # One call per piece, each with its own levels; () runs the layers.
+    assert [int(c["input_h"].shape[0]) // 2 for c in emulated_cudnn] == list(pieces)
+    for start, size in zip(np.cumsum((0,) + pieces[:-1]), pieces):
+        piece = fused._piece(int(start), int(start) + size)
+        expected = tuple(None if i == 0 else "sum" for i in range(size))
+        assert piece.stack.input_merges == expected
+
+
+def test_a_summing_bidirectional_then_a_unidirectional_run_is_two_calls(emulated_cudnn):
+    """A unidirectional layer cannot sit inside a bidirectional cuDNN call
+    (the `direction` rule, not `merge_mode`): the summed output starts a
+    second run, which reads it as its plain input."""
+    inp = keras.Input((7, 3))
+    x = L.Bidirectional(L.GRU(4, return_sequences=True), merge_mode="sum", name="b0")(inp)
+    x = L.Bidirectional(L.GRU(4, return_sequences=True), merge_mode="sum", name="b1")(x)
+    x = L.GRU(4, return_sequences=True, name="u0")(x)
+    out = L.GRU(4, name="u1")(x)
+    model = keras.Model(inp, out)
+    report = rnnfuse.analyze(model)
+    assert [g.layers for g in report.groups] == [("b0", "b1"), ("u0", "u1")]
+    from rnnfuse.recurrent import describe
+    from rnnfuse.rules import stack_link_reason
+
+    reason = stack_link_reason(describe(model.get_layer("b1")), describe(model.get_layer("u0")))
+    assert reason.rule == "direction"
+    fast = _check(model, emulated_cudnn, plan=rnnfuse.FUSED, num_fused=2)
+    assert [f.stack.input_merges for f in fused_layers(fast)] == [(None, "sum"), (None, None)]
+    assert len(emulated_cudnn) == 2
+
+
+@pytest.mark.parametrize("merge_mode", ["mul", None])
+def test_mul_and_none_below_the_top_still_end_the_run(merge_mode):
+    inp = keras.Input((7, 3))
+    x = L.Bidirectional(L.LSTM(4, return_sequences=True), merge_mode=merge_mode, name="a")(inp)
+    if merge_mode is None:
+        x = x[0]  # the forward half, read as the next layer's sequence
+    x = L.Bidirectional(L.LSTM(4, return_sequences=True), name="b")(x)
+    out = L.Bidirectional(L.LSTM(4), name="c")(x)
+    report = rnnfuse.analyze(keras.Model(inp, out))
+    assert [g.layers for g in report.groups] == [("b", "c")]
+    assert report.skipped["a"].rule == "merge_mode"
+    assert f"merge_mode={merge_mode!r}" in report.skipped["a"]
+    with pytest.raises(ValueError, match="merge_mode"):
+        rnnfuse.FusedRNN([keras.Model(inp, out).get_layer(n) for n in ("a", "b")])
 
 
 # -- RNN(cell) and StackedRNNCells --------------------------------------------------

@@ -163,6 +163,36 @@ def test_bidirectional_states_go_in_cudnn_order(emulated_op):
     assert emulated_op[-1]["input_h"].shape == (2, 2, 6)
 
 
+@pytest.mark.parametrize("merge_mode", ["sum", "ave"])
+@pytest.mark.parametrize("kind", ["lstm", "gru"])
+def test_sum_and_ave_below_the_top_reach_the_op_with_the_doubled_kernel(kind, merge_mode, emulated_op):
+    """The op's params check (cudnn_op.flat_size: 2R inputs above level 0)
+    accepts the doubled input kernels; outputs and gradients are the
+    original's."""
+    from builders import rnn_layer
+
+    inp = keras.Input((7,), dtype="int32")
+    x = keras.layers.Embedding(11, 5, mask_zero=True)(inp)
+    x = keras.layers.Bidirectional(rnn_layer(kind, 6, return_sequences=True), merge_mode=merge_mode)(x)
+    out = keras.layers.Bidirectional(rnn_layer(kind, 6, return_sequences=True))(x)
+    model = keras.Model(inp, out)
+    fast = rnnfuse.optimize(model, plan=FUSED)
+    x = random_inputs(model, 3, np.random.default_rng(5))
+    grads = []
+    for m in (model, fast):
+        with tf.GradientTape() as tape:
+            y = m(x)
+            loss = tf.reduce_sum(y**2)
+        grads.append((y, tape.gradient(loss, model.trainable_variables)))
+    assert max_abs_diff(grads[1][0], grads[0][0]) <= 2e-5
+    for a, b in zip(grads[0][1], grads[1][1]):
+        assert max_abs_diff(tf.convert_to_tensor(a), tf.convert_to_tensor(b)) <= 2e-4
+    call = emulated_op[-1]
+    assert (call["num_layers"], call["direction"], call["input_size"]) == (2, "bidirectional", 5)
+    assert call["params"].shape[0] == cudnn_op.flat_size(kind, 2, 2, 6, 5)
+    assert tf_backend.last_kernel()["kernel"] == "RnnfuseCudnnRnn"
+
+
 def test_dropout_and_float64_use_cudnnrnnv3(emulated_op, emulated_cudnn):
     model = stack_model("gru", 2, dtype="float64")
     rnnfuse.optimize(model, plan=FUSED)(random_inputs(model, 2, np.random.default_rng(2)))

@@ -92,7 +92,7 @@ LINK_CASES = [
     ("cell_kind", lambda: (L.GRU(8, return_sequences=True, name="a"), _lstm("b"), _lstm("c")), "cell_kind", "one kind of cell"),
     ("units", lambda: (_lstm("a", units=4), _lstm("b"), _lstm("c")), "units", "'a' has 4"),
     ("direction", lambda: (_lstm("a"), L.Bidirectional(_lstm("b0"), name="b"), L.Bidirectional(_lstm("c0"), name="c")), "direction", "bidirectional"),
-    ("merge_mode", lambda: (L.Bidirectional(_lstm("a0"), merge_mode="sum", name="a"), L.Bidirectional(_lstm("b0"), name="b"), L.Bidirectional(_lstm("c0"), name="c")), "merge_mode", "merge_mode='sum'"),
+    ("merge_mode", lambda: (L.Bidirectional(_lstm("a0"), merge_mode="mul", name="a"), L.Bidirectional(_lstm("b0"), name="b"), L.Bidirectional(_lstm("c0"), name="c")), "merge_mode", "merge_mode='mul'"),
     ("go_backwards", lambda: (_lstm("a"), _lstm("b", go_backwards=True), _lstm("c")), "go_backwards", "alternates direction"),
     ("dropout", lambda: (_lstm("a"), _lstm("b", dropout=0.3), _lstm("c")), "dropout", "dropout=0.3"),
     ("dtype_policy", lambda: (_lstm("a", dtype="mixed_float16"), _lstm("b"), _lstm("c")), "dtype_policy", "mixed_float16"),

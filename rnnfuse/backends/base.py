@@ -12,6 +12,21 @@ Example:
     >>> spec = StackSpec(kind="lstm", units=4, cells=cells)
     >>> spec.num_levels, spec.num_directions, spec.num_pseudo_layers
     (2, 1, 2)
+
+A level that reads a Bidirectional merged by "sum" or "ave" (`input_merges`)
+gets its input kernel doubled: cuDNN feeds every level above the first the
+concatenation [fwd, bwd] (2R wide), while the original layer reads fwd + bwd
+(or their mean, R wide) through its kernel W [R, G*H]. Since
+
+    (fwd + bwd) W == [fwd, bwd] [W; W]    and    (fwd + bwd)/2 W == [fwd, bwd] [W/2; W/2],
+
+the backends pack `input_scale(level) * W` twice along the input axis, from
+the live variable, so W's gradient is the sum of both halves' gradients.
+
+    >>> bi = ((keras.layers.LSTMCell(4), keras.layers.LSTMCell(4)),) * 2
+    >>> spec = StackSpec("lstm", 4, bi, input_merges=(None, "ave"))
+    >>> spec.input_scale(0), spec.input_scale(1)
+    (None, 0.5)
 """
 
 from __future__ import annotations
@@ -23,10 +38,14 @@ import os
 import platform
 from typing import Any, Sequence
 
-__all__ = ["Backend", "Capabilities", "GATES", "KernelModuleBackend", "NoFusedKernel", "StackSpec", "cpu_description", "loss_weights"]
+__all__ = ["Backend", "Capabilities", "GATES", "INPUT_SCALES", "KernelModuleBackend", "NoFusedKernel", "StackSpec", "cpu_description", "loss_weights"]
 
 # Gate matrices per cell kind (cuDNN's "pseudo-layer" has 2*G matrices).
 GATES = {"lstm": 4, "gru": 3, "rnn_tanh": 1, "rnn_relu": 1}
+# The Bidirectional merge modes a level above the first can read inside one
+# fused call through its doubled input kernel (rnnfuse.recurrent
+# .PACKED_MERGES), and the factor that kernel is packed with.
+INPUT_SCALES = {"sum": 1.0, "ave": 0.5}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -48,10 +67,22 @@ class StackSpec:
     # `torch.backends.cuda.matmul.allow_tf32`, False by default, while
     # `torch.backends.cudnn.allow_tf32` is True by default).
     keras_loop: bool = False
+    # input_merges[i]: "sum" or "ave" where the original layers merge level
+    # i-1's two directions that way before level i reads them (level i's
+    # input kernel is then packed doubled, see the module doc); None, or no
+    # entry (the default ()), where level i reads its input as it is: the
+    # first level, a unidirectional level below, or merge_mode "concat".
+    input_merges: tuple[str | None, ...] = ()
 
     @property
     def num_levels(self) -> int:
         return len(self.cells)
+
+    def input_scale(self, level: int) -> float | None:
+        """How level `level`'s input kernel W is packed: None, W as it is;
+        s, the rows [s*W; s*W] (1.0 for a "sum" below, 0.5 for "ave")."""
+        merge = self.input_merges[level] if level < len(self.input_merges) else None
+        return INPUT_SCALES.get(merge)
 
     @property
     def num_directions(self) -> int:

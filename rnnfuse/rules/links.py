@@ -30,7 +30,7 @@ from __future__ import annotations
 import networkx as nx
 
 from rnnfuse.reasons import Reason
-from rnnfuse.recurrent import RecurrentView
+from rnnfuse.recurrent import STACKABLE_MERGES, RecurrentView
 from rnnfuse.rules.registry import rule, rules_for
 
 __all__ = ["link_reason", "stack_link_reason"]
@@ -178,14 +178,16 @@ def _return_state(upper, lower):
     return None
 
 
-@rule("merge_mode", "link", "a Bidirectional below the top of a run merges its directions other than by concatenation", "views")
+@rule("merge_mode", "link", "a Bidirectional below the top of a run merges its directions by 'mul' or returns them apart (merge_mode=None); only concat, sum and ave can be packed", "views")
 def _merge_mode(upper, lower):
-    if upper.bidirectional and upper.merge_mode != "concat":
+    if upper.bidirectional and upper.merge_mode not in STACKABLE_MERGES:
         return Reason(
             "merge_mode",
             f"'{upper.layer.name}' merges its directions with merge_mode="
             f"{upper.merge_mode!r}; cuDNN feeds the next layer the "
-            "concatenation, so only the last layer may use another merge_mode",
+            "concatenation of the two, which its input kernel can turn into "
+            "their sum or average but not into this, so below the last layer "
+            "of a run only merge_mode 'concat', 'sum' or 'ave' can be packed",
         )
     return None
 

@@ -2,6 +2,8 @@
 
 Every test pins `plan=rnnfuse.FUSED` (the whole run, TensorFlow's default
 algorithm) to test fusion itself; test_gpu_plans.py covers the other plans.
+Tests marked `cudnn_op` run rnnfuse's own op (the others CudnnRNNV3, with
+the op turned off: tests/gpu/conftest.py).
 Every test proves the fused CudnnRNNV3 call ran (a spy on the backend's
 single call site, and in graph mode the op count in the traced graph), so a
 silent fallback to the original layers fails the test.
@@ -166,6 +168,124 @@ def test_bidirectional_stack(kind, merge_mode, cudnn_calls):
     x = random_inputs(model, 8, np.random.default_rng(4))
     _compare(model, fast, x, out_tol=1e-5, grad_tol=1e-4)
     assert cudnn_calls[-1] == {"levels_x_dirs": 6, "dtype": "float32", "direction": "bidirectional", "dropout": 0.0}
+
+
+def _merged_bidirectional(kind, merge_mode, *, levels=3, units=32):
+    """Embedding (right-padded mask) -> `levels` Bidirectional layers; all
+    but the top merge by `merge_mode`, the top concatenates and returns its
+    states."""
+    # Random biases: no pre-activation sits exactly at ReLU's kink, where
+    # TensorFlow's and cuDNN's derivatives differ (test_gpu_cudnn_op.py).
+    layer = lambda **kw: rnn_layer(kind, units, bias_initializer="random_normal", **kw)  # noqa: E731
+    inp = keras.Input((30,), dtype="int32")
+    x = L.Embedding(11, 16, mask_zero=True)(inp)
+    for _ in range(levels - 1):
+        x = L.Bidirectional(layer(return_sequences=True), merge_mode=merge_mode)(x)
+    out = L.Bidirectional(layer(return_sequences=True, return_state=True))(x)
+    return keras.Model(inp, out)
+
+
+def _op_types(fn, *args) -> set:
+    """Op types in the traced graph of `fn`, function bodies included."""
+    graph = tf.function(fn).get_concrete_function(*args).graph
+    types = {op.type for op in graph.get_operations()}
+    for f in graph.as_graph_def().library.function:
+        types |= {n.op for n in f.node_def}
+    return types
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("merge_mode", ["sum", "ave"])
+def test_bidirectional_sum_and_ave_below_the_top(kind, merge_mode, cudnn_calls):
+    """Issue 15: a sum/ave Bidirectional inside the run; the level above
+    reads cuDNN's [fwd, bwd] through its input kernel packed doubled."""
+    model = _merged_bidirectional(kind, merge_mode)
+    assert len(rnnfuse.analyze(model).groups) == 1 and rnnfuse.analyze(model).skipped == {}
+    fast = rnnfuse.optimize(model, plan=rnnfuse.FUSED)
+    (fused,) = fused_layers(fast)
+    assert fused.stack.input_merges == (None, merge_mode, merge_mode)
+    x = random_inputs(model, 8, np.random.default_rng(14), padding="right")
+    out_err, grad_err = _compare(model, fast, x, out_tol=1e-5, grad_tol=1e-4)
+    assert fused.last_path == "fused"
+    assert cudnn_calls[-1] == {"levels_x_dirs": 6, "dtype": "float32", "direction": "bidirectional", "dropout": 0.0}
+    print(f"{kind} {merge_mode} inside: rel out {out_err:.2e} grad {grad_err:.2e}")
+
+
+@pytest.mark.parametrize("merge_mode", ["sum", "ave"])
+def test_bidirectional_sum_and_ave_mixed_float16(merge_mode, cudnn_calls):
+    keras.config.set_dtype_policy("mixed_float16")
+    try:
+        model = _merged_bidirectional("lstm", merge_mode)
+    finally:
+        keras.config.set_dtype_policy("float32")
+    fast = rnnfuse.optimize(model, plan=rnnfuse.FUSED)
+    x = random_inputs(model, 8, np.random.default_rng(15), padding="right")
+    _compare(model, fast, x, out_tol=1e-2, grad_tol=1e-2)
+    assert cudnn_calls[-1]["dtype"] == "float16" and cudnn_calls[-1]["levels_x_dirs"] == 6
+
+
+@pytest.mark.real_gpu_only  # rnnfuse's op needs a real GPU
+@pytest.mark.cudnn_op
+@pytest.mark.parametrize("kind", ["lstm", "gru", "rnn_tanh"])
+@pytest.mark.parametrize("merge_mode", ["sum", "ave"])
+def test_bidirectional_sum_and_ave_below_the_top_through_the_op(kind, merge_mode, cudnn_calls):
+    """The same through rnnfuse's own op (RnnfuseCudnnRnn, its params check
+    and its backward)."""
+    from rnnfuse.backends.tensorflow import op_build
+
+    assert op_build.load_op() is not None, op_build.load_failure()
+    model = _merged_bidirectional(kind, merge_mode)
+    fast = rnnfuse.optimize(model, plan=rnnfuse.FUSED)
+    x = random_inputs(model, 8, np.random.default_rng(16), padding="right")
+    _compare(model, fast, x, out_tol=1e-5, grad_tol=1e-4)
+    assert tf_backend.last_kernel()["kernel"] == "RnnfuseCudnnRnn"
+    assert cudnn_calls == []  # not the CudnnRNNV3 fallback
+
+    def step(t):
+        with tf.GradientTape() as tape:
+            loss = sum(tf.reduce_sum(tf.cast(o, tf.float32) ** 2) for o in keras.tree.flatten(fast(t)))
+        return tape.gradient(loss, fast.trainable_variables)
+
+    types = _op_types(step, tf.constant(x))
+    assert {"RnnfuseCudnnRnn", "RnnfuseCudnnRnnBackprop"} <= types and "CudnnRNNV3" not in types
+
+
+@pytest.mark.real_gpu_only  # projections run on rnnfuse's op only
+@pytest.mark.cudnn_op
+@pytest.mark.parametrize("merge_mode", ["sum", "ave"])
+def test_projected_bidirectional_sum_and_ave_through_the_op(merge_mode):
+    """Bidirectional(ProjectedLSTM) levels merged by sum/ave: the level above
+    reads [fwd, bwd] (2P wide) through its kernel packed [s*W; s*W]."""
+    from rnnfuse.layers import ProjectedLSTM
+
+    inp = keras.Input((25, 12))
+    x = inp
+    for mode in (merge_mode, merge_mode, "concat"):
+        x = L.Bidirectional(ProjectedLSTM(32, 8, return_sequences=True), merge_mode=mode)(x)
+    model = keras.Model(inp, x)
+    fast = rnnfuse.optimize(model, plan=rnnfuse.FUSED)
+    (fused,) = fused_layers(fast)
+    assert fused.stack.input_merges == (None, merge_mode, merge_mode) and fused.stack.proj_size == 8
+    x = random_inputs(model, 6, np.random.default_rng(18))
+    _compare(model, fast, x, out_tol=1e-5, grad_tol=1e-4)
+    assert fused.last_path == "fused", fused.last_path
+    assert tf_backend.last_kernel()["kernel"] == "RnnfuseCudnnRnn"
+
+
+def test_bidirectional_sum_then_a_unidirectional_run_is_two_calls(cudnn_calls):
+    inp = keras.Input((40, 16))
+    x = inp
+    for _ in range(2):
+        x = L.Bidirectional(L.GRU(32, return_sequences=True), merge_mode="sum")(x)
+    for _ in range(2):
+        x = L.GRU(32, return_sequences=True)(x)
+    model = keras.Model(inp, x)
+    fast = rnnfuse.optimize(model, plan=rnnfuse.FUSED)
+    assert [f.stack.input_merges for f in fused_layers(fast)] == [(None, "sum"), (None, None)]
+    _compare(model, fast, random_inputs(model, 8, np.random.default_rng(17)), out_tol=1e-5, grad_tol=1e-4)
+    assert [(c["levels_x_dirs"], c["direction"]) for c in cudnn_calls[-2:]] == [
+        (4, "bidirectional"), (2, "unidirectional")
+    ]
 
 
 @pytest.mark.parametrize("cell", [L.LSTMCell, L.GRUCell, L.SimpleRNNCell])

@@ -363,6 +363,69 @@ def _numpy_lstmp(x, cells, bidirectional):
     return y
 
 
+def _merged3(kind, merge_mode, masked, layer=None):
+    """Three Bidirectional levels over 50 steps (tokens through a masking
+    Embedding, or 16 features); the lower two merge by `merge_mode`."""
+    if masked:
+        inp = keras.Input((50,), dtype="int32")
+        x = L.Embedding(11, 16, mask_zero=True)(inp)
+    else:
+        inp = keras.Input((50, 16))
+        x = inp
+    layer = layer or (lambda **kw: rnn_layer(kind, 32, **kw))
+    for i in range(3):
+        x = L.Bidirectional(layer(return_sequences=True), merge_mode=merge_mode if i < 2 else "concat")(x)
+    return keras.Model(inp, x)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("merge_mode", ["sum", "ave"])
+@pytest.mark.parametrize("masked", [False, True], ids=["unmasked", "right_padded"])
+def test_bidirectional_sum_and_ave_below_the_top_on_gpu(kind, merge_mode, masked, cudnn_calls):
+    """Issue 15: one cuDNN call of 3 bidirectional levels, the upper two
+    reading [fwd, bwd] through input kernels packed as [W; W] or [W/2; W/2].
+
+    SimpleRNN kinds get contracting weights (+-0.1), where cuDNN's tanh
+    rounding is damped and 1e-5 holds (see
+    test_simple_rnn_with_contracting_weights_matches_keras_tightly)."""
+    model = _merged3(kind, merge_mode, masked)
+    rng = np.random.default_rng(41)
+    scale = 0.5 if kind in ("lstm", "gru") else 0.1
+    for v in model.weights:
+        v.assign(rng.uniform(-scale, scale, v.shape).astype(v.dtype))
+    fast = rnnfuse.optimize(model)
+    (fused,) = fused_layers(fast)
+    assert fused.stack.input_merges == (None, merge_mode, merge_mode)
+    if masked:
+        inputs = random_inputs(model, 8, np.random.default_rng(42), padding="right")
+        inputs[0, 5:] = 0
+    else:
+        inputs = np.random.default_rng(42).standard_normal((8, 50, 16)).astype("float32")
+    worst = _compare(model, fast, inputs, out_tol=1e-5, grad_tol=1e-4)
+    print(f"{kind} {merge_mode} masked={masked}: worst (out, grad) {worst}")
+    call = _one_cudnn_call(cudnn_calls, 3, True)
+    assert call["packed"] is masked
+    gates = {"lstm": 4, "gru": 3}.get(kind, 1)
+    assert tuple(call["params"][4 * 2].shape) == (gates * 32, 64)  # level 1 w_ih: [G*H, 2H]
+
+
+@pytest.mark.parametrize("merge_mode", ["sum", "ave"])
+def test_projected_bidirectional_sum_and_ave_on_gpu(merge_mode, cudnn_calls):
+    from rnnfuse.layers import ProjectedLSTM
+    from rnnfuse.layers.projected_lstm import fast_path
+
+    model = _merged3("lstm", merge_mode, True, layer=lambda **kw: ProjectedLSTM(64, 16, **kw))
+    _randomize(model, 43)
+    fast = rnnfuse.optimize(model)
+    (fused,) = fused_layers(fast)
+    assert fused.stack.input_merges == (None, merge_mode, merge_mode)
+    inputs = random_inputs(model, 8, np.random.default_rng(44), padding="right")
+    with fast_path("off"):  # the original layers run Keras' loop
+        _compare(model, fast, inputs, out_tol=1e-5, grad_tol=1e-4)
+    call = _one_cudnn_call(cudnn_calls, 3, True)
+    assert tuple(call["params"][5 * 2].shape) == (4 * 64, 2 * 16)  # level 1 w_ih: [4H, 2P]
+
+
 @pytest.mark.parametrize("bidirectional", [False, True])
 def test_projected_lstm_stack_runs_cudnn_projections(bidirectional, cudnn_calls):
     from rnnfuse.layers import ProjectedLSTM

@@ -82,6 +82,26 @@ def test_bidirectional_stack(emulated_jax_lstm):
                                         blob_size=emulated_jax_lstm[0]["blob_size"])
 
 
+@pytest.mark.parametrize("merge_mode", ["sum", "ave"])
+def test_bidirectional_sum_and_ave_below_the_top(merge_mode, emulated_jax_lstm):
+    """The levels above a sum/ave Bidirectional read [fwd, bwd] through
+    their input kernel packed doubled (W_ih [4H, 2H])."""
+    inp = keras.Input((7, 5))
+    x = inp
+    for mode in (merge_mode, merge_mode, "concat"):
+        x = L.Bidirectional(L.LSTM(6, return_sequences=True), merge_mode=mode)(x)
+    model = keras.Model(inp, x)
+    _randomize(model, 5)
+    fast = rnnfuse.optimize(model, plan=rnnfuse.FUSED)
+    (fused,) = fused_layers(fast)
+    assert fused.stack.input_merges == (None, merge_mode, merge_mode)
+    data = np.random.default_rng(6).standard_normal((3, 7, 5)).astype("float32")
+    _check(model, fast, data)
+    h = 6
+    per_level = [4 * h * (n + h) + 2 * 4 * h for n in (5, 2 * h, 2 * h)]
+    assert emulated_jax_lstm[0] == dict(num_layers=3, bidirectional=True, blob_size=2 * sum(per_level))
+
+
 def test_initial_state(emulated_jax_lstm):
     model = stack_model("lstm", 2, units=6, input_size=5, steps=7, initial_state=True,
                         last_return_sequences=True)

@@ -210,6 +210,120 @@ def test_bidirectional_stacks(kind, merge_mode, masked, torch_calls):
     assert torch_calls[0]["bidirectional"] and torch_calls[0]["num_layers"] == 3
 
 
+def _merged_stack(kind, merge_mode, *, masked, levels=3, units=4, layer=None):
+    """`levels` Bidirectional layers; all but the top merge by `merge_mode`,
+    the top concatenates and returns its states."""
+    if masked:
+        inp = keras.Input((7,), dtype="int32")
+        x = L.Embedding(11, 5, mask_zero=True)(inp)
+    else:
+        inp = keras.Input((7, 5))
+        x = inp
+    layer = layer or (lambda **kw: rnn_layer(kind, units, **kw))
+    for i in range(levels):
+        last = i == levels - 1
+        inner = layer(return_sequences=True, return_state=last)
+        x = L.Bidirectional(inner, merge_mode="concat" if last else merge_mode, name=f"b{i}")(x)
+    return keras.Model(inp, x)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("merge_mode", ["sum", "ave"])
+@pytest.mark.parametrize("masked", [False, True], ids=["unmasked", "right_padded"])
+def test_sum_and_ave_below_the_top_fuse_into_one_call(kind, merge_mode, masked, torch_calls):
+    """Issue 15: the levels above a sum/ave Bidirectional read cuDNN's [fwd,
+    bwd] through their input kernel packed doubled ([W; W] or [W/2; W/2])."""
+    model = _merged_stack(kind, merge_mode, masked=masked)
+    report = rnnfuse.analyze(model)
+    assert [g.layers for g in report.groups] == [("b0", "b1", "b2")] and report.skipped == {}
+    rng = np.random.default_rng(21)
+    _randomize(model, rng)
+    fast = rnnfuse.optimize(model)
+    (fused,) = fused_layers(fast)
+    assert fused.stack.input_merges == (None, merge_mode, merge_mode)
+    inputs = random_inputs(model, 3, rng)
+    if masked:
+        inputs[0, 3:] = 0
+    torch_calls.clear()
+    _compare(model, fast, inputs, rng, tol=2e-5, grad_tol=1e-4)
+    assert fused.last_path == "fused"
+    (call,) = torch_calls  # the optimized model's one call of all 3 levels
+    assert call["num_layers"] == 3 and call["bidirectional"] and call["packed"] is masked
+    assert tuple(call["params"][4 * 2].shape)[1] == 2 * 4  # level 1 w_ih reads [fwd, bwd]
+
+
+@pytest.mark.parametrize("pieces", [(), (1, 2), (2, 1)])
+def test_pieces_split_after_a_summing_level(pieces, torch_calls):
+    """A split after a "sum" level: the piece below ends with that layer's
+    own merge and the piece above reads it plainly (nothing doubled there)."""
+    model = _merged_stack("gru", "sum", masked=True)
+    rng = np.random.default_rng(22)
+    _randomize(model, rng)
+    layers = [model.get_layer(f"b{i}") for i in range(3)]
+    inputs = random_inputs(model, 3, rng)
+    inputs[0, 3:] = 0
+    embed = model.layers[1]
+    variables = [v.value for layer in layers for v in layer.trainable_variables]
+    # FusedRNN's own pieces (what first-batch tuning switches to).
+    fused = rnnfuse.FusedRNN(layers, pieces=pieces)
+    torch_calls.clear()
+    got = fused(embed(inputs), mask=embed.compute_mask(inputs))
+    assert [c["num_layers"] for c in torch_calls] == list(pieces)
+    want = model(inputs)
+    assert max_abs_diff(got, want) <= 2e-5
+    loss = lambda out: sum((t**2).sum() for t in keras.tree.flatten(out))  # noqa: E731
+    for a, b in zip(torch.autograd.grad(loss(got), variables), torch.autograd.grad(loss(want), variables)):
+        assert float((a - b).abs().max()) <= 1e-4
+    if not pieces:
+        return
+    # A static split plan: one FusedRNN per piece.
+    fast = rnnfuse.optimize(model, plan=rnnfuse.Plan(pieces))
+    assert [f.stack.input_merges for f in fused_layers(fast)] == [
+        tuple(None if i == 0 else "sum" for i in range(p)) for p in pieces
+    ]
+    torch_calls.clear()
+    _compare(model, fast, inputs, rng, tol=2e-5, grad_tol=1e-4)
+    assert [c["num_layers"] for c in torch_calls] == list(pieces)
+
+
+def test_a_summing_bidirectional_then_a_unidirectional_run_is_two_calls(torch_calls):
+    inp = keras.Input((7, 5))
+    x = L.Bidirectional(L.LSTM(4, return_sequences=True), merge_mode="ave", name="b0")(inp)
+    x = L.Bidirectional(L.LSTM(4, return_sequences=True), merge_mode="ave", name="b1")(x)
+    x = L.LSTM(4, return_sequences=True, name="u0")(x)
+    model = keras.Model(inp, L.LSTM(4, name="u1")(x))
+    assert [g.layers for g in rnnfuse.analyze(model).groups] == [("b0", "b1"), ("u0", "u1")]
+    rng = np.random.default_rng(23)
+    _randomize(model, rng)
+    fast = rnnfuse.optimize(model)
+    assert [f.stack.input_merges for f in fused_layers(fast)] == [(None, "ave"), (None, None)]
+    torch_calls.clear()
+    _compare(model, fast, random_inputs(model, 3, rng), rng, tol=2e-5, grad_tol=1e-4)
+    assert [(c["num_layers"], c["bidirectional"]) for c in torch_calls] == [(2, True), (2, False)]
+
+
+@pytest.mark.parametrize("merge_mode", ["sum", "ave"])
+def test_projected_bidirectional_sum_and_ave_fuse(merge_mode, torch_calls):
+    from rnnfuse.layers import ProjectedLSTM
+
+    model = _merged_stack(
+        "lstm", merge_mode, masked=True,
+        layer=lambda **kw: ProjectedLSTM(7, 3, **kw),
+    )
+    rng = np.random.default_rng(24)
+    _randomize(model, rng)
+    fast = rnnfuse.optimize(model)
+    (fused,) = fused_layers(fast)
+    assert fused.stack.proj_size == 3 and fused.stack.input_merges == (None, merge_mode, merge_mode)
+    inputs = random_inputs(model, 3, rng)
+    torch_calls.clear()
+    _compare(model, fast, inputs, rng, tol=2e-5, grad_tol=1e-4)
+    # The original ProjectedLSTM layers make their own one-level calls.
+    (call,) = [c for c in torch_calls if c["num_layers"] == 3]
+    assert call["packed"] and len(call["params"]) == 5 * 6
+    assert tuple(call["params"][5 * 2].shape) == (4 * 7, 2 * 3)  # level 1 w_ih: [4H, 2P]
+
+
 @pytest.mark.parametrize("policy, tol", [("mixed_bfloat16", 6e-2), ("mixed_float16", 1e-2)])
 @pytest.mark.parametrize("kind", ["lstm", "gru"])
 def test_mixed_precision_runs_fused_in_the_compute_dtype(policy, tol, kind, torch_calls):

@@ -18,7 +18,7 @@ from builders import KINDS, rnn_layer
 from rnnfuse.backends import torch as torch_backend
 from rnnfuse.backends.base import GATES, StackSpec
 from rnnfuse.layers import ProjectedLSTM
-from rnnfuse.recurrent import describe
+from rnnfuse.recurrent import describe, input_merges
 
 B, T, F, H = 3, 6, 5, 4
 
@@ -50,6 +50,7 @@ def _spec(layers) -> StackSpec:
         units=views[0].units,
         cells=tuple(level for v in views for level in v.levels),
         proj_size=views[0].proj_size,
+        input_merges=input_merges(views),
     )
 
 
@@ -306,3 +307,40 @@ def test_per_level_calls_apply_between_level_dropout(torch_calls):
         again = _np(torch_backend.run_stack(xt, stack=spec, dropout=0.5)[0])
     assert np.abs(dropped - plain).max() > 1e-3
     np.testing.assert_array_equal(dropped, again)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("merge_mode, scale", [("sum", 1.0), ("ave", 0.5)])
+@pytest.mark.parametrize("mode", ["one", "per_level"])
+def test_sum_and_ave_merges_pack_the_next_input_kernel_doubled(kind, merge_mode, scale, mode, torch_calls):
+    """Bidirectional(merge_mode=sum|ave) -> Bidirectional in one call: the
+    upper level's w_ih is [s*W; s*W]^T (it reads [fwd, bwd]); outputs and
+    gradients (W's: both halves' summed) are Keras' own."""
+    rng = np.random.default_rng(11)
+    layers = [
+        keras.layers.Bidirectional(rnn_layer(kind, H, return_sequences=True), merge_mode=merge_mode),
+        keras.layers.Bidirectional(rnn_layer(kind, H, return_sequences=True)),
+    ]
+    x = keras.ops.convert_to_tensor(rng.standard_normal((B, T, F)).astype("float32"))
+    layers[1](layers[0](x))
+    _randomize(layers, rng)
+    spec = _spec(layers)
+    assert spec.input_merges == (None, merge_mode)
+    params = torch_backend.pack_params(spec)
+    g = GATES[kind]
+    for d in range(2):
+        w_ih = params[4 * (2 + d)]
+        assert tuple(w_ih.shape) == (g * H, 2 * H)
+        plain = torch_backend._cell_params(kind, spec.cells[1][d], torch.float32, w_ih.device)[0]
+        np.testing.assert_array_equal(_np(w_ih), scale * np.concatenate([_np(plain)] * 2, axis=1))
+
+    variables = [v.value for layer in layers for v in layer.trainable_weights]
+    expected = layers[1](layers[0](x))
+    expected_grads = torch.autograd.grad((expected**2).sum(), variables)
+    torch_calls.clear()
+    with torch_backend.call_mode(mode):
+        out, _, _ = torch_backend.run_stack(x, stack=spec)
+    assert [c["num_layers"] for c in torch_calls] == ([2] if mode == "one" else [1, 1])
+    np.testing.assert_allclose(_np(out), _np(expected), atol=2e-6)
+    for got, want in zip(torch.autograd.grad((out**2).sum(), variables), expected_grads):
+        np.testing.assert_allclose(_np(got), _np(want), atol=2e-5)

@@ -21,7 +21,10 @@ bwd), (level 1, fwd), ...: W_ih [4H, n] then W_hh [4H, H], row-major; then
 for each pseudo-layer b_ih [4H], b_hh [4H]. Keras' gate order i, f, c, o is
 cuDNN's; W_ih = kernel^T, W_hh = recurrent_kernel^T, b_ih = Keras' bias,
 b_hh = 0. The blob is built inside the traced function from the live
-variables on every call, so gradients reach them.
+variables on every call, so gradients reach them. A level that reads a
+Bidirectional merged by "sum" or "ave" (`StackSpec.input_scale`) gets
+W_ih = [s*W; s*W]^T, s = 1 or 1/2: the call feeds it [fwd, bwd], and
+[fwd, bwd] [s*W; s*W] = s*(fwd + bwd) W.
 
 Not fused under JAX (the original layers run, exactly): masked calls
 (`mask_is_supported` is False: wrong gradients from the cuDNN call with
@@ -149,9 +152,14 @@ def _value(variable: Any) -> jax.Array:
 def pack_params(stack: StackSpec) -> jax.Array:
     """The flat weight blob of `stack`, from its live variables."""
     weights, biases = [], []
-    for level in stack.cells:
+    for i, level in enumerate(stack.cells):
+        scale = stack.input_scale(i)
         for cell in level:
-            weights += [_value(cell.kernel).T.ravel(), _value(cell.recurrent_kernel).T.ravel()]
+            kernel = _value(cell.kernel)
+            if scale is not None:  # [s*W; s*W]: see the module doc
+                half = kernel if scale == 1.0 else kernel * scale
+                kernel = jnp.concatenate([half, half], axis=0)
+            weights += [kernel.T.ravel(), _value(cell.recurrent_kernel).T.ravel()]
             bias = _value(cell.bias) if cell.use_bias else jnp.zeros((4 * stack.units,), jnp.float32)
             biases += [bias, jnp.zeros_like(bias)]
     return jnp.concatenate(weights + biases)

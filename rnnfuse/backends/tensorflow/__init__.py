@@ -40,6 +40,13 @@ Sizes: weights G*H*(n + R) + P*H, biases 2*G*H per pseudo-layer, G = 4, 3,
 1, R = P or H (P = 0 without projection).
 `use_bias=False` gives zero biases.
 
+A level that reads a Bidirectional merged by "sum" or "ave"
+(`StackSpec.input_scale`): its Keras kernel is [R, G*H] (the merge is R
+wide), but cuDNN feeds it the concatenation [fwd, bwd], 2R wide; the kernel
+is packed as the rows [s*W; s*W] (s = 1 for sum, 1/2 for ave), so
+[fwd, bwd] [s*W; s*W] = s*(fwd + bwd) W: the same n = 2R as above, and W's
+gradient is the sum of both halves'. Biases are unchanged.
+
 Multi-layer states are passed time-major ([levels * directions, B, H]):
 TensorFlow does not transpose batch-major multi-layer states for cuDNN.
 `CudnnRNNCanonicalToParams` is not used: it aborted the process with a
@@ -191,9 +198,16 @@ def mask_is_supported(mask: Any) -> tf.Tensor:
     )
 
 
-def _cell_params(kind: str, cell: Any, dtype: str) -> tuple[list, list]:
-    """(weights, biases) of one pseudo-layer, flattened in cuDNN order."""
+def _cell_params(kind: str, cell: Any, dtype: str, input_scale: float | None = None) -> tuple[list, list]:
+    """(weights, biases) of one pseudo-layer, flattened in cuDNN order.
+
+    `input_scale`: pack the input kernel doubled, [s*W; s*W] (see
+    `StackSpec.input_scale`).
+    """
     kernel = tf.cast(cell.kernel, dtype)
+    if input_scale is not None:
+        half = kernel if input_scale == 1.0 else kernel * tf.constant(input_scale, dtype)
+        kernel = tf.concat([half, half], axis=0)  # [2n, G*H]
     recurrent = tf.cast(cell.recurrent_kernel, dtype)
     units = int(recurrent.shape[1]) // GATES[kind]
     gates = GATES[kind]
@@ -227,9 +241,9 @@ def _zrh_to_rzh(x: tf.Tensor, units: int) -> tf.Tensor:
 def pack_params(stack: StackSpec, dtype: str) -> tf.Tensor:
     """The flat cuDNN parameter buffer of `stack`, from its live variables."""
     weights, biases = [], []
-    for level in stack.cells:
+    for i, level in enumerate(stack.cells):
         for cell in level:
-            w, b = _cell_params(stack.kind, cell, dtype)
+            w, b = _cell_params(stack.kind, cell, dtype, stack.input_scale(i))
             weights += w
             biases += b
     return tf.concat(weights + biases, axis=0)

@@ -28,6 +28,13 @@ output width above), `H = units`, `P = proj_size`, `G` gates (4, 3, 1):
 `use_bias=False` gives zero biases. States are [L*D, B, H] (h: [L*D, B, P]
 when projected), pseudo-layers in the same order.
 
+A level that reads a Bidirectional merged by "sum" or "ave"
+(`StackSpec.input_scale`): PyTorch feeds it [fwd, bwd] (n = 2 times the
+output width, as above) while the Keras kernel W reads their sum or mean,
+so w_ih = [s*W; s*W]^T, s = 1 (sum) or 1/2 (ave): [fwd, bwd] [s*W; s*W] =
+s*(fwd + bwd) W. Built from the live W, so its gradient is the sum of both
+halves'. Biases are unchanged.
+
 Masks: a right-padded mask becomes sequence lengths through
 `torch.nn.utils.rnn.pack_padded_sequence(enforce_sorted=False)`: outputs
 are zero past each length, final states are those at each length (what
@@ -282,10 +289,22 @@ def _zrh_to_rzn(x: torch.Tensor, units: int) -> torch.Tensor:
 
 
 def _cell_params(
-    kind: str, cell: Any, dtype: torch.dtype, device: torch.device
+    kind: str,
+    cell: Any,
+    dtype: torch.dtype,
+    device: torch.device,
+    input_scale: float | None = None,
 ) -> list[torch.Tensor]:
-    """[w_ih, w_hh, b_ih, b_hh] (+ [w_hr]) of one pseudo-layer."""
-    w_ih = _tensor(cell.kernel, dtype, device).t()  # [G*H, n]
+    """[w_ih, w_hh, b_ih, b_hh] (+ [w_hr]) of one pseudo-layer.
+
+    `input_scale`: pack the input kernel doubled, [s*W; s*W] (see
+    `StackSpec.input_scale`).
+    """
+    kernel = _tensor(cell.kernel, dtype, device)
+    if input_scale is not None:
+        half = kernel if input_scale == 1.0 else kernel * input_scale
+        kernel = torch.cat([half, half], dim=0)  # [2n, G*H]
+    w_ih = kernel.t()  # [G*H, n]
     w_hh = _tensor(cell.recurrent_kernel, dtype, device).t()  # [G*H, H or P]
     rows = int(w_ih.shape[0])
     units = rows // GATES[kind]
@@ -328,9 +347,11 @@ def pack_params(
     if device is None:
         device = keras.ops.convert_to_tensor(stack.cells[0][0].kernel).device
     params = []
-    for level in stack.cells:
+    for i, level in enumerate(stack.cells):
         for cell in level:
-            params += _cell_params(stack.kind, cell, dtype, torch.device(device))
+            params += _cell_params(
+                stack.kind, cell, dtype, torch.device(device), stack.input_scale(i)
+            )
     return params
 
 
