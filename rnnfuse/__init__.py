@@ -37,8 +37,11 @@ functions; tests/test_layering.py checks every import):
     backends       backends/ (the Backend contract and one package per
                    framework; the only code importing TensorFlow, torch or
                    JAX, and get_backend the only reader of
-                   keras.backend.backend())
-    layers         fused.py (FusedRNN), layers/ (ProjectedLSTM)
+                   keras.backend.backend(); ProjectedLSTM's kernels in
+                   tensorflow/projected_lstm.py, torch/projected_lstm.py)
+    layers         fused.py (FusedRNN), layers/ (the ProjectedLSTM layer
+                   and cell, which reach their kernels through the
+                   Backend contract)
     planning       passes/planning.py
     tuning         tuning/, placement.py (where a plan runs here)
     rewrite/saving passes/rewrite.py, persistence.py, passes/__init__.py

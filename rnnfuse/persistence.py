@@ -68,6 +68,7 @@ from rnnfuse.reasons import FusionWarning
 from rnnfuse.tuning import first_batch
 
 __all__ = [
+    "ModelFileError",
     "OptimizedModel",
     "OptimizedSequential",
     "as_optimized",
@@ -328,6 +329,30 @@ def restore(model: keras.Model) -> keras.Model:
     return restored
 
 
+class ModelFileError(ValueError):
+    """A file `load_model` cannot load as a Keras model: what and the fix.
+
+    `str(error)` is one sentence pair, "rnnfuse.load_model: <problem>.
+    Fix: <fix>."; the fields let a caller (the `rnnfuse` command) word the
+    fix for its own options.
+    """
+
+    def __init__(self, kind: str, path: str, problem: str, fix: str, **details: Any):
+        # A short name for the problem: "directory", "saved_model",
+        # "unreadable", "weights_only", "not_a_model_file", "not_keras_zip",
+        # "needs_keras_extension", "needs_h5_extension", "corrupt",
+        # "custom_class", "unsafe", "not_a_model" or "load_failed".
+        self.kind = kind
+        # The path as given.
+        self.path = path
+        # What is wrong and how to fix it, each without a final period.
+        self.problem = problem
+        self.fix = fix
+        # custom_class: `name`, and `module` where the archive records it.
+        self.details = details
+        super().__init__(f"rnnfuse.load_model: {problem}. Fix: {fix}.")
+
+
 def load_model(
     filepath: Any,
     *,
@@ -338,12 +363,15 @@ def load_model(
     """`keras.models.load_model` with errors that say what is wrong.
 
     Loads any `.keras` file (optimized or not: importing rnnfuse registers
-    its classes). A missing file, a directory (a SavedModel), a weights-only
-    file, a truncated or corrupt archive, or a custom class that is not
-    registered raise one clear error instead of Keras' internal one.
+    its classes) and legacy `.h5` models. A missing file, a directory (a
+    SavedModel), an unreadable file, a weights-only file, a file that is no
+    Keras model or has the wrong extension, a truncated or corrupt archive,
+    a Lambda layer refused by `safe_mode`, or a custom class that is not
+    registered raise one clear error instead of Keras' internal one. The
+    `rnnfuse` command loads files through this too.
 
     Args:
-        filepath: path of a `.keras` file.
+        filepath: path of a `.keras` file (or a legacy `.h5` model).
         custom_objects: as for `keras.models.load_model`.
         compile: as for `keras.models.load_model`.
         safe_mode: as for `keras.models.load_model`.
@@ -353,8 +381,8 @@ def load_model(
 
     Raises:
         FileNotFoundError: nothing at `filepath`.
-        ValueError: the file is not a loadable `.keras` model, with the
-            reason and the fix.
+        ModelFileError: (a ValueError) the file is not a loadable Keras
+            model, with the reason and the fix.
     """
     path = os.fspath(filepath)
     if not os.path.exists(path):
@@ -362,41 +390,112 @@ def load_model(
             f"rnnfuse.load_model: no file at '{path}'. Fix: check the path "
             "(a model saved with model.save('name.keras'))."
         )
-    if os.path.isdir(path):
-        raise ValueError(
-            f"rnnfuse.load_model: '{path}' is a directory (a SavedModel "
-            "export?), not a .keras file. Fix: load a file written by "
-            "model.save('name.keras'); serve a SavedModel with "
-            "tf.saved_model.load or keras.layers.TFSMLayer."
-        )
-    if path.endswith((".weights.h5", ".weights.json")):
-        raise ValueError(
-            f"rnnfuse.load_model: '{path}' holds weights only, no model. "
-            "Fix: build the model in code and call model.load_weights(path)."
-        )
-    if path.endswith(".keras"):
-        _check_archive(path)
+    _check_file(path)
     try:
-        return keras.models.load_model(
+        model = keras.models.load_model(
             path, custom_objects=custom_objects, compile=compile, safe_mode=safe_mode
         )
     except Exception as err:  # noqa: BLE001 - re-raised with the path and a fix
-        match = re.search(r"Could not locate (?:class|function) '([^']+)'", str(err))
-        if match:
-            raise ValueError(
-                f"rnnfuse.load_model: '{path}' uses the custom class or function "
-                f"{_describe_class(path, match.group(1))}, which is not "
-                "registered in this process. Fix: import the module that "
-                "defines it (registered with "
-                "@keras.saving.register_keras_serializable), or pass "
-                "custom_objects={registered name: object}."
-            ) from err
-        raise ValueError(
-            f"rnnfuse.load_model: could not load '{path}' "
-            f"({type(err).__name__}: {_first_line(err)}). The file may be "
-            "truncated or written by an incompatible Keras version. Fix: "
-            "save the model again with model.save(path)."
+        raise _load_error(path, err) from err
+    if not isinstance(model, keras.Model):
+        raise ModelFileError(
+            "not_a_model", path,
+            f"'{path}' holds a {type(model).__name__}, not a keras.Model",
+            "save the model itself with model.save('name.keras')",
+        )
+    return model
+
+
+def _check_file(path: str) -> None:
+    """Raises ModelFileError unless `path` looks like a loadable model file."""
+    if os.path.isdir(path):
+        if os.path.exists(os.path.join(path, "saved_model.pb")):
+            raise ModelFileError(
+                "saved_model", path,
+                f"'{path}' is a directory (a TensorFlow SavedModel), which "
+                "Keras 3 cannot load as a model",
+                "save the model with model.save('name.keras') in the code that "
+                "builds it; serve a SavedModel with tf.saved_model.load or "
+                "keras.layers.TFSMLayer",
+            )
+        raise ModelFileError(
+            "directory", path, f"'{path}' is a directory, not a model file",
+            "pass the .keras file inside it",
+        )
+    try:
+        with open(path, "rb") as f:
+            head = f.read(8)
+    except OSError as err:
+        raise ModelFileError(
+            "unreadable", path, f"cannot read '{path}': {err.strerror or err}",
+            "check its permissions (it must be readable by you)",
         ) from err
+    if path.endswith((".weights.h5", ".weights.json")):
+        raise ModelFileError(
+            "weights_only", path, f"'{path}' holds weights only, no model",
+            "build the model in code and call model.load_weights(path)",
+        )
+    is_zip = zipfile.is_zipfile(path)
+    if not is_zip and not head.startswith(b"\x89HDF"):
+        raise ModelFileError(
+            "not_a_model_file", path,
+            f"'{path}' is not a Keras model file (not a .keras archive, which "
+            "is a zip file, nor HDF5); it may be truncated or corrupt",
+            "save the model again with model.save('name.keras')",
+        )
+    if is_zip:
+        _check_archive(path)
+        if not path.endswith(".keras"):
+            raise ModelFileError(
+                "needs_keras_extension", path,
+                f"'{path}' looks like a Keras model, but Keras only loads it "
+                "with a .keras extension",
+                "rename it to end in .keras",
+            )
+    elif not path.endswith((".h5", ".hdf5")):
+        raise ModelFileError(
+            "needs_h5_extension", path,
+            f"'{path}' is an HDF5 file; Keras loads legacy models only from "
+            "files ending in .h5",
+            "rename it, or re-save it with model.save('name.keras')",
+        )
+
+
+def _load_error(path: str, err: BaseException) -> ModelFileError:
+    """Keras' loading error `err` (and its causes) as one ModelFileError."""
+    chain: list = []
+    e: BaseException | None = err
+    while e is not None and e not in chain:
+        chain.append(e)
+        e = e.__cause__ or e.__context__
+    text = "\n".join(str(e) for e in chain)
+    match = re.search(r"Could not locate (?:class|function) '([^']+)'", text)
+    if match or "register_keras_serializable" in text:
+        name = match.group(1) if match else None
+        modules = [c["module"] for c in archived_configs(path, name) if c.get("module")] if name else []
+        described = _describe_class(path, name) if name else "a custom class or function"
+        return ModelFileError(
+            "custom_class", path,
+            f"'{path}' uses the custom class or function {described}, which "
+            "is not registered in this process",
+            "import the module that defines it (registered with "
+            "@keras.saving.register_keras_serializable), or pass "
+            "custom_objects={registered name: object}",
+            name=name, module=modules[0] if modules else None,
+        )
+    if "safe_mode" in text or "unsafe_deserialization" in text:
+        return ModelFileError(
+            "unsafe", path,
+            f"'{path}' contains a Lambda layer with Python code, which Keras "
+            "refuses to load with safe_mode=True",
+            "if you trust the file, pass safe_mode=False",
+        )
+    return ModelFileError(
+        "load_failed", path,
+        f"could not load '{path}' ({type(err).__name__}: {_first_line(err)}); "
+        "the file may be truncated or written by an incompatible Keras version",
+        "save the model again with model.save(path)",
+    )
 
 
 # -- restoring ---------------------------------------------------------------
@@ -503,21 +602,17 @@ def _is_fused_archive(filepath: Any) -> bool:
 
 
 def _check_archive(path: str) -> None:
-    """Raises a clear ValueError unless `path` is a readable .keras archive."""
-    if not zipfile.is_zipfile(path):
-        raise ValueError(
-            f"rnnfuse.load_model: '{path}' is not a .keras archive (not a zip "
-            "file); it may be truncated or corrupt. Fix: save the model again "
-            "with model.save(path)."
-        )
+    """Raises a clear ModelFileError unless zip file `path` is a readable
+    .keras archive (config.json and model.weights.h5, intact)."""
     try:
         with zipfile.ZipFile(path) as archive:
             missing = {"config.json", "model.weights.h5"} - set(archive.namelist())
             if missing:
-                raise ValueError(
-                    f"rnnfuse.load_model: '{path}' is a zip file but not a "
-                    f".keras model ({', '.join(sorted(missing))} missing). Fix: "
-                    "save the model again with model.save(path)."
+                raise ModelFileError(
+                    "not_keras_zip", path,
+                    f"'{path}' is a zip file but not a .keras model "
+                    f"({', '.join(sorted(missing))} missing)",
+                    "save the model again with model.save('name.keras')",
                 )
             json.loads(archive.read("config.json"))
             bad = archive.testzip()
@@ -526,9 +621,9 @@ def _check_archive(path: str) -> None:
     else:
         detail = f"damaged member {bad}"
     if bad:
-        raise ValueError(
-            f"rnnfuse.load_model: '{path}' is corrupt ({detail}). Fix: save "
-            "the model again with model.save(path)."
+        raise ModelFileError(
+            "corrupt", path, f"'{path}' is corrupt ({detail})",
+            "save the model again with model.save(path)",
         )
 
 

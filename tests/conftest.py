@@ -1,7 +1,16 @@
-"""Shared test setup: hypothesis profiles, seeds, and the emulated cuDNN op.
+"""Shared test setup: hypothesis profiles, seeds, backend markers, and the
+emulated cuDNN op.
 
 Hypothesis profiles (HYPOTHESIS_PROFILE): "ci" (bounded, used by .ci/run),
 "dev" (the default for `make test`), "thorough" (`make test-thorough`).
+
+Markers by directory (`backend_markers`; setup.cfg lists them): tests/*.py
+are the TensorFlow-backend suite (`tensorflow`), tests/torch_backend/ get
+`torch`, tests/jax_backend/ `jax`, and every test in tests/gpu/ gets `gpu`
+plus the backend its file is for (`test_gpu_*torch*.py`: torch,
+`test_gpu_*jax*.py`: jax, the others: tensorflow). So `-m "not gpu"` or
+`-m torch` select; the backend itself is still KERAS_BACKEND's (a torch
+test is not even collected under another backend).
 """
 
 from __future__ import annotations
@@ -30,6 +39,32 @@ settings.register_profile("ci", max_examples=12, derandomize=True, **{k: v for k
 settings.register_profile("dev", max_examples=25, **_common)
 settings.register_profile("thorough", max_examples=200, **_common)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "dev"))
+
+
+def backend_markers(relpath: str) -> tuple[str, ...]:
+    """The markers a test file gets from where it lives (path relative to
+    tests/, with "/" separators)."""
+    parts = relpath.split("/")
+    if parts[0] == "torch_backend":
+        return ("torch",)
+    if parts[0] == "jax_backend":
+        return ("jax",)
+    if parts[0] == "gpu":
+        name = parts[-1]
+        backend = "torch" if "torch" in name else "jax" if "jax" in name else "tensorflow"
+        return ("gpu", backend)
+    return ("tensorflow",)
+
+
+def pytest_collection_modifyitems(config, items):
+    here = os.path.dirname(os.path.abspath(__file__))
+    for item in items:
+        relpath = os.path.relpath(str(item.fspath), here).replace(os.sep, "/")
+        if relpath.startswith(".."):
+            continue
+        for name in backend_markers(relpath):
+            if item.get_closest_marker(name) is None:
+                item.add_marker(getattr(pytest.mark, name))
 
 
 @pytest.fixture(autouse=True)

@@ -401,7 +401,7 @@ def _bad_files(path):
 ERRORS = [
     (["inspect", "missing.keras"], "no such file"),
     (["inspect", "text.keras"], "not a Keras model file"),
-    (["inspect", "nozip.keras"], "no config.json"),
+    (["inspect", "nozip.keras"], "not a .keras model (config.json, model.weights.h5 missing)"),
     (["inspect", "saved"], "SavedModel"),
     (["inspect", "w.weights.h5"], "weights only"),
     (["inspect", "custom.keras"], "custom object 'Scale', which is not registered in this process. Fix: pass --import custom_layers"),

@@ -100,22 +100,17 @@ def test_no_module_imports_from_a_layer_above_it():
     assert not bad, "imports against the dependency rule:\n" + "\n".join(sorted(set(bad)))
 
 
-# Modules that still import a framework outside backends/, and why.
-FRAMEWORK_EXCEPTIONS = {
-    # Issue 11 deliverable 5 (not done yet): its TensorFlow loops and torch
-    # adapter move into the backends, leaving the layer and the cell.
-    "rnnfuse.layers.projected_lstm": "ProjectedLSTM's TensorFlow/torch kernels",
-}
-
-
 @pytest.mark.parametrize("framework", ["tensorflow", "torch", "jax"])
 def test_only_backends_import_a_framework(framework):
+    """No exceptions: a framework (or Keras' own backend module for it,
+    `keras.src.backend.<framework>`) is imported only under backends/."""
     bad = []
+    keras_part = f"keras.src.backend.{framework}"
     for module, path in _modules():
-        if module.startswith("rnnfuse.backends.") or module in FRAMEWORK_EXCEPTIONS:
+        if module.startswith("rnnfuse.backends."):
             continue
         for line, name in _imports(module, path):
-            if name == framework or name.startswith(framework + "."):
+            if name == framework or name.startswith((framework + ".", keras_part)):
                 bad.append(f"{path.relative_to(ROOT.parent)}:{line}: imports {name}")
     assert not bad, "\n".join(bad)
 

@@ -15,6 +15,7 @@ import tensorflow as tf
 
 import rnnfuse
 from rnnfuse.layers import ProjectedLSTM, ProjectedLSTMCell
+from rnnfuse.backends.tensorflow import projected_lstm as tf_plstm
 from rnnfuse.layers import projected_lstm as plstm
 from rnnfuse.recurrent import describe
 from rnnfuse.rules import layer_reason
@@ -405,6 +406,52 @@ def test_config_round_trip_and_saved_model(tmp_path):
     _close(loaded.predict(data, verbose=0), model.predict(data, verbose=0), atol=1e-6)
 
 
+def test_a_config_without_the_fast_path_arguments_still_loads():
+    """Files saved before `fast_path`/`fast_path_unroll` existed load, with
+    the process-wide choice (None)."""
+    config = ProjectedLSTM(U, P, name="old").get_config()
+    assert (config["fast_path"], config["fast_path_unroll"]) == (None, None)
+    del config["fast_path"], config["fast_path_unroll"]
+    layer = ProjectedLSTM.from_config(config)
+    assert (layer.fast_path, layer.fast_path_unroll) == (None, None)
+
+
+def test_the_layers_fast_path_argument_wins_and_is_saved(tmp_path):
+    x = _data()[0]
+    layer = ProjectedLSTM(U, P, fast_path="while", fast_path_unroll=2, name="own")
+    model = keras.Sequential([keras.Input((T, F)), layer])
+    with plstm.fast_path("custom"):
+        model(x)
+    assert layer.last_path == "while/u2"
+    off = ProjectedLSTM(U, P, fast_path="off")
+    off(x)
+    assert off.last_path == "keras_loop: the fast path is switched off (fast_path='off')"
+    path = tmp_path / "own.keras"
+    model.save(path)
+    loaded = keras.models.load_model(path).get_layer("own")
+    assert (loaded.fast_path, loaded.fast_path_unroll) == ("while", 2)
+    with pytest.raises(ValueError, match="ProjectedLSTM\\(fast_path\\): unknown fast path 'fast'"):
+        ProjectedLSTM(U, P, fast_path="fast")
+    with pytest.raises(ValueError, match="fast_path_unroll.*unroll=0"):
+        ProjectedLSTM(U, P, fast_path_unroll=0)
+
+
+def test_the_environment_variables_are_read_at_call_time(monkeypatch):
+    x = _data()[0]
+    monkeypatch.setenv("RNNFUSE_PROJECTED_LSTM_PATH", "while")
+    monkeypatch.setenv("RNNFUSE_PROJECTED_LSTM_UNROLL", "3")
+    assert (plstm.get_fast_path(), plstm.get_unroll()) == ("while", 3)
+    layer = ProjectedLSTM(U, P)
+    layer(x)
+    assert layer.last_path == "while/u3"
+    with plstm.fast_path("custom", unroll=1):  # set_fast_path wins
+        assert (plstm.get_fast_path(), plstm.get_unroll()) == ("custom", 1)
+    assert (plstm.get_fast_path(), plstm.get_unroll()) == ("while", 3)
+    monkeypatch.setenv("RNNFUSE_PROJECTED_LSTM_PATH", "fast")
+    with pytest.raises(ValueError, match="environment variable RNNFUSE_PROJECTED_LSTM_PATH"):
+        plstm.get_fast_path()
+
+
 def test_jit_compiled_train_step_equals_plain_train_step():
     x, _, _, _ = _data(7)
     target = np.random.default_rng(7).normal(size=(B, P)).astype("float32")
@@ -520,14 +567,14 @@ def test_optimize_projected_stack_equals_original(bidirectional, emulated_cudnn)
 def test_auto_picks_xla_only_with_a_gpu_where_xla_compiles(monkeypatch, caplog):
     assert plstm.get_fast_path(resolve=True) == "custom"  # no GPU here
     monkeypatch.setattr(tf.config, "list_logical_devices", lambda kind=None: ["GPU:0"])
-    monkeypatch.setattr(plstm, "_xla_ok", True)
+    monkeypatch.setattr(tf_plstm, "_xla_ok", True)
     assert plstm.get_fast_path(resolve=True) == "custom_xla"
 
     def broken(jit):
         raise tf.errors.InternalError(None, None, "libdevice not found")
 
-    monkeypatch.setattr(plstm, "_xla_ok", None)
-    monkeypatch.setattr(plstm, "_custom_functions", broken)
+    monkeypatch.setattr(tf_plstm, "_xla_ok", None)
+    monkeypatch.setattr(tf_plstm, "_custom_functions", broken)
     with caplog.at_level(logging.WARNING, logger="rnnfuse"):
         assert plstm.get_fast_path(resolve=True) == "custom"
     # The layer recovers by itself: a notice on the rnnfuse logger, not a warning.

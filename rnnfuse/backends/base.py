@@ -1,6 +1,9 @@
-"""The backend contract: `Backend`, its `Capabilities`, and `StackSpec`.
+"""The backend contract: `Backend`, its `Capabilities`, `StackSpec` and
+`ProjectedLSTMCall`.
 
-`StackSpec` is what a backend needs to know about a fused stack. `Backend`
+`StackSpec` is what a backend needs to know about a fused stack;
+`ProjectedLSTMCall` what it needs to run one `ProjectedLSTM` call on its own
+fast path (`Backend.run_projected_lstm`). `Backend`
 is the abstract class every backend (rnnfuse/backends/<name>/backend.py)
 implements in full; `NoFusedKernel` stands in for Keras backends rnnfuse
 has no kernel for. This module imports no framework.
@@ -38,7 +41,20 @@ import os
 import platform
 from typing import Any, Sequence
 
-__all__ = ["Backend", "Capabilities", "GATES", "INPUT_SCALES", "KernelModuleBackend", "NoFusedKernel", "StackSpec", "cpu_description", "loss_weights"]
+__all__ = [
+    "Backend",
+    "Capabilities",
+    "GATES",
+    "INPUT_SCALES",
+    "KernelModuleBackend",
+    "NoFusedKernel",
+    "PROJECTED_LSTM_PATHS",
+    "ProjectedLSTMCall",
+    "StackSpec",
+    "cpu_description",
+    "loss_weights",
+    "tanh_sigmoid",
+]
 
 # Gate matrices per cell kind (cuDNN's "pseudo-layer" has 2*G matrices).
 GATES = {"lstm": 4, "gru": 3, "rnn_tanh": 1, "rnn_relu": 1}
@@ -96,6 +112,45 @@ class StackSpec:
     @property
     def output_size(self) -> int:
         return self.proj_size or self.units
+
+
+# ProjectedLSTM's fast-path variants (the TensorFlow loops; "auto" picks
+# one, "off" runs Keras' generic loop). See rnnfuse.layers.projected_lstm.
+PROJECTED_LSTM_PATHS = ("auto", "custom_xla", "custom", "while_xla", "while", "off")
+
+
+@dataclasses.dataclass(frozen=True)
+class ProjectedLSTMCall:
+    """One `ProjectedLSTM` call, as `Backend.run_projected_lstm` runs it."""
+
+    # The layer's `ProjectedLSTMCell` (kernel, recurrent_kernel, bias,
+    # projection_kernel, activations, dropout).
+    cell: Any
+    # Keras' training flag (input dropout).
+    training: bool = False
+    # The layer's go_backwards, zero_output_for_mask, return_sequences.
+    go_backwards: bool = False
+    zero_output_for_mask: bool = False
+    return_sequences: bool = False
+    # The fast-path variant asked for (one of PROJECTED_LSTM_PATHS but
+    # "off"), read when the call runs or is traced.
+    path: str = "auto"
+    # Time steps per loop iteration, used where it divides the sequence length.
+    unroll: int = 1
+
+
+def tanh_sigmoid(cell, extra: dict | None = None) -> bool:
+    """Whether `cell` uses exactly tanh and sigmoid activations (cuDNN's and
+    PyTorch's fused LSTM, and the hand-written TensorFlow gradient).
+
+    `extra`: a backend's `activation_functions()`, so its own tanh counts.
+    """
+    from rnnfuse.recurrent import _activation_name
+
+    return (
+        _activation_name(cell.activation, extra or {}) == "tanh"
+        and _activation_name(cell.recurrent_activation, extra or {}) == "sigmoid"
+    )
 
 
 # -- the backend contract --------------------------------------------------------
@@ -187,6 +242,26 @@ class Backend(abc.ABC):
     def keras_runs_cudnn(self) -> bool:
         """Whether Keras' own LSTM/GRU run cuDNN here (padded steps of a
         returned sequence are then zeros, not zero_output_for_mask's)."""
+
+    # -- ProjectedLSTM's own fast path ---------------------------------------------
+
+    @abc.abstractmethod
+    def projected_lstm_reason(self, cell: Any) -> str | None:
+        """Why this backend's ProjectedLSTM fast path never runs `cell`
+        (no fast path here, its activations, dtype or sizes), or None."""
+
+    @abc.abstractmethod
+    def run_projected_lstm(self, sequences, initial_state, mask, call: ProjectedLSTMCall):
+        """((last_output, outputs, [h, c]), path): what
+        `keras.layers.RNN.inner_loop` returns, and the name of the path that
+        computed it ("custom/u4", "cudnn_op", "torch_fused", ...). Raises
+        NotImplementedError (its message: why) when it cannot run this call;
+        the layer then runs Keras' generic loop."""
+
+    @abc.abstractmethod
+    def resolve_projected_lstm_path(self, path: str) -> str:
+        """The variant fast path `path` means here ("auto" -> "custom_xla"
+        or "custom" on TensorFlow); unchanged where it means nothing."""
 
     # -- runtime environment ------------------------------------------------------
 
@@ -304,6 +379,15 @@ class NoFusedKernel(Backend):
 
     def keras_runs_cudnn(self):
         return False
+
+    def projected_lstm_reason(self, cell):
+        return f"no fast path for the {self.name} backend"
+
+    def run_projected_lstm(self, sequences, initial_state, mask, call):
+        raise NotImplementedError(self.projected_lstm_reason(call.cell))
+
+    def resolve_projected_lstm_path(self, path):
+        return path
 
     def strategy_scope(self, strategy):
         return contextlib.nullcontext()

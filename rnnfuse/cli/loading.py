@@ -13,9 +13,7 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import os
-import re
 import sys
-import zipfile
 from typing import Any, Sequence
 
 from rnnfuse.cli.errors import CliError, _first_line
@@ -97,106 +95,47 @@ def _missing_source(source: str) -> str:
 
 
 def _load_file(path: str, safe_mode: bool):
-    import keras
+    """`rnnfuse.persistence.load_model`, its errors as one-line CliErrors
+    (with the command line's own fixes where it has other options)."""
+    from rnnfuse.persistence import ModelFileError, load_model
 
-    if os.path.isdir(path):
-        if os.path.exists(os.path.join(path, "saved_model.pb")):
-            raise CliError(
-                f"'{path}' is a TensorFlow SavedModel directory, which Keras 3 "
-                "cannot load as a model. Fix: save the model with "
-                "model.save('model.keras') in the code that builds it, or pass "
-                "module:function"
-            )
-        raise CliError(
-            f"'{path}' is a directory, not a model file. Fix: pass the "
-            ".keras file inside it"
-        )
     try:
-        with open(path, "rb") as f:
-            head = f.read(8)
-    except OSError as err:
-        raise CliError(
-            f"cannot read '{path}': {err.strerror or err}. Fix: check its "
-            "permissions (it must be readable by you)"
-        ) from err
-    is_zip = zipfile.is_zipfile(path)
-    is_h5 = head.startswith(b"\x89HDF")
-    if path.endswith(".weights.h5"):
-        raise CliError(
-            f"'{path}' holds weights only, not a model. Fix: pass "
-            "module:function that builds the model and calls "
+        return load_model(path, compile=False, safe_mode=safe_mode)
+    except FileNotFoundError as err:
+        raise CliError(_missing_source(path)) from err
+    except ModelFileError as err:
+        raise CliError(_file_error(err)) from err
+
+
+def _file_error(err) -> str:
+    """The CLI's line for a `ModelFileError`: its problem and a fix in
+    terms of this command's options."""
+    fix = err.fix
+    if err.kind == "custom_class":
+        name = err.details.get("name")
+        module = err.details.get("module") or "MODULE"
+        what = f"the custom object '{name}'" if name else "a custom object"
+        return (
+            f"'{err.path}' uses {what}, which is not registered in this "
+            f"process. Fix: pass --import {module} (the module that defines "
+            "it, decorated with @keras.saving.register_keras_serializable()), "
+            "or pass module:function that builds or loads the model"
+        )
+    if err.kind == "unsafe":
+        fix = "if you trust the file, pass --unsafe"
+    elif err.kind == "weights_only":
+        fix = (
+            "pass module:function that builds the model and calls "
             "model.load_weights(...), or save it with model.save('model.keras')"
         )
-    if not (is_zip or is_h5):
-        raise CliError(
-            f"'{path}' is not a Keras model file (a .keras file is a zip "
-            "archive). Fix: save the model with model.save('model.keras')"
+    elif err.kind == "saved_model":
+        fix = (
+            "save the model with model.save('model.keras') in the code that "
+            "builds it, or pass module:function"
         )
-    if is_zip:
-        with zipfile.ZipFile(path) as archive:
-            if "config.json" not in archive.namelist():
-                raise CliError(
-                    f"'{path}' is a zip archive but not a Keras model (it has "
-                    "no config.json). Fix: save the model with "
-                    "model.save('model.keras')"
-                )
-        if not path.endswith(".keras"):
-            raise CliError(
-                f"'{path}' looks like a Keras model, but Keras only loads it "
-                "with a .keras extension. Fix: rename it to end in .keras"
-            )
-    elif not path.endswith((".h5", ".hdf5")):
-        raise CliError(
-            f"'{path}' is an HDF5 file; Keras loads legacy models only from "
-            "files ending in .h5. Fix: rename it, or re-save it with "
-            "model.save('model.keras')"
-        )
-    try:
-        model = keras.saving.load_model(path, compile=False, safe_mode=safe_mode)
-    except Exception as err:  # noqa: BLE001 - translated into one line below
-        raise CliError(_load_error(path, err)) from err
-    if not isinstance(model, keras.Model):
-        raise CliError(f"'{path}' holds a {type(model).__name__}, not a keras.Model")
-    return model
-
-
-def _load_error(path: str, err: BaseException) -> str:
-    chain = []
-    e: BaseException | None = err
-    while e is not None and e not in chain:
-        chain.append(e)
-        e = e.__cause__ or e.__context__
-    text = "\n".join(str(e) for e in chain)
-    found = re.search(r"Could not locate (?:class|function) '([^']+)'", text)
-    if found or "register_keras_serializable" in text:
-        name = found.group(1) if found else "a custom object"
-        module = _module_of(path, name) or "MODULE"
-        return (
-            f"'{path}' uses the custom object '{name}', which is not "
-            f"registered in this process. Fix: pass --import {module} (the "
-            "module that defines it, decorated with "
-            "@keras.saving.register_keras_serializable()), or pass "
-            "module:function that builds or loads the model"
-        )
-    if "safe_mode" in text or "unsafe_deserialization" in text:
-        return (
-            f"'{path}' contains a Lambda layer with Python code, which Keras "
-            "refuses to load by default. Fix: if you trust the file, pass "
-            "--unsafe"
-        )
-    return (
-        f"could not load '{path}' as a Keras model: {_first_line(err)}. Fix: "
-        "check that Keras 3 saved it with model.save(...) (run with --debug "
-        "for the traceback)"
-    )
-
-
-def _module_of(path: str, class_name: str) -> str | None:
-    """The module a .keras archive records for `class_name`, if any."""
-    from rnnfuse.persistence import archived_configs
-
-    modules = [c["module"] for c in archived_configs(path, class_name) if c.get("module")]
-    return modules[0] if modules else None
+    elif err.kind == "load_failed":
+        fix += " (run with --debug for the traceback)"
+    return f"{err.problem}. Fix: {fix}"
 
 
 def _import_module(spec: str, *, what: str):

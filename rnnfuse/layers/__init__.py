@@ -2,7 +2,8 @@
 
 - `ProjectedLSTM` / `ProjectedLSTMCell`: an LSTM with a recurrent
   projection (LSTMP, Sak et al. 2014; PyTorch's `nn.LSTM(proj_size=...)`),
-  with a fast TensorFlow path (see `rnnfuse.layers.projected_lstm`).
+  with fast paths on TensorFlow and torch (see `rnnfuse.layers.projected_lstm`;
+  the kernels live in `rnnfuse.backends.<framework>.projected_lstm`).
 
 Importing this package registers the layers for Keras serialization
 (`rnnfuse>ProjectedLSTM`, `rnnfuse>ProjectedLSTMCell`).

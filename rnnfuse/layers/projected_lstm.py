@@ -16,13 +16,16 @@ Two implementations of the same maths:
 
 - Keras' generic loop (`keras.layers.RNN` calling `ProjectedLSTMCell` once
   per step): every Keras backend, and the reference.
-- The fast path (TensorFlow backend): one GEMM for the input projection of
-  all time steps (`x @ kernel + bias` over [T*B, F]), then a tight loop over
-  time that runs only the recurrent GEMM, the gate maths and the projection.
-  Variants (module switch, see `set_fast_path`; default from the environment
+- The fast path (TensorFlow backend, in
+  `rnnfuse.backends.tensorflow.projected_lstm`): one GEMM for the input
+  projection of all time steps (`x @ kernel + bias` over [T*B, F]), then a
+  tight loop over time that runs only the recurrent GEMM, the gate maths
+  and the projection. Variants (the layer's `fast_path` argument; where it
+  is None, the process-wide choice of `set_fast_path`, else the environment
   variable RNNFUSE_PROJECTED_LSTM_PATH, else "auto": "custom_xla" when a GPU
   is visible and XLA compiles there (checked once), else "custom"; on the
-  CPU XLA's compile time is not repaid):
+  CPU XLA's compile time is not repaid). All of these are read when a call
+  runs eagerly or is traced, not at import:
 
   | variant        | loop                         | gradient                 |
   |----------------|------------------------------|--------------------------|
@@ -43,8 +46,8 @@ Two implementations of the same maths:
   accumulates them step by step. It needs tanh/sigmoid activations (other
   activations use the autodiff loop of the same compile mode).
 
-  `set_fast_path(name, unroll=k)` (or RNNFUSE_PROJECTED_LSTM_UNROLL) runs k
-  time steps per loop iteration when k divides the static sequence length,
+  `fast_path_unroll=k` (else `set_fast_path(name, unroll=k)`, else
+  RNNFUSE_PROJECTED_LSTM_UNROLL) runs k time steps per loop iteration when k divides the static sequence length,
   trading a longer loop body for fewer iterations (default 4: measured
   faster on the H200 in every configuration).
 
@@ -65,13 +68,20 @@ keep the static shapes Keras' loop gives (time dimension included).
 
 Under the torch backend the fast path is PyTorch's own LSTMP
 (`nn.LSTM(proj_size=P)`'s `torch._VF.lstm` call, through
-`rnnfuse.backends.torch.run_stack`): cuDNN on CUDA, PyTorch's native kernel
+`rnnfuse.backends.torch.run_stack`; in `rnnfuse.backends.torch.projected_lstm`): cuDNN on CUDA, PyTorch's native kernel
 on the CPU; path "torch_fused". It runs when `use_cudnn` is not False, the
 fast path is not switched "off", `unroll` is False, there is no recurrent
 dropout (nor input dropout with `implementation=1`), the activations are
 tanh/sigmoid, proj_size < units (PyTorch's limit) and the mask is None or
 right-padded with no empty sequence (checked on its values; other masks run
 Keras' generic loop). Results match the generic loop to float rounding.
+
+This module holds the layer and the cell only and imports no framework: it
+asks the active backend (`rnnfuse.backends.get_backend()`) through the
+contract's `projected_lstm_reason`, `run_projected_lstm` and
+`resolve_projected_lstm_path`. A backend without a fast path (JAX) raises
+NotImplementedError there and the layer runs Keras' generic loop, with the
+reason in `last_path`.
 
 `PATH_COUNTS` counts the paths taken (incremented each time `call` runs
 eagerly or is traced) and `layer.last_path` names the last one, so tests
@@ -90,12 +100,14 @@ from __future__ import annotations
 
 import collections
 import contextlib
-import logging
 import os
 from typing import Any
 
 import keras
 from keras import activations, constraints, initializers, ops, regularizers, tree
+
+from rnnfuse.backends import get_backend
+from rnnfuse.backends.base import PROJECTED_LSTM_PATHS, ProjectedLSTMCall
 
 __all__ = [
     "FAST_PATHS",
@@ -108,22 +120,24 @@ __all__ = [
     "set_fast_path",
 ]
 
-logger = logging.getLogger("rnnfuse")
-
-FAST_PATHS = ("auto", "custom_xla", "custom", "while_xla", "while", "off")
+FAST_PATHS = PROJECTED_LSTM_PATHS
 
 # Path name -> number of times a ProjectedLSTM call took it ("keras_loop" for
 # Keras' generic loop). Incremented when the call runs eagerly or is traced.
 PATH_COUNTS: collections.Counter = collections.Counter()
 
+# Read when a call runs or is traced (not at import), where neither the
+# layer's arguments nor set_fast_path chose.
 _ENV_VAR = "RNNFUSE_PROJECTED_LSTM_PATH"
 _UNROLL_ENV_VAR = "RNNFUSE_PROJECTED_LSTM_UNROLL"
-_fast_path = "auto"
 # Four steps per loop iteration by default (where 4 divides T): on the H200,
 # 1024/256, B=32, T=1000, train step, custom_xla took 84 ms unrolled 4x
 # against 137 ms (float32) and 40 ms against 133 ms (mixed_float16);
 # 4 layers 498 vs 517 ms and 410 vs 486 ms (bench/results/projected_lstm_h200.json).
-_unroll = 4
+DEFAULT_UNROLL = 4
+# set_fast_path's choice (None: not chosen, so the environment's or the default).
+_fast_path: str | None = None
+_unroll: int | None = None
 
 
 def _check_path(name: Any, where: str) -> str:
@@ -147,10 +161,13 @@ def _check_unroll(unroll: Any, where: str) -> int:
 def set_fast_path(name: str, unroll: int | None = None) -> None:
     """Selects the ProjectedLSTM implementation for calls traced from now on.
 
+    A layer's own `fast_path` / `fast_path_unroll` arguments win over this;
+    this wins over the environment variables.
+
     Args:
         name: one of `FAST_PATHS` ("off" runs Keras' generic loop).
         unroll: optional; time steps per iteration of the fast path's loops
-            (1 by default). Used when it divides the static sequence length.
+            (4 by default). Used when it divides the static sequence length.
 
     Raises:
         ValueError: `name` is not one of `FAST_PATHS`, or a bad `unroll`.
@@ -164,54 +181,36 @@ def set_fast_path(name: str, unroll: int | None = None) -> None:
 
 def get_unroll() -> int:
     """Time steps per loop iteration of the fast path (see `set_fast_path`)."""
-    return _unroll
+    if _unroll is not None:
+        return _unroll
+    raw = os.environ.get(_UNROLL_ENV_VAR)
+    if raw:
+        where = f"environment variable {_UNROLL_ENV_VAR}"
+        try:
+            value = int(raw)
+        except ValueError:
+            value = raw
+        return _check_unroll(value, where)
+    return DEFAULT_UNROLL
 
 
 def get_fast_path(resolve: bool = False) -> str:
     """The ProjectedLSTM implementation new calls use (see `set_fast_path`).
 
     Args:
-        resolve: turn "auto" into the variant it means here ("custom_xla"
-            with a visible GPU, else "custom").
+        resolve: turn "auto" into the variant it means here (TensorFlow:
+            "custom_xla" with a visible GPU where XLA compiles, else
+            "custom"; asked of the active backend).
     """
-    if resolve and _fast_path == "auto":
-        import tensorflow as tf
-
-        gpu = bool(tf.config.list_logical_devices("GPU"))
-        return "custom_xla" if gpu and _xla_works() else "custom"
-    return _fast_path
-
-
-_xla_ok: bool | None = None
-
-
-def _xla_works() -> bool:
-    """Whether XLA can compile the fast path's loops here (checked once).
-
-    XLA on a GPU needs CUDA's libdevice and ptxas, which some TensorFlow
-    installs lack; "auto" then uses the "custom" loop instead of failing
-    at run time. The check compiles the loops for a 1x1 problem eagerly.
-    """
-    global _xla_ok
-    if _xla_ok is None:
-        import tensorflow as tf
-
-        with tf.init_scope():
-            try:
-                forward, backward = _custom_functions(jit=True)
-                xw, small = tf.zeros([2, 1, 4]), tf.zeros([1, 1])
-                hs, c, gates, cs = forward(xw, tf.zeros([1, 4]), small, small, small, None, 1)
-                backward(hs, c, tf.zeros([1, 4]), small, small, small, None, hs, gates, cs, 1)
-                _xla_ok = True
-            except (tf.errors.OpError, RuntimeError, ValueError) as err:
-                # Informational: the layer recovers by itself.
-                logger.warning(
-                    "ProjectedLSTM: XLA cannot compile here, so the fast path "
-                    "runs without it ('custom'). XLA said: %s",
-                    str(err)[:300],
-                )
-                _xla_ok = False
-    return _xla_ok
+    if _fast_path is not None:
+        path = _fast_path
+    elif os.environ.get(_ENV_VAR):
+        path = _check_path(os.environ[_ENV_VAR], f"environment variable {_ENV_VAR}")
+    else:
+        path = "auto"
+    if resolve:
+        return get_backend().resolve_projected_lstm_path(path)
+    return path
 
 
 @contextlib.contextmanager
@@ -221,20 +220,13 @@ def fast_path(name: str, unroll: int | None = None):
     The choice is read when a call runs eagerly or is traced, so trace the
     model (first `fit`/`predict` step, or a fresh `tf.function`) inside.
     """
+    global _fast_path, _unroll
     old = (_fast_path, _unroll)
     set_fast_path(name, unroll)
     try:
         yield
     finally:
-        set_fast_path(*old)
-
-
-if os.environ.get(_ENV_VAR):
-    set_fast_path(_check_path(os.environ[_ENV_VAR], f"environment variable {_ENV_VAR}"))
-if os.environ.get(_UNROLL_ENV_VAR):
-    _unroll = _check_unroll(
-        int(os.environ[_UNROLL_ENV_VAR]), f"environment variable {_UNROLL_ENV_VAR}"
-    )
+        _fast_path, _unroll = old
 
 
 def _check_size(value: Any, arg: str, cls: str) -> int:
@@ -418,6 +410,12 @@ class ProjectedLSTM(keras.layers.RNN):
         projection_initializer: initializer of `projection_kernel`.
         projection_regularizer: regularizer of `projection_kernel`.
         projection_constraint: constraint of `projection_kernel`.
+        fast_path: this layer's fast-path variant (one of `FAST_PATHS`), or
+            None (default) for the process-wide one (`set_fast_path`, the
+            environment variable, else "auto"). Serialized.
+        fast_path_unroll: time steps per loop iteration of the fast path,
+            or None (default) for the process-wide one (`get_unroll()`).
+            Serialized.
         **kwargs: the other arguments of `keras.layers.LSTM`
             (return_sequences, return_state, go_backwards, dropout, ...) and
             of `keras.layers.RNN` (zero_output_for_mask).
@@ -474,6 +472,8 @@ class ProjectedLSTM(keras.layers.RNN):
         projection_initializer="glorot_uniform",
         projection_regularizer=None,
         projection_constraint=None,
+        fast_path=None,
+        fast_path_unroll=None,
         **kwargs,
     ):
         cell = ProjectedLSTMCell(
@@ -520,6 +520,12 @@ class ProjectedLSTM(keras.layers.RNN):
                 f"received use_cudnn={use_cudnn!r}. Fix: leave it at 'auto'."
             )
         self.use_cudnn = use_cudnn
+        if fast_path is not None:
+            _check_path(fast_path, "ProjectedLSTM(fast_path)")
+        if fast_path_unroll is not None:
+            _check_unroll(fast_path_unroll, "ProjectedLSTM(fast_path_unroll)")
+        self.fast_path = fast_path
+        self.fast_path_unroll = fast_path_unroll
         # The path of the last call ("custom_xla", ..., or "keras_loop: why").
         self.last_path: str | None = None
 
@@ -527,27 +533,23 @@ class ProjectedLSTM(keras.layers.RNN):
 
     def _keras_loop_reason(self) -> str | None:
         """Why this layer must run Keras' generic loop, or None."""
-        from rnnfuse.backends import get_backend
-
         backend = get_backend()
-        loop = backend.capabilities.projected_lstm_loop
-        if loop is None:
-            return f"no fast path for the {backend.name} backend"
+        if backend.capabilities.projected_lstm_loop is None:
+            return backend.projected_lstm_reason(self.cell)
         if self.unroll:
             return "unroll=True"
         if self.cell.recurrent_dropout:
             return "recurrent_dropout draws masks inside the loop"
         if self.cell.dropout and getattr(self.cell, "dropout_mask_count", None):
             return "implementation=1 draws one input dropout mask per gate"
-        if loop == "torch":
-            return _torch_reason(self.cell)
-        return None
+        return backend.projected_lstm_reason(self.cell)
 
-    @staticmethod
-    def _keras_loop_backend() -> str | None:
-        from rnnfuse.backends import get_backend
-
-        return get_backend().capabilities.projected_lstm_loop
+    def _call_options(self) -> tuple[str, int]:
+        """(fast-path variant, unroll) for this call: the layer's own
+        arguments, else the process-wide ones (read now)."""
+        path = self.fast_path if self.fast_path is not None else get_fast_path()
+        unroll = self.fast_path_unroll if self.fast_path_unroll is not None else get_unroll()
+        return path, unroll
 
     def inner_loop(self, sequences, initial_state, mask, training=False):
         if tree.is_nested(mask):
@@ -559,84 +561,37 @@ class ProjectedLSTM(keras.layers.RNN):
                 f"path cannot run here ({reason}). Fix: pass use_cudnn='auto' "
                 "to fall back to Keras' generic loop."
             )
+        path, unroll = self._call_options()
         if reason is None and self.use_cudnn is False:
             reason = "use_cudnn=False"
-        if reason is None and _fast_path == "off":
-            reason = "the fast path is switched off (set_fast_path('off'))"
+        if reason is None and path == "off":
+            if self.fast_path == "off":
+                reason = "the fast path is switched off (fast_path='off')"
+            else:
+                reason = "the fast path is switched off (set_fast_path('off'))"
         if reason is not None:
             return self._keras_loop(sequences, initial_state, mask, training, reason)
-        if self._keras_loop_backend() == "torch":
-            return self._torch_loop(sequences, initial_state, mask, training)
-        if mask is None and _tf_op_reason(self.cell) is None:
-            self.last_path = "cudnn_op"
-            PATH_COUNTS["cudnn_op"] += 1
-            result = _tf_op_inner_loop(
-                self.cell,
-                sequences,
-                initial_state,
-                training=training,
-                go_backwards=self.go_backwards,
-                return_sequences=self.return_sequences,
-            )
-            return _static_shapes(result, sequences, self.cell, self.return_sequences)
-        variant = get_fast_path(resolve=True)
-        if variant.startswith("custom") and not _tanh_sigmoid(self.cell):
-            variant = variant.replace("custom", "while")
-        unroll = _unroll_factor(sequences.shape[1])
-        self.last_path = variant + (f"/u{unroll}" if unroll > 1 else "")
-        PATH_COUNTS[self.last_path] += 1
-        result = _fast_inner_loop(
-            self.cell,
-            sequences,
-            initial_state,
-            mask,
+        call = ProjectedLSTMCall(
+            cell=self.cell,
             training=training,
             go_backwards=self.go_backwards,
             zero_output_for_mask=self.zero_output_for_mask,
             return_sequences=self.return_sequences,
-            variant=variant,
+            path=path,
             unroll=unroll,
         )
-        return _static_shapes(result, sequences, self.cell, self.return_sequences)
+        try:
+            result, taken = get_backend().run_projected_lstm(sequences, initial_state, mask, call)
+        except NotImplementedError as err:
+            return self._keras_loop(sequences, initial_state, mask, training, str(err))
+        self.last_path = taken
+        PATH_COUNTS[taken] += 1
+        return result
 
     def _keras_loop(self, sequences, initial_state, mask, training, reason):
         self.last_path = f"keras_loop: {reason}"
         PATH_COUNTS["keras_loop"] += 1
         return super().inner_loop(sequences, initial_state, mask=mask, training=training)
-
-    def _torch_loop(self, sequences, initial_state, mask, training):
-        """PyTorch's proj_size LSTM (one `torch._VF.lstm` call), or under a
-        mask it cannot take (not right-padded, or an empty row) Keras' loop."""
-        from rnnfuse.backends import torch as torch_backend
-
-        def fused():
-            self.last_path = "torch_fused"
-            PATH_COUNTS["torch_fused"] += 1
-            return _torch_inner_loop(
-                self.cell,
-                sequences,
-                initial_state,
-                mask,
-                training=training,
-                go_backwards=self.go_backwards,
-                zero_output_for_mask=self.zero_output_for_mask,
-                return_sequences=self.return_sequences,
-            )
-
-        if mask is None:
-            return fused()
-        # Keras' torch backend runs eagerly: the mask's values pick the path.
-        return ops.cond(
-            torch_backend.mask_is_supported(mask),
-            fused,
-            lambda: self._keras_loop(
-                sequences,
-                initial_state,
-                mask,
-                training,
-                "the mask is not right-padded, or a sequence is empty",
-            ),
-        )
 
     def call(self, sequences, initial_state=None, mask=None, training=False):
         return super().call(
@@ -753,6 +708,8 @@ class ProjectedLSTM(keras.layers.RNN):
             "dropout": self.dropout,
             "recurrent_dropout": self.recurrent_dropout,
             "seed": self.cell.seed,
+            "fast_path": self.fast_path,
+            "fast_path_unroll": self.fast_path_unroll,
         }
         base_config = super().get_config()
         del base_config["cell"]
@@ -761,515 +718,3 @@ class ProjectedLSTM(keras.layers.RNN):
     @classmethod
     def from_config(cls, config):
         return cls(**config)
-
-
-# -- the fast path (TensorFlow) ---------------------------------------------------
-
-
-def _tanh_sigmoid(cell) -> bool:
-    """Whether the cell uses exactly tanh and sigmoid (the hand-written grad,
-    and the only activations PyTorch's fused LSTM computes)."""
-    from rnnfuse.backends import get_backend
-    from rnnfuse.recurrent import _activation_name
-
-    extra = get_backend().activation_functions()
-    return (
-        _activation_name(cell.activation, extra) == "tanh"
-        and _activation_name(cell.recurrent_activation, extra) == "sigmoid"
-    )
-
-
-def _fast_inner_loop(
-    cell,
-    sequences,
-    initial_state,
-    mask,
-    *,
-    training,
-    go_backwards,
-    zero_output_for_mask,
-    return_sequences,
-    variant,
-    unroll,
-):
-    """What `keras.layers.RNN.inner_loop` returns, computed on the fast path.
-
-    Returns:
-        (last_output [B, P], outputs [B, T, P] (or [B, 1, P] when not
-        return_sequences, as the generic loop), [h [B, P], c [B, U]]).
-    """
-    import tensorflow as tf
-
-    dtype = sequences.dtype
-    x = tf.transpose(sequences, [1, 0, 2])  # time-major [T, B, F]
-    if training and 0.0 < cell.dropout < 1.0:
-        # The mask RNN.call drew for this call (one per sequence).
-        x = x * cell.get_dropout_mask(sequences[:, 0, :])
-    if go_backwards:
-        x = tf.reverse(x, [0])
-    kernel = tf.cast(cell.kernel, dtype)
-    steps, batch, features = tf.shape(x)[0], tf.shape(x)[1], tf.shape(x)[2]
-    xw = tf.matmul(tf.reshape(x, tf.stack([steps * batch, features])), kernel)
-    if cell.use_bias:
-        xw = xw + tf.cast(cell.bias, dtype)
-    xw = tf.reshape(xw, tf.stack([steps, batch, 4 * cell.units]))
-    recurrent = tf.cast(cell.recurrent_kernel, dtype)
-    projection = tf.cast(cell.projection_kernel, dtype)
-    h0 = tf.cast(initial_state[0], dtype)
-    c0 = tf.cast(initial_state[1], dtype)
-    keep = None
-    if mask is not None:
-        keep = tf.transpose(tf.cast(mask, tf.bool))  # [T, B]
-        if go_backwards:
-            keep = tf.reverse(keep, [0])
-        keep = keep[:, :, None]
-    hs, c_last = _recurrence(
-        variant, unroll, xw, recurrent, projection, h0, c0, keep, cell.activation,
-        cell.recurrent_activation,
-    )
-    h_last = hs[-1]
-    if keep is None:
-        outputs = hs
-    else:
-        # Generic loop: a masked step outputs zeros (zero_output_for_mask) or
-        # the previous output, which is zeros before the first unmasked step.
-        if zero_output_for_mask:
-            shown = keep
-        else:
-            shown = tf.cumsum(tf.cast(keep, tf.int32), axis=0) > 0
-        outputs = tf.where(shown, hs, tf.zeros_like(hs))
-    last_output = outputs[-1]
-    if return_sequences:
-        outputs = tf.transpose(outputs, [1, 0, 2])
-    else:
-        outputs = last_output[:, None, :]
-    return last_output, outputs, [h_last, c_last]
-
-
-def _recurrence(variant, unroll, xw, recurrent, projection, h0, c0, keep, act, rec_act):
-    """(hs [T, B, P]: h after each step, c after the last step)."""
-    jit = variant.endswith("_xla")
-    if variant.startswith("custom"):
-        return _custom_recurrence(xw, recurrent, projection, h0, c0, keep, jit, unroll)
-    fn = _autodiff_function(act, rec_act, jit)
-    return fn(xw, recurrent, projection, h0, c0, keep, unroll)
-
-
-def _unroll_factor(steps) -> int:
-    """`get_unroll()` when it divides the (static) number of steps, else 1."""
-    if _unroll > 1 and steps is not None and int(steps) % _unroll == 0:
-        return _unroll
-    return 1
-
-
-_FUNCTIONS: dict = {}
-
-
-def _autodiff_function(act, rec_act, jit):
-    """The loop as a function TensorFlow differentiates.
-
-    Without XLA, TensorFlow differentiates the while loop itself. With XLA
-    it cannot (the loop's saved intermediates, TensorLists, may not cross
-    the XLA boundary), so the gradient is a second XLA function that runs
-    the loop again under a tape and differentiates it inside XLA: one extra
-    forward pass, in exchange for a fully compiled backward.
-    """
-    key = ("while", act, rec_act, jit)
-    if key not in _FUNCTIONS:
-        import tensorflow as tf
-
-        def forward(xw, recurrent, projection, h0, c0, keep, unroll):
-            hs, c, _, _ = _forward_loop(
-                xw, recurrent, projection, h0, c0, keep, act, rec_act, False, unroll
-            )
-            return hs, c
-
-        if not jit:
-            _FUNCTIONS[key] = tf.function(forward, autograph=False)
-            return _FUNCTIONS[key]
-
-        compiled = tf.function(forward, jit_compile=True, autograph=False)
-
-        def backward(d_hs, d_c, xw, recurrent, projection, h0, c0, keep, unroll):
-            inputs = (xw, recurrent, projection, h0, c0)
-            with tf.GradientTape() as tape:
-                tape.watch(inputs)
-                hs, c = forward(*inputs, keep, unroll)
-            return tape.gradient((hs, c), inputs, output_gradients=(d_hs, d_c))
-
-        backward = tf.function(backward, jit_compile=True, autograph=False)
-
-        def run(xw, recurrent, projection, h0, c0, keep, unroll):
-            @tf.custom_gradient
-            def inner(xw, recurrent, projection, h0, c0):
-                hs, c = compiled(*_detached(xw, recurrent, projection, h0, c0), keep, unroll)
-
-                def grad(d_hs, d_c):
-                    d_hs = tf.zeros_like(hs) if d_hs is None else d_hs
-                    d_c = tf.zeros_like(c) if d_c is None else d_c
-                    return backward(
-                        d_hs, d_c, xw, recurrent, projection, h0, c0, keep, unroll
-                    )
-
-                return (hs, c), grad
-
-            return inner(xw, recurrent, projection, h0, c0)
-
-        _FUNCTIONS[key] = run
-    return _FUNCTIONS[key]
-
-
-def _custom_functions(jit):
-    key = ("custom", jit)
-    if key not in _FUNCTIONS:
-        import tensorflow as tf
-
-        def forward(xw, recurrent, projection, h0, c0, keep, unroll):
-            return _forward_loop(
-                xw, recurrent, projection, h0, c0, keep, tf.tanh, tf.sigmoid, True, unroll
-            )
-
-        _FUNCTIONS[key] = (
-            tf.function(forward, jit_compile=jit, autograph=False),
-            tf.function(_backward_loop, jit_compile=jit, autograph=False),
-        )
-    return _FUNCTIONS[key]
-
-
-def _custom_recurrence(xw, recurrent, projection, h0, c0, keep, jit, unroll):
-    import tensorflow as tf
-
-    forward, backward = _custom_functions(jit)
-
-    @tf.custom_gradient
-    def run(xw, recurrent, projection, h0, c0):
-        hs, c_last, gates, cs = forward(
-            *_detached(xw, recurrent, projection, h0, c0), keep, unroll
-        )
-
-        def grad(d_hs, d_c_last):
-            d_hs = tf.zeros_like(hs) if d_hs is None else d_hs
-            d_c_last = tf.zeros_like(c_last) if d_c_last is None else d_c_last
-            return backward(
-                d_hs, d_c_last, recurrent, projection, h0, c0, keep, hs, gates, cs, unroll
-            )
-
-        return (hs, c_last), grad
-
-    return run(xw, recurrent, projection, h0, c0)
-
-
-def _detached(*tensors):
-    """The inputs with their gradient stopped.
-
-    Inside `tf.custom_gradient`, a tape that is recording would otherwise
-    make TensorFlow call the differentiable variant of the inner function,
-    whose saved intermediates (TensorLists) cannot leave an XLA function.
-    """
-    import tensorflow as tf
-
-    return [tf.stop_gradient(t) for t in tensors]
-
-
-def _forward_loop(xw, recurrent, projection, h0, c0, keep, act, rec_act, save, unroll):
-    """The recurrence over time, given xw = x @ kernel + bias [T, B, 4U].
-
-    Each loop iteration runs `unroll` time steps (a divisor of T).
-
-    Returns:
-        (hs [T, B, P], c after the last step [B, U], and with `save` the
-        activated gates (i, f, g, o) [T, B, 4U] and the c states [T, B, U]
-        for the hand-written backward pass; else None, None).
-    """
-    import tensorflow as tf
-
-    steps = tf.shape(xw)[0]
-    xs = tf.TensorArray(xw.dtype, size=steps, element_shape=xw.shape[1:]).unstack(xw)
-    keeps = None
-    if keep is not None:
-        keeps = tf.TensorArray(tf.bool, size=steps, element_shape=keep.shape[1:])
-        keeps = keeps.unstack(keep)
-
-    def array(like, width):
-        shape = tf.TensorShape([like.shape[0], width])
-        return tf.TensorArray(like.dtype, size=steps, element_shape=shape)
-
-    units = int(recurrent.shape[1]) // 4
-    arrays = (array(h0, int(projection.shape[1])),)
-    if save:
-        arrays += (array(c0, 4 * units), array(c0, units))
-
-    def step(t, h, c, arrays):
-        z = xs.read(t) + tf.matmul(h, recurrent)
-        z_i, z_f, z_g, z_o = tf.split(z, 4, axis=-1)
-        i, f, o = rec_act(z_i), rec_act(z_f), rec_act(z_o)
-        g = act(z_g)
-        c_new = f * c + i * g
-        h_new = tf.matmul(o * act(c_new), projection)
-        if keeps is not None:
-            k = keeps.read(t)
-            c_new = tf.where(k, c_new, c)
-            h_new = tf.where(k, h_new, h)
-        out = (arrays[0].write(t, h_new),)
-        if save:
-            out += (
-                arrays[1].write(t, tf.concat([i, f, g, o], axis=-1)),
-                arrays[2].write(t, c_new),
-            )
-        return h_new, c_new, out
-
-    def body(t, h, c, arrays):
-        for j in range(unroll):
-            h, c, arrays = step(t + j, h, c, arrays)
-        return t + unroll, h, c, arrays
-
-    _, _, c_last, arrays = tf.while_loop(
-        lambda t, *_: t < steps,
-        body,
-        (tf.constant(0), h0, c0, arrays),
-        maximum_iterations=steps // unroll,
-    )
-    if save:
-        return arrays[0].stack(), c_last, arrays[1].stack(), arrays[2].stack()
-    return arrays[0].stack(), c_last, None, None
-
-
-def _backward_loop(
-    d_hs, d_c_last, recurrent, projection, h0, c0, keep, hs, gates, cs, unroll
-):
-    """Gradients of the tanh/sigmoid recurrence, as cuDNN computes them.
-
-    Per step (backwards): dh_new = (dh + d_hs[t]) (masked), dm = dh_new @ P^T,
-    the gate derivatives into dz [B, 4U], and dh_prev = dz @ R^T. After the
-    loop: dR = H_prev^T dZ and dP = M^T dH_new over all T*B rows, with
-    M = o * tanh(c). At a masked step dh_new, dz are zero and dh, dc pass
-    through unchanged.
-
-    Returns:
-        (d_xw [T, B, 4U], d_recurrent, d_projection, d_h0, d_c0).
-    """
-    import tensorflow as tf
-
-    dtype = gates.dtype
-    steps = tf.shape(gates)[0]
-    units = int(recurrent.shape[1]) // 4
-    c_prev = tf.concat([c0[None], cs[:-1]], axis=0)
-    tanh_c = tf.tanh(cs)
-
-    def unstack(x):
-        ta = tf.TensorArray(x.dtype, size=steps, element_shape=x.shape[1:])
-        return ta.unstack(x)
-
-    d_hs_ta, gates_ta, c_prev_ta, tanh_ta = (
-        unstack(d_hs),
-        unstack(gates),
-        unstack(c_prev),
-        unstack(tanh_c),
-    )
-    keep_ta = unstack(tf.cast(keep, dtype)) if keep is not None else None
-    dz_ta = tf.TensorArray(dtype, size=steps, element_shape=gates.shape[1:])
-    dh_new_ta = tf.TensorArray(dtype, size=steps, element_shape=hs.shape[1:])
-
-    def step(t, dh, dc, dz_ta, dh_new_ta):
-        dh_total = dh + d_hs_ta.read(t)
-        if keep_ta is not None:
-            m = keep_ta.read(t)
-            dh_new, dc_in = dh_total * m, dc * m
-        else:
-            dh_new, dc_in = dh_total, dc
-        dm = tf.matmul(dh_new, projection, transpose_b=True)
-        i, f, g, o = tf.split(gates_ta.read(t), 4, axis=-1)
-        a = tanh_ta.read(t)
-        d_o = dm * a
-        dc_new = dc_in + dm * o * (1 - a * a)
-        dz = tf.concat(
-            [
-                dc_new * g * i * (1 - i),
-                dc_new * c_prev_ta.read(t) * f * (1 - f),
-                dc_new * i * (1 - g * g),
-                d_o * o * (1 - o),
-            ],
-            axis=-1,
-        )
-        dh_prev = tf.matmul(dz, recurrent, transpose_b=True)
-        dc_prev = dc_new * f
-        if keep_ta is not None:
-            dh_prev = dh_prev + dh_total * (1 - m)
-            dc_prev = dc_prev + dc * (1 - m)
-        return dh_prev, dc_prev, dz_ta.write(t, dz), dh_new_ta.write(t, dh_new)
-
-    def body(k, dh, dc, dz_ta, dh_new_ta):
-        for j in range(unroll):
-            dh, dc, dz_ta, dh_new_ta = step(steps - 1 - k - j, dh, dc, dz_ta, dh_new_ta)
-        return k + unroll, dh, dc, dz_ta, dh_new_ta
-
-    _, d_h0, d_c0, dz_ta, dh_new_ta = tf.while_loop(
-        lambda k, *_: k < steps,
-        body,
-        (tf.constant(0), tf.zeros_like(h0), d_c_last, dz_ta, dh_new_ta),
-        maximum_iterations=steps // unroll,
-    )
-    dz = dz_ta.stack()
-    dh_new = dh_new_ta.stack()
-    proj = int(hs.shape[-1])
-    h_prev = tf.concat([h0[None], hs[:-1]], axis=0)
-    d_recurrent = tf.matmul(
-        tf.reshape(h_prev, [-1, proj]), tf.reshape(dz, [-1, 4 * units]), transpose_a=True
-    )
-    gated = gates[..., 3 * units :] * tanh_c
-    d_projection = tf.matmul(
-        tf.reshape(gated, [-1, units]), tf.reshape(dh_new, [-1, proj]), transpose_a=True
-    )
-    return dz, d_recurrent, d_projection, d_h0, d_c0
-
-
-# -- the fast path (torch) ----------------------------------------------------------
-
-
-def _static_shapes(result, sequences, cell, return_sequences):
-    """`result` with the static shapes Keras' own loop gives (a graph-mode
-    while loop loses the time dimension; an unrolled layer after this one
-    needs it)."""
-    last_output, outputs, (h, c) = result
-    batch, steps = sequences.shape[0], sequences.shape[1]
-    p, u = cell.proj_size, cell.units
-    for tensor, shape in (
-        (last_output, [batch, p]),
-        (outputs, [batch, steps if return_sequences else 1, p]),
-        (h, [batch, p]),
-        (c, [batch, u]),
-    ):
-        if hasattr(tensor, "set_shape"):
-            tensor.set_shape(shape)
-    return last_output, outputs, [h, c]
-
-
-def _tf_op_reason(cell) -> str | None:
-    """Why rnnfuse's cuDNN op (TensorFlow) cannot run this cell, or None.
-
-    It runs when a GPU is visible and the op is loaded, the activations are
-    tanh/sigmoid, the dtype is float16/bfloat16/float32, and the call is not
-    being compiled by XLA (the op has no XLA kernel; the XLA loop runs then).
-    """
-    from rnnfuse.backends import tensorflow as tf_backend
-    from rnnfuse.backends.base import StackSpec
-
-    if not _tanh_sigmoid(cell):
-        return "cuDNN computes only tanh and sigmoid activations"
-    if not tf_backend.is_available():
-        return "no GPU"
-    if tf_backend.in_xla_context():
-        return "the call is compiled by XLA"
-    stack = StackSpec("lstm", cell.units, ((cell,),), proj_size=cell.proj_size)
-    if str(cell.compute_dtype) == "float64":
-        return "float64"
-    if not tf_backend.op_loaded():
-        return "rnnfuse's cuDNN op is not loaded"
-    return tf_backend.unsupported_reason(stack, cell.compute_dtype)
-
-
-def _tf_op_inner_loop(cell, sequences, initial_state, *, training, go_backwards, return_sequences):
-    """What `keras.layers.RNN.inner_loop` returns (no mask), from one
-    RnnfuseCudnnRnn call with `proj_size` (TensorFlow backend)."""
-    import tensorflow as tf
-
-    from rnnfuse.backends import tensorflow as tf_backend
-    from rnnfuse.backends.base import StackSpec
-
-    x = sequences
-    if training and 0.0 < cell.dropout < 1.0:
-        # The mask RNN.call drew for this call (one per sequence).
-        x = x * tf.expand_dims(cell.get_dropout_mask(sequences[:, 0, :]), axis=1)
-    if go_backwards:
-        x = tf.reverse(x, [1])  # no mask: every row is full length
-    stack = StackSpec("lstm", cell.units, ((cell,),), proj_size=cell.proj_size)
-    outputs, final_h, final_c = tf_backend.run_stack(
-        x,
-        stack=stack,
-        initial_h=[initial_state[0]],
-        initial_c=[initial_state[1]],
-    )
-    h_last, c_last = final_h[0], final_c[0]
-    last_output = outputs[:, -1]
-    if not return_sequences:
-        outputs = last_output[:, None, :]
-    return last_output, outputs, [h_last, c_last]
-
-
-def _torch_reason(cell) -> str | None:
-    """Why PyTorch's proj_size LSTM cannot compute this cell exactly, or None."""
-    from rnnfuse.backends import torch as torch_backend
-    from rnnfuse.backends.base import StackSpec
-
-    if not _tanh_sigmoid(cell):
-        return "PyTorch's fused LSTM computes only tanh and sigmoid activations"
-    stack = StackSpec("lstm", cell.units, ((cell,),), proj_size=cell.proj_size)
-    return torch_backend.unsupported_reason(stack, cell.compute_dtype)
-
-
-def _torch_inner_loop(
-    cell,
-    sequences,
-    initial_state,
-    mask,
-    *,
-    training,
-    go_backwards,
-    zero_output_for_mask,
-    return_sequences,
-):
-    """What `keras.layers.RNN.inner_loop` returns, from one `torch._VF.lstm`
-    call with `proj_size` (`rnnfuse.backends.torch.run_stack`).
-
-    `mask`, when given, is right-padded with no empty row. `run_stack`
-    returns outputs with zeros past each length, and with `reverse` each
-    sequence reversed within its length; Keras' loop instead reverses the
-    whole padded sequence, so a go_backwards layer first sees the padding
-    (state kept, output zeros) and then the valid steps. Rearranged here
-    to Keras' processing order; a masked step's output is zeros with
-    `zero_output_for_mask`, else the last unmasked output (zeros before the
-    first one), as in `_fast_inner_loop`.
-
-    Returns:
-        (last_output [B, P], outputs [B, T, P] (or [B, 1, P] when not
-        return_sequences, as the generic loop), [h [B, P], c [B, U]]).
-    """
-    import torch
-
-    from rnnfuse.backends import torch as torch_backend
-    from rnnfuse.backends.base import StackSpec
-
-    x = sequences
-    if training and 0.0 < cell.dropout < 1.0:
-        # The mask RNN.call drew for this call (one per sequence).
-        x = x * ops.expand_dims(cell.get_dropout_mask(sequences[:, 0, :]), axis=1)
-    stack = StackSpec("lstm", cell.units, ((cell,),), proj_size=cell.proj_size)
-    outputs, final_h, final_c = torch_backend.run_stack(
-        x,
-        stack=stack,
-        initial_h=[initial_state[0]],
-        initial_c=[initial_state[1]],
-        mask=mask,
-        reverse=go_backwards,
-    )
-    h_last, c_last = final_h[0], final_c[0]
-    if mask is not None:
-        keep = ops.convert_to_tensor(mask).to(device=outputs.device, dtype=torch.bool)
-        if go_backwards:
-            # Valid step j (processed j-th) moves to position T - length + j.
-            steps = outputs.shape[1]
-            lengths = keep.sum(dim=1, keepdim=True)  # [B, 1]
-            source = torch.arange(steps, device=outputs.device)[None] - (steps - lengths)
-            gathered = torch.gather(
-                outputs, 1, source.clamp(min=0)[:, :, None].expand_as(outputs)
-            )
-            outputs = torch.where(
-                (source >= 0)[:, :, None], gathered, torch.zeros_like(gathered)
-            )
-        elif not zero_output_for_mask:
-            # Past its length a row repeats its last output: the final h.
-            outputs = torch.where(keep[:, :, None], outputs, h_last[:, None, :])
-    last_output = outputs[:, -1]
-    if not return_sequences:
-        outputs = last_output[:, None, :]
-    return last_output, outputs, [h_last, c_last]

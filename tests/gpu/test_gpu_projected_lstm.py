@@ -19,6 +19,7 @@ import keras
 import tensorflow as tf
 
 from rnnfuse.layers import ProjectedLSTM
+from rnnfuse.backends.tensorflow import projected_lstm as tf_plstm
 from rnnfuse.layers import projected_lstm as plstm
 
 pytestmark = pytest.mark.gpu
@@ -39,13 +40,13 @@ def _policy():
 def spy(monkeypatch):
     """Records the variant of every call into the fast path's dispatcher."""
     seen = []
-    real = plstm._recurrence
+    real = tf_plstm._recurrence
 
     def recording(variant, *args, **kwargs):
         seen.append(variant)
         return real(variant, *args, **kwargs)
 
-    monkeypatch.setattr(plstm, "_recurrence", recording)
+    monkeypatch.setattr(tf_plstm, "_recurrence", recording)
     return seen
 
 

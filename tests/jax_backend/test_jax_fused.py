@@ -235,3 +235,19 @@ def test_absorbed_dropout_in_training_falls_back_to_the_original_layers(emulated
     assert tuple(y.shape) == (2, 4) and not emulated_jax_lstm
     np.testing.assert_allclose(keras.ops.convert_to_numpy(fused(x, training=False)), expected, atol=1e-5)
     assert fused.last_path.kind is PathKind.FUSED and emulated_jax_lstm
+
+
+def test_projected_lstm_runs_keras_loop_and_says_why():
+    """The JAX backend has no ProjectedLSTM fast path: the layer runs Keras'
+    generic loop (the same numbers as keras.layers.RNN over its cell), and
+    use_cudnn=True refuses."""
+    from rnnfuse.layers import ProjectedLSTM
+
+    x = np.random.default_rng(0).normal(size=(2, 5, 3)).astype("float32")
+    layer = ProjectedLSTM(6, 2, return_sequences=True)
+    out = layer(x)
+    assert layer.last_path == "keras_loop: no fast path for the jax backend"
+    reference = keras.layers.RNN(layer.cell, return_sequences=True)
+    np.testing.assert_allclose(np.asarray(out), np.asarray(reference(x)), atol=1e-6)
+    with pytest.raises(ValueError, match="no fast path for the jax backend"):
+        ProjectedLSTM(6, 2, use_cudnn=True)(x)

@@ -54,6 +54,16 @@ class JaxBackend(KernelModuleBackend):
     def keras_runs_cudnn(self):
         return False
 
+    def projected_lstm_reason(self, cell):
+        # jax.experimental.rnn's cuDNN LSTM has no projection.
+        return "no fast path for the jax backend"
+
+    def run_projected_lstm(self, sequences, initial_state, mask, call):
+        raise NotImplementedError(self.projected_lstm_reason(call.cell))
+
+    def resolve_projected_lstm_path(self, path):
+        return path
+
     def strategy_scope(self, strategy):
         return contextlib.nullcontext()
 

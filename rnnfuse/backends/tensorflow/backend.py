@@ -58,6 +58,20 @@ class TensorFlowBackend(KernelModuleBackend):
     def keras_runs_cudnn(self):
         return bool(tf.config.list_logical_devices("GPU"))
 
+    def projected_lstm_reason(self, cell):
+        # Every cell runs: other activations take the autodiff loops.
+        return None
+
+    def run_projected_lstm(self, sequences, initial_state, mask, call):
+        from rnnfuse.backends.tensorflow import projected_lstm
+
+        return projected_lstm.run(sequences, initial_state, mask, call)
+
+    def resolve_projected_lstm_path(self, path):
+        from rnnfuse.backends.tensorflow import projected_lstm
+
+        return projected_lstm.resolve_path(path)
+
     def strategy_scope(self, strategy):
         if strategy is None or tf.distribute.has_strategy():
             return contextlib.nullcontext()

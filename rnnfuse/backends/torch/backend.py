@@ -54,6 +54,20 @@ class TorchBackend(KernelModuleBackend):
         # Keras 3.15's torch LSTM/GRU take cuDNN only without a mask.
         return False
 
+    def projected_lstm_reason(self, cell):
+        from rnnfuse.backends.torch import projected_lstm
+
+        return projected_lstm.reason(cell)
+
+    def run_projected_lstm(self, sequences, initial_state, mask, call):
+        from rnnfuse.backends.torch import projected_lstm
+
+        return projected_lstm.run(sequences, initial_state, mask, call)
+
+    def resolve_projected_lstm_path(self, path):
+        # One torch._VF.lstm call whatever the variant.
+        return path
+
     def strategy_scope(self, strategy):
         return contextlib.nullcontext()
 

@@ -1,0 +1,129 @@
+"""ProjectedLSTM's torch fast path: PyTorch's own LSTMP (one
+`torch._VF.lstm` call with `proj_size`, through `rnnfuse.backends.torch.run_stack`).
+
+cuDNN on CUDA, PyTorch's native kernel on the CPU; path "torch_fused".
+`reason` says which cells it cannot compute exactly (not tanh/sigmoid,
+proj_size >= units, a dtype PyTorch refuses); `run` raises
+NotImplementedError for a mask that is not right-padded or has an empty
+sequence (checked on its values: Keras' torch backend runs eagerly), and
+the layer then runs Keras' generic loop. Results match that loop to float
+rounding. `TorchBackend.run_projected_lstm` calls `run`.
+
+Example:
+
+    >>> import keras
+    >>> cell = keras.layers.LSTMCell(4)
+    >>> cell.proj_size = 4  # as a ProjectedLSTMCell(4, proj_size=4)
+    >>> reason(cell)
+    'PyTorch needs proj_size < units; received proj_size=4 with units=4'
+"""
+
+from __future__ import annotations
+
+import torch
+from keras import ops
+
+from rnnfuse.backends.base import ProjectedLSTMCall, StackSpec, tanh_sigmoid
+
+__all__ = ["reason", "run"]
+
+MASK_REASON = "the mask is not right-padded, or a sequence is empty"
+
+
+def reason(cell) -> str | None:
+    """Why PyTorch's proj_size LSTM cannot compute this cell exactly, or None."""
+    from rnnfuse.backends import torch as torch_backend
+    from rnnfuse.backends.torch.backend import TorchBackend
+
+    if not tanh_sigmoid(cell, TorchBackend().activation_functions()):
+        return "PyTorch's fused LSTM computes only tanh and sigmoid activations"
+    stack = StackSpec("lstm", cell.units, ((cell,),), proj_size=cell.proj_size)
+    return torch_backend.unsupported_reason(stack, cell.compute_dtype)
+
+
+def run(sequences, initial_state, mask, call: ProjectedLSTMCall):
+    """((last_output, outputs, [h, c]), "torch_fused") for one call whose
+    cell `reason` accepts; NotImplementedError for a mask it cannot take."""
+    from rnnfuse.backends import torch as torch_backend
+
+    # Keras traces shapes on the "meta" device, where a mask has no values
+    # (and ops.cond takes its true branch, as this does).
+    if mask is not None:
+        mask = ops.convert_to_tensor(mask)
+        if mask.device.type != "meta" and not bool(torch_backend.mask_is_supported(mask)):
+            raise NotImplementedError(MASK_REASON)
+    return _inner_loop(
+        call.cell,
+        sequences,
+        initial_state,
+        mask,
+        training=call.training,
+        go_backwards=call.go_backwards,
+        zero_output_for_mask=call.zero_output_for_mask,
+        return_sequences=call.return_sequences,
+    ), "torch_fused"
+
+
+def _inner_loop(
+    cell,
+    sequences,
+    initial_state,
+    mask,
+    *,
+    training,
+    go_backwards,
+    zero_output_for_mask,
+    return_sequences,
+):
+    """What `keras.layers.RNN.inner_loop` returns, from one `torch._VF.lstm`
+    call with `proj_size` (`rnnfuse.backends.torch.run_stack`).
+
+    `mask`, when given, is right-padded with no empty row. `run_stack`
+    returns outputs with zeros past each length, and with `reverse` each
+    sequence reversed within its length; Keras' loop instead reverses the
+    whole padded sequence, so a go_backwards layer first sees the padding
+    (state kept, output zeros) and then the valid steps. Rearranged here
+    to Keras' processing order; a masked step's output is zeros with
+    `zero_output_for_mask`, else the last unmasked output (zeros before the
+    first one), as Keras' loop does.
+
+    Returns:
+        (last_output [B, P], outputs [B, T, P] (or [B, 1, P] when not
+        return_sequences, as the generic loop), [h [B, P], c [B, U]]).
+    """
+    from rnnfuse.backends import torch as torch_backend
+
+    x = sequences
+    if training and 0.0 < cell.dropout < 1.0:
+        # The mask RNN.call drew for this call (one per sequence).
+        x = x * ops.expand_dims(cell.get_dropout_mask(sequences[:, 0, :]), axis=1)
+    stack = StackSpec("lstm", cell.units, ((cell,),), proj_size=cell.proj_size)
+    outputs, final_h, final_c = torch_backend.run_stack(
+        x,
+        stack=stack,
+        initial_h=[initial_state[0]],
+        initial_c=[initial_state[1]],
+        mask=mask,
+        reverse=go_backwards,
+    )
+    h_last, c_last = final_h[0], final_c[0]
+    if mask is not None:
+        keep = ops.convert_to_tensor(mask).to(device=outputs.device, dtype=torch.bool)
+        if go_backwards:
+            # Valid step j (processed j-th) moves to position T - length + j.
+            steps = outputs.shape[1]
+            lengths = keep.sum(dim=1, keepdim=True)  # [B, 1]
+            source = torch.arange(steps, device=outputs.device)[None] - (steps - lengths)
+            gathered = torch.gather(
+                outputs, 1, source.clamp(min=0)[:, :, None].expand_as(outputs)
+            )
+            outputs = torch.where(
+                (source >= 0)[:, :, None], gathered, torch.zeros_like(gathered)
+            )
+        elif not zero_output_for_mask:
+            # Past its length a row repeats its last output: the final h.
+            outputs = torch.where(keep[:, :, None], outputs, h_last[:, None, :])
+    last_output = outputs[:, -1]
+    if not return_sequences:
+        outputs = last_output[:, None, :]
+    return last_output, outputs, [h_last, c_last]
