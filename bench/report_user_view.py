@@ -13,7 +13,7 @@ Example (what a cell's row looks like):
     ...            predict_speedup=2.0, tuning_s=0.4, plans=[dict(pieces=None, algorithm=None)],
     ...            fit_ms=dict(original=3.0, optimized=2.0))
     >>> print(markdown_row(1, row))
-    | 1 | gru 3x64 B8 T50 float32 masked | 3.0 / 2.0 | **1.50x** | 2.00x | 0.4 s | fused | - |
+    | 1 | gru 3x64 B8 T50 float32 masked | 3.0 / 2.0 | **1.50x** | 2.00x | 0.4 s | not recorded | fused |
 """
 
 from __future__ import annotations
@@ -50,12 +50,15 @@ def plan_text(plans: list[dict]) -> str:
 
 def markdown_row(i: int, row: dict) -> str:
     fit = row["fit_speedup"]
+    if "plans_predict" in row:
+        fit_plan, predict_plan = plan_text(row["plans"]), plan_text(row["plans_predict"])
+    else:  # an older run recorded the plans once, after predict
+        fit_plan, predict_plan = "not recorded", plan_text(row["plans"])
     mark = "**" if fit >= 0.97 else ""
     return (
         f"| {i} | {shape_text(row['shape'])} | {row['fit_ms']['original']:.1f} / "
         f"{row['fit_ms']['optimized']:.1f} | {mark}{fit:.2f}x{mark} | "
-        f"{row['predict_speedup']:.2f}x | {row['tuning_s']:.1f} s | {plan_text(row['plans'])} | "
-        f"{plan_text(row.get('plans_predict', []))} |"
+        f"{row['predict_speedup']:.2f}x | {row['tuning_s']:.1f} s | {fit_plan} | {predict_plan} |"
     )
 
 

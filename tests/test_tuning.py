@@ -34,10 +34,11 @@ class FakeTimer:
     """Returns fixed medians per candidate name; counts calls."""
 
     def __init__(self, medians):
-        self.medians, self.calls = medians, 0
+        self.medians, self.calls, self.names = medians, 0, []
 
     def __call__(self, steps):
         self.calls += 1
+        self.names.append(sorted(steps))
         return {name: {"median": self.medians.get(name, 1.0)} for name in steps}
 
 
@@ -322,3 +323,44 @@ def test_cached_plan_that_does_not_fit_the_group_is_set_aside_and_retuned(tmp_pa
     data = json.loads((tmp_path / "plans.json").read_text())
     assert len(data["set_aside"]) == 1
     assert [e["plan"]["pieces"] for e in data["entries"].values()] == [[2]]
+
+
+def test_a_masked_group_is_timed_without_the_persistent_algorithms():
+    # cuDNN's persistent algorithms refuse padded sequence lengths
+    # (CUDNN_STATUS_NOT_SUPPORTED on the H200), so they are no candidates.
+    from rnnfuse.tuning import tuner
+
+    (group,) = _groups(stack_model("lstm", 2))
+    timer = FakeTimer({"per-layer": 1.0, "fused": 0.8, "fused @persistent_static+tc": 0.1})
+    (result,) = tuner.tune_plans(
+        [group], lambda g: (8, 20, g.input_size), measure=timer,
+        check_gradients=lambda *a: 1e-6, environment=dict(ENV), progress=False,
+        masked_of=lambda g: True,
+    )
+    assert result.plan.name == "fused"
+    assert "padded sequence lengths" in result.rejected["fused @persistent_static+tc"]
+    assert all("@" not in name for name in timer.names[-1])
+
+
+class _OpError(Exception):
+    """Stands in for TensorFlow's OpError (matched by class name)."""
+
+
+_OpError.__name__ = "OpError"
+
+
+def test_a_candidate_cudnn_refuses_while_timing_is_left_out_not_fatal():
+    from rnnfuse.tuning import tuner
+    from rnnfuse.tuning.plans import Plan
+
+    plans = {"fused": Plan((2,)), "fused @persistent_static+tc": Plan((2,), "persistent_static+tc")}
+
+    def refused():
+        raise _OpError("CUDNN_STATUS_NOT_SUPPORTED")
+
+    steps = {"fused": lambda: 1.0, "fused @persistent_static+tc": refused}
+    kept, why = tuner._refused_steps(steps, plans)
+    assert list(kept) == ["fused"]
+    assert "NOT_SUPPORTED" in why["fused @persistent_static+tc"]
+    with pytest.raises(ValueError):  # anything else is a bug, not a refusal
+        tuner._refused_steps({"fused @persistent_static+tc": lambda: (_ for _ in ()).throw(ValueError("x"))}, plans)

@@ -276,6 +276,14 @@ def tune_plans(
         for index, group, shape, dtype, key, masked in jobs:
             plans = candidates(group)
             rejected = {}
+            if masked:
+                # cuDNN's persistent algorithms refuse padded sequence
+                # lengths; a masked call runs the standard one (see the
+                # TensorFlow backend's run_stack).
+                for p in plans:
+                    if p.algorithm:
+                        rejected[p.name] = "cuDNN's persistent algorithms do not take padded sequence lengths"
+                plans = [p for p in plans if not p.algorithm]
             if training and any(p.algorithm for p in plans):
                 errors = {}
                 for p in plans:
@@ -298,6 +306,9 @@ def tune_plans(
                         )
             plans = [p for p in plans if p.name not in rejected]
             steps = _steps(group, plans, shape, dtype, training, jit_baseline, masked)
+            steps, refused = _refused_steps(steps, {p.name: p for p in plans})
+            rejected.update(refused)
+            plans = [p for p in plans if p.name not in refused]
             stats = measure(steps, on_step=bar.advance_one) if _takes_on_step(measure) else measure(steps)
             bar.advance_rest(len(plans) + len(rejected))
             timings = {name: float(s["median"]) for name, s in stats.items()}
@@ -359,6 +370,26 @@ def _steps(group, plans, shape, dtype, training, jit_baseline=False, masked=Fals
         )
         for p in plans
     }
+
+
+def _refused_steps(steps: dict, plans: dict) -> tuple[dict, dict]:
+    """Runs each non-default-algorithm step once; one that cuDNN refuses (an
+    op error) is left out with its reason instead of ending all timing.
+    Steps that are not callables (a test's fake timer) are kept as they are.
+    """
+    kept, refused = {}, {}
+    for name, step in steps.items():
+        plan = plans.get(name)
+        if callable(step) and plan is not None and plan.algorithm:
+            try:
+                keras.ops.convert_to_numpy(step())
+            except Exception as exc:  # noqa: BLE001 - only op errors are refusals
+                if not _is_op_error(exc):
+                    raise
+                refused[name] = f"cuDNN refused it: {str(exc).strip().splitlines()[-1][:200]}"
+                continue
+        kept[name] = step
+    return kept, refused
 
 
 def _is_op_error(exc: Exception) -> bool:

@@ -300,7 +300,9 @@ def run_stack(
         seed: (seed, seed2) for that dropout.
         algorithm: the cuDNN algorithm of the call (None: standard). It runs
             in both passes on rnnfuse's op; the CudnnRNNV3 fallback runs the
-            standard algorithm whatever is asked (see `last_kernel()`).
+            standard algorithm whatever is asked (see `last_kernel()`), and
+            so does a masked call (cuDNN's persistent algorithms refuse
+            padded sequence lengths).
 
     Returns:
         (outputs [B, T, D*R] with zeros past each sequence's length,
@@ -316,6 +318,11 @@ def run_stack(
     if reverse:
         x = tf.reverse_sequence(x, lengths, seq_axis=0, batch_axis=1)
     lstm = stack.kind == "lstm"
+    if mask is not None and algorithm is not None and not algorithm.is_standard:
+        # cuDNN's persistent algorithms refuse padded sequence lengths
+        # (CUDNN_STATUS_NOT_SUPPORTED on the H200; PyTorch runs them only
+        # for unpacked input): a masked call runs the standard algorithm.
+        algorithm = None
     module, reason = _op_for(dtype, dropout)
     if module is not None:
         input_size = int(stack.cells[0][0].kernel.shape[0])
