@@ -41,19 +41,7 @@ settings.register_profile("thorough", max_examples=200, **_common)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "dev"))
 
 
-def backend_markers(relpath: str) -> tuple[str, ...]:
-    """The markers a test file gets from where it lives (path relative to
-    tests/, with "/" separators)."""
-    parts = relpath.split("/")
-    if parts[0] == "torch_backend":
-        return ("torch",)
-    if parts[0] == "jax_backend":
-        return ("jax",)
-    if parts[0] == "gpu":
-        name = parts[-1]
-        backend = "torch" if "torch" in name else "jax" if "jax" in name else "tensorflow"
-        return ("gpu", backend)
-    return ("tensorflow",)
+from markers_by_directory import backend_markers  # noqa: E402
 
 
 def pytest_collection_modifyitems(config, items):

@@ -7,7 +7,7 @@ import os
 
 import pytest
 
-from conftest import backend_markers
+from markers_by_directory import backend_markers
 
 
 @pytest.mark.parametrize(
