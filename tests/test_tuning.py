@@ -299,13 +299,47 @@ def test_an_algorithm_cudnn_refuses_is_rejected_with_its_reason():
             raise tf.errors.UnimplementedError(None, None, "CUDNN_STATUS_NOT_SUPPORTED here")
         return 1e-6
 
-    timer = FakeTimer({"per-layer": 1.0, "fused": 0.8, "fused @persistent_dynamic+tc": 0.5})
+    timer = FakeTimer({
+        "per-layer": 1.0, "fused": 0.8, "fused @persistent_dynamic+tc": 0.5,
+        "fused @persistent_static+tc": 0.3,
+    })
     (result,) = tune_plans(
         [group], lambda g: (8, 20, g.input_size), measure=timer, check_gradients=check,
         environment=ENV, progress=False,
     )
     assert result.plan.name == "fused @persistent_dynamic+tc"
     assert "CUDNN_STATUS_NOT_SUPPORTED" in result.rejected["fused @persistent_static+tc"]
+
+
+def test_gradients_are_checked_lazily_fastest_first():
+    """One float64 check for the winner and one for its default-algorithm
+    twin, not one per candidate; a slower candidate is never checked."""
+    (group,) = _groups(stack_model("lstm", 4))
+    checked = []
+
+    def check(g, plan, shape, dtype):
+        checked.append(plan.name)
+        return 1e-3 if plan.name == "split 2+2 @persistent_static+tc" else 1e-6
+
+    timer = FakeTimer({
+        "per-layer": 1.0, "fused": 0.9, "split 2+2 @persistent_static+tc": 0.2,
+        "fused @persistent_dynamic+tc": 0.4, "fused @persistent_static+tc": 0.6,
+    })
+    (result,) = tune_plans(
+        [group], lambda g: (8, 20, g.input_size), measure=timer, check_gradients=check,
+        environment=ENV, progress=False,
+    )
+    # The fastest fails its check, the next passes: four checks, not six.
+    assert result.plan.name == "fused @persistent_dynamic+tc"
+    assert "gradient error" in result.rejected["split 2+2 @persistent_static+tc"]
+    assert sorted(checked) == sorted(
+        ["split 2+2 @persistent_static+tc", "split 2+2", "fused @persistent_dynamic+tc", "fused"]
+    )
+    (inferred,) = tune_plans(
+        [group], lambda g: (8, 20, g.input_size), measure=timer, check_gradients=check,
+        environment=ENV, progress=False, training=False,
+    )
+    assert inferred.plan.name == "split 2+2 @persistent_static+tc"
 
 
 def test_cached_plan_that_does_not_fit_the_group_is_set_aside_and_retuned(tmp_path):
