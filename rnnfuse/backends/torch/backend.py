@@ -72,7 +72,9 @@ class TorchBackend(KernelModuleBackend):
         return contextlib.nullcontext()
 
     def activation_functions(self):
-        return {"tanh": [torch.tanh], "sigmoid": [torch.sigmoid], "relu": [torch.relu]}
+        from rnnfuse.backends.torch.projected_lstm import ACTIVATIONS
+
+        return {name: list(fns) for name, fns in ACTIVATIONS.items()}
 
     def device_environment(self):
         return kernels.device_environment()

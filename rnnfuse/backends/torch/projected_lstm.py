@@ -28,14 +28,15 @@ from rnnfuse.backends.base import ProjectedLSTMCall, StackSpec, tanh_sigmoid
 __all__ = ["reason", "run"]
 
 MASK_REASON = "the mask is not right-padded, or a sequence is empty"
+# PyTorch's own tanh/sigmoid/relu (TorchBackend.activation_functions).
+ACTIVATIONS = {"tanh": [torch.tanh], "sigmoid": [torch.sigmoid], "relu": [torch.relu]}
 
 
 def reason(cell) -> str | None:
     """Why PyTorch's proj_size LSTM cannot compute this cell exactly, or None."""
     from rnnfuse.backends import torch as torch_backend
-    from rnnfuse.backends.torch.backend import TorchBackend
 
-    if not tanh_sigmoid(cell, TorchBackend().activation_functions()):
+    if not tanh_sigmoid(cell, ACTIVATIONS):
         return "PyTorch's fused LSTM computes only tanh and sigmoid activations"
     stack = StackSpec("lstm", cell.units, ((cell,),), proj_size=cell.proj_size)
     return torch_backend.unsupported_reason(stack, cell.compute_dtype)
