@@ -280,3 +280,26 @@ def test_analyze_says_when_fusing_costs_the_model_xla(emulated_cudnn):
 def test_no_xla_note_where_no_fused_kernel_runs():
     loops = stack_model("rnn_tanh", 2, steps=5)
     assert not [n for n in rnnfuse.analyze(loops).notes if "XLA" in n]
+
+
+def test_the_float64_reference_is_computed_once_for_all_candidates(emulated_cudnn, monkeypatch):
+    from rnnfuse.backends import get_backend
+    from rnnfuse.tuning.plans import FUSED, Plan
+
+    model = stack_model("lstm", 2, units=4, steps=5)
+    group = first_batch.group_of(fused_layers(rnnfuse.optimize(model, tune=False))[0])
+    backend = type(get_backend())
+    calls = []
+    real = backend.gradients
+
+    def counting(self, run, x, variables):
+        calls.append(keras.backend.standardize_dtype(x.dtype))
+        return real(self, run, x, variables)
+
+    monkeypatch.setattr(backend, "gradients", counting)
+    check = tuner.GradientCheck()
+    shape = (3, 5, group.input_size)
+    errors = [check(group, plan, shape, "float32") for plan in (FUSED, Plan((1, 1)))]
+    assert calls.count("float64") == 1, calls
+    assert len(calls) == 3
+    assert all(0 <= e < 1e-4 for e in errors), errors

@@ -256,7 +256,7 @@ def tune_plans(
     candidates = _candidates_for(environment.get("backend", "tensorflow"))
     measure = measure or (lambda steps, on_step=None: interleaved_medians(
         steps, warmup=warmup, repeats=repeats, on_step=on_step))
-    check_gradients = check_gradients or _default_gradient_check
+    check_gradients = check_gradients or GradientCheck()
     jobs = []
     for group in groups:
         dtype = group.views[0].layer.compute_dtype
@@ -424,10 +424,24 @@ def _is_op_error(exc: Exception) -> bool:
     return any(c.__name__ == "OpError" for c in type(exc).__mro__)
 
 
-def _default_gradient_check(group, plan, shape, dtype) -> float:
-    x = _input_batch(shape, dtype, seed=1)
-    reference = _runner(group, Plan((len(group.layers),)), dtype="float64")
-    return gradient_error(group, plan, x, reference)
+class GradientCheck:
+    """`check_gradients` for `tune_plans`: a plan's gradient error against
+    the whole run fused in float64, with that reference computed once per
+    (group, shape, dtype) and reused for every candidate checked."""
+
+    def __init__(self):
+        self._references: dict = {}
+
+    def __call__(self, group, plan, shape, dtype) -> float:
+        x = _input_batch(shape, dtype, seed=1)
+        key = (tuple(group.layers), tuple(shape), str(dtype))
+        if key not in self._references:
+            variables = [w for v in group.views for w in v.layer.trainable_weights]
+            reference = _runner(group, Plan((len(group.layers),)), dtype="float64")
+            self._references[key] = get_backend().gradients(
+                reference, keras.ops.cast(x, "float64"), variables
+            )
+        return gradient_error(group, plan, x, self._references[key])
 
 
 class _progress:
