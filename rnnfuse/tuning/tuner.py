@@ -185,24 +185,23 @@ def _step(group: FusionGroup, run: Callable, x, training: bool, jit: bool = Fals
     `jit`: compile the step with XLA (the per-layer baseline, where Keras
     would compile the original model with XLA under jit_compile="auto").
     """
-    variables = [w for v in group.views for w in v.layer.trainable_weights]
+    variables = _group_variables(group)
     if jit:
         return get_backend().timed_step(run, x, variables, training, jit=True)
     return get_backend().timed_step(run, x, variables, training)
 
 
-def gradient_error(group: FusionGroup, plan: Plan, x, reference) -> float:
-    """Max relative difference of `plan`'s gradients from `reference`'s.
+def _group_variables(group: FusionGroup) -> list:
+    """The trainable variables of a group's layers, in layer order."""
+    return [w for v in group.views for w in v.layer.trainable_weights]
 
-    `reference`: a list of float64 gradients, or a runner (x, training) ->
-    outputs run on `x` in float64. Gradients come from the backend
-    (`Backend.gradients`).
+
+def gradient_error(group: FusionGroup, plan: Plan, x, reference) -> float:
+    """Max relative difference of `plan`'s gradients from `reference`, a
+    list of float64 gradients (`GradientCheck` computes them). Gradients
+    come from the backend (`Backend.gradients`).
     """
-    backend = get_backend()
-    variables = [w for v in group.views for w in v.layer.trainable_weights]
-    got = backend.gradients(_runner(group, plan), x, variables)
-    if callable(reference):
-        reference = backend.gradients(reference, keras.ops.cast(x, "float64"), variables)
+    got = get_backend().gradients(_runner(group, plan), x, _group_variables(group))
     scale = max(float(np.max(np.abs(r))) for r in reference) or 1.0
     return max(float(np.max(np.abs(g - r))) for g, r in zip(got, reference)) / scale
 
@@ -436,10 +435,9 @@ class GradientCheck:
         x = _input_batch(shape, dtype, seed=1)
         key = (tuple(group.layers), tuple(shape), str(dtype))
         if key not in self._references:
-            variables = [w for v in group.views for w in v.layer.trainable_weights]
             reference = _runner(group, Plan((len(group.layers),)), dtype="float64")
             self._references[key] = get_backend().gradients(
-                reference, keras.ops.cast(x, "float64"), variables
+                reference, keras.ops.cast(x, "float64"), _group_variables(group)
             )
         return gradient_error(group, plan, x, self._references[key])
 
