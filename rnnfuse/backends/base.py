@@ -48,6 +48,7 @@ __all__ = [
     "INPUT_SCALES",
     "KernelModuleBackend",
     "NoFusedKernel",
+    "NoProjectedLSTMPath",
     "PROJECTED_LSTM_PATHS",
     "ProjectedLSTMCall",
     "StackSpec",
@@ -338,7 +339,22 @@ class KernelModuleBackend(Backend):
         return self.kernels.run_stack(sequences, **kwargs)
 
 
-class NoFusedKernel(Backend):
+class NoProjectedLSTMPath:
+    """The ProjectedLSTM part of the contract for a backend with no fast
+    path for it: `run_projected_lstm` raises NotImplementedError and the
+    layer runs Keras' generic loop. Mixed in before the contract class."""
+
+    def projected_lstm_reason(self, cell):
+        return f"no fast path for the {self.name} backend"
+
+    def run_projected_lstm(self, sequences, initial_state, mask, call):
+        raise NotImplementedError(self.projected_lstm_reason(call.cell))
+
+    def resolve_projected_lstm_path(self, path):
+        return path
+
+
+class NoFusedKernel(NoProjectedLSTMPath, Backend):
     """A Keras backend rnnfuse has no kernel for (OpenVINO, numpy): every
     group keeps its layers, with a reason; nothing here is timed."""
 
@@ -379,15 +395,6 @@ class NoFusedKernel(Backend):
 
     def keras_runs_cudnn(self):
         return False
-
-    def projected_lstm_reason(self, cell):
-        return f"no fast path for the {self.name} backend"
-
-    def run_projected_lstm(self, sequences, initial_state, mask, call):
-        raise NotImplementedError(self.projected_lstm_reason(call.cell))
-
-    def resolve_projected_lstm_path(self, path):
-        return path
 
     def strategy_scope(self, strategy):
         return contextlib.nullcontext()

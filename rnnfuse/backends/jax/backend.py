@@ -21,13 +21,21 @@ import keras
 import numpy as np
 
 from rnnfuse.backends import jax as kernels
-from rnnfuse.backends.base import KernelModuleBackend, Capabilities, cpu_description, loss_weights
+from rnnfuse.backends.base import (
+    Capabilities,
+    KernelModuleBackend,
+    NoProjectedLSTMPath,
+    cpu_description,
+    loss_weights,
+)
 
 __all__ = ["JaxBackend"]
 
 
-class JaxBackend(KernelModuleBackend):
-    """JAX: an LSTM stack as one `jax.experimental.rnn.lstm` call (GPU)."""
+class JaxBackend(NoProjectedLSTMPath, KernelModuleBackend):
+    """JAX: an LSTM stack as one `jax.experimental.rnn.lstm` call (GPU).
+    ProjectedLSTM runs Keras' loop: jax.experimental.rnn's cuDNN LSTM has
+    no projection."""
 
     name = "jax"
     kernels = kernels
@@ -53,16 +61,6 @@ class JaxBackend(KernelModuleBackend):
 
     def keras_runs_cudnn(self):
         return False
-
-    def projected_lstm_reason(self, cell):
-        # jax.experimental.rnn's cuDNN LSTM has no projection.
-        return "no fast path for the jax backend"
-
-    def run_projected_lstm(self, sequences, initial_state, mask, call):
-        raise NotImplementedError(self.projected_lstm_reason(call.cell))
-
-    def resolve_projected_lstm_path(self, path):
-        return path
 
     def strategy_scope(self, strategy):
         return contextlib.nullcontext()
