@@ -147,3 +147,16 @@ def fit_from_same_start(model: keras.Model, fast: keras.Model, x, y, *, batch_si
         m.fit(x, y, epochs=epochs, batch_size=batch_size, verbose=0, shuffle=False)
         trained.append([keras.ops.convert_to_numpy(v) for v in model.weights])
     return start, trained[0], trained[1]
+
+
+def traced_op_types(fn, *args) -> set:
+    """Op types in the graph `tf.function(fn)` traces for `args`, the bodies
+    of the functions it calls (cond branches, gradients) included: how the
+    GPU tests prove which kernel ran (TensorFlow only)."""
+    import tensorflow as tf
+
+    graph = tf.function(fn).get_concrete_function(*args).graph
+    types = {op.type for op in graph.get_operations()}
+    for f in graph.as_graph_def().library.function:
+        types |= {n.op for n in f.node_def}
+    return types

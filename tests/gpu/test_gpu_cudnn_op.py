@@ -30,7 +30,13 @@ import pytest
 import tensorflow as tf
 
 import rnnfuse
-from builders import KINDS, fused_layers, random_inputs, stack_model
+from builders import (
+    KINDS,
+    fused_layers,
+    random_inputs,
+    stack_model,
+    traced_op_types,
+)
 from rnnfuse.backends import tensorflow as tf_backend
 from rnnfuse.backends.tensorflow import op_build
 from rnnfuse.layers import ProjectedLSTM
@@ -83,14 +89,6 @@ def _run(model, inputs, variables=None):
     )
 
 
-def _op_types(fn, *args) -> set:
-    graph = tf.function(fn).get_concrete_function(*args).graph
-    types = {op.type for op in graph.get_operations()}
-    for f in graph.as_graph_def().library.function:
-        types |= {n.op for n in f.node_def}
-    return types
-
-
 def _assert_op_ran(fast, inputs):
     def step(*xs):
         with tf.GradientTape() as tape:
@@ -99,7 +97,7 @@ def _assert_op_ran(fast, inputs):
         return tape.gradient(loss, fast.trainable_variables)
 
     xs = inputs if isinstance(inputs, (list, tuple)) else [inputs]
-    types = _op_types(step, *[tf.convert_to_tensor(x) for x in xs])
+    types = traced_op_types(step, *[tf.convert_to_tensor(x) for x in xs])
     assert "RnnfuseCudnnRnn" in types, sorted(t for t in types if "Cudnn" in t or "Rnn" in t)
     assert "RnnfuseCudnnRnnBackprop" in types
     assert "CudnnRNNV3" not in types
@@ -403,7 +401,7 @@ def test_single_projected_lstm_layer_runs_the_op(go_backwards):
     gerr = max(_rel(g, w) for g, w in zip(ggot, gwant))
     REPORT[f"single ProjectedLSTM go_backwards={go_backwards}"] = [err, gerr]
     assert err <= 1e-5 and gerr <= 1e-4
-    types = _op_types(lambda t: model(t, training=True), tf.constant(x))
+    types = traced_op_types(lambda t: model(t, training=True), tf.constant(x))
     assert "RnnfuseCudnnRnn" in types
 
 

@@ -20,7 +20,14 @@ import pytest
 import tensorflow as tf
 
 import rnnfuse
-from builders import KINDS, fused_layers, random_inputs, rnn_layer, stack_model
+from builders import (
+    KINDS,
+    fused_layers,
+    random_inputs,
+    rnn_layer,
+    stack_model,
+    traced_op_types,
+)
 from rnnfuse.backends import tensorflow as tf_backend
 
 L = keras.layers
@@ -185,15 +192,6 @@ def _merged_bidirectional(kind, merge_mode, *, levels=3, units=32):
     return keras.Model(inp, out)
 
 
-def _op_types(fn, *args) -> set:
-    """Op types in the traced graph of `fn`, function bodies included."""
-    graph = tf.function(fn).get_concrete_function(*args).graph
-    types = {op.type for op in graph.get_operations()}
-    for f in graph.as_graph_def().library.function:
-        types |= {n.op for n in f.node_def}
-    return types
-
-
 @pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("merge_mode", ["sum", "ave"])
 def test_bidirectional_sum_and_ave_below_the_top(kind, merge_mode, cudnn_calls):
@@ -246,7 +244,7 @@ def test_bidirectional_sum_and_ave_below_the_top_through_the_op(kind, merge_mode
             loss = sum(tf.reduce_sum(tf.cast(o, tf.float32) ** 2) for o in keras.tree.flatten(fast(t)))
         return tape.gradient(loss, fast.trainable_variables)
 
-    types = _op_types(step, tf.constant(x))
+    types = traced_op_types(step, tf.constant(x))
     assert {"RnnfuseCudnnRnn", "RnnfuseCudnnRnnBackprop"} <= types and "CudnnRNNV3" not in types
 
 
