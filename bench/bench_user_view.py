@@ -152,9 +152,9 @@ class StepTimes(keras.callbacks.Callback):
         self.stamps = []
 
     def _stamp(self, logs):
-        for value in keras.tree.flatten(logs or {}):
-            keras.ops.convert_to_numpy(value)  # waits for the device
-            break
+        values = keras.tree.flatten(logs or {})
+        if values:
+            keras.ops.convert_to_numpy(values[0])  # waits for the device
         self.stamps.append(time.perf_counter())
 
     def on_train_batch_end(self, batch, logs=None):
