@@ -161,6 +161,25 @@ def test_later_shapes_take_the_nearest_cached_decision_and_never_stall(
     assert fused_layers(fast)[0].pieces == ()
 
 
+def test_a_shape_already_decided_reads_no_cache_file_again(fake_gpu, emulated_cudnn, tmp_path, monkeypatch):
+    model = stack_model("lstm", 2, input_size=3)
+    timer = FakeTimer({"per-layer": 2.0, "fused": 1.0})
+    cache = PlanCache(tmp_path / "plans.json")
+    fast = _optimize(model, timer, cache)
+    fast.compile(optimizer="sgd", loss="mse")
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((8, 7, 3)).astype("float32")
+    y = rng.standard_normal((8, 6)).astype("float32")
+    fast.fit(x, y, batch_size=8, verbose=0)
+    reads = []
+    monkeypatch.setattr(PlanCache, "get", lambda self, key: reads.append(key))
+    monkeypatch.setattr(PlanCache, "items", lambda self: reads.append("items") or [])
+    for _ in range(3):
+        fast.fit(x, y, batch_size=8, verbose=0)
+    assert reads == [] and timer.calls == 1
+    assert fused_layers(fast)[0].pieces is None
+
+
 def test_a_corrupt_cache_file_is_set_aside_and_tuning_goes_on(fake_gpu, emulated_cudnn, tmp_path):
     path = tmp_path / "plans.json"
     path.write_text("{not json")

@@ -393,8 +393,40 @@ def test_a_candidate_cudnn_refuses_while_timing_is_left_out_not_fatal():
         raise _OpError("CUDNN_STATUS_NOT_SUPPORTED")
 
     steps = {"fused": lambda: 1.0, "fused @persistent_static+tc": refused}
-    kept, why = tuner._refused_steps(steps, plans)
+    kept, why = tuner._first_calls(steps, plans)
     assert list(kept) == ["fused"]
     assert "NOT_SUPPORTED" in why["fused @persistent_static+tc"]
     with pytest.raises(ValueError):  # anything else is a bug, not a refusal
-        tuner._refused_steps({"fused @persistent_static+tc": lambda: (_ for _ in ()).throw(ValueError("x"))}, plans)
+        tuner._first_calls({"fused @persistent_static+tc": lambda: (_ for _ in ()).throw(ValueError("x"))}, plans)
+    with pytest.raises(_OpError):  # the default algorithm failing is not a refusal either
+        tuner._first_calls({"fused": refused}, plans)
+
+
+def test_every_step_is_called_once_before_it_is_timed():
+    from rnnfuse.tuning import tuner
+    from rnnfuse.tuning.plans import Plan
+
+    calls = []
+    plans = {"per-layer": Plan(()), "fused": Plan((2,))}
+    steps = {name: (lambda name=name: calls.append(name) or 1.0) for name in plans}
+    kept, why = tuner._first_calls(steps, plans)
+    assert calls == ["per-layer", "fused"] and list(kept) == list(plans) and not why
+
+
+def test_the_default_timer_races_the_candidates(monkeypatch):
+    """Without a `measure`, candidates are timed by interleaved_medians with
+    pruning on, after each step's untimed first call."""
+    from rnnfuse.tuning import tuner
+
+    (group,) = _groups(stack_model("gru", 2))
+    seen = {}
+
+    def fake_medians(steps, **kwargs):
+        seen.update(kwargs)
+        return {name: {"median": 1.0 if name == "fused" else 2.0} for name in steps}
+
+    monkeypatch.setattr(tuner, "interleaved_medians", fake_medians)
+    monkeypatch.setattr(tuner, "_steps", lambda group, plans, *a, **k: {p.name: (lambda: 1.0) for p in plans})
+    (result,) = tune_plans([group], lambda g: (8, 20, g.input_size), environment=ENV, progress=False)
+    assert seen["prune"] == tuner.PRUNE > 1 and seen["warmup"] == 1
+    assert result.plan.name == "fused"

@@ -14,7 +14,8 @@ measured and chosen, and how long it took; tuning that takes more than a
 few seconds shows a progress bar.
 
 Later shapes never stall on timing. Each mode (training, inference) is
-timed once per model: a shape seen later (the last partial batch, another
+timed once per model, and a (mode, shape) already decided is remembered on
+the model, so later calls of `fit` on it read no file: a shape seen later (the last partial batch, another
 sequence length, another `fit`) takes the cached decision for that exact
 shape if there is one, else the cached decision of the nearest shape for
 the same group, dtype and mode (distance: |log batch ratio| + |log steps
@@ -70,6 +71,9 @@ class AutoTune:
     jit_auto: bool = True
     # mode (True: training) -> the input shape timed for it.
     timed: dict = dataclasses.field(default_factory=dict)
+    # (mode, input shape) -> the decisions taken for it, so a later fit or
+    # predict on a shape already seen reads no cache file.
+    decided: dict = dataclasses.field(default_factory=dict)
     # Seconds spent timing plans so far.
     seconds: float = 0.0
     # For tests: tune_plans' measure / check_gradients / environment.
@@ -247,17 +251,20 @@ def prepare(model: keras.Model, x: Any, batch_size: int | None, *, training: boo
             "the data; the fused layers keep their static plans"
         )
         return []
-    groups = [group_of(f) for f in layers]
-    shapes = {id(g): _group_shape(f, g, shape) for f, g in zip(layers, groups)}
-    masked = {id(g): receives_mask(f) for f, g in zip(layers, groups)}
-    if training in state.timed:
+    seen = state.decided.get((training, shape))
+    if seen is not None:
+        results = seen
+    elif training in state.timed:
+        groups, shapes, masked = _groups_and_shapes(layers, shape)
         results = _nearest_decisions(state, environment, groups, shapes, training, masked)
     else:
+        groups, shapes, masked = _groups_and_shapes(layers, shape)
         start = time.perf_counter()
         results = _timed_decisions(model, state, environment, groups, shapes, training, masked)
         state.timed[training] = shape
         state.seconds += time.perf_counter() - start
         _log(results, shapes, training, time.perf_counter() - start)
+    state.decided[(training, shape)] = results
     changed = False
     for fused, result in zip(layers, results):
         if result is None:
@@ -270,6 +277,14 @@ def prepare(model: keras.Model, x: Any, batch_size: int | None, *, training: boo
     if changed:
         _retrace(model, state)
     return [r for r in results if r is not None]
+
+
+def _groups_and_shapes(layers: list[FusedRNN], shape: tuple) -> tuple[list, dict, dict]:
+    """Each FusedRNN's group record, its input shape and whether it is masked."""
+    groups = [group_of(f) for f in layers]
+    shapes = {id(g): _group_shape(f, g, shape) for f, g in zip(layers, groups)}
+    masked = {id(g): receives_mask(f) for f, g in zip(layers, groups)}
+    return groups, shapes, masked
 
 
 def _timed_decisions(model, state, environment, groups, shapes, training, masked):

@@ -7,12 +7,24 @@ rounds, so drift (clocks, temperature, other work) hits all of them alike.
 A step must return something whose conversion to NumPy waits for the device
 (a scalar tensor), which is what each timed call does.
 
+With `prune`, a race: a candidate that is clearly slower than the best one
+stops being run; its times so far stay in the result. "Clearly": its last
+warm-up call took over `prune`**2 times the best one's, or, after each timed
+round from the second on, its fastest call took over `prune` times the best
+median. Tuning uses this so a
+kernel ten times slower than the winner costs two calls, not seven; the
+candidates that are close are all timed every round.
+
 Example:
 
     >>> import time
     >>> stats = interleaved_medians({"a": lambda: 1, "b": lambda: 2}, warmup=1, repeats=3)
     >>> sorted(stats), len(stats["a"]["times"])
     (['a', 'b'], 3)
+    >>> slow = lambda: time.sleep(0.02)
+    >>> raced = interleaved_medians({"fast": lambda: 1, "slow": slow}, warmup=1, repeats=5, prune=1.5)
+    >>> len(raced["fast"]["times"]), len(raced["slow"]["times"]), raced["slow"]["pruned"]
+    (5, 1, True)
 """
 
 from __future__ import annotations
@@ -40,23 +52,51 @@ def interleaved_medians(
     warmup: int = 2,
     repeats: int = 7,
     on_step: Callable[[str], None] | None = None,
+    prune: float | None = None,
 ) -> dict[str, dict]:
     """Times each step `repeats` times, interleaved, after `warmup` calls.
 
+    `prune` (> 1): race the steps (see the module doc); a pruned step's
+    median is taken over the calls it ran (the last warm-up call when it
+    was pruned before any timed round).
+
     Returns:
-        name -> {"median": seconds, "times": [seconds, ...]}.
+        name -> {"median": seconds, "times": [seconds, ...], "pruned": bool}.
     """
+    if prune is not None and not prune > 1:
+        raise ValueError(f"interleaved_medians: prune must be > 1 or None; received {prune!r}")
     names = list(steps)
+    last_warmup: dict[str, float] = {}
     for name in names:
         for _ in range(warmup):
+            start = time.perf_counter()
             sync(steps[name]())
+            last_warmup[name] = time.perf_counter() - start
     times: dict[str, list[float]] = {n: [] for n in names}
+    pruned: set[str] = set()
+    if prune is not None and warmup:
+        pruned |= _clearly_slower({n: [last_warmup[n]] for n in names}, prune**2)
     for r in range(repeats):
-        order = names[r % len(names):] + names[: r % len(names)]
+        running = [n for n in names if n not in pruned]
+        order = running[r % len(running):] + running[: r % len(running)]
         for name in order:
             start = time.perf_counter()
             sync(steps[name]())
             times[name].append(time.perf_counter() - start)
             if on_step is not None:
                 on_step(name)
-    return {n: {"median": statistics.median(t), "times": t} for n, t in times.items()}
+        if prune is not None and r >= 1:
+            pruned |= _clearly_slower({n: times[n] for n in running}, prune)
+    out = {}
+    for n, t in times.items():
+        t = t or [last_warmup[n]]
+        out[n] = {"median": statistics.median(t), "times": t, "pruned": n in pruned}
+    return out
+
+
+def _clearly_slower(times: Mapping[str, list[float]], factor: float) -> set[str]:
+    """The names whose fastest time is over `factor` x the best median."""
+    if len(times) < 2:
+        return set()
+    best = min(statistics.median(t) for t in times.values())
+    return {n for n, t in times.items() if min(t) > factor * best}

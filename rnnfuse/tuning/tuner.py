@@ -12,12 +12,14 @@
    call per layer. A step (the backend's `timed_step`) is a forward pass
    (inference) or forward + backward (training) of that group alone on a
    random batch of the group's input shape.
-3. Run each non-default-algorithm step once: one cuDNN refuses for this
-   shape (an op error) is left out with cuDNN's message. A group that reads
-   a padding mask gets no persistent candidates (cuDNN refuses them with
+3. Run each step once (its first call traces and compiles, so it is
+   never timed): a non-default-algorithm step cuDNN refuses for this shape
+   (an op error) is left out with cuDNN's message. A group that reads a
+   padding mask gets no persistent candidates (cuDNN refuses them with
    padded lengths).
-4. Time the steps side by side (`interleaved_medians`) and keep the
-   fastest; for training, a plan with a non-default algorithm is kept only
+4. Time the steps side by side (`interleaved_medians`: one more warm-up
+   call, then interleaved rounds, racing: a step more than PRUNE x slower
+   than the best stops being run) and keep the fastest; for training, a plan with a non-default algorithm is kept only
    if its gradients are as close to a float64 reference as the default
    algorithm's with the same pieces (`gradient_tolerance`); the check runs
    lazily, fastest first, so one or two float64 references are paid for,
@@ -69,6 +71,10 @@ GRADIENT_SLACK = 2.0
 # cuDNN's persistent kernels on noise (H200: 7.6e-4 persistent vs ~3e-4).
 ROUNDING_UNITS = 4.0
 _EPS = {"float16": 2.0**-10, "bfloat16": 2.0**-7}
+# A candidate this many times slower than the best stops being timed
+# (`interleaved_medians`' prune): the winner and the close ones get every
+# round, a kernel several times slower costs two calls.
+PRUNE = 1.5
 
 
 def gradient_tolerance(default_error: float, dtype: str) -> float:
@@ -216,7 +222,7 @@ def tune_plans(
     check_gradients: Callable | None = None,
     environment: dict | None = None,
     progress: bool = True,
-    warmup: int = 2,
+    warmup: int = 1,
     repeats: int = 5,
     jit_baseline: bool = False,
     masked_of: Callable[[FusionGroup], bool] | None = None,
@@ -229,7 +235,8 @@ def tune_plans(
         training: time forward + backward (True) or forward only.
         cache: where decisions are kept (None: no cache).
         measure: {name: step} -> {name: {"median": s}}; default times the
-            steps with `interleaved_medians`.
+            steps with `interleaved_medians` (`warmup` untimed calls after
+            each step's first, `repeats` rounds, pruned at PRUNE).
         check_gradients: (group, plan, x, dtype) -> relative error against
             a float64 reference; default runs it on the device.
         environment: device and versions for the cache key; default reads
@@ -254,7 +261,7 @@ def tune_plans(
         return results
     candidates = _candidates_for(environment.get("backend", "tensorflow"))
     measure = measure or (lambda steps, on_step=None: interleaved_medians(
-        steps, warmup=warmup, repeats=repeats, on_step=on_step))
+        steps, warmup=warmup, repeats=repeats, on_step=on_step, prune=PRUNE))
     check_gradients = check_gradients or GradientCheck()
     jobs = []
     for group in groups:
@@ -288,7 +295,7 @@ def tune_plans(
                 plans = [p for p in plans if not p.algorithm]
             plans = [p for p in plans if p.name not in rejected]
             steps = _steps(group, plans, shape, dtype, training, jit_baseline, masked)
-            steps, refused = _refused_steps(steps, {p.name: p for p in plans})
+            steps, refused = _first_calls(steps, {p.name: p for p in plans})
             rejected.update(refused)
             plans = [p for p in plans if p.name not in refused]
             stats = measure(steps, on_step=bar.advance_one) if _takes_on_step(measure) else measure(steps)
@@ -397,19 +404,20 @@ def _fastest_with_sound_gradients(plans, timings, rejected, training, check, dty
     return min((p for p in plans if not p.algorithm), key=lambda p: timings[p.name])
 
 
-def _refused_steps(steps: dict, plans: dict) -> tuple[dict, dict]:
-    """Runs each non-default-algorithm step once; one that cuDNN refuses (an
-    op error) is left out with its reason instead of ending all timing.
-    Steps that are not callables (a test's fake timer) are kept as they are.
+def _first_calls(steps: dict, plans: dict) -> tuple[dict, dict]:
+    """Runs each step once, untimed (tracing, compiling, cuDNN's plan); a
+    non-default-algorithm step that cuDNN refuses (an op error) is left out
+    with its reason instead of ending all timing. Steps that are not
+    callables (a test's fake timer) are kept as they are.
     """
     kept, refused = {}, {}
     for name, step in steps.items():
         plan = plans.get(name)
-        if callable(step) and plan is not None and plan.algorithm:
+        if callable(step):
             try:
                 keras.ops.convert_to_numpy(step())
             except Exception as exc:  # noqa: BLE001 - only op errors are refusals
-                if not _is_op_error(exc):
+                if plan is None or not plan.algorithm or not _is_op_error(exc):
                     raise
                 refused[name] = f"cuDNN refused it: {str(exc).strip().splitlines()[-1][:200]}"
                 continue
