@@ -211,9 +211,9 @@ def test_a_hold_left_by_a_failed_backward_is_released_with_its_graph():
     try:
         torch.backends.cudnn.allow_tf32 = True
         hold = torch_backend._Hold()
-        torch_backend._hold_exact_float32()  # as _BackwardHolds.backward does
+        torch_backend._hold_exact_float32()  # as _BackwardSwitch.backward on the outputs does
         hold.held = True
-        # ... and the cuDNN backward raised: _BackwardReleases never ran.
+        # ... and the cuDNN backward raised: the switch on the inputs never ran.
         assert torch.backends.cudnn.allow_tf32 is False
         del hold
         gc.collect()

@@ -583,36 +583,22 @@ def _release_if_held(state: list) -> None:
         _release_exact_float32()
 
 
-class _BackwardReleases(torch.autograd.Function):
-    """Identity on a call's inputs; its backward (after the call's) releases."""
+class _BackwardSwitch(torch.autograd.Function):
+    """Identity on tensors whose backward sets the hold (`held`): on a
+    call's outputs it holds exact float32 (that backward runs before the
+    call's), on its inputs it releases it (that one runs after)."""
 
     @staticmethod
-    def forward(ctx, hold, *tensors):
-        ctx.hold = hold
+    def forward(ctx, hold, held, *tensors):
+        ctx.hold, ctx.held = hold, held
         return tuple(t.view_as(t) for t in tensors)
 
     @staticmethod
     def backward(ctx, *grads):
-        if ctx.hold.held:
-            ctx.hold.held = False
-            _release_exact_float32()
-        return (None, *grads)
-
-
-class _BackwardHolds(torch.autograd.Function):
-    """Identity on a call's outputs; its backward (before the call's) holds."""
-
-    @staticmethod
-    def forward(ctx, hold, *tensors):
-        ctx.hold = hold
-        return tuple(t.view_as(t) for t in tensors)
-
-    @staticmethod
-    def backward(ctx, *grads):
-        if not ctx.hold.held:
-            ctx.hold.held = True
-            _hold_exact_float32()
-        return (None, *grads)
+        if ctx.hold.held != ctx.held:
+            ctx.hold.held = ctx.held
+            (_hold_exact_float32 if ctx.held else _release_exact_float32)()
+        return (None, None, *grads)
 
 
 def _run_calls_exact(stack, inputs, batch_sizes, hx, params, dropout, train, per_call):
@@ -623,7 +609,7 @@ def _run_calls_exact(stack, inputs, batch_sizes, hx, params, dropout, train, per
     track = torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
     if track:
         hold = _Hold()
-        tensors = list(_BackwardReleases.apply(hold, *tensors))
+        tensors = list(_BackwardSwitch.apply(hold, False, *tensors))
         inputs, states = tensors[0], tensors[1 : 1 + len(states)]
         params = tensors[1 + len(states) :]
         hx = tuple(states) if lstm else states[0]
@@ -633,7 +619,7 @@ def _run_calls_exact(stack, inputs, batch_sizes, hx, params, dropout, train, per
     finally:
         _release_exact_float32()
     if track and y.requires_grad:
-        out = _BackwardHolds.apply(hold, y, *finals)
+        out = _BackwardSwitch.apply(hold, True, y, *finals)
         y, finals = out[0], tuple(out[1:])
     return y, finals
 
