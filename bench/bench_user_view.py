@@ -244,6 +244,9 @@ def measure(shape: dict, rounds: int, steps: int) -> dict:
         jit_optimized=bool(fast.jit_compile),
         plans=plans,
         plans_predict=_plans(fast),
+        # What first-batch tuning measured and chose, beside the static
+        # table's plan (the table's coverage is read from these).
+        decisions=list(getattr(getattr(fast, "_rnnfuse_autotune", None), "decisions", [])),
         raw=dict(fit=times, predict=pred),
     )
 

@@ -51,9 +51,10 @@ from rnnfuse.recurrent import describe
 from rnnfuse.report import FusionGroup
 from rnnfuse.tuning.cache import PlanCache, cache_key, group_signature
 from rnnfuse.tuning.plans import Plan
+from rnnfuse.tuning.table import static_plan
 from rnnfuse.tuning.tuner import TuneResult, device_environment, tune_plans
 
-__all__ = ["AutoTune", "attach", "can_time_here", "first_batch_shape", "group_of", "prepare"]
+__all__ = ["AutoTune", "attach", "can_time_here", "decision_record", "first_batch_shape", "group_of", "prepare"]
 
 logger = logging.getLogger("rnnfuse")
 
@@ -76,6 +77,9 @@ class AutoTune:
     decided: dict = dataclasses.field(default_factory=dict)
     # Seconds spent timing plans so far.
     seconds: float = 0.0
+    # One record per timed group (`decision_record`): what was measured,
+    # what was chosen, and what the static table would have chosen.
+    decisions: list = dataclasses.field(default_factory=list)
     # For tests: tune_plans' measure / check_gradients / environment.
     measure: Callable | None = None
     check_gradients: Callable | None = None
@@ -264,6 +268,9 @@ def prepare(model: keras.Model, x: Any, batch_size: int | None, *, training: boo
         state.timed[training] = shape
         state.seconds += time.perf_counter() - start
         _log(results, shapes, training, time.perf_counter() - start)
+        state.decisions += [
+            decision_record(r, shapes[id(r.group)], training) for r in results if r is not None
+        ]
     state.decided[(training, shape)] = results
     changed = False
     for fused, result in zip(layers, results):
@@ -378,6 +385,28 @@ def _retrace(model: keras.Model, state: AutoTune) -> None:
         # Keras resolved jit_compile="auto" at compile(); a plan that keeps
         # the original layers may give the model its XLA back.
         model.jit_compile = model._resolve_auto_jit_compile()
+
+
+def decision_record(result: TuneResult, shape: tuple, training: bool) -> dict:
+    """A JSON-ready record of one group's decision.
+
+    Keys: layers, mode, input (batch, steps, features), dtype, source,
+    chosen (plan name), timings_ms (candidate -> median ms), rejected, and
+    static (the plan the static table gives the group without timing).
+    """
+    group = result.group
+    dtype = group.views[0].layer.compute_dtype
+    return dict(
+        layers=list(group.layers),
+        mode="training" if training else "inference",
+        input=list(shape),
+        dtype=str(dtype),
+        source=result.source,
+        chosen=result.plan.name,
+        timings_ms={name: 1e3 * s for name, s in result.timings.items()},
+        rejected=dict(result.rejected),
+        static=static_plan(group, dtype, training).name,
+    )
 
 
 def _log(results, shapes, training, seconds) -> None:
