@@ -118,7 +118,68 @@ def markdown(merged: dict[str, dict]) -> str:
         for row in entry["other"]:
             lines.append(f"| - | {shape_text(row['shape'])} | error: {row['error'][:120]} | | | | | |")
         lines.append("")
+        if any(r.get("decisions") for r in rows):
+            lines += table_coverage(backend, rows) + [""]
     return "\n".join(lines)
+
+
+def _regime_plan(row: dict, training: bool) -> str | None:
+    """The plan today's static table gives a TensorFlow cell (from its shape)."""
+    from rnnfuse.tuning.table import Regime, plan_for_regime
+
+    shape = row["shape"]
+    kind = shape["kind"].removeprefix("bi_")
+    cell = {"lstm": "lstm", "gru": "gru", "simple_rnn": "rnn_tanh"}[kind]
+    dtype = {"mixed_float16": "float16", "mixed_bfloat16": "bfloat16"}.get(shape["dtype"], shape["dtype"])
+    regime = Regime(cell, shape["units"], shape["layers"], shape["kind"].startswith("bi_"),
+                    cell == "rnn_tanh", dtype, training)
+    return plan_for_regime(regime, shape["layers"]).name
+
+
+def table_coverage(backend: str, rows: list[dict], margin: float = 0.03) -> list[str]:
+    """How the static table's plans fare on the tuner's own clock.
+
+    Per decision (cell x training/inference): the table's plan against the
+    tuned one and against the original layers ("per-layer"), both timed
+    side by side by first-batch tuning. "as run": the table of the run;
+    "today": rnnfuse's table now (TensorFlow rows only; it is recomputed
+    from each cell's shape).
+
+    >>> row = dict(shape=dict(kind="gru", layers=3, units=64, batch=8, steps=50,
+    ...            dtype="float32", masked=False), decisions=[dict(mode="training",
+    ...            chosen="fused", static="per-layer",
+    ...            timings_ms={"per-layer": 2.0, "fused": 1.0})])
+    >>> table_coverage("torch", [row])[2]
+    '- as run: the tuned plan in 0 of 1; within 3% of it in 0; over 3% slower than the original layers in 0'
+    """
+    def tally(static_of):
+        same = close = slower = 0
+        worst = []
+        n = 0
+        for row in rows:
+            for d in row.get("decisions", []):
+                t = d["timings_ms"]
+                plan = static_of(row, d)
+                if plan not in t or "per-layer" not in t:
+                    continue
+                n += 1
+                same += plan == d["chosen"]
+                close += plan != d["chosen"] and t[plan] <= (1 + margin) * t[d["chosen"]]
+                if t[plan] > (1 + margin) * t["per-layer"]:
+                    slower += 1
+                    worst.append(f"{shape_text(row['shape'])} {d['mode']} {t['per-layer'] / t[plan]:.2f}x")
+        return n, same, close, slower, worst
+
+    lines = [f"Static table vs first-batch tuning ({backend}, the tuner's clock):", ""]
+    views = [("as run", lambda row, d: d["static"])]
+    if backend == "tensorflow":
+        views.append(("today", lambda row, d: _regime_plan(row, d["mode"] == "training")))
+    for name, static_of in views:
+        n, same, close, slower, worst = tally(static_of)
+        line = (f"- {name}: the tuned plan in {same} of {n}; within {margin:.0%} of it in {close}; "
+                f"over {margin:.0%} slower than the original layers in {slower}")
+        lines.append(line + (f" ({'; '.join(worst)})" if worst else ""))
+    return lines
 
 
 def plot(merged: dict[str, dict], path: str) -> None:

@@ -17,6 +17,11 @@ from rnnfuse.tuning.table import Regime, plan_for_regime
         (Regime("gru", 1024, 4, False, False, "float32", True), "split 2+2"),
         (Regime("lstm", 1024, 2, False, False, "float32", False), PER_LAYER.name),
         (Regime("lstm", 64, 2, False, False, "float64", True), FUSED.name),
+        # Refitted: SimpleRNN inference keeps Keras' (XLA-compiled) layers,
+        # in every dtype; SimpleRNN training still fuses.
+        (Regime("rnn_tanh", 64, 3, False, True, "float16", False), PER_LAYER.name),
+        (Regime("rnn_relu", 32, 2, False, True, "float32", False), PER_LAYER.name),
+        (Regime("rnn_tanh", 64, 3, False, True, "float16", True), "fused @persistent_static+tc"),
     ],
 )
 def test_first_matching_rule_gives_the_plan(regime, name):

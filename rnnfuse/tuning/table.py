@@ -53,11 +53,16 @@ def _halves(n: int) -> Plan:
 # (name, predicate, plan for a run of n layers, evidence). First match wins.
 # Evidence: speedup over the original model on the H200 (TF 2.21, cuDNN
 # 9.19), bench/results/tf_h200.json. These rules were fitted to those 26
-# cells (in-sample); shapes far from them are not guaranteed. Coverage: the
-# 17 out-of-sample TF cells of bench/results/user_view_tf_h200_part*.json
-# were checked against these rules (not refitted: the wrong calls depend on
-# the batch, which the table cannot see); with tune="auto" (the default) a
-# GPU times the real batch instead.
+# cells (in-sample); shapes far from them are not guaranteed. Coverage, out
+# of sample (the 29-cell user-view matrix, bench/results/
+# user_view_tf_h200_s4_part*.json, 52 training/inference decisions timed
+# by first-batch tuning): before the SimpleRNN inference rule the table's
+# plan was the tuned one in 21, within 3% of it in 5, and over 3% slower
+# than the original layers in 12; with it, 9 (`bench/report_user_view.py`
+# prints the list). What is left depends on the batch (float16 GRU 6x192 at
+# batch 173: the persistent rule 0.35x) or on a padding mask, which the
+# table does not see; with tune="auto" (the default) a GPU times the real
+# batch instead.
 #
 # Exactness first: in float32 the table keeps TensorFlow's default cuDNN
 # algorithm, whose fused results match Keras' per-layer path within 1e-5.
@@ -67,6 +72,17 @@ def _halves(n: int) -> Plan:
 # from Keras' by about 1e-4; `tune=` may pick it. In float16 (tolerance
 # 1e-2) the table uses it.
 RULES: list[tuple[str, Callable[[Regime], bool], Callable[[int], Plan], str]] = [
+    (
+        "SimpleRNN inference: per layer",
+        lambda r: r.kind in ("rnn_tanh", "rnn_relu") and not r.training,
+        lambda n: PER_LAYER,
+        "refitted from the user-view matrix (docs/benchmarks.md): Keras "
+        "XLA-compiles a SimpleRNN model under jit_compile='auto', and "
+        "against that the fused inference plans ran 0.62-0.98x in all 4 "
+        "SimpleRNN cells (2x32 B32 T34 0.62x, 3x64 B41 T100 fp16 0.66x, "
+        "6x160 B33 T1605 fp16 0.65x, 7x64 B58 T447 bf16 0.98x); in "
+        "training they won 1.5-3.1x, so training keeps the rules below",
+    ),
     (
         "float16: fused, persistent algorithm",
         lambda r: r.dtype == "float16",
