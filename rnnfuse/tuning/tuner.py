@@ -19,11 +19,13 @@
    padded lengths).
 4. Time the steps side by side (`interleaved_medians`: one more warm-up
    call, then interleaved rounds, racing: a step more than PRUNE x slower
-   than the best stops being run) and keep the fastest; for training, a plan with a non-default algorithm is kept only
-   if its gradients are as close to a float64 reference as the default
-   algorithm's with the same pieces (`gradient_tolerance`); the check runs
+   than the best stops being run) and keep the fastest; for training, a
+   plan with a non-default algorithm is kept only if its gradients are as
+   close to a float64 reference as the default algorithm's with the same
+   pieces (`gradient_tolerance`); the check runs
    lazily, fastest first, so one or two float64 references are paid for,
-   not one per candidate. Write the decision to the cache.
+   not one per candidate. The original layers stay unless the winner beats
+   them by KEEP_ORIGINAL_MARGIN. Write the decision to the cache.
 
 Under TensorFlow without a GPU there is nothing to time (the fused layer
 runs the original layers): the static rule table decides, and the result
@@ -75,6 +77,11 @@ _EPS = {"float16": 2.0**-10, "bfloat16": 2.0**-7}
 # (`interleaved_medians`' prune): the winner and the close ones get every
 # round, a kernel several times slower costs two calls.
 PRUNE = 1.5
+# The original layers are kept unless a plan beats them by this share on
+# the tuner's clock: the tuner times a group alone, and through `fit` the
+# H200 user-view matrix put plans that won by 0-2% there at 0.87-0.91x
+# (docs/benchmarks.md); a plan that wins by less is not worth the risk.
+KEEP_ORIGINAL_MARGIN = 0.03
 
 
 def gradient_tolerance(default_error: float, dtype: str) -> float:
@@ -301,10 +308,10 @@ def tune_plans(
             stats = measure(steps, on_step=bar.advance_one) if _takes_on_step(measure) else measure(steps)
             bar.advance_rest(len(plans) + len(rejected))
             timings = {name: float(s["median"]) for name, s in stats.items()}
-            best = _fastest_with_sound_gradients(
+            best = _keep_original_unless_clearly_slower(plans, timings, _fastest_with_sound_gradients(
                 plans, timings, rejected, training,
                 lambda p: check_gradients(group, p, shape, dtype), dtype,
-            )
+            ))
             results[index] = TuneResult(group, best, "measured", timings, rejected)
             if cache is not None:
                 cache.put(
@@ -362,6 +369,25 @@ def _steps(group, plans, shape, dtype, training, jit_baseline=False, masked=Fals
         )
         for p in plans
     }
+
+
+def _keep_original_unless_clearly_slower(plans, timings, best):
+    """`best`, or the original layers where `best` wins by less than
+    KEEP_ORIGINAL_MARGIN (or the original layers were not timed: `best`).
+
+    >>> from rnnfuse.tuning.plans import FUSED, PER_LAYER
+    >>> t = {"per-layer": 1.0, "fused": 0.98}
+    >>> _keep_original_unless_clearly_slower([PER_LAYER, FUSED], t, FUSED).name
+    'per-layer'
+    >>> _keep_original_unless_clearly_slower([PER_LAYER, FUSED], {**t, "fused": 0.9}, FUSED).name
+    'fused'
+    """
+    original = next((p for p in plans if not p.pieces and not p.algorithm), None)
+    if original is None or best is original or original.name not in timings or best.name not in timings:
+        return best
+    if timings[best.name] > (1 - KEEP_ORIGINAL_MARGIN) * timings[original.name]:
+        return original
+    return best
 
 
 def _fastest_with_sound_gradients(plans, timings, rejected, training, check, dtype):
