@@ -246,7 +246,7 @@ def measure(shape: dict, rounds: int, steps: int) -> dict:
         plans_predict=_plans(fast),
         # What first-batch tuning measured and chose, beside the static
         # table's plan (the table's coverage is read from these).
-        decisions=list(getattr(getattr(fast, "_rnnfuse_autotune", None), "decisions", [])),
+        decisions=rnnfuse.tuning.first_batch.decisions(fast),
         raw=dict(fit=times, predict=pred),
     )
 

@@ -80,7 +80,7 @@ def test_first_fit_times_the_candidates_on_the_real_batch_and_keeps_the_fastest(
     assert fake_gpu[0]["shape"] == (8, 9, 5), "timed on the first batch's shape"
     assert layer.pieces == (2, 2)
     assert "fused" in layer.last_path
-    (record,) = fast._rnnfuse_autotune.decisions
+    (record,) = first_batch.decisions(fast)
     assert record["mode"] == "training" and record["input"] == [8, 9, 5]
     assert record["chosen"] == "split 2+2" and record["timings_ms"]["per-layer"] == 3000.0
     assert record["static"] == rnnfuse.tuning.table.static_plan(

@@ -54,7 +54,7 @@ from rnnfuse.tuning.plans import Plan
 from rnnfuse.tuning.table import static_plan
 from rnnfuse.tuning.tuner import TuneResult, device_environment, tune_plans
 
-__all__ = ["AutoTune", "attach", "can_time_here", "decision_record", "first_batch_shape", "group_of", "prepare"]
+__all__ = ["AutoTune", "attach", "can_time_here", "decision_record", "decisions", "first_batch_shape", "group_of", "prepare"]
 
 logger = logging.getLogger("rnnfuse")
 
@@ -385,6 +385,19 @@ def _retrace(model: keras.Model, state: AutoTune) -> None:
         # Keras resolved jit_compile="auto" at compile(); a plan that keeps
         # the original layers may give the model its XLA back.
         model.jit_compile = model._resolve_auto_jit_compile()
+
+
+def decisions(model: keras.Model) -> list[dict]:
+    """What first-batch tuning measured and chose for `model` so far: one
+    `decision_record` per timed group and mode (empty before the first
+    batch, without a GPU, or for a model `optimize` did not return).
+
+    >>> import keras
+    >>> decisions(keras.Sequential([keras.Input((3,)), keras.layers.Dense(2)]))
+    []
+    """
+    state = getattr(model, "_rnnfuse_autotune", None)
+    return list(state.decisions) if state is not None else []
 
 
 def decision_record(result: TuneResult, shape: tuple, training: bool) -> dict:
