@@ -328,3 +328,32 @@ def test_the_float64_reference_is_computed_once_for_all_candidates(emulated_cudn
     assert calls.count("float64") == 1, calls
     assert len(calls) == 3
     assert all(0 <= e < 1e-4 for e in errors), errors
+
+
+def test_tuning_traces_a_masked_fused_candidate_without_the_per_layer_fallback(emulated_cudnn, monkeypatch):
+    """Under masks_known_right_padded (the tuner's first calls), a masked
+    fused call's other branch is the fused call again: the original layers
+    are not traced; outside it they are, and both give the same numbers."""
+    import tensorflow as tf
+
+    from rnnfuse.fused import FusedRNN, masks_known_right_padded
+
+    traced = []
+    original = FusedRNN._call_layers
+
+    def counting(self, *args, **kwargs):
+        traced.append(self.name)
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(FusedRNN, "_call_layers", counting)
+    a, b = keras.layers.LSTM(4, return_sequences=True), keras.layers.LSTM(4)
+    fused = FusedRNN([a, b])
+    x = np.random.default_rng(0).standard_normal((3, 6, 2)).astype("float32")
+    mask = tuner.padding_mask((3, 6))
+    step = lambda: tf.function(lambda x, m: fused(x, mask=m))(x, mask)
+    with masks_known_right_padded():
+        inside = step()
+    assert traced == [] and fused.last_path.kind.name == "FUSED"
+    outside = step()
+    assert traced == [fused.name], "outside tuning the fallback branch is traced"
+    assert max_abs_diff(inside, outside) == 0.0

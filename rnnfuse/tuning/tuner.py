@@ -56,6 +56,7 @@ import keras
 import numpy as np
 
 from rnnfuse.backends import get_backend
+from rnnfuse.fused import masks_known_right_padded
 from rnnfuse.report import FusionGroup
 from rnnfuse.tuning.cache import PlanCache, cache_key
 from rnnfuse.tuning.plans import Plan, candidate_plans, split_groups
@@ -302,7 +303,8 @@ def tune_plans(
                 plans = [p for p in plans if not p.algorithm]
             plans = [p for p in plans if p.name not in rejected]
             steps = _steps(group, plans, shape, dtype, training, jit_baseline, masked)
-            steps, refused = _first_calls(steps, {p.name: p for p in plans})
+            with masks_known_right_padded():  # the steps trace at their first call
+                steps, refused = _first_calls(steps, {p.name: p for p in plans})
             rejected.update(refused)
             plans = [p for p in plans if p.name not in refused]
             stats = measure(steps, on_step=bar.advance_one) if _takes_on_step(measure) else measure(steps)
