@@ -160,3 +160,17 @@ def traced_op_types(fn, *args) -> set:
     for f in graph.as_graph_def().library.function:
         types |= {n.op for n in f.node_def}
     return types
+
+
+def assert_fastest_or_kept_original(result) -> None:
+    """A measured TuneResult chose the fastest candidate, or the original
+    layers where the fastest beat them by less than the tuner's margin
+    (`rnnfuse.tuning.tuner.KEEP_ORIGINAL_MARGIN`)."""
+    from rnnfuse.tuning.tuner import KEEP_ORIGINAL_MARGIN
+
+    timings = result.timings
+    best = min(timings.values())
+    if result.plan.name == "per-layer":
+        assert best >= (1 - KEEP_ORIGINAL_MARGIN) * timings["per-layer"], timings
+    else:
+        assert timings[result.plan.name] == best, timings
