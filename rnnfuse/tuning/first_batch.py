@@ -15,12 +15,12 @@ few seconds shows a progress bar.
 
 Later shapes never stall on timing. Each mode (training, inference) is
 timed once per model, and a (mode, shape) already decided is remembered on
-the model, so later calls of `fit` on it read no file: a shape seen later (the last partial batch, another
-sequence length, another `fit`) takes the cached decision for that exact
-shape if there is one, else the cached decision of the nearest shape for
-the same group, dtype and mode (distance: |log batch ratio| + |log steps
-ratio|), else keeps the plan it has (the first-batch decision, or the
-static table's where nothing was timed).
+the model, so later calls of `fit` on it read no file. A shape seen later
+(the last partial batch, another sequence length, another `fit`) takes the
+cached decision for that exact shape if there is one, else the cached
+decision of the nearest shape for the same group, dtype and mode (distance:
+|log batch ratio| + |log steps ratio|), else keeps the plan it has (the
+first-batch decision, or the static table's where nothing was timed).
 
 Without a GPU (or with ``tune=False``) nothing is timed: the static table
 decides, exactly as before.
@@ -54,7 +54,16 @@ from rnnfuse.tuning.plans import Plan
 from rnnfuse.tuning.table import static_plan
 from rnnfuse.tuning.tuner import TuneResult, device_environment, tune_plans
 
-__all__ = ["AutoTune", "attach", "can_time_here", "decision_record", "decisions", "first_batch_shape", "group_of", "prepare"]
+__all__ = [
+    "AutoTune",
+    "attach",
+    "can_time_here",
+    "decision_record",
+    "decisions",
+    "first_batch_shape",
+    "group_of",
+    "prepare",
+]
 
 logger = logging.getLogger("rnnfuse")
 

@@ -11,9 +11,9 @@ With `prune`, a race: a candidate that is clearly slower than the best one
 stops being run; its times so far stay in the result. "Clearly": its last
 warm-up call took over `prune`**2 times the best one's, or, after each timed
 round from the second on, its fastest call took over `prune` times the best
-median. Tuning uses this so a
-kernel ten times slower than the winner costs two calls, not seven; the
-candidates that are close are all timed every round.
+median. Tuning uses this so a kernel ten times slower than the winner costs
+two calls, not seven; the candidates that are close are all timed every
+round.
 
 Example:
 
