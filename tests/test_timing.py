@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import numpy as np
+import pytest
 
 from rnnfuse.tuning.timing import interleaved_medians, sync
 
@@ -24,50 +25,66 @@ def test_sync_accepts_nested_results_and_plain_values():
     sync({"x": np.ones(3), "y": [np.zeros(1), 2.0]})
 
 
-def _sleeper(seconds, calls, name):
-    import time
+class FakeClock:
+    """A deterministic clock: each step advances it by its own cost."""
 
-    def step():
-        calls.append(name)
-        time.sleep(seconds)
+    def __init__(self):
+        self.now = 0.0
 
-    return step
+    def perf_counter(self):
+        return self.now
+
+    def step(self, seconds, calls, name):
+        def run():
+            calls.append(name)
+            self.now += seconds
+
+        return run
 
 
-def test_prune_stops_running_a_clearly_slower_step_and_keeps_its_times():
+@pytest.fixture
+def clock(monkeypatch):
+    import types
+
+    from rnnfuse.tuning import timing
+
+    fake = FakeClock()
+    monkeypatch.setattr(timing, "time", types.SimpleNamespace(perf_counter=fake.perf_counter))
+    return fake
+
+
+def test_prune_stops_running_a_clearly_slower_step_and_keeps_its_times(clock):
     calls = []
     steps = {
-        "fast": _sleeper(0.001, calls, "fast"),
-        "close": _sleeper(0.0012, calls, "close"),
-        "slow": _sleeper(0.03, calls, "slow"),
+        "fast": clock.step(0.001, calls, "fast"),
+        "close": clock.step(0.0012, calls, "close"),
+        "slow": clock.step(0.03, calls, "slow"),
     }
     result = interleaved_medians(steps, warmup=1, repeats=6, prune=1.5)
     # The slow step ran its warm-up call only (30x > 1.5**2): its median is that call.
     assert calls.count("slow") == 1 and result["slow"]["pruned"]
-    assert result["slow"]["times"] and result["slow"]["median"] >= 0.03
+    assert result["slow"]["times"] == [0.03] and result["slow"]["median"] == 0.03
     # The close ones raced every round.
     assert calls.count("fast") == calls.count("close") == 7
     assert not result["fast"]["pruned"] and len(result["close"]["times"]) == 6
 
 
-def test_prune_after_a_timed_round_uses_the_smaller_factor():
+def test_prune_after_a_timed_round_uses_the_smaller_factor(clock):
     calls = []
     # 2x slower: within 1.5**2 after the warm-up, over 1.5x after round two.
-    steps = {"fast": _sleeper(0.005, calls, "fast"), "slower": _sleeper(0.01, calls, "slower")}
+    steps = {"fast": clock.step(0.005, calls, "fast"), "slower": clock.step(0.01, calls, "slower")}
     result = interleaved_medians(steps, warmup=1, repeats=6, prune=1.5)
     assert calls.count("slower") == 1 + 2 and result["slower"]["pruned"]
     assert calls.count("fast") == 1 + 6
 
 
-def test_without_prune_every_step_runs_every_round():
+def test_without_prune_every_step_runs_every_round(clock):
     calls = []
-    steps = {"fast": _sleeper(0.0, calls, "fast"), "slow": _sleeper(0.01, calls, "slow")}
+    steps = {"fast": clock.step(0.0, calls, "fast"), "slow": clock.step(0.01, calls, "slow")}
     result = interleaved_medians(steps, warmup=1, repeats=3)
     assert calls.count("slow") == 4 and not result["slow"]["pruned"]
 
 
 def test_prune_must_be_above_one():
-    import pytest
-
     with pytest.raises(ValueError, match="prune must be > 1"):
         interleaved_medians({"a": lambda: 1}, prune=1.0)
