@@ -59,7 +59,7 @@ from rnnfuse.backends import get_backend
 from rnnfuse.fused import masks_known_right_padded
 from rnnfuse.report import FusionGroup
 from rnnfuse.tuning.cache import PlanCache, cache_key
-from rnnfuse.tuning.plans import Plan, candidate_plans, split_groups
+from rnnfuse.tuning.plans import PER_LAYER, Plan, candidate_plans, split_groups
 from rnnfuse.tuning.table import static_plan
 from rnnfuse.tuning.timing import interleaved_medians
 
@@ -384,7 +384,7 @@ def _keep_original_unless_clearly_slower(plans, timings, best):
     >>> _keep_original_unless_clearly_slower([PER_LAYER, FUSED], {**t, "fused": 0.9}, FUSED).name
     'fused'
     """
-    original = next((p for p in plans if not p.pieces and not p.algorithm), None)
+    original = next((p for p in plans if p == PER_LAYER), None)
     if original is None or best is original or original.name not in timings or best.name not in timings:
         return best
     if timings[best.name] > (1 - KEEP_ORIGINAL_MARGIN) * timings[original.name]:
