@@ -79,10 +79,9 @@ class AutoTune:
     cache: PlanCache | None
     # Whether the user compiled with jit_compile="auto" (Keras' default).
     jit_auto: bool = True
-    # mode (True: training) -> the input shape timed for it.
-    timed: dict = dataclasses.field(default_factory=dict)
     # (mode, input shape) -> the decisions taken for it, so a later fit or
-    # predict on a shape already seen reads no cache file.
+    # predict on a shape already seen reads no cache file. A mode's first
+    # shape is the one timed (`has_timed`).
     decided: dict = dataclasses.field(default_factory=dict)
     # Seconds spent timing plans so far.
     seconds: float = 0.0
@@ -93,6 +92,10 @@ class AutoTune:
     measure: Callable | None = None
     check_gradients: Callable | None = None
     environment: dict | None = None
+
+    def has_timed(self, training: bool) -> bool:
+        """Whether this mode (True: training) has been timed already."""
+        return any(mode == training for mode, _shape in self.decided)
 
 
 def can_time_here(environment: dict | None = None) -> bool:
@@ -264,23 +267,20 @@ def prepare(model: keras.Model, x: Any, batch_size: int | None, *, training: boo
             "the data; the fused layers keep their static plans"
         )
         return []
-    seen = state.decided.get((training, shape))
-    if seen is not None:
-        results = seen
-    elif training in state.timed:
+    results = state.decided.get((training, shape))
+    if results is None:
         groups, shapes, masked = _groups_and_shapes(layers, shape)
-        results = _nearest_decisions(state, environment, groups, shapes, training, masked)
-    else:
-        groups, shapes, masked = _groups_and_shapes(layers, shape)
-        start = time.perf_counter()
-        results = _timed_decisions(model, state, environment, groups, shapes, training, masked)
-        state.timed[training] = shape
-        state.seconds += time.perf_counter() - start
-        _log(results, shapes, training, time.perf_counter() - start)
-        state.decisions += [
-            decision_record(r, shapes[id(r.group)], training) for r in results if r is not None
-        ]
-    state.decided[(training, shape)] = results
+        if state.has_timed(training):
+            results = _nearest_decisions(state, environment, groups, shapes, training, masked)
+        else:
+            start = time.perf_counter()
+            results = _timed_decisions(model, state, environment, groups, shapes, training, masked)
+            state.seconds += time.perf_counter() - start
+            _log(results, shapes, training, time.perf_counter() - start)
+            state.decisions += [
+                decision_record(r, shapes[id(r.group)], training) for r in results if r is not None
+            ]
+        state.decided[(training, shape)] = results
     changed = False
     for fused, result in zip(layers, results):
         if result is None:
