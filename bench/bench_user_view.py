@@ -175,6 +175,16 @@ def _step_time(run) -> float:
     return timer.median_step()
 
 
+def _alternate(models: list[tuple[str, keras.Model]], rounds: int, run) -> dict[str, list[float]]:
+    """name -> median step seconds of each round of `run(model, callback)`,
+    the models alternating, their order flipped every round."""
+    times = {name: [] for name, _ in models}
+    for r in range(rounds):
+        for name, m in models if r % 2 == 0 else models[::-1]:
+            times[name].append(_step_time(lambda cb: run(m, cb)))
+    return times
+
+
 def _plans(fast: keras.Model) -> list[dict]:
     return [
         dict(layers=[l.name for l in f.fused_layers], pieces=f.pieces, algorithm=f.algorithm)
@@ -218,23 +228,14 @@ def measure(shape: dict, rounds: int, steps: int) -> dict:
     # At least 3 steps a round: a step is the gap between two batch ends.
     steps = max(3, steps_for(one, steps))
     xs, ys = np.concatenate([x] * steps), np.concatenate([y] * steps)
-    times = {"original": [], "optimized": []}
-    for r in range(rounds):
-        order = [("original", model), ("optimized", fast)]
-        for name, m in order if r % 2 == 0 else order[::-1]:
-            times[name].append(_step_time(
-                lambda cb: m.fit(xs, ys, batch_size=b, epochs=1, verbose=0, callbacks=[cb])
-            ))
+    models = [("original", model), ("optimized", fast)]
+    times = _alternate(models, rounds, lambda m, cb: m.fit(
+        xs, ys, batch_size=b, epochs=1, verbose=0, callbacks=[cb]))
     plans = _plans(fast)  # the training plans, chosen on the first fit
     model.predict(x, batch_size=b, verbose=0)
     fast.predict(x, batch_size=b, verbose=0)  # tunes for inference
-    pred = {"original": [], "optimized": []}
-    for r in range(rounds):
-        order = [("original", model), ("optimized", fast)]
-        for name, m in order if r % 2 == 0 else order[::-1]:
-            pred[name].append(_step_time(
-                lambda cb: m.predict(xs, batch_size=b, verbose=0, callbacks=[cb])
-            ))
+    pred = _alternate(models, rounds, lambda m, cb: m.predict(
+        xs, batch_size=b, verbose=0, callbacks=[cb]))
     fit_o, fit_f = statistics.median(times["original"]), statistics.median(times["optimized"])
     pr_o, pr_f = statistics.median(pred["original"]), statistics.median(pred["optimized"])
     return dict(
