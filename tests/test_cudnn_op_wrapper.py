@@ -205,7 +205,23 @@ def test_sum_and_ave_below_the_top_reach_the_op_with_the_doubled_kernel(kind, me
     assert tf_backend.last_kernel()["kernel"] == "RnnfuseCudnnRnn"
 
 
-def test_dropout_and_float64_use_cudnnrnnv3(emulated_op, emulated_cudnn):
+def test_absorbed_dropout_reaches_the_op_with_its_rate_and_whole_seed(emulated_op, emulated_cudnn):
+    inp = keras.Input((7, 5))
+    x = keras.layers.LSTM(6, return_sequences=True)(inp)
+    x = keras.layers.Dropout(0.25, seed=(3 << 31) + 11)(x)
+    model = keras.Model(inp, keras.layers.LSTM(6)(x))
+    fast = rnnfuse.optimize(model, plan=FUSED)
+    x = random_inputs(model, 2, np.random.default_rng(4))
+    fast(x, training=True)
+    call = emulated_op[-1]
+    assert (call["dropout"], call["seed"], call["num_layers"]) == (0.25, (3 << 31) + 11, 2)
+    assert tf_backend.last_kernel()["kernel"] == "RnnfuseCudnnRnn"
+    fast(x, training=False)
+    assert emulated_op[-1]["dropout"] == 0.0
+    assert emulated_cudnn == []
+
+
+def test_float64_uses_cudnnrnnv3(emulated_op, emulated_cudnn):
     model = stack_model("gru", 2, dtype="float64")
     rnnfuse.optimize(model, plan=FUSED)(random_inputs(model, 2, np.random.default_rng(2)))
     assert tf_backend.last_kernel()["kernel"] == "CudnnRNNV3"
@@ -251,5 +267,6 @@ def test_projected_stack_runs_the_op_and_matches(emulated_op, monkeypatch):
 def test_what_the_op_does_not_run_has_a_reason():
     assert cudnn_op.op_unsupported_reason("float32") is None
     assert cudnn_op.op_unsupported_reason("bfloat16") is None
-    assert "between-layer dropout" in cudnn_op.op_unsupported_reason("float16", dropout=0.2)
+    assert cudnn_op.op_unsupported_reason("float16", dropout=0.2) is None
+    assert "dropout below 1, not 1" in cudnn_op.op_unsupported_reason("float16", dropout=1.0)
     assert "not float64" in cudnn_op.op_unsupported_reason("float64")

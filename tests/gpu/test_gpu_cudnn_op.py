@@ -10,6 +10,8 @@
 - the canonical flat layout agrees with cudnnGetRNNWeightParams (the op
   checks every matrix and bias size cuDNN reports; the numbers above check
   the order);
+- between-level dropout in the op: the mask read back from a probe stack,
+  one mask for both passes (a gradient built from the forward output);
 - proof that the op ran: the traced graph holds RnnfuseCudnnRnn (and
   RnnfuseCudnnRnnBackprop under a tape), and `last_kernel()` says so, so a
   silent fallback to CudnnRNNV3 or to the layers fails.
@@ -449,3 +451,111 @@ def test_half_precision_gradient_parts_against_float32():
     REPORT["gradient parts vs float32"] = parts
     print(json.dumps(parts, indent=1))
     assert all(v <= 2e-2 for v in parts["float16 tensor_op"].values())
+
+
+def _dropout_probe(module, algorithm, rate, units=64, steps=20, batch=8, seed=1234):
+    """A 2-level relu stack built so the dropout mask can be read back.
+
+    Level 0 is a positive relu layer (its outputs y1 >= 0); level 1 has the
+    identity as input kernel, no recurrence and a 0.5 bias, so its output
+    is x2 + 0.5 with x2 = dropout(y1) = mask * y1 / (1 - rate). From one
+    traced call (the way `fit` runs it) this returns y1 (the same level 0
+    without dropout), x2 of two calls, and the params gradient of
+    sum(y2 * v) from the first call, with v.
+    """
+    from rnnfuse.backends.algorithm import Algorithm
+    from rnnfuse.backends.tensorflow import cudnn_op
+
+    rng = np.random.default_rng(21)
+    h = units
+    w0 = 0.1 * rng.random((h, h))
+    r0 = 0.02 * rng.random((h, h))
+    flat = np.concatenate([
+        w0.ravel(), r0.ravel(),                      # W(p0) = [W, R]
+        np.eye(h).ravel(), np.zeros(h * h),          # W(p1) = [I, 0]
+        np.zeros(h), np.full(h, 0.05),               # B(p0) = [b_in, b_rec]
+        np.zeros(h), np.full(h, 0.5),                # B(p1)
+    ]).astype("float32")
+    assert flat.size == cudnn_op.flat_size("rnn_relu", 2, 1, h, h)
+    x = tf.constant(rng.random((steps, batch, h)), tf.float32)
+    v = tf.constant(rng.standard_normal((steps, batch, h)), tf.float32)
+    lengths = tf.fill([batch], steps)
+    params = tf.constant(flat)
+    algo = Algorithm.parse(algorithm)
+
+    @tf.function
+    def step(p):
+        with tf.GradientTape() as tape:
+            tape.watch(p)
+            y, _, _ = cudnn_op.run_op(
+                module, x, tf.zeros([2, batch, h]), tf.zeros([0]), p, lengths, kind="rnn_relu",
+                num_layers=2, num_directions=1, units=h, input_size=h, algorithm=algo,
+                dropout=rate, seed=seed,
+            )
+            loss = tf.reduce_sum(y * v)
+        return y, tape.gradient(loss, p)
+
+    y_a, grad = step(params)
+    y_b, _ = step(params)
+    level0 = flat[: 2 * h * h].tolist() + flat[4 * h * h : 4 * h * h + 2 * h].tolist()
+    y1, _, _ = cudnn_op.run_op(
+        module, x, tf.zeros([1, batch, h]), tf.zeros([0]), tf.constant(level0, tf.float32),
+        lengths, kind="rnn_relu", num_layers=1, num_directions=1, units=h, input_size=h,
+        algorithm=algo,
+    )
+    return (np.asarray(y1), np.asarray(y_a) - 0.5, np.asarray(y_b) - 0.5,
+            np.asarray(grad), np.asarray(v))
+
+
+@pytest.mark.parametrize("algorithm", ["standard", "persistent_static", "persistent_dynamic"])
+def test_between_level_dropout_runs_in_the_op_with_one_mask_for_both_passes(algorithm):
+    """cuDNN's dropout inside RnnfuseCudnnRnn: kept values are y1 / (1 - rate),
+    about `rate` of them are dropped, a second step draws another mask, and
+    the backward pass uses the forward's mask: the gradient of level 1's
+    input kernel is sum_t,b v x2^T with x2 read from the forward's output."""
+    module = op_build.load_op()
+    rate, h = 0.3, 64
+    try:
+        y1, x2_a, x2_b, grad, v = _dropout_probe(module, algorithm, rate, units=h)
+    except tf.errors.OpError as err:
+        REPORT[f"dropout {algorithm}"] = f"refused: {err.message[:200]}"
+        raise
+    assert (y1 > 1e-3).all()  # level 0 positive: a zero in x2 is a dropped unit
+    dropped = np.abs(x2_a) < 1e-6
+    kept = ~dropped
+    np.testing.assert_allclose(x2_a[kept], y1[kept] / (1 - rate), rtol=1e-5)
+    share = float(dropped.mean())
+    assert abs(share - rate) < 0.03, share
+    assert (dropped != (np.abs(x2_b) < 1e-6)).mean() > 0.2  # a new mask per step
+    # Level 1's input kernel sits after W(p0) (2 h*h) in the flat buffer.
+    d_identity = grad[2 * h * h : 3 * h * h].reshape(h, h)
+    want = np.einsum("tbi,tbj->ij", v.astype("float64"), x2_a.astype("float64"))
+    err = _rel(d_identity, want)
+    # Its recurrent kernel sees h2(t-1) = y2(t-1) = x2(t-1) + 0.5 (h2(-1) = 0).
+    d_rec = grad[3 * h * h : 4 * h * h].reshape(h, h)
+    h_prev = np.concatenate([np.zeros_like(x2_a[:1]), x2_a[:-1] + 0.5]).astype("float64")
+    rec_err = _rel(d_rec, np.einsum("tbi,tbj->ij", v.astype("float64"), h_prev))
+    REPORT[f"dropout {algorithm}"] = dict(share=share, dW=err, dR=rec_err)
+    print("dropout", algorithm, share, err, rec_err)
+    assert err <= 1e-4 and rec_err <= 1e-4
+
+
+def test_keras_stack_with_absorbed_dropout_trains_on_the_op():
+    """LSTM -> Dropout -> LSTM fused: the training step runs RnnfuseCudnnRnn
+    (not CudnnRNNV3), inference is the original's, and `fit` trains."""
+    inp = keras.Input((30, 16))
+    x = L.LSTM(64, return_sequences=True)(inp)
+    x = L.Dropout(0.25, seed=5)(x)
+    x = L.LSTM(64)(x)
+    model = keras.Model(inp, L.Dense(1)(x))
+    fast = rnnfuse.optimize(model, plan=FUSED)
+    xs = np.random.default_rng(12).standard_normal((32, 30, 16)).astype("float32")
+    _assert_op_ran(fast, xs)
+    assert _rel(fast(xs, training=False), model(xs, training=False)) <= 1e-5
+    a, b = fast(xs, training=True), fast(xs, training=True)
+    assert _rel(a, b) > 1e-3  # dropout is on, with new masks per call
+    fast.compile(optimizer="adam", loss="mse")
+    ys = np.random.default_rng(13).standard_normal((32, 1)).astype("float32")
+    hist = fast.fit(xs, ys, batch_size=8, epochs=4, verbose=0)
+    assert hist.history["loss"][-1] < hist.history["loss"][0]
+    assert tf_backend.last_kernel()["kernel"] == "RnnfuseCudnnRnn"

@@ -4,10 +4,10 @@ Two kernels run a fused stack:
 
 - rnnfuse's own op `RnnfuseCudnnRnn` (csrc/, built and loaded on first GPU
   use by `op_build.load_op()`; see `cudnn_op`): the plan's cuDNN algorithm
-  in the forward and the backward pass, LSTM projections, bfloat16;
+  in the forward and the backward pass, LSTM projections, bfloat16,
+  between-layer dropout;
 - `tf.raw_ops.CudnnRNNV3`, the fallback when the op is not loaded (or for
-  float64 and between-layer dropout): standard algorithm only, no
-  projections, no bfloat16. `last_kernel()` says which ran last and why.
+  float64): standard algorithm only, no projections, no bfloat16. `last_kernel()` says which ran last and why.
 
 Both take the same flat parameters.
 
@@ -297,7 +297,9 @@ def run_stack(
         reverse: the first level reads each sequence reversed; outputs stay
             in processing order (as a Keras go_backwards layer returns them).
         dropout: cuDNN's dropout between levels (training only).
-        seed: (seed, seed2) for that dropout.
+        seed: (seed, seed2) for that dropout: CudnnRNNV3's two seeds, or
+            seed + seed2 * 2**31 as the op's one (`FusedRNN` splits the
+            Dropout layer's seed this way).
         algorithm: the cuDNN algorithm of the call (None: standard). It runs
             in both passes on rnnfuse's op; the CudnnRNNV3 fallback runs the
             standard algorithm whatever is asked (see `last_kernel()`), and
@@ -341,7 +343,7 @@ def run_stack(
             proj_size=stack.proj_size,
             algorithm=algorithm,
             dropout=dropout,
-            seed=int(seed[0]),
+            seed=int(seed[0]) + (int(seed[1]) << 31),
         )
         _LAST.update(kernel="RnnfuseCudnnRnn", algorithm=(algorithm or Algorithm()).name, reason=None)
         return tf.transpose(outputs, [1, 0, 2]), h, (c if lstm else None)

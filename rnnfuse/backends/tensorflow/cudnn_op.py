@@ -73,8 +73,8 @@ def op_unsupported_reason(dtype: Any, dropout: float = 0.0) -> str | None:
     name = tf.as_dtype(dtype).name
     if name not in OP_DTYPES:
         return f"rnnfuse's cuDNN op runs float16, bfloat16 and float32, not {name}"
-    if dropout:
-        return "rnnfuse's cuDNN op does not run between-layer dropout yet"
+    if not 0.0 <= dropout < 1.0:
+        return f"rnnfuse's cuDNN op runs between-layer dropout below 1, not {dropout:g}"
     return None
 
 
@@ -141,6 +141,9 @@ def run_op(
             an empty tensor).
         params: canonical flat parameters.
         lengths: int32 [B] sequence lengths, each in [1, T].
+        dropout: cuDNN's dropout on the input of every level but the first
+            (applied only with `is_training`); the kernel's masks come from
+            states seeded once with `seed` and advance on every call.
 
     Raises:
         ValueError: an argument the op would reject, named.

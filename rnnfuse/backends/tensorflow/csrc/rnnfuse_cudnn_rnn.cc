@@ -26,6 +26,13 @@
 // The shapes cuDNN reports are checked against this layout, so a mismatch
 // is an op error, not wrong numbers.
 //
+// Between-level dropout (attribute `dropout` > 0) is cuDNN's own: each
+// kernel keeps its dropout states (cudnnDropoutGetStatesSize bytes from
+// TensorFlow's allocator), initialised once from the `seed` attribute; the
+// states advance on every training forward, so each step draws new masks,
+// and the backward reads the forward's masks from the reserve space (as
+// TensorFlow's CudnnRNN kernels do).
+//
 // Every cuDNN failure becomes an op error (never a CHECK): Python turns it
 // into a fallback to CudnnRNNV3 with the cuDNN status as the reason.
 // Only host code: cuDNN plus cudaMemcpyAsync/cudaMemsetAsync on
@@ -166,9 +173,8 @@ class RnnConfig {
     OP_REQUIRES(ctx, proj_size_ >= 0 && proj_size_ < num_units_ + (proj_size_ == 0),
                 errors::InvalidArgument("proj_size must be 0 or in [1, num_units); got ",
                                         proj_size_, " with num_units ", num_units_));
-    OP_REQUIRES(ctx, dropout_ == 0.0f,
-                errors::Unimplemented("rnnfuse's cuDNN op does not run dropout yet; got ",
-                                      dropout_));
+    OP_REQUIRES(ctx, dropout_ >= 0.0f && dropout_ < 1.0f,
+                errors::InvalidArgument("dropout must be in [0, 1); got ", dropout_));
     OP_REQUIRES(ctx, num_layers_ >= 1 && num_units_ >= 1 && input_size_ >= 1,
                 errors::InvalidArgument("num_layers, num_units and input_size must be >= 1"));
   }
@@ -194,24 +200,37 @@ class RnnConfig {
     return total;
   }
 
-  // Creates the RNN descriptor once (holding the handle's lock).
+  // Creates the RNN descriptor once (holding the handle's lock); with
+  // dropout, also the kernel's dropout states (allocated from `ctx`).
   template <typename T>
-  Status Prepare(cudnnHandle_t handle, int batch) {
-    if (!rnn_) {
+  Status Prepare(OpKernelContext* ctx, cudnnHandle_t handle, int batch) {
+    if (!prepared_) {  // a failed attempt is retried whole on the next call
       if (CudnnType<T>::value == CUDNN_DATA_BFLOAT16 && cudnnGetVersion() < 90000) {
         return errors::Unimplemented("bfloat16 RNNs need cuDNN >= 9.0; this process loaded ",
                                      cudnnGetVersion());
       }
-      RF_RETURN_IF_CUDNN(cudnnCreateDropoutDescriptor(&dropout_desc_));
-      RF_RETURN_IF_CUDNN(cudnnSetDropoutDescriptor(dropout_desc_, handle, 0.0f, nullptr, 0,
+      if (!dropout_desc_) RF_RETURN_IF_CUDNN(cudnnCreateDropoutDescriptor(&dropout_desc_));
+      void* states = nullptr;
+      size_t state_bytes = 0;
+      if (dropout_ > 0.0f) {
+        RF_RETURN_IF_CUDNN(cudnnDropoutGetStatesSize(handle, &state_bytes));
+        if (dropout_states_.NumElements() != static_cast<int64_t>(state_bytes))
+          TF_RETURN_IF_ERROR(ctx->allocate_temp(
+              tensorflow::DT_UINT8, TensorShape({static_cast<int64_t>(state_bytes)}),
+              &dropout_states_));
+        states = const_cast<char*>(dropout_states_.tensor_data().data());
+      }
+      RF_RETURN_IF_CUDNN(cudnnSetDropoutDescriptor(dropout_desc_, handle, dropout_, states,
+                                                   state_bytes,
                                                    static_cast<unsigned long long>(seed_)));
-      RF_RETURN_IF_CUDNN(cudnnCreateRNNDescriptor(&rnn_));
+      if (!rnn_) RF_RETURN_IF_CUDNN(cudnnCreateRNNDescriptor(&rnn_));
       RF_RETURN_IF_CUDNN(cudnnSetRNNDescriptor_v8(
           rnn_, algo_, cell_, CUDNN_RNN_DOUBLE_BIAS,
           dirs_ == 2 ? CUDNN_BIDIRECTIONAL : CUDNN_UNIDIRECTIONAL, CUDNN_LINEAR_INPUT,
           CudnnType<T>::value, CUDNN_DATA_FLOAT, math_, input_size_, num_units_, out_units(),
           num_layers_, dropout_desc_, CUDNN_RNN_PADDED_IO_ENABLED));
       RF_RETURN_IF_CUDNN(cudnnGetRNNWeightSpaceSize(handle, rnn_, &weight_bytes_));
+      prepared_ = true;
     }
     if (algo_ == CUDNN_RNN_ALGO_PERSIST_DYNAMIC && built_batch_ != batch) {
       RF_RETURN_IF_CUDNN(cudnnBuildRNNDynamic(handle, rnn_, batch));
@@ -371,6 +390,8 @@ class RnnConfig {
   int64_t seed_ = 0;
   cudnnRNNDescriptor_t rnn_ = nullptr;
   cudnnDropoutDescriptor_t dropout_desc_ = nullptr;
+  Tensor dropout_states_;  // cuDNN's RNG states, kept for the kernel's life
+  bool prepared_ = false;
   size_t weight_bytes_ = 0;
   int built_batch_ = -1;
   std::vector<Copy> copies_;
@@ -434,7 +455,7 @@ struct CallState {
     const cudnnDataType_t dtype = CudnnType<T>::value;
     TF_RETURN_IF_ERROR(call.Begin(stream));
     *config_lock = std::unique_lock<std::mutex>(config->mu);
-    TF_RETURN_IF_ERROR(config->Prepare<T>(call.handle(), batch));
+    TF_RETURN_IF_ERROR(config->Prepare<T>(ctx, call.handle(), batch));
     TF_RETURN_IF_ERROR(config->DataDescs(dtype, steps, batch, lengths.data(), &xd, &yd));
     TF_RETURN_IF_ERROR(config->StateDescs(dtype, batch, &hd, &cd));
     // The weight space, scattered from the canonical flat params.
