@@ -319,16 +319,24 @@ def main(argv=None) -> int:
         "--skip", type=int, default=0,
         help="leave out the first N drawn cells (to split one matrix over several runs)",
     )
+    parser.add_argument(
+        "--only", default="",
+        help="comma-separated drawn cell numbers (1-based) to time in that order, "
+        "for example the cells a change touched; the others are left out",
+    )
     args = parser.parse_args(argv)
     # First-batch tuning's INFO lines (what was timed, in ms, and chosen)
     # go to stderr beside the results.
     logging.basicConfig(format="%(name)s %(levelname)s %(message)s")
     logging.getLogger("rnnfuse").setLevel(logging.INFO)
-    shapes = draw_shapes(args.cells, args.seed)[args.skip:]
+    cells = list(enumerate(draw_shapes(args.cells, args.seed), start=1))[args.skip:]
+    if args.only:
+        drawn = dict(cells)  # in the order given
+        cells = [(int(n), drawn[int(n)]) for n in args.only.split(",") if int(n) in drawn]
     if args.anchors:
-        shapes = [dict(a) for a in ANCHORS[: args.anchors]] + shapes
+        cells = [(f"A{i}", dict(a)) for i, a in enumerate(ANCHORS[: args.anchors], start=1)] + cells
     if args.quick:
-        shapes = [dict(s, layers=2, units=32, batch=4, steps=10) for s in shapes[:3]]
+        cells = [(n, dict(s, layers=2, units=32, batch=4, steps=10)) for n, s in cells[:3]]
         args.rounds, args.steps = 2, 1
     meta = dict(
         backend=keras.backend.backend(),
@@ -337,25 +345,26 @@ def main(argv=None) -> int:
         python=platform.python_version(),
         seed=args.seed,
         skip=args.skip,
+        only=args.only,
         work_cap=WORK_CAP,
         steps_per_epoch_for_overhead=STEPS_PER_EPOCH,
         rounds=args.rounds,
         steps=args.steps,
     )
     rows, start = [], time.perf_counter()
-    for shape in shapes:
+    for cell, shape in cells:
         if time.perf_counter() - start > args.budget:
-            rows.append(dict(shape=shape, skipped="time budget"))
+            rows.append(dict(cell=cell, shape=shape, skipped="time budget"))
             continue
         try:
-            row = measure(shape, args.rounds, args.steps)
+            row = dict(cell=cell, **measure(shape, args.rounds, args.steps))
             print(
                 f"{shape} fit {row['fit_speedup']:.2f}x predict {row['predict_speedup']:.2f}x "
                 f"tuning {row['tuning_s']:.1f}s plans {[(p['pieces'], p['algorithm']) for p in row['plans']]}",
                 flush=True,
             )
         except Exception as err:  # noqa: BLE001 - record and go on
-            row = dict(shape=shape, error=f"{type(err).__name__}: {err}")
+            row = dict(cell=cell, shape=shape, error=f"{type(err).__name__}: {err}")
             print("ERROR", shape, row["error"], flush=True)
         rows.append(row)
         keras.backend.clear_session()
