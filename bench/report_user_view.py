@@ -1,7 +1,9 @@
 """Tables and a plot from bench_user_view.py's JSON (one or more parts).
 
-Parts of one matrix (runs split with `--skip`) are merged per backend, in
-draw order; a cell measured twice keeps its first measurement.
+Parts of one matrix (runs split with `--skip`, or `--only` for the cells a
+change touched) are merged per backend, in draw order (anchors first),
+each row numbered by its drawn cell; a cell measured again in a later part
+replaces the earlier measurement, which the table still shows ("was").
 
     python bench/report_user_view.py bench/results/user_view_torch_h200_*.json \\
         --plot docs/benchmarks_user_view.png > /tmp/table.md
@@ -21,8 +23,11 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import statistics
 import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 
 def shape_text(shape: dict) -> str:
@@ -55,28 +60,62 @@ def markdown_row(i: int, row: dict) -> str:
     else:  # an older run recorded the plans once, after predict
         fit_plan, predict_plan = "not recorded", plan_text(row["plans"])
     mark = "**" if fit >= 0.97 else ""
+    was = "".join(f" (was {e:.2f}x)" for e in row.get("earlier", []))
     return (
         f"| {i} | {shape_text(row['shape'])} | {row['fit_ms']['original']:.1f} / "
-        f"{row['fit_ms']['optimized']:.1f} | {mark}{fit:.2f}x{mark} | "
+        f"{row['fit_ms']['optimized']:.1f} | {mark}{fit:.2f}x{mark}{was} | "
         f"{row['predict_speedup']:.2f}x | {row['tuning_s']:.1f} s | {fit_plan} | {predict_plan} |"
     )
 
 
+def cell_number(shape: dict, seed: int = 2026, cells: int = 30):
+    """A shape's drawn cell number (1-based), "A<n>" for an anchor, or None.
+
+    >>> from bench_user_view import ANCHORS, draw_shapes
+    >>> cell_number(draw_shapes(30)[3]), cell_number(dict(ANCHORS[0]))
+    (4, 'A1')
+    """
+    from bench_user_view import ANCHORS, draw_shapes
+
+    for i, a in enumerate(ANCHORS, 1):
+        if a == shape:
+            return f"A{i}"
+    for i, d in enumerate(draw_shapes(cells, seed), 1):
+        if d == shape:
+            return i
+    return None
+
+
+def _order(number) -> tuple:
+    return (0, int(number[1:])) if isinstance(number, str) else (1, number or 0)
+
+
 def merge(paths: list[str]) -> dict[str, dict]:
-    """Per backend: meta of the first part and every measured row."""
+    """Per backend: meta of the first part and every measured row, by cell.
+
+    Rows carry "cell" (their drawn number); a later part's measurement of a
+    cell replaces an earlier one, whose fit speedup goes to "earlier".
+    """
     out: dict[str, dict] = {}
     for path in paths:
         with open(path) as f:
             data = json.load(f)
         backend = data["meta"]["backend"]
-        entry = out.setdefault(backend, dict(meta=data["meta"], rows=[], other=[], seen=set()))
+        seed = data["meta"].get("seed", 2026)
+        entry = out.setdefault(backend, dict(meta=data["meta"], rows=[], other=[], by_cell={}))
         for row in data["results"]:
-            key = json.dumps(row["shape"], sort_keys=True)
-            if "fit_speedup" in row and key not in entry["seen"]:
-                entry["seen"].add(key)
-                entry["rows"].append(row)
-            elif "fit_speedup" not in row and "error" in row:
+            if "fit_speedup" in row:
+                number = row.get("cell") or cell_number(row["shape"], seed)
+                row = dict(row, cell=number)
+                key = json.dumps(row["shape"], sort_keys=True)
+                before = entry["by_cell"].get(key)
+                if before is not None:
+                    row["earlier"] = before.get("earlier", []) + [before["fit_speedup"]]
+                entry["by_cell"][key] = row
+            elif "error" in row:
                 entry["other"].append(row)
+    for entry in out.values():
+        entry["rows"] = sorted(entry.pop("by_cell").values(), key=lambda r: _order(r["cell"]))
     return out
 
 
@@ -114,7 +153,7 @@ def markdown(merged: dict[str, dict]) -> str:
             "| # | model | fit ms/step original / optimized | fit | predict | tuning | fit plan | predict plan |",
             "|---:|---|---:|---:|---:|---:|---|---|",
         ]
-        lines += [markdown_row(i, r) for i, r in enumerate(rows, 1)]
+        lines += [markdown_row(r["cell"], r) for r in rows]
         for row in entry["other"]:
             lines.append(f"| - | {shape_text(row['shape'])} | error: {row['error'][:120]} | | | | | |")
         lines.append("")
@@ -192,7 +231,7 @@ def plot(merged: dict[str, dict], path: str) -> None:
     fig, axes = plt.subplots(1, len(backends), figsize=(6 * len(backends), 4), squeeze=False)
     for ax, backend in zip(axes[0], backends):
         rows = merged[backend]["rows"]
-        idx = range(1, len(rows) + 1)
+        idx = range(1, len(rows) + 1)  # anchors first, then the drawn cells
         ax.scatter(idx, [r["fit_speedup"] for r in rows], label="fit", marker="o")
         ax.scatter(idx, [r["predict_speedup"] for r in rows], label="predict", marker="x")
         ax.axhline(0.97, color="red", linewidth=0.8, linestyle="--", label="0.97x")
