@@ -136,12 +136,6 @@ def data(shape: dict, rng) -> tuple:
     return x, rng.standard_normal((b, 8)).astype("float32")
 
 
-def _per_step(fn, steps: int) -> float:
-    start = time.perf_counter()
-    fn()
-    return (time.perf_counter() - start) / steps
-
-
 class StepTimes(keras.callbacks.Callback):
     """Times each batch inside one fit/predict call (waiting for its loss or
     outputs, as Keras' progress bar does), so the per-call setup of `fit`
@@ -219,10 +213,13 @@ def measure(shape: dict, rounds: int, steps: int) -> dict:
     first_fit_s = time.perf_counter() - tune_start
     fit_tuning_s = _tuning_seconds(fast)  # training only; predict tunes later
     model.fit(x, y, batch_size=b, epochs=1, verbose=0)  # traces
-    # One more step each, to size the rounds: a slow cell gets fewer steps a
-    # round, a fast one more (less noise from Python and launch jitter).
+    # A few steps each, to size the rounds from the step time between batch
+    # ends (not from a whole fit call, whose set-up would make every round 3
+    # steps): a slow cell gets fewer steps a round, a fast one more (less
+    # noise from Python and launch jitter).
+    x4, y4 = np.concatenate([x] * 4), np.concatenate([y] * 4)
     one = max(
-        _per_step(lambda: m.fit(x, y, batch_size=b, epochs=1, verbose=0), 1)
+        _step_time(lambda cb: m.fit(x4, y4, batch_size=b, epochs=1, verbose=0, callbacks=[cb]))
         for m in (model, fast)
     )
     # At least 3 steps a round: a step is the gap between two batch ends.
