@@ -291,6 +291,7 @@ def tuning_overhead(rows: list[dict]) -> dict:
         median_model=mid["shape"],
         median_model_tuning_s=mid["tuning_s"],
         median_model_fit_tuning_s=tuning,
+        median_model_training_only="fit_tuning_s" in mid,
         median_model_10_epochs_s=ten_epochs_s,
         tuning_overhead_share=tuning / (ten_epochs_s + tuning),
     )

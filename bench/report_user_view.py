@@ -135,6 +135,28 @@ def summary(rows: list[dict]) -> dict:
     )
 
 
+def overhead_text(rows: list[dict]) -> str:
+    """The tuning-overhead figure (bench_user_view.tuning_overhead) over the
+    drawn cells (anchors are chosen, not drawn, so they are left out)."""
+    from bench_user_view import tuning_overhead
+
+    o = tuning_overhead([r for r in rows if not isinstance(r["cell"], str)])
+    if not o:
+        return ""
+    tuning = (
+        f"{o['median_model_fit_tuning_s']:.1f} s of training tuning "
+        f"({o['median_model_tuning_s']:.1f} s with predict's)"
+        if o.get("median_model_training_only")
+        else f"{o['median_model_tuning_s']:.1f} s of tuning (training and predict: "
+        "that run did not record them apart)"
+    )
+    return (
+        f"Tuning overhead: {o['tuning_overhead_share']:.1%} for the median drawn model "
+        f"({shape_text(o['median_model'])}): {tuning} against "
+        f"{o['median_model_10_epochs_s']:.0f} s for 10 epochs of 100 steps."
+    )
+
+
 def markdown(merged: dict[str, dict]) -> str:
     lines = []
     for backend, entry in merged.items():
@@ -149,6 +171,8 @@ def markdown(merged: dict[str, dict]) -> str:
             f"{s['fit_below']} of {s['cells']} below 0.97x; predict: min {s['predict_min']:.2f}x, "
             f"geometric mean {s['predict_geomean']:.2f}x, {s['predict_below']} below 0.97x; "
             f"first-batch tuning {s['tuning_s']:.0f} s in all.",
+            "",
+            overhead_text(rows),
             "",
             "| # | model | fit ms/step original / optimized | fit | predict | tuning | fit plan | predict plan |",
             "|---:|---|---:|---:|---:|---:|---|---|",
@@ -231,13 +255,14 @@ def plot(merged: dict[str, dict], path: str) -> None:
     fig, axes = plt.subplots(1, len(backends), figsize=(6 * len(backends), 4), squeeze=False)
     for ax, backend in zip(axes[0], backends):
         rows = merged[backend]["rows"]
-        idx = range(1, len(rows) + 1)  # anchors first, then the drawn cells
+        # Drawn cells at their number; anchors (chosen, not drawn) at 0.
+        idx = [0 if isinstance(r["cell"], str) else r["cell"] for r in rows]
         ax.scatter(idx, [r["fit_speedup"] for r in rows], label="fit", marker="o")
         ax.scatter(idx, [r["predict_speedup"] for r in rows], label="predict", marker="x")
         ax.axhline(0.97, color="red", linewidth=0.8, linestyle="--", label="0.97x")
         ax.axhline(1.0, color="grey", linewidth=0.5)
         ax.set_yscale("log")
-        ax.set_xlabel("drawn cell")
+        ax.set_xlabel("drawn cell (0: the anchor cells)")
         ax.set_ylabel("speedup over the original (log)")
         ax.set_title(f"{backend}: optimize() defaults, H200")
         ax.legend(loc="upper left")
