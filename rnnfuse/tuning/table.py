@@ -54,11 +54,12 @@ def _halves(n: int) -> Plan:
 # Evidence: speedup over the original model on the H200 (TF 2.21, cuDNN
 # 9.19), bench/results/tf_h200.json. These rules were fitted to those 26
 # cells (in-sample); shapes far from them are not guaranteed. Coverage, out
-# of sample (the 29-cell user-view matrix, bench/results/
-# user_view_tf_h200_s4_part*.json, 52 training/inference decisions timed
-# by first-batch tuning): before the SimpleRNN inference rule the table's
-# plan was the tuned one in 21, within 3% of it in 5, and over 3% slower
-# than the original layers in 12; with it, 9 (`bench/report_user_view.py`
+# of sample (the user-view matrix: the anchor and 30 drawn cells,
+# bench/results/user_view_tf_h200_s4_part*.json and _s5.json, 56
+# training/inference decisions timed by first-batch tuning): the table's
+# plan was the tuned one in 22, within 3% of it in 5, and over 3% slower
+# than the original layers in 13 as run; with the SimpleRNN inference rule
+# (refitted from the first 29 cells), 10 (`bench/report_user_view.py`
 # prints the list). What is left depends on the batch (float16 GRU 6x192 at
 # batch 173: the persistent rule 0.35x) or on a padding mask, which the
 # table does not see; with tune="auto" (the default) a GPU times the real
