@@ -1,0 +1,88 @@
+"""The user-view benchmark's own logic (bench/bench_user_view.py and
+bench/report_user_view.py), on the CPU with tiny models: the numbers the
+issues' targets are read from are only as good as this code."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+import pytest
+
+BENCH = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench")
+sys.path.insert(0, BENCH)
+
+import bench_user_view  # noqa: E402
+import report_user_view  # noqa: E402
+
+TINY = dict(kind="gru", layers=2, units=32, batch=4, steps=10, dtype="float32", masked=False)
+
+
+def test_the_draw_is_fixed_by_its_seed():
+    assert bench_user_view.draw_shapes(5, seed=3) == bench_user_view.draw_shapes(5, seed=3)
+    assert bench_user_view.draw_shapes(5, seed=3) != bench_user_view.draw_shapes(5, seed=4)
+
+
+def test_rounds_are_sized_from_the_step_not_from_a_whole_fit_call():
+    # A tiny model's step takes milliseconds, a whole `fit` call far more
+    # (its set-up): sized from the call, every round was 3 steps.
+    row = bench_user_view.measure(TINY, rounds=2, steps=20)
+    assert row["steps_per_round"] > 3, row["steps_per_round"]
+    assert set(row["raw"]["fit"]) == {"original", "optimized"}
+    assert all(len(v) == 2 for v in row["raw"]["fit"].values())
+    assert row["fit_speedup"] == pytest.approx(row["fit_ms"]["original"] / row["fit_ms"]["optimized"])
+
+
+def test_only_times_the_given_cells_in_the_given_order(tmp_path, monkeypatch):
+    timed = []
+
+    def fake_measure(shape, rounds, steps):
+        timed.append(shape)
+        return _row(shape, 1.0)
+
+    monkeypatch.setattr(bench_user_view, "measure", fake_measure)
+    out = tmp_path / "q.json"
+    bench_user_view.main(["--only", "3,1", "--anchors", "1", "--out", str(out)])
+    rows = json.loads(out.read_text())["results"]
+    drawn = bench_user_view.draw_shapes(30)
+    assert [r["cell"] for r in rows] == ["A1", 3, 1]
+    assert timed == [dict(bench_user_view.ANCHORS[0]), drawn[2], drawn[0]]
+
+
+def _part(path, backend, rows):
+    path.write_text(json.dumps(dict(meta=dict(backend=backend, seed=2026), results=rows)))
+    return str(path)
+
+
+def _row(shape, speedup, **extra):
+    return dict(shape=shape, fit_speedup=speedup, predict_speedup=1.0, tuning_s=1.0,
+                fit_ms=dict(original=speedup, optimized=1.0), plans=[], **extra)
+
+
+def test_report_merges_parts_by_cell_and_keeps_the_later_measurement(tmp_path):
+    drawn = bench_user_view.draw_shapes(30)
+    anchor = dict(bench_user_view.ANCHORS[0])
+    first = _part(tmp_path / "a.json", "tensorflow",
+                  [_row(anchor, 1.5), _row(drawn[1], 0.9), _row(drawn[0], 2.0)])
+    later = _part(tmp_path / "b.json", "tensorflow", [_row(drawn[1], 1.1, cell=2)])
+    rows = report_user_view.merge([first, later])["tensorflow"]["rows"]
+    assert [r["cell"] for r in rows] == ["A1", 1, 2]
+    assert rows[2]["fit_speedup"] == 1.1 and rows[2]["earlier"] == [0.9]
+    text = report_user_view.markdown(report_user_view.merge([first, later]))
+    assert "| 2 | " in text and "1.10x** (was 0.90x)" in text
+
+
+def test_tuning_overhead_uses_the_median_drawn_model_and_its_training_tuning(tmp_path):
+    drawn = bench_user_view.draw_shapes(30)
+    rows = [_row(drawn[i], 1.0, cell=i + 1) for i in range(3)]
+    for r, ms, tune in zip(rows, (10.0, 20.0, 30.0), (1.0, 2.0, 3.0)):
+        r["fit_ms"] = dict(original=ms, optimized=ms)
+        r["tuning_s"], r["fit_tuning_s"] = tune + 0.5, tune
+    o = bench_user_view.tuning_overhead(rows)
+    assert o["median_model"] == drawn[1]
+    # 10 epochs of 100 steps of 20 ms = 20 s, against 2 s of training tuning.
+    assert o["tuning_overhead_share"] == pytest.approx(2.0 / 22.0)
+    assert o["median_model_training_only"]
+    line = report_user_view.overhead_text(rows + [_row(dict(bench_user_view.ANCHORS[0]), 1.0, cell="A1")])
+    assert line.startswith("Tuning overhead: 9.1% ")
