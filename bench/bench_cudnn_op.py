@@ -41,21 +41,26 @@ from rnnfuse.tuning.plans import FUSED, Plan  # noqa: E402
 
 L = keras.layers
 
-# (name, kind, layers, batch, steps, units, proj, policy, bidirectional)
+# (name, kind, layers, batch, steps, units, proj, policy, bidirectional,
+#  dropout: a Dropout(rate) between every two layers, absorbed as cuDNN's)
 CELLS = [
-    ("lstm4x512 fp16", "lstm", 4, 64, 1000, 512, 0, "mixed_float16", False),
-    ("lstm4x512 bf16", "lstm", 4, 64, 1000, 512, 0, "mixed_bfloat16", False),
-    ("lstm4x512 fp32", "lstm", 4, 64, 1000, 512, 0, "float32", False),
-    ("bigru5x512 fp16 B32 T500", "gru", 5, 32, 500, 512, 0, "mixed_float16", True),
-    ("plstm4x1024/256 fp32 B32 T1000", "lstm", 4, 32, 1000, 1024, 256, "float32", False),
-    ("lstm4x256 fp32 B8 T200", "lstm", 4, 8, 200, 256, 0, "float32", False),
+    ("lstm4x512 fp16", "lstm", 4, 64, 1000, 512, 0, "mixed_float16", False, 0.0),
+    ("lstm4x512 bf16", "lstm", 4, 64, 1000, 512, 0, "mixed_bfloat16", False, 0.0),
+    ("lstm4x512 fp32", "lstm", 4, 64, 1000, 512, 0, "float32", False, 0.0),
+    ("bigru5x512 fp16 B32 T500", "gru", 5, 32, 500, 512, 0, "mixed_float16", True, 0.0),
+    ("plstm4x1024/256 fp32 B32 T1000", "lstm", 4, 32, 1000, 1024, 256, "float32", False, 0.0),
+    ("lstm4x256 fp32 B8 T200", "lstm", 4, 8, 200, 256, 0, "float32", False, 0.0),
+    ("lstm4x512 fp16 dropout 0.2", "lstm", 4, 64, 1000, 512, 0, "mixed_float16", False, 0.2),
 ]
-QUICK = [("quick lstm", "lstm", 2, 4, 10, 16, 0, "float32", False)]
+QUICK = [
+    ("quick lstm", "lstm", 2, 4, 10, 16, 0, "float32", False, 0.0),
+    ("quick lstm dropout", "lstm", 2, 4, 10, 16, 0, "float32", False, 0.2),
+]
 ALGORITHMS = ["standard", "persistent_static", "persistent_dynamic"]
 
 
 def build(cell) -> keras.Model:
-    _, kind, layers, batch, steps, units, proj, policy, bi = cell
+    _, kind, layers, batch, steps, units, proj, policy, bi, dropout = cell
     keras.config.set_dtype_policy(policy)
     try:
         inp = keras.Input((steps, proj or units))
@@ -67,6 +72,8 @@ def build(cell) -> keras.Model:
             else:
                 layer = (L.LSTM if kind == "lstm" else L.GRU)(units, return_sequences=rs)
             x = L.Bidirectional(layer)(x) if bi else layer(x)
+            if dropout and rs:
+                x = L.Dropout(dropout, seed=i + 1)(x)
         return keras.Model(inp, L.Dense(8, dtype="float32")(x))
     finally:
         keras.config.set_dtype_policy("float32")
@@ -103,7 +110,7 @@ def variants(cell, model):
 
 
 def measure(cell, warmup: int, repeats: int, modes) -> list[dict]:
-    _, kind, layers, batch, steps, units, proj, policy, bi = cell
+    _, kind, layers, batch, steps, units, proj, policy, bi, _ = cell
     model = build(cell)
     rng = np.random.default_rng(0)
     x = tf.constant(rng.standard_normal((batch, steps, proj or units)).astype("float32"))
