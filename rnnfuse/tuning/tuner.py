@@ -409,10 +409,11 @@ def _fastest_with_sound_gradients(plans, timings, rejected, training, check, dty
             try:
                 errors[plan.name] = check(plan)
             except Exception as exc:  # cuDNN refusing an algorithm: an op error
-                if not plan.algorithm or not _is_op_error(exc):
+                reason = _refusal(plan, exc)
+                if reason is None:
                     raise
                 errors[plan.name] = None
-                rejected[plan.name] = f"cuDNN refused it: {str(exc).strip().splitlines()[-1][:200]}"
+                rejected[plan.name] = reason
         return errors[plan.name]
 
     for plan in sorted(plans, key=lambda p: timings[p.name]):
@@ -445,12 +446,22 @@ def _first_calls(steps: dict, plans: dict) -> tuple[dict, dict]:
             try:
                 keras.ops.convert_to_numpy(step())
             except Exception as exc:  # noqa: BLE001 - only op errors are refusals
-                if plan is None or not plan.algorithm or not _is_op_error(exc):
+                reason = _refusal(plan, exc)
+                if reason is None:
                     raise
-                refused[name] = f"cuDNN refused it: {str(exc).strip().splitlines()[-1][:200]}"
+                refused[name] = reason
                 continue
         kept[name] = step
     return kept, refused
+
+
+def _refusal(plan: Plan | None, exc: Exception) -> str | None:
+    """Why cuDNN refused `plan` (its last message line), when `exc` is a
+    kernel's op error on a non-default algorithm; None for anything else
+    (a real error, to raise)."""
+    if plan is None or not plan.algorithm or not _is_op_error(exc):
+        return None
+    return f"cuDNN refused it: {str(exc).strip().splitlines()[-1][:200]}"
 
 
 def _is_op_error(exc: Exception) -> bool:
