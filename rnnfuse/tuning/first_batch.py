@@ -275,8 +275,9 @@ def prepare(model: keras.Model, x: Any, batch_size: int | None, *, training: boo
         else:
             start = time.perf_counter()
             results = _timed_decisions(model, state, environment, groups, shapes, training, masked)
-            state.seconds += time.perf_counter() - start
-            _log(results, shapes, training, time.perf_counter() - start)
+            seconds = time.perf_counter() - start
+            state.seconds += seconds
+            _log(results, shapes, training, seconds)
             state.decisions += [
                 decision_record(r, shapes[id(r.group)], training) for r in results if r is not None
             ]
