@@ -68,22 +68,25 @@ def markdown_row(i: int, row: dict) -> str:
     )
 
 
-def cell_number(shape: dict, seed: int = 2026, cells: int = 30):
-    """A shape's drawn cell number (1-based), "A<n>" for an anchor, or None.
+def _shape_key(shape: dict) -> str:
+    return json.dumps(shape, sort_keys=True)
+
+
+def cell_numbers(seed: int = 2026, cells: int = 30) -> dict[str, int | str]:
+    """Shape key -> its drawn cell number (1-based), or "A<n>" for an anchor.
 
     >>> from bench_user_view import ANCHORS, draw_shapes
-    >>> cell_number(draw_shapes(30)[3]), cell_number(dict(ANCHORS[0]))
+    >>> numbers = cell_numbers()
+    >>> numbers[_shape_key(draw_shapes(30)[3])], numbers[_shape_key(dict(ANCHORS[0]))]
     (4, 'A1')
     """
     from bench_user_view import ANCHORS, draw_shapes
 
-    for i, a in enumerate(ANCHORS, 1):
-        if a == shape:
-            return f"A{i}"
-    for i, d in enumerate(draw_shapes(cells, seed), 1):
-        if d == shape:
-            return i
-    return None
+    numbers: dict[str, int | str] = {
+        _shape_key(d): i for i, d in enumerate(draw_shapes(cells, seed), 1)
+    }
+    numbers.update({_shape_key(dict(a)): f"A{i}" for i, a in enumerate(ANCHORS, 1)})
+    return numbers
 
 
 def _order(number) -> tuple:
@@ -101,13 +104,12 @@ def merge(paths: list[str]) -> dict[str, dict]:
         with open(path) as f:
             data = json.load(f)
         backend = data["meta"]["backend"]
-        seed = data["meta"].get("seed", 2026)
+        numbers = cell_numbers(data["meta"].get("seed", 2026))
         entry = out.setdefault(backend, dict(meta=data["meta"], rows=[], other=[], by_cell={}))
         for row in data["results"]:
             if "fit_speedup" in row:
-                number = row.get("cell") or cell_number(row["shape"], seed)
-                row = dict(row, cell=number)
-                key = json.dumps(row["shape"], sort_keys=True)
+                key = _shape_key(row["shape"])
+                row = dict(row, cell=row.get("cell") or numbers.get(key))
                 before = entry["by_cell"].get(key)
                 if before is not None:
                     row["earlier"] = before.get("earlier", []) + [before["fit_speedup"]]
