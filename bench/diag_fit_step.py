@@ -12,8 +12,10 @@ casts, the loss-scale optimizer). `--trace DIR` also writes a TensorFlow
 profile of a few `fit` steps of each model, for TensorBoard's profile
 plugin.
 
-Each figure is a median over interleaved rounds (the models alternate,
-their order flipped every round), after one untimed round.
+Each figure is a median, the two models interleaved: `fit` steps over
+rounds whose order flips every round (after one untimed `fit`), and
+`train_step` calls through `rnnfuse.tuning.timing.interleaved_medians`
+(after one untimed call).
 
     python bench/diag_fit_step.py --cell 17 --out $OUT/diag_cell17.json
     python bench/diag_fit_step.py --cell 19 --plan fused --trace $OUT/trace19
@@ -27,7 +29,6 @@ import json
 import os
 import statistics
 import sys
-import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -36,23 +37,22 @@ import keras  # noqa: E402
 import numpy as np  # noqa: E402
 
 import rnnfuse  # noqa: E402
-from bench_user_view import ANCHORS, _alternate, _step_time, build, data, draw_shapes  # noqa: E402
+from bench_user_view import ANCHORS, _alternate, _plans, build, data, draw_shapes  # noqa: E402
+from rnnfuse.tuning.timing import interleaved_medians  # noqa: E402
 
 PLANS = {"fused": rnnfuse.FUSED, "per-layer": rnnfuse.PER_LAYER, "auto": None}
 
 
-def _sync(value) -> None:
-    keras.ops.convert_to_numpy(keras.tree.flatten(value)[0])
-
-
-def _median_call_s(fn, calls: int) -> float:
-    """Median seconds of `calls` calls of fn (each waits for its result)."""
-    times = []
-    for _ in range(calls):
-        start = time.perf_counter()
-        _sync(fn())
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+def _models(shape: dict, plan: str):
+    """(original, optimized, x, y): the cell's model, `optimize`d with
+    `plan` (first-batch tuning's choice for "auto"), and one batch."""
+    model = build(shape)
+    x, y = data(shape, np.random.default_rng(0))
+    fast = rnnfuse.optimize(model, **({} if PLANS[plan] is None else {"plan": PLANS[plan]}))
+    for m in (model, fast):
+        m.compile(optimizer="adam", loss="mse")
+        m.fit(x, y, batch_size=shape["batch"], epochs=1, verbose=0)  # traces; tunes for "auto"
+    return model, fast, x, y
 
 
 def _train_step_fn(model, x, y):
@@ -60,47 +60,32 @@ def _train_step_fn(model, x, y):
     import tensorflow as tf
 
     xb, yb = tf.constant(x), tf.constant(y)
-    step = tf.function(lambda: model.train_step((xb, yb)))
-    return lambda: step()
+    return tf.function(lambda: model.train_step((xb, yb)))
 
 
 def measure(shape: dict, plan: str, rounds: int, calls: int) -> dict:
-    rng = np.random.default_rng(0)
-    model = build(shape)
-    x, y = data(shape, rng)
+    model, fast, x, y = _models(shape, plan)
     b = shape["batch"]
-    fast = rnnfuse.optimize(model, **({} if PLANS[plan] is None else {"plan": PLANS[plan]}))
-    model.compile(optimizer="adam", loss="mse")
-    fast.compile(optimizer="adam", loss="mse")
-    for m in (model, fast):  # traces; tunes where plan="auto"
-        m.fit(x, y, batch_size=b, epochs=1, verbose=0)
-    steps = 8
-    xs, ys = np.concatenate([x] * steps), np.concatenate([y] * steps)
+    xs, ys = np.concatenate([x] * 8), np.concatenate([y] * 8)
     models = [("original", model), ("optimized", fast)]
     fit = _alternate(models, rounds, lambda m, cb: m.fit(
         xs, ys, batch_size=b, epochs=1, verbose=0, callbacks=[cb]))
-    train_steps = {name: _train_step_fn(m, x, y) for name, m in models}
-    for fn in train_steps.values():
-        _sync(fn())  # traces
-    train = {name: [] for name in train_steps}
-    for r in range(rounds):
-        order = list(train_steps.items())
-        for name, fn in order if r % 2 == 0 else order[::-1]:
-            train[name].append(_median_call_s(fn, calls))
-    med = lambda d: {k: 1e3 * statistics.median(v) for k, v in d.items()}
-    fit_ms, train_ms = med(fit), med(train)
+    train = interleaved_medians(
+        {name: _train_step_fn(m, x, y) for name, m in models}, warmup=1, repeats=rounds * calls
+    )
+    fit_ms = {k: 1e3 * statistics.median(v) for k, v in fit.items()}
+    train_ms = {k: 1e3 * v["median"] for k, v in train.items()}
     return dict(
         shape=shape,
         plan=plan,
-        plans=[dict(layers=[l.name for l in f.fused_layers], pieces=f.pieces, algorithm=f.algorithm)
-               for f in rnnfuse.tuning.first_batch.fused_layers(fast)],
+        plans=_plans(fast),
         fit_ms=fit_ms,
         train_step_ms=train_ms,
         fit_speedup=fit_ms["original"] / fit_ms["optimized"],
         train_step_speedup=train_ms["original"] / train_ms["optimized"],
         fit_minus_train_step_ms={k: fit_ms[k] - train_ms[k] for k in fit_ms},
         decisions=rnnfuse.tuning.first_batch.decisions(fast),
-        raw=dict(fit=fit, train_step=train),
+        raw=dict(fit=fit, train_step={k: v["times"] for k, v in train.items()}),
     )
 
 
@@ -108,14 +93,9 @@ def trace(shape: dict, plan: str, out_dir: str, steps: int = 5) -> None:
     """A TensorFlow profile of `steps` fit steps of each model."""
     import tensorflow as tf
 
-    rng = np.random.default_rng(0)
-    model = build(shape)
-    x, y = data(shape, rng)
-    fast = rnnfuse.optimize(model, **({} if PLANS[plan] is None else {"plan": PLANS[plan]}))
+    model, fast, x, y = _models(shape, plan)
     xs, ys = np.concatenate([x] * steps), np.concatenate([y] * steps)
     for name, m in (("original", model), ("optimized", fast)):
-        m.compile(optimizer="adam", loss="mse")
-        m.fit(x, y, batch_size=shape["batch"], epochs=1, verbose=0)
         tf.profiler.experimental.start(os.path.join(out_dir, name))
         m.fit(xs, ys, batch_size=shape["batch"], epochs=1, verbose=0)
         tf.profiler.experimental.stop()
@@ -127,7 +107,8 @@ def main(argv=None) -> int:
     parser.add_argument("--plan", choices=sorted(PLANS), default="fused",
                         help="the optimized model's plan (auto: first-batch tuning decides)")
     parser.add_argument("--rounds", type=int, default=5)
-    parser.add_argument("--calls", type=int, default=8, help="train_step calls per round")
+    parser.add_argument("--calls", type=int, default=8,
+                        help="train_step calls per round (rounds x calls, interleaved)")
     parser.add_argument("--trace", help="also write a TensorFlow profile here")
     parser.add_argument("--quick", action="store_true", help="a tiny model, any machine")
     parser.add_argument("--out", required=True)
