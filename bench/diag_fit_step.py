@@ -25,6 +25,7 @@ rounds whose order flips every round (after one untimed `fit`), and
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
@@ -43,16 +44,31 @@ from rnnfuse.tuning.timing import interleaved_medians  # noqa: E402
 PLANS = {"fused": rnnfuse.FUSED, "per-layer": rnnfuse.PER_LAYER, "auto": None}
 
 
-def _models(shape: dict, plan: str):
-    """(original, optimized, x, y): the cell's model, `optimize`d with
-    `plan` (first-batch tuning's choice for "auto"), and one batch."""
+def _models(shape: dict, plan: str, mask_known: bool = False):
+    """([(name, model)...], {name: train_step}, x, y): the cell's model and it `optimize`d with
+    `plan` (first-batch tuning's choice for "auto"), and one batch. With
+    `mask_known` (a masked cell), a second optimized model whose steps are
+    traced under `masks_known_right_padded`: its fused calls have no
+    per-layer branch for a mask that is not right-padded, as the tuner's
+    timed steps have none."""
+    from rnnfuse.fused import masks_known_right_padded
+
     model = build(shape)
     x, y = data(shape, np.random.default_rng(0))
-    fast = rnnfuse.optimize(model, **({} if PLANS[plan] is None else {"plan": PLANS[plan]}))
-    for m in (model, fast):
+    models = [("original", model)]
+    kwargs = {} if PLANS[plan] is None else {"plan": PLANS[plan]}
+    models.append(("optimized", rnnfuse.optimize(model, **kwargs)))
+    if mask_known and shape["masked"]:
+        models.append(("optimized, mask known", rnnfuse.optimize(model, **kwargs)))
+    train_steps = {}
+    for name, m in models:
         m.compile(optimizer="adam", loss="mse")
-        m.fit(x, y, batch_size=shape["batch"], epochs=1, verbose=0)  # traces; tunes for "auto"
-    return model, fast, x, y
+        with masks_known_right_padded() if name.endswith("mask known") else contextlib.nullcontext():
+            m.fit(x, y, batch_size=shape["batch"], epochs=1, verbose=0)  # traces; tunes for "auto"
+            # Keras' train_step alone, traced here too (its first call).
+            train_steps[name] = _train_step_fn(m, x, y)
+            keras.tree.map_structure(keras.ops.convert_to_numpy, train_steps[name]())
+    return models, train_steps, x, y
 
 
 def _train_step_fn(model, x, y):
@@ -63,15 +79,15 @@ def _train_step_fn(model, x, y):
     return tf.function(lambda: model.train_step((xb, yb)))
 
 
-def measure(shape: dict, plan: str, rounds: int, calls: int) -> dict:
-    model, fast, x, y = _models(shape, plan)
+def measure(shape: dict, plan: str, rounds: int, calls: int, mask_known: bool = False) -> dict:
+    models, train_steps, x, y = _models(shape, plan, mask_known)
+    fast = models[1][1]
     b = shape["batch"]
     xs, ys = np.concatenate([x] * 8), np.concatenate([y] * 8)
-    models = [("original", model), ("optimized", fast)]
     fit = _alternate(models, rounds, lambda m, cb: m.fit(
         xs, ys, batch_size=b, epochs=1, verbose=0, callbacks=[cb]))
     train = interleaved_medians(
-        {name: _train_step_fn(m, x, y) for name, m in models}, warmup=1, repeats=rounds * calls
+        train_steps, warmup=1, repeats=rounds * calls,
     )
     fit_ms = {k: 1e3 * statistics.median(v) for k, v in fit.items()}
     train_ms = {k: 1e3 * v["median"] for k, v in train.items()}
@@ -84,6 +100,9 @@ def measure(shape: dict, plan: str, rounds: int, calls: int) -> dict:
         fit_speedup=fit_ms["original"] / fit_ms["optimized"],
         train_step_speedup=train_ms["original"] / train_ms["optimized"],
         fit_minus_train_step_ms={k: fit_ms[k] - train_ms[k] for k in fit_ms},
+        mask_known_fit_speedup=(
+            fit_ms["original"] / fit_ms["optimized, mask known"] if len(models) > 2 else None
+        ),
         decisions=rnnfuse.tuning.first_batch.decisions(fast),
         raw=dict(fit=fit, train_step={k: v["times"] for k, v in train.items()}),
     )
@@ -93,9 +112,9 @@ def trace(shape: dict, plan: str, out_dir: str, steps: int = 5) -> None:
     """A TensorFlow profile of `steps` fit steps of each model."""
     import tensorflow as tf
 
-    model, fast, x, y = _models(shape, plan)
+    models, _, x, y = _models(shape, plan)
     xs, ys = np.concatenate([x] * steps), np.concatenate([y] * steps)
-    for name, m in (("original", model), ("optimized", fast)):
+    for name, m in models:
         tf.profiler.experimental.start(os.path.join(out_dir, name))
         m.fit(xs, ys, batch_size=shape["batch"], epochs=1, verbose=0)
         tf.profiler.experimental.stop()
@@ -109,6 +128,8 @@ def main(argv=None) -> int:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--calls", type=int, default=8,
                         help="train_step calls per round (rounds x calls, interleaved)")
+    parser.add_argument("--mask-known", action="store_true",
+                        help="a masked cell: add an optimized model traced without the per-layer branch")
     parser.add_argument("--trace", help="also write a TensorFlow profile here")
     parser.add_argument("--quick", action="store_true", help="a tiny model, any machine")
     parser.add_argument("--out", required=True)
@@ -121,7 +142,7 @@ def main(argv=None) -> int:
         shape = dict(shape, layers=2, units=32, batch=4, steps=10)
         args.rounds, args.calls = 2, 2
     row = dict(cell=args.cell, backend=keras.backend.backend(),
-               **measure(shape, args.plan, args.rounds, args.calls))
+               **measure(shape, args.plan, args.rounds, args.calls, args.mask_known))
     with open(args.out, "w") as f:
         json.dump(row, f, indent=1)
     print(json.dumps({k: v for k, v in row.items() if k != "raw"}, indent=1))
