@@ -86,3 +86,12 @@ def test_tuning_overhead_uses_the_median_drawn_model_and_its_training_tuning(tmp
     assert o["median_model_training_only"]
     line = report_user_view.overhead_text(rows + [_row(dict(bench_user_view.ANCHORS[0]), 1.0, cell="A1")])
     assert line.startswith("Tuning overhead: 9.1% ")
+
+
+def test_a_slow_lopsided_cell_gets_one_round_and_others_keep_theirs():
+    # Keras' masked torch loop at 17 s a step against 0.2 s fused: one round.
+    assert bench_user_view.rounds_for({"original": 17.0, "optimized": 0.2}, 3) == 1
+    # Slow but close, or lopsided but fast: every round (the ratio is near 1x,
+    # or the rounds are cheap).
+    assert bench_user_view.rounds_for({"original": 2.5, "optimized": 2.4}, 3) == 3
+    assert bench_user_view.rounds_for({"original": 1.5, "optimized": 0.01}, 5) == 5

@@ -102,6 +102,29 @@ def test_tuner_picks_the_fastest_candidate():
     assert result.timings["per-layer"] == 1.0
 
 
+def test_halves_are_timed_only_on_algorithms_whose_whole_run_came_close(monkeypatch):
+    """Stage two builds and times a split only where the whole run on the
+    same algorithm was within PRUNE of stage one's best; the others are
+    never traced, and say why."""
+    from rnnfuse.tuning import tuner
+
+    built = []
+    monkeypatch.setattr(tuner, "_steps", lambda group, plans, *a, **k: built.extend(p.name for p in plans) or {p.name: None for p in plans})
+    (group,) = _groups(stack_model("lstm", 4))
+    timer = FakeTimer({
+        "per-layer": 1.0, "fused": 0.9, "fused @persistent_static+tc": 3.0,
+        "fused @persistent_dynamic+tc": 0.95, "split 2+2 @persistent_static+tc": 0.1,
+    })
+    (result,) = _tune([group], timer)
+    assert "split 2+2 @persistent_static+tc" not in built
+    assert "not timed" in result.rejected["split 2+2 @persistent_static+tc"]
+    assert {"split 2+2", "split 2+2 @persistent_dynamic+tc"} <= set(built)
+    # Stage two re-times the original layers and stage one's best beside the halves.
+    assert timer.names[1] == sorted(["per-layer", "fused", "split 2+2", "split 2+2 @persistent_dynamic+tc"])
+    assert len(built) == len(set(built)), "a plan timed in both stages is built once"
+    assert result.plan.name == "fused"
+
+
 def test_never_slower_per_layer_wins_when_fusion_loses():
     (group,) = _groups(stack_model("lstm", 4))
     timer = FakeTimer({"per-layer": 0.5})  # every other candidate: 1.0

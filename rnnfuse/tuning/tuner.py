@@ -19,7 +19,13 @@
    padded lengths).
 4. Time the steps side by side (`interleaved_medians`: one more warm-up
    call, then interleaved rounds, racing: a step more than PRUNE x slower
-   than the best stops being run) and keep the fastest; for training, a
+   than the best stops being run), in two stages (`_time_in_stages`): the
+   original layers and the whole run on every algorithm first, then the
+   split plans only on the algorithms whose whole run came within PRUNE
+   of the best, beside the original layers and that best again (a
+   candidate's trace and first call cost about a second on the H200, and
+   a split on an algorithm that lost by 1.5x on the whole run never won
+   in the user-view matrix). Keep the fastest; for training, a
    plan with a non-default algorithm is kept only if its gradients are as
    close to a float64 reference as the default algorithm's with the same
    pieces (`gradient_tolerance`); the check runs
@@ -302,14 +308,11 @@ def tune_plans(
                         rejected[p.name] = "cuDNN's persistent algorithms do not take padded sequence lengths"
                 plans = [p for p in plans if not p.algorithm]
             plans = [p for p in plans if p.name not in rejected]
-            steps = _steps(group, plans, shape, dtype, training, jit_baseline, masked)
-            with masks_known_right_padded():  # the steps trace at their first call
-                steps, refused = _first_calls(steps, {p.name: p for p in plans})
-            rejected.update(refused)
-            plans = [p for p in plans if p.name not in refused]
-            stats = measure(steps, on_step=bar.advance_one) if _takes_on_step(measure) else measure(steps)
-            bar.advance_rest(len(plans) + len(rejected))
-            timings = {name: float(s["median"]) for name, s in stats.items()}
+            bar.advance_rest(len(rejected))
+            timings, plans = _time_in_stages(
+                plans, rejected, bar,
+                _Measured(group, shape, dtype, training, jit_baseline, masked, measure, bar),
+            )
             best = _keep_original_unless_clearly_slower(plans, timings, _fastest_with_sound_gradients(
                 plans, timings, rejected, training,
                 lambda p: check_gradients(group, p, shape, dtype), dtype,
@@ -359,6 +362,84 @@ def _takes_on_step(fn) -> bool:
         return "on_step" in inspect.signature(fn).parameters
     except (TypeError, ValueError):
         return False
+
+
+class _Measured:
+    """`plans` -> ({name: median seconds}, {name: why refused}) for one
+    group: each plan's step is built and called once, untimed (its trace),
+    the first time it is asked for, and reused by a later stage."""
+
+    def __init__(self, group, shape, dtype, training, jit_baseline, masked, measure, bar):
+        self.args = (group, shape, dtype, training, jit_baseline, masked)
+        self.measure, self.bar, self.steps = measure, bar, {}
+
+    def __call__(self, plans):
+        group, shape, dtype, training, jit_baseline, masked = self.args
+        new = [p for p in plans if p.name not in self.steps]
+        built = _steps(group, new, shape, dtype, training, jit_baseline, masked)
+        with masks_known_right_padded():  # the steps trace at their first call
+            built, refused = _first_calls(built, {p.name: p for p in new})
+        self.steps.update(built)
+        steps = {p.name: self.steps[p.name] for p in plans if p.name in self.steps}
+        measure, bar = self.measure, self.bar
+        stats = measure(steps, on_step=bar.advance_one) if _takes_on_step(measure) else measure(steps)
+        return {name: float(s["median"]) for name, s in stats.items()}, refused
+
+
+def _time_in_stages(plans, rejected, bar, measured):
+    """Times `plans` in two stages; returns ({name: seconds}, the plans timed).
+
+    Stage one: the original layers and the whole run fused, with every
+    algorithm. Stage two: the other pieces (halves; torch's one call per
+    layer), only with the algorithms whose whole-run plan came within PRUNE
+    of stage one's best (the others are recorded in `rejected`, not traced:
+    on the H200 each candidate's trace and first call cost about 1 s, and a
+    split on an algorithm that loses by 1.5x on the whole run has never
+    won), timed beside the original layers and stage one's best again, so
+    the plans that decide are compared in one interleaved session.
+    `measured(plans)` -> ({name: seconds}, {name: why refused}).
+
+    >>> from rnnfuse.tuning.plans import Plan, PER_LAYER
+    >>> p = "persistent_static"
+    >>> plans = [PER_LAYER, Plan((2,)), Plan((2,), p), Plan((1, 1)), Plan((1, 1), p)]
+    >>> fake = dict(zip([q.name for q in plans], [1.0, 0.5, 2.0, 0.4, 0.1]))
+    >>> class Bar:
+    ...     def advance_rest(self, n): pass
+    >>> why = {}
+    >>> t, timed = _time_in_stages(plans, why, Bar(), lambda ps: ({q.name: fake[q.name] for q in ps}, {}))
+    >>> sorted(t), why["split 1+1 @persistent_static"][:49]
+    (['fused', 'fused @persistent_static', 'per-layer', 'split 1+1'], 'not timed: fused @persistent_static was over 1.5x')
+    """
+    n = max((sum(p.pieces) for p in plans), default=0)
+    first = [p for p in plans if not p.pieces or p.pieces == (n,)]
+    rest = [p for p in plans if p not in first]
+    timings, refused = measured(first)
+    rejected.update(refused)
+    timed = [p for p in first if p.name in timings]
+    bar.advance_rest(len(first))
+    if not rest or not timings:
+        return timings, timed
+    best = min(timings.values())
+    whole = {p.algorithm: p for p in timed if p.pieces}
+    second = []
+    for p in rest:
+        twin = whole.get(p.algorithm)
+        if twin is None:
+            rejected[p.name] = "not timed: the whole run on its algorithm was not timed"
+        elif timings[twin.name] > PRUNE * best:
+            rejected[p.name] = (
+                f"not timed: {twin.name} was over {PRUNE}x slower than the best whole-run plan"
+            )
+        else:
+            second.append(p)
+    if second:
+        again = [p for p in timed if not p.pieces or timings[p.name] == best]
+        more, refused = measured(again + second)
+        rejected.update(refused)
+        timings.update(more)
+        timed += [p for p in second if p.name in more]
+    bar.advance_rest(len(rest))
+    return timings, timed
 
 
 def _steps(group, plans, shape, dtype, training, jit_baseline=False, masked=False) -> dict:
@@ -419,11 +500,13 @@ def _fastest_with_sound_gradients(plans, timings, rejected, training, check, dty
     for plan in sorted(plans, key=lambda p: timings[p.name]):
         if not (training and plan.algorithm):
             return plan
-        base = next((p for p in plans if p.pieces == plan.pieces and not p.algorithm), None)
+        # The default-algorithm twin: checked even where it was not timed
+        # (a split on the default algorithm left out by `_time_in_stages`).
+        base = Plan(plan.pieces)
         error = error_of(plan)
         if error is None:
             continue
-        base_error = error_of(base) if base is not None else 0.0
+        base_error = error_of(base)
         if error > gradient_tolerance(base_error, dtype):
             rejected[plan.name] = (
                 f"gradient error {error:.2e} vs {base_error:.2e} with the default algorithm"
