@@ -333,6 +333,25 @@ def test_the_float64_reference_is_computed_once_for_all_candidates(emulated_cudn
     assert all(0 <= e < 1e-4 for e in errors), errors
 
 
+def test_the_gradient_check_runs_on_the_first_check_steps_of_a_long_batch(monkeypatch):
+    from rnnfuse.backends import get_backend
+
+    model = stack_model("lstm", 2, units=4, steps=5)
+    group = first_batch.group_of(fused_layers(rnnfuse.optimize(model, tune=False))[0])
+    backend = type(get_backend())
+    shapes = []
+    real = backend.gradients
+
+    def recording(self, run, x, variables):
+        shapes.append(tuple(x.shape))
+        return real(self, run, x, variables)
+
+    monkeypatch.setattr(backend, "gradients", recording)
+    steps = tuner.CHECK_STEPS + 36
+    tuner.GradientCheck()(group, rnnfuse.FUSED, (3, steps, group.input_size), "float32")
+    assert shapes and all(s == (3, tuner.CHECK_STEPS, group.input_size) for s in shapes), shapes
+
+
 def test_tuning_traces_a_masked_fused_candidate_without_the_per_layer_fallback(emulated_cudnn, monkeypatch):
     """Under masks_known_right_padded (the tuner's first calls), a masked
     fused call's other branch is the fused call again: the original layers
