@@ -12,6 +12,7 @@ tuner's own functions (`_first_calls`, `interleaved_medians`,
 
     python bench/diag_tuning_cost.py --cells 15,A1 --out $OUT/tuning_cost.json
     python bench/diag_tuning_cost.py --quick --out /tmp/t.json   # tiny, any machine
+    python bench/diag_tuning_cost.py --table bench/results/tuning_cost_tf_h200_s6.json
 """
 
 from __future__ import annotations
@@ -134,13 +135,44 @@ def _shape(cell: str) -> dict:
     return draw_shapes(30)[int(cell) - 1]
 
 
+def table(rows: list[dict]) -> str:
+    """A markdown table of saved rows: per cell and mode, the tuning's
+    seconds and where they went. "first calls" is each candidate's first
+    call less its trace (graph optimisation, cuDNN's set-up, one run)."""
+    lines = [
+        "| cell | model | mode | candidates (timed to the end) | tuning s | traces s | first calls s | timing s | gradient check s |",
+        "|---|---|---|---:|---:|---:|---:|---:|---:|",
+    ]
+    for row in rows:
+        s = row["shape"]
+        model = f"{s['kind']} {s['layers']}x{s['units']} B{s['batch']} T{s['steps']} {s['dtype']}" + (
+            " masked" if s.get("masked") else "")
+        for mode in ("fit", "predict"):
+            r = row[mode]
+            ph = r["phases"]
+            kept = sum(1 for c in r["candidates"].values() if not c.get("pruned"))
+            lines.append(
+                f"| {row['cell']} | {model} | {mode} | {len(r['candidates'])} ({kept}) | {r['tuning_s']:.1f} "
+                f"| {ph['trace_s']:.1f} | {ph['first_calls_s'] - ph['trace_s']:.1f} | {ph['timing_s']:.1f} "
+                f"| {ph['gradient_check_s']:.1f} |"
+            )
+    return "\n".join(lines)
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--table", help="print the markdown table of a saved --out file and stop")
     parser.add_argument("--cells", default="15", help="drawn cell numbers (A1.. for anchors), comma-separated")
     parser.add_argument("--profile", action="store_true", help="add cProfile's top 30 functions")
     parser.add_argument("--quick", action="store_true", help="a tiny model, any machine")
-    parser.add_argument("--out", required=True)
+    parser.add_argument("--out")
     args = parser.parse_args(argv)
+    if args.table:
+        with open(args.table) as f:
+            print(table(json.load(f)))
+        return 0
+    if not args.out:
+        parser.error("--out is required (or --table FILE)")
     rows = []
     for cell in args.cells.split(","):
         shape = _shape(cell)

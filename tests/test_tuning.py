@@ -125,6 +125,33 @@ def test_halves_are_timed_only_on_algorithms_whose_whole_run_came_close(monkeypa
     assert result.plan.name == "fused"
 
 
+def test_stage_two_does_not_rerun_original_layers_that_lost_by_far():
+    (group,) = _groups(stack_model("lstm", 4))
+    timer = FakeTimer({
+        "per-layer": 10.0, "fused": 1.0, "fused @persistent_static+tc": 1.2,
+        "fused @persistent_dynamic+tc": 5.0,
+    })
+    (result,) = _tune([group], timer)
+    assert timer.calls == 2
+    assert timer.names[1] == sorted(["fused", "split 2+2", "split 2+2 @persistent_static+tc"])
+    assert result.timings["per-layer"] == 10.0  # its stage-one time stands
+
+
+def test_a_group_with_one_algorithm_is_timed_in_one_stage():
+    # Masked: the persistent algorithms are out, so stage one could rule out
+    # only the default split, and re-timing would cost more than it saves.
+    from rnnfuse.tuning import tuner
+
+    (group,) = _groups(stack_model("lstm", 4))
+    timer = FakeTimer({"per-layer": 1.0, "fused": 0.8})
+    tuner.tune_plans(
+        [group], lambda g: (8, 20, g.input_size), measure=timer,
+        check_gradients=lambda *a: 1e-6, environment=dict(ENV), progress=False,
+        masked_of=lambda g: True,
+    )
+    assert timer.names == [sorted(["per-layer", "fused", "split 2+2"])]
+
+
 def test_never_slower_per_layer_wins_when_fusion_loses():
     (group,) = _groups(stack_model("lstm", 4))
     timer = FakeTimer({"per-layer": 0.5})  # every other candidate: 1.0

@@ -389,14 +389,16 @@ class _Measured:
 def _time_in_stages(plans, rejected, bar, measured):
     """Times `plans` in two stages; returns ({name: seconds}, the plans timed).
 
-    Stage one: the original layers and the whole run fused, with every
-    algorithm. Stage two: the other pieces (halves; torch's one call per
+    With one algorithm among the fused plans, in one stage. Else stage one:
+    the original layers and the whole run fused, with every algorithm.
+    Stage two: the other pieces (halves; torch's one call per
     layer), only with the algorithms whose whole-run plan came within PRUNE
     of stage one's best (the others are recorded in `rejected`, not traced:
     on the H200 each candidate's trace and first call cost about 1 s, and a
     split on an algorithm that loses by 1.5x on the whole run has never
-    won), timed beside the original layers and stage one's best again, so
-    the plans that decide are compared in one interleaved session.
+    won), timed beside stage one's best again (and the original layers,
+    where they came within PRUNE of it), so the plans that decide are
+    compared in one interleaved session.
     `measured(plans)` -> ({name: seconds}, {name: why refused}).
 
     >>> from rnnfuse.tuning.plans import Plan, PER_LAYER
@@ -413,6 +415,10 @@ def _time_in_stages(plans, rejected, bar, measured):
     n = max((sum(p.pieces) for p in plans), default=0)
     first = [p for p in plans if not p.pieces or p.pieces == (n,)]
     rest = [p for p in plans if p not in first]
+    if len({p.algorithm for p in plans if p.pieces}) <= 1:
+        # One algorithm (a masked group, torch): stage one could rule out
+        # only the split on it, and re-timing would cost more than it saves.
+        first, rest = plans, []
     timings, refused = measured(first)
     rejected.update(refused)
     timed = [p for p in first if p.name in timings]
@@ -433,7 +439,13 @@ def _time_in_stages(plans, rejected, bar, measured):
         else:
             second.append(p)
     if second:
-        again = [p for p in timed if not p.pieces or timings[p.name] == best]
+        # Re-timed: stage one's best, and the original layers where they came
+        # within PRUNE of it (Keras' masked torch loop at 17 s a step is not
+        # run again to lose again).
+        again = [
+            p for p in timed
+            if timings[p.name] == best or (not p.pieces and timings[p.name] <= PRUNE * best)
+        ]
         more, refused = measured(again + second)
         rejected.update(refused)
         timings.update(more)

@@ -54,6 +54,8 @@ def test_environment_names_the_torch_device_and_versions():
 def test_candidates_are_per_layer_whole_halves_and_one_call_per_layer():
     timer = FakeTimer({})
     _tune(stack_model("lstm", 4, units=8, input_size=4, steps=6), timer)
+    # One stage: with one algorithm, staging would rule out little and
+    # re-time the winners.
     assert timer.timed == [sorted(["per-layer", "fused", "split 2+2", "split 1+1+1+1"])]
     # No cuDNN algorithm candidates: PyTorch picks its own.
     assert not any("@" in name for name in timer.timed[0])
