@@ -56,8 +56,9 @@ def _part(path, backend, rows):
 
 
 def _row(shape, speedup, **extra):
-    return dict(shape=shape, fit_speedup=speedup, predict_speedup=1.0, tuning_s=1.0,
-                fit_ms=dict(original=speedup, optimized=1.0), plans=[], **extra)
+    row = dict(shape=shape, fit_speedup=speedup, predict_speedup=1.0, tuning_s=1.0,
+               fit_ms=dict(original=speedup, optimized=1.0), plans=[])
+    return dict(row, **extra)
 
 
 def test_report_merges_parts_by_cell_and_keeps_the_later_measurement(tmp_path):
@@ -95,3 +96,30 @@ def test_a_slow_lopsided_cell_gets_one_round_and_others_keep_theirs():
     # or the rounds are cheap).
     assert bench_user_view.rounds_for({"original": 2.5, "optimized": 2.4}, 3) == 3
     assert bench_user_view.rounds_for({"original": 1.5, "optimized": 0.01}, 5) == 5
+
+
+def test_report_marks_cells_where_both_models_ran_the_original_layers(tmp_path):
+    drawn = bench_user_view.draw_shapes(30)
+    kept = _row(drawn[0], 0.9, plans=[dict(layers=["a"], pieces=[], algorithm=None)],
+                plans_predict=[dict(layers=["a"], pieces=[], algorithm=None)])
+    fused = _row(drawn[1], 0.95, plans=[dict(layers=["b"], pieces=None, algorithm=None)],
+                 plans_predict=[dict(layers=["b"], pieces=None, algorithm=None)])
+    merged = report_user_view.merge([_part(tmp_path / "a.json", "tensorflow", [kept, fused])])
+    text = report_user_view.markdown(merged)
+    assert "| 1 | " in text and "0.90x †" in text
+    assert "0.95x †" not in text
+    assert "1 cells, fit 0.90x to 0.90x" in text and "1 of the 2 fit cells below 0.97x" in text
+
+
+def test_resolution_shrinks_with_more_rounds_and_reads_the_raw_rounds():
+    rows = []
+    for i in range(6):  # rounds that wander by about 9% around each model's median
+        wobble = [1.0, 1.1, 0.92, 1.05, 0.9]
+        rows.append(dict(raw=dict(fit=dict(original=[w * (i + 1) for w in wobble],
+                                           optimized=[w * (i + 2) for w in wobble[::-1]]))))
+    res = report_user_view.resolution(rows, rounds=(3, 15), draws=2000)
+    assert 0.05 < res["round_sd"] < 0.1 and res["deviations"] == 60
+    assert res[15]["below_0_97"] < res[3]["below_0_97"]
+    lo, hi = res[15]["band_90"]
+    assert lo < 1.0 < hi and hi - lo < res[3]["band_90"][1] - res[3]["band_90"][0]
+    assert report_user_view.resolution([dict(raw=dict(fit=dict(a=[1.0, 2.0])))]) == {}

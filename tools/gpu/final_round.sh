@@ -30,7 +30,7 @@ if [ -z "$SKIP_TESTS" ]; then
 fi
 b=$(( $(left) - 20 ))
 [ $b -lt 40 ] && exit 0
-timeout $(( b + 15 )) python3 bench/bench_user_view.py ${BENCH_ARGS---anchors} --budget $b --rounds ${ROUNDS:-5} --steps 20 \
+timeout $(( b + 15 )) python3 bench/bench_user_view.py ${BENCH_ARGS---anchors} --budget $b --rounds ${ROUNDS:-15} --steps 20 \
   --out $OUT/user_view_tf_h200${BENCH_TAG}.json > $OUT/user_view.log 2>&1
 echo "bench rc $? at $(( $(date +%s) - start )) s"
 grep -E "fit .*x predict|ERROR|cells|geomean|below|overhead" $OUT/user_view.log | tail -40

@@ -21,7 +21,7 @@ case "$1" in
     tail -4 $OUT/torch_bench.log ;;
   torch-view)
     KERAS_BACKEND=torch timeout $(( ${BENCH_SECONDS:-400} + 60 )) python3 bench/bench_user_view.py \
-      ${BENCH_ARGS---anchors} --budget ${BENCH_SECONDS:-400} --rounds ${ROUNDS:-5} --steps 20 \
+      ${BENCH_ARGS---anchors} --budget ${BENCH_SECONDS:-400} --rounds ${ROUNDS:-15} --steps 20 \
       --out $OUT/user_view_torch_h200${BENCH_TAG}.json > $OUT/user_view_torch.log 2>&1
     grep -E "fit .*x predict|ERROR|cells|geomean|below|overhead" $OUT/user_view_torch.log | tail -40 ;;
   jax-tests)
