@@ -329,8 +329,8 @@ def main(argv=None) -> int:
     parser.add_argument("--cells", type=int, default=30)
     parser.add_argument(
         "--rounds", type=int, default=15,
-        help="timed rounds a cell (15: a same-kernels cell reads below 0.97x about 4%% of the time, "
-        "5: 18%%; report_user_view.resolution)",
+        help="timed rounds a cell (15: a same-kernels cell reads below 0.97x about 3%% of the time, "
+        "5: 16%%; report_user_view.resolution)",
     )
     parser.add_argument(
         "--steps", type=int, default=20,

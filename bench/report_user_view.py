@@ -340,15 +340,21 @@ def plot(merged: dict[str, dict], path: str) -> None:
         rows = merged[backend]["rows"]
         # Drawn cells at their number; anchors (chosen, not drawn) at 0.
         idx = [0 if isinstance(r["cell"], str) else r["cell"] for r in rows]
-        ax.scatter(idx, [r["fit_speedup"] for r in rows], label="fit", marker="o")
-        ax.scatter(idx, [r["predict_speedup"] for r in rows], label="predict", marker="x")
+        kept = [same_kernels(r) for r in rows]
+        for hollow, label in ((False, "fit"), (True, "fit, original layers kept (same kernels)")):
+            xs = [i for i, k in zip(idx, kept) if k == hollow]
+            ys = [r["fit_speedup"] for r, k in zip(rows, kept) if k == hollow]
+            if xs:
+                ax.scatter(xs, ys, label=label, marker="o", facecolors="none" if hollow else None,
+                           edgecolors="C0", color=None if hollow else "C0")
+        ax.scatter(idx, [r["predict_speedup"] for r in rows], label="predict", marker="x", color="C1")
         ax.axhline(0.97, color="red", linewidth=0.8, linestyle="--", label="0.97x")
         ax.axhline(1.0, color="grey", linewidth=0.5)
         ax.set_yscale("log")
         ax.set_xlabel("drawn cell (0: the anchor cells)")
         ax.set_ylabel("speedup over the original (log)")
         ax.set_title(f"{backend}: optimize() defaults, H200")
-        ax.legend(loc="upper left")
+        ax.legend(loc="upper left", fontsize="small", framealpha=0.6)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 
