@@ -309,9 +309,11 @@ def test_no_xla_note_where_no_fused_kernel_runs():
     assert not [n for n in rnnfuse.analyze(loops).notes if "XLA" in n]
 
 
-def test_the_float64_reference_is_computed_once_for_all_candidates(emulated_cudnn, monkeypatch):
+@pytest.fixture
+def gradient_calls(monkeypatch):
+    """A 2-layer LSTM group and the (dtype, shape) of every input the
+    backend's `gradients` sees."""
     from rnnfuse.backends import get_backend
-    from rnnfuse.tuning.plans import FUSED, Plan
 
     model = stack_model("lstm", 2, units=4, steps=5)
     group = first_batch.group_of(fused_layers(rnnfuse.optimize(model, tune=False))[0])
@@ -319,36 +321,32 @@ def test_the_float64_reference_is_computed_once_for_all_candidates(emulated_cudn
     calls = []
     real = backend.gradients
 
-    def counting(self, run, x, variables):
-        calls.append(keras.backend.standardize_dtype(x.dtype))
+    def recording(self, run, x, variables):
+        calls.append((keras.backend.standardize_dtype(x.dtype), tuple(x.shape)))
         return real(self, run, x, variables)
 
-    monkeypatch.setattr(backend, "gradients", counting)
+    monkeypatch.setattr(backend, "gradients", recording)
+    return group, calls
+
+
+def test_the_float64_reference_is_computed_once_for_all_candidates(emulated_cudnn, gradient_calls):
+    from rnnfuse.tuning.plans import FUSED, Plan
+
+    group, calls = gradient_calls
     check = tuner.GradientCheck()
     shape = (3, 5, group.input_size)
     errors = [check(group, plan, shape, "float32") for plan in (FUSED, Plan((1, 1)))]
-    assert calls.count("float64") == 1, calls
+    dtypes = [dtype for dtype, _ in calls]
+    assert dtypes.count("float64") == 1, calls
     assert len(calls) == 3
     assert all(0 <= e < 1e-4 for e in errors), errors
 
 
-def test_the_gradient_check_runs_on_the_first_check_steps_of_a_long_batch(monkeypatch):
-    from rnnfuse.backends import get_backend
-
-    model = stack_model("lstm", 2, units=4, steps=5)
-    group = first_batch.group_of(fused_layers(rnnfuse.optimize(model, tune=False))[0])
-    backend = type(get_backend())
-    shapes = []
-    real = backend.gradients
-
-    def recording(self, run, x, variables):
-        shapes.append(tuple(x.shape))
-        return real(self, run, x, variables)
-
-    monkeypatch.setattr(backend, "gradients", recording)
+def test_the_gradient_check_runs_on_the_first_check_steps_of_a_long_batch(gradient_calls):
+    group, calls = gradient_calls
     steps = tuner.CHECK_STEPS + 36
     tuner.GradientCheck()(group, rnnfuse.FUSED, (3, steps, group.input_size), "float32")
-    assert shapes and all(s == (3, tuner.CHECK_STEPS, group.input_size) for s in shapes), shapes
+    assert calls and all(shape == (3, tuner.CHECK_STEPS, group.input_size) for _, shape in calls), calls
 
 
 def test_tuning_traces_a_masked_fused_candidate_without_the_per_layer_fallback(emulated_cudnn, monkeypatch):
