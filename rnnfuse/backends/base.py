@@ -189,6 +189,11 @@ class Capabilities:
     # (TensorFlow), so first-batch tuning times the original layers
     # XLA-compiled where Keras would (torch: no XLA; JAX: always jitted).
     auto_jit_from_layers: bool = False
+    # A timed step's first call traces or compiles it (TensorFlow's
+    # tf.function, JAX's jit). False (torch): it runs eagerly, so that call
+    # already says how slow a candidate is, and the tuner stops one that is
+    # clearly slower there instead of also giving it a warm-up call.
+    first_call_compiles: bool = True
 
 
 class Backend(abc.ABC):

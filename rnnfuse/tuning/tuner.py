@@ -13,7 +13,9 @@
    (inference) or forward + backward (training) of that group alone on a
    random batch of the group's input shape.
 3. Run each step once (its first call traces and compiles, so it is
-   never timed): a non-default-algorithm step cuDNN refuses for this shape
+   never timed; torch's steps run eagerly, so there a first call over a
+   second and 2.25x the fastest one's is taken as that step's time and it
+   is not run again): a non-default-algorithm step cuDNN refuses for this shape
    (an op error) is left out with cuDNN's message. A group that reads a
    padding mask gets no persistent candidates (cuDNN refuses them with
    padded lengths).
@@ -22,10 +24,11 @@
    than the best stops being run), in two stages (`_time_in_stages`): the
    original layers and the whole run on every algorithm first, then the
    split plans only on the algorithms whose whole run came within PRUNE
-   of the best, beside the original layers and that best again (a
-   candidate's trace and first call cost about a second on the H200, and
-   a split on an algorithm that lost by 1.5x on the whole run never won
-   in the user-view matrix). Keep the fastest; for training, a
+   of the best, beside that best again (and the original layers, where
+   they came within PRUNE of it); one stage where the fused plans have
+   one algorithm (a candidate's trace and first call cost about a second
+   on the H200, and a split on an algorithm that lost by 1.5x on the
+   whole run never won in the user-view matrix). Keep the fastest; for training, a
    plan with a non-default algorithm is kept only if its gradients are as
    close to a float64 reference as the default algorithm's with the same
    pieces (`gradient_tolerance`); the check runs
@@ -56,6 +59,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import time
 from typing import Callable, Sequence
 
 import keras
@@ -84,6 +88,11 @@ _EPS = {"float16": 2.0**-10, "bfloat16": 2.0**-7}
 # (`interleaved_medians`' prune): the winner and the close ones get every
 # round, a kernel several times slower costs two calls.
 PRUNE = 1.5
+# Where a step's first call runs it eagerly (torch), a step whose first call
+# took over PRUNE**2 x the fastest one's and over this many seconds gets no
+# warm-up call: Keras' masked torch loop (16-17 s a step for a masked 6-layer
+# LSTM on the H200, against 0.04 s fused) cost a second call to lose.
+FIRST_CALL_PRUNE_S = 1.0
 # The original layers are kept unless a plan beats them by this share on
 # the tuner's clock: the tuner times a group alone, and through `fit` the
 # H200 user-view matrix put plans that won by 0-2% there at 0.87-0.91x
@@ -274,6 +283,7 @@ def tune_plans(
             results.append(TuneResult(group, plan, "static: no GPU to time on"))
         return results
     candidates = _candidates_for(environment.get("backend", "tensorflow"))
+    eager_first_calls = not get_backend(environment.get("backend", "tensorflow")).capabilities.first_call_compiles
     measure = measure or (lambda steps, on_step=None: interleaved_medians(
         steps, warmup=warmup, repeats=repeats, on_step=on_step, prune=PRUNE))
     check_gradients = check_gradients or GradientCheck()
@@ -311,7 +321,8 @@ def tune_plans(
             bar.advance_rest(len(rejected))
             timings, plans = _time_in_stages(
                 plans, rejected, bar,
-                _Measured(group, shape, dtype, training, jit_baseline, masked, measure, bar),
+                _Measured(group, shape, dtype, training, jit_baseline, masked, measure, bar,
+                          eager_first_calls=eager_first_calls),
             )
             best = _keep_original_unless_clearly_slower(plans, timings, _fastest_with_sound_gradients(
                 plans, timings, rejected, training,
@@ -367,23 +378,48 @@ def _takes_on_step(fn) -> bool:
 class _Measured:
     """`plans` -> ({name: median seconds}, {name: why refused}) for one
     group: each plan's step is built and called once, untimed (its trace),
-    the first time it is asked for, and reused by a later stage."""
+    the first time it is asked for, and reused by a later stage. With
+    `eager_first_calls` (torch), a step whose first call was clearly slow
+    (`clearly_slow_first_calls`) is not run again: that call is its time."""
 
-    def __init__(self, group, shape, dtype, training, jit_baseline, masked, measure, bar):
+    def __init__(self, group, shape, dtype, training, jit_baseline, masked, measure, bar,
+                 eager_first_calls=False):
         self.args = (group, shape, dtype, training, jit_baseline, masked)
         self.measure, self.bar, self.steps = measure, bar, {}
+        self.eager_first_calls, self.first_s = eager_first_calls, {}
 
     def __call__(self, plans):
         group, shape, dtype, training, jit_baseline, masked = self.args
         new = [p for p in plans if p.name not in self.steps]
         built = _steps(group, new, shape, dtype, training, jit_baseline, masked)
         with masks_known_right_padded():  # the steps trace at their first call
-            built, refused = _first_calls(built, {p.name: p for p in new})
+            built, refused = _first_calls(built, {p.name: p for p in new}, self.first_s)
         self.steps.update(built)
         steps = {p.name: self.steps[p.name] for p in plans if p.name in self.steps}
+        timings = {}
+        if self.eager_first_calls:
+            for name in clearly_slow_first_calls({n: self.first_s[n] for n in steps if n in self.first_s}):
+                timings[name] = self.first_s[name]
+                del steps[name]
         measure, bar = self.measure, self.bar
         stats = measure(steps, on_step=bar.advance_one) if _takes_on_step(measure) else measure(steps)
-        return {name: float(s["median"]) for name, s in stats.items()}, refused
+        timings.update({name: float(s["median"]) for name, s in stats.items()})
+        return timings, refused
+
+
+def clearly_slow_first_calls(first_s: dict) -> set:
+    """The steps whose (eager) first call took over FIRST_CALL_PRUNE_S and
+    over PRUNE**2 x the fastest first call.
+
+    >>> sorted(clearly_slow_first_calls({"per-layer": 17.2, "fused": 0.3, "split 3+3": 0.35}))
+    ['per-layer']
+    >>> clearly_slow_first_calls({"per-layer": 0.9, "fused": 0.01})  # under a second: timed as usual
+    set()
+    """
+    if len(first_s) < 2:
+        return set()
+    fastest = min(first_s.values())
+    return {n for n, t in first_s.items() if t > FIRST_CALL_PRUNE_S and t > PRUNE**2 * fastest}
 
 
 def _time_in_stages(plans, rejected, bar, measured):
@@ -528,18 +564,22 @@ def _fastest_with_sound_gradients(plans, timings, rejected, training, check, dty
     return min((p for p in plans if not p.algorithm), key=lambda p: timings[p.name])
 
 
-def _first_calls(steps: dict, plans: dict) -> tuple[dict, dict]:
-    """Runs each step once, untimed (tracing, compiling, cuDNN's plan); a
-    non-default-algorithm step that cuDNN refuses (an op error) is left out
-    with its reason instead of ending all timing. Steps that are not
-    callables (a test's fake timer) are kept as they are.
+def _first_calls(steps: dict, plans: dict, seconds: dict | None = None) -> tuple[dict, dict]:
+    """Runs each step once, untimed by the timer (tracing, compiling,
+    cuDNN's plan); a non-default-algorithm step that cuDNN refuses (an op
+    error) is left out with its reason instead of ending all timing. Steps
+    that are not callables (a test's fake timer) are kept as they are.
+    `seconds`, if given, receives each call's wall-clock seconds.
     """
     kept, refused = {}, {}
     for name, step in steps.items():
         plan = plans.get(name)
         if callable(step):
             try:
+                start = time.perf_counter()
                 keras.ops.convert_to_numpy(step())
+                if seconds is not None:
+                    seconds[name] = time.perf_counter() - start
             except Exception as exc:  # noqa: BLE001 - only op errors are refusals
                 reason = _refusal(plan, exc)
                 if reason is None:

@@ -129,3 +129,34 @@ def test_training_steps_reach_every_variable():
     infer = torch_backend.timed_step(run, x, variables, training=False)
     assert float(train()) > 0 and np.isfinite(float(infer()))
     assert seen == [True, False]
+
+
+def test_a_candidate_whose_eager_first_call_is_clearly_slow_is_not_run_again(monkeypatch):
+    """torch's steps run eagerly: Keras' masked loop at 17 s a step is not
+    given a warm-up call after its first one; that call is its time."""
+    import time
+
+    from rnnfuse.tuning import tuner
+
+    calls = {}
+
+    def steps(group, plans, *args, **kwargs):
+        def step(name, seconds):
+            def run():
+                calls[name] = calls.get(name, 0) + 1
+                time.sleep(seconds)
+                return 1.0
+            return run
+        return {p.name: step(p.name, 0.25 if p.name == "per-layer" else 0.001) for p in plans}
+
+    monkeypatch.setattr(tuner, "_steps", steps)
+    monkeypatch.setattr(tuner, "FIRST_CALL_PRUNE_S", 0.1)
+    (result,) = tune_plans(
+        _groups(stack_model("gru", 2, units=8, input_size=4, steps=6)),
+        lambda g: (4, 6, g.input_size), progress=False, warmup=1, repeats=3,
+        check_gradients=lambda *a: 0.0,
+    )
+    assert calls["per-layer"] == 1
+    assert calls["fused"] == 1 + 1 + 3  # first call, warm-up, rounds
+    assert result.timings["per-layer"] >= 0.25
+    assert result.plan.name != "per-layer"

@@ -42,6 +42,7 @@ class TorchBackend(KernelModuleBackend):
         # fuses every run whole and picks its own calls (levels_per_call).
         plan_table="fused",
         projected_lstm_loop="torch",
+        first_call_compiles=False,
     )
 
     def group_reason(self, group):
