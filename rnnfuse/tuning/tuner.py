@@ -470,7 +470,7 @@ def _time_in_stages(plans, rejected, bar, measured):
             rejected[p.name] = "not timed: the whole run on its algorithm was not timed"
         elif timings[twin.name] > PRUNE * best:
             rejected[p.name] = (
-                f"not timed: {twin.name} was over {PRUNE}x slower than the best whole-run plan"
+                f"not timed: {twin.name} was over {PRUNE}x slower than the best of stage one"
             )
         else:
             second.append(p)
