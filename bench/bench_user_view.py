@@ -29,6 +29,7 @@ setup is not counted; the per-step medians are compared; then `predict`
 likewise. The steps in a round are sized from one timed step so a round
 lasts about ROUND_S seconds (3 to --steps steps); a cell where one model is
 slow and over 10x slower than the other gets one round (`rounds_for`).
+`predict` gets its own, smaller, round count (`--predict-rounds`).
 
     python bench/bench_user_view.py --out /tmp/user_tf.json --budget 300
     KERAS_BACKEND=torch python bench/bench_user_view.py --out /tmp/user_torch.json
@@ -223,7 +224,9 @@ def rounds_for(step_s: dict, rounds: int) -> int:
     return rounds
 
 
-def measure(shape: dict, rounds: int, steps: int) -> dict:
+def measure(shape: dict, rounds: int, steps: int, predict_rounds: int | None = None) -> dict:
+    """One cell: `rounds` timed fit rounds, `predict_rounds` (default: as
+    many) predict rounds; see the module doc."""
     rng = np.random.default_rng(0)
     model = build(shape)
     x, y = data(shape, rng)
@@ -246,6 +249,7 @@ def measure(shape: dict, rounds: int, steps: int) -> dict:
         for name, m in (("original", model), ("optimized", fast))
     }
     one = max(sizing.values())
+    predict_rounds = rounds_for(sizing, predict_rounds or rounds)
     rounds = rounds_for(sizing, rounds)
     # At least 3 steps a round: a step is the gap between two batch ends.
     steps = max(3, steps_for(one, steps))
@@ -256,7 +260,7 @@ def measure(shape: dict, rounds: int, steps: int) -> dict:
     plans = _plans(fast)  # the training plans, chosen on the first fit
     model.predict(x, batch_size=b, verbose=0)
     fast.predict(x, batch_size=b, verbose=0)  # tunes for inference
-    pred = _alternate(models, rounds, lambda m, cb: m.predict(
+    pred = _alternate(models, predict_rounds, lambda m, cb: m.predict(
         xs, batch_size=b, verbose=0, callbacks=[cb]))
     fit_o, fit_f = statistics.median(times["original"]), statistics.median(times["optimized"])
     pr_o, pr_f = statistics.median(pred["original"]), statistics.median(pred["optimized"])
@@ -269,6 +273,7 @@ def measure(shape: dict, rounds: int, steps: int) -> dict:
         first_fit_s=first_fit_s,
         steps_per_round=steps,
         rounds=rounds,
+        predict_rounds=predict_rounds,
         tuning_s=_tuning_seconds(fast),
         fit_tuning_s=fit_tuning_s,
         jit_original=bool(model.jit_compile),
@@ -333,6 +338,10 @@ def main(argv=None) -> int:
         "5: 16%%; report_user_view.resolution)",
     )
     parser.add_argument(
+        "--predict-rounds", type=int, default=5,
+        help="timed predict rounds a cell (the never-slower target is read from fit)",
+    )
+    parser.add_argument(
         "--steps", type=int, default=20,
         help="most fit/predict steps per timed round (fewer for slow cells: ROUND_S)",
     )
@@ -365,7 +374,7 @@ def main(argv=None) -> int:
         cells = [(f"A{i}", dict(a)) for i, a in enumerate(ANCHORS[: args.anchors], start=1)] + cells
     if args.quick:
         cells = [(n, dict(s, layers=2, units=32, batch=4, steps=10)) for n, s in cells[:3]]
-        args.rounds, args.steps = 2, 1
+        args.rounds, args.steps, args.predict_rounds = 2, 1, 2
     meta = dict(
         backend=keras.backend.backend(),
         keras=keras.__version__,
@@ -377,6 +386,7 @@ def main(argv=None) -> int:
         work_cap=WORK_CAP,
         steps_per_epoch_for_overhead=STEPS_PER_EPOCH,
         rounds=args.rounds,
+        predict_rounds=args.predict_rounds,
         steps=args.steps,
     )
     rows, start = [], time.perf_counter()
@@ -385,7 +395,7 @@ def main(argv=None) -> int:
             rows.append(dict(cell=cell, shape=shape, skipped="time budget"))
             continue
         try:
-            row = dict(cell=cell, **measure(shape, args.rounds, args.steps))
+            row = dict(cell=cell, **measure(shape, args.rounds, args.steps, args.predict_rounds))
             print(
                 f"{shape} fit {row['fit_speedup']:.2f}x predict {row['predict_speedup']:.2f}x "
                 f"tuning {row['tuning_s']:.1f}s plans {[(p['pieces'], p['algorithm']) for p in row['plans']]}",

@@ -27,17 +27,19 @@ def test_the_draw_is_fixed_by_its_seed():
 def test_rounds_are_sized_from_the_step_not_from_a_whole_fit_call():
     # A tiny model's step takes milliseconds, a whole `fit` call far more
     # (its set-up): sized from the call, every round was 3 steps.
-    row = bench_user_view.measure(TINY, rounds=2, steps=20)
+    row = bench_user_view.measure(TINY, rounds=3, steps=20, predict_rounds=2)
     assert row["steps_per_round"] > 3, row["steps_per_round"]
     assert set(row["raw"]["fit"]) == {"original", "optimized"}
-    assert all(len(v) == 2 for v in row["raw"]["fit"].values())
+    assert all(len(v) == 3 for v in row["raw"]["fit"].values())
+    # predict has its own round count (the target is read from fit)
+    assert all(len(v) == 2 for v in row["raw"]["predict"].values())
     assert row["fit_speedup"] == pytest.approx(row["fit_ms"]["original"] / row["fit_ms"]["optimized"])
 
 
 def test_only_times_the_given_cells_in_the_given_order(tmp_path, monkeypatch):
     timed = []
 
-    def fake_measure(shape, rounds, steps):
+    def fake_measure(shape, rounds, steps, predict_rounds=None):
         timed.append(shape)
         return _row(shape, 1.0)
 
