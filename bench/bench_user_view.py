@@ -118,6 +118,18 @@ def build(shape: dict) -> keras.Model:
         keras.config.set_dtype_policy("float32")
 
 
+def cell_shape(cell: str) -> dict:
+    """The shape of cell `cell`: a drawn cell's number ("15"), or "A1".. for
+    an anchor.
+
+    >>> cell_shape("A1") == dict(ANCHORS[0]), cell_shape("4") == draw_shapes(30)[3]
+    (True, True)
+    """
+    if cell.startswith("A"):
+        return dict(ANCHORS[int(cell[1:]) - 1])
+    return draw_shapes(30)[int(cell) - 1]
+
+
 def _layer(kind, units, return_sequences):
     make = {
         "lstm": keras.layers.LSTM,

@@ -38,7 +38,7 @@ import keras  # noqa: E402
 import numpy as np  # noqa: E402
 
 import rnnfuse  # noqa: E402
-from bench_user_view import ANCHORS, _alternate, _plans, build, data, draw_shapes  # noqa: E402
+from bench_user_view import _alternate, _plans, build, cell_shape, data  # noqa: E402
 from rnnfuse.tuning.timing import interleaved_medians  # noqa: E402
 
 PLANS = {"fused": rnnfuse.FUSED, "per-layer": rnnfuse.PER_LAYER, "auto": None}
@@ -134,10 +134,7 @@ def main(argv=None) -> int:
     parser.add_argument("--quick", action="store_true", help="a tiny model, any machine")
     parser.add_argument("--out", required=True)
     args = parser.parse_args(argv)
-    if args.cell.startswith("A"):
-        shape = dict(ANCHORS[int(args.cell[1:]) - 1])
-    else:
-        shape = draw_shapes(30)[int(args.cell) - 1]
+    shape = cell_shape(args.cell)
     if args.quick:
         shape = dict(shape, layers=2, units=32, batch=4, steps=10)
         args.rounds, args.calls = 2, 2

@@ -33,7 +33,8 @@ import keras  # noqa: E402
 import numpy as np  # noqa: E402
 
 import rnnfuse  # noqa: E402
-from bench_user_view import ANCHORS, _tuning_seconds, build, data, draw_shapes  # noqa: E402
+from bench_user_view import _tuning_seconds, build, cell_shape, data  # noqa: E402
+from report_user_view import shape_text  # noqa: E402
 from rnnfuse.tuning import tuner  # noqa: E402
 
 
@@ -129,12 +130,6 @@ def measure(shape: dict, profile: bool) -> dict:
                 decisions=rnnfuse.tuning.first_batch.decisions(fast))
 
 
-def _shape(cell: str) -> dict:
-    if cell.startswith("A"):
-        return dict(ANCHORS[int(cell[1:]) - 1])
-    return draw_shapes(30)[int(cell) - 1]
-
-
 def table(rows: list[dict]) -> str:
     """A markdown table of saved rows: per cell and mode, the tuning's
     seconds and where they went. "first calls" is each candidate's first
@@ -144,9 +139,7 @@ def table(rows: list[dict]) -> str:
         "|---|---|---|---:|---:|---:|---:|---:|---:|",
     ]
     for row in rows:
-        s = row["shape"]
-        model = f"{s['kind']} {s['layers']}x{s['units']} B{s['batch']} T{s['steps']} {s['dtype']}" + (
-            " masked" if s.get("masked") else "")
+        model = shape_text(row["shape"])
         for mode in ("fit", "predict"):
             r = row[mode]
             ph = r["phases"]
@@ -175,7 +168,7 @@ def main(argv=None) -> int:
         parser.error("--out is required (or --table FILE)")
     rows = []
     for cell in args.cells.split(","):
-        shape = _shape(cell)
+        shape = cell_shape(cell)
         if args.quick:
             shape = dict(shape, layers=2, units=32, batch=4, steps=10)
         row = dict(cell=cell, backend=keras.backend.backend(), **measure(shape, args.profile))

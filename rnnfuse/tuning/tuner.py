@@ -282,8 +282,9 @@ def tune_plans(
             plan = static_plan(group, dtype, training)
             results.append(TuneResult(group, plan, "static: no GPU to time on"))
         return results
-    candidates = _candidates_for(environment.get("backend", "tensorflow"))
-    eager_first_calls = not get_backend(environment.get("backend", "tensorflow")).capabilities.first_call_compiles
+    backend_name = environment.get("backend", "tensorflow")
+    candidates = _candidates_for(backend_name)
+    eager_first_calls = not get_backend(backend_name).capabilities.first_call_compiles
     measure = measure or (lambda steps, on_step=None: interleaved_medians(
         steps, warmup=warmup, repeats=repeats, on_step=on_step, prune=PRUNE))
     check_gradients = check_gradients or GradientCheck()

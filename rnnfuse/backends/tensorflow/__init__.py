@@ -7,7 +7,8 @@ Two kernels run a fused stack:
   in the forward and the backward pass, LSTM projections, bfloat16,
   between-layer dropout;
 - `tf.raw_ops.CudnnRNNV3`, the fallback when the op is not loaded (or for
-  float64): standard algorithm only, no projections, no bfloat16. `last_kernel()` says which ran last and why.
+  float64): standard algorithm only, no projections, no bfloat16.
+  `last_kernel()` says which ran last and why.
 
 Both take the same flat parameters.
 
