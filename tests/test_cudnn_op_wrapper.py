@@ -149,8 +149,9 @@ def test_fused_stack_runs_the_op_with_the_plans_algorithm(kind, graph, emulated_
     out = tf.function(lambda t: fast(t))(x) if graph else fast(x)
     assert max_abs_diff(out, model(x)) <= 2e-5
     call = emulated_op[-1]
-    assert (call["algorithm"], call["num_layers"], call["rnn_mode"]) == ("persistent_dynamic", 3, kind)
-    assert call["math_type"] in ("tensor_op", "fma")  # fma where TF32 is off
+    algorithm, math = cudnn_op.decode_algorithm_code(tf.get_static_value(call["algorithm"]))
+    assert (algorithm, call["num_layers"], call["rnn_mode"]) == ("persistent_dynamic", 3, kind)
+    assert math in ("tensor_op", "fma")  # fma where TF32 is off
     assert tf_backend.last_kernel() == {"kernel": "RnnfuseCudnnRnn", "algorithm": "persistent_dynamic+tc", "reason": None}
 
 
@@ -162,7 +163,7 @@ def test_a_masked_call_runs_the_standard_algorithm(kind, emulated_op):
     fast = rnnfuse.optimize(model, plan=Plan((3,), "persistent_static+tc"))
     x = random_inputs(model, 3, np.random.default_rng(0))
     assert max_abs_diff(fast(x), model(x)) <= 2e-5
-    assert emulated_op[-1]["algorithm"] == "standard"
+    assert cudnn_op.decode_algorithm_code(tf.get_static_value(emulated_op[-1]["algorithm"]))[0] == "standard"
     assert tf_backend.last_kernel()["algorithm"] == "standard"
 
 
@@ -270,3 +271,70 @@ def test_what_the_op_does_not_run_has_a_reason():
     assert cudnn_op.op_unsupported_reason("float16", dropout=0.2) is None
     assert "dropout below 1, not 1" in cudnn_op.op_unsupported_reason("float16", dropout=1.0)
     assert "not float64" in cudnn_op.op_unsupported_reason("float64")
+
+
+def test_algorithm_codes_round_trip_and_follow_the_math_type():
+    for algo in range(4):
+        for math in ("default", "tensor_op", "tensor_op_allow_conversion"):
+            a = Algorithm(algo, math)
+            for dtype in ("float16", "bfloat16", "float32"):
+                name, got_math = cudnn_op.decode_algorithm_code(cudnn_op.algorithm_code(a, dtype))
+                assert (name, got_math) == (a.algorithm_name, cudnn_op.math_type_for(a, dtype))
+    assert cudnn_op.algorithm_code(None, "float16") == cudnn_op.algorithm_code(Algorithm(), "float16")
+
+
+def _group_and_input(kind="lstm", layers=3):
+    from rnnfuse.passes import build_layer_graph, plan_fusion
+    from rnnfuse.tuning import tuner
+
+    model = stack_model(kind, layers, units=6, input_size=5, steps=7)
+    (group,) = plan_fusion(build_layer_graph(model), model_name=model.name).groups
+    return group, tuner._input_batch((2, 7, 5), "float32"), tuner._group_variables(group)
+
+
+def test_shared_steps_trace_once_and_pass_the_algorithm_at_run_time(emulated_op):
+    from rnnfuse.tuning import tuner
+
+    group, x, variables = _group_and_input()
+    algorithms = [None, "persistent_static+tc", "persistent_dynamic+tc"]
+    steps = tf_backend.timed_steps(lambda: tuner._runner(group, Plan((3,))), x, variables, True,
+                                   algorithms, "float32")
+    assert set(steps) == set(algorithms)
+    values = {a: float(steps[a]()) for a in algorithms}
+    assert len(emulated_op) == 1  # one trace (the fake op runs at trace time)
+    assert tf.get_static_value(emulated_op[0]["algorithm"]) is None  # a runtime input
+    assert tf_backend.last_kernel()["algorithm"] == "runtime"
+    alone = float(tf_backend.timed_step(tuner._runner(group, Plan((3,), algorithms[1])), x,
+                                        variables, True)())
+    assert all(v == pytest.approx(alone, rel=1e-6) for v in values.values()), (values, alone)
+    # Outside `runtime_algorithm`, the plan's own algorithm is a constant again.
+    assert tf.get_static_value(emulated_op[-1]["algorithm"]) == cudnn_op.algorithm_code(
+        Algorithm.parse(algorithms[1]), "float32")
+
+
+def test_a_masked_call_ignores_the_runtime_algorithm(emulated_op):
+    group, x, _ = _group_and_input()
+    from rnnfuse.tuning import tuner
+
+    run = tuner._runner(group, Plan((3,)))
+    mask = tf.constant([[True] * 7, [True] * 4 + [False] * 3])
+    with tf_backend.runtime_algorithm(tf.constant(9, tf.int32)):
+        run(x, False, mask=mask)
+    assert tf.get_static_value(emulated_op[-1]["algorithm"]) == cudnn_op.algorithm_code(None, "float32")
+
+
+def test_the_tuner_builds_one_step_per_piece_set_where_the_backend_shares(emulated_op, monkeypatch):
+    from rnnfuse.tuning import tuner
+
+    group, _, _ = _group_and_input(layers=4)
+    runners = []
+    real_runner = tuner._runner
+    monkeypatch.setattr(tuner, "_runner", lambda g, plan, *a, **k: (
+        runners.append(plan.name) or real_runner(g, plan, *a, **k)))
+    plans = [Plan(()), Plan((4,)), Plan((4,), "persistent_static+tc"), Plan((2, 2)),
+             Plan((2, 2), "persistent_dynamic+tc"), Plan((1, 3), "persistent_static+tc")]
+    steps = tuner._steps(group, plans, (2, 7, 5), "float32", True)
+    assert list(steps) == [p.name for p in plans]
+    assert sorted(runners) == sorted(["per-layer", "fused", "split 2+2", "split 1+3 @persistent_static+tc"])
+    values = [float(s()) for s in steps.values()]
+    assert all(v == pytest.approx(values[0], rel=1e-5) for v in values), values

@@ -2,9 +2,9 @@
 
 cuDNN 9 has four RNN algorithms (`cudnnRNNAlgo_t`) and, for the math, the
 `cudnnMathType_t` choices below. rnnfuse's own TensorFlow op
-(`rnnfuse.backends.tensorflow.cudnn_op`) takes both as attributes of the
-kernel call and uses the same algorithm in the forward and backward pass, so
-nothing about the algorithm is process-wide state. Without that op (the
+(`rnnfuse.backends.tensorflow.cudnn_op`) takes both as one int32 input of
+the kernel call and uses the same algorithm in the forward and backward
+pass, so nothing about the algorithm is process-wide state. Without that op (the
 CudnnRNNV3 fallback) only the standard algorithm runs.
 
 Names: the algorithm, optionally followed by a math suffix:

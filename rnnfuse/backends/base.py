@@ -303,6 +303,16 @@ class Backend(abc.ABC):
         tuner; returns a callable giving a scalar tensor. `jit`: compile it
         with XLA (only asked where `capabilities.auto_jit_from_layers`)."""
 
+    def timed_steps(self, make_run, x, variables: Sequence[Any], training: bool,
+                    algorithms: Sequence[Any], dtype: str) -> dict | None:
+        """{algorithm name (None: standard): step} for fused plans that differ
+        only in their cuDNN algorithm, all on one compiled step of
+        `make_run()` (one trace and one graph set-up for the set); None,
+        without calling `make_run`, where the backend cannot take the
+        algorithm at run time (the tuner then builds one `timed_step` per
+        plan). Default: None."""
+        return None
+
     @abc.abstractmethod
     def model_step(self, model, train: bool):
         """inputs -> float: one inference or training step of `model`,

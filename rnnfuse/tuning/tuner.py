@@ -498,15 +498,45 @@ def _time_in_stages(plans, rejected, bar, measured):
 
 
 def _steps(group, plans, shape, dtype, training, jit_baseline=False, masked=False) -> dict:
+    """name -> step for each of `plans`, in their order: the fused plans
+    that differ only in their algorithm share one compiled step where the
+    backend can take the algorithm at run time (`_shared_steps`)."""
     x = _input_batch(shape, dtype)
     mask = padding_mask(shape) if masked else None
+    shared = {} if masked else _shared_steps(group, plans, x, dtype, training)
     return {
-        p.name: _step(
+        p.name: shared[p.name] if p.name in shared else _step(
             group, _with_mask(_runner(group, p), mask), x, training,
             jit=jit_baseline and not p.pieces,
         )
         for p in plans
     }
+
+
+def _shared_steps(group, plans, x, dtype, training) -> dict:
+    """name -> step for the fused plans among `plans` whose pieces another
+    plan has with another algorithm: one `Backend.timed_steps` per piece
+    set, so each set costs one trace and one graph set-up (on the H200
+    each costs about half a second, 70-90% of tuning before), however
+    many algorithms it is timed with. {} where the backend builds a step
+    per plan."""
+    by_pieces: dict = {}
+    for p in plans:
+        if p.pieces:
+            by_pieces.setdefault(p.pieces, []).append(p)
+    out = {}
+    backend = get_backend()
+    for pieces, same in by_pieces.items():
+        if len(same) < 2:
+            continue
+        steps = backend.timed_steps(
+            lambda pieces=pieces: _runner(group, Plan(pieces)), x, _group_variables(group),
+            training, [p.algorithm for p in same], str(dtype),
+        )
+        if steps is None:
+            return {}
+        out.update({p.name: steps[p.algorithm] for p in same})
+    return out
 
 
 def _keep_original_unless_clearly_slower(plans, timings, best):

@@ -51,6 +51,8 @@ if os.environ.get("RNNFUSE_GPU_DRYRUN"):
 
 L = keras.layers
 REPORT = {}
+# The op's math types as the low bits of its `algorithm` input (algo 0: standard).
+_MATH_CODES = {"default": 0, "tensor_op": 1, "tensor_op_allow_conversion": 2, "fma": 3}
 
 
 @pytest.fixture(autouse=True)
@@ -432,7 +434,8 @@ def test_half_precision_gradient_parts_against_float32():
             y, h, c, _ = module.rnnfuse_cudnn_rnn(
                 input=xs[0], input_h=xs[1], input_c=xs[2], params=xs[3],
                 sequence_lengths=tf.fill([batch], steps), rnn_mode="lstm",
-                num_layers=2, num_units=units, input_size=n, math_type=math,
+                num_layers=2, num_units=units, input_size=n,
+                algorithm=tf.constant(_MATH_CODES[math], tf.int32),
             )
             loss = tf.reduce_sum(tf.cast(y, tf.float32) * weights) + tf.reduce_sum(tf.cast(h, tf.float32))
         return [np.asarray(tf.cast(t, tf.float32)) for t in [y] + tape.gradient(loss, xs)]
@@ -559,3 +562,73 @@ def test_keras_stack_with_absorbed_dropout_trains_on_the_op():
     hist = fast.fit(xs, ys, batch_size=8, epochs=4, verbose=0)
     assert hist.history["loss"][-1] < hist.history["loss"][0]
     assert tf_backend.last_kernel()["kernel"] == "RnnfuseCudnnRnn"
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16"])
+def test_one_traced_step_runs_each_algorithm_as_a_step_traced_for_it_alone(dtype):
+    """The algorithm as the op's runtime input (`runtime_algorithm`, what the
+    tuner's shared steps use): one traced function, called with each
+    algorithm's code, gives that algorithm's outputs and gradients exactly
+    as a function traced with the algorithm fixed, and traces once."""
+    from rnnfuse.backends.algorithm import Algorithm
+    from rnnfuse.backends.tensorflow import cudnn_op
+    from rnnfuse.passes import build_layer_graph, plan_fusion
+    from rnnfuse.tuning import tuner
+
+    keras.config.set_dtype_policy("mixed_float16" if dtype == "float16" else "float32")
+    model = stack_model("lstm", 3, units=64, input_size=16, steps=30)
+    (group,) = plan_fusion(build_layer_graph(model), model_name=model.name).groups
+    x = tf.cast(tf.random.stateless_normal((8, 30, 16), seed=(1, 2)), dtype)
+    variables = tuner._group_variables(group)
+
+    def grads_of(run):
+        with tf.GradientTape() as tape:
+            y = run(x, True)
+            loss = _loss(y)
+        return [y] + tape.gradient(loss, variables)
+
+    shared_run = tuner._runner(group, Plan((3,)))
+
+    @tf.function
+    def shared(code):
+        with tf_backend.runtime_algorithm(code):
+            return grads_of(shared_run)
+
+    algorithms = [None, "persistent_static+tc", "persistent_dynamic+tc"]
+    got, want = {}, {}
+    for a in algorithms:
+        code = cudnn_op.algorithm_code(None if a is None else Algorithm.parse(a), dtype)
+        got[a] = [np.asarray(tf.cast(t, tf.float32)) for t in shared(tf.constant(code, tf.int32))]
+        alone = tf.function(lambda run=tuner._runner(group, Plan((3,), a)): grads_of(run))
+        want[a] = [np.asarray(tf.cast(t, tf.float32)) for t in alone()]
+        assert tf_backend.last_kernel()["algorithm"] == (a or "standard")
+    assert shared.experimental_get_tracing_count() == 1
+    errors = {str(a): max(_rel(g, w) for g, w in zip(got[a], want[a])) for a in algorithms}
+    between = max(_rel(g, w) for g, w in zip(want["persistent_static+tc"], want[None]))
+    REPORT[f"runtime algorithm {dtype}"] = dict(shared_vs_alone=errors, persistent_vs_standard=between)
+    print("runtime algorithm", dtype, errors, "persistent vs standard", between)
+    assert all(e <= 1e-6 for e in errors.values()), errors
+
+
+def test_the_tuner_traces_one_step_per_piece_set_on_the_gpu(monkeypatch):
+    """Tuning a 4-layer run on the GPU: the fused plans that differ only in
+    their algorithm share one runner (one trace), and every algorithm is
+    still timed."""
+    from rnnfuse.passes import build_layer_graph, plan_fusion
+    from rnnfuse.tuning import tuner
+
+    runners = []
+    real_runner = tuner._runner
+    monkeypatch.setattr(tuner, "_runner", lambda group, plan, *a, **k: (
+        runners.append(plan.name) or real_runner(group, plan, *a, **k)))
+    model = stack_model("gru", 4, units=64, input_size=16, steps=40)
+    (group,) = plan_fusion(build_layer_graph(model), model_name=model.name).groups
+    (result,) = tuner.tune_plans([group], lambda g: (32, 40, 16), progress=False,
+                                 check_gradients=lambda *a: 0.0)
+    assert result.source == "measured"
+    timed = set(result.timings)
+    assert {"per-layer", "fused", "fused @persistent_static+tc", "fused @persistent_dynamic+tc"} <= timed
+    # One runner for the original layers, one per piece set timed.
+    piece_sets = {name.split(" @")[0] for name in timed if name != "per-layer"}
+    assert len(runners) == 1 + len(piece_sets), (runners, sorted(timed))
+    assert {r.split(" @")[0] for r in runners} == {"per-layer", *piece_sets}

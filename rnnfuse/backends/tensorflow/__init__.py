@@ -65,11 +65,11 @@ Example (on a machine with a GPU):
 
 from __future__ import annotations
 
+import contextlib
+import logging
 from typing import Any, Sequence
 
 import tensorflow as tf
-
-import logging
 
 from rnnfuse.backends.algorithm import Algorithm
 from rnnfuse.backends.base import GATES, StackSpec
@@ -84,7 +84,9 @@ __all__ = [
     "mask_is_supported",
     "pack_params",
     "run_stack",
+    "runtime_algorithm",
     "timed_step",
+    "timed_steps",
     "unsupported_reason",
 ]
 
@@ -97,6 +99,8 @@ OP_TUNED_ALGORITHMS = (None, "persistent_static+tc", "persistent_dynamic+tc")
 
 # What the last fused call ran: {"kernel": ..., "algorithm": ..., "reason": ...}.
 _LAST: dict = {"kernel": None, "algorithm": None, "reason": None}
+# The op's `algorithm` input while `runtime_algorithm` is entered (a stack).
+_RUNTIME_CODE: list = []
 
 
 def __getattr__(name):
@@ -137,6 +141,20 @@ def device_environment() -> dict:
     }
 
 
+def _step_body(run, x, variables, training):
+    """The traced body of a tuner step: forward (+ gradients); a scalar."""
+    if not training:
+        y = run(x, False)
+        return tf.add_n([tf.reduce_sum(tf.cast(t, tf.float32)) for t in tf.nest.flatten(y)])
+    with tf.GradientTape() as tape:
+        y = run(x, True)
+        loss = tf.add_n(
+            [tf.reduce_mean(tf.square(tf.cast(t, tf.float32))) for t in tf.nest.flatten(y)]
+        )
+    grads = tape.gradient(loss, list(variables))
+    return loss + tf.add_n([tf.reduce_sum(tf.cast(g, tf.float32)) * 0.0 for g in grads])
+
+
 def timed_step(run, x, variables: Sequence[Any], training: bool, jit: bool = False):
     """A compiled step of `run(x, training)` (+ gradients) for the tuner.
 
@@ -147,18 +165,50 @@ def timed_step(run, x, variables: Sequence[Any], training: bool, jit: bool = Fal
 
     @tf.function(jit_compile=bool(jit))
     def step():
-        if not training:
-            y = run(x, False)
-            return tf.add_n([tf.reduce_sum(tf.cast(t, tf.float32)) for t in tf.nest.flatten(y)])
-        with tf.GradientTape() as tape:
-            y = run(x, True)
-            loss = tf.add_n(
-                [tf.reduce_mean(tf.square(tf.cast(t, tf.float32))) for t in tf.nest.flatten(y)]
-            )
-        grads = tape.gradient(loss, list(variables))
-        return loss + tf.add_n([tf.reduce_sum(tf.cast(g, tf.float32)) * 0.0 for g in grads])
+        return _step_body(run, x, variables, training)
 
     return step
+
+
+@contextlib.contextmanager
+def runtime_algorithm(code):
+    """While entered, every fused call traced on rnnfuse's op takes its
+    cuDNN algorithm from `code` (an int32 scalar tensor,
+    `cudnn_op.algorithm_code`) instead of its plan's (a masked call still
+    runs the standard algorithm)."""
+    _RUNTIME_CODE.append(code)
+    try:
+        yield
+    finally:
+        _RUNTIME_CODE.pop()
+
+
+def timed_steps(make_run, x, variables: Sequence[Any], training: bool,
+                algorithms: Sequence[Any], dtype: Any) -> dict | None:
+    """Steps as `timed_step` gives them for `make_run()`, one per algorithm
+    of `algorithms` (None: standard) but all on ONE traced function, the
+    algorithm its runtime input (`runtime_algorithm`): a trace and a graph
+    set-up for a whole set of candidates that differ only in their
+    algorithm. None (`make_run` not called) where rnnfuse's op is not
+    loaded (then every algorithm runs as standard).
+
+    Returns {algorithm: callable giving a scalar tensor}.
+    """
+    if not op_loaded():
+        return None
+    run = make_run()
+
+    @tf.function
+    def step(code):
+        with runtime_algorithm(code):
+            return _step_body(run, x, variables, training)
+
+    codes = {
+        a: tf.constant(cudnn_op.algorithm_code(None if a is None else Algorithm.parse(a), dtype),
+                       tf.int32)
+        for a in algorithms
+    }
+    return {a: (lambda c=c: step(c)) for a, c in codes.items()}
 
 
 def unsupported_reason(stack: StackSpec, dtype: str) -> str | None:
@@ -335,6 +385,7 @@ def run_stack(
         algorithm = None
     module, reason = _op_for(dtype, dropout)
     if module is not None:
+        code = _RUNTIME_CODE[-1] if _RUNTIME_CODE and mask is None else None
         input_size = int(stack.cells[0][0].kernel.shape[0])
         outputs, h, c = cudnn_op.run_op(
             module,
@@ -352,8 +403,10 @@ def run_stack(
             algorithm=algorithm,
             dropout=dropout,
             seed=int(seed[0]) + (int(seed[1]) << 31),
+            code=code,
         )
-        _LAST.update(kernel="RnnfuseCudnnRnn", algorithm=(algorithm or Algorithm()).name, reason=None)
+        name = "runtime" if code is not None else (algorithm or Algorithm()).name
+        _LAST.update(kernel="RnnfuseCudnnRnn", algorithm=name, reason=None)
         return tf.transpose(outputs, [1, 0, 2]), h, (c if lstm else None)
     if stack.proj_size or tf.as_dtype(dtype) == tf.bfloat16:
         raise NotImplementedError(

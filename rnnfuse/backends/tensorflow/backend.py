@@ -109,6 +109,9 @@ class TensorFlowBackend(KernelModuleBackend):
     def timed_step(self, run, x, variables, training, jit=False):
         return kernels.timed_step(run, x, variables, training, jit=jit)
 
+    def timed_steps(self, make_run, x, variables, training, algorithms, dtype):
+        return kernels.timed_steps(make_run, x, variables, training, algorithms, dtype)
+
     def model_step(self, model, train):
         variables = list(model.trainable_variables)
 

@@ -4,8 +4,12 @@
 flat parameters that `pack_params` builds (the CudnnRNNV3 layout, with the
 projection matrix appended per pseudo-layer for an LSTM with `proj_size`,
 see `rnnfuse.backends.tensorflow`), and the gradient registered here runs
-`RnnfuseCudnnRnnBackprop` with the SAME attributes, so the algorithm of the
-forward is the algorithm of the backward.
+`RnnfuseCudnnRnnBackprop` with the SAME attributes and the forward's
+`algorithm` input tensor, so the algorithm of the forward is the algorithm
+of the backward. The algorithm (with its math type) is an int32 input
+(`algorithm_code`), not an attribute: one traced graph can run every
+algorithm, which is how the tuner times them all on one trace
+(`rnnfuse.backends.tensorflow.runtime_algorithm`).
 
 Attribute checks happen here, before TensorFlow sees the op, so a wrong
 call fails with a ValueError naming the argument; what cuDNN itself
@@ -26,11 +30,13 @@ from typing import Any
 
 import tensorflow as tf
 
-from rnnfuse.backends.algorithm import Algorithm
+from rnnfuse.backends.algorithm import ALGORITHM_NAMES, Algorithm
 
 __all__ = [
     "OP_DTYPES",
+    "algorithm_code",
     "call_op",
+    "decode_algorithm_code",
     "flat_size",
     "math_type_for",
     "op_unsupported_reason",
@@ -49,12 +55,12 @@ SHARED_ATTRS = (
     "num_units",
     "proj_size",
     "input_size",
-    "algorithm",
-    "math_type",
     "dropout",
     "seed",
 )
 _MODULE: list[Any] = []
+# The op's math types, in the order of the code's low two bits.
+_MATHS = ("default", "tensor_op", "tensor_op_allow_conversion", "fma")
 
 
 def flat_size(kind: str, num_layers: int, num_directions: int, units: int,
@@ -79,7 +85,7 @@ def op_unsupported_reason(dtype: Any, dropout: float = 0.0) -> str | None:
 
 
 def math_type_for(algorithm: Algorithm, dtype: Any) -> str:
-    """The op's math_type attribute for `algorithm` in `dtype`.
+    """The cuDNN math type for `algorithm` in `dtype` (in `algorithm_code`).
 
     float32: "fma" when TF32 is off (TensorFlow's
     `enable_tensor_float_32_execution(False)`) so results stay IEEE float32
@@ -92,6 +98,25 @@ def math_type_for(algorithm: Algorithm, dtype: Any) -> str:
     if name in ("float16", "bfloat16") and algorithm.math == "default":
         return "tensor_op"
     return algorithm.math
+
+
+def algorithm_code(algorithm: Algorithm | None, dtype: Any) -> int:
+    """The op's `algorithm` input for `algorithm` in `dtype`: 4 * algo +
+    math, the math as `math_type_for` picks it (see the C++ header).
+
+    >>> algorithm_code(Algorithm.parse("persistent_dynamic+tc"), "float16")
+    9
+    >>> decode_algorithm_code(algorithm_code(None, "bfloat16"))
+    ('standard', 'tensor_op')
+    """
+    algorithm = algorithm or Algorithm()
+    return 4 * algorithm.algo + _MATHS.index(math_type_for(algorithm, dtype))
+
+
+def decode_algorithm_code(code: int) -> tuple[str, str]:
+    """(cuDNN algorithm name, math type) of an `algorithm_code`."""
+    code = int(code)
+    return ALGORITHM_NAMES[code // 4], _MATHS[code % 4]
 
 
 def _module():
@@ -130,6 +155,7 @@ def run_op(
     dropout: float = 0.0,
     seed: int = 0,
     is_training: bool = True,
+    code: Any = None,
 ):
     """One `RnnfuseCudnnRnn` call; returns (outputs [T, B, D*R], h, c).
 
@@ -144,6 +170,9 @@ def run_op(
         dropout: cuDNN's dropout on the input of every level but the first
             (applied only with `is_training`); the kernel's masks come from
             states seeded once with `seed` and advance on every call.
+        code: an int32 scalar tensor to pass as the op's `algorithm` input
+            instead of `algorithm_code(algorithm, dtype)` (a traced step
+            that runs every algorithm; see `runtime_algorithm`).
 
     Raises:
         ValueError: an argument the op would reject, named.
@@ -177,7 +206,8 @@ def run_op(
         raise ValueError(
             f"run_op: params has {params.shape[0]} elements; this stack needs {expected}"
         )
-    algorithm = algorithm or Algorithm()
+    if code is None:
+        code = tf.constant(algorithm_code(algorithm, dtype), tf.int32)
     outputs, final_h, final_c, _ = call_op(
         module,
         input=x,
@@ -185,14 +215,13 @@ def run_op(
         input_c=c,
         params=params,
         sequence_lengths=tf.cast(lengths, tf.int32),
+        algorithm=code,
         rnn_mode=kind,
         direction="bidirectional" if num_directions == 2 else "unidirectional",
         num_layers=int(num_layers),
         num_units=int(units),
         proj_size=int(proj_size),
         input_size=int(input_size),
-        algorithm=algorithm.algorithm_name,
-        math_type=math_type_for(algorithm, dtype),
         dropout=float(dropout),
         seed=int(seed),
         is_training=bool(is_training),
@@ -207,7 +236,7 @@ def _gradient(op, d_output, d_h, d_c, _d_reserve):
             "RnnfuseCudnnRnn ran with is_training=False (no reserve space); "
             "it has no gradient. Fix: call it with is_training=True"
         )
-    x, h, c, params, lengths = op.inputs
+    x, h, c, params, lengths, algorithm = op.inputs
     output, out_h, out_c, reserve = op.outputs
     d_output = tf.zeros_like(output) if d_output is None else d_output
     d_h = tf.zeros_like(out_h) if d_h is None else d_h
@@ -225,9 +254,10 @@ def _gradient(op, d_output, d_h, d_c, _d_reserve):
         output_h_backprop=d_h,
         output_c_backprop=d_c,
         reserve_space=reserve,
+        algorithm=algorithm,
         **attrs,
     )
-    return dx, dh, dc, dparams, None
+    return dx, dh, dc, dparams, None, None
 
 
 def register_gradient() -> None:

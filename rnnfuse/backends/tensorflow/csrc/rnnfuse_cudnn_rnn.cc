@@ -5,10 +5,18 @@
 //                         cudnnRNNBackwardWeights_v8, CUDNN_WGRAD_MODE_ADD
 //                         into a zeroed buffer)
 //
-// Both build their cuDNN RNN descriptor from the same attributes, so the
-// algorithm chosen in Python (standard, persistent static, persistent
-// dynamic, persistent static small-h) runs in the forward AND the backward
-// pass. Data are time-major padded (CUDNN_RNN_DATA_LAYOUT_SEQ_MAJOR_UNPACKED)
+// Both build their cuDNN RNN descriptor from the same attributes and the
+// same `algorithm` input (the gradient passes the forward's tensor on), so
+// the algorithm chosen in Python (standard, persistent static, persistent
+// dynamic, persistent static small-h, with its math type) runs in the
+// forward AND the backward pass. The algorithm is an int32 host input, not
+// an attribute, so one traced graph runs every algorithm: rnnfuse's tuner
+// traces one step per split of a run and times each algorithm on it.
+//   algorithm = 4 * algo + math, algo: 0 standard, 1 persistent_static,
+//   2 persistent_dynamic, 3 persistent_static_small_h; math: 0 default,
+//   1 tensor_op, 2 tensor_op_allow_conversion, 3 fma.
+// Each kernel keeps one cuDNN RNN descriptor (and weight-space layout) per
+// algorithm it has run. Data are time-major padded (CUDNN_RNN_DATA_LAYOUT_SEQ_MAJOR_UNPACKED)
 // with per-sequence lengths; padded outputs are filled with 0.
 //
 // Weights come in rnnfuse's canonical flat layout (the one CudnnRNNV3 takes,
@@ -143,11 +151,9 @@ struct Copy {
 class RnnConfig {
  public:
   explicit RnnConfig(OpKernelConstruction* ctx) {
-    std::string mode, direction, algorithm, math;
+    std::string mode, direction;
     OP_REQUIRES_OK(ctx, ctx->GetAttr("rnn_mode", &mode));
     OP_REQUIRES_OK(ctx, ctx->GetAttr("direction", &direction));
-    OP_REQUIRES_OK(ctx, ctx->GetAttr("algorithm", &algorithm));
-    OP_REQUIRES_OK(ctx, ctx->GetAttr("math_type", &math));
     OP_REQUIRES_OK(ctx, ctx->GetAttr("num_layers", &num_layers_));
     OP_REQUIRES_OK(ctx, ctx->GetAttr("num_units", &num_units_));
     OP_REQUIRES_OK(ctx, ctx->GetAttr("proj_size", &proj_size_));
@@ -160,14 +166,6 @@ class RnnConfig {
     else if (mode == "rnn_relu") { cell_ = CUDNN_RNN_RELU; gates_ = 1; }
     else { ctx->CtxFailure(errors::InvalidArgument("rnn_mode ", mode)); return; }
     dirs_ = direction == "bidirectional" ? 2 : 1;
-    if (algorithm == "standard") algo_ = CUDNN_RNN_ALGO_STANDARD;
-    else if (algorithm == "persistent_static") algo_ = CUDNN_RNN_ALGO_PERSIST_STATIC;
-    else if (algorithm == "persistent_dynamic") algo_ = CUDNN_RNN_ALGO_PERSIST_DYNAMIC;
-    else if (algorithm == "persistent_static_small_h") algo_ = CUDNN_RNN_ALGO_PERSIST_STATIC_SMALL_H;
-    if (math == "default") math_ = CUDNN_DEFAULT_MATH;
-    else if (math == "tensor_op") math_ = CUDNN_TENSOR_OP_MATH;
-    else if (math == "tensor_op_allow_conversion") math_ = CUDNN_TENSOR_OP_MATH_ALLOW_CONVERSION;
-    else if (math == "fma") math_ = CUDNN_FMA_MATH;
     OP_REQUIRES(ctx, proj_size_ == 0 || cell_ == CUDNN_LSTM,
                 errors::InvalidArgument("proj_size needs rnn_mode='lstm'"));
     OP_REQUIRES(ctx, proj_size_ >= 0 && proj_size_ < num_units_ + (proj_size_ == 0),
@@ -180,8 +178,32 @@ class RnnConfig {
   }
 
   ~RnnConfig() {
-    if (rnn_) cudnnDestroyRNNDescriptor(rnn_);
     if (dropout_desc_) cudnnDestroyDropoutDescriptor(dropout_desc_);
+  }
+
+  // Makes the algorithm in input `index` (see the header) this call's
+  // variant; the caller holds `mu` until the call ends.
+  Status Select(OpKernelContext* ctx, int index) {
+    const Tensor& t = ctx->input(index);
+    if (t.dims() != 0)
+      return errors::InvalidArgument("algorithm must be an int32 scalar; got shape ",
+                                     t.shape().DebugString());
+    const int code = t.scalar<int32_t>()();
+    static const cudnnRNNAlgo_t kAlgos[] = {CUDNN_RNN_ALGO_STANDARD, CUDNN_RNN_ALGO_PERSIST_STATIC,
+                                            CUDNN_RNN_ALGO_PERSIST_DYNAMIC,
+                                            CUDNN_RNN_ALGO_PERSIST_STATIC_SMALL_H};
+    static const cudnnMathType_t kMaths[] = {CUDNN_DEFAULT_MATH, CUDNN_TENSOR_OP_MATH,
+                                             CUDNN_TENSOR_OP_MATH_ALLOW_CONVERSION, CUDNN_FMA_MATH};
+    if (code < 0 || code >= 16)
+      return errors::InvalidArgument("algorithm must be 4 * algo + math in [0, 16); got ", code);
+    std::unique_ptr<Variant>& v = variants_[code];
+    if (!v) {
+      v.reset(new Variant);
+      v->algo = kAlgos[code / 4];
+      v->math = kMaths[code % 4];
+    }
+    v_ = v.get();
+    return absl::OkStatus();
   }
 
   int out_units() const { return proj_size_ ? proj_size_ : num_units_; }
@@ -200,15 +222,16 @@ class RnnConfig {
     return total;
   }
 
-  // Creates the RNN descriptor once (holding the handle's lock); with
-  // dropout, also the kernel's dropout states (allocated from `ctx`).
+  // Creates the selected algorithm's RNN descriptor once (holding the
+  // handle's lock); with dropout, first the kernel's dropout states
+  // (allocated from `ctx`), which every algorithm's descriptor shares.
   template <typename T>
   Status Prepare(OpKernelContext* ctx, cudnnHandle_t handle, int batch) {
-    if (!prepared_) {  // a failed attempt is retried whole on the next call
-      if (CudnnType<T>::value == CUDNN_DATA_BFLOAT16 && cudnnGetVersion() < 90000) {
-        return errors::Unimplemented("bfloat16 RNNs need cuDNN >= 9.0; this process loaded ",
-                                     cudnnGetVersion());
-      }
+    if (CudnnType<T>::value == CUDNN_DATA_BFLOAT16 && cudnnGetVersion() < 90000) {
+      return errors::Unimplemented("bfloat16 RNNs need cuDNN >= 9.0; this process loaded ",
+                                   cudnnGetVersion());
+    }
+    if (!dropout_ready_) {  // a failed attempt is retried whole on the next call
       if (!dropout_desc_) RF_RETURN_IF_CUDNN(cudnnCreateDropoutDescriptor(&dropout_desc_));
       void* states = nullptr;
       size_t state_bytes = 0;
@@ -223,18 +246,22 @@ class RnnConfig {
       RF_RETURN_IF_CUDNN(cudnnSetDropoutDescriptor(dropout_desc_, handle, dropout_, states,
                                                    state_bytes,
                                                    static_cast<unsigned long long>(seed_)));
-      if (!rnn_) RF_RETURN_IF_CUDNN(cudnnCreateRNNDescriptor(&rnn_));
-      RF_RETURN_IF_CUDNN(cudnnSetRNNDescriptor_v8(
-          rnn_, algo_, cell_, CUDNN_RNN_DOUBLE_BIAS,
-          dirs_ == 2 ? CUDNN_BIDIRECTIONAL : CUDNN_UNIDIRECTIONAL, CUDNN_LINEAR_INPUT,
-          CudnnType<T>::value, CUDNN_DATA_FLOAT, math_, input_size_, num_units_, out_units(),
-          num_layers_, dropout_desc_, CUDNN_RNN_PADDED_IO_ENABLED));
-      RF_RETURN_IF_CUDNN(cudnnGetRNNWeightSpaceSize(handle, rnn_, &weight_bytes_));
-      prepared_ = true;
+      dropout_ready_ = true;
     }
-    if (algo_ == CUDNN_RNN_ALGO_PERSIST_DYNAMIC && built_batch_ != batch) {
-      RF_RETURN_IF_CUDNN(cudnnBuildRNNDynamic(handle, rnn_, batch));
-      built_batch_ = batch;
+    Variant& v = *v_;
+    if (!v.prepared) {  // a failed attempt is retried whole on the next call
+      if (!v.rnn) RF_RETURN_IF_CUDNN(cudnnCreateRNNDescriptor(&v.rnn));
+      RF_RETURN_IF_CUDNN(cudnnSetRNNDescriptor_v8(
+          v.rnn, v.algo, cell_, CUDNN_RNN_DOUBLE_BIAS,
+          dirs_ == 2 ? CUDNN_BIDIRECTIONAL : CUDNN_UNIDIRECTIONAL, CUDNN_LINEAR_INPUT,
+          CudnnType<T>::value, CUDNN_DATA_FLOAT, v.math, input_size_, num_units_, out_units(),
+          num_layers_, dropout_desc_, CUDNN_RNN_PADDED_IO_ENABLED));
+      RF_RETURN_IF_CUDNN(cudnnGetRNNWeightSpaceSize(handle, v.rnn, &v.weight_bytes));
+      v.prepared = true;
+    }
+    if (v.algo == CUDNN_RNN_ALGO_PERSIST_DYNAMIC && v.built_batch != batch) {
+      RF_RETURN_IF_CUDNN(cudnnBuildRNNDynamic(handle, v.rnn, batch));
+      v.built_batch = batch;
     }
     return absl::OkStatus();
   }
@@ -243,7 +270,8 @@ class RnnConfig {
   // real weight-space allocation, as the base address).
   template <typename T>
   Status Layout(cudnnHandle_t handle, const void* space, const std::vector<Copy>** out) {
-    if (!copies_.empty()) { *out = &copies_; return absl::OkStatus(); }
+    std::vector<Copy>& cached = v_->copies;
+    if (!cached.empty()) { *out = &cached; return absl::OkStatus(); }
     TensorDesc m, b;
     TF_RETURN_IF_ERROR(m.Create());
     TF_RETURN_IF_ERROR(b.Create());
@@ -279,7 +307,7 @@ class RnnConfig {
         for (int k = 0; k < (pass == 0 ? matrices : 2 * gates_); ++k) {
           void* maddr = nullptr;
           void* baddr = nullptr;
-          RF_RETURN_IF_CUDNN(cudnnGetRNNWeightParams(handle, rnn_, p, weight_bytes_, space, k,
+          RF_RETURN_IF_CUDNN(cudnnGetRNNWeightParams(handle, rnn(), p, weight_bytes(), space, k,
                                                      m.d, &maddr, b.d, &baddr));
           int64_t expected, got;
           if (pass == 0) {
@@ -304,8 +332,8 @@ class RnnConfig {
     if (flat != size_t(FlatSize()) * es)
       return errors::Internal("rnnfuse: canonical layout covers ", flat / es,
                               " elements, expected ", FlatSize());
-    copies_ = std::move(copies);
-    *out = &copies_;
+    cached = std::move(copies);
+    *out = &cached;
     return absl::OkStatus();
   }
 
@@ -375,26 +403,35 @@ class RnnConfig {
     return absl::OkStatus();
   }
 
-  cudnnRNNDescriptor_t rnn() const { return rnn_; }
-  size_t weight_bytes() const { return weight_bytes_; }
-  std::mutex mu;  // guards the cached descriptor and layout
+  cudnnRNNDescriptor_t rnn() const { return v_->rnn; }
+  size_t weight_bytes() const { return v_->weight_bytes; }
+  std::mutex mu;  // guards the cached descriptors, layouts and the selection
 
  private:
   cudnnRNNMode_t cell_ = CUDNN_LSTM;
   int gates_ = 4;
   int dirs_ = 1;
-  cudnnRNNAlgo_t algo_ = CUDNN_RNN_ALGO_STANDARD;
-  cudnnMathType_t math_ = CUDNN_DEFAULT_MATH;
+  // One algorithm's cuDNN state.
+  struct Variant {
+    cudnnRNNAlgo_t algo = CUDNN_RNN_ALGO_STANDARD;
+    cudnnMathType_t math = CUDNN_DEFAULT_MATH;
+    cudnnRNNDescriptor_t rnn = nullptr;
+    bool prepared = false;
+    size_t weight_bytes = 0;
+    int built_batch = -1;
+    std::vector<Copy> copies;
+    ~Variant() {
+      if (rnn) cudnnDestroyRNNDescriptor(rnn);
+    }
+  };
   int num_layers_ = 1, num_units_ = 1, proj_size_ = 0, input_size_ = 1;
   float dropout_ = 0.0f;
   int64_t seed_ = 0;
-  cudnnRNNDescriptor_t rnn_ = nullptr;
   cudnnDropoutDescriptor_t dropout_desc_ = nullptr;
   Tensor dropout_states_;  // cuDNN's RNG states, kept for the kernel's life
-  bool prepared_ = false;
-  size_t weight_bytes_ = 0;
-  int built_batch_ = -1;
-  std::vector<Copy> copies_;
+  bool dropout_ready_ = false;
+  std::map<int, std::unique_ptr<Variant>> variants_;
+  Variant* v_ = nullptr;  // the selected one (under `mu`)
 };
 
 Status CopyParams(const std::vector<Copy>& copies, const char* flat, char* space, bool to_space,
@@ -445,7 +482,7 @@ struct CallState {
   const std::vector<Copy>* copies = nullptr;
   int steps = 0, batch = 0;
 
-  Status Begin(OpKernelContext* ctx, RnnConfig* config, cudaStream_t stream,
+  Status Begin(OpKernelContext* ctx, RnnConfig* config, int algorithm_input, cudaStream_t stream,
                std::unique_lock<std::mutex>* config_lock) {
     std::vector<int> lengths;
     TF_RETURN_IF_ERROR(config->CheckInputs(ctx, &lengths));
@@ -455,6 +492,7 @@ struct CallState {
     const cudnnDataType_t dtype = CudnnType<T>::value;
     TF_RETURN_IF_ERROR(call.Begin(stream));
     *config_lock = std::unique_lock<std::mutex>(config->mu);
+    TF_RETURN_IF_ERROR(config->Select(ctx, algorithm_input));
     TF_RETURN_IF_ERROR(config->Prepare<T>(ctx, call.handle(), batch));
     TF_RETURN_IF_ERROR(config->DataDescs(dtype, steps, batch, lengths.data(), &xd, &yd));
     TF_RETURN_IF_ERROR(config->StateDescs(dtype, batch, &hd, &cd));
@@ -487,7 +525,7 @@ class RnnfuseCudnnRnnOp : public OpKernel {
     cudaStream_t stream = ctx->eigen_device<Eigen::GpuDevice>().stream();
     CallState<T> st;
     std::unique_lock<std::mutex> config_lock;
-    TF_RETURN_IF_ERROR(st.Begin(ctx, &config_, stream, &config_lock));
+    TF_RETURN_IF_ERROR(st.Begin(ctx, &config_, /*algorithm_input=*/5, stream, &config_lock));
     const Tensor& h = ctx->input(1);
     const Tensor& c = ctx->input(2);
     const bool lstm = config_.lstm();
@@ -529,12 +567,13 @@ class RnnfuseCudnnRnnBackpropOp : public OpKernel {
 
  private:
   // Inputs: 0 x, 1 h, 2 c, 3 params, 4 sequence_lengths, 5 output,
-  // 6 output_backprop, 7 output_h_backprop, 8 output_c_backprop, 9 reserve_space.
+  // 6 output_backprop, 7 output_h_backprop, 8 output_c_backprop, 9 reserve_space,
+  // 10 algorithm.
   Status DoCompute(OpKernelContext* ctx) {
     cudaStream_t stream = ctx->eigen_device<Eigen::GpuDevice>().stream();
     CallState<T> st;
     std::unique_lock<std::mutex> config_lock;
-    TF_RETURN_IF_ERROR(st.Begin(ctx, &config_, stream, &config_lock));
+    TF_RETURN_IF_ERROR(st.Begin(ctx, &config_, /*algorithm_input=*/10, stream, &config_lock));
     const Tensor& x = ctx->input(0);
     const Tensor& h = ctx->input(1);
     const Tensor& c = ctx->input(2);
@@ -597,10 +636,6 @@ class RnnfuseCudnnRnnBackpropOp : public OpKernel {
       .Attr("num_units: int >= 1")                                                   \
       .Attr("proj_size: int >= 0 = 0")                                               \
       .Attr("input_size: int >= 1")                                                  \
-      .Attr("algorithm: {'standard', 'persistent_static', 'persistent_dynamic', "    \
-            "'persistent_static_small_h'} = 'standard'")                             \
-      .Attr("math_type: {'default', 'tensor_op', 'tensor_op_allow_conversion', "     \
-            "'fma'} = 'default'")                                                    \
       .Attr("dropout: float = 0.0")                                                  \
       .Attr("seed: int = 0")
 
@@ -610,6 +645,7 @@ REGISTER_OP("RnnfuseCudnnRnn")
     .Input("input_c: T")
     .Input("params: T")
     .Input("sequence_lengths: int32")
+    .Input("algorithm: int32")
     .Output("output: T")
     .Output("output_h: T")
     .Output("output_c: T")
@@ -643,6 +679,7 @@ REGISTER_OP("RnnfuseCudnnRnnBackprop")
     .Input("output_h_backprop: T")
     .Input("output_c_backprop: T")
     .Input("reserve_space: uint8")
+    .Input("algorithm: int32")
     .Output("input_backprop: T")
     .Output("input_h_backprop: T")
     .Output("input_c_backprop: T")
@@ -656,11 +693,11 @@ REGISTER_OP("RnnfuseCudnnRnnBackprop")
 #define RF_REGISTER(T)                                                                   \
   REGISTER_KERNEL_BUILDER(                                                               \
       Name("RnnfuseCudnnRnn").Device(DEVICE_GPU).TypeConstraint<T>("T")                  \
-          .HostMemory("sequence_lengths"),                                               \
+          .HostMemory("sequence_lengths").HostMemory("algorithm"),                       \
       RnnfuseCudnnRnnOp<T>);                                                             \
   REGISTER_KERNEL_BUILDER(                                                               \
       Name("RnnfuseCudnnRnnBackprop").Device(DEVICE_GPU).TypeConstraint<T>("T")          \
-          .HostMemory("sequence_lengths"),                                               \
+          .HostMemory("sequence_lengths").HostMemory("algorithm"),                       \
       RnnfuseCudnnRnnBackpropOp<T>);
 
 RF_REGISTER(float);
