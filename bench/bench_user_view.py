@@ -30,6 +30,10 @@ likewise. The steps in a round are sized from one timed step so a round
 lasts about ROUND_S seconds (3 to --steps steps); a cell where one model is
 slow and over 10x slower than the other gets one round (`rounds_for`).
 `predict` gets its own, smaller, round count (`--predict-rounds`).
+`--control` adds an A/A control to every cell's fit rounds: a clone of the
+original model (same layers, same weights, so the same kernels) timed
+interleaved with the other two; `control_fit_speedup` (original / clone)
+is what this benchmark reads for two models that differ in nothing.
 
     python bench/bench_user_view.py --out /tmp/user_tf.json --budget 300
     KERAS_BACKEND=torch python bench/bench_user_view.py --out /tmp/user_torch.json
@@ -236,9 +240,11 @@ def rounds_for(step_s: dict, rounds: int) -> int:
     return rounds
 
 
-def measure(shape: dict, rounds: int, steps: int, predict_rounds: int | None = None) -> dict:
+def measure(shape: dict, rounds: int, steps: int, predict_rounds: int | None = None,
+            control: bool = False) -> dict:
     """One cell: `rounds` timed fit rounds, `predict_rounds` (default: as
-    many) predict rounds; see the module doc."""
+    many) predict rounds; `control`: an A/A clone of the original in the
+    fit rounds; see the module doc."""
     rng = np.random.default_rng(0)
     model = build(shape)
     x, y = data(shape, rng)
@@ -251,6 +257,12 @@ def measure(shape: dict, rounds: int, steps: int, predict_rounds: int | None = N
     first_fit_s = time.perf_counter() - tune_start
     fit_tuning_s = _tuning_seconds(fast)  # training only; predict tunes later
     model.fit(x, y, batch_size=b, epochs=1, verbose=0)  # traces
+    twin = None
+    if control:
+        twin = keras.models.clone_model(model)
+        twin.set_weights(model.get_weights())
+        twin.compile(optimizer="adam", loss="mse")
+        twin.fit(x, y, batch_size=b, epochs=1, verbose=0)  # traces
     # A few steps each, to size the rounds from the step time between batch
     # ends (not from a whole fit call, whose set-up would make every round 3
     # steps): a slow cell gets fewer steps a round, a fast one more (less
@@ -267,8 +279,8 @@ def measure(shape: dict, rounds: int, steps: int, predict_rounds: int | None = N
     steps = max(3, steps_for(one, steps))
     xs, ys = np.concatenate([x] * steps), np.concatenate([y] * steps)
     models = [("original", model), ("optimized", fast)]
-    times = _alternate(models, rounds, lambda m, cb: m.fit(
-        xs, ys, batch_size=b, epochs=1, verbose=0, callbacks=[cb]))
+    times = _alternate(models + ([("control", twin)] if twin is not None else []), rounds,
+                       lambda m, cb: m.fit(xs, ys, batch_size=b, epochs=1, verbose=0, callbacks=[cb]))
     plans = _plans(fast)  # the training plans, chosen on the first fit
     model.predict(x, batch_size=b, verbose=0)
     fast.predict(x, batch_size=b, verbose=0)  # tunes for inference
@@ -276,6 +288,10 @@ def measure(shape: dict, rounds: int, steps: int, predict_rounds: int | None = N
         xs, batch_size=b, verbose=0, callbacks=[cb]))
     fit_o, fit_f = statistics.median(times["original"]), statistics.median(times["optimized"])
     pr_o, pr_f = statistics.median(pred["original"]), statistics.median(pred["optimized"])
+    extra = {}
+    if twin is not None:
+        fit_c = statistics.median(times["control"])
+        extra = dict(control_fit_ms=1e3 * fit_c, control_fit_speedup=fit_o / fit_c)
     return dict(
         shape=shape,
         fit_ms=dict(original=1e3 * fit_o, optimized=1e3 * fit_f),
@@ -296,6 +312,7 @@ def measure(shape: dict, rounds: int, steps: int, predict_rounds: int | None = N
         # table's plan (the table's coverage is read from these).
         decisions=rnnfuse.tuning.first_batch.decisions(fast),
         raw=dict(fit=times, predict=pred),
+        **extra,
     )
 
 
@@ -359,6 +376,10 @@ def main(argv=None) -> int:
     )
     parser.add_argument("--budget", type=float, default=420.0, help="seconds")
     parser.add_argument("--seed", type=int, default=2026)
+    parser.add_argument(
+        "--control", action="store_true",
+        help="add an A/A control to the fit rounds: a clone of the original (control_fit_speedup)",
+    )
     parser.add_argument("--quick", action="store_true", help="3 tiny cells, any machine")
     parser.add_argument(
         "--anchors", type=int, nargs="?", const=len(ANCHORS), default=0, metavar="N",
@@ -400,6 +421,7 @@ def main(argv=None) -> int:
         rounds=args.rounds,
         predict_rounds=args.predict_rounds,
         steps=args.steps,
+        control=args.control,
     )
     rows, start = [], time.perf_counter()
     for cell, shape in cells:
@@ -407,9 +429,11 @@ def main(argv=None) -> int:
             rows.append(dict(cell=cell, shape=shape, skipped="time budget"))
             continue
         try:
-            row = dict(cell=cell, **measure(shape, args.rounds, args.steps, args.predict_rounds))
+            row = dict(cell=cell, **measure(shape, args.rounds, args.steps, args.predict_rounds,
+                                            control=args.control))
+            aa = f" control {row['control_fit_speedup']:.2f}x" if "control_fit_speedup" in row else ""
             print(
-                f"{shape} fit {row['fit_speedup']:.2f}x predict {row['predict_speedup']:.2f}x "
+                f"{shape} fit {row['fit_speedup']:.2f}x{aa} predict {row['predict_speedup']:.2f}x "
                 f"tuning {row['tuning_s']:.1f}s plans {[(p['pieces'], p['algorithm']) for p in row['plans']]}",
                 flush=True,
             )
