@@ -184,11 +184,13 @@ def _same_kernels_text(s: dict) -> str:
     same = s["same_kernels"]
     if not same:
         return ""
+    below = (
+        f"; {sum(f < 0.97 for f in same)} of the {s['fit_below']} fit cells below 0.97x are among them"
+        if s["fit_below"] else ""
+    )
     return (
         f"† the optimized model trained on the original layers (first-batch tuning kept them), so both "
-        f"models ran the same kernels: {len(same)} cells, fit {min(same):.2f}x to {max(same):.2f}x, "
-        f"which is this benchmark's resolution; {sum(f < 0.97 for f in same)} of the "
-        f"{s['fit_below']} fit cells below 0.97x are among them."
+        f"models ran the same kernels: {len(same)} cells, fit {min(same):.2f}x to {max(same):.2f}x{below}."
     )
 
 
@@ -210,6 +212,8 @@ def markdown(merged: dict[str, dict]) -> str:
             _same_kernels_text(s),
             "",
             resolution_text(rows),
+            "",
+            control_text(rows),
             "",
             overhead_text(rows),
             "",
@@ -286,9 +290,15 @@ def table_coverage(backend: str, rows: list[dict], margin: float = 0.03) -> list
 
 def resolution(rows: list[dict], rounds=(5, 11, 15), draws: int = 4000, seed: int = 0) -> dict:
     """How often a cell whose two models run the same kernels would read
-    below 0.97x, by the number of timed rounds: a bootstrap over every
-    fit round's deviation from its model's median in `rows` (log ratios),
-    two medians of `n` drawn deviations per draw, a fixed seed.
+    below 0.97x, by the number of timed rounds: a bootstrap over the
+    per-round ratios of every cell in `rows`, a fixed seed.
+
+    Rounds are paired: round i of the original and of the optimized model
+    ran back to back (interleaved), so drift that moves both (the machine,
+    its clocks) cancels in their ratio, as it does in a cell's reading.
+    Each cell's log ratios are centred on their median (the cell's own
+    speedup taken out), which leaves the noise between two models in one
+    round; a draw is exp(median of `n` drawn deviations).
 
     Returns {"round_sd": sd of the log deviations, "deviations": how many}
     and, per n, {"below_0_97": share, "band_90": (5th, 95th percentile of
@@ -298,19 +308,18 @@ def resolution(rows: list[dict], rounds=(5, 11, 15), draws: int = 4000, seed: in
 
     devs = []
     for r in rows:
-        for times in (r.get("raw") or {}).get("fit", {}).values():
-            if len(times) >= 3:
-                m = statistics.median(times)
-                devs += [math.log(t / m) for t in times]
+        fit = (r.get("raw") or {}).get("fit", {})
+        pairs = [math.log(o / f) for o, f in zip(fit.get("original", []), fit.get("optimized", []))]
+        if len(pairs) >= 3:
+            m = statistics.median(pairs)
+            devs += [p - m for p in pairs]
     if len(devs) < 20:
         return {}
     rng = random.Random(seed)
     out = {"round_sd": statistics.pstdev(devs), "deviations": len(devs)}
     for n in rounds:
         ratios = sorted(
-            math.exp(statistics.median(rng.choice(devs) for _ in range(n))
-                     - statistics.median(rng.choice(devs) for _ in range(n)))
-            for _ in range(draws)
+            math.exp(statistics.median(rng.choice(devs) for _ in range(n))) for _ in range(draws)
         )
         out[n] = {"below_0_97": sum(x < 0.97 for x in ratios) / draws,
                   "band_90": (ratios[draws // 20], ratios[draws - draws // 20])}
@@ -327,10 +336,27 @@ def resolution_text(rows: list[dict]) -> str:
         for n in res if isinstance(n, int)
     ]
     return (
-        f"Resolution: a round's median step deviates from its model's median by {res['round_sd']:.1%} "
-        f"(sd of {res['deviations']} rounds' log deviations); bootstrapped from them, a cell whose "
-        f"two models run the same kernels reads below 0.97x with " + "; ".join(parts) + "."
+        f"Resolution: a round's ratio of the two models (timed back to back) deviates from its "
+        f"cell's median ratio by {res['round_sd']:.1%} (sd of {res['deviations']} paired rounds' log "
+        f"deviations); bootstrapped from them, a cell whose two models run the same kernels reads "
+        f"below 0.97x with " + "; ".join(parts) + "."
     )
+
+
+def control_text(rows: list[dict]) -> str:
+    """The A/A controls among `rows` (`bench_user_view.py --control`): the
+    original against a clone of itself, what the benchmark reads for two
+    models that differ in nothing.
+
+    >>> control_text([dict(cell=3, control_fit_speedup=0.985, rounds=15)])
+    'A/A control (the original against a clone of itself, timed beside both models): cell 3 0.98x (15 rounds).'
+    """
+    cells = [r for r in rows if "control_fit_speedup" in r]
+    if not cells:
+        return ""
+    parts = ", ".join(f"cell {r['cell']} {r['control_fit_speedup']:.2f}x ({r.get('rounds', '?')} rounds)"
+                      for r in cells)
+    return f"A/A control (the original against a clone of itself, timed beside both models): {parts}."
 
 
 def plot(merged: dict[str, dict], path: str) -> None:

@@ -37,10 +37,11 @@ def test_rounds_are_sized_from_the_step_not_from_a_whole_fit_call():
 
 
 def test_only_times_the_given_cells_in_the_given_order(tmp_path, monkeypatch):
-    timed = []
+    timed, controls = [], []
 
-    def fake_measure(shape, rounds, steps, predict_rounds=None):
+    def fake_measure(shape, rounds, steps, predict_rounds=None, control=False):
         timed.append(shape)
+        controls.append(control)
         return _row(shape, 1.0)
 
     monkeypatch.setattr(bench_user_view, "measure", fake_measure)
@@ -50,6 +51,9 @@ def test_only_times_the_given_cells_in_the_given_order(tmp_path, monkeypatch):
     drawn = bench_user_view.draw_shapes(30)
     assert [r["cell"] for r in rows] == ["A1", 3, 1]
     assert timed == [dict(bench_user_view.ANCHORS[0]), drawn[2], drawn[0]]
+    bench_user_view.main(["--only", "2", "--control", "--out", str(out)])
+    assert controls == [False, False, False, True]
+    assert json.loads(out.read_text())["meta"]["control"] is True
 
 
 def _part(path, backend, rows):
@@ -120,7 +124,7 @@ def test_resolution_shrinks_with_more_rounds_and_reads_the_raw_rounds():
         rows.append(dict(raw=dict(fit=dict(original=[w * (i + 1) for w in wobble],
                                            optimized=[w * (i + 2) for w in wobble[::-1]]))))
     res = report_user_view.resolution(rows, rounds=(3, 15), draws=2000)
-    assert 0.05 < res["round_sd"] < 0.1 and res["deviations"] == 60
+    assert 0.05 < res["round_sd"] < 0.1 and res["deviations"] == 30  # paired rounds
     assert res[15]["below_0_97"] < res[3]["below_0_97"]
     lo, hi = res[15]["band_90"]
     assert lo < 1.0 < hi and hi - lo < res[3]["band_90"][1] - res[3]["band_90"][0]
