@@ -175,7 +175,10 @@ def runtime_algorithm(code):
     """While entered, every fused call traced on rnnfuse's op takes its
     cuDNN algorithm from `code` (an int32 scalar tensor,
     `cudnn_op.algorithm_code`) instead of its plan's (a masked call still
-    runs the standard algorithm)."""
+    runs the standard algorithm). It holds for the whole process while
+    entered (the tuner traces its shared steps in one thread, before any
+    real step of the model is traced), so do not trace other models
+    meanwhile."""
     _RUNTIME_CODE.append(code)
     try:
         yield
