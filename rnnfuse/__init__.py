@@ -30,8 +30,9 @@ The dependency rule. The package is in layers, lowest first; a module
 imports only from its own layer or the layers below it (also inside
 functions; tests/test_layering.py checks every import):
 
-    records        reasons.py (Reason, CallPath), report.py, _version.py,
-                   _deps.py (importing keras), schema/ (JSON Schema files)
+    records        reasons.py (Reason, CallPath), report.py, plan.py (Plan,
+                   Algorithm), _version.py, _deps.py (importing keras),
+                   schema/ (JSON Schema files)
     describe/graph recurrent.py (RecurrentView), passes/graph.py
     rules          rules/ (the registry and every fusion rule)
     backends       backends/ (the Backend contract and one package per
@@ -94,7 +95,7 @@ LAYER_NAMES = (
     "cli/render",
 )
 LAYERS = (
-    ("rnnfuse.reasons", "rnnfuse.report", "rnnfuse._version", "rnnfuse._deps", "rnnfuse.schema"),
+    ("rnnfuse.reasons", "rnnfuse.report", "rnnfuse.plan", "rnnfuse._version", "rnnfuse._deps", "rnnfuse.schema"),
     ("rnnfuse.recurrent", "rnnfuse.passes.graph"),
     ("rnnfuse.rules",),
     ("rnnfuse.backends",),
@@ -134,7 +135,7 @@ def _import_public_names() -> None:
     from rnnfuse.persistence import restore
     from rnnfuse.reasons import CallPath, FusionWarning, PathKind, Reason
     from rnnfuse.report import FusionGroup, FusionReport, OptimizeResult, RewriteFailure
-    from rnnfuse.tuning.plans import FUSED, PER_LAYER, Plan
+    from rnnfuse.plan import FUSED, PER_LAYER, Plan
 
     globals().update(
         CallPath=CallPath,
