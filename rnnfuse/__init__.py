@@ -30,9 +30,8 @@ The dependency rule. The package is in layers, lowest first; a module
 imports only from its own layer or the layers below it (also inside
 functions; tests/test_layering.py checks every import):
 
-    records        reasons.py (Reason, CallPath), report.py, plan.py (Plan,
-                   Algorithm), _version.py, _deps.py (importing keras),
-                   schema/ (JSON Schema files)
+    records        reasons.py (Reason, CallPath), report.py, _version.py,
+                   _deps.py (importing keras), schema/ (JSON Schema files)
     describe/graph recurrent.py (RecurrentView), passes/graph.py
     rules          rules/ (the registry and every fusion rule)
     backends       backends/ (the Backend contract and one package per
@@ -45,11 +44,8 @@ functions; tests/test_layering.py checks every import):
                    Backend contract)
     planning       passes/planning.py
     tuning         tuning/, placement.py (where a plan runs here)
-    rewrite/saving passes/rewrite.py, optimized.py (the Optimized* model
-                   classes and their hooks), persistence.py (restore, weight
-                   files), passes/__init__.py
-    api            api.py, model_files.py (loading files), this package's
-                   __init__
+    rewrite/saving passes/rewrite.py, persistence.py, passes/__init__.py
+    api            api.py, this package's __init__
     cli/render     cli/, plotting.py, __main__.py
 
 `LAYERS` below is that list; `LAYER_EXCEPTIONS` names the imports that
@@ -98,15 +94,15 @@ LAYER_NAMES = (
     "cli/render",
 )
 LAYERS = (
-    ("rnnfuse.reasons", "rnnfuse.report", "rnnfuse.plan", "rnnfuse._version", "rnnfuse._deps", "rnnfuse.schema"),
+    ("rnnfuse.reasons", "rnnfuse.report", "rnnfuse._version", "rnnfuse._deps", "rnnfuse.schema"),
     ("rnnfuse.recurrent", "rnnfuse.passes.graph"),
     ("rnnfuse.rules",),
     ("rnnfuse.backends",),
     ("rnnfuse.fused", "rnnfuse.layers"),
     ("rnnfuse.passes.planning",),
     ("rnnfuse.tuning", "rnnfuse.placement"),
-    ("rnnfuse.passes", "rnnfuse.passes.rewrite", "rnnfuse.optimized", "rnnfuse.persistence"),
-    ("rnnfuse.api", "rnnfuse.model_files"),
+    ("rnnfuse.passes", "rnnfuse.passes.rewrite", "rnnfuse.persistence"),
+    ("rnnfuse.api",),
     ("rnnfuse.cli", "rnnfuse.plotting", "rnnfuse.__main__"),
 )
 # (importer, imported) -> why it is allowed for now.
@@ -138,7 +134,7 @@ def _import_public_names() -> None:
     from rnnfuse.persistence import restore
     from rnnfuse.reasons import CallPath, FusionWarning, PathKind, Reason
     from rnnfuse.report import FusionGroup, FusionReport, OptimizeResult, RewriteFailure
-    from rnnfuse.plan import FUSED, PER_LAYER, Plan
+    from rnnfuse.tuning.plans import FUSED, PER_LAYER, Plan
 
     globals().update(
         CallPath=CallPath,

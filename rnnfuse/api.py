@@ -30,14 +30,13 @@ import keras
 
 from rnnfuse.passes.graph import build_layer_graph, is_graph_model
 from rnnfuse.passes.planning import plan_fusion
-from rnnfuse.passes.rewrite import FusionWarning, rewrite_model
+from rnnfuse.passes.rewrite import FusionWarning, rewrite_with_failures
 from rnnfuse.reasons import Reason
 from rnnfuse.recurrent import is_recurrent
 from rnnfuse.report import FusionGroup, FusionReport, OptimizeResult
 from rnnfuse.tuning import first_batch
 from rnnfuse.tuning.cache import PlanCache
-from rnnfuse.plan import Plan
-from rnnfuse.tuning.plans import split_groups
+from rnnfuse.tuning.plans import Plan, split_groups
 from rnnfuse.tuning.table import static_plan
 from rnnfuse.tuning.tuner import TuneResult, tune_plans
 
@@ -228,7 +227,7 @@ def optimize(
     )
     _say_if_nothing_runs_fused(model, plans)
     pairs = split_groups(report.groups, [r.plan for r in plans])
-    new, failed = rewrite_model(model, [g for g, _ in pairs], [a for _, a in pairs])
+    new, failed = rewrite_with_failures(model, [g for g, _ in pairs], [a for _, a in pairs])
     if return_result:
         return OptimizeResult(model=new, report=report, plans=tuple(plans), failed=failed)
     return new
@@ -239,12 +238,12 @@ def _optimize_for_first_batch(model, report, training, cache) -> OptimizeResult:
     first batch chooses (`rnnfuse.tuning.first_batch`)."""
     groups = report.groups
     plans = [
-        TuneResult(g, static_plan(g, g.dtype, training), "static: until the first batch")
+        TuneResult(g, static_plan(g, g.views[0].layer.compute_dtype, training), "static: until the first batch")
         for g in groups
     ]
     full = [r.plan.for_length(len(g.layers)) for r, g in zip(plans, groups)]
     pieces = [p.pieces if len(p.pieces) != 1 else None for p in full]
-    new, failed = rewrite_model(model, groups, [p.algorithm for p in full], pieces)
+    new, failed = rewrite_with_failures(model, groups, [p.algorithm for p in full], pieces)
     first_batch.attach(new, first_batch.AutoTune(cache=_plan_cache(cache)))
     return OptimizeResult(model=new, report=report, plans=tuple(plans), failed=failed)
 
@@ -319,7 +318,7 @@ def choose_plans(model, groups, *, tune=None, training=True, plan=None, cache=No
         return chosen
     if tune is None or tune is False or (isinstance(tune, str) and tune == AUTO):
         return [
-            TuneResult(g, static_plan(g, g.dtype, training), "static")
+            TuneResult(g, static_plan(g, g.views[0].layer.compute_dtype, training), "static")
             for g in groups
         ]
     batch, steps = _tune_shape(model, tune)

@@ -49,7 +49,7 @@ import keras
 from keras import ops, tree
 
 from rnnfuse.backends import StackSpec, get_backend
-from rnnfuse.plan import Algorithm
+from rnnfuse.backends.algorithm import Algorithm
 from rnnfuse.reasons import FUSED_PATH, CallPath, PathKind, Reason
 from rnnfuse.recurrent import describe, input_merges, keras_has_cudnn_path
 from rnnfuse.rules import layer_reason, not_implemented, runtime_reason, stack_link_reason
@@ -101,7 +101,7 @@ class FusedRNN(keras.layers.Layer):
             ("standard", "persistent_static", "persistent_dynamic",
             "persistent_static_small_h", each optionally with "+tc" or
             "+tcc" for tensor ops); None: standard. It runs in both passes
-            on rnnfuse's TensorFlow op. See `rnnfuse.plan.Algorithm`.
+            on rnnfuse's TensorFlow op. See `rnnfuse.backends.algorithm`.
         pieces: how calls run the stack: None (the default) one fused call
             for the whole run; `()` the original layers one Keras call
             each; `(a, b, ...)` consecutive fused calls of `a`, `b`, ...
@@ -361,19 +361,26 @@ class FusedRNN(keras.layers.Layer):
         if mask is None:
             return self._call_fused(sequences, initial_state, None, training)
         # The mask's values decide: right-padded -> sequence lengths.
-        fused = lambda: self._call_fused(sequences, initial_state, mask, training)
+        fused = lambda add_losses=True: self._call_fused(
+            sequences, initial_state, mask, training, add_losses=add_losses
+        )
         layers = lambda: self._call_layers(
             sequences, initial_state, mask, training, generic=True
         )
         if _MASKS_KNOWN_RIGHT_PADDED.get():
-            layers = fused
+            layers = lambda: fused(add_losses=False)
         structure = self._output_structure()
-        flat = ops.cond(
-            get_backend().mask_is_supported(mask),
-            lambda: tree.flatten(fused()),
-            lambda: tree.flatten(layers()),
-        )
-        return tree.pack_sequence_as(structure, flat)
+        # The last layer's activity loss is added once, after the branch: a
+        # loss added inside a traced branch cannot leave it.
+        with _activity_regularizer_off(self._views[-1].layer):
+            flat = ops.cond(
+                get_backend().mask_is_supported(mask),
+                lambda: tree.flatten(fused(add_losses=False)),
+                lambda: tree.flatten(layers()),
+            )
+        outputs = tree.pack_sequence_as(structure, flat)
+        self._add_activity_losses(outputs)
+        return outputs
 
     def _fallback_reason(self, mask) -> Reason | None:
         """Why this call must run the original layers, or None (the
@@ -440,8 +447,9 @@ class FusedRNN(keras.layers.Layer):
             )
         return self._piece_cache[key]
 
-    def _call_fused(self, sequences, initial_state, mask, training):
-        """The whole stack as one backend call."""
+    def _call_fused(self, sequences, initial_state, mask, training, add_losses=True):
+        """The whole stack as one backend call (`add_losses`: add the last
+        layer's activity-regularization loss, as its own call would)."""
         backend = get_backend()
         x = self._input_dropout(sequences, training)
         initial_h, initial_c = self._initial_states(initial_state)
@@ -466,7 +474,30 @@ class FusedRNN(keras.layers.Layer):
             # cannot run this call, so the original layers run it.
             self.last_path = CallPath(PathKind.LAYERS, not_implemented(backend.name, err))
             return self._call_layers(sequences, initial_state, mask, training)
-        return self._assemble(outputs, final_h, final_c, mask)
+        outputs = self._assemble(outputs, final_h, final_c, mask)
+        if add_losses:
+            self._add_activity_losses(outputs)
+        return outputs
+
+    def _add_activity_losses(self, outputs) -> None:
+        """The loss Keras' `Layer.__call__` adds for the run's last layer's
+        `activity_regularizer` (the only layer of a run that may have one:
+        rule `activity_regularizer`): the regularizer of each output tensor
+        (the sequence or last output, and the states with return_state),
+        divided by the batch size, added to that layer's own losses so that
+        `model.losses` lists it as the original model does."""
+        layer = self._views[-1].layer
+        regularizer = layer.activity_regularizer
+        if regularizer is None:
+            return
+        for output in tree.flatten(outputs):
+            if not ops.is_tensor(output):
+                continue
+            loss = regularizer(output)
+            if len(output.shape) > 0:
+                batch = ops.cast(ops.shape(output)[0], dtype=loss.dtype)
+                loss = ops.divide_no_nan(loss, batch)
+            layer.add_loss(loss)
 
     def _input_dropout(self, x, training):
         """The first layer's input dropout, as Keras' cuDNN path applies it."""
@@ -693,6 +724,22 @@ def _merge(mode, y, y_rev):
     if mode == "mul":
         return y * y_rev
     return (y, y_rev)
+
+
+@contextlib.contextmanager
+def _activity_regularizer_off(layer):
+    """Temporarily clears `layer.activity_regularizer` while a masked call's
+    two branches are traced, so that the original layers' branch adds no
+    loss inside it; `FusedRNN` adds the loss once, after the branch."""
+    regularizer = layer.activity_regularizer
+    if regularizer is None:
+        yield
+        return
+    layer.activity_regularizer = None
+    try:
+        yield
+    finally:
+        layer.activity_regularizer = regularizer
 
 
 @contextlib.contextmanager

@@ -61,6 +61,8 @@ LAYER_RULE_CASES = [
     ("use_cudnn", lambda: _seq(_lstm("a", use_cudnn=False), _lstm("b")), "a", "use_cudnn", "use_cudnn=False"),
     ("layer_type", lambda: _seq(MyLSTM(8, return_sequences=True, name="a"), _lstm("b")), "a", "layer_type", "subclass of LSTM"),
     ("cell_type", lambda: _seq(L.RNN(Tiny(), return_sequences=True, name="a"), _lstm("b")), "a", "cell_type", "Tiny"),
+    ("cell_activity_regularizer", lambda: _seq(L.RNN(L.LSTMCell(8, activity_regularizer="l2"), return_sequences=True, name="a"), _lstm("b")), "a", "cell_activity_regularizer", "every time step"),
+    ("bidirectional_activity_regularizer", lambda: _seq(L.Bidirectional(_lstm("a0", activity_regularizer="l2"), name="a"), L.Bidirectional(_lstm("b0"), name="b")), "a", "bidirectional_activity_regularizer", "a0' has an activity_regularizer"),
 ]
 
 
@@ -96,6 +98,7 @@ LINK_CASES = [
     ("go_backwards", lambda: (_lstm("a"), _lstm("b", go_backwards=True), _lstm("c")), "go_backwards", "alternates direction"),
     ("dropout", lambda: (_lstm("a"), _lstm("b", dropout=0.3), _lstm("c")), "dropout", "dropout=0.3"),
     ("dtype_policy", lambda: (_lstm("a", dtype="mixed_float16"), _lstm("b"), _lstm("c")), "dtype_policy", "mixed_float16"),
+    ("activity_regularizer", lambda: (_lstm("a", activity_regularizer="l2"), _lstm("b"), _lstm("c")), "activity_regularizer", "only the last layer of a run"),
 ]
 
 

@@ -54,6 +54,8 @@ def is_absorbable_dropout(layer: Any) -> bool:
         type(layer) is keras.layers.Dropout
         and layer.noise_shape is None
         and 0.0 <= float(layer.rate) < 1.0
+        # Its output stays inside the fused call, where no regularizer sees it.
+        and layer.activity_regularizer is None
     )
 
 
@@ -284,7 +286,6 @@ def _group(graph, run, views, bridges) -> FusionGroup:
         proj_size=first.proj_size,
         absorbed_dropout=absorbed,
         scope=graph.nodes[run[0]]["scope"],
-        dtype=str(first.layer.compute_dtype),
         views=tuple(views[k] for k in run),
         gap_dropout=tuple(
             graph.nodes[bridges[(u, l)][0]]["layer"] if bridges[(u, l)] else None

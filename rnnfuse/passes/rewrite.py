@@ -1,8 +1,7 @@
 """Pass 4: a new model in which each fusion group is one `FusedRNN` layer.
 
 `rewrite_model(model, groups)` returns a new Sequential or Functional
-model with the same inputs, outputs and output names, and the groups whose
-fused layer could not be built (`RewriteFailure`s). Every layer that is
+model with the same inputs, outputs and output names. Every layer that is
 not in a group is the same object as in `model`; each group's layers move
 inside a `FusedRNN` (still the same objects, so the variables are shared).
 `model` itself is never changed.
@@ -29,9 +28,9 @@ Example:
     ...     keras.layers.GRU(4, return_sequences=True),
     ...     keras.layers.GRU(4), keras.layers.Dense(1)])
     >>> report = plan_fusion(build_layer_graph(m), model_name=m.name)
-    >>> new, failed = rewrite_model(m, report.groups)
-    >>> [type(l).__name__ for l in new.layers], failed
-    (['FusedRNN', 'Dense'], ())
+    >>> new = rewrite_model(m, report.groups)
+    >>> [type(l).__name__ for l in new.layers]
+    ['FusedRNN', 'Dense']
 """
 
 from __future__ import annotations
@@ -44,12 +43,11 @@ import keras
 
 from rnnfuse.fused import FusedRNN, first_call_kwargs
 from rnnfuse.passes.graph import is_graph_model
-from rnnfuse.optimized import as_optimized
-from rnnfuse.persistence import copy_compile
+from rnnfuse.persistence import as_optimized, copy_compile
 from rnnfuse.reasons import FusionWarning
 from rnnfuse.report import FusionGroup, RewriteFailure
 
-__all__ = ["FusionWarning", "rewrite_model"]
+__all__ = ["FusionWarning", "rewrite_model", "rewrite_with_failures"]
 
 
 def rewrite_model(
@@ -57,9 +55,8 @@ def rewrite_model(
     groups: Sequence[FusionGroup],
     algorithms: Sequence[str | None] | None = None,
     pieces: Sequence[tuple[int, ...] | None] | None = None,
-) -> tuple[keras.Model, tuple[RewriteFailure, ...]]:
-    """A new model in which each of `groups` is one `FusedRNN`, and the
-    groups whose fused layer could not be built.
+) -> keras.Model:
+    """A new model in which each of `groups` is one `FusedRNN`.
 
     Args:
         model: the analyzed Sequential or Functional model.
@@ -69,10 +66,19 @@ def rewrite_model(
             the original layers inside a switchable FusedRNN).
 
     Returns:
-        (a new `keras.Model` sharing every layer and variable with `model`,
-        one `RewriteFailure` per group that keeps its original layers; each
-        is also warned about with a `FusionWarning`).
+        A new `keras.Model` sharing every layer and variable with `model`.
     """
+    return rewrite_with_failures(model, groups, algorithms, pieces)[0]
+
+
+def rewrite_with_failures(
+    model: keras.Model,
+    groups: Sequence[FusionGroup],
+    algorithms: Sequence[str | None] | None = None,
+    pieces: Sequence[tuple[int, ...] | None] | None = None,
+) -> tuple[keras.Model, tuple[RewriteFailure, ...]]:
+    """`rewrite_model`, and the groups whose fused layer could not be built
+    (each also warned about with a `FusionWarning`)."""
     algorithms = list(algorithms or [None] * len(groups))
     pieces = list(pieces or [None] * len(groups))
     if not groups:
@@ -86,7 +92,7 @@ def rewrite_model(
         by_scope[group.scope].append((group, algorithm, piece))
     rewriter = _Rewriter(by_scope)
     new = rewriter.rewrite(model, scope="", force_new=True)
-    # Weight files in the original layout, registered classes (optimized.py).
+    # Weight files in the original layout, registered classes (persistence.py).
     return as_optimized(new, like=model), tuple(rewriter.failures)
 
 

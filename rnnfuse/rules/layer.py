@@ -194,6 +194,18 @@ def _cell_type(cell, ctx):
     )
 
 
+@rule("cell_activity_regularizer", "layer", "a cell with an activity_regularizer (Keras applies it at every time step of its loop)", "cell")
+def _cell_activity_regularizer(cell, ctx):
+    if getattr(cell, "activity_regularizer", None) is not None:
+        return Reason(
+            "cell_activity_regularizer",
+            f"its cell '{cell.name}' has an activity_regularizer, which Keras "
+            "applies to the cell's output at every time step; the fused call runs "
+            "no per-step cell call",
+        )
+    return None
+
+
 @rule("activation", "layer", "activations cuDNN does not compute (LSTM/GRU: tanh and sigmoid; SimpleRNN: tanh or relu)", "cell")
 def _activation(cell, ctx):
     act = _activation_name(getattr(cell, "activation", None), ctx.activations)
@@ -308,6 +320,20 @@ def _bidirectional_dropout(layer, fview, bview):
             "dropout inside a Bidirectional layer draws one input mask per "
             "direction; a fused bidirectional call has one input",
         )
+    return None
+
+
+@rule("bidirectional_activity_regularizer", "layer", "an activity_regularizer on the forward or backward layer inside a Bidirectional (each direction's own output never leaves the fused call)", "bidirectional")
+def _bidirectional_activity_regularizer(layer, fview, bview):
+    for part in (layer.forward_layer, layer.backward_layer):
+        if part.activity_regularizer is not None:
+            return Reason(
+                "bidirectional_activity_regularizer",
+                f"its layer '{part.name}' has an activity_regularizer, which Keras "
+                "applies to that direction's own output; a fused bidirectional call "
+                "returns the two directions together (an activity_regularizer on the "
+                "Bidirectional itself is fine)",
+            )
     return None
 
 

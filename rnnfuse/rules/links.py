@@ -192,6 +192,19 @@ def _merge_mode(upper, lower):
     return None
 
 
+@rule("activity_regularizer", "link", "a layer below the top of a run has an activity_regularizer, which needs its output sequence (one fused call returns only the top layer's)", "views")
+def _activity_regularizer(upper, lower):
+    if upper.layer.activity_regularizer is not None:
+        return Reason(
+            "activity_regularizer",
+            f"'{upper.layer.name}' has an activity_regularizer, which Keras applies "
+            f"to its output sequence; inside a fused call with '{lower.layer.name}' "
+            "that sequence never leaves the kernel, so only the last layer of a run "
+            "may have one",
+        )
+    return None
+
+
 @rule("go_backwards", "link", "a go_backwards layer that is not the first of its run", "views")
 def _go_backwards(upper, lower):
     if lower.go_backwards:

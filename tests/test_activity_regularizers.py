@@ -1,0 +1,52 @@
+"""Activity regularizers on fused runs, TensorFlow backend (the fused path
+through the emulated CudnnRNNV3): `fast.losses` equals `model.losses`, and
+evaluate and a fit epoch match the original (tests/activity_checks.py)."""
+
+from __future__ import annotations
+
+import keras
+import pytest
+from activity_checks import CASES, assert_losses_match, assert_training_matches, data, twins
+from builders import fused_layers
+
+import rnnfuse
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_activity_losses_and_training_match_the_original(name, emulated_cudnn):
+    model, reference = twins(name)
+    fast = rnnfuse.optimize(model, tune=False)
+    assert [len(f.fused_layers) for f in fused_layers(fast)] == CASES[name][1]
+    x, y = data(model, padded=name == "masked")
+    assert_losses_match(model, fast, x)
+    assert_training_matches(model, reference, fast, x, y)
+    if CASES[name][1]:
+        assert emulated_cudnn, "the fused path did not run"
+
+
+def test_issue_repro_keeps_both_layers_with_the_reason():
+    model, _ = twins("issue_repro")
+    report = rnnfuse.analyze(model)
+    first = model.layers[0].name
+    assert report.groups == ()
+    assert report.skipped[first].rule == "activity_regularizer"
+
+
+def test_masked_activity_loss_is_added_once_outside_the_branch(emulated_cudnn):
+    # Under a mask the fused layer chooses its path in a traced branch; the
+    # loss must be added once, after it, in graph mode too (fit's trace).
+    model, _ = twins("masked")
+    fast = rnnfuse.optimize(model, tune=False)
+    x, _ = data(model, padded=True)
+    import tensorflow as tf
+
+    @tf.function
+    def losses(inputs):
+        fast(inputs, training=True)
+        return fast.losses
+
+    (fused,) = fused_layers(fast)
+    activity = [l for l in losses(x)]
+    weight_losses = len([w for w in model.trainable_weights if w.regularizer is not None])
+    assert len(activity) == weight_losses + 1
+    assert fused.fused_layers[-1].activity_regularizer is not None  # restored after the branch
