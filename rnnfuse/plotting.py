@@ -15,9 +15,11 @@ like `keras.utils.plot_model(show_shapes=True)`, and colours it with
 - a subclassed sub-model rnnfuse cannot see into: a dark box;
 - every other layer: grey;
 - arrows are the tensors between layers. A mask Keras passes along is not
-  drawn as an arrow: the layer that receives it says "mask from <layer>"
-  (the Embedding with mask_zero=True, for example). Keras' internal mask
-  ops (NotEqual) and the model's output markers are not drawn.
+  drawn as an arrow: each layer whose call receives it says "mask from
+  <layer>" (the Masking layer, or the Embedding with mask_zero=True, that
+  made it), in Sequential and Functional models alike. The ops that
+  compute a mask (Masking's NotEqual -> Any) and the model's output
+  markers are not drawn.
 
 Two renderers, one picture:
 
@@ -116,14 +118,8 @@ def _picture(model: Any, graph: nx.DiGraph, report: Any, title: str | None) -> _
     for i, group in enumerate(report.groups):
         for key in (*group.layers, *group.absorbed_dropout):
             group_of[key] = i
-    hidden = {k for k, d in graph.nodes(data=True) if d["kind"] == "output" or _mask_op(graph, k)}
-    masks: dict[str, list[str]] = {}
-    for src, dst, role in graph.edges(data="role"):
-        if role == "mask" and dst not in hidden:
-            origin = _mask_origin(graph, src) if src in hidden else _name(src)
-            masks.setdefault(dst, [])
-            if origin not in masks[dst]:
-                masks[dst].append(origin)
+    hidden = _mask_ops(graph) | {k for k, d in graph.nodes(data=True) if d["kind"] == "output"}
+    masks = _received_masks(graph, hidden)
     boxes = {}
     for key, data in graph.nodes(data=True):
         if key in hidden:
@@ -156,28 +152,89 @@ def _bridged(graph, src, dst, hidden):
     return [(src, dst)]
 
 
-def _mask_op(graph: nx.DiGraph, key: str) -> bool:
-    """A Keras op (not a layer) whose outputs are only masks (NotEqual)."""
+def _mask_ops(graph: nx.DiGraph) -> set[str]:
+    """The Keras ops (not layers) whose outputs end only in masks: the
+    NotEqual -> Any chain of a Masking layer in a Functional model, the
+    NotEqual of an Embedding(mask_zero=True), a mask the user computed."""
     import keras
 
-    data = graph.nodes[key]
-    layer = data.get("layer")
-    if data["kind"] != "layer" or layer is None or isinstance(layer, keras.layers.Layer):
-        return False
-    roles = [role for _, _, role in graph.out_edges(key, data="role")]
-    return bool(roles) and all(role == "mask" for role in roles)
+    found: set[str] = set()
+    for key in reversed(list(nx.topological_sort(graph))):
+        data = graph.nodes[key]
+        layer = data.get("layer")
+        if data["kind"] != "layer" or layer is None or isinstance(layer, keras.layers.Layer):
+            continue
+        edges = list(graph.out_edges(key, data="role"))
+        if edges and all(role == "mask" or dst in found for _, dst, role in edges):
+            found.add(key)
+    return found
 
 
-def _mask_origin(graph: nx.DiGraph, op_key: str) -> str:
-    """The layer a hidden mask op stands for: the Embedding(mask_zero=True)
-    reading the same tensor, else the op's input."""
-    sources = list(graph.predecessors(op_key))
-    for src in sources:
-        for sibling in graph.successors(src):
-            layer = graph.nodes[sibling].get("layer")
-            if getattr(layer, "mask_zero", False):
-                return _name(sibling)
-    return ", ".join(_name(s) for s in sources) or "?"
+def _received_masks(graph: nx.DiGraph, hidden: set[str]) -> dict[str, list[str]]:
+    """Layer key -> the layers whose mask its call received.
+
+    The mask of a call is its `mask=` argument, else its input's
+    `_keras_mask` (what Keras passes along, in a Sequential model too); it
+    comes from the first layer whose output carries it (the Masking or
+    Embedding that made it), else from the inputs of the ops that
+    computed it.
+    """
+    import keras
+
+    creators: dict[int, str] = {}
+    received: dict[str, list[str]] = {}
+    for key in nx.topological_sort(graph):
+        layer = graph.nodes[key].get("layer")
+        node = _first_node(layer) if isinstance(layer, keras.layers.Layer) else None
+        if node is None:
+            continue
+        if getattr(layer, "_call_has_mask_arg", False):
+            for mask in _call_masks(node):
+                origin = creators.get(id(mask)) or _computed_from(graph, mask, hidden)
+                if origin and origin not in received.setdefault(key, []):
+                    received[key].append(origin)
+        for out in keras.tree.flatten(node.output_tensors):
+            mask = getattr(out, "_keras_mask", None)
+            if mask is not None:
+                creators.setdefault(id(mask), _name(key))
+    return {key: names for key, names in received.items() if names}
+
+
+def _first_node(layer):
+    nodes = getattr(layer, "_inbound_nodes", None) or []
+    return nodes[0] if nodes else None
+
+
+def _call_masks(node) -> list:
+    """The mask tensors a layer call received (explicit or propagated)."""
+    import keras
+
+    arguments = getattr(node, "arguments", None)
+    kwargs = getattr(arguments, "kwargs", None) or {}
+    mask = kwargs.get("mask")
+    if mask is None:
+        args = getattr(arguments, "args", None) or node.input_tensors
+        first = args[0] if args else None
+        mask = [getattr(t, "_keras_mask", None) for t in keras.tree.flatten(first)]
+    return [m for m in keras.tree.flatten(mask) if m is not None]
+
+
+def _computed_from(graph: nx.DiGraph, mask, hidden: set[str]) -> str:
+    """The shown nodes a mask was computed from, through hidden mask ops."""
+    history = getattr(mask, "_keras_history", None)
+    operation = getattr(history, "operation", None)
+    keys = [k for k, d in graph.nodes(data=True) if d.get("layer") is operation] if operation else []
+    names, todo, seen = [], list(keys), set(keys)
+    while todo:
+        key = todo.pop(0)
+        if key not in hidden:
+            names.append(_name(key))
+            continue
+        for src in graph.predecessors(key):
+            if src not in seen:
+                seen.add(src)
+                todo.append(src)
+    return ", ".join(names)
 
 
 def _name(key: str) -> str:

@@ -226,6 +226,34 @@ def test_plot_boxes_use_names_shapes_and_verdicts():
     assert "keras_tensor" not in text and "NotEqual" not in text and "not_equal" not in text
 
 
+@pytest.mark.parametrize("functional", [False, True])
+def test_plot_draws_a_masking_layers_mask_and_no_mask_ops(functional):
+    """Issue 27: a Functional model drew a stray `not_equal` box (Masking's
+    NotEqual -> Any chain) and a Sequential one drew no mask at all."""
+    from rnnfuse.passes import build_layer_graph
+    from rnnfuse.plotting import _picture
+
+    layers = [
+        keras.layers.Masking(name="pad"),
+        keras.layers.LSTM(4, return_sequences=True, name="l1"),
+        keras.layers.Dense(4, name="mid"),
+        keras.layers.LSTM(4, name="l2"),
+    ]
+    if functional:
+        x = inp = keras.Input((6, 3), name="x")
+        for layer in layers:
+            x = layer(x)
+        model = keras.Model(inp, x)
+    else:
+        model = keras.Sequential([keras.Input((6, 3)), *layers])
+    picture = _picture(model, build_layer_graph(model), rnnfuse.analyze(model), None)
+    assert sorted(picture.boxes) == sorted([next(iter(picture.boxes)), "pad", "l1", "mid", "l2"])
+    assert "mask from pad" in picture.boxes["l1"].lines
+    assert "mask from pad" in picture.boxes["l2"].lines  # Dense passes it on
+    assert not any(line.startswith("mask") for line in picture.boxes["mid"].lines)
+    assert ("pad", "l1") in picture.arrows
+
+
 @pytest.mark.parametrize("engine", ["matplotlib", "graphviz"])
 def test_plot_of_two_towers_keeps_arrows_off_other_boxes(engine, tmp_path):
     from rnnfuse.plotting import _has_graphviz, _layout, _picture, plot_layer_graph
