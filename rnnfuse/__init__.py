@@ -30,8 +30,10 @@ The dependency rule. The package is in layers, lowest first; a module
 imports only from its own layer or the layers below it (also inside
 functions; tests/test_layering.py checks every import):
 
-    records        reasons.py (Reason, CallPath), report.py, _version.py,
-                   _deps.py (importing keras), schema/ (JSON Schema files)
+    records        reasons.py (Reason, CallPath), report.py (the records
+                   only), report_text.py (a report as rich tables and
+                   text), _version.py, _deps.py (importing keras), schema/
+                   (JSON Schema files)
     describe/graph recurrent.py (RecurrentView), passes/graph.py
     rules          rules/ (the registry and every fusion rule)
     backends       backends/ (the Backend contract and one package per
@@ -46,7 +48,8 @@ functions; tests/test_layering.py checks every import):
     tuning         tuning/, placement.py (where a plan runs here)
     rewrite/saving passes/rewrite.py, persistence.py, passes/__init__.py
     api            api.py, this package's __init__
-    cli/render     cli/, plotting.py, __main__.py
+    cli/render     cli/ (one module per command; cli/render.py prints
+                   their text), plotting.py, __main__.py
 
 `LAYERS` below is that list; `LAYER_EXCEPTIONS` names the imports that
 break it for now, each with the reason.
@@ -94,7 +97,14 @@ LAYER_NAMES = (
     "cli/render",
 )
 LAYERS = (
-    ("rnnfuse.reasons", "rnnfuse.report", "rnnfuse._version", "rnnfuse._deps", "rnnfuse.schema"),
+    (
+        "rnnfuse.reasons",
+        "rnnfuse.report",
+        "rnnfuse.report_text",
+        "rnnfuse._version",
+        "rnnfuse._deps",
+        "rnnfuse.schema",
+    ),
     ("rnnfuse.recurrent", "rnnfuse.passes.graph"),
     ("rnnfuse.rules",),
     ("rnnfuse.backends",),

@@ -4,7 +4,7 @@
 A `FusionGroup` is one run of stacked recurrent layers that becomes one
 fused layer; a `FusionReport` lists the groups of a model and, for every
 recurrent layer left alone, the `Reason` why. `str(report)` is a plain-text
-table; `report.to_dict()` is JSON-ready.
+table (drawn by rnnfuse.report_text); `report.to_dict()` is JSON-ready.
 
 Example:
 
@@ -20,7 +20,6 @@ Example:
 from __future__ import annotations
 
 import dataclasses
-import io
 import types
 from typing import Any, Mapping
 
@@ -106,58 +105,23 @@ class FusionReport:
             "notes": list(self.notes),
         }
 
-    def tables(self, runs: list[str] | None = None, runs_title: str = "runs") -> list:
-        """rich Tables: the fused groups and the layers left alone.
+    def tables(self, runs: list[str] | None = None, runs_title: str = "runs") -> tuple:
+        """rich Tables: the fused groups and the layers left alone
+        (`rnnfuse.report_text.report_tables`).
 
         Args:
             runs: one extra cell per group (the CLI's "how it runs here").
             runs_title: that column's title.
         """
-        from rich.table import Table
+        from rnnfuse.report_text import report_tables
 
-        fused = Table(title=f"rnnfuse: fused groups in '{self.model_name}'")
-        for col in ("#", "layers", "cell", "units", "levels", "input", "bidir"):
-            fused.add_column(col)
-        if runs is not None:
-            fused.add_column(runs_title)
-        for i, g in enumerate(self.groups):
-            layers = " -> ".join(g.layers)
-            if g.absorbed_dropout:
-                layers += f"  (absorbs {', '.join(g.absorbed_dropout)})"
-            cell = g.cell + (f" (proj {g.proj_size})" if g.proj_size else "")
-            fused.add_row(
-                str(i),
-                layers,
-                cell,
-                str(g.units),
-                str(g.num_layers),
-                str(g.input_size),
-                "yes" if g.bidirectional else "no",
-                *([runs[i]] if runs is not None else []),
-            )
-        alone = Table(title="recurrent layers left as they are")
-        alone.add_column("layer")
-        alone.add_column("rule")
-        alone.add_column("why")
-        for name, reason in self.skipped.items():
-            alone.add_row(name, getattr(reason, "rule", ""), str(reason))
-        return [fused, alone]
+        return report_tables(self, runs, runs_title)
 
     def __str__(self) -> str:
-        from rich.console import Console
+        """Both tables and the notes as plain text (`rnnfuse.report_text`)."""
+        from rnnfuse.report_text import report_text
 
-        buf = io.StringIO()
-        console = Console(file=buf, width=120, no_color=True, highlight=False)
-        fused, alone = self.tables()
-        if self.groups:
-            console.print(fused)
-        else:
-            console.print(f"rnnfuse: no fusable runs in '{self.model_name}'.")
-        if self.skipped:
-            console.print(alone)
-        for note in self.notes:
-            console.print(f"note: {note}")
-        return buf.getvalue().rstrip("\n")
+        return report_text(self)
 
 
 @dataclasses.dataclass(frozen=True)

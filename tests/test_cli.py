@@ -10,6 +10,8 @@ and no traceback.
 from __future__ import annotations
 
 import builtins
+import importlib
+import importlib.util
 import json
 import logging
 import os
@@ -68,6 +70,15 @@ def subclassed():
     model = Sub()
     model(keras.ops.zeros((1, 5, 3)))
     return model
+
+def odd_names():
+    """Layer names that read as rich markup."""
+    return keras.Sequential([
+        keras.Input((6, 3), name="x"),
+        keras.layers.LSTM(4, return_sequences=True, name="enc[bold]"),
+        keras.layers.LSTM(4, return_sequences=True, name="enc[italic]"),
+        keras.layers.GRU(5, name="odd[red]"),
+    ], name="odd")
 
 def not_a_model():
     return [1, 2]
@@ -319,7 +330,7 @@ def test_check_passes_through_the_fused_path(in_workdir, capsys, emulated_cudnn)
     assert group["layers"] == ["lstm_a", "lstm_b"]
     assert group["plan"] == {"name": "fused", "pieces": [2], "algorithm": None, "source": "forced"}
     assert result["caveat"] is None and result["compared_fused_path"] is True
-    assert result["outputs_max_abs_diff"] <= result["tolerance"] == cli.DEFAULT_TOLERANCE["float32"]
+    assert result["outputs_max_abs_diff"] <= result["tolerance"] == cli.check.DEFAULT_TOLERANCE["float32"]
     assert result["gradients_max_abs_diff"] <= result["tolerance"]
     assert result["gradients_max_abs"] > 0  # the gradients are not all zero
 
@@ -520,7 +531,7 @@ def test_quiet_and_verbose_set_the_rnnfuse_logger(in_workdir, capsys, monkeypatc
     code, out, err = _run(capsys, *bench, "-q")
     assert code == 0 and err == ""
     seen = []
-    monkeypatch.setattr(cli, "_cmd_inspect", lambda args: seen.append(logging.getLogger("rnnfuse").level) or 0)
+    monkeypatch.setattr(cli.inspect, "run", lambda args: seen.append(logging.getLogger("rnnfuse").level) or 0)
     assert cli.main(["-v", "inspect", "fusable.keras"]) == 0 and seen == [logging.DEBUG]
     # The command puts the logger back as it found it.
     logger = logging.getLogger("rnnfuse")
@@ -528,10 +539,97 @@ def test_quiet_and_verbose_set_the_rnnfuse_logger(in_workdir, capsys, monkeypatc
 
 
 def test_unexpected_errors_exit_3(in_workdir, capsys, monkeypatch):
-    monkeypatch.setattr(cli, "_analyze", lambda model, n: {}["boom"])
+    monkeypatch.setattr(cli.pipeline, "analyze", lambda model, n: {}["boom"])
     code, out, err = _run(capsys, "inspect", "stack.keras")
     assert code == 3
     assert len(err.strip().splitlines()) == 1 and "KeyError" in err and "--debug" in err
+
+
+# -- issue 27: what a newcomer hit ------------------------------------------------
+
+
+def test_dynamic_text_is_printed_as_written_not_as_markup(in_workdir, capsys, monkeypatch):
+    """rich markup ate `[bold]` from a layer name and `[torch]` from the
+    advice `pip install 'rnnfuse[torch]'` ()."""
+    code, out, err = _run(capsys, "inspect", "models:odd_names")
+    assert code == 0, err
+    text = " ".join(out.split())
+    assert "enc[bold] -> enc[italic]" in text and "odd[red]" in text
+    assert "enc[bold] -> enc[italic]" in str(rnnfuse.analyze(importlib.import_module("models").odd_names()))
+    real_find_spec = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: None if name == "torch" else real_find_spec(name, *a)
+    )
+    code, out, err = _run(capsys, "check", "fusable.keras")
+    assert code == 0, err
+    assert "pip install 'rnnfuse[torch]'" in " ".join(out.split())
+
+
+def test_quiet_prints_only_the_result_line(in_workdir, capsys):
+    code, out, err = _run(capsys, "inspect", "stack.keras", "-q")
+    assert code == 0 and err == ""
+    assert out.splitlines() == [
+        "1 group(s) of 2 layer(s) can fuse; 0 run(s) fused here (tensorflow); "
+        "1 recurrent layer(s) stay as they are."
+    ]
+    code, out, err = _run(capsys, "-q", "check", "fusable.keras")
+    assert code == 0 and err == ""
+    assert out.splitlines() == ["PASS: both within the tolerance 0.0001 (original layers against themselves)"]
+    code, out, err = _run(capsys, "bench", "fusable.keras", "--batch", "2", "--repeats", "1", "--warmup", "1", "-q")
+    assert code == 0 and err == ""
+    [line] = out.splitlines()
+    assert re.fullmatch(r"speedup \(original / optimized, medians\): \d+\.\d\dx", line)
+
+
+def test_errors_under_json_are_json_records(in_workdir, capsys):
+    for argv, command, code in [
+        (["check", "missing.keras", "--json"], "check", 2),
+        (["inspect", "stack.keras", "--json", "--frobnicate"], "inspect", 2),
+        (["--json"], None, 2),
+    ]:
+        got, out, err = _run(capsys, *argv)
+        record = json.loads(out)
+        assert got == code and record["command"] == command
+        assert record["error"]["exit_code"] == code
+        # The same one line as on stderr.
+        assert err.strip().splitlines() == [f"rnnfuse: error: {record['error']['message']}"]
+
+
+def test_the_steps_note_appears_only_when_steps_was_given(in_workdir, capsys):
+    code, out, err = _run(capsys, "check", "fusable.keras", "--json")
+    assert code == 0, err
+    assert not [n for n in json.loads(out)["notes"] if "--steps" in n]
+    code, out, err = _run(capsys, "check", "fusable.keras", "--steps", "3", "--json")
+    assert [n for n in json.loads(out)["notes"] if "--steps 3 does not apply" in n]
+    # An open time dimension still gets check's default of 16 steps.
+    code, out, err = _run(capsys, "check", "models:text", "--json")
+    assert code == 0 and json.loads(out)["inputs"][0]["shape"] == [4, 16]
+
+
+def test_verbosity_flags_work_after_every_command():
+    from rnnfuse.cli.arguments import build_parser
+
+    parser = build_parser(cli.COMMANDS)
+    for command in cli.COMMANDS:
+        argv = [command.NAME] + (["m.keras"] if "model" in command.PARENTS else [])
+        args = parser.parse_args([*argv, "--debug", "-q"])
+        assert (args.debug, args.quiet, args.verbose) == (True, 1, 0), command.NAME
+        args = parser.parse_args(["-v", *argv])
+        assert (args.debug, args.quiet, args.verbose) == (False, 0, 1), command.NAME
+
+
+def test_build_ops_without_tensorflow_is_exit_2_with_the_install_fix(capsys, monkeypatch):
+    """Was: exit 3, "unexpected ModuleNotFoundError ... This may be a bug",
+    and `build-ops --debug` refused."""
+    monkeypatch.setitem(sys.modules, "tensorflow", None)  # import tensorflow fails
+    for name in [m for m in sys.modules if m.startswith("rnnfuse.backends.tensorflow")]:
+        monkeypatch.delitem(sys.modules, name)
+    code, out, err = _run(capsys, "build-ops", "--debug")
+    assert code == 2
+    last = err.strip().splitlines()[-1]
+    assert last.startswith("rnnfuse: error: build-ops compiles rnnfuse's op for TensorFlow")
+    assert "Fix: pip install 'tensorflow" in last and "This may be a bug" not in err
+    assert "Traceback" in err  # --debug after the command name is honoured
 
 
 # -- installed entry points (subprocesses) -----------------------------------------

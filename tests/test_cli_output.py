@@ -90,6 +90,23 @@ def test_the_schema_rejects_the_old_free_text_fields(saved, capsys):
         jsonschema.validate(record, load_schema())
 
 
+@pytest.mark.parametrize(
+    "argv", [("check", "missing.keras", "--json"), ("bench", "text.keras", "--batch", "0", "--json"), ("--json",)]
+)
+def test_an_error_under_json_is_a_record_of_the_schema(saved, capsys, argv):
+    code = cli.main(list(argv))
+    record = json.loads(capsys.readouterr().out)
+    assert code == 2
+    jsonschema.validate(record, load_schema())
+    assert record["error"]["exit_code"] == 2 and record["error"]["message"]
+    record["groups"] = []  # an error record holds no result
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate(record, load_schema())
+    del record["groups"], record["error"]  # nor is a record without error or result valid
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate(record, load_schema())
+
+
 def test_input_records_are_structured():
     [tokens, x, flag] = input_records(
         [

@@ -137,3 +137,15 @@ def test_the_exceptions_are_still_needed():
                 used.add((module, target))
     stale = set(rnnfuse.LAYER_EXCEPTIONS) - used
     assert not stale, f"stale entries in rnnfuse.LAYER_EXCEPTIONS: {sorted(stale)}"
+
+
+def test_text_is_drawn_in_the_render_modules_only():
+    """Records hold data (report.py draws nothing); the report's tables are
+    drawn by report_text.py and the commands' output by cli/render.py."""
+    allowed = {"rnnfuse.report_text", "rnnfuse.cli.render"}
+    drawing = set()
+    for module, path in _modules():
+        for _, name in _imports(module, path):
+            if name.startswith(("rich.console", "rich.table")):
+                drawing.add(module)
+    assert drawing == allowed

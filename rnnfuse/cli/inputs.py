@@ -20,7 +20,7 @@ import os
 
 from rnnfuse.cli.errors import CliError, _first_line
 
-__all__ = ["random_inputs"]
+__all__ = ["backend_for", "random_inputs", "run_model"]
 
 
 # -- random inputs -------------------------------------------------------------
@@ -82,15 +82,27 @@ def _check_memory(model, specs, batch: int, steps: int | None) -> None:
         )
 
 
-def random_inputs(model, *, batch: int, steps: int | None, rng, notes: list | None = None):
+def random_inputs(
+    model,
+    *,
+    batch: int,
+    steps: int | None,
+    rng,
+    notes: list | None = None,
+    default_steps: int | None = None,
+):
     """Random arrays for every input of `model`, as `model(...)` takes them.
 
     Args:
         model: a built Functional or Sequential keras.Model.
         batch: the batch size.
-        steps: the time steps for inputs whose axis 1 is None.
+        steps: the time steps the user asked for (`--steps`), for inputs
+            whose axis 1 is None; a note says where an input's own time
+            dimension overrides it.
         rng: a numpy Generator.
         notes: a list that receives one line per remark (may be None).
+        default_steps: the time steps where `steps` is None (None: such an
+            input is an error that asks for --steps).
 
     Returns:
         (inputs as the model takes them, list of one-line descriptions).
@@ -110,6 +122,7 @@ def random_inputs(model, *, batch: int, steps: int | None, rng, notes: list | No
             "Sequential model starting with keras.Input(shape)"
         ) from err
     vocab = _embedding_inputs(model, specs)
+    asked, steps = steps, steps if steps is not None else default_steps
     _check_memory(model, specs, batch, steps)
     arrays, described = [], []
     for i, spec in enumerate(specs):
@@ -117,10 +130,10 @@ def random_inputs(model, *, batch: int, steps: int | None, rng, notes: list | No
         shape = [batch]
         for axis, dim in enumerate(spec.shape[1:], start=1):
             if dim is not None:
-                if axis == 1 and steps is not None and dim != steps and notes is not None:
+                if axis == 1 and asked is not None and dim != asked and notes is not None:
                     notes.append(
                         f"input '{name}' has a fixed time dimension of {dim}; "
-                        f"--steps {steps} does not apply to it"
+                        f"--steps {asked} does not apply to it"
                     )
                 shape.append(int(dim))
             elif axis == 1:
@@ -200,7 +213,7 @@ def _embedding_inputs(model, specs) -> dict[int, tuple[int, bool]]:
 # -- running the user's model ----------------------------------------------------
 
 
-def _backend(command: str):
+def backend_for(command: str):
     """The active Keras backend's `rnnfuse.backends.Backend` (its device
     description, model steps and gradients); a CliError where rnnfuse has
     no kernel for it."""
@@ -216,7 +229,7 @@ def _backend(command: str):
     return backend
 
 
-def _run_model(fn, *args, command: str):
+def run_model(fn, *args, command: str):
     """Calls `fn(*args)`; a failure of the user's model becomes a CliError."""
     try:
         return fn(*args)
@@ -228,18 +241,3 @@ def _run_model(fn, *args, command: str):
             f"{type(err).__name__}: {_first_line(err)}. Fix: check that the "
             "model runs on inputs of these shapes (--debug shows the traceback)"
         ) from err
-
-
-def _caveat(paths: dict, groups: int) -> str | None:
-    """Why the two models should time alike here, if they should."""
-    if not groups:
-        return "nothing fuses in this model: both models run the same layers."
-    if not paths:
-        return "every group's plan keeps its layers: both models run the same layers."
-    fallback = sorted({str(p.reason) for p in paths.values() if getattr(p, "reason", None) is not None})
-    if fallback:
-        return (
-            f"the fused layers ran the original layers here ({'; '.join(fallback)}), "
-            "so expect about 1.0x. On a CUDA GPU each group runs as one cuDNN call."
-        )
-    return None

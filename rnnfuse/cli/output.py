@@ -12,7 +12,9 @@ in every command; rnnfuse/schema/cli-output-v1.json is the JSON Schema
 - `inspect` adds `skipped` (layer -> {rule, reason});
 - `bench` and `check` add `device`, `gpu`, `inputs` (a list of {name,
   dtype, shape, values}), `fused_paths` (fused layer -> what it ran) and
-  `caveat` (a string or null), and their measurements.
+  `caveat` (a string or null), and their measurements;
+- an error is `schema_version`, `command` (null when none was named),
+  `rnnfuse_version` and `error`: {exit_code, message} (`error_record`).
 
 A later version that changes a field's meaning or type bumps
 `schema_version`; adding a field does not.
@@ -30,7 +32,7 @@ import re
 from importlib import resources
 from typing import Any, Sequence
 
-__all__ = ["SCHEMA_VERSION", "envelope", "group_records", "input_records", "load_schema"]
+__all__ = ["SCHEMA_VERSION", "envelope", "error_record", "group_records", "input_records", "load_schema"]
 
 SCHEMA_VERSION = 1
 SCHEMA_FILE = "cli-output-v1.json"
@@ -63,6 +65,16 @@ def envelope(command: str, model_name: str) -> dict:
         "rnnfuse_version": rnnfuse_version(),
         "backend": backend_name(),
         "model": model_name,
+    }
+
+
+def error_record(command: str | None, exit_code: int, message: str) -> dict:
+    """The `--json` record of a failed command (no keras import needed)."""
+    return {
+        "schema_version": SCHEMA_VERSION,
+        "command": command,
+        "rnnfuse_version": rnnfuse_version(),
+        "error": {"exit_code": exit_code, "message": message},
     }
 
 

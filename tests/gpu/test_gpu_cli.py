@@ -71,7 +71,7 @@ def test_check_mixed_precision(tmp_path, capsys):
     assert code == 0, (result, err)
     assert result["compute_dtype"] == "float16"
     assert set(result["fused_paths"].values()) == {"fused"}
-    assert result["tolerance"] == cli.DEFAULT_TOLERANCE["float16"]
+    assert result["tolerance"] == cli.check.DEFAULT_TOLERANCE["float16"]
 
 
 def test_bench_times_the_fused_call(tmp_path, capsys):

@@ -1,0 +1,97 @@
+"""A `FusionReport` as text: the table of fused groups, the table of
+recurrent layers left alone (each with its rule and reason), the notes.
+
+`str(report)` is `report_text(report)`; `rnnfuse inspect` prints the same
+tables through `print_report`, with one more column saying how each group
+runs here. Every console made here has rich's markup off, so a layer named
+`enc[bold]` or an advice line naming `rnnfuse[torch]` prints as written.
+
+Example:
+
+    >>> import keras, rnnfuse
+    >>> m = keras.Sequential([keras.Input((10, 4)),
+    ...                       keras.layers.GRU(8, return_sequences=True, name="enc[bold]"),
+    ...                       keras.layers.GRU(8)])
+    >>> "enc[bold] -> gru" in report_text(rnnfuse.analyze(m))
+    True
+"""
+
+from __future__ import annotations
+
+import io
+from typing import Any, Sequence, TextIO
+
+__all__ = ["plain_console", "print_report", "report_tables", "report_text"]
+
+
+def plain_console(file: TextIO, *, width: int | None = None, color: bool = True):
+    """A rich Console that prints text as written: no markup, no highlighting."""
+    from rich.console import Console
+
+    return Console(file=file, width=width, no_color=not color, highlight=False, markup=False, emoji=False)
+
+
+def report_tables(report: Any, runs: Sequence[str] | None = None, runs_title: str = "runs") -> tuple:
+    """rich Tables: the fused groups and the layers left alone.
+
+    Args:
+        report: a `FusionReport`.
+        runs: one extra cell per group (the CLI's "how it runs here").
+        runs_title: that column's title.
+    """
+    from rich.table import Table
+
+    fused = Table(title=f"rnnfuse: fused groups in '{report.model_name}'")
+    for col in ("#", "layers", "cell", "units", "levels", "input", "bidir"):
+        fused.add_column(col)
+    if runs is not None:
+        fused.add_column(runs_title)
+    for i, g in enumerate(report.groups):
+        layers = " -> ".join(g.layers)
+        if g.absorbed_dropout:
+            layers += f"  (absorbs {', '.join(g.absorbed_dropout)})"
+        cell = g.cell + (f" (proj {g.proj_size})" if g.proj_size else "")
+        fused.add_row(
+            str(i),
+            layers,
+            cell,
+            str(g.units),
+            str(g.num_layers),
+            str(g.input_size),
+            "yes" if g.bidirectional else "no",
+            *([runs[i]] if runs is not None else []),
+        )
+    alone = Table(title="recurrent layers left as they are")
+    for col in ("layer", "rule", "why"):
+        alone.add_column(col)
+    for name, reason in report.skipped.items():
+        alone.add_row(name, getattr(reason, "rule", ""), str(reason))
+    return fused, alone
+
+
+def print_report(
+    console,
+    report: Any,
+    *,
+    runs: Sequence[str] | None = None,
+    runs_title: str = "runs",
+    empty: str | None = None,
+) -> None:
+    """Prints the groups (or `empty`, the line for a report without any),
+    the layers left alone and the notes."""
+    fused, alone = report_tables(report, runs, runs_title)
+    if report.groups:
+        console.print(fused)
+    else:
+        console.print(empty or f"rnnfuse: no fusable runs in '{report.model_name}'.")
+    if report.skipped:
+        console.print(alone)
+    for note in report.notes:
+        console.print(f"note: {note}")
+
+
+def report_text(report: Any) -> str:
+    """The report as plain text, 120 columns wide (what `str(report)` is)."""
+    buf = io.StringIO()
+    print_report(plain_console(buf, width=120, color=False), report)
+    return buf.getvalue().rstrip("\n")
