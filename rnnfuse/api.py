@@ -30,7 +30,7 @@ import keras
 
 from rnnfuse.passes.graph import build_layer_graph, is_graph_model
 from rnnfuse.passes.planning import plan_fusion
-from rnnfuse.passes.rewrite import FusionWarning, rewrite_with_failures
+from rnnfuse.passes.rewrite import FusionWarning, rewrite_model
 from rnnfuse.reasons import Reason
 from rnnfuse.recurrent import is_recurrent
 from rnnfuse.report import FusionGroup, FusionReport, OptimizeResult
@@ -227,7 +227,7 @@ def optimize(
     )
     _say_if_nothing_runs_fused(model, plans)
     pairs = split_groups(report.groups, [r.plan for r in plans])
-    new, failed = rewrite_with_failures(model, [g for g, _ in pairs], [a for _, a in pairs])
+    new, failed = rewrite_model(model, [g for g, _ in pairs], [a for _, a in pairs])
     if return_result:
         return OptimizeResult(model=new, report=report, plans=tuple(plans), failed=failed)
     return new
@@ -243,7 +243,7 @@ def _optimize_for_first_batch(model, report, training, cache) -> OptimizeResult:
     ]
     full = [r.plan.for_length(len(g.layers)) for r, g in zip(plans, groups)]
     pieces = [p.pieces if len(p.pieces) != 1 else None for p in full]
-    new, failed = rewrite_with_failures(model, groups, [p.algorithm for p in full], pieces)
+    new, failed = rewrite_model(model, groups, [p.algorithm for p in full], pieces)
     first_batch.attach(new, first_batch.AutoTune(cache=_plan_cache(cache)))
     return OptimizeResult(model=new, report=report, plans=tuple(plans), failed=failed)
 

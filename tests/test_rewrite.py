@@ -16,7 +16,7 @@ import pytest
 
 import rnnfuse
 from rnnfuse.passes import build_layer_graph, plan_fusion, rewrite
-from rnnfuse.passes.rewrite import rewrite_with_failures
+from rnnfuse.passes.rewrite import rewrite_model
 from rnnfuse.tuning.plans import PER_LAYER
 
 from builders import fused_layers, max_abs_diff, stack_model
@@ -47,7 +47,7 @@ def _two_runs(functional: bool):
 @pytest.mark.parametrize("functional", [False, True])
 def test_each_group_is_one_rewrite(functional):
     model = _two_runs(functional)
-    new, failed = rewrite_with_failures(model, _groups(model))
+    new, failed = rewrite_model(model, _groups(model))
     assert failed == ()
     assert [[l.name for l in f.fused_layers] for f in fused_layers(new)] == [["g1", "g2"], ["l1", "l2"]]
     x = np.random.default_rng(0).standard_normal((2, 6, 3)).astype("float32")
@@ -57,7 +57,7 @@ def test_each_group_is_one_rewrite(functional):
 @pytest.mark.parametrize("functional", [False, True])
 def test_no_group_is_zero_rewrites(functional):
     model = _two_runs(functional)
-    new, failed = rewrite_with_failures(model, [])
+    new, failed = rewrite_model(model, [])
     assert fused_layers(new) == [] and failed == ()
     named = lambda m: [l.name for l in m.layers if not isinstance(l, keras.layers.InputLayer)]
     assert named(new) == named(model)

@@ -1,7 +1,8 @@
 """Pass 4: a new model in which each fusion group is one `FusedRNN` layer.
 
 `rewrite_model(model, groups)` returns a new Sequential or Functional
-model with the same inputs, outputs and output names. Every layer that is
+model with the same inputs, outputs and output names, and the groups whose
+fused layer could not be built (`RewriteFailure`s). Every layer that is
 not in a group is the same object as in `model`; each group's layers move
 inside a `FusedRNN` (still the same objects, so the variables are shared).
 `model` itself is never changed.
@@ -28,9 +29,9 @@ Example:
     ...     keras.layers.GRU(4, return_sequences=True),
     ...     keras.layers.GRU(4), keras.layers.Dense(1)])
     >>> report = plan_fusion(build_layer_graph(m), model_name=m.name)
-    >>> new = rewrite_model(m, report.groups)
-    >>> [type(l).__name__ for l in new.layers]
-    ['FusedRNN', 'Dense']
+    >>> new, failed = rewrite_model(m, report.groups)
+    >>> [type(l).__name__ for l in new.layers], failed
+    (['FusedRNN', 'Dense'], ())
 """
 
 from __future__ import annotations
@@ -47,7 +48,7 @@ from rnnfuse.persistence import as_optimized, copy_compile
 from rnnfuse.reasons import FusionWarning
 from rnnfuse.report import FusionGroup, RewriteFailure
 
-__all__ = ["FusionWarning", "rewrite_model", "rewrite_with_failures"]
+__all__ = ["FusionWarning", "rewrite_model"]
 
 
 def rewrite_model(
@@ -55,8 +56,9 @@ def rewrite_model(
     groups: Sequence[FusionGroup],
     algorithms: Sequence[str | None] | None = None,
     pieces: Sequence[tuple[int, ...] | None] | None = None,
-) -> keras.Model:
-    """A new model in which each of `groups` is one `FusedRNN`.
+) -> tuple[keras.Model, tuple[RewriteFailure, ...]]:
+    """A new model in which each of `groups` is one `FusedRNN`, and the
+    groups whose fused layer could not be built.
 
     Args:
         model: the analyzed Sequential or Functional model.
@@ -66,19 +68,10 @@ def rewrite_model(
             the original layers inside a switchable FusedRNN).
 
     Returns:
-        A new `keras.Model` sharing every layer and variable with `model`.
+        (a new `keras.Model` sharing every layer and variable with `model`,
+        one `RewriteFailure` per group that keeps its original layers; each
+        is also warned about with a `FusionWarning`).
     """
-    return rewrite_with_failures(model, groups, algorithms, pieces)[0]
-
-
-def rewrite_with_failures(
-    model: keras.Model,
-    groups: Sequence[FusionGroup],
-    algorithms: Sequence[str | None] | None = None,
-    pieces: Sequence[tuple[int, ...] | None] | None = None,
-) -> tuple[keras.Model, tuple[RewriteFailure, ...]]:
-    """`rewrite_model`, and the groups whose fused layer could not be built
-    (each also warned about with a `FusionWarning`)."""
     algorithms = list(algorithms or [None] * len(groups))
     pieces = list(pieces or [None] * len(groups))
     if not groups:
