@@ -12,6 +12,9 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 import threading
 import time
 
@@ -91,6 +94,24 @@ def test_set_call_mode_is_the_process_default_under_blocks(monkeypatch):
     with pytest.raises(ValueError, match="unknown mode 'split'"):
         with torch_backend.call_mode("split"):
             pass
+
+
+def test_a_bad_rnnfuse_torch_calls_warns_and_import_rnnfuse_still_works():
+    """Issue 28: RNNFUSE_TORCH_CALLS=bogus made `import rnnfuse` fail with
+    "set_call_mode(mode): unknown mode 'bogus'" (no variable named)."""
+    env = {**os.environ, "KERAS_BACKEND": "torch", "RNNFUSE_TORCH_CALLS": "bogus"}
+    code = "import rnnfuse.backends.torch as t; print(t.get_call_mode())"
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split()[-1] == "auto"
+    assert "RNNFUSE_TORCH_CALLS='bogus'" in done.stderr
+    assert "'auto', 'one', 'per_level'" in done.stderr
+
+
+@pytest.mark.parametrize("value, mode", [("", "auto"), ("per_level", "per_level"), ("one", "one")])
+def test_rnnfuse_torch_calls_sets_the_process_default(monkeypatch, value, mode):
+    monkeypatch.setenv("RNNFUSE_TORCH_CALLS", value)
+    assert torch_backend._mode_from_environment() == mode
 
 
 # -- TF32 ---------------------------------------------------------------------------

@@ -106,6 +106,7 @@ import torch
 from torch.nn.utils import rnn as rnn_utils
 
 from rnnfuse.backends.base import GATES, StackSpec
+from rnnfuse.reasons import FusionWarning
 
 __all__ = [
     "CALL_MODES",
@@ -139,12 +140,31 @@ TUNES_ONE_CALL_PER_LAYER = True
 # `levels_per_call`); "one": always one call; "per_level": one call per level.
 CALL_MODES = ("auto", "one", "per_level")
 _ENV_VAR = "RNNFUSE_TORCH_CALLS"
+
+
+def _mode_from_environment() -> str:
+    """RNNFUSE_TORCH_CALLS's mode, or "auto" (with a `FusionWarning` naming
+    the variable and its allowed values) when it holds anything else, so a
+    typo there never stops `import rnnfuse`."""
+    raw = os.environ.get(_ENV_VAR, "")
+    if not raw or raw in CALL_MODES:
+        return raw or "auto"
+    warnings.warn(
+        f"rnnfuse: the environment variable {_ENV_VAR}={raw!r} is not a call "
+        f"mode; expected one of {', '.join(repr(m) for m in CALL_MODES)}. Using "
+        f"'auto'. Fix: set {_ENV_VAR} to one of those, or unset it",
+        FusionWarning,
+        stacklevel=2,
+    )
+    return "auto"
+
+
 # The process-wide default (set_call_mode, RNNFUSE_TORCH_CALLS) and the
 # mode of the current thread / context (call_mode()). A context variable
 # starts unset in every new thread, so one thread's `with call_mode(...)`
 # is never seen by another, and leaving the block resets exactly what it
 # set, whatever the order in which threads leave theirs.
-_default_mode = "auto"
+_default_mode = _mode_from_environment()
 _context_mode: contextvars.ContextVar[str | None] = contextvars.ContextVar(
     "rnnfuse_torch_call_mode", default=None
 )
@@ -199,8 +219,6 @@ def call_mode(mode: str):
         _context_mode.reset(token)
 
 
-if os.environ.get(_ENV_VAR):
-    set_call_mode(os.environ[_ENV_VAR])
 
 
 def is_available() -> bool:
