@@ -37,7 +37,7 @@ import tensorflow as tf  # noqa: E402
 import rnnfuse  # noqa: E402
 from rnnfuse.backends import tensorflow as tf_backend  # noqa: E402
 from rnnfuse.layers import ProjectedLSTM  # noqa: E402
-from rnnfuse.tuning.plans import FUSED, Plan  # noqa: E402
+from rnnfuse.plan import FUSED, Plan  # noqa: E402
 
 L = keras.layers
 

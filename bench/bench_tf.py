@@ -160,7 +160,7 @@ def make_step(model: keras.Model, x, mode: str):
 def run_cell(cell: Cell, warmup: int, repeats: int) -> dict:
     model = build_model(cell)
     (group,) = plan_fusion(build_layer_graph(model), model_name=model.name).groups
-    dtype = group.views[0].layer.compute_dtype
+    dtype = group.dtype
     rng = np.random.default_rng(0)
     x = tf.constant(rng.standard_normal((cell.batch, cell.steps, cell.units)).astype("float32"))
     plans = [p for p in candidate_plans(group) if p.pieces]

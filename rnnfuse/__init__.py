@@ -32,8 +32,8 @@ functions; tests/test_layering.py checks every import):
 
     records        reasons.py (Reason, CallPath), report.py (the records
                    only), report_text.py (a report as rich tables and
-                   text), _version.py, _deps.py (importing keras), schema/
-                   (JSON Schema files)
+                   text), plan.py (Plan, Algorithm), _version.py, _deps.py
+                   (importing keras), schema/ (JSON Schema files)
     describe/graph recurrent.py (RecurrentView), passes/graph.py
     rules          rules/ (the registry and every fusion rule)
     backends       backends/ (the Backend contract and one package per
@@ -101,6 +101,7 @@ LAYERS = (
         "rnnfuse.reasons",
         "rnnfuse.report",
         "rnnfuse.report_text",
+        "rnnfuse.plan",
         "rnnfuse._version",
         "rnnfuse._deps",
         "rnnfuse.schema",
@@ -144,7 +145,7 @@ def _import_public_names() -> None:
     from rnnfuse.persistence import restore
     from rnnfuse.reasons import CallPath, FusionWarning, PathKind, Reason
     from rnnfuse.report import FusionGroup, FusionReport, OptimizeResult, RewriteFailure
-    from rnnfuse.tuning.plans import FUSED, PER_LAYER, Plan
+    from rnnfuse.plan import FUSED, PER_LAYER, Plan
 
     globals().update(
         CallPath=CallPath,

@@ -36,7 +36,8 @@ from rnnfuse.recurrent import is_recurrent
 from rnnfuse.report import FusionGroup, FusionReport, OptimizeResult
 from rnnfuse.tuning import first_batch
 from rnnfuse.tuning.cache import PlanCache
-from rnnfuse.tuning.plans import Plan, split_groups
+from rnnfuse.plan import Plan
+from rnnfuse.tuning.plans import split_groups
 from rnnfuse.tuning.table import static_plan
 from rnnfuse.tuning.tuner import TuneResult, tune_plans
 
@@ -238,7 +239,7 @@ def _optimize_for_first_batch(model, report, training, cache) -> OptimizeResult:
     first batch chooses (`rnnfuse.tuning.first_batch`)."""
     groups = report.groups
     plans = [
-        TuneResult(g, static_plan(g, g.views[0].layer.compute_dtype, training), "static: until the first batch")
+        TuneResult(g, static_plan(g, g.dtype, training), "static: until the first batch")
         for g in groups
     ]
     full = [r.plan.for_length(len(g.layers)) for r, g in zip(plans, groups)]
@@ -318,7 +319,7 @@ def choose_plans(model, groups, *, tune=None, training=True, plan=None, cache=No
         return chosen
     if tune is None or tune is False or (isinstance(tune, str) and tune == AUTO):
         return [
-            TuneResult(g, static_plan(g, g.views[0].layer.compute_dtype, training), "static")
+            TuneResult(g, static_plan(g, g.dtype, training), "static")
             for g in groups
         ]
     batch, steps = _tune_shape(model, tune)

@@ -49,7 +49,7 @@ import keras
 from keras import ops, tree
 
 from rnnfuse.backends import StackSpec, get_backend
-from rnnfuse.backends.algorithm import Algorithm
+from rnnfuse.plan import Algorithm
 from rnnfuse.reasons import FUSED_PATH, CallPath, PathKind, Reason
 from rnnfuse.recurrent import describe, input_merges, keras_has_cudnn_path
 from rnnfuse.rules import layer_reason, not_implemented, runtime_reason, stack_link_reason
@@ -101,7 +101,7 @@ class FusedRNN(keras.layers.Layer):
             ("standard", "persistent_static", "persistent_dynamic",
             "persistent_static_small_h", each optionally with "+tc" or
             "+tcc" for tensor ops); None: standard. It runs in both passes
-            on rnnfuse's TensorFlow op. See `rnnfuse.backends.algorithm`.
+            on rnnfuse's TensorFlow op. See `rnnfuse.plan.Algorithm`.
         pieces: how calls run the stack: None (the default) one fused call
             for the whole run; `()` the original layers one Keras call
             each; `(a, b, ...)` consecutive fused calls of `a`, `b`, ...

@@ -9,7 +9,7 @@ a model will.
 
 Example:
 
-    >>> from rnnfuse.tuning.plans import PER_LAYER
+    >>> from rnnfuse.plan import PER_LAYER
     >>> placement(PER_LAYER).fused
     False
 """

@@ -51,6 +51,9 @@ class FusionGroup:
     absorbed_dropout: tuple[str, ...] = ()
     # Qualified-name prefix of the (sub-)model holding the run ("" at top).
     scope: str = ""
+    # The compute dtype the run's layers compute in (its first layer's
+    # dtype policy: "float32", "float16" under mixed_float16, ...).
+    dtype: str = "float32"
     # The RecurrentViews of the layers (internal; not compared or printed).
     views: tuple[Any, ...] = dataclasses.field(
         default=(), repr=False, compare=False

@@ -18,12 +18,12 @@ import tensorflow as tf
 import rnnfuse
 from builders import KINDS, fused_layers, max_abs_diff, random_inputs, stack_model
 from rnnfuse.backends import tensorflow as tf_backend
-from rnnfuse.backends.algorithm import Algorithm
+from rnnfuse.plan import Algorithm
 from rnnfuse.backends.base import StackSpec
 from rnnfuse.backends.tensorflow import cudnn_op
 from rnnfuse.layers import ProjectedLSTM
 from rnnfuse.layers.projected_lstm import ProjectedLSTMCell
-from rnnfuse.tuning.plans import FUSED, Plan
+from rnnfuse.plan import FUSED, Plan
 
 
 class _Module:

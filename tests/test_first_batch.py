@@ -127,7 +127,7 @@ def test_the_padding_mask_for_timing_is_right_padded_and_reaches_the_layers(emul
     assert all(list(row) == sorted(row, reverse=True) for row in mask)
     x = tuner._input_batch((5, 7, group.input_size), "float32")
     seen = []
-    for plan in (rnnfuse.tuning.plans.PER_LAYER, rnnfuse.tuning.plans.FUSED):
+    for plan in (rnnfuse.PER_LAYER, rnnfuse.FUSED):
         run = tuner._runner(group, plan)
         out = tuner._with_mask(run, tuner.padding_mask((5, 7)))(x, False)
         plain = run(x, False)
@@ -330,7 +330,7 @@ def gradient_calls(monkeypatch):
 
 
 def test_the_float64_reference_is_computed_once_for_all_candidates(emulated_cudnn, gradient_calls):
-    from rnnfuse.tuning.plans import FUSED, Plan
+    from rnnfuse.plan import FUSED, Plan
 
     group, calls = gradient_calls
     check = tuner.GradientCheck()

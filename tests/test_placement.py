@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from rnnfuse import placement as pl
 from rnnfuse.backends import tensorflow as tf_backend
-from rnnfuse.tuning.plans import FUSED, PER_LAYER, Plan
+from rnnfuse.plan import FUSED, PER_LAYER, Plan
 
 
 def test_a_per_layer_plan_runs_the_original_layers_with_the_source_as_reason():

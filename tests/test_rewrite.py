@@ -17,7 +17,7 @@ import pytest
 import rnnfuse
 from rnnfuse.passes import build_layer_graph, plan_fusion, rewrite
 from rnnfuse.passes.rewrite import rewrite_model
-from rnnfuse.tuning.plans import PER_LAYER
+from rnnfuse.plan import PER_LAYER
 
 from builders import fused_layers, max_abs_diff, stack_model
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from rnnfuse.tuning import table
-from rnnfuse.tuning.plans import FUSED, PER_LAYER
+from rnnfuse.plan import FUSED, PER_LAYER
 from rnnfuse.tuning.table import Regime, plan_for_regime
 
 

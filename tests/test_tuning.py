@@ -18,9 +18,10 @@ import tensorflow as tf
 import rnnfuse
 from builders import fused_layers, max_abs_diff, random_inputs, stack_model
 from rnnfuse.passes import build_layer_graph, plan_fusion
-from rnnfuse.tuning.algorithms import Algorithm
+from rnnfuse.plan import Algorithm
 from rnnfuse.tuning.cache import PlanCache
-from rnnfuse.tuning.plans import FUSED, PER_LAYER, Plan, candidate_plans, split_groups
+from rnnfuse.plan import FUSED, PER_LAYER, Plan
+from rnnfuse.tuning.plans import candidate_plans, split_groups
 from rnnfuse.tuning.tuner import tune_plans
 
 ENV = {"device": "FakeGPU", "tensorflow": "2.21.0", "cudnn": "9", "backend": "tensorflow", "rnnfuse": "0.1.0"}
@@ -298,7 +299,7 @@ def test_fused_layer_keeps_its_algorithm_in_its_config():
 
 
 def test_algorithm_names_round_trip_for_every_algorithm_and_math_type():
-    from rnnfuse.backends.algorithm import ALGORITHM_NAMES, MATH_TYPES
+    from rnnfuse.plan import ALGORITHM_NAMES, MATH_TYPES
 
     for algo, base in enumerate(ALGORITHM_NAMES):
         for math, suffix in MATH_TYPES.items():
@@ -312,10 +313,7 @@ def test_algorithm_names_round_trip_for_every_algorithm_and_math_type():
 
 
 def test_no_process_wide_algorithm_state_is_left():
-    """The algorithm is an attribute of the op call: no environment variable."""
-    import rnnfuse.tuning.algorithms as algorithms
-
-    assert not hasattr(algorithms, "algorithm_env")
+    """The algorithm is an input of the op call: no environment variable."""
     model = stack_model("gru", 2)
     rnnfuse.optimize(model, plan=Plan((2,), "persistent_static+tc"))(
         random_inputs(model, 1, np.random.default_rng(3))
@@ -435,7 +433,7 @@ _OpError.__name__ = "OpError"
 
 def test_a_candidate_cudnn_refuses_while_timing_is_left_out_not_fatal():
     from rnnfuse.tuning import tuner
-    from rnnfuse.tuning.plans import Plan
+    from rnnfuse.plan import Plan
 
     plans = {"fused": Plan((2,)), "fused @persistent_static+tc": Plan((2,), "persistent_static+tc")}
 
@@ -454,7 +452,7 @@ def test_a_candidate_cudnn_refuses_while_timing_is_left_out_not_fatal():
 
 def test_every_step_is_called_once_before_it_is_timed():
     from rnnfuse.tuning import tuner
-    from rnnfuse.tuning.plans import Plan
+    from rnnfuse.plan import Plan
 
     calls = []
     plans = {"per-layer": Plan(()), "fused": Plan((2,))}

@@ -8,7 +8,7 @@ from __future__ import annotations
 from builders import stack_model
 from rnnfuse.passes import build_layer_graph, plan_fusion
 from rnnfuse.tuning import tuner
-from rnnfuse.tuning.plans import Plan
+from rnnfuse.plan import Plan
 
 ENV = {"device": "FakeGPU", "tensorflow": "2.21.0", "cudnn": "9", "backend": "tensorflow", "rnnfuse": "0.1.0"}
 ALGORITHM = "persistent_static+tc"

@@ -286,6 +286,7 @@ def _group(graph, run, views, bridges) -> FusionGroup:
         proj_size=first.proj_size,
         absorbed_dropout=absorbed,
         scope=graph.nodes[run[0]]["scope"],
+        dtype=str(first.layer.compute_dtype),
         views=tuple(views[k] for k in run),
         gap_dropout=tuple(
             graph.nodes[bridges[(u, l)][0]]["layer"] if bridges[(u, l)] else None

@@ -1,13 +1,13 @@
 """Tuning: choose, per fusion group, how to run it (fused, split, per-layer;
 cuDNN algorithm), by a static rule table or by timing on the device.
 
+The choice is a `rnnfuse.plan.Plan`. `table` gives the static choice,
+`tuner` the measured one, `first_batch` makes it on a model's first batch,
+`cache` keeps measured choices on disk, `timing` times candidates.
+
 Example:
 
-    >>> from rnnfuse.tuning import Algorithm
-    >>> Algorithm.parse("persistent_static+tc").algo
-    1
+    >>> from rnnfuse.tuning.table import Regime, plan_for_regime
+    >>> plan_for_regime(Regime("lstm", 512, 4, False, False, "float16", True)).name
+    'fused @persistent_static+tc'
 """
-
-from rnnfuse.backends.algorithm import Algorithm
-
-__all__ = ["Algorithm"]

@@ -50,7 +50,7 @@ from rnnfuse.fused import FusedRNN
 from rnnfuse.recurrent import describe
 from rnnfuse.report import FusionGroup
 from rnnfuse.tuning.cache import PlanCache, cache_key, group_signature
-from rnnfuse.tuning.plans import Plan
+from rnnfuse.plan import Plan
 from rnnfuse.tuning.table import static_plan
 from rnnfuse.tuning.tuner import TuneResult, device_environment, tune_plans
 
@@ -139,6 +139,7 @@ def group_of(fused: FusedRNN) -> FusionGroup:
         bidirectional=stack.num_directions == 2,
         proj_size=stack.proj_size,
         absorbed_dropout=tuple(d.name for d in fused.absorbed_dropout),
+        dtype=str(fused.fused_layers[0].compute_dtype),
         views=views,
         gap_dropout=tuple(gaps),
     )
@@ -334,7 +335,7 @@ def _nearest_decisions(state, environment, groups, shapes, training, masked):
         return [None] * len(groups)
     out = []
     for group in groups:
-        dtype = group.views[0].layer.compute_dtype
+        dtype = group.dtype
         shape = shapes[id(group)]
         is_masked = masked[id(group)]
         hit = state.cache.get(cache_key(environment, group, shape, dtype, training, is_masked))
@@ -418,7 +419,7 @@ def decision_record(result: TuneResult, shape: tuple, training: bool) -> dict:
     static (the plan the static table gives the group without timing).
     """
     group = result.group
-    dtype = group.views[0].layer.compute_dtype
+    dtype = group.dtype
     return dict(
         layers=list(group.layers),
         mode="training" if training else "inference",

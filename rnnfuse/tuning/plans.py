@@ -1,24 +1,15 @@
-"""Plans: how one fusion group runs, and the groups a plan turns into.
+"""The plans the tuner times for a group, and the groups a plan turns into.
 
-A `Plan` says how to run a group of `n` recurrent layers:
-
-- `pieces=(n,)`: the whole run as one fused call;
-- `pieces=(a, b, ...)`: consecutive sub-runs, each one fused call
-  (a + b + ... = n);
-- `pieces=()`: the original layers, one Keras call each;
-
-and, for fused pieces, which cuDNN algorithm their forward kernel uses
-(None: cuDNN's standard algorithm).
-
+A `rnnfuse.plan.Plan` says how one group runs (pieces, kernel, algorithm).
 `candidate_plans(group)` lists what the tuner times; `split_groups` turns
 groups and their plans into the groups the rewrite builds.
 
 Example:
 
-    >>> Plan((2, 2), "persistent_static+tc").name
-    'split 2+2 @persistent_static+tc'
-    >>> Plan(()).name
-    'per-layer'
+    >>> import types
+    >>> group = types.SimpleNamespace(layers=("a", "b", "c", "d"), absorbed_dropout=())
+    >>> [p.name for p in candidate_plans(group, [None, "persistent_static+tc"])]
+    ['per-layer', 'fused', 'fused @persistent_static+tc', 'split 2+2', 'split 2+2 @persistent_static+tc']
 """
 
 from __future__ import annotations
@@ -26,62 +17,10 @@ from __future__ import annotations
 import dataclasses
 from typing import Iterable, Sequence
 
+from rnnfuse.plan import PER_LAYER, Plan
 from rnnfuse.report import FusionGroup
-from rnnfuse.backends.algorithm import Algorithm
 
-__all__ = ["Plan", "FUSED", "PER_LAYER", "candidate_plans", "split_groups"]
-
-
-@dataclasses.dataclass(frozen=True)
-class Plan:
-    """How to run one fusion group."""
-
-    # Sizes of the fused sub-runs, in layers, bottom to top; () = per-layer.
-    pieces: tuple[int, ...] = ()
-    # cuDNN algorithm of the fused pieces ("persistent_static+tc", ...), or
-    # None for TensorFlow's default.
-    algorithm: str | None = None
-    # Whole-run marker: `pieces` is filled in for the group's length.
-    whole: bool = False
-
-    def __post_init__(self):
-        if self.algorithm is not None:
-            object.__setattr__(self, "algorithm", Algorithm.parse(self.algorithm).name)
-        if any(p < 1 for p in self.pieces):
-            raise ValueError(f"Plan pieces must be positive; received {self.pieces}")
-
-    @property
-    def name(self) -> str:
-        if self.whole:
-            base = "fused"
-        elif not self.pieces:
-            return "per-layer"
-        elif len(self.pieces) == 1:
-            base = "fused"
-        else:
-            base = "split " + "+".join(str(p) for p in self.pieces)
-        return base + (f" @{self.algorithm}" if self.algorithm else "")
-
-    def for_length(self, n: int) -> "Plan":
-        """This plan with `pieces` spelled out for a group of `n` layers."""
-        if self.whole:
-            return Plan((n,), self.algorithm)
-        if self.pieces and sum(self.pieces) != n:
-            raise ValueError(
-                f"plan {self.name!r} covers {sum(self.pieces)} layers; the group has {n}"
-            )
-        return self
-
-    def to_dict(self) -> dict:
-        return {"pieces": list(self.pieces), "algorithm": self.algorithm}
-
-    @classmethod
-    def from_dict(cls, d: dict) -> "Plan":
-        return cls(tuple(int(p) for p in d["pieces"]), d.get("algorithm"))
-
-
-FUSED = Plan(whole=True)
-PER_LAYER = Plan(())
+__all__ = ["CANDIDATE_ALGORITHMS", "candidate_plans", "split_groups"]
 
 # The algorithms the tuner tries for fused pieces (None: the standard one).
 # On TensorFlow they need rnnfuse's own op, which runs the algorithm in the
@@ -159,3 +98,4 @@ def split_groups(
             )
             start = stop
     return out
+

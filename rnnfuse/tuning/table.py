@@ -23,7 +23,7 @@ import dataclasses
 from typing import Callable
 
 from rnnfuse.backends import get_backend
-from rnnfuse.tuning.plans import FUSED, PER_LAYER, Plan
+from rnnfuse.plan import FUSED, PER_LAYER, Plan
 
 __all__ = ["Regime", "RULES", "TABLES", "plan_for_regime", "static_plan"]
 

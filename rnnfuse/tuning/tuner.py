@@ -72,7 +72,8 @@ from rnnfuse.backends import get_backend
 from rnnfuse.fused import masks_known_right_padded
 from rnnfuse.report import FusionGroup
 from rnnfuse.tuning.cache import PlanCache, cache_key
-from rnnfuse.tuning.plans import PER_LAYER, Plan, candidate_plans, split_groups
+from rnnfuse.plan import PER_LAYER, Plan
+from rnnfuse.tuning.plans import candidate_plans, split_groups
 from rnnfuse.tuning.table import static_plan
 from rnnfuse.tuning.timing import interleaved_medians
 
@@ -284,7 +285,7 @@ def tune_plans(
     results = []
     if environment is None:
         for group in groups:
-            dtype = group.views[0].layer.compute_dtype
+            dtype = group.dtype
             plan = static_plan(group, dtype, training)
             results.append(TuneResult(group, plan, "static: no GPU to time on"))
         return results
@@ -296,7 +297,7 @@ def tune_plans(
     check_gradients = check_gradients or GradientCheck()
     jobs = []
     for group in groups:
-        dtype = group.views[0].layer.compute_dtype
+        dtype = group.dtype
         shape = tuple(int(d) for d in shape_of(group))
         masked = bool(masked_of(group)) if masked_of is not None else False
         key = cache_key(environment, group, shape, dtype, training, masked)
@@ -450,7 +451,7 @@ def _time_in_stages(plans, rejected, bar, measured):
     compared in one interleaved session.
     `measured(plans)` -> ({name: seconds}, {name: why refused}).
 
-    >>> from rnnfuse.tuning.plans import Plan, PER_LAYER
+    >>> from rnnfuse.plan import Plan, PER_LAYER
     >>> p = "persistent_static"
     >>> plans = [PER_LAYER, Plan((2,)), Plan((2,), p), Plan((1, 1)), Plan((1, 1), p)]
     >>> fake = dict(zip([q.name for q in plans], [1.0, 0.5, 2.0, 0.4, 0.1]))
@@ -549,7 +550,7 @@ def _keep_original_unless_clearly_slower(plans, timings, best):
     """`best`, or the original layers where `best` wins by less than
     KEEP_ORIGINAL_MARGIN (or the original layers were not timed: `best`).
 
-    >>> from rnnfuse.tuning.plans import FUSED, PER_LAYER
+    >>> from rnnfuse.plan import FUSED, PER_LAYER
     >>> t = {"per-layer": 1.0, "fused": 0.98}
     >>> _keep_original_unless_clearly_slower([PER_LAYER, FUSED], t, FUSED).name
     'per-layer'

@@ -42,7 +42,7 @@ from builders import (
 from rnnfuse.backends import tensorflow as tf_backend
 from rnnfuse.backends.tensorflow import op_build
 from rnnfuse.layers import ProjectedLSTM
-from rnnfuse.tuning.plans import FUSED, Plan
+from rnnfuse.plan import FUSED, Plan
 
 pytestmark = pytest.mark.gpu
 
@@ -466,7 +466,7 @@ def _dropout_probe(module, algorithm, rate, units=64, steps=20, batch=8, seed=12
     without dropout), x2 of two calls, and the params gradient of
     sum(y2 * v) from the first call, with v.
     """
-    from rnnfuse.backends.algorithm import Algorithm
+    from rnnfuse.plan import Algorithm
     from rnnfuse.backends.tensorflow import cudnn_op
 
     rng = np.random.default_rng(21)
@@ -570,7 +570,7 @@ def test_one_traced_step_runs_each_algorithm_as_a_step_traced_for_it_alone(dtype
     tuner's shared steps use): one traced function, called with each
     algorithm's code, gives that algorithm's outputs and gradients exactly
     as a function traced with the algorithm fixed, and traces once."""
-    from rnnfuse.backends.algorithm import Algorithm
+    from rnnfuse.plan import Algorithm
     from rnnfuse.backends.tensorflow import cudnn_op
     from rnnfuse.passes import build_layer_graph, plan_fusion
     from rnnfuse.tuning import tuner

@@ -71,7 +71,7 @@ from typing import Any, Sequence
 
 import tensorflow as tf
 
-from rnnfuse.backends.algorithm import Algorithm
+from rnnfuse.plan import Algorithm
 from rnnfuse.backends.base import GATES, StackSpec
 from rnnfuse.backends.tensorflow import cudnn_op, op_build
 

@@ -30,7 +30,7 @@ from typing import Any
 
 import tensorflow as tf
 
-from rnnfuse.backends.algorithm import ALGORITHM_NAMES, Algorithm
+from rnnfuse.plan import ALGORITHM_NAMES, Algorithm
 
 __all__ = [
     "OP_DTYPES",

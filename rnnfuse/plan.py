@@ -1,0 +1,256 @@
+"""The `Plan` record: how one fusion group runs, from `optimize` to the kernel.
+
+One `Plan` travels the whole way: the static table or the tuner chooses it,
+the rewrite builds each `FusedRNN` with it (`FusedRNN(plan=...)`),
+first-batch tuning switches it (`FusedRNN.set_plan(plan)`), the plan cache
+stores it (`to_dict`), and the fused call hands its kernel and algorithm to
+the backend. A plan says:
+
+- `pieces`: `(n,)` the whole run of `n` layers as one fused call;
+  `(a, b, ...)` consecutive sub-runs, each one fused call (a + b + ... =
+  n); `()` the original layers, one Keras call each;
+- `kernel`: which fused kernel runs the fused pieces (`KERNELS`);
+- `algorithm`: that kernel's variant. For "cudnn", a cuDNN algorithm and
+  math type (`Algorithm`; None: cuDNN's standard algorithm).
+
+`Algorithm` is the cuDNN part: cuDNN 9 has four RNN algorithms
+(`cudnnRNNAlgo_t`) and the math types below. rnnfuse's own TensorFlow op
+takes both as one int32 input of the kernel call and runs them in the
+forward and the backward pass; the CudnnRNNV3 fallback runs only the
+standard algorithm. Names: the algorithm, optionally followed by a math
+suffix: "standard", "persistent_static+tc" (tensor ops),
+"persistent_dynamic+tcc" (tensor ops allowing fp32 -> fp16/bf16
+conversion), "persistent_static_small_h".
+
+A new kernel (rnnfuse's own CUDA kernel, say) is one more entry of
+`KERNELS` and a backend that runs it; the plan, the cache, the tuner and the
+rewrite carry it as they carry "cudnn". A backend that cannot run a plan's
+kernel raises NotImplementedError from its fused call, and the layer runs
+the original layers (as for any call it cannot run).
+
+Example:
+
+    >>> Plan((2, 2), "persistent_static+tc").name
+    'split 2+2 @persistent_static+tc'
+    >>> Plan(()).name
+    'per-layer'
+    >>> FUSED.for_length(3)
+    Plan(pieces=(3,), algorithm=None, kernel='cudnn', whole=False)
+    >>> Plan((3,), kernel="stock").name
+    'fused on stock'
+    >>> Plan.from_dict(Plan((1, 2), "persistent_dynamic+tc").to_dict()).name
+    'split 1+2 @persistent_dynamic+tc'
+    >>> Algorithm.parse("persistent_static+tc").algo
+    1
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+__all__ = [
+    "ALGORITHM_NAMES",
+    "Algorithm",
+    "FUSED",
+    "KERNELS",
+    "MATH_TYPES",
+    "PER_LAYER",
+    "Plan",
+]
+
+# The fused kernels a plan can name -> what runs.
+KERNELS = {
+    # The backend's cuDNN call: on TensorFlow rnnfuse's own op where it is
+    # loaded (every algorithm, both passes), else CudnnRNNV3 (standard
+    # algorithm); torch's torch._VF calls; JAX's jax.experimental.rnn.
+    "cudnn": "the backend's cuDNN call",
+    # Only the framework's own ops: on TensorFlow CudnnRNNV3 with the
+    # standard algorithm, never rnnfuse's op, so a graph traced with it (a
+    # SavedModel export) loads and serves where rnnfuse is not installed.
+    # Elsewhere the same as "cudnn" (torch and JAX have no rnnfuse op).
+    "stock": "the framework's own cuDNN op (no rnnfuse op in the graph)",
+}
+
+# cudnnRNNAlgo_t values 0..3, in order.
+ALGORITHM_NAMES = (
+    "standard",
+    "persistent_static",
+    "persistent_dynamic",
+    "persistent_static_small_h",
+)
+# cudnnMathType_t choices and their name suffixes.
+MATH_TYPES = {"default": "", "tensor_op": "+tc", "tensor_op_allow_conversion": "+tcc"}
+_SUFFIXES = {v: k for k, v in MATH_TYPES.items()}
+
+
+@dataclasses.dataclass(frozen=True)
+class Algorithm:
+    """A cuDNN RNN algorithm and math type."""
+
+    # 0 standard, 1 persistent static, 2 persistent dynamic,
+    # 3 persistent static small-h (cudnnRNNAlgo_t).
+    algo: int = 0
+    # "default", "tensor_op" or "tensor_op_allow_conversion"; True/False are
+    # accepted for "tensor_op"/"default".
+    math: str = "default"
+
+    def __post_init__(self):
+        if self.algo not in range(len(ALGORITHM_NAMES)):
+            raise ValueError(
+                f"Algorithm.algo must be 0-3 ({', '.join(ALGORITHM_NAMES)}); "
+                f"received {self.algo!r}"
+            )
+        if isinstance(self.math, bool):
+            object.__setattr__(self, "math", "tensor_op" if self.math else "default")
+        if self.math not in MATH_TYPES:
+            raise ValueError(
+                f"Algorithm.math must be one of {sorted(MATH_TYPES)}; received {self.math!r}"
+            )
+
+    @property
+    def algorithm_name(self) -> str:
+        return ALGORITHM_NAMES[self.algo]
+
+    @property
+    def tensor_ops(self) -> bool:
+        return self.math != "default"
+
+    @property
+    def is_standard(self) -> bool:
+        return self.algo == 0
+
+    @property
+    def name(self) -> str:
+        return self.algorithm_name + MATH_TYPES[self.math]
+
+    @classmethod
+    def parse(cls, text: str) -> "Algorithm":
+        """'standard', 'persistent_static+tc', ... -> Algorithm."""
+        text = str(text)
+        base, plus, suffix = text.partition("+")
+        suffix = plus + suffix
+        if base not in ALGORITHM_NAMES or suffix not in _SUFFIXES:
+            raise ValueError(
+                f"unknown cuDNN algorithm {text!r}; expected one of "
+                f"{list(ALGORITHM_NAMES)} with an optional '+tc' (tensor ops) "
+                "or '+tcc' (tensor ops with conversion)"
+            )
+        return cls(ALGORITHM_NAMES.index(base), _SUFFIXES[suffix])
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """How to run one fusion group (see the module doc).
+
+    Raises:
+        ValueError: a piece that is not a positive layer count, a kernel not
+            in `KERNELS`, or an algorithm the kernel does not have.
+    """
+
+    # Sizes of the fused sub-runs, in layers, bottom to top; () = per-layer.
+    pieces: tuple[int, ...] = ()
+    # The kernel's variant for the fused pieces: for "cudnn", a cuDNN
+    # algorithm name ("persistent_static+tc", ...; None: the standard one).
+    algorithm: str | None = None
+    # Which fused kernel runs the fused pieces (a key of `KERNELS`).
+    kernel: str = "cudnn"
+    # Whole-run marker: `pieces` is filled in for the group's length
+    # (`for_length`).
+    whole: bool = False
+
+    def __post_init__(self):
+        pieces = self.pieces
+        if isinstance(pieces, (str, bytes)) or not all(
+            isinstance(p, int) and not isinstance(p, bool) and p > 0 for p in tuple(pieces)
+        ):
+            raise ValueError(
+                "Plan pieces must be a tuple of positive layer counts (() for "
+                f"the original layers); received {pieces!r}"
+            )
+        object.__setattr__(self, "pieces", tuple(int(p) for p in pieces))
+        if self.kernel not in KERNELS:
+            raise ValueError(
+                f"Plan kernel must be one of {sorted(KERNELS)}; received {self.kernel!r}"
+            )
+        if self.algorithm is not None and self.kernel == "cudnn":
+            object.__setattr__(self, "algorithm", Algorithm.parse(self.algorithm).name)
+        if self.algorithm == "standard":
+            object.__setattr__(self, "algorithm", None)
+        if self.kernel == "stock" and self.algorithm is not None:
+            raise ValueError(
+                "Plan: the 'stock' kernel runs cuDNN's standard algorithm only; "
+                f"received algorithm {self.algorithm!r}. Fix: algorithm=None."
+            )
+
+    @property
+    def per_layer(self) -> bool:
+        """Whether this plan runs the original layers (no fused call)."""
+        return not self.whole and not self.pieces
+
+    @property
+    def cudnn_algorithm(self) -> Algorithm | None:
+        """The cuDNN algorithm of the fused pieces (None: standard, or a
+        kernel other than cuDNN's)."""
+        if self.kernel != "cudnn" or self.algorithm is None:
+            return None
+        return Algorithm.parse(self.algorithm)
+
+    @property
+    def name(self) -> str:
+        if self.per_layer:
+            return "per-layer"
+        if self.whole or len(self.pieces) == 1:
+            base = "fused"
+        else:
+            base = "split " + "+".join(str(p) for p in self.pieces)
+        return (
+            base
+            + (f" @{self.algorithm}" if self.algorithm else "")
+            + (f" on {self.kernel}" if self.kernel != "cudnn" else "")
+        )
+
+    def for_length(self, n: int) -> "Plan":
+        """This plan with `pieces` spelled out for a group of `n` layers.
+
+        Raises:
+            ValueError: the pieces do not add up to `n`.
+        """
+        if self.whole:
+            return dataclasses.replace(self, pieces=(n,), whole=False)
+        if self.pieces and sum(self.pieces) != n:
+            raise ValueError(
+                f"plan {self.name!r} covers {sum(self.pieces)} layers; the group has {n}"
+            )
+        return self
+
+    def with_pieces(self, pieces: tuple[int, ...]) -> "Plan":
+        """The same kernel and algorithm on other `pieces`."""
+        return dataclasses.replace(self, pieces=tuple(pieces), whole=False)
+
+    def to_dict(self) -> dict:
+        """JSON-ready (the plan cache's and `FusedRNN.get_config`'s form)."""
+        d = {"pieces": list(self.pieces), "algorithm": self.algorithm}
+        if self.whole:
+            d["whole"] = True
+        if self.kernel != "cudnn":
+            d["kernel"] = self.kernel
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "Plan":
+        """The inverse of `to_dict` (a cache entry written before `kernel`
+        existed is a "cudnn" plan).
+
+        Raises:
+            KeyError, TypeError, ValueError: `d` is not a plan's dict.
+        """
+        return cls(
+            tuple(int(p) for p in d["pieces"]),
+            d.get("algorithm"),
+            kernel=d.get("kernel", "cudnn"),
+            whole=bool(d.get("whole", False)),
+        )
+
+
+FUSED = Plan(whole=True)
+PER_LAYER = Plan(())
