@@ -46,8 +46,11 @@ functions; tests/test_layering.py checks every import):
                    Backend contract)
     planning       passes/planning.py
     tuning         tuning/, placement.py (where a plan runs here)
-    rewrite/saving passes/rewrite.py, persistence.py, passes/__init__.py
-    api            api.py, this package's __init__
+    rewrite/saving passes/rewrite.py, optimized.py (the Optimized* model
+                   classes and their hooks), persistence.py (restore, weight
+                   files), passes/__init__.py
+    api            api.py, model_files.py (loading files), this package's
+                   __init__
     cli/render     cli/ (one module per command; cli/render.py prints
                    their text), plotting.py, __main__.py
 
@@ -112,8 +115,8 @@ LAYERS = (
     ("rnnfuse.fused", "rnnfuse.layers"),
     ("rnnfuse.passes.planning",),
     ("rnnfuse.tuning", "rnnfuse.placement"),
-    ("rnnfuse.passes", "rnnfuse.passes.rewrite", "rnnfuse.persistence"),
-    ("rnnfuse.api",),
+    ("rnnfuse.passes", "rnnfuse.passes.rewrite", "rnnfuse.optimized", "rnnfuse.persistence"),
+    ("rnnfuse.api", "rnnfuse.model_files"),
     ("rnnfuse.cli", "rnnfuse.plotting", "rnnfuse.__main__"),
 )
 # (importer, imported) -> why it is allowed for now.

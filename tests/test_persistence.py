@@ -25,7 +25,7 @@ import pytest
 from builders import fused_layers, max_abs_diff, random_inputs, stack_model
 
 import rnnfuse
-from rnnfuse.persistence import OptimizedModel, OptimizedSequential
+from rnnfuse.optimized import OptimizedModel, OptimizedSequential
 
 L = keras.layers
 

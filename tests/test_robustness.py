@@ -6,7 +6,7 @@
 - an interrupted fit leaves the original model exactly at the last finished
   step (the variables are the same objects);
 - corrupt files and unregistered custom classes give one clear error
-  (`rnnfuse.persistence.load_model`);
+  (`rnnfuse.model_files.load_model`);
 - property test: random small stacks through optimize -> fit one step ->
   save -> load -> predict equal.
 """
@@ -26,7 +26,7 @@ from hypothesis import strategies as st
 import rnnfuse
 from rnnfuse import FusionWarning
 from rnnfuse.passes import rewrite
-from rnnfuse.persistence import load_model
+from rnnfuse.model_files import load_model
 
 L = keras.layers
 

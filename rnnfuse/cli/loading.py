@@ -95,9 +95,9 @@ def _missing_source(source: str) -> str:
 
 
 def _load_file(path: str, safe_mode: bool):
-    """`rnnfuse.persistence.load_model`, its errors as one-line CliErrors
+    """`rnnfuse.model_files.load_model`, its errors as one-line CliErrors
     (with the command line's own fixes where it has other options)."""
-    from rnnfuse.persistence import ModelFileError, load_model
+    from rnnfuse.model_files import ModelFileError, load_model
 
     try:
         return load_model(path, compile=False, safe_mode=safe_mode)

@@ -44,7 +44,8 @@ import keras
 
 from rnnfuse.fused import FusedRNN, first_call_kwargs
 from rnnfuse.passes.graph import is_graph_model
-from rnnfuse.persistence import as_optimized, copy_compile
+from rnnfuse.optimized import as_optimized
+from rnnfuse.persistence import copy_compile
 from rnnfuse.reasons import FusionWarning
 from rnnfuse.report import FusionGroup, RewriteFailure
 
@@ -85,7 +86,7 @@ def rewrite_model(
         by_scope[group.scope].append((group, algorithm, piece))
     rewriter = _Rewriter(by_scope)
     new = rewriter.rewrite(model, scope="", force_new=True)
-    # Weight files in the original layout, registered classes (persistence.py).
+    # Weight files in the original layout, registered classes (optimized.py).
     return as_optimized(new, like=model), tuple(rewriter.failures)
 
 

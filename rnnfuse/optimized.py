@@ -1,0 +1,205 @@
+"""The model classes `rnnfuse.optimize` returns, and their hooks.
+
+`OptimizedModel` (Functional) and `OptimizedSequential` are the plain Keras
+classes with a few methods changed, registered as
+"rnnfuse>OptimizedModel" / "rnnfuse>OptimizedSequential" so that
+`keras.models.load_model` rebuilds a fused file with rnnfuse imported:
+
+- `fit`, `evaluate`, `predict`: plans are first chosen on the first batch
+  (`rnnfuse.tuning.first_batch`);
+- `jit_compile`, `compile`, `compile_from_config`: a clear error for a
+  forced `jit_compile=True` while cuDNN may run;
+- `weights`, `variables`: in the original model's order (so optimizer slots
+  mean the same in both models);
+- `save_weights`, `load_weights`: the original model's file layout
+  (`rnnfuse.persistence`).
+
+Example:
+
+    >>> import keras, rnnfuse
+    >>> m = keras.Sequential([keras.Input((5, 2)),
+    ...     keras.layers.LSTM(3, return_sequences=True), keras.layers.LSTM(3)])
+    >>> type(rnnfuse.optimize(m)).__name__
+    'OptimizedSequential'
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import keras
+from keras.src.models.functional import Functional
+
+from rnnfuse.fused import FusedRNN
+from rnnfuse.persistence import copy_compile, in_original_order, is_fused_archive, weights_model
+from rnnfuse.tuning import first_batch
+
+__all__ = ["OptimizedModel", "OptimizedSequential", "as_optimized"]
+
+
+class _OptimizedMixin:
+    """save_weights/load_weights in the original model's file layout.
+
+    Also refuses `jit_compile=True` with a clear error while a FusedRNN may
+    run its cuDNN kernel (Keras alone would only warn that the model "doesn't
+    support" it and quietly run without XLA).
+    """
+
+    def _cudnn_layers(self) -> list[str]:
+        """Names of the FusedRNN layers that would run the fused kernel here."""
+        return [
+            layer.name
+            for layer in self._flatten_layers(include_self=False)
+            if isinstance(layer, FusedRNN) and layer.fused_call_blocks_xla
+        ]
+
+    @property
+    def jit_compile(self):
+        return keras.Model.jit_compile.fget(self)
+
+    @jit_compile.setter
+    def jit_compile(self, value):
+        if value is True:
+            cudnn = self._cudnn_layers()
+            if cudnn:
+                raise ValueError(
+                    f"jit_compile=True: model '{self.name}' runs its fused "
+                    f"layers ({', '.join(repr(n) for n in cudnn)}) as cuDNN "
+                    "kernels on this machine, and XLA cannot compile cuDNN "
+                    "ops (nor Keras' own cuDNN LSTM/GRU). Fix: compile with "
+                    "jit_compile='auto' (the default) or False."
+                )
+        keras.Model.jit_compile.fset(self, value)
+
+    def compile(self, *args, **kwargs):
+        # Remember whether XLA was left to Keras ("auto"): first-batch tuning
+        # compares against the original layers the way Keras would run them.
+        state = getattr(self, "_rnnfuse_autotune", None)
+        if state is not None:
+            state.jit_auto = kwargs.get("jit_compile", "auto") == "auto"
+        return super().compile(*args, **kwargs)
+
+    def fit(self, x=None, y=None, batch_size=None, *args, **kwargs):
+        """`keras.Model.fit`, with plans first chosen on the first batch
+        (`rnnfuse.tuning.first_batch`; nothing is timed without a GPU)."""
+        first_batch.prepare(self, x, batch_size, training=True)
+        return super().fit(x, y, batch_size, *args, **kwargs)
+
+    def evaluate(self, x=None, y=None, batch_size=None, *args, **kwargs):
+        """`keras.Model.evaluate`, with plans first chosen on the first batch."""
+        first_batch.prepare(self, x, batch_size, training=False)
+        return super().evaluate(x, y, batch_size, *args, **kwargs)
+
+    def predict(self, x, batch_size=None, *args, **kwargs):
+        """`keras.Model.predict`, with plans first chosen on the first batch."""
+        first_batch.prepare(self, x, batch_size, training=False)
+        return super().predict(x, batch_size, *args, **kwargs)
+
+    def compile_from_config(self, config):
+        # A model compiled with jit_compile=True where no GPU was visible
+        # may be loaded where one is: fall back to "auto" rather than fail.
+        if (
+            isinstance(config, dict)
+            and config.get("jit_compile") is True
+            and self._cudnn_layers()
+        ):
+            config = {**config, "jit_compile": "auto"}
+        # Keras' own compile_from_config, which skips a model whose compile()
+        # is overridden (ours only records the jit_compile argument).
+        config = keras.saving.deserialize_keras_object(config)
+        self.compile(**config)
+        if hasattr(self, "optimizer") and self.built:
+            self.optimizer.build(self.trainable_variables)
+
+    # Variables in the original model's order. Keras numbers an optimizer's
+    # slot variables by the position of their model variable in the list the
+    # optimizer was built with (`model.trainable_variables`), and a weights
+    # file stores them by number; so the optimized model lists its variables
+    # as the original model does (as `restore(self)` does), and the optimizer
+    # state in a weights file means the same in both models. `get_weights()`
+    # and `set_weights()` are then interchangeable too.
+
+    @property
+    def weights(self):
+        return in_original_order(self, super().weights)
+
+    @property
+    def variables(self):
+        return in_original_order(self, super().variables)
+
+    def save_weights(self, filepath, overwrite=True, **kwargs):
+        """Saves the weights as the original (unfused) model would.
+
+        The file (weights and, once built, the optimizer's state) loads into
+        the original model, into `rnnfuse.restore(self)` and into this
+        model. Arguments are those of `keras.Model.save_weights`.
+        """
+        return weights_model(self).save_weights(filepath, overwrite=overwrite, **kwargs)
+
+    def load_weights(self, filepath, skip_mismatch=False, **kwargs):
+        """Loads weights saved by the original model or by this model.
+
+        A `.keras` archive saved from an optimized model (it holds FusedRNN
+        layers) loads as Keras loads it; every other file (`.weights.h5`,
+        `.weights.json`, a `.keras` of the original model, a legacy `.h5`)
+        is read in the original layout. Arguments are those of
+        `keras.Model.load_weights`.
+        """
+        if is_fused_archive(filepath):
+            return super().load_weights(filepath, skip_mismatch=skip_mismatch, **kwargs)
+        return weights_model(self).load_weights(
+            filepath, skip_mismatch=skip_mismatch, **kwargs
+        )
+
+
+@keras.saving.register_keras_serializable(package="rnnfuse")
+class OptimizedModel(_OptimizedMixin, Functional):
+    """A Functional model made by `rnnfuse.optimize`.
+
+    Exactly a Functional model (same constructor, config and `.keras`
+    format) whose `save_weights`/`load_weights` use the original model's
+    file layout (see the module docstring).
+    """
+
+
+@keras.saving.register_keras_serializable(package="rnnfuse")
+class OptimizedSequential(_OptimizedMixin, keras.Sequential):
+    """A Sequential model made by `rnnfuse.optimize`; see `OptimizedModel`."""
+
+
+def as_optimized(model: keras.Model, like: keras.Model | None = None) -> keras.Model:
+    """`model` (a rewritten Sequential or Functional) as an Optimized* model.
+
+    Builds an `OptimizedSequential` / `OptimizedModel` over the same layers
+    and graph, with `model`'s name, trainable flag and compile() arguments.
+    When `like` (the original model) was built under a `tf.distribute`
+    strategy and none is active now, the new model is made under that
+    strategy's scope, so `optimize` may be called outside it. Any other kind
+    of model is returned as it is.
+    """
+    if isinstance(model, (OptimizedModel, OptimizedSequential)):
+        return model
+    if not isinstance(model, keras.Sequential) and type(model) is not Functional:
+        return model
+    with _strategy_scope(like):
+        if isinstance(model, keras.Sequential):
+            layers = list(model.layers)
+            first = model._layers[0] if model._layers else None
+            if isinstance(first, keras.layers.InputLayer):
+                # The same InputLayer: sub-models cut from this model's
+                # layers see one input, as in the original.
+                layers.insert(0, first.output)
+            new = OptimizedSequential(layers, name=model.name, trainable=model.trainable)
+        else:
+            new = OptimizedModel(
+                model.input, model.output, name=model.name, trainable=model.trainable
+            )
+        copy_compile(model, new)
+    return new
+
+
+def _strategy_scope(like: Any):
+    """The scope of `like`'s distribution strategy, if it has one and none is active."""
+    from rnnfuse.backends import get_backend
+
+    return get_backend().strategy_scope(getattr(like, "_distribute_strategy", None))
