@@ -35,7 +35,7 @@ from rnnfuse.reasons import Reason
 from rnnfuse.recurrent import is_recurrent
 from rnnfuse.report import FusionGroup, FusionReport, OptimizeResult
 from rnnfuse.tuning import first_batch
-from rnnfuse.tuning.cache import PlanCache
+from rnnfuse.tuning.cache import PlanCache, default_cache
 from rnnfuse.plan import Plan
 from rnnfuse.tuning.plans import split_groups
 from rnnfuse.tuning.table import static_plan
@@ -370,7 +370,7 @@ def _plan_cache(cache) -> PlanCache | None:
     if cache is False:
         return None
     if cache is None or cache is True:
-        return PlanCache()
+        return default_cache()
     if isinstance(cache, PlanCache):
         return cache
     if not isinstance(cache, (str, os.PathLike)):

@@ -14,7 +14,7 @@ import time
 import platformdirs
 import pytest
 
-from rnnfuse.tuning.cache import PlanCache, default_cache_path
+from rnnfuse.tuning.cache import CacheKey, PlanCache, default_cache_path
 
 _ROOT = str(pathlib.Path(__file__).resolve().parents[1])
 
@@ -141,3 +141,78 @@ def test_a_cache_that_cannot_be_locked_warns_and_optimize_goes_on(tmp_path, monk
     with pytest.warns(RuntimeWarning, match="could not write the plan cache"):
         cache.put("new", {"plan": {"pieces": [1], "algorithm": None}})
     assert cache.get("new")["plan"]["pieces"] == [1]  # kept for this process
+
+
+def test_entries_hold_their_key_as_a_record_and_old_entries_still_answer(tmp_path):
+    path = tmp_path / "plans.json"
+    key = CacheKey.of({"device": "H200", "cudnn": "9"}, "gru/u8", (32, 20, 4), "float16", True, masked=True)
+    # A file written before keys were stored as records: the same entry name.
+    path.write_text(json.dumps({"format": 1, "entries": {key.text: {"plan": {"pieces": [2], "algorithm": None}}}}))
+    cache = PlanCache(path)
+    assert cache.get(key)["plan"]["pieces"] == [2]
+    assert cache.entries() == []  # no record: exact lookups only
+    other = CacheKey.of({"device": "H200", "cudnn": "9"}, "gru/u8", (128, 20, 4), "float16", True, masked=True)
+    cache.put(other, {"plan": {"pieces": [], "algorithm": None}})
+    ((stored, entry),) = PlanCache(path).entries()
+    assert stored == other and entry["plan"]["pieces"] == []
+    assert key.other_shape(stored) and not key.other_shape(key)
+    assert not key.other_shape(CacheKey.of({"device": "H200", "cudnn": "9"}, "gru/u8", (128, 20, 4), "float16", False, masked=True))
+
+
+def _optimize_with_default_cache(monkeypatch, gpu: bool):
+    """optimize() through the path that reads the default cache: a tuned
+    plan (tune=) on the CPU, or, with a (fake) GPU, first-batch tuning."""
+    import warnings
+
+    import rnnfuse
+    from builders import stack_model
+    from rnnfuse.tuning import first_batch
+
+    model = stack_model("lstm", 2, steps=5)
+    if gpu:
+        monkeypatch.setattr(first_batch, "device_environment", lambda: {"device": "FakeGPU", "backend": "tensorflow"})
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        if gpu:
+            fast = rnnfuse.optimize(model)
+        else:
+            fast = rnnfuse.optimize(model, tune=rnnfuse.TuneShape(4, 5))
+    return fast, [w for w in seen if "plan cache" in str(w.message)]
+
+
+@pytest.mark.parametrize("gpu", [False, True], ids=["tune=", "first-batch"])
+@pytest.mark.parametrize("where", ["RNNFUSE_CACHE_DIR is a file", "plans.json is a folder"])
+def test_a_bad_default_cache_location_warns_once_and_optimize_runs_without_a_cache(
+    tmp_path, monkeypatch, where, gpu
+):
+    if where == "plans.json is a folder":
+        (tmp_path / "plans.json").mkdir()
+        monkeypatch.setenv("RNNFUSE_CACHE_DIR", str(tmp_path))
+    else:
+        (tmp_path / "file").write_text("x")
+        monkeypatch.setenv("RNNFUSE_CACHE_DIR", str(tmp_path / "file"))
+    fast, warned = _optimize_with_default_cache(monkeypatch, gpu)
+    assert fast is not None
+    (warning,) = warned
+    text = str(warning.message)
+    assert "RNNFUSE_CACHE_DIR=" in text and "without a cache" in text and "Fix:" in text
+    if gpu:
+        assert fast._rnnfuse_autotune.cache is None
+
+
+def test_a_corrupt_file_that_cannot_be_moved_is_not_said_to_be_moved(tmp_path, monkeypatch):
+    from rnnfuse.tuning import cache as cache_module
+
+    path = tmp_path / "plans.json"
+    path.write_text("{not json")
+
+    def read_only(src, dst):
+        raise PermissionError(13, "Permission denied", str(dst))
+
+    monkeypatch.setattr(cache_module.os, "replace", read_only)
+    with pytest.warns(RuntimeWarning) as seen:
+        assert PlanCache(path).get("k") is None
+    (text,) = [str(w.message) for w in seen if "ignoring the plan cache" in str(w.message)]
+    assert "moved it" not in text
+    assert "could not move it aside (PermissionError" in text and "Fix:" in text
+    assert path.read_text() == "{not json"

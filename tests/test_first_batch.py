@@ -114,8 +114,8 @@ def test_a_masked_input_is_timed_with_a_mask_and_cached_as_its_own_decision(
     fast2.fit(xp, yp, batch_size=8, verbose=0)
     assert timer.calls == 1, "the masked decision must not stand in for an unmasked input"
     assert fake_gpu[-1]["masked"] is False
-    keys = [k for k, _ in cache.items()]
-    assert sum(k.endswith("||masked") for k in keys) == 1 and len(keys) == 2
+    keys = [k for k, _ in cache.entries()]
+    assert sum(k.masked for k in keys) == 1 and len(keys) == 2
 
 
 def test_the_padding_mask_for_timing_is_right_padded_and_reaches_the_layers(emulated_cudnn):
@@ -181,7 +181,7 @@ def test_a_shape_already_decided_reads_no_cache_file_again(fake_gpu, emulated_cu
     fast.fit(x, y, batch_size=8, verbose=0)
     reads = []
     monkeypatch.setattr(PlanCache, "get", lambda self, key: reads.append(key))
-    monkeypatch.setattr(PlanCache, "items", lambda self: reads.append("items") or [])
+    monkeypatch.setattr(PlanCache, "entries", lambda self: reads.append("entries") or [])
     for _ in range(3):
         fast.fit(x, y, batch_size=8, verbose=0)
     assert reads == [] and timer.calls == 1

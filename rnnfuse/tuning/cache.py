@@ -3,10 +3,15 @@
 One JSON file: ``plans.json`` in the user cache folder that platformdirs
 gives for "rnnfuse" (``~/.cache/rnnfuse`` on Linux, ``~/Library/Caches/
 rnnfuse`` on macOS, ``%LOCALAPPDATA%\\rnnfuse\\Cache`` on Windows), or in
-``$RNNFUSE_CACHE_DIR``. A key holds everything a decision depends on: the
-device (GPU name), the library and cuDNN versions, the group's signature
-(cell, width, levels per layer, directions, input width, absorbed
-dropout), the input shape, the dtype and whether it was tuned for training.
+``$RNNFUSE_CACHE_DIR``. A decision is filed under a `CacheKey`, a record of
+everything it depends on: the device (GPU name), the library and cuDNN
+versions, the group's signature (cell, width, levels per layer,
+directions, input width, absorbed dropout), the input shape, the dtype,
+whether it was tuned for training and whether the input is masked. The
+file keeps each entry under the key's text (`CacheKey.text`) and the key
+itself as a record (`"key"`), so a reader compares fields, never parses
+text; an entry written before keys were stored answers only an exact
+lookup.
 
 Several processes may tune at once. Every write is a read-modify-write
 under a file lock (``plans.json.lock``, filelock): the file is read again,
@@ -18,23 +23,30 @@ removes.
 
 Damage is set aside, never fatal: a file that is not JSON or not in this
 cache format is renamed ``plans.json.corrupt-<time>`` with a warning (and
-a new file starts); an entry whose plan does not fit its group (see
+a new file starts; where the folder is read-only the warning says so and
+the file is only ignored); an entry whose plan does not fit its group (see
 `PlanCache.set_aside`) moves to the file's ``set_aside`` section with a
 warning, and the group is tuned again. Entries for another device or
-version simply never match.
+version simply never match. A default location that cannot hold the file
+(``RNNFUSE_CACHE_DIR`` naming a regular file, ``plans.json`` being a
+folder) warns once and tuning runs without a cache (`default_cache`).
 
 Example:
 
     >>> import tempfile, pathlib
     >>> cache = PlanCache(pathlib.Path(tempfile.mkdtemp()) / "plans.json")
-    >>> cache.put("k", {"plan": {"pieces": [2], "algorithm": None}})
-    >>> cache.get("k")["plan"]["pieces"]
+    >>> key = CacheKey.of({"device": "H200"}, "lstm/u8", (32, 20, 4), "float32", training=True)
+    >>> cache.put(key, {"plan": {"pieces": [2], "algorithm": None}})
+    >>> cache.get(key)["plan"]["pieces"]
     [2]
+    >>> [k.shape for k, _ in cache.entries()]
+    [(32, 20, 4)]
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import os
 import pathlib
@@ -42,7 +54,7 @@ import time
 import warnings
 from typing import Any
 
-__all__ = ["PlanCache", "default_cache_path", "group_signature", "cache_key"]
+__all__ = ["CacheKey", "PlanCache", "cache_key", "default_cache", "default_cache_path", "group_signature"]
 
 FORMAT = 1
 # Seconds a process waits for another's lock before giving up on the cache.
@@ -74,15 +86,72 @@ def group_signature(group: Any) -> str:
     )
 
 
+@dataclasses.dataclass(frozen=True)
+class CacheKey:
+    """What one tuning decision depends on (the cache's key)."""
+
+    # Device and library versions, as sorted (name, value) pairs.
+    environment: tuple[tuple[str, str], ...]
+    # The group's `group_signature`.
+    group: str
+    # The group's input shape: (batch, steps, features).
+    shape: tuple[int, ...]
+    # The compute dtype ("float32", "float16", ...).
+    dtype: str
+    # Tuned for training steps (forward + backward) or inference.
+    training: bool
+    # The input carries a padding mask (right-padded lengths), which
+    # changes which kernels Keras runs: its own decision.
+    masked: bool = False
+
+    @classmethod
+    def of(cls, environment: dict, group: Any, shape: tuple, dtype: str, training: bool,
+           masked: bool = False) -> "CacheKey":
+        """The key of a decision; `group` is a FusionGroup or its signature."""
+        return cls(
+            environment=tuple(sorted((str(k), str(v)) for k, v in environment.items())),
+            group=group if isinstance(group, str) else group_signature(group),
+            shape=tuple(int(d) for d in shape),
+            dtype=str(dtype),
+            training=bool(training),
+            masked=bool(masked),
+        )
+
+    @property
+    def text(self) -> str:
+        """The entry's name in the file (the same text as before keys were
+        stored as records, so older files still answer exact lookups)."""
+        env = "|".join(f"{k}={v}" for k, v in self.environment)
+        mode = "train" if self.training else "infer"
+        key = f"{env}||{self.group}||{self.shape}||{self.dtype}||{mode}"
+        return key + "||masked" if self.masked else key
+
+    def other_shape(self, other: "CacheKey") -> bool:
+        """Whether `other` is the same decision for another input shape."""
+        return dataclasses.replace(other, shape=self.shape) == self and other.shape != self.shape
+
+    def to_dict(self) -> dict:
+        d = dataclasses.asdict(self)
+        d["environment"] = dict(self.environment)
+        d["shape"] = list(self.shape)
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "CacheKey":
+        """The inverse of `to_dict`.
+
+        Raises:
+            KeyError, TypeError, ValueError, AttributeError: not a key's dict.
+        """
+        return cls.of(d["environment"], d["group"], tuple(d["shape"]), d["dtype"],
+                      d["training"], d.get("masked", False))
+
+
 def cache_key(
     environment: dict, group: Any, shape: tuple, dtype: str, training: bool, masked: bool = False
-) -> str:
-    """The cache key of one decision. A masked input (right-padded sequence
-    lengths) is its own decision: it changes which kernels Keras runs."""
-    env = "|".join(f"{k}={environment[k]}" for k in sorted(environment))
-    mode = "train" if training else "infer"
-    key = f"{env}||{group_signature(group)}||{tuple(shape)}||{dtype}||{mode}"
-    return key + "||masked" if masked else key
+) -> CacheKey:
+    """The cache key of one decision (`CacheKey.of`)."""
+    return CacheKey.of(environment, group, shape, dtype, training, masked)
 
 
 class PlanCache:
@@ -111,8 +180,26 @@ class PlanCache:
 
     # -- reading ---------------------------------------------------------------
 
-    def get(self, key: str) -> dict | None:
+    def get(self, key: CacheKey | str) -> dict | None:
         """The entry under `key`, or None."""
+        entry = self._loaded().get(_text(key))
+        return entry if isinstance(entry, dict) else None
+
+    def entries(self) -> list[tuple[CacheKey, dict]]:
+        """Every (key, entry) pair whose key is stored as a record (what
+        first-batch tuning reads for the nearest decided shape)."""
+        out = []
+        for entry in self._loaded().values():
+            if not isinstance(entry, dict) or not isinstance(entry.get("key"), dict):
+                continue
+            try:
+                out.append((CacheKey.from_dict(entry["key"]), entry))
+            except (KeyError, TypeError, ValueError, AttributeError):
+                continue
+        return out
+
+    def _loaded(self) -> dict:
+        """The entries, read once per PlanCache."""
         if self._entries is None:
             try:
                 with self._locked():
@@ -122,20 +209,16 @@ class PlanCache:
                 # without the lock; damage is then reported, not moved.
                 self._warn_unusable("read", err)
                 self._entries = self._read(set_aside_damage=False)["entries"]
-        entry = self._entries.get(key)
-        return entry if isinstance(entry, dict) else None
-
-    def items(self) -> list[tuple[str, dict]]:
-        """Every (key, entry) pair (first-batch tuning's nearest-shape rule)."""
-        if self._entries is None:
-            with self._locked():
-                self._entries = self._read(set_aside_damage=True)["entries"]
-        return [(k, v) for k, v in self._entries.items() if isinstance(v, dict)]
+        return self._entries
 
     # -- writing ---------------------------------------------------------------
 
-    def put(self, key: str, value: dict) -> None:
-        """Stores `value` under `key` (read-modify-write under the lock)."""
+    def put(self, key: CacheKey | str, value: dict) -> None:
+        """Stores `value` under `key` (read-modify-write under the lock);
+        a `CacheKey` is stored in the entry too (``"key"``)."""
+        if isinstance(key, CacheKey):
+            value = {**value, "key": key.to_dict()}
+        key = _text(key)
         try:
             with self._locked():
                 data = self._read(set_aside_damage=True)
@@ -148,13 +231,14 @@ class PlanCache:
             if self._entries is not None:
                 self._entries[key] = value
 
-    def set_aside(self, key: str, reason: str) -> None:
+    def set_aside(self, key: CacheKey | str, reason: str) -> None:
         """Moves the entry under `key` to the file's ``set_aside`` section.
 
         For an entry that cannot be used (a plan covering 5 layers for a
         2-layer group, pieces that are not numbers): warns with `reason`;
         the caller tunes the group again.
         """
+        key = _text(key)
         warnings.warn(
             f"rnnfuse: setting aside the cached plan for this group in "
             f"{self.path} ({reason}); it will be tuned again",
@@ -219,12 +303,24 @@ class PlanCache:
                 return data
             problem = f"it is not in cache format {FORMAT}"
         aside = self.path.with_name(f"{self.path.name}.corrupt-{time.strftime('%Y%m%dT%H%M%S')}")
+        moved = None
         if set_aside_damage:
-            with contextlib.suppress(OSError):
+            try:
                 os.replace(self.path, aside)
+                moved = True
+            except OSError as err:
+                moved = err
+        if moved is True:
+            what = f"moved it to {aside.name} and starting a new one"
+        else:
+            why = f" ({type(moved).__name__}: {moved})" if moved is not None else ""
+            what = (
+                f"could not move it aside{why}, so it stays where it is and is "
+                "ignored. Fix: delete it or make its folder writable, point "
+                "RNNFUSE_CACHE_DIR at a writable folder, or pass cache=False"
+            )
         warnings.warn(
-            f"rnnfuse: ignoring the plan cache {self.path}: {problem}; moved it "
-            f"to {aside.name} and starting a new one",
+            f"rnnfuse: ignoring the plan cache {self.path}: {problem}; {what}",
             RuntimeWarning,
             stacklevel=4,
         )
@@ -245,6 +341,43 @@ class PlanCache:
                 tmp.unlink()
             raise
         _fsync_folder(self.path.parent)
+
+
+def _text(key: CacheKey | str) -> str:
+    return key.text if isinstance(key, CacheKey) else str(key)
+
+
+def default_cache() -> PlanCache | None:
+    """The cache at `default_cache_path()`, or None (no cache, with one
+    warning naming the location and the fix) where that location cannot
+    hold the file: ``RNNFUSE_CACHE_DIR`` is a regular file or under one,
+    or ``plans.json`` there is a folder. A bad default location is never
+    fatal: tuning then runs without a cache.
+
+    >>> import os, tempfile, warnings
+    >>> os.environ["RNNFUSE_CACHE_DIR"] = tempfile.mkstemp()[1]  # a file
+    >>> with warnings.catch_warnings(record=True) as seen:
+    ...     warnings.simplefilter("always")
+    ...     default_cache() is None, "RNNFUSE_CACHE_DIR" in str(seen[0].message)
+    (True, True)
+    >>> del os.environ["RNNFUSE_CACHE_DIR"]
+    """
+    try:
+        return PlanCache()
+    except ValueError as err:
+        root = os.environ.get("RNNFUSE_CACHE_DIR")
+        where = (
+            f"RNNFUSE_CACHE_DIR={root!r}" if root else "the default plan cache location"
+        )
+        warnings.warn(
+            f"rnnfuse: {where} cannot hold the plan cache ({err}); tuning runs "
+            "without a cache, so decisions are timed again in every process. "
+            "Fix: point RNNFUSE_CACHE_DIR at a folder (or unset it), or pass "
+            "cache=False to say no cache is wanted.",
+            RuntimeWarning,
+            stacklevel=3,
+        )
+        return None
 
 
 def _check_location(path: pathlib.Path) -> None:

@@ -49,7 +49,7 @@ from rnnfuse.backends import get_backend
 from rnnfuse.fused import FusedRNN
 from rnnfuse.recurrent import describe
 from rnnfuse.report import FusionGroup
-from rnnfuse.tuning.cache import PlanCache, cache_key, group_signature
+from rnnfuse.tuning.cache import PlanCache, cache_key
 from rnnfuse.plan import Plan
 from rnnfuse.tuning.table import static_plan
 from rnnfuse.tuning.tuner import TuneResult, device_environment, tune_plans
@@ -349,31 +349,17 @@ def _nearest_decisions(state, environment, groups, shapes, training, masked):
 def _nearest(cache: PlanCache, environment, group, shape, dtype, training, masked=False) -> dict | None:
     """The cached entry of the nearest shape for the same group/dtype/mode
     (and the same masked or unmasked input)."""
-    probe = cache_key(environment, group, (0,), dtype, training, masked)
-    prefix, _, rest = probe.partition(f"||{group_signature(group)}||")
-    suffix = rest.partition("||")[2]
+    key = cache_key(environment, group, shape, dtype, training, masked)
     best, best_distance = None, math.inf
-    for key, entry in _entries(cache):
-        head, _, tail = key.partition(f"||{group_signature(group)}||")
-        if head != prefix or not tail.endswith("||" + suffix) or not isinstance(entry, dict):
+    for other, entry in cache.entries():
+        if not key.other_shape(other) or len(other.shape) < 2:
             continue
-        try:
-            other = tuple(int(d) for d in tail[: -len(suffix) - 2].strip("()").split(",") if d.strip())
-        except ValueError:
-            continue
-        if len(other) < 2:
-            continue
-        distance = abs(math.log(max(other[0], 1) / max(shape[0], 1))) + abs(
-            math.log(max(other[1], 1) / max(shape[1], 1))
+        distance = abs(math.log(max(other.shape[0], 1) / max(shape[0], 1))) + abs(
+            math.log(max(other.shape[1], 1) / max(shape[1], 1))
         )
         if distance < best_distance:
             best, best_distance = entry, distance
     return best
-
-
-def _entries(cache: PlanCache):
-    """(key, entry) pairs of a plan cache."""
-    return cache.items()
 
 
 def _plan_of(hit: dict | None, group: FusionGroup) -> Plan | None:
