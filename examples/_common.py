@@ -28,6 +28,7 @@ if os.environ["KERAS_BACKEND"] == "torch":
 import keras  # noqa: E402
 import numpy as np  # noqa: E402
 from rich.console import Console  # noqa: E402
+from rich.markup import escape  # noqa: E402
 from rich.table import Table  # noqa: E402
 
 import rnnfuse  # noqa: E402
@@ -40,7 +41,7 @@ console = Console(highlight=False)
 def report(model: keras.Model) -> keras.Model:
     """Prints what rnnfuse fuses in `model` and returns the optimized model."""
     result = rnnfuse.analyze(model)
-    console.rule(f"[bold]rnnfuse.analyze('{model.name}')")
+    console.rule(f"[bold]rnnfuse.analyze('{escape(model.name)}')")
     fused, alone = result.tables()
     console.print(fused)
     if result.skipped:
@@ -82,7 +83,7 @@ def check(model: keras.Model, fast: keras.Model, inputs, tolerance: float = 1e-4
     diff = max(float(np.max(np.abs(as64(a) - as64(b)))) for a, b in zip(expected, actual))
     console.rule("[bold]equivalence")
     for name, path in fused_paths(fast).items():
-        console.print(f"{name}: {path}")
+        console.print(escape(f"{name}: {path}"))
     ok = len(expected) == len(actual) and diff <= tolerance
     verdict = "[green]PASS" if ok else "[red]FAIL"
     console.print(f"max abs diff of outputs, original vs optimized: {diff:.3g} (tolerance {tolerance:g}) {verdict}")
@@ -97,7 +98,7 @@ def timing(model: keras.Model, fast: keras.Model, inputs, *, loss_fn=None, repea
     Returns {"inference": ratio, "train": ratio} (original / optimized).
     """
     where, _ = device()
-    console.rule(f"[bold]timing on {where}")
+    console.rule(f"[bold]timing on {escape(where)}")
     table = Table()
     for col in ("step", "original ms", "optimized ms", "speedup"):
         table.add_column(col, justify="left" if col == "step" else "right")
@@ -116,8 +117,8 @@ def timing(model: keras.Model, fast: keras.Model, inputs, *, loss_fn=None, repea
     if fallback:
         why = "; ".join(sorted(str(p.reason) for p in fallback))
         console.print(
-            f"FusedRNN ran the original layers here ({why}), so about 1.0x is "
-            "expected. On a CUDA GPU each group runs as one cuDNN call."
+            escape(f"FusedRNN ran the original layers here ({why}), so about 1.0x is ")
+            + "expected. On a CUDA GPU each group runs as one cuDNN call."
         )
     return ratios
 

@@ -3,8 +3,9 @@ recurrent layers left alone (each with its rule and reason), the notes.
 
 `str(report)` is `report_text(report)`; `rnnfuse inspect` prints the same
 tables through `print_report`, with one more column saying how each group
-runs here. Every console made here has rich's markup off, so a layer named
-`enc[bold]` or an advice line naming `rnnfuse[torch]` prints as written.
+runs here. The tables' cells are rich `Text`, never read as markup, and
+every console made here has markup off, so a layer named `enc[bold]` or
+an advice line naming `rnnfuse[torch]` prints as written, in any console.
 
 Example:
 
@@ -40,8 +41,10 @@ def report_tables(report: Any, runs: Sequence[str] | None = None, runs_title: st
         runs_title: that column's title.
     """
     from rich.table import Table
+    from rich.text import Text
 
-    fused = Table(title=f"rnnfuse: fused groups in '{report.model_name}'")
+    # Text cells are never read as markup, whatever console prints them.
+    fused = Table(title=Text(f"rnnfuse: fused groups in '{report.model_name}'"))
     for col in ("#", "layers", "cell", "units", "levels", "input", "bidir"):
         fused.add_column(col)
     if runs is not None:
@@ -51,21 +54,14 @@ def report_tables(report: Any, runs: Sequence[str] | None = None, runs_title: st
         if g.absorbed_dropout:
             layers += f"  (absorbs {', '.join(g.absorbed_dropout)})"
         cell = g.cell + (f" (proj {g.proj_size})" if g.proj_size else "")
-        fused.add_row(
-            str(i),
-            layers,
-            cell,
-            str(g.units),
-            str(g.num_layers),
-            str(g.input_size),
-            "yes" if g.bidirectional else "no",
-            *([runs[i]] if runs is not None else []),
-        )
+        cells = [str(i), layers, cell, str(g.units), str(g.num_layers), str(g.input_size)]
+        cells += ["yes" if g.bidirectional else "no", *([runs[i]] if runs is not None else [])]
+        fused.add_row(*map(Text, cells))
     alone = Table(title="recurrent layers left as they are")
     for col in ("layer", "rule", "why"):
         alone.add_column(col)
     for name, reason in report.skipped.items():
-        alone.add_row(name, getattr(reason, "rule", ""), str(reason))
+        alone.add_row(Text(name), Text(getattr(reason, "rule", "")), Text(str(reason)))
     return fused, alone
 
 

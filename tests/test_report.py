@@ -36,6 +36,25 @@ def test_report_text_lists_groups_and_reasons():
     assert "a -> b" in text and "recurrent_dropout" in text
 
 
+def test_the_tables_keep_names_that_read_as_markup_in_any_console():
+    """Issue 27: rich markup ate `[bold]` from a layer named `enc[bold]`."""
+    import io
+
+    from rich.console import Console
+
+    model = keras.Sequential(
+        [keras.Input((6, 3)), L.GRU(4, return_sequences=True, name="enc[bold]"), L.GRU(4, return_sequences=True, name="dec[red]"),
+         L.LSTM(4, name="odd[italic]")]
+    )
+    report = rnnfuse.analyze(model)
+    buf = io.StringIO()
+    console = Console(file=buf, width=200)  # markup on, as a user's console is
+    for table in report.tables():
+        console.print(table)
+    for text in (buf.getvalue(), str(report)):
+        assert "enc[bold] -> dec[red]" in text and "odd[italic]" in text
+
+
 def test_records_are_frozen():
     report = rnnfuse.analyze(_model())
     with pytest.raises(dataclasses.FrozenInstanceError):
