@@ -2,11 +2,13 @@
 
     fast = rnnfuse.optimize(model)   # shares every variable with `model`
 
-Public API: `analyze`, `optimize`, `restore`, `FusedRNN`, the report records
-`FusionReport` and `FusionGroup`, `Reason`, and `FusionWarning`.
+Public API: `analyze`, `optimize`, `restore`, `load_model` (a saved model,
+optimized again), `FusedRNN`, the report records `FusionReport` and
+`FusionGroup`, `Reason`, `FusionWarning` and `ModelFileError`.
 
 `import rnnfuse` imports keras (and so the Keras backend) and registers
-rnnfuse's layers, so `keras.models.load_model` reads optimized models. When
+rnnfuse's layers, so `keras.models.load_model` also reads files in rnnfuse's
+fused format (`save(path, fused=True)`). When
 the selected backend is not installed it raises an ImportError naming the
 extra to install (`pip install 'rnnfuse[torch]'`). Only the `rnnfuse`
 command defers all that until its arguments are parsed, so `rnnfuse --help`
@@ -78,9 +80,11 @@ __all__ = [
     "FusionGroup",
     "FusionReport",
     "FusionWarning",
+    "ModelFileError",
     "Reason",
     "analyze",
     "layers",
+    "load_model",
     "optimize",
     "restore",
 ]
@@ -145,6 +149,7 @@ def _import_public_names() -> None:
     import rnnfuse.layers as layers
     from rnnfuse.api import TuneShape, analyze, optimize
     from rnnfuse.fused import FusedRNN
+    from rnnfuse.model_files import ModelFileError, load_model
     from rnnfuse.persistence import restore
     from rnnfuse.reasons import CallPath, FusionWarning, PathKind, Reason
     from rnnfuse.report import FusionGroup, FusionReport, OptimizeResult, RewriteFailure
@@ -166,6 +171,8 @@ def _import_public_names() -> None:
         Reason=Reason,
         analyze=analyze,
         layers=layers,
+        load_model=load_model,
+        ModelFileError=ModelFileError,
         optimize=optimize,
         restore=restore,
     )

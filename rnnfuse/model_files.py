@@ -1,22 +1,35 @@
-"""Loading model files, with errors that say what is wrong and the fix.
+"""Loading model files: `rnnfuse.load_model`, with errors that say what is
+wrong and the fix.
 
-`load_model` is `keras.models.load_model` behind checks of the file: a
-missing file, a directory (a SavedModel), an unreadable file, a weights-only
-file, a file that is no Keras model or has the wrong extension, a truncated
-or corrupt archive, a Lambda layer refused by `safe_mode`, or a custom class
-that is not registered each raise one `ModelFileError` (a ValueError) naming
-the path, the problem and the fix. The `rnnfuse` command loads files through
-it.
+`load_model(path)` loads a `.keras` file and returns it optimized
+(`rnnfuse.optimize`, or, for a file in rnnfuse's fused format, the original
+layers fused again), keeping the optimizer state the file holds. An
+optimized model's `save` writes plain Keras files, so this is how a saved
+model comes back fused; `keras.models.load_model` gives the original model.
+
+`read_model(path)` is the file's model as saved: `keras.models.load_model`
+behind checks of the file. A missing file, a directory (a SavedModel), an
+unreadable file, a weights-only file, a file that is no Keras model or has
+the wrong extension, a truncated or corrupt archive, a Lambda layer refused
+by `safe_mode`, or a custom class that is not registered each raise one
+`ModelFileError` (a ValueError) naming the path, the problem and the fix.
+The `rnnfuse` command reads files through it.
 
 Example:
 
-    >>> import os, tempfile, keras
-    >>> from rnnfuse.model_files import ModelFileError, load_model
-    >>> path = os.path.join(tempfile.mkdtemp(), "w.weights.h5")
-    >>> keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)]).save_weights(path)
+    >>> import os, tempfile, keras, rnnfuse
+    >>> m = keras.Sequential([keras.Input((5, 2)),
+    ...     keras.layers.GRU(3, return_sequences=True), keras.layers.GRU(3)])
+    >>> path = os.path.join(tempfile.mkdtemp(), "m.keras")
+    >>> rnnfuse.optimize(m).save(path)       # a plain Keras file
+    >>> type(keras.models.load_model(path)).__name__
+    'Sequential'
+    >>> [type(l).__name__ for l in rnnfuse.load_model(path).layers]
+    ['FusedRNN']
+    >>> m.save_weights(path[:-6] + ".weights.h5")
     >>> try:
-    ...     load_model(path)
-    ... except ModelFileError as err:
+    ...     rnnfuse.load_model(path[:-6] + ".weights.h5")
+    ... except rnnfuse.ModelFileError as err:
     ...     print(err.kind)
     weights_only
 """
@@ -31,11 +44,15 @@ from typing import Any
 
 import keras
 
-__all__ = ["ModelFileError", "archived_configs", "load_model"]
+from rnnfuse.api import optimize
+from rnnfuse.persistence import holds_fused, restore
+
+__all__ = ["ModelFileError", "archived_configs", "load_model", "read_model"]
 
 
 class ModelFileError(ValueError):
-    """A file `load_model` cannot load as a Keras model: what and the fix.
+    """A file `load_model` / `read_model` cannot load as a Keras model:
+    what and the fix.
 
     `str(error)` is one sentence pair, "rnnfuse.load_model: <problem>.
     Fix: <fix>."; the fields let a caller (the `rnnfuse` command) word the
@@ -64,22 +81,63 @@ def load_model(
     custom_objects: dict | None = None,
     compile: bool = True,
     safe_mode: bool = True,
+    fuse: bool = True,
 ) -> keras.Model:
-    """`keras.models.load_model` with errors that say what is wrong.
+    """Loads a saved Keras model and optimizes it again.
 
-    Loads any `.keras` file (optimized or not: importing rnnfuse registers
-    its classes) and legacy `.h5` models. A missing file, a directory (a
-    SavedModel), an unreadable file, a weights-only file, a file that is no
-    Keras model or has the wrong extension, a truncated or corrupt archive,
-    a Lambda layer refused by `safe_mode`, or a custom class that is not
-    registered raise one clear error instead of Keras' internal one. The
-    `rnnfuse` command loads files through this too.
+    The file is what an optimized model's `save` (and `ModelCheckpoint`)
+    writes, the original model's own file, or a file in rnnfuse's fused
+    format (`save(path, fused=True)`, and every optimized model's `.keras`
+    file before rnnfuse 0.2). The model comes back as `rnnfuse.optimize`
+    returns it (its default arguments: plans chosen on the first batch), with
+    the compile() arguments and the optimizer's state that the file holds, so
+    training resumes where it stopped.
 
     Args:
         filepath: path of a `.keras` file (or a legacy `.h5` model).
-        custom_objects: as for `keras.models.load_model`.
-        compile: as for `keras.models.load_model`.
-        safe_mode: as for `keras.models.load_model`.
+        custom_objects, compile, safe_mode: as for `keras.models.load_model`.
+        fuse: False returns the model as the file holds it (`read_model`).
+
+    Returns:
+        The optimized model (a model `optimize` cannot rewrite, such as a
+        subclassed one, comes back as it loaded, with `optimize`'s warning).
+
+    Raises:
+        FileNotFoundError: nothing at `filepath`.
+        ModelFileError: (a ValueError) the file is not a loadable Keras
+            model, with the reason and the fix.
+    """
+    model = read_model(
+        filepath, custom_objects=custom_objects, compile=compile, safe_mode=safe_mode
+    )
+    if not fuse:
+        return model
+    optimizer = getattr(model, "optimizer", None) if getattr(model, "compiled", False) else None
+    if holds_fused(model):
+        model = restore(model)
+    fast = optimize(model)
+    if optimizer is not None and fast is not model:
+        fast.optimizer = optimizer  # with the state read from the file
+    return fast
+
+
+def read_model(
+    filepath: Any,
+    *,
+    custom_objects: dict | None = None,
+    compile: bool = True,
+    safe_mode: bool = True,
+) -> keras.Model:
+    """`keras.models.load_model` with errors that say what is wrong.
+
+    Loads any `.keras` file (fused or not: importing rnnfuse registers its
+    classes) and legacy `.h5` models, and returns the model the file holds;
+    the problems the module doc lists raise one clear error instead of
+    Keras' internal one.
+
+    Args:
+        filepath: path of a `.keras` file (or a legacy `.h5` model).
+        custom_objects, compile, safe_mode: as for `keras.models.load_model`.
 
     Returns:
         The loaded model.

@@ -25,16 +25,33 @@ Example:
 
 from __future__ import annotations
 
+import inspect
 from typing import Any
 
 import keras
 from keras.src.models.functional import Functional
 
 from rnnfuse.fused import FusedRNN
-from rnnfuse.persistence import copy_compile, in_original_order, is_fused_archive, weights_model
+from rnnfuse.persistence import (
+    copy_compile,
+    in_original_order,
+    is_fused_archive,
+    portable_model,
+    weights_model,
+)
 from rnnfuse.tuning import first_batch
 
-__all__ = ["OptimizedModel", "OptimizedSequential", "as_optimized"]
+__all__ = ["FUSED_FORMAT_NOTE", "OptimizedModel", "OptimizedSequential", "as_optimized"]
+
+# The first entry of a fused-format model config (`save(path, fused=True)`).
+_FORMAT_KEY = "rnnfuse"
+FUSED_FORMAT_NOTE = (
+    "this file is in rnnfuse's fused format (saved with save(path, "
+    "fused=True)): it loads only where rnnfuse is installed and imported. "
+    "Fix: pip install rnnfuse, then import rnnfuse before "
+    "keras.models.load_model(path), or call rnnfuse.load_model(path); to get "
+    "a file plain Keras loads, save the model again with save(path)"
+)
 
 
 class _OptimizedMixin:
@@ -72,11 +89,14 @@ class _OptimizedMixin:
         keras.Model.jit_compile.fset(self, value)
 
     def compile(self, *args, **kwargs):
-        # Remember whether XLA was left to Keras ("auto"): first-batch tuning
-        # compares against the original layers the way Keras would run them.
+        # Remember the jit_compile argument: first-batch tuning compares
+        # against the original layers the way Keras would run them ("auto"),
+        # and `save` writes it for the original layers to resolve.
+        jit = _argument(keras.Model.compile, args, kwargs, "jit_compile")
+        object.__setattr__(self, "_rnnfuse_jit_compile", jit)
         state = getattr(self, "_rnnfuse_autotune", None)
         if state is not None:
-            state.jit_auto = kwargs.get("jit_compile", "auto") == "auto"
+            state.jit_auto = jit == "auto"
         return super().compile(*args, **kwargs)
 
     def fit(self, x=None, y=None, batch_size=None, *args, **kwargs):
@@ -126,6 +146,38 @@ class _OptimizedMixin:
     @property
     def variables(self):
         return in_original_order(self, super().variables)
+
+    def save(self, filepath, overwrite=True, zipped=None, *, fused=False, **kwargs):
+        """Saves the model as the original (unfused) model would: a file
+        that plain Keras loads without rnnfuse.
+
+        The file holds the original architecture (each FusedRNN's layers back
+        in place), the current weights, the compile() arguments and the
+        optimizer's state: exactly what `original.save(filepath)` writes
+        after the same training. `keras.models.load_model` gives the original
+        model back; `rnnfuse.load_model(filepath)` gives it optimized again.
+        `ModelCheckpoint` saves through this method, so its `.keras` files
+        are the same.
+
+        Args:
+            filepath, overwrite, zipped, **kwargs: as for `keras.Model.save`.
+            fused: write the optimized structure instead (FusedRNN layers
+                with their plans), which loads only where rnnfuse is
+                imported.
+        """
+        if fused:
+            return super().save(filepath, overwrite=overwrite, zipped=zipped, **kwargs)
+        return portable_model(self).save(filepath, overwrite=overwrite, zipped=zipped, **kwargs)
+
+    def get_config(self):
+        # Read first in Keras' error where the fused format (save(fused=True))
+        # is loaded without rnnfuse: what the file is and the fix.
+        return {_FORMAT_KEY: FUSED_FORMAT_NOTE, **super().get_config()}
+
+    @classmethod
+    def from_config(cls, config, custom_objects=None):
+        config = {k: v for k, v in config.items() if k != _FORMAT_KEY}
+        return super().from_config(config, custom_objects=custom_objects)
 
     def save_weights(self, filepath, overwrite=True, **kwargs):
         """Saves the weights as the original (unfused) model would.
@@ -196,6 +248,14 @@ def as_optimized(model: keras.Model, like: keras.Model | None = None) -> keras.M
             )
         copy_compile(model, new)
     return new
+
+
+def _argument(function, args: tuple, kwargs: dict, name: str) -> Any:
+    """The value of parameter `name` in a call `function(self, *args,
+    **kwargs)` (its default where not given)."""
+    signature = inspect.signature(function)
+    bound = signature.bind_partial(None, *args, **kwargs).arguments
+    return bound.get(name, signature.parameters[name].default)
 
 
 def _strategy_scope(like: Any):

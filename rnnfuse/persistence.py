@@ -1,18 +1,17 @@
-"""Un-fusing optimized models, and their weight files in the original layout.
+"""Un-fusing optimized models, and their files in the original layout.
 
 `restore(optimized)` gives a plain Keras model of the original layers (the
 same objects, so the current weights). The optimized classes
-(`rnnfuse.optimized`) read and write weight files through it.
+(`rnnfuse.optimized`) write and read their files through it:
 
-What goes where:
-
-| call                                 | file layout                          |
-|--------------------------------------|--------------------------------------|
-| `optimized.save("m.keras")`          | the optimized structure (FusedRNN)   |
-| `keras.models.load_model("m.keras")` | the same fused model back            |
-| `optimized.save_weights(path)`       | the *original* model's layout        |
-| `optimized.load_weights(path)`       | the original layout, or a fused .keras |
-| `restore(optimized)`                 | a plain model; `save()` needs no rnnfuse |
+| call                                   | writes / reads                          |
+|----------------------------------------|-----------------------------------------|
+| `optimized.save("m.keras")`, `ModelCheckpoint` | the original model's file (`portable_model`): plain Keras loads it |
+| `optimized.save("m.keras", fused=True)` | the optimized structure (FusedRNN); needs rnnfuse to load |
+| `rnnfuse.load_model("m.keras")`        | either file, optimized again            |
+| `optimized.save_weights(path)`         | the *original* model's layout           |
+| `optimized.load_weights(path)`         | the original layout, or a fused .keras  |
+| `restore(optimized)`                   | a plain model over the same layers      |
 
 Why weight files use the original layout. Keras 3 names each variable in
 a weights file by where it sits in the object tree (`saving_lib._walk_saveable`):
@@ -61,7 +60,15 @@ from keras.src.models.functional import Functional
 from rnnfuse.fused import FusedRNN, call_members, first_call_kwargs
 from rnnfuse.reasons import FusionWarning
 
-__all__ = ["copy_compile", "in_original_order", "is_fused_archive", "restore", "weights_model"]
+__all__ = [
+    "copy_compile",
+    "holds_fused",
+    "in_original_order",
+    "is_fused_archive",
+    "portable_model",
+    "restore",
+    "weights_model",
+]
 
 _FUSED_NAME = "rnnfuse>FusedRNN"
 
@@ -114,7 +121,8 @@ def restore(model: keras.Model) -> keras.Model:
 # -- restoring ---------------------------------------------------------------
 
 
-def _holds_fused(model: Any) -> bool:
+def holds_fused(model: Any) -> bool:
+    """Whether `model` (or a model nested in it) holds a FusedRNN."""
     return any(
         isinstance(layer, FusedRNN) for layer in model._flatten_layers(include_self=False)
     )
@@ -124,7 +132,7 @@ def _restore(model: Any) -> keras.Model:
     """`model` with every FusedRNN expanded, as plain Keras classes."""
     replacements = {}
     for layer in model.layers:
-        if isinstance(layer, (keras.Sequential, Functional)) and _holds_fused(layer):
+        if isinstance(layer, (keras.Sequential, Functional)) and holds_fused(layer):
             replacements[id(layer)] = _restore(layer)
     if isinstance(model, keras.Sequential):
         return _restore_sequential(model, replacements)
@@ -165,7 +173,10 @@ def _restore_functional(model, replacements) -> keras.Model:
 def _call_members(fused: FusedRNN, args, kwargs):
     """Calls the layers of `fused` as the run's first layer was called."""
     first = first_call_kwargs(args, kwargs)
-    rest = {"training": first["training"]} if "training" in first else {}
+    # The later layers take the first one's mask, as FusedRNN's own call of
+    # the layers does: inside a run every layer returns sequences, which
+    # keeps the mask; the graph then records the calls as the original did.
+    rest = {k: first[k] for k in ("training", "mask") if k in first}
     return call_members(fused.members(), args[0], first=first, rest=rest)
 
 
@@ -212,6 +223,28 @@ def weights_model(model) -> keras.Model:
     optimizer = getattr(model, "optimizer", None)
     if optimizer is not None:
         plain.optimizer = optimizer
+    return plain
+
+
+def portable_model(model) -> keras.Model:
+    """What an optimized model's `save` writes: `_restore(model)` compiled
+    with `model`'s compile() arguments and holding its optimizer object, so
+    the file carries that optimizer's state, as the original model compiled
+    the same way would.
+
+    jit_compile is written as `model` was given it ("auto" resolves for the
+    original layers when the file is loaded: a SimpleRNN stack that Keras
+    compiles with XLA keeps XLA, although the fused model could not).
+    """
+    plain = _restore(model)
+    config = getattr(model, "_compile_config", None)
+    if getattr(model, "compiled", False) and config is not None:
+        arguments = dict(config.config)
+        arguments["jit_compile"] = model.__dict__.get(
+            "_rnnfuse_jit_compile", arguments.get("jit_compile", "auto")
+        )
+        plain.compile(**arguments)
+        plain.optimizer = model.optimizer
     return plain
 
 

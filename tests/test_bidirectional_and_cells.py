@@ -204,7 +204,7 @@ def test_a_saved_merged_stack_loads_with_the_same_packing(emulated_cudnn, tmp_pa
     _randomize(model, 5)
     fast = rnnfuse.optimize(model, plan=rnnfuse.FUSED)
     x = random_inputs(model, 3, np.random.default_rng(5))
-    fast.save(tmp_path / "fast.keras")
+    fast.save(tmp_path / "fast.keras", fused=True)
     loaded = keras.models.load_model(tmp_path / "fast.keras")
     (fused,) = fused_layers(loaded)
     assert fused.stack.input_merges == (None, "sum", "sum")

@@ -717,7 +717,7 @@ def test_inspect_of_a_subclassed_model_says_it_cannot_look_inside(in_workdir, ca
 
 def test_inspect_of_a_saved_optimized_model_names_its_fused_layers(in_workdir, capsys, tmp_path):
     model = keras.models.load_model(in_workdir / "fusable.keras")
-    rnnfuse.optimize(model).save(tmp_path / "fast.keras")
+    rnnfuse.optimize(model).save(tmp_path / "fast.keras", fused=True)
     code, out, _ = _run(capsys, "inspect", tmp_path / "fast.keras")
     text = " ".join(out.split())
     assert code == 0

@@ -11,18 +11,21 @@
 from __future__ import annotations
 
 import contextlib
+import io
 import json
 import os
 import subprocess
 import sys
 import textwrap
 import warnings
+import zipfile
 
 import h5py
 import keras
 import numpy as np
 import pytest
 from builders import fused_layers, max_abs_diff, random_inputs, stack_model
+from keras.src.models.functional import Functional
 
 import rnnfuse
 from rnnfuse.optimized import OptimizedModel, OptimizedSequential
@@ -64,20 +67,90 @@ def _perturb(model, seed: int) -> None:
 # -- .keras ------------------------------------------------------------------
 
 
+def _archive(path) -> tuple[dict, dict]:
+    """(config.json without object ids, {weight path: array}) of a .keras file."""
+    with zipfile.ZipFile(path) as archive:
+        config = json.loads(archive.read("config.json"))
+        weights = {}
+        with h5py.File(io.BytesIO(archive.read("model.weights.h5"))) as f:
+            f.visititems(
+                lambda name, item: weights.__setitem__(name, item[()])
+                if isinstance(item, h5py.Dataset) else None
+            )
+
+    def strip(node):
+        if isinstance(node, dict):
+            return {k: strip(v) for k, v in node.items() if k != "shared_object_id"}
+        if isinstance(node, list):
+            return [strip(v) for v in node]
+        return node
+
+    return strip(config), weights
+
+
+def _train(model, seed: int, *, epochs: int = 1, **compile_args):
+    """Compile (adam, mse, mae) and fit `model` on small random data."""
+    model.compile(**{"optimizer": "adam", "loss": "mse", "metrics": ["mae"], **compile_args})
+    rng = np.random.default_rng(seed)
+    x = random_inputs(model, 8, rng)
+    y = rng.standard_normal((8, 3)).astype("float32")
+    model.fit(x, y, batch_size=4, epochs=epochs, verbose=0)
+    return x, y
+
+
 @pytest.mark.parametrize("functional", [True, False], ids=["functional", "sequential"])
-def test_keras_file_round_trip_keeps_outputs_and_fused_structure(
-    emulated_cudnn, tmp_path, functional
-):
+def test_save_writes_exactly_the_original_models_file(tmp_path, functional):
     model = stack_model("gru", 3, masked=True, head=True, functional=functional)
     fast = rnnfuse.optimize(model)
     assert isinstance(fast, OptimizedModel if functional else OptimizedSequential)
+    _train(fast, 0)
+    fast.save(tmp_path / "fast.keras")
+    # The original, compiled alike and holding the same (trained) optimizer,
+    # saved by Keras itself.
+    model.compile(optimizer=fast.optimizer, loss="mse", metrics=["mae"])
+    model.save(tmp_path / "original.keras")
+    got, want = _archive(tmp_path / "fast.keras"), _archive(tmp_path / "original.keras")
+    assert "rnnfuse" not in json.dumps(got[0])
+    assert got[0] == want[0]
+    assert sorted(got[1]) == sorted(want[1])
+    assert any(name.startswith("optimizer/") for name in got[1])
+    for name, value in want[1].items():
+        np.testing.assert_array_equal(got[1][name], value, err_msg=name)
+
+
+def test_save_leaves_jit_compile_to_the_original_layers(emulated_cudnn, tmp_path, monkeypatch):
+    """Keras compiles a SimpleRNN stack with XLA on a GPU; the fused model
+    cannot be (its cuDNN call), but the file is the original's, XLA on."""
+    import tensorflow as tf
+
+    model = stack_model("rnn_tanh", 2, head=True)
+    fast = rnnfuse.optimize(model)
+    # jit_compile="auto" as on a machine with a GPU (Keras turns XLA off on
+    # CPU-only machines before it asks the layers).
+    gpu = tf.config.PhysicalDevice("/physical_device:GPU:0", "GPU")
+    monkeypatch.setattr(tf.config, "list_physical_devices", lambda *a: [gpu])
+    fast.compile(optimizer="sgd", loss="mse")
+    model.compile(optimizer="sgd", loss="mse")
+    assert fast.jit_compile is False and model.jit_compile is True
+    fast.save(tmp_path / "m.keras")
+    assert _archive(tmp_path / "m.keras")[0]["compile_config"]["jit_compile"] is True
+    loaded = keras.models.load_model(tmp_path / "m.keras")
+    assert not fused_layers(loaded) and loaded.jit_compile is True
+
+
+def test_the_fused_format_is_opt_in_and_keeps_the_fused_structure(emulated_cudnn, tmp_path):
+    model = stack_model("gru", 3, masked=True, head=True)
+    fast = rnnfuse.optimize(model)
     x = random_inputs(model, 4, np.random.default_rng(0))
     expected = np.asarray(fast(x))
-    path = tmp_path / "fast.keras"
-    fast.save(path)
-    loaded = keras.models.load_model(path)
-    assert type(loaded) is type(fast)
-    assert [type(l).__name__ for l in loaded.layers] == [type(l).__name__ for l in fast.layers]
+    fast.compile(optimizer="adam", loss="mse")
+    fast.save(tmp_path / "fast.keras", fused=True)
+    config = _archive(tmp_path / "fast.keras")[0]
+    # The first words Keras shows where the file is loaded without rnnfuse.
+    assert next(iter(config["config"])) == "rnnfuse"
+    assert "rnnfuse.load_model(path)" in config["config"]["rnnfuse"]
+    loaded = keras.models.load_model(tmp_path / "fast.keras")
+    assert type(loaded) is type(fast) and loaded.compiled
     (fused,) = fused_layers(loaded)
     assert [l.name for l in fused.fused_layers] == [
         l.name for l in fused_layers(fast)[0].fused_layers
@@ -85,17 +158,47 @@ def test_keras_file_round_trip_keeps_outputs_and_fused_structure(
     calls = len(emulated_cudnn)
     np.testing.assert_allclose(np.asarray(loaded(x)), expected, atol=1e-6)
     assert len(emulated_cudnn) > calls and fused.last_path == "fused"
-    if functional:
-        assert loaded.output_names == model.output_names
+    assert loaded.output_names == model.output_names
 
 
-def test_keras_file_keeps_the_compile_state(tmp_path):
-    model = stack_model("lstm", 2, head=True)
+_OLD = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "fused_format_0.1.0")
+
+
+def test_a_file_in_the_fused_format_of_0_1_0_still_loads():
+    """tests/data/fused_format_0.1.0.keras: an optimized, trained GRU stack
+    saved by rnnfuse 0.1.0 (before save() wrote the original's file; its
+    config names rnnfuse.persistence, where the classes lived)."""
+    want = np.load(_OLD + ".npz")
+    loaded = keras.models.load_model(_OLD + ".keras")
+    assert isinstance(loaded, OptimizedSequential) and len(fused_layers(loaded)) == 1
+    np.testing.assert_allclose(np.asarray(loaded(want["x"])), want["y"], atol=1e-6)
+    assert int(loaded.optimizer.iterations.numpy()) == int(want["iterations"]) == 2
+    # rnnfuse.load_model fuses the original layers again, optimizer state kept.
+    fast = rnnfuse.load_model(_OLD + ".keras")
+    assert isinstance(fast, OptimizedSequential) and len(fused_layers(fast)) == 1
+    np.testing.assert_allclose(np.asarray(fast(want["x"])), want["y"], atol=1e-6)
+    np.testing.assert_array_equal(np.asarray(fast.optimizer.variables[2]), want["optimizer"])
+    assert int(fast.optimizer.iterations.numpy()) == 2
+
+
+@pytest.mark.parametrize("fused", [False, True], ids=["portable", "fused_format"])
+def test_rnnfuse_load_model_fuses_again_and_resumes_training(tmp_path, fused):
+    model = stack_model("lstm", 3, head=True)
     fast = rnnfuse.optimize(model)
-    fast.compile(optimizer="adam", loss="mse", metrics=["mae"])
-    fast.save(tmp_path / "c.keras")
-    loaded = keras.models.load_model(tmp_path / "c.keras")
-    assert loaded.compiled and loaded.get_compile_config()["loss"] == "mse"
+    x, y = _train(fast, 1)
+    fast.save(tmp_path / "m.keras", fused=fused)
+    again = rnnfuse.load_model(tmp_path / "m.keras")
+    assert isinstance(again, OptimizedModel) and len(fused_layers(again)) == 1
+    assert again.compiled and again.get_compile_config()["loss"] == "mse"
+    for a, b in zip(again.optimizer.variables, fast.optimizer.variables):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    # One more epoch from the file and from memory: the same weights.
+    fast.fit(x, y, batch_size=4, epochs=1, verbose=0, shuffle=False)
+    again.fit(x, y, batch_size=4, epochs=1, verbose=0, shuffle=False)
+    for a, b in zip(again.weights, fast.weights):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-6)
+    as_saved = rnnfuse.load_model(tmp_path / "m.keras", fuse=False)
+    assert type(as_saved) is (OptimizedModel if fused else Functional)
 
 
 # -- restore -------------------------------------------------------------------
@@ -141,42 +244,156 @@ def test_restore_rejects_what_it_cannot_rebuild():
         rnnfuse.restore(L.LSTM(3))
 
 
-_NO_RNNFUSE = textwrap.dedent(
+# -- in a process without rnnfuse ---------------------------------------------
+
+# Loads each artifact of the jobs file in a process where `import rnnfuse`
+# fails, and writes what it computed (outputs, optimizer state, a further
+# epoch's weights) or the error Keras raised.
+_ELSEWHERE = textwrap.dedent(
     """
-    import os, sys
+    import sys
+    sys.modules["rnnfuse"] = None  # `import rnnfuse` raises ImportError
+    import json, os
     os.environ.setdefault("KERAS_BACKEND", "tensorflow")
-    import keras, numpy as np, tensorflow as tf
-    keras_path, saved_path, x_path = sys.argv[1:4]
-    x = np.load(x_path)
-    model = keras.models.load_model(keras_path)
-    served = tf.saved_model.load(saved_path)
-    assert "rnnfuse" not in sys.modules, "rnnfuse was imported"
-    np.save(x_path + ".keras.npy", np.asarray(model(x)))
-    np.save(x_path + ".saved.npy", np.asarray(served.serve(x)))
+    import keras, numpy as np
+    jobs_path = sys.argv[1]
+    results = {}
+    for name, job in json.load(open(jobs_path)).items():
+        out = os.path.join(os.path.dirname(jobs_path), name)
+        try:
+            x = np.load(job["x"])
+            if job["kind"] == "keras":
+                model = keras.models.load_model(job["path"])
+                arrays = {"y": np.asarray(model(x))}
+                arrays.update({f"opt{i}": np.asarray(v) for i, v in enumerate(model.optimizer.variables)})
+                if "y_train" in job:
+                    model.fit(x, np.load(job["y_train"]), batch_size=4, epochs=1, verbose=0, shuffle=False)
+                    arrays.update({f"w{i}": np.asarray(v) for i, v in enumerate(model.weights)})
+                results[name] = {"classes": [type(l).__name__ for l in model.layers],
+                                 "iterations": int(model.optimizer.iterations.numpy())}
+            np.savez(out + ".npz", **arrays)
+        except Exception as err:
+            results[name] = {"error": f"{type(err).__name__}: {' '.join(str(err).split())[:1500]}"}
+    assert all(not m.startswith("rnnfuse") for m in sys.modules if sys.modules[m] is not None)
+    print("RESULTS " + json.dumps(results))
     """
 )
 
 
-def test_restored_model_and_export_load_without_rnnfuse(tmp_path):
-    model = stack_model("rnn_tanh", 2, units=3, input_size=2, steps=3, head=True)
-    fast = rnnfuse.optimize(model)
-    _perturb(fast, 5)
-    x = random_inputs(model, 3, np.random.default_rng(6))
-    expected = np.asarray(fast(x))
-    rnnfuse.restore(fast).save(tmp_path / "plain.keras")
-    fast.export(str(tmp_path / "saved"), verbose=False)
-    np.save(tmp_path / "x.npy", x)
-    script = tmp_path / "load.py"
-    script.write_text(_NO_RNNFUSE)
-    env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3"}
+@contextlib.contextmanager
+def _emulated_cudnn():
+    """The emulated_cudnn fixture, for module-scoped fixtures."""
+    from cudnn_reference import emulated_cudnn_rnn
+
+    from rnnfuse.backends import tensorflow as tf_backend
+
+    calls = []
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(tf_backend, "cudnn_rnn", lambda **kw: calls.append(1) or emulated_cudnn_rnn(**kw))
+        mp.setattr(tf_backend, "is_available", lambda: True)
+        yield calls
+
+
+@pytest.fixture(scope="module")
+def elsewhere(tmp_path_factory) -> dict:
+    """Artifacts of optimized models, loaded by a process without rnnfuse.
+
+    Returns {"results": the process's results by job, "want": what this
+    process computed for each job, "folder": where the arrays are}.
+    """
+    folder = tmp_path_factory.mktemp("elsewhere")
+    jobs, want = {}, {}
+    rng = np.random.default_rng(21)
+
+    def save_x(name, x):
+        np.save(folder / f"{name}.x.npy", x)
+        return str(folder / f"{name}.x.npy")
+
+    # A masked Sequential GRU stack, trained through its fused path.
+    # Eager steps: a traced step of the emulated kernel costs tens of seconds.
+    seq = stack_model("gru", 2, units=3, masked=True, head=True, functional=False)
+    with _emulated_cudnn() as calls:
+        fast = rnnfuse.optimize(seq, tune=False)  # no timing on the emulated kernel
+        x, y = _train(fast, 2, run_eagerly=True)
+        assert calls, "the fused path did not run"
+        fast.save(folder / "seq.keras")
+        fast.save(folder / "seq_fused.keras", fused=True)
+        want["seq"] = {"y": np.asarray(seq(x)), "opt": _optimizer_values(fast)}
+        np.save(folder / "seq.y.npy", y)
+        fast.fit(x, y, batch_size=4, epochs=1, verbose=0, shuffle=False)
+        want["seq"]["w"] = [np.asarray(v) for v in seq.weights]
+    jobs["seq"] = {"kind": "keras", "path": str(folder / "seq.keras"), "x": save_x("seq", x),
+                   "y_train": str(folder / "seq.y.npy")}
+    jobs["seq_fused"] = {"kind": "keras", "path": str(folder / "seq_fused.keras"), "x": jobs["seq"]["x"]}
+    # A Functional LSTM stack's ModelCheckpoint files, one per epoch.
+    func = stack_model("lstm", 3, units=3, head=True)
+    x = random_inputs(func, 8, rng)
+    outputs = []
+    with _emulated_cudnn():
+        fast = rnnfuse.optimize(func, tune=False)
+        fast.compile(optimizer="adam", loss="mse", run_eagerly=True)
+        fast.fit(x, rng.standard_normal((8, 3)).astype("float32"), batch_size=4, epochs=2,
+                 verbose=0, callbacks=[
+                     keras.callbacks.LambdaCallback(
+                         on_epoch_end=lambda epoch, logs: outputs.append(np.asarray(func(x)))),
+                     keras.callbacks.ModelCheckpoint(str(folder / "ckpt_{epoch}.keras")),
+                 ])
+    for epoch in (1, 2):
+        name = f"ckpt_{epoch}"
+        jobs[name] = {"kind": "keras", "path": str(folder / f"{name}.keras"), "x": save_x(name, x)}
+        want[name] = {"y": outputs[epoch - 1], "iterations": 2 * epoch,
+                      "classes": [type(l).__name__ for l in func.layers]}
+    # The fused format of rnnfuse 0.1.0 (every optimized model's .keras then).
+    jobs["old"] = {"kind": "keras", "path": _OLD + ".keras", "x": save_x("old", np.load(_OLD + ".npz")["x"])}
+    (folder / "jobs.json").write_text(json.dumps(jobs))
+    (folder / "elsewhere.py").write_text(_ELSEWHERE)
     proc = subprocess.run(
-        [sys.executable, str(script), str(tmp_path / "plain.keras"),
-         str(tmp_path / "saved"), str(tmp_path / "x.npy")],
-        capture_output=True, text=True, timeout=240, env=env, cwd=str(tmp_path),
+        [sys.executable, str(folder / "elsewhere.py"), str(folder / "jobs.json")],
+        capture_output=True, text=True, timeout=300, cwd=str(folder),
+        env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3"},
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
-    np.testing.assert_allclose(np.load(tmp_path / "x.npy.keras.npy"), expected, atol=1e-6)
-    np.testing.assert_allclose(np.load(tmp_path / "x.npy.saved.npy"), expected, atol=1e-6)
+    line = [l for l in proc.stdout.splitlines() if l.startswith("RESULTS ")][-1]
+    return {"results": json.loads(line[len("RESULTS "):]), "want": want, "folder": folder}
+
+
+def _computed(elsewhere, name: str) -> dict:
+    result = elsewhere["results"][name]
+    assert "error" not in result, result["error"]
+    return dict(np.load(elsewhere["folder"] / f"{name}.npz"))
+
+
+def test_a_saved_model_loads_trains_on_and_keeps_its_optimizer_without_rnnfuse(elsewhere):
+    got, want = _computed(elsewhere, "seq"), elsewhere["want"]["seq"]
+    assert elsewhere["results"]["seq"]["classes"] == ["Embedding", "GRU", "GRU", "Dense"]
+    np.testing.assert_allclose(got["y"], want["y"], atol=1e-6)
+    opt = [got[f"opt{i}"] for i in range(len(want["opt"]))]
+    for a, b in zip(opt, want["opt"]):
+        np.testing.assert_array_equal(a, b)
+    # The next epoch there equals the next epoch of the optimized model here.
+    for i, w in enumerate(want["w"]):
+        np.testing.assert_allclose(got[f"w{i}"], w, atol=1e-5)
+
+
+@pytest.mark.parametrize("epoch", [1, 2])
+def test_every_model_checkpoint_file_loads_without_rnnfuse(elsewhere, epoch):
+    name = f"ckpt_{epoch}"
+    got, want = _computed(elsewhere, name), elsewhere["want"][name]
+    assert elsewhere["results"][name]["classes"] == want["classes"]
+    assert want["classes"].count("LSTM") == 3
+    assert elsewhere["results"][name]["iterations"] == want["iterations"]
+    np.testing.assert_allclose(got["y"], want["y"], atol=1e-6)
+
+
+def test_without_rnnfuse_a_fused_format_file_says_it_needs_rnnfuse(elsewhere):
+    error = elsewhere["results"]["seq_fused"]["error"]
+    assert "Could not locate class 'OptimizedSequential'" in error
+    assert "rnnfuse's fused format" in error and "rnnfuse.load_model(path)" in error
+    # A 0.1.0 file carries no such note: Keras' own error, which names the
+    # module rnnfuse.persistence in the config it prints.
+    old = elsewhere["results"]["old"]["error"]
+    assert "Could not locate class 'OptimizedSequential'" in old
+    assert "'module': 'rnnfuse.persistence'" in old
 
 
 # -- weight files ----------------------------------------------------------------
@@ -216,7 +433,7 @@ def test_load_weights_reads_both_kinds_of_keras_archive(tmp_path):
     _perturb(model, 9)
     expected = _values(model)
     model.save(tmp_path / "orig.keras")
-    fast.save(tmp_path / "fast.keras")
+    fast.save(tmp_path / "fast.keras", fused=True)
     for archive in ("orig.keras", "fast.keras"):
         _perturb(model, 10)
         fast.load_weights(tmp_path / archive)

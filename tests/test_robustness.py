@@ -6,7 +6,7 @@
 - an interrupted fit leaves the original model exactly at the last finished
   step (the variables are the same objects);
 - corrupt files and unregistered custom classes give one clear error
-  (`rnnfuse.model_files.load_model`);
+  (`rnnfuse.model_files.read_model`);
 - property test: random small stacks through optimize -> fit one step ->
   save -> load -> predict equal.
 """
@@ -26,7 +26,7 @@ from hypothesis import strategies as st
 import rnnfuse
 from rnnfuse import FusionWarning
 from rnnfuse.passes import rewrite
-from rnnfuse.model_files import load_model
+from rnnfuse.model_files import read_model
 
 L = keras.layers
 
@@ -95,8 +95,12 @@ def test_a_group_that_fails_to_build_keeps_its_layers_and_the_rest_fuse(monkeypa
     assert max_abs_diff(fast(x), model(x)) <= 1e-6
     # The partly fused model still saves, loads and restores.
     fast.save(tmp_path / "partial.keras")
+    fast.save(tmp_path / "partial_fused.keras", fused=True)
     monkeypatch.undo()
     loaded = keras.models.load_model(tmp_path / "partial.keras")
+    assert not fused_layers(loaded)
+    assert max_abs_diff(loaded(x), model(x)) <= 1e-6
+    loaded = keras.models.load_model(tmp_path / "partial_fused.keras")
     assert len(fused_layers(loaded)) == 1
     assert max_abs_diff(loaded(x), model(x)) <= 1e-6
     assert max_abs_diff(rnnfuse.restore(fast)(x), model(x)) == 0.0
@@ -196,21 +200,22 @@ def test_a_corrupt_keras_file_is_a_clear_error(saved, tmp_path, damage, words):
     bad = tmp_path / "bad.keras"
     damage(saved, bad)
     with pytest.raises(ValueError, match=words) as info:
-        load_model(bad)
+        read_model(bad)
     message = str(info.value)
     assert str(bad) in message and "Fix:" in message
 
 
 def test_paths_that_hold_no_model_are_clear_errors(saved, tmp_path):
     with pytest.raises(FileNotFoundError, match="no file at"):
-        load_model(tmp_path / "missing.keras")
+        read_model(tmp_path / "missing.keras")
     with pytest.raises(ValueError, match="is a directory"):
-        load_model(tmp_path)
+        read_model(tmp_path)
     weights = tmp_path / "w.weights.h5"
     keras.models.load_model(saved).save_weights(weights)
     with pytest.raises(ValueError, match="holds weights only"):
-        load_model(weights)
-    assert fused_layers(load_model(saved))
+        read_model(weights)
+    assert fused_layers(rnnfuse.load_model(saved))
+    assert not fused_layers(read_model(saved))
 
 
 @keras.saving.register_keras_serializable(package="rnnfuse_tests")
@@ -236,8 +241,8 @@ def test_unknown_custom_layers_fuse_around_and_load_with_a_clear_error(tmp_path,
     # Another process, where the module defining Scale was not imported.
     monkeypatch.delitem(keras.saving.get_custom_objects(), "rnnfuse_tests>Scale")
     with pytest.raises(ValueError, match=r"'rnnfuse_tests>Scale'.*not registered.*custom_objects"):
-        load_model(path)
-    loaded = load_model(path, custom_objects={"rnnfuse_tests>Scale": Scale})
+        read_model(path)
+    loaded = read_model(path, custom_objects={"rnnfuse_tests>Scale": Scale})
     assert max_abs_diff(loaded(x_in), model(x_in)) <= 1e-6
 
 
@@ -303,5 +308,5 @@ def test_random_stacks_survive_fit_save_load(
         path = tmp_path_factory.mktemp("prop") / "m.keras"
         fast.save(path)
         loaded = keras.models.load_model(path)
-        assert [type(l).__name__ for l in loaded.layers] == [type(l).__name__ for l in fast.layers]
+        assert [type(l).__name__ for l in loaded.layers] == [type(l).__name__ for l in model.layers]
         assert max_abs_diff(loaded(x), fast(x)) <= 1e-6

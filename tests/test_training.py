@@ -84,14 +84,18 @@ def test_fit_evaluate_predict_and_callbacks_track_the_original(emulated_cudnn, t
     np.testing.assert_allclose(mae, np.mean(np.abs(expected_out - yv)), rtol=1e-5)
     np.testing.assert_allclose(fast.predict(xv, verbose=0), expected_out, atol=1e-5)
     # The weights checkpoint loads into the original model's code; the
-    # .keras checkpoint is the optimized model again.
+    # .keras checkpoint is the original model's file, which
+    # rnnfuse.load_model optimizes again.
     fresh = stack_model("rnn_tanh", 2, head=True, steps=4, units=4, input_size=3)
     fresh.load_weights(weights_ckpt)
     for a, b in zip(fresh.weights, model.weights):
         np.testing.assert_array_equal(a.numpy(), b.numpy())
     loaded = keras.models.load_model(model_ckpt)
-    assert len(fused_layers(loaded)) == 1
+    assert not fused_layers(loaded)
     np.testing.assert_allclose(loaded(xv), fast(xv), atol=1e-6)
+    again = rnnfuse.load_model(model_ckpt)
+    assert len(fused_layers(again)) == 1
+    assert int(again.optimizer.iterations.numpy()) == int(fast.optimizer.iterations.numpy())
 
 
 def test_summary_lists_the_fused_layer_and_every_parameter():
@@ -161,8 +165,10 @@ def test_without_a_gpu_jit_compile_true_just_works():
 def test_a_model_compiled_for_xla_without_gpu_loads_where_cudnn_runs(tmp_path, monkeypatch):
     fast = rnnfuse.optimize(stack_model("rnn_tanh", 2, head=True))
     fast.compile(optimizer="sgd", loss="mse", jit_compile=True)
-    fast.save(tmp_path / "xla.keras")
+    fast.save(tmp_path / "xla.keras", fused=True)
+    fast.save(tmp_path / "plain.keras")
     _emulate(monkeypatch)
-    loaded = keras.models.load_model(tmp_path / "xla.keras")
-    assert fused_layers(loaded)[0].uses_fused_kernel
-    assert loaded.compiled and loaded.jit_compile is False
+    for loaded in (keras.models.load_model(tmp_path / "xla.keras"),
+                   rnnfuse.load_model(tmp_path / "plain.keras")):
+        assert fused_layers(loaded)[0].uses_fused_kernel
+        assert loaded.compiled and loaded.jit_compile is False

@@ -95,12 +95,12 @@ def _missing_source(source: str) -> str:
 
 
 def _load_file(path: str, safe_mode: bool):
-    """`rnnfuse.model_files.load_model`, its errors as one-line CliErrors
+    """`rnnfuse.model_files.read_model`, its errors as one-line CliErrors
     (with the command line's own fixes where it has other options)."""
-    from rnnfuse.model_files import ModelFileError, load_model
+    from rnnfuse.model_files import ModelFileError, read_model
 
     try:
-        return load_model(path, compile=False, safe_mode=safe_mode)
+        return read_model(path, compile=False, safe_mode=safe_mode)
     except FileNotFoundError as err:
         raise CliError(_missing_source(path)) from err
     except ModelFileError as err:

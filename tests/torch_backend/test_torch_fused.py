@@ -482,7 +482,7 @@ def test_saved_optimized_model_loads_and_runs_fused(torch_calls, tmp_path):
     x = random_inputs(model, 3, rng)
     x[0, 2:] = 0
     path = tmp_path / "fast.keras"
-    fast.save(path)
+    fast.save(path, fused=True)
     loaded = keras.models.load_model(path)
     assert len(fused_layers(loaded)) == 1
     torch_calls.clear()
