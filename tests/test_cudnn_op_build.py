@@ -174,11 +174,29 @@ def test_import_and_cpu_use_never_build():
     assert state["built"] is False
 
 
-def test_cli_build_ops_prints_the_library_path(fresh, monkeypatch, capsys):
+def test_cli_build_ops_prints_the_library_paths(fresh, monkeypatch, capsys):
     from rnnfuse.cli import main
 
     monkeypatch.setenv("CUDNN", str(_fake_cudnn(fresh / "cudnn")))
     monkeypatch.setenv("CXX", str(_fake_compiler(fresh, fresh / "log")))
+    monkeypatch.setenv("NVCC", str(_fake_compiler(fresh, fresh / "log")))
     assert main(["build-ops"]) == 0
-    printed = capsys.readouterr().out.strip().splitlines()[-1]
-    assert printed.endswith("rnnfuse_cudnn_rnn.so") and Path(printed).is_file()
+    wavefront, cudnn = capsys.readouterr().out.strip().splitlines()[-2:]
+    assert cudnn.endswith("rnnfuse_cudnn_rnn.so") and Path(cudnn).is_file()
+    assert wavefront.endswith("rnnfuse_wavefront_op.so") and Path(wavefront).is_file()
+
+
+def test_cli_build_ops_without_nvcc_still_builds_the_cudnn_op(fresh, monkeypatch, capsys):
+    from rnnfuse.backends.cuda import build
+    from rnnfuse.cli import main
+
+    monkeypatch.setenv("CUDNN", str(_fake_cudnn(fresh / "cudnn")))
+    monkeypatch.setenv("CXX", str(_fake_compiler(fresh, fresh / "log")))
+    def no_nvcc():
+        raise build.BuildError("no nvcc found")
+
+    monkeypatch.setattr(build, "find_nvcc", no_nvcc)
+    assert main(["build-ops"]) == 0
+    out, err = capsys.readouterr()
+    assert out.strip().splitlines()[-1].endswith("rnnfuse_cudnn_rnn.so")
+    assert "wavefront op was not built (no nvcc found)" in err

@@ -1,5 +1,7 @@
-"""`rnnfuse build-ops [--force]`: compiles rnnfuse's cuDNN RNN op for
-TensorFlow now (no GPU needed) and prints where the library went.
+"""`rnnfuse build-ops [--force]`: compiles rnnfuse's ops for TensorFlow now
+(no GPU needed) and prints where the libraries went: the wavefront op's
+(inference kernel, needs nvcc; a failure there is a note, not an error),
+then the cuDNN RNN op's on the last line.
 
 The op is otherwise built on first GPU use (rnnfuse.backends.tensorflow
 .op_build), into $RNNFUSE_CACHE_DIR/ops or the user cache folder. Without
@@ -15,10 +17,12 @@ Example:
 
 from __future__ import annotations
 
+import sys
+
 from rnnfuse.cli.errors import CliError
 
 NAME = "build-ops"
-HELP = "compile rnnfuse's cuDNN RNN op for TensorFlow now (no GPU needed) and print where the library went"
+HELP = "compile rnnfuse's ops for TensorFlow now (no GPU needed) and print where the libraries went"
 PARENTS = ()
 
 
@@ -42,5 +46,10 @@ def run(args) -> int:
         path = op_build.build_op(force=args.force)
     except op_build.BuildError as err:
         raise CliError(f"building the op failed: {err}") from err
+    try:
+        print(op_build.build_wavefront_op(force=args.force))
+    except op_build.BuildError as err:
+        print(f"rnnfuse: the wavefront op was not built ({err}); fused stacks run on cuDNN",
+              file=sys.stderr)
     print(path)
     return 0

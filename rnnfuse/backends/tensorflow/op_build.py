@@ -23,6 +23,11 @@ libcudnn.so.9 is linked as a NEEDED entry (`--no-as-needed`) with an rpath
 to the folder it was found in; no CUDA runtime is linked (its calls bind to
 the runtime inside libtensorflow_framework.so.2).
 
+The same machinery builds `RnnfuseWavefront` (csrc/rnnfuse_wavefront_op.cc
+with rnnfuse/backends/cuda/csrc/, which also needs nvcc: see
+rnnfuse.backends.cuda.build) into its own library, `build_wavefront_op()` /
+`load_wavefront_op()`, so a machine without nvcc keeps the cuDNN op.
+
 If anything fails (no compiler, no headers, a load error), `load_op()`
 warns once (logger "rnnfuse" and `warnings.warn`) with the reason and the
 fix, returns None, and the TensorFlow backend keeps using CudnnRNNV3.
@@ -44,21 +49,26 @@ import re
 import shutil
 import subprocess
 import sys
-import tempfile
 import threading
 import warnings
 from pathlib import Path
 from typing import Any
 
+from rnnfuse.backends.cuda import build as cuda_build
+from rnnfuse.backends.cuda.build import BuildError, cache_dir
+
 __all__ = [
     "BuildError",
     "build_op",
+    "build_wavefront_op",
     "cache_dir",
     "disabled",
     "find_cudnn",
     "library_path",
     "load_op",
     "load_failure",
+    "load_wavefront_op",
+    "wavefront_load_failure",
 ]
 
 logger = logging.getLogger("rnnfuse")
@@ -68,54 +78,12 @@ SOURCES = ("rnnfuse_cudnn_rnn.cc",)
 LIBRARY_NAME = "rnnfuse_cudnn_rnn.so"
 _FLAGS_VERSION = "1"  # bump when the build command changes
 
+WAVEFRONT_SOURCE = "rnnfuse_wavefront_op.cc"
+WAVEFRONT_LIBRARY_NAME = "rnnfuse_wavefront_op.so"
+
 _LOCK = threading.Lock()
 _STATE: dict[str, Any] = {"module": None, "tried": False, "reason": None, "warned": False}
-
-
-class BuildError(RuntimeError):
-    """The op could not be built; the message says why and how to fix it."""
-
-
-def cache_dir() -> Path:
-    """Where built libraries go: $RNNFUSE_CACHE_DIR or the user cache dir."""
-    env = os.environ.get("RNNFUSE_CACHE_DIR")
-    if env:
-        return Path(env) / "ops"
-    try:
-        import platformdirs
-    except ImportError:  # an install without the dependency: XDG's default
-        base = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "rnnfuse"
-    else:
-        base = Path(platformdirs.user_cache_dir("rnnfuse"))
-    return base / "ops"
-
-
-class _FcntlLock:
-    """A process lock on `path` (used only when `filelock` is missing)."""
-
-    def __init__(self, path: str):
-        self.path = path
-
-    def __enter__(self):
-        import fcntl
-
-        self.f = open(self.path, "w")
-        fcntl.flock(self.f, fcntl.LOCK_EX)
-        return self
-
-    def __exit__(self, *exc):
-        import fcntl
-
-        fcntl.flock(self.f, fcntl.LOCK_UN)
-        self.f.close()
-
-
-def _file_lock(path: str):
-    try:
-        import filelock
-    except ImportError:
-        return _FcntlLock(path)
-    return filelock.FileLock(path)
+_WAVEFRONT: dict[str, Any] = {"module": None, "tried": False, "reason": None}
 
 
 def find_cudnn() -> tuple[Path, Path]:
@@ -235,6 +203,10 @@ def library_path() -> Path:
     return cache_dir() / key / LIBRARY_NAME
 
 
+_FIX = ("check that TensorFlow's headers match the installed TensorFlow and that g++ "
+        "supports C++17")
+
+
 def build_op(force: bool = False, verbose: bool = False) -> Path:
     """Compiles the op (unless cached) and returns the library's path.
 
@@ -243,32 +215,15 @@ def build_op(force: bool = False, verbose: bool = False) -> Path:
     """
     compiler = find_compiler()
     target = library_path()
-    if target.exists() and not force:
-        return target
-    target.parent.mkdir(parents=True, exist_ok=True)
-    with _file_lock(str(target) + ".lock"):
-        if target.exists() and not force:
-            return target  # another process built it while we waited
-        fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
-        os.close(fd)
-        cmd = build_command(compiler, Path(tmp))
+
+    def make(tmp: Path) -> None:
+        cmd = build_command(compiler, tmp)
         if verbose:
             print(" ".join(cmd), file=sys.stderr)
         logger.info("building rnnfuse's cuDNN RNN op for TensorFlow (%s)", target)
-        try:
-            proc = subprocess.run(cmd, capture_output=True, text=True)
-            if proc.returncode != 0:
-                tail = "\n".join((proc.stderr or proc.stdout).strip().splitlines()[-15:])
-                raise BuildError(
-                    f"compiling the op failed ({Path(compiler).name} exit {proc.returncode}):\n{tail}\n"
-                    "Fix: check that TensorFlow's headers match the installed TensorFlow "
-                    "and that g++ supports C++17"
-                )
-            os.replace(tmp, target)
-        finally:
-            if os.path.exists(tmp):
-                os.unlink(tmp)
-    return target
+        cuda_build.run_compiler(cmd, "the op", _FIX)
+
+    return cuda_build.cached_build(target, make, force)
 
 
 def disabled() -> bool:
@@ -336,6 +291,87 @@ def _load():
     return module
 
 
+def wavefront_command(compiler: str, cubin: Path, output: Path) -> list[str]:
+    """The compile command for the RnnfuseWavefront op around `cubin`.
+
+    TensorFlow's flags and headers (cuda.h, cuda_runtime_api.h come with its
+    wheel), the op's adapter and the kernel's C-ABI launcher
+    (rnnfuse/backends/cuda/csrc/wavefront_host.cc, which embeds `cubin` and
+    reaches the CUDA driver through dlopen); no CUDA runtime is linked, as
+    for the cuDNN op.
+    """
+    compile_flags, link_flags, cuda_include, _ = _tf_flags()
+    return [
+        compiler, "-std=c++17", "-shared", "-fPIC", "-O2", "-DGOOGLE_CUDA=1", "-w",
+        *compile_flags, f"-I{cuda_include}", f"-I{cuda_build.SOURCE_DIR}",
+        f'-DRF_WAVEFRONT_CUBIN="{cubin}"',
+        str(SOURCE_DIR / WAVEFRONT_SOURCE), str(cuda_build.SOURCE_DIR / "wavefront_host.cc"),
+        "-o", str(output), *link_flags, "-ldl",
+    ]
+
+
+def build_wavefront_op(force: bool = False, verbose: bool = False) -> Path:
+    """Compiles the RnnfuseWavefront op (unless cached); returns its path.
+
+    Needs what `build_op` needs but cuDNN, plus nvcc for the kernel's cubin
+    (rnnfuse.backends.cuda.build). No GPU needed.
+
+    Raises:
+        BuildError: no compiler, no nvcc, or a compiler failed.
+    """
+    import tensorflow as tf
+
+    compiler = find_compiler()
+    cubin = cuda_build.build_cubin(force=force)
+    digest = hashlib.sha256(_FLAGS_VERSION.encode() + cubin.parent.name.encode())
+    for path in (SOURCE_DIR / WAVEFRONT_SOURCE,
+                 *(cuda_build.SOURCE_DIR / n for n in cuda_build.HOST_SOURCES)):
+        digest.update(path.read_bytes())
+    target = cache_dir() / f"tf{tf.__version__}-wavefront-{digest.hexdigest()[:12]}" / WAVEFRONT_LIBRARY_NAME
+
+    def make(tmp: Path) -> None:
+        cmd = wavefront_command(compiler, cubin, tmp)
+        if verbose:
+            print(" ".join(cmd), file=sys.stderr)
+        logger.info("building rnnfuse's wavefront op for TensorFlow (%s)", target)
+        cuda_build.run_compiler(cmd, "the wavefront op", _FIX)
+
+    return cuda_build.cached_build(target, make, force)
+
+
+def wavefront_load_failure() -> str | None:
+    """Why the wavefront op is not loaded (after `load_wavefront_op()`), or None."""
+    return _WAVEFRONT["reason"]
+
+
+def load_wavefront_op():
+    """The loaded RnnfuseWavefront op module, or None (with the reason in
+    `wavefront_load_failure()`).
+
+    Builds it on first use, only when TensorFlow sees a GPU and
+    RNNFUSE_DISABLE_OP is unset. No warning: the op is a tuner candidate,
+    and without it fused stacks run on cuDNN as before.
+    """
+    with _LOCK:
+        if _WAVEFRONT["tried"]:
+            return _WAVEFRONT["module"]
+        module, reason = None, None
+        try:
+            if disabled():
+                raise RuntimeError("RNNFUSE_DISABLE_OP is set. Fix: unset it to use the op")
+            import tensorflow as tf
+
+            if not tf.config.list_physical_devices("GPU"):
+                raise RuntimeError("no GPU visible to TensorFlow")
+            module = tf.load_op_library(str(build_wavefront_op()))
+        except Exception as exc:  # any failure means: cuDNN runs
+            reason = str(exc) or type(exc).__name__
+            logger.info("rnnfuse: the wavefront op is not available: %s", reason)
+        _WAVEFRONT.update(module=module, reason=reason, tried=True)
+        return module
+
+
 def reset_for_tests() -> None:
-    """Forget a previous load attempt (tests only)."""
+    """Forget previous load attempts (tests only)."""
     _STATE.update(module=None, tried=False, reason=None, warned=False)
+    _WAVEFRONT.update(module=None, tried=False, reason=None)

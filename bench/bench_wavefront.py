@@ -1,0 +1,450 @@
+"""rnnfuse's wavefront kernel on the GPU: exactness checks and timings (torch only).
+
+Runs on the H200 with nothing but the device's python3 (torch, numpy): the
+kernel's framework-free modules (rnnfuse/backends/cuda/library.py,
+rnnfuse/backends/torch/wavefront.py) are imported without running the
+rnnfuse package (no Keras needed). The library is $RNNFUSE_WAVEFRONT_LIB or
+built into the cache (nvcc + g++).
+
+    python3 bench/bench_wavefront.py check --random 12 --out $OUT/check.json
+    python3 bench/bench_wavefront.py bench --cells headline --out $OUT/bench.json
+    python3 bench/bench_wavefront.py bench --cells matrix --budget 200 --out $OUT/matrix.json
+    python3 bench/bench_wavefront.py modes --out $OUT/modes.json    # a step's parts left out
+    python3 bench/bench_wavefront.py trace --out $OUT/trace.json    # the kernel's own timeline
+
+`check`: each case draws fresh random weights, inputs, initial states (and
+lengths), poisons the outputs with NaN, runs the kernel and compares y, hy
+(and cy) with a float64 reference of the same (rounded) weights and with
+cuDNN (torch.nn.LSTM/GRU in the same dtype), as ||out - ref|| / ||ref||.
+A shape outside the kernel's limits must raise WavefrontError (the caller's
+fallback to cuDNN), never run. `bench`: CUDA-event medians of the kernel
+(with layer 0's input GEMM, and alone), cuDNN as one multi-layer call
+(torch's, the standard algorithm) and one call per layer (where torch runs
+cuDNN's persistent kernel for float16), in ms, us a dependent step and
+TFLOP/s next to the floor at 790 TFLOP/s (the H200's measured dense rate).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import random
+import statistics
+import sys
+import time
+import types
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _import_kernel_modules():
+    """library and the torch binding, without rnnfuse's package __init__s."""
+    for name in ("rnnfuse", "rnnfuse.backends", "rnnfuse.backends.cuda", "rnnfuse.backends.torch"):
+        if name not in sys.modules:
+            mod = types.ModuleType(name)
+            mod.__path__ = [str(ROOT / name.replace(".", "/"))]
+            sys.modules[name] = mod
+    from rnnfuse.backends.cuda import library
+    from rnnfuse.backends.torch import wavefront
+
+    return library, wavefront
+
+
+import torch  # noqa: E402
+
+library, wavefront = _import_kernel_modules()
+
+DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16}
+PEAK_TFLOPS = 790.0  # bf16/fp16 dense matrix rate measured on the H200 (KINDS.md)
+# Tolerances for ||kernel - ref64|| / ||ref64||: a few ulps of the storage type
+# accumulated over the recurrence; the check also reports cuDNN's own error.
+TOL = {"float16": 1e-3, "bfloat16": 8e-3}
+
+
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.double(), b.double()
+    den = b.norm().item()
+    return (a - b).norm().item() / (den if den > 0 else 1.0)
+
+
+def make_module(kind: str, layers: int, units: int, inputs: int, dtype, gen):
+    cls = torch.nn.LSTM if kind == "lstm" else torch.nn.GRU
+    mod = cls(inputs, units, layers).cuda()
+    bound = 1.0 / math.sqrt(units)
+    with torch.no_grad():
+        for w in mod._flat_weights:
+            w.copy_((torch.rand(w.shape, generator=gen, device="cuda") * 2 - 1) * bound)
+    return mod.to(dtype)
+
+
+def reference(kind, mod, x, h0, c0, lengths):
+    """float64 forward of `mod`'s (already rounded) weights; cuDNN's padding rules."""
+    return wavefront.reference_forward(kind, mod._flat_weights, x, h0, c0, lengths)
+
+
+def cudnn_forward(kind, mod, x, h0, c0, lengths):
+    state = (h0, c0) if kind == "lstm" else h0
+    with torch.no_grad():
+        if lengths is None:
+            y, st = mod(x, state)
+        else:
+            packed = torch.nn.utils.rnn.pack_padded_sequence(x, lengths.cpu(), enforce_sorted=False)
+            yp, st = mod(packed, state)
+            y, _ = torch.nn.utils.rnn.pad_packed_sequence(yp, total_length=x.shape[0])
+    hy, cy = (st if kind == "lstm" else (st, None))
+    return y, hy, cy
+
+
+def kernel_forward(kind, mod, x, h0, c0, lengths, mode=0, poison=True):
+    """The kernel on NaN-poisoned outputs (forward_into)."""
+    steps, batch, inputs = x.shape
+    layers, units = mod.num_layers, mod.hidden_size
+    params = wavefront.flat_params(mod).contiguous()
+    gh = (4 if kind == "lstm" else 3) * units
+    xproj = (x.reshape(-1, inputs) @ params[: gh * inputs].view(gh, inputs).t()).view(steps, batch, gh)
+    y = torch.full((steps, batch, units), float("nan") if poison else 0.0, dtype=x.dtype, device="cuda")
+    hy = torch.full_like(h0, float("nan"))
+    cy = torch.full_like(h0, float("nan")) if kind == "lstm" else h0.new_empty(0)
+    lib = library.load()
+    ws = torch.empty(lib.workspace_bytes(layers, units, batch, steps), dtype=torch.uint8, device="cuda")
+    lens = lengths.to(torch.int32).contiguous() if lengths is not None else None
+    wavefront.forward_into(xproj.contiguous(), params, h0, c0 if kind == "lstm" else h0.new_empty(0),
+                           lens, y, hy, cy, ws, kind=kind, input_size=inputs, mode=mode)
+    return y, hy, (cy if kind == "lstm" else None)
+
+
+def check_case(kind, layers, units, batch, steps, inputs, dtype_name, with_lengths, seed):
+    dtype = DTYPES[dtype_name]
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    mod = make_module(kind, layers, units, inputs, dtype, gen)
+    x = torch.randn(steps, batch, inputs, generator=gen, device="cuda").to(dtype)
+    h0 = (torch.randn(layers, batch, units, generator=gen, device="cuda") * 0.5).to(dtype)
+    c0 = (torch.randn(layers, batch, units, generator=gen, device="cuda") * 0.5).to(dtype)
+    lengths = None
+    if with_lengths:
+        lengths = torch.randint(1, steps + 1, (batch,), generator=gen, device="cuda")
+        lengths[0] = steps  # the padded output keeps T steps
+    row = dict(kind=kind, layers=layers, units=units, batch=batch, steps=steps, inputs=inputs,
+               dtype=dtype_name, lengths=with_lengths, seed=seed)
+    reason = wavefront.unsupported_reason(kind, layers, units, batch, steps, inputs, dtype,
+                                          torch.device("cuda"))
+    if reason is not None:
+        try:
+            kernel_forward(kind, mod, x, h0, c0, lengths)
+        except library.WavefrontError as exc:
+            row.update(status="fallback", reason=str(exc))
+        else:
+            row.update(status="FAIL", reason=f"ran although unsupported: {reason}")
+        return row
+    t0 = time.perf_counter()
+    y, hy, cy = kernel_forward(kind, mod, x, h0, c0, lengths)
+    torch.cuda.synchronize()
+    unwritten = sum(int(torch.isnan(t).sum()) for t in (y, hy, cy) if t is not None)
+    ry, rhy, rcy = reference(kind, mod, x, h0, c0, lengths)
+    cy_, chy, ccy = cudnn_forward(kind, mod, x, h0, c0, lengths)
+    err = dict(y=rel(y, ry), hy=rel(hy, rhy))
+    cud = dict(y=rel(cy_, ry), hy=rel(chy, rhy))
+    vs = dict(y=rel(y, cy_), hy=rel(hy, chy))
+    if kind == "lstm":
+        err["cy"], cud["cy"], vs["cy"] = rel(cy, rcy), rel(ccy, rcy), rel(cy, ccy)
+    worst = max(err.values())
+    ok = unwritten == 0 and math.isfinite(worst) and worst <= max(TOL[dtype_name], 2 * max(cud.values()))
+    row.update(status="ok" if ok else "FAIL", unwritten=unwritten, err_vs_f64=err,
+               cudnn_err_vs_f64=cud, err_vs_cudnn=vs, seconds=round(time.perf_counter() - t0, 2))
+    return row
+
+
+FIXED_CASES = [
+    # kind, layers, units, batch, steps, inputs, dtype, lengths
+    ("lstm", 4, 512, 64, 100, 512, "float16", False),
+    ("lstm", 4, 512, 64, 100, 512, "float16", True),
+    ("gru", 4, 512, 64, 100, 512, "float16", True),
+    ("lstm", 4, 512, 64, 60, 512, "bfloat16", False),
+    ("gru", 2, 256, 8, 50, 40, "bfloat16", False),
+    ("lstm", 1, 1024, 32, 20, 1024, "float16", False),
+    ("gru", 8, 256, 100, 30, 256, "bfloat16", True),
+    ("lstm", 3, 384, 1, 40, 100, "float16", False),
+    ("lstm", 2, 64, 3, 7, 5, "float16", True),
+    ("lstm", 4, 512, 256, 20, 512, "float16", True),
+    ("gru", 1, 8, 1, 1, 3, "float16", False),
+    ("lstm", 8, 512, 64, 10, 512, "float16", False),   # outside the limits: fallback
+]
+
+
+def random_cases(n: int, seed: int):
+    """Random shapes over the brief's ranges; two in three drawn from stacks
+    that fit on chip (4 x 512, 8 x 256, 1 x 1024 and below), the rest from
+    anything (those must fall back)."""
+    rng = random.Random(seed)
+    cases = []
+    for i in range(n):
+        if i % 3 < 2:
+            layers, top = rng.choice([(rng.randint(1, 4), 512), (rng.randint(1, 8), 256),
+                                      (1, 1024), (rng.randint(1, 3), 640)])
+            units = rng.choice([u for u in (64, 128, 200, 256, 320, 384, 512, 640, 1024) if u <= top])
+        else:
+            layers = rng.randint(1, 8)
+            units = rng.choice([64, 128, 200, 256, 320, 384, 512, 640, 768, 1024])
+        batch = rng.choice([1, 2, 5, 16, 33, 64, 100, 128, 200, 256])
+        steps = int(round(math.exp(rng.uniform(0, math.log(2000)))))
+        steps = max(1, min(steps, 6000 // layers))  # keeps the float64 reference short
+        cases.append((rng.choice(["lstm", "gru"]), layers, units, batch, steps,
+                      rng.choice([units, 32, 300]), rng.choice(["float16", "bfloat16"]),
+                      rng.random() < 0.5))
+    return cases
+
+
+def cmd_check(args):
+    cases = FIXED_CASES[: args.fixed] + random_cases(args.random, args.seed)
+    rows = []
+    for i, case in enumerate(cases):
+        try:
+            row = check_case(*case, seed=args.seed * 1000 + i)
+        except Exception as exc:  # noqa: BLE001 - record and go on
+            row = dict(case=list(case), status="ERROR", reason=f"{type(exc).__name__}: {exc}")
+        rows.append(row)
+        short = {k: row.get(k) for k in ("status", "err_vs_f64", "cudnn_err_vs_f64", "reason")}
+        print(list(case), json.dumps(short), flush=True)
+        _dump(args.out, dict(meta=_meta(), results=rows))
+    bad = [r for r in rows if r["status"] not in ("ok", "fallback")]
+    print(f"check: {len(rows) - len(bad)}/{len(rows)} passed", flush=True)
+    return 1 if bad else 0
+
+
+def time_ms(fn, reps: int, warmup: int = 2) -> float:
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def flops(kind, layers, units, batch, steps, inputs):
+    g = 4 if kind == "lstm" else 3
+    return 2.0 * steps * batch * g * units * ((inputs + units) + (layers - 1) * 2 * units)
+
+
+def bench_cell(kind, layers, units, batch, steps, dtype_name, reps, modes=(0,), cudnn=True):
+    dtype = DTYPES[dtype_name]
+    inputs = units
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    mod = make_module(kind, layers, units, inputs, dtype, gen)
+    x = torch.randn(steps, batch, inputs, generator=gen, device="cuda").to(dtype)
+    h0 = torch.zeros(layers, batch, units, device="cuda", dtype=dtype)
+    c0 = torch.zeros_like(h0)
+    row = dict(kind=kind, layers=layers, units=units, batch=batch, steps=steps, dtype=dtype_name)
+    reason = wavefront.unsupported_reason(kind, layers, units, batch, steps, inputs, dtype,
+                                          torch.device("cuda"))
+    params = wavefront.flat_params(mod).contiguous()
+    gh = (4 if kind == "lstm" else 3) * units
+    lib = library.load()
+    if reason is None:
+        dev = lib.device(torch.cuda.current_device())
+        row["plan"] = lib.plan_layers(kind, layers, units, batch, steps, inputs, sms=dev["sms"],
+                                      smem=dev["smem"])
+        xproj = (x.reshape(-1, inputs) @ params[: gh * inputs].view(gh, inputs).t()).view(steps, batch, gh)
+        y = torch.empty(steps, batch, units, dtype=dtype, device="cuda")
+        hy, cy = torch.empty_like(h0), torch.empty_like(h0)
+        ws = torch.empty(lib.workspace_bytes(layers, units, batch, steps), dtype=torch.uint8, device="cuda")
+        for mode in modes:
+            def only_kernel(mode=mode):
+                wavefront.forward_into(xproj, params, h0, c0, None, y, hy, cy, ws, kind=kind,
+                                       input_size=inputs, mode=mode)
+            row[f"kernel_ms_mode{mode}" if mode else "kernel_only_ms"] = time_ms(only_kernel, reps)
+        row["kernel_ms"] = time_ms(lambda: wavefront.forward(x, params, h0, c0, None, kind=kind), reps)
+        row["us_per_step"] = 1000 * row["kernel_only_ms"] / (steps + layers - 1)
+    else:
+        row["kernel"] = reason
+    if not cudnn:
+        return row
+    with torch.no_grad():
+        state = (h0, c0) if kind == "lstm" else h0
+        row["cudnn_fused_ms"] = time_ms(lambda: mod(x, state), reps)
+        per = []
+        for l in range(layers):
+            cls = torch.nn.LSTM if kind == "lstm" else torch.nn.GRU
+            m1 = cls(inputs if l == 0 else units, units, 1).cuda().to(dtype)
+            for a, b in zip(m1._flat_weights, mod._flat_weights[4 * l: 4 * l + 4]):
+                a.copy_(b)
+            per.append(m1)
+
+        def per_layer():
+            h = x
+            for l, m1 in enumerate(per):
+                st = (h0[l:l + 1], c0[l:l + 1]) if kind == "lstm" else h0[l:l + 1]
+                h, _ = m1(h, st)
+            return h
+
+        row["cudnn_per_layer_ms"] = time_ms(per_layer, reps)
+    f = flops(kind, layers, units, batch, steps, inputs)
+    row["gflop"] = f / 1e9
+    row["floor_ms"] = f / (PEAK_TFLOPS * 1e9)
+    if "kernel_ms" in row:
+        row["kernel_tflops"] = f / (row["kernel_ms"] * 1e9)
+        best = min(row["cudnn_fused_ms"], row["cudnn_per_layer_ms"])
+        row["speedup_vs_best_cudnn"] = best / row["kernel_ms"]
+    return row
+
+
+HEADLINE = [("lstm", 4, 512, 64, 1000, "float16"), ("gru", 4, 512, 64, 1000, "float16"),
+            ("lstm", 4, 512, 64, 1000, "bfloat16"), ("lstm", 1, 512, 64, 1000, "float16")]
+
+
+def matrix_cells():
+    """A subset of 2-8 layers x 256-1024 units x batch 1-128 x T 100-2000."""
+    lstm = [(2, 256, 8, 1000), (2, 256, 64, 1000), (4, 256, 64, 1000), (8, 256, 64, 1000),
+            (8, 256, 128, 1000), (2, 512, 8, 1000), (2, 512, 64, 1000), (4, 512, 1, 1000),
+            (4, 512, 16, 1000), (4, 512, 128, 1000), (4, 512, 64, 100), (4, 512, 64, 2000),
+            (1, 1024, 64, 1000), (2, 1024, 64, 1000), (8, 512, 64, 1000)]
+    cells = [("lstm", *c, "float16") for c in lstm]
+    return cells + [("gru", 4, 256, 64, 1000, "float16"), ("gru", 8, 256, 32, 500, "float16")]
+
+
+def cmd_bench(args):
+    cells = HEADLINE if args.cells == "headline" else matrix_cells()
+    rows = []
+    start = time.perf_counter()
+    for cell in cells:
+        if time.perf_counter() - start > args.budget:
+            rows.append(dict(cell=list(cell), skipped="time budget"))
+            continue
+        try:
+            row = bench_cell(*cell, reps=args.reps, cudnn=not args.kernel_only)
+        except Exception as exc:  # noqa: BLE001
+            row = dict(cell=list(cell), error=f"{type(exc).__name__}: {exc}")
+        rows.append(row)
+        _print_row(row)
+        _dump(args.out, dict(meta=_meta(), results=rows))
+    return 0
+
+
+# Debug modes (wavefront.cuh): 1 no waits, 2 no products, 4 fence.sc before
+# publishing, 8 no loads of h, 16 no pointwise step; sums combine them.
+MODES = (0, 1, 2, 3, 4, 8, 16, 27)
+
+
+def cmd_modes(args):
+    """Where a step's time goes: the headline with waits and/or products left out."""
+    rows = []
+    for cell in (("lstm", 4, 512, 64, 1000, "float16"), ("lstm", 1, 512, 64, 1000, "float16"),
+                 ("lstm", 4, 512, 8, 1000, "float16")):
+        row = bench_cell(*cell, reps=args.reps, modes=MODES)
+        rows.append(row)
+        print(json.dumps({k: v for k, v in row.items() if k != "plan"}), flush=True)
+        _dump(args.out, dict(meta=_meta(), results=rows))
+    return 0
+
+
+PHASES = ("wait", "stage", "multiply", "pointwise", "publish")
+
+
+def trace_cell(kind, layers, units, batch, steps, dtype_name, trace_steps=300, skip=50):
+    """The kernel's own timeline: per-phase medians (ns) over steps
+    [skip, trace_steps) for CTA 0 (layer 0) and the top layer's first CTA."""
+    dtype = DTYPES[dtype_name]
+    gen = torch.Generator(device="cuda").manual_seed(2)
+    mod = make_module(kind, layers, units, units, dtype, gen)
+    x = torch.randn(steps, batch, units, generator=gen, device="cuda").to(dtype)
+    h0 = torch.zeros(layers, batch, units, device="cuda", dtype=dtype)
+    c0 = torch.zeros_like(h0)
+    params = wavefront.flat_params(mod).contiguous()
+    gh = (4 if kind == "lstm" else 3) * units
+    xproj = (x.reshape(-1, units) @ params[: gh * units].view(gh, units).t()).view(steps, batch, gh)
+    y = torch.empty(steps, batch, units, dtype=dtype, device="cuda")
+    hy, cy = torch.empty_like(h0), torch.empty_like(h0)
+    lib = library.load()
+    ws = torch.empty(lib.workspace_bytes(layers, units, batch, steps), dtype=torch.uint8, device="cuda")
+    trace = torch.zeros(2, trace_steps, 8, dtype=torch.int64, device="cuda")
+    for _ in range(3):
+        wavefront.forward_into(xproj, params, h0, c0, None, y, hy, cy, ws, kind=kind,
+                               input_size=units, trace=trace)
+    torch.cuda.synchronize()
+    tr = trace.cpu().tolist()
+    row = dict(kind=kind, layers=layers, units=units, batch=batch, steps=steps, dtype=dtype_name)
+    for which, name in ((0, "layer0"), (1, "top")):
+        steps_ns = [tr[which][t + 1][0] - tr[which][t][0] for t in range(skip, trace_steps - 1)]
+        phases = {ph: statistics.median(tr[which][t][i + 1] - tr[which][t][i]
+                                        for t in range(skip, trace_steps))
+                  for i, ph in enumerate(PHASES)}
+        clocks = [(tr[which][t][7] - tr[which][t][6]) / max(1, tr[which][t][5] - tr[which][t][0])
+                  for t in range(skip, trace_steps)]
+        row[name] = dict(step_ns=statistics.median(steps_ns), phases_ns=phases,
+                         ghz=statistics.median(clocks))
+    return row
+
+
+def cmd_trace(args):
+    rows = []
+    cells = (("lstm", 4, 512, 64, 1000, "float16"), ("lstm", 1, 512, 64, 1000, "float16"),
+             ("lstm", 4, 512, 8, 1000, "float16"))
+    for cell in cells[: args.cells]:
+        row = trace_cell(*cell)
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+        _dump(args.out, dict(meta=_meta(), results=rows))
+    return 0
+
+
+def _print_row(row):
+    if "error" in row or "skipped" in row or "cudnn_fused_ms" not in row:
+        print(json.dumps({k: v for k, v in row.items() if k != "plan"}), flush=True)
+        return
+    name = f"{row['kind']} {row['layers']}x{row['units']} B{row['batch']} T{row['steps']} {row['dtype']}"
+    k = row.get("kernel_ms")
+    print(f"{name:36s} kernel {k if k is None else round(k, 2)} ms "
+          f"({row.get('us_per_step', float('nan')):.2f} us/step)  cudnn fused "
+          f"{row['cudnn_fused_ms']:.2f}  per-layer {row['cudnn_per_layer_ms']:.2f}  floor "
+          f"{row['floor_ms']:.2f}  x{row.get('speedup_vs_best_cudnn', float('nan')):.2f}"
+          + ("" if k else f"  [{row.get('kernel')}]"), flush=True)
+
+
+def _meta():
+    p = torch.cuda.get_device_properties(0)
+    return dict(device=p.name, sms=p.multi_processor_count, torch=torch.__version__,
+                cudnn=torch.backends.cudnn.version(), library=str(library.load().path),
+                time=time.strftime("%Y-%m-%d %H:%M:%S"))
+
+
+def _dump(path, obj):
+    if path:
+        with open(path, "w") as f:
+            json.dump(obj, f, indent=1)
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    c = sub.add_parser("check")
+    c.add_argument("--fixed", type=int, default=len(FIXED_CASES))
+    c.add_argument("--random", type=int, default=12)
+    c.add_argument("--seed", type=int, default=0)
+    c.add_argument("--out", default="")
+    b = sub.add_parser("bench")
+    b.add_argument("--cells", choices=("headline", "matrix"), default="headline")
+    b.add_argument("--reps", type=int, default=10)
+    b.add_argument("--budget", type=float, default=300.0)
+    b.add_argument("--kernel-only", action="store_true", help="leave cuDNN out")
+    b.add_argument("--out", default="")
+    m = sub.add_parser("modes")
+    m.add_argument("--reps", type=int, default=10)
+    m.add_argument("--out", default="")
+    t = sub.add_parser("trace")
+    t.add_argument("--cells", type=int, default=3)
+    t.add_argument("--out", default="")
+    args = ap.parse_args(argv)
+    return {"check": cmd_check, "bench": cmd_bench, "modes": cmd_modes,
+            "trace": cmd_trace}[args.cmd](args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

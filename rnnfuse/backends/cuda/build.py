@@ -1,0 +1,249 @@
+"""Builds rnnfuse's wavefront kernel (csrc/) and caches what it built.
+
+Two steps, each cached under `cache_dir()` by a hash of its sources, the
+compiler's version and the flags:
+
+1. `build_cubin()`: nvcc compiles `csrc/wavefront.cu` to an sm_90 cubin
+   (the device code: about 15 s on two cores);
+2. `build_library()`: g++ compiles `csrc/wavefront_host.cc` with that cubin
+   embedded (`.incbin`) into `librnnfuse_wavefront.so`, a C-ABI library
+   over the CUDA driver API that `library.py` loads with ctypes (torch) and
+   that rnnfuse's TensorFlow op compiles in (op_build.py).
+
+Neither step needs a GPU, so CI compiles both. What they need:
+
+- nvcc (CUDA 12.4 or newer): `$NVCC`, else `$CUDA_HOME/bin/nvcc`, else
+  `nvcc` on PATH, else the newest `/usr/local/cuda*/bin/nvcc`; its
+  toolkit's include/ supplies cuda.h for step 2;
+- a C++17 compiler: `$CXX`, else `g++`, else `c++`.
+
+A `filelock` lock (or fcntl) keeps two processes from building the same
+file at once; the second waits, then uses the first's.
+
+Example (no GPU needed; compiles only):
+
+    >>> path = build_library()  # doctest: +SKIP
+    >>> path.name  # doctest: +SKIP
+    'librnnfuse_wavefront.so'
+"""
+
+from __future__ import annotations
+
+import glob
+import hashlib
+import logging
+import os
+import re
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+__all__ = [
+    "BuildError",
+    "build_cubin",
+    "build_library",
+    "cache_dir",
+    "cached_build",
+    "file_lock",
+    "find_cxx",
+    "find_nvcc",
+    "nvcc_version",
+    "run_compiler",
+]
+
+logger = logging.getLogger("rnnfuse")
+
+SOURCE_DIR = Path(__file__).resolve().parent / "csrc"
+KERNEL_SOURCES = ("wavefront.cu", "wavefront.cuh")
+HOST_SOURCES = ("wavefront_host.cc", "wavefront_plan.h", "wavefront.cuh")
+LIBRARY_NAME = "librnnfuse_wavefront.so"
+CUBIN_NAME = "wavefront.cubin"
+# Plain sm_90: the kernel uses mma.sync, ldmatrix and cp.async only.
+NVCC_FLAGS = ("-std=c++17", "-O3", "-cubin", "-gencode=arch=compute_90,code=sm_90")
+CXX_FLAGS = ("-std=c++17", "-O2", "-shared", "-fPIC", "-fvisibility=hidden",
+             "-static-libstdc++", "-static-libgcc")
+_FLAGS_VERSION = "1"  # bump when a build command changes
+
+
+class BuildError(RuntimeError):
+    """The kernel could not be built; the message says why and how to fix it."""
+
+
+def cache_dir() -> Path:
+    """Where built libraries go: $RNNFUSE_CACHE_DIR/ops or the user cache dir."""
+    env = os.environ.get("RNNFUSE_CACHE_DIR")
+    if env:
+        return Path(env) / "ops"
+    try:
+        import platformdirs
+    except ImportError:  # an install without the dependency: XDG's default
+        base = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "rnnfuse"
+    else:
+        base = Path(platformdirs.user_cache_dir("rnnfuse"))
+    return base / "ops"
+
+
+class _FcntlLock:
+    """A process lock on `path` (used only when `filelock` is missing)."""
+
+    def __init__(self, path: str):
+        self.path = path
+
+    def __enter__(self):
+        import fcntl
+
+        self.f = open(self.path, "w")
+        fcntl.flock(self.f, fcntl.LOCK_EX)
+        return self
+
+    def __exit__(self, *exc):
+        import fcntl
+
+        fcntl.flock(self.f, fcntl.LOCK_UN)
+        self.f.close()
+
+
+def file_lock(path: str):
+    """A lock that holds across processes (`filelock`, else fcntl)."""
+    try:
+        import filelock
+    except ImportError:
+        return _FcntlLock(path)
+    return filelock.FileLock(path)
+
+
+def find_nvcc() -> str:
+    """The nvcc to use (see the module docstring); raises BuildError."""
+    candidates = [os.environ.get("NVCC")]
+    if os.environ.get("CUDA_HOME"):
+        candidates.append(os.path.join(os.environ["CUDA_HOME"], "bin", "nvcc"))
+    candidates.append(shutil.which("nvcc"))
+    candidates.append("/usr/local/cuda/bin/nvcc")
+    candidates += sorted(glob.glob("/usr/local/cuda-*/bin/nvcc"), key=_version_key, reverse=True)
+    for c in candidates:
+        if c and os.path.isfile(c) and os.access(c, os.X_OK):
+            return c
+    raise BuildError(
+        "no nvcc found (looked at $NVCC, $CUDA_HOME/bin, PATH, /usr/local/cuda*/bin). "
+        "Fix: install the CUDA toolkit (12.4 or newer) or set NVCC to its nvcc"
+    )
+
+
+def _version_key(path: str) -> tuple:
+    return tuple(int(x) for x in re.findall(r"\d+", path))
+
+
+def find_cxx() -> str:
+    """The C++ compiler to use; raises BuildError."""
+    for name in (os.environ.get("CXX"), "g++", "c++"):
+        if name and shutil.which(name):
+            return shutil.which(name)
+    raise BuildError(
+        "no C++ compiler found (looked for $CXX, g++, c++ on PATH). Fix: install "
+        "one (for example `apt-get install g++`) or set CXX"
+    )
+
+
+def nvcc_version(nvcc: str) -> str:
+    """'13.0' from `nvcc --version` ('unknown' if it does not say)."""
+    out = subprocess.run([nvcc, "--version"], capture_output=True, text=True).stdout
+    m = re.search(r"release (\d+\.\d+)", out)
+    return m.group(1) if m else "unknown"
+
+
+def cuda_include(nvcc: str) -> Path:
+    """The toolkit's include/ that `nvcc` compiles with (cuda.h); raises BuildError.
+
+    Asked of nvcc itself (`--dryrun` prints its INCLUDES), so a wrapper
+    script on PATH works too.
+    """
+    proc = subprocess.run([nvcc, "--dryrun", "-c", "-x", "cu", os.devnull, "-o", os.devnull],
+                          capture_output=True, text=True)
+    dirs = re.findall(r'-I"?([^"\s]+)', proc.stdout + proc.stderr)
+    dirs.append(str(Path(nvcc).resolve().parent.parent / "include"))
+    for inc in map(Path, dirs):
+        if (inc / "cuda.h").is_file():
+            return inc
+    raise BuildError(f"no cuda.h in the include folders of {nvcc} ({', '.join(dirs)}). Fix: "
+                     "set NVCC to the nvcc of a complete CUDA toolkit")
+
+
+def _digest(names, *extra: str) -> str:
+    h = hashlib.sha256(_FLAGS_VERSION.encode())
+    for name in names:
+        h.update((SOURCE_DIR / name).read_bytes())
+    for e in extra:
+        h.update(e.encode())
+    return h.hexdigest()[:12]
+
+
+def run_compiler(cmd: list[str], what: str, fix: str) -> None:
+    """Runs a compile command; raises BuildError with its last lines and `fix`."""
+    logger.info("building %s: %s", what, " ".join(cmd))
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    if proc.returncode != 0:
+        tail = "\n".join((proc.stderr or proc.stdout).strip().splitlines()[-15:])
+        raise BuildError(f"compiling {what} failed ({Path(cmd[0]).name} exit {proc.returncode}):"
+                         f"\n{tail}\nFix: {fix}")
+
+
+def cached_build(target: Path, make, force: bool = False) -> Path:
+    """Builds `target` with make(tmp_path) under a lock unless it exists."""
+    if target.exists() and not force:
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with file_lock(str(target) + ".lock"):
+        if target.exists() and not force:
+            return target  # another process built it while we waited
+        fd, tmp = tempfile.mkstemp(suffix=target.suffix, dir=target.parent)
+        os.close(fd)
+        try:
+            make(Path(tmp))
+            os.chmod(tmp, 0o755 if target.suffix == ".so" else 0o644)  # mkstemp made it 0600
+            os.replace(tmp, target)
+        finally:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
+    return target
+
+
+def build_cubin(force: bool = False) -> Path:
+    """Compiles csrc/wavefront.cu to a cached sm_90 cubin; returns its path."""
+    nvcc = find_nvcc()
+    version = nvcc_version(nvcc)
+    key = f"wavefront-nvcc{version}-{_digest(KERNEL_SOURCES, *NVCC_FLAGS)}"
+    target = cache_dir() / key / CUBIN_NAME
+
+    def make(tmp: Path) -> None:
+        cmd = [nvcc, *NVCC_FLAGS, str(SOURCE_DIR / "wavefront.cu"), "-o", str(tmp)]
+        run_compiler(cmd, "rnnfuse's wavefront kernel", "check that nvcc is CUDA 12.4 or newer")
+
+    return cached_build(target, make, force)
+
+
+def host_command(cxx: str, cubin: Path, include: Path, output: Path) -> list[str]:
+    """The g++ command that builds the C-ABI library around `cubin`."""
+    return [
+        cxx, *CXX_FLAGS, f"-I{include}", f'-DRF_WAVEFRONT_CUBIN="{cubin}"',
+        str(SOURCE_DIR / "wavefront_host.cc"), "-o", str(output), "-ldl",
+    ]
+
+
+def build_library(force: bool = False) -> Path:
+    """Builds (unless cached) librnnfuse_wavefront.so; returns its path.
+
+    Raises:
+        BuildError: no nvcc, no C++ compiler, or a compiler failed.
+    """
+    cxx = find_cxx()
+    cubin = build_cubin(force=force)
+    include = cuda_include(find_nvcc())
+    key = f"wavefront-lib-{_digest(HOST_SOURCES, cubin.parent.name, *CXX_FLAGS)}"
+    target = cache_dir() / key / LIBRARY_NAME
+
+    def make(tmp: Path) -> None:
+        run_compiler(host_command(cxx, cubin, include, tmp), "rnnfuse's wavefront library",
+                     "check that the C++ compiler supports C++17")
+
+    return cached_build(target, make, force)

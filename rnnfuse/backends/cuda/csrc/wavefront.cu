@@ -1,0 +1,471 @@
+// rnnfuse's persistent wavefront kernel (device code). The design, the
+// layout arithmetic, the synchronisation protocol and the limits are in
+// wavefront.cuh; this file is the kernel. Compiled to a cubin for sm_90
+// (plain sm_90: mma.sync, ldmatrix and cp.async, no sm_90a instruction) and
+// launched through the driver API by wavefront_host.cc.
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include "wavefront.cuh"
+
+namespace rnnfuse_wf {
+
+// ---------------------------------------------------------------------------
+// Element types: float conversion, packing two values in 32 bits, and the
+// tensor-core product.
+template <typename T> struct Elem;
+
+template <> struct Elem<__half> {
+  static __device__ __forceinline__ float to_float(__half x) { return __half2float(x); }
+  static __device__ __forceinline__ uint32_t pack(float a, float b) {
+    __half2 v = __floats2half2_rn(a, b);
+    return *reinterpret_cast<uint32_t*>(&v);
+  }
+  static __device__ __forceinline__ float2 unpack(uint32_t w) {
+    return __half22float2(*reinterpret_cast<__half2*>(&w));
+  }
+  static __device__ __forceinline__ void mma(float (&c)[4], const uint32_t (&a)[4], uint32_t b0,
+                                             uint32_t b1) {
+    asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+        "{%8,%9}, {%0,%1,%2,%3};"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+  }
+};
+
+template <> struct Elem<__nv_bfloat16> {
+  static __device__ __forceinline__ float to_float(__nv_bfloat16 x) { return __bfloat162float(x); }
+  static __device__ __forceinline__ uint32_t pack(float a, float b) {
+    __nv_bfloat162 v = __floats2bfloat162_rn(a, b);
+    return *reinterpret_cast<uint32_t*>(&v);
+  }
+  static __device__ __forceinline__ float2 unpack(uint32_t w) {
+    return __bfloat1622float2(*reinterpret_cast<__nv_bfloat162*>(&w));
+  }
+  static __device__ __forceinline__ void mma(float (&c)[4], const uint32_t (&a)[4], uint32_t b0,
+                                             uint32_t b1) {
+    asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+        "{%8,%9}, {%0,%1,%2,%3};"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+  }
+};
+
+// ---------------------------------------------------------------------------
+// PTX wrappers.
+__device__ __forceinline__ uint32_t smem_addr(const void* p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+
+__device__ __forceinline__ void cp_async16(void* dst, const void* src) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(smem_addr(dst)), "l"(src));
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;"); }
+__device__ __forceinline__ void cp_async_wait_all() {
+  asm volatile("cp.async.wait_all;" ::: "memory");
+}
+__device__ __forceinline__ void cp_async_wait_but_one() {
+  asm volatile("cp.async.wait_group 1;" ::: "memory");
+}
+
+__device__ __forceinline__ void ldmatrix_x4(uint32_t& r0, uint32_t& r1, uint32_t& r2, uint32_t& r3,
+                                            const void* p) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];"
+               : "=r"(r0), "=r"(r1), "=r"(r2), "=r"(r3)
+               : "r"(smem_addr(p)));
+}
+
+__device__ __forceinline__ unsigned load_acquire(const unsigned* p) {
+  unsigned v;
+  asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+  return v;
+}
+
+// fence.acq_rel.gpu + a relaxed store, after a CTA barrier: the release
+// that CUTLASS's grid barrier uses (cheaper than __threadfence's fence.sc).
+__device__ __forceinline__ void publish(unsigned* p, unsigned v) {
+  asm volatile("fence.acq_rel.gpu;\n\tst.relaxed.gpu.global.u32 [%0], %1;" ::"l"(p), "r"(v)
+               : "memory");
+}
+
+__device__ __forceinline__ unsigned long long global_ns() {
+  unsigned long long t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  return t;
+}
+
+// sigmoid and tanh from ex2 and rcp (MUFU, approximate: a few ulp of
+// float32), a few instructions each (tanhf is a dozen and a branch; an IEEE
+// division or __frcp_rn a subroutine).
+__device__ __forceinline__ float fast_rcp(float x) {
+  float r;
+  asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(r) : "f"(x));
+  return r;
+}
+__device__ __forceinline__ float sigmoid(float x) { return fast_rcp(1.0f + __expf(-x)); }
+__device__ __forceinline__ float fast_tanh(float x) {
+  return 1.0f - 2.0f * fast_rcp(1.0f + __expf(2.0f * x));
+}
+
+// Offset in params of weight (row r, input k) of this CTA, or -1 where the
+// CTA's weight matrix is structurally zero (padding, units past H, the
+// GRU's n_x rows against h and n_h rows against the input).
+__device__ __forceinline__ long long weight_offset(const Args& a, const LayerPlan& p, int u0,
+                                                   int r, int k) {
+  const int U = p.units, H = a.H;
+  const int vg = r / U, unit = u0 + r % U;
+  if (unit >= H) return -1;
+  const int g = a.gru ? min(vg, 2) : vg;
+  const long long row = static_cast<long long>(g) * H + unit;
+  if (k < p.kin) {
+    if (a.gru && vg == 3) return -1;
+    return p.w_ih + row * p.kin + k;
+  }
+  k -= p.kin;
+  if (k < H) {
+    if (a.gru && vg == 2) return -1;
+    return p.w_hh + row * H + k;
+  }
+  return -1;
+}
+
+// ---------------------------------------------------------------------------
+template <typename T>
+__device__ __forceinline__ void wavefront_body(const Args& a) {
+  using E = Elem<T>;
+  extern __shared__ __align__(16) unsigned char smem[];
+
+  const int cta = blockIdx.x;
+  int l = 0;
+  while (l + 1 < a.L && cta >= a.cta_start[l + 1]) ++l;
+  const LayerPlan& p = a.layer[l];
+  const int j = cta - a.cta_start[l];
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+  const int H = a.H, B = a.B, steps = a.T;
+  const int U = p.units, R = 4 * U, u0 = j * U;
+  const int G = a.gru ? 3 : 4;  // gates in params and xproj
+  const int KS = p.kpad + kHsPad;
+  const int K = p.kin + H;  // real inputs
+
+  T* hs = reinterpret_cast<T*>(smem + p.smem_hs);            // [kNC][KS]
+  float* part = reinterpret_cast<float*>(smem + p.smem_part);  // [kg][kNC][RS]
+  float* cs = reinterpret_cast<float*>(smem + p.smem_cs);      // [B][U]
+  float* bias = reinterpret_cast<float*>(smem + p.smem_bias);  // [R]
+  int* lens = reinterpret_cast<int*>(smem + p.smem_len);       // [B]
+  T* xs = reinterpret_cast<T*>(smem + p.smem_xs);              // 2 x [B][G][U]
+  const int RS = R + kPartPad;
+  const int xs_size = B * G * U;
+
+  const int mg = warp % p.mg, kg = (warp / p.mg) % p.kg, ng = warp / (p.mg * p.kg);
+
+  // --- this warp's weights, as mma A fragments (loaded once) -------------
+  const T* P = static_cast<const T*>(a.params);
+  uint32_t wa[kWM][kWK][4];
+  uint32_t live = 0;  // bit i*kWK + jt: tile (i, jt) is not all zero
+#pragma unroll
+  for (int i = 0; i < kWM; ++i) {
+#pragma unroll
+    for (int jt = 0; jt < kWK; ++jt) {
+      bool any = false;
+#pragma unroll
+      for (int q = 0; q < 4; ++q) {
+        const int r = mg * kWarpRows + i * 16 + (lane >> 2) + ((q & 1) ? 8 : 0);
+        const int k = kg * kWarpK + jt * 16 + (lane & 3) * 2 + ((q & 2) ? 8 : 0);
+        const long long off = weight_offset(a, p, u0, r, k);
+        uint32_t w = 0;
+        if (off >= 0) {
+          w = *reinterpret_cast<const uint32_t*>(P + off);
+          any = true;
+        }
+        wa[i][jt][q] = w;
+      }
+      if (__any_sync(0xffffffffu, any)) live |= 1u << (i * kWK + jt);
+    }
+  }
+
+  // --- shared state ----------------------------------------------------------
+  for (int idx = tid; idx < kNC * KS; idx += kThreads) hs[idx] = T(0.0f);
+  if (!a.gru) {
+    const T* c0 = static_cast<const T*>(a.c0) + static_cast<size_t>(l) * B * H;
+    for (int idx = tid; idx < B * U; idx += kThreads) {
+      const int n = idx / U, unit = u0 + idx % U;
+      cs[idx] = unit < H ? E::to_float(c0[static_cast<size_t>(n) * H + unit]) : 0.0f;
+    }
+  }
+  for (int r = tid; r < R; r += kThreads) {
+    const int vg = r / U, unit = u0 + r % U;
+    float v = 0.0f;
+    if (unit < H) {
+      const int g = a.gru ? min(vg, 2) : vg;
+      const float bi = E::to_float(P[p.b_in + g * H + unit]);
+      const float br = E::to_float(P[p.b_rec + g * H + unit]);
+      v = (!a.gru || vg < 2) ? bi + br : (vg == 2 ? bi : br);
+    }
+    bias[r] = v;
+  }
+  for (int n = tid; n < B; n += kThreads) {
+    int len = a.lengths ? a.lengths[n] : steps;
+    lens[n] = len < steps ? len : steps;
+  }
+
+  const size_t seq = static_cast<size_t>(B) * H;  // one step of a sequence buffer
+  const T* below = l > 0 ? static_cast<const T*>(a.work) + static_cast<size_t>(l - 1) * steps * seq
+                         : nullptr;
+  T* mine = l == a.L - 1 ? static_cast<T*>(a.y)
+                         : static_cast<T*>(a.work) + static_cast<size_t>(l) * steps * seq;
+  const T* xproj = static_cast<const T*>(a.xproj);
+  T* hy = static_cast<T*>(a.hy) + static_cast<size_t>(l) * seq;
+  T* cy = static_cast<T*>(a.cy) + static_cast<size_t>(l) * seq;
+  unsigned* my_flags = a.flags + l * kFlagStride;
+  const unsigned* below_flags = l > 0 ? a.flags + (l - 1) * kFlagStride : nullptr;
+  const int below_ctas = l > 0 ? a.layer[l - 1].ctas : 0;
+  const int UG = U / 8, UP = U / 2;  // powers of two (U = 8 * mg)
+  const int ug_shift = __ffs(UG) - 1, up_shift = __ffs(UP) - 1;
+  const int xs_per_row = G * UG;
+  const int xs_n0 = tid / xs_per_row, xs_q0 = tid % xs_per_row;
+  const int xs_dn = kThreads / xs_per_row, xs_dq = kThreads % xs_per_row;
+  const int hs_per_row = K / 8;  // 16-byte chunks of one hs row
+  const int hs_n0 = tid / hs_per_row, hs_q0 = tid % hs_per_row;
+  const int hs_dn = kThreads / hs_per_row, hs_dq = kThreads % hs_per_row;
+
+  const int nchunks = (B + kNC - 1) / kNC;
+  unsigned long long* trace = nullptr;
+  if (a.trace && tid == 0 && (cta == 0 || cta == a.cta_start[a.L - 1]))
+    trace = a.trace + (cta == 0 ? 0 : static_cast<size_t>(a.trace_steps) * kTraceSlots);
+  auto mark = [&](int t, int point) {
+    if (trace && t < a.trace_steps) {
+      trace[t * kTraceSlots + point] = global_ns();
+      if (point == 0) trace[t * kTraceSlots + 6] = clock64();
+      if (point == kTracePoints - 1) trace[t * kTraceSlots + 7] = clock64();
+    }
+  };
+
+  // Layer 0: xproj[t] (this CTA's units, every batch row) into xs buffer
+  // t & 1, as [B][G][U]: 16 bytes (8 units of one gate) a copy.
+  auto stage_xs = [&](int t) {
+    if (l != 0 || t >= steps) return;
+    T* dst = xs + (t & 1) * xs_size;
+    const T* src = xproj + static_cast<size_t>(t) * B * G * H + u0;
+    // item (n, g, q): batch row n, gate g, 8 units q; walked without
+    // divisions (xs_dn, xs_dq: one step of kThreads items).
+    int n = xs_n0, q = xs_q0;
+    while (n < B) {
+      const int g = q >> ug_shift, qq = q & (UG - 1);
+      if (u0 + qq * 8 < H)
+        cp_async16(dst + (n * G + g) * U + qq * 8,
+                   src + static_cast<size_t>(n) * G * H + g * H + qq * 8);
+      q += xs_dq;
+      n += xs_dn;
+      if (q >= xs_per_row) {
+        q -= xs_per_row;
+        ++n;
+      }
+    }
+  };
+  stage_xs(0);
+  cp_async_commit();
+  __syncthreads();
+
+  for (int t = 0; t < steps; ++t) {
+    mark(t, 0);
+    // --- wait for the inputs of step t ---------------------------------------
+    if (warp == 0 && !(a.mode & kModeNoWait)) {
+      if (t > 0)
+        for (int i = lane; i < p.ctas; i += 32)
+          while (load_acquire(my_flags + i) < static_cast<unsigned>(t)) {
+          }
+      if (l > 0)
+        for (int i = lane; i < below_ctas; i += 32)
+          while (load_acquire(below_flags + i) < static_cast<unsigned>(t + 1)) {
+          }
+      __syncwarp();
+    }
+    __syncthreads();
+    mark(t, 1);
+
+    const T* prev = t == 0 ? static_cast<const T*>(a.h0) + static_cast<size_t>(l) * seq
+                           : mine + static_cast<size_t>(t - 1) * seq;
+    const T* below_t = l > 0 ? below + static_cast<size_t>(t) * seq : nullptr;
+    const T* xs_t = xs + (t & 1) * xs_size;
+
+    for (int c = 0; c < nchunks; ++c) {
+      const int n0 = c * kNC, nc = min(kNC, B - n0);
+
+      // --- stage h_t (below) and h_{t-1} (own) into hs, in two halves of
+      // the chunk's rows (two cp.async groups), so the first n-group's
+      // products start while the second half is still in flight ------
+      const int half = nc < kNGroup ? nc : kNGroup;
+      const bool stage = !(a.mode & kModeNoStage);
+      for (int part_rows = 0; part_rows < 2; ++part_rows) {
+        const int r0 = part_rows ? half : 0, r1 = stage ? (part_rows ? nc : half) : r0;
+        int n = r0 + hs_n0, q = hs_q0;
+        while (n < r1) {
+          const int k = q * 8;
+          const T* src = k < p.kin ? below_t + static_cast<size_t>(n0 + n) * H + k
+                                   : prev + static_cast<size_t>(n0 + n) * H + (k - p.kin);
+          cp_async16(hs + n * KS + k, src);
+          q += hs_dq;
+          n += hs_dn;
+          if (q >= hs_per_row) {
+            q -= hs_per_row;
+            ++n;
+          }
+        }
+        cp_async_commit();
+      }
+
+      // --- partial gates: this warp's rows x K range x its n-groups ------
+      const int ntiles = (nc + 7) / 8;
+      float* part_k = part + kg * kNC * RS;
+      for (int phase = 0; phase < 2; ++phase) {
+        if (phase == 0) {
+          cp_async_wait_but_one();  // the first half (and xs of step t) is in
+        } else {
+          cp_async_wait_all();
+        }
+        __syncthreads();
+        if (c == 0 && phase == 0) mark(t, 2);
+        if (a.mode & kModeNoMma) continue;
+        for (int t0 = ng * 4; t0 < ntiles; t0 += 4 * p.ng) {
+          if ((t0 < kNGroup / 8) != (phase == 0)) continue;
+          float acc[kWM][4][4];
+#pragma unroll
+          for (int i = 0; i < kWM; ++i)
+#pragma unroll
+            for (int nt = 0; nt < 4; ++nt)
+#pragma unroll
+              for (int e = 0; e < 4; ++e) acc[i][nt][e] = 0.0f;
+#pragma unroll
+          for (int jt = 0; jt < kWK; ++jt) {
+            const int kcol = kg * kWarpK + jt * 16;
+            uint32_t b[4][2];
+#pragma unroll
+            for (int pr = 0; pr < 2; ++pr) {
+              b[2 * pr][0] = b[2 * pr][1] = b[2 * pr + 1][0] = b[2 * pr + 1][1] = 0;
+              if (t0 + 2 * pr < ntiles) {
+                const int q = lane >> 3;
+                const int n = (t0 + 2 * pr) * 8 + (q >> 1) * 8 + (lane & 7);
+                const int k = kcol + (q & 1) * 8;
+                ldmatrix_x4(b[2 * pr][0], b[2 * pr][1], b[2 * pr + 1][0], b[2 * pr + 1][1],
+                            hs + n * KS + k);
+              }
+            }
+#pragma unroll
+            for (int i = 0; i < kWM; ++i) {
+              if (live & (1u << (i * kWK + jt))) {
+#pragma unroll
+                for (int nt = 0; nt < 4; ++nt)
+                  if (t0 + nt < ntiles) E::mma(acc[i][nt], wa[i][jt], b[nt][0], b[nt][1]);
+              }
+            }
+          }
+          // C fragment (row, col) -> part_k[col][row]: the pointwise step
+          // reads consecutive rows (units) of one batch row.
+#pragma unroll
+          for (int i = 0; i < kWM; ++i) {
+#pragma unroll
+            for (int nt = 0; nt < 4; ++nt) {
+              if (t0 + nt < ntiles) {
+                const int row = mg * kWarpRows + i * 16 + (lane >> 2);
+                const int col = (t0 + nt) * 8 + (lane & 3) * 2;
+                part_k[col * RS + row] = acc[i][nt][0];
+                part_k[(col + 1) * RS + row] = acc[i][nt][1];
+                part_k[col * RS + row + 8] = acc[i][nt][2];
+                part_k[(col + 1) * RS + row + 8] = acc[i][nt][3];
+              }
+            }
+          }
+        }
+      }
+      __syncthreads();
+      if (c == 0) {
+        mark(t, 3);
+        // Prefetch step t+1's xproj (layer 0); in by the next step's wait.
+        stage_xs(t + 1);
+        cp_async_commit();
+      }
+
+      // --- pointwise: 2 units of one batch row a thread ------------------
+      const int items = (a.mode & kModeNoPointwise) ? 0 : nc * UP;
+      for (int idx = tid; idx < items; idx += kThreads) {
+        const int n = idx >> up_shift, u = (idx & (UP - 1)) * 2;
+        if (u0 + u >= H) continue;
+        const int nb = n0 + n;
+        float pre[4][2];
+#pragma unroll
+        for (int vg = 0; vg < 4; ++vg) {
+          float2 s = *reinterpret_cast<const float2*>(bias + vg * U + u);
+          for (int kk = 0; kk < p.kg; ++kk) {
+            const float2 v = *reinterpret_cast<const float2*>(part + (kk * kNC + n) * RS + vg * U + u);
+            s.x += v.x;
+            s.y += v.y;
+          }
+          pre[vg][0] = s.x;
+          pre[vg][1] = s.y;
+        }
+        if (l == 0) {
+#pragma unroll
+          for (int g = 0; g < 4; ++g) {
+            if (g >= G) break;
+            const float2 f = E::unpack(*reinterpret_cast<const uint32_t*>(xs_t + (nb * G + g) * U + u));
+            pre[g][0] += f.x;
+            pre[g][1] += f.y;
+          }
+        }
+        float h[2], cv[2] = {0.0f, 0.0f};
+        if (!a.gru) {
+          float2& cc = *reinterpret_cast<float2*>(cs + nb * U + u);
+          const float cold[2] = {cc.x, cc.y};
+#pragma unroll
+          for (int v = 0; v < 2; ++v) {
+            const float ig = sigmoid(pre[0][v]), fg = sigmoid(pre[1][v]);
+            const float gg = fast_tanh(pre[2][v]), og = sigmoid(pre[3][v]);
+            cv[v] = fg * cold[v] + ig * gg;
+            h[v] = og * fast_tanh(cv[v]);
+          }
+          cc = make_float2(cv[0], cv[1]);
+        } else {
+          const float2 hp = E::unpack(*reinterpret_cast<const uint32_t*>(hs + n * KS + p.kin + u0 + u));
+          const float hps[2] = {hp.x, hp.y};
+#pragma unroll
+          for (int v = 0; v < 2; ++v) {
+            const float r = sigmoid(pre[0][v]), z = sigmoid(pre[1][v]);
+            const float nn = fast_tanh(pre[2][v] + r * pre[3][v]);
+            h[v] = (1.0f - z) * nn + z * hps[v];
+          }
+        }
+        const int len = lens[nb];
+        const uint32_t out = t < len ? E::pack(h[0], h[1]) : 0u;
+        const size_t o = static_cast<size_t>(nb) * H + u0 + u;
+        *reinterpret_cast<uint32_t*>(mine + static_cast<size_t>(t) * seq + o) = out;
+        if (t == len - 1) {
+          *reinterpret_cast<uint32_t*>(hy + o) = out;
+          if (!a.gru) *reinterpret_cast<uint32_t*>(cy + o) = E::pack(cv[0], cv[1]);
+        }
+      }
+      __syncthreads();
+    }
+    mark(t, 4);
+
+    // --- step t done: publish -------------------------------------------------
+    if (tid == 0) {
+      if (a.mode & kModeScFence) __threadfence();
+      publish(my_flags + j, static_cast<unsigned>(t + 1));
+    }
+    mark(t, 5);
+  }
+  cp_async_wait_all();
+}
+
+}  // namespace rnnfuse_wf
+
+extern "C" __global__ void __launch_bounds__(rnnfuse_wf::kThreads, 1)
+    rnnfuse_wf_forward_f16(const __grid_constant__ rnnfuse_wf::Args a) {
+  rnnfuse_wf::wavefront_body<__half>(a);
+}
+
+extern "C" __global__ void __launch_bounds__(rnnfuse_wf::kThreads, 1)
+    rnnfuse_wf_forward_bf16(const __grid_constant__ rnnfuse_wf::Args a) {
+  rnnfuse_wf::wavefront_body<__nv_bfloat16>(a);
+}

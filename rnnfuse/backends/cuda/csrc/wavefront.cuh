@@ -1,0 +1,129 @@
+// rnnfuse's persistent wavefront kernel: the shared definitions of the
+// device code (wavefront.cu) and its host launcher (wavefront_host.cc).
+//
+// What runs: the forward pass of a unidirectional stack of L LSTM or GRU
+// (Keras' reset_after=True, cuDNN's) layers of H units, in float16 or
+// bfloat16 with float32 accumulation, as ONE cooperative launch whose CTAs
+// keep every layer's weights in registers for the whole sequence and run
+// the layers as a wavefront: layer l works on step t while layer l+1 works
+// on step t-1, so the launch is T+L-1 dependent steps long, not L*T.
+//
+// The plan (wavefront_plan.h; Python asks it through the host library):
+//   every CTA has 8 warps; a CTA of layer l owns U = 8*mg consecutive
+//   hidden units, i.e. R = 4U "rows" (gate columns, gate-major: row
+//   g*U + u; a GRU has four virtual gates r, z, n_x, n_h, where n_x holds
+//   only the input weights of the n gate and n_h only its recurrent ones,
+//   so reset_after's r * (W_hn h + b_hn) stays apart from W_in x + b_in),
+//   against K = K_in + H inputs: the layer below's h_t (K_in = H; 0 for
+//   layer 0, whose input projection x W_ih^T is one GEMM up front, passed
+//   in as `xproj`) and the layer's own h_{t-1}. K is padded to
+//   kpad = 256*kg. The 8 warps form a grid mg x kg x ng (= 8): warp (m, k,
+//   n) holds rows [32m, 32m+32) x K [256k, 256k+256) of the CTA's weights
+//   as mma.sync A fragments: 2 x 16 tiles of 16x16, 128 registers a
+//   thread, loaded once; it multiplies them with the batch columns of its
+//   n-groups (32 batch rows each: n-groups n, n+ng, ...).
+//
+// One step of one CTA (layer l, step t):
+//   1. wait: warp 0 polls the flags of the CTAs it reads from with
+//      ld.acquire.gpu: flags[l][*] >= t (its own layer finished step t-1)
+//      and flags[l-1][*] >= t+1 (the layer below finished step t); then
+//      __syncthreads;
+//   2. per batch chunk of kNC = 64 rows: cp.async.cg (through L2, not L1)
+//      h_t of the layer below and h_{t-1} of its own layer into `hs`
+//      [64][kpad+8] (8 pad halves a row make ldmatrix conflict-free), in
+//      two cp.async groups (rows 0-31, 32-63) so the first n-group's
+//      products start while the second half is in flight;
+//   3. each warp runs ldmatrix + mma.sync m16n8k16 over its K range and
+//      stores its float32 partial sums to `part` [kg][64][R+4] (batch row
+//      major: the +4 makes the fragment stores conflict-free);
+//   4. pointwise, 2 units of one batch row a thread: the kg partials + the
+//      biases (+ xproj for layer 0) make the gates; c stays in shared
+//      memory (float32, `cs` [B][U]); h goes to the layer's sequence
+//      buffer (`work` below the top, `y` at the top);
+//   5. __syncthreads, then thread 0 publishes: fence.acq_rel.gpu and a
+//      relaxed store flags[l][cta] = t+1 (the release CUTLASS's grid
+//      barrier uses).
+// Layer 0 reads its slice of xproj[t] from `xs`, two [B][G][U] buffers
+// that step t-1 filled by cp.async behind its own loads.
+// Every layer has a whole [T, B, H] sequence buffer, so no step overwrites
+// what a slower CTA may still read (no back-pressure flags needed); the
+// own-layer h_{t-1} of step 0 comes from h0.
+//
+// Right-padded lengths: a batch row of length len runs every step (its
+// results are discarded), writes 0 to its outputs at t >= len (the layer
+// above reads those zeros only at steps whose results it discards too) and
+// its final h (and c) at t = len-1 to hy (cy).
+//
+// Limits (the plan refuses the rest, and the caller runs cuDNN):
+//   units H a multiple of 8; K_in + H <= 2048; L <= 8; every CTA resident
+//   at once (at most one CTA per SM: sum over layers of ceil(H/U) <= SMs);
+//   each CTA's shared memory (hs + part + cs + bias + lengths + xs) within
+//   the device's opt-in limit. On an H200 (132 SMs, 227 KiB) that is, for
+//   LSTM and GRU alike, 4 layers of 512 units at any batch up to 256,
+//   8 layers of 256, or 1 layer of 1024.
+
+#pragma once
+
+#include <stdint.h>
+
+namespace rnnfuse_wf {
+
+constexpr int kWarps = 8;
+constexpr int kThreads = 32 * kWarps;
+constexpr int kWM = 2;        // m-subtiles of 16 rows a warp holds
+constexpr int kWK = 16;       // k-tiles of 16 a warp holds
+constexpr int kWarpRows = 16 * kWM;   // 32
+constexpr int kWarpK = 16 * kWK;      // 256
+constexpr int kNC = 64;       // batch rows per staged chunk
+constexpr int kNGroup = 32;   // batch rows per n-group (4 n-tiles of 8)
+constexpr int kHsPad = 8;     // halves of padding per hs row
+constexpr int kPartPad = 4;   // floats of padding per part row ([n][R + 4]: conflict-free)
+constexpr int kMaxLayers = 8;
+constexpr int kFlagStride = 256;  // flags per layer (>= CTAs of a layer)
+
+// Debug modes (Args::mode bits), for timing what a step's parts cost.
+// Results are wrong in every mode but 0.
+constexpr int kModeNoWait = 1;  // never wait for flags
+constexpr int kModeNoMma = 2;   // skip the matrix products
+constexpr int kModeScFence = 4;  // __threadfence (fence.sc) before publishing
+constexpr int kModeNoStage = 8;  // never load h into shared memory
+constexpr int kModeNoPointwise = 16;  // skip the pointwise step (no outputs)
+
+struct LayerPlan {
+  int ctas;        // CTAs of this layer
+  int mg, kg, ng;  // warp grid (mg * kg * ng == kWarps)
+  int units;       // U = 8 * mg hidden units a CTA owns
+  int kin;         // K of the input part (0 for layer 0, else H)
+  int kpad;        // K padded to kWarpK * kg
+  int smem_hs, smem_part, smem_cs, smem_bias, smem_len, smem_xs, smem_total;
+  long long w_ih, w_hh, b_in, b_rec;  // element offsets into params
+};
+
+struct Args {
+  LayerPlan layer[kMaxLayers];
+  int cta_start[kMaxLayers + 1];
+  int gru;  // 0: LSTM (gates i, f, c, o), 1: GRU (r, z, n), cuDNN's order
+  int L, H, B, T;
+  int mode;
+  const void* xproj;   // [T][B][G*H]: x W_ih^T of layer 0, no bias
+  const void* params;  // rnnfuse's canonical flat buffer (see host)
+  const void* h0;      // [L][B][H]
+  const void* c0;      // [L][B][H] (LSTM)
+  const int* lengths;  // [B], each in [1, T]
+  void* y;             // [T][B][H]
+  void* hy;            // [L][B][H]
+  void* cy;            // [L][B][H] (LSTM)
+  void* work;          // [L-1][T][B][H]
+  unsigned* flags;     // [L][kFlagStride], zero at launch
+  // Optional timeline (null: off): CTA 0 and the top layer's first CTA
+  // record %globaltimer (ns) at kTracePoints points of each of the first
+  // trace_steps steps, and clock64 at the first and last point:
+  // trace[(which * trace_steps + t) * kTraceSlots + point].
+  unsigned long long* trace;
+  int trace_steps;
+};
+
+constexpr int kTracePoints = 6;  // start, waited, staged, multiplied, pointwise, published
+constexpr int kTraceSlots = 8;   // + clock64 at start and published
+
+}  // namespace rnnfuse_wf

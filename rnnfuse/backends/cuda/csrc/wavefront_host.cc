@@ -1,0 +1,344 @@
+// Host side of rnnfuse's wavefront kernel: a C ABI over the CUDA driver API.
+//
+// Why the driver API, reached through dlopen("libcuda.so.1"): the same
+// library serves TensorFlow (compiled into its op, where no second CUDA
+// runtime may be linked: TensorFlow's own cudart stub owns those symbols)
+// and torch (loaded with ctypes next to torch's own runtime). Both
+// frameworks use the device's primary context, so a module loaded here runs
+// on their streams. The library loads on a machine without a driver (CI
+// compiles and loads it); the first call then fails with a clear error.
+//
+// The kernel (wavefront.cu, compiled by nvcc to an sm_90 cubin) is embedded
+// with .incbin (RF_WAVEFRONT_CUBIN, a path, at compile time) and loaded once
+// per CUDA context with cuModuleLoadData.
+//
+// C ABI (every function returns 0 on success, else a negative code and
+// rnnfuse_wf_last_error() says why):
+//   rnnfuse_wf_plan(...)        can this stack run? (no GPU needed)
+//   rnnfuse_wf_workspace_bytes  bytes of workspace a call needs
+//   rnnfuse_wf_device_limits    SM count, shared-memory limit, compute capability
+//   rnnfuse_wf_forward(...)     one forward pass on a stream
+
+#include <dlfcn.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <string.h>
+
+#include <cuda.h>  // types and enums only: every call goes through dlsym
+
+#include <map>
+#include <mutex>
+#include <string>
+
+#include "wavefront_plan.h"
+
+#ifndef RF_WAVEFRONT_CUBIN
+#error "define RF_WAVEFRONT_CUBIN as the path of the compiled wavefront cubin"
+#endif
+
+#define RF_ASM_STR2(x) #x
+#define RF_ASM_STR(x) RF_ASM_STR2(x)
+
+asm(".section .rodata\n"
+    ".balign 64\n"
+    ".hidden rnnfuse_wf_cubin_start\n"
+    "rnnfuse_wf_cubin_start:\n"
+    ".incbin \"" RF_WAVEFRONT_CUBIN "\"\n"
+    ".hidden rnnfuse_wf_cubin_end\n"
+    "rnnfuse_wf_cubin_end:\n"
+    ".byte 0\n"
+    ".previous\n");
+extern "C" const unsigned char rnnfuse_wf_cubin_start[];
+extern "C" const unsigned char rnnfuse_wf_cubin_end[];
+
+namespace {
+
+using rnnfuse_wf::Args;
+
+thread_local std::string g_error;
+
+int Fail(const std::string& message) {
+  g_error = message;
+  return -1;
+}
+
+// The driver functions this library calls, resolved from libcuda.so.1. The
+// symbol names are the ones cuda.h maps each API name to (cuCtxPushCurrent
+// -> cuCtxPushCurrent_v2, ...), so the types below are the right ones.
+#define RF_DRIVER_FUNCTIONS(X)                       \
+  X(cuInit)                                          \
+  X(cuGetErrorString)                                \
+  X(cuCtxGetCurrent)                                 \
+  X(cuCtxPushCurrent)                                \
+  X(cuCtxPopCurrent)                                 \
+  X(cuCtxGetDevice)                                  \
+  X(cuDeviceGet)                                     \
+  X(cuStreamGetCtx)                                  \
+  X(cuDeviceGetAttribute)                            \
+  X(cuModuleLoadData)                                \
+  X(cuModuleGetFunction)                             \
+  X(cuFuncSetAttribute)                              \
+  X(cuOccupancyMaxActiveBlocksPerMultiprocessor)     \
+  X(cuMemsetD32Async)                                \
+  X(cuLaunchKernelEx)
+
+struct Driver {
+#define RF_DECLARE(name) decltype(&name) name##_ = nullptr;
+  RF_DRIVER_FUNCTIONS(RF_DECLARE)
+#undef RF_DECLARE
+  bool ok = false;
+  std::string why;
+};
+
+Driver* GetDriver() {
+  static Driver* driver = [] {
+    Driver* d = new Driver();
+    void* lib = dlopen("libcuda.so.1", RTLD_NOW | RTLD_LOCAL);
+    if (!lib) {
+      d->why = std::string("the CUDA driver (libcuda.so.1) could not be loaded: ") + dlerror();
+      return d;
+    }
+#define RF_RESOLVE(name)                                                        \
+  d->name##_ = reinterpret_cast<decltype(&name)>(dlsym(lib, RF_ASM_STR(name))); \
+  if (!d->name##_) {                                                            \
+    d->why = "the CUDA driver lacks " RF_ASM_STR(name);                         \
+    return d;                                                                   \
+  }
+    RF_DRIVER_FUNCTIONS(RF_RESOLVE)
+#undef RF_RESOLVE
+    CUresult r = d->cuInit_(0);
+    if (r != CUDA_SUCCESS) {
+      d->why = "cuInit failed (error " + std::to_string(static_cast<int>(r)) + ")";
+      return d;
+    }
+    d->ok = true;
+    return d;
+  }();
+  return driver;
+}
+
+std::string DriverError(Driver* d, const char* what, CUresult r) {
+  const char* text = nullptr;
+  if (d->cuGetErrorString_) d->cuGetErrorString_(r, &text);
+  return std::string(what) + " failed: " + (text ? text : "unknown CUDA error") + " (" +
+         std::to_string(static_cast<int>(r)) + ")";
+}
+
+#define RF_CHECK_CU(d, expr)                                  \
+  do {                                                        \
+    CUresult rf_r_ = (expr);                                  \
+    if (rf_r_ != CUDA_SUCCESS) return Fail(DriverError(d, #expr, rf_r_)); \
+  } while (0)
+
+struct Kernels {
+  CUmodule module = nullptr;
+  CUfunction f16 = nullptr, bf16 = nullptr;
+  int configured_smem = 0;
+};
+
+std::mutex g_mu;
+std::map<CUcontext, Kernels>* g_kernels = new std::map<CUcontext, Kernels>();
+
+// The kernels in the current context (loads the module the first time).
+int GetKernels(Driver* d, CUcontext ctx, Kernels** out) {
+  std::lock_guard<std::mutex> lock(g_mu);
+  Kernels& k = (*g_kernels)[ctx];
+  if (!k.module) {
+    RF_CHECK_CU(d, d->cuModuleLoadData_(&k.module, rnnfuse_wf_cubin_start));
+    RF_CHECK_CU(d, d->cuModuleGetFunction_(&k.f16, k.module, "rnnfuse_wf_forward_f16"));
+    RF_CHECK_CU(d, d->cuModuleGetFunction_(&k.bf16, k.module, "rnnfuse_wf_forward_bf16"));
+  }
+  *out = &k;
+  return 0;
+}
+
+int DeviceLimits(Driver* d, CUdevice dev, int* sms, int* smem, int* major, int* minor) {
+  RF_CHECK_CU(d, d->cuDeviceGetAttribute_(sms, CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT, dev));
+  RF_CHECK_CU(d, d->cuDeviceGetAttribute_(
+                     smem, CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN, dev));
+  RF_CHECK_CU(d, d->cuDeviceGetAttribute_(major, CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR, dev));
+  RF_CHECK_CU(d, d->cuDeviceGetAttribute_(minor, CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR, dev));
+  return 0;
+}
+
+size_t AlignUp(size_t n) { return (n + 255) / 256 * 256; }
+
+size_t FlagBytes(int L) { return AlignUp(static_cast<size_t>(L) * rnnfuse_wf::kFlagStride * 4); }
+
+// Plans a stack into `args` (the reason in g_error when it cannot run).
+bool PlanInto(int gru, int num_layers, int units, int batch, int steps, int input_size, int sms,
+              int smem_limit, Args* args, int* smem) {
+  memset(args, 0, sizeof(*args));
+  char why[512];
+  if (rnnfuse_wf::Plan(gru, num_layers, units, batch, steps, input_size, sms, smem_limit, args,
+                       smem, why, sizeof(why)))
+    return true;
+  g_error = why;
+  return false;
+}
+
+}  // namespace
+
+extern "C" {
+
+__attribute__((visibility("default"))) const char* rnnfuse_wf_last_error() {
+  return g_error.c_str();
+}
+
+// 1 if the stack can run with these device limits, 0 if not (the reason in
+// rnnfuse_wf_last_error).
+__attribute__((visibility("default"))) int rnnfuse_wf_plan(int gru, int num_layers, int units,
+                                                           int batch, int steps, int input_size,
+                                                           int sms, int smem_limit,
+                                                           int* ctas_out, int* smem_out) {
+  Args args;
+  int smem = 0;
+  if (!PlanInto(gru, num_layers, units, batch, steps, input_size, sms, smem_limit, &args, &smem))
+    return 0;
+  if (ctas_out) *ctas_out = args.cta_start[num_layers];
+  if (smem_out) *smem_out = smem;
+  return 1;
+}
+
+// The per-layer plan as numbers (for tests and the docs): for each layer
+// ctas, mg, kg, ng, units, kpad, smem_total (7 ints).
+__attribute__((visibility("default"))) int rnnfuse_wf_plan_layers(int gru, int num_layers,
+                                                                  int units, int batch, int steps,
+                                                                  int input_size, int sms,
+                                                                  int smem_limit, int* out) {
+  Args args;
+  int smem = 0;
+  if (!PlanInto(gru, num_layers, units, batch, steps, input_size, sms, smem_limit, &args, &smem))
+    return 0;
+  for (int l = 0; l < num_layers; ++l) {
+    const rnnfuse_wf::LayerPlan& p = args.layer[l];
+    const int v[7] = {p.ctas, p.mg, p.kg, p.ng, p.units, p.kpad, p.smem_total};
+    memcpy(out + 7 * l, v, sizeof(v));
+  }
+  return 1;
+}
+
+// Workspace bytes of one call: the flags, then L-1 sequence buffers.
+__attribute__((visibility("default"))) size_t rnnfuse_wf_workspace_bytes(int num_layers, int units,
+                                                                          int batch, int steps,
+                                                                          int elem_bytes) {
+  return FlagBytes(num_layers) + static_cast<size_t>(num_layers - 1) * steps * batch * units *
+                                     static_cast<size_t>(elem_bytes);
+}
+
+// Device `ordinal`'s SM count, opt-in shared memory a block and compute
+// capability (no context needed: TensorFlow keeps its contexts on its own
+// threads).
+__attribute__((visibility("default"))) int rnnfuse_wf_device_limits(int ordinal, int* sms,
+                                                                    int* smem, int* major,
+                                                                    int* minor) {
+  Driver* d = GetDriver();
+  if (!d->ok) return Fail(d->why);
+  CUdevice dev;
+  RF_CHECK_CU(d, d->cuDeviceGet_(&dev, ordinal));
+  return DeviceLimits(d, dev, sms, smem, major, minor);
+}
+
+// One forward pass. dtype: 0 float16, 1 bfloat16. Pointers are device
+// pointers laid out as wavefront.cuh's Args says; `lengths` may be null
+// (every sequence `steps` long); `cy`/`c0` are ignored for a GRU;
+// `workspace` holds rnnfuse_wf_workspace_bytes. mode: 0 (wavefront.cuh has
+// the debug modes). trace: null, or 2 * trace_steps * kTraceSlots uint64
+// for the timeline (wavefront.cuh).
+__attribute__((visibility("default"))) int rnnfuse_wf_forward(
+    void* stream, int dtype, int gru, int num_layers, int units, int batch, int steps,
+    int input_size, const void* xproj, const void* params, const void* h0, const void* c0,
+    const int* lengths, void* y, void* hy, void* cy, void* workspace, int mode,
+    unsigned long long* trace, int trace_steps) {
+  Driver* d = GetDriver();
+  if (!d->ok) return Fail(d->why);
+  if (dtype != 0 && dtype != 1) return Fail("dtype must be 0 (float16) or 1 (bfloat16)");
+  CUstream s = static_cast<CUstream>(stream);
+  CUcontext ctx = nullptr;
+  if (s) {
+    RF_CHECK_CU(d, d->cuStreamGetCtx_(s, &ctx));
+  } else {
+    RF_CHECK_CU(d, d->cuCtxGetCurrent_(&ctx));
+  }
+  if (!ctx) return Fail("no CUDA context is current (initialise the framework's GPU first)");
+  RF_CHECK_CU(d, d->cuCtxPushCurrent_(ctx));
+  struct Pop {
+    Driver* d;
+    ~Pop() {
+      CUcontext c;
+      d->cuCtxPopCurrent_(&c);
+    }
+  } pop{d};
+
+  int sms = 0, smem_limit = 0, major = 0, minor = 0;
+  CUdevice dev;
+  RF_CHECK_CU(d, d->cuCtxGetDevice_(&dev));
+  if (DeviceLimits(d, dev, &sms, &smem_limit, &major, &minor) != 0) return -1;
+  if (major != 9) {
+    return Fail("the wavefront kernel is built for compute capability 9.0 (Hopper); this GPU is " +
+                std::to_string(major) + "." + std::to_string(minor));
+  }
+  Args args;
+  int smem = 0;
+  if (!PlanInto(gru, num_layers, units, batch, steps, input_size, sms, smem_limit, &args, &smem))
+    return -1;
+  args.mode = mode;
+  args.trace = trace;
+  args.trace_steps = trace ? trace_steps : 0;
+  args.xproj = xproj;
+  args.params = params;
+  args.h0 = h0;
+  args.c0 = c0;
+  args.lengths = lengths;
+  args.y = y;
+  args.hy = hy;
+  args.cy = cy;
+  args.flags = static_cast<unsigned*>(workspace);
+  args.work = static_cast<unsigned char*>(workspace) + FlagBytes(num_layers);
+
+  Kernels* k = nullptr;
+  if (GetKernels(d, ctx, &k) != 0) return -1;
+  CUfunction f = dtype == 0 ? k->f16 : k->bf16;
+  {
+    std::lock_guard<std::mutex> lock(g_mu);
+    if (smem > k->configured_smem) {
+      RF_CHECK_CU(d, d->cuFuncSetAttribute_(k->f16, CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                                            smem));
+      RF_CHECK_CU(d, d->cuFuncSetAttribute_(k->bf16,
+                                            CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, smem));
+      k->configured_smem = smem;
+    }
+  }
+  const int ctas = args.cta_start[num_layers];
+  // Every CTA must be resident at once (they wait on each other); the
+  // cooperative launch refuses a grid that cannot be.
+  int per_sm = 0;
+  RF_CHECK_CU(d, d->cuOccupancyMaxActiveBlocksPerMultiprocessor_(&per_sm, f,
+                                                                  rnnfuse_wf::kThreads, smem));
+  if (per_sm * sms < ctas) {
+    return Fail("the wavefront kernel's " + std::to_string(ctas) +
+                " CTAs cannot all be resident (" + std::to_string(per_sm) +
+                " a multiprocessor, " + std::to_string(sms) + " multiprocessors)");
+  }
+  CUlaunchAttribute cooperative;
+  memset(&cooperative, 0, sizeof(cooperative));
+  cooperative.id = CU_LAUNCH_ATTRIBUTE_COOPERATIVE;
+  cooperative.value.cooperative = 1;
+  CUlaunchConfig cfg;
+  memset(&cfg, 0, sizeof(cfg));
+  cfg.gridDimX = static_cast<unsigned>(ctas);
+  cfg.gridDimY = cfg.gridDimZ = 1;
+  cfg.blockDimX = rnnfuse_wf::kThreads;
+  cfg.blockDimY = cfg.blockDimZ = 1;
+  cfg.sharedMemBytes = static_cast<unsigned>(smem);
+  cfg.hStream = s;
+  cfg.attrs = &cooperative;
+  cfg.numAttrs = 1;
+  RF_CHECK_CU(d, d->cuMemsetD32Async_(reinterpret_cast<CUdeviceptr>(workspace), 0,
+                                      FlagBytes(num_layers) / 4, s));
+  void* params_list[] = {&args};
+  RF_CHECK_CU(d, d->cuLaunchKernelEx_(&cfg, f, params_list, nullptr));
+  return 0;
+}
+
+}  // extern "C"

@@ -1,0 +1,139 @@
+// The wavefront kernel's plan: how many CTAs each layer gets, their warp
+// grid and shared-memory layout, and why a shape is refused. Host code only
+// (wavefront_host.cc; Python asks it through rnnfuse_wf_plan, which works
+// without a GPU). See wavefront.cuh for what the numbers mean.
+//
+// The choice: one "mg" for the whole stack, the smallest in 1, 2, 4, 8
+// whose CTAs all fit on the device at once (one CTA an SM) and whose
+// shared memory fits every CTA: the smallest mg gives the most CTAs and
+// the least work a warp per step. A layer whose K needs kg warps along K
+// takes mg_l = min(mg, 8 / kg) and ng = 8 / (mg_l * kg) warps along the
+// batch.
+
+#pragma once
+
+#include <stdio.h>
+
+#include "wavefront.cuh"
+
+namespace rnnfuse_wf {
+
+inline int RoundUp16(int bytes) { return (bytes + 15) / 16 * 16; }
+
+// Fills `layer` for layer l of a stack with `mg`; returns its shared bytes.
+inline int PlanLayer(int gru, int l, int H, int B, int mg, LayerPlan* layer) {
+  const int K = (l == 0 ? 0 : H) + H;
+  int kg = 1;
+  while (kg * kWarpK < K) kg *= 2;
+  const int m = mg < kWarps / kg ? mg : kWarps / kg;
+  LayerPlan& p = *layer;
+  p.mg = m;
+  p.kg = kg;
+  p.ng = kWarps / (m * kg);
+  p.units = 8 * m;
+  p.ctas = (H + p.units - 1) / p.units;
+  p.kin = l == 0 ? 0 : H;
+  p.kpad = kWarpK * kg;
+  const int R = 4 * p.units, G = gru ? 3 : 4;
+  int off = 0;
+  p.smem_hs = off;  // [kNC][kpad + kHsPad] of the element type
+  off += RoundUp16(kNC * (p.kpad + kHsPad) * 2);
+  p.smem_part = off;  // [kg][kNC][R + kPartPad] float
+  off += RoundUp16(kg * kNC * (R + kPartPad) * 4);
+  p.smem_cs = off;  // [B][U] float (LSTM)
+  off += gru ? 0 : RoundUp16(p.units * B * 4);
+  p.smem_bias = off;  // [R] float
+  off += RoundUp16(R * 4);
+  p.smem_len = off;  // [B] int
+  off += RoundUp16(B * 4);
+  p.smem_xs = off;  // layer 0: 2 x [B][G][U] of the element type (double-buffered xproj)
+  off += l == 0 ? 2 * RoundUp16(B * G * p.units * 2) : 0;
+  p.smem_total = off;
+  return off;
+}
+
+// Element offsets of layer l's matrices and biases in rnnfuse's canonical
+// flat buffer (unidirectional, no projection): every layer's
+// [W_ih (G*H x n), W_hh (G*H x H)] first, then every layer's
+// [b_in (G*H), b_rec (G*H)]; n = input_size for layer 0, H above.
+inline void PlanOffsets(int gru, int L, int H, int input_size, Args* args) {
+  const long long G = gru ? 3 : 4, GH = G * H;
+  long long w = 0;
+  for (int l = 0; l < L; ++l) {
+    const long long n = l == 0 ? input_size : H;
+    args->layer[l].w_ih = w;
+    args->layer[l].w_hh = w + GH * n;
+    w += GH * n + GH * H;
+  }
+  for (int l = 0; l < L; ++l) {
+    args->layer[l].b_in = w + 2 * GH * l;
+    args->layer[l].b_rec = w + 2 * GH * l + GH;
+  }
+}
+
+// Plans a stack; returns true, or false with the reason in `why`.
+inline bool Plan(int gru, int L, int H, int B, int T, int input_size, int sms, int smem_limit,
+                 Args* args, int* smem_bytes, char* why, int why_len) {
+  if (L < 1 || L > kMaxLayers) {
+    snprintf(why, why_len, "the wavefront kernel runs 1 to %d layers, not %d", kMaxLayers, L);
+    return false;
+  }
+  if (H < 8 || H % 8 != 0) {
+    snprintf(why, why_len, "the wavefront kernel needs units a multiple of 8, not %d", H);
+    return false;
+  }
+  if (L > 1 && 2 * H > kWarpK * kWarps) {
+    snprintf(why, why_len,
+             "the wavefront kernel reads at most %d inputs a layer (layer below + own h); "
+             "%d units need %d",
+             kWarpK * kWarps, H, 2 * H);
+    return false;
+  }
+  if (H > kWarpK * kWarps) {
+    snprintf(why, why_len, "the wavefront kernel runs at most %d units, not %d",
+             kWarpK * kWarps, H);
+    return false;
+  }
+  if (B < 1 || T < 1 || input_size < 1) {
+    snprintf(why, why_len, "the wavefront kernel needs batch, steps and inputs >= 1");
+    return false;
+  }
+  // The largest mg (fewest CTAs) is the last one tried: its CTA count and
+  // shared memory are what the refusal reports.
+  int ctas = 0, smem = 0;
+  for (int mg = 1; mg <= kWarps; mg *= 2) {
+    ctas = smem = 0;
+    for (int l = 0; l < L; ++l) {
+      const int s = PlanLayer(gru, l, H, B, mg, &args->layer[l]);
+      smem = s > smem ? s : smem;
+      args->cta_start[l] = ctas;
+      ctas += args->layer[l].ctas;
+    }
+    args->cta_start[L] = ctas;
+    if (ctas <= sms && smem <= smem_limit) {
+      args->gru = gru;
+      args->L = L;
+      args->H = H;
+      args->B = B;
+      args->T = T;
+      args->mode = 0;
+      PlanOffsets(gru, L, H, input_size, args);
+      *smem_bytes = smem;
+      return true;
+    }
+  }
+  if (ctas > sms) {
+    snprintf(why, why_len,
+             "the stack's weights do not fit on chip for the wavefront kernel: %d layers of %d "
+             "units need at least %d CTAs of one SM each, and the device has %d SMs",
+             L, H, ctas, sms);
+  } else {
+    snprintf(why, why_len,
+             "the wavefront kernel's shared memory does not fit: %d layers of %d units at "
+             "batch %d need %d bytes a CTA, and the device allows %d",
+             L, H, B, smem, smem_limit);
+  }
+  return false;
+}
+
+}  // namespace rnnfuse_wf

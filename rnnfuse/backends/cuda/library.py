@@ -1,0 +1,140 @@
+"""ctypes binding of librnnfuse_wavefront.so (csrc/wavefront_host.cc).
+
+The library is framework-free: it takes device pointers and a CUDA stream
+(a `cudaStream_t`/`CUstream` as an integer) and launches rnnfuse's
+wavefront kernel through the CUDA driver API. The torch binding
+(rnnfuse/backends/torch/wavefront.py) passes torch tensors' data pointers
+and `torch.cuda.current_stream().cuda_stream`.
+
+`plan()` answers, without a GPU, whether a stack fits the kernel for given
+device limits, and why not; `forward()` raises `WavefrontError` with the
+library's message when a launch is refused (no driver, not a Hopper GPU, a
+shape outside the plan), so the caller falls back to cuDNN.
+
+Example (no GPU needed; builds the library once):
+
+    >>> lib = load()  # doctest: +SKIP
+    >>> lib.plan("lstm", 4, 512, 64, 1000, 512, sms=132, smem=232448)  # doctest: +SKIP
+    (128, 210432)
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import threading
+from pathlib import Path
+
+__all__ = ["DTYPES", "H200", "KINDS", "WavefrontError", "WavefrontLibrary", "load"]
+
+KINDS = ("lstm", "gru")
+DTYPES = ("float16", "bfloat16")
+# The limits the plan is checked against where no device is asked (tests,
+# docs): an H200's SM count and opt-in shared memory a block.
+H200 = {"sms": 132, "smem": 232448}
+_LAYER_FIELDS = ("ctas", "mg", "kg", "ng", "units", "kpad", "smem")
+
+_LOCK = threading.Lock()
+_LOADED: dict[str, "WavefrontLibrary"] = {}
+
+
+class WavefrontError(RuntimeError):
+    """The library refused a call; the message says why."""
+
+
+class WavefrontLibrary:
+    """The loaded library (one per path)."""
+
+    def __init__(self, path: str | os.PathLike):
+        self.path = Path(path)
+        lib = ctypes.CDLL(str(self.path))
+        i, p, sz = ctypes.c_int, ctypes.c_void_p, ctypes.c_size_t
+        ip = ctypes.POINTER(ctypes.c_int)
+        lib.rnnfuse_wf_last_error.restype = ctypes.c_char_p
+        lib.rnnfuse_wf_plan.argtypes = [i, i, i, i, i, i, i, i, ip, ip]
+        lib.rnnfuse_wf_plan.restype = i
+        lib.rnnfuse_wf_plan_layers.argtypes = [i, i, i, i, i, i, i, i, ip]
+        lib.rnnfuse_wf_plan_layers.restype = i
+        lib.rnnfuse_wf_workspace_bytes.argtypes = [i, i, i, i, i]
+        lib.rnnfuse_wf_workspace_bytes.restype = sz
+        lib.rnnfuse_wf_device_limits.argtypes = [i, ip, ip, ip, ip]
+        lib.rnnfuse_wf_device_limits.restype = i
+        lib.rnnfuse_wf_forward.argtypes = [p] + [i] * 7 + [p] * 9 + [i, p, i]
+        lib.rnnfuse_wf_forward.restype = i
+        self._lib = lib
+
+    def _error(self) -> str:
+        return (self._lib.rnnfuse_wf_last_error() or b"").decode(errors="replace")
+
+    def plan(self, kind: str, num_layers: int, units: int, batch: int, steps: int,
+             input_size: int, *, sms: int, smem: int) -> tuple[int, int] | str:
+        """(CTAs, shared bytes a CTA) of the stack's launch, or why it cannot run."""
+        ctas, nbytes = ctypes.c_int(), ctypes.c_int()
+        ok = self._lib.rnnfuse_wf_plan(_kind(kind), num_layers, units, batch, steps, input_size,
+                                       sms, smem, ctypes.byref(ctas), ctypes.byref(nbytes))
+        return (ctas.value, nbytes.value) if ok == 1 else self._error()
+
+    def plan_layers(self, kind: str, num_layers: int, units: int, batch: int, steps: int,
+                    input_size: int, *, sms: int, smem: int) -> list[dict] | str:
+        """Each layer's plan ({ctas, mg, kg, ng, units, kpad, smem}), or why not."""
+        out = (ctypes.c_int * (7 * max(1, num_layers)))()
+        ok = self._lib.rnnfuse_wf_plan_layers(_kind(kind), num_layers, units, batch, steps,
+                                              input_size, sms, smem, out)
+        if ok != 1:
+            return self._error()
+        return [dict(zip(_LAYER_FIELDS, out[7 * l:7 * l + 7])) for l in range(num_layers)]
+
+    def workspace_bytes(self, num_layers: int, units: int, batch: int, steps: int,
+                        elem_bytes: int = 2) -> int:
+        """Bytes of workspace one call needs (flags + L-1 sequence buffers)."""
+        return int(self._lib.rnnfuse_wf_workspace_bytes(num_layers, units, batch, steps,
+                                                        elem_bytes))
+
+    def device(self, ordinal: int = 0) -> dict:
+        """{sms, smem, major, minor} of CUDA device `ordinal` (no context needed)."""
+        vals = [ctypes.c_int() for _ in range(4)]
+        rc = self._lib.rnnfuse_wf_device_limits(ordinal, *[ctypes.byref(v) for v in vals])
+        if rc != 0:
+            raise WavefrontError(self._error())
+        return dict(zip(("sms", "smem", "major", "minor"), (v.value for v in vals)))
+
+    def forward(self, stream: int, dtype: str, kind: str, num_layers: int, units: int,
+                batch: int, steps: int, input_size: int, *, xproj: int, params: int, h0: int,
+                c0: int, lengths: int | None, y: int, hy: int, cy: int, workspace: int,
+                mode: int = 0, trace: int = 0, trace_steps: int = 0) -> None:
+        """One forward pass (device pointers as ints; see wavefront.cuh).
+
+        `mode`: a debug mode (wavefront.cuh; 0 computes the right answer);
+        `trace`: 0, or a device buffer of 2 * trace_steps * 8 uint64 for the
+        kernel's timeline.
+        """
+        if dtype not in DTYPES:
+            raise WavefrontError(f"the wavefront kernel runs {DTYPES}, not {dtype}")
+        rc = self._lib.rnnfuse_wf_forward(
+            stream or None, DTYPES.index(dtype), _kind(kind), num_layers, units, batch, steps,
+            input_size, xproj, params, h0, c0 or None, lengths or None, y, hy, cy or None,
+            workspace, mode, trace or None, trace_steps)
+        if rc != 0:
+            raise WavefrontError(self._error())
+
+
+def _kind(kind: str) -> int:
+    if kind not in KINDS:
+        raise WavefrontError(f"the wavefront kernel runs {KINDS}, not {kind!r}")
+    return KINDS.index(kind)
+
+
+def load(path: str | os.PathLike | None = None) -> WavefrontLibrary:
+    """The library at `path`, else $RNNFUSE_WAVEFRONT_LIB, else the cached
+    build (building it the first time: rnnfuse.backends.cuda.build)."""
+    if path is None:
+        path = os.environ.get("RNNFUSE_WAVEFRONT_LIB") or None
+    if path is None:
+        from rnnfuse.backends.cuda import build
+
+        path = build.build_library()
+    key = str(Path(path).resolve())
+    with _LOCK:
+        if key not in _LOADED:
+            _LOADED[key] = WavefrontLibrary(key)
+        return _LOADED[key]

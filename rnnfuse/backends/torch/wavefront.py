@@ -1,0 +1,237 @@
+"""torch binding of rnnfuse's wavefront kernel (rnnfuse/backends/cuda/).
+
+`torch.ops.rnnfuse.wavefront_forward` is a `torch.library.custom_op` over
+the C-ABI library (loaded with ctypes): torch here may be a CPU build and
+the GPU's torch another version, so `torch.utils.cpp_extension` (which
+compiles against the torch it runs under, with nvcc matching that torch's
+CUDA) is not used: the library is built once with nvcc and g++, depends on
+no torch, and takes data pointers and `torch.cuda.current_stream()`.
+
+`run_stack` is `rnnfuse.backends.torch.run_stack` for inference on the
+kernel (same arguments and results, NotImplementedError where it cannot
+run). `forward(x, params, h0, c0, lengths, kind=...)` runs a whole stack: layer
+0's input projection as one torch matmul (x W_ih0^T in the input's dtype),
+then the kernel. Inputs are time-major: x [T, B, I]; params is rnnfuse's
+canonical flat buffer (per layer W_ih [G*H, n] and W_hh [G*H, H]
+row-major, then per layer b_ih and b_hh [G*H]; PyTorch's own nn.LSTM/GRU
+gate order, see `flat_params`); h0, c0 [L, B, H]; lengths int32 [B] on the
+device, or None. It returns (y [T, B, H], hy [L, B, H], cy [L, B, H] or
+None). Outside the kernel's limits it raises `library.WavefrontError`
+(`unsupported_reason` says so beforehand): the caller runs cuDNN instead.
+
+Example (on an H200):
+
+    >>> lstm = torch.nn.LSTM(512, 512, 4).cuda().half()  # doctest: +SKIP
+    >>> y, hy, cy = forward(x, flat_params(lstm), h0, c0, None,
+    ...                     kind="lstm")  # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+__all__ = ["flat_params", "forward", "forward_into", "reference_forward", "run_stack",
+           "unsupported_reason"]
+
+_GATES = {"lstm": 4, "gru": 3}
+
+
+def _library():
+    from rnnfuse.backends.cuda import library
+
+    return library
+
+
+def flat_params(weights: Sequence[torch.Tensor] | torch.nn.Module) -> torch.Tensor:
+    """The canonical flat buffer from PyTorch's per-layer weight list
+    [w_ih, w_hh, b_ih, b_hh] * L (or an nn.LSTM/nn.GRU's `_flat_weights`)."""
+    if isinstance(weights, torch.nn.Module):
+        weights = weights._flat_weights
+    weights = list(weights)
+    if len(weights) % 4:
+        raise ValueError(f"flat_params: expected [w_ih, w_hh, b_ih, b_hh] per layer; "
+                         f"received {len(weights)} tensors")
+    mats = [w.reshape(-1) for i, w in enumerate(weights) if i % 4 < 2]
+    biases = [w.reshape(-1) for i, w in enumerate(weights) if i % 4 >= 2]
+    return torch.cat(mats + biases)
+
+
+def unsupported_reason(kind: str, num_layers: int, units: int, batch: int, steps: int,
+                       input_size: int, dtype: torch.dtype, device: torch.device) -> str | None:
+    """Why the kernel cannot run this stack here (then run cuDNN), or None."""
+    library = _library()
+    if kind not in _GATES:
+        return f"the wavefront kernel runs LSTM and GRU, not {kind}"
+    name = str(dtype).replace("torch.", "")
+    if name not in library.DTYPES:
+        return f"the wavefront kernel runs float16 and bfloat16, not {name}"
+    if device.type != "cuda":
+        return "the wavefront kernel runs on CUDA devices only"
+    try:
+        lib = library.load()
+        dev = lib.device(device.index if device.index is not None else torch.cuda.current_device())
+    except Exception as exc:  # no nvcc, no driver, ...: cuDNN runs
+        return f"the wavefront kernel is not available: {exc}"
+    if dev["major"] != 9:
+        return (f"the wavefront kernel runs on compute capability 9.0 (Hopper), not "
+                f"{dev['major']}.{dev['minor']}")
+    plan = lib.plan(kind, num_layers, units, batch, steps, input_size, sms=dev["sms"],
+                    smem=dev["smem"])
+    return plan if isinstance(plan, str) else None
+
+
+def forward_into(xproj, params, h0, c0, lengths, y, hy, cy, workspace, *, kind: str,
+                 input_size: int, mode: int = 0, trace: torch.Tensor | None = None) -> None:
+    """The kernel on preallocated outputs (tests poison them first).
+
+    xproj [T, B, G*H] = x W_ih0^T (no bias); workspace: a uint8 CUDA tensor
+    of `library.load().workspace_bytes(L, H, B, T)` bytes. `mode` and
+    `trace` (an int64 CUDA tensor [2, steps, 8]) are the library's debug
+    options (`WavefrontLibrary.forward`).
+    """
+    library = _library()
+    steps, batch, gh = xproj.shape
+    units = gh // _GATES[kind]
+    num_layers = h0.shape[0]
+    tensors = [xproj, params, h0, y, hy] + ([c0, cy] if kind == "lstm" else [])
+    for t in tensors:
+        if not t.is_contiguous() or t.dtype != xproj.dtype or t.device != xproj.device:
+            raise ValueError("forward_into: every tensor must be contiguous, of xproj's dtype "
+                             f"and device ({xproj.dtype}, {xproj.device})")
+    lib = library.load()
+    lib.forward(
+        torch.cuda.current_stream(xproj.device).cuda_stream,
+        str(xproj.dtype).replace("torch.", ""), kind, num_layers, units, batch, steps,
+        input_size,
+        xproj=xproj.data_ptr(), params=params.data_ptr(), h0=h0.data_ptr(),
+        c0=c0.data_ptr() if kind == "lstm" else 0,
+        lengths=lengths.data_ptr() if lengths is not None else 0,
+        y=y.data_ptr(), hy=hy.data_ptr(), cy=cy.data_ptr() if kind == "lstm" else 0,
+        workspace=workspace.data_ptr(), mode=mode,
+        trace=trace.data_ptr() if trace is not None else 0,
+        trace_steps=trace.shape[1] if trace is not None else 0)
+
+
+@torch.library.custom_op("rnnfuse::wavefront_forward", mutates_args=())
+def _wavefront_op(xproj: torch.Tensor, params: torch.Tensor, h0: torch.Tensor,
+                  c0: torch.Tensor, lengths: torch.Tensor, kind: str,
+                  input_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    steps, batch, gh = xproj.shape
+    units, num_layers = gh // _GATES[kind], h0.shape[0]
+    y = xproj.new_empty((steps, batch, units))
+    hy = torch.empty_like(h0)
+    cy = torch.empty_like(h0) if kind == "lstm" else h0.new_empty((0,))
+    nbytes = _library().load().workspace_bytes(num_layers, units, batch, steps)
+    workspace = torch.empty(nbytes, dtype=torch.uint8, device=xproj.device)
+    forward_into(xproj, params, h0, c0, lengths if lengths.numel() else None, y, hy, cy,
+                 workspace, kind=kind, input_size=input_size)
+    return y, hy, cy
+
+
+@_wavefront_op.register_fake
+def _(xproj, params, h0, c0, lengths, kind, input_size):
+    steps, batch, gh = xproj.shape
+    units = gh // _GATES[kind]
+    cy = torch.empty_like(h0) if kind == "lstm" else h0.new_empty((0,))
+    return xproj.new_empty((steps, batch, units)), torch.empty_like(h0), cy
+
+
+def forward(x: torch.Tensor, params: torch.Tensor, h0: torch.Tensor, c0: torch.Tensor | None,
+            lengths: torch.Tensor | None, *, kind: str):
+    """The whole stack's forward pass (see the module docstring)."""
+    steps, batch, input_size = x.shape
+    num_layers, _, units = h0.shape
+    gh = _GATES[kind] * units
+    w_ih0 = params[: gh * input_size].view(gh, input_size)
+    xproj = (x.reshape(steps * batch, input_size) @ w_ih0.t()).view(steps, batch, gh)
+    if lengths is None:
+        lengths = torch.empty(0, dtype=torch.int32, device=x.device)
+    c0 = c0 if c0 is not None else h0.new_empty((0,))
+    y, hy, cy = _wavefront_op(xproj.contiguous(), params.contiguous(), h0.contiguous(),
+                              c0.contiguous(), lengths.to(torch.int32).contiguous(), kind,
+                              input_size)
+    return y, hy, (cy if kind == "lstm" else None)
+
+
+def run_stack(sequences, *, stack, initial_h=None, initial_c=None, mask=None, reverse=False,
+              dropout=0.0, seed=(0, 0), algorithm=None):
+    """`rnnfuse.backends.torch.run_stack` on the wavefront kernel (inference).
+
+    `seed` and `algorithm` are accepted for the same signature and unused.
+
+    Raises:
+        NotImplementedError: the kernel cannot run this call (the reason).
+    """
+    from rnnfuse.backends import torch as kernels
+
+    del seed, algorithm
+    x = sequences
+    batch, steps, input_size = (int(d) for d in x.shape)
+    reason = None
+    if stack.num_directions != 1 or stack.proj_size or dropout:
+        reason = ("the wavefront kernel runs unidirectional stacks without projections or "
+                  "dropout")
+    elif any(stack.input_scale(i) is not None for i in range(stack.num_levels)):
+        reason = "the wavefront kernel reads each layer's output, not summed directions"
+    else:
+        reason = unsupported_reason(stack.kind, stack.num_levels, stack.units, batch, steps,
+                                    input_size, x.dtype, x.device)
+    if reason is not None:
+        raise NotImplementedError(reason)
+    lengths = None
+    if mask is not None:
+        lengths = torch.as_tensor(mask, device=x.device).to(torch.int32).sum(dim=1)
+    if reverse:
+        full = lengths if lengths is not None else torch.full((batch,), steps, device=x.device)
+        x = kernels._reverse_within_lengths(x, full)
+    params = flat_params(kernels.pack_params(stack, x.dtype, x.device))
+    h0 = kernels._states(initial_h, stack, stack.units, batch, x)
+    c0 = kernels._states(initial_c, stack, stack.units, batch, x) if stack.kind == "lstm" else None
+    y, hy, cy = forward(x.transpose(0, 1).contiguous(), params, h0, c0, lengths, kind=stack.kind)
+    return y.transpose(0, 1), hy, cy
+
+
+def reference_forward(kind: str, weights: Sequence[torch.Tensor], x: torch.Tensor,
+                      h0: torch.Tensor, c0: torch.Tensor | None,
+                      lengths: torch.Tensor | None = None):
+    """The stack in float64 with cuDNN's rules for lengths (the tests' and
+    the benchmark's reference): outputs 0 past each length, final states at
+    each length. `weights` is PyTorch's [w_ih, w_hh, b_ih, b_hh] per layer;
+    x is time-major [T, B, I]. Returns (y, hy, cy or None) in float64.
+    """
+    steps, batch, _ = x.shape
+    w = [t.double() for t in weights]
+    layers, units = len(w) // 4, w[1].shape[1]
+    inp = x.double()
+    if lengths is None:
+        lengths = torch.full((batch,), steps, device=x.device)
+    alive = torch.arange(steps, device=x.device)[:, None] < lengths.to(x.device)[None, :]
+    hy, cy = [], []
+    for l in range(layers):
+        w_ih, w_hh, b_ih, b_hh = w[4 * l: 4 * l + 4]
+        xp = inp @ w_ih.t() + b_ih
+        h = h0[l].double().clone()
+        c = c0[l].double().clone() if kind == "lstm" else None
+        out = torch.zeros(steps, batch, units, dtype=torch.float64, device=x.device)
+        for t in range(steps):
+            hh = h @ w_hh.t() + b_hh
+            if kind == "lstm":
+                i, f, g, o = (xp[t] + hh).chunk(4, dim=1)
+                c_new = torch.sigmoid(f) * c + torch.sigmoid(i) * torch.tanh(g)
+                h_new = torch.sigmoid(o) * torch.tanh(c_new)
+            else:
+                xr, xz, xn = xp[t].chunk(3, dim=1)
+                hr, hz, hn = hh.chunk(3, dim=1)
+                r, z = torch.sigmoid(xr + hr), torch.sigmoid(xz + hz)
+                h_new = (1 - z) * torch.tanh(xn + r * hn) + z * h
+            a = alive[t][:, None]
+            h = torch.where(a, h_new, h)
+            if kind == "lstm":
+                c = torch.where(a, c_new, c)
+            out[t] = torch.where(a, h_new, torch.zeros_like(h_new))
+        inp = out
+        hy.append(h)
+        cy.append(c)
+    return inp, torch.stack(hy), (torch.stack(cy) if kind == "lstm" else None)

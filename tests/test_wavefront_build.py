@@ -1,0 +1,153 @@
+"""Building rnnfuse's wavefront kernel on the CPU (no GPU needed).
+
+- the real kernel compiles here (nvcc to an sm_90 cubin, g++ around it) into
+  a C-ABI library that links no CUDA runtime or driver (dlopen at first
+  call) and carries the cubin;
+- its plan answers without a GPU: the brief's headline stack fits an
+  H200, the refused shapes say why;
+- the TensorFlow op compiles around the same sources and registers;
+- the cache: a second build reuses the files; a missing nvcc names the fix.
+The kernel's numbers are tested on the H200 (tests/gpu/test_gpu_wavefront*.py).
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from rnnfuse.backends.cuda import build, library
+
+H200 = library.H200
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory):
+    """The real library, built once into a fresh cache for this module."""
+    cache = tmp_path_factory.mktemp("cache")
+    mp = pytest.MonkeyPatch()
+    mp.setenv("RNNFUSE_CACHE_DIR", str(cache))
+    try:
+        yield build.build_library(), cache
+    finally:
+        mp.undo()
+
+
+def test_the_library_compiles_here_without_a_cuda_runtime(built):
+    path, cache = built
+    assert path.name == "librnnfuse_wavefront.so" and cache in path.parents
+    needed = subprocess.run(["readelf", "-d", str(path)], capture_output=True, text=True).stdout
+    assert "NEEDED" in needed
+    assert "libcudart" not in needed and "libcuda.so" not in needed
+    # The cubin is inside: its kernels' names are in the library's bytes.
+    data = path.read_bytes()
+    assert b"rnnfuse_wf_forward_f16" in data and b"rnnfuse_wf_forward_bf16" in data
+
+
+def test_the_headline_stack_fits_an_h200(built):
+    lib = library.load(built[0])
+    ctas, smem = lib.plan("lstm", 4, 512, 64, 1000, 512, **H200)
+    assert ctas <= H200["sms"] and smem <= H200["smem"]
+    layers = lib.plan_layers("lstm", 4, 512, 64, 1000, 512, **H200)
+    # Layers above the first read 1024 inputs: 4 warps along K, 16 units a CTA.
+    assert [l["units"] for l in layers] == [16] * 4
+    assert layers[1]["kg"] * layers[1]["mg"] * layers[1]["ng"] == 8
+    assert sum(l["ctas"] for l in layers) == ctas == 128
+
+
+@pytest.mark.parametrize(
+    "shape, message",
+    [
+        (("lstm", 8, 512, 64), "do not fit on chip"),
+        (("gru", 2, 1024, 64), "do not fit on chip"),
+        (("lstm", 2, 100, 8), "multiple of 8"),
+        (("lstm", 9, 64, 8), "1 to 8 layers"),
+    ],
+)
+def test_refused_shapes_say_why(built, shape, message):
+    lib = library.load(built[0])
+    kind, layers, units, batch = shape
+    reason = lib.plan(kind, layers, units, batch, 100, units, **H200)
+    assert isinstance(reason, str) and message in reason, reason
+
+
+def test_a_smaller_device_fits_fewer_layers(built):
+    lib = library.load(built[0])
+    assert isinstance(lib.plan("lstm", 4, 512, 64, 100, 512, sms=100, smem=H200["smem"]), str)
+    assert isinstance(lib.plan("lstm", 4, 512, 64, 100, 512, sms=132, smem=100_000), str)
+
+
+def test_workspace_holds_the_flags_and_the_sequences_below_the_top(built):
+    lib = library.load(built[0])
+    flags = 4 * 256 * 4  # 4 layers x 256 flags x 4 bytes, already 256-aligned
+    assert lib.workspace_bytes(4, 512, 64, 1000) == flags + 3 * 1000 * 64 * 512 * 2
+    assert lib.workspace_bytes(1, 8, 1, 1) == 256 * 4  # the flags; no sequence buffer
+
+
+def test_a_call_without_a_driver_or_a_bad_argument_is_a_clear_error(built):
+    lib = library.load(built[0])
+    with pytest.raises(library.WavefrontError, match="float16"):
+        lib.forward(0, "float32", "lstm", 1, 8, 1, 1, 3, xproj=0, params=0, h0=0, c0=0,
+                    lengths=None, y=0, hy=0, cy=0, workspace=0)
+    try:
+        limits = lib.device(0)
+    except library.WavefrontError as exc:  # CI: no driver here
+        assert "libcuda.so.1" in str(exc) or "cuInit" in str(exc)
+    else:  # a GPU machine
+        assert limits["sms"] > 0 and limits["smem"] > 0
+
+
+def test_the_tensorflow_op_compiles_and_registers(built, monkeypatch):
+    from rnnfuse.backends.tensorflow import op_build
+
+    monkeypatch.setenv("RNNFUSE_CACHE_DIR", str(built[1]))
+    path = op_build.build_wavefront_op()
+    needed = subprocess.run(["readelf", "-d", str(path)], capture_output=True, text=True).stdout
+    assert "libtensorflow_framework" in needed and "libcudart" not in needed
+    code = ("import tensorflow as tf, sys; m = tf.load_op_library(sys.argv[1]); "
+            "print(hasattr(m, 'rnnfuse_wavefront'))")
+    out = subprocess.run([sys.executable, "-c", code, str(path)], capture_output=True, text=True)
+    assert out.stdout.strip().endswith("True"), out.stderr[-2000:]
+    assert op_build.build_wavefront_op() == path  # cached
+
+
+def _fake_tool(root: Path, name: str, log: Path) -> Path:
+    """A compiler that records each run and writes its -o file."""
+    script = root / name
+    script.write_text(textwrap.dedent(f"""\
+        #!{sys.executable}
+        import sys
+        if "--version" in sys.argv:
+            print("Cuda compilation tools, release 99.1, V99.1.0")
+            sys.exit(0)
+        if "--dryrun" in sys.argv:
+            print('#$ INCLUDES="-I/usr/local/cuda-13.0/include"')
+            sys.exit(0)
+        open({str(log)!r}, "a").write({name!r} + "\\n")
+        open(sys.argv[sys.argv.index("-o") + 1], "w").write("built")
+        """))
+    script.chmod(0o755)
+    return script
+
+
+def test_a_second_build_reuses_the_cache(tmp_path, monkeypatch):
+    log = tmp_path / "log"
+    monkeypatch.setenv("RNNFUSE_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setenv("NVCC", str(_fake_tool(tmp_path, "nvcc", log)))
+    monkeypatch.setenv("CXX", str(_fake_tool(tmp_path, "cxx", log)))
+    monkeypatch.setattr(build, "cuda_include", lambda nvcc: tmp_path)
+    first = build.build_library()
+    assert build.build_library() == first
+    assert log.read_text().split() == ["nvcc", "cxx"]
+    assert "nvcc99.1" in build.build_cubin().parent.name
+
+
+def test_a_missing_nvcc_names_the_fix(monkeypatch):
+    monkeypatch.delenv("NVCC", raising=False)
+    monkeypatch.delenv("CUDA_HOME", raising=False)
+    monkeypatch.setattr(build.os, "access", lambda path, mode: False)
+    with pytest.raises(build.BuildError, match=r"no nvcc found.*Fix: install the CUDA toolkit"):
+        build.find_nvcc()
