@@ -72,18 +72,25 @@ def test_shapes_over_the_limits_are_refused_not_run(shape):
     assert row["status"] == "fallback" and "do not fit" in row["reason"], row
 
 
-def test_run_stack_runs_a_keras_stack_like_keras():
-    """The backend entry point on the live Keras variables, against the
-    original layers (mixed_float16 would cast; this runs the cells in float16)."""
-    keras.config.set_dtype_policy("float16")
-    try:
-        layers = [keras.layers.LSTM(256, return_sequences=True) for _ in range(3)]
-        model = keras.Sequential([keras.Input((50, 64)), *layers])
-        x = torch.randn(16, 50, 64, device="cuda", dtype=torch.float16)
-        want = model(x)
-        stack = StackSpec("lstm", 256, tuple((l.cell,) for l in layers))
-        y, hy, cy = wavefront.run_stack(x, stack=stack)
-    finally:
-        keras.config.set_dtype_policy("float32")
-    assert bench_wavefront.rel(y, want) < 2e-3
-    assert tuple(hy.shape) == tuple(cy.shape) == (3, 16, 256)
+def test_run_stack_runs_a_keras_stack_from_its_live_variables():
+    """The backend entry point: Keras cells packed as the torch backend packs
+    them, a right-padded mask as lengths; against the float64 reference of
+    the same packed (float16) weights."""
+    from rnnfuse.backends import torch as torch_backend
+
+    cells = []
+    for i in range(3):
+        cell = keras.layers.LSTMCell(256)
+        cell.build((None, 64 if i == 0 else 256))
+        cells.append((cell,))
+    stack = StackSpec("lstm", 256, tuple(cells))
+    x = torch.randn(16, 50, 64, device="cuda").half()
+    lengths = torch.randint(1, 51, (16,), device="cuda")
+    mask = torch.arange(50, device="cuda")[None, :] < lengths[:, None]
+    y, hy, cy = wavefront.run_stack(x, stack=stack, mask=mask)
+    weights = torch_backend.pack_params(stack, torch.float16, "cuda")
+    zeros = torch.zeros(3, 16, 256, device="cuda")
+    ref_y, ref_h, ref_c = wavefront.reference_forward("lstm", weights, x.transpose(0, 1), zeros,
+                                                      zeros, lengths)
+    assert bench_wavefront.rel(y.transpose(0, 1), ref_y) < 1e-3
+    assert bench_wavefront.rel(hy, ref_h) < 1e-3 and bench_wavefront.rel(cy, ref_c) < 1e-3
