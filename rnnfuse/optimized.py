@@ -34,6 +34,7 @@ from keras.src.models.functional import Functional
 from rnnfuse.fused import FusedRNN
 from rnnfuse.persistence import (
     copy_compile,
+    export_model,
     in_original_order,
     is_fused_archive,
     portable_model,
@@ -168,6 +169,47 @@ class _OptimizedMixin:
         if fused:
             return super().save(filepath, overwrite=overwrite, zipped=zipped, **kwargs)
         return portable_model(self).save(filepath, overwrite=overwrite, zipped=zipped, **kwargs)
+
+    def export(
+        self, filepath, format="tf_saved_model", verbose=None, input_signature=None,
+        *, fused=False, **kwargs,
+    ):
+        """Exports the model for inference as the original model would.
+
+        By default the artifact is the original model's own export
+        (`keras.Model.export` of `rnnfuse.restore(self)`, in every format
+        Keras exports: "tf_saved_model", "onnx", ...). Its graph holds the
+        original layers' ops, on a GPU Keras' own CudnnRNNV3 per LSTM/GRU
+        layer and its loops elsewhere, so it serves wherever the original's
+        export would, in a process without rnnfuse, with the same numbers.
+
+        Args:
+            filepath, format, verbose, input_signature, **kwargs: as for
+                `keras.Model.export`.
+            fused: format "tf_saved_model" only: trace the optimized model
+                as it runs here instead. On a GPU its fused groups then run
+                rnnfuse's own op (`RnnfuseCudnnRnn`), which a serving process
+                must load first (`tf.load_op_library`, see
+                docs/deployment.md), or CudnnRNNV3 where that op is off.
+
+        Raises:
+            ValueError: `fused=True` with another format.
+        """
+        if not fused:
+            return export_model(self).export(
+                filepath, format=format, verbose=verbose, input_signature=input_signature,
+                **kwargs,
+            )
+        if format != "tf_saved_model":
+            raise ValueError(
+                f"export(fused=True) traces rnnfuse's own cuDNN op, which only a "
+                f"TensorFlow SavedModel can hold; received format={format!r}. "
+                "Fix: leave fused out, which exports the original layers (what "
+                "the original model's export gives)."
+            )
+        return super().export(
+            filepath, format=format, verbose=verbose, input_signature=input_signature, **kwargs
+        )
 
     def get_config(self):
         # Read first in Keras' error where the fused format (save(fused=True))

@@ -11,6 +11,8 @@ same objects, so the current weights). The optimized classes
 | `rnnfuse.load_model("m.keras")`        | either file, optimized again            |
 | `optimized.save_weights(path)`         | the *original* model's layout           |
 | `optimized.load_weights(path)`         | the original layout, or a fused .keras  |
+| `optimized.export(path)`               | the original model's export (`export_model`) |
+| `optimized.export(path, fused=True)`   | the optimized model as traced here      |
 | `restore(optimized)`                   | a plain model over the same layers      |
 
 Why weight files use the original layout. Keras 3 names each variable in
@@ -62,6 +64,7 @@ from rnnfuse.reasons import FusionWarning
 
 __all__ = [
     "copy_compile",
+    "export_model",
     "holds_fused",
     "in_original_order",
     "is_fused_archive",
@@ -223,6 +226,15 @@ def weights_model(model) -> keras.Model:
     optimizer = getattr(model, "optimizer", None)
     if optimizer is not None:
         plain.optimizer = optimizer
+    return plain
+
+
+def export_model(model) -> keras.Model:
+    """What an optimized model's `export` exports: `_restore(model)`, marked
+    as called where `model` was (Keras' ONNX export asks for a model that has
+    been called)."""
+    plain = _restore(model)
+    plain._called = getattr(model, "_called", False)
     return plain
 
 

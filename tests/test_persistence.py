@@ -10,6 +10,7 @@
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import io
 import json
@@ -271,6 +272,16 @@ _ELSEWHERE = textwrap.dedent(
                     arrays.update({f"w{i}": np.asarray(v) for i, v in enumerate(model.weights)})
                 results[name] = {"classes": [type(l).__name__ for l in model.layers],
                                  "iterations": int(model.optimizer.iterations.numpy())}
+            elif job["kind"] == "saved_model":
+                import tensorflow as tf
+                served = tf.saved_model.load(job["path"])  # keep it: it owns the variables
+                arrays = {"y": np.asarray(served.serve(x))}
+                results[name] = {}
+            elif job["kind"] == "onnx":
+                import onnxruntime
+                session = onnxruntime.InferenceSession(job["path"], providers=["CPUExecutionProvider"])
+                arrays = {"y": session.run(None, {session.get_inputs()[0].name: x})[0]}
+                results[name] = {}
             np.savez(out + ".npz", **arrays)
         except Exception as err:
             results[name] = {"error": f"{type(err).__name__}: {' '.join(str(err).split())[:1500]}"}
@@ -343,6 +354,25 @@ def elsewhere(tmp_path_factory) -> dict:
         jobs[name] = {"kind": "keras", "path": str(folder / f"{name}.keras"), "x": save_x(name, x)}
         want[name] = {"y": outputs[epoch - 1], "iterations": 2 * epoch,
                       "classes": [type(l).__name__ for l in func.layers]}
+    # Its SavedModel and the masked GRU stack's ONNX file: export() where the
+    # fused kernel would run (emulated) and the original's export, both.
+    with _emulated_cudnn() as calls:
+        fast = rnnfuse.optimize(func, tune=False)
+        fast.export(str(folder / "saved"), verbose=False)
+        func.export(str(folder / "saved_original"), verbose=False)
+        want["saved"] = {"y": np.asarray(func(x)), "fused_calls": len(calls)}
+    jobs["saved"] = {"kind": "saved_model", "path": str(folder / "saved"), "x": jobs["ckpt_2"]["x"]}
+    x = random_inputs(seq, 3, rng)
+    seq(x)  # Keras' ONNX export asks for a model that has been called
+    with _emulated_cudnn() as calls:
+        fast = rnnfuse.optimize(seq, tune=False)
+        fast(x)
+        calls.clear()
+        fast.export(str(folder / "seq.onnx"), format="onnx", verbose=False)
+        assert not calls
+    seq.export(str(folder / "seq_original.onnx"), format="onnx", verbose=False)
+    jobs["onnx"] = {"kind": "onnx", "path": str(folder / "seq.onnx"), "x": save_x("onnx", x)}
+    want["onnx"] = {"y": np.asarray(seq(x))}
     # The fused format of rnnfuse 0.1.0 (every optimized model's .keras then).
     jobs["old"] = {"kind": "keras", "path": _OLD + ".keras", "x": save_x("old", np.load(_OLD + ".npz")["x"])}
     (folder / "jobs.json").write_text(json.dumps(jobs))
@@ -444,16 +474,58 @@ def test_load_weights_reads_both_kinds_of_keras_archive(tmp_path):
 # -- export --------------------------------------------------------------------
 
 
-def test_export_traced_here_serves_the_same_outputs(emulated_cudnn, tmp_path):
+def _saved_model_ops(folder) -> collections.Counter:
+    """Op types in a SavedModel's graph and in every function it holds."""
+    from tensorflow.core.protobuf import saved_model_pb2
+
+    proto = saved_model_pb2.SavedModel()
+    proto.ParseFromString((folder / "saved_model.pb").read_bytes())
+    graph = proto.meta_graphs[0].graph_def
+    nodes = list(graph.node) + [n for f in graph.library.function for n in f.node_def]
+    return collections.Counter(n.op for n in nodes)
+
+
+def test_export_is_the_original_models_saved_model_and_serves_without_rnnfuse(elsewhere):
+    # Traced where the fused kernel would run, yet no fused call in it.
+    assert elsewhere["want"]["saved"]["fused_calls"] == 0
+    folder = elsewhere["folder"]
+    assert _saved_model_ops(folder / "saved") == _saved_model_ops(folder / "saved_original")
+    np.testing.assert_allclose(
+        _computed(elsewhere, "saved")["y"], elsewhere["want"]["saved"]["y"], atol=1e-6
+    )
+
+
+def test_onnx_export_is_the_original_models_and_runs_in_onnxruntime(elsewhere):
+    import onnx
+
+    def ops(path) -> collections.Counter:
+        """Op types in the graph and its subgraphs (loop bodies); tf2onnx may
+        order the same nodes differently."""
+        count, graphs = collections.Counter(), [onnx.load(str(path)).graph]
+        while graphs:
+            for node in graphs.pop().node:
+                count[node.op_type] += 1
+                graphs += [a.g for a in node.attribute if a.type == onnx.AttributeProto.GRAPH]
+        return count
+
+    folder = elsewhere["folder"]
+    assert ops(folder / "seq.onnx") == ops(folder / "seq_original.onnx")
+    np.testing.assert_allclose(_computed(elsewhere, "onnx")["y"], elsewhere["want"]["onnx"]["y"],
+                               atol=1e-5)
+
+
+def test_export_fused_true_traces_the_fused_path(emulated_cudnn, tmp_path):
     import tensorflow as tf
 
     model = stack_model("rnn_tanh", 2, units=3, input_size=2, steps=3, head=True)
-    fast = rnnfuse.optimize(model)
+    fast = rnnfuse.optimize(model, tune=False)
     x = random_inputs(model, 3, np.random.default_rng(12))
-    fast.export(str(tmp_path / "saved"), verbose=False)
+    fast.export(str(tmp_path / "saved"), verbose=False, fused=True)
     assert emulated_cudnn, "the export did not trace the fused path"
     served = tf.saved_model.load(str(tmp_path / "saved"))
     np.testing.assert_allclose(np.asarray(served.serve(x)), np.asarray(model(x)), atol=2e-5)
+    with pytest.raises(ValueError, match=r"format='onnx'.*Fix: leave fused out"):
+        fast.export(str(tmp_path / "m.onnx"), format="onnx", fused=True)
 
 
 # -- optimizer state in weight files (issue 15, item 1) -------------------------

@@ -1,26 +1,22 @@
-"""Training and exporting through the fused cuDNN kernel on a GPU.
+"""Training through the fused cuDNN kernel on a GPU.
 
 Run on the lent H200 (see tests/gpu/conftest.py); about a minute. With
 RNNFUSE_REPORT_DIR set, each test writes its numbers there as JSON (loss
-curves, epoch times, what the SavedModels contain) for the closing note.
+curves, epoch times) for the closing note.
 
 - fit: an optimized 3-layer stack and a copy of the original with identical
   initial weights train 4 epochs on the same synthetic batches (float32, no
   TF32); the loss curves agree within float tolerance, and the fused
   CudnnRNNV3 provably ran (the backend's one call site is spied on, and the
   traced train step holds exactly one CudnnRNNV3 op per fused group).
-- export: a SavedModel traced on the GPU holds CudnnRNNV3 (a GPU-only op);
-  the same model exported from a process that sees no GPU holds none and
-  serves on the CPU with the same numbers.
+
+Exports and saved files: test_gpu_export.py.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
-import textwrap
 import time
 
 import keras
@@ -131,71 +127,3 @@ def test_jit_compile_on_a_gpu():
     assert fast.jit_compile is False  # Keras keeps the cuDNN model out of XLA
     with pytest.raises(ValueError, match="XLA cannot compile cuDNN"):
         fast.compile(optimizer="adam", loss="mse", jit_compile=True)
-
-
-_CPU_EXPORT = textwrap.dedent(
-    """
-    import os, sys
-    os.environ["CUDA_VISIBLE_DEVICES"] = "-1"
-    import numpy as np, tensorflow as tf, keras
-    import rnnfuse
-    keras_path, gpu_saved, cpu_saved, x_path = sys.argv[1:5]
-    assert not tf.config.list_logical_devices("GPU")
-    fast = keras.models.load_model(keras_path)
-    fast.export(cpu_saved, verbose=False)
-    x = np.load(x_path)
-    cpu_served = tf.saved_model.load(cpu_saved)  # keep a reference: it owns the variables
-    np.save(x_path + ".cpu.npy", np.asarray(cpu_served.serve(x)))
-    try:
-        gpu_served = tf.saved_model.load(gpu_saved)
-        gpu_served.serve(x)
-        print("GPU_TRACED_ON_CPU ok")
-    except Exception as err:
-        first = str(err).splitlines()[0][:300] if str(err) else ""
-        print("GPU_TRACED_ON_CPU failed " + type(err).__name__ + ": " + first)
-    """
-)
-
-
-def _pb_has_cudnn(folder) -> bool:
-    with open(os.path.join(folder, "saved_model.pb"), "rb") as f:
-        return b"CudnnRNNV3" in f.read()
-
-
-def test_export_traced_on_gpu_holds_cudnn_and_cpu_export_serves_on_cpu(tmp_path):
-    import tensorflow as tf
-
-    keras.utils.set_random_seed(1)
-    model = _stack("lstm")
-    fast = rnnfuse.optimize(model, plan=rnnfuse.FUSED)  # whatever the table says
-    x = _data(1)[0][:8]
-    fast.save(tmp_path / "fast.keras")
-    fast.export(str(tmp_path / "gpu_saved"), verbose=False)
-    rnnfuse.restore(fast).export(str(tmp_path / "restored_gpu_saved"), verbose=False)
-    np.save(tmp_path / "x.npy", x)
-    served = tf.saved_model.load(str(tmp_path / "gpu_saved"))
-    gpu_out = np.asarray(served.serve(x))
-    script = tmp_path / "cpu_export.py"
-    script.write_text(_CPU_EXPORT)
-    proc = subprocess.run(
-        [sys.executable, str(script), str(tmp_path / "fast.keras"),
-         str(tmp_path / "gpu_saved"), str(tmp_path / "cpu_saved"), str(tmp_path / "x.npy")],
-        capture_output=True, text=True, timeout=300, env={**os.environ},
-    )
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    cpu_out = np.load(tmp_path / "x.npy.cpu.npy")
-    gpu_on_cpu = [l for l in proc.stdout.splitlines() if l.startswith("GPU_TRACED_ON_CPU")]
-    facts = {
-        "gpu_export_has_cudnn": _pb_has_cudnn(tmp_path / "gpu_saved"),
-        "restored_gpu_export_has_cudnn": _pb_has_cudnn(tmp_path / "restored_gpu_saved"),
-        "cpu_export_has_cudnn": _pb_has_cudnn(tmp_path / "cpu_saved"),
-        "cpu_vs_gpu_max_diff": float(np.max(np.abs(cpu_out - gpu_out))),
-        "gpu_traced_served_on_cpu": gpu_on_cpu[-1] if gpu_on_cpu else None,
-    }
-    _report("export", facts)
-    assert facts["gpu_export_has_cudnn"]
-    # docs/deployment.md says Keras' own LSTM traced on a GPU is GPU-only too.
-    assert facts["restored_gpu_export_has_cudnn"], "update docs/deployment.md"
-    assert not facts["cpu_export_has_cudnn"]
-    assert facts["cpu_vs_gpu_max_diff"] <= 1e-4
-    assert facts["gpu_traced_served_on_cpu"].startswith("GPU_TRACED_ON_CPU failed")
