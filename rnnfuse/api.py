@@ -58,15 +58,18 @@ def analyze(
         model: a built Keras 3 Sequential or Functional model (nested
             sub-models are looked into).
         min_layers: the least number of recurrent levels worth fusing.
-            None (the default): per kind, 1 for layers Keras runs in its
-            Python loop (SimpleRNN, RNN(cell), RNN(StackedRNNCells)), 2
-            for Keras' cuDNN LSTM/GRU layers and ProjectedLSTM.
+            None (the default): per kind, 1 for LSTM, GRU, SimpleRNN and
+            RNN(cell) layers (a lone layer is a group of one; its plan
+            keeps the original layer unless the fused call is measured
+            faster), 2 for ProjectedLSTM. 2: stacks only.
         absorb_dropout: treat a `Dropout` layer between two recurrent layers
             as cuDNN's between-layer dropout instead of a break in the run.
 
     Returns:
-        A `FusionReport`: `.groups` (one `FusionGroup` per run) and
-        `.skipped` (every other recurrent layer -> the reason).
+        A `FusionReport`: `.groups` (one `FusionGroup` per run),
+        `.skipped` (every other recurrent layer -> the reason) and
+        `.breaks` (two grouped layers, one feeding the other, that are
+        separate calls -> the link rule's reason).
 
     Raises:
         TypeError: `model` is not a Keras 3 model.

@@ -87,9 +87,14 @@ class FusionReport:
     skipped: Mapping[str, Reason]
     # Model-level remarks (a subclassed model, for example).
     notes: tuple[str, ...] = ()
+    # (layer, the recurrent layer reading it) -> why the two run as separate
+    # groups, not one call (the failing link rule's `Reason`), for each such
+    # pair of layers that are both in groups.
+    breaks: Mapping[tuple[str, str], Reason] = dataclasses.field(default_factory=dict)
 
     def __post_init__(self):
         object.__setattr__(self, "skipped", types.MappingProxyType(dict(self.skipped)))
+        object.__setattr__(self, "breaks", types.MappingProxyType(dict(self.breaks)))
 
     @property
     def absorbed(self) -> dict[str, str]:
@@ -106,6 +111,10 @@ class FusionReport:
                 for name, r in self.skipped.items()
             },
             "notes": list(self.notes),
+            "breaks": [
+                {"layers": [upper, lower], "rule": getattr(r, "rule", "unknown"), "reason": str(r)}
+                for (upper, lower), r in self.breaks.items()
+            ],
         }
 
     def tables(self, runs: list[str] | None = None, runs_title: str = "runs") -> tuple:

@@ -74,7 +74,8 @@ def print_report(
     empty: str | None = None,
 ) -> None:
     """Prints the groups (or `empty`, the line for a report without any),
-    the layers left alone and the notes."""
+    the layers left alone, why grouped neighbours are separate calls
+    (`report.breaks`) and the notes."""
     fused, alone = report_tables(report, runs, runs_title)
     if report.groups:
         console.print(fused)
@@ -82,6 +83,8 @@ def print_report(
         console.print(empty or f"rnnfuse: no fusable runs in '{report.model_name}'.")
     if report.skipped:
         console.print(alone)
+    for (upper, lower), reason in report.breaks.items():
+        console.print(f"separate groups: '{upper}' -> '{lower}' ({reason.rule}): {reason}")
     for note in report.notes:
         console.print(f"note: {note}")
 

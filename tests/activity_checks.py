@@ -28,7 +28,8 @@ def _sequential(*layers, shape=(6, 3)):
 
 def _issue_repro():
     # The issue's model, with weight regularizers as well: both LSTMs carry an
-    # activity regularizer, so the run cannot fuse ('lstm' is below the top).
+    # activity regularizer, so they cannot be one run (the first is below the
+    # top): two groups of one, each adding its own layer's loss.
     return _sequential(
         _lstm(activity_regularizer="l2", kernel_regularizer="l2"),
         _lstm(return_sequences=False, activity_regularizer="l2", recurrent_regularizer="l1"),
@@ -80,9 +81,10 @@ def _states():
     return keras.Model(inp, L.Dense(1)(L.Concatenate()([y, h, c])))
 
 
-# name -> (model factory, groups the model fuses into, as layer counts)
+# name -> (model factory, groups the model fuses into under
+# plan=rnnfuse.FUSED, as layer counts)
 CASES = {
-    "issue_repro": (_issue_repro, []),
+    "issue_repro": (_issue_repro, [1, 1]),
     "last_layer": (_last_layer, [2]),
     "bidirectional": (_bidirectional, [2]),
     "rnn_cell_middle": (_rnn_cell_middle, [2, 1]),

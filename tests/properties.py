@@ -3,19 +3,25 @@
 Shared by tests/test_properties.py (TensorFlow, emulated CudnnRNNV3) and
 tests/torch_backend/test_torch_properties.py (torch's real CPU kernels).
 The topologies cover the classes of failure found on keras-io models and
-by fuzzing (issue 15): masks (right-padded, holes, none), the last layer's
-`zero_output_for_mask`, `return_sequences` and `return_state`,
+by fuzzing (issues 15 and 28): masks (right-padded, holes, none), the last
+layer's `zero_output_for_mask`, `return_sequences` and `return_state`,
 `Bidirectional` with every merge mode, layers between recurrent layers
-(so nothing fuses), Sequential and Functional models, and a save/load of
-the optimized model and of its weights file.
+(so each side is its own group), single layers (groups of one), activity
+regularizers on any layer (or inside a Bidirectional, which is refused),
+an encoder whose states are the first layer's `initial_state`,
+Sequential and Functional models, the default plans and every group
+forced fused, and a save/load of the optimized model and of its weights
+file.
 
 Properties checked on each model:
 
 1. Every recurrent layer is accounted for: in exactly one group, or in
    `skipped` with a reason.
 2. The optimized model computes what the original computes (outputs and
-   their structure) within `tol`.
-3. A model in which nothing fused is the original graph (same layers).
+   their structure) within `tol`, and adds the same losses (activity
+   regularizers) in number and value.
+3. A model in which nothing was rewritten is the original graph (same
+   layers).
 4. `fast.save` -> `load_model` gives the same outputs; `fast.save_weights`
    loads into a fresh original model with the same values and optimizer
    state.
@@ -54,6 +60,9 @@ def topologies(draw):
     functional = draw(st.booleans())
     masked = draw(st.booleans())
     last_return_sequences = draw(st.booleans())
+    # An encoder (same kind and width, return_state) whose states are the
+    # first layer's initial_state: a Functional model with two inputs.
+    encoder = functional and draw(st.integers(0, 2)) == 0
     return dict(
         kind=kind,
         num_layers=num_layers,
@@ -76,6 +85,19 @@ def topologies(draw):
         # Keras 3.15 cannot load a Bidirectional of a go_backwards layer
         # (its config round trip makes both halves go backwards).
         go_backwards_first=(not bidirectional) and draw(st.booleans()),
+        encoder=encoder,
+        # Per layer: an activity_regularizer on the layer (the Bidirectional
+        # wrapper), or on the forward layer inside it ("inner": refused).
+        activity=draw(
+            st.lists(
+                st.sampled_from((None, None, "layer", "inner" if bidirectional else "layer")),
+                min_size=num_layers,
+                max_size=num_layers,
+            )
+        ),
+        # optimize()'s default plans, or every group fused (plan=FUSED): the
+        # fused call of groups whose static plan keeps Keras' layers.
+        force_fused=draw(st.booleans()),
         # A Dense between two recurrent layers breaks the run.
         dense_between=num_layers > 1 and draw(st.integers(0, 3)) == 0,
         head=draw(st.booleans()),
@@ -93,6 +115,9 @@ def _recurrent(case, i):
     )
     if last and case["zero_output_for_mask"]:
         kwargs["zero_output_for_mask"] = True
+    activity = case["activity"][i]
+    if activity == "inner" or (activity == "layer" and not case["bidirectional"]):
+        kwargs["activity_regularizer"] = "l2"
     if case["cells"][i]:
         cell = {
             "lstm": lambda: L.LSTMCell(units),
@@ -109,8 +134,21 @@ def _recurrent(case, i):
         layer = L.SimpleRNN(units, activation=kind[4:], **kwargs)
     if case["bidirectional"]:
         mode = case["last_merge"] if last else case["inner_merge"]
-        layer = L.Bidirectional(layer, merge_mode=mode)
+        regularizer = "l2" if activity == "layer" else None
+        layer = L.Bidirectional(layer, merge_mode=mode, activity_regularizer=regularizer)
     return layer
+
+
+def _encoder_states(case, encoder_input):
+    """The encoder's states, shaped as the first layer's initial_state."""
+    kind, units = case["kind"], case["units"]
+    layer = {
+        "lstm": lambda: L.LSTM(units, return_state=True),
+        "gru": lambda: L.GRU(units, return_state=True),
+    }.get(kind, lambda: L.SimpleRNN(units, activation=kind[4:], return_state=True))()
+    if case["bidirectional"]:
+        layer = L.Bidirectional(layer)
+    return layer(encoder_input)[1:]
 
 
 def build(case) -> keras.Model:
@@ -131,18 +169,27 @@ def build(case) -> keras.Model:
     else:
         inp = keras.Input((steps, features))
         x = inp
-    for layer in layers:
-        x = layer(x)
+    model_inputs = [inp]
+    for i, layer in enumerate(layers):
+        if i == 0 and case["encoder"]:
+            model_inputs.append(keras.Input((steps + 1, features)))
+            x = layer(x, initial_state=_encoder_states(case, model_inputs[-1]))
+        else:
+            x = layer(x)
     if case["head"]:
         first = x[0] if isinstance(x, (list, tuple)) else x
         x = [L.Dense(2)(first)] + (list(x[1:]) if isinstance(x, (list, tuple)) else [])
         x = x[0] if len(x) == 1 else x
-    return keras.Model(inp, x)
+    return keras.Model(model_inputs if case["encoder"] else inp, x)
 
 
-def inputs(case, model, rng) -> np.ndarray:
-    """A batch for `model`: floats, or tokens padded as `case` says."""
+def inputs(case, model, rng):
+    """A batch for `model`: floats, or tokens padded as `case` says (and
+    the encoder's input sequence, for a model with an encoder)."""
     batch, steps = 3, case["steps"]
+    if case["encoder"]:
+        first = inputs(dict(case, encoder=False), model, rng)
+        return [first, rng.standard_normal((batch, steps + 1, case["input_size"])).astype("float32")]
     if not case["masked"]:
         return rng.standard_normal((batch, steps, case["input_size"])).astype("float32")
     tokens = rng.integers(1, 9, (batch, steps))
@@ -176,6 +223,17 @@ def _top_level(model) -> set[str]:
     return names
 
 
+def assert_same_losses(model, fast, x, tol: float) -> None:
+    """The activity-regularization losses of a training-mode call: as many,
+    and the same values (sorted: the order of layers may differ)."""
+    values = []
+    for m in (model, fast):
+        m(x, training=True)
+        values.append(sorted(float(keras.ops.convert_to_numpy(v)) for v in m.losses))
+    assert len(values[0]) == len(values[1]), values
+    np.testing.assert_allclose(values[1], values[0], rtol=1e-4, atol=tol)
+
+
 def check_properties(case, *, tol: float, on_fused=None) -> None:
     """Builds `case`, optimizes it, and checks properties 1-4 (module doc)."""
     rng = np.random.default_rng(case["seed"])
@@ -192,20 +250,21 @@ def check_properties(case, *, tol: float, on_fused=None) -> None:
     for name, reason in report.skipped.items():
         assert str(reason), name
 
-    # 2. same numbers, same structure.
-    fast = rnnfuse.optimize(model)
+    # 2. same numbers, same structure, same losses.
+    fast = rnnfuse.optimize(model, plan=rnnfuse.FUSED if case["force_fused"] else None)
     expected = model(x)
     got = fast(x)
     assert keras.tree.map_structure(lambda t: tuple(t.shape), got) == keras.tree.map_structure(
         lambda t: tuple(t.shape), expected
     )
     assert max_abs_diff(got, expected) <= tol, case
+    assert_same_losses(model, fast, x, tol)
     if on_fused is not None:
         on_fused(fast)
 
-    # 3. nothing fused -> the original graph; a sub-model cut from the
+    # 3. nothing rewritten -> the original graph; a sub-model cut from the
     # optimized model's layers builds (one input of each name).
-    if not report.groups:
+    if not any(isinstance(l, rnnfuse.FusedRNN) for l in fast._flatten_layers(include_self=False)):
         assert fast.layers == model.layers
     name = model.layers[-1].name
     one = lambda m: m.inputs[0] if len(m.inputs) == 1 else m.inputs  # noqa: E731

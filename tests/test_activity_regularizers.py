@@ -15,7 +15,7 @@ import rnnfuse
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_activity_losses_and_training_match_the_original(name, emulated_cudnn):
     model, reference = twins(name)
-    fast = rnnfuse.optimize(model, tune=False)
+    fast = rnnfuse.optimize(model, plan=rnnfuse.FUSED)
     assert [len(f.fused_layers) for f in fused_layers(fast)] == CASES[name][1]
     x, y = data(model, padded=name == "masked")
     assert_losses_match(model, fast, x)
@@ -24,10 +24,13 @@ def test_activity_losses_and_training_match_the_original(name, emulated_cudnn):
         assert emulated_cudnn, "the fused path did not run"
 
 
-def test_issue_repro_keeps_both_layers_with_the_reason():
+def test_issue_repro_keeps_both_layers_apart_with_the_reason():
     model, _ = twins("issue_repro")
+    first, second = model.layers[0].name, model.layers[1].name
     report = rnnfuse.analyze(model)
-    first = model.layers[0].name
+    assert [g.layers for g in report.groups] == [(first,), (second,)]
+    assert report.breaks[(first, second)].rule == "activity_regularizer"
+    report = rnnfuse.analyze(model, min_layers=2)
     assert report.groups == ()
     assert report.skipped[first].rule == "activity_regularizer"
 
@@ -36,7 +39,7 @@ def test_masked_activity_loss_is_added_once_outside_the_branch(emulated_cudnn):
     # Under a mask the fused layer chooses its path in a traced branch; the
     # loss must be added once, after it, in graph mode too (fit's trace).
     model, _ = twins("masked")
-    fast = rnnfuse.optimize(model, tune=False)
+    fast = rnnfuse.optimize(model, plan=rnnfuse.FUSED)
     x, _ = data(model, padded=True)
     import tensorflow as tf
 

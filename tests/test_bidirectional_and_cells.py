@@ -113,9 +113,10 @@ def test_bidirectional_rules():
         L.Bidirectional(L.LSTM(4, return_sequences=True), merge_mode="mul", name="a"),
         L.Bidirectional(L.LSTM(4), name="b"),
     ))
-    assert r.skipped["a"].rule == "merge_mode"
-    assert "merge_mode='mul'" in r.skipped["a"]
-    assert "only merge_mode 'concat', 'sum' or 'ave' can be packed" in r.skipped["a"]
+    assert [g.layers for g in r.groups] == [("a",), ("b",)]
+    assert r.breaks[("a", "b")].rule == "merge_mode"
+    assert "merge_mode='mul'" in r.breaks[("a", "b")]
+    assert "only merge_mode 'concat', 'sum' or 'ave' can be packed" in r.breaks[("a", "b")]
     # Directions that differ in width.
     r = rnnfuse.analyze(model(
         L.Bidirectional(
@@ -273,9 +274,11 @@ def test_mul_and_none_below_the_top_still_end_the_run(merge_mode):
     x = L.Bidirectional(L.LSTM(4, return_sequences=True), name="b")(x)
     out = L.Bidirectional(L.LSTM(4), name="c")(x)
     report = rnnfuse.analyze(keras.Model(inp, out))
-    assert [g.layers for g in report.groups] == [("b", "c")]
-    assert report.skipped["a"].rule == "merge_mode"
-    assert f"merge_mode={merge_mode!r}" in report.skipped["a"]
+    assert [g.layers for g in report.groups] == [("a",), ("b", "c")]
+    assert report.breaks[("a", "b")].rule == "merge_mode"
+    assert f"merge_mode={merge_mode!r}" in report.breaks[("a", "b")]
+    stacks = rnnfuse.analyze(keras.Model(inp, out), min_layers=2)
+    assert stacks.skipped["a"].rule == "merge_mode"
     with pytest.raises(ValueError, match="merge_mode"):
         rnnfuse.FusedRNN([keras.Model(inp, out).get_layer(n) for n in ("a", "b")])
 
@@ -377,7 +380,12 @@ def test_absorbed_dropout_goes_to_cudnn_when_training(emulated_cudnn):
 
 
 def test_absorb_dropout_false_keeps_dropout_as_a_break():
-    report = rnnfuse.analyze(_dropout_stack([0.3, 0.3]), absorb_dropout=False)
+    model = _dropout_stack([0.3, 0.3])
+    report = rnnfuse.analyze(model, absorb_dropout=False)
+    # Each LSTM is a group of one; a Dropout between them is no link.
+    assert [g.layers for g in report.groups] == [("l0",), ("l1",), ("l2",)]
+    assert not report.breaks and not report.absorbed
+    report = rnnfuse.analyze(model, absorb_dropout=False, min_layers=2)
     assert report.groups == ()
     assert "'d1' (Dropout)" in report.skipped["l0"]
 
@@ -387,7 +395,9 @@ def test_mixed_dropout_rates_split_the_run():
     assert [g.layers for g in report.groups] == [("l0", "l1", "l2"), ("l3", "l4")]
     assert report.skipped == {}
     report = rnnfuse.analyze(_dropout_stack([0.3, 0.5]))
-    assert [g.layers for g in report.groups] == [("l0", "l1")]
+    assert [g.layers for g in report.groups] == [("l0", "l1"), ("l2",)]
+    assert report.breaks[("l1", "l2")].rule == "dropout_between"
+    report = rnnfuse.analyze(_dropout_stack([0.3, 0.5]), min_layers=2)
     assert report.skipped["l2"].rule == "dropout_between"
 
 
@@ -397,6 +407,9 @@ def test_dropout_with_noise_shape_is_not_absorbed():
     x = L.Dropout(0.2, noise_shape=(None, 1, 4), name="d")(x)
     out = L.LSTM(4, name="b")(x)
     report = rnnfuse.analyze(keras.Model(inp, out))
+    assert [g.layers for g in report.groups] == [("a",), ("b",)]
+    assert report.absorbed == {}
+    report = rnnfuse.analyze(keras.Model(inp, out), min_layers=2)
     assert report.groups == ()
     assert "'d' (Dropout)" in report.skipped["a"]
 
@@ -430,8 +443,12 @@ def test_a_single_loop_layer_fuses_by_default(kind, emulated_cudnn):
 
 
 @pytest.mark.parametrize("kind", ["lstm", "gru"])
-def test_a_single_cudnn_layer_stays_as_it_is(kind):
+def test_a_single_cudnn_layer_is_a_group_of_one(kind):
+    """Its plan decides whether the fused call runs (tests/test_single_layers.py);
+    with min_layers=2 it is left alone."""
     model = stack_model(kind, 1, head=True)
-    report = rnnfuse.analyze(model)
+    (group,) = rnnfuse.analyze(model).groups
+    assert (group.layers, group.num_layers, group.cell) == ((f"{kind}_0",), 1, kind)
+    report = rnnfuse.analyze(model, min_layers=2)
     assert report.groups == ()
     assert "min_layers=2" in report.skipped[f"{kind}_0"]

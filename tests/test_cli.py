@@ -32,7 +32,7 @@ MODELS = '''
 import keras
 
 def stack():
-    """Two LSTMs that fuse, then one of another width that does not."""
+    """Two LSTMs that fuse, then one of another width: a group of one."""
     inp = keras.Input((8, 3), name="x")
     x = keras.layers.LSTM(4, return_sequences=True, name="lstm_a")(inp)
     x = keras.layers.LSTM(4, return_sequences=True, name="lstm_b")(x)
@@ -178,10 +178,16 @@ def test_inspect_json_is_the_report(in_workdir, capsys):
     for group, expected in zip(data["groups"], report["groups"], strict=True):
         assert {k: group[k] for k in expected} == expected
         assert group["plan"]["source"] == "static"
-        # No GPU in CI: the fused layer would run the original layers.
-        assert group["runs"]["fused"] is False and "GPU" in group["runs"]["why"]
-    assert data["groups"][0]["layers"] == ["lstm_a", "lstm_b"]
-    assert data["skipped"]["lstm_wide"]["rule"] == "units"
+        assert group["runs"]["fused"] is False
+    assert [g["layers"] for g in data["groups"]] == [["lstm_a", "lstm_b"], ["lstm_wide"]]
+    # No GPU in CI: the fused layer would run the original layers.
+    assert "GPU" in data["groups"][0]["runs"]["why"]
+    # The group of one: TensorFlow's static plan keeps Keras' layer.
+    assert data["groups"][1]["plan"]["name"] == "per-layer"
+    assert "static plan" in data["groups"][1]["runs"]["why"]
+    code, out, err = _run(capsys, "inspect", "models.py:stack", "--json", "--min-layers", "2")
+    assert code == 0, err
+    assert json.loads(out)["skipped"]["lstm_wide"]["rule"] == "units"
 
 
 def test_inspect_module_function_and_min_layers(in_workdir, capsys):
@@ -500,7 +506,7 @@ def test_unreadable_file(in_workdir, capsys, monkeypatch):
 def test_fixes_in_the_messages_work(in_workdir, capsys):
     code, out, err = _run(capsys, "inspect", "custom.keras", "--import", "custom_layers", "--json")
     assert code == 0, err  # the module the error message names
-    assert json.loads(out)["skipped"]["lstm_c"]["rule"] == "not_stacked"
+    assert [g["layers"] for g in json.loads(out)["groups"]] == [["lstm_c"]]
     _unregister_custom_layers()
     sys.modules.pop("custom_layers", None)
     code, out, err = _run(capsys, "inspect", "custom.keras", "--import", "./custom_layers.py", "--json")
@@ -569,8 +575,8 @@ def test_quiet_prints_only_the_result_line(in_workdir, capsys):
     code, out, err = _run(capsys, "inspect", "stack.keras", "-q")
     assert code == 0 and err == ""
     assert out.splitlines() == [
-        "1 group(s) of 2 layer(s) can fuse; 0 run(s) fused here (tensorflow); "
-        "1 recurrent layer(s) stay as they are."
+        "2 group(s) of 3 layer(s) can fuse; 0 run(s) fused here (tensorflow); "
+        "0 recurrent layer(s) stay as they are."
     ]
     code, out, err = _run(capsys, "-q", "check", "fusable.keras")
     assert code == 0 and err == ""

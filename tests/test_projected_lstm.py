@@ -518,14 +518,19 @@ def test_analyze_groups_projected_stacks_and_explains_the_rest():
         ]
     )
     report = rnnfuse.analyze(model)
-    (group,) = report.groups
-    assert group.layers == ("p1", "p2", "p3")
+    # A lone ProjectedLSTM is no group (it needs 2 levels); the plain LSTM
+    # after it is a group of one.
+    group, lone = report.groups
+    assert group.layers == ("p1", "p2", "p3") and lone.layers == ("lstm",)
     assert (group.cell, group.units, group.proj_size, group.num_layers) == ("lstm", U, P, 3)
     assert report.skipped["p4"].rule == "proj_size"
-    assert report.skipped["lstm"].rule == "proj_size"
+    assert set(report.skipped) == {"p4"}
     text = str(report)
     assert f"lstm (proj {P})" in text
-    assert "proj_size=4" in text and "proj_size=0" in text
+    assert "proj_size=4" in text
+    report = rnnfuse.analyze(model, min_layers=2)
+    assert report.skipped["lstm"].rule == "proj_size"
+    assert "proj_size=0" in str(report)
 
     bi = _stack(
         [

@@ -65,9 +65,14 @@ def test_no_group_is_zero_rewrites(functional):
 
 def test_a_run_broken_by_a_rule_is_zero_rewrites():
     model = keras.Sequential(
-        [keras.Input((6, 3)), L.LSTM(4, return_sequences=True), L.LSTM(8)]
+        [keras.Input((6, 3)), L.LSTM(4, return_sequences=True, name="a"), L.LSTM(8, name="b")]
     )
-    assert _groups(model) == ()
+    groups = plan_fusion(build_layer_graph(model), model_name=model.name, min_layers=2).groups
+    assert groups == ()
+    assert fused_layers(rnnfuse.optimize(model, min_layers=2)) == []
+    # By default each is a group of one, whose static plan on TensorFlow
+    # keeps Keras' layer: still zero rewrites.
+    assert [g.layers for g in _groups(model)] == [("a",), ("b",)]
     assert fused_layers(rnnfuse.optimize(model)) == []
 
 

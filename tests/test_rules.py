@@ -2,6 +2,10 @@
 rule's name and a reason a user can read. Negative tests assert zero groups
 or a shorter group; the positive control shows the same model fuses once
 the offending argument is removed.
+
+A link rule keeps two layers out of one call; by default each of them is
+still a group (a lone layer is a group of one), and the report's `breaks`
+names the rule; with `min_layers=2` the lone layer is left alone with it.
 """
 
 from __future__ import annotations
@@ -47,6 +51,21 @@ def _functional(build):
     inp = keras.Input((6, 4))
     out = build(inp)
     return keras.Model(inp, out)
+
+
+def assert_apart(model, upper, lower, rule, groups, words=""):
+    """`upper` -> `lower` fails `rule`: by default the model has `groups`
+    and `report.breaks` says why the two are separate calls; with
+    min_layers=2 the lone `upper` is left alone with that rule."""
+    report = rnnfuse.analyze(model)
+    assert [g.layers for g in report.groups] == groups
+    assert report.breaks[(upper, lower)].rule == rule
+    assert words in report.breaks[(upper, lower)]
+    stacks = rnnfuse.analyze(model, min_layers=2)
+    assert [g.layers for g in stacks.groups] == [g for g in groups if len(g) > 1]
+    assert stacks.skipped[upper].rule == rule
+    assert words in stacks.skipped[upper]
+    assert not stacks.breaks
 
 
 # (case id, model factory, layer to check, rule, words in the reason)
@@ -108,13 +127,10 @@ def test_link_rule_breaks_run_with_reason(case, functional):
     _, make, rule, words = case
     a, b, c = make()
     model = _three(a, b, c, functional=functional)
-    report = rnnfuse.analyze(model)
-    assert [g.layers for g in report.groups] == [("b", "c")]
-    assert report.skipped["a"].rule == rule
-    assert words in report.skipped["a"]
-    # Exactly one rewrite, of (b, c); `a` stays the original layer.
-    (fused,) = fused_layers(rnnfuse.optimize(model))
-    assert [l.name for l in fused.fused_layers] == ["b", "c"]
+    assert_apart(model, "a", "b", rule, [("a",), ("b", "c")], words)
+    # One fused call of (b, c), and `a` a fused layer of its own.
+    fused = fused_layers(rnnfuse.optimize(model, plan=rnnfuse.FUSED))
+    assert [[l.name for l in f.fused_layers] for f in fused] == [["a"], ["b", "c"]]
 
 
 @pytest.mark.parametrize("functional", [False, True], ids=["sequential", "functional"])
@@ -125,8 +141,10 @@ def test_return_sequences_false_ends_a_run(functional):
     else:
         model = _seq(a, b, L.RepeatVector(6), c)
     report = rnnfuse.analyze(model)
-    assert [g.layers for g in report.groups] == [("a", "b")]
-    assert report.skipped["c"].rule == "not_stacked"
+    assert [g.layers for g in report.groups] == [("a", "b"), ("c",)]
+    # RepeatVector between them: no link, so no break to explain.
+    assert not report.breaks
+    assert rnnfuse.analyze(model, min_layers=2).skipped["c"].rule == "not_stacked"
 
 
 def test_return_sequences_false_between_two_rnn_layers_is_a_reason():
@@ -147,9 +165,7 @@ def test_return_state_only_on_last_layer():
     a = _lstm("a", return_state=True)
     seq, h, c = a(inp)
     out = _lstm("c", return_sequences=False)(_lstm("b")(seq))
-    report = rnnfuse.analyze(keras.Model(inp, [out, h]))
-    assert [g.layers for g in report.groups] == [("b", "c")]
-    assert report.skipped["a"].rule == "return_state"
+    assert_apart(keras.Model(inp, [out, h]), "a", "b", "return_state", [("a",), ("b", "c")])
 
 
 def test_shared_layer_is_not_fused():
@@ -167,9 +183,7 @@ def test_output_that_is_also_a_model_output_ends_the_run():
     a = _lstm("a")(inp)
     b = _lstm("b")(a)
     c = _lstm("c")(b)
-    report = rnnfuse.analyze(keras.Model(inp, [a, c]))
-    assert [g.layers for g in report.groups] == [("b", "c")]
-    assert report.skipped["a"].rule == "model_output"
+    assert_apart(keras.Model(inp, [a, c]), "a", "b", "model_output", [("a",), ("b", "c")])
 
 
 def test_output_read_by_another_layer_ends_the_run():
@@ -178,10 +192,8 @@ def test_output_read_by_another_layer_ends_the_run():
     b = _lstm("b")(a)
     c = _lstm("c")(b)
     side = L.Dense(2, name="side")(a)
-    report = rnnfuse.analyze(keras.Model(inp, [c, side]))
-    assert [g.layers for g in report.groups] == [("b", "c")]
-    assert report.skipped["a"].rule == "other_consumer"
-    assert "'side'" in report.skipped["a"]
+    model = keras.Model(inp, [c, side])
+    assert_apart(model, "a", "b", "other_consumer", [("a",), ("b", "c")], "'side'")
 
 
 def test_initial_state_only_on_first_layer():
@@ -190,17 +202,22 @@ def test_initial_state_only_on_first_layer():
     a = _lstm("a")(inp)
     b = _lstm("b")(a, initial_state=[h, c])
     out = _lstm("c")(b)
-    report = rnnfuse.analyze(keras.Model([inp, h, c], out))
-    assert [g.layers for g in report.groups] == [("b", "c")]
-    assert report.skipped["a"].rule == "initial_state"
+    model = keras.Model([inp, h, c], out)
+    assert_apart(model, "a", "b", "initial_state", [("a",), ("b", "c")])
 
 
 def test_layer_reading_a_state_is_not_stacked():
     inp = keras.Input((6, 4))
     _, h, _ = _lstm("a", return_state=True, return_sequences=False)(inp)
     out = _lstm("b")(L.RepeatVector(6)(h))
-    report = rnnfuse.analyze(keras.Model(inp, out))
-    assert report.groups == ()
+    model = keras.Model(inp, out)
+    report = rnnfuse.analyze(model)
+    # Two groups of one; no link between them (b reads a RepeatVector).
+    assert [g.layers for g in report.groups] == [("a",), ("b",)]
+    assert not report.breaks
+    stacks = rnnfuse.analyze(model, min_layers=2)
+    assert stacks.groups == ()
+    assert {r.rule for r in stacks.skipped.values()} == {"not_stacked"}
 
 
 def test_masked_first_layer_with_initial_state_is_not_stacked():
@@ -210,10 +227,8 @@ def test_masked_first_layer_with_initial_state_is_not_stacked():
     x = L.Embedding(9, 4, mask_zero=True)(inp)
     h, c = keras.Input((8,)), keras.Input((8,))
     out = _lstm("b", return_sequences=False)(_lstm("a")(x, initial_state=[h, c]))
-    report = rnnfuse.analyze(keras.Model([inp, h, c], out))
-    assert report.groups == ()
-    assert report.skipped["a"].rule == "mask"
-    assert "initial_state" in report.skipped["a"]
+    model = keras.Model([inp, h, c], out)
+    assert_apart(model, "a", "b", "mask", [("a",), ("b",)], "initial_state")
 
 
 def test_min_layers_reason():
@@ -224,11 +239,21 @@ def test_min_layers_reason():
     assert "min_layers=3" in report.skipped["a"]
 
 
-def test_lone_layer_reason_names_what_it_feeds():
+def test_lone_layer_is_a_group_of_one():
     model = _seq(_lstm("a", return_sequences=False), L.Dense(2, name="head"))
     report = rnnfuse.analyze(model)
+    (group,) = report.groups
+    assert (group.layers, group.num_layers) == (("a",), 1)
+    assert dict(report.skipped) == {}
+
+
+def test_lone_layer_under_min_layers_2_names_what_it_feeds():
+    model = _seq(_lstm("a", return_sequences=False), L.Dense(2, name="head"))
+    report = rnnfuse.analyze(model, min_layers=2)
+    assert report.groups == ()
     assert report.skipped["a"].rule == "not_stacked"
     assert "'head' (Dense)" in report.skipped["a"]
+    assert "min_layers=2" in report.skipped["a"]
 
 
 def test_subclassed_model_is_reported_not_fused():
@@ -282,17 +307,20 @@ def test_runs_inside_nested_models_are_found():
     y = inner(x)
     model = keras.Model(inp, L.Dense(2)(y))
     report = rnnfuse.analyze(model)
-    assert [g.layers for g in report.groups] == [("enc/i1", "enc/i2")]
-    assert report.groups[0].scope == "enc/"
+    assert [g.layers for g in report.groups] == [("top",), ("enc/i1", "enc/i2")]
+    assert [g.scope for g in report.groups] == ["", "enc/"]
     # The outer LSTM feeds the nested model's input: a boundary, not a link.
-    assert report.skipped["top"].rule == "not_stacked"
+    assert not report.breaks
+    assert rnnfuse.analyze(model, min_layers=2).skipped["top"].rule == "not_stacked"
 
 
 def test_report_table_lists_groups_and_reasons():
     model = _seq(_lstm("a", units=4), _lstm("b"), _lstm("c", return_sequences=False))
     text = str(rnnfuse.analyze(model))
     assert "b -> c" in text and "lstm" in text
-    assert "a" in text and "units" in text
+    assert "separate groups: 'a' -> 'b' (units)" in text
+    text = str(rnnfuse.analyze(model, min_layers=2))
+    assert "not stacked with its neighbour" in text and "units" in text
 
 
 def test_backend_without_a_fused_kernel_leaves_every_run_with_a_reason(monkeypatch):

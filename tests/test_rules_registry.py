@@ -82,8 +82,13 @@ def test_encoder_decoder_initial_state_link_is_not_sequence_input():
     enc_in, dec_in = keras.Input((5, 3)), keras.Input((4, 3))
     _, h, c = L.LSTM(8, return_state=True, name="enc")(enc_in)
     out = L.LSTM(8, name="dec")(dec_in, initial_state=[h, c])
-    report = rnnfuse.analyze(keras.Model([enc_in, dec_in], out))
-    assert report.groups == ()
+    model = keras.Model([enc_in, dec_in], out)
+    report = rnnfuse.analyze(model)
+    # Two groups of one, not one stack.
+    assert [g.layers for g in report.groups] == [("enc",), ("dec",)]
+    assert report.breaks[("enc", "dec")].rule == "not_sequence_input"
+    assert "'initial_state'" in report.breaks[("enc", "dec")]
+    report = rnnfuse.analyze(model, min_layers=2)
     assert report.skipped["enc"].rule == "not_sequence_input"
     assert report.skipped["dec"].rule == "not_sequence_input"
 

@@ -111,7 +111,8 @@ def _shared() -> dict[str, argparse.ArgumentParser]:
         default=None,
         metavar="N",
         help="the least number of recurrent levels worth fusing (default: per kind, 1 for "
-        "layers Keras runs in its Python loop, 2 for LSTM/GRU/ProjectedLSTM)",
+        "LSTM/GRU/SimpleRNN/RNN(cell), so a lone layer is a group of one; 2 for "
+        "ProjectedLSTM; 2: stacks only)",
     )
     plan = argparse.ArgumentParser(add_help=False)
     plan.add_argument(

@@ -12,12 +12,15 @@
 3. Runs: each weakly connected component of the chain graph, in
    topological order, is a run; runs with at least `min_layers` recurrent
    levels become `FusionGroup`s. With `min_layers=None` (the default) the
-   least is per kind (`default_min_layers`): 1 for runs of layers Keras
-   runs in its Python loop (SimpleRNN, RNN(cell), RNN(StackedRNNCells):
-   one cuDNN call replaces the loop even for one layer), 2 otherwise.
+   least is per kind (`default_min_layers`): 1 (every LSTM, GRU,
+   SimpleRNN and RNN(cell) layer is a group, a lone one too: a group of
+   one, whose plan keeps the original layers unless the fused call is
+   measured faster), 2 for ProjectedLSTM runs.
 4. Reasons: every recurrent layer outside a group gets the reason of the
    rule that stopped it: its own, the link to a neighbour, or a run too
-   short for `min_layers`.
+   short for `min_layers`. A failed link between two layers that are both
+   in groups is the report's `breaks` entry for that pair: why they are
+   two calls, not one.
 
 Example:
 
@@ -28,8 +31,10 @@ Example:
     ...     keras.layers.LSTM(4, return_sequences=True, name="b"),
     ...     keras.layers.LSTM(8, name="c")])
     >>> report = plan_fusion(build_layer_graph(m), model_name=m.name)
-    >>> report.groups[0].layers, report.skipped["c"].rule
-    (('a', 'b'), 'units')
+    >>> [g.layers for g in report.groups], report.breaks[("b", "c")].rule
+    ([('a', 'b'), ('c',)], 'units')
+    >>> plan_fusion(build_layer_graph(m), model_name=m.name, min_layers=2).skipped["c"].rule
+    'units'
 """
 
 from __future__ import annotations
@@ -42,7 +47,7 @@ import networkx as nx
 from rnnfuse import rules
 from rnnfuse.backends import get_backend
 from rnnfuse.reasons import Reason
-from rnnfuse.recurrent import RecurrentView, describe, is_recurrent, keras_has_cudnn_path
+from rnnfuse.recurrent import RecurrentView, describe, is_recurrent
 from rnnfuse.report import FusionGroup, FusionReport
 
 __all__ = ["default_min_layers", "is_absorbable_dropout", "plan_fusion"]
@@ -59,23 +64,36 @@ def is_absorbable_dropout(layer: Any) -> bool:
     )
 
 
-# The least number of levels worth fusing when min_layers is None: a run
-# Keras runs in its generic Python loop gains from one cuDNN call even for
-# one level (about 8x on the torch CPU path for a relu SimpleRNN); a run
-# of Keras' own cuDNN LSTM/GRU layers gains from fusing two or more.
-MIN_LAYERS_LOOP = 1
-MIN_LAYERS_CUDNN = 2
+# The least number of levels worth fusing when min_layers is None. One
+# level is worth a group of one: a layer Keras runs in its generic Python
+# loop gains from one cuDNN call (about 8x on the torch CPU path for a relu
+# SimpleRNN); an LSTM/GRU that Keras runs on cuDNN itself can gain from
+# rnnfuse's op, which runs cuDNN's persistent algorithms in both passes
+# (Keras' CudnnRNNV3 backward always runs the standard one), and the plan
+# (tuned, or the static table's) keeps the original layers where that is
+# not measured faster. A ProjectedLSTM fuses from two layers: alone it runs
+# its own fast path, and TensorFlow cannot run a projected cuDNN call.
+MIN_LAYERS_ONE = 1
+MIN_LAYERS_PROJECTED = 2
 
 
 def default_min_layers(views: list[RecurrentView]) -> int:
     """The default least number of levels for a run of `views`.
 
-    `MIN_LAYERS_LOOP` (1) when every layer runs in Keras' generic loop
-    (no Keras cuDNN path, no projection), else `MIN_LAYERS_CUDNN` (2).
+    `MIN_LAYERS_PROJECTED` (2) for a run of ProjectedLSTM layers (a
+    projection), else `MIN_LAYERS_ONE` (1): every LSTM, GRU, SimpleRNN and
+    RNN(cell) layer is a group, alone too.
+
+    >>> import keras
+    >>> from rnnfuse.recurrent import describe
+    >>> layer = keras.layers.LSTM(4)
+    >>> _ = layer(keras.ops.zeros((1, 3, 2)))
+    >>> default_min_layers([describe(layer)])
+    1
     """
-    if all(not keras_has_cudnn_path(v) and not v.proj_size for v in views):
-        return MIN_LAYERS_LOOP
-    return MIN_LAYERS_CUDNN
+    if any(v.proj_size for v in views):
+        return MIN_LAYERS_PROJECTED
+    return MIN_LAYERS_ONE
 
 
 def plan_fusion(
@@ -91,7 +109,8 @@ def plan_fusion(
         graph: a layer graph from `build_layer_graph`.
         model_name: name shown in the report.
         min_layers: the least number of recurrent levels worth fusing;
-            None: per kind (`default_min_layers`).
+            None: per kind (`default_min_layers`: 1, so a lone layer is a
+            group of one; 2 for ProjectedLSTM); 2 fuses stacks only.
         absorb_dropout: whether a `Dropout` layer between two recurrent
             layers joins them (it becomes cuDNN's between-layer dropout).
 
@@ -145,11 +164,18 @@ def plan_fusion(
         for k in sorted(reasons, key=lambda k: (order.get(container(k), len(order)), k not in order))
     }
     notes = tuple(graph.graph.get("notes", ()))
+    grouped = {k for g in groups for k in g.layers}
+    breaks = {
+        pair: reason
+        for pair, reason in link_reasons.items()
+        if pair[0] in grouped and pair[1] in grouped
+    }
     return FusionReport(
         model_name=model_name,
         groups=tuple(groups),
         skipped=skipped,
         notes=notes,
+        breaks=breaks,
     )
 
 

@@ -15,6 +15,8 @@ Example:
     'fused @persistent_static+tc'
     >>> plan_for_regime(Regime("gru", 1024, 4, False, False, "float32", True)).name
     'split 2+2'
+    >>> plan_for_regime(Regime("lstm", 512, 1, False, False, "float16", True)).name
+    'per-layer'
 """
 
 from __future__ import annotations
@@ -73,6 +75,17 @@ def _halves(n: int) -> Plan:
 # from Keras' by about 1e-4; `tune=` may pick it. In float16 (tolerance
 # 1e-2) the table uses it.
 RULES: list[tuple[str, Callable[[Regime], bool], Callable[[int], Plan], str]] = [
+    (
+        "one LSTM/GRU layer on Keras' cuDNN path: per layer",
+        lambda r: r.levels == 1 and not r.keras_loop,
+        lambda n: PER_LAYER,
+        "no measured row yet (bench/bench_single_layers.py times them "
+        "through fit): Keras' own call is one cuDNN call as well, so the "
+        "fused call gains only from the algorithm; with raw ops, 1x512 B64 "
+        "T1000 fp16, cuDNN's persistent forward alone took 39.9 -> 24.1 ms, "
+        "but a persistent algorithm's speed does not carry across batch "
+        "sizes, so first-batch tuning (tune='auto' on a GPU) decides",
+    ),
     (
         "SimpleRNN inference: per layer",
         lambda r: r.kind in ("rnn_tanh", "rnn_relu") and not r.training,

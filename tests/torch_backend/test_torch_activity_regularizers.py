@@ -14,7 +14,7 @@ import rnnfuse
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_activity_losses_and_training_match_the_original(name, torch_calls):
     model, reference = twins(name)
-    fast = rnnfuse.optimize(model, tune=False)
+    fast = rnnfuse.optimize(model, plan=rnnfuse.FUSED)
     assert [len(f.fused_layers) for f in fused_layers(fast)] == CASES[name][1]
     x, y = data(model, padded=name == "masked")
     assert_losses_match(model, fast, x)
