@@ -9,6 +9,10 @@ classes with a few methods changed, registered as
   (`rnnfuse.tuning.first_batch`);
 - `jit_compile`, `compile`, `compile_from_config`: a clear error for a
   forced `jit_compile=True` while cuDNN may run;
+- `get_layer`: also finds the layers inside each FusedRNN; `summary`: a
+  line per FusedRNN naming the layers it runs;
+- `save`, `export`: the original model's file and export (`save(path,
+  fused=True)`, `export(path, fused=True)`: the optimized structure);
 - `weights`, `variables`: in the original model's order (so optimizer slots
   mean the same in both models);
 - `save_weights`, `load_weights`: the original model's file layout
@@ -30,6 +34,7 @@ from typing import Any
 
 import keras
 from keras.src.models.functional import Functional
+from keras.src.utils import io_utils
 
 from rnnfuse.fused import FusedRNN
 from rnnfuse.persistence import (
@@ -147,6 +152,48 @@ class _OptimizedMixin:
     @property
     def variables(self):
         return in_original_order(self, super().variables)
+
+    def get_layer(self, name=None, index=None):
+        """`keras.Model.get_layer`, which also finds the layers a FusedRNN runs.
+
+        A name that is no layer of this model but one that runs inside one of
+        its FusedRNN layers returns that original layer (the same object as
+        in the original model, with its weights). A FusedRNN carries the name
+        of its run's last layer, so that name returns the FusedRNN, as Keras
+        does; `.fused_layers[-1]` is the layer itself.
+        """
+        try:
+            return super().get_layer(name=name, index=index)
+        except ValueError as err:
+            if name is None or index is not None:
+                raise
+            inside = {}
+            for layer in self.layers:
+                if isinstance(layer, FusedRNN):
+                    for member in layer.members():
+                        if member.name == name:
+                            return member
+                        inside.setdefault(layer.name, []).append(member.name)
+            if not inside:
+                raise
+            where = "; ".join(f"FusedRNN '{f}' runs {names}" for f, names in inside.items())
+            raise ValueError(f"{err} ({where}.)") from None
+
+    def summary(self, *args, **kwargs):
+        """`keras.Model.summary`, then one line per FusedRNN: the layers it
+        runs (`expand_nested=True` lists them as rows too)."""
+        super().summary(*args, **kwargs)
+        print_fn = _argument(keras.Model.summary, args, kwargs, "print_fn")
+        fused = [l for l in self._flatten_layers(include_self=False) if isinstance(l, FusedRNN)]
+        if not fused:
+            return
+        lines = [" Fused by rnnfuse (rnnfuse.restore(model) gives the original layers back):"]
+        for layer in fused:
+            kinds = "/".join(sorted({type(m).__name__ for m in layer.fused_layers}))
+            names = " -> ".join(m.name for m in layer.members())
+            lines.append(f"   {layer.name} (FusedRNN) runs {names} ({kinds})")
+        for line in lines:
+            (print_fn or io_utils.print_msg)(line)
 
     def save(self, filepath, overwrite=True, zipped=None, *, fused=False, **kwargs):
         """Saves the model as the original (unfused) model would: a file

@@ -68,6 +68,7 @@ __all__ = [
     "holds_fused",
     "in_original_order",
     "is_fused_archive",
+    "plain_twin",
     "portable_model",
     "restore",
     "weights_model",
@@ -214,15 +215,27 @@ def copy_compile(model, new) -> None:
 # -- weight files ------------------------------------------------------------
 
 
+def plain_twin(model) -> keras.Model:
+    """`_restore(model)`, built once per structure of `model` and kept on it
+    (untracked): each save, export or weights file would otherwise call the
+    original layers again, adding a node to every one of them each time."""
+    key = tuple(id(layer) for layer in model._flatten_layers(include_self=False))
+    cached = model.__dict__.get("_rnnfuse_twin")
+    if cached is None or cached[0] != key:
+        cached = (key, _restore(model))
+        object.__setattr__(model, "_rnnfuse_twin", cached)
+    return cached[1]
+
+
 def weights_model(model) -> keras.Model:
-    """`_restore(model)` holding `model`'s optimizer, for weight files.
+    """`plain_twin(model)` holding `model`'s optimizer, for weight files.
 
     Keras writes (and reads) a model's optimizer state with its weights
     (``optimizer/vars/<i>``); the plain stand-in shares the optimizer
     object, so both go through it. As in Keras, an optimizer that is not
     built yet has no state to load (Keras warns and skips it).
     """
-    plain = _restore(model)
+    plain = plain_twin(model)
     optimizer = getattr(model, "optimizer", None)
     if optimizer is not None:
         plain.optimizer = optimizer
@@ -230,16 +243,16 @@ def weights_model(model) -> keras.Model:
 
 
 def export_model(model) -> keras.Model:
-    """What an optimized model's `export` exports: `_restore(model)`, marked
+    """What an optimized model's `export` exports: `plain_twin(model)`, marked
     as called where `model` was (Keras' ONNX export asks for a model that has
     been called)."""
-    plain = _restore(model)
+    plain = plain_twin(model)
     plain._called = getattr(model, "_called", False)
     return plain
 
 
 def portable_model(model) -> keras.Model:
-    """What an optimized model's `save` writes: `_restore(model)` compiled
+    """What an optimized model's `save` writes: `plain_twin(model)` compiled
     with `model`'s compile() arguments and holding its optimizer object, so
     the file carries that optimizer's state, as the original model compiled
     the same way would.
@@ -248,7 +261,7 @@ def portable_model(model) -> keras.Model:
     original layers when the file is loaded: a SimpleRNN stack that Keras
     compiles with XLA keeps XLA, although the fused model could not).
     """
-    plain = _restore(model)
+    plain = plain_twin(model)
     config = getattr(model, "_compile_config", None)
     if getattr(model, "compiled", False) and config is not None:
         arguments = dict(config.config)
@@ -268,7 +281,7 @@ def in_original_order(model, variables: list) -> list:
             return variables
         object.__setattr__(model, "_rnnfuse_ranking", True)
         try:
-            plain = _restore(model)
+            plain = plain_twin(model)
             rank = {id(v): i for i, v in enumerate(plain.variables)}
         except Exception:  # noqa: BLE001 - a model restore cannot rebuild keeps its order
             rank = {}
