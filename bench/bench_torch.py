@@ -46,7 +46,7 @@ import torch  # noqa: E402
 from common import csv_list, run_matrix  # noqa: E402
 
 import rnnfuse  # noqa: E402
-from rnnfuse import FusedRNN  # noqa: E402
+from rnnfuse.fused import fused_layers  # noqa: E402
 from rnnfuse.api import choose_plans  # noqa: E402
 from rnnfuse.backends import torch as torch_backend  # noqa: E402
 
@@ -182,7 +182,7 @@ def measure(config, args):
     keras.utils.set_random_seed(0)
     model = build(kind, layers, steps, units, policy)
     fast = rnnfuse.optimize(model)
-    fused = [l for l in fast._flatten_layers(include_self=False) if isinstance(l, FusedRNN)]
+    fused = fused_layers(fast)
     x = keras.ops.convert_to_tensor(
         np.random.default_rng(0).standard_normal((batch, steps, units)).astype("float32")
     )

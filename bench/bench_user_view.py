@@ -58,6 +58,7 @@ import keras  # noqa: E402
 import numpy as np  # noqa: E402
 
 import rnnfuse  # noqa: E402
+from rnnfuse.fused import fused_layers  # noqa: E402
 
 KINDS = ("lstm", "gru", "simple_rnn", "bi_lstm", "bi_gru")
 DTYPES = ("float32", "mixed_float16", "mixed_bfloat16")
@@ -202,9 +203,15 @@ def _alternate(models: list[tuple[str, keras.Model]], rounds: int, run) -> dict[
 
 
 def _plans(fast: keras.Model) -> list[dict]:
+    """Each fused layer's plan, as the results record it (pieces None: the
+    whole run; []: the original layers)."""
     return [
-        dict(layers=[l.name for l in f.fused_layers], pieces=f.pieces, algorithm=f.algorithm)
-        for f in rnnfuse.tuning.first_batch.fused_layers(fast)
+        dict(
+            layers=[l.name for l in f.fused_layers],
+            pieces=None if len(f.plan.pieces) == 1 else list(f.plan.pieces),
+            algorithm=f.plan.algorithm,
+        )
+        for f in fused_layers(fast)
     ]
 
 

@@ -47,12 +47,10 @@ PLANS = {"fused": rnnfuse.FUSED, "per-layer": rnnfuse.PER_LAYER, "auto": None}
 def _models(shape: dict, plan: str, mask_known: bool = False):
     """([(name, model)...], {name: train_step}, x, y): the cell's model and it `optimize`d with
     `plan` (first-batch tuning's choice for "auto"), and one batch. With
-    `mask_known` (a masked cell), a second optimized model whose steps are
-    traced under `masks_known_right_padded`: its fused calls have no
+    `mask_known` (a masked cell), a second optimized model whose fused
+    layers are called with `mask_is_right_padded=True`: they have no
     per-layer branch for a mask that is not right-padded, as the tuner's
     timed steps have none."""
-    from rnnfuse.fused import masks_known_right_padded
-
     model = build(shape)
     x, y = data(shape, np.random.default_rng(0))
     models = [("original", model)]
@@ -63,12 +61,29 @@ def _models(shape: dict, plan: str, mask_known: bool = False):
     train_steps = {}
     for name, m in models:
         m.compile(optimizer="adam", loss="mse")
-        with masks_known_right_padded() if name.endswith("mask known") else contextlib.nullcontext():
+        with _mask_known(m) if name.endswith("mask known") else contextlib.nullcontext():
             m.fit(x, y, batch_size=shape["batch"], epochs=1, verbose=0)  # traces; tunes for "auto"
             # Keras' train_step alone, traced here too (its first call).
             train_steps[name] = _train_step_fn(m, x, y)
             keras.tree.map_structure(keras.ops.convert_to_numpy, train_steps[name]())
     return models, train_steps, x, y
+
+
+@contextlib.contextmanager
+def _mask_known(model):
+    """While traced inside it, `model`'s fused layers are called with
+    `mask_is_right_padded=True` (this diagnosis's masks are right-padded)."""
+    from rnnfuse.fused import fused_layers
+
+    layers = fused_layers(model)
+    calls = [layer.call for layer in layers]
+    for layer, call in zip(layers, calls):
+        layer.call = lambda *a, _call=call, **k: _call(*a, **{**k, "mask_is_right_padded": True})
+    try:
+        yield
+    finally:
+        for layer, call in zip(layers, calls):
+            layer.call = call
 
 
 def _train_step_fn(model, x, y):

@@ -10,7 +10,7 @@ Every example takes `--quick`: time inference only, with fewer repeats (the
 tests use it; tracing a training step is the slow part on a CPU).
 
 Everything here uses rnnfuse's public API, the backend object
-(`rnnfuse.backends.get_backend()`) and the tuner's timing loop.
+(`rnnfuse.backends.get_tooling()`) and the tuner's timing loop.
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ from rich.markup import escape  # noqa: E402
 from rich.table import Table  # noqa: E402
 
 import rnnfuse  # noqa: E402
-from rnnfuse.backends import get_backend  # noqa: E402
+from rnnfuse.backends import get_tooling  # noqa: E402
 from rnnfuse.tuning.timing import interleaved_medians  # noqa: E402
 
 console = Console(highlight=False)
@@ -133,7 +133,7 @@ def _step(model: keras.Model, loss_fn):
     gradients of every trainable variable) of this backend, returning when
     the device is done: `rnnfuse bench`'s step. The training loss is the
     backend's (mean squared outputs); `loss_fn` only asks for training."""
-    return get_backend().model_step(model, train=loss_fn is not None)
+    return get_tooling().model_step(model, train=loss_fn is not None)
 
 
 def _median_ms(fn_a, fn_b, inputs, repeats: int) -> tuple[float, float]:

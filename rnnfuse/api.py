@@ -120,12 +120,10 @@ def xla_cost_notes(model: keras.Model, report: FusionReport) -> list[str]:
 def fused_layer_notes(model: keras.Model) -> list[str]:
     """One line per `FusedRNN` already in `model` (an optimized model, or one
     loaded from its .keras file): the layers it runs and how."""
-    from rnnfuse.fused import FusedRNN
+    from rnnfuse.fused import fused_layers
 
     notes = []
-    for layer in model._flatten_layers(include_self=False):
-        if not isinstance(layer, FusedRNN):
-            continue
+    for layer in fused_layers(model):
         stack = layer.stack
         kinds = sorted({type(l).__name__ for l in layer.fused_layers})
         shape = (
@@ -135,11 +133,10 @@ def fused_layer_notes(model: keras.Model) -> list[str]:
             + (f", proj_size {stack.proj_size}" if stack.proj_size else "")
         )
         dropout = f", absorbing {len(layer.absorbed_dropout)} Dropout" if layer.absorbed_dropout else ""
-        algorithm = f", cuDNN algorithm {layer.algorithm}" if layer.algorithm else ""
         notes.append(
             f"'{layer.name}' is a FusedRNN (already optimized): it runs "
             f"{' -> '.join(l.name for l in layer.fused_layers)} "
-            f"({'/'.join(kinds)}; {shape}{dropout}{algorithm}) as one fused call; "
+            f"({'/'.join(kinds)}; {shape}{dropout}) on the plan '{layer.plan.name}'; "
             "rnnfuse.restore(model) gives back the original layers."
         )
     return notes
@@ -231,7 +228,7 @@ def optimize(
     )
     _say_if_nothing_runs_fused(model, plans)
     pairs = split_groups(report.groups, [r.plan for r in plans])
-    new, failed = rewrite_model(model, [g for g, _ in pairs], [a for _, a in pairs])
+    new, failed = rewrite_model(model, [g for g, _ in pairs], [p for _, p in pairs])
     if return_result:
         return OptimizeResult(model=new, report=report, plans=tuple(plans), failed=failed)
     return new
@@ -245,10 +242,8 @@ def _optimize_for_first_batch(model, report, training, cache) -> OptimizeResult:
         TuneResult(g, static_plan(g, g.dtype, training), "static: until the first batch")
         for g in groups
     ]
-    full = [r.plan.for_length(len(g.layers)) for r, g in zip(plans, groups)]
-    pieces = [p.pieces if len(p.pieces) != 1 else None for p in full]
-    new, failed = rewrite_model(model, groups, [p.algorithm for p in full], pieces)
-    first_batch.attach(new, first_batch.AutoTune(cache=_plan_cache(cache)))
+    new, failed = rewrite_model(model, groups, [r.plan for r in plans])
+    first_batch.attach(new, groups, first_batch.AutoTune(cache=_plan_cache(cache)))
     return OptimizeResult(model=new, report=report, plans=tuple(plans), failed=failed)
 
 

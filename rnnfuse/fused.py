@@ -13,6 +13,15 @@ call, decides how to run them:
    mask becomes sequence lengths; any other mask runs the original layers
    through Keras' generic loop (Keras' own cuDNN path would reject it).
 
+How the fused path runs is the layer's `rnnfuse.plan.Plan` (`plan=`,
+`set_plan`): the whole run as one call, consecutive pieces of it, or the
+original layers; the kernel and its algorithm. Everything one call needs
+arrives as arguments (the plan's fields, the tuner's runtime algorithm,
+what the caller knows about the mask); what the call ran comes back as
+`last_path` (a `CallPath` with the `KernelRun` of the fused kernel), set
+by the branch that ran. No process-wide switch is read, so two models
+traced in two threads each run their own plan.
+
 What it reproduces from the original stack: the first layer's input
 dropout (one mask per sequence, drawn from that layer's seed generator as
 Keras does), its `initial_state` and `go_backwards`; the last layer's
@@ -43,48 +52,18 @@ Example:
 from __future__ import annotations
 
 import contextlib
-import contextvars
 
 import keras
 from keras import ops, tree
 
 from rnnfuse.backends import StackSpec, get_backend
-from rnnfuse.plan import Algorithm
+from rnnfuse.plan import FUSED, Plan
 from rnnfuse.reasons import FUSED_PATH, CallPath, PathKind, Reason
 from rnnfuse.recurrent import describe, input_merges, keras_has_cudnn_path
 from rnnfuse.rules import layer_reason, not_implemented, runtime_reason, stack_link_reason
-from rnnfuse.rules.runtime import plan_per_layer
+from rnnfuse.rules.runtime import mask_not_right_padded, plan_per_layer
 
-__all__ = ["FusedRNN", "call_members", "first_call_kwargs", "masks_known_right_padded"]
-
-# Set by `masks_known_right_padded` (first-batch tuning's timed steps).
-_MASKS_KNOWN_RIGHT_PADDED = contextvars.ContextVar("rnnfuse_masks_known_right_padded", default=False)
-
-
-@contextlib.contextmanager
-def masks_known_right_padded():
-    """Within it, a masked FusedRNN call's other branch (for a mask that is
-    not right-padded) is the fused call again instead of the original layers
-    in Keras' generic loop.
-
-    First-batch tuning traces its timed steps under it: its masks are
-    right-padded by construction (`rnnfuse.tuning.tuner.padding_mask`), so
-    that branch never runs, but tracing it cost every fused candidate the
-    trace of the whole per-layer stack (a masked 7-layer bidirectional GRU:
-    30 s of tuning for three 40 ms candidates). The check of the mask and
-    the branch stay in the step, so its time is what `fit` pays.
-
-    >>> with masks_known_right_padded():
-    ...     _MASKS_KNOWN_RIGHT_PADDED.get()
-    True
-    >>> _MASKS_KNOWN_RIGHT_PADDED.get()
-    False
-    """
-    token = _MASKS_KNOWN_RIGHT_PADDED.set(True)
-    try:
-        yield
-    finally:
-        _MASKS_KNOWN_RIGHT_PADDED.reset(token)
+__all__ = ["FusedRNN", "call_members", "first_call_kwargs", "fused_layers"]
 
 
 @keras.saving.register_keras_serializable(package="rnnfuse")
@@ -97,25 +76,34 @@ class FusedRNN(keras.layers.Layer):
         dropout_layers: optional, one entry per gap between layers: a
             `keras.layers.Dropout` the fused call absorbs as cuDNN's
             between-layer dropout, or None.
-        algorithm: optional cuDNN algorithm name for the fused call
-            ("standard", "persistent_static", "persistent_dynamic",
-            "persistent_static_small_h", each optionally with "+tc" or
-            "+tcc" for tensor ops); None: standard. It runs in both passes
-            on rnnfuse's TensorFlow op. See `rnnfuse.plan.Algorithm`.
-        pieces: how calls run the stack: None (the default) one fused call
-            for the whole run; `()` the original layers one Keras call
-            each; `(a, b, ...)` consecutive fused calls of `a`, `b`, ...
-            layers (summing to the number of layers). `set_plan` switches
-            it later (rnnfuse's first-batch tuning does, before a trace).
+        plan: how calls run the stack, an `rnnfuse.Plan` (or its
+            `to_dict()`): None (the default) is `rnnfuse.FUSED`, one fused
+            call for the whole run on cuDNN's standard algorithm;
+            `Plan(())` the original layers, one Keras call each;
+            `Plan((a, b, ...), algorithm, kernel=...)` consecutive fused
+            calls of `a`, `b`, ... layers (summing to the number of layers)
+            on that kernel and algorithm (`rnnfuse.plan`; e.g.
+            `kernel="stock"` keeps rnnfuse's op out of a traced graph, for
+            an export that loads without rnnfuse). `set_plan` switches it
+            later (rnnfuse's first-batch tuning does, before a trace).
         **kwargs: Keras layer arguments. `name` defaults to the last layer's
             name (so model output names do not change), `dtype` to the
-            first layer's dtype policy.
+            first layer's dtype policy. (`algorithm` and `pieces`, the
+            arguments of layers saved before `plan` existed, are read as
+            that plan.)
 
     Call arguments:
         sequences: [batch, time, features].
         initial_state: the first layer's initial state, as it would take it.
         mask: [batch, time] boolean mask.
         training: Python boolean.
+        algorithm: a value standing for the plan's algorithm in this call
+            (None: the plan's): what `Backend.timed_steps` passes so that
+            one traced step runs every algorithm (the tuner's shared step).
+        mask_is_right_padded: True where the caller knows that `mask` is
+            right-padded (the tuner's timed steps build it so): the branch
+            for other masks is then the fused call too, so the original
+            layers are not traced (the mask's check stays in the step).
 
     Returns:
         What the last layer returns (output, plus states with
@@ -128,7 +116,8 @@ class FusedRNN(keras.layers.Layer):
             be stacked, naming the rule.
     """
 
-    def __init__(self, layers, dropout_layers=None, algorithm=None, pieces=None, **kwargs):
+    def __init__(self, layers, dropout_layers=None, plan=None, **kwargs):
+        plan = _plan_argument(plan, kwargs.pop("algorithm", None), kwargs.pop("pieces", "unset"))
         layers = _layer_list(layers)
         views = []
         activations = get_backend().activation_functions()
@@ -154,7 +143,6 @@ class FusedRNN(keras.layers.Layer):
                 "of layers; dropout_layers must be all None or all Dropout "
                 f"layers of one rate; received rates {sorted(rates, key=str)}"
             )
-        self.algorithm = None if algorithm is None else Algorithm.parse(algorithm).name
         kwargs.setdefault("name", layers[-1].name)
         kwargs.setdefault("dtype", layers[0].dtype_policy)
         super().__init__(**kwargs)
@@ -177,10 +165,11 @@ class FusedRNN(keras.layers.Layer):
         # with object.__setattr__ so Keras neither tracks nor saves them
         # (they hold the same layers and variables as this layer).
         object.__setattr__(self, "_piece_cache", {})
-        self._pieces = None
-        self.set_plan(pieces, self.algorithm)
-        # Which path the last call took (a CallPath: "fused" or
-        # "layers: <why>"); set when the call is traced.
+        self._plan = FUSED.for_length(len(layers))
+        self.set_plan(plan)
+        # Which path the last call took (a CallPath: "fused" with the
+        # KernelRun, or "layers: <why>"); set by the branch that ran, when
+        # the call runs eagerly or is traced.
         self.last_path: CallPath | None = None
         if all(layer.built for layer in layers):
             self.built = True
@@ -218,47 +207,43 @@ class FusedRNN(keras.layers.Layer):
         return out
 
     @property
-    def pieces(self) -> tuple[int, ...] | None:
-        """How calls run the stack: None whole, () per layer, (a, b, ...) split."""
-        return self._pieces
+    def plan(self) -> Plan:
+        """How calls run the stack (`rnnfuse.plan.Plan`, its pieces spelled
+        out for this layer's length: `(n,)` for the whole run)."""
+        return self._plan
 
-    def set_plan(self, pieces, algorithm=None) -> None:
-        """Switches how later traces run the stack (see the `pieces` argument).
+    def set_plan(self, plan: Plan | None) -> None:
+        """Switches how later traces run the stack (see the `plan` argument;
+        None: `rnnfuse.FUSED`).
 
         Takes effect for the next trace (Keras re-traces its train/predict
         functions after `make_train_function(force=True)`); the variables
         and the layers are unchanged.
 
         Raises:
-            ValueError: `pieces` do not cover the layers, or split at an
+            TypeError: `plan` is not a Plan.
+            ValueError: its pieces do not cover the layers, or split at an
                 absorbed Dropout.
         """
+        plan = FUSED if plan is None else plan
+        if not isinstance(plan, Plan):
+            raise TypeError(
+                f"FusedRNN '{self.name}': set_plan takes an rnnfuse.Plan (or None); "
+                f"received {type(plan).__name__} {plan!r}. Fix: e.g. "
+                "set_plan(rnnfuse.Plan((2, 2))) or set_plan(rnnfuse.PER_LAYER)."
+            )
         n = len(self.fused_layers)
-        if pieces is not None:
-            if isinstance(pieces, (str, bytes)) or not all(
-                isinstance(p, int) and not isinstance(p, bool) and p > 0 for p in tuple(pieces)
-            ):
+        try:
+            plan = plan.for_length(n)
+        except ValueError as err:
+            raise ValueError(f"FusedRNN '{self.name}' runs {n} layers: {err}") from None
+        for start, stop in _piece_bounds(plan.pieces)[:-1]:
+            if (stop - 1) in self._dropout_after:
                 raise ValueError(
-                    "FusedRNN: pieces must be None, () or a tuple of positive "
-                    f"layer counts; received {pieces!r}"
+                    f"FusedRNN '{self.name}': plan {plan.name!r} splits at an "
+                    "absorbed Dropout layer; split elsewhere"
                 )
-            pieces = tuple(pieces)
-            if pieces and sum(pieces) != n:
-                raise ValueError(
-                    f"FusedRNN '{self.name}': pieces {pieces} cover {sum(pieces)} "
-                    f"layers; this layer runs {n}"
-                )
-            bounds = _piece_bounds(pieces)
-            for start, stop in bounds[:-1]:
-                if (stop - 1) in self._dropout_after:
-                    raise ValueError(
-                        f"FusedRNN '{self.name}': pieces {pieces} split at an "
-                        "absorbed Dropout layer; split elsewhere"
-                    )
-            if len(pieces) == 1:
-                pieces = None
-        self._pieces = pieces
-        self.algorithm = None if algorithm is None else Algorithm.parse(algorithm).name
+        self._plan = plan
 
     @property
     def uses_fused_kernel(self) -> bool:
@@ -287,7 +272,7 @@ class FusedRNN(keras.layers.Layer):
         has `capabilities.xla_compiles_fused_call`)."""
         if get_backend().capabilities.xla_compiles_fused_call:
             return False
-        if self._pieces == ():
+        if self._plan.per_layer:
             return False  # the plan runs the original layers
         return self.uses_fused_kernel
 
@@ -326,8 +311,7 @@ class FusedRNN(keras.layers.Layer):
         for i, d in zip(self._dropout_after, self.absorbed_dropout):
             dropout_layers[i] = keras.saving.serialize_keras_object(d)
         config["dropout_layers"] = dropout_layers
-        config["algorithm"] = self.algorithm
-        config["pieces"] = None if self._pieces is None else list(self._pieces)
+        config["plan"] = self._plan.to_dict()
         return config
 
     @classmethod
@@ -338,49 +322,73 @@ class FusedRNN(keras.layers.Layer):
             None if c is None else keras.saving.deserialize_keras_object(c)
             for c in config.pop("dropout_layers", None) or []
         ]
-        if config.get("pieces") is not None:
-            config["pieces"] = tuple(config["pieces"])
         return cls(layers, dropout_layers=dropout_layers or None, **config)
 
     # -- call ------------------------------------------------------------------
 
-    def call(self, sequences, initial_state=None, mask=None, training=None):
+    def call(self, sequences, initial_state=None, mask=None, training=None,
+             algorithm=None, mask_is_right_padded=False):
         if mask is not None:
             mask = tree.flatten(mask)[0]
-        if self._pieces == ():
-            self.last_path = CallPath(PathKind.LAYERS, plan_per_layer())
-            return self._call_layers(sequences, initial_state, mask, training)
-        if self._pieces is not None:
-            return self._call_pieces(sequences, initial_state, mask, training)
+        outputs, self.last_path = self._run(
+            self._plan, sequences, initial_state, mask, training, algorithm, mask_is_right_padded
+        )
+        return outputs
+
+    def _run(self, plan, sequences, initial_state, mask, training, algorithm, right_padded):
+        """(outputs, CallPath) of one call under `plan`."""
+        if plan.per_layer:
+            outputs = self._call_layers(sequences, initial_state, mask, training)
+            return outputs, CallPath(PathKind.LAYERS, plan_per_layer())
+        if len(plan.pieces) > 1:
+            return self._call_pieces(plan, sequences, initial_state, mask, training, algorithm,
+                                     right_padded)
         reason = self._fallback_reason(mask)
         if reason is not None:
-            self.last_path = CallPath(PathKind.LAYERS, reason)
-            return self._call_layers(sequences, initial_state, mask, training)
+            outputs = self._call_layers(sequences, initial_state, mask, training)
+            return outputs, CallPath(PathKind.LAYERS, reason)
         self._check_not_xla()
-        self.last_path = FUSED_PATH
         if mask is None:
-            return self._call_fused(sequences, initial_state, None, training)
-        # The mask's values decide: right-padded -> sequence lengths.
-        fused = lambda add_losses=True: self._call_fused(
-            sequences, initial_state, mask, training, add_losses=add_losses
-        )
-        layers = lambda: self._call_layers(
-            sequences, initial_state, mask, training, generic=True
-        )
-        if _MASKS_KNOWN_RIGHT_PADDED.get():
-            layers = lambda: fused(add_losses=False)
-        structure = self._output_structure()
+            return self._call_fused(plan, sequences, initial_state, None, training, algorithm)
+        return self._call_masked(plan, sequences, initial_state, mask, training, algorithm,
+                                 right_padded)
+
+    def _call_masked(self, plan, sequences, initial_state, mask, training, algorithm, right_padded):
+        """A masked call: the mask's values decide (right-padded: the fused
+        call with sequence lengths; else the original layers in Keras'
+        generic loop). Where the mask is known now (an eager call) only its
+        branch runs; in a trace both are traced and the graph chooses."""
+        backend = get_backend()
+        paths = []
+
+        def fused():
+            outputs, path = self._call_fused(plan, sequences, initial_state, mask, training,
+                                             algorithm, add_losses=False)
+            paths.append(path)
+            return outputs
+
+        def layers():
+            if right_padded:
+                return fused()
+            paths.append(CallPath(PathKind.LAYERS, mask_not_right_padded()))
+            return self._call_layers(sequences, initial_state, mask, training, generic=True)
+
+        supported = backend.mask_is_supported(mask)
+        known = backend.concrete_bool(supported)
         # The last layer's activity loss is added once, after the branch: a
         # loss added inside a traced branch cannot leave it.
         with _activity_regularizer_off(self._views[-1].layer):
-            flat = ops.cond(
-                get_backend().mask_is_supported(mask),
-                lambda: tree.flatten(fused(add_losses=False)),
-                lambda: tree.flatten(layers()),
-            )
-        outputs = tree.pack_sequence_as(structure, flat)
+            if known is not None:
+                outputs = fused() if known else layers()
+            else:
+                structure = self._output_structure()
+                flat = ops.cond(
+                    supported, lambda: tree.flatten(fused()), lambda: tree.flatten(layers())
+                )
+                outputs = tree.pack_sequence_as(structure, flat)
         self._add_activity_losses(outputs)
-        return outputs
+        # Traced: the graph holds the fused call for right-padded masks.
+        return outputs, next((p for p in paths if p.kind is PathKind.FUSED), paths[0])
 
     def _fallback_reason(self, mask) -> Reason | None:
         """Why this call must run the original layers, or None (the
@@ -410,14 +418,18 @@ class FusedRNN(keras.layers.Layer):
         with context:
             return call_members(self.members(), sequences, first=first, rest=rest)
 
-    def _call_pieces(self, sequences, initial_state, mask, training):
-        """A split plan: one fused call per piece, absorbed Dropout between."""
+    def _call_pieces(self, plan, sequences, initial_state, mask, training, algorithm,
+                     right_padded):
+        """A split plan: one fused call per piece, absorbed Dropout between;
+        the path is fused only if every piece ran fused (else the first
+        other piece's)."""
         dropouts = dict(zip(self._dropout_after, self.absorbed_dropout))
         x = sequences
         paths = []
-        for start, stop in _piece_bounds(self._pieces):
-            piece = self._piece(start, stop)
-            kwargs = {"training": training}
+        for start, stop in _piece_bounds(plan.pieces):
+            piece = self._piece(plan, start, stop)
+            kwargs = {"training": training, "algorithm": algorithm,
+                      "mask_is_right_padded": right_padded}
             if mask is not None:
                 kwargs["mask"] = mask
             if start == 0 and initial_state is not None:
@@ -426,13 +438,13 @@ class FusedRNN(keras.layers.Layer):
             paths.append(piece.last_path)
             if (stop - 1) in dropouts:
                 x = dropouts[stop - 1](x, training=training)
-        # Fused only if every piece ran fused; else the first piece's reason.
-        self.last_path = next((p for p in paths if p.kind is not PathKind.FUSED), FUSED_PATH)
-        return x
+        return x, next((p for p in paths if p.kind is not PathKind.FUSED), paths[0])
 
-    def _piece(self, start: int, stop: int) -> "FusedRNN":
-        """The sub-stack layers[start:stop] as a FusedRNN (cached, untracked)."""
-        key = (start, stop, self.algorithm)
+    def _piece(self, plan: Plan, start: int, stop: int) -> "FusedRNN":
+        """The sub-stack layers[start:stop] as a FusedRNN running `plan`'s
+        kernel and algorithm whole (cached, untracked)."""
+        piece_plan = plan.with_pieces((stop - start,))
+        key = (start, stop, piece_plan)
         if key not in self._piece_cache:
             gaps = [None] * (stop - start - 1)
             for i, d in zip(self._dropout_after, self.absorbed_dropout):
@@ -441,24 +453,25 @@ class FusedRNN(keras.layers.Layer):
             self._piece_cache[key] = FusedRNN(
                 self.fused_layers[start:stop],
                 dropout_layers=gaps or None,
-                algorithm=self.algorithm,
+                plan=piece_plan,
                 name=f"{self.name}_piece{start}",
                 dtype=self.dtype_policy,
             )
         return self._piece_cache[key]
 
-    def _call_fused(self, sequences, initial_state, mask, training, add_losses=True):
-        """The whole stack as one backend call (`add_losses`: add the last
-        layer's activity-regularization loss, as its own call would)."""
+    def _call_fused(self, plan, sequences, initial_state, mask, training, algorithm=None,
+                    add_losses=True):
+        """The whole stack as one backend call: (outputs, CallPath).
+
+        `algorithm`: a runtime value for the plan's algorithm (see `call`);
+        `add_losses`: add the last layer's activity-regularization loss, as
+        its own call would."""
         backend = get_backend()
         x = self._input_dropout(sequences, training)
         initial_h, initial_c = self._initial_states(initial_state)
         rate, seed = self._between_dropout(training)
-        extra = {}
-        if self.algorithm is not None:
-            extra["algorithm"] = Algorithm.parse(self.algorithm)
         try:
-            outputs, final_h, final_c = backend.run_stack(
+            run = backend.run_stack(
                 x,
                 stack=self._stack,
                 initial_h=initial_h,
@@ -467,17 +480,18 @@ class FusedRNN(keras.layers.Layer):
                 reverse=self._views[0].go_backwards,
                 dropout=rate,
                 seed=seed,
-                **extra,
+                algorithm=plan.cudnn_algorithm if algorithm is None else algorithm,
+                kernel=plan.kernel,
             )
         except NotImplementedError as err:
             # As Keras' Bidirectional does for its fused LSTM: the backend
             # cannot run this call, so the original layers run it.
-            self.last_path = CallPath(PathKind.LAYERS, not_implemented(backend.name, err))
-            return self._call_layers(sequences, initial_state, mask, training)
-        outputs = self._assemble(outputs, final_h, final_c, mask)
+            path = CallPath(PathKind.LAYERS, not_implemented(backend.name, err))
+            return self._call_layers(sequences, initial_state, mask, training), path
+        outputs = self._assemble(run.outputs, run.final_h, run.final_c, mask)
         if add_losses:
             self._add_activity_losses(outputs)
-        return outputs
+        return outputs, CallPath(PathKind.FUSED, kernel=run.kernel)
 
     def _add_activity_losses(self, outputs) -> None:
         """The loss Keras' `Layer.__call__` adds for the run's last layer's
@@ -622,6 +636,37 @@ def call_members(members, x, *, first: dict, rest: dict):
             kwargs = first if i == 0 else rest
         x = layer(x, **kwargs)
     return x
+
+
+def fused_layers(model) -> list:
+    """The FusedRNN layers of `model`, nested models included (the one
+    lister of a model's fused layers).
+
+    >>> import keras
+    >>> fused_layers(keras.Sequential([keras.Input((3,)), keras.layers.Dense(2)]))
+    []
+    """
+    return [l for l in model._flatten_layers(include_self=False) if isinstance(l, FusedRNN)]
+
+
+def _plan_argument(plan, algorithm, pieces) -> Plan:
+    """FusedRNN's `plan` argument as a Plan: a Plan, its dict (a saved
+    config), None, or the `algorithm`/`pieces` of a layer saved before
+    `plan` existed (pieces None: whole; (): the original layers)."""
+    if plan is not None and (algorithm is not None or pieces != "unset"):
+        raise ValueError(
+            "FusedRNN: pass plan=, not algorithm= or pieces= beside it; received "
+            f"plan={plan!r}, algorithm={algorithm!r}, pieces={pieces!r}"
+        )
+    if isinstance(plan, dict):
+        return Plan.from_dict(plan)
+    if plan is not None:
+        return plan
+    if pieces == "unset" or pieces is None:
+        return FUSED if algorithm is None else Plan(whole=True, algorithm=algorithm)
+    if isinstance(pieces, (str, bytes)) or not hasattr(pieces, "__iter__"):
+        raise ValueError(f"FusedRNN: pieces must be None, () or a tuple; received {pieces!r}")
+    return Plan(tuple(pieces), algorithm)
 
 
 def _layer_list(layers) -> list:

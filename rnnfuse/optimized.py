@@ -36,7 +36,7 @@ import keras
 from keras.src.models.functional import Functional
 from keras.src.utils import io_utils
 
-from rnnfuse.fused import FusedRNN
+from rnnfuse.fused import fused_layers
 from rnnfuse.persistence import (
     copy_compile,
     export_model,
@@ -70,11 +70,7 @@ class _OptimizedMixin:
 
     def _cudnn_layers(self) -> list[str]:
         """Names of the FusedRNN layers that would run the fused kernel here."""
-        return [
-            layer.name
-            for layer in self._flatten_layers(include_self=False)
-            if isinstance(layer, FusedRNN) and layer.fused_call_blocks_xla
-        ]
+        return [layer.name for layer in fused_layers(self) if layer.fused_call_blocks_xla]
 
     @property
     def jit_compile(self):

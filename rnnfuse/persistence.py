@@ -59,7 +59,7 @@ import keras
 from keras import tree
 from keras.src.models.functional import Functional
 
-from rnnfuse.fused import FusedRNN, call_members, first_call_kwargs
+from rnnfuse.fused import FusedRNN, call_members, first_call_kwargs, fused_layers
 from rnnfuse.reasons import FusionWarning
 
 __all__ = [
@@ -127,9 +127,7 @@ def restore(model: keras.Model) -> keras.Model:
 
 def holds_fused(model: Any) -> bool:
     """Whether `model` (or a model nested in it) holds a FusedRNN."""
-    return any(
-        isinstance(layer, FusedRNN) for layer in model._flatten_layers(include_self=False)
-    )
+    return bool(fused_layers(model))
 
 
 def _restore(model: Any) -> keras.Model:

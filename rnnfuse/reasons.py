@@ -1,5 +1,6 @@
-"""Records of why: `Reason` (why a layer or a link cannot be fused) and
-`CallPath` (which path a `FusedRNN` call took, and why).
+"""Records of why: `Reason` (why a layer or a link cannot be fused),
+`CallPath` (which path a `FusedRNN` call took, and why) and `KernelRun`
+(which kernel a fused call ran).
 
 A reason is a plain string a user can read, carrying the name of the rule
 that produced it (`reason.rule`), so tools and tests can match on the rule
@@ -14,9 +15,10 @@ Example:
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 
-__all__ = ["CallPath", "FUSED_PATH", "FusionWarning", "PathKind", "Reason"]
+__all__ = ["CallPath", "FUSED_PATH", "FusionWarning", "KernelRun", "PathKind", "Reason"]
 
 
 class Reason(str):
@@ -46,32 +48,61 @@ class PathKind(str, enum.Enum):
     LAYERS = "layers"
 
 
+@dataclasses.dataclass(frozen=True)
+class KernelRun:
+    """Which kernel one fused call ran (what `Backend.run_stack` returns
+    beside its tensors; decided when the call is traced).
+
+    Example:
+
+        >>> KernelRun("CudnnRNNV3", "standard", "rnnfuse's cuDNN op is turned off").name
+        'CudnnRNNV3'
+    """
+
+    # The kernel: "RnnfuseCudnnRnn" (rnnfuse's op), "CudnnRNNV3",
+    # "torch._VF.lstm", "jax.experimental.rnn.lstm", ...
+    name: str
+    # Its algorithm: "standard", "persistent_static+tc", ...; "runtime"
+    # where the algorithm is an input of the traced step (the tuner's
+    # shared step); "" where the framework chooses it (torch, JAX).
+    algorithm: str = ""
+    # Why this is not the kernel or algorithm the plan asked for (the op
+    # not loaded, a persistent algorithm refused under a mask), or None.
+    note: str | None = None
+
+
 class CallPath(str):
-    """The path a `FusedRNN` call took: `kind`, and for `LAYERS` the reason.
+    """The path a `FusedRNN` call took: `kind`, for `LAYERS` the reason,
+    and for `FUSED` the `KernelRun` of the fused call.
 
     A string ("fused", or "layers: <why>") so it prints and compares as
-    before; match on `.kind` and `.reason.rule` in code.
+    before; match on `.kind`, `.reason.rule` and `.kernel` in code.
 
     Example:
 
         >>> p = CallPath(PathKind.LAYERS, Reason("no_device", "no GPU visible to the backend"))
         >>> p.kind is PathKind.LAYERS, p.reason.rule, str(p)
         (True, 'no_device', 'layers: no GPU visible to the backend')
+        >>> CallPath(PathKind.FUSED, kernel=KernelRun("RnnfuseCudnnRnn", "standard")).kernel.name
+        'RnnfuseCudnnRnn'
     """
 
     kind: PathKind
     reason: Reason | None
+    kernel: KernelRun | None
 
-    def __new__(cls, kind: PathKind, reason: Reason | None = None) -> "CallPath":
+    def __new__(cls, kind: PathKind, reason: Reason | None = None,
+                kernel: KernelRun | None = None) -> "CallPath":
         kind = PathKind(kind)
         text = kind.value if reason is None else f"{kind.value}: {reason}"
         obj = super().__new__(cls, text)
         obj.kind = kind
         obj.reason = reason
+        obj.kernel = kernel
         return obj
 
     def __reduce__(self):
-        return (CallPath, (self.kind, self.reason))
+        return (CallPath, (self.kind, self.reason, self.kernel))
 
 
 FUSED_PATH = CallPath(PathKind.FUSED)

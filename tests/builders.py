@@ -123,11 +123,22 @@ def max_abs_diff(a, b) -> float:
     return max(float(np.max(np.abs(p.astype(np.float64) - q.astype(np.float64)))) for p, q in zip(fa, fb))
 
 
-def fused_layers(model: keras.Model) -> list:
-    """Every FusedRNN in `model`, nested models included."""
-    from rnnfuse import FusedRNN
+def kernels_ran(model: keras.Model) -> set:
+    """The names of the kernels `model`'s fused layers ran in their last
+    call ("RnnfuseCudnnRnn", "CudnnRNNV3", ...; `CallPath.kernel`)."""
+    return {
+        f.last_path.kernel.name
+        for f in fused_layers(model)
+        if f.last_path is not None and f.last_path.kernel is not None
+    }
 
-    return [l for l in model._flatten_layers(include_self=False) if isinstance(l, FusedRNN)]
+
+def fused_layers(model: keras.Model) -> list:
+    """Every FusedRNN in `model`, nested models included (rnnfuse's own
+    `rnnfuse.fused.fused_layers`)."""
+    from rnnfuse.fused import fused_layers as listed
+
+    return listed(model)
 
 
 def fit_from_same_start(model: keras.Model, fast: keras.Model, x, y, *, batch_size: int, epochs: int = 2):

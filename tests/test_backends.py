@@ -1,4 +1,5 @@
-"""rnnfuse.backends: the contract, get_backend, and the fallback."""
+"""rnnfuse.backends: the contracts (Backend, Tooling), get_backend,
+get_tooling, and the fallbacks."""
 
 from __future__ import annotations
 
@@ -8,20 +9,22 @@ import inspect
 import keras
 import pytest
 
-from rnnfuse.backends import Backend, get_backend
-from rnnfuse.backends.base import Capabilities, NoFusedKernel
+from rnnfuse.backends import Backend, Tooling, get_backend, get_tooling
+from rnnfuse.backends.base import Capabilities, NoFusedKernel, NoTooling
 
 CLASSES = {
-    "tensorflow": "rnnfuse.backends.tensorflow.backend:TensorFlowBackend",
-    "torch": "rnnfuse.backends.torch.backend:TorchBackend",
-    "jax": "rnnfuse.backends.jax.backend:JaxBackend",
+    "tensorflow": "rnnfuse.backends.tensorflow.backend:TensorFlowBackend:TensorFlowTooling",
+    "torch": "rnnfuse.backends.torch.backend:TorchBackend:TorchTooling",
+    "jax": "rnnfuse.backends.jax.backend:JaxBackend:JaxTooling",
 }
+# What the tools call, kept out of the Backend contract (issue 27).
+TOOLING = ("describe_device", "timing_notes", "exact_float32", "model_step", "outputs_and_grads")
 
 
-def _load(name):
-    module, cls = CLASSES[name].split(":")
+def _load(name, which=1):
+    module, *classes = CLASSES[name].split(":")
     try:
-        return getattr(importlib.import_module(module), cls)
+        return getattr(importlib.import_module(module), classes[which - 1])
     except ImportError as err:  # the framework is not installed here
         pytest.skip(f"{name}: {err}")
 
@@ -36,6 +39,14 @@ def test_every_backend_implements_the_whole_contract(name):
     caps = backend.capabilities
     assert isinstance(caps, Capabilities) and caps.fused_kernel
     assert caps.plan_table in importlib.import_module("rnnfuse.tuning.table").TABLES
+    tooling = _load(name, 2)
+    assert issubclass(tooling, Tooling) and not inspect.isabstract(tooling)
+
+
+def test_the_tools_methods_are_not_part_of_the_backend_contract():
+    assert not set(TOOLING) & set(dir(Backend))
+    assert set(TOOLING) <= set(Tooling.__abstractmethods__)
+    assert get_tooling() is get_tooling() and not isinstance(get_tooling(), Backend)
 
 
 def test_get_backend_returns_the_active_backend_once():
@@ -51,3 +62,7 @@ def test_an_unknown_keras_backend_gets_no_fused_kernel():
     assert "openvino" in backend.group_reason(None)
     with pytest.raises(NotImplementedError):
         backend.run_stack(None)
+    tooling = get_tooling("openvino")
+    assert isinstance(tooling, NoTooling)
+    with pytest.raises(NotImplementedError, match="openvino"):
+        tooling.model_step(None, train=False)

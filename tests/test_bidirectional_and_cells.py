@@ -222,7 +222,7 @@ def test_pieces_split_between_a_summing_level_and_the_next(pieces, emulated_cudn
     model = _merged_stack("lstm", "sum", masked=True)
     _randomize(model, 4)
     layers = [model.get_layer(f"b{i}") for i in range(3)]
-    fused = rnnfuse.FusedRNN(layers, pieces=pieces)
+    fused = rnnfuse.FusedRNN(layers, plan=rnnfuse.Plan(pieces))
     x = random_inputs(model, 3, np.random.default_rng(4))
     embedded = model.layers[1](x)
     mask = model.layers[1].compute_mask(x)
@@ -238,7 +238,7 @@ def test_pieces_split_between_a_summing_level_and_the_next(pieces, emulated_cudn
     # One call per piece, each with its own levels; () runs the layers.
     assert [int(c["input_h"].shape[0]) // 2 for c in emulated_cudnn] == list(pieces)
     for start, size in zip(np.cumsum((0,) + pieces[:-1]), pieces):
-        piece = fused._piece(int(start), int(start) + size)
+        piece = fused._piece(fused.plan, int(start), int(start) + size)
         expected = tuple(None if i == 0 else "sum" for i in range(size))
         assert piece.stack.input_merges == expected
 

@@ -18,16 +18,21 @@ import tensorflow as tf
 import rnnfuse
 from builders import KINDS, fused_layers, max_abs_diff, random_inputs, stack_model
 from rnnfuse.backends import tensorflow as tf_backend
-from rnnfuse.plan import Algorithm
 from rnnfuse.backends.base import StackSpec
+from rnnfuse.reasons import KernelRun
 from rnnfuse.backends.tensorflow import cudnn_op
 from rnnfuse.layers import ProjectedLSTM
 from rnnfuse.layers.projected_lstm import ProjectedLSTMCell
-from rnnfuse.plan import FUSED, Plan
+from rnnfuse.plan import FUSED, Algorithm, Plan
 
 
 class _Module:
     """Stands in for the loaded op library."""
+
+
+def _kernel(model):
+    """The KernelRun of `model`'s last fused call (its last FusedRNN's)."""
+    return fused_layers(model)[-1].last_path.kernel
 
 
 @pytest.fixture
@@ -152,7 +157,7 @@ def test_fused_stack_runs_the_op_with_the_plans_algorithm(kind, graph, emulated_
     algorithm, math = cudnn_op.decode_algorithm_code(tf.get_static_value(call["algorithm"]))
     assert (algorithm, call["num_layers"], call["rnn_mode"]) == ("persistent_dynamic", 3, kind)
     assert math in ("tensor_op", "fma")  # fma where TF32 is off
-    assert tf_backend.last_kernel() == {"kernel": "RnnfuseCudnnRnn", "algorithm": "persistent_dynamic+tc", "reason": None}
+    assert _kernel(fast) == KernelRun("RnnfuseCudnnRnn", "persistent_dynamic+tc", None)
 
 
 @pytest.mark.parametrize("kind", ["lstm", "gru"])
@@ -164,7 +169,7 @@ def test_a_masked_call_runs_the_standard_algorithm(kind, emulated_op):
     x = random_inputs(model, 3, np.random.default_rng(0))
     assert max_abs_diff(fast(x), model(x)) <= 2e-5
     assert cudnn_op.decode_algorithm_code(tf.get_static_value(emulated_op[-1]["algorithm"]))[0] == "standard"
-    assert tf_backend.last_kernel()["algorithm"] == "standard"
+    assert _kernel(fast).algorithm == "standard" and "masked call" in _kernel(fast).note
 
 
 def test_bidirectional_states_go_in_cudnn_order(emulated_op):
@@ -203,7 +208,7 @@ def test_sum_and_ave_below_the_top_reach_the_op_with_the_doubled_kernel(kind, me
     call = emulated_op[-1]
     assert (call["num_layers"], call["direction"], call["input_size"]) == (2, "bidirectional", 5)
     assert call["params"].shape[0] == cudnn_op.flat_size(kind, 2, 2, 6, 5)
-    assert tf_backend.last_kernel()["kernel"] == "RnnfuseCudnnRnn"
+    assert _kernel(fast).name == "RnnfuseCudnnRnn"
 
 
 def test_absorbed_dropout_reaches_the_op_with_its_rate_and_whole_seed(emulated_op, emulated_cudnn):
@@ -216,7 +221,7 @@ def test_absorbed_dropout_reaches_the_op_with_its_rate_and_whole_seed(emulated_o
     fast(x, training=True)
     call = emulated_op[-1]
     assert (call["dropout"], call["seed"], call["num_layers"]) == (0.25, (3 << 31) + 11, 2)
-    assert tf_backend.last_kernel()["kernel"] == "RnnfuseCudnnRnn"
+    assert _kernel(fast).name == "RnnfuseCudnnRnn"
     fast(x, training=False)
     assert emulated_op[-1]["dropout"] == 0.0
     assert emulated_cudnn == []
@@ -224,9 +229,10 @@ def test_absorbed_dropout_reaches_the_op_with_its_rate_and_whole_seed(emulated_o
 
 def test_float64_uses_cudnnrnnv3(emulated_op, emulated_cudnn):
     model = stack_model("gru", 2, dtype="float64")
-    rnnfuse.optimize(model, plan=FUSED)(random_inputs(model, 2, np.random.default_rng(2)))
-    assert tf_backend.last_kernel()["kernel"] == "CudnnRNNV3"
-    assert "not float64" in tf_backend.last_kernel()["reason"]
+    fast = rnnfuse.optimize(model, plan=FUSED)
+    fast(random_inputs(model, 2, np.random.default_rng(2)))
+    assert _kernel(fast).name == "CudnnRNNV3"
+    assert "not float64" in _kernel(fast).note
     assert emulated_op == [] and emulated_cudnn
 
 
@@ -305,11 +311,10 @@ def test_shared_steps_trace_once_and_pass_the_algorithm_at_run_time(emulated_op)
     values = {a: float(steps[a]()) for a in algorithms}
     assert len(emulated_op) == 1  # one trace (the fake op runs at trace time)
     assert tf.get_static_value(emulated_op[0]["algorithm"]) is None  # a runtime input
-    assert tf_backend.last_kernel()["algorithm"] == "runtime"
     alone = float(tf_backend.timed_step(tuner._runner(group, Plan((3,), algorithms[1])), x,
                                         variables, False)())
     assert all(v == pytest.approx(alone, rel=1e-6) for v in values.values()), (values, alone)
-    # Outside `runtime_algorithm`, the plan's own algorithm is a constant again.
+    # A step built without the runtime value runs the plan's own algorithm.
     assert tf.get_static_value(emulated_op[-1]["algorithm"]) == cudnn_op.algorithm_code(
         Algorithm.parse(algorithms[1]), "float32")
 
@@ -320,8 +325,7 @@ def test_a_masked_call_ignores_the_runtime_algorithm(emulated_op):
 
     run = tuner._runner(group, Plan((3,)))
     mask = tf.constant([[True] * 7, [True] * 4 + [False] * 3])
-    with tf_backend.runtime_algorithm(tf.constant(9, tf.int32)):
-        run(x, False, mask=mask)
+    tf.function(lambda: run(x, False, mask=mask, algorithm=tf.constant(9, tf.int32)))()
     assert tf.get_static_value(emulated_op[-1]["algorithm"]) == cudnn_op.algorithm_code(None, "float32")
 
 
@@ -340,3 +344,67 @@ def test_the_tuner_builds_one_step_per_piece_set_where_the_backend_shares(emulat
     assert sorted(runners) == sorted(["per-layer", "fused", "split 2+2", "split 1+3 @persistent_static+tc"])
     values = [float(s()) for s in steps.values()]
     assert all(v == pytest.approx(values[0], rel=1e-5) for v in values), values
+
+
+def test_two_models_tuned_and_called_in_two_threads_each_run_their_own_plan(emulated_op, monkeypatch):
+    """Thread A times model A's candidates (the tuner's shared step, whose
+    algorithm is a runtime input) while thread B traces and calls model B on
+    its own plan: B's trace happens while A is inside its shared step's
+    trace, and every op call of each thread carries its own algorithm."""
+    import threading
+
+    from rnnfuse.tuning import tuner
+
+    group_a, _, _ = _group_and_input("lstm", 3)
+    model_b = stack_model("gru", 2, units=7, input_size=4, steps=6, last_return_sequences=True)
+    fast_b = rnnfuse.optimize(model_b, plan=Plan((2,), "persistent_static+tc"))
+    x_b = random_inputs(model_b, 2, np.random.default_rng(8))
+    want_b = cudnn_op.algorithm_code(Algorithm.parse("persistent_static+tc"), "float32")
+    a_inside, b_done = threading.Event(), threading.Event()
+    seen, errors, result_a = [], [], []
+    recording = cudnn_op.call_op
+
+    def call_op(module, **kw):
+        code = tf.get_static_value(kw["algorithm"])
+        seen.append((threading.current_thread().name, kw["rnn_mode"], None if code is None else int(code)))
+        if threading.current_thread().name == "A" and code is None and not a_inside.is_set():
+            a_inside.set()  # inside A's shared step: let B trace now
+            assert b_done.wait(30), "thread B did not trace while A was tracing"
+        return recording(module, **kw)
+
+    monkeypatch.setattr(cudnn_op, "call_op", call_op)
+    medians = {"per-layer": 3.0, "fused": 2.0, "fused @persistent_static+tc": 2.0,
+               "fused @persistent_dynamic+tc": 1.0}
+
+    def tune_a():
+        try:
+            result_a.extend(tuner.tune_plans(
+                [group_a], lambda g: (2, 7, 5), training=False, progress=False,
+                environment={"device": "FakeGPU", "backend": "tensorflow"},
+                measure=lambda steps: {n: {"median": medians[n]} for n in steps},
+            ))
+        except BaseException as err:  # noqa: BLE001 - reported below
+            errors.append(err)
+
+    def call_b():
+        try:
+            assert a_inside.wait(30), "thread A never reached its shared step"
+            out = tf.function(lambda t: fast_b(t))(x_b)
+            assert max_abs_diff(out, model_b(x_b)) <= 2e-5
+        except BaseException as err:  # noqa: BLE001 - reported below
+            errors.append(err)
+        finally:
+            b_done.set()
+
+    threads = [threading.Thread(target=tune_a, name="A"), threading.Thread(target=call_b, name="B")]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert not errors, errors
+    assert [r.plan.name for r in result_a] == ["fused @persistent_dynamic+tc"]
+    b_calls = [code for thread, mode, code in seen if thread == "B"]
+    a_calls = [(mode, code) for thread, mode, code in seen if thread == "A"]
+    assert b_calls and all(code == want_b for code in b_calls), seen
+    assert ("lstm", None) in a_calls and all(mode == "lstm" for mode, _ in a_calls), seen
+    assert fused_layers(fast_b)[0].last_path.kernel.algorithm == "persistent_static+tc"

@@ -80,13 +80,13 @@ def test_first_fit_times_the_candidates_on_the_real_batch_and_keeps_the_fastest(
     assert timer.calls == 1
     assert timer.names == [sorted(["per-layer", "fused", "split 2+2"])]
     assert fake_gpu[0]["shape"] == (8, 9, 5), "timed on the first batch's shape"
-    assert layer.pieces == (2, 2)
+    assert layer.plan == rnnfuse.Plan((2, 2))
     assert "fused" in layer.last_path
     (record,) = first_batch.decisions(fast)
     assert record["mode"] == "training" and record["input"] == [8, 9, 5]
     assert record["chosen"] == "split 2+2" and record["timings_ms"]["per-layer"] == 3000.0
-    assert record["static"] == rnnfuse.tuning.table.static_plan(
-        rnnfuse.tuning.first_batch.group_of(layer), "float32", True).name
+    (group,) = rnnfuse.analyze(model).groups
+    assert record["static"] == rnnfuse.tuning.table.static_plan(group, "float32", True).name
     json.dumps(record)  # JSON-ready, for bench/ and bug reports
     # The split plan computes what the original layers compute.
     assert max_abs_diff(fast.predict(x, verbose=0), model.predict(x, verbose=0)) <= 2e-5
@@ -120,8 +120,7 @@ def test_a_masked_input_is_timed_with_a_mask_and_cached_as_its_own_decision(
 
 def test_the_padding_mask_for_timing_is_right_padded_and_reaches_the_layers(emulated_cudnn):
     model = stack_model("lstm", 2, units=4, steps=7, masked=True)
-    fast = rnnfuse.optimize(model, tune=False)
-    group = first_batch.group_of(fused_layers(fast)[0])
+    (group,) = rnnfuse.analyze(model).groups
     mask = keras.ops.convert_to_numpy(tuner.padding_mask((5, 7)))
     assert mask[0].all() and not mask.all()
     assert all(list(row) == sorted(row, reverse=True) for row in mask)
@@ -144,13 +143,13 @@ def test_a_cached_decision_is_used_without_timing(fake_gpu, emulated_cudnn, tmp_
     fast.compile(optimizer="sgd", loss="mse")
     fast.fit(x, y, batch_size=8, verbose=0)
     assert first.calls == 1
-    assert fused_layers(fast)[0].pieces == ()
+    assert fused_layers(fast)[0].plan.per_layer
     again = FakeTimer({"per-layer": 1.0, "fused": 2.0})
     fast2 = _optimize(model, again, PlanCache(tmp_path / "plans.json"))
     fast2.compile(optimizer="sgd", loss="mse")
     fast2.fit(x, y, batch_size=8, verbose=0)
     assert again.calls == 0, "a cached shape must not be timed again"
-    assert fused_layers(fast2)[0].pieces == ()
+    assert fused_layers(fast2)[0].plan.per_layer
 
 
 def test_later_shapes_take_the_nearest_cached_decision_and_never_stall(
@@ -166,7 +165,7 @@ def test_later_shapes_take_the_nearest_cached_decision_and_never_stall(
         y = rng.standard_normal((8, 6)).astype("float32")
         fast.fit(x, y, batch_size=8, verbose=0)
     assert timer.calls == 1, "each mode is timed once per model"
-    assert fused_layers(fast)[0].pieces == ()
+    assert fused_layers(fast)[0].plan.per_layer
 
 
 def test_a_shape_already_decided_reads_no_cache_file_again(fake_gpu, emulated_cudnn, tmp_path, monkeypatch):
@@ -185,7 +184,7 @@ def test_a_shape_already_decided_reads_no_cache_file_again(fake_gpu, emulated_cu
     for _ in range(3):
         fast.fit(x, y, batch_size=8, verbose=0)
     assert reads == [] and timer.calls == 1
-    assert fused_layers(fast)[0].pieces is None
+    assert fused_layers(fast)[0].plan.name == "fused"
 
 
 def test_a_corrupt_cache_file_is_set_aside_and_tuning_goes_on(fake_gpu, emulated_cudnn, tmp_path):
@@ -199,7 +198,7 @@ def test_a_corrupt_cache_file_is_set_aside_and_tuning_goes_on(fake_gpu, emulated
     with pytest.warns(RuntimeWarning, match="plan cache"):
         fast.fit(x, y, batch_size=4, verbose=0)
     assert timer.calls == 1
-    assert fused_layers(fast)[0].pieces is None
+    assert fused_layers(fast)[0].plan.name == "fused"
     assert json.loads(path.read_text())["entries"], "the decision was written"
 
 
@@ -208,12 +207,12 @@ def test_timing_that_fails_keeps_the_static_plan(fake_gpu, emulated_cudnn, tmp_p
     timer = FakeTimer({}, fail=True)
     fast = _optimize(model, timer, PlanCache(tmp_path / "plans.json"))
     (layer,) = fused_layers(fast)
-    before = (layer.pieces, layer.algorithm)
+    before = layer.plan
     fast.compile(optimizer="sgd", loss="mse")
     x, y = _data(model, n=4)
     with caplog.at_level(logging.WARNING, logger="rnnfuse"):
         fast.fit(x, y, batch_size=4, verbose=0)
-    assert (layer.pieces, layer.algorithm) == before
+    assert layer.plan == before
     assert "timing the plans on the first batch failed" in caplog.text
     assert max_abs_diff(fast.predict(x, verbose=0), model.predict(x, verbose=0)) <= 2e-5
 
@@ -240,7 +239,7 @@ def test_switching_to_per_layer_runs_the_original_layers(fake_gpu, emulated_cudn
     with caplog.at_level(logging.INFO, logger="rnnfuse"):
         out = fast.predict(x, verbose=0)
     (layer,) = fused_layers(fast)
-    assert layer.pieces == ()
+    assert layer.plan.per_layer
     assert layer.last_path.startswith("layers:")
     assert not layer.fused_call_blocks_xla
     assert "chose per-layer" in caplog.text and "inference" in caplog.text
@@ -280,16 +279,29 @@ def test_first_batch_shape_of_a_dataset_reads_one_element():
 def test_set_plan_checks_its_arguments():
     model = stack_model("lstm", 3, steps=5)
     (layer,) = fused_layers(rnnfuse.optimize(model, tune=False))
-    with pytest.raises(ValueError, match="cover 2 layers; this layer runs 3"):
-        layer.set_plan((1, 1))
-    with pytest.raises(ValueError, match="positive layer counts; received"):
-        layer.set_plan((0, 3))
-    layer.set_plan((3,))
-    assert layer.pieces is None
+    with pytest.raises(ValueError, match="runs 3 layers: plan 'split 1\\+1' covers 2 layers"):
+        layer.set_plan(rnnfuse.Plan((1, 1)))
+    with pytest.raises(TypeError, match=r"set_plan takes an rnnfuse.Plan.*received tuple"):
+        layer.set_plan((3,))
+    layer.set_plan(rnnfuse.FUSED)
+    assert layer.plan == rnnfuse.Plan((3,))
     restored = type(layer).from_config(layer.get_config())
-    assert restored.pieces is None
-    layer.set_plan((1, 2))
-    assert type(layer).from_config(layer.get_config()).pieces == (1, 2)
+    assert restored.plan == rnnfuse.Plan((3,))
+    layer.set_plan(rnnfuse.Plan((1, 2), "persistent_static+tc"))
+    assert type(layer).from_config(layer.get_config()).plan == layer.plan
+
+
+def test_a_fused_layer_saved_before_plans_existed_loads_its_pieces_and_algorithm():
+    model = stack_model("lstm", 3, steps=5)
+    (layer,) = fused_layers(rnnfuse.optimize(model, tune=False))
+    config = layer.get_config()
+    del config["plan"]
+    for old, want in (
+        ({"pieces": None, "algorithm": None}, rnnfuse.Plan((3,))),
+        ({"pieces": [], "algorithm": None}, rnnfuse.PER_LAYER),
+        ({"pieces": [1, 2], "algorithm": "persistent_dynamic+tc"}, rnnfuse.Plan((1, 2), "persistent_dynamic+tc")),
+    ):
+        assert type(layer).from_config({**config, **old}).plan == want
 
 
 def test_analyze_says_when_fusing_costs_the_model_xla(emulated_cudnn):
@@ -316,7 +328,7 @@ def gradient_calls(monkeypatch):
     from rnnfuse.backends import get_backend
 
     model = stack_model("lstm", 2, units=4, steps=5)
-    group = first_batch.group_of(fused_layers(rnnfuse.optimize(model, tune=False))[0])
+    (group,) = rnnfuse.analyze(model).groups
     backend = type(get_backend())
     calls = []
     real = backend.gradients
@@ -350,12 +362,12 @@ def test_the_gradient_check_runs_on_the_first_check_steps_of_a_long_batch(gradie
 
 
 def test_tuning_traces_a_masked_fused_candidate_without_the_per_layer_fallback(emulated_cudnn, monkeypatch):
-    """Under masks_known_right_padded (the tuner's first calls), a masked
-    fused call's other branch is the fused call again: the original layers
-    are not traced; outside it they are, and both give the same numbers."""
+    """With mask_is_right_padded (the tuner's timed steps), a masked fused
+    call's other branch is the fused call again: the original layers are
+    not traced; without it they are, and both give the same numbers."""
     import tensorflow as tf
 
-    from rnnfuse.fused import FusedRNN, masks_known_right_padded
+    from rnnfuse.fused import FusedRNN
 
     traced = []
     original = FusedRNN._call_layers
@@ -369,10 +381,9 @@ def test_tuning_traces_a_masked_fused_candidate_without_the_per_layer_fallback(e
     fused = FusedRNN([a, b])
     x = np.random.default_rng(0).standard_normal((3, 6, 2)).astype("float32")
     mask = tuner.padding_mask((3, 6))
-    step = lambda: tf.function(lambda x, m: fused(x, mask=m))(x, mask)
-    with masks_known_right_padded():
-        inside = step()
+    step = lambda known: tf.function(lambda x, m: fused(x, mask=m, mask_is_right_padded=known))(x, mask)
+    inside = step(True)
     assert traced == [] and fused.last_path.kind.name == "FUSED"
-    outside = step()
-    assert traced == [fused.name], "outside tuning the fallback branch is traced"
+    outside = step(False)
+    assert traced == [fused.name], "without it the fallback branch is traced"
     assert max_abs_diff(inside, outside) == 0.0

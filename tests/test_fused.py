@@ -35,6 +35,22 @@ def test_the_fused_path_is_the_fused_record(emulated_cudnn):
     fused = FusedRNN([a, b])
     assert max_abs_diff(fused(x), expected) <= 1e-5
     assert fused.last_path.kind is PathKind.FUSED and fused.last_path == "fused"
+    assert fused.last_path.kernel.name == "CudnnRNNV3"  # no op loaded here
+
+
+def test_the_path_is_the_branch_a_masked_call_ran(emulated_cudnn):
+    """A left-padded batch runs the original layers (the kernel 0 times) and
+    says so; a right-padded one runs the kernel once and says "fused"."""
+    a, b, x, _ = _pair()
+    fused = FusedRNN([a, b])
+    left = np.array([[False, True, True, True, True], [True] * 5])
+    assert max_abs_diff(fused(x, mask=left), b(a(x, mask=left), mask=left)) <= 1e-5
+    assert not emulated_cudnn, "the kernel ran for a left-padded mask"
+    assert fused.last_path.kind is PathKind.LAYERS
+    assert fused.last_path.reason.rule == "mask_not_right_padded"
+    right = np.array([[True, True, True, False, False], [True] * 5])
+    assert max_abs_diff(fused(x, mask=right), b(a(x, mask=right), mask=right)) <= 1e-5
+    assert len(emulated_cudnn) == 1 and fused.last_path == "fused"
 
 
 def test_not_implemented_from_the_backend_runs_the_original_layers(emulated_cudnn, monkeypatch):

@@ -17,10 +17,10 @@ import tensorflow as tf
 
 import rnnfuse
 from builders import fused_layers, max_abs_diff, random_inputs, stack_model
+from rnnfuse.backends import get_backend
 from rnnfuse.passes import build_layer_graph, plan_fusion
-from rnnfuse.plan import Algorithm
+from rnnfuse.plan import FUSED, PER_LAYER, Algorithm, Plan
 from rnnfuse.tuning.cache import PlanCache
-from rnnfuse.plan import FUSED, PER_LAYER, Plan
 from rnnfuse.tuning.plans import candidate_plans, split_groups
 from rnnfuse.tuning.tuner import tune_plans
 
@@ -288,9 +288,9 @@ def test_tune_with_a_sample_batch_on_cpu_uses_the_table(tmp_path):
 def test_fused_layer_keeps_its_algorithm_in_its_config():
     model = stack_model("gru", 2)
     (fused,) = fused_layers(rnnfuse.optimize(model, plan=Plan((2,), "persistent_static+tc")))
-    assert fused.algorithm == "persistent_static+tc"
+    assert fused.plan.algorithm == "persistent_static+tc"
     clone = rnnfuse.FusedRNN.from_config(fused.get_config())
-    assert clone.algorithm == "persistent_static+tc"
+    assert clone.plan == fused.plan
     with pytest.raises(ValueError, match="unknown cuDNN algorithm"):
         Plan((2,), "fastest")
 
@@ -313,7 +313,14 @@ def test_algorithm_names_round_trip_for_every_algorithm_and_math_type():
 
 
 def test_no_process_wide_algorithm_state_is_left():
-    """The algorithm is an input of the op call: no environment variable."""
+    """The algorithm is an input of the op call and the call's own argument:
+    no environment variable, no module-level switch or record."""
+    import rnnfuse.fused as fused_module
+    from rnnfuse.backends import tensorflow as tf_backend
+
+    for name in ("runtime_algorithm", "_RUNTIME_CODE", "_LAST", "last_kernel", "TUNED_ALGORITHMS"):
+        assert not hasattr(tf_backend, name), name
+    assert not hasattr(fused_module, "masks_known_right_padded")
     model = stack_model("gru", 2)
     rnnfuse.optimize(model, plan=Plan((2,), "persistent_static+tc"))(
         random_inputs(model, 1, np.random.default_rng(3))
@@ -330,11 +337,11 @@ def test_without_the_op_an_algorithm_runs_as_standard_and_says_so(emulated_cudnn
     fast = rnnfuse.optimize(model, plan=Plan((2,), "persistent_static+tc"))
     x = random_inputs(model, 2, np.random.default_rng(2))
     out = fast(x)
-    last = tf_backend.last_kernel()
-    assert last["kernel"] == "CudnnRNNV3" and last["algorithm"] == "standard"
-    assert "persistent_static+tc algorithm asked for runs as standard" in last["reason"]
+    last = fused_layers(fast)[0].last_path.kernel
+    assert last.name == "CudnnRNNV3" and last.algorithm == "standard"
+    assert "persistent_static+tc algorithm asked for runs as standard" in last.note
     assert max_abs_diff(out, model(x)) <= 2e-5
-    assert tf_backend.TUNED_ALGORITHMS == (None,)
+    assert get_backend().capabilities.tuned_algorithms == (None,)
 
 
 def test_an_algorithm_cudnn_refuses_is_rejected_with_its_reason():

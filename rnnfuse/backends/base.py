@@ -1,12 +1,16 @@
-"""The backend contract: `Backend`, its `Capabilities`, `StackSpec` and
-`ProjectedLSTMCall`.
+"""The backend contract: `Backend`, its `Capabilities`, `StackSpec`,
+`StackRun` and `ProjectedLSTMCall`; and `Tooling`, the tools' contract.
 
-`StackSpec` is what a backend needs to know about a fused stack;
-`ProjectedLSTMCall` what it needs to run one `ProjectedLSTM` call on its own
-fast path (`Backend.run_projected_lstm`). `Backend`
-is the abstract class every backend (rnnfuse/backends/<name>/backend.py)
-implements in full; `NoFusedKernel` stands in for Keras backends rnnfuse
-has no kernel for. This module imports no framework.
+`StackSpec` is what a backend needs to know about a fused stack, `StackRun`
+what its fused call returns; `ProjectedLSTMCall` what it needs to run one
+`ProjectedLSTM` call on its own fast path (`Backend.run_projected_lstm`).
+`Backend` is the abstract class every backend (rnnfuse/backends/<name>/
+backend.py) implements in full: what the layers, the planner and the tuner
+call. `Tooling` is apart from it: what `rnnfuse bench` / `check` and the
+examples call (describing the device, timing a whole model's step, a
+model's outputs and gradients). `NoFusedKernel` and `NoTooling` stand in
+for Keras backends rnnfuse has no kernel for. This module imports no
+framework.
 
 Example:
 
@@ -39,7 +43,9 @@ import contextlib
 import dataclasses
 import os
 import platform
-from typing import Any, Sequence
+from typing import Any, NamedTuple, Sequence
+
+from rnnfuse.reasons import KernelRun
 
 __all__ = [
     "Backend",
@@ -49,9 +55,12 @@ __all__ = [
     "KernelModuleBackend",
     "NoFusedKernel",
     "NoProjectedLSTMPath",
+    "NoTooling",
     "PROJECTED_LSTM_PATHS",
     "ProjectedLSTMCall",
+    "StackRun",
     "StackSpec",
+    "Tooling",
     "cpu_description",
     "loss_weights",
     "tanh_sigmoid",
@@ -113,6 +122,19 @@ class StackSpec:
     @property
     def output_size(self) -> int:
         return self.proj_size or self.units
+
+
+class StackRun(NamedTuple):
+    """What `Backend.run_stack` returns: the tensors and which kernel ran."""
+
+    # [B, T, D*R] with zeros past each sequence's length.
+    outputs: Any
+    # [L*D, B, R] final h per pseudo-layer.
+    final_h: Any
+    # [L*D, B, H] final c (LSTM), else None.
+    final_c: Any
+    # The kernel and algorithm the call ran (decided when it is traced).
+    kernel: KernelRun
 
 
 # ProjectedLSTM's fast-path variants (the TensorFlow loops; "auto" picks
@@ -235,9 +257,19 @@ class Backend(abc.ABC):
 
     @abc.abstractmethod
     def run_stack(self, sequences, *, stack, initial_h=None, initial_c=None, mask=None,
-                  reverse=False, dropout=0.0, seed=(0, 0), algorithm=None):
-        """(outputs, final_h, final_c); raises NotImplementedError when it
-        cannot run this call (the layer then runs the original layers)."""
+                  reverse=False, dropout=0.0, seed=(0, 0), algorithm=None, kernel="cudnn"):
+        """A `StackRun` (outputs, final_h, final_c, kernel); raises
+        NotImplementedError when it cannot run this call (the layer then
+        runs the original layers). `kernel` is the plan's
+        (`rnnfuse.plan.KERNELS`; one the backend does not have raises
+        NotImplementedError); `algorithm` its variant: a
+        `rnnfuse.plan.Algorithm` for "cudnn" (None: standard), or the value
+        `timed_steps` passes its step to run every algorithm on one trace."""
+
+    @abc.abstractmethod
+    def concrete_bool(self, value: Any) -> bool | None:
+        """The Python value of a boolean scalar tensor where it is known now
+        (an eager call), or None while a graph is traced."""
 
     @abc.abstractmethod
     def in_xla_context(self) -> bool:
@@ -279,11 +311,40 @@ class Backend(abc.ABC):
     def activation_functions(self) -> dict:
         """This framework's own tanh/sigmoid/relu: name -> list of functions."""
 
-    # -- timing and gradients (tuner, CLI, examples) --------------------------------
+    # -- timing and gradients (the tuner) --------------------------------------------
 
     @abc.abstractmethod
     def device_environment(self) -> dict:
         """Device and library versions a tuned plan depends on (cache key)."""
+
+    @abc.abstractmethod
+    def timed_step(self, run, x, variables: Sequence[Any], training: bool, jit: bool = False):
+        """A compiled step of `run(x, training)` (+ gradients) for the
+        tuner; returns a callable giving a scalar tensor. `jit`: compile it
+        with XLA (only asked where `capabilities.auto_jit_from_layers`)."""
+
+    def timed_steps(self, make_run, x, variables: Sequence[Any], training: bool,
+                    algorithms: Sequence[Any], dtype: str) -> dict | None:
+        """{algorithm name (None: standard): step} for fused plans that differ
+        only in their cuDNN algorithm, all on one compiled step of
+        `make_run()`, whose run is called `run(x, training, algorithm=a)`
+        with a value standing for each algorithm (one trace and one graph
+        set-up for the set); None, without calling `make_run`, where the
+        backend cannot take the algorithm at run time (the tuner then builds
+        one `timed_step` per plan). Default: None."""
+        return None
+
+    @abc.abstractmethod
+    def gradients(self, run, x, variables: Sequence[Any]) -> list:
+        """d(sum of squared outputs of `run(x, False)`)/d(variables), float64
+        NumPy arrays (the tuner's gradient check)."""
+
+
+class Tooling(abc.ABC):
+    """What rnnfuse's tools (`rnnfuse bench`, `rnnfuse check`, the examples)
+    need from a framework, apart from the `Backend` contract: nothing in
+    the optimize -> kernel flow calls it. `rnnfuse.backends.get_tooling()`
+    returns the active backend's."""
 
     @abc.abstractmethod
     def describe_device(self) -> tuple[str, bool]:
@@ -298,30 +359,9 @@ class Backend(abc.ABC):
         """Turn TF32 matmuls off (for numeric checks)."""
 
     @abc.abstractmethod
-    def timed_step(self, run, x, variables: Sequence[Any], training: bool, jit: bool = False):
-        """A compiled step of `run(x, training)` (+ gradients) for the
-        tuner; returns a callable giving a scalar tensor. `jit`: compile it
-        with XLA (only asked where `capabilities.auto_jit_from_layers`)."""
-
-    def timed_steps(self, make_run, x, variables: Sequence[Any], training: bool,
-                    algorithms: Sequence[Any], dtype: str) -> dict | None:
-        """{algorithm name (None: standard): step} for fused plans that differ
-        only in their cuDNN algorithm, all on one compiled step of
-        `make_run()` (one trace and one graph set-up for the set); None,
-        without calling `make_run`, where the backend cannot take the
-        algorithm at run time (the tuner then builds one `timed_step` per
-        plan). Default: None."""
-        return None
-
-    @abc.abstractmethod
     def model_step(self, model, train: bool):
         """inputs -> float: one inference or training step of `model`,
         returning when the device is done (bench)."""
-
-    @abc.abstractmethod
-    def gradients(self, run, x, variables: Sequence[Any]) -> list:
-        """d(sum of squared outputs of `run(x, False)`)/d(variables), float64
-        NumPy arrays (the tuner's gradient check)."""
 
     @abc.abstractmethod
     def outputs_and_grads(self, model, inputs, variables, seed: int) -> tuple[list, list]:
@@ -352,6 +392,9 @@ class KernelModuleBackend(Backend):
 
     def run_stack(self, sequences, **kwargs):
         return self.kernels.run_stack(sequences, **kwargs)
+
+    def concrete_bool(self, value):
+        return self.kernels.concrete_bool(value)
 
 
 class NoProjectedLSTMPath:
@@ -405,6 +448,9 @@ class NoFusedKernel(NoProjectedLSTMPath, Backend):
     def run_stack(self, sequences, **kwargs):
         self._none("fused kernel")
 
+    def concrete_bool(self, value):
+        return None
+
     def in_xla_context(self):
         return False
 
@@ -420,6 +466,23 @@ class NoFusedKernel(NoProjectedLSTMPath, Backend):
     def device_environment(self):
         return {}
 
+    def timed_step(self, run, x, variables, training, jit=False):
+        self._none("timing")
+
+    def gradients(self, run, x, variables):
+        self._none("gradients")
+
+
+class NoTooling(Tooling):
+    """The tools' contract for a Keras backend rnnfuse has no kernel for:
+    every method raises NotImplementedError naming the backend."""
+
+    def __init__(self, name: str):
+        self.name = name
+
+    def _none(self, what: str):
+        raise NotImplementedError(f"rnnfuse has no {what} for the {self.name} backend")
+
     def describe_device(self):
         self._none("timing")
 
@@ -429,14 +492,8 @@ class NoFusedKernel(NoProjectedLSTMPath, Backend):
     def exact_float32(self):
         return None
 
-    def timed_step(self, run, x, variables, training, jit=False):
-        self._none("timing")
-
     def model_step(self, model, train):
         self._none("timing")
-
-    def gradients(self, run, x, variables):
-        self._none("gradients")
 
     def outputs_and_grads(self, model, inputs, variables, seed):
         self._none("gradients")

@@ -1,7 +1,7 @@
 """Random inputs for `bench` and `check`, and running the user's model.
 
 Timing, model steps and gradients are the backend's own
-(`rnnfuse.backends.get_backend()`: `describe_device`, `model_step`,
+(`rnnfuse.backends.get_tooling()`: `describe_device`, `model_step`,
 `outputs_and_grads`), so `bench` and `check` run under every backend
 rnnfuse has a kernel for.
 
@@ -214,10 +214,10 @@ def _embedding_inputs(model, specs) -> dict[int, tuple[int, bool]]:
 
 
 def backend_for(command: str):
-    """The active Keras backend's `rnnfuse.backends.Backend` (its device
+    """The active Keras backend's `rnnfuse.backends.Tooling` (its device
     description, model steps and gradients); a CliError where rnnfuse has
     no kernel for it."""
-    from rnnfuse.backends import get_backend
+    from rnnfuse.backends import get_backend, get_tooling
 
     backend = get_backend()
     if not backend.capabilities.fused_kernel:
@@ -226,7 +226,7 @@ def backend_for(command: str):
             f"this process uses '{backend.name}'. Fix: set KERAS_BACKEND=tensorflow "
             "(or torch, or jax)"
         )
-    return backend
+    return get_tooling()
 
 
 def run_model(fn, *args, command: str):

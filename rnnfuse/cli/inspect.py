@@ -35,7 +35,7 @@ def run(args) -> int:
     from rnnfuse.cli.output import envelope, group_records
     from rnnfuse.passes.graph import is_graph_model
     from rnnfuse.placement import backend_name
-    from rnnfuse.tuning.first_batch import fused_layers
+    from rnnfuse.fused import fused_layers
 
     model = load_model(args.model, imports=args.imports, safe_mode=not args.unsafe)
     report = pipeline.analyze(model, args.min_layers)

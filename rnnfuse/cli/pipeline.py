@@ -103,7 +103,7 @@ class _DropRecords(logging.Filter):
 
 def fused_paths(model) -> dict:
     """Fused layer name -> what its last call ran (a `CallPath`, or None)."""
-    from rnnfuse.tuning.first_batch import fused_layers
+    from rnnfuse.fused import fused_layers
 
     return {layer.name: layer.last_path for layer in fused_layers(model)}
 

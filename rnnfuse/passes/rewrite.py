@@ -46,6 +46,7 @@ from rnnfuse.fused import FusedRNN, first_call_kwargs
 from rnnfuse.passes.graph import is_graph_model
 from rnnfuse.optimized import as_optimized
 from rnnfuse.persistence import copy_compile
+from rnnfuse.plan import Plan
 from rnnfuse.reasons import FusionWarning
 from rnnfuse.report import FusionGroup, RewriteFailure
 
@@ -55,8 +56,7 @@ __all__ = ["FusionWarning", "rewrite_model"]
 def rewrite_model(
     model: keras.Model,
     groups: Sequence[FusionGroup],
-    algorithms: Sequence[str | None] | None = None,
-    pieces: Sequence[tuple[int, ...] | None] | None = None,
+    plans: Sequence[Plan | None] | None = None,
 ) -> tuple[keras.Model, tuple[RewriteFailure, ...]]:
     """A new model in which each of `groups` is one `FusedRNN`, and the
     groups whose fused layer could not be built.
@@ -64,17 +64,16 @@ def rewrite_model(
     Args:
         model: the analyzed Sequential or Functional model.
         groups: the groups to fuse (from `plan_fusion`, or split by a plan).
-        algorithms: optional cuDNN algorithm per group (None: default).
-        pieces: optional `FusedRNN` pieces per group (None: whole; `()`:
-            the original layers inside a switchable FusedRNN).
+        plans: optional `rnnfuse.Plan` per group, its `FusedRNN`'s plan
+            (None: `rnnfuse.FUSED`; a per-layer plan keeps the original
+            layers inside a switchable FusedRNN).
 
     Returns:
         (a new `keras.Model` sharing every layer and variable with `model`,
         one `RewriteFailure` per group that keeps its original layers; each
         is also warned about with a `FusionWarning`).
     """
-    algorithms = list(algorithms or [None] * len(groups))
-    pieces = list(pieces or [None] * len(groups))
+    plans = list(plans or [None] * len(groups))
     if not groups:
         # Nothing to fuse: the original graph itself (the same nodes, no
         # layer called again), so the model costs what `model` costs.
@@ -82,8 +81,8 @@ def rewrite_model(
         if same is not model:
             return same, ()
     by_scope: dict[str, list] = collections.defaultdict(list)
-    for group, algorithm, piece in zip(groups, algorithms, pieces):
-        by_scope[group.scope].append((group, algorithm, piece))
+    for group, plan in zip(groups, plans):
+        by_scope[group.scope].append((group, plan))
     rewriter = _Rewriter(by_scope)
     new = rewriter.rewrite(model, scope="", force_new=True)
     # Weight files in the original layout, registered classes (optimized.py).
@@ -118,14 +117,13 @@ class _Rewriter:
 
     def _fused_layers(self, groups: list) -> list[tuple[FusionGroup, FusedRNN]]:
         built = []
-        for group, algorithm, pieces in groups:
+        for group, plan in groups:
             layers = [v.layer for v in group.views]
             try:
                 fused = FusedRNN(
                     layers,
                     dropout_layers=list(group.gap_dropout) or None,
-                    algorithm=algorithm,
-                    pieces=pieces,
+                    plan=plan,
                 )
             except Exception as err:  # noqa: BLE001 - one bad group must not sink the rest
                 # Not silent: warned about, and recorded in the

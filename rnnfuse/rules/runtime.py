@@ -4,7 +4,9 @@
 rules in order (at trace time in a `tf.function`); the layer records the
 answer as its `last_path` (a `rnnfuse.reasons.CallPath`). The last rule,
 `not_implemented`, is the backend raising `NotImplementedError` from
-`run_stack`, which `FusedRNN` catches.
+`run_stack`, which `FusedRNN` catches; `mask_not_right_padded` is the
+reason a masked call's other branch gives (the mask's values decide), and
+`plan_per_layer` the reason of a plan that keeps the original layers.
 
 Example:
 
@@ -63,6 +65,14 @@ def _go_backwards_mask(backend, stack, dtype, views, mask):
 def not_implemented(backend_name: str, err: BaseException) -> Reason:
     return Reason(
         "not_implemented", f"the {backend_name} backend cannot run this call: {err}"
+    )
+
+
+@rule("mask_not_right_padded", "runtime", "the call's mask is not right-padded (or holds an empty sequence): Keras' generic loop runs the original layers", "mask")
+def mask_not_right_padded() -> Reason:
+    return Reason(
+        "mask_not_right_padded",
+        "the mask is not right-padded (or holds an empty sequence), which cuDNN cannot take",
     )
 
 

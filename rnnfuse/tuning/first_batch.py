@@ -46,8 +46,7 @@ from typing import Any, Callable
 import keras
 
 from rnnfuse.backends import get_backend
-from rnnfuse.fused import FusedRNN
-from rnnfuse.recurrent import describe
+from rnnfuse.fused import FusedRNN, fused_layers
 from rnnfuse.report import FusionGroup
 from rnnfuse.tuning.cache import PlanCache, cache_key
 from rnnfuse.plan import Plan
@@ -61,7 +60,6 @@ __all__ = [
     "decision_record",
     "decisions",
     "first_batch_shape",
-    "group_of",
     "prepare",
 ]
 
@@ -77,6 +75,9 @@ class AutoTune:
 
     # Where decisions are kept (None: nowhere; every process times anew).
     cache: PlanCache | None
+    # (FusedRNN, the FusionGroup it was built from) of the optimized model,
+    # kept from `optimize` (`attach`), so nothing is described again.
+    groups: list = dataclasses.field(default_factory=list)
     # Whether the user compiled with jit_compile="auto" (Keras' default).
     jit_auto: bool = True
     # (mode, input shape) -> the decisions taken for it, so a later fit or
@@ -112,37 +113,19 @@ def can_time_here(environment: dict | None = None) -> bool:
     return bool(device) and not device.startswith("cpu")
 
 
-def attach(model: keras.Model, state: AutoTune) -> keras.Model:
-    """Marks `model` (an optimized model) for first-batch tuning."""
+def attach(model: keras.Model, groups, state: AutoTune) -> keras.Model:
+    """Marks `model` (an optimized model) for first-batch tuning, with the
+    `FusionGroup`s its FusedRNN layers were built from (`optimize`'s): each
+    FusedRNN is paired with the group whose first layer it runs first (a
+    group whose fused layer failed to build has none)."""
+    by_first = {id(g.views[0].layer): g for g in groups}
+    state.groups = [
+        (f, by_first[id(f.fused_layers[0])])
+        for f in fused_layers(model)
+        if id(f.fused_layers[0]) in by_first
+    ]
     object.__setattr__(model, "_rnnfuse_autotune", state)
     return model
-
-
-def fused_layers(model: keras.Model) -> list[FusedRNN]:
-    """The FusedRNN layers of `model`, nested models included."""
-    return [l for l in model._flatten_layers(include_self=False) if isinstance(l, FusedRNN)]
-
-
-def group_of(fused: FusedRNN) -> FusionGroup:
-    """The `FusionGroup` record of the run a FusedRNN holds."""
-    views = tuple(describe(layer) for layer in fused.fused_layers)
-    gaps = [None] * (len(views) - 1)
-    for i, d in zip(fused._dropout_after, fused.absorbed_dropout):
-        gaps[i] = d
-    stack = fused.stack
-    return FusionGroup(
-        layers=tuple(l.name for l in fused.fused_layers),
-        cell=stack.kind,
-        units=stack.units,
-        num_layers=stack.num_levels,
-        input_size=views[0].input_size,
-        bidirectional=stack.num_directions == 2,
-        proj_size=stack.proj_size,
-        absorbed_dropout=tuple(d.name for d in fused.absorbed_dropout),
-        dtype=str(fused.fused_layers[0].compute_dtype),
-        views=views,
-        gap_dropout=tuple(gaps),
-    )
 
 
 def first_batch_shape(x: Any, batch_size: int | None) -> tuple[int, ...] | None:
@@ -253,11 +236,9 @@ def prepare(model: keras.Model, x: Any, batch_size: int | None, *, training: boo
     was: no GPU, no FusedRNN, a shape that cannot be known, already done).
     """
     state = getattr(model, "_rnnfuse_autotune", None)
-    if state is None:
+    if state is None or not state.groups:
         return []
-    layers = fused_layers(model)
-    if not layers:
-        return []
+    layers = [f for f, _ in state.groups]
     environment = state.environment if state.environment is not None else device_environment()
     if environment is None:
         return []
@@ -270,7 +251,7 @@ def prepare(model: keras.Model, x: Any, batch_size: int | None, *, training: boo
         return []
     results = state.decided.get((training, shape))
     if results is None:
-        groups, shapes, masked = _groups_and_shapes(layers, shape)
+        groups, shapes, masked = _groups_and_shapes(state.groups, shape)
         if state.has_timed(training):
             results = _nearest_decisions(state, environment, groups, shapes, training, masked)
         else:
@@ -287,21 +268,20 @@ def prepare(model: keras.Model, x: Any, batch_size: int | None, *, training: boo
     for fused, result in zip(layers, results):
         if result is None:
             continue
-        pieces = result.plan.for_length(len(fused.fused_layers)).pieces
-        pieces = None if len(pieces) == 1 else pieces
-        if pieces != fused.pieces or result.plan.algorithm != fused.algorithm:
-            fused.set_plan(pieces, result.plan.algorithm)
+        plan = result.plan.for_length(len(fused.fused_layers))
+        if plan != fused.plan:
+            fused.set_plan(plan)
             changed = True
     if changed:
         _retrace(model, state)
     return [r for r in results if r is not None]
 
 
-def _groups_and_shapes(layers: list[FusedRNN], shape: tuple) -> tuple[list, dict, dict]:
+def _groups_and_shapes(pairs: list, shape: tuple) -> tuple[list, dict, dict]:
     """Each FusedRNN's group record, its input shape and whether it is masked."""
-    groups = [group_of(f) for f in layers]
-    shapes = {id(g): _group_shape(f, g, shape) for f, g in zip(layers, groups)}
-    masked = {id(g): receives_mask(f) for f, g in zip(layers, groups)}
+    groups = [g for _, g in pairs]
+    shapes = {id(g): _group_shape(f, g, shape) for f, g in pairs}
+    masked = {id(g): receives_mask(f) for f, g in pairs}
     return groups, shapes, masked
 
 

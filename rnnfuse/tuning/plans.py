@@ -24,7 +24,8 @@ __all__ = ["CANDIDATE_ALGORITHMS", "candidate_plans", "split_groups"]
 
 # The algorithms the tuner tries for fused pieces (None: the standard one).
 # On TensorFlow they need rnnfuse's own op, which runs the algorithm in the
-# backward pass too (the backend's TUNED_ALGORITHMS is (None,) without it).
+# backward pass too (the backend's `capabilities.tuned_algorithms` is
+# (None,) without it).
 CANDIDATE_ALGORITHMS: tuple[str | None, ...] = (
     None,
     "persistent_static+tc",
@@ -60,8 +61,9 @@ def candidate_plans(
 
 def split_groups(
     groups: Iterable[FusionGroup], plans: Sequence[Plan]
-) -> list[tuple[FusionGroup, str | None]]:
-    """The (group, algorithm) pairs to fuse under `plans`.
+) -> list[tuple[FusionGroup, Plan]]:
+    """The (group, plan) pairs to fuse under `plans`, each plan one fused
+    call of its group (`Plan.with_pieces`: the same kernel and algorithm).
 
     A per-layer plan drops its group (its layers stay as they are); a split
     plan gives one group per piece.
@@ -93,7 +95,7 @@ def split_groups(
                         views=views,
                         gap_dropout=group.gap_dropout[start : stop - 1],
                     ),
-                    plan.algorithm,
+                    plan.with_pieces((size,)),
                 )
             )
             start = stop

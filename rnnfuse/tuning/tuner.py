@@ -69,7 +69,6 @@ import keras
 import numpy as np
 
 from rnnfuse.backends import get_backend
-from rnnfuse.fused import masks_known_right_padded
 from rnnfuse.report import FusionGroup
 from rnnfuse.tuning.cache import PlanCache, cache_key
 from rnnfuse.plan import PER_LAYER, Plan
@@ -175,21 +174,26 @@ def _with_mask(run: Callable, mask) -> Callable:
     """`run` with the padding mask passed to every call (None: `run` itself)."""
     if mask is None:
         return run
-    return lambda x, training: run(x, training, mask=mask)
+    return lambda x, training, **kwargs: run(x, training, mask=mask, **kwargs)
 
 
 def _runner(group: FusionGroup, plan: Plan, dtype: str | None = None) -> Callable:
-    """A callable x -> outputs that runs `group` under `plan`."""
+    """A callable `run(x, training, mask=None, algorithm=None)` -> outputs
+    that runs `group` under `plan`. Its masks are `padding_mask`'s,
+    right-padded by construction, so the fused calls are told so
+    (`mask_is_right_padded`: their branch for other masks is not traced);
+    `algorithm` is `Backend.timed_steps`' runtime value for the fused
+    calls' algorithm (the original layers ignore it)."""
     from rnnfuse.fused import FusedRNN, call_members
 
-    if not plan.for_length(len(group.layers)).pieces:
+    if plan.for_length(len(group.layers)).per_layer:
         members = []
         for i, view in enumerate(group.views):
             members.append(view.layer)
             if i < len(group.gap_dropout) and group.gap_dropout[i] is not None:
                 members.append(group.gap_dropout[i])
 
-        def per_layer(x, training, mask=None):
+        def per_layer(x, training, mask=None, algorithm=None):
             kwargs = {"training": training}
             if mask is not None:
                 kwargs["mask"] = mask
@@ -200,14 +204,16 @@ def _runner(group: FusionGroup, plan: Plan, dtype: str | None = None) -> Callabl
         FusedRNN(
             [v.layer for v in g.views],
             dropout_layers=list(g.gap_dropout) or None,
-            algorithm=algorithm,
+            plan=piece_plan,
             **({"dtype": dtype} if dtype else {}),
         )
-        for g, algorithm in split_groups([group], [plan])
+        for g, piece_plan in split_groups([group], [plan])
     ]
 
-    def fused(x, training, mask=None):
-        kwargs = {} if mask is None else {"mask": mask}
+    def fused(x, training, mask=None, algorithm=None):
+        kwargs = {"algorithm": algorithm}
+        if mask is not None:
+            kwargs.update(mask=mask, mask_is_right_padded=True)
         for piece in pieces:
             x = piece(x, training=training, **kwargs)
         return x
@@ -404,8 +410,7 @@ class _Measured:
         group, shape, dtype, training, jit_baseline, masked = self.args
         new = sorted((p for p in plans if p.name not in self.steps), key=lambda p: not p.pieces)
         built = _steps(group, new, shape, dtype, training, jit_baseline, masked)
-        with masks_known_right_padded():  # the steps trace at their first call
-            built, refused = _first_calls(built, {p.name: p for p in new}, self.first_s)
+        built, refused = _first_calls(built, {p.name: p for p in new}, self.first_s)
         self.steps.update(built)
         steps = {p.name: self.steps[p.name] for p in plans if p.name in self.steps}
         timings = {}

@@ -13,7 +13,7 @@
 - between-level dropout in the op: the mask read back from a probe stack,
   one mask for both passes (a gradient built from the forward output);
 - proof that the op ran: the traced graph holds RnnfuseCudnnRnn (and
-  RnnfuseCudnnRnnBackprop under a tape), and `last_kernel()` says so, so a
+  RnnfuseCudnnRnnBackprop under a tape), and `last_path.kernel` says so, so a
   silent fallback to CudnnRNNV3 or to the layers fails.
 
 Run on the GPU machine:
@@ -35,6 +35,7 @@ import rnnfuse
 from builders import (
     KINDS,
     fused_layers,
+    kernels_ran,
     random_inputs,
     stack_model,
     traced_op_types,
@@ -43,6 +44,7 @@ from rnnfuse.backends import tensorflow as tf_backend
 from rnnfuse.backends.tensorflow import op_build
 from rnnfuse.layers import ProjectedLSTM
 from rnnfuse.plan import FUSED, Plan
+from rnnfuse.reasons import KernelRun
 
 pytestmark = pytest.mark.gpu
 
@@ -105,7 +107,7 @@ def _assert_op_ran(fast, inputs):
     assert "RnnfuseCudnnRnn" in types, sorted(t for t in types if "Cudnn" in t or "Rnn" in t)
     assert "RnnfuseCudnnRnnBackprop" in types
     assert "CudnnRNNV3" not in types
-    assert tf_backend.last_kernel()["kernel"] == "RnnfuseCudnnRnn"
+    assert kernels_ran(fast) == {"RnnfuseCudnnRnn"}
 
 
 def _float64_twin(model_fn, model):
@@ -119,7 +121,7 @@ def test_op_builds_and_loads():
     assert module is not None, op_build.load_failure()
     print("op library:", op_build.library_path())
     assert tf_backend.op_loaded()
-    assert tf_backend.TUNED_ALGORITHMS[1:] == ("persistent_static+tc", "persistent_dynamic+tc")
+    assert tf_backend.tuned_algorithms()[1:] == ("persistent_static+tc", "persistent_dynamic+tc")
 
 
 @pytest.mark.parametrize("bidirectional", [False, True], ids=["uni", "bi"])
@@ -192,7 +194,7 @@ def test_masks_initial_and_returned_states(kind):
     err, gerr = _rel(got, want), max(_rel(g, w) for g, w in zip(ggot, gwant))
     REPORT[f"mask {kind}"] = [err, gerr]
     assert err <= 1e-5 and gerr <= 1e-4
-    assert tf_backend.last_kernel()["kernel"] == "RnnfuseCudnnRnn"
+    assert kernels_ran(fast) == {"RnnfuseCudnnRnn"}
 
 
 @pytest.mark.parametrize("policy,tol", [("mixed_float16", 2e-2), ("mixed_bfloat16", 6e-2)])
@@ -216,7 +218,7 @@ def test_half_precision_matches_keras(kind, bidirectional, policy, tol):
     x = np.random.default_rng(5).standard_normal((8, 20, 16)).astype("float32")
     (got,), ggot = _run(fast, x, model.trainable_variables)
     assert fused.last_path == "fused", fused.last_path
-    assert tf_backend.last_kernel()["kernel"] == "RnnfuseCudnnRnn"
+    assert kernels_ran(fast) == {"RnnfuseCudnnRnn"}
     (want,), gwant = _run(model, x)
     twin = _float64_twin(build, model)
     (exact,), gexact = _run(twin, x.astype("float64"))
@@ -261,7 +263,7 @@ def test_persistent_algorithms_match_float64_in_both_passes(kind, algorithm, dty
     except tf.errors.OpError as err:  # cuDNN refused: an op error, not an abort
         REPORT[f"{name} {kind} {dtype}"] = f"refused: {err.message[:200]}"
         pytest.skip(f"cuDNN refused {name} here: {err.message[:200]}")
-    assert tf_backend.last_kernel() == {"kernel": "RnnfuseCudnnRnn", "algorithm": name, "reason": None}
+    assert fused_layers(fast)[0].last_path.kernel == KernelRun("RnnfuseCudnnRnn", name, None)
     (want,), gwant = _run(twin, x.astype("float64"))
     err = _rel(got, want)
     gerr = max(_rel(g, w) for g, w in zip(ggot, gwant))
@@ -328,7 +330,7 @@ def test_projected_lstm_matches_pytorch_lstmp(tmp_path):
     fast = rnnfuse.optimize(model, plan=FUSED)
     x = np.random.default_rng(9).standard_normal((6, 25, 12)).astype("float32")
     got = np.asarray(fast(x))
-    assert tf_backend.last_kernel()["kernel"] == "RnnfuseCudnnRnn"
+    assert kernels_ran(fast) == {"RnnfuseCudnnRnn"}
     arrays = {"x": x.astype(np.float64), "layers": 2, "input": 12, "units": 32, "proj": 8}
     layers = [l for l in model.layers if isinstance(l, ProjectedLSTM)]
     for i, layer in enumerate(layers):
@@ -378,7 +380,7 @@ def test_fit_trains_with_the_op_in_mixed_bfloat16():
     y = np.random.default_rng(2).standard_normal((64,) + tuple(fast.output.shape[1:])).astype("float32")
     hist = fast.fit(x, y, batch_size=16, epochs=3, verbose=0)
     assert hist.history["loss"][-1] < hist.history["loss"][0]
-    assert tf_backend.last_kernel()["kernel"] == "RnnfuseCudnnRnn"
+    assert kernels_ran(fast) == {"RnnfuseCudnnRnn"}
 
 
 @pytest.mark.parametrize("go_backwards", [False, True])
@@ -561,13 +563,13 @@ def test_keras_stack_with_absorbed_dropout_trains_on_the_op():
     ys = np.random.default_rng(13).standard_normal((32, 1)).astype("float32")
     hist = fast.fit(xs, ys, batch_size=8, epochs=4, verbose=0)
     assert hist.history["loss"][-1] < hist.history["loss"][0]
-    assert tf_backend.last_kernel()["kernel"] == "RnnfuseCudnnRnn"
+    assert kernels_ran(fast) == {"RnnfuseCudnnRnn"}
 
 
 @pytest.mark.parametrize("dtype", ["float32", "float16"])
 def test_one_traced_step_runs_each_algorithm_as_a_step_traced_for_it_alone(dtype):
-    """The algorithm as the op's runtime input (`runtime_algorithm`, what the
-    tuner's shared steps use): one traced function, called with each
+    """The algorithm as the op's runtime input (the fused calls' `algorithm`
+    argument, what the tuner's shared steps pass): one traced function, called with each
     algorithm's code, gives that algorithm's outputs and gradients exactly
     as a function traced with the algorithm fixed, and traces once."""
     from rnnfuse.plan import Algorithm
@@ -591,17 +593,17 @@ def test_one_traced_step_runs_each_algorithm_as_a_step_traced_for_it_alone(dtype
 
     @tf.function
     def shared(code):
-        with tf_backend.runtime_algorithm(code):
-            return grads_of(shared_run)
+        return grads_of(lambda t, training: shared_run(t, training, algorithm=code))
 
     algorithms = [None, "persistent_static+tc", "persistent_dynamic+tc"]
     got, want = {}, {}
     for a in algorithms:
         code = cudnn_op.algorithm_code(None if a is None else Algorithm.parse(a), dtype)
         got[a] = [np.asarray(tf.cast(t, tf.float32)) for t in shared(tf.constant(code, tf.int32))]
-        alone = tf.function(lambda run=tuner._runner(group, Plan((3,), a)): grads_of(run))
+        layer = rnnfuse.FusedRNN([v.layer for v in group.views], plan=Plan((3,), a))
+        alone = tf.function(lambda: grads_of(lambda t, training: layer(t, training=training)))
         want[a] = [np.asarray(tf.cast(t, tf.float32)) for t in alone()]
-        assert tf_backend.last_kernel()["algorithm"] == (a or "standard")
+        assert layer.last_path.kernel.algorithm == (a or "standard")
     assert shared.experimental_get_tracing_count() == 1
     errors = {str(a): max(_rel(g, w) for g, w in zip(got[a], want[a])) for a in algorithms}
     between = max(_rel(g, w) for g, w in zip(want["persistent_static+tc"], want[None]))

@@ -40,13 +40,13 @@ def test_first_fit_switches_plans_on_the_gpu(tmp_path):
     (layer,) = fused_layers(fast)
     fast._rnnfuse_autotune.measure = _ranked(["per-layer"])
     _fit_once(fast, x, y)
-    assert layer.pieces == () and layer.last_path.startswith("layers:")
+    assert layer.plan.per_layer and layer.last_path.startswith("layers:")
     again = rnnfuse.optimize(model, cache=PlanCache(tmp_path / "b.json"))
     (fused,) = fused_layers(again)
-    fused.set_plan(())
+    fused.set_plan(rnnfuse.PER_LAYER)
     again._rnnfuse_autotune.measure = _ranked(["fused"])
     _fit_once(again, x, y)
-    assert fused.pieces is None and fused.last_path == "fused"
+    assert fused.plan.name == "fused" and fused.last_path == "fused"
     assert max_abs_diff(again.predict(x, verbose=0), model.predict(x, verbose=0)) <= 1e-4
 
 

@@ -33,7 +33,7 @@ def _pieces(fast) -> list[int]:
     group; tune=False builds one FusedRNN per piece)."""
     out = []
     for f in fused_layers(fast):
-        out.extend([len(f.fused_layers)] if f.pieces is None else list(f.pieces))
+        out.extend(list(f.plan.pieces))
     return out
 
 
@@ -49,7 +49,7 @@ def test_default_float16_plan_uses_the_persistent_algorithm_and_matches(kind):
     keras.config.set_dtype_policy("float32")
     fast = rnnfuse.optimize(model)
     (fused,) = fused_layers(fast)
-    assert fused.algorithm == "persistent_static+tc"
+    assert fused.plan.algorithm == "persistent_static+tc"
     x = tf.constant(random_inputs(model, 16, np.random.default_rng(0)))
     step = tf.function(lambda t: fast(t))
     assert _rel(step(x), model(x)) <= 1e-2
@@ -67,7 +67,7 @@ def test_default_float32_plans_match_keras_within_1e5(kind, units, layers):
         rnnfuse.analyze(model).groups[0], "float32", True
     )
     assert _pieces(fast) == list(expected.for_length(layers).pieces)
-    assert all(f.algorithm is None for f in fused_layers(fast))
+    assert all(f.plan.algorithm is None for f in fused_layers(fast))
     x = tf.constant(random_inputs(model, 8, np.random.default_rng(1)))
     assert _rel(tf.function(lambda t: fast(t))(x), model(x)) <= 1e-5
 

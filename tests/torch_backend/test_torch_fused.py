@@ -265,7 +265,7 @@ def test_pieces_split_after_a_summing_level(pieces, torch_calls):
     embed = model.layers[1]
     variables = [v.value for layer in layers for v in layer.trainable_variables]
     # FusedRNN's own pieces (what first-batch tuning switches to).
-    fused = rnnfuse.FusedRNN(layers, pieces=pieces)
+    fused = rnnfuse.FusedRNN(layers, plan=rnnfuse.Plan(pieces))
     torch_calls.clear()
     got = fused(embed(inputs), mask=embed.compute_mask(inputs))
     assert [c["num_layers"] for c in torch_calls] == list(pieces)

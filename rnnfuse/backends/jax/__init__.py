@@ -36,7 +36,8 @@ JAX.
 Example (packing only; the call itself needs a GPU):
 
     >>> import keras
-    >>> from rnnfuse.backends.base import StackSpec
+    >>> from rnnfuse.backends.base import StackRun, StackSpec
+from rnnfuse.reasons import KernelRun
     >>> cell = keras.layers.LSTMCell(4)
     >>> cell.build((None, 3))
     >>> int(pack_params(StackSpec("lstm", 4, ((cell,),))).shape[0])
@@ -51,12 +52,12 @@ import jax
 import jax.numpy as jnp
 import keras
 
-from rnnfuse.backends.base import StackSpec
+from rnnfuse.backends.base import StackRun, StackSpec
+from rnnfuse.reasons import KernelRun
 
 __all__ = [
-    "ABSORBS_DROPOUT",
-    "TUNED_ALGORITHMS",
-    "XLA_COMPILES_FUSED_CALL",
+    "KERNELS",
+    "concrete_bool",
     "device_environment",
     "group_reason",
     "is_available",
@@ -68,13 +69,17 @@ __all__ = [
     "unsupported_reason",
 ]
 
-# jax.experimental.rnn takes a dropout rate but no seed: no absorbed Dropout.
-ABSORBS_DROPOUT = False
-# cuDNN's algorithm is not selectable through jax.experimental.rnn.
-TUNED_ALGORITHMS = (None,)
-# The call is an XLA custom call: jitted train steps (Keras' default under
-# JAX) keep working, so FusedRNN.supports_jit stays True.
-XLA_COMPILES_FUSED_CALL = True
+# The plan kernels (`rnnfuse.plan.KERNELS`) this backend runs: both are
+# jax.experimental.rnn's cuDNN call (there is no rnnfuse op under JAX).
+KERNELS = ("cudnn", "stock")
+
+
+def concrete_bool(value: Any) -> bool | None:
+    """`value` (a boolean scalar) as a Python bool, or None inside a trace
+    (a tracer has no value yet)."""
+    if isinstance(value, jax.core.Tracer):
+        return None
+    return bool(value)
 
 
 def is_available() -> bool:
@@ -198,17 +203,21 @@ def run_stack(
     dropout: float = 0.0,
     seed: tuple[int, int] = (0, 0),
     algorithm: Any = None,
-):
+    kernel: str = "cudnn",
+) -> StackRun:
     """Runs the LSTM `stack` over `sequences` [B, T, F] in one call.
 
     Args are the backend contract's (rnnfuse.backends); `seed` and
-    `algorithm` are unused, and `dropout` must be 0 (see module doc).
+    `algorithm` are unused, `dropout` must be 0 (see module doc), and
+    `kernel` "cudnn" or "stock" (the same call here).
 
     Returns:
-        (outputs [B, T, D*H] with zeros past each length, final h
-         [L*D, B, H], final c [L*D, B, H]).
+        A `StackRun`: outputs [B, T, D*H] with zeros past each length,
+        final h [L*D, B, H], final c [L*D, B, H], and the `KernelRun`.
     """
     del seed, algorithm
+    if kernel not in KERNELS:
+        raise NotImplementedError(f"the JAX backend runs the kernels {list(KERNELS)}, not {kernel!r}")
     if dropout:
         raise NotImplementedError("jax.experimental.rnn has no seeded dropout")
     x = jnp.asarray(sequences, jnp.float32)
@@ -233,7 +242,7 @@ def run_stack(
     )
     if mask is not None:
         y = jnp.where(jnp.arange(steps)[None, :, None] < lengths[:, None, None], y, 0.0)
-    return y, h, c
+    return StackRun(y, h, c, KernelRun("jax.experimental.rnn.lstm"))
 
 
 def device_environment() -> dict:

@@ -1,8 +1,10 @@
-"""`JaxBackend`: the backend contract (rnnfuse.backends.base) for JAX.
+"""`JaxBackend` and `JaxTooling`: the backend contract and the tools'
+contract (rnnfuse.backends.base) for JAX.
 
 Kernel methods delegate to this package's module functions
 (`rnnfuse.backends.jax`) at call time; model steps for `rnnfuse bench` /
-`check` are jitted `stateless_call`s, as Keras' JAX trainer runs them.
+`check` (`JaxTooling`) are jitted `stateless_call`s, as Keras' JAX trainer
+runs them.
 
 Example:
 
@@ -25,11 +27,12 @@ from rnnfuse.backends.base import (
     Capabilities,
     KernelModuleBackend,
     NoProjectedLSTMPath,
+    Tooling,
     cpu_description,
     loss_weights,
 )
 
-__all__ = ["JaxBackend"]
+__all__ = ["JaxBackend", "JaxTooling"]
 
 
 class JaxBackend(NoProjectedLSTMPath, KernelModuleBackend):
@@ -71,6 +74,24 @@ class JaxBackend(NoProjectedLSTMPath, KernelModuleBackend):
     def device_environment(self):
         return kernels.device_environment()
 
+    def timed_step(self, run, x, variables, training, jit=False):
+        return kernels.timed_step(run, x, variables, training)
+
+    def gradients(self, run, x, variables: Sequence[Any]):
+        variables = list(variables)
+
+        def loss(values, inputs):
+            with keras.StatelessScope(state_mapping=list(zip(variables, values))):
+                y = run(inputs, False)
+            return sum(jnp.sum(jnp.square(t.astype(jnp.float32))) for t in jax.tree.leaves(y))
+
+        grads = jax.grad(loss)([v.value for v in variables], x)
+        return [np.asarray(g, np.float64) for g in grads]
+
+
+class JaxTooling(Tooling):
+    """What `rnnfuse bench` / `check` and the examples use under JAX."""
+
     def describe_device(self):
         library = f"JAX {jax.__version__}"
         if jax.default_backend() != "gpu":
@@ -83,9 +104,6 @@ class JaxBackend(NoProjectedLSTMPath, KernelModuleBackend):
 
     def exact_float32(self):
         jax.config.update("jax_default_matmul_precision", "highest")
-
-    def timed_step(self, run, x, variables, training, jit=False):
-        return kernels.timed_step(run, x, variables, training)
 
     def model_step(self, model, train):
         trainable = [v.value for v in model.trainable_variables]
@@ -106,17 +124,6 @@ class JaxBackend(NoProjectedLSTMPath, KernelModuleBackend):
         else:
             fn = jax.jit(loss)
         return lambda inputs: float(fn(trainable, inputs))
-
-    def gradients(self, run, x, variables: Sequence[Any]):
-        variables = list(variables)
-
-        def loss(values, inputs):
-            with keras.StatelessScope(state_mapping=list(zip(variables, values))):
-                y = run(inputs, False)
-            return sum(jnp.sum(jnp.square(t.astype(jnp.float32))) for t in jax.tree.leaves(y))
-
-        grads = jax.grad(loss)([v.value for v in variables], x)
-        return [np.asarray(g, np.float64) for g in grads]
 
     def outputs_and_grads(self, model, inputs, variables, seed):
         wanted = {id(v) for v in variables}

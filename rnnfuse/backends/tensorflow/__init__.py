@@ -7,8 +7,12 @@ Two kernels run a fused stack:
   in the forward and the backward pass, LSTM projections, bfloat16,
   between-layer dropout;
 - `tf.raw_ops.CudnnRNNV3`, the fallback when the op is not loaded (or for
-  float64): standard algorithm only, no projections, no bfloat16.
-  `last_kernel()` says which ran last and why.
+  float64), and what a plan on the "stock" kernel runs (a graph without
+  rnnfuse's op, for a portable export): standard algorithm only, no
+  projections, no bfloat16.
+
+`run_stack` returns which of them ran, with its algorithm and why
+(`StackRun.kernel`); `FusedRNN.last_path.kernel` keeps it.
 
 Both take the same flat parameters.
 
@@ -65,48 +69,45 @@ Example (on a machine with a GPU):
 
 from __future__ import annotations
 
-import contextlib
 import logging
 from typing import Any, Sequence
 
 import tensorflow as tf
 
-from rnnfuse.plan import Algorithm
-from rnnfuse.backends.base import GATES, StackSpec
+from rnnfuse.backends.base import GATES, StackRun, StackSpec
 from rnnfuse.backends.tensorflow import cudnn_op, op_build
+from rnnfuse.plan import Algorithm
+from rnnfuse.reasons import KernelRun
 
 __all__ = [
-    "TUNED_ALGORITHMS",
+    "KERNELS",
+    "concrete_bool",
     "device_environment",
     "in_xla_context",
     "is_available",
-    "last_kernel",
     "mask_is_supported",
     "pack_params",
     "run_stack",
-    "runtime_algorithm",
     "timed_step",
     "timed_steps",
+    "tuned_algorithms",
     "unsupported_reason",
 ]
 
 SUPPORTED_DTYPES = ("float16", "float32", "float64")
+# The plan kernels (`rnnfuse.plan.KERNELS`) this backend runs.
+KERNELS = ("cudnn", "stock")
 logger = logging.getLogger("rnnfuse")
 
 # The cuDNN algorithms the tuner tries for fused pieces when rnnfuse's op is
 # loaded (None: the standard algorithm); without the op only the standard.
 OP_TUNED_ALGORITHMS = (None, "persistent_static+tc", "persistent_dynamic+tc")
 
-# What the last fused call ran: {"kernel": ..., "algorithm": ..., "reason": ...}.
-_LAST: dict = {"kernel": None, "algorithm": None, "reason": None}
-# The op's `algorithm` input while `runtime_algorithm` is entered (a stack).
-_RUNTIME_CODE: list = []
 
-
-def __getattr__(name):
-    if name == "TUNED_ALGORITHMS":
-        return OP_TUNED_ALGORITHMS if op_loaded() else (None,)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+def tuned_algorithms() -> tuple:
+    """The algorithms the tuner times here: every one of OP_TUNED_ALGORITHMS
+    with rnnfuse's op loaded, else the standard one only."""
+    return OP_TUNED_ALGORITHMS if op_loaded() else (None,)
 
 
 def op_loaded() -> bool:
@@ -115,12 +116,6 @@ def op_loaded() -> bool:
     `RNNFUSE_DISABLE_OP=1` (read on every call) keeps it off.
     """
     return is_available() and not op_build.disabled() and op_build.load_op() is not None
-
-
-def last_kernel() -> dict:
-    """Which kernel the last fused call traced ("RnnfuseCudnnRnn" or
-    "CudnnRNNV3"), its algorithm, and why the op was not used."""
-    return dict(_LAST)
 
 
 def is_available() -> bool:
@@ -170,30 +165,16 @@ def timed_step(run, x, variables: Sequence[Any], training: bool, jit: bool = Fal
     return step
 
 
-@contextlib.contextmanager
-def runtime_algorithm(code):
-    """While entered, every fused call traced on rnnfuse's op takes its
-    cuDNN algorithm from `code` (an int32 scalar tensor,
-    `cudnn_op.algorithm_code`) instead of its plan's (a masked call still
-    runs the standard algorithm). It holds for the whole process while
-    entered (the tuner traces its shared steps in one thread, before any
-    real step of the model is traced), so do not trace other models
-    meanwhile."""
-    _RUNTIME_CODE.append(code)
-    try:
-        yield
-    finally:
-        _RUNTIME_CODE.pop()
-
-
 def timed_steps(make_run, x, variables: Sequence[Any], training: bool,
                 algorithms: Sequence[Any], dtype: Any) -> dict | None:
     """Steps as `timed_step` gives them for `make_run()`, one per algorithm
-    of `algorithms` (None: standard) but all on ONE traced function, the
-    algorithm its runtime input (`runtime_algorithm`): a trace and a graph
-    set-up for a whole set of candidates that differ only in their
-    algorithm. None (`make_run` not called) where rnnfuse's op is not
-    loaded (then every algorithm runs as standard).
+    of `algorithms` (None: standard) but all on ONE traced function: the
+    step passes its int32 input (`cudnn_op.algorithm_code`) to the run as
+    `run(x, training, algorithm=code)`, and the fused calls hand it to the
+    op as its algorithm input. A trace and a graph set-up for a whole set
+    of candidates that differ only in their algorithm. None (`make_run`
+    not called) where rnnfuse's op is not loaded (then every algorithm
+    runs as standard).
 
     Returns {algorithm: callable giving a scalar tensor}.
     """
@@ -203,8 +184,7 @@ def timed_steps(make_run, x, variables: Sequence[Any], training: bool,
 
     @tf.function
     def step(code):
-        with runtime_algorithm(code):
-            return _step_body(run, x, variables, training)
+        return _step_body(lambda x, t: run(x, t, algorithm=code), x, variables, training)
 
     codes = {
         a: tf.constant(cudnn_op.algorithm_code(None if a is None else Algorithm.parse(a), dtype),
@@ -320,6 +300,13 @@ def _states(
     return tf.stack([zeros if s is None else tf.cast(s, dtype) for s in given])
 
 
+def concrete_bool(value: Any) -> bool | None:
+    """`value` (a boolean scalar) as a Python bool where it is known now:
+    an eager tensor, or a constant in the graph being traced; else None."""
+    known = tf.get_static_value(value)
+    return None if known is None else bool(known)
+
+
 def in_xla_context() -> bool:
     """Whether the current trace is being compiled by XLA (jit_compile=True)."""
     from tensorflow.python.ops import control_flow_util
@@ -344,8 +331,9 @@ def run_stack(
     reverse: bool = False,
     dropout: float = 0.0,
     seed: tuple[int, int] = (0, 0),
-    algorithm: Algorithm | None = None,
-):
+    algorithm: Any = None,
+    kernel: str = "cudnn",
+) -> StackRun:
     """Runs `stack` over `sequences` [B, T, F] in one cuDNN call.
 
     Args:
@@ -361,16 +349,26 @@ def run_stack(
         seed: (seed, seed2) for that dropout: CudnnRNNV3's two seeds, or
             seed + seed2 * 2**31 as the op's one (`FusedRNN` splits the
             Dropout layer's seed this way).
-        algorithm: the cuDNN algorithm of the call (None: standard). It runs
-            in both passes on rnnfuse's op; the CudnnRNNV3 fallback runs the
-            standard algorithm whatever is asked (see `last_kernel()`), and
-            so does a masked call (cuDNN's persistent algorithms refuse
-            padded sequence lengths).
+        algorithm: the cuDNN algorithm of the call: an `Algorithm` (None:
+            standard), or an int32 scalar tensor (`cudnn_op.algorithm_code`,
+            what `timed_steps` passes) that is the op's algorithm input as
+            it is. It runs in both passes on rnnfuse's op; the CudnnRNNV3
+            fallback runs the standard algorithm whatever is asked, and so
+            does a masked call (cuDNN's persistent algorithms refuse padded
+            sequence lengths); the result's `kernel` says so.
+        kernel: the plan's kernel: "cudnn" (rnnfuse's op where it is
+            loaded, else CudnnRNNV3) or "stock" (CudnnRNNV3 only, so the
+            graph holds no rnnfuse op). Another raises NotImplementedError.
 
     Returns:
-        (outputs [B, T, D*R] with zeros past each sequence's length,
-         final h [L*D, B, R], final c [L*D, B, H] or None).
+        A `StackRun`: outputs [B, T, D*R] with zeros past each sequence's
+        length, final h [L*D, B, R], final c [L*D, B, H] or None, and the
+        `KernelRun` (which kernel and algorithm ran, and why).
     """
+    if kernel not in KERNELS:
+        raise NotImplementedError(
+            f"the TensorFlow backend runs the kernels {list(KERNELS)}, not {kernel!r}"
+        )
     dtype = sequences.dtype
     x = tf.transpose(sequences, [1, 0, 2])  # time-major [T, B, F]
     steps, batch = tf.shape(x)[0], tf.shape(x)[1]
@@ -381,14 +379,20 @@ def run_stack(
     if reverse:
         x = tf.reverse_sequence(x, lengths, seq_axis=0, batch_axis=1)
     lstm = stack.kind == "lstm"
-    if mask is not None and algorithm is not None and not algorithm.is_standard:
+    runtime = algorithm is not None and not isinstance(algorithm, Algorithm)
+    note = None
+    if mask is not None and (runtime or (algorithm is not None and not algorithm.is_standard)):
         # cuDNN's persistent algorithms refuse padded sequence lengths
         # (CUDNN_STATUS_NOT_SUPPORTED on the H200; PyTorch runs them only
         # for unpacked input): a masked call runs the standard algorithm.
-        algorithm = None
-    module, reason = _op_for(dtype, dropout)
+        note = "a masked call runs the standard algorithm (padded lengths)"
+        algorithm, runtime = None, False
+    if kernel == "stock":
+        module, reason = None, "the plan's kernel is 'stock' (no rnnfuse op in the graph)"
+    else:
+        module, reason = _op_for(dtype, dropout)
     if module is not None:
-        code = _RUNTIME_CODE[-1] if _RUNTIME_CODE and mask is None else None
+        code = algorithm if runtime else None
         input_size = int(stack.cells[0][0].kernel.shape[0])
         outputs, h, c = cudnn_op.run_op(
             module,
@@ -403,22 +407,23 @@ def run_stack(
             units=stack.units,
             input_size=input_size,
             proj_size=stack.proj_size,
-            algorithm=algorithm,
+            algorithm=None if runtime else algorithm,
             dropout=dropout,
             seed=int(seed[0]) + (int(seed[1]) << 31),
             code=code,
         )
-        name = "runtime" if code is not None else (algorithm or Algorithm()).name
-        _LAST.update(kernel="RnnfuseCudnnRnn", algorithm=name, reason=None)
-        return tf.transpose(outputs, [1, 0, 2]), h, (c if lstm else None)
+        name = "runtime" if runtime else (algorithm or Algorithm()).name
+        ran = KernelRun("RnnfuseCudnnRnn", name, note)
+        return StackRun(tf.transpose(outputs, [1, 0, 2]), h, (c if lstm else None), ran)
     if stack.proj_size or tf.as_dtype(dtype) == tf.bfloat16:
         raise NotImplementedError(
             f"this stack needs rnnfuse's cuDNN op, which cannot run it: {reason}"
         )
-    if algorithm is not None and not algorithm.is_standard:
-        reason = f"{reason}; the {algorithm.name} algorithm asked for runs as standard"
+    if runtime or (algorithm is not None and not algorithm.is_standard):
+        asked = "the step's" if runtime else f"the {algorithm.name}"
+        reason = f"{reason}; {asked} algorithm asked for runs as standard"
         logger.info("rnnfuse: CudnnRNNV3 fallback: %s", reason)
-    _LAST.update(kernel="CudnnRNNV3", algorithm="standard", reason=reason)
+    ran = KernelRun("CudnnRNNV3", "standard", reason if note is None else f"{reason}; {note}")
     tensors = dict(
         input=x,
         input_h=_states(initial_h, stack, batch, dtype),
@@ -437,7 +442,7 @@ def run_stack(
         time_major=True,
     )
     outputs, h, c = cudnn_rnn(**tensors, **attrs)[:3]
-    return tf.transpose(outputs, [1, 0, 2]), h, (c if lstm else None)
+    return StackRun(tf.transpose(outputs, [1, 0, 2]), h, (c if lstm else None), ran)
 
 
 def _op_for(dtype, dropout: float):

@@ -1,11 +1,11 @@
-"""`TensorFlowBackend`: the backend contract (rnnfuse.backends.base) for
-TensorFlow.
+"""`TensorFlowBackend` and `TensorFlowTooling`: the backend contract and the
+tools' contract (rnnfuse.backends.base) for TensorFlow.
 
 Kernel methods delegate to this package's module functions
 (`rnnfuse.backends.tensorflow`) at call time, so tests that replace
 `cudnn_rnn` or `is_available` there still take effect; the model steps and
-gradients for `rnnfuse bench` / `check` are `tf.function`s with
-`GradientTape`.
+gradients for `rnnfuse bench` / `check` (`TensorFlowTooling`) are
+`tf.function`s with `GradientTape`.
 
 Example:
 
@@ -23,13 +23,14 @@ import numpy as np
 import tensorflow as tf
 
 from rnnfuse.backends import tensorflow as kernels
-from rnnfuse.backends.base import KernelModuleBackend, Capabilities, cpu_description, loss_weights
+from rnnfuse.backends.base import Capabilities, KernelModuleBackend, Tooling, cpu_description, loss_weights
 
-__all__ = ["TensorFlowBackend"]
+__all__ = ["TensorFlowBackend", "TensorFlowTooling"]
 
 
 class TensorFlowBackend(KernelModuleBackend):
-    """TensorFlow: one `CudnnRNNV3` call per stack (needs a GPU)."""
+    """TensorFlow: one cuDNN call per stack (needs a GPU): rnnfuse's own op
+    `RnnfuseCudnnRnn` where it is loaded, else `tf.raw_ops.CudnnRNNV3`."""
 
     name = "tensorflow"
     kernels = kernels
@@ -39,10 +40,10 @@ class TensorFlowBackend(KernelModuleBackend):
         return Capabilities(
             fused_kernel=True,
             absorbs_dropout=True,
-            # CudnnRNNV3 has no XLA kernel.
+            # Neither rnnfuse's op nor CudnnRNNV3 has an XLA kernel.
             xla_compiles_fused_call=False,
             tunes_one_call_per_layer=False,
-            tuned_algorithms=tuple(kernels.TUNED_ALGORITHMS),
+            tuned_algorithms=kernels.tuned_algorithms(),
             # The rule table measured on the H200 with these kernels.
             plan_table="tensorflow",
             projected_lstm_loop="tensorflow",
@@ -87,6 +88,29 @@ class TensorFlowBackend(KernelModuleBackend):
     def device_environment(self):
         return kernels.device_environment()
 
+    def timed_step(self, run, x, variables, training, jit=False):
+        return kernels.timed_step(run, x, variables, training, jit=jit)
+
+    def timed_steps(self, make_run, x, variables, training, algorithms, dtype):
+        return kernels.timed_steps(make_run, x, variables, training, algorithms, dtype)
+
+    def gradients(self, run, x, variables: Sequence[Any]):
+        variables = list(variables)
+        with tf.GradientTape() as tape:
+            y = run(x, False)
+            loss = tf.add_n(
+                [tf.reduce_sum(tf.cast(t, tf.float64) ** 2) for t in keras.tree.flatten(y)]
+            )
+        return [
+            np.zeros(tuple(v.shape)) if g is None
+            else tf.cast(tf.convert_to_tensor(g), tf.float64).numpy()
+            for v, g in zip(variables, tape.gradient(loss, variables))
+        ]
+
+
+class TensorFlowTooling(Tooling):
+    """What `rnnfuse bench` / `check` and the examples use under TensorFlow."""
+
     def describe_device(self):
         library = f"TensorFlow {tf.__version__}"
         gpus = tf.config.list_physical_devices("GPU")
@@ -105,12 +129,6 @@ class TensorFlowBackend(KernelModuleBackend):
 
     def exact_float32(self):
         tf.config.experimental.enable_tensor_float_32_execution(False)
-
-    def timed_step(self, run, x, variables, training, jit=False):
-        return kernels.timed_step(run, x, variables, training, jit=jit)
-
-    def timed_steps(self, make_run, x, variables, training, algorithms, dtype):
-        return kernels.timed_steps(make_run, x, variables, training, algorithms, dtype)
 
     def model_step(self, model, train):
         variables = list(model.trainable_variables)
@@ -133,19 +151,6 @@ class TensorFlowBackend(KernelModuleBackend):
 
         fn = train_step if train and variables else infer
         return lambda inputs: float(fn(inputs).numpy())
-
-    def gradients(self, run, x, variables: Sequence[Any]):
-        variables = list(variables)
-        with tf.GradientTape() as tape:
-            y = run(x, False)
-            loss = tf.add_n(
-                [tf.reduce_sum(tf.cast(t, tf.float64) ** 2) for t in keras.tree.flatten(y)]
-            )
-        return [
-            np.zeros(tuple(v.shape)) if g is None
-            else tf.cast(tf.convert_to_tensor(g), tf.float64).numpy()
-            for v, g in zip(variables, tape.gradient(loss, variables))
-        ]
 
     def outputs_and_grads(self, model, inputs, variables, seed):
         # Eager: one step does not pay back tracing a graph.

@@ -9,7 +9,8 @@ see `rnnfuse.backends.tensorflow`), and the gradient registered here runs
 of the backward. The algorithm (with its math type) is an int32 input
 (`algorithm_code`), not an attribute: one traced graph can run every
 algorithm, which is how the tuner times them all on one trace
-(`rnnfuse.backends.tensorflow.runtime_algorithm`).
+(`rnnfuse.backends.tensorflow.timed_steps` passes it to the fused calls
+as their `algorithm` argument).
 
 Attribute checks happen here, before TensorFlow sees the op, so a wrong
 call fails with a ValueError naming the argument; what cuDNN itself
@@ -172,7 +173,7 @@ def run_op(
             states seeded once with `seed` and advance on every call.
         code: an int32 scalar tensor to pass as the op's `algorithm` input
             instead of `algorithm_code(algorithm, dtype)` (a traced step
-            that runs every algorithm; see `runtime_algorithm`).
+            that runs every algorithm; see `timed_steps`).
 
     Raises:
         ValueError: an argument the op would reject, named.

@@ -513,7 +513,7 @@ def _op_inner_loop(cell, sequences, initial_state, *, training, go_backwards, re
     if go_backwards:
         x = tf.reverse(x, [1])  # no mask: every row is full length
     stack = StackSpec("lstm", cell.units, ((cell,),), proj_size=cell.proj_size)
-    outputs, final_h, final_c = tf_backend.run_stack(
+    outputs, final_h, final_c, _ = tf_backend.run_stack(
         x,
         stack=stack,
         initial_h=[initial_state[0]],

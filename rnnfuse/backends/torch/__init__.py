@@ -105,16 +105,16 @@ import keras
 import torch
 from torch.nn.utils import rnn as rnn_utils
 
-from rnnfuse.backends.base import GATES, StackSpec
-from rnnfuse.reasons import FusionWarning
+from rnnfuse.backends.base import GATES, StackRun, StackSpec
+from rnnfuse.reasons import FusionWarning, KernelRun
 
 __all__ = [
     "CALL_MODES",
-    "TUNED_ALGORITHMS",
-    "TUNES_ONE_CALL_PER_LAYER",
     "call_mode",
     "device_environment",
     "get_call_mode",
+    "KERNELS",
+    "concrete_bool",
     "is_available",
     "levels_per_call",
     "mask_is_supported",
@@ -129,11 +129,9 @@ __all__ = [
 
 SUPPORTED_DTYPES = ("float16", "bfloat16", "float32", "float64")
 
-# PyTorch picks cuDNN's algorithm itself: the tuner times plans only, and
-# adds one fused call per layer (where PyTorch runs cuDNN's persistent
-# kernels: single-layer float16 calls).
-TUNED_ALGORITHMS = (None,)
-TUNES_ONE_CALL_PER_LAYER = True
+# The plan kernels (`rnnfuse.plan.KERNELS`) this backend runs: both are
+# PyTorch's own cuDNN calls (there is no rnnfuse op under torch).
+KERNELS = ("cudnn", "stock")
 
 # "auto": one call for the whole stack, except where PyTorch would run
 # cuDNN's persistent kernel for single-layer calls only (see
@@ -219,6 +217,12 @@ def call_mode(mode: str):
         _context_mode.reset(token)
 
 
+
+
+def concrete_bool(value: Any) -> bool | None:
+    """`value` (a boolean scalar tensor) as a Python bool: torch runs
+    eagerly, so it is always known."""
+    return bool(value)
 
 
 def is_available() -> bool:
@@ -658,7 +662,8 @@ def run_stack(
     dropout: float = 0.0,
     seed: tuple[int, int] = (0, 0),
     algorithm: Any = None,
-):
+    kernel: str = "cudnn",
+) -> StackRun:
     """Runs `stack` over `sequences` [B, T, F] in one PyTorch RNN call.
 
     (Or one call per level where `levels_per_call` says so.)
@@ -676,13 +681,19 @@ def run_stack(
         seed: unused (PyTorch's dropout draws from its global RNG).
         algorithm: unused (PyTorch chooses cuDNN's algorithm itself; the
             TensorFlow backend's algorithm switch has no PyTorch equivalent).
+        kernel: the plan's kernel: "cudnn" or "stock" (the same calls
+            here); another raises NotImplementedError.
 
     Returns:
-        (outputs [B, T, D*P'] with zeros past each sequence's length,
-         final h [L*D, B, P'], final c [L*D, B, H] or None), where
-         P' = proj_size or units.
+        A `StackRun`: outputs [B, T, D*P'] with zeros past each sequence's
+        length, final h [L*D, B, P'], final c [L*D, B, H] or None, where
+        P' = proj_size or units, and the `KernelRun` (``torch._VF.<kind>``).
     """
     del seed  # PyTorch's RNN dropout takes no seed argument.
+    if kernel not in KERNELS:
+        raise NotImplementedError(
+            f"the torch backend runs the kernels {list(KERNELS)}, not {kernel!r}"
+        )
     x = keras.ops.convert_to_tensor(sequences)
     batch, steps = int(x.shape[0]), int(x.shape[1])
     lstm = stack.kind == "lstm"
@@ -721,4 +732,7 @@ def run_stack(
         final = tuple(s.index_select(1, restore) for s in final)
     final_h = final[0]
     final_c = final[1] if lstm else None
-    return outputs, final_h, final_c
+    calls = -(-stack.num_levels // per_call)
+    note = None if calls == 1 else f"{calls} calls of {per_call} level(s) each"
+    ran = KernelRun(f"torch._VF.{stack.kind}", "", note)
+    return StackRun(outputs, final_h, final_c, ran)

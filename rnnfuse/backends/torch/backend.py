@@ -1,8 +1,9 @@
-"""`TorchBackend`: the backend contract (rnnfuse.backends.base) for torch.
+"""`TorchBackend` and `TorchTooling`: the backend contract and the tools'
+contract (rnnfuse.backends.base) for torch.
 
 Kernel methods delegate to this package's module functions
 (`rnnfuse.backends.torch`) at call time; the model steps and gradients for
-`rnnfuse bench` / `check` are eager torch with autograd.
+`rnnfuse bench` / `check` (`TorchTooling`) are eager torch with autograd.
 
 Example:
 
@@ -22,9 +23,9 @@ import numpy as np
 import torch
 
 from rnnfuse.backends import torch as kernels
-from rnnfuse.backends.base import KernelModuleBackend, Capabilities, cpu_description, loss_weights
+from rnnfuse.backends.base import Capabilities, KernelModuleBackend, Tooling, cpu_description, loss_weights
 
-__all__ = ["TorchBackend"]
+__all__ = ["TorchBackend", "TorchTooling"]
 
 
 class TorchBackend(KernelModuleBackend):
@@ -80,6 +81,23 @@ class TorchBackend(KernelModuleBackend):
     def device_environment(self):
         return kernels.device_environment()
 
+    def timed_step(self, run, x, variables, training, jit=False):
+        return kernels.timed_step(run, x, variables, training)
+
+    def gradients(self, run, x, variables: Sequence[Any]):
+        params = [getattr(v, "value", v) for v in variables]
+        y = run(x, False)
+        loss = sum((t.double() ** 2).sum() for t in keras.tree.flatten(y))
+        grads = torch.autograd.grad(loss, params, allow_unused=True)
+        return [
+            np.zeros(tuple(p.shape)) if g is None else g.detach().double().cpu().numpy()
+            for p, g in zip(params, grads)
+        ]
+
+
+class TorchTooling(Tooling):
+    """What `rnnfuse bench` / `check` and the examples use under torch."""
+
     def describe_device(self):
         library = f"PyTorch {torch.__version__}"
         if not torch.cuda.is_available():
@@ -102,9 +120,6 @@ class TorchBackend(KernelModuleBackend):
         torch.backends.cuda.matmul.allow_tf32 = False
         torch.backends.cudnn.allow_tf32 = False
 
-    def timed_step(self, run, x, variables, training, jit=False):
-        return kernels.timed_step(run, x, variables, training)
-
     def model_step(self, model, train):
         params = [v.value for v in model.trainable_variables]
 
@@ -121,16 +136,6 @@ class TorchBackend(KernelModuleBackend):
             return float(loss)
 
         return run
-
-    def gradients(self, run, x, variables: Sequence[Any]):
-        params = [getattr(v, "value", v) for v in variables]
-        y = run(x, False)
-        loss = sum((t.double() ** 2).sum() for t in keras.tree.flatten(y))
-        grads = torch.autograd.grad(loss, params, allow_unused=True)
-        return [
-            np.zeros(tuple(p.shape)) if g is None else g.detach().double().cpu().numpy()
-            for p, g in zip(params, grads)
-        ]
 
     def outputs_and_grads(self, model, inputs, variables, seed):
         flat = [t.float() for t in keras.tree.flatten(model(_tensors(inputs), training=False))]

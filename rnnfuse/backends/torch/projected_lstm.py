@@ -99,7 +99,7 @@ def _inner_loop(
         # The mask RNN.call drew for this call (one per sequence).
         x = x * ops.expand_dims(cell.get_dropout_mask(sequences[:, 0, :]), axis=1)
     stack = StackSpec("lstm", cell.units, ((cell,),), proj_size=cell.proj_size)
-    outputs, final_h, final_c = torch_backend.run_stack(
+    outputs, final_h, final_c, _ = torch_backend.run_stack(
         x,
         stack=stack,
         initial_h=[initial_state[0]],

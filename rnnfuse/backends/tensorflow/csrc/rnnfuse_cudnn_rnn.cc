@@ -41,8 +41,10 @@
 // and the backward reads the forward's masks from the reserve space (as
 // TensorFlow's CudnnRNN kernels do).
 //
-// Every cuDNN failure becomes an op error (never a CHECK): Python turns it
-// into a fallback to CudnnRNNV3 with the cuDNN status as the reason.
+// Every cuDNN failure becomes an op error (never a CHECK) carrying the cuDNN
+// status; it reaches the caller as it is (the tuner leaves out a candidate
+// cuDNN refuses). Only what Python rules out before the call (a
+// NotImplementedError) sends a FusedRNN to the original layers.
 // Only host code: cuDNN plus cudaMemcpyAsync/cudaMemsetAsync on
 // TensorFlow's stream, so g++ can compile it against TensorFlow's headers.
 
