@@ -16,9 +16,15 @@ times to `--out`:
     torchrun --nproc_per_node=2 examples/ddp_train.py --out /tmp/ddp.json
     # one process, for the scaling baseline:
     torchrun --nproc_per_node=1 examples/ddp_train.py --out /tmp/ddp1.json
+    # two processes sharing one GPU:
+    torchrun --nproc_per_node=2 examples/ddp_train.py --one-gpu --out /tmp/ddp.json
 
-On GPUs it uses NCCL (keep NCCL_NVLS_ENABLE=0 where NVLink multicast is
-off); on CPUs gloo (the CI test runs it that way).
+On GPUs it uses NCCL, one GPU per process (keep NCCL_NVLS_ENABLE=0 where
+NVLink multicast is off); on CPUs gloo (the CI test runs it that way).
+`--one-gpu` puts every process on cuda:0 and all-reduces through gloo,
+which takes CUDA tensors: NCCL refuses two ranks on one device. That checks
+the multi-process recipe (each replica runs the fused call; losses and
+weights match the original's) on a one-GPU machine; it measures no scaling.
 """
 
 from __future__ import annotations
@@ -90,19 +96,30 @@ def main(argv=None) -> int:
     parser.add_argument("--batch", type=int, default=16, help="global batch")
     parser.add_argument("--samples", type=int, default=64)
     parser.add_argument("--epochs", type=int, default=2)
+    parser.add_argument("--one-gpu", action="store_true",
+                        help="every process on cuda:0, all-reduce through gloo")
     args = parser.parse_args(argv)
 
     cuda = torch.cuda.is_available()
-    dist.init_process_group("nccl" if cuda else "gloo")
+    if args.one_gpu and not cuda:
+        parser.error("--one-gpu needs a CUDA GPU visible to torch")
+    dist.init_process_group("nccl" if cuda and not args.one_gpu else "gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
-    device = torch.device(f"cuda:{rank}") if cuda else torch.device("cpu")
     if cuda:
+        device = torch.device("cuda:0" if args.one_gpu else f"cuda:{rank}")
         torch.cuda.set_device(device)
+        # float32 without TF32, so the two models compare at float32 precision.
+        torch.backends.cuda.matmul.allow_tf32 = False
+        torch.backends.cudnn.allow_tf32 = False
+    else:
+        device = torch.device("cpu")
     rng = np.random.default_rng(0)
     x = rng.standard_normal((args.samples, args.steps, args.features)).astype("float32")
     y = rng.standard_normal((args.samples, 1)).astype("float32")
 
-    report = {"world": world, "device": str(device)}
+    devices = [None] * world
+    dist.all_gather_object(devices, str(device))
+    report = {"world": world, "devices": devices, "backend": dist.get_backend()}
     for name in ("original", "optimized"):
         keras.utils.set_random_seed(0)
         with torch.device(device):

@@ -1,8 +1,19 @@
 """MirroredStrategy over two GPUs with the fused cuDNN kernel on each replica.
 
-Needs a machine with at least two GPUs (nvidia-h200-x2); skipped otherwise.
-With RNNFUSE_REPORT_DIR set, writes the numbers (loss curves, epoch times,
-replica spread) there as JSON.
+Two real GPUs (nvidia-h200-x2), or the one H200 split into two logical GPUs
+by the plugin tests/gpu/logical_gpus.py, which tools/gpu/run_tests.sh loads
+(it changes nothing where there are two GPUs):
+
+    PYTHONPATH=tests/gpu python3 -m pytest -p logical_gpus tests/gpu/test_gpu_distribute.py
+
+Skipped without a GPU, or with one GPU and no plugin; fails if the plugin is
+loaded and TensorFlow still sees fewer than two GPUs. On logical GPUs it
+shows correctness and replica consistency (each replica traces the fused
+kernel, the replica copies stay equal, losses and weights match single-GPU
+training), not scaling: both replicas share one GPU (see the plugin's
+docstring and docs/deployment.md). With RNNFUSE_REPORT_DIR set, writes the
+numbers (loss curves, epoch times, replica spread, physical and logical
+GPUs) there as distribute.json.
 
 The all-reduce is `ReductionToOneDevice`, not NCCL: the staged TensorFlow
 carries no NCCL library, and the lent machines keep NVLink multicast off
@@ -11,8 +22,8 @@ carries no NCCL library, and the lent machines keep NVLink multicast off
 
 from __future__ import annotations
 
-import json
 import os
+import sys
 import time
 
 os.environ["NCCL_NVLS_ENABLE"] = "0"
@@ -20,6 +31,8 @@ os.environ["NCCL_NVLS_ENABLE"] = "0"
 import keras  # noqa: E402
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
+
+from gpu_report import report  # noqa: E402
 
 import rnnfuse  # noqa: E402
 from rnnfuse.backends import tensorflow as tf_backend  # noqa: E402
@@ -34,9 +47,14 @@ def _gpus() -> list:
     return tf.config.list_logical_devices("GPU")
 
 
+def _split_asked() -> bool:
+    """Whether the logical-GPU plugin was loaded (`-p logical_gpus`)."""
+    return "logical_gpus" in sys.modules
+
+
 pytestmark = pytest.mark.skipif(
-    keras.backend.backend() != "tensorflow" or len(_gpus()) < 2,
-    reason="needs TensorFlow and two GPUs",
+    keras.backend.backend() != "tensorflow" or not _gpus() or (len(_gpus()) < 2 and not _split_asked()),
+    reason="needs TensorFlow and two GPUs (on one GPU: -p logical_gpus, see the module doc)",
 )
 
 
@@ -64,6 +82,7 @@ class _EpochTimes(keras.callbacks.Callback):
 def test_mirrored_fit_on_two_gpus_trains_the_same_variables(monkeypatch, tmp_path):
     import tensorflow as tf
 
+    assert len(_gpus()) >= 2, "the logical-GPU plugin is loaded but TensorFlow sees one GPU"
     calls = []
     real = tf_backend.cudnn_rnn
     monkeypatch.setattr(tf_backend, "cudnn_rnn", lambda **kw: calls.append(1) or real(**kw))
@@ -100,8 +119,10 @@ def test_mirrored_fit_on_two_gpus_trains_the_same_variables(monkeypatch, tmp_pat
                          verbose=0, callbacks=[ref_timer])
     weight_diff = max(float(np.max(np.abs(a - b)))
                       for a, b in zip(model.get_weights(), reference.get_weights()))
-    data = {
+    report("distribute", {
         "devices": devices,
+        "physical_gpus": len(tf.config.list_physical_devices("GPU")),
+        "logical_gpus": len(_gpus()),
         "loss_mirrored_fused": got.history["loss"],
         "loss_single_gpu_original": want.history["loss"],
         "epoch_s_mirrored_fused": timer.times,
@@ -109,18 +130,13 @@ def test_mirrored_fit_on_two_gpus_trains_the_same_variables(monkeypatch, tmp_pat
         "replica_spread": spread,
         "max_weight_diff": weight_diff,
         "fused_calls": len(calls),
-    }
-    print(f"\nGPU_REPORT distribute {json.dumps(data)}")
-    folder = os.environ.get("RNNFUSE_REPORT_DIR")
-    if folder:
-        os.makedirs(folder, exist_ok=True)
-        with open(os.path.join(folder, "distribute.json"), "w") as f:
-            json.dump(data, f, indent=1)
-    # The trained result saves and loads (as the original's Keras file too).
+    })
+    # The trained result saves (the original's file) and loads.
     fast.save(tmp_path / "fast.keras")
     model.save(tmp_path / "model.keras")
     loaded = keras.models.load_model(tmp_path / "fast.keras")
     plain = keras.models.load_model(tmp_path / "model.keras")
+    assert type(loaded) is keras.Sequential
     want_y = model.predict(x[:32], verbose=0)
     assert float(np.max(np.abs(loaded.predict(x[:32], verbose=0) - want_y))) <= 1e-4
     assert float(np.max(np.abs(plain.predict(x[:32], verbose=0) - want_y))) <= 1e-4

@@ -34,6 +34,7 @@ import keras
 import numpy as np
 import pytest
 from builders import traced_op_types
+from gpu_report import report
 
 import rnnfuse
 
@@ -203,12 +204,7 @@ def _report(facts: dict) -> None:
                 data[f"{where}: {name}"] = result.get("error") or {
                     "max_diff_vs_original_model": _diff(result["y"], facts["want"][name])
                 }
-    print(f"\nGPU_REPORT export {json.dumps(data)}")
-    folder = os.environ.get("RNNFUSE_REPORT_DIR")
-    if folder:
-        os.makedirs(folder, exist_ok=True)
-        with open(os.path.join(folder, "export.json"), "w") as f:
-            json.dump(data, f, indent=1)
+    report("export", data)
 
 
 @pytest.mark.parametrize("kind", ["lstm", "rnn_tanh"])

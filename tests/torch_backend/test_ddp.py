@@ -38,7 +38,8 @@ def test_ddp_two_processes_match_the_original_and_every_replica_fuses(tmp_path):
     done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=280)
     assert done.returncode == 0, done.stderr[-3000:]
     report = json.loads(out.read_text())
-    assert report["world"] == 2
+    assert report["world"] == 2 and report["backend"] == "gloo"
+    assert report["devices"] == ["cpu", "cpu"]
     assert report["optimized"]["replica_paths"] == [["fused"], ["fused"]]
     assert report["original"]["replica_paths"] == [[], []]
     assert report["max_loss_diff"] <= 1e-5

@@ -24,9 +24,12 @@ if [ -z "$SKIP_TESTS" ]; then
     --ignore=tests/gpu/test_gpu_distribute_torch.py --ignore=tests/gpu/test_gpu_jax.py \
     --junitxml=$OUT/gpu_tests.xml > $OUT/gpu_tests.log 2>&1
   rc=$?
-  tar czf $OUT/test_reports.tgz -C /tmp reports 2>/dev/null
   echo "tests rc $rc at $(( $(date +%s) - start )) s"
   grep -E "passed|failed|^FAILED|^ERROR" $OUT/gpu_tests.log | grep -v "^I0000\|^W0000" | tail -30
+  # MirroredStrategy on two logical GPUs of this one (env.sh).
+  RNNFUSE_REPORT_DIR=/tmp/reports timeout 240 run_distribute_tests > /tmp/reports/gpu_distribute.log 2>&1
+  echo "distribute tests rc $? at $(( $(date +%s) - start )) s: $(grep -E "passed|failed|logical GPUs" /tmp/reports/gpu_distribute.log | tr '\n' ' ')"
+  tar czf $OUT/test_reports.tgz -C /tmp reports 2>/dev/null
 fi
 b=$(( $(left) - 20 ))
 [ $b -lt 40 ] && exit 0

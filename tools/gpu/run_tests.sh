@@ -1,6 +1,7 @@
 #!/bin/bash
-# On the GPU machine, after tools/gpu/setup.sh: the TensorFlow GPU suite.
-# Writes the log and a JUnit report under $OUT (when set).
+# On the GPU machine, after tools/gpu/setup.sh: the TensorFlow GPU suite,
+# then its MirroredStrategy tests on two logical GPUs (run_distribute_tests
+# in env.sh). Writes the logs and JUnit reports under $OUT (when set).
 source tools/gpu/env.sh
 source tools/gpu/xla.sh
 OUT=${OUT:-/tmp}
@@ -14,3 +15,5 @@ set -o pipefail
 RNNFUSE_REPORT_DIR=$OUT python3 -m pytest -q -p no:cacheprovider -rs tests/gpu \
   --ignore=tests/gpu/test_gpu_torch.py --ignore=tests/gpu/test_gpu_distribute.py \
   --junitxml=$OUT/gpu_tests.xml "$@" 2>&1 | tee $OUT/gpu_tests.log | grep -v "^I0000\|^W0000"
+RNNFUSE_REPORT_DIR=$OUT run_distribute_tests --junitxml=$OUT/gpu_distribute.xml 2>&1 \
+  | tee $OUT/gpu_distribute.log | grep -v "^I0000\|^W0000"

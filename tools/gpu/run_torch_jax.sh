@@ -1,7 +1,9 @@
 #!/bin/bash
 # On the GPU machine (no TensorFlow needed; carry .gpu/whl): the torch-backend
 # GPU tests and benchmark, then the JAX measurement. Logs and JSON go to $OUT.
-#   bash tools/gpu/run_torch_jax.sh torch|torch-tests|torch-view|jax|jax-tests
+#   bash tools/gpu/run_torch_jax.sh torch|torch-tests|torch-view|ddp|jax|jax-tests
+# ddp: tests/gpu/test_gpu_distribute_torch.py (two DDP processes on the one
+# GPU through gloo; the two-GPU NCCL test where there are two GPUs).
 OUT=${OUT:-/tmp}
 mkdir -p /tmp/ks
 for w in .gpu/whl/keras-*.whl .gpu/whl/namex-*.whl .gpu/whl/optree-*.whl; do
@@ -24,6 +26,10 @@ case "$1" in
       ${BENCH_ARGS---anchors} --budget ${BENCH_SECONDS:-400} --rounds ${ROUNDS:-15} --steps 20 \
       --out $OUT/user_view_torch_h200${BENCH_TAG}.json > $OUT/user_view_torch.log 2>&1
     grep -E "fit .*x predict|ERROR|cells|geomean|below|overhead" $OUT/user_view_torch.log | tail -40 ;;
+  ddp)
+    KERAS_BACKEND=torch python3 -m pytest -q -p no:cacheprovider -s -rs tests/gpu/test_gpu_distribute_torch.py \
+      > $OUT/ddp_gpu_tests.log 2>&1
+    grep -E "GPU_REPORT|passed|failed|FAILED|Error|SKIP" $OUT/ddp_gpu_tests.log | cut -c1-600 | tail -20 ;;
   jax-tests)
     KERAS_BACKEND=jax python3 -m pytest -q -p no:cacheprovider -s -rs tests/gpu/test_gpu_jax.py \
       > $OUT/jax_gpu_tests.log 2>&1
