@@ -36,7 +36,7 @@ import keras
 from keras.src.models.functional import Functional
 from keras.src.utils import io_utils
 
-from rnnfuse.fused import fused_layers
+from rnnfuse.fused import FusedRNN, fused_layers
 from rnnfuse.persistence import (
     copy_compile,
     export_model,
@@ -180,7 +180,7 @@ class _OptimizedMixin:
         runs (`expand_nested=True` lists them as rows too)."""
         super().summary(*args, **kwargs)
         print_fn = _argument(keras.Model.summary, args, kwargs, "print_fn")
-        fused = [l for l in self._flatten_layers(include_self=False) if isinstance(l, FusedRNN)]
+        fused = fused_layers(self)
         if not fused:
             return
         lines = [" Fused by rnnfuse (rnnfuse.restore(model) gives the original layers back):"]
