@@ -15,28 +15,18 @@ Exports and saved files: test_gpu_export.py.
 
 from __future__ import annotations
 
-import json
-import os
 import time
 
 import keras
 import numpy as np
 import pytest
+from gpu_report import report
 
 import rnnfuse
 from rnnfuse.backends import tensorflow as tf_backend
 
 STEPS, FEATURES, UNITS, LAYERS = 64, 32, 128, 3
 BATCH, SAMPLES, EPOCHS = 64, 512, 4
-
-
-def _report(name: str, data: dict) -> None:
-    print(f"\nGPU_REPORT {name} {json.dumps(data)}")
-    folder = os.environ.get("RNNFUSE_REPORT_DIR")
-    if folder:
-        os.makedirs(folder, exist_ok=True)
-        with open(os.path.join(folder, f"{name}.json"), "w") as f:
-            json.dump(data, f, indent=1)
 
 
 def _stack(kind: str) -> keras.Model:
@@ -108,7 +98,7 @@ def test_fit_through_the_fused_kernel_tracks_the_original(kind, monkeypatch):
     weight_diff = max(
         float(np.max(np.abs(a - b))) for a, b in zip(model.get_weights(), reference.get_weights())
     )
-    _report(f"fit_{kind}", {
+    report(f"fit_{kind}", {
         "loss_fused": got.history["loss"],
         "loss_original": want.history["loss"],
         "epoch_s_fused": timers["fused"].times,
