@@ -53,6 +53,7 @@ _SERVE = textwrap.dedent(
     import json, os
     import numpy as np, tensorflow as tf, keras
     jobs_path, library = sys.argv[1], sys.argv[2]
+    tf.config.experimental.enable_tensor_float_32_execution(False)  # as in the tests
     if library != "-":
         tf.load_op_library(library)
     results = {"gpus": len(tf.config.list_logical_devices("GPU"))}
@@ -128,7 +129,12 @@ def _serve(folder, jobs: dict, tag: str, *, gpu: bool = True, library: str = "-"
 @pytest.fixture(scope="module")
 def served(tmp_path_factory) -> dict:
     """Writes every artifact, serves them (see the module doc); the facts."""
+    import tensorflow as tf
+
     from rnnfuse.backends.tensorflow import op_build
+
+    # No TF32 (the autouse fixture that turns it off runs after this one).
+    tf.config.experimental.enable_tensor_float_32_execution(False)
 
     folder = tmp_path_factory.mktemp("export")
     rng = np.random.default_rng(0)
@@ -233,7 +239,7 @@ def test_export_serves_without_a_gpu_wherever_the_originals_does(served, kind):
         assert _diff(fast["y"], original["y"]) == 0.0
         assert _diff(fast["y"], served["gpu"][f"{kind}_fast"]["y"]) <= 1e-4
     else:  # CudnnRNNV3 has only a GPU kernel, in both exports
-        assert "CudnnRNNV3" in fast["error"] or "kernel" in fast["error"], fast["error"]
+        assert "CudnnRNNV3" in fast.get("error", ""), fast
 
 
 def test_fused_export_needs_the_op_library_and_serves_once_it_is_loaded(served):
