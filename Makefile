@@ -6,7 +6,7 @@ STAMP  := $(VENV)/.installed-stamp
 export KERAS_BACKEND ?= tensorflow
 export TF_CPP_MIN_LOG_LEVEL ?= 2
 
-.PHONY: demo test test-tf test-torch test-jax test-thorough wheel-check venv clean
+.PHONY: demo test test-slow test-all test-thorough test-tf test-torch test-jax wheel-check venv clean
 
 venv: $(STAMP)
 
@@ -14,26 +14,58 @@ $(STAMP): setup.cfg pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -m pip install -q -e ".[test,tensorflow]"
-	# cuDNN 9's headers and libcudnn.so.9, which the test that compiles
-	# rnnfuse's TensorFlow op links against (no GPU needed; --no-deps skips
-	# the 600 MB cuBLAS wheel it does not use).
-	$(BIN)/python -m pip install -q --no-deps "nvidia-cudnn-cu12>=9.1"
 	touch $(STAMP)
+
+# cuDNN 9's headers and libcudnn.so.9, which the (slow) test that compiles
+# rnnfuse's TensorFlow op links against (no GPU needed; --no-deps skips the
+# 600 MB cuBLAS wheel it does not use). Installed for the runs that include
+# the slow tests only: the fast loop saves the download.
+$(VENV)/.cudnn-stamp: $(STAMP)
+	$(BIN)/python -m pip install -q --no-deps "nvidia-cudnn-cu12>=9.1"
+	touch $@
 
 demo: $(STAMP)
 	$(BIN)/python examples/text_classifier.py
 
-# The CPU suite under the TensorFlow backend, then the torch-backend tests
-# (tests/torch_backend) under KERAS_BACKEND=torch and the JAX-backend tests
-# (tests/jax_backend) under KERAS_BACKEND=jax. GPU tests (tests/gpu) skip here.
-# The TensorFlow suite runs in TEST_WORKERS processes (pytest-xdist): on the
-# 2-core CI machine 2 workers take it from 538 s to 315 s; the torch and JAX
-# suites gain nothing from it and run in one.
+# The CPU suites: tests/ under the TensorFlow backend, tests/torch_backend
+# under KERAS_BACKEND=torch, tests/jax_backend under KERAS_BACKEND=jax (GPU
+# tests, tests/gpu, skip here). TESTS picks by marker:
+#
+#   make test          the fast loop: every test but the `slow` ones
+#                      (tests/markers_slow.py), a few hypothesis examples each
+#   make test-slow     only the `slow` ones
+#   make test-all      both (what .ci/run runs, as make test then make test-slow)
+#   make test-thorough both, with 200 hypothesis examples per property
+#
+# The TensorFlow and JAX suites run in TEST_WORKERS processes (pytest-xdist):
+# on the 2-core machine 2 workers took the TensorFlow suite from 538 s to
+# 315 s and the JAX suite (XLA compiles on one core each) from 171 s to
+# 125 s; the torch suite runs in one (47 s, 67 s in two). Exit code 5 (no
+# test selected) counts as success.
 TEST_WORKERS ?= 2
+TESTS ?= not slow
+PYTEST := $(BIN)/python -m pytest -q -p no:cacheprovider -m "$(TESTS)"
+OK_IF_NONE := || test $$? -eq 5
+
 test: test-tf test-torch test-jax
 
-test-tf: $(STAMP)
-	KERAS_BACKEND=tensorflow $(BIN)/python -m pytest -q -p no:cacheprovider -n $(TEST_WORKERS) tests
+test-slow:
+	$(MAKE) test TESTS=slow
+
+test-all:
+	$(MAKE) test TESTS="slow or not slow"
+
+test-thorough:
+	HYPOTHESIS_PROFILE=thorough $(MAKE) test-all
+
+ifeq ($(TESTS),not slow)
+TF_NEEDS := $(STAMP)
+else
+TF_NEEDS := $(VENV)/.cudnn-stamp
+endif
+
+test-tf: $(TF_NEEDS)
+	KERAS_BACKEND=tensorflow $(PYTEST) -n $(TEST_WORKERS) tests $(OK_IF_NONE)
 
 # torch==2.13.0 is the CPU build this machine kind keeps on local disk; a bare
 # `torch` would pull a multi-GB CUDA build.
@@ -42,7 +74,7 @@ $(VENV)/.torch-stamp: $(STAMP)
 	touch $@
 
 test-torch: $(VENV)/.torch-stamp
-	KERAS_BACKEND=torch OMP_WAIT_POLICY=PASSIVE $(BIN)/python -m pytest -q -p no:cacheprovider tests/torch_backend
+	KERAS_BACKEND=torch OMP_WAIT_POLICY=PASSIVE $(PYTEST) tests/torch_backend $(OK_IF_NONE)
 
 # jax==0.10.2 (CPU jaxlib) is what this machine kind's local index holds.
 $(VENV)/.jax-stamp: $(STAMP)
@@ -50,7 +82,7 @@ $(VENV)/.jax-stamp: $(STAMP)
 	touch $@
 
 test-jax: $(VENV)/.jax-stamp
-	KERAS_BACKEND=jax $(BIN)/python -m pytest -q -p no:cacheprovider tests/jax_backend
+	KERAS_BACKEND=jax $(PYTEST) -n $(TEST_WORKERS) tests/jax_backend $(OK_IF_NONE)
 
 # Build the wheel, install it with its declared dependencies only (no Keras
 # backend) in a fresh venv, and check that pip sees no broken requirement,
@@ -70,9 +102,6 @@ wheel-check:
 	cd "$$tmp"; \
 	"$$tmp/venv/bin/rnnfuse" --version; \
 	echo "wheel-check: $$(ls "$$tmp"/dist) installs, pip check clean"
-
-test-thorough: $(STAMP)
-	HYPOTHESIS_PROFILE=thorough $(BIN)/python -m pytest -q tests
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache .hypothesis

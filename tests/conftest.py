@@ -1,8 +1,14 @@
-"""Shared test setup: hypothesis profiles, seeds, backend markers, and the
-emulated cuDNN op.
+"""Shared test setup: hypothesis profiles, seeds, backend and `slow`
+markers, and the emulated cuDNN op.
 
-Hypothesis profiles (HYPOTHESIS_PROFILE): "ci" (bounded, used by .ci/run),
-"dev" (the default for `make test`), "thorough" (`make test-thorough`).
+Hypothesis profiles (HYPOTHESIS_PROFILE): "dev" (the default, so `make
+test`: a few random examples per property, for the fast loop), "ci"
+(`.ci/run`: 12 derandomized examples, the same on every run), "thorough"
+(`make test-thorough`: 200).
+
+The `slow` marker (tests/markers_slow.py lists the tests): `make test`
+leaves them out, `make test-slow` runs only them, `.ci/run` and `make
+test-thorough` run everything.
 
 Markers by directory (`backend_markers`; setup.cfg lists them): tests/*.py
 are the TensorFlow-backend suite (`tensorflow`), tests/torch_backend/ get
@@ -36,12 +42,13 @@ _common = dict(
     derandomize=False,
 )
 settings.register_profile("ci", max_examples=12, derandomize=True, **{k: v for k, v in _common.items() if k != "derandomize"})
-settings.register_profile("dev", max_examples=25, **_common)
+settings.register_profile("dev", max_examples=5, **_common)
 settings.register_profile("thorough", max_examples=200, **_common)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "dev"))
 
 
 from markers_by_directory import backend_markers  # noqa: E402
+from markers_slow import slow_reason  # noqa: E402
 
 
 def pytest_collection_modifyitems(config, items):
@@ -53,6 +60,9 @@ def pytest_collection_modifyitems(config, items):
         for name in backend_markers(relpath):
             if item.get_closest_marker(name) is None:
                 item.add_marker(getattr(pytest.mark, name))
+        test = item.nodeid.split("::", 1)[1] if "::" in item.nodeid else item.name
+        if slow_reason(f"{relpath}::{test}") and item.get_closest_marker("slow") is None:
+            item.add_marker(pytest.mark.slow)
 
 
 @pytest.fixture(autouse=True)

@@ -1,0 +1,109 @@
+"""The tests `make test` leaves out: the `slow` marker, in one list.
+
+`make test` (the fast loop) runs `-m "not slow"`; `make test-slow` runs
+exactly these, and `make test-thorough` and `.ci/run` run both, so every
+property stays checked on every merge. tests/conftest.py adds the marker to
+each test named here, and only to those (this list is the one place that
+says a test is slow: no `@pytest.mark.slow` in the test files);
+tests/test_markers.py fails when an entry names no test.
+
+An entry is `file::test` (every parametrization) or `file::test[id]` (that
+one), with the path relative to tests/, and says why the test is slow: the
+CPU seconds it took on the 2-core machine (`--durations`, ranked; shared
+machines are noisy) and what makes it cost that much (a subprocess, an XLA
+compile, a `fit`, g++). Put a test here only when it cannot be made cheap
+without losing what it checks, and keep a cheaper sibling in the fast loop
+where one can cover the same code.
+
+    >>> slow_reason("test_cache.py::test_two_writer_processes_lose_no_entry")[:13]
+    'two processes'
+    >>> slow_reason("test_cache.py::test_something_else") is None
+    True
+"""
+
+from __future__ import annotations
+
+SLOW: dict[str, str] = {
+    # -- subprocesses: each imports TensorFlow (and Keras) again ---------------
+    "test_cache.py::test_two_writer_processes_lose_no_entry": "two processes, 240 locked writes (42 s wall)",
+    "test_cache.py::test_a_killed_writer_leaves_no_temporary_file_and_loses_nothing": "a process to kill (19 s wall)",
+    "test_cli.py::test_python_m_rnnfuse_subprocesses": "two `python -m rnnfuse` processes, TF and torch (20 s wall)",
+    "test_cudnn_op_build.py::test_the_op_compiles_here_and_registers_both_ops": "g++ builds the op (17 s wall)",
+    "test_cudnn_op_build.py::test_two_processes_build_once": "two processes, one g++ build (13 s wall)",
+    "test_cudnn_op_build.py::test_import_and_cpu_use_never_build": "a fresh process (9 s wall)",
+    "test_distribute.py::test_mirrored_fit_trains_the_same_variables_on_every_replica": (
+        "a process with two logical CPU devices, fit under MirroredStrategy (25 s wall)"
+    ),
+    "test_examples.py::test_text_classifier_script_runs": "runs the example script in a process (16 s wall)",
+    "test_markers.py::test_the_slow_marker_selects_exactly_the_listed_tests": "collects tests/ in a process (12 s wall)",
+    "test_persistence.py::test_a_restored_model_holding_projected_lstm_needs_rnnfuse_imported": (
+        "loads the file in a fresh process (16 s wall)"
+    ),
+    "test_persistence.py::test_restored_model_and_export_load_without_rnnfuse": (
+        "loads the file and the export in a fresh process (7 s wall)"
+    ),
+    "torch_backend/test_ddp.py::test_ddp_two_processes_match_the_original_and_every_replica_fuses": (
+        "torchrun, two processes (28 s wall)"
+    ),
+    "torch_backend/test_torch_threads_and_precision.py::test_a_bad_rnnfuse_torch_calls_warns_and_import_rnnfuse_still_works": (
+        "import rnnfuse in a fresh process (10 s wall); test_rnnfuse_torch_calls_sets_the_process_default stays fast"
+    ),
+    # -- fit, several models, or a real tuner run (CPU seconds) ----------------
+    "test_activity_regularizers.py::test_activity_losses_and_training_match_the_original[masked]": (
+        "evaluate and a fit epoch of two models (12 s); [issue_repro] stays fast"
+    ),
+    "test_activity_regularizers.py::test_activity_losses_and_training_match_the_original[bidirectional]": "as [masked] (14 s)",
+    "test_activity_regularizers.py::test_activity_losses_and_training_match_the_original[states]": "as [masked] (7 s)",
+    "test_activity_regularizers.py::test_activity_losses_and_training_match_the_original[last_layer]": "as [masked] (7 s)",
+    "test_activity_regularizers.py::test_activity_losses_and_training_match_the_original[rnn_cell_middle]": "as [masked] (5 s)",
+    "test_tuning_stages.py::test_both_stages_run_real_steps_and_build_each_plan_once": "the tuner's real steps (13 s)",
+    "test_first_batch.py::test_first_fit_times_the_candidates_on_the_real_batch_and_keeps_the_fastest": (
+        "a fit that times every candidate (11 s); the faked-timer tests stay fast"
+    ),
+    "test_first_batch.py::test_a_masked_input_is_timed_with_a_mask_and_cached_as_its_own_decision": "two fits (6 s)",
+    "test_first_batch.py::test_tuning_traces_a_masked_fused_candidate_without_the_per_layer_fallback": "traces (4 s)",
+    "test_first_batch.py::test_a_shape_already_decided_reads_no_cache_file_again": "four fits (3 s)",
+    "test_persistence.py::test_weights_files_carry_the_optimizer_state_both_ways": "fits and reloads, both ways (16 s)",
+    "test_persistence.py::test_model_checkpoint_weights_only_resumes_the_original": "fits with a checkpoint (4 s)",
+    "test_cudnn_op_wrapper.py::test_the_tuner_builds_one_step_per_piece_set_where_the_backend_shares": (
+        "builds and times every piece set (5 s); test_shared_steps_trace_once_... stays fast"
+    ),
+    "test_bench_user_view.py::test_rounds_are_sized_from_the_step_not_from_a_whole_fit_call": "fits (6 s)",
+    "test_api.py::test_training_the_optimized_model_trains_the_original": (
+        "two fits (4 s); test_training.py's fit/evaluate/predict test stays fast"
+    ),
+    # The full grid runs in the slow set; one case per cell kind and merge stays fast.
+    **{
+        f"test_bidirectional_and_cells.py::test_sum_and_ave_below_the_top_fuse_into_one_call[{case}]": (
+            "1-1.5 s each, 16 cases; unmasked-sum-lstm, right_padded-ave-gru, "
+            "right_padded-sum-rnn_tanh and unmasked-ave-rnn_relu stay fast"
+        )
+        for case in (
+            "right_padded-ave-lstm", "right_padded-sum-lstm", "unmasked-ave-lstm",
+            "right_padded-sum-gru", "unmasked-ave-gru", "unmasked-sum-gru",
+            "right_padded-ave-rnn_tanh", "unmasked-ave-rnn_tanh", "unmasked-sum-rnn_tanh",
+            "right_padded-ave-rnn_relu", "right_padded-sum-rnn_relu", "unmasked-sum-rnn_relu",
+        )
+    },
+    **{
+        f"test_bidirectional_and_cells.py::test_pieces_split_between_a_summing_level_and_the_next[{case}]": (
+            "1.5 s each; [pieces0] stays fast"
+        )
+        for case in ("pieces1", "pieces2", "pieces3")
+    },
+    # -- JAX: XLA compiles on the CPU ------------------------------------------
+    "jax_backend/test_jax_activity_regularizers.py::test_activity_losses_and_training_match_the_original": (
+        "evaluate and a fit epoch, compiled (23 s for four cases); the TF and torch cases stay fast"
+    ),
+    "jax_backend/test_jax_fused.py::test_bidirectional_sum_and_ave_below_the_top[sum]": "compiles (12 s); [ave] stays fast",
+    "jax_backend/test_jax_fused.py::test_bidirectional_stack": "compiles (9 s); the sum/ave case covers bidirectional packing",
+    "jax_backend/test_jax_fused.py::test_lstm_stack_is_one_call_and_matches_keras[2]": "compiles (9 s); [3] stays fast",
+    "jax_backend/test_jax_cli.py::test_check_runs_under_jax": "gradients of two compiled models (8 s); bench stays fast",
+}
+
+
+def slow_reason(nodeid: str) -> str | None:
+    """Why the test `nodeid` (relative to tests/) is slow, or None."""
+    if nodeid in SLOW:
+        return SLOW[nodeid]
+    return SLOW.get(nodeid.split("[", 1)[0])
