@@ -27,11 +27,20 @@ def test_default_location_is_the_platform_user_cache(monkeypatch, tmp_path):
     assert default_cache_path() == tmp_path / "plans.json"
 
 
-_WRITER = textwrap.dedent(
+# The writer processes load cache.py by its path, not through the rnnfuse
+# package, whose import loads Keras and TensorFlow (8 s a process here):
+# the module needs only the standard library, and it is the same code.
+_LOAD_CACHE = """
+import importlib.util, sys
+spec = importlib.util.spec_from_file_location("plan_cache", sys.argv[{root}] + "/rnnfuse/tuning/cache.py")
+cache = importlib.util.module_from_spec(spec)
+sys.modules["plan_cache"] = cache
+spec.loader.exec_module(cache)
+PlanCache = cache.PlanCache
+"""
+
+_WRITER = _LOAD_CACHE.format(root=3) + textwrap.dedent(
     """
-    import sys
-    sys.path.insert(0, sys.argv[3])
-    from rnnfuse.tuning.cache import PlanCache
     path, name = sys.argv[1], sys.argv[2]
     for i in range(int(sys.argv[4])):
         # A new PlanCache per entry, as separate optimize() calls would make.
@@ -55,11 +64,9 @@ def test_two_writer_processes_lose_no_entry(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["plans.json", "plans.json.lock", "writer.py"]
 
 
-_KILLED = textwrap.dedent(
+_KILLED = _LOAD_CACHE.format(root=2) + textwrap.dedent(
     """
-    import os, sys, time
-    sys.path.insert(0, sys.argv[2])
-    from rnnfuse.tuning.cache import PlanCache
+    import os, time
     cache = PlanCache(sys.argv[1])
     def stuck(*args):  # killed after writing the temporary file
         print("written", flush=True)
