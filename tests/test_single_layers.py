@@ -96,7 +96,7 @@ def test_first_batch_tuning_decides_each_group_of_one(medians, chosen, fake_gpu,
     layers = fused_layers(fast)
     assert [l.name for l in layers] == ["encoder", "decoder"]
     for layer in layers:
-        assert layer.pieces == (None if chosen == "fused" else ())
+        assert layer.plan.per_layer == (chosen == "per-layer")
         assert layer.last_path.kind.value == ("fused" if chosen == "fused" else "layers")
     records = rnnfuse.tuning.first_batch.decisions(fast)
     assert [r["chosen"] for r in records] == [chosen, chosen]
