@@ -79,6 +79,13 @@ SLOW: dict[str, str] = {
         "builds and times every piece set (5 s); test_shared_steps_trace_once_... stays fast"
     ),
     "test_bench_user_view.py::test_rounds_are_sized_from_the_step_not_from_a_whole_fit_call": "fits (6 s)",
+    "test_bench_single_layers.py::test_a_seq2seq_cell_times_both_models_interleaved_as_groups_of_one": (
+        "fits both models in interleaved rounds (9 s)"
+    ),
+    "test_single_layers.py::test_first_batch_tuning_decides_each_group_of_one[fused_wins]": (
+        "a fit that switches two groups to their fused call and traces it (13 s); "
+        "[within_the_margin] stays fast"
+    ),
     "test_api.py::test_training_the_optimized_model_trains_the_original": (
         "two fits (4 s); test_training.py's fit/evaluate/predict test stays fast"
     ),

@@ -96,7 +96,7 @@ def test_first_batch_tuning_decides_each_group_of_one(medians, chosen, fake_gpu,
     layers = fused_layers(fast)
     assert [l.name for l in layers] == ["encoder", "decoder"]
     for layer in layers:
-        assert layer.plan.per_layer == (chosen == "per-layer")
+        assert layer.plan == (rnnfuse.Plan((1,)) if chosen == "fused" else rnnfuse.PER_LAYER)
         assert layer.last_path.kind.value == ("fused" if chosen == "fused" else "layers")
     records = rnnfuse.tuning.first_batch.decisions(fast)
     assert [r["chosen"] for r in records] == [chosen, chosen]
