@@ -42,7 +42,7 @@ _common = dict(
     derandomize=False,
 )
 settings.register_profile("ci", max_examples=12, derandomize=True, **{k: v for k, v in _common.items() if k != "derandomize"})
-settings.register_profile("dev", max_examples=5, **_common)
+settings.register_profile("dev", max_examples=3, **_common)
 settings.register_profile("thorough", max_examples=200, **_common)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "dev"))
 

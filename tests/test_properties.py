@@ -1,7 +1,7 @@
 """Randomized properties over model topologies (TensorFlow, emulated cuDNN).
 
 See tests/properties.py for the topologies and the properties. Bounded in
-CI (HYPOTHESIS_PROFILE=ci: 12 derandomized examples), 5 by default (make test), 200
+CI (HYPOTHESIS_PROFILE=ci: 12 derandomized examples), 3 by default (make test), 200
 with HYPOTHESIS_PROFILE=thorough.
 """
 
