@@ -15,7 +15,9 @@ call, decides how to run them:
 
 How the fused path runs is the layer's `rnnfuse.plan.Plan` (`plan=`,
 `set_plan`): the whole run as one call, consecutive pieces of it, or the
-original layers; the kernel and its algorithm. Everything one call needs
+original layers; the kernel and its algorithm. A plan on a forward-only
+kernel (rnnfuse's "wavefront") runs inference calls there; a training call
+runs `plan.for_training()` (cuDNN), and its `KernelRun`'s note says so. Everything one call needs
 arrives as arguments (the plan's fields, the tuner's runtime algorithm,
 what the caller knows about the mask); what the call ran comes back as
 `last_path` (a `CallPath` with the `KernelRun` of the fused kernel), set
@@ -470,6 +472,12 @@ class FusedRNN(keras.layers.Layer):
         x = self._input_dropout(sequences, training)
         initial_h, initial_c = self._initial_states(initial_state)
         rate, seed = self._between_dropout(training)
+        note = None
+        if training and plan.inference_only:
+            # A forward-only kernel (rnnfuse.plan.INFERENCE_ONLY_KERNELS):
+            # a training call runs the same pieces on cuDNN.
+            note = f"a training call: the {plan.kernel} kernel runs inference only"
+            plan = plan.for_training()
         try:
             run = backend.run_stack(
                 x,
@@ -491,7 +499,7 @@ class FusedRNN(keras.layers.Layer):
         outputs = self._assemble(run.outputs, run.final_h, run.final_c, mask)
         if add_losses:
             self._add_activity_losses(outputs)
-        return outputs, CallPath(PathKind.FUSED, kernel=run.kernel)
+        return outputs, CallPath(PathKind.FUSED, kernel=run.kernel.with_note(note))
 
     def _add_activity_losses(self, outputs) -> None:
         """The loss Keras' `Layer.__call__` adds for the run's last layer's

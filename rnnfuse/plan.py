@@ -22,11 +22,21 @@ suffix: "standard", "persistent_static+tc" (tensor ops),
 "persistent_dynamic+tcc" (tensor ops allowing fp32 -> fp16/bf16
 conversion), "persistent_static_small_h".
 
-A new kernel (rnnfuse's own CUDA kernel, say) is one more entry of
-`KERNELS` and a backend that runs it; the plan, the cache, the tuner and the
-rewrite carry it as they carry "cudnn". A backend that cannot run a plan's
-kernel raises NotImplementedError from its fused call, and the layer runs
-the original layers (as for any call it cannot run).
+A new kernel is one more entry of `KERNELS` and a backend that runs it;
+the plan, the cache, the tuner and the rewrite carry it as they carry
+"cudnn". A backend that cannot run a plan's kernel raises
+NotImplementedError from its fused call, and the layer runs the original
+layers (as for any call it cannot run).
+
+"wavefront" is rnnfuse's own CUDA kernel (docs/kernel.md), a forward pass
+only: a plan on it is an inference plan (`inference_only`). The tuner
+times it for inference calls only, so first-batch tuning's training
+decision keeps its own plan; a training call of a layer whose plan names
+it runs `for_training()` instead (the same pieces on cuDNN), and a
+gradient taken through an inference call is cuDNN's, recomputed in the
+backward pass. Where the kernel refuses a call (a shape that does not fit
+on chip, no Hopper GPU), the backend runs cuDNN and its `KernelRun` says
+why.
 
 Example:
 
@@ -38,6 +48,8 @@ Example:
     Plan(pieces=(3,), algorithm=None, kernel='cudnn', whole=False)
     >>> Plan((3,), kernel="stock").name
     'fused on stock'
+    >>> Plan((4,), kernel="wavefront").for_training().name
+    'fused'
     >>> Plan.from_dict(Plan((1, 2), "persistent_dynamic+tc").to_dict()).name
     'split 1+2 @persistent_dynamic+tc'
     >>> Algorithm.parse("persistent_static+tc").algo
@@ -52,6 +64,7 @@ __all__ = [
     "ALGORITHM_NAMES",
     "Algorithm",
     "FUSED",
+    "INFERENCE_ONLY_KERNELS",
     "KERNELS",
     "MATH_TYPES",
     "PER_LAYER",
@@ -69,7 +82,16 @@ KERNELS = {
     # SavedModel export) loads and serves where rnnfuse is not installed.
     # Elsewhere the same as "cudnn" (torch and JAX have no rnnfuse op).
     "stock": "the framework's own cuDNN op (no rnnfuse op in the graph)",
+    # rnnfuse's persistent wavefront kernel (rnnfuse/backends/cuda/csrc:
+    # every layer's weights on chip, the layers as a wavefront), forward
+    # only: unidirectional LSTM/GRU stacks in float16/bfloat16 that fit on
+    # a Hopper GPU. TensorFlow's RnnfuseWavefront op, torch's
+    # torch.ops.rnnfuse.wavefront_forward; cuDNN runs what it refuses.
+    "wavefront": "rnnfuse's wavefront kernel (inference only; cuDNN where it cannot run)",
 }
+# The kernels with no backward pass: a training call of a plan on one runs
+# `Plan.for_training()`.
+INFERENCE_ONLY_KERNELS = frozenset({"wavefront"})
 
 # cudnnRNNAlgo_t values 0..3, in order.
 ALGORITHM_NAMES = (
@@ -176,16 +198,33 @@ class Plan:
             object.__setattr__(self, "algorithm", Algorithm.parse(self.algorithm).name)
         if self.algorithm == "standard":
             object.__setattr__(self, "algorithm", None)
-        if self.kernel == "stock" and self.algorithm is not None:
+        if self.kernel != "cudnn" and self.algorithm is not None:
+            what = (
+                "runs cuDNN's standard algorithm only" if self.kernel == "stock"
+                else "has no algorithm to choose"
+            )
             raise ValueError(
-                "Plan: the 'stock' kernel runs cuDNN's standard algorithm only; "
-                f"received algorithm {self.algorithm!r}. Fix: algorithm=None."
+                f"Plan: the {self.kernel!r} kernel {what}; received algorithm "
+                f"{self.algorithm!r}. Fix: algorithm=None."
             )
 
     @property
     def per_layer(self) -> bool:
         """Whether this plan runs the original layers (no fused call)."""
         return not self.whole and not self.pieces
+
+    @property
+    def inference_only(self) -> bool:
+        """Whether the plan's kernel runs forward passes only
+        (`INFERENCE_ONLY_KERNELS`): a training call runs `for_training()`."""
+        return self.kernel in INFERENCE_ONLY_KERNELS and not self.per_layer
+
+    def for_training(self) -> "Plan":
+        """The plan a training call runs: this one, or for an inference-only
+        kernel the same pieces on cuDNN's standard algorithm."""
+        if not self.inference_only:
+            return self
+        return dataclasses.replace(self, kernel="cudnn", algorithm=None)
 
     @property
     def cudnn_algorithm(self) -> Algorithm | None:

@@ -67,8 +67,19 @@ class KernelRun:
     # shared step); "" where the framework chooses it (torch, JAX).
     algorithm: str = ""
     # Why this is not the kernel or algorithm the plan asked for (the op
-    # not loaded, a persistent algorithm refused under a mask), or None.
+    # not loaded, a persistent algorithm refused under a mask, the
+    # wavefront kernel refusing a shape), or None.
     note: str | None = None
+
+    def with_note(self, note: str | None) -> "KernelRun":
+        """This record with `note` before its own note (None: unchanged).
+
+        >>> KernelRun("CudnnRNNV3", "standard", "op off").with_note("a training call").note
+        'a training call; op off'
+        """
+        if note is None:
+            return self
+        return dataclasses.replace(self, note=note if self.note is None else f"{note}; {self.note}")
 
 
 class CallPath(str):

@@ -38,7 +38,7 @@ def test_a_cache_entry_from_before_the_kernel_field_is_a_cudnn_plan():
 def test_bad_plans_name_what_was_received():
     with pytest.raises(ValueError, match=r"positive layer counts.*\(0, 3\)"):
         Plan((0, 3))
-    with pytest.raises(ValueError, match="kernel must be one of .'cudnn', 'stock'.; received 'fast'"):
+    with pytest.raises(ValueError, match="kernel must be one of .'cudnn', 'stock', 'wavefront'.; received 'fast'"):
         Plan((2,), kernel="fast")
     with pytest.raises(ValueError, match="unknown cuDNN algorithm 'fastest'"):
         Plan((2,), "fastest")

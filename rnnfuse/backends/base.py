@@ -63,6 +63,7 @@ __all__ = [
     "Tooling",
     "cpu_description",
     "loss_weights",
+    "run_or_fall_back",
     "tanh_sigmoid",
 ]
 
@@ -135,6 +136,28 @@ class StackRun(NamedTuple):
     final_c: Any
     # The kernel and algorithm the call ran (decided when it is traced).
     kernel: KernelRun
+
+
+def run_or_fall_back(run_kernel, run_cudnn, what: str,
+                     errors: tuple = (NotImplementedError,)) -> StackRun:
+    """`run_kernel()`, or where it raises one of `errors` (the kernel
+    cannot run this call), `run_cudnn()` with the reason in its
+    `KernelRun`'s note: how a backend runs a plan on a kernel that refuses
+    some calls (rnnfuse's wavefront kernel), never a wrong answer.
+
+    >>> def refuse():
+    ...     raise NotImplementedError("8 layers of 512 do not fit on chip")
+    >>> run = run_or_fall_back(refuse, lambda: StackRun(0, 0, None, KernelRun("cuDNN")), "the kernel")
+    >>> run.kernel.note
+    'the kernel cannot run this call (8 layers of 512 do not fit on chip); cuDNN runs it'
+    """
+    try:
+        return run_kernel()
+    except errors as err:
+        run = run_cudnn()
+        return run._replace(
+            kernel=run.kernel.with_note(f"{what} cannot run this call ({err}); cuDNN runs it")
+        )
 
 
 # ProjectedLSTM's fast-path variants (the TensorFlow loops; "auto" picks
@@ -216,6 +239,10 @@ class Capabilities:
     # already says how slow a candidate is, and the tuner stops one that is
     # clearly slower there instead of also giving it a warm-up call.
     first_call_compiles: bool = True
+    # Plan kernels besides cuDNN that the tuner also times for inference
+    # calls (forward-only kernels: `rnnfuse.plan.INFERENCE_ONLY_KERNELS`),
+    # for the groups `Backend.kernel_reason` accepts at the timed shape.
+    inference_kernels: tuple = ()
 
 
 class Backend(abc.ABC):
@@ -240,6 +267,14 @@ class Backend(abc.ABC):
     @abc.abstractmethod
     def group_reason(self, group: Any) -> str | None:
         """Why this backend never runs fusion `group` fused, or None."""
+
+    def kernel_reason(self, kernel: str, group: Any, shape: tuple) -> str | None:
+        """Why plan kernel `kernel` (one of `capabilities.inference_kernels`)
+        cannot run `group`'s inference calls at input `shape` (batch,
+        steps, features) here, or None: the kernel's own checks (its
+        dtypes, its on-chip plan, the device), asked before the tuner
+        times it. Default: this backend has no such kernel."""
+        return f"the {self.name} backend has no {kernel!r} kernel"
 
     # -- the fused call ---------------------------------------------------------
 

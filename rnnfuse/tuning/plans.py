@@ -1,8 +1,11 @@
 """The plans the tuner times for a group, and the groups a plan turns into.
 
 A `rnnfuse.plan.Plan` says how one group runs (pieces, kernel, algorithm).
-`candidate_plans(group)` lists what the tuner times; `split_groups` turns
-groups and their plans into the groups the rewrite builds.
+`candidate_plans(group)` lists what the tuner times; `kernel_plans` adds,
+for inference, the whole run on each forward-only kernel the backend has
+(`Capabilities.inference_kernels`: rnnfuse's wavefront kernel) where that
+kernel accepts the group at the timed shape; `split_groups` turns groups
+and their plans into the groups the rewrite builds.
 
 Example:
 
@@ -15,12 +18,12 @@ Example:
 from __future__ import annotations
 
 import dataclasses
-from typing import Iterable, Sequence
+from typing import Callable, Iterable, Sequence
 
 from rnnfuse.plan import PER_LAYER, Plan
 from rnnfuse.report import FusionGroup
 
-__all__ = ["CANDIDATE_ALGORITHMS", "candidate_plans", "split_groups"]
+__all__ = ["CANDIDATE_ALGORITHMS", "candidate_plans", "kernel_plans", "split_groups"]
 
 # The algorithms the tuner tries for fused pieces (None: the standard one).
 # On TensorFlow they need rnnfuse's own op, which runs the algorithm in the
@@ -57,6 +60,35 @@ def candidate_plans(
         for algorithm in algorithms:
             plans.append(Plan(pieces, algorithm))
     return plans
+
+
+def kernel_plans(
+    group: FusionGroup,
+    shape: tuple,
+    kernels: Sequence[str],
+    reason_of: Callable[[str, FusionGroup, tuple], str | None],
+) -> tuple[list[Plan], dict]:
+    """The inference candidates on forward-only kernels: (the whole run on
+    each of `kernels` that can run `group` at input `shape`, {plan name:
+    why not} for the others). `reason_of` is `Backend.kernel_reason` (the
+    kernel's own checks: dtypes, its on-chip plan, the device).
+
+    >>> import types
+    >>> group = types.SimpleNamespace(layers=("a", "b"))
+    >>> kernel_plans(group, (64, 10, 8), ["wavefront"], lambda k, g, s: None)[0]
+    [Plan(pieces=(2,), algorithm=None, kernel='wavefront', whole=False)]
+    >>> kernel_plans(group, (64, 10, 8), ["wavefront"], lambda k, g, s: "too big")[1]
+    {'fused on wavefront': 'too big'}
+    """
+    plans, rejected = [], {}
+    for kernel in kernels:
+        plan = Plan((len(group.layers),), kernel=kernel)
+        reason = reason_of(kernel, group, shape)
+        if reason is None:
+            plans.append(plan)
+        else:
+            rejected[plan.name] = str(reason)
+    return plans, rejected
 
 
 def split_groups(

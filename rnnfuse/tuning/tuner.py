@@ -72,7 +72,7 @@ from rnnfuse.backends import get_backend
 from rnnfuse.report import FusionGroup
 from rnnfuse.tuning.cache import PlanCache, cache_key
 from rnnfuse.plan import PER_LAYER, Plan
-from rnnfuse.tuning.plans import candidate_plans, split_groups
+from rnnfuse.tuning.plans import candidate_plans, kernel_plans, split_groups
 from rnnfuse.tuning.table import static_plan
 from rnnfuse.tuning.timing import interleaved_medians
 
@@ -216,6 +216,13 @@ def _runner(group: FusionGroup, plan: Plan, dtype: str | None = None) -> Callabl
             kwargs.update(mask=mask, mask_is_right_padded=True)
         for piece in pieces:
             x = piece(x, training=training, **kwargs)
+            ran = piece.last_path.kernel
+            if piece.plan.inference_only and (ran is None or ran.note):
+                # Timing it would time cuDNN under the kernel's name. (A
+                # builtin type: a traced step re-raises only those as they are.)
+                raise NotImplementedError(
+                    f"not timed: the {piece.plan.kernel} kernel did not run "
+                    f"({ran.note if ran is not None else piece.last_path})")
         return x
 
     return fused
@@ -333,6 +340,14 @@ def tune_plans(
                 plans = [p for p in plans if not p.algorithm]
             plans = [p for p in plans if p.name not in rejected]
             bar.advance_rest(len(rejected))
+            if not training:
+                # Forward-only kernels (rnnfuse's wavefront kernel): timed
+                # for inference only, where the kernel takes the group.
+                backend = get_backend(backend_name)
+                more, why = kernel_plans(group, shape, backend.capabilities.inference_kernels,
+                                         backend.kernel_reason)
+                plans += more
+                rejected.update(why)
             timings, plans = _time_in_stages(
                 plans, rejected, bar,
                 _Measured(group, shape, dtype, training, jit_baseline, masked, measure, bar,
@@ -481,10 +496,10 @@ def _time_in_stages(plans, rejected, bar, measured):
     if not rest or not timings:
         return timings, timed
     best = min(timings.values())
-    whole = {p.algorithm: p for p in timed if p.pieces}
+    whole = {(p.kernel, p.algorithm): p for p in timed if p.pieces}
     second = []
     for p in rest:
-        twin = whole.get(p.algorithm)
+        twin = whole.get((p.kernel, p.algorithm))
         if twin is None:
             rejected[p.name] = "not timed: the whole run on its algorithm was not timed"
         elif timings[twin.name] > PRUNE * best:
@@ -534,7 +549,7 @@ def _shared_steps(group, plans, x, dtype, training) -> dict:
     per plan."""
     by_pieces: dict = {}
     for p in plans:
-        if p.pieces:
+        if p.pieces and p.kernel == "cudnn":
             by_pieces.setdefault(p.pieces, []).append(p)
     out = {}
     backend = get_backend()
@@ -640,12 +655,20 @@ def _first_calls(steps: dict, plans: dict, seconds: dict | None = None) -> tuple
 
 
 def _refusal(plan: Plan | None, exc: Exception) -> str | None:
-    """Why cuDNN refused `plan` (its last message line), when `exc` is a
-    kernel's op error on a non-default algorithm; None for anything else
-    (a real error, to raise)."""
-    if plan is None or not plan.algorithm or not _is_op_error(exc):
+    """Why the kernel refused `plan` (its last message line), when `exc` is
+    a kernel's op error on a non-default algorithm or a forward-only kernel,
+    or (NotImplementedError) that kernel fell back to cuDNN in the step
+    (`_runner`); None for anything else (a real error, to raise)."""
+    if plan is None:
         return None
-    return f"cuDNN refused it: {str(exc).strip().splitlines()[-1][:200]}"
+    last_line = str(exc).strip().splitlines()[-1].strip()[:300]
+    if plan.inference_only and isinstance(exc, NotImplementedError):
+        return last_line.removeprefix("NotImplementedError: ")
+    if not (plan.algorithm or plan.inference_only) or not _is_op_error(exc):
+        return None
+    who = f"the {plan.kernel} kernel" if plan.inference_only else "cuDNN"
+    return f"{who} refused it: {last_line}"
+
 
 
 def _is_op_error(exc: Exception) -> bool:

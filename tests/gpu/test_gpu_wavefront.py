@@ -1,28 +1,43 @@
 """rnnfuse's wavefront kernel as the TensorFlow op `RnnfuseWavefront`, on a
 real Hopper GPU (the H200), after the TensorFlow staging of ../shared/gpu:
 
-    python3 -m pytest -q tests/gpu/test_gpu_wavefront.py
+    python3 -m pytest -q -s tests/gpu/test_gpu_wavefront.py
 
 The op (built on first use like the cuDNN op) runs fused LSTM/GRU stacks
 from the live Keras variables; its outputs and final states are compared
 with rnnfuse's cuDNN op on the same canonical buffer (the standard
 algorithm) and with a float64 NumPy reference, as ||out - ref|| / ||ref||.
 A shape over the kernel's limits raises NotImplementedError (the fused
-layer's cue to run cuDNN), and a gradient through the op is a clear error.
+layer's cue to run cuDNN), a gradient through the raw op is a clear error,
+and through `run_differentiable` it is cuDNN's.
+
+As a tuner candidate: an optimized 4x512 float16 LSTM's `predict` at batch
+64, T=1000, tuned on this GPU, chooses the wavefront plan; the predict step
+holds and ran the op (its FusedRNN's path names RnnfuseWavefront, with no
+fallback note: a silent fallback fails), matches the original model within
+float16 rounding, and is faster than the original's predict (the ratio is
+a GPU_REPORT line); the same model at batch 8 keeps cuDNN or the original.
 The kernel's exactness over randomized shapes is tested through torch
 (test_gpu_wavefront_torch.py), which needs no TensorFlow.
 """
 
 from __future__ import annotations
 
+import time
+
 import keras
 import numpy as np
 import pytest
 import tensorflow as tf
 
+import rnnfuse
+from builders import fused_layers, stack_model, traced_op_types
+from gpu_report import report
 from rnnfuse.backends import tensorflow as tf_backend
 from rnnfuse.backends.base import StackSpec
 from rnnfuse.backends.tensorflow import op_build, wavefront_op
+from rnnfuse.tuning import first_batch
+from rnnfuse.tuning.cache import PlanCache
 
 pytestmark = [pytest.mark.cudnn_op, pytest.mark.real_gpu_only]
 TOL = {"float16": 1e-3, "bfloat16": 8e-3}
@@ -107,9 +122,9 @@ def test_the_op_matches_float64_and_the_cudnn_op(kind, layers, units, batch, ste
         mask = np.arange(steps)[None, :] < lengths[:, None]
     xt = tf.cast(tf.constant(x), dtype)
     with tf.device("GPU:0"):
-        y, h, c = wavefront_op.run_stack(xt, stack=stack, mask=mask)
-        y_cudnn, h_cudnn, _ = tf_backend.run_stack(xt, stack=stack, mask=mask)
-    assert tf_backend.last_kernel()["kernel"] != wavefront_op.KERNEL_NAME
+        y, h, c, ran = wavefront_op.run_stack(xt, stack=stack, mask=mask)
+        y_cudnn, h_cudnn, _, ran_cudnn = tf_backend.run_stack(xt, stack=stack, mask=mask)
+    assert ran.name == wavefront_op.KERNEL_NAME and ran_cudnn.name == "RnnfuseCudnnRnn"
     # The reference sees the weights and inputs the kernel saw (rounded).
     for (cell,) in stack.cells:
         for v in (cell.kernel, cell.recurrent_kernel, cell.bias):
@@ -134,10 +149,99 @@ def test_float32_and_training_calls_are_refused():
         wavefront_op.run_stack(tf.zeros([4, 5, 64], tf.float16), stack=stack, dropout=0.2)
 
 
-def test_a_gradient_through_the_op_is_a_clear_error():
+def test_a_gradient_through_the_raw_op_is_a_clear_error():
     stack = _stack("gru", 2, 64, 64)
     x = tf.Variable(tf.zeros([4, 5, 64], tf.float16))
     with tf.GradientTape() as tape:
-        y, _, _ = wavefront_op.run_stack(x, stack=stack)
+        y = wavefront_op.run_stack(x, stack=stack).outputs
     with pytest.raises(ValueError, match="inference kernel"):
         tape.gradient(tf.reduce_sum(y), x)
+
+
+@pytest.mark.parametrize("kind", ["lstm", "gru"])
+def test_the_backends_wavefront_call_has_cudnns_gradient(kind):
+    """kernel="wavefront" through the backend: the op runs the forward
+    pass, the gradient (inputs and every variable) is cuDNN's."""
+    stack = _stack(kind, 3, 256, 128)
+    rng = np.random.default_rng(5)
+    x = tf.constant(rng.standard_normal((16, 40, 128)), tf.float16)
+    weights = tf.constant(rng.standard_normal((16, 40, 256)), tf.float32)
+    variables = [v.value for (cell,) in stack.cells for v in cell.trainable_weights]
+    grads, kernels = [], []
+    for kernel in ("wavefront", "cudnn"):
+        with tf.GradientTape() as tape:
+            tape.watch(x)
+            run = tf_backend.run_stack(x, stack=stack, kernel=kernel)
+            loss = tf.reduce_sum(tf.cast(run.outputs, tf.float32) * weights)
+        kernels.append(run.kernel)
+        grads.append(tape.gradient(loss, [x, *variables]))
+    assert kernels[0].name == wavefront_op.KERNEL_NAME and kernels[0].note is None
+    assert kernels[1].name == "RnnfuseCudnnRnn"
+    for got, want in zip(*grads):
+        assert got is not None and _rel(got, np.asarray(tf.cast(want, tf.float64))) <= 1e-3
+
+
+# -- the tuner candidate, through predict ------------------------------------------------
+
+
+def _lstm_model(layers, units, steps):
+    keras.config.set_dtype_policy("mixed_float16")
+    try:
+        return stack_model("lstm", layers, units=units, input_size=units, steps=steps,
+                           last_return_sequences=True)
+    finally:
+        keras.config.set_dtype_policy("float32")
+
+
+def _median_predict_s(model, x, batch, repeats=5):
+    model.predict(x, batch_size=batch, verbose=0)  # trace
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        model.predict(x, batch_size=batch, verbose=0)
+        times.append(time.perf_counter() - start)
+    return float(np.median(times))
+
+
+def test_predict_of_a_4x512_float16_lstm_at_batch_64_runs_the_wavefront_kernel(tmp_path):
+    model = _lstm_model(4, 512, 1000)
+    x = np.random.default_rng(0).standard_normal((256, 1000, 512)).astype("float32")
+    fast = rnnfuse.optimize(model, cache=PlanCache(tmp_path / "plans.json"))
+    (layer,) = fused_layers(fast)
+    y = fast.predict(x, batch_size=64, verbose=0)  # four full batches: one trace
+    (record,) = first_batch.decisions(fast)
+    assert record["mode"] == "inference" and record["input"] == [64, 1000, 512]
+    assert record["chosen"] == "fused on wavefront", record
+    # The traced predict step ran the op, no fallback (a note would say why).
+    ran = layer.last_path.kernel
+    assert ran.name == wavefront_op.KERNEL_NAME and ran.note is None, layer.last_path
+    assert wavefront_op.KERNEL_NAME in traced_op_types(
+        lambda t: fast(t, training=False), tf.constant(x[:64]))
+    want = model.predict(x, batch_size=64, verbose=0)
+    rel = _rel(y, want)
+    assert rel <= 2e-3 and float(np.max(np.abs(np.asarray(y, np.float64) - want))) <= 2e-2
+    original_s = _median_predict_s(model, x, 64)
+    fast_s = _median_predict_s(fast, x, 64)
+    assert layer.last_path.kernel.name == wavefront_op.KERNEL_NAME
+    report("wavefront_predict_tf", {
+        "shape": "4x512 LSTM B64 T1000 float16", "chosen": record["chosen"],
+        "timings_ms": record["timings_ms"], "predict_original_ms": 1e3 * original_s,
+        "predict_optimized_ms": 1e3 * fast_s, "speedup": original_s / fast_s, "rel_diff": rel,
+    })
+    assert fast_s < original_s, (fast_s, original_s)
+
+
+def test_predict_at_batch_8_keeps_cudnn_or_the_original(tmp_path):
+    """Batch 8, where cuDNN's persistent kernel is faster (docs/kernel.md's
+    crossover): the wavefront plan is timed and not chosen."""
+    model = _lstm_model(2, 512, 1000)
+    x = np.random.default_rng(1).standard_normal((16, 1000, 512)).astype("float32")
+    fast = rnnfuse.optimize(model, cache=PlanCache(tmp_path / "plans.json"))
+    (layer,) = fused_layers(fast)
+    fast.predict(x, batch_size=8, verbose=0)
+    (record,) = first_batch.decisions(fast)
+    report("wavefront_predict_tf_b8", {"chosen": record["chosen"],
+                                       "timings_ms": record["timings_ms"],
+                                       "rejected": record["rejected"]})
+    assert "fused on wavefront" in record["timings_ms"], record
+    assert layer.plan.kernel != "wavefront" and "wavefront" not in record["chosen"], record

@@ -4,6 +4,13 @@ Runs only with KERAS_BACKEND=torch and CUDA visible to PyTorch:
 
     KERAS_BACKEND=torch python3 -m pytest -q tests/gpu/test_gpu_wavefront_torch.py
 
+As a tuner candidate (the last tests): an optimized 4x512 float16 LSTM's
+`predict` at batch 64, T=1000, tuned on this GPU, chooses the wavefront
+plan; the custom op really runs in predict (a spy counts its calls: a
+silent fallback fails), the outputs match the original model within
+float16 rounding, and predict is faster than the original's (the ratio is
+a GPU_REPORT line); the same model at batch 8 keeps cuDNN or the original.
+
 Every check is bench/bench_wavefront.py's `check_case`: fresh random
 weights, inputs, initial states (and lengths), NaN-poisoned outputs, the
 kernel's outputs AND final states compared with a float64 reference of the
@@ -25,10 +32,18 @@ import pytest
 if keras.backend.backend() != "torch":
     pytest.skip("the torch backend's GPU tests need KERAS_BACKEND=torch", allow_module_level=True)
 
+import time  # noqa: E402
+
+import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
+import rnnfuse  # noqa: E402
+from builders import fused_layers, stack_model  # noqa: E402
+from gpu_report import report  # noqa: E402
 from rnnfuse.backends.base import StackSpec  # noqa: E402
 from rnnfuse.backends.torch import wavefront  # noqa: E402
+from rnnfuse.tuning import first_batch  # noqa: E402
+from rnnfuse.tuning.cache import PlanCache  # noqa: E402
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "bench"))
 import bench_wavefront  # noqa: E402
@@ -87,10 +102,93 @@ def test_run_stack_runs_a_keras_stack_from_its_live_variables():
     x = torch.randn(16, 50, 64, device="cuda").half()
     lengths = torch.randint(1, 51, (16,), device="cuda")
     mask = torch.arange(50, device="cuda")[None, :] < lengths[:, None]
-    y, hy, cy = wavefront.run_stack(x, stack=stack, mask=mask)
+    y, hy, cy, ran = wavefront.run_stack(x, stack=stack, mask=mask)
+    assert ran.name == wavefront.KERNEL_NAME
     weights = torch_backend.pack_params(stack, torch.float16, "cuda")
     zeros = torch.zeros(3, 16, 256, device="cuda")
     ref_y, ref_h, ref_c = wavefront.reference_forward("lstm", weights, x.transpose(0, 1), zeros,
                                                       zeros, lengths)
     assert bench_wavefront.rel(y.transpose(0, 1), ref_y) < 1e-3
     assert bench_wavefront.rel(hy, ref_h) < 1e-3 and bench_wavefront.rel(cy, ref_c) < 1e-3
+
+
+# -- the tuner candidate, through predict ------------------------------------------------
+
+
+def _lstm_model(layers, units, steps):
+    keras.config.set_dtype_policy("mixed_float16")
+    try:
+        return stack_model("lstm", layers, units=units, input_size=units, steps=steps,
+                           last_return_sequences=True)
+    finally:
+        keras.config.set_dtype_policy("float32")
+
+
+def _median_predict_s(model, x, batch, repeats=5):
+    model.predict(x, batch_size=batch, verbose=0)
+    times = []
+    for _ in range(repeats):
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        model.predict(x, batch_size=batch, verbose=0)
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - start)
+    return float(np.median(times))
+
+
+@pytest.fixture
+def op_calls(monkeypatch):
+    """Counts the custom op's real calls (the op still runs)."""
+    calls = []
+    real = wavefront._wavefront_op
+
+    def spy(*args):
+        calls.append(tuple(args[0].shape))
+        return real(*args)
+
+    monkeypatch.setattr(wavefront, "_wavefront_op", spy)
+    return calls
+
+
+def test_predict_of_a_4x512_float16_lstm_at_batch_64_runs_the_custom_op(tmp_path, op_calls):
+    model = _lstm_model(4, 512, 1000)
+    x = np.random.default_rng(0).standard_normal((256, 1000, 512)).astype("float32")
+    fast = rnnfuse.optimize(model, cache=PlanCache(tmp_path / "plans.json"))
+    (layer,) = fused_layers(fast)
+    del op_calls[:]
+    y = fast.predict(x, batch_size=64, verbose=0)
+    (record,) = first_batch.decisions(fast)
+    assert record["mode"] == "inference" and record["chosen"] == "fused on wavefront", record
+    ran = layer.last_path.kernel
+    assert ran.name == wavefront.KERNEL_NAME and ran.note is None, layer.last_path
+    # The tuner's steps ran it too; predict's four batches are the last four calls.
+    assert op_calls[-4:] == [(1000, 64, 4 * 512)] * 4, op_calls[-6:]
+    before = len(op_calls)
+    fast.predict(x, batch_size=64, verbose=0)
+    assert len(op_calls) == before + 4, "each predict batch runs the custom op"
+    want = model.predict(x, batch_size=64, verbose=0)
+    diff = np.asarray(y, np.float64) - want
+    rel = float(np.linalg.norm(diff) / np.linalg.norm(want))
+    assert rel <= 2e-3 and float(np.max(np.abs(diff))) <= 2e-2
+    original_s = _median_predict_s(model, x, 64)
+    fast_s = _median_predict_s(fast, x, 64)
+    report("wavefront_predict_torch", {
+        "shape": "4x512 LSTM B64 T1000 float16", "chosen": record["chosen"],
+        "timings_ms": record["timings_ms"], "predict_original_ms": 1e3 * original_s,
+        "predict_optimized_ms": 1e3 * fast_s, "speedup": original_s / fast_s, "rel_diff": rel,
+    })
+    assert fast_s < original_s, (fast_s, original_s)
+
+
+def test_predict_at_batch_8_keeps_cudnn_or_the_original(tmp_path):
+    model = _lstm_model(2, 512, 1000)
+    x = np.random.default_rng(1).standard_normal((16, 1000, 512)).astype("float32")
+    fast = rnnfuse.optimize(model, cache=PlanCache(tmp_path / "plans.json"))
+    (layer,) = fused_layers(fast)
+    fast.predict(x, batch_size=8, verbose=0)
+    (record,) = first_batch.decisions(fast)
+    report("wavefront_predict_torch_b8", {"chosen": record["chosen"],
+                                          "timings_ms": record["timings_ms"],
+                                          "rejected": record["rejected"]})
+    assert "fused on wavefront" in record["timings_ms"], record
+    assert layer.plan.kernel != "wavefront" and "wavefront" not in record["chosen"], record

@@ -11,6 +11,11 @@ device limits, and why not; `forward()` raises `WavefrontError` with the
 library's message when a launch is refused (no driver, not a Hopper GPU, a
 shape outside the plan), so the caller falls back to cuDNN.
 
+`stack_reason` (what the kernel never runs, whatever the shape) and
+`device_reason` (this shape on this device: the library, the GPU's compute
+capability and the plan) are the checks the TensorFlow and torch bindings
+share, before a call and in the tuner.
+
 Example (no GPU needed; builds the library once):
 
     >>> lib = load()  # doctest: +SKIP
@@ -25,7 +30,8 @@ import os
 import threading
 from pathlib import Path
 
-__all__ = ["DTYPES", "H200", "KINDS", "WavefrontError", "WavefrontLibrary", "load"]
+__all__ = ["DTYPES", "H200", "KINDS", "WavefrontError", "WavefrontLibrary", "device_reason",
+           "load", "stack_reason"]
 
 KINDS = ("lstm", "gru")
 DTYPES = ("float16", "bfloat16")
@@ -138,3 +144,43 @@ def load(path: str | os.PathLike | None = None) -> WavefrontLibrary:
         if key not in _LOADED:
             _LOADED[key] = WavefrontLibrary(key)
         return _LOADED[key]
+
+
+def stack_reason(kind: str, dtype: str, *, directions: int = 1, proj_size: int = 0,
+                 summed_inputs: bool = False, dropout: float = 0.0) -> str | None:
+    """What the kernel never runs, whatever the shape and the device, or None.
+
+    >>> stack_reason("gru", "float32")
+    'the wavefront kernel runs float16 and bfloat16, not float32'
+    >>> stack_reason("lstm", "bfloat16") is None
+    True
+    """
+    if kind not in KINDS:
+        return f"the wavefront kernel runs LSTM and GRU stacks, not {kind}"
+    if str(dtype) not in DTYPES:
+        return f"the wavefront kernel runs float16 and bfloat16, not {dtype}"
+    if directions != 1 or proj_size:
+        return "the wavefront kernel runs unidirectional stacks without projections"
+    if summed_inputs:
+        return "the wavefront kernel reads each layer's output, not summed directions"
+    if dropout:
+        return "the wavefront kernel runs inference only (no dropout)"
+    return None
+
+
+def device_reason(kind: str, num_layers: int, units: int, batch: int, steps: int,
+                  input_size: int, ordinal: int = 0) -> str | None:
+    """Why the kernel cannot run this stack on CUDA device `ordinal` (the
+    library does not build or load, no driver, not a Hopper GPU, or the
+    plan's refusal, which names the limit), or None."""
+    try:
+        lib = load()
+        dev = lib.device(ordinal)
+    except Exception as exc:  # noqa: BLE001 - no nvcc, no driver: cuDNN runs
+        return f"the wavefront kernel is not available: {exc}"
+    if dev["major"] != 9:
+        return (f"the wavefront kernel runs on compute capability 9.0 (Hopper), not "
+                f"{dev['major']}.{dev['minor']}")
+    plan = lib.plan(kind, num_layers, units, int(batch), int(steps), int(input_size),
+                    sms=dev["sms"], smem=dev["smem"])
+    return plan if isinstance(plan, str) else None

@@ -9,7 +9,11 @@ Two kernels run a fused stack:
 - `tf.raw_ops.CudnnRNNV3`, the fallback when the op is not loaded (or for
   float64), and what a plan on the "stock" kernel runs (a graph without
   rnnfuse's op, for a portable export): standard algorithm only, no
-  projections, no bfloat16.
+  projections, no bfloat16;
+- for a plan on the "wavefront" kernel, rnnfuse's wavefront op
+  `RnnfuseWavefront` (`wavefront_op`: inference, with cuDNN's gradient
+  recomputed in the backward pass), or cuDNN as above where it cannot run
+  the call (the `KernelRun`'s note says why).
 
 `run_stack` returns which of them ran, with its algorithm and why
 (`StackRun.kernel`); `FusedRNN.last_path.kernel` keeps it.
@@ -74,7 +78,7 @@ from typing import Any, Sequence
 
 import tensorflow as tf
 
-from rnnfuse.backends.base import GATES, StackRun, StackSpec
+from rnnfuse.backends.base import GATES, StackRun, StackSpec, run_or_fall_back
 from rnnfuse.backends.tensorflow import cudnn_op, op_build
 from rnnfuse.plan import Algorithm
 from rnnfuse.reasons import KernelRun
@@ -85,6 +89,7 @@ __all__ = [
     "device_environment",
     "in_xla_context",
     "is_available",
+    "kernel_reason",
     "mask_is_supported",
     "pack_params",
     "run_stack",
@@ -96,7 +101,7 @@ __all__ = [
 
 SUPPORTED_DTYPES = ("float16", "float32", "float64")
 # The plan kernels (`rnnfuse.plan.KERNELS`) this backend runs.
-KERNELS = ("cudnn", "stock")
+KERNELS = ("cudnn", "stock", "wavefront")
 logger = logging.getLogger("rnnfuse")
 
 # The cuDNN algorithms the tuner tries for fused pieces when rnnfuse's op is
@@ -219,6 +224,20 @@ def unsupported_reason(stack: StackSpec, dtype: str) -> str | None:
             f"and float64, not {dtype}; the original layers run instead"
         )
     return None
+
+
+def kernel_reason(kernel: str, group: Any, shape: tuple) -> str | None:
+    """Why plan kernel `kernel` cannot run `group`'s (a `FusionGroup`)
+    inference calls at input `shape` (batch, steps, features) here, or None
+    (`TensorFlowBackend.kernel_reason`: the wavefront op's checks)."""
+    if kernel != "wavefront":
+        return f"the TensorFlow backend has no {kernel!r} kernel to time for inference"
+    from rnnfuse.backends.tensorflow import wavefront_op
+
+    batch, steps, features = (int(d) for d in shape[:3])
+    return wavefront_op.unsupported_reason(
+        group.cell, group.num_layers, group.units, batch, steps, features, group.dtype,
+        directions=2 if group.bidirectional else 1, proj_size=group.proj_size)
 
 
 def mask_is_supported(mask: Any) -> tf.Tensor:
@@ -357,8 +376,11 @@ def run_stack(
             does a masked call (cuDNN's persistent algorithms refuse padded
             sequence lengths); the result's `kernel` says so.
         kernel: the plan's kernel: "cudnn" (rnnfuse's op where it is
-            loaded, else CudnnRNNV3) or "stock" (CudnnRNNV3 only, so the
-            graph holds no rnnfuse op). Another raises NotImplementedError.
+            loaded, else CudnnRNNV3), "stock" (CudnnRNNV3 only, so the
+            graph holds no rnnfuse op) or "wavefront" (rnnfuse's wavefront
+            op, `wavefront_op.run_differentiable`; where it cannot run the
+            call, "cudnn" on the standard algorithm, with the reason in the
+            `KernelRun`'s note). Another raises NotImplementedError.
 
     Returns:
         A `StackRun`: outputs [B, T, D*R] with zeros past each sequence's
@@ -368,6 +390,17 @@ def run_stack(
     if kernel not in KERNELS:
         raise NotImplementedError(
             f"the TensorFlow backend runs the kernels {list(KERNELS)}, not {kernel!r}"
+        )
+    if kernel == "wavefront":
+        from rnnfuse.backends.tensorflow import wavefront_op
+
+        return run_or_fall_back(
+            lambda: wavefront_op.run_differentiable(
+                sequences, stack=stack, initial_h=initial_h, initial_c=initial_c, mask=mask,
+                reverse=reverse, dropout=dropout),
+            lambda: run_stack(sequences, stack=stack, initial_h=initial_h, initial_c=initial_c,
+                              mask=mask, reverse=reverse, dropout=dropout, seed=seed),
+            "the wavefront kernel",
         )
     dtype = sequences.dtype
     x = tf.transpose(sequences, [1, 0, 2])  # time-major [T, B, F]

@@ -48,10 +48,15 @@ class TensorFlowBackend(KernelModuleBackend):
             plan_table="tensorflow",
             projected_lstm_loop="tensorflow",
             auto_jit_from_layers=True,
+            # rnnfuse's wavefront op (forward only), where it loads.
+            inference_kernels=("wavefront",),
         )
 
     def group_reason(self, group):
         return None
+
+    def kernel_reason(self, kernel, group, shape):
+        return kernels.kernel_reason(kernel, group, shape)
 
     def in_xla_context(self):
         return kernels.in_xla_context()

@@ -11,13 +11,19 @@ kernel, in float32.
 It raises NotImplementedError, naming the reason, where the kernel cannot
 run the call (`unsupported_reason`: not float16/bfloat16, a projection,
 bidirectional or summed inputs, dropout, a shape over the on-chip limits,
-no op, no Hopper GPU); the caller then runs cuDNN. The op has no gradient:
-it is an inference kernel (`predict`, `evaluate`, `training=False`), and a
-gradient through it is an error that says so.
+a batch or length unknown when the call is traced, no op, no Hopper GPU);
+the caller then runs cuDNN. The op itself has no gradient (a gradient
+through the raw op is an error that says so): `run_differentiable`, what
+the backend's `run_stack` calls for a plan on the "wavefront" kernel, gives
+the call cuDNN's gradient, recomputed in the backward pass, so a
+`GradientTape` around an inference call gets the gradient Keras' own
+layers would give.
 
 Example (on an H200, inside a tf.function or eagerly):
 
-    >>> y, h, c = run_stack(x, stack=stack)  # doctest: +SKIP
+    >>> run = run_stack(x, stack=stack)  # doctest: +SKIP
+    >>> run.kernel.name  # doctest: +SKIP
+    'RnnfuseWavefront'
 """
 
 from __future__ import annotations
@@ -26,54 +32,42 @@ from typing import Any, Sequence
 
 import tensorflow as tf
 
-from rnnfuse.backends.base import GATES, StackSpec
+from rnnfuse.backends.base import GATES, StackRun, StackSpec
+from rnnfuse.reasons import KernelRun
 
-__all__ = ["KERNEL_NAME", "register_gradient", "run_stack", "unsupported_reason"]
+__all__ = ["KERNEL_NAME", "register_gradient", "run_differentiable", "run_stack",
+           "unsupported_reason"]
 
 KERNEL_NAME = "RnnfuseWavefront"
-_DTYPES = ("float16", "bfloat16")
 
 
-def _limits() -> dict | str:
-    """The first GPU's {sms, smem, major, minor}, or why there is none."""
+def unsupported_reason(kind: str, num_layers: int, units: int, batch: int, steps: int,
+                       input_size: int, dtype: Any, *, directions: int = 1, proj_size: int = 0,
+                       summed_inputs: bool = False, dropout: float = 0.0) -> str | None:
+    """Why the wavefront op cannot run this inference call here, or None
+    (the checks of `rnnfuse.backends.cuda.library`, and the op loaded)."""
     from rnnfuse.backends.cuda import library
-
-    try:
-        return library.load().device(0)
-    except Exception as exc:  # no nvcc, no driver: cuDNN runs
-        return f"the wavefront kernel is not available: {exc}"
-
-
-def unsupported_reason(stack: StackSpec, dtype: Any, batch: int, steps: int,
-                       dropout: float = 0.0) -> str | None:
-    """Why the wavefront op cannot run this inference call, or None."""
-    name = tf.as_dtype(dtype).name
-    if stack.kind not in ("lstm", "gru"):
-        return f"the wavefront kernel runs LSTM and GRU stacks, not {stack.kind}"
-    if name not in _DTYPES:
-        return f"the wavefront kernel runs float16 and bfloat16, not {name}"
-    if stack.num_directions != 1 or stack.proj_size:
-        return "the wavefront kernel runs unidirectional stacks without projections"
-    if any(stack.input_scale(i) is not None for i in range(stack.num_levels)):
-        return "the wavefront kernel reads each layer's output, not summed directions"
-    if dropout:
-        return "the wavefront kernel runs inference only (no dropout)"
     from rnnfuse.backends.tensorflow import op_build
 
+    reason = library.stack_reason(kind, tf.as_dtype(dtype).name, directions=directions,
+                                  proj_size=proj_size, summed_inputs=summed_inputs,
+                                  dropout=dropout)
+    if reason is not None:
+        return reason
     if op_build.load_wavefront_op() is None:
         return f"rnnfuse's wavefront op is not loaded: {op_build.wavefront_load_failure()}"
-    limits = _limits()
-    if isinstance(limits, str):
-        return limits
-    if limits["major"] != 9:
-        return (f"the wavefront kernel runs on compute capability 9.0 (Hopper), not "
-                f"{limits['major']}.{limits['minor']}")
-    from rnnfuse.backends.cuda import library
+    return library.device_reason(kind, num_layers, units, batch, steps, input_size)
 
-    input_size = int(stack.cells[0][0].kernel.shape[0])
-    plan = library.load().plan(stack.kind, stack.num_levels, stack.units, int(batch),
-                               int(steps), input_size, sms=limits["sms"], smem=limits["smem"])
-    return plan if isinstance(plan, str) else None
+
+def stack_unsupported_reason(stack: StackSpec, dtype: Any, batch: int, steps: int,
+                             dropout: float = 0.0) -> str | None:
+    """`unsupported_reason` for a fused call's `StackSpec`."""
+    return unsupported_reason(
+        stack.kind, stack.num_levels, stack.units, batch, steps,
+        int(stack.cells[0][0].kernel.shape[0]), dtype, directions=stack.num_directions,
+        proj_size=stack.proj_size,
+        summed_inputs=any(stack.input_scale(i) is not None for i in range(stack.num_levels)),
+        dropout=dropout)
 
 
 def run_stack(
@@ -87,8 +81,9 @@ def run_stack(
     dropout: float = 0.0,
     seed: tuple[int, int] = (0, 0),
     algorithm: Any = None,
-):
-    """`rnnfuse.backends.tensorflow.run_stack` on the wavefront op (inference).
+) -> StackRun:
+    """`rnnfuse.backends.tensorflow.run_stack` on the wavefront op (inference;
+    no gradient: see `run_differentiable`).
 
     `seed` and `algorithm` are accepted for the same signature and unused.
 
@@ -103,7 +98,7 @@ def run_stack(
     batch, steps = sequences.shape[0], sequences.shape[1]
     if batch is None or steps is None:
         raise NotImplementedError("the wavefront kernel needs a static batch and length")
-    reason = unsupported_reason(stack, dtype, batch, steps, dropout)
+    reason = stack_unsupported_reason(stack, dtype, batch, steps, dropout)
     if reason is not None:
         raise NotImplementedError(reason)
     x = tf.transpose(sequences, [1, 0, 2])  # [T, B, F]
@@ -130,14 +125,78 @@ def run_stack(
         rnn_mode=stack.kind,
         input_size=input_size,
     )
-    tf_backend._LAST.update(kernel=KERNEL_NAME, algorithm=None, reason=None)
-    return tf.transpose(outputs, [1, 0, 2]), h, (c if lstm else None)
+    return StackRun(tf.transpose(outputs, [1, 0, 2]), h, (c if lstm else None),
+                    KernelRun(KERNEL_NAME))
+
+
+def run_differentiable(
+    sequences: tf.Tensor,
+    *,
+    stack: StackSpec,
+    initial_h: Sequence[Any] | None = None,
+    initial_c: Sequence[Any] | None = None,
+    mask: Any = None,
+    reverse: bool = False,
+    dropout: float = 0.0,
+) -> StackRun:
+    """`run_stack` (looked up when called), with cuDNN's gradient.
+
+    The forward pass is the wavefront op's; the gradient with respect to
+    the sequences, the initial states and every variable the call read is
+    that of the same call on cuDNN (`rnnfuse.backends.tensorflow.run_stack`,
+    kernel "cudnn", the standard algorithm), recomputed from the saved
+    inputs when a gradient is asked for (TensorFlow's `tf.recompute_grad`
+    pattern): nothing more runs in an inference call, and a `GradientTape`
+    around `model(x, training=False)` gets cuDNN's gradient, as Keras' own
+    layers give one there.
+
+    Raises:
+        NotImplementedError: the op cannot run this call (the reason).
+    """
+    from rnnfuse.backends import tensorflow as tf_backend
+
+    h, c = list(initial_h or []), list(initial_c or [])
+    lstm = stack.kind == "lstm"
+    ran = []
+
+    def unpack(flat):
+        return flat[0], list(flat[1:1 + len(h)]) or None, list(flat[1 + len(h):]) or None
+
+    @tf.custom_gradient
+    def wavefront(*flat):
+        x, hs, cs = unpack(flat)
+        run = run_stack(x, stack=stack, initial_h=hs, initial_c=cs, mask=mask, reverse=reverse,
+                        dropout=dropout)
+        ran.append(run.kernel)
+
+        def grad(*upstream, variables=None):
+            variables = list(variables or [])
+            with tf.GradientTape() as tape:
+                tape.watch(flat)
+                again = tf_backend.run_stack(x, stack=stack, initial_h=hs, initial_c=cs,
+                                             mask=mask, reverse=reverse, kernel="cudnn")
+                targets = _tensors(again, lstm)
+            upstream = [tf.zeros_like(t) if g is None else tf.cast(g, t.dtype)
+                        for t, g in zip(targets, upstream)]
+            grads = tape.gradient(targets, list(flat) + variables, output_gradients=upstream)
+            return grads[:len(flat)], grads[len(flat):]
+
+        return _tensors(run, lstm), grad
+
+    out = wavefront(tf.convert_to_tensor(sequences), *(tf.convert_to_tensor(s) for s in h + c))
+    return StackRun(out[0], out[1], out[2] if lstm else None, ran[0])
+
+
+def _tensors(run: StackRun, lstm: bool) -> list:
+    """A run's tensors: outputs, final h (and final c for an LSTM)."""
+    return [run.outputs, run.final_h] + ([run.final_c] if lstm else [])
 
 
 def _no_gradient(op, *grads):
     raise ValueError(
-        "RnnfuseWavefront is an inference kernel and has no gradient. Fix: train with the "
-        "cuDNN plan (the tuner picks the wavefront kernel for inference calls only)"
+        "RnnfuseWavefront is an inference kernel and has no gradient of its own. Fix: call "
+        "it through wavefront_op.run_differentiable (what FusedRNN does), whose gradient is "
+        "cuDNN's, or train with a cuDNN plan"
     )
 
 

@@ -43,6 +43,12 @@ length before the first level, as `tf.reverse_sequence` does in the
 TensorFlow backend. Between-level dropout draws from PyTorch's global RNG
 (`keras.utils.set_random_seed` seeds it); the `seed` argument is unused.
 
+Kernels (`rnnfuse.plan.KERNELS`): "cudnn" and "stock" are PyTorch's own
+calls below; "wavefront" is rnnfuse's wavefront kernel (`wavefront`: the
+custom op `torch.ops.rnnfuse.wavefront_forward` on a Hopper GPU, for
+inference, with cuDNN's gradient recomputed in the backward pass), or those
+calls where it cannot run the call (the `KernelRun`'s note says why).
+
 Calls: the whole stack is one `torch._VF` call with num_layers = levels,
 except that (call mode "auto", see `levels_per_call`) float16 stacks on CUDA
 that PyTorch would run on cuDNN's persistent kernel as single-layer calls
@@ -105,7 +111,7 @@ import keras
 import torch
 from torch.nn.utils import rnn as rnn_utils
 
-from rnnfuse.backends.base import GATES, StackRun, StackSpec
+from rnnfuse.backends.base import GATES, StackRun, StackSpec, run_or_fall_back
 from rnnfuse.reasons import FusionWarning, KernelRun
 
 __all__ = [
@@ -116,6 +122,7 @@ __all__ = [
     "KERNELS",
     "concrete_bool",
     "is_available",
+    "kernel_reason",
     "levels_per_call",
     "mask_is_supported",
     "needs_exact_float32",
@@ -129,9 +136,9 @@ __all__ = [
 
 SUPPORTED_DTYPES = ("float16", "bfloat16", "float32", "float64")
 
-# The plan kernels (`rnnfuse.plan.KERNELS`) this backend runs: both are
-# PyTorch's own cuDNN calls (there is no rnnfuse op under torch).
-KERNELS = ("cudnn", "stock")
+# The plan kernels (`rnnfuse.plan.KERNELS`) this backend runs: "cudnn" and
+# "stock" are both PyTorch's own calls; "wavefront" rnnfuse's kernel.
+KERNELS = ("cudnn", "stock", "wavefront")
 
 # "auto": one call for the whole stack, except where PyTorch would run
 # cuDNN's persistent kernel for single-layer calls only (see
@@ -287,6 +294,23 @@ def unsupported_reason(stack: StackSpec, dtype: str) -> str | None:
             f"{stack.proj_size} with units={stack.units}"
         )
     return None
+
+
+def kernel_reason(kernel: str, group: Any, shape: tuple) -> str | None:
+    """Why plan kernel `kernel` cannot run `group`'s (a `FusionGroup`)
+    inference calls at input `shape` (batch, steps, features) here, or None
+    (`TorchBackend.kernel_reason`: the wavefront kernel's checks, on the
+    device the group's variables are on)."""
+    if kernel != "wavefront":
+        return f"the torch backend has no {kernel!r} kernel to time for inference"
+    from rnnfuse.backends.torch import wavefront
+
+    batch, steps, features = (int(d) for d in shape[:3])
+    device = keras.ops.convert_to_tensor(group.views[0].levels[0][0].kernel).device
+    return wavefront.unsupported_reason(
+        group.cell, group.num_layers, group.units, batch, steps, features,
+        _torch_dtype(group.dtype), device, directions=2 if group.bidirectional else 1,
+        proj_size=group.proj_size)
 
 
 def mask_is_supported(mask: Any) -> torch.Tensor:
@@ -682,18 +706,34 @@ def run_stack(
         algorithm: unused (PyTorch chooses cuDNN's algorithm itself; the
             TensorFlow backend's algorithm switch has no PyTorch equivalent).
         kernel: the plan's kernel: "cudnn" or "stock" (the same calls
-            here); another raises NotImplementedError.
+            here), or "wavefront" (`wavefront.run_differentiable`; where
+            it cannot run the call, "cudnn", with the reason in the
+            `KernelRun`'s note); another raises NotImplementedError.
 
     Returns:
         A `StackRun`: outputs [B, T, D*P'] with zeros past each sequence's
         length, final h [L*D, B, P'], final c [L*D, B, H] or None, where
         P' = proj_size or units, and the `KernelRun` (``torch._VF.<kind>``).
     """
-    del seed  # PyTorch's RNN dropout takes no seed argument.
     if kernel not in KERNELS:
         raise NotImplementedError(
             f"the torch backend runs the kernels {list(KERNELS)}, not {kernel!r}"
         )
+    if kernel == "wavefront":
+        from rnnfuse.backends.cuda.library import WavefrontError
+        from rnnfuse.backends.torch import wavefront
+
+        options = dict(stack=stack, initial_h=initial_h, initial_c=initial_c, mask=mask,
+                       reverse=reverse, dropout=dropout)
+        return run_or_fall_back(
+            lambda: wavefront.run_differentiable(sequences, **options),
+            lambda: run_stack(sequences, **options),
+            "the wavefront kernel",
+            # A launch the driver refuses at run time (the CTAs cannot all
+            # be resident) is refused here too: torch runs eagerly.
+            errors=(NotImplementedError, WavefrontError),
+        )
+    del seed  # PyTorch's RNN dropout takes no seed argument.
     x = keras.ops.convert_to_tensor(sequences)
     batch, steps = int(x.shape[0]), int(x.shape[1])
     lstm = stack.kind == "lstm"

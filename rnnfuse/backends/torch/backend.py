@@ -44,10 +44,15 @@ class TorchBackend(KernelModuleBackend):
         plan_table="fused",
         projected_lstm_loop="torch",
         first_call_compiles=False,
+        # rnnfuse's wavefront kernel (forward only), on CUDA.
+        inference_kernels=("wavefront",),
     )
 
     def group_reason(self, group):
         return None
+
+    def kernel_reason(self, kernel, group, shape):
+        return kernels.kernel_reason(kernel, group, shape)
 
     def in_xla_context(self):
         return False

@@ -9,7 +9,12 @@ no torch, and takes data pointers and `torch.cuda.current_stream()`.
 
 `run_stack` is `rnnfuse.backends.torch.run_stack` for inference on the
 kernel (same arguments and results, NotImplementedError where it cannot
-run). `forward(x, params, h0, c0, lengths, kind=...)` runs a whole stack: layer
+run; the custom op has no autograd formula). `run_differentiable`, what
+the backend's `run_stack` calls for a plan on the "wavefront" kernel, is
+`run_stack` with cuDNN's gradient: a `torch.autograd.Function` whose
+backward recomputes the call on cuDNN (`torch._VF`) from the saved inputs
+and differentiates that, so gradients through an inference call are those
+Keras' own layers give. `forward(x, params, h0, c0, lengths, kind=...)` runs a whole stack: layer
 0's input projection as one torch matmul (x W_ih0^T in the input's dtype),
 then the kernel. Inputs are time-major: x [T, B, I]; params is rnnfuse's
 canonical flat buffer (per layer W_ih [G*H, n] and W_hh [G*H, H]
@@ -32,10 +37,12 @@ from typing import Sequence
 
 import torch
 
-__all__ = ["flat_params", "forward", "forward_into", "reference_forward", "run_stack",
-           "unsupported_reason"]
+__all__ = ["KERNEL_NAME", "flat_params", "forward", "forward_into", "reference_forward",
+           "run_differentiable", "run_stack", "unsupported_reason"]
 
 _GATES = {"lstm": 4, "gru": 3}
+# The `KernelRun` name of a call on the kernel.
+KERNEL_NAME = "torch.ops.rnnfuse.wavefront_forward"
 
 
 def _library():
@@ -59,27 +66,21 @@ def flat_params(weights: Sequence[torch.Tensor] | torch.nn.Module) -> torch.Tens
 
 
 def unsupported_reason(kind: str, num_layers: int, units: int, batch: int, steps: int,
-                       input_size: int, dtype: torch.dtype, device: torch.device) -> str | None:
-    """Why the kernel cannot run this stack here (then run cuDNN), or None."""
+                       input_size: int, dtype: torch.dtype, device: torch.device, *,
+                       directions: int = 1, proj_size: int = 0, summed_inputs: bool = False,
+                       dropout: float = 0.0) -> str | None:
+    """Why the kernel cannot run this stack here (then run cuDNN), or None
+    (the checks of `rnnfuse.backends.cuda.library`, on a CUDA device)."""
     library = _library()
-    if kind not in _GATES:
-        return f"the wavefront kernel runs LSTM and GRU, not {kind}"
-    name = str(dtype).replace("torch.", "")
-    if name not in library.DTYPES:
-        return f"the wavefront kernel runs float16 and bfloat16, not {name}"
+    reason = library.stack_reason(kind, str(dtype).replace("torch.", ""), directions=directions,
+                                  proj_size=proj_size, summed_inputs=summed_inputs,
+                                  dropout=dropout)
+    if reason is not None:
+        return reason
     if device.type != "cuda":
         return "the wavefront kernel runs on CUDA devices only"
-    try:
-        lib = library.load()
-        dev = lib.device(device.index if device.index is not None else torch.cuda.current_device())
-    except Exception as exc:  # no nvcc, no driver, ...: cuDNN runs
-        return f"the wavefront kernel is not available: {exc}"
-    if dev["major"] != 9:
-        return (f"the wavefront kernel runs on compute capability 9.0 (Hopper), not "
-                f"{dev['major']}.{dev['minor']}")
-    plan = lib.plan(kind, num_layers, units, batch, steps, input_size, sms=dev["sms"],
-                    smem=dev["smem"])
-    return plan if isinstance(plan, str) else None
+    ordinal = device.index if device.index is not None else torch.cuda.current_device()
+    return library.device_reason(kind, num_layers, units, batch, steps, input_size, ordinal)
 
 
 def forward_into(xproj, params, h0, c0, lengths, y, hy, cy, workspace, *, kind: str,
@@ -157,7 +158,8 @@ def forward(x: torch.Tensor, params: torch.Tensor, h0: torch.Tensor, c0: torch.T
 
 def run_stack(sequences, *, stack, initial_h=None, initial_c=None, mask=None, reverse=False,
               dropout=0.0, seed=(0, 0), algorithm=None):
-    """`rnnfuse.backends.torch.run_stack` on the wavefront kernel (inference).
+    """`rnnfuse.backends.torch.run_stack` on the wavefront kernel (inference;
+    no gradient: see `run_differentiable`). Returns a `StackRun`.
 
     `seed` and `algorithm` are accepted for the same signature and unused.
 
@@ -165,19 +167,17 @@ def run_stack(sequences, *, stack, initial_h=None, initial_c=None, mask=None, re
         NotImplementedError: the kernel cannot run this call (the reason).
     """
     from rnnfuse.backends import torch as kernels
+    from rnnfuse.backends.base import StackRun
+    from rnnfuse.reasons import KernelRun
 
     del seed, algorithm
     x = sequences
     batch, steps, input_size = (int(d) for d in x.shape)
-    reason = None
-    if stack.num_directions != 1 or stack.proj_size or dropout:
-        reason = ("the wavefront kernel runs unidirectional stacks without projections or "
-                  "dropout")
-    elif any(stack.input_scale(i) is not None for i in range(stack.num_levels)):
-        reason = "the wavefront kernel reads each layer's output, not summed directions"
-    else:
-        reason = unsupported_reason(stack.kind, stack.num_levels, stack.units, batch, steps,
-                                    input_size, x.dtype, x.device)
+    reason = unsupported_reason(
+        stack.kind, stack.num_levels, stack.units, batch, steps, input_size, x.dtype, x.device,
+        directions=stack.num_directions, proj_size=stack.proj_size,
+        summed_inputs=any(stack.input_scale(i) is not None for i in range(stack.num_levels)),
+        dropout=dropout)
     if reason is not None:
         raise NotImplementedError(reason)
     lengths = None
@@ -190,7 +190,85 @@ def run_stack(sequences, *, stack, initial_h=None, initial_c=None, mask=None, re
     h0 = kernels._states(initial_h, stack, stack.units, batch, x)
     c0 = kernels._states(initial_c, stack, stack.units, batch, x) if stack.kind == "lstm" else None
     y, hy, cy = forward(x.transpose(0, 1).contiguous(), params, h0, c0, lengths, kind=stack.kind)
-    return y.transpose(0, 1), hy, cy
+    return StackRun(y.transpose(0, 1), hy, cy, KernelRun(KERNEL_NAME))
+
+
+def run_differentiable(sequences, *, stack, initial_h=None, initial_c=None, mask=None,
+                       reverse=False, dropout=0.0):
+    """`run_stack` (looked up when called), with cuDNN's gradient.
+
+    The forward pass is the kernel's; where a gradient is asked for (the
+    sequences, the initial states or the layers' variables require one and
+    autograd is on), the backward pass runs the same call on cuDNN
+    (`rnnfuse.backends.torch.run_stack`, kernel "cudnn") from the saved
+    inputs and differentiates it. Under `torch.no_grad()` (Keras'
+    `predict`) only the kernel runs.
+
+    Raises:
+        NotImplementedError: the kernel cannot run this call (the reason).
+    """
+    import keras
+
+    from rnnfuse.backends import torch as kernels
+    from rnnfuse.backends.base import StackRun
+
+    x = keras.ops.convert_to_tensor(sequences)
+    h = [keras.ops.convert_to_tensor(s) for s in initial_h or []]
+    c = [keras.ops.convert_to_tensor(s) for s in initial_c or []]
+    variables = [w for level in stack.cells for cell in level for w in cell.weights]
+    # What the call reads: the Parameters, or their autocast copies under a
+    # mixed-precision policy (both lead back to the Parameters).
+    weights = [v.value for v in variables]
+    options = dict(stack=stack, mask=mask, reverse=reverse, dropout=dropout)
+    ran = []
+
+    def wavefront(x, h, c):
+        run = run_stack(x, initial_h=h or None, initial_c=c or None, **options)
+        ran.append(run.kernel)
+        return run
+
+    def cudnn(x, h, c, weights):
+        # The variables read as `weights` (keras.StatelessScope), so the
+        # recomputed call is differentiated with respect to them.
+        with keras.StatelessScope(state_mapping=list(zip(variables, weights))):
+            return kernels.run_stack(x, initial_h=h or None, initial_c=c or None,
+                                     kernel="cudnn", **options)
+
+    out = _CudnnGradient.apply(wavefront, cudnn, len(h), len(c), x, *h, *c, *weights)
+    return StackRun(out[0], out[1], out[2] if stack.kind == "lstm" else None, ran[0])
+
+
+class _CudnnGradient(torch.autograd.Function):
+    """forward: `wavefront(x, h, c)`'s tensors; backward: the gradient of
+    `cudnn(x, h, c, weights)` (the same call on cuDNN, reading its
+    variables as `weights`) with respect to x, the states and the weights,
+    recomputed under autograd from detached copies of them."""
+
+    @staticmethod
+    def forward(ctx, wavefront, cudnn, num_h, num_c, x, *rest):
+        h, c = list(rest[:num_h]), list(rest[num_h:num_h + num_c])
+        run = wavefront(x, h, c)
+        # Inputs, not outputs: kept on ctx without a reference cycle.
+        ctx.cudnn, ctx.num_h, ctx.inputs = cudnn, num_h, (x, *h, *c)
+        ctx.weights = rest[num_h + num_c:]
+        ctx.lstm = run.final_c is not None
+        return (run.outputs, run.final_h) + ((run.final_c,) if ctx.lstm else ())
+
+    @staticmethod
+    def backward(ctx, *upstream):
+        needs = ctx.needs_input_grad[4:]
+        with torch.enable_grad():
+            leaves = [t.detach().requires_grad_(need)
+                      for t, need in zip((*ctx.inputs, *ctx.weights), needs)]
+            x, states = leaves[0], leaves[1:len(ctx.inputs)]
+            again = ctx.cudnn(x, states[:ctx.num_h], states[ctx.num_h:],
+                              leaves[len(ctx.inputs):])
+            targets = [again.outputs, again.final_h] + ([again.final_c] if ctx.lstm else [])
+            wrt = [t for t, need in zip(leaves, needs) if need]
+            grads = iter(torch.autograd.grad(
+                targets, wrt, [torch.zeros_like(t) if g is None else g
+                               for t, g in zip(targets, upstream)], allow_unused=True))
+        return (None, None, None, None, *(next(grads) if need else None for need in needs))
 
 
 def reference_forward(kind: str, weights: Sequence[torch.Tensor], x: torch.Tensor,

@@ -1,0 +1,353 @@
+"""rnnfuse's wavefront kernel as a plan kernel and an inference candidate
+(TensorFlow backend), on the CPU.
+
+The op is faked at its lowest level: `op_build.load_wavefront_op` returns
+`FakeWavefrontOp`, whose `rnnfuse_wavefront` records each call and
+computes what the kernel computes (the emulated cuDNN of
+cudnn_reference.py, from the op's own inputs: layer 0's input projection
+and the canonical flat buffer) with no gradient of its own, as the real op
+has none; the kernel's on-chip plan is `fake_limits` (a stack fits when
+layers x units <= LIMIT). Everything between `FusedRNN` and the op is the
+real code: the plan, the training redirect, the packing, the cuDNN
+gradient recomputed in the backward pass, the fallback with its reason,
+and the tuner's candidate list, timing (a fake timer) and cache.
+The real kernel is tested on the H200 (tests/gpu/test_gpu_wavefront.py).
+"""
+
+from __future__ import annotations
+
+import json
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import rnnfuse
+from builders import fused_layers, max_abs_diff, stack_model
+from cudnn_reference import emulated_cudnn_rnn
+from rnnfuse.backends.cuda import library
+from rnnfuse.backends.tensorflow import op_build, wavefront_op
+from rnnfuse.fused import FusedRNN
+from rnnfuse.passes import build_layer_graph, plan_fusion
+from rnnfuse.plan import FUSED, Plan
+from rnnfuse.tuning import first_batch, tuner
+from rnnfuse.tuning.cache import PlanCache
+from rnnfuse.tuning.table import static_plan
+from rnnfuse.tuning.tuner import KEEP_ORIGINAL_MARGIN, tune_plans
+
+ENV = {"device": "FakeGPU", "tensorflow": "2.21.0", "cudnn": "9", "backend": "tensorflow",
+       "rnnfuse": "0.1.0"}
+WAVEFRONT = Plan((2,), kernel="wavefront")
+# The fake on-chip plan: layers x units above this do not fit.
+LIMIT = 48
+FP16_TOL = 5e-3
+
+
+class FakeWavefrontOp:
+    """The loaded op module: `rnnfuse_wavefront` as the real op takes it."""
+
+    def __init__(self):
+        self.calls, self.asked = [], []
+
+    def rnnfuse_wavefront(self, *, xproj, params, input_h, input_c, sequence_lengths,
+                          rnn_mode, input_size):
+        steps, batch, gh = (int(d) for d in xproj.shape)
+        self.calls.append(dict(mode=rnn_mode, steps=steps, batch=batch,
+                               lengths=int(sequence_lengths.shape[0])))
+        # x W_ih0^T arrives projected: layer 0's input matrix is the identity.
+        eye = tf.reshape(tf.eye(gh, dtype=xproj.dtype), [-1])
+        params = tf.concat([eye, params[gh * input_size:]], axis=0)
+        lengths = sequence_lengths if sequence_lengths.shape[0] else tf.fill([batch], steps)
+        out, h, c, *_ = emulated_cudnn_rnn(
+            input=xproj, input_h=input_h, input_c=input_c, params=params,
+            sequence_lengths=lengths, rnn_mode=rnn_mode, direction="unidirectional",
+            time_major=True)
+        if rnn_mode == "gru":
+            c = tf.zeros([0], xproj.dtype)
+        return [tf.stop_gradient(t) for t in (out, h, c)]  # the op has no gradient
+
+    def fake_limits(self, kind, num_layers, units, batch, steps, input_size, ordinal=0):
+        self.asked.append((kind, num_layers, units, batch, steps, input_size))
+        if num_layers * units > LIMIT:
+            return f"{num_layers} layers of {units} units do not fit on chip"
+        return None
+
+
+@pytest.fixture
+def fake_wavefront(monkeypatch, emulated_cudnn):
+    op = FakeWavefrontOp()
+    monkeypatch.setattr(op_build, "load_wavefront_op", lambda: op)
+    monkeypatch.setattr(library, "device_reason", op.fake_limits)
+    yield op
+
+
+@pytest.fixture
+def half():
+    keras.config.set_dtype_policy("mixed_float16")
+    yield
+
+
+def _model(kind="lstm", layers=2, units=8, steps=7, **kwargs):
+    return stack_model(kind, layers, units=units, input_size=5, steps=steps,
+                       last_return_sequences=True, **kwargs)
+
+
+def _x(batch=4, steps=7, seed=0):
+    return np.random.default_rng(seed).standard_normal((batch, steps, 5)).astype("float32")
+
+
+def _fused(model, plan):
+    (layer,) = fused_layers(rnnfuse.optimize(model, tune=False))
+    layer.set_plan(plan.for_length(len(layer.fused_layers)))
+    return layer
+
+
+# -- the fused call -----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("kind", ["lstm", "gru"])
+@pytest.mark.parametrize("masked", [False, True])
+def test_an_inference_call_runs_the_wavefront_op(fake_wavefront, half, kind, masked):
+    # (A reversed first layer runs fused without a mask only: rule go_backwards_mask.)
+    model = _model(kind, go_backwards_first=not masked)
+    layer = _fused(model, WAVEFRONT)
+    x = _x()
+    mask = np.arange(7)[None, :] < np.array([7, 5, 3, 6])[:, None] if masked else None
+    y = layer(x, mask=mask, training=False)
+    assert layer.last_path.kind == "fused" and layer.last_path.kernel.name == "RnnfuseWavefront"
+    assert layer.last_path.kernel.note is None
+    assert len(fake_wavefront.calls) == 1 and fake_wavefront.calls[0]["mode"] == kind
+    assert fake_wavefront.calls[0]["lengths"] == (4 if masked else 0)
+    layer.set_plan(FUSED)
+    want = layer(x, mask=mask, training=False)
+    assert layer.last_path.kernel.name == "CudnnRNNV3" and len(fake_wavefront.calls) == 1
+    assert max_abs_diff(y, want) <= 1e-3
+    layer.set_plan(Plan(()))  # the original layers, with the mask
+    assert max_abs_diff(y, layer(x, mask=mask, training=False)) <= FP16_TOL
+    if masked:
+        assert max_abs_diff(y, model(x)) > 4 * FP16_TOL, "the mask must matter here"
+
+
+def test_a_training_call_of_a_wavefront_plan_runs_cudnn_and_says_why(fake_wavefront, half):
+    layer = _fused(_model(), WAVEFRONT)
+    layer(_x(), training=True)
+    assert fake_wavefront.calls == []
+    ran = layer.last_path.kernel
+    assert ran.name == "CudnnRNNV3" and "a training call" in ran.note
+    assert layer.plan == WAVEFRONT, "the plan itself is kept for inference calls"
+    assert WAVEFRONT.for_training() == Plan((2,)) and WAVEFRONT.inference_only
+
+
+def test_a_shape_the_kernel_refuses_runs_cudnn_with_the_reason(fake_wavefront, half):
+    model = _model(layers=4, units=16)
+    layer = _fused(model, Plan((4,), kernel="wavefront"))
+    x = _x()
+    y = layer(x, training=False)
+    ran = layer.last_path.kernel
+    assert fake_wavefront.calls == [] and ran.name == "CudnnRNNV3"
+    assert "4 layers of 16 units do not fit on chip" in ran.note and "cuDNN runs it" in ran.note
+    assert max_abs_diff(y, model(x)) <= FP16_TOL
+
+
+def test_a_float32_stack_runs_cudnn_with_the_reason(fake_wavefront):
+    layer = _fused(_model(), WAVEFRONT)
+    layer(_x(), training=False)
+    assert fake_wavefront.calls == []
+    assert "float16 and bfloat16, not float32" in layer.last_path.kernel.note
+
+
+def test_a_traced_call_of_unknown_batch_runs_cudnn_with_the_reason(fake_wavefront, half):
+    layer = _fused(_model(), WAVEFRONT)
+    step = tf.function(lambda x: layer(x, training=False),
+                       input_signature=[tf.TensorSpec([None, 7, 5], tf.float32)])
+    step(_x())
+    assert fake_wavefront.calls == []
+    assert "static batch" in layer.last_path.kernel.note
+
+
+def _gradients(layer, x, weights, traced=False):
+    def grads(x):
+        with tf.GradientTape() as tape:
+            tape.watch(x)
+            y = tf.cast(layer(x, training=False), tf.float32)
+            loss = tf.reduce_sum(y * weights)
+        return tape.gradient(loss, [x, *layer.trainable_variables])
+
+    fn = tf.function(grads) if traced else grads
+    return [np.asarray(g, np.float64) for g in fn(tf.convert_to_tensor(x))]
+
+
+@pytest.mark.parametrize("kind", ["lstm", "gru"])
+@pytest.mark.parametrize("traced", [False, True])
+def test_gradients_through_an_inference_call_are_cudnns(fake_wavefront, half, kind, traced):
+    """The op has no gradient; the call's gradient is cuDNN's, recomputed:
+    equal to the cuDNN plan's (same kernel, same inputs) and to the
+    original layers' within float16 rounding."""
+    model = _model(kind)
+    layer = _fused(model, WAVEFRONT)
+    x = _x()
+    weights = tf.constant(np.random.default_rng(3).standard_normal((4, 7, 8)), tf.float32)
+    grads = _gradients(layer, x, weights, traced)
+    assert len(fake_wavefront.calls) == 1 and layer.last_path.kernel.name == "RnnfuseWavefront"
+    layer.set_plan(FUSED)
+    cudnn = _gradients(layer, x, weights, traced)
+    for got, want in zip(grads, cudnn):
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+    layer.set_plan(Plan(()))
+    original = _gradients(layer, x, weights)
+    for got, want in zip(grads, original):
+        assert np.max(np.abs(got - want)) <= FP16_TOL * max(1.0, np.max(np.abs(want)))
+    assert any(np.max(np.abs(g)) > 0 for g in grads)
+
+
+def test_gradients_reach_the_initial_states(fake_wavefront, half):
+    model = stack_model("lstm", 2, units=8, input_size=5, steps=7, initial_state=True,
+                        last_return_sequences=True)
+    layer = _fused(model, WAVEFRONT)
+    x = tf.constant(_x())
+    states = [tf.constant(np.random.default_rng(i).standard_normal((4, 8)), tf.float32)
+              for i in range(2)]
+    grads = {}
+    for plan in (WAVEFRONT, FUSED):
+        layer.set_plan(plan)
+        with tf.GradientTape() as tape:
+            tape.watch(states)
+            loss = tf.reduce_sum(tf.cast(layer(x, initial_state=states, training=False),
+                                         tf.float32) ** 2)
+        grads[plan.kernel] = tape.gradient(loss, states)
+    assert len(fake_wavefront.calls) == 1
+    for got, want in zip(grads["wavefront"], grads["cudnn"]):
+        assert got is not None
+        np.testing.assert_allclose(got, want, rtol=2e-2, atol=2e-2)
+
+
+# -- the tuner ------------------------------------------------------------------------
+
+
+class FakeTimer:
+    """Fixed medians per candidate name; records what it was asked to time."""
+
+    def __init__(self, medians):
+        self.medians, self.names = medians, []
+
+    def __call__(self, steps):
+        self.names.append(sorted(steps))
+        return {name: {"median": self.medians.get(name, 1.0)} for name in steps}
+
+
+def _groups(model):
+    return plan_fusion(build_layer_graph(model), model_name=model.name).groups
+
+
+def _tune(groups, timer, *, training=False, cache=None, shape=(8, 7, 5)):
+    return tune_plans(groups, lambda g: shape, training=training, cache=cache, measure=timer,
+                      check_gradients=lambda g, p, s, d: 1e-6, environment=ENV, progress=False)
+
+
+@pytest.fixture
+def no_steps(monkeypatch):
+    monkeypatch.setattr(tuner, "_steps", lambda group, plans, *a, **k: {p.name: None for p in plans})
+
+
+def test_the_wavefront_plan_is_timed_for_inference_only(fake_wavefront, half, no_steps):
+    groups = _groups(_model())
+    timer = FakeTimer({"per-layer": 2.0, "fused": 1.0, "fused on wavefront": 0.5})
+    (result,) = _tune(groups, timer)
+    assert "fused on wavefront" in timer.names[0]
+    assert result.plan == WAVEFRONT and result.timings["fused on wavefront"] == 0.5
+    # The kernel's own plan function was asked, with the timed shape.
+    assert fake_wavefront.asked == [("lstm", 2, 8, 8, 7, 5)]
+    trainer = FakeTimer({"per-layer": 2.0, "fused": 1.0, "fused on wavefront": 0.5})
+    (trained,) = _tune(groups, trainer, training=True)
+    assert all("wavefront" not in n for names in trainer.names for n in names)
+    assert trained.plan.kernel == "cudnn" and "fused on wavefront" not in trained.rejected
+
+
+def test_the_wavefront_plan_must_win_by_the_margin(fake_wavefront, half, no_steps):
+    close = 1.0 - KEEP_ORIGINAL_MARGIN / 2
+    (result,) = _tune(_groups(_model()), FakeTimer({"per-layer": 1.0, "fused": 1.5,
+                                                    "fused on wavefront": close}))
+    assert result.plan.per_layer
+    (result,) = _tune(_groups(_model()), FakeTimer({"per-layer": 1.0, "fused": 0.7,
+                                                    "fused on wavefront": 0.8}))
+    assert result.plan == Plan((2,)), "chosen only where it measures faster"
+
+
+def test_a_group_the_kernel_refuses_is_not_timed_and_says_why(fake_wavefront, half, no_steps):
+    timer = FakeTimer({"fused on wavefront": 0.1})
+    (result,) = _tune(_groups(_model(layers=4, units=16)), timer)
+    assert all("wavefront" not in n for names in timer.names for n in names)
+    assert "do not fit on chip" in result.rejected["fused on wavefront"]
+    (f32,) = _tune(_groups(stack_model("lstm", 2, units=8, input_size=5, steps=7,
+                                       dtype="float32")), FakeTimer({}))
+    assert "float16 and bfloat16" in f32.rejected["fused on wavefront"]
+    (bi,) = _tune(_groups(keras.Sequential([
+        keras.Input((7, 5)),
+        keras.layers.Bidirectional(keras.layers.GRU(8, return_sequences=True)),
+        keras.layers.Bidirectional(keras.layers.GRU(8)),
+    ])), FakeTimer({}))
+    assert "unidirectional" in bi.rejected["fused on wavefront"]
+
+
+def test_the_decision_is_cached_with_its_kernel(fake_wavefront, half, no_steps, tmp_path):
+    cache = PlanCache(tmp_path / "plans.json")
+    groups = _groups(_model())
+    _tune(groups, FakeTimer({"per-layer": 2.0, "fused on wavefront": 0.5}), cache=cache)
+    (entry,) = json.loads((tmp_path / "plans.json").read_text())["entries"].values()
+    assert entry["plan"]["kernel"] == "wavefront"
+    timer = FakeTimer({})
+    (again,) = _tune(groups, timer, cache=PlanCache(tmp_path / "plans.json"))
+    assert again.source == "cache" and again.plan == WAVEFRONT and timer.names == []
+
+
+@pytest.mark.parametrize("training", [False, True])
+def test_the_static_table_never_chooses_the_wavefront_kernel(half, training):
+    for layers, units in [(2, 8), (4, 512), (1, 512)]:
+        (group,) = _groups(stack_model("lstm", layers, units=units, input_size=5, steps=7))
+        assert static_plan(group, "float16", training).kernel == "cudnn"
+
+
+def test_a_step_whose_kernel_falls_back_is_not_timed(fake_wavefront, half, monkeypatch):
+    """The tuner times the kernel it names: a wavefront step that ran cuDNN
+    (a refusal the pre-check did not foresee) is left out with the reason."""
+    from rnnfuse.backends import tensorflow as tf_backend
+
+    monkeypatch.setattr(tf_backend, "kernel_reason", lambda kernel, group, shape: None)
+    timer = FakeTimer({"per-layer": 2.0, "fused": 1.0, "fused on wavefront": 0.1})
+    (result,) = _tune(_groups(_model(layers=4, units=16)), timer, shape=(4, 7, 5))
+    assert "do not fit on chip" in result.rejected["fused on wavefront"]
+    assert "did not run" in result.rejected["fused on wavefront"]
+    assert result.plan.kernel == "cudnn"
+
+
+# -- first-batch tuning -------------------------------------------------------------------
+
+
+def test_predict_chooses_the_wavefront_plan_and_fit_keeps_its_own(
+        fake_wavefront, half, no_steps, monkeypatch, tmp_path):
+    """One decision per mode: predict switches the layer to the wavefront
+    plan, fit back to the training decision (the op is not called by the
+    train step), predict again to the wavefront plan; decisions() and the
+    path record what ran."""
+    monkeypatch.setattr(first_batch, "device_environment", lambda: dict(ENV))
+    model = _model(units=8)
+    fast = rnnfuse.optimize(model, cache=PlanCache(tmp_path / "plans.json"))
+    fast._rnnfuse_autotune.measure = FakeTimer({"per-layer": 2.0, "fused": 1.0,
+                                                "fused on wavefront": 0.5})
+    (layer,) = fused_layers(fast)
+    x = _x(batch=8)
+    y = fast.predict(x, batch_size=8, verbose=0)
+    assert layer.plan == WAVEFRONT and layer.last_path.kernel.name == "RnnfuseWavefront"
+    assert len(fake_wavefront.calls) == 1
+    assert max_abs_diff(y, model.predict(x, verbose=0)) <= FP16_TOL
+    fast.compile(optimizer="sgd", loss="mse")
+    fast.fit(x, np.asarray(y, "float32"), batch_size=8, epochs=1, verbose=0)
+    assert layer.plan == Plan((2,)) and len(fake_wavefront.calls) == 1
+    assert layer.last_path.kernel.name == "CudnnRNNV3"
+    fast.predict(x, batch_size=8, verbose=0)
+    assert layer.plan == WAVEFRONT and len(fake_wavefront.calls) == 2
+    records = {r["mode"]: r for r in first_batch.decisions(fast)}
+    assert records["inference"]["chosen"] == "fused on wavefront"
+    assert records["training"]["chosen"] == "fused"
+    assert "fused on wavefront" not in records["training"]["timings_ms"]

@@ -1,0 +1,236 @@
+"""rnnfuse's wavefront kernel as a plan kernel and an inference candidate
+(torch backend), on the CPU.
+
+The kernel is faked at its lowest level: the custom op's Python entry
+`wavefront._wavefront_op` becomes `FakeKernel.op`, which records each call
+and computes what the kernel computes from its own inputs (layer 0's input
+projection and the canonical flat buffer) with the float64 reference
+`wavefront.reference_forward`, with no autograd (as the custom op has
+none); `wavefront.unsupported_reason` keeps the real dtype/structure checks
+and fakes the device and the on-chip plan (a stack fits when layers x units
+<= LIMIT). Everything between `FusedRNN` and the op is the real code: the
+packing, the training redirect, the cuDNN gradient recomputed in the
+backward pass, the fallbacks with their reasons, and the tuner.
+The real kernel runs on the H200 (tests/gpu/test_gpu_wavefront_torch.py).
+"""
+
+from __future__ import annotations
+
+import keras
+import numpy as np
+import pytest
+import torch
+
+import rnnfuse
+from builders import fused_layers, max_abs_diff, stack_model
+from rnnfuse.backends.cuda import library
+from rnnfuse.backends.torch import wavefront
+from rnnfuse.plan import FUSED, Plan
+from rnnfuse.tuning import first_batch
+from rnnfuse.tuning.cache import PlanCache
+from rnnfuse.tuning.tuner import tune_plans
+
+WAVEFRONT = Plan((2,), kernel="wavefront")
+LIMIT = 48
+FP16_TOL = 5e-3
+ENV = {"device": "FakeGPU", "torch": torch.__version__, "cudnn": "9", "calls": "auto",
+       "backend": "torch", "rnnfuse": "0.1.0"}
+
+
+class FakeKernel:
+    """The custom op and the device-side checks, faked (see module doc)."""
+
+    def __init__(self):
+        self.calls, self.asked, self.refuse_launch = [], [], False
+
+    def op(self, xproj, params, h0, c0, lengths, kind, input_size):
+        if self.refuse_launch:
+            raise library.WavefrontError("the cooperative launch was refused")
+        steps, batch, gh = xproj.shape
+        layers, _, units = h0.shape
+        self.calls.append(dict(kind=kind, steps=steps, batch=batch, lengths=lengths.numel(),
+                               grad=torch.is_grad_enabled()))
+        sizes = [(gh, input_size), (gh, units)] + [(gh, units), (gh, units)] * (layers - 1)
+        mats, offset = [], 0
+        for rows, cols in sizes:
+            mats.append(params[offset:offset + rows * cols].view(rows, cols))
+            offset += rows * cols
+        biases = params[offset:].view(2 * layers, gh)
+        weights = []
+        for l in range(layers):
+            # x W_ih0^T arrives projected: layer 0's input matrix is the identity.
+            w_ih = torch.eye(gh, dtype=xproj.dtype) if l == 0 else mats[2 * l]
+            weights += [w_ih, mats[2 * l + 1], biases[2 * l], biases[2 * l + 1]]
+        with torch.no_grad():
+            y, hy, cy = wavefront.reference_forward(
+                kind, weights, xproj, h0, c0 if kind == "lstm" else None,
+                lengths if lengths.numel() else None)
+        cy = cy.to(xproj.dtype) if kind == "lstm" else h0.new_empty((0,))
+        return y.to(xproj.dtype), hy.to(xproj.dtype), cy
+
+    def unsupported_reason(self, kind, num_layers, units, batch, steps, input_size, dtype,
+                           device, **structure):
+        reason = library.stack_reason(kind, str(dtype).replace("torch.", ""), **structure)
+        if reason is not None:
+            return reason
+        self.asked.append((kind, num_layers, units, batch, steps, input_size))
+        if num_layers * units > LIMIT:
+            return f"{num_layers} layers of {units} units do not fit on chip"
+        return None
+
+
+@pytest.fixture
+def fake_kernel(monkeypatch):
+    kernel = FakeKernel()
+    monkeypatch.setattr(wavefront, "_wavefront_op", kernel.op)
+    monkeypatch.setattr(wavefront, "unsupported_reason", kernel.unsupported_reason)
+    yield kernel
+
+
+@pytest.fixture
+def half():
+    keras.config.set_dtype_policy("mixed_float16")
+    yield
+
+
+def _model(kind="lstm", layers=2, units=8, **kwargs):
+    return stack_model(kind, layers, units=units, input_size=5, steps=7,
+                       last_return_sequences=True, **kwargs)
+
+
+def _x(batch=4, seed=0):
+    return np.random.default_rng(seed).standard_normal((batch, 7, 5)).astype("float32")
+
+
+def _fused(model, plan):
+    (layer,) = fused_layers(rnnfuse.optimize(model, tune=False))
+    layer.set_plan(plan.for_length(len(layer.fused_layers)))
+    return layer
+
+
+@pytest.mark.parametrize("kind", ["lstm", "gru"])
+@pytest.mark.parametrize("masked", [False, True])
+def test_an_inference_call_runs_the_custom_op(fake_kernel, half, kind, masked):
+    model = _model(kind, go_backwards_first=not masked)
+    layer = _fused(model, WAVEFRONT)
+    x = _x()
+    mask = (np.arange(7)[None, :] < np.array([7, 5, 3, 6])[:, None]) if masked else None
+    with torch.no_grad():
+        y = layer(x, mask=mask, training=False)
+    ran = layer.last_path.kernel
+    assert ran.name == "torch.ops.rnnfuse.wavefront_forward" and ran.note is None
+    assert [c["lengths"] for c in fake_kernel.calls] == [4 if masked else 0]
+    with torch.no_grad():
+        layer.set_plan(FUSED)
+        want = layer(x, mask=mask, training=False)
+        layer.set_plan(Plan(()))
+        original = layer(x, mask=mask, training=False)
+    assert len(fake_kernel.calls) == 1
+    assert max_abs_diff(y, want) <= 2e-3 and max_abs_diff(y, original) <= FP16_TOL
+
+
+def test_a_training_call_runs_torchs_cudnn_call_and_says_why(fake_kernel, half):
+    layer = _fused(_model(), WAVEFRONT)
+    layer(_x(), training=True)
+    ran = layer.last_path.kernel
+    assert fake_kernel.calls == [] and ran.name == "torch._VF.lstm"
+    assert "a training call" in ran.note
+
+
+def test_a_refused_shape_and_a_refused_launch_run_cudnn_with_the_reason(fake_kernel, half):
+    model = _model(layers=4, units=16)
+    layer = _fused(model, Plan((4,), kernel="wavefront"))
+    x = _x()
+    with torch.no_grad():
+        y = layer(x, training=False)
+    assert fake_kernel.calls == [] and "do not fit on chip" in layer.last_path.kernel.note
+    assert max_abs_diff(y, model(x)) <= FP16_TOL
+    fake_kernel.refuse_launch = True
+    small = _fused(_model(), WAVEFRONT)
+    with torch.no_grad():
+        small(x, training=False)
+    assert small.last_path.kernel.name == "torch._VF.lstm"
+    assert "the cooperative launch was refused" in small.last_path.kernel.note
+
+
+def _gradients(layer, x, weights):
+    x = torch.tensor(x, requires_grad=True)
+    y = layer(x, training=False).float()
+    params = [v.value for v in layer.trainable_variables]
+    grads = torch.autograd.grad((y * weights).sum(), [x, *params])
+    return [g.double().numpy() for g in grads]
+
+
+@pytest.mark.parametrize("kind", ["lstm", "gru"])
+def test_gradients_through_an_inference_call_are_cudnns(fake_kernel, half, kind):
+    layer = _fused(_model(kind), WAVEFRONT)
+    x = _x()
+    weights = torch.tensor(np.random.default_rng(3).standard_normal((4, 7, 8)), dtype=torch.float32)
+    grads = _gradients(layer, x, weights)
+    assert len(fake_kernel.calls) == 1 and not fake_kernel.calls[0]["grad"]
+    assert layer.last_path.kernel.name == "torch.ops.rnnfuse.wavefront_forward"
+    layer.set_plan(FUSED)
+    for got, want in zip(grads, _gradients(layer, x, weights)):
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+    layer.set_plan(Plan(()))
+    for got, want in zip(grads, _gradients(layer, x, weights)):
+        assert np.max(np.abs(got - want)) <= FP16_TOL * max(1.0, np.max(np.abs(want)))
+    assert all(np.max(np.abs(g)) > 0 for g in grads)
+
+
+class FakeTimer:
+    def __init__(self, medians):
+        self.medians, self.names = medians, []
+
+    def __call__(self, steps):
+        self.names.append(sorted(steps))
+        return {name: {"median": self.medians.get(name, 1.0)} for name in steps}
+
+
+def _groups(model):
+    return rnnfuse.analyze(model).groups
+
+
+def test_the_tuner_times_the_kernel_for_inference_only_and_keeps_the_faster(fake_kernel, half):
+    groups = _groups(_model())
+    timer = FakeTimer({"per-layer": 2.0, "fused": 1.0, "fused on wavefront": 0.5})
+    (result,) = tune_plans(groups, lambda g: (4, 7, 5), training=False, measure=timer,
+                           progress=False)
+    assert "fused on wavefront" in timer.names[0] and result.plan == WAVEFRONT
+    assert fake_kernel.asked[0] == ("lstm", 2, 8, 4, 7, 5)
+    assert len(fake_kernel.calls) >= 1, "the step ran the kernel (its first call)"
+    slower = FakeTimer({"per-layer": 2.0, "fused": 1.0, "fused on wavefront": 1.2})
+    (kept,) = tune_plans(groups, lambda g: (4, 7, 5), training=False, measure=slower,
+                         progress=False)
+    assert kept.plan == Plan((2,))
+    trainer = FakeTimer({"per-layer": 2.0, "fused": 1.0, "fused on wavefront": 0.5})
+    (trained,) = tune_plans(groups, lambda g: (4, 7, 5), training=True, measure=trainer,
+                            progress=False)
+    assert all("wavefront" not in n for names in trainer.names for n in names)
+    assert trained.plan.kernel == "cudnn"
+    (big,) = tune_plans(_groups(_model(layers=4, units=16)), lambda g: (4, 7, 5),
+                        training=False, measure=FakeTimer({}), progress=False)
+    assert "do not fit on chip" in big.rejected["fused on wavefront"]
+
+
+def test_predict_chooses_the_kernel_and_fit_keeps_its_own_plan(fake_kernel, half, tmp_path,
+                                                               monkeypatch):
+    # A device to time on (the timer is fake; the steps run on the CPU).
+    monkeypatch.setattr(first_batch, "can_time_here", lambda environment=None: True)
+    model = _model()
+    fast = rnnfuse.optimize(model, cache=PlanCache(tmp_path / "plans.json"))
+    state = fast._rnnfuse_autotune
+    state.environment = dict(ENV)
+    state.measure = FakeTimer({"per-layer": 2.0, "fused": 1.0, "fused on wavefront": 0.5})
+    (layer,) = fused_layers(fast)
+    x = _x(batch=8)
+    y = fast.predict(x, batch_size=8, verbose=0)
+    assert layer.plan == WAVEFRONT
+    assert layer.last_path.kernel.name == "torch.ops.rnnfuse.wavefront_forward"
+    assert max_abs_diff(y, model.predict(x, verbose=0)) <= FP16_TOL
+    calls = len(fake_kernel.calls)
+    fast.compile(optimizer="sgd", loss="mse")
+    fast.fit(x, np.asarray(y, "float32"), batch_size=8, epochs=1, verbose=0)
+    assert layer.plan.kernel == "cudnn" and len(fake_kernel.calls) == calls
+    records = {r["mode"]: r["chosen"] for r in first_batch.decisions(fast)}
+    assert records == {"inference": "fused on wavefront", "training": "fused"}
