@@ -14,7 +14,7 @@
   plan wins the op runs;
 - proof that the op ran, for every group: the traced train step holds one
   RnnfuseCudnnRnn (and RnnfuseCudnnRnnBackprop) per group and no
-  CudnnRNNV3, every FusedRNN's last path is "fused", and `last_kernel()`
+  CudnnRNNV3, every FusedRNN's last path is "fused", and its `kernel`
   names the op, so a silent fallback to CudnnRNNV3 or to the original
   layers fails.
 
@@ -39,6 +39,7 @@ import rnnfuse
 from builders import fused_layers
 from single_layer_checks import MODELS, _loss, assert_fused_matches, build, inputs
 from rnnfuse.plan import FUSED, Plan
+from rnnfuse.reasons import KernelRun
 
 pytestmark = [pytest.mark.gpu, pytest.mark.cudnn_op]
 
@@ -49,7 +50,6 @@ if keras.backend.backend() != "tensorflow":
 
 import tensorflow as tf  # noqa: E402
 
-from rnnfuse.backends import tensorflow as tf_backend  # noqa: E402
 
 L = keras.layers
 REPORT: dict = {}
@@ -91,7 +91,7 @@ def test_groups_of_one_run_the_op_and_match_keras(name):
     REPORT[f"ops {name}"] = counts
     assert counts["RnnfuseCudnnRnn"] >= groups and counts["RnnfuseCudnnRnnBackprop"] >= groups, counts
     assert counts["CudnnRNNV3"] == 0, counts
-    assert tf_backend.last_kernel()["kernel"] == "RnnfuseCudnnRnn"
+    assert all(f.last_path.kernel.name == "RnnfuseCudnnRnn" for f in fused_layers(fast))
 
 
 def _twin_models(kind: str, policy: str):
@@ -126,9 +126,9 @@ def test_a_single_layer_runs_the_persistent_algorithm_in_both_passes(kind):
         got, ggot = outputs_and_gradients(fast, x, model.trainable_variables)
     except tf.errors.OpError as err:  # cuDNN refused: an op error, not an abort
         pytest.fail(f"cuDNN refused {name} for one {kind} layer: {err.message[:300]}")
-    assert tf_backend.last_kernel() == {"kernel": "RnnfuseCudnnRnn", "algorithm": name, "reason": None}
     (layer,) = fused_layers(fast)
     assert layer.last_path == "fused"
+    assert layer.last_path.kernel == KernelRun("RnnfuseCudnnRnn", name, None)
     want, gwant = outputs_and_gradients(twin, x.astype("float64"), twin.trainable_variables)
     err = max(_rel(g, w) for g, w in zip(got, want))
     gerr = max(_rel(g, w) for g, w in zip(ggot, gwant))
@@ -168,4 +168,4 @@ def test_fit_tunes_a_single_lstm_on_its_first_batch(tmp_path):
         assert timings[record["chosen"]] == best, timings
         (layer,) = fused_layers(fast)
         assert layer.last_path == "fused"
-        assert tf_backend.last_kernel()["kernel"] == "RnnfuseCudnnRnn"
+        assert layer.last_path.kernel.name == "RnnfuseCudnnRnn"
