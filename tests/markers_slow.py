@@ -29,6 +29,27 @@ SLOW: dict[str, str] = {
     "test_cudnn_op_build.py::test_the_op_compiles_here_and_registers_both_ops": "g++ builds the op (17 s wall)",
     "test_cudnn_op_build.py::test_two_processes_build_once": "two processes, one g++ build (13 s wall)",
     "test_cudnn_op_build.py::test_import_and_cpu_use_never_build": "a fresh process (9 s wall)",
+    # Their module fixture `built` runs nvcc and g++ on the wavefront kernel
+    # (16 s wall), paid only when one of them runs; the fake-compiler tests
+    # of the build's cache and errors stay fast.
+    **{
+        f"test_wavefront_build.py::{name}": "uses the `built` library (nvcc + g++, 16 s wall, shared)"
+        for name in (
+            "test_the_library_compiles_here_without_a_cuda_runtime",
+            "test_the_headline_stack_fits_an_h200",
+            "test_refused_shapes_say_why",
+            "test_a_smaller_device_fits_fewer_layers",
+            "test_workspace_holds_the_flags_and_the_sequences_below_the_top",
+            "test_a_call_without_a_driver_or_a_bad_argument_is_a_clear_error",
+            "test_the_tensorflow_op_compiles_and_registers",
+        )
+    },
+    "test_wavefront_wiring.py::test_predict_chooses_the_wavefront_plan_and_fit_keeps_its_own": "predict and fit with tuning (6.5 s)",
+    "test_wavefront_wiring.py::test_a_step_whose_kernel_falls_back_is_not_timed": "tuner steps (5 s)",
+    "test_wavefront_wiring.py::test_gradients_through_an_inference_call_are_cudnns[True-lstm]": (
+        "traced gradients (5.6 s); the [False-*] cases stay fast"
+    ),
+    "test_wavefront_wiring.py::test_gradients_through_an_inference_call_are_cudnns[True-gru]": "as [True-lstm] (4.4 s)",
     "test_distribute.py::test_mirrored_fit_trains_the_same_variables_on_every_replica": (
         "a process with two logical CPU devices, fit under MirroredStrategy (25 s wall)"
     ),
