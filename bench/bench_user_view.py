@@ -20,8 +20,12 @@ matrix (bench/results/tf_h200.json):
   drawn again, so a cell stays within seconds on an H200 (the cap is in the
   JSON's meta).
 
-Per model: the first optimized `fit` (which includes tuning) is timed on
-its own and reported as tuning time; then the two models alternate
+Per model, first the whole calls a user's wall clock shows (`whole_calls`):
+5 consecutive short `fit(epochs=1)` calls (CALL_STEPS batches each) and then
+5 `predict` calls on each model, alternating, each call timed whole; the
+first call of each kind (tracing; for the optimized model its first-batch
+tuning, from an empty plan cache) is reported apart from calls 2-5. Then the
+first optimized `fit`'s tuning is reported as tuning time, and the two models alternate
 `fit(steps)` rounds (interleaved, the order flipped every round); a step's
 time is the gap between two batch ends inside one `fit` (a callback waits
 for the batch's loss, as Keras' progress bar does), so `fit`'s per-call
@@ -29,7 +33,14 @@ setup is not counted; the per-step medians are compared; then `predict`
 likewise. The steps in a round are sized from one timed step so a round
 lasts about ROUND_S seconds (3 to --steps steps); a cell where one model is
 slow and over 10x slower than the other gets one round (`rounds_for`).
-`predict` gets its own, smaller, round count (`--predict-rounds`).
+`predict` gets its own, smaller, round count (`--predict-rounds`), at the
+fit batch size and at 4x it (`predict_4x_speedup`; its first call times the
+new batch bucket, reported as `predict_4x_first_s`). Last, a custom
+training loop (`custom_loop`: a `tf.function` GradientTape step on
+TensorFlow, a plain torch loop of forward, backward and optimizer step)
+runs LOOP_STEPS steps per model in alternating blocks, its first step
+(trace; the optimized model's per-shape tuning) reported apart
+(`loop_speedup`, `loop_first_s`); JAX has no custom loop here.
 `--control` adds an A/A control to every cell's fit rounds: a clone of the
 original model (same layers, same weights, so the same kernels) timed
 interleaved with the other two; `control_fit_speedup` (original / clone)
@@ -38,6 +49,12 @@ is what this benchmark reads for two models that differ in nothing.
     python bench/bench_user_view.py --out /tmp/user_tf.json --budget 300
     KERAS_BACKEND=torch python bench/bench_user_view.py --out /tmp/user_torch.json
     python bench/bench_user_view.py --quick --out /tmp/q.json   # tiny, any machine
+
+The entry-point matrix of issue 25 (about 20 drawn shapes in 5 minutes a
+backend on the H200: a lower work cap and fewer rounds):
+
+    python bench/bench_user_view.py --cells 30 --work-cap 2e11 --rounds 5 \
+        --predict-rounds 3 --steps 8 --budget 280 --out $OUT/user_entry_tf.json
 """
 
 from __future__ import annotations
@@ -64,6 +81,13 @@ KINDS = ("lstm", "gru", "simple_rnn", "bi_lstm", "bi_gru")
 DTYPES = ("float32", "mixed_float16", "mixed_bfloat16")
 WORK_CAP = 2.0e12  # batch * steps * layers * units^2
 STEPS_PER_EPOCH = 100  # for the tuning-overhead figure only
+CALLS = 5  # whole fit / predict calls per model (`whole_calls`)
+CALL_STEPS = 4  # batches in each of them
+LOOP_STEPS = 50  # custom-loop steps per model (`custom_loop`)
+LOOP_BLOCK = 10  # ... run in alternating blocks of this many
+# Host bytes of one batch at 4x the fit batch above which predict at 4x is
+# left out (the arrays are built on the host).
+PREDICT_4X_BYTES = 2**28
 ROUND_S = 0.3  # target seconds of one timed round (see steps_for)
 # A cell whose slower model takes over LOPSIDED_STEP_S a step and runs over
 # LOPSIDED_RATIO x the faster one's step gets one round (see rounds_for).
@@ -247,23 +271,117 @@ def rounds_for(step_s: dict, rounds: int) -> int:
     return rounds
 
 
+def whole_calls(models: list[tuple[str, keras.Model]], kind: str, x, y, batch: int,
+                calls: int = CALLS) -> dict:
+    """{name: [seconds of each whole call]}: `calls` consecutive
+    `fit(epochs=1)` (`kind` "fit") or `predict` calls on each model,
+    alternating (the order flipped every call); the first carries its
+    traces (and the optimized model's tuning)."""
+    seconds = {name: [] for name, _ in models}
+    for c in range(calls):
+        for name, m in models if c % 2 == 0 else models[::-1]:
+            start = time.perf_counter()
+            if kind == "fit":
+                m.fit(x, y, batch_size=batch, epochs=1, verbose=0)
+            else:
+                keras.tree.map_structure(np.asarray, m.predict(x, batch_size=batch, verbose=0))
+            seconds[name].append(time.perf_counter() - start)
+    return seconds
+
+
+def custom_loop(models: list[tuple[str, keras.Model]], x, y, steps: int = LOOP_STEPS,
+                block: int = LOOP_BLOCK) -> dict | None:
+    """{name: [seconds of each step]} of a user's own training loop on each
+    model (TensorFlow: a tf.function GradientTape step with a Keras
+    optimizer; torch: forward, loss.backward(), a torch optimizer step), the
+    first step (trace, tuning) first, then `steps` steps in alternating
+    blocks of `block`; None under JAX."""
+    backend = keras.backend.backend()
+    if backend not in ("tensorflow", "torch"):
+        return None
+    make = _tf_loop_step if backend == "tensorflow" else _torch_loop_step
+    runs = {name: make(m, x, y) for name, m in models}
+    seconds = {name: [] for name, _ in models}
+    for name, run in runs.items():
+        seconds[name].append(run())
+    for b in range(math.ceil(steps / block)):
+        for name, _ in models if b % 2 == 0 else models[::-1]:
+            for _ in range(min(block, steps - b * block)):
+                seconds[name].append(runs[name]())
+    return seconds
+
+
+def _tf_loop_step(model, x, y):
+    import tensorflow as tf
+
+    optimizer = keras.optimizers.Adam()
+    variables = model.trainable_variables
+    optimizer.build(variables)
+    xt, yt = tf.constant(x), tf.constant(y)
+
+    @tf.function
+    def step():
+        with tf.GradientTape() as tape:
+            out = tf.cast(model(xt, training=True), tf.float32)
+            loss = tf.reduce_mean(tf.square(out - yt))
+        optimizer.apply(tape.gradient(loss, variables), variables)
+        return loss
+
+    def run():
+        start = time.perf_counter()
+        float(step())
+        return time.perf_counter() - start
+
+    return run
+
+
+def _torch_loop_step(model, x, y):
+    import torch
+
+    params = [v.value for v in model.trainable_variables]
+    optimizer = torch.optim.Adam(params, lr=1e-3)
+    xt, yt = keras.ops.convert_to_tensor(x), keras.ops.convert_to_tensor(y)
+
+    def run():
+        start = time.perf_counter()
+        optimizer.zero_grad()
+        loss = torch.mean((model(xt, training=True).float() - yt) ** 2)
+        loss.backward()
+        optimizer.step()
+        float(loss)  # waits for the device
+        return time.perf_counter() - start
+
+    return run
+
+
+def _ratio(times: dict, skip_first: bool = False) -> float:
+    """median(original) / median(optimized) of per-call or per-step seconds."""
+    o, f = times["original"], times["optimized"]
+    if skip_first:
+        o, f = o[1:], f[1:]
+    return statistics.median(o) / statistics.median(f)
+
+
 def measure(shape: dict, rounds: int, steps: int, predict_rounds: int | None = None,
             control: bool = False) -> dict:
-    """One cell: `rounds` timed fit rounds, `predict_rounds` (default: as
-    many) predict rounds; `control`: an A/A clone of the original in the
-    fit rounds; see the module doc."""
+    """One cell: whole calls, `rounds` timed fit rounds, `predict_rounds`
+    (default: as many) predict rounds at the fit batch and at 4x it, and a
+    custom loop; `control`: an A/A clone of the original in the fit rounds;
+    see the module doc."""
     rng = np.random.default_rng(0)
     model = build(shape)
     x, y = data(shape, rng)
     b = shape["batch"]
-    fast = rnnfuse.optimize(model)
+    # An empty plan cache: the first calls pay what a new user's pay.
+    fast = rnnfuse.optimize(model, cache=False)
     model.compile(optimizer="adam", loss="mse")
     fast.compile(optimizer="adam", loss="mse")
-    tune_start = time.perf_counter()
-    fast.fit(x, y, batch_size=b, epochs=1, verbose=0)  # tunes, traces
-    first_fit_s = time.perf_counter() - tune_start
-    fit_tuning_s = _tuning_seconds(fast)  # training only; predict tunes later
-    model.fit(x, y, batch_size=b, epochs=1, verbose=0)  # traces
+    xc, yc = np.concatenate([x] * CALL_STEPS), np.concatenate([y] * CALL_STEPS)
+    pair = [("original", model), ("optimized", fast)]
+    calls = {"fit": whole_calls(pair, "fit", xc, yc, b)}
+    first_fit_s = calls["fit"]["optimized"][0]  # tunes, traces
+    fit_tuning_s = _tuning_seconds(fast)  # training only; predict tunes next
+    calls["predict"] = whole_calls(pair, "predict", xc, yc, b)
     twin = None
     if control:
         twin = keras.models.clone_model(model)
@@ -289,8 +407,7 @@ def measure(shape: dict, rounds: int, steps: int, predict_rounds: int | None = N
     times = _alternate(models + ([("control", twin)] if twin is not None else []), rounds,
                        lambda m, cb: m.fit(xs, ys, batch_size=b, epochs=1, verbose=0, callbacks=[cb]))
     plans = _plans(fast)  # the training plans, chosen on the first fit
-    model.predict(x, batch_size=b, verbose=0)
-    fast.predict(x, batch_size=b, verbose=0)  # tunes for inference
+    # The predict calls above were at the fit batch: traced and tuned.
     pred = _alternate(models, predict_rounds, lambda m, cb: m.predict(
         xs, batch_size=b, verbose=0, callbacks=[cb]))
     fit_o, fit_f = statistics.median(times["original"]), statistics.median(times["optimized"])
@@ -299,6 +416,20 @@ def measure(shape: dict, rounds: int, steps: int, predict_rounds: int | None = N
     if twin is not None:
         fit_c = statistics.median(times["control"])
         extra = dict(control_fit_ms=1e3 * fit_c, control_fit_speedup=fit_o / fit_c)
+    if 4 * x[:1].nbytes * b <= PREDICT_4X_BYTES:
+        extra.update(_predict_4x(models, x, b, predict_rounds))
+    else:
+        extra["predict_4x_skipped"] = f"a batch of {4 * b} is over {PREDICT_4X_BYTES >> 20} MiB on the host"
+    loop = custom_loop(models, x, y)
+    if loop is not None:
+        extra.update(loop_speedup=_ratio(loop, skip_first=True),
+                     loop_first_s={name: t[0] for name, t in loop.items()},
+                     loop_ms={name: 1e3 * statistics.median(t[1:]) for name, t in loop.items()})
+    extra.update(
+        fit_call_speedup=_ratio(calls["fit"], skip_first=True),
+        predict_call_speedup=_ratio(calls["predict"], skip_first=True),
+        first_call_s={kind: {name: t[0] for name, t in c.items()} for kind, c in calls.items()},
+    )
     return dict(
         shape=shape,
         fit_ms=dict(original=1e3 * fit_o, optimized=1e3 * fit_f),
@@ -318,9 +449,59 @@ def measure(shape: dict, rounds: int, steps: int, predict_rounds: int | None = N
         # What first-batch tuning measured and chose, beside the static
         # table's plan (the table's coverage is read from these).
         decisions=rnnfuse.tuning.first_batch.decisions(fast),
-        raw=dict(fit=times, predict=pred),
+        raw=dict(fit=times, predict=pred, calls=calls, **({"loop": loop} if loop else {})),
         **extra,
     )
+
+
+def _predict_4x(models, x, batch: int, rounds: int) -> dict:
+    """`predict` at 4x the fit batch: its first call (the new bucket's
+    tuning, traces) timed apart, then `rounds` rounds of per-step medians."""
+    big = np.concatenate([x] * 4)
+    first = {}
+    for name, m in models:
+        start = time.perf_counter()
+        m.predict(big, batch_size=4 * batch, verbose=0)
+        first[name] = time.perf_counter() - start
+    xs = np.concatenate([big] * 3)  # 3 steps a round: two gaps between batch ends
+    times = _alternate(models, rounds, lambda m, cb: m.predict(
+        xs, batch_size=4 * batch, verbose=0, callbacks=[cb]))
+    return dict(
+        predict_4x_ms={name: 1e3 * statistics.median(t) for name, t in times.items()},
+        predict_4x_speedup=_ratio(times),
+        predict_4x_first_s=first,
+        plans_predict_4x=_plans(dict(models)["optimized"]),
+    )
+
+
+# The entry points a cell measures (issue 25), as (row key, what it is).
+ENTRY_POINTS = (
+    ("fit_speedup", "fit step"),
+    ("predict_speedup", "predict step at the fit batch"),
+    ("predict_4x_speedup", "predict step at 4x the fit batch"),
+    ("loop_speedup", "custom training loop step"),
+    ("fit_call_speedup", "whole fit(epochs=1) call, calls 2-5"),
+    ("predict_call_speedup", "whole predict call, calls 2-5"),
+)
+
+
+def entry_points(rows: list[dict]) -> dict:
+    """Per entry point: cells, min, geometric mean and cells below 0.97x.
+
+    >>> entry_points([dict(fit_speedup=1.2), dict(fit_speedup=0.9, loop_speedup=2.0)])["fit_speedup"]
+    {'cells': 2, 'min': 0.9, 'geomean': 1.039..., 'below_0_97': 1}
+    """
+    out = {}
+    for key, _ in ENTRY_POINTS:
+        values = [r[key] for r in rows if key in r]
+        if values:
+            out[key] = dict(
+                cells=len(values),
+                min=min(values),
+                geomean=math.exp(statistics.mean(math.log(v) for v in values)),
+                below_0_97=sum(v < 0.97 for v in values),
+            )
+    return out
 
 
 def summary(rows: list[dict]) -> dict:
@@ -335,6 +516,7 @@ def summary(rows: list[dict]) -> dict:
         fit_share_below_0_97=sum(s < 0.97 for s in fits) / len(fits),
         predict_geomean=math.exp(statistics.mean(math.log(r["predict_speedup"]) for r in ok)),
         tuning_s_total=sum(r["tuning_s"] for r in ok),
+        entry_points=entry_points(ok),
         **tuning_overhead(ok),
     )
 
@@ -384,6 +566,11 @@ def main(argv=None) -> int:
     parser.add_argument("--budget", type=float, default=420.0, help="seconds")
     parser.add_argument("--seed", type=int, default=2026)
     parser.add_argument(
+        "--work-cap", type=float, default=WORK_CAP,
+        help="redraw shapes whose batch x steps x layers x units^2 exceeds this "
+        "(the default's draws are the published matrix; 2e11 sizes ~20 cells for 5 minutes)",
+    )
+    parser.add_argument(
         "--control", action="store_true",
         help="add an A/A control to the fit rounds: a clone of the original (control_fit_speedup)",
     )
@@ -406,7 +593,7 @@ def main(argv=None) -> int:
     # go to stderr beside the results.
     logging.basicConfig(format="%(name)s %(levelname)s %(message)s")
     logging.getLogger("rnnfuse").setLevel(logging.INFO)
-    cells = list(enumerate(draw_shapes(args.cells, args.seed), start=1))[args.skip:]
+    cells = list(enumerate(draw_shapes(args.cells, args.seed, args.work_cap), start=1))[args.skip:]
     if args.only:
         drawn = dict(cells)  # in the order given
         cells = [(int(n), drawn[int(n)]) for n in args.only.split(",") if int(n) in drawn]
@@ -423,7 +610,7 @@ def main(argv=None) -> int:
         seed=args.seed,
         skip=args.skip,
         only=args.only,
-        work_cap=WORK_CAP,
+        work_cap=args.work_cap,
         steps_per_epoch_for_overhead=STEPS_PER_EPOCH,
         rounds=args.rounds,
         predict_rounds=args.predict_rounds,
@@ -439,8 +626,10 @@ def main(argv=None) -> int:
             row = dict(cell=cell, **measure(shape, args.rounds, args.steps, args.predict_rounds,
                                             control=args.control))
             aa = f" control {row['control_fit_speedup']:.2f}x" if "control_fit_speedup" in row else ""
+            more = " ".join(f"{key.removesuffix('_speedup')} {row[key]:.2f}x"
+                            for key, _ in ENTRY_POINTS[2:] if key in row)
             print(
-                f"{shape} fit {row['fit_speedup']:.2f}x{aa} predict {row['predict_speedup']:.2f}x "
+                f"{shape} fit {row['fit_speedup']:.2f}x{aa} predict {row['predict_speedup']:.2f}x {more} "
                 f"tuning {row['tuning_s']:.1f}s plans {[(p['pieces'], p['algorithm']) for p in row['plans']]}",
                 flush=True,
             )

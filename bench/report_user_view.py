@@ -224,9 +224,54 @@ def markdown(merged: dict[str, dict]) -> str:
         for row in entry["other"]:
             lines.append(f"| - | {shape_text(row['shape'])} | error: {row['error'][:120]} | | | | | |")
         lines.append("")
+        lines += entry_point_lines(rows)
         if any(r.get("decisions") for r in rows):
             lines += table_coverage(backend, rows) + [""]
     return "\n".join(lines)
+
+
+def entry_point_lines(rows: list[dict]) -> list[str]:
+    """The entry points of issue 25 (bench_user_view.ENTRY_POINTS): per entry
+    point its min and geometric mean over the cells, then one row per cell
+    (every entry point's ratio; the first fit and predict calls' seconds,
+    original / optimized, reported apart). [] for runs without them.
+
+    >>> row = dict(cell=2, shape=dict(kind="lstm", layers=8, units=128, batch=32, steps=20,
+    ...            dtype="float32", masked=False), fit_speedup=1.1, predict_speedup=1.0,
+    ...            predict_4x_speedup=0.99, loop_speedup=1.2, fit_call_speedup=1.05,
+    ...            predict_call_speedup=1.0, first_call_s=dict(fit=dict(original=2.0, optimized=4.5),
+    ...            predict=dict(original=0.5, optimized=1.5)))
+    >>> print(entry_point_lines([row])[-2])
+    | 2 | lstm 8x128 B32 T20 float32 | 1.10x | 1.00x | 0.99x | 1.20x | 1.05x | 1.00x | 2.0 / 4.5 s | 0.5 / 1.5 s |
+    """
+    from bench_user_view import ENTRY_POINTS, entry_points
+
+    if not any("fit_call_speedup" in r for r in rows):
+        return []
+    found = entry_points(rows)
+    lines = ["Entry points (original time / optimized time; first calls reported apart, not judged):", ""]
+    for key, what in ENTRY_POINTS:
+        if key in found:
+            e = found[key]
+            lines.append(f"- {what}: min {e['min']:.2f}x, geometric mean {e['geomean']:.2f}x, "
+                         f"{e['below_0_97']} of {e['cells']} below 0.97x")
+    lines += [
+        "",
+        "| # | model | fit | predict | predict 4x | custom loop | fit calls 2-5 | predict calls 2-5 "
+        "| first fit call | first predict call |",
+        "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in rows:
+        if "fit_call_speedup" not in r:
+            continue
+        cells = [f"{r[k]:.2f}x" if k in r else "-" for k, _ in ENTRY_POINTS]
+        first = r.get("first_call_s", {})
+        firsts = [
+            f"{first[k]['original']:.1f} / {first[k]['optimized']:.1f} s" if k in first else "-"
+            for k in ("fit", "predict")
+        ]
+        lines.append(f"| {r['cell']} | {shape_text(r['shape'])} | " + " | ".join(cells + firsts) + " |")
+    return lines + [""]
 
 
 def _regime_plan(row: dict, training: bool) -> str | None:

@@ -35,6 +35,7 @@ from rnnfuse.reasons import Reason
 from rnnfuse.recurrent import is_recurrent
 from rnnfuse.report import FusionGroup, FusionReport, OptimizeResult
 from rnnfuse.tuning import first_batch
+from rnnfuse.tuning.per_shape import AutoTune
 from rnnfuse.tuning.cache import PlanCache, default_cache
 from rnnfuse.plan import Plan
 from rnnfuse.tuning.plans import split_groups
@@ -243,7 +244,7 @@ def _optimize_for_first_batch(model, report, training, cache) -> OptimizeResult:
         for g in groups
     ]
     new, failed = rewrite_model(model, groups, [r.plan for r in plans])
-    first_batch.attach(new, groups, first_batch.AutoTune(cache=_plan_cache(cache)))
+    first_batch.attach(new, groups, AutoTune(cache=_plan_cache(cache)))
     return OptimizeResult(model=new, report=report, plans=tuple(plans), failed=failed)
 
 

@@ -169,6 +169,11 @@ class FusedRNN(keras.layers.Layer):
         object.__setattr__(self, "_piece_cache", {})
         self._plan = FUSED.for_length(len(layers))
         self.set_plan(plan)
+        # Where set (rnnfuse's tuning: `rnnfuse.tuning.per_shape.Planner`),
+        # a callable (input shape, training) -> Plan or None that each call
+        # asks for its plan first (at trace time in a graph); None: `plan`.
+        # A plain attribute (object.__setattr__): neither tracked nor saved.
+        object.__setattr__(self, "planner", None)
         # Which path the last call took (a CallPath: "fused" with the
         # KernelRun, or "layers: <why>"); set by the branch that ran, when
         # the call runs eagerly or is traced.
@@ -274,8 +279,9 @@ class FusedRNN(keras.layers.Layer):
         has `capabilities.xla_compiles_fused_call`)."""
         if get_backend().capabilities.xla_compiles_fused_call:
             return False
-        if self._plan.per_layer:
-            return False  # the plan runs the original layers
+        plans = [self._plan] + (self.planner.plans() if self.planner is not None else [])
+        if all(p.per_layer for p in plans):
+            return False  # every plan it may run keeps the original layers
         return self.uses_fused_kernel
 
     @supports_jit.setter
@@ -333,9 +339,18 @@ class FusedRNN(keras.layers.Layer):
         if mask is not None:
             mask = tree.flatten(mask)[0]
         outputs, self.last_path = self._run(
-            self._plan, sequences, initial_state, mask, training, algorithm, mask_is_right_padded
+            self._plan_for_call(sequences, training), sequences, initial_state, mask, training,
+            algorithm, mask_is_right_padded,
         )
         return outputs
+
+    def _plan_for_call(self, sequences, training) -> Plan:
+        """The plan of this call: the planner's for the call's shape and
+        mode where there is one, else the layer's own."""
+        if self.planner is None:
+            return self._plan
+        chosen = self.planner(tuple(sequences.shape), bool(training))
+        return self._plan if chosen is None else chosen.for_length(len(self.fused_layers))
 
     def _run(self, plan, sequences, initial_state, mask, training, algorithm, right_padded):
         """(outputs, CallPath) of one call under `plan`."""

@@ -104,18 +104,18 @@ class _OptimizedMixin:
     def fit(self, x=None, y=None, batch_size=None, *args, **kwargs):
         """`keras.Model.fit`, with plans first chosen on the first batch
         (`rnnfuse.tuning.first_batch`; nothing is timed without a GPU)."""
-        first_batch.prepare(self, x, batch_size, training=True)
-        return super().fit(x, y, batch_size, *args, **kwargs)
+        with first_batch.keras_call(self, x, batch_size, training=True):
+            return super().fit(x, y, batch_size, *args, **kwargs)
 
     def evaluate(self, x=None, y=None, batch_size=None, *args, **kwargs):
         """`keras.Model.evaluate`, with plans first chosen on the first batch."""
-        first_batch.prepare(self, x, batch_size, training=False)
-        return super().evaluate(x, y, batch_size, *args, **kwargs)
+        with first_batch.keras_call(self, x, batch_size, training=False):
+            return super().evaluate(x, y, batch_size, *args, **kwargs)
 
     def predict(self, x, batch_size=None, *args, **kwargs):
         """`keras.Model.predict`, with plans first chosen on the first batch."""
-        first_batch.prepare(self, x, batch_size, training=False)
-        return super().predict(x, batch_size, *args, **kwargs)
+        with first_batch.keras_call(self, x, batch_size, training=False):
+            return super().predict(x, batch_size, *args, **kwargs)
 
     def compile_from_config(self, config):
         # A model compiled with jit_compile=True where no GPU was visible

@@ -98,3 +98,45 @@ def emulated_cudnn(monkeypatch):
     monkeypatch.setattr(tf_backend, "cudnn_rnn", spy)
     monkeypatch.setattr(tf_backend, "is_available", lambda: True)
     yield calls
+
+
+class _OpModule:
+    """Stands in for rnnfuse's loaded op library (`emulated_op`)."""
+
+
+@pytest.fixture
+def emulated_op(monkeypatch):
+    """The fused path goes to rnnfuse's op, emulated on the CPU: the op call
+    (`cudnn_op.call_op`) becomes the CudnnRNNV3 reference of
+    cudnn_reference.py, the op counts as loaded (so the tuner's candidates
+    include the persistent algorithms), and each call's attributes and
+    inputs (its `algorithm` tensor too) are recorded in the list yielded."""
+    if keras.backend.backend() != "tensorflow":
+        pytest.skip("the emulated op is for the TensorFlow backend")
+    import tensorflow as tf
+    from cudnn_reference import emulated_cudnn_rnn
+
+    from rnnfuse.backends import tensorflow as tf_backend
+    from rnnfuse.backends.tensorflow import cudnn_op
+
+    calls = []
+
+    def fake(module, **kw):
+        calls.append(kw)
+        y, h, c = emulated_cudnn_rnn(
+            input=kw["input"], input_h=kw["input_h"],
+            input_c=kw["input_c"] if kw["rnn_mode"] == "lstm" else tf.zeros_like(kw["input_h"]),
+            params=kw["params"], sequence_lengths=kw["sequence_lengths"], rnn_mode=kw["rnn_mode"],
+            direction=kw["direction"], time_major=True,
+        )[:3]
+        if kw["rnn_mode"] != "lstm":
+            c = tf.zeros([0], y.dtype)
+        return y, h, c, tf.zeros([0], tf.uint8)
+
+    monkeypatch.setattr(cudnn_op, "call_op", fake)
+    monkeypatch.setattr(tf_backend, "is_available", lambda: True)
+    monkeypatch.setattr(tf_backend, "op_loaded", lambda: True)
+    monkeypatch.setattr(tf_backend, "_op_for", lambda dtype, dropout: (
+        (_OpModule(), None) if cudnn_op.op_unsupported_reason(dtype, dropout) is None
+        else (None, cudnn_op.op_unsupported_reason(dtype, dropout))))
+    return calls

@@ -152,19 +152,26 @@ def test_a_cached_decision_is_used_without_timing(fake_gpu, emulated_cudnn, tmp_
     assert fused_layers(fast2)[0].plan.per_layer
 
 
-def test_later_shapes_take_the_nearest_cached_decision_and_never_stall(
+def test_a_new_bucket_is_timed_on_its_contenders_and_a_shape_of_a_decided_bucket_is_not(
     fake_gpu, emulated_cudnn, tmp_path
 ):
-    model = stack_model("lstm", 2, steps=None, input_size=3)
-    timer = FakeTimer({"per-layer": 1.0, "fused": 2.0})
+    model = stack_model("lstm", 4, steps=None, input_size=3)
+    timer = FakeTimer({"per-layer": 1.0, "fused": 1.4, "split 2+2": 4.0})
     fast = _optimize(model, timer, PlanCache(tmp_path / "plans.json"))
     fast.compile(optimizer="sgd", loss="mse")
     rng = np.random.default_rng(0)
-    for steps in (10, 12, 40):
-        x = rng.standard_normal((8, steps, 3)).astype("float32")
-        y = rng.standard_normal((8, 6)).astype("float32")
-        fast.fit(x, y, batch_size=8, verbose=0)
-    assert timer.calls == 1, "each mode is timed once per model"
+    for batch, steps in ((8, 16), (8, 18), (32, 16)):
+        x = rng.standard_normal((batch, steps, 3)).astype("float32")
+        y = rng.standard_normal((batch, 6)).astype("float32")
+        fast.fit(x, y, batch_size=batch, verbose=0)
+    # (8, 18) is in (8, 16)'s bucket: not timed. (32, 16) is a new bucket:
+    # timed, on what was in contention at (8, 16) (split 2+2 was 4x behind;
+    # the original layers won, so no emulated kernel runs a relaxed trace).
+    assert timer.names == [["fused", "per-layer", "split 2+2"], ["fused", "per-layer"]]
+    assert [s["shape"][:2] for s in fake_gpu] == [(8, 16), (32, 16)]
+    first, second = first_batch.decisions(fast)
+    assert (first["bucket"], second["bucket"]) == ([8, 16], [32, 16])
+    assert second["source"] == "measured: the contenders of bucket (8, 16)"
     assert fused_layers(fast)[0].plan.per_layer
 
 
@@ -202,18 +209,20 @@ def test_a_corrupt_cache_file_is_set_aside_and_tuning_goes_on(fake_gpu, emulated
     assert json.loads(path.read_text())["entries"], "the decision was written"
 
 
-def test_timing_that_fails_keeps_the_static_plan(fake_gpu, emulated_cudnn, tmp_path, caplog):
+def test_timing_that_fails_runs_the_static_tables_proven_plan(fake_gpu, emulated_cudnn, tmp_path, caplog):
     model = stack_model("lstm", 2, steps=5)
     timer = FakeTimer({}, fail=True)
     fast = _optimize(model, timer, PlanCache(tmp_path / "plans.json"))
     (layer,) = fused_layers(fast)
-    before = layer.plan
+    assert layer.plan.name == "fused"  # the static table's, before the first batch
     fast.compile(optimizer="sgd", loss="mse")
     x, y = _data(model, n=4)
     with caplog.at_level(logging.WARNING, logger="rnnfuse"):
         fast.fit(x, y, batch_size=4, verbose=0)
-    assert layer.plan == before
-    assert "timing the plans on the first batch failed" in caplog.text
+    # The table's float32 "units <= 256: fused" rule lost somewhere in its
+    # measurements, so where nothing could be timed the layers stay.
+    assert layer.plan.per_layer
+    assert "timing the plans failed" in caplog.text
     assert max_abs_diff(fast.predict(x, verbose=0), model.predict(x, verbose=0)) <= 2e-5
 
 

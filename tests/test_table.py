@@ -33,9 +33,63 @@ def test_num_layers_spells_out_the_pieces():
     assert plan_for_regime(regime, 4).pieces == (2, 2)
 
 
-def test_every_rule_has_a_name_and_its_evidence():
-    for name, predicate, plan, evidence in table.RULES:
+def test_every_rule_has_a_name_its_evidence_and_whether_it_is_proven():
+    for name, predicate, plan, evidence, proven in table.RULES:
         assert name and evidence and callable(predicate) and callable(plan)
+        assert isinstance(proven, bool)
     assert table.RULES[-1][1](Regime("lstm", 1, 1, False, False, "x", False))
-    assert set(table.TABLES) == {"tensorflow", "fused", "per_layer"}
+    assert set(table.TABLES) == {"tensorflow", "torch", "fused", "per_layer"}
     assert table.TABLES["per_layer"](None, "float32", False) == PER_LAYER
+
+
+@pytest.mark.parametrize(
+    "regime, name",
+    [
+        # float16: persistent where the batch is known and at most 64.
+        (Regime("lstm", 512, 4, False, False, "float16", True, batch=64), "fused @persistent_static+tc"),
+        (Regime("gru", 192, 6, False, False, "float16", True, batch=173), PER_LAYER.name),
+        (Regime("lstm", 512, 4, False, False, "float16", True), PER_LAYER.name),
+        # Fused lost there in the user-view matrix (0.64-0.98x).
+        (Regime("gru", 96, 3, False, False, "float32", True), PER_LAYER.name),
+        (Regime("lstm", 320, 3, True, False, "bfloat16", False), PER_LAYER.name),
+        (Regime("gru", 160, 5, True, False, "float32", False), PER_LAYER.name),
+        # Proven: Keras' loops in training, 4x512 float32 halves.
+        (Regime("rnn_tanh", 64, 3, False, True, "float32", True), FUSED.name),
+        (Regime("gru", 1024, 4, False, False, "float32", True), "split 2+2"),
+        (Regime("gru", 512, 7, True, False, "float32", True), "split 3+4"),
+    ],
+)
+def test_where_nothing_can_be_timed_only_proven_rules_fuse(regime, name):
+    assert plan_for_regime(regime, proven_only=True).name == name
+
+
+def test_no_proven_rule_lost_in_the_user_view_matrix():
+    """The table's own out-of-sample measurements: wherever a proven rule
+    gives a fused plan for a timed decision of
+    bench/results/user_view_tf_h200_*.json, that plan was not slower than
+    the original layers there."""
+    import glob
+    import json
+    import os
+
+    root = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench", "results")
+    kinds = {"simple_rnn": "rnn_tanh", "bi_lstm": "lstm", "bi_gru": "gru"}
+    dtypes = {"mixed_float16": "float16", "mixed_bfloat16": "bfloat16"}
+    checked = 0
+    for path in sorted(glob.glob(os.path.join(root, "user_view_tf_h200_*.json"))):
+        with open(path) as f:
+            rows = json.load(f)["results"]
+        for row in rows:
+            s = row["shape"]
+            for d in row.get("decisions", []):
+                regime = Regime(kinds.get(s["kind"], s["kind"]), s["units"], s["layers"],
+                                s["kind"].startswith("bi_"), s["kind"] == "simple_rnn",
+                                dtypes.get(s["dtype"], s["dtype"]), d["mode"] == "training",
+                                batch=s["batch"])
+                plan = plan_for_regime(regime, s["layers"], proven_only=True)
+                times = d.get("timings_ms", {})
+                if plan.per_layer or plan.name not in times or "per-layer" not in times:
+                    continue
+                checked += 1
+                assert times[plan.name] <= times["per-layer"], (os.path.basename(path), s, d["mode"], plan.name)
+    assert checked >= 10

@@ -19,7 +19,7 @@ def test_both_stages_run_real_steps_and_build_each_plan_once(emulated_cudnn, mon
     # is asked (so the algorithm's plans time like the default's here); the
     # stages and the step reuse are what is under test.
     monkeypatch.setenv("RNNFUSE_DISABLE_OP", "1")
-    monkeypatch.setattr(tuner, "_candidates_for", lambda backend: lambda group: [
+    monkeypatch.setattr(tuner, "candidates_for", lambda backend: lambda group: [
         Plan(()), Plan((4,)), Plan((4,), ALGORITHM), Plan((2, 2)), Plan((2, 2), ALGORITHM),
     ])
     built, runners = [], []

@@ -374,6 +374,13 @@ class Backend(abc.ABC):
         """d(sum of squared outputs of `run(x, False)`)/d(variables), float64
         NumPy arrays (the tuner's gradient check)."""
 
+    @abc.abstractmethod
+    def timing_context(self) -> Any:
+        """A context manager under which the tuner can build, run and time
+        its steps from inside a call that is being traced (a custom loop's
+        first trace: TensorFlow lifts out of the graph with tf.init_scope),
+        or None where it cannot (an XLA or JAX trace)."""
+
 
 class Tooling(abc.ABC):
     """What rnnfuse's tools (`rnnfuse bench`, `rnnfuse check`, the examples)
@@ -506,6 +513,9 @@ class NoFusedKernel(NoProjectedLSTMPath, Backend):
 
     def gradients(self, run, x, variables):
         self._none("gradients")
+
+    def timing_context(self):
+        return None
 
 
 class NoTooling(Tooling):

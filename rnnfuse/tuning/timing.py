@@ -11,9 +11,13 @@ With `prune`, a race: a candidate that is clearly slower than the best one
 stops being run; its times so far stay in the result. "Clearly": its last
 warm-up call took over `prune`**2 times the best one's, or, after each timed
 round from the second on, its fastest call took over `prune` times the best
-median. Tuning uses this so a kernel ten times slower than the winner costs
-two calls, not seven; the candidates that are close are all timed every
-round.
+median, or (with `race`, a smaller factor) after each round from the third
+on, its fastest call took over `race` times the best median. A race ends
+early when one candidate is left (from the second round on): its median is
+then taken over the rounds it ran, and no other candidate is in contention.
+Tuning uses this so a kernel ten times slower than the winner costs two
+calls, not seven, a candidate 20% behind stops after three rounds, and the
+candidates that are close are all timed every round.
 
 Example:
 
@@ -24,7 +28,7 @@ Example:
     >>> slow = lambda: time.sleep(0.02)
     >>> raced = interleaved_medians({"fast": lambda: 1, "slow": slow}, warmup=1, repeats=5, prune=1.5)
     >>> len(raced["fast"]["times"]), len(raced["slow"]["times"]), raced["slow"]["pruned"]
-    (5, 1, True)
+    (2, 1, True)
 """
 
 from __future__ import annotations
@@ -53,18 +57,24 @@ def interleaved_medians(
     repeats: int = 7,
     on_step: Callable[[str], None] | None = None,
     prune: float | None = None,
+    race: float | None = None,
 ) -> dict[str, dict]:
     """Times each step `repeats` times, interleaved, after `warmup` calls.
 
     `prune` (> 1): race the steps (see the module doc); a pruned step's
     median is taken over the calls it ran (the last warm-up call when it
-    was pruned before any timed round).
+    was pruned before any timed round). `race` (> 1, with `prune`): the
+    tighter factor applied from the third round on.
 
     Returns:
         name -> {"median": seconds, "times": [seconds, ...], "pruned": bool}.
     """
     if prune is not None and not prune > 1:
         raise ValueError(f"interleaved_medians: prune must be > 1 or None; received {prune!r}")
+    if race is not None and (prune is None or not 1 < race <= prune):
+        raise ValueError(
+            f"interleaved_medians: race must be in (1, prune] with prune set; received {race!r}"
+        )
     names = list(steps)
     last_warmup: dict[str, float] = {}
     for name in names:
@@ -78,6 +88,8 @@ def interleaved_medians(
         pruned |= _clearly_slower({n: [last_warmup[n]] for n in names}, prune**2)
     for r in range(repeats):
         running = [n for n in names if n not in pruned]
+        if prune is not None and r >= 2 and len(running) <= 1:
+            break  # the race is decided: nothing left to compare with
         order = running[r % len(running):] + running[: r % len(running)]
         for name in order:
             start = time.perf_counter()
@@ -86,7 +98,8 @@ def interleaved_medians(
             if on_step is not None:
                 on_step(name)
         if prune is not None and r >= 1:
-            pruned |= _clearly_slower({n: times[n] for n in running}, prune)
+            factor = race if race is not None and r >= 2 else prune
+            pruned |= _clearly_slower({n: times[n] for n in running}, factor)
     out = {}
     for n, t in times.items():
         t = t or [last_warmup[n]]

@@ -24,7 +24,9 @@
    padded lengths).
 4. Time the steps side by side (`interleaved_medians`: one more warm-up
    call, then interleaved rounds, racing: a step more than PRUNE x slower
-   than the best stops being run), in two stages (`_time_in_stages`): the
+   than the best stops being run, from the third round one whose fastest
+   call is RACE x the best median, and the race ends when one step is
+   left), in two stages (`_time_in_stages`): the
    original layers and the whole run on every algorithm first, then the
    split plans only on the algorithms whose whole run came within PRUNE
    of the best, beside that best again (and the original layers, where
@@ -76,7 +78,7 @@ from rnnfuse.tuning.plans import candidate_plans, kernel_plans, split_groups
 from rnnfuse.tuning.table import static_plan
 from rnnfuse.tuning.timing import interleaved_medians
 
-__all__ = ["TuneResult", "tune_plans", "device_environment"]
+__all__ = ["TuneResult", "candidates_for", "device_environment", "tune_plans"]
 
 # A non-default algorithm's gradients may be at most this many times
 # further from the float64 reference than the default algorithm's.
@@ -91,6 +93,12 @@ _EPS = {"float16": 2.0**-10, "bfloat16": 2.0**-7}
 # (`interleaved_medians`' prune): the winner and the close ones get every
 # round, a kernel several times slower costs two calls.
 PRUNE = 1.5
+# ... and, from the third round, a candidate whose fastest call is this many
+# times the best median (`interleaved_medians`' race): it cannot win, nor
+# keep the original layers (they stay only within KEEP_ORIGINAL_MARGIN of
+# the best), and per-call noise of up to 8% cannot hide the fastest behind
+# it (tests/test_timing.py); a race with one candidate left ends there.
+RACE = 1.2
 # Where a step's first call runs it eagerly (torch), a step whose first call
 # took over PRUNE**2 x the fastest one's and over this many seconds gets no
 # warm-up call: Keras' masked torch loop (16-17 s a step for a masked 6-layer
@@ -269,6 +277,7 @@ def tune_plans(
     repeats: int = 5,
     jit_baseline: bool = False,
     masked_of: Callable[[FusionGroup], bool] | None = None,
+    candidates_of: Callable[[FusionGroup], Sequence[Plan] | None] | None = None,
 ) -> list[TuneResult]:
     """The plan for each group, measured on this device (see module doc).
 
@@ -293,6 +302,9 @@ def tune_plans(
             candidates are then timed with a right-padded mask, since a
             mask changes the kernels Keras runs: under torch it sends
             Keras' LSTM/GRU to their Python loop). Default: no mask.
+        candidates_of: group -> the plans to time for it (None: all of
+            `candidate_plans`'), e.g. only the candidates still in
+            contention at another shape (`rnnfuse.tuning.first_batch`).
     """
     environment = environment if environment is not None else device_environment()
     results = []
@@ -303,10 +315,15 @@ def tune_plans(
             results.append(TuneResult(group, plan, "static: no GPU to time on"))
         return results
     backend_name = environment.get("backend", "tensorflow")
-    candidates = _candidates_for(backend_name)
+    every = candidates_for(backend_name)
+
+    def candidates(group):
+        chosen = candidates_of(group) if candidates_of is not None else None
+        return list(chosen) if chosen is not None else every(group)
+
     eager_first_calls = not get_backend(backend_name).capabilities.first_call_compiles
     measure = measure or (lambda steps, on_step=None: interleaved_medians(
-        steps, warmup=warmup, repeats=repeats, on_step=on_step, prune=PRUNE))
+        steps, warmup=warmup, repeats=repeats, on_step=on_step, prune=PRUNE, race=RACE))
     check_gradients = check_gradients or GradientCheck()
     jobs = []
     for group in groups:
@@ -381,7 +398,7 @@ def _cached_plan(entry: dict, group: FusionGroup) -> tuple[Plan | None, str]:
     return plan, ""
 
 
-def _candidates_for(backend_name: str) -> Callable[[FusionGroup], list[Plan]]:
+def candidates_for(backend_name: str) -> Callable[[FusionGroup], list[Plan]]:
     """group -> the plans to time on this backend.
 
     TensorFlow: whole and halves, each with the default and the persistent

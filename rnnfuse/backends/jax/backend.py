@@ -77,6 +77,11 @@ class JaxBackend(NoProjectedLSTMPath, KernelModuleBackend):
     def timed_step(self, run, x, variables, training, jit=False):
         return kernels.timed_step(run, x, variables, training)
 
+    def timing_context(self):
+        # Keras' JAX layers run inside jit-traced steps, where nothing runs
+        # to time; the static plan (Keras' layers) stands.
+        return None
+
     def gradients(self, run, x, variables: Sequence[Any]):
         variables = list(variables)
 

@@ -99,6 +99,11 @@ class TensorFlowBackend(KernelModuleBackend):
     def timed_steps(self, make_run, x, variables, training, algorithms, dtype):
         return kernels.timed_steps(make_run, x, variables, training, algorithms, dtype)
 
+    def timing_context(self):
+        if kernels.in_xla_context():
+            return None
+        return tf.init_scope()
+
     def gradients(self, run, x, variables: Sequence[Any]):
         variables = list(variables)
         with tf.GradientTape() as tape:

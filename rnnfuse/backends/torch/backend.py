@@ -39,9 +39,10 @@ class TorchBackend(KernelModuleBackend):
         xla_compiles_fused_call=False,
         tunes_one_call_per_layer=True,
         tuned_algorithms=(None,),
-        # The H200 table was measured with TensorFlow's kernels: torch
-        # fuses every run whole and picks its own calls (levels_per_call).
-        plan_table="fused",
+        # The H200 table was measured with TensorFlow's kernels: torch has
+        # its own (fuse, keep Keras' layers in half precision) and picks
+        # its own calls (levels_per_call).
+        plan_table="torch",
         projected_lstm_loop="torch",
         first_call_compiles=False,
         # rnnfuse's wavefront kernel (forward only), on CUDA.
@@ -88,6 +89,10 @@ class TorchBackend(KernelModuleBackend):
 
     def timed_step(self, run, x, variables, training, jit=False):
         return kernels.timed_step(run, x, variables, training)
+
+    def timing_context(self):
+        # Eager: only gradients may be off (a loop under torch.no_grad()).
+        return torch.enable_grad()
 
     def gradients(self, run, x, variables: Sequence[Any]):
         params = [getattr(v, "value", v) for v in variables]

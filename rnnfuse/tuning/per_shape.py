@@ -1,0 +1,420 @@
+"""Per-shape decisions: each plan is timed for the shape bucket it runs on.
+
+A plan decided at one input shape does not carry to another: cuDNN's
+persistent algorithms in particular do not carry across batch sizes (on the
+H200, 8x LSTM(128) T20 inference: persistent_dynamic 4.18 ms a layer at
+batch 32, 13.38 ms at batch 128, where the standard algorithm takes 5.21
+ms). So an optimized model keeps one decision per group, mode (training,
+inference) and shape bucket, `bucket_of(batch, steps)`: the batch size and
+the number of steps, each rounded to the nearest power of two.
+
+The rule (what `decide` and the layers' `Planner` do):
+
+1. A (group, mode, bucket) is timed on a real shape of that bucket before
+   a plan runs on it. The first bucket of a mode times every candidate
+   (`rnnfuse.tuning.tuner.tune_plans`); a later bucket times only the
+   candidates still in contention at the nearest decided bucket (within
+   CONTENTION of its best there), the standard-algorithm twin of the plan
+   chosen there, and the original layers. A decision in the plan cache for
+   a shape of the bucket counts as timed.
+2. A shape that is not timed (no decision for its bucket, and no timing
+   possible: a custom loop's trace that leaves the batch open, a JAX or
+   XLA trace, timing that failed) runs the static table's plan for it
+   where that rule is proven (`rnnfuse.tuning.table`: its plan lost in
+   none of the table's measurements), else the original layers; a decided
+   plan never runs with a persistent
+   algorithm on a batch of a bucket it was not timed in (`untimed`).
+3. Inside one `fit`, `evaluate` or `predict` call nothing is timed after
+   the call's first batch, so a plan is never switched mid-epoch: the plan
+   chosen for the first batch's bucket runs the call. TensorFlow traces one
+   step for all of a call's batches (their batch size left open), so its
+   last, partial batch runs that plan too; where a batch of another bucket
+   is traced or run on its own (torch runs each batch eagerly), it runs
+   under rule 2.
+4. Outside those calls (a custom training loop, the user's own
+   `tf.function`, a direct call), a FusedRNN asks its `Planner` when it is
+   first called or traced with a concrete shape, and the plan is timed for
+   that shape then, before the trace goes on (on TensorFlow from inside the
+   trace, through `Backend.timing_context`).
+
+The cost: the first bucket of a mode times every candidate (what
+first-batch tuning has always cost); each later bucket times a few
+candidates (usually two to four), about a second of traces and a fraction
+of a second of timing on the H200.
+
+Example (no GPU: nothing is timed; a persistent plan runs as standard
+where it was not timed):
+
+    >>> from rnnfuse.plan import Plan
+    >>> bucket_of(48, 200), bucket_of(173, 108)
+    ((64, 256), (128, 128))
+    >>> untimed(Plan((4,), "persistent_static+tc")).name
+    'fused'
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import logging
+import math
+import time
+from typing import Callable
+
+import keras
+
+from rnnfuse.backends import get_backend
+from rnnfuse.fused import FusedRNN
+from rnnfuse.plan import PER_LAYER, Plan
+from rnnfuse.report import FusionGroup
+from rnnfuse.tuning.cache import PlanCache, cache_key
+from rnnfuse.tuning.table import static_plan
+from rnnfuse.tuning.tuner import TuneResult, candidates_for, device_environment, tune_plans
+
+__all__ = [
+    "AutoTune",
+    "CONTENTION",
+    "Member",
+    "Planner",
+    "bucket_of",
+    "contenders",
+    "decide",
+    "decision_record",
+    "untimed",
+]
+
+logger = logging.getLogger("rnnfuse")
+
+# A candidate within this factor of the best at the nearest decided bucket
+# is timed again at a new bucket (PRUNE of the tuner: the candidates it
+# would have raced to the end).
+CONTENTION = 1.5
+
+
+@dataclasses.dataclass
+class Member:
+    """One FusedRNN of an optimized model, with what tuning needs of it."""
+
+    # The layer and the FusionGroup `optimize` built it from.
+    fused: FusedRNN
+    group: FusionGroup
+    # It reads a padding mask in its model (timed with one: a mask changes
+    # which kernels Keras runs).
+    masked: bool = False
+    # Its input's time steps where the model fixes them (None: open).
+    steps: int | None = None
+
+
+@dataclasses.dataclass
+class AutoTune:
+    """The tuning state kept on an optimized model."""
+
+    # Where decisions are kept (None: nowhere; every process times anew).
+    cache: PlanCache | None
+    # The model's FusedRNN layers, from `optimize` (`first_batch.attach`).
+    members: list = dataclasses.field(default_factory=list)
+    # Whether the user compiled with jit_compile="auto" (Keras' default).
+    jit_auto: bool = True
+    # (member index, training, bucket) -> the TuneResult decided for it.
+    decided: dict = dataclasses.field(default_factory=dict)
+    # While a fit/evaluate/predict call runs: (member index, training) ->
+    # (bucket, plan) of the call (None: not decided yet); else None.
+    keras_call: dict | None = None
+    # (training) -> {member index: (bucket, plan)} the mode's Keras step
+    # functions were last traced with (`first_batch` retraces on a change).
+    traced: dict = dataclasses.field(default_factory=dict)
+    # Seconds spent timing plans so far.
+    seconds: float = 0.0
+    # One record per timed group, mode and bucket (`decision_record`).
+    decisions: list = dataclasses.field(default_factory=list)
+    # For tests: tune_plans' measure / check_gradients / environment.
+    measure: Callable | None = None
+    check_gradients: Callable | None = None
+    environment: dict | None = None
+
+    def plans_of(self, index: int) -> list[Plan]:
+        """Every plan decided for member `index` (any mode and bucket)."""
+        return [r.plan for (i, _, _), r in self.decided.items() if i == index]
+
+
+def bucket_of(batch: int, steps: int) -> tuple[int, int]:
+    """The (batch, steps) bucket: each rounded to the nearest power of two
+    (in log scale; at least 1)."""
+    return (_power_of_two(batch), _power_of_two(steps))
+
+
+def _power_of_two(n: int) -> int:
+    return 1 << max(0, round(math.log2(max(int(n), 1))))
+
+
+def untimed(plan: Plan) -> Plan:
+    """`plan` as it runs on a shape it was not timed for: a cuDNN plan with
+    a persistent algorithm runs on the standard one (same pieces)."""
+    if plan.kernel == "cudnn" and plan.algorithm is not None:
+        return Plan(plan.pieces, None, kernel=plan.kernel, whole=plan.whole)
+    return plan
+
+
+def contenders(result: TuneResult, group: FusionGroup, backend_name: str) -> list[Plan]:
+    """What a new bucket times after `result` was decided at another: the
+    original layers, the plan chosen there and its standard-algorithm twin,
+    and every candidate timed within CONTENTION of the best there.
+
+    >>> import types
+    >>> from rnnfuse.plan import Plan
+    >>> group = types.SimpleNamespace(layers=("a", "b"), absorbed_dropout=())
+    >>> r = types.SimpleNamespace(plan=Plan((2,), "persistent_dynamic+tc"), timings={
+    ...     "per-layer": 5.8, "fused": 5.0, "fused @persistent_dynamic+tc": 4.2,
+    ...     "fused @persistent_static+tc": 9.0})
+    >>> [p.name for p in contenders(r, group, "tensorflow")]
+    ['per-layer', 'fused @persistent_dynamic+tc', 'fused']
+    """
+    every = {p.name: p for p in candidates_for(backend_name)(group)}
+    chosen = result.plan.for_length(len(group.layers))
+    out = [PER_LAYER, chosen, untimed(chosen)]
+    timings = {n: t for n, t in result.timings.items() if n in every}
+    if timings:
+        best = min(timings.values())
+        out += [every[n] for n, t in sorted(timings.items(), key=lambda kv: kv[1]) if t <= CONTENTION * best]
+    unique = {}
+    for plan in out:
+        unique.setdefault(plan.name, plan)
+    return list(unique.values())
+
+
+def decide(state: AutoTune, environment: dict, shapes: dict, training: bool, *,
+           jit_baseline: bool = False, progress: bool = True) -> dict:
+    """member index -> the TuneResult for its shape in `shapes` (index ->
+    (batch, steps, features)), or None where timing failed (see the module
+    doc: decided buckets as they are, cached shapes of the bucket, the first
+    bucket of a mode timed in full, later ones on their contenders)."""
+    out, todo, narrowed = {}, {}, {}
+    for i, shape in shapes.items():
+        member = state.members[i]
+        key = (i, training, bucket_of(shape[0], shape[1]))
+        if key in state.decided:
+            out[i] = state.decided[key]
+            continue
+        hit = _cached_in_bucket(state.cache, environment, member, shape, training)
+        if hit is not None:
+            state.decided[key] = out[i] = hit
+            continue
+        todo[i] = shape
+        nearest = _nearest_decided(state, i, training, key[2])
+        if nearest is not None:
+            narrowed[id(member.group)] = (
+                contenders(nearest[1], member.group, environment.get("backend", "tensorflow")),
+                nearest[0],
+            )
+    if not todo:
+        return out
+    groups = [state.members[i].group for i in todo]
+    shape_of = {id(state.members[i].group): shape for i, shape in todo.items()}
+    masked = {id(state.members[i].group): state.members[i].masked for i in todo}
+    start = time.perf_counter()
+    try:
+        results = tune_plans(
+            groups,
+            lambda g: shape_of[id(g)],
+            training=training,
+            cache=state.cache,
+            measure=state.measure,
+            check_gradients=state.check_gradients,
+            environment=environment,
+            progress=progress,
+            jit_baseline=jit_baseline,
+            masked_of=lambda g: masked[id(g)],
+            candidates_of=lambda g: narrowed.get(id(g), (None,))[0],
+        )
+    except Exception as err:  # noqa: BLE001 - timing must never break the user's step
+        logger.warning(
+            "rnnfuse: timing the plans failed (%s: %s); the fused layers keep "
+            "their plans (a persistent algorithm runs as standard where it was not timed)",
+            type(err).__name__,
+            err,
+        )
+        return {**out, **{i: None for i in todo}}
+    seconds = time.perf_counter() - start
+    state.seconds += seconds
+    for (i, shape), result in zip(todo.items(), results):
+        if result.source == "measured" and id(result.group) in narrowed:
+            near = narrowed[id(result.group)][1]
+            result = dataclasses.replace(result, source=f"measured: the contenders of bucket {near}")
+        state.decided[(i, training, bucket_of(shape[0], shape[1]))] = out[i] = result
+        _log(result, shape, training, seconds)
+        state.decisions.append(decision_record(result, shape, training))
+    return out
+
+
+def _cached_in_bucket(cache, environment, member, shape, training) -> TuneResult | None:
+    """A cached decision for `shape` itself, else for another shape of its
+    bucket (the same group, dtype, mode and masking), as a TuneResult."""
+    if cache is None:
+        return None
+    group = member.group
+    key = cache_key(environment, group, shape, group.dtype, training, member.masked)
+    entry = cache.get(key)
+    if entry is None:
+        bucket = bucket_of(shape[0], shape[1])
+        entry = next(
+            (e for other, e in cache.entries()
+             if key.other_shape(other) and len(other.shape) >= 2
+             and bucket_of(other.shape[0], other.shape[1]) == bucket),
+            None,
+        )
+    if entry is None:
+        return None
+    try:
+        plan = Plan.from_dict(entry["plan"])
+        plan.for_length(len(group.layers))
+    except (KeyError, TypeError, ValueError):
+        return None  # tune_plans sets a bad exact entry aside and times it
+    return TuneResult(group, plan, "cache", dict(entry.get("timings", {})))
+
+
+def _nearest_decided(state: AutoTune, index: int, training: bool, bucket) -> tuple | None:
+    """(bucket, TuneResult) of the nearest decided bucket of this member and
+    mode (distance |log batch ratio| + |log steps ratio|), or None."""
+    best, best_distance = None, math.inf
+    for (i, mode, other), result in state.decided.items():
+        if i != index or mode != training or result is None:
+            continue
+        distance = abs(math.log(other[0] / bucket[0])) + abs(math.log(other[1] / bucket[1]))
+        if distance < best_distance:
+            best, best_distance = (other, result), distance
+    return best
+
+
+class Planner:
+    """A FusedRNN's `planner`: the plan of each call, asked by the layer at
+    the start of every call (at trace time in a graph) with the call's input
+    shape and mode (see the module doc for the rule).
+
+    Set by `rnnfuse.tuning.first_batch.attach`; the layer holds it as a
+    plain attribute, not saved with the model.
+    """
+
+    def __init__(self, state: AutoTune, index: int):
+        self.state, self.index = state, index
+
+    def plans(self) -> list[Plan]:
+        """Every plan this layer may run (its own and every decided one)."""
+        return [self.state.members[self.index].fused.plan] + self.state.plans_of(self.index)
+
+    def __call__(self, shape: tuple, training: bool) -> Plan | None:
+        state, i = self.state, self.index
+        member = state.members[i]
+        batch = shape[0] if len(shape) > 0 else None
+        steps = shape[1] if len(shape) > 1 else None
+        bucket = None if batch is None or steps is None else bucket_of(batch, steps)
+        call = state.keras_call
+        if call is not None and (i, training) in call and call[(i, training)] is not None:
+            # Inside fit/evaluate/predict: the call's plan. A trace that
+            # leaves the batch open (TensorFlow's step over the dataset's
+            # batches, the last partial one included) runs it as it is; a
+            # batch of another bucket traced or run on its own, untimed.
+            decided_bucket, plan = call[(i, training)]
+            return plan if bucket in (None, decided_bucket) else untimed(plan)
+        if bucket is not None:
+            result = state.decided.get((i, training, bucket))
+            if result is None and not _symbolic():
+                result = self._time_now(shape, training)
+            if result is not None:
+                if call is not None and (i, training) in call:
+                    call[(i, training)] = (bucket, result.plan)  # the call's first batch
+                return result.plan
+        # Nothing timed for this shape, nor timing possible here: the static
+        # table's proven rules (fused only where it lost in none of its
+        # measurements).
+        return static_plan(member.group, member.group.dtype, training, batch, proven_only=True)
+
+    def _time_now(self, shape: tuple, training: bool) -> TuneResult | None:
+        """The plan timed for `shape` now, from inside the caller's call or
+        trace, or None where nothing can be timed here."""
+        state = self.state
+        environment = state.environment if state.environment is not None else device_environment()
+        if not _is_accelerator(environment):
+            return None
+        context = get_backend().timing_context()
+        if context is None:
+            return None
+        member = state.members[self.index]
+        features = shape[2] if len(shape) > 2 and shape[2] is not None else member.group.input_size
+        full = (int(shape[0]), int(shape[1]), int(features or 1))
+        with context, _apart_from_the_callers_call(member.group):
+            return decide(state, environment, {self.index: full}, training, progress=False).get(self.index)
+
+
+def _is_accelerator(environment: dict | None) -> bool:
+    """Whether `environment` names a device to time on (not a CPU)."""
+    if environment is None:
+        return False
+    device = str(environment.get("device", "")).lower()
+    return bool(device) and not device.startswith("cpu")
+
+
+def _symbolic() -> bool:
+    """Whether Keras is tracing shapes only (a functional model being built,
+    `compute_output_spec`) or statelessly (JAX's traced steps)."""
+    from keras.src import backend as keras_backend
+
+    return keras_backend.in_symbolic_scope() or keras_backend.in_stateless_scope()
+
+
+@contextlib.contextmanager
+def _apart_from_the_callers_call(group: FusionGroup):
+    """Runs the tuner's steps outside the Keras call that asked (a custom
+    loop's model call): each step's layer calls are calls of their own, and
+    the losses they add (activity regularizers) are cleared afterwards, so
+    the caller's `model.losses` holds only its own."""
+    from keras.src.backend.common import global_state
+
+    outer = global_state.get_global_attribute("current_call_ctx")
+    global_state.set_global_attribute("current_call_ctx", None)
+    try:
+        yield
+    finally:
+        global_state.set_global_attribute("current_call_ctx", outer)
+        for view in group.views:
+            view.layer._clear_losses()
+
+
+def decision_record(result: TuneResult, shape: tuple, training: bool) -> dict:
+    """A JSON-ready record of one group's decision.
+
+    Keys: layers, mode, input (batch, steps, features), bucket, dtype,
+    source, chosen (plan name), timings_ms (candidate -> median ms),
+    rejected, and static (the plan the static table gives the group without
+    timing).
+    """
+    group = result.group
+    return dict(
+        layers=list(group.layers),
+        mode="training" if training else "inference",
+        input=list(shape),
+        bucket=list(bucket_of(shape[0], shape[1])),
+        dtype=str(group.dtype),
+        source=result.source,
+        chosen=result.plan.name,
+        timings_ms={name: 1e3 * s for name, s in result.timings.items()},
+        rejected=dict(result.rejected),
+        static=static_plan(group, group.dtype, training).name,
+    )
+
+
+def _log(result: TuneResult, shape: tuple, training: bool, seconds: float) -> None:
+    group = result.group
+    timings = ", ".join(
+        f"{name} {1e3 * s:.2f} ms" for name, s in sorted(result.timings.items(), key=lambda kv: kv[1])
+    )
+    logger.info(
+        "rnnfuse: %s for %s %s (input %s): %s%s; chose %s (%.1f s)",
+        "tuned" if result.source.startswith("measured") else f"plan from {result.source}",
+        " -> ".join(group.layers),
+        "training" if training else "inference",
+        shape,
+        timings or "no timings",
+        f"; rejected {result.rejected}" if result.rejected else "",
+        result.plan.name,
+        seconds,
+    )
