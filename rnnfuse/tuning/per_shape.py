@@ -149,7 +149,11 @@ def _power_of_two(n: int) -> int:
 
 def untimed(plan: Plan) -> Plan:
     """`plan` as it runs on a shape it was not timed for: a cuDNN plan with
-    a persistent algorithm runs on the standard one (same pieces)."""
+    a persistent algorithm runs on the standard one, a plan on a
+    forward-only kernel whose speed depends on the shape (rnnfuse's
+    wavefront kernel) on cuDNN's standard one (same pieces)."""
+    if plan.inference_only:
+        return plan.for_training()
     if plan.kernel == "cudnn" and plan.algorithm is not None:
         return Plan(plan.pieces, None, kernel=plan.kernel, whole=plan.whole)
     return plan
@@ -174,10 +178,13 @@ def contenders(result: TuneResult, group: FusionGroup, backend_name: str) -> lis
     out = [PER_LAYER, chosen, untimed(chosen)]
     timings = {n: t for n, t in result.timings.items() if n in every}
     if timings:
-        best = min(timings.values())
+        best = min(result.timings.values())
         out += [every[n] for n, t in sorted(timings.items(), key=lambda kv: kv[1]) if t <= CONTENTION * best]
     unique = {}
     for plan in out:
+        # A forward-only kernel's plan is added by the tuner itself where the
+        # kernel takes the new shape (`kernel_plans`); here its cuDNN twin.
+        plan = plan.for_training() if plan.inference_only else plan
         unique.setdefault(plan.name, plan)
     return list(unique.values())
 

@@ -363,7 +363,7 @@ def tune_plans(
                 backend = get_backend(backend_name)
                 more, why = kernel_plans(group, shape, backend.capabilities.inference_kernels,
                                          backend.kernel_reason)
-                plans += more
+                plans += [p for p in more if p.name not in {q.name for q in plans}]
                 rejected.update(why)
             timings, plans = _time_in_stages(
                 plans, rejected, bar,
