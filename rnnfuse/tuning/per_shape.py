@@ -311,6 +311,8 @@ class Planner:
     def __call__(self, shape: tuple, training: bool) -> Plan | None:
         state, i = self.state, self.index
         member = state.members[i]
+        if _symbolic():
+            return None  # shapes only (Keras building a model): the layer's own plan
         batch = shape[0] if len(shape) > 0 else None
         steps = shape[1] if len(shape) > 1 else None
         bucket = None if batch is None or steps is None else bucket_of(batch, steps)
@@ -324,7 +326,7 @@ class Planner:
             return plan if bucket in (None, decided_bucket) else untimed(plan)
         if bucket is not None:
             result = state.decided.get((i, training, bucket))
-            if result is None and not _symbolic():
+            if result is None:
                 result = self._time_now(shape, training)
             if result is not None:
                 if call is not None and (i, training) in call:
