@@ -113,10 +113,19 @@ SLOW: dict[str, str] = {
     "test_activity_regularizers.py::test_activity_losses_and_training_match_the_original[issue_repro]": (
         "as [masked] (6 s); the torch cases (0.3 s each) and the masked-loss test keep the property fast"
     ),
-    "test_first_batch.py::test_timing_that_fails_keeps_the_static_plan": "a fit (4 s)",
+    "test_first_batch.py::test_timing_that_fails_runs_the_static_tables_proven_plan": "a fit (4 s)",
     "test_first_batch.py::test_a_corrupt_cache_file_is_set_aside_and_tuning_goes_on": "a fit (3 s); test_cache.py checks the file",
-    "test_first_batch.py::test_later_shapes_take_the_nearest_cached_decision_and_never_stall": "fits at three shapes (2 s)",
+    "test_first_batch.py::test_a_new_bucket_is_timed_on_its_contenders_and_a_shape_of_a_decided_bucket_is_not": (
+        "fits at three shapes (3 s); test_per_shape.py times a new bucket in the fast loop"
+    ),
     "test_first_batch.py::test_the_gradient_check_runs_on_the_first_check_steps_of_a_long_batch": "a fit (2 s)",
+    "test_per_shape.py::test_a_plan_is_never_switched_mid_epoch": (
+        "two fit epochs (5 s); the fast loop times a new bucket through predict"
+    ),
+    "test_per_shape.py::test_a_custom_loop_trace_gets_a_plan_timed_for_its_shape": (
+        "a training trace and three inference traces (5 s); the fast loop times from inside "
+        "one trace (test_timing_from_inside_a_custom_loop_trace_...)"
+    ),
     "test_persistence.py::test_rnnfuse_load_model_fuses_again_and_resumes_training": (
         "save, load and fit (6 s a case); test_a_file_in_the_fused_format_of_0_1_0_still_loads stays fast"
     ),

@@ -2,8 +2,10 @@
 cuDNN algorithm), by a static rule table or by timing on the device.
 
 The choice is a `rnnfuse.plan.Plan`. `table` gives the static choice,
-`tuner` the measured one, `first_batch` makes it on a model's first batch,
-`cache` keeps measured choices on disk, `timing` times candidates.
+`tuner` the measured one, `per_shape` keeps one per shape bucket (and times
+a custom loop's shapes), `first_batch` makes them on a model's
+fit/evaluate/predict calls, `cache` keeps measured choices on disk,
+`timing` times candidates.
 
 Example:
 

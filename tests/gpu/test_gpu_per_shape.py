@@ -23,7 +23,9 @@ from builders import fused_layers, max_abs_diff
 from rnnfuse.tuning import first_batch
 from rnnfuse.tuning.cache import PlanCache
 
-pytestmark = pytest.mark.gpu
+# Both time on the device (first-batch and per-shape tuning see a GPU only
+# there): left out of RNNFUSE_GPU_DRYRUN runs.
+pytestmark = [pytest.mark.gpu, pytest.mark.real_gpu_only]
 
 ROUNDS = 7
 
@@ -63,3 +65,55 @@ def test_predict_at_four_times_the_tuned_batch_is_not_slower(tmp_path):
     speedup = statistics.median(times["original"]) / statistics.median(times["optimized"])
     print(f"predict at 128 after tuning at 32: {speedup:.2f}x", at_128["chosen"], at_128["timings_ms"])
     assert speedup >= 0.97, (speedup, at_128)
+
+
+def _tape_step(model, x, y):
+    import tensorflow as tf
+
+    optimizer = keras.optimizers.Adam()
+    variables = model.trainable_variables
+    optimizer.build(variables)
+
+    @tf.function
+    def step():
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_mean(tf.square(tf.cast(model(x, training=True), tf.float32) - y))
+        optimizer.apply(tape.gradient(loss, variables), variables)
+        return loss
+
+    return lambda: float(step())
+
+
+def test_a_custom_gradient_tape_loop_gets_a_timed_plan_and_is_not_slower(tmp_path):
+    """Issue 25's custom loop: 4x LSTM(256), B8, T200, float32, in the
+    user's own tf.function: the fused layer times its plan at the step's
+    first trace (it ran the static table's plan at 0.82x before)."""
+    if keras.backend.backend() != "tensorflow":
+        pytest.skip("a GradientTape loop")
+    inp = keras.Input((200, 256))
+    h = inp
+    for i in range(4):
+        h = keras.layers.LSTM(256, return_sequences=i < 3)(h)
+    model = keras.Model(inp, keras.layers.Dense(1)(h))
+    fast = rnnfuse.optimize(model, cache=PlanCache(tmp_path / "plans.json"))
+    rng = np.random.default_rng(1)
+    x = rng.standard_normal((8, 200, 256)).astype("float32")
+    y = rng.standard_normal((8, 1)).astype("float32")
+    steps = {"original": _tape_step(model, x, y), "optimized": _tape_step(fast, x, y)}
+    for step in steps.values():
+        step()  # traces; the optimized one times its plan inside the trace
+    (record,) = first_batch.decisions(fast)
+    assert record["mode"] == "training" and record["source"].startswith("measured"), record
+    (layer,) = fused_layers(fast)
+    if record["chosen"] != "per-layer":
+        assert layer.last_path.kernel is not None and layer.last_path.kernel.name == "RnnfuseCudnnRnn"
+    times = {name: [] for name in steps}
+    for r in range(ROUNDS):
+        for name in (list(steps) if r % 2 == 0 else list(steps)[::-1]):
+            start = time.perf_counter()
+            for _ in range(10):
+                steps[name]()
+            times[name].append((time.perf_counter() - start) / 10)
+    speedup = statistics.median(times["original"]) / statistics.median(times["optimized"])
+    print(f"custom loop 4x LSTM(256) B8 T200: {speedup:.2f}x", record["chosen"], record["timings_ms"])
+    assert speedup >= 0.97, (speedup, record)
