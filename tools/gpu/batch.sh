@@ -1,0 +1,113 @@
+#!/bin/bash
+# One device call of a GPU batch: the named stages in order, each under its
+# own time limit, each in its own environment (TensorFlow's CUDA 12 libraries
+# for the tf-* stages, the image's PyTorch alone for the torch-* stages).
+# Logs go to /tmp/batch/<stage>.log; one line of results per stage goes to
+# stdout (the device returns the last 12,000 characters); the logs and every
+# JSON a stage writes are packed into $OUT/batch_<tag>.tgz, and a stage's
+# main JSON is copied to $OUT too (the device returns at most 8 files).
+#
+#   bash tools/gpu/batch.sh tf-setup tf-build tf-tests tf-distribute
+#   STAGE_S_tf_view=300 bash tools/gpu/batch.sh tf-view tf-single
+#   bash tools/gpu/batch.sh torch-tests torch-ddp torch-view
+#
+# The tf-* stages need the staging runs of ../shared/gpu/README.md first
+# (tf-setup is a no-op on a machine that already has /tmp/tfsite).
+# STAGE_S_<stage> (dashes as underscores) overrides a stage's limit in seconds.
+OUT=${OUT:-/tmp/out}
+TAG=${TAG:-$(date +%H%M%S)}
+LOGS=/tmp/batch
+mkdir -p "$LOGS" "$OUT"
+start=$(date +%s)
+export PYTHONUNBUFFERED=1 RNNFUSE_CACHE_DIR=/tmp/rnnfuse-cache RNNFUSE_REPORT_DIR=$LOGS/reports
+export CUDNN=/opt/torch/.venv/lib/python3.12/site-packages/nvidia/cudnn
+mkdir -p "$RNNFUSE_REPORT_DIR"
+
+since() { echo $(( $(date +%s) - start )); }
+limit() { local v="STAGE_S_${1//-/_}"; echo "${!v:-$2}"; }
+summary() { grep -E "$2" "$LOGS/$1.log" | grep -v "^[IWE]0000" | cut -c1-400 | tail -${3:-12}; }
+
+tf_env() {
+  source tools/gpu/env.sh
+  source tools/gpu/xla.sh
+}
+torch_env() {
+  mkdir -p /tmp/ks
+  [ -f /tmp/ks/.ready ] || {
+    for w in .gpu/whl/keras-*.whl .gpu/whl/namex-*.whl .gpu/whl/optree-*.whl; do
+      python3 -m zipfile -e "$w" /tmp/ks
+    done
+    touch /tmp/ks/.ready
+  }
+  export PYTHONPATH=$(pwd):/tmp/ks OMP_WAIT_POLICY=PASSIVE KERAS_BACKEND=torch
+  unset LD_LIBRARY_PATH
+}
+
+TF_TEST_FILES=$(ls tests/gpu/test_gpu_*.py | grep -v -E "torch|jax|distribute" | tr '\n' ' ')
+TORCH_TEST_FILES="tests/gpu/test_gpu_torch.py tests/gpu/test_gpu_wavefront_torch.py"
+
+run_stage() {
+  local stage=$1 log=$LOGS/$1.log rc
+  local s
+  case "$stage" in
+    tf-setup)
+      s=$(limit tf-setup 120)
+      timeout $s bash tools/gpu/setup.sh > $log 2>&1; rc=$?
+      echo "[$(since) s] tf-setup rc $rc: $(tail -2 $log | tr '\n' ' ')" ;;
+    tf-build)
+      s=$(limit tf-build 240)
+      ( tf_env; timeout $s python3 -m rnnfuse build-ops ) > $log 2>&1; rc=$?
+      echo "[$(since) s] tf-build rc $rc: $(tail -3 $log | tr '\n' ' ')" ;;
+    tf-tests)
+      s=$(limit tf-tests 330)
+      ( tf_env; timeout $s python3 -m pytest -q -p no:cacheprovider -rs $TF_TEST_FILES \
+          --junitxml=$LOGS/tf_tests.xml ) > $log 2>&1; rc=$?
+      echo "[$(since) s] tf-tests rc $rc"
+      summary tf-tests "passed|failed|^FAILED|^ERROR" 40 ;;
+    tf-distribute)
+      s=$(limit tf-distribute 150)
+      ( tf_env; timeout $s bash -c "source tools/gpu/env.sh; run_distribute_tests" ) > $log 2>&1; rc=$?
+      echo "[$(since) s] tf-distribute rc $rc"
+      summary tf-distribute "logical GPUs|passed|failed|^FAILED" 6 ;;
+    tf-view|torch-view)
+      s=$(limit $stage 300)
+      local backend=${stage%-view}
+      ( if [ $backend = tf ]; then tf_env; else torch_env; fi
+        timeout $(( s + 30 )) python3 bench/bench_user_view.py ${VIEW_ARGS:---cells 30 --work-cap 2e11 --rounds 5 --predict-rounds 3 --steps 8} --budget $s \
+          --out $LOGS/user_view_${backend}_h200${BENCH_TAG}.json ) > $log 2>&1; rc=$?
+      cp $LOGS/user_view_${backend}_h200${BENCH_TAG}.json $OUT/ 2>/dev/null
+      echo "[$(since) s] $stage rc $rc"
+      summary $stage "x predict|fit .*x|custom|whole|ERROR|cells|geomean|below|overhead|min " 40 ;;
+    tf-single|torch-single)
+      s=$(limit $stage 200)
+      local backend=${stage%-single}
+      ( if [ $backend = tf ]; then tf_env; else torch_env; fi
+        timeout $(( s + 40 )) python3 bench/bench_single_layers.py --budget $s ${SINGLE_ARGS} \
+          --out $LOGS/single_layers_${backend}_h200.json ) > $log 2>&1; rc=$?
+      cp $LOGS/single_layers_${backend}_h200.json $OUT/ 2>/dev/null
+      echo "[$(since) s] $stage rc $rc"
+      summary $stage "x|ERROR|Error" 20 ;;
+    torch-tests)
+      s=$(limit torch-tests 200)
+      ( torch_env; timeout $s python3 -m pytest -q -p no:cacheprovider -s -rs $TORCH_TEST_FILES ) > $log 2>&1; rc=$?
+      echo "[$(since) s] torch-tests rc $rc"
+      summary torch-tests "GPU_REPORT|passed|failed|^FAILED|^ERROR" 30 ;;
+    torch-ddp)
+      s=$(limit torch-ddp 120)
+      ( torch_env; timeout $s python3 -m pytest -q -p no:cacheprovider -s -rs tests/gpu/test_gpu_distribute_torch.py ) > $log 2>&1; rc=$?
+      echo "[$(since) s] torch-ddp rc $rc"
+      summary torch-ddp "GPU_REPORT|passed|failed|^FAILED|SKIP" 10 ;;
+    wavefront-bench)
+      s=$(limit wavefront-bench 150)
+      ( torch_env; timeout $(( s + 30 )) python3 bench/bench_wavefront.py bench --cells matrix --budget $s \
+          --out $LOGS/wavefront_matrix_h200.json ) > $log 2>&1; rc=$?
+      cp $LOGS/wavefront_matrix_h200.json $OUT/ 2>/dev/null
+      echo "[$(since) s] wavefront-bench rc $rc"
+      tail -25 $log | cut -c1-300 ;;
+    *) echo "unknown stage $stage"; return 2 ;;
+  esac
+}
+
+for stage in "$@"; do run_stage "$stage"; done
+tar czf $OUT/batch_${TAG}.tgz -C /tmp batch 2>/dev/null
+echo "[$(since) s] done: $OUT/batch_${TAG}.tgz"
