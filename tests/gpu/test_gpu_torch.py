@@ -152,7 +152,7 @@ def test_fused_matches_keras_on_gpu(kind, bidirectional, cudnn_calls):
     """
     model = _stack3(kind, bidirectional)
     _randomize(model)
-    fast = rnnfuse.optimize(model)
+    fast = rnnfuse.optimize(model, plan=rnnfuse.FUSED)
     assert len(fused_layers(fast)) == 1
     inputs = np.random.default_rng(1).standard_normal((8, 50, 16)).astype("float32")
     if kind in ("lstm", "gru"):
@@ -189,7 +189,7 @@ def test_simple_rnn_with_contracting_weights_matches_keras_tightly(kind, cudnn_c
     rng = np.random.default_rng(12)
     for v in model.weights:
         v.assign(rng.uniform(-0.1, 0.1, v.shape).astype(v.dtype))
-    fast = rnnfuse.optimize(model)
+    fast = rnnfuse.optimize(model, plan=rnnfuse.FUSED)
     inputs = np.random.default_rng(13).standard_normal((8, 50, 16)).astype("float32")
     worst = _compare(model, fast, inputs, out_tol=1e-5, grad_tol=1e-4)
     print(f"{kind} contracting weights: worst (out, grad) {worst}")
@@ -227,7 +227,7 @@ def test_loop_kinds_follow_keras_precision_with_default_tf32(which, user_default
     scale = 0.1 if which != "relu_stack" else 0.3
     for v in model.weights:
         v.assign(rng.uniform(-scale, scale, v.shape).astype(v.dtype))
-    fast = rnnfuse.optimize(model)
+    fast = rnnfuse.optimize(model, plan=rnnfuse.FUSED)
     if which == "masked_lstm":
         inputs = random_inputs(model, 8, np.random.default_rng(32))
         inputs[:, 40:] = 0  # right-padded
@@ -245,7 +245,7 @@ def test_right_padded_mask_runs_packed_cudnn(kind, cudnn_calls):
     model = stack_model(kind, 3, units=32, input_size=16, steps=40, masked=True,
                         last_return_sequences=True, last_return_state=True)
     _randomize(model, 2)
-    fast = rnnfuse.optimize(model)
+    fast = rnnfuse.optimize(model, plan=rnnfuse.FUSED)
     tokens = random_inputs(model, 8, np.random.default_rng(3), padding="right")
     tokens[0, 5:] = 0
     _compare(model, fast, tokens, out_tol=1e-5, grad_tol=1e-4)
@@ -258,7 +258,7 @@ def test_initial_state_go_backwards_and_return_state(kind, cudnn_calls):
     model = stack_model(kind, 3, units=32, input_size=16, steps=40, initial_state=True,
                         go_backwards_first=True, last_return_state=True)
     _randomize(model, 4)
-    fast = rnnfuse.optimize(model)
+    fast = rnnfuse.optimize(model, plan=rnnfuse.FUSED)
     inputs = random_inputs(model, 8, np.random.default_rng(5))
     _compare(model, fast, inputs, out_tol=1e-5, grad_tol=1e-4)
     _one_cudnn_call(cudnn_calls, 3)
@@ -272,7 +272,7 @@ def test_mixed_precision_on_gpu(policy, tol, kind, cudnn_calls):
         model = stack_model(kind, 3, units=64, input_size=32, steps=50, last_return_sequences=True)
     finally:
         keras.config.set_dtype_policy("float32")
-    fast = rnnfuse.optimize(model)
+    fast = rnnfuse.optimize(model, plan=rnnfuse.FUSED)
     inputs = random_inputs(model, 8, np.random.default_rng(6))
     worst = _compare(model, fast, inputs, out_tol=tol, grad_tol=10 * tol)
     assert len(cudnn_calls) == 1
@@ -295,7 +295,7 @@ def test_float16_auto_mode_runs_one_call_per_level_where_cudnn_is_persistent(cud
         model = stack_model("lstm", 3, units=128, input_size=128, steps=50, last_return_sequences=True)
     finally:
         keras.config.set_dtype_policy("float32")
-    fast = rnnfuse.optimize(model)
+    fast = rnnfuse.optimize(model, plan=rnnfuse.FUSED)
     inputs = random_inputs(model, 16, np.random.default_rng(10))
     _compare(model, fast, inputs, out_tol=1e-2, grad_tol=1e-1)
     print("auto calls:", [(c["num_layers"], c["cudnn"]) for c in cudnn_calls])
@@ -309,7 +309,7 @@ def test_float16_auto_mode_runs_one_call_per_level_where_cudnn_is_persistent(cud
 
 def test_training_on_gpu_matches_the_original(cudnn_calls):
     model = stack_model("lstm", 3, units=32, input_size=16, steps=30, head=True)
-    fast = rnnfuse.optimize(model)
+    fast = rnnfuse.optimize(model, plan=rnnfuse.FUSED)
     rng = np.random.default_rng(7)
     x = random_inputs(model, 16, rng)
     y = rng.standard_normal((16, 3)).astype("float32")
@@ -393,7 +393,7 @@ def test_bidirectional_sum_and_ave_below_the_top_on_gpu(kind, merge_mode, masked
     scale = 0.5 if kind in ("lstm", "gru") else 0.1
     for v in model.weights:
         v.assign(rng.uniform(-scale, scale, v.shape).astype(v.dtype))
-    fast = rnnfuse.optimize(model)
+    fast = rnnfuse.optimize(model, plan=rnnfuse.FUSED)
     (fused,) = fused_layers(fast)
     assert fused.stack.input_merges == (None, merge_mode, merge_mode)
     if masked:
@@ -416,7 +416,7 @@ def test_projected_bidirectional_sum_and_ave_on_gpu(merge_mode, cudnn_calls):
 
     model = _merged3("lstm", merge_mode, True, layer=lambda **kw: ProjectedLSTM(64, 16, **kw))
     _randomize(model, 43)
-    fast = rnnfuse.optimize(model)
+    fast = rnnfuse.optimize(model, plan=rnnfuse.FUSED)
     (fused,) = fused_layers(fast)
     assert fused.stack.input_merges == (None, merge_mode, merge_mode)
     inputs = random_inputs(model, 8, np.random.default_rng(44), padding="right")
@@ -437,7 +437,7 @@ def test_projected_lstm_stack_runs_cudnn_projections(bidirectional, cudnn_calls)
         x = (L.Bidirectional(layer) if bidirectional else layer)(x)
     model = keras.Model(inp, x)
     _randomize(model, 8)
-    fast = rnnfuse.optimize(model)
+    fast = rnnfuse.optimize(model, plan=rnnfuse.FUSED)
     (fused,) = fused_layers(fast)
     inputs = np.random.default_rng(9).standard_normal((8, 40, 16)).astype("float32")
     got = fast(inputs)

@@ -23,6 +23,7 @@ The kernel's exactness over randomized shapes is tested through torch
 
 from __future__ import annotations
 
+import json
 import time
 
 import keras
@@ -210,6 +211,7 @@ def test_predict_of_a_4x512_float16_lstm_at_batch_64_runs_the_wavefront_kernel(t
     (layer,) = fused_layers(fast)
     y = fast.predict(x, batch_size=64, verbose=0)  # four full batches: one trace
     (record,) = first_batch.decisions(fast)
+    print("GPU_REPORT decision", json.dumps(record, default=str))
     assert record["mode"] == "inference" and record["input"] == [64, 1000, 512]
     assert record["chosen"] == "fused on wavefront", record
     # The traced predict step ran the op, no fallback (a note would say why).
@@ -240,6 +242,7 @@ def test_predict_at_batch_8_keeps_cudnn_or_the_original(tmp_path):
     (layer,) = fused_layers(fast)
     fast.predict(x, batch_size=8, verbose=0)
     (record,) = first_batch.decisions(fast)
+    print("GPU_REPORT decision", json.dumps(record, default=str))
     report("wavefront_predict_tf_b8", {"chosen": record["chosen"],
                                        "timings_ms": record["timings_ms"],
                                        "rejected": record["rejected"]})

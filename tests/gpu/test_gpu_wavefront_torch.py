@@ -22,6 +22,7 @@ outside the kernel's limits must be refused (WavefrontError), never run.
 
 from __future__ import annotations
 
+import json
 import os
 import random
 import sys
@@ -158,6 +159,7 @@ def test_predict_of_a_4x512_float16_lstm_at_batch_64_runs_the_custom_op(tmp_path
     del op_calls[:]
     y = fast.predict(x, batch_size=64, verbose=0)
     (record,) = first_batch.decisions(fast)
+    print("GPU_REPORT decision", json.dumps(record, default=str))
     assert record["mode"] == "inference" and record["chosen"] == "fused on wavefront", record
     ran = layer.last_path.kernel
     assert ran.name == wavefront.KERNEL_NAME and ran.note is None, layer.last_path
@@ -187,6 +189,7 @@ def test_predict_at_batch_8_keeps_cudnn_or_the_original(tmp_path):
     (layer,) = fused_layers(fast)
     fast.predict(x, batch_size=8, verbose=0)
     (record,) = first_batch.decisions(fast)
+    print("GPU_REPORT decision", json.dumps(record, default=str))
     report("wavefront_predict_torch_b8", {"chosen": record["chosen"],
                                           "timings_ms": record["timings_ms"],
                                           "rejected": record["rejected"]})
