@@ -6,7 +6,8 @@ classes with a few methods changed, registered as
 `keras.models.load_model` rebuilds a fused file with rnnfuse imported:
 
 - `fit`, `evaluate`, `predict`: plans are first chosen on the first batch
-  (`rnnfuse.tuning.first_batch`);
+  (`rnnfuse.tuning.first_batch`); `make_train_function` and the others:
+  each mode's step XLA-compiled where its plans allow;
 - `jit_compile`, `compile`, `compile_from_config`: a clear error for a
   forced `jit_compile=True` while cuDNN may run;
 - `get_layer`: also finds the layers inside each FusedRNN; `summary`: a
@@ -116,6 +117,20 @@ class _OptimizedMixin:
         """`keras.Model.predict`, with plans first chosen on the first batch."""
         with first_batch.keras_call(self, x, batch_size, training=False):
             return super().predict(x, batch_size, *args, **kwargs)
+
+    # Each mode's step function is made with the jit_compile its plans
+    # allow (`first_batch.mode_jit_compile`).
+    def make_train_function(self, force=False):
+        with first_batch.mode_jit_compile(self, training=True):
+            return super().make_train_function(force)
+
+    def make_test_function(self, force=False):
+        with first_batch.mode_jit_compile(self, training=False):
+            return super().make_test_function(force)
+
+    def make_predict_function(self, force=False):
+        with first_batch.mode_jit_compile(self, training=False):
+            return super().make_predict_function(force)
 
     def compile_from_config(self, config):
         # A model compiled with jit_compile=True where no GPU was visible

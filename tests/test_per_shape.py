@@ -237,3 +237,74 @@ def test_timing_from_inside_a_custom_loop_trace_runs_real_steps_and_leaves_the_l
     assert max_abs_diff(got, want) <= 2e-5
     assert len(fast.losses) == len(model.losses) == 1
     assert abs(float(loss) - float(model.losses[0])) <= 1e-5
+
+
+def test_timing_from_inside_a_custom_training_loop_trace_times_training_steps(
+    monkeypatch, emulated_op, tmp_path
+):
+    """A user's GradientTape step (training=True, an outer tape recording):
+    the tuner's training steps, run from inside that trace, take their own
+    gradients (the H200 run of 2026-12-02 failed here: None gradients), and
+    the caller's gradients are the original model's."""
+    import keras
+
+    monkeypatch.setattr(first_batch, "device_environment", lambda: dict(ENV))
+    model = stack_model("lstm", 2, units=6, steps=7, input_size=5, last_return_sequences=False)
+    fast = rnnfuse.optimize(model, cache=PlanCache(tmp_path / "plans.json"))
+    fast._rnnfuse_autotune.environment = dict(ENV)
+    x = np.random.default_rng(4).standard_normal((4, 7, 5)).astype("float32")
+
+    def step_of(m):
+        @tf.function
+        def step(t):
+            with tf.GradientTape() as tape:
+                loss = tf.reduce_sum(tf.square(m(t, training=True)))
+            return loss, tape.gradient(loss, m.trainable_variables)
+
+        return step
+
+    got_loss, got = step_of(fast)(x)
+    want_loss, want = step_of(model)(x)
+    (record,) = first_batch.decisions(fast)
+    assert record["mode"] == "training" and record["source"] == "measured", record
+    assert len(record["timings_ms"]) >= 2, record
+    assert abs(float(got_loss) - float(want_loss)) <= 1e-4
+    assert all(g is not None for g in got)
+    assert max(max_abs_diff(g, w) for g, w in zip(got, want)) <= 1e-4
+
+
+def test_each_modes_step_is_xla_compiled_where_its_plans_keep_the_original_layers(
+    timed, monkeypatch
+):
+    """A SimpleRNN stack Keras would XLA-compile: trained fused, predicted
+    per layer. The predict step is made with jit_compile=True (as the tuner
+    timed the original layers), the train step without; predict under XLA
+    gives the original's outputs. On the H200 the predict step had lost XLA
+    with the train plan (0.11x)."""
+    from keras.src.backend.tensorflow.trainer import TensorFlowTrainer
+
+    made = []
+    for name in ("make_train_function", "make_predict_function"):
+        keras_make = getattr(TensorFlowTrainer, name)
+
+        def spy(self, force=False, keras_make=keras_make, name=name):
+            if getattr(self, name.replace("make_", ""), None) is None or force:
+                made.append((self, name, bool(self.jit_compile)))
+            return keras_make(self, force)
+
+        monkeypatch.setattr(TensorFlowTrainer, name, spy)
+    make, _ = timed
+    model = stack_model("rnn_tanh", 2, units=6, steps=7, input_size=5)
+    fast, _ = make(model, {
+        8: {"per-layer": 5.0, "fused": 1.0},  # training at batch 8: fused wins
+        32: {"per-layer": 1.0, "fused": 5.0},  # inference at 32: the original layers
+    })
+    x, y = _xy(model, 64)
+    fast.compile(optimizer="sgd", loss="mse")
+    fast.fit(x, y, batch_size=8, epochs=1, verbose=0)
+    out = fast.predict(x, batch_size=32, verbose=0)
+    assert [r["chosen"] for r in first_batch.decisions(fast)] == ["fused", "per-layer"]
+    mine = [(name, jit) for m, name, jit in made if m is fast]
+    assert mine == [("make_train_function", False), ("make_predict_function", True)], mine
+    assert fast.jit_compile is False, "the model's own jit_compile is left as Keras set it"
+    assert max_abs_diff(out, model.predict(x, batch_size=32, verbose=0)) <= 2e-5

@@ -24,8 +24,9 @@ from rnnfuse.tuning import first_batch
 from rnnfuse.tuning.cache import PlanCache
 
 # Both time on the device (first-batch and per-shape tuning see a GPU only
-# there): left out of RNNFUSE_GPU_DRYRUN runs.
-pytestmark = [pytest.mark.gpu, pytest.mark.real_gpu_only]
+# there): left out of RNNFUSE_GPU_DRYRUN runs. `cudnn_op`: with rnnfuse's
+# op loaded, as users run (conftest turns it off for the older tests).
+pytestmark = [pytest.mark.gpu, pytest.mark.real_gpu_only, pytest.mark.cudnn_op]
 
 ROUNDS = 7
 
@@ -56,7 +57,8 @@ def test_predict_at_four_times_the_tuned_batch_is_not_slower(tmp_path):
     (layer,) = fused_layers(fast)
     if at_128["chosen"] != "per-layer":
         # Not a silent fallback: the chosen fused plan ran on rnnfuse's op.
-        assert layer.last_path == "fused" and layer.last_path.kernel.name == "RnnfuseCudnnRnn", layer.last_path
+        assert layer.last_path == "fused" and layer.last_path.kernel.name == "RnnfuseCudnnRnn", (
+            layer.last_path.kernel, at_128)
         assert at_128["chosen"].partition("@")[2] == layer.last_path.kernel.algorithm.replace("standard", "")
     times = {"original": [], "optimized": []}
     for r in range(ROUNDS):  # interleaved whole predict calls, warm
@@ -106,7 +108,8 @@ def test_a_custom_gradient_tape_loop_gets_a_timed_plan_and_is_not_slower(tmp_pat
     assert record["mode"] == "training" and record["source"].startswith("measured"), record
     (layer,) = fused_layers(fast)
     if record["chosen"] != "per-layer":
-        assert layer.last_path.kernel is not None and layer.last_path.kernel.name == "RnnfuseCudnnRnn"
+        assert layer.last_path.kernel is not None and layer.last_path.kernel.name == "RnnfuseCudnnRnn", (
+            layer.last_path.kernel, record)
     times = {name: [] for name in steps}
     for r in range(ROUNDS):
         for name in (list(steps) if r % 2 == 0 else list(steps)[::-1]):

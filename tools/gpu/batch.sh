@@ -108,6 +108,10 @@ run_stage() {
   esac
 }
 
-for stage in "$@"; do run_stage "$stage"; done
-tar czf $OUT/batch_${TAG}.tgz -C /tmp batch 2>/dev/null
+# The tarball is refreshed after every stage: a batch cut off at the
+# device's limit still brings back what its finished stages wrote.
+for stage in "$@"; do
+  run_stage "$stage"
+  tar czf $OUT/batch_${TAG}.tgz -C /tmp batch 2>/dev/null
+done
 echo "[$(since) s] done: $OUT/batch_${TAG}.tgz"

@@ -76,6 +76,7 @@ from __future__ import annotations
 import logging
 from typing import Any, Sequence
 
+import keras
 import tensorflow as tf
 
 from rnnfuse.backends.base import GATES, StackRun, StackSpec, run_or_fall_back
@@ -146,13 +147,29 @@ def _step_body(run, x, variables, training):
     if not training:
         y = run(x, False)
         return tf.add_n([tf.reduce_sum(tf.cast(t, tf.float32)) for t in tf.nest.flatten(y)])
-    with tf.GradientTape() as tape:
-        y = run(x, True)
-        loss = tf.add_n(
-            [tf.reduce_mean(tf.square(tf.cast(t, tf.float32))) for t in tf.nest.flatten(y)]
-        )
-    grads = tape.gradient(loss, list(variables))
+    y = run(x, True)
+    loss = tf.add_n([tf.reduce_mean(tf.square(tf.cast(t, tf.float32))) for t in tf.nest.flatten(y)])
+    grads = graph_gradients(loss, variables)
     return loss + tf.add_n([tf.reduce_sum(tf.cast(g, tf.float32)) * 0.0 for g in grads])
+
+
+def graph_gradients(loss, variables: Sequence[Any]) -> list:
+    """`tf.gradients` of `loss` for Keras or TensorFlow `variables`, inside
+    a `tf.function` (a step's own graph).
+
+    Not a `GradientTape`: the tuner may time from inside a user's traced
+    step whose tape is recording (a custom training loop), through
+    `tf.init_scope`, which stops every tape on the thread, a new one too
+    (its gradients were all None there). Graph gradients need no tape.
+    A variable the loss does not read gets zeros.
+
+    >>> import keras
+    >>> v = keras.Variable(3.0)
+    >>> [float(g) for g in tf.function(lambda: graph_gradients(v * v, [v]))()]
+    [6.0]
+    """
+    handles = [getattr(v, "value", v) if isinstance(v, keras.Variable) else v for v in variables]
+    return tf.gradients(loss, handles, unconnected_gradients=tf.UnconnectedGradients.ZERO)
 
 
 def timed_step(run, x, variables: Sequence[Any], training: bool, jit: bool = False):

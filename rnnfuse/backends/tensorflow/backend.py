@@ -105,17 +105,20 @@ class TensorFlowBackend(KernelModuleBackend):
         return tf.init_scope()
 
     def gradients(self, run, x, variables: Sequence[Any]):
+        # In a graph of its own (`kernels.graph_gradients`: no tape, so it
+        # also holds inside a user's traced step, where tapes are stopped).
         variables = list(variables)
-        with tf.GradientTape() as tape:
+
+        @tf.function
+        def gradients(x):
             y = run(x, False)
             loss = tf.add_n(
                 [tf.reduce_sum(tf.cast(t, tf.float64) ** 2) for t in keras.tree.flatten(y)]
             )
-        return [
-            np.zeros(tuple(v.shape)) if g is None
-            else tf.cast(tf.convert_to_tensor(g), tf.float64).numpy()
-            for v, g in zip(variables, tape.gradient(loss, variables))
-        ]
+            return [tf.cast(tf.convert_to_tensor(g), tf.float64)
+                    for g in kernels.graph_gradients(loss, variables)]
+
+        return [g.numpy() for g in gradients(tf.convert_to_tensor(x))]
 
 
 class TensorFlowTooling(Tooling):
