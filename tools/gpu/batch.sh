@@ -43,7 +43,8 @@ torch_env() {
   unset LD_LIBRARY_PATH
 }
 
-TF_TEST_FILES=$(ls tests/gpu/test_gpu_*.py | grep -v -E "torch|jax|distribute" | tr '\n' ' ')
+# TF_TESTS: the TensorFlow GPU test files to run (default: all of them).
+TF_TEST_FILES=${TF_TESTS:-$(ls tests/gpu/test_gpu_*.py | grep -v -E "torch|jax|distribute" | tr '\n' ' ')}
 TORCH_TEST_FILES="tests/gpu/test_gpu_torch.py tests/gpu/test_gpu_wavefront_torch.py"
 
 run_stage() {
