@@ -273,14 +273,10 @@ def test_timing_from_inside_a_custom_training_loop_trace_times_training_steps(
     assert max(max_abs_diff(g, w) for g, w in zip(got, want)) <= 1e-4
 
 
-def test_each_modes_step_is_xla_compiled_where_its_plans_keep_the_original_layers(
-    timed, monkeypatch
-):
-    """A SimpleRNN stack Keras would XLA-compile: trained fused, predicted
-    per layer. The predict step is made with jit_compile=True (as the tuner
-    timed the original layers), the train step without; predict under XLA
-    gives the original's outputs. On the H200 the predict step had lost XLA
-    with the train plan (0.11x)."""
+@pytest.fixture
+def made_steps(monkeypatch):
+    """(model, step function name, jit_compile) for every Keras step
+    function made from here on."""
     from keras.src.backend.tensorflow.trainer import TensorFlowTrainer
 
     made = []
@@ -293,18 +289,55 @@ def test_each_modes_step_is_xla_compiled_where_its_plans_keep_the_original_layer
             return keras_make(self, force)
 
         monkeypatch.setattr(TensorFlowTrainer, name, spy)
+    return made
+
+
+# Training at batch 8: fused wins; inference at 32: the original layers.
+TRAIN_FUSED_PREDICT_PER_LAYER = {
+    8: {"per-layer": 5.0, "fused": 1.0},
+    32: {"per-layer": 1.0, "fused": 5.0},
+}
+
+
+def test_each_modes_step_is_xla_compiled_where_its_plans_keep_the_original_layers(
+    timed, made_steps
+):
+    """A SimpleRNN stack Keras would XLA-compile: trained fused, predicted
+    per layer. The predict step is made with jit_compile=True (as the tuner
+    timed the original layers), the train step without; predict under XLA
+    gives the original's outputs. On the H200 the predict step had lost XLA
+    with the train plan (0.11x)."""
     make, _ = timed
     model = stack_model("rnn_tanh", 2, units=6, steps=7, input_size=5)
-    fast, _ = make(model, {
-        8: {"per-layer": 5.0, "fused": 1.0},  # training at batch 8: fused wins
-        32: {"per-layer": 1.0, "fused": 5.0},  # inference at 32: the original layers
-    })
+    fast, _ = make(model, TRAIN_FUSED_PREDICT_PER_LAYER)
     x, y = _xy(model, 64)
     fast.compile(optimizer="sgd", loss="mse")
     fast.fit(x, y, batch_size=8, epochs=1, verbose=0)
     out = fast.predict(x, batch_size=32, verbose=0)
     assert [r["chosen"] for r in first_batch.decisions(fast)] == ["fused", "per-layer"]
-    mine = [(name, jit) for m, name, jit in made if m is fast]
+    mine = [(name, jit) for m, name, jit in made_steps if m is fast]
     assert mine == [("make_train_function", False), ("make_predict_function", True)], mine
     assert fast.jit_compile is False, "the model's own jit_compile is left as Keras set it"
+    assert max_abs_diff(out, model.predict(x, batch_size=32, verbose=0)) <= 2e-5
+
+
+def test_a_step_whose_plan_is_decided_at_its_trace_is_not_xla_compiled(timed, made_steps):
+    """predict from a generator: the first batch cannot be read ahead, so
+    the fused layer decides when the step is traced, and may fuse; the step
+    is made as Keras would make it for the fused model (no XLA)."""
+    make, _ = timed
+    model = stack_model("rnn_tanh", 2, units=6, steps=7, input_size=5)
+    fast, _ = make(model, TRAIN_FUSED_PREDICT_PER_LAYER)
+    x, y = _xy(model, 64)
+    fast.compile(optimizer="sgd", loss="mse")
+    fast.fit(x, y, batch_size=8, epochs=1, verbose=0)
+    fast.predict(x, batch_size=32, verbose=0)  # inference decided: the original layers
+
+    def batches():
+        for i in range(0, 64, 32):
+            yield (x[i:i + 32],)
+
+    out = fast.predict(batches(), verbose=0)
+    mine = [(name, jit) for m, name, jit in made_steps if m is fast]
+    assert mine[-1] == ("make_predict_function", False), mine
     assert max_abs_diff(out, model.predict(x, batch_size=32, verbose=0)) <= 2e-5

@@ -141,6 +141,10 @@ def _prepare(model, state: AutoTune, x, batch_size, training) -> dict:
             "rnnfuse: the first batch's shape cannot be read without consuming "
             "the data; the fused layers decide when their step is traced"
         )
+        if state.traced.pop(training, None) is not None:
+            # The mode's step was traced for decided plans (perhaps with
+            # XLA, `mode_jit_compile`): traced again, for plans decided then.
+            _retrace(model, state, training)
         return undecided
     shapes = {i: _member_shape(m, shape) for i, m in enumerate(state.members)}
     results = decide(state, environment, shapes, training,
@@ -158,7 +162,7 @@ def _prepare(model, state: AutoTune, x, batch_size, training) -> dict:
             changed = True
     traced = state.traced.get(training)
     now = {i: entry for (i, _), entry in chosen.items()}
-    if changed or (traced is not None and _traces_differ(traced, now)):
+    if changed or traced is None or _traces_differ(traced, now):
         _retrace(model, state, training)
     state.traced[training] = now
     return chosen
@@ -325,22 +329,19 @@ def _mode_jit(model: keras.Model, training: bool) -> bool | None:
     if not _keras_would_jit(model, state):
         return None
     runs = {id(m.fused): i for i, m in enumerate(state.members)}
+    call = state.keras_call or {}
     for fused in blocking:
-        plan = _mode_plan(state, runs.get(id(fused)), training) or fused.plan
+        index = runs.get(id(fused))
+        if index is not None and (index, training) in call:
+            entry = call[(index, training)]
+            if entry is None:
+                return None  # decided when the step is traced: it may fuse
+        else:
+            entry = state.traced.get(training, {}).get(index)
+        plan = entry[1] if entry is not None else fused.plan
         if not plan.per_layer:
             return None
     return True
-
-
-def _mode_plan(state: AutoTune, index: int | None, training: bool):
-    """The plan member `index` runs in `training` mode now: the Keras call's,
-    else the one its mode's step was last traced with (None: unknown)."""
-    if index is None:
-        return None
-    entry = (state.keras_call or {}).get((index, training))
-    if entry is None:
-        entry = state.traced.get(training, {}).get(index)
-    return None if entry is None else entry[1]
 
 
 def _retrace(model: keras.Model, state: AutoTune, training: bool) -> None:
