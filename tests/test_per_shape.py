@@ -299,6 +299,17 @@ TRAIN_FUSED_PREDICT_PER_LAYER = {
 }
 
 
+def _trained_fused(timed):
+    """(a SimpleRNN stack, its optimized model after one fused fit epoch, x)."""
+    make, _ = timed
+    model = stack_model("rnn_tanh", 2, units=6, steps=7, input_size=5)
+    fast, _ = make(model, TRAIN_FUSED_PREDICT_PER_LAYER)
+    x, y = _xy(model, 64)
+    fast.compile(optimizer="sgd", loss="mse")
+    fast.fit(x, y, batch_size=8, epochs=1, verbose=0)
+    return model, fast, x
+
+
 def test_each_modes_step_is_xla_compiled_where_its_plans_keep_the_original_layers(
     timed, made_steps
 ):
@@ -307,12 +318,7 @@ def test_each_modes_step_is_xla_compiled_where_its_plans_keep_the_original_layer
     timed the original layers), the train step without; predict under XLA
     gives the original's outputs. On the H200 the predict step had lost XLA
     with the train plan (0.11x)."""
-    make, _ = timed
-    model = stack_model("rnn_tanh", 2, units=6, steps=7, input_size=5)
-    fast, _ = make(model, TRAIN_FUSED_PREDICT_PER_LAYER)
-    x, y = _xy(model, 64)
-    fast.compile(optimizer="sgd", loss="mse")
-    fast.fit(x, y, batch_size=8, epochs=1, verbose=0)
+    model, fast, x = _trained_fused(timed)
     out = fast.predict(x, batch_size=32, verbose=0)
     assert [r["chosen"] for r in first_batch.decisions(fast)] == ["fused", "per-layer"]
     mine = [(name, jit) for m, name, jit in made_steps if m is fast]
@@ -325,12 +331,7 @@ def test_a_step_whose_plan_is_decided_at_its_trace_is_not_xla_compiled(timed, ma
     """predict from a generator: the first batch cannot be read ahead, so
     the fused layer decides when the step is traced, and may fuse; the step
     is made as Keras would make it for the fused model (no XLA)."""
-    make, _ = timed
-    model = stack_model("rnn_tanh", 2, units=6, steps=7, input_size=5)
-    fast, _ = make(model, TRAIN_FUSED_PREDICT_PER_LAYER)
-    x, y = _xy(model, 64)
-    fast.compile(optimizer="sgd", loss="mse")
-    fast.fit(x, y, batch_size=8, epochs=1, verbose=0)
+    model, fast, x = _trained_fused(timed)
     fast.predict(x, batch_size=32, verbose=0)  # inference decided: the original layers
 
     def batches():
