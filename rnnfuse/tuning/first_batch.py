@@ -309,7 +309,7 @@ def mode_jit_compile(model: keras.Model, *, training: bool):
     if jit is None:
         yield
         return
-    saved = model.__dict__.get("_jit_compile")
+    saved = model._jit_compile
     model._jit_compile = jit
     try:
         yield
