@@ -38,7 +38,8 @@ fit batch size and at 4x it (`predict_4x_speedup`; its first call times the
 new batch bucket, reported as `predict_4x_first_s`). Last, a custom
 training loop (`custom_loop`: a `tf.function` GradientTape step on
 TensorFlow, a plain torch loop of forward, backward and optimizer step)
-runs LOOP_STEPS steps per model in alternating blocks, its first step
+runs LOOP_STEPS steps per model in alternating blocks (LOPSIDED_LOOP_STEPS
+in a cell that gets one round), its first step
 (trace; the optimized model's per-shape tuning) reported apart
 (`loop_speedup`, `loop_first_s`); JAX has no custom loop here.
 `--control` adds an A/A control to every cell's fit rounds: a clone of the
@@ -85,6 +86,10 @@ CALLS = 5  # whole fit / predict calls per model (`whole_calls`)
 CALL_STEPS = 4  # batches in each of them
 LOOP_STEPS = 50  # custom-loop steps per model (`custom_loop`)
 LOOP_BLOCK = 10  # ... run in alternating blocks of this many
+# ... or this many in a cell where `rounds_for` gives one round (one model
+# over LOPSIDED_STEP_S a step: 50 steps of Keras' masked torch loop at 17 s
+# a step would take 14 minutes, and the ratio is 10x or more anyway).
+LOPSIDED_LOOP_STEPS = 4
 # Host bytes of one batch at 4x the fit batch above which predict at 4x is
 # left out (the arrays are built on the host).
 PREDICT_4X_BYTES = 2**28
@@ -420,9 +425,10 @@ def measure(shape: dict, rounds: int, steps: int, predict_rounds: int | None = N
         extra.update(_predict_4x(models, x, b, predict_rounds))
     else:
         extra["predict_4x_skipped"] = f"a batch of {4 * b} is over {PREDICT_4X_BYTES >> 20} MiB on the host"
-    loop = custom_loop(models, x, y)
+    loop_steps = LOOP_STEPS if rounds_for(sizing, 2) > 1 else LOPSIDED_LOOP_STEPS
+    loop = custom_loop(models, x, y, steps=loop_steps)
     if loop is not None:
-        extra.update(loop_speedup=_ratio(loop, skip_first=True),
+        extra.update(loop_speedup=_ratio(loop, skip_first=True), loop_steps=loop_steps,
                      loop_first_s={name: t[0] for name, t in loop.items()},
                      loop_ms={name: 1e3 * statistics.median(t[1:]) for name, t in loop.items()})
     extra.update(

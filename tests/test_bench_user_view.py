@@ -104,6 +104,18 @@ def test_a_slow_lopsided_cell_gets_one_round_and_others_keep_theirs():
     assert bench_user_view.rounds_for({"original": 1.5, "optimized": 0.01}, 5) == 5
 
 
+def test_a_lopsided_cell_runs_a_short_custom_loop(monkeypatch):
+    # 50 steps of a 17 s loop would take 14 minutes: such a cell's loop runs
+    # LOPSIDED_LOOP_STEPS after its first step; the others keep LOOP_STEPS.
+    import itertools
+
+    sized = itertools.cycle([17.0, 0.2])  # original, optimized, in turn
+    monkeypatch.setattr(bench_user_view, "_step_time", lambda run: next(sized))
+    row = bench_user_view.measure(TINY, rounds=3, steps=4, predict_rounds=2)
+    assert row["rounds"] == 1 and row["loop_steps"] == bench_user_view.LOPSIDED_LOOP_STEPS
+    assert {len(t) for t in row["raw"]["loop"].values()} == {1 + bench_user_view.LOPSIDED_LOOP_STEPS}
+
+
 def test_report_marks_cells_where_both_models_ran_the_original_layers(tmp_path):
     drawn = bench_user_view.draw_shapes(30)
     kept = _row(drawn[0], 0.9, plans=[dict(layers=["a"], pieces=[], algorithm=None)],
