@@ -103,9 +103,10 @@ class FusedRNN(keras.layers.Layer):
             (None: the plan's): what `Backend.timed_steps` passes so that
             one traced step runs every algorithm (the tuner's shared step).
         mask_is_right_padded: True where the caller knows that `mask` is
-            right-padded (the tuner's timed steps build it so): the branch
-            for other masks is then the fused call too, so the original
-            layers are not traced (the mask's check stays in the step).
+            right-padded: the branch for other masks is then the fused call
+            too, so the original layers are not traced (the mask's check
+            stays in the step). The tuner does not pass it: it times the
+            step the model runs, both branches traced.
 
     Returns:
         What the last layer returns (output, plus states with

@@ -188,9 +188,11 @@ def _with_mask(run: Callable, mask) -> Callable:
 def _runner(group: FusionGroup, plan: Plan, dtype: str | None = None) -> Callable:
     """A callable `run(x, training, mask=None, algorithm=None)` -> outputs
     that runs `group` under `plan`. Its masks are `padding_mask`'s,
-    right-padded by construction, so the fused calls are told so
-    (`mask_is_right_padded`: their branch for other masks is not traced);
-    `algorithm` is `Backend.timed_steps`' runtime value for the fused
+    right-padded, but a fused call is not told so: it traces its branch for
+    other masks (the original layers in Keras' generic loop) as the model's
+    own step does, since that branch is part of what a masked step costs
+    (H200, session 10: a masked split plan 14% ahead on a clock without it
+    ran 7% behind through `fit`); `algorithm` is `Backend.timed_steps`' runtime value for the fused
     calls' algorithm (the original layers ignore it)."""
     from rnnfuse.fused import FusedRNN, call_members
 
@@ -221,7 +223,7 @@ def _runner(group: FusionGroup, plan: Plan, dtype: str | None = None) -> Callabl
     def fused(x, training, mask=None, algorithm=None):
         kwargs = {"algorithm": algorithm}
         if mask is not None:
-            kwargs.update(mask=mask, mask_is_right_padded=True)
+            kwargs["mask"] = mask
         for piece in pieces:
             x = piece(x, training=training, **kwargs)
             ran = piece.last_path.kernel
