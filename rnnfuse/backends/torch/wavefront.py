@@ -87,6 +87,22 @@ def unsupported_reason(kind: str, num_layers: int, units: int, batch: int, steps
     return library.device_reason(kind, num_layers, units, batch, steps, input_size, ordinal)
 
 
+def _launch_stream(device: torch.device) -> int:
+    """torch's current stream on `device` (a `CUstream` as an int), with the
+    device's context current on this thread.
+
+    The library launches on the context current on the calling thread when
+    the stream is the default one (0). torch's autograd thread for a device
+    starts without one (its set_device skips the runtime call where the
+    device is already the current one), so the backward pass's first launch
+    found no context on the H200; a stream query (a runtime call) makes the
+    primary context current.
+    """
+    stream = torch.cuda.current_stream(device)
+    stream.query()
+    return stream.cuda_stream
+
+
 def forward_into(xproj, params, h0, c0, lengths, y, hy, cy, workspace, *, kind: str,
                  input_size: int, mode: int = 0, trace: torch.Tensor | None = None,
                  gates_out: torch.Tensor | None = None,
@@ -114,7 +130,7 @@ def forward_into(xproj, params, h0, c0, lengths, y, hy, cy, workspace, *, kind: 
                              f"and device ({xproj.dtype}, {xproj.device})")
     lib = library.load()
     lib.forward(
-        torch.cuda.current_stream(xproj.device).cuda_stream,
+        _launch_stream(xproj.device),
         str(xproj.dtype).replace("torch.", ""), kind, num_layers, units, batch, steps,
         input_size,
         xproj=xproj.data_ptr(), params=params.data_ptr(), h0=h0.data_ptr(),
@@ -226,7 +242,7 @@ def backward_layer(w_hh, gates, cseq, c0, dy, dhy, dcy, lengths):
     tensors = (w_hh, gates, cseq, c0, dy, dhy, dcy)
     if not all(t.is_contiguous() for t in tensors):
         raise ValueError("backward_layer: every tensor must be contiguous")
-    lib.backward(torch.cuda.current_stream(dy.device).cuda_stream,
+    lib.backward(_launch_stream(dy.device),
                  str(dy.dtype).replace("torch.", ""), units, batch, steps,
                  w_hh=w_hh.data_ptr(), gates=gates.data_ptr(), cseq=cseq.data_ptr(),
                  c0=c0.data_ptr(), dy=dy.data_ptr(), dhy=dhy.data_ptr(), dcy=dcy.data_ptr(),
