@@ -24,6 +24,15 @@ device, or None. It returns (y [T, B, H], hy [L, B, H], cy [L, B, H] or
 None). Outside the kernel's limits it raises `library.WavefrontError`
 (`unsupported_reason` says so beforehand): the caller runs cuDNN instead.
 
+Training (LSTM only; not used by the tuner or `run_differentiable` yet):
+`trainable_forward(x, params, h0, c0, lengths)` is `forward` with the
+kernel's own gradient: `forward_training` (the forward kernel, also saving
+every layer's gates and c in float32) and, in the backward pass,
+`backward_stack` (per layer from the top: the backward kernel's recurrence,
+`backward_layer`, then dx, dW_ih, dW_hh and the biases as GEMMs).
+`run_trainable` is its `run_stack`. `reference_forward_saving` and
+`recurrence_reference` are the two kernels in torch (the CPU tests').
+
 Example (on an H200):
 
     >>> lstm = torch.nn.LSTM(512, 512, 4).cuda().half()  # doctest: +SKIP

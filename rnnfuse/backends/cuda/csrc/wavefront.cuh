@@ -7,6 +7,9 @@
 // keep every layer's weights in registers for the whole sequence and run
 // the layers as a wavefront: layer l works on step t while layer l+1 works
 // on step t-1, so the launch is T+L-1 dependent steps long, not L*T.
+// For training, the forward can also save every layer's gates and c
+// (Args::gates_out, c_out), and a second kernel runs an LSTM layer's
+// backward recurrence ("The backward kernel", below).
 //
 // The plan (wavefront_plan.h; Python asks it through the host library):
 //   every CTA has 8 warps; a CTA of layer l owns U = 8*mg consecutive
