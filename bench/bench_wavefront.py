@@ -11,6 +11,8 @@ built into the cache (nvcc + g++).
     python3 bench/bench_wavefront.py bench --cells matrix --budget 200 --out $OUT/matrix.json
     python3 bench/bench_wavefront.py modes --out $OUT/modes.json    # a step's parts left out
     python3 bench/bench_wavefront.py trace --out $OUT/trace.json    # the kernel's own timeline
+    python3 bench/bench_wavefront.py grad --random 4 --out $OUT/grad.json   # LSTM gradients
+    python3 bench/bench_wavefront.py train --out $OUT/train.json    # a training step's time
 
 `check`: each case draws fresh random weights, inputs, initial states (and
 lengths), poisons the outputs with NaN, runs the kernel and compares y, hy
@@ -22,6 +24,14 @@ fallback to cuDNN), never run. `bench`: CUDA-event medians of the kernel
 (torch's, the standard algorithm) and one call per layer (where torch runs
 cuDNN's persistent kernel for float16), in ms, us a dependent step and
 TFLOP/s next to the floor at 790 TFLOP/s (the H200's measured dense rate).
+`grad`: an LSTM's outputs AND gradients (dx, dh0, dc0, every weight and
+bias) through `wavefront.trainable_forward` (the forward saving gates and
+c, the backward kernel) against autograd of the float64 reference of the
+same rounded weights and against cuDNN's gradient in the same dtype, for
+the same upstream gradients; a shape outside the kernels' limits must
+raise WavefrontError. `train`: CUDA-event medians of a training step
+(forward + backward, every gradient) on the kernels against cuDNN's
+(torch.nn.LSTM, i.e. torch._VF.lstm, forward + backward), and its parts.
 """
 
 from __future__ import annotations
@@ -395,6 +405,196 @@ def cmd_trace(args):
     return 0
 
 
+# -- gradients (the backward kernel) -------------------------------------------------------
+
+# ||grad - ref64|| / ||ref64|| bounds: the recurrence's rounding (the stored
+# gate gradients, h in the dtype) compounds over T backward steps; the
+# check also requires each tensor within twice cuDNN's own error or this.
+GRAD_TOL = {"float16": 5e-3, "bfloat16": 4e-2}
+
+
+def _grad_names(layers):
+    names = ["dx", "dh0", "dc0"]
+    for l in range(layers):
+        names += [f"w_ih{l}", f"w_hh{l}", f"b_ih{l}", f"b_hh{l}"]
+    return names
+
+
+def _grads(outputs, inputs, upstream):
+    return [g for g in torch.autograd.grad(outputs, inputs, upstream)]
+
+
+def grad_case(layers, units, batch, steps, inputs, dtype_name, with_lengths, seed):
+    """One LSTM's outputs and gradients: the kernels, float64, cuDNN."""
+    dtype = DTYPES[dtype_name]
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    mod = make_module("lstm", layers, units, inputs, dtype, gen)
+    x = torch.randn(steps, batch, inputs, generator=gen, device="cuda").to(dtype)
+    h0 = (torch.randn(layers, batch, units, generator=gen, device="cuda") * 0.5).to(dtype)
+    c0 = (torch.randn(layers, batch, units, generator=gen, device="cuda") * 0.5).to(dtype)
+    dy = torch.randn(steps, batch, units, generator=gen, device="cuda").to(dtype)
+    dhy = torch.randn(layers, batch, units, generator=gen, device="cuda").to(dtype)
+    dcy = torch.randn(layers, batch, units, generator=gen, device="cuda").to(dtype)
+    lengths = None
+    if with_lengths:
+        lengths = torch.randint(1, steps + 1, (batch,), generator=gen, device="cuda")
+        lengths[0] = steps
+    row = dict(layers=layers, units=units, batch=batch, steps=steps, inputs=inputs,
+               dtype=dtype_name, lengths=with_lengths, seed=seed)
+    reason = wavefront.training_reason("lstm", layers, units, batch, steps, inputs, dtype,
+                                       torch.device("cuda"))
+    weights = [w.detach().clone().requires_grad_() for w in mod._flat_weights]
+    leaves = [t.clone().requires_grad_() for t in (x, h0, c0)]
+    if reason is not None:
+        try:
+            wavefront.trainable_forward(*leaves[:1], wavefront.flat_params(weights), *leaves[1:],
+                                        lengths)
+        except library.WavefrontError as exc:
+            row.update(status="fallback", reason=str(exc))
+        else:
+            row.update(status="FAIL", reason=f"ran although unsupported: {reason}")
+        return row
+    t0 = time.perf_counter()
+    lens = lengths.to(torch.int32) if lengths is not None else None
+    out = wavefront.trainable_forward(leaves[0], wavefront.flat_params(weights), leaves[1],
+                                      leaves[2], lens)
+    got = _grads(list(out), leaves + weights, [dy, dhy, dcy])
+    torch.cuda.synchronize()
+    # float64: the same rounded weights, inputs and upstream gradients.
+    w64 = [w.detach().double().requires_grad_() for w in weights]
+    l64 = [t.detach().double().requires_grad_() for t in leaves]
+    ref_out = wavefront.reference_forward("lstm", w64, l64[0], l64[1], l64[2], lengths)
+    ref = _grads(list(ref_out), l64 + w64, [dy.double(), dhy.double(), dcy.double()])
+    # cuDNN in the same dtype.
+    cl = [t.detach().clone().requires_grad_() for t in (x, h0, c0)]
+    if lengths is None:
+        cy_, (chy, ccy) = mod(cl[0], (cl[1], cl[2]))
+    else:
+        packed = torch.nn.utils.rnn.pack_padded_sequence(cl[0], lengths.cpu(), enforce_sorted=False)
+        yp, (chy, ccy) = mod(packed, (cl[1], cl[2]))
+        cy_, _ = torch.nn.utils.rnn.pad_packed_sequence(yp, total_length=steps)
+    cud = _grads([cy_, chy, ccy], cl + list(mod._flat_weights), [dy, dhy, dcy])
+    names = _grad_names(layers)
+    err = {n: rel(a, b) for n, a, b in zip(("y", "hy", "cy"), out, ref_out)}
+    cud_err = {n: rel(a, b) for n, a, b in zip(("y", "hy", "cy"), (cy_, chy, ccy), ref_out)}
+    err.update({n: rel(a, b) for n, a, b in zip(names, got, ref)})
+    cud_err.update({n: rel(a, b) for n, a, b in zip(names, cud, ref)})
+    tol = GRAD_TOL[dtype_name]
+    bad = [n for n in err if not (math.isfinite(err[n]) and err[n] <= max(tol, 2 * cud_err[n]))]
+    row.update(status="ok" if not bad else "FAIL", failing=bad,
+               worst=max(err.values()), cudnn_worst=max(cud_err.values()),
+               ratio_to_cudnn=max(err[n] / max(cud_err[n], 1e-12) for n in err),
+               err_vs_f64=err, cudnn_err_vs_f64=cud_err,
+               seconds=round(time.perf_counter() - t0, 2))
+    return row
+
+
+GRAD_CASES = [
+    # layers, units, batch, steps, inputs, dtype, lengths
+    (1, 64, 3, 7, 5, "float16", False),
+    (1, 8, 1, 1, 3, "float16", False),
+    (2, 256, 8, 50, 40, "float16", True),
+    (2, 256, 8, 50, 40, "bfloat16", True),
+    (3, 384, 33, 40, 100, "float16", True),
+    (1, 1024, 16, 30, 1024, "float16", False),
+    (4, 512, 256, 20, 512, "bfloat16", True),
+    (4, 512, 64, 1000, 512, "float16", False),   # the headline
+    (4, 512, 64, 300, 512, "bfloat16", True),
+    (8, 512, 64, 10, 512, "float16", False),     # outside the forward's limits: refused
+]
+
+
+def random_grad_cases(n: int, seed: int):
+    """Random LSTM shapes that fit the forward (the backward's limits are wider)."""
+    rng = random.Random(seed)
+    cases = []
+    for _ in range(n):
+        layers, top = rng.choice([(rng.randint(1, 4), 512), (rng.randint(1, 8), 256), (1, 1024)])
+        units = rng.choice([u for u in (8, 64, 128, 200, 256, 320, 384, 512, 1024) if u <= top])
+        cases.append((layers, units, rng.choice([1, 2, 5, 16, 33, 64, 100]),
+                      rng.randint(1, 120), rng.choice([units, 32, 300]),
+                      rng.choice(["float16", "bfloat16"]), rng.random() < 0.5))
+    return cases
+
+
+def cmd_grad(args):
+    cases = GRAD_CASES[: args.fixed] + random_grad_cases(args.random, args.seed)
+    rows = []
+    for i, case in enumerate(cases):
+        try:
+            row = grad_case(*case, seed=args.seed * 1000 + i)
+        except Exception as exc:  # noqa: BLE001 - record and go on
+            row = dict(case=list(case), status="ERROR", reason=f"{type(exc).__name__}: {exc}")
+        rows.append(row)
+        short = {k: row.get(k) for k in ("status", "failing", "worst", "cudnn_worst",
+                                         "ratio_to_cudnn", "reason", "seconds")}
+        print(list(case), json.dumps(short), flush=True)
+        _dump(args.out, dict(meta=_meta(), results=rows))
+    bad = [r for r in rows if r["status"] not in ("ok", "fallback")]
+    print(f"grad: {len(rows) - len(bad)}/{len(rows)} passed", flush=True)
+    return 1 if bad else 0
+
+
+def train_cell(layers, units, batch, steps, dtype_name, reps):
+    """A training step (forward + every gradient) on the kernels and on cuDNN."""
+    dtype = DTYPES[dtype_name]
+    gen = torch.Generator(device="cuda").manual_seed(3)
+    mod = make_module("lstm", layers, units, units, dtype, gen)
+    x = torch.randn(steps, batch, units, generator=gen, device="cuda").to(dtype)
+    h0 = torch.zeros(layers, batch, units, device="cuda", dtype=dtype)
+    c0 = torch.zeros_like(h0)
+    dy = torch.randn(steps, batch, units, generator=gen, device="cuda").to(dtype)
+    row = dict(layers=layers, units=units, batch=batch, steps=steps, dtype=dtype_name)
+    params = wavefront.flat_params(mod).detach().clone()
+    leaves = [t.clone().requires_grad_() for t in (x, params, h0, c0)]
+
+    def ours():
+        y, _, _ = wavefront.trainable_forward(*leaves)
+        return torch.autograd.grad([y], leaves, [dy])
+
+    cl = [t.clone().requires_grad_() for t in (x, h0, c0)]
+
+    def cudnn():
+        y, _ = mod(cl[0], (cl[1], cl[2]))
+        return torch.autograd.grad([y], cl + list(mod._flat_weights), [dy])
+
+    with torch.no_grad():
+        row["ours_forward_inference_ms"] = time_ms(
+            lambda: wavefront.forward(x, params, h0, c0, None, kind="lstm"), reps)
+        row["ours_forward_saving_ms"] = time_ms(
+            lambda: wavefront.forward_training(x, params, h0, c0, None), reps)
+        y, hy, cy, saved = wavefront.forward_training(x, params, h0, c0, None)
+        row["ours_backward_ms"] = time_ms(
+            lambda: wavefront.backward_stack(params, x, h0, c0, None, y, saved, dy, None, None),
+            reps)
+        views = wavefront._layer_views(params, layers, units, units)
+        row["ours_recurrence_one_layer_ms"] = time_ms(
+            lambda: wavefront.backward_layer(views[-1][1].contiguous(), saved[1][-1], saved[2][-1],
+                                             c0[-1], dy, torch.zeros_like(h0[-1]),
+                                             torch.zeros_like(c0[-1]), None), reps)
+    row["ours_train_step_ms"] = time_ms(ours, reps)
+    row["cudnn_train_step_ms"] = time_ms(cudnn, reps)
+    with torch.no_grad():
+        row["cudnn_forward_inference_ms"] = time_ms(lambda: mod(x, (h0, c0)), reps)
+    row["speedup_vs_cudnn"] = row["cudnn_train_step_ms"] / row["ours_train_step_ms"]
+    return row
+
+
+def cmd_train(args):
+    rows = []
+    cells = [(4, 512, 64, 1000, "float16"), (4, 512, 64, 1000, "bfloat16"),
+             (2, 256, 8, 1000, "float16")]
+    for cell in cells[: args.cells]:
+        try:
+            row = train_cell(*cell, reps=args.reps)
+        except Exception as exc:  # noqa: BLE001
+            row = dict(cell=list(cell), error=f"{type(exc).__name__}: {exc}")
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+        _dump(args.out, dict(meta=_meta(), results=rows))
+    return 0
+
+
 def _print_row(row):
     if "error" in row or "skipped" in row or "cudnn_fused_ms" not in row:
         print(json.dumps({k: v for k, v in row.items() if k != "plan"}), flush=True)
@@ -441,9 +641,18 @@ def main(argv=None):
     t = sub.add_parser("trace")
     t.add_argument("--cells", type=int, default=3)
     t.add_argument("--out", default="")
+    g = sub.add_parser("grad")
+    g.add_argument("--fixed", type=int, default=len(GRAD_CASES))
+    g.add_argument("--random", type=int, default=4)
+    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--out", default="")
+    tr = sub.add_parser("train")
+    tr.add_argument("--cells", type=int, default=3)
+    tr.add_argument("--reps", type=int, default=5)
+    tr.add_argument("--out", default="")
     args = ap.parse_args(argv)
     return {"check": cmd_check, "bench": cmd_bench, "modes": cmd_modes,
-            "trace": cmd_trace}[args.cmd](args)
+            "trace": cmd_trace, "grad": cmd_grad, "train": cmd_train}[args.cmd](args)
 
 
 if __name__ == "__main__":

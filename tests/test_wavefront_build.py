@@ -45,6 +45,7 @@ def test_the_library_compiles_here_without_a_cuda_runtime(built):
     # The cubin is inside: its kernels' names are in the library's bytes.
     data = path.read_bytes()
     assert b"rnnfuse_wf_forward_f16" in data and b"rnnfuse_wf_forward_bf16" in data
+    assert b"rnnfuse_wf_backward_f16" in data and b"rnnfuse_wf_backward_bf16" in data
 
 
 def test_the_headline_stack_fits_an_h200(built):
@@ -87,11 +88,40 @@ def test_workspace_holds_the_flags_and_the_sequences_below_the_top(built):
     assert lib.workspace_bytes(1, 8, 1, 1) == 256 * 4  # the flags; no sequence buffer
 
 
+def test_the_backward_splits_the_headline_layer_over_the_h200(built):
+    """16 units a CTA (32 CTAs a 512-unit layer), 4 groups of 16 batch rows."""
+    lib = library.load(built[0])
+    assert lib.backward_plan(512, 64, 1000, **H200) == dict(ctas=128, smem=77120, rows=16)
+    assert lib.backward_plan(64, 3, 7, **H200) == dict(ctas=4, smem=19232, rows=8)
+    plan = lib.backward_plan(1024, 256, 10, **H200)
+    assert plan["ctas"] <= H200["sms"] and plan["smem"] <= H200["smem"]
+
+
+@pytest.mark.parametrize(
+    "shape, message",
+    [
+        ((100, 8), "multiple of 8 up to 1024"),
+        ((2048, 8), "multiple of 8 up to 1024"),
+        ((1024, 4096), "shared memory does not fit"),
+    ],
+)
+def test_refused_backward_shapes_say_why(built, shape, message):
+    lib = library.load(built[0])
+    reason = lib.backward_plan(*shape, 100, **H200)
+    assert isinstance(reason, str) and message in reason, reason
+    small = lib.backward_plan(512, 8, 100, sms=16, smem=H200["smem"])
+    assert "needs 32 CTAs for 512 units" in small
+
+
 def test_a_call_without_a_driver_or_a_bad_argument_is_a_clear_error(built):
     lib = library.load(built[0])
     with pytest.raises(library.WavefrontError, match="float16"):
         lib.forward(0, "float32", "lstm", 1, 8, 1, 1, 3, xproj=0, params=0, h0=0, c0=0,
                     lengths=None, y=0, hy=0, cy=0, workspace=0)
+    with pytest.raises(library.WavefrontError, match="float16"):
+        lib.backward(0, "float32", 8, 1, 1, w_hh=0, gates=0, cseq=0, c0=0, dy=0, dhy=0, dcy=0,
+                     lengths=None, dgates=0, dh0=0, dc0=0, workspace=0)
+    assert lib.backward_workspace_bytes() >= 4 * (H200["sms"] + 1)
     try:
         limits = lib.device(0)
     except library.WavefrontError as exc:  # CI: no driver here

@@ -18,6 +18,9 @@ same rounded weights (`wavefront.reference_forward`) and with cuDNN
 (torch.nn.LSTM/GRU in the same dtype), as ||out - ref|| / ||ref||: within
 the dtype's tolerance and never more than twice cuDNN's own error. Shapes
 outside the kernel's limits must be refused (WavefrontError), never run.
+The backward kernel's tests are bench_wavefront's `grad_case`: an LSTM's
+outputs and every gradient through `wavefront.trainable_forward` against
+autograd of the float64 reference and cuDNN's gradient.
 """
 
 from __future__ import annotations
@@ -85,6 +88,34 @@ def test_random_shapes_match_float64_and_cudnn_or_are_refused(case):
 def test_shapes_over_the_limits_are_refused_not_run(shape):
     kind, layers, units, batch = shape
     row = bench_wavefront.check_case(kind, layers, units, batch, 10, units, "float16", False, seed=1)
+    assert row["status"] == "fallback" and "do not fit" in row["reason"], row
+
+
+# -- the backward kernel: an LSTM's gradients ------------------------------------------
+
+
+GRAD_FIXED = [c for c in bench_wavefront.GRAD_CASES if c[:2] != (8, 512)]
+
+
+@pytest.mark.parametrize("case", GRAD_FIXED, ids=lambda c: "-".join(map(str, c)))
+def test_the_backward_kernels_gradients_match_float64_and_cudnn(case):
+    """bench_wavefront.grad_case: outputs, dx, dh0, dc0 and every weight and
+    bias through trainable_forward, against autograd of the float64
+    reference and cuDNN's gradient: within the dtype's tolerance or twice
+    cuDNN's own error, per tensor."""
+    row = bench_wavefront.grad_case(*case, seed=random.randrange(10_000))
+    assert row["status"] == "ok", row
+
+
+@pytest.mark.parametrize("case", bench_wavefront.random_grad_cases(4, seed=24),
+                         ids=lambda c: "-".join(map(str, c)))
+def test_random_shapes_gradients_match_or_are_refused(case):
+    row = bench_wavefront.grad_case(*case, seed=random.randrange(10_000))
+    assert row["status"] in ("ok", "fallback"), row
+
+
+def test_a_stack_over_the_forwards_limits_is_refused_for_training():
+    row = bench_wavefront.grad_case(8, 512, 64, 10, 512, "float16", False, seed=1)
     assert row["status"] == "fallback" and "do not fit" in row["reason"], row
 
 

@@ -31,7 +31,7 @@ import threading
 from pathlib import Path
 
 __all__ = ["DTYPES", "H200", "KINDS", "WavefrontError", "WavefrontLibrary", "device_reason",
-           "load", "stack_reason"]
+           "load", "stack_reason", "training_reason"]
 
 KINDS = ("lstm", "gru")
 DTYPES = ("float16", "bfloat16")
@@ -72,6 +72,14 @@ class WavefrontLibrary:
         lib.rnnfuse_wf_device_limits.restype = i
         lib.rnnfuse_wf_forward.argtypes = [p] + [i] * 7 + [p] * 9 + [i, p, i]
         lib.rnnfuse_wf_forward.restype = i
+        lib.rnnfuse_wf_forward_saving.argtypes = [p] + [i] * 7 + [p] * 9 + [i, p, i, p, p]
+        lib.rnnfuse_wf_forward_saving.restype = i
+        lib.rnnfuse_wf_backward_plan.argtypes = [i, i, i, i, i, ip, ip, ip]
+        lib.rnnfuse_wf_backward_plan.restype = i
+        lib.rnnfuse_wf_backward_workspace_bytes.argtypes = []
+        lib.rnnfuse_wf_backward_workspace_bytes.restype = sz
+        lib.rnnfuse_wf_backward.argtypes = [p, i, i, i, i] + [p] * 12
+        lib.rnnfuse_wf_backward.restype = i
         self._lib = lib
 
     def _error(self) -> str:
@@ -112,19 +120,57 @@ class WavefrontLibrary:
     def forward(self, stream: int, dtype: str, kind: str, num_layers: int, units: int,
                 batch: int, steps: int, input_size: int, *, xproj: int, params: int, h0: int,
                 c0: int, lengths: int | None, y: int, hy: int, cy: int, workspace: int,
-                mode: int = 0, trace: int = 0, trace_steps: int = 0) -> None:
+                mode: int = 0, trace: int = 0, trace_steps: int = 0, gates_out: int = 0,
+                c_out: int = 0) -> None:
         """One forward pass (device pointers as ints; see wavefront.cuh).
 
         `mode`: a debug mode (wavefront.cuh; 0 computes the right answer);
         `trace`: 0, or a device buffer of 2 * trace_steps * 8 uint64 for the
-        kernel's timeline.
+        kernel's timeline; `gates_out`, `c_out`: 0, or float32 buffers
+        [L, T, B, 4H] and [L, T, B, H] where an LSTM's forward saves its
+        activated gates and cell states for `backward`.
         """
         if dtype not in DTYPES:
             raise WavefrontError(f"the wavefront kernel runs {DTYPES}, not {dtype}")
-        rc = self._lib.rnnfuse_wf_forward(
+        rc = self._lib.rnnfuse_wf_forward_saving(
             stream or None, DTYPES.index(dtype), _kind(kind), num_layers, units, batch, steps,
             input_size, xproj, params, h0, c0 or None, lengths or None, y, hy, cy or None,
-            workspace, mode, trace or None, trace_steps)
+            workspace, mode, trace or None, trace_steps, gates_out or None, c_out or None)
+        if rc != 0:
+            raise WavefrontError(self._error())
+
+    def backward_plan(self, units: int, batch: int, steps: int, *, sms: int,
+                      smem: int) -> dict | str:
+        """The backward kernel's launch for one LSTM layer ({ctas, smem,
+        rows}: CTAs, shared bytes a CTA, batch rows a group), or why it
+        cannot run.
+
+        >>> load().backward_plan(512, 64, 1000, **H200)  # doctest: +SKIP
+        {'ctas': 128, 'smem': 79360, 'rows': 16}
+        """
+        ctas, nbytes, rows = ctypes.c_int(), ctypes.c_int(), ctypes.c_int()
+        ok = self._lib.rnnfuse_wf_backward_plan(units, batch, steps, sms, smem,
+                                                ctypes.byref(ctas), ctypes.byref(nbytes),
+                                                ctypes.byref(rows))
+        if ok != 1:
+            return self._error()
+        return dict(ctas=ctas.value, smem=nbytes.value, rows=rows.value)
+
+    def backward_workspace_bytes(self) -> int:
+        """Bytes of workspace one backward call needs (its flags)."""
+        return int(self._lib.rnnfuse_wf_backward_workspace_bytes())
+
+    def backward(self, stream: int, dtype: str, units: int, batch: int, steps: int, *,
+                 w_hh: int, gates: int, cseq: int, c0: int, dy: int, dhy: int, dcy: int,
+                 lengths: int | None, dgates: int, dh0: int, dc0: int, workspace: int) -> None:
+        """The backward recurrence of one LSTM layer (device pointers as ints;
+        see wavefront.cuh, "The backward kernel"): writes dgates [T, B, 4H]
+        (the element type) and dh0, dc0 [B, H] (float32)."""
+        if dtype not in DTYPES:
+            raise WavefrontError(f"the wavefront kernel runs {DTYPES}, not {dtype}")
+        rc = self._lib.rnnfuse_wf_backward(
+            stream or None, DTYPES.index(dtype), units, batch, steps, w_hh, gates, cseq, c0, dy,
+            dhy, dcy, lengths or None, dgates, dh0, dc0, workspace)
         if rc != 0:
             raise WavefrontError(self._error())
 
@@ -198,4 +244,20 @@ def device_reason(kind: str, num_layers: int, units: int, batch: int, steps: int
                 f"{dev['major']}.{dev['minor']}")
     plan = lib.plan(kind, num_layers, units, int(batch), int(steps), int(input_size),
                     sms=dev["sms"], smem=dev["smem"])
+    return plan if isinstance(plan, str) else None
+
+
+def training_reason(kind: str, num_layers: int, units: int, batch: int, steps: int,
+                    input_size: int, ordinal: int = 0) -> str | None:
+    """Why the kernel cannot train this stack on CUDA device `ordinal` (the
+    forward's `device_reason`, an LSTM only, and the backward's plan), or
+    None."""
+    if kind != "lstm":
+        return "the wavefront backward kernel runs LSTM stacks only (a GRU trains on cuDNN)"
+    reason = device_reason(kind, num_layers, units, batch, steps, input_size, ordinal)
+    if reason is not None:
+        return reason
+    lib = load()
+    dev = lib.device(ordinal)
+    plan = lib.backward_plan(units, int(batch), int(steps), sms=dev["sms"], smem=dev["smem"])
     return plan if isinstance(plan, str) else None

@@ -24,6 +24,15 @@ device, or None. It returns (y [T, B, H], hy [L, B, H], cy [L, B, H] or
 None). Outside the kernel's limits it raises `library.WavefrontError`
 (`unsupported_reason` says so beforehand): the caller runs cuDNN instead.
 
+Training (LSTM only; not used by the tuner or `run_differentiable` yet):
+`trainable_forward(x, params, h0, c0, lengths)` is `forward` with the
+kernel's own gradient: `forward_training` (the forward kernel, also saving
+every layer's gates and c in float32) and, in the backward pass,
+`backward_stack` (per layer from the top: the backward kernel's recurrence,
+`backward_layer`, then dx, dW_ih, dW_hh and the biases as GEMMs).
+`run_trainable` is its `run_stack`. `reference_forward_saving` and
+`recurrence_reference` are the two kernels in torch (the CPU tests').
+
 Example (on an H200):
 
     >>> lstm = torch.nn.LSTM(512, 512, 4).cuda().half()  # doctest: +SKIP
@@ -37,12 +46,16 @@ from typing import Sequence
 
 import torch
 
-__all__ = ["KERNEL_NAME", "flat_params", "forward", "forward_into", "reference_forward",
-           "run_differentiable", "run_stack", "unsupported_reason"]
+__all__ = ["KERNEL_NAME", "TRAINING_KERNEL_NAME", "backward_layer", "backward_stack",
+           "flat_params", "forward", "forward_into", "forward_training", "recurrence_reference",
+           "reference_forward", "reference_forward_saving", "run_differentiable", "run_stack",
+           "run_trainable", "trainable_forward", "training_reason", "unsupported_reason"]
 
 _GATES = {"lstm": 4, "gru": 3}
 # The `KernelRun` name of a call on the kernel.
 KERNEL_NAME = "torch.ops.rnnfuse.wavefront_forward"
+# ... and of a training call (`run_trainable`: forward and backward kernels).
+TRAINING_KERNEL_NAME = "rnnfuse wavefront forward+backward"
 
 
 def _library():
@@ -83,15 +96,38 @@ def unsupported_reason(kind: str, num_layers: int, units: int, batch: int, steps
     return library.device_reason(kind, num_layers, units, batch, steps, input_size, ordinal)
 
 
+def _launch_stream(device: torch.device) -> int:
+    """torch's current stream on `device` (a `CUstream` as an int), with the
+    device's context current on this thread.
+
+    The library launches on the context current on the calling thread when
+    the stream is the default one (0). torch's autograd thread for a device
+    starts without one (its set_device skips the runtime call where the
+    device is already the current one), so the backward pass's first launch
+    found no context on the H200; a stream query (a runtime call) makes the
+    primary context current.
+    """
+    stream = torch.cuda.current_stream(device)
+    stream.query()
+    return stream.cuda_stream
+
+
 def forward_into(xproj, params, h0, c0, lengths, y, hy, cy, workspace, *, kind: str,
-                 input_size: int, mode: int = 0, trace: torch.Tensor | None = None) -> None:
+                 input_size: int, mode: int = 0, trace: torch.Tensor | None = None,
+                 gates_out: torch.Tensor | None = None,
+                 c_out: torch.Tensor | None = None) -> None:
     """The kernel on preallocated outputs (tests poison them first).
 
     xproj [T, B, G*H] = x W_ih0^T (no bias); workspace: a uint8 CUDA tensor
     of `library.load().workspace_bytes(L, H, B, T)` bytes. `mode` and
     `trace` (an int64 CUDA tensor [2, steps, 8]) are the library's debug
-    options (`WavefrontLibrary.forward`).
+    options (`WavefrontLibrary.forward`). `gates_out` [L, T, B, 4H] and
+    `c_out` [L, T, B, H] (float32, an LSTM's): where the forward saves its
+    activated gates and cell states for the backward (`forward_training`).
     """
+    for t in (gates_out, c_out):
+        if t is not None and (t.dtype != torch.float32 or not t.is_contiguous()):
+            raise ValueError("forward_into: gates_out and c_out must be contiguous float32")
     library = _library()
     steps, batch, gh = xproj.shape
     units = gh // _GATES[kind]
@@ -103,7 +139,7 @@ def forward_into(xproj, params, h0, c0, lengths, y, hy, cy, workspace, *, kind: 
                              f"and device ({xproj.dtype}, {xproj.device})")
     lib = library.load()
     lib.forward(
-        torch.cuda.current_stream(xproj.device).cuda_stream,
+        _launch_stream(xproj.device),
         str(xproj.dtype).replace("torch.", ""), kind, num_layers, units, batch, steps,
         input_size,
         xproj=xproj.data_ptr(), params=params.data_ptr(), h0=h0.data_ptr(),
@@ -112,7 +148,9 @@ def forward_into(xproj, params, h0, c0, lengths, y, hy, cy, workspace, *, kind: 
         y=y.data_ptr(), hy=hy.data_ptr(), cy=cy.data_ptr() if kind == "lstm" else 0,
         workspace=workspace.data_ptr(), mode=mode,
         trace=trace.data_ptr() if trace is not None else 0,
-        trace_steps=trace.shape[1] if trace is not None else 0)
+        trace_steps=trace.shape[1] if trace is not None else 0,
+        gates_out=gates_out.data_ptr() if gates_out is not None else 0,
+        c_out=c_out.data_ptr() if c_out is not None else 0)
 
 
 @torch.library.custom_op("rnnfuse::wavefront_forward", mutates_args=())
@@ -154,6 +192,304 @@ def forward(x: torch.Tensor, params: torch.Tensor, h0: torch.Tensor, c0: torch.T
                               c0.contiguous(), lengths.to(torch.int32).contiguous(), kind,
                               input_size)
     return y, hy, (cy if kind == "lstm" else None)
+
+
+# -- training: the forward saving gates and c, the backward kernel -----------------------
+
+
+def forward_training(x: torch.Tensor, params: torch.Tensor, h0: torch.Tensor, c0: torch.Tensor,
+                     lengths: torch.Tensor | None):
+    """An LSTM stack's forward on the kernel, saving what `backward_stack` reads.
+
+    Same inputs as `forward(..., kind="lstm")`. Returns (y, hy, cy, saved),
+    saved = (hseq [L-1, T, B, H]: the h sequences of the layers below the
+    top, in x's dtype; gates [L, T, B, 4H]: activated i, f, g, o, float32;
+    cseq [L, T, B, H]: c, float32).
+
+    Raises:
+        library.WavefrontError: the kernel cannot run this stack.
+    """
+    library = _library()
+    steps, batch, input_size = x.shape
+    num_layers, _, units = h0.shape
+    gh = 4 * units
+    w_ih0 = params[: gh * input_size].view(gh, input_size)
+    xproj = (x.reshape(steps * batch, input_size) @ w_ih0.t()).view(steps, batch, gh)
+    y = x.new_empty((steps, batch, units))
+    hy, cy = torch.empty_like(h0), torch.empty_like(h0)
+    lib = library.load()
+    nbytes = lib.workspace_bytes(num_layers, units, batch, steps)
+    workspace = torch.empty(nbytes, dtype=torch.uint8, device=x.device)
+    gates = torch.empty((num_layers, steps, batch, gh), dtype=torch.float32, device=x.device)
+    cseq = torch.empty((num_layers, steps, batch, units), dtype=torch.float32, device=x.device)
+    forward_into(xproj.contiguous(), params.contiguous(), h0.contiguous(), c0.contiguous(),
+                 lengths, y, hy, cy, workspace, kind="lstm", input_size=input_size,
+                 gates_out=gates, c_out=cseq)
+    # The workspace is the flags, then the sequences of the layers below the top.
+    seq_bytes = (num_layers - 1) * steps * batch * units * x.element_size()
+    hseq = workspace[nbytes - seq_bytes:].view(x.dtype).view(num_layers - 1, steps, batch, units)
+    return y, hy, cy, (hseq, gates, cseq)
+
+
+def backward_layer(w_hh, gates, cseq, c0, dy, dhy, dcy, lengths):
+    """The backward recurrence of one LSTM layer on the kernel.
+
+    w_hh [4H, H], c0, dhy, dcy [B, H] and dy [T, B, H] (the gradient of the
+    layer's output sequence) in the element type; gates [T, B, 4H] and cseq
+    [T, B, H] float32 (`forward_training`'s, of this layer); lengths int32
+    [B] or None. Returns (dgates [T, B, 4H] in the element type: the
+    gradient of the gates' pre-activations, 0 at t >= length; dh0, dc0
+    [B, H] float32). `recurrence_reference` is the same in torch.
+    """
+    library = _library()
+    steps, batch, units = dy.shape
+    dgates = dy.new_empty((steps, batch, 4 * units))
+    dh0 = torch.empty((batch, units), dtype=torch.float32, device=dy.device)
+    dc0 = torch.empty_like(dh0)
+    lib = library.load()
+    workspace = torch.empty(lib.backward_workspace_bytes(), dtype=torch.uint8, device=dy.device)
+    tensors = (w_hh, gates, cseq, c0, dy, dhy, dcy)
+    if not all(t.is_contiguous() for t in tensors):
+        raise ValueError("backward_layer: every tensor must be contiguous")
+    lib.backward(_launch_stream(dy.device),
+                 str(dy.dtype).replace("torch.", ""), units, batch, steps,
+                 w_hh=w_hh.data_ptr(), gates=gates.data_ptr(), cseq=cseq.data_ptr(),
+                 c0=c0.data_ptr(), dy=dy.data_ptr(), dhy=dhy.data_ptr(), dcy=dcy.data_ptr(),
+                 lengths=lengths.data_ptr() if lengths is not None else 0,
+                 dgates=dgates.data_ptr(), dh0=dh0.data_ptr(), dc0=dc0.data_ptr(),
+                 workspace=workspace.data_ptr())
+    return dgates, dh0, dc0
+
+
+def recurrence_reference(w_hh, gates, cseq, c0, dy, dhy, dcy, lengths):
+    """`backward_layer` in torch, step by step (float32 arithmetic, float64
+    for float64 inputs; dgates rounded to the element type as the kernel
+    stores them; any device)."""
+    steps, batch, units = dy.shape
+    acc = _accumulation(dy.dtype)
+    w = w_hh.to(acc)
+    full = torch.full((batch,), steps, device=dy.device)
+    lengths = full if lengths is None else lengths.to(dy.device)
+    dgates = dy.new_zeros((steps, batch, 4 * units))
+    carry = torch.zeros((batch, units), dtype=acc, device=dy.device)
+    rec = torch.zeros_like(carry)
+    for t in reversed(range(steps)):
+        alive = (t < lengths)[:, None]
+        last = (t == lengths - 1)[:, None]
+        dh = rec + dy[t].to(acc) + torch.where(last, dhy.to(acc), torch.zeros_like(rec))
+        dc = torch.where(last, dcy.to(acc), carry)
+        i, f, g, o = gates[t].to(acc).chunk(4, dim=1)
+        c_prev = cseq[t - 1].to(acc) if t > 0 else c0.to(acc)
+        tc = torch.tanh(cseq[t].to(acc))
+        dc = dc + dh * o * (1 - tc * tc)
+        da = torch.cat([dc * g * i * (1 - i), dc * c_prev * f * (1 - f), dc * i * (1 - g * g),
+                        dh * tc * o * (1 - o)], dim=1)
+        da = torch.where(alive, da, torch.zeros_like(da)).to(dy.dtype)
+        carry = torch.where(alive, dc * f, torch.zeros_like(carry))
+        dgates[t] = da
+        rec = da.to(acc) @ w
+    return dgates, rec, carry
+
+
+def _accumulation(dtype: torch.dtype) -> torch.dtype:
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def reference_forward_saving(x: torch.Tensor, params: torch.Tensor, h0: torch.Tensor,
+                             c0: torch.Tensor, lengths: torch.Tensor | None):
+    """`forward_training` in torch, step by step (any device and dtype; float32
+    arithmetic, float64 for float64 inputs): the same outputs and saved
+    tensors, h rounded to x's dtype between steps and layers, 0 in the
+    sequences at t >= length, as the kernel writes them."""
+    steps, batch, input_size = x.shape
+    num_layers, _, units = h0.shape
+    acc = _accumulation(x.dtype)
+    views = _layer_views(params, num_layers, units, input_size)
+    nb = sum(4 * units * (w_ih.shape[1] + units) for w_ih, _ in views)
+    lens = torch.full((batch,), steps, device=x.device) if lengths is None else lengths.to(x.device)
+    alive = (torch.arange(steps, device=x.device)[:, None] < lens[None, :])[..., None]
+    gates = x.new_empty((num_layers, steps, batch, 4 * units), dtype=acc)
+    cseq = x.new_empty((num_layers, steps, batch, units), dtype=acc)
+    seqs, hy, cy = [], torch.empty_like(h0), torch.empty_like(c0)
+    inp = x
+    for l, (w_ih, w_hh) in enumerate(views):
+        b = (params[nb + 8 * units * l: nb + 8 * units * l + 4 * units].to(acc)
+             + params[nb + 8 * units * l + 4 * units: nb + 8 * units * (l + 1)].to(acc))
+        xp = inp.to(acc) @ w_ih.to(acc).t() + b
+        h, c = h0[l], c0[l].to(acc)
+        out = x.new_empty((steps, batch, units))
+        for t in range(steps):
+            pre = xp[t] + h.to(acc) @ w_hh.to(acc).t()
+            a_i, a_f, a_g, a_o = pre.chunk(4, dim=1)
+            i, f, g, o = torch.sigmoid(a_i), torch.sigmoid(a_f), torch.tanh(a_g), torch.sigmoid(a_o)
+            c = f * c + i * g
+            h_new = (o * torch.tanh(c)).to(x.dtype)
+            gates[l, t] = torch.cat([i, f, g, o], dim=1)
+            cseq[l, t] = c
+            out[t] = torch.where(alive[t], h_new, torch.zeros_like(h_new))
+            last = (t == lens - 1)[:, None]
+            hy[l] = torch.where(last, h_new, hy[l])
+            cy[l] = torch.where(last, c.to(x.dtype), cy[l])
+            h = out[t]
+        seqs.append(out)
+        inp = out
+    hseq = (torch.stack(seqs[:-1]) if num_layers > 1
+            else x.new_empty((0, steps, batch, units)))
+    return seqs[-1], hy, cy, (hseq, gates, cseq)
+
+
+def _layer_views(params: torch.Tensor, num_layers: int, units: int, input_size: int):
+    """Per layer (w_ih [4H, n], w_hh [4H, H]) views of the canonical buffer."""
+    gh, off, views = 4 * units, 0, []
+    for l in range(num_layers):
+        n = input_size if l == 0 else units
+        w_ih = params[off: off + gh * n].view(gh, n)
+        w_hh = params[off + gh * n: off + gh * (n + units)].view(gh, units)
+        views.append((w_ih, w_hh))
+        off += gh * (n + units)
+    return views
+
+
+def backward_stack(params, x, h0, c0, lengths, y, saved, dy, dhy, dcy, *,
+                   recurrence=backward_layer):
+    """The gradients of an LSTM stack's forward (`forward_training`) from what
+    it saved, layer by layer from the top: the recurrence on the kernel
+    (`recurrence`, `backward_layer`), the rest as GEMMs: dx^l = dgates^l
+    W_ih^l (the layer below's dy), dW_ih^l = dgates^T x^l, dW_hh^l =
+    dgates^T [h0, h_0..h_{T-2}], db_ih = db_hh = the sum of dgates.
+
+    Returns (dx [T, B, I], dparams in the canonical flat layout, dh0, dc0
+    [L, B, H]), all in x's dtype; dy, dhy, dcy may be None (zero).
+    """
+    hseq, gates, cseq = saved
+    steps, batch, input_size = x.shape
+    num_layers, _, units = h0.shape
+    gh = 4 * units
+    dtype = x.dtype
+    views = _layer_views(params, num_layers, units, input_size)
+    dy = torch.zeros_like(y) if dy is None else dy.to(dtype).contiguous()
+    dhy = torch.zeros_like(h0) if dhy is None else dhy.to(dtype).contiguous()
+    dcy = torch.zeros_like(c0) if dcy is None else dcy.to(dtype).contiguous()
+    lens = lengths.to(torch.int32).contiguous() if lengths is not None else None
+    mats, biases = [None] * num_layers, [None] * num_layers
+    dh0, dc0 = torch.empty_like(h0), torch.empty_like(c0)
+    grad = dy  # of layer l's output sequence
+    for l in reversed(range(num_layers)):
+        w_ih, w_hh = views[l]
+        inp = x if l == 0 else hseq[l - 1]
+        out = y if l == num_layers - 1 else hseq[l]
+        dgates, dh0_l, dc0_l = recurrence(w_hh.contiguous(), gates[l], cseq[l],
+                                          c0[l].contiguous(), grad, dhy[l], dcy[l], lens)
+        dh0[l], dc0[l] = dh0_l.to(dtype), dc0_l.to(dtype)
+        dg = dgates.view(steps * batch, gh)
+        h_prev = torch.cat([h0[l:l + 1], out[:-1]]).view(steps * batch, units)
+        d_w_ih = dg.t() @ inp.reshape(steps * batch, inp.shape[-1])
+        d_w_hh = dg.t() @ h_prev
+        d_b = dg.sum(0, dtype=_accumulation(dtype)).to(dtype)
+        mats[l] = torch.cat([d_w_ih.reshape(-1), d_w_hh.reshape(-1)])
+        biases[l] = torch.cat([d_b, d_b])
+        grad = (dg @ w_ih).view(steps, batch, inp.shape[-1])
+    return grad, torch.cat(mats + biases), dh0, dc0
+
+
+class _TrainableLSTM(torch.autograd.Function):
+    """forward: `saving(x, params, h0, c0, lengths)` (the kernel saving gates
+    and c); backward: `backward_stack` with `recurrence`."""
+
+    @staticmethod
+    def forward(ctx, x, params, h0, c0, lengths, saving, recurrence):
+        y, hy, cy, saved = saving(x, params, h0, c0, lengths)
+        ctx.save_for_backward(x, params, h0, c0, y, *saved)
+        ctx.lengths, ctx.recurrence = lengths, recurrence
+        return y, hy, cy
+
+    @staticmethod
+    def backward(ctx, dy, dhy, dcy):
+        x, params, h0, c0, y, *saved = ctx.saved_tensors
+        dx, dparams, dh0, dc0 = backward_stack(params, x, h0, c0, ctx.lengths, y, saved, dy,
+                                               dhy, dcy, recurrence=ctx.recurrence)
+        return dx, dparams, dh0, dc0, None, None, None
+
+
+def trainable_forward(x: torch.Tensor, params: torch.Tensor, h0: torch.Tensor,
+                      c0: torch.Tensor, lengths: torch.Tensor | None = None, *,
+                      saving=None, recurrence=None):
+    """An LSTM stack on the kernel with the kernel's gradient (autograd).
+
+    Like `forward(x, params, h0, c0, lengths, kind="lstm")`, differentiable
+    with respect to x, params (so the tensors it was made of: `flat_params`
+    is a `torch.cat`), h0 and c0; the backward is `backward_stack` on the
+    backward kernel. `saving` and `recurrence` replace the two kernels
+    (tests run torch versions of them on the CPU). Outside the kernels'
+    limits it raises `library.WavefrontError` (`training_reason` says so
+    beforehand).
+
+    Example (on an H200):
+
+        >>> lstm = torch.nn.LSTM(512, 512, 4).cuda().half()  # doctest: +SKIP
+        >>> y, hy, cy = trainable_forward(x, flat_params(lstm), h0, c0)  # doctest: +SKIP
+        >>> (y.float().square().sum()).backward()  # doctest: +SKIP
+        >>> lstm.weight_hh_l0.grad  # the backward kernel's  # doctest: +SKIP
+    """
+    if c0 is None:
+        raise ValueError("trainable_forward: an LSTM needs c0")
+    lens = lengths.to(torch.int32).contiguous() if lengths is not None else None
+    return _TrainableLSTM.apply(x.contiguous(), params.contiguous(), h0.contiguous(),
+                                c0.contiguous(), lens, saving or forward_training,
+                                recurrence or backward_layer)
+
+
+def training_reason(kind: str, num_layers: int, units: int, batch: int, steps: int,
+                    input_size: int, dtype: torch.dtype, device: torch.device) -> str | None:
+    """Why `trainable_forward` cannot run this stack here, or None: the
+    forward's `unsupported_reason`, an LSTM only (a GRU trains on cuDNN), and
+    the backward kernel's plan (`library.training_reason`)."""
+    reason = unsupported_reason(kind, num_layers, units, batch, steps, input_size, dtype,
+                                device)
+    if reason is not None:
+        return reason
+    ordinal = device.index if device.index is not None else torch.cuda.current_device()
+    return _library().training_reason(kind, num_layers, units, batch, steps, input_size,
+                                      ordinal)
+
+
+def run_trainable(sequences, *, stack, initial_h=None, initial_c=None, mask=None,
+                  reverse=False, dropout=0.0):
+    """`run_stack` for training: the kernel's forward AND backward (an LSTM
+    stack; the gradient reaches the Keras variables through
+    `pack_params`). Not used by the tuner or `run_differentiable` yet (the
+    switch for when the H200 shows it exact and faster than cuDNN's).
+
+    Raises:
+        NotImplementedError: the kernels cannot run this call (the reason).
+    """
+    from rnnfuse.backends import torch as kernels
+    from rnnfuse.backends.base import StackRun
+    from rnnfuse.reasons import KernelRun
+
+    x = sequences
+    batch, steps, input_size = (int(d) for d in x.shape)
+    reason = unsupported_reason(
+        stack.kind, stack.num_levels, stack.units, batch, steps, input_size, x.dtype, x.device,
+        directions=stack.num_directions, proj_size=stack.proj_size,
+        summed_inputs=any(stack.input_scale(i) is not None for i in range(stack.num_levels)),
+        dropout=dropout)
+    if reason is None:
+        reason = training_reason(stack.kind, stack.num_levels, stack.units, batch, steps,
+                                 input_size, x.dtype, x.device)
+    if reason is not None:
+        raise NotImplementedError(reason)
+    lengths = None
+    if mask is not None:
+        lengths = torch.as_tensor(mask, device=x.device).to(torch.int32).sum(dim=1)
+    if reverse:
+        full = lengths if lengths is not None else torch.full((batch,), steps, device=x.device)
+        x = kernels._reverse_within_lengths(x, full)
+    params = flat_params(kernels.pack_params(stack, x.dtype, x.device))
+    h0 = kernels._states(initial_h, stack, stack.units, batch, x)
+    c0 = kernels._states(initial_c, stack, stack.units, batch, x)
+    y, hy, cy = trainable_forward(x.transpose(0, 1), params, h0, c0, lengths)
+    return StackRun(y.transpose(0, 1), hy, cy, KernelRun(TRAINING_KERNEL_NAME))
 
 
 def run_stack(sequences, *, stack, initial_h=None, initial_c=None, mask=None, reverse=False,

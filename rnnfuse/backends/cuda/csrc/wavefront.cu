@@ -417,14 +417,27 @@ __device__ __forceinline__ void wavefront_body(const Args& a) {
         if (!a.gru) {
           float2& cc = *reinterpret_cast<float2*>(cs + nb * U + u);
           const float cold[2] = {cc.x, cc.y};
+          float act[4][2];  // i, f, g, o
 #pragma unroll
           for (int v = 0; v < 2; ++v) {
-            const float ig = sigmoid(pre[0][v]), fg = sigmoid(pre[1][v]);
-            const float gg = fast_tanh(pre[2][v]), og = sigmoid(pre[3][v]);
-            cv[v] = fg * cold[v] + ig * gg;
-            h[v] = og * fast_tanh(cv[v]);
+            act[0][v] = sigmoid(pre[0][v]);
+            act[1][v] = sigmoid(pre[1][v]);
+            act[2][v] = fast_tanh(pre[2][v]);
+            act[3][v] = sigmoid(pre[3][v]);
+            cv[v] = act[1][v] * cold[v] + act[0][v] * act[2][v];
+            h[v] = act[3][v] * fast_tanh(cv[v]);
           }
           cc = make_float2(cv[0], cv[1]);
+          if (a.gates_out) {  // training: what the backward reads
+            float* gp = a.gates_out + ((static_cast<size_t>(l) * steps + t) * B + nb) * 4 * H +
+                        u0 + u;
+#pragma unroll
+            for (int g = 0; g < 4; ++g)
+              *reinterpret_cast<float2*>(gp + g * H) = make_float2(act[g][0], act[g][1]);
+          }
+          if (a.c_out)
+            *reinterpret_cast<float2*>(a.c_out + ((static_cast<size_t>(l) * steps + t) * B + nb) *
+                                                     H + u0 + u) = make_float2(cv[0], cv[1]);
         } else {
           const float2 hp = E::unpack(*reinterpret_cast<const uint32_t*>(hs + n * KS + p.kin + u0 + u));
           const float hps[2] = {hp.x, hp.y};
@@ -458,6 +471,187 @@ __device__ __forceinline__ void wavefront_body(const Args& a) {
   cp_async_wait_all();
 }
 
+// ---------------------------------------------------------------------------
+// The backward kernel of one LSTM layer (wavefront.cuh: "The backward
+// kernel"). CTA (group s, block j) owns units [16j, 16j+16) of the batch
+// rows [s*rows, (s+1)*rows).
+template <typename T>
+__device__ __forceinline__ void backward_body(const BwdArgs& a) {
+  using E = Elem<T>;
+  extern __shared__ __align__(16) unsigned char smem[];
+
+  const int cta = blockIdx.x;
+  const int s = cta / a.ctas_per_group, j = cta % a.ctas_per_group;
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+  const int H = a.H, B = a.B, steps = a.T, G4 = 4 * H;
+  const int u0 = j * kBwdUnits, row0 = s * a.rows;
+  const int rows = min(a.rows, B - row0);  // >= 1 (the plan makes no empty group)
+  const int kt = a.kt, KS = a.kpad + kHsPad;
+
+  T* ds = reinterpret_cast<T*>(smem + a.smem_ds);              // [kBwdChunk][KS]
+  float* part = reinterpret_cast<float*>(smem + a.smem_part);  // [kWarps][kBwdChunk][kBwdPartStride]
+  float* dcs = reinterpret_cast<float*>(smem + a.smem_dc);     // [rows][kBwdUnits]
+  int* lens = reinterpret_cast<int*>(smem + a.smem_len);       // [rows]
+
+  // --- this warp's W_hh^T block as mma A fragments: A[r][k] = W_hh[k][u0 + r]
+  // (rows: the CTA's 16 units; k: gate columns [warp*16*kt, +16*kt)) ------
+  const unsigned short* W = static_cast<const unsigned short*>(a.w_hh);
+  uint32_t wa[kBwdMaxKt][4];
+#pragma unroll
+  for (int jt = 0; jt < kBwdMaxKt; ++jt) {
+#pragma unroll
+    for (int q = 0; q < 4; ++q) {
+      const int r = (lane >> 2) + ((q & 1) ? 8 : 0);
+      const int k = (warp * kt + jt) * 16 + (lane & 3) * 2 + ((q & 2) ? 8 : 0);
+      uint32_t w = 0;
+      if (jt < kt && u0 + r < H && k < G4) {
+        const size_t off = static_cast<size_t>(k) * H + u0 + r;
+        w = static_cast<uint32_t>(W[off]) | (static_cast<uint32_t>(W[off + H]) << 16);
+      }
+      wa[jt][q] = w;
+    }
+  }
+
+  for (int idx = tid; idx < kBwdChunk * KS; idx += kThreads) ds[idx] = T(0.0f);
+  for (int idx = tid; idx < rows * kBwdUnits; idx += kThreads) dcs[idx] = 0.0f;
+  for (int n = tid; n < rows; n += kThreads) {
+    const int len = a.lengths ? a.lengths[row0 + n] : steps;
+    lens[n] = len < steps ? len : steps;
+  }
+  __syncthreads();
+
+  const T* dgates_in = static_cast<const T*>(a.dgates);
+  T* dgates = static_cast<T*>(a.dgates);
+  const T* dy = static_cast<const T*>(a.dy);
+  const T* dhy = static_cast<const T*>(a.dhy);
+  const T* dcy = static_cast<const T*>(a.dcy);
+  const T* c0 = static_cast<const T*>(a.c0);
+  const unsigned* group_flags = a.flags + s * a.ctas_per_group;
+  const int per_row = G4 / 8;  // 16-byte pieces of one row of da
+  const int st_n0 = tid / per_row, st_q0 = tid % per_row;
+  const int st_dn = kThreads / per_row, st_dq = kThreads % per_row;
+  const int nchunks = (rows + kBwdChunk - 1) / kBwdChunk;
+  bool waits = true;  // false after a timed-out wait (then the results are wrong, flagged)
+
+  // t = T-1 .. 0: step t; t = -1: only the product, dh0 = W_hh^T da_0.
+  for (int t = steps - 1; t >= -1; --t) {
+    const bool product = t < steps - 1;
+    if (product && warp == 0 && waits) {
+      const unsigned need = static_cast<unsigned>(steps - 1 - t);  // step t+1 done
+      for (int i = lane; i < a.ctas_per_group; i += 32) {
+        const unsigned long long start = global_ns();
+        while (load_acquire(group_flags + i) < need) {
+          if (global_ns() - start > kBwdWaitNs) {
+            atomicExch(a.flags + a.ctas, 1u);
+            waits = false;
+            break;
+          }
+        }
+      }
+      __syncwarp();
+    }
+    __syncthreads();
+
+    for (int c = 0; c < nchunks; ++c) {
+      const int n0 = c * kBwdChunk, nc = min(kBwdChunk, rows - n0);
+      if (product) {
+        // --- stage da_{t+1} of the chunk's rows, all 4H columns ---------
+        const T* src0 = dgates_in + (static_cast<size_t>(t + 1) * B + row0 + n0) * G4;
+        int n = st_n0, q = st_q0;
+        while (n < nc) {
+          cp_async16(ds + n * KS + q * 8, src0 + static_cast<size_t>(n) * G4 + q * 8);
+          q += st_dq;
+          n += st_dn;
+          if (q >= per_row) {
+            q -= per_row;
+            ++n;
+          }
+        }
+        cp_async_commit();
+        cp_async_wait_all();
+        __syncthreads();
+        // --- this warp's partial dh^T: 16 units x nc rows over its K range
+        float acc[2][4];
+#pragma unroll
+        for (int nt = 0; nt < 2; ++nt)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) acc[nt][e] = 0.0f;
+        const bool two = nc > 8;
+#pragma unroll
+        for (int jt = 0; jt < kBwdMaxKt; ++jt) {
+          if (jt < kt) {
+            const int kcol = (warp * kt + jt) * 16;
+            const int qq = lane >> 3;
+            const int nn = (qq >> 1) * 8 + (lane & 7), kk = kcol + (qq & 1) * 8;
+            uint32_t b00, b01, b10, b11;
+            ldmatrix_x4(b00, b01, b10, b11, ds + nn * KS + kk);
+            E::mma(acc[0], wa[jt], b00, b01);
+            if (two) E::mma(acc[1], wa[jt], b10, b11);
+          }
+        }
+        // C fragment (unit row, batch col) -> part[warp][col][row]
+        float* pw = part + warp * kBwdChunk * kBwdPartStride;
+#pragma unroll
+        for (int nt = 0; nt < 2; ++nt) {
+          const int row = lane >> 2, col = nt * 8 + (lane & 3) * 2;
+          pw[col * kBwdPartStride + row] = acc[nt][0];
+          pw[(col + 1) * kBwdPartStride + row] = acc[nt][1];
+          pw[col * kBwdPartStride + row + 8] = acc[nt][2];
+          pw[(col + 1) * kBwdPartStride + row + 8] = acc[nt][3];
+        }
+        __syncthreads();
+      }
+
+      // --- pointwise: one (row, unit) a thread ----------------------------
+      const int n = tid / kBwdUnits, u = tid % kBwdUnits;
+      const int nl = n0 + n, nb = row0 + nl, ug = u0 + u;
+      if (n < nc && ug < H) {
+        float rec = 0.0f;  // (W_hh^T da_{t+1})[nb][ug]
+        if (product) {
+#pragma unroll
+          for (int w = 0; w < kWarps; ++w) rec += part[(w * kBwdChunk + n) * kBwdPartStride + u];
+        }
+        const size_t o = static_cast<size_t>(nb) * H + ug;
+        if (t < 0) {
+          a.dh0[o] = rec;
+        } else {
+          const int len = lens[nl];
+          float da[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+          float carry = 0.0f;
+          if (t < len) {
+            const size_t ot = static_cast<size_t>(t) * B * H + o;
+            float dh = rec + E::to_float(dy[ot]);
+            float dc = dcs[nl * kBwdUnits + u];
+            if (t == len - 1) {
+              dh += E::to_float(dhy[o]);
+              dc = E::to_float(dcy[o]);
+            }
+            const float* gp = a.gates + (static_cast<size_t>(t) * B + nb) * G4 + ug;
+            const float ig = gp[0], fg = gp[H], gg = gp[2 * H], og = gp[3 * H];
+            const float ct = a.cseq[ot];
+            const float cp = t > 0 ? a.cseq[ot - static_cast<size_t>(B) * H] : E::to_float(c0[o]);
+            const float tc = tanhf(ct);
+            dc += dh * og * (1.0f - tc * tc);
+            da[0] = dc * gg * ig * (1.0f - ig);
+            da[1] = dc * cp * fg * (1.0f - fg);
+            da[2] = dc * ig * (1.0f - gg * gg);
+            da[3] = dh * tc * og * (1.0f - og);
+            carry = dc * fg;
+          }
+          dcs[nl * kBwdUnits + u] = carry;
+          T* dp = dgates + (static_cast<size_t>(t) * B + nb) * G4 + ug;
+#pragma unroll
+          for (int g = 0; g < 4; ++g) dp[g * H] = T(da[g]);
+          if (t == 0) a.dc0[o] = carry;
+        }
+      }
+      __syncthreads();  // ds and part are the next chunk's
+    }
+
+    if (t >= 0 && tid == 0) publish(a.flags + cta, static_cast<unsigned>(steps - t));
+  }
+}
+
 }  // namespace rnnfuse_wf
 
 extern "C" __global__ void __launch_bounds__(rnnfuse_wf::kThreads, 1)
@@ -468,4 +662,14 @@ extern "C" __global__ void __launch_bounds__(rnnfuse_wf::kThreads, 1)
 extern "C" __global__ void __launch_bounds__(rnnfuse_wf::kThreads, 1)
     rnnfuse_wf_forward_bf16(const __grid_constant__ rnnfuse_wf::Args a) {
   rnnfuse_wf::wavefront_body<__nv_bfloat16>(a);
+}
+
+extern "C" __global__ void __launch_bounds__(rnnfuse_wf::kThreads, 1)
+    rnnfuse_wf_backward_f16(const __grid_constant__ rnnfuse_wf::BwdArgs a) {
+  rnnfuse_wf::backward_body<__half>(a);
+}
+
+extern "C" __global__ void __launch_bounds__(rnnfuse_wf::kThreads, 1)
+    rnnfuse_wf_backward_bf16(const __grid_constant__ rnnfuse_wf::BwdArgs a) {
+  rnnfuse_wf::backward_body<__nv_bfloat16>(a);
 }

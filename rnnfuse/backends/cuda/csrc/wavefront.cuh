@@ -7,6 +7,9 @@
 // keep every layer's weights in registers for the whole sequence and run
 // the layers as a wavefront: layer l works on step t while layer l+1 works
 // on step t-1, so the launch is T+L-1 dependent steps long, not L*T.
+// For training, the forward can also save every layer's gates and c
+// (Args::gates_out, c_out), and a second kernel runs an LSTM layer's
+// backward recurrence ("The backward kernel", below).
 //
 // The plan (wavefront_plan.h; Python asks it through the host library):
 //   every CTA has 8 warps; a CTA of layer l owns U = 8*mg consecutive
@@ -121,6 +124,65 @@ struct Args {
   // trace[(which * trace_steps + t) * kTraceSlots + point].
   unsigned long long* trace;
   int trace_steps;
+  // Optional, for training (null: off; LSTM only): the forward saves what
+  // the backward reads, in float32: every layer's activated gates i, f, g,
+  // o (gates_out [L][T][B][4H], PyTorch's gate-major columns g*H + unit)
+  // and cell states (c_out [L][T][B][H]). Steps at t >= len hold values
+  // the backward never reads.
+  float* gates_out;
+  float* c_out;
+};
+
+// ---------------------------------------------------------------------------
+// The backward kernel (one LSTM layer a launch; layers run top to bottom,
+// the torch binding does the large GEMMs between them). It runs the
+// reverse recurrence of the layer
+//   dh_t  = dy_t + W_hh^T da_{t+1}   (+ dhy at t = len-1)
+//   dc_t  = dc carried from t+1 (dcy at t = len-1) + dh_t o (1 - tanh^2 c_t)
+//   da_t  = the pre-activation gate gradients [4H] (i, f, g, o)
+//   carry = dc_t f_t;  dc0 = carry after t = 0;  dh0 = W_hh^T da_0
+// for t = T-1 .. 0 and writes da [T][B][4H] (zero at t >= len), dh0, dc0.
+//
+// The split: a CTA owns kBwdUnits = 16 consecutive units (one m16 tile:
+// the product is dh^T [units x batch] = W_hh^T [units x 4H] . da^T) and a
+// group of `rows` batch rows; batch rows are independent, so a CTA waits
+// only for the CTAs of its own group (which together write all 4H gate
+// gradients of those rows). Its 8 warps split K = 4H: warp w holds W_hh^T
+// rows of its 16 units against gate columns [w*16*kt, (w+1)*16*kt) as
+// mma.sync A fragments in registers (kt <= kBwdMaxKt k-tiles, 4 registers
+// each), loaded once. Each step (per chunk of kBwdChunk rows of the group):
+// wait for the group's flags (step t+1 done), cp.async da_{t+1} of those
+// rows [chunk][4H] from L2 into shared memory, multiply, sum the 8 warps'
+// partials in shared memory, then one (row, unit) a thread: the pointwise
+// backward from the forward's saved float32 gates and c (gates_out,
+// c_out), dc carried in shared memory in float32, da written in the
+// element type; then publish, as in the forward.
+constexpr int kBwdUnits = 16;   // units a CTA owns
+constexpr int kBwdChunk = 16;   // batch rows per staged chunk (2 n-tiles)
+constexpr int kBwdMaxKt = 32;   // k-tiles a warp can hold (4H <= 8 * 16 * 32: H <= 1024)
+constexpr int kBwdPartStride = 20;  // floats per part row (16 units + 4: conflict-free stores)
+constexpr unsigned long long kBwdWaitNs = 4000000000ull;  // a wait this long is a bug: bail out
+
+struct BwdArgs {
+  int H, B, T;
+  int ctas;        // groups * ctas_per_group
+  int ctas_per_group;  // ceil(H / kBwdUnits)
+  int rows;        // batch rows a group (a multiple of 8)
+  int kt;          // k-tiles (of 16 gate columns) a warp holds
+  int kpad;        // 4H padded to kWarps * 16 * kt
+  int smem_ds, smem_part, smem_dc, smem_len, smem_total;
+  const void* w_hh;    // this layer's W_hh [4H][H] (element type)
+  const float* gates;  // [T][B][4H]: the forward's gates_out of this layer
+  const float* cseq;   // [T][B][H]: the forward's c_out of this layer
+  const void* c0;      // [B][H]
+  const void* dy;      // [T][B][H]: gradient of the layer's output sequence
+  const void* dhy;     // [B][H]: gradient of its final h
+  const void* dcy;     // [B][H]: gradient of its final c
+  const int* lengths;  // [B] or null
+  void* dgates;        // [T][B][4H] out (element type)
+  float* dh0;          // [B][H] out
+  float* dc0;          // [B][H] out
+  unsigned* flags;     // [ctas + 1], zero at launch; flags[ctas] != 0: a wait timed out
 };
 
 constexpr int kTracePoints = 6;  // start, waited, staged, multiplied, pointwise, published

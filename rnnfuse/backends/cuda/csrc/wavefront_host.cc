@@ -18,6 +18,9 @@
 //   rnnfuse_wf_workspace_bytes  bytes of workspace a call needs
 //   rnnfuse_wf_device_limits    SM count, shared-memory limit, compute capability
 //   rnnfuse_wf_forward(...)     one forward pass on a stream
+//   rnnfuse_wf_forward_saving   the same, also saving gates and c (training)
+//   rnnfuse_wf_backward_plan    can the backward run one LSTM layer? (no GPU)
+//   rnnfuse_wf_backward(...)    the backward recurrence of one LSTM layer
 
 #include <dlfcn.h>
 #include <stddef.h>
@@ -133,7 +136,8 @@ std::string DriverError(Driver* d, const char* what, CUresult r) {
 struct Kernels {
   CUmodule module = nullptr;
   CUfunction f16 = nullptr, bf16 = nullptr;
-  int configured_smem = 0;
+  CUfunction bwd_f16 = nullptr, bwd_bf16 = nullptr;
+  int configured_smem = 0, configured_bwd_smem = 0;
 };
 
 std::mutex g_mu;
@@ -147,6 +151,8 @@ int GetKernels(Driver* d, CUcontext ctx, Kernels** out) {
     RF_CHECK_CU(d, d->cuModuleLoadData_(&k.module, rnnfuse_wf_cubin_start));
     RF_CHECK_CU(d, d->cuModuleGetFunction_(&k.f16, k.module, "rnnfuse_wf_forward_f16"));
     RF_CHECK_CU(d, d->cuModuleGetFunction_(&k.bf16, k.module, "rnnfuse_wf_forward_bf16"));
+    RF_CHECK_CU(d, d->cuModuleGetFunction_(&k.bwd_f16, k.module, "rnnfuse_wf_backward_f16"));
+    RF_CHECK_CU(d, d->cuModuleGetFunction_(&k.bwd_bf16, k.module, "rnnfuse_wf_backward_bf16"));
   }
   *out = &k;
   return 0;
@@ -175,6 +181,109 @@ bool PlanInto(int gru, int num_layers, int units, int batch, int steps, int inpu
     return true;
   g_error = why;
   return false;
+}
+
+// Makes the context of stream `s` (or the current one) current for the
+// object's lifetime and reads the device's limits; `rc` != 0 on failure.
+struct StreamContext {
+  Driver* d;
+  CUcontext ctx = nullptr;
+  bool pushed = false;
+  int rc = 0;
+  int sms = 0, smem_limit = 0, major = 0, minor = 0;
+  StreamContext(Driver* driver, CUstream s) : d(driver) {
+    rc = Init(s);
+  }
+  int Init(CUstream s) {
+    if (s) {
+      RF_CHECK_CU(d, d->cuStreamGetCtx_(s, &ctx));
+    } else {
+      RF_CHECK_CU(d, d->cuCtxGetCurrent_(&ctx));
+    }
+    if (!ctx) return Fail("no CUDA context is current (initialise the framework's GPU first)");
+    RF_CHECK_CU(d, d->cuCtxPushCurrent_(ctx));
+    pushed = true;
+    CUdevice dev;
+    RF_CHECK_CU(d, d->cuCtxGetDevice_(&dev));
+    if (DeviceLimits(d, dev, &sms, &smem_limit, &major, &minor) != 0) return -1;
+    if (major != 9) {
+      return Fail("the wavefront kernel is built for compute capability 9.0 (Hopper); this GPU "
+                  "is " + std::to_string(major) + "." + std::to_string(minor));
+    }
+    return 0;
+  }
+  ~StreamContext() {
+    if (pushed) {
+      CUcontext c;
+      d->cuCtxPopCurrent_(&c);
+    }
+  }
+};
+
+// A cooperative launch of `ctas` CTAs of kThreads threads (every CTA must
+// be resident at once: they wait on each other), after zeroing `flag_words`
+// words at `flags`.
+int LaunchCooperative(Driver* d, CUfunction f, CUstream s, int sms, int ctas, int smem,
+                      void* args, void* flags, size_t flag_words) {
+  int per_sm = 0;
+  RF_CHECK_CU(d, d->cuOccupancyMaxActiveBlocksPerMultiprocessor_(&per_sm, f,
+                                                                  rnnfuse_wf::kThreads, smem));
+  if (per_sm * sms < ctas) {
+    return Fail("the wavefront kernel's " + std::to_string(ctas) +
+                " CTAs cannot all be resident (" + std::to_string(per_sm) +
+                " a multiprocessor, " + std::to_string(sms) + " multiprocessors)");
+  }
+  CUlaunchAttribute cooperative;
+  memset(&cooperative, 0, sizeof(cooperative));
+  cooperative.id = CU_LAUNCH_ATTRIBUTE_COOPERATIVE;
+  cooperative.value.cooperative = 1;
+  CUlaunchConfig cfg;
+  memset(&cfg, 0, sizeof(cfg));
+  cfg.gridDimX = static_cast<unsigned>(ctas);
+  cfg.gridDimY = cfg.gridDimZ = 1;
+  cfg.blockDimX = rnnfuse_wf::kThreads;
+  cfg.blockDimY = cfg.blockDimZ = 1;
+  cfg.sharedMemBytes = static_cast<unsigned>(smem);
+  cfg.hStream = s;
+  cfg.attrs = &cooperative;
+  cfg.numAttrs = 1;
+  RF_CHECK_CU(d, d->cuMemsetD32Async_(reinterpret_cast<CUdeviceptr>(flags), 0, flag_words, s));
+  void* params_list[] = {args};
+  RF_CHECK_CU(d, d->cuLaunchKernelEx_(&cfg, f, params_list, nullptr));
+  return 0;
+}
+
+// Raises the kernels' dynamic shared-memory limit to `smem` if needed.
+int ConfigureSmem(Driver* d, CUfunction a, CUfunction b, int smem, int* configured) {
+  std::lock_guard<std::mutex> lock(g_mu);
+  if (smem > *configured) {
+    RF_CHECK_CU(d, d->cuFuncSetAttribute_(a, CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                                          smem));
+    RF_CHECK_CU(d, d->cuFuncSetAttribute_(b, CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                                          smem));
+    *configured = smem;
+  }
+  return 0;
+}
+
+// The backward's flags: one a CTA and the timed-out word after them.
+constexpr int kBwdMaxCtas = 1024;
+size_t BwdFlagBytes() { return AlignUp((kBwdMaxCtas + 1) * 4); }
+
+bool PlanBackwardInto(int units, int batch, int steps, int sms, int smem_limit,
+                      rnnfuse_wf::BwdArgs* args) {
+  memset(args, 0, sizeof(*args));
+  char why[512];
+  if (!rnnfuse_wf::PlanBackward(units, batch, steps, sms, smem_limit, args, why, sizeof(why))) {
+    g_error = why;
+    return false;
+  }
+  if (args->ctas > kBwdMaxCtas) {
+    g_error = "the wavefront backward kernel runs at most " + std::to_string(kBwdMaxCtas) +
+              " CTAs";
+    return false;
+  }
+  return true;
 }
 
 }  // namespace
@@ -239,48 +348,30 @@ __attribute__((visibility("default"))) int rnnfuse_wf_device_limits(int ordinal,
   return DeviceLimits(d, dev, sms, smem, major, minor);
 }
 
-// One forward pass. dtype: 0 float16, 1 bfloat16. Pointers are device
+// One forward pass, saving what the backward reads where `gates_out` and
+// `c_out` are not null (LSTM; float32 [L][T][B][4H] and [L][T][B][H], see
+// wavefront.cuh). dtype: 0 float16, 1 bfloat16. Pointers are device
 // pointers laid out as wavefront.cuh's Args says; `lengths` may be null
 // (every sequence `steps` long); `cy`/`c0` are ignored for a GRU;
 // `workspace` holds rnnfuse_wf_workspace_bytes. mode: 0 (wavefront.cuh has
 // the debug modes). trace: null, or 2 * trace_steps * kTraceSlots uint64
 // for the timeline (wavefront.cuh).
-__attribute__((visibility("default"))) int rnnfuse_wf_forward(
+__attribute__((visibility("default"))) int rnnfuse_wf_forward_saving(
     void* stream, int dtype, int gru, int num_layers, int units, int batch, int steps,
     int input_size, const void* xproj, const void* params, const void* h0, const void* c0,
     const int* lengths, void* y, void* hy, void* cy, void* workspace, int mode,
-    unsigned long long* trace, int trace_steps) {
+    unsigned long long* trace, int trace_steps, float* gates_out, float* c_out) {
   Driver* d = GetDriver();
   if (!d->ok) return Fail(d->why);
   if (dtype != 0 && dtype != 1) return Fail("dtype must be 0 (float16) or 1 (bfloat16)");
+  if (gru && (gates_out || c_out)) return Fail("the wavefront kernel saves LSTM gates only");
   CUstream s = static_cast<CUstream>(stream);
-  CUcontext ctx = nullptr;
-  if (s) {
-    RF_CHECK_CU(d, d->cuStreamGetCtx_(s, &ctx));
-  } else {
-    RF_CHECK_CU(d, d->cuCtxGetCurrent_(&ctx));
-  }
-  if (!ctx) return Fail("no CUDA context is current (initialise the framework's GPU first)");
-  RF_CHECK_CU(d, d->cuCtxPushCurrent_(ctx));
-  struct Pop {
-    Driver* d;
-    ~Pop() {
-      CUcontext c;
-      d->cuCtxPopCurrent_(&c);
-    }
-  } pop{d};
-
-  int sms = 0, smem_limit = 0, major = 0, minor = 0;
-  CUdevice dev;
-  RF_CHECK_CU(d, d->cuCtxGetDevice_(&dev));
-  if (DeviceLimits(d, dev, &sms, &smem_limit, &major, &minor) != 0) return -1;
-  if (major != 9) {
-    return Fail("the wavefront kernel is built for compute capability 9.0 (Hopper); this GPU is " +
-                std::to_string(major) + "." + std::to_string(minor));
-  }
+  StreamContext sc(d, s);
+  if (sc.rc != 0) return -1;
   Args args;
   int smem = 0;
-  if (!PlanInto(gru, num_layers, units, batch, steps, input_size, sms, smem_limit, &args, &smem))
+  if (!PlanInto(gru, num_layers, units, batch, steps, input_size, sc.sms, sc.smem_limit, &args,
+                &smem))
     return -1;
   args.mode = mode;
   args.trace = trace;
@@ -295,50 +386,89 @@ __attribute__((visibility("default"))) int rnnfuse_wf_forward(
   args.cy = cy;
   args.flags = static_cast<unsigned*>(workspace);
   args.work = static_cast<unsigned char*>(workspace) + FlagBytes(num_layers);
+  args.gates_out = gates_out;
+  args.c_out = c_out;
 
   Kernels* k = nullptr;
-  if (GetKernels(d, ctx, &k) != 0) return -1;
-  CUfunction f = dtype == 0 ? k->f16 : k->bf16;
-  {
-    std::lock_guard<std::mutex> lock(g_mu);
-    if (smem > k->configured_smem) {
-      RF_CHECK_CU(d, d->cuFuncSetAttribute_(k->f16, CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-                                            smem));
-      RF_CHECK_CU(d, d->cuFuncSetAttribute_(k->bf16,
-                                            CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, smem));
-      k->configured_smem = smem;
-    }
-  }
-  const int ctas = args.cta_start[num_layers];
-  // Every CTA must be resident at once (they wait on each other); the
-  // cooperative launch refuses a grid that cannot be.
-  int per_sm = 0;
-  RF_CHECK_CU(d, d->cuOccupancyMaxActiveBlocksPerMultiprocessor_(&per_sm, f,
-                                                                  rnnfuse_wf::kThreads, smem));
-  if (per_sm * sms < ctas) {
-    return Fail("the wavefront kernel's " + std::to_string(ctas) +
-                " CTAs cannot all be resident (" + std::to_string(per_sm) +
-                " a multiprocessor, " + std::to_string(sms) + " multiprocessors)");
-  }
-  CUlaunchAttribute cooperative;
-  memset(&cooperative, 0, sizeof(cooperative));
-  cooperative.id = CU_LAUNCH_ATTRIBUTE_COOPERATIVE;
-  cooperative.value.cooperative = 1;
-  CUlaunchConfig cfg;
-  memset(&cfg, 0, sizeof(cfg));
-  cfg.gridDimX = static_cast<unsigned>(ctas);
-  cfg.gridDimY = cfg.gridDimZ = 1;
-  cfg.blockDimX = rnnfuse_wf::kThreads;
-  cfg.blockDimY = cfg.blockDimZ = 1;
-  cfg.sharedMemBytes = static_cast<unsigned>(smem);
-  cfg.hStream = s;
-  cfg.attrs = &cooperative;
-  cfg.numAttrs = 1;
-  RF_CHECK_CU(d, d->cuMemsetD32Async_(reinterpret_cast<CUdeviceptr>(workspace), 0,
-                                      FlagBytes(num_layers) / 4, s));
-  void* params_list[] = {&args};
-  RF_CHECK_CU(d, d->cuLaunchKernelEx_(&cfg, f, params_list, nullptr));
-  return 0;
+  if (GetKernels(d, sc.ctx, &k) != 0) return -1;
+  if (ConfigureSmem(d, k->f16, k->bf16, smem, &k->configured_smem) != 0) return -1;
+  return LaunchCooperative(d, dtype == 0 ? k->f16 : k->bf16, s, sc.sms,
+                           args.cta_start[num_layers], smem, &args, workspace,
+                           FlagBytes(num_layers) / 4);
+}
+
+// One forward pass (inference): rnnfuse_wf_forward_saving saving nothing.
+__attribute__((visibility("default"))) int rnnfuse_wf_forward(
+    void* stream, int dtype, int gru, int num_layers, int units, int batch, int steps,
+    int input_size, const void* xproj, const void* params, const void* h0, const void* c0,
+    const int* lengths, void* y, void* hy, void* cy, void* workspace, int mode,
+    unsigned long long* trace, int trace_steps) {
+  return rnnfuse_wf_forward_saving(stream, dtype, gru, num_layers, units, batch, steps,
+                                   input_size, xproj, params, h0, c0, lengths, y, hy, cy,
+                                   workspace, mode, trace, trace_steps, nullptr, nullptr);
+}
+
+// 1 if the backward kernel can run an LSTM layer of `units` at `batch`
+// with these device limits (CTAs, shared bytes a CTA and rows a group in
+// the outputs), 0 if not (the reason in rnnfuse_wf_last_error).
+__attribute__((visibility("default"))) int rnnfuse_wf_backward_plan(int units, int batch,
+                                                                    int steps, int sms,
+                                                                    int smem_limit,
+                                                                    int* ctas_out,
+                                                                    int* smem_out,
+                                                                    int* rows_out) {
+  rnnfuse_wf::BwdArgs args;
+  if (!PlanBackwardInto(units, batch, steps, sms, smem_limit, &args)) return 0;
+  if (ctas_out) *ctas_out = args.ctas;
+  if (smem_out) *smem_out = args.smem_total;
+  if (rows_out) *rows_out = args.rows;
+  return 1;
+}
+
+// Workspace bytes of one backward call: its flags, one a CTA; word `ctas`
+// (the plan's CTA count) is set when a wait timed out (a bug: the results
+// are then wrong).
+__attribute__((visibility("default"))) size_t rnnfuse_wf_backward_workspace_bytes() {
+  return BwdFlagBytes();
+}
+
+// The backward recurrence of one LSTM layer (wavefront.cuh, "The backward
+// kernel"): dgates [T][B][4H] (element type), dh0 and dc0 [B][H] (float32)
+// from the layer's W_hh [4H][H], the forward's saved gates and c of the
+// layer (float32), c0, and the gradients of its output sequence dy
+// [T][B][H] and final states dhy, dcy [B][H] (element type). `lengths` may
+// be null. dtype: 0 float16, 1 bfloat16.
+__attribute__((visibility("default"))) int rnnfuse_wf_backward(
+    void* stream, int dtype, int units, int batch, int steps, const void* w_hh,
+    const float* gates, const float* cseq, const void* c0, const void* dy, const void* dhy,
+    const void* dcy, const int* lengths, void* dgates, float* dh0, float* dc0,
+    void* workspace) {
+  Driver* d = GetDriver();
+  if (!d->ok) return Fail(d->why);
+  if (dtype != 0 && dtype != 1) return Fail("dtype must be 0 (float16) or 1 (bfloat16)");
+  CUstream s = static_cast<CUstream>(stream);
+  StreamContext sc(d, s);
+  if (sc.rc != 0) return -1;
+  rnnfuse_wf::BwdArgs args;
+  if (!PlanBackwardInto(units, batch, steps, sc.sms, sc.smem_limit, &args)) return -1;
+  args.w_hh = w_hh;
+  args.gates = gates;
+  args.cseq = cseq;
+  args.c0 = c0;
+  args.dy = dy;
+  args.dhy = dhy;
+  args.dcy = dcy;
+  args.lengths = lengths;
+  args.dgates = dgates;
+  args.dh0 = dh0;
+  args.dc0 = dc0;
+  args.flags = static_cast<unsigned*>(workspace);
+  Kernels* k = nullptr;
+  if (GetKernels(d, sc.ctx, &k) != 0) return -1;
+  if (ConfigureSmem(d, k->bwd_f16, k->bwd_bf16, args.smem_total, &k->configured_bwd_smem) != 0)
+    return -1;
+  return LaunchCooperative(d, dtype == 0 ? k->bwd_f16 : k->bwd_bf16, s, sc.sms, args.ctas,
+                           args.smem_total, &args, workspace, BwdFlagBytes() / 4);
 }
 
 }  // extern "C"

@@ -136,4 +136,61 @@ inline bool Plan(int gru, int L, int H, int B, int T, int input_size, int sms, i
   return false;
 }
 
+// The backward kernel's plan (wavefront.cuh, "The backward kernel"): one
+// LSTM layer of H units at batch B. ceil(H / 16) CTAs a group of batch
+// rows; as many groups as the SMs hold (the fewest rows a group, a multiple
+// of 8); shared memory: one chunk of da rows, the warps' partial sums, the
+// carried dc and the lengths. Returns true, or false with the reason.
+inline bool PlanBackward(int H, int B, int T, int sms, int smem_limit, BwdArgs* args,
+                         char* why, int why_len) {
+  if (H < 8 || H % 8 != 0 || H > kWarps * 16 * kBwdMaxKt / 4) {
+    snprintf(why, why_len,
+             "the wavefront backward kernel needs units a multiple of 8 up to %d, not %d",
+             kWarps * 16 * kBwdMaxKt / 4, H);
+    return false;
+  }
+  if (B < 1 || T < 1) {
+    snprintf(why, why_len, "the wavefront backward kernel needs batch and steps >= 1");
+    return false;
+  }
+  const int per_group = (H + kBwdUnits - 1) / kBwdUnits;
+  if (per_group > sms) {
+    snprintf(why, why_len,
+             "the wavefront backward kernel needs %d CTAs for %d units, and the device has %d "
+             "SMs", per_group, H, sms);
+    return false;
+  }
+  const int groups_max = sms / per_group;
+  const int want = (B + groups_max - 1) / groups_max;
+  const int rows = (want + 7) / 8 * 8;
+  const int groups = (B + rows - 1) / rows;
+  BwdArgs& a = *args;
+  a.H = H;
+  a.B = B;
+  a.T = T;
+  a.ctas_per_group = per_group;
+  a.rows = rows;
+  a.ctas = groups * per_group;
+  a.kt = (4 * H + kWarps * 16 - 1) / (kWarps * 16);
+  a.kpad = kWarps * 16 * a.kt;
+  int off = 0;
+  a.smem_ds = off;  // [kBwdChunk][kpad + kHsPad] of the element type
+  off += RoundUp16(kBwdChunk * (a.kpad + kHsPad) * 2);
+  a.smem_part = off;  // [kWarps][kBwdChunk][kBwdPartStride] float
+  off += RoundUp16(kWarps * kBwdChunk * kBwdPartStride * 4);
+  a.smem_dc = off;  // [rows][kBwdUnits] float
+  off += RoundUp16(rows * kBwdUnits * 4);
+  a.smem_len = off;  // [rows] int
+  off += RoundUp16(rows * 4);
+  a.smem_total = off;
+  if (off > smem_limit) {
+    snprintf(why, why_len,
+             "the wavefront backward kernel's shared memory does not fit: %d units at batch %d "
+             "need %d bytes a CTA, and the device allows %d",
+             H, B, off, smem_limit);
+    return false;
+  }
+  return true;
+}
+
 }  // namespace rnnfuse_wf

@@ -1,0 +1,147 @@
+"""The training path of rnnfuse's wavefront kernel (torch), on the CPU.
+
+The two kernels (the forward saving gates and c, the backward recurrence)
+run on the H200 only (tests/gpu/test_gpu_wavefront_torch.py); here their
+torch step-by-step versions (`reference_forward_saving`,
+`recurrence_reference`, same inputs, outputs and layouts) stand in, in
+float64, so everything around them is checked exactly: the saved tensors'
+layout, the layer-by-layer backward's GEMMs (dx, dW_ih, dW_hh, both
+biases), the lengths (no gradient at t >= length, the final states'
+gradient entering at length - 1), the initial states, the autograd wiring
+to the flat buffer and from `run_trainable` to the Keras variables, and
+the refusals.
+"""
+
+from __future__ import annotations
+
+import keras
+import pytest
+import torch
+
+from rnnfuse.backends.base import StackSpec
+from rnnfuse.backends.torch import wavefront
+
+TORCH_KERNELS = dict(saving=wavefront.reference_forward_saving,
+                     recurrence=wavefront.recurrence_reference)
+
+
+def _inputs(layers, units, batch, steps, inputs, with_lengths, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    mod = torch.nn.LSTM(inputs, units, layers).double()
+    weights = [w.detach().clone().requires_grad_() for w in mod._flat_weights]
+
+    def rand(*shape, scale=1.0):
+        return (torch.randn(*shape, generator=gen, dtype=torch.float64) * scale).requires_grad_()
+
+    x, h0, c0 = rand(steps, batch, inputs), rand(layers, batch, units, scale=0.5), \
+        rand(layers, batch, units, scale=0.5)
+    lengths = None
+    if with_lengths:
+        lengths = torch.randint(1, steps + 1, (batch,), generator=gen)
+        lengths[0] = steps
+    return weights, x, h0, c0, lengths
+
+
+@pytest.mark.parametrize("shape", [(1, 8, 3, 7, 5), (2, 16, 4, 9, 5), (3, 8, 5, 6, 3)])
+@pytest.mark.parametrize("with_lengths", [False, True])
+def test_the_gradients_are_autograds_of_the_float64_reference(shape, with_lengths):
+    weights, x, h0, c0, lengths = _inputs(*shape, with_lengths)
+    want_out = wavefront.reference_forward("lstm", weights, x, h0, c0, lengths)
+    upstream = [torch.randn_like(t) for t in want_out]
+    leaves = [x, h0, c0, *weights]
+    want = torch.autograd.grad(want_out, leaves, upstream)
+    out = wavefront.trainable_forward(x, wavefront.flat_params(weights), h0, c0, lengths,
+                                      **TORCH_KERNELS)
+    for a, b in zip(out, want_out):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-12)
+    got = torch.autograd.grad(out, leaves, upstream)
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
+
+
+def test_no_gradient_past_a_length_and_the_final_states_enter_at_its_end():
+    weights, x, h0, c0, _ = _inputs(2, 8, 3, 6, 4, False)
+    lengths = torch.tensor([6, 2, 4])
+    y, hy, cy = wavefront.trainable_forward(x, wavefront.flat_params(weights), h0, c0, lengths,
+                                            **TORCH_KERNELS)
+    (dx,) = torch.autograd.grad(hy[-1].sum() + y[5].sum(), [x])
+    assert torch.all(dx[2:, 1] == 0) and torch.any(dx[:2, 1] != 0)
+    assert torch.all(dx[4:, 2] == 0) and torch.any(dx[3, 2] != 0)
+
+
+def test_the_saved_tensors_have_the_kernels_layout():
+    weights, x, h0, c0, lengths = _inputs(3, 8, 2, 5, 4, True)
+    y, hy, cy, (hseq, gates, cseq) = wavefront.reference_forward_saving(
+        x.detach(), wavefront.flat_params(weights).detach(), h0.detach(), c0.detach(), lengths)
+    assert hseq.shape == (2, 5, 2, 8) and gates.shape == (3, 5, 2, 32)
+    assert cseq.shape == (3, 5, 2, 8)
+    ref_y, _, ref_c = wavefront.reference_forward("lstm", weights, x, h0, c0, lengths)
+    torch.testing.assert_close(y, ref_y.detach(), rtol=0, atol=1e-12)
+    # c at each row's last step is its final c; the gates are activations.
+    last = lengths - 1
+    torch.testing.assert_close(cseq[-1, last, torch.arange(2)], ref_c[-1].detach())
+    assert gates.min() >= -1 and gates.max() <= 1
+
+
+def test_the_recurrence_writes_zero_gate_gradients_past_each_length():
+    steps, batch, units = 5, 3, 8
+    gen = torch.Generator().manual_seed(1)
+    rand = lambda *s: torch.randn(*s, generator=gen, dtype=torch.float64)  # noqa: E731
+    gates = torch.rand(steps, batch, 4 * units, generator=gen, dtype=torch.float64)
+    lengths = torch.tensor([5, 1, 3])
+    dgates, dh0, dc0 = wavefront.recurrence_reference(
+        rand(4 * units, units), gates, rand(steps, batch, units), rand(batch, units),
+        rand(steps, batch, units), rand(batch, units), rand(batch, units), lengths)
+    assert dgates.shape == (steps, batch, 4 * units)
+    assert torch.all(dgates[1:, 1] == 0) and torch.all(dgates[3:, 2] == 0)
+    assert torch.all(dgates[0] != 0) and dh0.shape == dc0.shape == (batch, units)
+
+
+def test_training_calls_it_cannot_run_say_why():
+    cpu = torch.device("cpu")
+    assert "GRU trains on cuDNN" in wavefront._library().training_reason("gru", 2, 64, 8, 10, 64)
+    reason = wavefront.training_reason("lstm", 2, 64, 8, 10, 64, torch.float16, cpu)
+    assert "CUDA devices only" in reason
+    with pytest.raises(ValueError, match="c0"):
+        wavefront.trainable_forward(torch.zeros(2, 1, 3), torch.zeros(1), torch.zeros(1, 1, 8),
+                                    None)
+
+
+def _stack(layers, units, inputs):
+    cells = []
+    for i in range(layers):
+        cell = keras.layers.LSTMCell(units, dtype="float64")
+        cell.build((None, inputs if i == 0 else units))
+        cells.append((cell,))
+    return StackSpec("lstm", units, tuple(cells))
+
+
+def test_run_trainable_refuses_the_cpu():
+    stack = _stack(1, 8, 4)
+    with pytest.raises(NotImplementedError, match="CUDA devices only"):
+        wavefront.run_trainable(torch.zeros(2, 3, 4, dtype=torch.float16), stack=stack)
+
+
+def test_run_trainable_gives_the_keras_variables_cudnns_gradient(monkeypatch):
+    """With the torch kernels in place of the GPU's: the variables' gradients
+    equal those of the torch backend's own (cuDNN-path) run_stack."""
+    from rnnfuse.backends import torch as torch_backend
+
+    monkeypatch.setattr(wavefront, "forward_training", wavefront.reference_forward_saving)
+    monkeypatch.setattr(wavefront, "backward_layer", wavefront.recurrence_reference)
+    monkeypatch.setattr(wavefront, "unsupported_reason", lambda *a, **k: None)
+    monkeypatch.setattr(wavefront, "training_reason", lambda *a, **k: None)
+    stack = _stack(2, 8, 4)
+    variables = [w for level in stack.cells for cell in level for w in cell.weights]
+    x = torch.randn(3, 6, 4, dtype=torch.float64, requires_grad=True)
+    mask = torch.arange(6)[None, :] < torch.tensor([6, 3, 5])[:, None]
+
+    def grads(run):
+        out = run(x, stack=stack, mask=mask)
+        loss = out.outputs.square().sum() + out.final_h.sum() + out.final_c.square().sum()
+        return torch.autograd.grad(loss, [x] + [v.value for v in variables])
+
+    got = grads(wavefront.run_trainable)
+    want = grads(lambda x, **kw: torch_backend.run_stack(x, kernel="cudnn", **kw))
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-12)
