@@ -18,7 +18,10 @@
 3. Run each step once (its first call traces and compiles, so it is
    never timed; torch's steps run eagerly, so there a first call over a
    second and 2.25x the fastest one's is taken as that step's time and it
-   is not run again): a non-default-algorithm step cuDNN refuses for this shape
+   is not run again, and the original layers, called last, are first called
+   on PROBE_STEPS and twice as many steps: where that extrapolates to such a
+   call, the extrapolation is their time and the full call is not made):
+   a non-default-algorithm step cuDNN refuses for this shape
    (an op error) is left out with cuDNN's message. A group that reads a
    padding mask gets no persistent candidates (cuDNN refuses them with
    padded lengths).
@@ -104,6 +107,14 @@ RACE = 1.2
 # warm-up call: Keras' masked torch loop (16-17 s a step for a masked 6-layer
 # LSTM on the H200, against 0.04 s fused) cost a second call to lose.
 FIRST_CALL_PRUNE_S = 1.0
+# ... and the original layers' first call at the full length is not made
+# at all where first calls on PROBE_STEPS and 2 x PROBE_STEPS steps
+# extrapolate (a fixed part plus a part linear in the steps) to a clearly
+# slow one: Keras' masked torch loop cost the median drawn model's tuning
+# 2.4 of its 3.2 s on the H200 (session 10) against a fused plan 45x
+# faster. Only for groups of at least PROBE_MIN_STEPS steps.
+PROBE_STEPS = 16
+PROBE_MIN_STEPS = 8 * PROBE_STEPS
 # The original layers are kept unless a plan beats them by this share on
 # the tuner's clock. The tuner times a group alone; through `fit` (H200
 # user-view matrix, sessions 4-7, docs/benchmarks.md) the 12 plans that won
@@ -428,7 +439,10 @@ class _Measured:
     group: each plan's step is built and called once, untimed (its trace),
     the first time it is asked for, and reused by a later stage. With
     `eager_first_calls` (torch), a step whose first call was clearly slow
-    (`clearly_slow_first_calls`) is not run again: that call is its time.
+    (`clearly_slow_first_calls`) is not run again: that call is its time;
+    and the original layers' first call at the full length is not made
+    where short first calls extrapolate to a clearly slow one
+    (`_extrapolated_first_call`): the extrapolation is its time.
     The original layers' first call comes last, and the first step called
     is never judged by its first call: that call may carry the process's
     one-time set-up (cuDNN's libraries, kernel loading), which must not
@@ -439,15 +453,29 @@ class _Measured:
         self.args = (group, shape, dtype, training, jit_baseline, masked)
         self.measure, self.bar, self.steps = measure, bar, {}
         self.eager_first_calls, self.first_s = eager_first_calls, {}
+        self.estimated: dict[str, float] = {}
 
     def __call__(self, plans):
         group, shape, dtype, training, jit_baseline, masked = self.args
-        new = sorted((p for p in plans if p.name not in self.steps), key=lambda p: not p.pieces)
+        new = sorted((p for p in plans if p.name not in self.steps and p.name not in self.estimated),
+                     key=lambda p: not p.pieces)
         built = _steps(group, new, shape, dtype, training, jit_baseline, masked)
-        built, refused = _first_calls(built, {p.name: p for p in new}, self.first_s)
+        by_name = {p.name: p for p in new}
+        original = next((p for p in new if not p.pieces), None)
+        later = {original.name: built.pop(original.name)} if original is not None else {}
+        built, refused = _first_calls(built, by_name, self.first_s)
+        if original is not None and self.eager_first_calls:
+            why = self._extrapolated_first_call(original)
+            if why is not None:
+                refused[original.name] = why
+                later = {}
+        if later:
+            more, more_refused = _first_calls(later, by_name, self.first_s)
+            built.update(more)
+            refused.update(more_refused)
         self.steps.update(built)
         steps = {p.name: self.steps[p.name] for p in plans if p.name in self.steps}
-        timings = {}
+        timings = {p.name: self.estimated[p.name] for p in plans if p.name in self.estimated}
         if self.eager_first_calls:
             judged = {n: self.first_s[n] for n in steps if n in self.first_s}
             judged.pop(next(iter(self.first_s), None), None)  # the first call of all
@@ -458,6 +486,33 @@ class _Measured:
         stats = measure(steps, on_step=bar.advance_one) if _takes_on_step(measure) else measure(steps)
         timings.update({name: float(s["median"]) for name, s in stats.items()})
         return timings, refused
+
+    def _extrapolated_first_call(self, plan) -> str | None:
+        """Where the original layers' eager first call at the full length
+        would be clearly slow (`clearly_slow_first_calls`, against the other
+        candidates' first calls but the first of all), judged from first
+        calls on PROBE_STEPS and 2 x PROBE_STEPS steps: keeps the
+        extrapolated seconds as its time (`self.estimated`) and returns
+        why it was not run in full; else None (it is run as usual)."""
+        group, shape, dtype, training, jit_baseline, masked = self.args
+        judged = dict(self.first_s)
+        judged.pop(next(iter(self.first_s), None), None)  # the first call of all
+        length = int(shape[1])
+        if not judged or length < PROBE_MIN_STEPS:
+            return None
+        seconds: dict = {}
+        for steps in (PROBE_STEPS, 2 * PROBE_STEPS):
+            short = (shape[0], steps, *shape[2:])
+            step = _steps(group, [plan], short, dtype, training, jit_baseline, masked)[plan.name]
+            _first_calls({steps: step}, {}, seconds)
+        a, b = seconds[PROBE_STEPS], seconds[2 * PROBE_STEPS]
+        estimate = a + max(b - a, 0.0) * (length - PROBE_STEPS) / PROBE_STEPS
+        if plan.name not in clearly_slow_first_calls({**judged, plan.name: estimate}):
+            return None
+        self.estimated[plan.name] = estimate
+        return (f"not run at {length} steps: its first calls on {PROBE_STEPS} and "
+                f"{2 * PROBE_STEPS} steps ({a:.3f} s, {b:.3f} s) extrapolate to {estimate:.2f} s, "
+                f"over {PRUNE**2:g}x the fastest first call ({min(judged.values()):.3f} s)")
 
 
 def clearly_slow_first_calls(first_s: dict) -> set:

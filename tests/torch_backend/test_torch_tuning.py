@@ -167,6 +167,63 @@ def test_a_candidate_whose_eager_first_call_is_clearly_slow_is_not_run_again(mon
     assert result.plan.name != "per-layer"
 
 
+def _steps_whose_original_costs(per_step_s, calls):
+    """A fake `tuner._steps`: the original layers take `per_step_s` a time
+    step (Keras' Python loop), the fused plans 1 ms a call; `calls` counts
+    the calls by (plan name, steps)."""
+    import time
+
+    def steps(group, plans, shape, *args, **kwargs):
+        def step(name, seconds):
+            def run():
+                key = (name, shape[1])
+                calls[key] = calls.get(key, 0) + 1
+                time.sleep(seconds)
+                return 1.0
+            return run
+        return {p.name: step(p.name, per_step_s * shape[1] if p.name == "per-layer" else 0.001)
+                for p in plans}
+
+    return steps
+
+
+def test_a_clearly_slow_original_is_timed_from_short_first_calls_not_a_full_one(monkeypatch):
+    """Keras' masked torch loop is linear in the steps: first calls on 16 and
+    32 steps extrapolate to its full-length call, which is then not made."""
+    from rnnfuse.tuning import tuner
+
+    calls = {}
+    monkeypatch.setattr(tuner, "_steps", _steps_whose_original_costs(0.002, calls))
+    monkeypatch.setattr(tuner, "FIRST_CALL_PRUNE_S", 0.1)
+    length = 200  # a full call: 0.4 s
+    (result,) = tune_plans(
+        _groups(stack_model("gru", 2, units=8, input_size=4, steps=6)),
+        lambda g: (4, length, g.input_size), progress=False, warmup=1, repeats=3,
+        check_gradients=lambda *a: 0.0,
+    )
+    assert ("per-layer", length) not in calls, calls
+    assert calls[("per-layer", tuner.PROBE_STEPS)] == calls[("per-layer", 2 * tuner.PROBE_STEPS)] == 1
+    assert result.timings["per-layer"] == pytest.approx(0.4, rel=0.3)
+    assert "extrapolate" in result.rejected["per-layer"]
+    assert result.plan.name != "per-layer"
+
+
+def test_an_original_that_is_not_clearly_slow_gets_its_full_first_call_and_rounds(monkeypatch):
+    from rnnfuse.tuning import tuner
+
+    calls = {}
+    monkeypatch.setattr(tuner, "_steps", _steps_whose_original_costs(0.000005, calls))
+    monkeypatch.setattr(tuner, "FIRST_CALL_PRUNE_S", 0.1)
+    (result,) = tune_plans(
+        _groups(stack_model("gru", 2, units=8, input_size=4, steps=6)),
+        lambda g: (4, 200, g.input_size), progress=False, warmup=1, repeats=3,
+        check_gradients=lambda *a: 0.0,
+    )
+    # Its first call, a warm-up, timed rounds (a race may end them early).
+    assert calls[("per-layer", 200)] >= 3, calls
+    assert "per-layer" not in result.rejected
+
+
 def test_the_first_step_called_is_not_judged_by_its_first_call(monkeypatch):
     """Whatever is called first may pay for cuDNN's libraries loading: a
     slow first call there is timed as usual, not taken as its time."""
