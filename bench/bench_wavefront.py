@@ -207,21 +207,28 @@ def random_cases(n: int, seed: int):
     return cases
 
 
-def cmd_check(args):
-    cases = FIXED_CASES[: args.fixed] + random_cases(args.random, args.seed)
+def run_cases(name, cases, run_case, seed, shown, out):
+    """Runs `run_case(*case, seed=...)` for each case, recording an error as
+    a row; prints each row's `shown` keys, keeps the JSON at `out` current,
+    and returns 1 if any case neither passed nor fell back, else 0."""
     rows = []
     for i, case in enumerate(cases):
         try:
-            row = check_case(*case, seed=args.seed * 1000 + i)
+            row = run_case(*case, seed=seed * 1000 + i)
         except Exception as exc:  # noqa: BLE001 - record and go on
             row = dict(case=list(case), status="ERROR", reason=f"{type(exc).__name__}: {exc}")
         rows.append(row)
-        short = {k: row.get(k) for k in ("status", "err_vs_f64", "cudnn_err_vs_f64", "reason")}
-        print(list(case), json.dumps(short), flush=True)
-        _dump(args.out, dict(meta=_meta(), results=rows))
+        print(list(case), json.dumps({k: row.get(k) for k in shown}), flush=True)
+        _dump(out, dict(meta=_meta(), results=rows))
     bad = [r for r in rows if r["status"] not in ("ok", "fallback")]
-    print(f"check: {len(rows) - len(bad)}/{len(rows)} passed", flush=True)
+    print(f"{name}: {len(rows) - len(bad)}/{len(rows)} passed", flush=True)
     return 1 if bad else 0
+
+
+def cmd_check(args):
+    cases = FIXED_CASES[: args.fixed] + random_cases(args.random, args.seed)
+    return run_cases("check", cases, check_case, args.seed,
+                     ("status", "err_vs_f64", "cudnn_err_vs_f64", "reason"), args.out)
 
 
 def time_ms(fn, reps: int, warmup: int = 2) -> float:
@@ -519,20 +526,9 @@ def random_grad_cases(n: int, seed: int):
 
 def cmd_grad(args):
     cases = GRAD_CASES[: args.fixed] + random_grad_cases(args.random, args.seed)
-    rows = []
-    for i, case in enumerate(cases):
-        try:
-            row = grad_case(*case, seed=args.seed * 1000 + i)
-        except Exception as exc:  # noqa: BLE001 - record and go on
-            row = dict(case=list(case), status="ERROR", reason=f"{type(exc).__name__}: {exc}")
-        rows.append(row)
-        short = {k: row.get(k) for k in ("status", "failing", "worst", "cudnn_worst",
-                                         "ratio_to_cudnn", "reason", "seconds")}
-        print(list(case), json.dumps(short), flush=True)
-        _dump(args.out, dict(meta=_meta(), results=rows))
-    bad = [r for r in rows if r["status"] not in ("ok", "fallback")]
-    print(f"grad: {len(rows) - len(bad)}/{len(rows)} passed", flush=True)
-    return 1 if bad else 0
+    return run_cases("grad", cases, grad_case, args.seed,
+                     ("status", "failing", "worst", "cudnn_worst", "ratio_to_cudnn", "reason",
+                      "seconds"), args.out)
 
 
 def train_cell(layers, units, batch, steps, dtype_name, reps):

@@ -134,7 +134,24 @@ def test_the_padding_mask_for_timing_is_right_padded_and_reaches_the_layers(emul
     assert all(d > 1e-4 for d in seen), "the mask changed neither plan's output"
 
 
-def test_a_masked_fused_candidate_is_timed_with_its_branch_for_other_masks(emulated_cudnn, monkeypatch):
+@pytest.fixture
+def traced(monkeypatch):
+    """The names of the FusedRNN layers whose original layers were called
+    (traced, in a tf.function), in order."""
+    from rnnfuse.fused import FusedRNN
+
+    names = []
+    original = FusedRNN._call_layers
+
+    def counting(self, *args, **kwargs):
+        names.append(self.name)
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(FusedRNN, "_call_layers", counting)
+    return names
+
+
+def test_a_masked_fused_candidate_is_timed_with_its_branch_for_other_masks(emulated_cudnn, traced):
     """The tuner times the step the model runs: a masked fused call traces
     its branch for masks that are not right-padded (the original layers),
     which a masked `fit` step pays for too; left out of the timed step, a
@@ -142,16 +159,6 @@ def test_a_masked_fused_candidate_is_timed_with_its_branch_for_other_masks(emula
     `fit` on the H200 (session 10, user-view cell 8)."""
     import tensorflow as tf
 
-    from rnnfuse.fused import FusedRNN
-
-    traced = []
-    original = FusedRNN._call_layers
-
-    def counting(self, *args, **kwargs):
-        traced.append(self.name)
-        return original(self, *args, **kwargs)
-
-    monkeypatch.setattr(FusedRNN, "_call_layers", counting)
     # 5 x 40: over the 128 elements up to which tf.function captures an
     # eager tensor as a constant (then the branch is folded away, in the
     # model's step as well).
@@ -399,7 +406,7 @@ def test_the_gradient_check_runs_on_the_first_check_steps_of_a_long_batch(gradie
     assert calls and all(shape == (3, tuner.CHECK_STEPS, group.input_size) for _, shape in calls), calls
 
 
-def test_mask_is_right_padded_leaves_the_per_layer_fallback_untraced(emulated_cudnn, monkeypatch):
+def test_mask_is_right_padded_leaves_the_per_layer_fallback_untraced(emulated_cudnn, traced):
     """With mask_is_right_padded (a caller that knows its masks), a masked fused
     call's other branch is the fused call again: the original layers are
     not traced; without it they are, and both give the same numbers."""
@@ -407,14 +414,6 @@ def test_mask_is_right_padded_leaves_the_per_layer_fallback_untraced(emulated_cu
 
     from rnnfuse.fused import FusedRNN
 
-    traced = []
-    original = FusedRNN._call_layers
-
-    def counting(self, *args, **kwargs):
-        traced.append(self.name)
-        return original(self, *args, **kwargs)
-
-    monkeypatch.setattr(FusedRNN, "_call_layers", counting)
     a, b = keras.layers.LSTM(4, return_sequences=True), keras.layers.LSTM(4)
     fused = FusedRNN([a, b])
     x = np.random.default_rng(0).standard_normal((3, 6, 2)).astype("float32")

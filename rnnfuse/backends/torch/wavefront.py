@@ -463,9 +463,25 @@ def run_trainable(sequences, *, stack, initial_h=None, initial_c=None, mask=None
     Raises:
         NotImplementedError: the kernels cannot run this call (the reason).
     """
-    from rnnfuse.backends import torch as kernels
     from rnnfuse.backends.base import StackRun
     from rnnfuse.reasons import KernelRun
+
+    x, params, h0, c0, lengths = _kernel_inputs(sequences, stack, initial_h, initial_c, mask,
+                                                reverse, dropout, training=True)
+    y, hy, cy = trainable_forward(x, params, h0, c0, lengths)
+    return StackRun(y.transpose(0, 1), hy, cy, KernelRun(TRAINING_KERNEL_NAME))
+
+
+def _kernel_inputs(sequences, stack, initial_h, initial_c, mask, reverse, dropout, *,
+                   training: bool):
+    """The kernel's inputs for a `run_stack`-style call: (x time-major
+    [T, B, I], params, h0, c0 or None, lengths or None), after the checks
+    of the forward (and, with `training`, of the backward).
+
+    Raises:
+        NotImplementedError: the kernels cannot run this call (the reason).
+    """
+    from rnnfuse.backends import torch as kernels
 
     x = sequences
     batch, steps, input_size = (int(d) for d in x.shape)
@@ -474,7 +490,7 @@ def run_trainable(sequences, *, stack, initial_h=None, initial_c=None, mask=None
         directions=stack.num_directions, proj_size=stack.proj_size,
         summed_inputs=any(stack.input_scale(i) is not None for i in range(stack.num_levels)),
         dropout=dropout)
-    if reason is None:
+    if reason is None and training:
         reason = training_reason(stack.kind, stack.num_levels, stack.units, batch, steps,
                                  input_size, x.dtype, x.device)
     if reason is not None:
@@ -487,9 +503,8 @@ def run_trainable(sequences, *, stack, initial_h=None, initial_c=None, mask=None
         x = kernels._reverse_within_lengths(x, full)
     params = flat_params(kernels.pack_params(stack, x.dtype, x.device))
     h0 = kernels._states(initial_h, stack, stack.units, batch, x)
-    c0 = kernels._states(initial_c, stack, stack.units, batch, x)
-    y, hy, cy = trainable_forward(x.transpose(0, 1), params, h0, c0, lengths)
-    return StackRun(y.transpose(0, 1), hy, cy, KernelRun(TRAINING_KERNEL_NAME))
+    c0 = kernels._states(initial_c, stack, stack.units, batch, x) if stack.kind == "lstm" else None
+    return x.transpose(0, 1), params, h0, c0, lengths
 
 
 def run_stack(sequences, *, stack, initial_h=None, initial_c=None, mask=None, reverse=False,
@@ -502,30 +517,13 @@ def run_stack(sequences, *, stack, initial_h=None, initial_c=None, mask=None, re
     Raises:
         NotImplementedError: the kernel cannot run this call (the reason).
     """
-    from rnnfuse.backends import torch as kernels
     from rnnfuse.backends.base import StackRun
     from rnnfuse.reasons import KernelRun
 
     del seed, algorithm
-    x = sequences
-    batch, steps, input_size = (int(d) for d in x.shape)
-    reason = unsupported_reason(
-        stack.kind, stack.num_levels, stack.units, batch, steps, input_size, x.dtype, x.device,
-        directions=stack.num_directions, proj_size=stack.proj_size,
-        summed_inputs=any(stack.input_scale(i) is not None for i in range(stack.num_levels)),
-        dropout=dropout)
-    if reason is not None:
-        raise NotImplementedError(reason)
-    lengths = None
-    if mask is not None:
-        lengths = torch.as_tensor(mask, device=x.device).to(torch.int32).sum(dim=1)
-    if reverse:
-        full = lengths if lengths is not None else torch.full((batch,), steps, device=x.device)
-        x = kernels._reverse_within_lengths(x, full)
-    params = flat_params(kernels.pack_params(stack, x.dtype, x.device))
-    h0 = kernels._states(initial_h, stack, stack.units, batch, x)
-    c0 = kernels._states(initial_c, stack, stack.units, batch, x) if stack.kind == "lstm" else None
-    y, hy, cy = forward(x.transpose(0, 1).contiguous(), params, h0, c0, lengths, kind=stack.kind)
+    x, params, h0, c0, lengths = _kernel_inputs(sequences, stack, initial_h, initial_c, mask,
+                                                reverse, dropout, training=False)
+    y, hy, cy = forward(x.contiguous(), params, h0, c0, lengths, kind=stack.kind)
     return StackRun(y.transpose(0, 1), hy, cy, KernelRun(KERNEL_NAME))
 
 
