@@ -92,7 +92,7 @@ SLOW: dict[str, str] = {
         "a fit that times every candidate (11 s); the faked-timer tests stay fast"
     ),
     "test_first_batch.py::test_a_masked_input_is_timed_with_a_mask_and_cached_as_its_own_decision": "two fits (6 s)",
-    "test_first_batch.py::test_tuning_traces_a_masked_fused_candidate_without_the_per_layer_fallback": "traces (4 s)",
+    "test_first_batch.py::test_mask_is_right_padded_leaves_the_per_layer_fallback_untraced": "traces (4 s)",
     "test_first_batch.py::test_a_shape_already_decided_reads_no_cache_file_again": "four fits (3 s)",
     "test_persistence.py::test_weights_files_carry_the_optimizer_state_both_ways": "fits and reloads, both ways (16 s)",
     "test_persistence.py::test_model_checkpoint_weights_only_resumes_the_original": "fits with a checkpoint (4 s)",

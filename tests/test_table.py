@@ -85,7 +85,7 @@ def test_no_proven_rule_lost_in_the_user_view_matrix():
                 regime = Regime(kinds.get(s["kind"], s["kind"]), s["units"], s["layers"],
                                 s["kind"].startswith("bi_"), s["kind"] == "simple_rnn",
                                 dtypes.get(s["dtype"], s["dtype"]), d["mode"] == "training",
-                                batch=s["batch"])
+                                batch=d.get("input", [s["batch"]])[0])  # the decision's batch
                 plan = plan_for_regime(regime, s["layers"], proven_only=True)
                 times = d.get("timings_ms", {})
                 if plan.per_layer or plan.name not in times or "per-layer" not in times:
