@@ -126,6 +126,19 @@ def kernel_forward(kind, mod, x, h0, c0, lengths, mode=0, poison=True):
     return y, hy, (cy if kind == "lstm" else None)
 
 
+def refused_row(row: dict, reason: str, run) -> dict:
+    """`row` for a shape the plan refuses (`reason`): `run` must raise the
+    library's WavefrontError before launching (status "fallback"); a run
+    that goes through is a FAIL."""
+    try:
+        run()
+    except library.WavefrontError as exc:
+        row.update(status="fallback", reason=str(exc))
+    else:
+        row.update(status="FAIL", reason=f"ran although unsupported: {reason}")
+    return row
+
+
 def check_case(kind, layers, units, batch, steps, inputs, dtype_name, with_lengths, seed):
     dtype = DTYPES[dtype_name]
     gen = torch.Generator(device="cuda").manual_seed(seed)
@@ -142,13 +155,7 @@ def check_case(kind, layers, units, batch, steps, inputs, dtype_name, with_lengt
     reason = wavefront.unsupported_reason(kind, layers, units, batch, steps, inputs, dtype,
                                           torch.device("cuda"))
     if reason is not None:
-        try:
-            kernel_forward(kind, mod, x, h0, c0, lengths)
-        except library.WavefrontError as exc:
-            row.update(status="fallback", reason=str(exc))
-        else:
-            row.update(status="FAIL", reason=f"ran although unsupported: {reason}")
-        return row
+        return refused_row(row, reason, lambda: kernel_forward(kind, mod, x, h0, c0, lengths))
     t0 = time.perf_counter()
     y, hy, cy = kernel_forward(kind, mod, x, h0, c0, lengths)
     torch.cuda.synchronize()
@@ -453,14 +460,8 @@ def grad_case(layers, units, batch, steps, inputs, dtype_name, with_lengths, see
     weights = [w.detach().clone().requires_grad_() for w in mod._flat_weights]
     leaves = [t.clone().requires_grad_() for t in (x, h0, c0)]
     if reason is not None:
-        try:
-            wavefront.trainable_forward(*leaves[:1], wavefront.flat_params(weights), *leaves[1:],
-                                        lengths)
-        except library.WavefrontError as exc:
-            row.update(status="fallback", reason=str(exc))
-        else:
-            row.update(status="FAIL", reason=f"ran although unsupported: {reason}")
-        return row
+        return refused_row(row, reason, lambda: wavefront.trainable_forward(
+            leaves[0], wavefront.flat_params(weights), leaves[1], leaves[2], lengths))
     t0 = time.perf_counter()
     lens = lengths.to(torch.int32) if lengths is not None else None
     out = wavefront.trainable_forward(leaves[0], wavefront.flat_params(weights), leaves[1],

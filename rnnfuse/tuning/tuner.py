@@ -203,8 +203,9 @@ def _runner(group: FusionGroup, plan: Plan, dtype: str | None = None) -> Callabl
     other masks (the original layers in Keras' generic loop) as the model's
     own step does, since that branch is part of what a masked step costs
     (H200, session 10: a masked split plan 14% ahead on a clock without it
-    ran 7% behind through `fit`); `algorithm` is `Backend.timed_steps`' runtime value for the fused
-    calls' algorithm (the original layers ignore it)."""
+    ran 7% behind through `fit`); `algorithm` is `Backend.timed_steps`'
+    runtime value for the fused calls' algorithm (the original layers
+    ignore it)."""
     from rnnfuse.fused import FusedRNN, call_members
 
     if plan.for_length(len(group.layers)).per_layer:
@@ -457,28 +458,27 @@ class _Measured:
 
     def __call__(self, plans):
         group, shape, dtype, training, jit_baseline, masked = self.args
-        new = sorted((p for p in plans if p.name not in self.steps and p.name not in self.estimated),
-                     key=lambda p: not p.pieces)
+        new = [p for p in plans if p.name not in self.steps and p.name not in self.estimated]
         built = _steps(group, new, shape, dtype, training, jit_baseline, masked)
         by_name = {p.name: p for p in new}
+        # The original layers' first call comes last (the class doc says why).
         original = next((p for p in new if not p.pieces), None)
-        later = {original.name: built.pop(original.name)} if original is not None else {}
+        original_step = built.pop(original.name) if original is not None else None
         built, refused = _first_calls(built, by_name, self.first_s)
-        if original is not None and self.eager_first_calls:
-            why = self._extrapolated_first_call(original)
+        if original is not None:
+            why = self._extrapolated_first_call(original) if self.eager_first_calls else None
             if why is not None:
                 refused[original.name] = why
-                later = {}
-        if later:
-            more, more_refused = _first_calls(later, by_name, self.first_s)
-            built.update(more)
-            refused.update(more_refused)
+            else:
+                more, more_refused = _first_calls({original.name: original_step}, by_name,
+                                                  self.first_s)
+                built.update(more)
+                refused.update(more_refused)
         self.steps.update(built)
         steps = {p.name: self.steps[p.name] for p in plans if p.name in self.steps}
         timings = {p.name: self.estimated[p.name] for p in plans if p.name in self.estimated}
         if self.eager_first_calls:
-            judged = {n: self.first_s[n] for n in steps if n in self.first_s}
-            judged.pop(next(iter(self.first_s), None), None)  # the first call of all
+            judged = self._judged_first_calls(steps)
             for name in clearly_slow_first_calls(judged):
                 timings[name] = self.first_s[name]
                 del steps[name]
@@ -486,6 +486,14 @@ class _Measured:
         stats = measure(steps, on_step=bar.advance_one) if _takes_on_step(measure) else measure(steps)
         timings.update({name: float(s["median"]) for name, s in stats.items()})
         return timings, refused
+
+    def _judged_first_calls(self, names) -> dict:
+        """The first-call seconds of `names` that may judge a step: all
+        recorded ones but the first call of all (it may carry the process's
+        one-time set-up)."""
+        judged = {n: self.first_s[n] for n in names if n in self.first_s}
+        judged.pop(next(iter(self.first_s), None), None)
+        return judged
 
     def _extrapolated_first_call(self, plan) -> str | None:
         """Where the original layers' eager first call at the full length
@@ -495,8 +503,7 @@ class _Measured:
         extrapolated seconds as its time (`self.estimated`) and returns
         why it was not run in full; else None (it is run as usual)."""
         group, shape, dtype, training, jit_baseline, masked = self.args
-        judged = dict(self.first_s)
-        judged.pop(next(iter(self.first_s), None), None)  # the first call of all
+        judged = self._judged_first_calls(self.first_s)
         length = int(shape[1])
         if not judged or length < PROBE_MIN_STEPS:
             return None

@@ -99,7 +99,7 @@ def test_the_recurrence_writes_zero_gate_gradients_past_each_length():
 
 def test_training_calls_it_cannot_run_say_why():
     cpu = torch.device("cpu")
-    assert "GRU trains on cuDNN" in wavefront._library().training_reason("gru", 2, 64, 8, 10, 64)
+    assert "GRU trains on cuDNN" in wavefront._library().backward_reason("gru", 64, 8, 10)
     reason = wavefront.training_reason("lstm", 2, 64, 8, 10, 64, torch.float16, cpu)
     assert "CUDA devices only" in reason
     with pytest.raises(ValueError, match="c0"):
@@ -130,7 +130,7 @@ def test_run_trainable_gives_the_keras_variables_cudnns_gradient(monkeypatch):
     monkeypatch.setattr(wavefront, "forward_training", wavefront.reference_forward_saving)
     monkeypatch.setattr(wavefront, "backward_layer", wavefront.recurrence_reference)
     monkeypatch.setattr(wavefront, "unsupported_reason", lambda *a, **k: None)
-    monkeypatch.setattr(wavefront, "training_reason", lambda *a, **k: None)
+    monkeypatch.setattr(wavefront, "_backward_reason", lambda *a, **k: None)
     stack = _stack(2, 8, 4)
     variables = [w for level in stack.cells for cell in level for w in cell.weights]
     x = torch.randn(3, 6, 4, dtype=torch.float64, requires_grad=True)

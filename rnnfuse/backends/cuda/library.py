@@ -30,8 +30,8 @@ import os
 import threading
 from pathlib import Path
 
-__all__ = ["DTYPES", "H200", "KINDS", "WavefrontError", "WavefrontLibrary", "device_reason",
-           "load", "stack_reason", "training_reason"]
+__all__ = ["DTYPES", "H200", "KINDS", "WavefrontError", "WavefrontLibrary", "backward_reason",
+           "device_reason", "load", "stack_reason"]
 
 KINDS = ("lstm", "gru")
 DTYPES = ("float16", "bfloat16")
@@ -247,16 +247,13 @@ def device_reason(kind: str, num_layers: int, units: int, batch: int, steps: int
     return plan if isinstance(plan, str) else None
 
 
-def training_reason(kind: str, num_layers: int, units: int, batch: int, steps: int,
-                    input_size: int, ordinal: int = 0) -> str | None:
-    """Why the kernel cannot train this stack on CUDA device `ordinal` (the
-    forward's `device_reason`, an LSTM only, and the backward's plan), or
-    None."""
+def backward_reason(kind: str, units: int, batch: int, steps: int,
+                    ordinal: int = 0) -> str | None:
+    """Why the backward kernel cannot run this stack's layers on CUDA device
+    `ordinal` (an LSTM only; the backward's plan), or None. The forward's
+    limits are `stack_reason` and `device_reason`: training needs all three."""
     if kind != "lstm":
         return "the wavefront backward kernel runs LSTM stacks only (a GRU trains on cuDNN)"
-    reason = device_reason(kind, num_layers, units, batch, steps, input_size, ordinal)
-    if reason is not None:
-        return reason
     lib = load()
     dev = lib.device(ordinal)
     plan = lib.backward_plan(units, int(batch), int(steps), sms=dev["sms"], smem=dev["smem"])

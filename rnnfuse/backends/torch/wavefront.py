@@ -177,14 +177,18 @@ def _(xproj, params, h0, c0, lengths, kind, input_size):
     return xproj.new_empty((steps, batch, units)), torch.empty_like(h0), cy
 
 
+def _input_projection(x: torch.Tensor, params: torch.Tensor, gh: int) -> torch.Tensor:
+    """Layer 0's x W_ih^T [T, B, gh] (no bias) as one matmul in x's dtype."""
+    steps, batch, input_size = x.shape
+    w_ih0 = params[: gh * input_size].view(gh, input_size)
+    return (x.reshape(steps * batch, input_size) @ w_ih0.t()).view(steps, batch, gh)
+
+
 def forward(x: torch.Tensor, params: torch.Tensor, h0: torch.Tensor, c0: torch.Tensor | None,
             lengths: torch.Tensor | None, *, kind: str):
     """The whole stack's forward pass (see the module docstring)."""
-    steps, batch, input_size = x.shape
-    num_layers, _, units = h0.shape
-    gh = _GATES[kind] * units
-    w_ih0 = params[: gh * input_size].view(gh, input_size)
-    xproj = (x.reshape(steps * batch, input_size) @ w_ih0.t()).view(steps, batch, gh)
+    input_size, units = x.shape[2], h0.shape[2]
+    xproj = _input_projection(x, params, _GATES[kind] * units)
     if lengths is None:
         lengths = torch.empty(0, dtype=torch.int32, device=x.device)
     c0 = c0 if c0 is not None else h0.new_empty((0,))
@@ -213,8 +217,7 @@ def forward_training(x: torch.Tensor, params: torch.Tensor, h0: torch.Tensor, c0
     steps, batch, input_size = x.shape
     num_layers, _, units = h0.shape
     gh = 4 * units
-    w_ih0 = params[: gh * input_size].view(gh, input_size)
-    xproj = (x.reshape(steps * batch, input_size) @ w_ih0.t()).view(steps, batch, gh)
+    xproj = _input_projection(x, params, gh)
     y = x.new_empty((steps, batch, units))
     hy, cy = torch.empty_like(h0), torch.empty_like(h0)
     lib = library.load()
@@ -442,15 +445,18 @@ def trainable_forward(x: torch.Tensor, params: torch.Tensor, h0: torch.Tensor,
 def training_reason(kind: str, num_layers: int, units: int, batch: int, steps: int,
                     input_size: int, dtype: torch.dtype, device: torch.device) -> str | None:
     """Why `trainable_forward` cannot run this stack here, or None: the
-    forward's `unsupported_reason`, an LSTM only (a GRU trains on cuDNN), and
-    the backward kernel's plan (`library.training_reason`)."""
-    reason = unsupported_reason(kind, num_layers, units, batch, steps, input_size, dtype,
-                                device)
-    if reason is not None:
-        return reason
+    forward's `unsupported_reason`, then the backward kernel's
+    (`_backward_reason`: an LSTM only, a GRU trains on cuDNN; its plan)."""
+    return (unsupported_reason(kind, num_layers, units, batch, steps, input_size, dtype, device)
+            or _backward_reason(kind, units, batch, steps, device))
+
+
+def _backward_reason(kind: str, units: int, batch: int, steps: int,
+                     device: torch.device) -> str | None:
+    """`library.backward_reason` on `device` (a CUDA device the forward's
+    checks accepted)."""
     ordinal = device.index if device.index is not None else torch.cuda.current_device()
-    return _library().training_reason(kind, num_layers, units, batch, steps, input_size,
-                                      ordinal)
+    return _library().backward_reason(kind, units, batch, steps, ordinal)
 
 
 def run_trainable(sequences, *, stack, initial_h=None, initial_c=None, mask=None,
@@ -491,8 +497,7 @@ def _kernel_inputs(sequences, stack, initial_h, initial_c, mask, reverse, dropou
         summed_inputs=any(stack.input_scale(i) is not None for i in range(stack.num_levels)),
         dropout=dropout)
     if reason is None and training:
-        reason = training_reason(stack.kind, stack.num_levels, stack.units, batch, steps,
-                                 input_size, x.dtype, x.device)
+        reason = _backward_reason(stack.kind, stack.units, batch, steps, x.device)
     if reason is not None:
         raise NotImplementedError(reason)
     lengths = None
