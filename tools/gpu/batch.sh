@@ -10,6 +10,7 @@
 #   bash tools/gpu/batch.sh tf-setup tf-build tf-tests tf-distribute
 #   STAGE_S_tf_view=300 bash tools/gpu/batch.sh tf-view tf-single
 #   bash tools/gpu/batch.sh torch-tests torch-ddp torch-view
+#   bash tools/gpu/batch.sh wavefront-check torch-tests
 #
 # The tf-* stages need the staging runs of ../shared/gpu/README.md first
 # (tf-setup is a no-op on a machine that already has /tmp/tfsite).
@@ -98,6 +99,16 @@ run_stage() {
       ( torch_env; timeout $s python3 -m pytest -q -p no:cacheprovider -s -rs tests/gpu/test_gpu_distribute_torch.py ) > $log 2>&1; rc=$?
       echo "[$(since) s] torch-ddp rc $rc"
       summary torch-ddp "GPU_REPORT|passed|failed|^FAILED|SKIP" 10 ;;
+    wavefront-check)
+      # The kernel's exactness checks: forward (with the saving kernel),
+      # gradients against float64 and cuDNN, and the headline training step.
+      s=$(limit wavefront-check 150)
+      ( torch_env; timeout $s bash -c "python3 bench/bench_wavefront.py check --fixed 4 --random 4 --out $LOGS/wavefront_check_h200.json; \
+          python3 bench/bench_wavefront.py grad --random 4 --out $LOGS/wavefront_grad_h200.json; \
+          python3 bench/bench_wavefront.py train --cells 2 --out $LOGS/wavefront_train_h200.json" ) > $log 2>&1; rc=$?
+      cp $LOGS/wavefront_grad_h200.json $LOGS/wavefront_train_h200.json $OUT/ 2>/dev/null
+      echo "[$(since) s] wavefront-check rc $rc"
+      grep -E "ok|FAIL|fail|ms|Error" $log | cut -c1-240 | tail -40 ;;
     wavefront-bench)
       s=$(limit wavefront-bench 150)
       ( torch_env; timeout $(( s + 30 )) python3 bench/bench_wavefront.py bench --cells matrix --budget $s \
