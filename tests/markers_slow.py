@@ -42,6 +42,7 @@ SLOW: dict[str, str] = {
             "test_workspace_holds_the_flags_and_the_sequences_below_the_top",
             "test_a_call_without_a_driver_or_a_bad_argument_is_a_clear_error",
             "test_the_tensorflow_op_compiles_and_registers",
+            "test_the_training_ops_register_with_the_kernels_layouts",
         )
     },
     "test_wavefront_wiring.py::test_predict_chooses_the_wavefront_plan_and_fit_keeps_its_own": "predict and fit with tuning (6.5 s)",

@@ -5,7 +5,8 @@
   call) and carries the cubin;
 - its plan answers without a GPU: the brief's headline stack fits an
   H200, the refused shapes say why;
-- the TensorFlow op compiles around the same sources and registers;
+- the TensorFlow ops (inference, and the saving forward and one layer's
+  backward for training) compile around the same sources and register;
 - the cache: a second build reuses the files; a missing nvcc names the fix.
 The kernel's numbers are tested on the H200 (tests/gpu/test_gpu_wavefront*.py).
 """
@@ -138,10 +139,56 @@ def test_the_tensorflow_op_compiles_and_registers(built, monkeypatch):
     needed = subprocess.run(["readelf", "-d", str(path)], capture_output=True, text=True).stdout
     assert "libtensorflow_framework" in needed and "libcudart" not in needed
     code = ("import tensorflow as tf, sys; m = tf.load_op_library(sys.argv[1]); "
-            "print(hasattr(m, 'rnnfuse_wavefront'))")
+            "print(all(hasattr(m, n) for n in ('rnnfuse_wavefront', 'rnnfuse_wavefront_saving', "
+            "'rnnfuse_wavefront_backward')))")
     out = subprocess.run([sys.executable, "-c", code, str(path)], capture_output=True, text=True)
     assert out.stdout.strip().endswith("True"), out.stderr[-2000:]
     assert op_build.build_wavefront_op() == path  # cached
+
+
+_TRAINING_SHAPES = textwrap.dedent("""\
+    import sys, tensorflow as tf
+    m = tf.load_op_library(sys.argv[1])
+    L, T, B, H, I = 3, 5, 2, 8, 6
+    spec = lambda *s, d=tf.float16: tf.TensorSpec(s, d)
+
+    @tf.function(input_signature=[spec(T, B, 4 * H), spec(None), spec(L, B, H), spec(L, B, H),
+                                  spec(None, d=tf.int32)])
+    def saving(xproj, params, h0, c0, lengths):
+        return m.rnnfuse_wavefront_saving(xproj=xproj, params=params, input_h=h0, input_c=c0,
+                                          sequence_lengths=lengths, input_size=I)
+
+    @tf.function(input_signature=[spec(4 * H, H), spec(T, B, 4 * H, d=tf.float32),
+                                  spec(T, B, H, d=tf.float32), spec(B, H), spec(T, B, H),
+                                  spec(B, H), spec(B, H), spec(None, d=tf.int32)])
+    def backward(*args):
+        return m.rnnfuse_wavefront_backward(*args)
+
+    graph = saving.get_concrete_function().graph.get_operations()
+    op = [o for o in graph if o.type == "RnnfuseWavefrontSaving"][0]
+    print([o.shape.as_list() for o in op.outputs], [o.dtype.name for o in op.outputs])
+    graph = backward.get_concrete_function().graph.get_operations()
+    op = [o for o in graph if o.type == "RnnfuseWavefrontBackward"][0]
+    print([o.shape.as_list() for o in op.outputs], [o.dtype.name for o in op.outputs])
+    """)
+
+
+def test_the_training_ops_register_with_the_kernels_layouts(built, monkeypatch):
+    """RnnfuseWavefrontSaving's outputs: y, hy, cy, hseq [L-1, T, B, H] in the
+    element type, gates [L, T, B, 4H] and cseq [L, T, B, H] in float32;
+    RnnfuseWavefrontBackward's: dgates [T, B, 4H], dh0 and dc0 [B, H] float32."""
+    from rnnfuse.backends.tensorflow import op_build
+
+    monkeypatch.setenv("RNNFUSE_CACHE_DIR", str(built[1]))
+    path = op_build.build_wavefront_op()
+    out = subprocess.run([sys.executable, "-c", _TRAINING_SHAPES, str(path)],
+                         capture_output=True, text=True)
+    lines = out.stdout.strip().splitlines()[-2:]
+    assert len(lines) == 2, out.stderr[-2000:]
+    assert lines[0] == ("[[5, 2, 8], [3, 2, 8], [3, 2, 8], [2, 5, 2, 8], [3, 5, 2, 32], "
+                        "[3, 5, 2, 8]] ['float16', 'float16', 'float16', 'float16', 'float32', "
+                        "'float32']")
+    assert lines[1] == "[[5, 2, 32], [2, 8], [2, 8]] ['float16', 'float32', 'float32']"
 
 
 def _fake_tool(root: Path, name: str, log: Path) -> Path:

@@ -1,5 +1,9 @@
 // RnnfuseWavefront: rnnfuse's persistent wavefront kernel as a TensorFlow
-// GPU op (inference: no reserve space, no gradient).
+// GPU op (inference: no reserve space, no gradient). Training (LSTM) has
+// two more ops, below the first: RnnfuseWavefrontSaving (the same forward,
+// also returning what the backward reads) and RnnfuseWavefrontBackward
+// (the backward recurrence of one layer); their gradient is assembled in
+// Python (rnnfuse/backends/tensorflow/wavefront_training.py).
 //
 // The kernel and its launcher are rnnfuse/backends/cuda/csrc/ (design,
 // layout and limits in wavefront.cuh); this file only adapts tensors:
@@ -16,7 +20,9 @@
 //   input_c          [L, B, H] (LSTM; anything for a GRU)
 //   sequence_lengths [B] int32 in host memory, each in [1, T]; or [0]: all T
 // Outputs: output [T, B, H] (0 past each length), output_h, output_c
-// ([L, B, H]; output_c is [0] for a GRU).
+// ([L, B, H]; output_c is [0] for a GRU). RnnfuseWavefrontSaving (LSTM,
+// no rnn_mode) takes the same inputs and adds hseq, gates and cseq (see
+// its class); RnnfuseWavefrontBackward is one layer's backward recurrence.
 // A shape outside the kernel's limits is an Unimplemented op error naming
 // the limit (Python checks the same plan first and runs cuDNN instead).
 
@@ -33,11 +39,17 @@ extern "C" {
 const char* rnnfuse_wf_last_error();
 size_t rnnfuse_wf_workspace_bytes(int num_layers, int units, int batch, int steps,
                                   int elem_bytes);
-int rnnfuse_wf_forward(void* stream, int dtype, int gru, int num_layers, int units, int batch,
-                       int steps, int input_size, const void* xproj, const void* params,
-                       const void* h0, const void* c0, const int* lengths, void* y, void* hy,
-                       void* cy, void* workspace, int mode, unsigned long long* trace,
-                       int trace_steps);
+int rnnfuse_wf_forward_saving(void* stream, int dtype, int gru, int num_layers, int units,
+                              int batch, int steps, int input_size, const void* xproj,
+                              const void* params, const void* h0, const void* c0,
+                              const int* lengths, void* y, void* hy, void* cy, void* workspace,
+                              int mode, unsigned long long* trace, int trace_steps,
+                              float* gates_out, float* c_out);
+size_t rnnfuse_wf_backward_workspace_bytes();
+int rnnfuse_wf_backward(void* stream, int dtype, int units, int batch, int steps,
+                        const void* w_hh, const float* gates, const float* cseq, const void* c0,
+                        const void* dy, const void* dhy, const void* dcy, const int* lengths,
+                        void* dgates, float* dh0, float* dc0, void* workspace);
 }
 
 namespace rnnfuse {
@@ -56,14 +68,40 @@ template <typename T> struct WavefrontDtype;
 template <> struct WavefrontDtype<Eigen::half> { static constexpr int value = 0; };
 template <> struct WavefrontDtype<Eigen::bfloat16> { static constexpr int value = 1; };
 
-template <typename T>
+const void* Ptr(const Tensor& t) { return static_cast<const void*>(t.tensor_data().data()); }
+char* Mut(Tensor* t) { return const_cast<char*>(t->tensor_data().data()); }
+
+// `lengths` ([B] int32 in host memory, or [0]) copied to the device on
+// `stream`: *out is the device copy (held by `dev`), or null for [0].
+Status DeviceLengths(OpKernelContext* ctx, cudaStream_t stream, const Tensor& lengths, int batch,
+                     Tensor* dev, const int** out) {
+  *out = nullptr;
+  if (lengths.NumElements() != batch || batch == 0) return absl::OkStatus();
+  TF_RETURN_IF_ERROR(ctx->allocate_temp(tensorflow::DT_INT32, TensorShape({batch}), dev));
+  const cudaError_t err = cudaMemcpyAsync(Mut(dev), lengths.tensor_data().data(),
+                                          batch * sizeof(int), cudaMemcpyHostToDevice, stream);
+  if (err != cudaSuccess)
+    return errors::Internal("rnnfuse wavefront: copying sequence_lengths failed (CUDA error ",
+                            static_cast<int>(err), ")");
+  *out = reinterpret_cast<const int*>(dev->tensor_data().data());
+  return absl::OkStatus();
+}
+
+// The forward (inference), or with kSave the saving forward
+// (RnnfuseWavefrontSaving, LSTM): outputs 3-5 are then hseq [L-1, T, B, H]
+// (the sequences of the layers below the top, in T: a view of the
+// workspace, where the kernel writes them), gates [L, T, B, 4H] (activated
+// i, f, g, o) and cseq [L, T, B, H] (c), both float32.
+template <typename T, bool kSave>
 class RnnfuseWavefrontOp : public OpKernel {
  public:
   explicit RnnfuseWavefrontOp(OpKernelConstruction* ctx) : OpKernel(ctx) {
-    std::string mode;
-    OP_REQUIRES_OK(ctx, ctx->GetAttr("rnn_mode", &mode));
+    if (!kSave) {
+      std::string mode;
+      OP_REQUIRES_OK(ctx, ctx->GetAttr("rnn_mode", &mode));
+      gru_ = mode == "gru";
+    }
     OP_REQUIRES_OK(ctx, ctx->GetAttr("input_size", &input_size_));
-    gru_ = mode == "gru";
   }
 
   void Compute(OpKernelContext* ctx) override { OP_REQUIRES_OK(ctx, DoCompute(ctx)); }
@@ -90,45 +128,127 @@ class RnnfuseWavefrontOp : public OpKernel {
       return errors::InvalidArgument("input_c must be ", h0.shape().DebugString());
     if (lengths.NumElements() != 0 && lengths.NumElements() != batch)
       return errors::InvalidArgument("sequence_lengths must be [B] or [0]");
+    if (kSave && layers < 1)
+      return errors::InvalidArgument("input_h must have at least one layer");
 
     Tensor *y = nullptr, *hy = nullptr, *cy = nullptr;
     TF_RETURN_IF_ERROR(ctx->allocate_output(0, TensorShape({steps, batch, units}), &y));
     TF_RETURN_IF_ERROR(ctx->allocate_output(1, h0.shape(), &hy));
     TF_RETURN_IF_ERROR(
         ctx->allocate_output(2, gru_ ? TensorShape({0}) : h0.shape(), &cy));
-    if (steps == 0 || batch == 0) return absl::OkStatus();
-
-    cudaStream_t stream = ctx->eigen_device<Eigen::GpuDevice>().stream();
-    Tensor dev_lengths;
-    const int* lengths_ptr = nullptr;
-    if (lengths.NumElements() == batch) {
+    Tensor *gates_out = nullptr, *c_out = nullptr;
+    if (kSave) {
       TF_RETURN_IF_ERROR(
-          ctx->allocate_temp(tensorflow::DT_INT32, TensorShape({batch}), &dev_lengths));
-      const cudaError_t err =
-          cudaMemcpyAsync(const_cast<char*>(dev_lengths.tensor_data().data()),
-                          lengths.tensor_data().data(), batch * sizeof(int),
-                          cudaMemcpyHostToDevice, stream);
-      if (err != cudaSuccess)
-        return errors::Internal("rnnfuse wavefront: copying sequence_lengths failed (CUDA error ",
-                                static_cast<int>(err), ")");
-      lengths_ptr = reinterpret_cast<const int*>(dev_lengths.tensor_data().data());
+          ctx->allocate_output(4, TensorShape({layers, steps, batch, 4 * units}), &gates_out));
+      TF_RETURN_IF_ERROR(
+          ctx->allocate_output(5, TensorShape({layers, steps, batch, units}), &c_out));
     }
     const size_t ws_bytes = rnnfuse_wf_workspace_bytes(layers, units, batch, steps, sizeof(T));
     Tensor workspace;
     TF_RETURN_IF_ERROR(ctx->allocate_temp(
         tensorflow::DT_UINT8, TensorShape({static_cast<int64_t>(ws_bytes)}), &workspace));
-    auto ptr = [](const Tensor& t) { return static_cast<const void*>(t.tensor_data().data()); };
-    auto mut = [](Tensor* t) { return const_cast<char*>(t->tensor_data().data()); };
-    const int rc = rnnfuse_wf_forward(
+    if (kSave) {
+      // hseq is the workspace past its flags (rnnfuse_wf_workspace_bytes:
+      // the flags, 256-byte aligned, then the L-1 sequences), shared.
+      const int64_t seq_bytes =
+          int64_t(layers - 1) * steps * batch * units * static_cast<int64_t>(sizeof(T));
+      Tensor hseq;
+      TF_RETURN_IF_ERROR(hseq.BitcastFrom(
+          workspace.Slice(static_cast<int64_t>(ws_bytes) - seq_bytes, ws_bytes),
+          tensorflow::DataTypeToEnum<T>::v(), TensorShape({layers - 1, steps, batch, units})));
+      ctx->set_output(3, hseq);
+    }
+    if (steps == 0 || batch == 0) return absl::OkStatus();
+
+    cudaStream_t stream = ctx->eigen_device<Eigen::GpuDevice>().stream();
+    Tensor dev_lengths;
+    const int* lengths_ptr = nullptr;
+    TF_RETURN_IF_ERROR(DeviceLengths(ctx, stream, lengths, batch, &dev_lengths, &lengths_ptr));
+    const int rc = rnnfuse_wf_forward_saving(
         stream, WavefrontDtype<T>::value, gru_ ? 1 : 0, layers, units, batch, steps, input_size_,
-        ptr(xproj), ptr(params), ptr(h0), gru_ ? nullptr : ptr(c0), lengths_ptr, mut(y), mut(hy),
-        gru_ ? nullptr : mut(cy), mut(&workspace), 0, nullptr, 0);
+        Ptr(xproj), Ptr(params), Ptr(h0), gru_ ? nullptr : Ptr(c0), lengths_ptr, Mut(y), Mut(hy),
+        gru_ ? nullptr : Mut(cy), Mut(&workspace), 0, nullptr, 0,
+        kSave ? reinterpret_cast<float*>(Mut(gates_out)) : nullptr,
+        kSave ? reinterpret_cast<float*>(Mut(c_out)) : nullptr);
     if (rc != 0) return errors::Unimplemented("rnnfuse wavefront: ", rnnfuse_wf_last_error());
     return absl::OkStatus();
   }
 
   bool gru_ = false;
   int input_size_ = 0;
+};
+
+// The backward recurrence of one LSTM layer (rnnfuse_wf_backward): dgates
+// [T, B, 4H] (T: the gradient of the gates' pre-activations, 0 at t >=
+// length), dh0 and dc0 [B, H] (float32) from the layer's w_hh [4H, H],
+// its saved gates [T, B, 4H] and cseq [T, B, H] (float32), c0 [B, H], and
+// the gradients of its output sequence dy [T, B, H] and of its final
+// states dhy, dcy [B, H]. A shape outside the backward's plan is an
+// Unimplemented error naming the limit.
+template <typename T>
+class RnnfuseWavefrontBackwardOp : public OpKernel {
+ public:
+  explicit RnnfuseWavefrontBackwardOp(OpKernelConstruction* ctx) : OpKernel(ctx) {}
+
+  void Compute(OpKernelContext* ctx) override { OP_REQUIRES_OK(ctx, DoCompute(ctx)); }
+
+ private:
+  Status DoCompute(OpKernelContext* ctx) {
+    const Tensor& w_hh = ctx->input(0);
+    const Tensor& gates = ctx->input(1);
+    const Tensor& cseq = ctx->input(2);
+    const Tensor& c0 = ctx->input(3);
+    const Tensor& dy = ctx->input(4);
+    const Tensor& dhy = ctx->input(5);
+    const Tensor& dcy = ctx->input(6);
+    const Tensor& lengths = ctx->input(7);
+    if (dy.dims() != 3) return errors::InvalidArgument("dy must be [T, B, H], got ",
+                                                       dy.shape().DebugString());
+    const int64_t steps = dy.dim_size(0), batch = dy.dim_size(1), units = dy.dim_size(2);
+    const TensorShape state({batch, units});
+    if (steps == 0 || batch == 0 || units == 0)
+      return errors::InvalidArgument("rnnfuse wavefront backward: dy ", dy.shape().DebugString(),
+                                     " is empty (T, B and H must be at least 1)");
+    if (w_hh.shape() != TensorShape({4 * units, units}))
+      return errors::InvalidArgument("w_hh must be [4H, H] = [", 4 * units, ", ", units,
+                                     "], got ", w_hh.shape().DebugString());
+    if (gates.shape() != TensorShape({steps, batch, 4 * units}))
+      return errors::InvalidArgument("gates must be [T, B, 4H] = [", steps, ", ", batch, ", ",
+                                     4 * units, "], got ", gates.shape().DebugString());
+    if (cseq.shape() != dy.shape())
+      return errors::InvalidArgument("cseq must be dy's shape ", dy.shape().DebugString(),
+                                     ", got ", cseq.shape().DebugString());
+    for (const Tensor* t : {&c0, &dhy, &dcy})
+      if (t->shape() != state)
+        return errors::InvalidArgument("c0, dhy and dcy must be [B, H] = ",
+                                       state.DebugString(), ", got ", t->shape().DebugString());
+    if (lengths.NumElements() != 0 && lengths.NumElements() != batch)
+      return errors::InvalidArgument("sequence_lengths must be [B] or [0], got ",
+                                     lengths.shape().DebugString());
+
+    Tensor *dgates = nullptr, *dh0 = nullptr, *dc0 = nullptr;
+    TF_RETURN_IF_ERROR(ctx->allocate_output(0, gates.shape(), &dgates));
+    TF_RETURN_IF_ERROR(ctx->allocate_output(1, state, &dh0));
+    TF_RETURN_IF_ERROR(ctx->allocate_output(2, state, &dc0));
+    cudaStream_t stream = ctx->eigen_device<Eigen::GpuDevice>().stream();
+    Tensor dev_lengths;
+    const int* lengths_ptr = nullptr;
+    TF_RETURN_IF_ERROR(DeviceLengths(ctx, stream, lengths, static_cast<int>(batch), &dev_lengths,
+                                     &lengths_ptr));
+    Tensor workspace;
+    TF_RETURN_IF_ERROR(ctx->allocate_temp(
+        tensorflow::DT_UINT8,
+        TensorShape({static_cast<int64_t>(rnnfuse_wf_backward_workspace_bytes())}), &workspace));
+    const int rc = rnnfuse_wf_backward(
+        stream, WavefrontDtype<T>::value, static_cast<int>(units), static_cast<int>(batch),
+        static_cast<int>(steps), Ptr(w_hh), static_cast<const float*>(Ptr(gates)),
+        static_cast<const float*>(Ptr(cseq)), Ptr(c0), Ptr(dy), Ptr(dhy), Ptr(dcy), lengths_ptr,
+        Mut(dgates), reinterpret_cast<float*>(Mut(dh0)), reinterpret_cast<float*>(Mut(dc0)),
+        Mut(&workspace));
+    if (rc != 0)
+      return errors::Unimplemented("rnnfuse wavefront backward: ", rnnfuse_wf_last_error());
+    return absl::OkStatus();
+  }
 };
 
 REGISTER_OP("RnnfuseWavefront")
@@ -155,12 +275,77 @@ REGISTER_OP("RnnfuseWavefront")
       return absl::OkStatus();
     });
 
+REGISTER_OP("RnnfuseWavefrontSaving")
+    .Input("xproj: T")
+    .Input("params: T")
+    .Input("input_h: T")
+    .Input("input_c: T")
+    .Input("sequence_lengths: int32")
+    .Output("output: T")
+    .Output("output_h: T")
+    .Output("output_c: T")
+    .Output("hseq: T")
+    .Output("gates: float")
+    .Output("cseq: float")
+    .Attr("T: {half, bfloat16}")
+    .Attr("input_size: int >= 1")
+    .SetShapeFn([](shape_inference::InferenceContext* c) {
+      shape_inference::ShapeHandle x, h;
+      TF_RETURN_IF_ERROR(c->WithRank(c->input(0), 3, &x));
+      TF_RETURN_IF_ERROR(c->WithRank(c->input(2), 3, &h));
+      shape_inference::DimensionHandle steps = c->Dim(x, 0), batch = c->Dim(x, 1);
+      shape_inference::DimensionHandle layers = c->Dim(h, 0), units = c->Dim(h, 2);
+      shape_inference::DimensionHandle below, gates;
+      TF_RETURN_IF_ERROR(c->Subtract(layers, 1, &below));
+      TF_RETURN_IF_ERROR(c->Multiply(units, 4, &gates));
+      c->set_output(0, c->MakeShape({steps, batch, units}));
+      c->set_output(1, c->input(2));
+      c->set_output(2, c->input(2));
+      c->set_output(3, c->MakeShape({below, steps, batch, units}));
+      c->set_output(4, c->MakeShape({layers, steps, batch, gates}));
+      c->set_output(5, c->MakeShape({layers, steps, batch, units}));
+      return absl::OkStatus();
+    });
+
+REGISTER_OP("RnnfuseWavefrontBackward")
+    .Input("w_hh: T")
+    .Input("gates: float")
+    .Input("cseq: float")
+    .Input("c0: T")
+    .Input("dy: T")
+    .Input("dhy: T")
+    .Input("dcy: T")
+    .Input("sequence_lengths: int32")
+    .Output("dgates: T")
+    .Output("dh0: float")
+    .Output("dc0: float")
+    .Attr("T: {half, bfloat16}")
+    .SetShapeFn([](shape_inference::InferenceContext* c) {
+      shape_inference::ShapeHandle g, s;
+      TF_RETURN_IF_ERROR(c->WithRank(c->input(1), 3, &g));
+      TF_RETURN_IF_ERROR(c->WithRank(c->input(3), 2, &s));
+      c->set_output(0, g);
+      c->set_output(1, s);
+      c->set_output(2, s);
+      return absl::OkStatus();
+    });
+
 #define RF_REGISTER_WAVEFRONT(T)                                                   \
   REGISTER_KERNEL_BUILDER(Name("RnnfuseWavefront")                                 \
                               .Device(DEVICE_GPU)                                  \
                               .TypeConstraint<T>("T")                              \
                               .HostMemory("sequence_lengths"),                     \
-                          RnnfuseWavefrontOp<T>);
+                          RnnfuseWavefrontOp<T, false>);                           \
+  REGISTER_KERNEL_BUILDER(Name("RnnfuseWavefrontSaving")                           \
+                              .Device(DEVICE_GPU)                                  \
+                              .TypeConstraint<T>("T")                              \
+                              .HostMemory("sequence_lengths"),                     \
+                          RnnfuseWavefrontOp<T, true>);                            \
+  REGISTER_KERNEL_BUILDER(Name("RnnfuseWavefrontBackward")                         \
+                              .Device(DEVICE_GPU)                                  \
+                              .TypeConstraint<T>("T")                              \
+                              .HostMemory("sequence_lengths"),                     \
+                          RnnfuseWavefrontBackwardOp<T>);
 
 RF_REGISTER_WAVEFRONT(Eigen::half);
 RF_REGISTER_WAVEFRONT(Eigen::bfloat16);
