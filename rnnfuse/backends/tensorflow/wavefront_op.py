@@ -19,11 +19,27 @@ the call cuDNN's gradient, recomputed in the backward pass, so a
 `GradientTape` around an inference call gets the gradient Keras' own
 layers would give.
 
+Training (an LSTM stack): `run_trainable` is `run_stack` with the
+kernel's own gradient (`wavefront_training.trainable_forward`): the forward
+kernel saving every layer's gates and c (`RnnfuseWavefrontSaving`), and in
+the backward pass, per layer from the top, the backward kernel's
+recurrence (`RnnfuseWavefrontBackward`), then dx, dW and the biases as
+`tf.matmul`s, reaching the Keras variables through `pack_params`.
+`training_reason` says beforehand why it cannot run a call (the forward's
+reasons, then the backward's: an LSTM only, its plan); `run_trainable`
+raises NotImplementedError with it, and the caller runs cuDNN.
+
 Example (on an H200, inside a tf.function or eagerly):
 
     >>> run = run_stack(x, stack=stack)  # doctest: +SKIP
     >>> run.kernel.name  # doctest: +SKIP
     'RnnfuseWavefront'
+    >>> with tf.GradientTape() as tape:  # doctest: +SKIP
+    ...     run = run_trainable(x, stack=stack)
+    ...     loss = tf.reduce_sum(tf.cast(run.outputs, tf.float32) ** 2)
+    >>> grads = tape.gradient(loss, variables)  # the backward kernel's  # doctest: +SKIP
+    >>> run.kernel.name  # doctest: +SKIP
+    'RnnfuseWavefront forward+backward'
 """
 
 from __future__ import annotations
@@ -35,10 +51,12 @@ import tensorflow as tf
 from rnnfuse.backends.base import GATES, StackRun, StackSpec
 from rnnfuse.reasons import KernelRun
 
-__all__ = ["KERNEL_NAME", "register_gradient", "run_differentiable", "run_stack",
-           "unsupported_reason"]
+__all__ = ["KERNEL_NAME", "TRAINING_KERNEL_NAME", "register_gradient", "run_differentiable",
+           "run_stack", "run_trainable", "training_reason", "unsupported_reason"]
 
 KERNEL_NAME = "RnnfuseWavefront"
+# The `KernelRun` name of a training call (`run_trainable`: both kernels).
+TRAINING_KERNEL_NAME = "RnnfuseWavefront forward+backward"
 
 
 def unsupported_reason(kind: str, num_layers: int, units: int, batch: int, steps: int,
@@ -59,15 +77,65 @@ def unsupported_reason(kind: str, num_layers: int, units: int, batch: int, steps
     return library.device_reason(kind, num_layers, units, batch, steps, input_size)
 
 
+def training_reason(kind: str, num_layers: int, units: int, batch: int, steps: int,
+                    input_size: int, dtype: Any, *, directions: int = 1, proj_size: int = 0,
+                    summed_inputs: bool = False, dropout: float = 0.0) -> str | None:
+    """Why `run_trainable` cannot run this training call here, or None: the
+    forward's `unsupported_reason`, then the backward kernel's
+    (`library.backward_reason`: an LSTM only, a GRU trains on cuDNN; its
+    plan for one layer of `units` at `batch`)."""
+    from rnnfuse.backends.cuda import library
+
+    reason = unsupported_reason(kind, num_layers, units, batch, steps, input_size, dtype,
+                                directions=directions, proj_size=proj_size,
+                                summed_inputs=summed_inputs, dropout=dropout)
+    if reason is not None:
+        return reason
+    return library.backward_reason(kind, units, batch, steps)
+
+
+def _stack_arguments(stack: StackSpec, batch: int, steps: int, dropout: float) -> tuple:
+    """(args, kwargs) of `unsupported_reason` / `training_reason` but dtype."""
+    return ((stack.kind, stack.num_levels, stack.units, batch, steps,
+             int(stack.cells[0][0].kernel.shape[0])),
+            dict(directions=stack.num_directions, proj_size=stack.proj_size,
+                 summed_inputs=any(stack.input_scale(i) is not None
+                                   for i in range(stack.num_levels)),
+                 dropout=dropout))
+
+
 def stack_unsupported_reason(stack: StackSpec, dtype: Any, batch: int, steps: int,
                              dropout: float = 0.0) -> str | None:
     """`unsupported_reason` for a fused call's `StackSpec`."""
-    return unsupported_reason(
-        stack.kind, stack.num_levels, stack.units, batch, steps,
-        int(stack.cells[0][0].kernel.shape[0]), dtype, directions=stack.num_directions,
-        proj_size=stack.proj_size,
-        summed_inputs=any(stack.input_scale(i) is not None for i in range(stack.num_levels)),
-        dropout=dropout)
+    args, kwargs = _stack_arguments(stack, batch, steps, dropout)
+    return unsupported_reason(*args, dtype, **kwargs)
+
+
+def stack_training_reason(stack: StackSpec, dtype: Any, batch: int, steps: int,
+                          dropout: float = 0.0) -> str | None:
+    """`training_reason` for a fused call's `StackSpec`."""
+    args, kwargs = _stack_arguments(stack, batch, steps, dropout)
+    return training_reason(*args, dtype, **kwargs)
+
+
+def _static_batch_and_steps(sequences: tf.Tensor) -> tuple[int, int]:
+    """sequences' [B, T] (NotImplementedError where either is unknown)."""
+    batch, steps = sequences.shape[0], sequences.shape[1]
+    if batch is None or steps is None:
+        raise NotImplementedError("the wavefront kernel needs a static batch and length")
+    return int(batch), int(steps)
+
+
+def _time_major(sequences: tf.Tensor, mask: Any, reverse: bool):
+    """(x [T, B, F], lengths int32 [B] or None): the kernel's input, the
+    first level reading each sequence reversed within its length."""
+    x = tf.transpose(sequences, [1, 0, 2])
+    if mask is None:
+        return (tf.reverse(x, axis=[0]) if reverse else x), None
+    lengths = tf.reduce_sum(tf.cast(mask, tf.int32), axis=1)
+    if reverse:
+        x = tf.reverse_sequence(x, lengths, seq_axis=0, batch_axis=1)
+    return x, lengths
 
 
 def run_stack(
@@ -95,21 +163,13 @@ def run_stack(
 
     del seed, algorithm
     dtype = sequences.dtype
-    batch, steps = sequences.shape[0], sequences.shape[1]
-    if batch is None or steps is None:
-        raise NotImplementedError("the wavefront kernel needs a static batch and length")
+    batch, steps = _static_batch_and_steps(sequences)
     reason = stack_unsupported_reason(stack, dtype, batch, steps, dropout)
     if reason is not None:
         raise NotImplementedError(reason)
-    x = tf.transpose(sequences, [1, 0, 2])  # [T, B, F]
-    if mask is not None:
-        lengths = tf.reduce_sum(tf.cast(mask, tf.int32), axis=1)
-        if reverse:
-            x = tf.reverse_sequence(x, lengths, seq_axis=0, batch_axis=1)
-    else:
+    x, lengths = _time_major(sequences, mask, reverse)
+    if lengths is None:
         lengths = tf.zeros([0], tf.int32)
-        if reverse:
-            x = tf.reverse(x, axis=[0])
     params = tf_backend.pack_params(stack, dtype)
     gh, input_size = GATES[stack.kind] * stack.units, int(x.shape[-1])
     w_ih0 = tf.reshape(params[: gh * input_size], [gh, input_size])
@@ -127,6 +187,43 @@ def run_stack(
     )
     return StackRun(tf.transpose(outputs, [1, 0, 2]), h, (c if lstm else None),
                     KernelRun(KERNEL_NAME))
+
+
+def run_trainable(
+    sequences: tf.Tensor,
+    *,
+    stack: StackSpec,
+    initial_h: Sequence[Any] | None = None,
+    initial_c: Sequence[Any] | None = None,
+    mask: Any = None,
+    reverse: bool = False,
+    dropout: float = 0.0,
+) -> StackRun:
+    """`run_stack` for training: the kernel's forward AND backward (an LSTM
+    stack). The gradient with respect to the sequences, the initial states
+    and every variable the call read (through `pack_params`) is
+    `wavefront_training.backward_stack`'s: per layer from the top the
+    backward kernel's recurrence, then dx, dW and the biases as GEMMs.
+    Its `KernelRun` is TRAINING_KERNEL_NAME.
+
+    Raises:
+        NotImplementedError: the kernels cannot run this call (the reason,
+            `training_reason`'s); the caller runs cuDNN.
+    """
+    from rnnfuse.backends import tensorflow as tf_backend
+    from rnnfuse.backends.tensorflow import wavefront_training
+
+    sequences = tf.convert_to_tensor(sequences)
+    dtype = sequences.dtype
+    batch, steps = _static_batch_and_steps(sequences)
+    reason = stack_training_reason(stack, dtype, batch, steps, dropout)
+    if reason is not None:
+        raise NotImplementedError(reason)
+    x, lengths = _time_major(sequences, mask, reverse)
+    y, hy, cy = wavefront_training.trainable_forward(
+        x, tf_backend.pack_params(stack, dtype), tf_backend._states(initial_h, stack, batch, dtype),
+        tf_backend._states(initial_c, stack, batch, dtype), lengths)
+    return StackRun(tf.transpose(y, [1, 0, 2]), hy, cy, KernelRun(TRAINING_KERNEL_NAME))
 
 
 def run_differentiable(
@@ -200,14 +297,24 @@ def _no_gradient(op, *grads):
     )
 
 
+def _no_training_gradient(op, *grads):
+    raise ValueError(
+        f"{op.type} has no gradient of its own: it is half of the wavefront kernel's "
+        "training path. Fix: call it through wavefront_op.run_trainable (or "
+        "wavefront_training.trainable_forward), whose gradient runs the backward kernel"
+    )
+
+
 def register_gradient() -> None:
-    """Registers the error-raising gradient of RnnfuseWavefront (once)."""
+    """Registers the error-raising gradients of the wavefront ops (once)."""
     if getattr(register_gradient, "done", False):
         return
-    try:
-        tf.RegisterGradient(KERNEL_NAME)(_no_gradient)
-    except KeyError:  # already registered (module reloaded)
-        pass
+    for name, fn in ((KERNEL_NAME, _no_gradient), ("RnnfuseWavefrontSaving", _no_training_gradient),
+                     ("RnnfuseWavefrontBackward", _no_training_gradient)):
+        try:
+            tf.RegisterGradient(name)(fn)
+        except KeyError:  # already registered (module reloaded)
+            pass
     register_gradient.done = True
 
 

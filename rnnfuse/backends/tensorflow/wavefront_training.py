@@ -1,0 +1,334 @@
+"""Training an LSTM stack on rnnfuse's wavefront kernels in TensorFlow.
+
+The TensorFlow twin of the torch binding's training path
+(rnnfuse/backends/torch/wavefront.py), over the ops of
+rnnfuse/backends/tensorflow/csrc/rnnfuse_wavefront_op.cc:
+
+- `forward_saving(x, params, h0, c0, lengths)`: layer 0's input projection
+  as one `tf.matmul`, then `RnnfuseWavefrontSaving` (the forward kernel,
+  also saving every layer's activated gates and c in float32);
+- `backward_layer(...)`: `RnnfuseWavefrontBackward`, the backward
+  recurrence of one layer (dgates, the gradient of its gates'
+  pre-activations, and the initial states' gradients);
+- `backward_stack(...)`: per layer from the top, that recurrence, then dx,
+  dW_ih, dW_hh and the biases as `tf.matmul`s and a reduction;
+- `trainable_forward(x, params, h0, c0, lengths)`: the forward with that
+  gradient (`tf.custom_gradient`), differentiable with respect to x, the
+  flat buffer `params` (so whatever it was packed from) and the states.
+
+Inputs are time-major: x [T, B, I] in float16 or bfloat16 (float64 with
+the references below); params is rnnfuse's canonical flat buffer (per
+layer W_ih [4H, n] and W_hh [4H, H] row-major, then per layer b_ih and
+b_hh [4H], gates i, f, g, o: `rnnfuse.backends.tensorflow.pack_params`);
+h0, c0 [L, B, H]; lengths int32 [B] or None (every sequence T long).
+
+`reference_forward_saving` and `recurrence_reference` are the two kernels
+in plain TensorFlow, step by step (any device, float64 in the CPU tests,
+which put them in the kernels' place); `reference_forward` is the stack in
+float64 with cuDNN's rules for lengths, differentiable (the tests'
+reference gradients). `wavefront_op.run_trainable` is the `run_stack`
+form, from a `StackSpec`.
+
+Example (on an H200; x [T, B, I] float16, params, h0, c0 as above):
+
+    >>> with tf.GradientTape() as tape:  # doctest: +SKIP
+    ...     tape.watch(params)
+    ...     y, hy, cy = trainable_forward(x, params, h0, c0)
+    ...     loss = tf.reduce_sum(tf.cast(y, tf.float32) ** 2)
+    >>> dparams = tape.gradient(loss, params)  # the backward kernel's  # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import tensorflow as tf
+
+__all__ = ["backward_layer", "backward_stack", "forward_saving", "recurrence_reference",
+           "reference_forward", "reference_forward_saving", "trainable_forward"]
+
+
+def _op():
+    """The loaded wavefront op module (NotImplementedError naming why not)."""
+    from rnnfuse.backends.tensorflow import op_build
+
+    module = op_build.load_wavefront_op()
+    if module is None:
+        raise NotImplementedError(
+            f"rnnfuse's wavefront op is not loaded: {op_build.wavefront_load_failure()}")
+    return module
+
+
+def _lengths_input(lengths: Any) -> tf.Tensor:
+    """The ops' sequence_lengths: int32 [B], or [0] for every sequence T long."""
+    return tf.zeros([0], tf.int32) if lengths is None else tf.cast(lengths, tf.int32)
+
+
+def _accumulation(dtype: tf.DType) -> tf.DType:
+    return tf.float64 if dtype == tf.float64 else tf.float32
+
+
+def _dims(x: tf.Tensor, h0: tf.Tensor) -> tuple[int, int, int, int, int]:
+    """(steps, batch, input_size, num_layers, units), all static."""
+    steps, batch, input_size = x.shape
+    num_layers, _, units = h0.shape
+    dims = (steps, batch, input_size, num_layers, units)
+    if any(d is None for d in dims):
+        raise ValueError(f"the wavefront training path needs static shapes; received x "
+                         f"{x.shape} and h0 {h0.shape}")
+    return tuple(int(d) for d in dims)
+
+
+def _layer_views(params: tf.Tensor, num_layers: int, units: int, input_size: int) -> list:
+    """Per layer (w_ih [4H, n], w_hh [4H, H]) slices of the canonical buffer."""
+    gh, off, views = 4 * units, 0, []
+    for l in range(num_layers):
+        n = input_size if l == 0 else units
+        w_ih = tf.reshape(params[off: off + gh * n], [gh, n])
+        w_hh = tf.reshape(params[off + gh * n: off + gh * (n + units)], [gh, units])
+        views.append((w_ih, w_hh))
+        off += gh * (n + units)
+    return views
+
+
+def _biases(params: tf.Tensor, num_layers: int, units: int, input_size: int) -> list:
+    """Per layer (b_ih, b_hh) [4H] slices of the canonical buffer."""
+    gh = 4 * units
+    start = sum(gh * ((input_size if l == 0 else units) + units) for l in range(num_layers))
+    return [(params[start + 2 * gh * l: start + 2 * gh * l + gh],
+             params[start + 2 * gh * l + gh: start + 2 * gh * (l + 1)])
+            for l in range(num_layers)]
+
+
+def forward_saving(x: tf.Tensor, params: tf.Tensor, h0: tf.Tensor, c0: tf.Tensor,
+                   lengths: Any):
+    """An LSTM stack's forward on the kernel, saving what `backward_stack` reads.
+
+    Returns (y [T, B, H], hy, cy [L, B, H], saved), saved = (hseq
+    [L-1, T, B, H]: the h sequences of the layers below the top, in x's
+    dtype, 0 at t >= length; gates [L, T, B, 4H]: activated i, f, g, o,
+    float32; cseq [L, T, B, H]: c, float32).
+
+    Raises:
+        NotImplementedError: the op is not loaded.
+        tf.errors.UnimplementedError: the kernel cannot run this stack (the
+            op names the limit; `wavefront_op.training_reason` says so first).
+    """
+    steps, batch, input_size, _, units = _dims(x, h0)
+    w_ih0 = tf.reshape(params[: 4 * units * input_size], [4 * units, input_size])
+    xproj = tf.reshape(tf.matmul(tf.reshape(x, [-1, input_size]), w_ih0, transpose_b=True),
+                       [steps, batch, 4 * units])
+    y, hy, cy, hseq, gates, cseq = _op().rnnfuse_wavefront_saving(
+        xproj=xproj, params=params, input_h=h0, input_c=c0,
+        sequence_lengths=_lengths_input(lengths), input_size=input_size)
+    return y, hy, cy, (hseq, gates, cseq)
+
+
+def backward_layer(w_hh, gates, cseq, c0, dy, dhy, dcy, lengths):
+    """The backward recurrence of one LSTM layer on the kernel.
+
+    w_hh [4H, H], c0, dhy, dcy [B, H] and dy [T, B, H] (the gradient of the
+    layer's output sequence) in the element type; gates [T, B, 4H] and cseq
+    [T, B, H] float32 (`forward_saving`'s, of this layer); lengths int32
+    [B] or None. Returns (dgates [T, B, 4H] in the element type: the
+    gradient of the gates' pre-activations, 0 at t >= length; dh0, dc0
+    [B, H] float32). `recurrence_reference` is the same in TensorFlow.
+    """
+    dgates, dh0, dc0 = _op().rnnfuse_wavefront_backward(
+        w_hh=w_hh, gates=gates, cseq=cseq, c0=c0, dy=dy, dhy=dhy, dcy=dcy,
+        sequence_lengths=_lengths_input(lengths))
+    return dgates, dh0, dc0
+
+
+def backward_stack(params, x, h0, c0, lengths, y, saved, dy, dhy, dcy, *,
+                   recurrence: Callable | None = None):
+    """The gradients of an LSTM stack's forward (`forward_saving`) from what
+    it saved, layer by layer from the top: the recurrence (`recurrence`,
+    default `backward_layer`, the kernel), the rest as GEMMs: dx^l =
+    dgates^l W_ih^l (the layer below's dy), dW_ih^l = dgates^T x^l, dW_hh^l
+    = dgates^T [h0, h_0..h_{T-2}], db_ih = db_hh = the sum of dgates (in
+    float32, float64 for float64).
+
+    Returns (dx [T, B, I], dparams in the canonical flat layout, dh0, dc0
+    [L, B, H]), all in x's dtype; dy, dhy, dcy may be None (zero).
+    """
+    recurrence = recurrence or backward_layer
+    hseq, gates, cseq = saved
+    steps, batch, input_size, num_layers, units = _dims(x, h0)
+    gh, dtype = 4 * units, x.dtype
+    views = _layer_views(params, num_layers, units, input_size)
+    dy = tf.zeros_like(y) if dy is None else tf.cast(dy, dtype)
+    dhy = tf.zeros_like(h0) if dhy is None else tf.cast(dhy, dtype)
+    dcy = tf.zeros_like(c0) if dcy is None else tf.cast(dcy, dtype)
+    mats, biases = [None] * num_layers, [None] * num_layers
+    dh0, dc0 = [None] * num_layers, [None] * num_layers
+    grad = dy  # of layer l's output sequence
+    for l in reversed(range(num_layers)):
+        w_ih, w_hh = views[l]
+        inp = x if l == 0 else hseq[l - 1]
+        out = y if l == num_layers - 1 else hseq[l]
+        n = int(inp.shape[-1])
+        dgates, dh0_l, dc0_l = recurrence(w_hh, gates[l], cseq[l], c0[l], grad, dhy[l], dcy[l],
+                                          lengths)
+        dh0[l], dc0[l] = tf.cast(dh0_l, dtype), tf.cast(dc0_l, dtype)
+        dg = tf.reshape(tf.cast(dgates, dtype), [steps * batch, gh])
+        h_prev = tf.reshape(tf.concat([h0[l:l + 1], out[:-1]], 0), [steps * batch, units])
+        d_w_ih = tf.matmul(dg, tf.reshape(inp, [steps * batch, n]), transpose_a=True)
+        d_w_hh = tf.matmul(dg, h_prev, transpose_a=True)
+        d_b = tf.cast(tf.reduce_sum(tf.cast(dg, _accumulation(dtype)), axis=0), dtype)
+        mats[l] = tf.concat([tf.reshape(d_w_ih, [-1]), tf.reshape(d_w_hh, [-1])], 0)
+        biases[l] = tf.concat([d_b, d_b], 0)
+        grad = tf.reshape(tf.matmul(dg, w_ih), [steps, batch, n])
+    return grad, tf.concat(mats + biases, 0), tf.stack(dh0), tf.stack(dc0)
+
+
+def trainable_forward(x, params, h0, c0, lengths=None, *, saving: Callable | None = None,
+                      recurrence: Callable | None = None):
+    """An LSTM stack on the kernel with the kernel's gradient.
+
+    Returns (y [T, B, H], hy, cy [L, B, H]) as `forward_saving` does,
+    differentiable (`tf.custom_gradient`) with respect to x, params (so the
+    variables it was packed from: `pack_params` is differentiable), h0 and
+    c0: the gradient is `backward_stack` on the backward kernel. `saving`
+    and `recurrence` replace the two kernels (the CPU tests pass
+    `reference_forward_saving` and `recurrence_reference`).
+
+    Raises:
+        ValueError: c0 is None, or a shape is not static.
+    """
+    if c0 is None:
+        raise ValueError("trainable_forward: an LSTM needs c0 ([L, B, H]); received None")
+    saving = saving or forward_saving
+    lens = None if lengths is None else tf.cast(lengths, tf.int32)
+
+    @tf.custom_gradient
+    def lstm(x, params, h0, c0):
+        y, hy, cy, saved = saving(x, params, h0, c0, lens)
+
+        def grad(dy, dhy, dcy):
+            return backward_stack(params, x, h0, c0, lens, y, saved, dy, dhy, dcy,
+                                  recurrence=recurrence)
+
+        return (y, hy, cy), grad
+
+    x, params, h0, c0 = (tf.convert_to_tensor(t) for t in (x, params, h0, c0))
+    y, hy, cy = lstm(x, params, h0, c0)
+    return y, hy, cy
+
+
+# -- the two kernels, and the stack, in plain TensorFlow ------------------------------------
+
+
+def _alive(steps: int, batch: int, lengths: Any):
+    """(lengths int32 [B], alive bool [T, B]: t < length)."""
+    lens = (tf.fill([batch], steps) if lengths is None else tf.cast(lengths, tf.int32))
+    return lens, tf.range(steps)[:, None] < lens[None, :]
+
+
+def reference_forward_saving(x, params, h0, c0, lengths):
+    """`forward_saving` in TensorFlow, step by step (float32 arithmetic,
+    float64 for float64 inputs): the same outputs and saved tensors, h
+    rounded to x's dtype between steps and layers, 0 in the sequences at
+    t >= length (the next step reads that 0, as the kernel does), c not
+    held past a length (the kernel's saved c there is never read)."""
+    steps, batch, input_size, num_layers, units = _dims(x, h0)
+    acc, dtype = _accumulation(x.dtype), x.dtype
+    lens, alive = _alive(steps, batch, lengths)
+    views = _layer_views(params, num_layers, units, input_size)
+    biases = _biases(params, num_layers, units, input_size)
+    gates_all, cseq_all, seqs, hy, cy = [], [], [], [], []
+    inp = x
+    for l, (w_ih, w_hh) in enumerate(views):
+        b = tf.cast(biases[l][0], acc) + tf.cast(biases[l][1], acc)
+        n = int(inp.shape[-1])
+        xp = tf.reshape(tf.matmul(tf.reshape(tf.cast(inp, acc), [-1, n]), tf.cast(w_ih, acc),
+                                  transpose_b=True), [steps, batch, 4 * units]) + b
+        h, c = h0[l], tf.cast(c0[l], acc)
+        hy_l, cy_l = tf.zeros_like(h0[l]), tf.zeros_like(c0[l])
+        outs, gates, cseq = [], [], []
+        for t in range(steps):
+            pre = xp[t] + tf.matmul(tf.cast(h, acc), tf.cast(w_hh, acc), transpose_b=True)
+            a_i, a_f, a_g, a_o = tf.split(pre, 4, axis=1)
+            i, f, g, o = tf.sigmoid(a_i), tf.sigmoid(a_f), tf.tanh(a_g), tf.sigmoid(a_o)
+            c = f * c + i * g
+            h_new = tf.cast(o * tf.tanh(c), dtype)
+            gates.append(tf.concat([i, f, g, o], axis=1))
+            cseq.append(c)
+            h = tf.where(alive[t][:, None], h_new, tf.zeros_like(h_new))
+            outs.append(h)
+            last = (t == lens - 1)[:, None]
+            hy_l = tf.where(last, h_new, hy_l)
+            cy_l = tf.where(last, tf.cast(c, dtype), cy_l)
+        inp = tf.stack(outs)
+        seqs.append(inp)
+        gates_all.append(tf.stack(gates))
+        cseq_all.append(tf.stack(cseq))
+        hy.append(hy_l)
+        cy.append(cy_l)
+    hseq = (tf.stack(seqs[:-1]) if num_layers > 1
+            else tf.zeros([0, steps, batch, units], dtype))
+    return (seqs[-1], tf.stack(hy), tf.stack(cy),
+            (hseq, tf.cast(tf.stack(gates_all), acc), tf.cast(tf.stack(cseq_all), acc)))
+
+
+def recurrence_reference(w_hh, gates, cseq, c0, dy, dhy, dcy, lengths):
+    """`backward_layer` in TensorFlow, step by step (float32 arithmetic,
+    float64 for float64 inputs; dgates rounded to the element type as the
+    kernel stores them)."""
+    steps, batch, units = (int(d) for d in dy.shape)
+    dtype = dy.dtype
+    acc = _accumulation(dtype)
+    w = tf.cast(w_hh, acc)
+    lens, alive = _alive(steps, batch, lengths)
+    zeros = tf.zeros([batch, units], acc)
+    carry, rec = zeros, zeros
+    dgates = [None] * steps
+    for t in reversed(range(steps)):
+        live = alive[t][:, None]
+        last = (t == lens - 1)[:, None]
+        dh = rec + tf.cast(dy[t], acc) + tf.where(last, tf.cast(dhy, acc), zeros)
+        dc = tf.where(last, tf.cast(dcy, acc), carry)
+        i, f, g, o = tf.split(tf.cast(gates[t], acc), 4, axis=1)
+        c_prev = tf.cast(cseq[t - 1] if t > 0 else c0, acc)
+        tc = tf.tanh(tf.cast(cseq[t], acc))
+        dc = dc + dh * o * (1 - tc * tc)
+        da = tf.concat([dc * g * i * (1 - i), dc * c_prev * f * (1 - f), dc * i * (1 - g * g),
+                        dh * tc * o * (1 - o)], axis=1)
+        da = tf.cast(tf.where(live, da, tf.zeros_like(da)), dtype)
+        carry = tf.where(live, dc * f, zeros)
+        dgates[t] = da
+        rec = tf.matmul(tf.cast(da, acc), w)
+    return tf.stack(dgates), rec, carry
+
+
+def reference_forward(x, params, h0, c0, lengths=None):
+    """The stack in float64 with cuDNN's rules for lengths (outputs 0 past
+    each length, final states at each length): plain TensorFlow ops, so a
+    `GradientTape` gives its reference gradients. Inputs as
+    `trainable_forward`'s; returns (y, hy, cy) in float64."""
+    steps, batch, input_size, num_layers, units = _dims(x, h0)
+    f64 = tf.float64
+    _, alive = _alive(steps, batch, lengths)
+    params = tf.cast(params, f64)
+    views = _layer_views(params, num_layers, units, input_size)
+    biases = _biases(params, num_layers, units, input_size)
+    inp = tf.cast(x, f64)
+    hy, cy = [], []
+    for l, (w_ih, w_hh) in enumerate(views):
+        n = int(inp.shape[-1])
+        xp = tf.reshape(tf.matmul(tf.reshape(inp, [-1, n]), w_ih, transpose_b=True),
+                        [steps, batch, 4 * units]) + biases[l][0]
+        h, c = tf.cast(h0[l], f64), tf.cast(c0[l], f64)
+        outs = []
+        for t in range(steps):
+            pre = xp[t] + tf.matmul(h, w_hh, transpose_b=True) + biases[l][1]
+            a_i, a_f, a_g, a_o = tf.split(pre, 4, axis=1)
+            c_new = tf.sigmoid(a_f) * c + tf.sigmoid(a_i) * tf.tanh(a_g)
+            h_new = tf.sigmoid(a_o) * tf.tanh(c_new)
+            live = alive[t][:, None]
+            h, c = tf.where(live, h_new, h), tf.where(live, c_new, c)
+            outs.append(tf.where(live, h_new, tf.zeros_like(h_new)))
+        inp = tf.stack(outs)
+        hy.append(h)
+        cy.append(c)
+    return inp, tf.stack(hy), tf.stack(cy)

@@ -1,0 +1,263 @@
+"""The training path of rnnfuse's wavefront kernel (TensorFlow), on the CPU.
+
+The two kernels (the forward saving gates and c, the backward recurrence)
+run on the H200 only (tests/gpu/test_gpu_wavefront.py); here their
+TensorFlow step-by-step versions (`reference_forward_saving`,
+`recurrence_reference`: same inputs, outputs and layouts as the ops) stand
+in, in float64, so everything around them is checked exactly: the
+layer-by-layer backward's GEMMs (dx, dW_ih, dW_hh, both biases), the
+lengths (no gradient at t >= length, the final states' gradient entering at
+length - 1), the initial states, the `tf.custom_gradient` wiring to the
+flat buffer and from `run_trainable` to the Keras variables (against the
+emulated cuDNN's gradient), and the refusals. The two TF references are
+also checked against the torch binding's (which the H200 checks against
+the kernels), where torch is installed.
+"""
+
+from __future__ import annotations
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from rnnfuse.backends.base import StackSpec
+from rnnfuse.backends.tensorflow import wavefront_op, wavefront_training as wt
+
+TF_KERNELS = dict(saving=wt.reference_forward_saving, recurrence=wt.recurrence_reference)
+
+
+def _params(layers, units, inputs, rng):
+    """A canonical flat buffer (float64) of an LSTM stack."""
+    sizes = [4 * units * ((inputs if l == 0 else units) + units) for l in range(layers)]
+    n = sum(sizes) + 8 * units * layers
+    return tf.constant(rng.uniform(-0.5, 0.5, n), tf.float64)
+
+
+def _inputs(layers, units, batch, steps, inputs, with_lengths, seed=0):
+    rng = np.random.default_rng(seed)
+    x = tf.constant(rng.standard_normal((steps, batch, inputs)), tf.float64)
+    h0 = tf.constant(rng.standard_normal((layers, batch, units)) * 0.5, tf.float64)
+    c0 = tf.constant(rng.standard_normal((layers, batch, units)) * 0.5, tf.float64)
+    lengths = None
+    if with_lengths:
+        lengths = rng.integers(1, steps + 1, batch).astype(np.int32)
+        lengths[0] = steps
+        lengths = tf.constant(lengths)
+    return x, _params(layers, units, inputs, rng), h0, c0, lengths
+
+
+def _grads(fn, leaves, upstream):
+    with tf.GradientTape() as tape:
+        tape.watch(leaves)
+        out = fn(*leaves)
+        loss = sum(tf.reduce_sum(o * u) for o, u in zip(out, upstream))
+    return out, tape.gradient(loss, leaves)
+
+
+def _close(a, b, rtol, atol):
+    np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=rtol, atol=atol)
+
+
+@pytest.mark.parametrize("shape", [(1, 8, 3, 7, 5), (2, 16, 4, 9, 5), (3, 8, 5, 6, 3)])
+@pytest.mark.parametrize("with_lengths", [False, True])
+def test_the_gradients_are_a_tapes_of_the_float64_reference(shape, with_lengths):
+    x, params, h0, c0, lengths = _inputs(*shape, with_lengths)
+    rng = np.random.default_rng(1)
+    want_out = wt.reference_forward(x, params, h0, c0, lengths)
+    upstream = [tf.constant(rng.standard_normal(t.shape)) for t in want_out]
+    leaves = [x, params, h0, c0]
+    _, want = _grads(lambda *a: wt.reference_forward(*a, lengths), leaves, upstream)
+    out, got = _grads(lambda *a: wt.trainable_forward(*a, lengths, **TF_KERNELS), leaves,
+                      upstream)
+    for a, b in zip(out, want_out):
+        _close(a, b, 0, 1e-12)
+    for name, a, b in zip(["dx", "dparams", "dh0", "dc0"], got, want):
+        assert a is not None, name
+        _close(a, b, 1e-10, 1e-12)
+
+
+def test_the_gradient_is_not_the_reference_with_a_wrong_gemm(monkeypatch):
+    """The check above can fail: dW_hh read against h_t instead of h_{t-1}
+    (the recurrence's input shifted by one step) is caught."""
+    x, params, h0, c0, _ = _inputs(2, 8, 3, 5, 4, False)
+    leaves = [x, params, h0, c0]
+    upstream = [tf.ones_like(t) for t in wt.reference_forward(x, params, h0, c0)]
+    _, want = _grads(lambda *a: wt.reference_forward(*a), leaves, upstream)
+    real_concat = tf.concat
+
+    def shifted(values, axis, *a, **k):  # [h0, out[:-1]] becomes out
+        if (axis == 0 and len(values) == 2 and values[0].shape.rank == 3
+                and values[0].shape[0] == 1):
+            return real_concat([values[1], values[1][-1:]], axis)
+        return real_concat(values, axis, *a, **k)
+
+    monkeypatch.setattr(wt.tf, "concat", shifted)
+    _, got = _grads(lambda *a: wt.trainable_forward(*a, **TF_KERNELS), leaves, upstream)
+    assert not np.allclose(got[1], want[1], rtol=1e-6)
+    np.testing.assert_allclose(got[0], want[0], rtol=1e-10, atol=1e-12)  # dx is still right
+
+
+def test_no_gradient_past_a_length_and_the_final_states_enter_at_its_end():
+    x, params, h0, c0, _ = _inputs(2, 8, 3, 6, 4, False)
+    lengths = tf.constant([6, 2, 4], tf.int32)
+    with tf.GradientTape() as tape:
+        tape.watch(x)
+        y, hy, cy = wt.trainable_forward(x, params, h0, c0, lengths, **TF_KERNELS)
+        loss = tf.reduce_sum(hy[-1]) + tf.reduce_sum(y[5])
+    dx = tape.gradient(loss, x).numpy()
+    assert np.all(dx[2:, 1] == 0) and np.any(dx[:2, 1] != 0)
+    assert np.all(dx[4:, 2] == 0) and np.any(dx[3, 2] != 0)
+
+
+def test_the_saved_tensors_have_the_kernels_layout():
+    x, params, h0, c0, lengths = _inputs(3, 8, 2, 5, 4, True)
+    y, hy, cy, (hseq, gates, cseq) = wt.reference_forward_saving(x, params, h0, c0, lengths)
+    assert hseq.shape == (2, 5, 2, 8) and gates.shape == (3, 5, 2, 32)
+    assert cseq.shape == (3, 5, 2, 8)
+    ref_y, ref_h, ref_c = wt.reference_forward(x, params, h0, c0, lengths)
+    _close(y, ref_y, 0, 1e-12)
+    _close(hy, ref_h, 0, 1e-12)
+    _close(cy, ref_c, 0, 1e-12)
+    # c at each row's last step is its final c; the gates are activations.
+    last = lengths.numpy() - 1
+    _close(cseq.numpy()[-1, last, np.arange(2)], ref_c[-1], 0, 1e-12)
+    assert tf.reduce_min(gates) >= -1 and tf.reduce_max(gates) <= 1
+    # the layers below the top are 0 past each length, as the kernel writes them
+    assert np.all(hseq.numpy()[:, last[1] + 1:, 1] == 0)
+
+
+def test_the_recurrence_writes_zero_gate_gradients_past_each_length():
+    steps, batch, units = 5, 3, 8
+    rng = np.random.default_rng(1)
+    rand = lambda *s: tf.constant(rng.standard_normal(s))  # noqa: E731
+    gates = tf.constant(rng.uniform(0, 1, (steps, batch, 4 * units)))
+    lengths = tf.constant([5, 1, 3], tf.int32)
+    dgates, dh0, dc0 = wt.recurrence_reference(
+        rand(4 * units, units), gates, rand(steps, batch, units), rand(batch, units),
+        rand(steps, batch, units), rand(batch, units), rand(batch, units), lengths)
+    dgates = dgates.numpy()
+    assert dgates.shape == (steps, batch, 4 * units)
+    assert np.all(dgates[1:, 1] == 0) and np.all(dgates[3:, 2] == 0)
+    assert np.all(dgates[0] != 0) and dh0.shape == dc0.shape == (batch, units)
+
+
+def test_the_references_are_the_torch_bindings():
+    """Same numbers as rnnfuse/backends/torch/wavefront.py's references (the
+    ones the H200 checks against the kernels), in float64 with lengths."""
+    torch = pytest.importorskip("torch")
+    from rnnfuse.backends.torch import wavefront as torch_wf
+
+    x, params, h0, c0, lengths = _inputs(3, 8, 4, 6, 5, True)
+    t = lambda a: torch.from_numpy(np.array(a))  # noqa: E731
+    want = torch_wf.reference_forward_saving(t(x), t(params), t(h0), t(c0), t(lengths))
+    got = wt.reference_forward_saving(x, params, h0, c0, lengths)
+    for a, b in zip(tf.nest.flatten(got), [*want[:3], *want[3]]):
+        _close(a, b.numpy(), 0, 1e-13)
+    _, gates, cseq = got[3]
+    rng = np.random.default_rng(2)
+    dy, dhy, dcy = (rng.standard_normal(s) for s in [(6, 4, 8), (4, 8), (4, 8)])
+    w_hh = tf.reshape(params[4 * 8 * 5: 4 * 8 * 13], [32, 8])
+    args = [w_hh, gates[0], cseq[0], c0[0], tf.constant(dy), tf.constant(dhy), tf.constant(dcy),
+            lengths]
+    got = wt.recurrence_reference(*args)
+    want = torch_wf.recurrence_reference(*(t(a) for a in args))
+    for a, b in zip(got, want):
+        _close(a, b.numpy(), 0, 1e-13)
+
+
+def test_the_backward_kernels_inputs_are_the_ops(monkeypatch):
+    """`backward_stack` hands the op (here a spy) each layer's own slices, in
+    the element type: W_hh [4H, H], gates [T, B, 4H] and c [T, B, H] of the
+    layer, c0 and the final states' gradients of the layer."""
+    x, params, h0, c0, lengths = _inputs(2, 8, 3, 4, 5, True)
+    y, _, _, saved = wt.reference_forward_saving(x, params, h0, c0, lengths)
+    seen = []
+
+    def spy(w_hh, gates, cseq, c0_l, dy, dhy, dcy, lens):
+        seen.append((w_hh, gates, cseq, c0_l, dhy, lens))
+        return wt.recurrence_reference(w_hh, gates, cseq, c0_l, dy, dhy, dcy, lens)
+
+    dhy = tf.constant(np.arange(2 * 3 * 8, dtype=np.float64).reshape(2, 3, 8))
+    wt.backward_stack(params, x, h0, c0, lengths, y, saved, None, dhy, None, recurrence=spy)
+    assert len(seen) == 2
+    views = wt._layer_views(params, 2, 8, 5)
+    for (w_hh, gates, cseq, c0_l, dhy_l, lens), l in zip(seen, [1, 0]):
+        _close(w_hh, views[l][1], 0, 0)
+        _close(gates, saved[1][l], 0, 0)
+        _close(cseq, saved[2][l], 0, 0)
+        _close(c0_l, c0[l], 0, 0)
+        _close(dhy_l, dhy[l], 0, 0)
+        _close(lens, lengths, 0, 0)
+
+
+def test_training_calls_it_cannot_run_say_why(monkeypatch):
+    from rnnfuse.backends.cuda import library
+
+    assert "GRU trains on cuDNN" in library.backward_reason("gru", 64, 8, 10)
+    reason = wavefront_op.training_reason("lstm", 2, 64, 8, 10, 64, "float16")
+    assert isinstance(reason, str) and reason  # no GPU or no op here
+    assert "float16" in wavefront_op.training_reason("lstm", 2, 64, 8, 10, 64, "float32")
+    monkeypatch.setattr(wavefront_op, "unsupported_reason", lambda *a, **k: None)
+    assert "GRU trains on cuDNN" in wavefront_op.training_reason("gru", 2, 64, 8, 10, 64,
+                                                                 "float16")
+    with pytest.raises(ValueError, match="c0"):
+        wt.trainable_forward(tf.zeros([2, 1, 3]), tf.zeros([1]), tf.zeros([1, 1, 8]), None)
+
+
+def _stack(layers, units, inputs):
+    cells = []
+    for i in range(layers):
+        cell = keras.layers.LSTMCell(units, dtype="float64")
+        cell.build((None, inputs if i == 0 else units))
+        cells.append((cell,))
+    return StackSpec("lstm", units, tuple(cells))
+
+
+def test_run_trainable_refuses_the_cpu_and_an_unknown_batch():
+    stack = _stack(1, 8, 4)
+    with pytest.raises(NotImplementedError):
+        wavefront_op.run_trainable(tf.zeros([2, 3, 4], tf.float16), stack=stack)
+
+    @tf.function(input_signature=[tf.TensorSpec([None, 3, 4], tf.float16)])
+    def traced(x):
+        return wavefront_op.run_trainable(x, stack=stack).outputs
+
+    with pytest.raises(NotImplementedError, match="static batch"):
+        traced.get_concrete_function()
+
+
+@pytest.mark.parametrize("reverse", [False, True])
+def test_run_trainable_gives_the_keras_variables_cudnns_gradient(monkeypatch, emulated_cudnn,
+                                                                  reverse):
+    """With the TF kernels in place of the GPU's: the gradients of the
+    sequences, the initial states and the Keras variables equal those of the
+    backend's own run_stack on (emulated) cuDNN, with a mask and states."""
+    from rnnfuse.backends import tensorflow as tf_backend
+
+    monkeypatch.setattr(wt, "forward_saving", wt.reference_forward_saving)
+    monkeypatch.setattr(wt, "backward_layer", wt.recurrence_reference)
+    monkeypatch.setattr(wavefront_op, "stack_training_reason", lambda *a, **k: None)
+    stack = _stack(2, 8, 4)
+    variables = [w for level in stack.cells for cell in level for w in cell.weights]
+    rng = np.random.default_rng(3)
+    x = tf.constant(rng.standard_normal((3, 6, 4)))
+    h = [tf.constant(rng.standard_normal((3, 8))) for _ in range(2)]
+    c = [tf.constant(rng.standard_normal((3, 8))) for _ in range(2)]
+    mask = tf.constant(np.arange(6)[None, :] < np.array([6, 3, 5])[:, None])
+
+    def grads(run):
+        with tf.GradientTape() as tape:
+            tape.watch([x, *h, *c])
+            out = run(x, stack=stack, initial_h=h, initial_c=c, mask=mask, reverse=reverse)
+            loss = (tf.reduce_sum(out.outputs ** 2) + tf.reduce_sum(out.final_h)
+                    + tf.reduce_sum(out.final_c ** 2))
+        return out, tape.gradient(loss, [x, *h, *c] + variables)
+
+    out, got = grads(wavefront_op.run_trainable)
+    assert out.kernel.name == wavefront_op.TRAINING_KERNEL_NAME
+    _, want = grads(lambda x, **kw: tf_backend.run_stack(x, kernel="cudnn", **kw))
+    assert len(emulated_cudnn) == 1
+    for a, b in zip(got, want):
+        assert a is not None
+        _close(a, b, 1e-9, 1e-12)
