@@ -19,6 +19,17 @@ float16 rounding, and is faster than the original's predict (the ratio is
 a GPU_REPORT line); the same model at batch 8 keeps cuDNN or the original.
 The kernel's exactness over randomized shapes is tested through torch
 (test_gpu_wavefront_torch.py), which needs no TensorFlow.
+
+Training (`wavefront_op.run_trainable`: the forward kernel saving gates and
+c, the backward kernel per layer, the GEMMs in TensorFlow): outputs, final
+states and the gradients of the inputs, initial states and every Keras
+variable against a tape of the float64 reference and rnnfuse's cuDNN op's
+gradient (bench_wavefront's GRAD_TOL, or twice cuDNN's own error), at the
+headline 4x512 B64 T1000 float16, a bfloat16 stack with lengths and small
+odd shapes; refusals (over the forward's limits, a GRU, the backward op's
+own Unimplemented error); a gradient through the raw training ops is a
+clear error; and a tf.function training step at the headline shape timed
+against the cuDNN op (a GPU_REPORT line, not asserted).
 """
 
 from __future__ import annotations
@@ -250,3 +261,193 @@ def test_predict_at_batch_8_keeps_cudnn_or_the_original(tmp_path):
                                        "rejected": record["rejected"]})
     assert "fused on wavefront" in record["timings_ms"], record
     assert layer.plan.kernel != "wavefront" and "wavefront" not in record["chosen"], record
+
+
+# -- training: the kernel's forward AND backward (run_trainable) ---------------------------
+
+# ||grad - ref64|| / ||ref64|| bounds, bench/bench_wavefront.py's GRAD_TOL (the
+# recurrence's rounding compounds over T backward steps); each tensor must
+# also be within twice rnnfuse's cuDNN op's own error, or this.
+GRAD_TOL = {"float16": 5e-3, "bfloat16": 4e-2}
+
+TRAINING_CASES = [
+    # layers, units, batch, steps, inputs, dtype, lengths
+    (4, 512, 64, 1000, 512, "float16", False),  # the headline
+    (3, 256, 20, 60, 128, "bfloat16", True),
+    (1, 64, 3, 7, 5, "float16", False),  # small and odd
+    (3, 384, 33, 40, 100, "float16", True),
+]
+
+
+def _training_inputs(layers, units, batch, steps, inputs, dtype, with_lengths, seed):
+    """A stack with random biases and its weights rounded to `dtype` (what the
+    kernels see, so the float64 reference sees the same), inputs, initial
+    states, upstream gradients and a mask."""
+    rng = np.random.default_rng(seed)
+    stack = _stack("lstm", layers, units, inputs)
+    for (cell,) in stack.cells:
+        cell.bias.assign(rng.uniform(-0.3, 0.3, cell.bias.shape).astype("float32"))
+        for v in (cell.kernel, cell.recurrent_kernel, cell.bias):
+            v.assign(tf.cast(tf.cast(v, dtype), tf.float32))
+
+    def rand(*shape, scale=1.0):
+        return tf.cast(tf.constant(rng.standard_normal(shape) * scale, tf.float32), dtype)
+
+    x = rand(batch, steps, inputs)
+    h = [rand(batch, units, scale=0.5) for _ in range(layers)]
+    c = [rand(batch, units, scale=0.5) for _ in range(layers)]
+    upstream = (rand(batch, steps, units), rand(layers, batch, units), rand(layers, batch, units))
+    mask = None
+    if with_lengths:
+        lengths = rng.integers(1, steps + 1, batch)
+        lengths[0] = steps
+        mask = tf.constant(np.arange(steps)[None, :] < lengths[:, None])
+    return stack, x, h, c, upstream, mask
+
+
+def _training_grads(run, stack, x, h, c, upstream, mask):
+    """(outputs, final h, final c) and the gradients of x, the initial states
+    and every Keras variable, for sum(out * upstream)."""
+    variables = [v.value for (cell,) in stack.cells for v in cell.trainable_weights]
+    with tf.GradientTape() as tape:
+        tape.watch([x, *h, *c])
+        out = run(x, stack=stack, initial_h=h, initial_c=c, mask=mask)
+        tensors = (out.outputs, out.final_h, out.final_c)
+        loss = sum(tf.reduce_sum(tf.cast(t, tf.float64) * tf.cast(u, tf.float64))
+                   for t, u in zip(tensors, upstream))
+    return out.kernel, tensors, tape.gradient(loss, [x, *h, *c, *variables])
+
+
+def _reference_run(x, *, stack, initial_h, initial_c, mask):
+    """The stack in float64 (wavefront_training.reference_forward) on the same
+    rounded weights, as a StackRun-like tuple."""
+    from rnnfuse.backends.tensorflow import wavefront_training
+
+    lengths = None if mask is None else tf.reduce_sum(tf.cast(mask, tf.int32), axis=1)
+    y, hy, cy = wavefront_training.reference_forward(
+        tf.transpose(tf.cast(x, tf.float64), [1, 0, 2]), tf_backend.pack_params(stack, "float64"),
+        tf.cast(tf.stack(initial_h), tf.float64), tf.cast(tf.stack(initial_c), tf.float64),
+        lengths)
+
+    class Run:
+        outputs, final_h, final_c, kernel = tf.transpose(y, [1, 0, 2]), hy, cy, None
+
+    return Run
+
+
+def _names(layers):
+    return (["y", "hy", "cy", "dx"] + [f"dh0_{l}" for l in range(layers)]
+            + [f"dc0_{l}" for l in range(layers)]
+            + [f"{w}{l}" for l in range(layers) for w in ("kernel", "recurrent", "bias")])
+
+
+@pytest.mark.parametrize("case", TRAINING_CASES, ids=lambda c: "-".join(map(str, c)))
+def test_run_trainables_gradients_match_float64_and_the_cudnn_op(case):
+    """Outputs, final states, dx, dh0, dc0 and every Keras variable's gradient
+    of `run_trainable` (the forward kernel saving, the backward kernel per
+    layer, the GEMMs) against a tape of the float64 reference and rnnfuse's
+    cuDNN op's gradient: within GRAD_TOL or twice cuDNN's own error, per
+    tensor."""
+    layers, dtype = case[0], case[5]
+    stack, x, h, c, upstream, mask = _training_inputs(*case, seed=sum(case[:5]))
+    with tf.device("GPU:0"):
+        ran, out, got = _training_grads(wavefront_op.run_trainable, stack, x, h, c, upstream,
+                                        mask)
+        ran_cudnn, out_cudnn, cudnn = _training_grads(
+            lambda x, **kw: tf_backend.run_stack(x, kernel="cudnn", **kw), stack, x, h, c,
+            upstream, mask)
+        out_ref, ref = tf.function(
+            lambda: _training_grads(_reference_run, stack, x, h, c, upstream, mask)[1:])()
+    assert ran.name == wavefront_op.TRAINING_KERNEL_NAME and ran.note is None
+    assert ran_cudnn.name == "RnnfuseCudnnRnn"
+    err, cud_err = {}, {}
+    for name, a, b, w in zip(_names(layers), [*out, *got], [*out_cudnn, *cudnn],
+                             [*out_ref, *ref]):
+        assert a is not None and w is not None, name
+        err[name], cud_err[name] = _rel(a, w), _rel(b, w)
+    bad = {n: (err[n], cud_err[n]) for n in err
+           if not (np.isfinite(err[n]) and err[n] <= max(GRAD_TOL[dtype], 2 * cud_err[n]))}
+    report(f"wavefront_grad_tf_{'-'.join(map(str, case))}", {
+        "worst": max(err.values()), "cudnn_worst": max(cud_err.values()),
+        "ratio_to_cudnn": max(err[n] / max(cud_err[n], 1e-12) for n in err), "failing": bad})
+    assert not bad, bad
+
+
+def test_training_calls_the_kernels_cannot_run_are_refused():
+    with pytest.raises(NotImplementedError, match="do not fit on chip"):
+        wavefront_op.run_trainable(tf.zeros([64, 10, 512], tf.float16),
+                                   stack=_stack("lstm", 8, 512, 512))
+    with pytest.raises(NotImplementedError, match="GRU trains on cuDNN"):
+        wavefront_op.run_trainable(tf.zeros([4, 5, 64], tf.float16),
+                                   stack=_stack("gru", 2, 64, 64))
+    assert wavefront_op.training_reason("lstm", 4, 512, 64, 1000, 512, "float16") is None
+
+
+def test_the_backward_op_names_the_limit_it_refuses():
+    """The op itself (Python checks the plan first): 100 units are not a
+    multiple of 8, an Unimplemented error naming the limit."""
+    from rnnfuse.backends.tensorflow import wavefront_training
+
+    t, b, u = 3, 2, 100
+    f16 = lambda *s: tf.zeros(s, tf.float16)  # noqa: E731
+    f32 = lambda *s: tf.zeros(s, tf.float32)  # noqa: E731
+    with tf.device("GPU:0"), pytest.raises(tf.errors.UnimplementedError, match="multiple of 8"):
+        wavefront_training.backward_layer(f16(4 * u, u), f32(t, b, 4 * u), f32(t, b, u),
+                                          f16(b, u), f16(t, b, u), f16(b, u), f16(b, u), None)
+
+
+def test_a_gradient_through_the_raw_training_ops_is_a_clear_error():
+    from rnnfuse.backends.tensorflow import wavefront_training
+
+    x = tf.Variable(tf.zeros([5, 4, 64], tf.float16))
+    params = tf_backend.pack_params(_stack("lstm", 1, 64, 64), "float16")
+    h0 = tf.zeros([1, 4, 64], tf.float16)
+    with tf.GradientTape() as tape:
+        y = wavefront_training.forward_saving(x, params, h0, h0, None)[0]
+        loss = tf.reduce_sum(y)
+    with pytest.raises(ValueError, match="no gradient of its own"):
+        tape.gradient(loss, x)
+
+
+def _median_ms(fn, reps=10):
+    fn()
+    fn()  # traced and warm
+    times = []
+    for _ in range(reps):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return 1e3 * float(np.median(times))
+
+
+def test_a_training_step_at_the_headline_shape_is_timed_against_the_cudnn_op():
+    """A tf.function training step (forward + the gradients of x and every
+    variable) of the 4x512 float16 LSTM at batch 64, T=1000, on run_trainable
+    and on rnnfuse's cuDNN op: a GPU_REPORT line (the torch binding's step
+    was 40 ms against cuDNN's 73 on the H200). Reported, not asserted."""
+    stack, x, _, _, (dy, _, _), _ = _training_inputs(4, 512, 64, 1000, 512, "float16", False,
+                                                     seed=7)
+    variables = [v.value for (cell,) in stack.cells for v in cell.trainable_weights]
+    ran = []
+
+    def step(run):
+        @tf.function
+        def fn(x):
+            with tf.GradientTape() as tape:
+                tape.watch(x)
+                out = run(x, stack=stack)
+                loss = tf.reduce_sum(tf.cast(out.outputs, tf.float32) * tf.cast(dy, tf.float32))
+            ran.append(out.kernel)
+            grads = tape.gradient(loss, [x, *variables])
+            return tf.add_n([tf.reduce_sum(tf.cast(g, tf.float32)) for g in grads])
+
+        return lambda: float(fn(x))  # the float waits for the step
+
+    with tf.device("GPU:0"):
+        ours = _median_ms(step(wavefront_op.run_trainable))
+        cudnn = _median_ms(step(lambda x, **kw: tf_backend.run_stack(x, kernel="cudnn", **kw)))
+    assert ran[0].name == wavefront_op.TRAINING_KERNEL_NAME
+    assert ran[-1].name == "RnnfuseCudnnRnn"
+    report("wavefront_train_step_tf", {
+        "shape": "4x512 LSTM B64 T1000 float16", "wavefront_train_step_ms": ours,
+        "cudnn_op_train_step_ms": cudnn, "speedup_vs_cudnn": cudnn / ours})

@@ -303,8 +303,9 @@ def recurrence_reference(w_hh, gates, cseq, c0, dy, dhy, dcy, lengths):
 
 def reference_forward(x, params, h0, c0, lengths=None):
     """The stack in float64 with cuDNN's rules for lengths (outputs 0 past
-    each length, final states at each length): plain TensorFlow ops, so a
-    `GradientTape` gives its reference gradients. Inputs as
+    each length, final states at each length): plain TensorFlow ops (a
+    `tf.scan` over time a layer, so it traces small in a `tf.function`), so
+    a `GradientTape` gives its reference gradients. Inputs as
     `trainable_forward`'s; returns (y, hy, cy) in float64."""
     steps, batch, input_size, num_layers, units = _dims(x, h0)
     f64 = tf.float64
@@ -318,17 +319,20 @@ def reference_forward(x, params, h0, c0, lengths=None):
         n = int(inp.shape[-1])
         xp = tf.reshape(tf.matmul(tf.reshape(inp, [-1, n]), w_ih, transpose_b=True),
                         [steps, batch, 4 * units]) + biases[l][0]
-        h, c = tf.cast(h0[l], f64), tf.cast(c0[l], f64)
-        outs = []
-        for t in range(steps):
-            pre = xp[t] + tf.matmul(h, w_hh, transpose_b=True) + biases[l][1]
+
+        def step(state, elems, w_hh=w_hh, b_hh=biases[l][1]):
+            h, c, _ = state
+            xp_t, live = elems
+            pre = xp_t + tf.matmul(h, w_hh, transpose_b=True) + b_hh
             a_i, a_f, a_g, a_o = tf.split(pre, 4, axis=1)
             c_new = tf.sigmoid(a_f) * c + tf.sigmoid(a_i) * tf.tanh(a_g)
             h_new = tf.sigmoid(a_o) * tf.tanh(c_new)
-            live = alive[t][:, None]
-            h, c = tf.where(live, h_new, h), tf.where(live, c_new, c)
-            outs.append(tf.where(live, h_new, tf.zeros_like(h_new)))
-        inp = tf.stack(outs)
-        hy.append(h)
-        cy.append(c)
+            live = live[:, None]
+            return (tf.where(live, h_new, h), tf.where(live, c_new, c),
+                    tf.where(live, h_new, tf.zeros_like(h_new)))
+
+        h0_l, c0_l = tf.cast(h0[l], f64), tf.cast(c0[l], f64)
+        hs, cs, inp = tf.scan(step, (xp, alive), initializer=(h0_l, c0_l, tf.zeros_like(h0_l)))
+        hy.append(hs[-1])
+        cy.append(cs[-1])
     return inp, tf.stack(hy), tf.stack(cy)
