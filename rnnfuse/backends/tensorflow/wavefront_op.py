@@ -299,8 +299,8 @@ def _no_gradient(op, *grads):
 
 def _no_training_gradient(op, *grads):
     raise ValueError(
-        f"{op.type} has no gradient of its own: it is half of the wavefront kernel's "
-        "training path. Fix: call it through wavefront_op.run_trainable (or "
+        f"{getattr(op, 'type', 'this op')} has no gradient of its own: it is half of the "
+        "wavefront kernel's training path. Fix: call it through wavefront_op.run_trainable (or "
         "wavefront_training.trainable_forward), whose gradient runs the backward kernel"
     )
 
