@@ -243,6 +243,12 @@ class Capabilities:
     # calls (forward-only kernels: `rnnfuse.plan.INFERENCE_ONLY_KERNELS`),
     # for the groups `Backend.kernel_reason` accepts at the timed shape.
     inference_kernels: tuple = ()
+    # Those of them this backend also trains on (torch: the wavefront
+    # kernel's own backward), which the tuner times for training calls too
+    # where `Backend.kernel_reason(..., training=True)` accepts the group.
+    # A training call of a plan on another forward-only kernel runs
+    # `Plan.for_training()` (cuDNN).
+    training_kernels: tuple = ()
 
 
 class Backend(abc.ABC):
@@ -268,12 +274,14 @@ class Backend(abc.ABC):
     def group_reason(self, group: Any) -> str | None:
         """Why this backend never runs fusion `group` fused, or None."""
 
-    def kernel_reason(self, kernel: str, group: Any, shape: tuple) -> str | None:
+    def kernel_reason(self, kernel: str, group: Any, shape: tuple,
+                      training: bool = False) -> str | None:
         """Why plan kernel `kernel` (one of `capabilities.inference_kernels`)
-        cannot run `group`'s inference calls at input `shape` (batch,
-        steps, features) here, or None: the kernel's own checks (its
-        dtypes, its on-chip plan, the device), asked before the tuner
-        times it. Default: this backend has no such kernel."""
+        cannot run `group`'s inference calls (with `training`, its training
+        calls: forward and backward) at input `shape` (batch, steps,
+        features) here, or None: the kernel's own checks (its dtypes, its
+        on-chip plan, the device), asked before the tuner times it.
+        Default: this backend has no such kernel."""
         return f"the {self.name} backend has no {kernel!r} kernel"
 
     # -- the fused call ---------------------------------------------------------

@@ -243,12 +243,15 @@ def unsupported_reason(stack: StackSpec, dtype: str) -> str | None:
     return None
 
 
-def kernel_reason(kernel: str, group: Any, shape: tuple) -> str | None:
+def kernel_reason(kernel: str, group: Any, shape: tuple, training: bool = False) -> str | None:
     """Why plan kernel `kernel` cannot run `group`'s (a `FusionGroup`)
     inference calls at input `shape` (batch, steps, features) here, or None
-    (`TensorFlowBackend.kernel_reason`: the wavefront op's checks)."""
+    (`TensorFlowBackend.kernel_reason`: the wavefront op's checks). No
+    kernel of this backend trains (`training`): the op has no backward."""
     if kernel != "wavefront":
         return f"the TensorFlow backend has no {kernel!r} kernel to time for inference"
+    if training:
+        return "the TensorFlow wavefront op runs inference only (training runs cuDNN)"
     from rnnfuse.backends.tensorflow import wavefront_op
 
     batch, steps, features = (int(d) for d in shape[:3])
