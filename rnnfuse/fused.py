@@ -510,6 +510,7 @@ class FusedRNN(keras.layers.Layer):
                 seed=seed,
                 algorithm=plan.cudnn_algorithm if algorithm is None else algorithm,
                 kernel=plan.kernel,
+                training=bool(training),
             )
         except NotImplementedError as err:
             # As Keras' Bidirectional does for its fused LSTM: the backend

@@ -300,14 +300,17 @@ class Backend(abc.ABC):
 
     @abc.abstractmethod
     def run_stack(self, sequences, *, stack, initial_h=None, initial_c=None, mask=None,
-                  reverse=False, dropout=0.0, seed=(0, 0), algorithm=None, kernel="cudnn"):
+                  reverse=False, dropout=0.0, seed=(0, 0), algorithm=None, kernel="cudnn",
+                  training=False):
         """A `StackRun` (outputs, final_h, final_c, kernel); raises
         NotImplementedError when it cannot run this call (the layer then
         runs the original layers). `kernel` is the plan's
         (`rnnfuse.plan.KERNELS`; one the backend does not have raises
         NotImplementedError); `algorithm` its variant: a
         `rnnfuse.plan.Algorithm` for "cudnn" (None: standard), or the value
-        `timed_steps` passes its step to run every algorithm on one trace."""
+        `timed_steps` passes its step to run every algorithm on one trace.
+        `training`: the layer's call is a training call (a kernel of
+        `capabilities.training_kernels` runs its own backward for one)."""
 
     @abc.abstractmethod
     def concrete_bool(self, value: Any) -> bool | None:

@@ -372,6 +372,7 @@ def run_stack(
     seed: tuple[int, int] = (0, 0),
     algorithm: Any = None,
     kernel: str = "cudnn",
+    training: bool = False,
 ) -> StackRun:
     """Runs `stack` over `sequences` [B, T, F] in one cuDNN call.
 
@@ -401,6 +402,8 @@ def run_stack(
             op, `wavefront_op.run_differentiable`; where it cannot run the
             call, "cudnn" on the standard algorithm, with the reason in the
             `KernelRun`'s note). Another raises NotImplementedError.
+        training: unused (no kernel here has its own backward yet: a
+            training call never names "wavefront", see `FusedRNN`).
 
     Returns:
         A `StackRun`: outputs [B, T, D*R] with zeros past each sequence's

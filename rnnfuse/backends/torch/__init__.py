@@ -689,6 +689,7 @@ def run_stack(
     seed: tuple[int, int] = (0, 0),
     algorithm: Any = None,
     kernel: str = "cudnn",
+    training: bool = False,
 ) -> StackRun:
     """Runs `stack` over `sequences` [B, T, F] in one PyTorch RNN call.
 
@@ -712,6 +713,8 @@ def run_stack(
             forward, and its backward where autograd will want a gradient;
             where the kernels cannot run the call, "cudnn", with the reason
             in the `KernelRun`'s note); another raises NotImplementedError.
+        training: unused: whether autograd records the call decides
+            whether the wavefront kernel also saves for its backward.
 
     Returns:
         A `StackRun`: outputs [B, T, D*P'] with zeros past each sequence's
@@ -736,7 +739,7 @@ def run_stack(
             # be resident) is refused here too: torch runs eagerly.
             errors=(NotImplementedError, WavefrontError),
         )
-    del seed  # PyTorch's RNN dropout takes no seed argument.
+    del seed, training  # PyTorch's RNN dropout takes no seed argument.
     x = keras.ops.convert_to_tensor(sequences)
     batch, steps = int(x.shape[0]), int(x.shape[1])
     lstm = stack.kind == "lstm"
