@@ -15,9 +15,11 @@ call, decides how to run them:
 
 How the fused path runs is the layer's `rnnfuse.plan.Plan` (`plan=`,
 `set_plan`): the whole run as one call, consecutive pieces of it, or the
-original layers; the kernel and its algorithm. A plan on a forward-only
-kernel (rnnfuse's "wavefront") runs inference calls there; a training call
-runs `plan.for_training()` (cuDNN), and its `KernelRun`'s note says so. Everything one call needs
+original layers; the kernel and its algorithm. A plan on rnnfuse's
+"wavefront" kernel runs inference calls there; a training call runs there
+too where the backend trains on it (`Capabilities.training_kernels`:
+torch, with the kernel's backward), else `plan.for_training()` (cuDNN),
+and its `KernelRun`'s note says so. Everything one call needs
 arrives as arguments (the plan's fields, the tuner's runtime algorithm,
 what the caller knows about the mask); what the call ran comes back as
 `last_path` (a `CallPath` with the `KernelRun` of the fused kernel), set
@@ -489,10 +491,12 @@ class FusedRNN(keras.layers.Layer):
         initial_h, initial_c = self._initial_states(initial_state)
         rate, seed = self._between_dropout(training)
         note = None
-        if training and plan.inference_only:
-            # A forward-only kernel (rnnfuse.plan.INFERENCE_ONLY_KERNELS):
-            # a training call runs the same pieces on cuDNN.
-            note = f"a training call: the {plan.kernel} kernel runs inference only"
+        if (training and plan.inference_only
+                and plan.kernel not in backend.capabilities.training_kernels):
+            # A forward-only kernel (rnnfuse.plan.INFERENCE_ONLY_KERNELS)
+            # this backend does not train on: a training call runs the same
+            # pieces on cuDNN.
+            note = f"a training call: the {plan.kernel} kernel runs inference only here"
             plan = plan.for_training()
         try:
             run = backend.run_stack(
@@ -506,6 +510,7 @@ class FusedRNN(keras.layers.Layer):
                 seed=seed,
                 algorithm=plan.cudnn_algorithm if algorithm is None else algorithm,
                 kernel=plan.kernel,
+                training=bool(training),
             )
         except NotImplementedError as err:
             # As Keras' Bidirectional does for its fused LSTM: the backend

@@ -28,15 +28,16 @@ the plan, the cache, the tuner and the rewrite carry it as they carry
 NotImplementedError from its fused call, and the layer runs the original
 layers (as for any call it cannot run).
 
-"wavefront" is rnnfuse's own CUDA kernel (docs/kernel.md), a forward pass
-only: a plan on it is an inference plan (`inference_only`). The tuner
-times it for inference calls only, so first-batch tuning's training
-decision keeps its own plan; a training call of a layer whose plan names
-it runs `for_training()` instead (the same pieces on cuDNN), and a
-gradient taken through an inference call is cuDNN's, recomputed in the
-backward pass. Where the kernel refuses a call (a shape that does not fit
-on chip, no Hopper GPU), the backend runs cuDNN and its `KernelRun` says
-why.
+"wavefront" is rnnfuse's own CUDA kernel (docs/kernel.md). Not every
+backend trains on it (`inference_only`): TensorFlow's op is a forward
+pass, with cuDNN's gradient recomputed for a gradient through an
+inference call; torch also has its backward kernel for LSTM stacks
+(`Capabilities.training_kernels`). The tuner times it for inference calls,
+and for training calls where the backend trains on it; a training call of
+a layer whose plan names it on another backend runs `for_training()` (the
+same pieces on cuDNN). Where the kernel refuses a call (a shape that does
+not fit on chip, no Hopper GPU, a GRU's backward), the backend runs cuDNN
+and its `KernelRun` says why.
 
 Example:
 
@@ -87,10 +88,11 @@ KERNELS = {
     # only: unidirectional LSTM/GRU stacks in float16/bfloat16 that fit on
     # a Hopper GPU. TensorFlow's RnnfuseWavefront op, torch's
     # torch.ops.rnnfuse.wavefront_forward; cuDNN runs what it refuses.
-    "wavefront": "rnnfuse's wavefront kernel (inference only; cuDNN where it cannot run)",
+    "wavefront": "rnnfuse's wavefront kernel (cuDNN where it cannot run)",
 }
-# The kernels with no backward pass: a training call of a plan on one runs
-# `Plan.for_training()`.
+# The kernels with no backward pass on some backend: a training call of a
+# plan on one runs `Plan.for_training()` where the backend's
+# `Capabilities.training_kernels` does not name it.
 INFERENCE_ONLY_KERNELS = frozenset({"wavefront"})
 
 # cudnnRNNAlgo_t values 0..3, in order.
@@ -215,8 +217,9 @@ class Plan:
 
     @property
     def inference_only(self) -> bool:
-        """Whether the plan's kernel runs forward passes only
-        (`INFERENCE_ONLY_KERNELS`): a training call runs `for_training()`."""
+        """Whether the plan's kernel runs forward passes only on some
+        backend (`INFERENCE_ONLY_KERNELS`): a training call there runs
+        `for_training()`."""
         return self.kernel in INFERENCE_ONLY_KERNELS and not self.per_layer
 
     def for_training(self) -> "Plan":

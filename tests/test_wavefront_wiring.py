@@ -313,7 +313,7 @@ def test_a_step_whose_kernel_falls_back_is_not_timed(fake_wavefront, half, monke
     (a refusal the pre-check did not foresee) is left out with the reason."""
     from rnnfuse.backends import tensorflow as tf_backend
 
-    monkeypatch.setattr(tf_backend, "kernel_reason", lambda kernel, group, shape: None)
+    monkeypatch.setattr(tf_backend, "kernel_reason", lambda kernel, group, shape, training=False: None)
     timer = FakeTimer({"per-layer": 2.0, "fused": 1.0, "fused on wavefront": 0.1})
     (result,) = _tune(_groups(_model(layers=4, units=16)), timer, shape=(4, 7, 5))
     assert "do not fit on chip" in result.rejected["fused on wavefront"]

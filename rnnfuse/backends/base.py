@@ -243,6 +243,12 @@ class Capabilities:
     # calls (forward-only kernels: `rnnfuse.plan.INFERENCE_ONLY_KERNELS`),
     # for the groups `Backend.kernel_reason` accepts at the timed shape.
     inference_kernels: tuple = ()
+    # Those of them this backend also trains on (torch: the wavefront
+    # kernel's own backward), which the tuner times for training calls too
+    # where `Backend.kernel_reason(..., training=True)` accepts the group.
+    # A training call of a plan on another forward-only kernel runs
+    # `Plan.for_training()` (cuDNN).
+    training_kernels: tuple = ()
 
 
 class Backend(abc.ABC):
@@ -268,12 +274,14 @@ class Backend(abc.ABC):
     def group_reason(self, group: Any) -> str | None:
         """Why this backend never runs fusion `group` fused, or None."""
 
-    def kernel_reason(self, kernel: str, group: Any, shape: tuple) -> str | None:
+    def kernel_reason(self, kernel: str, group: Any, shape: tuple,
+                      training: bool = False) -> str | None:
         """Why plan kernel `kernel` (one of `capabilities.inference_kernels`)
-        cannot run `group`'s inference calls at input `shape` (batch,
-        steps, features) here, or None: the kernel's own checks (its
-        dtypes, its on-chip plan, the device), asked before the tuner
-        times it. Default: this backend has no such kernel."""
+        cannot run `group`'s inference calls (with `training`, its training
+        calls: forward and backward) at input `shape` (batch, steps,
+        features) here, or None: the kernel's own checks (its dtypes, its
+        on-chip plan, the device), asked before the tuner times it.
+        Default: this backend has no such kernel."""
         return f"the {self.name} backend has no {kernel!r} kernel"
 
     # -- the fused call ---------------------------------------------------------
@@ -292,14 +300,17 @@ class Backend(abc.ABC):
 
     @abc.abstractmethod
     def run_stack(self, sequences, *, stack, initial_h=None, initial_c=None, mask=None,
-                  reverse=False, dropout=0.0, seed=(0, 0), algorithm=None, kernel="cudnn"):
+                  reverse=False, dropout=0.0, seed=(0, 0), algorithm=None, kernel="cudnn",
+                  training=False):
         """A `StackRun` (outputs, final_h, final_c, kernel); raises
         NotImplementedError when it cannot run this call (the layer then
         runs the original layers). `kernel` is the plan's
         (`rnnfuse.plan.KERNELS`; one the backend does not have raises
         NotImplementedError); `algorithm` its variant: a
         `rnnfuse.plan.Algorithm` for "cudnn" (None: standard), or the value
-        `timed_steps` passes its step to run every algorithm on one trace."""
+        `timed_steps` passes its step to run every algorithm on one trace.
+        `training`: the layer's call is a training call (a kernel of
+        `capabilities.training_kernels` runs its own backward for one)."""
 
     @abc.abstractmethod
     def concrete_bool(self, value: Any) -> bool | None:

@@ -1,10 +1,11 @@
 """The plans the tuner times for a group, and the groups a plan turns into.
 
 A `rnnfuse.plan.Plan` says how one group runs (pieces, kernel, algorithm).
-`candidate_plans(group)` lists what the tuner times; `kernel_plans` adds,
-for inference, the whole run on each forward-only kernel the backend has
-(`Capabilities.inference_kernels`: rnnfuse's wavefront kernel) where that
-kernel accepts the group at the timed shape; `split_groups` turns groups
+`candidate_plans(group)` lists what the tuner times; `kernel_plans` adds
+the whole run on each kernel besides cuDNN the backend has for the mode
+(`Capabilities.inference_kernels`, `training_kernels`: rnnfuse's wavefront
+kernel) where that kernel accepts the group at the timed shape;
+`split_groups` turns groups
 and their plans into the groups the rewrite builds.
 
 Example:
@@ -68,10 +69,10 @@ def kernel_plans(
     kernels: Sequence[str],
     reason_of: Callable[[str, FusionGroup, tuple], str | None],
 ) -> tuple[list[Plan], dict]:
-    """The inference candidates on forward-only kernels: (the whole run on
-    each of `kernels` that can run `group` at input `shape`, {plan name:
-    why not} for the others). `reason_of` is `Backend.kernel_reason` (the
-    kernel's own checks: dtypes, its on-chip plan, the device).
+    """The candidates on kernels besides cuDNN: (the whole run on each of
+    `kernels` that can run `group` at input `shape`, {plan name: why not}
+    for the others). `reason_of` is `Backend.kernel_reason` for the mode
+    timed (the kernel's own checks: dtypes, its on-chip plan, the device).
 
     >>> import types
     >>> group = types.SimpleNamespace(layers=("a", "b"))

@@ -371,14 +371,16 @@ def tune_plans(
                 plans = [p for p in plans if not p.algorithm]
             plans = [p for p in plans if p.name not in rejected]
             bar.advance_rest(len(rejected))
-            if not training:
-                # Forward-only kernels (rnnfuse's wavefront kernel): timed
-                # for inference only, where the kernel takes the group.
-                backend = get_backend(backend_name)
-                more, why = kernel_plans(group, shape, backend.capabilities.inference_kernels,
-                                         backend.kernel_reason)
-                plans += [p for p in more if p.name not in {q.name for q in plans}]
-                rejected.update(why)
+            # Kernels besides cuDNN (rnnfuse's wavefront kernel): timed for
+            # inference, and for training where the backend trains on them,
+            # where the kernel takes the group at this shape.
+            backend = get_backend(backend_name)
+            caps = backend.capabilities
+            more, why = kernel_plans(
+                group, shape, caps.training_kernels if training else caps.inference_kernels,
+                lambda k, g, s: backend.kernel_reason(k, g, s, training=training))
+            plans += [p for p in more if p.name not in {q.name for q in plans}]
+            rejected.update(why)
             timings, plans = _time_in_stages(
                 plans, rejected, bar,
                 _Measured(group, shape, dtype, training, jit_baseline, masked, measure, bar,
@@ -670,8 +672,9 @@ def _fastest_with_sound_gradients(plans, timings, rejected, training, check, dty
     """The fastest plan whose gradients may be trusted for training.
 
     A plan on cuDNN's default algorithm needs no check. One on another
-    algorithm must have gradients no farther from float64 than the default
-    algorithm's with the same pieces (`gradient_tolerance`); the check runs
+    algorithm, or on another kernel (the wavefront kernel's backward), must
+    have gradients no farther from float64 than the default algorithm's
+    with the same pieces (`gradient_tolerance`); the check runs
     lazily, fastest candidate first, so a tuning run pays for one or two
     float64 references instead of one per candidate. Failures are recorded
     in `rejected` (name -> why).
@@ -691,7 +694,7 @@ def _fastest_with_sound_gradients(plans, timings, rejected, training, check, dty
         return errors[plan.name]
 
     for plan in sorted(plans, key=lambda p: timings[p.name]):
-        if not (training and plan.algorithm):
+        if not (training and (plan.algorithm or plan.inference_only)):
             return plan
         # The default-algorithm twin: checked even where it was not timed
         # (a split on the default algorithm left out by `_time_in_stages`).

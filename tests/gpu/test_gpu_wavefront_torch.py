@@ -10,6 +10,10 @@ plan; the custom op really runs in predict (a spy counts its calls: a
 silent fallback fails), the outputs match the original model within
 float16 rounding, and predict is faster than the original's (the ratio is
 a GPU_REPORT line); the same model at batch 8 keeps cuDNN or the original.
+Through `fit` (the last test), the same model's training decision chooses
+the wavefront plan (the kernel's forward and backward), its training
+calls run both kernels, its gradients match the original layers' within
+float16 rounding, and `fit` is faster than the original's.
 
 Every check is bench/bench_wavefront.py's `check_case`: fresh random
 weights, inputs, initial states (and lengths), NaN-poisoned outputs, the
@@ -252,3 +256,62 @@ def test_predict_at_batch_8_keeps_cudnn_or_the_original(tmp_path):
                                           "rejected": record["rejected"]})
     assert "fused on wavefront" in record["timings_ms"], record
     assert layer.plan.kernel != "wavefront" and "wavefront" not in record["chosen"], record
+
+
+# -- the tuner candidate, through fit ----------------------------------------------------
+
+
+def _variable_gradients(model, x, upstream, variables):
+    """The gradients of sum(model(x, training=True) * upstream) with respect
+    to `variables` (the original model's: the optimized one trains them)."""
+    y = model(x, training=True).float()
+    params = [v.value for v in variables]
+    grads = torch.autograd.grad((y * upstream).sum(), params)
+    return [g.double() for g in grads]
+
+
+def _median_fit_s(model, x, y, batch, repeats=3):
+    model.fit(x, y, batch_size=batch, epochs=1, verbose=0)
+    times = []
+    for _ in range(repeats):
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        model.fit(x, y, batch_size=batch, epochs=1, verbose=0)
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - start)
+    return float(np.median(times))
+
+
+def test_fit_of_a_4x512_float16_lstm_at_batch_64_trains_on_the_kernels_backward(tmp_path):
+    model = _lstm_model(4, 512, 1000)
+    rng = np.random.default_rng(2)
+    x = rng.standard_normal((256, 1000, 512)).astype("float32")
+    y = (0.1 * rng.standard_normal((256, 1000, 512))).astype("float32")
+    fast = rnnfuse.optimize(model, cache=PlanCache(tmp_path / "plans.json"))
+    (layer,) = fused_layers(fast)
+    fast.compile(optimizer="sgd", loss="mse")
+    model.compile(optimizer="sgd", loss="mse")
+    fast.fit(x, y, batch_size=64, epochs=1, verbose=0)
+    (record,) = first_batch.decisions(fast)
+    print("GPU_REPORT decision", json.dumps(record, default=str))
+    assert record["mode"] == "training" and record["chosen"] == "fused on wavefront", record
+    ran = layer.last_path.kernel
+    assert ran.name == wavefront.TRAINING_KERNEL_NAME and ran.note is None, layer.last_path
+    # The kernel's gradients against the original layers' (same variables).
+    batch = keras.ops.convert_to_tensor(x[:64])
+    upstream = torch.as_tensor(rng.standard_normal((64, 1000, 512)), dtype=torch.float32,
+                               device=batch.device)
+    got = _variable_gradients(fast, batch, upstream, model.trainable_variables)
+    assert layer.last_path.kernel.name == wavefront.TRAINING_KERNEL_NAME, layer.last_path
+    want = _variable_gradients(model, batch, upstream, model.trainable_variables)
+    rel = max(float(torch.linalg.norm(g - w) / torch.linalg.norm(w)) for g, w in zip(got, want))
+    original_s = _median_fit_s(model, x, y, 64)
+    fast_s = _median_fit_s(fast, x, y, 64)
+    report("wavefront_fit_torch", {
+        "shape": "4x512 LSTM B64 T1000 float16", "chosen": record["chosen"],
+        "timings_ms": record["timings_ms"], "rejected": record["rejected"],
+        "fit_original_ms": 1e3 * original_s, "fit_optimized_ms": 1e3 * fast_s,
+        "speedup": original_s / fast_s, "grad_rel_diff": rel,
+    })
+    assert rel <= 2e-2, rel
+    assert fast_s < original_s, (fast_s, original_s)

@@ -1,17 +1,22 @@
-"""rnnfuse's wavefront kernel as a plan kernel and an inference candidate
-(torch backend), on the CPU.
+"""rnnfuse's wavefront kernel as a plan kernel and a tuner candidate for
+inference and training (torch backend), on the CPU.
 
-The kernel is faked at its lowest level: the custom op's Python entry
-`wavefront._wavefront_op` becomes `FakeKernel.op`, which records each call
-and computes what the kernel computes from its own inputs (layer 0's input
-projection and the canonical flat buffer) with the float64 reference
-`wavefront.reference_forward`, with no autograd (as the custom op has
-none); `wavefront.unsupported_reason` keeps the real dtype/structure checks
-and fakes the device and the on-chip plan (a stack fits when layers x units
-<= LIMIT). Everything between `FusedRNN` and the op is the real code: the
-packing, the training redirect, the cuDNN gradient recomputed in the
-backward pass, the fallbacks with their reasons, and the tuner.
-The real kernel runs on the H200 (tests/gpu/test_gpu_wavefront_torch.py).
+The kernels are faked at their lowest level: the forward custom op's
+Python entry `wavefront._wavefront_op` becomes `FakeKernel.op`, which
+records each call and computes what the kernel computes from its own
+inputs (layer 0's input projection and the canonical flat buffer) with the
+float64 reference `wavefront.reference_forward`, with no autograd (as the
+custom op has none); the training kernels (`forward_training`,
+`backward_layer`) become their torch versions (`reference_forward_saving`,
+`recurrence_reference`), recorded; `wavefront.unsupported_reason` keeps
+the real dtype/structure checks and fakes the device and the on-chip plan
+(a stack fits when layers x units <= LIMIT), and the backward's device
+plan (`_backward_reason`) keeps the real "LSTM only" rule. Everything
+between `FusedRNN` and the kernels is the real code: the packing, the
+choice of forward or forward+backward by autograd, the kernel's gradient
+reaching the Keras variables, the fallbacks with their reasons, and the
+tuner. The real kernels run on the H200
+(tests/gpu/test_gpu_wavefront_torch.py).
 """
 
 from __future__ import annotations
@@ -42,6 +47,7 @@ class FakeKernel:
 
     def __init__(self):
         self.calls, self.asked, self.refuse_launch = [], [], False
+        self.recurrences = 0
 
     def op(self, xproj, params, h0, c0, lengths, kind, input_size):
         if self.refuse_launch:
@@ -78,12 +84,29 @@ class FakeKernel:
             return f"{num_layers} layers of {units} units do not fit on chip"
         return None
 
+    def backward_reason(self, kind, units, batch, steps, device):
+        if kind != "lstm":
+            return "the wavefront backward kernel runs LSTM stacks only (a GRU trains on cuDNN)"
+        return None
+
+    def saving(self, x, params, h0, c0, lengths):
+        self.calls.append(dict(kind="lstm", steps=x.shape[0], batch=x.shape[1], saving=True,
+                               lengths=0 if lengths is None else lengths.numel(), grad=False))
+        return wavefront.reference_forward_saving(x, params, h0, c0, lengths)
+
+    def recurrence(self, *args):
+        self.recurrences += 1
+        return wavefront.recurrence_reference(*args)
+
 
 @pytest.fixture
 def fake_kernel(monkeypatch):
     kernel = FakeKernel()
     monkeypatch.setattr(wavefront, "_wavefront_op", kernel.op)
     monkeypatch.setattr(wavefront, "unsupported_reason", kernel.unsupported_reason)
+    monkeypatch.setattr(wavefront, "_backward_reason", kernel.backward_reason)
+    monkeypatch.setattr(wavefront, "forward_training", kernel.saving)
+    monkeypatch.setattr(wavefront, "backward_layer", kernel.recurrence)
     yield kernel
 
 
@@ -129,12 +152,49 @@ def test_an_inference_call_runs_the_custom_op(fake_kernel, half, kind, masked):
     assert max_abs_diff(y, want) <= 2e-3 and max_abs_diff(y, original) <= FP16_TOL
 
 
-def test_a_training_call_runs_torchs_cudnn_call_and_says_why(fake_kernel, half):
+def _training_gradients(layer, x, weights, training=True):
+    """The gradients of a weighted sum of `layer`'s outputs, as a training
+    step takes them: (the variables' gradients, in layer order)."""
+    y = layer(x, training=training).float()
+    params = [v.value for v in layer.trainable_variables]
+    grads = torch.autograd.grad((y * weights).sum(), params)
+    return [g.double().numpy() for g in grads]
+
+
+def test_a_training_call_of_an_lstm_runs_the_kernels_forward_and_backward(fake_kernel, half):
     layer = _fused(_model(), WAVEFRONT)
+    x = _x()
+    weights = torch.tensor(np.random.default_rng(3).standard_normal((4, 7, 8)), dtype=torch.float32)
+    grads = _training_gradients(layer, x, weights)
+    assert layer.last_path.kernel.name == wavefront.TRAINING_KERNEL_NAME
+    assert layer.last_path.kernel.note is None
+    assert [c.get("saving") for c in fake_kernel.calls] == [True]
+    assert fake_kernel.recurrences == 2, "the backward ran one recurrence per layer"
+    layer.set_plan(FUSED)
+    cudnn = _training_gradients(layer, x, weights)
+    layer.set_plan(Plan(()))
+    original = _training_gradients(layer, x, weights)
+    for got, want, keras_own in zip(grads, cudnn, original):
+        scale = max(1.0, np.max(np.abs(want)))
+        assert np.max(np.abs(got - want)) <= FP16_TOL * scale
+        assert np.max(np.abs(got - keras_own)) <= FP16_TOL * scale
+    assert all(np.max(np.abs(g)) > 0 for g in grads)
+
+
+def test_a_training_call_of_a_gru_runs_torchs_cudnn_call_and_says_why(fake_kernel, half):
+    layer = _fused(_model("gru"), WAVEFRONT)
     layer(_x(), training=True)
     ran = layer.last_path.kernel
-    assert fake_kernel.calls == [] and ran.name == "torch._VF.lstm"
-    assert "a training call" in ran.note
+    assert fake_kernel.calls == [] and ran.name == "torch._VF.gru"
+    assert "runs LSTM stacks only" in ran.note
+
+
+def test_a_call_autograd_does_not_record_runs_the_forward_alone(fake_kernel, half):
+    layer = _fused(_model(), WAVEFRONT)
+    with torch.no_grad():
+        layer(_x(), training=True)
+    assert layer.last_path.kernel.name == wavefront.KERNEL_NAME
+    assert [c.get("saving") for c in fake_kernel.calls] == [None]
 
 
 def test_a_refused_shape_and_a_refused_launch_run_cudnn_with_the_reason(fake_kernel, half):
@@ -161,21 +221,29 @@ def _gradients(layer, x, weights):
     return [g.double().numpy() for g in grads]
 
 
-@pytest.mark.parametrize("kind", ["lstm", "gru"])
-def test_gradients_through_an_inference_call_are_cudnns(fake_kernel, half, kind):
-    layer = _fused(_model(kind), WAVEFRONT)
+def test_gradients_through_an_inference_call_are_the_kernels(fake_kernel, half):
+    layer = _fused(_model(), WAVEFRONT)
     x = _x()
     weights = torch.tensor(np.random.default_rng(3).standard_normal((4, 7, 8)), dtype=torch.float32)
     grads = _gradients(layer, x, weights)
-    assert len(fake_kernel.calls) == 1 and not fake_kernel.calls[0]["grad"]
-    assert layer.last_path.kernel.name == "torch.ops.rnnfuse.wavefront_forward"
+    assert [c.get("saving") for c in fake_kernel.calls] == [True]
+    assert fake_kernel.recurrences == 2
+    assert layer.last_path.kernel.name == wavefront.TRAINING_KERNEL_NAME
     layer.set_plan(FUSED)
-    for got, want in zip(grads, _gradients(layer, x, weights)):
-        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
-    layer.set_plan(Plan(()))
     for got, want in zip(grads, _gradients(layer, x, weights)):
         assert np.max(np.abs(got - want)) <= FP16_TOL * max(1.0, np.max(np.abs(want)))
     assert all(np.max(np.abs(g)) > 0 for g in grads)
+
+
+def test_gradients_through_a_grus_inference_call_are_cudnns(fake_kernel, half):
+    layer = _fused(_model("gru"), WAVEFRONT)
+    x = _x()
+    weights = torch.tensor(np.random.default_rng(3).standard_normal((4, 7, 8)), dtype=torch.float32)
+    grads = _gradients(layer, x, weights)
+    assert fake_kernel.calls == [] and "runs LSTM stacks only" in layer.last_path.kernel.note
+    layer.set_plan(FUSED)
+    for got, want in zip(grads, _gradients(layer, x, weights)):
+        np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-7)
 
 
 class FakeTimer:
@@ -191,7 +259,7 @@ def _groups(model):
     return rnnfuse.analyze(model).groups
 
 
-def test_the_tuner_times_the_kernel_for_inference_only_and_keeps_the_faster(fake_kernel, half):
+def test_the_tuner_times_the_kernel_for_inference_and_keeps_the_faster(fake_kernel, half):
     groups = _groups(_model())
     timer = FakeTimer({"per-layer": 2.0, "fused": 1.0, "fused on wavefront": 0.5})
     (result,) = tune_plans(groups, lambda g: (4, 7, 5), training=False, measure=timer,
@@ -203,21 +271,44 @@ def test_the_tuner_times_the_kernel_for_inference_only_and_keeps_the_faster(fake
     (kept,) = tune_plans(groups, lambda g: (4, 7, 5), training=False, measure=slower,
                          progress=False)
     assert kept.plan == Plan((2,))
-    trainer = FakeTimer({"per-layer": 2.0, "fused": 1.0, "fused on wavefront": 0.5})
-    (trained,) = tune_plans(groups, lambda g: (4, 7, 5), training=True, measure=trainer,
-                            progress=False)
-    assert all("wavefront" not in n for names in trainer.names for n in names)
-    assert trained.plan.kernel == "cudnn"
     (big,) = tune_plans(_groups(_model(layers=4, units=16)), lambda g: (4, 7, 5),
                         training=False, measure=FakeTimer({}), progress=False)
     assert "do not fit on chip" in big.rejected["fused on wavefront"]
 
 
-def test_predict_chooses_the_kernel_and_fit_keeps_its_own_plan(fake_kernel, half, tmp_path,
-                                                               monkeypatch):
+def test_the_tuner_times_the_kernels_backward_for_an_lstms_training(fake_kernel, half):
+    groups = _groups(_model())
+    trainer = FakeTimer({"per-layer": 2.0, "fused": 1.0, "fused on wavefront": 0.5})
+    (trained,) = tune_plans(groups, lambda g: (4, 7, 5), training=True, measure=trainer,
+                            progress=False)
+    assert "fused on wavefront" in trainer.names[0]
+    assert trained.plan == WAVEFRONT and "fused on wavefront" not in trained.rejected
+    assert fake_kernel.recurrences >= 2, "the step (and the gradient check) ran the backward"
+    (gru,) = tune_plans(_groups(_model("gru")), lambda g: (4, 7, 5), training=True,
+                        measure=FakeTimer({"fused on wavefront": 0.1}), progress=False)
+    assert gru.plan.kernel == "cudnn"
+    assert "runs LSTM stacks only" in gru.rejected["fused on wavefront"]
+
+
+def test_a_kernel_backward_with_wrong_gradients_is_rejected(fake_kernel, half, monkeypatch):
+    def wrong(*args):
+        dgates, dh0, dc0 = wavefront.recurrence_reference(*args)
+        return dgates * 1.5, dh0, dc0
+
+    monkeypatch.setattr(wavefront, "backward_layer", wrong)
+    (trained,) = tune_plans(_groups(_model()), lambda g: (4, 7, 5), training=True,
+                            measure=FakeTimer({"per-layer": 2.0, "fused": 1.0,
+                                               "fused on wavefront": 0.5}), progress=False)
+    assert trained.plan == Plan((2,))
+    assert "gradient error" in trained.rejected["fused on wavefront"]
+
+
+@pytest.mark.parametrize("kind, trains_on", [("lstm", "fused on wavefront"), ("gru", "fused")])
+def test_predict_and_fit_each_choose_their_plan(fake_kernel, half, tmp_path, monkeypatch,
+                                                kind, trains_on):
     # A device to time on (the timer is fake; the steps run on the CPU).
     monkeypatch.setattr(first_batch, "can_time_here", lambda environment=None: True)
-    model = _model()
+    model = _model(kind)
     fast = rnnfuse.optimize(model, cache=PlanCache(tmp_path / "plans.json"))
     state = fast._rnnfuse_autotune
     state.environment = dict(ENV)
@@ -228,9 +319,9 @@ def test_predict_chooses_the_kernel_and_fit_keeps_its_own_plan(fake_kernel, half
     assert layer.plan == WAVEFRONT
     assert layer.last_path.kernel.name == "torch.ops.rnnfuse.wavefront_forward"
     assert max_abs_diff(y, model.predict(x, verbose=0)) <= FP16_TOL
-    calls = len(fake_kernel.calls)
     fast.compile(optimizer="sgd", loss="mse")
     fast.fit(x, np.asarray(y, "float32"), batch_size=8, epochs=1, verbose=0)
-    assert layer.plan.kernel == "cudnn" and len(fake_kernel.calls) == calls
     records = {r["mode"]: r["chosen"] for r in first_batch.decisions(fast)}
-    assert records == {"inference": "fused on wavefront", "training": "fused"}
+    assert records == {"inference": "fused on wavefront", "training": trains_on}
+    want = wavefront.TRAINING_KERNEL_NAME if kind == "lstm" else "torch._VF.gru"
+    assert layer.last_path.kernel.name == want

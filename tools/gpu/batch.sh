@@ -102,10 +102,11 @@ run_stage() {
     wavefront-check)
       # The kernel's exactness checks: forward (with the saving kernel),
       # gradients against float64 and cuDNN, and the headline training step.
+      # WF_GRAD_ARGS: more arguments of the grad and train modes.
       s=$(limit wavefront-check 150)
       ( torch_env; timeout $s bash -c "python3 bench/bench_wavefront.py check --fixed 4 --random 4 --out $LOGS/wavefront_check_h200.json; \
-          python3 bench/bench_wavefront.py grad --random 4 --out $LOGS/wavefront_grad_h200.json; \
-          python3 bench/bench_wavefront.py train --cells 2 --out $LOGS/wavefront_train_h200.json" ) > $log 2>&1; rc=$?
+          python3 bench/bench_wavefront.py grad --random 4 ${WF_GRAD_ARGS} --out $LOGS/wavefront_grad_h200.json; \
+          python3 bench/bench_wavefront.py train --cells 2 ${WF_GRAD_ARGS} --out $LOGS/wavefront_train_h200.json" ) > $log 2>&1; rc=$?
       cp $LOGS/wavefront_grad_h200.json $LOGS/wavefront_train_h200.json $OUT/ 2>/dev/null
       echo "[$(since) s] wavefront-check rc $rc"
       grep -E "ok|FAIL|fail|ms|Error" $log | cut -c1-240 | tail -40 ;;

@@ -225,7 +225,7 @@ def stack_reason(kind: str, dtype: str, *, directions: int = 1, proj_size: int =
     if summed_inputs:
         return "the wavefront kernel reads each layer's output, not summed directions"
     if dropout:
-        return "the wavefront kernel runs inference only (no dropout)"
+        return "the wavefront kernel runs no dropout between layers"
     return None
 
 

@@ -204,18 +204,19 @@ def run_stack(
     seed: tuple[int, int] = (0, 0),
     algorithm: Any = None,
     kernel: str = "cudnn",
+    training: bool = False,
 ) -> StackRun:
     """Runs the LSTM `stack` over `sequences` [B, T, F] in one call.
 
-    Args are the backend contract's (rnnfuse.backends); `seed` and
-    `algorithm` are unused, `dropout` must be 0 (see module doc), and
-    `kernel` "cudnn" or "stock" (the same call here).
+    Args are the backend contract's (rnnfuse.backends); `seed`,
+    `algorithm` and `training` are unused, `dropout` must be 0 (see module
+    doc), and `kernel` "cudnn" or "stock" (the same call here).
 
     Returns:
         A `StackRun`: outputs [B, T, D*H] with zeros past each length,
         final h [L*D, B, H], final c [L*D, B, H], and the `KernelRun`.
     """
-    del seed, algorithm
+    del seed, algorithm, training
     if kernel not in KERNELS:
         raise NotImplementedError(f"the JAX backend runs the kernels {list(KERNELS)}, not {kernel!r}")
     if dropout:

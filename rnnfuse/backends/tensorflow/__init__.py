@@ -243,12 +243,15 @@ def unsupported_reason(stack: StackSpec, dtype: str) -> str | None:
     return None
 
 
-def kernel_reason(kernel: str, group: Any, shape: tuple) -> str | None:
+def kernel_reason(kernel: str, group: Any, shape: tuple, training: bool = False) -> str | None:
     """Why plan kernel `kernel` cannot run `group`'s (a `FusionGroup`)
     inference calls at input `shape` (batch, steps, features) here, or None
-    (`TensorFlowBackend.kernel_reason`: the wavefront op's checks)."""
+    (`TensorFlowBackend.kernel_reason`: the wavefront op's checks). No
+    kernel of this backend trains (`training`): the op has no backward."""
     if kernel != "wavefront":
         return f"the TensorFlow backend has no {kernel!r} kernel to time for inference"
+    if training:
+        return "the TensorFlow wavefront op runs inference only (training runs cuDNN)"
     from rnnfuse.backends.tensorflow import wavefront_op
 
     batch, steps, features = (int(d) for d in shape[:3])
@@ -369,6 +372,7 @@ def run_stack(
     seed: tuple[int, int] = (0, 0),
     algorithm: Any = None,
     kernel: str = "cudnn",
+    training: bool = False,
 ) -> StackRun:
     """Runs `stack` over `sequences` [B, T, F] in one cuDNN call.
 
@@ -398,6 +402,8 @@ def run_stack(
             op, `wavefront_op.run_differentiable`; where it cannot run the
             call, "cudnn" on the standard algorithm, with the reason in the
             `KernelRun`'s note). Another raises NotImplementedError.
+        training: unused (no kernel here has its own backward yet: a
+            training call never names "wavefront", see `FusedRNN`).
 
     Returns:
         A `StackRun`: outputs [B, T, D*R] with zeros past each sequence's

@@ -55,8 +55,8 @@ class TensorFlowBackend(KernelModuleBackend):
     def group_reason(self, group):
         return None
 
-    def kernel_reason(self, kernel, group, shape):
-        return kernels.kernel_reason(kernel, group, shape)
+    def kernel_reason(self, kernel, group, shape, training=False):
+        return kernels.kernel_reason(kernel, group, shape, training=training)
 
     def in_xla_context(self):
         return kernels.in_xla_context()

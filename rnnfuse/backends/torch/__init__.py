@@ -296,18 +296,20 @@ def unsupported_reason(stack: StackSpec, dtype: str) -> str | None:
     return None
 
 
-def kernel_reason(kernel: str, group: Any, shape: tuple) -> str | None:
+def kernel_reason(kernel: str, group: Any, shape: tuple, training: bool = False) -> str | None:
     """Why plan kernel `kernel` cannot run `group`'s (a `FusionGroup`)
-    inference calls at input `shape` (batch, steps, features) here, or None
-    (`TorchBackend.kernel_reason`: the wavefront kernel's checks, on the
+    inference calls (with `training`: its training calls, forward and
+    backward) at input `shape` (batch, steps, features) here, or None
+    (`TorchBackend.kernel_reason`: the wavefront kernels' checks, on the
     device the group's variables are on)."""
     if kernel != "wavefront":
-        return f"the torch backend has no {kernel!r} kernel to time for inference"
+        return f"the torch backend has no {kernel!r} kernel to time"
     from rnnfuse.backends.torch import wavefront
 
     batch, steps, features = (int(d) for d in shape[:3])
     device = keras.ops.convert_to_tensor(group.views[0].levels[0][0].kernel).device
-    return wavefront.unsupported_reason(
+    check = wavefront.training_reason if training else wavefront.unsupported_reason
+    return check(
         group.cell, group.num_layers, group.units, batch, steps, features,
         _torch_dtype(group.dtype), device, directions=2 if group.bidirectional else 1,
         proj_size=group.proj_size)
@@ -687,6 +689,7 @@ def run_stack(
     seed: tuple[int, int] = (0, 0),
     algorithm: Any = None,
     kernel: str = "cudnn",
+    training: bool = False,
 ) -> StackRun:
     """Runs `stack` over `sequences` [B, T, F] in one PyTorch RNN call.
 
@@ -706,9 +709,12 @@ def run_stack(
         algorithm: unused (PyTorch chooses cuDNN's algorithm itself; the
             TensorFlow backend's algorithm switch has no PyTorch equivalent).
         kernel: the plan's kernel: "cudnn" or "stock" (the same calls
-            here), or "wavefront" (`wavefront.run_differentiable`; where
-            it cannot run the call, "cudnn", with the reason in the
-            `KernelRun`'s note); another raises NotImplementedError.
+            here), or "wavefront" (`wavefront.run_autograd`: the kernel's
+            forward, and its backward where autograd will want a gradient;
+            where the kernels cannot run the call, "cudnn", with the reason
+            in the `KernelRun`'s note); another raises NotImplementedError.
+        training: unused: whether autograd records the call decides
+            whether the wavefront kernel also saves for its backward.
 
     Returns:
         A `StackRun`: outputs [B, T, D*P'] with zeros past each sequence's
@@ -726,14 +732,14 @@ def run_stack(
         options = dict(stack=stack, initial_h=initial_h, initial_c=initial_c, mask=mask,
                        reverse=reverse, dropout=dropout)
         return run_or_fall_back(
-            lambda: wavefront.run_differentiable(sequences, **options),
+            lambda: wavefront.run_autograd(sequences, **options),
             lambda: run_stack(sequences, **options),
             "the wavefront kernel",
             # A launch the driver refuses at run time (the CTAs cannot all
             # be resident) is refused here too: torch runs eagerly.
             errors=(NotImplementedError, WavefrontError),
         )
-    del seed  # PyTorch's RNN dropout takes no seed argument.
+    del seed, training  # PyTorch's RNN dropout takes no seed argument.
     x = keras.ops.convert_to_tensor(sequences)
     batch, steps = int(x.shape[0]), int(x.shape[1])
     lstm = stack.kind == "lstm"

@@ -45,15 +45,17 @@ class TorchBackend(KernelModuleBackend):
         plan_table="torch",
         projected_lstm_loop="torch",
         first_call_compiles=False,
-        # rnnfuse's wavefront kernel (forward only), on CUDA.
+        # rnnfuse's wavefront kernel, on CUDA: inference, and training on
+        # its own backward kernel (LSTM stacks).
         inference_kernels=("wavefront",),
+        training_kernels=("wavefront",),
     )
 
     def group_reason(self, group):
         return None
 
-    def kernel_reason(self, kernel, group, shape):
-        return kernels.kernel_reason(kernel, group, shape)
+    def kernel_reason(self, kernel, group, shape, training=False):
+        return kernels.kernel_reason(kernel, group, shape, training=training)
 
     def in_xla_context(self):
         return False

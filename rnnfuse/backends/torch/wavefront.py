@@ -9,29 +9,32 @@ no torch, and takes data pointers and `torch.cuda.current_stream()`.
 
 `run_stack` is `rnnfuse.backends.torch.run_stack` for inference on the
 kernel (same arguments and results, NotImplementedError where it cannot
-run; the custom op has no autograd formula). `run_differentiable`, what
-the backend's `run_stack` calls for a plan on the "wavefront" kernel, is
-`run_stack` with cuDNN's gradient: a `torch.autograd.Function` whose
-backward recomputes the call on cuDNN (`torch._VF`) from the saved inputs
-and differentiates that, so gradients through an inference call are those
-Keras' own layers give. `forward(x, params, h0, c0, lengths, kind=...)` runs a whole stack: layer
-0's input projection as one torch matmul (x W_ih0^T in the input's dtype),
-then the kernel. Inputs are time-major: x [T, B, I]; params is rnnfuse's
-canonical flat buffer (per layer W_ih [G*H, n] and W_hh [G*H, H]
-row-major, then per layer b_ih and b_hh [G*H]; PyTorch's own nn.LSTM/GRU
-gate order, see `flat_params`); h0, c0 [L, B, H]; lengths int32 [B] on the
-device, or None. It returns (y [T, B, H], hy [L, B, H], cy [L, B, H] or
-None). Outside the kernel's limits it raises `library.WavefrontError`
-(`unsupported_reason` says so beforehand): the caller runs cuDNN instead.
+run; the custom op has no autograd formula). `run_autograd`, what the
+backend's `run_stack` calls for a plan on the "wavefront" kernel, is
+`run_stack` where autograd does not record the call (`predict`,
+`evaluate`: `torch.no_grad()`), and `run_trainable` where it does (a
+training step, a user's loop, a gradient through an inference call): the
+kernel's forward and the kernel's backward. Where the kernels refuse the
+call (a GRU has no backward kernel) the backend runs cuDNN, which also
+gives the gradient. `forward(x, params, h0, c0, lengths, kind=...)` runs a
+whole stack: layer 0's input projection as one torch matmul (x W_ih0^T in
+the input's dtype), then the kernel. Inputs are time-major: x [T, B, I];
+params is rnnfuse's canonical flat buffer (per layer W_ih [G*H, n] and
+W_hh [G*H, H] row-major, then per layer b_ih and b_hh [G*H]; PyTorch's
+own nn.LSTM/GRU gate order, see `flat_params`); h0, c0 [L, B, H]; lengths
+int32 [B] on the device, or None. It returns (y [T, B, H], hy [L, B, H],
+cy [L, B, H] or None). Outside the kernel's limits it raises
+`library.WavefrontError` (`unsupported_reason` says so beforehand): the
+caller runs cuDNN instead.
 
-Training (LSTM only; not used by the tuner or `run_differentiable` yet):
-`trainable_forward(x, params, h0, c0, lengths)` is `forward` with the
-kernel's own gradient: `forward_training` (the forward kernel, also saving
-every layer's gates and c in float32) and, in the backward pass,
-`backward_stack` (per layer from the top: the backward kernel's recurrence,
-`backward_layer`, then dx, dW_ih, dW_hh and the biases as GEMMs).
-`run_trainable` is its `run_stack`. `reference_forward_saving` and
-`recurrence_reference` are the two kernels in torch (the CPU tests').
+Training (LSTM only): `trainable_forward(x, params, h0, c0, lengths)` is
+`forward` with the kernel's own gradient: `forward_training` (the forward
+kernel, also saving every layer's gates and c in float32) and, in the
+backward pass, `backward_stack` (per layer from the top: the backward
+kernel's recurrence, `backward_layer`, then dx, dW_ih, dW_hh and the
+biases as GEMMs). `run_trainable` is its `run_stack`; `training_reason`
+its checks. `reference_forward_saving` and `recurrence_reference` are the
+two kernels in torch (the CPU tests').
 
 Example (on an H200):
 
@@ -48,8 +51,9 @@ import torch
 
 __all__ = ["KERNEL_NAME", "TRAINING_KERNEL_NAME", "backward_layer", "backward_stack",
            "flat_params", "forward", "forward_into", "forward_training", "recurrence_reference",
-           "reference_forward", "reference_forward_saving", "run_differentiable", "run_stack",
-           "run_trainable", "trainable_forward", "training_reason", "unsupported_reason"]
+           "reference_forward", "reference_forward_saving", "run_autograd", "run_stack",
+           "run_trainable", "trainable_forward", "training_reason", "unsupported_reason",
+           "wants_gradient"]
 
 _GATES = {"lstm": 4, "gru": 3}
 # The `KernelRun` name of a call on the kernel.
@@ -443,11 +447,14 @@ def trainable_forward(x: torch.Tensor, params: torch.Tensor, h0: torch.Tensor,
 
 
 def training_reason(kind: str, num_layers: int, units: int, batch: int, steps: int,
-                    input_size: int, dtype: torch.dtype, device: torch.device) -> str | None:
+                    input_size: int, dtype: torch.dtype, device: torch.device,
+                    **structure) -> str | None:
     """Why `trainable_forward` cannot run this stack here, or None: the
-    forward's `unsupported_reason`, then the backward kernel's
-    (`_backward_reason`: an LSTM only, a GRU trains on cuDNN; its plan)."""
-    return (unsupported_reason(kind, num_layers, units, batch, steps, input_size, dtype, device)
+    forward's `unsupported_reason` (`structure`: its keyword arguments),
+    then the backward kernel's (`_backward_reason`: an LSTM only, a GRU
+    trains on cuDNN; its plan)."""
+    return (unsupported_reason(kind, num_layers, units, batch, steps, input_size, dtype, device,
+                               **structure)
             or _backward_reason(kind, units, batch, steps, device))
 
 
@@ -463,8 +470,7 @@ def run_trainable(sequences, *, stack, initial_h=None, initial_c=None, mask=None
                   reverse=False, dropout=0.0):
     """`run_stack` for training: the kernel's forward AND backward (an LSTM
     stack; the gradient reaches the Keras variables through
-    `pack_params`). Not used by the tuner or `run_differentiable` yet (the
-    switch for when the H200 shows it exact and faster than cuDNN's).
+    `pack_params`); `run_autograd` calls it where a gradient is wanted.
 
     Raises:
         NotImplementedError: the kernels cannot run this call (the reason).
@@ -515,7 +521,7 @@ def _kernel_inputs(sequences, stack, initial_h, initial_c, mask, reverse, dropou
 def run_stack(sequences, *, stack, initial_h=None, initial_c=None, mask=None, reverse=False,
               dropout=0.0, seed=(0, 0), algorithm=None):
     """`rnnfuse.backends.torch.run_stack` on the wavefront kernel (inference;
-    no gradient: see `run_differentiable`). Returns a `StackRun`.
+    no gradient: see `run_autograd`). Returns a `StackRun`.
 
     `seed` and `algorithm` are accepted for the same signature and unused.
 
@@ -532,82 +538,35 @@ def run_stack(sequences, *, stack, initial_h=None, initial_c=None, mask=None, re
     return StackRun(y.transpose(0, 1), hy, cy, KernelRun(KERNEL_NAME))
 
 
-def run_differentiable(sequences, *, stack, initial_h=None, initial_c=None, mask=None,
-                       reverse=False, dropout=0.0):
-    """`run_stack` (looked up when called), with cuDNN's gradient.
-
-    The forward pass is the kernel's; where a gradient is asked for (the
-    sequences, the initial states or the layers' variables require one and
-    autograd is on), the backward pass runs the same call on cuDNN
-    (`rnnfuse.backends.torch.run_stack`, kernel "cudnn") from the saved
-    inputs and differentiates it. Under `torch.no_grad()` (Keras'
-    `predict`) only the kernel runs.
+def run_autograd(sequences, *, stack, initial_h=None, initial_c=None, mask=None,
+                 reverse=False, dropout=0.0):
+    """The backend's call of a plan on the kernel: `run_trainable` (the
+    kernel's forward saving what its backward reads, and the backward
+    kernel in autograd's backward pass) where autograd will want a
+    gradient of this call (`wants_gradient`: a Keras training step, or a
+    user's own loop), else `run_stack` (the forward alone: `predict` and
+    `evaluate` run under `torch.no_grad()`).
 
     Raises:
-        NotImplementedError: the kernel cannot run this call (the reason).
+        NotImplementedError: the kernels cannot run this call (the reason;
+            a GRU has no backward kernel): the caller runs cuDNN, which
+            then gives the gradient.
     """
-    import keras
-
-    from rnnfuse.backends import torch as kernels
-    from rnnfuse.backends.base import StackRun
-
-    x = keras.ops.convert_to_tensor(sequences)
-    h = [keras.ops.convert_to_tensor(s) for s in initial_h or []]
-    c = [keras.ops.convert_to_tensor(s) for s in initial_c or []]
-    variables = [w for level in stack.cells for cell in level for w in cell.weights]
-    # What the call reads: the Parameters, or their autocast copies under a
-    # mixed-precision policy (both lead back to the Parameters).
-    weights = [v.value for v in variables]
-    options = dict(stack=stack, mask=mask, reverse=reverse, dropout=dropout)
-    ran = []
-
-    def wavefront(x, h, c):
-        run = run_stack(x, initial_h=h or None, initial_c=c or None, **options)
-        ran.append(run.kernel)
-        return run
-
-    def cudnn(x, h, c, weights):
-        # The variables read as `weights` (keras.StatelessScope), so the
-        # recomputed call is differentiated with respect to them.
-        with keras.StatelessScope(state_mapping=list(zip(variables, weights))):
-            return kernels.run_stack(x, initial_h=h or None, initial_c=c or None,
-                                     kernel="cudnn", **options)
-
-    out = _CudnnGradient.apply(wavefront, cudnn, len(h), len(c), x, *h, *c, *weights)
-    return StackRun(out[0], out[1], out[2] if stack.kind == "lstm" else None, ran[0])
+    options = dict(stack=stack, initial_h=initial_h, initial_c=initial_c, mask=mask,
+                   reverse=reverse, dropout=dropout)
+    if wants_gradient(sequences, stack, initial_h, initial_c):
+        return run_trainable(sequences, **options)
+    return run_stack(sequences, **options)
 
 
-class _CudnnGradient(torch.autograd.Function):
-    """forward: `wavefront(x, h, c)`'s tensors; backward: the gradient of
-    `cudnn(x, h, c, weights)` (the same call on cuDNN, reading its
-    variables as `weights`) with respect to x, the states and the weights,
-    recomputed under autograd from detached copies of them."""
-
-    @staticmethod
-    def forward(ctx, wavefront, cudnn, num_h, num_c, x, *rest):
-        h, c = list(rest[:num_h]), list(rest[num_h:num_h + num_c])
-        run = wavefront(x, h, c)
-        # Inputs, not outputs: kept on ctx without a reference cycle.
-        ctx.cudnn, ctx.num_h, ctx.inputs = cudnn, num_h, (x, *h, *c)
-        ctx.weights = rest[num_h + num_c:]
-        ctx.lstm = run.final_c is not None
-        return (run.outputs, run.final_h) + ((run.final_c,) if ctx.lstm else ())
-
-    @staticmethod
-    def backward(ctx, *upstream):
-        needs = ctx.needs_input_grad[4:]
-        with torch.enable_grad():
-            leaves = [t.detach().requires_grad_(need)
-                      for t, need in zip((*ctx.inputs, *ctx.weights), needs)]
-            x, states = leaves[0], leaves[1:len(ctx.inputs)]
-            again = ctx.cudnn(x, states[:ctx.num_h], states[ctx.num_h:],
-                              leaves[len(ctx.inputs):])
-            targets = [again.outputs, again.final_h] + ([again.final_c] if ctx.lstm else [])
-            wrt = [t for t, need in zip(leaves, needs) if need]
-            grads = iter(torch.autograd.grad(
-                targets, wrt, [torch.zeros_like(t) if g is None else g
-                               for t, g in zip(targets, upstream)], allow_unused=True))
-        return (None, None, None, None, *(next(grads) if need else None for need in needs))
+def wants_gradient(sequences, stack, initial_h=None, initial_c=None) -> bool:
+    """Whether autograd records this call: gradients are on and the input,
+    an initial state or a variable of the stack requires a gradient."""
+    if not torch.is_grad_enabled():
+        return False
+    variables = [w.value for level in stack.cells for cell in level for w in cell.weights]
+    tensors = [sequences, *(initial_h or []), *(initial_c or []), *variables]
+    return any(getattr(t, "requires_grad", False) for t in tensors)
 
 
 def reference_forward(kind: str, weights: Sequence[torch.Tensor], x: torch.Tensor,
