@@ -287,3 +287,33 @@ def test_the_gradient_is_the_same_inside_a_tf_function():
     for a, b, c in zip(traced, grads(*leaves), want(*leaves)):
         _close(a, b, 1e-12, 1e-14)
         _close(a, c, 1e-10, 1e-12)
+
+
+def test_the_backends_training_call_on_the_wavefront_kernel_runs_run_trainable(monkeypatch,
+                                                                             emulated_cudnn):
+    """`run_stack(kernel="wavefront", training=True)` (what FusedRNN asks where
+    the backend trains on the kernel): run_trainable where training_reason
+    accepts the call, with its gradient; else cuDNN, with the reason."""
+    from rnnfuse.backends import tensorflow as tf_backend
+
+    stack = _stack(2, 8, 4)
+    x = tf.constant(np.random.default_rng(4).standard_normal((3, 5, 4)))
+    fallback = tf_backend.run_stack(x, stack=stack, kernel="wavefront", training=True)
+    assert fallback.kernel.name == "CudnnRNNV3" and "wavefront" in fallback.kernel.note
+    assert "float16" in fallback.kernel.note  # float64 here: the forward's first reason
+    variables = [w for level in stack.cells for cell in level for w in cell.weights]
+
+    def grads(**kw):
+        with tf.GradientTape() as tape:
+            run = tf_backend.run_stack(x, stack=stack, **kw)
+            loss = tf.reduce_sum(run.outputs ** 2) + tf.reduce_sum(run.final_c)
+        return run.kernel, tape.gradient(loss, variables)
+
+    want_kernel, want = grads(kernel="cudnn")
+    monkeypatch.setattr(wt, "forward_saving", wt.reference_forward_saving)
+    monkeypatch.setattr(wt, "backward_layer", wt.recurrence_reference)
+    monkeypatch.setattr(wavefront_op, "stack_training_reason", lambda *a, **k: None)
+    kernel, got = grads(kernel="wavefront", training=True)
+    assert kernel.name == wavefront_op.TRAINING_KERNEL_NAME and kernel.note is None
+    for a, b in zip(got, want):
+        _close(a, b, 1e-9, 1e-12)

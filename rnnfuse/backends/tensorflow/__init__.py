@@ -245,17 +245,17 @@ def unsupported_reason(stack: StackSpec, dtype: str) -> str | None:
 
 def kernel_reason(kernel: str, group: Any, shape: tuple, training: bool = False) -> str | None:
     """Why plan kernel `kernel` cannot run `group`'s (a `FusionGroup`)
-    inference calls at input `shape` (batch, steps, features) here, or None
-    (`TensorFlowBackend.kernel_reason`: the wavefront op's checks). No
-    kernel of this backend trains (`training`): the op has no backward."""
+    inference calls (with `training`: its training calls, the forward and
+    backward kernels, `wavefront_op.training_reason`) at input `shape`
+    (batch, steps, features) here, or None (`TensorFlowBackend.kernel_reason`:
+    the wavefront ops' checks)."""
     if kernel != "wavefront":
-        return f"the TensorFlow backend has no {kernel!r} kernel to time for inference"
-    if training:
-        return "the TensorFlow wavefront op runs inference only (training runs cuDNN)"
+        return f"the TensorFlow backend has no {kernel!r} kernel to time"
     from rnnfuse.backends.tensorflow import wavefront_op
 
     batch, steps, features = (int(d) for d in shape[:3])
-    return wavefront_op.unsupported_reason(
+    check = wavefront_op.training_reason if training else wavefront_op.unsupported_reason
+    return check(
         group.cell, group.num_layers, group.units, batch, steps, features, group.dtype,
         directions=2 if group.bidirectional else 1, proj_size=group.proj_size)
 
@@ -399,11 +399,17 @@ def run_stack(
         kernel: the plan's kernel: "cudnn" (rnnfuse's op where it is
             loaded, else CudnnRNNV3), "stock" (CudnnRNNV3 only, so the
             graph holds no rnnfuse op) or "wavefront" (rnnfuse's wavefront
-            op, `wavefront_op.run_differentiable`; where it cannot run the
-            call, "cudnn" on the standard algorithm, with the reason in the
+            op: `wavefront_op.run_differentiable`, or with `training`
+            `wavefront_op.run_trainable`; where it cannot run the call,
+            "cudnn" on the standard algorithm, with the reason in the
             `KernelRun`'s note). Another raises NotImplementedError.
-        training: unused (no kernel here has its own backward yet: a
-            training call never names "wavefront", see `FusedRNN`).
+        training: the layer's call is a training call. With kernel
+            "wavefront" it runs the kernel's forward saving what its
+            backward reads and, in the gradient, the backward kernel
+            (`run_trainable`; an LSTM stack, else cuDNN with the reason);
+            without, the forward alone with cuDNN's gradient recomputed.
+            `FusedRNN` passes "wavefront" with it only where the backend's
+            `Capabilities.training_kernels` names it.
 
     Returns:
         A `StackRun`: outputs [B, T, D*R] with zeros past each sequence's
@@ -417,10 +423,10 @@ def run_stack(
     if kernel == "wavefront":
         from rnnfuse.backends.tensorflow import wavefront_op
 
+        run = wavefront_op.run_trainable if training else wavefront_op.run_differentiable
         return run_or_fall_back(
-            lambda: wavefront_op.run_differentiable(
-                sequences, stack=stack, initial_h=initial_h, initial_c=initial_c, mask=mask,
-                reverse=reverse, dropout=dropout),
+            lambda: run(sequences, stack=stack, initial_h=initial_h, initial_c=initial_c,
+                        mask=mask, reverse=reverse, dropout=dropout),
             lambda: run_stack(sequences, stack=stack, initial_h=initial_h, initial_c=initial_c,
                               mask=mask, reverse=reverse, dropout=dropout, seed=seed),
             "the wavefront kernel",
