@@ -26,7 +26,9 @@ states and the gradients of the inputs, initial states and every Keras
 variable against a tape of the float64 reference and rnnfuse's cuDNN op's
 gradient (bench_wavefront's GRAD_TOL, or twice cuDNN's own error), at the
 headline 4x512 B64 T1000 float16, a bfloat16 stack with lengths and small
-odd shapes; refusals (over the forward's limits, a GRU, the backward op's
+odd shapes; each op alone against its TF step-by-step reference (the
+saving op's y, hseq, gates and c; the backward op's dgates, dh0, dc0), so
+a failure names the op; refusals (over the forward's limits, a GRU, the backward op's
 own Unimplemented error); a gradient through the raw training ops is a
 clear error; and a tf.function training step at the headline shape timed
 against the cuDNN op (a GPU_REPORT line, not asserted).
@@ -371,6 +373,75 @@ def test_run_trainables_gradients_match_float64_and_the_cudnn_op(case):
         "worst": max(err.values()), "cudnn_worst": max(cud_err.values()),
         "ratio_to_cudnn": max(err[n] / max(cud_err[n], 1e-12) for n in err), "failing": bad})
     assert not bad, bad
+
+
+def _saving_inputs(layers, units, batch, steps, inputs, dtype, seed):
+    """Time-major x, a flat buffer, h0, c0 and lengths (row 0 full length)."""
+    rng = np.random.default_rng(seed)
+    stack = _stack("lstm", layers, units, inputs)
+    for (cell,) in stack.cells:
+        cell.bias.assign(rng.uniform(-0.3, 0.3, cell.bias.shape).astype("float32"))
+    def rand(*shape):
+        return tf.cast(tf.constant(rng.standard_normal(shape) * 0.5, tf.float32), dtype)
+
+    lengths = rng.integers(1, steps + 1, batch).astype(np.int32)
+    lengths[0] = steps
+    return (rand(steps, batch, inputs), tf_backend.pack_params(stack, dtype),
+            rand(layers, batch, units), rand(layers, batch, units), tf.constant(lengths))
+
+
+def _alive_rows(t, lengths):
+    """[T, B, 1] float: 1 where t < length."""
+    return (np.arange(t)[:, None] < np.asarray(lengths)[None, :])[..., None]
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_the_saving_op_returns_what_the_reference_saves(dtype):
+    """RnnfuseWavefrontSaving's y, hy, cy, hseq (a view of its workspace),
+    gates and c against the TF step-by-step reference of the same kernel
+    (float32 arithmetic on the same inputs), at t < length (past a length
+    the saved gates and c are never read)."""
+    from rnnfuse.backends.tensorflow import wavefront_training as wt
+
+    x, params, h0, c0, lengths = _saving_inputs(3, 64, 8, 20, 32, dtype, seed=11)
+    with tf.device("GPU:0"):
+        got = wt.forward_saving(x, params, h0, c0, lengths)
+        want = wt.reference_forward_saving(x, params, h0, c0, lengths)
+    alive = _alive_rows(20, lengths)
+    tol = TOL[dtype]
+    for name, a, b in zip(["y", "hy", "cy"], got[:3], want[:3]):
+        assert _rel(a, b) <= tol, (name, _rel(a, b))
+    hseq, gates, cseq = got[3]
+    assert hseq.shape == (2, 20, 8, 64) and gates.shape == (3, 20, 8, 256)
+    assert gates.dtype == tf.float32 and cseq.dtype == tf.float32 and hseq.dtype == x.dtype
+    assert _rel(hseq, want[3][0]) <= tol
+    assert _rel(np.asarray(gates) * alive, np.asarray(want[3][1]) * alive) <= tol
+    assert _rel(np.asarray(cseq) * alive, np.asarray(want[3][2]) * alive) <= tol
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_the_backward_op_matches_the_recurrence_reference(dtype):
+    """RnnfuseWavefrontBackward on one layer's saved tensors and random
+    upstream gradients, with lengths, against `recurrence_reference`."""
+    from rnnfuse.backends.tensorflow import wavefront_training as wt
+
+    x, params, h0, c0, lengths = _saving_inputs(1, 64, 8, 20, 32, dtype, seed=12)
+    rng = np.random.default_rng(13)
+    def rand(*shape):
+        return tf.cast(tf.constant(rng.standard_normal(shape), tf.float32), dtype)
+
+    with tf.device("GPU:0"):
+        _, _, _, (_, gates, cseq) = wt.reference_forward_saving(x, params, h0, c0, lengths)
+        w_hh = tf.reshape(params[4 * 64 * 32: 4 * 64 * 96], [256, 64])
+        args = (w_hh, gates[0], cseq[0], c0[0], rand(20, 8, 64), rand(8, 64), rand(8, 64),
+                lengths)
+        got = wt.backward_layer(*args)
+        want = wt.recurrence_reference(*args)
+    assert got[0].dtype == x.dtype and got[1].dtype == tf.float32
+    alive = _alive_rows(20, lengths)
+    assert np.all(np.asarray(tf.cast(got[0], tf.float32)) * (1 - alive) == 0)  # 0 past lengths
+    for name, a, b in zip(["dgates", "dh0", "dc0"], got, want):
+        assert _rel(a, b) <= GRAD_TOL[dtype], (name, _rel(a, b))
 
 
 def test_training_calls_the_kernels_cannot_run_are_refused():
