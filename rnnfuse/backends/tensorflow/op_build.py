@@ -311,7 +311,9 @@ def wavefront_command(compiler: str, cubin: Path, output: Path) -> list[str]:
 
 
 def build_wavefront_op(force: bool = False, verbose: bool = False) -> Path:
-    """Compiles the RnnfuseWavefront op (unless cached); returns its path.
+    """Compiles the wavefront ops (unless cached); returns their library's
+    path: RnnfuseWavefront (inference), RnnfuseWavefrontSaving and
+    RnnfuseWavefrontBackward (training; rnnfuse_wavefront_op.cc).
 
     Needs what `build_op` needs but cuDNN, plus nvcc for the kernel's cubin
     (rnnfuse.backends.cuda.build). No GPU needed.
