@@ -43,6 +43,7 @@ SLOW: dict[str, str] = {
             "test_a_call_without_a_driver_or_a_bad_argument_is_a_clear_error",
             "test_the_tensorflow_op_compiles_and_registers",
             "test_the_training_ops_register_with_the_kernels_layouts",
+            "test_the_training_wrappers_bind_to_the_ops_signatures",
         )
     },
     "test_wavefront_wiring.py::test_predict_chooses_the_wavefront_plan_and_fit_keeps_its_own": "predict and fit with tuning (6.5 s)",

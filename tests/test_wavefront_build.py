@@ -191,6 +191,50 @@ def test_the_training_ops_register_with_the_kernels_layouts(built, monkeypatch):
     assert lines[1] == "[[5, 2, 32], [2, 8], [2, 8]] ['float16', 'float32', 'float32']"
 
 
+_TRAINING_CALLS = textwrap.dedent("""\
+    import sys, tensorflow as tf
+    from rnnfuse.backends.tensorflow import op_build, wavefront_training as wt
+    m = tf.load_op_library(sys.argv[1])
+    op_build.load_wavefront_op = lambda: m
+    L, T, B, H, I = 2, 5, 2, 8, 6
+    f16 = lambda *s: tf.zeros(s, tf.float16)
+    f32 = lambda *s: tf.zeros(s, tf.float32)
+    params = f16(4 * H * (I + H) + 4 * H * 2 * H + 2 * 4 * H * L)
+    calls = [
+        lambda: wt.forward_saving(f16(T, B, I), params, f16(L, B, H), f16(L, B, H), None),
+        lambda: wt.forward_saving(f16(T, B, I), params, f16(L, B, H), f16(L, B, H),
+                                  tf.constant([5, 3])),
+        lambda: wt.backward_layer(f16(4 * H, H), f32(T, B, 4 * H), f32(T, B, H), f16(B, H),
+                                  f16(T, B, H), f16(B, H), f16(B, H), tf.constant([5, 3])),
+    ]
+    for call in calls:
+        try:
+            call()
+        except Exception as exc:
+            print(type(exc).__name__, str(exc).splitlines()[0][:200])
+    """)
+
+
+def test_the_training_wrappers_bind_to_the_ops_signatures(built, monkeypatch):
+    """wavefront_training's calls of the two training ops (keyword names,
+    attrs, dtypes) are what the ops take: on the CPU they get as far as
+    placement, which finds no CPU kernel (the ops are GPU-only), never a
+    TypeError or a shape-function error."""
+    from rnnfuse.backends.tensorflow import op_build
+
+    monkeypatch.setenv("RNNFUSE_CACHE_DIR", str(built[1]))
+    path = op_build.build_wavefront_op()
+    out = subprocess.run([sys.executable, "-c", _TRAINING_CALLS, str(path)],
+                         capture_output=True, text=True,
+                         env={**__import__("os").environ,
+                              "PYTHONPATH": str(Path(__file__).resolve().parents[1])})
+    lines = [l for l in out.stdout.splitlines() if l.strip()]
+    assert len(lines) == 3, (out.stdout, out.stderr[-2000:])
+    for line in lines:
+        assert line.startswith(("NotFoundError", "InvalidArgumentError")), line
+        assert "GPU" in line or "kernel" in line.lower() or "device" in line.lower(), line
+
+
 def _fake_tool(root: Path, name: str, log: Path) -> Path:
     """A compiler that records each run and writes its -o file."""
     script = root / name
