@@ -212,6 +212,21 @@ _TRAINING_CALLS = textwrap.dedent("""\
             call()
         except Exception as exc:
             print(type(exc).__name__, str(exc).splitlines()[0][:200])
+
+    @tf.function(input_signature=[tf.TensorSpec([T, B, I], tf.float16),
+                                  tf.TensorSpec(params.shape, tf.float16)])
+    def step(x, params):
+        with tf.GradientTape() as tape:
+            tape.watch([x, params])
+            y, hy, cy = wt.trainable_forward(x, params, f16(L, B, H), f16(L, B, H),
+                                             tf.constant([5, 3]))
+            loss = tf.reduce_sum(tf.cast(y, tf.float32))
+        return tape.gradient(loss, [x, params])
+
+    graph = step.get_concrete_function().graph
+    ops = [o.type for o in graph.get_operations()]
+    print("traced", ops.count("RnnfuseWavefrontSaving"), ops.count("RnnfuseWavefrontBackward"),
+          [g.shape.as_list() for g in step.get_concrete_function().outputs])
     """)
 
 
@@ -219,7 +234,9 @@ def test_the_training_wrappers_bind_to_the_ops_signatures(built, monkeypatch):
     """wavefront_training's calls of the two training ops (keyword names,
     attrs, dtypes) are what the ops take: on the CPU they get as far as
     placement, which finds no CPU kernel (the ops are GPU-only), never a
-    TypeError or a shape-function error."""
+    TypeError or a shape-function error; and a traced training step (the
+    ops' shape functions, tf.custom_gradient in graph mode) builds, with
+    one saving forward and one backward op a layer."""
     from rnnfuse.backends.tensorflow import op_build
 
     monkeypatch.setenv("RNNFUSE_CACHE_DIR", str(built[1]))
@@ -229,8 +246,11 @@ def test_the_training_wrappers_bind_to_the_ops_signatures(built, monkeypatch):
                          env={**__import__("os").environ,
                               "PYTHONPATH": str(Path(__file__).resolve().parents[1])})
     lines = [l for l in out.stdout.splitlines() if l.strip()]
-    assert len(lines) == 3, (out.stdout, out.stderr[-2000:])
-    for line in lines:
+    assert len(lines) == 4, (out.stdout, out.stderr[-2000:])
+    # Traced with a gradient: one saving forward, one backward op a layer.
+    assert lines[3] == "traced 1 2 [[5, 2, 6], [" + str(4 * 8 * (6 + 8) + 4 * 8 * 16 + 64 * 2) \
+        + "]]", lines[3]
+    for line in lines[:3]:
         assert line.startswith(("NotFoundError", "InvalidArgumentError")), line
         assert "GPU" in line or "kernel" in line.lower() or "device" in line.lower(), line
 
