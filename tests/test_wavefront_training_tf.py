@@ -317,3 +317,39 @@ def test_the_backends_training_call_on_the_wavefront_kernel_runs_run_trainable(m
     assert kernel.name == wavefront_op.TRAINING_KERNEL_NAME and kernel.note is None
     for a, b in zip(got, want):
         _close(a, b, 1e-9, 1e-12)
+
+
+@pytest.mark.parametrize("kind", ["lstm", "gru"])
+def test_the_backends_kernel_reason_for_training_is_training_reason(monkeypatch, kind):
+    """`kernel_reason("wavefront", group, shape, training=True)` (what the
+    tuner asks before timing a training candidate): the forward's checks,
+    then the backward's (an LSTM only; its plan, here faked)."""
+    from builders import stack_model
+
+    from rnnfuse.backends import tensorflow as tf_backend
+    from rnnfuse.backends.cuda import library
+    from rnnfuse.backends.tensorflow import op_build
+    from rnnfuse.passes import build_layer_graph, plan_fusion
+
+    asked = []
+    monkeypatch.setattr(op_build, "load_wavefront_op", lambda: object())
+    monkeypatch.setattr(library, "device_reason", lambda *a, **k: None)
+    real = library.backward_reason
+
+    def fake_backward(kind, units, batch, steps, ordinal=0):
+        asked.append((kind, units, batch, steps))
+        return real(kind, units, batch, steps) if kind == "gru" else "the backward's limit"
+
+    monkeypatch.setattr(library, "backward_reason", fake_backward)
+    keras.config.set_dtype_policy("mixed_float16")
+    try:
+        model = stack_model(kind, 2, units=8, input_size=5, steps=7)
+    finally:
+        keras.config.set_dtype_policy("float32")
+    (group,) = plan_fusion(build_layer_graph(model), model_name=model.name).groups
+    assert tf_backend.kernel_reason("wavefront", group, (4, 7, 5)) is None
+    assert asked == []
+    reason = tf_backend.kernel_reason("wavefront", group, (4, 7, 5), training=True)
+    assert asked == [(kind, 8, 4, 7)]
+    assert reason == ("the backward's limit" if kind == "lstm" else
+                      "the wavefront backward kernel runs LSTM stacks only (a GRU trains on cuDNN)")
