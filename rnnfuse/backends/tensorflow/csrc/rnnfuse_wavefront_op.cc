@@ -143,6 +143,7 @@ class RnnfuseWavefrontOp : public OpKernel {
       TF_RETURN_IF_ERROR(
           ctx->allocate_output(5, TensorShape({layers, steps, batch, units}), &c_out));
     }
+    if (!kSave && (steps == 0 || batch == 0)) return absl::OkStatus();
     const size_t ws_bytes = rnnfuse_wf_workspace_bytes(layers, units, batch, steps, sizeof(T));
     Tensor workspace;
     TF_RETURN_IF_ERROR(ctx->allocate_temp(
