@@ -652,6 +652,239 @@ __device__ __forceinline__ void backward_body(const BwdArgs& a) {
   }
 }
 
+// ---------------------------------------------------------------------------
+// The stack backward, a reverse wavefront over the layers (wavefront.cuh:
+// "The stack backward"). CTA (layer l, group s, block j) owns units
+// [16j, 16j+16) of layer l for the batch rows [s*rows, (s+1)*rows). Its
+// product's K: k-tiles [0, G4/16) are the own layer's da_{t+1} (against
+// W_hh_l), [G4/16, 2*G4/16) the layer above's da_t (against W_ih_{l+1});
+// both active ranges together are always one contiguous range of tiles.
+template <typename T>
+__device__ __forceinline__ void backward_stack_body(const BwdStackArgs& a) {
+  using E = Elem<T>;
+  extern __shared__ __align__(16) unsigned char smem[];
+
+  const int cta = blockIdx.x;
+  const int l = cta / a.ctas_per_layer, within = cta % a.ctas_per_layer;
+  const int s = within / a.per_group, j = within % a.per_group;
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+  const int H = a.H, B = a.B, steps = a.T, G4 = 4 * H, L = a.L;
+  const bool top = l == L - 1;
+  const int u0 = j * kBwdUnits, row0 = s * a.rows;
+  const int rows = min(a.rows, B - row0);  // >= 1 (the plan makes no empty group)
+  const int kt = a.kt[l], KS = a.kpad[l] + kHsPad;
+  const int own_tiles = G4 / 16;                  // G4 is a multiple of 32
+  const int K = top ? G4 : 2 * G4;                // real gate columns of the product
+
+  T* ds = reinterpret_cast<T*>(smem + a.smem_ds);              // [kBwdChunk][KS]
+  float* part = reinterpret_cast<float*>(smem + a.smem_part);  // [kWarps][kBwdChunk][kBwdPartStride]
+  float* dcs = reinterpret_cast<float*>(smem + a.smem_dc);     // [rows][kBwdUnits]
+  int* lens = reinterpret_cast<int*>(smem + a.smem_len);       // [rows]
+
+  // --- this warp's block of [W_hh_l ; W_ih_{l+1}]^T as mma A fragments:
+  // A[r][k] = W_hh_l[k][u0 + r] (k < G4), W_ih_{l+1}[k - G4][u0 + r] (above;
+  // layer l+1's W_ih is [4H][H]). k is even and G4 too: a pair never
+  // straddles the two matrices.
+  const unsigned short* P = static_cast<const unsigned short*>(a.params);
+  const unsigned short* Whh = P + a.w_hh[l];
+  const unsigned short* Wih = top ? nullptr : P + a.w_ih[l + 1];
+  uint32_t wa[kBwdMaxKt][4];
+#pragma unroll
+  for (int jt = 0; jt < kBwdMaxKt; ++jt) {
+#pragma unroll
+    for (int q = 0; q < 4; ++q) {
+      const int r = (lane >> 2) + ((q & 1) ? 8 : 0);
+      const int k = (warp * kt + jt) * 16 + (lane & 3) * 2 + ((q & 2) ? 8 : 0);
+      uint32_t w = 0;
+      if (jt < kt && u0 + r < H && k < K) {
+        const unsigned short* W = k < G4 ? Whh : Wih;
+        const int kk = k < G4 ? k : k - G4;
+        const size_t off = static_cast<size_t>(kk) * H + u0 + r;
+        w = static_cast<uint32_t>(W[off]) | (static_cast<uint32_t>(W[off + H]) << 16);
+      }
+      wa[jt][q] = w;
+    }
+  }
+
+  for (int idx = tid; idx < kBwdChunk * KS; idx += kThreads) ds[idx] = T(0.0f);
+  for (int idx = tid; idx < rows * kBwdUnits; idx += kThreads) dcs[idx] = 0.0f;
+  for (int n = tid; n < rows; n += kThreads) {
+    const int len = a.lengths ? a.lengths[row0 + n] : steps;
+    lens[n] = len < steps ? len : steps;
+  }
+  __syncthreads();
+
+  const size_t seq = static_cast<size_t>(B) * H;   // one step of an [.][B][H] buffer
+  const size_t gseq = static_cast<size_t>(B) * G4;  // one step of an [.][B][4H] buffer
+  T* dgates = static_cast<T*>(a.dgates) + static_cast<size_t>(l) * steps * gseq;
+  const T* dg_own = dgates;
+  const T* dg_above = top ? nullptr : dgates + static_cast<size_t>(steps) * gseq;
+  const T* dy = static_cast<const T*>(a.dy);
+  const T* dhy = static_cast<const T*>(a.dhy) + static_cast<size_t>(l) * seq;
+  const T* dcy = static_cast<const T*>(a.dcy) + static_cast<size_t>(l) * seq;
+  const T* c0 = static_cast<const T*>(a.c0) + static_cast<size_t>(l) * seq;
+  const float* gates = a.gates + static_cast<size_t>(l) * steps * gseq;
+  const float* cseq = a.cseq + static_cast<size_t>(l) * steps * seq;
+  float* dh0 = a.dh0 + static_cast<size_t>(l) * seq;
+  float* dc0 = a.dc0 + static_cast<size_t>(l) * seq;
+  unsigned* my_flags = a.flags + l * kFlagStride + s * a.per_group;
+  const unsigned* own_flags = my_flags;  // this layer's group s (this CTA's flag: my_flags[j])
+  const unsigned* above_flags = top ? nullptr : a.flags + (l + 1) * kFlagStride + s * a.per_group;
+  unsigned* timed_out = a.flags + kMaxLayers * kFlagStride;
+  const int nchunks = (rows + kBwdChunk - 1) / kBwdChunk;
+  bool waits = true;  // false after a timed-out wait (then the results are wrong, flagged)
+
+  // t = T-1 .. 0: step t; t = -1: only the own product, dh0 = W_hh^T da_0.
+  for (int t = steps - 1; t >= -1; --t) {
+    const bool own_on = t < steps - 1;        // W_hh_l^T da_l[t+1]
+    const bool above_on = !top && t >= 0;     // W_ih_{l+1}^T da_{l+1}[t]
+    const bool product = own_on || above_on;
+    if (product && warp == 0 && waits) {
+      const unsigned long long start = global_ns();
+      if (own_on) {
+        const unsigned need = static_cast<unsigned>(steps - 1 - t);  // own step t+1 done
+        for (int i = lane; i < a.per_group && waits; i += 32)
+          while (load_acquire(own_flags + i) < need) {
+            if (global_ns() - start > kBwdWaitNs) {
+              atomicExch(timed_out, 1u);
+              waits = false;
+              break;
+            }
+          }
+      }
+      if (above_on) {
+        const unsigned need = static_cast<unsigned>(steps - t);  // above's step t done
+        for (int i = lane; i < a.per_group && waits; i += 32)
+          while (load_acquire(above_flags + i) < need) {
+            if (global_ns() - start > kBwdWaitNs) {
+              atomicExch(timed_out, 1u);
+              waits = false;
+              break;
+            }
+          }
+      }
+      __syncwarp();
+    }
+    __syncthreads();
+
+    // Active k-tiles [tile_lo, tile_hi) and 16-byte pieces [q_lo, q_hi) of a row.
+    const int tile_lo = own_on ? 0 : own_tiles;
+    const int tile_hi = above_on ? 2 * own_tiles : own_tiles;
+    const int jt_lo = max(0, tile_lo - warp * kt), jt_hi = min(kt, tile_hi - warp * kt);
+    const int q_lo = tile_lo * 2;
+    const int width = product ? (tile_hi - tile_lo) * 2 : 1;  // 2 pieces a k-tile (no 0 divisor)
+    const int st_n0 = tid / width, st_q0 = tid % width;
+    const int st_dn = kThreads / width, st_dq = kThreads % width;
+
+    for (int c = 0; c < nchunks; ++c) {
+      const int n0 = c * kBwdChunk, nc = min(kBwdChunk, rows - n0);
+      if (product) {
+        // --- stage the chunk's rows: da_l[t+1] into columns [0, G4) and
+        // da_{l+1}[t] into [G4, 2 G4) of ds, where active --------------
+        const T* src_own =
+            own_on ? dg_own + static_cast<size_t>(t + 1) * gseq + static_cast<size_t>(row0 + n0) * G4
+                   : nullptr;
+        const T* src_above =
+            above_on ? dg_above + static_cast<size_t>(t) * gseq + static_cast<size_t>(row0 + n0) * G4
+                     : nullptr;
+        int n = st_n0, q = st_q0;
+        while (n < nc) {
+          const int k = (q_lo + q) * 8;
+          const T* src = k < G4 ? src_own + static_cast<size_t>(n) * G4 + k
+                                : src_above + static_cast<size_t>(n) * G4 + (k - G4);
+          cp_async16(ds + n * KS + k, src);
+          q += st_dq;
+          n += st_dn;
+          if (q >= width) {
+            q -= width;
+            ++n;
+          }
+        }
+        cp_async_commit();
+        cp_async_wait_all();
+        __syncthreads();
+        // --- this warp's partial dh^T: 16 units x nc rows over its active K
+        float acc[2][4];
+#pragma unroll
+        for (int nt = 0; nt < 2; ++nt)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) acc[nt][e] = 0.0f;
+        const bool two = nc > 8;
+#pragma unroll
+        for (int jt = 0; jt < kBwdMaxKt; ++jt) {
+          if (jt >= jt_lo && jt < jt_hi) {
+            const int kcol = (warp * kt + jt) * 16;
+            const int qq = lane >> 3;
+            const int nn = (qq >> 1) * 8 + (lane & 7), kk = kcol + (qq & 1) * 8;
+            uint32_t b00, b01, b10, b11;
+            ldmatrix_x4(b00, b01, b10, b11, ds + nn * KS + kk);
+            E::mma(acc[0], wa[jt], b00, b01);
+            if (two) E::mma(acc[1], wa[jt], b10, b11);
+          }
+        }
+        // C fragment (unit row, batch col) -> part[warp][col][row]
+        float* pw = part + warp * kBwdChunk * kBwdPartStride;
+#pragma unroll
+        for (int nt = 0; nt < 2; ++nt) {
+          const int row = lane >> 2, col = nt * 8 + (lane & 3) * 2;
+          pw[col * kBwdPartStride + row] = acc[nt][0];
+          pw[(col + 1) * kBwdPartStride + row] = acc[nt][1];
+          pw[col * kBwdPartStride + row + 8] = acc[nt][2];
+          pw[(col + 1) * kBwdPartStride + row + 8] = acc[nt][3];
+        }
+        __syncthreads();
+      }
+
+      // --- pointwise: one (row, unit) a thread ----------------------------
+      const int n = tid / kBwdUnits, u = tid % kBwdUnits;
+      const int nl = n0 + n, nb = row0 + nl, ug = u0 + u;
+      if (n < nc && ug < H) {
+        float rec = 0.0f;  // W_hh^T da_{t+1} (+ W_ih_{l+1}^T da_{l+1}[t]) at [nb][ug]
+        if (product) {
+#pragma unroll
+          for (int w = 0; w < kWarps; ++w) rec += part[(w * kBwdChunk + n) * kBwdPartStride + u];
+        }
+        const size_t o = static_cast<size_t>(nb) * H + ug;
+        if (t < 0) {
+          dh0[o] = rec;
+        } else {
+          const int len = lens[nl];
+          float da[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+          float carry = 0.0f;
+          if (t < len) {
+            const size_t ot = static_cast<size_t>(t) * seq + o;
+            float dh = top ? rec + E::to_float(dy[ot]) : rec;
+            float dc = dcs[nl * kBwdUnits + u];
+            if (t == len - 1) {
+              dh += E::to_float(dhy[o]);
+              dc = E::to_float(dcy[o]);
+            }
+            const float* gp = gates + static_cast<size_t>(t) * gseq + static_cast<size_t>(nb) * G4 + ug;
+            const float ig = gp[0], fg = gp[H], gg = gp[2 * H], og = gp[3 * H];
+            const float ct = cseq[ot];
+            const float cp = t > 0 ? cseq[ot - seq] : E::to_float(c0[o]);
+            const float tc = tanhf(ct);
+            dc += dh * og * (1.0f - tc * tc);
+            da[0] = dc * gg * ig * (1.0f - ig);
+            da[1] = dc * cp * fg * (1.0f - fg);
+            da[2] = dc * ig * (1.0f - gg * gg);
+            da[3] = dh * tc * og * (1.0f - og);
+            carry = dc * fg;
+          }
+          dcs[nl * kBwdUnits + u] = carry;
+          T* dp = dgates + static_cast<size_t>(t) * gseq + static_cast<size_t>(nb) * G4 + ug;
+#pragma unroll
+          for (int g = 0; g < 4; ++g) dp[g * H] = T(da[g]);
+          if (t == 0) dc0[o] = carry;
+        }
+      }
+      __syncthreads();  // ds and part are the next chunk's
+    }
+
+    if (t >= 0 && tid == 0) publish(my_flags + j, static_cast<unsigned>(steps - t));
+  }
+}
+
 }  // namespace rnnfuse_wf
 
 extern "C" __global__ void __launch_bounds__(rnnfuse_wf::kThreads, 1)
@@ -672,4 +905,14 @@ extern "C" __global__ void __launch_bounds__(rnnfuse_wf::kThreads, 1)
 extern "C" __global__ void __launch_bounds__(rnnfuse_wf::kThreads, 1)
     rnnfuse_wf_backward_bf16(const __grid_constant__ rnnfuse_wf::BwdArgs a) {
   rnnfuse_wf::backward_body<__nv_bfloat16>(a);
+}
+
+extern "C" __global__ void __launch_bounds__(rnnfuse_wf::kThreads, 1)
+    rnnfuse_wf_backward_stack_f16(const __grid_constant__ rnnfuse_wf::BwdStackArgs a) {
+  rnnfuse_wf::backward_stack_body<__half>(a);
+}
+
+extern "C" __global__ void __launch_bounds__(rnnfuse_wf::kThreads, 1)
+    rnnfuse_wf_backward_stack_bf16(const __grid_constant__ rnnfuse_wf::BwdStackArgs a) {
+  rnnfuse_wf::backward_stack_body<__nv_bfloat16>(a);
 }

@@ -185,6 +185,51 @@ struct BwdArgs {
   unsigned* flags;     // [ctas + 1], zero at launch; flags[ctas] != 0: a wait timed out
 };
 
+// ---------------------------------------------------------------------------
+// The stack backward (v2, reverse wavefront; LSTM): ONE cooperative launch
+// runs every layer's backward recurrence, layer l at step t alongside layer
+// l+1 at step t+1 (T+L-1 dependent steps, not L*T). Layer l's dh at step t
+//   dh_t = W_hh_l^T da_l[t+1] + W_ih_{l+1}^T da_{l+1}[t]   (l < L-1)
+//   dh_t = W_hh_l^T da_l[t+1] + dy[t]                       (the top layer)
+// (+ dhy at t = len-1) is ONE product over K = 8H gate columns (4H for the
+// top): the own layer's da of step t+1, then the layer above's da of step
+// t, both staged from L2 into `ds`. The rest of a step is backward_body's
+// (pointwise from the saved gates and c, dc carried in shared memory).
+// A CTA (layer l, group s, block j) owns kBwdUnits = 16 units of layer l
+// and the batch rows of group s; warp w holds A[r][k] (r: its 16 units,
+// k: gate columns [w*16*kt, (w+1)*16*kt) of [W_hh_l ; W_ih_{l+1}]^T) in
+// registers (kt <= kBwdMaxKt: 8H <= 4096 below the top). CTA order:
+// layer-major, then group, then block (ctas_per_layer = groups * per_group).
+// Flags: flags[l * kFlagStride + s * per_group + j] = T - t after step t
+// (fence.acq_rel.gpu + relaxed store after a CTA barrier, as the forward);
+// a CTA of layer l at step t waits (ld.acquire.gpu) for its own layer's
+// group >= T-1-t (step t+1 done; t < T-1) and the layer above's group >=
+// T-t (step t done; l < L-1, t >= 0); t = -1 is dh0 = W_hh^T da_0 alone.
+// flags[kMaxLayers * kFlagStride] != 0: a wait timed out (a bug).
+struct BwdStackArgs {
+  int L, H, B, T;
+  int per_group;       // CTAs of a layer's group: ceil(H / kBwdUnits)
+  int groups;          // batch-row groups
+  int rows;            // batch rows a group (a multiple of 8)
+  int ctas_per_layer;  // groups * per_group
+  int kt[kMaxLayers];    // k-tiles a warp holds, per layer
+  int kpad[kMaxLayers];  // K padded to kWarps * 16 * kt
+  int smem_ds, smem_part, smem_dc, smem_len, smem_total;
+  long long w_ih[kMaxLayers], w_hh[kMaxLayers];  // element offsets into params
+  const void* params;  // rnnfuse's canonical flat buffer (element type)
+  const float* gates;  // [L][T][B][4H]: the forward's gates_out
+  const float* cseq;   // [L][T][B][H]: the forward's c_out
+  const void* c0;      // [L][B][H]
+  const void* dy;      // [T][B][H]: gradient of the top layer's output sequence
+  const void* dhy;     // [L][B][H]
+  const void* dcy;     // [L][B][H]
+  const int* lengths;  // [B] or null
+  void* dgates;        // [L][T][B][4H] out (element type)
+  float* dh0;          // [L][B][H] out
+  float* dc0;          // [L][B][H] out
+  unsigned* flags;     // [kMaxLayers * kFlagStride + 1], zero at launch
+};
+
 constexpr int kTracePoints = 6;  // start, waited, staged, multiplied, pointwise, published
 constexpr int kTraceSlots = 8;   // + clock64 at start and published
 

@@ -193,4 +193,93 @@ inline bool PlanBackward(int H, int B, int T, int sms, int smem_limit, BwdArgs* 
   return true;
 }
 
+// The stack backward's plan (wavefront.cuh, "The stack backward"): every
+// layer's ceil(H / 16) CTAs a group of batch rows, as many groups as the
+// SMs hold (the fewest rows a group, a multiple of 8), every CTA resident
+// at once; a CTA's registers hold K = 8H gate columns of weights below the
+// top (W_hh and the layer above's W_ih), 4H at the top. Shared memory: one
+// chunk of staged da rows [kBwdChunk][kpad + kHsPad], the warps' partials,
+// the carried dc and the lengths. `input_size` places the matrices in the
+// canonical buffer. Returns true, or false with the reason.
+inline bool PlanBackwardStack(int L, int H, int B, int T, int input_size, int sms,
+                              int smem_limit, BwdStackArgs* args, char* why, int why_len) {
+  const int kmax = kWarps * 16 * kBwdMaxKt;  // gate columns a CTA's registers hold: 4096
+  if (L < 1 || L > kMaxLayers) {
+    snprintf(why, why_len, "the reverse-wavefront backward runs 1 to %d layers, not %d",
+             kMaxLayers, L);
+    return false;
+  }
+  if (H < 8 || H % 8 != 0 || 4 * H > kmax) {
+    snprintf(why, why_len,
+             "the reverse-wavefront backward needs units a multiple of 8 up to %d, not %d",
+             kmax / 4, H);
+    return false;
+  }
+  if (L > 1 && 8 * H > kmax) {
+    snprintf(why, why_len,
+             "the reverse-wavefront backward holds W_hh and the layer above's W_ih (%d gate "
+             "columns) of a layer below the top in registers, at most %d: %d units need %d "
+             "(at most %d units in a stack of 2 or more layers)",
+             8 * H, kmax, H, 8 * H, kmax / 8);
+    return false;
+  }
+  if (B < 1 || T < 1 || input_size < 1) {
+    snprintf(why, why_len, "the reverse-wavefront backward needs batch, steps and inputs >= 1");
+    return false;
+  }
+  const int per_group = (H + kBwdUnits - 1) / kBwdUnits;
+  if (L * per_group > sms) {
+    snprintf(why, why_len,
+             "the stack's weights do not fit on chip for the reverse-wavefront backward: %d "
+             "layers of %d units need %d CTAs of one SM each, and the device has %d SMs",
+             L, H, L * per_group, sms);
+    return false;
+  }
+  int groups_max = sms / (L * per_group);
+  if (groups_max > kFlagStride / per_group) groups_max = kFlagStride / per_group;
+  const int want = (B + groups_max - 1) / groups_max;
+  const int rows = (want + 7) / 8 * 8;
+  const int groups = (B + rows - 1) / rows;
+  BwdStackArgs& a = *args;
+  a.L = L;
+  a.H = H;
+  a.B = B;
+  a.T = T;
+  a.per_group = per_group;
+  a.groups = groups;
+  a.rows = rows;
+  a.ctas_per_layer = groups * per_group;
+  int kpad_max = 0;
+  for (int l = 0; l < kMaxLayers; ++l) {
+    const int K = l < L - 1 ? 8 * H : 4 * H;
+    a.kt[l] = l < L ? (K + kWarps * 16 - 1) / (kWarps * 16) : 0;
+    a.kpad[l] = kWarps * 16 * a.kt[l];
+    if (a.kpad[l] > kpad_max) kpad_max = a.kpad[l];
+  }
+  Args offsets;
+  PlanOffsets(0, L, H, input_size, &offsets);
+  for (int l = 0; l < kMaxLayers; ++l) {
+    a.w_ih[l] = l < L ? offsets.layer[l].w_ih : 0;
+    a.w_hh[l] = l < L ? offsets.layer[l].w_hh : 0;
+  }
+  int off = 0;
+  a.smem_ds = off;  // [kBwdChunk][kpad + kHsPad] of the element type
+  off += RoundUp16(kBwdChunk * (kpad_max + kHsPad) * 2);
+  a.smem_part = off;  // [kWarps][kBwdChunk][kBwdPartStride] float
+  off += RoundUp16(kWarps * kBwdChunk * kBwdPartStride * 4);
+  a.smem_dc = off;  // [rows][kBwdUnits] float
+  off += RoundUp16(rows * kBwdUnits * 4);
+  a.smem_len = off;  // [rows] int
+  off += RoundUp16(rows * 4);
+  a.smem_total = off;
+  if (off > smem_limit) {
+    snprintf(why, why_len,
+             "the reverse-wavefront backward's shared memory does not fit: %d layers of %d "
+             "units at batch %d need %d bytes a CTA, and the device allows %d",
+             L, H, B, off, smem_limit);
+    return false;
+  }
+  return true;
+}
+
 }  // namespace rnnfuse_wf
