@@ -116,21 +116,25 @@ def test_refused_backward_shapes_say_why(built, shape, message):
 
 def test_the_stack_backward_holds_the_headline_stack_on_an_h200(built):
     """The reverse wavefront: 32 CTAs of 16 units a 512-unit layer, 4 layers
-    on 128 SMs, one group of all 64 batch rows; a layer below the top stages
-    16 rows x 8H gate columns (own da_{t+1}, the layer above's da_t)."""
+    on 128 SMs, one group of all 64 batch rows; a CTA stages 16 rows x 4H
+    gate columns of its own layer's da_{t+1} at a time, and its 8 warps'
+    partials of two m16 tiles (dh, the layer below's dy)."""
     lib = library.load(built[0])
     plan = lib.backward_stack_plan(4, 512, 64, 1000, **H200)
-    assert plan == dict(ctas=128, smem=16 * (4096 + 8) * 2 + 8 * 16 * 20 * 4 + 64 * 16 * 4 + 64 * 4,
+    assert plan == dict(ctas=128, smem=16 * (2048 + 8) * 2 + 8 * 16 * 36 * 4 + 64 * 16 * 4 + 64 * 4,
                         rows=64)
     assert plan["smem"] <= H200["smem"]
     # Fewer layers: more groups of fewer rows; the top alone holds 4H columns.
     assert lib.backward_stack_plan(2, 512, 64, 10, **H200)["rows"] == 32
     assert lib.backward_stack_plan(1, 1024, 64, 10, **H200)["ctas"] == 128
-    assert lib.backward_stack_plan(1, 8, 1, 1, **H200) == dict(ctas=1, smem=15136, rows=8)
+    assert lib.backward_stack_plan(1, 8, 1, 1, **H200) == dict(ctas=1, smem=23328, rows=8)
     big = lib.backward_stack_plan(4, 512, 256, 1000, **H200)
     assert big["ctas"] == 128 and big["smem"] <= H200["smem"] and big["rows"] == 256
     assert lib.backward_stack_plan(8, 256, 64, 1000, **H200)["ctas"] == 128
-    assert lib.backward_stack_workspace_bytes() >= 4 * (library.STACK_TIMEOUT_WORD + 1)
+    flags = lib.backward_stack_workspace_bytes(1, 8, 1, 1)
+    assert flags >= 4 * (library.STACK_TIMEOUT_WORD + 1) and flags % 256 == 0
+    # + the float32 dy hand-off of the 3 layers below the top
+    assert lib.backward_stack_workspace_bytes(4, 512, 64, 1000) == flags + 3 * 1000 * 64 * 512 * 4
 
 
 @pytest.mark.parametrize(
@@ -153,7 +157,7 @@ def test_refused_stack_backward_shapes_say_why(built, shape, message):
     assert isinstance(reason, str) and message in reason, reason
     small = lib.backward_stack_plan(4, 512, 64, 100, sms=100, smem=H200["smem"])
     assert "need 128 CTAs of one SM each, and the device has 100 SMs" in small
-    assert isinstance(lib.backward_stack_plan(4, 512, 64, 100, sms=132, smem=100_000), str)
+    assert isinstance(lib.backward_stack_plan(4, 512, 64, 100, sms=132, smem=80_000), str)
 
 
 def test_a_call_without_a_driver_or_a_bad_argument_is_a_clear_error(built):

@@ -83,7 +83,7 @@ class WavefrontLibrary:
         lib.rnnfuse_wf_backward.restype = i
         lib.rnnfuse_wf_backward_stack_plan.argtypes = [i, i, i, i, i, i, ip, ip, ip]
         lib.rnnfuse_wf_backward_stack_plan.restype = i
-        lib.rnnfuse_wf_backward_stack_workspace_bytes.argtypes = []
+        lib.rnnfuse_wf_backward_stack_workspace_bytes.argtypes = [i, i, i, i]
         lib.rnnfuse_wf_backward_stack_workspace_bytes.restype = sz
         lib.rnnfuse_wf_backward_stack.argtypes = [p] + [i] * 6 + [p] * 12
         lib.rnnfuse_wf_backward_stack.restype = i
@@ -190,7 +190,7 @@ class WavefrontLibrary:
         needed.
 
         >>> load().backward_stack_plan(4, 512, 64, 1000, **H200)  # doctest: +SKIP
-        {'ctas': 128, 'smem': 145920, 'rows': 64}
+        {'ctas': 128, 'smem': 88576, 'rows': 64}
         """
         ctas, nbytes, rows = ctypes.c_int(), ctypes.c_int(), ctypes.c_int()
         ok = self._lib.rnnfuse_wf_backward_stack_plan(num_layers, units, batch, steps, sms, smem,
@@ -200,10 +200,13 @@ class WavefrontLibrary:
             return self._error()
         return dict(ctas=ctas.value, smem=nbytes.value, rows=rows.value)
 
-    def backward_stack_workspace_bytes(self) -> int:
-        """Bytes of workspace one stack backward call needs (its flags; the
-        32-bit word at STACK_TIMEOUT_WORD is nonzero after a timed-out wait)."""
-        return int(self._lib.rnnfuse_wf_backward_stack_workspace_bytes())
+    def backward_stack_workspace_bytes(self, num_layers: int, units: int, batch: int,
+                                       steps: int) -> int:
+        """Bytes of workspace one stack backward call needs: its flags (the
+        32-bit word at STACK_TIMEOUT_WORD is nonzero after a timed-out wait),
+        then the float32 dy hand-off of the layers below the top."""
+        return int(self._lib.rnnfuse_wf_backward_stack_workspace_bytes(num_layers, units, batch,
+                                                                       steps))
 
     def backward_stack(self, stream: int, dtype: str, num_layers: int, units: int, batch: int,
                        steps: int, input_size: int, *, params: int, gates: int, cseq: int,

@@ -417,7 +417,7 @@ def backward_stack_kernel(params, input_size, gates, cseq, c0, dy, dhy, dcy, len
     element type; lengths int32 [B] or None. Returns (dgates [L, T, B, 4H]
     in the element type, 0 at t >= length; dh0, dc0 [L, B, H] float32).
     The layers below the top get their dy = dgates^{l+1} W_ih^{l+1} inside
-    the kernel (float32, never stored). `check`: synchronise and raise
+    the kernel (float32, handed from layer to layer in the workspace). `check`: synchronise and raise
     `library.WavefrontError` if a wait in the kernel timed out (a bug).
     `stack_recurrence_reference` is the same in torch.
     """
@@ -427,8 +427,8 @@ def backward_stack_kernel(params, input_size, gates, cseq, c0, dy, dhy, dcy, len
     dh0 = torch.empty((num_layers, batch, units), dtype=torch.float32, device=dy.device)
     dc0 = torch.empty_like(dh0)
     lib = library.load()
-    workspace = torch.empty(lib.backward_stack_workspace_bytes(), dtype=torch.uint8,
-                            device=dy.device)
+    workspace = torch.empty(lib.backward_stack_workspace_bytes(num_layers, units, batch, steps),
+                            dtype=torch.uint8, device=dy.device)
     tensors = (params, gates, cseq, c0, dy, dhy, dcy)
     if not all(t.is_contiguous() for t in tensors):
         raise ValueError("backward_stack_kernel: every tensor must be contiguous")

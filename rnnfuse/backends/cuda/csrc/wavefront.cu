@@ -655,10 +655,12 @@ __device__ __forceinline__ void backward_body(const BwdArgs& a) {
 // ---------------------------------------------------------------------------
 // The stack backward, a reverse wavefront over the layers (wavefront.cuh:
 // "The stack backward"). CTA (layer l, group s, block j) owns units
-// [16j, 16j+16) of layer l for the batch rows [s*rows, (s+1)*rows). Its
-// product's K: k-tiles [0, G4/16) are the own layer's da_{t+1} (against
-// W_hh_l), [G4/16, 2*G4/16) the layer above's da_t (against W_ih_{l+1});
-// both active ranges together are always one contiguous range of tiles.
+// [16j, 16j+16) of layer l for the batch rows [s*rows, (s+1)*rows). Each
+// step it stages its own layer's da_{t+1} (the group's rows, all 4H gate
+// columns) and multiplies it by two m16 tiles of weights: W_hh_l^T (its
+// units' dh_t) and, above layer 0, W_ih_l^T (units [16j, 16j+16) of the
+// layer below's dy at t+1), so the hand-off to the layer below is 16 units
+// of float32 a row, read by the one CTA (l-1, s, j).
 template <typename T>
 __device__ __forceinline__ void backward_stack_body(const BwdStackArgs& a) {
   using E = Elem<T>;
@@ -670,39 +672,41 @@ __device__ __forceinline__ void backward_stack_body(const BwdStackArgs& a) {
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
   const int H = a.H, B = a.B, steps = a.T, G4 = 4 * H, L = a.L;
   const bool top = l == L - 1;
+  const bool dual = l > 0;  // also computes the layer below's dy (plan: kt <= kBwdMaxKt / 2)
   const int u0 = j * kBwdUnits, row0 = s * a.rows;
   const int rows = min(a.rows, B - row0);  // >= 1 (the plan makes no empty group)
-  const int kt = a.kt[l], KS = a.kpad[l] + kHsPad;
-  const int own_tiles = G4 / 16;                  // G4 is a multiple of 32
-  const int K = top ? G4 : 2 * G4;                // real gate columns of the product
+  const int kt = a.kt, KS = a.kpad + kHsPad;
+  constexpr int kHalf = kBwdMaxKt / 2;
 
   T* ds = reinterpret_cast<T*>(smem + a.smem_ds);              // [kBwdChunk][KS]
-  float* part = reinterpret_cast<float*>(smem + a.smem_part);  // [kWarps][kBwdChunk][kBwdPartStride]
+  float* part = reinterpret_cast<float*>(smem + a.smem_part);  // [kWarps][kBwdChunk][kBwdStackPartStride]
   float* dcs = reinterpret_cast<float*>(smem + a.smem_dc);     // [rows][kBwdUnits]
   int* lens = reinterpret_cast<int*>(smem + a.smem_len);       // [rows]
 
-  // --- this warp's block of [W_hh_l ; W_ih_{l+1}]^T as mma A fragments:
-  // A[r][k] = W_hh_l[k][u0 + r] (k < G4), W_ih_{l+1}[k - G4][u0 + r] (above;
-  // layer l+1's W_ih is [4H][H]). k is even and G4 too: a pair never
-  // straddles the two matrices.
+  // --- this warp's weights as mma A fragments, slot i of wa:
+  //   dual:  i < 16: W_hh_l^T tile jt = i;  i >= 16: W_ih_l^T tile jt = i - 16
+  //   else:  W_hh_l^T tile jt = i (up to kBwdMaxKt tiles: a 1-layer stack's H <= 1024)
+  // A[r][k] = W[k][u0 + r] (W: [4H][H], rows = gate columns k of tile
+  // warp * kt + jt), as backward_body loads W_hh.
   const unsigned short* P = static_cast<const unsigned short*>(a.params);
   const unsigned short* Whh = P + a.w_hh[l];
-  const unsigned short* Wih = top ? nullptr : P + a.w_ih[l + 1];
+  const unsigned short* Wih = P + a.w_ih[l];  // read only where dual (layer l's input is H wide)
   uint32_t wa[kBwdMaxKt][4];
 #pragma unroll
-  for (int jt = 0; jt < kBwdMaxKt; ++jt) {
+  for (int i = 0; i < kBwdMaxKt; ++i) {
+    const bool second = dual && i >= kHalf;
+    const int jt = second ? i - kHalf : i;
+    const unsigned short* W = second ? Wih : Whh;
 #pragma unroll
     for (int q = 0; q < 4; ++q) {
       const int r = (lane >> 2) + ((q & 1) ? 8 : 0);
       const int k = (warp * kt + jt) * 16 + (lane & 3) * 2 + ((q & 2) ? 8 : 0);
       uint32_t w = 0;
-      if (jt < kt && u0 + r < H && k < K) {
-        const unsigned short* W = k < G4 ? Whh : Wih;
-        const int kk = k < G4 ? k : k - G4;
-        const size_t off = static_cast<size_t>(kk) * H + u0 + r;
+      if (jt < kt && u0 + r < H && k < G4) {
+        const size_t off = static_cast<size_t>(k) * H + u0 + r;
         w = static_cast<uint32_t>(W[off]) | (static_cast<uint32_t>(W[off + H]) << 16);
       }
-      wa[jt][q] = w;
+      wa[i][q] = w;
     }
   }
 
@@ -717,8 +721,6 @@ __device__ __forceinline__ void backward_stack_body(const BwdStackArgs& a) {
   const size_t seq = static_cast<size_t>(B) * H;   // one step of an [.][B][H] buffer
   const size_t gseq = static_cast<size_t>(B) * G4;  // one step of an [.][B][4H] buffer
   T* dgates = static_cast<T*>(a.dgates) + static_cast<size_t>(l) * steps * gseq;
-  const T* dg_own = dgates;
-  const T* dg_above = top ? nullptr : dgates + static_cast<size_t>(steps) * gseq;
   const T* dy = static_cast<const T*>(a.dy);
   const T* dhy = static_cast<const T*>(a.dhy) + static_cast<size_t>(l) * seq;
   const T* dcy = static_cast<const T*>(a.dcy) + static_cast<size_t>(l) * seq;
@@ -727,21 +729,26 @@ __device__ __forceinline__ void backward_stack_body(const BwdStackArgs& a) {
   const float* cseq = a.cseq + static_cast<size_t>(l) * steps * seq;
   float* dh0 = a.dh0 + static_cast<size_t>(l) * seq;
   float* dc0 = a.dc0 + static_cast<size_t>(l) * seq;
-  unsigned* my_flags = a.flags + l * kFlagStride + s * a.per_group;
-  const unsigned* own_flags = my_flags;  // this layer's group s (this CTA's flag: my_flags[j])
-  const unsigned* above_flags = top ? nullptr : a.flags + (l + 1) * kFlagStride + s * a.per_group;
+  // dy of layer l (from the CTA above) and of layer l-1 (this CTA's m-tile 1).
+  const float* dy_in = top ? nullptr : a.dyl + static_cast<size_t>(l) * steps * seq;
+  float* dy_out = dual ? a.dyl + static_cast<size_t>(l - 1) * steps * seq : nullptr;
+  unsigned* own_flags = a.flags + l * kFlagStride + s * a.per_group;  // this CTA's: own_flags[j]
+  const unsigned* above_flag = top ? nullptr : a.flags + (l + 1) * kFlagStride + s * a.per_group + j;
   unsigned* timed_out = a.flags + kMaxLayers * kFlagStride;
   const int nchunks = (rows + kBwdChunk - 1) / kBwdChunk;
+  const int per_row = G4 / 8;  // 16-byte pieces of one row of da
+  const int st_n0 = tid / per_row, st_q0 = tid % per_row;
+  const int st_dn = kThreads / per_row, st_dq = kThreads % per_row;
   bool waits = true;  // false after a timed-out wait (then the results are wrong, flagged)
 
-  // t = T-1 .. 0: step t; t = -1: only the own product, dh0 = W_hh^T da_0.
+  // t = T-1 .. 0: step t; t = -1: only the products of da_0 (dh0, and the
+  // layer below's dy at 0). After step t, flag = T - t (T + 1 after t = -1).
   for (int t = steps - 1; t >= -1; --t) {
-    const bool own_on = t < steps - 1;        // W_hh_l^T da_l[t+1]
-    const bool above_on = !top && t >= 0;     // W_ih_{l+1}^T da_{l+1}[t]
-    const bool product = own_on || above_on;
-    if (product && warp == 0 && waits) {
+    const bool product = t < steps - 1;       // da_l[t+1] staged and multiplied
+    const bool needs_dy = !top && t >= 0;     // dy_l[t]: CTA (l+1, s, j) after its step t-1
+    if (warp == 0 && waits && (product || needs_dy)) {
       const unsigned long long start = global_ns();
-      if (own_on) {
+      if (product) {
         const unsigned need = static_cast<unsigned>(steps - 1 - t);  // own step t+1 done
         for (int i = lane; i < a.per_group && waits; i += 32)
           while (load_acquire(own_flags + i) < need) {
@@ -752,85 +759,85 @@ __device__ __forceinline__ void backward_stack_body(const BwdStackArgs& a) {
             }
           }
       }
-      if (above_on) {
-        const unsigned need = static_cast<unsigned>(steps - t);  // above's step t done
-        for (int i = lane; i < a.per_group && waits; i += 32)
-          while (load_acquire(above_flags + i) < need) {
-            if (global_ns() - start > kBwdWaitNs) {
-              atomicExch(timed_out, 1u);
-              waits = false;
-              break;
-            }
+      if (needs_dy && lane == 0 && waits) {
+        const unsigned need = static_cast<unsigned>(steps - t + 1);  // above's step t-1 done
+        while (load_acquire(above_flag) < need) {
+          if (global_ns() - start > kBwdWaitNs) {
+            atomicExch(timed_out, 1u);
+            waits = false;
+            break;
           }
+        }
       }
       __syncwarp();
     }
     __syncthreads();
 
-    // Active k-tiles [tile_lo, tile_hi) and 16-byte pieces [q_lo, q_hi) of a row.
-    const int tile_lo = own_on ? 0 : own_tiles;
-    const int tile_hi = above_on ? 2 * own_tiles : own_tiles;
-    const int jt_lo = max(0, tile_lo - warp * kt), jt_hi = min(kt, tile_hi - warp * kt);
-    const int q_lo = tile_lo * 2;
-    const int width = product ? (tile_hi - tile_lo) * 2 : 1;  // 2 pieces a k-tile (no 0 divisor)
-    const int st_n0 = tid / width, st_q0 = tid % width;
-    const int st_dn = kThreads / width, st_dq = kThreads % width;
-
     for (int c = 0; c < nchunks; ++c) {
       const int n0 = c * kBwdChunk, nc = min(kBwdChunk, rows - n0);
       if (product) {
-        // --- stage the chunk's rows: da_l[t+1] into columns [0, G4) and
-        // da_{l+1}[t] into [G4, 2 G4) of ds, where active --------------
-        const T* src_own =
-            own_on ? dg_own + static_cast<size_t>(t + 1) * gseq + static_cast<size_t>(row0 + n0) * G4
-                   : nullptr;
-        const T* src_above =
-            above_on ? dg_above + static_cast<size_t>(t) * gseq + static_cast<size_t>(row0 + n0) * G4
-                     : nullptr;
+        // --- stage da_l[t+1] of the chunk's rows, all 4H columns ---------
+        const T* src0 = dgates + static_cast<size_t>(t + 1) * gseq + static_cast<size_t>(row0 + n0) * G4;
         int n = st_n0, q = st_q0;
         while (n < nc) {
-          const int k = (q_lo + q) * 8;
-          const T* src = k < G4 ? src_own + static_cast<size_t>(n) * G4 + k
-                                : src_above + static_cast<size_t>(n) * G4 + (k - G4);
-          cp_async16(ds + n * KS + k, src);
+          cp_async16(ds + n * KS + q * 8, src0 + static_cast<size_t>(n) * G4 + q * 8);
           q += st_dq;
           n += st_dn;
-          if (q >= width) {
-            q -= width;
+          if (q >= per_row) {
+            q -= per_row;
             ++n;
           }
         }
         cp_async_commit();
         cp_async_wait_all();
         __syncthreads();
-        // --- this warp's partial dh^T: 16 units x nc rows over its active K
-        float acc[2][4];
+        // --- this warp's partials: dh^T (acc0) and, dual, the layer below's
+        // dy^T (acc1), 16 units x nc rows over its K range ---------------
+        float acc0[2][4], acc1[2][4];
 #pragma unroll
         for (int nt = 0; nt < 2; ++nt)
 #pragma unroll
-          for (int e = 0; e < 4; ++e) acc[nt][e] = 0.0f;
+          for (int e = 0; e < 4; ++e) acc0[nt][e] = acc1[nt][e] = 0.0f;
         const bool two = nc > 8;
+        const int qq = lane >> 3;
+        const int nn = (qq >> 1) * 8 + (lane & 7), kq = (qq & 1) * 8;
 #pragma unroll
-        for (int jt = 0; jt < kBwdMaxKt; ++jt) {
-          if (jt >= jt_lo && jt < jt_hi) {
-            const int kcol = (warp * kt + jt) * 16;
-            const int qq = lane >> 3;
-            const int nn = (qq >> 1) * 8 + (lane & 7), kk = kcol + (qq & 1) * 8;
+        for (int jt = 0; jt < kHalf; ++jt) {
+          if (jt < kt) {
+            const int kk = (warp * kt + jt) * 16 + kq;
             uint32_t b00, b01, b10, b11;
             ldmatrix_x4(b00, b01, b10, b11, ds + nn * KS + kk);
-            E::mma(acc[0], wa[jt], b00, b01);
-            if (two) E::mma(acc[1], wa[jt], b10, b11);
+            E::mma(acc0[0], wa[jt], b00, b01);
+            if (two) E::mma(acc0[1], wa[jt], b10, b11);
+            if (dual) {
+              E::mma(acc1[0], wa[kHalf + jt], b00, b01);
+              if (two) E::mma(acc1[1], wa[kHalf + jt], b10, b11);
+            }
+          }
+          if (!dual && kHalf + jt < kt) {  // a 1-layer stack's H > 512: tiles 16..31
+            const int kk = (warp * kt + kHalf + jt) * 16 + kq;
+            uint32_t b00, b01, b10, b11;
+            ldmatrix_x4(b00, b01, b10, b11, ds + nn * KS + kk);
+            E::mma(acc0[0], wa[kHalf + jt], b00, b01);
+            if (two) E::mma(acc0[1], wa[kHalf + jt], b10, b11);
           }
         }
-        // C fragment (unit row, batch col) -> part[warp][col][row]
-        float* pw = part + warp * kBwdChunk * kBwdPartStride;
+        // C fragments (unit row, batch col) -> part[warp][col][row]: rows
+        // 0-15 dh, 16-31 the layer below's dy.
+        float* pw = part + warp * kBwdChunk * kBwdStackPartStride;
 #pragma unroll
         for (int nt = 0; nt < 2; ++nt) {
           const int row = lane >> 2, col = nt * 8 + (lane & 3) * 2;
-          pw[col * kBwdPartStride + row] = acc[nt][0];
-          pw[(col + 1) * kBwdPartStride + row] = acc[nt][1];
-          pw[col * kBwdPartStride + row + 8] = acc[nt][2];
-          pw[(col + 1) * kBwdPartStride + row + 8] = acc[nt][3];
+          pw[col * kBwdStackPartStride + row] = acc0[nt][0];
+          pw[(col + 1) * kBwdStackPartStride + row] = acc0[nt][1];
+          pw[col * kBwdStackPartStride + row + 8] = acc0[nt][2];
+          pw[(col + 1) * kBwdStackPartStride + row + 8] = acc0[nt][3];
+          if (dual) {
+            pw[col * kBwdStackPartStride + 16 + row] = acc1[nt][0];
+            pw[(col + 1) * kBwdStackPartStride + 16 + row] = acc1[nt][1];
+            pw[col * kBwdStackPartStride + 16 + row + 8] = acc1[nt][2];
+            pw[(col + 1) * kBwdStackPartStride + 16 + row + 8] = acc1[nt][3];
+          }
         }
         __syncthreads();
       }
@@ -839,12 +846,18 @@ __device__ __forceinline__ void backward_stack_body(const BwdStackArgs& a) {
       const int n = tid / kBwdUnits, u = tid % kBwdUnits;
       const int nl = n0 + n, nb = row0 + nl, ug = u0 + u;
       if (n < nc && ug < H) {
-        float rec = 0.0f;  // W_hh^T da_{t+1} (+ W_ih_{l+1}^T da_{l+1}[t]) at [nb][ug]
-        if (product) {
-#pragma unroll
-          for (int w = 0; w < kWarps; ++w) rec += part[(w * kBwdChunk + n) * kBwdPartStride + u];
-        }
         const size_t o = static_cast<size_t>(nb) * H + ug;
+        float rec = 0.0f;  // (W_hh^T da_{t+1})[nb][ug]
+        if (product) {
+          float below = 0.0f;  // (W_ih_l^T da_{t+1})[nb][ug]: the layer below's dy at t+1
+#pragma unroll
+          for (int w = 0; w < kWarps; ++w) {
+            const float* pr = part + (w * kBwdChunk + n) * kBwdStackPartStride;
+            rec += pr[u];
+            below += pr[16 + u];
+          }
+          if (dual) dy_out[static_cast<size_t>(t + 1) * seq + o] = below;
+        }
         if (t < 0) {
           dh0[o] = rec;
         } else {
@@ -853,7 +866,8 @@ __device__ __forceinline__ void backward_stack_body(const BwdStackArgs& a) {
           float carry = 0.0f;
           if (t < len) {
             const size_t ot = static_cast<size_t>(t) * seq + o;
-            float dh = top ? rec + E::to_float(dy[ot]) : rec;
+            // ld.global.cg: the hand-off is read from L2, never from L1.
+            float dh = rec + (top ? E::to_float(dy[ot]) : __ldcg(dy_in + ot));
             float dc = dcs[nl * kBwdUnits + u];
             if (t == len - 1) {
               dh += E::to_float(dhy[o]);
@@ -881,7 +895,7 @@ __device__ __forceinline__ void backward_stack_body(const BwdStackArgs& a) {
       __syncthreads();  // ds and part are the next chunk's
     }
 
-    if (t >= 0 && tid == 0) publish(my_flags + j, static_cast<unsigned>(steps - t));
+    if (tid == 0) publish(own_flags + j, static_cast<unsigned>(steps - t));
   }
 }
 

@@ -514,10 +514,13 @@ __attribute__((visibility("default"))) int rnnfuse_wf_backward_stack_plan(
 }
 
 // Workspace bytes of one stack backward call: its flags (kFlagStride a
-// layer); the word after them is set when a wait timed out (a bug: the
-// results are then wrong).
-__attribute__((visibility("default"))) size_t rnnfuse_wf_backward_stack_workspace_bytes() {
-  return BwdStackFlagBytes();
+// layer; the word after them is set when a wait timed out, a bug: the
+// results are then wrong), then the float32 dy hand-off of the layers below
+// the top, [L-1][T][B][H].
+__attribute__((visibility("default"))) size_t rnnfuse_wf_backward_stack_workspace_bytes(
+    int num_layers, int units, int batch, int steps) {
+  return BwdStackFlagBytes() + static_cast<size_t>(num_layers > 1 ? num_layers - 1 : 0) * steps *
+                                   batch * units * sizeof(float);
 }
 
 // Every layer's backward recurrence of an LSTM stack in one launch, as a
@@ -528,7 +531,8 @@ __attribute__((visibility("default"))) size_t rnnfuse_wf_backward_stack_workspac
 // [L][T][B][4H] and c [L][T][B][H] (float32), c0 [L][B][H], the gradient
 // of the top layer's output sequence dy [T][B][H] and of the final states
 // dhy, dcy [L][B][H] (element type). `lengths` may be null. dtype: 0
-// float16, 1 bfloat16. `workspace`: rnnfuse_wf_backward_stack_workspace_bytes.
+// float16, 1 bfloat16. `workspace`: rnnfuse_wf_backward_stack_workspace_bytes
+// of the same shape.
 __attribute__((visibility("default"))) int rnnfuse_wf_backward_stack(
     void* stream, int dtype, int num_layers, int units, int batch, int steps, int input_size,
     const void* params, const float* gates, const float* cseq, const void* c0, const void* dy,
@@ -556,6 +560,7 @@ __attribute__((visibility("default"))) int rnnfuse_wf_backward_stack(
   args.dh0 = dh0;
   args.dc0 = dc0;
   args.flags = static_cast<unsigned*>(workspace);
+  args.dyl = reinterpret_cast<float*>(static_cast<unsigned char*>(workspace) + BwdStackFlagBytes());
   Kernels* k = nullptr;
   if (GetKernels(d, sc.ctx, &k) != 0) return -1;
   if (ConfigureSmem(d, k->bwds_f16, k->bwds_bf16, args.smem_total, &k->configured_bwds_smem) !=

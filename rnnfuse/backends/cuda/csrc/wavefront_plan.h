@@ -196,14 +196,16 @@ inline bool PlanBackward(int H, int B, int T, int sms, int smem_limit, BwdArgs* 
 // The stack backward's plan (wavefront.cuh, "The stack backward"): every
 // layer's ceil(H / 16) CTAs a group of batch rows, as many groups as the
 // SMs hold (the fewest rows a group, a multiple of 8), every CTA resident
-// at once; a CTA's registers hold K = 8H gate columns of weights below the
-// top (W_hh and the layer above's W_ih), 4H at the top. Shared memory: one
-// chunk of staged da rows [kBwdChunk][kpad + kHsPad], the warps' partials,
-// the carried dc and the lengths. `input_size` places the matrices in the
-// canonical buffer. Returns true, or false with the reason.
+// at once; a CTA's registers hold its 16 units' columns of W_hh and, above
+// layer 0, of W_ih (two m16 tiles against 4H gate columns: H <= 512 in a
+// stack of 2 or more layers; a 1-layer stack holds W_hh alone, H <= 1024).
+// Shared memory: one chunk of staged da rows [kBwdChunk][kpad + kHsPad],
+// the warps' partials, the carried dc and the lengths. `input_size` places
+// the matrices in the canonical buffer. Returns true, or false with the
+// reason.
 inline bool PlanBackwardStack(int L, int H, int B, int T, int input_size, int sms,
                               int smem_limit, BwdStackArgs* args, char* why, int why_len) {
-  const int kmax = kWarps * 16 * kBwdMaxKt;  // gate columns a CTA's registers hold: 4096
+  const int kmax = kWarps * 16 * kBwdMaxKt;  // gate columns one tile row of a CTA holds: 4096
   if (L < 1 || L > kMaxLayers) {
     snprintf(why, why_len, "the reverse-wavefront backward runs 1 to %d layers, not %d",
              kMaxLayers, L);
@@ -215,12 +217,12 @@ inline bool PlanBackwardStack(int L, int H, int B, int T, int input_size, int sm
              kmax / 4, H);
     return false;
   }
-  if (L > 1 && 8 * H > kmax) {
+  if (L > 1 && 4 * H > kmax / 2) {
     snprintf(why, why_len,
-             "the reverse-wavefront backward holds W_hh and the layer above's W_ih (%d gate "
-             "columns) of a layer below the top in registers, at most %d: %d units need %d "
-             "(at most %d units in a stack of 2 or more layers)",
-             8 * H, kmax, H, 8 * H, kmax / 8);
+             "the reverse-wavefront backward holds W_hh and W_ih (2 x %d gate columns) of a "
+             "layer above the first in registers, at most 2 x %d: at most %d units in a stack "
+             "of 2 or more layers, not %d",
+             4 * H, kmax / 2, kmax / 8, H);
     return false;
   }
   if (B < 1 || T < 1 || input_size < 1) {
@@ -249,13 +251,8 @@ inline bool PlanBackwardStack(int L, int H, int B, int T, int input_size, int sm
   a.groups = groups;
   a.rows = rows;
   a.ctas_per_layer = groups * per_group;
-  int kpad_max = 0;
-  for (int l = 0; l < kMaxLayers; ++l) {
-    const int K = l < L - 1 ? 8 * H : 4 * H;
-    a.kt[l] = l < L ? (K + kWarps * 16 - 1) / (kWarps * 16) : 0;
-    a.kpad[l] = kWarps * 16 * a.kt[l];
-    if (a.kpad[l] > kpad_max) kpad_max = a.kpad[l];
-  }
+  a.kt = (4 * H + kWarps * 16 - 1) / (kWarps * 16);
+  a.kpad = kWarps * 16 * a.kt;
   Args offsets;
   PlanOffsets(0, L, H, input_size, &offsets);
   for (int l = 0; l < kMaxLayers; ++l) {
@@ -264,9 +261,9 @@ inline bool PlanBackwardStack(int L, int H, int B, int T, int input_size, int sm
   }
   int off = 0;
   a.smem_ds = off;  // [kBwdChunk][kpad + kHsPad] of the element type
-  off += RoundUp16(kBwdChunk * (kpad_max + kHsPad) * 2);
-  a.smem_part = off;  // [kWarps][kBwdChunk][kBwdPartStride] float
-  off += RoundUp16(kWarps * kBwdChunk * kBwdPartStride * 4);
+  off += RoundUp16(kBwdChunk * (a.kpad + kHsPad) * 2);
+  a.smem_part = off;  // [kWarps][kBwdChunk][kBwdStackPartStride] float
+  off += RoundUp16(kWarps * kBwdChunk * kBwdStackPartStride * 4);
   a.smem_dc = off;  // [rows][kBwdUnits] float
   off += RoundUp16(rows * kBwdUnits * 4);
   a.smem_len = off;  // [rows] int
