@@ -117,12 +117,13 @@ def test_refused_backward_shapes_say_why(built, shape, message):
 def test_the_stack_backward_holds_the_headline_stack_on_an_h200(built):
     """The reverse wavefront: 32 CTAs of 16 units a 512-unit layer, 4 layers
     on 128 SMs, one group of all 64 batch rows; a CTA stages 16 rows x 4H
-    gate columns of its own layer's da_{t+1} at a time, and its 8 warps'
-    partials of two m16 tiles (dh, the layer below's dy)."""
+    gate columns of its own layer's da_{t+1} at a time (two buffers: the
+    next chunk lands while this one multiplies), and its 8 warps' partials
+    of two m16 tiles (dh, the layer below's dy)."""
     lib = library.load(built[0])
     plan = lib.backward_stack_plan(4, 512, 64, 1000, **H200)
-    assert plan == dict(ctas=128, smem=16 * (2048 + 8) * 2 + 8 * 16 * 36 * 4 + 64 * 16 * 4 + 64 * 4,
-                        rows=64)
+    assert plan == dict(
+        ctas=128, smem=2 * 16 * (2048 + 8) * 2 + 8 * 16 * 36 * 4 + 64 * 16 * 4 + 64 * 4, rows=64)
     assert plan["smem"] <= H200["smem"]
     # Fewer layers: more groups of fewer rows; the top alone holds 4H columns.
     assert lib.backward_stack_plan(2, 512, 64, 10, **H200)["rows"] == 32

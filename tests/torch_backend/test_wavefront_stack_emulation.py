@@ -33,7 +33,7 @@ K_WARPS, K_THREADS, K_UNITS, K_CHUNK, K_MAX_KT, K_HS_PAD = 8, 256, 16, 16, 32, 8
 K_MAX_LAYERS, K_FLAG_STRIDE = 8, 256
 
 
-def plan(L, H, B, sms=132):
+def plan(L, H, B, sms=132, smem=232448):
     """PlanBackwardStack (wavefront_plan.h), the numbers the kernel reads."""
     per_group = (H + K_UNITS - 1) // K_UNITS
     assert L * per_group <= sms and (4 * H <= 2048 or L == 1)
@@ -42,8 +42,12 @@ def plan(L, H, B, sms=132):
     rows = (want + 7) // 8 * 8
     groups = (B + rows - 1) // rows
     kt = (4 * H + 127) // 128
+    r16 = lambda n: (n + 15) // 16 * 16  # noqa: E731
+    rest = r16(K_WARPS * K_CHUNK * 36 * 4) + r16(rows * K_UNITS * 4) + r16(rows * 4)
+    ds_bufs = 2 if rows > K_CHUNK and 2 * r16(K_CHUNK * (128 * kt + 8) * 2) + rest <= smem else 1
     return dict(per_group=per_group, groups=groups, rows=rows, ctas_per_layer=groups * per_group,
-                kt=kt, kpad=128 * kt)
+                kt=kt, kpad=128 * kt, ds_bufs=ds_bufs,
+                smem=ds_bufs * r16(K_CHUNK * (128 * kt + 8) * 2) + rest)
 
 
 def offsets(L, H, input_size):
@@ -96,7 +100,7 @@ class Cta:
                         col = (lane & 3) * 2 + (8 if q & 2 else 0)
                         self.tiles[i, warp, r, col] = lo
                         self.tiles[i, warp, r, col + 1] = hi
-        self.ds = np.zeros((K_CHUNK, self.KS))
+        self.ds = np.zeros((a["ds_bufs"], K_CHUNK, self.KS))
         self.dcs = np.zeros((self.rows, K_UNITS))
         lens = a["lengths"]
         self.lens = [min(int(lens[self.row0 + n]) if lens is not None else a["T"], a["T"])
@@ -128,34 +132,46 @@ class Cta:
         dyl = g["dyl"]    # [L-1][T][B][H], NaN until written
         per_row = G4 // 8
         nchunks = (self.rows + K_CHUNK - 1) // K_CHUNK
+        def stage(c, b):
+            """The walker, thread by thread (each thread's items)."""
+            n0 = c * K_CHUNK
+            nc = min(K_CHUNK, self.rows - n0)
+            for tid in range(K_THREADS):
+                st_n0, st_q0 = divmod(tid, per_row)
+                st_dn, st_dq = divmod(K_THREADS, per_row)
+                n, q = st_n0, st_q0
+                while n < nc:
+                    self.ds[b, n, q * 8:q * 8 + 8] = dg[l, t + 1, self.row0 + n0 + n,
+                                                        q * 8:q * 8 + 8]
+                    q += st_dq
+                    n += st_dn
+                    if q >= per_row:
+                        q -= per_row
+                        n += 1
+
+        bufs = a["ds_bufs"]
+        if product:
+            stage(0, 0)
         for c in range(nchunks):
             n0 = c * K_CHUNK
             nc = min(K_CHUNK, self.rows - n0)
             part = np.zeros((K_WARPS, K_CHUNK, 32))
+            b = c & 1 if bufs > 1 else 0
             if product:
-                # The walker, thread by thread (each thread's items).
-                for tid in range(K_THREADS):
-                    st_n0, st_q0 = divmod(tid, per_row)
-                    st_dn, st_dq = divmod(K_THREADS, per_row)
-                    n, q = st_n0, st_q0
-                    while n < nc:
-                        self.ds[n, q * 8:q * 8 + 8] = dg[l, t + 1, self.row0 + n0 + n,
-                                                         q * 8:q * 8 + 8]
-                        q += st_dq
-                        n += st_dn
-                        if q >= per_row:
-                            q -= per_row
-                            n += 1
+                if bufs > 1 and c + 1 < nchunks:
+                    stage(c + 1, (c + 1) & 1)  # lands while chunk c multiplies
+                elif bufs == 1 and c > 0:
+                    stage(c, 0)
                 two = nc > 8
                 for warp in range(K_WARPS):
                     acc0 = np.zeros((K_UNITS, K_CHUNK))
                     acc1 = np.zeros((K_UNITS, K_CHUNK))
 
                     def mma(acc, i, kk):
-                        b = self.ds[:, kk:kk + 16]  # ldmatrix x4: batch rows 0-15
-                        acc[:, :8] += self.tiles[i, warp] @ b[:8].T
+                        bt = self.ds[b, :, kk:kk + 16]  # ldmatrix x4: batch rows 0-15
+                        acc[:, :8] += self.tiles[i, warp] @ bt[:8].T
                         if two:
-                            acc[:, 8:] += self.tiles[i, warp] @ b[8:].T
+                            acc[:, 8:] += self.tiles[i, warp] @ bt[8:].T
 
                     for jt in range(K_HALF):
                         if jt < self.kt:
@@ -215,9 +231,10 @@ class Cta:
         self.t -= 1
 
 
-def emulate(params, input_size, gates, cseq, c0, dy, dhy, dcy, lengths, *, seed=0):
+def emulate(params, input_size, gates, cseq, c0, dy, dhy, dcy, lengths, *, seed=0, sms=132,
+            smem=232448):
     L, T, B, H = cseq.shape
-    p = plan(L, H, B)
+    p = plan(L, H, B, sms, smem)
     a = dict(L=L, H=H, B=B, T=T, input_size=input_size, params=params.numpy(),
              lengths=None if lengths is None else lengths.numpy(), **p)
     g = dict(dgates=np.full((L, T, B, 4 * H), np.nan), dh0=np.full((L, B, H), np.nan),
@@ -241,15 +258,21 @@ def emulate(params, input_size, gates, cseq, c0, dy, dhy, dcy, lengths, *, seed=
 
 
 @pytest.mark.parametrize("shape", [
-    # layers, units, batch, steps, inputs, lengths
-    (1, 8, 3, 4, 5, False),
-    (2, 24, 5, 4, 3, True),     # units not a multiple of 16: a partial CTA
-    (3, 16, 20, 3, 4, True),    # batch 20: two chunks of the group
-    (2, 40, 3, 1, 2, False),    # one step: only the above hand-off, then dh0
-    (4, 8, 2, 3, 8, True),
+    # layers, units, batch, steps, inputs, lengths, SMs (the plan's groups)
+    (1, 8, 3, 4, 5, False, 132),
+    (2, 24, 5, 4, 3, True, 132),     # units not a multiple of 16: a partial CTA
+    (3, 16, 20, 3, 4, True, 3),      # one group of 20 rows: two chunks, 16 + 4 rows
+    (3, 16, 20, 3, 4, True, 6),      # two groups of 16 and 4 rows
+    (2, 40, 3, 1, 2, False, 132),    # one step: only the hand-offs, then dh0
+    (4, 8, 2, 3, 8, True, 132),
+    (2, 8, 40, 3, 3, True, 2),       # 3 chunks a group: both staging buffers in turn
+    (2, 24, 33, 2, 3, False, 4),     # 3 chunks, the last of 1 row, a partial CTA
+    (2, 24, 33, 3, 3, True, 4, 27000),  # 3 chunks through ONE staging buffer (shared memory)
 ])
 def test_the_kernel_emulation_matches_the_stack_recurrence(shape):
-    layers, units, batch, steps, inputs, with_lengths = shape
+    layers, units, batch, steps, inputs, with_lengths, sms, *smem = shape
+    if smem:
+        assert plan(layers, units, batch, sms, *smem)["ds_bufs"] == 1
     gen = torch.Generator().manual_seed(sum(shape))
     mod = torch.nn.LSTM(inputs, units, layers).double()
     params = wavefront.flat_params([w.detach() for w in mod._flat_weights])
@@ -265,7 +288,8 @@ def test_the_kernel_emulation_matches_the_stack_recurrence(shape):
     lens = lengths.to(torch.int32) if lengths is not None else None
     want = wavefront.stack_recurrence_reference(params, inputs, gates, cseq, c0, dy, dhy, dcy, lens)
     for seed in range(2):
-        got = emulate(params, inputs, gates, cseq, c0, dy, dhy, dcy, lens, seed=seed)
+        got = emulate(params, inputs, gates, cseq, c0, dy, dhy, dcy, lens, seed=seed, sms=sms,
+                      smem=smem[0] if smem else 232448)
         for a, b in zip(got, want):
             torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
 
@@ -277,7 +301,13 @@ def test_the_emulated_plan_is_the_librarys():
         lib = library.load()
     except Exception as exc:  # noqa: BLE001 - no nvcc here: test_wavefront_build says so
         pytest.skip(f"the library does not build here: {exc}")
-    for L, H, B in [(4, 512, 64), (2, 512, 64), (1, 1024, 256), (3, 24, 5), (8, 256, 64),
-                    (1, 8, 1)]:
-        p, got = plan(L, H, B), lib.backward_stack_plan(L, H, B, 10, **library.H200)
+    for L, H, B, sms in [(4, 512, 64, 132), (2, 512, 64, 132), (1, 1024, 256, 132),
+                         (3, 24, 5, 132), (8, 256, 64, 132), (1, 8, 1, 132), (2, 8, 40, 2),
+                         (4, 512, 256, 132), (1, 1024, 64, 132), (3, 16, 20, 6),
+                         (2, 24, 33, 4)]:
+        p = plan(L, H, B, sms)
+        got = lib.backward_stack_plan(L, H, B, 10, sms=sms, smem=library.H200["smem"])
         assert got["rows"] == p["rows"] and got["ctas"] == L * p["ctas_per_layer"]
+        assert got["smem"] == p["smem"]
+    one = lib.backward_stack_plan(2, 24, 33, 10, sms=4, smem=27000)
+    assert one["smem"] == plan(2, 24, 33, 4, 27000)["smem"] <= 27000

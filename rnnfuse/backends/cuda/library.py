@@ -190,7 +190,7 @@ class WavefrontLibrary:
         needed.
 
         >>> load().backward_stack_plan(4, 512, 64, 1000, **H200)  # doctest: +SKIP
-        {'ctas': 128, 'smem': 88576, 'rows': 64}
+        {'ctas': 128, 'smem': 154368, 'rows': 64}
         """
         ctas, nbytes, rows = ctypes.c_int(), ctypes.c_int(), ctypes.c_int()
         ok = self._lib.rnnfuse_wf_backward_stack_plan(num_layers, units, batch, steps, sms, smem,

@@ -678,7 +678,7 @@ __device__ __forceinline__ void backward_stack_body(const BwdStackArgs& a) {
   const int kt = a.kt, KS = a.kpad + kHsPad;
   constexpr int kHalf = kBwdMaxKt / 2;
 
-  T* ds = reinterpret_cast<T*>(smem + a.smem_ds);              // [kBwdChunk][KS]
+  T* ds = reinterpret_cast<T*>(smem + a.smem_ds);              // [ds_bufs][kBwdChunk][KS]
   float* part = reinterpret_cast<float*>(smem + a.smem_part);  // [kWarps][kBwdChunk][kBwdStackPartStride]
   float* dcs = reinterpret_cast<float*>(smem + a.smem_dc);     // [rows][kBwdUnits]
   int* lens = reinterpret_cast<int*>(smem + a.smem_len);       // [rows]
@@ -710,7 +710,7 @@ __device__ __forceinline__ void backward_stack_body(const BwdStackArgs& a) {
     }
   }
 
-  for (int idx = tid; idx < kBwdChunk * KS; idx += kThreads) ds[idx] = T(0.0f);
+  for (int idx = tid; idx < a.ds_bufs * kBwdChunk * KS; idx += kThreads) ds[idx] = T(0.0f);
   for (int idx = tid; idx < rows * kBwdUnits; idx += kThreads) dcs[idx] = 0.0f;
   for (int n = tid; n < rows; n += kThreads) {
     const int len = a.lengths ? a.lengths[row0 + n] : steps;
@@ -773,23 +773,40 @@ __device__ __forceinline__ void backward_stack_body(const BwdStackArgs& a) {
     }
     __syncthreads();
 
+    // --- stage da_l[t+1] of chunk c's rows, all 4H columns, into buffer b
+    auto stage = [&](int c, int b) {
+      const int n0 = c * kBwdChunk, nc = min(kBwdChunk, rows - n0);
+      T* dst = ds + b * kBwdChunk * KS;
+      const T* src0 = dgates + static_cast<size_t>(t + 1) * gseq + static_cast<size_t>(row0 + n0) * G4;
+      int n = st_n0, q = st_q0;
+      while (n < nc) {
+        cp_async16(dst + n * KS + q * 8, src0 + static_cast<size_t>(n) * G4 + q * 8);
+        q += st_dq;
+        n += st_dn;
+        if (q >= per_row) {
+          q -= per_row;
+          ++n;
+        }
+      }
+      cp_async_commit();
+    };
+    if (product) stage(0, 0);
+
     for (int c = 0; c < nchunks; ++c) {
       const int n0 = c * kBwdChunk, nc = min(kBwdChunk, rows - n0);
+      // Two buffers: chunk c+1 lands while chunk c multiplies (its buffer
+      // was last read in chunk c-1, before that chunk's closing barrier).
+      // One buffer: chunk c is staged here, after chunk c-1's barrier.
+      const int b = a.ds_bufs > 1 ? (c & 1) : 0;
+      const T* dsb = ds + b * kBwdChunk * KS;
       if (product) {
-        // --- stage da_l[t+1] of the chunk's rows, all 4H columns ---------
-        const T* src0 = dgates + static_cast<size_t>(t + 1) * gseq + static_cast<size_t>(row0 + n0) * G4;
-        int n = st_n0, q = st_q0;
-        while (n < nc) {
-          cp_async16(ds + n * KS + q * 8, src0 + static_cast<size_t>(n) * G4 + q * 8);
-          q += st_dq;
-          n += st_dn;
-          if (q >= per_row) {
-            q -= per_row;
-            ++n;
-          }
+        if (a.ds_bufs > 1 && c + 1 < nchunks) {
+          stage(c + 1, (c + 1) & 1);
+          cp_async_wait_but_one();  // chunk c's group is in; chunk c+1's may not be
+        } else {
+          if (a.ds_bufs == 1 && c > 0) stage(c, 0);
+          cp_async_wait_all();
         }
-        cp_async_commit();
-        cp_async_wait_all();
         __syncthreads();
         // --- this warp's partials: dh^T (acc0) and, dual, the layer below's
         // dy^T (acc1), 16 units x nc rows over its K range ---------------
@@ -806,7 +823,7 @@ __device__ __forceinline__ void backward_stack_body(const BwdStackArgs& a) {
           if (jt < kt) {
             const int kk = (warp * kt + jt) * 16 + kq;
             uint32_t b00, b01, b10, b11;
-            ldmatrix_x4(b00, b01, b10, b11, ds + nn * KS + kk);
+            ldmatrix_x4(b00, b01, b10, b11, dsb + nn * KS + kk);
             E::mma(acc0[0], wa[jt], b00, b01);
             if (two) E::mma(acc0[1], wa[jt], b10, b11);
             if (dual) {
@@ -817,7 +834,7 @@ __device__ __forceinline__ void backward_stack_body(const BwdStackArgs& a) {
           if (!dual && kHalf + jt < kt) {  // a 1-layer stack's H > 512: tiles 16..31
             const int kk = (warp * kt + kHalf + jt) * 16 + kq;
             uint32_t b00, b01, b10, b11;
-            ldmatrix_x4(b00, b01, b10, b11, ds + nn * KS + kk);
+            ldmatrix_x4(b00, b01, b10, b11, dsb + nn * KS + kk);
             E::mma(acc0[0], wa[kHalf + jt], b00, b01);
             if (two) E::mma(acc0[1], wa[kHalf + jt], b10, b11);
           }

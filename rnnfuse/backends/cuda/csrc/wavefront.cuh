@@ -201,7 +201,9 @@ struct BwdArgs {
 // [w*16*kt, (w+1)*16*kt): kt <= kBwdMaxKt/2 for two tiles (H <= 512 in a
 // stack of 2 or more), kt <= kBwdMaxKt for layer 0 of a 1-layer stack.
 // The rest of a step is backward_body's (pointwise from the saved gates
-// and c, dc carried in shared memory).
+// and c, dc carried in shared memory), in chunks of kBwdChunk rows, chunk
+// c+1's cp.async in flight while chunk c multiplies (two `ds` buffers
+// where they fit in shared memory).
 // CTA order: layer-major, then group, then block (ctas_per_layer = groups *
 // per_group). Flags: flags[l * kFlagStride + s * per_group + j] = T - t
 // after step t (T + 1 after t = -1), published with fence.acq_rel.gpu + a
@@ -220,6 +222,7 @@ struct BwdStackArgs {
   int ctas_per_layer;  // groups * per_group
   int kt;              // k-tiles (of 16 gate columns) a warp holds
   int kpad;            // 4H padded to kWarps * 16 * kt
+  int ds_bufs;         // 2: chunk c+1 is staged while chunk c multiplies; 1 where 2 do not fit
   int smem_ds, smem_part, smem_dc, smem_len, smem_total;
   long long w_ih[kMaxLayers], w_hh[kMaxLayers];  // element offsets into params
   const void* params;  // rnnfuse's canonical flat buffer (element type)

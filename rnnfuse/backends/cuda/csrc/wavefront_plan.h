@@ -199,8 +199,9 @@ inline bool PlanBackward(int H, int B, int T, int sms, int smem_limit, BwdArgs* 
 // at once; a CTA's registers hold its 16 units' columns of W_hh and, above
 // layer 0, of W_ih (two m16 tiles against 4H gate columns: H <= 512 in a
 // stack of 2 or more layers; a 1-layer stack holds W_hh alone, H <= 1024).
-// Shared memory: one chunk of staged da rows [kBwdChunk][kpad + kHsPad],
-// the warps' partials, the carried dc and the lengths. `input_size` places
+// Shared memory: two chunks (one where two do not fit, or one is all the
+// group's rows) of staged da rows [kBwdChunk][kpad + kHsPad], the warps'
+// partials, the carried dc and the lengths. `input_size` places
 // the matrices in the canonical buffer. Returns true, or false with the
 // reason.
 inline bool PlanBackwardStack(int L, int H, int B, int T, int input_size, int sms,
@@ -259,16 +260,22 @@ inline bool PlanBackwardStack(int L, int H, int B, int T, int input_size, int sm
     a.w_ih[l] = l < L ? offsets.layer[l].w_ih : 0;
     a.w_hh[l] = l < L ? offsets.layer[l].w_hh : 0;
   }
+  // Two staging buffers where the group has 2+ chunks and they fit, else one.
   int off = 0;
-  a.smem_ds = off;  // [kBwdChunk][kpad + kHsPad] of the element type
-  off += RoundUp16(kBwdChunk * (a.kpad + kHsPad) * 2);
-  a.smem_part = off;  // [kWarps][kBwdChunk][kBwdStackPartStride] float
-  off += RoundUp16(kWarps * kBwdChunk * kBwdStackPartStride * 4);
-  a.smem_dc = off;  // [rows][kBwdUnits] float
-  off += RoundUp16(rows * kBwdUnits * 4);
-  a.smem_len = off;  // [rows] int
-  off += RoundUp16(rows * 4);
-  a.smem_total = off;
+  for (a.ds_bufs = rows > kBwdChunk ? 2 : 1; a.ds_bufs >= 1; --a.ds_bufs) {
+    off = 0;
+    a.smem_ds = off;  // [ds_bufs][kBwdChunk][kpad + kHsPad] of the element type
+    off += a.ds_bufs * RoundUp16(kBwdChunk * (a.kpad + kHsPad) * 2);
+    a.smem_part = off;  // [kWarps][kBwdChunk][kBwdStackPartStride] float
+    off += RoundUp16(kWarps * kBwdChunk * kBwdStackPartStride * 4);
+    a.smem_dc = off;  // [rows][kBwdUnits] float
+    off += RoundUp16(rows * kBwdUnits * 4);
+    a.smem_len = off;  // [rows] int
+    off += RoundUp16(rows * 4);
+    a.smem_total = off;
+    if (off <= smem_limit) break;
+  }
+  if (a.ds_bufs < 1) a.ds_bufs = 1;
   if (off > smem_limit) {
     snprintf(why, why_len,
              "the reverse-wavefront backward's shared memory does not fit: %d layers of %d "
