@@ -746,9 +746,10 @@ __device__ __forceinline__ void backward_stack_body(const BwdStackArgs& a) {
   for (int t = steps - 1; t >= -1; --t) {
     const bool product = t < steps - 1;       // da_l[t+1] staged and multiplied
     const bool needs_dy = !top && t >= 0;     // dy_l[t]: CTA (l+1, s, j) after its step t-1
-    if (warp == 0 && waits && (product || needs_dy)) {
+    // (waits is per lane, after a timeout: the branch to __syncwarp is warp-uniform)
+    if (warp == 0 && (product || needs_dy)) {
       const unsigned long long start = global_ns();
-      if (product) {
+      if (product && waits) {
         const unsigned need = static_cast<unsigned>(steps - 1 - t);  // own step t+1 done
         for (int i = lane; i < a.per_group && waits; i += 32)
           while (load_acquire(own_flags + i) < need) {
