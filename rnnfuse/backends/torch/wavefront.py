@@ -417,8 +417,9 @@ def backward_stack_kernel(params, input_size, gates, cseq, c0, dy, dhy, dcy, len
     element type; lengths int32 [B] or None. Returns (dgates [L, T, B, 4H]
     in the element type, 0 at t >= length; dh0, dc0 [L, B, H] float32).
     The layers below the top get their dy = dgates^{l+1} W_ih^{l+1} inside
-    the kernel (float32, handed from layer to layer in the workspace). `check`: synchronise and raise
-    `library.WavefrontError` if a wait in the kernel timed out (a bug).
+    the kernel (float32, handed from layer to layer in the workspace).
+    `check`: synchronise and raise `library.WavefrontError` if a wait in
+    the kernel timed out (a bug).
     `stack_recurrence_reference` is the same in torch.
     """
     library = _library()
