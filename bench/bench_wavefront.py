@@ -13,6 +13,9 @@ built into the cache (nvcc + g++).
     python3 bench/bench_wavefront.py trace --out $OUT/trace.json    # the kernel's own timeline
     python3 bench/bench_wavefront.py grad --random 4 --out $OUT/grad.json   # LSTM gradients
     python3 bench/bench_wavefront.py train --out $OUT/train.json    # a training step's time
+    # the reverse-wavefront backward (v2, opt-in): one launch for every layer
+    python3 bench/bench_wavefront.py grad --random 4 --backward stack --out $OUT/grad_stack.json
+    python3 bench/bench_wavefront.py train --cells 2 --backward stack --out $OUT/train_stack.json
 
 `check`: each case draws fresh random weights, inputs, initial states (and
 lengths), poisons the outputs with NaN, runs the kernel and compares y, hy
@@ -32,11 +35,19 @@ the same upstream gradients; a shape outside the kernels' limits must
 raise WavefrontError. `train`: CUDA-event medians of a training step
 (forward + backward, every gradient) on the kernels against cuDNN's
 (torch.nn.LSTM, i.e. torch._VF.lstm, forward + backward), and its parts.
+`--backward stack` (grad, train): the backward is `backward_stack_wavefront`
+(every layer's recurrence in ONE reverse-wavefront launch, then the GEMMs)
+instead of `backward_stack` (one launch a layer, the default "layer"):
+grad checks it the same way (a timed-out wait in the kernel is an error;
+its plan's refusals must raise WavefrontError from the backward pass) and
+adds STACK_GRAD_CASES; train times it beside the layer-by-layer backward
+and reports how far its gradients are from the layer path's.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import math
 import os
@@ -454,18 +465,31 @@ def grad_case(layers, units, batch, steps, inputs, dtype_name, with_lengths, see
         lengths = torch.randint(1, steps + 1, (batch,), generator=gen, device="cuda")
         lengths[0] = steps
     row = dict(layers=layers, units=units, batch=batch, steps=steps, inputs=inputs,
-               dtype=dtype_name, lengths=with_lengths, seed=seed)
-    reason = wavefront.training_reason("lstm", layers, units, batch, steps, inputs, dtype,
-                                       torch.device("cuda"))
+               dtype=dtype_name, lengths=with_lengths, seed=seed, backward=BACKWARD)
     weights = [w.detach().clone().requires_grad_() for w in mod._flat_weights]
     leaves = [t.clone().requires_grad_() for t in (x, h0, c0)]
-    if reason is not None:
-        return refused_row(row, reason, lambda: wavefront.trainable_forward(
-            leaves[0], wavefront.flat_params(weights), leaves[1], leaves[2], lengths))
-    t0 = time.perf_counter()
     lens = lengths.to(torch.int32) if lengths is not None else None
+    if BACKWARD == "stack":
+        reason = (wavefront.unsupported_reason("lstm", layers, units, batch, steps, inputs,
+                                               dtype, torch.device("cuda"))
+                  or library.backward_stack_reason("lstm", layers, units, batch, steps))
+        options = dict(backward="stack",
+                       recurrence=functools.partial(wavefront.backward_stack_kernel, check=True))
+        if reason is not None:  # the refusal comes from the backward pass's plan
+            return refused_row(row, reason, lambda: _grads(
+                list(wavefront.trainable_forward(leaves[0], wavefront.flat_params(weights),
+                                                 leaves[1], leaves[2], lens, **options)),
+                leaves + weights, [dy, dhy, dcy]))
+    else:
+        reason = wavefront.training_reason("lstm", layers, units, batch, steps, inputs, dtype,
+                                           torch.device("cuda"))
+        options = {}
+        if reason is not None:
+            return refused_row(row, reason, lambda: wavefront.trainable_forward(
+                leaves[0], wavefront.flat_params(weights), leaves[1], leaves[2], lengths))
+    t0 = time.perf_counter()
     out = wavefront.trainable_forward(leaves[0], wavefront.flat_params(weights), leaves[1],
-                                      leaves[2], lens)
+                                      leaves[2], lens, **options)
     got = _grads(list(out), leaves + weights, [dy, dhy, dcy])
     torch.cuda.synchronize()
     # float64: the same rounded weights, inputs and upstream gradients.
@@ -512,6 +536,18 @@ GRAD_CASES = [
 ]
 
 
+# Added with --backward stack: a deep stack (8 layers: 7 hand-offs down),
+# tiny shapes, and one the forward runs but the stack backward refuses
+# (7 x 320: 140 CTAs of 16 units; the forward's plan holds it on 130).
+STACK_GRAD_CASES = [
+    (8, 256, 16, 30, 256, "bfloat16", True),
+    (8, 256, 64, 200, 256, "float16", False),
+    (2, 8, 3, 5, 3, "float16", True),
+    (3, 24, 9, 1, 7, "float16", False),
+    (7, 320, 8, 10, 64, "float16", False),       # refused by the stack backward's plan
+]
+
+
 def random_grad_cases(n: int, seed: int):
     """Random LSTM shapes that fit the forward (the backward's limits are wider)."""
     rng = random.Random(seed)
@@ -525,8 +561,15 @@ def random_grad_cases(n: int, seed: int):
     return cases
 
 
+BACKWARD = "layer"  # grad and train: --backward
+
+
 def cmd_grad(args):
+    global BACKWARD
+    BACKWARD = args.backward
     cases = GRAD_CASES[: args.fixed] + random_grad_cases(args.random, args.seed)
+    if BACKWARD == "stack":
+        cases += STACK_GRAD_CASES
     return run_cases("grad", cases, grad_case, args.seed,
                      ("status", "failing", "worst", "cudnn_worst", "ratio_to_cudnn", "reason",
                       "seconds"), args.out)
@@ -574,10 +617,48 @@ def train_cell(layers, units, batch, steps, dtype_name, reps):
     with torch.no_grad():
         row["cudnn_forward_inference_ms"] = time_ms(lambda: mod(x, (h0, c0)), reps)
     row["speedup_vs_cudnn"] = row["cudnn_train_step_ms"] / row["ours_train_step_ms"]
+    if BACKWARD == "stack":
+        row.update(train_stack(layers, units, leaves, x, params, h0, c0, dy, ours, reps))
+        row["speedup_vs_cudnn_stack"] = (row["cudnn_train_step_ms"]
+                                         / row["ours_train_step_stack_ms"])
     return row
 
 
+def train_stack(layers, units, leaves, x, params, h0, c0, dy, ours, reps):
+    """The reverse-wavefront backward beside the layer-by-layer one: its
+    gradients against the layer path's (max over tensors of ||a - b|| /
+    ||b||; a timed-out wait is an error), the backward, the kernel alone and
+    the training step, in ms."""
+    out = {}
+    zeros = torch.zeros_like(h0)
+    with torch.no_grad():
+        y, hy, cy, saved = wavefront.forward_training(x, params, h0, c0, None)
+        checked = functools.partial(wavefront.backward_stack_kernel, check=True)
+        got = wavefront.backward_stack_wavefront(params, x, h0, c0, None, y, saved, dy, None,
+                                                 None, recurrence=checked)
+        want = wavefront.backward_stack(params, x, h0, c0, None, y, saved, dy, None, None)
+        out["stack_vs_layer_rel"] = {n: rel(a, b) for n, a, b in
+                                     zip(("dx", "dparams", "dh0", "dc0"), got, want)}
+        out["ours_backward_stack_ms"] = time_ms(
+            lambda: wavefront.backward_stack_wavefront(params, x, h0, c0, None, y, saved, dy,
+                                                       None, None), reps)
+        out["ours_recurrence_stack_ms"] = time_ms(
+            lambda: wavefront.backward_stack_kernel(params, x.shape[-1], saved[1], saved[2], c0,
+                                                    dy, zeros, zeros, None), reps)
+
+    def ours_stack():
+        y, _, _ = wavefront.trainable_forward(*leaves, backward="stack")
+        return torch.autograd.grad([y], leaves, [dy])
+
+    a, b = ours_stack(), ours()
+    out["train_step_stack_vs_layer_rel"] = max(rel(p, q) for p, q in zip(a, b))
+    out["ours_train_step_stack_ms"] = time_ms(ours_stack, reps)
+    return out
+
+
 def cmd_train(args):
+    global BACKWARD
+    BACKWARD = args.backward
     rows = []
     cells = [(4, 512, 64, 1000, "float16"), (4, 512, 64, 1000, "bfloat16"),
              (2, 256, 8, 1000, "float16")]
@@ -642,10 +723,14 @@ def main(argv=None):
     g.add_argument("--fixed", type=int, default=len(GRAD_CASES))
     g.add_argument("--random", type=int, default=4)
     g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--backward", choices=("layer", "stack"), default="layer",
+                   help="layer: one backward launch a layer; stack: the reverse wavefront")
     g.add_argument("--out", default="")
     tr = sub.add_parser("train")
     tr.add_argument("--cells", type=int, default=3)
     tr.add_argument("--reps", type=int, default=5)
+    tr.add_argument("--backward", choices=("layer", "stack"), default="layer",
+                    help="stack: also time the reverse-wavefront backward")
     tr.add_argument("--out", default="")
     args = ap.parse_args(argv)
     return {"check": cmd_check, "bench": cmd_bench, "modes": cmd_modes,

@@ -47,6 +47,7 @@ def test_the_library_compiles_here_without_a_cuda_runtime(built):
     data = path.read_bytes()
     assert b"rnnfuse_wf_forward_f16" in data and b"rnnfuse_wf_forward_bf16" in data
     assert b"rnnfuse_wf_backward_f16" in data and b"rnnfuse_wf_backward_bf16" in data
+    assert b"rnnfuse_wf_backward_stack_f16" in data and b"rnnfuse_wf_backward_stack_bf16" in data
 
 
 def test_the_headline_stack_fits_an_h200(built):
@@ -114,6 +115,53 @@ def test_refused_backward_shapes_say_why(built, shape, message):
     assert "needs 32 CTAs for 512 units" in small
 
 
+def test_the_stack_backward_holds_the_headline_stack_on_an_h200(built):
+    """The reverse wavefront: 32 CTAs of 16 units a 512-unit layer, 4 layers
+    on 128 SMs, one group of all 64 batch rows; a CTA stages 16 rows x 4H
+    gate columns of its own layer's da_{t+1} at a time (two buffers: the
+    next chunk lands while this one multiplies), and its 8 warps' partials
+    of two m16 tiles (dh, the layer below's dy)."""
+    lib = library.load(built[0])
+    plan = lib.backward_stack_plan(4, 512, 64, 1000, **H200)
+    assert plan == dict(
+        ctas=128, smem=2 * 16 * (2048 + 8) * 2 + 8 * 16 * 36 * 4 + 64 * 16 * 4 + 64 * 4, rows=64)
+    assert plan["smem"] <= H200["smem"]
+    # Fewer layers: more groups of fewer rows; the top alone holds 4H columns.
+    assert lib.backward_stack_plan(2, 512, 64, 10, **H200)["rows"] == 32
+    assert lib.backward_stack_plan(1, 1024, 64, 10, **H200)["ctas"] == 128
+    assert lib.backward_stack_plan(1, 8, 1, 1, **H200) == dict(ctas=1, smem=23328, rows=8)
+    big = lib.backward_stack_plan(4, 512, 256, 1000, **H200)
+    assert big["ctas"] == 128 and big["smem"] <= H200["smem"] and big["rows"] == 256
+    assert lib.backward_stack_plan(8, 256, 64, 1000, **H200)["ctas"] == 128
+    flags = lib.backward_stack_workspace_bytes(1, 8, 1, 1)
+    assert flags >= 4 * (library.STACK_TIMEOUT_WORD + 1) and flags % 256 == 0
+    # + the float32 dy hand-off of the 3 layers below the top
+    assert lib.backward_stack_workspace_bytes(4, 512, 64, 1000) == flags + 3 * 1000 * 64 * 512 * 4
+
+
+@pytest.mark.parametrize(
+    "shape, message",
+    [
+        ((8, 512, 64), "do not fit on chip for the reverse-wavefront backward: 8 layers of 512 "
+                       "units need 256 CTAs"),
+        ((2, 1024, 64), "at most 512 units in a stack of 2 or more layers"),
+        ((1, 2048, 64), "multiple of 8 up to 1024"),
+        ((2, 100, 8), "multiple of 8 up to 1024"),
+        ((9, 64, 8), "1 to 8 layers"),
+        ((1, 1024, 4096), "shared memory does not fit"),
+        ((2, 64, 0), "batch, steps and inputs >= 1"),
+    ],
+)
+def test_refused_stack_backward_shapes_say_why(built, shape, message):
+    lib = library.load(built[0])
+    layers, units, batch = shape
+    reason = lib.backward_stack_plan(layers, units, batch, 100, **H200)
+    assert isinstance(reason, str) and message in reason, reason
+    small = lib.backward_stack_plan(4, 512, 64, 100, sms=100, smem=H200["smem"])
+    assert "need 128 CTAs of one SM each, and the device has 100 SMs" in small
+    assert isinstance(lib.backward_stack_plan(4, 512, 64, 100, sms=132, smem=80_000), str)
+
+
 def test_a_call_without_a_driver_or_a_bad_argument_is_a_clear_error(built):
     lib = library.load(built[0])
     with pytest.raises(library.WavefrontError, match="float16"):
@@ -123,6 +171,9 @@ def test_a_call_without_a_driver_or_a_bad_argument_is_a_clear_error(built):
         lib.backward(0, "float32", 8, 1, 1, w_hh=0, gates=0, cseq=0, c0=0, dy=0, dhy=0, dcy=0,
                      lengths=None, dgates=0, dh0=0, dc0=0, workspace=0)
     assert lib.backward_workspace_bytes() >= 4 * (H200["sms"] + 1)
+    with pytest.raises(library.WavefrontError, match="float16"):
+        lib.backward_stack(0, "float32", 2, 8, 1, 1, 3, params=0, gates=0, cseq=0, c0=0, dy=0,
+                           dhy=0, dcy=0, lengths=None, dgates=0, dh0=0, dc0=0, workspace=0)
     try:
         limits = lib.device(0)
     except library.WavefrontError as exc:  # CI: no driver here

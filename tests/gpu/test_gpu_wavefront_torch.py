@@ -123,6 +123,30 @@ def test_a_stack_over_the_forwards_limits_is_refused_for_training():
     assert row["status"] == "fallback" and "do not fit" in row["reason"], row
 
 
+# -- the reverse-wavefront backward (v2, opt-in: trainable_forward(backward="stack")) --
+
+
+STACK_FIXED = [c for c in bench_wavefront.GRAD_CASES + bench_wavefront.STACK_GRAD_CASES
+               if c[:2] not in ((8, 512), (7, 320))]
+
+
+@pytest.mark.parametrize("case", STACK_FIXED, ids=lambda c: "-".join(map(str, c)))
+def test_the_stack_backwards_gradients_match_float64_and_cudnn(case, monkeypatch):
+    """grad_case with --backward stack: every gradient through the reverse
+    wavefront (one launch for all layers; a timed-out wait is an error)."""
+    monkeypatch.setattr(bench_wavefront, "BACKWARD", "stack")
+    row = bench_wavefront.grad_case(*case, seed=random.randrange(10_000))
+    assert row["status"] == "ok", row
+
+
+def test_a_stack_over_the_stack_backwards_limits_is_refused_from_the_backward_pass(
+        monkeypatch):
+    """7 x 320 fits the forward (130 CTAs) but not the stack backward (140)."""
+    monkeypatch.setattr(bench_wavefront, "BACKWARD", "stack")
+    row = bench_wavefront.grad_case(7, 320, 8, 10, 64, "float16", False, seed=1)
+    assert row["status"] == "fallback" and "reverse-wavefront" in row["reason"], row
+
+
 def test_run_stack_runs_a_keras_stack_from_its_live_variables():
     """The backend entry point: Keras cells packed as the torch backend packs
     them, a right-padded mask as lengths; against the float64 reference of

@@ -59,6 +59,88 @@ def test_the_gradients_are_autograds_of_the_float64_reference(shape, with_length
         torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
 
 
+STACK_KERNELS = dict(saving=wavefront.reference_forward_saving,
+                     recurrence=wavefront.stack_recurrence_reference, backward="stack")
+
+
+@pytest.mark.parametrize("shape", [(1, 8, 3, 7, 5), (2, 16, 4, 9, 5), (3, 8, 5, 6, 3),
+                                   (4, 8, 2, 4, 6)])
+@pytest.mark.parametrize("with_lengths", [False, True])
+def test_the_stack_backwards_gradients_are_autograds_of_the_float64_reference(shape,
+                                                                             with_lengths):
+    """backward="stack": one (here: torch) recurrence for every layer, then
+    the GEMMs of `backward_stack_wavefront`."""
+    weights, x, h0, c0, lengths = _inputs(*shape, with_lengths)
+    want_out = wavefront.reference_forward("lstm", weights, x, h0, c0, lengths)
+    upstream = [torch.randn_like(t) for t in want_out]
+    leaves = [x, h0, c0, *weights]
+    want = torch.autograd.grad(want_out, leaves, upstream)
+    out = wavefront.trainable_forward(x, wavefront.flat_params(weights), h0, c0, lengths,
+                                      **STACK_KERNELS)
+    got = torch.autograd.grad(out, leaves, upstream)
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
+
+
+def test_the_stack_recurrence_reference_is_the_layer_by_layer_recurrence():
+    """`stack_recurrence_reference` (the stack kernel's contract) gives the
+    dgates, dh0, dc0 of `backward_stack`'s layer-by-layer recurrence (in
+    float64, where keeping dy^l in the accumulation dtype changes nothing)."""
+    weights, x, h0, c0, lengths = _inputs(3, 8, 4, 6, 5, True)
+    params = wavefront.flat_params(weights).detach()
+    x, h0, c0 = x.detach(), h0.detach(), c0.detach()
+    y, _, _, saved = wavefront.reference_forward_saving(x, params, h0, c0, lengths)
+    gen = torch.Generator().manual_seed(3)
+    dy, dhy, dcy = (torch.randn(*t.shape, generator=gen, dtype=torch.float64)
+                    for t in (y, h0, c0))
+    lens = lengths.to(torch.int32)
+    layer_calls = []
+
+    def recording(*args, **kw):
+        out = wavefront.recurrence_reference(*args, **kw)
+        layer_calls.insert(0, out)  # called from the top layer down
+        return out
+
+    wavefront.backward_stack(params, x, h0, c0, lens, y, saved, dy, dhy, dcy,
+                             recurrence=recording)
+    dgates, dh0, dc0 = wavefront.stack_recurrence_reference(params, 5, saved[1], saved[2], c0,
+                                                            dy, dhy, dcy, lens)
+    assert dgates.shape == (3, 6, 4, 32) and dh0.shape == dc0.shape == (3, 4, 8)
+    for l, (dg, dh, dc) in enumerate(layer_calls):
+        torch.testing.assert_close(dgates[l], dg, rtol=1e-12, atol=1e-14)
+        torch.testing.assert_close(dh0[l], dh, rtol=1e-12, atol=1e-14)
+        torch.testing.assert_close(dc0[l], dc, rtol=1e-12, atol=1e-14)
+    # Zero past each length, in every layer.
+    for b, n in enumerate(lens.tolist()):
+        assert torch.all(dgates[:, n:, b] == 0)
+
+
+def test_the_stack_backward_in_float16_matches_the_layer_by_layer_one():
+    """In the element type the stack path keeps dy^l in float32 (the layer
+    path rounds it to float16 between layers): the two agree to float16's
+    precision, and dgates are stored in float16 by both."""
+    weights, x, h0, c0, lengths = _inputs(3, 8, 4, 6, 5, True)
+    half = lambda t: t.detach().to(torch.float16)  # noqa: E731
+    params, x, h0, c0 = (half(t) for t in (wavefront.flat_params(weights), x, h0, c0))
+    y, _, _, saved = wavefront.reference_forward_saving(x, params, h0, c0, lengths)
+    gen = torch.Generator().manual_seed(4)
+    dy, dhy, dcy = (torch.randn(*t.shape, generator=gen).to(torch.float16) for t in (y, h0, c0))
+    lens = lengths.to(torch.int32)
+    got = wavefront.backward_stack_wavefront(params, x, h0, c0, lens, y, saved, dy, dhy, dcy,
+                                             recurrence=wavefront.stack_recurrence_reference)
+    want = wavefront.backward_stack(params, x, h0, c0, lens, y, saved, dy, dhy, dcy,
+                                    recurrence=wavefront.recurrence_reference)
+    for a, b in zip(got, want):
+        assert a.dtype == b.dtype == torch.float16 and a.shape == b.shape
+        torch.testing.assert_close(a.float(), b.float(), rtol=2e-2, atol=2e-2)
+
+
+def test_an_unknown_backward_is_refused():
+    with pytest.raises(ValueError, match="'layer' or 'stack'"):
+        wavefront.trainable_forward(torch.zeros(2, 1, 3), torch.zeros(1), torch.zeros(1, 1, 8),
+                                    torch.zeros(1, 1, 8), backward="both")
+
+
 def test_no_gradient_past_a_length_and_the_final_states_enter_at_its_end():
     weights, x, h0, c0, _ = _inputs(2, 8, 3, 6, 4, False)
     lengths = torch.tensor([6, 2, 4])
@@ -100,6 +182,7 @@ def test_the_recurrence_writes_zero_gate_gradients_past_each_length():
 def test_training_calls_it_cannot_run_say_why():
     cpu = torch.device("cpu")
     assert "GRU trains on cuDNN" in wavefront._library().backward_reason("gru", 64, 8, 10)
+    assert "LSTM stacks only" in wavefront._library().backward_stack_reason("gru", 2, 64, 8, 10)
     reason = wavefront.training_reason("lstm", 2, 64, 8, 10, 64, torch.float16, cpu)
     assert "CUDA devices only" in reason
     with pytest.raises(ValueError, match="c0"):

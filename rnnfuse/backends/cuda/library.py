@@ -30,8 +30,9 @@ import os
 import threading
 from pathlib import Path
 
-__all__ = ["DTYPES", "H200", "KINDS", "WavefrontError", "WavefrontLibrary", "backward_reason",
-           "device_reason", "load", "stack_reason"]
+__all__ = ["DTYPES", "H200", "KINDS", "STACK_TIMEOUT_WORD", "WavefrontError",
+           "WavefrontLibrary", "backward_reason", "backward_stack_reason", "device_reason", "load",
+           "stack_reason"]
 
 KINDS = ("lstm", "gru")
 DTYPES = ("float16", "bfloat16")
@@ -80,6 +81,12 @@ class WavefrontLibrary:
         lib.rnnfuse_wf_backward_workspace_bytes.restype = sz
         lib.rnnfuse_wf_backward.argtypes = [p, i, i, i, i] + [p] * 12
         lib.rnnfuse_wf_backward.restype = i
+        lib.rnnfuse_wf_backward_stack_plan.argtypes = [i, i, i, i, i, i, ip, ip, ip]
+        lib.rnnfuse_wf_backward_stack_plan.restype = i
+        lib.rnnfuse_wf_backward_stack_workspace_bytes.argtypes = [i, i, i, i]
+        lib.rnnfuse_wf_backward_stack_workspace_bytes.restype = sz
+        lib.rnnfuse_wf_backward_stack.argtypes = [p] + [i] * 6 + [p] * 12
+        lib.rnnfuse_wf_backward_stack.restype = i
         self._lib = lib
 
     def _error(self) -> str:
@@ -175,6 +182,56 @@ class WavefrontLibrary:
             raise WavefrontError(self._error())
 
 
+    def backward_stack_plan(self, num_layers: int, units: int, batch: int, steps: int, *,
+                            sms: int, smem: int) -> dict | str:
+        """The reverse-wavefront backward's launch for a whole LSTM stack
+        ({ctas, smem, rows}: CTAs, shared bytes a CTA, batch rows a group),
+        or why it cannot run (wavefront.cuh, "The stack backward"). No GPU
+        needed.
+
+        >>> load().backward_stack_plan(4, 512, 64, 1000, **H200)  # doctest: +SKIP
+        {'ctas': 128, 'smem': 154368, 'rows': 64}
+        """
+        ctas, nbytes, rows = ctypes.c_int(), ctypes.c_int(), ctypes.c_int()
+        ok = self._lib.rnnfuse_wf_backward_stack_plan(num_layers, units, batch, steps, sms, smem,
+                                                      ctypes.byref(ctas), ctypes.byref(nbytes),
+                                                      ctypes.byref(rows))
+        if ok != 1:
+            return self._error()
+        return dict(ctas=ctas.value, smem=nbytes.value, rows=rows.value)
+
+    def backward_stack_workspace_bytes(self, num_layers: int, units: int, batch: int,
+                                       steps: int) -> int:
+        """Bytes of workspace one stack backward call needs: its flags (the
+        32-bit word at STACK_TIMEOUT_WORD is nonzero after a timed-out wait),
+        then the float32 dy hand-off of the layers below the top."""
+        return int(self._lib.rnnfuse_wf_backward_stack_workspace_bytes(num_layers, units, batch,
+                                                                       steps))
+
+    def backward_stack(self, stream: int, dtype: str, num_layers: int, units: int, batch: int,
+                       steps: int, input_size: int, *, params: int, gates: int, cseq: int,
+                       c0: int, dy: int, dhy: int, dcy: int, lengths: int | None, dgates: int,
+                       dh0: int, dc0: int, workspace: int) -> None:
+        """Every layer's backward recurrence of an LSTM stack in one launch
+        (device pointers as ints; wavefront.cuh, "The stack backward"):
+        writes dgates [L, T, B, 4H] (the element type) and dh0, dc0 [L, B, H]
+        (float32) from the canonical params, the forward's saved gates
+        [L, T, B, 4H] and c [L, T, B, H] (float32), c0 [L, B, H], the top
+        layer's dy [T, B, H] and dhy, dcy [L, B, H]."""
+        if dtype not in DTYPES:
+            raise WavefrontError(f"the wavefront kernel runs {DTYPES}, not {dtype}")
+        rc = self._lib.rnnfuse_wf_backward_stack(
+            stream or None, DTYPES.index(dtype), num_layers, units, batch, steps, input_size,
+            params, gates, cseq, c0, dy, dhy, dcy, lengths or None, dgates, dh0, dc0, workspace)
+        if rc != 0:
+            raise WavefrontError(self._error())
+
+
+# The stack backward's workspace: kMaxLayers (8) x kFlagStride (256) flags,
+# then the word a timed-out wait sets (index in 32-bit words).
+STACK_TIMEOUT_WORD = 8 * 256
+
+
 def _kind(kind: str) -> int:
     if kind not in KINDS:
         raise WavefrontError(f"the wavefront kernel runs {KINDS}, not {kind!r}")
@@ -257,4 +314,18 @@ def backward_reason(kind: str, units: int, batch: int, steps: int,
     lib = load()
     dev = lib.device(ordinal)
     plan = lib.backward_plan(units, int(batch), int(steps), sms=dev["sms"], smem=dev["smem"])
+    return plan if isinstance(plan, str) else None
+
+
+def backward_stack_reason(kind: str, num_layers: int, units: int, batch: int, steps: int,
+                          ordinal: int = 0) -> str | None:
+    """Why the reverse-wavefront backward (one launch for the whole stack)
+    cannot run this stack on CUDA device `ordinal` (an LSTM only; its plan),
+    or None."""
+    if kind != "lstm":
+        return "the reverse-wavefront backward runs LSTM stacks only"
+    lib = load()
+    dev = lib.device(ordinal)
+    plan = lib.backward_stack_plan(num_layers, units, int(batch), int(steps), sms=dev["sms"],
+                                   smem=dev["smem"])
     return plan if isinstance(plan, str) else None

@@ -34,7 +34,10 @@ backward pass, `backward_stack` (per layer from the top: the backward
 kernel's recurrence, `backward_layer`, then dx, dW_ih, dW_hh and the
 biases as GEMMs). `run_trainable` is its `run_stack`; `training_reason`
 its checks. `reference_forward_saving` and `recurrence_reference` are the
-two kernels in torch (the CPU tests').
+two kernels in torch (the CPU tests'). Opt-in (v2, unverified on the GPU):
+`trainable_forward(..., backward="stack")` runs `backward_stack_wavefront`
+instead, every layer's recurrence in ONE reverse-wavefront launch
+(`backward_stack_kernel`; `stack_recurrence_reference` in torch).
 
 Example (on an H200):
 
@@ -50,10 +53,11 @@ from typing import Sequence
 import torch
 
 __all__ = ["KERNEL_NAME", "TRAINING_KERNEL_NAME", "backward_layer", "backward_stack",
-           "flat_params", "forward", "forward_into", "forward_training", "recurrence_reference",
+           "backward_stack_kernel", "backward_stack_wavefront", "flat_params", "forward",
+           "forward_into", "forward_training", "recurrence_reference",
            "reference_forward", "reference_forward_saving", "run_autograd", "run_stack",
-           "run_trainable", "trainable_forward", "training_reason", "unsupported_reason",
-           "wants_gradient"]
+           "run_trainable", "stack_recurrence_reference", "trainable_forward",
+           "training_reason", "unsupported_reason", "wants_gradient"]
 
 _GATES = {"lstm": 4, "gru": 3}
 # The `KernelRun` name of a call on the kernel.
@@ -268,16 +272,18 @@ def backward_layer(w_hh, gates, cseq, c0, dy, dhy, dcy, lengths):
     return dgates, dh0, dc0
 
 
-def recurrence_reference(w_hh, gates, cseq, c0, dy, dhy, dcy, lengths):
+def recurrence_reference(w_hh, gates, cseq, c0, dy, dhy, dcy, lengths, *, dtype=None):
     """`backward_layer` in torch, step by step (float32 arithmetic, float64
     for float64 inputs; dgates rounded to the element type as the kernel
-    stores them; any device)."""
+    stores them; any device). `dtype`: the element type where dy is not in
+    it (`stack_recurrence_reference` passes a float32 dy)."""
     steps, batch, units = dy.shape
-    acc = _accumulation(dy.dtype)
+    dtype = dy.dtype if dtype is None else dtype
+    acc = _accumulation(dtype)
     w = w_hh.to(acc)
     full = torch.full((batch,), steps, device=dy.device)
     lengths = full if lengths is None else lengths.to(dy.device)
-    dgates = dy.new_zeros((steps, batch, 4 * units))
+    dgates = dy.new_zeros((steps, batch, 4 * units), dtype=dtype)
     carry = torch.zeros((batch, units), dtype=acc, device=dy.device)
     rec = torch.zeros_like(carry)
     for t in reversed(range(steps)):
@@ -291,7 +297,7 @@ def recurrence_reference(w_hh, gates, cseq, c0, dy, dhy, dcy, lengths):
         dc = dc + dh * o * (1 - tc * tc)
         da = torch.cat([dc * g * i * (1 - i), dc * c_prev * f * (1 - f), dc * i * (1 - g * g),
                         dh * tc * o * (1 - o)], dim=1)
-        da = torch.where(alive, da, torch.zeros_like(da)).to(dy.dtype)
+        da = torch.where(alive, da, torch.zeros_like(da)).to(dtype)
         carry = torch.where(alive, dc * f, torch.zeros_like(carry))
         dgates[t] = da
         rec = da.to(acc) @ w
@@ -399,37 +405,147 @@ def backward_stack(params, x, h0, c0, lengths, y, saved, dy, dhy, dcy, *,
     return grad, torch.cat(mats + biases), dh0, dc0
 
 
+def backward_stack_kernel(params, input_size, gates, cseq, c0, dy, dhy, dcy, lengths, *,
+                          check: bool = False):
+    """Every layer's backward recurrence of an LSTM stack on the reverse-
+    wavefront kernel, in ONE launch (wavefront.cuh, "The stack backward").
+
+    params: the canonical flat buffer (element type; layer 0's W_ih, of
+    `input_size` inputs, is not read); gates [L, T, B, 4H], cseq
+    [L, T, B, H] float32 (`forward_training`'s); c0, dhy, dcy [L, B, H] and
+    dy [T, B, H] (the gradient of the TOP layer's output sequence) in the
+    element type; lengths int32 [B] or None. Returns (dgates [L, T, B, 4H]
+    in the element type, 0 at t >= length; dh0, dc0 [L, B, H] float32).
+    The layers below the top get their dy = dgates^{l+1} W_ih^{l+1} inside
+    the kernel (float32, handed from layer to layer in the workspace).
+    `check`: synchronise and raise `library.WavefrontError` if a wait in
+    the kernel timed out (a bug).
+    `stack_recurrence_reference` is the same in torch.
+    """
+    library = _library()
+    num_layers, steps, batch, units = cseq.shape
+    dgates = dy.new_empty((num_layers, steps, batch, 4 * units))
+    dh0 = torch.empty((num_layers, batch, units), dtype=torch.float32, device=dy.device)
+    dc0 = torch.empty_like(dh0)
+    lib = library.load()
+    workspace = torch.empty(lib.backward_stack_workspace_bytes(num_layers, units, batch, steps),
+                            dtype=torch.uint8, device=dy.device)
+    tensors = (params, gates, cseq, c0, dy, dhy, dcy)
+    if not all(t.is_contiguous() for t in tensors):
+        raise ValueError("backward_stack_kernel: every tensor must be contiguous")
+    lib.backward_stack(_launch_stream(dy.device), str(dy.dtype).replace("torch.", ""),
+                       num_layers, units, batch, steps, input_size,
+                       params=params.data_ptr(), gates=gates.data_ptr(), cseq=cseq.data_ptr(),
+                       c0=c0.data_ptr(), dy=dy.data_ptr(), dhy=dhy.data_ptr(),
+                       dcy=dcy.data_ptr(),
+                       lengths=lengths.data_ptr() if lengths is not None else 0,
+                       dgates=dgates.data_ptr(), dh0=dh0.data_ptr(), dc0=dc0.data_ptr(),
+                       workspace=workspace.data_ptr())
+    if check:
+        word = workspace.view(torch.int32)[library.STACK_TIMEOUT_WORD].item()
+        if word != 0:
+            raise library.WavefrontError(
+                "the reverse-wavefront backward's wait timed out (a bug): the results are wrong")
+    return dgates, dh0, dc0
+
+
+def stack_recurrence_reference(params, input_size, gates, cseq, c0, dy, dhy, dcy, lengths):
+    """`backward_stack_kernel` in torch (any device): per layer from the top,
+    `recurrence_reference` with dy^l = dgates^{l+1} W_ih^{l+1} kept in the
+    accumulation dtype (float32; float64 for float64 inputs), as the kernel
+    keeps it in float32 registers."""
+    num_layers, steps, batch, units = cseq.shape
+    acc = _accumulation(dy.dtype)
+    views = _layer_views(params, num_layers, units, input_size)
+    dgates = dy.new_empty((num_layers, steps, batch, 4 * units))
+    dh0 = torch.empty((num_layers, batch, units), dtype=acc, device=dy.device)
+    dc0 = torch.empty_like(dh0)
+    grad = dy
+    for l in reversed(range(num_layers)):
+        dg, dh0[l], dc0[l] = recurrence_reference(views[l][1], gates[l], cseq[l], c0[l], grad,
+                                                  dhy[l], dcy[l], lengths, dtype=dy.dtype)
+        dgates[l] = dg
+        if l > 0:
+            grad = dg.to(acc) @ views[l][0].to(acc)
+    return dgates, dh0, dc0
+
+
+def backward_stack_wavefront(params, x, h0, c0, lengths, y, saved, dy, dhy, dcy, *,
+                             recurrence=backward_stack_kernel):
+    """`backward_stack` with every layer's recurrence in ONE launch of the
+    reverse-wavefront kernel (`recurrence`: `backward_stack_kernel`; the
+    tests pass `stack_recurrence_reference`), then the GEMMs: dx = dgates^0
+    W_ih^0, dW_ih^l = dgates^T x^l, dW_hh^l = dgates^T [h0, h_0..h_{T-2}],
+    db_ih = db_hh = the sum of dgates (dx of the layers above the first
+    stays inside the kernel).
+
+    Returns (dx [T, B, I], dparams in the canonical flat layout, dh0, dc0
+    [L, B, H]), all in x's dtype; dy, dhy, dcy may be None (zero).
+    """
+    hseq, gates, cseq = saved
+    steps, batch, input_size = x.shape
+    num_layers, _, units = h0.shape
+    gh = 4 * units
+    dtype = x.dtype
+    views = _layer_views(params, num_layers, units, input_size)
+    dy = torch.zeros_like(y) if dy is None else dy.to(dtype).contiguous()
+    dhy = torch.zeros_like(h0) if dhy is None else dhy.to(dtype).contiguous()
+    dcy = torch.zeros_like(c0) if dcy is None else dcy.to(dtype).contiguous()
+    lens = lengths.to(torch.int32).contiguous() if lengths is not None else None
+    dgates, dh0, dc0 = recurrence(params.contiguous(), input_size, gates.contiguous(),
+                                  cseq.contiguous(), c0.contiguous(), dy, dhy, dcy, lens)
+    mats, biases = [None] * num_layers, [None] * num_layers
+    for l in range(num_layers):
+        w_ih, _ = views[l]
+        inp = x if l == 0 else hseq[l - 1]
+        out = y if l == num_layers - 1 else hseq[l]
+        dg = dgates[l].reshape(steps * batch, gh)
+        h_prev = torch.cat([h0[l:l + 1], out[:-1]]).view(steps * batch, units)
+        d_w_ih = dg.t() @ inp.reshape(steps * batch, inp.shape[-1])
+        d_w_hh = dg.t() @ h_prev
+        d_b = dg.sum(0, dtype=_accumulation(dtype)).to(dtype)
+        mats[l] = torch.cat([d_w_ih.reshape(-1), d_w_hh.reshape(-1)])
+        biases[l] = torch.cat([d_b, d_b])
+    dx = (dgates[0].reshape(steps * batch, gh) @ views[0][0]).view(steps, batch, input_size)
+    return dx, torch.cat(mats + biases), dh0.to(dtype), dc0.to(dtype)
+
+
 class _TrainableLSTM(torch.autograd.Function):
     """forward: `saving(x, params, h0, c0, lengths)` (the kernel saving gates
-    and c); backward: `backward_stack` with `recurrence`."""
+    and c); backward: `stack_backward` (`backward_stack` or
+    `backward_stack_wavefront`) with `recurrence`."""
 
     @staticmethod
-    def forward(ctx, x, params, h0, c0, lengths, saving, recurrence):
+    def forward(ctx, x, params, h0, c0, lengths, saving, recurrence, stack_backward):
         y, hy, cy, saved = saving(x, params, h0, c0, lengths)
         ctx.save_for_backward(x, params, h0, c0, y, *saved)
-        ctx.lengths, ctx.recurrence = lengths, recurrence
+        ctx.lengths, ctx.recurrence, ctx.stack_backward = lengths, recurrence, stack_backward
         return y, hy, cy
 
     @staticmethod
     def backward(ctx, dy, dhy, dcy):
         x, params, h0, c0, y, *saved = ctx.saved_tensors
-        dx, dparams, dh0, dc0 = backward_stack(params, x, h0, c0, ctx.lengths, y, saved, dy,
-                                               dhy, dcy, recurrence=ctx.recurrence)
-        return dx, dparams, dh0, dc0, None, None, None
+        dx, dparams, dh0, dc0 = ctx.stack_backward(params, x, h0, c0, ctx.lengths, y, saved, dy,
+                                                   dhy, dcy, recurrence=ctx.recurrence)
+        return dx, dparams, dh0, dc0, None, None, None, None
 
 
 def trainable_forward(x: torch.Tensor, params: torch.Tensor, h0: torch.Tensor,
                       c0: torch.Tensor, lengths: torch.Tensor | None = None, *,
-                      saving=None, recurrence=None):
+                      saving=None, recurrence=None, backward: str = "layer"):
     """An LSTM stack on the kernel with the kernel's gradient (autograd).
 
     Like `forward(x, params, h0, c0, lengths, kind="lstm")`, differentiable
     with respect to x, params (so the tensors it was made of: `flat_params`
     is a `torch.cat`), h0 and c0; the backward is `backward_stack` on the
     backward kernel. `saving` and `recurrence` replace the two kernels
-    (tests run torch versions of them on the CPU). Outside the kernels'
-    limits it raises `library.WavefrontError` (`training_reason` says so
-    beforehand).
+    (tests run torch versions of them on the CPU). `backward`: "layer" (the
+    default: `backward_stack`, one backward launch a layer) or "stack"
+    (opt-in, v2, unverified on the GPU: `backward_stack_wavefront`, one
+    reverse-wavefront launch for every layer; `recurrence` then replaces
+    `backward_stack_kernel`). Outside the kernels' limits it raises
+    `library.WavefrontError` (`training_reason` says so beforehand; the
+    "stack" path's own limits are `library.backward_stack_reason`).
 
     Example (on an H200):
 
@@ -440,10 +556,16 @@ def trainable_forward(x: torch.Tensor, params: torch.Tensor, h0: torch.Tensor,
     """
     if c0 is None:
         raise ValueError("trainable_forward: an LSTM needs c0")
+    if backward not in ("layer", "stack"):
+        raise ValueError(f"trainable_forward: backward is 'layer' or 'stack', not {backward!r}")
     lens = lengths.to(torch.int32).contiguous() if lengths is not None else None
+    if backward == "stack":
+        stack_backward, recurrence = backward_stack_wavefront, recurrence or backward_stack_kernel
+    else:
+        stack_backward, recurrence = backward_stack, recurrence or backward_layer
     return _TrainableLSTM.apply(x.contiguous(), params.contiguous(), h0.contiguous(),
                                 c0.contiguous(), lens, saving or forward_training,
-                                recurrence or backward_layer)
+                                recurrence, stack_backward)
 
 
 def training_reason(kind: str, num_layers: int, units: int, batch: int, steps: int,

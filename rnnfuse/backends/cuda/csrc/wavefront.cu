@@ -652,6 +652,271 @@ __device__ __forceinline__ void backward_body(const BwdArgs& a) {
   }
 }
 
+// ---------------------------------------------------------------------------
+// The stack backward, a reverse wavefront over the layers (wavefront.cuh:
+// "The stack backward"). CTA (layer l, group s, block j) owns units
+// [16j, 16j+16) of layer l for the batch rows [s*rows, (s+1)*rows). Each
+// step it stages its own layer's da_{t+1} (the group's rows, all 4H gate
+// columns) and multiplies it by two m16 tiles of weights: W_hh_l^T (its
+// units' dh_t) and, above layer 0, W_ih_l^T (units [16j, 16j+16) of the
+// layer below's dy at t+1), so the hand-off to the layer below is 16 units
+// of float32 a row, read by the one CTA (l-1, s, j).
+template <typename T>
+__device__ __forceinline__ void backward_stack_body(const BwdStackArgs& a) {
+  using E = Elem<T>;
+  extern __shared__ __align__(16) unsigned char smem[];
+
+  const int cta = blockIdx.x;
+  const int l = cta / a.ctas_per_layer, within = cta % a.ctas_per_layer;
+  const int s = within / a.per_group, j = within % a.per_group;
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+  const int H = a.H, B = a.B, steps = a.T, G4 = 4 * H, L = a.L;
+  const bool top = l == L - 1;
+  const bool dual = l > 0;  // also computes the layer below's dy (plan: kt <= kBwdMaxKt / 2)
+  const int u0 = j * kBwdUnits, row0 = s * a.rows;
+  const int rows = min(a.rows, B - row0);  // >= 1 (the plan makes no empty group)
+  const int kt = a.kt, KS = a.kpad + kHsPad;
+  constexpr int kHalf = kBwdMaxKt / 2;
+
+  T* ds = reinterpret_cast<T*>(smem + a.smem_ds);              // [ds_bufs][kBwdChunk][KS]
+  float* part = reinterpret_cast<float*>(smem + a.smem_part);  // [kWarps][kBwdChunk][kBwdStackPartStride]
+  float* dcs = reinterpret_cast<float*>(smem + a.smem_dc);     // [rows][kBwdUnits]
+  int* lens = reinterpret_cast<int*>(smem + a.smem_len);       // [rows]
+
+  // --- this warp's weights as mma A fragments, slot i of wa:
+  //   dual:  i < 16: W_hh_l^T tile jt = i;  i >= 16: W_ih_l^T tile jt = i - 16
+  //   else:  W_hh_l^T tile jt = i (up to kBwdMaxKt tiles: a 1-layer stack's H <= 1024)
+  // A[r][k] = W[k][u0 + r] (W: [4H][H], rows = gate columns k of tile
+  // warp * kt + jt), as backward_body loads W_hh.
+  const unsigned short* P = static_cast<const unsigned short*>(a.params);
+  const unsigned short* Whh = P + a.w_hh[l];
+  const unsigned short* Wih = P + a.w_ih[l];  // read only where dual (layer l's input is H wide)
+  uint32_t wa[kBwdMaxKt][4];
+#pragma unroll
+  for (int i = 0; i < kBwdMaxKt; ++i) {
+    const bool second = dual && i >= kHalf;
+    const int jt = second ? i - kHalf : i;
+    const unsigned short* W = second ? Wih : Whh;
+#pragma unroll
+    for (int q = 0; q < 4; ++q) {
+      const int r = (lane >> 2) + ((q & 1) ? 8 : 0);
+      const int k = (warp * kt + jt) * 16 + (lane & 3) * 2 + ((q & 2) ? 8 : 0);
+      uint32_t w = 0;
+      if (jt < kt && u0 + r < H && k < G4) {
+        const size_t off = static_cast<size_t>(k) * H + u0 + r;
+        w = static_cast<uint32_t>(W[off]) | (static_cast<uint32_t>(W[off + H]) << 16);
+      }
+      wa[i][q] = w;
+    }
+  }
+
+  for (int idx = tid; idx < a.ds_bufs * kBwdChunk * KS; idx += kThreads) ds[idx] = T(0.0f);
+  for (int idx = tid; idx < rows * kBwdUnits; idx += kThreads) dcs[idx] = 0.0f;
+  for (int n = tid; n < rows; n += kThreads) {
+    const int len = a.lengths ? a.lengths[row0 + n] : steps;
+    lens[n] = len < steps ? len : steps;
+  }
+  __syncthreads();
+
+  const size_t seq = static_cast<size_t>(B) * H;   // one step of an [.][B][H] buffer
+  const size_t gseq = static_cast<size_t>(B) * G4;  // one step of an [.][B][4H] buffer
+  T* dgates = static_cast<T*>(a.dgates) + static_cast<size_t>(l) * steps * gseq;
+  const T* dy = static_cast<const T*>(a.dy);
+  const T* dhy = static_cast<const T*>(a.dhy) + static_cast<size_t>(l) * seq;
+  const T* dcy = static_cast<const T*>(a.dcy) + static_cast<size_t>(l) * seq;
+  const T* c0 = static_cast<const T*>(a.c0) + static_cast<size_t>(l) * seq;
+  const float* gates = a.gates + static_cast<size_t>(l) * steps * gseq;
+  const float* cseq = a.cseq + static_cast<size_t>(l) * steps * seq;
+  float* dh0 = a.dh0 + static_cast<size_t>(l) * seq;
+  float* dc0 = a.dc0 + static_cast<size_t>(l) * seq;
+  // dy of layer l (from the CTA above) and of layer l-1 (this CTA's m-tile 1).
+  const float* dy_in = top ? nullptr : a.dyl + static_cast<size_t>(l) * steps * seq;
+  float* dy_out = dual ? a.dyl + static_cast<size_t>(l - 1) * steps * seq : nullptr;
+  unsigned* own_flags = a.flags + l * kFlagStride + s * a.per_group;  // this CTA's: own_flags[j]
+  const unsigned* above_flag = top ? nullptr : a.flags + (l + 1) * kFlagStride + s * a.per_group + j;
+  unsigned* timed_out = a.flags + kMaxLayers * kFlagStride;
+  const int nchunks = (rows + kBwdChunk - 1) / kBwdChunk;
+  const int per_row = G4 / 8;  // 16-byte pieces of one row of da
+  const int st_n0 = tid / per_row, st_q0 = tid % per_row;
+  const int st_dn = kThreads / per_row, st_dq = kThreads % per_row;
+  bool waits = true;  // false after a timed-out wait (then the results are wrong, flagged)
+
+  // t = T-1 .. 0: step t; t = -1: only the products of da_0 (dh0, and the
+  // layer below's dy at 0). After step t, flag = T - t (T + 1 after t = -1).
+  for (int t = steps - 1; t >= -1; --t) {
+    const bool product = t < steps - 1;       // da_l[t+1] staged and multiplied
+    const bool needs_dy = !top && t >= 0;     // dy_l[t]: CTA (l+1, s, j) after its step t-1
+    // (waits is per lane, after a timeout: the branch to __syncwarp is warp-uniform)
+    if (warp == 0 && (product || needs_dy)) {
+      const unsigned long long start = global_ns();
+      if (product && waits) {
+        const unsigned need = static_cast<unsigned>(steps - 1 - t);  // own step t+1 done
+        for (int i = lane; i < a.per_group && waits; i += 32)
+          while (load_acquire(own_flags + i) < need) {
+            if (global_ns() - start > kBwdWaitNs) {
+              atomicExch(timed_out, 1u);
+              waits = false;
+              break;
+            }
+          }
+      }
+      if (needs_dy && lane == 0 && waits) {
+        const unsigned need = static_cast<unsigned>(steps - t + 1);  // above's step t-1 done
+        while (load_acquire(above_flag) < need) {
+          if (global_ns() - start > kBwdWaitNs) {
+            atomicExch(timed_out, 1u);
+            waits = false;
+            break;
+          }
+        }
+      }
+      __syncwarp();
+    }
+    __syncthreads();
+
+    // --- stage da_l[t+1] of chunk c's rows, all 4H columns, into buffer b
+    auto stage = [&](int c, int b) {
+      const int n0 = c * kBwdChunk, nc = min(kBwdChunk, rows - n0);
+      T* dst = ds + b * kBwdChunk * KS;
+      const T* src0 = dgates + static_cast<size_t>(t + 1) * gseq + static_cast<size_t>(row0 + n0) * G4;
+      int n = st_n0, q = st_q0;
+      while (n < nc) {
+        cp_async16(dst + n * KS + q * 8, src0 + static_cast<size_t>(n) * G4 + q * 8);
+        q += st_dq;
+        n += st_dn;
+        if (q >= per_row) {
+          q -= per_row;
+          ++n;
+        }
+      }
+      cp_async_commit();
+    };
+    if (product) stage(0, 0);
+
+    for (int c = 0; c < nchunks; ++c) {
+      const int n0 = c * kBwdChunk, nc = min(kBwdChunk, rows - n0);
+      // Two buffers: chunk c+1 lands while chunk c multiplies (its buffer
+      // was last read in chunk c-1, before that chunk's closing barrier).
+      // One buffer: chunk c is staged here, after chunk c-1's barrier.
+      const int b = a.ds_bufs > 1 ? (c & 1) : 0;
+      const T* dsb = ds + b * kBwdChunk * KS;
+      if (product) {
+        if (a.ds_bufs > 1 && c + 1 < nchunks) {
+          stage(c + 1, (c + 1) & 1);
+          cp_async_wait_but_one();  // chunk c's group is in; chunk c+1's may not be
+        } else {
+          if (a.ds_bufs == 1 && c > 0) stage(c, 0);
+          cp_async_wait_all();
+        }
+        __syncthreads();
+        // --- this warp's partials: dh^T (acc0) and, dual, the layer below's
+        // dy^T (acc1), 16 units x nc rows over its K range ---------------
+        float acc0[2][4], acc1[2][4];
+#pragma unroll
+        for (int nt = 0; nt < 2; ++nt)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) acc0[nt][e] = acc1[nt][e] = 0.0f;
+        const bool two = nc > 8;
+        const int qq = lane >> 3;
+        const int nn = (qq >> 1) * 8 + (lane & 7), kq = (qq & 1) * 8;
+#pragma unroll
+        for (int jt = 0; jt < kHalf; ++jt) {
+          if (jt < kt) {
+            const int kk = (warp * kt + jt) * 16 + kq;
+            uint32_t b00, b01, b10, b11;
+            ldmatrix_x4(b00, b01, b10, b11, dsb + nn * KS + kk);
+            E::mma(acc0[0], wa[jt], b00, b01);
+            if (two) E::mma(acc0[1], wa[jt], b10, b11);
+            if (dual) {
+              E::mma(acc1[0], wa[kHalf + jt], b00, b01);
+              if (two) E::mma(acc1[1], wa[kHalf + jt], b10, b11);
+            }
+          }
+          if (!dual && kHalf + jt < kt) {  // a 1-layer stack's H > 512: tiles 16..31
+            const int kk = (warp * kt + kHalf + jt) * 16 + kq;
+            uint32_t b00, b01, b10, b11;
+            ldmatrix_x4(b00, b01, b10, b11, dsb + nn * KS + kk);
+            E::mma(acc0[0], wa[kHalf + jt], b00, b01);
+            if (two) E::mma(acc0[1], wa[kHalf + jt], b10, b11);
+          }
+        }
+        // C fragments (unit row, batch col) -> part[warp][col][row]: rows
+        // 0-15 dh, 16-31 the layer below's dy.
+        float* pw = part + warp * kBwdChunk * kBwdStackPartStride;
+#pragma unroll
+        for (int nt = 0; nt < 2; ++nt) {
+          const int row = lane >> 2, col = nt * 8 + (lane & 3) * 2;
+          pw[col * kBwdStackPartStride + row] = acc0[nt][0];
+          pw[(col + 1) * kBwdStackPartStride + row] = acc0[nt][1];
+          pw[col * kBwdStackPartStride + row + 8] = acc0[nt][2];
+          pw[(col + 1) * kBwdStackPartStride + row + 8] = acc0[nt][3];
+          if (dual) {
+            pw[col * kBwdStackPartStride + 16 + row] = acc1[nt][0];
+            pw[(col + 1) * kBwdStackPartStride + 16 + row] = acc1[nt][1];
+            pw[col * kBwdStackPartStride + 16 + row + 8] = acc1[nt][2];
+            pw[(col + 1) * kBwdStackPartStride + 16 + row + 8] = acc1[nt][3];
+          }
+        }
+        __syncthreads();
+      }
+
+      // --- pointwise: one (row, unit) a thread ----------------------------
+      const int n = tid / kBwdUnits, u = tid % kBwdUnits;
+      const int nl = n0 + n, nb = row0 + nl, ug = u0 + u;
+      if (n < nc && ug < H) {
+        const size_t o = static_cast<size_t>(nb) * H + ug;
+        float rec = 0.0f;  // (W_hh^T da_{t+1})[nb][ug]
+        if (product) {
+          float below = 0.0f;  // (W_ih_l^T da_{t+1})[nb][ug]: the layer below's dy at t+1
+#pragma unroll
+          for (int w = 0; w < kWarps; ++w) {
+            const float* pr = part + (w * kBwdChunk + n) * kBwdStackPartStride;
+            rec += pr[u];
+            below += pr[16 + u];
+          }
+          if (dual) dy_out[static_cast<size_t>(t + 1) * seq + o] = below;
+        }
+        if (t < 0) {
+          dh0[o] = rec;
+        } else {
+          const int len = lens[nl];
+          float da[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+          float carry = 0.0f;
+          if (t < len) {
+            const size_t ot = static_cast<size_t>(t) * seq + o;
+            // ld.global.cg: the hand-off is read from L2, never from L1.
+            float dh = rec + (top ? E::to_float(dy[ot]) : __ldcg(dy_in + ot));
+            float dc = dcs[nl * kBwdUnits + u];
+            if (t == len - 1) {
+              dh += E::to_float(dhy[o]);
+              dc = E::to_float(dcy[o]);
+            }
+            const float* gp = gates + static_cast<size_t>(t) * gseq + static_cast<size_t>(nb) * G4 + ug;
+            const float ig = gp[0], fg = gp[H], gg = gp[2 * H], og = gp[3 * H];
+            const float ct = cseq[ot];
+            const float cp = t > 0 ? cseq[ot - seq] : E::to_float(c0[o]);
+            const float tc = tanhf(ct);
+            dc += dh * og * (1.0f - tc * tc);
+            da[0] = dc * gg * ig * (1.0f - ig);
+            da[1] = dc * cp * fg * (1.0f - fg);
+            da[2] = dc * ig * (1.0f - gg * gg);
+            da[3] = dh * tc * og * (1.0f - og);
+            carry = dc * fg;
+          }
+          dcs[nl * kBwdUnits + u] = carry;
+          T* dp = dgates + static_cast<size_t>(t) * gseq + static_cast<size_t>(nb) * G4 + ug;
+#pragma unroll
+          for (int g = 0; g < 4; ++g) dp[g * H] = T(da[g]);
+          if (t == 0) dc0[o] = carry;
+        }
+      }
+      __syncthreads();  // ds and part are the next chunk's
+    }
+
+    if (tid == 0) publish(own_flags + j, static_cast<unsigned>(steps - t));
+  }
+}
+
 }  // namespace rnnfuse_wf
 
 extern "C" __global__ void __launch_bounds__(rnnfuse_wf::kThreads, 1)
@@ -672,4 +937,14 @@ extern "C" __global__ void __launch_bounds__(rnnfuse_wf::kThreads, 1)
 extern "C" __global__ void __launch_bounds__(rnnfuse_wf::kThreads, 1)
     rnnfuse_wf_backward_bf16(const __grid_constant__ rnnfuse_wf::BwdArgs a) {
   rnnfuse_wf::backward_body<__nv_bfloat16>(a);
+}
+
+extern "C" __global__ void __launch_bounds__(rnnfuse_wf::kThreads, 1)
+    rnnfuse_wf_backward_stack_f16(const __grid_constant__ rnnfuse_wf::BwdStackArgs a) {
+  rnnfuse_wf::backward_stack_body<__half>(a);
+}
+
+extern "C" __global__ void __launch_bounds__(rnnfuse_wf::kThreads, 1)
+    rnnfuse_wf_backward_stack_bf16(const __grid_constant__ rnnfuse_wf::BwdStackArgs a) {
+  rnnfuse_wf::backward_stack_body<__nv_bfloat16>(a);
 }

@@ -185,6 +185,61 @@ struct BwdArgs {
   unsigned* flags;     // [ctas + 1], zero at launch; flags[ctas] != 0: a wait timed out
 };
 
+// ---------------------------------------------------------------------------
+// The stack backward (v2, reverse wavefront; LSTM): ONE cooperative launch
+// runs every layer's backward recurrence, layer l at step t while layer
+// l+1 is at step t+2 (T+2(L-1)+1 dependent steps, not L*(T+1)). Layer l's
+//   dh_t = W_hh_l^T da_l[t+1] + dy_l[t]   (+ dhy at t = len-1)
+// where dy_l = W_ih_{l+1}^T da_{l+1} for l < L-1 (the input dy at the top).
+// A CTA (layer l, group s, block j) owns kBwdUnits = 16 units of layer l
+// and the batch rows of group s; at step t it stages its own layer's
+// da_l[t+1] (group rows x 4H, from L2) and multiplies it by two m16 tiles
+// held in registers: W_hh_l^T (its units' dh_t) and, for l > 0, W_ih_l^T
+// (units [16j, 16j+16) of the layer BELOW's dy_{l-1}[t+1], the same B
+// operand), written as float32 to `dyl` [L-1][T][B][H]; CTA (l-1, s, j)
+// reads exactly that slice (ld.global.cg). Warp w holds gate columns
+// [w*16*kt, (w+1)*16*kt): kt <= kBwdMaxKt/2 for two tiles (H <= 512 in a
+// stack of 2 or more), kt <= kBwdMaxKt for layer 0 of a 1-layer stack.
+// The rest of a step is backward_body's (pointwise from the saved gates
+// and c, dc carried in shared memory), in chunks of kBwdChunk rows, chunk
+// c+1's cp.async in flight while chunk c multiplies (two `ds` buffers
+// where they fit in shared memory).
+// CTA order: layer-major, then group, then block (ctas_per_layer = groups *
+// per_group). Flags: flags[l * kFlagStride + s * per_group + j] = T - t
+// after step t (T + 1 after t = -1), published with fence.acq_rel.gpu + a
+// relaxed store after a CTA barrier, as the forward. A CTA of layer l at
+// step t waits (ld.acquire.gpu) for its own layer's group >= T-1-t (step
+// t+1 done, t < T-1) and, below the top (t >= 0), for the ONE flag of CTA
+// (l+1, s, j) >= T-t+1 (its step t-1 done: dy_l[t] written).
+// flags[kMaxLayers * kFlagStride] != 0: a wait timed out (a bug).
+constexpr int kBwdStackPartStride = 36;  // floats per part row (32 + 4: conflict-free stores)
+
+struct BwdStackArgs {
+  int L, H, B, T;
+  int per_group;       // CTAs of a layer's group: ceil(H / kBwdUnits)
+  int groups;          // batch-row groups
+  int rows;            // batch rows a group (a multiple of 8)
+  int ctas_per_layer;  // groups * per_group
+  int kt;              // k-tiles (of 16 gate columns) a warp holds
+  int kpad;            // 4H padded to kWarps * 16 * kt
+  int ds_bufs;         // 2: chunk c+1 is staged while chunk c multiplies; 1 where 2 do not fit
+  int smem_ds, smem_part, smem_dc, smem_len, smem_total;
+  long long w_ih[kMaxLayers], w_hh[kMaxLayers];  // element offsets into params
+  const void* params;  // rnnfuse's canonical flat buffer (element type)
+  const float* gates;  // [L][T][B][4H]: the forward's gates_out
+  const float* cseq;   // [L][T][B][H]: the forward's c_out
+  const void* c0;      // [L][B][H]
+  const void* dy;      // [T][B][H]: gradient of the top layer's output sequence
+  const void* dhy;     // [L][B][H]
+  const void* dcy;     // [L][B][H]
+  const int* lengths;  // [B] or null
+  void* dgates;        // [L][T][B][4H] out (element type)
+  float* dh0;          // [L][B][H] out
+  float* dc0;          // [L][B][H] out
+  float* dyl;          // [L-1][T][B][H] workspace: dy of the layers below the top
+  unsigned* flags;     // [kMaxLayers * kFlagStride + 1], zero at launch
+};
+
 constexpr int kTracePoints = 6;  // start, waited, staged, multiplied, pointwise, published
 constexpr int kTraceSlots = 8;   // + clock64 at start and published
 

@@ -21,6 +21,10 @@
 //   rnnfuse_wf_forward_saving   the same, also saving gates and c (training)
 //   rnnfuse_wf_backward_plan    can the backward run one LSTM layer? (no GPU)
 //   rnnfuse_wf_backward(...)    the backward recurrence of one LSTM layer
+//   rnnfuse_wf_backward_stack_plan  can the reverse-wavefront backward run the
+//                               whole LSTM stack? (no GPU)
+//   rnnfuse_wf_backward_stack(...)  every layer's backward recurrence in one
+//                               launch (v2, reverse wavefront)
 
 #include <dlfcn.h>
 #include <stddef.h>
@@ -137,7 +141,8 @@ struct Kernels {
   CUmodule module = nullptr;
   CUfunction f16 = nullptr, bf16 = nullptr;
   CUfunction bwd_f16 = nullptr, bwd_bf16 = nullptr;
-  int configured_smem = 0, configured_bwd_smem = 0;
+  CUfunction bwds_f16 = nullptr, bwds_bf16 = nullptr;
+  int configured_smem = 0, configured_bwd_smem = 0, configured_bwds_smem = 0;
 };
 
 std::mutex g_mu;
@@ -153,6 +158,10 @@ int GetKernels(Driver* d, CUcontext ctx, Kernels** out) {
     RF_CHECK_CU(d, d->cuModuleGetFunction_(&k.bf16, k.module, "rnnfuse_wf_forward_bf16"));
     RF_CHECK_CU(d, d->cuModuleGetFunction_(&k.bwd_f16, k.module, "rnnfuse_wf_backward_f16"));
     RF_CHECK_CU(d, d->cuModuleGetFunction_(&k.bwd_bf16, k.module, "rnnfuse_wf_backward_bf16"));
+    RF_CHECK_CU(d, d->cuModuleGetFunction_(&k.bwds_f16, k.module,
+                                           "rnnfuse_wf_backward_stack_f16"));
+    RF_CHECK_CU(d, d->cuModuleGetFunction_(&k.bwds_bf16, k.module,
+                                           "rnnfuse_wf_backward_stack_bf16"));
   }
   *out = &k;
   return 0;
@@ -281,6 +290,23 @@ bool PlanBackwardInto(int units, int batch, int steps, int sms, int smem_limit,
   if (args->ctas > kBwdMaxCtas) {
     g_error = "the wavefront backward kernel runs at most " + std::to_string(kBwdMaxCtas) +
               " CTAs";
+    return false;
+  }
+  return true;
+}
+
+// The stack backward's flags: kFlagStride a layer, then the timed-out word.
+size_t BwdStackFlagBytes() {
+  return AlignUp((static_cast<size_t>(rnnfuse_wf::kMaxLayers) * rnnfuse_wf::kFlagStride + 1) * 4);
+}
+
+bool PlanBackwardStackInto(int num_layers, int units, int batch, int steps, int input_size,
+                           int sms, int smem_limit, rnnfuse_wf::BwdStackArgs* args) {
+  memset(args, 0, sizeof(*args));
+  char why[512];
+  if (!rnnfuse_wf::PlanBackwardStack(num_layers, units, batch, steps, input_size, sms,
+                                     smem_limit, args, why, sizeof(why))) {
+    g_error = why;
     return false;
   }
   return true;
@@ -469,6 +495,80 @@ __attribute__((visibility("default"))) int rnnfuse_wf_backward(
     return -1;
   return LaunchCooperative(d, dtype == 0 ? k->bwd_f16 : k->bwd_bf16, s, sc.sms, args.ctas,
                            args.smem_total, &args, workspace, BwdFlagBytes() / 4);
+}
+
+// 1 if the reverse-wavefront backward (wavefront.cuh, "The stack
+// backward") can run an LSTM stack of `num_layers` x `units` at `batch` with
+// these device limits (CTAs, shared bytes a CTA and rows a group in the
+// outputs), 0 if not (the reason in rnnfuse_wf_last_error). No GPU needed.
+__attribute__((visibility("default"))) int rnnfuse_wf_backward_stack_plan(
+    int num_layers, int units, int batch, int steps, int sms, int smem_limit, int* ctas_out,
+    int* smem_out, int* rows_out) {
+  rnnfuse_wf::BwdStackArgs args;
+  if (!PlanBackwardStackInto(num_layers, units, batch, steps, 1, sms, smem_limit, &args))
+    return 0;
+  if (ctas_out) *ctas_out = args.L * args.ctas_per_layer;
+  if (smem_out) *smem_out = args.smem_total;
+  if (rows_out) *rows_out = args.rows;
+  return 1;
+}
+
+// Workspace bytes of one stack backward call: its flags (kFlagStride a
+// layer; the word after them is set when a wait timed out, a bug: the
+// results are then wrong), then the float32 dy hand-off of the layers below
+// the top, [L-1][T][B][H].
+__attribute__((visibility("default"))) size_t rnnfuse_wf_backward_stack_workspace_bytes(
+    int num_layers, int units, int batch, int steps) {
+  return BwdStackFlagBytes() + static_cast<size_t>(num_layers > 1 ? num_layers - 1 : 0) * steps *
+                                   batch * units * sizeof(float);
+}
+
+// Every layer's backward recurrence of an LSTM stack in one launch, as a
+// reverse wavefront (wavefront.cuh, "The stack backward"): dgates
+// [L][T][B][4H] (element type; 0 at t >= length), dh0 and dc0 [L][B][H]
+// (float32) from the canonical flat `params` (element type; layer 0's
+// W_ih, of `input_size` inputs, is not read), the forward's saved gates
+// [L][T][B][4H] and c [L][T][B][H] (float32), c0 [L][B][H], the gradient
+// of the top layer's output sequence dy [T][B][H] and of the final states
+// dhy, dcy [L][B][H] (element type). `lengths` may be null. dtype: 0
+// float16, 1 bfloat16. `workspace`: rnnfuse_wf_backward_stack_workspace_bytes
+// of the same shape.
+__attribute__((visibility("default"))) int rnnfuse_wf_backward_stack(
+    void* stream, int dtype, int num_layers, int units, int batch, int steps, int input_size,
+    const void* params, const float* gates, const float* cseq, const void* c0, const void* dy,
+    const void* dhy, const void* dcy, const int* lengths, void* dgates, float* dh0, float* dc0,
+    void* workspace) {
+  Driver* d = GetDriver();
+  if (!d->ok) return Fail(d->why);
+  if (dtype != 0 && dtype != 1) return Fail("dtype must be 0 (float16) or 1 (bfloat16)");
+  CUstream s = static_cast<CUstream>(stream);
+  StreamContext sc(d, s);
+  if (sc.rc != 0) return -1;
+  rnnfuse_wf::BwdStackArgs args;
+  if (!PlanBackwardStackInto(num_layers, units, batch, steps, input_size, sc.sms, sc.smem_limit,
+                             &args))
+    return -1;
+  args.params = params;
+  args.gates = gates;
+  args.cseq = cseq;
+  args.c0 = c0;
+  args.dy = dy;
+  args.dhy = dhy;
+  args.dcy = dcy;
+  args.lengths = lengths;
+  args.dgates = dgates;
+  args.dh0 = dh0;
+  args.dc0 = dc0;
+  args.flags = static_cast<unsigned*>(workspace);
+  args.dyl = reinterpret_cast<float*>(static_cast<unsigned char*>(workspace) + BwdStackFlagBytes());
+  Kernels* k = nullptr;
+  if (GetKernels(d, sc.ctx, &k) != 0) return -1;
+  if (ConfigureSmem(d, k->bwds_f16, k->bwds_bf16, args.smem_total, &k->configured_bwds_smem) !=
+      0)
+    return -1;
+  return LaunchCooperative(d, dtype == 0 ? k->bwds_f16 : k->bwds_bf16, s, sc.sms,
+                           args.L * args.ctas_per_layer, args.smem_total, &args, workspace,
+                           BwdStackFlagBytes() / 4);
 }
 
 }  // extern "C"

@@ -193,4 +193,97 @@ inline bool PlanBackward(int H, int B, int T, int sms, int smem_limit, BwdArgs* 
   return true;
 }
 
+// The stack backward's plan (wavefront.cuh, "The stack backward"): every
+// layer's ceil(H / 16) CTAs a group of batch rows, as many groups as the
+// SMs hold (the fewest rows a group, a multiple of 8), every CTA resident
+// at once; a CTA's registers hold its 16 units' columns of W_hh and, above
+// layer 0, of W_ih (two m16 tiles against 4H gate columns: H <= 512 in a
+// stack of 2 or more layers; a 1-layer stack holds W_hh alone, H <= 1024).
+// Shared memory: two chunks (one where two do not fit, or one is all the
+// group's rows) of staged da rows [kBwdChunk][kpad + kHsPad], the warps'
+// partials, the carried dc and the lengths. `input_size` places
+// the matrices in the canonical buffer. Returns true, or false with the
+// reason.
+inline bool PlanBackwardStack(int L, int H, int B, int T, int input_size, int sms,
+                              int smem_limit, BwdStackArgs* args, char* why, int why_len) {
+  const int kmax = kWarps * 16 * kBwdMaxKt;  // gate columns one tile row of a CTA holds: 4096
+  if (L < 1 || L > kMaxLayers) {
+    snprintf(why, why_len, "the reverse-wavefront backward runs 1 to %d layers, not %d",
+             kMaxLayers, L);
+    return false;
+  }
+  if (H < 8 || H % 8 != 0 || 4 * H > kmax) {
+    snprintf(why, why_len,
+             "the reverse-wavefront backward needs units a multiple of 8 up to %d, not %d",
+             kmax / 4, H);
+    return false;
+  }
+  if (L > 1 && 4 * H > kmax / 2) {
+    snprintf(why, why_len,
+             "the reverse-wavefront backward holds W_hh and W_ih (2 x %d gate columns) of a "
+             "layer above the first in registers, at most 2 x %d: at most %d units in a stack "
+             "of 2 or more layers, not %d",
+             4 * H, kmax / 2, kmax / 8, H);
+    return false;
+  }
+  if (B < 1 || T < 1 || input_size < 1) {
+    snprintf(why, why_len, "the reverse-wavefront backward needs batch, steps and inputs >= 1");
+    return false;
+  }
+  const int per_group = (H + kBwdUnits - 1) / kBwdUnits;
+  if (L * per_group > sms) {
+    snprintf(why, why_len,
+             "the stack's weights do not fit on chip for the reverse-wavefront backward: %d "
+             "layers of %d units need %d CTAs of one SM each, and the device has %d SMs",
+             L, H, L * per_group, sms);
+    return false;
+  }
+  int groups_max = sms / (L * per_group);
+  if (groups_max > kFlagStride / per_group) groups_max = kFlagStride / per_group;
+  const int want = (B + groups_max - 1) / groups_max;
+  const int rows = (want + 7) / 8 * 8;
+  const int groups = (B + rows - 1) / rows;
+  BwdStackArgs& a = *args;
+  a.L = L;
+  a.H = H;
+  a.B = B;
+  a.T = T;
+  a.per_group = per_group;
+  a.groups = groups;
+  a.rows = rows;
+  a.ctas_per_layer = groups * per_group;
+  a.kt = (4 * H + kWarps * 16 - 1) / (kWarps * 16);
+  a.kpad = kWarps * 16 * a.kt;
+  Args offsets;
+  PlanOffsets(0, L, H, input_size, &offsets);
+  for (int l = 0; l < kMaxLayers; ++l) {
+    a.w_ih[l] = l < L ? offsets.layer[l].w_ih : 0;
+    a.w_hh[l] = l < L ? offsets.layer[l].w_hh : 0;
+  }
+  // Two staging buffers where the group has 2+ chunks and they fit, else one.
+  int off = 0;
+  for (a.ds_bufs = rows > kBwdChunk ? 2 : 1; a.ds_bufs >= 1; --a.ds_bufs) {
+    off = 0;
+    a.smem_ds = off;  // [ds_bufs][kBwdChunk][kpad + kHsPad] of the element type
+    off += a.ds_bufs * RoundUp16(kBwdChunk * (a.kpad + kHsPad) * 2);
+    a.smem_part = off;  // [kWarps][kBwdChunk][kBwdStackPartStride] float
+    off += RoundUp16(kWarps * kBwdChunk * kBwdStackPartStride * 4);
+    a.smem_dc = off;  // [rows][kBwdUnits] float
+    off += RoundUp16(rows * kBwdUnits * 4);
+    a.smem_len = off;  // [rows] int
+    off += RoundUp16(rows * 4);
+    a.smem_total = off;
+    if (off <= smem_limit) break;
+  }
+  if (a.ds_bufs < 1) a.ds_bufs = 1;
+  if (off > smem_limit) {
+    snprintf(why, why_len,
+             "the reverse-wavefront backward's shared memory does not fit: %d layers of %d "
+             "units at batch %d need %d bytes a CTA, and the device allows %d",
+             L, H, B, off, smem_limit);
+    return false;
+  }
+  return true;
+}
+
 }  // namespace rnnfuse_wf
