@@ -18,7 +18,8 @@ How the fused path runs is the layer's `rnnfuse.plan.Plan` (`plan=`,
 original layers; the kernel and its algorithm. A plan on rnnfuse's
 "wavefront" kernel runs inference calls there; a training call runs there
 too where the backend trains on it (`Capabilities.training_kernels`:
-torch, with the kernel's backward), else `plan.for_training()` (cuDNN),
+TensorFlow and torch, with the kernel's backward), else
+`plan.for_training()` (cuDNN),
 and its `KernelRun`'s note says so. Everything one call needs
 arrives as arguments (the plan's fields, the tuner's runtime algorithm,
 what the caller knows about the mask); what the call ran comes back as

@@ -46,7 +46,8 @@ SLOW: dict[str, str] = {
             "test_the_training_wrappers_bind_to_the_ops_signatures",
         )
     },
-    "test_wavefront_wiring.py::test_predict_chooses_the_wavefront_plan_and_fit_keeps_its_own": "predict and fit with tuning (6.5 s)",
+    "test_wavefront_wiring.py::test_predict_and_fit_each_run_their_own_decision[lstm]": "predict and fit with tuning (6.5 s)",
+    "test_wavefront_wiring.py::test_predict_and_fit_each_run_their_own_decision[gru]": "as [lstm]",
     "test_wavefront_wiring.py::test_a_step_whose_kernel_falls_back_is_not_timed": "tuner steps (5 s)",
     "test_wavefront_wiring.py::test_gradients_through_an_inference_call_are_cudnns[True-lstm]": (
         "traced gradients (5.6 s); the [False-*] cases stay fast"

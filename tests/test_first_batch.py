@@ -378,9 +378,9 @@ def gradient_calls(monkeypatch):
     calls = []
     real = backend.gradients
 
-    def recording(self, run, x, variables):
+    def recording(self, run, x, variables, training=False):
         calls.append((keras.backend.standardize_dtype(x.dtype), tuple(x.shape)))
-        return real(self, run, x, variables)
+        return real(self, run, x, variables, training=training)
 
     monkeypatch.setattr(backend, "gradients", recording)
     return group, calls

@@ -1,5 +1,5 @@
-"""rnnfuse's wavefront kernel as a plan kernel and an inference candidate
-(TensorFlow backend), on the CPU.
+"""rnnfuse's wavefront kernel as a plan kernel and a tuner candidate for
+inference and training (TensorFlow backend), on the CPU.
 
 The op is faked at its lowest level: `op_build.load_wavefront_op` returns
 `FakeWavefrontOp`, whose `rnnfuse_wavefront` records each call and
@@ -7,10 +7,14 @@ computes what the kernel computes (the emulated cuDNN of
 cudnn_reference.py, from the op's own inputs: layer 0's input projection
 and the canonical flat buffer) with no gradient of its own, as the real op
 has none; the kernel's on-chip plan is `fake_limits` (a stack fits when
-layers x units <= LIMIT). Everything between `FusedRNN` and the op is the
-real code: the plan, the training redirect, the packing, the cuDNN
-gradient recomputed in the backward pass, the fallback with its reason,
-and the tuner's candidate list, timing (a fake timer) and cache.
+layers x units <= LIMIT). The training ops are their TF step-by-step
+references (`wavefront_training.reference_forward_saving`,
+`recurrence_reference`, recorded in `FakeWavefrontOp.training`), and the
+backward's device plan keeps the real "LSTM only" rule. Everything between
+`FusedRNN` and the ops is the real code: the plan, the training path, the
+packing, the cuDNN gradient recomputed in an inference call's backward
+pass, the fallback with its reason, and the tuner's candidate list, timing
+(a fake timer), gradient check and cache.
 The real kernel is tested on the H200 (tests/gpu/test_gpu_wavefront.py).
 """
 
@@ -27,7 +31,7 @@ import rnnfuse
 from builders import fused_layers, max_abs_diff, stack_model
 from cudnn_reference import emulated_cudnn_rnn
 from rnnfuse.backends.cuda import library
-from rnnfuse.backends.tensorflow import op_build, wavefront_op
+from rnnfuse.backends.tensorflow import op_build, wavefront_op, wavefront_training
 from rnnfuse.fused import FusedRNN
 from rnnfuse.passes import build_layer_graph, plan_fusion
 from rnnfuse.plan import FUSED, Plan
@@ -74,11 +78,30 @@ class FakeWavefrontOp:
         return None
 
 
+def _fake_backward_reason(kind, units, batch, steps, ordinal=0):
+    if kind != "lstm":
+        return "the wavefront backward kernel runs LSTM stacks only (a GRU trains on cuDNN)"
+    return None
+
+
 @pytest.fixture
 def fake_wavefront(monkeypatch, emulated_cudnn):
     op = FakeWavefrontOp()
+    op.training = []
     monkeypatch.setattr(op_build, "load_wavefront_op", lambda: op)
     monkeypatch.setattr(library, "device_reason", op.fake_limits)
+    monkeypatch.setattr(library, "backward_reason", _fake_backward_reason)
+
+    def saving(*args, **kwargs):
+        op.training.append("forward")
+        return wavefront_training.reference_forward_saving(*args, **kwargs)
+
+    def recurrence(*args, **kwargs):
+        op.training.append("backward")
+        return wavefront_training.recurrence_reference(*args, **kwargs)
+
+    monkeypatch.setattr(wavefront_training, "forward_saving", saving)
+    monkeypatch.setattr(wavefront_training, "backward_layer", recurrence)
     yield op
 
 
@@ -129,12 +152,35 @@ def test_an_inference_call_runs_the_wavefront_op(fake_wavefront, half, kind, mas
         assert max_abs_diff(y, model(x)) > 4 * FP16_TOL, "the mask must matter here"
 
 
-def test_a_training_call_of_a_wavefront_plan_runs_cudnn_and_says_why(fake_wavefront, half):
+def test_a_training_call_of_an_lstm_runs_the_training_ops(fake_wavefront, half):
     layer = _fused(_model(), WAVEFRONT)
-    layer(_x(), training=True)
+    x = tf.constant(_x())
+    with tf.GradientTape() as tape:
+        y = layer(x, training=True)
+        loss = tf.reduce_sum(tf.cast(y, tf.float32) ** 2)
+    grads = tape.gradient(loss, layer.trainable_variables)
     assert fake_wavefront.calls == []
+    assert fake_wavefront.training == ["forward", "backward", "backward"]
     ran = layer.last_path.kernel
-    assert ran.name == "CudnnRNNV3" and "a training call" in ran.note
+    assert ran.name == wavefront_op.TRAINING_KERNEL_NAME and ran.note is None
+    layer.set_plan(FUSED)
+    with tf.GradientTape() as tape:
+        want_y = layer(x, training=True)
+        loss = tf.reduce_sum(tf.cast(want_y, tf.float32) ** 2)
+    want = tape.gradient(loss, layer.trainable_variables)
+    assert max_abs_diff(y, want_y) <= FP16_TOL
+    for g, w in zip(grads, want):
+        scale = max(1.0, float(np.max(np.abs(w))))
+        assert float(np.max(np.abs(np.asarray(g) - np.asarray(w)))) <= 2 * FP16_TOL * scale
+    assert all(float(np.max(np.abs(g))) > 0 for g in grads)
+
+
+def test_a_training_call_of_a_gru_runs_cudnn_and_says_why(fake_wavefront, half):
+    layer = _fused(_model("gru"), WAVEFRONT)
+    layer(_x(), training=True)
+    assert fake_wavefront.calls == [] and fake_wavefront.training == []
+    ran = layer.last_path.kernel
+    assert ran.name == "CudnnRNNV3" and "runs LSTM stacks only" in ran.note
     assert layer.plan == WAVEFRONT, "the plan itself is kept for inference calls"
     assert WAVEFRONT.for_training() == Plan((2,)) and WAVEFRONT.inference_only
 
@@ -250,7 +296,8 @@ def no_steps(monkeypatch):
     monkeypatch.setattr(tuner, "_steps", lambda group, plans, *a, **k: {p.name: None for p in plans})
 
 
-def test_the_wavefront_plan_is_timed_for_inference_only(fake_wavefront, half, no_steps):
+def test_the_wavefront_plan_is_timed_for_inference_and_an_lstms_training(
+        fake_wavefront, half, no_steps):
     groups = _groups(_model())
     timer = FakeTimer({"per-layer": 2.0, "fused": 1.0, "fused on wavefront": 0.5})
     (result,) = _tune(groups, timer)
@@ -260,8 +307,12 @@ def test_the_wavefront_plan_is_timed_for_inference_only(fake_wavefront, half, no
     assert fake_wavefront.asked == [("lstm", 2, 8, 8, 7, 5)]
     trainer = FakeTimer({"per-layer": 2.0, "fused": 1.0, "fused on wavefront": 0.5})
     (trained,) = _tune(groups, trainer, training=True)
-    assert all("wavefront" not in n for names in trainer.names for n in names)
-    assert trained.plan.kernel == "cudnn" and "fused on wavefront" not in trained.rejected
+    assert "fused on wavefront" in trainer.names[0] and trained.plan == WAVEFRONT
+    gru_trainer = FakeTimer({"per-layer": 2.0, "fused": 1.0, "fused on wavefront": 0.5})
+    (gru,) = _tune(_groups(_model("gru")), gru_trainer, training=True)
+    assert all("wavefront" not in n for names in gru_trainer.names for n in names)
+    assert gru.plan.kernel == "cudnn"
+    assert "runs LSTM stacks only" in gru.rejected["fused on wavefront"]
 
 
 def test_the_wavefront_plan_must_win_by_the_margin(fake_wavefront, half, no_steps):
@@ -301,6 +352,22 @@ def test_the_decision_is_cached_with_its_kernel(fake_wavefront, half, no_steps, 
     assert again.source == "cache" and again.plan == WAVEFRONT and timer.names == []
 
 
+def test_a_training_candidate_whose_backward_is_wrong_is_rejected(
+        fake_wavefront, half, no_steps, monkeypatch):
+    """The tuner's gradient check runs the candidate's training path (the
+    training ops), so a wrong backward loses the decision with the reason."""
+    def wrong(*args, **kwargs):
+        dgates, dh0, dc0 = wavefront_training.recurrence_reference(*args, **kwargs)
+        return dgates * 1.5, dh0, dc0
+
+    monkeypatch.setattr(wavefront_training, "backward_layer", wrong)
+    timer = FakeTimer({"per-layer": 2.0, "fused": 1.0, "fused on wavefront": 0.5})
+    (trained,) = tune_plans(_groups(_model()), lambda g: (8, 7, 5), training=True,
+                            measure=timer, environment=ENV, progress=False)
+    assert trained.plan == Plan((2,))
+    assert "gradient error" in trained.rejected["fused on wavefront"]
+
+
 @pytest.mark.parametrize("training", [False, True])
 def test_the_static_table_never_chooses_the_wavefront_kernel(half, training):
     for layers, units in [(2, 8), (4, 512), (1, 512)]:
@@ -324,14 +391,16 @@ def test_a_step_whose_kernel_falls_back_is_not_timed(fake_wavefront, half, monke
 # -- first-batch tuning -------------------------------------------------------------------
 
 
-def test_predict_chooses_the_wavefront_plan_and_fit_keeps_its_own(
-        fake_wavefront, half, no_steps, monkeypatch, tmp_path):
+@pytest.mark.parametrize("kind", ["lstm", "gru"])
+def test_predict_and_fit_each_run_their_own_decision(
+        fake_wavefront, half, no_steps, monkeypatch, tmp_path, kind):
     """One decision per mode: predict switches the layer to the wavefront
-    plan, fit back to the training decision (the op is not called by the
-    train step), predict again to the wavefront plan; decisions() and the
-    path record what ran."""
+    plan; fit to the training decision, the wavefront plan too for an LSTM
+    (its training ops run) and cuDNN for a GRU (no backward kernel; the
+    forward op is not called by the train step); predict again to the
+    wavefront plan; decisions() and the path record what ran."""
     monkeypatch.setattr(first_batch, "device_environment", lambda: dict(ENV))
-    model = _model(units=8)
+    model = _model(kind, units=8)
     fast = rnnfuse.optimize(model, cache=PlanCache(tmp_path / "plans.json"))
     fast._rnnfuse_autotune.measure = FakeTimer({"per-layer": 2.0, "fused": 1.0,
                                                 "fused on wavefront": 0.5})
@@ -343,11 +412,17 @@ def test_predict_chooses_the_wavefront_plan_and_fit_keeps_its_own(
     assert max_abs_diff(y, model.predict(x, verbose=0)) <= FP16_TOL
     fast.compile(optimizer="sgd", loss="mse")
     fast.fit(x, np.asarray(y, "float32"), batch_size=8, epochs=1, verbose=0)
-    assert layer.plan == Plan((2,)) and len(fake_wavefront.calls) == 1
-    assert layer.last_path.kernel.name == "CudnnRNNV3"
+    assert len(fake_wavefront.calls) == 1
+    records = {r["mode"]: r for r in first_batch.decisions(fast)}
+    if kind == "lstm":
+        assert layer.plan == WAVEFRONT and records["training"]["chosen"] == "fused on wavefront"
+        assert layer.last_path.kernel.name == wavefront_op.TRAINING_KERNEL_NAME
+        assert fake_wavefront.training[-3:] == ["forward", "backward", "backward"]
+    else:
+        assert layer.plan == Plan((2,)) and records["training"]["chosen"] == "fused"
+        assert layer.last_path.kernel.name == "CudnnRNNV3"
+        assert "fused on wavefront" not in records["training"]["timings_ms"]
     fast.predict(x, batch_size=8, verbose=0)
     assert layer.plan == WAVEFRONT and len(fake_wavefront.calls) == 2
     records = {r["mode"]: r for r in first_batch.decisions(fast)}
     assert records["inference"]["chosen"] == "fused on wavefront"
-    assert records["training"]["chosen"] == "fused"
-    assert "fused on wavefront" not in records["training"]["timings_ms"]

@@ -243,8 +243,8 @@ class Capabilities:
     # calls (forward-only kernels: `rnnfuse.plan.INFERENCE_ONLY_KERNELS`),
     # for the groups `Backend.kernel_reason` accepts at the timed shape.
     inference_kernels: tuple = ()
-    # Those of them this backend also trains on (torch: the wavefront
-    # kernel's own backward), which the tuner times for training calls too
+    # Those of them this backend also trains on (TensorFlow, torch: the
+    # wavefront kernel's own backward), which the tuner times for training calls too
     # where `Backend.kernel_reason(..., training=True)` accepts the group.
     # A training call of a plan on another forward-only kernel runs
     # `Plan.for_training()` (cuDNN).
@@ -381,9 +381,9 @@ class Backend(abc.ABC):
         return None
 
     @abc.abstractmethod
-    def gradients(self, run, x, variables: Sequence[Any]) -> list:
-        """d(sum of squared outputs of `run(x, False)`)/d(variables), float64
-        NumPy arrays (the tuner's gradient check)."""
+    def gradients(self, run, x, variables: Sequence[Any], training: bool = False) -> list:
+        """d(sum of squared outputs of `run(x, training)`)/d(variables),
+        float64 NumPy arrays (the tuner's gradient check)."""
 
     @abc.abstractmethod
     def timing_context(self) -> Any:

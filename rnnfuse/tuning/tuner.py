@@ -270,9 +270,15 @@ def _group_variables(group: FusionGroup) -> list:
 def gradient_error(group: FusionGroup, plan: Plan, x, reference) -> float:
     """Max relative difference of `plan`'s gradients from `reference`, a
     list of float64 gradients (`GradientCheck` computes them). Gradients
-    come from the backend (`Backend.gradients`).
+    come from the backend (`Backend.gradients`), through an inference call,
+    except for a plan on a kernel besides cuDNN: its training calls run its
+    own backward (the wavefront kernel's training ops), which only a
+    training call reaches on TensorFlow, so that is what is checked. (An
+    inference call keeps cuDNN algorithms' checks free of dropout; the
+    wavefront kernel refuses groups with dropout.)
     """
-    got = get_backend().gradients(_runner(group, plan), x, _group_variables(group))
+    got = get_backend().gradients(_runner(group, plan), x, _group_variables(group),
+                                  training=plan.inference_only)
     scale = max(float(np.max(np.abs(r))) for r in reference) or 1.0
     return max(float(np.max(np.abs(g - r))) for g, r in zip(got, reference)) / scale
 

@@ -31,7 +31,11 @@ saving op's y, hseq, gates and c; the backward op's dgates, dh0, dc0), so
 a failure names the op; refusals (over the forward's limits, a GRU, the backward op's
 own Unimplemented error); a gradient through the raw training ops is a
 clear error; and a tf.function training step at the headline shape timed
-against the cuDNN op (a GPU_REPORT line, not asserted).
+against the cuDNN op (a GPU_REPORT line, not asserted). As a training
+candidate (the last test): the same model's `fit` chooses the wavefront
+plan, its traced train step runs the training ops (no fallback note), its
+gradients match the original layers' within float16 rounding, and `fit`
+is faster than the original's.
 """
 
 from __future__ import annotations
@@ -522,3 +526,60 @@ def test_a_training_step_at_the_headline_shape_is_timed_against_the_cudnn_op():
     report("wavefront_train_step_tf", {
         "shape": "4x512 LSTM B64 T1000 float16", "wavefront_train_step_ms": ours,
         "cudnn_op_train_step_ms": cudnn, "speedup_vs_cudnn": cudnn / ours})
+
+
+# -- the tuner candidate, through fit ----------------------------------------------------
+
+
+def _median_fit_s(model, x, y, batch, repeats=3):
+    model.fit(x, y, batch_size=batch, epochs=1, verbose=0)  # trace
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        model.fit(x, y, batch_size=batch, epochs=1, verbose=0)
+        times.append(time.perf_counter() - start)
+    return float(np.median(times))
+
+
+def test_fit_of_a_4x512_float16_lstm_at_batch_64_trains_on_the_training_ops(tmp_path):
+    """The training decision chooses the wavefront plan (its saving forward
+    and backward ops), the traced train step runs them, the gradients match
+    the original layers' within float16 rounding, and fit is faster."""
+    model = _lstm_model(4, 512, 1000)
+    rng = np.random.default_rng(2)
+    x = rng.standard_normal((256, 1000, 512)).astype("float32")
+    y = (0.1 * rng.standard_normal((256, 1000, 512))).astype("float32")
+    fast = rnnfuse.optimize(model, cache=PlanCache(tmp_path / "plans.json"))
+    (layer,) = fused_layers(fast)
+    fast.compile(optimizer="sgd", loss="mse")
+    model.compile(optimizer="sgd", loss="mse")
+    fast.fit(x, y, batch_size=64, epochs=1, verbose=0)
+    (record,) = first_batch.decisions(fast)
+    print("GPU_REPORT decision", json.dumps(record, default=str))
+    assert record["mode"] == "training" and record["chosen"] == "fused on wavefront", record
+    ran = layer.last_path.kernel
+    assert ran.name == wavefront_op.TRAINING_KERNEL_NAME and ran.note is None, layer.last_path
+    batch = tf.constant(x[:64])
+    upstream = tf.constant(rng.standard_normal((64, 1000, 512)), tf.float32)
+    variables = model.trainable_variables
+
+    def grads(m):
+        with tf.GradientTape() as tape:
+            out = tf.cast(m(batch, training=True), tf.float32)
+            loss = tf.reduce_sum(out * upstream)
+        return [np.asarray(g, np.float64) for g in tape.gradient(loss, variables)]
+
+    got = grads(fast)
+    assert layer.last_path.kernel.name == wavefront_op.TRAINING_KERNEL_NAME, layer.last_path
+    want = grads(model)
+    rel = max(float(np.linalg.norm(g - w) / np.linalg.norm(w)) for g, w in zip(got, want))
+    original_s = _median_fit_s(model, x, y, 64)
+    fast_s = _median_fit_s(fast, x, y, 64)
+    report("wavefront_fit_tf", {
+        "shape": "4x512 LSTM B64 T1000 float16", "chosen": record["chosen"],
+        "timings_ms": record["timings_ms"], "rejected": record["rejected"],
+        "fit_original_ms": 1e3 * original_s, "fit_optimized_ms": 1e3 * fast_s,
+        "speedup": original_s / fast_s, "grad_rel_diff": rel,
+    })
+    assert rel <= 2e-2, rel
+    assert fast_s < original_s, (fast_s, original_s)

@@ -82,12 +82,12 @@ class JaxBackend(NoProjectedLSTMPath, KernelModuleBackend):
         # to time; the static plan (Keras' layers) stands.
         return None
 
-    def gradients(self, run, x, variables: Sequence[Any]):
+    def gradients(self, run, x, variables: Sequence[Any], training=False):
         variables = list(variables)
 
         def loss(values, inputs):
             with keras.StatelessScope(state_mapping=list(zip(variables, values))):
-                y = run(inputs, False)
+                y = run(inputs, training)
             return sum(jnp.sum(jnp.square(t.astype(jnp.float32))) for t in jax.tree.leaves(y))
 
         grads = jax.grad(loss)([v.value for v in variables], x)

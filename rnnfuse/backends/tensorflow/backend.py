@@ -48,8 +48,10 @@ class TensorFlowBackend(KernelModuleBackend):
             plan_table="tensorflow",
             projected_lstm_loop="tensorflow",
             auto_jit_from_layers=True,
-            # rnnfuse's wavefront op (forward only), where it loads.
+            # rnnfuse's wavefront op, where it loads: inference, and
+            # training on its saving forward and backward ops (LSTM stacks).
             inference_kernels=("wavefront",),
+            training_kernels=("wavefront",),
         )
 
     def group_reason(self, group):
@@ -104,14 +106,14 @@ class TensorFlowBackend(KernelModuleBackend):
             return None
         return tf.init_scope()
 
-    def gradients(self, run, x, variables: Sequence[Any]):
+    def gradients(self, run, x, variables: Sequence[Any], training=False):
         # In a graph of its own (`kernels.graph_gradients`: no tape, so it
         # also holds inside a user's traced step, where tapes are stopped).
         variables = list(variables)
 
         @tf.function
         def gradients(x):
-            y = run(x, False)
+            y = run(x, training)
             loss = tf.add_n(
                 [tf.reduce_sum(tf.cast(t, tf.float64) ** 2) for t in keras.tree.flatten(y)]
             )

@@ -96,9 +96,9 @@ class TorchBackend(KernelModuleBackend):
         # Eager: only gradients may be off (a loop under torch.no_grad()).
         return torch.enable_grad()
 
-    def gradients(self, run, x, variables: Sequence[Any]):
+    def gradients(self, run, x, variables: Sequence[Any], training=False):
         params = [getattr(v, "value", v) for v in variables]
-        y = run(x, False)
+        y = run(x, training)
         loss = sum((t.double() ** 2).sum() for t in keras.tree.flatten(y))
         grads = torch.autograd.grad(loss, params, allow_unused=True)
         return [
