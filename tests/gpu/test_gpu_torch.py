@@ -510,7 +510,8 @@ def test_single_projected_lstm_layer_runs_cudnn(bidirectional, cudnn_calls):
 @pytest.mark.parametrize("policy", ["float32", "mixed_float16"])
 def test_tuner_times_every_candidate_on_the_gpu_and_builds_the_fastest(policy, cudnn_calls):
     """optimize(tune=...) under torch: per-layer, whole, one call per layer
-    timed on the GPU; the fastest is built and stays exact."""
+    (and in float16 the wavefront kernel) timed on the GPU; the fastest is
+    built and stays exact."""
     from rnnfuse.api import choose_plans
 
     keras.config.set_dtype_policy(policy)
@@ -524,7 +525,11 @@ def test_tuner_times_every_candidate_on_the_gpu_and_builds_the_fastest(policy, c
     print(policy, "tuner ms:", {n: round(t * 1e3, 3) for n, t in result.timings.items()},
           "->", result.plan.name)
     assert result.source == "measured"
-    assert set(result.timings) == {"per-layer", "fused", "split 1+1+1"}
+    # In float16 the wavefront kernel (forward and backward) is a training
+    # candidate too, where its plan takes the shape; float32 it refuses.
+    wavefront = {"fused on wavefront"} & (set(result.timings) | set(result.rejected))
+    assert wavefront or policy == "float32", result.rejected
+    assert set(result.timings) - wavefront == {"per-layer", "fused", "split 1+1+1"}
     assert_fastest_or_kept_original(result)
     assert cudnn_calls and all(c["device"] == "cuda" for c in cudnn_calls)
     fast = rnnfuse.optimize(model, plan=result.plan)
