@@ -34,10 +34,11 @@ backward pass, `backward_stack` (per layer from the top: the backward
 kernel's recurrence, `backward_layer`, then dx, dW_ih, dW_hh and the
 biases as GEMMs). `run_trainable` is its `run_stack`; `training_reason`
 its checks. `reference_forward_saving` and `recurrence_reference` are the
-two kernels in torch (the CPU tests'). Opt-in (v2, unverified on the GPU):
-`trainable_forward(..., backward="stack")` runs `backward_stack_wavefront`
-instead, every layer's recurrence in ONE reverse-wavefront launch
-(`backward_stack_kernel`; `stack_recurrence_reference` in torch).
+two kernels in torch (the CPU tests'). Opt-in (v2, exact on the H200, not
+yet the default): `trainable_forward(..., backward="stack")` runs
+`backward_stack_wavefront` instead, every layer's recurrence in ONE
+reverse-wavefront launch (`backward_stack_kernel`;
+`stack_recurrence_reference` in torch).
 
 Example (on an H200):
 
@@ -376,33 +377,48 @@ def backward_stack(params, x, h0, c0, lengths, y, saved, dy, dhy, dcy, *,
     """
     hseq, gates, cseq = saved
     steps, batch, input_size = x.shape
-    num_layers, _, units = h0.shape
-    gh = 4 * units
-    dtype = x.dtype
-    views = _layer_views(params, num_layers, units, input_size)
-    dy = torch.zeros_like(y) if dy is None else dy.to(dtype).contiguous()
-    dhy = torch.zeros_like(h0) if dhy is None else dhy.to(dtype).contiguous()
-    dcy = torch.zeros_like(c0) if dcy is None else dcy.to(dtype).contiguous()
-    lens = lengths.to(torch.int32).contiguous() if lengths is not None else None
+    num_layers = h0.shape[0]
+    views = _layer_views(params, num_layers, h0.shape[2], input_size)
+    dy, dhy, dcy, lens = _upstream(x.dtype, y, h0, c0, dy, dhy, dcy, lengths)
     mats, biases = [None] * num_layers, [None] * num_layers
     dh0, dc0 = torch.empty_like(h0), torch.empty_like(c0)
     grad = dy  # of layer l's output sequence
     for l in reversed(range(num_layers)):
         w_ih, w_hh = views[l]
-        inp = x if l == 0 else hseq[l - 1]
-        out = y if l == num_layers - 1 else hseq[l]
         dgates, dh0_l, dc0_l = recurrence(w_hh.contiguous(), gates[l], cseq[l],
                                           c0[l].contiguous(), grad, dhy[l], dcy[l], lens)
-        dh0[l], dc0[l] = dh0_l.to(dtype), dc0_l.to(dtype)
-        dg = dgates.view(steps * batch, gh)
-        h_prev = torch.cat([h0[l:l + 1], out[:-1]]).view(steps * batch, units)
-        d_w_ih = dg.t() @ inp.reshape(steps * batch, inp.shape[-1])
-        d_w_hh = dg.t() @ h_prev
-        d_b = dg.sum(0, dtype=_accumulation(dtype)).to(dtype)
-        mats[l] = torch.cat([d_w_ih.reshape(-1), d_w_hh.reshape(-1)])
-        biases[l] = torch.cat([d_b, d_b])
-        grad = (dg @ w_ih).view(steps, batch, inp.shape[-1])
+        dh0[l], dc0[l] = dh0_l.to(x.dtype), dc0_l.to(x.dtype)
+        mats[l], biases[l] = _weight_gradients(dgates, l, x, h0, y, hseq)
+        inputs = w_ih.shape[1]
+        grad = (dgates.view(steps * batch, -1) @ w_ih).view(steps, batch, inputs)
     return grad, torch.cat(mats + biases), dh0, dc0
+
+
+def _upstream(dtype, y, h0, c0, dy, dhy, dcy, lengths):
+    """The backward's incoming gradients (dy, dhy, dcy: zeros where None,
+    else contiguous in `dtype`) and lengths (int32 or None)."""
+    dy = torch.zeros_like(y) if dy is None else dy.to(dtype).contiguous()
+    dhy = torch.zeros_like(h0) if dhy is None else dhy.to(dtype).contiguous()
+    dcy = torch.zeros_like(c0) if dcy is None else dcy.to(dtype).contiguous()
+    lens = lengths.to(torch.int32).contiguous() if lengths is not None else None
+    return dy, dhy, dcy, lens
+
+
+def _weight_gradients(dgates, l, x, h0, y, hseq):
+    """Layer l's weight and bias gradients from its dgates [T, B, 4H]: (dW_ih
+    and dW_hh flattened, as the canonical buffer lays them out; db twice,
+    for b_ih and b_hh). dW_ih = dgates^T x^l, dW_hh = dgates^T [h0,
+    h_0..h_{T-2}], db = the sum of dgates (accumulated in float32)."""
+    steps, batch = x.shape[0], x.shape[1]
+    units = h0.shape[2]
+    inp = x if l == 0 else hseq[l - 1]
+    out = y if l == h0.shape[0] - 1 else hseq[l]
+    dg = dgates.reshape(steps * batch, 4 * units)
+    h_prev = torch.cat([h0[l:l + 1], out[:-1]]).view(steps * batch, units)
+    d_w_ih = dg.t() @ inp.reshape(steps * batch, inp.shape[-1])
+    d_w_hh = dg.t() @ h_prev
+    d_b = dg.sum(0, dtype=_accumulation(x.dtype)).to(x.dtype)
+    return torch.cat([d_w_ih.reshape(-1), d_w_hh.reshape(-1)]), torch.cat([d_b, d_b])
 
 
 def backward_stack_kernel(params, input_size, gates, cseq, c0, dy, dhy, dcy, lengths, *,
@@ -485,29 +501,14 @@ def backward_stack_wavefront(params, x, h0, c0, lengths, y, saved, dy, dhy, dcy,
     hseq, gates, cseq = saved
     steps, batch, input_size = x.shape
     num_layers, _, units = h0.shape
-    gh = 4 * units
-    dtype = x.dtype
-    views = _layer_views(params, num_layers, units, input_size)
-    dy = torch.zeros_like(y) if dy is None else dy.to(dtype).contiguous()
-    dhy = torch.zeros_like(h0) if dhy is None else dhy.to(dtype).contiguous()
-    dcy = torch.zeros_like(c0) if dcy is None else dcy.to(dtype).contiguous()
-    lens = lengths.to(torch.int32).contiguous() if lengths is not None else None
+    dy, dhy, dcy, lens = _upstream(x.dtype, y, h0, c0, dy, dhy, dcy, lengths)
     dgates, dh0, dc0 = recurrence(params.contiguous(), input_size, gates.contiguous(),
                                   cseq.contiguous(), c0.contiguous(), dy, dhy, dcy, lens)
-    mats, biases = [None] * num_layers, [None] * num_layers
-    for l in range(num_layers):
-        w_ih, _ = views[l]
-        inp = x if l == 0 else hseq[l - 1]
-        out = y if l == num_layers - 1 else hseq[l]
-        dg = dgates[l].reshape(steps * batch, gh)
-        h_prev = torch.cat([h0[l:l + 1], out[:-1]]).view(steps * batch, units)
-        d_w_ih = dg.t() @ inp.reshape(steps * batch, inp.shape[-1])
-        d_w_hh = dg.t() @ h_prev
-        d_b = dg.sum(0, dtype=_accumulation(dtype)).to(dtype)
-        mats[l] = torch.cat([d_w_ih.reshape(-1), d_w_hh.reshape(-1)])
-        biases[l] = torch.cat([d_b, d_b])
-    dx = (dgates[0].reshape(steps * batch, gh) @ views[0][0]).view(steps, batch, input_size)
-    return dx, torch.cat(mats + biases), dh0.to(dtype), dc0.to(dtype)
+    mats, biases = zip(*(_weight_gradients(dgates[l], l, x, h0, y, hseq)
+                         for l in range(num_layers)))
+    w_ih0 = _layer_views(params, num_layers, units, input_size)[0][0]
+    dx = (dgates[0].reshape(steps * batch, 4 * units) @ w_ih0).view(steps, batch, input_size)
+    return dx, torch.cat(mats + biases), dh0.to(x.dtype), dc0.to(x.dtype)
 
 
 class _TrainableLSTM(torch.autograd.Function):
@@ -541,9 +542,9 @@ def trainable_forward(x: torch.Tensor, params: torch.Tensor, h0: torch.Tensor,
     backward kernel. `saving` and `recurrence` replace the two kernels
     (tests run torch versions of them on the CPU). `backward`: "layer" (the
     default: `backward_stack`, one backward launch a layer) or "stack"
-    (opt-in, v2, unverified on the GPU: `backward_stack_wavefront`, one
-    reverse-wavefront launch for every layer; `recurrence` then replaces
-    `backward_stack_kernel`). Outside the kernels' limits it raises
+    (opt-in, v2, exact on the H200, not yet the default:
+    `backward_stack_wavefront`, one reverse-wavefront launch for every
+    layer; `recurrence` then replaces `backward_stack_kernel`). Outside the kernels' limits it raises
     `library.WavefrontError` (`training_reason` says so beforehand; the
     "stack" path's own limits are `library.backward_stack_reason`).
 
