@@ -159,7 +159,7 @@ def run_stack(
         NotImplementedError: the op cannot run this call (the reason).
     """
     from rnnfuse.backends import tensorflow as tf_backend
-    from rnnfuse.backends.tensorflow import op_build
+    from rnnfuse.backends.tensorflow import op_build, wavefront_training
 
     del seed, algorithm
     dtype = sequences.dtype
@@ -168,22 +168,17 @@ def run_stack(
     if reason is not None:
         raise NotImplementedError(reason)
     x, lengths = _time_major(sequences, mask, reverse)
-    if lengths is None:
-        lengths = tf.zeros([0], tf.int32)
     params = tf_backend.pack_params(stack, dtype)
-    gh, input_size = GATES[stack.kind] * stack.units, int(x.shape[-1])
-    w_ih0 = tf.reshape(params[: gh * input_size], [gh, input_size])
-    xproj = tf.reshape(tf.matmul(tf.reshape(x, [-1, input_size]), w_ih0, transpose_b=True),
-                       [steps, batch, gh])
+    xproj = wavefront_training.input_projection(x, params, GATES[stack.kind] * stack.units)
     lstm = stack.kind == "lstm"
     outputs, h, c = op_build.load_wavefront_op().rnnfuse_wavefront(
         xproj=xproj,
         params=params,
         input_h=tf_backend._states(initial_h, stack, batch, dtype),
         input_c=tf_backend._states(initial_c, stack, batch, dtype) if lstm else tf.zeros([0], dtype),
-        sequence_lengths=lengths,
+        sequence_lengths=wavefront_training.lengths_input(lengths),
         rnn_mode=stack.kind,
-        input_size=input_size,
+        input_size=int(x.shape[-1]),
     )
     return StackRun(tf.transpose(outputs, [1, 0, 2]), h, (c if lstm else None),
                     KernelRun(KERNEL_NAME))

@@ -59,9 +59,18 @@ def _op():
     return module
 
 
-def _lengths_input(lengths: Any) -> tf.Tensor:
+def lengths_input(lengths: Any) -> tf.Tensor:
     """The ops' sequence_lengths: int32 [B], or [0] for every sequence T long."""
     return tf.zeros([0], tf.int32) if lengths is None else tf.cast(lengths, tf.int32)
+
+
+def input_projection(x: tf.Tensor, params: tf.Tensor, gh: int) -> tf.Tensor:
+    """Layer 0's x W_ih^T [T, B, gh] (no bias; the ops add the biases) as one
+    matmul in x's dtype, from the canonical flat buffer."""
+    steps, batch, input_size = (int(d) for d in x.shape)
+    w_ih0 = tf.reshape(params[: gh * input_size], [gh, input_size])
+    return tf.reshape(tf.matmul(tf.reshape(x, [-1, input_size]), w_ih0, transpose_b=True),
+                      [steps, batch, gh])
 
 
 def _accumulation(dtype: tf.DType) -> tf.DType:
@@ -114,13 +123,11 @@ def forward_saving(x: tf.Tensor, params: tf.Tensor, h0: tf.Tensor, c0: tf.Tensor
         tf.errors.UnimplementedError: the kernel cannot run this stack (the
             op names the limit; `wavefront_op.training_reason` says so first).
     """
-    steps, batch, input_size, _, units = _dims(x, h0)
-    w_ih0 = tf.reshape(params[: 4 * units * input_size], [4 * units, input_size])
-    xproj = tf.reshape(tf.matmul(tf.reshape(x, [-1, input_size]), w_ih0, transpose_b=True),
-                       [steps, batch, 4 * units])
+    _, _, input_size, _, units = _dims(x, h0)
+    xproj = input_projection(x, params, 4 * units)
     y, hy, cy, hseq, gates, cseq = _op().rnnfuse_wavefront_saving(
         xproj=xproj, params=params, input_h=h0, input_c=c0,
-        sequence_lengths=_lengths_input(lengths), input_size=input_size)
+        sequence_lengths=lengths_input(lengths), input_size=input_size)
     return y, hy, cy, (hseq, gates, cseq)
 
 
@@ -136,7 +143,7 @@ def backward_layer(w_hh, gates, cseq, c0, dy, dhy, dcy, lengths):
     """
     dgates, dh0, dc0 = _op().rnnfuse_wavefront_backward(
         w_hh=w_hh, gates=gates, cseq=cseq, c0=c0, dy=dy, dhy=dhy, dcy=dcy,
-        sequence_lengths=_lengths_input(lengths))
+        sequence_lengths=lengths_input(lengths))
     return dgates, dh0, dc0
 
 
