@@ -19,12 +19,11 @@ original layers; the kernel and its algorithm. A plan on rnnfuse's
 "wavefront" kernel runs inference calls there; a training call runs there
 too where the backend trains on it (`Capabilities.training_kernels`:
 TensorFlow and torch, with the kernel's backward), else
-`plan.for_training()` (cuDNN),
-and its `KernelRun`'s note says so. Everything one call needs
-arrives as arguments (the plan's fields, the tuner's runtime algorithm,
-what the caller knows about the mask); what the call ran comes back as
-`last_path` (a `CallPath` with the `KernelRun` of the fused kernel), set
-by the branch that ran. No process-wide switch is read, so two models
+`plan.for_training()` (cuDNN), and its `KernelRun`'s note says so.
+Everything one call needs arrives as arguments (the plan's fields, the
+tuner's runtime algorithm, what the caller knows about the mask); what the
+call ran comes back as `last_path` (a `CallPath` with the `KernelRun` of
+the fused kernel), set by the branch that ran. No process-wide switch is read, so two models
 traced in two threads each run their own plan.
 
 What it reproduces from the original stack: the first layer's input
