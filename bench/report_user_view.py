@@ -257,7 +257,7 @@ def entry_point_lines(rows: list[dict]) -> list[str]:
                          f"{e['below_0_97']} of {e['cells']} below 0.97x")
     lines += [
         "",
-        "| # | model | fit | predict | predict 4x | custom loop | fit calls 2-5 | predict calls 2-5 "
+        "| # | model | fit | predict | predict 4x | custom loop | fit calls 2-N | predict calls 2-N "
         "| first fit call | first predict call |",
         "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]

@@ -141,3 +141,25 @@ def test_resolution_shrinks_with_more_rounds_and_reads_the_raw_rounds():
     lo, hi = res[15]["band_90"]
     assert lo < 1.0 < hi and hi - lo < res[3]["band_90"][1] - res[3]["band_90"][0]
     assert report_user_view.resolution([dict(raw=dict(fit=dict(a=[1.0, 2.0])))]) == {}
+
+
+class _TimedStub:
+    """A model stand-in whose predict takes `seconds` (sleeps)."""
+
+    def __init__(self, seconds):
+        self.seconds = seconds
+
+    def predict(self, x, batch_size, verbose):
+        import time
+        time.sleep(self.seconds)
+        return x
+
+
+def test_whole_calls_take_more_samples_only_while_calls_are_cheap():
+    cheap = bench_user_view.whole_calls([("a", _TimedStub(0)), ("b", _TimedStub(0))],
+                                        "predict", [0.0], None, 1)
+    assert len(cheap["a"]) == len(cheap["b"]) == bench_user_view.MAX_CALLS
+    dear = bench_user_view.whole_calls([("a", _TimedStub(0.02)), ("b", _TimedStub(0.02))],
+                                       "predict", [0.0], None, 1, budget_s=0.05)
+    # 5 calls at least, though the budget was spent after the second
+    assert len(dear["a"]) == len(dear["b"]) == bench_user_view.CALLS
