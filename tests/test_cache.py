@@ -166,6 +166,18 @@ def test_entries_hold_their_key_as_a_record_and_old_entries_still_answer(tmp_pat
     assert not key.other_shape(CacheKey.of({"device": "H200", "cudnn": "9"}, "gru/u8", (128, 20, 4), "float16", False, masked=True))
 
 
+def test_a_decision_timed_against_the_xla_compiled_original_is_its_own_entry(tmp_path):
+    env = {"device": "H200", "cudnn": "9"}
+    xla = CacheKey.of(env, "lstm/u8", (32, 20, 4), "float16", True, xla_baseline=True)
+    graph = CacheKey.of(env, "lstm/u8", (32, 20, 4), "float16", True)
+    assert xla.text != graph.text and xla.text.endswith("||xla")
+    cache = PlanCache(tmp_path / "plans.json")
+    cache.put(xla, {"plan": {"pieces": [2], "algorithm": None}})
+    assert cache.get(graph) is None
+    ((stored, _),) = PlanCache(tmp_path / "plans.json").entries()
+    assert stored == xla and not graph.other_shape(stored)
+
+
 def _optimize_with_default_cache(monkeypatch, gpu: bool):
     """optimize() through the path that reads the default cache: a tuned
     plan (tune=) on the CPU, or, with a (fake) GPU, first-batch tuning."""

@@ -144,6 +144,43 @@ def test_a_custom_loop_trace_gets_a_plan_timed_for_its_shape(timed):
     assert [(r["mode"], r["bucket"][0]) for r in records] == [("training", 8), ("inference", 8), ("inference", 32)]
 
 
+def test_a_custom_loop_after_fit_is_timed_apart_where_fit_timed_the_original_with_xla(timed):
+    """`fit` times the original layers XLA-compiled (Keras compiles the
+    original model so under jit_compile="auto"); a user's own tf.function
+    runs them without XLA, so the same shape there is its own decision, and
+    it can choose otherwise (on the H200, cell 9 of the user-view matrix:
+    the fit decision carried to a custom loop ran it at 0.86x)."""
+    make, algorithms = timed
+    model = _model()
+    by_batch = {8: dict(MEDIANS[8])}
+    fast, timer = make(model, by_batch)
+    x, y = _xy(model, 8)
+    fast.compile(optimizer="sgd", loss="mse")
+    fast.fit(x, y, batch_size=8, epochs=1, verbose=0)
+    assert len(timer.calls) == 1
+    (fit_record,) = first_batch.decisions(fast)
+    assert fit_record["xla_baseline"] is True and fit_record["chosen"] == PERSISTENT
+    # Without XLA the original layers win at this shape.
+    by_batch[8] = {**MEDIANS[8], "per-layer": 0.5}
+    variables = fast.trainable_variables
+
+    @tf.function
+    def train_step(x):
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_mean(fast(x, training=True) ** 2)
+        return tape.gradient(loss, variables)
+
+    train_step(x)
+    assert len(timer.calls) == 2, "the fit decision was carried to the custom loop"
+    loop_record = first_batch.decisions(fast)[-1]
+    assert loop_record["xla_baseline"] is False and loop_record["chosen"] == "per-layer"
+    (layer,) = fused_layers(fast)
+    assert layer.last_path.reason.rule == "plan_per_layer"
+    fast.fit(x, y, batch_size=8, epochs=1, verbose=0)
+    assert len(timer.calls) == 2, "fit's own decision is kept for fit"
+    assert algorithms()[-1] == "persistent_dynamic"
+
+
 def test_a_trace_whose_batch_is_open_runs_the_static_table_without_timing(timed):
     make, algorithms = timed
     model = _model()

@@ -103,10 +103,16 @@ class CacheKey:
     # The input carries a padding mask (right-padded lengths), which
     # changes which kernels Keras runs: its own decision.
     masked: bool = False
+    # The original layers were timed XLA-compiled (as Keras' `fit` runs a
+    # model under jit_compile="auto"), not as a user's own `tf.function` or
+    # an eager call runs them: the same shape on another path is another
+    # decision (on the H200 the original layers of one model took 21.5 ms a
+    # step with XLA and 16.6 ms in a custom loop).
+    xla_baseline: bool = False
 
     @classmethod
     def of(cls, environment: dict, group: Any, shape: tuple, dtype: str, training: bool,
-           masked: bool = False) -> "CacheKey":
+           masked: bool = False, xla_baseline: bool = False) -> "CacheKey":
         """The key of a decision; `group` is a FusionGroup or its signature."""
         return cls(
             environment=tuple(sorted((str(k), str(v)) for k, v in environment.items())),
@@ -115,6 +121,7 @@ class CacheKey:
             dtype=str(dtype),
             training=bool(training),
             masked=bool(masked),
+            xla_baseline=bool(xla_baseline),
         )
 
     @property
@@ -124,7 +131,8 @@ class CacheKey:
         env = "|".join(f"{k}={v}" for k, v in self.environment)
         mode = "train" if self.training else "infer"
         key = f"{env}||{self.group}||{self.shape}||{self.dtype}||{mode}"
-        return key + "||masked" if self.masked else key
+        key = key + "||masked" if self.masked else key
+        return key + "||xla" if self.xla_baseline else key
 
     def other_shape(self, other: "CacheKey") -> bool:
         """Whether `other` is the same decision for another input shape."""
@@ -144,14 +152,15 @@ class CacheKey:
             KeyError, TypeError, ValueError, AttributeError: not a key's dict.
         """
         return cls.of(d["environment"], d["group"], tuple(d["shape"]), d["dtype"],
-                      d["training"], d.get("masked", False))
+                      d["training"], d.get("masked", False), d.get("xla_baseline", False))
 
 
 def cache_key(
-    environment: dict, group: Any, shape: tuple, dtype: str, training: bool, masked: bool = False
+    environment: dict, group: Any, shape: tuple, dtype: str, training: bool, masked: bool = False,
+    xla_baseline: bool = False,
 ) -> CacheKey:
     """The cache key of one decision (`CacheKey.of`)."""
-    return CacheKey.of(environment, group, shape, dtype, training, masked)
+    return CacheKey.of(environment, group, shape, dtype, training, masked, xla_baseline)
 
 
 class PlanCache:

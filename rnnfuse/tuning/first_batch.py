@@ -121,8 +121,10 @@ def prepare(model: keras.Model, x: Any, batch_size: int | None, *, training: boo
     if state is None or not state.members:
         return []
     chosen = _prepare(model, state, x, batch_size, training)
+    jit = _keras_would_jit(model, state)
     found = (
-        state.decided.get((i, mode, entry[0])) for (i, mode), entry in chosen.items() if entry is not None
+        state.decided.get((i, mode, entry[0], jit))
+        for (i, mode), entry in chosen.items() if entry is not None
     )
     return [r for r in found if r is not None]
 

@@ -36,6 +36,13 @@ The rule (what `decide` and the layers' `Planner` do):
    first called or traced with a concrete shape, and the plan is timed for
    that shape then, before the trace goes on (on TensorFlow from inside the
    trace, through `Backend.timing_context`).
+5. A decision is made for the path it runs on: where Keras XLA-compiles
+   the original model's steps (jit_compile="auto"), `fit`, `evaluate` and
+   `predict` time the original layers XLA-compiled, while a custom loop's
+   `tf.function` or an eager call runs them without XLA, so those are timed
+   apart (`decision_key`): on the H200 one model's original layers took
+   21.5 ms a step in `fit` and 16.6 ms in a custom loop, and the plan
+   chosen against the first lost in the second (0.86x).
 
 The cost: the first bucket of a mode times every candidate (what
 first-batch tuning has always cost); each later bucket times a few
@@ -79,6 +86,7 @@ __all__ = [
     "bucket_of",
     "contenders",
     "decide",
+    "decision_key",
     "decision_record",
     "untimed",
 ]
@@ -115,7 +123,8 @@ class AutoTune:
     members: list = dataclasses.field(default_factory=list)
     # Whether the user compiled with jit_compile="auto" (Keras' default).
     jit_auto: bool = True
-    # (member index, training, bucket) -> the TuneResult decided for it.
+    # (member index, training, bucket, xla_baseline) -> the TuneResult
+    # decided for it (`decision_key`).
     decided: dict = dataclasses.field(default_factory=dict)
     # While a fit/evaluate/predict call runs: (member index, training) ->
     # (bucket, plan) of the call (None: not decided yet); else None.
@@ -134,7 +143,7 @@ class AutoTune:
 
     def plans_of(self, index: int) -> list[Plan]:
         """Every plan decided for member `index` (any mode and bucket)."""
-        return [r.plan for (i, _, _), r in self.decided.items() if i == index]
+        return [r.plan for (i, *_), r in self.decided.items() if i == index]
 
 
 def bucket_of(batch: int, steps: int) -> tuple[int, int]:
@@ -198,11 +207,11 @@ def decide(state: AutoTune, environment: dict, shapes: dict, training: bool, *,
     out, todo, narrowed = {}, {}, {}
     for i, shape in shapes.items():
         member = state.members[i]
-        key = (i, training, bucket_of(shape[0], shape[1]))
+        key = decision_key(i, training, shape, jit_baseline)
         if key in state.decided:
             out[i] = state.decided[key]
             continue
-        hit = _cached_in_bucket(state.cache, environment, member, shape, training)
+        hit = _cached_in_bucket(state.cache, environment, member, shape, training, jit_baseline)
         if hit is not None:
             state.decided[key] = out[i] = hit
             continue
@@ -247,19 +256,34 @@ def decide(state: AutoTune, environment: dict, shapes: dict, training: bool, *,
         if result.source == "measured" and id(result.group) in narrowed:
             near = narrowed[id(result.group)][1]
             result = dataclasses.replace(result, source=f"measured: the contenders of bucket {near}")
-        state.decided[(i, training, bucket_of(shape[0], shape[1]))] = out[i] = result
+        state.decided[decision_key(i, training, shape, jit_baseline)] = out[i] = result
         _log(result, shape, training, seconds)
-        state.decisions.append(decision_record(result, shape, training))
+        state.decisions.append(decision_record(result, shape, training, jit_baseline))
     return out
 
 
-def _cached_in_bucket(cache, environment, member, shape, training) -> TuneResult | None:
+def decision_key(index: int, training: bool, shape: tuple, xla_baseline: bool) -> tuple:
+    """The key of one decision in `AutoTune.decided`: the member, the mode,
+    the shape's bucket, and whether the original layers were timed
+    XLA-compiled (Keras' `fit`/`evaluate`/`predict` under
+    jit_compile="auto") or not (a custom loop's `tf.function`, an eager
+    call): the same shape on another path is decided apart.
+
+    >>> decision_key(0, True, (48, 200, 8), True)
+    (0, True, (64, 256), True)
+    """
+    return (index, bool(training), bucket_of(shape[0], shape[1]), bool(xla_baseline))
+
+
+def _cached_in_bucket(cache, environment, member, shape, training,
+                      xla_baseline=False) -> TuneResult | None:
     """A cached decision for `shape` itself, else for another shape of its
-    bucket (the same group, dtype, mode and masking), as a TuneResult."""
+    bucket (the same group, dtype, mode, masking and baseline), as a
+    TuneResult."""
     if cache is None:
         return None
     group = member.group
-    key = cache_key(environment, group, shape, group.dtype, training, member.masked)
+    key = cache_key(environment, group, shape, group.dtype, training, member.masked, xla_baseline)
     entry = cache.get(key)
     if entry is None:
         bucket = bucket_of(shape[0], shape[1])
@@ -283,7 +307,7 @@ def _nearest_decided(state: AutoTune, index: int, training: bool, bucket) -> tup
     """(bucket, TuneResult) of the nearest decided bucket of this member and
     mode (distance |log batch ratio| + |log steps ratio|), or None."""
     best, best_distance = None, math.inf
-    for (i, mode, other), result in state.decided.items():
+    for (i, mode, other, _), result in state.decided.items():
         if i != index or mode != training or result is None:
             continue
         distance = abs(math.log(other[0] / bucket[0])) + abs(math.log(other[1] / bucket[1]))
@@ -325,7 +349,7 @@ class Planner:
             decided_bucket, plan = call[(i, training)]
             return plan if bucket in (None, decided_bucket) else untimed(plan)
         if bucket is not None:
-            result = state.decided.get((i, training, bucket))
+            result = state.decided.get(decision_key(i, training, shape, False))
             if result is None:
                 result = self._time_now(shape, training)
             if result is not None:
@@ -388,13 +412,15 @@ def _apart_from_the_callers_call(group: FusionGroup):
             view.layer._clear_losses()
 
 
-def decision_record(result: TuneResult, shape: tuple, training: bool) -> dict:
+def decision_record(result: TuneResult, shape: tuple, training: bool,
+                    xla_baseline: bool = False) -> dict:
     """A JSON-ready record of one group's decision.
 
     Keys: layers, mode, input (batch, steps, features), bucket, dtype,
-    source, chosen (plan name), timings_ms (candidate -> median ms),
-    rejected, and static (the plan the static table gives the group without
-    timing).
+    xla_baseline (the original layers were timed XLA-compiled, as Keras'
+    own calls run them; `decision_key`), source, chosen (plan name),
+    timings_ms (candidate -> median ms), rejected, and static (the plan the
+    static table gives the group without timing).
     """
     group = result.group
     return dict(
@@ -403,6 +429,7 @@ def decision_record(result: TuneResult, shape: tuple, training: bool) -> dict:
         input=list(shape),
         bucket=list(bucket_of(shape[0], shape[1])),
         dtype=str(group.dtype),
+        xla_baseline=bool(xla_baseline),
         source=result.source,
         chosen=result.plan.name,
         timings_ms={name: 1e3 * s for name, s in result.timings.items()},

@@ -350,7 +350,7 @@ def tune_plans(
         dtype = group.dtype
         shape = tuple(int(d) for d in shape_of(group))
         masked = bool(masked_of(group)) if masked_of is not None else False
-        key = cache_key(environment, group, shape, dtype, training, masked)
+        key = cache_key(environment, group, shape, dtype, training, masked, jit_baseline)
         hit = cache.get(key) if cache is not None else None
         if hit is not None:
             plan, problem = _cached_plan(hit, group)
