@@ -5,8 +5,10 @@
   call) and carries the cubin;
 - its plan answers without a GPU: the brief's headline stack fits an
   H200, the refused shapes say why;
-- the TensorFlow ops (inference, and the saving forward and one layer's
-  backward for training) compile around the same sources and register;
+- the TensorFlow ops (inference, and the saving forward, one layer's
+  backward and the stack's reverse-wavefront backward for training)
+  compile around the same sources and register;
+- the "auto" backward's choice on the real plan (an H200's limits);
 - the cache: a second build reuses the files; a missing nvcc names the fix.
 The kernel's numbers are tested on the H200 (tests/gpu/test_gpu_wavefront*.py).
 """
@@ -162,6 +164,51 @@ def test_refused_stack_backward_shapes_say_why(built, shape, message):
     assert isinstance(lib.backward_stack_plan(4, 512, 64, 100, sms=132, smem=80_000), str)
 
 
+def _h200_stack_reason(lib):
+    """`library.backward_stack_reason` with an H200's limits, no GPU."""
+    def reason(kind, layers, units, batch, steps, ordinal=0):
+        plan = lib.backward_stack_plan(layers, units, batch, steps, **H200)
+        return plan if isinstance(plan, str) else None
+    return reason
+
+
+def test_auto_picks_the_stack_backward_where_the_h200_plan_accepts_it(built):
+    """The choice rule on the real plan: the headline 4 x 512 B64 T1000 runs
+    the reverse wavefront; 7 x 320 (140 CTAs, the forward's 130 fit) runs
+    per layer, whose plan accepts it, with the stack plan's refusal as the
+    reason; "layer" and "stack" are what was asked."""
+    lib = library.load(built[0])
+    reason = _h200_stack_reason(lib)
+    head = library.choose_backward("auto", "lstm", 4, 512, 64, 1000, stack_reason=reason)
+    assert head == library.BackwardChoice("stack", "auto", None)
+    assert "reverse-wavefront" in head.note
+    deep = library.choose_backward("auto", "lstm", 7, 320, 8, 10, stack_reason=reason)
+    assert deep.backward == "layer" and deep.requested == "auto"
+    assert "do not fit on chip for the reverse-wavefront backward" in deep.reason, deep
+    assert deep.reason in deep.note and "per-layer" in deep.note
+    assert isinstance(lib.plan("lstm", 7, 320, 8, 10, 64, **H200), tuple)
+    assert isinstance(lib.backward_plan(320, 8, 10, **H200), dict)  # v1 runs it
+    for asked in ("layer", "stack"):
+        assert library.choose_backward(asked, "lstm", 7, 320, 8, 10,
+                                       stack_reason=reason).backward == asked
+
+
+def test_auto_never_raises_and_a_bad_backward_is_a_clear_error():
+    def broken(*args):
+        raise OSError("libcuda.so.1: cannot open shared object file")
+
+    choice = library.choose_backward("auto", "lstm", 2, 64, 8, 10, stack_reason=broken)
+    assert choice.backward == "layer" and "libcuda.so.1" in choice.reason
+    unavailable = library.choose_backward("auto", "lstm", 2, 64, 8, 10, unavailable="no GPU",
+                                          stack_reason=broken)
+    assert unavailable.reason == "no GPU"
+    gru = library.choose_backward("auto", "gru", 2, 64, 8, 10)
+    assert gru.backward == "layer" and "LSTM stacks only" in gru.reason
+    for bad in ("both", "Stack", None, 1):
+        with pytest.raises(ValueError, match=f"backward must be one of .*received {bad!r}"):
+            library.choose_backward(bad, "lstm", 2, 64, 8, 10, stack_reason=broken)
+
+
 def test_a_call_without_a_driver_or_a_bad_argument_is_a_clear_error(built):
     lib = library.load(built[0])
     with pytest.raises(library.WavefrontError, match="float16"):
@@ -191,7 +238,7 @@ def test_the_tensorflow_op_compiles_and_registers(built, monkeypatch):
     assert "libtensorflow_framework" in needed and "libcudart" not in needed
     code = ("import tensorflow as tf, sys; m = tf.load_op_library(sys.argv[1]); "
             "print(all(hasattr(m, n) for n in ('rnnfuse_wavefront', 'rnnfuse_wavefront_saving', "
-            "'rnnfuse_wavefront_backward')))")
+            "'rnnfuse_wavefront_backward', 'rnnfuse_wavefront_backward_stack')))")
     out = subprocess.run([sys.executable, "-c", code, str(path)], capture_output=True, text=True)
     assert out.stdout.strip().endswith("True"), out.stderr[-2000:]
     assert op_build.build_wavefront_op() == path  # cached
@@ -221,25 +268,40 @@ _TRAINING_SHAPES = textwrap.dedent("""\
     graph = backward.get_concrete_function().graph.get_operations()
     op = [o for o in graph if o.type == "RnnfuseWavefrontBackward"][0]
     print([o.shape.as_list() for o in op.outputs], [o.dtype.name for o in op.outputs])
+
+    @tf.function(input_signature=[spec(None), spec(L, T, B, 4 * H, d=tf.float32),
+                                  spec(L, T, B, H, d=tf.float32), spec(L, B, H), spec(T, B, H),
+                                  spec(L, B, H), spec(L, B, H), spec(None, d=tf.int32)])
+    def stack(*args):
+        return m.rnnfuse_wavefront_backward_stack(*args, input_size=I)
+
+    graph = stack.get_concrete_function().graph.get_operations()
+    op = [o for o in graph if o.type == "RnnfuseWavefrontBackwardStack"][0]
+    print([o.shape.as_list() for o in op.outputs], [o.dtype.name for o in op.outputs],
+          op.get_attr("input_size"), op.get_attr("check"))
     """)
 
 
 def test_the_training_ops_register_with_the_kernels_layouts(built, monkeypatch):
     """RnnfuseWavefrontSaving's outputs: y, hy, cy, hseq [L-1, T, B, H] in the
     element type, gates [L, T, B, 4H] and cseq [L, T, B, H] in float32;
-    RnnfuseWavefrontBackward's: dgates [T, B, 4H], dh0 and dc0 [B, H] float32."""
+    RnnfuseWavefrontBackward's: dgates [T, B, 4H], dh0 and dc0 [B, H] float32;
+    RnnfuseWavefrontBackwardStack's: dgates [L, T, B, 4H], dh0 and dc0
+    [L, B, H] float32 (check off unless asked)."""
     from rnnfuse.backends.tensorflow import op_build
 
     monkeypatch.setenv("RNNFUSE_CACHE_DIR", str(built[1]))
     path = op_build.build_wavefront_op()
     out = subprocess.run([sys.executable, "-c", _TRAINING_SHAPES, str(path)],
                          capture_output=True, text=True)
-    lines = out.stdout.strip().splitlines()[-2:]
-    assert len(lines) == 2, out.stderr[-2000:]
+    lines = out.stdout.strip().splitlines()[-3:]
+    assert len(lines) == 3, out.stderr[-2000:]
     assert lines[0] == ("[[5, 2, 8], [3, 2, 8], [3, 2, 8], [2, 5, 2, 8], [3, 5, 2, 32], "
                         "[3, 5, 2, 8]] ['float16', 'float16', 'float16', 'float16', 'float32', "
                         "'float32']")
     assert lines[1] == "[[5, 2, 32], [2, 8], [2, 8]] ['float16', 'float32', 'float32']"
+    assert lines[2] == ("[[3, 5, 2, 32], [3, 2, 8], [3, 2, 8]] ['float16', 'float32', "
+                        "'float32'] 6 False")
 
 
 _TRAINING_CALLS = textwrap.dedent("""\
@@ -257,6 +319,9 @@ _TRAINING_CALLS = textwrap.dedent("""\
                                   tf.constant([5, 3])),
         lambda: wt.backward_layer(f16(4 * H, H), f32(T, B, 4 * H), f32(T, B, H), f16(B, H),
                                   f16(T, B, H), f16(B, H), f16(B, H), tf.constant([5, 3])),
+        lambda: wt.backward_stack_kernel(params, I, f32(L, T, B, 4 * H), f32(L, T, B, H),
+                                         f16(L, B, H), f16(T, B, H), f16(L, B, H), f16(L, B, H),
+                                         tf.constant([5, 3]), check=True),
     ]
     for call in calls:
         try:
@@ -264,20 +329,22 @@ _TRAINING_CALLS = textwrap.dedent("""\
         except Exception as exc:
             print(type(exc).__name__, str(exc).splitlines()[0][:200])
 
-    @tf.function(input_signature=[tf.TensorSpec([T, B, I], tf.float16),
-                                  tf.TensorSpec(params.shape, tf.float16)])
-    def step(x, params):
-        with tf.GradientTape() as tape:
-            tape.watch([x, params])
-            y, hy, cy = wt.trainable_forward(x, params, f16(L, B, H), f16(L, B, H),
-                                             tf.constant([5, 3]))
-            loss = tf.reduce_sum(tf.cast(y, tf.float32))
-        return tape.gradient(loss, [x, params])
+    for backward in ("auto", "stack"):
+        @tf.function(input_signature=[tf.TensorSpec([T, B, I], tf.float16),
+                                      tf.TensorSpec(params.shape, tf.float16)])
+        def step(x, params):
+            with tf.GradientTape() as tape:
+                tape.watch([x, params])
+                y, hy, cy = wt.trainable_forward(x, params, f16(L, B, H), f16(L, B, H),
+                                                 tf.constant([5, 3]), backward=backward)
+                loss = tf.reduce_sum(tf.cast(y, tf.float32))
+            return tape.gradient(loss, [x, params])
 
-    graph = step.get_concrete_function().graph
-    ops = [o.type for o in graph.get_operations()]
-    print("traced", ops.count("RnnfuseWavefrontSaving"), ops.count("RnnfuseWavefrontBackward"),
-          [g.shape.as_list() for g in step.get_concrete_function().outputs])
+        graph = step.get_concrete_function().graph
+        ops = [o.type for o in graph.get_operations()]
+        print("traced", backward, ops.count("RnnfuseWavefrontSaving"),
+              ops.count("RnnfuseWavefrontBackward"), ops.count("RnnfuseWavefrontBackwardStack"),
+              [g.shape.as_list() for g in step.get_concrete_function().outputs])
     """)
 
 
@@ -287,7 +354,8 @@ def test_the_training_wrappers_bind_to_the_ops_signatures(built, monkeypatch):
     placement, which finds no CPU kernel (the ops are GPU-only), never a
     TypeError or a shape-function error; and a traced training step (the
     ops' shape functions, tf.custom_gradient in graph mode) builds, with
-    one saving forward and one backward op a layer."""
+    one saving forward and one backward op a layer, or (backward="stack")
+    one stack backward op."""
     from rnnfuse.backends.tensorflow import op_build
 
     monkeypatch.setenv("RNNFUSE_CACHE_DIR", str(built[1]))
@@ -297,11 +365,13 @@ def test_the_training_wrappers_bind_to_the_ops_signatures(built, monkeypatch):
                          env={**__import__("os").environ,
                               "PYTHONPATH": str(Path(__file__).resolve().parents[1])})
     lines = [l for l in out.stdout.splitlines() if l.strip()]
-    assert len(lines) == 4, (out.stdout, out.stderr[-2000:])
-    # Traced with a gradient: one saving forward, one backward op a layer.
-    assert lines[3] == "traced 1 2 [[5, 2, 6], [" + str(4 * 8 * (6 + 8) + 4 * 8 * 16 + 64 * 2) \
-        + "]]", lines[3]
-    for line in lines[:3]:
+    assert len(lines) == 6, (out.stdout, out.stderr[-2000:])
+    # Traced with a gradient: one saving forward, then one backward op a
+    # layer ("auto" here, on the CPU: no driver), or one stack backward op.
+    grads = "[[5, 2, 6], [" + str(4 * 8 * (6 + 8) + 4 * 8 * 16 + 64 * 2) + "]]"
+    assert lines[4] == "traced auto 1 2 0 " + grads, lines[4]
+    assert lines[5] == "traced stack 1 0 1 " + grads, lines[5]
+    for line in lines[:4]:
         assert line.startswith(("NotFoundError", "InvalidArgumentError")), line
         assert "GPU" in line or "kernel" in line.lower() or "device" in line.lower(), line
 

@@ -11,7 +11,12 @@ length - 1), the initial states, the `tf.custom_gradient` wiring to the
 flat buffer and from `run_trainable` to the Keras variables (against the
 emulated cuDNN's gradient), and the refusals. The two TF references are
 also checked against the torch binding's (which the H200 checks against
-the kernels), where torch is installed.
+the kernels), where torch is installed. The same for the reverse-wavefront
+backward (v2, `backward="stack"`): `stack_recurrence_reference` in the
+kernel's place, the GEMMs of `backward_stack_wavefront` against the
+float64 tape, the op wrapper's arguments, and the "auto" choice (v2 where
+its plan accepts the stack, else v1 with the reason; a bad value is a
+ValueError).
 """
 
 from __future__ import annotations
@@ -25,6 +30,9 @@ from rnnfuse.backends.base import StackSpec
 from rnnfuse.backends.tensorflow import wavefront_op, wavefront_training as wt
 
 TF_KERNELS = dict(saving=wt.reference_forward_saving, recurrence=wt.recurrence_reference)
+# The reverse-wavefront path (v2) with the TF stand-in of its one launch.
+STACK_KERNELS = dict(saving=wt.reference_forward_saving,
+                     recurrence=wt.stack_recurrence_reference, backward="stack")
 
 
 def _params(layers, units, inputs, rng):
@@ -353,3 +361,223 @@ def test_the_backends_kernel_reason_for_training_is_training_reason(monkeypatch,
     assert asked == [(kind, 8, 4, 7)]
     assert reason == ("the backward's limit" if kind == "lstm" else
                       "the wavefront backward kernel runs LSTM stacks only (a GRU trains on cuDNN)")
+
+
+# -- the reverse-wavefront backward (v2) and the "auto" choice ------------------------------
+
+
+@pytest.mark.parametrize("shape", [(1, 8, 3, 7, 5), (2, 16, 4, 9, 5), (3, 8, 5, 6, 3),
+                                   (4, 8, 2, 4, 6)])
+@pytest.mark.parametrize("with_lengths", [False, True])
+def test_the_stack_backwards_gradients_are_a_tapes_of_the_float64_reference(shape,
+                                                                           with_lengths):
+    """backward="stack": one (here: TensorFlow) recurrence for every layer,
+    then the GEMMs of `backward_stack_wavefront`."""
+    x, params, h0, c0, lengths = _inputs(*shape, with_lengths)
+    rng = np.random.default_rng(1)
+    want_out = wt.reference_forward(x, params, h0, c0, lengths)
+    upstream = [tf.constant(rng.standard_normal(t.shape)) for t in want_out]
+    leaves = [x, params, h0, c0]
+    _, want = _grads(lambda *a: wt.reference_forward(*a, lengths), leaves, upstream)
+    _, got = _grads(lambda *a: wt.trainable_forward(*a, lengths, **STACK_KERNELS), leaves,
+                    upstream)
+    for name, a, b in zip(["dx", "dparams", "dh0", "dc0"], got, want):
+        assert a is not None, name
+        _close(a, b, 1e-10, 1e-12)
+
+
+def test_the_stack_gradient_is_not_the_reference_with_a_wrong_recurrence():
+    """The check above can fail: a stack recurrence that hands layer l-1 the
+    dy of W_hh^l instead of W_ih^l gives wrong gradients of the layers below."""
+    x, params, h0, c0, _ = _inputs(2, 8, 3, 5, 8, False)
+    leaves = [x, params, h0, c0]
+    upstream = [tf.ones_like(t) for t in wt.reference_forward(x, params, h0, c0)]
+    _, want = _grads(lambda *a: wt.reference_forward(*a), leaves, upstream)
+
+    def wrong(params, input_size, *rest):
+        views = wt._layer_views(params, 2, 8, input_size)
+        swapped = tf.concat([tf.reshape(views[0][0], [-1]), tf.reshape(views[0][1], [-1]),
+                             tf.reshape(views[1][1], [-1]), tf.reshape(views[1][1], [-1]),
+                             params[4 * 8 * 16 * 2:]], 0)
+        return wt.stack_recurrence_reference(swapped, input_size, *rest)
+
+    _, got = _grads(lambda *a: wt.trainable_forward(*a, saving=wt.reference_forward_saving,
+                                                    recurrence=wrong, backward="stack"),
+                    leaves, upstream)
+    assert not np.allclose(got[0], want[0], rtol=1e-6)
+
+
+def test_the_stack_recurrence_reference_is_the_layer_by_layer_recurrence():
+    """`stack_recurrence_reference` (the stack kernel's contract) gives the
+    dgates, dh0, dc0 of `backward_stack`'s layer-by-layer recurrence in
+    float64, zero past each length in every layer."""
+    x, params, h0, c0, lengths = _inputs(3, 8, 4, 6, 5, True)
+    y, _, _, saved = wt.reference_forward_saving(x, params, h0, c0, lengths)
+    rng = np.random.default_rng(3)
+    dy, dhy, dcy = (tf.constant(rng.standard_normal(t.shape)) for t in (y, h0, c0))
+    layer_calls = []
+
+    def recording(*args, **kw):
+        out = wt.recurrence_reference(*args, **kw)
+        layer_calls.insert(0, out)  # called from the top layer down
+        return out
+
+    wt.backward_stack(params, x, h0, c0, lengths, y, saved, dy, dhy, dcy, recurrence=recording)
+    dgates, dh0, dc0 = wt.stack_recurrence_reference(params, 5, saved[1], saved[2], c0, dy, dhy,
+                                                     dcy, lengths)
+    assert dgates.shape == (3, 6, 4, 32) and dh0.shape == dc0.shape == (3, 4, 8)
+    for l, (dg, dh, dc) in enumerate(layer_calls):
+        _close(dgates[l], dg, 1e-12, 1e-14)
+        _close(dh0[l], dh, 1e-12, 1e-14)
+        _close(dc0[l], dc, 1e-12, 1e-14)
+    for b, n in enumerate(lengths.numpy().tolist()):
+        assert np.all(dgates.numpy()[:, n:, b] == 0)
+
+
+def test_the_stack_recurrence_reference_is_the_torch_bindings():
+    """Same numbers as the torch binding's `stack_recurrence_reference` (the
+    one the H200 checks against the reverse-wavefront kernel)."""
+    torch = pytest.importorskip("torch")
+    from rnnfuse.backends.torch import wavefront as torch_wf
+
+    x, params, h0, c0, lengths = _inputs(3, 8, 4, 6, 5, True)
+    _, _, _, (_, gates, cseq) = wt.reference_forward_saving(x, params, h0, c0, lengths)
+    rng = np.random.default_rng(2)
+    upstream = [tf.constant(rng.standard_normal(s)) for s in [(6, 4, 8), (3, 4, 8), (3, 4, 8)]]
+    args = [gates, cseq, c0, *upstream, lengths]
+    got = wt.stack_recurrence_reference(params, 5, *args)
+    t = lambda a: torch.from_numpy(np.array(a))  # noqa: E731
+    want = torch_wf.stack_recurrence_reference(t(params), 5, *(t(a) for a in args))
+    for a, b in zip(got, want):
+        _close(a, b.numpy(), 0, 1e-13)
+
+
+def test_the_stack_kernels_wrapper_passes_the_ops_inputs(monkeypatch):
+    """`backward_stack_kernel` hands RnnfuseWavefrontBackwardStack (here a
+    spy) the whole buffer, the saved tensors, input_size, lengths as the
+    ops take them ([0] for None) and `check`."""
+    x, params, h0, c0, lengths = _inputs(2, 8, 3, 4, 5, True)
+    y, _, _, saved = wt.reference_forward_saving(x, params, h0, c0, lengths)
+    seen = []
+
+    class Op:
+        @staticmethod
+        def rnnfuse_wavefront_backward_stack(**kw):
+            seen.append(kw)
+            lens = kw["sequence_lengths"] if kw["sequence_lengths"].shape[0] else None
+            return wt.stack_recurrence_reference(kw["params"], kw["input_size"], kw["gates"],
+                                                 kw["cseq"], kw["c0"], kw["dy"], kw["dhy"],
+                                                 kw["dcy"], lens)
+
+    monkeypatch.setattr(wt, "_op", lambda: Op)
+    wt.backward_stack_wavefront(params, x, h0, c0, lengths, y, saved, None, None, None)
+    wt.backward_stack_kernel(params, 5, saved[1], saved[2], c0, y, h0, c0, None, check=True)
+    (first, second) = seen
+    assert first["input_size"] == 5 and first["check"] is False
+    _close(first["params"], params, 0, 0)
+    _close(first["gates"], saved[1], 0, 0)
+    _close(first["cseq"], saved[2], 0, 0)
+    _close(first["sequence_lengths"], lengths, 0, 0)
+    assert np.all(first["dy"].numpy() == 0) and first["dy"].shape == y.shape
+    assert second["check"] is True and second["sequence_lengths"].shape == (0,)
+
+
+def test_an_unknown_backward_is_refused():
+    with pytest.raises(ValueError, match=r"backward must be one of .*received 'both'"):
+        wt.trainable_forward(tf.zeros([2, 1, 3]), tf.zeros([1]), tf.zeros([1, 1, 8]),
+                             tf.zeros([1, 1, 8]), backward="both")
+
+
+def test_auto_is_the_layer_backward_without_the_op():
+    """Here (no GPU, no op) "auto" never asks the library: v1, with why."""
+    choice = wt.backward_choice(tf.zeros([5, 2, 3]), tf.zeros([2, 2, 8]))
+    assert (choice.backward, choice.requested) == ("layer", "auto")
+    assert "op is not loaded" in choice.reason and "per-layer" in choice.note
+    forced = wt.backward_choice(tf.zeros([5, 2, 3]), tf.zeros([2, 2, 8]), "stack")
+    assert (forced.backward, forced.reason) == ("stack", None)
+
+
+@pytest.fixture
+def ran_backward(monkeypatch):
+    """Which of the two backward passes ran: a spy around each (they still run)."""
+    ran = []
+    for name in ("backward_stack", "backward_stack_wavefront"):
+        real = getattr(wt, name)
+
+        def spy(*args, _real=real, _name=name, **kw):
+            ran.append(_name)
+            return _real(*args, **kw)
+
+        monkeypatch.setattr(wt, name, spy)
+    return ran
+
+
+@pytest.mark.parametrize("refusal", [None, "L x ceil(H/16) CTAs do not fit the SMs"])
+def test_auto_runs_the_stack_backward_where_its_plan_accepts_the_stack(monkeypatch,
+                                                                       ran_backward, refusal):
+    """Where the op is loaded (faked), "auto" asks
+    `library.backward_stack_reason` for this stack and runs the reverse
+    wavefront where it accepts, else the per-layer backward with the
+    refusal as the reason; the gradients are the float64 tape's either way."""
+    from rnnfuse.backends.cuda import library
+
+    asked = []
+
+    def stack_reason(*args):
+        asked.append(args)
+        return refusal
+
+    monkeypatch.setattr(wt, "_op_unavailable", lambda: None)
+    monkeypatch.setattr(library, "backward_stack_reason", stack_reason)
+    x, params, h0, c0, lengths = _inputs(3, 8, 4, 6, 5, True)
+    choice = wt.backward_choice(x, h0)
+    assert asked == [("lstm", 3, 8, 4, 6, 0)]
+    assert (choice.backward, choice.reason) == ("stack" if refusal is None else "layer",
+                                                refusal)
+    recurrence = wt.stack_recurrence_reference if refusal is None else wt.recurrence_reference
+    leaves = [x, params, h0, c0]
+    upstream = [tf.ones_like(t) for t in wt.reference_forward(x, params, h0, c0, lengths)]
+    _, want = _grads(lambda *a: wt.reference_forward(*a, lengths), leaves, upstream)
+    _, got = _grads(lambda *a: wt.trainable_forward(*a, lengths,
+                                                    saving=wt.reference_forward_saving,
+                                                    recurrence=recurrence), leaves, upstream)
+    assert ran_backward == ["backward_stack_wavefront" if refusal is None else "backward_stack"]
+    for a, b in zip(got, want):
+        _close(a, b, 1e-10, 1e-12)
+
+
+@pytest.mark.parametrize("backward", ["layer", "stack"])
+def test_run_trainable_names_the_backward_that_ran(monkeypatch, emulated_cudnn, ran_backward,
+                                                  backward):
+    """run_trainable's KernelRun says which backward ran ("auto"'s choice,
+    here faked), and either gives the Keras variables cuDNN's gradient."""
+    from rnnfuse.backends import tensorflow as tf_backend
+    from rnnfuse.backends.cuda import library
+
+    monkeypatch.setattr(wt, "forward_saving", wt.reference_forward_saving)
+    monkeypatch.setattr(wt, "backward_layer", wt.recurrence_reference)
+    monkeypatch.setattr(wt, "backward_stack_kernel", wt.stack_recurrence_reference)
+    monkeypatch.setattr(wavefront_op, "stack_training_reason", lambda *a, **k: None)
+    monkeypatch.setattr(wt, "_op_unavailable", lambda: None)
+    monkeypatch.setattr(library, "backward_stack_reason",
+                        lambda *a: None if backward == "stack" else "refused")
+    stack = _stack(3, 8, 4)
+    variables = [w for level in stack.cells for cell in level for w in cell.weights]
+    x = tf.constant(np.random.default_rng(5).standard_normal((3, 6, 4)))
+    mask = tf.constant(np.arange(6)[None, :] < np.array([6, 3, 5])[:, None])
+
+    def grads(run):
+        with tf.GradientTape() as tape:
+            tape.watch(x)
+            out = run(x, stack=stack, mask=mask)
+            loss = tf.reduce_sum(out.outputs ** 2) + tf.reduce_sum(out.final_c)
+        return out.kernel, tape.gradient(loss, [x] + variables)
+
+    ran, got = grads(wavefront_op.run_trainable)
+    assert ran.name == wavefront_op.TRAINING_KERNEL_NAME and ran.note is None
+    assert ran.algorithm == f"backward={backward}"
+    assert ran_backward == [{"layer": "backward_stack", "stack": "backward_stack_wavefront"}[
+        backward]]
+    _, want = grads(lambda x, **kw: tf_backend.run_stack(x, kernel="cudnn", **kw))
+    for a, b in zip(got, want):
+        _close(a, b, 1e-9, 1e-12)

@@ -21,13 +21,17 @@ The kernel's exactness over randomized shapes is tested through torch
 (test_gpu_wavefront_torch.py), which needs no TensorFlow.
 
 Training (`wavefront_op.run_trainable`: the forward kernel saving gates and
-c, the backward kernel per layer, the GEMMs in TensorFlow): outputs, final
+c, the default backward ("auto": the reverse wavefront's one launch,
+`RnnfuseWavefrontBackwardStack`, where its plan accepts the stack, as at
+the headline; else the backward kernel per layer, as at 7 x 320; the
+launches are counted, so a silent fallback fails), the GEMMs in
+TensorFlow): outputs, final
 states and the gradients of the inputs, initial states and every Keras
 variable against a tape of the float64 reference and rnnfuse's cuDNN op's
 gradient (bench_wavefront's GRAD_TOL, or twice cuDNN's own error), at the
 headline 4x512 B64 T1000 float16, a bfloat16 stack with lengths and small
 odd shapes; each op alone against its TF step-by-step reference (the
-saving op's y, hseq, gates and c; the backward op's dgates, dh0, dc0), so
+saving op's y, hseq, gates and c; the backward ops' dgates, dh0, dc0), so
 a failure names the op; refusals (over the forward's limits, a GRU, the backward op's
 own Unimplemented error); a gradient through the raw training ops is a
 clear error; and a tf.function training step at the headline shape timed
@@ -282,7 +286,31 @@ TRAINING_CASES = [
     (3, 256, 20, 60, 128, "bfloat16", True),
     (1, 64, 3, 7, 5, "float16", False),  # small and odd
     (3, 384, 33, 40, 100, "float16", True),
+    (7, 320, 8, 30, 64, "float16", True),  # the stack backward refuses it (140 CTAs), v1 runs it
 ]
+# The backward "auto" (run_trainable's) must run where the case names one:
+# the reverse wavefront at the headline, the per-layer backward where the
+# stack backward's plan refuses the stack. The other cases run what the
+# choice says, and the launches must agree with it.
+EXPECTED_BACKWARD = {TRAINING_CASES[0]: "stack", TRAINING_CASES[4]: "layer"}
+
+
+@pytest.fixture
+def backward_calls(monkeypatch):
+    """Counts the backward ops' launches (the kernels still run): the stack
+    backward's one launch, and the per-layer backward's, one a layer."""
+    from rnnfuse.backends.tensorflow import wavefront_training as wt
+
+    calls = {"stack": 0, "layer": 0}
+    for name, key in (("backward_stack_kernel", "stack"), ("backward_layer", "layer")):
+        real = getattr(wt, name)
+
+        def spy(*args, _real=real, _key=key, **kw):
+            calls[_key] += 1
+            return _real(*args, **kw)
+
+        monkeypatch.setattr(wt, name, spy)
+    return calls
 
 
 def _training_inputs(layers, units, batch, steps, inputs, dtype, with_lengths, seed):
@@ -348,17 +376,32 @@ def _names(layers):
 
 
 @pytest.mark.parametrize("case", TRAINING_CASES, ids=lambda c: "-".join(map(str, c)))
-def test_run_trainables_gradients_match_float64_and_the_cudnn_op(case):
+def test_run_trainables_gradients_match_float64_and_the_cudnn_op(case, backward_calls):
     """Outputs, final states, dx, dh0, dc0 and every Keras variable's gradient
-    of `run_trainable` (the forward kernel saving, the backward kernel per
-    layer, the GEMMs) against a tape of the float64 reference and rnnfuse's
-    cuDNN op's gradient: within GRAD_TOL or twice cuDNN's own error, per
-    tensor."""
-    layers, dtype = case[0], case[5]
+    of `run_trainable` (the forward kernel saving, the default backward:
+    the reverse wavefront's one launch where its plan accepts the stack,
+    else the backward kernel per layer; then the GEMMs) against a tape of
+    the float64 reference and rnnfuse's cuDNN op's gradient: within
+    GRAD_TOL or twice cuDNN's own error, per tensor. Which backward ran is
+    asserted from the launches (a silent fallback fails), and named by
+    the KernelRun's algorithm."""
+    from rnnfuse.backends.tensorflow import wavefront_training as wt
+
+    layers, units, batch, steps, inputs, dtype = case[:6]
     stack, x, h, c, upstream, mask = _training_inputs(*case, seed=sum(case[:5]))
+    choice = wt.backward_choice(tf.zeros([steps, batch, inputs], dtype),
+                                tf.zeros([layers, batch, units], dtype))
+    if case in EXPECTED_BACKWARD:
+        assert choice.backward == EXPECTED_BACKWARD[case], choice
+    if choice.backward == "layer":
+        assert "reverse-wavefront" in choice.reason, choice
     with tf.device("GPU:0"):
         ran, out, got = _training_grads(wavefront_op.run_trainable, stack, x, h, c, upstream,
                                         mask)
+    assert ran.algorithm == f"backward={choice.backward}", ran
+    assert backward_calls == ({"stack": 1, "layer": 0} if choice.backward == "stack"
+                              else {"stack": 0, "layer": layers}), backward_calls
+    with tf.device("GPU:0"):
         ran_cudnn, out_cudnn, cudnn = _training_grads(
             lambda x, **kw: tf_backend.run_stack(x, kernel="cudnn", **kw), stack, x, h, c,
             upstream, mask)
@@ -374,7 +417,8 @@ def test_run_trainables_gradients_match_float64_and_the_cudnn_op(case):
     bad = {n: (err[n], cud_err[n]) for n in err
            if not (np.isfinite(err[n]) and err[n] <= max(GRAD_TOL[dtype], 2 * cud_err[n]))}
     report(f"wavefront_grad_tf_{'-'.join(map(str, case))}", {
-        "worst": max(err.values()), "cudnn_worst": max(cud_err.values()),
+        "backward": choice.backward, "worst": max(err.values()),
+        "cudnn_worst": max(cud_err.values()),
         "ratio_to_cudnn": max(err[n] / max(cud_err[n], 1e-12) for n in err), "failing": bad})
     assert not bad, bad
 
@@ -448,6 +492,50 @@ def test_the_backward_op_matches_the_recurrence_reference(dtype):
         assert _rel(a, b) <= GRAD_TOL[dtype], (name, _rel(a, b))
 
 
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_the_stack_backward_op_matches_the_stack_recurrence_reference(dtype):
+    """RnnfuseWavefrontBackwardStack (check=True: a timed-out wait would be
+    an error) on a 3-layer stack's saved tensors and random upstream
+    gradients, with lengths, against `stack_recurrence_reference`."""
+    from rnnfuse.backends.tensorflow import wavefront_training as wt
+
+    x, params, h0, c0, lengths = _saving_inputs(3, 64, 8, 20, 32, dtype, seed=14)
+    rng = np.random.default_rng(15)
+    def rand(*shape):
+        return tf.cast(tf.constant(rng.standard_normal(shape), tf.float32), dtype)
+
+    with tf.device("GPU:0"):
+        _, _, _, (_, gates, cseq) = wt.reference_forward_saving(x, params, h0, c0, lengths)
+        args = (params, 32, gates, cseq, c0, rand(20, 8, 64), rand(3, 8, 64), rand(3, 8, 64),
+                lengths)
+        got = wt.backward_stack_kernel(*args, check=True)
+        want = wt.stack_recurrence_reference(*args)
+    assert got[0].dtype == x.dtype and got[1].dtype == tf.float32
+    assert got[0].shape == (3, 20, 8, 256) and got[1].shape == (3, 8, 64)
+    alive = _alive_rows(20, lengths)[None]
+    assert np.all(np.asarray(tf.cast(got[0], tf.float32)) * (1 - alive) == 0)  # 0 past lengths
+    for name, a, b in zip(["dgates", "dh0", "dc0"], got, want):
+        assert _rel(a, b) <= GRAD_TOL[dtype], (name, _rel(a, b))
+
+
+def test_the_stack_backward_op_names_the_limit_it_refuses():
+    """The op itself: 7 x 320 (140 CTAs on 132 SMs) is an Unimplemented error
+    naming the limit; a buffer of the wrong size is an InvalidArgument."""
+    from rnnfuse.backends.tensorflow import wavefront_training as wt
+
+    L, T, B, H, I = 7, 3, 2, 320, 64
+    f16 = lambda *s: tf.zeros(s, tf.float16)  # noqa: E731
+    f32 = lambda *s: tf.zeros(s, tf.float32)  # noqa: E731
+    params = f16(4 * H * (I + H) + (L - 1) * 4 * H * 2 * H + L * 8 * H)
+    args = (f32(L, T, B, 4 * H), f32(L, T, B, H), f16(L, B, H), f16(T, B, H), f16(L, B, H),
+            f16(L, B, H), None)
+    with tf.device("GPU:0"):
+        with pytest.raises(tf.errors.UnimplementedError, match="reverse-wavefront"):
+            wt.backward_stack_kernel(params, I, *args)
+        with pytest.raises(tf.errors.InvalidArgumentError, match="canonical flat buffer"):
+            wt.backward_stack_kernel(params[1:], I, *args)
+
+
 def test_training_calls_the_kernels_cannot_run_are_refused():
     with pytest.raises(NotImplementedError, match="do not fit on chip"):
         wavefront_op.run_trainable(tf.zeros([64, 10, 512], tf.float16),
@@ -498,8 +586,9 @@ def _median_ms(fn, reps=10):
 def test_a_training_step_at_the_headline_shape_is_timed_against_the_cudnn_op():
     """A tf.function training step (forward + the gradients of x and every
     variable) of the 4x512 float16 LSTM at batch 64, T=1000, on run_trainable
-    and on rnnfuse's cuDNN op: a GPU_REPORT line (the torch binding's step
-    was 40 ms against cuDNN's 73 on the H200). Reported, not asserted."""
+    (its default backward: the reverse wavefront) and on rnnfuse's cuDNN op:
+    a GPU_REPORT line (the torch binding's step was 34.7 ms with the
+    reverse wavefront, 40.0 per layer, on the H200). Reported, not asserted."""
     stack, x, _, _, (dy, _, _), _ = _training_inputs(4, 512, 64, 1000, 512, "float16", False,
                                                      seed=7)
     variables = [v.value for (cell,) in stack.cells for v in cell.trainable_weights]
@@ -523,8 +612,10 @@ def test_a_training_step_at_the_headline_shape_is_timed_against_the_cudnn_op():
         cudnn = _median_ms(step(lambda x, **kw: tf_backend.run_stack(x, kernel="cudnn", **kw)))
     assert ran[0].name == wavefront_op.TRAINING_KERNEL_NAME
     assert ran[-1].name == "RnnfuseCudnnRnn"
+    assert ran[0].algorithm == "backward=stack", ran[0]  # the default, at the headline
     report("wavefront_train_step_tf", {
-        "shape": "4x512 LSTM B64 T1000 float16", "wavefront_train_step_ms": ours,
+        "shape": "4x512 LSTM B64 T1000 float16", "backward": ran[0].algorithm,
+        "wavefront_train_step_ms": ours,
         "cudnn_op_train_step_ms": cudnn, "speedup_vs_cudnn": cudnn / ours})
 
 
@@ -559,6 +650,7 @@ def test_fit_of_a_4x512_float16_lstm_at_batch_64_trains_on_the_training_ops(tmp_
     assert record["mode"] == "training" and record["chosen"] == "fused on wavefront", record
     ran = layer.last_path.kernel
     assert ran.name == wavefront_op.TRAINING_KERNEL_NAME and ran.note is None, layer.last_path
+    assert ran.algorithm == "backward=stack", layer.last_path  # the default, at the headline
     batch = tf.constant(x[:64])
     upstream = tf.constant(rng.standard_normal((64, 1000, 512)), tf.float32)
     variables = model.trainable_variables

@@ -24,7 +24,11 @@ the dtype's tolerance and never more than twice cuDNN's own error. Shapes
 outside the kernel's limits must be refused (WavefrontError), never run.
 The backward kernel's tests are bench_wavefront's `grad_case`: an LSTM's
 outputs and every gradient through `wavefront.trainable_forward` against
-autograd of the float64 reference and cuDNN's gradient.
+autograd of the float64 reference and cuDNN's gradient, on v1
+(backward="layer"), on v2 (backward="stack") and on the default
+("auto": the reverse wavefront at the headline, v1 at 7 x 320, which v2
+refuses; the library's backward launches are counted, so a silent
+fallback fails).
 """
 
 from __future__ import annotations
@@ -101,21 +105,86 @@ def test_shapes_over_the_limits_are_refused_not_run(shape):
 GRAD_FIXED = [c for c in bench_wavefront.GRAD_CASES if c[:2] != (8, 512)]
 
 
+@pytest.fixture
+def backward_launches(monkeypatch):
+    """Counts the library's backward launches (they still run): the stack
+    backward's one a call, the per-layer backward's one a layer."""
+    from rnnfuse.backends.cuda import library
+
+    calls = {"stack": 0, "layer": 0}
+    for name, key in (("backward_stack", "stack"), ("backward", "layer")):
+        real = getattr(library.WavefrontLibrary, name)
+
+        def spy(self, *args, _real=real, _key=key, **kw):
+            calls[_key] += 1
+            return _real(self, *args, **kw)
+
+        monkeypatch.setattr(library.WavefrontLibrary, name, spy)
+    return calls
+
+
+@pytest.fixture
+def layer_backward(monkeypatch):
+    """grad_case's trainable_forward on v1 (backward="layer"): the default
+    is "auto", which runs the reverse wavefront where it accepts."""
+    real = wavefront.trainable_forward
+    monkeypatch.setattr(wavefront, "trainable_forward",
+                        lambda *a, **kw: real(*a, **{"backward": "layer", **kw}))
+
+
 @pytest.mark.parametrize("case", GRAD_FIXED, ids=lambda c: "-".join(map(str, c)))
-def test_the_backward_kernels_gradients_match_float64_and_cudnn(case):
+def test_the_backward_kernels_gradients_match_float64_and_cudnn(case, layer_backward,
+                                                                backward_launches):
     """bench_wavefront.grad_case: outputs, dx, dh0, dc0 and every weight and
-    bias through trainable_forward, against autograd of the float64
-    reference and cuDNN's gradient: within the dtype's tolerance or twice
-    cuDNN's own error, per tensor."""
+    bias through trainable_forward(backward="layer"), against autograd of
+    the float64 reference and cuDNN's gradient: within the dtype's
+    tolerance or twice cuDNN's own error, per tensor; one backward launch a
+    layer."""
     row = bench_wavefront.grad_case(*case, seed=random.randrange(10_000))
     assert row["status"] == "ok", row
+    assert backward_launches == {"stack": 0, "layer": case[0]}, backward_launches
 
 
 @pytest.mark.parametrize("case", bench_wavefront.random_grad_cases(4, seed=24),
                          ids=lambda c: "-".join(map(str, c)))
-def test_random_shapes_gradients_match_or_are_refused(case):
+def test_random_shapes_gradients_match_or_are_refused(case, layer_backward):
     row = bench_wavefront.grad_case(*case, seed=random.randrange(10_000))
     assert row["status"] in ("ok", "fallback"), row
+
+
+# -- the default backward ("auto"): the reverse wavefront where it accepts, else v1 -----
+
+
+AUTO_CASES = [
+    # (layers, units, batch, steps, inputs, dtype, lengths), the backward that must run
+    ((4, 512, 64, 1000, 512, "float16", False), "stack"),  # the headline
+    ((7, 320, 8, 30, 64, "float16", True), "layer"),  # 140 CTAs: v2 refuses, v1 runs it
+]
+
+
+@pytest.mark.parametrize("case, backward", AUTO_CASES,
+                         ids=lambda v: "-".join(map(str, v)) if isinstance(v, tuple) else v)
+def test_the_default_backward_runs_the_stack_where_it_accepts_else_per_layer(
+        case, backward, monkeypatch, backward_launches):
+    """trainable_forward's default ("auto"): `backward_choice` names the
+    backward, the library's launches prove it ran (a silent fallback
+    fails), and grad_case's gradients match float64 and cuDNN."""
+    layers, units, batch, steps, inputs = case[:5]
+    dtype = bench_wavefront.DTYPES[case[5]]
+    choice = wavefront.backward_choice(
+        torch.zeros(steps, batch, inputs, dtype=dtype, device="cuda"),
+        torch.zeros(layers, batch, units, dtype=dtype, device="cuda"))
+    assert (choice.backward, choice.requested) == (backward, "auto"), choice
+    if backward == "layer":
+        assert "reverse-wavefront" in choice.reason, choice
+    monkeypatch.setattr(bench_wavefront, "BACKWARD", "auto")  # grad_case: the default path
+    row = bench_wavefront.grad_case(*case, seed=random.randrange(10_000))
+    assert row["status"] == "ok", row
+    assert backward_launches == ({"stack": 1, "layer": 0} if backward == "stack"
+                                 else {"stack": 0, "layer": layers}), backward_launches
+    report(f"wavefront_grad_auto_torch_{'-'.join(map(str, case))}", {
+        "backward": choice.backward, "reason": choice.reason, "worst": row["worst"],
+        "cudnn_worst": row["cudnn_worst"], "ratio_to_cudnn": row["ratio_to_cudnn"]})
 
 
 def test_a_stack_over_the_forwards_limits_is_refused_for_training():
@@ -321,6 +390,7 @@ def test_fit_of_a_4x512_float16_lstm_at_batch_64_trains_on_the_kernels_backward(
     assert record["mode"] == "training" and record["chosen"] == "fused on wavefront", record
     ran = layer.last_path.kernel
     assert ran.name == wavefront.TRAINING_KERNEL_NAME and ran.note is None, layer.last_path
+    assert ran.algorithm == "backward=stack", layer.last_path  # the default, at the headline
     # The kernel's gradients against the original layers' (same variables).
     batch = keras.ops.convert_to_tensor(x[:64])
     upstream = torch.as_tensor(rng.standard_normal((64, 1000, 512)), dtype=torch.float32,

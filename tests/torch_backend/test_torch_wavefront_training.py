@@ -136,9 +136,85 @@ def test_the_stack_backward_in_float16_matches_the_layer_by_layer_one():
 
 
 def test_an_unknown_backward_is_refused():
-    with pytest.raises(ValueError, match="'layer' or 'stack'"):
+    with pytest.raises(ValueError, match=r"backward must be one of .*received 'both'"):
         wavefront.trainable_forward(torch.zeros(2, 1, 3), torch.zeros(1), torch.zeros(1, 1, 8),
                                     torch.zeros(1, 1, 8), backward="both")
+    with pytest.raises(ValueError, match="received None"):
+        wavefront.backward_choice(torch.zeros(2, 1, 3), torch.zeros(1, 1, 8), None)
+
+
+def test_auto_is_the_layer_backward_off_a_cuda_device():
+    """On the CPU "auto" never asks the library (no driver): v1, with why."""
+    choice = wavefront.backward_choice(torch.zeros(5, 2, 3), torch.zeros(2, 2, 8))
+    assert (choice.backward, choice.requested) == ("layer", "auto")
+    assert "CUDA devices only" in choice.reason and "per-layer" in choice.note
+    forced = wavefront.backward_choice(torch.zeros(5, 2, 3), torch.zeros(2, 2, 8), "stack")
+    assert (forced.backward, forced.reason) == ("stack", None)
+
+
+@pytest.fixture
+def ran_backward(monkeypatch):
+    """Which of the two backward passes ran: a spy around each (they still run)."""
+    ran = []
+    for name in ("backward_stack", "backward_stack_wavefront"):
+        real = getattr(wavefront, name)
+
+        def spy(*args, _real=real, _name=name, **kw):
+            ran.append(_name)
+            return _real(*args, **kw)
+
+        monkeypatch.setattr(wavefront, name, spy)
+    return ran
+
+
+@pytest.mark.parametrize("refusal", [None, "L x ceil(H/16) CTAs do not fit the SMs"])
+def test_auto_runs_the_stack_backward_where_its_plan_accepts_the_stack(monkeypatch,
+                                                                       ran_backward, refusal):
+    """Where a device could run it (faked: the CPU here), "auto" asks
+    `library.backward_stack_reason` for this stack and runs the reverse
+    wavefront where it accepts, else the per-layer backward with the
+    refusal as the reason; either way the gradients are autograd's of the
+    float64 reference (the torch stand-in of the recurrence that runs)."""
+    library = wavefront._library()
+    asked = []
+
+    def stack_reason(*args):
+        asked.append(args)
+        return refusal
+
+    monkeypatch.setattr(wavefront, "_stack_unavailable", lambda device: None)
+    monkeypatch.setattr(library, "backward_stack_reason", stack_reason)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    weights, x, h0, c0, lengths = _inputs(3, 8, 4, 6, 5, True)
+    choice = wavefront.backward_choice(x, h0)
+    assert asked == [("lstm", 3, 8, 4, 6, 0)]
+    assert choice.backward == ("stack" if refusal is None else "layer")
+    assert choice.reason == refusal
+    recurrence = (wavefront.stack_recurrence_reference if refusal is None
+                  else wavefront.recurrence_reference)
+    want_out = wavefront.reference_forward("lstm", weights, x, h0, c0, lengths)
+    upstream = [torch.randn_like(t) for t in want_out]
+    leaves = [x, h0, c0, *weights]
+    want = torch.autograd.grad(want_out, leaves, upstream)
+    out = wavefront.trainable_forward(x, wavefront.flat_params(weights), h0, c0, lengths,
+                                      saving=wavefront.reference_forward_saving,
+                                      recurrence=recurrence)
+    got = torch.autograd.grad(out, leaves, upstream)
+    assert ran_backward == ["backward_stack_wavefront" if refusal is None else "backward_stack"]
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
+
+
+def test_layer_forces_the_per_layer_backward_without_asking(monkeypatch, ran_backward):
+    library = wavefront._library()
+    monkeypatch.setattr(wavefront, "_stack_unavailable", lambda device: None)
+    monkeypatch.setattr(library, "backward_stack_reason",
+                        lambda *a: pytest.fail("'layer' must not ask the stack's plan"))
+    weights, x, h0, c0, _ = _inputs(2, 8, 3, 5, 4, False)
+    y, _, _ = wavefront.trainable_forward(x, wavefront.flat_params(weights), h0, c0,
+                                          backward="layer", **TORCH_KERNELS)
+    y.sum().backward()
+    assert ran_backward == ["backward_stack"]
 
 
 def test_no_gradient_past_a_length_and_the_final_states_enter_at_its_end():

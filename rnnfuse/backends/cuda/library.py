@@ -14,7 +14,11 @@ shape outside the plan), so the caller falls back to cuDNN.
 `stack_reason` (what the kernel never runs, whatever the shape) and
 `device_reason` (this shape on this device: the library, the GPU's compute
 capability and the plan) are the checks the TensorFlow and torch bindings
-share, before a call and in the tuner.
+share, before a call and in the tuner. For training, `choose_backward` is
+the rule both bindings use to pick the backward: `backward="auto"` (their
+default) runs the reverse-wavefront backward (v2, one launch for every
+layer) where `backward_stack_reason` accepts the stack, else the per-layer
+backward (v1), and the `BackwardChoice` says which and why.
 
 Example (no GPU needed; builds the library once):
 
@@ -26,13 +30,15 @@ Example (no GPU needed; builds the library once):
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import os
 import threading
 from pathlib import Path
+from typing import Callable
 
-__all__ = ["DTYPES", "H200", "KINDS", "STACK_TIMEOUT_WORD", "WavefrontError",
-           "WavefrontLibrary", "backward_reason", "backward_stack_reason", "device_reason", "load",
-           "stack_reason"]
+__all__ = ["BACKWARDS", "DTYPES", "H200", "KINDS", "STACK_TIMEOUT_WORD", "BackwardChoice",
+           "WavefrontError", "WavefrontLibrary", "backward_reason", "backward_stack_reason",
+           "check_backward", "choose_backward", "device_reason", "load", "stack_reason"]
 
 KINDS = ("lstm", "gru")
 DTYPES = ("float16", "bfloat16")
@@ -329,3 +335,79 @@ def backward_stack_reason(kind: str, num_layers: int, units: int, batch: int, st
     plan = lib.backward_stack_plan(num_layers, units, int(batch), int(steps), sms=dev["sms"],
                                    smem=dev["smem"])
     return plan if isinstance(plan, str) else None
+
+
+# The training paths' `backward` values: "auto" (the bindings' default) is
+# "stack" where `backward_stack_reason` accepts the stack, else "layer".
+BACKWARDS = ("auto", "layer", "stack")
+
+
+@dataclasses.dataclass(frozen=True)
+class BackwardChoice:
+    """Which backward an LSTM stack's training call runs, and why.
+
+    >>> BackwardChoice("layer", "auto", "too many CTAs").note
+    'per-layer backward (v1): too many CTAs'
+    """
+
+    # What runs: "stack" (the reverse wavefront, every layer in one launch)
+    # or "layer" (one backward launch a layer).
+    backward: str
+    # What the caller asked for: "auto", "layer" or "stack".
+    requested: str
+    # Why "auto" did not pick the stack backward (its refusal), or None.
+    reason: str | None = None
+
+    @property
+    def note(self) -> str:
+        """One line for a user: which backward runs, and why where "auto"
+        fell back to the per-layer one."""
+        if self.backward == "stack":
+            return "reverse-wavefront backward (v2, one launch for every layer)"
+        return "per-layer backward (v1)" + (f": {self.reason}" if self.reason else "")
+
+
+def check_backward(backward: object, where: str = "backward") -> str:
+    """`backward` if it is one of BACKWARDS, else a ValueError naming what was
+    received (`where`: the argument's name in the message).
+
+    >>> check_backward("stack")
+    'stack'
+    """
+    if not isinstance(backward, str) or backward not in BACKWARDS:
+        raise ValueError(f"{where} must be one of {BACKWARDS} (\"auto\": the reverse-wavefront "
+                         f"backward where its plan accepts the stack, else the per-layer one); "
+                         f"received {backward!r}")
+    return backward
+
+
+def choose_backward(backward: str, kind: str, num_layers: int, units: int, batch: int,
+                    steps: int, ordinal: int = 0, *, unavailable: str | None = None,
+                    stack_reason: Callable[..., str | None] | None = None) -> BackwardChoice:
+    """The backward a training call runs: `backward` "layer" or "stack" as
+    asked; "auto" is "stack" where `stack_reason` (default
+    `backward_stack_reason`) accepts this stack on CUDA device `ordinal`,
+    else "layer" with the refusal as the reason. `unavailable`: the
+    binding's own reason no kernel can run here (not a CUDA tensor, no op),
+    which makes "auto" "layer" without asking the library. Never raises
+    for "auto" (a library that does not load or a missing driver is a
+    reason); a bad `backward` is a ValueError.
+
+    >>> choose_backward("auto", "lstm", 4, 512, 64, 1000,
+    ...                 stack_reason=lambda *a: None).backward
+    'stack'
+    >>> choose_backward("auto", "lstm", 7, 320, 8, 10,
+    ...                 stack_reason=lambda *a: "too many CTAs").reason
+    'too many CTAs'
+    """
+    check_backward(backward)
+    if backward != "auto":
+        return BackwardChoice(backward, backward)
+    reason = unavailable
+    if reason is None:
+        try:
+            reason = (stack_reason or backward_stack_reason)(kind, num_layers, units, batch,
+                                                             steps, ordinal)
+        except Exception as exc:  # noqa: BLE001 - no library, no driver: v1 is tried
+            reason = f"the reverse-wavefront backward is not available: {exc}"
+    return BackwardChoice("layer" if reason else "stack", "auto", reason)

@@ -22,9 +22,13 @@ layers would give.
 Training (an LSTM stack): `run_trainable` is `run_stack` with the
 kernel's own gradient (`wavefront_training.trainable_forward`): the forward
 kernel saving every layer's gates and c (`RnnfuseWavefrontSaving`), and in
-the backward pass, per layer from the top, the backward kernel's
-recurrence (`RnnfuseWavefrontBackward`), then dx, dW and the biases as
-`tf.matmul`s, reaching the Keras variables through `pack_params`.
+the backward pass every layer's recurrence in one reverse-wavefront launch
+(`RnnfuseWavefrontBackwardStack`, v2) where its plan accepts the stack,
+else per layer from the top the backward kernel's recurrence
+(`RnnfuseWavefrontBackward`, v1) (`wavefront_training.backward_choice`),
+then dx, dW and the biases as `tf.matmul`s, reaching the Keras variables
+through `pack_params`; its `KernelRun`'s algorithm says which backward
+ran ("backward=stack" or "backward=layer").
 `training_reason` says beforehand why it cannot run a call (the forward's
 reasons, then the backward's: an LSTM only, its plan); `run_trainable`
 raises NotImplementedError with it, and the caller runs cuDNN.
@@ -197,9 +201,13 @@ def run_trainable(
     """`run_stack` for training: the kernel's forward AND backward (an LSTM
     stack). The gradient with respect to the sequences, the initial states
     and every variable the call read (through `pack_params`) is
-    `wavefront_training.backward_stack`'s: per layer from the top the
-    backward kernel's recurrence, then dx, dW and the biases as GEMMs.
-    Its `KernelRun` is TRAINING_KERNEL_NAME.
+    `wavefront_training.backward_stack_wavefront`'s (one reverse-wavefront
+    launch for every layer) where the stack backward's plan accepts the
+    stack, else `backward_stack`'s (per layer from the top the backward
+    kernel's recurrence), then dx, dW and the biases as GEMMs
+    (`wavefront_training.backward_choice`, "auto"). Its `KernelRun` is
+    TRAINING_KERNEL_NAME with the algorithm "backward=stack" or
+    "backward=layer".
 
     Raises:
         NotImplementedError: the kernels cannot run this call (the reason,
@@ -215,10 +223,13 @@ def run_trainable(
     if reason is not None:
         raise NotImplementedError(reason)
     x, lengths = _time_major(sequences, mask, reverse)
+    h0 = tf_backend._states(initial_h, stack, batch, dtype)
+    choice = wavefront_training.backward_choice(x, h0)
     y, hy, cy = wavefront_training.trainable_forward(
-        x, tf_backend.pack_params(stack, dtype), tf_backend._states(initial_h, stack, batch, dtype),
-        tf_backend._states(initial_c, stack, batch, dtype), lengths)
-    return StackRun(tf.transpose(y, [1, 0, 2]), hy, cy, KernelRun(TRAINING_KERNEL_NAME))
+        x, tf_backend.pack_params(stack, dtype), h0,
+        tf_backend._states(initial_c, stack, batch, dtype), lengths, backward=choice.backward)
+    return StackRun(tf.transpose(y, [1, 0, 2]), hy, cy,
+                    KernelRun(TRAINING_KERNEL_NAME, f"backward={choice.backward}"))
 
 
 def run_differentiable(
@@ -305,7 +316,8 @@ def register_gradient() -> None:
     if getattr(register_gradient, "done", False):
         return
     for name, fn in ((KERNEL_NAME, _no_gradient), ("RnnfuseWavefrontSaving", _no_training_gradient),
-                     ("RnnfuseWavefrontBackward", _no_training_gradient)):
+                     ("RnnfuseWavefrontBackward", _no_training_gradient),
+                     ("RnnfuseWavefrontBackwardStack", _no_training_gradient)):
         try:
             tf.RegisterGradient(name)(fn)
         except KeyError:  # already registered (module reloaded)

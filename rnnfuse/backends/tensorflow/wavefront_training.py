@@ -11,10 +11,17 @@ rnnfuse/backends/tensorflow/csrc/rnnfuse_wavefront_op.cc:
   recurrence of one layer (dgates, the gradient of its gates'
   pre-activations, and the initial states' gradients);
 - `backward_stack(...)`: per layer from the top, that recurrence, then dx,
-  dW_ih, dW_hh and the biases as `tf.matmul`s and a reduction;
-- `trainable_forward(x, params, h0, c0, lengths)`: the forward with that
-  gradient (`tf.custom_gradient`), differentiable with respect to x, the
-  flat buffer `params` (so whatever it was packed from) and the states.
+  dW_ih, dW_hh and the biases as `tf.matmul`s and a reduction (v1);
+- `backward_stack_kernel(...)`: `RnnfuseWavefrontBackwardStack`, every
+  layer's backward recurrence in ONE reverse-wavefront launch, and
+  `backward_stack_wavefront(...)`: that launch, then dx^0, dW_ih, dW_hh
+  and the biases as the same GEMMs (v2);
+- `trainable_forward(x, params, h0, c0, lengths, backward="auto")`: the
+  forward with that gradient (`tf.custom_gradient`), differentiable with
+  respect to x, the flat buffer `params` (so whatever it was packed from)
+  and the states. "auto" (`backward_choice`, the rule of
+  `rnnfuse.backends.cuda.library.choose_backward`) runs v2 where the stack
+  backward's plan accepts the stack, else v1; "layer" or "stack" force one.
 
 Inputs are time-major: x [T, B, I] in float16 or bfloat16 (float64 with
 the references below); params is rnnfuse's canonical flat buffer (per
@@ -22,9 +29,10 @@ layer W_ih [4H, n] and W_hh [4H, H] row-major, then per layer b_ih and
 b_hh [4H], gates i, f, g, o: `rnnfuse.backends.tensorflow.pack_params`);
 h0, c0 [L, B, H]; lengths int32 [B] or None (every sequence T long).
 
-`reference_forward_saving` and `recurrence_reference` are the two kernels
-in plain TensorFlow, step by step (any device, float64 in the CPU tests,
-which put them in the kernels' place); `reference_forward` is the stack in
+`reference_forward_saving`, `recurrence_reference` and
+`stack_recurrence_reference` are the kernels in plain TensorFlow, step by
+step (any device, float64 in the CPU tests, which put them in the
+kernels' place); `reference_forward` is the stack in
 float64 with cuDNN's rules for lengths, differentiable (the tests'
 reference gradients). `wavefront_op.run_trainable` is the `run_stack`
 form, from a `StackSpec`.
@@ -44,8 +52,10 @@ from typing import Any, Callable
 
 import tensorflow as tf
 
-__all__ = ["backward_layer", "backward_stack", "forward_saving", "recurrence_reference",
-           "reference_forward", "reference_forward_saving", "trainable_forward"]
+__all__ = ["backward_choice", "backward_layer", "backward_stack", "backward_stack_kernel",
+           "backward_stack_wavefront", "forward_saving", "recurrence_reference",
+           "reference_forward", "reference_forward_saving", "stack_recurrence_reference",
+           "trainable_forward"]
 
 
 def _op():
@@ -147,14 +157,69 @@ def backward_layer(w_hh, gates, cseq, c0, dy, dhy, dcy, lengths):
     return dgates, dh0, dc0
 
 
+def backward_stack_kernel(params, input_size, gates, cseq, c0, dy, dhy, dcy, lengths, *,
+                          check: bool = False):
+    """Every layer's backward recurrence of an LSTM stack on the reverse-
+    wavefront kernel, in ONE launch (`RnnfuseWavefrontBackwardStack`).
+
+    params: the canonical flat buffer (element type; layer 0's W_ih, of
+    `input_size` inputs, is not read); gates [L, T, B, 4H], cseq
+    [L, T, B, H] float32 (`forward_saving`'s); c0, dhy, dcy [L, B, H] and
+    dy [T, B, H] (the gradient of the TOP layer's output sequence) in the
+    element type; lengths int32 [B] or None. Returns (dgates [L, T, B, 4H]
+    in the element type, 0 at t >= length; dh0, dc0 [L, B, H] float32).
+    The layers below the top get their dy = dgates^{l+1} W_ih^{l+1} inside
+    the kernel. `check`: the op waits for the kernel and fails if one of
+    its waits timed out (a bug). `stack_recurrence_reference` is the same
+    in TensorFlow.
+
+    Raises:
+        NotImplementedError: the op is not loaded.
+        tf.errors.UnimplementedError: the stack backward's plan refuses the
+            stack (`library.backward_stack_reason` says so first).
+    """
+    dgates, dh0, dc0 = _op().rnnfuse_wavefront_backward_stack(
+        params=params, gates=gates, cseq=cseq, c0=c0, dy=dy, dhy=dhy, dcy=dcy,
+        sequence_lengths=lengths_input(lengths), input_size=int(input_size), check=check)
+    return dgates, dh0, dc0
+
+
+def _upstream(dtype, y, h0, c0, dy, dhy, dcy):
+    """The backward's incoming gradients: zeros where None, else in `dtype`."""
+    dy = tf.zeros_like(y) if dy is None else tf.cast(dy, dtype)
+    dhy = tf.zeros_like(h0) if dhy is None else tf.cast(dhy, dtype)
+    dcy = tf.zeros_like(c0) if dcy is None else tf.cast(dcy, dtype)
+    return dy, dhy, dcy
+
+
+def _weight_gradients(dgates, l, x, h0, y, hseq):
+    """Layer l's weight and bias gradients from its dgates [T, B, 4H]: (dW_ih
+    and dW_hh flattened, as the canonical buffer lays them out; db twice,
+    for b_ih and b_hh), and dg, dgates as [T*B, 4H] in x's dtype. dW_ih =
+    dg^T x^l, dW_hh = dg^T [h0, h_0..h_{T-2}], db = the sum of dg (in
+    float32, float64 for float64)."""
+    steps, batch, _, num_layers, units = _dims(x, h0)
+    dtype = x.dtype
+    inp = x if l == 0 else hseq[l - 1]
+    out = y if l == num_layers - 1 else hseq[l]
+    dg = tf.reshape(tf.cast(dgates, dtype), [steps * batch, 4 * units])
+    h_prev = tf.reshape(tf.concat([h0[l:l + 1], out[:-1]], 0), [steps * batch, units])
+    d_w_ih = tf.matmul(dg, tf.reshape(inp, [steps * batch, int(inp.shape[-1])]),
+                       transpose_a=True)
+    d_w_hh = tf.matmul(dg, h_prev, transpose_a=True)
+    d_b = tf.cast(tf.reduce_sum(tf.cast(dg, _accumulation(dtype)), axis=0), dtype)
+    return (tf.concat([tf.reshape(d_w_ih, [-1]), tf.reshape(d_w_hh, [-1])], 0),
+            tf.concat([d_b, d_b], 0), dg)
+
+
 def backward_stack(params, x, h0, c0, lengths, y, saved, dy, dhy, dcy, *,
                    recurrence: Callable | None = None):
     """The gradients of an LSTM stack's forward (`forward_saving`) from what
-    it saved, layer by layer from the top: the recurrence (`recurrence`,
-    default `backward_layer`, the kernel), the rest as GEMMs: dx^l =
-    dgates^l W_ih^l (the layer below's dy), dW_ih^l = dgates^T x^l, dW_hh^l
-    = dgates^T [h0, h_0..h_{T-2}], db_ih = db_hh = the sum of dgates (in
-    float32, float64 for float64).
+    it saved, layer by layer from the top (v1): the recurrence
+    (`recurrence`, default `backward_layer`, the kernel), the rest as
+    GEMMs: dx^l = dgates^l W_ih^l (the layer below's dy), dW_ih^l =
+    dgates^T x^l, dW_hh^l = dgates^T [h0, h_0..h_{T-2}], db_ih = db_hh =
+    the sum of dgates (in float32, float64 for float64).
 
     Returns (dx [T, B, I], dparams in the canonical flat layout, dh0, dc0
     [L, B, H]), all in x's dtype; dy, dhy, dcy may be None (zero).
@@ -162,49 +227,106 @@ def backward_stack(params, x, h0, c0, lengths, y, saved, dy, dhy, dcy, *,
     recurrence = recurrence or backward_layer
     hseq, gates, cseq = saved
     steps, batch, input_size, num_layers, units = _dims(x, h0)
-    gh, dtype = 4 * units, x.dtype
+    dtype = x.dtype
     views = _layer_views(params, num_layers, units, input_size)
-    dy = tf.zeros_like(y) if dy is None else tf.cast(dy, dtype)
-    dhy = tf.zeros_like(h0) if dhy is None else tf.cast(dhy, dtype)
-    dcy = tf.zeros_like(c0) if dcy is None else tf.cast(dcy, dtype)
+    dy, dhy, dcy = _upstream(dtype, y, h0, c0, dy, dhy, dcy)
     mats, biases = [None] * num_layers, [None] * num_layers
     dh0, dc0 = [None] * num_layers, [None] * num_layers
     grad = dy  # of layer l's output sequence
     for l in reversed(range(num_layers)):
         w_ih, w_hh = views[l]
-        inp = x if l == 0 else hseq[l - 1]
-        out = y if l == num_layers - 1 else hseq[l]
-        n = int(inp.shape[-1])
         dgates, dh0_l, dc0_l = recurrence(w_hh, gates[l], cseq[l], c0[l], grad, dhy[l], dcy[l],
                                           lengths)
         dh0[l], dc0[l] = tf.cast(dh0_l, dtype), tf.cast(dc0_l, dtype)
-        dg = tf.reshape(tf.cast(dgates, dtype), [steps * batch, gh])
-        h_prev = tf.reshape(tf.concat([h0[l:l + 1], out[:-1]], 0), [steps * batch, units])
-        d_w_ih = tf.matmul(dg, tf.reshape(inp, [steps * batch, n]), transpose_a=True)
-        d_w_hh = tf.matmul(dg, h_prev, transpose_a=True)
-        d_b = tf.cast(tf.reduce_sum(tf.cast(dg, _accumulation(dtype)), axis=0), dtype)
-        mats[l] = tf.concat([tf.reshape(d_w_ih, [-1]), tf.reshape(d_w_hh, [-1])], 0)
-        biases[l] = tf.concat([d_b, d_b], 0)
-        grad = tf.reshape(tf.matmul(dg, w_ih), [steps, batch, n])
+        mats[l], biases[l], dg = _weight_gradients(dgates, l, x, h0, y, hseq)
+        grad = tf.reshape(tf.matmul(dg, w_ih), [steps, batch, int(w_ih.shape[1])])
     return grad, tf.concat(mats + biases, 0), tf.stack(dh0), tf.stack(dc0)
 
 
+def backward_stack_wavefront(params, x, h0, c0, lengths, y, saved, dy, dhy, dcy, *,
+                             recurrence: Callable | None = None):
+    """`backward_stack` with every layer's recurrence in ONE launch of the
+    reverse-wavefront kernel (v2; `recurrence`, default
+    `backward_stack_kernel`; the CPU tests pass `stack_recurrence_reference`),
+    then the GEMMs: dx = dgates^0 W_ih^0, dW_ih^l = dgates^T x^l, dW_hh^l =
+    dgates^T [h0, h_0..h_{T-2}], db_ih = db_hh = the sum of dgates (dx of
+    the layers above the first stays inside the kernel). The torch
+    binding's `backward_stack_wavefront`, in TensorFlow.
+
+    Returns (dx [T, B, I], dparams in the canonical flat layout, dh0, dc0
+    [L, B, H]), all in x's dtype; dy, dhy, dcy may be None (zero).
+    """
+    recurrence = recurrence or backward_stack_kernel
+    hseq, gates, cseq = saved
+    steps, batch, input_size, num_layers, units = _dims(x, h0)
+    dtype = x.dtype
+    dy, dhy, dcy = _upstream(dtype, y, h0, c0, dy, dhy, dcy)
+    dgates, dh0, dc0 = recurrence(params, input_size, gates, cseq, c0, dy, dhy, dcy, lengths)
+    mats, biases, dgs = zip(*(_weight_gradients(dgates[l], l, x, h0, y, hseq)
+                              for l in range(num_layers)))
+    w_ih0 = _layer_views(params, num_layers, units, input_size)[0][0]
+    dx = tf.reshape(tf.matmul(dgs[0], w_ih0), [steps, batch, input_size])
+    return (dx, tf.concat(list(mats) + list(biases), 0), tf.cast(dh0, dtype),
+            tf.cast(dc0, dtype))
+
+
+def backward_choice(x, h0, backward: str = "auto"):
+    """The backward `trainable_forward(x, ..., h0, ..., backward=backward)`
+    runs: `library.choose_backward` for x [T, B, I] and h0 [L, B, H] (static
+    shapes) on GPU 0; "auto" is "layer" where the wavefront op is not
+    loaded (no GPU). Returns a `library.BackwardChoice` (which, and why).
+
+    Raises:
+        ValueError: `backward` is not "auto", "layer" or "stack", or a shape
+            is not static.
+    """
+    from rnnfuse.backends.cuda import library
+
+    library.check_backward(backward, "trainable_forward: backward")
+    steps, batch, _, num_layers, units = _dims(x, h0)
+    unavailable = None
+    if backward == "auto":
+        unavailable = _op_unavailable()
+    return library.choose_backward(backward, "lstm", num_layers, units, batch, steps,
+                                   unavailable=unavailable)
+
+
+def _op_unavailable() -> str | None:
+    """Why the wavefront ops cannot run here (not loaded: no GPU, no build), or None."""
+    from rnnfuse.backends.tensorflow import op_build
+
+    if op_build.load_wavefront_op() is None:
+        return f"rnnfuse's wavefront op is not loaded: {op_build.wavefront_load_failure()}"
+    return None
+
+
 def trainable_forward(x, params, h0, c0, lengths=None, *, saving: Callable | None = None,
-                      recurrence: Callable | None = None):
+                      recurrence: Callable | None = None, backward: str = "auto"):
     """An LSTM stack on the kernel with the kernel's gradient.
 
     Returns (y [T, B, H], hy, cy [L, B, H]) as `forward_saving` does,
     differentiable (`tf.custom_gradient`) with respect to x, params (so the
     variables it was packed from: `pack_params` is differentiable), h0 and
-    c0: the gradient is `backward_stack` on the backward kernel. `saving`
-    and `recurrence` replace the two kernels (the CPU tests pass
-    `reference_forward_saving` and `recurrence_reference`).
+    c0. `backward` (`backward_choice` applies it, when the call is traced):
+    "auto" (the default) is `backward_stack_wavefront` (one reverse-
+    wavefront launch for every layer, v2) where
+    `library.backward_stack_reason` accepts the stack, else "layer"
+    (`backward_stack`, one backward launch a layer, v1); "layer" and
+    "stack" force one. `saving` and `recurrence` replace the forward
+    kernel and the recurrence of the backward that runs (`backward_layer`
+    for "layer", `backward_stack_kernel` for "stack"; the CPU tests pass
+    `reference_forward_saving` and `recurrence_reference` or
+    `stack_recurrence_reference`; on the CPU "auto" is "layer").
 
     Raises:
-        ValueError: c0 is None, or a shape is not static.
+        ValueError: c0 is None, a shape is not static, or `backward` is not
+            "auto", "layer" or "stack".
     """
     if c0 is None:
         raise ValueError("trainable_forward: an LSTM needs c0 ([L, B, H]); received None")
+    x, params, h0, c0 = (tf.convert_to_tensor(t) for t in (x, params, h0, c0))
+    choice = backward_choice(x, h0, backward)
+    stack_backward = backward_stack_wavefront if choice.backward == "stack" else backward_stack
     saving = saving or forward_saving
     lens = None if lengths is None else tf.cast(lengths, tf.int32)
 
@@ -213,12 +335,11 @@ def trainable_forward(x, params, h0, c0, lengths=None, *, saving: Callable | Non
         y, hy, cy, saved = saving(x, params, h0, c0, lens)
 
         def grad(dy, dhy, dcy):
-            return backward_stack(params, x, h0, c0, lens, y, saved, dy, dhy, dcy,
+            return stack_backward(params, x, h0, c0, lens, y, saved, dy, dhy, dcy,
                                   recurrence=recurrence)
 
         return (y, hy, cy), grad
 
-    x, params, h0, c0 = (tf.convert_to_tensor(t) for t in (x, params, h0, c0))
     y, hy, cy = lstm(x, params, h0, c0)
     return y, hy, cy
 
@@ -278,12 +399,13 @@ def reference_forward_saving(x, params, h0, c0, lengths):
             (hseq, tf.cast(tf.stack(gates_all), acc), tf.cast(tf.stack(cseq_all), acc)))
 
 
-def recurrence_reference(w_hh, gates, cseq, c0, dy, dhy, dcy, lengths):
+def recurrence_reference(w_hh, gates, cseq, c0, dy, dhy, dcy, lengths, *, dtype=None):
     """`backward_layer` in TensorFlow, step by step (float32 arithmetic,
     float64 for float64 inputs; dgates rounded to the element type as the
-    kernel stores them)."""
+    kernel stores them). `dtype`: the element type where dy is not in it
+    (`stack_recurrence_reference` passes a float32 dy)."""
     steps, batch, units = (int(d) for d in dy.shape)
-    dtype = dy.dtype
+    dtype = dy.dtype if dtype is None else tf.as_dtype(dtype)
     acc = _accumulation(dtype)
     w = tf.cast(w_hh, acc)
     lens, alive = _alive(steps, batch, lengths)
@@ -306,6 +428,26 @@ def recurrence_reference(w_hh, gates, cseq, c0, dy, dhy, dcy, lengths):
         dgates[t] = da
         rec = tf.matmul(tf.cast(da, acc), w)
     return tf.stack(dgates), rec, carry
+
+
+def stack_recurrence_reference(params, input_size, gates, cseq, c0, dy, dhy, dcy, lengths):
+    """`backward_stack_kernel` in TensorFlow: per layer from the top,
+    `recurrence_reference` with dy^l = dgates^{l+1} W_ih^{l+1} kept in the
+    accumulation dtype (float32; float64 for float64 inputs), as the kernel
+    keeps it in float32. Returns (dgates [L, T, B, 4H] in dy's dtype, dh0,
+    dc0 [L, B, H] in the accumulation dtype)."""
+    num_layers, steps, batch, units = (int(d) for d in cseq.shape)
+    acc = _accumulation(dy.dtype)
+    views = _layer_views(params, num_layers, units, int(input_size))
+    dgates, dh0, dc0 = [None] * num_layers, [None] * num_layers, [None] * num_layers
+    grad = dy
+    for l in reversed(range(num_layers)):
+        dgates[l], dh0[l], dc0[l] = recurrence_reference(
+            views[l][1], gates[l], cseq[l], c0[l], grad, dhy[l], dcy[l], lengths, dtype=dy.dtype)
+        if l > 0:
+            grad = tf.reshape(tf.matmul(tf.reshape(tf.cast(dgates[l], acc), [-1, 4 * units]),
+                                        tf.cast(views[l][0], acc)), [steps, batch, units])
+    return tf.stack(dgates), tf.stack(dh0), tf.stack(dc0)
 
 
 def reference_forward(x, params, h0, c0, lengths=None):

@@ -34,11 +34,12 @@ backward pass, `backward_stack` (per layer from the top: the backward
 kernel's recurrence, `backward_layer`, then dx, dW_ih, dW_hh and the
 biases as GEMMs). `run_trainable` is its `run_stack`; `training_reason`
 its checks. `reference_forward_saving` and `recurrence_reference` are the
-two kernels in torch (the CPU tests'). Opt-in (v2, exact on the H200, not
-yet the default): `trainable_forward(..., backward="stack")` runs
-`backward_stack_wavefront` instead, every layer's recurrence in ONE
-reverse-wavefront launch (`backward_stack_kernel`;
-`stack_recurrence_reference` in torch).
+two kernels in torch (the CPU tests'). By default (`backward="auto"`,
+`backward_choice`) the backward pass is `backward_stack_wavefront`
+instead where its plan accepts the stack (v2, exact on the H200): every
+layer's recurrence in ONE reverse-wavefront launch
+(`backward_stack_kernel`; `stack_recurrence_reference` in torch), then
+the same GEMMs; `backward="layer"` forces v1.
 
 Example (on an H200):
 
@@ -53,7 +54,8 @@ from typing import Sequence
 
 import torch
 
-__all__ = ["KERNEL_NAME", "TRAINING_KERNEL_NAME", "backward_layer", "backward_stack",
+__all__ = ["KERNEL_NAME", "TRAINING_KERNEL_NAME", "backward_choice", "backward_layer",
+           "backward_stack",
            "backward_stack_kernel", "backward_stack_wavefront", "flat_params", "forward",
            "forward_into", "forward_training", "recurrence_reference",
            "reference_forward", "reference_forward_saving", "run_autograd", "run_stack",
@@ -533,40 +535,76 @@ class _TrainableLSTM(torch.autograd.Function):
 
 def trainable_forward(x: torch.Tensor, params: torch.Tensor, h0: torch.Tensor,
                       c0: torch.Tensor, lengths: torch.Tensor | None = None, *,
-                      saving=None, recurrence=None, backward: str = "layer"):
+                      saving=None, recurrence=None, backward: str = "auto"):
     """An LSTM stack on the kernel with the kernel's gradient (autograd).
 
     Like `forward(x, params, h0, c0, lengths, kind="lstm")`, differentiable
     with respect to x, params (so the tensors it was made of: `flat_params`
-    is a `torch.cat`), h0 and c0; the backward is `backward_stack` on the
-    backward kernel. `saving` and `recurrence` replace the two kernels
-    (tests run torch versions of them on the CPU). `backward`: "layer" (the
-    default: `backward_stack`, one backward launch a layer) or "stack"
-    (opt-in, v2, exact on the H200, not yet the default:
-    `backward_stack_wavefront`, one reverse-wavefront launch for every
-    layer; `recurrence` then replaces `backward_stack_kernel`). Outside the kernels' limits it raises
-    `library.WavefrontError` (`training_reason` says so beforehand; the
-    "stack" path's own limits are `library.backward_stack_reason`).
+    is a `torch.cat`), h0 and c0. `backward` (`backward_choice` applies
+    it): "auto" (the default) is the reverse-wavefront backward
+    (`backward_stack_wavefront`, every layer's recurrence in ONE launch,
+    v2, exact on the H200) where `library.backward_stack_reason` accepts
+    the stack, else "layer" (`backward_stack`, one backward launch a
+    layer, v1); "layer" and "stack" force one. `saving` and `recurrence`
+    replace the forward kernel and the recurrence of the backward that
+    runs (`backward_layer` for "layer", `backward_stack_kernel` for
+    "stack"; tests run torch versions of them on the CPU, where "auto" is
+    "layer"). Outside the kernels' limits it raises
+    `library.WavefrontError` (`training_reason` says so beforehand for
+    the forward and v1).
+
+    Raises:
+        ValueError: c0 is None, or `backward` is not "auto", "layer" or "stack".
 
     Example (on an H200):
 
         >>> lstm = torch.nn.LSTM(512, 512, 4).cuda().half()  # doctest: +SKIP
+        >>> backward_choice(x, h0).backward  # 4 x 512, B64, T1000  # doctest: +SKIP
+        'stack'
         >>> y, hy, cy = trainable_forward(x, flat_params(lstm), h0, c0)  # doctest: +SKIP
         >>> (y.float().square().sum()).backward()  # doctest: +SKIP
         >>> lstm.weight_hh_l0.grad  # the backward kernel's  # doctest: +SKIP
     """
     if c0 is None:
         raise ValueError("trainable_forward: an LSTM needs c0")
-    if backward not in ("layer", "stack"):
-        raise ValueError(f"trainable_forward: backward is 'layer' or 'stack', not {backward!r}")
+    choice = backward_choice(x, h0, backward)
     lens = lengths.to(torch.int32).contiguous() if lengths is not None else None
-    if backward == "stack":
+    if choice.backward == "stack":
         stack_backward, recurrence = backward_stack_wavefront, recurrence or backward_stack_kernel
     else:
         stack_backward, recurrence = backward_stack, recurrence or backward_layer
     return _TrainableLSTM.apply(x.contiguous(), params.contiguous(), h0.contiguous(),
                                 c0.contiguous(), lens, saving or forward_training,
                                 recurrence, stack_backward)
+
+
+def backward_choice(x: torch.Tensor, h0: torch.Tensor, backward: str = "auto"):
+    """The backward `trainable_forward(x, ..., h0, ..., backward=backward)`
+    runs: `library.choose_backward` for x [T, B, I] and h0 [L, B, H] on x's
+    device ("auto" is "layer" off a CUDA device). Returns a
+    `library.BackwardChoice` (which, and why).
+
+    Raises:
+        ValueError: `backward` is not "auto", "layer" or "stack".
+    """
+    library = _library()
+    library.check_backward(backward, "trainable_forward: backward")
+    steps, batch = int(x.shape[0]), int(x.shape[1])
+    num_layers, units = int(h0.shape[0]), int(h0.shape[2])
+    unavailable = _stack_unavailable(x.device) if backward == "auto" else None
+    ordinal = 0
+    if backward == "auto" and unavailable is None:
+        ordinal = x.device.index if x.device.index is not None else torch.cuda.current_device()
+    return library.choose_backward(backward, "lstm", num_layers, units, batch, steps, ordinal,
+                                   unavailable=unavailable)
+
+
+def _stack_unavailable(device: torch.device) -> str | None:
+    """Why no reverse-wavefront backward can run on `device` whatever the
+    shape (not a CUDA device), or None."""
+    if device.type != "cuda":
+        return "the reverse-wavefront backward runs on CUDA devices only"
+    return None
 
 
 def training_reason(kind: str, num_layers: int, units: int, batch: int, steps: int,
@@ -594,6 +632,9 @@ def run_trainable(sequences, *, stack, initial_h=None, initial_c=None, mask=None
     """`run_stack` for training: the kernel's forward AND backward (an LSTM
     stack; the gradient reaches the Keras variables through
     `pack_params`); `run_autograd` calls it where a gradient is wanted.
+    The backward is `backward_choice`'s "auto" (the reverse wavefront where
+    its plan accepts the stack, else per layer); the `KernelRun`'s
+    algorithm names it: "backward=stack" or "backward=layer".
 
     Raises:
         NotImplementedError: the kernels cannot run this call (the reason).
@@ -603,8 +644,10 @@ def run_trainable(sequences, *, stack, initial_h=None, initial_c=None, mask=None
 
     x, params, h0, c0, lengths = _kernel_inputs(sequences, stack, initial_h, initial_c, mask,
                                                 reverse, dropout, training=True)
-    y, hy, cy = trainable_forward(x, params, h0, c0, lengths)
-    return StackRun(y.transpose(0, 1), hy, cy, KernelRun(TRAINING_KERNEL_NAME))
+    choice = backward_choice(x, h0)
+    y, hy, cy = trainable_forward(x, params, h0, c0, lengths, backward=choice.backward)
+    return StackRun(y.transpose(0, 1), hy, cy,
+                    KernelRun(TRAINING_KERNEL_NAME, f"backward={choice.backward}"))
 
 
 def _kernel_inputs(sequences, stack, initial_h, initial_c, mask, reverse, dropout, *,

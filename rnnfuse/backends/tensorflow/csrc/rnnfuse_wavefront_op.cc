@@ -1,9 +1,11 @@
 // RnnfuseWavefront: rnnfuse's persistent wavefront kernel as a TensorFlow
 // GPU op (inference: no reserve space, no gradient). Training (LSTM) has
-// two more ops, below the first: RnnfuseWavefrontSaving (the same forward,
-// also returning what the backward reads) and RnnfuseWavefrontBackward
-// (the backward recurrence of one layer); their gradient is assembled in
-// Python (rnnfuse/backends/tensorflow/wavefront_training.py).
+// three more ops, below the first: RnnfuseWavefrontSaving (the same
+// forward, also returning what the backward reads), RnnfuseWavefrontBackward
+// (the backward recurrence of one layer, v1) and
+// RnnfuseWavefrontBackwardStack (every layer's backward recurrence in one
+// reverse-wavefront launch, v2); their gradient is assembled in Python
+// (rnnfuse/backends/tensorflow/wavefront_training.py).
 //
 // The kernel and its launcher are rnnfuse/backends/cuda/csrc/ (design,
 // layout and limits in wavefront.cuh); this file only adapts tensors:
@@ -22,7 +24,8 @@
 // Outputs: output [T, B, H] (0 past each length), output_h, output_c
 // ([L, B, H]; output_c is [0] for a GRU). RnnfuseWavefrontSaving (LSTM,
 // no rnn_mode) takes the same inputs and adds hseq, gates and cseq (see
-// its class); RnnfuseWavefrontBackward is one layer's backward recurrence.
+// its class); RnnfuseWavefrontBackward is one layer's backward recurrence,
+// RnnfuseWavefrontBackwardStack the whole stack's (see their classes).
 // A shape outside the kernel's limits is an Unimplemented op error naming
 // the limit (Python checks the same plan first and runs cuDNN instead).
 
@@ -34,6 +37,7 @@
 #include "tensorflow/core/framework/op.h"
 #include "tensorflow/core/framework/op_kernel.h"
 #include "tensorflow/core/framework/shape_inference.h"
+#include "wavefront.cuh"  // kMaxLayers, kFlagStride: where the timed-out word is
 
 extern "C" {
 const char* rnnfuse_wf_last_error();
@@ -50,6 +54,13 @@ int rnnfuse_wf_backward(void* stream, int dtype, int units, int batch, int steps
                         const void* w_hh, const float* gates, const float* cseq, const void* c0,
                         const void* dy, const void* dhy, const void* dcy, const int* lengths,
                         void* dgates, float* dh0, float* dc0, void* workspace);
+size_t rnnfuse_wf_backward_stack_workspace_bytes(int num_layers, int units, int batch,
+                                                 int steps);
+int rnnfuse_wf_backward_stack(void* stream, int dtype, int num_layers, int units, int batch,
+                              int steps, int input_size, const void* params, const float* gates,
+                              const float* cseq, const void* c0, const void* dy, const void* dhy,
+                              const void* dcy, const int* lengths, void* dgates, float* dh0,
+                              float* dc0, void* workspace);
 }
 
 namespace rnnfuse {
@@ -252,6 +263,123 @@ class RnnfuseWavefrontBackwardOp : public OpKernel {
   }
 };
 
+// Every layer's backward recurrence of an LSTM stack in ONE reverse-
+// wavefront launch (rnnfuse_wf_backward_stack; wavefront.cuh, "The stack
+// backward"): dgates [L, T, B, 4H] (T: the gradient of the gates'
+// pre-activations, 0 at t >= length), dh0 and dc0 [L, B, H] (float32) from
+// the canonical flat params (T; layer 0's W_ih, of `input_size` inputs, is
+// not read), the saving forward's gates [L, T, B, 4H] and cseq
+// [L, T, B, H] (float32), c0 [L, B, H], the gradient of the TOP layer's
+// output sequence dy [T, B, H] and of the final states dhy, dcy
+// [L, B, H]. The layers below the top get their dy inside the kernel.
+// A shape outside the stack backward's plan is an Unimplemented error
+// naming the limit. With `check`, the op waits for the kernel and fails
+// (Internal) if one of its waits timed out (a bug: the results are wrong),
+// as the torch binding's backward_stack_kernel(check=True) raises.
+template <typename T>
+class RnnfuseWavefrontBackwardStackOp : public OpKernel {
+ public:
+  explicit RnnfuseWavefrontBackwardStackOp(OpKernelConstruction* ctx) : OpKernel(ctx) {
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("input_size", &input_size_));
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("check", &check_));
+  }
+
+  void Compute(OpKernelContext* ctx) override { OP_REQUIRES_OK(ctx, DoCompute(ctx)); }
+
+ private:
+  Status DoCompute(OpKernelContext* ctx) {
+    const Tensor& params = ctx->input(0);
+    const Tensor& gates = ctx->input(1);
+    const Tensor& cseq = ctx->input(2);
+    const Tensor& c0 = ctx->input(3);
+    const Tensor& dy = ctx->input(4);
+    const Tensor& dhy = ctx->input(5);
+    const Tensor& dcy = ctx->input(6);
+    const Tensor& lengths = ctx->input(7);
+    if (cseq.dims() != 4)
+      return errors::InvalidArgument("cseq must be [L, T, B, H], got ",
+                                     cseq.shape().DebugString());
+    const int64_t layers = cseq.dim_size(0), steps = cseq.dim_size(1);
+    const int64_t batch = cseq.dim_size(2), units = cseq.dim_size(3);
+    if (layers == 0 || steps == 0 || batch == 0 || units == 0)
+      return errors::InvalidArgument("rnnfuse wavefront stack backward: cseq ",
+                                     cseq.shape().DebugString(),
+                                     " is empty (L, T, B and H must be at least 1)");
+    if (gates.shape() != TensorShape({layers, steps, batch, 4 * units}))
+      return errors::InvalidArgument("gates must be [L, T, B, 4H] = [", layers, ", ", steps,
+                                     ", ", batch, ", ", 4 * units, "], got ",
+                                     gates.shape().DebugString());
+    if (dy.shape() != TensorShape({steps, batch, units}))
+      return errors::InvalidArgument("dy (the top layer's) must be [T, B, H] = [", steps, ", ",
+                                     batch, ", ", units, "], got ", dy.shape().DebugString());
+    const TensorShape state({layers, batch, units});
+    for (const Tensor* t : {&c0, &dhy, &dcy})
+      if (t->shape() != state)
+        return errors::InvalidArgument("c0, dhy and dcy must be [L, B, H] = ",
+                                       state.DebugString(), ", got ", t->shape().DebugString());
+    // The canonical buffer: per layer W_ih [4H, n] and W_hh [4H, H], then
+    // per layer b_ih and b_hh [4H] (n: input_size for layer 0, else H).
+    const int64_t want = 4 * units * (input_size_ + units) +
+                         (layers - 1) * 4 * units * 2 * units + layers * 8 * units;
+    if (params.dims() != 1 || params.NumElements() != want)
+      return errors::InvalidArgument("params must be the canonical flat buffer of ", layers,
+                                     " layers of ", units, " units over ", input_size_,
+                                     " inputs: [", want, "], got ",
+                                     params.shape().DebugString());
+    if (lengths.NumElements() != 0 && lengths.NumElements() != batch)
+      return errors::InvalidArgument("sequence_lengths must be [B] or [0], got ",
+                                     lengths.shape().DebugString());
+
+    Tensor *dgates = nullptr, *dh0 = nullptr, *dc0 = nullptr;
+    TF_RETURN_IF_ERROR(ctx->allocate_output(0, gates.shape(), &dgates));
+    TF_RETURN_IF_ERROR(ctx->allocate_output(1, state, &dh0));
+    TF_RETURN_IF_ERROR(ctx->allocate_output(2, state, &dc0));
+    cudaStream_t stream = ctx->eigen_device<Eigen::GpuDevice>().stream();
+    Tensor dev_lengths;
+    const int* lengths_ptr = nullptr;
+    TF_RETURN_IF_ERROR(DeviceLengths(ctx, stream, lengths, static_cast<int>(batch), &dev_lengths,
+                                     &lengths_ptr));
+    const size_t ws_bytes = rnnfuse_wf_backward_stack_workspace_bytes(
+        static_cast<int>(layers), static_cast<int>(units), static_cast<int>(batch),
+        static_cast<int>(steps));
+    Tensor workspace;
+    TF_RETURN_IF_ERROR(ctx->allocate_temp(
+        tensorflow::DT_UINT8, TensorShape({static_cast<int64_t>(ws_bytes)}), &workspace));
+    const int rc = rnnfuse_wf_backward_stack(
+        stream, WavefrontDtype<T>::value, static_cast<int>(layers), static_cast<int>(units),
+        static_cast<int>(batch), static_cast<int>(steps), input_size_, Ptr(params),
+        static_cast<const float*>(Ptr(gates)), static_cast<const float*>(Ptr(cseq)), Ptr(c0),
+        Ptr(dy), Ptr(dhy), Ptr(dcy), lengths_ptr, Mut(dgates),
+        reinterpret_cast<float*>(Mut(dh0)), reinterpret_cast<float*>(Mut(dc0)),
+        Mut(&workspace));
+    if (rc != 0)
+      return errors::Unimplemented("rnnfuse wavefront stack backward: ",
+                                   rnnfuse_wf_last_error());
+    if (check_) return CheckTimeout(stream, workspace);
+    return absl::OkStatus();
+  }
+
+  // Waits for the launch and reads the workspace word a timed-out wait sets
+  // (after kMaxLayers x kFlagStride flags; library.STACK_TIMEOUT_WORD).
+  static Status CheckTimeout(cudaStream_t stream, const Tensor& workspace) {
+    const int64_t word = int64_t(rnnfuse_wf::kMaxLayers) * rnnfuse_wf::kFlagStride;
+    unsigned timed_out = 0;
+    cudaError_t err = cudaMemcpyAsync(&timed_out, workspace.tensor_data().data() + 4 * word,
+                                      sizeof(timed_out), cudaMemcpyDeviceToHost, stream);
+    if (err == cudaSuccess) err = cudaStreamSynchronize(stream);
+    if (err != cudaSuccess)
+      return errors::Internal("rnnfuse wavefront stack backward: reading its timeout word "
+                              "failed (CUDA error ", static_cast<int>(err), ")");
+    if (timed_out != 0)
+      return errors::Internal("the reverse-wavefront backward's wait timed out (a bug): the "
+                              "results are wrong");
+    return absl::OkStatus();
+  }
+
+  int input_size_ = 0;
+  bool check_ = false;
+};
+
 REGISTER_OP("RnnfuseWavefront")
     .Input("xproj: T")
     .Input("params: T")
@@ -331,6 +459,31 @@ REGISTER_OP("RnnfuseWavefrontBackward")
       return absl::OkStatus();
     });
 
+REGISTER_OP("RnnfuseWavefrontBackwardStack")
+    .Input("params: T")
+    .Input("gates: float")
+    .Input("cseq: float")
+    .Input("c0: T")
+    .Input("dy: T")
+    .Input("dhy: T")
+    .Input("dcy: T")
+    .Input("sequence_lengths: int32")
+    .Output("dgates: T")
+    .Output("dh0: float")
+    .Output("dc0: float")
+    .Attr("T: {half, bfloat16}")
+    .Attr("input_size: int >= 1")
+    .Attr("check: bool = false")
+    .SetShapeFn([](shape_inference::InferenceContext* c) {
+      shape_inference::ShapeHandle g, s;
+      TF_RETURN_IF_ERROR(c->WithRank(c->input(1), 4, &g));
+      TF_RETURN_IF_ERROR(c->WithRank(c->input(3), 3, &s));
+      c->set_output(0, g);
+      c->set_output(1, s);
+      c->set_output(2, s);
+      return absl::OkStatus();
+    });
+
 #define RF_REGISTER_WAVEFRONT(T)                                                   \
   REGISTER_KERNEL_BUILDER(Name("RnnfuseWavefront")                                 \
                               .Device(DEVICE_GPU)                                  \
@@ -346,7 +499,12 @@ REGISTER_OP("RnnfuseWavefrontBackward")
                               .Device(DEVICE_GPU)                                  \
                               .TypeConstraint<T>("T")                              \
                               .HostMemory("sequence_lengths"),                     \
-                          RnnfuseWavefrontBackwardOp<T>);
+                          RnnfuseWavefrontBackwardOp<T>);                   \
+  REGISTER_KERNEL_BUILDER(Name("RnnfuseWavefrontBackwardStack")                    \
+                              .Device(DEVICE_GPU)                                  \
+                              .TypeConstraint<T>("T")                              \
+                              .HostMemory("sequence_lengths"),                     \
+                          RnnfuseWavefrontBackwardStackOp<T>);
 
 RF_REGISTER_WAVEFRONT(Eigen::half);
 RF_REGISTER_WAVEFRONT(Eigen::bfloat16);
