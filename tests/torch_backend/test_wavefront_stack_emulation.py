@@ -586,6 +586,8 @@ def test_the_emulated_plan_is_the_librarys():
         ctas=128, smem=209664, rows=64, variant=2, chunk=32)
     assert lib.backward_stack_plan(4, 512, 64, 1000, **h200) == dict(ctas=128, smem=154368,
                                                                       rows=64)
+    assert "variant is 0, 1 or 2, not 3" in lib.backward_stack_plan(4, 512, 64, 10, **h200,
+                                                                    variant=3)
 
 
 def _case(shape, seed_shift=0):

@@ -202,8 +202,10 @@ inline bool PlanBackward(int H, int B, int T, int sms, int smem_limit, BwdArgs* 
 // Shared memory: two chunks (one where two do not fit, or one is all the
 // group's rows) of staged da rows [kBwdChunk][kpad + kHsPad], the warps'
 // partials, the carried dc and the lengths. `input_size` places
-// the matrices in the canonical buffer. Returns true, or false with the
-// reason.
+// the matrices in the canonical buffer. `variant` (0, 1 or 2; wavefront.cuh,
+// "Variants"): the kernel asked for; args->variant is the one planned (the
+// next simpler one where its shared memory does not fit). Returns true, or
+// false with the reason.
 inline bool PlanBackwardStack(int L, int H, int B, int T, int input_size, int sms,
                               int smem_limit, BwdStackArgs* args, char* why, int why_len,
                               int variant = 0) {
@@ -265,10 +267,14 @@ inline bool PlanBackwardStack(int L, int H, int B, int T, int input_size, int sm
   // group has 2+ chunks and they fit, else one), else the next simpler one:
   // variant 2 (32-row chunks; only where a group has more than 16 rows),
   // then 1, then 0 (wavefront.cuh, "Variants"). a.variant says which.
-  const int asked = variant < 0 ? 0 : (variant > 2 ? 2 : variant);
+  if (variant < 0 || variant > 2) {
+    snprintf(why, why_len, "the reverse-wavefront backward's variant is 0, 1 or 2, not %d",
+             variant);
+    return false;
+  }
   int off = 0;
   bool fits = false;
-  for (int v = asked; v >= 0 && !fits; --v) {
+  for (int v = variant; v >= 0 && !fits; --v) {
     const int chunk = v == 2 ? 2 * kBwdChunk : kBwdChunk;
     if (v == 2 && rows <= kBwdChunk) continue;
     const int part_bufs = v == 0 ? 1 : 2;
