@@ -16,6 +16,9 @@ built into the cache (nvcc + g++).
     # the reverse-wavefront backward (v2, opt-in): one launch for every layer
     python3 bench/bench_wavefront.py grad --random 4 --backward stack --out $OUT/grad_stack.json
     python3 bench/bench_wavefront.py train --cells 2 --backward stack --out $OUT/train_stack.json
+    # its opt-in pipelined variants (wavefront.cuh, "Variants"): checked, and timed interleaved
+    python3 bench/bench_wavefront.py grad --random 4 --backward stack --variant 1
+    python3 bench/bench_wavefront.py train --cells 2 --backward stack --variants 0,1,2
 
 `check`: each case draws fresh random weights, inputs, initial states (and
 lengths), poisons the outputs with NaN, runs the kernel and compares y, hy
@@ -41,7 +44,14 @@ instead of `backward_stack` (one launch a layer, the default "layer"):
 grad checks it the same way (a timed-out wait in the kernel is an error;
 its plan's refusals must raise WavefrontError from the backward pass) and
 adds STACK_GRAD_CASES; train times it beside the layer-by-layer backward
-and reports how far its gradients are from the layer path's.
+and reports how far its gradients are from the layer path's. `--variant N`
+(grad, train; with --backward stack): the stack kernel's variant (0, the
+default; 1, 2 opt-in; the rows say which one the plan chose, as it falls
+back where the asked one does not fit). `--variants 0,1,...` (train): every
+variant's recurrence, backward and training step timed interleaved (rounds
+of one median each, in turn) in one process, with the ratio to the first
+and the largest difference of its dgates from the first's (the variants
+add in the same order: 0 expected).
 """
 
 from __future__ import annotations
@@ -474,7 +484,14 @@ def grad_case(layers, units, batch, steps, inputs, dtype_name, with_lengths, see
                                                dtype, torch.device("cuda"))
                   or library.backward_stack_reason("lstm", layers, units, batch, steps))
         options = dict(backward="stack",
-                       recurrence=functools.partial(wavefront.backward_stack_kernel, check=True))
+                       recurrence=functools.partial(wavefront.backward_stack_kernel, check=True,
+                                                    variant=VARIANT))
+        if VARIANT:  # the variant the plan chose (it falls back where the asked one does not fit)
+            dev = library.load().device(0)
+            planned = library.load().backward_stack_plan(layers, units, batch, steps,
+                                                         sms=dev["sms"], smem=dev["smem"],
+                                                         variant=VARIANT)
+            row["variant"] = planned if isinstance(planned, str) else planned["variant"]
         if reason is not None:  # the refusal comes from the backward pass's plan
             return refused_row(row, reason, lambda: _grads(
                 list(wavefront.trainable_forward(leaves[0], wavefront.flat_params(weights),
@@ -562,11 +579,13 @@ def random_grad_cases(n: int, seed: int):
 
 
 BACKWARD = "layer"  # grad and train: --backward
+VARIANT = 0  # grad and train: --variant (the stack backward's kernel variant)
+VARIANTS = ()  # train: --variants (timed interleaved)
 
 
 def cmd_grad(args):
-    global BACKWARD
-    BACKWARD = args.backward
+    global BACKWARD, VARIANT
+    BACKWARD, VARIANT = args.backward, args.variant
     cases = GRAD_CASES[: args.fixed] + random_grad_cases(args.random, args.seed)
     if BACKWARD == "stack":
         cases += STACK_GRAD_CASES
@@ -633,32 +652,87 @@ def train_stack(layers, units, leaves, x, params, h0, c0, dy, ours, reps):
     zeros = torch.zeros_like(h0)
     with torch.no_grad():
         y, hy, cy, saved = wavefront.forward_training(x, params, h0, c0, None)
-        checked = functools.partial(wavefront.backward_stack_kernel, check=True)
+        checked = functools.partial(wavefront.backward_stack_kernel, check=True,
+                                    variant=VARIANT)
         got = wavefront.backward_stack_wavefront(params, x, h0, c0, None, y, saved, dy, None,
                                                  None, recurrence=checked)
         want = wavefront.backward_stack(params, x, h0, c0, None, y, saved, dy, None, None)
         out["stack_vs_layer_rel"] = {n: rel(a, b) for n, a, b in
                                      zip(("dx", "dparams", "dh0", "dc0"), got, want)}
+        unchecked = functools.partial(wavefront.backward_stack_kernel, variant=VARIANT)
         out["ours_backward_stack_ms"] = time_ms(
             lambda: wavefront.backward_stack_wavefront(params, x, h0, c0, None, y, saved, dy,
-                                                       None, None), reps)
+                                                       None, None, recurrence=unchecked), reps)
         out["ours_recurrence_stack_ms"] = time_ms(
-            lambda: wavefront.backward_stack_kernel(params, x.shape[-1], saved[1], saved[2], c0,
-                                                    dy, zeros, zeros, None), reps)
+            lambda: unchecked(params, x.shape[-1], saved[1], saved[2], c0, dy, zeros, zeros,
+                              None), reps)
 
     def ours_stack():
-        y, _, _ = wavefront.trainable_forward(*leaves, backward="stack")
+        y, _, _ = wavefront.trainable_forward(*leaves, backward="stack", recurrence=unchecked)
         return torch.autograd.grad([y], leaves, [dy])
 
     a, b = ours_stack(), ours()
     out["train_step_stack_vs_layer_rel"] = max(rel(p, q) for p, q in zip(a, b))
     out["ours_train_step_stack_ms"] = time_ms(ours_stack, reps)
+    if VARIANTS:
+        out["variants"] = train_variants(leaves, x, params, h0, c0, dy, y, saved, reps)
     return out
 
 
+def train_variants(leaves, x, params, h0, c0, dy, y, saved, reps, rounds=5):
+    """Each of VARIANTS's recurrence (the stack kernel alone), backward
+    (kernel + GEMMs) and training step, timed interleaved: `rounds` rounds,
+    each a `time_ms` median of every variant in turn; the median of the
+    rounds in ms, the ratio to the first variant's, the variant the plan
+    chose, and its dgates' largest difference from the first's."""
+    layers, steps, batch, units = saved[2].shape
+    zeros = torch.zeros_like(h0)
+    dev = library.load().device(0)
+    kernels = {v: functools.partial(wavefront.backward_stack_kernel, variant=v) for v in VARIANTS}
+    out, first = {}, None
+    with torch.no_grad():
+        for v in VARIANTS:
+            planned = library.load().backward_stack_plan(layers, units, batch, steps,
+                                                         sms=dev["sms"], smem=dev["smem"],
+                                                         variant=v)
+            dg = wavefront.backward_stack_kernel(params, x.shape[-1], saved[1], saved[2], c0, dy,
+                                                 zeros, zeros, None, check=True, variant=v)[0]
+            first = dg if first is None else first
+            out[v] = dict(planned=planned if isinstance(planned, str) else planned.get("variant", 0),
+                          dgates_max_abs_vs_first=float((dg.float() - first.float()).abs().max()))
+
+    def recurrence(v):
+        with torch.no_grad():
+            kernels[v](params, x.shape[-1], saved[1], saved[2], c0, dy, zeros, zeros, None)
+
+    def backward(v):
+        with torch.no_grad():
+            wavefront.backward_stack_wavefront(params, x, h0, c0, None, y, saved, dy, None, None,
+                                               recurrence=kernels[v])
+
+    def train_step(v):
+        yy, _, _ = wavefront.trainable_forward(*leaves, backward="stack", recurrence=kernels[v])
+        return torch.autograd.grad([yy], leaves, [dy])
+
+    for name, fn in (("recurrence_ms", recurrence), ("backward_ms", backward),
+                     ("train_step_ms", train_step)):
+        times = {v: [] for v in VARIANTS}
+        for _ in range(rounds):
+            for v in VARIANTS:
+                times[v].append(time_ms(functools.partial(fn, v), reps, warmup=1))
+        for v in VARIANTS:
+            out[v][name] = statistics.median(times[v])
+            out[v][name.replace("_ms", "_ratio")] = out[v][name] / statistics.median(
+                times[VARIANTS[0]])
+    return {str(v): r for v, r in out.items()}
+
+
 def cmd_train(args):
-    global BACKWARD
-    BACKWARD = args.backward
+    global BACKWARD, VARIANT, VARIANTS
+    BACKWARD, VARIANT = args.backward, args.variant
+    VARIANTS = tuple(int(v) for v in args.variants.split(",")) if args.variants else ()
+    if VARIANTS and BACKWARD != "stack":
+        raise SystemExit("train --variants times the stack backward: add --backward stack")
     rows = []
     cells = [(4, 512, 64, 1000, "float16"), (4, 512, 64, 1000, "bfloat16"),
              (2, 256, 8, 1000, "float16")]
@@ -725,12 +799,18 @@ def main(argv=None):
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--backward", choices=("layer", "stack"), default="layer",
                    help="layer: one backward launch a layer; stack: the reverse wavefront")
+    g.add_argument("--variant", type=int, choices=(0, 1, 2), default=0,
+                   help="the stack backward's kernel variant (with --backward stack)")
     g.add_argument("--out", default="")
     tr = sub.add_parser("train")
     tr.add_argument("--cells", type=int, default=3)
     tr.add_argument("--reps", type=int, default=5)
     tr.add_argument("--backward", choices=("layer", "stack"), default="layer",
                     help="stack: also time the reverse-wavefront backward")
+    tr.add_argument("--variant", type=int, choices=(0, 1, 2), default=0,
+                    help="the stack backward's kernel variant (with --backward stack)")
+    tr.add_argument("--variants", default="",
+                    help="e.g. 0,1,2: time these stack-backward variants interleaved")
     tr.add_argument("--out", default="")
     args = ap.parse_args(argv)
     return {"check": cmd_check, "bench": cmd_bench, "modes": cmd_modes,

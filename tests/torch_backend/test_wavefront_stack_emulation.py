@@ -21,6 +21,7 @@ on the H200, and which the lead's GPU run checks for this kernel.
 
 from __future__ import annotations
 
+import itertools
 import random
 
 import numpy as np
@@ -33,8 +34,10 @@ K_WARPS, K_THREADS, K_UNITS, K_CHUNK, K_MAX_KT, K_HS_PAD = 8, 256, 16, 16, 32, 8
 K_MAX_LAYERS, K_FLAG_STRIDE = 8, 256
 
 
-def plan(L, H, B, sms=132, smem=232448):
-    """PlanBackwardStack (wavefront_plan.h), the numbers the kernel reads."""
+def plan(L, H, B, sms=132, smem=232448, variant=0):
+    """PlanBackwardStack (wavefront_plan.h), the numbers the kernel reads:
+    the asked variant's layout, else the next simpler one that fits (2 ->
+    1 -> 0; variant 2 only where a group has more than 16 rows)."""
     per_group = (H + K_UNITS - 1) // K_UNITS
     assert L * per_group <= sms and (4 * H <= 2048 or L == 1)
     groups_max = min(sms // (L * per_group), K_FLAG_STRIDE // per_group)
@@ -43,11 +46,20 @@ def plan(L, H, B, sms=132, smem=232448):
     groups = (B + rows - 1) // rows
     kt = (4 * H + 127) // 128
     r16 = lambda n: (n + 15) // 16 * 16  # noqa: E731
-    rest = r16(K_WARPS * K_CHUNK * 36 * 4) + r16(rows * K_UNITS * 4) + r16(rows * 4)
-    ds_bufs = 2 if rows > K_CHUNK and 2 * r16(K_CHUNK * (128 * kt + 8) * 2) + rest <= smem else 1
-    return dict(per_group=per_group, groups=groups, rows=rows, ctas_per_layer=groups * per_group,
-                kt=kt, kpad=128 * kt, ds_bufs=ds_bufs,
-                smem=ds_bufs * r16(K_CHUNK * (128 * kt + 8) * 2) + rest)
+    for v in range(min(max(variant, 0), 2), -1, -1):
+        chunk = 2 * K_CHUNK if v == 2 else K_CHUNK
+        if v == 2 and rows <= K_CHUNK:
+            continue
+        part_bufs = 1 if v == 0 else 2
+        rest = (part_bufs * r16(K_WARPS * chunk * 36 * 4) + r16(rows * K_UNITS * 4)
+                + r16(rows * 4))
+        for ds_bufs in ((2, 1) if rows > chunk else (1,)):
+            total = ds_bufs * r16(chunk * (128 * kt + 8) * 2) + rest
+            if total <= smem:
+                return dict(per_group=per_group, groups=groups, rows=rows,
+                            ctas_per_layer=groups * per_group, kt=kt, kpad=128 * kt,
+                            ds_bufs=ds_bufs, variant=v, chunk=chunk, smem=total)
+    raise AssertionError("the plan refuses: shared memory")
 
 
 def offsets(L, H, input_size):
@@ -102,6 +114,14 @@ class Cta:
                         self.tiles[i, warp, r, col + 1] = hi
         self.ds = np.zeros((a["ds_bufs"], K_CHUNK, self.KS))
         self.dcs = np.zeros((self.rows, K_UNITS))
+        if a["variant"] > 0:  # the pipelined body's shared memory, race-checked
+            R = a["chunk"]
+            self.sds = Tracked((a["ds_bufs"], R, self.KS))
+            self.spart = Tracked((2, K_WARPS, R, 36))
+            self.sdcs = Tracked((self.rows, K_UNITS))
+            self.sdcs.write((slice(None), slice(None)), INIT, 0, 0.0)
+            self.epoch = 1  # the barrier after the initialisation
+            self.groups = {}  # cp.async groups in flight, per thread: [[(idx, value)], ...]
         lens = a["lengths"]
         self.lens = [min(int(lens[self.row0 + n]) if lens is not None else a["T"], a["T"])
                      for n in range(self.rows)]
@@ -124,6 +144,8 @@ class Cta:
 
     def step(self, flags, g):
         """Runs step self.t (its wait met) and publishes."""
+        if self.a["variant"] > 0:
+            return self.step_pipelined(flags, g)
         a, t = self.a, self.t
         H, steps = a["H"], a["T"]
         G4, l = 4 * H, self.l
@@ -231,11 +253,243 @@ class Cta:
         self.t -= 1
 
 
+    # --- backward_stack_pipelined_body (variants 1 and 2) -------------------
+
+    def barrier(self):
+        """__syncthreads: every access after it is ordered after every one before."""
+        self.epoch += 1
+
+    def wait_groups(self, tid, keep):
+        """cp.async.wait_group `keep` of thread tid: its older groups land now."""
+        groups = self.groups.get(tid, [])
+        while len(groups) > keep:
+            for idx in groups.pop(0):
+                self.sds.land(idx, tid, self.epoch)
+
+    def step_pipelined(self, flags, g):
+        """Step self.t of backward_stack_pipelined_body, barrier interval by
+        barrier interval (`self.epoch`); every shared access is race-checked
+        (`Tracked`), warps' accesses as the warp (ldmatrix, fragment stores),
+        threads' as the thread. `self.mutate` names one deliberate bug."""
+        a, t, mut = self.a, self.t, self.a.get("mutate", "")
+        H, steps, l = a["H"], a["T"], self.l
+        G4, R, bufs = 4 * H, a["chunk"], a["ds_bufs"]
+        kper = R // 16
+        product = t < steps - 1
+        dg, dyl = g["dgates"], g["dyl"]
+        per_row = G4 // 8
+        nchunks = (self.rows + R - 1) // R
+        self.last_global = -1  # latest interval of a global store by a thread other than 0
+        self.barrier()  # the wait's __syncthreads
+
+        def stage(c, b):
+            n0 = c * R
+            nc = min(R, self.rows - n0)
+            for tid in range(K_THREADS):
+                st_n0, st_q0 = divmod(tid, per_row)
+                st_dn, st_dq = divmod(K_THREADS, per_row)
+                n, q = st_n0, st_q0
+                group = []
+                while n < nc:
+                    idx = (b, n, slice(q * 8, q * 8 + 8))
+                    self.sds.write(idx, tid, self.epoch,
+                                   dg[l, t + 1, self.row0 + n0 + n, q * 8:q * 8 + 8], landed=False)
+                    group.append(idx)
+                    q += st_dq
+                    n += st_dn
+                    if q >= per_row:
+                        q -= per_row
+                        n += 1
+                self.groups.setdefault(tid, []).append(group)  # cp.async.commit_group
+
+        def load_pre(c):
+            """Chunk c's pointwise inputs, per thread and row r (zeros where not read)."""
+            pre = {}
+            for tid in range(K_THREADS):
+                pn, pu = divmod(tid, K_UNITS)
+                ug = self.u0 + pu
+                for r in range(kper):
+                    nl = c * R + pn + 16 * r
+                    nb = self.row0 + nl
+                    v = dict.fromkeys(("ig", "fg", "gg", "og", "ct", "cp", "dy", "dhy", "dcy"),
+                                      0.0)
+                    if t >= 0 and c < nchunks and nl < self.rows and ug < H and t < self.lens[nl]:
+                        gp = g["gates"][l, t, nb]
+                        if self.top:
+                            dyv = g["dy"][t, nb, ug]
+                        else:
+                            dyv = dyl[l, t, nb, ug]
+                            assert np.isfinite(dyv), (l, t, nb, ug, "dy read before written")
+                        last = t == self.lens[nl] - 1
+                        v = dict(ig=gp[ug], fg=gp[H + ug], gg=gp[2 * H + ug], og=gp[3 * H + ug],
+                                 ct=g["cseq"][l, t, nb, ug],
+                                 cp=g["cseq"][l, t - 1, nb, ug] if t > 0 else g["c0"][l, nb, ug],
+                                 dy=dyv, dhy=g["dhy"][l, nb, ug] if last else 0.0,
+                                 dcy=g["dcy"][l, nb, ug] if last else 0.0)
+                    pre[tid, r] = v
+            return pre
+
+        def products(c, b):
+            nc = min(R, self.rows - c * R)
+            pb = 0 if mut == "one_part" else c & 1
+            for warp in range(K_WARPS):
+                actor = WARP + warp
+                acc0 = np.zeros((K_UNITS, R))
+                acc1 = np.zeros((K_UNITS, R))
+
+                def mma(acc, i, kk):
+                    for h in range(R // 16):
+                        if 16 * h < nc:  # ldmatrix x4: rows 16h .. 16h+15
+                            bt = self.sds.read((b, slice(16 * h, 16 * h + 16), slice(kk, kk + 16)),
+                                               actor, self.epoch)
+                            acc[:, 16 * h:16 * h + 8] += self.tiles[i, warp] @ bt[:8].T
+                            if 16 * h + 8 < nc:
+                                acc[:, 16 * h + 8:16 * h + 16] += self.tiles[i, warp] @ bt[8:].T
+
+                for jt in range(K_HALF):
+                    if jt < self.kt:
+                        kk = (warp * self.kt + jt) * 16
+                        mma(acc0, jt, kk)
+                        if self.dual:
+                            mma(acc1, K_HALF + jt, kk)
+                    if not self.dual and K_HALF + jt < self.kt:
+                        mma(acc0, K_HALF + jt, (warp * self.kt + K_HALF + jt) * 16)
+                # float2 (dh, dy below) of unit u at [col][2u], every n-tile's columns.
+                tile = np.zeros((R, 36))
+                tile[:, 0:32:2], tile[:, 1:32:2] = acc0.T, acc1.T
+                self.spart.write((pb, warp, slice(None), slice(0, 32)), actor, self.epoch,
+                                 tile[:, :32])
+
+        def pointwise(c, pre):
+            pb = 0 if mut == "one_part" else c & 1
+            for tid in range(K_THREADS):
+                pn, pu = divmod(tid, K_UNITS)
+                ug = self.u0 + pu
+                for r in range(kper):
+                    n = pn + 16 * r
+                    nl = c * R + n
+                    nb = self.row0 + nl
+                    if nl >= self.rows or ug >= H:
+                        continue
+                    rec = 0.0
+                    if product:
+                        v = self.spart.read((pb, slice(None), n, slice(2 * pu, 2 * pu + 2)), tid,
+                                            self.epoch)
+                        rec, below = v[:, 0].sum(), v[:, 1].sum()
+                        assert np.isfinite(rec), (l, t, nb, ug, "da read before written")
+                        if self.dual:
+                            dyl[l - 1, t + 1, nb, ug] = below
+                            self.global_store(tid)
+                    if t < 0:
+                        g["dh0"][l, nb, ug] = rec
+                        self.global_store(tid)
+                        continue
+                    length = self.lens[nl]
+                    p = pre[tid, r]
+                    da = [0.0] * 4
+                    carry = 0.0
+                    if t < length:
+                        dh = rec + p["dy"]
+                        dc = self.sdcs.read((nl, pu), tid, self.epoch)
+                        if t == length - 1:
+                            dh += p["dhy"]
+                            dc = p["dcy"]
+                        tc = np.tanh(p["ct"])
+                        dc += dh * p["og"] * (1 - tc * tc)
+                        da = [dc * p["gg"] * p["ig"] * (1 - p["ig"]),
+                              dc * p["cp"] * p["fg"] * (1 - p["fg"]),
+                              dc * p["ig"] * (1 - p["gg"] * p["gg"]),
+                              dh * tc * p["og"] * (1 - p["og"])]
+                        carry = dc * p["fg"]
+                    self.sdcs.write((nl, pu), tid, self.epoch, carry)
+                    for gi in range(4):
+                        dg[l, t, nb, gi * H + ug] = da[gi]
+                    if t == 0:
+                        g["dc0"][l, nb, ug] = carry
+                    self.global_store(tid)
+
+        cur = None
+        if product and bufs > 1:
+            stage(0, 0)
+        for i in range(nchunks + 1):
+            if bufs == 1 and i > 0 and mut != "no_r":
+                self.barrier()  # R_i
+            if product and bufs == 1 and i < nchunks:
+                stage(i, 0)
+            nxt = load_pre(i)
+            if bufs == 1 and i > 0:
+                pointwise(i - 1, nxt if mut == "pre_next" else cur)
+            if product and i < nchunks:
+                for tid in range(K_THREADS):
+                    self.wait_groups(tid, 0)
+            if mut == "stage_early" and product and bufs > 1 and i + 1 < nchunks:
+                stage(i + 1, (i + 1) & 1)  # before S_i: races products i-1
+            if not (mut == "no_s" and i > 0):
+                self.barrier()  # S_i
+            if (mut != "stage_early" and product and bufs > 1 and i + 1 < nchunks):
+                stage(i + 1, (i + 1) & 1)
+            if product and i < nchunks:
+                products(i, i & 1 if bufs > 1 else 0)
+            if bufs > 1 and i > 0:
+                pointwise(i - 1, nxt if mut == "pre_next" else cur)
+            cur = nxt
+        if bufs > 1 and mut != "no_final":
+            self.barrier()
+        # thread 0 publishes: every other thread's global stores must be behind a barrier.
+        assert self.last_global < self.epoch, (l, t, "a global store races the publish")
+        flags[self.flag_base(l) + self.j] = steps - t
+        self.t -= 1
+
+    def global_store(self, tid):
+        if tid != 0:
+            self.last_global = max(self.last_global, self.epoch)
+
+
+INIT, WARP, MANY = -1, 1000, -2  # actors: the initialisation, warp w (WARP + w), readers
+
+
+class Tracked:
+    """A shared-memory array with a race check at barrier granularity: two
+    accesses to one element by different actors (threads, or warps for
+    ldmatrix and fragment stores), at least one a write, must be in
+    different barrier intervals (epochs), the write's interval ending before
+    the read's; a cp.async write lasts from its issue to its thread's wait."""
+
+    def __init__(self, shape):
+        self.v = np.zeros(shape)
+        self.w_actor = np.full(shape, INIT)
+        self.w_end = np.zeros(shape, dtype=np.int64)  # the interval the write is done in
+        self.r_epoch = np.full(shape, -1, dtype=np.int64)
+        self.r_actor = np.full(shape, INIT)
+
+    def read(self, idx, actor, epoch):
+        ok = (self.w_actor[idx] == actor) | (self.w_end[idx] < epoch)
+        assert np.all(ok), ("race: a read of shared memory that a barrier does not order after "
+                            "its write", idx, actor, epoch)
+        same = (self.r_epoch[idx] == epoch) & (self.r_actor[idx] != actor)
+        self.r_actor[idx] = np.where(same, MANY, actor)
+        self.r_epoch[idx] = epoch
+        return np.array(self.v[idx], copy=True)
+
+    def write(self, idx, actor, epoch, value, landed=True):
+        war = (self.r_epoch[idx] < epoch) | (self.r_actor[idx] == actor)
+        waw = (self.w_end[idx] < epoch) | (self.w_actor[idx] == actor)
+        assert np.all(war) and np.all(waw), ("race: a shared-memory write in the interval of "
+                                             "another actor's access", idx, actor, epoch)
+        self.v[idx] = value
+        self.w_actor[idx] = actor
+        self.w_end[idx] = epoch if landed else np.iinfo(np.int64).max
+
+    def land(self, idx, actor, epoch):
+        """Thread `actor`'s cp.async into idx is complete in this interval."""
+        self.w_end[idx] = epoch
+
+
 def emulate(params, input_size, gates, cseq, c0, dy, dhy, dcy, lengths, *, seed=0, sms=132,
-            smem=232448):
+            smem=232448, variant=0, mutate=""):
     L, T, B, H = cseq.shape
-    p = plan(L, H, B, sms, smem)
-    a = dict(L=L, H=H, B=B, T=T, input_size=input_size, params=params.numpy(),
+    p = plan(L, H, B, sms, smem, variant)
+    a = dict(L=L, H=H, B=B, T=T, input_size=input_size, params=params.numpy(), mutate=mutate,
              lengths=None if lengths is None else lengths.numpy(), **p)
     g = dict(dgates=np.full((L, T, B, 4 * H), np.nan), dh0=np.full((L, B, H), np.nan),
              dyl=np.full((max(L - 1, 0), T, B, H), np.nan),
@@ -311,3 +565,93 @@ def test_the_emulated_plan_is_the_librarys():
         assert got["smem"] == p["smem"]
     one = lib.backward_stack_plan(2, 24, 33, 10, sms=4, smem=27000)
     assert one["smem"] == plan(2, 24, 33, 4, 27000)["smem"] <= 27000
+    # The variants: the same rows and CTAs, their own shared memory, or the fallback.
+    shapes = [(4, 512, 64, 132, None), (2, 512, 64, 132, None), (1, 1024, 256, 132, None),
+              (8, 256, 64, 132, None), (1, 8, 1, 132, None), (2, 8, 40, 2, None),
+              (4, 512, 256, 132, None), (1, 1024, 64, 132, None), (3, 16, 20, 6, None),
+              (2, 24, 33, 4, 27000), (2, 24, 33, 4, 45000), (2, 24, 33, 4, 90000),
+              (2, 24, 70, 4, None), (3, 16, 20, 3, None)]
+    for (L, H, B, sms, smem), variant in itertools.product(shapes, (1, 2)):
+        smem = smem or library.H200["smem"]
+        p = plan(L, H, B, sms, smem, variant)
+        got = lib.backward_stack_plan(L, H, B, 10, sms=sms, smem=smem, variant=variant)
+        assert (got["variant"], got["chunk"], got["smem"], got["rows"]) == (
+            p["variant"], p["chunk"], p["smem"], p["rows"]), (L, H, B, sms, smem, variant)
+    # At the headline: variant 1 as asked (two part buffers, +18 KiB), variant 2's
+    # 32-row chunks through one staging buffer.
+    h200 = library.H200
+    assert lib.backward_stack_plan(4, 512, 64, 1000, **h200, variant=1) == dict(
+        ctas=128, smem=172800, rows=64, variant=1, chunk=16)
+    assert lib.backward_stack_plan(4, 512, 64, 1000, **h200, variant=2) == dict(
+        ctas=128, smem=209664, rows=64, variant=2, chunk=32)
+    assert lib.backward_stack_plan(4, 512, 64, 1000, **h200) == dict(ctas=128, smem=154368,
+                                                                      rows=64)
+    assert "variant is 0, 1 or 2, not 3" in lib.backward_stack_plan(4, 512, 64, 10, **h200,
+                                                                    variant=3)
+
+
+def _case(shape, seed_shift=0):
+    """A stack's saved forward and upstream gradients, and the reference."""
+    layers, units, batch, steps, inputs, with_lengths = shape
+    gen = torch.Generator().manual_seed(sum(shape) + seed_shift)
+    mod = torch.nn.LSTM(inputs, units, layers).double()
+    params = wavefront.flat_params([w.detach() for w in mod._flat_weights])
+    rand = lambda *s, scale=1.0: torch.randn(*s, generator=gen, dtype=torch.float64) * scale  # noqa: E731
+    x = rand(steps, batch, inputs)
+    h0, c0 = rand(layers, batch, units, scale=0.5), rand(layers, batch, units, scale=0.5)
+    lengths = None
+    if with_lengths:
+        lengths = torch.randint(1, steps + 1, (batch,), generator=gen)
+        lengths[0] = steps
+    _, _, _, (_, gates, cseq) = wavefront.reference_forward_saving(x, params, h0, c0, lengths)
+    dy, dhy, dcy = rand(steps, batch, units), rand(layers, batch, units), rand(layers, batch, units)
+    lens = lengths.to(torch.int32) if lengths is not None else None
+    args = (params, inputs, gates, cseq, c0, dy, dhy, dcy, lens)
+    return args, wavefront.stack_recurrence_reference(*args)
+
+
+PIPELINED = [
+    # layers, units, batch, steps, inputs, lengths, SMs, shared bytes, variant,
+    # then what the plan must choose: variant, rows a chunk, staging buffers
+    (3, 16, 20, 3, 4, True, 3, 232448, 1, (1, 16, 2)),   # 2 chunks, 16 + 4 rows
+    (3, 16, 20, 3, 4, True, 3, 232448, 2, (2, 32, 1)),   # one 32-row chunk of 20 rows
+    (2, 8, 40, 3, 3, True, 2, 232448, 1, (1, 16, 2)),    # 3 chunks: both buffers in turn
+    (2, 8, 40, 3, 3, True, 2, 232448, 2, (2, 32, 2)),    # 32 + 8 rows
+    (2, 24, 70, 2, 3, True, 4, 232448, 2, (2, 32, 2)),   # 3 chunks of 32, 32, 6: a partial CTA
+    (2, 24, 33, 3, 3, True, 4, 45000, 1, (1, 16, 1)),    # 3 chunks through ONE staging buffer
+    (2, 24, 33, 3, 3, True, 4, 90000, 2, (2, 32, 1)),    # 2 chunks through one buffer
+    (2, 24, 33, 3, 3, True, 4, 27000, 1, (0, 16, 1)),    # variant 1 does not fit: variant 0
+    (1, 8, 3, 4, 5, False, 132, 232448, 2, (1, 16, 1)),  # 8 rows: no 32-row chunks
+    (2, 40, 3, 1, 2, False, 132, 232448, 1, (1, 16, 1)),  # one step
+    (4, 8, 2, 3, 8, True, 132, 232448, 1, (1, 16, 1)),
+]
+
+
+@pytest.mark.parametrize("case", PIPELINED)
+def test_the_pipelined_variants_emulation_matches_the_stack_recurrence(case):
+    *shape, sms, smem, variant, chosen = case
+    layers, units, batch = shape[:3]
+    p = plan(layers, units, batch, sms, smem, variant)
+    assert (p["variant"], p["chunk"], p["ds_bufs"]) == chosen
+    args, want = _case(tuple(shape))
+    for seed in range(2):
+        got = emulate(*args, seed=seed, sms=sms, smem=smem, variant=variant)
+        for a, b in zip(got, want):
+            torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("mutate, case", [
+    ("one_part", PIPELINED[2]),   # one part buffer: chunk c+1's products race chunk c's reads
+    ("no_s", PIPELINED[3]),       # no barrier between the staging wait and the products
+    ("no_final", PIPELINED[4]),   # the last chunk's stores race the publish
+    ("no_r", PIPELINED[5]),       # one staging buffer refilled while the products read it
+    ("pre_next", PIPELINED[0]),   # the pointwise reads the next chunk's inputs
+    ("stage_early", PIPELINED[2]),  # chunk i+1 staged before S_i: races chunk i-1's products
+])
+def test_a_broken_pipelined_protocol_fails_the_emulation(mutate, case):
+    *shape, sms, smem, variant, chosen = case
+    args, want = _case(tuple(shape))
+    with pytest.raises(AssertionError):
+        got = emulate(*args, sms=sms, smem=smem, variant=variant, mutate=mutate)
+        for a, b in zip(got, want):
+            torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)

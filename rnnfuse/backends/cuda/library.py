@@ -87,11 +87,11 @@ class WavefrontLibrary:
         lib.rnnfuse_wf_backward_workspace_bytes.restype = sz
         lib.rnnfuse_wf_backward.argtypes = [p, i, i, i, i] + [p] * 12
         lib.rnnfuse_wf_backward.restype = i
-        lib.rnnfuse_wf_backward_stack_plan.argtypes = [i, i, i, i, i, i, ip, ip, ip]
+        lib.rnnfuse_wf_backward_stack_plan.argtypes = [i, i, i, i, i, i, ip, ip, ip, i, ip, ip]
         lib.rnnfuse_wf_backward_stack_plan.restype = i
         lib.rnnfuse_wf_backward_stack_workspace_bytes.argtypes = [i, i, i, i]
         lib.rnnfuse_wf_backward_stack_workspace_bytes.restype = sz
-        lib.rnnfuse_wf_backward_stack.argtypes = [p] + [i] * 6 + [p] * 12
+        lib.rnnfuse_wf_backward_stack.argtypes = [p] + [i] * 6 + [p] * 12 + [i]
         lib.rnnfuse_wf_backward_stack.restype = i
         self._lib = lib
 
@@ -189,22 +189,32 @@ class WavefrontLibrary:
 
 
     def backward_stack_plan(self, num_layers: int, units: int, batch: int, steps: int, *,
-                            sms: int, smem: int) -> dict | str:
+                            sms: int, smem: int, variant: int = 0) -> dict | str:
         """The reverse-wavefront backward's launch for a whole LSTM stack
         ({ctas, smem, rows}: CTAs, shared bytes a CTA, batch rows a group),
         or why it cannot run (wavefront.cuh, "The stack backward"). No GPU
-        needed.
+        needed. With a `variant` (1 or 2; wavefront.cuh, "Variants") the
+        dict also has the planned `variant` (the asked one, or a simpler one
+        where its shared memory does not fit) and its `chunk` (rows a
+        staged chunk).
 
         >>> load().backward_stack_plan(4, 512, 64, 1000, **H200)  # doctest: +SKIP
         {'ctas': 128, 'smem': 154368, 'rows': 64}
+        >>> load().backward_stack_plan(4, 512, 64, 1000, **H200, variant=1)  # doctest: +SKIP
+        {'ctas': 128, 'smem': 172800, 'rows': 64, 'variant': 1, 'chunk': 16}
         """
         ctas, nbytes, rows = ctypes.c_int(), ctypes.c_int(), ctypes.c_int()
+        planned, chunk = ctypes.c_int(), ctypes.c_int()
         ok = self._lib.rnnfuse_wf_backward_stack_plan(num_layers, units, batch, steps, sms, smem,
                                                       ctypes.byref(ctas), ctypes.byref(nbytes),
-                                                      ctypes.byref(rows))
+                                                      ctypes.byref(rows), int(variant),
+                                                      ctypes.byref(planned), ctypes.byref(chunk))
         if ok != 1:
             return self._error()
-        return dict(ctas=ctas.value, smem=nbytes.value, rows=rows.value)
+        out = dict(ctas=ctas.value, smem=nbytes.value, rows=rows.value)
+        if variant:
+            out.update(variant=planned.value, chunk=chunk.value)
+        return out
 
     def backward_stack_workspace_bytes(self, num_layers: int, units: int, batch: int,
                                        steps: int) -> int:
@@ -217,18 +227,23 @@ class WavefrontLibrary:
     def backward_stack(self, stream: int, dtype: str, num_layers: int, units: int, batch: int,
                        steps: int, input_size: int, *, params: int, gates: int, cseq: int,
                        c0: int, dy: int, dhy: int, dcy: int, lengths: int | None, dgates: int,
-                       dh0: int, dc0: int, workspace: int) -> None:
+                       dh0: int, dc0: int, workspace: int, variant: int = 0) -> None:
         """Every layer's backward recurrence of an LSTM stack in one launch
         (device pointers as ints; wavefront.cuh, "The stack backward"):
         writes dgates [L, T, B, 4H] (the element type) and dh0, dc0 [L, B, H]
         (float32) from the canonical params, the forward's saved gates
         [L, T, B, 4H] and c [L, T, B, H] (float32), c0 [L, B, H], the top
-        layer's dy [T, B, H] and dhy, dcy [L, B, H]."""
+        layer's dy [T, B, H] and dhy, dcy [L, B, H]. `variant`: the kernel
+        variant to plan for (0 the default; 1, 2 opt-in, wavefront.cuh,
+        "Variants"; `backward_stack_plan(..., variant=)` says which runs)."""
         if dtype not in DTYPES:
             raise WavefrontError(f"the wavefront kernel runs {DTYPES}, not {dtype}")
+        if variant not in (0, 1, 2):
+            raise WavefrontError(f"backward_stack: variant must be 0, 1 or 2, not {variant!r}")
         rc = self._lib.rnnfuse_wf_backward_stack(
             stream or None, DTYPES.index(dtype), num_layers, units, batch, steps, input_size,
-            params, gates, cseq, c0, dy, dhy, dcy, lengths or None, dgates, dh0, dc0, workspace)
+            params, gates, cseq, c0, dy, dhy, dcy, lengths or None, dgates, dh0, dc0, workspace,
+            int(variant))
         if rc != 0:
             raise WavefrontError(self._error())
 

@@ -424,7 +424,7 @@ def _weight_gradients(dgates, l, x, h0, y, hseq):
 
 
 def backward_stack_kernel(params, input_size, gates, cseq, c0, dy, dhy, dcy, lengths, *,
-                          check: bool = False):
+                          check: bool = False, variant: int = 0):
     """Every layer's backward recurrence of an LSTM stack on the reverse-
     wavefront kernel, in ONE launch (wavefront.cuh, "The stack backward").
 
@@ -437,7 +437,9 @@ def backward_stack_kernel(params, input_size, gates, cseq, c0, dy, dhy, dcy, len
     The layers below the top get their dy = dgates^{l+1} W_ih^{l+1} inside
     the kernel (float32, handed from layer to layer in the workspace).
     `check`: synchronise and raise `library.WavefrontError` if a wait in
-    the kernel timed out (a bug).
+    the kernel timed out (a bug). `variant`: the kernel variant (0 the
+    default; 1, 2 the opt-in pipelined ones, wavefront.cuh "Variants"; the
+    plan falls back to a simpler one where the asked one does not fit).
     `stack_recurrence_reference` is the same in torch.
     """
     library = _library()
@@ -458,7 +460,7 @@ def backward_stack_kernel(params, input_size, gates, cseq, c0, dy, dhy, dcy, len
                        dcy=dcy.data_ptr(),
                        lengths=lengths.data_ptr() if lengths is not None else 0,
                        dgates=dgates.data_ptr(), dh0=dh0.data_ptr(), dc0=dc0.data_ptr(),
-                       workspace=workspace.data_ptr())
+                       workspace=workspace.data_ptr(), variant=variant)
     if check:
         word = workspace.view(torch.int32)[library.STACK_TIMEOUT_WORD].item()
         if word != 0:

@@ -917,6 +917,317 @@ __device__ __forceinline__ void backward_stack_body(const BwdStackArgs& a) {
   }
 }
 
+
+// ---------------------------------------------------------------------------
+// The stack backward's pipelined variants (BwdStackArgs::variant 1 and 2;
+// wavefront.cuh, "Variants"): the same step as backward_stack_body, in
+// chunks of kRows batch rows (16 or 32), with `part` double-buffered
+// (part[c & 1]) so that chunk c's pointwise step shares the barrier
+// interval of chunk c+1's products. Per chunk i of a step (n chunks), one
+// iteration i = 0 .. n does
+//   [1 ds buffer, i > 0: barrier R_i (products i-1 done: ds free);
+//    stage chunk i; pointwise i-1, behind the staging]
+//   wait for chunk i's cp.async group; barrier S_i
+//   [2 ds buffers: stage chunk i+1 (chunk 0 before the loop) into the
+//    buffer products i-1 read before S_i]
+//   products i -> part[i & 1]
+//   [2 ds buffers: pointwise i-1 from part[(i-1) & 1]]
+// then (2 ds buffers) one barrier before publishing. Part[i & 1] is
+// written after S_i and read until S_{i+1} (2 buffers) or R_{i+1} (1),
+// and written again only after S_{i+2}. The global inputs of chunk i's
+// pointwise (saved gates, c, dy, dhy, dcy) are loaded in iteration i and
+// used in iteration i+1, so their latency hides behind the products. The
+// partials are float2 (dh, the layer below's dy) per unit: [warp][row]
+// [kBwdStackPartStride], unit u at 2u, 8 64-bit loads a thread instead of
+// 16 32-bit ones.
+struct BwdPre {  // one (row, unit)'s pointwise inputs (valid: t >= 0, in range, t < len)
+  float ig, fg, gg, og, ct, cp, dy, dhy, dcy;
+};
+
+template <typename T, int kRows>
+__device__ __forceinline__ void backward_stack_pipelined_body(const BwdStackArgs& a) {
+  using E = Elem<T>;
+  extern __shared__ __align__(16) unsigned char smem[];
+  constexpr int kNt = kRows / 8;          // n-tiles of 8 rows a chunk
+  constexpr int kPer = kRows / 16;        // (row, unit) pairs a thread a chunk
+  constexpr int kHalf = kBwdMaxKt / 2;
+  constexpr int kPS = kBwdStackPartStride;
+
+  const int cta = blockIdx.x;
+  const int l = cta / a.ctas_per_layer, within = cta % a.ctas_per_layer;
+  const int s = within / a.per_group, j = within % a.per_group;
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+  const int H = a.H, B = a.B, steps = a.T, G4 = 4 * H, L = a.L;
+  const bool top = l == L - 1;
+  const bool dual = l > 0;
+  const int u0 = j * kBwdUnits, row0 = s * a.rows;
+  const int rows = min(a.rows, B - row0);
+  const int kt = a.kt, KS = a.kpad + kHsPad;
+  const int bufs = a.ds_bufs;
+
+  T* ds = reinterpret_cast<T*>(smem + a.smem_ds);              // [ds_bufs][kRows][KS]
+  float* part = reinterpret_cast<float*>(smem + a.smem_part);  // [2][kWarps][kRows][kPS]
+  float* dcs = reinterpret_cast<float*>(smem + a.smem_dc);     // [rows][kBwdUnits]
+  int* lens = reinterpret_cast<int*>(smem + a.smem_len);       // [rows]
+
+  // --- the weights, exactly as backward_stack_body ---
+  const unsigned short* P = static_cast<const unsigned short*>(a.params);
+  const unsigned short* Whh = P + a.w_hh[l];
+  const unsigned short* Wih = P + a.w_ih[l];
+  uint32_t wa[kBwdMaxKt][4];
+#pragma unroll
+  for (int i = 0; i < kBwdMaxKt; ++i) {
+    const bool second = dual && i >= kHalf;
+    const int jt = second ? i - kHalf : i;
+    const unsigned short* W = second ? Wih : Whh;
+#pragma unroll
+    for (int q = 0; q < 4; ++q) {
+      const int r = (lane >> 2) + ((q & 1) ? 8 : 0);
+      const int k = (warp * kt + jt) * 16 + (lane & 3) * 2 + ((q & 2) ? 8 : 0);
+      uint32_t w = 0;
+      if (jt < kt && u0 + r < H && k < G4) {
+        const size_t off = static_cast<size_t>(k) * H + u0 + r;
+        w = static_cast<uint32_t>(W[off]) | (static_cast<uint32_t>(W[off + H]) << 16);
+      }
+      wa[i][q] = w;
+    }
+  }
+
+  for (int idx = tid; idx < bufs * kRows * KS; idx += kThreads) ds[idx] = T(0.0f);
+  for (int idx = tid; idx < rows * kBwdUnits; idx += kThreads) dcs[idx] = 0.0f;
+  for (int n = tid; n < rows; n += kThreads) {
+    const int len = a.lengths ? a.lengths[row0 + n] : steps;
+    lens[n] = len < steps ? len : steps;
+  }
+  __syncthreads();
+
+  const size_t seq = static_cast<size_t>(B) * H;
+  const size_t gseq = static_cast<size_t>(B) * G4;
+  T* dgates = static_cast<T*>(a.dgates) + static_cast<size_t>(l) * steps * gseq;
+  const T* dy = static_cast<const T*>(a.dy);
+  const T* dhy = static_cast<const T*>(a.dhy) + static_cast<size_t>(l) * seq;
+  const T* dcy = static_cast<const T*>(a.dcy) + static_cast<size_t>(l) * seq;
+  const T* c0 = static_cast<const T*>(a.c0) + static_cast<size_t>(l) * seq;
+  const float* gates = a.gates + static_cast<size_t>(l) * steps * gseq;
+  const float* cseq = a.cseq + static_cast<size_t>(l) * steps * seq;
+  float* dh0 = a.dh0 + static_cast<size_t>(l) * seq;
+  float* dc0 = a.dc0 + static_cast<size_t>(l) * seq;
+  const float* dy_in = top ? nullptr : a.dyl + static_cast<size_t>(l) * steps * seq;
+  float* dy_out = dual ? a.dyl + static_cast<size_t>(l - 1) * steps * seq : nullptr;
+  unsigned* own_flags = a.flags + l * kFlagStride + s * a.per_group;
+  const unsigned* above_flag =
+      top ? nullptr : a.flags + (l + 1) * kFlagStride + s * a.per_group + j;
+  unsigned* timed_out = a.flags + kMaxLayers * kFlagStride;
+  const int nchunks = (rows + kRows - 1) / kRows;
+  const int per_row = G4 / 8;
+  const int st_n0 = tid / per_row, st_q0 = tid % per_row;
+  const int st_dn = kThreads / per_row, st_dq = kThreads % per_row;
+  const int pn = tid / kBwdUnits, pu = tid % kBwdUnits;  // pointwise: rows pn + 16 r, unit pu
+  const int ug = u0 + pu;
+  bool waits = true;
+
+  for (int t = steps - 1; t >= -1; --t) {
+    const bool product = t < steps - 1;
+    const bool needs_dy = !top && t >= 0;
+    if (warp == 0 && (product || needs_dy)) {
+      const unsigned long long start = global_ns();
+      if (product && waits) {
+        const unsigned need = static_cast<unsigned>(steps - 1 - t);
+        for (int i = lane; i < a.per_group && waits; i += 32)
+          while (load_acquire(own_flags + i) < need) {
+            if (global_ns() - start > kBwdWaitNs) {
+              atomicExch(timed_out, 1u);
+              waits = false;
+              break;
+            }
+          }
+      }
+      if (needs_dy && lane == 0 && waits) {
+        const unsigned need = static_cast<unsigned>(steps - t + 1);
+        while (load_acquire(above_flag) < need) {
+          if (global_ns() - start > kBwdWaitNs) {
+            atomicExch(timed_out, 1u);
+            waits = false;
+            break;
+          }
+        }
+      }
+      __syncwarp();
+    }
+    __syncthreads();
+
+    auto stage = [&](int c, int b) {
+      const int n0 = c * kRows, nc = min(kRows, rows - n0);
+      T* dst = ds + b * kRows * KS;
+      const T* src0 =
+          dgates + static_cast<size_t>(t + 1) * gseq + static_cast<size_t>(row0 + n0) * G4;
+      int n = st_n0, q = st_q0;
+      while (n < nc) {
+        cp_async16(dst + n * KS + q * 8, src0 + static_cast<size_t>(n) * G4 + q * 8);
+        q += st_dq;
+        n += st_dn;
+        if (q >= per_row) {
+          q -= per_row;
+          ++n;
+        }
+      }
+      cp_async_commit();
+    };
+    // Chunk c's pointwise inputs for this thread's rows (loaded a chunk ahead).
+    auto load_pre = [&](int c, BwdPre* pre) {
+#pragma unroll
+      for (int r = 0; r < kPer; ++r) {
+        const int nl = c * kRows + pn + 16 * r, nb = row0 + nl;
+        BwdPre& p = pre[r];
+        p = BwdPre{0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+        if (t >= 0 && c < nchunks && nl < rows && ug < H && t < lens[nl]) {
+          const size_t o = static_cast<size_t>(nb) * H + ug;
+          const size_t ot = static_cast<size_t>(t) * seq + o;
+          const float* gp =
+              gates + static_cast<size_t>(t) * gseq + static_cast<size_t>(nb) * G4 + ug;
+          p.ig = gp[0];
+          p.fg = gp[H];
+          p.gg = gp[2 * H];
+          p.og = gp[3 * H];
+          p.ct = cseq[ot];
+          p.cp = t > 0 ? cseq[ot - seq] : E::to_float(c0[o]);
+          p.dy = top ? E::to_float(dy[ot]) : __ldcg(dy_in + ot);  // the hand-off: from L2
+          if (t == lens[nl] - 1) {
+            p.dhy = E::to_float(dhy[o]);
+            p.dcy = E::to_float(dcy[o]);
+          }
+        }
+      }
+    };
+    // Chunk c's pointwise step from part[c & 1] and `pre`.
+    auto pointwise = [&](int c, const BwdPre* pre) {
+      const float* pb = part + (c & 1) * (kWarps * kRows * kPS);
+#pragma unroll
+      for (int r = 0; r < kPer; ++r) {
+        const int n = pn + 16 * r, nl = c * kRows + n, nb = row0 + nl;
+        if (nl >= rows || ug >= H) continue;
+        const size_t o = static_cast<size_t>(nb) * H + ug;
+        float rec = 0.0f;
+        if (product) {
+          float below = 0.0f;
+#pragma unroll
+          for (int w = 0; w < kWarps; ++w) {
+            const float2 v = *reinterpret_cast<const float2*>(pb + (w * kRows + n) * kPS + 2 * pu);
+            rec += v.x;
+            below += v.y;
+          }
+          if (dual) dy_out[static_cast<size_t>(t + 1) * seq + o] = below;
+        }
+        if (t < 0) {
+          dh0[o] = rec;
+          continue;
+        }
+        const int len = lens[nl];
+        const BwdPre& p = pre[r];
+        float da[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+        float carry = 0.0f;
+        if (t < len) {
+          float dh = rec + p.dy;
+          float dc = dcs[nl * kBwdUnits + pu];
+          if (t == len - 1) {
+            dh += p.dhy;
+            dc = p.dcy;
+          }
+          const float tc = tanhf(p.ct);
+          dc += dh * p.og * (1.0f - tc * tc);
+          da[0] = dc * p.gg * p.ig * (1.0f - p.ig);
+          da[1] = dc * p.cp * p.fg * (1.0f - p.fg);
+          da[2] = dc * p.ig * (1.0f - p.gg * p.gg);
+          da[3] = dh * tc * p.og * (1.0f - p.og);
+          carry = dc * p.fg;
+        }
+        dcs[nl * kBwdUnits + pu] = carry;
+        T* dp = dgates + static_cast<size_t>(t) * gseq + static_cast<size_t>(nb) * G4 + ug;
+#pragma unroll
+        for (int g = 0; g < 4; ++g) dp[g * H] = T(da[g]);
+        if (t == 0) dc0[o] = carry;
+      }
+    };
+    // Chunk c's products from ds buffer b into part[c & 1].
+    auto products = [&](int c, int b) {
+      const int nc = min(kRows, rows - c * kRows);
+      const T* dsb = ds + b * kRows * KS;
+      float acc0[kNt][4], acc1[kNt][4];
+#pragma unroll
+      for (int nt = 0; nt < kNt; ++nt)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) acc0[nt][e] = acc1[nt][e] = 0.0f;
+      const int qq = lane >> 3;
+      const int nn = (qq >> 1) * 8 + (lane & 7), kq = (qq & 1) * 8;
+#pragma unroll
+      for (int jt = 0; jt < kHalf; ++jt) {
+        if (jt < kt) {
+          const int kk = (warp * kt + jt) * 16 + kq;
+#pragma unroll
+          for (int h = 0; h < kNt / 2; ++h) {
+            if (16 * h < nc) {
+              uint32_t b00, b01, b10, b11;
+              ldmatrix_x4(b00, b01, b10, b11, dsb + (16 * h + nn) * KS + kk);
+              E::mma(acc0[2 * h], wa[jt], b00, b01);
+              if (16 * h + 8 < nc) E::mma(acc0[2 * h + 1], wa[jt], b10, b11);
+              if (dual) {
+                E::mma(acc1[2 * h], wa[kHalf + jt], b00, b01);
+                if (16 * h + 8 < nc) E::mma(acc1[2 * h + 1], wa[kHalf + jt], b10, b11);
+              }
+            }
+          }
+        }
+        if (!dual && kHalf + jt < kt) {
+          const int kk = (warp * kt + kHalf + jt) * 16 + kq;
+#pragma unroll
+          for (int h = 0; h < kNt / 2; ++h) {
+            if (16 * h < nc) {
+              uint32_t b00, b01, b10, b11;
+              ldmatrix_x4(b00, b01, b10, b11, dsb + (16 * h + nn) * KS + kk);
+              E::mma(acc0[2 * h], wa[kHalf + jt], b00, b01);
+              if (16 * h + 8 < nc) E::mma(acc0[2 * h + 1], wa[kHalf + jt], b10, b11);
+            }
+          }
+        }
+      }
+      // C fragment (unit row, batch col) -> float2 (dh, dy below) at
+      // part[c & 1][warp][col][2 * row] (conflict-free 64-bit stores).
+      float* pw = part + (c & 1) * (kWarps * kRows * kPS) + warp * kRows * kPS;
+#pragma unroll
+      for (int nt = 0; nt < kNt; ++nt) {
+        const int row = lane >> 2, col = nt * 8 + (lane & 3) * 2;
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int rr = row + ((e & 2) ? 8 : 0), cc = col + (e & 1);
+          *reinterpret_cast<float2*>(pw + cc * kPS + 2 * rr) =
+              make_float2(acc0[nt][e], acc1[nt][e]);
+        }
+      }
+    };
+
+    BwdPre cur[kPer], nxt[kPer];
+    if (product && bufs > 1) stage(0, 0);
+    for (int i = 0; i <= nchunks; ++i) {
+      if (bufs == 1 && i > 0) __syncthreads();  // R_i: chunk i-1's products done (ds free)
+      if (product && bufs == 1 && i < nchunks) stage(i, 0);
+      load_pre(i, nxt);
+      if (bufs == 1 && i > 0) pointwise(i - 1, cur);
+      if (product && i < nchunks) cp_async_wait_all();  // chunk i (the only group in flight)
+      __syncthreads();  // S_i: chunk i staged; part[(i-1) & 1] written; products i-1 done
+      // Two buffers: chunk i+1 lands in the buffer products i-1 read (before S_i)
+      // while chunk i multiplies.
+      if (product && bufs > 1 && i + 1 < nchunks) stage(i + 1, (i + 1) & 1);
+      if (product && i < nchunks) products(i, bufs > 1 ? (i & 1) : 0);
+      if (bufs > 1 && i > 0) pointwise(i - 1, cur);
+#pragma unroll
+      for (int r = 0; r < kPer; ++r) cur[r] = nxt[r];
+    }
+    if (bufs > 1) __syncthreads();  // every pointwise store before the publish
+
+    if (tid == 0) publish(own_flags + j, static_cast<unsigned>(steps - t));
+  }
+}
+
 }  // namespace rnnfuse_wf
 
 extern "C" __global__ void __launch_bounds__(rnnfuse_wf::kThreads, 1)
@@ -947,4 +1258,24 @@ extern "C" __global__ void __launch_bounds__(rnnfuse_wf::kThreads, 1)
 extern "C" __global__ void __launch_bounds__(rnnfuse_wf::kThreads, 1)
     rnnfuse_wf_backward_stack_bf16(const __grid_constant__ rnnfuse_wf::BwdStackArgs a) {
   rnnfuse_wf::backward_stack_body<__nv_bfloat16>(a);
+}
+
+extern "C" __global__ void __launch_bounds__(rnnfuse_wf::kThreads, 1)
+    rnnfuse_wf_backward_stack_v1_f16(const __grid_constant__ rnnfuse_wf::BwdStackArgs a) {
+  rnnfuse_wf::backward_stack_pipelined_body<__half, 16>(a);
+}
+
+extern "C" __global__ void __launch_bounds__(rnnfuse_wf::kThreads, 1)
+    rnnfuse_wf_backward_stack_v1_bf16(const __grid_constant__ rnnfuse_wf::BwdStackArgs a) {
+  rnnfuse_wf::backward_stack_pipelined_body<__nv_bfloat16, 16>(a);
+}
+
+extern "C" __global__ void __launch_bounds__(rnnfuse_wf::kThreads, 1)
+    rnnfuse_wf_backward_stack_v2_f16(const __grid_constant__ rnnfuse_wf::BwdStackArgs a) {
+  rnnfuse_wf::backward_stack_pipelined_body<__half, 32>(a);
+}
+
+extern "C" __global__ void __launch_bounds__(rnnfuse_wf::kThreads, 1)
+    rnnfuse_wf_backward_stack_v2_bf16(const __grid_constant__ rnnfuse_wf::BwdStackArgs a) {
+  rnnfuse_wf::backward_stack_pipelined_body<__nv_bfloat16, 32>(a);
 }

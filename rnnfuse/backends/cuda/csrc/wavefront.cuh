@@ -212,6 +212,18 @@ struct BwdArgs {
 // t+1 done, t < T-1) and, below the top (t >= 0), for the ONE flag of CTA
 // (l+1, s, j) >= T-t+1 (its step t-1 done: dy_l[t] written).
 // flags[kMaxLayers * kFlagStride] != 0: a wait timed out (a bug).
+//
+// Variants (BwdStackArgs::variant, opt-in; the plan falls back to the next
+// simpler one where the asked one's shared memory does not fit, and says
+// which it chose): 0 is the step above. 1 and 2 (backward_stack_pipelined_
+// body) compute the same values in the same order of float32 additions
+// except the 8 warps' partials, now read as float2 (dh, dy below) pairs:
+// `part` has two buffers (chunk c in part[c & 1]), so chunk c's pointwise
+// step runs in the same barrier interval as chunk c+1's products (n + 3
+// CTA barriers a step for n chunks, 2n + 2 with one staging buffer, not
+// 3n + 1), and the pointwise's global inputs are loaded a chunk ahead.
+// Variant 2 stages chunks of 2 * kBwdChunk = 32 rows (half the chunks),
+// with one staging buffer where two do not fit (the headline 4 x 512).
 constexpr int kBwdStackPartStride = 36;  // floats per part row (32 + 4: conflict-free stores)
 
 struct BwdStackArgs {
@@ -238,6 +250,9 @@ struct BwdStackArgs {
   float* dc0;          // [L][B][H] out
   float* dyl;          // [L-1][T][B][H] workspace: dy of the layers below the top
   unsigned* flags;     // [kMaxLayers * kFlagStride + 1], zero at launch
+  // Last, so that variant 0's parameter offsets stay as they were:
+  int variant;         // 0: backward_stack_body; 1, 2: the pipelined body (see "Variants")
+  int chunk;           // batch rows a staged chunk: kBwdChunk, 2 * kBwdChunk for variant 2
 };
 
 constexpr int kTracePoints = 6;  // start, waited, staged, multiplied, pointwise, published

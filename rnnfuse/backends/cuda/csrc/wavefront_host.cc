@@ -142,6 +142,9 @@ struct Kernels {
   CUfunction f16 = nullptr, bf16 = nullptr;
   CUfunction bwd_f16 = nullptr, bwd_bf16 = nullptr;
   CUfunction bwds_f16 = nullptr, bwds_bf16 = nullptr;
+  // The stack backward's variants 1 and 2 (wavefront.cuh, "Variants").
+  CUfunction bwds_v_f16[2] = {nullptr, nullptr}, bwds_v_bf16[2] = {nullptr, nullptr};
+  int configured_bwds_v_smem[2] = {0, 0};
   int configured_smem = 0, configured_bwd_smem = 0, configured_bwds_smem = 0;
 };
 
@@ -162,6 +165,14 @@ int GetKernels(Driver* d, CUcontext ctx, Kernels** out) {
                                            "rnnfuse_wf_backward_stack_f16"));
     RF_CHECK_CU(d, d->cuModuleGetFunction_(&k.bwds_bf16, k.module,
                                            "rnnfuse_wf_backward_stack_bf16"));
+    RF_CHECK_CU(d, d->cuModuleGetFunction_(&k.bwds_v_f16[0], k.module,
+                                           "rnnfuse_wf_backward_stack_v1_f16"));
+    RF_CHECK_CU(d, d->cuModuleGetFunction_(&k.bwds_v_bf16[0], k.module,
+                                           "rnnfuse_wf_backward_stack_v1_bf16"));
+    RF_CHECK_CU(d, d->cuModuleGetFunction_(&k.bwds_v_f16[1], k.module,
+                                           "rnnfuse_wf_backward_stack_v2_f16"));
+    RF_CHECK_CU(d, d->cuModuleGetFunction_(&k.bwds_v_bf16[1], k.module,
+                                           "rnnfuse_wf_backward_stack_v2_bf16"));
   }
   *out = &k;
   return 0;
@@ -301,11 +312,12 @@ size_t BwdStackFlagBytes() {
 }
 
 bool PlanBackwardStackInto(int num_layers, int units, int batch, int steps, int input_size,
-                           int sms, int smem_limit, rnnfuse_wf::BwdStackArgs* args) {
+                           int sms, int smem_limit, rnnfuse_wf::BwdStackArgs* args,
+                           int variant = 0) {
   memset(args, 0, sizeof(*args));
   char why[512];
   if (!rnnfuse_wf::PlanBackwardStack(num_layers, units, batch, steps, input_size, sms,
-                                     smem_limit, args, why, sizeof(why))) {
+                                     smem_limit, args, why, sizeof(why), variant)) {
     g_error = why;
     return false;
   }
@@ -501,15 +513,21 @@ __attribute__((visibility("default"))) int rnnfuse_wf_backward(
 // backward") can run an LSTM stack of `num_layers` x `units` at `batch` with
 // these device limits (CTAs, shared bytes a CTA and rows a group in the
 // outputs), 0 if not (the reason in rnnfuse_wf_last_error). No GPU needed.
+// `variant`: the asked kernel variant (wavefront.cuh, "Variants"); the
+// planned one (the asked one, or a simpler one where it does not fit) and
+// its rows a chunk go to variant_out and chunk_out (either may be null).
 __attribute__((visibility("default"))) int rnnfuse_wf_backward_stack_plan(
     int num_layers, int units, int batch, int steps, int sms, int smem_limit, int* ctas_out,
-    int* smem_out, int* rows_out) {
+    int* smem_out, int* rows_out, int variant, int* variant_out, int* chunk_out) {
   rnnfuse_wf::BwdStackArgs args;
-  if (!PlanBackwardStackInto(num_layers, units, batch, steps, 1, sms, smem_limit, &args))
+  if (!PlanBackwardStackInto(num_layers, units, batch, steps, 1, sms, smem_limit, &args,
+                             variant))
     return 0;
   if (ctas_out) *ctas_out = args.L * args.ctas_per_layer;
   if (smem_out) *smem_out = args.smem_total;
   if (rows_out) *rows_out = args.rows;
+  if (variant_out) *variant_out = args.variant;
+  if (chunk_out) *chunk_out = args.chunk;
   return 1;
 }
 
@@ -532,12 +550,13 @@ __attribute__((visibility("default"))) size_t rnnfuse_wf_backward_stack_workspac
 // of the top layer's output sequence dy [T][B][H] and of the final states
 // dhy, dcy [L][B][H] (element type). `lengths` may be null. dtype: 0
 // float16, 1 bfloat16. `workspace`: rnnfuse_wf_backward_stack_workspace_bytes
-// of the same shape.
+// of the same shape. `variant`: the kernel variant to ask the plan for (0:
+// the default; wavefront.cuh, "Variants"; the same results).
 __attribute__((visibility("default"))) int rnnfuse_wf_backward_stack(
     void* stream, int dtype, int num_layers, int units, int batch, int steps, int input_size,
     const void* params, const float* gates, const float* cseq, const void* c0, const void* dy,
     const void* dhy, const void* dcy, const int* lengths, void* dgates, float* dh0, float* dc0,
-    void* workspace) {
+    void* workspace, int variant) {
   Driver* d = GetDriver();
   if (!d->ok) return Fail(d->why);
   if (dtype != 0 && dtype != 1) return Fail("dtype must be 0 (float16) or 1 (bfloat16)");
@@ -546,7 +565,7 @@ __attribute__((visibility("default"))) int rnnfuse_wf_backward_stack(
   if (sc.rc != 0) return -1;
   rnnfuse_wf::BwdStackArgs args;
   if (!PlanBackwardStackInto(num_layers, units, batch, steps, input_size, sc.sms, sc.smem_limit,
-                             &args))
+                             &args, variant))
     return -1;
   args.params = params;
   args.gates = gates;
@@ -563,12 +582,16 @@ __attribute__((visibility("default"))) int rnnfuse_wf_backward_stack(
   args.dyl = reinterpret_cast<float*>(static_cast<unsigned char*>(workspace) + BwdStackFlagBytes());
   Kernels* k = nullptr;
   if (GetKernels(d, sc.ctx, &k) != 0) return -1;
-  if (ConfigureSmem(d, k->bwds_f16, k->bwds_bf16, args.smem_total, &k->configured_bwds_smem) !=
-      0)
-    return -1;
-  return LaunchCooperative(d, dtype == 0 ? k->bwds_f16 : k->bwds_bf16, s, sc.sms,
-                           args.L * args.ctas_per_layer, args.smem_total, &args, workspace,
-                           BwdStackFlagBytes() / 4);
+  CUfunction f16 = k->bwds_f16, bf16 = k->bwds_bf16;
+  int* configured = &k->configured_bwds_smem;
+  if (args.variant > 0) {  // the plan's choice: 1 or 2
+    f16 = k->bwds_v_f16[args.variant - 1];
+    bf16 = k->bwds_v_bf16[args.variant - 1];
+    configured = &k->configured_bwds_v_smem[args.variant - 1];
+  }
+  if (ConfigureSmem(d, f16, bf16, args.smem_total, configured) != 0) return -1;
+  return LaunchCooperative(d, dtype == 0 ? f16 : bf16, s, sc.sms, args.L * args.ctas_per_layer,
+                           args.smem_total, &args, workspace, BwdStackFlagBytes() / 4);
 }
 
 }  // extern "C"

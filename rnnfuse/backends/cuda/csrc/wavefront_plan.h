@@ -202,10 +202,13 @@ inline bool PlanBackward(int H, int B, int T, int sms, int smem_limit, BwdArgs* 
 // Shared memory: two chunks (one where two do not fit, or one is all the
 // group's rows) of staged da rows [kBwdChunk][kpad + kHsPad], the warps'
 // partials, the carried dc and the lengths. `input_size` places
-// the matrices in the canonical buffer. Returns true, or false with the
-// reason.
+// the matrices in the canonical buffer. `variant` (0, 1 or 2; wavefront.cuh,
+// "Variants"): the kernel asked for; args->variant is the one planned (the
+// next simpler one where its shared memory does not fit). Returns true, or
+// false with the reason.
 inline bool PlanBackwardStack(int L, int H, int B, int T, int input_size, int sms,
-                              int smem_limit, BwdStackArgs* args, char* why, int why_len) {
+                              int smem_limit, BwdStackArgs* args, char* why, int why_len,
+                              int variant = 0) {
   const int kmax = kWarps * 16 * kBwdMaxKt;  // gate columns one tile row of a CTA holds: 4096
   if (L < 1 || L > kMaxLayers) {
     snprintf(why, why_len, "the reverse-wavefront backward runs 1 to %d layers, not %d",
@@ -260,23 +263,39 @@ inline bool PlanBackwardStack(int L, int H, int B, int T, int input_size, int sm
     a.w_ih[l] = l < L ? offsets.layer[l].w_ih : 0;
     a.w_hh[l] = l < L ? offsets.layer[l].w_hh : 0;
   }
-  // Two staging buffers where the group has 2+ chunks and they fit, else one.
-  int off = 0;
-  for (a.ds_bufs = rows > kBwdChunk ? 2 : 1; a.ds_bufs >= 1; --a.ds_bufs) {
-    off = 0;
-    a.smem_ds = off;  // [ds_bufs][kBwdChunk][kpad + kHsPad] of the element type
-    off += a.ds_bufs * RoundUp16(kBwdChunk * (a.kpad + kHsPad) * 2);
-    a.smem_part = off;  // [kWarps][kBwdChunk][kBwdStackPartStride] float
-    off += RoundUp16(kWarps * kBwdChunk * kBwdStackPartStride * 4);
-    a.smem_dc = off;  // [rows][kBwdUnits] float
-    off += RoundUp16(rows * kBwdUnits * 4);
-    a.smem_len = off;  // [rows] int
-    off += RoundUp16(rows * 4);
-    a.smem_total = off;
-    if (off <= smem_limit) break;
+  // The asked variant's layout if it fits (two staging buffers where the
+  // group has 2+ chunks and they fit, else one), else the next simpler one:
+  // variant 2 (32-row chunks; only where a group has more than 16 rows),
+  // then 1, then 0 (wavefront.cuh, "Variants"). a.variant says which.
+  if (variant < 0 || variant > 2) {
+    snprintf(why, why_len, "the reverse-wavefront backward's variant is 0, 1 or 2, not %d",
+             variant);
+    return false;
   }
-  if (a.ds_bufs < 1) a.ds_bufs = 1;
-  if (off > smem_limit) {
+  int off = 0;
+  bool fits = false;
+  for (int v = variant; v >= 0 && !fits; --v) {
+    const int chunk = v == 2 ? 2 * kBwdChunk : kBwdChunk;
+    if (v == 2 && rows <= kBwdChunk) continue;
+    const int part_bufs = v == 0 ? 1 : 2;
+    for (int bufs = rows > chunk ? 2 : 1; bufs >= 1 && !fits; --bufs) {
+      off = 0;
+      a.smem_ds = off;  // [ds_bufs][chunk][kpad + kHsPad] of the element type
+      off += bufs * RoundUp16(chunk * (a.kpad + kHsPad) * 2);
+      a.smem_part = off;  // [part_bufs][kWarps][chunk][kBwdStackPartStride] float
+      off += part_bufs * RoundUp16(kWarps * chunk * kBwdStackPartStride * 4);
+      a.smem_dc = off;  // [rows][kBwdUnits] float
+      off += RoundUp16(rows * kBwdUnits * 4);
+      a.smem_len = off;  // [rows] int
+      off += RoundUp16(rows * 4);
+      a.smem_total = off;
+      a.variant = v;
+      a.chunk = chunk;
+      a.ds_bufs = bufs;
+      fits = off <= smem_limit;
+    }
+  }
+  if (!fits) {
     snprintf(why, why_len,
              "the reverse-wavefront backward's shared memory does not fit: %d layers of %d "
              "units at batch %d need %d bytes a CTA, and the device allows %d",
