@@ -500,7 +500,7 @@ def grad_case(layers, units, batch, steps, inputs, dtype_name, with_lengths, see
     else:
         reason = wavefront.training_reason("lstm", layers, units, batch, steps, inputs, dtype,
                                            torch.device("cuda"))
-        options = {}
+        options = dict(backward="layer")
         if reason is not None:
             return refused_row(row, reason, lambda: wavefront.trainable_forward(
                 leaves[0], wavefront.flat_params(weights), leaves[1], leaves[2], lengths))
@@ -608,7 +608,7 @@ def train_cell(layers, units, batch, steps, dtype_name, reps):
     leaves = [t.clone().requires_grad_() for t in (x, params, h0, c0)]
 
     def ours():
-        y, _, _ = wavefront.trainable_forward(*leaves)
+        y, _, _ = wavefront.trainable_forward(*leaves, backward="layer")
         return torch.autograd.grad([y], leaves, [dy])
 
     cl = [t.clone().requires_grad_() for t in (x, h0, c0)]
