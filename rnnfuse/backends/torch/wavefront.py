@@ -205,9 +205,11 @@ def forward(x: torch.Tensor, params: torch.Tensor, h0: torch.Tensor, c0: torch.T
     if lengths is None:
         lengths = torch.empty(0, dtype=torch.int32, device=x.device)
     c0 = c0 if c0 is not None else h0.new_empty((0,))
+    # Variant 0 calls the op as before the variant existed (its default).
+    extra = (variant,) if variant else ()
     y, hy, cy = _wavefront_op(xproj.contiguous(), params.contiguous(), h0.contiguous(),
                               c0.contiguous(), lengths.to(torch.int32).contiguous(), kind,
-                              input_size, variant)
+                              input_size, *extra)
     return y, hy, (cy if kind == "lstm" else None)
 
 
