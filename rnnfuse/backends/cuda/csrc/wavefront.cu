@@ -296,7 +296,7 @@ __device__ __forceinline__ void wavefront_body(const Args& a) {
   for (int t = 0; t < steps; ++t) {
     mark(t, 0);
     // --- wait for the inputs of step t ---------------------------------------
-    if (warp == 0 && !(a.mode & kModeNoWait)) {
+    if (V == 0 && warp == 0 && !(a.mode & kModeNoWait)) {
       if (t > 0)
         for (int i = lane; i < p.ctas; i += 32)
           while (load_acquire(my_flags + i) < static_cast<unsigned>(t)) {
@@ -305,6 +305,23 @@ __device__ __forceinline__ void wavefront_body(const Args& a) {
         for (int i = lane; i < below_ctas; i += 32)
           while (load_acquire(below_flags + i) < static_cast<unsigned>(t + 1)) {
           }
+      __syncwarp();
+    }
+    if (V == 1 && warp == 0 && !(a.mode & kModeNoWait)) {
+      // Variant 1: a lane polls its own-layer flag and its layer-below flag
+      // in the same round (two independent acquire loads in flight), not
+      // the second after the first is met: one L2 round trip where both
+      // are already set, not two.
+      const int n_wait = max(t > 0 ? p.ctas : 0, l > 0 ? below_ctas : 0);
+      for (int i = lane; i < n_wait; i += 32) {
+        bool own_ok = t == 0 || i >= p.ctas, below_ok = l == 0 || i >= below_ctas;
+        while (!(own_ok && below_ok)) {
+          const unsigned own = own_ok ? 0u : load_acquire(my_flags + i);
+          const unsigned low = below_ok ? 0u : load_acquire(below_flags + i);
+          own_ok = own_ok || own >= static_cast<unsigned>(t);
+          below_ok = below_ok || low >= static_cast<unsigned>(t + 1);
+        }
+      }
       __syncwarp();
     }
     __syncthreads();

@@ -68,7 +68,11 @@
 //      hs row (K a power of two: every 4x512 and 8x256 layer), each thread
 //      copies one fixed column chunk of every (kThreads / chunks)-th row,
 //      from a source pointer fixed for the step: no per-copy index walk or
-//      branch. Trace point 3 is after the second half's products.
+//      branch.
+//   d. wait: lane i of warp 0 polls flags[l][i] and flags[l-1][i] in the
+//      same round (both acquire loads in flight), not all of its own
+//      layer's flags first: one L2 round trip where both are set.
+// Trace point 3 is after the second half's products.
 // Layer 0 reads its slice of xproj[t] from `xs`, two [B][G][U] buffers
 // that step t-1 filled by cp.async behind its own loads.
 // Every layer has a whole [T, B, H] sequence buffer, so no step overwrites
