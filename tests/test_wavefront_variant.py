@@ -13,7 +13,11 @@ wavefront.cuh, "Variant 1") on the CPU (no GPU needed).
   sums of `kparts` slices for rows [0, half) (read while the second half's
   products may still be storing) and [half, nc). The sums must equal
   W @ h for every (row, gate unit) and the first half's reads must not
-  depend on when the second half's stores land.
+  depend on when the second half's stores land;
+- the split wait's roles: where it applies every warp copies only the layer
+  below's h or only its own, warp 0 copies the layer below's, and the named
+  barriers' thread counts (3: kThreads/2, 4: 32 + kThreads/2) are the warps
+  that take part.
 What this cannot check: the hardware (mma, ldmatrix, cp.async, bar.arrive /
 bar.sync); bench/bench_wavefront.py check --variant 1 does, on the H200.
 """
@@ -198,3 +202,33 @@ def test_the_headline_uses_the_pairs_and_the_fixed_staging(lib):
         K = (0 if l == 0 else 512) + 512
         assert K_THREADS % (K // 8) == 0  # fixed staging in every layer
         assert (p["ng"] == 1 and p["kg"] >= 2) == (l > 0)  # pairs above layer 0
+
+
+def split_wait_roles(K, kin):
+    """Variant 1's split wait for a layer of K inputs, kin of them the layer
+    below's: None where it does not apply, else each warp's role ("below":
+    it copies only the layer below's h, "own": only its own layer's)."""
+    per_row = K // 8
+    if kin == 0 or K_THREADS % per_row != 0 or (per_row // 2) % 32 != 0:
+        return None
+    roles = []
+    for w in range(K_WARPS):
+        below = {(tid % per_row) * 8 < kin for tid in range(32 * w, 32 * w + 32)}
+        assert len(below) == 1, f"warp {w} copies both halves of K"
+        roles.append("below" if below.pop() else "own")
+    return roles
+
+
+@pytest.mark.parametrize("units", [256, 512])
+def test_the_split_wait_barriers_count_their_warps(units):
+    roles = split_wait_roles(2 * units, units)
+    assert roles is not None and roles[0] == "below"  # warp 0 polls, then copies below h
+    # barrier 3: warp 0 arrives, the other below warps sync (kThreads / 2 in all);
+    # barrier 4: warp 0 arrives, the own warps sync (32 + kThreads / 2).
+    assert 32 * roles.count("below") == K_THREADS // 2
+    assert 32 + 32 * roles.count("own") == 32 + K_THREADS // 2
+
+
+@pytest.mark.parametrize("K, kin", [(512, 0), (1024, 0), (768, 384), (256, 128), (128, 64)])
+def test_the_split_wait_is_off_where_a_warp_would_copy_both_halves(K, kin):
+    assert split_wait_roles(K, kin) is None

@@ -82,17 +82,19 @@ __device__ __forceinline__ unsigned load_acquire(const unsigned* p) {
   return v;
 }
 
-// Named barrier kId (1-15; 0 is __syncthreads') of all kThreads threads:
-// arrive does not wait, sync waits for every thread's arrive or sync. The
-// writes to shared memory before an arrive are visible after the sync.
-// (An immediate id: a register id makes ptxas reserve all 16 barriers.)
-template <int kId>
+// Named barrier kId (1-15; 0 is __syncthreads') of kCount threads (a
+// multiple of 32, every thread of each warp taking part): arrive does not
+// wait, sync waits until kCount threads have arrived or synced. Memory
+// accesses before an arrive are performed, for the threads that sync,
+// before the sync returns (as with __syncthreads). (Immediate operands: a
+// register id makes ptxas reserve all 16 barriers.)
+template <int kId, int kCount = kThreads>
 __device__ __forceinline__ void named_barrier_arrive() {
-  asm volatile("bar.arrive %0, %1;" ::"n"(kId), "n"(kThreads) : "memory");
+  asm volatile("bar.arrive %0, %1;" ::"n"(kId), "n"(kCount) : "memory");
 }
-template <int kId>
+template <int kId, int kCount = kThreads>
 __device__ __forceinline__ void named_barrier_sync() {
-  asm volatile("bar.sync %0, %1;" ::"n"(kId), "n"(kThreads) : "memory");
+  asm volatile("bar.sync %0, %1;" ::"n"(kId), "n"(kCount) : "memory");
 }
 
 // fence.acq_rel.gpu + a relaxed store, after a CTA barrier: the release
@@ -254,6 +256,14 @@ __device__ __forceinline__ void wavefront_body(const Args& a) {
   const bool upper = kg >= p.kg / 2;
   const bool late = p.ng == 1 ? warp >= kWarps / 2 : ng == 1;
   const int kparts = pair ? p.kg / 2 : p.kg;  // partial slices the pointwise step sums
+  // Split wait (variant 1, layers above 0 with fixed staging where each
+  // warp copies only the layer below's h or only its own: half the chunks
+  // of a row, (K/8)/2 a multiple of 32): warp 0 (a below warp) polls the
+  // layer below's flags and releases the other below warps (named barrier
+  // 3, kThreads/2 threads), issues its copies, then polls its own layer's
+  // flags and releases the own warps (barrier 4, 32 + kThreads/2 threads).
+  const bool split_wait = V == 1 && l > 0 && hs_fixed && (hs_per_row / 2) % 32 == 0;
+  const bool stage_below = hs_k < p.kin;  // warp-uniform where split_wait
 
   const int nchunks = (B + kNC - 1) / kNC;
   unsigned long long* trace = nullptr;
@@ -307,7 +317,7 @@ __device__ __forceinline__ void wavefront_body(const Args& a) {
           }
       __syncwarp();
     }
-    if (V == 1 && warp == 0 && !(a.mode & kModeNoWait)) {
+    if (V == 1 && !split_wait && warp == 0 && !(a.mode & kModeNoWait)) {
       // Variant 1: a lane polls its own-layer flag and its layer-below flag
       // in the same round (two independent acquire loads in flight), not
       // the second after the first is met: one L2 round trip where both
@@ -324,8 +334,10 @@ __device__ __forceinline__ void wavefront_body(const Args& a) {
       }
       __syncwarp();
     }
-    __syncthreads();
-    mark(t, 1);
+    if (!split_wait) {
+      __syncthreads();
+      mark(t, 1);
+    }
 
     const T* prev = t == 0 ? static_cast<const T*>(a.h0) + static_cast<size_t>(l) * seq
                            : mine + static_cast<size_t>(t - 1) * seq;
@@ -418,6 +430,21 @@ __device__ __forceinline__ void wavefront_body(const Args& a) {
         const int n0 = c * kNC, nc = min(kNC, B - n0);
         const int half = nc < kNGroup ? nc : kNGroup;
         const bool stage = !(a.mode & kModeNoStage);
+        const bool poll = !(a.mode & kModeNoWait);
+        if (split_wait && c == 0) {
+          if (warp == 0) {
+            if (poll)
+              for (int i = lane; i < below_ctas; i += 32)
+                while (load_acquire(below_flags + i) < static_cast<unsigned>(t + 1)) {
+                }
+            __syncwarp();
+            named_barrier_arrive<3, kThreads / 2>();
+          } else if (stage_below) {
+            named_barrier_sync<3, kThreads / 2>();
+          } else {
+            named_barrier_sync<4, 32 + kThreads / 2>();
+          }
+        }
         for (int part_rows = 0; part_rows < 2; ++part_rows) {
           const int r0 = part_rows ? half : 0, r1 = stage ? (part_rows ? nc : half) : r0;
           if (hs_fixed) {
@@ -440,6 +467,15 @@ __device__ __forceinline__ void wavefront_body(const Args& a) {
             }
           }
           cp_async_commit();
+        }
+        if (split_wait && c == 0 && warp == 0) {
+          if (poll && t > 0)
+            for (int i = lane; i < p.ctas; i += 32)
+              while (load_acquire(my_flags + i) < static_cast<unsigned>(t)) {
+              }
+          __syncwarp();
+          named_barrier_arrive<4, 32 + kThreads / 2>();
+          mark(t, 1);
         }
 
         const int ntiles = (nc + 7) / 8;

@@ -72,6 +72,17 @@
 //   d. wait: lane i of warp 0 polls flags[l][i] and flags[l-1][i] in the
 //      same round (both acquire loads in flight), not all of its own
 //      layer's flags first: one L2 round trip where both are set.
+//   e. split wait (layers above 0 where every warp copies only the layer
+//      below's h or only its own: fixed staging with (K/8)/2 a multiple of
+//      32, e.g. 4x512 layers 1-3): no CTA barrier at the wait. Warp 0 (a
+//      below warp) polls the layer below's flags (set a wavefront step
+//      earlier, usually already), releases the other below warps through
+//      named barrier 3 (kThreads/2 threads), issues its copies, then polls
+//      its own layer's flags and releases the own warps through named
+//      barrier 4 (32 + kThreads/2): the layer below's half of K is in
+//      flight while the own layer's flags are awaited. Acquire by warp 0,
+//      __syncwarp, bar.arrive -> bar.sync: the same causality chain as
+//      variant 0's acquire + __syncthreads.
 // Trace point 3 is after the second half's products.
 // Layer 0 reads its slice of xproj[t] from `xs`, two [B][G][U] buffers
 // that step t-1 filled by cp.async behind its own loads.
