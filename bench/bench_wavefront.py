@@ -11,6 +11,10 @@ built into the cache (nvcc + g++).
     python3 bench/bench_wavefront.py bench --cells matrix --budget 200 --out $OUT/matrix.json
     python3 bench/bench_wavefront.py modes --out $OUT/modes.json    # a step's parts left out
     python3 bench/bench_wavefront.py trace --out $OUT/trace.json    # the kernel's own timeline
+    # the forward step's opt-in variant 1 (wavefront.cuh): checked, then timed against 0
+    python3 bench/bench_wavefront.py check --variant 1 --random 12 --out $OUT/check_v1.json
+    python3 bench/bench_wavefront.py bench --cells headline --variants 0,1 --out $OUT/bench_v01.json
+    python3 bench/bench_wavefront.py trace --variant 1 --out $OUT/trace_v1.json
     python3 bench/bench_wavefront.py grad --random 4 --out $OUT/grad.json   # LSTM gradients
     python3 bench/bench_wavefront.py train --out $OUT/train.json    # a training step's time
     # the reverse-wavefront backward (v2, opt-in): one launch for every layer
@@ -52,6 +56,13 @@ variant's recurrence, backward and training step timed interleaved (rounds
 of one median each, in turn) in one process, with the ratio to the first
 and the largest difference of its dgates from the first's (the variants
 add in the same order: 0 expected).
+`--variant N` (check, bench, trace, modes): the FORWARD step's variant
+(wavefront.cuh; 0 the default). check with N != 0 also runs variant 0 on
+the same inputs and, for an LSTM, the saving forward of both (gates_out,
+c_out), and requires every output within TOL of variant 0's
+(`err_vs_variant0`). `bench --variants 0,N` times the variants interleaved
+(call by call, one process) and reports each one's ms and N's ratio to the
+first (`ratio_kernel_only`, `ratio_kernel`).
 """
 
 from __future__ import annotations
@@ -129,8 +140,9 @@ def cudnn_forward(kind, mod, x, h0, c0, lengths):
     return y, hy, cy
 
 
-def kernel_forward(kind, mod, x, h0, c0, lengths, mode=0, poison=True):
-    """The kernel on NaN-poisoned outputs (forward_into)."""
+def kernel_forward(kind, mod, x, h0, c0, lengths, mode=0, poison=True, variant=0, saving=False):
+    """The kernel on NaN-poisoned outputs (forward_into); `saving` (LSTM):
+    also returns the saved gates and c (float32, NaN-poisoned first)."""
     steps, batch, inputs = x.shape
     layers, units = mod.num_layers, mod.hidden_size
     params = wavefront.flat_params(mod).contiguous()
@@ -142,9 +154,41 @@ def kernel_forward(kind, mod, x, h0, c0, lengths, mode=0, poison=True):
     lib = library.load()
     ws = torch.empty(lib.workspace_bytes(layers, units, batch, steps), dtype=torch.uint8, device="cuda")
     lens = lengths.to(torch.int32).contiguous() if lengths is not None else None
+    gates = cseq = None
+    if saving:
+        gates = torch.full((layers, steps, batch, 4 * units), float("nan"), device="cuda")
+        cseq = torch.full((layers, steps, batch, units), float("nan"), device="cuda")
     wavefront.forward_into(xproj.contiguous(), params, h0, c0 if kind == "lstm" else h0.new_empty(0),
-                           lens, y, hy, cy, ws, kind=kind, input_size=inputs, mode=mode)
+                           lens, y, hy, cy, ws, kind=kind, input_size=inputs, mode=mode,
+                           variant=variant, gates_out=gates, c_out=cseq)
+    if saving:
+        return y, hy, cy, gates, cseq
     return y, hy, (cy if kind == "lstm" else None)
+
+
+def valid_steps(t: torch.Tensor, lengths) -> torch.Tensor:
+    """[L, T, B, ...] saved values with the steps at t >= len zeroed (the
+    backward never reads them)."""
+    if lengths is None:
+        return t
+    steps = t.shape[1]
+    keep = torch.arange(steps, device=t.device)[:, None] < lengths.to(t.device)[None, :]
+    return torch.where(keep[None, :, :, None], t, torch.zeros_like(t))
+
+
+def variant_errors(kind, mod, x, h0, c0, lengths, y, hy, cy, variant) -> dict:
+    """||variant N - variant 0|| / ||variant 0|| of y, hy (cy) and, for an
+    LSTM, of the saving forward's gates and c (valid steps only)."""
+    y0, hy0, cy0 = kernel_forward(kind, mod, x, h0, c0, lengths)
+    out = dict(y=rel(y, y0), hy=rel(hy, hy0))
+    if kind == "lstm":
+        out["cy"] = rel(cy, cy0)
+        s0 = kernel_forward(kind, mod, x, h0, c0, lengths, saving=True)
+        sn = kernel_forward(kind, mod, x, h0, c0, lengths, variant=variant, saving=True)
+        out["saving_y"] = rel(sn[0], s0[0])
+        out["gates"] = rel(valid_steps(sn[3], lengths), valid_steps(s0[3], lengths))
+        out["c"] = rel(valid_steps(sn[4], lengths), valid_steps(s0[4], lengths))
+    return out
 
 
 def refused_row(row: dict, reason: str, run) -> dict:
@@ -160,7 +204,8 @@ def refused_row(row: dict, reason: str, run) -> dict:
     return row
 
 
-def check_case(kind, layers, units, batch, steps, inputs, dtype_name, with_lengths, seed):
+def check_case(kind, layers, units, batch, steps, inputs, dtype_name, with_lengths, seed,
+               variant=0):
     dtype = DTYPES[dtype_name]
     gen = torch.Generator(device="cuda").manual_seed(seed)
     mod = make_module(kind, layers, units, inputs, dtype, gen)
@@ -172,13 +217,14 @@ def check_case(kind, layers, units, batch, steps, inputs, dtype_name, with_lengt
         lengths = torch.randint(1, steps + 1, (batch,), generator=gen, device="cuda")
         lengths[0] = steps  # the padded output keeps T steps
     row = dict(kind=kind, layers=layers, units=units, batch=batch, steps=steps, inputs=inputs,
-               dtype=dtype_name, lengths=with_lengths, seed=seed)
+               dtype=dtype_name, lengths=with_lengths, seed=seed, variant=variant)
     reason = wavefront.unsupported_reason(kind, layers, units, batch, steps, inputs, dtype,
                                           torch.device("cuda"))
     if reason is not None:
-        return refused_row(row, reason, lambda: kernel_forward(kind, mod, x, h0, c0, lengths))
+        return refused_row(row, reason, lambda: kernel_forward(kind, mod, x, h0, c0, lengths,
+                                                               variant=variant))
     t0 = time.perf_counter()
-    y, hy, cy = kernel_forward(kind, mod, x, h0, c0, lengths)
+    y, hy, cy = kernel_forward(kind, mod, x, h0, c0, lengths, variant=variant)
     torch.cuda.synchronize()
     unwritten = sum(int(torch.isnan(t).sum()) for t in (y, hy, cy) if t is not None)
     ry, rhy, rcy = reference(kind, mod, x, h0, c0, lengths)
@@ -190,6 +236,12 @@ def check_case(kind, layers, units, batch, steps, inputs, dtype_name, with_lengt
         err["cy"], cud["cy"], vs["cy"] = rel(cy, rcy), rel(ccy, rcy), rel(cy, ccy)
     worst = max(err.values())
     ok = unwritten == 0 and math.isfinite(worst) and worst <= max(TOL[dtype_name], 2 * max(cud.values()))
+    if variant:
+        # Variant N sums the same products in another float32 order: its
+        # outputs and saved values stay within TOL of variant 0's.
+        row["err_vs_variant0"] = variant_errors(kind, mod, x, h0, c0, lengths, y, hy, cy, variant)
+        vworst = max(row["err_vs_variant0"].values())
+        ok = ok and math.isfinite(vworst) and vworst <= TOL[dtype_name]
     row.update(status="ok" if ok else "FAIL", unwritten=unwritten, err_vs_f64=err,
                cudnn_err_vs_f64=cud, err_vs_cudnn=vs, seconds=round(time.perf_counter() - t0, 2))
     return row
@@ -255,8 +307,9 @@ def run_cases(name, cases, run_case, seed, shown, out):
 
 def cmd_check(args):
     cases = FIXED_CASES[: args.fixed] + random_cases(args.random, args.seed)
-    return run_cases("check", cases, check_case, args.seed,
-                     ("status", "err_vs_f64", "cudnn_err_vs_f64", "reason"), args.out)
+    return run_cases("check", cases, functools.partial(check_case, variant=args.variant),
+                     args.seed, ("status", "err_vs_f64", "cudnn_err_vs_f64", "err_vs_variant0",
+                                 "reason"), args.out)
 
 
 def time_ms(fn, reps: int, warmup: int = 2) -> float:
@@ -274,12 +327,37 @@ def time_ms(fn, reps: int, warmup: int = 2) -> float:
     return statistics.median(times)
 
 
+def time_interleaved(fns: dict, reps: int, warmup: int = 2) -> dict:
+    """CUDA-event medians (ms) of each of `fns` ({name: fn}), timed call by
+    call in turn (rep 1 of every fn, then rep 2, ...), so clock and thermal
+    drift hit each alike."""
+    for fn in fns.values():
+        for _ in range(warmup):
+            fn()
+    torch.cuda.synchronize()
+    times = {name: [] for name in fns}
+    for _ in range(reps):
+        for name, fn in fns.items():
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            times[name].append(start.elapsed_time(end))
+    return {name: statistics.median(t) for name, t in times.items()}
+
+
 def flops(kind, layers, units, batch, steps, inputs):
     g = 4 if kind == "lstm" else 3
     return 2.0 * steps * batch * g * units * ((inputs + units) + (layers - 1) * 2 * units)
 
 
-def bench_cell(kind, layers, units, batch, steps, dtype_name, reps, modes=(0,), cudnn=True):
+def bench_cell(kind, layers, units, batch, steps, dtype_name, reps, modes=(0,), cudnn=True,
+               variants=(0,)):
+    """One cell's timings. `variants` (the forward step's, wavefront.cuh):
+    one, or several timed interleaved (`time_interleaved`): kernel_only_ms
+    and kernel_ms are the first's, kernel_only_ms_v{N} and kernel_ms_v{N}
+    each one's, ratio_* = variant N's / the first's."""
     dtype = DTYPES[dtype_name]
     inputs = units
     gen = torch.Generator(device="cuda").manual_seed(1)
@@ -301,12 +379,32 @@ def bench_cell(kind, layers, units, batch, steps, dtype_name, reps, modes=(0,), 
         y = torch.empty(steps, batch, units, dtype=dtype, device="cuda")
         hy, cy = torch.empty_like(h0), torch.empty_like(h0)
         ws = torch.empty(lib.workspace_bytes(layers, units, batch, steps), dtype=torch.uint8, device="cuda")
+        v0 = variants[0]
         for mode in modes:
-            def only_kernel(mode=mode):
+            def only_kernel(mode=mode, variant=v0):
                 wavefront.forward_into(xproj, params, h0, c0, None, y, hy, cy, ws, kind=kind,
-                                       input_size=inputs, mode=mode)
-            row[f"kernel_ms_mode{mode}" if mode else "kernel_only_ms"] = time_ms(only_kernel, reps)
-        row["kernel_ms"] = time_ms(lambda: wavefront.forward(x, params, h0, c0, None, kind=kind), reps)
+                                       input_size=inputs, mode=mode, variant=variant)
+            if mode or len(variants) == 1:
+                row[f"kernel_ms_mode{mode}" if mode else "kernel_only_ms"] = time_ms(only_kernel, reps)
+        if len(variants) == 1:
+            row["kernel_ms"] = time_ms(
+                lambda: wavefront.forward(x, params, h0, c0, None, kind=kind, variant=v0), reps)
+        else:
+            row["variants"] = list(variants)
+            only = time_interleaved(
+                {v: functools.partial(wavefront.forward_into, xproj, params, h0, c0, None, y, hy,
+                                      cy, ws, kind=kind, input_size=inputs, variant=v)
+                 for v in variants}, reps)
+            full = time_interleaved(
+                {v: functools.partial(wavefront.forward, x, params, h0, c0, None, kind=kind,
+                                      variant=v) for v in variants}, reps)
+            for v in variants:
+                row[f"kernel_only_ms_v{v}"], row[f"kernel_ms_v{v}"] = only[v], full[v]
+                row[f"us_per_step_v{v}"] = 1000 * only[v] / (steps + layers - 1)
+                if v != v0:
+                    row[f"ratio_kernel_only_v{v}"] = only[v] / only[v0]
+                    row[f"ratio_kernel_v{v}"] = full[v] / full[v0]
+            row["kernel_only_ms"], row["kernel_ms"] = only[v0], full[v0]
         row["us_per_step"] = 1000 * row["kernel_only_ms"] / (steps + layers - 1)
     else:
         row["kernel"] = reason
@@ -364,7 +462,8 @@ def cmd_bench(args):
             rows.append(dict(cell=list(cell), skipped="time budget"))
             continue
         try:
-            row = bench_cell(*cell, reps=args.reps, cudnn=not args.kernel_only)
+            row = bench_cell(*cell, reps=args.reps, cudnn=not args.kernel_only,
+                             variants=_variants(args))
         except Exception as exc:  # noqa: BLE001
             row = dict(cell=list(cell), error=f"{type(exc).__name__}: {exc}")
         rows.append(row)
@@ -383,7 +482,7 @@ def cmd_modes(args):
     rows = []
     for cell in (("lstm", 4, 512, 64, 1000, "float16"), ("lstm", 1, 512, 64, 1000, "float16"),
                  ("lstm", 4, 512, 8, 1000, "float16")):
-        row = bench_cell(*cell, reps=args.reps, modes=MODES)
+        row = bench_cell(*cell, reps=args.reps, modes=MODES, variants=(args.variant,))
         rows.append(row)
         print(json.dumps({k: v for k, v in row.items() if k != "plan"}), flush=True)
         _dump(args.out, dict(meta=_meta(), results=rows))
@@ -393,9 +492,13 @@ def cmd_modes(args):
 PHASES = ("wait", "stage", "multiply", "pointwise", "publish")
 
 
-def trace_cell(kind, layers, units, batch, steps, dtype_name, trace_steps=300, skip=50):
+def trace_cell(kind, layers, units, batch, steps, dtype_name, trace_steps=300, skip=50,
+               variant=0):
     """The kernel's own timeline: per-phase medians (ns) over steps
-    [skip, trace_steps) for CTA 0 (layer 0) and the top layer's first CTA."""
+    [skip, trace_steps) for CTA 0 (layer 0) and the top layer's first CTA.
+    (Variant 1's point 3 is after the second half's products, which the
+    first half's pointwise step overlaps: its "multiply" holds that part of
+    the pointwise step, its "pointwise" the second half's.)"""
     dtype = DTYPES[dtype_name]
     gen = torch.Generator(device="cuda").manual_seed(2)
     mod = make_module(kind, layers, units, units, dtype, gen)
@@ -412,10 +515,11 @@ def trace_cell(kind, layers, units, batch, steps, dtype_name, trace_steps=300, s
     trace = torch.zeros(2, trace_steps, 8, dtype=torch.int64, device="cuda")
     for _ in range(3):
         wavefront.forward_into(xproj, params, h0, c0, None, y, hy, cy, ws, kind=kind,
-                               input_size=units, trace=trace)
+                               input_size=units, trace=trace, variant=variant)
     torch.cuda.synchronize()
     tr = trace.cpu().tolist()
-    row = dict(kind=kind, layers=layers, units=units, batch=batch, steps=steps, dtype=dtype_name)
+    row = dict(kind=kind, layers=layers, units=units, batch=batch, steps=steps, dtype=dtype_name,
+               variant=variant)
     for which, name in ((0, "layer0"), (1, "top")):
         steps_ns = [tr[which][t + 1][0] - tr[which][t][0] for t in range(skip, trace_steps - 1)]
         phases = {ph: statistics.median(tr[which][t][i + 1] - tr[which][t][i]
@@ -433,7 +537,7 @@ def cmd_trace(args):
     cells = (("lstm", 4, 512, 64, 1000, "float16"), ("lstm", 1, 512, 64, 1000, "float16"),
              ("lstm", 4, 512, 8, 1000, "float16"))
     for cell in cells[: args.cells]:
-        row = trace_cell(*cell)
+        row = trace_cell(*cell, variant=args.variant)
         rows.append(row)
         print(json.dumps(row), flush=True)
         _dump(args.out, dict(meta=_meta(), results=rows))
@@ -758,6 +862,18 @@ def _print_row(row):
           f"{row['cudnn_fused_ms']:.2f}  per-layer {row['cudnn_per_layer_ms']:.2f}  floor "
           f"{row['floor_ms']:.2f}  x{row.get('speedup_vs_best_cudnn', float('nan')):.2f}"
           + ("" if k else f"  [{row.get('kernel')}]"), flush=True)
+    for v in row.get("variants", [])[1:]:
+        print(f"{'':36s} variant {v}: kernel {row[f'kernel_ms_v{v}']:.2f} ms "
+              f"(x{row[f'ratio_kernel_v{v}']:.3f} of variant {row['variants'][0]}), alone "
+              f"{row[f'kernel_only_ms_v{v}']:.2f} ms ({row[f'us_per_step_v{v}']:.2f} us/step, "
+              f"x{row[f'ratio_kernel_only_v{v}']:.3f})", flush=True)
+
+
+def _variants(args) -> tuple[int, ...]:
+    """bench's variants: --variants (comma-separated) or --variant."""
+    if args.variants:
+        return tuple(int(v) for v in args.variants.split(","))
+    return (args.variant,)
 
 
 def _meta():
@@ -780,18 +896,24 @@ def main(argv=None):
     c.add_argument("--fixed", type=int, default=len(FIXED_CASES))
     c.add_argument("--random", type=int, default=12)
     c.add_argument("--seed", type=int, default=0)
+    c.add_argument("--variant", type=int, default=0, help="the forward step's variant")
     c.add_argument("--out", default="")
     b = sub.add_parser("bench")
     b.add_argument("--cells", choices=("headline", "matrix"), default="headline")
     b.add_argument("--reps", type=int, default=10)
     b.add_argument("--budget", type=float, default=300.0)
     b.add_argument("--kernel-only", action="store_true", help="leave cuDNN out")
+    b.add_argument("--variant", type=int, default=0, help="the forward step's variant")
+    b.add_argument("--variants", default="",
+                   help="comma-separated variants timed interleaved, e.g. 0,1 (overrides --variant)")
     b.add_argument("--out", default="")
     m = sub.add_parser("modes")
     m.add_argument("--reps", type=int, default=10)
+    m.add_argument("--variant", type=int, default=0, help="the forward step's variant")
     m.add_argument("--out", default="")
     t = sub.add_parser("trace")
     t.add_argument("--cells", type=int, default=3)
+    t.add_argument("--variant", type=int, default=0, help="the forward step's variant")
     t.add_argument("--out", default="")
     g = sub.add_parser("grad")
     g.add_argument("--fixed", type=int, default=len(GRAD_CASES))

@@ -81,6 +81,8 @@ class WavefrontLibrary:
         lib.rnnfuse_wf_forward.restype = i
         lib.rnnfuse_wf_forward_saving.argtypes = [p] + [i] * 7 + [p] * 9 + [i, p, i, p, p]
         lib.rnnfuse_wf_forward_saving.restype = i
+        lib.rnnfuse_wf_forward_variant.argtypes = [p] + [i] * 7 + [p] * 9 + [i, i, p, i, p, p]
+        lib.rnnfuse_wf_forward_variant.restype = i
         lib.rnnfuse_wf_backward_plan.argtypes = [i, i, i, i, i, ip, ip, ip]
         lib.rnnfuse_wf_backward_plan.restype = i
         lib.rnnfuse_wf_backward_workspace_bytes.argtypes = []
@@ -134,10 +136,12 @@ class WavefrontLibrary:
                 batch: int, steps: int, input_size: int, *, xproj: int, params: int, h0: int,
                 c0: int, lengths: int | None, y: int, hy: int, cy: int, workspace: int,
                 mode: int = 0, trace: int = 0, trace_steps: int = 0, gates_out: int = 0,
-                c_out: int = 0) -> None:
+                c_out: int = 0, variant: int = 0) -> None:
         """One forward pass (device pointers as ints; see wavefront.cuh).
 
         `mode`: a debug mode (wavefront.cuh; 0 computes the right answer);
+        `variant`: the forward step's variant (wavefront.cuh; 0, the default,
+        or 1, opt-in: the same results up to float32 rounding of the sums);
         `trace`: 0, or a device buffer of 2 * trace_steps * 8 uint64 for the
         kernel's timeline; `gates_out`, `c_out`: 0, or float32 buffers
         [L, T, B, 4H] and [L, T, B, H] where an LSTM's forward saves its
@@ -145,10 +149,11 @@ class WavefrontLibrary:
         """
         if dtype not in DTYPES:
             raise WavefrontError(f"the wavefront kernel runs {DTYPES}, not {dtype}")
-        rc = self._lib.rnnfuse_wf_forward_saving(
+        rc = self._lib.rnnfuse_wf_forward_variant(
             stream or None, DTYPES.index(dtype), _kind(kind), num_layers, units, batch, steps,
             input_size, xproj, params, h0, c0 or None, lengths or None, y, hy, cy or None,
-            workspace, mode, trace or None, trace_steps, gates_out or None, c_out or None)
+            workspace, mode, variant, trace or None, trace_steps, gates_out or None,
+            c_out or None)
         if rc != 0:
             raise WavefrontError(self._error())
 

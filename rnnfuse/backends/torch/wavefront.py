@@ -126,7 +126,7 @@ def _launch_stream(device: torch.device) -> int:
 def forward_into(xproj, params, h0, c0, lengths, y, hy, cy, workspace, *, kind: str,
                  input_size: int, mode: int = 0, trace: torch.Tensor | None = None,
                  gates_out: torch.Tensor | None = None,
-                 c_out: torch.Tensor | None = None) -> None:
+                 c_out: torch.Tensor | None = None, variant: int = 0) -> None:
     """The kernel on preallocated outputs (tests poison them first).
 
     xproj [T, B, G*H] = x W_ih0^T (no bias); workspace: a uint8 CUDA tensor
@@ -135,6 +135,8 @@ def forward_into(xproj, params, h0, c0, lengths, y, hy, cy, workspace, *, kind: 
     options (`WavefrontLibrary.forward`). `gates_out` [L, T, B, 4H] and
     `c_out` [L, T, B, H] (float32, an LSTM's): where the forward saves its
     activated gates and cell states for the backward (`forward_training`).
+    `variant`: the forward step's variant (wavefront.cuh; 0 the default, 1
+    opt-in).
     """
     for t in (gates_out, c_out):
         if t is not None and (t.dtype != torch.float32 or not t.is_contiguous()):
@@ -161,13 +163,14 @@ def forward_into(xproj, params, h0, c0, lengths, y, hy, cy, workspace, *, kind: 
         trace=trace.data_ptr() if trace is not None else 0,
         trace_steps=trace.shape[1] if trace is not None else 0,
         gates_out=gates_out.data_ptr() if gates_out is not None else 0,
-        c_out=c_out.data_ptr() if c_out is not None else 0)
+        c_out=c_out.data_ptr() if c_out is not None else 0, variant=variant)
 
 
 @torch.library.custom_op("rnnfuse::wavefront_forward", mutates_args=())
 def _wavefront_op(xproj: torch.Tensor, params: torch.Tensor, h0: torch.Tensor,
                   c0: torch.Tensor, lengths: torch.Tensor, kind: str,
-                  input_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                  input_size: int, variant: int = 0
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     steps, batch, gh = xproj.shape
     units, num_layers = gh // _GATES[kind], h0.shape[0]
     y = xproj.new_empty((steps, batch, units))
@@ -176,12 +179,12 @@ def _wavefront_op(xproj: torch.Tensor, params: torch.Tensor, h0: torch.Tensor,
     nbytes = _library().load().workspace_bytes(num_layers, units, batch, steps)
     workspace = torch.empty(nbytes, dtype=torch.uint8, device=xproj.device)
     forward_into(xproj, params, h0, c0, lengths if lengths.numel() else None, y, hy, cy,
-                 workspace, kind=kind, input_size=input_size)
+                 workspace, kind=kind, input_size=input_size, variant=variant)
     return y, hy, cy
 
 
 @_wavefront_op.register_fake
-def _(xproj, params, h0, c0, lengths, kind, input_size):
+def _(xproj, params, h0, c0, lengths, kind, input_size, variant=0):
     steps, batch, gh = xproj.shape
     units = gh // _GATES[kind]
     cy = torch.empty_like(h0) if kind == "lstm" else h0.new_empty((0,))
@@ -196,16 +199,19 @@ def _input_projection(x: torch.Tensor, params: torch.Tensor, gh: int) -> torch.T
 
 
 def forward(x: torch.Tensor, params: torch.Tensor, h0: torch.Tensor, c0: torch.Tensor | None,
-            lengths: torch.Tensor | None, *, kind: str):
-    """The whole stack's forward pass (see the module docstring)."""
+            lengths: torch.Tensor | None, *, kind: str, variant: int = 0):
+    """The whole stack's forward pass (see the module docstring); `variant`:
+    the forward step's variant (wavefront.cuh; 0 the default, 1 opt-in)."""
     input_size, units = x.shape[2], h0.shape[2]
     xproj = _input_projection(x, params, _GATES[kind] * units)
     if lengths is None:
         lengths = torch.empty(0, dtype=torch.int32, device=x.device)
     c0 = c0 if c0 is not None else h0.new_empty((0,))
+    # Variant 0 calls the op as before the variant existed (its default).
+    extra = (variant,) if variant else ()
     y, hy, cy = _wavefront_op(xproj.contiguous(), params.contiguous(), h0.contiguous(),
                               c0.contiguous(), lengths.to(torch.int32).contiguous(), kind,
-                              input_size)
+                              input_size, *extra)
     return y, hy, (cy if kind == "lstm" else None)
 
 

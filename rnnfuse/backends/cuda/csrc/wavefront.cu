@@ -82,6 +82,21 @@ __device__ __forceinline__ unsigned load_acquire(const unsigned* p) {
   return v;
 }
 
+// Named barrier kId (1-15; 0 is __syncthreads') of kCount threads (a
+// multiple of 32, every thread of each warp taking part): arrive does not
+// wait, sync waits until kCount threads have arrived or synced. Memory
+// accesses before an arrive are performed, for the threads that sync,
+// before the sync returns (as with __syncthreads). (Immediate operands: a
+// register id makes ptxas reserve all 16 barriers.)
+template <int kId, int kCount = kThreads>
+__device__ __forceinline__ void named_barrier_arrive() {
+  asm volatile("bar.arrive %0, %1;" ::"n"(kId), "n"(kCount) : "memory");
+}
+template <int kId, int kCount = kThreads>
+__device__ __forceinline__ void named_barrier_sync() {
+  asm volatile("bar.sync %0, %1;" ::"n"(kId), "n"(kCount) : "memory");
+}
+
 // fence.acq_rel.gpu + a relaxed store, after a CTA barrier: the release
 // that CUTLASS's grid barrier uses (cheaper than __threadfence's fence.sc).
 __device__ __forceinline__ void publish(unsigned* p, unsigned v) {
@@ -131,7 +146,9 @@ __device__ __forceinline__ long long weight_offset(const Args& a, const LayerPla
 }
 
 // ---------------------------------------------------------------------------
-template <typename T>
+// The forward kernel; V: the step's variant (wavefront.cuh: 0, or 1 with
+// the overlapped pointwise step, paired partial sums and fixed staging).
+template <typename T, int V>
 __device__ __forceinline__ void wavefront_body(const Args& a) {
   using E = Elem<T>;
   extern __shared__ __align__(16) unsigned char smem[];
@@ -228,6 +245,25 @@ __device__ __forceinline__ void wavefront_body(const Args& a) {
   const int hs_per_row = K / 8;  // 16-byte chunks of one hs row
   const int hs_n0 = tid / hs_per_row, hs_q0 = tid % hs_per_row;
   const int hs_dn = kThreads / hs_per_row, hs_dq = kThreads % hs_per_row;
+  // Variant 1 (wavefront.cuh): fixed staging where every thread keeps one
+  // column chunk (hs_dq == 0); the warps that run their share of the first
+  // half's pointwise step after their second-half products (`late`); the
+  // K-group pairs (warp (m, k >= kg/2) hands its partials to (m, k - kg/2);
+  // with ng == 1, warp = m + mg * k and mg * kg = 8, so those are warps 4-7).
+  const bool hs_fixed = V == 1 && hs_dq == 0;
+  const int hs_k = hs_q0 * 8;
+  const bool pair = V == 1 && p.ng == 1 && p.kg >= 2;
+  const bool upper = kg >= p.kg / 2;
+  const bool late = p.ng == 1 ? warp >= kWarps / 2 : ng == 1;
+  const int kparts = pair ? p.kg / 2 : p.kg;  // partial slices the pointwise step sums
+  // Split wait (variant 1, layers above 0 with fixed staging where each
+  // warp copies only the layer below's h or only its own: half the chunks
+  // of a row, (K/8)/2 a multiple of 32): warp 0 (a below warp) polls the
+  // layer below's flags and releases the other below warps (named barrier
+  // 3, kThreads/2 threads), issues its copies, then polls its own layer's
+  // flags and releases the own warps (barrier 4, 32 + kThreads/2 threads).
+  const bool split_wait = V == 1 && l > 0 && hs_fixed && (hs_per_row / 2) % 32 == 0;
+  const bool stage_below = hs_k < p.kin;  // warp-uniform where split_wait
 
   const int nchunks = (B + kNC - 1) / kNC;
   unsigned long long* trace = nullptr;
@@ -270,7 +306,7 @@ __device__ __forceinline__ void wavefront_body(const Args& a) {
   for (int t = 0; t < steps; ++t) {
     mark(t, 0);
     // --- wait for the inputs of step t ---------------------------------------
-    if (warp == 0 && !(a.mode & kModeNoWait)) {
+    if (V == 0 && warp == 0 && !(a.mode & kModeNoWait)) {
       if (t > 0)
         for (int i = lane; i < p.ctas; i += 32)
           while (load_acquire(my_flags + i) < static_cast<unsigned>(t)) {
@@ -281,15 +317,278 @@ __device__ __forceinline__ void wavefront_body(const Args& a) {
           }
       __syncwarp();
     }
-    __syncthreads();
-    mark(t, 1);
+    if (V == 1 && !split_wait && warp == 0 && !(a.mode & kModeNoWait)) {
+      // Variant 1: a lane polls its own-layer flag and its layer-below flag
+      // in the same round (two independent acquire loads in flight), not
+      // the second after the first is met: one L2 round trip where both
+      // are already set, not two.
+      const int n_wait = max(t > 0 ? p.ctas : 0, l > 0 ? below_ctas : 0);
+      for (int i = lane; i < n_wait; i += 32) {
+        bool own_ok = t == 0 || i >= p.ctas, below_ok = l == 0 || i >= below_ctas;
+        while (!(own_ok && below_ok)) {
+          const unsigned own = own_ok ? 0u : load_acquire(my_flags + i);
+          const unsigned low = below_ok ? 0u : load_acquire(below_flags + i);
+          own_ok = own_ok || own >= static_cast<unsigned>(t);
+          below_ok = below_ok || low >= static_cast<unsigned>(t + 1);
+        }
+      }
+      __syncwarp();
+    }
+    if (!split_wait) {
+      __syncthreads();
+      mark(t, 1);
+    }
 
     const T* prev = t == 0 ? static_cast<const T*>(a.h0) + static_cast<size_t>(l) * seq
                            : mine + static_cast<size_t>(t - 1) * seq;
     const T* below_t = l > 0 ? below + static_cast<size_t>(t) * seq : nullptr;
     const T* xs_t = xs + (t & 1) * xs_size;
 
-    for (int c = 0; c < nchunks; ++c) {
+    if constexpr (V == 1) {
+      // --- variant 1 (wavefront.cuh): the pointwise step of rows [r0, r1)
+      // of chunk n0, summing `kparts` partial slices ---------------------
+      auto pointwise_rows = [&](int n0, int r0, int r1) {
+        const int items = (a.mode & kModeNoPointwise) ? 0 : (r1 - r0) * UP;
+        for (int idx = tid; idx < items; idx += kThreads) {
+          const int n = r0 + (idx >> up_shift), u = (idx & (UP - 1)) * 2;
+          if (u0 + u >= H) continue;
+          const int nb = n0 + n;
+          float pre[4][2];
+#pragma unroll
+          for (int vg = 0; vg < 4; ++vg) {
+            float2 s = *reinterpret_cast<const float2*>(bias + vg * U + u);
+            for (int kk = 0; kk < kparts; ++kk) {
+              const float2 v =
+                  *reinterpret_cast<const float2*>(part + (kk * kNC + n) * RS + vg * U + u);
+              s.x += v.x;
+              s.y += v.y;
+            }
+            pre[vg][0] = s.x;
+            pre[vg][1] = s.y;
+          }
+          if (l == 0) {
+#pragma unroll
+            for (int g = 0; g < 4; ++g) {
+              if (g >= G) break;
+              const float2 f =
+                  E::unpack(*reinterpret_cast<const uint32_t*>(xs_t + (nb * G + g) * U + u));
+              pre[g][0] += f.x;
+              pre[g][1] += f.y;
+            }
+          }
+          float h[2], cv[2] = {0.0f, 0.0f};
+          if (!a.gru) {
+            float2& cc = *reinterpret_cast<float2*>(cs + nb * U + u);
+            const float cold[2] = {cc.x, cc.y};
+            float act[4][2];  // i, f, g, o
+#pragma unroll
+            for (int v = 0; v < 2; ++v) {
+              act[0][v] = sigmoid(pre[0][v]);
+              act[1][v] = sigmoid(pre[1][v]);
+              act[2][v] = fast_tanh(pre[2][v]);
+              act[3][v] = sigmoid(pre[3][v]);
+              cv[v] = act[1][v] * cold[v] + act[0][v] * act[2][v];
+              h[v] = act[3][v] * fast_tanh(cv[v]);
+            }
+            cc = make_float2(cv[0], cv[1]);
+            if (a.gates_out) {
+              float* gp = a.gates_out + ((static_cast<size_t>(l) * steps + t) * B + nb) * 4 * H +
+                          u0 + u;
+#pragma unroll
+              for (int g = 0; g < 4; ++g)
+                *reinterpret_cast<float2*>(gp + g * H) = make_float2(act[g][0], act[g][1]);
+            }
+            if (a.c_out)
+              *reinterpret_cast<float2*>(a.c_out +
+                                         ((static_cast<size_t>(l) * steps + t) * B + nb) * H +
+                                         u0 + u) = make_float2(cv[0], cv[1]);
+          } else {
+            const float2 hp =
+                E::unpack(*reinterpret_cast<const uint32_t*>(hs + n * KS + p.kin + u0 + u));
+            const float hps[2] = {hp.x, hp.y};
+#pragma unroll
+            for (int v = 0; v < 2; ++v) {
+              const float r = sigmoid(pre[0][v]), z = sigmoid(pre[1][v]);
+              const float nn = fast_tanh(pre[2][v] + r * pre[3][v]);
+              h[v] = (1.0f - z) * nn + z * hps[v];
+            }
+          }
+          const int len = lens[nb];
+          const uint32_t out = t < len ? E::pack(h[0], h[1]) : 0u;
+          const size_t o = static_cast<size_t>(nb) * H + u0 + u;
+          *reinterpret_cast<uint32_t*>(mine + static_cast<size_t>(t) * seq + o) = out;
+          if (t == len - 1) {
+            *reinterpret_cast<uint32_t*>(hy + o) = out;
+            if (!a.gru) *reinterpret_cast<uint32_t*>(cy + o) = E::pack(cv[0], cv[1]);
+          }
+        }
+      };
+      // This thread's fixed staging source for step t (hs_fixed).
+      const T* hs_src = hs_k < p.kin ? below_t + hs_k : prev + (hs_k - p.kin);
+
+      for (int c = 0; c < nchunks; ++c) {
+        const int n0 = c * kNC, nc = min(kNC, B - n0);
+        const int half = nc < kNGroup ? nc : kNGroup;
+        const bool stage = !(a.mode & kModeNoStage);
+        const bool poll = !(a.mode & kModeNoWait);
+        if (split_wait && c == 0) {
+          if (warp == 0) {
+            if (poll)
+              for (int i = lane; i < below_ctas; i += 32)
+                while (load_acquire(below_flags + i) < static_cast<unsigned>(t + 1)) {
+                }
+            __syncwarp();
+            named_barrier_arrive<3, kThreads / 2>();
+          } else if (stage_below) {
+            named_barrier_sync<3, kThreads / 2>();
+          } else {
+            named_barrier_sync<4, 32 + kThreads / 2>();
+          }
+        }
+        for (int part_rows = 0; part_rows < 2; ++part_rows) {
+          const int r0 = part_rows ? half : 0, r1 = stage ? (part_rows ? nc : half) : r0;
+          if (hs_fixed) {
+            const T* src = hs_src + static_cast<size_t>(n0) * H;
+            for (int n = r0 + hs_n0; n < r1; n += hs_dn)
+              cp_async16(hs + n * KS + hs_k, src + static_cast<size_t>(n) * H);
+          } else {
+            int n = r0 + hs_n0, q = hs_q0;
+            while (n < r1) {
+              const int k = q * 8;
+              const T* src = k < p.kin ? below_t + static_cast<size_t>(n0 + n) * H + k
+                                       : prev + static_cast<size_t>(n0 + n) * H + (k - p.kin);
+              cp_async16(hs + n * KS + k, src);
+              q += hs_dq;
+              n += hs_dn;
+              if (q >= hs_per_row) {
+                q -= hs_per_row;
+                ++n;
+              }
+            }
+          }
+          cp_async_commit();
+        }
+        if (split_wait && c == 0 && warp == 0) {
+          if (poll && t > 0)
+            for (int i = lane; i < p.ctas; i += 32)
+              while (load_acquire(my_flags + i) < static_cast<unsigned>(t)) {
+              }
+          __syncwarp();
+          named_barrier_arrive<4, 32 + kThreads / 2>();
+          mark(t, 1);
+        }
+
+        const int ntiles = (nc + 7) / 8;
+        float* part_k = part + kg * kNC * RS;
+        for (int phase = 0; phase < 2; ++phase) {
+          if (phase == 0) {
+            cp_async_wait_but_one();  // the first half (and xs of step t) is in
+            __syncthreads();
+            if (c == 0) mark(t, 2);
+          } else {
+            cp_async_wait_all();
+            __syncthreads();  // the first half's partials are in part
+            if (c == 0) {
+              // Prefetch step t+1's xproj (layer 0); in by the next step's wait.
+              stage_xs(t + 1);
+              cp_async_commit();
+            }
+            if (!late) pointwise_rows(n0, 0, half);
+          }
+          if (!(a.mode & kModeNoMma)) {
+            for (int t0 = ng * 4; t0 < ntiles; t0 += 4 * p.ng) {
+              if ((t0 < kNGroup / 8) != (phase == 0)) continue;
+              float acc[kWM][4][4];
+#pragma unroll
+              for (int i = 0; i < kWM; ++i)
+#pragma unroll
+                for (int nt = 0; nt < 4; ++nt)
+#pragma unroll
+                  for (int e = 0; e < 4; ++e) acc[i][nt][e] = 0.0f;
+#pragma unroll
+              for (int jt = 0; jt < kWK; ++jt) {
+                const int kcol = kg * kWarpK + jt * 16;
+                uint32_t b[4][2];
+#pragma unroll
+                for (int pr = 0; pr < 2; ++pr) {
+                  b[2 * pr][0] = b[2 * pr][1] = b[2 * pr + 1][0] = b[2 * pr + 1][1] = 0;
+                  if (t0 + 2 * pr < ntiles) {
+                    const int q = lane >> 3;
+                    const int n = (t0 + 2 * pr) * 8 + (q >> 1) * 8 + (lane & 7);
+                    const int k = kcol + (q & 1) * 8;
+                    ldmatrix_x4(b[2 * pr][0], b[2 * pr][1], b[2 * pr + 1][0], b[2 * pr + 1][1],
+                                hs + n * KS + k);
+                  }
+                }
+#pragma unroll
+                for (int i = 0; i < kWM; ++i) {
+                  if (live & (1u << (i * kWK + jt))) {
+#pragma unroll
+                    for (int nt = 0; nt < 4; ++nt)
+                      if (t0 + nt < ntiles) E::mma(acc[i][nt], wa[i][jt], b[nt][0], b[nt][1]);
+                  }
+                }
+              }
+              // Pairs: with ng == 1 every warp runs this tile group of the
+              // phase (t0 = 4 * phase), so each arrive meets its sync. The
+              // partner's partials sit where this warp's own would go.
+              if (pair && !upper) {
+                if (phase == 0) {
+                  named_barrier_sync<1>();
+                } else {
+                  named_barrier_sync<2>();
+                }
+                const float* mate = part_k + (p.kg / 2) * kNC * RS;
+#pragma unroll
+                for (int i = 0; i < kWM; ++i) {
+#pragma unroll
+                  for (int nt = 0; nt < 4; ++nt) {
+                    if (t0 + nt < ntiles) {
+                      const int row = mg * kWarpRows + i * 16 + (lane >> 2);
+                      const int col = (t0 + nt) * 8 + (lane & 3) * 2;
+                      acc[i][nt][0] += mate[col * RS + row];
+                      acc[i][nt][1] += mate[(col + 1) * RS + row];
+                      acc[i][nt][2] += mate[col * RS + row + 8];
+                      acc[i][nt][3] += mate[(col + 1) * RS + row + 8];
+                    }
+                  }
+                }
+              }
+              // C fragment (row, col) -> part_k[col][row], as variant 0.
+#pragma unroll
+              for (int i = 0; i < kWM; ++i) {
+#pragma unroll
+                for (int nt = 0; nt < 4; ++nt) {
+                  if (t0 + nt < ntiles) {
+                    const int row = mg * kWarpRows + i * 16 + (lane >> 2);
+                    const int col = (t0 + nt) * 8 + (lane & 3) * 2;
+                    part_k[col * RS + row] = acc[i][nt][0];
+                    part_k[(col + 1) * RS + row] = acc[i][nt][1];
+                    part_k[col * RS + row + 8] = acc[i][nt][2];
+                    part_k[(col + 1) * RS + row + 8] = acc[i][nt][3];
+                  }
+                }
+              }
+              if (pair && upper) {
+                if (phase == 0) {
+                  named_barrier_arrive<1>();
+                } else {
+                  named_barrier_arrive<2>();
+                }
+              }
+            }
+          }
+          if (phase == 1 && late) pointwise_rows(n0, 0, half);
+        }
+        __syncthreads();  // every partial of the second half is in part
+        if (c == 0) mark(t, 3);
+        pointwise_rows(n0, half, nc);
+        __syncthreads();  // hs and part are the next chunk's
+      }
+    }
+
+    // Variant 0's chunks (variant 1 ran its own above).
+    for (int c = 0; V == 0 && c < nchunks; ++c) {
       const int n0 = c * kNC, nc = min(kNC, B - n0);
 
       // --- stage h_t (below) and h_{t-1} (own) into hs, in two halves of
@@ -1232,12 +1531,23 @@ __device__ __forceinline__ void backward_stack_pipelined_body(const BwdStackArgs
 
 extern "C" __global__ void __launch_bounds__(rnnfuse_wf::kThreads, 1)
     rnnfuse_wf_forward_f16(const __grid_constant__ rnnfuse_wf::Args a) {
-  rnnfuse_wf::wavefront_body<__half>(a);
+  rnnfuse_wf::wavefront_body<__half, 0>(a);
 }
 
 extern "C" __global__ void __launch_bounds__(rnnfuse_wf::kThreads, 1)
     rnnfuse_wf_forward_bf16(const __grid_constant__ rnnfuse_wf::Args a) {
-  rnnfuse_wf::wavefront_body<__nv_bfloat16>(a);
+  rnnfuse_wf::wavefront_body<__nv_bfloat16, 0>(a);
+}
+
+// Variant 1 of the forward step (Args::variant = 1; wavefront.cuh).
+extern "C" __global__ void __launch_bounds__(rnnfuse_wf::kThreads, 1)
+    rnnfuse_wf_forward_v1_f16(const __grid_constant__ rnnfuse_wf::Args a) {
+  rnnfuse_wf::wavefront_body<__half, 1>(a);
+}
+
+extern "C" __global__ void __launch_bounds__(rnnfuse_wf::kThreads, 1)
+    rnnfuse_wf_forward_v1_bf16(const __grid_constant__ rnnfuse_wf::Args a) {
+  rnnfuse_wf::wavefront_body<__nv_bfloat16, 1>(a);
 }
 
 extern "C" __global__ void __launch_bounds__(rnnfuse_wf::kThreads, 1)

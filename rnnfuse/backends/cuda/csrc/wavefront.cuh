@@ -46,6 +46,44 @@
 //   5. __syncthreads, then thread 0 publishes: fence.acq_rel.gpu and a
 //      relaxed store flags[l][cta] = t+1 (the release CUTLASS's grid
 //      barrier uses).
+// Variant 1 (Args::variant = 1, opt-in; 0 is the step above): the same
+// products, sums and protocol, rescheduled within a chunk:
+//   a. overlap: after the first half's products and the barrier that
+//      waits for the second half, the pointwise step of the first half
+//      (rows [0, 32)) runs while the second half multiplies: warps 0-3 run
+//      their share of it before their second-half products, warps 4-7
+//      after (a warp of 0-3 and one of 4-7 share an SM sub-partition, so
+//      one issues pointwise work while the other issues mma.sync); where
+//      ng > 1 the warps of n-group 0, which have no second-half products,
+//      run first. Then a barrier, the second half's pointwise, a barrier:
+//      as many CTA barriers as variant 0.
+//   b. pairs: where ng == 1 and kg >= 2, warp (m, k) with k >= kg/2 (=
+//      warps 4-7) stores its partial sums to part[k] and arrives on a
+//      named barrier (1: first half, 2: second half); warp (m, k - kg/2)
+//      waits on it, adds those partials to its accumulators and stores the
+//      pair's sum to part[k - kg/2]. The pointwise step reads kg/2 partial
+//      slices instead of kg (the sum's order: bias + (p0 + p2) + (p1 + p3)
+//      for kg = 4, not bias + p0 + p1 + p2 + p3; float32 either way).
+//   c. staging: where kThreads is a multiple of the 16-byte chunks of an
+//      hs row (K a power of two: every 4x512 and 8x256 layer), each thread
+//      copies one fixed column chunk of every (kThreads / chunks)-th row,
+//      from a source pointer fixed for the step: no per-copy index walk or
+//      branch.
+//   d. wait: lane i of warp 0 polls flags[l][i] and flags[l-1][i] in the
+//      same round (both acquire loads in flight), not all of its own
+//      layer's flags first: one L2 round trip where both are set.
+//   e. split wait (layers above 0 where every warp copies only the layer
+//      below's h or only its own: fixed staging with (K/8)/2 a multiple of
+//      32, e.g. 4x512 layers 1-3): no CTA barrier at the wait. Warp 0 (a
+//      below warp) polls the layer below's flags (set a wavefront step
+//      earlier, usually already), releases the other below warps through
+//      named barrier 3 (kThreads/2 threads), issues its copies, then polls
+//      its own layer's flags and releases the own warps through named
+//      barrier 4 (32 + kThreads/2): the layer below's half of K is in
+//      flight while the own layer's flags are awaited. Acquire by warp 0,
+//      __syncwarp, bar.arrive -> bar.sync: the same causality chain as
+//      variant 0's acquire + __syncthreads.
+// Trace point 3 is after the second half's products.
 // Layer 0 reads its slice of xproj[t] from `xs`, two [B][G][U] buffers
 // that step t-1 filled by cp.async behind its own loads.
 // Every layer has a whole [T, B, H] sequence buffer, so no step overwrites
@@ -92,6 +130,8 @@ constexpr int kModeScFence = 4;  // __threadfence (fence.sc) before publishing
 constexpr int kModeNoStage = 8;  // never load h into shared memory
 constexpr int kModeNoPointwise = 16;  // skip the pointwise step (no outputs)
 
+constexpr int kVariants = 2;  // Args::variant in [0, kVariants)
+
 struct LayerPlan {
   int ctas;        // CTAs of this layer
   int mg, kg, ng;  // warp grid (mg * kg * ng == kWarps)
@@ -108,6 +148,7 @@ struct Args {
   int gru;  // 0: LSTM (gates i, f, c, o), 1: GRU (r, z, n), cuDNN's order
   int L, H, B, T;
   int mode;
+  int variant;  // 0: the step above; 1: variant 1 (opt-in, see above)
   const void* xproj;   // [T][B][G*H]: x W_ih^T of layer 0, no bias
   const void* params;  // rnnfuse's canonical flat buffer (see host)
   const void* h0;      // [L][B][H]

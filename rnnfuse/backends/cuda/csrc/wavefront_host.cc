@@ -19,6 +19,8 @@
 //   rnnfuse_wf_device_limits    SM count, shared-memory limit, compute capability
 //   rnnfuse_wf_forward(...)     one forward pass on a stream
 //   rnnfuse_wf_forward_saving   the same, also saving gates and c (training)
+//   rnnfuse_wf_forward_variant  the same, with the forward step's variant
+//                               (wavefront.cuh: 0, or the opt-in 1)
 //   rnnfuse_wf_backward_plan    can the backward run one LSTM layer? (no GPU)
 //   rnnfuse_wf_backward(...)    the backward recurrence of one LSTM layer
 //   rnnfuse_wf_backward_stack_plan  can the reverse-wavefront backward run the
@@ -140,12 +142,14 @@ std::string DriverError(Driver* d, const char* what, CUresult r) {
 struct Kernels {
   CUmodule module = nullptr;
   CUfunction f16 = nullptr, bf16 = nullptr;
+  CUfunction f16_v1 = nullptr, bf16_v1 = nullptr;  // the forward's variant 1
   CUfunction bwd_f16 = nullptr, bwd_bf16 = nullptr;
   CUfunction bwds_f16 = nullptr, bwds_bf16 = nullptr;
   // The stack backward's variants 1 and 2 (wavefront.cuh, "Variants").
   CUfunction bwds_v_f16[2] = {nullptr, nullptr}, bwds_v_bf16[2] = {nullptr, nullptr};
   int configured_bwds_v_smem[2] = {0, 0};
   int configured_smem = 0, configured_bwd_smem = 0, configured_bwds_smem = 0;
+  int configured_v1_smem = 0;
 };
 
 std::mutex g_mu;
@@ -159,6 +163,8 @@ int GetKernels(Driver* d, CUcontext ctx, Kernels** out) {
     RF_CHECK_CU(d, d->cuModuleLoadData_(&k.module, rnnfuse_wf_cubin_start));
     RF_CHECK_CU(d, d->cuModuleGetFunction_(&k.f16, k.module, "rnnfuse_wf_forward_f16"));
     RF_CHECK_CU(d, d->cuModuleGetFunction_(&k.bf16, k.module, "rnnfuse_wf_forward_bf16"));
+    RF_CHECK_CU(d, d->cuModuleGetFunction_(&k.f16_v1, k.module, "rnnfuse_wf_forward_v1_f16"));
+    RF_CHECK_CU(d, d->cuModuleGetFunction_(&k.bf16_v1, k.module, "rnnfuse_wf_forward_v1_bf16"));
     RF_CHECK_CU(d, d->cuModuleGetFunction_(&k.bwd_f16, k.module, "rnnfuse_wf_backward_f16"));
     RF_CHECK_CU(d, d->cuModuleGetFunction_(&k.bwd_bf16, k.module, "rnnfuse_wf_backward_bf16"));
     RF_CHECK_CU(d, d->cuModuleGetFunction_(&k.bwds_f16, k.module,
@@ -392,13 +398,18 @@ __attribute__((visibility("default"))) int rnnfuse_wf_device_limits(int ordinal,
 // pointers laid out as wavefront.cuh's Args says; `lengths` may be null
 // (every sequence `steps` long); `cy`/`c0` are ignored for a GRU;
 // `workspace` holds rnnfuse_wf_workspace_bytes. mode: 0 (wavefront.cuh has
-// the debug modes). trace: null, or 2 * trace_steps * kTraceSlots uint64
+// the debug modes). variant: the forward step's variant (wavefront.cuh; 0
+// is the default step, 1 the opt-in rescheduled one: same results up to
+// float32 rounding). trace: null, or 2 * trace_steps * kTraceSlots uint64
 // for the timeline (wavefront.cuh).
-__attribute__((visibility("default"))) int rnnfuse_wf_forward_saving(
+__attribute__((visibility("default"))) int rnnfuse_wf_forward_variant(
     void* stream, int dtype, int gru, int num_layers, int units, int batch, int steps,
     int input_size, const void* xproj, const void* params, const void* h0, const void* c0,
-    const int* lengths, void* y, void* hy, void* cy, void* workspace, int mode,
+    const int* lengths, void* y, void* hy, void* cy, void* workspace, int mode, int variant,
     unsigned long long* trace, int trace_steps, float* gates_out, float* c_out) {
+  if (variant < 0 || variant >= rnnfuse_wf::kVariants)
+    return Fail("variant must be 0 or 1 (the forward step's variants), not " +
+                std::to_string(variant));
   Driver* d = GetDriver();
   if (!d->ok) return Fail(d->why);
   if (dtype != 0 && dtype != 1) return Fail("dtype must be 0 (float16) or 1 (bfloat16)");
@@ -412,6 +423,7 @@ __attribute__((visibility("default"))) int rnnfuse_wf_forward_saving(
                 &smem))
     return -1;
   args.mode = mode;
+  args.variant = variant;
   args.trace = trace;
   args.trace_steps = trace ? trace_steps : 0;
   args.xproj = xproj;
@@ -429,10 +441,25 @@ __attribute__((visibility("default"))) int rnnfuse_wf_forward_saving(
 
   Kernels* k = nullptr;
   if (GetKernels(d, sc.ctx, &k) != 0) return -1;
-  if (ConfigureSmem(d, k->f16, k->bf16, smem, &k->configured_smem) != 0) return -1;
-  return LaunchCooperative(d, dtype == 0 ? k->f16 : k->bf16, s, sc.sms,
-                           args.cta_start[num_layers], smem, &args, workspace,
-                           FlagBytes(num_layers) / 4);
+  CUfunction f16 = variant == 1 ? k->f16_v1 : k->f16;
+  CUfunction bf16 = variant == 1 ? k->bf16_v1 : k->bf16;
+  int* configured = variant == 1 ? &k->configured_v1_smem : &k->configured_smem;
+  if (ConfigureSmem(d, f16, bf16, smem, configured) != 0) return -1;
+  return LaunchCooperative(d, dtype == 0 ? f16 : bf16, s, sc.sms, args.cta_start[num_layers],
+                           smem, &args, workspace, FlagBytes(num_layers) / 4);
+}
+
+// One forward pass with the default step (variant 0), saving what the
+// backward reads where `gates_out` and `c_out` are not null (the TensorFlow
+// op's entry point).
+__attribute__((visibility("default"))) int rnnfuse_wf_forward_saving(
+    void* stream, int dtype, int gru, int num_layers, int units, int batch, int steps,
+    int input_size, const void* xproj, const void* params, const void* h0, const void* c0,
+    const int* lengths, void* y, void* hy, void* cy, void* workspace, int mode,
+    unsigned long long* trace, int trace_steps, float* gates_out, float* c_out) {
+  return rnnfuse_wf_forward_variant(stream, dtype, gru, num_layers, units, batch, steps,
+                                    input_size, xproj, params, h0, c0, lengths, y, hy, cy,
+                                    workspace, mode, 0, trace, trace_steps, gates_out, c_out);
 }
 
 // One forward pass (inference): rnnfuse_wf_forward_saving saving nothing.
