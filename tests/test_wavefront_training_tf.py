@@ -27,6 +27,7 @@ import pytest
 import tensorflow as tf
 
 from rnnfuse.backends.base import StackSpec
+from rnnfuse.backends.cuda import library
 from rnnfuse.backends.tensorflow import wavefront_op, wavefront_training as wt
 
 TF_KERNELS = dict(saving=wt.reference_forward_saving, recurrence=wt.recurrence_reference)
@@ -471,9 +472,12 @@ def test_the_stack_kernels_wrapper_passes_the_ops_inputs(monkeypatch):
 
     monkeypatch.setattr(wt, "_op", lambda: Op)
     wt.backward_stack_wavefront(params, x, h0, c0, lengths, y, saved, None, None, None)
-    wt.backward_stack_kernel(params, 5, saved[1], saved[2], c0, y, h0, c0, None, check=True)
+    wt.backward_stack_kernel(params, 5, saved[1], saved[2], c0, y, h0, c0, None, check=True,
+                             variant=2)
     (first, second) = seen
+    assert second["kernel_variant"] == 2
     assert first["input_size"] == 5 and first["check"] is False
+    assert first["kernel_variant"] == library.STACK_BACKWARD_VARIANT
     _close(first["params"], params, 0, 0)
     _close(first["gates"], saved[1], 0, 0)
     _close(first["cseq"], saved[2], 0, 0)

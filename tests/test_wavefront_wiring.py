@@ -55,10 +55,10 @@ class FakeWavefrontOp:
         self.calls, self.asked = [], []
 
     def rnnfuse_wavefront(self, *, xproj, params, input_h, input_c, sequence_lengths,
-                          rnn_mode, input_size):
+                          rnn_mode, input_size, kernel_variant):
         steps, batch, gh = (int(d) for d in xproj.shape)
         self.calls.append(dict(mode=rnn_mode, steps=steps, batch=batch,
-                               lengths=int(sequence_lengths.shape[0])))
+                               lengths=int(sequence_lengths.shape[0]), variant=kernel_variant))
         # x W_ih0^T arrives projected: layer 0's input matrix is the identity.
         eye = tf.reshape(tf.eye(gh, dtype=xproj.dtype), [-1])
         params = tf.concat([eye, params[gh * input_size:]], axis=0)
@@ -142,6 +142,8 @@ def test_an_inference_call_runs_the_wavefront_op(fake_wavefront, half, kind, mas
     assert layer.last_path.kernel.note is None
     assert len(fake_wavefront.calls) == 1 and fake_wavefront.calls[0]["mode"] == kind
     assert fake_wavefront.calls[0]["lengths"] == (4 if masked else 0)
+    from rnnfuse.backends.cuda import library
+    assert fake_wavefront.calls[0]["variant"] == library.FORWARD_VARIANT
     layer.set_plan(FUSED)
     want = layer(x, mask=mask, training=False)
     assert layer.last_path.kernel.name == "CudnnRNNV3" and len(fake_wavefront.calls) == 1

@@ -11,6 +11,7 @@
 #   STAGE_S_tf_view=300 bash tools/gpu/batch.sh tf-view tf-single
 #   bash tools/gpu/batch.sh torch-tests torch-ddp torch-view
 #   bash tools/gpu/batch.sh wavefront-check torch-tests
+#   bash tools/gpu/batch.sh wavefront-variants   # the kernels' opt-in variants
 #
 # The tf-* stages need the staging runs of ../shared/gpu/README.md first
 # (tf-setup is a no-op on a machine that already has /tmp/tfsite).
@@ -120,6 +121,21 @@ run_stage() {
       cp $LOGS/wavefront_matrix_h200.json $OUT/ 2>/dev/null
       echo "[$(since) s] wavefront-bench rc $rc"
       tail -25 $log | cut -c1-300 ;;
+    wavefront-variants)
+      # The kernels' opt-in variants against variant 0, one process each:
+      # the forward's variant 1 (exactness against float64, cuDNN and
+      # variant 0; then the headline timed interleaved with variant 0) and
+      # the stack backward's variants 1 and 2 (gradients; the training step
+      # of each variant timed interleaved).
+      s=$(limit wavefront-variants 240)
+      ( torch_env; timeout $s bash -c "python3 bench/bench_wavefront.py check --fixed 4 --random 6 --variant 1 --out $LOGS/wavefront_check_v1_h200.json; \
+          python3 bench/bench_wavefront.py bench --cells headline --variants 0,1 --reps 20 --kernel-only --out $LOGS/wavefront_bench_v01_h200.json; \
+          python3 bench/bench_wavefront.py grad --random 4 --backward stack --variant 1 --out $LOGS/wavefront_grad_stack_v1_h200.json; \
+          python3 bench/bench_wavefront.py grad --random 2 --backward stack --variant 2 --out $LOGS/wavefront_grad_stack_v2_h200.json; \
+          python3 bench/bench_wavefront.py train --cells 2 --backward stack --variants 0,1,2 --out $LOGS/wavefront_train_variants_h200.json" ) > $log 2>&1; rc=$?
+      cp $LOGS/wavefront_bench_v01_h200.json $LOGS/wavefront_train_variants_h200.json $OUT/ 2>/dev/null
+      echo "[$(since) s] wavefront-variants rc $rc"
+      grep -E "ok|FAIL|fail|ms|ratio|Error|refused" $log | grep -v Warning | cut -c1-260 | tail -45 ;;
     *) echo "unknown stage $stage"; return 2 ;;
   esac
 }

@@ -36,7 +36,8 @@ import threading
 from pathlib import Path
 from typing import Callable
 
-__all__ = ["BACKWARDS", "DTYPES", "H200", "KINDS", "STACK_TIMEOUT_WORD", "BackwardChoice",
+__all__ = ["BACKWARDS", "DTYPES", "FORWARD_VARIANT", "H200", "KINDS", "STACK_BACKWARD_VARIANT",
+           "STACK_TIMEOUT_WORD", "BackwardChoice",
            "WavefrontError", "WavefrontLibrary", "backward_reason", "backward_stack_reason",
            "check_backward", "choose_backward", "device_reason", "load", "stack_reason"]
 
@@ -252,6 +253,14 @@ class WavefrontLibrary:
         if rc != 0:
             raise WavefrontError(self._error())
 
+
+# The kernels' variants the bindings run unless a caller asks for another
+# (wavefront.cuh, "Variants"; the forward's 0 or 1, the stack backward's 0,
+# 1 or 2, which its plan steps down from where shared memory does not fit).
+# A variant becomes a default here only once the H200 has shown it exact and
+# faster at the headline and on the checked shapes (docs/kernel.md).
+FORWARD_VARIANT = 0
+STACK_BACKWARD_VARIANT = 0
 
 # The stack backward's workspace: kMaxLayers (8) x kFlagStride (256) flags,
 # then the word a timed-out wait sets (index in 32-bit words).

@@ -183,6 +183,7 @@ def run_stack(
         sequence_lengths=wavefront_training.lengths_input(lengths),
         rnn_mode=stack.kind,
         input_size=int(x.shape[-1]),
+        kernel_variant=wavefront_training.kernel_variants().FORWARD_VARIANT,
     )
     return StackRun(tf.transpose(outputs, [1, 0, 2]), h, (c if lstm else None),
                     KernelRun(KERNEL_NAME))

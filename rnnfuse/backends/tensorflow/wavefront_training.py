@@ -58,6 +58,15 @@ __all__ = ["backward_choice", "backward_layer", "backward_stack", "backward_stac
            "trainable_forward"]
 
 
+def kernel_variants():
+    """The module naming the kernels' default variants
+    (`rnnfuse.backends.cuda.library`: FORWARD_VARIANT,
+    STACK_BACKWARD_VARIANT), which the ops are given as attributes."""
+    from rnnfuse.backends.cuda import library
+
+    return library
+
+
 def _op():
     """The loaded wavefront op module (NotImplementedError naming why not)."""
     from rnnfuse.backends.tensorflow import op_build
@@ -137,7 +146,8 @@ def forward_saving(x: tf.Tensor, params: tf.Tensor, h0: tf.Tensor, c0: tf.Tensor
     xproj = input_projection(x, params, 4 * units)
     y, hy, cy, hseq, gates, cseq = _op().rnnfuse_wavefront_saving(
         xproj=xproj, params=params, input_h=h0, input_c=c0,
-        sequence_lengths=lengths_input(lengths), input_size=input_size)
+        sequence_lengths=lengths_input(lengths), input_size=input_size,
+        kernel_variant=kernel_variants().FORWARD_VARIANT)
     return y, hy, cy, (hseq, gates, cseq)
 
 
@@ -158,7 +168,7 @@ def backward_layer(w_hh, gates, cseq, c0, dy, dhy, dcy, lengths):
 
 
 def backward_stack_kernel(params, input_size, gates, cseq, c0, dy, dhy, dcy, lengths, *,
-                          check: bool = False):
+                          check: bool = False, variant: int | None = None):
     """Every layer's backward recurrence of an LSTM stack on the reverse-
     wavefront kernel, in ONE launch (`RnnfuseWavefrontBackwardStack`).
 
@@ -170,8 +180,9 @@ def backward_stack_kernel(params, input_size, gates, cseq, c0, dy, dhy, dcy, len
     in the element type, 0 at t >= length; dh0, dc0 [L, B, H] float32).
     The layers below the top get their dy = dgates^{l+1} W_ih^{l+1} inside
     the kernel. `check`: the op waits for the kernel and fails if one of
-    its waits timed out (a bug). `stack_recurrence_reference` is the same
-    in TensorFlow.
+    its waits timed out (a bug). `variant`: the kernel's variant (None: the
+    library's `STACK_BACKWARD_VARIANT`; wavefront.cuh, "Variants").
+    `stack_recurrence_reference` is the same in TensorFlow.
 
     Raises:
         NotImplementedError: the op is not loaded.
@@ -180,7 +191,8 @@ def backward_stack_kernel(params, input_size, gates, cseq, c0, dy, dhy, dcy, len
     """
     dgates, dh0, dc0 = _op().rnnfuse_wavefront_backward_stack(
         params=params, gates=gates, cseq=cseq, c0=c0, dy=dy, dhy=dhy, dcy=dcy,
-        sequence_lengths=lengths_input(lengths), input_size=int(input_size), check=check)
+        sequence_lengths=lengths_input(lengths), input_size=int(input_size), check=check,
+        kernel_variant=kernel_variants().STACK_BACKWARD_VARIANT if variant is None else int(variant))
     return dgates, dh0, dc0
 
 

@@ -199,9 +199,12 @@ def _input_projection(x: torch.Tensor, params: torch.Tensor, gh: int) -> torch.T
 
 
 def forward(x: torch.Tensor, params: torch.Tensor, h0: torch.Tensor, c0: torch.Tensor | None,
-            lengths: torch.Tensor | None, *, kind: str, variant: int = 0):
+            lengths: torch.Tensor | None, *, kind: str, variant: int | None = None):
     """The whole stack's forward pass (see the module docstring); `variant`:
-    the forward step's variant (wavefront.cuh; 0 the default, 1 opt-in)."""
+    the forward step's variant (wavefront.cuh; None: the library's
+    `FORWARD_VARIANT`)."""
+    if variant is None:
+        variant = _library().FORWARD_VARIANT
     input_size, units = x.shape[2], h0.shape[2]
     xproj = _input_projection(x, params, _GATES[kind] * units)
     if lengths is None:
@@ -244,7 +247,7 @@ def forward_training(x: torch.Tensor, params: torch.Tensor, h0: torch.Tensor, c0
     cseq = torch.empty((num_layers, steps, batch, units), dtype=torch.float32, device=x.device)
     forward_into(xproj.contiguous(), params.contiguous(), h0.contiguous(), c0.contiguous(),
                  lengths, y, hy, cy, workspace, kind="lstm", input_size=input_size,
-                 gates_out=gates, c_out=cseq)
+                 gates_out=gates, c_out=cseq, variant=library.FORWARD_VARIANT)
     # The workspace is the flags, then the sequences of the layers below the top.
     seq_bytes = (num_layers - 1) * steps * batch * units * x.element_size()
     hseq = workspace[nbytes - seq_bytes:].view(x.dtype).view(num_layers - 1, steps, batch, units)
@@ -430,7 +433,7 @@ def _weight_gradients(dgates, l, x, h0, y, hseq):
 
 
 def backward_stack_kernel(params, input_size, gates, cseq, c0, dy, dhy, dcy, lengths, *,
-                          check: bool = False, variant: int = 0):
+                          check: bool = False, variant: int | None = None):
     """Every layer's backward recurrence of an LSTM stack on the reverse-
     wavefront kernel, in ONE launch (wavefront.cuh, "The stack backward").
 
@@ -443,12 +446,15 @@ def backward_stack_kernel(params, input_size, gates, cseq, c0, dy, dhy, dcy, len
     The layers below the top get their dy = dgates^{l+1} W_ih^{l+1} inside
     the kernel (float32, handed from layer to layer in the workspace).
     `check`: synchronise and raise `library.WavefrontError` if a wait in
-    the kernel timed out (a bug). `variant`: the kernel variant (0 the
-    default; 1, 2 the opt-in pipelined ones, wavefront.cuh "Variants"; the
-    plan falls back to a simpler one where the asked one does not fit).
-    `stack_recurrence_reference` is the same in torch.
+    the kernel timed out (a bug). `variant`: the kernel variant (None: the
+    library's `STACK_BACKWARD_VARIANT`; 0; 1, 2 the pipelined ones,
+    wavefront.cuh "Variants"; the plan falls back to a simpler one where the
+    asked one does not fit). `stack_recurrence_reference` is the same in
+    torch.
     """
     library = _library()
+    if variant is None:
+        variant = library.STACK_BACKWARD_VARIANT
     num_layers, steps, batch, units = cseq.shape
     dgates = dy.new_empty((num_layers, steps, batch, 4 * units))
     dh0 = torch.empty((num_layers, batch, units), dtype=torch.float32, device=dy.device)

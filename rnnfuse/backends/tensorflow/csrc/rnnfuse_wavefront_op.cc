@@ -43,12 +43,12 @@ extern "C" {
 const char* rnnfuse_wf_last_error();
 size_t rnnfuse_wf_workspace_bytes(int num_layers, int units, int batch, int steps,
                                   int elem_bytes);
-int rnnfuse_wf_forward_saving(void* stream, int dtype, int gru, int num_layers, int units,
-                              int batch, int steps, int input_size, const void* xproj,
-                              const void* params, const void* h0, const void* c0,
-                              const int* lengths, void* y, void* hy, void* cy, void* workspace,
-                              int mode, unsigned long long* trace, int trace_steps,
-                              float* gates_out, float* c_out);
+int rnnfuse_wf_forward_variant(void* stream, int dtype, int gru, int num_layers, int units,
+                               int batch, int steps, int input_size, const void* xproj,
+                               const void* params, const void* h0, const void* c0,
+                               const int* lengths, void* y, void* hy, void* cy, void* workspace,
+                               int mode, int variant, unsigned long long* trace, int trace_steps,
+                               float* gates_out, float* c_out);
 size_t rnnfuse_wf_backward_workspace_bytes();
 int rnnfuse_wf_backward(void* stream, int dtype, int units, int batch, int steps,
                         const void* w_hh, const float* gates, const float* cseq, const void* c0,
@@ -60,7 +60,7 @@ int rnnfuse_wf_backward_stack(void* stream, int dtype, int num_layers, int units
                               int steps, int input_size, const void* params, const float* gates,
                               const float* cseq, const void* c0, const void* dy, const void* dhy,
                               const void* dcy, const int* lengths, void* dgates, float* dh0,
-                              float* dc0, void* workspace);
+                              float* dc0, void* workspace, int variant);
 }
 
 namespace rnnfuse {
@@ -113,6 +113,7 @@ class RnnfuseWavefrontOp : public OpKernel {
       gru_ = mode == "gru";
     }
     OP_REQUIRES_OK(ctx, ctx->GetAttr("input_size", &input_size_));
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("kernel_variant", &variant_));
   }
 
   void Compute(OpKernelContext* ctx) override { OP_REQUIRES_OK(ctx, DoCompute(ctx)); }
@@ -176,10 +177,10 @@ class RnnfuseWavefrontOp : public OpKernel {
     Tensor dev_lengths;
     const int* lengths_ptr = nullptr;
     TF_RETURN_IF_ERROR(DeviceLengths(ctx, stream, lengths, batch, &dev_lengths, &lengths_ptr));
-    const int rc = rnnfuse_wf_forward_saving(
+    const int rc = rnnfuse_wf_forward_variant(
         stream, WavefrontDtype<T>::value, gru_ ? 1 : 0, layers, units, batch, steps, input_size_,
         Ptr(xproj), Ptr(params), Ptr(h0), gru_ ? nullptr : Ptr(c0), lengths_ptr, Mut(y), Mut(hy),
-        gru_ ? nullptr : Mut(cy), Mut(&workspace), 0, nullptr, 0,
+        gru_ ? nullptr : Mut(cy), Mut(&workspace), 0, variant_, nullptr, 0,
         kSave ? reinterpret_cast<float*>(Mut(gates_out)) : nullptr,
         kSave ? reinterpret_cast<float*>(Mut(c_out)) : nullptr);
     if (rc != 0) return errors::Unimplemented("rnnfuse wavefront: ", rnnfuse_wf_last_error());
@@ -188,6 +189,7 @@ class RnnfuseWavefrontOp : public OpKernel {
 
   bool gru_ = false;
   int input_size_ = 0;
+  int variant_ = 0;  // the forward step's variant (wavefront.cuh)
 };
 
 // The backward recurrence of one LSTM layer (rnnfuse_wf_backward): dgates
@@ -282,6 +284,7 @@ class RnnfuseWavefrontBackwardStackOp : public OpKernel {
   explicit RnnfuseWavefrontBackwardStackOp(OpKernelConstruction* ctx) : OpKernel(ctx) {
     OP_REQUIRES_OK(ctx, ctx->GetAttr("input_size", &input_size_));
     OP_REQUIRES_OK(ctx, ctx->GetAttr("check", &check_));
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("kernel_variant", &variant_));
   }
 
   void Compute(OpKernelContext* ctx) override { OP_REQUIRES_OK(ctx, DoCompute(ctx)); }
@@ -351,7 +354,7 @@ class RnnfuseWavefrontBackwardStackOp : public OpKernel {
         static_cast<const float*>(Ptr(gates)), static_cast<const float*>(Ptr(cseq)), Ptr(c0),
         Ptr(dy), Ptr(dhy), Ptr(dcy), lengths_ptr, Mut(dgates),
         reinterpret_cast<float*>(Mut(dh0)), reinterpret_cast<float*>(Mut(dc0)),
-        Mut(&workspace));
+        Mut(&workspace), variant_);
     if (rc != 0)
       return errors::Unimplemented("rnnfuse wavefront stack backward: ",
                                    rnnfuse_wf_last_error());
@@ -378,6 +381,7 @@ class RnnfuseWavefrontBackwardStackOp : public OpKernel {
 
   int input_size_ = 0;
   bool check_ = false;
+  int variant_ = 0;  // the stack kernel's variant (wavefront.cuh, "Variants")
 };
 
 REGISTER_OP("RnnfuseWavefront")
@@ -392,6 +396,7 @@ REGISTER_OP("RnnfuseWavefront")
     .Attr("T: {half, bfloat16}")
     .Attr("rnn_mode: {'lstm', 'gru'} = 'lstm'")
     .Attr("input_size: int >= 1")
+    .Attr("kernel_variant: int >= 0 = 0")
     .SetShapeFn([](shape_inference::InferenceContext* c) {
       shape_inference::ShapeHandle x, h;
       TF_RETURN_IF_ERROR(c->WithRank(c->input(0), 3, &x));
@@ -418,6 +423,7 @@ REGISTER_OP("RnnfuseWavefrontSaving")
     .Output("cseq: float")
     .Attr("T: {half, bfloat16}")
     .Attr("input_size: int >= 1")
+    .Attr("kernel_variant: int >= 0 = 0")
     .SetShapeFn([](shape_inference::InferenceContext* c) {
       shape_inference::ShapeHandle x, h;
       TF_RETURN_IF_ERROR(c->WithRank(c->input(0), 3, &x));
@@ -474,6 +480,7 @@ REGISTER_OP("RnnfuseWavefrontBackwardStack")
     .Attr("T: {half, bfloat16}")
     .Attr("input_size: int >= 1")
     .Attr("check: bool = false")
+    .Attr("kernel_variant: int >= 0 = 0")
     .SetShapeFn([](shape_inference::InferenceContext* c) {
       shape_inference::ShapeHandle g, s;
       TF_RETURN_IF_ERROR(c->WithRank(c->input(1), 4, &g));
