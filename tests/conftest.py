@@ -51,6 +51,16 @@ from markers_by_directory import backend_markers  # noqa: E402
 from markers_slow import slow_reason  # noqa: E402
 
 
+def pytest_addoption(parser):
+    parser.addoption(
+        "--kernel-variants", default=None, metavar="F,B",
+        help="run rnnfuse's wavefront kernels with forward variant F and stack-backward "
+             "variant B as the bindings' defaults (library.FORWARD_VARIANT, "
+             "STACK_BACKWARD_VARIANT) for the whole session: the GPU tests of a variant "
+             "before it becomes the default (tests/gpu/conftest.py)",
+    )
+
+
 def pytest_collection_modifyitems(config, items):
     here = os.path.dirname(os.path.abspath(__file__))
     for item in items:

@@ -49,6 +49,31 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
+@pytest.fixture(autouse=True, scope="session")
+def _kernel_variants(request):
+    """`--kernel-variants F,B`: the wavefront kernels' default variants for
+    the session (tests/conftest.py), e.g. `--kernel-variants 1,1`."""
+    value = request.config.getoption("--kernel-variants")
+    if value is None:
+        yield
+        return
+    from rnnfuse.backends.cuda import library
+
+    try:
+        forward, backward = (int(v) for v in value.split(","))
+    except ValueError:
+        raise pytest.UsageError(
+            f"--kernel-variants: expected two integers F,B (e.g. 1,1); received {value!r}"
+        ) from None
+    saved = library.FORWARD_VARIANT, library.STACK_BACKWARD_VARIANT
+    library.FORWARD_VARIANT, library.STACK_BACKWARD_VARIANT = forward, backward
+    print(f"GPU_REPORT kernel variants: forward {forward}, stack backward {backward}")
+    try:
+        yield
+    finally:
+        library.FORWARD_VARIANT, library.STACK_BACKWARD_VARIANT = saved
+
+
 @pytest.fixture(autouse=True)
 def _dryrun_emulation(monkeypatch):
     if DRYRUN and keras.backend.backend() == "tensorflow":

@@ -47,7 +47,9 @@ torch_env() {
 
 # TF_TESTS: the TensorFlow GPU test files to run (default: all of them).
 TF_TEST_FILES=${TF_TESTS:-$(ls tests/gpu/test_gpu_*.py | grep -v -E "torch|jax|distribute" | tr '\n' ' ')}
-TORCH_TEST_FILES="tests/gpu/test_gpu_torch.py tests/gpu/test_gpu_wavefront_torch.py"
+# TORCH_TESTS: the torch GPU test files (default: both). TESTS_ARGS: more
+# pytest arguments of tf-tests and torch-tests (e.g. --kernel-variants 1,1).
+TORCH_TEST_FILES=${TORCH_TESTS:-tests/gpu/test_gpu_torch.py tests/gpu/test_gpu_wavefront_torch.py}
 
 run_stage() {
   local stage=$1 log=$LOGS/$1.log rc
@@ -63,7 +65,7 @@ run_stage() {
       echo "[$(since) s] tf-build rc $rc: $(tail -3 $log | tr '\n' ' ')" ;;
     tf-tests)
       s=$(limit tf-tests 330)
-      ( tf_env; timeout $s python3 -m pytest -q -p no:cacheprovider -rs $TF_TEST_FILES \
+      ( tf_env; timeout $s python3 -m pytest -q -p no:cacheprovider -rs $TF_TEST_FILES ${TESTS_ARGS} \
           --junitxml=$LOGS/tf_tests.xml ) > $log 2>&1; rc=$?
       echo "[$(since) s] tf-tests rc $rc"
       summary tf-tests "passed|failed|^FAILED|^ERROR" 40 ;;
@@ -94,7 +96,7 @@ run_stage() {
       s=$(limit torch-tests 200)
       # TORCH_TESTS_K: a pytest -k expression (e.g. to leave a kernel path
       # that has never run to its own process: a fault ends the process).
-      ( torch_env; timeout $s python3 -m pytest -q -p no:cacheprovider -s -rs $TORCH_TEST_FILES \
+      ( torch_env; timeout $s python3 -m pytest -q -p no:cacheprovider -s -rs $TORCH_TEST_FILES ${TESTS_ARGS} \
           ${TORCH_TESTS_K:+-k "$TORCH_TESTS_K"} ) > $log 2>&1; rc=$?
       echo "[$(since) s] torch-tests rc $rc"
       summary torch-tests "GPU_REPORT|passed|failed|^FAILED|^ERROR" 30 ;;
