@@ -10,8 +10,18 @@ tuner's own functions (`_first_calls`, `interleaved_medians`,
 `GradientCheck`), so the figures are those of a real first-batch tuning;
 `--profile` adds cProfile's top functions by cumulative time.
 
+`--emulate` (a machine without a GPU, TensorFlow): the tuner times the GPU's
+candidate set on the CPU, as the tests do (tests/conftest.py's `emulated_op`):
+rnnfuse's cuDNN op is replaced by a few differentiable ops of its output
+shapes (one op on the GPU: a trace of the reference's Python loop over
+the steps would be nothing like it), CudnnRNNV3 by the reference of
+tests/cudnn_reference.py, and the device is named a GPU. Host seconds only (traces,
+graph set-up, tuning's own Python), which is what TensorFlow's tuning cost
+is made of on the H200; the timings and choices mean nothing.
+
     python bench/diag_tuning_cost.py --cells 15,A1 --out $OUT/tuning_cost.json
     python bench/diag_tuning_cost.py --quick --out /tmp/t.json   # tiny, any machine
+    python bench/diag_tuning_cost.py --quick --emulate --cells 3 --out /tmp/t.json
     python bench/diag_tuning_cost.py --table bench/results/tuning_cost_tf_h200_s6.json
 """
 
@@ -39,30 +49,63 @@ from rnnfuse.tuning import tuner  # noqa: E402
 
 
 class Recorder:
-    """Wraps the tuner's phases for one `with` block and keeps their times."""
+    """Wraps the tuner's phases for one `with` block and keeps their times.
+
+    Per candidate: its first call's seconds (`first_call_s`) and, under
+    TensorFlow, the part of it spent running the step's Python body while
+    tracing (`trace_s`; a shared step's trace is its first candidate's).
+    Phases: building the steps (`build_s`: the fused pieces, the
+    tf.functions), the first calls (traces included), the timed calls and
+    the gradient check; `traces` counts the step traces."""
 
     def __init__(self):
         self.candidates: dict[str, dict] = {}
-        self.phases = {"first_calls_s": 0.0, "timing_s": 0.0, "gradient_check_s": 0.0}
+        self.phases = {"build_s": 0.0, "first_calls_s": 0.0, "timing_s": 0.0,
+                       "gradient_check_s": 0.0, "trace_s": 0.0, "traces": 0}
         self.gradient_checks = []
 
     def __enter__(self):
-        self._saved = (tuner._first_calls, tuner.interleaved_medians, tuner.GradientCheck.__call__)
-        first_calls, medians, check = self._saved
+        self._saved = (tuner._steps, tuner._first_calls, tuner.interleaved_medians,
+                       tuner.GradientCheck.__call__)
+        steps_of, first_calls, medians, check = self._saved
         rec = self
+        body = None
+        if keras.backend.backend() == "tensorflow":
+            from rnnfuse.backends import tensorflow as tf_backend
 
-        def timed_first_calls(steps, plans):
+            body = tf_backend._step_body
+
+            def traced_body(*args, **kwargs):
+                start = time.perf_counter()
+                try:
+                    return body(*args, **kwargs)
+                finally:
+                    rec._traced += time.perf_counter() - start
+                    rec.phases["traces"] += 1
+
+            tf_backend._step_body = traced_body
+        self._body, self._traced = body, 0.0
+
+        def timed_steps(*args, **kwargs):
             start = time.perf_counter()
-            for name, step in steps.items():
+            try:
+                return steps_of(*args, **kwargs)
+            finally:
+                rec.phases["build_s"] += time.perf_counter() - start
+
+        def timed_first_calls(steps, plans, seconds=None):
+            start = time.perf_counter()
+            out = {}
+            for name, step in steps.items():  # one at a time, as tuning runs them
                 row = rec.candidates.setdefault(name, {})
-                concrete = getattr(step, "get_concrete_function", None)
-                if concrete is not None:
-                    t = time.perf_counter()
-                    concrete()
-                    row["trace_s"] = time.perf_counter() - t
-            out = first_calls(steps, plans)  # each step's first call, as tuning runs it
+                traced, t = rec._traced, time.perf_counter()
+                kept, refused = first_calls({name: step}, plans, seconds)
+                row["first_call_s"] = time.perf_counter() - t
+                row["trace_s"] = rec._traced - traced
+                out.setdefault("kept", {}).update(kept)
+                out.setdefault("refused", {}).update(refused)
             rec.phases["first_calls_s"] += time.perf_counter() - start
-            return out
+            return out.get("kept", {}), out.get("refused", {})
 
         def timed_medians(steps, **kwargs):
             start = time.perf_counter()
@@ -82,13 +125,58 @@ class Recorder:
                 rec.phases["gradient_check_s"] += seconds
                 rec.gradient_checks.append(dict(plan=plan.name, seconds=seconds))
 
-        tuner._first_calls, tuner.interleaved_medians = timed_first_calls, timed_medians
-        tuner.GradientCheck.__call__ = timed_check
+        tuner._steps, tuner._first_calls = timed_steps, timed_first_calls
+        tuner.interleaved_medians, tuner.GradientCheck.__call__ = timed_medians, timed_check
         return self
 
     def __exit__(self, *exc):
-        tuner._first_calls, tuner.interleaved_medians, tuner.GradientCheck.__call__ = self._saved
+        (tuner._steps, tuner._first_calls, tuner.interleaved_medians,
+         tuner.GradientCheck.__call__) = self._saved
+        if self._body is not None:
+            from rnnfuse.backends import tensorflow as tf_backend
+
+            tf_backend._step_body = self._body
+        self.phases["trace_s"] = self._traced
         return False
+
+
+def emulate_gpu_on_cpu() -> None:
+    """Makes this process's TensorFlow backend time the GPU candidate set on
+    the CPU (see the module doc): for `--emulate` only, never undone."""
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests"))
+    import tensorflow as tf
+    from cudnn_reference import emulated_cudnn_rnn
+
+    from rnnfuse.backends import tensorflow as tf_backend
+    from rnnfuse.backends.tensorflow import cudnn_op
+
+    def call_op(module, **kw):
+        # A few ops with the op's output shapes and a gradient to every
+        # input, standing for one op as the real one is (the reference's
+        # unrolled loop would make a fused trace grow with the steps).
+        x, h0, params = kw["input"], kw["input_h"], kw["params"]
+        width = h0.shape[-1] * (2 if kw["direction"] == "bidirectional" else 1)
+        mix = tf.reduce_mean(x, -1, keepdims=True) + tf.cast(tf.reduce_mean(params), x.dtype)
+        y = tf.tanh(mix * tf.ones([width], x.dtype))
+        h = h0 * 0.5 + tf.cast(tf.reduce_mean(y), h0.dtype)
+        c = (kw["input_c"] * 0.5 + h if kw["rnn_mode"] == "lstm" else tf.zeros([0], y.dtype))
+        return y, h, c, tf.zeros([0], tf.uint8)
+
+    def op_for(dtype, dropout):
+        reason = cudnn_op.op_unsupported_reason(dtype, dropout)
+        return (None, reason) if reason is not None else (object(), None)
+
+    import tempfile
+
+    # Its decisions are filed in a folder of their own, never read again.
+    os.environ["RNNFUSE_CACHE_DIR"] = tempfile.mkdtemp(prefix="rnnfuse_emulated_")
+    environment = tf_backend.device_environment
+    cudnn_op.call_op = call_op
+    tf_backend.cudnn_rnn = emulated_cudnn_rnn
+    tf_backend.is_available = lambda: True
+    tf_backend.op_loaded = lambda: True
+    tf_backend._op_for = op_for
+    tf_backend.device_environment = lambda: {**environment(), "device": "EmulatedGPU"}
 
 
 def _tune(fast, run, profile: bool) -> dict:
@@ -110,7 +198,6 @@ def _tune(fast, run, profile: bool) -> dict:
         candidates=rec.candidates,
         gradient_checks=rec.gradient_checks,
     )
-    out["phases"]["trace_s"] = sum(c.get("trace_s", 0.0) for c in rec.candidates.values())
     if profiler:
         text = io.StringIO()
         pstats.Stats(profiler, stream=text).sort_stats("cumulative").print_stats(30)
@@ -157,9 +244,13 @@ def main(argv=None) -> int:
     parser.add_argument("--table", help="print the markdown table of a saved --out file and stop")
     parser.add_argument("--cells", default="15", help="drawn cell numbers (A1.. for anchors), comma-separated")
     parser.add_argument("--profile", action="store_true", help="add cProfile's top 30 functions")
-    parser.add_argument("--quick", action="store_true", help="a tiny model, any machine")
+    parser.add_argument("--quick", action="store_true", help="the cells with 32 units, batch 4, 10 steps: any machine")
+    parser.add_argument("--emulate", action="store_true",
+                        help="no GPU (TensorFlow): time the GPU's candidates on the CPU, emulated")
     parser.add_argument("--out")
     args = parser.parse_args(argv)
+    if args.emulate:
+        emulate_gpu_on_cpu()
     if args.table:
         with open(args.table) as f:
             print(table(json.load(f)))
@@ -170,7 +261,7 @@ def main(argv=None) -> int:
     for cell in args.cells.split(","):
         shape = cell_shape(cell)
         if args.quick:
-            shape = dict(shape, layers=2, units=32, batch=4, steps=10)
+            shape = dict(shape, units=32, batch=4, steps=10)  # the layer count kept
         row = dict(cell=cell, backend=keras.backend.backend(), **measure(shape, args.profile))
         rows.append(row)
         for mode in ("fit", "predict"):

@@ -498,3 +498,65 @@ def test_the_original_layers_stay_unless_a_plan_clearly_beats_them(fused_s, want
     (result,) = _tune([group], timer)
     assert result.plan.name == want
     assert result.timings["fused"] == fused_s  # the measurement is kept either way
+
+
+def test_no_gradient_check_where_the_original_layers_stay_anyway():
+    """A persistent plan fastest by under KEEP_ORIGINAL_MARGIN: the original
+    layers stay whatever its gradients, so neither it nor its default twin
+    is checked (a float64 reference and two gradient traces saved)."""
+    (group,) = _groups(stack_model("lstm", 4))
+    checked = []
+
+    def check(g, plan, shape, dtype):
+        checked.append(plan.name)
+        return 1e-6
+
+    timer = FakeTimer({"per-layer": 1.0, "fused @persistent_static+tc": 0.95, "fused": 0.97})
+    (result,) = tune_plans(
+        [group], lambda g: (8, 20, g.input_size), measure=timer, check_gradients=check,
+        environment=ENV, progress=False,
+    )
+    assert result.plan == PER_LAYER and checked == []
+    # Clearly faster: checked (and kept) as before.
+    timer.medians["fused @persistent_static+tc"] = 0.5
+    (result,) = tune_plans(
+        [group], lambda g: (8, 20, g.input_size), measure=timer, check_gradients=check,
+        environment=ENV, progress=False,
+    )
+    assert result.plan.name == "fused @persistent_static+tc"
+    assert sorted(checked) == ["fused", "fused @persistent_static+tc"]
+
+
+def test_skipping_the_gradient_check_never_changes_the_decision():
+    """The decision with the check skipped where the original layers stay
+    anyway equals the decision with every check run, over random timings
+    and gradient errors; and fewer checks are run."""
+    from rnnfuse.tuning import tuner
+
+    rng = np.random.default_rng(0)
+    algorithms = [None, "persistent_static+tc", "persistent_dynamic+tc"]
+    plans = [PER_LAYER] + [Plan(p, a) for p in ((4,), (2, 2)) for a in algorithms]
+    plans.append(Plan((4,), kernel="wavefront"))
+    saved = 0
+    for _ in range(400):
+        timings = {p.name: float(rng.uniform(0.5, 1.3)) for p in plans}
+        errors = {p.name: float(rng.choice([1e-6, 1e-3])) for p in plans}
+        runs = []
+        for cut in (True, False):
+            checked = []
+
+            def check(plan):
+                checked.append(plan.name)
+                return errors[plan.name]
+
+            rejected = {}
+            fastest = tuner._fastest_with_sound_gradients(
+                plans, timings, rejected, True, check, "float32",
+                keeps_original=(lambda p: tuner._keep_original_unless_clearly_slower(
+                    plans, timings, p) is not p) if cut else None)
+            runs.append((tuner._keep_original_unless_clearly_slower(plans, timings, fastest), checked))
+        (with_cut, checked_cut), (without, checked_all) = runs
+        assert with_cut == without, (timings, errors)
+        assert set(checked_cut) <= set(checked_all)
+        saved += len(checked_all) - len(checked_cut)
+    assert saved > 0

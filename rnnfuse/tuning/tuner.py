@@ -395,6 +395,8 @@ def tune_plans(
             best = _keep_original_unless_clearly_slower(plans, timings, _fastest_with_sound_gradients(
                 plans, timings, rejected, training,
                 lambda p: check_gradients(group, p, shape, dtype), dtype,
+                keeps_original=lambda p: _keep_original_unless_clearly_slower(
+                    plans, timings, p) is not p,
             ))
             results[index] = TuneResult(group, best, "measured", timings, rejected)
             if cache is not None:
@@ -674,7 +676,8 @@ def _keep_original_unless_clearly_slower(plans, timings, best):
     return best
 
 
-def _fastest_with_sound_gradients(plans, timings, rejected, training, check, dtype):
+def _fastest_with_sound_gradients(plans, timings, rejected, training, check, dtype,
+                                  keeps_original=None):
     """The fastest plan whose gradients may be trusted for training.
 
     A plan on cuDNN's default algorithm needs no check. One on another
@@ -684,8 +687,16 @@ def _fastest_with_sound_gradients(plans, timings, rejected, training, check, dty
     lazily, fastest candidate first, so a tuning run pays for one or two
     float64 references instead of one per candidate. Failures are recorded
     in `rejected` (name -> why).
+
+    `keeps_original(plan)`: whether the original layers would stay over
+    `plan` anyway (`_keep_original_unless_clearly_slower`). Where a plan to
+    check is that close to them, the original layers are returned without
+    the check: every plan after it is slower, so whichever one passed, the
+    original layers would stay (the decision is the same; a float64
+    reference and two gradient traces are not paid for).
     """
     errors: dict = {}
+    original = next((p for p in plans if p == PER_LAYER), None)
 
     def error_of(plan):
         if plan.name not in errors:
@@ -702,6 +713,8 @@ def _fastest_with_sound_gradients(plans, timings, rejected, training, check, dty
     for plan in sorted(plans, key=lambda p: timings[p.name]):
         if not (training and (plan.algorithm or plan.inference_only)):
             return plan
+        if original is not None and keeps_original is not None and keeps_original(plan):
+            return original
         # The default-algorithm twin: checked even where it was not timed
         # (a split on the default algorithm left out by `_time_in_stages`).
         base = Plan(plan.pieces)
