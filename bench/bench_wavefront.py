@@ -604,7 +604,7 @@ def grad_case(layers, units, batch, steps, inputs, dtype_name, with_lengths, see
     else:
         reason = wavefront.training_reason("lstm", layers, units, batch, steps, inputs, dtype,
                                            torch.device("cuda"))
-        options = dict(backward="layer")
+        options = dict(backward=BACKWARD)  # "layer", or "auto" (the default path)
         if reason is not None:
             return refused_row(row, reason, lambda: wavefront.trainable_forward(
                 leaves[0], wavefront.flat_params(weights), leaves[1], leaves[2], lengths))
