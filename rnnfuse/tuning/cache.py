@@ -106,8 +106,8 @@ class CacheKey:
     # The original layers were timed XLA-compiled (as Keras' `fit` runs a
     # model under jit_compile="auto"), not as a user's own `tf.function` or
     # an eager call runs them: the same shape on another path is another
-    # decision (on the H200 the original layers of one model took 21.5 ms a
-    # step with XLA and 16.6 ms in a custom loop).
+    # decision (on a GPU, Keras XLA-compiles a SimpleRNN stack's steps;
+    # its LSTM and GRU layers, which run cuDNN, it does not).
     xla_baseline: bool = False
 
     @classmethod

@@ -40,9 +40,11 @@ The rule (what `decide` and the layers' `Planner` do):
    the original model's steps (jit_compile="auto"), `fit`, `evaluate` and
    `predict` time the original layers XLA-compiled, while a custom loop's
    `tf.function` or an eager call runs them without XLA, so those are timed
-   apart (`decision_key`): on the H200 one model's original layers took
-   21.5 ms a step in `fit` and 16.6 ms in a custom loop, and the plan
-   chosen against the first lost in the second (0.86x).
+   apart (`decision_key`). On a GPU this concerns SimpleRNN stacks: Keras
+   XLA-compiles their steps, while its LSTM and GRU layers (cuDNN) are not
+   XLA-compiled on either path. XLA changes the original's speed by
+   whole factors there (a SimpleRNN stack predicted at 0.11x without it
+   on the H200, `first_batch.mode_jit_compile`).
 
 The cost: the first bucket of a mode times every candidate (what
 first-batch tuning has always cost); each later bucket times a few
