@@ -68,16 +68,22 @@ def _close(a, b, rtol, atol):
     np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=rtol, atol=atol)
 
 
-@pytest.mark.parametrize("shape", [(1, 8, 3, 7, 5), (2, 16, 4, 9, 5), (3, 8, 5, 6, 3)])
+@pytest.mark.parametrize("shape", [(1, 8, 3, 7, 5), (2, 16, 4, 9, 5), (3, 8, 5, 6, 3),
+                                   (4, 8, 2, 4, 6)])
 @pytest.mark.parametrize("with_lengths", [False, True])
-def test_the_gradients_are_a_tapes_of_the_float64_reference(shape, with_lengths):
+@pytest.mark.parametrize("kernels", [TF_KERNELS, STACK_KERNELS], ids=["layer", "stack"])
+def test_the_gradients_are_a_tapes_of_the_float64_reference(shape, with_lengths, kernels):
+    """Per layer (v1: one recurrence a layer, then the GEMMs of
+    `backward_stack`) and backward="stack" (v2: one recurrence for every
+    layer, then the GEMMs of `backward_stack_wavefront`), with TensorFlow
+    stand-ins for the kernels."""
     x, params, h0, c0, lengths = _inputs(*shape, with_lengths)
     rng = np.random.default_rng(1)
     want_out = wt.reference_forward(x, params, h0, c0, lengths)
     upstream = [tf.constant(rng.standard_normal(t.shape)) for t in want_out]
     leaves = [x, params, h0, c0]
     _, want = _grads(lambda *a: wt.reference_forward(*a, lengths), leaves, upstream)
-    out, got = _grads(lambda *a: wt.trainable_forward(*a, lengths, **TF_KERNELS), leaves,
+    out, got = _grads(lambda *a: wt.trainable_forward(*a, lengths, **kernels), leaves,
                       upstream)
     for a, b in zip(out, want_out):
         _close(a, b, 0, 1e-12)
@@ -367,29 +373,10 @@ def test_the_backends_kernel_reason_for_training_is_training_reason(monkeypatch,
 # -- the reverse-wavefront backward (v2) and the "auto" choice ------------------------------
 
 
-@pytest.mark.parametrize("shape", [(1, 8, 3, 7, 5), (2, 16, 4, 9, 5), (3, 8, 5, 6, 3),
-                                   (4, 8, 2, 4, 6)])
-@pytest.mark.parametrize("with_lengths", [False, True])
-def test_the_stack_backwards_gradients_are_a_tapes_of_the_float64_reference(shape,
-                                                                           with_lengths):
-    """backward="stack": one (here: TensorFlow) recurrence for every layer,
-    then the GEMMs of `backward_stack_wavefront`."""
-    x, params, h0, c0, lengths = _inputs(*shape, with_lengths)
-    rng = np.random.default_rng(1)
-    want_out = wt.reference_forward(x, params, h0, c0, lengths)
-    upstream = [tf.constant(rng.standard_normal(t.shape)) for t in want_out]
-    leaves = [x, params, h0, c0]
-    _, want = _grads(lambda *a: wt.reference_forward(*a, lengths), leaves, upstream)
-    _, got = _grads(lambda *a: wt.trainable_forward(*a, lengths, **STACK_KERNELS), leaves,
-                    upstream)
-    for name, a, b in zip(["dx", "dparams", "dh0", "dc0"], got, want):
-        assert a is not None, name
-        _close(a, b, 1e-10, 1e-12)
-
-
 def test_the_stack_gradient_is_not_the_reference_with_a_wrong_recurrence():
-    """The check above can fail: a stack recurrence that hands layer l-1 the
-    dy of W_hh^l instead of W_ih^l gives wrong gradients of the layers below."""
+    """The float64 check of the stack path can fail: a stack recurrence
+    that hands layer l-1 the dy of W_hh^l instead of W_ih^l gives wrong
+    gradients of the layers below."""
     x, params, h0, c0, _ = _inputs(2, 8, 3, 5, 8, False)
     leaves = [x, params, h0, c0]
     upstream = [tf.ones_like(t) for t in wt.reference_forward(x, params, h0, c0)]
