@@ -150,3 +150,17 @@ def emulated_op(monkeypatch):
         (_OpModule(), None) if cudnn_op.op_unsupported_reason(dtype, dropout) is None
         else (None, cudnn_op.op_unsupported_reason(dtype, dropout))))
     return calls
+
+
+@pytest.fixture(scope="session")
+def built_wavefront(tmp_path_factory):
+    """(path, cache dir) of rnnfuse's wavefront library, built (nvcc sm_90
+    cubin + g++ launcher, about 30 s) once a session into a fresh cache, for
+    every test module that needs the real library."""
+    from rnnfuse.backends.cuda import build
+
+    cache = tmp_path_factory.mktemp("wavefront-cache")
+    with pytest.MonkeyPatch.context() as mp:  # the cache dir for the build only
+        mp.setenv("RNNFUSE_CACHE_DIR", str(cache))
+        path = build.build_library()
+    return path, cache

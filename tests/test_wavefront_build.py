@@ -27,16 +27,12 @@ from rnnfuse.backends.cuda import build, library
 H200 = library.H200
 
 
-@pytest.fixture(scope="module")
-def built(tmp_path_factory):
-    """The real library, built once into a fresh cache for this module."""
-    cache = tmp_path_factory.mktemp("cache")
-    mp = pytest.MonkeyPatch()
-    mp.setenv("RNNFUSE_CACHE_DIR", str(cache))
-    try:
-        yield build.build_library(), cache
-    finally:
-        mp.undo()
+@pytest.fixture
+def built(built_wavefront, monkeypatch):
+    """The real library and its cache (built once a session: conftest),
+    the cache being RNNFUSE_CACHE_DIR for the test."""
+    monkeypatch.setenv("RNNFUSE_CACHE_DIR", str(built_wavefront[1]))
+    return built_wavefront
 
 
 def test_the_library_compiles_here_without_a_cuda_runtime(built):

@@ -27,21 +27,16 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from rnnfuse.backends.cuda import build, library
+from rnnfuse.backends.cuda import library
 
 H200 = library.H200
 K_WARPS, K_THREADS, K_NC, K_NGROUP, K_PART_PAD, K_WARP_K = 8, 256, 64, 32, 4, 256
 
 
-@pytest.fixture(scope="module")
-def lib(tmp_path_factory):
-    """The real library, built once into a fresh cache for this module."""
-    mp = pytest.MonkeyPatch()
-    mp.setenv("RNNFUSE_CACHE_DIR", str(tmp_path_factory.mktemp("cache")))
-    try:
-        yield library.load(build.build_library())
-    finally:
-        mp.undo()
+@pytest.fixture
+def lib(built_wavefront):
+    """The real library (built once a session: conftest)."""
+    return library.load(built_wavefront[0])
 
 
 def test_the_library_carries_the_variant_kernels(lib):
