@@ -518,7 +518,7 @@ def test_auto_runs_the_stack_backward_where_its_plan_accepts_the_stack(monkeypat
         asked.append(args)
         return refusal
 
-    monkeypatch.setattr(wt, "_op_unavailable", lambda: None)
+    monkeypatch.setattr(wt, "op_unavailable", lambda: None)
     monkeypatch.setattr(library, "backward_stack_reason", stack_reason)
     x, params, h0, c0, lengths = _inputs(3, 8, 4, 6, 5, True)
     choice = wt.backward_choice(x, h0)
@@ -549,7 +549,7 @@ def test_run_trainable_names_the_backward_that_ran(monkeypatch, emulated_cudnn, 
     monkeypatch.setattr(wt, "backward_layer", wt.recurrence_reference)
     monkeypatch.setattr(wt, "backward_stack_kernel", wt.stack_recurrence_reference)
     monkeypatch.setattr(wavefront_op, "stack_training_reason", lambda *a, **k: None)
-    monkeypatch.setattr(wt, "_op_unavailable", lambda: None)
+    monkeypatch.setattr(wt, "op_unavailable", lambda: None)
     monkeypatch.setattr(library, "backward_stack_reason",
                         lambda *a: None if backward == "stack" else "refused")
     stack = _stack(3, 8, 4)

@@ -69,15 +69,16 @@ def unsupported_reason(kind: str, num_layers: int, units: int, batch: int, steps
     """Why the wavefront op cannot run this inference call here, or None
     (the checks of `rnnfuse.backends.cuda.library`, and the op loaded)."""
     from rnnfuse.backends.cuda import library
-    from rnnfuse.backends.tensorflow import op_build
+    from rnnfuse.backends.tensorflow import wavefront_training
 
     reason = library.stack_reason(kind, tf.as_dtype(dtype).name, directions=directions,
                                   proj_size=proj_size, summed_inputs=summed_inputs,
                                   dropout=dropout)
     if reason is not None:
         return reason
-    if op_build.load_wavefront_op() is None:
-        return f"rnnfuse's wavefront op is not loaded: {op_build.wavefront_load_failure()}"
+    unavailable = wavefront_training.op_unavailable()
+    if unavailable is not None:
+        return unavailable
     return library.device_reason(kind, num_layers, units, batch, steps, input_size)
 
 

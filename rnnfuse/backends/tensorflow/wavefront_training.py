@@ -71,11 +71,10 @@ def _op():
     """The loaded wavefront op module (NotImplementedError naming why not)."""
     from rnnfuse.backends.tensorflow import op_build
 
-    module = op_build.load_wavefront_op()
-    if module is None:
-        raise NotImplementedError(
-            f"rnnfuse's wavefront op is not loaded: {op_build.wavefront_load_failure()}")
-    return module
+    why = op_unavailable()
+    if why is not None:
+        raise NotImplementedError(why)
+    return op_build.load_wavefront_op()
 
 
 def lengths_input(lengths: Any) -> tf.Tensor:
@@ -298,12 +297,12 @@ def backward_choice(x, h0, backward: str = "auto"):
     steps, batch, _, num_layers, units = _dims(x, h0)
     unavailable = None
     if backward == "auto":
-        unavailable = _op_unavailable()
+        unavailable = op_unavailable()
     return library.choose_backward(backward, "lstm", num_layers, units, batch, steps,
                                    unavailable=unavailable)
 
 
-def _op_unavailable() -> str | None:
+def op_unavailable() -> str | None:
     """Why the wavefront ops cannot run here (not loaded: no GPU, no build), or None."""
     from rnnfuse.backends.tensorflow import op_build
 
