@@ -74,6 +74,19 @@ def _xy(model, n, seed=0):
     return x, np.asarray(model.predict(x, verbose=0))
 
 
+def _custom_train_step(model):
+    """A user's own training step: a tf.function with a GradientTape."""
+    variables = model.trainable_variables
+
+    @tf.function
+    def train_step(x):
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_mean(model(x, training=True) ** 2)
+        return tape.gradient(loss, variables)
+
+    return train_step
+
+
 # Persistent wins at batch 8 and loses at 32 (as persistent_dynamic did on
 # the H200 for 8x LSTM(128): 4.18 ms a layer at 32, 13.38 at 128).
 MEDIANS = {
@@ -120,14 +133,7 @@ def test_a_custom_loop_trace_gets_a_plan_timed_for_its_shape(timed):
     model = _model()
     fast, timer = make(model, MEDIANS)
     x, _ = _xy(model, 8)
-    variables = fast.trainable_variables
-
-    @tf.function
-    def train_step(x):
-        with tf.GradientTape() as tape:
-            loss = tf.reduce_mean(fast(x, training=True) ** 2)
-        return tape.gradient(loss, variables)
-
+    train_step = _custom_train_step(fast)
     infer = tf.function(lambda x: fast(x, training=False))
     train_step(x)
     assert len(timer.calls) == 1 and algorithms() == ["persistent_dynamic"]
@@ -162,14 +168,7 @@ def test_a_custom_loop_after_fit_is_timed_apart_where_fit_timed_the_original_wit
     assert fit_record["xla_baseline"] is True and fit_record["chosen"] == PERSISTENT
     # Without XLA the original layers win at this shape.
     by_batch[8] = {**MEDIANS[8], "per-layer": 0.5}
-    variables = fast.trainable_variables
-
-    @tf.function
-    def train_step(x):
-        with tf.GradientTape() as tape:
-            loss = tf.reduce_mean(fast(x, training=True) ** 2)
-        return tape.gradient(loss, variables)
-
+    train_step = _custom_train_step(fast)
     train_step(x)
     assert len(timer.calls) == 2, "the fit decision was carried to the custom loop"
     loop_record = first_batch.decisions(fast)[-1]
