@@ -207,13 +207,18 @@ def test_float16_stack_runs_the_original_layers(emulated_jax_lstm):
 
 def test_tuner_times_per_layer_and_fused_under_jax(emulated_jax_lstm):
     from rnnfuse.api import choose_plans
+    from rnnfuse.tuning import tuner
 
     model = stack_model("lstm", 2, units=6, input_size=5, steps=7)
     (result,) = choose_plans(model, rnnfuse.analyze(model).groups,
                              tune=rnnfuse.TuneShape(3, 7), cache=False)
     assert result.source == "measured"
     assert set(result.timings) == {"per-layer", "fused"}
-    assert result.plan.name == min(result.timings, key=result.timings.get)
+    # The tuner's rule: fused only where it beats the original layers by
+    # KEEP_ORIGINAL_MARGIN (on this CPU the two often time within it).
+    t = result.timings
+    wins = t["fused"] <= (1 - tuner.KEEP_ORIGINAL_MARGIN) * t["per-layer"]
+    assert result.plan.name == ("fused" if wins else "per-layer"), t
     assert emulated_jax_lstm, "the fused candidate was not timed"
 
 
