@@ -11,7 +11,10 @@ call, decides how to run them:
    calls the original layers in sequence: exactly the original numbers.
 3. With a mask, the choice is made on the mask's values: a right-padded
    mask becomes sequence lengths; any other mask runs the original layers
-   through Keras' generic loop (Keras' own cuDNN path would reject it).
+   through Keras' generic loop, except in a traced call of LSTM/GRU layers
+   that Keras itself runs on cuDNN there (TensorFlow with a GPU): their
+   traced step fails on such a mask with Keras' message, and so does this
+   one (pass `use_cudnn=False` to the layers, as Keras' message says).
 
 How the fused path runs is the layer's `rnnfuse.plan.Plan` (`plan=`,
 `set_plan`): the whole run as one call, consecutive pieces of it, or the
@@ -377,7 +380,9 @@ class FusedRNN(keras.layers.Layer):
         """A masked call: the mask's values decide (right-padded: the fused
         call with sequence lengths; else the original layers in Keras'
         generic loop). Where the mask is known now (an eager call) only its
-        branch runs; in a trace both are traced and the graph chooses."""
+        branch runs; in a trace both are traced and the graph chooses, except
+        where the original layers' own traced call asserts the mask
+        (`_keras_asserts_traced_masks`): then so does this one."""
         backend = get_backend()
         paths = []
 
@@ -395,6 +400,15 @@ class FusedRNN(keras.layers.Layer):
 
         supported = backend.mask_is_supported(mask)
         known = backend.concrete_bool(supported)
+        if known is None and not right_padded and self._keras_asserts_traced_masks(backend):
+            # Traced where Keras' own LSTM/GRU run cuDNN: their traced step
+            # fails at run time on a mask that is not right-padded (Keras'
+            # `_assert_valid_mask`), so this one fails the same way and
+            # traces no branch for other masks. That branch cost a masked
+            # step on the H200 at run time (its gradient carries both
+            # branches' intermediates) and its trace seconds of tuning.
+            backend.assert_mask_supported(supported)
+            known = True
         # The last layer's activity loss is added once, after the branch: a
         # loss added inside a traced branch cannot leave it.
         with _activity_regularizer_off(self._views[-1].layer):
@@ -409,6 +423,14 @@ class FusedRNN(keras.layers.Layer):
         self._add_activity_losses(outputs)
         # Traced: the graph holds the fused call for right-padded masks.
         return outputs, next((p for p in paths if p.kind is PathKind.FUSED), paths[0])
+
+    def _keras_asserts_traced_masks(self, backend) -> bool:
+        """Whether the original layers, traced on this device, accept only
+        right-padded masks: every one is an LSTM or GRU that Keras runs on
+        cuDNN here (the rules leave only cuDNN's configurations in a run),
+        whose traced call asserts the mask. Eagerly, Keras catches that
+        assertion and runs its generic loop, and so does this layer."""
+        return backend.keras_runs_cudnn() and all(keras_has_cudnn_path(v) for v in self._views)
 
     def _fallback_reason(self, mask) -> Reason | None:
         """Why this call must run the original layers, or None (the

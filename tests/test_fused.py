@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import keras
 import numpy as np
+import pytest
 
 import rnnfuse
 from rnnfuse import FusedRNN, PathKind
@@ -51,6 +52,36 @@ def test_the_path_is_the_branch_a_masked_call_ran(emulated_cudnn):
     right = np.array([[True, True, True, False, False], [True] * 5])
     assert max_abs_diff(fused(x, mask=right), b(a(x, mask=right), mask=right)) <= 1e-5
     assert len(emulated_cudnn) == 1 and fused.last_path == "fused"
+
+
+def test_where_keras_asserts_traced_masks_a_traced_fused_call_asserts_them_too(
+        emulated_cudnn, monkeypatch):
+    """Where Keras runs its LSTM on cuDNN (TensorFlow with a GPU: stood in
+    for here), its traced step fails on a mask that is not right-padded.
+    A traced fused call then fails the same way, with Keras' message, and
+    traces no branch for other masks; eagerly, both still take the
+    generic loop (Keras catches its own assertion there)."""
+    import tensorflow as tf
+
+    from rnnfuse.backends.tensorflow.backend import TensorFlowBackend
+
+    monkeypatch.setattr(TensorFlowBackend, "keras_runs_cudnn", lambda self: True)
+    generic = []
+    real = FusedRNN._call_layers
+    monkeypatch.setattr(FusedRNN, "_call_layers",
+                        lambda self, *a, **k: generic.append(k) or real(self, *a, **k))
+    a, b, x, _ = _pair()
+    fused = FusedRNN([a, b])
+    step = tf.function(lambda x, m: fused(x, mask=m))
+    right = np.array([[True, True, True, False, False], [True] * 5])
+    step(x, right)
+    assert not generic, "a branch for other masks was traced"
+    assert fused.last_path == "fused" and emulated_cudnn
+    left = np.array([[False, True, True, True, True], [True] * 5])
+    with pytest.raises(tf.errors.InvalidArgumentError, match="right-padded"):
+        step(x, left)
+    fused(x, mask=left)  # eager
+    assert fused.last_path.reason.rule == "mask_not_right_padded" and generic
 
 
 def test_not_implemented_from_the_backend_runs_the_original_layers(emulated_cudnn, monkeypatch):

@@ -144,3 +144,23 @@ def test_prune_must_be_above_one():
         interleaved_medians({"a": lambda: 1}, prune=1.0)
     with pytest.raises(ValueError, match=r"race must be in \(1, prune\]"):
         interleaved_medians({"a": lambda: 1}, prune=1.5, race=2.0)
+
+
+def test_a_kept_step_is_not_raced_but_still_pruned(clock):
+    """`keep` (the tuner's baseline): a step 30% behind the best is raced
+    out after three rounds, unless kept; a kept step 2x behind is still
+    pruned."""
+    def steps(calls):
+        return {"fast": clock.step(0.001, calls, "fast"),
+                "base": clock.step(0.0013, calls, "base"),
+                "other": clock.step(0.0013, calls, "other")}
+
+    calls = []
+    out = interleaved_medians(steps(calls), warmup=1, repeats=7, prune=1.5, race=1.2,
+                              keep=("base",))
+    assert len(out["base"]["times"]) == 7 and not out["base"]["pruned"]
+    assert len(out["other"]["times"]) == 3 and out["other"]["pruned"]
+    calls = []
+    slow = {"fast": clock.step(0.001, calls, "fast"), "base": clock.step(0.002, calls, "base")}
+    out = interleaved_medians(slow, warmup=1, repeats=7, prune=1.5, race=1.2, keep=("base",))
+    assert out["base"]["pruned"] and len(out["base"]["times"]) < 7

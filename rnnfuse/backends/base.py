@@ -327,6 +327,12 @@ class Backend(abc.ABC):
         """Whether Keras' own LSTM/GRU run cuDNN here (padded steps of a
         returned sequence are then zeros, not zero_output_for_mask's)."""
 
+    def assert_mask_supported(self, supported: Any) -> None:
+        """In a traced call, fail at run time where `supported`
+        (`mask_is_supported`'s tensor) is False, with the message Keras'
+        own cuDNN path fails with. Called only where `keras_runs_cudnn()`."""
+        raise NotImplementedError(f"{self.name}: Keras' own layers do not assert masks here")
+
     # -- ProjectedLSTM's own fast path ---------------------------------------------
 
     @abc.abstractmethod

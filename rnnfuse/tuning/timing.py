@@ -58,13 +58,17 @@ def interleaved_medians(
     on_step: Callable[[str], None] | None = None,
     prune: float | None = None,
     race: float | None = None,
+    keep: tuple = (),
 ) -> dict[str, dict]:
     """Times each step `repeats` times, interleaved, after `warmup` calls.
 
     `prune` (> 1): race the steps (see the module doc); a pruned step's
     median is taken over the calls it ran (the last warm-up call when it
     was pruned before any timed round). `race` (> 1, with `prune`): the
-    tighter factor applied from the third round on.
+    tighter factor applied from the third round on, to every step but those
+    named in `keep` (the tuner's baseline, the original layers: a decision
+    against them needs their median over every round, and a launch-bound
+    step's calls can spread 40% on the H200).
 
     Returns:
         name -> {"median": seconds, "times": [seconds, ...], "pruned": bool}.
@@ -98,8 +102,10 @@ def interleaved_medians(
             if on_step is not None:
                 on_step(name)
         if prune is not None and r >= 1:
-            factor = race if race is not None and r >= 2 else prune
-            pruned |= _clearly_slower({n: times[n] for n in running}, factor)
+            pruned |= _clearly_slower({n: times[n] for n in running}, prune)
+            if race is not None and r >= 2:
+                raced = _clearly_slower({n: times[n] for n in running}, race)
+                pruned |= raced - set(keep)
     out = {}
     for n, t in times.items():
         t = t or [last_warmup[n]]

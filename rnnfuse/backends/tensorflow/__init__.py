@@ -271,6 +271,34 @@ def mask_is_supported(mask: Any) -> tf.Tensor:
     )
 
 
+# Keras' own message (keras/src/backend/tensorflow/rnn.py, `_assert_valid_mask`),
+# which its traced cuDNN LSTM/GRU fail with on such a mask.
+MASK_NOT_SUPPORTED = (
+    "You are passing a RNN mask that does not correspond to right-padded sequences, "
+    "while using cuDNN, which is not supported. With cuDNN, RNN masks can only be used "
+    "for right-padding, e.g. `[[True, True, False, False]]` would be a valid mask, but "
+    "any mask that isn't just contiguous `True`'s on the left and contiguous `False`'s "
+    "on the right would be invalid. You can pass `use_cudnn=False` to your RNN layer to "
+    "stop using cuDNN (this may be slower)."
+)
+
+
+def assert_mask_supported(supported: tf.Tensor) -> None:
+    """Fails the traced step at run time where `supported` is False, as
+    Keras' traced cuDNN LSTM/GRU do on a mask that is not right-padded or
+    holds an empty sequence.
+
+    >>> f = tf.function(lambda m: (assert_mask_supported(mask_is_supported(m)), 0)[1])
+    >>> int(f(tf.constant([[True, False]])))
+    0
+    >>> f(tf.constant([[False, True]]))
+    Traceback (most recent call last):
+    ...
+    tensorflow.python.framework.errors_impl.InvalidArgumentError: ...
+    """
+    tf.debugging.Assert(supported, [MASK_NOT_SUPPORTED])
+
+
 def _cell_params(kind: str, cell: Any, dtype: str, input_scale: float | None = None) -> tuple[list, list]:
     """(weights, biases) of one pseudo-layer, flattened in cuDNN order.
 

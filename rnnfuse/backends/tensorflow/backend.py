@@ -66,6 +66,9 @@ class TensorFlowBackend(KernelModuleBackend):
     def keras_runs_cudnn(self):
         return bool(tf.config.list_logical_devices("GPU"))
 
+    def assert_mask_supported(self, supported):
+        kernels.assert_mask_supported(supported)
+
     def projected_lstm_reason(self, cell):
         # Every cell runs: other activations take the autodiff loops.
         return None
