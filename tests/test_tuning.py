@@ -188,6 +188,23 @@ def test_float16_gradients_within_fp16_rounding_keep_the_persistent_algorithm():
     assert worse.plan.name == "fused"
 
 
+def test_persistent_algorithms_are_not_timed_above_their_dtypes_batch_bound():
+    """float32 over a batch of 32 (PERSISTENT_MAX_BATCH): the persistent
+    candidates are left out with the reason; at 32 they are timed."""
+    (group,) = _groups(stack_model("lstm", 2))
+    timer = FakeTimer({"per-layer": 1.0, "fused": 0.8, "fused @persistent_static+tc": 0.1})
+
+    def tune(batch):
+        return tune_plans([group], lambda g: (batch, 20, g.input_size), measure=timer,
+                          check_gradients=lambda *a: 1e-6, environment=ENV, progress=False)[0]
+
+    big = tune(33)
+    assert big.plan.name == "fused"
+    assert not any("persistent" in n for names in timer.names for n in names)
+    assert "PERSISTENT_MAX_BATCH" in big.rejected["fused @persistent_dynamic+tc"]
+    assert tune(32).plan.name == "fused @persistent_static+tc"
+
+
 def test_second_tune_reads_the_cache_without_timing(tmp_path):
     cache = PlanCache(tmp_path / "plans.json")
     (group,) = _groups(stack_model("gru", 3))

@@ -24,7 +24,8 @@ from typing import Callable, Iterable, Sequence
 from rnnfuse.plan import PER_LAYER, Plan
 from rnnfuse.report import FusionGroup
 
-__all__ = ["CANDIDATE_ALGORITHMS", "candidate_plans", "kernel_plans", "split_groups"]
+__all__ = ["CANDIDATE_ALGORITHMS", "PERSISTENT_MAX_BATCH", "candidate_plans", "kernel_plans",
+           "persistent_reason", "split_groups"]
 
 # The algorithms the tuner tries for fused pieces (None: the standard one).
 # On TensorFlow they need rnnfuse's own op, which runs the algorithm in the
@@ -35,6 +36,31 @@ CANDIDATE_ALGORITHMS: tuple[str | None, ...] = (
     "persistent_static+tc",
     "persistent_dynamic+tc",
 )
+
+
+# Batches above which cuDNN's persistent algorithms never came within 24%
+# of the best plan in the H200 user-view matrix (sessions 4-14, TensorFlow:
+# float32 above 32, 23 decisions, best 1.24x behind; float16 above 128, 5
+# decisions, best 2.8x behind), so they are not timed there: their first
+# calls cost most (persistent_dynamic compiles its kernel at first use,
+# about 1 s). bfloat16 has no such bound (they won at every batch).
+PERSISTENT_MAX_BATCH = {"float32": 32, "float16": 128}
+
+
+def persistent_reason(dtype: str, batch: int) -> str | None:
+    """Why cuDNN's persistent algorithms are not timed at this batch
+    (`PERSISTENT_MAX_BATCH`), or None.
+
+    >>> persistent_reason("float32", 43)[:52]
+    'not timed: at a batch over 32 in float32, persistent'
+    >>> persistent_reason("float32", 32) is None, persistent_reason("bfloat16", 512) is None
+    (True, True)
+    """
+    bound = PERSISTENT_MAX_BATCH.get(str(dtype))
+    if bound is None or int(batch) <= bound:
+        return None
+    return (f"not timed: at a batch over {bound} in {dtype}, persistent algorithms never "
+            "came within 24% of the best in the H200 matrix (PERSISTENT_MAX_BATCH)")
 
 
 def candidate_plans(

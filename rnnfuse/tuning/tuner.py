@@ -24,7 +24,8 @@
    a non-default-algorithm step cuDNN refuses for this shape
    (an op error) is left out with cuDNN's message. A group that reads a
    padding mask gets no persistent candidates (cuDNN refuses them with
-   padded lengths).
+   padded lengths), nor does a batch over `PERSISTENT_MAX_BATCH` of its
+   dtype (they never came close there on the H200).
 4. Time the steps side by side (`interleaved_medians`: one more warm-up
    call, then interleaved rounds, racing: a step more than PRUNE x slower
    than the best stops being run, from the third round one whose fastest
@@ -78,7 +79,7 @@ from rnnfuse.backends import get_backend
 from rnnfuse.report import FusionGroup
 from rnnfuse.tuning.cache import PlanCache, cache_key
 from rnnfuse.plan import PER_LAYER, Plan
-from rnnfuse.tuning.plans import candidate_plans, kernel_plans, split_groups
+from rnnfuse.tuning.plans import candidate_plans, kernel_plans, persistent_reason, split_groups
 from rnnfuse.tuning.table import static_plan
 from rnnfuse.tuning.timing import interleaved_medians
 
@@ -383,6 +384,9 @@ def tune_plans(
                     if p.algorithm:
                         rejected[p.name] = "cuDNN's persistent algorithms do not take padded sequence lengths"
                 plans = [p for p in plans if not p.algorithm]
+            too_big = persistent_reason(dtype, shape[0])
+            if too_big is not None:
+                rejected.update({p.name: too_big for p in plans if p.algorithm})
             plans = [p for p in plans if p.name not in rejected]
             bar.advance_rest(len(rejected))
             # Kernels besides cuDNN (rnnfuse's wavefront kernel): timed for
