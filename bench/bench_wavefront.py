@@ -15,7 +15,7 @@ built into the cache (nvcc + g++).
     python3 bench/bench_wavefront.py check --variant 1 --random 12 --out $OUT/check_v1.json
     python3 bench/bench_wavefront.py bench --cells headline --variants 0,1 --out $OUT/bench_v01.json
     python3 bench/bench_wavefront.py trace --variant 1 --out $OUT/trace_v1.json
-    python3 bench/bench_wavefront.py grad --random 4 --out $OUT/grad.json   # LSTM gradients
+    python3 bench/bench_wavefront.py grad --random 4 --out $OUT/grad.json   # LSTM and GRU gradients
     python3 bench/bench_wavefront.py train --out $OUT/train.json    # a training step's time
     # the reverse-wavefront backward (v2, opt-in): one launch for every layer
     python3 bench/bench_wavefront.py grad --random 4 --backward stack --out $OUT/grad_stack.json
@@ -34,9 +34,10 @@ fallback to cuDNN), never run. `bench`: CUDA-event medians of the kernel
 (torch's, the standard algorithm) and one call per layer (where torch runs
 cuDNN's persistent kernel for float16), in ms, us a dependent step and
 TFLOP/s next to the floor at 790 TFLOP/s (the H200's measured dense rate).
-`grad`: an LSTM's outputs AND gradients (dx, dh0, dc0, every weight and
-bias) through `wavefront.trainable_forward` (the forward saving gates and
-c, the backward kernel) against autograd of the float64 reference of the
+`grad`: an LSTM's and a GRU's outputs AND gradients (dx, dh0, an LSTM's
+dc0, every weight and bias) through `wavefront.trainable_forward` (the
+forward saving gates and c, or a GRU's r, z, n, W_hn h + b_hn and h_{t-1};
+the backward kernel; `--kinds lstm` or `gru` runs one kind) against autograd of the float64 reference of the
 same rounded weights and against cuDNN's gradient in the same dtype, for
 the same upstream gradients; a shape outside the kernels' limits must
 raise WavefrontError. `train`: CUDA-event medians of a training step
@@ -552,8 +553,8 @@ def cmd_trace(args):
 GRAD_TOL = {"float16": 5e-3, "bfloat16": 4e-2}
 
 
-def _grad_names(layers):
-    names = ["dx", "dh0", "dc0"]
+def _grad_names(layers, kind="lstm"):
+    names = ["dx", "dh0", "dc0"] if kind == "lstm" else ["dx", "dh0"]
     for l in range(layers):
         names += [f"w_ih{l}", f"w_hh{l}", f"b_ih{l}", f"b_hh{l}"]
     return names
@@ -563,11 +564,17 @@ def _grads(outputs, inputs, upstream):
     return [g for g in torch.autograd.grad(outputs, inputs, upstream)]
 
 
-def grad_case(layers, units, batch, steps, inputs, dtype_name, with_lengths, seed):
-    """One LSTM's outputs and gradients: the kernels, float64, cuDNN."""
+def grad_case(layers, units, batch, steps, inputs, dtype_name, with_lengths, kind="lstm", *,
+              seed):
+    """One LSTM's or GRU's outputs and gradients: the kernels, float64, cuDNN.
+    A GRU has no c0/cy (and no reverse-wavefront backward: --backward stack
+    is an error for it); its backward is the per-layer kernel."""
+    if kind == "gru" and BACKWARD == "stack":
+        raise ValueError("grad_case: the reverse-wavefront backward runs LSTM stacks only")
+    lstm = kind == "lstm"
     dtype = DTYPES[dtype_name]
     gen = torch.Generator(device="cuda").manual_seed(seed)
-    mod = make_module("lstm", layers, units, inputs, dtype, gen)
+    mod = make_module(kind, layers, units, inputs, dtype, gen)
     x = torch.randn(steps, batch, inputs, generator=gen, device="cuda").to(dtype)
     h0 = (torch.randn(layers, batch, units, generator=gen, device="cuda") * 0.5).to(dtype)
     c0 = (torch.randn(layers, batch, units, generator=gen, device="cuda") * 0.5).to(dtype)
@@ -578,11 +585,19 @@ def grad_case(layers, units, batch, steps, inputs, dtype_name, with_lengths, see
     if with_lengths:
         lengths = torch.randint(1, steps + 1, (batch,), generator=gen, device="cuda")
         lengths[0] = steps
-    row = dict(layers=layers, units=units, batch=batch, steps=steps, inputs=inputs,
+    row = dict(kind=kind, layers=layers, units=units, batch=batch, steps=steps, inputs=inputs,
                dtype=dtype_name, lengths=with_lengths, seed=seed, backward=BACKWARD)
     weights = [w.detach().clone().requires_grad_() for w in mod._flat_weights]
-    leaves = [t.clone().requires_grad_() for t in (x, h0, c0)]
+    leaves = [t.clone().requires_grad_() for t in ((x, h0, c0) if lstm else (x, h0))]
+    upstream = [dy, dhy, dcy] if lstm else [dy, dhy]
     lens = lengths.to(torch.int32) if lengths is not None else None
+
+    def kernels(**options):  # (x, params, h0, c0 or None, lengths) -> outputs, no None
+        out = wavefront.trainable_forward(leaves[0], wavefront.flat_params(weights), leaves[1],
+                                          leaves[2] if lstm else None, lens, kind=kind,
+                                          **options)
+        return [t for t in out if t is not None]
+
     if BACKWARD == "stack":
         reason = (wavefront.unsupported_reason("lstm", layers, units, batch, steps, inputs,
                                                dtype, torch.device("cuda"))
@@ -597,39 +612,39 @@ def grad_case(layers, units, batch, steps, inputs, dtype_name, with_lengths, see
                                                          variant=VARIANT)
             row["variant"] = planned if isinstance(planned, str) else planned["variant"]
         if reason is not None:  # the refusal comes from the backward pass's plan
-            return refused_row(row, reason, lambda: _grads(
-                list(wavefront.trainable_forward(leaves[0], wavefront.flat_params(weights),
-                                                 leaves[1], leaves[2], lens, **options)),
-                leaves + weights, [dy, dhy, dcy]))
+            return refused_row(row, reason, lambda: _grads(kernels(**options), leaves + weights,
+                                                           upstream))
     else:
-        reason = wavefront.training_reason("lstm", layers, units, batch, steps, inputs, dtype,
+        reason = wavefront.training_reason(kind, layers, units, batch, steps, inputs, dtype,
                                            torch.device("cuda"))
         options = dict(backward=BACKWARD)  # "layer", or "auto" (the default path)
         if reason is not None:
-            return refused_row(row, reason, lambda: wavefront.trainable_forward(
-                leaves[0], wavefront.flat_params(weights), leaves[1], leaves[2], lengths))
+            return refused_row(row, reason, lambda: kernels(**options))
     t0 = time.perf_counter()
-    out = wavefront.trainable_forward(leaves[0], wavefront.flat_params(weights), leaves[1],
-                                      leaves[2], lens, **options)
-    got = _grads(list(out), leaves + weights, [dy, dhy, dcy])
+    out = kernels(**options)
+    got = _grads(out, leaves + weights, upstream)
     torch.cuda.synchronize()
     # float64: the same rounded weights, inputs and upstream gradients.
     w64 = [w.detach().double().requires_grad_() for w in weights]
     l64 = [t.detach().double().requires_grad_() for t in leaves]
-    ref_out = wavefront.reference_forward("lstm", w64, l64[0], l64[1], l64[2], lengths)
-    ref = _grads(list(ref_out), l64 + w64, [dy.double(), dhy.double(), dcy.double()])
+    ref_out = [t for t in wavefront.reference_forward(kind, w64, l64[0], l64[1],
+                                                      l64[2] if lstm else None, lengths)
+               if t is not None]
+    ref = _grads(ref_out, l64 + w64, [u.double() for u in upstream])
     # cuDNN in the same dtype.
-    cl = [t.detach().clone().requires_grad_() for t in (x, h0, c0)]
+    cl = [t.detach().clone().requires_grad_() for t in leaves]
+    state = (cl[1], cl[2]) if lstm else cl[1]
     if lengths is None:
-        cy_, (chy, ccy) = mod(cl[0], (cl[1], cl[2]))
+        cy_, cst = mod(cl[0], state)
     else:
         packed = torch.nn.utils.rnn.pack_padded_sequence(cl[0], lengths.cpu(), enforce_sorted=False)
-        yp, (chy, ccy) = mod(packed, (cl[1], cl[2]))
+        yp, cst = mod(packed, state)
         cy_, _ = torch.nn.utils.rnn.pad_packed_sequence(yp, total_length=steps)
-    cud = _grads([cy_, chy, ccy], cl + list(mod._flat_weights), [dy, dhy, dcy])
-    names = _grad_names(layers)
+    cud_out = [cy_, *cst] if lstm else [cy_, cst]
+    cud = _grads(cud_out, cl + list(mod._flat_weights), upstream)
+    names = _grad_names(layers, kind)
     err = {n: rel(a, b) for n, a, b in zip(("y", "hy", "cy"), out, ref_out)}
-    cud_err = {n: rel(a, b) for n, a, b in zip(("y", "hy", "cy"), (cy_, chy, ccy), ref_out)}
+    cud_err = {n: rel(a, b) for n, a, b in zip(("y", "hy", "cy"), cud_out, ref_out)}
     err.update({n: rel(a, b) for n, a, b in zip(names, got, ref)})
     cud_err.update({n: rel(a, b) for n, a, b in zip(names, cud, ref)})
     tol = GRAD_TOL[dtype_name]
@@ -669,8 +684,25 @@ STACK_GRAD_CASES = [
 ]
 
 
-def random_grad_cases(n: int, seed: int):
-    """Random LSTM shapes that fit the forward (the backward's limits are wider)."""
+# A GRU's gradients (the per-layer backward; `grad` runs them unless
+# --backward stack): the LSTM's shapes, and one the forward refuses.
+GRU_GRAD_CASES = [
+    (1, 64, 3, 7, 5, "float16", False, "gru"),
+    (1, 8, 1, 1, 3, "float16", False, "gru"),
+    (2, 256, 8, 50, 40, "float16", True, "gru"),
+    (2, 256, 8, 50, 40, "bfloat16", True, "gru"),
+    (3, 384, 33, 40, 100, "float16", True, "gru"),
+    (1, 1024, 16, 30, 1024, "float16", False, "gru"),
+    (4, 512, 256, 20, 512, "bfloat16", True, "gru"),
+    (4, 512, 64, 1000, 512, "float16", False, "gru"),   # the headline
+    (8, 256, 16, 30, 256, "bfloat16", True, "gru"),
+    (8, 512, 64, 10, 512, "float16", False, "gru"),     # outside the forward's limits: refused
+]
+
+
+def random_grad_cases(n: int, seed: int, kind: str = "lstm"):
+    """Random shapes that fit the forward (the backward's limits are wider);
+    a GRU's cases carry the kind as their last item."""
     rng = random.Random(seed)
     cases = []
     for _ in range(n):
@@ -679,7 +711,7 @@ def random_grad_cases(n: int, seed: int):
         cases.append((layers, units, rng.choice([1, 2, 5, 16, 33, 64, 100]),
                       rng.randint(1, 120), rng.choice([units, 32, 300]),
                       rng.choice(["float16", "bfloat16"]), rng.random() < 0.5))
-    return cases
+    return cases if kind == "lstm" else [c + (kind,) for c in cases]
 
 
 BACKWARD = "layer"  # grad and train: --backward
@@ -693,6 +725,11 @@ def cmd_grad(args):
     cases = GRAD_CASES[: args.fixed] + random_grad_cases(args.random, args.seed)
     if BACKWARD == "stack":
         cases += STACK_GRAD_CASES
+    elif "gru" in args.kinds.split(","):  # the reverse wavefront is LSTM only
+        cases += GRU_GRAD_CASES[: args.fixed] + random_grad_cases(args.random, args.seed + 1,
+                                                                  kind="gru")
+    if "lstm" not in args.kinds.split(","):
+        cases = [c for c in cases if c[-1] == "gru"]
     return run_cases("grad", cases, grad_case, args.seed,
                      ("status", "failing", "worst", "cudnn_worst", "ratio_to_cudnn", "reason",
                       "seconds"), args.out)
@@ -923,6 +960,8 @@ def main(argv=None):
                    help="layer: one backward launch a layer; stack: the reverse wavefront")
     g.add_argument("--variant", type=int, choices=(0, 1, 2), default=0,
                    help="the stack backward's kernel variant (with --backward stack)")
+    g.add_argument("--kinds", default="lstm,gru",
+                   help="lstm, gru or both (a GRU's cases run unless --backward stack)")
     g.add_argument("--out", default="")
     tr = sub.add_parser("train")
     tr.add_argument("--cells", type=int, default=3)
