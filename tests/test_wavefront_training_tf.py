@@ -629,3 +629,15 @@ def test_run_trainable_names_the_backward_that_ran(monkeypatch, emulated_cudnn, 
     _, want = grads(lambda x, **kw: tf_backend.run_stack(x, kernel="cudnn", **kw))
     for a, b in zip(got, want):
         _close(a, b, 1e-9, 1e-12)
+
+
+def test_the_gru_reference_forward_is_the_saving_reference_in_float64():
+    """`reference_forward(kind="gru")` (a tf.scan: the GPU tests' float64
+    reference) gives the saving reference's y and hy, with lengths."""
+    x, _, h0, _, lengths = _inputs(2, 8, 4, 6, 5, True)
+    params = _gru_params(2, 8, 5, np.random.default_rng(5))
+    y, hy, cy = wt.reference_forward(x, params, h0, None, lengths, kind="gru")
+    want = wt.reference_forward_saving(x, params, h0, None, lengths, kind="gru")
+    assert cy is None
+    _close(y, want[0], 0, 1e-13)
+    _close(hy, want[1], 0, 1e-13)

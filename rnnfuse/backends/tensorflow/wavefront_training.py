@@ -630,12 +630,15 @@ def stack_recurrence_reference(params, input_size, gates, cseq, c0, dy, dhy, dcy
     return tf.stack(dgates), tf.stack(dh0), tf.stack(dc0)
 
 
-def reference_forward(x, params, h0, c0, lengths=None):
+def reference_forward(x, params, h0, c0, lengths=None, *, kind: str = "lstm"):
     """The stack in float64 with cuDNN's rules for lengths (outputs 0 past
     each length, final states at each length): plain TensorFlow ops (a
     `tf.scan` over time a layer, so it traces small in a `tf.function`), so
     a `GradientTape` gives its reference gradients. Inputs as
-    `trainable_forward`'s; returns (y, hy, cy) in float64."""
+    `trainable_forward`'s; returns (y, hy, cy) in float64 (a GRU's cy None;
+    its c0 is ignored)."""
+    if kind == "gru":
+        return _gru_reference_forward(x, params, h0, lengths)
     steps, batch, input_size, num_layers, units = _dims(x, h0)
     f64 = tf.float64
     _, alive = _alive(steps, batch, lengths)
@@ -665,3 +668,35 @@ def reference_forward(x, params, h0, c0, lengths=None):
         hy.append(hs[-1])
         cy.append(cs[-1])
     return inp, tf.stack(hy), tf.stack(cy)
+
+
+def _gru_reference_forward(x, params, h0, lengths):
+    """`reference_forward` of a GRU stack (r, z, n; reset_after: n = tanh(x
+    W_in + b_in + r (h W_hn + b_hn))): (y, hy, None) in float64."""
+    steps, batch, input_size, num_layers, units = _dims(x, h0)
+    f64 = tf.float64
+    _, alive = _alive(steps, batch, lengths)
+    params = tf.cast(params, f64)
+    views = _layer_views(params, num_layers, units, input_size, gates=3)
+    biases = _biases(params, num_layers, units, input_size, gates=3)
+    inp = tf.cast(x, f64)
+    hy = []
+    for l, (w_ih, w_hh) in enumerate(views):
+        n = int(inp.shape[-1])
+        xp = tf.reshape(tf.matmul(tf.reshape(inp, [-1, n]), w_ih, transpose_b=True),
+                        [steps, batch, 3 * units]) + biases[l][0]
+
+        def step(state, elems, w_hh=w_hh, b_hh=biases[l][1]):
+            h, _ = state
+            xp_t, live = elems
+            xr, xz, xn = tf.split(xp_t, 3, axis=1)
+            hr, hz, hn = tf.split(tf.matmul(h, w_hh, transpose_b=True) + b_hh, 3, axis=1)
+            r, z = tf.sigmoid(xr + hr), tf.sigmoid(xz + hz)
+            h_new = (1 - z) * tf.tanh(xn + r * hn) + z * h
+            live = live[:, None]
+            return tf.where(live, h_new, h), tf.where(live, h_new, tf.zeros_like(h_new))
+
+        h0_l = tf.cast(h0[l], f64)
+        hs, inp = tf.scan(step, (xp, alive), initializer=(h0_l, tf.zeros_like(h0_l)))
+        hy.append(hs[-1])
+    return inp, tf.stack(hy), None
