@@ -15,7 +15,9 @@ built into the cache (nvcc + g++).
     python3 bench/bench_wavefront.py check --variant 1 --random 12 --out $OUT/check_v1.json
     python3 bench/bench_wavefront.py bench --cells headline --variants 0,1 --out $OUT/bench_v01.json
     python3 bench/bench_wavefront.py trace --variant 1 --out $OUT/trace_v1.json
-    python3 bench/bench_wavefront.py grad --random 4 --out $OUT/grad.json   # LSTM and GRU gradients
+    python3 bench/bench_wavefront.py grad --random 4 --out $OUT/grad.json   # LSTM gradients
+    python3 bench/bench_wavefront.py grad --kinds gru --random 4 --out $OUT/grad_gru.json   # GRU
+    python3 bench/bench_wavefront.py train --kinds gru --cells 1 --out $OUT/train_gru.json
     python3 bench/bench_wavefront.py train --out $OUT/train.json    # a training step's time
     # the reverse-wavefront backward (v2, opt-in): one launch for every layer
     python3 bench/bench_wavefront.py grad --random 4 --backward stack --out $OUT/grad_stack.json
@@ -34,10 +36,11 @@ fallback to cuDNN), never run. `bench`: CUDA-event medians of the kernel
 (torch's, the standard algorithm) and one call per layer (where torch runs
 cuDNN's persistent kernel for float16), in ms, us a dependent step and
 TFLOP/s next to the floor at 790 TFLOP/s (the H200's measured dense rate).
-`grad`: an LSTM's and a GRU's outputs AND gradients (dx, dh0, an LSTM's
-dc0, every weight and bias) through `wavefront.trainable_forward` (the
-forward saving gates and c, or a GRU's r, z, n, W_hn h + b_hn and h_{t-1};
-the backward kernel; `--kinds lstm` or `gru` runs one kind) against autograd of the float64 reference of the
+`grad`: an LSTM's (and with `--kinds lstm,gru` or `gru` a GRU's, on
+GRU_GRAD_CASES and random GRU shapes) outputs AND gradients (dx, dh0, an
+LSTM's dc0, every weight and bias) through `wavefront.trainable_forward`
+(the forward saving gates and c, or a GRU's r, z, n, W_hn h + b_hn and
+h_{t-1}; the backward kernel, per layer for a GRU) against autograd of the float64 reference of the
 same rounded weights and against cuDNN's gradient in the same dtype, for
 the same upstream gradients; a shape outside the kernels' limits must
 raise WavefrontError. `train`: CUDA-event medians of a training step
@@ -735,8 +738,10 @@ def cmd_grad(args):
                       "seconds"), args.out)
 
 
-def train_cell(layers, units, batch, steps, dtype_name, reps):
+def train_cell(layers, units, batch, steps, dtype_name, reps, kind="lstm"):
     """A training step (forward + every gradient) on the kernels and on cuDNN."""
+    if kind == "gru":
+        return train_cell_gru(layers, units, batch, steps, dtype_name, reps)
     dtype = DTYPES[dtype_name]
     gen = torch.Generator(device="cuda").manual_seed(3)
     mod = make_module("lstm", layers, units, units, dtype, gen)
@@ -781,6 +786,53 @@ def train_cell(layers, units, batch, steps, dtype_name, reps):
         row.update(train_stack(layers, units, leaves, x, params, h0, c0, dy, ours, reps))
         row["speedup_vs_cudnn_stack"] = (row["cudnn_train_step_ms"]
                                          / row["ours_train_step_stack_ms"])
+    return row
+
+
+def train_cell_gru(layers, units, batch, steps, dtype_name, reps):
+    """`train_cell` of a GRU stack: its per-layer backward (the reverse
+    wavefront is LSTM only) against cuDNN's (torch.nn.GRU, torch._VF.gru)."""
+    dtype = DTYPES[dtype_name]
+    gen = torch.Generator(device="cuda").manual_seed(3)
+    mod = make_module("gru", layers, units, units, dtype, gen)
+    x = torch.randn(steps, batch, units, generator=gen, device="cuda").to(dtype)
+    h0 = torch.zeros(layers, batch, units, device="cuda", dtype=dtype)
+    dy = torch.randn(steps, batch, units, generator=gen, device="cuda").to(dtype)
+    row = dict(kind="gru", layers=layers, units=units, batch=batch, steps=steps,
+               dtype=dtype_name)
+    params = wavefront.flat_params(mod).detach().clone()
+    leaves = [t.clone().requires_grad_() for t in (x, params, h0)]
+
+    def ours():
+        y, _, _ = wavefront.trainable_forward(leaves[0], leaves[1], leaves[2], None,
+                                              backward="layer", kind="gru")
+        return torch.autograd.grad([y], leaves, [dy])
+
+    cl = [t.clone().requires_grad_() for t in (x, h0)]
+
+    def cudnn():
+        y, _ = mod(cl[0], cl[1])
+        return torch.autograd.grad([y], cl + list(mod._flat_weights), [dy])
+
+    with torch.no_grad():
+        row["ours_forward_inference_ms"] = time_ms(
+            lambda: wavefront.forward(x, params, h0, None, None, kind="gru"), reps)
+        row["ours_forward_saving_ms"] = time_ms(
+            lambda: wavefront.forward_training(x, params, h0, None, None, kind="gru"), reps)
+        y, hy, _, saved = wavefront.forward_training(x, params, h0, None, None, kind="gru")
+        row["ours_backward_ms"] = time_ms(
+            lambda: wavefront.backward_stack(params, x, h0, None, None, y, saved, dy, None, None,
+                                             kind="gru"), reps)
+        views = wavefront._layer_views(params, layers, units, units, gates=3)
+        row["ours_recurrence_one_layer_ms"] = time_ms(
+            lambda: wavefront.backward_layer(views[-1][1].contiguous(), saved[1][-1],
+                                             saved[2][-1], None, dy, torch.zeros_like(h0[-1]),
+                                             None, None, kind="gru"), reps)
+    row["ours_train_step_ms"] = time_ms(ours, reps)
+    row["cudnn_train_step_ms"] = time_ms(cudnn, reps)
+    with torch.no_grad():
+        row["cudnn_forward_inference_ms"] = time_ms(lambda: mod(x, h0), reps)
+    row["speedup_vs_cudnn"] = row["cudnn_train_step_ms"] / row["ours_train_step_ms"]
     return row
 
 
@@ -877,9 +929,12 @@ def cmd_train(args):
     rows = []
     cells = [(4, 512, 64, 1000, "float16"), (4, 512, 64, 1000, "bfloat16"),
              (2, 256, 8, 1000, "float16")]
-    for cell in cells[: args.cells]:
+    kinds = args.kinds.split(",")
+    if "gru" in kinds and BACKWARD == "stack":
+        raise SystemExit("train --backward stack times the reverse wavefront: LSTM only")
+    for cell in [(*c, k) for k in kinds for c in cells[: args.cells]]:
         try:
-            row = train_cell(*cell, reps=args.reps)
+            row = train_cell(*cell[:5], reps=args.reps, kind=cell[5])
         except Exception as exc:  # noqa: BLE001
             row = dict(cell=list(cell), error=f"{type(exc).__name__}: {exc}")
         rows.append(row)
@@ -960,8 +1015,8 @@ def main(argv=None):
                    help="layer: one backward launch a layer; stack: the reverse wavefront")
     g.add_argument("--variant", type=int, choices=(0, 1, 2), default=0,
                    help="the stack backward's kernel variant (with --backward stack)")
-    g.add_argument("--kinds", default="lstm,gru",
-                   help="lstm, gru or both (a GRU's cases run unless --backward stack)")
+    g.add_argument("--kinds", default="lstm",
+                   help="lstm, gru or lstm,gru (a GRU's cases run unless --backward stack)")
     g.add_argument("--out", default="")
     tr = sub.add_parser("train")
     tr.add_argument("--cells", type=int, default=3)
@@ -972,6 +1027,7 @@ def main(argv=None):
                     help="the stack backward's kernel variant (with --backward stack)")
     tr.add_argument("--variants", default="",
                     help="e.g. 0,1,2: time these stack-backward variants interleaved")
+    tr.add_argument("--kinds", default="lstm", help="lstm, gru or lstm,gru")
     tr.add_argument("--out", default="")
     args = ap.parse_args(argv)
     return {"check": cmd_check, "bench": cmd_bench, "modes": cmd_modes,
