@@ -202,8 +202,9 @@ def run_trainable(
     dropout: float = 0.0,
 ) -> StackRun:
     """`run_stack` for training: the kernel's forward AND backward (an LSTM
-    or GRU stack; a GRU's backward is per layer). The gradient with respect to the sequences, the initial states
-    and every variable the call read (through `pack_params`) is
+    or GRU stack; a GRU's backward is per layer). The gradient with
+    respect to the sequences, the initial states and every variable the
+    call read (through `pack_params`) is
     `wavefront_training.backward_stack_wavefront`'s (one reverse-wavefront
     launch for every layer) where the stack backward's plan accepts the
     stack, else `backward_stack`'s (per layer from the top the backward

@@ -24,7 +24,8 @@
 //   sequence_lengths [B] int32 in host memory, each in [1, T]; or [0]: all T
 // Outputs: output [T, B, H] (0 past each length), output_h, output_c
 // ([L, B, H]; output_c is [0] for a GRU). RnnfuseWavefrontSaving takes the
-// same inputs and adds hseq, gates and cseq (see its class); RnnfuseWavefrontBackward is one layer's backward recurrence,
+// same inputs and adds hseq, gates and cseq (see its class);
+// RnnfuseWavefrontBackward is one layer's backward recurrence,
 // RnnfuseWavefrontBackwardStack the whole stack's (see their classes).
 // A shape outside the kernel's limits is an Unimplemented op error naming
 // the limit (Python checks the same plan first and runs cuDNN instead).
