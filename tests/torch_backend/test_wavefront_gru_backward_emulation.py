@@ -1,5 +1,6 @@
-"""The GRU case of the per-layer backward kernel (`backward_body`,
-csrc/wavefront.cu, BwdArgs::gru = 1), emulated on the CPU in float64.
+"""The GRU case of the per-layer backward kernel (`backward_body<T, true>`,
+csrc/wavefront.cu, kernels rnnfuse_wf_backward_gru_*), emulated on the CPU in
+float64.
 
 `emulate` follows the kernel's index arithmetic: each warp's W_hh^T
 fragments as the kernel loads them (the mma A layout: lane -> unit rows

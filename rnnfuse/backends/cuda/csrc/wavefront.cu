@@ -798,10 +798,11 @@ __device__ __forceinline__ void wavefront_body(const Args& a) {
 }
 
 // ---------------------------------------------------------------------------
-// The backward kernel of one LSTM or GRU layer (wavefront.cuh: "The
-// backward kernel"). CTA (group s, block j) owns units [16j, 16j+16) of the
-// batch rows [s*rows, (s+1)*rows).
-template <typename T>
+// The backward kernel of one LSTM (kGru false) or GRU (kGru true) layer
+// (wavefront.cuh: "The backward kernel", "The GRU backward"). CTA (group s,
+// block j) owns units [16j, 16j+16) of the batch rows [s*rows, (s+1)*rows).
+// The GRU is a template parameter, so the LSTM's kernels compile as before.
+template <typename T, bool kGru>
 __device__ __forceinline__ void backward_body(const BwdArgs& a) {
   using E = Elem<T>;
   extern __shared__ __align__(16) unsigned char smem[];
@@ -832,8 +833,8 @@ __device__ __forceinline__ void backward_body(const BwdArgs& a) {
     for (int q = 0; q < 4; ++q) {
       const int r = (lane >> 2) + ((q & 1) ? 8 : 0);
       const int k = (warp * kt + jt) * 16 + (lane & 3) * 2 + ((q & 2) ? 8 : 0);
-      const int krow = a.gru && k >= 3 * H ? k - H : k;
-      const bool zero = a.gru && k >= 2 * H && k < 3 * H;
+      const int krow = kGru && k >= 3 * H ? k - H : k;
+      const bool zero = kGru && k >= 2 * H && k < 3 * H;
       uint32_t w = 0;
       if (jt < kt && u0 + r < H && k < G4 && !zero) {
         const size_t off = static_cast<size_t>(krow) * H + u0 + r;
@@ -945,12 +946,12 @@ __device__ __forceinline__ void backward_body(const BwdArgs& a) {
         const size_t o = static_cast<size_t>(nb) * H + ug;
         if (t < 0) {
           // A GRU's h0 also gets the direct path dh_0 z_0 (the carry).
-          a.dh0[o] = rec + (a.gru ? dcs[nl * kBwdUnits + u] : 0.0f);
+          a.dh0[o] = kGru ? rec + dcs[nl * kBwdUnits + u] : rec;
         } else {
           const int len = lens[nl];
           float da[4] = {0.0f, 0.0f, 0.0f, 0.0f};
           float carry = 0.0f;
-          if (a.gru) {
+          if (kGru) {
             if (t < len) {
               // h_t = (1 - z) n + z h_{t-1}, n = tanh(x_n + r (W_hn h_{t-1} + b_hn)):
               // carry = dh_t z (the direct path into dh_{t-1}); da = (dr, dz,
@@ -993,7 +994,7 @@ __device__ __forceinline__ void backward_body(const BwdArgs& a) {
           T* dp = dgates + (static_cast<size_t>(t) * B + nb) * G4 + ug;
 #pragma unroll
           for (int g = 0; g < 4; ++g) dp[g * H] = T(da[g]);
-          if (t == 0 && !a.gru) a.dc0[o] = carry;
+          if (!kGru && t == 0) a.dc0[o] = carry;
         }
       }
       __syncthreads();  // ds and part are the next chunk's
@@ -1604,12 +1605,23 @@ extern "C" __global__ void __launch_bounds__(rnnfuse_wf::kThreads, 1)
 
 extern "C" __global__ void __launch_bounds__(rnnfuse_wf::kThreads, 1)
     rnnfuse_wf_backward_f16(const __grid_constant__ rnnfuse_wf::BwdArgs a) {
-  rnnfuse_wf::backward_body<__half>(a);
+  rnnfuse_wf::backward_body<__half, false>(a);
 }
 
 extern "C" __global__ void __launch_bounds__(rnnfuse_wf::kThreads, 1)
     rnnfuse_wf_backward_bf16(const __grid_constant__ rnnfuse_wf::BwdArgs a) {
-  rnnfuse_wf::backward_body<__nv_bfloat16>(a);
+  rnnfuse_wf::backward_body<__nv_bfloat16, false>(a);
+}
+
+// The GRU backward (wavefront.cuh, "The GRU backward").
+extern "C" __global__ void __launch_bounds__(rnnfuse_wf::kThreads, 1)
+    rnnfuse_wf_backward_gru_f16(const __grid_constant__ rnnfuse_wf::BwdArgs a) {
+  rnnfuse_wf::backward_body<__half, true>(a);
+}
+
+extern "C" __global__ void __launch_bounds__(rnnfuse_wf::kThreads, 1)
+    rnnfuse_wf_backward_gru_bf16(const __grid_constant__ rnnfuse_wf::BwdArgs a) {
+  rnnfuse_wf::backward_body<__nv_bfloat16, true>(a);
 }
 
 extern "C" __global__ void __launch_bounds__(rnnfuse_wf::kThreads, 1)

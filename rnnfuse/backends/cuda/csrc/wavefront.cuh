@@ -202,7 +202,8 @@ struct Args {
 // c_out), dc carried in shared memory in float32, da written in the
 // element type; then publish, as in the forward.
 //
-// The GRU backward (BwdArgs::gru = 1; the same kernel, plan and launch):
+// The GRU backward (kernels rnnfuse_wf_backward_gru_f16 / _bf16,
+// backward_body<T, true>; the same BwdArgs, plan and launch):
 // with the forward's saved r, z, n, hn = W_hn h_{t-1} + b_hn and h_{t-1}
 // (gates_out, c_out), for t = T-1 .. 0
 //   dh_t  = dy_t + W_hh^T' da_{t+1} + carry_{t+1}   (+ dhy at t = len-1)
@@ -241,8 +242,6 @@ struct BwdArgs {
   float* dh0;          // [B][H] out
   float* dc0;          // [B][H] out (LSTM)
   unsigned* flags;     // [ctas + 1], zero at launch; flags[ctas] != 0: a wait timed out
-  // Last, so that the LSTM's parameter offsets stay as they were:
-  int gru;             // 0: LSTM; 1: GRU (see "The GRU backward" above)
 };
 
 // ---------------------------------------------------------------------------

@@ -144,12 +144,14 @@ struct Kernels {
   CUfunction f16 = nullptr, bf16 = nullptr;
   CUfunction f16_v1 = nullptr, bf16_v1 = nullptr;  // the forward's variant 1
   CUfunction bwd_f16 = nullptr, bwd_bf16 = nullptr;
+  CUfunction bwd_gru_f16 = nullptr, bwd_gru_bf16 = nullptr;  // the GRU backward
   CUfunction bwds_f16 = nullptr, bwds_bf16 = nullptr;
   // The stack backward's variants 1 and 2 (wavefront.cuh, "Variants").
   CUfunction bwds_v_f16[2] = {nullptr, nullptr}, bwds_v_bf16[2] = {nullptr, nullptr};
   int configured_bwds_v_smem[2] = {0, 0};
   int configured_smem = 0, configured_bwd_smem = 0, configured_bwds_smem = 0;
   int configured_v1_smem = 0;
+  int configured_bwd_gru_smem = 0;
 };
 
 std::mutex g_mu;
@@ -167,6 +169,10 @@ int GetKernels(Driver* d, CUcontext ctx, Kernels** out) {
     RF_CHECK_CU(d, d->cuModuleGetFunction_(&k.bf16_v1, k.module, "rnnfuse_wf_forward_v1_bf16"));
     RF_CHECK_CU(d, d->cuModuleGetFunction_(&k.bwd_f16, k.module, "rnnfuse_wf_backward_f16"));
     RF_CHECK_CU(d, d->cuModuleGetFunction_(&k.bwd_bf16, k.module, "rnnfuse_wf_backward_bf16"));
+    RF_CHECK_CU(d, d->cuModuleGetFunction_(&k.bwd_gru_f16, k.module,
+                                           "rnnfuse_wf_backward_gru_f16"));
+    RF_CHECK_CU(d, d->cuModuleGetFunction_(&k.bwd_gru_bf16, k.module,
+                                           "rnnfuse_wf_backward_gru_bf16"));
     RF_CHECK_CU(d, d->cuModuleGetFunction_(&k.bwds_f16, k.module,
                                            "rnnfuse_wf_backward_stack_f16"));
     RF_CHECK_CU(d, d->cuModuleGetFunction_(&k.bwds_bf16, k.module,
@@ -521,7 +527,6 @@ __attribute__((visibility("default"))) int rnnfuse_wf_backward_kind(
   if (sc.rc != 0) return -1;
   rnnfuse_wf::BwdArgs args;
   if (!PlanBackwardInto(units, batch, steps, sc.sms, sc.smem_limit, &args)) return -1;
-  args.gru = gru;
   args.w_hh = w_hh;
   args.gates = gates;
   args.cseq = cseq;
@@ -536,10 +541,12 @@ __attribute__((visibility("default"))) int rnnfuse_wf_backward_kind(
   args.flags = static_cast<unsigned*>(workspace);
   Kernels* k = nullptr;
   if (GetKernels(d, sc.ctx, &k) != 0) return -1;
-  if (ConfigureSmem(d, k->bwd_f16, k->bwd_bf16, args.smem_total, &k->configured_bwd_smem) != 0)
-    return -1;
-  return LaunchCooperative(d, dtype == 0 ? k->bwd_f16 : k->bwd_bf16, s, sc.sms, args.ctas,
-                           args.smem_total, &args, workspace, BwdFlagBytes() / 4);
+  CUfunction f16 = gru ? k->bwd_gru_f16 : k->bwd_f16;
+  CUfunction bf16 = gru ? k->bwd_gru_bf16 : k->bwd_bf16;
+  int* configured = gru ? &k->configured_bwd_gru_smem : &k->configured_bwd_smem;
+  if (ConfigureSmem(d, f16, bf16, args.smem_total, configured) != 0) return -1;
+  return LaunchCooperative(d, dtype == 0 ? f16 : bf16, s, sc.sms, args.ctas, args.smem_total,
+                           &args, workspace, BwdFlagBytes() / 4);
 }
 
 // The backward recurrence of one LSTM layer: rnnfuse_wf_backward_kind with
