@@ -16,6 +16,8 @@ built into the cache (nvcc + g++).
     python3 bench/bench_wavefront.py bench --cells headline --variants 0,1 --out $OUT/bench_v01.json
     python3 bench/bench_wavefront.py trace --variant 1 --out $OUT/trace_v1.json
     python3 bench/bench_wavefront.py grad --random 4 --out $OUT/grad.json   # LSTM gradients
+    python3 bench/bench_wavefront.py grad --kinds gru --random 4 --out $OUT/grad_gru.json   # GRU
+    python3 bench/bench_wavefront.py train --kinds gru --cells 1 --out $OUT/train_gru.json
     python3 bench/bench_wavefront.py train --out $OUT/train.json    # a training step's time
     # the reverse-wavefront backward (v2, opt-in): one launch for every layer
     python3 bench/bench_wavefront.py grad --random 4 --backward stack --out $OUT/grad_stack.json
@@ -34,9 +36,11 @@ fallback to cuDNN), never run. `bench`: CUDA-event medians of the kernel
 (torch's, the standard algorithm) and one call per layer (where torch runs
 cuDNN's persistent kernel for float16), in ms, us a dependent step and
 TFLOP/s next to the floor at 790 TFLOP/s (the H200's measured dense rate).
-`grad`: an LSTM's outputs AND gradients (dx, dh0, dc0, every weight and
-bias) through `wavefront.trainable_forward` (the forward saving gates and
-c, the backward kernel) against autograd of the float64 reference of the
+`grad`: an LSTM's (and with `--kinds lstm,gru` or `gru` a GRU's, on
+GRU_GRAD_CASES and random GRU shapes) outputs AND gradients (dx, dh0, an
+LSTM's dc0, every weight and bias) through `wavefront.trainable_forward`
+(the forward saving gates and c, or a GRU's r, z, n, W_hn h + b_hn and
+h_{t-1}; the backward kernel, per layer for a GRU) against autograd of the float64 reference of the
 same rounded weights and against cuDNN's gradient in the same dtype, for
 the same upstream gradients; a shape outside the kernels' limits must
 raise WavefrontError. `train`: CUDA-event medians of a training step
@@ -552,8 +556,8 @@ def cmd_trace(args):
 GRAD_TOL = {"float16": 5e-3, "bfloat16": 4e-2}
 
 
-def _grad_names(layers):
-    names = ["dx", "dh0", "dc0"]
+def _grad_names(layers, kind="lstm"):
+    names = ["dx", "dh0", "dc0"] if kind == "lstm" else ["dx", "dh0"]
     for l in range(layers):
         names += [f"w_ih{l}", f"w_hh{l}", f"b_ih{l}", f"b_hh{l}"]
     return names
@@ -563,11 +567,17 @@ def _grads(outputs, inputs, upstream):
     return [g for g in torch.autograd.grad(outputs, inputs, upstream)]
 
 
-def grad_case(layers, units, batch, steps, inputs, dtype_name, with_lengths, seed):
-    """One LSTM's outputs and gradients: the kernels, float64, cuDNN."""
+def grad_case(layers, units, batch, steps, inputs, dtype_name, with_lengths, kind="lstm", *,
+              seed):
+    """One LSTM's or GRU's outputs and gradients: the kernels, float64, cuDNN.
+    A GRU has no c0/cy (and no reverse-wavefront backward: --backward stack
+    is an error for it); its backward is the per-layer kernel."""
+    if kind == "gru" and BACKWARD == "stack":
+        raise ValueError("grad_case: the reverse-wavefront backward runs LSTM stacks only")
+    lstm = kind == "lstm"
     dtype = DTYPES[dtype_name]
     gen = torch.Generator(device="cuda").manual_seed(seed)
-    mod = make_module("lstm", layers, units, inputs, dtype, gen)
+    mod = make_module(kind, layers, units, inputs, dtype, gen)
     x = torch.randn(steps, batch, inputs, generator=gen, device="cuda").to(dtype)
     h0 = (torch.randn(layers, batch, units, generator=gen, device="cuda") * 0.5).to(dtype)
     c0 = (torch.randn(layers, batch, units, generator=gen, device="cuda") * 0.5).to(dtype)
@@ -578,11 +588,19 @@ def grad_case(layers, units, batch, steps, inputs, dtype_name, with_lengths, see
     if with_lengths:
         lengths = torch.randint(1, steps + 1, (batch,), generator=gen, device="cuda")
         lengths[0] = steps
-    row = dict(layers=layers, units=units, batch=batch, steps=steps, inputs=inputs,
+    row = dict(kind=kind, layers=layers, units=units, batch=batch, steps=steps, inputs=inputs,
                dtype=dtype_name, lengths=with_lengths, seed=seed, backward=BACKWARD)
     weights = [w.detach().clone().requires_grad_() for w in mod._flat_weights]
-    leaves = [t.clone().requires_grad_() for t in (x, h0, c0)]
+    leaves = [t.clone().requires_grad_() for t in ((x, h0, c0) if lstm else (x, h0))]
+    upstream = [dy, dhy, dcy] if lstm else [dy, dhy]
     lens = lengths.to(torch.int32) if lengths is not None else None
+
+    def kernels(**options):  # (x, params, h0, c0 or None, lengths) -> outputs, no None
+        out = wavefront.trainable_forward(leaves[0], wavefront.flat_params(weights), leaves[1],
+                                          leaves[2] if lstm else None, lens, kind=kind,
+                                          **options)
+        return [t for t in out if t is not None]
+
     if BACKWARD == "stack":
         reason = (wavefront.unsupported_reason("lstm", layers, units, batch, steps, inputs,
                                                dtype, torch.device("cuda"))
@@ -597,39 +615,39 @@ def grad_case(layers, units, batch, steps, inputs, dtype_name, with_lengths, see
                                                          variant=VARIANT)
             row["variant"] = planned if isinstance(planned, str) else planned["variant"]
         if reason is not None:  # the refusal comes from the backward pass's plan
-            return refused_row(row, reason, lambda: _grads(
-                list(wavefront.trainable_forward(leaves[0], wavefront.flat_params(weights),
-                                                 leaves[1], leaves[2], lens, **options)),
-                leaves + weights, [dy, dhy, dcy]))
+            return refused_row(row, reason, lambda: _grads(kernels(**options), leaves + weights,
+                                                           upstream))
     else:
-        reason = wavefront.training_reason("lstm", layers, units, batch, steps, inputs, dtype,
+        reason = wavefront.training_reason(kind, layers, units, batch, steps, inputs, dtype,
                                            torch.device("cuda"))
         options = dict(backward=BACKWARD)  # "layer", or "auto" (the default path)
         if reason is not None:
-            return refused_row(row, reason, lambda: wavefront.trainable_forward(
-                leaves[0], wavefront.flat_params(weights), leaves[1], leaves[2], lengths))
+            return refused_row(row, reason, lambda: kernels(**options))
     t0 = time.perf_counter()
-    out = wavefront.trainable_forward(leaves[0], wavefront.flat_params(weights), leaves[1],
-                                      leaves[2], lens, **options)
-    got = _grads(list(out), leaves + weights, [dy, dhy, dcy])
+    out = kernels(**options)
+    got = _grads(out, leaves + weights, upstream)
     torch.cuda.synchronize()
     # float64: the same rounded weights, inputs and upstream gradients.
     w64 = [w.detach().double().requires_grad_() for w in weights]
     l64 = [t.detach().double().requires_grad_() for t in leaves]
-    ref_out = wavefront.reference_forward("lstm", w64, l64[0], l64[1], l64[2], lengths)
-    ref = _grads(list(ref_out), l64 + w64, [dy.double(), dhy.double(), dcy.double()])
+    ref_out = [t for t in wavefront.reference_forward(kind, w64, l64[0], l64[1],
+                                                      l64[2] if lstm else None, lengths)
+               if t is not None]
+    ref = _grads(ref_out, l64 + w64, [u.double() for u in upstream])
     # cuDNN in the same dtype.
-    cl = [t.detach().clone().requires_grad_() for t in (x, h0, c0)]
+    cl = [t.detach().clone().requires_grad_() for t in leaves]
+    state = (cl[1], cl[2]) if lstm else cl[1]
     if lengths is None:
-        cy_, (chy, ccy) = mod(cl[0], (cl[1], cl[2]))
+        cy_, cst = mod(cl[0], state)
     else:
         packed = torch.nn.utils.rnn.pack_padded_sequence(cl[0], lengths.cpu(), enforce_sorted=False)
-        yp, (chy, ccy) = mod(packed, (cl[1], cl[2]))
+        yp, cst = mod(packed, state)
         cy_, _ = torch.nn.utils.rnn.pad_packed_sequence(yp, total_length=steps)
-    cud = _grads([cy_, chy, ccy], cl + list(mod._flat_weights), [dy, dhy, dcy])
-    names = _grad_names(layers)
+    cud_out = [cy_, *cst] if lstm else [cy_, cst]
+    cud = _grads(cud_out, cl + list(mod._flat_weights), upstream)
+    names = _grad_names(layers, kind)
     err = {n: rel(a, b) for n, a, b in zip(("y", "hy", "cy"), out, ref_out)}
-    cud_err = {n: rel(a, b) for n, a, b in zip(("y", "hy", "cy"), (cy_, chy, ccy), ref_out)}
+    cud_err = {n: rel(a, b) for n, a, b in zip(("y", "hy", "cy"), cud_out, ref_out)}
     err.update({n: rel(a, b) for n, a, b in zip(names, got, ref)})
     cud_err.update({n: rel(a, b) for n, a, b in zip(names, cud, ref)})
     tol = GRAD_TOL[dtype_name]
@@ -669,8 +687,25 @@ STACK_GRAD_CASES = [
 ]
 
 
-def random_grad_cases(n: int, seed: int):
-    """Random LSTM shapes that fit the forward (the backward's limits are wider)."""
+# A GRU's gradients (the per-layer backward; `grad` runs them unless
+# --backward stack): the LSTM's shapes, and one the forward refuses.
+GRU_GRAD_CASES = [
+    (1, 64, 3, 7, 5, "float16", False, "gru"),
+    (1, 8, 1, 1, 3, "float16", False, "gru"),
+    (2, 256, 8, 50, 40, "float16", True, "gru"),
+    (2, 256, 8, 50, 40, "bfloat16", True, "gru"),
+    (3, 384, 33, 40, 100, "float16", True, "gru"),
+    (1, 1024, 16, 30, 1024, "float16", False, "gru"),
+    (4, 512, 256, 20, 512, "bfloat16", True, "gru"),
+    (4, 512, 64, 1000, 512, "float16", False, "gru"),   # the headline
+    (8, 256, 16, 30, 256, "bfloat16", True, "gru"),
+    (8, 512, 64, 10, 512, "float16", False, "gru"),     # outside the forward's limits: refused
+]
+
+
+def random_grad_cases(n: int, seed: int, kind: str = "lstm"):
+    """Random shapes that fit the forward (the backward's limits are wider);
+    a GRU's cases carry the kind as their last item."""
     rng = random.Random(seed)
     cases = []
     for _ in range(n):
@@ -679,7 +714,7 @@ def random_grad_cases(n: int, seed: int):
         cases.append((layers, units, rng.choice([1, 2, 5, 16, 33, 64, 100]),
                       rng.randint(1, 120), rng.choice([units, 32, 300]),
                       rng.choice(["float16", "bfloat16"]), rng.random() < 0.5))
-    return cases
+    return cases if kind == "lstm" else [c + (kind,) for c in cases]
 
 
 BACKWARD = "layer"  # grad and train: --backward
@@ -693,13 +728,20 @@ def cmd_grad(args):
     cases = GRAD_CASES[: args.fixed] + random_grad_cases(args.random, args.seed)
     if BACKWARD == "stack":
         cases += STACK_GRAD_CASES
+    elif "gru" in args.kinds.split(","):  # the reverse wavefront is LSTM only
+        cases += GRU_GRAD_CASES[: args.fixed] + random_grad_cases(args.random, args.seed + 1,
+                                                                  kind="gru")
+    if "lstm" not in args.kinds.split(","):
+        cases = [c for c in cases if c[-1] == "gru"]
     return run_cases("grad", cases, grad_case, args.seed,
                      ("status", "failing", "worst", "cudnn_worst", "ratio_to_cudnn", "reason",
                       "seconds"), args.out)
 
 
-def train_cell(layers, units, batch, steps, dtype_name, reps):
+def train_cell(layers, units, batch, steps, dtype_name, reps, kind="lstm"):
     """A training step (forward + every gradient) on the kernels and on cuDNN."""
+    if kind == "gru":
+        return train_cell_gru(layers, units, batch, steps, dtype_name, reps)
     dtype = DTYPES[dtype_name]
     gen = torch.Generator(device="cuda").manual_seed(3)
     mod = make_module("lstm", layers, units, units, dtype, gen)
@@ -744,6 +786,53 @@ def train_cell(layers, units, batch, steps, dtype_name, reps):
         row.update(train_stack(layers, units, leaves, x, params, h0, c0, dy, ours, reps))
         row["speedup_vs_cudnn_stack"] = (row["cudnn_train_step_ms"]
                                          / row["ours_train_step_stack_ms"])
+    return row
+
+
+def train_cell_gru(layers, units, batch, steps, dtype_name, reps):
+    """`train_cell` of a GRU stack: its per-layer backward (the reverse
+    wavefront is LSTM only) against cuDNN's (torch.nn.GRU, torch._VF.gru)."""
+    dtype = DTYPES[dtype_name]
+    gen = torch.Generator(device="cuda").manual_seed(3)
+    mod = make_module("gru", layers, units, units, dtype, gen)
+    x = torch.randn(steps, batch, units, generator=gen, device="cuda").to(dtype)
+    h0 = torch.zeros(layers, batch, units, device="cuda", dtype=dtype)
+    dy = torch.randn(steps, batch, units, generator=gen, device="cuda").to(dtype)
+    row = dict(kind="gru", layers=layers, units=units, batch=batch, steps=steps,
+               dtype=dtype_name)
+    params = wavefront.flat_params(mod).detach().clone()
+    leaves = [t.clone().requires_grad_() for t in (x, params, h0)]
+
+    def ours():
+        y, _, _ = wavefront.trainable_forward(leaves[0], leaves[1], leaves[2], None,
+                                              backward="layer", kind="gru")
+        return torch.autograd.grad([y], leaves, [dy])
+
+    cl = [t.clone().requires_grad_() for t in (x, h0)]
+
+    def cudnn():
+        y, _ = mod(cl[0], cl[1])
+        return torch.autograd.grad([y], cl + list(mod._flat_weights), [dy])
+
+    with torch.no_grad():
+        row["ours_forward_inference_ms"] = time_ms(
+            lambda: wavefront.forward(x, params, h0, None, None, kind="gru"), reps)
+        row["ours_forward_saving_ms"] = time_ms(
+            lambda: wavefront.forward_training(x, params, h0, None, None, kind="gru"), reps)
+        y, hy, _, saved = wavefront.forward_training(x, params, h0, None, None, kind="gru")
+        row["ours_backward_ms"] = time_ms(
+            lambda: wavefront.backward_stack(params, x, h0, None, None, y, saved, dy, None, None,
+                                             kind="gru"), reps)
+        views = wavefront._layer_views(params, layers, units, units, gates=3)
+        row["ours_recurrence_one_layer_ms"] = time_ms(
+            lambda: wavefront.backward_layer(views[-1][1].contiguous(), saved[1][-1],
+                                             saved[2][-1], None, dy, torch.zeros_like(h0[-1]),
+                                             None, None, kind="gru"), reps)
+    row["ours_train_step_ms"] = time_ms(ours, reps)
+    row["cudnn_train_step_ms"] = time_ms(cudnn, reps)
+    with torch.no_grad():
+        row["cudnn_forward_inference_ms"] = time_ms(lambda: mod(x, h0), reps)
+    row["speedup_vs_cudnn"] = row["cudnn_train_step_ms"] / row["ours_train_step_ms"]
     return row
 
 
@@ -840,9 +929,12 @@ def cmd_train(args):
     rows = []
     cells = [(4, 512, 64, 1000, "float16"), (4, 512, 64, 1000, "bfloat16"),
              (2, 256, 8, 1000, "float16")]
-    for cell in cells[: args.cells]:
+    kinds = args.kinds.split(",")
+    if "gru" in kinds and BACKWARD == "stack":
+        raise SystemExit("train --backward stack times the reverse wavefront: LSTM only")
+    for cell in [(*c, k) for k in kinds for c in cells[: args.cells]]:
         try:
-            row = train_cell(*cell, reps=args.reps)
+            row = train_cell(*cell[:5], reps=args.reps, kind=cell[5])
         except Exception as exc:  # noqa: BLE001
             row = dict(cell=list(cell), error=f"{type(exc).__name__}: {exc}")
         rows.append(row)
@@ -923,6 +1015,8 @@ def main(argv=None):
                    help="layer: one backward launch a layer; stack: the reverse wavefront")
     g.add_argument("--variant", type=int, choices=(0, 1, 2), default=0,
                    help="the stack backward's kernel variant (with --backward stack)")
+    g.add_argument("--kinds", default="lstm",
+                   help="lstm, gru or lstm,gru (a GRU's cases run unless --backward stack)")
     g.add_argument("--out", default="")
     tr = sub.add_parser("train")
     tr.add_argument("--cells", type=int, default=3)
@@ -933,6 +1027,7 @@ def main(argv=None):
                     help="the stack backward's kernel variant (with --backward stack)")
     tr.add_argument("--variants", default="",
                     help="e.g. 0,1,2: time these stack-backward variants interleaved")
+    tr.add_argument("--kinds", default="lstm", help="lstm, gru or lstm,gru")
     tr.add_argument("--out", default="")
     args = ap.parse_args(argv)
     return {"check": cmd_check, "bench": cmd_bench, "modes": cmd_modes,

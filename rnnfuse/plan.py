@@ -30,12 +30,12 @@ layers (as for any call it cannot run).
 
 "wavefront" is rnnfuse's own CUDA kernel (docs/kernel.md). Not every
 backend trains on it (`inference_only`): TensorFlow and torch have its
-backward for LSTM stacks (`Capabilities.training_kernels`), JAX does not
+backward for LSTM and GRU stacks (`Capabilities.training_kernels`), JAX does not
 run it at all. The tuner times it for inference calls, and for training
 calls where the backend trains on it; a training call of a layer whose
 plan names it on another backend runs `for_training()` (the same pieces on
 cuDNN). Where the kernel refuses a call (a shape that does
-not fit on chip, no Hopper GPU, a GRU's backward), the backend runs cuDNN
+not fit on chip, no Hopper GPU, the backward's limits), the backend runs cuDNN
 and its `KernelRun` says why.
 
 Example:

@@ -15,6 +15,7 @@ The kernel's numbers are tested on the H200 (tests/gpu/test_gpu_wavefront*.py).
 
 from __future__ import annotations
 
+import ctypes
 import subprocess
 import sys
 import textwrap
@@ -225,6 +226,34 @@ def test_a_call_without_a_driver_or_a_bad_argument_is_a_clear_error(built):
         assert limits["sms"] > 0 and limits["smem"] > 0
 
 
+def test_the_kind_backward_entry_is_declared_as_the_host_defines_it(built):
+    """rnnfuse_wf_backward_kind (the LSTM and GRU backward) has as many
+    parameters in wavefront_host.cc as library.py declares (ctypes does
+    not check), the TF op declares the same list, and a kind the kernel
+    does not run is refused before the library is called."""
+    import re
+
+    csrc = Path(library.__file__).parent / "csrc"
+    host = (csrc / "wavefront_host.cc").read_text()
+    op = (Path(library.__file__).parents[1] / "tensorflow" / "csrc" /
+          "rnnfuse_wavefront_op.cc").read_text()
+
+    def params(src, name):
+        sig = re.search(name + r"\(([^)]*)\)", src).group(1)
+        return [" ".join(p.split()[:-1]) for p in sig.split(",")]
+
+    defined = params(host, "int rnnfuse_wf_backward_kind")
+    assert defined == params(op, "int rnnfuse_wf_backward_kind")
+    lib = library.load(built[0])
+    declared = lib._lib.rnnfuse_wf_backward_kind.argtypes
+    assert len(declared) == len(defined) == 18
+    for c_type, ctype in zip(defined, declared):
+        assert ("*" in c_type) == (ctype is ctypes.c_void_p), (c_type, ctype)
+    with pytest.raises(library.WavefrontError, match="not 'simple_rnn'"):
+        lib.backward(0, "float16", 8, 1, 1, w_hh=0, gates=0, cseq=0, c0=0, dy=0, dhy=0, dcy=0,
+                     lengths=None, dgates=0, dh0=0, dc0=0, workspace=0, kind="simple_rnn")
+
+
 def test_the_tensorflow_op_compiles_and_registers(built, monkeypatch):
     from rnnfuse.backends.tensorflow import op_build
 
@@ -341,6 +370,27 @@ _TRAINING_CALLS = textwrap.dedent("""\
         print("traced", backward, ops.count("RnnfuseWavefrontSaving"),
               ops.count("RnnfuseWavefrontBackward"), ops.count("RnnfuseWavefrontBackwardStack"),
               [g.shape.as_list() for g in step.get_concrete_function().outputs])
+
+    gparams = f16(3 * H * (I + H) + 3 * H * 2 * H + 2 * 3 * H * L)
+
+    @tf.function(input_signature=[tf.TensorSpec([T, B, I], tf.float16),
+                                  tf.TensorSpec(gparams.shape, tf.float16)])
+    def gru_step(x, params):
+        with tf.GradientTape() as tape:
+            tape.watch([x, params])
+            y, hy, _ = wt.trainable_forward(x, params, f16(L, B, H), None, tf.constant([5, 3]),
+                                            kind="gru")
+            loss = tf.reduce_sum(tf.cast(y, tf.float32)) + tf.reduce_sum(tf.cast(hy, tf.float32))
+        return tape.gradient(loss, [x, params])
+
+    fn = gru_step.get_concrete_function()
+    ops = fn.graph.get_operations()
+    saving = [o for o in ops if o.type == "RnnfuseWavefrontSaving"]
+    bwd = [o for o in ops if o.type == "RnnfuseWavefrontBackward"]
+    print("traced gru", len(saving), len(bwd),
+          *(o.get_attr("rnn_mode").decode() for o in saving + bwd[:1]),
+          [o.shape.as_list() for o in saving[0].outputs][2:],
+          [o.shape.as_list() for o in bwd[0].outputs], [g.shape.as_list() for g in fn.outputs])
     """)
 
 
@@ -361,12 +411,17 @@ def test_the_training_wrappers_bind_to_the_ops_signatures(built, monkeypatch):
                          env={**__import__("os").environ,
                               "PYTHONPATH": str(Path(__file__).resolve().parents[1])})
     lines = [l for l in out.stdout.splitlines() if l.strip()]
-    assert len(lines) == 6, (out.stdout, out.stderr[-2000:])
+    assert len(lines) == 7, (out.stdout, out.stderr[-2000:])
     # Traced with a gradient: one saving forward, then one backward op a
     # layer ("auto" here, on the CPU: no driver), or one stack backward op.
     grads = "[[5, 2, 6], [" + str(4 * 8 * (6 + 8) + 4 * 8 * 16 + 64 * 2) + "]]"
     assert lines[4] == "traced auto 1 2 0 " + grads, lines[4]
     assert lines[5] == "traced stack 1 0 1 " + grads, lines[5]
+    # A GRU: the same ops with rnn_mode "gru" (cy and dc0 [0]; dgates 4H, the
+    # four virtual gates), one backward op a layer.
+    gru = str(3 * 8 * (6 + 8) + 3 * 8 * 16 + 48 * 2)
+    assert lines[6] == ("traced gru 1 2 gru gru [[0], [1, 5, 2, 8], [2, 5, 2, 32], [2, 5, 2, 8]] "
+                        "[[5, 2, 32], [2, 8], [0]] [[5, 2, 6], [" + gru + "]]"), lines[6]
     for line in lines[:4]:
         assert line.startswith(("NotFoundError", "InvalidArgumentError")), line
         assert "GPU" in line or "kernel" in line.lower() or "device" in line.lower(), line

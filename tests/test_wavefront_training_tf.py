@@ -92,6 +92,38 @@ def test_the_gradients_are_a_tapes_of_the_float64_reference(shape, with_lengths,
         _close(a, b, 1e-10, 1e-12)
 
 
+def _gru_params(layers, units, inputs, rng):
+    """A canonical flat buffer (float64) of a GRU stack (r, z, n)."""
+    sizes = [3 * units * ((inputs if l == 0 else units) + units) for l in range(layers)]
+    return tf.constant(rng.uniform(-0.5, 0.5, sum(sizes) + 6 * units * layers), tf.float64)
+
+
+@pytest.mark.parametrize("shape", [(1, 8, 3, 7, 5), (3, 8, 5, 6, 3)])
+@pytest.mark.parametrize("with_lengths", [False, True])
+def test_a_grus_gradients_are_a_tapes_of_the_float64_reference(shape, with_lengths):
+    """A GRU's per-layer backward (its four virtual gates through
+    `_gru_backward_stack`'s GEMMs) against a tape of the float64 reference
+    forward (`reference_forward_saving`, plain TensorFlow ops)."""
+    x, _, h0, _, lengths = _inputs(*shape, with_lengths)
+    params = _gru_params(shape[0], shape[1], shape[4], np.random.default_rng(2))
+    leaves = [x, params, h0]
+
+    def reference(x, params, h0):
+        return wt.reference_forward_saving(x, params, h0, None, lengths, kind="gru")[:2]
+
+    want_out = reference(*leaves)
+    rng = np.random.default_rng(1)
+    upstream = [tf.constant(rng.standard_normal(t.shape)) for t in want_out]
+    _, want = _grads(reference, leaves, upstream)
+    out, got = _grads(lambda *a: wt.trainable_forward(*a, None, lengths, kind="gru",
+                                                      **TF_KERNELS)[:2], leaves, upstream)
+    for a, b in zip(out, want_out):
+        _close(a, b, 0, 1e-12)
+    for name, a, b in zip(["dx", "dparams", "dh0"], got, want):
+        assert a is not None, name
+        _close(a, b, 1e-10, 1e-12)
+
+
 def test_the_gradient_is_not_the_reference_with_a_wrong_gemm(monkeypatch):
     """The check above can fail: dW_hh read against h_t instead of h_{t-1}
     (the recurrence's input shifted by one step) is caught."""
@@ -181,6 +213,34 @@ def test_the_references_are_the_torch_bindings():
         _close(a, b.numpy(), 0, 1e-13)
 
 
+def test_the_gru_references_are_the_torch_bindings():
+    """The GRU's references, likewise (the torch binding's GRU forward
+    reference is checked against autograd of PyTorch's own GRU on the CPU,
+    tests/torch_backend/test_torch_wavefront_training.py)."""
+    torch = pytest.importorskip("torch")
+    from rnnfuse.backends.torch import wavefront as torch_wf
+
+    x, _, h0, _, lengths = _inputs(3, 8, 4, 6, 5, True)
+    params = _gru_params(3, 8, 5, np.random.default_rng(4))
+    t = lambda a: torch.from_numpy(np.array(a))  # noqa: E731
+    want = torch_wf.reference_forward_saving(t(x), t(params), t(h0), None, t(lengths),
+                                             kind="gru")
+    got = wt.reference_forward_saving(x, params, h0, None, lengths, kind="gru")
+    for a, b in zip(tf.nest.flatten([got[:2], got[3]]), [*want[:2], *want[3]]):
+        _close(a, b.numpy(), 0, 1e-13)
+    _, gates, hprev = got[3]
+    rng = np.random.default_rng(2)
+    dy, dhy = (rng.standard_normal(s) for s in [(6, 4, 8), (4, 8)])
+    w_hh = tf.reshape(params[3 * 8 * 5: 3 * 8 * 13], [24, 8])
+    got = wt.recurrence_reference(w_hh, gates[0], hprev[0], None, tf.constant(dy),
+                                  tf.constant(dhy), None, lengths, kind="gru")
+    want = torch_wf.recurrence_reference(t(w_hh), t(gates[0]), t(hprev[0]), None, t(dy), t(dhy),
+                                         None, t(lengths), kind="gru")
+    for a, b in zip(got[:2], want[:2]):
+        _close(a, b.numpy(), 0, 1e-13)
+    assert got[2] is None and want[2] is None
+
+
 def test_the_backward_kernels_inputs_are_the_ops(monkeypatch):
     """`backward_stack` hands the op (here a spy) each layer's own slices, in
     the element type: W_hh [4H, H], gates [T, B, 4H] and c [T, B, H] of the
@@ -209,15 +269,15 @@ def test_the_backward_kernels_inputs_are_the_ops(monkeypatch):
 def test_training_calls_it_cannot_run_say_why(monkeypatch):
     from rnnfuse.backends.cuda import library
 
-    assert "GRU trains on cuDNN" in library.backward_reason("gru", 64, 8, 10)
+    assert "LSTM and GRU" in library.backward_reason("simple_rnn", 64, 8, 10)
     reason = wavefront_op.training_reason("lstm", 2, 64, 8, 10, 64, "float16")
     assert isinstance(reason, str) and reason  # no GPU or no op here
     assert "float16" in wavefront_op.training_reason("lstm", 2, 64, 8, 10, 64, "float32")
-    monkeypatch.setattr(wavefront_op, "unsupported_reason", lambda *a, **k: None)
-    assert "GRU trains on cuDNN" in wavefront_op.training_reason("gru", 2, 64, 8, 10, 64,
-                                                                 "float16")
     with pytest.raises(ValueError, match="c0"):
         wt.trainable_forward(tf.zeros([2, 1, 3]), tf.zeros([1]), tf.zeros([1, 1, 8]), None)
+    with pytest.raises(ValueError, match="LSTM stacks only"):
+        wt.trainable_forward(tf.zeros([2, 1, 3]), tf.zeros([1]), tf.zeros([1, 1, 8]), None,
+                             kind="gru", backward="stack")
 
 
 def _stack(layers, units, inputs):
@@ -338,7 +398,7 @@ def test_the_backends_training_call_on_the_wavefront_kernel_runs_run_trainable(m
 def test_the_backends_kernel_reason_for_training_is_training_reason(monkeypatch, kind):
     """`kernel_reason("wavefront", group, shape, training=True)` (what the
     tuner asks before timing a training candidate): the forward's checks,
-    then the backward's (an LSTM only; its plan, here faked)."""
+    then the backward's (LSTM or GRU; its plan, here faked)."""
     from builders import stack_model
 
     from rnnfuse.backends import tensorflow as tf_backend
@@ -349,11 +409,9 @@ def test_the_backends_kernel_reason_for_training_is_training_reason(monkeypatch,
     asked = []
     monkeypatch.setattr(op_build, "load_wavefront_op", lambda: object())
     monkeypatch.setattr(library, "device_reason", lambda *a, **k: None)
-    real = library.backward_reason
-
     def fake_backward(kind, units, batch, steps, ordinal=0):
         asked.append((kind, units, batch, steps))
-        return real(kind, units, batch, steps) if kind == "gru" else "the backward's limit"
+        return "the backward's limit"
 
     monkeypatch.setattr(library, "backward_reason", fake_backward)
     keras.config.set_dtype_policy("mixed_float16")
@@ -366,8 +424,7 @@ def test_the_backends_kernel_reason_for_training_is_training_reason(monkeypatch,
     assert asked == []
     reason = tf_backend.kernel_reason("wavefront", group, (4, 7, 5), training=True)
     assert asked == [(kind, 8, 4, 7)]
-    assert reason == ("the backward's limit" if kind == "lstm" else
-                      "the wavefront backward kernel runs LSTM stacks only (a GRU trains on cuDNN)")
+    assert reason == "the backward's limit"  # a GRU's backward plan is asked too
 
 
 # -- the reverse-wavefront backward (v2) and the "auto" choice ------------------------------
@@ -572,3 +629,15 @@ def test_run_trainable_names_the_backward_that_ran(monkeypatch, emulated_cudnn, 
     _, want = grads(lambda x, **kw: tf_backend.run_stack(x, kernel="cudnn", **kw))
     for a, b in zip(got, want):
         _close(a, b, 1e-9, 1e-12)
+
+
+def test_the_gru_reference_forward_is_the_saving_reference_in_float64():
+    """`reference_forward(kind="gru")` (a tf.scan: the GPU tests' float64
+    reference) gives the saving reference's y and hy, with lengths."""
+    x, _, h0, _, lengths = _inputs(2, 8, 4, 6, 5, True)
+    params = _gru_params(2, 8, 5, np.random.default_rng(5))
+    y, hy, cy = wt.reference_forward(x, params, h0, None, lengths, kind="gru")
+    want = wt.reference_forward_saving(x, params, h0, None, lengths, kind="gru")
+    assert cy is None
+    _close(y, want[0], 0, 1e-13)
+    _close(hy, want[1], 0, 1e-13)

@@ -10,7 +10,7 @@ has none; the kernel's on-chip plan is `fake_limits` (a stack fits when
 layers x units <= LIMIT). The training ops are their TF step-by-step
 references (`wavefront_training.reference_forward_saving`,
 `recurrence_reference`, recorded in `FakeWavefrontOp.training`), and the
-backward's device plan keeps the real "LSTM only" rule. Everything between
+backward's device plan keeps the real rule on the kind (LSTM and GRU). Everything between
 `FusedRNN` and the ops is the real code: the plan, the training path, the
 packing, the cuDNN gradient recomputed in an inference call's backward
 pass, the fallback with its reason, and the tuner's candidate list, timing
@@ -79,8 +79,8 @@ class FakeWavefrontOp:
 
 
 def _fake_backward_reason(kind, units, batch, steps, ordinal=0):
-    if kind != "lstm":
-        return "the wavefront backward kernel runs LSTM stacks only (a GRU trains on cuDNN)"
+    if kind not in library.KINDS:
+        return f"the wavefront backward kernel runs LSTM and GRU stacks, not {kind}"
     return None
 
 
@@ -154,8 +154,9 @@ def test_an_inference_call_runs_the_wavefront_op(fake_wavefront, half, kind, mas
         assert max_abs_diff(y, model(x)) > 4 * FP16_TOL, "the mask must matter here"
 
 
-def test_a_training_call_of_an_lstm_runs_the_training_ops(fake_wavefront, half):
-    layer = _fused(_model(), WAVEFRONT)
+@pytest.mark.parametrize("kind", ["lstm", "gru"])
+def test_a_training_call_runs_the_training_ops(fake_wavefront, half, kind):
+    layer = _fused(_model(kind), WAVEFRONT)
     x = tf.constant(_x())
     with tf.GradientTape() as tape:
         y = layer(x, training=True)
@@ -165,6 +166,9 @@ def test_a_training_call_of_an_lstm_runs_the_training_ops(fake_wavefront, half):
     assert fake_wavefront.training == ["forward", "backward", "backward"]
     ran = layer.last_path.kernel
     assert ran.name == wavefront_op.TRAINING_KERNEL_NAME and ran.note is None
+    assert ran.algorithm == "backward=layer"  # no op loaded ("auto"), and for a GRU
+    assert layer.plan == WAVEFRONT
+    assert WAVEFRONT.for_training() == Plan((2,)) and WAVEFRONT.inference_only
     layer.set_plan(FUSED)
     with tf.GradientTape() as tape:
         want_y = layer(x, training=True)
@@ -175,16 +179,6 @@ def test_a_training_call_of_an_lstm_runs_the_training_ops(fake_wavefront, half):
         scale = max(1.0, float(np.max(np.abs(w))))
         assert float(np.max(np.abs(np.asarray(g) - np.asarray(w)))) <= 2 * FP16_TOL * scale
     assert all(float(np.max(np.abs(g))) > 0 for g in grads)
-
-
-def test_a_training_call_of_a_gru_runs_cudnn_and_says_why(fake_wavefront, half):
-    layer = _fused(_model("gru"), WAVEFRONT)
-    layer(_x(), training=True)
-    assert fake_wavefront.calls == [] and fake_wavefront.training == []
-    ran = layer.last_path.kernel
-    assert ran.name == "CudnnRNNV3" and "runs LSTM stacks only" in ran.note
-    assert layer.plan == WAVEFRONT, "the plan itself is kept for inference calls"
-    assert WAVEFRONT.for_training() == Plan((2,)) and WAVEFRONT.inference_only
 
 
 def test_a_shape_the_kernel_refuses_runs_cudnn_with_the_reason(fake_wavefront, half):
@@ -298,7 +292,7 @@ def no_steps(monkeypatch):
     monkeypatch.setattr(tuner, "_steps", lambda group, plans, *a, **k: {p.name: None for p in plans})
 
 
-def test_the_wavefront_plan_is_timed_for_inference_and_an_lstms_training(
+def test_the_wavefront_plan_is_timed_for_inference_and_training(
         fake_wavefront, half, no_steps):
     groups = _groups(_model())
     timer = FakeTimer({"per-layer": 2.0, "fused": 1.0, "fused on wavefront": 0.5})
@@ -310,11 +304,10 @@ def test_the_wavefront_plan_is_timed_for_inference_and_an_lstms_training(
     trainer = FakeTimer({"per-layer": 2.0, "fused": 1.0, "fused on wavefront": 0.5})
     (trained,) = _tune(groups, trainer, training=True)
     assert "fused on wavefront" in trainer.names[0] and trained.plan == WAVEFRONT
+    # A GRU stack is a training candidate too (its per-layer backward).
     gru_trainer = FakeTimer({"per-layer": 2.0, "fused": 1.0, "fused on wavefront": 0.5})
     (gru,) = _tune(_groups(_model("gru")), gru_trainer, training=True)
-    assert all("wavefront" not in n for names in gru_trainer.names for n in names)
-    assert gru.plan.kernel == "cudnn"
-    assert "runs LSTM stacks only" in gru.rejected["fused on wavefront"]
+    assert "fused on wavefront" in gru_trainer.names[0] and gru.plan == WAVEFRONT
 
 
 def test_the_wavefront_plan_must_win_by_the_margin(fake_wavefront, half, no_steps):
@@ -397,10 +390,10 @@ def test_a_step_whose_kernel_falls_back_is_not_timed(fake_wavefront, half, monke
 def test_predict_and_fit_each_run_their_own_decision(
         fake_wavefront, half, no_steps, monkeypatch, tmp_path, kind):
     """One decision per mode: predict switches the layer to the wavefront
-    plan; fit to the training decision, the wavefront plan too for an LSTM
-    (its training ops run) and cuDNN for a GRU (no backward kernel; the
-    forward op is not called by the train step); predict again to the
-    wavefront plan; decisions() and the path record what ran."""
+    plan; fit to the training decision, the wavefront plan too (its
+    training ops run; the inference op is not called by the train step);
+    predict again to the wavefront plan; decisions() and the path record
+    what ran."""
     monkeypatch.setattr(first_batch, "device_environment", lambda: dict(ENV))
     model = _model(kind, units=8)
     fast = rnnfuse.optimize(model, cache=PlanCache(tmp_path / "plans.json"))
@@ -416,14 +409,9 @@ def test_predict_and_fit_each_run_their_own_decision(
     fast.fit(x, np.asarray(y, "float32"), batch_size=8, epochs=1, verbose=0)
     assert len(fake_wavefront.calls) == 1
     records = {r["mode"]: r for r in first_batch.decisions(fast)}
-    if kind == "lstm":
-        assert layer.plan == WAVEFRONT and records["training"]["chosen"] == "fused on wavefront"
-        assert layer.last_path.kernel.name == wavefront_op.TRAINING_KERNEL_NAME
-        assert fake_wavefront.training[-3:] == ["forward", "backward", "backward"]
-    else:
-        assert layer.plan == Plan((2,)) and records["training"]["chosen"] == "fused"
-        assert layer.last_path.kernel.name == "CudnnRNNV3"
-        assert "fused on wavefront" not in records["training"]["timings_ms"]
+    assert layer.plan == WAVEFRONT and records["training"]["chosen"] == "fused on wavefront"
+    assert layer.last_path.kernel.name == wavefront_op.TRAINING_KERNEL_NAME
+    assert fake_wavefront.training[-3:] == ["forward", "backward", "backward"]
     fast.predict(x, batch_size=8, verbose=0)
     assert layer.plan == WAVEFRONT and len(fake_wavefront.calls) == 2
     records = {r["mode"]: r for r in first_batch.decisions(fast)}

@@ -32,8 +32,10 @@ gradient (bench_wavefront's GRAD_TOL, or twice cuDNN's own error), at the
 headline 4x512 B64 T1000 float16, a bfloat16 stack with lengths and small
 odd shapes; each op alone against its TF step-by-step reference (the
 saving op's y, hseq, gates and c; the backward ops' dgates, dh0, dc0), so
-a failure names the op; refusals (over the forward's limits, a GRU, the backward op's
-own Unimplemented error); a gradient through the raw training ops is a
+a failure names the op; a GRU stack the same way (its per-layer
+backward, one launch a layer counted; the saving and backward ops with
+rnn_mode "gru" against their references); refusals (over the forward's
+limits, the backward op's own Unimplemented error); a gradient through the raw training ops is a
 clear error; and a tf.function training step at the headline shape timed
 against the cuDNN op (a GPU_REPORT line, not asserted). As a training
 candidate (the last test): the same model's `fit` chooses the wavefront
@@ -287,12 +289,18 @@ TRAINING_CASES = [
     (1, 64, 3, 7, 5, "float16", False),  # small and odd
     (3, 384, 33, 40, 100, "float16", True),
     (7, 320, 8, 30, 64, "float16", True),  # the stack backward refuses it (140 CTAs), v1 runs it
+    # A GRU: the per-layer backward (the reverse wavefront is LSTM only).
+    (4, 512, 64, 1000, 512, "float16", False, "gru"),  # the headline
+    (3, 256, 20, 60, 128, "bfloat16", True, "gru"),
+    (1, 64, 3, 7, 5, "float16", False, "gru"),
+    (3, 384, 33, 40, 100, "float16", True, "gru"),
 ]
 # The backward "auto" (run_trainable's) must run where the case names one:
 # the reverse wavefront at the headline, the per-layer backward where the
 # stack backward's plan refuses the stack. The other cases run what the
 # choice says, and the launches must agree with it.
-EXPECTED_BACKWARD = {TRAINING_CASES[0]: "stack", TRAINING_CASES[4]: "layer"}
+EXPECTED_BACKWARD = {TRAINING_CASES[0]: "stack", TRAINING_CASES[4]: "layer",
+                     **{c: "layer" for c in TRAINING_CASES if c[-1] == "gru"}}
 
 
 @pytest.fixture
@@ -313,12 +321,13 @@ def backward_calls(monkeypatch):
     return calls
 
 
-def _training_inputs(layers, units, batch, steps, inputs, dtype, with_lengths, seed):
+def _training_inputs(layers, units, batch, steps, inputs, dtype, with_lengths, kind="lstm", *,
+                     seed):
     """A stack with random biases and its weights rounded to `dtype` (what the
     kernels see, so the float64 reference sees the same), inputs, initial
-    states, upstream gradients and a mask."""
+    states (a GRU's c: None), upstream gradients and a mask."""
     rng = np.random.default_rng(seed)
-    stack = _stack("lstm", layers, units, inputs)
+    stack = _stack(kind, layers, units, inputs)
     for (cell,) in stack.cells:
         cell.bias.assign(rng.uniform(-0.3, 0.3, cell.bias.shape).astype("float32"))
         for v in (cell.kernel, cell.recurrent_kernel, cell.bias):
@@ -331,6 +340,8 @@ def _training_inputs(layers, units, batch, steps, inputs, dtype, with_lengths, s
     h = [rand(batch, units, scale=0.5) for _ in range(layers)]
     c = [rand(batch, units, scale=0.5) for _ in range(layers)]
     upstream = (rand(batch, steps, units), rand(layers, batch, units), rand(layers, batch, units))
+    if kind == "gru":
+        c, upstream = None, upstream[:2]
     mask = None
     if with_lengths:
         lengths = rng.integers(1, steps + 1, batch)
@@ -343,10 +354,11 @@ def _training_grads(run, stack, x, h, c, upstream, mask):
     """(outputs, final h, final c) and the gradients of x, the initial states
     and every Keras variable, for sum(out * upstream)."""
     variables = [v.value for (cell,) in stack.cells for v in cell.trainable_weights]
+    c = c or []  # a GRU has no c
     with tf.GradientTape() as tape:
         tape.watch([x, *h, *c])
-        out = run(x, stack=stack, initial_h=h, initial_c=c, mask=mask)
-        tensors = (out.outputs, out.final_h, out.final_c)
+        out = run(x, stack=stack, initial_h=h, initial_c=c or None, mask=mask)
+        tensors = (out.outputs, out.final_h, out.final_c)[:len(upstream)]
         loss = sum(tf.reduce_sum(tf.cast(t, tf.float64) * tf.cast(u, tf.float64))
                    for t, u in zip(tensors, upstream))
     return out.kernel, tensors, tape.gradient(loss, [x, *h, *c, *variables])
@@ -360,8 +372,9 @@ def _reference_run(x, *, stack, initial_h, initial_c, mask):
     lengths = None if mask is None else tf.reduce_sum(tf.cast(mask, tf.int32), axis=1)
     y, hy, cy = wavefront_training.reference_forward(
         tf.transpose(tf.cast(x, tf.float64), [1, 0, 2]), tf_backend.pack_params(stack, "float64"),
-        tf.cast(tf.stack(initial_h), tf.float64), tf.cast(tf.stack(initial_c), tf.float64),
-        lengths)
+        tf.cast(tf.stack(initial_h), tf.float64),
+        None if initial_c is None else tf.cast(tf.stack(initial_c), tf.float64), lengths,
+        kind=stack.kind)
 
     class Run:
         outputs, final_h, final_c, kernel = tf.transpose(y, [1, 0, 2]), hy, cy, None
@@ -369,7 +382,10 @@ def _reference_run(x, *, stack, initial_h, initial_c, mask):
     return Run
 
 
-def _names(layers):
+def _names(layers, kind="lstm"):
+    if kind == "gru":
+        return (["y", "hy", "dx"] + [f"dh0_{l}" for l in range(layers)]
+                + [f"{w}{l}" for l in range(layers) for w in ("kernel", "recurrent", "bias")])
     return (["y", "hy", "cy", "dx"] + [f"dh0_{l}" for l in range(layers)]
             + [f"dc0_{l}" for l in range(layers)]
             + [f"{w}{l}" for l in range(layers) for w in ("kernel", "recurrent", "bias")])
@@ -388,9 +404,10 @@ def test_run_trainables_gradients_match_float64_and_the_cudnn_op(case, backward_
     from rnnfuse.backends.tensorflow import wavefront_training as wt
 
     layers, units, batch, steps, inputs, dtype = case[:6]
+    kind = case[7] if len(case) > 7 else "lstm"
     stack, x, h, c, upstream, mask = _training_inputs(*case, seed=sum(case[:5]))
     choice = wt.backward_choice(tf.zeros([steps, batch, inputs], dtype),
-                                tf.zeros([layers, batch, units], dtype))
+                                tf.zeros([layers, batch, units], dtype), kind=kind)
     if case in EXPECTED_BACKWARD:
         assert choice.backward == EXPECTED_BACKWARD[case], choice
     if choice.backward == "layer":
@@ -410,8 +427,9 @@ def test_run_trainables_gradients_match_float64_and_the_cudnn_op(case, backward_
     assert ran.name == wavefront_op.TRAINING_KERNEL_NAME and ran.note is None
     assert ran_cudnn.name == "RnnfuseCudnnRnn"
     err, cud_err = {}, {}
-    for name, a, b, w in zip(_names(layers), [*out, *got], [*out_cudnn, *cudnn],
-                             [*out_ref, *ref]):
+    names = _names(layers, kind)
+    assert len(names) == len(out) + len(got) == len(out_ref) + len(ref), names
+    for name, a, b, w in zip(names, [*out, *got], [*out_cudnn, *cudnn], [*out_ref, *ref]):
         assert a is not None and w is not None, name
         err[name], cud_err[name] = _rel(a, w), _rel(b, w)
     bad = {n: (err[n], cud_err[n]) for n in err
@@ -423,10 +441,10 @@ def test_run_trainables_gradients_match_float64_and_the_cudnn_op(case, backward_
     assert not bad, bad
 
 
-def _saving_inputs(layers, units, batch, steps, inputs, dtype, seed):
+def _saving_inputs(layers, units, batch, steps, inputs, dtype, seed, kind="lstm"):
     """Time-major x, a flat buffer, h0, c0 and lengths (row 0 full length)."""
     rng = np.random.default_rng(seed)
-    stack = _stack("lstm", layers, units, inputs)
+    stack = _stack(kind, layers, units, inputs)
     for (cell,) in stack.cells:
         cell.bias.assign(rng.uniform(-0.3, 0.3, cell.bias.shape).astype("float32"))
     def rand(*shape):
@@ -443,21 +461,24 @@ def _alive_rows(t, lengths):
     return (np.arange(t)[:, None] < np.asarray(lengths)[None, :])[..., None]
 
 
+@pytest.mark.parametrize("kind", ["lstm", "gru"])
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
-def test_the_saving_op_returns_what_the_reference_saves(dtype):
+def test_the_saving_op_returns_what_the_reference_saves(dtype, kind):
     """RnnfuseWavefrontSaving's y, hy, cy, hseq (a view of its workspace),
-    gates and c against the TF step-by-step reference of the same kernel
-    (float32 arithmetic on the same inputs), at t < length (past a length
-    the saved gates and c are never read)."""
+    gates and c (a GRU's r, z, n, W_hn h + b_hn and h_{t-1}) against the TF
+    step-by-step reference of the same kernel (float32 arithmetic on the
+    same inputs), at t < length (past a length the saved values are never
+    read)."""
     from rnnfuse.backends.tensorflow import wavefront_training as wt
 
-    x, params, h0, c0, lengths = _saving_inputs(3, 64, 8, 20, 32, dtype, seed=11)
+    x, params, h0, c0, lengths = _saving_inputs(3, 64, 8, 20, 32, dtype, seed=11, kind=kind)
     with tf.device("GPU:0"):
-        got = wt.forward_saving(x, params, h0, c0, lengths)
-        want = wt.reference_forward_saving(x, params, h0, c0, lengths)
+        got = wt.forward_saving(x, params, h0, c0, lengths, kind=kind)
+        want = wt.reference_forward_saving(x, params, h0, c0, lengths, kind=kind)
     alive = _alive_rows(20, lengths)
     tol = TOL[dtype]
-    for name, a, b in zip(["y", "hy", "cy"], got[:3], want[:3]):
+    names = ["y", "hy", "cy"] if kind == "lstm" else ["y", "hy"]
+    for name, a, b in zip(names, got[:3], want[:3]):
         assert _rel(a, b) <= tol, (name, _rel(a, b))
     hseq, gates, cseq = got[3]
     assert hseq.shape == (2, 20, 8, 64) and gates.shape == (3, 20, 8, 256)
@@ -467,28 +488,34 @@ def test_the_saving_op_returns_what_the_reference_saves(dtype):
     assert _rel(np.asarray(cseq) * alive, np.asarray(want[3][2]) * alive) <= tol
 
 
+@pytest.mark.parametrize("kind", ["lstm", "gru"])
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
-def test_the_backward_op_matches_the_recurrence_reference(dtype):
+def test_the_backward_op_matches_the_recurrence_reference(dtype, kind):
     """RnnfuseWavefrontBackward on one layer's saved tensors and random
-    upstream gradients, with lengths, against `recurrence_reference`."""
+    upstream gradients, with lengths, against `recurrence_reference` (a
+    GRU's: rnn_mode "gru", dgates (dr, dz, dn_x, dn_h), no dc0)."""
     from rnnfuse.backends.tensorflow import wavefront_training as wt
 
-    x, params, h0, c0, lengths = _saving_inputs(1, 64, 8, 20, 32, dtype, seed=12)
+    x, params, h0, c0, lengths = _saving_inputs(1, 64, 8, 20, 32, dtype, seed=12, kind=kind)
     rng = np.random.default_rng(13)
     def rand(*shape):
         return tf.cast(tf.constant(rng.standard_normal(shape), tf.float32), dtype)
 
+    g = 4 if kind == "lstm" else 3
     with tf.device("GPU:0"):
-        _, _, _, (_, gates, cseq) = wt.reference_forward_saving(x, params, h0, c0, lengths)
-        w_hh = tf.reshape(params[4 * 64 * 32: 4 * 64 * 96], [256, 64])
-        args = (w_hh, gates[0], cseq[0], c0[0], rand(20, 8, 64), rand(8, 64), rand(8, 64),
-                lengths)
-        got = wt.backward_layer(*args)
-        want = wt.recurrence_reference(*args)
+        _, _, _, (_, gates, cseq) = wt.reference_forward_saving(x, params, h0, c0, lengths,
+                                                                kind=kind)
+        w_hh = tf.reshape(params[g * 64 * 32: g * 64 * 96], [g * 64, 64])
+        dcy = rand(8, 64) if kind == "lstm" else None
+        args = (w_hh, gates[0], cseq[0], c0[0] if kind == "lstm" else None, rand(20, 8, 64),
+                rand(8, 64), dcy, lengths)
+        got = wt.backward_layer(*args, kind=kind)
+        want = wt.recurrence_reference(*args, kind=kind)
     assert got[0].dtype == x.dtype and got[1].dtype == tf.float32
+    assert got[0].shape == (20, 8, 256) and (got[2] is None) == (kind == "gru")
     alive = _alive_rows(20, lengths)
     assert np.all(np.asarray(tf.cast(got[0], tf.float32)) * (1 - alive) == 0)  # 0 past lengths
-    for name, a, b in zip(["dgates", "dh0", "dc0"], got, want):
+    for name, a, b in zip(["dgates", "dh0", "dc0"][:3 if kind == "lstm" else 2], got, want):
         assert _rel(a, b) <= GRAD_TOL[dtype], (name, _rel(a, b))
 
 
@@ -540,10 +567,11 @@ def test_training_calls_the_kernels_cannot_run_are_refused():
     with pytest.raises(NotImplementedError, match="do not fit on chip"):
         wavefront_op.run_trainable(tf.zeros([64, 10, 512], tf.float16),
                                    stack=_stack("lstm", 8, 512, 512))
-    with pytest.raises(NotImplementedError, match="GRU trains on cuDNN"):
-        wavefront_op.run_trainable(tf.zeros([4, 5, 64], tf.float16),
-                                   stack=_stack("gru", 2, 64, 64))
+    with pytest.raises(NotImplementedError, match="do not fit on chip"):
+        wavefront_op.run_trainable(tf.zeros([64, 10, 512], tf.float16),
+                                   stack=_stack("gru", 8, 512, 512))
     assert wavefront_op.training_reason("lstm", 4, 512, 64, 1000, 512, "float16") is None
+    assert wavefront_op.training_reason("gru", 4, 512, 64, 1000, 512, "float16") is None
 
 
 def test_the_backward_op_names_the_limit_it_refuses():

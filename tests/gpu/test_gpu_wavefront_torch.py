@@ -28,7 +28,10 @@ autograd of the float64 reference and cuDNN's gradient, on v1
 (backward="layer"), on v2 (backward="stack") and on the default
 ("auto": the reverse wavefront at the headline, v1 at 7 x 320, which v2
 refuses; the library's backward launches are counted, so a silent
-fallback fails).
+fallback fails). A GRU's gradients likewise (bench_wavefront's
+GRU_GRAD_CASES and random GRU shapes, on the per-layer backward, its one
+kind: a launch a layer is counted; "auto" is per layer for a GRU), and a
+Keras GRU stack's training call through `run_trainable`.
 """
 
 from __future__ import annotations
@@ -99,10 +102,11 @@ def test_shapes_over_the_limits_are_refused_not_run(shape):
     assert row["status"] == "fallback" and "do not fit" in row["reason"], row
 
 
-# -- the backward kernel: an LSTM's gradients ------------------------------------------
+# -- the backward kernel: an LSTM's and a GRU's gradients -----------------------------
 
 
-GRAD_FIXED = [c for c in bench_wavefront.GRAD_CASES if c[:2] != (8, 512)]
+GRAD_FIXED = [c for c in bench_wavefront.GRAD_CASES + bench_wavefront.GRU_GRAD_CASES
+              if c[:2] != (8, 512)]
 
 
 @pytest.fixture
@@ -135,21 +139,24 @@ def layer_backward(monkeypatch):
 @pytest.mark.parametrize("case", GRAD_FIXED, ids=lambda c: "-".join(map(str, c)))
 def test_the_backward_kernels_gradients_match_float64_and_cudnn(case, layer_backward,
                                                                 backward_launches):
-    """bench_wavefront.grad_case: outputs, dx, dh0, dc0 and every weight and
-    bias through trainable_forward(backward="layer"), against autograd of
-    the float64 reference and cuDNN's gradient: within the dtype's
-    tolerance or twice cuDNN's own error, per tensor; one backward launch a
-    layer."""
+    """bench_wavefront.grad_case: outputs, dx, dh0, an LSTM's dc0 and every
+    weight and bias through trainable_forward(backward="layer"), against
+    autograd of the float64 reference and cuDNN's gradient: within the
+    dtype's tolerance or twice cuDNN's own error, per tensor; one backward
+    launch a layer (LSTM and GRU: a GRU that fell back to cuDNN fails)."""
     row = bench_wavefront.grad_case(*case, seed=random.randrange(10_000))
     assert row["status"] == "ok", row
     assert backward_launches == {"stack": 0, "layer": case[0]}, backward_launches
 
 
-@pytest.mark.parametrize("case", bench_wavefront.random_grad_cases(4, seed=24),
+@pytest.mark.parametrize("case", bench_wavefront.random_grad_cases(4, seed=24)
+                         + bench_wavefront.random_grad_cases(4, seed=25, kind="gru"),
                          ids=lambda c: "-".join(map(str, c)))
-def test_random_shapes_gradients_match_or_are_refused(case, layer_backward):
+def test_random_shapes_gradients_match_or_are_refused(case, layer_backward, backward_launches):
     row = bench_wavefront.grad_case(*case, seed=random.randrange(10_000))
     assert row["status"] in ("ok", "fallback"), row
+    if row["status"] == "ok":
+        assert backward_launches == {"stack": 0, "layer": case[0]}, backward_launches
 
 
 # -- the default backward ("auto"): the reverse wavefront where it accepts, else v1 -----
@@ -159,6 +166,7 @@ AUTO_CASES = [
     # (layers, units, batch, steps, inputs, dtype, lengths), the backward that must run
     ((4, 512, 64, 1000, 512, "float16", False), "stack"),  # the headline
     ((7, 320, 8, 30, 64, "float16", True), "layer"),  # 140 CTAs: v2 refuses, v1 runs it
+    ((4, 512, 64, 1000, 512, "float16", False, "gru"), "layer"),  # a GRU: v1 (v2 is LSTM only)
 ]
 
 
@@ -171,9 +179,10 @@ def test_the_default_backward_runs_the_stack_where_it_accepts_else_per_layer(
     fails), and grad_case's gradients match float64 and cuDNN."""
     layers, units, batch, steps, inputs = case[:5]
     dtype = bench_wavefront.DTYPES[case[5]]
+    kind = case[7] if len(case) > 7 else "lstm"
     choice = wavefront.backward_choice(
         torch.zeros(steps, batch, inputs, dtype=dtype, device="cuda"),
-        torch.zeros(layers, batch, units, dtype=dtype, device="cuda"))
+        torch.zeros(layers, batch, units, dtype=dtype, device="cuda"), kind=kind)
     assert (choice.backward, choice.requested) == (backward, "auto"), choice
     if backward == "layer":
         assert "reverse-wavefront" in choice.reason, choice
@@ -187,8 +196,9 @@ def test_the_default_backward_runs_the_stack_where_it_accepts_else_per_layer(
         "cudnn_worst": row["cudnn_worst"], "ratio_to_cudnn": row["ratio_to_cudnn"]})
 
 
-def test_a_stack_over_the_forwards_limits_is_refused_for_training():
-    row = bench_wavefront.grad_case(8, 512, 64, 10, 512, "float16", False, seed=1)
+@pytest.mark.parametrize("kind", ["lstm", "gru"])
+def test_a_stack_over_the_forwards_limits_is_refused_for_training(kind):
+    row = bench_wavefront.grad_case(8, 512, 64, 10, 512, "float16", False, kind, seed=1)
     assert row["status"] == "fallback" and "do not fit" in row["reason"], row
 
 
@@ -196,7 +206,7 @@ def test_a_stack_over_the_forwards_limits_is_refused_for_training():
 
 
 STACK_FIXED = [c for c in bench_wavefront.GRAD_CASES + bench_wavefront.STACK_GRAD_CASES
-               if c[:2] not in ((8, 512), (7, 320))]
+               if c[:2] not in ((8, 512), (7, 320))]  # LSTM only: v2 runs no GRU
 
 
 @pytest.mark.parametrize("case", STACK_FIXED, ids=lambda c: "-".join(map(str, c)))
@@ -239,6 +249,46 @@ def test_run_stack_runs_a_keras_stack_from_its_live_variables():
                                                       zeros, lengths)
     assert bench_wavefront.rel(y.transpose(0, 1), ref_y) < 1e-3
     assert bench_wavefront.rel(hy, ref_h) < 1e-3 and bench_wavefront.rel(cy, ref_c) < 1e-3
+
+
+def test_run_trainable_trains_a_keras_gru_stack_on_the_kernels(backward_launches):
+    """A Keras GRU stack's training call (the backend's entry point, a
+    right-padded mask as lengths): the kernel's forward and ONE backward
+    launch a layer ran (a silent cuDNN fallback fails), and the gradients
+    reaching the Keras variables match autograd of the float64 reference of
+    the same packed weights."""
+    from rnnfuse.backends import torch as torch_backend
+
+    cells = []
+    for i in range(3):
+        cell = keras.layers.GRUCell(256)  # reset_after=True: Keras 3's default, cuDNN's
+        cell.build((None, 64 if i == 0 else 256))
+        cells.append((cell,))
+    stack = StackSpec("gru", 256, tuple(cells))
+    x = torch.randn(16, 50, 64, device="cuda").half().requires_grad_()
+    lengths = torch.randint(1, 51, (16,), device="cuda")
+    lengths[0] = 50
+    mask = torch.arange(50, device="cuda")[None, :] < lengths[:, None]
+    run = wavefront.run_trainable(x, stack=stack, mask=mask)
+    assert run.kernel.name == wavefront.TRAINING_KERNEL_NAME, run.kernel
+    assert run.kernel.algorithm == "backward=layer" and run.final_c is None, run.kernel
+    upstream = torch.randn_like(run.outputs, dtype=torch.float32)
+    variables = [w.value for level in stack.cells for cell in level for w in cell.weights]
+    got = torch.autograd.grad((run.outputs.float() * upstream).sum(), [x, *variables])
+    assert backward_launches == {"stack": 0, "layer": 3}, backward_launches
+    # float64: the same variables packed in float64 (pack_params is
+    # differentiable, so autograd reaches the variables the same way).
+    weights = torch_backend.pack_params(stack, torch.float64, "cuda")
+    x64 = x.detach().double().requires_grad_()
+    zeros = torch.zeros(3, 16, 256, device="cuda", dtype=torch.float64)
+    ref_y, _, _ = wavefront.reference_forward("gru", weights, x64.transpose(0, 1), zeros, None,
+                                              lengths)
+    want = torch.autograd.grad((ref_y.transpose(0, 1) * upstream.double()).sum(),
+                               [x64, *variables])
+    assert bench_wavefront.rel(run.outputs, ref_y.transpose(0, 1)) < 1e-3
+    errors = [bench_wavefront.rel(g.double(), w) for g, w in zip(got, want)]
+    report("wavefront_gru_run_trainable_torch", {"grad_rel_errors": errors})
+    assert max(errors) < 1e-2, errors  # float16 weights and arithmetic against float64
 
 
 # -- the tuner candidate, through predict ------------------------------------------------

@@ -14,6 +14,8 @@ the refusals.
 
 from __future__ import annotations
 
+import functools
+
 import keras
 import pytest
 import torch
@@ -25,9 +27,9 @@ TORCH_KERNELS = dict(saving=wavefront.reference_forward_saving,
                      recurrence=wavefront.recurrence_reference)
 
 
-def _inputs(layers, units, batch, steps, inputs, with_lengths, seed=0):
+def _inputs(layers, units, batch, steps, inputs, with_lengths, seed=0, kind="lstm"):
     gen = torch.Generator().manual_seed(seed)
-    mod = torch.nn.LSTM(inputs, units, layers).double()
+    mod = (torch.nn.LSTM if kind == "lstm" else torch.nn.GRU)(inputs, units, layers).double()
     weights = [w.detach().clone().requires_grad_() for w in mod._flat_weights]
 
     def rand(*shape, scale=1.0):
@@ -44,14 +46,24 @@ def _inputs(layers, units, batch, steps, inputs, with_lengths, seed=0):
 
 @pytest.mark.parametrize("shape", [(1, 8, 3, 7, 5), (2, 16, 4, 9, 5), (3, 8, 5, 6, 3)])
 @pytest.mark.parametrize("with_lengths", [False, True])
-def test_the_gradients_are_autograds_of_the_float64_reference(shape, with_lengths):
-    weights, x, h0, c0, lengths = _inputs(*shape, with_lengths)
-    want_out = wavefront.reference_forward("lstm", weights, x, h0, c0, lengths)
+@pytest.mark.parametrize("kind", ["lstm", "gru"])
+def test_the_gradients_are_autograds_of_the_float64_reference(shape, with_lengths, kind):
+    """Every gradient (x, h0, c0 for an LSTM, every weight and bias) of the
+    per-layer backward; a GRU's through its four virtual gates."""
+    weights, x, h0, c0, lengths = _inputs(*shape, with_lengths, kind=kind)
+    want_out = wavefront.reference_forward(kind, weights, x, h0, c0 if kind == "lstm" else None,
+                                           lengths)
+    want_out = [t for t in want_out if t is not None]
     upstream = [torch.randn_like(t) for t in want_out]
-    leaves = [x, h0, c0, *weights]
+    leaves = [x, h0, c0, *weights] if kind == "lstm" else [x, h0, *weights]
     want = torch.autograd.grad(want_out, leaves, upstream)
-    out = wavefront.trainable_forward(x, wavefront.flat_params(weights), h0, c0, lengths,
-                                      **TORCH_KERNELS)
+    kernels = TORCH_KERNELS if kind == "lstm" else dict(
+        TORCH_KERNELS, saving=functools.partial(wavefront.reference_forward_saving, kind="gru"))
+    out = wavefront.trainable_forward(x, wavefront.flat_params(weights), h0,
+                                      c0 if kind == "lstm" else None, lengths, kind=kind,
+                                      **kernels)
+    assert (out[2] is None) == (kind == "gru")
+    out = [t for t in out if t is not None]
     for a, b in zip(out, want_out):
         torch.testing.assert_close(a, b, rtol=0, atol=1e-12)
     got = torch.autograd.grad(out, leaves, upstream)
@@ -257,13 +269,18 @@ def test_the_recurrence_writes_zero_gate_gradients_past_each_length():
 
 def test_training_calls_it_cannot_run_say_why():
     cpu = torch.device("cpu")
-    assert "GRU trains on cuDNN" in wavefront._library().backward_reason("gru", 64, 8, 10)
+    assert "LSTM and GRU" in wavefront._library().backward_reason("simple_rnn", 64, 8, 10)
     assert "LSTM stacks only" in wavefront._library().backward_stack_reason("gru", 2, 64, 8, 10)
+    reason = wavefront.training_reason("gru", 2, 64, 8, 10, 64, torch.float16, cpu)
+    assert "CUDA devices only" in reason, "a GRU is refused for the device, not its kind"
     reason = wavefront.training_reason("lstm", 2, 64, 8, 10, 64, torch.float16, cpu)
     assert "CUDA devices only" in reason
     with pytest.raises(ValueError, match="c0"):
         wavefront.trainable_forward(torch.zeros(2, 1, 3), torch.zeros(1), torch.zeros(1, 1, 8),
                                     None)
+    with pytest.raises(ValueError, match="LSTM stacks only"):
+        wavefront.trainable_forward(torch.zeros(2, 1, 3), torch.zeros(1), torch.zeros(1, 1, 8),
+                                    None, kind="gru", backward="stack")
 
 
 def _stack(layers, units, inputs):

@@ -11,7 +11,7 @@ custom op has none); the training kernels (`forward_training`,
 `recurrence_reference`), recorded; `wavefront.unsupported_reason` keeps
 the real dtype/structure checks and fakes the device and the on-chip plan
 (a stack fits when layers x units <= LIMIT), and the backward's device
-plan (`_backward_reason`) keeps the real "LSTM only" rule. Everything
+plan (`_backward_reason`) keeps the real rule on the kind (LSTM and GRU). Everything
 between `FusedRNN` and the kernels is the real code: the packing, the
 choice of forward or forward+backward by autograd, the kernel's gradient
 reaching the Keras variables, the fallbacks with their reasons, and the
@@ -85,18 +85,18 @@ class FakeKernel:
         return None
 
     def backward_reason(self, kind, units, batch, steps, device):
-        if kind != "lstm":
-            return "the wavefront backward kernel runs LSTM stacks only (a GRU trains on cuDNN)"
+        if kind not in library.KINDS:
+            return f"the wavefront backward kernel runs LSTM and GRU stacks, not {kind}"
         return None
 
-    def saving(self, x, params, h0, c0, lengths):
-        self.calls.append(dict(kind="lstm", steps=x.shape[0], batch=x.shape[1], saving=True,
+    def saving(self, x, params, h0, c0, lengths, *, kind="lstm"):
+        self.calls.append(dict(kind=kind, steps=x.shape[0], batch=x.shape[1], saving=True,
                                lengths=0 if lengths is None else lengths.numel(), grad=False))
-        return wavefront.reference_forward_saving(x, params, h0, c0, lengths)
+        return wavefront.reference_forward_saving(x, params, h0, c0, lengths, kind=kind)
 
-    def recurrence(self, *args):
+    def recurrence(self, *args, **kwargs):
         self.recurrences += 1
-        return wavefront.recurrence_reference(*args)
+        return wavefront.recurrence_reference(*args, **kwargs)
 
 
 @pytest.fixture
@@ -161,14 +161,16 @@ def _training_gradients(layer, x, weights, training=True):
     return [g.double().numpy() for g in grads]
 
 
-def test_a_training_call_of_an_lstm_runs_the_kernels_forward_and_backward(fake_kernel, half):
-    layer = _fused(_model(), WAVEFRONT)
+@pytest.mark.parametrize("kind", ["lstm", "gru"])
+def test_a_training_call_runs_the_kernels_forward_and_backward(fake_kernel, half, kind):
+    layer = _fused(_model(kind), WAVEFRONT)
     x = _x()
     weights = torch.tensor(np.random.default_rng(3).standard_normal((4, 7, 8)), dtype=torch.float32)
     grads = _training_gradients(layer, x, weights)
     assert layer.last_path.kernel.name == wavefront.TRAINING_KERNEL_NAME
     assert layer.last_path.kernel.note is None
-    assert [c.get("saving") for c in fake_kernel.calls] == [True]
+    assert layer.last_path.kernel.algorithm == "backward=layer"  # off CUDA and for a GRU
+    assert [(c.get("saving"), c["kind"]) for c in fake_kernel.calls] == [(True, kind)]
     assert fake_kernel.recurrences == 2, "the backward ran one recurrence per layer"
     layer.set_plan(FUSED)
     cudnn = _training_gradients(layer, x, weights)
@@ -179,14 +181,6 @@ def test_a_training_call_of_an_lstm_runs_the_kernels_forward_and_backward(fake_k
         assert np.max(np.abs(got - want)) <= FP16_TOL * scale
         assert np.max(np.abs(got - keras_own)) <= FP16_TOL * scale
     assert all(np.max(np.abs(g)) > 0 for g in grads)
-
-
-def test_a_training_call_of_a_gru_runs_torchs_cudnn_call_and_says_why(fake_kernel, half):
-    layer = _fused(_model("gru"), WAVEFRONT)
-    layer(_x(), training=True)
-    ran = layer.last_path.kernel
-    assert fake_kernel.calls == [] and ran.name == "torch._VF.gru"
-    assert "runs LSTM stacks only" in ran.note
 
 
 def test_a_call_autograd_does_not_record_runs_the_forward_alone(fake_kernel, half):
@@ -221,8 +215,9 @@ def _gradients(layer, x, weights):
     return [g.double().numpy() for g in grads]
 
 
-def test_gradients_through_an_inference_call_are_the_kernels(fake_kernel, half):
-    layer = _fused(_model(), WAVEFRONT)
+@pytest.mark.parametrize("kind", ["lstm", "gru"])
+def test_gradients_through_an_inference_call_are_the_kernels(fake_kernel, half, kind):
+    layer = _fused(_model(kind), WAVEFRONT)
     x = _x()
     weights = torch.tensor(np.random.default_rng(3).standard_normal((4, 7, 8)), dtype=torch.float32)
     grads = _gradients(layer, x, weights)
@@ -233,17 +228,6 @@ def test_gradients_through_an_inference_call_are_the_kernels(fake_kernel, half):
     for got, want in zip(grads, _gradients(layer, x, weights)):
         assert np.max(np.abs(got - want)) <= FP16_TOL * max(1.0, np.max(np.abs(want)))
     assert all(np.max(np.abs(g)) > 0 for g in grads)
-
-
-def test_gradients_through_a_grus_inference_call_are_cudnns(fake_kernel, half):
-    layer = _fused(_model("gru"), WAVEFRONT)
-    x = _x()
-    weights = torch.tensor(np.random.default_rng(3).standard_normal((4, 7, 8)), dtype=torch.float32)
-    grads = _gradients(layer, x, weights)
-    assert fake_kernel.calls == [] and "runs LSTM stacks only" in layer.last_path.kernel.note
-    layer.set_plan(FUSED)
-    for got, want in zip(grads, _gradients(layer, x, weights)):
-        np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-7)
 
 
 class FakeTimer:
@@ -284,10 +268,11 @@ def test_the_tuner_times_the_kernels_backward_for_an_lstms_training(fake_kernel,
     assert "fused on wavefront" in trainer.names[0]
     assert trained.plan == WAVEFRONT and "fused on wavefront" not in trained.rejected
     assert fake_kernel.recurrences >= 2, "the step (and the gradient check) ran the backward"
+    # A GRU stack is a training candidate too (its per-layer backward).
     (gru,) = tune_plans(_groups(_model("gru")), lambda g: (4, 7, 5), training=True,
-                        measure=FakeTimer({"fused on wavefront": 0.1}), progress=False)
-    assert gru.plan.kernel == "cudnn"
-    assert "runs LSTM stacks only" in gru.rejected["fused on wavefront"]
+                        measure=FakeTimer({"per-layer": 2.0, "fused": 1.0,
+                                           "fused on wavefront": 0.1}), progress=False)
+    assert gru.plan == WAVEFRONT and "fused on wavefront" not in gru.rejected
 
 
 def test_a_kernel_backward_with_wrong_gradients_is_rejected(fake_kernel, half, monkeypatch):
@@ -303,9 +288,8 @@ def test_a_kernel_backward_with_wrong_gradients_is_rejected(fake_kernel, half, m
     assert "gradient error" in trained.rejected["fused on wavefront"]
 
 
-@pytest.mark.parametrize("kind, trains_on", [("lstm", "fused on wavefront"), ("gru", "fused")])
-def test_predict_and_fit_each_choose_their_plan(fake_kernel, half, tmp_path, monkeypatch,
-                                                kind, trains_on):
+@pytest.mark.parametrize("kind", ["lstm", "gru"])
+def test_predict_and_fit_each_choose_their_plan(fake_kernel, half, tmp_path, monkeypatch, kind):
     # A device to time on (the timer is fake; the steps run on the CPU).
     monkeypatch.setattr(first_batch, "can_time_here", lambda environment=None: True)
     model = _model(kind)
@@ -322,6 +306,5 @@ def test_predict_and_fit_each_choose_their_plan(fake_kernel, half, tmp_path, mon
     fast.compile(optimizer="sgd", loss="mse")
     fast.fit(x, np.asarray(y, "float32"), batch_size=8, epochs=1, verbose=0)
     records = {r["mode"]: r["chosen"] for r in first_batch.decisions(fast)}
-    assert records == {"inference": "fused on wavefront", "training": trains_on}
-    want = wavefront.TRAINING_KERNEL_NAME if kind == "lstm" else "torch._VF.gru"
-    assert layer.last_path.kernel.name == want
+    assert records == {"inference": "fused on wavefront", "training": "fused on wavefront"}
+    assert layer.last_path.kernel.name == wavefront.TRAINING_KERNEL_NAME

@@ -3,7 +3,10 @@
 // torch takes under them). Random inputs, small shapes (two batch chunks,
 // partial CTAs, lengths, both dtypes, LSTM and GRU); it checks launch errors
 // and that every output was written (no NaN left of the poison), not values
-// (bench/bench_wavefront.py check does that).
+// (bench/bench_wavefront.py check does that). For a GRU it also runs the
+// saving forward (gates_out, c_out) and the GRU backward of the top layer
+// (rnnfuse_wf_backward_kind, gru 1) on what it saved, with every output
+// poisoned the same way.
 //
 //   g++ -std=c++17 -O1 -I$CUDA/include tools/gpu/wavefront_sanitize.cc \
 //       $CUDA/lib/libcudart_static.a -ldl -lpthread -lrt -o wf_sanitize
@@ -23,6 +26,13 @@ typedef int (*ForwardFn)(void*, int, int, int, int, int, int, int, const void*, 
                          const void*, const void*, const int*, void*, void*, void*, void*, int,
                          unsigned long long*, int);
 typedef size_t (*WorkspaceFn)(int, int, int, int, int);
+typedef int (*SavingFn)(void*, int, int, int, int, int, int, int, const void*, const void*,
+                        const void*, const void*, const int*, void*, void*, void*, void*, int,
+                        unsigned long long*, int, float*, float*);
+typedef int (*BackwardKindFn)(void*, int, int, int, int, int, const void*, const float*,
+                              const float*, const void*, const void*, const void*, const void*,
+                              const int*, void*, float*, float*, void*);
+typedef size_t (*BwdWorkspaceFn)();
 typedef const char* (*ErrorFn)();
 
 #define CHECK(x)                                                              \
@@ -65,6 +75,14 @@ int main(int argc, char** argv) {
   auto forward = reinterpret_cast<ForwardFn>(dlsym(lib, "rnnfuse_wf_forward"));
   auto workspace = reinterpret_cast<WorkspaceFn>(dlsym(lib, "rnnfuse_wf_workspace_bytes"));
   auto last_error = reinterpret_cast<ErrorFn>(dlsym(lib, "rnnfuse_wf_last_error"));
+  auto saving = reinterpret_cast<SavingFn>(dlsym(lib, "rnnfuse_wf_forward_saving"));
+  auto backward_kind = reinterpret_cast<BackwardKindFn>(dlsym(lib, "rnnfuse_wf_backward_kind"));
+  auto bwd_workspace =
+      reinterpret_cast<BwdWorkspaceFn>(dlsym(lib, "rnnfuse_wf_backward_workspace_bytes"));
+  if (!forward || !workspace || !last_error || !saving || !backward_kind || !bwd_workspace) {
+    fprintf(stderr, "the library lacks an entry point: %s\n", dlerror());
+    return 2;
+  }
   CHECK(cudaFree(0));  // makes the primary context current
   struct Case { int gru, L, H, B, T, I, bf16, lengths; };
   const Case cases[] = {
@@ -129,6 +147,60 @@ int main(int argc, char** argv) {
     printf("case gru=%d L=%d H=%d B=%d T=%d bf16=%d: %s (%zu unwritten)\n", c.gru, c.L, c.H, c.B,
            c.T, c.bf16, nan ? "FAIL" : "ok", nan);
     failures += nan != 0;
+    if (c.gru) {
+      // The saving forward, then the top layer's GRU backward on what it saved.
+      const size_t ng = size_t(c.L) * c.T * c.B * 4 * c.H, nc = size_t(c.L) * ny;
+      float *dg, *dcs, *ddh0;
+      void *ddg, *dbws;
+      CHECK(cudaMalloc(reinterpret_cast<void**>(&dg), ng * 4));
+      CHECK(cudaMalloc(reinterpret_cast<void**>(&dcs), nc * 4));
+      CHECK(cudaMalloc(reinterpret_cast<void**>(&ddh0), size_t(c.B) * c.H * 4));
+      CHECK(cudaMalloc(&ddg, ny * 4 * 2));
+      CHECK(cudaMalloc(&dbws, bwd_workspace()));
+      CHECK(cudaMemset(dg, 0xff, ng * 4));  // float NaN
+      CHECK(cudaMemset(dcs, 0xff, nc * 4));
+      CHECK(cudaMemset(ddh0, 0xff, size_t(c.B) * c.H * 4));
+      CHECK(cudaMemset(ddg, 0xff, ny * 4 * 2));
+      int src = saving(nullptr, c.bf16, 1, c.L, c.H, c.B, c.T, c.I, dx, dp, dh, nullptr, dl, dy,
+                       dhy, nullptr, dws, 0, nullptr, 0, dg, dcs);
+      const int top = c.L - 1;
+      size_t w_hh = 0;  // the top layer's W_hh in the canonical buffer (wavefront_plan.h)
+      for (int l = 0; l < c.L; ++l) {
+        const size_t n = l ? c.H : c.I;
+        if (l == top) w_hh += size_t(GH) * n;
+        else w_hh += size_t(GH) * (n + c.H);
+        if (l == top) break;
+      }
+      if (src == 0)
+        src = backward_kind(nullptr, c.bf16, 1, c.H, c.B, c.T,
+                            static_cast<uint16_t*>(dp) + w_hh, dg + size_t(top) * ng / c.L,
+                            dcs + size_t(top) * ny, nullptr, dy, static_cast<uint16_t*>(dhy) +
+                            size_t(top) * c.B * c.H, nullptr, dl, ddg, ddh0, nullptr, dbws);
+      if (src != 0) {
+        fprintf(stderr, "GRU training case L=%d H=%d B=%d T=%d: %s\n", c.L, c.H, c.B, c.T,
+                last_error());
+        ++failures;
+      } else {
+        CHECK(cudaDeviceSynchronize());
+        std::vector<float> g(ng), cs(nc), h0g(size_t(c.B) * c.H);
+        std::vector<uint16_t> dga(ny * 4);
+        CHECK(cudaMemcpy(g.data(), dg, ng * 4, cudaMemcpyDeviceToHost));
+        CHECK(cudaMemcpy(cs.data(), dcs, nc * 4, cudaMemcpyDeviceToHost));
+        CHECK(cudaMemcpy(h0g.data(), ddh0, h0g.size() * 4, cudaMemcpyDeviceToHost));
+        CHECK(cudaMemcpy(dga.data(), ddg, ny * 4 * 2, cudaMemcpyDeviceToHost));
+        size_t bad = 0;
+        for (float v : g) bad += std::isnan(v);
+        for (float v : cs) bad += std::isnan(v);
+        for (float v : h0g) bad += std::isnan(v);
+        for (auto v : dga) bad += IsNan(v, c.bf16);
+        printf("GRU training case L=%d H=%d B=%d T=%d bf16=%d: %s (%zu unwritten)\n", c.L, c.H,
+               c.B, c.T, c.bf16, bad ? "FAIL" : "ok", bad);
+        failures += bad != 0;
+      }
+      for (void* p : {static_cast<void*>(dg), static_cast<void*>(dcs),
+                      static_cast<void*>(ddh0), ddg, dbws})
+        CHECK(cudaFree(p));
+    }
     for (void* p : {dx, dp, dh, dc, dy, dhy, dcy, dws}) CHECK(cudaFree(p));
     CHECK(cudaFree(dl));
   }

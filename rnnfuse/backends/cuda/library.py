@@ -90,6 +90,8 @@ class WavefrontLibrary:
         lib.rnnfuse_wf_backward_workspace_bytes.restype = sz
         lib.rnnfuse_wf_backward.argtypes = [p, i, i, i, i] + [p] * 12
         lib.rnnfuse_wf_backward.restype = i
+        lib.rnnfuse_wf_backward_kind.argtypes = [p, i, i, i, i, i] + [p] * 12
+        lib.rnnfuse_wf_backward_kind.restype = i
         lib.rnnfuse_wf_backward_stack_plan.argtypes = [i, i, i, i, i, i, ip, ip, ip, i, ip, ip]
         lib.rnnfuse_wf_backward_stack_plan.restype = i
         lib.rnnfuse_wf_backward_stack_workspace_bytes.argtypes = [i, i, i, i]
@@ -160,9 +162,9 @@ class WavefrontLibrary:
 
     def backward_plan(self, units: int, batch: int, steps: int, *, sms: int,
                       smem: int) -> dict | str:
-        """The backward kernel's launch for one LSTM layer ({ctas, smem,
-        rows}: CTAs, shared bytes a CTA, batch rows a group), or why it
-        cannot run.
+        """The backward kernel's launch for one LSTM or GRU layer (the same
+        plan: a GRU's four virtual gates) ({ctas, smem, rows}: CTAs, shared
+        bytes a CTA, batch rows a group), or why it cannot run.
 
         >>> load().backward_plan(512, 64, 1000, **H200)  # doctest: +SKIP
         {'ctas': 128, 'smem': 79360, 'rows': 16}
@@ -181,15 +183,20 @@ class WavefrontLibrary:
 
     def backward(self, stream: int, dtype: str, units: int, batch: int, steps: int, *,
                  w_hh: int, gates: int, cseq: int, c0: int, dy: int, dhy: int, dcy: int,
-                 lengths: int | None, dgates: int, dh0: int, dc0: int, workspace: int) -> None:
-        """The backward recurrence of one LSTM layer (device pointers as ints;
-        see wavefront.cuh, "The backward kernel"): writes dgates [T, B, 4H]
-        (the element type) and dh0, dc0 [B, H] (float32)."""
+                 lengths: int | None, dgates: int, dh0: int, dc0: int, workspace: int,
+                 kind: str = "lstm") -> None:
+        """The backward recurrence of one LSTM or GRU layer (device pointers
+        as ints; see wavefront.cuh, "The backward kernel"): writes dgates
+        [T, B, 4H] (the element type; a GRU's four virtual gates dr, dz,
+        dn_x, dn_h) and dh0 [B, H] (float32; an LSTM's dc0 too). A GRU's
+        `cseq` is the forward's saved h_{t-1}; its c0, dcy and dc0 are not
+        read (pass 0)."""
         if dtype not in DTYPES:
             raise WavefrontError(f"the wavefront kernel runs {DTYPES}, not {dtype}")
-        rc = self._lib.rnnfuse_wf_backward(
-            stream or None, DTYPES.index(dtype), units, batch, steps, w_hh, gates, cseq, c0, dy,
-            dhy, dcy, lengths or None, dgates, dh0, dc0, workspace)
+        rc = self._lib.rnnfuse_wf_backward_kind(
+            stream or None, DTYPES.index(dtype), _kind(kind), units, batch, steps, w_hh, gates,
+            cseq, c0 or None, dy, dhy, dcy or None, lengths or None, dgates, dh0, dc0 or None,
+            workspace)
         if rc != 0:
             raise WavefrontError(self._error())
 
@@ -342,10 +349,14 @@ def device_reason(kind: str, num_layers: int, units: int, batch: int, steps: int
 def backward_reason(kind: str, units: int, batch: int, steps: int,
                     ordinal: int = 0) -> str | None:
     """Why the backward kernel cannot run this stack's layers on CUDA device
-    `ordinal` (an LSTM only; the backward's plan), or None. The forward's
-    limits are `stack_reason` and `device_reason`: training needs all three."""
-    if kind != "lstm":
-        return "the wavefront backward kernel runs LSTM stacks only (a GRU trains on cuDNN)"
+    `ordinal` (LSTM and GRU; the backward's plan), or None. The forward's
+    limits are `stack_reason` and `device_reason`: training needs all three.
+
+    >>> backward_reason("simple_rnn", 64, 8, 10)
+    'the wavefront backward kernel runs LSTM and GRU stacks, not simple_rnn'
+    """
+    if kind not in KINDS:
+        return f"the wavefront backward kernel runs LSTM and GRU stacks, not {kind}"
     lib = load()
     dev = lib.device(ordinal)
     plan = lib.backward_plan(units, int(batch), int(steps), sms=dev["sms"], smem=dev["smem"])
@@ -356,9 +367,9 @@ def backward_stack_reason(kind: str, num_layers: int, units: int, batch: int, st
                           ordinal: int = 0) -> str | None:
     """Why the reverse-wavefront backward (one launch for the whole stack)
     cannot run this stack on CUDA device `ordinal` (an LSTM only; its plan),
-    or None."""
+    or None. A GRU trains on the per-layer backward (v1) instead."""
     if kind != "lstm":
-        return "the reverse-wavefront backward runs LSTM stacks only"
+        return "the reverse-wavefront backward runs LSTM stacks only (a GRU runs the per-layer one)"
     lib = load()
     dev = lib.device(ordinal)
     plan = lib.backward_stack_plan(num_layers, units, int(batch), int(steps), sms=dev["sms"],

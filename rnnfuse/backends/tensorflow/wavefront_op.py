@@ -19,7 +19,7 @@ the call cuDNN's gradient, recomputed in the backward pass, so a
 `GradientTape` around an inference call gets the gradient Keras' own
 layers would give.
 
-Training (an LSTM stack): `run_trainable` is `run_stack` with the
+Training (an LSTM or GRU stack): `run_trainable` is `run_stack` with the
 kernel's own gradient (`wavefront_training.trainable_forward`): the forward
 kernel saving every layer's gates and c (`RnnfuseWavefrontSaving`), and in
 the backward pass every layer's recurrence in one reverse-wavefront launch
@@ -28,9 +28,10 @@ else per layer from the top the backward kernel's recurrence
 (`RnnfuseWavefrontBackward`, v1) (`wavefront_training.backward_choice`),
 then dx, dW and the biases as `tf.matmul`s, reaching the Keras variables
 through `pack_params`; its `KernelRun`'s algorithm says which backward
-ran ("backward=stack" or "backward=layer").
+ran ("backward=stack" or "backward=layer"; a GRU's is always "layer",
+the reverse wavefront being LSTM only).
 `training_reason` says beforehand why it cannot run a call (the forward's
-reasons, then the backward's: an LSTM only, its plan); `run_trainable`
+reasons, then the backward's: its plan); `run_trainable`
 raises NotImplementedError with it, and the caller runs cuDNN.
 
 Example (on an H200, inside a tf.function or eagerly):
@@ -87,8 +88,8 @@ def training_reason(kind: str, num_layers: int, units: int, batch: int, steps: i
                     summed_inputs: bool = False, dropout: float = 0.0) -> str | None:
     """Why `run_trainable` cannot run this training call here, or None: the
     forward's `unsupported_reason`, then the backward kernel's
-    (`library.backward_reason`: an LSTM only, a GRU trains on cuDNN; its
-    plan for one layer of `units` at `batch`)."""
+    (`library.backward_reason`: LSTM or GRU; its plan for one layer of
+    `units` at `batch`)."""
     from rnnfuse.backends.cuda import library
 
     reason = unsupported_reason(kind, num_layers, units, batch, steps, input_size, dtype,
@@ -201,8 +202,9 @@ def run_trainable(
     dropout: float = 0.0,
 ) -> StackRun:
     """`run_stack` for training: the kernel's forward AND backward (an LSTM
-    stack). The gradient with respect to the sequences, the initial states
-    and every variable the call read (through `pack_params`) is
+    or GRU stack; a GRU's backward is per layer). The gradient with
+    respect to the sequences, the initial states and every variable the
+    call read (through `pack_params`) is
     `wavefront_training.backward_stack_wavefront`'s (one reverse-wavefront
     launch for every layer) where the stack backward's plan accepts the
     stack, else `backward_stack`'s (per layer from the top the backward
@@ -226,10 +228,11 @@ def run_trainable(
         raise NotImplementedError(reason)
     x, lengths = _time_major(sequences, mask, reverse)
     h0 = tf_backend._states(initial_h, stack, batch, dtype)
-    choice = wavefront_training.backward_choice(x, h0)
+    choice = wavefront_training.backward_choice(x, h0, kind=stack.kind)
+    c0 = tf_backend._states(initial_c, stack, batch, dtype) if stack.kind == "lstm" else None
     y, hy, cy = wavefront_training.trainable_forward(
-        x, tf_backend.pack_params(stack, dtype), h0,
-        tf_backend._states(initial_c, stack, batch, dtype), lengths, backward=choice.backward)
+        x, tf_backend.pack_params(stack, dtype), h0, c0, lengths, backward=choice.backward,
+        kind=stack.kind)
     return StackRun(tf.transpose(y, [1, 0, 2]), hy, cy,
                     KernelRun(TRAINING_KERNEL_NAME, f"backward={choice.backward}"))
 

@@ -1,4 +1,4 @@
-"""Training an LSTM stack on rnnfuse's wavefront kernels in TensorFlow.
+"""Training an LSTM or GRU stack on rnnfuse's wavefront kernels in TensorFlow.
 
 The TensorFlow twin of the torch binding's training path
 (rnnfuse/backends/torch/wavefront.py), over the ops of
@@ -106,9 +106,11 @@ def _dims(x: tf.Tensor, h0: tf.Tensor) -> tuple[int, int, int, int, int]:
     return tuple(int(d) for d in dims)
 
 
-def _layer_views(params: tf.Tensor, num_layers: int, units: int, input_size: int) -> list:
-    """Per layer (w_ih [4H, n], w_hh [4H, H]) slices of the canonical buffer."""
-    gh, off, views = 4 * units, 0, []
+def _layer_views(params: tf.Tensor, num_layers: int, units: int, input_size: int,
+                 gates: int = 4) -> list:
+    """Per layer (w_ih [G*H, n], w_hh [G*H, H]) slices of the canonical buffer
+    (G = `gates`: 4 for an LSTM, 3 for a GRU)."""
+    gh, off, views = gates * units, 0, []
     for l in range(num_layers):
         n = input_size if l == 0 else units
         w_ih = tf.reshape(params[off: off + gh * n], [gh, n])
@@ -118,23 +120,26 @@ def _layer_views(params: tf.Tensor, num_layers: int, units: int, input_size: int
     return views
 
 
-def _biases(params: tf.Tensor, num_layers: int, units: int, input_size: int) -> list:
-    """Per layer (b_ih, b_hh) [4H] slices of the canonical buffer."""
-    gh = 4 * units
+def _biases(params: tf.Tensor, num_layers: int, units: int, input_size: int,
+            gates: int = 4) -> list:
+    """Per layer (b_ih, b_hh) [G*H] slices of the canonical buffer."""
+    gh = gates * units
     start = sum(gh * ((input_size if l == 0 else units) + units) for l in range(num_layers))
     return [(params[start + 2 * gh * l: start + 2 * gh * l + gh],
              params[start + 2 * gh * l + gh: start + 2 * gh * (l + 1)])
             for l in range(num_layers)]
 
 
-def forward_saving(x: tf.Tensor, params: tf.Tensor, h0: tf.Tensor, c0: tf.Tensor,
-                   lengths: Any):
-    """An LSTM stack's forward on the kernel, saving what `backward_stack` reads.
+def forward_saving(x: tf.Tensor, params: tf.Tensor, h0: tf.Tensor, c0: tf.Tensor | None,
+                   lengths: Any, *, kind: str = "lstm"):
+    """A stack's forward on the kernel, saving what `backward_stack` reads.
 
     Returns (y [T, B, H], hy, cy [L, B, H], saved), saved = (hseq
     [L-1, T, B, H]: the h sequences of the layers below the top, in x's
-    dtype, 0 at t >= length; gates [L, T, B, 4H]: activated i, f, g, o,
-    float32; cseq [L, T, B, H]: c, float32).
+    dtype, 0 at t >= length; gates [L, T, B, 4H] float32: an LSTM's
+    activated i, f, g, o, a GRU's r, z, n, W_hn h_{t-1} + b_hn; cseq
+    [L, T, B, H] float32: an LSTM's c, a GRU's h_{t-1}). A GRU's c0 is
+    ignored and its cy is [0].
 
     Raises:
         NotImplementedError: the op is not loaded.
@@ -142,16 +147,21 @@ def forward_saving(x: tf.Tensor, params: tf.Tensor, h0: tf.Tensor, c0: tf.Tensor
             op names the limit; `wavefront_op.training_reason` says so first).
     """
     _, _, input_size, _, units = _dims(x, h0)
-    xproj = input_projection(x, params, 4 * units)
+    xproj = input_projection(x, params, (3 if kind == "gru" else 4) * units)
     y, hy, cy, hseq, gates, cseq = _op().rnnfuse_wavefront_saving(
-        xproj=xproj, params=params, input_h=h0, input_c=c0,
+        xproj=xproj, params=params, input_h=h0,
+        input_c=tf.zeros([0], x.dtype) if kind == "gru" else c0,
         sequence_lengths=lengths_input(lengths), input_size=input_size,
-        kernel_variant=kernel_variants().FORWARD_VARIANT)
+        kernel_variant=kernel_variants().FORWARD_VARIANT, rnn_mode=kind)
     return y, hy, cy, (hseq, gates, cseq)
 
 
-def backward_layer(w_hh, gates, cseq, c0, dy, dhy, dcy, lengths):
-    """The backward recurrence of one LSTM layer on the kernel.
+def backward_layer(w_hh, gates, cseq, c0, dy, dhy, dcy, lengths, *, kind: str = "lstm"):
+    """The backward recurrence of one LSTM or GRU layer on the kernel.
+
+    A GRU (`kind`): w_hh [3H, H], c0 and dcy not read (may be None),
+    dgates (dr, dz, dn_x, dn_h), dc0 None (wavefront.cuh, "The GRU
+    backward").
 
     w_hh [4H, H], c0, dhy, dcy [B, H] and dy [T, B, H] (the gradient of the
     layer's output sequence) in the element type; gates [T, B, 4H] and cseq
@@ -160,6 +170,12 @@ def backward_layer(w_hh, gates, cseq, c0, dy, dhy, dcy, lengths):
     gradient of the gates' pre-activations, 0 at t >= length; dh0, dc0
     [B, H] float32). `recurrence_reference` is the same in TensorFlow.
     """
+    if kind == "gru":
+        empty = tf.zeros([0], dy.dtype)
+        dgates, dh0, _ = _op().rnnfuse_wavefront_backward(
+            w_hh=w_hh, gates=gates, cseq=cseq, c0=empty, dy=dy, dhy=dhy, dcy=empty,
+            sequence_lengths=lengths_input(lengths), rnn_mode="gru")
+        return dgates, dh0, None
     dgates, dh0, dc0 = _op().rnnfuse_wavefront_backward(
         w_hh=w_hh, gates=gates, cseq=cseq, c0=c0, dy=dy, dhy=dhy, dcy=dcy,
         sequence_lengths=lengths_input(lengths))
@@ -224,7 +240,7 @@ def _weight_gradients(dgates, l, x, h0, y, hseq):
 
 
 def backward_stack(params, x, h0, c0, lengths, y, saved, dy, dhy, dcy, *,
-                   recurrence: Callable | None = None):
+                   recurrence: Callable | None = None, kind: str = "lstm"):
     """The gradients of an LSTM stack's forward (`forward_saving`) from what
     it saved, layer by layer from the top (v1): the recurrence
     (`recurrence`, default `backward_layer`, the kernel), the rest as
@@ -233,9 +249,13 @@ def backward_stack(params, x, h0, c0, lengths, y, saved, dy, dhy, dcy, *,
     the sum of dgates (in float32, float64 for float64).
 
     Returns (dx [T, B, I], dparams in the canonical flat layout, dh0, dc0
-    [L, B, H]), all in x's dtype; dy, dhy, dcy may be None (zero).
+    [L, B, H]), all in x's dtype; dy, dhy, dcy may be None (zero). A GRU
+    (`kind`): `_gru_backward_stack` (dc0 None).
     """
     recurrence = recurrence or backward_layer
+    if kind == "gru":
+        return _gru_backward_stack(params, x, h0, lengths, y, saved, dy, dhy,
+                                   recurrence=recurrence)
     hseq, gates, cseq = saved
     steps, batch, input_size, num_layers, units = _dims(x, h0)
     dtype = x.dtype
@@ -252,6 +272,41 @@ def backward_stack(params, x, h0, c0, lengths, y, saved, dy, dhy, dcy, *,
         mats[l], biases[l], dg = _weight_gradients(dgates, l, x, h0, y, hseq)
         grad = tf.reshape(tf.matmul(dg, w_ih), [steps, batch, int(w_ih.shape[1])])
     return grad, tf.concat(mats + biases, 0), tf.stack(dh0), tf.stack(dc0)
+
+
+def _gru_backward_stack(params, x, h0, lengths, y, saved, dy, dhy, *, recurrence: Callable):
+    """`backward_stack` of a GRU stack (the torch binding's
+    `_gru_backward_stack`): each layer's dgates [T, B, 4H] = (dr, dz, dn_x,
+    dn_h); the input side's gradient is (dr, dz, dn_x) (dx, dW_ih, db_ih),
+    the recurrent side's (dr, dz, dn_h) (dW_hh, db_hh). Returns (dx,
+    dparams, dh0, None) in x's dtype."""
+    hseq, gates, hprev = saved
+    steps, batch, input_size, num_layers, units = _dims(x, h0)
+    dtype, acc = x.dtype, _accumulation(x.dtype)
+    views = _layer_views(params, num_layers, units, input_size, gates=3)
+    dy = tf.zeros_like(y) if dy is None else tf.cast(dy, dtype)
+    dhy = tf.zeros_like(h0) if dhy is None else tf.cast(dhy, dtype)
+    mats, biases, dh0 = [None] * num_layers, [None] * num_layers, [None] * num_layers
+    grad = dy  # of layer l's output sequence
+    for l in reversed(range(num_layers)):
+        w_ih, w_hh = views[l]
+        dgates, dh0_l, _ = recurrence(w_hh, gates[l], hprev[l], None, grad, dhy[l], None,
+                                      lengths, kind="gru")
+        dh0[l] = tf.cast(dh0_l, dtype)
+        inp = x if l == 0 else hseq[l - 1]
+        out = y if l == num_layers - 1 else hseq[l]
+        dg = tf.reshape(tf.cast(dgates, dtype), [steps * batch, 4 * units])
+        d_in = dg[:, :3 * units]
+        d_rec = tf.concat([dg[:, :2 * units], dg[:, 3 * units:]], 1)
+        h_prev = tf.reshape(tf.concat([h0[l:l + 1], out[:-1]], 0), [steps * batch, units])
+        d_w_ih = tf.matmul(d_in, tf.reshape(inp, [steps * batch, int(inp.shape[-1])]),
+                           transpose_a=True)
+        d_w_hh = tf.matmul(d_rec, h_prev, transpose_a=True)
+        mats[l] = tf.concat([tf.reshape(d_w_ih, [-1]), tf.reshape(d_w_hh, [-1])], 0)
+        biases[l] = tf.concat([tf.cast(tf.reduce_sum(tf.cast(d, acc), axis=0), dtype)
+                               for d in (d_in, d_rec)], 0)
+        grad = tf.reshape(tf.matmul(d_in, w_ih), [steps, batch, int(w_ih.shape[1])])
+    return grad, tf.concat(mats + biases, 0), tf.stack(dh0), None
 
 
 def backward_stack_wavefront(params, x, h0, c0, lengths, y, saved, dy, dhy, dcy, *,
@@ -281,11 +336,12 @@ def backward_stack_wavefront(params, x, h0, c0, lengths, y, saved, dy, dhy, dcy,
             tf.cast(dc0, dtype))
 
 
-def backward_choice(x, h0, backward: str = "auto"):
+def backward_choice(x, h0, backward: str = "auto", *, kind: str = "lstm"):
     """The backward `trainable_forward(x, ..., h0, ..., backward=backward)`
     runs: `library.choose_backward` for x [T, B, I] and h0 [L, B, H] (static
     shapes) on GPU 0; "auto" is "layer" where the wavefront op is not
-    loaded (no GPU). Returns a `library.BackwardChoice` (which, and why).
+    loaded (no GPU), and for a GRU. Returns a `library.BackwardChoice`
+    (which, and why).
 
     Raises:
         ValueError: `backward` is not "auto", "layer" or "stack", or a shape
@@ -298,7 +354,7 @@ def backward_choice(x, h0, backward: str = "auto"):
     unavailable = None
     if backward == "auto":
         unavailable = op_unavailable()
-    return library.choose_backward(backward, "lstm", num_layers, units, batch, steps,
+    return library.choose_backward(backward, kind, num_layers, units, batch, steps,
                                    unavailable=unavailable)
 
 
@@ -312,8 +368,14 @@ def op_unavailable() -> str | None:
 
 
 def trainable_forward(x, params, h0, c0, lengths=None, *, saving: Callable | None = None,
-                      recurrence: Callable | None = None, backward: str = "auto"):
-    """An LSTM stack on the kernel with the kernel's gradient.
+                      recurrence: Callable | None = None, backward: str = "auto",
+                      kind: str = "lstm"):
+    """An LSTM or GRU stack on the kernel with the kernel's gradient.
+
+    A GRU (`kind="gru"`; c0 is ignored, cy is None) runs the per-layer
+    backward ("auto" is "layer" for it; "stack" is refused: the reverse-
+    wavefront backward runs LSTM stacks only); `saving` is then called
+    with `kind="gru"` and `recurrence` with `kind="gru"`.
 
     Returns (y [T, B, H], hy, cy [L, B, H]) as `forward_saving` does,
     differentiable (`tf.custom_gradient`) with respect to x, params (so the
@@ -330,9 +392,14 @@ def trainable_forward(x, params, h0, c0, lengths=None, *, saving: Callable | Non
     `stack_recurrence_reference`; on the CPU "auto" is "layer").
 
     Raises:
-        ValueError: c0 is None, a shape is not static, or `backward` is not
-            "auto", "layer" or "stack".
+        ValueError: an LSTM's c0 is None, a shape is not static, `backward`
+            is not "auto", "layer" or "stack", or a GRU's is "stack".
     """
+    if kind not in ("lstm", "gru"):
+        raise ValueError(f"trainable_forward: kind must be 'lstm' or 'gru'; received {kind!r}")
+    if kind == "gru":
+        return _trainable_gru(x, params, h0, lengths, saving=saving, recurrence=recurrence,
+                              backward=backward)
     if c0 is None:
         raise ValueError("trainable_forward: an LSTM needs c0 ([L, B, H]); received None")
     x, params, h0, c0 = (tf.convert_to_tensor(t) for t in (x, params, h0, c0))
@@ -355,6 +422,31 @@ def trainable_forward(x, params, h0, c0, lengths=None, *, saving: Callable | Non
     return y, hy, cy
 
 
+def _trainable_gru(x, params, h0, lengths, *, saving, recurrence, backward):
+    """`trainable_forward` of a GRU stack: (y, hy, None)."""
+    x, params, h0 = (tf.convert_to_tensor(t) for t in (x, params, h0))
+    choice = backward_choice(x, h0, backward, kind="gru")
+    if choice.backward == "stack":
+        raise ValueError("trainable_forward: backward='stack' (the reverse-wavefront backward) "
+                         "runs LSTM stacks only; a GRU runs backward='layer' or 'auto'")
+    saving = saving or forward_saving
+    lens = None if lengths is None else tf.cast(lengths, tf.int32)
+
+    @tf.custom_gradient
+    def gru(x, params, h0):
+        y, hy, _, saved = saving(x, params, h0, None, lens, kind="gru")
+
+        def grad(dy, dhy):
+            dx, dparams, dh0, _ = backward_stack(params, x, h0, None, lens, y, saved, dy, dhy,
+                                                 None, recurrence=recurrence, kind="gru")
+            return dx, dparams, dh0
+
+        return (y, hy), grad
+
+    y, hy = gru(x, params, h0)
+    return y, hy, None
+
+
 # -- the two kernels, and the stack, in plain TensorFlow ------------------------------------
 
 
@@ -364,12 +456,14 @@ def _alive(steps: int, batch: int, lengths: Any):
     return lens, tf.range(steps)[:, None] < lens[None, :]
 
 
-def reference_forward_saving(x, params, h0, c0, lengths):
+def reference_forward_saving(x, params, h0, c0, lengths, *, kind: str = "lstm"):
     """`forward_saving` in TensorFlow, step by step (float32 arithmetic,
     float64 for float64 inputs): the same outputs and saved tensors, h
     rounded to x's dtype between steps and layers, 0 in the sequences at
     t >= length (the next step reads that 0, as the kernel does), c not
     held past a length (the kernel's saved c there is never read)."""
+    if kind == "gru":
+        return _gru_reference_forward_saving(x, params, h0, lengths)
     steps, batch, input_size, num_layers, units = _dims(x, h0)
     acc, dtype = _accumulation(x.dtype), x.dtype
     lens, alive = _alive(steps, batch, lengths)
@@ -410,11 +504,57 @@ def reference_forward_saving(x, params, h0, c0, lengths):
             (hseq, tf.cast(tf.stack(gates_all), acc), tf.cast(tf.stack(cseq_all), acc)))
 
 
-def recurrence_reference(w_hh, gates, cseq, c0, dy, dhy, dcy, lengths, *, dtype=None):
+def _gru_reference_forward_saving(x, params, h0, lengths):
+    """`reference_forward_saving` of a GRU stack (r, z, n; reset_after):
+    saves r, z, n, W_hn h_{t-1} + b_hn and h_{t-1}, as the kernel does.
+    Returns (y, hy, [0], (hseq, gates, hprev))."""
+    steps, batch, input_size, num_layers, units = _dims(x, h0)
+    acc, dtype = _accumulation(x.dtype), x.dtype
+    lens, alive = _alive(steps, batch, lengths)
+    views = _layer_views(params, num_layers, units, input_size, gates=3)
+    biases = _biases(params, num_layers, units, input_size, gates=3)
+    gates_all, hprev_all, seqs, hy = [], [], [], []
+    inp = x
+    for l, (w_ih, w_hh) in enumerate(views):
+        b_ih, b_hh = tf.cast(biases[l][0], acc), tf.cast(biases[l][1], acc)
+        n_in = int(inp.shape[-1])
+        xp = tf.reshape(tf.matmul(tf.reshape(tf.cast(inp, acc), [-1, n_in]), tf.cast(w_ih, acc),
+                                  transpose_b=True), [steps, batch, 3 * units]) + b_ih
+        h = h0[l]
+        hy_l = tf.zeros_like(h0[l])
+        outs, gates, hprev = [], [], []
+        for t in range(steps):
+            hh = tf.matmul(tf.cast(h, acc), tf.cast(w_hh, acc), transpose_b=True) + b_hh
+            xr, xz, xn = tf.split(xp[t], 3, axis=1)
+            hr, hz, hn = tf.split(hh, 3, axis=1)
+            r, z = tf.sigmoid(xr + hr), tf.sigmoid(xz + hz)
+            n = tf.tanh(xn + r * hn)
+            h_new = tf.cast((1 - z) * n + z * tf.cast(h, acc), dtype)
+            gates.append(tf.concat([r, z, n, hn], axis=1))
+            hprev.append(tf.cast(h, acc))
+            h = tf.where(alive[t][:, None], h_new, tf.zeros_like(h_new))
+            outs.append(h)
+            hy_l = tf.where((t == lens - 1)[:, None], h_new, hy_l)
+        inp = tf.stack(outs)
+        seqs.append(inp)
+        gates_all.append(tf.stack(gates))
+        hprev_all.append(tf.stack(hprev))
+        hy.append(hy_l)
+    hseq = (tf.stack(seqs[:-1]) if num_layers > 1
+            else tf.zeros([0, steps, batch, units], dtype))
+    return (seqs[-1], tf.stack(hy), tf.zeros([0], dtype),
+            (hseq, tf.stack(gates_all), tf.stack(hprev_all)))
+
+
+def recurrence_reference(w_hh, gates, cseq, c0, dy, dhy, dcy, lengths, *, dtype=None,
+                         kind: str = "lstm"):
     """`backward_layer` in TensorFlow, step by step (float32 arithmetic,
     float64 for float64 inputs; dgates rounded to the element type as the
     kernel stores them). `dtype`: the element type where dy is not in it
-    (`stack_recurrence_reference` passes a float32 dy)."""
+    (`stack_recurrence_reference` passes a float32 dy). A GRU (`kind`):
+    `_gru_recurrence_reference`."""
+    if kind == "gru":
+        return _gru_recurrence_reference(w_hh, gates, cseq, dy, dhy, lengths, dtype=dtype)
     steps, batch, units = (int(d) for d in dy.shape)
     dtype = dy.dtype if dtype is None else tf.as_dtype(dtype)
     acc = _accumulation(dtype)
@@ -441,6 +581,35 @@ def recurrence_reference(w_hh, gates, cseq, c0, dy, dhy, dcy, lengths, *, dtype=
     return tf.stack(dgates), rec, carry
 
 
+def _gru_recurrence_reference(w_hh, gates, hprev, dy, dhy, lengths, *, dtype=None):
+    """`recurrence_reference` of a GRU layer (wavefront.cuh, "The GRU
+    backward"; the torch binding's `_gru_recurrence_reference`): returns
+    (dgates [T, B, 4H] = (dr, dz, dn_x, dn_h) in the element type, dh0 in
+    the accumulation dtype, None)."""
+    steps, batch, units = (int(d) for d in dy.shape)
+    dtype = dy.dtype if dtype is None else tf.as_dtype(dtype)
+    acc = _accumulation(dtype)
+    w_r, w_z, w_n = tf.split(tf.cast(w_hh, acc), 3, axis=0)
+    w = tf.concat([w_r, w_z, tf.zeros_like(w_n), w_n], 0)  # rows of (dr, dz, dn_x, dn_h)
+    lens, alive = _alive(steps, batch, lengths)
+    zeros = tf.zeros([batch, units], acc)
+    carry, rec = zeros, zeros
+    dgates = [None] * steps
+    for t in reversed(range(steps)):
+        live = alive[t][:, None]
+        last = (t == lens - 1)[:, None]
+        dh = rec + tf.cast(dy[t], acc) + carry + tf.where(last, tf.cast(dhy, acc), zeros)
+        r, z, n, hn = tf.split(tf.cast(gates[t], acc), 4, axis=1)
+        dnx = dh * (1 - z) * (1 - n * n)
+        da = tf.concat([dnx * hn * r * (1 - r), dh * (tf.cast(hprev[t], acc) - n) * z * (1 - z),
+                        dnx, dnx * r], axis=1)
+        da = tf.cast(tf.where(live, da, tf.zeros_like(da)), dtype)
+        carry = tf.where(live, dh * z, zeros)
+        dgates[t] = da
+        rec = tf.matmul(tf.cast(da, acc), w)
+    return tf.stack(dgates), rec + carry, None
+
+
 def stack_recurrence_reference(params, input_size, gates, cseq, c0, dy, dhy, dcy, lengths):
     """`backward_stack_kernel` in TensorFlow: per layer from the top,
     `recurrence_reference` with dy^l = dgates^{l+1} W_ih^{l+1} kept in the
@@ -461,12 +630,15 @@ def stack_recurrence_reference(params, input_size, gates, cseq, c0, dy, dhy, dcy
     return tf.stack(dgates), tf.stack(dh0), tf.stack(dc0)
 
 
-def reference_forward(x, params, h0, c0, lengths=None):
+def reference_forward(x, params, h0, c0, lengths=None, *, kind: str = "lstm"):
     """The stack in float64 with cuDNN's rules for lengths (outputs 0 past
     each length, final states at each length): plain TensorFlow ops (a
     `tf.scan` over time a layer, so it traces small in a `tf.function`), so
     a `GradientTape` gives its reference gradients. Inputs as
-    `trainable_forward`'s; returns (y, hy, cy) in float64."""
+    `trainable_forward`'s; returns (y, hy, cy) in float64 (a GRU's cy None;
+    its c0 is ignored)."""
+    if kind == "gru":
+        return _gru_reference_forward(x, params, h0, lengths)
     steps, batch, input_size, num_layers, units = _dims(x, h0)
     f64 = tf.float64
     _, alive = _alive(steps, batch, lengths)
@@ -496,3 +668,35 @@ def reference_forward(x, params, h0, c0, lengths=None):
         hy.append(hs[-1])
         cy.append(cs[-1])
     return inp, tf.stack(hy), tf.stack(cy)
+
+
+def _gru_reference_forward(x, params, h0, lengths):
+    """`reference_forward` of a GRU stack (r, z, n; reset_after: n = tanh(x
+    W_in + b_in + r (h W_hn + b_hn))): (y, hy, None) in float64."""
+    steps, batch, input_size, num_layers, units = _dims(x, h0)
+    f64 = tf.float64
+    _, alive = _alive(steps, batch, lengths)
+    params = tf.cast(params, f64)
+    views = _layer_views(params, num_layers, units, input_size, gates=3)
+    biases = _biases(params, num_layers, units, input_size, gates=3)
+    inp = tf.cast(x, f64)
+    hy = []
+    for l, (w_ih, w_hh) in enumerate(views):
+        n = int(inp.shape[-1])
+        xp = tf.reshape(tf.matmul(tf.reshape(inp, [-1, n]), w_ih, transpose_b=True),
+                        [steps, batch, 3 * units]) + biases[l][0]
+
+        def step(state, elems, w_hh=w_hh, b_hh=biases[l][1]):
+            h, _ = state
+            xp_t, live = elems
+            xr, xz, xn = tf.split(xp_t, 3, axis=1)
+            hr, hz, hn = tf.split(tf.matmul(h, w_hh, transpose_b=True) + b_hh, 3, axis=1)
+            r, z = tf.sigmoid(xr + hr), tf.sigmoid(xz + hz)
+            h_new = (1 - z) * tf.tanh(xn + r * hn) + z * h
+            live = live[:, None]
+            return tf.where(live, h_new, h), tf.where(live, h_new, tf.zeros_like(h_new))
+
+        h0_l = tf.cast(h0[l], f64)
+        hs, inp = tf.scan(step, (xp, alive), initializer=(h0_l, tf.zeros_like(h0_l)))
+        hy.append(hs[-1])
+    return inp, tf.stack(hy), None

@@ -15,8 +15,8 @@ backend's `run_stack` calls for a plan on the "wavefront" kernel, is
 `evaluate`: `torch.no_grad()`), and `run_trainable` where it does (a
 training step, a user's loop, a gradient through an inference call): the
 kernel's forward and the kernel's backward. Where the kernels refuse the
-call (a GRU has no backward kernel) the backend runs cuDNN, which also
-gives the gradient. `forward(x, params, h0, c0, lengths, kind=...)` runs a
+call (a shape over the backward's limits) the backend runs cuDNN, which
+also gives the gradient. `forward(x, params, h0, c0, lengths, kind=...)` runs a
 whole stack: layer 0's input projection as one torch matmul (x W_ih0^T in
 the input's dtype), then the kernel. Inputs are time-major: x [T, B, I];
 params is rnnfuse's canonical flat buffer (per layer W_ih [G*H, n] and
@@ -27,7 +27,7 @@ cy [L, B, H] or None). Outside the kernel's limits it raises
 `library.WavefrontError` (`unsupported_reason` says so beforehand): the
 caller runs cuDNN instead.
 
-Training (LSTM only): `trainable_forward(x, params, h0, c0, lengths)` is
+Training (LSTM and GRU): `trainable_forward(x, params, h0, c0, lengths)` is
 `forward` with the kernel's own gradient: `forward_training` (the forward
 kernel, also saving every layer's gates and c in float32) and, in the
 backward pass, `backward_stack` (per layer from the top: the backward
@@ -39,7 +39,10 @@ two kernels in torch (the CPU tests'). By default (`backward="auto"`,
 instead where its plan accepts the stack (v2, exact on the H200): every
 layer's recurrence in ONE reverse-wavefront launch
 (`backward_stack_kernel`; `stack_recurrence_reference` in torch), then
-the same GEMMs; `backward="layer"` forces v1.
+the same GEMMs; `backward="layer"` forces v1. A GRU
+(`trainable_forward(..., kind="gru")`) runs v1 (the reverse wavefront is
+LSTM only): `backward_layer(..., kind="gru")` and the GEMMs over its four
+virtual gates (wavefront.cuh, "The GRU backward").
 
 Example (on an H200):
 
@@ -50,6 +53,7 @@ Example (on an H200):
 
 from __future__ import annotations
 
+import functools
 from typing import Sequence
 
 import torch
@@ -221,14 +225,17 @@ def forward(x: torch.Tensor, params: torch.Tensor, h0: torch.Tensor, c0: torch.T
 # -- training: the forward saving gates and c, the backward kernel -----------------------
 
 
-def forward_training(x: torch.Tensor, params: torch.Tensor, h0: torch.Tensor, c0: torch.Tensor,
-                     lengths: torch.Tensor | None):
-    """An LSTM stack's forward on the kernel, saving what `backward_stack` reads.
+def forward_training(x: torch.Tensor, params: torch.Tensor, h0: torch.Tensor,
+                     c0: torch.Tensor | None, lengths: torch.Tensor | None, *,
+                     kind: str = "lstm"):
+    """A stack's forward on the kernel, saving what `backward_stack` reads.
 
-    Same inputs as `forward(..., kind="lstm")`. Returns (y, hy, cy, saved),
+    Same inputs as `forward(..., kind=kind)`. Returns (y, hy, cy, saved),
     saved = (hseq [L-1, T, B, H]: the h sequences of the layers below the
-    top, in x's dtype; gates [L, T, B, 4H]: activated i, f, g, o, float32;
-    cseq [L, T, B, H]: c, float32).
+    top, in x's dtype; gates [L, T, B, 4H] float32: an LSTM's activated i,
+    f, g, o, a GRU's r, z, n and W_hn h_{t-1} + b_hn; cseq [L, T, B, H]
+    float32: an LSTM's c, a GRU's h_{t-1} as each step read it). A GRU's
+    c0 is ignored and its cy is None.
 
     Raises:
         library.WavefrontError: the kernel cannot run this stack.
@@ -236,59 +243,69 @@ def forward_training(x: torch.Tensor, params: torch.Tensor, h0: torch.Tensor, c0
     library = _library()
     steps, batch, input_size = x.shape
     num_layers, _, units = h0.shape
-    gh = 4 * units
-    xproj = _input_projection(x, params, gh)
+    xproj = _input_projection(x, params, _GATES[kind] * units)
     y = x.new_empty((steps, batch, units))
-    hy, cy = torch.empty_like(h0), torch.empty_like(h0)
+    hy = torch.empty_like(h0)
+    cy = torch.empty_like(h0) if kind == "lstm" else None
     lib = library.load()
     nbytes = lib.workspace_bytes(num_layers, units, batch, steps)
     workspace = torch.empty(nbytes, dtype=torch.uint8, device=x.device)
-    gates = torch.empty((num_layers, steps, batch, gh), dtype=torch.float32, device=x.device)
+    gates = torch.empty((num_layers, steps, batch, 4 * units), dtype=torch.float32,
+                        device=x.device)
     cseq = torch.empty((num_layers, steps, batch, units), dtype=torch.float32, device=x.device)
-    forward_into(xproj.contiguous(), params.contiguous(), h0.contiguous(), c0.contiguous(),
-                 lengths, y, hy, cy, workspace, kind="lstm", input_size=input_size,
-                 gates_out=gates, c_out=cseq, variant=library.FORWARD_VARIANT)
+    forward_into(xproj.contiguous(), params.contiguous(), h0.contiguous(),
+                 c0.contiguous() if kind == "lstm" else None, lengths, y, hy, cy, workspace,
+                 kind=kind, input_size=input_size, gates_out=gates, c_out=cseq,
+                 variant=library.FORWARD_VARIANT)
     # The workspace is the flags, then the sequences of the layers below the top.
     seq_bytes = (num_layers - 1) * steps * batch * units * x.element_size()
     hseq = workspace[nbytes - seq_bytes:].view(x.dtype).view(num_layers - 1, steps, batch, units)
     return y, hy, cy, (hseq, gates, cseq)
 
 
-def backward_layer(w_hh, gates, cseq, c0, dy, dhy, dcy, lengths):
-    """The backward recurrence of one LSTM layer on the kernel.
+def backward_layer(w_hh, gates, cseq, c0, dy, dhy, dcy, lengths, *, kind: str = "lstm"):
+    """The backward recurrence of one LSTM or GRU layer on the kernel.
 
-    w_hh [4H, H], c0, dhy, dcy [B, H] and dy [T, B, H] (the gradient of the
-    layer's output sequence) in the element type; gates [T, B, 4H] and cseq
-    [T, B, H] float32 (`forward_training`'s, of this layer); lengths int32
-    [B] or None. Returns (dgates [T, B, 4H] in the element type: the
-    gradient of the gates' pre-activations, 0 at t >= length; dh0, dc0
-    [B, H] float32). `recurrence_reference` is the same in torch.
+    w_hh [G*H, H] (G = 4, a GRU's 3), c0, dhy, dcy [B, H] and dy [T, B, H]
+    (the gradient of the layer's output sequence) in the element type;
+    gates [T, B, 4H] and cseq [T, B, H] float32 (`forward_training`'s, of
+    this layer); lengths int32 [B] or None. A GRU's c0 and dcy are not read
+    (may be None). Returns (dgates [T, B, 4H] in the element type: the
+    gradient of the gates' pre-activations, a GRU's (dr, dz, dn_x, dn_h),
+    0 at t >= length; dh0 [B, H] float32; dc0 [B, H] float32, a GRU's
+    None). `recurrence_reference` is the same in torch.
     """
     library = _library()
     steps, batch, units = dy.shape
+    lstm = kind == "lstm"
     dgates = dy.new_empty((steps, batch, 4 * units))
     dh0 = torch.empty((batch, units), dtype=torch.float32, device=dy.device)
-    dc0 = torch.empty_like(dh0)
+    dc0 = torch.empty_like(dh0) if lstm else None
     lib = library.load()
     workspace = torch.empty(lib.backward_workspace_bytes(), dtype=torch.uint8, device=dy.device)
-    tensors = (w_hh, gates, cseq, c0, dy, dhy, dcy)
+    tensors = (w_hh, gates, cseq, dy, dhy) + ((c0, dcy) if lstm else ())
     if not all(t.is_contiguous() for t in tensors):
         raise ValueError("backward_layer: every tensor must be contiguous")
     lib.backward(_launch_stream(dy.device),
                  str(dy.dtype).replace("torch.", ""), units, batch, steps,
                  w_hh=w_hh.data_ptr(), gates=gates.data_ptr(), cseq=cseq.data_ptr(),
-                 c0=c0.data_ptr(), dy=dy.data_ptr(), dhy=dhy.data_ptr(), dcy=dcy.data_ptr(),
+                 c0=c0.data_ptr() if lstm else 0, dy=dy.data_ptr(), dhy=dhy.data_ptr(),
+                 dcy=dcy.data_ptr() if lstm else 0,
                  lengths=lengths.data_ptr() if lengths is not None else 0,
-                 dgates=dgates.data_ptr(), dh0=dh0.data_ptr(), dc0=dc0.data_ptr(),
-                 workspace=workspace.data_ptr())
+                 dgates=dgates.data_ptr(), dh0=dh0.data_ptr(),
+                 dc0=dc0.data_ptr() if lstm else 0,
+                 workspace=workspace.data_ptr(), kind=kind)
     return dgates, dh0, dc0
 
 
-def recurrence_reference(w_hh, gates, cseq, c0, dy, dhy, dcy, lengths, *, dtype=None):
+def recurrence_reference(w_hh, gates, cseq, c0, dy, dhy, dcy, lengths, *, dtype=None,
+                         kind: str = "lstm"):
     """`backward_layer` in torch, step by step (float32 arithmetic, float64
     for float64 inputs; dgates rounded to the element type as the kernel
     stores them; any device). `dtype`: the element type where dy is not in
     it (`stack_recurrence_reference` passes a float32 dy)."""
+    if kind == "gru":
+        return _gru_recurrence_reference(w_hh, gates, cseq, dy, dhy, lengths, dtype=dtype)
     steps, batch, units = dy.shape
     dtype = dy.dtype if dtype is None else dtype
     acc = _accumulation(dtype)
@@ -316,16 +333,50 @@ def recurrence_reference(w_hh, gates, cseq, c0, dy, dhy, dcy, lengths, *, dtype=
     return dgates, rec, carry
 
 
+def _gru_recurrence_reference(w_hh, gates, hprev, dy, dhy, lengths, *, dtype=None):
+    """`recurrence_reference` of a GRU layer (wavefront.cuh, "The GRU
+    backward"): gates [T, B, 4H] = r, z, n, W_hn h_{t-1} + b_hn and hprev
+    [T, B, H] = h_{t-1}, as `forward_training` saves them. Returns (dgates
+    [T, B, 4H] = (dr, dz, dn_x, dn_h) in the element type, dh0 in the
+    accumulation dtype, None)."""
+    steps, batch, units = dy.shape
+    dtype = dy.dtype if dtype is None else dtype
+    acc = _accumulation(dtype)
+    w_r, w_z, w_n = w_hh.to(acc).chunk(3, dim=0)
+    w = torch.cat([w_r, w_z, torch.zeros_like(w_n), w_n])  # rows of (dr, dz, dn_x, dn_h)
+    full = torch.full((batch,), steps, device=dy.device)
+    lengths = full if lengths is None else lengths.to(dy.device)
+    dgates = dy.new_zeros((steps, batch, 4 * units), dtype=dtype)
+    carry = torch.zeros((batch, units), dtype=acc, device=dy.device)
+    rec = torch.zeros_like(carry)
+    for t in reversed(range(steps)):
+        alive = (t < lengths)[:, None]
+        last = (t == lengths - 1)[:, None]
+        dh = rec + dy[t].to(acc) + carry + torch.where(last, dhy.to(acc), torch.zeros_like(rec))
+        r, z, n, hn = gates[t].to(acc).chunk(4, dim=1)
+        dnx = dh * (1 - z) * (1 - n * n)
+        da = torch.cat([dnx * hn * r * (1 - r), dh * (hprev[t].to(acc) - n) * z * (1 - z), dnx,
+                        dnx * r], dim=1)
+        da = torch.where(alive, da, torch.zeros_like(da)).to(dtype)
+        carry = torch.where(alive, dh * z, torch.zeros_like(carry))
+        dgates[t] = da
+        rec = da.to(acc) @ w
+    return dgates, rec + carry, None
+
+
 def _accumulation(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
 def reference_forward_saving(x: torch.Tensor, params: torch.Tensor, h0: torch.Tensor,
-                             c0: torch.Tensor, lengths: torch.Tensor | None):
+                             c0: torch.Tensor | None, lengths: torch.Tensor | None, *,
+                             kind: str = "lstm"):
     """`forward_training` in torch, step by step (any device and dtype; float32
     arithmetic, float64 for float64 inputs): the same outputs and saved
     tensors, h rounded to x's dtype between steps and layers, 0 in the
     sequences at t >= length, as the kernel writes them."""
+    if kind == "gru":
+        return _gru_reference_forward_saving(x, params, h0, lengths)
     steps, batch, input_size = x.shape
     num_layers, _, units = h0.shape
     acc = _accumulation(x.dtype)
@@ -363,9 +414,52 @@ def reference_forward_saving(x: torch.Tensor, params: torch.Tensor, h0: torch.Te
     return seqs[-1], hy, cy, (hseq, gates, cseq)
 
 
-def _layer_views(params: torch.Tensor, num_layers: int, units: int, input_size: int):
-    """Per layer (w_ih [4H, n], w_hh [4H, H]) views of the canonical buffer."""
-    gh, off, views = 4 * units, 0, []
+def _gru_reference_forward_saving(x, params, h0, lengths):
+    """`reference_forward_saving` of a GRU stack (reset_after, PyTorch's and
+    cuDNN's r, z, n): saves r, z, n, W_hn h_{t-1} + b_hn and h_{t-1} as
+    the kernel does. Returns (y, hy, None, (hseq, gates, hprev))."""
+    steps, batch, input_size = x.shape
+    num_layers, _, units = h0.shape
+    acc = _accumulation(x.dtype)
+    views = _layer_views(params, num_layers, units, input_size, gates=3)
+    nb = sum(3 * units * (w_ih.shape[1] + units) for w_ih, _ in views)
+    lens = torch.full((batch,), steps, device=x.device) if lengths is None else lengths.to(x.device)
+    alive = (torch.arange(steps, device=x.device)[:, None] < lens[None, :])[..., None]
+    gates = x.new_empty((num_layers, steps, batch, 4 * units), dtype=acc)
+    hprev = x.new_empty((num_layers, steps, batch, units), dtype=acc)
+    seqs, hy = [], torch.empty_like(h0)
+    inp = x
+    for l, (w_ih, w_hh) in enumerate(views):
+        b = params[nb + 6 * units * l: nb + 6 * units * (l + 1)].to(acc)
+        b_ih, b_hh = b[:3 * units], b[3 * units:]
+        xp = inp.to(acc) @ w_ih.to(acc).t() + b_ih
+        h = h0[l]
+        out = x.new_empty((steps, batch, units))
+        for t in range(steps):
+            hh = h.to(acc) @ w_hh.to(acc).t() + b_hh
+            xr, xz, xn = xp[t].chunk(3, dim=1)
+            hr, hz, hn = hh.chunk(3, dim=1)
+            r, z = torch.sigmoid(xr + hr), torch.sigmoid(xz + hz)
+            n = torch.tanh(xn + r * hn)
+            h_new = ((1 - z) * n + z * h.to(acc)).to(x.dtype)
+            gates[l, t] = torch.cat([r, z, n, hn], dim=1)
+            hprev[l, t] = h.to(acc)
+            out[t] = torch.where(alive[t], h_new, torch.zeros_like(h_new))
+            last = (t == lens - 1)[:, None]
+            hy[l] = torch.where(last, h_new, hy[l])
+            h = out[t]
+        seqs.append(out)
+        inp = out
+    hseq = (torch.stack(seqs[:-1]) if num_layers > 1
+            else x.new_empty((0, steps, batch, units)))
+    return seqs[-1], hy, None, (hseq, gates, hprev)
+
+
+def _layer_views(params: torch.Tensor, num_layers: int, units: int, input_size: int,
+                 gates: int = 4):
+    """Per layer (w_ih [G*H, n], w_hh [G*H, H]) views of the canonical buffer
+    (G = `gates`: 4 for an LSTM, 3 for a GRU)."""
+    gh, off, views = gates * units, 0, []
     for l in range(num_layers):
         n = input_size if l == 0 else units
         w_ih = params[off: off + gh * n].view(gh, n)
@@ -376,16 +470,20 @@ def _layer_views(params: torch.Tensor, num_layers: int, units: int, input_size: 
 
 
 def backward_stack(params, x, h0, c0, lengths, y, saved, dy, dhy, dcy, *,
-                   recurrence=backward_layer):
+                   recurrence=backward_layer, kind: str = "lstm"):
     """The gradients of an LSTM stack's forward (`forward_training`) from what
     it saved, layer by layer from the top: the recurrence on the kernel
     (`recurrence`, `backward_layer`), the rest as GEMMs: dx^l = dgates^l
     W_ih^l (the layer below's dy), dW_ih^l = dgates^T x^l, dW_hh^l =
-    dgates^T [h0, h_0..h_{T-2}], db_ih = db_hh = the sum of dgates.
+    dgates^T [h0, h_0..h_{T-2}], db_ih = db_hh = the sum of dgates. A GRU
+    (`kind`): `_gru_backward_stack`.
 
     Returns (dx [T, B, I], dparams in the canonical flat layout, dh0, dc0
     [L, B, H]), all in x's dtype; dy, dhy, dcy may be None (zero).
     """
+    if kind == "gru":
+        return _gru_backward_stack(params, x, h0, lengths, y, saved, dy, dhy,
+                                   recurrence=recurrence)
     hseq, gates, cseq = saved
     steps, batch, input_size = x.shape
     num_layers = h0.shape[0]
@@ -403,6 +501,43 @@ def backward_stack(params, x, h0, c0, lengths, y, saved, dy, dhy, dcy, *,
         inputs = w_ih.shape[1]
         grad = (dgates.view(steps * batch, -1) @ w_ih).view(steps, batch, inputs)
     return grad, torch.cat(mats + biases), dh0, dc0
+
+
+def _gru_backward_stack(params, x, h0, lengths, y, saved, dy, dhy, *, recurrence):
+    """`backward_stack` of a GRU stack. Each layer's dgates [T, B, 4H] =
+    (dr, dz, dn_x, dn_h) (wavefront.cuh, "The GRU backward"): the input
+    side's gradient is (dr, dz, dn_x), the recurrent side's (dr, dz, dn_h),
+    so dx^l = (dr, dz, dn_x) W_ih^l, dW_ih^l and db_ih^l from (dr, dz,
+    dn_x), dW_hh^l and db_hh^l from (dr, dz, dn_h).
+
+    Returns (dx [T, B, I], dparams in the canonical flat layout, dh0
+    [L, B, H], None), in x's dtype."""
+    hseq, gates, hprev = saved
+    steps, batch, input_size = x.shape
+    num_layers, _, units = h0.shape
+    views = _layer_views(params, num_layers, units, input_size, gates=3)
+    dy, dhy, _, lens = _upstream(x.dtype, y, h0, h0, dy, dhy, None, lengths)
+    mats, biases = [None] * num_layers, [None] * num_layers
+    dh0 = torch.empty_like(h0)
+    grad = dy  # of layer l's output sequence
+    for l in reversed(range(num_layers)):
+        w_ih, w_hh = views[l]
+        dgates, dh0_l, _ = recurrence(w_hh.contiguous(), gates[l], hprev[l], None, grad,
+                                      dhy[l], None, lens, kind="gru")
+        dh0[l] = dh0_l.to(x.dtype)
+        inp = x if l == 0 else hseq[l - 1]
+        out = y if l == num_layers - 1 else hseq[l]
+        dg = dgates.reshape(steps * batch, 4 * units)
+        d_in, d_rec = dg[:, :3 * units], torch.cat([dg[:, :2 * units], dg[:, 3 * units:]], 1)
+        h_prev = torch.cat([h0[l:l + 1], out[:-1]]).view(steps * batch, units)
+        d_w_ih = d_in.t() @ inp.reshape(steps * batch, inp.shape[-1])
+        d_w_hh = d_rec.t() @ h_prev
+        acc = _accumulation(x.dtype)
+        mats[l] = torch.cat([d_w_ih.reshape(-1), d_w_hh.reshape(-1)])
+        biases[l] = torch.cat([d_in.sum(0, dtype=acc).to(x.dtype),
+                               d_rec.sum(0, dtype=acc).to(x.dtype)])
+        grad = (d_in @ w_ih).view(steps, batch, w_ih.shape[1])
+    return grad, torch.cat(mats + biases), dh0, None
 
 
 def _upstream(dtype, y, h0, c0, dy, dhy, dcy, lengths):
@@ -547,10 +682,36 @@ class _TrainableLSTM(torch.autograd.Function):
         return dx, dparams, dh0, dc0, None, None, None, None
 
 
+class _TrainableGRU(torch.autograd.Function):
+    """`_TrainableLSTM` for a GRU stack: no c0 and no cy; forward:
+    `saving(x, params, h0, None, lengths)`; backward: `backward_stack`'s
+    GRU case with `recurrence` (one backward launch a layer)."""
+
+    @staticmethod
+    def forward(ctx, x, params, h0, lengths, saving, recurrence):
+        y, hy, _, saved = saving(x, params, h0, None, lengths)
+        ctx.save_for_backward(x, params, h0, y, *saved)
+        ctx.lengths, ctx.recurrence = lengths, recurrence
+        return y, hy
+
+    @staticmethod
+    def backward(ctx, dy, dhy):
+        x, params, h0, y, *saved = ctx.saved_tensors
+        dx, dparams, dh0, _ = backward_stack(params, x, h0, None, ctx.lengths, y, saved, dy, dhy,
+                                             None, recurrence=ctx.recurrence, kind="gru")
+        return dx, dparams, dh0, None, None, None
+
+
 def trainable_forward(x: torch.Tensor, params: torch.Tensor, h0: torch.Tensor,
-                      c0: torch.Tensor, lengths: torch.Tensor | None = None, *,
-                      saving=None, recurrence=None, backward: str = "auto"):
-    """An LSTM stack on the kernel with the kernel's gradient (autograd).
+                      c0: torch.Tensor | None, lengths: torch.Tensor | None = None, *,
+                      saving=None, recurrence=None, backward: str = "auto",
+                      kind: str = "lstm"):
+    """An LSTM or GRU stack on the kernel with the kernel's gradient (autograd).
+
+    A GRU (`kind="gru"`: c0 is ignored, the third result is None) runs the
+    per-layer backward ("layer"; "auto" is "layer" for it, "stack" is
+    refused: the reverse-wavefront backward runs LSTM stacks only), with
+    the GRU forms of `forward_training` and `backward_layer`.
 
     Like `forward(x, params, h0, c0, lengths, kind="lstm")`, differentiable
     with respect to x, params (so the tensors it was made of: `flat_params`
@@ -568,7 +729,8 @@ def trainable_forward(x: torch.Tensor, params: torch.Tensor, h0: torch.Tensor,
     the forward and v1).
 
     Raises:
-        ValueError: c0 is None, or `backward` is not "auto", "layer" or "stack".
+        ValueError: an LSTM's c0 is None, `backward` is not "auto", "layer"
+            or "stack", or a GRU's is "stack".
 
     Example (on an H200):
 
@@ -579,10 +741,22 @@ def trainable_forward(x: torch.Tensor, params: torch.Tensor, h0: torch.Tensor,
         >>> (y.float().square().sum()).backward()  # doctest: +SKIP
         >>> lstm.weight_hh_l0.grad  # the backward kernel's  # doctest: +SKIP
     """
-    if c0 is None:
+    if kind not in _GATES:
+        raise ValueError(f"trainable_forward: kind must be one of {tuple(_GATES)}; "
+                         f"received {kind!r}")
+    if kind == "lstm" and c0 is None:
         raise ValueError("trainable_forward: an LSTM needs c0")
-    choice = backward_choice(x, h0, backward)
+    choice = backward_choice(x, h0, backward, kind=kind)
     lens = lengths.to(torch.int32).contiguous() if lengths is not None else None
+    if kind == "gru":
+        if choice.backward == "stack":
+            raise ValueError("trainable_forward: backward='stack' (the reverse-wavefront "
+                             "backward) runs LSTM stacks only; a GRU runs backward='layer' "
+                             "or 'auto'")
+        y, hy = _TrainableGRU.apply(x.contiguous(), params.contiguous(), h0.contiguous(), lens,
+                                    saving or functools.partial(forward_training, kind="gru"),
+                                    recurrence or backward_layer)
+        return y, hy, None
     if choice.backward == "stack":
         stack_backward, recurrence = backward_stack_wavefront, recurrence or backward_stack_kernel
     else:
@@ -592,10 +766,11 @@ def trainable_forward(x: torch.Tensor, params: torch.Tensor, h0: torch.Tensor,
                                 recurrence, stack_backward)
 
 
-def backward_choice(x: torch.Tensor, h0: torch.Tensor, backward: str = "auto"):
+def backward_choice(x: torch.Tensor, h0: torch.Tensor, backward: str = "auto", *,
+                    kind: str = "lstm"):
     """The backward `trainable_forward(x, ..., h0, ..., backward=backward)`
     runs: `library.choose_backward` for x [T, B, I] and h0 [L, B, H] on x's
-    device ("auto" is "layer" off a CUDA device). Returns a
+    device ("auto" is "layer" off a CUDA device, and for a GRU). Returns a
     `library.BackwardChoice` (which, and why).
 
     Raises:
@@ -609,7 +784,7 @@ def backward_choice(x: torch.Tensor, h0: torch.Tensor, backward: str = "auto"):
     ordinal = 0
     if backward == "auto" and unavailable is None:
         ordinal = x.device.index if x.device.index is not None else torch.cuda.current_device()
-    return library.choose_backward(backward, "lstm", num_layers, units, batch, steps, ordinal,
+    return library.choose_backward(backward, kind, num_layers, units, batch, steps, ordinal,
                                    unavailable=unavailable)
 
 
@@ -626,8 +801,8 @@ def training_reason(kind: str, num_layers: int, units: int, batch: int, steps: i
                     **structure) -> str | None:
     """Why `trainable_forward` cannot run this stack here, or None: the
     forward's `unsupported_reason` (`structure`: its keyword arguments),
-    then the backward kernel's (`_backward_reason`: an LSTM only, a GRU
-    trains on cuDNN; its plan)."""
+    then the backward kernel's (`_backward_reason`: LSTM or GRU; its
+    plan)."""
     return (unsupported_reason(kind, num_layers, units, batch, steps, input_size, dtype, device,
                                **structure)
             or _backward_reason(kind, units, batch, steps, device))
@@ -644,11 +819,11 @@ def _backward_reason(kind: str, units: int, batch: int, steps: int,
 def run_trainable(sequences, *, stack, initial_h=None, initial_c=None, mask=None,
                   reverse=False, dropout=0.0):
     """`run_stack` for training: the kernel's forward AND backward (an LSTM
-    stack; the gradient reaches the Keras variables through
+    or GRU stack; the gradient reaches the Keras variables through
     `pack_params`); `run_autograd` calls it where a gradient is wanted.
     The backward is `backward_choice`'s "auto" (the reverse wavefront where
-    its plan accepts the stack, else per layer); the `KernelRun`'s
-    algorithm names it: "backward=stack" or "backward=layer".
+    its plan accepts the stack, else per layer; a GRU's is per layer); the
+    `KernelRun`'s algorithm names it: "backward=stack" or "backward=layer".
 
     Raises:
         NotImplementedError: the kernels cannot run this call (the reason).
@@ -658,8 +833,9 @@ def run_trainable(sequences, *, stack, initial_h=None, initial_c=None, mask=None
 
     x, params, h0, c0, lengths = _kernel_inputs(sequences, stack, initial_h, initial_c, mask,
                                                 reverse, dropout, training=True)
-    choice = backward_choice(x, h0)
-    y, hy, cy = trainable_forward(x, params, h0, c0, lengths, backward=choice.backward)
+    choice = backward_choice(x, h0, kind=stack.kind)
+    y, hy, cy = trainable_forward(x, params, h0, c0, lengths, backward=choice.backward,
+                                  kind=stack.kind)
     return StackRun(y.transpose(0, 1), hy, cy,
                     KernelRun(TRAINING_KERNEL_NAME, f"backward={choice.backward}"))
 
@@ -728,8 +904,8 @@ def run_autograd(sequences, *, stack, initial_h=None, initial_c=None, mask=None,
     `evaluate` run under `torch.no_grad()`).
 
     Raises:
-        NotImplementedError: the kernels cannot run this call (the reason;
-            a GRU has no backward kernel): the caller runs cuDNN, which
+        NotImplementedError: the kernels cannot run this call (the reason:
+            a shape over the limits, say): the caller runs cuDNN, which
             then gives the gradient.
     """
     options = dict(stack=stack, initial_h=initial_h, initial_c=initial_c, mask=mask,

@@ -406,12 +406,26 @@ __device__ __forceinline__ void wavefront_body(const Args& a) {
             const float2 hp =
                 E::unpack(*reinterpret_cast<const uint32_t*>(hs + n * KS + p.kin + u0 + u));
             const float hps[2] = {hp.x, hp.y};
+            float act[3][2];  // r, z, n
 #pragma unroll
             for (int v = 0; v < 2; ++v) {
-              const float r = sigmoid(pre[0][v]), z = sigmoid(pre[1][v]);
-              const float nn = fast_tanh(pre[2][v] + r * pre[3][v]);
-              h[v] = (1.0f - z) * nn + z * hps[v];
+              act[0][v] = sigmoid(pre[0][v]);
+              act[1][v] = sigmoid(pre[1][v]);
+              act[2][v] = fast_tanh(pre[2][v] + act[0][v] * pre[3][v]);
+              h[v] = (1.0f - act[1][v]) * act[2][v] + act[1][v] * hps[v];
             }
+            if (a.gates_out) {  // training (GRU): r, z, n and W_hn h + b_hn
+              float* gp = a.gates_out + ((static_cast<size_t>(l) * steps + t) * B + nb) * 4 * H +
+                          u0 + u;
+#pragma unroll
+              for (int g = 0; g < 3; ++g)
+                *reinterpret_cast<float2*>(gp + g * H) = make_float2(act[g][0], act[g][1]);
+              *reinterpret_cast<float2*>(gp + 3 * H) = make_float2(pre[3][0], pre[3][1]);
+            }
+            if (a.c_out)  // the h_{t-1} this step read (GRU)
+              *reinterpret_cast<float2*>(a.c_out +
+                                         ((static_cast<size_t>(l) * steps + t) * B + nb) * H +
+                                         u0 + u) = make_float2(hps[0], hps[1]);
           }
           const int len = lens[nb];
           const uint32_t out = t < len ? E::pack(h[0], h[1]) : 0u;
@@ -740,12 +754,25 @@ __device__ __forceinline__ void wavefront_body(const Args& a) {
         } else {
           const float2 hp = E::unpack(*reinterpret_cast<const uint32_t*>(hs + n * KS + p.kin + u0 + u));
           const float hps[2] = {hp.x, hp.y};
+          float act[3][2];  // r, z, n
 #pragma unroll
           for (int v = 0; v < 2; ++v) {
-            const float r = sigmoid(pre[0][v]), z = sigmoid(pre[1][v]);
-            const float nn = fast_tanh(pre[2][v] + r * pre[3][v]);
-            h[v] = (1.0f - z) * nn + z * hps[v];
+            act[0][v] = sigmoid(pre[0][v]);
+            act[1][v] = sigmoid(pre[1][v]);
+            act[2][v] = fast_tanh(pre[2][v] + act[0][v] * pre[3][v]);
+            h[v] = (1.0f - act[1][v]) * act[2][v] + act[1][v] * hps[v];
           }
+          if (a.gates_out) {  // training (GRU): r, z, n and W_hn h + b_hn
+            float* gp = a.gates_out + ((static_cast<size_t>(l) * steps + t) * B + nb) * 4 * H +
+                        u0 + u;
+#pragma unroll
+            for (int g = 0; g < 3; ++g)
+              *reinterpret_cast<float2*>(gp + g * H) = make_float2(act[g][0], act[g][1]);
+            *reinterpret_cast<float2*>(gp + 3 * H) = make_float2(pre[3][0], pre[3][1]);
+          }
+          if (a.c_out)  // the h_{t-1} this step read (GRU)
+            *reinterpret_cast<float2*>(a.c_out + ((static_cast<size_t>(l) * steps + t) * B + nb) *
+                                                     H + u0 + u) = make_float2(hps[0], hps[1]);
         }
         const int len = lens[nb];
         const uint32_t out = t < len ? E::pack(h[0], h[1]) : 0u;
@@ -771,10 +798,11 @@ __device__ __forceinline__ void wavefront_body(const Args& a) {
 }
 
 // ---------------------------------------------------------------------------
-// The backward kernel of one LSTM layer (wavefront.cuh: "The backward
-// kernel"). CTA (group s, block j) owns units [16j, 16j+16) of the batch
-// rows [s*rows, (s+1)*rows).
-template <typename T>
+// The backward kernel of one LSTM (kGru false) or GRU (kGru true) layer
+// (wavefront.cuh: "The backward kernel", "The GRU backward"). CTA (group s,
+// block j) owns units [16j, 16j+16) of the batch rows [s*rows, (s+1)*rows).
+// The GRU is a template parameter, so the LSTM's kernels compile as before.
+template <typename T, bool kGru>
 __device__ __forceinline__ void backward_body(const BwdArgs& a) {
   using E = Elem<T>;
   extern __shared__ __align__(16) unsigned char smem[];
@@ -794,6 +822,9 @@ __device__ __forceinline__ void backward_body(const BwdArgs& a) {
 
   // --- this warp's W_hh^T block as mma A fragments: A[r][k] = W_hh[k][u0 + r]
   // (rows: the CTA's 16 units; k: gate columns [warp*16*kt, +16*kt)) ------
+  // A GRU's 4H virtual gate columns are (r, z, n_x, n_h): n_x (the input
+  // side's n gradient) meets no W_hh row (zero), n_h meets W_hh's n rows
+  // (row k - H). H is a multiple of 8, so columns k, k+1 are in one block.
   const unsigned short* W = static_cast<const unsigned short*>(a.w_hh);
   uint32_t wa[kBwdMaxKt][4];
 #pragma unroll
@@ -802,9 +833,11 @@ __device__ __forceinline__ void backward_body(const BwdArgs& a) {
     for (int q = 0; q < 4; ++q) {
       const int r = (lane >> 2) + ((q & 1) ? 8 : 0);
       const int k = (warp * kt + jt) * 16 + (lane & 3) * 2 + ((q & 2) ? 8 : 0);
+      const int krow = kGru && k >= 3 * H ? k - H : k;
+      const bool zero = kGru && k >= 2 * H && k < 3 * H;
       uint32_t w = 0;
-      if (jt < kt && u0 + r < H && k < G4) {
-        const size_t off = static_cast<size_t>(k) * H + u0 + r;
+      if (jt < kt && u0 + r < H && k < G4 && !zero) {
+        const size_t off = static_cast<size_t>(krow) * H + u0 + r;
         w = static_cast<uint32_t>(W[off]) | (static_cast<uint32_t>(W[off + H]) << 16);
       }
       wa[jt][q] = w;
@@ -912,12 +945,32 @@ __device__ __forceinline__ void backward_body(const BwdArgs& a) {
         }
         const size_t o = static_cast<size_t>(nb) * H + ug;
         if (t < 0) {
-          a.dh0[o] = rec;
+          // A GRU's h0 also gets the direct path dh_0 z_0 (the carry).
+          a.dh0[o] = kGru ? rec + dcs[nl * kBwdUnits + u] : rec;
         } else {
           const int len = lens[nl];
           float da[4] = {0.0f, 0.0f, 0.0f, 0.0f};
           float carry = 0.0f;
-          if (t < len) {
+          if (kGru) {
+            if (t < len) {
+              // h_t = (1 - z) n + z h_{t-1}, n = tanh(x_n + r (W_hn h_{t-1} + b_hn)):
+              // carry = dh_t z (the direct path into dh_{t-1}); da = (dr, dz,
+              // dn_x, dn_h) pre-activation: dn_x = dh (1 - z)(1 - n^2) feeds W_in
+              // and b_in, dn_h = dn_x r feeds W_hn and b_hn.
+              const size_t ot = static_cast<size_t>(t) * B * H + o;
+              float dh = rec + E::to_float(dy[ot]) + dcs[nl * kBwdUnits + u];
+              if (t == len - 1) dh += E::to_float(dhy[o]);
+              const float* gp = a.gates + (static_cast<size_t>(t) * B + nb) * G4 + ug;
+              const float rg = gp[0], zg = gp[H], ng = gp[2 * H], hn = gp[3 * H];
+              const float hp = a.cseq[ot];  // h_{t-1} as the forward read it
+              const float dnx = dh * (1.0f - zg) * (1.0f - ng * ng);
+              da[0] = dnx * hn * rg * (1.0f - rg);
+              da[1] = dh * (hp - ng) * zg * (1.0f - zg);
+              da[2] = dnx;
+              da[3] = dnx * rg;
+              carry = dh * zg;
+            }
+          } else if (t < len) {
             const size_t ot = static_cast<size_t>(t) * B * H + o;
             float dh = rec + E::to_float(dy[ot]);
             float dc = dcs[nl * kBwdUnits + u];
@@ -941,7 +994,7 @@ __device__ __forceinline__ void backward_body(const BwdArgs& a) {
           T* dp = dgates + (static_cast<size_t>(t) * B + nb) * G4 + ug;
 #pragma unroll
           for (int g = 0; g < 4; ++g) dp[g * H] = T(da[g]);
-          if (t == 0) a.dc0[o] = carry;
+          if (!kGru && t == 0) a.dc0[o] = carry;
         }
       }
       __syncthreads();  // ds and part are the next chunk's
@@ -1552,12 +1605,23 @@ extern "C" __global__ void __launch_bounds__(rnnfuse_wf::kThreads, 1)
 
 extern "C" __global__ void __launch_bounds__(rnnfuse_wf::kThreads, 1)
     rnnfuse_wf_backward_f16(const __grid_constant__ rnnfuse_wf::BwdArgs a) {
-  rnnfuse_wf::backward_body<__half>(a);
+  rnnfuse_wf::backward_body<__half, false>(a);
 }
 
 extern "C" __global__ void __launch_bounds__(rnnfuse_wf::kThreads, 1)
     rnnfuse_wf_backward_bf16(const __grid_constant__ rnnfuse_wf::BwdArgs a) {
-  rnnfuse_wf::backward_body<__nv_bfloat16>(a);
+  rnnfuse_wf::backward_body<__nv_bfloat16, false>(a);
+}
+
+// The GRU backward (wavefront.cuh, "The GRU backward").
+extern "C" __global__ void __launch_bounds__(rnnfuse_wf::kThreads, 1)
+    rnnfuse_wf_backward_gru_f16(const __grid_constant__ rnnfuse_wf::BwdArgs a) {
+  rnnfuse_wf::backward_body<__half, true>(a);
+}
+
+extern "C" __global__ void __launch_bounds__(rnnfuse_wf::kThreads, 1)
+    rnnfuse_wf_backward_gru_bf16(const __grid_constant__ rnnfuse_wf::BwdArgs a) {
+  rnnfuse_wf::backward_body<__nv_bfloat16, true>(a);
 }
 
 extern "C" __global__ void __launch_bounds__(rnnfuse_wf::kThreads, 1)

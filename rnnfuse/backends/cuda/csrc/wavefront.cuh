@@ -8,8 +8,9 @@
 // the layers as a wavefront: layer l works on step t while layer l+1 works
 // on step t-1, so the launch is T+L-1 dependent steps long, not L*T.
 // For training, the forward can also save every layer's gates and c
-// (Args::gates_out, c_out), and a second kernel runs an LSTM layer's
-// backward recurrence ("The backward kernel", below).
+// (Args::gates_out, c_out; a GRU's r, z, n, W_hn h + b_hn and h_{t-1}),
+// and a second kernel runs an LSTM or GRU layer's backward recurrence
+// ("The backward kernel", below).
 //
 // The plan (wavefront_plan.h; Python asks it through the host library):
 //   every CTA has 8 warps; a CTA of layer l owns U = 8*mg consecutive
@@ -165,11 +166,13 @@ struct Args {
   // trace[(which * trace_steps + t) * kTraceSlots + point].
   unsigned long long* trace;
   int trace_steps;
-  // Optional, for training (null: off; LSTM only): the forward saves what
-  // the backward reads, in float32: every layer's activated gates i, f, g,
-  // o (gates_out [L][T][B][4H], PyTorch's gate-major columns g*H + unit)
-  // and cell states (c_out [L][T][B][H]). Steps at t >= len hold values
-  // the backward never reads.
+  // Optional, for training (null: off): the forward saves what the
+  // backward reads, in float32: every layer's activated gates i, f, g, o
+  // (gates_out [L][T][B][4H], PyTorch's gate-major columns g*H + unit)
+  // and cell states (c_out [L][T][B][H]). A GRU saves, in the same
+  // buffers, r, z, n and W_hn h_{t-1} + b_hn (gates_out's four blocks of
+  // H) and h_{t-1} as the step read it (c_out). Steps at t >= len hold
+  // values the backward never reads.
   float* gates_out;
   float* c_out;
 };
@@ -198,6 +201,21 @@ struct Args {
 // backward from the forward's saved float32 gates and c (gates_out,
 // c_out), dc carried in shared memory in float32, da written in the
 // element type; then publish, as in the forward.
+//
+// The GRU backward (kernels rnnfuse_wf_backward_gru_f16 / _bf16,
+// backward_body<T, true>; the same BwdArgs, plan and launch):
+// with the forward's saved r, z, n, hn = W_hn h_{t-1} + b_hn and h_{t-1}
+// (gates_out, c_out), for t = T-1 .. 0
+//   dh_t  = dy_t + W_hh^T' da_{t+1} + carry_{t+1}   (+ dhy at t = len-1)
+//   dn_x  = dh_t (1 - z)(1 - n^2),  dn_h = dn_x r
+//   dr    = dn_x hn r (1 - r),      dz = dh_t (h_{t-1} - n) z (1 - z)
+//   carry = dh_t z;  dh0 = W_hh^T' da_0 + carry_0
+// da [T][B][4H] holds the four virtual gates (dr, dz, dn_x, dn_h): the
+// input side's gradient is (dr, dz, dn_x) (dW_ih, db_ih, dx), the
+// recurrent side's (dr, dz, dn_h) (dW_hh, db_hh), and W_hh^T' is W_hh^T
+// over those four blocks with the n_x block zero (rows r, z, -, n). Padded
+// steps (t >= len) write da = 0 and carry 0, as the LSTM's. c0, dcy and
+// dc0 are not read or written.
 constexpr int kBwdUnits = 16;   // units a CTA owns
 constexpr int kBwdChunk = 16;   // batch rows per staged chunk (2 n-tiles)
 constexpr int kBwdMaxKt = 32;   // k-tiles a warp can hold (4H <= 8 * 16 * 32: H <= 1024)
@@ -222,7 +240,7 @@ struct BwdArgs {
   const int* lengths;  // [B] or null
   void* dgates;        // [T][B][4H] out (element type)
   float* dh0;          // [B][H] out
-  float* dc0;          // [B][H] out
+  float* dc0;          // [B][H] out (LSTM)
   unsigned* flags;     // [ctas + 1], zero at launch; flags[ctas] != 0: a wait timed out
 };
 

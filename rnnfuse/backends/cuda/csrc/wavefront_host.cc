@@ -144,12 +144,14 @@ struct Kernels {
   CUfunction f16 = nullptr, bf16 = nullptr;
   CUfunction f16_v1 = nullptr, bf16_v1 = nullptr;  // the forward's variant 1
   CUfunction bwd_f16 = nullptr, bwd_bf16 = nullptr;
+  CUfunction bwd_gru_f16 = nullptr, bwd_gru_bf16 = nullptr;  // the GRU backward
   CUfunction bwds_f16 = nullptr, bwds_bf16 = nullptr;
   // The stack backward's variants 1 and 2 (wavefront.cuh, "Variants").
   CUfunction bwds_v_f16[2] = {nullptr, nullptr}, bwds_v_bf16[2] = {nullptr, nullptr};
   int configured_bwds_v_smem[2] = {0, 0};
   int configured_smem = 0, configured_bwd_smem = 0, configured_bwds_smem = 0;
   int configured_v1_smem = 0;
+  int configured_bwd_gru_smem = 0;
 };
 
 std::mutex g_mu;
@@ -167,6 +169,10 @@ int GetKernels(Driver* d, CUcontext ctx, Kernels** out) {
     RF_CHECK_CU(d, d->cuModuleGetFunction_(&k.bf16_v1, k.module, "rnnfuse_wf_forward_v1_bf16"));
     RF_CHECK_CU(d, d->cuModuleGetFunction_(&k.bwd_f16, k.module, "rnnfuse_wf_backward_f16"));
     RF_CHECK_CU(d, d->cuModuleGetFunction_(&k.bwd_bf16, k.module, "rnnfuse_wf_backward_bf16"));
+    RF_CHECK_CU(d, d->cuModuleGetFunction_(&k.bwd_gru_f16, k.module,
+                                           "rnnfuse_wf_backward_gru_f16"));
+    RF_CHECK_CU(d, d->cuModuleGetFunction_(&k.bwd_gru_bf16, k.module,
+                                           "rnnfuse_wf_backward_gru_bf16"));
     RF_CHECK_CU(d, d->cuModuleGetFunction_(&k.bwds_f16, k.module,
                                            "rnnfuse_wf_backward_stack_f16"));
     RF_CHECK_CU(d, d->cuModuleGetFunction_(&k.bwds_bf16, k.module,
@@ -413,7 +419,6 @@ __attribute__((visibility("default"))) int rnnfuse_wf_forward_variant(
   Driver* d = GetDriver();
   if (!d->ok) return Fail(d->why);
   if (dtype != 0 && dtype != 1) return Fail("dtype must be 0 (float16) or 1 (bfloat16)");
-  if (gru && (gates_out || c_out)) return Fail("the wavefront kernel saves LSTM gates only");
   CUstream s = static_cast<CUstream>(stream);
   StreamContext sc(d, s);
   if (sc.rc != 0) return -1;
@@ -473,7 +478,8 @@ __attribute__((visibility("default"))) int rnnfuse_wf_forward(
                                    workspace, mode, trace, trace_steps, nullptr, nullptr);
 }
 
-// 1 if the backward kernel can run an LSTM layer of `units` at `batch`
+// 1 if the backward kernel can run an LSTM or GRU layer (the same plan: a
+// GRU's 4 virtual gate columns r, z, n_x, n_h) of `units` at `batch`
 // with these device limits (CTAs, shared bytes a CTA and rows a group in
 // the outputs), 0 if not (the reason in rnnfuse_wf_last_error).
 __attribute__((visibility("default"))) int rnnfuse_wf_backward_plan(int units, int batch,
@@ -497,20 +503,25 @@ __attribute__((visibility("default"))) size_t rnnfuse_wf_backward_workspace_byte
   return BwdFlagBytes();
 }
 
-// The backward recurrence of one LSTM layer (wavefront.cuh, "The backward
-// kernel"): dgates [T][B][4H] (element type), dh0 and dc0 [B][H] (float32)
-// from the layer's W_hh [4H][H], the forward's saved gates and c of the
-// layer (float32), c0, and the gradients of its output sequence dy
-// [T][B][H] and final states dhy, dcy [B][H] (element type). `lengths` may
-// be null. dtype: 0 float16, 1 bfloat16.
-__attribute__((visibility("default"))) int rnnfuse_wf_backward(
-    void* stream, int dtype, int units, int batch, int steps, const void* w_hh,
+// The backward recurrence of one LSTM (gru 0) or GRU (gru 1) layer
+// (wavefront.cuh, "The backward kernel"): dgates [T][B][4H] (element type)
+// and dh0 [B][H] (float32; an LSTM's dc0 too) from the layer's W_hh [G*H][H]
+// (G = 4, a GRU's 3), the forward's saved gates and cseq of the layer
+// (float32 [T][B][4H] and [T][B][H]: an LSTM's i, f, g, o and c; a GRU's r,
+// z, n, W_hn h + b_hn and h_{t-1}), and the gradients of its output
+// sequence dy [T][B][H] and final states dhy, dcy [B][H] (element type).
+// A GRU's c0, dcy and dc0 are not read (may be null). `lengths` may be
+// null. dtype: 0 float16, 1 bfloat16.
+__attribute__((visibility("default"))) int rnnfuse_wf_backward_kind(
+    void* stream, int dtype, int gru, int units, int batch, int steps, const void* w_hh,
     const float* gates, const float* cseq, const void* c0, const void* dy, const void* dhy,
     const void* dcy, const int* lengths, void* dgates, float* dh0, float* dc0,
     void* workspace) {
   Driver* d = GetDriver();
   if (!d->ok) return Fail(d->why);
   if (dtype != 0 && dtype != 1) return Fail("dtype must be 0 (float16) or 1 (bfloat16)");
+  if (gru != 0 && gru != 1) return Fail("gru must be 0 (LSTM) or 1 (GRU)");
+  if (!gru && (!c0 || !dcy || !dc0)) return Fail("an LSTM's backward needs c0, dcy and dc0");
   CUstream s = static_cast<CUstream>(stream);
   StreamContext sc(d, s);
   if (sc.rc != 0) return -1;
@@ -530,10 +541,23 @@ __attribute__((visibility("default"))) int rnnfuse_wf_backward(
   args.flags = static_cast<unsigned*>(workspace);
   Kernels* k = nullptr;
   if (GetKernels(d, sc.ctx, &k) != 0) return -1;
-  if (ConfigureSmem(d, k->bwd_f16, k->bwd_bf16, args.smem_total, &k->configured_bwd_smem) != 0)
-    return -1;
-  return LaunchCooperative(d, dtype == 0 ? k->bwd_f16 : k->bwd_bf16, s, sc.sms, args.ctas,
-                           args.smem_total, &args, workspace, BwdFlagBytes() / 4);
+  CUfunction f16 = gru ? k->bwd_gru_f16 : k->bwd_f16;
+  CUfunction bf16 = gru ? k->bwd_gru_bf16 : k->bwd_bf16;
+  int* configured = gru ? &k->configured_bwd_gru_smem : &k->configured_bwd_smem;
+  if (ConfigureSmem(d, f16, bf16, args.smem_total, configured) != 0) return -1;
+  return LaunchCooperative(d, dtype == 0 ? f16 : bf16, s, sc.sms, args.ctas, args.smem_total,
+                           &args, workspace, BwdFlagBytes() / 4);
+}
+
+// The backward recurrence of one LSTM layer: rnnfuse_wf_backward_kind with
+// gru 0 (the TensorFlow op's LSTM entry point).
+__attribute__((visibility("default"))) int rnnfuse_wf_backward(
+    void* stream, int dtype, int units, int batch, int steps, const void* w_hh,
+    const float* gates, const float* cseq, const void* c0, const void* dy, const void* dhy,
+    const void* dcy, const int* lengths, void* dgates, float* dh0, float* dc0,
+    void* workspace) {
+  return rnnfuse_wf_backward_kind(stream, dtype, 0, units, batch, steps, w_hh, gates, cseq, c0,
+                                  dy, dhy, dcy, lengths, dgates, dh0, dc0, workspace);
 }
 
 // 1 if the reverse-wavefront backward (wavefront.cuh, "The stack

@@ -1,6 +1,7 @@
 // RnnfuseWavefront: rnnfuse's persistent wavefront kernel as a TensorFlow
-// GPU op (inference: no reserve space, no gradient). Training (LSTM) has
-// three more ops, below the first: RnnfuseWavefrontSaving (the same
+// GPU op (inference: no reserve space, no gradient). Training has three
+// more ops, below the first (the two per-layer ones LSTM or GRU, rnn_mode;
+// the stack backward LSTM only): RnnfuseWavefrontSaving (the same
 // forward, also returning what the backward reads), RnnfuseWavefrontBackward
 // (the backward recurrence of one layer, v1) and
 // RnnfuseWavefrontBackwardStack (every layer's backward recurrence in one
@@ -22,9 +23,9 @@
 //   input_c          [L, B, H] (LSTM; anything for a GRU)
 //   sequence_lengths [B] int32 in host memory, each in [1, T]; or [0]: all T
 // Outputs: output [T, B, H] (0 past each length), output_h, output_c
-// ([L, B, H]; output_c is [0] for a GRU). RnnfuseWavefrontSaving (LSTM,
-// no rnn_mode) takes the same inputs and adds hseq, gates and cseq (see
-// its class); RnnfuseWavefrontBackward is one layer's backward recurrence,
+// ([L, B, H]; output_c is [0] for a GRU). RnnfuseWavefrontSaving takes the
+// same inputs and adds hseq, gates and cseq (see its class);
+// RnnfuseWavefrontBackward is one layer's backward recurrence,
 // RnnfuseWavefrontBackwardStack the whole stack's (see their classes).
 // A shape outside the kernel's limits is an Unimplemented op error naming
 // the limit (Python checks the same plan first and runs cuDNN instead).
@@ -50,10 +51,11 @@ int rnnfuse_wf_forward_variant(void* stream, int dtype, int gru, int num_layers,
                                int mode, int variant, unsigned long long* trace, int trace_steps,
                                float* gates_out, float* c_out);
 size_t rnnfuse_wf_backward_workspace_bytes();
-int rnnfuse_wf_backward(void* stream, int dtype, int units, int batch, int steps,
-                        const void* w_hh, const float* gates, const float* cseq, const void* c0,
-                        const void* dy, const void* dhy, const void* dcy, const int* lengths,
-                        void* dgates, float* dh0, float* dc0, void* workspace);
+int rnnfuse_wf_backward_kind(void* stream, int dtype, int gru, int units, int batch, int steps,
+                             const void* w_hh, const float* gates, const float* cseq,
+                             const void* c0, const void* dy, const void* dhy, const void* dcy,
+                             const int* lengths, void* dgates, float* dh0, float* dc0,
+                             void* workspace);
 size_t rnnfuse_wf_backward_stack_workspace_bytes(int num_layers, int units, int batch,
                                                  int steps);
 int rnnfuse_wf_backward_stack(void* stream, int dtype, int num_layers, int units, int batch,
@@ -99,19 +101,18 @@ Status DeviceLengths(OpKernelContext* ctx, cudaStream_t stream, const Tensor& le
 }
 
 // The forward (inference), or with kSave the saving forward
-// (RnnfuseWavefrontSaving, LSTM): outputs 3-5 are then hseq [L-1, T, B, H]
+// (RnnfuseWavefrontSaving): outputs 3-5 are then hseq [L-1, T, B, H]
 // (the sequences of the layers below the top, in T: a view of the
-// workspace, where the kernel writes them), gates [L, T, B, 4H] (activated
-// i, f, g, o) and cseq [L, T, B, H] (c), both float32.
+// workspace, where the kernel writes them), gates [L, T, B, 4H] (an LSTM's
+// activated i, f, g, o; a GRU's r, z, n, W_hn h + b_hn) and cseq
+// [L, T, B, H] (an LSTM's c; a GRU's h_{t-1}), both float32.
 template <typename T, bool kSave>
 class RnnfuseWavefrontOp : public OpKernel {
  public:
   explicit RnnfuseWavefrontOp(OpKernelConstruction* ctx) : OpKernel(ctx) {
-    if (!kSave) {
-      std::string mode;
-      OP_REQUIRES_OK(ctx, ctx->GetAttr("rnn_mode", &mode));
-      gru_ = mode == "gru";
-    }
+    std::string mode;
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("rnn_mode", &mode));
+    gru_ = mode == "gru";
     OP_REQUIRES_OK(ctx, ctx->GetAttr("input_size", &input_size_));
     OP_REQUIRES_OK(ctx, ctx->GetAttr("kernel_variant", &variant_));
   }
@@ -192,17 +193,23 @@ class RnnfuseWavefrontOp : public OpKernel {
   int variant_ = 0;  // the forward step's variant (wavefront.cuh)
 };
 
-// The backward recurrence of one LSTM layer (rnnfuse_wf_backward): dgates
-// [T, B, 4H] (T: the gradient of the gates' pre-activations, 0 at t >=
-// length), dh0 and dc0 [B, H] (float32) from the layer's w_hh [4H, H],
-// its saved gates [T, B, 4H] and cseq [T, B, H] (float32), c0 [B, H], and
-// the gradients of its output sequence dy [T, B, H] and of its final
-// states dhy, dcy [B, H]. A shape outside the backward's plan is an
-// Unimplemented error naming the limit.
+// The backward recurrence of one LSTM or GRU layer (rnn_mode;
+// rnnfuse_wf_backward_kind): dgates [T, B, 4H] (T: the gradient of the
+// gates' pre-activations, a GRU's (dr, dz, dn_x, dn_h), 0 at t >= length),
+// dh0 and dc0 [B, H] (float32; a GRU's dc0 is [0]) from the layer's w_hh
+// [G*H, H] (G = 4, a GRU's 3), its saved gates [T, B, 4H] and cseq
+// [T, B, H] (float32), c0 [B, H], and the gradients of its output
+// sequence dy [T, B, H] and of its final states dhy, dcy [B, H] (a GRU's
+// c0 and dcy are not read: anything, [0] say). A shape outside the
+// backward's plan is an Unimplemented error naming the limit.
 template <typename T>
 class RnnfuseWavefrontBackwardOp : public OpKernel {
  public:
-  explicit RnnfuseWavefrontBackwardOp(OpKernelConstruction* ctx) : OpKernel(ctx) {}
+  explicit RnnfuseWavefrontBackwardOp(OpKernelConstruction* ctx) : OpKernel(ctx) {
+    std::string mode;
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("rnn_mode", &mode));
+    gru_ = mode == "gru";
+  }
 
   void Compute(OpKernelContext* ctx) override { OP_REQUIRES_OK(ctx, DoCompute(ctx)); }
 
@@ -223,8 +230,9 @@ class RnnfuseWavefrontBackwardOp : public OpKernel {
     if (steps == 0 || batch == 0 || units == 0)
       return errors::InvalidArgument("rnnfuse wavefront backward: dy ", dy.shape().DebugString(),
                                      " is empty (T, B and H must be at least 1)");
-    if (w_hh.shape() != TensorShape({4 * units, units}))
-      return errors::InvalidArgument("w_hh must be [4H, H] = [", 4 * units, ", ", units,
+    const int64_t gh = (gru_ ? 3 : 4) * units;
+    if (w_hh.shape() != TensorShape({gh, units}))
+      return errors::InvalidArgument("w_hh must be [G*H, H] = [", gh, ", ", units,
                                      "], got ", w_hh.shape().DebugString());
     if (gates.shape() != TensorShape({steps, batch, 4 * units}))
       return errors::InvalidArgument("gates must be [T, B, 4H] = [", steps, ", ", batch, ", ",
@@ -233,7 +241,7 @@ class RnnfuseWavefrontBackwardOp : public OpKernel {
       return errors::InvalidArgument("cseq must be dy's shape ", dy.shape().DebugString(),
                                      ", got ", cseq.shape().DebugString());
     for (const Tensor* t : {&c0, &dhy, &dcy})
-      if (t->shape() != state)
+      if (t->shape() != state && (t == &dhy || !gru_))
         return errors::InvalidArgument("c0, dhy and dcy must be [B, H] = ",
                                        state.DebugString(), ", got ", t->shape().DebugString());
     if (lengths.NumElements() != 0 && lengths.NumElements() != batch)
@@ -243,7 +251,7 @@ class RnnfuseWavefrontBackwardOp : public OpKernel {
     Tensor *dgates = nullptr, *dh0 = nullptr, *dc0 = nullptr;
     TF_RETURN_IF_ERROR(ctx->allocate_output(0, gates.shape(), &dgates));
     TF_RETURN_IF_ERROR(ctx->allocate_output(1, state, &dh0));
-    TF_RETURN_IF_ERROR(ctx->allocate_output(2, state, &dc0));
+    TF_RETURN_IF_ERROR(ctx->allocate_output(2, gru_ ? TensorShape({0}) : state, &dc0));
     cudaStream_t stream = ctx->eigen_device<Eigen::GpuDevice>().stream();
     Tensor dev_lengths;
     const int* lengths_ptr = nullptr;
@@ -253,16 +261,19 @@ class RnnfuseWavefrontBackwardOp : public OpKernel {
     TF_RETURN_IF_ERROR(ctx->allocate_temp(
         tensorflow::DT_UINT8,
         TensorShape({static_cast<int64_t>(rnnfuse_wf_backward_workspace_bytes())}), &workspace));
-    const int rc = rnnfuse_wf_backward(
-        stream, WavefrontDtype<T>::value, static_cast<int>(units), static_cast<int>(batch),
-        static_cast<int>(steps), Ptr(w_hh), static_cast<const float*>(Ptr(gates)),
-        static_cast<const float*>(Ptr(cseq)), Ptr(c0), Ptr(dy), Ptr(dhy), Ptr(dcy), lengths_ptr,
-        Mut(dgates), reinterpret_cast<float*>(Mut(dh0)), reinterpret_cast<float*>(Mut(dc0)),
-        Mut(&workspace));
+    const int rc = rnnfuse_wf_backward_kind(
+        stream, WavefrontDtype<T>::value, gru_ ? 1 : 0, static_cast<int>(units),
+        static_cast<int>(batch), static_cast<int>(steps), Ptr(w_hh),
+        static_cast<const float*>(Ptr(gates)), static_cast<const float*>(Ptr(cseq)),
+        gru_ ? nullptr : Ptr(c0), Ptr(dy), Ptr(dhy), gru_ ? nullptr : Ptr(dcy), lengths_ptr,
+        Mut(dgates), reinterpret_cast<float*>(Mut(dh0)),
+        gru_ ? nullptr : reinterpret_cast<float*>(Mut(dc0)), Mut(&workspace));
     if (rc != 0)
       return errors::Unimplemented("rnnfuse wavefront backward: ", rnnfuse_wf_last_error());
     return absl::OkStatus();
   }
+
+  bool gru_ = false;
 };
 
 // Every layer's backward recurrence of an LSTM stack in ONE reverse-
@@ -422,9 +433,12 @@ REGISTER_OP("RnnfuseWavefrontSaving")
     .Output("gates: float")
     .Output("cseq: float")
     .Attr("T: {half, bfloat16}")
+    .Attr("rnn_mode: {'lstm', 'gru'} = 'lstm'")
     .Attr("input_size: int >= 1")
     .Attr("kernel_variant: int >= 0 = 0")
     .SetShapeFn([](shape_inference::InferenceContext* c) {
+      std::string mode;
+      TF_RETURN_IF_ERROR(c->GetAttr("rnn_mode", &mode));
       shape_inference::ShapeHandle x, h;
       TF_RETURN_IF_ERROR(c->WithRank(c->input(0), 3, &x));
       TF_RETURN_IF_ERROR(c->WithRank(c->input(2), 3, &h));
@@ -435,7 +449,7 @@ REGISTER_OP("RnnfuseWavefrontSaving")
       TF_RETURN_IF_ERROR(c->Multiply(units, 4, &gates));
       c->set_output(0, c->MakeShape({steps, batch, units}));
       c->set_output(1, c->input(2));
-      c->set_output(2, c->input(2));
+      c->set_output(2, mode == "gru" ? c->Vector(0) : c->input(2));
       c->set_output(3, c->MakeShape({below, steps, batch, units}));
       c->set_output(4, c->MakeShape({layers, steps, batch, gates}));
       c->set_output(5, c->MakeShape({layers, steps, batch, units}));
@@ -455,13 +469,16 @@ REGISTER_OP("RnnfuseWavefrontBackward")
     .Output("dh0: float")
     .Output("dc0: float")
     .Attr("T: {half, bfloat16}")
+    .Attr("rnn_mode: {'lstm', 'gru'} = 'lstm'")
     .SetShapeFn([](shape_inference::InferenceContext* c) {
       shape_inference::ShapeHandle g, s;
+      std::string mode;
+      TF_RETURN_IF_ERROR(c->GetAttr("rnn_mode", &mode));
       TF_RETURN_IF_ERROR(c->WithRank(c->input(1), 3, &g));
-      TF_RETURN_IF_ERROR(c->WithRank(c->input(3), 2, &s));
+      TF_RETURN_IF_ERROR(c->WithRank(c->input(5), 2, &s));  // dhy: a GRU's c0 may be [0]
       c->set_output(0, g);
       c->set_output(1, s);
-      c->set_output(2, s);
+      c->set_output(2, mode == "gru" ? c->Vector(0) : s);
       return absl::OkStatus();
     });
 
