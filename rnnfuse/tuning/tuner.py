@@ -207,13 +207,14 @@ def _with_mask(run: Callable, mask) -> Callable:
 def _runner(group: FusionGroup, plan: Plan, dtype: str | None = None) -> Callable:
     """A callable `run(x, training, mask=None, algorithm=None)` -> outputs
     that runs `group` under `plan`. Its masks are `padding_mask`'s,
-    right-padded, but a fused call is not told so: it traces its branch for
-    other masks (the original layers in Keras' generic loop) as the model's
-    own step does, since that branch is part of what a masked step costs
-    (H200, session 10: a masked split plan 14% ahead on a clock without it
-    ran 7% behind through `fit`); `algorithm` is `Backend.timed_steps`'
-    runtime value for the fused calls' algorithm (the original layers
-    ignore it)."""
+    right-padded, but a fused call is not told so: it traces what the
+    model's own step traces, its branch for other masks (the original
+    layers in Keras' generic loop) or, where Keras' own layers assert the
+    mask (`FusedRNN._keras_asserts_traced_masks`), that assertion, since
+    the branch is part of what a masked step costs (H200, session 10: a
+    masked split plan 14% ahead on a clock without it ran 7% behind through
+    `fit`); `algorithm` is `Backend.timed_steps`' runtime value for the
+    fused calls' algorithm (the original layers ignore it)."""
     from rnnfuse.fused import FusedRNN, call_members
 
     if plan.for_length(len(group.layers)).per_layer:
