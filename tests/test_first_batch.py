@@ -230,21 +230,6 @@ def test_a_shape_already_decided_reads_no_cache_file_again(fake_gpu, emulated_cu
     assert fused_layers(fast)[0].plan.name == "fused"
 
 
-def test_the_device_is_read_once_a_model_not_once_a_call(fake_gpu, emulated_cudnn, tmp_path,
-                                                          monkeypatch):
-    """`device_environment()` cost each `predict` call 1.3 ms on the H200
-    (a small model's call is 70 ms): it is read at the model's first call."""
-    reads = []
-    monkeypatch.setattr(first_batch, "device_environment", lambda: reads.append(1) or dict(ENV))
-    fast = _optimize(stack_model("lstm", 2, input_size=3),
-                     FakeTimer({"per-layer": 2.0, "fused": 1.0}), PlanCache(tmp_path / "p.json"))
-    x = np.random.default_rng(0).standard_normal((8, 7, 3)).astype("float32")
-    reads.clear()  # `optimize` asked whether it can time here
-    for _ in range(3):
-        fast.predict(x, batch_size=8, verbose=0)
-    assert len(reads) == 1
-
-
 def test_a_corrupt_cache_file_is_set_aside_and_tuning_goes_on(fake_gpu, emulated_cudnn, tmp_path):
     path = tmp_path / "plans.json"
     path.write_text("{not json")

@@ -134,7 +134,7 @@ def _prepare(model, state: AutoTune, x, batch_size, training) -> dict:
     training) -> (bucket, plan) of the call, or None where the first batch
     cannot be known here (the layers then decide at their first trace)."""
     undecided = {(i, training): None for i in range(len(state.members))}
-    environment = state.timing_environment(device_environment)
+    environment = state.environment if state.environment is not None else device_environment()
     if environment is None:
         return undecided
     shape = first_batch_shape(x, batch_size)

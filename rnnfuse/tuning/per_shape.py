@@ -142,19 +142,6 @@ class AutoTune:
     measure: Callable | None = None
     check_gradients: Callable | None = None
     environment: dict | None = None
-    # `device_environment()` as first read for this model (it cannot change
-    # in a process; reading it cost each `predict` call 1.3 ms on the H200).
-    device: dict | None = dataclasses.field(default=None, repr=False)
-
-    def timing_environment(self, read: Callable[[], dict | None]) -> dict | None:
-        """The environment to time in: `environment` where a test set one,
-        else this device's as `read()` gives it (`device_environment`;
-        None without a device to time on), read once."""
-        if self.environment is not None:
-            return self.environment
-        if self.device is None:
-            self.device = {"read": read()}
-        return self.device["read"]
 
     def plans_of(self, index: int) -> list[Plan]:
         """Every plan decided for member `index` (any mode and bucket)."""
@@ -380,7 +367,7 @@ class Planner:
         """The plan timed for `shape` now, from inside the caller's call or
         trace, or None where nothing can be timed here."""
         state = self.state
-        environment = state.timing_environment(device_environment)
+        environment = state.environment if state.environment is not None else device_environment()
         if not _is_accelerator(environment):
             return None
         context = get_backend().timing_context()
