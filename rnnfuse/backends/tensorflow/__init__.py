@@ -73,6 +73,7 @@ Example (on a machine with a GPU):
 
 from __future__ import annotations
 
+import functools
 import logging
 from typing import Any, Sequence
 
@@ -130,16 +131,35 @@ def is_available() -> bool:
 
 
 def device_environment() -> dict:
-    """The GPU and library versions that a tuned plan depends on."""
+    """The GPU and library versions that a tuned plan depends on.
+
+    Read at every `fit`/`evaluate`/`predict` call of an optimized model;
+    the GPU's details and the build's cuDNN version are read once a process
+    (`_gpu_name`, `_cudnn_version`: neither can change in one), which cost a
+    call 1.3 ms on the H200 (bench/diag_call_overhead.py, session 14).
+    """
     gpus = tf.config.list_physical_devices("GPU")
-    details = tf.config.experimental.get_device_details(gpus[0]) if gpus else {}
-    build = tf.sysconfig.get_build_info()
     return {
         # "cpu": nothing real to time on (the emulated kernel in tests).
-        "device": details.get("device_name", "gpu") if gpus else "cpu",
+        "device": _gpu_name(gpus[0].name) if gpus else "cpu",
         "tensorflow": tf.__version__,
-        "cudnn": str(build.get("cudnn_version", "?")),
+        "cudnn": _cudnn_version(),
     }
+
+
+@functools.lru_cache(maxsize=None)
+def _gpu_name(physical_device: str) -> str:
+    """The name TensorFlow gives the GPU `physical_device` (e.g.
+    "/physical_device:GPU:0") has: "NVIDIA H200"."""
+    match = [d for d in tf.config.list_physical_devices("GPU") if d.name == physical_device]
+    details = tf.config.experimental.get_device_details(match[0]) if match else {}
+    return details.get("device_name", "gpu")
+
+
+@functools.lru_cache(maxsize=None)
+def _cudnn_version() -> str:
+    """The cuDNN version this TensorFlow was built with ("9", "?")."""
+    return str(tf.sysconfig.get_build_info().get("cudnn_version", "?"))
 
 
 def _step_body(run, x, variables, training):
