@@ -65,8 +65,10 @@ run_stage() {
       echo "[$(since) s] tf-build rc $rc: $(tail -3 $log | tr '\n' ' ')" ;;
     tf-tests)
       s=$(limit tf-tests 330)
+      # TF_TESTS_K: a pytest -k expression (TESTS_ARGS is split on spaces,
+      # so "-k 'gru or mask'" cannot pass through it).
       ( tf_env; timeout $s python3 -m pytest -q -p no:cacheprovider -rs $TF_TEST_FILES ${TESTS_ARGS} \
-          --junitxml=$LOGS/tf_tests.xml ) > $log 2>&1; rc=$?
+          ${TF_TESTS_K:+-k "$TF_TESTS_K"} --junitxml=$LOGS/tf_tests.xml ) > $log 2>&1; rc=$?
       echo "[$(since) s] tf-tests rc $rc"
       summary tf-tests "passed|failed|^FAILED|^ERROR" 40 ;;
     tf-distribute)
