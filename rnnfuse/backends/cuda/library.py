@@ -88,8 +88,6 @@ class WavefrontLibrary:
         lib.rnnfuse_wf_backward_plan.restype = i
         lib.rnnfuse_wf_backward_workspace_bytes.argtypes = []
         lib.rnnfuse_wf_backward_workspace_bytes.restype = sz
-        lib.rnnfuse_wf_backward.argtypes = [p, i, i, i, i] + [p] * 12
-        lib.rnnfuse_wf_backward.restype = i
         lib.rnnfuse_wf_backward_kind.argtypes = [p, i, i, i, i, i] + [p] * 12
         lib.rnnfuse_wf_backward_kind.restype = i
         lib.rnnfuse_wf_backward_stack_plan.argtypes = [i, i, i, i, i, i, ip, ip, ip, i, ip, ip]

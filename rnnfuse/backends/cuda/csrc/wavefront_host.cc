@@ -21,8 +21,8 @@
 //   rnnfuse_wf_forward_saving   the same, also saving gates and c (training)
 //   rnnfuse_wf_forward_variant  the same, with the forward step's variant
 //                               (wavefront.cuh: 0, or the opt-in 1)
-//   rnnfuse_wf_backward_plan    can the backward run one LSTM layer? (no GPU)
-//   rnnfuse_wf_backward(...)    the backward recurrence of one LSTM layer
+//   rnnfuse_wf_backward_plan    can the backward run one LSTM or GRU layer? (no GPU)
+//   rnnfuse_wf_backward_kind(...)  the backward recurrence of one LSTM or GRU layer
 //   rnnfuse_wf_backward_stack_plan  can the reverse-wavefront backward run the
 //                               whole LSTM stack? (no GPU)
 //   rnnfuse_wf_backward_stack(...)  every layer's backward recurrence in one
@@ -547,17 +547,6 @@ __attribute__((visibility("default"))) int rnnfuse_wf_backward_kind(
   if (ConfigureSmem(d, f16, bf16, args.smem_total, configured) != 0) return -1;
   return LaunchCooperative(d, dtype == 0 ? f16 : bf16, s, sc.sms, args.ctas, args.smem_total,
                            &args, workspace, BwdFlagBytes() / 4);
-}
-
-// The backward recurrence of one LSTM layer: rnnfuse_wf_backward_kind with
-// gru 0 (the TensorFlow op's LSTM entry point).
-__attribute__((visibility("default"))) int rnnfuse_wf_backward(
-    void* stream, int dtype, int units, int batch, int steps, const void* w_hh,
-    const float* gates, const float* cseq, const void* c0, const void* dy, const void* dhy,
-    const void* dcy, const int* lengths, void* dgates, float* dh0, float* dc0,
-    void* workspace) {
-  return rnnfuse_wf_backward_kind(stream, dtype, 0, units, batch, steps, w_hh, gates, cseq, c0,
-                                  dy, dhy, dcy, lengths, dgates, dh0, dc0, workspace);
 }
 
 // 1 if the reverse-wavefront backward (wavefront.cuh, "The stack
