@@ -377,17 +377,13 @@ def tune_plans(
         for index, group, shape, dtype, key, masked in jobs:
             plans = candidates(group)
             rejected = {}
-            if masked:
-                # cuDNN's persistent algorithms refuse padded sequence
-                # lengths; a masked call runs the standard one (see the
-                # TensorFlow backend's run_stack).
-                for p in plans:
-                    if p.algorithm:
-                        rejected[p.name] = "cuDNN's persistent algorithms do not take padded sequence lengths"
-                plans = [p for p in plans if not p.algorithm]
-            too_big = persistent_reason(dtype, shape[0])
-            if too_big is not None:
-                rejected.update({p.name: too_big for p in plans if p.algorithm})
+            # cuDNN's persistent algorithms refuse padded sequence lengths (a
+            # masked call runs the standard one: the TensorFlow backend's
+            # run_stack), and never came close above PERSISTENT_MAX_BATCH.
+            no_persistent = ("cuDNN's persistent algorithms do not take padded sequence lengths"
+                             if masked else persistent_reason(dtype, shape[0]))
+            if no_persistent is not None:
+                rejected.update({p.name: no_persistent for p in plans if p.algorithm})
             plans = [p for p in plans if p.name not in rejected]
             bar.advance_rest(len(rejected))
             # Kernels besides cuDNN (rnnfuse's wavefront kernel): timed for
