@@ -73,13 +73,11 @@ def test_tensorflows_device_environment_reads_the_gpus_details_once(monkeypatch)
     call on the H200) are read once a process, the list of GPUs every time."""
     if keras.backend.backend() != "tensorflow":
         pytest.skip("TensorFlow's device environment")
-    import types
-
     import tensorflow as tf
 
     from rnnfuse.backends import tensorflow as tf_backend
 
-    gpu = types.SimpleNamespace(name="/physical_device:GPU:0", device_type="GPU")
+    gpu = tf.config.PhysicalDevice(name="/physical_device:GPU:0", device_type="GPU")
     reads = []
     monkeypatch.setattr(tf.config, "list_physical_devices", lambda kind=None: [gpu])
     monkeypatch.setattr(tf.config.experimental, "get_device_details",

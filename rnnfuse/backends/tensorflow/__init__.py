@@ -141,19 +141,16 @@ def device_environment() -> dict:
     gpus = tf.config.list_physical_devices("GPU")
     return {
         # "cpu": nothing real to time on (the emulated kernel in tests).
-        "device": _gpu_name(gpus[0].name) if gpus else "cpu",
+        "device": _gpu_name(gpus[0]) if gpus else "cpu",
         "tensorflow": tf.__version__,
         "cudnn": _cudnn_version(),
     }
 
 
 @functools.lru_cache(maxsize=None)
-def _gpu_name(physical_device: str) -> str:
-    """The name TensorFlow gives the GPU `physical_device` (e.g.
-    "/physical_device:GPU:0") has: "NVIDIA H200"."""
-    match = [d for d in tf.config.list_physical_devices("GPU") if d.name == physical_device]
-    details = tf.config.experimental.get_device_details(match[0]) if match else {}
-    return details.get("device_name", "gpu")
+def _gpu_name(gpu: Any) -> str:
+    """The name of `gpu`, a `tf.config.PhysicalDevice`: "NVIDIA H200"."""
+    return tf.config.experimental.get_device_details(gpu).get("device_name", "gpu")
 
 
 @functools.lru_cache(maxsize=None)
