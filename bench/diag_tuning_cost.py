@@ -21,6 +21,7 @@ is made of on the H200; the timings and choices mean nothing.
 
     python bench/diag_tuning_cost.py --cells 15,A1 --out $OUT/tuning_cost.json
     python bench/diag_tuning_cost.py --quick --out /tmp/t.json   # tiny, any machine
+    python bench/diag_tuning_cost.py --cells 19 --compare 2 --out $OUT/pipelined.json
     python bench/diag_tuning_cost.py --quick --emulate --cells 3 --out /tmp/t.json
     python bench/diag_tuning_cost.py --table bench/results/tuning_cost_tf_h200_s6.json
 """
@@ -58,7 +59,8 @@ class Recorder:
     tf.functions), the first calls (traces included), the timed calls and
     the gradient check; `traces` counts the step traces."""
 
-    def __init__(self):
+    def __init__(self, serial: bool = False):
+        self.serial = serial
         self.candidates: dict[str, dict] = {}
         self.phases = {"build_s": 0.0, "first_calls_s": 0.0, "timing_s": 0.0,
                        "gradient_check_s": 0.0, "trace_s": 0.0, "traces": 0}
@@ -94,18 +96,30 @@ class Recorder:
                 rec.phases["build_s"] += time.perf_counter() - start
 
         def timed_first_calls(steps, plans, seconds=None):
+            # All at once, as tuning makes them (a traced step's first call
+            # overlaps the next one's trace), each trace timed on its own.
             start = time.perf_counter()
-            out = {}
-            for name, step in steps.items():  # one at a time, as tuning runs them
-                row = rec.candidates.setdefault(name, {})
-                traced, t = rec._traced, time.perf_counter()
-                kept, refused = first_calls({name: step}, plans, seconds)
-                row["first_call_s"] = time.perf_counter() - t
-                row["trace_s"] = rec._traced - traced
-                out.setdefault("kept", {}).update(kept)
-                out.setdefault("refused", {}).update(refused)
+            calls = {}
+            wrapped = {}
+            for name, step in steps.items():
+                trace = getattr(step, "trace", None)
+                if not callable(step) or (trace is None and not rec.serial):
+                    wrapped[name] = step
+                    continue
+                call = (lambda step=step: step())
+                if not rec.serial:  # --serial: untraceable, so traced in its first call
+                    call.trace = rec._timed_trace(name, trace)
+                wrapped[name] = call
+            traced = rec._traced
+            kept, refused = first_calls(wrapped, plans, calls)
+            for name, took in calls.items():
+                rec.candidates.setdefault(name, {})["first_call_s"] = took
+            if rec.serial:
+                rec.phases["serial_trace_s"] = rec.phases.get("serial_trace_s", 0.0) + rec._traced - traced
+            if seconds is not None:
+                seconds.update(calls)
             rec.phases["first_calls_s"] += time.perf_counter() - start
-            return out.get("kept", {}), out.get("refused", {})
+            return {n: steps[n] for n in kept}, refused
 
         def timed_medians(steps, **kwargs):
             start = time.perf_counter()
@@ -128,6 +142,15 @@ class Recorder:
         tuner._steps, tuner._first_calls = timed_steps, timed_first_calls
         tuner.interleaved_medians, tuner.GradientCheck.__call__ = timed_medians, timed_check
         return self
+
+    def _timed_trace(self, name, trace):
+        def timed():
+            start = time.perf_counter()
+            try:
+                return trace()
+            finally:
+                self.candidates.setdefault(name, {})["trace_s"] = time.perf_counter() - start
+        return timed
 
     def __exit__(self, *exc):
         (tuner._steps, tuner._first_calls, tuner.interleaved_medians,
@@ -179,11 +202,13 @@ def emulate_gpu_on_cpu() -> None:
     tf_backend.device_environment = lambda: {**environment(), "device": "EmulatedGPU"}
 
 
-def _tune(fast, run, profile: bool) -> dict:
-    """Runs `run()` (a first fit or predict) with its tuning recorded."""
+def _tune(fast, run, profile: bool, serial: bool = False) -> dict:
+    """Runs `run()` (a first fit or predict) with its tuning recorded
+    (`serial`: each step traced in its first call, one after another, as
+    before the first calls were pipelined)."""
     before = _tuning_seconds(fast)
     profiler = cProfile.Profile() if profile else None
-    with Recorder() as rec:
+    with Recorder(serial) as rec:
         if profiler:
             profiler.enable()
         start = time.perf_counter()
@@ -205,16 +230,35 @@ def _tune(fast, run, profile: bool) -> dict:
     return out
 
 
-def measure(shape: dict, profile: bool) -> dict:
+def measure(shape: dict, profile: bool, serial: bool = False) -> dict:
     model = build(shape)
     x, y = data(shape, np.random.default_rng(0))
-    fast = rnnfuse.optimize(model)
+    fast = rnnfuse.optimize(model, cache=False)  # what a new user's first calls pay
     fast.compile(optimizer="adam", loss="mse")
     b = shape["batch"]
-    fit = _tune(fast, lambda: fast.fit(x, y, batch_size=b, epochs=1, verbose=0), profile)
-    predict = _tune(fast, lambda: fast.predict(x, batch_size=b, verbose=0), profile)
-    return dict(shape=shape, fit=fit, predict=predict,
+    fit = _tune(fast, lambda: fast.fit(x, y, batch_size=b, epochs=1, verbose=0), profile, serial)
+    predict = _tune(fast, lambda: fast.predict(x, batch_size=b, verbose=0), profile, serial)
+    return dict(shape=shape, fit=fit, predict=predict, serial=serial,
                 decisions=rnnfuse.tuning.first_batch.decisions(fast))
+
+
+def compare(shape: dict, pairs: int) -> dict:
+    """Pipelined against serial first calls on one cell, in one process:
+    a warm-up run (the process's one-time set-up), then `pairs` pairs in
+    alternating order (S P, P S, ...); medians of the tuning seconds."""
+    import statistics
+
+    measure(shape, False)
+    runs = {"serial": [], "pipelined": []}
+    for i in range(pairs):
+        for serial in ((True, False) if i % 2 == 0 else (False, True)):
+            row = measure(shape, False, serial)
+            runs["serial" if serial else "pipelined"].append(
+                {m: row[m]["tuning_s"] for m in ("fit", "predict")}
+                | {"decisions": [(d["mode"], d["chosen"]) for d in row["decisions"]]})
+    medians = {k: {m: statistics.median(r[m] for r in v) for m in ("fit", "predict")}
+               for k, v in runs.items()}
+    return dict(shape=shape, runs=runs, medians=medians)
 
 
 def table(rows: list[dict]) -> str:
@@ -247,6 +291,8 @@ def main(argv=None) -> int:
     parser.add_argument("--quick", action="store_true", help="the cells with 32 units, batch 4, 10 steps: any machine")
     parser.add_argument("--emulate", action="store_true",
                         help="no GPU (TensorFlow): time the GPU's candidates on the CPU, emulated")
+    parser.add_argument("--compare", type=int, default=0, metavar="PAIRS",
+                        help="time each cell's tuning PAIRS times with serial and pipelined first calls")
     parser.add_argument("--out")
     args = parser.parse_args(argv)
     if args.emulate:
@@ -262,6 +308,12 @@ def main(argv=None) -> int:
         shape = cell_shape(cell)
         if args.quick:
             shape = dict(shape, units=32, batch=4, steps=10)  # the layer count kept
+        if args.compare:
+            rows.append(dict(cell=cell, backend=keras.backend.backend(), **compare(shape, args.compare)))
+            print(f"cell {cell} tuning s, medians of {args.compare}: {rows[-1]['medians']}")
+            with open(args.out, "w") as f:
+                json.dump(rows, f, indent=1)
+            continue
         row = dict(cell=cell, backend=keras.backend.backend(), **measure(shape, args.profile))
         rows.append(row)
         for mode in ("fit", "predict"):

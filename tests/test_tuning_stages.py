@@ -52,3 +52,93 @@ def test_first_calls_record_their_seconds():
     kept, refused = tuner._first_calls({"a": lambda: 1.0, "b": None}, {}, seconds)
     assert list(kept) == ["a", "b"] and not refused
     assert set(seconds) == {"a"} and seconds["a"] >= 0.0
+
+
+def _traceable(call, trace):
+    call.trace = trace
+    return call
+
+
+def test_a_step_traces_while_the_one_before_makes_its_first_call():
+    import threading
+
+    traced_b = threading.Event()
+    seen = {}
+
+    def call_a():
+        # The first call of a waits here for b's trace: only an overlap lets it through.
+        seen["b traced during a's call"] = traced_b.wait(timeout=10)
+        seen["a's thread"] = threading.current_thread().name
+        return 1.0
+
+    steps = {
+        "a": _traceable(call_a, lambda: None),
+        "b": _traceable(lambda: 2.0, traced_b.set),
+    }
+    seconds = {}
+    kept, refused = tuner._first_calls(steps, {}, seconds)
+    assert list(kept) == ["a", "b"] and not refused and set(seconds) == {"a", "b"}
+    assert seen["b traced during a's call"]
+    assert seen["a's thread"] != threading.current_thread().name
+
+
+def test_pipelined_first_calls_run_one_at_a_time_and_untraceable_steps_wait_their_turn():
+    import threading
+    import time
+
+    lock, running, most, order = threading.Lock(), [0], [0], []
+
+    def call(name):
+        def run():
+            with lock:
+                running[0] += 1
+                most[0] = max(most[0], running[0])
+            time.sleep(0.02)
+            with lock:
+                running[0] -= 1
+                order.append(name)
+            return 1.0
+        return run
+
+    steps = {n: _traceable(call(n), lambda: None) for n in ("a", "b", "c")}
+    steps["eager"] = call("eager")  # no trace: called at its turn, alone
+    steps["d"] = _traceable(call("d"), lambda: None)
+    tuner._first_calls(steps, {})
+    assert most[0] == 1, "two first calls ran at once"
+    assert order == ["a", "b", "c", "eager", "d"]
+
+
+def test_a_refusal_raised_while_tracing_is_left_out_and_a_bug_still_raises():
+    import pytest
+
+    plans = {"fused on wavefront": Plan((2,), kernel="wavefront"), "fused": Plan((2,))}
+
+    def refuse():
+        raise NotImplementedError("not timed: the wavefront kernel did not run (too large)")
+
+    kept, why = tuner._first_calls({
+        "fused on wavefront": _traceable(lambda: 1.0, refuse),
+        "fused": _traceable(lambda: 1.0, lambda: None),
+    }, plans)
+    assert list(kept) == ["fused"] and "did not run" in why["fused on wavefront"]
+    with pytest.raises(ZeroDivisionError):
+        tuner._first_calls({"fused": _traceable(lambda: 1.0, lambda: 1 / 0)}, plans)
+
+
+def test_a_real_step_is_traced_once_though_its_first_call_runs_on_another_thread():
+    import tensorflow as tf
+
+    from rnnfuse.backends import tensorflow as tf_backend
+
+    v, traces = tf.Variable(2.0), []
+
+    def run(x, training):
+        traces.append(training)  # Python runs only while tracing
+        return x * v
+
+    step = tf_backend.timed_step(run, tf.constant(3.0), [v], True)
+    kept, refused = tuner._first_calls({"fused": step}, {})
+    assert list(kept) == ["fused"] and not refused
+    assert float(step()) == 36.0  # the loss, mean((x v)^2); its gradients add 0
+    step.trace()
+    assert traces == [True], "the worker's first call or a later one traced again"

@@ -373,7 +373,11 @@ class Backend(abc.ABC):
     def timed_step(self, run, x, variables: Sequence[Any], training: bool, jit: bool = False):
         """A compiled step of `run(x, training)` (+ gradients) for the
         tuner; returns a callable giving a scalar tensor. `jit`: compile it
-        with XLA (only asked where `capabilities.auto_jit_from_layers`)."""
+        with XLA (only asked where `capabilities.auto_jit_from_layers`).
+        A step whose first call compiles may carry a `trace()` that builds
+        its program without running it: the tuner then traces each step on
+        its own thread while the step before makes its first call on
+        another (`rnnfuse.tuning.tuner._first_calls`)."""
 
     def timed_steps(self, make_run, x, variables: Sequence[Any], training: bool,
                     algorithms: Sequence[Any], dtype: str) -> dict | None:

@@ -67,6 +67,7 @@ Example (no GPU: the static table answers):
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import datetime
 import time
@@ -483,9 +484,12 @@ class _Measured:
         # The original layers' first call comes last (the class doc says why).
         original = next((p for p in new if not p.pieces), None)
         original_step = built.pop(original.name) if original is not None else None
+        if original is not None and not self.eager_first_calls:
+            # Nothing to extrapolate: last in the same (pipelined) first calls.
+            built[original.name], original = original_step, None
         built, refused = _first_calls(built, by_name, self.first_s)
         if original is not None:
-            why = self._extrapolated_first_call(original) if self.eager_first_calls else None
+            why = self._extrapolated_first_call(original)
             if why is not None:
                 refused[original.name] = why
             else:
@@ -746,24 +750,72 @@ def _first_calls(steps: dict, plans: dict, seconds: dict | None = None) -> tuple
     error) is left out with its reason instead of ending all timing. Steps
     that are not callables (a test's fake timer) are kept as they are.
     `seconds`, if given, receives each call's wall-clock seconds.
+
+    A step with a `trace()` (a compiled step: `Backend.timed_step`) is
+    traced here, in order, and its first call is then made on one worker
+    thread while the next step traces: a trace is Python work, a compiled
+    first call (graph set-up, cuDNN's plan, one run) is mostly not, so the
+    two overlap, and first calls still run one at a time (the device's
+    memory holds one candidate's step at a time, as before). Its `seconds`
+    are then the call's alone, without the trace. A step without one
+    (torch's eager steps, whose first call is their first timing) is
+    called here, at its turn, while no other first call runs.
+
+    >>> calls = []
+    >>> def step():
+    ...     calls.append("call")
+    ...     return 1.0
+    >>> step.trace = lambda: calls.append("trace")
+    >>> kept, refused = _first_calls({"fused": step}, {})
+    >>> calls, list(kept), refused
+    (['trace', 'call'], ['fused'], {})
     """
-    kept, refused = {}, {}
-    for name, step in steps.items():
-        plan = plans.get(name)
-        if callable(step):
-            try:
-                start = time.perf_counter()
-                keras.ops.convert_to_numpy(step())
-                if seconds is not None:
-                    seconds[name] = time.perf_counter() - start
-            except Exception as exc:  # noqa: BLE001 - only op errors are refusals
-                reason = _refusal(plan, exc)
-                if reason is None:
-                    raise
-                refused[name] = reason
+    outcomes: dict = {}
+    with concurrent.futures.ThreadPoolExecutor(
+        max_workers=1, thread_name_prefix="rnnfuse-first-call"
+    ) as worker:
+        for name, step in steps.items():
+            if not callable(step):
                 continue
-        kept[name] = step
+            trace = getattr(step, "trace", None)
+            if trace is None:
+                concurrent.futures.wait(list(outcomes.values()))
+                outcomes[name] = _done(_call_once, step)
+                continue
+            traced = _done(trace)
+            outcomes[name] = traced if traced.exception() else worker.submit(_call_once, step)
+        kept, refused = {}, {}
+        for name, step in steps.items():
+            if name in outcomes:
+                try:
+                    took = outcomes[name].result()
+                except Exception as exc:  # noqa: BLE001 - only op errors are refusals
+                    reason = _refusal(plans.get(name), exc)
+                    if reason is None:
+                        raise
+                    refused[name] = reason
+                    continue
+                if seconds is not None:
+                    seconds[name] = took
+            kept[name] = step
     return kept, refused
+
+
+def _call_once(step) -> float:
+    """Calls `step` and waits for its result; the seconds it took."""
+    start = time.perf_counter()
+    keras.ops.convert_to_numpy(step())
+    return time.perf_counter() - start
+
+
+def _done(fn, *args) -> concurrent.futures.Future:
+    """A future already holding `fn(*args)`'s result or exception."""
+    future: concurrent.futures.Future = concurrent.futures.Future()
+    try:
+        future.set_result(fn(*args))
+    except Exception as exc:  # noqa: BLE001 - handed to the caller with the result
+        future.set_exception(exc)
+    return future
 
 
 def _refusal(plan: Plan | None, exc: Exception) -> str | None:

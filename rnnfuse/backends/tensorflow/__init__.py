@@ -201,7 +201,21 @@ def timed_step(run, x, variables: Sequence[Any], training: bool, jit: bool = Fal
     def step():
         return _step_body(run, x, variables, training)
 
-    return step
+    return _with_trace(lambda: step(), step.get_concrete_function)
+
+
+def _with_trace(call, trace):
+    """`call` with a `trace()` that traces its `tf.function` without running
+    it (the tuner traces each step on its own thread and makes its first
+    call, the graph set-up, on another: `tuner._first_calls`).
+
+    >>> f = tf.function(lambda: tf.constant(1.0))
+    >>> step = _with_trace(lambda: f(), f.get_concrete_function)
+    >>> _ = step.trace(); float(step()), f.experimental_get_tracing_count()
+    (1.0, 1)
+    """
+    call.trace = trace
+    return call
 
 
 def timed_steps(make_run, x, variables: Sequence[Any], training: bool,
@@ -230,7 +244,10 @@ def timed_steps(make_run, x, variables: Sequence[Any], training: bool,
                        tf.int32)
         for a in algorithms
     }
-    return {a: (lambda c=c: step(c)) for a, c in codes.items()}
+    return {
+        a: _with_trace(lambda c=c: step(c), lambda c=c: step.get_concrete_function(c))
+        for a, c in codes.items()
+    }
 
 
 def unsupported_reason(stack: StackSpec, dtype: str) -> str | None:
