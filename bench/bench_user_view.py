@@ -93,6 +93,7 @@ CALLS_BUDGET_S = 4.0
 CALL_STEPS = 4  # batches in each of them
 LOOP_STEPS = 50  # custom-loop steps per model (`custom_loop`)
 LOOP_BLOCK = 10  # ... run in alternating blocks of this many
+LOOP_MAX_STEPS = 150  # ... and more blocks, up to this many, within ROUNDS_BUDGET_S
 # ... or this many in a cell where `rounds_for` gives one round (one model
 # over LOPSIDED_STEP_S a step: 50 steps of Keras' masked torch loop at 17 s
 # a step would take 14 minutes, and the ratio is 10x or more anyway).
@@ -101,6 +102,13 @@ LOPSIDED_LOOP_STEPS = 4
 # left out (the arrays are built on the host).
 PREDICT_4X_BYTES = 2**28
 ROUND_S = 0.3  # target seconds of one timed round (see steps_for)
+# An entry point's timed rounds (`_alternate`): --rounds, and more, up to
+# MAX_ROUNDS, while its rounds so far took under ROUNDS_BUDGET_S. Two
+# models on the same kernels read below 0.97x in 11% of cells at 5 rounds
+# and about 3% at 15 (report_user_view.resolution, session 14); a round of
+# a cheap cell takes well under a second, so most cells get 15.
+MAX_ROUNDS = 15
+ROUNDS_BUDGET_S = 8.0
 # A cell whose slower model takes over LOPSIDED_STEP_S a step and runs over
 # LOPSIDED_RATIO x the faster one's step gets one round (see rounds_for).
 LOPSIDED_STEP_S = 2.0
@@ -228,13 +236,29 @@ def _step_time(run) -> float:
     return timer.median_step()
 
 
-def _alternate(models: list[tuple[str, keras.Model]], rounds: int, run) -> dict[str, list[float]]:
+def _alternate(models: list[tuple[str, keras.Model]], rounds: int, run,
+               max_rounds: int = 0, budget_s: float = 0.0) -> dict[str, list[float]]:
     """name -> median step seconds of each round of `run(model, callback)`,
-    the models alternating, their order flipped every round."""
+    the models alternating, their order flipped every round: `rounds`
+    rounds, then more, up to `max_rounds`, while all rounds so far took
+    under `budget_s` (`MAX_ROUNDS`, `ROUNDS_BUDGET_S`: how many is decided
+    by the clock alone, never by the readings).
+
+        >>> class Stub:
+        ...     def fit(self, callbacks): [callbacks[0].on_train_batch_end(i) for i in range(3)]
+        >>> run = lambda m, cb: m.fit(callbacks=[cb])
+        >>> len(_alternate([("a", Stub()), ("b", Stub())], 5, run)["a"])
+        5
+        >>> len(_alternate([("a", Stub()), ("b", Stub())], 5, run, max_rounds=15, budget_s=60)["a"])
+        15
+    """
     times = {name: [] for name, _ in models}
-    for r in range(rounds):
+    start = time.perf_counter()
+    r = 0
+    while r < rounds or (r < max_rounds and time.perf_counter() - start < budget_s):
         for name, m in models if r % 2 == 0 else models[::-1]:
             times[name].append(_step_time(lambda cb: run(m, cb)))
+        r += 1
     return times
 
 
@@ -319,12 +343,13 @@ def whole_calls(models: list[tuple[str, keras.Model]], kind: str, x, y, batch: i
 
 
 def custom_loop(models: list[tuple[str, keras.Model]], x, y, steps: int = LOOP_STEPS,
-                block: int = LOOP_BLOCK) -> dict | None:
+                block: int = LOOP_BLOCK, max_steps: int = 0, budget_s: float = 0.0) -> dict | None:
     """{name: [seconds of each step]} of a user's own training loop on each
     model (TensorFlow: a tf.function GradientTape step with a Keras
     optimizer; torch: forward, loss.backward(), a torch optimizer step), the
     first step (trace, tuning) first, then `steps` steps in alternating
-    blocks of `block`; None under JAX."""
+    blocks of `block`, and more blocks, up to `max_steps`, while the blocks
+    so far took under `budget_s`; None under JAX."""
     backend = keras.backend.backend()
     if backend not in ("tensorflow", "torch"):
         return None
@@ -333,10 +358,12 @@ def custom_loop(models: list[tuple[str, keras.Model]], x, y, steps: int = LOOP_S
     seconds = {name: [] for name, _ in models}
     for name, run in runs.items():
         seconds[name].append(run())
-    for b in range(math.ceil(steps / block)):
+    start, b = time.perf_counter(), 0
+    while b * block < steps or (b * block < max_steps and time.perf_counter() - start < budget_s):
         for name, _ in models if b % 2 == 0 else models[::-1]:
-            for _ in range(min(block, steps - b * block)):
+            for _ in range(min(block, max(steps, max_steps) - b * block)):
                 seconds[name].append(runs[name]())
+        b += 1
     return seconds
 
 
@@ -429,16 +456,19 @@ def measure(shape: dict, rounds: int, steps: int, predict_rounds: int | None = N
     one = max(sizing.values())
     predict_rounds = rounds_for(sizing, predict_rounds or rounds)
     rounds = rounds_for(sizing, rounds)
+    # More rounds within the clock's budget, except in a lopsided cell (one round).
+    more = MAX_ROUNDS if rounds_for(sizing, 2) > 1 else 0
     # At least 3 steps a round: a step is the gap between two batch ends.
     steps = max(3, steps_for(one, steps))
     xs, ys = np.concatenate([x] * steps), np.concatenate([y] * steps)
     models = [("original", model), ("optimized", fast)]
     times = _alternate(models + ([("control", twin)] if twin is not None else []), rounds,
-                       lambda m, cb: m.fit(xs, ys, batch_size=b, epochs=1, verbose=0, callbacks=[cb]))
+                       lambda m, cb: m.fit(xs, ys, batch_size=b, epochs=1, verbose=0, callbacks=[cb]),
+                       more, ROUNDS_BUDGET_S)
     plans = _plans(fast)  # the training plans, chosen on the first fit
     # The predict calls above were at the fit batch: traced and tuned.
     pred = _alternate(models, predict_rounds, lambda m, cb: m.predict(
-        xs, batch_size=b, verbose=0, callbacks=[cb]))
+        xs, batch_size=b, verbose=0, callbacks=[cb]), more, ROUNDS_BUDGET_S)
     fit_o, fit_f = statistics.median(times["original"]), statistics.median(times["optimized"])
     pr_o, pr_f = statistics.median(pred["original"]), statistics.median(pred["optimized"])
     extra = {}
@@ -446,13 +476,15 @@ def measure(shape: dict, rounds: int, steps: int, predict_rounds: int | None = N
         fit_c = statistics.median(times["control"])
         extra = dict(control_fit_ms=1e3 * fit_c, control_fit_speedup=fit_o / fit_c)
     if 4 * x[:1].nbytes * b <= PREDICT_4X_BYTES:
-        extra.update(_predict_4x(models, x, b, predict_rounds))
+        extra.update(_predict_4x(models, x, b, predict_rounds, more))
     else:
         extra["predict_4x_skipped"] = f"a batch of {4 * b} is over {PREDICT_4X_BYTES >> 20} MiB on the host"
     loop_steps = LOOP_STEPS if rounds_for(sizing, 2) > 1 else LOPSIDED_LOOP_STEPS
-    loop = custom_loop(models, x, y, steps=loop_steps)
+    loop = custom_loop(models, x, y, steps=loop_steps,
+                       max_steps=LOOP_MAX_STEPS if more else 0,
+                       budget_s=ROUNDS_BUDGET_S)
     if loop is not None:
-        extra.update(loop_speedup=_ratio(loop, skip_first=True), loop_steps=loop_steps,
+        extra.update(loop_speedup=_ratio(loop, skip_first=True), loop_steps=len(loop["original"]) - 1,
                      loop_first_s={name: t[0] for name, t in loop.items()},
                      loop_ms={name: 1e3 * statistics.median(t[1:]) for name, t in loop.items()})
     extra.update(
@@ -468,8 +500,8 @@ def measure(shape: dict, rounds: int, steps: int, predict_rounds: int | None = N
         predict_speedup=pr_o / pr_f,
         first_fit_s=first_fit_s,
         steps_per_round=steps,
-        rounds=rounds,
-        predict_rounds=predict_rounds,
+        rounds=len(times["original"]),
+        predict_rounds=len(pred["original"]),
         tuning_s=_tuning_seconds(fast),
         fit_tuning_s=fit_tuning_s,
         jit_original=bool(model.jit_compile),
@@ -484,7 +516,7 @@ def measure(shape: dict, rounds: int, steps: int, predict_rounds: int | None = N
     )
 
 
-def _predict_4x(models, x, batch: int, rounds: int) -> dict:
+def _predict_4x(models, x, batch: int, rounds: int, max_rounds: int = 0) -> dict:
     """`predict` at 4x the fit batch: its first call (the new bucket's
     tuning, traces) timed apart, then `rounds` rounds of per-step medians."""
     big = np.concatenate([x] * 4)
@@ -495,7 +527,7 @@ def _predict_4x(models, x, batch: int, rounds: int) -> dict:
         first[name] = time.perf_counter() - start
     xs = np.concatenate([big] * 3)  # 3 steps a round: two gaps between batch ends
     times = _alternate(models, rounds, lambda m, cb: m.predict(
-        xs, batch_size=4 * batch, verbose=0, callbacks=[cb]))
+        xs, batch_size=4 * batch, verbose=0, callbacks=[cb]), max_rounds, ROUNDS_BUDGET_S)
     return dict(
         predict_4x_ms={name: 1e3 * statistics.median(t) for name, t in times.items()},
         predict_4x_speedup=_ratio(times),
