@@ -368,28 +368,29 @@ def test_no_xla_note_where_no_fused_kernel_runs():
 
 @pytest.fixture
 def gradient_calls(monkeypatch):
-    """A 2-layer LSTM group and the (dtype, shape) of every input the
-    backend's `gradients` sees."""
+    """A 2-layer LSTM group, the (dtype, shape) of every input the backend's
+    `gradients_of` sees, and how many `gradients_of` calls (programs) were made."""
     from rnnfuse.backends import get_backend
 
     model = stack_model("lstm", 2, units=4, steps=5)
     (group,) = rnnfuse.analyze(model).groups
     backend = type(get_backend())
-    calls = []
-    real = backend.gradients
+    calls, programs = [], []
+    real = backend.gradients_of
 
-    def recording(self, run, x, variables, training=False):
-        calls.append((keras.backend.standardize_dtype(x.dtype), tuple(x.shape)))
-        return real(self, run, x, variables, training=training)
+    def recording(self, batch, variables):
+        programs.append(len(batch))
+        calls.extend((keras.backend.standardize_dtype(x.dtype), tuple(x.shape)) for _, x, _ in batch)
+        return real(self, batch, variables)
 
-    monkeypatch.setattr(backend, "gradients", recording)
-    return group, calls
+    monkeypatch.setattr(backend, "gradients_of", recording)
+    return group, calls, programs
 
 
 def test_the_float64_reference_is_computed_once_for_all_candidates(emulated_cudnn, gradient_calls):
     from rnnfuse.plan import FUSED, Plan
 
-    group, calls = gradient_calls
+    group, calls, programs = gradient_calls
     check = tuner.GradientCheck()
     shape = (3, 5, group.input_size)
     errors = [check(group, plan, shape, "float32") for plan in (FUSED, Plan((1, 1)))]
@@ -399,8 +400,45 @@ def test_the_float64_reference_is_computed_once_for_all_candidates(emulated_cudn
     assert all(0 <= e < 1e-4 for e in errors), errors
 
 
+def test_a_plan_its_default_twin_and_the_reference_share_one_program(emulated_cudnn, gradient_calls):
+    from rnnfuse.plan import Plan
+
+    group, calls, programs = gradient_calls
+    check = tuner.GradientCheck()
+    shape = (3, 5, group.input_size)
+    plan = Plan((2,), "persistent_static+tc")
+    error = check(group, plan, shape, "float32")
+    assert programs == [3], programs  # reference, plan, twin: one program
+    assert [d for d, _ in calls] == ["float64", "float32", "float32"]
+    # The twin's error is known: asking for it makes no new program, and it
+    # is what the twin checked alone reads.
+    twin = check(group, Plan((2,)), shape, "float32")
+    assert programs == [3]
+    alone = tuner.GradientCheck()(group, Plan((2,)), shape, "float32")
+    assert twin == pytest.approx(alone, abs=1e-12) and error >= 0.0
+
+
+def test_a_failing_shared_program_is_redone_one_call_at_a_time(emulated_cudnn, gradient_calls, monkeypatch):
+    from rnnfuse.backends import get_backend
+    from rnnfuse.plan import Plan
+
+    group, calls, programs = gradient_calls
+    backend = type(get_backend())
+    recording = backend.gradients_of
+
+    def fails_when_shared(self, batch, variables):
+        if len(batch) > 1:
+            raise RuntimeError("one of them failed")
+        return recording(self, batch, variables)
+
+    monkeypatch.setattr(backend, "gradients_of", fails_when_shared)
+    check = tuner.GradientCheck()
+    check(group, Plan((2,), "persistent_static+tc"), (3, 5, group.input_size), "float32")
+    assert programs == [1, 1], programs  # the reference, then the plan alone
+
+
 def test_the_gradient_check_runs_on_the_first_check_steps_of_a_long_batch(gradient_calls):
-    group, calls = gradient_calls
+    group, calls, programs = gradient_calls
     steps = tuner.CHECK_STEPS + 36
     tuner.GradientCheck()(group, rnnfuse.FUSED, (3, steps, group.input_size), "float32")
     assert calls and all(shape == (3, tuner.CHECK_STEPS, group.input_size) for _, shape in calls), calls

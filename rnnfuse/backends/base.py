@@ -395,6 +395,12 @@ class Backend(abc.ABC):
         """d(sum of squared outputs of `run(x, training)`)/d(variables),
         float64 NumPy arrays (the tuner's gradient check)."""
 
+    def gradients_of(self, calls: Sequence[tuple], variables: Sequence[Any]) -> list[list]:
+        """`gradients` of each (run, x, training) of `calls`, in order; a
+        backend that compiles may take them all in one program (TensorFlow:
+        one trace and one graph set-up). Default: one `gradients` each."""
+        return [self.gradients(run, x, variables, training=training) for run, x, training in calls]
+
     @abc.abstractmethod
     def timing_context(self) -> Any:
         """A context manager under which the tuner can build, run and time

@@ -277,20 +277,28 @@ def _group_variables(group: FusionGroup) -> list:
     return [w for v in group.views for w in v.layer.trainable_weights]
 
 
-def gradient_error(group: FusionGroup, plan: Plan, x, reference) -> float:
-    """Max relative difference of `plan`'s gradients from `reference`, a
-    list of float64 gradients (`GradientCheck` computes them). Gradients
-    come from the backend (`Backend.gradients`), through an inference call,
-    except for a plan on a kernel besides cuDNN: its training calls run its
-    own backward (the wavefront kernel's training ops), which only a
-    training call reaches on TensorFlow, so that is what is checked. (An
-    inference call keeps cuDNN algorithms' checks free of dropout; the
-    wavefront kernel refuses groups with dropout.)
+def gradient_error(got: list, reference: list) -> float:
+    """Max relative difference of a plan's gradients `got` from `reference`
+    (float64 NumPy arrays, in the same order), relative to the reference's
+    largest magnitude.
+
+    >>> import numpy as np
+    >>> round(gradient_error([np.array([1.0, 2.1])], [np.array([1.0, 2.0])]), 3)
+    0.05
     """
-    got = get_backend().gradients(_runner(group, plan), x, _group_variables(group),
-                                  training=plan.inference_only)
     scale = max(float(np.max(np.abs(r))) for r in reference) or 1.0
     return max(float(np.max(np.abs(g - r))) for g, r in zip(got, reference)) / scale
+
+
+def _gradient_call(group: FusionGroup, plan: Plan, x) -> tuple:
+    """(run, x, training) whose gradients are `plan`'s for the check
+    (`Backend.gradients_of`). Through an inference call, except for a plan
+    on a kernel besides cuDNN: its training calls run its own backward (the
+    wavefront kernel's training ops), which only a training call reaches on
+    TensorFlow, so that is what is checked. (An inference call keeps cuDNN
+    algorithms' checks free of dropout; the wavefront kernel refuses groups
+    with dropout.)"""
+    return _runner(group, plan), x, plan.inference_only
 
 
 def tune_plans(
@@ -852,21 +860,48 @@ class GradientCheck:
     """`check_gradients` for `tune_plans`: a plan's gradient error against
     the whole run fused in float64, with that reference computed once per
     (group, shape, dtype) and reused for every candidate checked. The batch
-    is the real one cut to its first CHECK_STEPS steps."""
+    is the real one cut to its first CHECK_STEPS steps.
+
+    The first check of a (group, shape, dtype) computes the reference, the
+    plan's gradients and, for a plan besides cuDNN's default algorithm, its
+    default-algorithm twin's (which `_fastest_with_sound_gradients` asks for
+    next) in one `Backend.gradients_of` call: on TensorFlow one trace and
+    one graph set-up instead of three (about half a second each on the
+    H200). Where that call fails, each is computed on its own, so an error
+    is the plan's that raised it (a refusal, or a bug to raise)."""
 
     def __init__(self):
         self._references: dict = {}
+        self._errors: dict = {}
 
     def __call__(self, group, plan, shape, dtype) -> float:
         shape = (shape[0], min(int(shape[1]), CHECK_STEPS), *shape[2:])
-        x = _input_batch(shape, dtype, seed=1)
         key = (tuple(group.layers), tuple(shape), str(dtype))
+        if (key, plan.name) in self._errors:
+            return self._errors[(key, plan.name)]
+        x = _input_batch(shape, dtype, seed=1)
+        # The twin `_fastest_with_sound_gradients` compares a plan on another
+        # algorithm or kernel with.
+        twin = Plan(plan.pieces) if plan.algorithm or plan.inference_only else None
+        plans = [plan] + ([twin] if twin is not None and (key, twin.name) not in self._errors else [])
+        calls = [_gradient_call(group, p, x) for p in plans]
         if key not in self._references:
             reference = _runner(group, Plan((len(group.layers),)), dtype="float64")
-            self._references[key] = get_backend().gradients(
-                reference, keras.ops.cast(x, "float64"), _group_variables(group)
-            )
-        return gradient_error(group, plan, x, self._references[key])
+            calls.insert(0, (reference, keras.ops.cast(x, "float64"), False))
+        variables = _group_variables(group)
+        backend = get_backend()
+        try:
+            grads = backend.gradients_of(calls, variables)
+        except Exception:  # noqa: BLE001 - re-raised below by the call that fails alone
+            grads = None
+        if grads is None:
+            grads = [backend.gradients_of([c], variables)[0] for c in calls[: len(calls) - len(plans) + 1]]
+            plans = plans[:1]
+        if key not in self._references:
+            self._references[key] = grads.pop(0)
+        for p, got in zip(plans, grads):
+            self._errors[(key, p.name)] = gradient_error(got, self._references[key])
+        return self._errors[(key, plan.name)]
 
 
 class _progress:

@@ -110,20 +110,28 @@ class TensorFlowBackend(KernelModuleBackend):
         return tf.init_scope()
 
     def gradients(self, run, x, variables: Sequence[Any], training=False):
-        # In a graph of its own (`kernels.graph_gradients`: no tape, so it
-        # also holds inside a user's traced step, where tapes are stopped).
-        variables = list(variables)
+        return self.gradients_of([(run, x, training)], variables)[0]
+
+    def gradients_of(self, calls, variables):
+        # One graph for all of them (one trace, one graph set-up), of its
+        # own (`kernels.graph_gradients`: no tape, so it also holds inside a
+        # user's traced step, where tapes are stopped).
+        variables, calls = list(variables), list(calls)
 
         @tf.function
-        def gradients(x):
-            y = run(x, training)
-            loss = tf.add_n(
-                [tf.reduce_sum(tf.cast(t, tf.float64) ** 2) for t in keras.tree.flatten(y)]
-            )
-            return [tf.cast(tf.convert_to_tensor(g), tf.float64)
-                    for g in kernels.graph_gradients(loss, variables)]
+        def gradients(*xs):
+            out = []
+            for (run, _, training), x in zip(calls, xs):
+                y = run(x, training)
+                loss = tf.add_n(
+                    [tf.reduce_sum(tf.cast(t, tf.float64) ** 2) for t in keras.tree.flatten(y)]
+                )
+                out.append([tf.cast(tf.convert_to_tensor(g), tf.float64)
+                            for g in kernels.graph_gradients(loss, variables)])
+            return out
 
-        return [g.numpy() for g in gradients(tf.convert_to_tensor(x))]
+        got = gradients(*[tf.convert_to_tensor(x) for _, x, _ in calls])
+        return [[g.numpy() for g in grads] for grads in got]
 
 
 class TensorFlowTooling(Tooling):
