@@ -9,6 +9,7 @@
 #
 #   bash tools/gpu/batch.sh tf-setup tf-build tf-tests tf-distribute
 #   STAGE_S_tf_view=300 bash tools/gpu/batch.sh tf-view tf-single
+#   DIAG_ARGS="--cells 19 --compare 2" bash tools/gpu/batch.sh tf-diag
 #   bash tools/gpu/batch.sh torch-tests torch-ddp torch-view
 #   bash tools/gpu/batch.sh wavefront-check torch-tests
 #   bash tools/gpu/batch.sh wavefront-variants   # the kernels' opt-in variants
@@ -85,6 +86,14 @@ run_stage() {
       cp $LOGS/user_view_${backend}_h200${BENCH_TAG}.json $OUT/ 2>/dev/null
       echo "[$(since) s] $stage rc $rc"
       summary $stage "x predict|fit .*x|custom|whole|ERROR|cells|geomean|below|overhead|min " 40 ;;
+    tf-diag)
+      # DIAG_ARGS: bench/diag_tuning_cost.py's arguments (e.g. --cells 19 --compare 2).
+      s=$(limit tf-diag 200)
+      ( tf_env; timeout $s python3 bench/diag_tuning_cost.py ${DIAG_ARGS:---cells 15} \
+          --out $LOGS/tuning_cost_tf_h200${BENCH_TAG}.json ) > $log 2>&1; rc=$?
+      cp $LOGS/tuning_cost_tf_h200${BENCH_TAG}.json $OUT/ 2>/dev/null
+      echo "[$(since) s] tf-diag rc $rc"
+      summary tf-diag "^cell|^    |Error" 40 ;;
     tf-single|torch-single)
       s=$(limit $stage 200)
       local backend=${stage%-single}
