@@ -476,7 +476,12 @@ def measure(shape: dict, rounds: int, steps: int, predict_rounds: int | None = N
         fit_c = statistics.median(times["control"])
         extra = dict(control_fit_ms=1e3 * fit_c, control_fit_speedup=fit_o / fit_c)
     if 4 * x[:1].nbytes * b <= PREDICT_4X_BYTES:
-        extra.update(_predict_4x(models, x, b, predict_rounds, more))
+        # Sized like a fit round: a step at 4x takes at most 4x one at the fit
+        # batch; 3 steps (two gaps) a round read 0.90-1.06x on the same kernels.
+        # (At most 1 GiB of host arrays.)
+        most_4x = max(3, min(steps, 4 * PREDICT_4X_BYTES // max(1, 4 * x.nbytes)))
+        steps_4x = steps_for(4 * max(pr_o, pr_f), most_4x)
+        extra.update(_predict_4x(models, x, b, predict_rounds, more, steps_4x))
     else:
         extra["predict_4x_skipped"] = f"a batch of {4 * b} is over {PREDICT_4X_BYTES >> 20} MiB on the host"
     loop_steps = LOOP_STEPS if rounds_for(sizing, 2) > 1 else LOPSIDED_LOOP_STEPS
@@ -516,22 +521,27 @@ def measure(shape: dict, rounds: int, steps: int, predict_rounds: int | None = N
     )
 
 
-def _predict_4x(models, x, batch: int, rounds: int, max_rounds: int = 0) -> dict:
+def _predict_4x(models, x, batch: int, rounds: int, max_rounds: int = 0, steps: int = 3) -> dict:
     """`predict` at 4x the fit batch: its first call (the new bucket's
-    tuning, traces) timed apart, then `rounds` rounds of per-step medians."""
+    tuning, traces) timed apart, then `rounds` rounds (more within the
+    budget, up to `max_rounds`) of per-step medians over `steps` steps (at
+    least 3: two gaps between batch ends; `measure` sizes them from the
+    fit batch's predict step, as a fit round is sized)."""
     big = np.concatenate([x] * 4)
     first = {}
     for name, m in models:
         start = time.perf_counter()
         m.predict(big, batch_size=4 * batch, verbose=0)
         first[name] = time.perf_counter() - start
-    xs = np.concatenate([big] * 3)  # 3 steps a round: two gaps between batch ends
+    xs = np.concatenate([big] * max(3, steps))
     times = _alternate(models, rounds, lambda m, cb: m.predict(
         xs, batch_size=4 * batch, verbose=0, callbacks=[cb]), max_rounds, ROUNDS_BUDGET_S)
     return dict(
         predict_4x_ms={name: 1e3 * statistics.median(t) for name, t in times.items()},
         predict_4x_speedup=_ratio(times),
         predict_4x_first_s=first,
+        predict_4x_steps=max(3, steps),
+        predict_4x_rounds=len(times["original"]),
         plans_predict_4x=_plans(dict(models)["optimized"]),
     )
 

@@ -40,6 +40,8 @@ def test_rounds_are_sized_from_the_step_not_from_a_whole_fit_call(monkeypatch):
     lengths = {len(v) for v in row["raw"]["predict"].values()}
     assert len(lengths) == 1 and 2 <= lengths.pop() <= bench_user_view.MAX_ROUNDS
     assert row["predict_rounds"] == len(row["raw"]["predict"]["original"])
+    # predict at 4x is sized the same way (it had 3 steps a round, two gaps)
+    assert row["predict_4x_steps"] > 3 and row["predict_4x_rounds"] >= 2, row
     assert row["fit_speedup"] == pytest.approx(row["fit_ms"]["original"] / row["fit_ms"]["optimized"])
 
 
