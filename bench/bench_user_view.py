@@ -35,8 +35,12 @@ likewise. The steps in a round are sized from one timed step so a round
 lasts about ROUND_S seconds (3 to --steps steps); a cell where one model is
 slow and over 10x slower than the other gets one round (`rounds_for`).
 `predict` gets its own, smaller, round count (`--predict-rounds`), at the
-fit batch size and at 4x it (`predict_4x_speedup`; its first call times the
-new batch bucket, reported as `predict_4x_first_s`). Last, a custom
+fit batch size and at 4x it (`predict_4x_speedup`, its rounds sized from
+the fit batch's predict step; its first call times the new batch bucket,
+reported as `predict_4x_first_s`). Each of these entry points goes on past
+its round count, up to MAX_ROUNDS, while its rounds have taken under
+ROUNDS_BUDGET_S (the custom loop likewise, up to LOOP_MAX_STEPS): the count
+is set by the clock, never by the readings. Last, a custom
 training loop (`custom_loop`: a `tf.function` GradientTape step on
 TensorFlow, a plain torch loop of forward, backward and optimizer step)
 runs LOOP_STEPS steps per model in alternating blocks (LOPSIDED_LOOP_STEPS
