@@ -460,8 +460,10 @@ def measure(shape: dict, rounds: int, steps: int, predict_rounds: int | None = N
     one = max(sizing.values())
     predict_rounds = rounds_for(sizing, predict_rounds or rounds)
     rounds = rounds_for(sizing, rounds)
-    # More rounds within the clock's budget, except in a lopsided cell (one round).
-    more = MAX_ROUNDS if rounds_for(sizing, 2) > 1 else 0
+    # More rounds within the clock's budget, except in a lopsided cell (one
+    # round, and a short custom loop).
+    lopsided = rounds_for(sizing, 2) == 1
+    more = 0 if lopsided else MAX_ROUNDS
     # At least 3 steps a round: a step is the gap between two batch ends.
     steps = max(3, steps_for(one, steps))
     xs, ys = np.concatenate([x] * steps), np.concatenate([y] * steps)
@@ -488,9 +490,9 @@ def measure(shape: dict, rounds: int, steps: int, predict_rounds: int | None = N
         extra.update(_predict_4x(models, x, b, predict_rounds, more, steps_4x))
     else:
         extra["predict_4x_skipped"] = f"a batch of {4 * b} is over {PREDICT_4X_BYTES >> 20} MiB on the host"
-    loop_steps = LOOP_STEPS if rounds_for(sizing, 2) > 1 else LOPSIDED_LOOP_STEPS
+    loop_steps = LOPSIDED_LOOP_STEPS if lopsided else LOOP_STEPS
     loop = custom_loop(models, x, y, steps=loop_steps,
-                       max_steps=LOOP_MAX_STEPS if more else 0,
+                       max_steps=0 if lopsided else LOOP_MAX_STEPS,
                        budget_s=ROUNDS_BUDGET_S)
     if loop is not None:
         extra.update(loop_speedup=_ratio(loop, skip_first=True), loop_steps=len(loop["original"]) - 1,

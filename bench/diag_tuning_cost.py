@@ -110,12 +110,9 @@ class Recorder:
                 if not rec.serial:  # --serial: untraceable, so traced in its first call
                     call.trace = rec._timed_trace(name, trace)
                 wrapped[name] = call
-            traced = rec._traced
             kept, refused = first_calls(wrapped, plans, calls)
             for name, took in calls.items():
                 rec.candidates.setdefault(name, {})["first_call_s"] = took
-            if rec.serial:
-                rec.phases["serial_trace_s"] = rec.phases.get("serial_trace_s", 0.0) + rec._traced - traced
             if seconds is not None:
                 seconds.update(calls)
             rec.phases["first_calls_s"] += time.perf_counter() - start
