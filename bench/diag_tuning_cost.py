@@ -22,6 +22,7 @@ is made of on the H200; the timings and choices mean nothing.
     python bench/diag_tuning_cost.py --cells 15,A1 --out $OUT/tuning_cost.json
     python bench/diag_tuning_cost.py --quick --out /tmp/t.json   # tiny, any machine
     python bench/diag_tuning_cost.py --cells 19 --compare 2 --out $OUT/pipelined.json
+    python bench/diag_tuning_cost.py --cells 15 --compare 3 --arms full,cut --out $OUT/cut.json
     python bench/diag_tuning_cost.py --quick --emulate --cells 3 --out /tmp/t.json
     python bench/diag_tuning_cost.py --table bench/results/tuning_cost_tf_h200_s6.json
 """
@@ -59,8 +60,8 @@ class Recorder:
     tf.functions), the first calls (traces included), the timed calls and
     the gradient check; `traces` counts the step traces."""
 
-    def __init__(self, serial: bool = False):
-        self.serial = serial
+    def __init__(self, serial: bool = False, full: bool = False):
+        self.serial, self.full = serial, full
         self.candidates: dict[str, dict] = {}
         self.phases = {"build_s": 0.0, "first_calls_s": 0.0, "timing_s": 0.0,
                        "gradient_check_s": 0.0, "trace_s": 0.0, "traces": 0}
@@ -119,6 +120,8 @@ class Recorder:
             return {n: steps[n] for n in kept}, refused
 
         def timed_medians(steps, **kwargs):
+            if rec.full:  # session 15's timing: a warm-up call, no margin race
+                kwargs = {k: v for k, v in kwargs.items() if k != "beat"} | {"warmup": 1}
             start = time.perf_counter()
             stats = medians(steps, **kwargs)
             rec.phases["timing_s"] += time.perf_counter() - start
@@ -199,13 +202,15 @@ def emulate_gpu_on_cpu() -> None:
     tf_backend.device_environment = lambda: {**environment(), "device": "EmulatedGPU"}
 
 
-def _tune(fast, run, profile: bool, serial: bool = False) -> dict:
+def _tune(fast, run, profile: bool, serial: bool = False, full: bool = False) -> dict:
     """Runs `run()` (a first fit or predict) with its tuning recorded
     (`serial`: each step traced in its first call, one after another, as
-    before the first calls were pipelined)."""
+    before the first calls were pipelined; `full`: timed as in session 15,
+    a warm-up call after each first call and no race against the original
+    layers' margin)."""
     before = _tuning_seconds(fast)
     profiler = cProfile.Profile() if profile else None
-    with Recorder(serial) as rec:
+    with Recorder(serial, full) as rec:
         if profiler:
             profiler.enable()
         start = time.perf_counter()
@@ -223,36 +228,47 @@ def _tune(fast, run, profile: bool, serial: bool = False) -> dict:
     if profiler:
         text = io.StringIO()
         pstats.Stats(profiler, stream=text).sort_stats("cumulative").print_stats(30)
+        pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(30)
         out["profile"] = text.getvalue()
     return out
 
 
-def measure(shape: dict, profile: bool, serial: bool = False) -> dict:
+def measure(shape: dict, profile: bool, serial: bool = False, full: bool = False) -> dict:
     model = build(shape)
     x, y = data(shape, np.random.default_rng(0))
     fast = rnnfuse.optimize(model, cache=False)  # what a new user's first calls pay
     fast.compile(optimizer="adam", loss="mse")
     b = shape["batch"]
-    fit = _tune(fast, lambda: fast.fit(x, y, batch_size=b, epochs=1, verbose=0), profile, serial)
-    predict = _tune(fast, lambda: fast.predict(x, batch_size=b, verbose=0), profile, serial)
-    return dict(shape=shape, fit=fit, predict=predict, serial=serial,
+    fit = _tune(fast, lambda: fast.fit(x, y, batch_size=b, epochs=1, verbose=0), profile, serial,
+                full)
+    predict = _tune(fast, lambda: fast.predict(x, batch_size=b, verbose=0), profile, serial, full)
+    return dict(shape=shape, fit=fit, predict=predict, serial=serial, full=full,
                 decisions=rnnfuse.tuning.first_batch.decisions(fast))
 
 
-def compare(shape: dict, pairs: int) -> dict:
-    """Pipelined against serial first calls on one cell, in one process:
-    a warm-up run (the process's one-time set-up), then `pairs` pairs in
-    alternating order (S P, P S, ...); medians of the tuning seconds."""
+# --compare's arms: name -> measure()'s keyword arguments.
+ARMS = {
+    "serial": {"serial": True}, "pipelined": {},  # session 15: first calls pipelined
+    "full": {"full": True}, "cut": {},  # session 16: no warm-up call, the margin race
+}
+
+
+def compare(shape: dict, pairs: int, arms: tuple = ("serial", "pipelined")) -> dict:
+    """Two arms of the tuner (`ARMS`) on one cell, in one process: a
+    warm-up run (the process's one-time set-up), then `pairs` pairs in
+    alternating order (A B, B A, ...); medians of the tuning seconds, and
+    each run's decisions (the arms must decide alike)."""
     import statistics
 
     measure(shape, False)
-    runs = {"serial": [], "pipelined": []}
+    runs = {arm: [] for arm in arms}
     for i in range(pairs):
-        for serial in ((True, False) if i % 2 == 0 else (False, True)):
-            row = measure(shape, False, serial)
-            runs["serial" if serial else "pipelined"].append(
+        for arm in (arms if i % 2 == 0 else arms[::-1]):
+            row = measure(shape, False, **ARMS[arm])
+            runs[arm].append(
                 {m: row[m]["tuning_s"] for m in ("fit", "predict")}
-                | {"decisions": [(d["mode"], d["chosen"]) for d in row["decisions"]]})
+                | {"decisions": [(d["mode"], d["chosen"]) for d in row["decisions"]],
+                   "timings_ms": [d["timings_ms"] for d in row["decisions"]]})
     medians = {k: {m: statistics.median(r[m] for r in v) for m in ("fit", "predict")}
                for k, v in runs.items()}
     return dict(shape=shape, runs=runs, medians=medians)
@@ -289,9 +305,15 @@ def main(argv=None) -> int:
     parser.add_argument("--emulate", action="store_true",
                         help="no GPU (TensorFlow): time the GPU's candidates on the CPU, emulated")
     parser.add_argument("--compare", type=int, default=0, metavar="PAIRS",
-                        help="time each cell's tuning PAIRS times with serial and pipelined first calls")
+                        help="time each cell's tuning PAIRS times in each of --arms")
+    parser.add_argument("--arms", default="serial,pipelined",
+                        help=f"--compare's two arms, of {', '.join(ARMS)} (serial,pipelined: "
+                             "session 15's first calls; full,cut: session 16's timing)")
     parser.add_argument("--out")
     args = parser.parse_args(argv)
+    arms = tuple(args.arms.split(","))
+    if len(arms) != 2 or not set(arms) <= set(ARMS):
+        parser.error(f"--arms takes two of {', '.join(ARMS)}, comma-separated; received {args.arms!r}")
     if args.emulate:
         emulate_gpu_on_cpu()
     if args.table:
@@ -306,7 +328,7 @@ def main(argv=None) -> int:
         if args.quick:
             shape = dict(shape, units=32, batch=4, steps=10)  # the layer count kept
         if args.compare:
-            rows.append(dict(cell=cell, backend=keras.backend.backend(), **compare(shape, args.compare)))
+            rows.append(dict(cell=cell, backend=keras.backend.backend(), **compare(shape, args.compare, arms)))
             print(f"cell {cell} tuning s, medians of {args.compare}: {rows[-1]['medians']}")
             with open(args.out, "w") as f:
                 json.dump(rows, f, indent=1)

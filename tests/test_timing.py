@@ -164,3 +164,85 @@ def test_a_kept_step_is_not_raced_but_still_pruned(clock):
     slow = {"fast": clock.step(0.001, calls, "fast"), "base": clock.step(0.002, calls, "base")}
     out = interleaved_medians(slow, warmup=1, repeats=7, prune=1.5, race=1.2, keep=("base",))
     assert out["base"]["pruned"] and len(out["base"]["times"]) < 7
+
+
+def test_without_a_warmup_the_first_round_prunes_as_the_warmup_did(clock):
+    """warmup=0 (the tuner on TensorFlow, whose first call already ran the
+    step): a step 3x slower than the best in the first timed round stops
+    there, as its warm-up call would have stopped it; one 2x slower runs a
+    second round before PRUNE stops it."""
+    calls = []
+    steps = {"fast": clock.step(0.001, calls, "fast"), "twice": clock.step(0.002, calls, "twice"),
+             "thrice": clock.step(0.003, calls, "thrice")}
+    out = interleaved_medians(steps, warmup=0, repeats=7, prune=1.5, race=1.2)
+    assert calls.count("thrice") == 1 and out["thrice"]["pruned"]
+    assert calls.count("twice") == 2 and out["twice"]["pruned"]
+    assert out["thrice"]["median"] == pytest.approx(0.003)
+
+
+def test_beat_stops_a_step_that_cannot_beat_the_baseline_by_the_margin(clock):
+    """`beat` (0.9, with `keep`): a step 5% faster than the kept baseline
+    cannot beat it by 10%; it stops after three rounds, and the race ends
+    with the baseline alone. A step 15% faster runs every round, and so
+    does the baseline."""
+    calls = []
+    steps = {"base": clock.step(0.001, calls, "base"), "close": clock.step(0.00095, calls, "close")}
+    out = interleaved_medians(steps, warmup=0, repeats=7, prune=1.5, race=1.2, keep=("base",),
+                              beat=0.9)
+    assert out["close"]["pruned"] and not out["base"]["pruned"]
+    assert calls.count("close") == 3 and calls.count("base") == 3
+    calls = []
+    steps = {"base": clock.step(0.001, calls, "base"), "winner": clock.step(0.00085, calls, "winner"),
+             "close": clock.step(0.00095, calls, "close")}
+    out = interleaved_medians(steps, warmup=0, repeats=7, prune=1.5, race=1.2, keep=("base",),
+                              beat=0.9)
+    assert calls.count("winner") == 7 and calls.count("base") == 7 and calls.count("close") == 3
+    assert not out["winner"]["pruned"] and out["close"]["pruned"]
+
+
+def test_beat_needs_prune_and_a_baseline():
+    with pytest.raises(ValueError, match=r"beat must be in \(0, 1\] with prune and keep set"):
+        interleaved_medians({"a": lambda: 1}, prune=1.5, beat=0.9)
+    with pytest.raises(ValueError, match=r"beat must be in \(0, 1\].*received beat=1.1"):
+        interleaved_medians({"a": lambda: 1}, prune=1.5, keep=("a",), beat=1.1)
+
+
+def _decision(stats: dict, base: str = "base", margin: float = 0.9) -> str:
+    """The tuner's rule: the fastest other step, if it beats `base` by the
+    margin, else `base`."""
+    best = min((n for n in stats if n != base), key=lambda n: stats[n]["median"])
+    return best if stats[best]["median"] < margin * stats[base]["median"] else base
+
+
+def test_the_cut_timing_decides_what_full_timing_decides(clock):
+    """No warm-up call, the first round pruning, the race and `beat`
+    together choose what seven full rounds after a warm-up choose: over 300
+    drawn sessions (a baseline and four candidates 0.6-1.4x of it, per-call
+    noise up to 8%), wherever the decision is clear beyond the noise (the
+    best candidate 17% from the margin's line and from the runner-up), and
+    they never stop the truly fastest step where it is the baseline or
+    clearly beats it. (A candidate that cannot beat the baseline by the
+    margin is stopped even where it is the fastest: the baseline is kept.)"""
+    rng = np.random.default_rng(11)
+    agree = clear = 0
+    for _ in range(300):
+        base = 1e-3
+        means = dict(zip(["base", "c0", "c1", "c2", "c3"],
+                         [base, *(rng.uniform(0.6, 1.4, size=4) * base)]))
+        noise = {n: rng.uniform(-0.08, 0.08, size=16) for n in means}
+        results = []
+        for kwargs in ({"warmup": 1}, {"warmup": 0, "prune": 1.5, "race": 1.2,
+                                        "keep": ("base",), "beat": 0.9}):
+            calls = []
+            steps = {n: _noisy(clock, calls, n, m, noise[n]) for n, m in means.items()}
+            results.append(interleaved_medians(steps, repeats=7, **kwargs))
+        full, cut = results
+        fastest = min(means, key=means.get)
+        line = 0.9 * base
+        if fastest == "base" or means[fastest] < line / 1.17:
+            assert not cut[fastest]["pruned"]
+        ranked = sorted(m for n, m in means.items() if n != "base")
+        if not 1 / 1.17 < ranked[0] / line < 1.17 and ranked[1] > ranked[0] * 1.17:
+            clear += 1
+            agree += _decision(full) == _decision(cut)
+    assert clear > 100 and agree == clear

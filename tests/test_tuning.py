@@ -488,7 +488,9 @@ def test_every_step_is_called_once_before_it_is_timed():
 
 def test_the_default_timer_races_the_candidates(monkeypatch):
     """Without a `measure`, candidates are timed by interleaved_medians with
-    pruning on, after each step's untimed first call."""
+    pruning on, after each step's untimed first call: no warm-up call where
+    that first call compiled and ran the step (TensorFlow), and a plan that
+    cannot beat the original layers by the margin stops early."""
     from rnnfuse.tuning import tuner
 
     (group,) = _groups(stack_model("gru", 2))
@@ -501,7 +503,8 @@ def test_the_default_timer_races_the_candidates(monkeypatch):
     monkeypatch.setattr(tuner, "interleaved_medians", fake_medians)
     monkeypatch.setattr(tuner, "_steps", lambda group, plans, *a, **k: {p.name: (lambda: 1.0) for p in plans})
     (result,) = tune_plans([group], lambda g: (8, 20, g.input_size), environment=ENV, progress=False)
-    assert seen["prune"] == tuner.PRUNE > 1 and seen["warmup"] == 1
+    assert seen["prune"] == tuner.PRUNE > 1 and seen["warmup"] == 0
+    assert seen["keep"] == ("per-layer",) and seen["beat"] == 1 - tuner.KEEP_ORIGINAL_MARGIN
     assert result.plan.name == "fused"
 
 

@@ -9,15 +9,20 @@ A step must return something whose conversion to NumPy waits for the device
 
 With `prune`, a race: a candidate that is clearly slower than the best one
 stops being run; its times so far stay in the result. "Clearly": its last
-warm-up call took over `prune`**2 times the best one's, or, after each timed
-round from the second on, its fastest call took over `prune` times the best
-median, or (with `race`, a smaller factor) after each round from the third
-on, its fastest call took over `race` times the best median. A race ends
+warm-up call, or its call in the first round, took over `prune`**2 times
+the best one's, or, after each timed round from the second on, its fastest
+call took over `prune` times the best median, or (with `race`, a smaller
+factor) after each round from the third on, its fastest call took over
+`race` times the best median, or (with `beat`, against the steps named in
+`keep`, the baseline) after each round from the third on, its fastest call
+took over `beat` times the baseline's median: it cannot beat the baseline
+by the margin a decision against it needs. A race ends
 early when one candidate is left (from the second round on): its median is
 then taken over the rounds it ran, and no other candidate is in contention.
 Tuning uses this so a kernel ten times slower than the winner costs two
-calls, not seven, a candidate 20% behind stops after three rounds, and the
-candidates that are close are all timed every round.
+calls, not seven, a candidate 20% behind stops after three rounds, a
+candidate that cannot beat the original layers by the tuner's margin stops
+after three, and the candidates that are close are all timed every round.
 
 Example:
 
@@ -59,6 +64,7 @@ def interleaved_medians(
     prune: float | None = None,
     race: float | None = None,
     keep: tuple = (),
+    beat: float | None = None,
 ) -> dict[str, dict]:
     """Times each step `repeats` times, interleaved, after `warmup` calls.
 
@@ -68,7 +74,11 @@ def interleaved_medians(
     tighter factor applied from the third round on, to every step but those
     named in `keep` (the tuner's baseline, the original layers: a decision
     against them needs their median over every round, and a launch-bound
-    step's calls can spread 40% on the H200).
+    step's calls can spread 40% on the H200). `beat` (in (0, 1], with
+    `prune` and `keep`): from the third round on, a step not in `keep` whose
+    fastest call is over `beat` x the best median of the `keep` steps still
+    running stops (the tuner keeps the original layers unless a plan beats
+    them by a margin: 0.9 there).
 
     Returns:
         name -> {"median": seconds, "times": [seconds, ...], "pruned": bool}.
@@ -78,6 +88,11 @@ def interleaved_medians(
     if race is not None and (prune is None or not 1 < race <= prune):
         raise ValueError(
             f"interleaved_medians: race must be in (1, prune] with prune set; received {race!r}"
+        )
+    if beat is not None and (prune is None or not keep or not 0 < beat <= 1):
+        raise ValueError(
+            "interleaved_medians: beat must be in (0, 1] with prune and keep set; received "
+            f"beat={beat!r}, prune={prune!r}, keep={keep!r}"
         )
     names = list(steps)
     last_warmup: dict[str, float] = {}
@@ -101,16 +116,30 @@ def interleaved_medians(
             times[name].append(time.perf_counter() - start)
             if on_step is not None:
                 on_step(name)
-        if prune is not None and r >= 1:
-            pruned |= _clearly_slower({n: times[n] for n in running}, prune)
+        if prune is not None:
+            ran = {n: times[n] for n in running}
+            # One call each: as after the warm-up (the first round may be the
+            # first call timed).
+            pruned |= _clearly_slower(ran, prune**2 if r == 0 else prune)
             if race is not None and r >= 2:
-                raced = _clearly_slower({n: times[n] for n in running}, race)
-                pruned |= raced - set(keep)
+                pruned |= _clearly_slower(ran, race) - set(keep)
+            if beat is not None and r >= 2:
+                pruned |= _not_beating(ran, keep, beat, pruned)
     out = {}
     for n, t in times.items():
         t = t or [last_warmup[n]]
         out[n] = {"median": statistics.median(t), "times": t, "pruned": n in pruned}
     return out
+
+
+def _not_beating(times: Mapping[str, list[float]], keep: tuple, beat: float,
+                 pruned: set) -> set[str]:
+    """The names not in `keep` whose fastest time is over `beat` x the best
+    median of the `keep` steps in `times` and not `pruned` (none: set())."""
+    base = [statistics.median(times[k]) for k in keep if k in times and k not in pruned]
+    if not base:
+        return set()
+    return {n for n, t in times.items() if n not in keep and min(t) > beat * min(base)}
 
 
 def _clearly_slower(times: Mapping[str, list[float]], factor: float) -> set[str]:

@@ -27,11 +27,14 @@
    padded lengths), nor does a batch over `PERSISTENT_MAX_BATCH` of its
    dtype (they never came close there on the H200).
 4. Time the steps side by side (`interleaved_medians`: one more warm-up
-   call, then interleaved rounds, racing: a step more than PRUNE x slower
-   than the best stops being run, from the third round one whose fastest
-   call is RACE x the best median, except the original layers, the
-   baseline, which only PRUNE stops, and the race ends when one step is
-   left), in two stages (`_time_in_stages`): the
+   call where the first call ran eagerly (torch; a TensorFlow step's first
+   call set its graph up and ran it), then interleaved rounds, racing: a
+   step more than PRUNE**2 x slower than the best after its first call
+   timed, or PRUNE x after two, stops being run, from the third round one
+   whose fastest call is RACE x the best median, or over
+   1 - KEEP_ORIGINAL_MARGIN x the original layers' median (it cannot win
+   against them), except the original layers, the baseline, which only
+   PRUNE stops, and the race ends when one step is left), in two stages (`_time_in_stages`): the
    original layers and the whole run on every algorithm first, then the
    split plans only on the algorithms whose whole run came within PRUNE
    of the best, beside that best again (and the original layers, where
@@ -311,7 +314,7 @@ def tune_plans(
     check_gradients: Callable | None = None,
     environment: dict | None = None,
     progress: bool = True,
-    warmup: int = 1,
+    warmup: int | None = None,
     repeats: int = 5,
     jit_baseline: bool = False,
     masked_of: Callable[[FusionGroup], bool] | None = None,
@@ -326,7 +329,13 @@ def tune_plans(
         cache: where decisions are kept (None: no cache).
         measure: {name: step} -> {name: {"median": s}}; default times the
             steps with `interleaved_medians` (`warmup` untimed calls after
-            each step's first, `repeats` rounds, pruned at PRUNE).
+            each step's first, `repeats` rounds, pruned at PRUNE, raced at
+            RACE, and a plan that cannot beat the original layers by
+            KEEP_ORIGINAL_MARGIN stops after three rounds).
+        warmup: None: none where the backend's first call compiles (a
+            TensorFlow step's first call has set its graph up and run it
+            once; the first round's calls are pruned as a warm-up call's
+            would be), one where it runs eagerly (torch).
         check_gradients: (group, plan, x, dtype) -> relative error against
             a float64 reference; default runs it on the device.
         environment: device and versions for the cache key; default reads
@@ -360,9 +369,11 @@ def tune_plans(
         return list(chosen) if chosen is not None else every(group)
 
     eager_first_calls = not get_backend(backend_name).capabilities.first_call_compiles
+    if warmup is None:
+        warmup = 0 if get_backend(backend_name).capabilities.first_call_compiles else 1
     measure = measure or (lambda steps, on_step=None: interleaved_medians(
         steps, warmup=warmup, repeats=repeats, on_step=on_step, prune=PRUNE, race=RACE,
-        keep=(PER_LAYER.name,)))
+        keep=(PER_LAYER.name,), beat=1 - KEEP_ORIGINAL_MARGIN))
     check_gradients = check_gradients or GradientCheck()
     jobs = []
     for group in groups:

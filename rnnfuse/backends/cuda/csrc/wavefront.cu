@@ -123,6 +123,56 @@ __device__ __forceinline__ float fast_tanh(float x) {
   return 1.0f - 2.0f * fast_rcp(1.0f + __expf(2.0f * x));
 }
 
+// The cell's pointwise step for units (col, col + 1) of one batch row, from
+// the gate pre-activations `pre` (LSTM: i, f, g, o; GRU: r, z, n_x, n_h):
+// h, and the LSTM's c (updated in `c` in place; `h_prev` is the GRU's
+// h_{t-1}); in training, what the backward reads at `row` (= (layer * steps
+// + t) * B + batch row): the gates (the GRU's r, z, n and W_hn h + b_hn) in
+// gates_out, and c (the GRU's h_{t-1}) in c_out.
+__device__ __forceinline__ void cell_pointwise(const Args& a, const float (&pre)[4][2], float2* c,
+                                               float2 h_prev, size_t row, int col, int H,
+                                               float (&h)[2], float (&cv)[2]) {
+  float* gp = a.gates_out ? a.gates_out + row * 4 * H + col : nullptr;
+  float2* saved = a.c_out ? reinterpret_cast<float2*>(a.c_out + row * H + col) : nullptr;
+  if (!a.gru) {
+    const float cold[2] = {c->x, c->y};
+    float act[4][2];  // i, f, g, o
+#pragma unroll
+    for (int v = 0; v < 2; ++v) {
+      act[0][v] = sigmoid(pre[0][v]);
+      act[1][v] = sigmoid(pre[1][v]);
+      act[2][v] = fast_tanh(pre[2][v]);
+      act[3][v] = sigmoid(pre[3][v]);
+      cv[v] = act[1][v] * cold[v] + act[0][v] * act[2][v];
+      h[v] = act[3][v] * fast_tanh(cv[v]);
+    }
+    *c = make_float2(cv[0], cv[1]);
+    if (gp) {
+#pragma unroll
+      for (int g = 0; g < 4; ++g)
+        *reinterpret_cast<float2*>(gp + g * H) = make_float2(act[g][0], act[g][1]);
+    }
+    if (saved) *saved = make_float2(cv[0], cv[1]);
+    return;
+  }
+  const float hps[2] = {h_prev.x, h_prev.y};
+  float act[3][2];  // r, z, n
+#pragma unroll
+  for (int v = 0; v < 2; ++v) {
+    act[0][v] = sigmoid(pre[0][v]);
+    act[1][v] = sigmoid(pre[1][v]);
+    act[2][v] = fast_tanh(pre[2][v] + act[0][v] * pre[3][v]);
+    h[v] = (1.0f - act[1][v]) * act[2][v] + act[1][v] * hps[v];
+  }
+  if (gp) {
+#pragma unroll
+    for (int g = 0; g < 3; ++g)
+      *reinterpret_cast<float2*>(gp + g * H) = make_float2(act[g][0], act[g][1]);
+    *reinterpret_cast<float2*>(gp + 3 * H) = make_float2(pre[3][0], pre[3][1]);
+  }
+  if (saved) *saved = h_prev;
+}
+
 // Offset in params of weight (row r, input k) of this CTA, or -1 where the
 // CTA's weight matrix is structurally zero (padding, units past H, the
 // GRU's n_x rows against h and n_h rows against the input).
@@ -377,56 +427,10 @@ __device__ __forceinline__ void wavefront_body(const Args& a) {
             }
           }
           float h[2], cv[2] = {0.0f, 0.0f};
-          if (!a.gru) {
-            float2& cc = *reinterpret_cast<float2*>(cs + nb * U + u);
-            const float cold[2] = {cc.x, cc.y};
-            float act[4][2];  // i, f, g, o
-#pragma unroll
-            for (int v = 0; v < 2; ++v) {
-              act[0][v] = sigmoid(pre[0][v]);
-              act[1][v] = sigmoid(pre[1][v]);
-              act[2][v] = fast_tanh(pre[2][v]);
-              act[3][v] = sigmoid(pre[3][v]);
-              cv[v] = act[1][v] * cold[v] + act[0][v] * act[2][v];
-              h[v] = act[3][v] * fast_tanh(cv[v]);
-            }
-            cc = make_float2(cv[0], cv[1]);
-            if (a.gates_out) {
-              float* gp = a.gates_out + ((static_cast<size_t>(l) * steps + t) * B + nb) * 4 * H +
-                          u0 + u;
-#pragma unroll
-              for (int g = 0; g < 4; ++g)
-                *reinterpret_cast<float2*>(gp + g * H) = make_float2(act[g][0], act[g][1]);
-            }
-            if (a.c_out)
-              *reinterpret_cast<float2*>(a.c_out +
-                                         ((static_cast<size_t>(l) * steps + t) * B + nb) * H +
-                                         u0 + u) = make_float2(cv[0], cv[1]);
-          } else {
-            const float2 hp =
-                E::unpack(*reinterpret_cast<const uint32_t*>(hs + n * KS + p.kin + u0 + u));
-            const float hps[2] = {hp.x, hp.y};
-            float act[3][2];  // r, z, n
-#pragma unroll
-            for (int v = 0; v < 2; ++v) {
-              act[0][v] = sigmoid(pre[0][v]);
-              act[1][v] = sigmoid(pre[1][v]);
-              act[2][v] = fast_tanh(pre[2][v] + act[0][v] * pre[3][v]);
-              h[v] = (1.0f - act[1][v]) * act[2][v] + act[1][v] * hps[v];
-            }
-            if (a.gates_out) {  // training (GRU): r, z, n and W_hn h + b_hn
-              float* gp = a.gates_out + ((static_cast<size_t>(l) * steps + t) * B + nb) * 4 * H +
-                          u0 + u;
-#pragma unroll
-              for (int g = 0; g < 3; ++g)
-                *reinterpret_cast<float2*>(gp + g * H) = make_float2(act[g][0], act[g][1]);
-              *reinterpret_cast<float2*>(gp + 3 * H) = make_float2(pre[3][0], pre[3][1]);
-            }
-            if (a.c_out)  // the h_{t-1} this step read (GRU)
-              *reinterpret_cast<float2*>(a.c_out +
-                                         ((static_cast<size_t>(l) * steps + t) * B + nb) * H +
-                                         u0 + u) = make_float2(hps[0], hps[1]);
-          }
+          cell_pointwise(a, pre, a.gru ? nullptr : reinterpret_cast<float2*>(cs + nb * U + u),
+                         a.gru ? E::unpack(*reinterpret_cast<const uint32_t*>(hs + n * KS + p.kin + u0 + u))
+                               : float2{},
+                         (static_cast<size_t>(l) * steps + t) * B + nb, u0 + u, H, h, cv);
           const int len = lens[nb];
           const uint32_t out = t < len ? E::pack(h[0], h[1]) : 0u;
           const size_t o = static_cast<size_t>(nb) * H + u0 + u;
@@ -727,53 +731,10 @@ __device__ __forceinline__ void wavefront_body(const Args& a) {
           }
         }
         float h[2], cv[2] = {0.0f, 0.0f};
-        if (!a.gru) {
-          float2& cc = *reinterpret_cast<float2*>(cs + nb * U + u);
-          const float cold[2] = {cc.x, cc.y};
-          float act[4][2];  // i, f, g, o
-#pragma unroll
-          for (int v = 0; v < 2; ++v) {
-            act[0][v] = sigmoid(pre[0][v]);
-            act[1][v] = sigmoid(pre[1][v]);
-            act[2][v] = fast_tanh(pre[2][v]);
-            act[3][v] = sigmoid(pre[3][v]);
-            cv[v] = act[1][v] * cold[v] + act[0][v] * act[2][v];
-            h[v] = act[3][v] * fast_tanh(cv[v]);
-          }
-          cc = make_float2(cv[0], cv[1]);
-          if (a.gates_out) {  // training: what the backward reads
-            float* gp = a.gates_out + ((static_cast<size_t>(l) * steps + t) * B + nb) * 4 * H +
-                        u0 + u;
-#pragma unroll
-            for (int g = 0; g < 4; ++g)
-              *reinterpret_cast<float2*>(gp + g * H) = make_float2(act[g][0], act[g][1]);
-          }
-          if (a.c_out)
-            *reinterpret_cast<float2*>(a.c_out + ((static_cast<size_t>(l) * steps + t) * B + nb) *
-                                                     H + u0 + u) = make_float2(cv[0], cv[1]);
-        } else {
-          const float2 hp = E::unpack(*reinterpret_cast<const uint32_t*>(hs + n * KS + p.kin + u0 + u));
-          const float hps[2] = {hp.x, hp.y};
-          float act[3][2];  // r, z, n
-#pragma unroll
-          for (int v = 0; v < 2; ++v) {
-            act[0][v] = sigmoid(pre[0][v]);
-            act[1][v] = sigmoid(pre[1][v]);
-            act[2][v] = fast_tanh(pre[2][v] + act[0][v] * pre[3][v]);
-            h[v] = (1.0f - act[1][v]) * act[2][v] + act[1][v] * hps[v];
-          }
-          if (a.gates_out) {  // training (GRU): r, z, n and W_hn h + b_hn
-            float* gp = a.gates_out + ((static_cast<size_t>(l) * steps + t) * B + nb) * 4 * H +
-                        u0 + u;
-#pragma unroll
-            for (int g = 0; g < 3; ++g)
-              *reinterpret_cast<float2*>(gp + g * H) = make_float2(act[g][0], act[g][1]);
-            *reinterpret_cast<float2*>(gp + 3 * H) = make_float2(pre[3][0], pre[3][1]);
-          }
-          if (a.c_out)  // the h_{t-1} this step read (GRU)
-            *reinterpret_cast<float2*>(a.c_out + ((static_cast<size_t>(l) * steps + t) * B + nb) *
-                                                     H + u0 + u) = make_float2(hps[0], hps[1]);
-        }
+        cell_pointwise(a, pre, a.gru ? nullptr : reinterpret_cast<float2*>(cs + nb * U + u),
+                       a.gru ? E::unpack(*reinterpret_cast<const uint32_t*>(hs + n * KS + p.kin + u0 + u))
+                             : float2{},
+                       (static_cast<size_t>(l) * steps + t) * B + nb, u0 + u, H, h, cv);
         const int len = lens[nb];
         const uint32_t out = t < len ? E::pack(h[0], h[1]) : 0u;
         const size_t o = static_cast<size_t>(nb) * H + u0 + u;
