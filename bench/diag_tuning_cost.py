@@ -255,23 +255,26 @@ ARMS = {
 
 def compare(shape: dict, pairs: int, arms: tuple = ("serial", "pipelined")) -> dict:
     """Two arms of the tuner (`ARMS`) on one cell, in one process: a
-    warm-up run (the process's one-time set-up), then `pairs` pairs in
-    alternating order (A B, B A, ...); medians of the tuning seconds, and
-    each run's decisions (the arms must decide alike)."""
+    warm-up run (the process's one-time set-up; kept as `first_run`, what
+    a new process's first tuning pays), then `pairs` pairs in alternating
+    order (A B, B A, ...); medians of the tuning seconds, and each run's
+    phases and decisions (the arms must decide alike)."""
     import statistics
 
-    measure(shape, False)
+    def summary(row):
+        return ({m: row[m]["tuning_s"] for m in ("fit", "predict")}
+                | {"phases": {m: row[m]["phases"] for m in ("fit", "predict")},
+                   "decisions": [(d["mode"], d["chosen"]) for d in row["decisions"]],
+                   "timings_ms": [d["timings_ms"] for d in row["decisions"]]})
+
+    first = summary(measure(shape, False))
     runs = {arm: [] for arm in arms}
     for i in range(pairs):
         for arm in (arms if i % 2 == 0 else arms[::-1]):
-            row = measure(shape, False, **ARMS[arm])
-            runs[arm].append(
-                {m: row[m]["tuning_s"] for m in ("fit", "predict")}
-                | {"decisions": [(d["mode"], d["chosen"]) for d in row["decisions"]],
-                   "timings_ms": [d["timings_ms"] for d in row["decisions"]]})
+            runs[arm].append(summary(measure(shape, False, **ARMS[arm])))
     medians = {k: {m: statistics.median(r[m] for r in v) for m in ("fit", "predict")}
                for k, v in runs.items()}
-    return dict(shape=shape, runs=runs, medians=medians)
+    return dict(shape=shape, first_run=first, runs=runs, medians=medians)
 
 
 def table(rows: list[dict]) -> str:
@@ -329,7 +332,9 @@ def main(argv=None) -> int:
             shape = dict(shape, units=32, batch=4, steps=10)  # the layer count kept
         if args.compare:
             rows.append(dict(cell=cell, backend=keras.backend.backend(), **compare(shape, args.compare, arms)))
-            print(f"cell {cell} tuning s, medians of {args.compare}: {rows[-1]['medians']}")
+            first = {m: round(rows[-1]["first_run"][m], 2) for m in ("fit", "predict")}
+            print(f"cell {cell} tuning s, medians of {args.compare}: {rows[-1]['medians']}; "
+                  f"the process's first run: {first}")
             with open(args.out, "w") as f:
                 json.dump(rows, f, indent=1)
             continue

@@ -195,9 +195,16 @@ def timed_step(run, x, variables: Sequence[Any], training: bool, jit: bool = Fal
     `jit`: compile it with XLA (how Keras runs a model whose layers all
     support XLA under jit_compile="auto"). Returns a callable giving a
     scalar tensor (converting it to NumPy waits for the device).
+
+    Traced without AutoGraph (`autograph=False`): the step's Python has no
+    tensor-dependent control flow, and inside Keras' own train step the
+    layers' code runs unconverted too (AutoGraph does not convert Keras, so
+    nothing it calls is converted), so the graph is the one `fit` traces;
+    converting rnnfuse's functions cost a new process's first tuning about
+    30 source-to-source transforms.
     """
 
-    @tf.function(jit_compile=bool(jit))
+    @tf.function(jit_compile=bool(jit), autograph=False)
     def step():
         return _step_body(run, x, variables, training)
 
@@ -235,7 +242,7 @@ def timed_steps(make_run, x, variables: Sequence[Any], training: bool,
         return None
     run = make_run()
 
-    @tf.function
+    @tf.function(autograph=False)
     def step(code):
         return _step_body(lambda x, t: run(x, t, algorithm=code), x, variables, training)
 

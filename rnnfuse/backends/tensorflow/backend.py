@@ -118,7 +118,7 @@ class TensorFlowBackend(KernelModuleBackend):
         # user's traced step, where tapes are stopped).
         variables, calls = list(variables), list(calls)
 
-        @tf.function
+        @tf.function(autograph=False)  # as `kernels.timed_step` (its doc says why)
         def gradients(*xs):
             out = []
             for (run, _, training), x in zip(calls, xs):
