@@ -57,6 +57,7 @@ import tensorflow as tf
 import rnnfuse
 from builders import fused_layers, stack_model, traced_op_types
 from gpu_report import report
+from gpu_timing import predict_medians
 from rnnfuse.backends import tensorflow as tf_backend
 from rnnfuse.backends.base import StackSpec
 from rnnfuse.backends.tensorflow import op_build, wavefront_op
@@ -219,16 +220,6 @@ def _lstm_model(layers, units, steps):
         keras.config.set_dtype_policy("float32")
 
 
-def _median_predict_s(model, x, batch, repeats=5):
-    model.predict(x, batch_size=batch, verbose=0)  # trace
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        model.predict(x, batch_size=batch, verbose=0)
-        times.append(time.perf_counter() - start)
-    return float(np.median(times))
-
-
 def test_predict_of_a_4x512_float16_lstm_at_batch_64_runs_the_wavefront_kernel(tmp_path):
     model = _lstm_model(4, 512, 1000)
     x = np.random.default_rng(0).standard_normal((256, 1000, 512)).astype("float32")
@@ -247,8 +238,8 @@ def test_predict_of_a_4x512_float16_lstm_at_batch_64_runs_the_wavefront_kernel(t
     want = model.predict(x, batch_size=64, verbose=0)
     rel = _rel(y, want)
     assert rel <= 2e-3 and float(np.max(np.abs(np.asarray(y, np.float64) - want))) <= 2e-2
-    original_s = _median_predict_s(model, x, 64)
-    fast_s = _median_predict_s(fast, x, 64)
+    medians = predict_medians({"original": model, "optimized": fast}, x, 64)
+    original_s, fast_s = medians["original"], medians["optimized"]
     assert layer.last_path.kernel.name == wavefront_op.KERNEL_NAME
     report("wavefront_predict_tf", {
         "shape": "4x512 LSTM B64 T1000 float16", "chosen": record["chosen"],

@@ -55,6 +55,7 @@ import torch  # noqa: E402
 import rnnfuse  # noqa: E402
 from builders import fused_layers, stack_model  # noqa: E402
 from gpu_report import report  # noqa: E402
+from gpu_timing import predict_medians  # noqa: E402
 from rnnfuse.backends.base import StackSpec  # noqa: E402
 from rnnfuse.backends.torch import wavefront  # noqa: E402
 from rnnfuse.tuning import first_batch  # noqa: E402
@@ -303,18 +304,6 @@ def _lstm_model(layers, units, steps):
         keras.config.set_dtype_policy("float32")
 
 
-def _median_predict_s(model, x, batch, repeats=5):
-    model.predict(x, batch_size=batch, verbose=0)
-    times = []
-    for _ in range(repeats):
-        torch.cuda.synchronize()
-        start = time.perf_counter()
-        model.predict(x, batch_size=batch, verbose=0)
-        torch.cuda.synchronize()
-        times.append(time.perf_counter() - start)
-    return float(np.median(times))
-
-
 def _median_call_s(model, x, repeats=7):
     """Median seconds of `model(x, training=False)` on a device batch."""
     with torch.no_grad():
@@ -364,8 +353,8 @@ def test_predict_of_a_4x512_float16_lstm_at_batch_64_runs_the_custom_op(tmp_path
     diff = np.asarray(y, np.float64) - want
     rel = float(np.linalg.norm(diff) / np.linalg.norm(want))
     assert rel <= 2e-3 and float(np.max(np.abs(diff))) <= 2e-2
-    original_s = _median_predict_s(model, x, 64)
-    fast_s = _median_predict_s(fast, x, 64)
+    medians = predict_medians({"original": model, "optimized": fast}, x, 64)
+    original_s, fast_s = medians["original"], medians["optimized"]
     # A direct call on a batch already on the GPU: what the kernel changes.
     # `predict` of these 256 x 1000 x 512 float32 inputs is host-bound (H200,
     # session 10: 858 ms for 4 batches, of which the recurrence is ~112 ms,
