@@ -13,6 +13,7 @@
 #   bash tools/gpu/batch.sh torch-tests torch-ddp torch-view
 #   bash tools/gpu/batch.sh wavefront-check torch-tests
 #   bash tools/gpu/batch.sh wavefront-variants   # the kernels' opt-in variants
+#   MATRIX_ARGS="--shapes lstm4x512" bash tools/gpu/batch.sh matrix-torch matrix-pytorch
 #
 # The tf-* stages need the staging runs of ../shared/gpu/README.md first
 # (tf-setup is a no-op on a machine that already has /tmp/tfsite).
@@ -86,6 +87,22 @@ run_stage() {
       cp $LOGS/user_view_${backend}_h200${BENCH_TAG}.json $OUT/ 2>/dev/null
       echo "[$(since) s] $stage rc $rc"
       summary $stage "x predict|fit .*x|custom|whole|ERROR|cells|geomean|below|overhead|min " 40 ;;
+    matrix-tf|matrix-torch|matrix-jax|matrix-pytorch)
+      # The backend matrix (bench/bench_matrix.py), one backend a stage;
+      # MATRIX_ARGS: its arguments (e.g. --shapes lstm4x512,bilstm4x384).
+      s=$(limit $stage 300)
+      local backend=${stage#matrix-}
+      ( case $backend in
+          tf) tf_env; args="" ;;
+          pytorch) torch_env; args="--backend pytorch" ;;
+          jax) torch_env; export KERAS_BACKEND=jax; args="" ;;
+          *) torch_env; args="" ;;
+        esac
+        timeout $s python3 bench/bench_matrix.py $args ${MATRIX_ARGS} \
+          --out $LOGS/matrix_${backend}${BENCH_TAG}.json ) > $log 2>&1; rc=$?
+      cp $LOGS/matrix_${backend}${BENCH_TAG}.json $OUT/ 2>/dev/null
+      echo "[$(since) s] $stage rc $rc"
+      summary $stage "fit_ms|ERROR|Error" 20 ;;
     tf-diag)
       # DIAG_ARGS: bench/diag_tuning_cost.py's arguments (e.g. --cells 19 --compare 2).
       s=$(limit tf-diag 200)
