@@ -29,6 +29,7 @@ import time
 
 os.environ.setdefault("KERAS_BACKEND", "tensorflow")
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from common import out_path  # noqa: E402
 
 import keras  # noqa: E402
 import numpy as np  # noqa: E402
@@ -155,7 +156,7 @@ def measure(cell, warmup: int, repeats: int, modes) -> list[dict]:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--out", default="cudnn_op.json")
+    p.add_argument("--out", default=out_path("cudnn_op.json"))
     p.add_argument("--budget", type=float, default=300.0, help="seconds; later cells are skipped")
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--repeats", type=int, default=7)

@@ -40,13 +40,13 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import keras  # noqa: E402
 import numpy as np  # noqa: E402
-from common import csv_list, run_matrix  # noqa: E402
+from common import csv_list, run_matrix, out_path  # noqa: E402
 from jax.experimental import rnn as jax_rnn  # noqa: E402
 
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--out", required=True, help="JSON file to write")
+    p.add_argument("--out", default=out_path("jax.json"), help="JSON file to write")
     p.add_argument("--layers", type=csv_list(int), default=[2, 4])
     p.add_argument("--batch", type=csv_list(int), default=[8, 64])
     p.add_argument("--steps", type=csv_list(int), default=[100, 1000])

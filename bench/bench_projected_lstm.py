@@ -61,7 +61,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 import keras  # noqa: E402
 import tensorflow as tf  # noqa: E402
-from common import csv_list  # noqa: E402
+from common import csv_list, out_path  # noqa: E402
 
 import rnnfuse  # noqa: E402
 from rnnfuse.layers import ProjectedLSTM, ProjectedLSTMCell  # noqa: E402
@@ -75,7 +75,7 @@ VARIANTS = ["custom_xla", "custom_xla/u4", "custom", "while_xla", "while"]
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--out", required=True, help="JSON file to write")
+    p.add_argument("--out", default=out_path("projected_lstm.json"), help="JSON file to write")
     p.add_argument("--quick", action="store_true", help="small sizes (CPU check)")
     p.add_argument(
         "--variants", type=csv_list(str), default=VARIANTS,

@@ -53,7 +53,7 @@ import numpy as np  # noqa: E402
 
 import rnnfuse  # noqa: E402
 from bench_user_view import _alternate, _plans, _step_time, _tuning_seconds, steps_for  # noqa: E402
-from common import run_matrix  # noqa: E402
+from common import run_matrix, out_path  # noqa: E402
 
 L = keras.layers
 
@@ -156,7 +156,7 @@ def measure(cell: dict, rounds: int, steps: int) -> dict:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", required=True, help="the raw JSON file")
+    parser.add_argument("--out", default=out_path("single_layers.json"), help="the raw JSON file")
     parser.add_argument("--cells", default=",".join(CELLS), help=f"comma-separated, of {', '.join(CELLS)}")
     parser.add_argument("--rounds", type=int, default=15, help="interleaved fit rounds a cell (default 15)")
     parser.add_argument("--steps", type=int, default=20, help="most fit steps a round (default 20)")

@@ -20,7 +20,7 @@ Results go to a JSON file after every cell, so an interrupted run keeps what
 it measured. bench/report.py turns the JSON into docs/benchmarks.md and the
 plot.
 
-    python bench/bench_tf.py --out bench/results/tf_h200.json
+    python bench/bench_tf.py --out /tmp/tf.json   # default: rnnfuse-bench/tf.json in the temp folder
     python bench/bench_tf.py --quick --out /tmp/q.json   # tiny, any machine
 """
 
@@ -36,6 +36,7 @@ import time
 
 os.environ.setdefault("KERAS_BACKEND", "tensorflow")
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from common import out_path  # noqa: E402
 
 import keras  # noqa: E402
 import numpy as np  # noqa: E402
@@ -244,7 +245,7 @@ def environment() -> dict:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--out", required=True)
+    ap.add_argument("--out", default=out_path("tf.json"))
     ap.add_argument("--quick", action="store_true", help="tiny cells, any machine")
     ap.add_argument("--only", default="", help="comma-separated substrings of cell names")
     ap.add_argument("--budget", type=float, default=1e9, help="seconds; no new cell after this")

@@ -43,7 +43,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 import keras  # noqa: E402
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
-from common import csv_list, run_matrix  # noqa: E402
+from common import csv_list, run_matrix, out_path  # noqa: E402
 
 import rnnfuse  # noqa: E402
 from rnnfuse.fused import fused_layers  # noqa: E402
@@ -70,7 +70,7 @@ QUICK = dict(
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--out", required=True, help="JSON file to write")
+    p.add_argument("--out", default=out_path("torch.json"), help="JSON file to write")
     p.add_argument("--quick", action="store_true", help="small CPU matrix")
     p.add_argument("--kinds", type=csv_list(str))
     p.add_argument("--layers", type=csv_list(int))

@@ -76,6 +76,7 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from common import out_path  # noqa: E402
 
 import keras  # noqa: E402
 import numpy as np  # noqa: E402
@@ -626,7 +627,7 @@ def tuning_overhead(rows: list[dict]) -> dict:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", required=True)
+    parser.add_argument("--out", default=out_path("user_view.json"))
     parser.add_argument("--cells", type=int, default=30)
     parser.add_argument(
         "--rounds", type=int, default=15,

@@ -1,12 +1,16 @@
-"""What the backend benchmarks share: list arguments and the budgeted matrix loop.
+"""What the benchmarks share: list arguments, where output goes, the budgeted matrix loop.
 
     >>> csv_list(int)("2,4,")
     [2, 4]
+    >>> out_path("x.json").endswith(os.path.join("rnnfuse-bench", "x.json"))
+    True
 """
 
 from __future__ import annotations
 
 import json
+import os
+import tempfile
 import time
 from typing import Callable, Iterable
 
@@ -14,6 +18,16 @@ from typing import Callable, Iterable
 def csv_list(kind):
     """An argparse `type`: "a,b,c" -> [kind(a), kind(b), kind(c)]."""
     return lambda text: [kind(v) for v in text.split(",") if v]
+
+
+def out_path(name: str) -> str:
+    """The default `--out` of a benchmark: `name` in a folder outside the
+    repository (RNNFUSE_BENCH_DIR, else `rnnfuse-bench` in the system's
+    temporary folder), so a run never adds files to bench/results; copy a
+    result there when docs/benchmarks.md cites it."""
+    folder = os.environ.get("RNNFUSE_BENCH_DIR") or os.path.join(tempfile.gettempdir(), "rnnfuse-bench")
+    os.makedirs(folder, exist_ok=True)
+    return os.path.join(folder, name)
 
 
 def run_matrix(

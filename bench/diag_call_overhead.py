@@ -25,6 +25,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from common import out_path  # noqa: E402
 
 import numpy as np  # noqa: E402
 
@@ -97,7 +98,7 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--cells", default="20", help="drawn cell numbers, comma-separated")
     parser.add_argument("--calls", type=int, default=15, help="timed calls per model and kind")
-    parser.add_argument("--out", required=True)
+    parser.add_argument("--out", default=out_path("call_overhead.json"))
     args = parser.parse_args(argv)
     reports = [cell_report(c.strip(), args.calls) for c in args.cells.split(",") if c.strip()]
     with open(args.out, "w") as f:

@@ -33,6 +33,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from common import out_path  # noqa: E402
 
 import keras  # noqa: E402
 import numpy as np  # noqa: E402
@@ -147,7 +148,7 @@ def main(argv=None) -> int:
                         help="a masked cell: add an optimized model traced without the per-layer branch")
     parser.add_argument("--trace", help="also write a TensorFlow profile here")
     parser.add_argument("--quick", action="store_true", help="a tiny model, any machine")
-    parser.add_argument("--out", required=True)
+    parser.add_argument("--out", default=out_path("fit_step.json"))
     args = parser.parse_args(argv)
     shape = cell_shape(args.cell)
     if args.quick:

@@ -24,7 +24,7 @@ is made of on the H200; the timings and choices mean nothing.
     python bench/diag_tuning_cost.py --cells 19 --compare 2 --out $OUT/pipelined.json
     python bench/diag_tuning_cost.py --cells 15 --compare 3 --arms full,cut --out $OUT/cut.json
     python bench/diag_tuning_cost.py --quick --emulate --cells 3 --out /tmp/t.json
-    python bench/diag_tuning_cost.py --table bench/results/tuning_cost_tf_h200_s6.json
+    python bench/diag_tuning_cost.py --table bench/results/tuning_cost_tf_h200_s17a.json
 """
 
 from __future__ import annotations
@@ -40,6 +40,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from common import out_path  # noqa: E402
 
 import keras  # noqa: E402
 import numpy as np  # noqa: E402
@@ -311,8 +312,8 @@ def main(argv=None) -> int:
                         help="time each cell's tuning PAIRS times in each of --arms")
     parser.add_argument("--arms", default="serial,pipelined",
                         help=f"--compare's two arms, of {', '.join(ARMS)} (serial,pipelined: "
-                             "session 15's first calls; full,cut: session 16's timing)")
-    parser.add_argument("--out")
+                             "how first calls are made; full,cut: with or without the race's cut)")
+    parser.add_argument("--out", default=None, help="the JSON file (default: outside the repository, common.out_path)")
     args = parser.parse_args(argv)
     arms = tuple(args.arms.split(","))
     if len(arms) != 2 or not set(arms) <= set(ARMS):
@@ -323,8 +324,7 @@ def main(argv=None) -> int:
         with open(args.table) as f:
             print(table(json.load(f)))
         return 0
-    if not args.out:
-        parser.error("--out is required (or --table FILE)")
+    args.out = args.out or out_path("tuning_cost.json")
     rows = []
     for cell in args.cells.split(","):
         shape = cell_shape(cell)

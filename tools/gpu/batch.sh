@@ -6,6 +6,8 @@
 # stdout (the device returns the last 12,000 characters); the logs and every
 # JSON a stage writes are packed into $OUT/batch_<tag>.tgz, and a stage's
 # main JSON is copied to $OUT too (the device returns at most 8 files).
+# Nothing is written into the repository: copy a result into bench/results
+# by hand only when docs/benchmarks.md cites it, and never the logs.
 #
 #   bash tools/gpu/batch.sh tf-setup tf-build tf-tests tf-distribute
 #   STAGE_S_tf_view=300 bash tools/gpu/batch.sh tf-view tf-single
