@@ -1,5 +1,5 @@
 """Groups of one through `fit`: lone LSTM/GRU layers and encoder-decoder links,
-original vs `rnnfuse.optimize` (issue 28 item 2).
+original vs `rnnfuse.optimize`.
 
 Cells (each model as a user writes it, compiled with Keras' defaults apart
 from the optimizer and loss the model's example uses; the optimized model
@@ -29,7 +29,7 @@ the tuner keeps Keras' layer unless a plan wins by 10%. The raw JSON holds
 every round, the plans chosen and the tuner's decisions (the timings the
 static table can learn from).
 
-    python bench/bench_single_layers.py --out /tmp/single_tf.json   # about 3 minutes on an H200
+    python bench/bench_single_layers.py --out /tmp/single_tf.json   # about 3 minutes on a Hopper GPU
     KERAS_BACKEND=torch python bench/bench_single_layers.py --out /tmp/single_torch.json
     python bench/bench_single_layers.py --quick --out /tmp/q.json   # tiny, any machine
 """

@@ -17,8 +17,8 @@ matrix (bench/results/tf_h200.json):
 - dtype policy: float32, mixed_float16, mixed_bfloat16 (equal odds);
 - one model in five reads a masked Embedding (right-padded ragged lengths);
 - draws whose work (batch x steps x layers x units^2) exceeds a cap are
-  drawn again, so a cell stays within seconds on an H200 (the cap is in the
-  JSON's meta).
+  drawn again, so a cell stays within seconds on a Hopper GPU (the cap is in
+  the JSON's meta).
 
 Per model, first the whole calls a user's wall clock shows (`whole_calls`):
 at least 5 consecutive short `fit(epochs=1)` calls (CALL_STEPS batches each)
@@ -56,8 +56,8 @@ is what this benchmark reads for two models that differ in nothing.
     KERAS_BACKEND=torch python bench/bench_user_view.py --out /tmp/user_torch.json
     python bench/bench_user_view.py --quick --out /tmp/q.json   # tiny, any machine
 
-The entry-point matrix of issue 25 (about 20 drawn shapes in 5 minutes a
-backend on the H200: a lower work cap and fewer rounds):
+The entry-point matrix of docs/benchmarks.md (about 20 drawn shapes in 5
+minutes a backend on a Hopper GPU: a lower work cap and fewer rounds):
 
     python bench/bench_user_view.py --cells 30 --work-cap 2e11 --rounds 5 \
         --predict-rounds 3 --steps 8 --budget 280 --out $OUT/user_entry_tf.json
@@ -91,8 +91,7 @@ STEPS_PER_EPOCH = 100  # for the tuning-overhead figure only
 CALLS = 5  # whole fit / predict calls per model (`whole_calls`), at least ...
 # ... and up to MAX_CALLS while both models' calls so far took under
 # CALLS_BUDGET_S: a host-bound call of a tiny model spreads 30-60% between
-# calls (session 11's cell 20: 90-156 ms), so 4 calls after the first cannot
-# resolve 3%.
+# calls, so 4 calls after the first cannot resolve 3%.
 MAX_CALLS = 15
 CALLS_BUDGET_S = 4.0
 CALL_STEPS = 4  # batches in each of them
@@ -110,7 +109,7 @@ ROUND_S = 0.3  # target seconds of one timed round (see steps_for)
 # An entry point's timed rounds (`_alternate`): --rounds, and more, up to
 # MAX_ROUNDS, while its rounds so far took under ROUNDS_BUDGET_S. Two
 # models on the same kernels read below 0.97x in 11% of cells at 5 rounds
-# and about 3% at 15 (report_user_view.resolution, session 14); a round of
+# and about 3% at 15 (report_user_view.resolution); a round of
 # a cheap cell takes well under a second, so most cells get 15.
 MAX_ROUNDS = 15
 ROUNDS_BUDGET_S = 8.0
@@ -553,7 +552,7 @@ def _predict_4x(models, x, batch: int, rounds: int, max_rounds: int = 0, steps: 
     )
 
 
-# The entry points a cell measures (issue 25), as (row key, what it is).
+# The entry points a cell measures, as (row key, what it is).
 ENTRY_POINTS = (
     ("fit_speedup", "fit step"),
     ("predict_speedup", "predict step at the fit batch"),

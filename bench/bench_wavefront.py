@@ -1,6 +1,6 @@
 """rnnfuse's wavefront kernel on the GPU: exactness checks and timings (torch only).
 
-Runs on the H200 with nothing but the device's python3 (torch, numpy): the
+Runs on a Hopper GPU with nothing but python3, torch and numpy: the
 kernel's framework-free modules (rnnfuse/backends/cuda/library.py,
 rnnfuse/backends/torch/wavefront.py) are imported without running the
 rnnfuse package (no Keras needed). The library is $RNNFUSE_WAVEFRONT_LIB or
@@ -35,7 +35,7 @@ fallback to cuDNN), never run. `bench`: CUDA-event medians of the kernel
 (with layer 0's input GEMM, and alone), cuDNN as one multi-layer call
 (torch's, the standard algorithm) and one call per layer (where torch runs
 cuDNN's persistent kernel for float16), in ms, us a dependent step and
-TFLOP/s next to the floor at 790 TFLOP/s (the H200's measured dense rate).
+TFLOP/s next to the floor at PEAK_TFLOPS (a measured dense rate).
 `grad`: an LSTM's (and with `--kinds lstm,gru` or `gru` a GRU's, on
 GRU_GRAD_CASES and random GRU shapes) outputs AND gradients (dx, dh0, an
 LSTM's dc0, every weight and bias) through `wavefront.trainable_forward`
@@ -104,7 +104,7 @@ import torch  # noqa: E402
 library, wavefront = _import_kernel_modules()
 
 DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16}
-PEAK_TFLOPS = 790.0  # bf16/fp16 dense matrix rate measured on the H200 (KINDS.md)
+PEAK_TFLOPS = 790.0  # measured bf16/fp16 dense matrix rate (docs/kernel.md, "The floor")
 # Tolerances for ||kernel - ref64|| / ||ref64||: a few ulps of the storage type
 # accumulated over the recurrence; the check also reports cuDNN's own error.
 TOL = {"float16": 1e-3, "bfloat16": 8e-3}

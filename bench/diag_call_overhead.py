@@ -3,9 +3,9 @@ time the original model's call does not: per call wall times of both
 models (interleaved, after their first calls), and cProfile's functions of
 rnnfuse and of Keras' call set-up in the optimized model's calls.
 
-Made for the whole-call misses of docs/benchmarks.md (session 14: the
-2-layer SimpleRNN of user-view cell 20 read 0.92x on whole predict calls,
-about 5 ms more a call, while its predict step read 0.96-1.34x).
+Made for whole-call readings below a cell's step readings (a small model's
+whole predict calls can lose a few ms a call to per-call set-up that its
+steps do not show).
 
     python bench/diag_call_overhead.py --cells 20 --out $OUT/call_overhead.json
     python bench/diag_call_overhead.py --cells 20 --calls 3 --out /tmp/c.json  # any machine

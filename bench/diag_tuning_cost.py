@@ -17,7 +17,7 @@ shapes (one op on the GPU: a trace of the reference's Python loop over
 the steps would be nothing like it), CudnnRNNV3 by the reference of
 tests/cudnn_reference.py, and the device is named a GPU. Host seconds only (traces,
 graph set-up, tuning's own Python), which is what TensorFlow's tuning cost
-is made of on the H200; the timings and choices mean nothing.
+is made of on a GPU; the timings and choices mean nothing.
 
     python bench/diag_tuning_cost.py --cells 15,A1 --out $OUT/tuning_cost.json
     python bench/diag_tuning_cost.py --quick --out /tmp/t.json   # tiny, any machine
@@ -121,7 +121,7 @@ class Recorder:
             return {n: steps[n] for n in kept}, refused
 
         def timed_medians(steps, **kwargs):
-            if rec.full:  # session 15's timing: a warm-up call, no margin race
+            if rec.full:  # a warm-up call and no margin race: every candidate's full rounds
                 kwargs = {k: v for k, v in kwargs.items() if k != "beat"} | {"warmup": 1}
             start = time.perf_counter()
             stats = medians(steps, **kwargs)
@@ -206,9 +206,8 @@ def emulate_gpu_on_cpu() -> None:
 def _tune(fast, run, profile: bool, serial: bool = False, full: bool = False) -> dict:
     """Runs `run()` (a first fit or predict) with its tuning recorded
     (`serial`: each step traced in its first call, one after another, as
-    before the first calls were pipelined; `full`: timed as in session 15,
-    a warm-up call after each first call and no race against the original
-    layers' margin)."""
+    rather than pipelined; `full`: a warm-up call after each first call
+    and no race against the original layers' margin)."""
     before = _tuning_seconds(fast)
     profiler = cProfile.Profile() if profile else None
     with Recorder(serial, full) as rec:
@@ -249,8 +248,8 @@ def measure(shape: dict, profile: bool, serial: bool = False, full: bool = False
 
 # --compare's arms: name -> measure()'s keyword arguments.
 ARMS = {
-    "serial": {"serial": True}, "pipelined": {},  # session 15: first calls pipelined
-    "full": {"full": True}, "cut": {},  # session 16: no warm-up call, the margin race
+    "serial": {"serial": True}, "pipelined": {},  # first calls one after another, or pipelined
+    "full": {"full": True}, "cut": {},  # every round, or the race against the margin
 }
 
 

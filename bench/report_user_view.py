@@ -265,7 +265,7 @@ def markdown(merged: dict[str, dict]) -> str:
 
 
 def entry_point_lines(rows: list[dict]) -> list[str]:
-    """The entry points of issue 25 (bench_user_view.ENTRY_POINTS): per entry
+    """The entry points (bench_user_view.ENTRY_POINTS): per entry
     point its min and geometric mean over the cells, then one row per cell
     (every entry point's ratio; the first fit and predict calls' seconds,
     original / optimized, reported apart). [] for runs without them.
@@ -469,7 +469,7 @@ def plot(merged: dict[str, dict], path: str) -> None:
         ax.set_yscale("log")
         ax.set_xlabel("drawn cell (0: the anchor cells)")
         ax.set_ylabel("speedup over the original (log)")
-        ax.set_title(f"{backend}: optimize() defaults, H200")
+        ax.set_title(f"{backend}: optimize() defaults")
         ax.legend(loc="upper left", fontsize="small", framealpha=0.6)
     fig.tight_layout()
     fig.savefig(path, dpi=110)

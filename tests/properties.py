@@ -3,7 +3,7 @@
 Shared by tests/test_properties.py (TensorFlow, emulated CudnnRNNV3) and
 tests/torch_backend/test_torch_properties.py (torch's real CPU kernels).
 The topologies cover the classes of failure found on keras-io models and
-by fuzzing (issues 15 and 28): masks (right-padded, holes, none), the last
+by fuzzing: masks (right-padded, holes, none), the last
 layer's `zero_output_for_mask`, `return_sequences` and `return_state`,
 `Bidirectional` with every merge mode, layers between recurrent layers
 (so each side is its own group), single layers (groups of one), activity

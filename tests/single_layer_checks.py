@@ -1,8 +1,7 @@
 """Lone LSTM/GRU layers and encoder-decoder links as groups of one, checked
 the same way on every backend.
 
-A recurrent layer that stacks with nothing is a group of one (issue 28
-item 2): a lone LSTM, a keras-io-style seq2seq (an encoder with
+A recurrent layer that stacks with nothing is a group of one: a lone LSTM, a keras-io-style seq2seq (an encoder with
 `return_state` whose states are the decoder's `initial_state`), a
 forecaster whose LSTMs a `LayerNormalization` or a `Dense` keeps apart.
 The backend test files parameterize over `MODELS` and call the checks

@@ -17,7 +17,7 @@ CLASSES = {
     "torch": "rnnfuse.backends.torch.backend:TorchBackend:TorchTooling",
     "jax": "rnnfuse.backends.jax.backend:JaxBackend:JaxTooling",
 }
-# What the tools call, kept out of the Backend contract (issue 27).
+# What the tools call, kept out of the Backend contract.
 TOOLING = ("describe_device", "timing_notes", "exact_float32", "model_step", "outputs_and_grads")
 
 
@@ -69,8 +69,8 @@ def test_an_unknown_keras_backend_gets_no_fused_kernel():
 
 
 def test_tensorflows_device_environment_reads_the_gpus_details_once(monkeypatch):
-    """Read at every fit/evaluate/predict call: the GPU's details (1.3 ms a
-    call on the H200) are read once a process, the list of GPUs every time."""
+    """Read at every fit/evaluate/predict call: the GPU's details (about a
+    millisecond to read) are read once a process, the list of GPUs every time."""
     if keras.backend.backend() != "tensorflow":
         pytest.skip("TensorFlow's device environment")
     import tensorflow as tf

@@ -142,7 +142,7 @@ def test_bidirectional_rules():
     assert "forward layer" in r.skipped["a"]
 
 
-# -- "sum" and "ave" below the top of a run (issue 15) -----------------------------
+# -- "sum" and "ave" below the top of a run -----------------------------------------
 #
 # cuDNN feeds the next level [fwd, bwd]; the packer doubles that level's input
 # kernel ([W; W], [W/2; W/2]) so it reads fwd + bwd or their mean.
@@ -414,7 +414,7 @@ def test_dropout_with_noise_shape_is_not_absorbed():
     assert "'d' (Dropout)" in report.skipped["a"]
 
 
-# -- loop kinds fuse from one layer (issue 15, coverage) ------------------------
+# -- loop kinds fuse from one layer ---------------------------------------------
 
 
 def _single(kind: str) -> keras.Model:

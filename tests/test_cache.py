@@ -152,22 +152,22 @@ def test_a_cache_that_cannot_be_locked_warns_and_optimize_goes_on(tmp_path, monk
 
 def test_entries_hold_their_key_as_a_record_and_old_entries_still_answer(tmp_path):
     path = tmp_path / "plans.json"
-    key = CacheKey.of({"device": "H200", "cudnn": "9"}, "gru/u8", (32, 20, 4), "float16", True, masked=True)
+    key = CacheKey.of({"device": "GPU-A", "cudnn": "9"}, "gru/u8", (32, 20, 4), "float16", True, masked=True)
     # A file written before keys were stored as records: the same entry name.
     path.write_text(json.dumps({"format": 1, "entries": {key.text: {"plan": {"pieces": [2], "algorithm": None}}}}))
     cache = PlanCache(path)
     assert cache.get(key)["plan"]["pieces"] == [2]
     assert cache.entries() == []  # no record: exact lookups only
-    other = CacheKey.of({"device": "H200", "cudnn": "9"}, "gru/u8", (128, 20, 4), "float16", True, masked=True)
+    other = CacheKey.of({"device": "GPU-A", "cudnn": "9"}, "gru/u8", (128, 20, 4), "float16", True, masked=True)
     cache.put(other, {"plan": {"pieces": [], "algorithm": None}})
     ((stored, entry),) = PlanCache(path).entries()
     assert stored == other and entry["plan"]["pieces"] == []
     assert key.other_shape(stored) and not key.other_shape(key)
-    assert not key.other_shape(CacheKey.of({"device": "H200", "cudnn": "9"}, "gru/u8", (128, 20, 4), "float16", False, masked=True))
+    assert not key.other_shape(CacheKey.of({"device": "GPU-A", "cudnn": "9"}, "gru/u8", (128, 20, 4), "float16", False, masked=True))
 
 
 def test_a_decision_timed_against_the_xla_compiled_original_is_its_own_entry(tmp_path):
-    env = {"device": "H200", "cudnn": "9"}
+    env = {"device": "GPU-A", "cudnn": "9"}
     xla = CacheKey.of(env, "lstm/u8", (32, 20, 4), "float16", True, xla_baseline=True)
     graph = CacheKey.of(env, "lstm/u8", (32, 20, 4), "float16", True)
     assert xla.text != graph.text and xla.text.endswith("||xla")

@@ -245,7 +245,7 @@ def test_plot_boxes_use_names_shapes_and_verdicts():
 
 @pytest.mark.parametrize("functional", [False, True])
 def test_plot_draws_a_masking_layers_mask_and_no_mask_ops(functional):
-    """Issue 27: a Functional model drew a stray `not_equal` box (Masking's
+    """A Functional model once drew a stray `not_equal` box (Masking's
     NotEqual -> Any chain) and a Sequential one drew no mask at all."""
     from rnnfuse.passes import build_layer_graph
     from rnnfuse.plotting import _picture
@@ -551,7 +551,7 @@ def test_unexpected_errors_exit_3(in_workdir, capsys, monkeypatch):
     assert len(err.strip().splitlines()) == 1 and "KeyError" in err and "--debug" in err
 
 
-# -- issue 27: what a newcomer hit ------------------------------------------------
+# -- what a newcomer hit -----------------------------------------------------------
 
 
 def test_dynamic_text_is_printed_as_written_not_as_markup(in_workdir, capsys, monkeypatch):
@@ -712,7 +712,7 @@ def test_python_m_rnnfuse_subprocesses(workdir):
         assert result["passed"] and result["outputs_max_abs_diff"] <= 1e-5
 
 
-# -- issue 15: what inspect says about subclassed and optimized models -------------
+# -- what inspect says about subclassed and optimized models ----------------------
 
 
 def test_inspect_of_a_subclassed_model_says_it_cannot_look_inside(in_workdir, capsys):

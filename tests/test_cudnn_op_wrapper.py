@@ -131,7 +131,7 @@ def test_fused_stack_runs_the_op_with_the_plans_algorithm(kind, graph, emulated_
 @pytest.mark.parametrize("kind", ["lstm", "gru"])
 def test_a_masked_call_runs_the_standard_algorithm(kind, emulated_op):
     # cuDNN's persistent algorithms refuse padded sequence lengths
-    # (CUDNN_STATUS_NOT_SUPPORTED on the H200): never ask for one.
+    # (CUDNN_STATUS_NOT_SUPPORTED): never ask for one.
     model = stack_model(kind, 3, masked=True, last_return_sequences=True)
     fast = rnnfuse.optimize(model, plan=Plan((3,), "persistent_static+tc"))
     x = random_inputs(model, 3, np.random.default_rng(0))

@@ -95,8 +95,8 @@ def test_first_fit_times_the_candidates_on_the_real_batch_and_keeps_the_fastest(
 def test_a_masked_input_is_timed_with_a_mask_and_cached_as_its_own_decision(
     fake_gpu, emulated_cudnn, tmp_path
 ):
-    # Under torch a mask sends Keras' LSTM/GRU to their Python loop (33x
-    # slower on the H200): timing the candidates unmasked misjudges them.
+    # Under torch a mask sends Keras' LSTM/GRU to their Python loop (over
+    # 30x slower): timing the candidates unmasked misjudges them.
     cache = PlanCache(tmp_path / "plans.json")
     masked = stack_model("gru", 2, steps=6, masked=True)
     assert first_batch.receives_mask(fused_layers(rnnfuse.optimize(masked, cache=cache))[0])
@@ -156,7 +156,7 @@ def test_a_masked_fused_candidate_is_timed_with_its_branch_for_other_masks(emula
     its branch for masks that are not right-padded (the original layers),
     which a masked `fit` step pays for too; left out of the timed step, a
     masked split plan 14% ahead on the tuner's clock ran 7% behind through
-    `fit` on the H200 (session 10, user-view cell 8)."""
+    `fit`."""
     import tensorflow as tf
 
     # 5 x 40: over the 128 elements up to which tf.function captures an

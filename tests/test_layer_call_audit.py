@@ -8,7 +8,7 @@ Keras' `Layer.__call__` uses, read from its source, with the answer. When a
 Keras release adds something, the test fails and names it: audit it (does
 a fused call now skip something that changes the answer?) and add it here.
 
-The audit, item by item (issue 28): masks out (compute_mask of the last
+The audit, item by item: masks out (compute_mask of the last
 layer), `add_loss` in custom cells (refused: `cell_type`), activity
 regularizers (the last layer's, added by `FusedRNN._add_activity_losses`;
 elsewhere refused: `activity_regularizer`, `bidirectional_activity_regularizer`,

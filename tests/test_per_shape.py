@@ -87,8 +87,8 @@ def _custom_train_step(model):
     return train_step
 
 
-# Persistent wins at batch 8 and loses at 32 (as persistent_dynamic did on
-# the H200 for 8x LSTM(128): 4.18 ms a layer at 32, 13.38 at 128).
+# Persistent wins at batch 8 and loses at 32 (as persistent_dynamic did for
+# 8x LSTM(128): 4.18 ms a layer at 32, 13.38 at 128).
 MEDIANS = {
     8: {"per-layer": 3.0, "fused": 2.0, PERSISTENT: 1.0, "fused @persistent_static+tc": 2.5},
     32: {"per-layer": 3.0, "fused": 2.0, PERSISTENT: 6.0, "fused @persistent_static+tc": 7.0},
@@ -217,7 +217,7 @@ def _recorded_decisions():
 
 
 def test_on_the_recorded_matrix_racing_and_contention_keep_every_choice():
-    """Every decision the H200 user-view matrix recorded (full timing):
+    """Every decision the user-view matrix recorded (full timing):
     the chosen plan was within RACE of the best median, so the race's early
     stop would not have dropped it, and within CONTENTION, so a new bucket
     after it times it again."""
@@ -280,7 +280,7 @@ def test_timing_from_inside_a_custom_training_loop_trace_times_training_steps(
 ):
     """A user's GradientTape step (training=True, an outer tape recording):
     the tuner's training steps, run from inside that trace, take their own
-    gradients (the H200 run of 2026-12-02 failed here: None gradients), and
+    gradients (they once came back None here), and
     the caller's gradients are the original model's."""
     import keras
 
@@ -352,8 +352,8 @@ def test_each_modes_step_is_xla_compiled_where_its_plans_keep_the_original_layer
     """A SimpleRNN stack Keras would XLA-compile: trained fused, predicted
     per layer. The predict step is made with jit_compile=True (as the tuner
     timed the original layers), the train step without; predict under XLA
-    gives the original's outputs. On the H200 the predict step had lost XLA
-    with the train plan (0.11x)."""
+    gives the original's outputs. A predict step that lost XLA with the
+    train plan ran 0.11x."""
     model, fast, x = _trained_fused(timed)
     out = fast.predict(x, batch_size=32, verbose=0)
     assert [r["chosen"] for r in first_batch.decisions(fast)] == ["fused", "per-layer"]

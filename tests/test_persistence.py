@@ -528,7 +528,7 @@ def test_export_fused_true_traces_the_fused_path(emulated_cudnn, tmp_path):
         fast.export(str(tmp_path / "m.onnx"), format="onnx", fused=True)
 
 
-# -- optimizer state in weight files (issue 15, item 1) -------------------------
+# -- optimizer state in weight files --------------------------------------------
 
 
 def _branchy_model() -> keras.Model:

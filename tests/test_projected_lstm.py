@@ -588,7 +588,7 @@ def test_auto_picks_xla_only_with_a_gpu_where_xla_compiles(monkeypatch, caplog):
 
 
 def test_output_keeps_its_static_time_dimension_for_an_unrolled_layer_after_it():
-    """Issue 15 item 9: ProjectedLSTM -> LSTM(unroll=True) trains under
+    """ProjectedLSTM -> LSTM(unroll=True) trains under
     TensorFlow's graph mode (the fast path's loop lost the time dimension)."""
     inp = keras.Input((6, 3))
     seq = ProjectedLSTM(8, 4, return_sequences=True)

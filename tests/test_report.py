@@ -37,7 +37,7 @@ def test_report_text_lists_groups_and_reasons():
 
 
 def test_the_tables_keep_names_that_read_as_markup_in_any_console():
-    """Issue 27: rich markup ate `[bold]` from a layer named `enc[bold]`."""
+    """Rich markup must not eat `[bold]` from a layer named `enc[bold]`."""
     import io
 
     from rich.console import Console

@@ -1,5 +1,5 @@
 """rnnfuse.rules: the registry, the generated rule table, and every
-recurrent layer accounted for (issue 15 items 3 and 4)."""
+recurrent layer accounted for."""
 
 from __future__ import annotations
 

@@ -173,7 +173,7 @@ def test_non_default_algorithm_with_bad_gradients_is_rejected_for_training():
 
 def test_float16_gradients_within_fp16_rounding_keep_the_persistent_algorithm():
     """In float16 every algorithm is ~1e-3 from float64; the persistent
-    kernel's 7.6e-4 (H200) against the default's 3e-4 is rounding, not a
+    kernel's 7.6e-4 against the default's 3e-4 is rounding, not a
     worse algorithm: it is kept. 1e-2 is not."""
     keras.config.set_dtype_policy("mixed_float16")
     try:
@@ -434,7 +434,7 @@ def test_cached_plan_that_does_not_fit_the_group_is_set_aside_and_retuned(tmp_pa
 
 def test_a_masked_group_is_timed_without_the_persistent_algorithms():
     # cuDNN's persistent algorithms refuse padded sequence lengths
-    # (CUDNN_STATUS_NOT_SUPPORTED on the H200), so they are no candidates.
+    # (CUDNN_STATUS_NOT_SUPPORTED), so they are no candidates.
     from rnnfuse.tuning import tuner
 
     (group,) = _groups(stack_model("lstm", 2))

@@ -3,14 +3,14 @@
 - the real kernel compiles here (nvcc to an sm_90 cubin, g++ around it) into
   a C-ABI library that links no CUDA runtime or driver (dlopen at first
   call) and carries the cubin;
-- its plan answers without a GPU: the brief's headline stack fits an
-  H200, the refused shapes say why;
+- its plan answers without a GPU: the headline stack fits a Hopper GPU's
+  limits, the refused shapes say why;
 - the TensorFlow ops (inference, and the saving forward, one layer's
   backward and the stack's reverse-wavefront backward for training)
   compile around the same sources and register;
-- the "auto" backward's choice on the real plan (an H200's limits);
+- the "auto" backward's choice on the real plan (a Hopper GPU's limits);
 - the cache: a second build reuses the files; a missing nvcc names the fix.
-The kernel's numbers are tested on the H200 (tests/gpu/test_gpu_wavefront*.py).
+The kernel's numbers are tested on the GPU (tests/gpu/test_gpu_wavefront*.py).
 """
 
 from __future__ import annotations
@@ -162,7 +162,7 @@ def test_refused_stack_backward_shapes_say_why(built, shape, message):
 
 
 def _h200_stack_reason(lib):
-    """`library.backward_stack_reason` with an H200's limits, no GPU."""
+    """`library.backward_stack_reason` with a Hopper GPU's limits, no GPU."""
     def reason(kind, layers, units, batch, steps, ordinal=0):
         plan = lib.backward_stack_plan(layers, units, batch, steps, **H200)
         return plan if isinstance(plan, str) else None
@@ -468,9 +468,8 @@ def test_a_missing_nvcc_names_the_fix(monkeypatch):
 
 def test_the_library_build_is_checked_once_per_process_not_per_call(tmp_path, monkeypatch):
     """Checking the cached build runs nvcc twice (about 15 ms); torch's
-    wavefront call loaded the library three times a call, and the tuner
-    timed the kernel at 58 ms against cuDNN's 27 on the H200 (the kernel
-    alone: 12 ms)."""
+    wavefront call loaded the library three times a call, which made a 12
+    ms kernel time at 58 ms in the tuner."""
     monkeypatch.setenv("RNNFUSE_CACHE_DIR", str(tmp_path / "cache"))
     monkeypatch.delenv("RNNFUSE_WAVEFRONT_LIB", raising=False)
     built = tmp_path / "librnnfuse_wavefront.so"

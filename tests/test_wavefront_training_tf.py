@@ -1,7 +1,7 @@
 """The training path of rnnfuse's wavefront kernel (TensorFlow), on the CPU.
 
 The two kernels (the forward saving gates and c, the backward recurrence)
-run on the H200 only (tests/gpu/test_gpu_wavefront.py); here their
+run on a Hopper GPU only (tests/gpu/test_gpu_wavefront.py); here their
 TensorFlow step-by-step versions (`reference_forward_saving`,
 `recurrence_reference`: same inputs, outputs and layouts as the ops) stand
 in, in float64, so everything around them is checked exactly: the
@@ -10,8 +10,8 @@ lengths (no gradient at t >= length, the final states' gradient entering at
 length - 1), the initial states, the `tf.custom_gradient` wiring to the
 flat buffer and from `run_trainable` to the Keras variables (against the
 emulated cuDNN's gradient), and the refusals. The two TF references are
-also checked against the torch binding's (which the H200 checks against
-the kernels), where torch is installed. The same for the reverse-wavefront
+also checked against the torch binding's (which the GPU tests check
+against the kernels), where torch is installed. The same for the reverse-wavefront
 backward (v2, `backward="stack"`): `stack_recurrence_reference` in the
 kernel's place, the GEMMs of `backward_stack_wavefront` against the
 float64 tape, the op wrapper's arguments, and the "auto" choice (v2 where
@@ -191,7 +191,7 @@ def test_the_recurrence_writes_zero_gate_gradients_past_each_length():
 
 def test_the_references_are_the_torch_bindings():
     """Same numbers as rnnfuse/backends/torch/wavefront.py's references (the
-    ones the H200 checks against the kernels), in float64 with lengths."""
+    ones the GPU tests check against the kernels), in float64 with lengths."""
     torch = pytest.importorskip("torch")
     from rnnfuse.backends.torch import wavefront as torch_wf
 
@@ -481,7 +481,7 @@ def test_the_stack_recurrence_reference_is_the_layer_by_layer_recurrence():
 
 def test_the_stack_recurrence_reference_is_the_torch_bindings():
     """Same numbers as the torch binding's `stack_recurrence_reference` (the
-    one the H200 checks against the reverse-wavefront kernel)."""
+    one the GPU tests check against the reverse-wavefront kernel)."""
     torch = pytest.importorskip("torch")
     from rnnfuse.backends.torch import wavefront as torch_wf
 

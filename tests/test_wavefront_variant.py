@@ -19,7 +19,7 @@ wavefront.cuh, "Variant 1") on the CPU (no GPU needed).
   barriers' thread counts (3: kThreads/2, 4: 32 + kThreads/2) are the warps
   that take part.
 What this cannot check: the hardware (mma, ldmatrix, cp.async, bar.arrive /
-bar.sync); bench/bench_wavefront.py check --variant 1 does, on the H200.
+bar.sync); bench/bench_wavefront.py check --variant 1 does, on the GPU.
 """
 
 from __future__ import annotations

@@ -15,7 +15,7 @@ backward's device plan keeps the real rule on the kind (LSTM and GRU). Everythin
 packing, the cuDNN gradient recomputed in an inference call's backward
 pass, the fallback with its reason, and the tuner's candidate list, timing
 (a fake timer), gradient check and cache.
-The real kernel is tested on the H200 (tests/gpu/test_gpu_wavefront.py).
+The real kernel is tested on the GPU (tests/gpu/test_gpu_wavefront.py).
 """
 
 from __future__ import annotations

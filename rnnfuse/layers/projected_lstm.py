@@ -48,8 +48,8 @@ Two implementations of the same maths:
 
   `fast_path_unroll=k` (else `set_fast_path(name, unroll=k)`, else
   RNNFUSE_PROJECTED_LSTM_UNROLL) runs k time steps per loop iteration when k divides the static sequence length,
-  trading a longer loop body for fewer iterations (default 4: measured
-  faster on the H200 in every configuration).
+  trading a longer loop body for fewer iterations (default 4: faster in
+  every configuration measured, docs/benchmarks.md).
 
   The fast path is used when the backend is TensorFlow, `use_cudnn` is not
   False, `unroll` is False and there is no recurrent dropout (nor input
@@ -130,10 +130,9 @@ PATH_COUNTS: collections.Counter = collections.Counter()
 # layer's arguments nor set_fast_path chose.
 _ENV_VAR = "RNNFUSE_PROJECTED_LSTM_PATH"
 _UNROLL_ENV_VAR = "RNNFUSE_PROJECTED_LSTM_UNROLL"
-# Four steps per loop iteration by default (where 4 divides T): on the H200,
-# 1024/256, B=32, T=1000, train step, custom_xla took 84 ms unrolled 4x
-# against 137 ms (float32) and 40 ms against 133 ms (mixed_float16);
-# 4 layers 498 vs 517 ms and 410 vs 486 ms (bench/results/projected_lstm_h200.json).
+# Four steps per loop iteration by default (where 4 divides T): fewer
+# iterations beat the longer body in every measured configuration
+# (docs/benchmarks.md, "ProjectedLSTM on its own loop").
 DEFAULT_UNROLL = 4
 # set_fast_path's choice (None: not chosen, so the environment's or the default).
 _fast_path: str | None = None

@@ -1,6 +1,6 @@
 """GPU-only tests: skipped unless the Keras backend sees a GPU.
 
-Run on the lent H200 as ../shared/gpu/README.md says, for example:
+Run on a GPU machine as ../shared/gpu/README.md says, for example:
 
     bash .gpu/bin/tf-setup.sh && source .gpu/bin/tf-env.sh && python3 -m pytest -q tests/gpu
 

@@ -4,7 +4,7 @@ tests' never-slower checks.
 `rnnfuse.tuning.timing.interleaved_medians` (the tuner's and the
 benchmarks' clock) alternates the models' calls, so drift between them
 hits both alike. Timed one model after the other, a host-bound torch
-`predict` read 0.93x and then 1.04x on the same code (H200, session 16).
+`predict` read 0.93x and then 1.04x on the same code.
 
     >>> import numpy as np
     >>> class Echo:

@@ -135,7 +135,7 @@ def test_standard_float32_matches_keras_per_layer(kind, bidirectional):
             # Random (not zero) biases: with zero biases a ReLU level whose
             # input row and state are all zero has a pre-activation of exactly
             # 0, where TensorFlow's ReLU derivative is 0 and cuDNN's is not
-            # (the likely cause of an 8.6% gradient difference seen on the H200 for the
+            # (the likely cause of an 8.6% gradient difference seen for the
             # unidirectional relu stack, Keras matching float64 to 2e-7).
             cell = layer(6, return_sequences=True, dtype=dtype) if layer else L.SimpleRNN(
                 6, return_sequences=True, activation="tanh" if kind == "rnn_tanh" else "relu",

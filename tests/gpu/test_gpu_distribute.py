@@ -1,6 +1,6 @@
 """MirroredStrategy over two GPUs with the fused cuDNN kernel on each replica.
 
-Two real GPUs (nvidia-h200-x2), or the one H200 split into two logical GPUs
+Two real GPUs, or one GPU split into two logical GPUs
 by the plugin tests/gpu/logical_gpus.py, which tools/gpu/run_tests.sh loads
 (it changes nothing where there are two GPUs):
 

@@ -1,6 +1,6 @@
 """What an optimized model writes on the GPU, served where rnnfuse is not.
 
-Run on the H200 (about two minutes; see tests/gpu/conftest.py). The fused
+Run on a GPU (about two minutes; see tests/gpu/conftest.py). The fused
 models here run rnnfuse's own op (`RnnfuseCudnnRnn`), which every test checks
 first: a SavedModel traced from them without care would hold it. One fixture
 writes every artifact, then fresh Python processes in which `import rnnfuse`

@@ -1,6 +1,6 @@
 """Training through the fused cuDNN kernel on a GPU.
 
-Run on the lent H200 (see tests/gpu/conftest.py); about a minute. With
+Run on a GPU (see tests/gpu/conftest.py); about a minute. With
 RNNFUSE_REPORT_DIR set, each test writes its numbers there as JSON (loss
 curves, epoch times) for the closing note.
 

@@ -8,7 +8,7 @@ Every test proves the fused CudnnRNNV3 call ran (a spy on the backend's
 single call site, and in graph mode the op count in the traced graph), so a
 silent fallback to the original layers fails the test.
 
-Tolerances (issue 2): float32 outputs relative error <= 1e-5, gradients
+Tolerances: float32 outputs relative error <= 1e-5, gradients
 <= 1e-4; mixed_float16 <= 1e-2. TF32 is off (tests/gpu/conftest.py).
 """
 
@@ -203,7 +203,7 @@ def _merged_bidirectional(kind, merge_mode, *, levels=3, units=32):
 @pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("merge_mode", ["sum", "ave"])
 def test_bidirectional_sum_and_ave_below_the_top(kind, merge_mode, cudnn_calls):
-    """Issue 15: a sum/ave Bidirectional inside the run; the level above
+    """A sum/ave Bidirectional inside the run; the level above
     reads cuDNN's [fwd, bwd] through its input kernel packed doubled."""
     model = _merged_bidirectional(kind, merge_mode)
     assert len(rnnfuse.analyze(model).groups) == 1 and rnnfuse.analyze(model).skipped == {}

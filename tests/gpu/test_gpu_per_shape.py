@@ -1,6 +1,6 @@
 """Per-shape decisions on the real device (rnnfuse/tuning/per_shape.py).
 
-Issue 25's predict case: 8x LSTM(128), T=20. Inference tuned at batch 32
+The predict case: 8x LSTM(128), T=20. Inference tuned at batch 32
 (Keras' `predict` default) once chose persistent_dynamic (4.18 ms a layer
 against 5.82), whose speed does not carry: `predict(x, batch_size=128)` then
 ran 0.68x. Now the new bucket is timed before it runs, and predict at 128
@@ -87,7 +87,7 @@ def _tape_step(model, x, y):
 
 
 def test_a_custom_gradient_tape_loop_gets_a_timed_plan_and_is_not_slower(tmp_path):
-    """Issue 25's custom loop: 4x LSTM(256), B8, T200, float32, in the
+    """A custom training loop: 4x LSTM(256), B8, T200, float32, in the
     user's own tf.function: the fused layer times its plan at the step's
     first trace (it ran the static table's plan at 0.82x before)."""
     if keras.backend.backend() != "tensorflow":

@@ -1,5 +1,5 @@
 """Lone LSTM/GRU layers and encoder-decoder links on rnnfuse's cuDNN op
-(TensorFlow, a real GPU; issue 28 item 2).
+(TensorFlow, a real GPU).
 
 - every model of tests/single_layer_checks.py (a lone LSTM/GRU, uni- and
   bidirectional, with returned states; a seq2seq whose decoder starts from

@@ -209,7 +209,7 @@ def user_default_tf32():
 
 @pytest.mark.parametrize("which", ["relu_stack", "tanh_contracting", "rnn_lstm_cell", "masked_lstm"])
 def test_loop_kinds_follow_keras_precision_with_default_tf32(which, user_default_tf32, cudnn_calls):
-    """Issue 15, item 6: with cuDNN's TF32 allowed (PyTorch's default) a fused
+    """With cuDNN's TF32 allowed (PyTorch's default) a fused
     stack that Keras runs in its exact-float32 loop still matches it: the
     fused call runs cuDNN without TF32 (was up to 8e-4 off on a relu stack)
     and leaves the user's flag as it was."""
@@ -287,7 +287,7 @@ def test_mixed_precision_on_gpu(policy, tol, kind, cudnn_calls):
 
 
 def test_float16_auto_mode_runs_one_call_per_level_where_cudnn_is_persistent(cudnn_calls):
-    """H200 (sm 9.0, 132 SMs): PyTorch runs cuDNN's persistent kernel for
+    """PyTorch runs cuDNN's persistent kernel for
     float16 single-layer LSTM calls with hidden % 128 == 0 and batch % 8 ==
     0, so "auto" makes one call per level; "one" forces the multi-layer call."""
     keras.config.set_dtype_policy("mixed_float16")
@@ -382,7 +382,7 @@ def _merged3(kind, merge_mode, masked, layer=None):
 @pytest.mark.parametrize("merge_mode", ["sum", "ave"])
 @pytest.mark.parametrize("masked", [False, True], ids=["unmasked", "right_padded"])
 def test_bidirectional_sum_and_ave_below_the_top_on_gpu(kind, merge_mode, masked, cudnn_calls):
-    """Issue 15: one cuDNN call of 3 bidirectional levels, the upper two
+    """One cuDNN call of 3 bidirectional levels, the upper two
     reading [fwd, bwd] through input kernels packed as [W; W] or [W/2; W/2].
 
     SimpleRNN kinds get contracting weights (+-0.1), where cuDNN's tanh

@@ -1,5 +1,5 @@
 """rnnfuse's wavefront kernel as the TensorFlow op `RnnfuseWavefront`, on a
-real Hopper GPU (the H200), after the TensorFlow staging of ../shared/gpu:
+real Hopper GPU, after the TensorFlow staging of ../shared/gpu:
 
     python3 -m pytest -q -s tests/gpu/test_gpu_wavefront.py
 
@@ -606,8 +606,8 @@ def test_a_training_step_at_the_headline_shape_is_timed_against_the_cudnn_op():
     """A tf.function training step (forward + the gradients of x and every
     variable) of the 4x512 float16 LSTM at batch 64, T=1000, on run_trainable
     (its default backward: the reverse wavefront) and on rnnfuse's cuDNN op:
-    a GPU_REPORT line (the torch binding's step was 34.7 ms with the
-    reverse wavefront, 40.0 per layer, on the H200). Reported, not asserted."""
+    a GPU_REPORT line (docs/benchmarks.md has the measured steps).
+    Reported, not asserted."""
     stack, x, _, _, (dy, _, _), _ = _training_inputs(4, 512, 64, 1000, 512, "float16", False,
                                                      seed=7)
     variables = [v.value for (cell,) in stack.cells for v in cell.trainable_weights]

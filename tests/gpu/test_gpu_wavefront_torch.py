@@ -1,4 +1,4 @@
-"""rnnfuse's wavefront kernel through torch on a real Hopper GPU (the H200).
+"""rnnfuse's wavefront kernel through torch on a real Hopper GPU.
 
 Runs only with KERAS_BACKEND=torch and CUDA visible to PyTorch:
 
@@ -356,9 +356,9 @@ def test_predict_of_a_4x512_float16_lstm_at_batch_64_runs_the_custom_op(tmp_path
     medians = predict_medians({"original": model, "optimized": fast}, x, 64)
     original_s, fast_s = medians["original"], medians["optimized"]
     # A direct call on a batch already on the GPU: what the kernel changes.
-    # `predict` of these 256 x 1000 x 512 float32 inputs is host-bound (H200,
-    # session 10: 858 ms for 4 batches, of which the recurrence is ~112 ms,
-    # and the kernel's ~55 ms saving did not show: 0.99x), so it is held to
+    # `predict` of these 256 x 1000 x 512 float32 inputs is host-bound (the
+    # recurrence is about an eighth of the call, and the kernel's saving
+    # does not show), so it is held to
     # never-slower, the direct call to faster.
     batch = keras.ops.convert_to_tensor(x[:64])
     original_call_s = _median_call_s(model, batch)

@@ -1,5 +1,5 @@
 """`rnnfuse bench` and `check` under JAX: timing and gradients come from
-the JAX backend object (issue 11; before, they refused JAX)."""
+the JAX backend object."""
 
 from __future__ import annotations
 

@@ -225,7 +225,7 @@ def test_tuner_times_per_layer_and_fused_under_jax(emulated_jax_lstm):
 def test_absorbed_dropout_in_training_falls_back_to_the_original_layers(emulated_jax_lstm):
     """jax.experimental.rnn has no seeded dropout: run_stack raises
     NotImplementedError in training, and FusedRNN runs the original layers
-    with the reason recorded (issue 11); in inference the fused call runs."""
+    with the reason recorded; in inference the fused call runs."""
     from rnnfuse import FusedRNN, PathKind
 
     a = keras.layers.LSTM(4, return_sequences=True, name="a")

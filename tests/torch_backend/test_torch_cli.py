@@ -1,5 +1,5 @@
 """`rnnfuse check` under torch: outputs and gradients from the torch
-backend object (issue 11: cli/engines.py's second backend split is gone)."""
+backend object, not a second backend split in the CLI."""
 
 from __future__ import annotations
 

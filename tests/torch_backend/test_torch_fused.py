@@ -231,7 +231,7 @@ def _merged_stack(kind, merge_mode, *, masked, levels=3, units=4, layer=None):
 @pytest.mark.parametrize("merge_mode", ["sum", "ave"])
 @pytest.mark.parametrize("masked", [False, True], ids=["unmasked", "right_padded"])
 def test_sum_and_ave_below_the_top_fuse_into_one_call(kind, merge_mode, masked, torch_calls):
-    """Issue 15: the levels above a sum/ave Bidirectional read cuDNN's [fwd,
+    """The levels above a sum/ave Bidirectional read cuDNN's [fwd,
     bwd] through their input kernel packed doubled ([W; W] or [W/2; W/2])."""
     model = _merged_stack(kind, merge_mode, masked=masked)
     report = rnnfuse.analyze(model)
@@ -491,7 +491,7 @@ def test_saved_optimized_model_loads_and_runs_fused(torch_calls, tmp_path):
 
 
 def test_not_implemented_from_the_torch_backend_runs_the_original_layers(monkeypatch):
-    """FusedRNN catches NotImplementedError from run_stack (issue 11)."""
+    """FusedRNN catches NotImplementedError from run_stack."""
     import keras
 
     from rnnfuse import FusedRNN, PathKind

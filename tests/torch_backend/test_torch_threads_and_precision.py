@@ -2,11 +2,11 @@
 
 - `call_mode()` is a property of the calls made in its block, in its thread:
   two threads running two optimized models under different modes each get
-  their own, and nothing is left changed (issue 15, item 10).
+  their own, and nothing is left changed.
 - Stacks Keras runs in its loop (SimpleRNN, RNN(cell), masked layers) run
   cuDNN with TF32 off where Keras' loop computes exact float32, in the
-  forward call and its backward; the user's flag is back afterwards
-  (issue 15, item 6). The CPU has no TF32: the tests make the backend take
+  forward call and its backward; the user's flag is back afterwards.
+  The CPU has no TF32: the tests make the backend take
   that path on the CPU and watch the flag.
 """
 
@@ -97,7 +97,7 @@ def test_set_call_mode_is_the_process_default_under_blocks(monkeypatch):
 
 
 def test_a_bad_rnnfuse_torch_calls_warns_and_import_rnnfuse_still_works():
-    """Issue 28: RNNFUSE_TORCH_CALLS=bogus made `import rnnfuse` fail with
+    """RNNFUSE_TORCH_CALLS=bogus must not make `import rnnfuse` fail with
     "set_call_mode(mode): unknown mode 'bogus'" (no variable named)."""
     env = {**os.environ, "KERAS_BACKEND": "torch", "RNNFUSE_TORCH_CALLS": "bogus"}
     code = "import rnnfuse.backends.torch as t; print(t.get_call_mode())"

@@ -1,6 +1,6 @@
 """The torch binding of rnnfuse's wavefront kernel, on the CPU.
 
-The kernel itself runs on the H200 only (tests/gpu/test_gpu_wavefront_torch.py);
+The kernel itself runs on a Hopper GPU only (tests/gpu/test_gpu_wavefront_torch.py);
 here: the float64 reference it is checked against reproduces PyTorch's own
 LSTM/GRU (with lengths), the flat buffer is the canonical layout, the
 custom op has shapes for tracing, and every call the kernel cannot run says

@@ -1,7 +1,7 @@
 """The training path of rnnfuse's wavefront kernel (torch), on the CPU.
 
 The two kernels (the forward saving gates and c, the backward recurrence)
-run on the H200 only (tests/gpu/test_gpu_wavefront_torch.py); here their
+run on a Hopper GPU only (tests/gpu/test_gpu_wavefront_torch.py); here their
 torch step-by-step versions (`reference_forward_saving`,
 `recurrence_reference`, same inputs, outputs and layouts) stand in, in
 float64, so everything around them is checked exactly: the saved tensors'

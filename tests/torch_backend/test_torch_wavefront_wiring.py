@@ -15,7 +15,7 @@ plan (`_backward_reason`) keeps the real rule on the kind (LSTM and GRU). Everyt
 between `FusedRNN` and the kernels is the real code: the packing, the
 choice of forward or forward+backward by autograd, the kernel's gradient
 reaching the Keras variables, the fallbacks with their reasons, and the
-tuner. The real kernels run on the H200
+tuner. The real kernels run on the GPU
 (tests/gpu/test_gpu_wavefront_torch.py).
 """
 

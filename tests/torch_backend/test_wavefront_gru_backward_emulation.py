@@ -13,7 +13,7 @@ and carry 0 past a length). Its dgates and dh0 must equal
 `wavefront._gru_recurrence_reference` (the kernel's contract, which
 test_torch_wavefront_training.py checks against autograd of the float64
 GRU). What this cannot check: the hardware (mma, ldmatrix, cp.async, the
-flags), which the LSTM's identical code exercises on the H200.
+flags), which the LSTM's identical code exercises on the GPU.
 """
 
 from __future__ import annotations

@@ -15,8 +15,8 @@ deadlock as no runnable CTA). The result must equal
 `stack_recurrence_reference` (the kernel's contract, which
 test_torch_wavefront_training.py checks against autograd). What this
 cannot check: the hardware's semantics (mma, ldmatrix, cp.async, the
-memory model), which the layer kernel's identical code already exercises
-on the H200, and which the lead's GPU run checks for this kernel.
+memory model), which the GPU tests and bench/bench_wavefront.py grad
+check for this kernel.
 """
 
 from __future__ import annotations
