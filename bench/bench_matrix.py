@@ -39,6 +39,7 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from common import out_path  # noqa: E402
 
 # The named shapes: the large matrix first, then the small float32 models.
 SHAPES = {
@@ -287,7 +288,8 @@ def table(files: list[str]) -> str:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", help="JSON file, rewritten after each shape")
+    parser.add_argument("--out", default=None,
+                        help="JSON file, rewritten after each shape (default: outside the repository)")
     parser.add_argument("--shapes", default=",".join(SHAPES), help="comma-separated names of SHAPES")
     parser.add_argument("--backend", choices=("keras", "pytorch"), default="keras",
                         help="keras: KERAS_BACKEND's Keras; pytorch: the plain PyTorch loop")
@@ -321,6 +323,7 @@ def main(argv=None) -> int:
         meta = dict(backend=backend, keras=keras.__version__, rnnfuse=rnnfuse.__version__)
     meta.update(python=platform.python_version(), epochs=args.epochs, epoch_steps=args.epoch_steps,
                 rounds=args.rounds, steps=args.steps, quick=args.quick)
+    args.out = args.out or out_path(f"matrix_{backend}.json")
     results = []
     for name in args.shapes.split(","):
         shape = quick(SHAPES[name]) if args.quick else SHAPES[name]
