@@ -15,25 +15,12 @@ same objects, so the current weights). The optimized classes
 | `optimized.export(path, fused=True)`   | the optimized model as traced here      |
 | `restore(optimized)`                   | a plain model over the same layers      |
 
-Why weight files use the original layout. Keras 3 names each variable in
-a weights file by where it sits in the object tree (`saving_lib._walk_saveable`):
-a model's `layers` list becomes ``layers/<class name in snake case>[_k]``,
-numbered per class in list order, then each layer's own variables
-(``vars/0``, ``vars/1``, ...) and its tracked sublayers (``cell/vars/0``).
-The original LSTM stack ``[lstm, lstm, dense, lstm]`` writes
-``layers/lstm``, ``layers/lstm_1``, ``layers/dense``, ``layers/lstm_2``;
-the optimized ``[fused_rnn, dense, lstm]`` writes
-``layers/fused_rnn/fused_layers/lstm``, ..., ``layers/dense`` and
-``layers/lstm`` for what was ``lstm_2``, so a file of one would load into
-the wrong layers of the other (silently, when shapes agree). No per-layer
-hook can fix that: the names are given by the parent's list, not by
-`FusedRNN.save_own_variables`. So the optimized model's `save_weights` and
-`load_weights` go through `restore(self)`, a plain model over the same
-layer objects in the original order: its weight paths are the original
-model's, and loading into it assigns the shared variables. Files are then
-interchangeable in both directions, and a weights checkpoint written while
-training the optimized model (`ModelCheckpoint(save_weights_only=True)`)
-loads into the original model code.
+Weight files use the original layout: Keras names a file's variables by
+where they sit in the object tree, so the optimized model's own tree would
+write names the original model cannot read (silently wrong where shapes
+agree). `save_weights` and `load_weights` go through `restore(self)`, a
+plain model over the same layer objects in the original order, so files
+move both ways (docs/deployment.md has the naming in full).
 
 Example:
 

@@ -13,30 +13,18 @@ the backend. A plan says:
 - `algorithm`: that kernel's variant. For "cudnn", a cuDNN algorithm and
   math type (`Algorithm`; None: cuDNN's standard algorithm).
 
-`Algorithm` is the cuDNN part: cuDNN 9 has four RNN algorithms
-(`cudnnRNNAlgo_t`) and the math types below. rnnfuse's own TensorFlow op
-takes both as one int32 input of the kernel call and runs them in the
-forward and the backward pass; the CudnnRNNV3 fallback runs only the
-standard algorithm. Names: the algorithm, optionally followed by a math
-suffix: "standard", "persistent_static+tc" (tensor ops),
-"persistent_dynamic+tcc" (tensor ops allowing fp32 -> fp16/bf16
-conversion), "persistent_static_small_h".
+`Algorithm` is the cuDNN part: one of cuDNN 9's four RNN algorithms
+(`cudnnRNNAlgo_t`) and a math type, named "standard",
+"persistent_static+tc" (tensor ops), "persistent_dynamic+tcc" (tensor ops
+allowing fp32 -> fp16/bf16 conversion), ... rnnfuse's TensorFlow op runs it
+in both passes; the CudnnRNNV3 fallback runs the standard one only.
 
-A new kernel is one more entry of `KERNELS` and a backend that runs it;
-the plan, the cache, the tuner and the rewrite carry it as they carry
-"cudnn". A backend that cannot run a plan's kernel raises
-NotImplementedError from its fused call, and the layer runs the original
-layers (as for any call it cannot run).
-
-"wavefront" is rnnfuse's own CUDA kernel (docs/kernel.md). Not every
-backend trains on it (`inference_only`): TensorFlow and torch have its
-backward for LSTM and GRU stacks (`Capabilities.training_kernels`), JAX does not
-run it at all. The tuner times it for inference calls, and for training
-calls where the backend trains on it; a training call of a layer whose
-plan names it on another backend runs `for_training()` (the same pieces on
-cuDNN). Where the kernel refuses a call (a shape that does
-not fit on chip, no Hopper GPU, the backward's limits), the backend runs cuDNN
-and its `KernelRun` says why.
+A new kernel is one more entry of `KERNELS` and a backend that runs it. A
+backend that cannot run a plan's kernel raises NotImplementedError from its
+fused call, and the layer runs the original layers. Not every backend
+trains on every kernel (`INFERENCE_ONLY_KERNELS`, the backend's
+`Capabilities.training_kernels`): a training call there runs
+`for_training()`, the same pieces on cuDNN.
 
 Example:
 
@@ -71,22 +59,13 @@ __all__ = [
     "Plan",
 ]
 
-# The fused kernels a plan can name -> what runs.
+# The fused kernels a plan can name -> what runs. "cudnn": rnnfuse's op on
+# TensorFlow where loaded (every algorithm, both passes), else CudnnRNNV3;
+# "stock": only the framework's own ops, so an exported graph serves where
+# rnnfuse is not installed; "wavefront": rnnfuse/backends/cuda's kernel.
 KERNELS = {
-    # The backend's cuDNN call: on TensorFlow rnnfuse's own op where it is
-    # loaded (every algorithm, both passes), else CudnnRNNV3 (standard
-    # algorithm); torch's torch._VF calls; JAX's jax.experimental.rnn.
     "cudnn": "the backend's cuDNN call",
-    # Only the framework's own ops: on TensorFlow CudnnRNNV3 with the
-    # standard algorithm, never rnnfuse's op, so a graph traced with it (a
-    # SavedModel export) loads and serves where rnnfuse is not installed.
-    # Elsewhere the same as "cudnn" (torch and JAX have no rnnfuse op).
     "stock": "the framework's own cuDNN op (no rnnfuse op in the graph)",
-    # rnnfuse's persistent wavefront kernel (rnnfuse/backends/cuda/csrc:
-    # every layer's weights on chip, the layers as a wavefront), forward
-    # only: unidirectional LSTM/GRU stacks in float16/bfloat16 that fit on
-    # a Hopper GPU. TensorFlow's RnnfuseWavefront op, torch's
-    # torch.ops.rnnfuse.wavefront_forward; cuDNN runs what it refuses.
     "wavefront": "rnnfuse's wavefront kernel (cuDNN where it cannot run)",
 }
 # The kernels with no backward pass on some backend: a training call of a
