@@ -404,9 +404,9 @@ class FusedRNN(keras.layers.Layer):
             # Traced where Keras' own LSTM/GRU run cuDNN: their traced step
             # fails at run time on a mask that is not right-padded (Keras'
             # `_assert_valid_mask`), so this one fails the same way and
-            # traces no branch for other masks. That branch cost a masked
-            # step on the H200 at run time (its gradient carries both
-            # branches' intermediates) and its trace seconds of tuning.
+            # traces no branch for other masks. That branch costs a masked
+            # step at run time (its gradient carries both branches'
+            # intermediates) and its trace seconds of tuning.
             backend.assert_mask_supported(supported)
             known = True
         # The last layer's activity loss is added once, after the branch: a

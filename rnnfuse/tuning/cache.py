@@ -35,7 +35,7 @@ Example:
 
     >>> import tempfile, pathlib
     >>> cache = PlanCache(pathlib.Path(tempfile.mkdtemp()) / "plans.json")
-    >>> key = CacheKey.of({"device": "H200"}, "lstm/u8", (32, 20, 4), "float32", training=True)
+    >>> key = CacheKey.of({"device": "GPU-A"}, "lstm/u8", (32, 20, 4), "float32", training=True)
     >>> cache.put(key, {"plan": {"pieces": [2], "algorithm": None}})
     >>> cache.get(key)["plan"]["pieces"]
     [2]

@@ -1,12 +1,11 @@
 """Per-shape decisions: each plan is timed for the shape bucket it runs on.
 
 A plan decided at one input shape does not carry to another: cuDNN's
-persistent algorithms in particular do not carry across batch sizes (on the
-H200, 8x LSTM(128) T20 inference: persistent_dynamic 4.18 ms a layer at
-batch 32, 13.38 ms at batch 128, where the standard algorithm takes 5.21
-ms). So an optimized model keeps one decision per group, mode (training,
-inference) and shape bucket, `bucket_of(batch, steps)`: the batch size and
-the number of steps, each rounded to the nearest power of two.
+persistent algorithms in particular do not carry across batch sizes
+(docs/benchmarks.md, "The tuner's thresholds"). So an optimized model
+keeps one decision per group, mode (training, inference) and shape
+bucket, `bucket_of(batch, steps)`: the batch size and the number of steps,
+each rounded to the nearest power of two.
 
 The rule (what `decide` and the layers' `Planner` do):
 
@@ -43,13 +42,12 @@ The rule (what `decide` and the layers' `Planner` do):
    apart (`decision_key`). On a GPU this concerns SimpleRNN stacks: Keras
    XLA-compiles their steps, while its LSTM and GRU layers (cuDNN) are not
    XLA-compiled on either path. XLA changes the original's speed by
-   whole factors there (a SimpleRNN stack predicted at 0.11x without it
-   on the H200, `first_batch.mode_jit_compile`).
+   whole factors there (`first_batch.mode_jit_compile`).
 
 The cost: the first bucket of a mode times every candidate (what
 first-batch tuning has always cost); each later bucket times a few
 candidates (usually two to four), about a second of traces and a fraction
-of a second of timing on the H200.
+of a second of timing.
 
 Example (no GPU: nothing is timed; a persistent plan runs as standard
 where it was not timed):

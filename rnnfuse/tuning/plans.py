@@ -39,11 +39,9 @@ CANDIDATE_ALGORITHMS: tuple[str | None, ...] = (
 
 
 # Batches above which cuDNN's persistent algorithms never came within 24%
-# of the best plan in the H200 user-view matrix (sessions 4-14, TensorFlow:
-# float32 above 32, 23 decisions, best 1.24x behind; float16 above 128, 5
-# decisions, best 2.8x behind), so they are not timed there: their first
-# calls cost most (persistent_dynamic compiles its kernel at first use,
-# about 1 s). bfloat16 has no such bound (they won at every batch).
+# of the best plan (docs/benchmarks.md, "The tuner's thresholds"), so they
+# are not timed there: their first calls cost most. bfloat16 has no such
+# bound (they won at every batch).
 PERSISTENT_MAX_BATCH = {"float32": 32, "float16": 128}
 
 
@@ -60,7 +58,7 @@ def persistent_reason(dtype: str, batch: int) -> str | None:
     if bound is None or int(batch) <= bound:
         return None
     return (f"not timed: at a batch over {bound} in {dtype}, persistent algorithms never "
-            "came within 24% of the best in the H200 matrix (PERSISTENT_MAX_BATCH)")
+            "came within 24% of the best in the measured matrix (PERSISTENT_MAX_BATCH)")
 
 
 def candidate_plans(

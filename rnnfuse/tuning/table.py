@@ -6,7 +6,7 @@ and, with `proven_only`, for a shape nothing can be timed on
 is reduced to a `Regime` (cell kind, width, levels, directions, whether
 Keras runs it in its generic loop, dtype, training or inference, and the
 batch size where it is known) and the first rule of `RULES` that matches
-gives the plan. Each rule cites the H200 measurements behind it (TF 2.21,
+gives the plan. Each rule cites the measurements behind it (TF 2.21,
 cuDNN 9.19; the full matrix is in docs/benchmarks.md, produced by
 bench/bench_tf.py, and the user-view matrix, bench/bench_user_view.py) and
 says whether its plan was slower than the original layers anywhere in them
@@ -64,10 +64,10 @@ def _halves(n: int) -> Plan:
 
 
 # (name, predicate, plan for a run of n layers, evidence, proven). First
-# match wins. Evidence: speedup over the original model on the H200 (TF 2.21,
-# cuDNN 9.19): bench/results/tf_h200.json (26 cells, in-sample, the matrix
+# match wins. Evidence: speedup over the original model (TF 2.21,
+# cuDNN 9.19, docs/benchmarks.md): bench/results/tf_h200.json (26 cells, in-sample, the matrix
 # the rules were fitted to) and the user-view matrix
-# (bench/results/user_view_tf_h200_*.json: 104 training and inference
+# (bench/results/user_view_tf_h200_*.json: the training and inference
 # decisions timed by first-batch tuning through fit and predict, out of
 # sample). `proven`: the rule's plan was slower than the original layers in
 # none of them (tests/test_table.py checks the user-view ones). Where
@@ -93,8 +93,8 @@ RULES: list[tuple[str, Callable[[Regime], bool], Callable[[int], Plan], str, boo
         "one LSTM/GRU layer on Keras' cuDNN path: per layer",
         lambda r: r.levels == 1 and not r.keras_loop,
         lambda n: PER_LAYER,
-        "bench/bench_single_layers.py through fit on the H200 "
-        "(2026-12-02): Keras' own call is one cuDNN call as well, so the "
+        "bench/bench_single_layers.py through fit: Keras' own call is one "
+        "cuDNN call as well, so the "
         "fused call gains only from the algorithm. 1x512 B64 T1000 fp16: "
         "the standard algorithm fused 37.3 ms (LSTM) / 36.1 (GRU) a step "
         "against Keras' 38.5 / 37.4, persistent_static 19.2 / 20.6, so fit "
@@ -126,9 +126,8 @@ RULES: list[tuple[str, Callable[[Regime], bool], Callable[[int], Plan], str, boo
         "user-view matrix, batch 2-64: 1.49-5.31x in training and "
         "1.61-7.77x in inference (LSTM 4x512 B64, bi-LSTM 4x736 B7 and "
         "3x448 B2, bi-GRU 5x224 B13, 3x192 B2, 5x256 B13; SimpleRNN "
-        "training 1.95x, 2.62x); in-sample batch 8-64 1.14-2.42x. Refitted "
-        "in session 10 from the decisions at 4x the batch: bidirectional "
-        "stacks lost there (bi-LSTM 4x736 inference at batch 28: "
+        "training 1.95x, 2.62x); in-sample batch 8-64 1.14-2.42x. At 4x the "
+        "fit batch bidirectional stacks lost (bi-LSTM 4x736 inference at batch 28: "
         "persistent_static 106.8 ms against 57.6 per layer, 0.54x, where "
         "batch 7 ran 1.82x; bi-GRU 5x224 at batch 52: 0.90x, batch 13 "
         "1.82x); unidirectional batch 33-64: LSTM 4x512 B64 1.49-2.32x, "
@@ -284,7 +283,7 @@ def _torch_table(group, dtype, training, batch=None, proven_only=False) -> Plan:
 
 
 # The static tables a backend can name (`Capabilities.plan_table`): the
-# H200 rule table above (measured with TensorFlow's kernels), torch's,
+# rule table above (measured with TensorFlow's kernels), torch's,
 # "fuse every run whole" and "keep Keras' layers".
 TABLES: dict[str, Callable] = {
     "tensorflow": _tensorflow_table,

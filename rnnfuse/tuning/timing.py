@@ -74,7 +74,7 @@ def interleaved_medians(
     tighter factor applied from the third round on, to every step but those
     named in `keep` (the tuner's baseline, the original layers: a decision
     against them needs their median over every round, and a launch-bound
-    step's calls can spread 40% on the H200). `beat` (in (0, 1], with
+    step's calls can spread 40%). `beat` (in (0, 1], with
     `prune` and `keep`): from the third round on, a step not in `keep` whose
     fastest call is over `beat` x the best median of the `keep` steps still
     running stops (the tuner keeps the original layers unless a plan beats

@@ -25,7 +25,7 @@
    (an op error) is left out with cuDNN's message. A group that reads a
    padding mask gets no persistent candidates (cuDNN refuses them with
    padded lengths), nor does a batch over `PERSISTENT_MAX_BATCH` of its
-   dtype (they never came close there on the H200).
+   dtype (they never came close there).
 4. Time the steps side by side (`interleaved_medians`: one more warm-up
    call where the first call ran eagerly (torch; a TensorFlow step's first
    call set its graph up and ran it), then interleaved rounds, racing: a
@@ -39,8 +39,8 @@
    split plans only on the algorithms whose whole run came within PRUNE
    of the best, beside that best again (and the original layers, where
    they came within PRUNE of it); one stage where the fused plans have
-   one algorithm (a candidate's trace and first call cost about a second
-   on the H200, and a split on an algorithm that lost by 1.5x on the
+   one algorithm (a candidate's trace and first call cost about a second,
+   and a split on an algorithm that lost by 1.5x on the
    whole run never won in the user-view matrix). Keep the fastest; for training, a
    plan with a non-default algorithm is kept only if its gradients are as
    close to a float64 reference as the default algorithm's with the same
@@ -95,7 +95,7 @@ GRADIENT_SLACK = 2.0
 # ... or within this many units of the compute dtype's rounding (relative):
 # in float16, every algorithm's gradients are ~1e-3 from float64 (the fp16
 # rounding of activations), so "2x the default's" alone would reject
-# cuDNN's persistent kernels on noise (H200: 7.6e-4 persistent vs ~3e-4).
+# cuDNN's persistent kernels on noise (docs/benchmarks.md).
 ROUNDING_UNITS = 4.0
 _EPS = {"float16": 2.0**-10, "bfloat16": 2.0**-7}
 # A candidate this many times slower than the best stops being timed
@@ -109,31 +109,24 @@ PRUNE = 1.5
 # it (tests/test_timing.py); a race with one candidate left ends there.
 RACE = 1.2
 # ... except the original layers: the margin below is judged against their
-# median, so it is taken over every round. Raced out after three slow calls,
-# a masked bi-GRU's original layers read 17.5 ms against 13.0 fused on the
-# tuner's clock, and predict then ran the fused plan at 0.87x (their calls
-# spread 12-17 ms; H200, session 14, user-view cell 21).
+# median, so it is taken over every round (raced out after a few slow
+# calls, a noisy baseline let a slower fused plan win).
 
 # Where a step's first call runs it eagerly (torch), a step whose first call
 # took over PRUNE**2 x the fastest one's and over this many seconds gets no
-# warm-up call: Keras' masked torch loop (16-17 s a step for a masked 6-layer
-# LSTM on the H200, against 0.04 s fused) cost a second call to lose.
+# warm-up call: Keras' masked torch loop (seconds a step, against
+# milliseconds fused) would cost a second call to lose.
 FIRST_CALL_PRUNE_S = 1.0
 # ... and the original layers' first call at the full length is not made
 # at all where first calls on PROBE_STEPS and 2 x PROBE_STEPS steps
 # extrapolate (a fixed part plus a part linear in the steps) to a clearly
-# slow one: Keras' masked torch loop cost the median drawn model's tuning
-# 2.4 of its 3.2 s on the H200 (session 10) against a fused plan 45x
-# faster. Only for groups of at least PROBE_MIN_STEPS steps.
+# slow one: a full first call of Keras' masked torch loop is most of a
+# model's tuning. Only for groups of at least PROBE_MIN_STEPS steps.
 PROBE_STEPS = 16
 PROBE_MIN_STEPS = 8 * PROBE_STEPS
 # The original layers are kept unless a plan beats them by this share on
-# the tuner's clock. The tuner times a group alone; through `fit` (H200
-# user-view matrix, sessions 4-7, docs/benchmarks.md) the 12 plans that won
-# by under 10% there gained -2.7 ms a step on average (6 read below 0.97x),
-# the 23 cells that kept the original layers +1.9 ms (7 below 0.97x: the
-# benchmark's noise between two models on the same kernels), and 22 of the
-# 25 plans that won by more ran faster: a smaller win is not worth the risk.
+# the tuner's clock: the tuner times a group alone, and through `fit`
+# smaller wins did not hold (docs/benchmarks.md, "The tuner's thresholds").
 KEEP_ORIGINAL_MARGIN = 0.10
 
 
@@ -215,10 +208,10 @@ def _runner(group: FusionGroup, plan: Plan, dtype: str | None = None) -> Callabl
     model's own step traces, its branch for other masks (the original
     layers in Keras' generic loop) or, where Keras' own layers assert the
     mask (`FusedRNN._keras_asserts_traced_masks`), that assertion, since
-    the branch is part of what a masked step costs (H200, session 10: a
-    masked split plan 14% ahead on a clock without it ran 7% behind through
-    `fit`); `algorithm` is `Backend.timed_steps`' runtime value for the
-    fused calls' algorithm (the original layers ignore it)."""
+    the branch is part of what a masked step costs (a masked split plan
+    14% ahead on a clock without it ran 7% behind through `fit`);
+    `algorithm` is `Backend.timed_steps`' runtime value for the fused
+    calls' algorithm (the original layers ignore it)."""
     from rnnfuse.fused import FusedRNN, call_members
 
     if plan.for_length(len(group.layers)).per_layer:
@@ -587,7 +580,7 @@ def _time_in_stages(plans, rejected, bar, measured):
     Stage two: the other pieces (halves; torch's one call per
     layer), only with the algorithms whose whole-run plan came within PRUNE
     of stage one's best (the others are recorded in `rejected`, not traced:
-    on the H200 each candidate's trace and first call cost about 1 s, and a
+    each candidate's trace and first call cost about 1 s, and a
     split on an algorithm that loses by 1.5x on the whole run has never
     won), timed beside stage one's best again (and the original layers,
     where they came within PRUNE of it), so the plans that decide are
@@ -666,8 +659,8 @@ def _steps(group, plans, shape, dtype, training, jit_baseline=False, masked=Fals
 def _shared_steps(group, plans, x, dtype, training) -> dict:
     """name -> step for the fused plans among `plans` whose pieces another
     plan has with another algorithm: one `Backend.timed_steps` per piece
-    set, so each set costs one trace and one graph set-up (on the H200
-    each costs about half a second, 70-90% of tuning before), however
+    set, so each set costs one trace and one graph set-up (about half a
+    second each, most of TensorFlow's tuning), however
     many algorithms it is timed with. {} where the backend builds a step
     per plan."""
     by_pieces: dict = {}
@@ -877,9 +870,9 @@ class GradientCheck:
     plan's gradients and, for a plan besides cuDNN's default algorithm, its
     default-algorithm twin's (which `_fastest_with_sound_gradients` asks for
     next) in one `Backend.gradients_of` call: on TensorFlow one trace and
-    one graph set-up instead of three (about half a second each on the
-    H200). Where that call fails, each is computed on its own, so an error
-    is the plan's that raised it (a refusal, or a bug to raise)."""
+    one graph set-up instead of three (about half a second each). Where
+    that call fails, each is computed on its own, so an error is the
+    plan's that raised it (a refusal, or a bug to raise)."""
 
     def __init__(self):
         self._references: dict = {}

@@ -44,7 +44,7 @@ __all__ = ["BACKWARDS", "DTYPES", "FORWARD_VARIANT", "H200", "KINDS", "STACK_BAC
 KINDS = ("lstm", "gru")
 DTYPES = ("float16", "bfloat16")
 # The limits the plan is checked against where no device is asked (tests,
-# docs): an H200's SM count and opt-in shared memory a block.
+# docs): a 132-SM Hopper GPU's SM count and opt-in shared memory a block.
 H200 = {"sms": 132, "smem": 232448}
 _LAYER_FIELDS = ("ctas", "mg", "kg", "ng", "units", "kpad", "smem")
 
@@ -52,8 +52,8 @@ _LOCK = threading.Lock()
 _LOADED: dict[str, "WavefrontLibrary"] = {}
 # Cache folder -> the library built there, once per process: checking the
 # build runs nvcc twice (--version, --dryrun), about 15 ms, and every torch
-# call of the kernel loads the library three times (45 ms a call, 4x the
-# kernel's 12 ms on the H200 at 4x512 B64 T1000).
+# call of the kernel loads the library three times: unchecked, that cost
+# several times the kernel itself.
 _BUILT: dict[str, Path] = {}
 
 
@@ -262,7 +262,7 @@ class WavefrontLibrary:
 # The kernels' variants the bindings run unless a caller asks for another
 # (wavefront.cuh, "Variants"; the forward's 0 or 1, the stack backward's 0,
 # 1 or 2, which its plan steps down from where shared memory does not fit).
-# A variant becomes a default here only once the H200 has shown it exact and
+# A variant becomes a default here only once the GPU has shown it exact and
 # faster at the headline and on the checked shapes (docs/kernel.md).
 FORWARD_VARIANT = 0
 STACK_BACKWARD_VARIANT = 0

@@ -8,11 +8,9 @@ SimpleRNN stacks, and other dtypes than float32, stay on Keras' path
 (`unsupported_reason`), and it has no CPU lowering (`is_available` needs a
 GPU).
 
-Measured on the H200 before this module was written (bench/bench_jax.py,
-docs/benchmarks.md): one multi-layer call against Keras' per-layer calls,
-float32, 32 cells: 0.88x-1.62x, geometric mean 1.07x; it wins at batch 64
-with 512 units (1.18x-1.62x) and loses up to 12% at batch 8. So the static
-plan under JAX keeps Keras' layers (`rnnfuse.tuning.table.static_plan`),
+One multi-layer call wins against Keras' per-layer calls at large batch
+and width and loses a little at small batch (docs/benchmarks.md, "JAX").
+So the static plan under JAX keeps Keras' layers (`rnnfuse.tuning.table.static_plan`),
 and `optimize(model, tune=batch)` times both and fuses where it is faster.
 
 Weight blob (jax.experimental.rnn's `_get_params_shapes_in_lstm`, cuDNN's
@@ -28,7 +26,7 @@ W_ih = [s*W; s*W]^T, s = 1 or 1/2: the call feeds it [fwd, bwd], and
 
 Not fused under JAX (the original layers run, exactly): masked calls
 (`mask_is_supported` is False: wrong gradients from the cuDNN call with
-ragged lengths on the H200), a go_backwards first layer (`group_reason`),
+ragged lengths), a go_backwards first layer (`group_reason`),
 float16/bfloat16, GRU and SimpleRNN. Between-level dropout has no seed in
 jax.experimental.rnn, so the planner does not absorb Dropout layers under
 JAX.
@@ -102,8 +100,7 @@ def group_reason(group: Any) -> str | None:
     Besides non-LSTM runs: a go_backwards first layer. Keras 3.15's JAX
     cuDNN LSTM returns a go_backwards layer's sequence flipped back to input
     order, while its own loop (and the TensorFlow and torch backends)
-    return it in processing order; on the H200 the two differ by 1.5
-    (relative, bench/diag_jax_states.py). rnnfuse's call follows the loop,
+    return it in processing order (bench/diag_jax_states.py). rnnfuse's call follows the loop,
     so fusing would change the numbers of the original model.
     """
     reason = _kind_reason(group.cell)
@@ -133,9 +130,9 @@ def mask_is_supported(mask: Any):
 
     `run_stack` turns a right-padded mask into `seq_lengths`, which matches
     Keras' loop through jax.experimental.rnn's reference on the CPU and in
-    the forward pass on the H200 (6.1e-7), but the gradients of the cuDNN
-    call with ragged lengths were 7.6 (relative) from Keras' loop there
-    (bench/diag_jax_states.py), so masked calls are not fused.
+    the forward pass on the GPU, but the cuDNN call's gradients with
+    ragged lengths are wrong (bench/diag_jax_states.py), so masked calls
+    are not fused.
     """
     del mask
     return jnp.asarray(False)

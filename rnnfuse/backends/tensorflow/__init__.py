@@ -23,7 +23,7 @@ Both take the same flat parameters.
 The flat parameter buffer is built on every call from the original Keras
 variables, so gradients reach them. Layout (cuDNN's canonical order; with it
 a fused 3-layer LSTM and GRU and a 2-layer bidirectional stack reproduced
-Keras' per-layer cuDNN output with max abs diff 0.0 on the H200):
+Keras' per-layer cuDNN output with max abs diff 0.0):
 
     flat = W(p0) ++ W(p1) ++ ... ++ B(p0) ++ B(p1) ++ ...
 
@@ -135,8 +135,8 @@ def device_environment() -> dict:
 
     Read at every `fit`/`evaluate`/`predict` call of an optimized model;
     the GPU's details and the build's cuDNN version are read once a process
-    (`_gpu_name`, `_cudnn_version`: neither can change in one), which cost a
-    call 1.3 ms on the H200 (bench/diag_call_overhead.py, session 14).
+    (`_gpu_name`, `_cudnn_version`: neither can change in one, and reading
+    them cost every call about a millisecond).
     """
     gpus = tf.config.list_physical_devices("GPU")
     return {
@@ -149,7 +149,7 @@ def device_environment() -> dict:
 
 @functools.lru_cache(maxsize=None)
 def _gpu_name(gpu: Any) -> str:
-    """The name of `gpu`, a `tf.config.PhysicalDevice`: "NVIDIA H200"."""
+    """The name of `gpu`, a `tf.config.PhysicalDevice` ("NVIDIA ...")."""
     return tf.config.experimental.get_device_details(gpu).get("device_name", "gpu")
 
 
@@ -514,7 +514,7 @@ def run_stack(
     note = None
     if mask is not None and (runtime or (algorithm is not None and not algorithm.is_standard)):
         # cuDNN's persistent algorithms refuse padded sequence lengths
-        # (CUDNN_STATUS_NOT_SUPPORTED on the H200; PyTorch runs them only
+        # (CUDNN_STATUS_NOT_SUPPORTED; PyTorch runs them only
         # for unpacked input): a masked call runs the standard algorithm.
         note = "a masked call runs the standard algorithm (padded lengths)"
         algorithm, runtime = None, False

@@ -44,7 +44,7 @@ class TensorFlowBackend(KernelModuleBackend):
             xla_compiles_fused_call=False,
             tunes_one_call_per_layer=False,
             tuned_algorithms=kernels.tuned_algorithms(),
-            # The rule table measured on the H200 with these kernels.
+            # The rule table measured with these kernels (docs/benchmarks.md).
             plan_table="tensorflow",
             projected_lstm_loop="tensorflow",
             auto_jit_from_layers=True,

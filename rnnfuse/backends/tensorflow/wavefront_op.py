@@ -34,7 +34,7 @@ the reverse wavefront being LSTM only).
 reasons, then the backward's: its plan); `run_trainable`
 raises NotImplementedError with it, and the caller runs cuDNN.
 
-Example (on an H200, inside a tf.function or eagerly):
+Example (on a Hopper GPU, inside a tf.function or eagerly):
 
     >>> run = run_stack(x, stack=stack)  # doctest: +SKIP
     >>> run.kernel.name  # doctest: +SKIP

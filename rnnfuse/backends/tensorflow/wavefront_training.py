@@ -37,7 +37,7 @@ float64 with cuDNN's rules for lengths, differentiable (the tests'
 reference gradients). `wavefront_op.run_trainable` is the `run_stack`
 form, from a `StackSpec`.
 
-Example (on an H200; x [T, B, I] float16, params, h0, c0 as above):
+Example (on a Hopper GPU; x [T, B, I] float16, params, h0, c0 as above):
 
     >>> with tf.GradientTape() as tape:  # doctest: +SKIP
     ...     tape.watch(params)

@@ -54,8 +54,8 @@ except that (call mode "auto", see `levels_per_call`) float16 stacks on CUDA
 that PyTorch would run on cuDNN's persistent kernel as single-layer calls
 run one call per level: PyTorch picks that kernel only for single-layer,
 unidirectional, unpacked float16 calls, and its fused multi-layer float16
-call was measured 2.5-6x slower than per-layer calls on the H200
-(../shared/DESIGN.md). `set_call_mode("one" | "per_level" | "auto")` (or
+call runs cuDNN's standard kernel, several times slower than per-layer
+calls (docs/benchmarks.md). `set_call_mode("one" | "per_level" | "auto")` (or
 the environment variable RNNFUSE_TORCH_CALLS) overrides the choice for the
 process, `with call_mode(...)` for the calls of one thread, for benchmarks.
 
@@ -487,8 +487,8 @@ def levels_per_call(stack: StackSpec, x: torch.Tensor, packed: bool) -> int:
     "auto" runs the whole stack in one call, except for float16 on CUDA
     where PyTorch picks cuDNN's persistent kernel only for single-layer,
     unidirectional, unpacked calls without projection: there the fused
-    multi-layer call runs cuDNN's standard kernel and was measured 2.5-6x
-    slower than per-layer calls (H200, ../shared/DESIGN.md), so each level
+    multi-layer call runs cuDNN's standard kernel, several times slower
+    than per-layer calls (docs/benchmarks.md), so each level
     gets its own call (still inside the one FusedRNN layer: no Keras loop,
     no per-layer Python overhead, masks stay packed).
     """

@@ -39,7 +39,7 @@ class TorchBackend(KernelModuleBackend):
         xla_compiles_fused_call=False,
         tunes_one_call_per_layer=True,
         tuned_algorithms=(None,),
-        # The H200 table was measured with TensorFlow's kernels: torch has
+        # The TensorFlow table was measured with TensorFlow's kernels: torch has
         # its own (fuse, keep Keras' layers in half precision) and picks
         # its own calls (levels_per_call).
         plan_table="torch",

@@ -36,7 +36,7 @@ biases as GEMMs). `run_trainable` is its `run_stack`; `training_reason`
 its checks. `reference_forward_saving` and `recurrence_reference` are the
 two kernels in torch (the CPU tests'). By default (`backward="auto"`,
 `backward_choice`) the backward pass is `backward_stack_wavefront`
-instead where its plan accepts the stack (v2, exact on the H200): every
+instead where its plan accepts the stack (v2): every
 layer's recurrence in ONE reverse-wavefront launch
 (`backward_stack_kernel`; `stack_recurrence_reference` in torch), then
 the same GEMMs; `backward="layer"` forces v1. A GRU
@@ -44,7 +44,7 @@ the same GEMMs; `backward="layer"` forces v1. A GRU
 LSTM only): `backward_layer(..., kind="gru")` and the GEMMs over its four
 virtual gates (wavefront.cuh, "The GRU backward").
 
-Example (on an H200):
+Example (on a Hopper GPU):
 
     >>> lstm = torch.nn.LSTM(512, 512, 4).cuda().half()  # doctest: +SKIP
     >>> y, hy, cy = forward(x, flat_params(lstm), h0, c0, None,
@@ -119,7 +119,7 @@ def _launch_stream(device: torch.device) -> int:
     the stream is the default one (0). torch's autograd thread for a device
     starts without one (its set_device skips the runtime call where the
     device is already the current one), so the backward pass's first launch
-    found no context on the H200; a stream query (a runtime call) makes the
+    found no context; a stream query (a runtime call) makes the
     primary context current.
     """
     stream = torch.cuda.current_stream(device)
@@ -718,7 +718,7 @@ def trainable_forward(x: torch.Tensor, params: torch.Tensor, h0: torch.Tensor,
     is a `torch.cat`), h0 and c0. `backward` (`backward_choice` applies
     it): "auto" (the default) is the reverse-wavefront backward
     (`backward_stack_wavefront`, every layer's recurrence in ONE launch,
-    v2, exact on the H200) where `library.backward_stack_reason` accepts
+    v2) where `library.backward_stack_reason` accepts
     the stack, else "layer" (`backward_stack`, one backward launch a
     layer, v1); "layer" and "stack" force one. `saving` and `recurrence`
     replace the forward kernel and the recurrence of the backward that
@@ -732,7 +732,7 @@ def trainable_forward(x: torch.Tensor, params: torch.Tensor, h0: torch.Tensor,
         ValueError: an LSTM's c0 is None, `backward` is not "auto", "layer"
             or "stack", or a GRU's is "stack".
 
-    Example (on an H200):
+    Example (on a Hopper GPU):
 
         >>> lstm = torch.nn.LSTM(512, 512, 4).cuda().half()  # doctest: +SKIP
         >>> backward_choice(x, h0).backward  # 4 x 512, B64, T1000  # doctest: +SKIP
