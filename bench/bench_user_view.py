@@ -83,6 +83,7 @@ import numpy as np  # noqa: E402
 
 import rnnfuse  # noqa: E402
 from rnnfuse.fused import fused_layers  # noqa: E402
+from rnnfuse.tuning.clock import now  # noqa: E402
 
 KINDS = ("lstm", "gru", "simple_rnn", "bi_lstm", "bi_gru")
 DTYPES = ("float32", "mixed_float16", "mixed_bfloat16")
@@ -319,9 +320,9 @@ def whole_calls(models: list[tuple[str, keras.Model]], kind: str, x, y, batch: i
     alternating (the order flipped every call), and more, up to
     `max_calls`, while the calls after the first have taken under
     `budget_s` in all (cheap calls get more samples); the first call
-    carries its traces (and the optimized model's tuning).
+    carries its traces (and the optimized model's tuning). Seconds are read
+    from `rnnfuse.tuning.clock.now()` (a test's fake clock).
 
-        >>> import time
         >>> class Stub:
         ...     def predict(self, x, batch_size, verbose): return x
         >>> out = whole_calls([("a", Stub()), ("b", Stub())], "predict", [0.0], None, 1)
@@ -334,12 +335,12 @@ def whole_calls(models: list[tuple[str, keras.Model]], kind: str, x, y, batch: i
         if c >= calls and spent >= budget_s:
             break
         for name, m in models if c % 2 == 0 else models[::-1]:
-            start = time.perf_counter()
+            start = now()
             if kind == "fit":
                 m.fit(x, y, batch_size=batch, epochs=1, verbose=0)
             else:
                 keras.tree.map_structure(np.asarray, m.predict(x, batch_size=batch, verbose=0))
-            took = time.perf_counter() - start
+            took = now() - start
             seconds[name].append(took)
             if c:
                 spent += took

@@ -35,7 +35,8 @@ functions; tests/test_layering.py checks every import):
     records        reasons.py (Reason, CallPath), report.py (the records
                    only), report_text.py (a report as rich tables and
                    text), plan.py (Plan, Algorithm), _version.py, _deps.py
-                   (importing keras), schema/ (JSON Schema files)
+                   (importing keras), schema/ (JSON Schema files),
+                   scoped.py (the one helper for scoped switches)
     describe/graph recurrent.py (RecurrentView), passes/graph.py
     rules          rules/ (the registry and every fusion rule)
     backends       backends/ (the Backend contract and one package per
@@ -112,6 +113,7 @@ LAYERS = (
         "rnnfuse._version",
         "rnnfuse._deps",
         "rnnfuse.schema",
+        "rnnfuse.scoped",
     ),
     ("rnnfuse.recurrent", "rnnfuse.passes.graph"),
     ("rnnfuse.rules",),

@@ -85,6 +85,18 @@ def _fresh_keras_state():
 
 
 @pytest.fixture
+def fake_clock():
+    """The tuner's clock for this test: a FakeClock (tests/fake_clock.py)
+    that only the test's fake steps advance."""
+    from fake_clock import FakeClock
+
+    from rnnfuse.tuning.clock import using_clock
+
+    with using_clock(FakeClock()) as clock:
+        yield clock
+
+
+@pytest.fixture
 def emulated_cudnn(monkeypatch):
     """Runs FusedRNN's fused path on the CPU with a reference CudnnRNNV3.
 

@@ -153,22 +153,23 @@ def test_resolution_shrinks_with_more_rounds_and_reads_the_raw_rounds():
 
 
 class _TimedStub:
-    """A model stand-in whose predict takes `seconds` (sleeps)."""
+    """A model stand-in whose predict costs `seconds` on `clock` (fake_clock)."""
 
-    def __init__(self, seconds):
-        self.seconds = seconds
+    def __init__(self, seconds, clock):
+        self.seconds, self.clock = seconds, clock
 
     def predict(self, x, batch_size, verbose):
-        import time
-        time.sleep(self.seconds)
+        self.clock.advance(self.seconds)
         return x
 
 
-def test_whole_calls_take_more_samples_only_while_calls_are_cheap():
-    cheap = bench_user_view.whole_calls([("a", _TimedStub(0)), ("b", _TimedStub(0))],
-                                        "predict", [0.0], None, 1)
+def test_whole_calls_take_more_samples_only_while_calls_are_cheap(fake_clock):
+    cheap = bench_user_view.whole_calls(
+        [("a", _TimedStub(0, fake_clock)), ("b", _TimedStub(0, fake_clock))],
+        "predict", [0.0], None, 1)
     assert len(cheap["a"]) == len(cheap["b"]) == bench_user_view.MAX_CALLS
-    dear = bench_user_view.whole_calls([("a", _TimedStub(0.02)), ("b", _TimedStub(0.02))],
-                                       "predict", [0.0], None, 1, budget_s=0.05)
+    dear = bench_user_view.whole_calls(
+        [("a", _TimedStub(0.02, fake_clock)), ("b", _TimedStub(0.02, fake_clock))],
+        "predict", [0.0], None, 1, budget_s=0.05)
     # 5 calls at least, though the budget was spent after the second
     assert len(dear["a"]) == len(dear["b"]) == bench_user_view.CALLS

@@ -25,40 +25,12 @@ def test_sync_accepts_nested_results_and_plain_values():
     sync({"x": np.ones(3), "y": [np.zeros(1), 2.0]})
 
 
-class FakeClock:
-    """A deterministic clock: each step advances it by its own cost."""
-
-    def __init__(self):
-        self.now = 0.0
-
-    def perf_counter(self):
-        return self.now
-
-    def step(self, seconds, calls, name):
-        def run():
-            calls.append(name)
-            self.now += seconds
-
-        return run
-
-
-@pytest.fixture
-def clock(monkeypatch):
-    import types
-
-    from rnnfuse.tuning import timing
-
-    fake = FakeClock()
-    monkeypatch.setattr(timing, "time", types.SimpleNamespace(perf_counter=fake.perf_counter))
-    return fake
-
-
-def test_prune_stops_running_a_clearly_slower_step_and_keeps_its_times(clock):
+def test_prune_stops_running_a_clearly_slower_step_and_keeps_its_times(fake_clock):
     calls = []
     steps = {
-        "fast": clock.step(0.001, calls, "fast"),
-        "close": clock.step(0.0012, calls, "close"),
-        "slow": clock.step(0.03, calls, "slow"),
+        "fast": fake_clock.step(0.001, calls, "fast"),
+        "close": fake_clock.step(0.0012, calls, "close"),
+        "slow": fake_clock.step(0.03, calls, "slow"),
     }
     result = interleaved_medians(steps, warmup=1, repeats=6, prune=1.5)
     # The slow step ran its warm-up call only (30x > 1.5**2): its median is that call.
@@ -69,22 +41,22 @@ def test_prune_stops_running_a_clearly_slower_step_and_keeps_its_times(clock):
     assert not result["fast"]["pruned"] and len(result["close"]["times"]) == 6
 
 
-def test_prune_after_a_timed_round_uses_the_smaller_factor(clock):
+def test_prune_after_a_timed_round_uses_the_smaller_factor(fake_clock):
     calls = []
     # 2x slower: within 1.5**2 after the warm-up, over 1.5x after round two.
-    steps = {"fast": clock.step(0.005, calls, "fast"), "slower": clock.step(0.01, calls, "slower")}
+    steps = {"fast": fake_clock.step(0.005, calls, "fast"), "slower": fake_clock.step(0.01, calls, "slower")}
     result = interleaved_medians(steps, warmup=1, repeats=6, prune=1.5)
     assert calls.count("slower") == 1 + 2 and result["slower"]["pruned"]
     # Alone after two rounds: nothing is left to race, so timing ends.
     assert calls.count("fast") == 1 + 2 and result["fast"]["median"] == pytest.approx(0.005)
 
 
-def test_race_stops_a_step_clearly_behind_from_the_third_round(clock):
+def test_race_stops_a_step_clearly_behind_from_the_third_round(fake_clock):
     calls = []
     steps = {
-        "best": clock.step(0.010, calls, "best"),
-        "close": clock.step(0.0105, calls, "close"),
-        "behind": clock.step(0.0125, calls, "behind"),  # 1.25x: within prune, over race
+        "best": fake_clock.step(0.010, calls, "best"),
+        "close": fake_clock.step(0.0105, calls, "close"),
+        "behind": fake_clock.step(0.0125, calls, "behind"),  # 1.25x: within prune, over race
     }
     interleaved_medians(steps, warmup=1, repeats=7, prune=1.5)
     assert calls.count("behind") == 1 + 7, "without race a 1.25x step runs every round"
@@ -94,20 +66,20 @@ def test_race_stops_a_step_clearly_behind_from_the_third_round(clock):
     assert calls.count("best") == calls.count("close") == 1 + 7
 
 
-def _noisy(clock, calls, name, mean, noise):
+def _noisy(fake_clock, calls, name, mean, noise):
     """A step whose i-th call costs mean * (1 + noise[i]): the same calls
     whatever the schedule, so a raced session sees a prefix of a full one's."""
     count = [0]
 
     def run():
         calls.append(name)
-        clock.now += mean * (1 + noise[count[0]])
+        fake_clock.advance(mean * (1 + noise[count[0]]))
         count[0] += 1
 
     return run
 
 
-def test_racing_keeps_what_full_timing_chooses(clock):
+def test_racing_keeps_what_full_timing_chooses(fake_clock):
     """Early stopping never drops the fastest: over 300 drawn sessions (five
     candidates, per-call noise up to 8%), the raced session chooses what the
     full one chooses wherever the two best differ by more than the noise,
@@ -120,7 +92,7 @@ def test_racing_keeps_what_full_timing_chooses(clock):
         results = []
         for kwargs in ({}, {"prune": 1.5, "race": 1.2}):
             calls = []
-            steps = {n: _noisy(clock, calls, n, m, noise[n]) for n, m in zip(noise, means)}
+            steps = {n: _noisy(fake_clock, calls, n, m, noise[n]) for n, m in zip(noise, means)}
             results.append(interleaved_medians(steps, warmup=1, repeats=7, **kwargs))
         full, raced = results
         fastest = f"c{int(np.argmin(means))}"
@@ -132,9 +104,9 @@ def test_racing_keeps_what_full_timing_chooses(clock):
     assert clear > 100 and agree == clear
 
 
-def test_without_prune_every_step_runs_every_round(clock):
+def test_without_prune_every_step_runs_every_round(fake_clock):
     calls = []
-    steps = {"fast": clock.step(0.0, calls, "fast"), "slow": clock.step(0.01, calls, "slow")}
+    steps = {"fast": fake_clock.step(0.0, calls, "fast"), "slow": fake_clock.step(0.01, calls, "slow")}
     result = interleaved_medians(steps, warmup=1, repeats=3)
     assert calls.count("slow") == 4 and not result["slow"]["pruned"]
 
@@ -146,14 +118,14 @@ def test_prune_must_be_above_one():
         interleaved_medians({"a": lambda: 1}, prune=1.5, race=2.0)
 
 
-def test_a_kept_step_is_not_raced_but_still_pruned(clock):
+def test_a_kept_step_is_not_raced_but_still_pruned(fake_clock):
     """`keep` (the tuner's baseline): a step 30% behind the best is raced
     out after three rounds, unless kept; a kept step 2x behind is still
     pruned."""
     def steps(calls):
-        return {"fast": clock.step(0.001, calls, "fast"),
-                "base": clock.step(0.0013, calls, "base"),
-                "other": clock.step(0.0013, calls, "other")}
+        return {"fast": fake_clock.step(0.001, calls, "fast"),
+                "base": fake_clock.step(0.0013, calls, "base"),
+                "other": fake_clock.step(0.0013, calls, "other")}
 
     calls = []
     out = interleaved_medians(steps(calls), warmup=1, repeats=7, prune=1.5, race=1.2,
@@ -161,39 +133,39 @@ def test_a_kept_step_is_not_raced_but_still_pruned(clock):
     assert len(out["base"]["times"]) == 7 and not out["base"]["pruned"]
     assert len(out["other"]["times"]) == 3 and out["other"]["pruned"]
     calls = []
-    slow = {"fast": clock.step(0.001, calls, "fast"), "base": clock.step(0.002, calls, "base")}
+    slow = {"fast": fake_clock.step(0.001, calls, "fast"), "base": fake_clock.step(0.002, calls, "base")}
     out = interleaved_medians(slow, warmup=1, repeats=7, prune=1.5, race=1.2, keep=("base",))
     assert out["base"]["pruned"] and len(out["base"]["times"]) < 7
 
 
-def test_without_a_warmup_the_first_round_prunes_as_the_warmup_did(clock):
+def test_without_a_warmup_the_first_round_prunes_as_the_warmup_did(fake_clock):
     """warmup=0 (the tuner on TensorFlow, whose first call already ran the
     step): a step 3x slower than the best in the first timed round stops
     there, as its warm-up call would have stopped it; one 2x slower runs a
     second round before PRUNE stops it."""
     calls = []
-    steps = {"fast": clock.step(0.001, calls, "fast"), "twice": clock.step(0.002, calls, "twice"),
-             "thrice": clock.step(0.003, calls, "thrice")}
+    steps = {"fast": fake_clock.step(0.001, calls, "fast"), "twice": fake_clock.step(0.002, calls, "twice"),
+             "thrice": fake_clock.step(0.003, calls, "thrice")}
     out = interleaved_medians(steps, warmup=0, repeats=7, prune=1.5, race=1.2)
     assert calls.count("thrice") == 1 and out["thrice"]["pruned"]
     assert calls.count("twice") == 2 and out["twice"]["pruned"]
     assert out["thrice"]["median"] == pytest.approx(0.003)
 
 
-def test_beat_stops_a_step_that_cannot_beat_the_baseline_by_the_margin(clock):
+def test_beat_stops_a_step_that_cannot_beat_the_baseline_by_the_margin(fake_clock):
     """`beat` (0.9, with `keep`): a step 5% faster than the kept baseline
     cannot beat it by 10%; it stops after three rounds, and the race ends
     with the baseline alone. A step 15% faster runs every round, and so
     does the baseline."""
     calls = []
-    steps = {"base": clock.step(0.001, calls, "base"), "close": clock.step(0.00095, calls, "close")}
+    steps = {"base": fake_clock.step(0.001, calls, "base"), "close": fake_clock.step(0.00095, calls, "close")}
     out = interleaved_medians(steps, warmup=0, repeats=7, prune=1.5, race=1.2, keep=("base",),
                               beat=0.9)
     assert out["close"]["pruned"] and not out["base"]["pruned"]
     assert calls.count("close") == 3 and calls.count("base") == 3
     calls = []
-    steps = {"base": clock.step(0.001, calls, "base"), "winner": clock.step(0.00085, calls, "winner"),
-             "close": clock.step(0.00095, calls, "close")}
+    steps = {"base": fake_clock.step(0.001, calls, "base"), "winner": fake_clock.step(0.00085, calls, "winner"),
+             "close": fake_clock.step(0.00095, calls, "close")}
     out = interleaved_medians(steps, warmup=0, repeats=7, prune=1.5, race=1.2, keep=("base",),
                               beat=0.9)
     assert calls.count("winner") == 7 and calls.count("base") == 7 and calls.count("close") == 3
@@ -214,7 +186,7 @@ def _decision(stats: dict, base: str = "base", margin: float = 0.9) -> str:
     return best if stats[best]["median"] < margin * stats[base]["median"] else base
 
 
-def test_the_cut_timing_decides_what_full_timing_decides(clock):
+def test_the_cut_timing_decides_what_full_timing_decides(fake_clock):
     """No warm-up call, the first round pruning, the race and `beat`
     together choose what seven full rounds after a warm-up choose: over 300
     drawn sessions (a baseline and four candidates 0.6-1.4x of it, per-call
@@ -234,7 +206,7 @@ def test_the_cut_timing_decides_what_full_timing_decides(clock):
         for kwargs in ({"warmup": 1}, {"warmup": 0, "prune": 1.5, "race": 1.2,
                                         "keep": ("base",), "beat": 0.9}):
             calls = []
-            steps = {n: _noisy(clock, calls, n, m, noise[n]) for n, m in means.items()}
+            steps = {n: _noisy(fake_clock, calls, n, m, noise[n]) for n, m in means.items()}
             results.append(interleaved_medians(steps, repeats=7, **kwargs))
         full, cut = results
         fastest = min(means, key=means.get)
@@ -246,3 +218,16 @@ def test_the_cut_timing_decides_what_full_timing_decides(clock):
             clear += 1
             agree += _decision(full) == _decision(cut)
     assert clear > 100 and agree == clear
+
+
+def test_timing_reads_the_callers_clock_and_the_real_one_after():
+    import time
+
+    from rnnfuse.tuning.clock import current_clock, using_clock
+
+    ticks = iter(float(i) for i in range(100))
+    with using_clock(lambda: next(ticks)):
+        out = interleaved_medians({"a": lambda: 1}, warmup=0, repeats=3)
+    # Each call is read between two consecutive ticks.
+    assert out["a"]["times"] == [1.0, 1.0, 1.0]
+    assert current_clock() is time.perf_counter

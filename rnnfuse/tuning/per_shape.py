@@ -65,7 +65,6 @@ import contextlib
 import dataclasses
 import logging
 import math
-import time
 from typing import Callable
 
 import keras
@@ -74,6 +73,7 @@ from rnnfuse.backends import get_backend
 from rnnfuse.fused import FusedRNN
 from rnnfuse.plan import PER_LAYER, Plan
 from rnnfuse.report import FusionGroup
+from rnnfuse.tuning import clock
 from rnnfuse.tuning.cache import PlanCache, cache_key
 from rnnfuse.tuning.table import static_plan
 from rnnfuse.tuning.tuner import TuneResult, candidates_for, device_environment, tune_plans
@@ -227,7 +227,7 @@ def decide(state: AutoTune, environment: dict, shapes: dict, training: bool, *,
     groups = [state.members[i].group for i in todo]
     shape_of = {id(state.members[i].group): shape for i, shape in todo.items()}
     masked = {id(state.members[i].group): state.members[i].masked for i in todo}
-    start = time.perf_counter()
+    start = clock.now()
     try:
         results = tune_plans(
             groups,
@@ -250,7 +250,7 @@ def decide(state: AutoTune, environment: dict, shapes: dict, training: bool, *,
             err,
         )
         return {**out, **{i: None for i in todo}}
-    seconds = time.perf_counter() - start
+    seconds = clock.now() - start
     state.seconds += seconds
     for (i, shape), result in zip(todo.items(), results):
         if result.source == "measured" and id(result.group) in narrowed:

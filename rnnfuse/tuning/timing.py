@@ -24,14 +24,20 @@ calls, not seven, a candidate 20% behind stops after three rounds, a
 candidate that cannot beat the original layers by the tuner's margin stops
 after three, and the candidates that are close are all timed every round.
 
-Example:
+Seconds are read from `rnnfuse.tuning.clock.now()`, so a test can time
+fake steps on a fake clock.
 
-    >>> import time
+Example (on a clock that each step advances by its cost):
+
+    >>> from rnnfuse.tuning.clock import using_clock
     >>> stats = interleaved_medians({"a": lambda: 1, "b": lambda: 2}, warmup=1, repeats=3)
     >>> sorted(stats), len(stats["a"]["times"])
     (['a', 'b'], 3)
-    >>> slow = lambda: time.sleep(0.02)
-    >>> raced = interleaved_medians({"fast": lambda: 1, "slow": slow}, warmup=1, repeats=5, prune=1.5)
+    >>> t = [0.0]
+    >>> def costs(s): return lambda: t.__setitem__(0, t[0] + s)
+    >>> with using_clock(lambda: t[0]):
+    ...     raced = interleaved_medians({"fast": costs(0.001), "slow": costs(0.02)},
+    ...                                 warmup=1, repeats=5, prune=1.5)
     >>> len(raced["fast"]["times"]), len(raced["slow"]["times"]), raced["slow"]["pruned"]
     (2, 1, True)
 """
@@ -39,10 +45,11 @@ Example:
 from __future__ import annotations
 
 import statistics
-import time
 from typing import Any, Callable, Mapping
 
 import numpy as np
+
+from rnnfuse.tuning.clock import now
 
 __all__ = ["interleaved_medians", "sync"]
 
@@ -98,9 +105,9 @@ def interleaved_medians(
     last_warmup: dict[str, float] = {}
     for name in names:
         for _ in range(warmup):
-            start = time.perf_counter()
+            start = now()
             sync(steps[name]())
-            last_warmup[name] = time.perf_counter() - start
+            last_warmup[name] = now() - start
     times: dict[str, list[float]] = {n: [] for n in names}
     pruned: set[str] = set()
     if prune is not None and warmup:
@@ -111,9 +118,9 @@ def interleaved_medians(
             break  # the race is decided: nothing left to compare with
         order = running[r % len(running):] + running[: r % len(running)]
         for name in order:
-            start = time.perf_counter()
+            start = now()
             sync(steps[name]())
-            times[name].append(time.perf_counter() - start)
+            times[name].append(now() - start)
             if on_step is not None:
                 on_step(name)
         if prune is not None:

@@ -73,7 +73,6 @@ from __future__ import annotations
 import concurrent.futures
 import dataclasses
 import datetime
-import time
 from typing import Callable, Sequence
 
 import keras
@@ -82,6 +81,7 @@ import numpy as np
 from rnnfuse.backends import get_backend
 from rnnfuse.report import FusionGroup
 from rnnfuse.tuning.cache import PlanCache, cache_key
+from rnnfuse.tuning.clock import Clock, current_clock
 from rnnfuse.plan import PER_LAYER, Plan
 from rnnfuse.tuning.plans import candidate_plans, kernel_plans, persistent_reason, split_groups
 from rnnfuse.tuning.table import static_plan
@@ -783,6 +783,7 @@ def _first_calls(steps: dict, plans: dict, seconds: dict | None = None) -> tuple
     (['trace', 'call'], ['fused'], {})
     """
     outcomes: dict = {}
+    clock = current_clock()  # the worker thread does not see this context
     with concurrent.futures.ThreadPoolExecutor(
         max_workers=1, thread_name_prefix="rnnfuse-first-call"
     ) as worker:
@@ -792,10 +793,10 @@ def _first_calls(steps: dict, plans: dict, seconds: dict | None = None) -> tuple
             trace = getattr(step, "trace", None)
             if trace is None:
                 concurrent.futures.wait(list(outcomes.values()))
-                outcomes[name] = _done(_call_once, step)
+                outcomes[name] = _done(_call_once, step, clock)
                 continue
             traced = _done(trace)
-            outcomes[name] = traced if traced.exception() else worker.submit(_call_once, step)
+            outcomes[name] = traced if traced.exception() else worker.submit(_call_once, step, clock)
         kept, refused = {}, {}
         for name, step in steps.items():
             if name in outcomes:
@@ -813,11 +814,11 @@ def _first_calls(steps: dict, plans: dict, seconds: dict | None = None) -> tuple
     return kept, refused
 
 
-def _call_once(step) -> float:
-    """Calls `step` and waits for its result; the seconds it took."""
-    start = time.perf_counter()
+def _call_once(step, clock: Clock) -> float:
+    """Calls `step` and waits for its result; the seconds it took on `clock`."""
+    start = clock()
     keras.ops.convert_to_numpy(step())
-    return time.perf_counter() - start
+    return clock() - start
 
 
 def _done(fn, *args) -> concurrent.futures.Future:
