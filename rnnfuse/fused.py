@@ -63,7 +63,7 @@ import contextlib
 import keras
 from keras import ops, tree
 
-from rnnfuse.backends import StackSpec, get_backend
+from rnnfuse.backends import StackCall, StackSpec, get_backend
 from rnnfuse.plan import FUSED, Plan
 from rnnfuse.reasons import FUSED_PATH, CallPath, PathKind, Reason
 from rnnfuse.recurrent import describe, input_merges, keras_has_cudnn_path
@@ -105,7 +105,7 @@ class FusedRNN(keras.layers.Layer):
         mask: [batch, time] boolean mask.
         training: Python boolean.
         algorithm: a value standing for the plan's algorithm in this call
-            (None: the plan's): what `Backend.timed_steps` passes so that
+            (None: the plan's): what `Timing.timed_steps` passes so that
             one traced step runs every algorithm (the tuner's shared step).
         mask_is_right_padded: True where the caller knows that `mask` is
             right-padded: the branch for other masks is then the fused call
@@ -521,9 +521,8 @@ class FusedRNN(keras.layers.Layer):
             note = f"a training call: the {plan.kernel} kernel runs inference only here"
             plan = plan.for_training()
         try:
-            run = backend.run_stack(
-                x,
-                stack=self._stack,
+            run = backend.run_stack(x, StackCall(
+                self._stack,
                 initial_h=initial_h,
                 initial_c=initial_c,
                 mask=mask,
@@ -533,7 +532,7 @@ class FusedRNN(keras.layers.Layer):
                 algorithm=plan.cudnn_algorithm if algorithm is None else algorithm,
                 kernel=plan.kernel,
                 training=bool(training),
-            )
+            ))
         except NotImplementedError as err:
             # As Keras' Bidirectional does for its fused LSTM: the backend
             # cannot run this call, so the original layers run it.

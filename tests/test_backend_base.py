@@ -3,6 +3,8 @@ implementations are in test_backends.py)."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import keras
 import numpy as np
 import pytest
@@ -11,6 +13,7 @@ from rnnfuse.backends.base import (
     PROJECTED_LSTM_PATHS,
     NoFusedKernel,
     ProjectedLSTMCall,
+    StackCall,
     StackSpec,
     cpu_description,
     loss_weights,
@@ -26,6 +29,22 @@ def test_stack_spec_counts_levels_directions_and_output_width():
     assert StackSpec("gru", 5, ((cell,),)).output_size == 5
     with pytest.raises(Exception):
         spec.units = 3  # frozen
+
+
+def test_a_stack_call_has_the_contracts_defaults_and_is_frozen():
+    spec = StackSpec("lstm", 4, ((keras.layers.LSTMCell(4),),))
+    call = StackCall(spec)
+    assert (call.initial_h, call.initial_c, call.mask, call.reverse) == (None, None, None, False)
+    assert (call.dropout, call.seed, call.algorithm) == (0.0, (0, 0), None)
+    assert (call.kernel, call.training) == ("cudnn", False)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        call.kernel = "wavefront"
+    changed = dataclasses.replace(call, kernel="wavefront", training=True)
+    assert (changed.stack, changed.kernel, changed.training) == (spec, "wavefront", True)
+    assert call.kernel == "cudnn"
+    assert [f.name for f in dataclasses.fields(StackCall)] == [
+        "stack", "initial_h", "initial_c", "mask", "reverse", "dropout", "seed", "algorithm",
+        "kernel", "training"]
 
 
 def test_tanh_sigmoid_accepts_only_exactly_those_activations():

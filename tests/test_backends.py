@@ -1,5 +1,5 @@
-"""rnnfuse.backends: the contracts (Backend, Tooling), get_backend,
-get_tooling, and the fallbacks."""
+"""rnnfuse.backends: the contracts (Backend, Timing, Tooling), get_backend,
+get_timing, get_tooling, and the fallbacks."""
 
 from __future__ import annotations
 
@@ -9,16 +9,20 @@ import inspect
 import keras
 import pytest
 
-from rnnfuse.backends import Backend, Tooling, get_backend, get_tooling
-from rnnfuse.backends.base import Capabilities, NoFusedKernel, NoTooling
+from rnnfuse.backends import Backend, StackCall, Timing, Tooling, get_backend, get_timing, get_tooling
+from rnnfuse.backends.base import Capabilities, NoFusedKernel, NoTiming, NoTooling
 
 CLASSES = {
-    "tensorflow": "rnnfuse.backends.tensorflow.backend:TensorFlowBackend:TensorFlowTooling",
-    "torch": "rnnfuse.backends.torch.backend:TorchBackend:TorchTooling",
-    "jax": "rnnfuse.backends.jax.backend:JaxBackend:JaxTooling",
+    "tensorflow": ("rnnfuse.backends.tensorflow.backend:TensorFlowBackend:TensorFlowTooling"
+                   ":TensorFlowTiming"),
+    "torch": "rnnfuse.backends.torch.backend:TorchBackend:TorchTooling:TorchTiming",
+    "jax": "rnnfuse.backends.jax.backend:JaxBackend:JaxTooling:JaxTiming",
 }
 # What the tools call, kept out of the Backend contract.
 TOOLING = ("describe_device", "timing_notes", "exact_float32", "model_step", "outputs_and_grads")
+# What only the tuner calls, kept out of the Backend contract.
+TIMING = ("device_environment", "timed_step", "timed_steps", "gradients", "gradients_of",
+          "timing_context")
 
 
 def _load(name, which=1):
@@ -41,6 +45,43 @@ def test_every_backend_implements_the_whole_contract(name):
     assert caps.plan_table in importlib.import_module("rnnfuse.tuning.table").TABLES
     tooling = _load(name, 2)
     assert issubclass(tooling, Tooling) and not inspect.isabstract(tooling)
+    timing = _load(name, 3)
+    assert issubclass(timing, Timing) and not inspect.isabstract(timing)
+
+
+def _implementations():
+    """(contract, class) for every class implementing a contract here."""
+    found = [(Backend, NoFusedKernel), (Timing, NoTiming), (Tooling, NoTooling)]
+    for name in sorted(CLASSES):
+        module, *classes = CLASSES[name].split(":")
+        try:
+            loaded = importlib.import_module(module)
+        except ImportError:  # the framework is not installed here
+            continue
+        found += [(contract, getattr(loaded, cls))
+                  for contract, cls in zip((Backend, Tooling, Timing), classes)]
+    return found
+
+
+@pytest.mark.parametrize("contract, cls", _implementations(),
+                         ids=lambda v: getattr(v, "__name__", str(v)))
+def test_every_implementation_takes_its_contracts_arguments(contract, cls):
+    """Each method a class defines takes the parameters its contract names,
+    so a caller passing them by keyword reaches every backend."""
+    for name in sorted(contract.__abstractmethods__ | {"timed_steps", "gradients_of"}):
+        if not hasattr(contract, name) or isinstance(getattr(contract, name), property):
+            continue
+        want = list(inspect.signature(getattr(contract, name)).parameters)
+        got = list(inspect.signature(getattr(cls, name)).parameters)
+        assert got == want, f"{cls.__name__}.{name}{got}: the contract's is {want}"
+
+
+def test_the_tuners_methods_are_not_part_of_the_backend_contract():
+    assert not set(TIMING) & set(dir(Backend))
+    assert set(TIMING) <= set(dir(Timing))
+    timing = get_timing()
+    assert timing is get_timing() and not isinstance(timing, Backend)
+    assert type(timing).__name__ == f"{type(get_backend()).__name__[:-len('Backend')]}Timing"
 
 
 def test_the_tools_methods_are_not_part_of_the_backend_contract():
@@ -61,11 +102,26 @@ def test_an_unknown_keras_backend_gets_no_fused_kernel():
     assert not backend.capabilities.fused_kernel and not backend.is_available()
     assert "openvino" in backend.group_reason(None)
     with pytest.raises(NotImplementedError):
-        backend.run_stack(None)
+        backend.run_stack(None, StackCall(None))
     tooling = get_tooling("openvino")
     assert isinstance(tooling, NoTooling)
     with pytest.raises(NotImplementedError, match="openvino"):
         tooling.model_step(None, train=False)
+    timing = get_timing("openvino")
+    assert isinstance(timing, NoTiming) and timing.timing_context() is None
+    assert timing.device_environment() == {}
+
+
+def test_no_timing_refuses_a_training_gradient_with_its_reason():
+    """The tuner asks for gradients with `training` (by keyword, through
+    `gradients_of`): the stand-in says why it cannot, not a TypeError."""
+    timing = get_timing("openvino")
+    with pytest.raises(NotImplementedError, match="no gradients for the openvino backend"):
+        timing.gradients(None, None, [], training=True)
+    with pytest.raises(NotImplementedError, match="openvino"):
+        timing.gradients_of([(None, None, True)], [])
+    with pytest.raises(NotImplementedError, match="no timing for the openvino backend"):
+        timing.timed_step(None, None, [], training=False, jit=False)
 
 
 def test_tensorflows_device_environment_reads_the_gpus_details_once(monkeypatch):

@@ -370,20 +370,20 @@ def test_no_xla_note_where_no_fused_kernel_runs():
 def gradient_calls(monkeypatch):
     """A 2-layer LSTM group, the (dtype, shape) of every input the backend's
     `gradients_of` sees, and how many `gradients_of` calls (programs) were made."""
-    from rnnfuse.backends import get_backend
+    from rnnfuse.backends import get_timing
 
     model = stack_model("lstm", 2, units=4, steps=5)
     (group,) = rnnfuse.analyze(model).groups
-    backend = type(get_backend())
+    timing = type(get_timing())
     calls, programs = [], []
-    real = backend.gradients_of
+    real = timing.gradients_of
 
     def recording(self, batch, variables):
         programs.append(len(batch))
         calls.extend((keras.backend.standardize_dtype(x.dtype), tuple(x.shape)) for _, x, _ in batch)
         return real(self, batch, variables)
 
-    monkeypatch.setattr(backend, "gradients_of", recording)
+    monkeypatch.setattr(timing, "gradients_of", recording)
     return group, calls, programs
 
 
@@ -419,19 +419,19 @@ def test_a_plan_its_default_twin_and_the_reference_share_one_program(emulated_cu
 
 
 def test_a_failing_shared_program_is_redone_one_call_at_a_time(emulated_cudnn, gradient_calls, monkeypatch):
-    from rnnfuse.backends import get_backend
+    from rnnfuse.backends import get_timing
     from rnnfuse.plan import Plan
 
     group, calls, programs = gradient_calls
-    backend = type(get_backend())
-    recording = backend.gradients_of
+    timing = type(get_timing())
+    recording = timing.gradients_of
 
     def fails_when_shared(self, batch, variables):
         if len(batch) > 1:
             raise RuntimeError("one of them failed")
         return recording(self, batch, variables)
 
-    monkeypatch.setattr(backend, "gradients_of", fails_when_shared)
+    monkeypatch.setattr(timing, "gradients_of", fails_when_shared)
     check = tuner.GradientCheck()
     check(group, Plan((2,), "persistent_static+tc"), (3, 5, group.input_size), "float32")
     assert programs == [1, 1], programs  # the reference, then the plan alone

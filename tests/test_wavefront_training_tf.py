@@ -26,7 +26,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from rnnfuse.backends.base import StackSpec
+from rnnfuse.backends.base import StackCall, StackSpec
 from rnnfuse.backends.cuda import library
 from rnnfuse.backends.tensorflow import wavefront_op, wavefront_training as wt
 
@@ -292,11 +292,11 @@ def _stack(layers, units, inputs):
 def test_run_trainable_refuses_the_cpu_and_an_unknown_batch():
     stack = _stack(1, 8, 4)
     with pytest.raises(NotImplementedError):
-        wavefront_op.run_trainable(tf.zeros([2, 3, 4], tf.float16), stack=stack)
+        wavefront_op.run_trainable(tf.zeros([2, 3, 4], tf.float16), StackCall(stack))
 
     @tf.function(input_signature=[tf.TensorSpec([None, 3, 4], tf.float16)])
     def traced(x):
-        return wavefront_op.run_trainable(x, stack=stack).outputs
+        return wavefront_op.run_trainable(x, StackCall(stack)).outputs
 
     with pytest.raises(NotImplementedError, match="static batch"):
         traced.get_concrete_function()
@@ -324,14 +324,14 @@ def test_run_trainable_gives_the_keras_variables_cudnns_gradient(monkeypatch, em
     def grads(run):
         with tf.GradientTape() as tape:
             tape.watch([x, *h, *c])
-            out = run(x, stack=stack, initial_h=h, initial_c=c, mask=mask, reverse=reverse)
+            out = run(x, StackCall(stack, initial_h=h, initial_c=c, mask=mask, reverse=reverse))
             loss = (tf.reduce_sum(out.outputs ** 2) + tf.reduce_sum(out.final_h)
                     + tf.reduce_sum(out.final_c ** 2))
         return out, tape.gradient(loss, [x, *h, *c] + variables)
 
     out, got = grads(wavefront_op.run_trainable)
     assert out.kernel.name == wavefront_op.TRAINING_KERNEL_NAME
-    _, want = grads(lambda x, **kw: tf_backend.run_stack(x, kernel="cudnn", **kw))
+    _, want = grads(tf_backend.run_stack)  # kernel "cudnn", StackCall's default
     assert len(emulated_cudnn) == 1
     for a, b in zip(got, want):
         assert a is not None
@@ -373,14 +373,14 @@ def test_the_backends_training_call_on_the_wavefront_kernel_runs_run_trainable(m
 
     stack = _stack(2, 8, 4)
     x = tf.constant(np.random.default_rng(4).standard_normal((3, 5, 4)))
-    fallback = tf_backend.run_stack(x, stack=stack, kernel="wavefront", training=True)
+    fallback = tf_backend.run_stack(x, StackCall(stack, kernel="wavefront", training=True))
     assert fallback.kernel.name == "CudnnRNNV3" and "wavefront" in fallback.kernel.note
     assert "float16" in fallback.kernel.note  # float64 here: the forward's first reason
     variables = [w for level in stack.cells for cell in level for w in cell.weights]
 
     def grads(**kw):
         with tf.GradientTape() as tape:
-            run = tf_backend.run_stack(x, stack=stack, **kw)
+            run = tf_backend.run_stack(x, StackCall(stack, **kw))
             loss = tf.reduce_sum(run.outputs ** 2) + tf.reduce_sum(run.final_c)
         return run.kernel, tape.gradient(loss, variables)
 
@@ -617,7 +617,7 @@ def test_run_trainable_names_the_backward_that_ran(monkeypatch, emulated_cudnn, 
     def grads(run):
         with tf.GradientTape() as tape:
             tape.watch(x)
-            out = run(x, stack=stack, mask=mask)
+            out = run(x, StackCall(stack, mask=mask))
             loss = tf.reduce_sum(out.outputs ** 2) + tf.reduce_sum(out.final_c)
         return out.kernel, tape.gradient(loss, [x] + variables)
 
@@ -626,7 +626,7 @@ def test_run_trainable_names_the_backward_that_ran(monkeypatch, emulated_cudnn, 
     assert ran.algorithm == f"backward={backward}"
     assert ran_backward == [{"layer": "backward_stack", "stack": "backward_stack_wavefront"}[
         backward]]
-    _, want = grads(lambda x, **kw: tf_backend.run_stack(x, kernel="cudnn", **kw))
+    _, want = grads(tf_backend.run_stack)  # kernel "cudnn", StackCall's default
     for a, b in zip(got, want):
         _close(a, b, 1e-9, 1e-12)
 

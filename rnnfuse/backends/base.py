@@ -1,16 +1,20 @@
-"""The backend contract: `Backend`, its `Capabilities`, `StackSpec`,
-`StackRun` and `ProjectedLSTMCall`; and `Tooling`, the tools' contract.
+"""The backend contracts: `Backend` with its `Capabilities`, `Timing` and
+`Tooling`, and their records `StackSpec`, `StackCall`, `StackRun` and
+`ProjectedLSTMCall`.
 
-`StackSpec` is what a backend needs to know about a fused stack, `StackRun`
-what its fused call returns; `ProjectedLSTMCall` what it needs to run one
+`StackSpec` is what a backend needs to know about a fused stack,
+`StackCall` one fused call of it (`Backend.run_stack`), `StackRun` what
+that call returns; `ProjectedLSTMCall` what it needs to run one
 `ProjectedLSTM` call on its own fast path (`Backend.run_projected_lstm`).
-`Backend` is the abstract class every backend (rnnfuse/backends/<name>/
-backend.py) implements in full: what the layers, the planner and the tuner
-call. `Tooling` is apart from it: what `rnnfuse bench` / `check` and the
-examples call (describing the device, timing a whole model's step, a
-model's outputs and gradients). `NoFusedKernel` and `NoTooling` stand in
-for Keras backends rnnfuse has no kernel for. This module imports no
-framework.
+Every backend (rnnfuse/backends/<name>/backend.py) implements three
+abstract classes in full, each for its own callers: `Backend`, the kernel
+interface that the layers and the planner call; `Timing`, what only the
+tuner (rnnfuse/tuning/) calls (timed steps, gradients for its check, the
+device a plan is cached for); and `Tooling`, what `rnnfuse bench` /
+`check` and the examples call (describing the device, timing a whole
+model's step, a model's outputs and gradients). `NoFusedKernel`,
+`NoTiming` and `NoTooling` stand in for Keras backends rnnfuse has no
+kernel for. This module imports no framework.
 
 Example:
 
@@ -55,11 +59,14 @@ __all__ = [
     "KernelModuleBackend",
     "NoFusedKernel",
     "NoProjectedLSTMPath",
+    "NoTiming",
     "NoTooling",
     "PROJECTED_LSTM_PATHS",
     "ProjectedLSTMCall",
+    "StackCall",
     "StackRun",
     "StackSpec",
+    "Timing",
     "Tooling",
     "cpu_description",
     "loss_weights",
@@ -123,6 +130,49 @@ class StackSpec:
     @property
     def output_size(self) -> int:
         return self.proj_size or self.units
+
+
+@dataclasses.dataclass(frozen=True)
+class StackCall:
+    """One fused call of a stack, as `Backend.run_stack` runs it.
+
+    One record instead of keyword arguments, so every backend and kernel
+    binding takes the same call; change a field with `dataclasses.replace`.
+
+    >>> import keras
+    >>> spec = StackSpec("lstm", 4, ((keras.layers.LSTMCell(4),),))
+    >>> call = StackCall(spec, dropout=0.25, seed=(7, 1))
+    >>> call.kernel, call.training
+    ('cudnn', False)
+    >>> dataclasses.replace(call, kernel="wavefront").dropout
+    0.25
+    """
+
+    # The levels and cells to run.
+    stack: StackSpec
+    # Per pseudo-layer initial states, h [B, R] and c [B, H], in cuDNN order
+    # (level-major, fwd before bwd); None (or a missing entry): zeros.
+    initial_h: Sequence[Any] | None = None
+    initial_c: Sequence[Any] | None = None
+    # Right-padded boolean mask [B, T] (the sequence lengths), or None.
+    mask: Any = None
+    # The first level reads each sequence reversed; outputs stay in
+    # processing order (as a Keras go_backwards layer returns them).
+    reverse: bool = False
+    # The between-level dropout rate (a training call's), and its seed pair
+    # (`FusedRNN` splits the Dropout layer's seed into two).
+    dropout: float = 0.0
+    seed: tuple[int, int] = (0, 0)
+    # The kernel's variant: for "cudnn" an `rnnfuse.plan.Algorithm` (None:
+    # standard), or the runtime value `Timing.timed_steps` passes so one
+    # trace runs every algorithm.
+    algorithm: Any = None
+    # The plan's kernel, one of `rnnfuse.plan.KERNELS`; one the backend
+    # does not have raises NotImplementedError.
+    kernel: str = "cudnn"
+    # Keras' training flag for the layer's call (a kernel of
+    # `Capabilities.training_kernels` then runs its own backward).
+    training: bool = False
 
 
 class StackRun(NamedTuple):
@@ -252,7 +302,8 @@ class Capabilities:
 
 
 class Backend(abc.ABC):
-    """The contract every backend implements in full.
+    """The kernel interface every backend implements in full: what
+    `FusedRNN`, the layers and the planner call (timing is `Timing`'s).
 
     `rnnfuse.backends.get_backend()` returns one of these for the active
     Keras backend. Kernel methods delegate to the backend package's module
@@ -299,18 +350,10 @@ class Backend(abc.ABC):
         """Boolean tensor: the mask is right-padded with no empty sequence."""
 
     @abc.abstractmethod
-    def run_stack(self, sequences, *, stack, initial_h=None, initial_c=None, mask=None,
-                  reverse=False, dropout=0.0, seed=(0, 0), algorithm=None, kernel="cudnn",
-                  training=False):
-        """A `StackRun` (outputs, final_h, final_c, kernel); raises
-        NotImplementedError when it cannot run this call (the layer then
-        runs the original layers). `kernel` is the plan's
-        (`rnnfuse.plan.KERNELS`; one the backend does not have raises
-        NotImplementedError); `algorithm` its variant: a
-        `rnnfuse.plan.Algorithm` for "cudnn" (None: standard), or the value
-        `timed_steps` passes its step to run every algorithm on one trace.
-        `training`: the layer's call is a training call (a kernel of
-        `capabilities.training_kernels` runs its own backward for one)."""
+    def run_stack(self, sequences, call: StackCall) -> StackRun:
+        """`call` over `sequences` [B, T, F]: a `StackRun` (outputs,
+        final_h, final_c, kernel). Raises NotImplementedError when it cannot
+        run this call (the layer then runs the original layers)."""
 
     @abc.abstractmethod
     def concrete_bool(self, value: Any) -> bool | None:
@@ -363,7 +406,16 @@ class Backend(abc.ABC):
     def activation_functions(self) -> dict:
         """This framework's own tanh/sigmoid/relu: name -> list of functions."""
 
-    # -- timing and gradients (the tuner) --------------------------------------------
+
+class Timing(abc.ABC):
+    """What the tuner (rnnfuse/tuning/) needs from a framework to time
+    candidate plans and check their gradients, apart from the `Backend`
+    contract that the layers call. `rnnfuse.backends.get_timing()` returns
+    the active backend's.
+
+    >>> NoTiming("numpy").timing_context() is None
+    True
+    """
 
     @abc.abstractmethod
     def device_environment(self) -> dict:
@@ -411,9 +463,9 @@ class Backend(abc.ABC):
 
 class Tooling(abc.ABC):
     """What rnnfuse's tools (`rnnfuse bench`, `rnnfuse check`, the examples)
-    need from a framework, apart from the `Backend` contract: nothing in
-    the optimize -> kernel flow calls it. `rnnfuse.backends.get_tooling()`
-    returns the active backend's."""
+    need from a framework, apart from the `Backend` and `Timing`
+    contracts: nothing in the optimize -> kernel flow calls it.
+    `rnnfuse.backends.get_tooling()` returns the active backend's."""
 
     @abc.abstractmethod
     def describe_device(self) -> tuple[str, bool]:
@@ -459,8 +511,8 @@ class KernelModuleBackend(Backend):
     def mask_is_supported(self, mask):
         return self.kernels.mask_is_supported(mask)
 
-    def run_stack(self, sequences, **kwargs):
-        return self.kernels.run_stack(sequences, **kwargs)
+    def run_stack(self, sequences, call):
+        return self.kernels.run_stack(sequences, call)
 
     def concrete_bool(self, value):
         return self.kernels.concrete_bool(value)
@@ -483,7 +535,7 @@ class NoProjectedLSTMPath:
 
 class NoFusedKernel(NoProjectedLSTMPath, Backend):
     """A Keras backend rnnfuse has no kernel for (OpenVINO, numpy): every
-    group keeps its layers, with a reason; nothing here is timed."""
+    group keeps its layers, with a reason; `NoTiming` is its `Timing`."""
 
     capabilities = Capabilities(
         fused_kernel=False,
@@ -514,7 +566,7 @@ class NoFusedKernel(NoProjectedLSTMPath, Backend):
     def mask_is_supported(self, mask):
         return False
 
-    def run_stack(self, sequences, **kwargs):
+    def run_stack(self, sequences, call):
         self._none("fused kernel")
 
     def concrete_bool(self, value):
@@ -532,13 +584,24 @@ class NoFusedKernel(NoProjectedLSTMPath, Backend):
     def activation_functions(self):
         return {}
 
+
+class NoTiming(Timing):
+    """The tuner's contract for a Keras backend rnnfuse has no kernel for:
+    nothing is timed (the tuner asks `Backend.capabilities` first)."""
+
+    def __init__(self, name: str):
+        self.name = name
+
+    def _none(self, what: str):
+        raise NotImplementedError(f"rnnfuse has no {what} for the {self.name} backend")
+
     def device_environment(self):
         return {}
 
     def timed_step(self, run, x, variables, training, jit=False):
         self._none("timing")
 
-    def gradients(self, run, x, variables):
+    def gradients(self, run, x, variables, training=False):
         self._none("gradients")
 
     def timing_context(self):

@@ -34,7 +34,7 @@ The rule (what `decide` and the layers' `Planner` do):
    `tf.function`, a direct call), a FusedRNN asks its `Planner` when it is
    first called or traced with a concrete shape, and the plan is timed for
    that shape then, before the trace goes on (on TensorFlow from inside the
-   trace, through `Backend.timing_context`).
+   trace, through `Timing.timing_context`).
 5. A decision is made for the path it runs on: where Keras XLA-compiles
    the original model's steps (jit_compile="auto"), `fit`, `evaluate` and
    `predict` time the original layers XLA-compiled, while a custom loop's
@@ -69,7 +69,7 @@ from typing import Callable
 
 import keras
 
-from rnnfuse.backends import get_backend
+from rnnfuse.backends import get_timing
 from rnnfuse.fused import FusedRNN
 from rnnfuse.plan import PER_LAYER, Plan
 from rnnfuse.report import FusionGroup
@@ -368,7 +368,7 @@ class Planner:
         environment = state.environment if state.environment is not None else device_environment()
         if not _is_accelerator(environment):
             return None
-        context = get_backend().timing_context()
+        context = get_timing().timing_context()
         if context is None:
             return None
         member = state.members[self.index]

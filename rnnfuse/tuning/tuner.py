@@ -9,11 +9,11 @@
    backend: TensorFlow times each fused plan with the default and the
    persistent cuDNN algorithms (rnnfuse's own op runs them in both
    passes; without it only the default); torch (no algorithm switch) adds one fused
-   call per layer. A step (the backend's `timed_step`) is a forward pass
+   call per layer. A step (the backend's `Timing.timed_step`) is a forward pass
    (inference) or forward + backward (training) of that group alone on a
    random batch of the group's input shape. The fused plans that differ
    only in their algorithm share one step where the backend takes the
-   algorithm at run time (`Backend.timed_steps`: rnnfuse's op), so a piece
+   algorithm at run time (`Timing.timed_steps`: rnnfuse's op), so a piece
    set costs one trace and one graph set-up.
 3. Run each step once (its first call traces and compiles, so it is
    never timed; torch's steps run eagerly, so there a first call over a
@@ -78,7 +78,7 @@ from typing import Callable, Sequence
 import keras
 import numpy as np
 
-from rnnfuse.backends import get_backend
+from rnnfuse.backends import get_backend, get_timing
 from rnnfuse.report import FusionGroup
 from rnnfuse.tuning.cache import PlanCache, cache_key
 from rnnfuse.tuning.clock import Clock, current_clock
@@ -169,7 +169,7 @@ def device_environment() -> dict | None:
     from rnnfuse._version import __version__
 
     env = {"backend": backend.name, "rnnfuse": __version__}
-    env.update(backend.device_environment())
+    env.update(get_timing().device_environment())
     return env
 
 
@@ -210,7 +210,7 @@ def _runner(group: FusionGroup, plan: Plan, dtype: str | None = None) -> Callabl
     mask (`FusedRNN._keras_asserts_traced_masks`), that assertion, since
     the branch is part of what a masked step costs (a masked split plan
     14% ahead on a clock without it ran 7% behind through `fit`);
-    `algorithm` is `Backend.timed_steps`' runtime value for the fused
+    `algorithm` is `Timing.timed_steps`' runtime value for the fused
     calls' algorithm (the original layers ignore it)."""
     from rnnfuse.fused import FusedRNN, call_members
 
@@ -264,8 +264,8 @@ def _step(group: FusionGroup, run: Callable, x, training: bool, jit: bool = Fals
     """
     variables = _group_variables(group)
     if jit:
-        return get_backend().timed_step(run, x, variables, training, jit=True)
-    return get_backend().timed_step(run, x, variables, training)
+        return get_timing().timed_step(run, x, variables, training, jit=True)
+    return get_timing().timed_step(run, x, variables, training)
 
 
 def _group_variables(group: FusionGroup) -> list:
@@ -288,7 +288,7 @@ def gradient_error(got: list, reference: list) -> float:
 
 def _gradient_call(group: FusionGroup, plan: Plan, x) -> tuple:
     """(run, x, training) whose gradients are `plan`'s for the check
-    (`Backend.gradients_of`). Through an inference call, except for a plan
+    (`Timing.gradients_of`). Through an inference call, except for a plan
     on a kernel besides cuDNN: its training calls run its own backward (the
     wavefront kernel's training ops), which only a training call reaches on
     TensorFlow, so that is what is checked. (An inference call keeps cuDNN
@@ -658,7 +658,7 @@ def _steps(group, plans, shape, dtype, training, jit_baseline=False, masked=Fals
 
 def _shared_steps(group, plans, x, dtype, training) -> dict:
     """name -> step for the fused plans among `plans` whose pieces another
-    plan has with another algorithm: one `Backend.timed_steps` per piece
+    plan has with another algorithm: one `Timing.timed_steps` per piece
     set, so each set costs one trace and one graph set-up (about half a
     second each, most of TensorFlow's tuning), however
     many algorithms it is timed with. {} where the backend builds a step
@@ -668,11 +668,11 @@ def _shared_steps(group, plans, x, dtype, training) -> dict:
         if p.pieces and p.kernel == "cudnn":
             by_pieces.setdefault(p.pieces, []).append(p)
     out = {}
-    backend = get_backend()
+    timing = get_timing()
     for pieces, same in by_pieces.items():
         if len(same) < 2:
             continue
-        steps = backend.timed_steps(
+        steps = timing.timed_steps(
             lambda pieces=pieces: _runner(group, Plan(pieces)), x, _group_variables(group),
             training, [p.algorithm for p in same], str(dtype),
         )
@@ -763,7 +763,7 @@ def _first_calls(steps: dict, plans: dict, seconds: dict | None = None) -> tuple
     that are not callables (a test's fake timer) are kept as they are.
     `seconds`, if given, receives each call's wall-clock seconds.
 
-    A step with a `trace()` (a compiled step: `Backend.timed_step`) is
+    A step with a `trace()` (a compiled step: `Timing.timed_step`) is
     traced here, in order, and its first call is then made on one worker
     thread while the next step traces: a trace is Python work, a compiled
     first call (graph set-up, cuDNN's plan, one run) is mostly not, so the
@@ -870,7 +870,7 @@ class GradientCheck:
     The first check of a (group, shape, dtype) computes the reference, the
     plan's gradients and, for a plan besides cuDNN's default algorithm, its
     default-algorithm twin's (which `_fastest_with_sound_gradients` asks for
-    next) in one `Backend.gradients_of` call: on TensorFlow one trace and
+    next) in one `Timing.gradients_of` call: on TensorFlow one trace and
     one graph set-up instead of three (about half a second each). Where
     that call fails, each is computed on its own, so an error is the
     plan's that raised it (a refusal, or a bug to raise)."""
@@ -894,13 +894,13 @@ class GradientCheck:
             reference = _runner(group, Plan((len(group.layers),)), dtype="float64")
             calls.insert(0, (reference, keras.ops.cast(x, "float64"), False))
         variables = _group_variables(group)
-        backend = get_backend()
+        timing = get_timing()
         try:
-            grads = backend.gradients_of(calls, variables)
+            grads = timing.gradients_of(calls, variables)
         except Exception:  # noqa: BLE001 - re-raised below by the call that fails alone
             grads = None
         if grads is None:
-            grads = [backend.gradients_of([c], variables)[0] for c in calls[: len(calls) - len(plans) + 1]]
+            grads = [timing.gradients_of([c], variables)[0] for c in calls[: len(calls) - len(plans) + 1]]
             plans = plans[:1]
         if key not in self._references:
             self._references[key] = grads.pop(0)

@@ -59,7 +59,7 @@ from builders import fused_layers, stack_model, traced_op_types
 from gpu_report import report
 from gpu_timing import predict_medians
 from rnnfuse.backends import tensorflow as tf_backend
-from rnnfuse.backends.base import StackSpec
+from rnnfuse.backends.base import StackCall, StackSpec
 from rnnfuse.backends.tensorflow import op_build, wavefront_op
 from rnnfuse.tuning import first_batch
 from rnnfuse.tuning.cache import PlanCache
@@ -147,8 +147,8 @@ def test_the_op_matches_float64_and_the_cudnn_op(kind, layers, units, batch, ste
         mask = np.arange(steps)[None, :] < lengths[:, None]
     xt = tf.cast(tf.constant(x), dtype)
     with tf.device("GPU:0"):
-        y, h, c, ran = wavefront_op.run_stack(xt, stack=stack, mask=mask)
-        y_cudnn, h_cudnn, _, ran_cudnn = tf_backend.run_stack(xt, stack=stack, mask=mask)
+        y, h, c, ran = wavefront_op.run_stack(xt, StackCall(stack, mask=mask))
+        y_cudnn, h_cudnn, _, ran_cudnn = tf_backend.run_stack(xt, StackCall(stack, mask=mask))
     assert ran.name == wavefront_op.KERNEL_NAME and ran_cudnn.name == "RnnfuseCudnnRnn"
     # The reference sees the weights and inputs the kernel saw (rounded).
     for (cell,) in stack.cells:
@@ -163,15 +163,15 @@ def test_the_op_matches_float64_and_the_cudnn_op(kind, layers, units, batch, ste
 def test_a_stack_over_the_limits_raises_not_implemented():
     stack = _stack("lstm", 8, 512, 512)
     with pytest.raises(NotImplementedError, match="do not fit on chip"):
-        wavefront_op.run_stack(tf.zeros([64, 10, 512], tf.float16), stack=stack)
+        wavefront_op.run_stack(tf.zeros([64, 10, 512], tf.float16), StackCall(stack))
 
 
 def test_float32_and_training_calls_are_refused():
     stack = _stack("lstm", 2, 64, 64)
     with pytest.raises(NotImplementedError, match="float16 and bfloat16"):
-        wavefront_op.run_stack(tf.zeros([4, 5, 64]), stack=stack)
+        wavefront_op.run_stack(tf.zeros([4, 5, 64]), StackCall(stack))
     with pytest.raises(NotImplementedError, match="no dropout"):
-        wavefront_op.run_stack(tf.zeros([4, 5, 64], tf.float16), stack=stack, dropout=0.2)
+        wavefront_op.run_stack(tf.zeros([4, 5, 64], tf.float16), StackCall(stack, dropout=0.2))
 
 
 def test_a_gradient_through_the_raw_op_is_a_clear_error():
@@ -180,7 +180,7 @@ def test_a_gradient_through_the_raw_op_is_a_clear_error():
     with tf.GradientTape() as tape:
         # The loss inside the tape (outside it the tape sees no path, and
         # gives None whatever the op's gradient is).
-        loss = tf.reduce_sum(wavefront_op.run_stack(x, stack=stack).outputs)
+        loss = tf.reduce_sum(wavefront_op.run_stack(x, StackCall(stack)).outputs)
     with pytest.raises(ValueError, match="inference kernel"):
         tape.gradient(loss, x)
 
@@ -198,7 +198,7 @@ def test_the_backends_wavefront_call_has_cudnns_gradient(kind):
     for kernel in ("wavefront", "cudnn"):
         with tf.GradientTape() as tape:
             tape.watch(x)
-            run = tf_backend.run_stack(x, stack=stack, kernel=kernel)
+            run = tf_backend.run_stack(x, StackCall(stack, kernel=kernel))
             loss = tf.reduce_sum(tf.cast(run.outputs, tf.float32) * weights)
         kernels.append(run.kernel)
         grads.append(tape.gradient(loss, [x, *variables]))
@@ -348,18 +348,19 @@ def _training_grads(run, stack, x, h, c, upstream, mask):
     c = c or []  # a GRU has no c
     with tf.GradientTape() as tape:
         tape.watch([x, *h, *c])
-        out = run(x, stack=stack, initial_h=h, initial_c=c or None, mask=mask)
+        out = run(x, StackCall(stack, initial_h=h, initial_c=c or None, mask=mask))
         tensors = (out.outputs, out.final_h, out.final_c)[:len(upstream)]
         loss = sum(tf.reduce_sum(tf.cast(t, tf.float64) * tf.cast(u, tf.float64))
                    for t, u in zip(tensors, upstream))
     return out.kernel, tensors, tape.gradient(loss, [x, *h, *c, *variables])
 
 
-def _reference_run(x, *, stack, initial_h, initial_c, mask):
+def _reference_run(x, call):
     """The stack in float64 (wavefront_training.reference_forward) on the same
     rounded weights, as a StackRun-like tuple."""
     from rnnfuse.backends.tensorflow import wavefront_training
 
+    stack, initial_h, initial_c, mask = call.stack, call.initial_h, call.initial_c, call.mask
     lengths = None if mask is None else tf.reduce_sum(tf.cast(mask, tf.int32), axis=1)
     y, hy, cy = wavefront_training.reference_forward(
         tf.transpose(tf.cast(x, tf.float64), [1, 0, 2]), tf_backend.pack_params(stack, "float64"),
@@ -411,8 +412,7 @@ def test_run_trainables_gradients_match_float64_and_the_cudnn_op(case, backward_
                               else {"stack": 0, "layer": layers}), backward_calls
     with tf.device("GPU:0"):
         ran_cudnn, out_cudnn, cudnn = _training_grads(
-            lambda x, **kw: tf_backend.run_stack(x, kernel="cudnn", **kw), stack, x, h, c,
-            upstream, mask)
+            tf_backend.run_stack, stack, x, h, c, upstream, mask)  # kernel "cudnn": the default
         out_ref, ref = tf.function(
             lambda: _training_grads(_reference_run, stack, x, h, c, upstream, mask)[1:])()
     assert ran.name == wavefront_op.TRAINING_KERNEL_NAME and ran.note is None
@@ -557,10 +557,10 @@ def test_the_stack_backward_op_names_the_limit_it_refuses():
 def test_training_calls_the_kernels_cannot_run_are_refused():
     with pytest.raises(NotImplementedError, match="do not fit on chip"):
         wavefront_op.run_trainable(tf.zeros([64, 10, 512], tf.float16),
-                                   stack=_stack("lstm", 8, 512, 512))
+                                   StackCall(_stack("lstm", 8, 512, 512)))
     with pytest.raises(NotImplementedError, match="do not fit on chip"):
         wavefront_op.run_trainable(tf.zeros([64, 10, 512], tf.float16),
-                                   stack=_stack("gru", 8, 512, 512))
+                                   StackCall(_stack("gru", 8, 512, 512)))
     assert wavefront_op.training_reason("lstm", 4, 512, 64, 1000, 512, "float16") is None
     assert wavefront_op.training_reason("gru", 4, 512, 64, 1000, 512, "float16") is None
 
@@ -618,7 +618,7 @@ def test_a_training_step_at_the_headline_shape_is_timed_against_the_cudnn_op():
         def fn(x):
             with tf.GradientTape() as tape:
                 tape.watch(x)
-                out = run(x, stack=stack)
+                out = run(x, StackCall(stack))
                 loss = tf.reduce_sum(tf.cast(out.outputs, tf.float32) * tf.cast(dy, tf.float32))
             ran.append(out.kernel)
             grads = tape.gradient(loss, [x, *variables])
@@ -628,7 +628,7 @@ def test_a_training_step_at_the_headline_shape_is_timed_against_the_cudnn_op():
 
     with tf.device("GPU:0"):
         ours = _median_ms(step(wavefront_op.run_trainable))
-        cudnn = _median_ms(step(lambda x, **kw: tf_backend.run_stack(x, kernel="cudnn", **kw)))
+        cudnn = _median_ms(step(tf_backend.run_stack))  # kernel "cudnn", StackCall's default
     assert ran[0].name == wavefront_op.TRAINING_KERNEL_NAME
     assert ran[-1].name == "RnnfuseCudnnRnn"
     assert ran[0].algorithm == "backward=stack", ran[0]  # the default, at the headline

@@ -56,7 +56,7 @@ import rnnfuse  # noqa: E402
 from builders import fused_layers, stack_model  # noqa: E402
 from gpu_report import report  # noqa: E402
 from gpu_timing import predict_medians  # noqa: E402
-from rnnfuse.backends.base import StackSpec  # noqa: E402
+from rnnfuse.backends.base import StackCall, StackSpec  # noqa: E402
 from rnnfuse.backends.torch import wavefront  # noqa: E402
 from rnnfuse.tuning import first_batch  # noqa: E402
 from rnnfuse.tuning.cache import PlanCache  # noqa: E402
@@ -242,7 +242,7 @@ def test_run_stack_runs_a_keras_stack_from_its_live_variables():
     x = torch.randn(16, 50, 64, device="cuda").half()
     lengths = torch.randint(1, 51, (16,), device="cuda")
     mask = torch.arange(50, device="cuda")[None, :] < lengths[:, None]
-    y, hy, cy, ran = wavefront.run_stack(x, stack=stack, mask=mask)
+    y, hy, cy, ran = wavefront.run_stack(x, StackCall(stack, mask=mask))
     assert ran.name == wavefront.KERNEL_NAME
     weights = torch_backend.pack_params(stack, torch.float16, "cuda")
     zeros = torch.zeros(3, 16, 256, device="cuda")
@@ -270,7 +270,7 @@ def test_run_trainable_trains_a_keras_gru_stack_on_the_kernels(backward_launches
     lengths = torch.randint(1, 51, (16,), device="cuda")
     lengths[0] = 50
     mask = torch.arange(50, device="cuda")[None, :] < lengths[:, None]
-    run = wavefront.run_trainable(x, stack=stack, mask=mask)
+    run = wavefront.run_trainable(x, StackCall(stack, mask=mask))
     assert run.kernel.name == wavefront.TRAINING_KERNEL_NAME, run.kernel
     assert run.kernel.algorithm == "backward=layer" and run.final_c is None, run.kernel
     upstream = torch.randn_like(run.outputs, dtype=torch.float32)

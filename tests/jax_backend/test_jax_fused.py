@@ -137,14 +137,15 @@ def test_right_padded_lengths_match_keras_loop_in_run_stack(emulated_jax_lstm):
     import jax.numpy as jnp
 
     from rnnfuse.backends import jax as jax_backend
-    from rnnfuse.backends.base import StackSpec
+    from rnnfuse.backends.base import StackCall, StackSpec
 
     model = stack_model("lstm", 2, units=6, input_size=5, steps=9, last_return_sequences=True)
     _randomize(model, 8)
     x = np.random.default_rng(9).standard_normal((3, 9, 5)).astype("float32")
     mask = np.arange(9)[None, :] < np.array([[9], [4], [1]])
     cells = tuple((layer.cell,) for layer in model.layers[1:3])
-    y, _, _, _ = jax_backend.run_stack(x, stack=StackSpec("lstm", 6, cells), mask=jnp.asarray(mask))
+    call = StackCall(StackSpec("lstm", 6, cells), mask=jnp.asarray(mask))
+    y, _, _, _ = jax_backend.run_stack(x, call)
     expected = model.layers[2](model.layers[1](x, mask=mask), mask=mask)
     keep = mask[:, :, None]
     np.testing.assert_allclose(np.where(keep, y, 0), np.where(keep, expected, 0), atol=1e-5)

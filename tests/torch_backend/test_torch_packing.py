@@ -16,7 +16,7 @@ import torch
 
 from builders import KINDS, rnn_layer
 from rnnfuse.backends import torch as torch_backend
-from rnnfuse.backends.base import GATES, StackSpec
+from rnnfuse.backends.base import GATES, StackCall, StackSpec
 from rnnfuse.layers import ProjectedLSTM
 from rnnfuse.recurrent import describe, input_merges
 
@@ -80,7 +80,7 @@ def test_run_stack_matches_keras_layers(kind, num_levels, bidirectional, torch_c
     layers, x = _build(kind, num_levels, bidirectional, rng=np.random.default_rng(num_levels))
     expected, states = _keras_reference(layers, x, kind)
     spec = _spec(layers)
-    out, h, c, _ = torch_backend.run_stack(keras.ops.convert_to_tensor(x), stack=spec)
+    out, h, c, _ = torch_backend.run_stack(keras.ops.convert_to_tensor(x), StackCall(spec))
 
     assert [call["mode"] for call in torch_calls] == [kind], "not one fused call"
     call = torch_calls[0]
@@ -100,7 +100,7 @@ def test_run_stack_matches_keras_layers(kind, num_levels, bidirectional, torch_c
 def test_use_bias_false_matches_keras(kind):
     layers, x = _build(kind, 2, False, use_bias=False)
     expected, _ = _keras_reference(layers, x, kind)
-    out, _, _, _ = torch_backend.run_stack(keras.ops.convert_to_tensor(x), stack=_spec(layers))
+    out, _, _, _ = torch_backend.run_stack(keras.ops.convert_to_tensor(x), StackCall(_spec(layers)))
     np.testing.assert_allclose(_np(out), _np(expected), atol=2e-6)
 
 
@@ -145,7 +145,7 @@ def test_gradients_reach_the_original_variables(kind):
     loss = (expected * w[: expected.shape[-1]]).sum()
     expected_grads = torch.autograd.grad(loss, params)
 
-    out, _, _, _ = torch_backend.run_stack(keras.ops.convert_to_tensor(x), stack=_spec(layers))
+    out, _, _, _ = torch_backend.run_stack(keras.ops.convert_to_tensor(x), StackCall(_spec(layers)))
     loss = (out * w[: out.shape[-1]]).sum()
     got_grads = torch.autograd.grad(loss, params)
     for v, g, e in zip(variables, got_grads, expected_grads):
@@ -156,10 +156,10 @@ def test_gradients_reach_the_original_variables(kind):
 def test_assigning_a_variable_changes_the_fused_output():
     layers, x = _build("gru", 2, False)
     spec = _spec(layers)
-    before = _np(torch_backend.run_stack(keras.ops.convert_to_tensor(x), stack=spec)[0])
+    before = _np(torch_backend.run_stack(keras.ops.convert_to_tensor(x), StackCall(spec))[0])
     cell = spec.cells[1][0]
     cell.recurrent_kernel.assign(np.zeros(cell.recurrent_kernel.shape, "float32"))
-    after = _np(torch_backend.run_stack(keras.ops.convert_to_tensor(x), stack=spec)[0])
+    after = _np(torch_backend.run_stack(keras.ops.convert_to_tensor(x), StackCall(spec))[0])
     assert np.abs(after - before).max() > 1e-3
     expected, _ = _keras_reference(layers, x, "gru")
     np.testing.assert_allclose(after, _np(expected), atol=2e-6)
@@ -201,7 +201,7 @@ def test_projection_matches_numpy_lstmp_reference(torch_calls):
     assert spec.proj_size == proj
     torch_calls.clear()  # building the layers ran their own (single-layer) calls
     out, h, c, _ = torch_backend.run_stack(
-        keras.ops.convert_to_tensor(x), stack=spec, initial_h=list(h0), initial_c=list(c0)
+        keras.ops.convert_to_tensor(x), StackCall(spec, initial_h=list(h0), initial_c=list(c0))
     )
     params = torch_calls[0]["params"]
     assert len(params) == 5 * 3  # w_ih, w_hh, b_ih, b_hh, w_hr per level
@@ -225,16 +225,17 @@ def test_lengths_reverse_and_initial_states_match_a_per_sequence_run():
     c0 = [rng.standard_normal((B, H)).astype("float32") for _ in range(4)]
     for reverse in (False, True):
         out, h, c, _ = torch_backend.run_stack(
-            keras.ops.convert_to_tensor(x), stack=spec, mask=mask, reverse=reverse,
-            initial_h=h0, initial_c=c0,
+            keras.ops.convert_to_tensor(x),
+            StackCall(spec, mask=mask, reverse=reverse, initial_h=h0, initial_c=c0),
         )
         for b, n in enumerate(lengths):
             xb = x[b : b + 1, :n]
             if reverse:
                 xb = xb[:, ::-1].copy()
             ob, hb, cb, _ = torch_backend.run_stack(
-                keras.ops.convert_to_tensor(xb), stack=spec,
-                initial_h=[s[b : b + 1] for s in h0], initial_c=[s[b : b + 1] for s in c0],
+                keras.ops.convert_to_tensor(xb),
+                StackCall(spec, initial_h=[s[b : b + 1] for s in h0],
+                          initial_c=[s[b : b + 1] for s in c0]),
             )
             np.testing.assert_allclose(_np(out[b, :n]), _np(ob[0]), atol=2e-6)
             assert not _np(out[b, n:]).any(), "padded steps are not zero"
@@ -271,12 +272,12 @@ def test_per_level_calls_compute_what_one_call_computes(kind, bidirectional, mas
     mask = (np.arange(T)[None, :] < np.array([6, 3, 1])[:, None]) if masked else None
     n = 2 if kind == "lstm" else 1
     h0 = [rng.standard_normal((B, H)).astype("float32") for _ in range(spec.num_pseudo_layers)]
-    kwargs = dict(stack=spec, mask=mask, initial_h=h0, initial_c=h0 if n == 2 else None)
+    call = StackCall(spec, mask=mask, initial_h=h0, initial_c=h0 if n == 2 else None)
     xt = keras.ops.convert_to_tensor(x)
     with torch_backend.call_mode("one"):
-        one = torch_backend.run_stack(xt, **kwargs)
+        one = torch_backend.run_stack(xt, call)
     with torch_backend.call_mode("per_level"):
-        per = torch_backend.run_stack(xt, **kwargs)
+        per = torch_backend.run_stack(xt, call)
     assert [c["num_layers"] for c in torch_calls] == [3, 1, 1, 1]
     assert all(c["packed"] is masked for c in torch_calls)
     for a, b in zip(one[:3], per[:3]):
@@ -289,7 +290,7 @@ def test_per_level_calls_compute_what_one_call_computes(kind, bidirectional, mas
 def test_call_mode_auto_is_one_call_on_the_cpu(torch_calls):
     layers, x = _build("lstm", 3, False)
     assert torch_backend.get_call_mode() == "auto"
-    torch_backend.run_stack(keras.ops.convert_to_tensor(x).half(), stack=_spec(layers))
+    torch_backend.run_stack(keras.ops.convert_to_tensor(x).half(), StackCall(_spec(layers)))
     assert [c["num_layers"] for c in torch_calls] == [3]
     with pytest.raises(ValueError, match="per_level"):
         torch_backend.set_call_mode("split")
@@ -300,11 +301,11 @@ def test_per_level_calls_apply_between_level_dropout(torch_calls):
     xt = keras.ops.convert_to_tensor(x)
     spec = _spec(layers)
     with torch_backend.call_mode("per_level"):
-        plain = _np(torch_backend.run_stack(xt, stack=spec)[0])
+        plain = _np(torch_backend.run_stack(xt, StackCall(spec))[0])
         torch.manual_seed(0)
-        dropped = _np(torch_backend.run_stack(xt, stack=spec, dropout=0.5)[0])
+        dropped = _np(torch_backend.run_stack(xt, StackCall(spec, dropout=0.5))[0])
         torch.manual_seed(0)
-        again = _np(torch_backend.run_stack(xt, stack=spec, dropout=0.5)[0])
+        again = _np(torch_backend.run_stack(xt, StackCall(spec, dropout=0.5))[0])
     assert np.abs(dropped - plain).max() > 1e-3
     np.testing.assert_array_equal(dropped, again)
 
@@ -339,7 +340,7 @@ def test_sum_and_ave_merges_pack_the_next_input_kernel_doubled(kind, merge_mode,
     expected_grads = torch.autograd.grad((expected**2).sum(), variables)
     torch_calls.clear()
     with torch_backend.call_mode(mode):
-        out, _, _, _ = torch_backend.run_stack(x, stack=spec)
+        out, _, _, _ = torch_backend.run_stack(x, StackCall(spec))
     assert [c["num_layers"] for c in torch_calls] == ([2] if mode == "one" else [1, 1])
     np.testing.assert_allclose(_np(out), _np(expected), atol=2e-6)
     for got, want in zip(torch.autograd.grad((out**2).sum(), variables), expected_grads):

@@ -13,7 +13,7 @@ import keras
 import pytest
 import torch
 
-from rnnfuse.backends.base import StackSpec
+from rnnfuse.backends.base import StackCall, StackSpec
 from rnnfuse.backends.torch import wavefront
 
 
@@ -92,6 +92,6 @@ def test_run_stack_refuses_on_the_cpu_with_the_reason():
     stack = StackSpec("lstm", 8, tuple(cells))
     x = torch.zeros(2, 5, 3, dtype=torch.float16)
     with pytest.raises(NotImplementedError, match="CUDA devices only"):
-        wavefront.run_stack(x, stack=stack)
+        wavefront.run_stack(x, StackCall(stack))
     with pytest.raises(NotImplementedError, match="dropout"):
-        wavefront.run_stack(x, stack=stack, dropout=0.1)
+        wavefront.run_stack(x, StackCall(stack, dropout=0.1))

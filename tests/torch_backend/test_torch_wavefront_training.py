@@ -20,7 +20,7 @@ import keras
 import pytest
 import torch
 
-from rnnfuse.backends.base import StackSpec
+from rnnfuse.backends.base import StackCall, StackSpec
 from rnnfuse.backends.torch import wavefront
 
 TORCH_KERNELS = dict(saving=wavefront.reference_forward_saving,
@@ -295,7 +295,7 @@ def _stack(layers, units, inputs):
 def test_run_trainable_refuses_the_cpu():
     stack = _stack(1, 8, 4)
     with pytest.raises(NotImplementedError, match="CUDA devices only"):
-        wavefront.run_trainable(torch.zeros(2, 3, 4, dtype=torch.float16), stack=stack)
+        wavefront.run_trainable(torch.zeros(2, 3, 4, dtype=torch.float16), StackCall(stack))
 
 
 def test_run_trainable_gives_the_keras_variables_cudnns_gradient(monkeypatch):
@@ -313,11 +313,11 @@ def test_run_trainable_gives_the_keras_variables_cudnns_gradient(monkeypatch):
     mask = torch.arange(6)[None, :] < torch.tensor([6, 3, 5])[:, None]
 
     def grads(run):
-        out = run(x, stack=stack, mask=mask)
+        out = run(x, StackCall(stack, mask=mask))
         loss = out.outputs.square().sum() + out.final_h.sum() + out.final_c.square().sum()
         return torch.autograd.grad(loss, [x] + [v.value for v in variables])
 
     got = grads(wavefront.run_trainable)
-    want = grads(lambda x, **kw: torch_backend.run_stack(x, kernel="cudnn", **kw))
+    want = grads(torch_backend.run_stack)  # kernel "cudnn", StackCall's default
     for a, b in zip(got, want):
         torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-12)

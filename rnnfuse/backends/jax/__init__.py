@@ -34,8 +34,7 @@ JAX.
 Example (packing only; the call itself needs a GPU):
 
     >>> import keras
-    >>> from rnnfuse.backends.base import StackRun, StackSpec
-from rnnfuse.reasons import KernelRun
+    >>> from rnnfuse.backends.base import StackSpec
     >>> cell = keras.layers.LSTMCell(4)
     >>> cell.build((None, 3))
     >>> int(pack_params(StackSpec("lstm", 4, ((cell,),))).shape[0])
@@ -50,7 +49,7 @@ import jax
 import jax.numpy as jnp
 import keras
 
-from rnnfuse.backends.base import StackRun, StackSpec
+from rnnfuse.backends.base import StackCall, StackRun, StackSpec
 from rnnfuse.reasons import KernelRun
 
 __all__ = [
@@ -189,47 +188,35 @@ def _reverse_within_lengths(x: jax.Array, lengths: jax.Array) -> jax.Array:
     return jnp.take_along_axis(x, index[:, :, None], axis=1)
 
 
-def run_stack(
-    sequences: Any,
-    *,
-    stack: StackSpec,
-    initial_h: Sequence[Any] | None = None,
-    initial_c: Sequence[Any] | None = None,
-    mask: Any = None,
-    reverse: bool = False,
-    dropout: float = 0.0,
-    seed: tuple[int, int] = (0, 0),
-    algorithm: Any = None,
-    kernel: str = "cudnn",
-    training: bool = False,
-) -> StackRun:
-    """Runs the LSTM `stack` over `sequences` [B, T, F] in one call.
+def run_stack(sequences: Any, call: StackCall) -> StackRun:
+    """Runs the LSTM `call.stack` over `sequences` [B, T, F] in one call.
 
-    Args are the backend contract's (rnnfuse.backends); `seed`,
-    `algorithm` and `training` are unused, `dropout` must be 0 (see module
-    doc), and `kernel` "cudnn" or "stock" (the same call here).
+    The call's `seed`, `algorithm` and `training` are not read, its
+    `dropout` must be 0 (see module doc), and its `kernel` "cudnn" or
+    "stock" (the same call here).
 
     Returns:
         A `StackRun`: outputs [B, T, D*H] with zeros past each length,
         final h [L*D, B, H], final c [L*D, B, H], and the `KernelRun`.
     """
-    del seed, algorithm, training
-    if kernel not in KERNELS:
-        raise NotImplementedError(f"the JAX backend runs the kernels {list(KERNELS)}, not {kernel!r}")
-    if dropout:
+    if call.kernel not in KERNELS:
+        raise NotImplementedError(
+            f"the JAX backend runs the kernels {list(KERNELS)}, not {call.kernel!r}")
+    if call.dropout:
         raise NotImplementedError("jax.experimental.rnn has no seeded dropout")
+    stack, mask = call.stack, call.mask
     x = jnp.asarray(sequences, jnp.float32)
     batch, steps = x.shape[0], x.shape[1]
     if mask is None:
         lengths = jnp.full((batch,), steps, jnp.int32)
     else:
         lengths = jnp.asarray(mask).astype(jnp.int32).sum(axis=1)
-    if reverse:
+    if call.reverse:
         x = jnp.flip(x, 1) if mask is None else _reverse_within_lengths(x, lengths)
     y, h, c = jax_lstm(
         x,
-        _states(initial_h, stack, batch),
-        _states(initial_c, stack, batch),
+        _states(call.initial_h, stack, batch),
+        _states(call.initial_c, stack, batch),
         pack_params(stack),
         lengths,
         input_size=x.shape[-1],

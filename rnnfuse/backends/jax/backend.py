@@ -1,5 +1,5 @@
-"""`JaxBackend` and `JaxTooling`: the backend contract and the tools'
-contract (rnnfuse.backends.base) for JAX.
+"""`JaxBackend`, `JaxTiming` and `JaxTooling`: the backend, tuner and tools'
+contracts (rnnfuse.backends.base) for JAX.
 
 Kernel methods delegate to this package's module functions
 (`rnnfuse.backends.jax`) at call time; model steps for `rnnfuse bench` /
@@ -27,12 +27,13 @@ from rnnfuse.backends.base import (
     Capabilities,
     KernelModuleBackend,
     NoProjectedLSTMPath,
+    Timing,
     Tooling,
     cpu_description,
     loss_weights,
 )
 
-__all__ = ["JaxBackend", "JaxTooling"]
+__all__ = ["JaxBackend", "JaxTiming", "JaxTooling"]
 
 
 class JaxBackend(NoProjectedLSTMPath, KernelModuleBackend):
@@ -70,6 +71,11 @@ class JaxBackend(NoProjectedLSTMPath, KernelModuleBackend):
 
     def activation_functions(self):
         return {"tanh": [jnp.tanh], "sigmoid": [jax.nn.sigmoid], "relu": [jax.nn.relu]}
+
+
+class JaxTiming(Timing):
+    """What the tuner times plans with under JAX: jitted steps (this
+    package's `timed_step`) and `jax.grad` for the gradient check."""
 
     def device_environment(self):
         return kernels.device_environment()

@@ -73,6 +73,7 @@ Example (on a machine with a GPU):
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 from typing import Any, Sequence
@@ -80,7 +81,7 @@ from typing import Any, Sequence
 import keras
 import tensorflow as tf
 
-from rnnfuse.backends.base import GATES, StackRun, StackSpec, run_or_fall_back
+from rnnfuse.backends.base import GATES, StackCall, StackRun, StackSpec, run_or_fall_back
 from rnnfuse.backends.tensorflow import cudnn_op, op_build
 from rnnfuse.plan import Algorithm
 from rnnfuse.reasons import KernelRun
@@ -429,77 +430,52 @@ def cudnn_rnn(**kwargs):
     return tf.raw_ops.CudnnRNNV3(**kwargs)
 
 
-def run_stack(
-    sequences: tf.Tensor,
-    *,
-    stack: StackSpec,
-    initial_h: Sequence[Any] | None = None,
-    initial_c: Sequence[Any] | None = None,
-    mask: Any = None,
-    reverse: bool = False,
-    dropout: float = 0.0,
-    seed: tuple[int, int] = (0, 0),
-    algorithm: Any = None,
-    kernel: str = "cudnn",
-    training: bool = False,
-) -> StackRun:
-    """Runs `stack` over `sequences` [B, T, F] in one cuDNN call.
+def run_stack(sequences: tf.Tensor, call: StackCall) -> StackRun:
+    """Runs `call.stack` over `sequences` [B, T, F] (batch-major, already
+    in the compute dtype) in one cuDNN call.
 
-    Args:
-        sequences: batch-major input, already in the compute dtype.
-        stack: the levels and cells to run.
-        initial_h, initial_c: per pseudo-layer initial states [B, R] and
-            [B, H] (or None for zeros), in cuDNN order (level-major, fwd
-            before bwd).
-        mask: optional right-padded boolean mask [B, T]: sequence lengths.
-        reverse: the first level reads each sequence reversed; outputs stay
-            in processing order (as a Keras go_backwards layer returns them).
-        dropout: cuDNN's dropout between levels (training only).
-        seed: (seed, seed2) for that dropout: CudnnRNNV3's two seeds, or
-            seed + seed2 * 2**31 as the op's one (`FusedRNN` splits the
-            Dropout layer's seed this way).
-        algorithm: the cuDNN algorithm of the call: an `Algorithm` (None:
-            standard), or an int32 scalar tensor (`cudnn_op.algorithm_code`,
-            what `timed_steps` passes) that is the op's algorithm input as
-            it is. It runs in both passes on rnnfuse's op; the CudnnRNNV3
-            fallback runs the standard algorithm whatever is asked, and so
-            does a masked call (cuDNN's persistent algorithms refuse padded
-            sequence lengths); the result's `kernel` says so.
-        kernel: the plan's kernel: "cudnn" (rnnfuse's op where it is
-            loaded, else CudnnRNNV3), "stock" (CudnnRNNV3 only, so the
-            graph holds no rnnfuse op) or "wavefront" (rnnfuse's wavefront
-            op: `wavefront_op.run_differentiable`, or with `training`
-            `wavefront_op.run_trainable`; where it cannot run the call,
-            "cudnn" on the standard algorithm, with the reason in the
-            `KernelRun`'s note). Another raises NotImplementedError.
-        training: the layer's call is a training call. With kernel
-            "wavefront" it runs the kernel's forward saving what its
-            backward reads and, in the gradient, the backward kernel
-            (`run_trainable`; an LSTM stack, else cuDNN with the reason);
-            without, the forward alone with cuDNN's gradient recomputed.
-            `FusedRNN` passes "wavefront" with it only where the backend's
-            `Capabilities.training_kernels` names it.
+    How TensorFlow reads the `StackCall`'s fields:
+        seed: CudnnRNNV3's two seeds, or seed + seed2 * 2**31 as rnnfuse's
+            op's one.
+        algorithm: an `Algorithm` (None: standard), or an int32 scalar
+            tensor (`cudnn_op.algorithm_code`, what `timed_steps` passes)
+            that is the op's algorithm input as it is. It runs in both
+            passes on rnnfuse's op; the CudnnRNNV3 fallback runs the
+            standard algorithm whatever is asked, and so does a masked call
+            (cuDNN's persistent algorithms refuse padded sequence lengths);
+            the result's `kernel` says so.
+        kernel: "cudnn" (rnnfuse's op where it is loaded, else
+            CudnnRNNV3), "stock" (CudnnRNNV3 only, so the graph holds no
+            rnnfuse op) or "wavefront" (rnnfuse's wavefront op:
+            `wavefront_op.run_differentiable`, or with `training`
+            `wavefront_op.run_trainable`, the kernel's forward saving what
+            its backward reads and the backward kernel in the gradient;
+            where it cannot run the call, "cudnn" on the standard
+            algorithm, with the reason in the `KernelRun`'s note). Another
+            raises NotImplementedError.
 
     Returns:
         A `StackRun`: outputs [B, T, D*R] with zeros past each sequence's
         length, final h [L*D, B, R], final c [L*D, B, H] or None, and the
         `KernelRun` (which kernel and algorithm ran, and why).
     """
-    if kernel not in KERNELS:
+    if call.kernel not in KERNELS:
         raise NotImplementedError(
-            f"the TensorFlow backend runs the kernels {list(KERNELS)}, not {kernel!r}"
+            f"the TensorFlow backend runs the kernels {list(KERNELS)}, not {call.kernel!r}"
         )
-    if kernel == "wavefront":
+    if call.kernel == "wavefront":
         from rnnfuse.backends.tensorflow import wavefront_op
 
-        run = wavefront_op.run_trainable if training else wavefront_op.run_differentiable
+        run = wavefront_op.run_trainable if call.training else wavefront_op.run_differentiable
         return run_or_fall_back(
-            lambda: run(sequences, stack=stack, initial_h=initial_h, initial_c=initial_c,
-                        mask=mask, reverse=reverse, dropout=dropout),
-            lambda: run_stack(sequences, stack=stack, initial_h=initial_h, initial_c=initial_c,
-                              mask=mask, reverse=reverse, dropout=dropout, seed=seed),
+            lambda: run(sequences, call),
+            lambda: run_stack(sequences, dataclasses.replace(
+                call, algorithm=None, kernel="cudnn", training=False)),
             "the wavefront kernel",
         )
+    stack, initial_h, initial_c, mask = call.stack, call.initial_h, call.initial_c, call.mask
+    reverse, dropout, seed, algorithm = call.reverse, call.dropout, call.seed, call.algorithm
+    kernel = call.kernel
     dtype = sequences.dtype
     x = tf.transpose(sequences, [1, 0, 2])  # time-major [T, B, F]
     steps, batch = tf.shape(x)[0], tf.shape(x)[1]

@@ -1,5 +1,5 @@
-"""`TensorFlowBackend` and `TensorFlowTooling`: the backend contract and the
-tools' contract (rnnfuse.backends.base) for TensorFlow.
+"""`TensorFlowBackend`, `TensorFlowTiming` and `TensorFlowTooling`: the
+backend, tuner and tools' contracts (rnnfuse.backends.base) for TensorFlow.
 
 Kernel methods delegate to this package's module functions
 (`rnnfuse.backends.tensorflow`) at call time, so tests that replace
@@ -23,9 +23,16 @@ import numpy as np
 import tensorflow as tf
 
 from rnnfuse.backends import tensorflow as kernels
-from rnnfuse.backends.base import Capabilities, KernelModuleBackend, Tooling, cpu_description, loss_weights
+from rnnfuse.backends.base import (
+    Capabilities,
+    KernelModuleBackend,
+    Timing,
+    Tooling,
+    cpu_description,
+    loss_weights,
+)
 
-__all__ = ["TensorFlowBackend", "TensorFlowTooling"]
+__all__ = ["TensorFlowBackend", "TensorFlowTiming", "TensorFlowTooling"]
 
 
 class TensorFlowBackend(KernelModuleBackend):
@@ -94,6 +101,12 @@ class TensorFlowBackend(KernelModuleBackend):
             "sigmoid": [tf.sigmoid, tf.math.sigmoid],
             "relu": [tf.nn.relu],
         }
+
+
+class TensorFlowTiming(Timing):
+    """What the tuner times plans with under TensorFlow: `tf.function` steps
+    (this package's `timed_step` / `timed_steps`) and one graph for the
+    gradient check."""
 
     def device_environment(self):
         return kernels.device_environment()

@@ -33,7 +33,13 @@ import logging
 
 import tensorflow as tf
 
-from rnnfuse.backends.base import PROJECTED_LSTM_PATHS, ProjectedLSTMCall, StackSpec, tanh_sigmoid
+from rnnfuse.backends.base import (
+    PROJECTED_LSTM_PATHS,
+    ProjectedLSTMCall,
+    StackCall,
+    StackSpec,
+    tanh_sigmoid,
+)
 
 __all__ = ["op_reason", "resolve_path", "run"]
 
@@ -514,10 +520,7 @@ def _op_inner_loop(cell, sequences, initial_state, *, training, go_backwards, re
         x = tf.reverse(x, [1])  # no mask: every row is full length
     stack = StackSpec("lstm", cell.units, ((cell,),), proj_size=cell.proj_size)
     outputs, final_h, final_c, _ = tf_backend.run_stack(
-        x,
-        stack=stack,
-        initial_h=[initial_state[0]],
-        initial_c=[initial_state[1]],
+        x, StackCall(stack, initial_h=[initial_state[0]], initial_c=[initial_state[1]])
     )
     h_last, c_last = final_h[0], final_c[0]
     last_output = outputs[:, -1]

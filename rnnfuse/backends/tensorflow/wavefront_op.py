@@ -3,7 +3,7 @@
 `run_stack` runs a fused unidirectional LSTM or GRU stack's inference on
 the kernel (rnnfuse/backends/cuda/csrc/wavefront.cuh: every layer's weights
 on chip, the layers as a wavefront), with the arguments and results of
-`rnnfuse.backends.tensorflow.run_stack`, from the same canonical flat
+`rnnfuse.backends.tensorflow.run_stack` (a `StackCall`), from the same canonical flat
 buffer (`pack_params`). Layer 0's input projection x W_ih^T is one
 `tf.matmul` in the compute dtype before the op; the biases are added in the
 kernel, in float32.
@@ -36,11 +36,11 @@ raises NotImplementedError with it, and the caller runs cuDNN.
 
 Example (on a Hopper GPU, inside a tf.function or eagerly):
 
-    >>> run = run_stack(x, stack=stack)  # doctest: +SKIP
+    >>> run = run_stack(x, StackCall(stack))  # doctest: +SKIP
     >>> run.kernel.name  # doctest: +SKIP
     'RnnfuseWavefront'
     >>> with tf.GradientTape() as tape:  # doctest: +SKIP
-    ...     run = run_trainable(x, stack=stack)
+    ...     run = run_trainable(x, StackCall(stack))
     ...     loss = tf.reduce_sum(tf.cast(run.outputs, tf.float32) ** 2)
     >>> grads = tape.gradient(loss, variables)  # the backward kernel's  # doctest: +SKIP
     >>> run.kernel.name  # doctest: +SKIP
@@ -49,11 +49,12 @@ Example (on a Hopper GPU, inside a tf.function or eagerly):
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+import dataclasses
+from typing import Any
 
 import tensorflow as tf
 
-from rnnfuse.backends.base import GATES, StackRun, StackSpec
+from rnnfuse.backends.base import GATES, StackCall, StackRun, StackSpec
 from rnnfuse.reasons import KernelRun
 
 __all__ = ["KERNEL_NAME", "TRAINING_KERNEL_NAME", "register_gradient", "run_differentiable",
@@ -144,22 +145,10 @@ def _time_major(sequences: tf.Tensor, mask: Any, reverse: bool):
     return x, lengths
 
 
-def run_stack(
-    sequences: tf.Tensor,
-    *,
-    stack: StackSpec,
-    initial_h: Sequence[Any] | None = None,
-    initial_c: Sequence[Any] | None = None,
-    mask: Any = None,
-    reverse: bool = False,
-    dropout: float = 0.0,
-    seed: tuple[int, int] = (0, 0),
-    algorithm: Any = None,
-) -> StackRun:
+def run_stack(sequences: tf.Tensor, call: StackCall) -> StackRun:
     """`rnnfuse.backends.tensorflow.run_stack` on the wavefront op (inference;
-    no gradient: see `run_differentiable`).
-
-    `seed` and `algorithm` are accepted for the same signature and unused.
+    no gradient: see `run_differentiable`). The call's `seed`, `algorithm`,
+    `kernel` and `training` are not read.
 
     Raises:
         NotImplementedError: the op cannot run this call (the reason).
@@ -167,21 +156,22 @@ def run_stack(
     from rnnfuse.backends import tensorflow as tf_backend
     from rnnfuse.backends.tensorflow import op_build, wavefront_training
 
-    del seed, algorithm
+    stack = call.stack
     dtype = sequences.dtype
     batch, steps = _static_batch_and_steps(sequences)
-    reason = stack_unsupported_reason(stack, dtype, batch, steps, dropout)
+    reason = stack_unsupported_reason(stack, dtype, batch, steps, call.dropout)
     if reason is not None:
         raise NotImplementedError(reason)
-    x, lengths = _time_major(sequences, mask, reverse)
+    x, lengths = _time_major(sequences, call.mask, call.reverse)
     params = tf_backend.pack_params(stack, dtype)
     xproj = wavefront_training.input_projection(x, params, GATES[stack.kind] * stack.units)
     lstm = stack.kind == "lstm"
     outputs, h, c = op_build.load_wavefront_op().rnnfuse_wavefront(
         xproj=xproj,
         params=params,
-        input_h=tf_backend._states(initial_h, stack, batch, dtype),
-        input_c=tf_backend._states(initial_c, stack, batch, dtype) if lstm else tf.zeros([0], dtype),
+        input_h=tf_backend._states(call.initial_h, stack, batch, dtype),
+        input_c=(tf_backend._states(call.initial_c, stack, batch, dtype) if lstm
+                 else tf.zeros([0], dtype)),
         sequence_lengths=wavefront_training.lengths_input(lengths),
         rnn_mode=stack.kind,
         input_size=int(x.shape[-1]),
@@ -191,16 +181,7 @@ def run_stack(
                     KernelRun(KERNEL_NAME))
 
 
-def run_trainable(
-    sequences: tf.Tensor,
-    *,
-    stack: StackSpec,
-    initial_h: Sequence[Any] | None = None,
-    initial_c: Sequence[Any] | None = None,
-    mask: Any = None,
-    reverse: bool = False,
-    dropout: float = 0.0,
-) -> StackRun:
+def run_trainable(sequences: tf.Tensor, call: StackCall) -> StackRun:
     """`run_stack` for training: the kernel's forward AND backward (an LSTM
     or GRU stack; a GRU's backward is per layer). The gradient with
     respect to the sequences, the initial states and every variable the
@@ -220,16 +201,17 @@ def run_trainable(
     from rnnfuse.backends import tensorflow as tf_backend
     from rnnfuse.backends.tensorflow import wavefront_training
 
+    stack = call.stack
     sequences = tf.convert_to_tensor(sequences)
     dtype = sequences.dtype
     batch, steps = _static_batch_and_steps(sequences)
-    reason = stack_training_reason(stack, dtype, batch, steps, dropout)
+    reason = stack_training_reason(stack, dtype, batch, steps, call.dropout)
     if reason is not None:
         raise NotImplementedError(reason)
-    x, lengths = _time_major(sequences, mask, reverse)
-    h0 = tf_backend._states(initial_h, stack, batch, dtype)
+    x, lengths = _time_major(sequences, call.mask, call.reverse)
+    h0 = tf_backend._states(call.initial_h, stack, batch, dtype)
     choice = wavefront_training.backward_choice(x, h0, kind=stack.kind)
-    c0 = tf_backend._states(initial_c, stack, batch, dtype) if stack.kind == "lstm" else None
+    c0 = tf_backend._states(call.initial_c, stack, batch, dtype) if stack.kind == "lstm" else None
     y, hy, cy = wavefront_training.trainable_forward(
         x, tf_backend.pack_params(stack, dtype), h0, c0, lengths, backward=choice.backward,
         kind=stack.kind)
@@ -237,16 +219,7 @@ def run_trainable(
                     KernelRun(TRAINING_KERNEL_NAME, f"backward={choice.backward}"))
 
 
-def run_differentiable(
-    sequences: tf.Tensor,
-    *,
-    stack: StackSpec,
-    initial_h: Sequence[Any] | None = None,
-    initial_c: Sequence[Any] | None = None,
-    mask: Any = None,
-    reverse: bool = False,
-    dropout: float = 0.0,
-) -> StackRun:
+def run_differentiable(sequences: tf.Tensor, call: StackCall) -> StackRun:
     """`run_stack` (looked up when called), with cuDNN's gradient.
 
     The forward pass is the wavefront op's; the gradient with respect to
@@ -263,8 +236,8 @@ def run_differentiable(
     """
     from rnnfuse.backends import tensorflow as tf_backend
 
-    h, c = list(initial_h or []), list(initial_c or [])
-    lstm = stack.kind == "lstm"
+    h, c = list(call.initial_h or []), list(call.initial_c or [])
+    lstm = call.stack.kind == "lstm"
     ran = []
 
     def unpack(flat):
@@ -273,16 +246,16 @@ def run_differentiable(
     @tf.custom_gradient
     def wavefront(*flat):
         x, hs, cs = unpack(flat)
-        run = run_stack(x, stack=stack, initial_h=hs, initial_c=cs, mask=mask, reverse=reverse,
-                        dropout=dropout)
+        run = run_stack(x, dataclasses.replace(call, initial_h=hs, initial_c=cs))
         ran.append(run.kernel)
 
         def grad(*upstream, variables=None):
             variables = list(variables or [])
             with tf.GradientTape() as tape:
                 tape.watch(flat)
-                again = tf_backend.run_stack(x, stack=stack, initial_h=hs, initial_c=cs,
-                                             mask=mask, reverse=reverse, kernel="cudnn")
+                again = tf_backend.run_stack(x, dataclasses.replace(
+                    call, initial_h=hs, initial_c=cs, dropout=0.0, seed=(0, 0), algorithm=None,
+                    kernel="cudnn", training=False))
                 targets = _tensors(again, lstm)
             upstream = [tf.zeros_like(t) if g is None else tf.cast(g, t.dtype)
                         for t, g in zip(targets, upstream)]

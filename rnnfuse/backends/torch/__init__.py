@@ -101,6 +101,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import dataclasses
 import os
 import threading
 import warnings
@@ -111,7 +112,7 @@ import keras
 import torch
 from torch.nn.utils import rnn as rnn_utils
 
-from rnnfuse.backends.base import GATES, StackRun, StackSpec, run_or_fall_back
+from rnnfuse.backends.base import GATES, StackCall, StackRun, StackSpec, run_or_fall_back
 from rnnfuse.reasons import FusionWarning, KernelRun
 
 __all__ = [
@@ -677,43 +678,22 @@ def torch_rnn(mode: str, *args):
     return getattr(torch._VF, mode)(*args)
 
 
-def run_stack(
-    sequences: Any,
-    *,
-    stack: StackSpec,
-    initial_h: Sequence[Any] | None = None,
-    initial_c: Sequence[Any] | None = None,
-    mask: Any = None,
-    reverse: bool = False,
-    dropout: float = 0.0,
-    seed: tuple[int, int] = (0, 0),
-    algorithm: Any = None,
-    kernel: str = "cudnn",
-    training: bool = False,
-) -> StackRun:
-    """Runs `stack` over `sequences` [B, T, F] in one PyTorch RNN call.
+def run_stack(sequences: Any, call: StackCall) -> StackRun:
+    """Runs `call.stack` over `sequences` [B, T, F] (batch-major, already in
+    the compute dtype) in one PyTorch RNN call (or one call per level where
+    `levels_per_call` says so).
 
-    (Or one call per level where `levels_per_call` says so.)
-
-    Args:
-        sequences: batch-major input, already in the compute dtype.
-        stack: the levels and cells to run.
-        initial_h, initial_c: per pseudo-layer initial states [B, H] (h:
-            [B, P] when projected), or None for zeros, in PyTorch's order
-            (level-major, fwd before bwd).
-        mask: optional right-padded boolean mask [B, T]: sequence lengths.
-        reverse: the first level reads each sequence reversed; outputs stay
-            in processing order (as a Keras go_backwards layer returns them).
-        dropout: PyTorch's dropout between levels (training only).
-        seed: unused (PyTorch's dropout draws from its global RNG).
-        algorithm: unused (PyTorch chooses cuDNN's algorithm itself; the
-            TensorFlow backend's algorithm switch has no PyTorch equivalent).
-        kernel: the plan's kernel: "cudnn" or "stock" (the same calls
-            here), or "wavefront" (`wavefront.run_autograd`: the kernel's
-            forward, and its backward where autograd will want a gradient;
-            where the kernels cannot run the call, "cudnn", with the reason
-            in the `KernelRun`'s note); another raises NotImplementedError.
-        training: unused: whether autograd records the call decides
+    How torch reads the `StackCall`'s fields:
+        initial_h: h [B, H], or [B, P] when projected.
+        dropout: PyTorch's dropout between levels, from its global RNG
+            (`seed` is not read).
+        algorithm: not read (PyTorch chooses cuDNN's algorithm itself).
+        kernel: "cudnn" or "stock" (the same calls here), or "wavefront"
+            (`wavefront.run_autograd`: the kernel's forward, and its
+            backward where autograd will want a gradient; where the kernels
+            cannot run the call, "cudnn", with the reason in the
+            `KernelRun`'s note); another raises NotImplementedError.
+        training: not read: whether autograd records the call decides
             whether the wavefront kernel also saves for its backward.
 
     Returns:
@@ -721,25 +701,25 @@ def run_stack(
         length, final h [L*D, B, P'], final c [L*D, B, H] or None, where
         P' = proj_size or units, and the `KernelRun` (``torch._VF.<kind>``).
     """
-    if kernel not in KERNELS:
+    if call.kernel not in KERNELS:
         raise NotImplementedError(
-            f"the torch backend runs the kernels {list(KERNELS)}, not {kernel!r}"
+            f"the torch backend runs the kernels {list(KERNELS)}, not {call.kernel!r}"
         )
-    if kernel == "wavefront":
+    if call.kernel == "wavefront":
         from rnnfuse.backends.cuda.library import WavefrontError
         from rnnfuse.backends.torch import wavefront
 
-        options = dict(stack=stack, initial_h=initial_h, initial_c=initial_c, mask=mask,
-                       reverse=reverse, dropout=dropout)
         return run_or_fall_back(
-            lambda: wavefront.run_autograd(sequences, **options),
-            lambda: run_stack(sequences, **options),
+            lambda: wavefront.run_autograd(sequences, call),
+            lambda: run_stack(sequences, dataclasses.replace(
+                call, seed=(0, 0), algorithm=None, kernel="cudnn", training=False)),
             "the wavefront kernel",
             # A launch the driver refuses at run time (the CTAs cannot all
             # be resident) is refused here too: torch runs eagerly.
             errors=(NotImplementedError, WavefrontError),
         )
-    del seed, training  # PyTorch's RNN dropout takes no seed argument.
+    stack, initial_h, initial_c, mask = call.stack, call.initial_h, call.initial_c, call.mask
+    reverse, dropout = call.reverse, call.dropout
     x = keras.ops.convert_to_tensor(sequences)
     batch, steps = int(x.shape[0]), int(x.shape[1])
     lstm = stack.kind == "lstm"

@@ -1,5 +1,5 @@
-"""`TorchBackend` and `TorchTooling`: the backend contract and the tools'
-contract (rnnfuse.backends.base) for torch.
+"""`TorchBackend`, `TorchTiming` and `TorchTooling`: the backend, tuner and
+tools' contracts (rnnfuse.backends.base) for torch.
 
 Kernel methods delegate to this package's module functions
 (`rnnfuse.backends.torch`) at call time; the model steps and gradients for
@@ -23,9 +23,16 @@ import numpy as np
 import torch
 
 from rnnfuse.backends import torch as kernels
-from rnnfuse.backends.base import Capabilities, KernelModuleBackend, Tooling, cpu_description, loss_weights
+from rnnfuse.backends.base import (
+    Capabilities,
+    KernelModuleBackend,
+    Timing,
+    Tooling,
+    cpu_description,
+    loss_weights,
+)
 
-__all__ = ["TorchBackend", "TorchTooling"]
+__all__ = ["TorchBackend", "TorchTiming", "TorchTooling"]
 
 
 class TorchBackend(KernelModuleBackend):
@@ -85,6 +92,11 @@ class TorchBackend(KernelModuleBackend):
         from rnnfuse.backends.torch.projected_lstm import ACTIVATIONS
 
         return {name: list(fns) for name, fns in ACTIVATIONS.items()}
+
+
+class TorchTiming(Timing):
+    """What the tuner times plans with under torch: eager steps (this
+    package's `timed_step`) and autograd for the gradient check."""
 
     def device_environment(self):
         return kernels.device_environment()

@@ -23,7 +23,7 @@ from __future__ import annotations
 import torch
 from keras import ops
 
-from rnnfuse.backends.base import ProjectedLSTMCall, StackSpec, tanh_sigmoid
+from rnnfuse.backends.base import ProjectedLSTMCall, StackCall, StackSpec, tanh_sigmoid
 
 __all__ = ["reason", "run"]
 
@@ -99,14 +99,13 @@ def _inner_loop(
         # The mask RNN.call drew for this call (one per sequence).
         x = x * ops.expand_dims(cell.get_dropout_mask(sequences[:, 0, :]), axis=1)
     stack = StackSpec("lstm", cell.units, ((cell,),), proj_size=cell.proj_size)
-    outputs, final_h, final_c, _ = torch_backend.run_stack(
-        x,
-        stack=stack,
+    outputs, final_h, final_c, _ = torch_backend.run_stack(x, StackCall(
+        stack,
         initial_h=[initial_state[0]],
         initial_c=[initial_state[1]],
         mask=mask,
         reverse=go_backwards,
-    )
+    ))
     h_last, c_last = final_h[0], final_c[0]
     if mask is not None:
         keep = ops.convert_to_tensor(mask).to(device=outputs.device, dtype=torch.bool)

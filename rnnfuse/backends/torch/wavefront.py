@@ -816,8 +816,7 @@ def _backward_reason(kind: str, units: int, batch: int, steps: int,
     return _library().backward_reason(kind, units, batch, steps, ordinal)
 
 
-def run_trainable(sequences, *, stack, initial_h=None, initial_c=None, mask=None,
-                  reverse=False, dropout=0.0):
+def run_trainable(sequences, call):
     """`run_stack` for training: the kernel's forward AND backward (an LSTM
     or GRU stack; the gradient reaches the Keras variables through
     `pack_params`); `run_autograd` calls it where a gradient is wanted.
@@ -831,18 +830,16 @@ def run_trainable(sequences, *, stack, initial_h=None, initial_c=None, mask=None
     from rnnfuse.backends.base import StackRun
     from rnnfuse.reasons import KernelRun
 
-    x, params, h0, c0, lengths = _kernel_inputs(sequences, stack, initial_h, initial_c, mask,
-                                                reverse, dropout, training=True)
-    choice = backward_choice(x, h0, kind=stack.kind)
+    x, params, h0, c0, lengths = _kernel_inputs(sequences, call, training=True)
+    choice = backward_choice(x, h0, kind=call.stack.kind)
     y, hy, cy = trainable_forward(x, params, h0, c0, lengths, backward=choice.backward,
-                                  kind=stack.kind)
+                                  kind=call.stack.kind)
     return StackRun(y.transpose(0, 1), hy, cy,
                     KernelRun(TRAINING_KERNEL_NAME, f"backward={choice.backward}"))
 
 
-def _kernel_inputs(sequences, stack, initial_h, initial_c, mask, reverse, dropout, *,
-                   training: bool):
-    """The kernel's inputs for a `run_stack`-style call: (x time-major
+def _kernel_inputs(sequences, call, *, training: bool):
+    """The kernel's inputs for a `StackCall`: (x time-major
     [T, B, I], params, h0, c0 or None, lengths or None), after the checks
     of the forward (and, with `training`, of the backward).
 
@@ -851,13 +848,14 @@ def _kernel_inputs(sequences, stack, initial_h, initial_c, mask, reverse, dropou
     """
     from rnnfuse.backends import torch as kernels
 
+    stack, mask = call.stack, call.mask
     x = sequences
     batch, steps, input_size = (int(d) for d in x.shape)
     reason = unsupported_reason(
         stack.kind, stack.num_levels, stack.units, batch, steps, input_size, x.dtype, x.device,
         directions=stack.num_directions, proj_size=stack.proj_size,
         summed_inputs=any(stack.input_scale(i) is not None for i in range(stack.num_levels)),
-        dropout=dropout)
+        dropout=call.dropout)
     if reason is None and training:
         reason = _backward_reason(stack.kind, stack.units, batch, steps, x.device)
     if reason is not None:
@@ -865,21 +863,20 @@ def _kernel_inputs(sequences, stack, initial_h, initial_c, mask, reverse, dropou
     lengths = None
     if mask is not None:
         lengths = torch.as_tensor(mask, device=x.device).to(torch.int32).sum(dim=1)
-    if reverse:
+    if call.reverse:
         full = lengths if lengths is not None else torch.full((batch,), steps, device=x.device)
         x = kernels._reverse_within_lengths(x, full)
     params = flat_params(kernels.pack_params(stack, x.dtype, x.device))
-    h0 = kernels._states(initial_h, stack, stack.units, batch, x)
-    c0 = kernels._states(initial_c, stack, stack.units, batch, x) if stack.kind == "lstm" else None
+    h0 = kernels._states(call.initial_h, stack, stack.units, batch, x)
+    c0 = (kernels._states(call.initial_c, stack, stack.units, batch, x)
+          if stack.kind == "lstm" else None)
     return x.transpose(0, 1), params, h0, c0, lengths
 
 
-def run_stack(sequences, *, stack, initial_h=None, initial_c=None, mask=None, reverse=False,
-              dropout=0.0, seed=(0, 0), algorithm=None):
+def run_stack(sequences, call):
     """`rnnfuse.backends.torch.run_stack` on the wavefront kernel (inference;
-    no gradient: see `run_autograd`). Returns a `StackRun`.
-
-    `seed` and `algorithm` are accepted for the same signature and unused.
+    no gradient: see `run_autograd`). Returns a `StackRun`. The call's
+    `seed`, `algorithm`, `kernel` and `training` are not read.
 
     Raises:
         NotImplementedError: the kernel cannot run this call (the reason).
@@ -887,15 +884,12 @@ def run_stack(sequences, *, stack, initial_h=None, initial_c=None, mask=None, re
     from rnnfuse.backends.base import StackRun
     from rnnfuse.reasons import KernelRun
 
-    del seed, algorithm
-    x, params, h0, c0, lengths = _kernel_inputs(sequences, stack, initial_h, initial_c, mask,
-                                                reverse, dropout, training=False)
-    y, hy, cy = forward(x.contiguous(), params, h0, c0, lengths, kind=stack.kind)
+    x, params, h0, c0, lengths = _kernel_inputs(sequences, call, training=False)
+    y, hy, cy = forward(x.contiguous(), params, h0, c0, lengths, kind=call.stack.kind)
     return StackRun(y.transpose(0, 1), hy, cy, KernelRun(KERNEL_NAME))
 
 
-def run_autograd(sequences, *, stack, initial_h=None, initial_c=None, mask=None,
-                 reverse=False, dropout=0.0):
+def run_autograd(sequences, call):
     """The backend's call of a plan on the kernel: `run_trainable` (the
     kernel's forward saving what its backward reads, and the backward
     kernel in autograd's backward pass) where autograd will want a
@@ -908,11 +902,9 @@ def run_autograd(sequences, *, stack, initial_h=None, initial_c=None, mask=None,
             a shape over the limits, say): the caller runs cuDNN, which
             then gives the gradient.
     """
-    options = dict(stack=stack, initial_h=initial_h, initial_c=initial_c, mask=mask,
-                   reverse=reverse, dropout=dropout)
-    if wants_gradient(sequences, stack, initial_h, initial_c):
-        return run_trainable(sequences, **options)
-    return run_stack(sequences, **options)
+    if wants_gradient(sequences, call.stack, call.initial_h, call.initial_c):
+        return run_trainable(sequences, call)
+    return run_stack(sequences, call)
 
 
 def wants_gradient(sequences, stack, initial_h=None, initial_c=None) -> bool:
