@@ -29,6 +29,9 @@ SLOW: dict[str, str] = {
     "test_cudnn_op_build.py::test_the_op_compiles_here_and_registers_both_ops": "g++ builds the op (17 s wall)",
     "test_cudnn_op_build.py::test_two_processes_build_once": "two processes, one g++ build (13 s wall)",
     "test_cudnn_op_build.py::test_import_and_cpu_use_never_build": "a fresh process (9 s wall)",
+    "test_cudnn_core_build.py::test_the_core_compiles_here_links_no_cuda_and_errs_cleanly_without_a_driver": (
+        "g++ builds the cuDNN core (5 s wall)"
+    ),
     # Their module fixture `built` runs nvcc and g++ on the wavefront kernel
     # (16 s wall), paid only when one of them runs; the fake-compiler tests
     # of the build's cache and errors stay fast.

@@ -627,15 +627,35 @@ def test_verbosity_flags_work_after_every_command():
 def test_build_ops_without_tensorflow_is_exit_2_with_the_install_fix(capsys, monkeypatch):
     """Was: exit 3, "unexpected ModuleNotFoundError ... This may be a bug",
     and `build-ops --debug` refused."""
+    from rnnfuse.backends.cuda import build
+
+    def no_core(force=False):
+        raise build.BuildError("no C++ compiler found")
+
+    monkeypatch.setattr(build, "build_cudnn_core", no_core)
     monkeypatch.setitem(sys.modules, "tensorflow", None)  # import tensorflow fails
     for name in [m for m in sys.modules if m.startswith("rnnfuse.backends.tensorflow")]:
         monkeypatch.delitem(sys.modules, name)
     code, out, err = _run(capsys, "build-ops", "--debug")
     assert code == 2
+    assert "the cuDNN RNN core was not built (no C++ compiler found)" in err
     last = err.strip().splitlines()[-1]
     assert last.startswith("rnnfuse: error: build-ops compiles rnnfuse's op for TensorFlow")
     assert "Fix: pip install 'tensorflow" in last and "This may be a bug" not in err
     assert "Traceback" in err  # --debug after the command name is honoured
+
+
+def test_build_ops_without_tensorflow_builds_the_core_for_torch(capsys, monkeypatch, tmp_path):
+    from rnnfuse.backends.cuda import build
+
+    core = tmp_path / "librnnfuse_cudnn_core.so"
+    monkeypatch.setattr(build, "build_cudnn_core", lambda force=False: core)
+    monkeypatch.setitem(sys.modules, "tensorflow", None)
+    for name in [m for m in sys.modules if m.startswith("rnnfuse.backends.tensorflow")]:
+        monkeypatch.delitem(sys.modules, name)
+    code, out, err = _run(capsys, "build-ops")
+    assert code == 0 and out.strip().splitlines() == [str(core)]
+    assert "TensorFlow is not installed here: its ops were not built" in err
 
 
 # -- installed entry points (subprocesses) -----------------------------------------

@@ -1,11 +1,14 @@
-"""`rnnfuse build-ops [--force]`: compiles rnnfuse's ops for TensorFlow now
-(no GPU needed) and prints where the libraries went: the wavefront op's
-(inference kernel, needs nvcc; a failure there is a note, not an error),
-then the cuDNN RNN op's on the last line.
+"""`rnnfuse build-ops [--force]`: compiles rnnfuse's native libraries now
+(no GPU needed) and prints where they went: first the framework-free cuDNN
+RNN core (torch's fused calls; rnnfuse.backends.cuda.build
+.build_cudnn_core), then, with TensorFlow installed, the wavefront op's
+(inference kernel, needs nvcc) and the cuDNN RNN op's on the last line.
+A failed core or wavefront build is a note on stderr, not an error.
 
-The op is otherwise built on first GPU use (rnnfuse.backends.tensorflow
-.op_build), into $RNNFUSE_CACHE_DIR/ops or the user cache folder. Without
-TensorFlow installed it exits 2, saying how to install it.
+Each is otherwise built on first GPU use, into $RNNFUSE_CACHE_DIR/ops or
+the user cache folder. Without TensorFlow installed it builds the core
+only, and exits 2 (saying how to install TensorFlow) if the core did not
+build either.
 
 Example:
 
@@ -22,7 +25,7 @@ import sys
 from rnnfuse.cli.errors import CliError
 
 NAME = "build-ops"
-HELP = "compile rnnfuse's ops for TensorFlow now (no GPU needed) and print where the libraries went"
+HELP = "compile rnnfuse's native libraries and TensorFlow ops now (no GPU needed) and print where they went"
 PARENTS = ()
 
 
@@ -31,11 +34,24 @@ def add_arguments(parser) -> None:
 
 
 def run(args) -> int:
+    from rnnfuse.backends.cuda import build
+
+    core_built = False
+    try:
+        print(build.build_cudnn_core(force=args.force))
+        core_built = True
+    except build.BuildError as err:
+        print(f"rnnfuse: the cuDNN RNN core was not built ({err}); fused torch stacks run on "
+              "torch._VF", file=sys.stderr)
     try:
         from rnnfuse.backends.tensorflow import op_build
     except ModuleNotFoundError as err:
         if (err.name or "").split(".")[0] != "tensorflow":
             raise
+        if core_built:
+            print("rnnfuse: TensorFlow is not installed here: its ops were not built",
+                  file=sys.stderr)
+            return 0
         raise CliError(
             "build-ops compiles rnnfuse's op for TensorFlow, and TensorFlow is not "
             "installed here. Fix: pip install 'tensorflow>=2.16' (what the "

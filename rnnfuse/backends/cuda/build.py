@@ -1,7 +1,7 @@
-"""Builds rnnfuse's wavefront kernel (csrc/) and caches what it built.
+"""Builds rnnfuse's native libraries (csrc/) and caches what it built.
 
-Two steps, each cached under `cache_dir()` by a hash of its sources, the
-compiler's version and the flags:
+The wavefront kernel in two steps, each cached under `cache_dir()` by a
+hash of its sources, the compiler's version and the flags:
 
 1. `build_cubin()`: nvcc compiles `csrc/wavefront.cu` to an sm_90 cubin
    (the device code: about 15 s on two cores);
@@ -10,7 +10,14 @@ compiler's version and the flags:
    over the CUDA driver API that `library.py` loads with ctypes (torch) and
    that rnnfuse's TensorFlow op compiles in (op_build.py).
 
-Neither step needs a GPU, so CI compiles both. What they need:
+and the cuDNN RNN core, `build_cudnn_core()`: g++ compiles
+`csrc/cudnn_rnn_core.cc` into `librnnfuse_cudnn_core.so` (a C ABI over
+cuDNN 9's RNN API that reaches cuDNN and the driver through dlopen;
+`cudnn_core.py` loads it with ctypes) against cuDNN's headers
+(`find_cudnn`: the nvidia-cudnn-cu12 wheel, `$CUDNN`, ...) and the CUDA
+toolkit's, with an rpath to the cuDNN found, about 4 s on two cores.
+
+No step needs a GPU, so CI compiles all three. What they need:
 
 - nvcc (CUDA 12.4 or newer): `$NVCC`, else `$CUDA_HOME/bin/nvcc`, else
   `nvcc` on PATH, else the newest `/usr/local/cuda*/bin/nvcc`; its
@@ -42,10 +49,13 @@ from pathlib import Path
 __all__ = [
     "BuildError",
     "build_cubin",
+    "build_cudnn_core",
     "build_library",
     "cache_dir",
     "cached_build",
     "file_lock",
+    "cudnn_header_version",
+    "find_cudnn",
     "find_cxx",
     "find_nvcc",
     "nvcc_version",
@@ -64,6 +74,12 @@ NVCC_FLAGS = ("-std=c++17", "-O3", "-cubin", "-gencode=arch=compute_90,code=sm_9
 CXX_FLAGS = ("-std=c++17", "-O2", "-shared", "-fPIC", "-fvisibility=hidden",
              "-static-libstdc++", "-static-libgcc")
 _FLAGS_VERSION = "1"  # bump when a build command changes
+
+CORE_SOURCES = ("cudnn_rnn_core.cc", "cudnn_rnn_core.h")
+CORE_LIBRARY_NAME = "librnnfuse_cudnn_core.so"
+# Hides the static libstdc++'s symbols: the core loads into processes with
+# their own C++ runtime (torch, TensorFlow).
+CORE_LINK_FLAGS = ("-ldl", "-Wl,--exclude-libs,ALL")
 
 
 class BuildError(RuntimeError):
@@ -245,5 +261,95 @@ def build_library(force: bool = False) -> Path:
     def make(tmp: Path) -> None:
         run_compiler(host_command(cxx, cubin, include, tmp), "rnnfuse's wavefront library",
                      "check that the C++ compiler supports C++17")
+
+    return cached_build(target, make, force)
+
+
+def find_cudnn() -> tuple[Path, Path]:
+    """(include dir, lib dir) of a cuDNN 9 install; raises BuildError.
+
+    Looked for in this order: `$CUDNN` (a folder with include/ and lib/),
+    the `nvidia-cudnn-cu12` pip package (`pip install rnnfuse[cuda]`),
+    `$CUDNN_HOME`/`$CUDA_HOME`/`$CUDA_PATH`, the system, /usr/local/cuda.
+    """
+    candidates: list[tuple[str, Path]] = []
+    if os.environ.get("CUDNN"):
+        candidates.append(("$CUDNN", Path(os.environ["CUDNN"])))
+    try:
+        import importlib.util
+
+        spec = importlib.util.find_spec("nvidia.cudnn")
+    except (ImportError, ValueError):
+        spec = None
+    if spec is not None:
+        for loc in spec.submodule_search_locations or []:
+            candidates.append(("nvidia-cudnn-cu12", Path(loc)))
+    for var in ("CUDNN_HOME", "CUDA_HOME", "CUDA_PATH"):
+        if os.environ.get(var):
+            candidates.append((f"${var}", Path(os.environ[var])))
+    candidates.append(("system", Path("/usr")))
+    candidates.append(("/usr/local/cuda", Path("/usr/local/cuda")))
+    tried = []
+    for origin, root in candidates:
+        includes = [root / "include", root / "include" / "x86_64-linux-gnu"]
+        libs = [root / "lib", root / "lib64", root / "lib" / "x86_64-linux-gnu"]
+        inc = next((d for d in includes if (d / "cudnn.h").is_file()), None)
+        lib = next((d for d in libs if (d / "libcudnn.so.9").exists()), None)
+        if inc is not None and lib is not None:
+            return inc, lib
+        tried.append(f"{origin} ({root})")
+    raise BuildError(
+        "no cuDNN 9 headers and libcudnn.so.9 found (looked in "
+        + ", ".join(tried)
+        + "). Fix: pip install 'rnnfuse[cuda]' (nvidia-cudnn-cu12), or set "
+        "CUDNN to a folder with include/cudnn.h and lib/libcudnn.so.9"
+    )
+
+
+def cudnn_header_version(include: Path) -> str:
+    """'9.28.0' from cudnn_version.h ('unknown' if it does not say)."""
+    text = ""
+    for name in ("cudnn_version.h", "cudnn_version_v9.h", "cudnn.h"):
+        p = include / name
+        if p.is_file():
+            text += p.read_text(errors="replace")
+    parts = [re.search(rf"#define CUDNN_{k}\s+(\d+)", text) for k in ("MAJOR", "MINOR", "PATCHLEVEL")]
+    if not all(parts):
+        return "unknown"
+    return ".".join(m.group(1) for m in parts)
+
+
+def core_command(cxx: str, cuda_inc: Path, cudnn_inc: Path, cudnn_lib: Path,
+                 output: Path) -> list[str]:
+    """The g++ command that builds the cuDNN RNN core (no framework, no
+    CUDA runtime: cuDNN and the driver are dlopen'ed; the rpath lets it
+    find the libcudnn.so.9 it was built against where none is loaded)."""
+    return [
+        cxx, *CXX_FLAGS, f"-I{cuda_inc}", f"-I{cudnn_inc}",
+        str(SOURCE_DIR / "cudnn_rnn_core.cc"), "-o", str(output), *CORE_LINK_FLAGS,
+        f"-Wl,-rpath,{cudnn_lib}",
+    ]
+
+
+def build_cudnn_core(force: bool = False) -> Path:
+    """Builds (unless cached) librnnfuse_cudnn_core.so; returns its path.
+
+    Needs a C++ compiler, the CUDA toolkit's headers (cuda.h, found through
+    nvcc as `build_library` finds them) and cuDNN 9's headers
+    (`find_cudnn`). No GPU, no framework.
+
+    Raises:
+        BuildError: no compiler, no headers, or the compiler failed.
+    """
+    cxx = find_cxx()
+    cuda_inc = cuda_include(find_nvcc())
+    cudnn_inc, cudnn_lib = find_cudnn()
+    key = (f"cudnn-core-cudnn{cudnn_header_version(cudnn_inc)}-"
+           f"{_digest(CORE_SOURCES, *CXX_FLAGS, *CORE_LINK_FLAGS, str(cudnn_lib))}")
+    target = cache_dir() / key / CORE_LIBRARY_NAME
+
+    def make(tmp: Path) -> None:
+        run_compiler(core_command(cxx, cuda_inc, cudnn_inc, cudnn_lib, tmp),
+                     "rnnfuse's cuDNN RNN core", "check that the C++ compiler supports C++17")
 
     return cached_build(target, make, force)

@@ -45,9 +45,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
-import re
 import shutil
-import subprocess
 import sys
 import threading
 import warnings
@@ -55,7 +53,7 @@ from pathlib import Path
 from typing import Any
 
 from rnnfuse.backends.cuda import build as cuda_build
-from rnnfuse.backends.cuda.build import BuildError, cache_dir
+from rnnfuse.backends.cuda.build import BuildError, cache_dir, cudnn_header_version, find_cudnn
 
 __all__ = [
     "BuildError",
@@ -84,55 +82,6 @@ WAVEFRONT_LIBRARY_NAME = "rnnfuse_wavefront_op.so"
 _LOCK = threading.Lock()
 _STATE: dict[str, Any] = {"module": None, "tried": False, "reason": None, "warned": False}
 _WAVEFRONT: dict[str, Any] = {"module": None, "tried": False, "reason": None}
-
-
-def find_cudnn() -> tuple[Path, Path]:
-    """(include dir, lib dir) of a cuDNN 9 install; raises BuildError."""
-    candidates: list[tuple[str, Path]] = []
-    if os.environ.get("CUDNN"):
-        candidates.append(("$CUDNN", Path(os.environ["CUDNN"])))
-    try:
-        import importlib.util
-
-        spec = importlib.util.find_spec("nvidia.cudnn")
-    except (ImportError, ValueError):
-        spec = None
-    if spec is not None:
-        for loc in spec.submodule_search_locations or []:
-            candidates.append(("nvidia-cudnn-cu12", Path(loc)))
-    for var in ("CUDNN_HOME", "CUDA_HOME", "CUDA_PATH"):
-        if os.environ.get(var):
-            candidates.append((f"${var}", Path(os.environ[var])))
-    candidates.append(("system", Path("/usr")))
-    candidates.append(("/usr/local/cuda", Path("/usr/local/cuda")))
-    tried = []
-    for origin, root in candidates:
-        includes = [root / "include", root / "include" / "x86_64-linux-gnu"]
-        libs = [root / "lib", root / "lib64", root / "lib" / "x86_64-linux-gnu"]
-        inc = next((d for d in includes if (d / "cudnn.h").is_file()), None)
-        lib = next((d for d in libs if (d / "libcudnn.so.9").exists()), None)
-        if inc is not None and lib is not None:
-            return inc, lib
-        tried.append(f"{origin} ({root})")
-    raise BuildError(
-        "no cuDNN 9 headers and libcudnn.so.9 found (looked in "
-        + ", ".join(tried)
-        + "). Fix: pip install 'rnnfuse[cuda]' (nvidia-cudnn-cu12), or set "
-        "CUDNN to a folder with include/cudnn.h and lib/libcudnn.so.9"
-    )
-
-
-def cudnn_header_version(include: Path) -> str:
-    """'9.28.0' from cudnn_version.h."""
-    text = ""
-    for name in ("cudnn_version.h", "cudnn_version_v9.h", "cudnn.h"):
-        p = include / name
-        if p.is_file():
-            text += p.read_text(errors="replace")
-    parts = [re.search(rf"#define CUDNN_{k}\s+(\d+)", text) for k in ("MAJOR", "MINOR", "PATCHLEVEL")]
-    if not all(parts):
-        return "unknown"
-    return ".".join(m.group(1) for m in parts)
 
 
 def find_compiler() -> str:
