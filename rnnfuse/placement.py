@@ -81,7 +81,11 @@ def placement(plan, source: str = "static") -> Placement:
         why = _UNAVAILABLE.get(name, f"the {name} fused kernel cannot run here")
         return Placement(False, _ORIGINAL, why)
     calls = "one fused call" if len(plan.pieces) <= 1 else f"{len(plan.pieces)} fused calls"
-    return Placement(True, calls)
+    # Which kernel the fused calls reach, where a backend has a choice (torch:
+    # rnnfuse's cuDNN core, or torch._VF and why).
+    describe = getattr(backend, "fused_call_kernel", None)
+    kernel = describe(plan) if describe is not None else None
+    return Placement(True, calls if kernel is None else f"{calls} on {kernel}")
 
 
 def nothing_fused_reason(plans: Sequence, sources: Sequence[str] | None = None) -> str | None:

@@ -11,7 +11,10 @@ rnnfuse/backends/tensorflow.py): all weight matrices, pseudo-layer by
 pseudo-layer (level-major, forward before backward), each gate's matrix
 [H, n] row-major, input matrices before recurrent ones; then all biases in
 the same order, input biases before recurrent ones. Gate orders: lstm
-(i, f, c, o), gru (r, z, h), rnn (one).
+(i, f, c, o), gru (r, z, h), rnn (one). An LSTM with a projection (LSTMP,
+h P wide, c H wide) has its [P, H] projection matrix after its recurrent
+matrices (rnnfuse's canonical layout, csrc/cudnn_rnn_core.h), and its h is
+that matrix times o * tanh(c).
 
 cuDNN's equations (per direction, per time step, for t < length):
 
@@ -32,10 +35,10 @@ import numpy as np
 GATES = {"lstm": 4, "gru": 3, "rnn_tanh": 1, "rnn_relu": 1}
 
 
-def unpack(xp, params, mode, input_size, units, num_layers, num_dirs):
-    """Per pseudo-layer dicts of gate matrices and biases."""
+def unpack(xp, params, mode, input_size, units, num_layers, num_dirs, proj_size=0):
+    """Per pseudo-layer dicts of gate matrices, biases (and projection "P")."""
     gates, h = GATES[mode], units
-    out_width = units
+    out_width = proj_size or units
     offset = 0
     layers = []
 
@@ -50,7 +53,10 @@ def unpack(xp, params, mode, input_size, units, num_layers, num_dirs):
         for _ in range(num_dirs):
             w = [take(h * n, (h, n)) for _ in range(gates)]
             r = [take(h * out_width, (h, out_width)) for _ in range(gates)]
-            layers.append({"W": w, "R": r})
+            layer = {"W": w, "R": r}
+            if proj_size:
+                layer["P"] = take(proj_size * h, (proj_size, h))
+            layers.append(layer)
     for p in layers:
         p["bW"] = [take(h, (h,)) for _ in range(gates)]
         p["bR"] = [take(h, (h,)) for _ in range(gates)]
@@ -81,7 +87,10 @@ def _step(xp, mode, x, h, c, p):
             _sigmoid(xp, lin(3)),
         )
         c = f * c + i * g
-        return o * xp.tanh(c), c
+        h = o * xp.tanh(c)
+        if "P" in p:
+            h = xp.matmul(h, xp.transpose(p["P"]))
+        return h, c
     if mode == "gru":
         r, z = _sigmoid(xp, lin(0)), _sigmoid(xp, lin(1))
         n = xp.tanh(
@@ -125,7 +134,8 @@ def cudnn_rnn(xp, x, h0, c0, params, lengths, mode, bidirectional):
     """Multi-layer cuDNN RNN on time-major `x` [T, B, F].
 
     Args:
-        h0, c0: [L * D, B, H] (c0 None unless lstm).
+        h0, c0: [L * D, B, R] and [L * D, B, H] (c0 None unless lstm; R = P
+            for a projected LSTM, else H).
         lengths: [B] sequence lengths.
 
     Returns:
@@ -133,7 +143,9 @@ def cudnn_rnn(xp, x, h0, c0, params, lengths, mode, bidirectional):
     """
     dirs = 2 if bidirectional else 1
     num_layers = h0.shape[0] // dirs
-    layers = unpack(xp, params, mode, x.shape[-1], h0.shape[-1], num_layers, dirs)
+    units = c0.shape[-1] if mode == "lstm" else h0.shape[-1]
+    proj = h0.shape[-1] if h0.shape[-1] != units else 0
+    layers = unpack(xp, params, mode, x.shape[-1], units, num_layers, dirs, proj)
     inp, hs, cs = x, [], []
     for level in range(num_layers):
         outs = []

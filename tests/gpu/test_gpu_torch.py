@@ -1,6 +1,7 @@
 """FusedRNN under Keras' torch backend on a real GPU (cuDNN through PyTorch).
 
-Runs only with KERAS_BACKEND=torch and CUDA visible to PyTorch. Every test
+Runs only with KERAS_BACKEND=torch and CUDA visible to PyTorch, with
+rnnfuse's cuDNN core turned off (RNNFUSE_DISABLE_CORE). Every test
 proves that one multi-layer `torch._VF` call ran (a spy on the backend's
 single call site, `rnnfuse.backends.torch.torch_rnn`) and that PyTorch ran
 it on cuDNN (its autograd graph holds `CudnnRnnBackward0`), so a silent
@@ -31,6 +32,14 @@ from builders import KINDS, assert_fastest_or_kept_original, fused_layers, rando
 from rnnfuse.backends import torch as torch_backend  # noqa: E402
 
 L = keras.layers
+
+
+@pytest.fixture(autouse=True)
+def _vf_path(monkeypatch):
+    """These tests are `torch._VF`'s (PyTorch's own cuDNN calls): rnnfuse's
+    cuDNN core, which "cudnn" plans run on CUDA, has
+    tests/gpu/test_gpu_core_torch.py."""
+    monkeypatch.setenv("RNNFUSE_DISABLE_CORE", "1")
 
 
 def _autograd_nodes(tensor, depth=6) -> set[str]:

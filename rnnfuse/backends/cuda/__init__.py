@@ -3,8 +3,11 @@
 - `csrc/`: the persistent wavefront kernel for stacked LSTM/GRU inference
   (wavefront.cuh: design, layout arithmetic, synchronisation, limits) and
   its C-ABI host library over the CUDA driver API;
+  and the cuDNN RNN core (cudnn_rnn_core.h: a C ABI over cuDNN 9's RNN
+  API, every cell kind, algorithm, dtype, lengths, dropout, LSTMP);
 - `build`: compiles them (nvcc, g++) into the user cache, no GPU needed;
-- `library`: the ctypes binding of the host library (plan, forward).
+- `library`: the ctypes binding of the host library (plan, forward);
+- `cudnn_core`: the ctypes binding of the cuDNN core.
 
 Nothing here imports a framework: rnnfuse/backends/torch/wavefront.py and
 the TensorFlow op (rnnfuse/backends/tensorflow/csrc/) bind it.

@@ -40,11 +40,17 @@ Masks: a right-padded mask becomes sequence lengths through
 are zero past each length, final states are those at each length (what
 Keras' masked loop keeps). `reverse=True` reverses each sequence within its
 length before the first level, as `tf.reverse_sequence` does in the
-TensorFlow backend. Between-level dropout draws from PyTorch's global RNG
-(`keras.utils.set_random_seed` seeds it); the `seed` argument is unused.
+TensorFlow backend. Between-level dropout on `torch._VF` draws from
+PyTorch's global RNG (`keras.utils.set_random_seed` seeds it); on the core
+it is cuDNN's, seeded by the `seed` argument.
 
-Kernels (`rnnfuse.plan.KERNELS`): "cudnn" and "stock" are PyTorch's own
-calls below; "wavefront" is rnnfuse's wavefront kernel (`wavefront`: the
+Kernels (`rnnfuse.plan.KERNELS`): "cudnn" is, on a CUDA device, rnnfuse's
+cuDNN core (`cudnn_core`: `torch.ops.rnnfuse.cudnn_rnn`, the plan's
+algorithm in both passes, lengths instead of packing, LSTMP, bfloat16),
+and PyTorch's own `torch._VF` calls below where the core cannot run the
+call (not built, no cuDNN, a configuration cuDNN refuses: the reason is
+in the `KernelRun`'s note, which `inspect` shows) and on the CPU; "stock"
+is always `torch._VF`; "wavefront" is rnnfuse's wavefront kernel (`wavefront`: the
 custom op `torch.ops.rnnfuse.wavefront_forward` on a Hopper GPU, for
 inference, with cuDNN's gradient recomputed in the backward pass), or those
 calls where it cannot run the call (the `KernelRun`'s note says why).
@@ -113,6 +119,8 @@ import torch
 from torch.nn.utils import rnn as rnn_utils
 
 from rnnfuse.backends.base import GATES, StackCall, StackRun, StackSpec, run_or_fall_back
+from rnnfuse.backends.cuda.cudnn_core import E_NOT_SUPPORTED, CoreError
+from rnnfuse.backends.torch import cudnn_core
 from rnnfuse.reasons import FusionWarning, KernelRun
 
 __all__ = [
@@ -132,6 +140,7 @@ __all__ = [
     "set_call_mode",
     "timed_step",
     "torch_rnn",
+    "tuned_algorithms",
     "unsupported_reason",
 ]
 
@@ -231,6 +240,22 @@ def concrete_bool(value: Any) -> bool | None:
     """`value` (a boolean scalar tensor) as a Python bool: torch runs
     eagerly, so it is always known."""
     return bool(value)
+
+
+# The cuDNN algorithms the tuner times for fused pieces where the core runs
+# them (TensorFlow's OP_TUNED_ALGORITHMS; None: the standard algorithm).
+CORE_TUNED_ALGORITHMS = (None, "persistent_static+tc", "persistent_dynamic+tc")
+
+
+def tuned_algorithms() -> tuple:
+    """The algorithms the tuner times here: CORE_TUNED_ALGORITHMS where a
+    CUDA device is visible and rnnfuse's cuDNN core loads, else (None,)
+    (`torch._VF` picks cuDNN's algorithm itself)."""
+    if not torch.cuda.is_available() or cudnn_core.disabled():
+        return (None,)
+    from rnnfuse.backends.cuda import cudnn_core as library
+
+    return CORE_TUNED_ALGORITHMS if library.load_failure() is None else (None,)
 
 
 def is_available() -> bool:
@@ -685,10 +710,16 @@ def run_stack(sequences: Any, call: StackCall) -> StackRun:
 
     How torch reads the `StackCall`'s fields:
         initial_h: h [B, H], or [B, P] when projected.
-        dropout: PyTorch's dropout between levels, from its global RNG
-            (`seed` is not read).
-        algorithm: not read (PyTorch chooses cuDNN's algorithm itself).
-        kernel: "cudnn" or "stock" (the same calls here), or "wavefront"
+        dropout: the dropout between levels: cuDNN's on the core, seeded
+            by `seed` (seed + seed2 * 2**31); on `torch._VF` from PyTorch's
+            global RNG (`seed` is not read there).
+        algorithm: the cuDNN algorithm (`rnnfuse.plan.Algorithm`, None:
+            standard, or PyTorch's persistent choice for its per-level
+            calls) of a call on the core, in both passes; `torch._VF`
+            chooses its own.
+        kernel: "cudnn" (rnnfuse's cuDNN core on CUDA where it can run the
+            call, else `torch._VF` with the reason in the `KernelRun`'s
+            note), "stock" (`torch._VF`), or "wavefront"
             (`wavefront.run_autograd`: the kernel's forward, and its
             backward where autograd will want a gradient; where the kernels
             cannot run the call, "cudnn", with the reason in the
@@ -699,7 +730,8 @@ def run_stack(sequences: Any, call: StackCall) -> StackRun:
     Returns:
         A `StackRun`: outputs [B, T, D*P'] with zeros past each sequence's
         length, final h [L*D, B, P'], final c [L*D, B, H] or None, where
-        P' = proj_size or units, and the `KernelRun` (``torch._VF.<kind>``).
+        P' = proj_size or units, and the `KernelRun`
+        (``torch.ops.rnnfuse.cudnn_rnn`` or ``torch._VF.<kind>``).
     """
     if call.kernel not in KERNELS:
         raise NotImplementedError(
@@ -720,6 +752,7 @@ def run_stack(sequences: Any, call: StackCall) -> StackRun:
         )
     stack, initial_h, initial_c, mask = call.stack, call.initial_h, call.initial_c, call.mask
     reverse, dropout = call.reverse, call.dropout
+    seed, algorithm, kernel = call.seed, call.algorithm, call.kernel
     x = keras.ops.convert_to_tensor(sequences)
     batch, steps = int(x.shape[0]), int(x.shape[1])
     lstm = stack.kind == "lstm"
@@ -738,7 +771,18 @@ def run_stack(sequences: Any, call: StackCall) -> StackRun:
     if reverse:
         x = torch.flip(x, [1]) if lengths is None else _reverse_within_lengths(x, lengths)
     per_call = levels_per_call(stack, x, packed=lengths is not None)
-    run_calls = _run_calls_exact if needs_exact_float32(stack, x, mask) else _run_calls
+    exact = needs_exact_float32(stack, x, mask)
+    core_note = None
+    if kernel == "cudnn" and core_applies(x):
+        core_note = cudnn_core.core_reason(x)
+        if core_note is None:
+            try:
+                return _run_on_core(stack, x, lengths, hx, params, dropout, seed, algorithm,
+                                    per_call, exact)
+            except CoreError as err:
+                core_note = f"the cuDNN core refused this call ({err})"
+        core_note += "; torch._VF runs it (PyTorch chooses cuDNN's algorithm)"
+    run_calls = _run_calls_exact if exact else _run_calls
 
     if lengths is None:
         outputs, final = run_calls(stack, x, None, hx, params, dropout, train, per_call)
@@ -760,5 +804,88 @@ def run_stack(sequences: Any, call: StackCall) -> StackRun:
     final_c = final[1] if lstm else None
     calls = -(-stack.num_levels // per_call)
     note = None if calls == 1 else f"{calls} calls of {per_call} level(s) each"
-    ran = KernelRun(f"torch._VF.{stack.kind}", "", note)
+    ran = KernelRun(f"torch._VF.{stack.kind}", "", note).with_note(core_note)
     return StackRun(outputs, final_h, final_c, ran)
+
+
+def core_applies(x: torch.Tensor) -> bool:
+    """Whether a "cudnn" call on `x` is meant for rnnfuse's cuDNN core (a
+    CUDA tensor); on the CPU PyTorch's own kernels are the plan. (The CPU
+    tests make it True to run the core's emulation.)"""
+    return x.is_cuda
+
+
+def _run_on_core(stack, x, lengths, hx, params, dropout, seed, algorithm, per_call, exact):
+    """`run_stack`'s calls on rnnfuse's cuDNN core (`cudnn_core`): x is
+    batch-major (already reversed where asked), `lengths` the host lengths
+    or None. The plan's algorithm runs in both passes; without one, calls
+    that PyTorch would run on cuDNN's persistent kernel (`levels_per_call`
+    gives one level a call) run persistent static with tensor ops, as
+    PyTorch picks them. A masked call runs the standard algorithm (cuDNN's
+    persistent algorithms refuse padded lengths), as on TensorFlow.
+
+    Raises:
+        CoreError: the core refused or failed a call (nothing was returned).
+    """
+    from rnnfuse.plan import Algorithm
+
+    h0, c0 = hx if stack.kind == "lstm" else (hx, None)
+    allow_tf32 = bool(torch.backends.cudnn.allow_tf32) and not exact
+    note = None
+    if (algorithm is None and per_call == 1 and stack.num_levels > 1
+            and get_call_mode() == "auto"):
+        algorithm = Algorithm.parse("persistent_static+tc")
+        note = "PyTorch's choice for these calls: persistent static, one level a call"
+    if lengths is not None and algorithm is not None and not algorithm.is_standard:
+        note = "a masked call runs the standard algorithm (padded lengths)"
+        algorithm = None
+    try:
+        return _core_calls(stack, x, lengths, h0, c0, params, dropout, seed, algorithm,
+                           per_call, allow_tf32, note)
+    except CoreError as err:
+        if algorithm is None or algorithm.is_standard or err.code != E_NOT_SUPPORTED:
+            raise
+        note = (f"cuDNN refused {algorithm.name} for this call ({err}); the standard "
+                "algorithm runs")
+        return _core_calls(stack, x, lengths, h0, c0, params, dropout, seed, None, per_call,
+                           allow_tf32, note)
+
+
+def _core_calls(stack, x, lengths, h0, c0, params, dropout, seed, algorithm, per_call,
+                allow_tf32, note):
+    """`_run_on_core`'s calls with one algorithm (None: standard)."""
+    from rnnfuse.plan import Algorithm
+
+    lstm = stack.kind == "lstm"
+    dirs = stack.num_directions
+    code = cudnn_core.algorithm_code(algorithm, x.dtype, allow_tf32)
+    wants_grad = torch.is_grad_enabled() and any(
+        t.requires_grad for t in (x, h0, *(() if c0 is None else (c0,)), *params))
+    training = wants_grad or dropout > 0
+    per_pseudo = len(params) // stack.num_pseudo_layers
+    seed_value = int(seed[0]) + (int(seed[1]) << 31)
+    y = x.transpose(0, 1)
+    finals = []
+    for first in range(0, stack.num_levels, per_call):
+        levels = min(per_call, stack.num_levels - first)
+        if first and dropout and training:
+            y = torch.nn.functional.dropout(y, dropout, training=True)
+        rows = slice(first * dirs, (first + levels) * dirs)
+        part = params[first * dirs * per_pseudo:(first + levels) * dirs * per_pseudo]
+        y, hy, cy = cudnn_core.run(
+            y, stack.kind, levels, stack.units, cudnn_core.canonical_params(part, levels * dirs),
+            h0[rows], None if c0 is None else c0[rows], lengths, directions=dirs,
+            proj_size=stack.proj_size, algorithm=code, allow_tf32=allow_tf32,
+            dropout=dropout, seed=seed_value, training=training)
+        finals.append((hy, cy))
+    final_h = torch.cat([f[0] for f in finals]) if len(finals) > 1 else finals[0][0]
+    final_c = None
+    if lstm:
+        final_c = torch.cat([f[1] for f in finals]) if len(finals) > 1 else finals[0][1]
+    name = (algorithm or Algorithm()).name
+    calls = len(finals)
+    if calls > 1:
+        split = f"{calls} calls of {per_call} level(s) each"
+        note = split if note is None else f"{note}; {split}"
+    ran = KernelRun(cudnn_core.KERNEL_NAME, name, note)
+    return StackRun(y.transpose(0, 1), final_h, final_c, ran)

@@ -1,0 +1,347 @@
+"""The torch binding of rnnfuse's cuDNN core, on the CPU, against an emulation.
+
+The core's two tensor-level entries (`cudnn_core.core_forward`,
+`core_backward`) are replaced by tests/torch_backend/core_emulation.py
+(cuDNN's equations over the canonical flat buffer, tests/cudnn_reference.py,
+in float64 torch), and "cudnn" calls on CPU tensors are sent to the core.
+What runs for real: the packing (PyTorch's weight list -> the canonical
+layout), the custom ops and their autograd formula (the saved tensors, the
+gradients' order), masks as lengths, reversal, states, the algorithm code,
+dropout and seed, and every fallback with its reason. The library's
+arithmetic is the GPU tests' (tests/gpu/test_gpu_core_torch.py).
+"""
+
+from __future__ import annotations
+
+import keras
+import numpy as np
+import pytest
+import torch
+
+import rnnfuse
+from builders import KINDS, fused_layers, random_inputs, rnn_layer, stack_model
+from core_emulation import install
+from cudnn_reference import numpy_cudnn_rnn
+from rnnfuse.backends import torch as torch_backend
+from rnnfuse.backends.base import StackSpec
+from rnnfuse.backends.cuda.cudnn_core import E_CUDNN, E_NOT_SUPPORTED, CoreError
+from rnnfuse.backends.torch import cudnn_core
+from rnnfuse.plan import Algorithm, Plan
+
+L = keras.layers
+
+
+@pytest.fixture
+def core(monkeypatch):
+    monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", False)  # as on the GPU suite
+    return install(monkeypatch)
+
+
+def _randomize(model, seed=0, scale=0.5):
+    rng = np.random.default_rng(seed)
+    for v in model.weights:
+        v.assign(rng.uniform(-scale, scale, v.shape).astype(v.dtype))
+
+
+def _stack(kind, bidirectional, levels=3, steps=9, features=5, units=6, **kwargs):
+    inp = keras.Input((steps, features))
+    x = inp
+    for _ in range(levels):
+        layer = rnn_layer(kind, units, return_sequences=True, **kwargs)
+        x = (L.Bidirectional(layer) if bidirectional else layer)(x)
+    return keras.Model(inp, x)
+
+
+def _outputs_and_grads(model, inputs, variables, training=False):
+    out = model(inputs, training=training)
+    flat = [t.double() for t in keras.tree.flatten(out)]
+    loss = sum((t * torch.sin(torch.arange(t.shape[-1]) + 1.0) + t**2).sum() for t in flat)
+    return flat, torch.autograd.grad(loss, [v.value for v in variables])
+
+
+def _compare(model, fast, inputs, tol=2e-5):
+    o0, g0 = _outputs_and_grads(model, inputs, model.trainable_variables)
+    o1, g1 = _outputs_and_grads(fast, inputs, model.trainable_variables)
+    assert [t.shape for t in o0] == [t.shape for t in o1]
+    assert max(float((a - b).detach().abs().max()) for a, b in zip(o0, o1)) <= tol
+    assert max(float((a - b).abs().max()) for a, b in zip(g0, g1)) <= 10 * tol
+
+
+def _ran(fast):
+    (layer,) = fused_layers(fast)
+    return layer.last_path.kernel
+
+
+# -- packing ----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("bidirectional", [False, True])
+def test_canonical_params_are_the_layout_the_reference_reads(kind, bidirectional):
+    """Keras' own layers against the NumPy reference reading the canonical
+    buffer that the binding builds from PyTorch's weight list."""
+    model = _stack(kind, bidirectional, levels=2)
+    _randomize(model, 1)
+    x = np.random.default_rng(2).standard_normal((4, 9, 5)).astype("float32")
+    cells = tuple(
+        tuple(getattr(l, d).cell for d in ("forward_layer", "backward_layer"))
+        if bidirectional else (l.cell,)
+        for l in model.layers[1:])
+    stack = StackSpec(kind, 6, cells)
+    weights = torch_backend.pack_params(stack, torch.float64, "cpu")
+    flat = cudnn_core.canonical_params(weights, stack.num_pseudo_layers)
+    dirs = stack.num_directions
+    h0 = np.zeros((2 * dirs, 4, 6))
+    out, _, _ = numpy_cudnn_rnn(x.transpose(1, 0, 2), h0, h0 if kind == "lstm" else None,
+                                flat.detach().numpy(), [9] * 4, kind, bidirectional)
+    expected = keras.ops.convert_to_numpy(model(x))
+    assert np.abs(out.transpose(1, 0, 2) - expected).max() <= 1e-5
+
+
+def test_canonical_params_with_a_projection():
+    """w_hr goes after each pseudo-layer's w_ih and w_hh, before any bias."""
+    lstm = torch.nn.LSTM(3, 5, num_layers=2, proj_size=2, bidirectional=True).double()
+    flat = cudnn_core.canonical_params(lstm._flat_weights, 4)
+    w = lstm._flat_weights
+    per = 5
+    mats = [t.reshape(-1) for p in range(4) for t in (w[p * per], w[p * per + 1], w[p * per + 4])]
+    biases = [t.reshape(-1) for p in range(4) for t in (w[p * per + 2], w[p * per + 3])]
+    assert torch.equal(flat, torch.cat(mats + biases))
+    x = torch.randn(7, 2, 3, dtype=torch.float64)
+    h0, c0 = torch.randn(4, 2, 2, dtype=torch.float64), torch.randn(4, 2, 5, dtype=torch.float64)
+    y_ref, (h_ref, c_ref) = lstm(x, (h0, c0))
+    y, h, c = numpy_cudnn_rnn(x.numpy(), h0.numpy(), c0.numpy(), flat.detach().numpy(), [7, 7],
+                              "lstm", True)
+    for got, want in ((y, y_ref), (h, h_ref), (c, c_ref)):
+        assert np.abs(got - want.detach().numpy()).max() <= 1e-12
+
+
+def test_canonical_params_refuse_a_list_of_the_wrong_length():
+    with pytest.raises(ValueError, match="4 or 5 tensors per pseudo-layer"):
+        cudnn_core.canonical_params([torch.zeros(1)] * 6, 2)
+
+
+# -- the fused call on the (emulated) core ---------------------------------------------
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("bidirectional", [False, True])
+def test_fused_stacks_run_on_the_core_with_their_gradients(kind, bidirectional, core):
+    model = _stack(kind, bidirectional)
+    _randomize(model, 3, 0.5 if kind in ("lstm", "gru") else 0.2)
+    fast = rnnfuse.optimize(model, plan=rnnfuse.FUSED)
+    inputs = np.random.default_rng(4).standard_normal((4, 9, 5)).astype("float32")
+    _compare(model, fast, inputs)
+    ran = _ran(fast)
+    assert (ran.name, ran.algorithm, ran.note) == (cudnn_core.KERNEL_NAME, "standard", None)
+    forward = [c for c in core if c["pass_"] == "forward"]
+    assert [c["pass_"] for c in core] == ["forward", "backward"]
+    assert forward[0] | {"pass_": None} == dict(
+        pass_=None, kind=kind, layers=3, units=6, proj=0, input_size=5,
+        directions=2 if bidirectional else 1, algorithm=3, tf32=False, dropout=0.0, seed=0,
+        training=True)
+    with torch.no_grad():
+        fast(inputs)
+    assert core[-1]["training"] is False  # inference: no reserve space
+
+
+@pytest.mark.parametrize("kind", ["lstm", "gru"])
+def test_masks_become_lengths_and_states_follow_them(kind, core):
+    model = stack_model(kind, 3, units=6, input_size=5, steps=8, masked=True,
+                        last_return_sequences=True, last_return_state=True)
+    _randomize(model, 5)
+    fast = rnnfuse.optimize(model, plan=rnnfuse.FUSED)
+    tokens = random_inputs(model, 4, np.random.default_rng(6), padding="right")
+    tokens[0, 3:] = 0
+    _compare(model, fast, tokens)
+    assert _ran(fast).name == cudnn_core.KERNEL_NAME
+    assert core[0]["training"] is True
+
+
+@pytest.mark.parametrize("kind", ["lstm", "gru"])
+def test_initial_states_go_backwards_and_return_state(kind, core):
+    model = stack_model(kind, 3, units=6, input_size=5, steps=8, initial_state=True,
+                        go_backwards_first=True, last_return_state=True)
+    _randomize(model, 7)
+    fast = rnnfuse.optimize(model, plan=rnnfuse.FUSED)
+    rng = np.random.default_rng(8)
+    inputs = [rng.standard_normal((4, 8, 5)).astype("float32")]
+    inputs += [rng.standard_normal((4, 6)).astype("float32") for _ in model.inputs[1:]]
+    o0, _ = _outputs_and_grads(model, inputs, model.trainable_variables)
+    o1, _ = _outputs_and_grads(fast, inputs, model.trainable_variables)
+    assert max(float((a - b).abs().max()) for a, b in zip(o0, o1)) <= 2e-5
+    # The initial states' gradients reach the inputs through the core's dhx, dcx.
+    tensors = [torch.as_tensor(t, dtype=torch.float32).requires_grad_(True) for t in inputs]
+    grads = []
+    for m in (model, fast):
+        out = keras.tree.flatten(m(tensors))
+        grads.append(torch.autograd.grad(sum((t.double() ** 2).sum() for t in out), tensors))
+    assert max(float((a - b).abs().max()) for a, b in zip(*grads)) <= 2e-4
+
+
+def test_algorithm_codes():
+    assert cudnn_core.algorithm_code(None, torch.float32, allow_tf32=True) == 0
+    assert cudnn_core.algorithm_code(None, torch.float32, allow_tf32=False) == 3  # fma
+    assert cudnn_core.algorithm_code(None, torch.bfloat16, allow_tf32=False) == 1
+    persistent = Algorithm.parse("persistent_dynamic+tc")
+    assert cudnn_core.algorithm_code(persistent, torch.float16, True) == 9
+    assert cudnn_core.algorithm_code(persistent, torch.float32, False) == 11
+
+
+def test_the_plans_algorithm_reaches_both_passes(core):
+    model = _stack("lstm", False)
+    fast = rnnfuse.optimize(model, plan=Plan((3,), "persistent_static+tc"))
+    _outputs_and_grads(fast, np.ones((2, 9, 5), "float32"), model.trainable_variables)
+    assert core[0]["algorithm"] == 4 * 1 + 3  # float32, TF32 off: persistent static with FMA
+    assert _ran(fast).algorithm == "persistent_static+tc"
+
+
+def test_a_masked_call_runs_the_standard_algorithm(core):
+    model = stack_model("lstm", 2, units=6, input_size=5, steps=8, masked=True)
+    fast = rnnfuse.optimize(model, plan=Plan((2,), "persistent_static+tc"))
+    tokens = random_inputs(model, 4, np.random.default_rng(9), padding="right")
+    tokens[1, 4:] = 0
+    fast(tokens)
+    ran = _ran(fast)
+    assert core[-1]["algorithm"] == 3 and ran.algorithm == "standard"
+    assert "masked call runs the standard algorithm" in ran.note
+
+
+def test_an_algorithm_cudnn_refuses_runs_standard_with_the_reason(core, monkeypatch):
+    forward = cudnn_core.core_forward
+
+    def refuse_persistent(ints, *args):
+        if ints[6] >= 4:
+            raise CoreError("cuDNN call cudnnRNNForward failed: CUDNN_STATUS_NOT_SUPPORTED",
+                            E_NOT_SUPPORTED)
+        return forward(ints, *args)
+
+    monkeypatch.setattr(cudnn_core, "core_forward", refuse_persistent)
+    model = _stack("gru", False)
+    fast = rnnfuse.optimize(model, plan=Plan((3,), "persistent_dynamic+tc"))
+    inputs = np.random.default_rng(10).standard_normal((2, 9, 5)).astype("float32")
+    _compare(model, fast, inputs)
+    ran = _ran(fast)
+    assert ran.name == cudnn_core.KERNEL_NAME and ran.algorithm == "standard"
+    assert "cuDNN refused persistent_dynamic+tc" in ran.note and "NOT_SUPPORTED" in ran.note
+
+
+@pytest.mark.parametrize("failure, expected", [
+    ("reason", "the cuDNN core is not available: no libcudnn.so.9"),
+    ("refusal", "the cuDNN core refused this call (cuDNN call cudnnRNNForward failed"),
+])
+def test_where_the_core_cannot_run_torch_vf_runs_with_the_reason(failure, expected, core,
+                                                                 monkeypatch, torch_calls):
+    if failure == "reason":
+        monkeypatch.setattr(cudnn_core, "core_reason",
+                            lambda x: "the cuDNN core is not available: no libcudnn.so.9")
+    else:
+        def refuse(*args):
+            raise CoreError("cuDNN call cudnnRNNForward failed: CUDNN_STATUS_BAD_PARAM", E_CUDNN)
+
+        monkeypatch.setattr(cudnn_core, "core_forward", refuse)
+    model = _stack("lstm", True)
+    fast = rnnfuse.optimize(model, plan=rnnfuse.FUSED)
+    inputs = np.random.default_rng(11).standard_normal((2, 9, 5)).astype("float32")
+    _compare(model, fast, inputs)
+    ran = _ran(fast)
+    assert ran.name == "torch._VF.lstm" and expected in ran.note, ran
+    assert "torch._VF runs it" in ran.note
+    assert len(torch_calls) == 1 and not core
+
+
+def test_on_the_cpu_torch_vf_runs_without_a_note(torch_calls):
+    model = _stack("gru", False)
+    fast = rnnfuse.optimize(model, plan=rnnfuse.FUSED)
+    fast(np.zeros((2, 9, 5), "float32"))
+    ran = _ran(fast)
+    assert (ran.name, ran.note) == ("torch._VF.gru", None) and len(torch_calls) == 1
+
+
+def test_float64_is_refused_by_the_core_with_its_dtype():
+    assert "not float64" in cudnn_core.core_reason(torch.zeros(1, dtype=torch.float64))
+
+
+def test_between_layer_dropout_is_the_cores_with_the_layers_seed(core):
+    inp = keras.Input((9, 5))
+    x = L.LSTM(6, return_sequences=True)(inp)
+    x = L.Dropout(0.25, seed=5)(x)
+    model = keras.Model(inp, L.LSTM(6, return_sequences=True)(x))
+    fast = rnnfuse.optimize(model, plan=rnnfuse.FUSED)
+    assert len(fused_layers(fast)) == 1
+    fast(np.ones((2, 9, 5), "float32"), training=True)
+    call = core[-1]
+    assert call["dropout"] == pytest.approx(0.25) and call["training"] is True
+    assert call["seed"] != 0  # the Dropout layer's seed reaches cuDNN's states
+    fast(np.ones((2, 9, 5), "float32"), training=False)
+    assert core[-1]["dropout"] == 0.0
+
+
+def test_exact_float32_loops_turn_tf32_off_on_the_core(core, monkeypatch):
+    """A SimpleRNN stack (Keras' exact float32 loop) runs without TF32 even
+    where cuDNN's TF32 is allowed; an LSTM stack follows the flag."""
+    monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", True)
+    monkeypatch.setattr(torch_backend, "needs_exact_float32",
+                        lambda stack, x, mask: stack.keras_loop)
+    for kind, tf32 in (("rnn_tanh", False), ("lstm", True)):
+        fast = rnnfuse.optimize(_stack(kind, False), plan=rnnfuse.FUSED)
+        fast(np.ones((2, 9, 5), "float32"))
+        assert core[-1]["tf32"] is tf32, kind
+        assert core[-1]["algorithm"] == (0 if tf32 else 3)
+
+
+def test_pytorchs_persistent_single_level_calls_run_persistent_on_the_core(core, monkeypatch):
+    """Without a plan algorithm, the calls PyTorch would run one level at a
+    time on its persistent kernel run that way on the core."""
+    monkeypatch.setattr(torch_backend, "levels_per_call", lambda stack, x, packed: 1)
+    model = _stack("lstm", False)
+    fast = rnnfuse.optimize(model, plan=rnnfuse.FUSED)
+    _compare(model, fast, np.random.default_rng(12).standard_normal((2, 9, 5)).astype("float32"))
+    forwards = [c for c in core if c["pass_"] == "forward"]
+    assert [c["layers"] for c in forwards] == [1, 1, 1]
+    assert [c["input_size"] for c in forwards] == [5, 6, 6]
+    assert all(c["algorithm"] == 7 for c in forwards)  # persistent static, FMA (float32)
+    ran = _ran(fast)
+    assert ran.algorithm == "persistent_static+tc" and "3 calls of 1 level(s)" in ran.note
+
+
+def test_an_inference_forward_has_no_gradient():
+    x = torch.zeros(3, 2, 4, requires_grad=True)
+    fn = cudnn_core._backward
+    ctx = type("Ctx", (), {})()
+    ctx.saved_tensors = (x, x, x, x, x, x)
+    ctx.lengths = ctx.dev_lengths = None
+    ctx.args = ([0, 1, 4, 0, 4, 1, 0, 0], 0.0, 0, False)
+    with pytest.raises(RuntimeError, match="ran this call's forward for inference"):
+        fn(ctx, None, None, None, None)
+
+
+def test_tuned_algorithms_are_tensorflows_where_the_core_loads(monkeypatch):
+    from rnnfuse.backends import get_backend
+    from rnnfuse.backends.cuda import cudnn_core as library
+
+    assert get_backend().capabilities.tuned_algorithms == (None,)  # no CUDA here
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(library, "load_failure", lambda: None)
+    assert get_backend().capabilities.tuned_algorithms == (
+        None, "persistent_static+tc", "persistent_dynamic+tc")
+    monkeypatch.setattr(library, "load_failure", lambda: "no cuDNN")
+    assert get_backend().capabilities.tuned_algorithms == (None,)
+
+
+def test_inspect_names_the_kernel_a_fused_call_reaches(monkeypatch):
+    from rnnfuse.backends.torch.backend import TorchBackend
+
+    backend = TorchBackend()
+    assert backend.fused_call_kernel(rnnfuse.FUSED) is None  # the CPU: PyTorch's kernels
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(cudnn_core, "core_reason", lambda x: None)
+    assert backend.fused_call_kernel(rnnfuse.FUSED) == "rnnfuse's cuDNN core"
+    monkeypatch.setattr(cudnn_core, "core_reason",
+                        lambda x: "the cuDNN core is not available: no g++")
+    assert backend.fused_call_kernel(rnnfuse.FUSED) == (
+        "torch._VF (the cuDNN core is not available: no g++)")
+    from rnnfuse.placement import placement
+
+    assert placement(rnnfuse.FUSED).how == (
+        "one fused call on torch._VF (the cuDNN core is not available: no g++)")
