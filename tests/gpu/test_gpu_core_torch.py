@@ -246,3 +246,31 @@ def test_tuned_algorithms_are_tensorflows_candidates():
 
     assert get_backend().capabilities.tuned_algorithms == (
         None, "persistent_static+tc", "persistent_dynamic+tc")
+
+
+@pytest.mark.parametrize("policy, tol", [("float32", 1e-5), ("mixed_float16", 1e-2)])
+def test_projected_lstm_stack_runs_the_cores_projection(policy, tol, launches):
+    """An optimized ProjectedLSTM stack against Keras' generic loop."""
+    from rnnfuse.layers import ProjectedLSTM
+    from rnnfuse.layers.projected_lstm import fast_path
+
+    keras.mixed_precision.set_global_policy(policy)
+    try:
+        inp = keras.Input((40, 16))
+        x = inp
+        for _ in range(3):
+            x = L.Bidirectional(ProjectedLSTM(64, 16, return_sequences=True))(x)
+        model = keras.Model(inp, x)
+        _randomize(model, 10, 0.3)
+        inputs = np.random.default_rng(11).standard_normal((8, 40, 16)).astype("float32")
+        with fast_path("off"):
+            o0, g0 = _outputs_and_grads(model, inputs, model.trainable_variables)
+        fast = rnnfuse.optimize(model, plan=rnnfuse.FUSED)
+        o1, g1 = _outputs_and_grads(fast, inputs, model.trainable_variables)
+    finally:
+        keras.mixed_precision.set_global_policy("float32")
+    worst = (_rel(o1[0], o0[0]), max(_rel(b, a) for a, b in zip(g0, g1)))
+    print(f"ProjectedLSTM {policy}: worst (out, grad) {worst}")
+    assert worst[0] <= tol and worst[1] <= 10 * tol
+    _on_core(fast)
+    assert launches["forward"] == 1 and launches["backward"] == 1

@@ -345,3 +345,35 @@ def test_inspect_names_the_kernel_a_fused_call_reaches(monkeypatch):
 
     assert placement(rnnfuse.FUSED).how == (
         "one fused call on torch._VF (the cuDNN core is not available: no g++)")
+
+
+@pytest.mark.parametrize("bidirectional", [False, True])
+def test_projected_lstm_stacks_and_layers_run_the_cores_projection(bidirectional, core):
+    """An optimized ProjectedLSTM stack is one core call with proj_size; a
+    lone ProjectedLSTM layer's fast path reaches the core too. Both match
+    Keras' generic loop (`fast_path("off")`)."""
+    from rnnfuse.layers import ProjectedLSTM
+    from rnnfuse.layers.projected_lstm import fast_path
+
+    inp = keras.Input((6, 5))
+    x = inp
+    for _ in range(2):
+        layer = ProjectedLSTM(7, 3, return_sequences=True)
+        x = (L.Bidirectional(layer) if bidirectional else layer)(x)
+    model = keras.Model(inp, x)
+    _randomize(model, 13, 0.6)
+    inputs = np.random.default_rng(14).standard_normal((3, 6, 5)).astype("float32")
+    with fast_path("off"):
+        o0, g0 = _outputs_and_grads(model, inputs, model.trainable_variables)
+    assert not core
+    fast = rnnfuse.optimize(model, plan=rnnfuse.FUSED)
+    o1, g1 = _outputs_and_grads(fast, inputs, model.trainable_variables)
+    assert max(float((a - b).detach().abs().max()) for a, b in zip(o0, o1)) <= 2e-5
+    assert max(float((a - b).abs().max()) for a, b in zip(g0, g1)) <= 2e-4
+    assert core[0]["proj"] == 3 and core[0]["layers"] == 2 and core[1]["pass_"] == "backward"
+    assert _ran(fast).name == cudnn_core.KERNEL_NAME
+    o2, g2 = _outputs_and_grads(model, inputs, model.trainable_variables)  # layers' own path
+    assert max(float((a - b).detach().abs().max()) for a, b in zip(o0, o2)) <= 2e-5
+    assert max(float((a - b).abs().max()) for a, b in zip(g0, g2)) <= 2e-4
+    dirs = 2 if bidirectional else 1  # each layer, each direction: one call of its own
+    assert [c["layers"] for c in core[2:] if c["pass_"] == "forward"] == [1] * (2 * dirs)
