@@ -10,8 +10,10 @@ and `core_backward`, the binding's only calls into the library) and reads
 the fused layer's `last_path`, so a silent fallback to `torch._VF` or to
 the original layers fails. Outputs, final states and every gradient are
 compared with the original Keras layers (which run PyTorch's cuDNN per
-layer): float32 (TF32 off) relative error <= 1e-5 (outputs), 1e-4
-(gradients) for LSTM/GRU; SimpleRNN within 1e-3 / 1e-2 of Keras' exact
+layer): float32 (TF32 off) relative error <= 5e-5 (outputs), 1e-4
+(gradients) for LSTM/GRU (one multi-layer cuDNN call sums in another order
+than three single-layer ones: measured 1.5e-5 to 3.3e-5 on the outputs of
+these 3-layer, 50-step stacks; a packing mistake gives O(1)); SimpleRNN within 1e-3 / 1e-2 of Keras' exact
 float32 loop (cuDNN's tanh, see test_gpu_torch.py); mixed_float16 <= 1e-2;
 mixed_bfloat16 <= 5e-2. LSTMP is checked against torch.nn.LSTM(proj_size)
 (PyTorch's cuDNN LSTMP), outputs, states and gradients.
@@ -111,7 +113,7 @@ def test_core_matches_keras(kind, bidirectional, launches):
     fast = rnnfuse.optimize(model, plan=rnnfuse.FUSED)
     inputs = np.random.default_rng(1).standard_normal((8, 50, 16)).astype("float32")
     if kind in ("lstm", "gru"):
-        _compare(model, fast, inputs, out_tol=1e-5, grad_tol=1e-4)
+        _compare(model, fast, inputs, out_tol=5e-5, grad_tol=1e-4)
     else:
         _compare(model, fast, inputs, out_tol=1e-3, grad_tol=1e-2)
     _on_core(fast)
@@ -130,7 +132,7 @@ def test_right_padded_masks_run_as_lengths(kind, launches):
     fast = rnnfuse.optimize(model, plan=rnnfuse.FUSED)
     tokens = random_inputs(model, 8, np.random.default_rng(3), padding="right")
     tokens[0, 5:] = 0
-    _compare(model, fast, tokens, out_tol=1e-5, grad_tol=1e-4)
+    _compare(model, fast, tokens, out_tol=5e-5, grad_tol=1e-4)
     _on_core(fast)
     assert launches["forward"] == 1 and launches["backward"] == 1
 
@@ -145,7 +147,7 @@ def test_initial_state_go_backwards_and_return_state(kind, launches):
     inputs = [rng.standard_normal((8, 40, 16)).astype("float32")]
     inputs += [rng.standard_normal((8, 32)).astype("float32")
                for _ in range(len(model.inputs) - 1)]
-    _compare(model, fast, inputs, out_tol=1e-5, grad_tol=1e-4)
+    _compare(model, fast, inputs, out_tol=5e-5, grad_tol=1e-4)
     _on_core(fast)
     assert launches["forward"] == 1 and launches["backward"] == 1
 
@@ -228,13 +230,9 @@ def test_lstmp_matches_pytorchs_cudnn_lstmp(dtype, tol, bidirectional, launches)
 
 
 def test_float64_on_cuda_falls_back_with_the_reason(launches):
-    keras.config.set_floatx("float64")
-    try:
-        model = _stack3("lstm", False)
-        fast = rnnfuse.optimize(model, plan=rnnfuse.FUSED)
-        fast(np.zeros((2, 50, 16)))
-    finally:
-        keras.config.set_floatx("float32")
+    model = _stack3("lstm", False, dtype="float64")
+    fast = rnnfuse.optimize(model, plan=rnnfuse.FUSED)
+    fast(np.zeros((2, 50, 16)))
     (layer,) = fused_layers(fast)
     ran = layer.last_path.kernel
     assert ran.name == "torch._VF.lstm" and "not float64" in ran.note, ran
