@@ -251,6 +251,13 @@ def _runner(group: FusionGroup, plan: Plan, dtype: str | None = None) -> Callabl
                 raise NotImplementedError(
                     f"not timed: the {piece.plan.kernel} kernel did not run "
                     f"({ran.note if ran is not None else piece.last_path})")
+            asked = piece.plan.algorithm
+            if (asked and ran is not None and ran.algorithm not in ("", "runtime")
+                    and ran.algorithm != asked):
+                # An eager backend ran another algorithm than the candidate's
+                # (cuDNN refused it: torch's core falls back to standard).
+                raise NotImplementedError(
+                    f"not timed: {ran.algorithm} ran for {asked} ({ran.note})")
         return x
 
     return fused
@@ -834,12 +841,13 @@ def _done(fn, *args) -> concurrent.futures.Future:
 def _refusal(plan: Plan | None, exc: Exception) -> str | None:
     """Why the kernel refused `plan` (its last message line), when `exc` is
     a kernel's op error on a non-default algorithm or a forward-only kernel,
-    or (NotImplementedError) that kernel fell back to cuDNN in the step
-    (`_runner`); None for anything else (a real error, to raise)."""
+    or (NotImplementedError) that kernel fell back to cuDNN in the step, or
+    another algorithm than the plan's ran (`_runner`); None for anything
+    else (a real error, to raise)."""
     if plan is None:
         return None
     last_line = str(exc).strip().splitlines()[-1].strip()[:300]
-    if plan.inference_only and isinstance(exc, NotImplementedError):
+    if (plan.inference_only or plan.algorithm) and isinstance(exc, NotImplementedError):
         return last_line.removeprefix("NotImplementedError: ")
     if not (plan.algorithm or plan.inference_only) or not _is_op_error(exc):
         return None

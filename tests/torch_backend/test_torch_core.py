@@ -377,3 +377,39 @@ def test_projected_lstm_stacks_and_layers_run_the_cores_projection(bidirectional
     assert max(float((a - b).abs().max()) for a, b in zip(g0, g2)) <= 2e-4
     dirs = 2 if bidirectional else 1  # each layer, each direction: one call of its own
     assert [c["layers"] for c in core[2:] if c["pass_"] == "forward"] == [1] * (2 * dirs)
+
+
+def test_the_tuner_times_the_cores_algorithms_and_leaves_out_a_refused_one(core, monkeypatch):
+    """With the core, the torch tuner's candidates are TensorFlow's (each
+    algorithm whole and split) plus one call per layer; a candidate whose
+    algorithm cuDNN refuses (the call then runs standard) is not timed
+    under its name."""
+    from rnnfuse.passes import build_layer_graph, plan_fusion
+    from rnnfuse.tuning.tuner import tune_plans
+
+    monkeypatch.setattr(torch_backend, "tuned_algorithms",
+                        lambda: torch_backend.CORE_TUNED_ALGORITHMS)
+    forward = cudnn_core.core_forward
+
+    def refuse_dynamic(ints, *args):
+        if ints[6] // 4 == 2:
+            raise CoreError("cudnnBuildRNNDynamic failed: CUDNN_STATUS_NOT_SUPPORTED",
+                            E_NOT_SUPPORTED)
+        return forward(ints, *args)
+
+    monkeypatch.setattr(cudnn_core, "core_forward", refuse_dynamic)
+    model = stack_model("lstm", 4, units=8, input_size=4, steps=6)
+    timed = []
+
+    def timer(steps):
+        timed.append(sorted(steps))
+        return {name: {"median": 1.0} for name in steps}
+
+    groups = plan_fusion(build_layer_graph(model), model_name=model.name).groups
+    tune_plans(groups, lambda g: (4, 6, g.input_size), measure=timer, progress=False)
+    names = set().union(*timed)
+    for algorithm in (None, "persistent_static+tc"):
+        for pieces in ((4,), (2, 2), (1, 1, 1, 1)):
+            assert Plan(pieces, algorithm).name in names, (pieces, algorithm, names)
+    assert not any("persistent_dynamic" in n for n in names), names
+    assert "per-layer" in names
