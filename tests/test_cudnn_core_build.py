@@ -130,8 +130,7 @@ def test_the_build_command_and_its_cache(fresh, monkeypatch):
     log = fresh / "log"
     monkeypatch.setenv("CXX", str(_fake_compiler(fresh, log)))
     monkeypatch.setenv("CUDNN", str(_fake_cudnn(fresh / "cudnn")))
-    monkeypatch.setattr(build, "cuda_include", lambda nvcc: fresh / "cuda" / "include")
-    monkeypatch.setattr(build, "find_nvcc", lambda: "nvcc")
+    monkeypatch.setattr(build, "core_cuda_include", lambda: fresh / "cuda" / "include")
     path = build.build_cudnn_core()
     assert path.name == "librnnfuse_cudnn_core.so" and "cudnn-core-cudnn9.1.0-" in str(path)
     (command,) = log.read_text().splitlines()
@@ -144,14 +143,46 @@ def test_the_build_command_and_its_cache(fresh, monkeypatch):
     assert len(log.read_text().splitlines()) == 1  # built once
 
 
+def test_without_nvcc_the_core_builds_on_a_wheels_cuda_headers(fresh, monkeypatch):
+    """torch users seldom have the CUDA toolkit: the headers of a wheel
+    (here TensorFlow's copy, or nvidia-cuda-runtime's) serve instead."""
+    def no_nvcc():
+        raise build.BuildError("no nvcc found")
+
+    monkeypatch.setattr(build, "find_nvcc", no_nvcc)
+    monkeypatch.delenv("CUDA_HOME", raising=False)
+    wheel = fresh / "site" / "tensorflow" / "include" / "third_party" / "gpus" / "cuda" / "include"
+    wheel.mkdir(parents=True)
+    for name in ("cuda.h", "cuda_runtime_api.h"):
+        (wheel / name).write_text("")
+    import importlib.machinery
+    import importlib.util
+
+    real = importlib.util.find_spec
+
+    def find_spec(name, *args):
+        if name == "tensorflow":
+            spec = importlib.machinery.ModuleSpec("tensorflow", None, is_package=True)
+            spec.submodule_search_locations = [str(fresh / "site" / "tensorflow")]
+            return spec
+        if name == "nvidia.cuda_runtime":
+            return None
+        return real(name, *args)
+
+    monkeypatch.setattr(importlib.util, "find_spec", find_spec)
+    assert build.core_cuda_include() == wheel
+    (wheel / "cuda.h").unlink()
+    with pytest.raises(build.BuildError, match=r"no CUDA headers.*Fix: install the CUDA toolkit"):
+        build.core_cuda_include()
+
+
 def test_a_missing_cudnn_names_the_fix(fresh, monkeypatch):
     import importlib.util
 
     monkeypatch.setenv("CUDNN", str(fresh / "nowhere"))
     monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)
     monkeypatch.setattr(Path, "is_file", lambda self: False)
-    monkeypatch.setattr(build, "find_nvcc", lambda: "nvcc")
-    monkeypatch.setattr(build, "cuda_include", lambda nvcc: fresh)
+    monkeypatch.setattr(build, "core_cuda_include", lambda: fresh)
     with pytest.raises(build.BuildError, match=r"pip install 'rnnfuse\[cuda\]'"):
         build.build_cudnn_core()
 

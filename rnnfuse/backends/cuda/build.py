@@ -54,6 +54,7 @@ __all__ = [
     "cache_dir",
     "cached_build",
     "file_lock",
+    "core_cuda_include",
     "cudnn_header_version",
     "find_cudnn",
     "find_cxx",
@@ -319,6 +320,38 @@ def cudnn_header_version(include: Path) -> str:
     return ".".join(m.group(1) for m in parts)
 
 
+def core_cuda_include() -> Path:
+    """A folder with cuda.h and cuda_runtime_api.h for the core (types
+    only: it calls the driver through dlopen): nvcc's toolkit
+    (`cuda_include`), else the nvidia-cuda-runtime wheel's, else
+    `$CUDA_HOME/include`, else the copy inside TensorFlow's wheel (found
+    without importing TensorFlow). Raises BuildError naming what it tried."""
+    import importlib.util
+
+    found: list[Path] = []
+    try:
+        found.append(cuda_include(find_nvcc()))
+    except BuildError:
+        pass
+    for package, sub in (("nvidia.cuda_runtime", "include"),
+                         ("tensorflow", "include/third_party/gpus/cuda/include")):
+        try:
+            spec = importlib.util.find_spec(package)
+        except (ImportError, ValueError):
+            spec = None
+        for loc in (spec.submodule_search_locations or []) if spec else []:
+            found.append(Path(loc) / sub)
+    if os.environ.get("CUDA_HOME"):
+        found.insert(1, Path(os.environ["CUDA_HOME"]) / "include")
+    for inc in found:
+        if (inc / "cuda.h").is_file() and (inc / "cuda_runtime_api.h").is_file():
+            return inc
+    raise BuildError(
+        "no CUDA headers (cuda.h and cuda_runtime_api.h) for the cuDNN core (looked in "
+        + (", ".join(map(str, found)) or "no candidate folder")
+        + "). Fix: install the CUDA toolkit (nvcc) or set CUDA_HOME to one")
+
+
 def core_command(cxx: str, cuda_inc: Path, cudnn_inc: Path, cudnn_lib: Path,
                  output: Path) -> list[str]:
     """The g++ command that builds the cuDNN RNN core (no framework, no
@@ -334,15 +367,15 @@ def core_command(cxx: str, cuda_inc: Path, cudnn_inc: Path, cudnn_lib: Path,
 def build_cudnn_core(force: bool = False) -> Path:
     """Builds (unless cached) librnnfuse_cudnn_core.so; returns its path.
 
-    Needs a C++ compiler, the CUDA toolkit's headers (cuda.h, found through
-    nvcc as `build_library` finds them) and cuDNN 9's headers
-    (`find_cudnn`). No GPU, no framework.
+    Needs a C++ compiler, the CUDA headers (`core_cuda_include`: nvcc's
+    toolkit, else a wheel's) and cuDNN 9's headers (`find_cudnn`). No GPU,
+    no framework, no nvcc where a wheel brings the headers.
 
     Raises:
         BuildError: no compiler, no headers, or the compiler failed.
     """
     cxx = find_cxx()
-    cuda_inc = cuda_include(find_nvcc())
+    cuda_inc = core_cuda_include()
     cudnn_inc, cudnn_lib = find_cudnn()
     key = (f"cudnn-core-cudnn{cudnn_header_version(cudnn_inc)}-"
            f"{_digest(CORE_SOURCES, *CXX_FLAGS, *CORE_LINK_FLAGS, str(cudnn_lib))}")
