@@ -21,6 +21,7 @@
 #include <dlfcn.h>
 
 #include <cstring>
+#include <exception>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -645,6 +646,19 @@ int CheckDeviceLengths(const int32_t* dev_lengths) {
   return 0;
 }
 
+// Runs an entry's body; a C++ exception (an allocation failing, say) is
+// an error code with its message, never an exception through the C ABI.
+template <typename F>
+int Guarded(F body) {
+  try {
+    return body();
+  } catch (const std::exception& e) {
+    return Fail(RF_CUDNN_E_CUDA, std::string("the cuDNN core failed: ") + e.what());
+  } catch (...) {
+    return Fail(RF_CUDNN_E_CUDA, "the cuDNN core failed: an unknown C++ exception");
+  }
+}
+
 }  // namespace
 
 extern "C" {
@@ -653,7 +667,9 @@ RF_EXPORT int rnnfuse_cudnn_abi_version(void) { return RNNFUSE_CUDNN_ABI_VERSION
 
 RF_EXPORT const char* rnnfuse_cudnn_last_error(void) { return g_error.c_str(); }
 
-RF_EXPORT int rnnfuse_cudnn_load(const char* path) { return LoadCudnn(path); }
+RF_EXPORT int rnnfuse_cudnn_load(const char* path) {
+  return Guarded([&]() -> int { return LoadCudnn(path); });
+}
 
 RF_EXPORT int64_t rnnfuse_cudnn_param_count(const rnnfuse_cudnn_rnn* rnn) {
   if (CheckConfig(rnn) != 0) return -1;
@@ -663,12 +679,14 @@ RF_EXPORT int64_t rnnfuse_cudnn_param_count(const rnnfuse_cudnn_rnn* rnn) {
 RF_EXPORT int rnnfuse_cudnn_sizes(const rnnfuse_cudnn_rnn* rnn, int steps, int batch,
                                   const int32_t* host_lengths, void* stream,
                                   size_t* workspace_bytes, size_t* reserve_bytes) {
-  if (!workspace_bytes || !reserve_bytes)
-    return Fail(RF_CUDNN_E_ARGUMENT, "workspace_bytes and reserve_bytes must not be NULL");
-  Call call;
-  RF_TRY(call.Begin(rnn, steps, batch, host_lengths, stream));
-  size_t work = 0;
-  return call.Sizes(workspace_bytes, reserve_bytes, &work);
+  return Guarded([&]() -> int {
+    if (!workspace_bytes || !reserve_bytes)
+      return Fail(RF_CUDNN_E_ARGUMENT, "workspace_bytes and reserve_bytes must not be NULL");
+    Call call;
+    RF_TRY(call.Begin(rnn, steps, batch, host_lengths, stream));
+    size_t work = 0;
+    return call.Sizes(workspace_bytes, reserve_bytes, &work);
+  });
 }
 
 RF_EXPORT int rnnfuse_cudnn_forward(const rnnfuse_cudnn_rnn* rnn, int training, int steps,
@@ -677,20 +695,22 @@ RF_EXPORT int rnnfuse_cudnn_forward(const rnnfuse_cudnn_rnn* rnn, int training, 
                                     const void* hx, const void* cx, const void* params, void* y,
                                     void* hy, void* cy, void* workspace, size_t workspace_bytes,
                                     void* reserve, size_t reserve_bytes) {
-  RF_TRY(CheckDeviceLengths(dev_lengths));
-  if (!x || !params || !y) return Fail(RF_CUDNN_E_ARGUMENT, "x, params and y must not be NULL");
-  Call call;
-  RF_TRY(call.Begin(rnn, steps, batch, host_lengths, stream));
-  RF_TRY(call.Spaces(workspace, workspace_bytes, reserve, reserve_bytes, training != 0));
-  RF_TRY(call.Scatter(params));
-  const bool lstm = call.lstm();
-  RF_DNN(cudnnRNNForward_(call.handle(), call.rnn(),
-                          training ? CUDNN_FWD_MODE_TRAINING : CUDNN_FWD_MODE_INFERENCE,
-                          dev_lengths, call.xd_, x, call.yd_, y, call.hd_, hx, hy, call.cd_,
-                          lstm ? cx : nullptr, lstm ? cy : nullptr, call.weight_bytes(),
-                          call.space_, call.work_bytes_, call.work_,
-                          training ? call.reserve_bytes_ : 0, training ? reserve : nullptr));
-  return 0;
+  return Guarded([&]() -> int {
+    RF_TRY(CheckDeviceLengths(dev_lengths));
+    if (!x || !params || !y) return Fail(RF_CUDNN_E_ARGUMENT, "x, params and y must not be NULL");
+    Call call;
+    RF_TRY(call.Begin(rnn, steps, batch, host_lengths, stream));
+    RF_TRY(call.Spaces(workspace, workspace_bytes, reserve, reserve_bytes, training != 0));
+    RF_TRY(call.Scatter(params));
+    const bool lstm = call.lstm();
+    RF_DNN(cudnnRNNForward_(call.handle(), call.rnn(),
+                            training ? CUDNN_FWD_MODE_TRAINING : CUDNN_FWD_MODE_INFERENCE,
+                            dev_lengths, call.xd_, x, call.yd_, y, call.hd_, hx, hy, call.cd_,
+                            lstm ? cx : nullptr, lstm ? cy : nullptr, call.weight_bytes(),
+                            call.space_, call.work_bytes_, call.work_,
+                            training ? call.reserve_bytes_ : 0, training ? reserve : nullptr));
+    return 0;
+  });
 }
 
 RF_EXPORT int rnnfuse_cudnn_backward_data(const rnnfuse_cudnn_rnn* rnn, int steps, int batch,
@@ -701,20 +721,22 @@ RF_EXPORT int rnnfuse_cudnn_backward_data(const rnnfuse_cudnn_rnn* rnn, int step
                                           void* dx, void* dhx, void* dcx, void* workspace,
                                           size_t workspace_bytes, void* reserve,
                                           size_t reserve_bytes) {
-  RF_TRY(CheckDeviceLengths(dev_lengths));
-  if (!y || !dy || !params || !dx)
-    return Fail(RF_CUDNN_E_ARGUMENT, "y, dy, params and dx must not be NULL");
-  Call call;
-  RF_TRY(call.Begin(rnn, steps, batch, host_lengths, stream));
-  RF_TRY(call.Spaces(workspace, workspace_bytes, reserve, reserve_bytes, true));
-  RF_TRY(call.Scatter(params));
-  const bool lstm = call.lstm();
-  RF_DNN(cudnnRNNBackwardData_v8_(call.handle(), call.rnn(), dev_lengths, call.yd_, y, dy,
-                                  call.xd_, dx, call.hd_, hx, dhy, dhx, call.cd_,
-                                  lstm ? cx : nullptr, lstm ? dcy : nullptr,
-                                  lstm ? dcx : nullptr, call.weight_bytes(), call.space_,
-                                  call.work_bytes_, call.work_, call.reserve_bytes_, reserve));
-  return 0;
+  return Guarded([&]() -> int {
+    RF_TRY(CheckDeviceLengths(dev_lengths));
+    if (!y || !dy || !params || !dx)
+      return Fail(RF_CUDNN_E_ARGUMENT, "y, dy, params and dx must not be NULL");
+    Call call;
+    RF_TRY(call.Begin(rnn, steps, batch, host_lengths, stream));
+    RF_TRY(call.Spaces(workspace, workspace_bytes, reserve, reserve_bytes, true));
+    RF_TRY(call.Scatter(params));
+    const bool lstm = call.lstm();
+    RF_DNN(cudnnRNNBackwardData_v8_(call.handle(), call.rnn(), dev_lengths, call.yd_, y, dy,
+                                    call.xd_, dx, call.hd_, hx, dhy, dhx, call.cd_,
+                                    lstm ? cx : nullptr, lstm ? dcy : nullptr,
+                                    lstm ? dcx : nullptr, call.weight_bytes(), call.space_,
+                                    call.work_bytes_, call.work_, call.reserve_bytes_, reserve));
+    return 0;
+  });
 }
 
 RF_EXPORT int rnnfuse_cudnn_backward_weights(const rnnfuse_cudnn_rnn* rnn, int steps, int batch,
@@ -724,19 +746,21 @@ RF_EXPORT int rnnfuse_cudnn_backward_weights(const rnnfuse_cudnn_rnn* rnn, int s
                                              void* dparams, void* workspace,
                                              size_t workspace_bytes, void* reserve,
                                              size_t reserve_bytes) {
-  RF_TRY(CheckDeviceLengths(dev_lengths));
-  if (!x || !y || !dparams)
-    return Fail(RF_CUDNN_E_ARGUMENT, "x, y and dparams must not be NULL");
-  Call call;
-  RF_TRY(call.Begin(rnn, steps, batch, host_lengths, stream));
-  RF_TRY(call.Spaces(workspace, workspace_bytes, reserve, reserve_bytes, true));
-  RF_TRY(call.ZeroGradientSpace());
-  RF_DNN(cudnnRNNBackwardWeights_v8_(call.handle(), call.rnn(), CUDNN_WGRAD_MODE_ADD,
-                                     dev_lengths, call.xd_, x, call.hd_, hx, call.yd_, y,
-                                     call.weight_bytes(), call.dspace_, call.work_bytes_,
-                                     call.work_, call.reserve_bytes_, reserve));
-  RF_TRY(call.Gather(dparams));
-  return 0;
+  return Guarded([&]() -> int {
+    RF_TRY(CheckDeviceLengths(dev_lengths));
+    if (!x || !y || !dparams)
+      return Fail(RF_CUDNN_E_ARGUMENT, "x, y and dparams must not be NULL");
+    Call call;
+    RF_TRY(call.Begin(rnn, steps, batch, host_lengths, stream));
+    RF_TRY(call.Spaces(workspace, workspace_bytes, reserve, reserve_bytes, true));
+    RF_TRY(call.ZeroGradientSpace());
+    RF_DNN(cudnnRNNBackwardWeights_v8_(call.handle(), call.rnn(), CUDNN_WGRAD_MODE_ADD,
+                                       dev_lengths, call.xd_, x, call.hd_, hx, call.yd_, y,
+                                       call.weight_bytes(), call.dspace_, call.work_bytes_,
+                                       call.work_, call.reserve_bytes_, reserve));
+    RF_TRY(call.Gather(dparams));
+    return 0;
+  });
 }
 
 }  // extern "C"
