@@ -170,8 +170,19 @@ def test_half_precision_and_every_algorithm(policy, tol, kind, algorithm, launch
         fast = rnnfuse.optimize(model, plan=plan)
         inputs = np.random.default_rng(7).standard_normal((16, 40, 16)).astype("float32")
         _compare(model, fast, inputs, out_tol=tol, grad_tol=tol)
+        half = [t.float() for t in keras.tree.flatten(fast(inputs))]
+        keras_half = [t.float() for t in keras.tree.flatten(model(inputs))]
     finally:
         keras.mixed_precision.set_global_policy("float32")
+    # Both against the same weights in float32: how far each half-precision
+    # path is from it (printed; an exact match with Keras would be suspect).
+    twin = _stack3(kind, True, steps=40, units=64)
+    twin.set_weights(model.get_weights())
+    (exact,) = keras.tree.flatten(twin(inputs))
+    print(f"{policy} {kind} {algorithm}: from float32, fused {_rel(half[0], exact):.2e}, "
+          f"Keras {_rel(keras_half[0], exact):.2e}; fused vs Keras "
+          f"{_rel(half[0], keras_half[0]):.2e}")
+    assert _rel(half[0], exact) <= 2 * _rel(keras_half[0], exact) + tol / 10
     ran = _on_core(fast, "")
     print(f"{policy} {kind} {algorithm}: ran {ran}")
     assert ran.algorithm == algorithm or "refused" in (ran.note or ""), ran
