@@ -413,3 +413,15 @@ def test_the_tuner_times_the_cores_algorithms_and_leaves_out_a_refused_one(core,
             assert Plan(pieces, algorithm).name in names, (pieces, algorithm, names)
     assert not any("persistent_dynamic" in n for n in names), names
     assert "per-layer" in names
+
+
+def test_the_environment_turns_the_core_off_or_names_its_library(monkeypatch, tmp_path):
+    from rnnfuse.backends.cuda import cudnn_core as library
+
+    monkeypatch.setenv("RNNFUSE_DISABLE_CORE", "1")
+    assert "turned off (RNNFUSE_DISABLE_CORE)" in cudnn_core.core_reason(torch.zeros(1))
+    monkeypatch.setenv("RNNFUSE_DISABLE_CORE", "0")
+    missing = tmp_path / "librnnfuse_cudnn_core.so"
+    monkeypatch.setenv("RNNFUSE_CUDNN_CORE_LIB", str(missing))
+    reason = cudnn_core.core_reason(torch.zeros(1))
+    assert reason.startswith("the cuDNN core is not available:") and str(missing) in reason
