@@ -146,7 +146,10 @@ def measure_keras(shape: dict, epochs: int, epoch_steps: int, rounds: int, steps
     import numpy as np
 
     import rnnfuse
-    from bench_user_view import _alternate, _plans, _tuning_seconds
+    from bench_user_view import _alternate, _tuning_seconds
+
+    from rnnfuse.fused import fused_layers
+    from rnnfuse.tuning.first_batch import decisions
 
     model = build_keras(shape)
     fast = rnnfuse.optimize(model, cache=False)
@@ -174,7 +177,10 @@ def measure_keras(shape: dict, epochs: int, epoch_steps: int, rounds: int, steps
         predict_on_batch_ms={k: _median_ms(v[1:]) for k, v in pob.items()},
         predict_ms={k: _median_ms(v) for k, v in pred.items()},
         tuning_s=_tuning_seconds(fast),
-        plans=_plans(fast),
+        plans=[dict(layers=[l.name for l in f.fused_layers], plan=f.plan.name, kernel=f.plan.kernel)
+               for f in fused_layers(fast)],
+        decisions=[dict(mode=d.get("mode"), chosen=d.get("chosen"), timings_ms=d.get("timings_ms"))
+                   for d in decisions(fast)],
         raw=dict(fit=fit),
     )
     row["fit_speedup"] = row["fit_ms"]["original"] / row["fit_ms"]["optimized"]
