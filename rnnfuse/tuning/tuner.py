@@ -238,6 +238,10 @@ def _runner(group: FusionGroup, plan: Plan, dtype: str | None = None) -> Callabl
         for g, piece_plan in split_groups([group], [plan])
     ]
 
+    # Only an eager call says which algorithm really ran; a traced one
+    # decides it when its program is built.
+    eager = not get_backend().capabilities.first_call_compiles
+
     def fused(x, training, mask=None, algorithm=None):
         kwargs = {"algorithm": algorithm}
         if mask is not None:
@@ -252,7 +256,7 @@ def _runner(group: FusionGroup, plan: Plan, dtype: str | None = None) -> Callabl
                     f"not timed: the {piece.plan.kernel} kernel did not run "
                     f"({ran.note if ran is not None else piece.last_path})")
             asked = piece.plan.algorithm
-            if (asked and ran is not None and ran.algorithm not in ("", "runtime")
+            if (eager and asked and ran is not None and ran.algorithm not in ("", "runtime")
                     and ran.algorithm != asked):
                 # An eager backend ran another algorithm than the candidate's
                 # (cuDNN refused it: torch's core falls back to standard).
