@@ -82,6 +82,41 @@ def test_a_smaller_device_fits_fewer_layers(built):
     assert isinstance(lib.plan("lstm", 4, 512, 64, 100, 512, sms=132, smem=100_000), str)
 
 
+@pytest.mark.parametrize("shape, training, want", [
+    # The shapes: refused whole, run as segments that each fit.
+    (("lstm", 8, 512, 32, 1000, 512), False, (4, 4)),
+    (("lstm", 8, 512, 32, 1000, 512), True, (4, 4)),
+    (("lstm", 2, 1024, 16, 1500, 1024), True, (1, 1)),
+    (("gru", 8, 512, 32, 1000, 512), True, (4, 4)),
+    # A stack that fits stays whole; one over the layer limit is cut too.
+    (("lstm", 4, 512, 64, 1000, 512), True, (4,)),
+    (("lstm", 12, 256, 64, 100, 80), False, (6, 6)),
+])
+def test_stacks_larger_than_the_chip_run_as_segments_that_fit_an_h200(built, shape, training,
+                                                                      want):
+    from rnnfuse.backends.cuda.segments import stack_segments
+
+    lib = library.load(built[0])
+    kind, layers, units, batch, steps, inputs = shape
+    if len(want) > 1:
+        assert "do not fit on chip" in lib.plan(*shape, **H200) or layers > 8
+    assert stack_segments(lib, *shape, training=training, **H200) == want
+    # Every segment fits: the stack's input feeds the first, `units` the rest.
+    start = 0
+    for size in want:
+        plan = lib.plan(kind, size, units, batch, steps, inputs if start == 0 else units, **H200)
+        assert isinstance(plan, tuple) and plan[0] <= H200["sms"], plan
+        start += size
+
+
+def test_a_stack_whose_one_layer_does_not_fit_has_no_segments(built):
+    from rnnfuse.backends.cuda.segments import stack_segments
+
+    lib = library.load(built[0])
+    why = stack_segments(lib, "lstm", 3, 1024, 4096, 10, 80, **H200)
+    assert isinstance(why, str) and "shared memory does not fit" in why, why
+
+
 def test_workspace_holds_the_flags_and_the_sequences_below_the_top(built):
     lib = library.load(built[0])
     flags = 4 * 256 * 4  # 4 layers x 256 flags x 4 bytes, already 256-aligned

@@ -16,6 +16,7 @@
 #   bash tools/gpu/batch.sh wavefront-check torch-tests
 #   bash tools/gpu/batch.sh wavefront-variants   # the kernels' opt-in variants
 #   MATRIX_ARGS="--shapes lstm4x512" bash tools/gpu/batch.sh matrix-torch matrix-pytorch
+#   bash tools/gpu/batch.sh wavefront-segments   # stacks larger than the chip
 #
 # The tf-* stages need the staging runs of ../shared/gpu/README.md first
 # (tf-setup is a no-op on a machine that already has /tmp/tfsite).
@@ -168,6 +169,17 @@ run_stage() {
       cp $LOGS/wavefront_bench_v01_h200.json $LOGS/wavefront_train_variants_h200.json $OUT/ 2>/dev/null
       echo "[$(since) s] wavefront-variants rc $rc"
       grep -E "ok|FAIL|fail|ms|ratio|Error|refused" $log | grep -v Warning | cut -c1-260 | tail -45 ;;
+    wavefront-segments)
+      # Stacks larger than the chip as wavefront segments: the kernel-level
+      # timings against cuDNN's best, then the torch GPU tests of the path.
+      s=$(limit wavefront-segments 300)
+      ( torch_env; timeout $s bash -c "python3 bench/bench_wavefront.py segments --train \
+          --out $LOGS/wavefront_segments_h200.json; \
+          python3 -m pytest -q -p no:cacheprovider -s -rs tests/gpu/test_gpu_wavefront_segments.py" \
+      ) > $log 2>&1; rc=$?
+      cp $LOGS/wavefront_segments_h200.json $OUT/ 2>/dev/null
+      echo "[$(since) s] wavefront-segments rc $rc"
+      summary wavefront-segments "kernel_segments|GPU_REPORT|passed|failed|^FAILED|^ERROR|Error" 30 ;;
     *) echo "unknown stage $stage"; return 2 ;;
   esac
 }
