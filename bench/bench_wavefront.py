@@ -27,6 +27,8 @@ built into the cache (nvcc + g++).
     python3 bench/bench_wavefront.py train --cells 2 --backward stack --variants 0,1,2
     # stacks larger than the chip as wavefront segments (8x512 B32 T1000, 2x1024 B16 T1500)
     python3 bench/bench_wavefront.py segments --train --out $OUT/segments.json
+    # bidirectional layers, one launch a layer (BiLSTM 4x384 B24 T700, BiGRU 5x512 B32 T500)
+    python3 bench/bench_wavefront.py bidirectional --out $OUT/bidirectional.json
 
 `check`: each case draws fresh random weights, inputs, initial states (and
 lengths), poisons the outputs with NaN, runs the kernel and compares y, hy
@@ -77,6 +79,12 @@ multi-layer call and cuDNN a layer at a time timed interleaved (ms, us a
 dependent step, TFLOP/s, the speed-up over cuDNN's best); with `--train`,
 a training step (forward + every gradient) of each, the segments on
 `trainable_forward`.
+`bidirectional`: bidirectional stacks (BIDIRECTIONAL_CELLS) on the kernel,
+one launch a layer (`wavefront_bidirectional.forward`): the error against
+float64 of the same rounded weights and cuDNN's, with and without lengths,
+and the kernel, cuDNN as one multi-layer call and cuDNN a layer at a time
+timed interleaved (ms, us a layer-step, TFLOP/s, the speed-up over cuDNN's
+best).
 """
 
 from __future__ import annotations
@@ -1094,6 +1102,124 @@ def segments_cell(kind, layers, units, batch, steps, dtype_name, reps, train=Fal
     return row
 
 
+# Bidirectional layers (docs/kernel.md, "Bidirectional layers"): one launch
+# a layer, both directions concurrently. (kind, layers, units, inputs, batch, steps, dtype)
+BIDIRECTIONAL_CELLS = [("lstm", 4, 384, 80, 24, 700, "float16"),
+                       ("gru", 5, 512, 512, 32, 500, "float16")]
+
+
+def _bidirectional_module():
+    import importlib
+
+    sys.modules.setdefault("rnnfuse.backends.torch.wavefront", wavefront)
+    return importlib.import_module("rnnfuse.backends.torch.wavefront_bidirectional")
+
+
+def bidirectional_cell(kind, layers, units, inputs, batch, steps, dtype_name, reps,
+                       with_lengths=False):
+    """One bidirectional stack on the kernel (`wavefront_bidirectional
+    .forward`, one launch a layer): its error against float64 of the same
+    rounded weights and cuDNN's (torch's bidirectional nn.LSTM/GRU in the
+    same dtype), then CUDA-event medians, timed interleaved, of the kernel,
+    cuDNN as one multi-layer call and cuDNN a layer at a time."""
+    import copy
+
+    bidir = _bidirectional_module()
+    dtype = DTYPES[dtype_name]
+    gen = torch.Generator(device="cuda").manual_seed(7)
+    cls = torch.nn.LSTM if kind == "lstm" else torch.nn.GRU
+    mod = cls(inputs, units, layers, bidirectional=True).cuda()
+    bound = 1.0 / math.sqrt(units)
+    with torch.no_grad():
+        for w in mod._flat_weights:
+            w.copy_((torch.rand(w.shape, generator=gen, device="cuda") * 2 - 1) * bound)
+    mod = mod.to(dtype)
+    ref = copy.deepcopy(mod).double()
+    x = torch.randn(steps, batch, inputs, generator=gen, device="cuda").to(dtype)
+    h0 = (0.5 * torch.randn(2 * layers, batch, units, generator=gen, device="cuda")).to(dtype)
+    c0 = (0.5 * torch.randn(2 * layers, batch, units, generator=gen, device="cuda")).to(dtype)
+    lengths = None
+    if with_lengths:
+        lengths = torch.randint(1, steps + 1, (batch,), generator=gen, device="cuda")
+        lengths[0] = steps
+    lib = library.load()
+    dev = lib.device(torch.cuda.current_device())
+    row = dict(kind=kind, layers=layers, units=units, inputs=inputs, batch=batch, steps=steps,
+               dtype=dtype_name, lengths=with_lengths,
+               plan=[lib.plan_directions(kind, units, batch, steps, width, sms=dev["sms"],
+                                         smem=dev["smem"]) for width in (inputs, 2 * units)])
+
+    def run(m, x, h0, c0):
+        state = (h0, c0) if kind == "lstm" else h0
+        if lengths is None:
+            y, st = m(x, state)
+        else:
+            packed = torch.nn.utils.rnn.pack_padded_sequence(x, lengths.cpu(),
+                                                             enforce_sorted=False)
+            yp, st = m(packed, state)
+            y, _ = torch.nn.utils.rnn.pad_packed_sequence(yp, total_length=steps)
+        return (y, *st) if kind == "lstm" else (y, st, None)
+
+    with torch.no_grad():
+        y, hy, cy = bidir.forward(x, mod._flat_weights, h0, c0, lengths, kind=kind)
+        ry, rhy, rcy = run(ref, x.double(), h0.double(), c0.double())
+        dy_, dhy, dcy = run(mod, x, h0, c0)
+        row["err_y"], row["err_hy"] = rel(y, ry), rel(hy, rhy)
+        row["cudnn_err_y"], row["cudnn_err_hy"] = rel(dy_, ry), rel(dhy, rhy)
+        if kind == "lstm":
+            row["err_cy"], row["cudnn_err_cy"] = rel(cy, rcy), rel(dcy, rcy)
+        worst = max(v for k, v in row.items() if k.startswith("err_"))
+        row["status"] = "ok" if worst <= TOL[dtype_name] else "wrong"
+        if with_lengths:
+            return row
+        per = []
+        for l in range(layers):
+            m1 = cls(inputs if l == 0 else 2 * units, units, 1, bidirectional=True).cuda().to(dtype)
+            for a, b in zip(m1._flat_weights, mod._flat_weights[8 * l: 8 * l + 8]):
+                a.copy_(b)
+            per.append(m1)
+
+        def per_layer():
+            h = x
+            for l, m1 in enumerate(per):
+                st = ((h0[2 * l:2 * l + 2], c0[2 * l:2 * l + 2]) if kind == "lstm"
+                      else h0[2 * l:2 * l + 2])
+                h, _ = m1(h, st)
+            return h
+
+        cstate = (h0, c0) if kind == "lstm" else h0
+        times = time_interleaved({
+            "kernel": lambda: bidir.forward(x, mod._flat_weights, h0, c0, None, kind=kind),
+            "cudnn_fused": lambda: mod(x, cstate),
+            "cudnn_per_layer": per_layer,
+        }, reps)
+    row.update({f"{k}_ms": v for k, v in times.items()})
+    row["speedup_vs_best_cudnn"] = min(times["cudnn_fused"], times["cudnn_per_layer"]) / times["kernel"]
+    row["us_per_step"] = 1000 * times["kernel"] / (layers * steps)
+    g = 4 if kind == "lstm" else 3
+    f = 2.0 * 2 * steps * batch * g * units * ((inputs + units) + (layers - 1) * 3 * units)
+    row["gflop"], row["floor_ms"] = f / 1e9, f / (PEAK_TFLOPS * 1e9)
+    row["kernel_tflops"] = f / (times["kernel"] * 1e9)
+    return row
+
+
+def cmd_bidirectional(args):
+    """Bidirectional stacks: `bidirectional_cell` for BIDIRECTIONAL_CELLS,
+    with lengths (exactness only) and without (exactness and timings)."""
+    rows = []
+    for cell in BIDIRECTIONAL_CELLS:
+        for with_lengths in (True, False):
+            try:
+                row = bidirectional_cell(*cell, reps=args.reps, with_lengths=with_lengths)
+            except Exception as exc:  # noqa: BLE001
+                row = dict(cell=list(cell), lengths=with_lengths,
+                           error=f"{type(exc).__name__}: {exc}")
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+            _dump(args.out, dict(meta=_meta(), results=rows))
+    return 0
+
+
 def cmd_segments(args):
     """Stacks larger than the chip: `segments_cell` for SEGMENT_CELLS."""
     rows = []
@@ -1198,10 +1324,13 @@ def main(argv=None):
     sg.add_argument("--reps", type=int, default=10)
     sg.add_argument("--train", action="store_true", help="also time a training step")
     sg.add_argument("--out", default="")
+    bi = sub.add_parser("bidirectional", help="bidirectional layers, one launch a layer")
+    bi.add_argument("--reps", type=int, default=10)
+    bi.add_argument("--out", default="")
     args = ap.parse_args(argv)
     return {"check": cmd_check, "bench": cmd_bench, "modes": cmd_modes,
             "trace": cmd_trace, "grad": cmd_grad, "train": cmd_train,
-            "segments": cmd_segments}[args.cmd](args)
+            "segments": cmd_segments, "bidirectional": cmd_bidirectional}[args.cmd](args)
 
 
 if __name__ == "__main__":

@@ -44,6 +44,8 @@ SLOW: dict[str, str] = {
             "test_a_smaller_device_fits_fewer_layers",
             "test_stacks_larger_than_the_chip_run_as_segments_that_fit_an_h200",
             "test_a_stack_whose_one_layer_does_not_fit_has_no_segments",
+            "test_the_bidirectional_entries_are_declared_as_the_host_defines_them",
+            "test_a_bidirectional_layers_directions_plan_as_independent_first_layers",
             "test_workspace_holds_the_flags_and_the_sequences_below_the_top",
             "test_a_call_without_a_driver_or_a_bad_argument_is_a_clear_error",
             "test_the_tensorflow_op_compiles_and_registers",

@@ -289,6 +289,53 @@ def test_the_kind_backward_entry_is_declared_as_the_host_defines_it(built):
                      lengths=None, dgates=0, dh0=0, dc0=0, workspace=0, kind="simple_rnn")
 
 
+@pytest.mark.parametrize("name, count", [("rnnfuse_wf_forward_directions", 19),
+                                         ("rnnfuse_wf_plan_directions", 10),
+                                         ("rnnfuse_wf_plan_offsets", 6)])
+def test_the_bidirectional_entries_are_declared_as_the_host_defines_them(built, name, count):
+    import re
+
+    host = (Path(library.__file__).parent / "csrc" / "wavefront_host.cc").read_text()
+    sig = re.search(r"int " + name + r"\(([^)]*)\)", host).group(1)
+    defined = [" ".join(p.split()[:-1]) for p in sig.split(",")]
+    declared = getattr(library.load(built[0])._lib, name).argtypes
+    assert len(declared) == len(defined) == count
+    for c_type, ctype in zip(defined, declared):
+        pointer = ctype is ctypes.c_void_p or hasattr(ctype, "contents")
+        assert ("*" in c_type) == pointer, (c_type, ctype)
+        assert pointer or (c_type, ctype) == ("int", ctypes.c_int), (c_type, ctype)
+
+
+def test_a_bidirectional_layers_directions_plan_as_independent_first_layers(built):
+    """Both directions of a layer in one launch: each planned as a first
+    layer (K = H, its own CTA set), so 2 x 1024 units fit where a 2-layer
+    stack of 1024 does not; the offsets are the canonical buffer of a
+    bidirectional layer (each direction's W_ih of input_size columns)."""
+    assert b"rnnfuse_wf_forward_ind_f16" in built[0].read_bytes()
+    assert b"rnnfuse_wf_forward_ind_bf16" in built[0].read_bytes()
+    lib = library.load(built[0])
+    one_layer = lib.plan_layers("lstm", 1, 384, 24, 700, 80, **H200)
+    ctas, smem = lib.plan_directions("lstm", 384, 24, 700, 80, **H200)
+    assert ctas == 2 * one_layer[0]["ctas"] and smem == one_layer[0]["smem"]
+    assert isinstance(lib.plan_directions("lstm", 1024, 16, 100, 2048, **H200), tuple)
+    assert "do not fit on chip" in lib.plan("lstm", 2, 1024, 16, 100, 1024, **H200)
+    why = lib.plan_directions("lstm", 1024, 4096, 10, 80, **H200)
+    assert isinstance(why, str) and "shared memory does not fit" in why
+    for kind, gates in (("lstm", 4), ("gru", 3)):
+        gh = gates * 384
+        offsets = lib.plan_offsets(kind, 2, 384, 80, independent=True)
+        assert offsets == [
+            dict(w_ih=0, w_hh=gh * 80, b_in=2 * gh * (80 + 384), b_rec=2 * gh * (80 + 384) + gh),
+            dict(w_ih=gh * (80 + 384), w_hh=gh * (80 + 384) + gh * 80,
+                 b_in=2 * gh * (80 + 384) + 2 * gh, b_rec=2 * gh * (80 + 384) + 3 * gh),
+        ]
+        # (tests/torch_backend/test_wavefront_bidirectional.py's fake launch
+        # reads its weights at this arithmetic, `independent_offsets`.)
+        # A stack's layout (not independent) is unchanged: layer 1 reads H inputs.
+        stack = lib.plan_offsets(kind, 2, 384, 80)
+        assert stack[1]["w_hh"] - stack[1]["w_ih"] == gh * 384
+
+
 def test_the_tensorflow_op_compiles_and_registers(built, monkeypatch):
     from rnnfuse.backends.tensorflow import op_build
 

@@ -533,3 +533,21 @@ def test_a_segmented_decision_is_cached_and_rewritten_as_its_segments(
 
     assert [(len(g.layers), p.name) for g, p in split_groups(groups, [SEGMENTS])] == [
         (2, "fused on wavefront")] * 2
+
+
+def test_a_traced_training_step_runs_each_segments_training_ops(fake_wavefront, half):
+    """What `fit` traces: both segments' saving forwards and all four layers'
+    backwards in one graph, gradients equal to the eager call's."""
+    layer = _fused(_model(layers=4, units=16), SEGMENTS)
+    x = tf.constant(_x())
+
+    def step(x):
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_sum(tf.cast(layer(x, training=True), tf.float32) ** 2)
+        return tape.gradient(loss, layer.trainable_variables)
+
+    traced = tf.function(step)(x)
+    assert fake_wavefront.training == ["forward", "forward"] + ["backward"] * 4
+    assert layer.last_path.kernel.name == wavefront_op.TRAINING_KERNEL_NAME
+    for got, want in zip(traced, step(x)):
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-6)

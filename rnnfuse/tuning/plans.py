@@ -144,7 +144,8 @@ def kernel_segments(
     `reason_of(sub_group, sub_shape)`: a segment above the first reads the
     layer below's output, `units` features), or why there are none: a run
     with an absorbed Dropout is not split (as `candidate_plans`), nor a
-    single layer.
+    single layer, nor a bidirectional run (the kernel runs it a layer a
+    launch anyway: there is no wavefront across bidirectional layers).
 
     >>> import types
     >>> views = [types.SimpleNamespace(num_levels=1, input_size=n) for n in (5, 8, 8)]
@@ -160,6 +161,8 @@ def kernel_segments(
         return "one layer: nothing to segment"
     if group.absorbed_dropout:
         return "a run with an absorbed Dropout is not split"
+    if group.bidirectional:
+        return "a bidirectional run takes one launch a layer already"
 
     def refusal(start: int, stop: int) -> str | None:
         sizes = tuple(s for s in (start, stop - start, n - stop) if s)
