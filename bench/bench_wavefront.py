@@ -28,7 +28,7 @@ built into the cache (nvcc + g++).
     # stacks larger than the chip as wavefront segments (8x512 B32 T1000, 2x1024 B16 T1500)
     python3 bench/bench_wavefront.py segments --train --out $OUT/segments.json
     # bidirectional layers, one launch a layer (BiLSTM 4x384 B24 T700, BiGRU 5x512 B32 T500)
-    python3 bench/bench_wavefront.py bidirectional --out $OUT/bidirectional.json
+    python3 bench/bench_wavefront.py bidirectional --train --out $OUT/bidirectional.json
 
 `check`: each case draws fresh random weights, inputs, initial states (and
 lengths), poisons the outputs with NaN, runs the kernel and compares y, hy
@@ -84,7 +84,8 @@ one launch a layer (`wavefront_bidirectional.forward`): the error against
 float64 of the same rounded weights and cuDNN's, with and without lengths,
 and the kernel, cuDNN as one multi-layer call and cuDNN a layer at a time
 timed interleaved (ms, us a layer-step, TFLOP/s, the speed-up over cuDNN's
-best).
+best); with `--train`, a training step of the training form (a one-layer
+launch a direction) against cuDNN's bidirectional call.
 """
 
 from __future__ import annotations
@@ -1116,7 +1117,7 @@ def _bidirectional_module():
 
 
 def bidirectional_cell(kind, layers, units, inputs, batch, steps, dtype_name, reps,
-                       with_lengths=False):
+                       with_lengths=False, train=False):
     """One bidirectional stack on the kernel (`wavefront_bidirectional
     .forward`, one launch a layer): its error against float64 of the same
     rounded weights and cuDNN's (torch's bidirectional nn.LSTM/GRU in the
@@ -1196,6 +1197,29 @@ def bidirectional_cell(kind, layers, units, inputs, batch, steps, dtype_name, re
     row.update({f"{k}_ms": v for k, v in times.items()})
     row["speedup_vs_best_cudnn"] = min(times["cudnn_fused"], times["cudnn_per_layer"]) / times["kernel"]
     row["us_per_step"] = 1000 * times["kernel"] / (layers * steps)
+    if train:
+        # A training step (forward + every gradient): the training form (a
+        # one-layer launch a direction) against cuDNN's bidirectional call.
+        dy = torch.randn(steps, batch, 2 * units, generator=gen, device="cuda").to(dtype)
+        xs = x.clone().requires_grad_()
+        leaves = [w.detach().clone().requires_grad_() for w in mod._flat_weights]
+        hc = (h0, c0 if kind == "lstm" else None)
+
+        def ours():
+            y, _, _ = bidir.trainable_forward(xs, leaves, *hc, None, kind=kind)
+            return torch.autograd.grad([y], [xs, *leaves], [dy])
+
+        def cudnn():
+            y, _ = mod(xs, cstate)
+            return torch.autograd.grad([y], [xs, *mod._flat_weights], [dy])
+
+        got, want = ours(), cudnn()
+        row["train_grad_rel_vs_cudnn"] = max(rel(g, w) for g, w in zip(got, want))
+        del got, want
+        steps_ms = time_interleaved({"kernel_train": ours, "cudnn_fused_train": cudnn},
+                                    max(3, reps // 2))
+        row.update({f"{k}_ms": v for k, v in steps_ms.items()})
+        row["train_speedup_vs_cudnn"] = steps_ms["cudnn_fused_train"] / steps_ms["kernel_train"]
     g = 4 if kind == "lstm" else 3
     f = 2.0 * 2 * steps * batch * g * units * ((inputs + units) + (layers - 1) * 3 * units)
     row["gflop"], row["floor_ms"] = f / 1e9, f / (PEAK_TFLOPS * 1e9)
@@ -1210,7 +1234,8 @@ def cmd_bidirectional(args):
     for cell in BIDIRECTIONAL_CELLS:
         for with_lengths in (True, False):
             try:
-                row = bidirectional_cell(*cell, reps=args.reps, with_lengths=with_lengths)
+                row = bidirectional_cell(*cell, reps=args.reps, with_lengths=with_lengths,
+                                         train=args.train and not with_lengths)
             except Exception as exc:  # noqa: BLE001
                 row = dict(cell=list(cell), lengths=with_lengths,
                            error=f"{type(exc).__name__}: {exc}")
@@ -1326,6 +1351,8 @@ def main(argv=None):
     sg.add_argument("--out", default="")
     bi = sub.add_parser("bidirectional", help="bidirectional layers, one launch a layer")
     bi.add_argument("--reps", type=int, default=10)
+    bi.add_argument("--train", action="store_true",
+                    help="also time a training step (a one-layer launch a direction)")
     bi.add_argument("--out", default="")
     args = ap.parse_args(argv)
     return {"check": cmd_check, "bench": cmd_bench, "modes": cmd_modes,

@@ -164,3 +164,59 @@ def test_predict_of_a_bilstm_4x384_times_the_kernel(tmp_path, launches):
     if record["chosen"] == "fused on wavefront":
         ran = layer.last_path.kernel
         assert ran.name == bidir.KERNEL_NAME and ran.note is None, layer.last_path
+
+
+@pytest.fixture
+def training_launches(monkeypatch):
+    """The one-layer training kernels' real calls: the saving forward's and
+    the backward recurrences (per layer v1 or the one-layer stack v2)."""
+    from rnnfuse.backends.torch import wavefront
+
+    calls = {"saving": 0, "layer": 0, "stack": 0}
+    saving = wavefront.forward_training
+
+    def saving_spy(*args, **kwargs):
+        calls["saving"] += 1
+        return saving(*args, **kwargs)
+
+    monkeypatch.setattr(wavefront, "forward_training", saving_spy)
+    for name, key in (("backward_stack", "stack"), ("backward", "layer")):
+        real = getattr(library.WavefrontLibrary, name)
+
+        def spy(self, *args, _real=real, _key=key, **kw):
+            calls[_key] += 1
+            return _real(self, *args, **kw)
+
+        monkeypatch.setattr(library.WavefrontLibrary, name, spy)
+    return calls
+
+
+@pytest.mark.parametrize("kind", ["lstm", "gru"])
+def test_a_training_call_runs_a_launch_a_direction_with_matching_gradients(
+        training_launches, launches, kind):
+    layers, units, inputs, batch, steps = 3, 256, 80, 16, 100
+    model = _bi_model(kind, "concat", layers, units, inputs, steps)
+    (layer,) = fused_layers(rnnfuse.optimize(model, tune=False))
+    layer.set_plan(Plan((layers,), kernel="wavefront"))
+    rng = np.random.default_rng(2)
+    x = keras.ops.convert_to_tensor(rng.standard_normal((batch, steps, inputs)).astype("float32"))
+    upstream = torch.as_tensor(rng.standard_normal((batch, steps, 2 * units)),
+                               dtype=torch.float32, device=x.device)
+    variables = model.trainable_variables
+
+    def gradients(run):
+        y = run(x, training=True).float()
+        return [g.double() for g in torch.autograd.grad((y * upstream).sum(),
+                                                        [v.value for v in variables])]
+
+    got = gradients(layer)
+    ran = layer.last_path.kernel
+    assert ran.name == "rnnfuse wavefront forward+backward" and ran.note is None, layer.last_path
+    assert ran.algorithm == bidir.TRAINING_ALGORITHM
+    assert launches == [], "the training form runs the one-layer kernels"
+    assert training_launches["saving"] == 2 * layers, training_launches
+    assert training_launches["stack"] + training_launches["layer"] >= 2 * layers
+    want = gradients(model)
+    rel = max(float(torch.linalg.norm(g - w) / torch.linalg.norm(w)) for g, w in zip(got, want))
+    report("wavefront_bidirectional_training", {"kind": kind, "grad_rel_diff": rel})
+    assert rel <= 2e-2, rel

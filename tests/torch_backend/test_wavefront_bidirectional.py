@@ -15,7 +15,10 @@ direction 1 within each length before and after the launch, the layer's
 canonical buffer, the concatenation, the states' order, the fallbacks
 and the Keras wiring; compared with PyTorch's own bidirectional
 nn.LSTM/nn.GRU in float64 (packed sequences for lengths) and with the
-original Keras layers.
+original Keras layers. The training form (each direction a one-layer
+`wavefront.trainable_forward`) runs the unidirectional tests' torch
+stand-ins of the training kernels and is compared with autograd through
+PyTorch's bidirectional RNN.
 """
 
 from __future__ import annotations
@@ -156,6 +159,82 @@ def test_the_layers_buffer_is_the_kernels_independent_layout():
             assert torch.equal(flat[off["b_rec"]:off["b_rec"] + 32], b_hh)
 
 
+@pytest.fixture
+def fake_training(monkeypatch):
+    """The one-layer training kernels as their torch versions (the
+    unidirectional tests' stand-ins), counted."""
+    calls = {"saving": 0, "recurrence": 0}
+
+    def saving(*args, **kwargs):
+        calls["saving"] += 1
+        return wavefront.reference_forward_saving(*args, **kwargs)
+
+    def recurrence(*args, **kwargs):
+        calls["recurrence"] += 1
+        return wavefront.recurrence_reference(*args, **kwargs)
+
+    monkeypatch.setattr(wavefront, "forward_training", saving)
+    monkeypatch.setattr(wavefront, "backward_layer", recurrence)
+    return calls
+
+
+@pytest.mark.parametrize("kind", ["lstm", "gru"])
+@pytest.mark.parametrize("lengths", [None, [6, 3, 1, 6]])
+@pytest.mark.parametrize("layers", [1, 2])
+def test_the_training_form_has_pytorchs_bidirectional_gradients(fake_training, kind, lengths,
+                                                                 layers):
+    """Each direction a one-layer trainable_forward (direction 1 over the
+    reversed input): outputs, final states and every gradient (x, h0, c0,
+    each weight) equal autograd through PyTorch's bidirectional RNN."""
+    units, inputs, steps, batch = 5, 4, 6, 4
+    mod = _torch_rnn(kind, layers, units, inputs, seed=10 + layers)
+    rng = torch.Generator().manual_seed(layers)
+    x = torch.randn(steps, batch, inputs, dtype=torch.float64, generator=rng)
+    h0 = torch.randn(2 * layers, batch, units, dtype=torch.float64, generator=rng)
+    c0 = torch.randn(2 * layers, batch, units, dtype=torch.float64, generator=rng)
+    lens = None if lengths is None else torch.tensor(lengths)
+    gy = torch.randn(steps, batch, 2 * units, dtype=torch.float64, generator=rng)
+    gh = torch.randn(2 * layers, batch, units, dtype=torch.float64, generator=rng)
+    alive = (torch.arange(steps)[:, None] < (lens if lens is not None else steps))[..., None]
+
+    def grads(run):
+        leaves = [t.clone().requires_grad_() for t in (x, h0, c0)]
+        weights = [w.detach().clone().requires_grad_() for w in mod._flat_weights]
+        y, hy, cy = run(leaves, weights)
+        loss = (y * gy * alive).sum() + (hy * gh).sum() + (0 if cy is None else (cy * gh).sum())
+        wanted = leaves if kind == "lstm" else leaves[:2]
+        return [y, hy] + list(torch.autograd.grad(loss, wanted + weights))
+
+    def ours(leaves, weights):
+        return bidir.trainable_forward(leaves[0], weights, leaves[1],
+                                       leaves[2] if kind == "lstm" else None, lens, kind=kind)
+
+    def pytorchs(leaves, weights):
+        ref = _torch_rnn(kind, layers, units, inputs, seed=0)
+        ref._flat_weights = weights  # autograd through these very tensors
+        y, hy, cy = _cudnn_semantics_grad(ref, kind, leaves[0], leaves[1], leaves[2], lens)
+        return y, hy, cy
+
+    got, want = grads(ours), grads(pytorchs)
+    assert fake_training["saving"] == 2 * layers and fake_training["recurrence"] == 2 * layers
+    assert len(got) == len(want)
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, rtol=0, atol=1e-10)
+
+
+def _cudnn_semantics_grad(mod, kind, x, h0, c0, lengths):
+    """`_cudnn_semantics` with autograd on (PyTorch's RNN through
+    `torch._VF`, packed for lengths)."""
+    state = (h0, c0) if kind == "lstm" else h0
+    if lengths is None:
+        y, st = mod(x, state)
+    else:
+        packed = torch.nn.utils.rnn.pack_padded_sequence(x, lengths, enforce_sorted=False)
+        yp, st = mod(packed, state)
+        y, _ = torch.nn.utils.rnn.pad_packed_sequence(yp, total_length=x.shape[0])
+    return (y, *st) if kind == "lstm" else (y, st, None)
+
+
 def test_weights_that_are_not_a_layers_eight_tensors_are_a_clear_error():
     mod = _torch_rnn("lstm", 1, 4, 3, seed=0)
     with pytest.raises(ValueError, match="received 4 tensors"):
@@ -177,6 +256,7 @@ def enabled(monkeypatch, fake_op):
         return why
 
     monkeypatch.setattr(bidir, "unsupported_reason", reason)
+    monkeypatch.setattr(bidir, "training_reason", reason)
     fake_op.asked = asked
     return fake_op
 
@@ -239,13 +319,31 @@ def test_a_masked_call_reverses_each_row_within_its_length(enabled, half):
     assert max_abs_diff(y, original) <= FP16_TOL
 
 
-def test_a_call_autograd_records_runs_cudnn_with_the_reason(enabled, half):
-    layer = _fused(_bi_model(), WAVEFRONT)
-    y = layer(_x(), training=True)
+@pytest.mark.parametrize("kind", ["lstm", "gru"])
+def test_a_training_call_runs_a_launch_a_direction_with_the_kernels_gradient(
+        enabled, fake_training, half, kind):
+    model = _bi_model(kind, "sum")
+    layer = _fused(model, WAVEFRONT)
+    x = _x()
+    weights = torch.tensor(np.random.default_rng(3).standard_normal((4, 7, 8)),
+                           dtype=torch.float32)
+
+    def gradients():
+        y = layer(x, training=True).float()
+        return [g.double().numpy() for g in torch.autograd.grad(
+            (y * weights).sum(), [v.value for v in layer.trainable_variables])]
+
+    got = gradients()
     ran = layer.last_path.kernel
-    assert enabled.calls == [] and ran.name == "torch._VF.lstm"
-    assert "backward runs unidirectional stacks" in ran.note
-    assert y.requires_grad
+    assert ran.name == wavefront.TRAINING_KERNEL_NAME and ran.note is None, layer.last_path
+    assert ran.algorithm == bidir.TRAINING_ALGORITHM
+    assert enabled.calls == [], "the training form runs the one-layer kernels"
+    assert fake_training == {"saving": 4, "recurrence": 4}
+    layer.set_plan(Plan(()))
+    want = gradients()
+    for g, w in zip(got, want):
+        assert np.max(np.abs(g - w)) <= FP16_TOL * max(1.0, np.max(np.abs(w)))
+    assert all(np.max(np.abs(g)) > 0 for g in got)
 
 
 def test_while_the_switch_is_off_cudnn_runs_with_the_reason(fake_op, half, monkeypatch):
@@ -257,7 +355,8 @@ def test_while_the_switch_is_off_cudnn_runs_with_the_reason(fake_op, half, monke
     assert "library.BIDIRECTIONAL" in layer.last_path.kernel.note
 
 
-def test_the_tuner_times_a_bidirectional_stack_for_inference_only(enabled, half):
+def test_the_tuner_times_a_bidirectional_stack_for_inference_and_training(
+        enabled, fake_training, half):
     from rnnfuse.tuning.tuner import tune_plans
 
     class Timer:
@@ -276,5 +375,6 @@ def test_the_tuner_times_a_bidirectional_stack_for_inference_only(enabled, half)
     trainer = Timer({"per-layer": 2.0, "fused": 1.0, "fused on wavefront": 0.1})
     (trained,) = tune_plans(groups, lambda g: (4, 7, 5), training=True, measure=trainer,
                             progress=False)
-    assert trained.plan.kernel == "cudnn"
-    assert "unidirectional" in trained.rejected["fused on wavefront"]
+    assert "fused on wavefront" in trainer.names[0]
+    assert trained.plan == WAVEFRONT, trained.rejected  # after its gradient check
+    assert fake_training["recurrence"] >= 4

@@ -185,7 +185,7 @@ run_stage() {
       # Bidirectional layers on the kernel (off by default; never run on a
       # GPU before this stage: its own processes, a fault ends only them).
       s=$(limit wavefront-bidirectional 300)
-      ( torch_env; timeout $s bash -c "python3 bench/bench_wavefront.py bidirectional \
+      ( torch_env; timeout $s bash -c "python3 bench/bench_wavefront.py bidirectional --train \
           --out $LOGS/wavefront_bidirectional_h200.json; \
           python3 -m pytest -q -p no:cacheprovider -s -rs tests/gpu/test_gpu_wavefront_bidirectional.py" \
       ) > $log 2>&1; rc=$?

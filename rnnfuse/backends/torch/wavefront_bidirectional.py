@@ -22,10 +22,14 @@ docs/kernel.md, "Bidirectional layers"). Per layer l, time-major:
 `forward(x, weights, h0, c0, lengths, kind=...)` runs a stack this way
 (weights: PyTorch's per pseudo-layer list, layer-major, forward before
 backward; h0, c0 [2L, B, H]) and returns cuDNN's (y [T, B, 2H], hy, cy
-[2L, B, H]); `run_stack` is its `run_stack` (inference: no gradient of its
-own; a call autograd records runs cuDNN). `unsupported_reason` says why not
-(`library.bidirectional_reason`: the `library.BIDIRECTIONAL` switch, the
-device, each layer's plan). The CPU tests fake the op
+[2L, B, H]). It has no gradient of its own: `trainable_forward` is the
+training form, each direction of each layer a one-layer
+`wavefront.trainable_forward` (the saving forward and backward kernels of
+the unidirectional stacks), direction 1 over the reversed input, one
+direction after the other. `run_stack` is the backend's call (the
+training form where autograd records it). `unsupported_reason` and
+`training_reason` say why not (the `library.BIDIRECTIONAL` switch, the
+device, the plans). The CPU tests fake the op
 (tests/torch_backend/test_wavefront_bidirectional.py).
 
 Example (on a Hopper GPU, with library.BIDIRECTIONAL on):
@@ -43,11 +47,13 @@ import torch
 
 from rnnfuse.backends.torch.wavefront import _GATES, _launch_stream, flat_params
 
-__all__ = ["KERNEL_NAME", "forward", "reverse_within_lengths", "run_stack",
-           "unsupported_reason"]
+__all__ = ["KERNEL_NAME", "TRAINING_ALGORITHM", "forward", "reverse_within_lengths",
+           "run_stack", "trainable_forward", "training_reason", "unsupported_reason"]
 
 # The `KernelRun` name of a call on the kernel.
 KERNEL_NAME = "torch.ops.rnnfuse.wavefront_directions"
+# ... and the algorithm of a training call's (`trainable_forward`).
+TRAINING_ALGORITHM = "bidirectional: a launch a direction"
 
 
 def _library():
@@ -145,6 +151,70 @@ def forward(x: torch.Tensor, weights: Sequence[torch.Tensor], h0: torch.Tensor,
     return inp, torch.cat(hys), (torch.cat(cys) if kind == "lstm" else None)
 
 
+def trainable_forward(x: torch.Tensor, weights: Sequence[torch.Tensor], h0: torch.Tensor,
+                      c0: torch.Tensor | None, lengths: torch.Tensor | None, *, kind: str):
+    """`forward` with the kernels' gradient (autograd): each direction of
+    each layer is a one-layer `wavefront.trainable_forward` (the saving
+    forward and the backward kernels the unidirectional stacks train on),
+    direction 1 over the layer's input reversed within each length and its
+    output reversed back, so the gradient is theirs through two gathers.
+    The directions run one after the other (two launches a layer each
+    way), not concurrently: the training form that needs no new kernel.
+
+    Same arguments and results as `forward`, differentiable with respect to
+    x, the weights (the tensors `weights` holds), h0 and c0.
+
+    Raises:
+        ValueError: weights that are not 8 tensors a layer.
+        library.WavefrontError: a launch the library refuses.
+    """
+    from rnnfuse.backends.torch import wavefront
+
+    weights = list(weights)
+    if not weights or len(weights) % 8:
+        raise ValueError("wavefront_bidirectional.trainable_forward: expected [w_ih, w_hh, b_ih, "
+                         f"b_hh] for each direction of each layer; received {len(weights)} "
+                         "tensors")
+    inp, hys, cys = x, [], []
+    for l in range(len(weights) // 8):
+        outs = []
+        for d in range(2):
+            k = 2 * l + d
+            src = inp if d == 0 else reverse_within_lengths(inp, lengths)
+            c = c0[k:k + 1] if kind == "lstm" else None
+            y, hy, cy = wavefront.trainable_forward(
+                src, flat_params(weights[4 * k:4 * k + 4]), h0[k:k + 1], c, lengths, kind=kind)
+            outs.append(y if d == 0 else reverse_within_lengths(y, lengths))
+            hys.append(hy)
+            cys.append(cy)
+        inp = torch.cat(outs, dim=-1)
+    return inp, torch.cat(hys), (torch.cat(cys) if kind == "lstm" else None)
+
+
+def training_reason(kind: str, num_layers: int, units: int, batch: int, steps: int,
+                    input_size: int, dtype: torch.dtype, device: torch.device, *,
+                    proj_size: int = 0, dropout: float = 0.0) -> str | None:
+    """Why `trainable_forward` cannot run this bidirectional stack here, or
+    None: the structure and switch checks of `unsupported_reason`, then the
+    one-layer forward plan at each input width (`input_size`, 2 * units)
+    and the backward's (`library.backward_reason`)."""
+    library = _library()
+    reason = library.stack_reason(kind, str(dtype).replace("torch.", ""), proj_size=proj_size,
+                                  dropout=dropout)
+    if reason is not None:
+        return reason
+    if not library.BIDIRECTIONAL:
+        return library.BIDIRECTIONAL_OFF
+    if device.type != "cuda":
+        return "the wavefront kernel runs on CUDA devices only"
+    ordinal = device.index if device.index is not None else torch.cuda.current_device()
+    for width in {int(input_size), 2 * int(units)}:
+        reason = library.device_reason(kind, 1, units, batch, steps, width, ordinal)
+        if reason is not None:
+            return reason
+    return library.backward_reason(kind, units, batch, steps, ordinal)
+
+
 def unsupported_reason(kind: str, num_layers: int, units: int, batch: int, steps: int,
                        input_size: int, dtype: torch.dtype, device: torch.device, *,
                        proj_size: int = 0, dropout: float = 0.0) -> str | None:
@@ -167,30 +237,31 @@ def unsupported_reason(kind: str, num_layers: int, units: int, batch: int, steps
 
 def run_stack(sequences, call):
     """`rnnfuse.backends.torch.run_stack` of a bidirectional stack on the
-    kernel (inference): `call` a `StackCall`. Returns a `StackRun`.
+    kernel: `call` a `StackCall`. Returns a `StackRun`: where autograd
+    records the call (a training step), `trainable_forward`'s (its
+    `KernelRun` is `wavefront.TRAINING_KERNEL_NAME`, algorithm
+    TRAINING_ALGORITHM); else `forward`'s, both directions of a layer in
+    one launch.
 
     Raises:
-        NotImplementedError: the kernel cannot run this call (the reason),
-            or autograd records it (the kernel's backward runs
-            unidirectional stacks only): the caller runs cuDNN.
+        NotImplementedError: the kernels cannot run this call (the reason):
+            the caller runs cuDNN.
     """
     from rnnfuse.backends import torch as kernels
     from rnnfuse.backends.base import StackRun
-    from rnnfuse.backends.torch.wavefront import wants_gradient
+    from rnnfuse.backends.torch import wavefront
     from rnnfuse.reasons import KernelRun
 
     stack = call.stack
-    if wants_gradient(sequences, stack, call.initial_h, call.initial_c):
-        raise NotImplementedError("the wavefront kernel's backward runs unidirectional stacks; "
-                                  "a bidirectional call that needs a gradient runs cuDNN")
     if call.reverse:
         raise NotImplementedError("a bidirectional stack whose first layer reads reversed "
                                   "sequences runs cuDNN")
     x = sequences
     batch, steps, input_size = (int(d) for d in x.shape)
-    reason = unsupported_reason(stack.kind, stack.num_levels, stack.units, batch, steps,
-                                input_size, x.dtype, x.device, proj_size=stack.proj_size,
-                                dropout=call.dropout)
+    training = wavefront.wants_gradient(sequences, stack, call.initial_h, call.initial_c)
+    check = training_reason if training else unsupported_reason
+    reason = check(stack.kind, stack.num_levels, stack.units, batch, steps, input_size, x.dtype,
+                   x.device, proj_size=stack.proj_size, dropout=call.dropout)
     if reason is not None:
         raise NotImplementedError(reason)
     lengths = None
@@ -200,6 +271,11 @@ def run_stack(sequences, call):
     h0 = kernels._states(call.initial_h, stack, stack.units, batch, x)
     c0 = (kernels._states(call.initial_c, stack, stack.units, batch, x)
           if stack.kind == "lstm" else None)
+    if training:
+        y, hy, cy = trainable_forward(x.transpose(0, 1), weights, h0, c0, lengths,
+                                      kind=stack.kind)
+        return StackRun(y.transpose(0, 1), hy, cy,
+                        KernelRun(wavefront.TRAINING_KERNEL_NAME, TRAINING_ALGORITHM))
     y, hy, cy = forward(x.transpose(0, 1).contiguous(), weights, h0, c0, lengths,
                         kind=stack.kind)
     return StackRun(y.transpose(0, 1), hy, cy, KernelRun(KERNEL_NAME))
