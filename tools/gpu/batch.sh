@@ -173,7 +173,7 @@ run_stage() {
     wavefront-segments)
       # Stacks larger than the chip as wavefront segments: the kernel-level
       # timings against cuDNN's best, then the torch GPU tests of the path.
-      s=$(limit wavefront-segments 300)
+      s=$(limit wavefront-segments 420)
       ( torch_env; timeout $s bash -c "python3 bench/bench_wavefront.py segments --train \
           --out $LOGS/wavefront_segments_h200.json; \
           python3 -m pytest -q -p no:cacheprovider -s -rs tests/gpu/test_gpu_wavefront_segments.py" \
@@ -184,7 +184,7 @@ run_stage() {
     wavefront-bidirectional)
       # Bidirectional layers on the kernel (off by default; never run on a
       # GPU before this stage: its own processes, a fault ends only them).
-      s=$(limit wavefront-bidirectional 300)
+      s=$(limit wavefront-bidirectional 420)
       ( torch_env; timeout $s bash -c "python3 bench/bench_wavefront.py bidirectional --train \
           --out $LOGS/wavefront_bidirectional_h200.json; \
           python3 -m pytest -q -p no:cacheprovider -s -rs tests/gpu/test_gpu_wavefront_bidirectional.py" \
