@@ -585,9 +585,10 @@ def _time_in_stages(plans, rejected, bar, measured):
     With one algorithm among the fused plans, in one stage. Else stage one:
     the original layers and the whole run fused, with every algorithm, and
     the splits on a kernel whose whole run is no candidate (a stack larger
-    than the chip as wavefront segments, `kernel_plans`). Stage two: the other pieces (halves; torch's one call per
-    layer), only with the algorithms whose whole-run plan came within PRUNE
-    of stage one's best (the others are recorded in `rejected`, not traced:
+    than the chip as wavefront segments, `kernel_plans`). Stage two: the
+    other pieces (halves; torch's one call per layer), only with the
+    algorithms whose whole-run plan came within PRUNE of stage one's best
+    (the others are recorded in `rejected`, not traced:
     each candidate's trace and first call cost about 1 s, and a
     split on an algorithm that loses by 1.5x on the whole run has never
     won), timed beside stage one's best again (and the original layers,

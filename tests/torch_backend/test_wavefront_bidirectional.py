@@ -67,7 +67,8 @@ class FakeDirections:
         ys, hys, cys = [], [], []
         for d, off in enumerate(independent_offsets(kind, directions, units, input_size)):
             w_hh = params[off["w_hh"]:off["w_hh"] + gh * units].view(gh, units)
-            b_in, b_rec = params[off["b_in"]:off["b_in"] + gh], params[off["b_rec"]:off["b_rec"] + gh]
+            b_in = params[off["b_in"]:off["b_in"] + gh]
+            b_rec = params[off["b_rec"]:off["b_rec"] + gh]
             eye = torch.eye(gh, dtype=xproj.dtype)  # xproj arrives projected
             c = c0[d:d + 1] if kind == "lstm" else None
             with torch.no_grad():
