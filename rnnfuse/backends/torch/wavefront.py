@@ -896,8 +896,8 @@ def run_autograd(sequences, call):
     gradient of this call (`wants_gradient`: a Keras training step, or a
     user's own loop), else `run_stack` (the forward alone: `predict` and
     `evaluate` run under `torch.no_grad()`). A bidirectional stack runs
-    `wavefront_bidirectional.run_stack` (inference; a call autograd
-    records runs cuDNN).
+    `wavefront_bidirectional.run_stack` (one launch a layer; where autograd
+    records the call, its training form, a launch a direction).
 
     Raises:
         NotImplementedError: the kernels cannot run this call (the reason:
@@ -905,7 +905,8 @@ def run_autograd(sequences, call):
             then gives the gradient.
     """
     if call.stack.num_directions == 2:
-        # One launch a layer, both directions at once; inference only.
+        # No wavefront across bidirectional layers: a layer's directions run
+        # side by side instead (and one after the other for training).
         from rnnfuse.backends.torch import wavefront_bidirectional
 
         return wavefront_bidirectional.run_stack(sequences, call)
