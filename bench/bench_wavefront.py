@@ -25,6 +25,10 @@ built into the cache (nvcc + g++).
     # its opt-in pipelined variants (wavefront.cuh, "Variants"): checked, and timed interleaved
     python3 bench/bench_wavefront.py grad --random 4 --backward stack --variant 1
     python3 bench/bench_wavefront.py train --cells 2 --backward stack --variants 0,1,2
+    # stacks larger than the chip as wavefront segments (8x512 B32 T1000, 2x1024 B16 T1500)
+    python3 bench/bench_wavefront.py segments --train --out $OUT/segments.json
+    # bidirectional layers, one launch a layer (BiLSTM 4x384 B24 T700, BiGRU 5x512 B32 T500)
+    python3 bench/bench_wavefront.py bidirectional --train --out $OUT/bidirectional.json
 
 `check`: each case draws fresh random weights, inputs, initial states (and
 lengths), poisons the outputs with NaN, runs the kernel and compares y, hy
@@ -67,6 +71,21 @@ c_out), and requires every output within TOL of variant 0's
 (`err_vs_variant0`). `bench --variants 0,N` times the variants interleaved
 (call by call, one process) and reports each one's ms and N's ratio to the
 first (`ratio_kernel_only`, `ratio_kernel`).
+`segments`: stacks larger than the chip (SEGMENT_CELLS), refused whole and
+run as consecutive kernel launches, one a segment, chosen on this GPU's
+plan (`segments.stack_segments`): the error of the segmented forward
+against float64 and cuDNN's, then the segmented kernel, cuDNN as one
+multi-layer call and cuDNN a layer at a time timed interleaved (ms, us a
+dependent step, TFLOP/s, the speed-up over cuDNN's best); with `--train`,
+a training step (forward + every gradient) of each, the segments on
+`trainable_forward`.
+`bidirectional`: bidirectional stacks (BIDIRECTIONAL_CELLS) on the kernel,
+one launch a layer (`wavefront_bidirectional.forward`): the error against
+float64 of the same rounded weights and cuDNN's, with and without lengths,
+and the kernel, cuDNN as one multi-layer call and cuDNN a layer at a time
+timed interleaved (ms, us a layer-step, TFLOP/s, the speed-up over cuDNN's
+best); with `--train`, a training step of the training form (a one-layer
+launch a direction) against cuDNN's bidirectional call.
 """
 
 from __future__ import annotations
@@ -943,6 +962,304 @@ def cmd_train(args):
     return 0
 
 
+# Stacks larger than the chip (docs/kernel.md, "Stacks larger than the chip"):
+# refused whole, run as consecutive segments that each fit.
+SEGMENT_CELLS = [("lstm", 8, 512, 32, 1000, "float16"), ("lstm", 2, 1024, 16, 1500, "float16")]
+
+
+def _segment_params(mod, start, stop):
+    """The canonical flat buffer of layers [start, stop) of `mod`."""
+    return wavefront.flat_params(mod._flat_weights[4 * start:4 * stop]).contiguous()
+
+
+def segments_forward(kind, mod, pieces, x, h0, c0, params=None, train=False):
+    """The stack as consecutive kernel launches, one a segment (`pieces`);
+    each segment's input is the previous one's output. `params`: each
+    segment's flat buffer (default: from `mod`); `train`: each segment on
+    `trainable_forward` (the kernels' backward in autograd)."""
+    start, y, hys, cys = 0, x, [], []
+    for i, size in enumerate(pieces):
+        stop = start + size
+        p = params[i] if params is not None else _segment_params(mod, start, stop)
+        c = c0[start:stop] if kind == "lstm" else None
+        if train:
+            y, hy, cy = wavefront.trainable_forward(y, p, h0[start:stop], c, None, kind=kind)
+        else:
+            y, hy, cy = wavefront.forward(y, p, h0[start:stop].contiguous(),
+                                          None if c is None else c.contiguous(), None, kind=kind)
+        hys.append(hy)
+        cys.append(cy)
+        start = stop
+    return y, torch.cat(hys), (torch.cat(cys) if kind == "lstm" else None)
+
+
+def segments_cell(kind, layers, units, batch, steps, dtype_name, reps, train=False):
+    """One stack larger than the chip: its segmentation on this GPU's plan
+    (`segments.stack_segments`), the segmented forward's error against
+    float64 and cuDNN's, and CUDA-event medians, timed interleaved, of the
+    segmented kernel, cuDNN as one multi-layer call and cuDNN a layer at a
+    time (where torch runs cuDNN's persistent kernel in float16); with
+    `train`, the training step (forward + every gradient) of each."""
+    from rnnfuse.backends.cuda import segments
+
+    dtype = DTYPES[dtype_name]
+    inputs = units
+    gen = torch.Generator(device="cuda").manual_seed(5)
+    mod = make_module(kind, layers, units, inputs, dtype, gen)
+    x = torch.randn(steps, batch, inputs, generator=gen, device="cuda").to(dtype)
+    h0 = (0.5 * torch.randn(layers, batch, units, generator=gen, device="cuda")).to(dtype)
+    c0 = (0.5 * torch.randn(layers, batch, units, generator=gen, device="cuda")).to(dtype)
+    lib = library.load()
+    dev = lib.device(torch.cuda.current_device())
+    row = dict(kind=kind, layers=layers, units=units, batch=batch, steps=steps, dtype=dtype_name,
+               whole=lib.plan(kind, layers, units, batch, steps, inputs, sms=dev["sms"],
+                              smem=dev["smem"]))
+    pieces = segments.stack_segments(lib, kind, layers, units, batch, steps, inputs,
+                                     sms=dev["sms"], smem=dev["smem"], training=train)
+    if isinstance(pieces, str):
+        row["kernel"] = pieces
+        return row
+    row["pieces"] = list(pieces)
+    row["dependent_steps"] = steps * len(pieces) + layers - len(pieces)
+    cstate = (h0, c0) if kind == "lstm" else h0
+    with torch.no_grad():
+        y, hy, cy = segments_forward(kind, mod, pieces, x, h0, c0)
+        ry, rhy, rcy = reference(kind, mod, x, h0, c0, None)
+        dy_, dhy, dcy = cudnn_forward(kind, mod, x, h0, c0, None)
+        row["err_y"], row["err_hy"] = rel(y, ry), rel(hy, rhy)
+        row["cudnn_err_y"], row["cudnn_err_hy"] = rel(dy_, ry), rel(dhy, rhy)
+        if kind == "lstm":
+            row["err_cy"], row["cudnn_err_cy"] = rel(cy, rcy), rel(dcy, rcy)
+        row["status"] = "ok" if max(row["err_y"], row["err_hy"]) <= TOL[dtype_name] else "wrong"
+        per = []
+        for l in range(layers):
+            cls = torch.nn.LSTM if kind == "lstm" else torch.nn.GRU
+            m1 = cls(inputs if l == 0 else units, units, 1).cuda().to(dtype)
+            for a, b in zip(m1._flat_weights, mod._flat_weights[4 * l: 4 * l + 4]):
+                a.copy_(b)
+            per.append(m1)
+
+        def per_layer():
+            h = x
+            for l, m1 in enumerate(per):
+                st = (h0[l:l + 1], c0[l:l + 1]) if kind == "lstm" else h0[l:l + 1]
+                h, _ = m1(h, st)
+            return h
+
+        seg_params, start = [], 0
+        for size in pieces:
+            seg_params.append(_segment_params(mod, start, start + size))
+            start += size
+        times = time_interleaved({
+            "kernel_segments": lambda: segments_forward(kind, mod, pieces, x, h0, c0, seg_params),
+            "cudnn_fused": lambda: mod(x, cstate),
+            "cudnn_per_layer": per_layer,
+        }, reps)
+    row.update({f"{k}_ms": v for k, v in times.items()})
+    best = min(times["cudnn_fused"], times["cudnn_per_layer"])
+    row["speedup_vs_best_cudnn"] = best / times["kernel_segments"]
+    row["us_per_step"] = 1000 * times["kernel_segments"] / row["dependent_steps"]
+    f = flops(kind, layers, units, batch, steps, inputs)
+    row["gflop"], row["floor_ms"] = f / 1e9, f / (PEAK_TFLOPS * 1e9)
+    row["kernel_tflops"] = f / (times["kernel_segments"] * 1e9)
+    if train:
+        dy = torch.randn(steps, batch, units, generator=gen, device="cuda").to(dtype)
+        leaves = [p.clone().requires_grad_() for p in seg_params]
+        xs = x.clone().requires_grad_()
+
+        def ours():
+            y, _, _ = segments_forward(kind, mod, pieces, xs, h0, c0, leaves, train=True)
+            return torch.autograd.grad([y], [xs, *leaves], [dy])
+
+        def cudnn():
+            y, _ = mod(xs, cstate)
+            return torch.autograd.grad([y], [xs, *mod._flat_weights], [dy])
+
+        def cudnn_layers():
+            h = xs
+            for l, m1 in enumerate(per):
+                st = (h0[l:l + 1], c0[l:l + 1]) if kind == "lstm" else h0[l:l + 1]
+                h, _ = m1(h, st)
+            return torch.autograd.grad([h], [xs, *[w for m1 in per for w in m1._flat_weights]],
+                                       [dy])
+
+        # The segments' gradients (dx, each segment's flat buffer) against
+        # cuDNN's in the same dtype, ||ours - cuDNN|| / ||cuDNN||: a sanity
+        # check of the wiring (grad checks them against float64).
+        got, want = ours(), cudnn()
+        errors, start = [rel(got[0], want[0])], 0
+        for i, size in enumerate(pieces):
+            ref = wavefront.flat_params(want[1 + 4 * start:1 + 4 * (start + size)])
+            errors.append(rel(got[1 + i], ref))
+            start += size
+        row["train_grad_rel_vs_cudnn"] = max(errors)
+        del got, want
+        steps_ms = time_interleaved({"kernel_segments_train": ours, "cudnn_fused_train": cudnn,
+                                     "cudnn_per_layer_train": cudnn_layers}, max(3, reps // 2))
+        row.update({f"{k}_ms": v for k, v in steps_ms.items()})
+        row["train_speedup_vs_best_cudnn"] = (
+            min(steps_ms["cudnn_fused_train"], steps_ms["cudnn_per_layer_train"])
+            / steps_ms["kernel_segments_train"])
+    return row
+
+
+# Bidirectional layers (docs/kernel.md, "Bidirectional layers"): one launch
+# a layer, both directions concurrently. (kind, layers, units, inputs, batch, steps, dtype)
+BIDIRECTIONAL_CELLS = [("lstm", 4, 384, 80, 24, 700, "float16"),
+                       ("gru", 5, 512, 512, 32, 500, "float16")]
+
+
+def _bidirectional_module():
+    import importlib
+
+    sys.modules.setdefault("rnnfuse.backends.torch.wavefront", wavefront)
+    return importlib.import_module("rnnfuse.backends.torch.wavefront_bidirectional")
+
+
+def bidirectional_cell(kind, layers, units, inputs, batch, steps, dtype_name, reps,
+                       with_lengths=False, train=False):
+    """One bidirectional stack on the kernel (`wavefront_bidirectional
+    .forward`, one launch a layer): its error against float64 of the same
+    rounded weights and cuDNN's (torch's bidirectional nn.LSTM/GRU in the
+    same dtype), then CUDA-event medians, timed interleaved, of the kernel,
+    cuDNN as one multi-layer call and cuDNN a layer at a time."""
+    import copy
+
+    bidir = _bidirectional_module()
+    dtype = DTYPES[dtype_name]
+    gen = torch.Generator(device="cuda").manual_seed(7)
+    cls = torch.nn.LSTM if kind == "lstm" else torch.nn.GRU
+    mod = cls(inputs, units, layers, bidirectional=True).cuda()
+    bound = 1.0 / math.sqrt(units)
+    with torch.no_grad():
+        for w in mod._flat_weights:
+            w.copy_((torch.rand(w.shape, generator=gen, device="cuda") * 2 - 1) * bound)
+    mod = mod.to(dtype)
+    ref = copy.deepcopy(mod).double()
+    x = torch.randn(steps, batch, inputs, generator=gen, device="cuda").to(dtype)
+    h0 = (0.5 * torch.randn(2 * layers, batch, units, generator=gen, device="cuda")).to(dtype)
+    c0 = (0.5 * torch.randn(2 * layers, batch, units, generator=gen, device="cuda")).to(dtype)
+    lengths = None
+    if with_lengths:
+        lengths = torch.randint(1, steps + 1, (batch,), generator=gen, device="cuda")
+        lengths[0] = steps
+    lib = library.load()
+    dev = lib.device(torch.cuda.current_device())
+    row = dict(kind=kind, layers=layers, units=units, inputs=inputs, batch=batch, steps=steps,
+               dtype=dtype_name, lengths=with_lengths,
+               plan=[lib.plan_directions(kind, units, batch, steps, width, sms=dev["sms"],
+                                         smem=dev["smem"]) for width in (inputs, 2 * units)])
+
+    def run(m, x, h0, c0):
+        state = (h0, c0) if kind == "lstm" else h0
+        if lengths is None:
+            y, st = m(x, state)
+        else:
+            packed = torch.nn.utils.rnn.pack_padded_sequence(x, lengths.cpu(),
+                                                             enforce_sorted=False)
+            yp, st = m(packed, state)
+            y, _ = torch.nn.utils.rnn.pad_packed_sequence(yp, total_length=steps)
+        return (y, *st) if kind == "lstm" else (y, st, None)
+
+    with torch.no_grad():
+        y, hy, cy = bidir.forward(x, mod._flat_weights, h0, c0, lengths, kind=kind)
+        ry, rhy, rcy = run(ref, x.double(), h0.double(), c0.double())
+        dy_, dhy, dcy = run(mod, x, h0, c0)
+        row["err_y"], row["err_hy"] = rel(y, ry), rel(hy, rhy)
+        row["cudnn_err_y"], row["cudnn_err_hy"] = rel(dy_, ry), rel(dhy, rhy)
+        if kind == "lstm":
+            row["err_cy"], row["cudnn_err_cy"] = rel(cy, rcy), rel(dcy, rcy)
+        worst = max(v for k, v in row.items() if k.startswith("err_"))
+        row["status"] = "ok" if worst <= TOL[dtype_name] else "wrong"
+        if with_lengths:
+            return row
+        per = []
+        for l in range(layers):
+            m1 = cls(inputs if l == 0 else 2 * units, units, 1, bidirectional=True).cuda().to(dtype)
+            for a, b in zip(m1._flat_weights, mod._flat_weights[8 * l: 8 * l + 8]):
+                a.copy_(b)
+            per.append(m1)
+
+        def per_layer():
+            h = x
+            for l, m1 in enumerate(per):
+                st = ((h0[2 * l:2 * l + 2], c0[2 * l:2 * l + 2]) if kind == "lstm"
+                      else h0[2 * l:2 * l + 2])
+                h, _ = m1(h, st)
+            return h
+
+        cstate = (h0, c0) if kind == "lstm" else h0
+        times = time_interleaved({
+            "kernel": lambda: bidir.forward(x, mod._flat_weights, h0, c0, None, kind=kind),
+            "cudnn_fused": lambda: mod(x, cstate),
+            "cudnn_per_layer": per_layer,
+        }, reps)
+    row.update({f"{k}_ms": v for k, v in times.items()})
+    best = min(times["cudnn_fused"], times["cudnn_per_layer"])
+    row["speedup_vs_best_cudnn"] = best / times["kernel"]
+    row["us_per_step"] = 1000 * times["kernel"] / (layers * steps)
+    if train:
+        # A training step (forward + every gradient): the training form (a
+        # one-layer launch a direction) against cuDNN's bidirectional call.
+        dy = torch.randn(steps, batch, 2 * units, generator=gen, device="cuda").to(dtype)
+        xs = x.clone().requires_grad_()
+        leaves = [w.detach().clone().requires_grad_() for w in mod._flat_weights]
+        hc = (h0, c0 if kind == "lstm" else None)
+
+        def ours():
+            y, _, _ = bidir.trainable_forward(xs, leaves, *hc, None, kind=kind)
+            return torch.autograd.grad([y], [xs, *leaves], [dy])
+
+        def cudnn():
+            y, _ = mod(xs, cstate)
+            return torch.autograd.grad([y], [xs, *mod._flat_weights], [dy])
+
+        got, want = ours(), cudnn()
+        row["train_grad_rel_vs_cudnn"] = max(rel(g, w) for g, w in zip(got, want))
+        del got, want
+        steps_ms = time_interleaved({"kernel_train": ours, "cudnn_fused_train": cudnn},
+                                    max(3, reps // 2))
+        row.update({f"{k}_ms": v for k, v in steps_ms.items()})
+        row["train_speedup_vs_cudnn"] = steps_ms["cudnn_fused_train"] / steps_ms["kernel_train"]
+    g = 4 if kind == "lstm" else 3
+    f = 2.0 * 2 * steps * batch * g * units * ((inputs + units) + (layers - 1) * 3 * units)
+    row["gflop"], row["floor_ms"] = f / 1e9, f / (PEAK_TFLOPS * 1e9)
+    row["kernel_tflops"] = f / (times["kernel"] * 1e9)
+    return row
+
+
+def cmd_bidirectional(args):
+    """Bidirectional stacks: `bidirectional_cell` for BIDIRECTIONAL_CELLS,
+    with lengths (exactness only) and without (exactness and timings)."""
+    rows = []
+    for cell in BIDIRECTIONAL_CELLS:
+        for with_lengths in (True, False):
+            try:
+                row = bidirectional_cell(*cell, reps=args.reps, with_lengths=with_lengths,
+                                         train=args.train and not with_lengths)
+            except Exception as exc:  # noqa: BLE001
+                row = dict(cell=list(cell), lengths=with_lengths,
+                           error=f"{type(exc).__name__}: {exc}")
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+            _dump(args.out, dict(meta=_meta(), results=rows))
+    return 0
+
+
+def cmd_segments(args):
+    """Stacks larger than the chip: `segments_cell` for SEGMENT_CELLS."""
+    rows = []
+    for cell in SEGMENT_CELLS:
+        try:
+            row = segments_cell(*cell, reps=args.reps, train=args.train)
+        except Exception as exc:  # noqa: BLE001
+            row = dict(cell=list(cell), error=f"{type(exc).__name__}: {exc}")
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+        _dump(args.out, dict(meta=_meta(), results=rows))
+    return 0
+
+
 def _print_row(row):
     if "error" in row or "skipped" in row or "cudnn_fused_ms" not in row:
         print(json.dumps({k: v for k, v in row.items() if k != "plan"}), flush=True)
@@ -1029,9 +1346,19 @@ def main(argv=None):
                     help="e.g. 0,1,2: time these stack-backward variants interleaved")
     tr.add_argument("--kinds", default="lstm", help="lstm, gru or lstm,gru")
     tr.add_argument("--out", default="")
+    sg = sub.add_parser("segments", help="stacks larger than the chip, as wavefront segments")
+    sg.add_argument("--reps", type=int, default=10)
+    sg.add_argument("--train", action="store_true", help="also time a training step")
+    sg.add_argument("--out", default="")
+    bi = sub.add_parser("bidirectional", help="bidirectional layers, one launch a layer")
+    bi.add_argument("--reps", type=int, default=10)
+    bi.add_argument("--train", action="store_true",
+                    help="also time a training step (a one-layer launch a direction)")
+    bi.add_argument("--out", default="")
     args = ap.parse_args(argv)
     return {"check": cmd_check, "bench": cmd_bench, "modes": cmd_modes,
-            "trace": cmd_trace, "grad": cmd_grad, "train": cmd_train}[args.cmd](args)
+            "trace": cmd_trace, "grad": cmd_grad, "train": cmd_train,
+            "segments": cmd_segments, "bidirectional": cmd_bidirectional}[args.cmd](args)
 
 
 if __name__ == "__main__":

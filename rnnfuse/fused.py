@@ -464,7 +464,9 @@ class FusedRNN(keras.layers.Layer):
                      right_padded):
         """A split plan: one fused call per piece, absorbed Dropout between;
         the path is fused only if every piece ran fused (else the first
-        other piece's)."""
+        other piece's), and names the first piece whose kernel is not the
+        one the plan asked for (its note says why: wavefront segments, one
+        of which fell back to cuDNN) where there is one."""
         dropouts = dict(zip(self._dropout_after, self.absorbed_dropout))
         x = sequences
         paths = []
@@ -480,7 +482,8 @@ class FusedRNN(keras.layers.Layer):
             paths.append(piece.last_path)
             if (stop - 1) in dropouts:
                 x = dropouts[stop - 1](x, training=training)
-        return x, next((p for p in paths if p.kind is not PathKind.FUSED), paths[0])
+        noted = [p for p in paths if p.kernel is not None and p.kernel.note]
+        return x, next((p for p in paths if p.kind is not PathKind.FUSED), (noted or paths)[0])
 
     def _piece(self, plan: Plan, start: int, stop: int) -> "FusedRNN":
         """The sub-stack layers[start:stop] as a FusedRNN running `plan`'s

@@ -24,7 +24,11 @@ backend that cannot run a plan's kernel raises NotImplementedError from its
 fused call, and the layer runs the original layers. Not every backend
 trains on every kernel (`INFERENCE_ONLY_KERNELS`, the backend's
 `Capabilities.training_kernels`): a training call there runs
-`for_training()`, the same pieces on cuDNN.
+`for_training()`, the same pieces on cuDNN. A stack too large for one
+launch of the "wavefront" kernel runs on it as a split plan, consecutive
+segments that each fit: `Plan((4, 4), kernel="wavefront")`, "split 4+4 on
+wavefront" (the tuner's `kernel_plans` offers it where the whole run is
+refused).
 
 Example:
 
@@ -38,6 +42,8 @@ Example:
     'fused on stock'
     >>> Plan((4,), kernel="wavefront").for_training().name
     'fused'
+    >>> Plan((4, 4), kernel="wavefront").name
+    'split 4+4 on wavefront'
     >>> Plan.from_dict(Plan((1, 2), "persistent_dynamic+tc").to_dict()).name
     'split 1+2 @persistent_dynamic+tc'
     >>> Algorithm.parse("persistent_static+tc").algo

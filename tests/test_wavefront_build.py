@@ -82,6 +82,41 @@ def test_a_smaller_device_fits_fewer_layers(built):
     assert isinstance(lib.plan("lstm", 4, 512, 64, 100, 512, sms=132, smem=100_000), str)
 
 
+@pytest.mark.parametrize("shape, training, want", [
+    # The issue's shapes: refused whole, run as segments that each fit.
+    (("lstm", 8, 512, 32, 1000, 512), False, (4, 4)),
+    (("lstm", 8, 512, 32, 1000, 512), True, (4, 4)),
+    (("lstm", 2, 1024, 16, 1500, 1024), True, (1, 1)),
+    (("gru", 8, 512, 32, 1000, 512), True, (4, 4)),
+    # A stack that fits stays whole; one over the layer limit is cut too.
+    (("lstm", 4, 512, 64, 1000, 512), True, (4,)),
+    (("lstm", 12, 256, 64, 100, 80), False, (6, 6)),
+])
+def test_stacks_larger_than_the_chip_run_as_segments_that_fit_an_h200(built, shape, training,
+                                                                      want):
+    from rnnfuse.backends.cuda.segments import stack_segments
+
+    lib = library.load(built[0])
+    kind, layers, units, batch, steps, inputs = shape
+    if len(want) > 1:
+        assert "do not fit on chip" in lib.plan(*shape, **H200) or layers > 8
+    assert stack_segments(lib, *shape, training=training, **H200) == want
+    # Every segment fits: the stack's input feeds the first, `units` the rest.
+    start = 0
+    for size in want:
+        plan = lib.plan(kind, size, units, batch, steps, inputs if start == 0 else units, **H200)
+        assert isinstance(plan, tuple) and plan[0] <= H200["sms"], plan
+        start += size
+
+
+def test_a_stack_whose_one_layer_does_not_fit_has_no_segments(built):
+    from rnnfuse.backends.cuda.segments import stack_segments
+
+    lib = library.load(built[0])
+    why = stack_segments(lib, "lstm", 3, 1024, 4096, 10, 80, **H200)
+    assert isinstance(why, str) and "shared memory does not fit" in why, why
+
+
 def test_workspace_holds_the_flags_and_the_sequences_below_the_top(built):
     lib = library.load(built[0])
     flags = 4 * 256 * 4  # 4 layers x 256 flags x 4 bytes, already 256-aligned
@@ -252,6 +287,53 @@ def test_the_kind_backward_entry_is_declared_as_the_host_defines_it(built):
     with pytest.raises(library.WavefrontError, match="not 'simple_rnn'"):
         lib.backward(0, "float16", 8, 1, 1, w_hh=0, gates=0, cseq=0, c0=0, dy=0, dhy=0, dcy=0,
                      lengths=None, dgates=0, dh0=0, dc0=0, workspace=0, kind="simple_rnn")
+
+
+@pytest.mark.parametrize("name, count", [("rnnfuse_wf_forward_directions", 19),
+                                         ("rnnfuse_wf_plan_directions", 10),
+                                         ("rnnfuse_wf_plan_offsets", 6)])
+def test_the_bidirectional_entries_are_declared_as_the_host_defines_them(built, name, count):
+    import re
+
+    host = (Path(library.__file__).parent / "csrc" / "wavefront_host.cc").read_text()
+    sig = re.search(r"int " + name + r"\(([^)]*)\)", host).group(1)
+    defined = [" ".join(p.split()[:-1]) for p in sig.split(",")]
+    declared = getattr(library.load(built[0])._lib, name).argtypes
+    assert len(declared) == len(defined) == count
+    for c_type, ctype in zip(defined, declared):
+        pointer = ctype is ctypes.c_void_p or hasattr(ctype, "contents")
+        assert ("*" in c_type) == pointer, (c_type, ctype)
+        assert pointer or (c_type, ctype) == ("int", ctypes.c_int), (c_type, ctype)
+
+
+def test_a_bidirectional_layers_directions_plan_as_independent_first_layers(built):
+    """Both directions of a layer in one launch: each planned as a first
+    layer (K = H, its own CTA set), so 2 x 1024 units fit where a 2-layer
+    stack of 1024 does not; the offsets are the canonical buffer of a
+    bidirectional layer (each direction's W_ih of input_size columns)."""
+    assert b"rnnfuse_wf_forward_ind_f16" in built[0].read_bytes()
+    assert b"rnnfuse_wf_forward_ind_bf16" in built[0].read_bytes()
+    lib = library.load(built[0])
+    one_layer = lib.plan_layers("lstm", 1, 384, 24, 700, 80, **H200)
+    ctas, smem = lib.plan_directions("lstm", 384, 24, 700, 80, **H200)
+    assert ctas == 2 * one_layer[0]["ctas"] and smem == one_layer[0]["smem"]
+    assert isinstance(lib.plan_directions("lstm", 1024, 16, 100, 2048, **H200), tuple)
+    assert "do not fit on chip" in lib.plan("lstm", 2, 1024, 16, 100, 1024, **H200)
+    why = lib.plan_directions("lstm", 1024, 4096, 10, 80, **H200)
+    assert isinstance(why, str) and "shared memory does not fit" in why
+    for kind, gates in (("lstm", 4), ("gru", 3)):
+        gh = gates * 384
+        offsets = lib.plan_offsets(kind, 2, 384, 80, independent=True)
+        assert offsets == [
+            dict(w_ih=0, w_hh=gh * 80, b_in=2 * gh * (80 + 384), b_rec=2 * gh * (80 + 384) + gh),
+            dict(w_ih=gh * (80 + 384), w_hh=gh * (80 + 384) + gh * 80,
+                 b_in=2 * gh * (80 + 384) + 2 * gh, b_rec=2 * gh * (80 + 384) + 3 * gh),
+        ]
+        # (tests/torch_backend/test_wavefront_bidirectional.py's fake launch
+        # reads its weights at this arithmetic, `independent_offsets`.)
+        # A stack's layout (not independent) is unchanged: layer 1 reads H inputs.
+        stack = lib.plan_offsets(kind, 2, 384, 80)
+        assert stack[1]["w_hh"] - stack[1]["w_ih"] == gh * 384
 
 
 def test_the_tensorflow_op_compiles_and_registers(built, monkeypatch):

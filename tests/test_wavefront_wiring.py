@@ -322,9 +322,12 @@ def test_the_wavefront_plan_must_win_by_the_margin(fake_wavefront, half, no_step
 
 def test_a_group_the_kernel_refuses_is_not_timed_and_says_why(fake_wavefront, half, no_steps):
     timer = FakeTimer({"fused on wavefront": 0.1})
-    (result,) = _tune(_groups(_model(layers=4, units=16)), timer)
+    # Two layers of 32 fit nowhere as one, and each alone (32 <= LIMIT) would,
+    # but 2 x 64 units: not even one layer fits, so no segments either.
+    (result,) = _tune(_groups(_model(layers=2, units=64)), timer)
     assert all("wavefront" not in n for names in timer.names for n in names)
     assert "do not fit on chip" in result.rejected["fused on wavefront"]
+    assert "segments" not in result.rejected["fused on wavefront"]
     (f32,) = _tune(_groups(stack_model("lstm", 2, units=8, input_size=5, steps=7,
                                        dtype="float32")), FakeTimer({}))
     assert "float16 and bfloat16" in f32.rejected["fused on wavefront"]
@@ -416,3 +419,135 @@ def test_predict_and_fit_each_run_their_own_decision(
     assert layer.plan == WAVEFRONT and len(fake_wavefront.calls) == 2
     records = {r["mode"]: r for r in first_batch.decisions(fast)}
     assert records["inference"]["chosen"] == "fused on wavefront"
+
+
+# -- stacks larger than the chip: consecutive segments on the kernel ----------------------
+
+SEGMENTS = Plan((2, 2), kernel="wavefront")
+
+
+def test_segment_plans_are_split_plans_on_the_kernel():
+    assert SEGMENTS.name == "split 2+2 on wavefront" and SEGMENTS.inference_only
+    assert Plan.from_dict(SEGMENTS.to_dict()) == SEGMENTS
+    assert SEGMENTS.to_dict() == {"pieces": [2, 2], "algorithm": None, "kernel": "wavefront"}
+    assert SEGMENTS.for_training() == Plan((2, 2))
+
+
+@pytest.mark.parametrize("masked", [False, True])
+def test_a_stack_over_the_limit_runs_as_segments_on_the_wavefront_op(
+        fake_wavefront, half, masked):
+    """4 x 16 units do not fit (LIMIT 48) as one launch; 2 + 2 do: two
+    launches, each over its own layers, the second reading the first's
+    output, equal to the same split on cuDNN and to the original layers."""
+    model = _model(layers=4, units=16)
+    layer = _fused(model, SEGMENTS)
+    x = _x()
+    mask = np.arange(7)[None, :] < np.array([7, 5, 3, 6])[:, None] if masked else None
+    y = layer(x, mask=mask, training=False)
+    ran = layer.last_path.kernel
+    assert ran.name == "RnnfuseWavefront" and ran.note is None
+    assert [(c["steps"], c["batch"], c["lengths"]) for c in fake_wavefront.calls] == [
+        (7, 4, 4 if masked else 0)] * 2
+    # Each launch was planned for its own two layers: the second reads 16 features.
+    assert [a[1:3] + a[5:] for a in fake_wavefront.asked] == [(2, 16, 5), (2, 16, 16)]
+    layer.set_plan(Plan((2, 2)))
+    assert max_abs_diff(y, layer(x, mask=mask, training=False)) <= 1e-3
+    layer.set_plan(Plan(()))
+    assert max_abs_diff(y, layer(x, mask=mask, training=False)) <= FP16_TOL
+
+
+def test_a_training_call_runs_each_segments_training_ops(fake_wavefront, half):
+    layer = _fused(_model(layers=4, units=16), SEGMENTS)
+    x = tf.constant(_x())
+    grads = {}
+    for plan in (SEGMENTS, Plan((2, 2))):
+        layer.set_plan(plan)
+        with tf.GradientTape() as tape:
+            y = layer(x, training=True)
+            loss = tf.reduce_sum(tf.cast(y, tf.float32) ** 2)
+        grads[plan.kernel] = tape.gradient(loss, layer.trainable_variables)
+        if plan is SEGMENTS:
+            ran = layer.last_path.kernel
+    assert ran.name == wavefront_op.TRAINING_KERNEL_NAME and ran.note is None
+    # Both segments' forwards, then the top segment's two layers, then the bottom's.
+    assert fake_wavefront.training == ["forward", "forward"] + ["backward"] * 4
+    assert fake_wavefront.calls == []
+    assert len(grads["wavefront"]) == 12
+    for g, w in zip(grads["wavefront"], grads["cudnn"]):
+        scale = max(1.0, float(np.max(np.abs(w))))
+        assert float(np.max(np.abs(np.asarray(g) - np.asarray(w)))) <= 2 * FP16_TOL * scale
+        assert float(np.max(np.abs(g))) > 0
+
+
+def test_a_segment_the_kernel_refuses_runs_cudnn_and_the_path_says_why(fake_wavefront, half):
+    """Split 2+2 of 32 units: each segment (64 > LIMIT) is refused; cuDNN
+    runs it, never a wrong answer, and the layer's path carries the note."""
+    model = _model(layers=4, units=32)
+    layer = _fused(model, SEGMENTS)
+    x = _x()
+    y = layer(x, training=False)
+    ran = layer.last_path.kernel
+    assert fake_wavefront.calls == [] and ran.name == "CudnnRNNV3"
+    assert "2 layers of 32 units do not fit on chip" in ran.note
+    assert max_abs_diff(y, model(x)) <= FP16_TOL
+
+
+@pytest.mark.parametrize("training", [False, True])
+def test_the_tuner_times_segments_where_the_whole_stack_does_not_fit(
+        fake_wavefront, half, no_steps, training):
+    groups = _groups(_model(layers=4, units=16))
+    timer = FakeTimer({"per-layer": 2.0, "fused": 1.0, "split 2+2 on wavefront": 0.5})
+    (result,) = _tune(groups, timer, training=training)
+    # Timed in the first stage beside the whole run on cuDNN (no whole run on
+    # the kernel to wait for), and chosen: it measured faster.
+    assert "split 2+2 on wavefront" in timer.names[0]
+    assert all("fused on wavefront" not in n for names in timer.names for n in names)
+    assert result.plan == SEGMENTS and result.timings["split 2+2 on wavefront"] == 0.5
+    why = result.rejected["fused on wavefront"]
+    assert "4 layers of 16 units do not fit on chip" in why
+    assert "timed as segments that each fit instead: split 2+2 on wavefront" in why
+    (slower,) = _tune(groups, FakeTimer({"per-layer": 2.0, "fused": 1.0,
+                                         "split 2+2 on wavefront": 1.2}), training=training)
+    assert slower.plan == Plan((4,)), "chosen only where it measures faster"
+
+
+def test_the_tuner_picks_the_fewest_balanced_segments(fake_wavefront, half, no_steps):
+    """6 x 8 units: 48 fits (LIMIT) and 7 layers would not, so a 7-layer
+    stack runs as 4 + 3: the fewest segments, the largest as small as can be."""
+    timer = FakeTimer({"per-layer": 2.0, "fused": 1.0})
+    (result,) = _tune(_groups(_model(layers=7, units=8)), timer)
+    assert "split 4+3 on wavefront" in timer.names[0]
+    assert "split 4+3 on wavefront" in result.rejected["fused on wavefront"]
+
+
+def test_a_segmented_decision_is_cached_and_rewritten_as_its_segments(
+        fake_wavefront, half, no_steps, tmp_path):
+    cache = PlanCache(tmp_path / "plans.json")
+    groups = _groups(_model(layers=4, units=16))
+    _tune(groups, FakeTimer({"per-layer": 2.0, "split 2+2 on wavefront": 0.5}), cache=cache)
+    (entry,) = json.loads((tmp_path / "plans.json").read_text())["entries"].values()
+    assert entry["plan"] == SEGMENTS.to_dict()
+    (again,) = _tune(groups, FakeTimer({}), cache=PlanCache(tmp_path / "plans.json"))
+    assert again.source == "cache" and again.plan == SEGMENTS
+    from rnnfuse.tuning.plans import split_groups
+
+    assert [(len(g.layers), p.name) for g, p in split_groups(groups, [SEGMENTS])] == [
+        (2, "fused on wavefront")] * 2
+
+
+def test_a_traced_training_step_runs_each_segments_training_ops(fake_wavefront, half):
+    """What `fit` traces: both segments' saving forwards and all four layers'
+    backwards in one graph, gradients equal to the eager call's."""
+    layer = _fused(_model(layers=4, units=16), SEGMENTS)
+    x = tf.constant(_x())
+
+    def step(x):
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_sum(tf.cast(layer(x, training=True), tf.float32) ** 2)
+        return tape.gradient(loss, layer.trainable_variables)
+
+    traced = tf.function(step)(x)
+    assert fake_wavefront.training == ["forward", "forward"] + ["backward"] * 4
+    assert layer.last_path.kernel.name == wavefront_op.TRAINING_KERNEL_NAME
+    for got, want in zip(traced, step(x)):
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-6)

@@ -4,7 +4,9 @@ A `rnnfuse.plan.Plan` says how one group runs (pieces, kernel, algorithm).
 `candidate_plans(group)` lists what the tuner times; `kernel_plans` adds
 the whole run on each kernel besides cuDNN the backend has for the mode
 (`Capabilities.inference_kernels`, `training_kernels`: rnnfuse's wavefront
-kernel) where that kernel accepts the group at the timed shape;
+kernel) where that kernel accepts the group at the timed shape, and where
+it does not, the run as the fewest consecutive segments it accepts each
+(`kernel_segments`: a stack larger than the chip);
 `split_groups` turns groups
 and their plans into the groups the rewrite builds.
 
@@ -25,7 +27,7 @@ from rnnfuse.plan import PER_LAYER, Plan
 from rnnfuse.report import FusionGroup
 
 __all__ = ["CANDIDATE_ALGORITHMS", "PERSISTENT_MAX_BATCH", "candidate_plans", "kernel_plans",
-           "persistent_reason", "split_groups"]
+           "kernel_segments", "persistent_reason", "split_groups"]
 
 # The algorithms the tuner tries for fused pieces (None: the standard one).
 # On TensorFlow they need rnnfuse's own op, which runs the algorithm in the
@@ -93,17 +95,28 @@ def kernel_plans(
     kernels: Sequence[str],
     reason_of: Callable[[str, FusionGroup, tuple], str | None],
 ) -> tuple[list[Plan], dict]:
-    """The candidates on kernels besides cuDNN: (the whole run on each of
+    """The candidates on kernels besides cuDNN: (the plans on each of
     `kernels` that can run `group` at input `shape`, {plan name: why not}
     for the others). `reason_of` is `Backend.kernel_reason` for the mode
     timed (the kernel's own checks: dtypes, its on-chip plan, the device).
 
+    The whole run where the kernel takes it. Where it does not, the run as
+    consecutive segments the kernel takes each (`kernel_segments`: the
+    fewest, balanced; a stack larger than the chip), a split plan on the
+    kernel ("split 4+4 on wavefront"); the whole run's refusal is recorded
+    either way, and says which segments are timed instead.
+
     >>> import types
-    >>> group = types.SimpleNamespace(layers=("a", "b"))
+    >>> views = tuple(types.SimpleNamespace(num_levels=1, input_size=8) for _ in range(4))
+    >>> group = FusionGroup(("a", "b", "c", "d"), "lstm", 8, 4, 8, False, views=views,
+    ...                     gap_dropout=(None,) * 3)
     >>> kernel_plans(group, (64, 10, 8), ["wavefront"], lambda k, g, s: None)[0]
-    [Plan(pieces=(2,), algorithm=None, kernel='wavefront', whole=False)]
-    >>> kernel_plans(group, (64, 10, 8), ["wavefront"], lambda k, g, s: "too big")[1]
-    {'fused on wavefront': 'too big'}
+    [Plan(pieces=(4,), algorithm=None, kernel='wavefront', whole=False)]
+    >>> two = lambda k, g, s: None if g.num_layers <= 2 else "too big"
+    >>> [p.name for p in kernel_plans(group, (64, 10, 8), ["wavefront"], two)[0]]
+    ['split 2+2 on wavefront']
+    >>> kernel_plans(group, (64, 10, 8), ["wavefront"], lambda k, g, s: "float32")[1]
+    {'fused on wavefront': 'float32'}
     """
     plans, rejected = [], {}
     for kernel in kernels:
@@ -111,9 +124,53 @@ def kernel_plans(
         reason = reason_of(kernel, group, shape)
         if reason is None:
             plans.append(plan)
-        else:
-            rejected[plan.name] = str(reason)
+            continue
+        pieces = kernel_segments(group, shape, lambda g, s: reason_of(kernel, g, s))
+        if isinstance(pieces, tuple) and len(pieces) > 1:
+            split = plan.with_pieces(pieces)
+            plans.append(split)
+            reason = f"{reason}; timed as segments that each fit instead: {split.name}"
+        rejected[plan.name] = str(reason)
     return plans, rejected
+
+
+def kernel_segments(
+    group: FusionGroup,
+    shape: tuple,
+    reason_of: Callable[[FusionGroup, tuple], str | None],
+) -> tuple[int, ...] | str:
+    """The fewest, balanced consecutive segments of `group` that a kernel
+    takes each (`rnnfuse.backends.cuda.segments.fewest_balanced` over
+    `reason_of(sub_group, sub_shape)`: a segment above the first reads the
+    layer below's output, `units` features), or why there are none: a run
+    with an absorbed Dropout is not split (as `candidate_plans`), nor a
+    single layer, nor a bidirectional run (the kernel runs it a layer a
+    launch anyway: there is no wavefront across bidirectional layers).
+
+    >>> import types
+    >>> views = [types.SimpleNamespace(num_levels=1, input_size=n) for n in (5, 8, 8)]
+    >>> group = FusionGroup(("a", "b", "c"), "lstm", 8, 3, 5, False, views=tuple(views),
+    ...                     gap_dropout=(None, None))
+    >>> kernel_segments(group, (4, 7, 5), lambda g, s: None if g.num_layers < 3 else "big")
+    (2, 1)
+    """
+    from rnnfuse.backends.cuda.segments import fewest_balanced
+
+    n = len(group.layers)
+    if n < 2:
+        return "one layer: nothing to segment"
+    if group.absorbed_dropout:
+        return "a run with an absorbed Dropout is not split"
+    if group.bidirectional:
+        return "a bidirectional run takes one launch a layer already"
+
+    def refusal(start: int, stop: int) -> str | None:
+        sizes = tuple(s for s in (start, stop - start, n - stop) if s)
+        sub = split_groups([group], [Plan(sizes)])[1 if start else 0][0]
+        width = shape[2] if start == 0 else sub.input_size
+        return reason_of(sub, (shape[0], shape[1], width, *shape[3:]))
+
+    return fewest_balanced(n, refusal)
 
 
 def split_groups(

@@ -587,10 +587,12 @@ def _time_in_stages(plans, rejected, bar, measured):
     """Times `plans` in two stages; returns ({name: seconds}, the plans timed).
 
     With one algorithm among the fused plans, in one stage. Else stage one:
-    the original layers and the whole run fused, with every algorithm.
-    Stage two: the other pieces (halves; torch's one call per
-    layer), only with the algorithms whose whole-run plan came within PRUNE
-    of stage one's best (the others are recorded in `rejected`, not traced:
+    the original layers and the whole run fused, with every algorithm, and
+    the splits on a kernel whose whole run is no candidate (a stack larger
+    than the chip as wavefront segments, `kernel_plans`). Stage two: the
+    other pieces (halves; torch's one call per layer), only with the
+    algorithms whose whole-run plan came within PRUNE of stage one's best
+    (the others are recorded in `rejected`, not traced:
     each candidate's trace and first call cost about 1 s, and a
     split on an algorithm that loses by 1.5x on the whole run has never
     won), timed beside stage one's best again (and the original layers,
@@ -610,7 +612,11 @@ def _time_in_stages(plans, rejected, bar, measured):
     (['fused', 'fused @persistent_static', 'per-layer', 'split 1+1'], 'not timed: fused @persistent_static was over 1.5x')
     """
     n = max((sum(p.pieces) for p in plans), default=0)
-    first = [p for p in plans if not p.pieces or p.pieces == (n,)]
+    wholes = {(p.kernel, p.algorithm) for p in plans if p.pieces == (n,)}
+    # A split on a kernel whose whole run is no candidate (a stack larger
+    # than the chip as wavefront segments) has nothing to wait for.
+    first = [p for p in plans
+             if not p.pieces or p.pieces == (n,) or (p.kernel, p.algorithm) not in wholes]
     rest = [p for p in plans if p not in first]
     if len({p.algorithm for p in plans if p.pieces}) <= 1:
         # One algorithm (a masked group, torch): stage one could rule out

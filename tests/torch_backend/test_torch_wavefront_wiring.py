@@ -308,3 +308,104 @@ def test_predict_and_fit_each_choose_their_plan(fake_kernel, half, tmp_path, mon
     records = {r["mode"]: r["chosen"] for r in first_batch.decisions(fast)}
     assert records == {"inference": "fused on wavefront", "training": "fused on wavefront"}
     assert layer.last_path.kernel.name == wavefront.TRAINING_KERNEL_NAME
+
+
+# -- stacks larger than the chip: consecutive segments on the kernel ----------------------
+
+SEGMENTS = Plan((2, 2), kernel="wavefront")
+
+
+def test_a_stack_over_the_limit_runs_as_segments_on_the_custom_op(fake_kernel, half):
+    """4 x 16 units do not fit (LIMIT 48) as one launch; 2 + 2 do: two
+    launches, each over its own two layers, equal to the same split on
+    cuDNN and to the original layers."""
+    model = _model(layers=4, units=16)
+    layer = _fused(model, SEGMENTS)
+    x = _x()
+    with torch.no_grad():
+        y = layer(x, training=False)
+        ran = layer.last_path.kernel
+        layer.set_plan(Plan((2, 2)))
+        want = layer(x, training=False)
+        layer.set_plan(Plan(()))
+        original = layer(x, training=False)
+    assert ran.name == wavefront.KERNEL_NAME and ran.note is None
+    assert [(c["steps"], c["batch"]) for c in fake_kernel.calls] == [(7, 4)] * 2
+    assert [a[1:3] + a[5:] for a in fake_kernel.asked] == [(2, 16, 5), (2, 16, 16)]
+    assert max_abs_diff(y, want) <= 2e-3 and max_abs_diff(y, original) <= FP16_TOL
+
+
+@pytest.mark.parametrize("kind", ["lstm", "gru"])
+def test_a_training_call_runs_each_segments_forward_and_backward(fake_kernel, half, kind):
+    layer = _fused(_model(kind, layers=4, units=16), SEGMENTS)
+    x = _x()
+    weights = torch.tensor(np.random.default_rng(3).standard_normal((4, 7, 16)),
+                           dtype=torch.float32)
+    grads = _training_gradients(layer, x, weights)
+    ran = layer.last_path.kernel
+    assert ran.name == wavefront.TRAINING_KERNEL_NAME and ran.note is None
+    assert [c.get("saving") for c in fake_kernel.calls] == [True, True]
+    assert fake_kernel.recurrences == 4, "one backward recurrence a layer of each segment"
+    layer.set_plan(Plan((2, 2)))
+    cudnn = _training_gradients(layer, x, weights)
+    layer.set_plan(Plan(()))
+    original = _training_gradients(layer, x, weights)
+    assert len(grads) == 12
+    for got, want, keras_own in zip(grads, cudnn, original):
+        scale = max(1.0, np.max(np.abs(want)))
+        assert np.max(np.abs(got - want)) <= FP16_TOL * scale
+        assert np.max(np.abs(got - keras_own)) <= FP16_TOL * scale
+        assert np.max(np.abs(got)) > 0
+
+
+def test_a_segment_the_kernel_refuses_runs_cudnn_and_the_path_says_why(fake_kernel, half):
+    model = _model(layers=4, units=32)  # 2 x 32 > LIMIT: each segment refused
+    layer = _fused(model, SEGMENTS)
+    x = _x()
+    with torch.no_grad():
+        y = layer(x, training=False)
+    ran = layer.last_path.kernel
+    assert fake_kernel.calls == [] and ran.name == "torch._VF.lstm"
+    assert "2 layers of 32 units do not fit on chip" in ran.note
+    assert max_abs_diff(y, model(x)) <= FP16_TOL
+
+
+@pytest.mark.parametrize("training", [False, True])
+def test_the_tuner_times_segments_where_the_whole_stack_does_not_fit(
+        fake_kernel, half, training):
+    groups = _groups(_model(layers=4, units=16))
+    timer = FakeTimer({"per-layer": 2.0, "fused": 1.0, "split 2+2 on wavefront": 0.5})
+    (result,) = tune_plans(groups, lambda g: (4, 7, 5), training=training, measure=timer,
+                           progress=False)
+    assert "split 2+2 on wavefront" in timer.names[0]
+    assert result.plan == SEGMENTS
+    assert "timed as segments that each fit instead: split 2+2 on wavefront" in (
+        result.rejected["fused on wavefront"])
+    assert len(fake_kernel.calls) >= 2, "the step ran both segments on the kernel"
+    (slower,) = tune_plans(groups, lambda g: (4, 7, 5), training=training, progress=False,
+                           measure=FakeTimer({"per-layer": 2.0, "fused": 1.0,
+                                              "split 2+2 on wavefront": 1.2}))
+    assert slower.plan.kernel == "cudnn"
+
+
+def test_predict_and_fit_choose_segments_on_the_first_batch(
+        fake_kernel, half, tmp_path, monkeypatch):
+    monkeypatch.setattr(first_batch, "can_time_here", lambda environment=None: True)
+    model = _model(layers=4, units=16)
+    fast = rnnfuse.optimize(model, cache=PlanCache(tmp_path / "plans.json"))
+    state = fast._rnnfuse_autotune
+    state.environment = dict(ENV)
+    state.measure = FakeTimer({"per-layer": 2.0, "fused": 1.0, "split 2+2 on wavefront": 0.5})
+    (layer,) = fused_layers(fast)
+    x = _x(batch=8)
+    y = fast.predict(x, batch_size=8, verbose=0)
+    assert layer.plan == SEGMENTS
+    assert layer.last_path.kernel.name == wavefront.KERNEL_NAME
+    assert layer.last_path.kernel.note is None
+    assert max_abs_diff(y, model.predict(x, verbose=0)) <= FP16_TOL
+    fast.compile(optimizer="sgd", loss="mse")
+    fast.fit(x, np.asarray(y, "float32"), batch_size=8, epochs=1, verbose=0)
+    records = {r["mode"]: r["chosen"] for r in first_batch.decisions(fast)}
+    assert records == {"inference": "split 2+2 on wavefront",
+                       "training": "split 2+2 on wavefront"}
+    assert layer.last_path.kernel.name == wavefront.TRAINING_KERNEL_NAME

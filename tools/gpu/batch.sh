@@ -16,6 +16,8 @@
 #   bash tools/gpu/batch.sh wavefront-check torch-tests
 #   bash tools/gpu/batch.sh wavefront-variants   # the kernels' opt-in variants
 #   MATRIX_ARGS="--shapes lstm4x512" bash tools/gpu/batch.sh matrix-torch matrix-pytorch
+#   bash tools/gpu/batch.sh wavefront-segments   # stacks larger than the chip
+#   bash tools/gpu/batch.sh wavefront-bidirectional   # bidirectional layers (off by default)
 #
 # The tf-* stages need the staging runs of ../shared/gpu/README.md first
 # (tf-setup is a no-op on a machine that already has /tmp/tfsite).
@@ -168,6 +170,28 @@ run_stage() {
       cp $LOGS/wavefront_bench_v01_h200.json $LOGS/wavefront_train_variants_h200.json $OUT/ 2>/dev/null
       echo "[$(since) s] wavefront-variants rc $rc"
       grep -E "ok|FAIL|fail|ms|ratio|Error|refused" $log | grep -v Warning | cut -c1-260 | tail -45 ;;
+    wavefront-segments)
+      # Stacks larger than the chip as wavefront segments: the kernel-level
+      # timings against cuDNN's best, then the torch GPU tests of the path.
+      s=$(limit wavefront-segments 420)
+      ( torch_env; timeout $s bash -c "python3 bench/bench_wavefront.py segments --train \
+          --out $LOGS/wavefront_segments_h200.json; \
+          python3 -m pytest -q -p no:cacheprovider -s -rs tests/gpu/test_gpu_wavefront_segments.py" \
+      ) > $log 2>&1; rc=$?
+      cp $LOGS/wavefront_segments_h200.json $OUT/ 2>/dev/null
+      echo "[$(since) s] wavefront-segments rc $rc"
+      summary wavefront-segments "kernel_segments|GPU_REPORT|passed|failed|^FAILED|^ERROR|Error" 30 ;;
+    wavefront-bidirectional)
+      # Bidirectional layers on the kernel (off by default; never run on a
+      # GPU before this stage: its own processes, a fault ends only them).
+      s=$(limit wavefront-bidirectional 420)
+      ( torch_env; timeout $s bash -c "python3 bench/bench_wavefront.py bidirectional --train \
+          --out $LOGS/wavefront_bidirectional_h200.json; \
+          python3 -m pytest -q -p no:cacheprovider -s -rs tests/gpu/test_gpu_wavefront_bidirectional.py" \
+      ) > $log 2>&1; rc=$?
+      cp $LOGS/wavefront_bidirectional_h200.json $OUT/ 2>/dev/null
+      echo "[$(since) s] wavefront-bidirectional rc $rc"
+      summary wavefront-bidirectional "speedup|status|GPU_REPORT decision|passed|failed|^FAILED|^ERROR|Error" 30 ;;
     *) echo "unknown stage $stage"; return 2 ;;
   esac
 }

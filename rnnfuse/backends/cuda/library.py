@@ -36,9 +36,10 @@ import threading
 from pathlib import Path
 from typing import Callable
 
-__all__ = ["BACKWARDS", "DTYPES", "FORWARD_VARIANT", "H200", "KINDS", "STACK_BACKWARD_VARIANT",
-           "STACK_TIMEOUT_WORD", "BackwardChoice",
+__all__ = ["BACKWARDS", "BIDIRECTIONAL", "DTYPES", "FORWARD_VARIANT", "H200", "KINDS",
+           "STACK_BACKWARD_VARIANT", "STACK_TIMEOUT_WORD", "BackwardChoice",
            "WavefrontError", "WavefrontLibrary", "backward_reason", "backward_stack_reason",
+           "bidirectional_reason",
            "check_backward", "choose_backward", "device_reason", "load", "stack_reason"]
 
 KINDS = ("lstm", "gru")
@@ -96,6 +97,14 @@ class WavefrontLibrary:
         lib.rnnfuse_wf_backward_stack_workspace_bytes.restype = sz
         lib.rnnfuse_wf_backward_stack.argtypes = [p] + [i] * 6 + [p] * 12 + [i]
         lib.rnnfuse_wf_backward_stack.restype = i
+        lib.rnnfuse_wf_plan_directions.argtypes = [i, i, i, i, i, i, i, i, ip, ip]
+        lib.rnnfuse_wf_plan_directions.restype = i
+        lib.rnnfuse_wf_directions_workspace_bytes.argtypes = [i]
+        lib.rnnfuse_wf_directions_workspace_bytes.restype = sz
+        lib.rnnfuse_wf_forward_directions.argtypes = [p] + [i] * 7 + [p] * 11
+        lib.rnnfuse_wf_forward_directions.restype = i
+        lib.rnnfuse_wf_plan_offsets.argtypes = [i, i, i, i, i, ctypes.POINTER(ctypes.c_longlong)]
+        lib.rnnfuse_wf_plan_offsets.restype = i
         self._lib = lib
 
     def _error(self) -> str:
@@ -257,6 +266,97 @@ class WavefrontLibrary:
             int(variant))
         if rc != 0:
             raise WavefrontError(self._error())
+
+    # -- bidirectional layers: both directions of a layer in one launch -------
+
+    def plan_directions(self, kind: str, units: int, batch: int, steps: int, input_size: int,
+                        *, sms: int, smem: int, directions: int = 2) -> tuple[int, int] | str:
+        """(CTAs, shared bytes a CTA) of one bidirectional layer's launch
+        (both directions on disjoint CTA sets, wavefront.cuh "Independent
+        layers"), or why it cannot run. No GPU needed.
+
+        >>> load().plan_directions("lstm", 384, 24, 700, 80, **H200)  # doctest: +SKIP
+        (96, 89056)
+        """
+        ctas, nbytes = ctypes.c_int(), ctypes.c_int()
+        ok = self._lib.rnnfuse_wf_plan_directions(_kind(kind), directions, units, batch, steps,
+                                                  input_size, sms, smem, ctypes.byref(ctas),
+                                                  ctypes.byref(nbytes))
+        return (ctas.value, nbytes.value) if ok == 1 else self._error()
+
+    def directions_workspace_bytes(self, directions: int = 2) -> int:
+        """Bytes of workspace `forward_directions` needs (its flags)."""
+        return int(self._lib.rnnfuse_wf_directions_workspace_bytes(directions))
+
+    def plan_offsets(self, kind: str, num_layers: int, units: int, input_size: int, *,
+                     independent: bool = False) -> list[dict]:
+        """The element offsets in the canonical buffer the kernel reads each
+        layer's (with `independent`: each direction's) weights at
+        ({w_ih, w_hh, b_in, b_rec} a layer): the layout arithmetic of
+        wavefront_plan.h's PlanOffsets, for the CPU tests."""
+        out = (ctypes.c_longlong * (4 * num_layers))()
+        ok = self._lib.rnnfuse_wf_plan_offsets(_kind(kind), int(independent), num_layers, units,
+                                               input_size, out)
+        if ok != 1:
+            raise WavefrontError(self._error())
+        return [dict(zip(("w_ih", "w_hh", "b_in", "b_rec"), out[4 * l:4 * l + 4]))
+                for l in range(num_layers)]
+
+    def forward_directions(self, stream: int, dtype: str, kind: str, units: int, batch: int,
+                           steps: int, input_size: int, *, xproj: int, params: int, h0: int,
+                           c0: int, lengths: int | None, y: int, hy: int, cy: int,
+                           workspace: int, gates_out: int = 0, c_out: int = 0,
+                           directions: int = 2) -> None:
+        """One bidirectional layer's directions in one launch (device
+        pointers as ints; wavefront_host.cc, rnnfuse_wf_forward_directions):
+        xproj [D, T, B, G*H] (direction 1's reversed within each row's
+        length), params the layer's canonical buffer (forward, then
+        backward), h0/c0/hy/cy [D, B, H], y [D, T, B, H]."""
+        if dtype not in DTYPES:
+            raise WavefrontError(f"the wavefront kernel runs {DTYPES}, not {dtype}")
+        rc = self._lib.rnnfuse_wf_forward_directions(
+            stream or None, DTYPES.index(dtype), _kind(kind), directions, units, batch, steps,
+            input_size, xproj, params, h0, c0 or None, lengths or None, y, hy, cy or None,
+            workspace, gates_out or None, c_out or None)
+        if rc != 0:
+            raise WavefrontError(self._error())
+
+
+# Bidirectional layers on the kernel (both directions of a layer in one
+# launch) are off until the GPU has shown them exact
+# (tests/gpu/test_gpu_wavefront_bidirectional.py turns them on for its run):
+# while False, `bidirectional_reason` refuses every bidirectional stack.
+BIDIRECTIONAL = False
+BIDIRECTIONAL_OFF = ("bidirectional layers on the wavefront kernel are off until the GPU shows "
+                     "them exact (rnnfuse.backends.cuda.library.BIDIRECTIONAL)")
+
+
+def bidirectional_reason(kind: str, units: int, batch: int, steps: int, input_size: int,
+                         ordinal: int = 0) -> str | None:
+    """Why the kernel cannot run a bidirectional stack's layers (each
+    layer one launch of both directions; `input_size`: the first layer's,
+    2 * units above) on CUDA device `ordinal`, or None: the switch
+    `BIDIRECTIONAL`, the device and each layer's plan.
+
+    >>> bidirectional_reason("lstm", 384, 24, 700, 80)[:52]
+    'bidirectional layers on the wavefront kernel are off'
+    """
+    if not BIDIRECTIONAL:
+        return BIDIRECTIONAL_OFF
+    try:
+        lib = load()
+        dev = lib.device(ordinal)
+    except Exception as exc:  # noqa: BLE001 - no nvcc, no driver: cuDNN runs
+        return f"the wavefront kernel is not available: {exc}"
+    if dev["major"] != 9:
+        return (f"the wavefront kernel runs on compute capability 9.0 (Hopper), not "
+                f"{dev['major']}.{dev['minor']}")
+    for width in {int(input_size), 2 * int(units)}:
+        plan = lib.plan_directions(kind, units, int(batch), int(steps), width, sms=dev["sms"],
+                                   smem=dev["smem"])
+        if isinstance(plan, str):
+            return plan
+    return None
 
 
 # The kernels' variants the bindings run unless a caller asks for another

@@ -334,6 +334,13 @@ def kernel_reason(kernel: str, group: Any, shape: tuple, training: bool = False)
 
     batch, steps, features = (int(d) for d in shape[:3])
     device = keras.ops.convert_to_tensor(group.views[0].levels[0][0].kernel).device
+    if group.bidirectional:
+        # One launch a layer for both directions; training a launch a direction.
+        from rnnfuse.backends.torch import wavefront_bidirectional as bidir
+
+        check = bidir.training_reason if training else bidir.unsupported_reason
+        return check(group.cell, group.num_layers, group.units, batch, steps, features,
+                     _torch_dtype(group.dtype), device, proj_size=group.proj_size)
     check = wavefront.training_reason if training else wavefront.unsupported_reason
     return check(
         group.cell, group.num_layers, group.units, batch, steps, features,

@@ -197,8 +197,9 @@ __device__ __forceinline__ long long weight_offset(const Args& a, const LayerPla
 
 // ---------------------------------------------------------------------------
 // The forward kernel; V: the step's variant (wavefront.cuh: 0, or 1 with
-// the overlapped pointwise step, paired partial sums and fixed staging).
-template <typename T, int V>
+// the overlapped pointwise step, paired partial sums and fixed staging);
+// I: independent layers (wavefront.cuh, "Independent layers"; variant 0).
+template <typename T, int V, bool I = false>
 __device__ __forceinline__ void wavefront_body(const Args& a) {
   using E = Elem<T>;
   extern __shared__ __align__(16) unsigned char smem[];
@@ -214,6 +215,14 @@ __device__ __forceinline__ void wavefront_body(const Args& a) {
   const int G = a.gru ? 3 : 4;  // gates in params and xproj
   const int KS = p.kpad + kHsPad;
   const int K = p.kin + H;  // real inputs
+  // A layer that reads no layer below: layer 0, or every layer of a launch
+  // of independent layers (a bidirectional layer's two directions, each its
+  // own xproj slice and output slice; wavefront.cuh, "Independent layers").
+  // A template parameter, so the stack kernels compile as before (as a
+  // runtime flag it cost variant 1, at 255 registers, a spill).
+  static_assert(!I || V == 0, "independent layers run variant 0");
+  const bool independent = I;
+  const bool first = l == 0 || independent;
 
   T* hs = reinterpret_cast<T*>(smem + p.smem_hs);            // [kNC][KS]
   float* part = reinterpret_cast<float*>(smem + p.smem_part);  // [kg][kNC][RS]
@@ -277,16 +286,18 @@ __device__ __forceinline__ void wavefront_body(const Args& a) {
   }
 
   const size_t seq = static_cast<size_t>(B) * H;  // one step of a sequence buffer
-  const T* below = l > 0 ? static_cast<const T*>(a.work) + static_cast<size_t>(l - 1) * steps * seq
+  const T* below = !first ? static_cast<const T*>(a.work) + static_cast<size_t>(l - 1) * steps * seq
                          : nullptr;
-  T* mine = l == a.L - 1 ? static_cast<T*>(a.y)
+  T* mine = independent ? static_cast<T*>(a.y) + static_cast<size_t>(l) * steps * seq
+         : l == a.L - 1 ? static_cast<T*>(a.y)
                          : static_cast<T*>(a.work) + static_cast<size_t>(l) * steps * seq;
-  const T* xproj = static_cast<const T*>(a.xproj);
+  const T* xproj = static_cast<const T*>(a.xproj) +
+                   (independent ? static_cast<size_t>(l) * steps * B * G * H : 0);
   T* hy = static_cast<T*>(a.hy) + static_cast<size_t>(l) * seq;
   T* cy = static_cast<T*>(a.cy) + static_cast<size_t>(l) * seq;
   unsigned* my_flags = a.flags + l * kFlagStride;
-  const unsigned* below_flags = l > 0 ? a.flags + (l - 1) * kFlagStride : nullptr;
-  const int below_ctas = l > 0 ? a.layer[l - 1].ctas : 0;
+  const unsigned* below_flags = !first ? a.flags + (l - 1) * kFlagStride : nullptr;
+  const int below_ctas = !first ? a.layer[l - 1].ctas : 0;
   const int UG = U / 8, UP = U / 2;  // powers of two (U = 8 * mg)
   const int ug_shift = __ffs(UG) - 1, up_shift = __ffs(UP) - 1;
   const int xs_per_row = G * UG;
@@ -312,7 +323,7 @@ __device__ __forceinline__ void wavefront_body(const Args& a) {
   // layer below's flags and releases the other below warps (named barrier
   // 3, kThreads/2 threads), issues its copies, then polls its own layer's
   // flags and releases the own warps (barrier 4, 32 + kThreads/2 threads).
-  const bool split_wait = V == 1 && l > 0 && hs_fixed && (hs_per_row / 2) % 32 == 0;
+  const bool split_wait = V == 1 && !first && hs_fixed && (hs_per_row / 2) % 32 == 0;
   const bool stage_below = hs_k < p.kin;  // warp-uniform where split_wait
 
   const int nchunks = (B + kNC - 1) / kNC;
@@ -330,7 +341,7 @@ __device__ __forceinline__ void wavefront_body(const Args& a) {
   // Layer 0: xproj[t] (this CTA's units, every batch row) into xs buffer
   // t & 1, as [B][G][U]: 16 bytes (8 units of one gate) a copy.
   auto stage_xs = [&](int t) {
-    if (l != 0 || t >= steps) return;
+    if (!first || t >= steps) return;
     T* dst = xs + (t & 1) * xs_size;
     const T* src = xproj + static_cast<size_t>(t) * B * G * H + u0;
     // item (n, g, q): batch row n, gate g, 8 units q; walked without
@@ -361,7 +372,7 @@ __device__ __forceinline__ void wavefront_body(const Args& a) {
         for (int i = lane; i < p.ctas; i += 32)
           while (load_acquire(my_flags + i) < static_cast<unsigned>(t)) {
           }
-      if (l > 0)
+      if (!first)
         for (int i = lane; i < below_ctas; i += 32)
           while (load_acquire(below_flags + i) < static_cast<unsigned>(t + 1)) {
           }
@@ -372,9 +383,9 @@ __device__ __forceinline__ void wavefront_body(const Args& a) {
       // in the same round (two independent acquire loads in flight), not
       // the second after the first is met: one L2 round trip where both
       // are already set, not two.
-      const int n_wait = max(t > 0 ? p.ctas : 0, l > 0 ? below_ctas : 0);
+      const int n_wait = max(t > 0 ? p.ctas : 0, !first ? below_ctas : 0);
       for (int i = lane; i < n_wait; i += 32) {
-        bool own_ok = t == 0 || i >= p.ctas, below_ok = l == 0 || i >= below_ctas;
+        bool own_ok = t == 0 || i >= p.ctas, below_ok = first || i >= below_ctas;
         while (!(own_ok && below_ok)) {
           const unsigned own = own_ok ? 0u : load_acquire(my_flags + i);
           const unsigned low = below_ok ? 0u : load_acquire(below_flags + i);
@@ -391,7 +402,7 @@ __device__ __forceinline__ void wavefront_body(const Args& a) {
 
     const T* prev = t == 0 ? static_cast<const T*>(a.h0) + static_cast<size_t>(l) * seq
                            : mine + static_cast<size_t>(t - 1) * seq;
-    const T* below_t = l > 0 ? below + static_cast<size_t>(t) * seq : nullptr;
+    const T* below_t = !first ? below + static_cast<size_t>(t) * seq : nullptr;
     const T* xs_t = xs + (t & 1) * xs_size;
 
     if constexpr (V == 1) {
@@ -416,7 +427,7 @@ __device__ __forceinline__ void wavefront_body(const Args& a) {
             pre[vg][0] = s.x;
             pre[vg][1] = s.y;
           }
-          if (l == 0) {
+          if (first) {
 #pragma unroll
             for (int g = 0; g < 4; ++g) {
               if (g >= G) break;
@@ -721,7 +732,7 @@ __device__ __forceinline__ void wavefront_body(const Args& a) {
           pre[vg][0] = s.x;
           pre[vg][1] = s.y;
         }
-        if (l == 0) {
+        if (first) {
 #pragma unroll
           for (int g = 0; g < 4; ++g) {
             if (g >= G) break;
@@ -1562,6 +1573,18 @@ extern "C" __global__ void __launch_bounds__(rnnfuse_wf::kThreads, 1)
 extern "C" __global__ void __launch_bounds__(rnnfuse_wf::kThreads, 1)
     rnnfuse_wf_forward_v1_bf16(const __grid_constant__ rnnfuse_wf::Args a) {
   rnnfuse_wf::wavefront_body<__nv_bfloat16, 1>(a);
+}
+
+// Independent layers: a bidirectional layer's directions (Args::independent;
+// wavefront.cuh, "Independent layers").
+extern "C" __global__ void __launch_bounds__(rnnfuse_wf::kThreads, 1)
+    rnnfuse_wf_forward_ind_f16(const __grid_constant__ rnnfuse_wf::Args a) {
+  rnnfuse_wf::wavefront_body<__half, 0, true>(a);
+}
+
+extern "C" __global__ void __launch_bounds__(rnnfuse_wf::kThreads, 1)
+    rnnfuse_wf_forward_ind_bf16(const __grid_constant__ rnnfuse_wf::Args a) {
+  rnnfuse_wf::wavefront_body<__nv_bfloat16, 0, true>(a);
 }
 
 extern "C" __global__ void __launch_bounds__(rnnfuse_wf::kThreads, 1)

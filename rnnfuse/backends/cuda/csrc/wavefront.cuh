@@ -103,6 +103,20 @@
 //   the device's opt-in limit. On an H200 (132 SMs, 227 KiB) that is, for
 //   LSTM and GRU alike, 4 layers of 512 units at any batch up to 256,
 //   8 layers of 256, or 1 layer of 1024.
+//
+// Independent layers (Args::independent = 1; PlanDirections): the L
+// "layers" of one launch read no layer below: each is planned and run as
+// layer 0 (K = H; its own slice l of xproj [L][T][B][G*H]; its sequence in
+// y [L][T][B][H]; no flags of another layer awaited), on its own CTA set,
+// with its own h0/c0/hy/cy slice l, and its weights at PlanOffsets'
+// independent layout (every layer's W_ih has input_size columns). This is
+// a bidirectional layer's two directions in one launch (L = 2: forward,
+// then backward): the binding reverses direction 1's xproj within each
+// row's length before the launch and its output after it (a row reverses
+// within its own length, as cuDNN's), so the kernel runs both directions
+// forward in time, concurrently, with both weight sets resident. Its own
+// kernels (rnnfuse_wf_forward_ind_f16 / _bf16: wavefront_body<T, 0, true>),
+// so the stack kernels compile as before; variant 0 only.
 
 #pragma once
 
@@ -150,6 +164,8 @@ struct Args {
   int L, H, B, T;
   int mode;
   int variant;  // 0: the step above; 1: variant 1 (opt-in, see above)
+  int independent;  // 1: the layers read no layer below ("Independent layers";
+                    // the host launches the _ind kernels for it)
   const void* xproj;   // [T][B][G*H]: x W_ih^T of layer 0, no bias
   const void* params;  // rnnfuse's canonical flat buffer (see host)
   const void* h0;      // [L][B][H]

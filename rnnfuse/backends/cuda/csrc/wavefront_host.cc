@@ -143,6 +143,7 @@ struct Kernels {
   CUmodule module = nullptr;
   CUfunction f16 = nullptr, bf16 = nullptr;
   CUfunction f16_v1 = nullptr, bf16_v1 = nullptr;  // the forward's variant 1
+  CUfunction f16_ind = nullptr, bf16_ind = nullptr;  // independent layers
   CUfunction bwd_f16 = nullptr, bwd_bf16 = nullptr;
   CUfunction bwd_gru_f16 = nullptr, bwd_gru_bf16 = nullptr;  // the GRU backward
   CUfunction bwds_f16 = nullptr, bwds_bf16 = nullptr;
@@ -150,7 +151,7 @@ struct Kernels {
   CUfunction bwds_v_f16[2] = {nullptr, nullptr}, bwds_v_bf16[2] = {nullptr, nullptr};
   int configured_bwds_v_smem[2] = {0, 0};
   int configured_smem = 0, configured_bwd_smem = 0, configured_bwds_smem = 0;
-  int configured_v1_smem = 0;
+  int configured_v1_smem = 0, configured_ind_smem = 0;
   int configured_bwd_gru_smem = 0;
 };
 
@@ -167,6 +168,9 @@ int GetKernels(Driver* d, CUcontext ctx, Kernels** out) {
     RF_CHECK_CU(d, d->cuModuleGetFunction_(&k.bf16, k.module, "rnnfuse_wf_forward_bf16"));
     RF_CHECK_CU(d, d->cuModuleGetFunction_(&k.f16_v1, k.module, "rnnfuse_wf_forward_v1_f16"));
     RF_CHECK_CU(d, d->cuModuleGetFunction_(&k.bf16_v1, k.module, "rnnfuse_wf_forward_v1_bf16"));
+    RF_CHECK_CU(d, d->cuModuleGetFunction_(&k.f16_ind, k.module, "rnnfuse_wf_forward_ind_f16"));
+    RF_CHECK_CU(d, d->cuModuleGetFunction_(&k.bf16_ind, k.module,
+                                           "rnnfuse_wf_forward_ind_bf16"));
     RF_CHECK_CU(d, d->cuModuleGetFunction_(&k.bwd_f16, k.module, "rnnfuse_wf_backward_f16"));
     RF_CHECK_CU(d, d->cuModuleGetFunction_(&k.bwd_bf16, k.module, "rnnfuse_wf_backward_bf16"));
     RF_CHECK_CU(d, d->cuModuleGetFunction_(&k.bwd_gru_f16, k.module,
@@ -205,11 +209,11 @@ size_t FlagBytes(int L) { return AlignUp(static_cast<size_t>(L) * rnnfuse_wf::kF
 
 // Plans a stack into `args` (the reason in g_error when it cannot run).
 bool PlanInto(int gru, int num_layers, int units, int batch, int steps, int input_size, int sms,
-              int smem_limit, Args* args, int* smem) {
+              int smem_limit, Args* args, int* smem, int independent = 0) {
   memset(args, 0, sizeof(*args));
   char why[512];
   if (rnnfuse_wf::Plan(gru, num_layers, units, batch, steps, input_size, sms, smem_limit, args,
-                       smem, why, sizeof(why)))
+                       smem, why, sizeof(why), independent))
     return true;
   g_error = why;
   return false;
@@ -336,6 +340,14 @@ bool PlanBackwardStackInto(int num_layers, int units, int batch, int steps, int 
   return true;
 }
 
+// One forward launch (the entries below; `independent`: wavefront.cuh,
+// "Independent layers").
+int Forward(void* stream, int dtype, int gru, int num_layers, int units, int batch, int steps,
+            int input_size, const void* xproj, const void* params, const void* h0, const void* c0,
+            const int* lengths, void* y, void* hy, void* cy, void* workspace, int mode,
+            int variant, unsigned long long* trace, int trace_steps, float* gates_out,
+            float* c_out, int independent);
+
 }  // namespace
 
 extern "C" {
@@ -413,9 +425,88 @@ __attribute__((visibility("default"))) int rnnfuse_wf_forward_variant(
     int input_size, const void* xproj, const void* params, const void* h0, const void* c0,
     const int* lengths, void* y, void* hy, void* cy, void* workspace, int mode, int variant,
     unsigned long long* trace, int trace_steps, float* gates_out, float* c_out) {
+  return Forward(stream, dtype, gru, num_layers, units, batch, steps, input_size, xproj, params,
+                 h0, c0, lengths, y, hy, cy, workspace, mode, variant, trace, trace_steps,
+                 gates_out, c_out, 0);
+}
+
+// A bidirectional layer's two directions (`directions` independent layers,
+// wavefront.cuh "Independent layers") in one launch, on disjoint CTA sets
+// with both weight sets resident: xproj [D][T][B][G*H] (direction 1's
+// already reversed within each row's length), params the layer's canonical
+// buffer (cuDNN's order: [W_ih, W_hh] forward, then backward, then their
+// biases; both W_ih of input_size columns), h0/c0/hy/cy [D][B][H], y
+// [D][T][B][H] (direction 1's in its reversed time), `workspace` of
+// rnnfuse_wf_directions_workspace_bytes; gates_out/c_out as the forward's,
+// [D][T][B][4H] and [D][T][B][H].
+__attribute__((visibility("default"))) int rnnfuse_wf_forward_directions(
+    void* stream, int dtype, int gru, int directions, int units, int batch, int steps,
+    int input_size, const void* xproj, const void* params, const void* h0, const void* c0,
+    const int* lengths, void* y, void* hy, void* cy, void* workspace, float* gates_out,
+    float* c_out) {
+  return Forward(stream, dtype, gru, directions, units, batch, steps, input_size, xproj, params,
+                 h0, c0, lengths, y, hy, cy, workspace, 0, 0, nullptr, 0, gates_out, c_out, 1);
+}
+
+// 1 if a bidirectional layer's `directions` fit one launch with these
+// device limits, 0 if not (the reason in rnnfuse_wf_last_error).
+__attribute__((visibility("default"))) int rnnfuse_wf_plan_directions(
+    int gru, int directions, int units, int batch, int steps, int input_size, int sms,
+    int smem_limit, int* ctas_out, int* smem_out) {
+  Args args;
+  int smem = 0;
+  if (!PlanInto(gru, directions, units, batch, steps, input_size, sms, smem_limit, &args, &smem,
+                1))
+    return 0;
+  if (ctas_out) *ctas_out = args.cta_start[directions];
+  if (smem_out) *smem_out = smem;
+  return 1;
+}
+
+// Workspace bytes of rnnfuse_wf_forward_directions: the flags only (each
+// direction's sequence is in y).
+__attribute__((visibility("default"))) size_t rnnfuse_wf_directions_workspace_bytes(
+    int directions) {
+  return FlagBytes(directions);
+}
+
+// The weight and bias offsets the kernel reads (PlanOffsets), 4 a layer:
+// w_ih, w_hh, b_in, b_rec, in elements of the canonical buffer; with
+// `independent`, a bidirectional layer's directions. For the CPU tests of
+// the layout arithmetic.
+__attribute__((visibility("default"))) int rnnfuse_wf_plan_offsets(int gru, int independent,
+                                                                   int num_layers, int units,
+                                                                   int input_size,
+                                                                   long long* out) {
+  if (num_layers < 1 || num_layers > rnnfuse_wf::kMaxLayers)
+    return Fail("num_layers must be 1 to " + std::to_string(rnnfuse_wf::kMaxLayers));
+  Args args;
+  memset(&args, 0, sizeof(args));
+  rnnfuse_wf::PlanOffsets(gru, num_layers, units, input_size, &args, independent);
+  for (int l = 0; l < num_layers; ++l) {
+    const rnnfuse_wf::LayerPlan& p = args.layer[l];
+    out[4 * l] = p.w_ih;
+    out[4 * l + 1] = p.w_hh;
+    out[4 * l + 2] = p.b_in;
+    out[4 * l + 3] = p.b_rec;
+  }
+  return 1;
+}
+
+}  // extern "C"
+
+namespace {
+
+int Forward(void* stream, int dtype, int gru, int num_layers, int units, int batch, int steps,
+            int input_size, const void* xproj, const void* params, const void* h0, const void* c0,
+            const int* lengths, void* y, void* hy, void* cy, void* workspace, int mode,
+            int variant, unsigned long long* trace, int trace_steps, float* gates_out,
+            float* c_out, int independent) {
   if (variant < 0 || variant >= rnnfuse_wf::kVariants)
     return Fail("variant must be 0 or 1 (the forward step's variants), not " +
                 std::to_string(variant));
+  if (independent && variant != 0)
+    return Fail("independent layers (a bidirectional layer's directions) run variant 0 only");
   Driver* d = GetDriver();
   if (!d->ok) return Fail(d->why);
   if (dtype != 0 && dtype != 1) return Fail("dtype must be 0 (float16) or 1 (bfloat16)");
@@ -425,7 +516,7 @@ __attribute__((visibility("default"))) int rnnfuse_wf_forward_variant(
   Args args;
   int smem = 0;
   if (!PlanInto(gru, num_layers, units, batch, steps, input_size, sc.sms, sc.smem_limit, &args,
-                &smem))
+                &smem, independent))
     return -1;
   args.mode = mode;
   args.variant = variant;
@@ -446,13 +537,19 @@ __attribute__((visibility("default"))) int rnnfuse_wf_forward_variant(
 
   Kernels* k = nullptr;
   if (GetKernels(d, sc.ctx, &k) != 0) return -1;
-  CUfunction f16 = variant == 1 ? k->f16_v1 : k->f16;
-  CUfunction bf16 = variant == 1 ? k->bf16_v1 : k->bf16;
-  int* configured = variant == 1 ? &k->configured_v1_smem : &k->configured_smem;
+  CUfunction f16 = independent ? k->f16_ind : variant == 1 ? k->f16_v1 : k->f16;
+  CUfunction bf16 = independent ? k->bf16_ind : variant == 1 ? k->bf16_v1 : k->bf16;
+  int* configured = independent    ? &k->configured_ind_smem
+                    : variant == 1 ? &k->configured_v1_smem
+                                   : &k->configured_smem;
   if (ConfigureSmem(d, f16, bf16, smem, configured) != 0) return -1;
   return LaunchCooperative(d, dtype == 0 ? f16 : bf16, s, sc.sms, args.cta_start[num_layers],
                            smem, &args, workspace, FlagBytes(num_layers) / 4);
 }
+
+}  // namespace
+
+extern "C" {
 
 // One forward pass with the default step (variant 0), saving what the
 // backward reads where `gates_out` and `c_out` are not null (the TensorFlow

@@ -55,12 +55,15 @@ inline int PlanLayer(int gru, int l, int H, int B, int mg, LayerPlan* layer) {
 // Element offsets of layer l's matrices and biases in rnnfuse's canonical
 // flat buffer (unidirectional, no projection): every layer's
 // [W_ih (G*H x n), W_hh (G*H x H)] first, then every layer's
-// [b_in (G*H), b_rec (G*H)]; n = input_size for layer 0, H above.
-inline void PlanOffsets(int gru, int L, int H, int input_size, Args* args) {
+// [b_in (G*H), b_rec (G*H)]; n = input_size for layer 0, H above. With
+// `independent` (a bidirectional layer's directions, cuDNN's order:
+// forward, then backward) n = input_size for every one.
+inline void PlanOffsets(int gru, int L, int H, int input_size, Args* args,
+                        int independent = 0) {
   const long long G = gru ? 3 : 4, GH = G * H;
   long long w = 0;
   for (int l = 0; l < L; ++l) {
-    const long long n = l == 0 ? input_size : H;
+    const long long n = l == 0 || independent ? input_size : H;
     args->layer[l].w_ih = w;
     args->layer[l].w_hh = w + GH * n;
     w += GH * n + GH * H;
@@ -71,9 +74,11 @@ inline void PlanOffsets(int gru, int L, int H, int input_size, Args* args) {
   }
 }
 
-// Plans a stack; returns true, or false with the reason in `why`.
+// Plans a stack; returns true, or false with the reason in `why`. With
+// `independent`, L independent layers (wavefront.cuh, "Independent
+// layers": each planned as layer 0).
 inline bool Plan(int gru, int L, int H, int B, int T, int input_size, int sms, int smem_limit,
-                 Args* args, int* smem_bytes, char* why, int why_len) {
+                 Args* args, int* smem_bytes, char* why, int why_len, int independent = 0) {
   if (L < 1 || L > kMaxLayers) {
     snprintf(why, why_len, "the wavefront kernel runs 1 to %d layers, not %d", kMaxLayers, L);
     return false;
@@ -82,7 +87,7 @@ inline bool Plan(int gru, int L, int H, int B, int T, int input_size, int sms, i
     snprintf(why, why_len, "the wavefront kernel needs units a multiple of 8, not %d", H);
     return false;
   }
-  if (L > 1 && 2 * H > kWarpK * kWarps) {
+  if (L > 1 && !independent && 2 * H > kWarpK * kWarps) {
     snprintf(why, why_len,
              "the wavefront kernel reads at most %d inputs a layer (layer below + own h); "
              "%d units need %d",
@@ -104,7 +109,7 @@ inline bool Plan(int gru, int L, int H, int B, int T, int input_size, int sms, i
   for (int mg = 1; mg <= kWarps; mg *= 2) {
     ctas = smem = 0;
     for (int l = 0; l < L; ++l) {
-      const int s = PlanLayer(gru, l, H, B, mg, &args->layer[l]);
+      const int s = PlanLayer(gru, independent ? 0 : l, H, B, mg, &args->layer[l]);
       smem = s > smem ? s : smem;
       args->cta_start[l] = ctas;
       ctas += args->layer[l].ctas;
@@ -117,12 +122,18 @@ inline bool Plan(int gru, int L, int H, int B, int T, int input_size, int sms, i
       args->B = B;
       args->T = T;
       args->mode = 0;
-      PlanOffsets(gru, L, H, input_size, args);
+      args->independent = independent;
+      PlanOffsets(gru, L, H, input_size, args, independent);
       *smem_bytes = smem;
       return true;
     }
   }
-  if (ctas > sms) {
+  if (ctas > sms && independent) {
+    snprintf(why, why_len,
+             "the layer's weights do not fit on chip for the wavefront kernel: %d directions of "
+             "%d units need at least %d CTAs of one SM each, and the device has %d SMs",
+             L, H, ctas, sms);
+  } else if (ctas > sms) {
     snprintf(why, why_len,
              "the stack's weights do not fit on chip for the wavefront kernel: %d layers of %d "
              "units need at least %d CTAs of one SM each, and the device has %d SMs",
