@@ -16,9 +16,8 @@ ALGORITHM = "persistent_static+tc"
 
 def test_both_stages_run_real_steps_and_build_each_plan_once(emulated_cudnn, monkeypatch):
     # Without rnnfuse's op the fallback runs the standard algorithm whatever
-    # is asked, so the algorithm's whole run is built and called, then left
-    # out (another algorithm ran), and its split is never traced; the stages
-    # and the step reuse are what is under test.
+    # is asked (so the algorithm's plans time like the default's here); the
+    # stages and the step reuse are what is under test.
     monkeypatch.setenv("RNNFUSE_DISABLE_OP", "1")
     monkeypatch.setattr(tuner, "candidates_for", lambda backend: lambda group: [
         Plan(()), Plan((4,)), Plan((4,), ALGORITHM), Plan((2, 2)), Plan((2, 2), ALGORITHM),
@@ -41,9 +40,7 @@ def test_both_stages_run_real_steps_and_build_each_plan_once(emulated_cudnn, mon
     for name in ("split 2+2", f"split 2+2 @{ALGORITHM}"):
         assert (name in built) != ("not timed" in result.rejected.get(name, "")), (name, result.rejected)
     assert all(t > 0 for t in result.timings.values())
-    assert set(result.timings) == set(built) - {f"fused @{ALGORITHM}"}
-    assert result.rejected[f"fused @{ALGORITHM}"].startswith(
-        f"not timed: standard ran for {ALGORITHM}"), result.rejected
+    assert set(result.timings) == set(built)
     assert result.plan.name in result.timings
     # Each plan's runner is made once for its step (the gradient check is
     # faked here), whichever stage times it.
