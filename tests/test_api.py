@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import re
 
 import keras
 import numpy as np
@@ -77,6 +78,14 @@ def test_tune_shape_must_be_positive_integers(batch, steps, words):
 def test_tune_as_a_bare_tuple_says_to_use_tune_shape():
     with pytest.raises(ValueError, match=r"received the tuple \(4, 5\). Fix: tune=rnnfuse.TuneShape\(4, 5\)"):
         rnnfuse.optimize(stack_model("lstm", 2), tune=(4, 5), cache=False)
+
+
+@pytest.mark.parametrize("bad", ["yes", "AUTO", True])
+def test_a_tune_word_that_is_not_one_of_its_values_names_them(bad):
+    with pytest.raises(ValueError, match=r'tune must be "auto", False or None \(the static rule '
+                                         r"table\), a sample batch .*TuneShape\(batch_size, steps\); "
+                                         rf"received {re.escape(repr(bad))}\. Fix: tune=\"auto\""):
+        rnnfuse.optimize(stack_model("lstm", 2), tune=bad, cache=False)
 
 
 @pytest.mark.parametrize("bad", [123, 1.5, ["plans.json"], object()])
@@ -237,7 +246,7 @@ def test_without_a_gpu_the_original_layers_run_exactly():
     x = random_inputs(model, 3, np.random.default_rng(4))
     np.testing.assert_array_equal(np.asarray(fast(x)), np.asarray(model(x)))
     (fused,) = fused_layers(fast)
-    assert fused.last_path == "layers: no GPU visible to the backend"
+    assert fused.last_path == "layers: the fused kernel needs a CUDA GPU and tensorflow sees none"
 
 
 def test_bfloat16_runs_the_original_layers(emulated_cudnn):
