@@ -772,7 +772,7 @@ def test_inspect_of_a_saved_optimized_model_names_its_fused_layers(in_workdir, c
     text = " ".join(out.split())
     assert code == 0
     assert "already optimized" in text and "no fusable runs" not in text
-    assert "'lstm_b' is a FusedRNN (already optimized): it runs lstm_a -> lstm_b" in text
+    assert "'fused_lstm_a_to_lstm_b' is a FusedRNN (already optimized): it runs lstm_a -> lstm_b" in text
     assert "1 FusedRNN layer(s) already run 2 recurrent layer(s)" in text
     code, out, _ = _run(capsys, "inspect", tmp_path / "fast.keras", "--json")
     assert any("FusedRNN" in n for n in json.loads(out)["notes"])
