@@ -151,12 +151,12 @@ def test_a_fused_layer_is_named_apart_from_the_layers_it_holds():
     model = stack_model("gru", 3)  # the run ends at the model's output
     fast = rnnfuse.optimize(model)
     (fused,) = fused_layers(fast)
-    assert fused.name == "fused_gru_to_gru_2"
+    assert fused.name == "fused_gru_0_to_gru_2"
     assert fused.name not in {l.name for l in fused.fused_layers}
     assert fast.output_names == model.output_names == ["gru_2"]
     lines = []
     fast.summary(print_fn=lambda line, **kwargs: lines.append(line))
-    assert "fused_gru_to_gru_2 (FusedRNN) runs gru -> gru_1 -> gru_2 (GRU)" in "\n".join(lines)
+    assert "fused_gru_0_to_gru_2 (FusedRNN) runs gru_0 -> gru_1 -> gru_2 (GRU)" in "\n".join(lines)
 
 
 def test_variables_are_shared_not_copied():
