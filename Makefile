@@ -69,8 +69,10 @@ endif
 test-tf: $(TF_NEEDS)
 	KERAS_BACKEND=tensorflow $(PYTEST) -n $(TEST_WORKERS) --dist worksteal tests $(OK_IF_NONE)
 
-# torch==2.13.0 is the CPU build this machine kind keeps on local disk; a bare
-# `torch` would pull a multi-GB CUDA build.
+# The torch suite runs on the CPU: pinned so every run tests one version. pip
+# takes it from the index it is configured with; where that is PyPI (Linux),
+# add PIP_EXTRA_INDEX_URL=https://download.pytorch.org/whl/cpu to get the CPU
+# build, not the multi-GB CUDA one.
 $(VENV)/.torch-stamp: $(STAMP)
 	$(BIN)/python -m pip install -q torch==2.13.0
 	touch $@
@@ -78,7 +80,7 @@ $(VENV)/.torch-stamp: $(STAMP)
 test-torch: $(VENV)/.torch-stamp
 	KERAS_BACKEND=torch OMP_WAIT_POLICY=PASSIVE $(PYTEST) tests/torch_backend $(OK_IF_NONE)
 
-# jax==0.10.2 (CPU jaxlib) is what this machine kind's local index holds.
+# The JAX suite runs on the CPU jaxlib, pinned so every run tests one version.
 $(VENV)/.jax-stamp: $(STAMP)
 	$(BIN)/python -m pip install -q jax==0.10.2 jaxlib==0.10.2
 	touch $@

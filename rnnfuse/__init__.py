@@ -63,6 +63,7 @@ break it for now, each with the reason.
 
 from __future__ import annotations
 
+import contextvars
 import os
 import sys
 
@@ -129,19 +130,19 @@ LAYERS = (
 LAYER_EXCEPTIONS: dict = {}
 
 
-_loading = False
+# True while this thread imports the API: a nested `rnnfuse.X` lookup then
+# waits for the import instead of starting it again.
+_LOADING = contextvars.ContextVar("rnnfuse_loading_api", default=False)
 
 
 def _load_api() -> None:
     """Imports keras and the public API into this module (idempotent)."""
-    global _loading
-    if _loading or "optimize" in globals():
+    if _LOADING.get() or "optimize" in globals():
         return
-    _loading = True
-    try:
+    from rnnfuse.scoped import scoped
+
+    with scoped(_LOADING, True):
         _import_public_names()
-    finally:
-        _loading = False
 
 
 def _import_public_names() -> None:

@@ -51,7 +51,7 @@ def import_keras():
 
     Raises:
         ImportError: keras, or the package of the selected Keras backend, is
-            not installed.
+            not installed, or the selected backend is not one Keras knows.
     """
     try:
         import keras
@@ -77,4 +77,13 @@ def import_keras():
                 f"another backend ({others})"
             ) from err
         raise
+    except ValueError as err:  # Keras' "Unable to import backend : <name>"
+        backend = selected_backend()
+        if backend in _BACKEND_PACKAGES or "backend" not in str(err):
+            raise
+        where = "KERAS_BACKEND" if os.environ.get("KERAS_BACKEND") else "Keras' keras.json"
+        raise ImportError(
+            f"rnnfuse: {where} names the Keras backend {backend!r}, which Keras does not "
+            "know. Fix: set KERAS_BACKEND to tensorflow, torch or jax, or unset it"
+        ) from err
     return keras

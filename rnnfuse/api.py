@@ -198,6 +198,7 @@ def optimize(
     """
     _check_model(model, "optimize")
     _check_min_layers(min_layers, "optimize")
+    _check_tune(tune)
     if not (cache is None or cache is False or cache is True or isinstance(cache, PlanCache)):
         _plan_cache(cache)  # a bad cache argument fails before any work
     if not is_graph_model(model):
@@ -350,9 +351,7 @@ def _tune_shape(model, tune) -> tuple[int, int]:
     shape = getattr(first, "shape", None)
     if shape is None or len(shape) < 2:
         raise ValueError(
-            "rnnfuse.optimize: tune must be a sample batch shaped like the "
-            "model's input (batch, time, ...) or rnnfuse.TuneShape(batch_size, "
-            f"steps); received {type(tune).__name__}"
+            f"rnnfuse.optimize: tune must be {_TUNE_VALUES}; received {type(tune).__name__}"
             + (f" of shape {tuple(shape)}" if shape is not None else "")
         )
     batch, steps = shape[0], shape[1]
@@ -417,6 +416,22 @@ def _check_min_layers(min_layers: Any, fn: str) -> None:
         raise ValueError(
             f"rnnfuse.{fn}: min_layers must be a positive integer (or None for "
             f"the per-kind default); received {min_layers!r}."
+        )
+
+
+_TUNE_VALUES = (
+    '"auto", False or None (the static rule table), a sample batch shaped like '
+    "the model's input (batch, time, ...), or rnnfuse.TuneShape(batch_size, steps)"
+)
+
+
+def _check_tune(tune: Any) -> None:
+    """A string or bool that is not one of `tune`'s values fails here,
+    naming them (a batch or TuneShape is checked where it is used)."""
+    if isinstance(tune, str) and tune != AUTO or tune is True:
+        raise ValueError(
+            f"rnnfuse.optimize: tune must be {_TUNE_VALUES}; received {tune!r}. "
+            'Fix: tune="auto" to time on the first batch where a GPU is visible.'
         )
 
 

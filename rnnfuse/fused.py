@@ -70,7 +70,20 @@ from rnnfuse.recurrent import describe, input_merges, keras_has_cudnn_path
 from rnnfuse.rules import layer_reason, not_implemented, runtime_reason, stack_link_reason
 from rnnfuse.rules.runtime import mask_not_right_padded, plan_per_layer
 
-__all__ = ["FusedRNN", "call_members", "first_call_kwargs", "fused_layers"]
+__all__ = ["FusedRNN", "call_members", "default_name", "first_call_kwargs", "fused_layers"]
+
+
+def default_name(layers) -> str:
+    """A FusedRNN's name: "fused_" and its first and last layers' names, so
+    it differs from every layer it holds (a model's output names are kept
+    by the rewrite, not by this name).
+
+    >>> import keras
+    >>> default_name([keras.layers.LSTM(2, name="a"), keras.layers.LSTM(2, name="b")])
+    'fused_a_to_b'
+    """
+    first, last = layers[0].name, layers[-1].name
+    return f"fused_{first}" if first == last else f"fused_{first}_to_{last}"
 
 
 @keras.saving.register_keras_serializable(package="rnnfuse")
@@ -93,9 +106,9 @@ class FusedRNN(keras.layers.Layer):
             `kernel="stock"` keeps rnnfuse's op out of a traced graph, for
             an export that loads without rnnfuse). `set_plan` switches it
             later (rnnfuse's first-batch tuning does, before a trace).
-        **kwargs: Keras layer arguments. `name` defaults to the last layer's
-            name (so model output names do not change), `dtype` to the
-            first layer's dtype policy. (`algorithm` and `pieces`, the
+        **kwargs: Keras layer arguments. `name` defaults to
+            `default_name(layers)` ("fused_lstm_to_lstm_2": not a name of a
+            layer it holds), `dtype` to the first layer's dtype policy. (`algorithm` and `pieces`, the
             arguments of layers saved before `plan` existed, are read as
             that plan.)
 
@@ -151,7 +164,7 @@ class FusedRNN(keras.layers.Layer):
                 "of layers; dropout_layers must be all None or all Dropout "
                 f"layers of one rate; received rates {sorted(rates, key=str)}"
             )
-        kwargs.setdefault("name", layers[-1].name)
+        kwargs.setdefault("name", default_name(layers))
         kwargs.setdefault("dtype", layers[0].dtype_policy)
         super().__init__(**kwargs)
         self.fused_layers = layers

@@ -52,6 +52,9 @@ __all__ = ["FUSED_FORMAT_NOTE", "OptimizedModel", "OptimizedSequential", "as_opt
 
 # The first entry of a fused-format model config (`save(path, fused=True)`).
 _FORMAT_KEY = "rnnfuse"
+# A Functional model's output names in that config (files saved before it
+# have none: their FusedRNN layers carry the output layers' names).
+_OUTPUT_NAMES_KEY = "rnnfuse_output_names"
 FUSED_FORMAT_NOTE = (
     "this file is in rnnfuse's fused format (saved with save(path, "
     "fused=True)): it loads only where rnnfuse is installed and imported. "
@@ -169,9 +172,9 @@ class _OptimizedMixin:
 
         A name that is no layer of this model but one that runs inside one of
         its FusedRNN layers returns that original layer (the same object as
-        in the original model, with its weights). A FusedRNN carries the name
-        of its run's last layer, so that name returns the FusedRNN, as Keras
-        does; `.fused_layers[-1]` is the layer itself.
+        in the original model, with its weights). (A file saved before
+        FusedRNN layers had names of their own gives the FusedRNN for its
+        last layer's name; `.fused_layers[-1]` is that layer.)
         """
         try:
             return super().get_layer(name=name, index=index)
@@ -272,12 +275,20 @@ class _OptimizedMixin:
     def get_config(self):
         # Read first in Keras' error where the fused format (save(fused=True))
         # is loaded without rnnfuse: what the file is and the fix.
-        return {_FORMAT_KEY: FUSED_FORMAT_NOTE, **super().get_config()}
+        config = {_FORMAT_KEY: FUSED_FORMAT_NOTE, **super().get_config()}
+        if hasattr(self, "output_names"):
+            # The original model's: a FusedRNN at an output has its own name.
+            config[_OUTPUT_NAMES_KEY] = list(self.output_names)
+        return config
 
     @classmethod
     def from_config(cls, config, custom_objects=None):
-        config = {k: v for k, v in config.items() if k != _FORMAT_KEY}
-        return super().from_config(config, custom_objects=custom_objects)
+        names = config.get(_OUTPUT_NAMES_KEY)
+        config = {k: v for k, v in config.items() if k not in (_FORMAT_KEY, _OUTPUT_NAMES_KEY)}
+        model = super().from_config(config, custom_objects=custom_objects)
+        if names is not None:
+            model.output_names = list(names)
+        return model
 
     def save_weights(self, filepath, overwrite=True, **kwargs):
         """Saves the weights as the original (unfused) model would.
@@ -346,6 +357,7 @@ def as_optimized(model: keras.Model, like: keras.Model | None = None) -> keras.M
             new = OptimizedModel(
                 model.input, model.output, name=model.name, trainable=model.trainable
             )
+            new.output_names = list(model.output_names)
         copy_compile(model, new)
     return new
 

@@ -608,6 +608,27 @@ def _layout(picture: _Picture) -> _Layout:
     5. Arrows: down from the source, across in the gap above the target's
        row, down into the target.
     """
+    size = {}
+    for key, box in picture.boxes.items():
+        chars = max(len(line) for line in box.lines)
+        size[key] = (chars * _CHAR_W + 2 * _PAD + 0.1, len(box.lines) * _LINE_H + 2 * _PAD)
+    rows, row, chains = _rows(picture, size)
+    preds: dict[str, list[str]] = {k: [] for k in row}
+    succs: dict[str, list[str]] = {k: [] for k in row}
+    for chain in chains:
+        for a, b in zip(chain, chain[1:]):
+            succs[a].append(b)
+            preds[b].append(a)
+    _order_rows(rows, preds, succs)
+    x, width = _x_positions(picture, rows, row, preds, succs, size)
+    y, total, row_bottom = _y_positions(picture, rows, size)
+    routes = _routes(picture, rows, row, chains, preds, succs, size, x, y, row_bottom)
+    return _Layout({k: (x[k], y[k]) for k in picture.boxes}, size, routes, width, total)
+
+
+def _rows(picture: _Picture, size: dict) -> tuple[list[list[str]], dict[str, int], list[list[str]]]:
+    """Steps 1 and 2: the rows (with "~" waypoint keys added to `size`),
+    each key's row, and each arrow as a chain of keys one row apart."""
     graph = nx.DiGraph()
     graph.add_nodes_from(picture.boxes)
     graph.add_edges_from(picture.arrows)
@@ -616,12 +637,6 @@ def _layout(picture: _Picture) -> _Layout:
     else:  # cannot happen for a Keras graph; stay drawable anyway
         generations = [[n] for n in graph]
     row = {k: r for r, g in enumerate(generations) for k in g}
-    size = {}
-    for key, box in picture.boxes.items():
-        chars = max(len(line) for line in box.lines)
-        size[key] = (chars * _CHAR_W + 2 * _PAD + 0.1, len(box.lines) * _LINE_H + 2 * _PAD)
-
-    # 2. Waypoints ("~" keys) for arrows that skip rows.
     rows: list[list[str]] = [list(g) for g in generations]
     chains = []
     for src, dst in picture.arrows:
@@ -634,14 +649,11 @@ def _layout(picture: _Picture) -> _Layout:
             chain.append(way)
         chain.append(dst)
         chains.append(chain)
-    preds: dict[str, list[str]] = {k: [] for k in row}
-    succs: dict[str, list[str]] = {k: [] for k in row}
-    for chain in chains:
-        for a, b in zip(chain, chain[1:]):
-            succs[a].append(b)
-            preds[b].append(a)
+    return rows, row, chains
 
-    # 3. Order by barycentres.
+
+def _order_rows(rows: list[list[str]], preds: dict, succs: dict) -> None:
+    """Step 3: sorts each row (in place) by its neighbours' barycentres."""
     index = {k: i for r in rows for i, k in enumerate(r)}
     for sweep in range(6):
         down = sweep % 2 == 0
@@ -654,7 +666,9 @@ def _layout(picture: _Picture) -> _Layout:
             rows[r].sort(key=bary)
             index.update({k: i for i, k in enumerate(rows[r])})
 
-    # 4. x positions (inches, box centres).
+
+def _x_positions(picture, rows, row, preds, succs, size) -> tuple[dict[str, float], float]:
+    """Step 4: box centres' x (inches) and the picture's width."""
     x: dict[str, float] = {}
     for r_nodes in rows:
         left = 0.0
@@ -681,25 +695,30 @@ def _layout(picture: _Picture) -> _Layout:
     width = max(content, 5.0, len(picture.title) * 0.075 + 2 * _MARGIN)
     for k in x:  # centred under the title
         x[k] += (width - content) / 2
+    return x, width
 
-    # Row heights and y (top row highest; a band at the top for the title).
+
+def _y_positions(picture, rows, size) -> tuple[dict[str, float], float, list[float]]:
+    """Row heights and y (top row highest; a band at the top for the title
+    and legend): box centres' y, the picture's height, each row's bottom."""
     heights = [max([size[k][1] for k in r_nodes] + [0.3]) for r_nodes in rows]
     y: dict[str, float] = {}
     entries = len(picture.groups) + 1 + any(b.kind == "skipped" for b in picture.boxes.values())
     top = 0.45 + 0.14 * entries
     total = top + sum(heights) + _ROW_GAP * max(len(rows) - 1, 0) + _MARGIN
     cursor = total - top
-    row_top, row_bottom = [], []
+    row_bottom = []
     for r_nodes, h in zip(rows, heights):
         for k in r_nodes:
             y[k] = cursor - h / 2
-        row_top.append(cursor)
         row_bottom.append(cursor - h)
         cursor -= h + _ROW_GAP
+    return y, total, row_bottom
 
-    # 5. Routes: a lane per source in each gap, so horizontal runs of
-    # different arrows do not overlap.
-    routes = []
+
+def _routes(picture, rows, row, chains, preds, succs, size, x, y, row_bottom) -> list:
+    """Step 5: one polyline per arrow, with a lane per source in each gap
+    so horizontal runs of different arrows do not overlap."""
     lanes: dict[tuple[int, str], float] = {}
     for gap in range(len(rows) - 1):
         sources = sorted({a for chain in chains for a, b in zip(chain, chain[1:]) if row[a] == gap},
@@ -712,11 +731,12 @@ def _layout(picture: _Picture) -> _Layout:
     for key in picture.boxes:
         outs = sorted(succs[key], key=lambda k: x[k])
         ins = sorted(preds[key], key=lambda k: x[k])
-        for port, (ends, near) in enumerate(((outs, exits), (ins, entries))):
+        for ends, near in ((outs, exits), (ins, entries)):
             span = min(size[key][0] * 0.5, 0.3 * max(len(ends) - 1, 0))
             for n, other in enumerate(ends):
                 offset = span * (n / (len(ends) - 1) - 0.5) if len(ends) > 1 else 0.0
                 near[(key, other)] = x[key] + offset
+    routes = []
     for chain in chains:
         points = []
         for a, b in zip(chain, chain[1:]):
@@ -729,7 +749,7 @@ def _layout(picture: _Picture) -> _Layout:
             points.append((xb, lane))
             points.append((xb, y[b] + size[b][1] / 2))
         routes.append(_simplify(points))
-    return _Layout({k: (x[k], y[k]) for k in picture.boxes}, size, routes, width, total)
+    return routes
 
 
 def _fit(nodes: list[str], wanted: list[float], priority: list, size: dict, x: dict) -> None:

@@ -18,7 +18,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 
-__all__ = ["CallPath", "FUSED_PATH", "FusionWarning", "KernelRun", "PathKind", "Reason"]
+__all__ = ["CallPath", "FUSED_PATH", "FusionWarning", "KernelRun", "PathKind", "PlanCacheWarning", "Reason"]
 
 
 class Reason(str):
@@ -91,9 +91,9 @@ class CallPath(str):
 
     Example:
 
-        >>> p = CallPath(PathKind.LAYERS, Reason("no_device", "no GPU visible to the backend"))
+        >>> p = CallPath(PathKind.LAYERS, Reason("no_device", "no CUDA GPU"))
         >>> p.kind is PathKind.LAYERS, p.reason.rule, str(p)
-        (True, 'no_device', 'layers: no GPU visible to the backend')
+        (True, 'no_device', 'layers: no CUDA GPU')
         >>> CallPath(PathKind.FUSED, kernel=KernelRun("RnnfuseCudnnRnn", "standard")).kernel.name
         'RnnfuseCudnnRnn'
     """
@@ -121,3 +121,9 @@ FUSED_PATH = CallPath(PathKind.FUSED)
 
 class FusionWarning(UserWarning):
     """A group that could not be fused, or a model rnnfuse left as it was."""
+
+
+class PlanCacheWarning(RuntimeWarning):
+    """The plan cache could not be read, written or used; tuning goes on
+    without it (the message names the fix)."""
+

@@ -22,7 +22,7 @@ from __future__ import annotations
 import io
 from typing import Any, Sequence, TextIO
 
-__all__ = ["plain_console", "print_report", "report_tables", "report_text"]
+__all__ = ["break_lines", "plain_console", "print_report", "report_tables", "report_text"]
 
 
 def plain_console(file: TextIO, *, width: int | None = None, color: bool = True):
@@ -83,10 +83,19 @@ def print_report(
         console.print(empty or f"rnnfuse: no fusable runs in '{report.model_name}'.")
     if report.skipped:
         console.print(alone)
-    for (upper, lower), reason in report.breaks.items():
-        console.print(f"separate groups: '{upper}' -> '{lower}' ({reason.rule}): {reason}")
+    for line in break_lines(report):
+        console.print(line)
     for note in report.notes:
         console.print(f"note: {note}")
+
+
+def break_lines(report: Any) -> list[str]:
+    """One line per pair of grouped neighbours that run as separate calls
+    (`report.breaks`), naming the rule that keeps them apart."""
+    return [
+        f"separate groups: '{upper}' -> '{lower}' ({getattr(reason, 'rule', 'unknown')}): {reason}"
+        for (upper, lower), reason in report.breaks.items()
+    ]
 
 
 def report_text(report: Any) -> str:

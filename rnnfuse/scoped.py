@@ -1,6 +1,6 @@
 """One way to switch a setting for a block of code: a ContextVar, set and reset.
 
-Every run-time switch in rnnfuse (the tuner's clock, the torch call mode,
+Every run-time switch in rnnfuse (the tuner's clock, ProjectedLSTM's fast path,
 ...) is a `contextvars.ContextVar` changed only through `scoped`, so a
 switch holds for the block that set it and the thread (or task) that runs
 it, and is undone however the block ends.

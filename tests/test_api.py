@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import re
 
 import keras
 import numpy as np
@@ -79,6 +80,14 @@ def test_tune_as_a_bare_tuple_says_to_use_tune_shape():
         rnnfuse.optimize(stack_model("lstm", 2), tune=(4, 5), cache=False)
 
 
+@pytest.mark.parametrize("bad", ["yes", "AUTO", True])
+def test_a_tune_word_that_is_not_one_of_its_values_names_them(bad):
+    with pytest.raises(ValueError, match=r'tune must be "auto", False or None \(the static rule '
+                                         r"table\), a sample batch .*TuneShape\(batch_size, steps\); "
+                                         rf"received {re.escape(repr(bad))}\. Fix: tune=\"auto\""):
+        rnnfuse.optimize(stack_model("lstm", 2), tune=bad, cache=False)
+
+
 @pytest.mark.parametrize("bad", [123, 1.5, ["plans.json"], object()])
 def test_cache_of_the_wrong_type_names_what_was_received(bad):
     with pytest.raises(TypeError, match="cache must be None .*received .*Fix: e.g. cache="):
@@ -136,6 +145,18 @@ def test_output_names_stay_when_the_run_ends_at_a_model_output():
     model = stack_model("gru", 3)
     fast = rnnfuse.optimize(model)
     assert fast.output_names == model.output_names == ["gru_2"]
+
+
+def test_a_fused_layer_is_named_apart_from_the_layers_it_holds():
+    model = stack_model("gru", 3)  # the run ends at the model's output
+    fast = rnnfuse.optimize(model)
+    (fused,) = fused_layers(fast)
+    assert fused.name == "fused_gru_0_to_gru_2"
+    assert fused.name not in {l.name for l in fused.fused_layers}
+    assert fast.output_names == model.output_names == ["gru_2"]
+    lines = []
+    fast.summary(print_fn=lambda line, **kwargs: lines.append(line))
+    assert "fused_gru_0_to_gru_2 (FusedRNN) runs gru_0 -> gru_1 -> gru_2 (GRU)" in "\n".join(lines)
 
 
 def test_variables_are_shared_not_copied():
@@ -237,7 +258,7 @@ def test_without_a_gpu_the_original_layers_run_exactly():
     x = random_inputs(model, 3, np.random.default_rng(4))
     np.testing.assert_array_equal(np.asarray(fast(x)), np.asarray(model(x)))
     (fused,) = fused_layers(fast)
-    assert fused.last_path == "layers: no GPU visible to the backend"
+    assert fused.last_path == "layers: the fused kernel needs a CUDA GPU and tensorflow sees none"
 
 
 def test_bfloat16_runs_the_original_layers(emulated_cudnn):

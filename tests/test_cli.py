@@ -80,6 +80,19 @@ def odd_names():
         keras.layers.GRU(5, name="odd[red]"),
     ], name="odd")
 
+def split_by_dropout():
+    """Dropout after the first LSTM only: two groups, kept apart by it."""
+    inp = keras.Input((6, 3), name="x")
+    x = keras.layers.LSTM(4, return_sequences=True, name="lstm_a")(inp)
+    x = keras.layers.Dropout(0.1, name="drop")(x)
+    x = keras.layers.LSTM(4, return_sequences=True, name="lstm_b")(x)
+    x = keras.layers.LSTM(4, return_sequences=True, name="lstm_c")(x)
+    return keras.Model(inp, keras.layers.LSTM(4, name="lstm_d")(x), name="split_by_dropout")
+
+def dense():
+    return keras.Sequential([keras.Input((6, 3), name="x"), keras.layers.Dense(2, name="head")],
+                            name="dense")
+
 def not_a_model():
     return [1, 2]
 
@@ -174,7 +187,8 @@ def test_inspect_json_is_the_report(in_workdir, capsys):
 
     report = json.loads(json.dumps(rnnfuse.analyze(models.stack()).to_dict()))
     assert data["schema_version"] == 1 and data["command"] == "inspect"
-    assert data["skipped"] == report["skipped"] and data["notes"] == report["notes"]
+    assert data["skipped"] == report["skipped"] and data["breaks"] == report["breaks"]
+    assert set(report["notes"]) <= set(data["notes"])
     for group, expected in zip(data["groups"], report["groups"], strict=True):
         assert {k: group[k] for k in expected} == expected
         assert group["plan"]["source"] == "static"
@@ -575,8 +589,8 @@ def test_quiet_prints_only_the_result_line(in_workdir, capsys):
     code, out, err = _run(capsys, "inspect", "stack.keras", "-q")
     assert code == 0 and err == ""
     assert out.splitlines() == [
-        "2 group(s) of 3 layer(s) can fuse; 0 run(s) fused here (tensorflow); "
-        "0 recurrent layer(s) stay as they are."
+        "2 group(s) of 3 layer(s) can fuse; here (tensorflow) they run unfused; "
+        "0 other recurrent layer(s) cannot fuse."
     ]
     code, out, err = _run(capsys, "-q", "check", "fusable.keras")
     assert code == 0 and err == ""
@@ -698,11 +712,13 @@ def test_python_m_rnnfuse_subprocesses(workdir):
     base = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", PYTHONPATH=path)
     commands = {
         "error": (["inspect", "missing.keras"], dict(base, KERAS_BACKEND="tensorflow")),
+        # The user's setting: exit 2 with the fix, not an internal error.
+        "bogus backend": (["inspect", "stack.keras"], dict(base, KERAS_BACKEND="bogus")),
     }
     if importlib.util.find_spec("torch") is not None:
         commands["torch"] = (
             ["check", "models:text", "--steps", "5", "--plan", "fused", "--json"],
-            dict(base, KERAS_BACKEND="torch"),
+            dict(base, KERAS_BACKEND="torch", RNNFUSE_TORCH_CALLS="bogus"),
         )
     runs = {
         name: subprocess.Popen(
@@ -721,6 +737,13 @@ def test_python_m_rnnfuse_subprocesses(workdir):
     assert len(ours) == 1 and ours[0].startswith("rnnfuse: error: no such file"), err
     assert "Traceback" not in err
 
+    (out, err), code = results["bogus backend"]
+    assert code == 2, err
+    assert err.strip().splitlines() == [
+        "rnnfuse: error: KERAS_BACKEND names the Keras backend 'bogus', which Keras does not "
+        "know. Fix: set KERAS_BACKEND to tensorflow, torch or jax, or unset it"
+    ], err
+
     if "torch" in results:
         (out, err), code = results["torch"]
         assert code == 0, err
@@ -728,6 +751,9 @@ def test_python_m_rnnfuse_subprocesses(workdir):
         assert result["device"].startswith(("CPU", "GPU")) and "PyTorch" in result["device"]
         assert set(result["fused_paths"].values()) == {"fused"}
         assert result["passed"] and result["outputs_max_abs_diff"] <= 1e-5
+        # A typo in RNNFUSE_TORCH_CALLS is said without --debug.
+        assert ("rnnfuse: warning: the environment variable RNNFUSE_TORCH_CALLS='bogus' is "
+                "not a call mode") in err, err
 
 
 # -- what inspect says about subclassed and optimized models ----------------------
@@ -746,7 +772,7 @@ def test_inspect_of_a_saved_optimized_model_names_its_fused_layers(in_workdir, c
     text = " ".join(out.split())
     assert code == 0
     assert "already optimized" in text and "no fusable runs" not in text
-    assert "'lstm_b' is a FusedRNN (already optimized): it runs lstm_a -> lstm_b" in text
+    assert "'fused_lstm_a_to_lstm_b' is a FusedRNN (already optimized): it runs lstm_a -> lstm_b" in text
     assert "1 FusedRNN layer(s) already run 2 recurrent layer(s)" in text
     code, out, _ = _run(capsys, "inspect", tmp_path / "fast.keras", "--json")
     assert any("FusedRNN" in n for n in json.loads(out)["notes"])
@@ -767,3 +793,99 @@ def test_check_refuses_sizes_that_do_not_fit_before_allocating(in_workdir, capsy
         tracemalloc.stop()
     assert code == 2 and "needs at least" in err and "is available" in err
     assert peak < 20 * 2**20
+
+
+# -- a newcomer's first runs -------------------------------------------------------
+
+
+def test_the_plan_cache_warning_reaches_the_command_line(in_workdir, capsys, monkeypatch):
+    """The warning the Python API gives for an unusable cache is one line here too."""
+    monkeypatch.setenv("RNNFUSE_CACHE_DIR", "/dev/null/x")
+    code, _, err = _run(capsys, "bench", "fusable.keras", "--tune", "--batch", "2", "--repeats", "1",
+                        "--warmup", "1")
+    assert code == 0
+    (line,) = [l for l in err.splitlines() if "plan cache" in l]
+    assert line.startswith("rnnfuse: warning: RNNFUSE_CACHE_DIR='/dev/null/x' cannot hold the plan cache")
+    assert "Fix: point RNNFUSE_CACHE_DIR at a folder" in line
+
+
+def test_rnnfuse_warnings_are_log_lines_and_others_stay_hidden(caplog):
+    import warnings
+
+    from rnnfuse.cli.quiet import rnnfuse_warnings_logged
+    from rnnfuse.reasons import FusionWarning
+
+    with caplog.at_level(logging.WARNING, logger="rnnfuse"), rnnfuse_warnings_logged(debug=False):
+        for _ in range(2):  # every time, not once per place
+            warnings.warn("rnnfuse: a setting\n  to fix", FusionWarning)
+        warnings.warn("a library's own remark", UserWarning)
+    assert [r.getMessage() for r in caplog.records] == ["a setting to fix"] * 2
+
+
+def test_inspect_says_plainly_that_groups_run_as_the_original_layers_here(in_workdir, capsys):
+    code, out, _ = _run(capsys, "inspect", "models:split_by_dropout", "-q")
+    assert code == 0
+    assert out.strip() == (
+        "2 group(s) of 4 layer(s) can fuse; here (tensorflow) they run unfused; "
+        "0 other recurrent layer(s) cannot fuse."
+    )
+
+
+def test_inspect_json_keeps_the_texts_remarks(in_workdir, capsys):
+    code, text, _ = _run(capsys, "inspect", "models:split_by_dropout")
+    code, out, _ = _run(capsys, "inspect", "models:split_by_dropout", "--json")
+    record = json.loads(out)
+    (brk,) = record["breaks"]
+    assert brk["layers"] == ["lstm_b", "lstm_c"] and brk["rule"] == "dropout_between"
+    assert record["notes"][0].startswith("separate groups: 'lstm_b' -> 'lstm_c' (dropout_between)")
+    assert record["notes"][-1].startswith("here, no group runs fused: ")
+    # Every remark the text prints is in the record.
+    flat = " ".join(text.split())
+    assert all(" ".join(note.split()) in flat for note in record["notes"])
+
+
+def test_check_of_a_model_with_nothing_to_fuse_says_what_pass_means(in_workdir, capsys):
+    code, out, _ = _run(capsys, "check", "models:dense")
+    flat = " ".join(out.split())
+    assert code == 0
+    assert "note: nothing fuses in this model, so this compared the model against itself" in flat
+    assert out.splitlines()[-1].endswith("(original layers against themselves)")
+
+
+def test_a_fallback_is_said_in_words(in_workdir, capsys):
+    code, out, _ = _run(capsys, "check", "fusable.keras")
+    assert code == 0
+    assert ("lstm_b ran the original layers: the fused kernel needs a CUDA GPU and tensorflow "
+            "sees none") in " ".join(out.split())
+
+
+def test_a_missing_model_file_fails_before_keras_is_imported():
+    code = (  # as the `rnnfuse` script starts
+        "import sys; sys.argv = ['rnnfuse', 'inspect', 'missing.keras']; "
+        "from rnnfuse.cli import main; rc = main(); "
+        "print('keras' in sys.modules, 'tensorflow' in sys.modules, rc)"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
+        cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+    )
+    assert done.stdout.split()[-3:] == ["False", "False", "2"], done.stderr
+    assert done.stderr.startswith("rnnfuse: error: no such file: 'missing.keras'")
+
+
+def test_the_makefiles_pins_say_why_without_machine_history():
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    with open(os.path.join(root, "Makefile")) as f:
+        lines = f.read().splitlines()
+    pins = [i for i, l in enumerate(lines) if re.search(r"pip install -q \S+==", l)]
+    assert len(pins) >= 2
+    for i in pins:
+        target = max(j for j in range(i) if lines[j] and not lines[j][0].isspace())
+        comment = []
+        for j in range(target - 1, -1, -1):
+            if not lines[j].startswith("#"):
+                break
+            comment.insert(0, lines[j])
+        text = " ".join(comment).lower()
+        assert "pinned" in text, (lines[i], comment)
+        assert "this machine" not in text and "local disk" not in text, comment

@@ -56,3 +56,18 @@ def test_other_import_errors_pass_through(monkeypatch):
     _keras_fails(monkeypatch, "h5py")
     with pytest.raises(ModuleNotFoundError, match="h5py"):
         _deps.import_keras()
+
+
+def test_an_unknown_backend_is_the_users_setting_with_the_fix(monkeypatch):
+    monkeypatch.setenv("KERAS_BACKEND", "bogus")
+    real_import = builtins.__import__
+
+    def fake(name, *args, **kwargs):
+        if name == "keras":
+            raise ValueError("Unable to import backend : bogus")
+        return real_import(name, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "__import__", fake)
+    with pytest.raises(ImportError, match=r"KERAS_BACKEND names the Keras backend 'bogus'.*"
+                                          r"Fix: set KERAS_BACKEND to tensorflow, torch or jax"):
+        _deps.import_keras()

@@ -28,7 +28,7 @@ def test_without_a_device_the_path_is_a_record_with_the_rule():
     assert max_abs_diff(fused(x), expected) == 0.0
     path = fused.last_path
     assert path.kind is PathKind.LAYERS and path.reason.rule == "no_device"
-    assert str(path) == "layers: no GPU visible to the backend"
+    assert str(path) == "layers: the fused kernel needs a CUDA GPU and tensorflow sees none"
 
 
 def test_the_fused_path_is_the_fused_record(emulated_cudnn):

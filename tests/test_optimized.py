@@ -38,9 +38,10 @@ def test_get_layer_finds_the_layers_inside_a_fused_layer(functional):
     (fused,) = fused_layers(fast)
     assert fast.get_layer("l1") is model.get_layer("l1")
     assert fast.get_layer("drop") is model.get_layer("drop")  # absorbed Dropout
-    assert fast.get_layer("l3") is fused  # the FusedRNN carries the last name
+    assert fast.get_layer("l3") is model.get_layer("l3")
+    assert fast.get_layer("fused_l1_to_l3") is fused
     assert fast.get_layer("head") is model.get_layer("head")
-    with pytest.raises(ValueError, match=r"No such layer: nope.*FusedRNN 'l3' runs \['l1', 'drop', 'l2', 'drop2', 'l3'\]"):
+    with pytest.raises(ValueError, match=r"No such layer: nope.*FusedRNN 'fused_l1_to_l3' runs \['l1', 'drop', 'l2', 'drop2', 'l3'\]"):
         fast.get_layer("nope")
     # A sub-model cut by name builds as on the original (the layer's first
     # call is the original model's).
@@ -54,7 +55,7 @@ def test_summary_states_the_fused_layers():
     lines = []
     fast.summary(print_fn=lines.append)
     text = "\n".join(lines)
-    assert "l3 (FusedRNN) runs l1 -> drop -> l2 -> drop2 -> l3 (LSTM)" in text
+    assert "fused_l1_to_l3 (FusedRNN) runs l1 -> drop -> l2 -> drop2 -> l3 (LSTM)" in text
     assert "rnnfuse.restore(model)" in text
     plain = []
     _model(functional=True).summary(print_fn=plain.append)
@@ -82,7 +83,7 @@ def test_plot_model_draws_a_fused_layer_as_one_box_and_restore_draws_its_layers(
     pytest.importorskip("pydot")
     fast = rnnfuse.optimize(_model(functional=True))
     names, strays = _dot_nodes(fast)
-    assert names[1:] == ["l3", "head"]
+    assert names[1:] == ["fused_l1_to_l3", "head"]
     assert not strays
     names, strays = _dot_nodes(rnnfuse.restore(fast))
     assert names[1:] == ["l1", "drop", "l2", "drop2", "l3", "head"]

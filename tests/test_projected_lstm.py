@@ -207,12 +207,12 @@ def test_fast_path_equals_keras_loop(mask_kind, go_backwards, zero_output, retur
     _close(ref_outs[1], h, atol=2e-6)
 
 
-def test_path_counter_and_keras_loop_reasons():
+def test_last_path_names_the_path_and_keras_loop_reasons():
     x = _data()[0]
-    before = plstm.PATH_COUNTS["custom"]
+    custom = ProjectedLSTM(U, P)
     with plstm.fast_path("custom"):
-        ProjectedLSTM(U, P)(x)
-    assert plstm.PATH_COUNTS["custom"] == before + 1
+        custom(x)
+    assert custom.last_path.split("/")[0] == "custom", custom.last_path
     layer = ProjectedLSTM(U, P, recurrent_dropout=0.2)
     layer(x)
     assert layer.last_path.startswith("keras_loop: recurrent_dropout")
@@ -450,6 +450,27 @@ def test_the_environment_variables_are_read_at_call_time(monkeypatch):
     monkeypatch.setenv("RNNFUSE_PROJECTED_LSTM_PATH", "fast")
     with pytest.raises(ValueError, match="environment variable RNNFUSE_PROJECTED_LSTM_PATH"):
         plstm.get_fast_path()
+
+
+def test_a_fast_path_block_holds_in_its_own_thread_only():
+    import threading
+
+    seen, entered, checked = {}, threading.Event(), threading.Event()
+
+    def other():
+        entered.wait(10)
+        seen["other"] = plstm.get_fast_path()
+        checked.set()
+
+    thread = threading.Thread(target=other)
+    thread.start()
+    with plstm.fast_path("while", unroll=2):
+        entered.set()
+        checked.wait(10)
+        seen["here"] = (plstm.get_fast_path(), plstm.get_unroll())
+    thread.join()
+    assert seen == {"other": "auto", "here": ("while", 2)}
+    assert (plstm.get_fast_path(), plstm.get_unroll()) == ("auto", 4)
 
 
 def test_jit_compiled_train_step_equals_plain_train_step():

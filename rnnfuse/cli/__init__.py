@@ -65,18 +65,21 @@ Example:
 
 from __future__ import annotations
 
-import contextlib
 import sys
 import traceback
-import warnings
 from typing import Sequence
 
 from rnnfuse.cli import bench, build_ops, check, inspect
 from rnnfuse.cli.arguments import build_parser
 from rnnfuse.cli.errors import CliError, _first_line, _one_line
 from rnnfuse.cli.inputs import random_inputs
-from rnnfuse.cli.loading import load_model
-from rnnfuse.cli.quiet import configure_logging, quiet_native_stderr, verbosity_level
+from rnnfuse.cli.loading import check_source, load_model
+from rnnfuse.cli.quiet import (
+    configure_logging,
+    quiet_native_stderr,
+    rnnfuse_warnings_logged,
+    verbosity_level,
+)
 
 __all__ = ["COMMANDS", "CliError", "load_model", "main", "random_inputs"]
 
@@ -114,12 +117,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     failure = _Failure(debug=bool(args.debug), as_json=bool(getattr(args, "json", False)), command=args.command)
     restore_logging = configure_logging(verbosity_level(quiet=args.quiet, verbose=args.verbose))
     try:
-        with quiet_native_stderr(failure.debug), _quiet(failure.debug):
+        with quiet_native_stderr(failure.debug), rnnfuse_warnings_logged(failure.debug):
             if args.run is None:
                 raise CliError(
                     f"choose a command: {', '.join(c.NAME for c in COMMANDS)} (for example "
                     "'rnnfuse inspect model.keras'). Run 'rnnfuse --help' for more"
                 )
+            if getattr(args, "model", None) is not None:
+                check_source(args.model)  # before the seconds keras takes to import
             _load_library()
             return args.run(args)
     except CliError as err:
@@ -165,12 +170,3 @@ class _Failure:
         if self.as_json:
             print_json(error_record(self.command, code, message))
         return code
-
-
-@contextlib.contextmanager
-def _quiet(debug: bool):
-    """Hides Python warnings from Keras/TF (shown with --debug)."""
-    with warnings.catch_warnings():
-        if not debug:
-            warnings.simplefilter("ignore")
-        yield

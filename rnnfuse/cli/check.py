@@ -123,8 +123,11 @@ def run(args) -> int:
         "caveat": pipeline.caveat(paths, len(report.groups)),
         "notes": notes,
     }
-    if report.groups and not compared_fused:
-        result["notes"].append(_self_comparison_note(chosen))
+    if not compared_fused:
+        result["notes"].append(_self_comparison_note(chosen) if report.groups else (
+            "nothing fuses in this model, so this compared the model against itself: "
+            "PASS says nothing about the fused kernel."
+        ))
     if args.json:
         render.print_json(result)
     else:

@@ -8,7 +8,7 @@ Example:
 
     >>> from rnnfuse.cli import main
     >>> main(["inspect", "examples/text_classifier.py:build_model", "-q"])  # doctest: +SKIP
-    1 group(s) of 2 layer(s) can fuse; 0 run(s) fused here (tensorflow); 0 recurrent layer(s) stay as they are.
+    1 group(s) of 2 layer(s) can fuse; here (tensorflow) they run unfused; 0 other recurrent layer(s) cannot fuse.
     0
 """
 
@@ -43,11 +43,19 @@ def run(args) -> int:
     groups = group_records(chosen)
     if args.plot:
         _plot(model, report, args.plot)
+    why = pipeline.nothing_fused_here(chosen)
     if args.json:
+        from rnnfuse.report_text import break_lines
+
         data = report.to_dict()
-        render.print_json(
-            {**envelope(NAME, report.model_name), "groups": groups, "skipped": data["skipped"], "notes": data["notes"]}
-        )
+        # The remarks the text output prints, in its order.
+        notes = [*break_lines(report), *data["notes"]]
+        if why:
+            notes.append(f"here, no group runs fused: {why}.")
+        render.print_json({
+            **envelope(NAME, report.model_name), "groups": groups, "skipped": data["skipped"],
+            "breaks": data["breaks"], "notes": notes,
+        })
         return 0
     already = fused_layers(model)
     if not is_graph_model(model):
@@ -66,7 +74,7 @@ def run(args) -> int:
         backend=backend_name(),
         empty=empty,
         already=already,
-        why=pipeline.nothing_fused_here(chosen),
+        why=why,
         plot=args.plot,
     )
     return 0

@@ -18,7 +18,7 @@ from typing import Any, Sequence
 
 from rnnfuse.cli.errors import CliError, _first_line
 
-__all__ = ["load_model"]
+__all__ = ["check_source", "load_model"]
 
 
 # -- loading a model -----------------------------------------------------------
@@ -74,6 +74,14 @@ def load_model(
         # its layers under the global mixed_float16 policy set above.
         model = _to_mixed_precision(model, source)
     return model
+
+
+def check_source(source: str) -> None:
+    """A one-line `CliError` where `source` is neither an existing file nor
+    module:function: checked before keras (and TensorFlow) is imported, so a
+    mistyped path fails at once."""
+    if not os.path.exists(source) and not _looks_like_function(source):
+        raise CliError(_missing_source(source))
 
 
 def _looks_like_function(source: str) -> bool:

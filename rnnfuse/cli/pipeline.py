@@ -15,11 +15,9 @@ Example:
 
 from __future__ import annotations
 
-import contextlib
 import logging
-import warnings
 
-from rnnfuse.cli.errors import CliError, _first_line, _one_line
+from rnnfuse.cli.errors import CliError, _first_line
 
 __all__ = ["analyze", "caveat", "choose", "compute_dtype", "nothing_fused_here", "optimize"]
 
@@ -63,31 +61,26 @@ def choose(model, report, args, *, tune=None, training=True) -> list:
 
 def optimize(model, args, *, tune=None, training=True):
     """The `rnnfuse.OptimizeResult` of one `optimize` call (model, report,
-    each group's `TuneResult`); the pipeline runs once. Its FusionWarnings
-    become one-line warnings on the `rnnfuse` logger."""
+    each group's `TuneResult`); the pipeline runs once. Its warnings reach
+    the `rnnfuse` logger through `main` (`quiet.rnnfuse_warnings_logged`)."""
     import rnnfuse
 
     # The commands say themselves, per group, where nothing runs fused.
     said_here = _DropRecords("_say_if_nothing_runs_fused")
     logger.addFilter(said_here)
-    with contextlib.ExitStack() as stack, warnings.catch_warnings(record=True) as caught:
-        stack.callback(logger.removeFilter, said_here)
-        warnings.simplefilter("always", rnnfuse.FusionWarning)
-        try:
-            result = rnnfuse.optimize(
-                model,
-                min_layers=args.min_layers,
-                tune=tune if tune is not None else False,
-                training=training,
-                plan=forced_plan(args),
-                return_result=True,
-            )
-        except (TypeError, ValueError) as err:
-            raise CliError(_first_line(err, limit=600)) from err
-    for w in caught:
-        if issubclass(w.category, rnnfuse.FusionWarning):
-            logger.warning(_one_line(str(w.message)))
-    return result
+    try:
+        return rnnfuse.optimize(
+            model,
+            min_layers=args.min_layers,
+            tune=tune if tune is not None else False,
+            training=training,
+            plan=forced_plan(args),
+            return_result=True,
+        )
+    except (TypeError, ValueError) as err:
+        raise CliError(_first_line(err, limit=600)) from err
+    finally:
+        logger.removeFilter(said_here)
 
 
 class _DropRecords(logging.Filter):

@@ -2,7 +2,10 @@
 
 `-q` shows only errors, the default shows warnings and the `rnnfuse`
 logger's INFO messages (one line each, on stderr), `-v` adds DEBUG, and
-`--debug` also shows TensorFlow's C++ log lines and Python warnings.
+`--debug` also shows TensorFlow's C++ log lines and other libraries' Python
+warnings. rnnfuse's own warnings (`FusionWarning`, `PlanCacheWarning`: a
+setting or argument to fix) are always shown, as one line each on the
+`rnnfuse` logger (`rnnfuse_warnings_logged`).
 
 TensorFlow 2.21 writes some C++ log lines (cuda stubs, CPU features,
 "All log messages before absl::InitializeLog()") from static initializers
@@ -27,8 +30,9 @@ import io
 import logging
 import os
 import sys
+import warnings
 
-__all__ = ["configure_logging", "quiet_native_stderr", "verbosity_level"]
+__all__ = ["configure_logging", "quiet_native_stderr", "rnnfuse_warnings_logged", "verbosity_level"]
 
 # Environment that quiets TensorFlow's and absl's own logging (read when TF
 # is imported; set only where the user has not set it).
@@ -126,3 +130,29 @@ def quiet_native_stderr(debug: bool):
         os.close(saved)
         sys.stderr.close()
         sys.stderr = old_stderr
+
+
+@contextlib.contextmanager
+def rnnfuse_warnings_logged(debug: bool):
+    """For the block: rnnfuse's own warnings become one line each on the
+    `rnnfuse` logger, every time they are raised; other Python warnings
+    (Keras', TensorFlow's) are hidden unless `debug`."""
+    from rnnfuse.reasons import FusionWarning, PlanCacheWarning
+
+    ours = (FusionWarning, PlanCacheWarning)
+    with warnings.catch_warnings():  # restores the filters and showwarning
+        if not debug:
+            warnings.simplefilter("ignore")
+        for category in ours:
+            warnings.filterwarnings("always", category=category)
+        show_others = warnings.showwarning
+
+        def show(message, category, filename, lineno, file=None, line=None):
+            if not issubclass(category, ours):
+                show_others(message, category, filename, lineno, file, line)
+                return
+            text = " ".join(str(message).split()).removeprefix("rnnfuse: ")
+            logging.getLogger("rnnfuse").warning(text)
+
+        warnings.showwarning = show
+        yield

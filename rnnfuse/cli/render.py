@@ -103,17 +103,19 @@ def print_inspect(printer: Printer, report, groups: list[dict], *, backend: str,
         print_report(printer.console, report, runs=here, runs_title=f"runs here ({backend})", empty=empty)
     fused_count = sum(len(g.layers) for g in report.groups)
     running = sum(1 for g in groups if g["runs"]["fused"])
-    printer.result(
-        f"{len(report.groups)} group(s) of {fused_count} layer(s) can fuse; "
-        f"{running} run(s) fused here ({backend}); "
-        f"{len(report.skipped)} recurrent layer(s) stay as they are"
-        + (
-            f"; {len(already)} FusedRNN layer(s) already run "
-            f"{sum(len(l.fused_layers) for l in already)} recurrent layer(s)."
-            if already
-            else "."
-        )
-    )
+    parts = [f"{len(report.groups)} group(s) of {fused_count} layer(s) can fuse"]
+    if report.groups:
+        if running == len(report.groups):
+            parts.append(f"here ({backend}) each runs fused")
+        elif running:
+            parts.append(f"here ({backend}) {running} of them run fused")
+        else:
+            parts.append(f"here ({backend}) they run unfused")
+    parts.append(f"{len(report.skipped)} other recurrent layer(s) cannot fuse")
+    if already:
+        parts.append(f"{len(already)} FusedRNN layer(s) already run "
+                     f"{sum(len(l.fused_layers) for l in already)} recurrent layer(s)")
+    printer.result("; ".join(parts) + ".")
     if why:
         printer.detail(f"here, no group runs fused: {why}.")
     if plot:
@@ -142,7 +144,12 @@ def print_header(printer: Printer, result: dict) -> None:
 
 def _print_ran(printer: Printer, result: dict) -> None:
     for name, path in result["fused_paths"].items():
-        printer.detail(f"  {name} ran: {path}")
+        if path is None:
+            printer.detail(f"  {name} was not called")
+        elif path.startswith("layers: "):
+            printer.detail(f"  {name} ran the original layers: {path.removeprefix('layers: ')}")
+        else:
+            printer.detail(f"  {name} ran: {path}")
 
 
 def print_bench_start(printer: Printer, result: dict, groups: int, early: str | None) -> None:
@@ -205,8 +212,7 @@ def print_check(printer: Printer, result: dict) -> None:
         printer.detail(result["caveat"])
     tol = result["tolerance"]
     if result["passed"]:
-        themselves = result["groups"] and not result["compared_fused_path"]
-        suffix = " (original layers against themselves)" if themselves else ""
+        suffix = "" if result["compared_fused_path"] else " (original layers against themselves)"
         printer.result(f"PASS: both within the tolerance {tol:g}{suffix}")
     else:
         printer.result(f"FAIL: above the tolerance {tol:g}")

@@ -21,7 +21,8 @@ Two implementations of the same maths:
   projection of all time steps (`x @ kernel + bias` over [T*B, F]), then a
   tight loop over time that runs only the recurrent GEMM, the gate maths
   and the projection. Variants (the layer's `fast_path` argument; where it
-  is None, the process-wide choice of `set_fast_path`, else the environment
+  is None, the choice of `set_fast_path` or `fast_path()` in this thread or
+  task (a ContextVar), else the environment
   variable RNNFUSE_PROJECTED_LSTM_PATH, else "auto": "custom_xla" when a GPU
   is visible and XLA compiles there (checked once), else "custom"; on the
   CPU XLA's compile time is not repaid). All of these are read when a call
@@ -83,9 +84,8 @@ contract's `projected_lstm_reason`, `run_projected_lstm` and
 NotImplementedError there and the layer runs Keras' generic loop, with the
 reason in `last_path`.
 
-`PATH_COUNTS` counts the paths taken (incremented each time `call` runs
-eagerly or is traced) and `layer.last_path` names the last one, so tests
-can prove which path ran.
+`layer.last_path` names the path its last call took (set each time `call`
+runs eagerly or is traced), so tests can prove which path ran.
 
 Example:
 
@@ -98,8 +98,8 @@ Example:
 
 from __future__ import annotations
 
-import collections
 import contextlib
+import contextvars
 import os
 from typing import Any
 
@@ -107,11 +107,11 @@ import keras
 from keras import activations, constraints, initializers, ops, regularizers, tree
 
 from rnnfuse.backends import get_backend
+from rnnfuse.scoped import scoped
 from rnnfuse.backends.base import PROJECTED_LSTM_PATHS, ProjectedLSTMCall
 
 __all__ = [
     "FAST_PATHS",
-    "PATH_COUNTS",
     "ProjectedLSTM",
     "ProjectedLSTMCell",
     "fast_path",
@@ -122,10 +122,6 @@ __all__ = [
 
 FAST_PATHS = PROJECTED_LSTM_PATHS
 
-# Path name -> number of times a ProjectedLSTM call took it ("keras_loop" for
-# Keras' generic loop). Incremented when the call runs eagerly or is traced.
-PATH_COUNTS: collections.Counter = collections.Counter()
-
 # Read when a call runs or is traced (not at import), where neither the
 # layer's arguments nor set_fast_path chose.
 _ENV_VAR = "RNNFUSE_PROJECTED_LSTM_PATH"
@@ -134,9 +130,11 @@ _UNROLL_ENV_VAR = "RNNFUSE_PROJECTED_LSTM_UNROLL"
 # iterations beat the longer body in every measured configuration
 # (docs/benchmarks.md, "ProjectedLSTM on its own loop").
 DEFAULT_UNROLL = 4
-# set_fast_path's choice (None: not chosen, so the environment's or the default).
-_fast_path: str | None = None
-_unroll: int | None = None
+# (path, unroll) chosen by set_fast_path / fast_path() in this context
+# (None: not chosen, so the environment's or the default).
+_CHOICE: contextvars.ContextVar[tuple[str | None, int | None]] = contextvars.ContextVar(
+    "rnnfuse_projected_lstm_path", default=(None, None)
+)
 
 
 def _check_path(name: Any, where: str) -> str:
@@ -158,7 +156,8 @@ def _check_unroll(unroll: Any, where: str) -> int:
 
 
 def set_fast_path(name: str, unroll: int | None = None) -> None:
-    """Selects the ProjectedLSTM implementation for calls traced from now on.
+    """Selects the ProjectedLSTM implementation for calls traced from now on
+    in this thread (or asyncio task); `fast_path()` does it for a block.
 
     A layer's own `fast_path` / `fast_path_unroll` arguments win over this;
     this wins over the environment variables.
@@ -171,17 +170,20 @@ def set_fast_path(name: str, unroll: int | None = None) -> None:
     Raises:
         ValueError: `name` is not one of `FAST_PATHS`, or a bad `unroll`.
     """
-    global _fast_path, _unroll
-    name = _check_path(name, "set_fast_path(name)")
-    if unroll is not None:
-        _unroll = _check_unroll(unroll, "set_fast_path")
-    _fast_path = name
+    _CHOICE.set(_choice(name, unroll, "set_fast_path"))
+
+
+def _choice(name: Any, unroll: Any, where: str) -> tuple[str, int | None]:
+    """(name, unroll) checked; unroll None keeps the one chosen before."""
+    name = _check_path(name, f"{where}(name)")
+    return name, _CHOICE.get()[1] if unroll is None else _check_unroll(unroll, where)
 
 
 def get_unroll() -> int:
     """Time steps per loop iteration of the fast path (see `set_fast_path`)."""
-    if _unroll is not None:
-        return _unroll
+    unroll = _CHOICE.get()[1]
+    if unroll is not None:
+        return unroll
     raw = os.environ.get(_UNROLL_ENV_VAR)
     if raw:
         where = f"environment variable {_UNROLL_ENV_VAR}"
@@ -201,12 +203,10 @@ def get_fast_path(resolve: bool = False) -> str:
             "custom_xla" with a visible GPU where XLA compiles, else
             "custom"; asked of the active backend).
     """
-    if _fast_path is not None:
-        path = _fast_path
-    elif os.environ.get(_ENV_VAR):
+    path = _CHOICE.get()[0]
+    if path is None and os.environ.get(_ENV_VAR):
         path = _check_path(os.environ[_ENV_VAR], f"environment variable {_ENV_VAR}")
-    else:
-        path = "auto"
+    path = path or "auto"
     if resolve:
         return get_backend().resolve_projected_lstm_path(path)
     return path
@@ -219,13 +219,8 @@ def fast_path(name: str, unroll: int | None = None):
     The choice is read when a call runs eagerly or is traced, so trace the
     model (first `fit`/`predict` step, or a fresh `tf.function`) inside.
     """
-    global _fast_path, _unroll
-    old = (_fast_path, _unroll)
-    set_fast_path(name, unroll)
-    try:
+    with scoped(_CHOICE, _choice(name, unroll, "fast_path")):
         yield
-    finally:
-        _fast_path, _unroll = old
 
 
 def _check_size(value: Any, arg: str, cls: str) -> int:
@@ -584,12 +579,10 @@ class ProjectedLSTM(keras.layers.RNN):
         except NotImplementedError as err:
             return self._keras_loop(sequences, initial_state, mask, training, str(err))
         self.last_path = taken
-        PATH_COUNTS[taken] += 1
         return result
 
     def _keras_loop(self, sequences, initial_state, mask, training, reason):
         self.last_path = f"keras_loop: {reason}"
-        PATH_COUNTS["keras_loop"] += 1
         return super().inner_loop(sequences, initial_state, mask=mask, training=training)
 
     def call(self, sequences, initial_state=None, mask=None, training=False):

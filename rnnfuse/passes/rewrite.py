@@ -201,6 +201,8 @@ def _rewrite_functional(model, fused, replacements) -> keras.Model:
         clone_function=lambda layer: replacements.get(id(layer), layer),
         call_function=call_function,
     )
+    # A FusedRNN has a name of its own; the outputs keep the original names.
+    new.output_names = list(model.output_names)
     # clone_model carried the compile() arguments over itself.
     return new
 

@@ -44,7 +44,7 @@ def _no_fused_kernel(backend, stack, dtype, views, mask):
 @rule("no_device", "runtime", "the fused kernel cannot run in this process (TensorFlow: no GPU visible)", "call")
 def _no_device(backend, stack, dtype, views, mask):
     if not backend.is_available():
-        return Reason("no_device", "no GPU visible to the backend")
+        return Reason("no_device", f"the fused kernel needs a CUDA GPU and {backend.name} sees none")
     return None
 
 

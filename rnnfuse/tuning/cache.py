@@ -54,6 +54,8 @@ import time
 import warnings
 from typing import Any
 
+from rnnfuse.reasons import PlanCacheWarning
+
 __all__ = ["CacheKey", "PlanCache", "cache_key", "default_cache", "default_cache_path", "group_signature"]
 
 FORMAT = 1
@@ -251,7 +253,7 @@ class PlanCache:
         warnings.warn(
             f"rnnfuse: setting aside the cached plan for this group in "
             f"{self.path} ({reason}); it will be tuned again",
-            RuntimeWarning,
+            PlanCacheWarning,
             stacklevel=3,
         )
         try:
@@ -273,7 +275,7 @@ class PlanCache:
             f"lock ({type(err).__name__}: {err}); tuning decisions are not "
             "shared with other processes. Fix: point RNNFUSE_CACHE_DIR at a "
             "writable folder, or pass cache=False.",
-            RuntimeWarning,
+            PlanCacheWarning,
             stacklevel=4,
         )
 
@@ -330,7 +332,7 @@ class PlanCache:
             )
         warnings.warn(
             f"rnnfuse: ignoring the plan cache {self.path}: {problem}; {what}",
-            RuntimeWarning,
+            PlanCacheWarning,
             stacklevel=4,
         )
         return empty
@@ -383,7 +385,7 @@ def default_cache() -> PlanCache | None:
             "without a cache, so decisions are timed again in every process. "
             "Fix: point RNNFUSE_CACHE_DIR at a folder (or unset it), or pass "
             "cache=False to say no cache is wanted.",
-            RuntimeWarning,
+            PlanCacheWarning,
             stacklevel=3,
         )
         return None

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import sys
 from typing import Any, Sequence
 
 import keras
@@ -147,13 +146,13 @@ class TorchTooling(Tooling):
         return f"GPU: {name}, {library}" + (f", cuDNN {cudnn}" if cudnn else ""), True
 
     def timing_notes(self, on_gpu):
-        if on_gpu or "tensorflow" not in sys.modules or os.environ.get("OMP_WAIT_POLICY"):
+        if on_gpu or os.environ.get("OMP_WAIT_POLICY"):
             return []
         return [
-            "TensorFlow is loaded in this process too (Keras imports it when it "
-            "is installed); on a CPU its threads and PyTorch's spinning OpenMP "
-            "threads can slow torch down 10-50x. Set OMP_WAIT_POLICY=PASSIVE "
-            "in the environment for steady CPU timings"
+            "on a CPU, PyTorch's OpenMP threads spin while they wait, so any other "
+            "threads in the process (TensorFlow's, where Keras imported it) slow "
+            "torch down, by up to 10-50x. Set OMP_WAIT_POLICY=PASSIVE in the "
+            "environment for steady CPU timings"
         ]
 
     def exact_float32(self):
