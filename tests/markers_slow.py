@@ -182,6 +182,12 @@ SLOW: dict[str, str] = {
     "jax_backend/test_jax_fused.py::test_returned_states_with_initial_states[False]": "compiles (6 s); [True] stays fast",
     "jax_backend/test_jax_cli.py::test_check_runs_under_jax": "gradients of two compiled models (8 s)",
     "jax_backend/test_jax_cli.py::test_bench_runs_under_jax": "two compiled models timed (5 s)",
+    "jax_backend/test_jax_ffi_build.py::test_the_handlers_compile_and_register_with_jax": (
+        "g++ builds the XLA FFI library (10-30 s)"
+    ),
+    "jax_backend/test_jax_ffi_build.py::test_the_library_workspace_sizes_are_the_bindings": (
+        "the same build (shared with the test above)"
+    ),
 }
 
 
