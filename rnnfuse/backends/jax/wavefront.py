@@ -430,14 +430,15 @@ def _states(given: Sequence[Any] | None, stack, batch: int, dtype) -> jax.Array:
                       for s in given[:stack.num_pseudo_layers]])
 
 
-def run_stack(sequences, *, stack, initial_h=None, initial_c=None, mask=None, reverse=False,
-              dropout=0.0, training=False):
-    """The JAX backend's `run_stack` on the kernel: a `StackRun` (outputs
-    [B, T, H] with zeros past each length, final h and c [L, B, H]).
+def run_stack(sequences, call) -> Any:
+    """The JAX backend's `run_stack` on the kernel for a `StackCall`: a
+    `StackRun` (outputs [B, T, H] with zeros past each length, final h and
+    c [L, B, H]).
 
-    `training`: the call is a training call, so the backward kernel's plan
-    must accept it too (a gradient of an inference call also runs the
-    backward kernel). Masks run where the caller checked them right-padded.
+    A training call (`call.training`) needs the backward kernel's plan to
+    accept it too (a gradient of an inference call also runs the backward
+    kernel). Masks run where the caller checked them right-padded; the
+    call's seed and algorithm are not read.
 
     Raises:
         NotImplementedError: the kernels cannot run this call (the reason).
@@ -445,27 +446,28 @@ def run_stack(sequences, *, stack, initial_h=None, initial_c=None, mask=None, re
     from rnnfuse.backends.base import StackRun
     from rnnfuse.reasons import KernelRun
 
+    stack, mask, training = call.stack, call.mask, call.training
     x = jnp.asarray(sequences)
     batch, steps, input_size = (int(d) for d in x.shape)
     summed = any(stack.input_scale(i) is not None for i in range(stack.num_levels))
     reason = unsupported_reason(stack.kind, stack.num_levels, stack.units, x.dtype.name, batch,
                                 steps, input_size, training=training,
                                 directions=stack.num_directions, proj_size=stack.proj_size,
-                                summed_inputs=summed, dropout=dropout)
+                                summed_inputs=summed, dropout=call.dropout)
     if reason is not None:
         raise NotImplementedError(reason)
     lengths = None
     if mask is not None:
         lengths = jnp.asarray(mask).astype(jnp.int32).sum(axis=1)
-    if reverse:
+    if call.reverse:
         if mask is not None:
             raise NotImplementedError("the wavefront kernel's JAX call reverses unmasked "
                                       "sequences only")
         x = jnp.flip(x, 1)
     choice = backward_choice(stack.kind, stack.num_levels, stack.units, batch, steps)
     y, hy, cy = forward(jnp.swapaxes(x, 0, 1), pack_canonical(stack, x.dtype),
-                        _states(initial_h, stack, batch, x.dtype),
-                        _states(initial_c, stack, batch, x.dtype) if stack.kind == "lstm"
+                        _states(call.initial_h, stack, batch, x.dtype),
+                        _states(call.initial_c, stack, batch, x.dtype) if stack.kind == "lstm"
                         else None, lengths, kind=stack.kind, backward=choice.backward)
     return StackRun(jnp.swapaxes(y, 0, 1), hy, cy,
                     KernelRun(KERNEL_NAME, f"backward={choice.backward}" if training else ""))
