@@ -341,3 +341,50 @@ def test_the_jitted_step_lowers_to_the_ffi_custom_call(half):
     text = jax.jit(jax.grad(step)).lower(params).as_text()
     assert 'rnnfuse_wf_ffi_forward_saving' in text and 'rnnfuse_wf_ffi_backward_stack' in text
     assert "callback" not in text.lower()
+
+
+# -- the tuner ----------------------------------------------------------------------------
+
+
+class FakeTimer:
+    """Fixed medians per candidate name; records what it was asked to time."""
+
+    def __init__(self, medians):
+        self.medians, self.names = medians, []
+
+    def __call__(self, steps):
+        self.names.append(sorted(steps))
+        return {name: {"median": self.medians.get(name, 1.0)} for name in steps}
+
+
+ENV = {"device": "FakeGPU", "jax": jax.__version__, "backend": "jax", "rnnfuse": "0.1.0"}
+
+
+@pytest.mark.parametrize("kind,training", [("lstm", False), ("lstm", True), ("gru", True)])
+def test_the_tuner_times_the_wavefront_plan_under_jax(emulated, half, monkeypatch, kind,
+                                                       training):
+    from rnnfuse.tuning import tuner
+
+    monkeypatch.setattr(tuner, "_steps", lambda group, plans, *a, **k: {p.name: None
+                                                                       for p in plans})
+    timer = FakeTimer({"per-layer": 2.0, "fused": 1.0, "fused on wavefront": 0.5})
+    (result,) = tuner.tune_plans(_groups(_model(kind)), lambda g: (8, 7, 5), training=training,
+                                 cache=None, measure=timer, environment=ENV, progress=False,
+                                 check_gradients=lambda g, p, s, d: 1e-6)
+    assert "fused on wavefront" in timer.names[0]
+    assert result.plan == WAVEFRONT and result.timings["fused on wavefront"] == 0.5
+    assert emulated.asked == [(kind, 2, 8, 8, 7, 5)]
+
+
+def test_tune_times_the_kernels_jitted_step(emulated, half):
+    """`optimize(model, tune=...)`'s timing on the emulated kernel: its
+    candidate is a real jitted training step (forward and backward targets
+    traced)."""
+    from rnnfuse.api import choose_plans
+
+    model = _model()
+    (result,) = choose_plans(model, rnnfuse.analyze(model).groups,
+                             tune=rnnfuse.TuneShape(4, 7), cache=False)
+    assert result.source == "measured"
+    assert "fused on wavefront" in result.timings, result
+    assert {"forward_saving", "backward_stack"} <= set(_targets(emulated))
