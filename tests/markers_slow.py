@@ -197,6 +197,9 @@ SLOW: dict[str, str] = {
     "jax_backend/test_jax_wavefront.py::test_a_layer_on_the_wavefront_plan_matches_the_original_layers[gru]": (
         "compiles both models' gradients (15-20 s); [lstm] stays fast"
     ),
+    "jax_backend/test_jax_wavefront.py::test_first_batch_tuning_under_jax_times_the_kernel": (
+        "optimize's first-batch tuning inside fit: compiled candidates (60 s)"
+    ),
     "jax_backend/test_jax_wavefront.py::test_tune_times_the_kernels_jitted_step": (
         "times three compiled training candidates on the emulated kernel (45 s)"
     ),

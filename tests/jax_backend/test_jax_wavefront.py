@@ -388,3 +388,22 @@ def test_tune_times_the_kernels_jitted_step(emulated, half):
     assert result.source == "measured"
     assert "fused on wavefront" in result.timings, result
     assert {"forward_saving", "backward_stack"} <= set(_targets(emulated))
+
+
+def test_first_batch_tuning_under_jax_times_the_kernel(emulated, half, monkeypatch):
+    """`optimize(model)` on an accelerator (faked) makes a switchable layer;
+    `fit`'s first batch times the candidates outside Keras' trace, the
+    kernel's jitted training step among them, and fits on the choice."""
+    from rnnfuse.tuning import first_batch, per_shape
+
+    monkeypatch.setattr(first_batch, "device_environment", lambda: dict(ENV))
+    monkeypatch.setattr(per_shape, "device_environment", lambda: dict(ENV))
+    fast = rnnfuse.optimize(_model(), cache=False)
+    (layer,) = fused_layers(fast)
+    fast.compile(optimizer="sgd", loss="mse")
+    fast.fit(_x(batch=8), np.zeros((8, 7, 8), "float32"), batch_size=8, epochs=1, verbose=0)
+    (record,) = first_batch.decisions(fast)
+    assert record["mode"] == "training" and record["source"] == "measured"
+    assert "fused on wavefront" in record["timings_ms"], record
+    assert layer.plan.name == record["chosen"]
+    assert {"forward_saving", "backward_stack"} <= set(_targets(emulated))
