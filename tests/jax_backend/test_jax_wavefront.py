@@ -149,14 +149,20 @@ def test_the_gradient_is_not_the_reference_with_a_wrong_gemm(emulated, monkeypat
     assert float(jnp.max(jnp.abs(bad - want))) > 1e-2
 
 
-def test_the_forward_passes_the_projected_input_and_the_handlers_attributes(emulated):
+def test_the_forward_passes_the_handlers_attributes_and_the_librarys_variants(emulated,
+                                                                               monkeypatch):
     x = jnp.ones((7, 4, 5), jnp.float16)
     params = jnp.zeros((4 * 8 * (5 + 8) + 4 * 8 * 16 + 2 * 2 * 32,), jnp.float16)
     h0 = jnp.zeros((2, 4, 8), jnp.float16)
     wavefront.forward(x, params, h0, h0, jnp.full((4,), 7), kind="lstm")
     (target, attrs), = emulated.calls
     assert target == "rnnfuse_wf_ffi_forward"
-    assert attrs == {"gru": 0, "input_size": 5, "variant": 0}
+    assert attrs == {"gru": 0, "input_size": 5, "variant": library.FORWARD_VARIANT}
+    monkeypatch.setattr(library, "FORWARD_VARIANT", 1)
+    monkeypatch.setattr(library, "STACK_BACKWARD_VARIANT", 2)
+    jax.grad(lambda p: jnp.sum(wavefront.forward(x, p, h0, h0, None, kind="lstm",
+                                                 backward="stack")[0].astype(jnp.float32)))(params)
+    assert [a["variant"] for _, a in emulated.calls[1:]] == [1, 2]
 
 
 @pytest.mark.parametrize("bad,match", [

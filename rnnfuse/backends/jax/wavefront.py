@@ -31,6 +31,13 @@ W_hh [G*H, H] row-major, then per layer b_ih and b_hh [G*H]; PyTorch's
 gate orders; `pack_canonical` builds it from Keras cells); h0, c0
 [L, B, H]; lengths int32 [B] or None. Element types float16 and bfloat16.
 
+The kernels' variants are the library's defaults when a step is traced
+(`library.FORWARD_VARIANT`, `STACK_BACKWARD_VARIANT`, as in the other
+bindings). The plan is checked when the step is traced; a launch the
+driver refuses when the step runs (its CTAs cannot all be resident, which
+the plan's limits are meant to exclude) fails the step with the library's
+message: a traced step cannot fall back.
+
 `run_stack` is the JAX backend's call of a plan on the "wavefront"
 kernel; `unsupported_reason` is its checks
 (`rnnfuse.backends.cuda.library`'s, on the GPU), which it raises as
@@ -234,13 +241,15 @@ def _project(x, params, gh: int):
 def _stack(x, params, h0, c0, lengths, kind, backward):
     input_size, units = x.shape[2], h0.shape[2]
     return _call_forward(_project(x, params, _GATES[kind] * units), params, h0, c0, lengths,
-                         kind=kind, input_size=input_size, save=False)
+                         kind=kind, input_size=input_size, save=False,
+                         variant=_library().FORWARD_VARIANT)
 
 
 def _stack_fwd(x, params, h0, c0, lengths, kind, backward):
     input_size, units = x.shape[2], h0.shape[2]
     y, hy, cy, saved = _call_forward(_project(x, params, _GATES[kind] * units), params, h0, c0,
-                                     lengths, kind=kind, input_size=input_size, save=True)
+                                     lengths, kind=kind, input_size=input_size, save=True,
+                                     variant=_library().FORWARD_VARIANT)
     return (y, hy, cy), (x, params, h0, c0, lengths, y, saved)
 
 
@@ -275,7 +284,8 @@ def _stack_gradients(kind, backward, params, x, h0, c0, lengths, y, saved, dy, d
     views, _ = _layer_views(params, num_layers, units, input_size, _GATES[kind])
     if backward == "stack":
         dgates, dh0, dc0 = _call_backward_stack(params, input_size, gates, cseq, c0, dy, dhy,
-                                                dcy, lengths)
+                                                dcy, lengths,
+                                                variant=_library().STACK_BACKWARD_VARIANT)
         per_layer = [dgates[layer] for layer in range(num_layers)]
     else:
         per_layer, dh0s, dc0s = [None] * num_layers, [None] * num_layers, [None] * num_layers
