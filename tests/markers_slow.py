@@ -186,6 +186,33 @@ SLOW: dict[str, str] = {
     "jax_backend/test_jax_fused.py::test_returned_states_with_initial_states[False]": "compiles (6 s); [True] stays fast",
     "jax_backend/test_jax_cli.py::test_check_runs_under_jax": "gradients of two compiled models (8 s)",
     "jax_backend/test_jax_cli.py::test_bench_runs_under_jax": "two compiled models timed (5 s)",
+    # The emulated kernel's gradients compile unrolled loops: one case per
+    # backward ([True-lstm-stack]) and the Keras-level LSTM stay fast.
+    **{
+        f"jax_backend/test_jax_wavefront.py::test_outputs_and_gradients_are_cudnns_equations[{case}]": (
+            "compiles the emulation's and the reference's gradients (10-15 s)"
+        )
+        for case in ("False-lstm-stack", "False-lstm-layer", "True-lstm-layer", "False-gru-layer",
+                     "True-gru-layer")
+    },
+    "jax_backend/test_jax_wavefront.py::test_the_gradient_is_not_the_reference_with_a_wrong_gemm": (
+        "three gradients of the emulation (12 s)"
+    ),
+    "jax_backend/test_jax_wavefront.py::test_a_layer_on_the_wavefront_plan_matches_the_original_layers[gru]": (
+        "compiles both models' gradients (15-20 s); [lstm] stays fast"
+    ),
+    "jax_backend/test_jax_wavefront.py::test_first_batch_tuning_under_jax_times_the_kernel": (
+        "optimize's first-batch tuning inside fit: compiled candidates (60 s)"
+    ),
+    "jax_backend/test_jax_wavefront.py::test_tune_times_the_kernels_jitted_step": (
+        "times three compiled training candidates on the emulated kernel (45 s)"
+    ),
+    "jax_backend/test_jax_ffi_build.py::test_the_handlers_compile_and_register_with_jax": (
+        "g++ builds the XLA FFI library (10-30 s)"
+    ),
+    "jax_backend/test_jax_ffi_build.py::test_the_library_workspace_sizes_are_the_bindings": (
+        "the same build (shared with the test above)"
+    ),
 }
 
 

@@ -4,6 +4,10 @@ RNN core (torch's fused calls; rnnfuse.backends.cuda.build
 .build_cudnn_core), then, with TensorFlow installed, the wavefront op's
 (inference kernel, needs nvcc) and the cuDNN RNN op's on the last line.
 A failed core or wavefront build is a note on stderr, not an error.
+Under KERAS_BACKEND=jax the core is followed by the XLA FFI library for
+JAX instead of TensorFlow's ops (rnnfuse.backends.jax.ffi_build: the
+wavefront kernel's handlers; needs nvcc and jaxlib's FFI headers), whose
+path is the last line; a failure there is an error.
 
 Each is otherwise built on first GPU use, into $RNNFUSE_CACHE_DIR/ops or
 the user cache folder. Without TensorFlow installed it builds the core
@@ -25,7 +29,8 @@ import sys
 from rnnfuse.cli.errors import CliError
 
 NAME = "build-ops"
-HELP = "compile rnnfuse's native libraries and TensorFlow ops now (no GPU needed) and print where they went"
+HELP = ("compile rnnfuse's native libraries and TensorFlow ops (under JAX: its XLA FFI library) "
+        "now (no GPU needed) and print where they went")
 PARENTS = ()
 
 
@@ -43,6 +48,10 @@ def run(args) -> int:
     except build.BuildError as err:
         print(f"rnnfuse: the cuDNN RNN core was not built ({err}); fused torch stacks run on "
               "torch._VF", file=sys.stderr)
+    import keras
+
+    if keras.backend.backend() == "jax":
+        return _build_for_jax(args.force)
     try:
         from rnnfuse.backends.tensorflow import op_build
     except ModuleNotFoundError as err:
@@ -68,4 +77,16 @@ def run(args) -> int:
         print(f"rnnfuse: the wavefront op was not built ({err}); fused stacks run on cuDNN",
               file=sys.stderr)
     print(path)
+    return 0
+
+
+def _build_for_jax(force: bool) -> int:
+    """Builds the XLA FFI library for JAX and prints its path."""
+    from rnnfuse.backends.jax import ffi_build
+
+    try:
+        print(ffi_build.build_ffi_library(force=force))
+    except ffi_build.BuildError as err:
+        raise CliError(f"building rnnfuse's XLA FFI library for JAX failed ({err}); fused "
+                       "stacks run jax.experimental.rnn or the original layers") from err
     return 0

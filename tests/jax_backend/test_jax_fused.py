@@ -177,12 +177,19 @@ def test_without_tune_jax_keeps_keras_layers_and_says_why(emulated_jax_lstm):
     assert len(report.groups) == 1  # it could fuse; the plan keeps the layers
 
 
-def test_gru_and_simple_rnn_runs_get_the_backend_reason():
-    for kind in ("gru", "rnn_tanh"):
-        report = rnnfuse.analyze(stack_model(kind, 3))
-        assert report.groups == ()
-        assert {r.rule for r in report.skipped.values()} == {"backend"}
-        assert "only LSTMs" in next(iter(report.skipped.values()))
+def test_simple_rnn_runs_get_the_backend_reason():
+    report = rnnfuse.analyze(stack_model("rnn_tanh", 3))
+    assert report.groups == ()
+    assert {r.rule for r in report.skipped.values()} == {"backend"}
+    assert "only LSTMs" in next(iter(report.skipped.values()))
+
+
+def test_gru_runs_are_groups_for_the_wavefront_kernel():
+    """A GRU run is a group (the wavefront kernel's plan runs it); its
+    static plan keeps the layers, as for every group under JAX."""
+    model = stack_model("gru", 3)
+    assert len(rnnfuse.analyze(model).groups) == 1
+    assert fused_layers(rnnfuse.optimize(model)) == []
 
 
 def test_dropout_between_layers_is_not_absorbed():

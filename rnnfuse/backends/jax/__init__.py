@@ -1,4 +1,13 @@
-"""JAX backend: an LSTM stack as one `jax.experimental.rnn.lstm` call.
+"""JAX backend: an LSTM stack as one `jax.experimental.rnn.lstm` call, and
+LSTM and GRU stacks on rnnfuse's wavefront kernel through XLA FFI.
+
+Plan kernel "wavefront" (`wavefront`: the kernel's FFI handlers, called
+with `jax.ffi.ffi_call` inside Keras' jitted steps, with a
+`jax.custom_vjp` whose backward pass runs the backward kernel) runs
+unidirectional float16 and bfloat16 LSTM and GRU stacks on a Hopper GPU;
+`kernel_reason` says where it cannot, and a call it refuses runs the
+"cudnn" kernel (jax.experimental.rnn), else the original layers, with the
+reason. The rest of this docstring is the "cudnn" kernel's.
 
 Keras' JAX backend (3.15) already runs each unmasked float32 `LSTM` layer
 on the GPU as one single-layer `jax.experimental.rnn.lstm` call (cuDNN).
@@ -26,8 +35,9 @@ W_ih = [s*W; s*W]^T, s = 1 or 1/2: the call feeds it [fwd, bwd], and
 
 Not fused under JAX (the original layers run, exactly): masked calls
 (`mask_is_supported` is False: wrong gradients from the cuDNN call with
-ragged lengths), a go_backwards first layer (`group_reason`),
-float16/bfloat16, GRU and SimpleRNN. Between-level dropout has no seed in
+ragged lengths), an LSTM's go_backwards first layer (`group_reason`),
+SimpleRNN; float16/bfloat16 and GRU stacks only on the "wavefront" plan,
+where its kernel accepts them. Between-level dropout has no seed in
 jax.experimental.rnn, so the planner does not absorb Dropout layers under
 JAX.
 
@@ -59,6 +69,7 @@ __all__ = [
     "group_reason",
     "is_available",
     "jax_lstm",
+    "kernel_reason",
     "mask_is_supported",
     "pack_params",
     "run_stack",
@@ -66,9 +77,10 @@ __all__ = [
     "unsupported_reason",
 ]
 
-# The plan kernels (`rnnfuse.plan.KERNELS`) this backend runs: both are
-# jax.experimental.rnn's cuDNN call (there is no rnnfuse op under JAX).
-KERNELS = ("cudnn", "stock")
+# The plan kernels (`rnnfuse.plan.KERNELS`) this backend runs: "cudnn" and
+# "stock" are both jax.experimental.rnn's cuDNN call; "wavefront" is
+# rnnfuse's kernel (`wavefront`).
+KERNELS = ("cudnn", "stock", "wavefront")
 
 
 def concrete_bool(value: Any) -> bool | None:
@@ -96,12 +108,16 @@ def _kind_reason(kind: str) -> str | None:
 def group_reason(group: Any) -> str | None:
     """Why a fusion group must stay with Keras' layers under JAX, or None.
 
-    Besides non-LSTM runs: a go_backwards first layer. Keras 3.15's JAX
+    GRU runs are kept for the wavefront kernel (whose plan, chosen by the
+    tuner or set, runs them; the "cudnn" kernel refuses them at the call).
+    Besides SimpleRNN runs: an LSTM's go_backwards first layer. Keras 3.15's JAX
     cuDNN LSTM returns a go_backwards layer's sequence flipped back to input
     order, while its own loop (and the TensorFlow and torch backends)
     return it in processing order (bench/diag_jax_states.py). rnnfuse's call follows the loop,
     so fusing would change the numbers of the original model.
     """
+    if group.cell == "gru":
+        return None
     reason = _kind_reason(group.cell)
     if reason is None and group.views[0].go_backwards:
         reason = (
@@ -113,7 +129,37 @@ def group_reason(group: Any) -> str | None:
 
 
 def unsupported_reason(stack: StackSpec, dtype: str) -> str | None:
-    """Why this backend cannot run `stack` in `dtype`, or None."""
+    """Why neither of this backend's kernels can run `stack` in `dtype`, or
+    None (the call's own checks say which kernel runs it)."""
+    from rnnfuse.backends.cuda import library
+
+    cudnn = _cudnn_reason(stack, dtype)
+    if cudnn is None:
+        return None
+    summed = any(stack.input_scale(i) is not None for i in range(stack.num_levels))
+    kernel = library.stack_reason(stack.kind, str(dtype), directions=stack.num_directions,
+                                  proj_size=stack.proj_size, summed_inputs=summed)
+    return None if kernel is None else f"{cudnn}; {kernel}"
+
+
+def kernel_reason(kernel: str, group: Any, shape: tuple, training: bool = False) -> str | None:
+    """Why plan kernel `kernel` cannot run `group`'s (a `FusionGroup`)
+    inference calls (with `training`: its training calls, forward and
+    backward) at input `shape` (batch, steps, features) here, or None
+    (`JaxBackend.kernel_reason`: the wavefront kernel's checks)."""
+    if kernel != "wavefront":
+        return f"the JAX backend has no {kernel!r} kernel to time"
+    from rnnfuse.backends.jax import wavefront
+
+    batch, steps, features = (int(d) for d in shape[:3])
+    return wavefront.unsupported_reason(
+        group.cell, group.num_layers, group.units, str(group.dtype), batch, steps, features,
+        training=training, directions=2 if group.bidirectional else 1,
+        proj_size=group.proj_size)
+
+
+def _cudnn_reason(stack: StackSpec, dtype: str) -> str | None:
+    """Why jax.experimental.rnn cannot run `stack` in `dtype`, or None."""
     reason = _kind_reason(stack.kind)
     if reason is not None:
         return reason
@@ -193,7 +239,9 @@ def run_stack(sequences: Any, call: StackCall) -> StackRun:
 
     The call's `seed`, `algorithm` and `training` are not read, its
     `dropout` must be 0 (see module doc), and its `kernel` "cudnn" or
-    "stock" (the same call here).
+    "stock" (the same call here), or "wavefront" (`wavefront.run_stack`;
+    where it cannot run the call, "cudnn" with the reason in the
+    `KernelRun`'s note).
 
     Returns:
         A `StackRun`: outputs [B, T, D*H] with zeros past each length,
@@ -202,6 +250,11 @@ def run_stack(sequences: Any, call: StackCall) -> StackRun:
     if call.kernel not in KERNELS:
         raise NotImplementedError(
             f"the JAX backend runs the kernels {list(KERNELS)}, not {call.kernel!r}")
+    if call.kernel == "wavefront":
+        return _run_wavefront(sequences, call)
+    reason = _cudnn_reason(call.stack, jnp.asarray(sequences).dtype.name)
+    if reason is not None:
+        raise NotImplementedError(reason)
     if call.dropout:
         raise NotImplementedError("jax.experimental.rnn has no seeded dropout")
     stack, mask = call.stack, call.mask
@@ -228,6 +281,27 @@ def run_stack(sequences: Any, call: StackCall) -> StackRun:
     if mask is not None:
         y = jnp.where(jnp.arange(steps)[None, :, None] < lengths[:, None, None], y, 0.0)
     return StackRun(y, h, c, KernelRun("jax.experimental.rnn.lstm"))
+
+
+def _run_wavefront(sequences, call: StackCall) -> StackRun:
+    """A plan's call on the wavefront kernel; where it cannot run the call,
+    jax.experimental.rnn with the reason in the `KernelRun`'s note; where
+    neither can, NotImplementedError naming both (the layers then run)."""
+    import dataclasses
+
+    from rnnfuse.backends.jax import wavefront
+
+    try:
+        return wavefront.run_stack(sequences, call)
+    except NotImplementedError as err:
+        kernel_err = err
+    try:
+        run = run_stack(sequences, dataclasses.replace(call, kernel="cudnn"))
+    except NotImplementedError as err:
+        raise NotImplementedError(f"the wavefront kernel cannot run this call ({kernel_err}), "
+                                  f"nor can jax.experimental.rnn ({err})") from None
+    return run._replace(kernel=run.kernel.with_note(
+        f"the wavefront kernel cannot run this call ({kernel_err}); cuDNN runs it"))
 
 
 def device_environment() -> dict:

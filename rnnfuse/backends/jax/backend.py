@@ -37,9 +37,10 @@ __all__ = ["JaxBackend", "JaxTiming", "JaxTooling"]
 
 
 class JaxBackend(NoProjectedLSTMPath, KernelModuleBackend):
-    """JAX: an LSTM stack as one `jax.experimental.rnn.lstm` call (GPU).
-    ProjectedLSTM runs Keras' loop: jax.experimental.rnn's cuDNN LSTM has
-    no projection."""
+    """JAX: an LSTM stack as one `jax.experimental.rnn.lstm` call (GPU), or
+    an LSTM or GRU stack on rnnfuse's wavefront kernel (XLA FFI, float16
+    and bfloat16, Hopper). ProjectedLSTM runs Keras' loop:
+    jax.experimental.rnn's cuDNN LSTM has no projection."""
 
     name = "jax"
     kernels = kernels
@@ -55,7 +56,14 @@ class JaxBackend(NoProjectedLSTMPath, KernelModuleBackend):
         # calls (bench/bench_jax.py): without tune= the layers stay.
         plan_table="per_layer",
         projected_lstm_loop=None,
+        # rnnfuse's wavefront kernel through XLA FFI: inference, and
+        # training on its backward kernel (a jax.custom_vjp).
+        inference_kernels=("wavefront",),
+        training_kernels=("wavefront",),
     )
+
+    def kernel_reason(self, kernel, group, shape, training=False):
+        return kernels.kernel_reason(kernel, group, shape, training=training)
 
     def group_reason(self, group):
         return kernels.group_reason(group)

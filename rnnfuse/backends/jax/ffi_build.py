@@ -1,0 +1,108 @@
+"""Builds rnnfuse's XLA FFI library for JAX (the csrc/jax_*.cc handlers).
+
+One shared library, `librnnfuse_jax_ffi.so`, holds the FFI handlers (one
+source file an operation: `FFI_SOURCES`) and the framework-free libraries
+they wrap (`LIBRARY_SOURCES`: the wavefront launcher, with its cubin
+embedded), compiled by g++ against:
+
+- `jax.ffi.include_dir()`: XLA's header-only FFI API (xla/ffi/api/ffi.h);
+- the CUDA toolkit's include/ (cudaStream_t; nothing links the CUDA
+  runtime: the launchers reach the driver through dlopen);
+- the wavefront cubin of `rnnfuse.backends.cuda.build.build_cubin` (nvcc).
+
+No GPU is needed to build; the library is cached under
+`rnnfuse.backends.cuda.build.cache_dir()` by a hash of its sources, the
+jaxlib version and the flags, like the other libraries. A handler for
+another C ABI (the cuDNN core) is one more file in `FFI_SOURCES` and its
+library's sources in `LIBRARY_SOURCES`.
+
+Example (no GPU needed; compiles only):
+
+    >>> build_ffi_library().name  # doctest: +SKIP
+    'librnnfuse_jax_ffi.so'
+"""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+
+from rnnfuse.backends.cuda import build
+from rnnfuse.backends.cuda.build import BuildError
+
+__all__ = ["FFI_SOURCES", "LIBRARY_NAME", "LIBRARY_SOURCES", "BuildError", "build_ffi_library",
+           "ffi_command", "ffi_include"]
+
+LIBRARY_NAME = "librnnfuse_jax_ffi.so"
+# The handlers: one file an operation.
+FFI_SOURCES = ("jax_wavefront_forward.cc", "jax_wavefront_backward_stack.cc",
+               "jax_wavefront_backward_layer.cc")
+# The C-ABI libraries the handlers call, compiled into the same library.
+LIBRARY_SOURCES = ("wavefront_host.cc",)
+HEADERS = ("jax_ffi_common.h", "wavefront_plan.h", "wavefront.cuh")
+_FLAGS_VERSION = "1"  # bump when the command changes
+
+
+def ffi_include() -> Path:
+    """`jax.ffi.include_dir()` where it holds xla/ffi/api/ffi.h; raises
+    BuildError naming what is missing and the fix."""
+    try:
+        import jax.ffi
+    except ImportError as err:
+        raise BuildError(f"jax.ffi is not importable ({err}). Fix: install jax and jaxlib "
+                         "0.4.31 or newer") from err
+    include = Path(jax.ffi.include_dir())
+    if not (include / "xla" / "ffi" / "api" / "ffi.h").is_file():
+        raise BuildError(f"jaxlib's FFI headers are missing: no xla/ffi/api/ffi.h under "
+                         f"{include}. Fix: reinstall jaxlib (0.4.31 or newer ships them)")
+    return include
+
+
+def ffi_command(cxx: str, cubin: Path, cuda_include: Path, include: Path, output: Path,
+                sources: tuple = FFI_SOURCES + LIBRARY_SOURCES) -> list[str]:
+    """The g++ command that builds the FFI library around `cubin`.
+
+    XLA's headers are system headers (-isystem): their warnings are not ours.
+    """
+    return [
+        cxx, *build.CXX_FLAGS, "-isystem", str(include), "-isystem", str(cuda_include),
+        f"-I{build.SOURCE_DIR}", f'-DRF_WAVEFRONT_CUBIN="{cubin}"',
+        *(str(build.SOURCE_DIR / s) for s in sources), "-o", str(output), "-ldl",
+    ]
+
+
+def _key(cubin: Path) -> str:
+    import jaxlib
+
+    h = hashlib.sha256(_FLAGS_VERSION.encode())
+    for name in FFI_SOURCES + LIBRARY_SOURCES + HEADERS:
+        h.update((build.SOURCE_DIR / name).read_bytes())
+    for extra in (str(cubin.parent.name), jaxlib.__version__, *build.CXX_FLAGS):
+        h.update(extra.encode())
+    return f"jax-ffi-{h.hexdigest()[:12]}"
+
+
+def build_ffi_library(force: bool = False, cubin: Path | None = None) -> Path:
+    """Builds (unless cached) librnnfuse_jax_ffi.so; returns its path.
+
+    `cubin`: the wavefront cubin to embed (default: `build.build_cubin()`,
+    which runs nvcc; tests pass any file to check that the host code
+    compiles).
+
+    Raises:
+        BuildError: no jaxlib headers, no nvcc, no C++ compiler, or a
+            compiler failed (the message says which and the fix).
+    """
+    include = ffi_include()
+    cxx = build.find_cxx()
+    cubin = Path(cubin) if cubin is not None else build.build_cubin(force=force)
+    cuda_include = build.cuda_include(build.find_nvcc())
+    target = build.cache_dir() / _key(cubin) / LIBRARY_NAME
+
+    def make(tmp: Path) -> None:
+        build.run_compiler(ffi_command(cxx, cubin, cuda_include, include, tmp),
+                           "rnnfuse's XLA FFI library for JAX",
+                           "check that the C++ compiler supports C++17 and that jaxlib's "
+                           "FFI headers match it")
+
+    return build.cached_build(target, make, force)
