@@ -62,6 +62,7 @@ import contextlib
 
 import keras
 from keras import ops, tree
+from keras.src.backend.common import global_state
 
 from rnnfuse.backends import StackCall, StackSpec, get_backend
 from rnnfuse.plan import FUSED, Plan
@@ -84,6 +85,9 @@ def default_name(layers) -> str:
     """
     first, last = layers[0].name, layers[-1].name
     return f"fused_{first}" if first == last else f"fused_{first}_to_{last}"
+
+# `last_path` of a call whose plan keeps the original layers.
+_KEPT_ORIGINAL = CallPath(PathKind.LAYERS, plan_per_layer())
 
 
 @keras.saving.register_keras_serializable(package="rnnfuse")
@@ -125,6 +129,12 @@ class FusedRNN(keras.layers.Layer):
             too, so the original layers are not traced (the mask's check
             stays in the step). The tuner does not pass it: it times the
             step the model runs, both branches traced.
+
+    Where the call's plan is known to keep the original layers (the plan
+    itself without a planner; the planner's decided plan for the call's
+    mode and shape), the call is theirs alone: `__call__` hands it to the
+    layers' own calls, without this layer's Keras call, so a kept-original
+    group costs what the original model's layers cost.
 
     Returns:
         What the last layer returns (output, plus states with
@@ -182,6 +192,9 @@ class FusedRNN(keras.layers.Layer):
             input_merges=input_merges(views),
         )
         self.supports_masking = True
+        # The members in call order, for the original layers' direct call
+        # (untracked: Keras tracks them through `fused_layers`).
+        object.__setattr__(self, "_members", self.members())
         # Sub-stacks a split plan runs, built on first use; a plain dict set
         # with object.__setattr__ so Keras neither tracks nor saves them
         # (they hold the same layers and variables as this layer).
@@ -352,6 +365,49 @@ class FusedRNN(keras.layers.Layer):
         return cls(layers, dropout_layers=dropout_layers or None, **config)
 
     # -- call ------------------------------------------------------------------
+
+    def __call__(self, *args, **kwargs):
+        # Where this call's plan keeps the original layers, their own calls
+        # are all that runs: none of this layer's Keras call set-up, planner
+        # or path record (a kept-original group costs what the original
+        # model's layers cost, plus this check).
+        if self._keeps_original(args, kwargs):
+            return self._original_call(*args, **kwargs)
+        return super().__call__(*args, **kwargs)
+
+    def _keeps_original(self, args, kwargs) -> bool:
+        """Whether this call's plan is known, without timing, to keep the
+        original layers: the layer's own plan where no planner is set, else
+        the planner's lookup (`keeps_original`: the call's decided plan). A
+        symbolic call (a functional model being built) keeps this layer's
+        node, and a tuner's call (`algorithm=`) runs as asked."""
+        if not args or not self.built or kwargs.get("algorithm") is not None:
+            return False
+        sequences = args[0]
+        if isinstance(sequences, keras.KerasTensor):
+            return False
+        if self.planner is None:
+            return self._plan.per_layer
+        training = kwargs.get("training")
+        if training is None:
+            # Keras' own resolution: the outer call's value, else inference.
+            context = global_state.get_global_attribute("current_call_ctx")
+            training = getattr(context, "training", None)
+        return self.planner.keeps_original(tuple(sequences.shape), bool(training))
+
+    def _original_call(self, sequences, initial_state=None, mask=None, training=None,
+                       algorithm=None, mask_is_right_padded=False):
+        """The original layers' own calls, with this call's arguments as the
+        rewrite received them for the run's first layer (a mask not passed
+        reaches each layer on its input tensor, as in the original model)."""
+        rest = {} if training is None else {"training": training}
+        if mask is not None:
+            rest["mask"] = tree.flatten(mask)[0]
+        first = dict(rest)
+        if initial_state is not None:
+            first["initial_state"] = initial_state
+        object.__setattr__(self, "last_path", _KEPT_ORIGINAL)
+        return call_members(self._members, sequences, first=first, rest=rest)
 
     def call(self, sequences, initial_state=None, mask=None, training=None,
              algorithm=None, mask_is_right_padded=False):

@@ -122,16 +122,24 @@ class _OptimizedMixin:
             return super().predict(x, batch_size, *args, **kwargs)
 
     # Each mode's step function is made with the jit_compile its plans
-    # allow (`first_batch.mode_jit_compile`).
+    # allow (`first_batch.mode_jit_compile`). Keras asks for it on every
+    # `train_on_batch`/`predict_on_batch`; where one is made, Keras' own
+    # method answers without the plans' walk.
     def make_train_function(self, force=False):
+        if self.train_function is not None and not force:
+            return super().make_train_function(force)
         with first_batch.mode_jit_compile(self, training=True):
             return super().make_train_function(force)
 
     def make_test_function(self, force=False):
+        if self.test_function is not None and not force:
+            return super().make_test_function(force)
         with first_batch.mode_jit_compile(self, training=False):
             return super().make_test_function(force)
 
     def make_predict_function(self, force=False):
+        if self.predict_function is not None and not force:
+            return super().make_predict_function(force)
         with first_batch.mode_jit_compile(self, training=False):
             return super().make_predict_function(force)
 

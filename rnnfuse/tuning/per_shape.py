@@ -332,6 +332,31 @@ class Planner:
         """Every plan this layer may run (its own and every decided one)."""
         return [self.state.members[self.index].fused.plan] + self.state.plans_of(self.index)
 
+    def keeps_original(self, shape: tuple, training: bool) -> bool:
+        """Whether the call's plan is already decided and keeps the original
+        layers: the plan `__call__` would return for it, looked up only
+        (nothing timed, logged or recorded), so that a kept-original group's
+        eager calls skip its FusedRNN's own call (`FusedRNN.__call__`). False
+        wherever `__call__` may time, read the static table or fall back to
+        the layer's own plan: that call goes through `__call__`.
+
+        >>> from rnnfuse.plan import PER_LAYER
+        >>> state = AutoTune(cache=None, members=[None])
+        >>> state.decided[decision_key(0, True, (32, 100), False)] = TuneResult(None, PER_LAYER, "cache")
+        >>> Planner(state, 0).keeps_original((30, 90, 8), True), Planner(state, 0).keeps_original((30, 90, 8), False)
+        (True, False)
+        """
+        state, i = self.state, self.index
+        call = state.keras_call
+        if call is not None and (i, training) in call:
+            entry = call[(i, training)]
+            # Another bucket runs `untimed(plan)`: the original layers too.
+            return entry is not None and entry[1].per_layer
+        if len(shape) < 2 or shape[0] is None or shape[1] is None or _symbolic():
+            return False
+        result = state.decided.get((i, training, bucket_of(shape[0], shape[1]), False))
+        return result is not None and result.plan.per_layer
+
     def __call__(self, shape: tuple, training: bool) -> Plan | None:
         state, i = self.state, self.index
         member = state.members[i]
