@@ -47,6 +47,7 @@ from rnnfuse.persistence import (
     weights_model,
 )
 from rnnfuse.tuning import first_batch
+from rnnfuse.tuning.budget import call_steps
 
 __all__ = ["FUSED_FORMAT_NOTE", "OptimizedModel", "OptimizedSequential", "as_optimized"]
 
@@ -107,18 +108,32 @@ class _OptimizedMixin:
 
     def fit(self, x=None, y=None, batch_size=None, *args, **kwargs):
         """`keras.Model.fit`, with plans first chosen on the first batch
-        (`rnnfuse.tuning.first_batch`; nothing is timed without a GPU)."""
-        with first_batch.keras_call(self, x, batch_size, training=True):
+        (`rnnfuse.tuning.first_batch`; nothing is timed without a GPU), as
+        much timing as the fit's epochs x steps can pay for
+        (`rnnfuse.tuning.budget`)."""
+        given = (x, y, batch_size, *args)
+        steps = call_steps(
+            x, batch_size,
+            epochs=_argument(keras.Model.fit, given, kwargs, "epochs"),
+            steps=_argument(keras.Model.fit, given, kwargs, "steps_per_epoch"),
+            initial_epoch=_argument(keras.Model.fit, given, kwargs, "initial_epoch"),
+            validation_split=_argument(keras.Model.fit, given, kwargs, "validation_split"),
+        )
+        with first_batch.keras_call(self, x, batch_size, training=True, steps=steps):
             return super().fit(x, y, batch_size, *args, **kwargs)
 
     def evaluate(self, x=None, y=None, batch_size=None, *args, **kwargs):
         """`keras.Model.evaluate`, with plans first chosen on the first batch."""
-        with first_batch.keras_call(self, x, batch_size, training=False):
+        steps = call_steps(x, batch_size, steps=_argument(
+            keras.Model.evaluate, (x, y, batch_size, *args), kwargs, "steps"))
+        with first_batch.keras_call(self, x, batch_size, training=False, steps=steps):
             return super().evaluate(x, y, batch_size, *args, **kwargs)
 
     def predict(self, x, batch_size=None, *args, **kwargs):
         """`keras.Model.predict`, with plans first chosen on the first batch."""
-        with first_batch.keras_call(self, x, batch_size, training=False):
+        steps = call_steps(x, batch_size, steps=_argument(
+            keras.Model.predict, (x, batch_size, *args), kwargs, "steps"))
+        with first_batch.keras_call(self, x, batch_size, training=False, steps=steps):
             return super().predict(x, batch_size, *args, **kwargs)
 
     # Each mode's step function is made with the jit_compile its plans

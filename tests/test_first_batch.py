@@ -56,6 +56,7 @@ def _optimize(model, timer, cache):
     state = fast._rnnfuse_autotune
     state.measure = timer
     state.check_gradients = lambda g, p, shape, dtype: 1e-6
+    state.fit_share = None  # tiny fits time everything (the budget: test_budget.py)
     return fast
 
 

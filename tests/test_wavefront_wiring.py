@@ -402,6 +402,7 @@ def test_predict_and_fit_each_run_their_own_decision(
     fast = rnnfuse.optimize(model, cache=PlanCache(tmp_path / "plans.json"))
     fast._rnnfuse_autotune.measure = FakeTimer({"per-layer": 2.0, "fused": 1.0,
                                                 "fused on wavefront": 0.5})
+    fast._rnnfuse_autotune.fit_share = None  # a tiny predict times everything
     (layer,) = fused_layers(fast)
     x = _x(batch=8)
     y = fast.predict(x, batch_size=8, verbose=0)

@@ -11,7 +11,10 @@ bucket times the candidates still in contention; a decision cached on disk
 for the bucket counts), and the fused layers switch (`FusedRNN.set_plan`)
 before Keras traces its step function. One INFO line on the ``rnnfuse``
 logger says what was measured and chosen, and how long it took; tuning that
-takes more than a few seconds shows a progress bar.
+takes more than a few seconds shows a progress bar. A call of known
+length times only what it can pay for (`rnnfuse.tuning.budget`: a share of
+its steps at the original layers' speed; too short a call runs the static
+table's proven plan).
 
 Within one call nothing more is timed: the call's plan runs every batch (a
 batch of another bucket, such as the last partial one, on cuDNN's standard
@@ -43,6 +46,7 @@ import keras
 
 from rnnfuse.backends import get_backend
 from rnnfuse.fused import FusedRNN, fused_layers
+from rnnfuse.tuning.budget import TuningBudget
 from rnnfuse.tuning.per_shape import AutoTune, Member, Planner, bucket_of, decide, untimed
 from rnnfuse.tuning.table import static_plan
 from rnnfuse.tuning.tuner import TuneResult, device_environment
@@ -93,22 +97,30 @@ def attach(model: keras.Model, groups, state: AutoTune) -> keras.Model:
 
 
 @contextlib.contextmanager
-def keras_call(model: keras.Model, x: Any, batch_size: int | None, *, training: bool):
+def keras_call(model: keras.Model, x: Any, batch_size: int | None, *, training: bool,
+               steps: int | None = None):
     """Around one `fit` (`training=True`), `evaluate` or `predict` of an
     optimized model: the plans decided for the call's first batch
     (`prepare`), held for the whole call (a call inside it, `fit`'s
-    validation `evaluate`, holds its own mode's)."""
+    validation `evaluate`, holds its own mode's).
+
+    `steps`: the steps the call will run (`budget.call_steps`; None:
+    unknown): its timing is held to what they can pay for
+    (`rnnfuse.tuning.budget`). A call inside another spends the outer
+    call's budget."""
     state = getattr(model, "_rnnfuse_autotune", None)
     if state is None or not state.members:
         yield
         return
-    outer = state.keras_call
-    chosen = _prepare(model, state, x, batch_size, training)
-    state.keras_call = {**(outer or {}), **chosen}
+    outer, outer_budget = state.keras_call, state.budget
+    if outer_budget is None and steps is not None and state.fit_share is not None:
+        state.budget = TuningBudget(steps=int(steps), share=state.fit_share, clock=state.clock)
     try:
+        chosen = _prepare(model, state, x, batch_size, training)
+        state.keras_call = {**(outer or {}), **chosen}
         yield
     finally:
-        state.keras_call = outer
+        state.keras_call, state.budget = outer, outer_budget
 
 
 def prepare(model: keras.Model, x: Any, batch_size: int | None, *, training: bool) -> list[TuneResult]:

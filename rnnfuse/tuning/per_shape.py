@@ -74,9 +74,16 @@ from rnnfuse.fused import FusedRNN
 from rnnfuse.plan import PER_LAYER, Plan
 from rnnfuse.report import FusionGroup
 from rnnfuse.tuning import clock
+from rnnfuse.tuning.budget import FIT_SHARE, TuningBudget
 from rnnfuse.tuning.cache import PlanCache, cache_key
 from rnnfuse.tuning.table import static_plan
-from rnnfuse.tuning.tuner import TuneResult, candidates_for, device_environment, tune_plans
+from rnnfuse.tuning.tuner import (
+    TuneResult,
+    candidates_for,
+    default_warmup,
+    device_environment,
+    tune_plans,
+)
 
 __all__ = [
     "AutoTune",
@@ -93,6 +100,8 @@ __all__ = [
 
 logger = logging.getLogger("rnnfuse")
 
+# Timed rounds of a first-batch tuning (`tune_plans`' default).
+REPEATS = 5
 # A candidate within this factor of the best at the nearest decided bucket
 # is timed again at a new bucket (PRUNE of the tuner: the candidates it
 # would have raced to the end).
@@ -136,10 +145,20 @@ class AutoTune:
     seconds: float = 0.0
     # One record per timed group, mode and bucket (`decision_record`).
     decisions: list = dataclasses.field(default_factory=list)
-    # For tests: tune_plans' measure / check_gradients / environment.
+    # While a fit/evaluate/predict call of known length runs: what its
+    # timing may cost (`rnnfuse.tuning.budget`; the outermost call's); else
+    # None (no limit).
+    budget: TuningBudget | None = None
+    # The share of a call's time its timing may take
+    # (`budget.FIT_SHARE`); None: no limit, every call of a new shape times
+    # every candidate.
+    fit_share: float | None = FIT_SHARE
+    # For tests: tune_plans' measure / check_gradients / environment, and
+    # the clock a call's budget is read on.
     measure: Callable | None = None
     check_gradients: Callable | None = None
     environment: dict | None = None
+    clock: Callable[[], float] = clock.now
 
     def plans_of(self, index: int) -> list[Plan]:
         """Every plan decided for member `index` (any mode and bucket)."""
@@ -224,6 +243,18 @@ def decide(state: AutoTune, environment: dict, shapes: dict, training: bool, *,
             )
     if not todo:
         return out
+    budget = state.budget
+    backend_name = environment.get("backend", "tensorflow")
+    if budget is not None and not budget.times_anything(default_warmup(backend_name), REPEATS):
+        # Too short a call to earn its timing back: the static table's
+        # proven plan, not kept as a decision (a longer call times it).
+        why = budget.why_static(default_warmup(backend_name), REPEATS)
+        for i, shape in todo.items():
+            group = state.members[i].group
+            out[i] = result = TuneResult(
+                group, static_plan(group, group.dtype, training, shape[0], proven_only=True), why)
+            state.decisions.append(decision_record(result, shape, training, jit_baseline))
+        return out
     groups = [state.members[i].group for i in todo]
     shape_of = {id(state.members[i].group): shape for i, shape in todo.items()}
     masked = {id(state.members[i].group): state.members[i].masked for i in todo}
@@ -241,6 +272,8 @@ def decide(state: AutoTune, environment: dict, shapes: dict, training: bool, *,
             jit_baseline=jit_baseline,
             masked_of=lambda g: masked[id(g)],
             candidates_of=lambda g: narrowed.get(id(g), (None,))[0],
+            budget=budget,
+            repeats=REPEATS,
         )
     except Exception as err:  # noqa: BLE001 - timing must never break the user's step
         logger.warning(

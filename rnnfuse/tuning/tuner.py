@@ -80,6 +80,7 @@ import numpy as np
 
 from rnnfuse.backends import get_backend, get_timing
 from rnnfuse.report import FusionGroup
+from rnnfuse.tuning.budget import TuningBudget
 from rnnfuse.tuning.cache import PlanCache, cache_key
 from rnnfuse.tuning.clock import Clock, current_clock
 from rnnfuse.plan import PER_LAYER, Plan
@@ -87,7 +88,7 @@ from rnnfuse.tuning.plans import candidate_plans, kernel_plans, persistent_reaso
 from rnnfuse.tuning.table import static_plan
 from rnnfuse.tuning.timing import interleaved_medians
 
-__all__ = ["TuneResult", "candidates_for", "device_environment", "tune_plans"]
+__all__ = ["TuneResult", "candidates_for", "default_warmup", "device_environment", "tune_plans"]
 
 # A non-default algorithm's gradients may be at most this many times
 # further from the float64 reference than the default algorithm's.
@@ -323,6 +324,7 @@ def tune_plans(
     jit_baseline: bool = False,
     masked_of: Callable[[FusionGroup], bool] | None = None,
     candidates_of: Callable[[FusionGroup], Sequence[Plan] | None] | None = None,
+    budget: TuningBudget | None = None,
 ) -> list[TuneResult]:
     """The plan for each group, measured on this device (see module doc).
 
@@ -356,6 +358,11 @@ def tune_plans(
         candidates_of: group -> the plans to time for it (None: all of
             `candidate_plans`'), e.g. only the candidates still in
             contention at another shape (`rnnfuse.tuning.first_batch`).
+        budget: what the call being served can pay for
+            (`rnnfuse.tuning.budget`): the original layers and the static
+            table's plan are timed first, and each further stage only
+            within the budget; a decision it cut short is not cached.
+            None: every stage.
     """
     environment = environment if environment is not None else device_environment()
     results = []
@@ -374,7 +381,7 @@ def tune_plans(
 
     eager_first_calls = not get_backend(backend_name).capabilities.first_call_compiles
     if warmup is None:
-        warmup = 0 if get_backend(backend_name).capabilities.first_call_compiles else 1
+        warmup = default_warmup(backend_name)
     measure = measure or (lambda steps, on_step=None: interleaved_medians(
         steps, warmup=warmup, repeats=repeats, on_step=on_step, prune=PRUNE, race=RACE,
         keep=(PER_LAYER.name,), beat=1 - KEEP_ORIGINAL_MARGIN))
@@ -420,19 +427,23 @@ def tune_plans(
                 lambda k, g, s: backend.kernel_reason(k, g, s, training=training))
             plans += [p for p in more if p.name not in {q.name for q in plans}]
             rejected.update(why)
+            spend = budget.start() if budget is not None else None
             timings, plans = _time_in_stages(
                 plans, rejected, bar,
                 _Measured(group, shape, dtype, training, jit_baseline, masked, measure, bar,
                           eager_first_calls=eager_first_calls),
+                spend=spend, lead=leading_candidates(group, dtype, training, shape, plans),
             )
+            cut = spend is not None and spend.cut
             best = _keep_original_unless_clearly_slower(plans, timings, _fastest_with_sound_gradients(
                 plans, timings, rejected, training,
                 lambda p: check_gradients(group, p, shape, dtype), dtype,
                 keeps_original=lambda p: _keep_original_unless_clearly_slower(
                     plans, timings, p) is not p,
             ))
-            results[index] = TuneResult(group, best, "measured", timings, rejected)
-            if cache is not None:
+            source = "measured: within the call's budget" if cut else "measured"
+            results[index] = TuneResult(group, best, source, timings, rejected)
+            if cache is not None and not cut:
                 cache.put(
                     key,
                     {
@@ -583,7 +594,34 @@ def clearly_slow_first_calls(first_s: dict) -> set:
     return {n for n, t in first_s.items() if t > FIRST_CALL_PRUNE_S and t > PRUNE**2 * fastest}
 
 
-def _time_in_stages(plans, rejected, bar, measured):
+def default_warmup(backend_name: str) -> int:
+    """Untimed calls after a step's first: none where the first call
+    compiles (TensorFlow), one where it ran eagerly (torch)."""
+    return 0 if get_backend(backend_name).capabilities.first_call_compiles else 1
+
+
+def leading_candidates(group, dtype, training, shape, plans) -> tuple[str, ...]:
+    """The names a budgeted timing starts with: the original layers and the
+    static table's plan for this shape (the whole run on the default
+    algorithm where the table keeps the original layers), among `plans`.
+
+    >>> import types
+    >>> from rnnfuse.plan import Plan, PER_LAYER
+    >>> g = types.SimpleNamespace(layers=("a", "b"))
+    >>> leading_candidates(g, "float32", True, (8, 10, 4), [PER_LAYER, Plan((2,)), Plan((1, 1))])[0]
+    'per-layer'
+    """
+    names = {p.name for p in plans}
+    try:
+        static = static_plan(group, dtype, training, shape[0]).for_length(len(group.layers))
+    except Exception:  # noqa: BLE001 - a group the table cannot read: the whole run leads
+        static = PER_LAYER
+    if static.per_layer or static.name not in names:
+        static = Plan((len(group.layers),))
+    return tuple(n for n in (PER_LAYER.name, static.name) if n in names)
+
+
+def _time_in_stages(plans, rejected, bar, measured, spend=None, lead=()):
     """Times `plans` in two stages; returns ({name: seconds}, the plans timed).
 
     With one algorithm among the fused plans, in one stage. Else stage one:
@@ -599,6 +637,11 @@ def _time_in_stages(plans, rejected, bar, measured):
     where they came within PRUNE of it), so the plans that decide are
     compared in one interleaved session.
     `measured(plans)` -> ({name: seconds}, {name: why refused}).
+
+    With `spend` (a `budget.Spend`), the plans named in `lead` are timed
+    first, alone, and stage one (them again, beside the rest of it) and
+    stage two each run only where the budget allows them; what was left
+    out is recorded in `rejected` and `spend.cut` set.
 
     >>> from rnnfuse.plan import Plan, PER_LAYER
     >>> p = "persistent_static"
@@ -622,8 +665,22 @@ def _time_in_stages(plans, rejected, bar, measured):
         # One algorithm (a masked group, torch): stage one could rule out
         # only the split on it, and re-timing would cost more than it saves.
         first, rest = plans, []
+    leading = [p for p in plans if p.name in lead] if spend is not None else []
+    if 0 < len(leading) < len(plans):
+        first = leading + [p for p in first if p not in leading]
+        rest = [p for p in rest if p not in leading]
+        timings, refused = measured(leading)
+        rejected.update(refused)
+        spend.timed += len(leading)
+        if not spend.allows(len(first), timings.get(PER_LAYER.name)):
+            _left_out([p for p in plans if p not in leading], rejected, spend,
+                      timings.get(PER_LAYER.name))
+            bar.advance_rest(len(plans))
+            return timings, [p for p in leading if p.name in timings]
     timings, refused = measured(first)
     rejected.update(refused)
+    if spend is not None:
+        spend.timed += len(first)
     timed = [p for p in first if p.name in timings]
     bar.advance_rest(len(first))
     if not rest or not timings:
@@ -649,12 +706,24 @@ def _time_in_stages(plans, rejected, bar, measured):
             p for p in timed
             if timings[p.name] == best or (not p.pieces and timings[p.name] <= PRUNE * best)
         ]
+        if spend is not None and not spend.allows(len(again + second), timings.get(PER_LAYER.name)):
+            _left_out(second, rejected, spend, timings.get(PER_LAYER.name))
+            bar.advance_rest(len(rest))
+            return timings, timed
         more, refused = measured(again + second)
         rejected.update(refused)
         timings.update(more)
         timed += [p for p in second if p.name in more]
     bar.advance_rest(len(rest))
     return timings, timed
+
+
+def _left_out(plans, rejected, spend, original_step_s) -> None:
+    """Records `plans` as left out by the call's budget (`spend.cut`)."""
+    why = spend.why_not(original_step_s)
+    for p in plans:
+        rejected.setdefault(p.name, why)
+    spend.cut = True
 
 
 def _steps(group, plans, shape, dtype, training, jit_baseline=False, masked=False) -> dict:

@@ -110,3 +110,19 @@ def _exact_float32():
         torch.backends.cudnn.allow_tf32 = False
         torch.set_float32_matmul_precision("highest")
     yield
+
+
+@pytest.fixture(autouse=True)
+def _no_call_budget(monkeypatch):
+    """These tests time plans on fits and predicts of a few steps, which a
+    call's budget (`rnnfuse.tuning.budget`) would leave to the static
+    table: every optimized model here times every call's candidates."""
+    from rnnfuse.tuning import first_batch
+
+    attach = first_batch.attach
+
+    def attach_without_budget(model, groups, state):
+        state.fit_share = None
+        return attach(model, groups, state)
+
+    monkeypatch.setattr(first_batch, "attach", attach_without_budget)

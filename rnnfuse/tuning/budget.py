@@ -1,0 +1,177 @@
+"""How much timing a `fit`, `evaluate` or `predict` call can pay for.
+
+When a call starts, Keras knows how many steps it will run: `epochs x
+steps_per_epoch` for `fit` (`call_steps`). Timing plans on the first batch
+is worth its cost only where the call is long enough to earn it back, so
+the tuner's budget scales with the call it serves:
+
+    budget_s = FIT_SHARE x steps x t_original
+
+where `t_original` is the group's original layers' step, as the tuner
+timed it (they are always timed first, beside the static table's plan).
+A plan replaces the original layers only where it beats them by the
+tuner's margin (`tuner.KEEP_ORIGINAL_MARGIN`, 10% of every later step), so
+a tuning within FIT_SHARE (3%) of the call pays for itself when a plan
+wins, and costs at most that share when none does.
+
+The rule (`TuningBudget`; `tuner.tune_plans` and `per_shape.decide`):
+
+1. A decision in the plan cache costs nothing and is always used.
+2. A call too short to time even the two leading candidates within its
+   budget (each costs at least a first call, the warm-up and the timed
+   rounds, at about the original layers' step: `min_steps`) times
+   nothing: the static table's proven plan runs it.
+3. Otherwise the original layers and the static table's plan are timed
+   first; each further stage (the whole run on every other algorithm,
+   then the splits) is timed only where the seconds spent so far plus the
+   stage's projected cost (its candidates at the mean cost of those timed
+   so far) stay within the budget. A longer call times more stages.
+4. A decision cut short by its budget is used for the rest of the process
+   but not written to the plan cache, so a longer call in a new process
+   times the candidates that were left out.
+5. A call whose length cannot be known (a generator, a dataset of unknown
+   cardinality, a custom loop) times everything, as before.
+
+Example:
+
+    >>> import numpy as np
+    >>> call_steps(np.zeros((1000, 10, 4)), batch_size=32, epochs=10)
+    320
+    >>> short, long = TuningBudget(steps=20), TuningBudget(steps=100_000)
+    >>> short.times_anything(warmup=1, repeats=5), long.times_anything(warmup=1, repeats=5)
+    (False, True)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+from typing import Any, Callable
+
+__all__ = ["FIT_SHARE", "Spend", "TuningBudget", "call_steps"]
+
+# The share of a call's projected time (at the original layers' speed) its
+# tuning may take: a third of the margin a plan must win by.
+FIT_SHARE = 0.03
+# The leading candidates every timing starts with: the original layers and
+# the static table's plan.
+LEADING = 2
+
+
+@dataclasses.dataclass(frozen=True)
+class TuningBudget:
+    """The timing one Keras call can pay for (see the module doc).
+
+    `steps`: the call's steps; `share`: FIT_SHARE; `clock`: where seconds
+    are read (a fake clock in tests).
+    """
+
+    steps: int
+    share: float = FIT_SHARE
+    clock: Callable[[], float] = time.perf_counter
+
+    def min_steps(self, warmup: int, repeats: int) -> int:
+        """The fewest steps a call needs to time the LEADING candidates:
+        each runs a first call, `warmup` and `repeats` steps at about the
+        original layers' step (traces not counted, a floor)."""
+        return math.ceil(LEADING * (1 + warmup + repeats) / self.share)
+
+    def times_anything(self, warmup: int, repeats: int) -> bool:
+        """Whether this call is long enough to time the leading candidates."""
+        return self.steps >= self.min_steps(warmup, repeats)
+
+    def seconds(self, original_step_s: float) -> float:
+        """The budget in seconds for a group whose original layers take
+        `original_step_s` a step."""
+        return self.share * self.steps * original_step_s
+
+    def start(self) -> "Spend":
+        """A group's spending, from now."""
+        return Spend(self, self.clock())
+
+    def why_static(self, warmup: int, repeats: int) -> str:
+        return (f"static: a call of {self.steps} steps cannot pay for timing (at least "
+                f"{self.min_steps(warmup, repeats)} at {self.share:.0%} of the call)")
+
+
+@dataclasses.dataclass
+class Spend:
+    """One group's timing against its budget."""
+
+    budget: TuningBudget
+    started: float
+    # Candidate timings so far (a candidate timed in two stages counts twice).
+    timed: int = 0
+    # Whether the budget left candidates out.
+    cut: bool = False
+
+    def spent(self) -> float:
+        return self.budget.clock() - self.started
+
+    def allows(self, more: int, original_step_s: float | None) -> bool:
+        """Whether `more` candidates fit in what is left: the seconds spent
+        so far plus `more` x the mean cost of a candidate timed so far stay
+        within `TuningBudget.seconds` (no original step known: no)."""
+        if original_step_s is None or self.timed == 0:
+            return False
+        spent = self.spent()
+        return spent + more * spent / self.timed <= self.budget.seconds(original_step_s)
+
+    def why_not(self, original_step_s: float | None) -> str:
+        limit = "?" if original_step_s is None else f"{self.budget.seconds(original_step_s):.2f}"
+        return (f"not timed: the call's budget ({self.budget.steps} steps: {limit} s) was "
+                f"spent ({self.spent():.2f} s)")
+
+
+def call_steps(x: Any, batch_size: int | None = None, epochs: int = 1,
+               steps: int | None = None, initial_epoch: int = 0,
+               validation_split: float = 0.0) -> int | None:
+    """The steps a Keras `fit` (or, with epochs=1, `evaluate`/`predict`)
+    call will run over `x`, or None where they cannot be known without
+    consuming the data (a generator; a dataset of unknown or infinite
+    cardinality).
+
+    `steps`: the call's `steps_per_epoch` / `steps` argument, where given.
+
+    >>> import numpy as np
+    >>> call_steps(np.zeros((100, 5, 2)), 8, epochs=3, validation_split=0.2)
+    30
+    >>> call_steps(iter([]), 8) is None
+    True
+    """
+    epochs = max(int(epochs) - int(initial_epoch or 0), 0)
+    if steps is not None:
+        return int(steps) * epochs
+    per_epoch = _batches(x, batch_size, validation_split)
+    return None if per_epoch is None else per_epoch * epochs
+
+
+def _batches(x: Any, batch_size: int | None, validation_split: float) -> int | None:
+    """Batches in one pass over `x`."""
+    cardinality = getattr(x, "cardinality", None)
+    if callable(cardinality):  # tf.data: -1 infinite, -2 unknown
+        try:
+            n = int(cardinality())
+        except (TypeError, ValueError):
+            return None
+        return n if n >= 0 else None
+    first = x
+    if isinstance(x, dict):
+        first = next(iter(x.values()), None)
+    elif isinstance(x, (list, tuple)) and x and hasattr(x[0], "shape"):
+        first = x[0]
+    shape = getattr(first, "shape", None)
+    if shape is not None and len(shape) > 0 and shape[0] is not None and not hasattr(x, "__next__"):
+        if any(c.__name__ == "PyDataset" for c in type(x).__mro__):
+            return len(x)
+        rows = int(shape[0])
+        if validation_split:
+            rows = int(math.floor(rows * (1.0 - float(validation_split))))
+        return math.ceil(rows / (batch_size or 32))
+    if any(c.__name__ == "PyDataset" for c in type(x).__mro__):
+        try:
+            return len(x)
+        except TypeError:
+            return None
+    return None
