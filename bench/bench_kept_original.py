@@ -101,6 +101,7 @@ def kept_original(model: keras.Model) -> keras.Model:
         "backend": keras.backend.backend(), "device": "cpu (nothing to time)"}
     state.measure = lambda steps, on_step=None: {
         name: {"median": 1.0 if name == PER_LAYER.name else 2.0} for name in steps}
+    state.fit_share = None  # the cell's short fits decide too (no call budget)
     first_batch.attach(fast, rnnfuse.analyze(model).groups, state)
     return fast
 

@@ -1,0 +1,34 @@
+"""bench/bench_kept_original.py's own logic, on the CPU with a tiny cell:
+both models run, the optimized one keeps the original layers through its
+FusedRNN (the tuner's pinned decision), and every entry point gets its
+paired ratio."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+BENCH = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
+                     "bench")
+sys.path.insert(0, BENCH)
+
+import bench_kept_original  # noqa: E402
+
+
+def test_quick_run_writes_paired_ratios_for_every_entry_point(tmp_path):
+    out = tmp_path / "kept.json"
+    assert bench_kept_original.main(["--quick", "--out", str(out)]) == 0
+    (row,) = json.loads(out.read_text())["results"]
+    assert "error" not in row, row
+    assert row["plans"] == ["per-layer"]
+    for entry in bench_kept_original.ENTRY_POINTS:
+        assert len(row[entry]["ratios"]) == row["rounds"] and row[entry]["ratio"] > 0
+
+
+def test_fewer_than_15_rounds_is_refused_outside_a_smoke_run(tmp_path, capsys):
+    import pytest
+
+    with pytest.raises(SystemExit):
+        bench_kept_original.main(["--rounds", "5", "--out", str(tmp_path / "x.json")])
+    assert "15 rounds" in capsys.readouterr().err
