@@ -144,7 +144,23 @@ class _OptimizedMixin:
         if self.train_function is not None and not force:
             return super().make_train_function(force)
         with first_batch.mode_jit_compile(self, training=True):
-            return super().make_train_function(force)
+            made = super().make_train_function(force)
+        # With online tuning, a fit whose plans race on its own steps steps
+        # through the race (`rnnfuse.tuning.online`) until it commits.
+        online = first_batch.online_train_function(self, self._train_function_now)
+        if online is None:
+            return made
+        self.train_function = online
+        return online
+
+    def _train_function_now(self):
+        """Keras' train function for the plans set now (the model's own
+        stays in place)."""
+        keep = self.train_function
+        with first_batch.mode_jit_compile(self, training=True):
+            super().make_train_function(force=True)
+        made, self.train_function = self.train_function, keep
+        return made
 
     def make_test_function(self, force=False):
         if self.test_function is not None and not force:

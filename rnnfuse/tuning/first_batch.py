@@ -39,6 +39,8 @@ Example (no GPU here: nothing is timed, nothing changes):
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import datetime
 import logging
 from typing import Any
 
@@ -46,10 +48,31 @@ import keras
 
 from rnnfuse.backends import get_backend
 from rnnfuse.fused import FusedRNN, fused_layers
+from rnnfuse.plan import PER_LAYER, Plan
 from rnnfuse.tuning.budget import TuningBudget
-from rnnfuse.tuning.per_shape import AutoTune, Member, Planner, bucket_of, decide, untimed
+from rnnfuse.tuning.cache import cache_key
+from rnnfuse.tuning.online import OnlineFit
+from rnnfuse.tuning.per_shape import (
+    REPEATS,
+    AutoTune,
+    Member,
+    Planner,
+    bucket_of,
+    decide,
+    decision_key,
+    decision_record,
+    untimed,
+)
+from rnnfuse.tuning.plans import persistent_reason
 from rnnfuse.tuning.table import static_plan
-from rnnfuse.tuning.tuner import TuneResult, device_environment
+from rnnfuse.tuning.tuner import (
+    GradientCheck,
+    TuneResult,
+    candidates_for,
+    default_warmup,
+    device_environment,
+    gradient_tolerance,
+)
 
 __all__ = [
     "attach",
@@ -58,6 +81,7 @@ __all__ = [
     "first_batch_shape",
     "keras_call",
     "mode_jit_compile",
+    "online_train_function",
     "prepare",
 ]
 
@@ -120,6 +144,10 @@ def keras_call(model: keras.Model, x: Any, batch_size: int | None, *, training: 
         state.keras_call = {**(outer or {}), **chosen}
         yield
     finally:
+        if state.online_fit is not None and outer is None:
+            state.online_fit.finish()  # a fit that ended before its race did
+            state.online_fit = None
+        state.online_pending = {} if outer is None else state.online_pending
         state.keras_call, state.budget = outer, outer_budget
 
 
@@ -161,8 +189,10 @@ def _prepare(model, state: AutoTune, x, batch_size, training) -> dict:
             _retrace(model, state, training)
         return undecided
     shapes = {i: _member_shape(m, shape) for i, m in enumerate(state.members)}
-    results = decide(state, environment, shapes, training,
-                     jit_baseline=_keras_would_jit(model, state))
+    jit = _keras_would_jit(model, state)
+    results = _online_races(state, environment, shapes, training, jit)
+    if results is None:
+        results = decide(state, environment, shapes, training, jit_baseline=jit)
     chosen, changed = {}, False
     for i, member in enumerate(state.members):
         bucket = bucket_of(shapes[i][0], shapes[i][1])
@@ -180,6 +210,96 @@ def _prepare(model, state: AutoTune, x, batch_size, training) -> dict:
         _retrace(model, state, training)
     state.traced[training] = now
     return chosen
+
+
+def _online_races(state: AutoTune, environment: dict, shapes: dict, training: bool,
+                  jit: bool) -> dict | None:
+    """With online tuning on, for a training call: the decided or cached
+    results, the members without one set to race on the fit's own steps
+    (`state.online_pending`, run by `online_train_function`), running the
+    original layers until their race starts. None where the call is timed
+    apart as before (online tuning off, inference, a backend whose step
+    takes the plans only when traced statelessly (JAX), no member to race,
+    or a call too short for the race)."""
+    backend = environment.get("backend", "tensorflow")
+    if not (state.online and training and backend in ("tensorflow", "torch")):
+        return None
+    results = decide(state, environment, shapes, training, jit_baseline=jit, lookup_only=True)
+    every = candidates_for(backend)
+    pending = {}
+    for i, shape in shapes.items():
+        if i in results:
+            continue
+        member = state.members[i]
+        plans = [p for p in every(member.group)
+                 if not (p.algorithm and (member.masked or persistent_reason(member.group.dtype, shape[0])))]
+        pending[i] = (bucket_of(shape[0], shape[1]), shape, {p.name: p for p in plans}, jit)
+    if not pending:
+        return None
+    race_steps = sum(len(plans) for _, _, plans, _ in pending.values()) * (
+        1 + default_warmup(backend) + REPEATS)
+    if state.budget is not None and state.budget.steps < race_steps:
+        return None  # the budgeted offline timing (or the static table) decides
+    state.online_pending = pending
+    for i in pending:
+        group = state.members[i].group
+        results[i] = TuneResult(group, PER_LAYER, "online: racing on the fit's own steps")
+    return results
+
+
+def online_train_function(model: keras.Model, make) -> Any:
+    """The fit's step function while online races are pending: an
+    `online.OnlineFit` over `make` (() -> Keras' train function for the
+    plans set now), installed as the model's train function until every
+    race is committed; None where no race is pending."""
+    state = getattr(model, "_rnnfuse_autotune", None)
+    if state is None or not state.online_pending or state.online_fit is not None:
+        return None
+    environment = state.environment if state.environment is not None else device_environment()
+    races = [(i, bucket, shape, plans) for i, (bucket, shape, plans, _) in state.online_pending.items()]
+    jit_of = {i: jit for i, (_, _, _, jit) in state.online_pending.items()}
+    state.online_pending = {}
+    check_gradients = state.check_gradients or GradientCheck()
+
+    def apply(index, bucket, plan):
+        member = state.members[index]
+        plan = plan.for_length(len(member.fused.fused_layers))
+        member.fused.set_plan(plan)
+        if state.keras_call is not None:
+            state.keras_call[(index, True)] = (bucket, plan)
+        state.traced.setdefault(True, {})[index] = (bucket, plan)
+
+    def check(index, plan):
+        if not (plan.algorithm or plan.inference_only):
+            return True
+        member = state.members[index]
+        shape, dtype = races_by_index[index][2], member.group.dtype
+        error = check_gradients(member.group, plan, shape, dtype)
+        base = check_gradients(member.group, Plan(plan.pieces), shape, dtype)
+        return error <= gradient_tolerance(base, dtype)
+
+    def record(index, shape, result):
+        member = state.members[index]
+        result = dataclasses.replace(result, group=member.group)
+        jit = jit_of[index]
+        state.decided[decision_key(index, True, shape, jit)] = result
+        state.decisions.append(decision_record(result, shape, True, jit))
+        if state.cache is not None and environment is not None:
+            key = cache_key(environment, member.group, shape, member.group.dtype, True,
+                            member.masked, jit)
+            state.cache.put(key, {"plan": result.plan.to_dict(), "timings": result.timings,
+                                  "rejected": result.rejected,
+                                  "when": datetime.datetime.now(datetime.timezone.utc).isoformat()})
+
+    def install(function):
+        model.train_function = function
+
+    races_by_index = {r[0]: r for r in races}
+    state.online_fit = OnlineFit(
+        races, make=make, apply=apply, record=record, check=check, install=install,
+        measure_step=state.measure_step,
+        warmup=default_warmup(environment.get("backend", "tensorflow")), repeats=REPEATS)
+    return state.online_fit
 
 
 def _traces_differ(before: dict, now: dict) -> bool:

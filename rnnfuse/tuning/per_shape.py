@@ -153,6 +153,15 @@ class AutoTune:
     # (`budget.FIT_SHARE`); None: no limit, every call of a new shape times
     # every candidate.
     fit_share: float | None = FIT_SHARE
+    # Race the candidates on a fit's own first steps instead of timing them
+    # apart (`rnnfuse.tuning.online`); off by default.
+    online: bool = False
+    # While a fit prepares its online races: {member index: (bucket, shape,
+    # {name: Plan}, xla_baseline)}; the fit's OnlineFit while they run.
+    online_pending: dict = dataclasses.field(default_factory=dict)
+    online_fit: object = None
+    # For tests: the online race's step timer ((name, run) -> (logs, s)).
+    measure_step: Callable | None = None
     # For tests: tune_plans' measure / check_gradients / environment, and
     # the clock a call's budget is read on.
     measure: Callable | None = None
@@ -218,7 +227,7 @@ def contenders(result: TuneResult, group: FusionGroup, backend_name: str) -> lis
 
 
 def decide(state: AutoTune, environment: dict, shapes: dict, training: bool, *,
-           jit_baseline: bool = False, progress: bool = True) -> dict:
+           jit_baseline: bool = False, progress: bool = True, lookup_only: bool = False) -> dict:
     """member index -> the TuneResult for its shape in `shapes` (index ->
     (batch, steps, features)), or None where timing failed (see the module
     doc: decided buckets as they are, cached shapes of the bucket, the first
@@ -241,7 +250,7 @@ def decide(state: AutoTune, environment: dict, shapes: dict, training: bool, *,
                 contenders(nearest[1], member.group, environment.get("backend", "tensorflow")),
                 nearest[0],
             )
-    if not todo:
+    if not todo or lookup_only:
         return out
     budget = state.budget
     backend_name = environment.get("backend", "tensorflow")

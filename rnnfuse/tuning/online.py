@@ -1,0 +1,292 @@
+"""Online tuning: the candidate plans race on the fit's own training steps.
+
+Every candidate plan computes the same function within float tolerance, so
+real training steps may serve as timing rounds. With online tuning on
+(`AutoTune.online`), a `fit` whose first batch's bucket has no decision
+does not time the candidates apart from the fit: its first steps run them,
+with real gradient updates, one candidate a step in interleaved rounds;
+each step is timed; once the race is decided the fastest plan is committed
+and the fit's step function becomes that plan's own. The plan changes once,
+inside the first epoch, and never again for that bucket.
+
+The race (`OnlineRace`):
+
+1. Before a candidate's first real step it must pass the exactness check
+   (`check(name)`: its gradients against a float64 reference, as the
+   offline tuner checks a non-default algorithm); one that fails is out
+   and never runs or is committed.
+2. Each candidate's first step (its trace, its first call) and `warmup`
+   steps are not timed; then `repeats` timed rounds, the order rotating
+   between rounds. After each timed round from the second on, a candidate
+   whose fastest step is over PRUNE x the best median stops being run
+   (the original layers, the baseline, too: they stay in the result), and
+   the race ends when one candidate is left.
+3. The fastest median wins; the original layers stay unless it beats them
+   by the tuner's margin (`KEEP_ORIGINAL_MARGIN`).
+
+Each candidate's step function (Keras' train function made with its
+plan) is built on its first step and reused every round. Candidates that
+differ only in cuDNN's algorithm do not share one trace here yet: that
+needs the algorithm as a runtime input of the model's own train step (a
+variable the fused calls read, as `Backend.timed_steps` passes a tensor to
+the tuner's steps), which the backends do not offer.
+
+Example:
+
+    >>> race = OnlineRace(["per-layer", "fused"], warmup=0, repeats=3)
+    >>> seconds = {"per-layer": 2.0, "fused": 1.0}
+    >>> while race.committed is None:
+    ...     name = race.next()
+    ...     race.record(name, seconds[name])
+    >>> race.committed, race.steps_run
+    ('fused', 6)
+"""
+
+from __future__ import annotations
+
+import statistics
+from typing import Callable, Sequence
+
+from rnnfuse.plan import PER_LAYER
+
+__all__ = ["OnlineRace"]
+
+# As the offline tuner (`tuner.PRUNE`, `tuner.KEEP_ORIGINAL_MARGIN`).
+PRUNE = 1.5
+KEEP_ORIGINAL_MARGIN = 0.10
+
+
+class OnlineRace:
+    """Which candidate each of a fit's first steps runs, and the commit.
+
+    Args:
+        names: the candidates, the original layers (`PER_LAYER.name`)
+            among them as the baseline.
+        warmup: untimed steps after each candidate's first.
+        repeats: timed rounds.
+        check: name -> whether the candidate passes the exactness check
+            (asked once, before its first step; default: all pass).
+    """
+
+    def __init__(self, names: Sequence[str], *, warmup: int = 1, repeats: int = 5,
+                 check: Callable[[str], bool] | None = None, baseline: str = PER_LAYER.name):
+        if not names:
+            raise ValueError("OnlineRace needs at least one candidate; received none")
+        self.names = list(dict.fromkeys(names))
+        self.warmup, self.repeats, self.baseline = int(warmup), int(repeats), baseline
+        self.check = check or (lambda name: True)
+        self.times: dict[str, list[float]] = {n: [] for n in self.names}
+        self.rejected: dict[str, str] = {}
+        self.pruned: set[str] = set()
+        self.committed: str | None = None
+        self.steps_run = 0
+        self._untimed = {n: 1 + self.warmup for n in self.names}
+        self._round, self._queue = 0, []
+        self._checked: set[str] = set()
+
+    def running(self) -> list[str]:
+        """The candidates still in the race, in their order."""
+        return [n for n in self.names if n not in self.rejected and n not in self.pruned]
+
+    def next(self) -> str:
+        """The candidate the next step runs (the committed one once decided)."""
+        if self.committed is not None:
+            return self.committed
+        while not self._queue:
+            self._fill()
+            if self.committed is not None:
+                return self.committed
+        name = self._queue[0]
+        if name not in self._checked:
+            self._checked.add(name)
+            if not self.check(name):
+                self.rejected[name] = "failed the exactness check"
+                self._queue.pop(0)
+                return self.next()
+        return name
+
+    def record(self, name: str, seconds: float) -> None:
+        """The step `next()` gave ran `name` and took `seconds`."""
+        if self.committed is not None:
+            return
+        if not self._queue or self._queue[0] != name:
+            raise ValueError(f"OnlineRace.record: expected a step of {self._queue[:1]}, "
+                             f"received one of {name!r}")
+        self._queue.pop(0)
+        self.steps_run += 1
+        if self._untimed[name] > 0:
+            self._untimed[name] -= 1
+        else:
+            self.times[name].append(float(seconds))
+        if not self._queue:
+            self._end_of_round()
+
+    def medians(self) -> dict[str, float]:
+        """name -> median seconds of its timed steps (those timed so far)."""
+        return {n: statistics.median(t) for n, t in self.times.items() if t}
+
+    def _fill(self) -> None:
+        running = self.running()
+        if not running:
+            self.committed = self.baseline
+            return
+        warming = [n for n in running if self._untimed[n] > 0]
+        if warming:
+            self._queue = list(warming)
+            return
+        if self._round >= self.repeats or (self._round >= 2 and len(running) == 1):
+            self._commit()
+            return
+        r = self._round % len(running)
+        self._queue = running[r:] + running[:r]
+
+    def _end_of_round(self) -> None:
+        if any(self._untimed[n] > 0 for n in self.running()) or not self.medians():
+            return  # a warm-up round
+        self._round += 1
+        if self._round >= 2:
+            medians = self.medians()
+            best = min(medians.values())
+            for n in self.running():
+                if self.times[n] and min(self.times[n]) > PRUNE * best:
+                    self.pruned.add(n)
+
+    def _commit(self) -> None:
+        medians = self.medians()
+        exact = {n: t for n, t in medians.items() if n not in self.rejected}
+        if not exact:
+            self.committed = self.baseline
+            return
+        best = min(exact, key=exact.get)
+        base = exact.get(self.baseline)
+        if base is not None and best != self.baseline and exact[best] > (
+                1 - KEEP_ORIGINAL_MARGIN) * base:
+            best = self.baseline
+        self.committed = best
+
+
+class OnlineFit:
+    """One `fit`'s online tuning: its step function while the race runs.
+
+    Made by `first_batch` for the members whose first batch's bucket has no
+    decision; one member races at a time (the others run their current
+    plan), each member's winner committed once. `make()` builds Keras'
+    train function for the plans set now (`make_train_function(force=True)`);
+    each candidate's is built once, on its first step, and reused.
+
+    Args:
+        state: the model's `per_shape.AutoTune`.
+        races: [(member index, bucket, shape, {name: Plan})], in order.
+        make: () -> a train function for the current plans.
+        apply: (member index, bucket, plan) -> None: sets the plan for the
+            fit's later steps and traces (the call's entry, the layer's plan).
+        measure_step: (name, run) -> (logs, seconds); default: wall clock,
+            waiting for the step's results.
+        check: (member index, Plan) -> whether it passes the exactness check.
+        record: (member index, shape, TuneResult) -> None: keeps a decision.
+        install: (train function) -> None: makes it the model's, once every
+            race is committed.
+    """
+
+    def __init__(self, races, *, make, apply, record, install, check=None, measure_step=None,
+                 warmup: int = 1, repeats: int = 5):
+        self.races = list(races)
+        self.make, self.apply, self.record, self.install = make, apply, record, install
+        self.check = check or (lambda index, plan: True)
+        self.measure_step = measure_step or _wall_clock_step
+        self.warmup, self.repeats = warmup, repeats
+        self.functions: dict = {}
+        self.switches: list = []
+        self.final = None  # the train function once every race is committed
+        self._start_race()
+
+    @property
+    def done(self) -> bool:
+        return self.race is None
+
+    def _start_race(self) -> None:
+        if not self.races:
+            self.race = None
+            return
+        index, bucket, shape, plans = self.races[0]
+        self.race = OnlineRace(list(plans), warmup=self.warmup, repeats=self.repeats,
+                               check=lambda name: self.check(index, plans[name]))
+        self.functions = {}
+
+    def __call__(self, *args, **kwargs):
+        """One step of the fit: a candidate's real step, timed, or (decided)
+        the committed plan's function."""
+        if self.race is None:
+            return self.final(*args, **kwargs)
+        name = self.race.next()
+        if self.race.committed is not None:
+            self._commit()
+            return self(*args, **kwargs)
+        index, bucket, shape, plans = self.races[0]
+        function = self._function(index, bucket, name, plans[name])
+        logs, seconds = self.measure_step(name, lambda: function(*args, **kwargs))
+        self.race.record(name, seconds)
+        if self.race.committed is not None:
+            self._commit()
+        return logs
+
+    def finish(self) -> None:
+        """Commits what has been timed (a fit that ended before its races
+        did); the races not started keep their members' current plans."""
+        if self.race is None:
+            return
+        if self.race.committed is None and self.race.medians():
+            self.race._commit()
+        if self.race.committed is not None:
+            self._commit(last=True)
+        else:
+            self.races, self.race = [], None
+            self.install(None)
+
+    def _function(self, index, bucket, name, plan):
+        if name not in self.functions:
+            self.apply(index, bucket, plan)
+            self.functions[name] = self.make()
+        else:
+            self.apply(index, bucket, plan)
+        return self.functions[name]
+
+    def _commit(self, last: bool = False) -> None:
+        from rnnfuse.tuning.tuner import TuneResult
+
+        index, bucket, shape, plans = self.races.pop(0)
+        name = self.race.committed
+        plan = plans[name]
+        rejected = dict(self.race.rejected)
+        rejected.update({n: "not run: pruned in the online race" for n in self.race.pruned
+                         if not self.race.times.get(n)})
+        self.apply(index, bucket, plan)
+        self.switches.append((index, name))
+        function = self.functions.get(name)
+        self.record(index, shape, TuneResult(
+            None, plan, "measured: online, on the fit's own steps", self.race.medians(), rejected))
+        if last:
+            # The fit is over: its next call makes its function anew, for
+            # the plans committed (members whose race never started keep
+            # the original layers, undecided, for a later fit to race).
+            self.races, self.race = [], None
+            self.final = None
+            self.install(None)
+            return
+        self._start_race()
+        if self.race is None:
+            # The one switch: the fit's later steps call the winner's own
+            # function, without this wrapper.
+            self.final = function if function is not None else self.make()
+            self.install(self.final)
+
+
+def _wall_clock_step(name, run):
+    import time
+
+    from rnnfuse.tuning.timing import sync
+
+    start = time.perf_counter()
+    logs = run()
+    sync(logs)
+    return logs, time.perf_counter() - start

@@ -1,0 +1,160 @@
+"""Online tuning (rnnfuse.tuning.online): the candidates race on the fit's
+own steps. The device is faked and each step's seconds come from a fake
+clock (a fixed median per candidate); the steps themselves are real
+training steps on the CPU.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import rnnfuse
+from builders import fused_layers, max_abs_diff, stack_model
+from rnnfuse.plan import PER_LAYER, Plan
+from rnnfuse.tuning import first_batch, online, per_shape, tuner
+
+ENV = {"device": "FakeGPU", "torch": "2", "backend": "torch", "rnnfuse": "0.1.0"}
+
+
+@pytest.fixture
+def fake_gpu(monkeypatch):
+    monkeypatch.setattr(first_batch, "device_environment", lambda: dict(ENV))
+    monkeypatch.setattr(per_shape, "device_environment", lambda: dict(ENV))
+
+    def no_offline_timing(*args, **kwargs):
+        raise AssertionError("timed apart from the fit")
+
+    monkeypatch.setattr(tuner, "_steps", no_offline_timing)
+
+
+class StepClock:
+    """(name, run) -> (logs, seconds): runs the real step, reads a fixed
+    median for its candidate; records the order."""
+
+    def __init__(self, medians):
+        self.medians, self.ran = medians, []
+
+    def __call__(self, name, run):
+        self.ran.append(name)
+        return run(), self.medians.get(name, 5.0)
+
+
+def _online(model, medians, tmp_path=None, check=None):
+    fast = rnnfuse.optimize(model, cache=False if tmp_path is None else str(tmp_path / "p.json"))
+    state = fast._rnnfuse_autotune
+    state.online, state.environment = True, dict(ENV)
+    state.measure_step = StepClock(medians)
+    state.check_gradients = check or (lambda *args: 1e-6)
+    return fast, state
+
+
+def _data(model, rows=32, seed=0):
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal((rows, *model.input_shape[1:])).astype("float32")
+    return x, np.asarray(model.predict(x, verbose=0))
+
+
+MEDIANS = {"per-layer": 3.0, "fused": 1.0, "split 1+1+1": 2.0}
+
+
+def test_online_tuning_commits_the_fastest_plan_on_the_fits_own_steps(fake_gpu):
+    model = stack_model("gru", 3, steps=6)
+    fast, state = _online(model, MEDIANS)
+    (layer,) = fused_layers(fast)
+    x, y = _data(model)
+    before = [np.array(w) for w in layer.get_weights()]
+    fast.compile(optimizer="sgd", loss="mse")
+    history = fast.fit(x, y, batch_size=4, epochs=4, verbose=0)  # 32 steps
+    clock = state.measure_step
+    assert set(clock.ran) == set(MEDIANS), "every candidate ran real steps"
+    assert layer.plan == Plan((3,))
+    (record,) = first_batch.decisions(fast)
+    assert record["source"] == "measured: online, on the fit's own steps"
+    assert record["chosen"] == "fused" and record["timings_ms"]["per-layer"] == 3000.0
+    # The race's steps were real training steps.
+    assert all(np.isfinite(history.history["loss"]))
+    assert any(not np.array_equal(a, np.array(b)) for a, b in zip(before, layer.get_weights()))
+    assert max_abs_diff(fast.predict(x, verbose=0), model.predict(x, verbose=0)) <= 1e-5
+
+
+def test_the_switch_happens_once(fake_gpu, monkeypatch):
+    model = stack_model("gru", 3, steps=6)
+    fast, state = _online(model, MEDIANS)
+    (layer,) = fused_layers(fast)
+    commits = []
+    real_commit = online.OnlineFit._commit
+
+    def commit(self, *args, **kwargs):
+        commits.append(self.race.committed)
+        return real_commit(self, *args, **kwargs)
+
+    monkeypatch.setattr(online.OnlineFit, "_commit", commit)
+    x, y = _data(model)
+    fast.compile(optimizer="sgd", loss="mse")
+    fast.fit(x, y, batch_size=4, epochs=4, verbose=0)
+    ran = list(state.measure_step.ran)
+    assert commits == ["fused"]
+    # After the commit the fit's steps are the winner's own function: no
+    # more candidate steps, and the model's train function is not the race.
+    assert len(ran) < 32 and not isinstance(fast.train_function, online.OnlineFit)
+    fast.fit(x, y, batch_size=4, epochs=2, verbose=0)
+    assert state.measure_step.ran == ran and commits == ["fused"], "a decided bucket races no more"
+    assert layer.plan == Plan((3,))
+
+
+def test_a_plan_that_fails_the_exactness_check_is_never_run_or_committed(fake_gpu, monkeypatch):
+    inexact = Plan((3,), "persistent_static")
+    monkeypatch.setattr(first_batch, "candidates_for",
+                        lambda backend: lambda group: [PER_LAYER, Plan((3,)), inexact])
+    errors = {inexact.name: 1e-2}
+    model = stack_model("gru", 3, steps=6)
+    fast, state = _online(model, {**MEDIANS, inexact.name: 0.1},
+                          check=lambda group, plan, shape, dtype: errors.get(plan.name, 1e-6))
+    x, y = _data(model)
+    fast.compile(optimizer="sgd", loss="mse")
+    fast.fit(x, y, batch_size=4, epochs=4, verbose=0)
+    assert inexact.name not in state.measure_step.ran
+    (record,) = first_batch.decisions(fast)
+    assert record["chosen"] == "fused"
+    assert record["rejected"][inexact.name] == "failed the exactness check"
+
+
+def test_a_fit_too_short_for_the_race_is_timed_apart_within_its_budget(fake_gpu):
+    model = stack_model("gru", 3, steps=6)
+    fast, state = _online(model, MEDIANS)
+    x, y = _data(model, rows=8)
+    fast.compile(optimizer="sgd", loss="mse")
+    fast.fit(x, y, batch_size=4, epochs=1, verbose=0)  # 2 steps: the static table
+    assert state.measure_step.ran == []
+    (record,) = first_batch.decisions(fast)
+    assert record["source"].startswith("static: a call of 2 steps")
+
+
+def test_the_race_ends_with_the_fit_where_the_fit_ends_first(fake_gpu):
+    model = stack_model("gru", 3, steps=6)
+    fast, state = _online(model, MEDIANS)
+    state.fit_share = None  # no length known to the race: it starts
+    x, y = _data(model, rows=40)
+    fast.compile(optimizer="sgd", loss="mse")
+    fast.fit(x, y, batch_size=4, epochs=1, verbose=0)  # 10 steps: the race is cut
+    (record,) = first_batch.decisions(fast)
+    assert record["source"] == "measured: online, on the fit's own steps"
+    assert record["chosen"] in MEDIANS
+    # The model goes on with the committed plan.
+    fast.train_on_batch(x[:4], y[:4])
+    fast.fit(x, y, batch_size=4, epochs=1, verbose=0)
+    assert not isinstance(fast.train_function, online.OnlineFit)
+    assert len(first_batch.decisions(fast)) == 1
+
+
+def test_the_race_alone():
+    race = online.OnlineRace(["per-layer", "fused", "split 2+2"], warmup=1, repeats=5,
+                             check=lambda name: name != "split 2+2")
+    seconds = {"per-layer": 2.0, "fused": 1.9, "split 2+2": 0.1}
+    while race.committed is None:
+        name = race.next()
+        race.record(name, seconds[name])
+    # "fused" is faster but within the margin: the original layers stay.
+    assert race.committed == "per-layer" and "split 2+2" not in race.times or not race.times["split 2+2"]
+    assert race.rejected == {"split 2+2": "failed the exactness check"}
