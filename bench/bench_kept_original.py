@@ -21,7 +21,7 @@ bi_lstm, bi_gru; dtype a Keras dtype policy, float32 by default).
 
     KERAS_BACKEND=torch python bench/bench_kept_original.py --out $OUT/kept_torch.json
     python bench/bench_kept_original.py --out $OUT/kept_tf.json --rounds 21
-    python bench/bench_kept_original.py --quick --out /tmp/kept.json   # tiny, any machine
+    python bench/bench_kept_original.py --quick   # tiny, any machine (JSON: common.out_path)
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ import keras  # noqa: E402
 import numpy as np  # noqa: E402
 
 import rnnfuse  # noqa: E402
-from common import csv_list, run_matrix  # noqa: E402
+from common import csv_list, out_path, run_matrix  # noqa: E402
 from rnnfuse.fused import fused_layers  # noqa: E402
 from rnnfuse.plan import PER_LAYER  # noqa: E402
 from rnnfuse.tuning import first_batch  # noqa: E402
@@ -47,8 +47,8 @@ from rnnfuse.tuning.per_shape import AutoTune  # noqa: E402
 from rnnfuse.tuning.timing import interleaved_medians  # noqa: E402
 from rnnfuse.tuning.tuner import device_environment  # noqa: E402
 
-# A speech-style BiLSTM (the shape family that read 0.93x through torch's
-# fit with its plan keeping the original layers), and two small shapes.
+# A speech-style BiLSTM (a shape family whose tuned plan keeps the original
+# layers under torch), and two small shapes.
 CELLS = ["bi_lstm:3:256:32:400", "gru:3:64:256:100", "lstm:2:40:128:168"]
 ENTRY_POINTS = ("fit", "train_on_batch", "predict_on_batch")
 # Input features of every cell.
@@ -156,7 +156,7 @@ def describe(row: dict) -> str:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", required=True)
+    parser.add_argument("--out", default=out_path("kept_original.json"))
     parser.add_argument("--cells", type=csv_list(str), default=CELLS,
                         help="comma-separated kind:layers:units:batch:steps[:dtype]")
     parser.add_argument("--rounds", type=int, default=15, help="interleaved rounds (15 at least)")

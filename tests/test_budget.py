@@ -18,6 +18,7 @@ import rnnfuse
 from builders import fused_layers, stack_model
 from rnnfuse.tuning import budget, first_batch, tuner
 from rnnfuse.tuning.cache import PlanCache
+from rnnfuse.tuning.clock import using_clock
 
 ENV = {"device": "FakeGPU", "tensorflow": "2.21.0", "cudnn": "9", "backend": "tensorflow",
        "rnnfuse": "0.1.0"}
@@ -63,7 +64,7 @@ def _fit(fit_steps, tmp_path, name="plans.json"):
     timer = ClockedTimer(clock)
     fast = rnnfuse.optimize(model, cache=PlanCache(tmp_path / name))
     state = fast._rnnfuse_autotune
-    state.measure, state.clock = timer, clock
+    state.measure = timer
     state.check_gradients = lambda *args: 1e-6
     rng = np.random.default_rng(0)
     x = rng.standard_normal((16, 9, 5)).astype("float32")
@@ -72,7 +73,8 @@ def _fit(fit_steps, tmp_path, name="plans.json"):
     stop = keras.callbacks.LambdaCallback(
         on_train_batch_end=lambda batch, logs: setattr(fast, "stop_training", True))
     # 16 rows at batch 8: two steps an epoch.
-    fast.fit(x, y, batch_size=8, epochs=fit_steps // 2, verbose=0, callbacks=[stop])
+    with using_clock(clock):
+        fast.fit(x, y, batch_size=8, epochs=fit_steps // 2, verbose=0, callbacks=[stop])
     (layer,) = fused_layers(fast)
     records = first_batch.decisions(fast)  # none for a cached decision
     return layer, timer, records[0] if records else None
@@ -124,9 +126,9 @@ def test_no_budget_where_the_call_length_is_unknown(fake_gpu, emulated_cudnn, tm
     timer = ClockedTimer(clock)
     fast = rnnfuse.optimize(model, cache=PlanCache(tmp_path / "p.json"))
     state = fast._rnnfuse_autotune
-    state.measure, state.clock, state.check_gradients = timer, clock, lambda *a: 1e-6
+    state.measure, state.check_gradients = timer, lambda *a: 1e-6
     x = np.zeros((8, 9, 5), "float32")
-    with first_batch.keras_call(fast, x, 8, training=True, steps=None):
+    with using_clock(clock), first_batch.keras_call(fast, x, 8, training=True, steps=None):
         assert state.budget is None
     (record,) = first_batch.decisions(fast)
     assert record["source"] == "measured" and record["chosen"] == "split 2+2"
@@ -160,9 +162,10 @@ def test_call_steps_of_a_dataset():
 
 def test_spend_allows_what_the_projection_fits():
     clock = FakeClock()
-    spend = budget.TuningBudget(steps=1000, clock=clock).start()
-    assert not spend.allows(3, 1.0), "nothing timed yet: nothing to project"
-    clock.now, spend.timed = 10.0, 2
-    assert spend.allows(4, 1.0)  # 10 + 4 x 5 = 30 <= 3% of 1000 x 1.0
-    assert not spend.allows(5, 1.0)
-    assert not spend.allows(1, None)
+    with using_clock(clock):
+        spend = budget.TuningBudget(steps=1000).start()
+        assert not spend.allows(3, 1.0), "nothing timed yet: nothing to project"
+        clock.now, spend.timed = 10.0, 2
+        assert spend.allows(4, 1.0)  # 10 + 4 x 5 = 30 <= 3% of 1000 x 1.0
+        assert not spend.allows(5, 1.0)
+        assert not spend.allows(1, None)

@@ -46,8 +46,9 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import time
-from typing import Any, Callable
+from typing import Any
+
+from rnnfuse.tuning import clock
 
 __all__ = ["FIT_SHARE", "Spend", "TuningBudget", "call_steps"]
 
@@ -63,13 +64,12 @@ LEADING = 2
 class TuningBudget:
     """The timing one Keras call can pay for (see the module doc).
 
-    `steps`: the call's steps; `share`: FIT_SHARE; `clock`: where seconds
-    are read (a fake clock in tests).
+    `steps`: the call's steps; `share`: FIT_SHARE. Seconds are read on
+    `rnnfuse.tuning.clock` (a fake clock in tests).
     """
 
     steps: int
     share: float = FIT_SHARE
-    clock: Callable[[], float] = time.perf_counter
 
     def min_steps(self, warmup: int, repeats: int) -> int:
         """The fewest steps a call needs to time the LEADING candidates:
@@ -88,7 +88,7 @@ class TuningBudget:
 
     def start(self) -> "Spend":
         """A group's spending, from now."""
-        return Spend(self, self.clock())
+        return Spend(self, clock.now())
 
     def why_static(self, warmup: int, repeats: int) -> str:
         return (f"static: a call of {self.steps} steps cannot pay for timing (at least "
@@ -107,7 +107,7 @@ class Spend:
     cut: bool = False
 
     def spent(self) -> float:
-        return self.budget.clock() - self.started
+        return clock.now() - self.started
 
     def allows(self, more: int, original_step_s: float | None) -> bool:
         """Whether `more` candidates fit in what is left: the seconds spent

@@ -138,7 +138,7 @@ def keras_call(model: keras.Model, x: Any, batch_size: int | None, *, training: 
         return
     outer, outer_budget = state.keras_call, state.budget
     if outer_budget is None and steps is not None and state.fit_share is not None:
-        state.budget = TuningBudget(steps=int(steps), share=state.fit_share, clock=state.clock)
+        state.budget = TuningBudget(steps=int(steps), share=state.fit_share)
     try:
         chosen = _prepare(model, state, x, batch_size, training)
         state.keras_call = {**(outer or {}), **chosen}

@@ -180,7 +180,7 @@ class OnlineFit:
         make: () -> a train function for the current plans.
         apply: (member index, bucket, plan) -> None: sets the plan for the
             fit's later steps and traces (the call's entry, the layer's plan).
-        measure_step: (name, run) -> (logs, seconds); default: wall clock,
+        measure_step: (name, run) -> (logs, seconds); default: `clock.now`,
             waiting for the step's results.
         check: (member index, Plan) -> whether it passes the exactness check.
         record: (member index, shape, TuneResult) -> None: keeps a decision.
@@ -282,11 +282,10 @@ class OnlineFit:
 
 
 def _wall_clock_step(name, run):
-    import time
-
+    from rnnfuse.tuning import clock
     from rnnfuse.tuning.timing import sync
 
-    start = time.perf_counter()
+    start = clock.now()
     logs = run()
     sync(logs)
-    return logs, time.perf_counter() - start
+    return logs, clock.now() - start

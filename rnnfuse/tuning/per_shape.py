@@ -162,12 +162,10 @@ class AutoTune:
     online_fit: object = None
     # For tests: the online race's step timer ((name, run) -> (logs, s)).
     measure_step: Callable | None = None
-    # For tests: tune_plans' measure / check_gradients / environment, and
-    # the clock a call's budget is read on.
+    # For tests: tune_plans' measure / check_gradients / environment.
     measure: Callable | None = None
     check_gradients: Callable | None = None
     environment: dict | None = None
-    clock: Callable[[], float] = clock.now
 
     def plans_of(self, index: int) -> list[Plan]:
         """Every plan decided for member `index` (any mode and bucket)."""
