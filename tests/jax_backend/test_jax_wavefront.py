@@ -405,6 +405,7 @@ def test_first_batch_tuning_under_jax_times_the_kernel(emulated, half, monkeypat
     monkeypatch.setattr(first_batch, "device_environment", lambda: dict(ENV))
     monkeypatch.setattr(per_shape, "device_environment", lambda: dict(ENV))
     fast = rnnfuse.optimize(_model(), cache=False)
+    fast._rnnfuse_autotune.fit_share = None  # a 1-step fit times everything
     (layer,) = fused_layers(fast)
     fast.compile(optimizer="sgd", loss="mse")
     fast.fit(_x(batch=8), np.zeros((8, 7, 8), "float32"), batch_size=8, epochs=1, verbose=0)
