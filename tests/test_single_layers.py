@@ -94,7 +94,7 @@ def test_first_batch_tuning_decides_each_group_of_one(medians, chosen, fake_gpu,
     fast.compile(optimizer="sgd", loss="mse")
     fast.fit(x, y, batch_size=8, epochs=1, verbose=0)
     layers = fused_layers(fast)
-    assert [l.name for l in layers] == ["encoder", "decoder"]
+    assert [l.name for l in layers] == ["fused_encoder", "fused_decoder"]
     for layer in layers:
         assert layer.plan == (rnnfuse.Plan((1,)) if chosen == "fused" else rnnfuse.PER_LAYER)
         assert layer.last_path.kind.value == ("fused" if chosen == "fused" else "layers")

@@ -132,7 +132,7 @@ def test_a_fused_layer_that_may_run_cudnn_opts_out_of_xla(emulated_cudnn, monkey
 
 def test_forcing_jit_compile_true_is_a_clear_error(emulated_cudnn):
     fast = rnnfuse.optimize(stack_model("rnn_tanh", 2, head=True))
-    words = r"jit_compile=True.*'rnn_tanh_1'.*XLA cannot compile cuDNN.*jit_compile='auto'"
+    words = r"jit_compile=True.*'fused_rnn_tanh_0_to_rnn_tanh_1'.*XLA cannot compile cuDNN.*jit_compile='auto'"
     with pytest.raises(ValueError, match=words):
         fast.compile(optimizer="sgd", loss="mse", jit_compile=True)
 
@@ -143,7 +143,7 @@ def test_tracing_the_fused_path_for_xla_is_a_clear_error(emulated_cudnn):
     model = stack_model("rnn_tanh", 2, head=True)
     fast = rnnfuse.optimize(model)
     x = random_inputs(model, 2, np.random.default_rng(0))
-    with pytest.raises(ValueError, match="FusedRNN 'rnn_tanh_1'.*traced for XLA"):
+    with pytest.raises(ValueError, match="FusedRNN 'fused_rnn_tanh_0_to_rnn_tanh_1'.*traced for XLA"):
         tf.function(lambda t: fast(t), jit_compile=True)(x)
 
 

@@ -48,9 +48,9 @@ def run(args) -> int:
     except build.BuildError as err:
         print(f"rnnfuse: the cuDNN RNN core was not built ({err}); fused torch stacks run on "
               "torch._VF", file=sys.stderr)
-    import keras
+    from rnnfuse.backends import get_backend
 
-    if keras.backend.backend() == "jax":
+    if get_backend().name == "jax":
         return _build_for_jax(args.force)
     try:
         from rnnfuse.backends.tensorflow import op_build
