@@ -52,6 +52,7 @@ __all__ = [
     "StackSpec",
     "Timing",
     "Tooling",
+    "active_name",
     "get_backend",
     "get_timing",
     "get_tooling",
@@ -99,9 +100,19 @@ def get_timing(name: str | None = None) -> Timing:
     return _instance(name, 3, NoTiming)
 
 
+def active_name() -> str:
+    """The active Keras backend's name, read without importing its
+    framework (what `get_backend()` would return the backend of).
+
+    >>> active_name()
+    'tensorflow'
+    """
+    return keras.backend.backend()
+
+
 def _instance(name: str | None, which: int, missing):
     """One object per (backend name, class) for the process."""
-    name = name or keras.backend.backend()
+    name = name or active_name()
     found = _INSTANCES.get((name, which))
     if found is None:
         target = _CLASSES.get(name)

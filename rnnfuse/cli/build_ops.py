@@ -48,9 +48,9 @@ def run(args) -> int:
     except build.BuildError as err:
         print(f"rnnfuse: the cuDNN RNN core was not built ({err}); fused torch stacks run on "
               "torch._VF", file=sys.stderr)
-    from rnnfuse.backends import get_backend
+    from rnnfuse.backends import active_name
 
-    if get_backend().name == "jax":
+    if active_name() == "jax":
         return _build_for_jax(args.force)
     try:
         from rnnfuse.backends.tensorflow import op_build
