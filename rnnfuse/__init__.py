@@ -37,7 +37,7 @@ functions; tests/test_layering.py checks every import):
                    text), plan.py (Plan, Algorithm), _version.py, _deps.py
                    (importing keras), schema/ (JSON Schema files),
                    scoped.py (the one helper for scoped switches)
-    describe/graph recurrent.py (RecurrentView), passes/graph.py
+    describe/graph recurrent.py (RecurrentView)
     rules          rules/ (the registry and every fusion rule)
     backends       backends/ (the Backend contract and one package per
                    framework; the only code importing TensorFlow, torch or
@@ -47,11 +47,12 @@ functions; tests/test_layering.py checks every import):
     layers         fused.py (FusedRNN), layers/ (the ProjectedLSTM layer
                    and cell, which reach their kernels through the
                    Backend contract)
-    planning       passes/planning.py
+    passes         passes/ (graph, rules, planning, rewrite), run in order
+                   by passes/pipeline.py; the rewrite makes a plain Keras
+                   model, so no pass needs the tuner
     tuning         tuning/, placement.py (where a plan runs here)
-    rewrite/saving passes/rewrite.py, optimized.py (the Optimized* model
-                   classes and their hooks), persistence.py (restore, weight
-                   files), passes/__init__.py
+    saving         optimized.py (the Optimized* model classes and their
+                   hooks), persistence.py (restore, weight files)
     api            api.py, model_files.py (loading files), this package's
                    __init__
     cli/render     cli/ (one module per command; cli/render.py prints
@@ -99,9 +100,9 @@ LAYER_NAMES = (
     "rules",
     "backends",
     "layers",
-    "planning",
+    "passes",
     "tuning",
-    "rewrite/saving",
+    "saving",
     "api",
     "cli/render",
 )
@@ -116,13 +117,13 @@ LAYERS = (
         "rnnfuse.schema",
         "rnnfuse.scoped",
     ),
-    ("rnnfuse.recurrent", "rnnfuse.passes.graph"),
+    ("rnnfuse.recurrent",),
     ("rnnfuse.rules",),
     ("rnnfuse.backends",),
     ("rnnfuse.fused", "rnnfuse.layers"),
-    ("rnnfuse.passes.planning",),
+    ("rnnfuse.passes",),
     ("rnnfuse.tuning", "rnnfuse.placement"),
-    ("rnnfuse.passes", "rnnfuse.passes.rewrite", "rnnfuse.optimized", "rnnfuse.persistence"),
+    ("rnnfuse.optimized", "rnnfuse.persistence"),
     ("rnnfuse.api", "rnnfuse.model_files"),
     ("rnnfuse.cli", "rnnfuse.plotting", "rnnfuse.__main__"),
 )

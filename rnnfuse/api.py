@@ -28,11 +28,9 @@ from typing import Any, Callable
 
 import keras
 
-from rnnfuse.passes.graph import build_layer_graph, is_graph_model
-from rnnfuse.passes.planning import plan_fusion
-from rnnfuse.passes.rewrite import FusionWarning, rewrite_model
-from rnnfuse.reasons import Reason
-from rnnfuse.recurrent import is_recurrent
+from rnnfuse.optimized import as_optimized
+from rnnfuse.passes.pipeline import PassOptions, run_pipeline
+from rnnfuse.reasons import FusionWarning
 from rnnfuse.report import FusionGroup, FusionReport, OptimizeResult
 from rnnfuse.tuning import first_batch
 from rnnfuse.tuning.per_shape import AutoTune
@@ -79,68 +77,7 @@ def analyze(
     """
     _check_model(model, "analyze")
     _check_min_layers(min_layers, "analyze")
-    if not is_graph_model(model):
-        return _subclassed_report(model)
-    graph = build_layer_graph(model)
-    report = plan_fusion(
-        graph,
-        model_name=model.name,
-        min_layers=min_layers,
-        absorb_dropout=absorb_dropout,
-    )
-    extra = fused_layer_notes(model) + xla_cost_notes(model, report)
-    if extra:
-        report = dataclasses.replace(report, notes=tuple(report.notes) + tuple(extra))
-    return report
-
-
-def xla_cost_notes(model: keras.Model, report: FusionReport) -> list[str]:
-    """A note when fusing would cost the model XLA here: Keras compiles the
-    original with XLA under jit_compile="auto" (every layer supports it, as
-    for a SimpleRNN stack), and the fused kernel on this device cannot be
-    XLA-compiled, so a fused model runs without XLA."""
-    from rnnfuse.backends import get_backend
-
-    backend = get_backend()
-    caps = backend.capabilities
-    if not report.groups or not caps.auto_jit_from_layers or caps.xla_compiles_fused_call:
-        return []
-    if not backend.is_available():
-        return []  # no fused kernel runs here; the fused layers keep XLA
-    if not all(layer.supports_jit for layer in model._flatten_layers(include_self=False)):
-        return []
-    return [
-        f"fusing costs '{model.name}' XLA here: Keras compiles the original with "
-        "XLA (jit_compile='auto'), and the fused cuDNN kernel cannot be compiled "
-        "by XLA, so the optimized model runs without it; first-batch tuning "
-        "times the original XLA-compiled and keeps the original layers where "
-        "they are faster."
-    ]
-
-
-def fused_layer_notes(model: keras.Model) -> list[str]:
-    """One line per `FusedRNN` already in `model` (an optimized model, or one
-    loaded from its .keras file): the layers it runs and how."""
-    from rnnfuse.fused import fused_layers
-
-    notes = []
-    for layer in fused_layers(model):
-        stack = layer.stack
-        kinds = sorted({type(l).__name__ for l in layer.fused_layers})
-        shape = (
-            f"{stack.kind}, {stack.num_levels} level(s)"
-            + (" x 2 directions" if stack.num_directions == 2 else "")
-            + f", {stack.units} units"
-            + (f", proj_size {stack.proj_size}" if stack.proj_size else "")
-        )
-        dropout = f", absorbing {len(layer.absorbed_dropout)} Dropout" if layer.absorbed_dropout else ""
-        notes.append(
-            f"'{layer.name}' is a FusedRNN (already optimized): it runs "
-            f"{' -> '.join(l.name for l in layer.fused_layers)} "
-            f"({'/'.join(kinds)}; {shape}{dropout}) on the plan '{layer.plan.name}'; "
-            "rnnfuse.restore(model) gives back the original layers."
-        )
-    return notes
+    return run_pipeline(model, PassOptions(min_layers, absorb_dropout)).report
 
 
 def optimize(
@@ -201,7 +138,25 @@ def optimize(
     _check_tune(tune)
     if not (cache is None or cache is False or cache is True or isinstance(cache, PlanCache)):
         _plan_cache(cache)  # a bad cache argument fails before any work
-    if not is_graph_model(model):
+    at_first_batch = (
+        isinstance(tune, str) and tune == AUTO and plan is None and first_batch.can_time_here()
+    )
+    tuned: list[TuneResult] = []  # the tuner's choice, kept for OptimizeResult.plans
+
+    def choose(report: FusionReport):
+        # Between planning and rewrite: the passes get plans, not the tuner.
+        if at_first_batch:
+            tuned.extend(_first_batch_plans(report.groups, training))
+            return [(r.group, r.plan) for r in tuned]
+        tuned.extend(
+            choose_plans(model, report.groups, tune=tune, training=training, plan=plan, cache=cache)
+        )
+        _say_if_nothing_runs_fused(model, tuned)
+        return split_groups(report.groups, [r.plan for r in tuned])
+
+    done = run_pipeline(model, PassOptions(min_layers, absorb_dropout, choose))
+    if done.rewritten is None:
+        new = model
         warnings.warn(
             f"rnnfuse.optimize: '{model.name}' is a subclassed model "
             f"({type(model).__name__}); rnnfuse cannot see inside its call(), "
@@ -210,43 +165,23 @@ def optimize(
             FusionWarning,
             stacklevel=2,
         )
-        if return_result:
-            return OptimizeResult(model=model, report=_subclassed_report(model))
-        return model
-    graph = build_layer_graph(model)
-    report = plan_fusion(
-        graph,
-        model_name=model.name,
-        min_layers=min_layers,
-        absorb_dropout=absorb_dropout,
-    )
-    if isinstance(tune, str) and tune == AUTO and plan is None:
-        if first_batch.can_time_here():
-            result = _optimize_for_first_batch(model, report, training, cache)
-            return result if return_result else result.model
-        tune = None
-    plans = choose_plans(
-        model, report.groups, tune=tune, training=training, plan=plan, cache=cache
-    )
-    _say_if_nothing_runs_fused(model, plans)
-    pairs = split_groups(report.groups, [r.plan for r in plans])
-    new, failed = rewrite_model(model, [g for g, _ in pairs], [p for _, p in pairs])
+    else:
+        # Weight files in the original layout, registered classes (optimized.py).
+        new = as_optimized(done.rewritten, like=model)
+        if at_first_batch:
+            first_batch.attach(new, done.report.groups, AutoTune(cache=_plan_cache(cache)))
     if return_result:
-        return OptimizeResult(model=new, report=report, plans=tuple(plans), failed=failed)
+        return OptimizeResult(model=new, report=done.report, plans=tuple(tuned), failed=done.failed)
     return new
 
 
-def _optimize_for_first_batch(model, report, training, cache) -> OptimizeResult:
+def _first_batch_plans(groups, training) -> list[TuneResult]:
     """One switchable FusedRNN per group, on its static plan for now; the
     first batch chooses (`rnnfuse.tuning.first_batch`)."""
-    groups = report.groups
-    plans = [
+    return [
         TuneResult(g, static_plan(g, g.dtype, training), "static: until the first batch")
         for g in groups
     ]
-    new, failed = rewrite_model(model, groups, [r.plan for r in plans])
-    first_batch.attach(new, groups, AutoTune(cache=_plan_cache(cache)))
-    return OptimizeResult(model=new, report=report, plans=tuple(plans), failed=failed)
 
 
 def _say_if_nothing_runs_fused(model, plans: list[TuneResult]) -> None:
@@ -434,21 +369,3 @@ def _check_tune(tune: Any) -> None:
             'Fix: tune="auto" to time on the first batch where a GPU is visible.'
         )
 
-
-def _subclassed_report(model: keras.Model) -> FusionReport:
-    skipped = {}
-    for layer in model._flatten_layers(include_self=False):
-        if is_recurrent(layer):
-            skipped[layer.name] = Reason(
-                "subclassed_model",
-                f"it is inside the subclassed model '{model.name}', whose "
-                "call() rnnfuse cannot see into",
-            )
-    note = (
-        f"'{model.name}' is a subclassed model ({type(model).__name__}): rnnfuse "
-        "cannot see inside its call(). Build it as a Functional or Sequential "
-        "model to fuse its recurrent layers."
-    )
-    return FusionReport(
-        model_name=model.name, groups=(), skipped=skipped, notes=(note,)
-    )

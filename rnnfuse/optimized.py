@@ -373,7 +373,8 @@ def as_optimized(model: keras.Model, like: keras.Model | None = None) -> keras.M
     """`model` (a rewritten Sequential or Functional) as an Optimized* model.
 
     Builds an `OptimizedSequential` / `OptimizedModel` over the same layers
-    and graph, with `model`'s name, trainable flag and compile() arguments.
+    and graph, with `model`'s name and trainable flag, and the compile()
+    arguments of `like` (the original model; `model`'s own where None).
     When `like` (the original model) was built under a `tf.distribute`
     strategy and none is active now, the new model is made under that
     strategy's scope, so `optimize` may be called outside it. Any other kind
@@ -397,7 +398,7 @@ def as_optimized(model: keras.Model, like: keras.Model | None = None) -> keras.M
                 model.input, model.output, name=model.name, trainable=model.trainable
             )
             new.output_names = list(model.output_names)
-        copy_compile(model, new)
+        copy_compile(model if like is None else like, new)
     return new
 
 

@@ -39,13 +39,16 @@ Example:
 from __future__ import annotations
 
 import collections
+import dataclasses
 from typing import Any
 
 import keras
 import networkx as nx
 from keras import tree
 
-__all__ = ["build_layer_graph", "is_functional", "is_graph_model"]
+from rnnfuse.passes.result import PassOptions, PassResult
+
+__all__ = ["build_layer_graph", "graph_pass", "is_functional", "is_graph_model"]
 
 
 def is_functional(model: Any) -> bool:
@@ -60,6 +63,13 @@ def is_functional(model: Any) -> bool:
 def is_graph_model(model: Any) -> bool:
     """Whether rnnfuse can see `model`'s layer graph."""
     return isinstance(model, keras.Sequential) or is_functional(model)
+
+
+def graph_pass(model: keras.Model, so_far: PassResult, options: PassOptions) -> PassResult:
+    """Pass 1: `model`'s layer graph; none for a subclassed model."""
+    if not is_graph_model(model):
+        return so_far
+    return dataclasses.replace(so_far, graph=build_layer_graph(model))
 
 
 def build_layer_graph(model: keras.Model) -> nx.DiGraph:

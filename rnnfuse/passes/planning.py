@@ -2,8 +2,9 @@
 
 `plan_fusion(graph, ...)` works in four steps:
 
-1. Candidates: every recurrent layer node gets a `RecurrentView` (it may
-   fuse) or a `Reason` (it may not: its own arguments, or it is shared).
+1. Candidates (the rules pass, `rnnfuse.passes.candidates`): every
+   recurrent layer node gets a `RecurrentView` (it may fuse) or a `Reason`
+   (it may not: its own arguments, or it is shared).
 2. Links: from each candidate, follow its output to the single layer that
    reads it (through an absorbable `Dropout` when allowed) and check the
    link rules. A passing link becomes an edge of a new "chain" DiGraph.
@@ -39,6 +40,7 @@ Example:
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import keras
@@ -46,11 +48,14 @@ import networkx as nx
 
 from rnnfuse import rules
 from rnnfuse.backends import get_backend
+from rnnfuse.passes.candidates import Candidates, find_candidates
+from rnnfuse.passes.notes import model_notes
+from rnnfuse.passes.result import PassOptions, PassResult
 from rnnfuse.reasons import Reason
-from rnnfuse.recurrent import RecurrentView, describe, is_recurrent
+from rnnfuse.recurrent import RecurrentView
 from rnnfuse.report import FusionGroup, FusionReport
 
-__all__ = ["default_min_layers", "is_absorbable_dropout", "plan_fusion"]
+__all__ = ["default_min_layers", "is_absorbable_dropout", "plan_fusion", "planning_pass"]
 
 
 def is_absorbable_dropout(layer: Any) -> bool:
@@ -96,6 +101,18 @@ def default_min_layers(views: list[RecurrentView]) -> int:
     return MIN_LAYERS_ONE
 
 
+def planning_pass(model: keras.Model, so_far: PassResult, options: PassOptions) -> PassResult:
+    """Pass 3: the report of `plan_fusion`, with notes on the whole model."""
+    if so_far.graph is None:
+        report = _subclassed_report(model, so_far.candidates)
+    else:
+        report = _plan(so_far.graph, so_far.candidates, model.name, options.min_layers, options.absorb_dropout)
+        extra = model_notes(model, report)
+        if extra:
+            report = dataclasses.replace(report, notes=tuple(report.notes) + tuple(extra))
+    return dataclasses.replace(so_far, report=report)
+
+
 def plan_fusion(
     graph: nx.DiGraph,
     *,
@@ -117,11 +134,17 @@ def plan_fusion(
     Returns:
         A `FusionReport`.
     """
+    candidates = find_candidates(graph, get_backend().activation_functions())
+    return _plan(graph, candidates, model_name, min_layers, absorb_dropout)
+
+
+def _plan(graph, candidates: Candidates, model_name, min_layers, absorb_dropout) -> FusionReport:
+    """Steps 2 to 4 over the rules pass's `candidates`."""
     backend = get_backend()
-    views, reasons = _candidates(graph, backend.activation_functions())
+    views, reasons = dict(candidates.views), dict(candidates.reasons)
     # A backend without between-level dropout (JAX) never absorbs Dropout.
     absorb_dropout = absorb_dropout and backend.capabilities.absorbs_dropout
-    chain, link_reasons, bridges = _links(graph, views, absorb_dropout)
+    chain, link_reasons, bridges = _links(graph, views, candidates.recurrent, absorb_dropout)
     groups, in_group = [], set()
     runs = []
     for run in _runs(chain, views, graph):
@@ -183,40 +206,14 @@ def _graph_order(graph: nx.DiGraph) -> list[str]:
     return list(nx.lexicographical_topological_sort(graph)) if nx.is_directed_acyclic_graph(graph) else list(graph)
 
 
-def _candidates(graph: nx.DiGraph, activations=None):
-    """Step 1: a view or a reason for every recurrent layer, including
-    those rnnfuse cannot reach (inside a subclassed model, a wrapper such
-    as TimeDistributed, or a custom layer)."""
-    views: dict[str, RecurrentView] = {}
-    reasons: dict[str, Reason] = {}
-    for key, data in graph.nodes(data=True):
-        if data["kind"] == "opaque":
-            for layer in rules.recurrent_sublayers(data["layer"]):
-                reasons[f"{key}/{layer.name}"] = rules.subclassed_model(key)
-            continue
-        if data["kind"] != "layer":
-            continue
-        if not is_recurrent(data["layer"]):
-            for layer in rules.recurrent_sublayers(data["layer"]):
-                reasons[f"{key}/{layer.name}"] = rules.wrapped_layer(key, data["layer"])
-            continue
-        reason = rules.layer_reason(data["layer"], activations=activations, graph=graph, key=key)
-        view = describe(data["layer"], activations=activations) if reason is None else reason
-        if isinstance(view, Reason):
-            reasons[key] = view
-        else:
-            views[key] = view
-    return views, reasons
-
-
-def _links(graph: nx.DiGraph, views: dict, absorb_dropout: bool):
+def _links(graph: nx.DiGraph, views: dict, recurrent: frozenset, absorb_dropout: bool):
     """Step 2: the passing links (a chain DiGraph) and the failing ones."""
     chain = nx.DiGraph()
     chain.add_nodes_from(views)
     link_reasons: dict[tuple[str, str], Reason] = {}
     bridges: dict[tuple[str, str], tuple[str, ...]] = {}
     for key, view in views.items():
-        target, via = _reader(graph, key, absorb_dropout)
+        target, via = _reader(graph, key, recurrent, absorb_dropout)
         if target is None or target not in views:
             continue
         reason = rules.link_reason(graph, key, target, view, views[target], via)
@@ -234,7 +231,7 @@ def _links(graph: nx.DiGraph, views: dict, absorb_dropout: bool):
     return chain, link_reasons, bridges
 
 
-def _reader(graph: nx.DiGraph, key: str, absorb_dropout: bool):
+def _reader(graph: nx.DiGraph, key: str, recurrent: frozenset, absorb_dropout: bool):
     """The recurrent layer that reads `key`'s output, and any Dropout between.
 
     Returns (target key or None, tuple of bridge keys).
@@ -242,21 +239,16 @@ def _reader(graph: nx.DiGraph, key: str, absorb_dropout: bool):
     succ = list(graph.successors(key))
     if len(succ) != 1:
         # Several readers: report the link to a recurrent one, if any.
-        rnn = [s for s in succ if _is_rnn_node(graph, s)]
+        rnn = [s for s in succ if s in recurrent]
         return (rnn[0], ()) if rnn else (None, ())
     (nxt,) = succ
     data = graph.nodes[nxt]
     if data["kind"] == "layer" and absorb_dropout and is_absorbable_dropout(data["layer"]):
         after = list(graph.successors(nxt))
-        if len(after) == 1 and _is_rnn_node(graph, after[0]):
+        if len(after) == 1 and after[0] in recurrent:
             return after[0], (nxt,)
         return None, ()
-    return (nxt, ()) if _is_rnn_node(graph, nxt) else (None, ())
-
-
-def _is_rnn_node(graph: nx.DiGraph, key: str) -> bool:
-    data = graph.nodes[key]
-    return data["kind"] == "layer" and is_recurrent(data["layer"])
+    return (nxt, ()) if nxt in recurrent else (None, ())
 
 
 def _runs(chain: nx.DiGraph, views: dict, graph: nx.DiGraph) -> list[list[str]]:
@@ -319,3 +311,13 @@ def _group(graph, run, views, bridges) -> FusionGroup:
             for u, l in zip(run, run[1:])
         ),
     )
+
+
+
+def _subclassed_report(model: keras.Model, candidates: Candidates) -> FusionReport:
+    note = (
+        f"'{model.name}' is a subclassed model ({type(model).__name__}): rnnfuse "
+        "cannot see inside its call(). Build it as a Functional or Sequential "
+        "model to fuse its recurrent layers."
+    )
+    return FusionReport(model_name=model.name, groups=(), skipped=dict(candidates.reasons), notes=(note,))

@@ -7,8 +7,9 @@ not in a group is the same object as in `model`; each group's layers move
 inside a `FusedRNN` (still the same objects, so the variables are shared).
 `model` itself is never changed.
 
-With no group at all, the result is an optimized model over `model`'s own
-graph (the same nodes: nothing runs twice, nothing is added). Otherwise,
+The result is a plain Keras model (`rnnfuse.api` makes it an optimized
+one). With no group at all, it is a plain Sequential or Functional `model`
+itself (the same nodes: nothing runs twice, nothing is added). Otherwise,
 per (sub-)model, bottom-up:
 
 1. Build one `FusedRNN` per group of this scope. A group whose fused layer
@@ -37,20 +38,31 @@ Example:
 from __future__ import annotations
 
 import collections
+import dataclasses
 import warnings
 from typing import Any, Sequence
 
 import keras
 
+from keras.src.models.functional import Functional
+
 from rnnfuse.fused import FusedRNN, first_call_kwargs
 from rnnfuse.passes.graph import is_graph_model
-from rnnfuse.optimized import as_optimized
-from rnnfuse.persistence import copy_compile
+from rnnfuse.passes.result import PassOptions, PassResult
 from rnnfuse.plan import Plan
 from rnnfuse.reasons import FusionWarning
 from rnnfuse.report import FusionGroup, RewriteFailure
 
-__all__ = ["FusionWarning", "rewrite_model"]
+__all__ = ["FusionWarning", "rewrite_model", "rewrite_pass"]
+
+
+def rewrite_pass(model: keras.Model, so_far: PassResult, options: PassOptions) -> PassResult:
+    """Pass 4: `rewrite_model` on the caller's plans; none asked, none made."""
+    if so_far.graph is None or options.choose_plans is None:
+        return so_far
+    plans = tuple(options.choose_plans(so_far.report))
+    new, failed = rewrite_model(model, [g for g, _ in plans], [p for _, p in plans])
+    return dataclasses.replace(so_far, plans=plans, rewritten=new, failed=failed)
 
 
 def rewrite_model(
@@ -74,19 +86,16 @@ def rewrite_model(
         is also warned about with a `FusionWarning`).
     """
     plans = list(plans or [None] * len(groups))
-    if not groups:
+    if not groups and type(model) in (keras.Sequential, Functional):
         # Nothing to fuse: the original graph itself (the same nodes, no
         # layer called again), so the model costs what `model` costs.
-        same = as_optimized(model, like=model)
-        if same is not model:
-            return same, ()
+        return model, ()
     by_scope: dict[str, list] = collections.defaultdict(list)
     for group, plan in zip(groups, plans):
         by_scope[group.scope].append((group, plan))
     rewriter = _Rewriter(by_scope)
     new = rewriter.rewrite(model, scope="", force_new=True)
-    # Weight files in the original layout, registered classes (optimized.py).
-    return as_optimized(new, like=model), tuple(rewriter.failures)
+    return new, tuple(rewriter.failures)
 
 
 class _Rewriter:
@@ -159,9 +168,8 @@ def _rewrite_sequential(model, fused, replacements) -> keras.Sequential:
     if isinstance(input_layer, keras.layers.InputLayer):
         # The original InputLayer itself (see _rewrite_functional).
         layers.insert(0, input_layer.output)
-    new = keras.Sequential(layers, name=model.name, trainable=model.trainable)
-    copy_compile(model, new)
-    return new
+    # Compile arguments are carried over where the result becomes an optimized model.
+    return keras.Sequential(layers, name=model.name, trainable=model.trainable)
 
 
 def _rewrite_functional(model, fused, replacements) -> keras.Model:
