@@ -54,7 +54,8 @@ def rules_pass(model: keras.Model, so_far: PassResult, options: PassOptions) -> 
     else:
         why = Reason(
             "subclassed_model",
-            f"it is inside the subclassed model '{model.name}', whose call() rnnfuse cannot see into",
+            f"it is inside the subclassed model '{model.name}', whose call() "
+            "rnnfuse cannot see into",
         )
         layers = [l for l in model._flatten_layers(include_self=False) if is_recurrent(l)]
         found = Candidates({}, {layer.name: why for layer in layers}, frozenset())

@@ -106,7 +106,9 @@ def planning_pass(model: keras.Model, so_far: PassResult, options: PassOptions) 
     if so_far.graph is None:
         report = _subclassed_report(model, so_far.candidates)
     else:
-        report = _plan(so_far.graph, so_far.candidates, model.name, options.min_layers, options.absorb_dropout)
+        report = _plan(
+            so_far.graph, so_far.candidates, model.name, options.min_layers, options.absorb_dropout
+        )
         extra = model_notes(model, report)
         if extra:
             report = dataclasses.replace(report, notes=tuple(report.notes) + tuple(extra))
@@ -313,11 +315,11 @@ def _group(graph, run, views, bridges) -> FusionGroup:
     )
 
 
-
 def _subclassed_report(model: keras.Model, candidates: Candidates) -> FusionReport:
     note = (
         f"'{model.name}' is a subclassed model ({type(model).__name__}): rnnfuse "
         "cannot see inside its call(). Build it as a Functional or Sequential "
         "model to fuse its recurrent layers."
     )
-    return FusionReport(model_name=model.name, groups=(), skipped=dict(candidates.reasons), notes=(note,))
+    skipped = dict(candidates.reasons)
+    return FusionReport(model_name=model.name, groups=(), skipped=skipped, notes=(note,))

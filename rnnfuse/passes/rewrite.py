@@ -43,7 +43,6 @@ import warnings
 from typing import Any, Sequence
 
 import keras
-
 from keras.src.models.functional import Functional
 
 from rnnfuse.fused import FusedRNN, first_call_kwargs
