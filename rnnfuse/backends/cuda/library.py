@@ -331,6 +331,21 @@ BIDIRECTIONAL_OFF = ("bidirectional layers on the wavefront kernel are off until
                      "them exact (rnnfuse.backends.cuda.library.BIDIRECTIONAL)")
 
 
+def _hopper(ordinal: int):
+    """(library, device `ordinal`'s properties) where the kernel can run
+    there, else (None, why not): the library does not build or load, no
+    driver, or not a Hopper GPU."""
+    try:
+        lib = load()
+        dev = lib.device(ordinal)
+    except Exception as exc:  # noqa: BLE001 - no nvcc, no driver: cuDNN runs
+        return None, f"the wavefront kernel is not available: {exc}"
+    if dev["major"] != 9:
+        return None, (f"the wavefront kernel runs on compute capability 9.0 (Hopper), not "
+                      f"{dev['major']}.{dev['minor']}")
+    return lib, dev
+
+
 def bidirectional_reason(kind: str, units: int, batch: int, steps: int, input_size: int,
                          ordinal: int = 0) -> str | None:
     """Why the kernel cannot run a bidirectional stack's layers (each
@@ -343,14 +358,9 @@ def bidirectional_reason(kind: str, units: int, batch: int, steps: int, input_si
     """
     if not BIDIRECTIONAL:
         return BIDIRECTIONAL_OFF
-    try:
-        lib = load()
-        dev = lib.device(ordinal)
-    except Exception as exc:  # noqa: BLE001 - no nvcc, no driver: cuDNN runs
-        return f"the wavefront kernel is not available: {exc}"
-    if dev["major"] != 9:
-        return (f"the wavefront kernel runs on compute capability 9.0 (Hopper), not "
-                f"{dev['major']}.{dev['minor']}")
+    lib, dev = _hopper(ordinal)
+    if lib is None:
+        return dev
     for width in {int(input_size), 2 * int(units)}:
         plan = lib.plan_directions(kind, units, int(batch), int(steps), width, sms=dev["sms"],
                                    smem=dev["smem"])
@@ -431,14 +441,9 @@ def device_reason(kind: str, num_layers: int, units: int, batch: int, steps: int
     """Why the kernel cannot run this stack on CUDA device `ordinal` (the
     library does not build or load, no driver, not a Hopper GPU, or the
     plan's refusal, which names the limit), or None."""
-    try:
-        lib = load()
-        dev = lib.device(ordinal)
-    except Exception as exc:  # noqa: BLE001 - no nvcc, no driver: cuDNN runs
-        return f"the wavefront kernel is not available: {exc}"
-    if dev["major"] != 9:
-        return (f"the wavefront kernel runs on compute capability 9.0 (Hopper), not "
-                f"{dev['major']}.{dev['minor']}")
+    lib, dev = _hopper(ordinal)
+    if lib is None:
+        return dev
     plan = lib.plan(kind, num_layers, units, int(batch), int(steps), int(input_size),
                     sms=dev["sms"], smem=dev["smem"])
     return plan if isinstance(plan, str) else None

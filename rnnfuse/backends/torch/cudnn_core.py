@@ -163,16 +163,21 @@ def _ptr(t: torch.Tensor | None) -> int:
     return 0 if t is None or t.numel() == 0 else t.data_ptr()
 
 
+def _launch(ints, dropout: float, seed: int, x):
+    """(library, config, steps, batch, stream) for one call of the core on
+    `x` [T, B, D]."""
+    lib = _cuda().load()
+    return (lib, _config(ints, x.dtype, dropout, seed), int(x.shape[0]), int(x.shape[1]),
+            _stream(x.device))
+
+
 def core_forward(ints: list[int], dropout: float, seed: int, training: bool, x, hx, cx, params,
                  lengths, dev_lengths):
     """The core's forward on tensors: (y [T, B, D*R], hy, cy, reserve
     uint8). `lengths`: host int32 [B] or None (every sequence full);
     `dev_lengths`: the same on the device. cx and cy are empty but for an
     LSTM. The CPU tests replace this function."""
-    lib = _cuda().load()
-    config = _config(ints, x.dtype, dropout, seed)
-    steps, batch = int(x.shape[0]), int(x.shape[1])
-    stream = _stream(x.device)
+    lib, config, steps, batch, stream = _launch(ints, dropout, seed, x)
     work, reserve_bytes = _sizes(lib, config, steps, batch, lengths, stream, x.device)
     lstm = ints[0] == 0
     out = (ints[3] or ints[2]) * ints[5]
@@ -194,10 +199,7 @@ def core_backward(ints: list[int], dropout: float, seed: int, x, hx, cx, params,
                   dev_lengths, y, dy, dhy, dcy, reserve):
     """The core's backward data then backward weights on tensors: (dx,
     dhx, dcx, dparams). The CPU tests replace this function."""
-    lib = _cuda().load()
-    config = _config(ints, x.dtype, dropout, seed)
-    steps, batch = int(x.shape[0]), int(x.shape[1])
-    stream = _stream(x.device)
+    lib, config, steps, batch, stream = _launch(ints, dropout, seed, x)
     work, reserve_bytes = _sizes(lib, config, steps, batch, lengths, stream, x.device)
     lstm = ints[0] == 0
     dx, dhx = torch.empty_like(x), torch.empty_like(hx)

@@ -191,6 +191,23 @@ def trainable_forward(x: torch.Tensor, weights: Sequence[torch.Tensor], h0: torc
     return inp, torch.cat(hys), (torch.cat(cys) if kind == "lstm" else None)
 
 
+def _structure_reason(library, kind: str, dtype: torch.dtype, device: torch.device,
+                      proj_size: int, dropout: float) -> tuple[str | None, int | None]:
+    """(why not, None) where the kernel never runs this stack here whatever
+    the shape (the kernel's kinds, dtypes, no projection, no dropout between
+    layers, the `library.BIDIRECTIONAL` switch, a CUDA device), else (None,
+    the device's CUDA ordinal)."""
+    reason = library.stack_reason(kind, str(dtype).replace("torch.", ""), proj_size=proj_size,
+                                  dropout=dropout)
+    if reason is not None:
+        return reason, None
+    if not library.BIDIRECTIONAL:
+        return library.BIDIRECTIONAL_OFF, None
+    if device.type != "cuda":
+        return "the wavefront kernel runs on CUDA devices only", None
+    return None, (device.index if device.index is not None else torch.cuda.current_device())
+
+
 def training_reason(kind: str, num_layers: int, units: int, batch: int, steps: int,
                     input_size: int, dtype: torch.dtype, device: torch.device, *,
                     proj_size: int = 0, dropout: float = 0.0) -> str | None:
@@ -199,15 +216,9 @@ def training_reason(kind: str, num_layers: int, units: int, batch: int, steps: i
     one-layer forward plan at each input width (`input_size`, 2 * units)
     and the backward's (`library.backward_reason`)."""
     library = _library()
-    reason = library.stack_reason(kind, str(dtype).replace("torch.", ""), proj_size=proj_size,
-                                  dropout=dropout)
+    reason, ordinal = _structure_reason(library, kind, dtype, device, proj_size, dropout)
     if reason is not None:
         return reason
-    if not library.BIDIRECTIONAL:
-        return library.BIDIRECTIONAL_OFF
-    if device.type != "cuda":
-        return "the wavefront kernel runs on CUDA devices only"
-    ordinal = device.index if device.index is not None else torch.cuda.current_device()
     for width in {int(input_size), 2 * int(units)}:
         reason = library.device_reason(kind, 1, units, batch, steps, width, ordinal)
         if reason is not None:
@@ -223,15 +234,9 @@ def unsupported_reason(kind: str, num_layers: int, units: int, batch: int, steps
     between layers, the `library.BIDIRECTIONAL` switch, a CUDA device,
     then `library.bidirectional_reason` (the device, each layer's plan)."""
     library = _library()
-    reason = library.stack_reason(kind, str(dtype).replace("torch.", ""), proj_size=proj_size,
-                                  dropout=dropout)
+    reason, ordinal = _structure_reason(library, kind, dtype, device, proj_size, dropout)
     if reason is not None:
         return reason
-    if not library.BIDIRECTIONAL:
-        return library.BIDIRECTIONAL_OFF
-    if device.type != "cuda":
-        return "the wavefront kernel runs on CUDA devices only"
-    ordinal = device.index if device.index is not None else torch.cuda.current_device()
     return library.bidirectional_reason(kind, units, batch, steps, input_size, ordinal)
 
 
