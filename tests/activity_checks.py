@@ -6,13 +6,16 @@ runs no inner `__call__`, so `FusedRNN` adds the run's last layer's loss
 itself, and the rules keep a regularized layer from sitting anywhere else in
 a run (`activity_regularizer`, `bidirectional_activity_regularizer`,
 `cell_activity_regularizer`). The backend test files parameterize over
-`CASES` and call the `assert_*` checks below.
+`CASES` and call `check_case`.
 """
 
 from __future__ import annotations
 
 import keras
 import numpy as np
+from builders import fused_layers
+
+import rnnfuse
 
 L = keras.layers
 
@@ -145,3 +148,17 @@ def assert_training_matches(model, reference, fast, x, y) -> None:
     np.testing.assert_allclose(got, want, rtol=1e-5)
     for a, b in zip(model.get_weights(), reference.get_weights()):
         np.testing.assert_allclose(a, b, atol=1e-5)
+
+
+def check_case(name: str, fused_calls) -> None:
+    """Case `name` fused with `rnnfuse.FUSED`: the expected runs, the
+    losses and training match the original, and where a run fuses, the
+    backend's fused call ran (`fused_calls`: the fixture that records it)."""
+    model, reference = twins(name)
+    fast = rnnfuse.optimize(model, plan=rnnfuse.FUSED)
+    assert [len(f.fused_layers) for f in fused_layers(fast)] == CASES[name][1]
+    x, y = data(model, padded=name == "masked")
+    assert_losses_match(model, fast, x)
+    assert_training_matches(model, reference, fast, x, y)
+    if CASES[name][1]:
+        assert fused_calls, "the fused call did not run"

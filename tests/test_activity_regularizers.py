@@ -4,9 +4,8 @@ evaluate and a fit epoch match the original (tests/activity_checks.py)."""
 
 from __future__ import annotations
 
-import keras
 import pytest
-from activity_checks import CASES, assert_losses_match, assert_training_matches, data, twins
+from activity_checks import CASES, check_case, data, twins
 from builders import fused_layers
 
 import rnnfuse
@@ -14,14 +13,7 @@ import rnnfuse
 
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_activity_losses_and_training_match_the_original(name, emulated_cudnn):
-    model, reference = twins(name)
-    fast = rnnfuse.optimize(model, plan=rnnfuse.FUSED)
-    assert [len(f.fused_layers) for f in fused_layers(fast)] == CASES[name][1]
-    x, y = data(model, padded=name == "masked")
-    assert_losses_match(model, fast, x)
-    assert_training_matches(model, reference, fast, x, y)
-    if CASES[name][1]:
-        assert emulated_cudnn, "the fused path did not run"
+    check_case(name, emulated_cudnn)
 
 
 def test_issue_repro_keeps_both_layers_apart_with_the_reason():
