@@ -185,3 +185,24 @@ def assert_fastest_or_kept_original(result) -> None:
         assert best >= (1 - KEEP_ORIGINAL_MARGIN) * timings["per-layer"], timings
     else:
         assert timings[result.plan.name] == best, timings
+
+
+def spy_on(monkeypatch, owner, attr: str, ran: list, label: str | None = None) -> None:
+    """Replace `owner.attr` for the test with a spy that appends `label`
+    (default `attr`) to `ran`, then calls the real one.
+
+    >>> import types
+    >>> ns, ran = types.SimpleNamespace(f=lambda x: x + 1), []
+    >>> mp = __import__("pytest").MonkeyPatch()
+    >>> spy_on(mp, ns, "f", ran); (ns.f(1), ran)
+    (2, ['f'])
+    >>> mp.undo()
+    """
+    real = getattr(owner, attr)
+    name = attr if label is None else label
+
+    def spy(*args, **kwargs):
+        ran.append(name)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(owner, attr, spy)

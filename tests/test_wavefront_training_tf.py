@@ -26,6 +26,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
+from builders import spy_on
 from rnnfuse.backends.base import StackCall, StackSpec
 from rnnfuse.backends.cuda import library
 from rnnfuse.backends.tensorflow import wavefront_op, wavefront_training as wt
@@ -550,13 +551,7 @@ def ran_backward(monkeypatch):
     """Which of the two backward passes ran: a spy around each (they still run)."""
     ran = []
     for name in ("backward_stack", "backward_stack_wavefront"):
-        real = getattr(wt, name)
-
-        def spy(*args, _real=real, _name=name, **kw):
-            ran.append(_name)
-            return _real(*args, **kw)
-
-        monkeypatch.setattr(wt, name, spy)
+        spy_on(monkeypatch, wt, name, ran)
     return ran
 
 

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 import rnnfuse
-from builders import fused_layers, max_abs_diff, stack_model
+from builders import fused_layers, max_abs_diff, spy_on, stack_model
 from rnnfuse.fused import FusedRNN
 from rnnfuse.tuning import first_batch, per_shape, tuner
 
@@ -52,28 +52,10 @@ class _Spies:
         self.layer_calls = []
         self.wrapper = []
         for layer in layers:
-            real = layer.call
-
-            def spy(*args, _real=real, _name=layer.name, **kwargs):
-                self.layer_calls.append(_name)
-                return _real(*args, **kwargs)
-
-            monkeypatch.setattr(layer, "call", spy)
+            spy_on(monkeypatch, layer, "call", self.layer_calls, layer.name)
         for name in ("call", "_run", "_plan_for_call"):
-            real = getattr(FusedRNN, name)
-
-            def wrapped(*args, _real=real, _name=name, **kwargs):
-                self.wrapper.append(_name)
-                return _real(*args, **kwargs)
-
-            monkeypatch.setattr(FusedRNN, name, wrapped)
-        real_planner = per_shape.Planner.__call__
-
-        def planner(*args, **kwargs):
-            self.wrapper.append("Planner.__call__")
-            return real_planner(*args, **kwargs)
-
-        monkeypatch.setattr(per_shape.Planner, "__call__", planner)
+            spy_on(monkeypatch, FusedRNN, name, self.wrapper)
+        spy_on(monkeypatch, per_shape.Planner, "__call__", self.wrapper, "Planner.__call__")
 
 
 def _data(model, n=8, seed=0):

@@ -20,6 +20,7 @@ import keras
 import pytest
 import torch
 
+from builders import spy_on
 from rnnfuse.backends.base import StackCall, StackSpec
 from rnnfuse.backends.torch import wavefront
 
@@ -169,13 +170,7 @@ def ran_backward(monkeypatch):
     """Which of the two backward passes ran: a spy around each (they still run)."""
     ran = []
     for name in ("backward_stack", "backward_stack_wavefront"):
-        real = getattr(wavefront, name)
-
-        def spy(*args, _real=real, _name=name, **kw):
-            ran.append(_name)
-            return _real(*args, **kw)
-
-        monkeypatch.setattr(wavefront, name, spy)
+        spy_on(monkeypatch, wavefront, name, ran)
     return ran
 
 
