@@ -5,6 +5,8 @@ from __future__ import annotations
 import keras
 import numpy as np
 
+import rnnfuse
+
 KINDS = ("lstm", "gru", "rnn_tanh", "rnn_relu")
 
 
@@ -206,3 +208,24 @@ def spy_on(monkeypatch, owner, attr: str, ran: list, label: str | None = None) -
         return real(*args, **kwargs)
 
     monkeypatch.setattr(owner, attr, spy)
+
+
+def wavefront_stack(kind: str = "lstm", layers: int = 2, units: int = 8, steps: int = 7,
+                    **kwargs) -> keras.Model:
+    """The wavefront tests' stack: `stack_model` with 5 input features and
+    every layer returning sequences."""
+    return stack_model(kind, layers, units=units, input_size=5, steps=steps,
+                       last_return_sequences=True, **kwargs)
+
+
+def wavefront_inputs(batch: int = 4, steps: int = 7, seed: int = 0) -> np.ndarray:
+    """float32 [batch, steps, 5] standard-normal inputs for `wavefront_stack`."""
+    return np.random.default_rng(seed).standard_normal((batch, steps, 5)).astype("float32")
+
+
+def fused_with_plan(model: keras.Model, plan):
+    """The one FusedRNN of `rnnfuse.optimize(model, tune=False)`, set to
+    `plan` (a `FusedPlan`, sized to the run)."""
+    (layer,) = fused_layers(rnnfuse.optimize(model, tune=False))
+    layer.set_plan(plan.for_length(len(layer.fused_layers)))
+    return layer

@@ -28,7 +28,8 @@ import pytest
 import tensorflow as tf
 
 import rnnfuse
-from builders import fused_layers, max_abs_diff, stack_model
+from builders import (fused_layers, fused_with_plan, max_abs_diff, stack_model, wavefront_inputs,
+                      wavefront_stack)
 from cudnn_reference import emulated_cudnn_rnn
 from rnnfuse.backends.cuda import library
 from rnnfuse.backends.tensorflow import op_build, wavefront_op, wavefront_training
@@ -111,19 +112,7 @@ def half():
     yield
 
 
-def _model(kind="lstm", layers=2, units=8, steps=7, **kwargs):
-    return stack_model(kind, layers, units=units, input_size=5, steps=steps,
-                       last_return_sequences=True, **kwargs)
 
-
-def _x(batch=4, steps=7, seed=0):
-    return np.random.default_rng(seed).standard_normal((batch, steps, 5)).astype("float32")
-
-
-def _fused(model, plan):
-    (layer,) = fused_layers(rnnfuse.optimize(model, tune=False))
-    layer.set_plan(plan.for_length(len(layer.fused_layers)))
-    return layer
 
 
 # -- the fused call -----------------------------------------------------------------
@@ -133,9 +122,9 @@ def _fused(model, plan):
 @pytest.mark.parametrize("masked", [False, True])
 def test_an_inference_call_runs_the_wavefront_op(fake_wavefront, half, kind, masked):
     # (A reversed first layer runs fused without a mask only: rule go_backwards_mask.)
-    model = _model(kind, go_backwards_first=not masked)
-    layer = _fused(model, WAVEFRONT)
-    x = _x()
+    model = wavefront_stack(kind, go_backwards_first=not masked)
+    layer = fused_with_plan(model, WAVEFRONT)
+    x = wavefront_inputs()
     mask = np.arange(7)[None, :] < np.array([7, 5, 3, 6])[:, None] if masked else None
     y = layer(x, mask=mask, training=False)
     assert layer.last_path.kind == "fused" and layer.last_path.kernel.name == "RnnfuseWavefront"
@@ -156,8 +145,8 @@ def test_an_inference_call_runs_the_wavefront_op(fake_wavefront, half, kind, mas
 
 @pytest.mark.parametrize("kind", ["lstm", "gru"])
 def test_a_training_call_runs_the_training_ops(fake_wavefront, half, kind):
-    layer = _fused(_model(kind), WAVEFRONT)
-    x = tf.constant(_x())
+    layer = fused_with_plan(wavefront_stack(kind), WAVEFRONT)
+    x = tf.constant(wavefront_inputs())
     with tf.GradientTape() as tape:
         y = layer(x, training=True)
         loss = tf.reduce_sum(tf.cast(y, tf.float32) ** 2)
@@ -182,9 +171,9 @@ def test_a_training_call_runs_the_training_ops(fake_wavefront, half, kind):
 
 
 def test_a_shape_the_kernel_refuses_runs_cudnn_with_the_reason(fake_wavefront, half):
-    model = _model(layers=4, units=16)
-    layer = _fused(model, Plan((4,), kernel="wavefront"))
-    x = _x()
+    model = wavefront_stack(layers=4, units=16)
+    layer = fused_with_plan(model, Plan((4,), kernel="wavefront"))
+    x = wavefront_inputs()
     y = layer(x, training=False)
     ran = layer.last_path.kernel
     assert fake_wavefront.calls == [] and ran.name == "CudnnRNNV3"
@@ -193,17 +182,17 @@ def test_a_shape_the_kernel_refuses_runs_cudnn_with_the_reason(fake_wavefront, h
 
 
 def test_a_float32_stack_runs_cudnn_with_the_reason(fake_wavefront):
-    layer = _fused(_model(), WAVEFRONT)
-    layer(_x(), training=False)
+    layer = fused_with_plan(wavefront_stack(), WAVEFRONT)
+    layer(wavefront_inputs(), training=False)
     assert fake_wavefront.calls == []
     assert "float16 and bfloat16, not float32" in layer.last_path.kernel.note
 
 
 def test_a_traced_call_of_unknown_batch_runs_cudnn_with_the_reason(fake_wavefront, half):
-    layer = _fused(_model(), WAVEFRONT)
+    layer = fused_with_plan(wavefront_stack(), WAVEFRONT)
     step = tf.function(lambda x: layer(x, training=False),
                        input_signature=[tf.TensorSpec([None, 7, 5], tf.float32)])
-    step(_x())
+    step(wavefront_inputs())
     assert fake_wavefront.calls == []
     assert "static batch" in layer.last_path.kernel.note
 
@@ -226,9 +215,9 @@ def test_gradients_through_an_inference_call_are_cudnns(fake_wavefront, half, ki
     """The op has no gradient; the call's gradient is cuDNN's, recomputed:
     equal to the cuDNN plan's (same kernel, same inputs) and to the
     original layers' within float16 rounding."""
-    model = _model(kind)
-    layer = _fused(model, WAVEFRONT)
-    x = _x()
+    model = wavefront_stack(kind)
+    layer = fused_with_plan(model, WAVEFRONT)
+    x = wavefront_inputs()
     weights = tf.constant(np.random.default_rng(3).standard_normal((4, 7, 8)), tf.float32)
     grads = _gradients(layer, x, weights, traced)
     assert len(fake_wavefront.calls) == 1 and layer.last_path.kernel.name == "RnnfuseWavefront"
@@ -246,8 +235,8 @@ def test_gradients_through_an_inference_call_are_cudnns(fake_wavefront, half, ki
 def test_gradients_reach_the_initial_states(fake_wavefront, half):
     model = stack_model("lstm", 2, units=8, input_size=5, steps=7, initial_state=True,
                         last_return_sequences=True)
-    layer = _fused(model, WAVEFRONT)
-    x = tf.constant(_x())
+    layer = fused_with_plan(model, WAVEFRONT)
+    x = tf.constant(wavefront_inputs())
     states = [tf.constant(np.random.default_rng(i).standard_normal((4, 8)), tf.float32)
               for i in range(2)]
     grads = {}
@@ -294,7 +283,7 @@ def no_steps(monkeypatch):
 
 def test_the_wavefront_plan_is_timed_for_inference_and_training(
         fake_wavefront, half, no_steps):
-    groups = _groups(_model())
+    groups = _groups(wavefront_stack())
     timer = FakeTimer({"per-layer": 2.0, "fused": 1.0, "fused on wavefront": 0.5})
     (result,) = _tune(groups, timer)
     assert "fused on wavefront" in timer.names[0]
@@ -306,16 +295,16 @@ def test_the_wavefront_plan_is_timed_for_inference_and_training(
     assert "fused on wavefront" in trainer.names[0] and trained.plan == WAVEFRONT
     # A GRU stack is a training candidate too (its per-layer backward).
     gru_trainer = FakeTimer({"per-layer": 2.0, "fused": 1.0, "fused on wavefront": 0.5})
-    (gru,) = _tune(_groups(_model("gru")), gru_trainer, training=True)
+    (gru,) = _tune(_groups(wavefront_stack("gru")), gru_trainer, training=True)
     assert "fused on wavefront" in gru_trainer.names[0] and gru.plan == WAVEFRONT
 
 
 def test_the_wavefront_plan_must_win_by_the_margin(fake_wavefront, half, no_steps):
     close = 1.0 - KEEP_ORIGINAL_MARGIN / 2
-    (result,) = _tune(_groups(_model()), FakeTimer({"per-layer": 1.0, "fused": 1.5,
+    (result,) = _tune(_groups(wavefront_stack()), FakeTimer({"per-layer": 1.0, "fused": 1.5,
                                                     "fused on wavefront": close}))
     assert result.plan.per_layer
-    (result,) = _tune(_groups(_model()), FakeTimer({"per-layer": 1.0, "fused": 0.7,
+    (result,) = _tune(_groups(wavefront_stack()), FakeTimer({"per-layer": 1.0, "fused": 0.7,
                                                     "fused on wavefront": 0.8}))
     assert result.plan == Plan((2,)), "chosen only where it measures faster"
 
@@ -324,7 +313,7 @@ def test_a_group_the_kernel_refuses_is_not_timed_and_says_why(fake_wavefront, ha
     timer = FakeTimer({"fused on wavefront": 0.1})
     # Two layers of 32 fit nowhere as one, and each alone (32 <= LIMIT) would,
     # but 2 x 64 units: not even one layer fits, so no segments either.
-    (result,) = _tune(_groups(_model(layers=2, units=64)), timer)
+    (result,) = _tune(_groups(wavefront_stack(layers=2, units=64)), timer)
     assert all("wavefront" not in n for names in timer.names for n in names)
     assert "do not fit on chip" in result.rejected["fused on wavefront"]
     assert "segments" not in result.rejected["fused on wavefront"]
@@ -341,7 +330,7 @@ def test_a_group_the_kernel_refuses_is_not_timed_and_says_why(fake_wavefront, ha
 
 def test_the_decision_is_cached_with_its_kernel(fake_wavefront, half, no_steps, tmp_path):
     cache = PlanCache(tmp_path / "plans.json")
-    groups = _groups(_model())
+    groups = _groups(wavefront_stack())
     _tune(groups, FakeTimer({"per-layer": 2.0, "fused on wavefront": 0.5}), cache=cache)
     (entry,) = json.loads((tmp_path / "plans.json").read_text())["entries"].values()
     assert entry["plan"]["kernel"] == "wavefront"
@@ -360,7 +349,7 @@ def test_a_training_candidate_whose_backward_is_wrong_is_rejected(
 
     monkeypatch.setattr(wavefront_training, "backward_layer", wrong)
     timer = FakeTimer({"per-layer": 2.0, "fused": 1.0, "fused on wavefront": 0.5})
-    (trained,) = tune_plans(_groups(_model()), lambda g: (8, 7, 5), training=True,
+    (trained,) = tune_plans(_groups(wavefront_stack()), lambda g: (8, 7, 5), training=True,
                             measure=timer, environment=ENV, progress=False)
     assert trained.plan == Plan((2,))
     assert "gradient error" in trained.rejected["fused on wavefront"]
@@ -380,7 +369,7 @@ def test_a_step_whose_kernel_falls_back_is_not_timed(fake_wavefront, half, monke
 
     monkeypatch.setattr(tf_backend, "kernel_reason", lambda kernel, group, shape, training=False: None)
     timer = FakeTimer({"per-layer": 2.0, "fused": 1.0, "fused on wavefront": 0.1})
-    (result,) = _tune(_groups(_model(layers=4, units=16)), timer, shape=(4, 7, 5))
+    (result,) = _tune(_groups(wavefront_stack(layers=4, units=16)), timer, shape=(4, 7, 5))
     assert "do not fit on chip" in result.rejected["fused on wavefront"]
     assert "did not run" in result.rejected["fused on wavefront"]
     assert result.plan.kernel == "cudnn"
@@ -398,13 +387,13 @@ def test_predict_and_fit_each_run_their_own_decision(
     predict again to the wavefront plan; decisions() and the path record
     what ran."""
     monkeypatch.setattr(first_batch, "device_environment", lambda: dict(ENV))
-    model = _model(kind, units=8)
+    model = wavefront_stack(kind, units=8)
     fast = rnnfuse.optimize(model, cache=PlanCache(tmp_path / "plans.json"))
     fast._rnnfuse_autotune.measure = FakeTimer({"per-layer": 2.0, "fused": 1.0,
                                                 "fused on wavefront": 0.5})
     fast._rnnfuse_autotune.fit_share = None  # a tiny predict times everything
     (layer,) = fused_layers(fast)
-    x = _x(batch=8)
+    x = wavefront_inputs(batch=8)
     y = fast.predict(x, batch_size=8, verbose=0)
     assert layer.plan == WAVEFRONT and layer.last_path.kernel.name == "RnnfuseWavefront"
     assert len(fake_wavefront.calls) == 1
@@ -440,9 +429,9 @@ def test_a_stack_over_the_limit_runs_as_segments_on_the_wavefront_op(
     """4 x 16 units do not fit (LIMIT 48) as one launch; 2 + 2 do: two
     launches, each over its own layers, the second reading the first's
     output, equal to the same split on cuDNN and to the original layers."""
-    model = _model(layers=4, units=16)
-    layer = _fused(model, SEGMENTS)
-    x = _x()
+    model = wavefront_stack(layers=4, units=16)
+    layer = fused_with_plan(model, SEGMENTS)
+    x = wavefront_inputs()
     mask = np.arange(7)[None, :] < np.array([7, 5, 3, 6])[:, None] if masked else None
     y = layer(x, mask=mask, training=False)
     ran = layer.last_path.kernel
@@ -458,8 +447,8 @@ def test_a_stack_over_the_limit_runs_as_segments_on_the_wavefront_op(
 
 
 def test_a_training_call_runs_each_segments_training_ops(fake_wavefront, half):
-    layer = _fused(_model(layers=4, units=16), SEGMENTS)
-    x = tf.constant(_x())
+    layer = fused_with_plan(wavefront_stack(layers=4, units=16), SEGMENTS)
+    x = tf.constant(wavefront_inputs())
     grads = {}
     for plan in (SEGMENTS, Plan((2, 2))):
         layer.set_plan(plan)
@@ -483,9 +472,9 @@ def test_a_training_call_runs_each_segments_training_ops(fake_wavefront, half):
 def test_a_segment_the_kernel_refuses_runs_cudnn_and_the_path_says_why(fake_wavefront, half):
     """Split 2+2 of 32 units: each segment (64 > LIMIT) is refused; cuDNN
     runs it, never a wrong answer, and the layer's path carries the note."""
-    model = _model(layers=4, units=32)
-    layer = _fused(model, SEGMENTS)
-    x = _x()
+    model = wavefront_stack(layers=4, units=32)
+    layer = fused_with_plan(model, SEGMENTS)
+    x = wavefront_inputs()
     y = layer(x, training=False)
     ran = layer.last_path.kernel
     assert fake_wavefront.calls == [] and ran.name == "CudnnRNNV3"
@@ -496,7 +485,7 @@ def test_a_segment_the_kernel_refuses_runs_cudnn_and_the_path_says_why(fake_wave
 @pytest.mark.parametrize("training", [False, True])
 def test_the_tuner_times_segments_where_the_whole_stack_does_not_fit(
         fake_wavefront, half, no_steps, training):
-    groups = _groups(_model(layers=4, units=16))
+    groups = _groups(wavefront_stack(layers=4, units=16))
     timer = FakeTimer({"per-layer": 2.0, "fused": 1.0, "split 2+2 on wavefront": 0.5})
     (result,) = _tune(groups, timer, training=training)
     # Timed in the first stage beside the whole run on cuDNN (no whole run on
@@ -516,7 +505,7 @@ def test_the_tuner_picks_the_fewest_balanced_segments(fake_wavefront, half, no_s
     """6 x 8 units: 48 fits (LIMIT) and 7 layers would not, so a 7-layer
     stack runs as 4 + 3: the fewest segments, the largest as small as can be."""
     timer = FakeTimer({"per-layer": 2.0, "fused": 1.0})
-    (result,) = _tune(_groups(_model(layers=7, units=8)), timer)
+    (result,) = _tune(_groups(wavefront_stack(layers=7, units=8)), timer)
     assert "split 4+3 on wavefront" in timer.names[0]
     assert "split 4+3 on wavefront" in result.rejected["fused on wavefront"]
 
@@ -524,7 +513,7 @@ def test_the_tuner_picks_the_fewest_balanced_segments(fake_wavefront, half, no_s
 def test_a_segmented_decision_is_cached_and_rewritten_as_its_segments(
         fake_wavefront, half, no_steps, tmp_path):
     cache = PlanCache(tmp_path / "plans.json")
-    groups = _groups(_model(layers=4, units=16))
+    groups = _groups(wavefront_stack(layers=4, units=16))
     _tune(groups, FakeTimer({"per-layer": 2.0, "split 2+2 on wavefront": 0.5}), cache=cache)
     (entry,) = json.loads((tmp_path / "plans.json").read_text())["entries"].values()
     assert entry["plan"] == SEGMENTS.to_dict()
@@ -539,8 +528,8 @@ def test_a_segmented_decision_is_cached_and_rewritten_as_its_segments(
 def test_a_traced_training_step_runs_each_segments_training_ops(fake_wavefront, half):
     """What `fit` traces: both segments' saving forwards and all four layers'
     backwards in one graph, gradients equal to the eager call's."""
-    layer = _fused(_model(layers=4, units=16), SEGMENTS)
-    x = tf.constant(_x())
+    layer = fused_with_plan(wavefront_stack(layers=4, units=16), SEGMENTS)
+    x = tf.constant(wavefront_inputs())
 
     def step(x):
         with tf.GradientTape() as tape:

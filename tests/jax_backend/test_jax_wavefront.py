@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 import rnnfuse
-from builders import fused_layers, max_abs_diff, stack_model
+from builders import fused_layers, max_abs_diff, wavefront_inputs, wavefront_stack
 from cudnn_reference import cudnn_rnn
 from rnnfuse.backends import get_backend
 from rnnfuse.backends import jax as jax_backend
@@ -179,13 +179,6 @@ def test_bad_arguments_say_what_was_received(emulated, bad, match):
 # -- the backend: plans, Keras' steps, fallbacks --------------------------------------------
 
 
-def _model(kind="lstm", layers=2, units=8, steps=7, **kwargs):
-    return stack_model(kind, layers, units=units, input_size=5, steps=steps,
-                       last_return_sequences=True, **kwargs)
-
-
-def _x(batch=4, steps=7, seed=0):
-    return np.random.default_rng(seed).standard_normal((batch, steps, 5)).astype("float32")
 
 
 def _optimized(model, plan):
@@ -217,9 +210,9 @@ def _grads(layer, x, weights):
 
 @pytest.mark.parametrize("kind", ["lstm", "gru"])
 def test_a_layer_on_the_wavefront_plan_matches_the_original_layers(emulated, half, kind):
-    model = _model(kind)
+    model = wavefront_stack(kind)
     layer = _fused(model, WAVEFRONT)
-    x = _x()
+    x = wavefront_inputs()
     y = layer(x, training=False)
     ran = layer.last_path.kernel
     assert layer.last_path.kind == "fused" and ran.name == wavefront.KERNEL_NAME
@@ -239,8 +232,8 @@ def test_a_layer_on_the_wavefront_plan_matches_the_original_layers(emulated, hal
 
 
 def test_assigning_a_variable_changes_the_fused_output(emulated, half):
-    layer = _fused(_model(), WAVEFRONT)
-    x = _x()
+    layer = _fused(wavefront_stack(), WAVEFRONT)
+    x = wavefront_inputs()
     before = np.asarray(layer(x), np.float32)
     cell = layer.fused_layers[0].cell
     cell.recurrent_kernel.assign(cell.recurrent_kernel.value * 0.5)
@@ -250,9 +243,9 @@ def test_assigning_a_variable_changes_the_fused_output(emulated, half):
 def test_a_shape_the_kernel_refuses_runs_the_layers_with_both_reasons(emulated, half):
     """A float16 LSTM that the kernel's plan refuses: jax.experimental.rnn
     runs float32 only, so the original layers run, saying why."""
-    model = _model(layers=4, units=16)
+    model = wavefront_stack(layers=4, units=16)
     layer = _fused(model, Plan((4,), kernel="wavefront"))
-    x = _x()
+    x = wavefront_inputs()
     y = layer(x, training=False)
     assert emulated.calls == [] and layer.last_path.kind == "layers"
     reason = str(layer.last_path.reason)
@@ -262,8 +255,8 @@ def test_a_shape_the_kernel_refuses_runs_the_layers_with_both_reasons(emulated, 
 
 def test_a_float32_lstm_on_the_wavefront_plan_runs_cudnn_with_the_reason(
         emulated, emulated_jax_lstm):
-    layer = _fused(_model(), WAVEFRONT)
-    layer(_x(), training=False)
+    layer = _fused(wavefront_stack(), WAVEFRONT)
+    layer(wavefront_inputs(), training=False)
     ran = layer.last_path.kernel
     assert emulated.calls == [] and ran.name == "jax.experimental.rnn.lstm"
     assert "float16 and bfloat16, not float32" in ran.note and "cuDNN runs it" in ran.note
@@ -273,8 +266,8 @@ def test_a_missing_ffi_library_runs_the_layers_with_the_build_failure(emulated, 
                                                                      monkeypatch):
     monkeypatch.setattr(wavefront, "register",
                         lambda: "rnnfuse's XLA FFI library is not available: no nvcc found")
-    layer = _fused(_model("gru"), WAVEFRONT)
-    layer(_x(), training=False)
+    layer = _fused(wavefront_stack("gru"), WAVEFRONT)
+    layer(wavefront_inputs(), training=False)
     assert emulated.calls == [] and layer.last_path.kind == "layers"
     assert "no nvcc found" in str(layer.last_path.reason)
 
@@ -288,16 +281,16 @@ def test_the_plan_record_of_the_backend(emulated, half):
     backend = get_backend()
     assert "wavefront" in backend.capabilities.inference_kernels
     assert "wavefront" in backend.capabilities.training_kernels
-    model = _model()
+    model = wavefront_stack()
     (group,) = _groups(model)
     assert backend.kernel_reason("wavefront", group, (4, 7, 5)) is None
     assert emulated.asked[-1] == ("lstm", 2, 8, 4, 7, 5)
-    big = _groups(_model(layers=4, units=16))[0]
+    big = _groups(wavefront_stack(layers=4, units=16))[0]
     assert backend.kernel_reason("wavefront", big, (4, 7, 5), training=True) == \
         "4 layers of 16 units do not fit on chip"
     assert "no 'stock' kernel" in backend.kernel_reason("stock", group, (4, 7, 5))
     keras.config.set_dtype_policy("float32")
-    group32 = _groups(_model())[0]
+    group32 = _groups(wavefront_stack())[0]
     assert "not float32" in backend.kernel_reason("wavefront", group32, (4, 7, 5))
 
 
@@ -305,10 +298,10 @@ def test_fit_and_predict_trace_once_and_call_no_host_callback(emulated, half):
     """Keras' JAX trainer compiles the step once: the kernel is traced into
     it (one forward_saving and its backward a trace), and more steps and
     epochs neither retrace nor call back to the host."""
-    model = _model()
+    model = wavefront_stack()
     fast = _optimized(model, WAVEFRONT)
     fast.compile(optimizer="sgd", loss="mse")
-    x, y = _x(batch=16), np.zeros((16, 7, 8), "float32")
+    x, y = wavefront_inputs(batch=16), np.zeros((16, 7, 8), "float32")
     callbacks = []
     real = jax.pure_callback
 
@@ -374,9 +367,9 @@ def test_the_tuner_times_the_wavefront_plan_under_jax(emulated, half, monkeypatc
     monkeypatch.setattr(tuner, "_steps", lambda group, plans, *a, **k: {p.name: None
                                                                        for p in plans})
     timer = FakeTimer({"per-layer": 2.0, "fused": 1.0, "fused on wavefront": 0.5})
-    (result,) = tuner.tune_plans(_groups(_model(kind)), lambda g: (8, 7, 5), training=training,
-                                 cache=None, measure=timer, environment=ENV, progress=False,
-                                 check_gradients=lambda g, p, s, d: 1e-6)
+    (result,) = tuner.tune_plans(_groups(wavefront_stack(kind)), lambda g: (8, 7, 5),
+                                 training=training, cache=None, measure=timer, environment=ENV,
+                                 progress=False, check_gradients=lambda g, p, s, d: 1e-6)
     assert "fused on wavefront" in timer.names[0]
     assert result.plan == WAVEFRONT and result.timings["fused on wavefront"] == 0.5
     assert emulated.asked == [(kind, 2, 8, 8, 7, 5)]
@@ -388,7 +381,7 @@ def test_tune_times_the_kernels_jitted_step(emulated, half):
     traced)."""
     from rnnfuse.api import choose_plans
 
-    model = _model()
+    model = wavefront_stack()
     (result,) = choose_plans(model, rnnfuse.analyze(model).groups,
                              tune=rnnfuse.TuneShape(4, 7), cache=False)
     assert result.source == "measured"
@@ -404,11 +397,12 @@ def test_first_batch_tuning_under_jax_times_the_kernel(emulated, half, monkeypat
 
     monkeypatch.setattr(first_batch, "device_environment", lambda: dict(ENV))
     monkeypatch.setattr(per_shape, "device_environment", lambda: dict(ENV))
-    fast = rnnfuse.optimize(_model(), cache=False)
+    fast = rnnfuse.optimize(wavefront_stack(), cache=False)
     fast._rnnfuse_autotune.fit_share = None  # a 1-step fit times everything
     (layer,) = fused_layers(fast)
     fast.compile(optimizer="sgd", loss="mse")
-    fast.fit(_x(batch=8), np.zeros((8, 7, 8), "float32"), batch_size=8, epochs=1, verbose=0)
+    fast.fit(wavefront_inputs(batch=8), np.zeros((8, 7, 8), "float32"), batch_size=8, epochs=1,
+             verbose=0)
     (record,) = first_batch.decisions(fast)
     assert record["mode"] == "training" and record["source"] == "measured"
     assert "fused on wavefront" in record["timings_ms"], record

@@ -27,7 +27,7 @@ import pytest
 import torch
 
 import rnnfuse
-from builders import fused_layers, max_abs_diff, stack_model
+from builders import fused_layers, fused_with_plan, max_abs_diff, wavefront_inputs, wavefront_stack
 from rnnfuse.backends.cuda import library
 from rnnfuse.backends.torch import wavefront
 from rnnfuse.plan import FUSED, Plan
@@ -116,27 +116,15 @@ def half():
     yield
 
 
-def _model(kind="lstm", layers=2, units=8, **kwargs):
-    return stack_model(kind, layers, units=units, input_size=5, steps=7,
-                       last_return_sequences=True, **kwargs)
 
-
-def _x(batch=4, seed=0):
-    return np.random.default_rng(seed).standard_normal((batch, 7, 5)).astype("float32")
-
-
-def _fused(model, plan):
-    (layer,) = fused_layers(rnnfuse.optimize(model, tune=False))
-    layer.set_plan(plan.for_length(len(layer.fused_layers)))
-    return layer
 
 
 @pytest.mark.parametrize("kind", ["lstm", "gru"])
 @pytest.mark.parametrize("masked", [False, True])
 def test_an_inference_call_runs_the_custom_op(fake_kernel, half, kind, masked):
-    model = _model(kind, go_backwards_first=not masked)
-    layer = _fused(model, WAVEFRONT)
-    x = _x()
+    model = wavefront_stack(kind, go_backwards_first=not masked)
+    layer = fused_with_plan(model, WAVEFRONT)
+    x = wavefront_inputs()
     mask = (np.arange(7)[None, :] < np.array([7, 5, 3, 6])[:, None]) if masked else None
     with torch.no_grad():
         y = layer(x, mask=mask, training=False)
@@ -163,8 +151,8 @@ def _training_gradients(layer, x, weights, training=True):
 
 @pytest.mark.parametrize("kind", ["lstm", "gru"])
 def test_a_training_call_runs_the_kernels_forward_and_backward(fake_kernel, half, kind):
-    layer = _fused(_model(kind), WAVEFRONT)
-    x = _x()
+    layer = fused_with_plan(wavefront_stack(kind), WAVEFRONT)
+    x = wavefront_inputs()
     weights = torch.tensor(np.random.default_rng(3).standard_normal((4, 7, 8)), dtype=torch.float32)
     grads = _training_gradients(layer, x, weights)
     assert layer.last_path.kernel.name == wavefront.TRAINING_KERNEL_NAME
@@ -184,23 +172,23 @@ def test_a_training_call_runs_the_kernels_forward_and_backward(fake_kernel, half
 
 
 def test_a_call_autograd_does_not_record_runs_the_forward_alone(fake_kernel, half):
-    layer = _fused(_model(), WAVEFRONT)
+    layer = fused_with_plan(wavefront_stack(), WAVEFRONT)
     with torch.no_grad():
-        layer(_x(), training=True)
+        layer(wavefront_inputs(), training=True)
     assert layer.last_path.kernel.name == wavefront.KERNEL_NAME
     assert [c.get("saving") for c in fake_kernel.calls] == [None]
 
 
 def test_a_refused_shape_and_a_refused_launch_run_cudnn_with_the_reason(fake_kernel, half):
-    model = _model(layers=4, units=16)
-    layer = _fused(model, Plan((4,), kernel="wavefront"))
-    x = _x()
+    model = wavefront_stack(layers=4, units=16)
+    layer = fused_with_plan(model, Plan((4,), kernel="wavefront"))
+    x = wavefront_inputs()
     with torch.no_grad():
         y = layer(x, training=False)
     assert fake_kernel.calls == [] and "do not fit on chip" in layer.last_path.kernel.note
     assert max_abs_diff(y, model(x)) <= FP16_TOL
     fake_kernel.refuse_launch = True
-    small = _fused(_model(), WAVEFRONT)
+    small = fused_with_plan(wavefront_stack(), WAVEFRONT)
     with torch.no_grad():
         small(x, training=False)
     assert small.last_path.kernel.name == "torch._VF.lstm"
@@ -217,8 +205,8 @@ def _gradients(layer, x, weights):
 
 @pytest.mark.parametrize("kind", ["lstm", "gru"])
 def test_gradients_through_an_inference_call_are_the_kernels(fake_kernel, half, kind):
-    layer = _fused(_model(kind), WAVEFRONT)
-    x = _x()
+    layer = fused_with_plan(wavefront_stack(kind), WAVEFRONT)
+    x = wavefront_inputs()
     weights = torch.tensor(np.random.default_rng(3).standard_normal((4, 7, 8)), dtype=torch.float32)
     grads = _gradients(layer, x, weights)
     assert [c.get("saving") for c in fake_kernel.calls] == [True]
@@ -244,7 +232,7 @@ def _groups(model):
 
 
 def test_the_tuner_times_the_kernel_for_inference_and_keeps_the_faster(fake_kernel, half):
-    groups = _groups(_model())
+    groups = _groups(wavefront_stack())
     timer = FakeTimer({"per-layer": 2.0, "fused": 1.0, "fused on wavefront": 0.5})
     (result,) = tune_plans(groups, lambda g: (4, 7, 5), training=False, measure=timer,
                            progress=False)
@@ -255,13 +243,13 @@ def test_the_tuner_times_the_kernel_for_inference_and_keeps_the_faster(fake_kern
     (kept,) = tune_plans(groups, lambda g: (4, 7, 5), training=False, measure=slower,
                          progress=False)
     assert kept.plan == Plan((2,))
-    (big,) = tune_plans(_groups(_model(layers=4, units=16)), lambda g: (4, 7, 5),
+    (big,) = tune_plans(_groups(wavefront_stack(layers=4, units=16)), lambda g: (4, 7, 5),
                         training=False, measure=FakeTimer({}), progress=False)
     assert "do not fit on chip" in big.rejected["fused on wavefront"]
 
 
 def test_the_tuner_times_the_kernels_backward_for_an_lstms_training(fake_kernel, half):
-    groups = _groups(_model())
+    groups = _groups(wavefront_stack())
     trainer = FakeTimer({"per-layer": 2.0, "fused": 1.0, "fused on wavefront": 0.5})
     (trained,) = tune_plans(groups, lambda g: (4, 7, 5), training=True, measure=trainer,
                             progress=False)
@@ -269,7 +257,7 @@ def test_the_tuner_times_the_kernels_backward_for_an_lstms_training(fake_kernel,
     assert trained.plan == WAVEFRONT and "fused on wavefront" not in trained.rejected
     assert fake_kernel.recurrences >= 2, "the step (and the gradient check) ran the backward"
     # A GRU stack is a training candidate too (its per-layer backward).
-    (gru,) = tune_plans(_groups(_model("gru")), lambda g: (4, 7, 5), training=True,
+    (gru,) = tune_plans(_groups(wavefront_stack("gru")), lambda g: (4, 7, 5), training=True,
                         measure=FakeTimer({"per-layer": 2.0, "fused": 1.0,
                                            "fused on wavefront": 0.1}), progress=False)
     assert gru.plan == WAVEFRONT and "fused on wavefront" not in gru.rejected
@@ -281,7 +269,7 @@ def test_a_kernel_backward_with_wrong_gradients_is_rejected(fake_kernel, half, m
         return dgates * 1.5, dh0, dc0
 
     monkeypatch.setattr(wavefront, "backward_layer", wrong)
-    (trained,) = tune_plans(_groups(_model()), lambda g: (4, 7, 5), training=True,
+    (trained,) = tune_plans(_groups(wavefront_stack()), lambda g: (4, 7, 5), training=True,
                             measure=FakeTimer({"per-layer": 2.0, "fused": 1.0,
                                                "fused on wavefront": 0.5}), progress=False)
     assert trained.plan == Plan((2,))
@@ -292,14 +280,14 @@ def test_a_kernel_backward_with_wrong_gradients_is_rejected(fake_kernel, half, m
 def test_predict_and_fit_each_choose_their_plan(fake_kernel, half, tmp_path, monkeypatch, kind):
     # A device to time on (the timer is fake; the steps run on the CPU).
     monkeypatch.setattr(first_batch, "can_time_here", lambda environment=None: True)
-    model = _model(kind)
+    model = wavefront_stack(kind)
     fast = rnnfuse.optimize(model, cache=PlanCache(tmp_path / "plans.json"))
     state = fast._rnnfuse_autotune
     state.environment = dict(ENV)
     state.measure = FakeTimer({"per-layer": 2.0, "fused": 1.0, "fused on wavefront": 0.5})
     state.fit_share = None  # a tiny predict times everything
     (layer,) = fused_layers(fast)
-    x = _x(batch=8)
+    x = wavefront_inputs(batch=8)
     y = fast.predict(x, batch_size=8, verbose=0)
     assert layer.plan == WAVEFRONT
     assert layer.last_path.kernel.name == "torch.ops.rnnfuse.wavefront_forward"
@@ -320,9 +308,9 @@ def test_a_stack_over_the_limit_runs_as_segments_on_the_custom_op(fake_kernel, h
     """4 x 16 units do not fit (LIMIT 48) as one launch; 2 + 2 do: two
     launches, each over its own two layers, equal to the same split on
     cuDNN and to the original layers."""
-    model = _model(layers=4, units=16)
-    layer = _fused(model, SEGMENTS)
-    x = _x()
+    model = wavefront_stack(layers=4, units=16)
+    layer = fused_with_plan(model, SEGMENTS)
+    x = wavefront_inputs()
     with torch.no_grad():
         y = layer(x, training=False)
         ran = layer.last_path.kernel
@@ -338,8 +326,8 @@ def test_a_stack_over_the_limit_runs_as_segments_on_the_custom_op(fake_kernel, h
 
 @pytest.mark.parametrize("kind", ["lstm", "gru"])
 def test_a_training_call_runs_each_segments_forward_and_backward(fake_kernel, half, kind):
-    layer = _fused(_model(kind, layers=4, units=16), SEGMENTS)
-    x = _x()
+    layer = fused_with_plan(wavefront_stack(kind, layers=4, units=16), SEGMENTS)
+    x = wavefront_inputs()
     weights = torch.tensor(np.random.default_rng(3).standard_normal((4, 7, 16)),
                            dtype=torch.float32)
     grads = _training_gradients(layer, x, weights)
@@ -360,9 +348,9 @@ def test_a_training_call_runs_each_segments_forward_and_backward(fake_kernel, ha
 
 
 def test_a_segment_the_kernel_refuses_runs_cudnn_and_the_path_says_why(fake_kernel, half):
-    model = _model(layers=4, units=32)  # 2 x 32 > LIMIT: each segment refused
-    layer = _fused(model, SEGMENTS)
-    x = _x()
+    model = wavefront_stack(layers=4, units=32)  # 2 x 32 > LIMIT: each segment refused
+    layer = fused_with_plan(model, SEGMENTS)
+    x = wavefront_inputs()
     with torch.no_grad():
         y = layer(x, training=False)
     ran = layer.last_path.kernel
@@ -374,7 +362,7 @@ def test_a_segment_the_kernel_refuses_runs_cudnn_and_the_path_says_why(fake_kern
 @pytest.mark.parametrize("training", [False, True])
 def test_the_tuner_times_segments_where_the_whole_stack_does_not_fit(
         fake_kernel, half, training):
-    groups = _groups(_model(layers=4, units=16))
+    groups = _groups(wavefront_stack(layers=4, units=16))
     timer = FakeTimer({"per-layer": 2.0, "fused": 1.0, "split 2+2 on wavefront": 0.5})
     (result,) = tune_plans(groups, lambda g: (4, 7, 5), training=training, measure=timer,
                            progress=False)
@@ -392,14 +380,14 @@ def test_the_tuner_times_segments_where_the_whole_stack_does_not_fit(
 def test_predict_and_fit_choose_segments_on_the_first_batch(
         fake_kernel, half, tmp_path, monkeypatch):
     monkeypatch.setattr(first_batch, "can_time_here", lambda environment=None: True)
-    model = _model(layers=4, units=16)
+    model = wavefront_stack(layers=4, units=16)
     fast = rnnfuse.optimize(model, cache=PlanCache(tmp_path / "plans.json"))
     state = fast._rnnfuse_autotune
     state.environment = dict(ENV)
     state.measure = FakeTimer({"per-layer": 2.0, "fused": 1.0, "split 2+2 on wavefront": 0.5})
     state.fit_share = None  # a tiny predict times everything
     (layer,) = fused_layers(fast)
-    x = _x(batch=8)
+    x = wavefront_inputs(batch=8)
     y = fast.predict(x, batch_size=8, verbose=0)
     assert layer.plan == SEGMENTS
     assert layer.last_path.kernel.name == wavefront.KERNEL_NAME

@@ -29,7 +29,7 @@ import pytest
 import torch
 
 import rnnfuse
-from builders import fused_layers, max_abs_diff
+from builders import fused_with_plan, max_abs_diff, wavefront_inputs
 from rnnfuse.backends.cuda import library
 from rnnfuse.backends.torch import wavefront, wavefront_bidirectional as bidir
 from rnnfuse.plan import FUSED, Plan
@@ -278,22 +278,14 @@ def _bi_model(kind="lstm", merge_mode="concat", layers=2, units=8, steps=7):
     return keras.Model(inp, x)
 
 
-def _fused(model, plan):
-    (layer,) = fused_layers(rnnfuse.optimize(model, tune=False))
-    layer.set_plan(plan.for_length(len(layer.fused_layers)))
-    return layer
-
-
-def _x(batch=4, steps=7, seed=0):
-    return np.random.default_rng(seed).standard_normal((batch, steps, 5)).astype("float32")
 
 
 @pytest.mark.parametrize("kind", ["lstm", "gru"])
 @pytest.mark.parametrize("merge_mode", ["concat", "sum", "ave"])
 def test_an_inference_call_runs_one_launch_a_layer(enabled, half, kind, merge_mode):
     model = _bi_model(kind, merge_mode)
-    layer = _fused(model, WAVEFRONT)
-    x = _x()
+    layer = fused_with_plan(model, WAVEFRONT)
+    x = wavefront_inputs()
     with torch.no_grad():
         y = layer(x, training=False)
         ran = layer.last_path.kernel
@@ -307,8 +299,8 @@ def test_an_inference_call_runs_one_launch_a_layer(enabled, half, kind, merge_mo
 
 def test_a_masked_call_reverses_each_row_within_its_length(enabled, half):
     model = _bi_model()
-    layer = _fused(model, WAVEFRONT)
-    x = _x()
+    layer = fused_with_plan(model, WAVEFRONT)
+    x = wavefront_inputs()
     mask = np.arange(7)[None, :] < np.array([7, 5, 3, 6])[:, None]
     with torch.no_grad():
         y = layer(x, mask=mask, training=False)
@@ -324,8 +316,8 @@ def test_a_masked_call_reverses_each_row_within_its_length(enabled, half):
 def test_a_training_call_runs_a_launch_a_direction_with_the_kernels_gradient(
         enabled, fake_training, half, kind):
     model = _bi_model(kind, "sum")
-    layer = _fused(model, WAVEFRONT)
-    x = _x()
+    layer = fused_with_plan(model, WAVEFRONT)
+    x = wavefront_inputs()
     weights = torch.tensor(np.random.default_rng(3).standard_normal((4, 7, 8)),
                            dtype=torch.float32)
 
@@ -349,9 +341,9 @@ def test_a_training_call_runs_a_launch_a_direction_with_the_kernels_gradient(
 
 def test_while_the_switch_is_off_cudnn_runs_with_the_reason(fake_op, half, monkeypatch):
     monkeypatch.setattr(library, "BIDIRECTIONAL", False)
-    layer = _fused(_bi_model(), WAVEFRONT)
+    layer = fused_with_plan(_bi_model(), WAVEFRONT)
     with torch.no_grad():
-        layer(_x(), training=False)
+        layer(wavefront_inputs(), training=False)
     assert fake_op.calls == []
     assert "library.BIDIRECTIONAL" in layer.last_path.kernel.note
 
