@@ -29,3 +29,29 @@ class FakeClock:
             self.advance(seconds)
 
         return run
+
+
+class FakeTimer:
+    """A tuner `measure` that times nothing: fixed medians per candidate
+    name (`default` seconds for the others); records the names of each
+    call, and with `fail` raises as a device that went away would.
+
+    >>> timer = FakeTimer({"fused": 0.5})
+    >>> timer(["per-layer", "fused"]), timer.calls, timer.names
+    ({'per-layer': {'median': 1.0}, 'fused': {'median': 0.5}}, 1, [['fused', 'per-layer']])
+    """
+
+    default = 1.0
+
+    def __init__(self, medians, fail=False):
+        self.medians, self.fail, self.names = medians, fail, []
+
+    @property
+    def calls(self) -> int:
+        return len(self.names)
+
+    def __call__(self, steps):
+        self.names.append(sorted(steps))
+        if self.fail:
+            raise RuntimeError("the device went away")
+        return {name: {"median": self.medians.get(name, self.default)} for name in steps}

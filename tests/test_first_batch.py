@@ -17,24 +17,17 @@ import pytest
 
 import rnnfuse
 from builders import fused_layers, max_abs_diff, random_inputs, stack_model
+import fake_clock
 from rnnfuse.tuning import first_batch, tuner
 from rnnfuse.tuning.cache import PlanCache
 
 ENV = {"device": "FakeGPU", "tensorflow": "2.21.0", "cudnn": "9", "backend": "tensorflow", "rnnfuse": "0.1.0"}
 
 
-class FakeTimer:
-    """Fixed medians per candidate name; counts calls and records names."""
+class FakeTimer(fake_clock.FakeTimer):
+    """Candidates without a median take 10 s: slower than any given."""
 
-    def __init__(self, medians, fail=False):
-        self.medians, self.calls, self.fail, self.names = medians, 0, fail, []
-
-    def __call__(self, steps):
-        self.calls += 1
-        self.names.append(sorted(steps))
-        if self.fail:
-            raise RuntimeError("the device went away")
-        return {name: {"median": self.medians.get(name, 10.0)} for name in steps}
+    default = 10.0
 
 
 @pytest.fixture

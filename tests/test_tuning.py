@@ -17,6 +17,7 @@ import tensorflow as tf
 
 import rnnfuse
 from builders import fused_layers, max_abs_diff, random_inputs, stack_model
+from fake_clock import FakeTimer
 from rnnfuse.backends import get_backend
 from rnnfuse.passes import build_layer_graph, plan_fusion
 from rnnfuse.plan import FUSED, PER_LAYER, Algorithm, Plan
@@ -29,18 +30,6 @@ ENV = {"device": "FakeGPU", "tensorflow": "2.21.0", "cudnn": "9", "backend": "te
 
 def _groups(model):
     return plan_fusion(build_layer_graph(model), model_name=model.name).groups
-
-
-class FakeTimer:
-    """Returns fixed medians per candidate name; counts calls."""
-
-    def __init__(self, medians):
-        self.medians, self.calls, self.names = medians, 0, []
-
-    def __call__(self, steps):
-        self.calls += 1
-        self.names.append(sorted(steps))
-        return {name: {"median": self.medians.get(name, 1.0)} for name in steps}
 
 
 @pytest.fixture(autouse=True)

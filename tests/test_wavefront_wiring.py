@@ -31,6 +31,7 @@ import rnnfuse
 from builders import (fused_layers, fused_with_plan, max_abs_diff, stack_model, wavefront_inputs,
                       wavefront_stack)
 from cudnn_reference import emulated_cudnn_rnn
+from fake_clock import FakeTimer
 from rnnfuse.backends.cuda import library
 from rnnfuse.backends.tensorflow import op_build, wavefront_op, wavefront_training
 from rnnfuse.fused import FusedRNN
@@ -110,9 +111,6 @@ def fake_wavefront(monkeypatch, emulated_cudnn):
 def half():
     keras.config.set_dtype_policy("mixed_float16")
     yield
-
-
-
 
 
 # -- the fused call -----------------------------------------------------------------
@@ -254,17 +252,6 @@ def test_gradients_reach_the_initial_states(fake_wavefront, half):
 
 
 # -- the tuner ------------------------------------------------------------------------
-
-
-class FakeTimer:
-    """Fixed medians per candidate name; records what it was asked to time."""
-
-    def __init__(self, medians):
-        self.medians, self.names = medians, []
-
-    def __call__(self, steps):
-        self.names.append(sorted(steps))
-        return {name: {"median": self.medians.get(name, 1.0)} for name in steps}
 
 
 def _groups(model):

@@ -20,6 +20,7 @@ import pytest
 import rnnfuse
 from builders import fused_layers, max_abs_diff, wavefront_inputs, wavefront_stack
 from cudnn_reference import cudnn_rnn
+from fake_clock import FakeTimer
 from rnnfuse.backends import get_backend
 from rnnfuse.backends import jax as jax_backend
 from rnnfuse.backends.cuda import library
@@ -177,8 +178,6 @@ def test_bad_arguments_say_what_was_received(emulated, bad, match):
 
 
 # -- the backend: plans, Keras' steps, fallbacks --------------------------------------------
-
-
 
 
 def _optimized(model, plan):
@@ -343,17 +342,6 @@ def test_the_jitted_step_lowers_to_the_ffi_custom_call(half):
 
 
 # -- the tuner ----------------------------------------------------------------------------
-
-
-class FakeTimer:
-    """Fixed medians per candidate name; records what it was asked to time."""
-
-    def __init__(self, medians):
-        self.medians, self.names = medians, []
-
-    def __call__(self, steps):
-        self.names.append(sorted(steps))
-        return {name: {"median": self.medians.get(name, 1.0)} for name in steps}
 
 
 ENV = {"device": "FakeGPU", "jax": jax.__version__, "backend": "jax", "rnnfuse": "0.1.0"}

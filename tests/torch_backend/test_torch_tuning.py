@@ -12,6 +12,7 @@ import pytest
 
 import rnnfuse
 from builders import fused_layers, max_abs_diff, random_inputs, stack_model
+from fake_clock import FakeTimer
 from rnnfuse.passes import build_layer_graph, plan_fusion
 from rnnfuse.tuning.cache import PlanCache
 from rnnfuse.tuning.tuner import device_environment, tune_plans
@@ -19,17 +20,6 @@ from rnnfuse.tuning.tuner import device_environment, tune_plans
 
 def _groups(model):
     return plan_fusion(build_layer_graph(model), model_name=model.name).groups
-
-
-class FakeTimer:
-    """Fixed medians per candidate name; records what it was asked to time."""
-
-    def __init__(self, medians):
-        self.medians, self.timed = medians, []
-
-    def __call__(self, steps):
-        self.timed.append(sorted(steps))
-        return {name: {"median": self.medians.get(name, 1.0)} for name in steps}
 
 
 def _tune(model, timer, **kwargs):
@@ -56,9 +46,9 @@ def test_candidates_are_per_layer_whole_halves_and_one_call_per_layer():
     _tune(stack_model("lstm", 4, units=8, input_size=4, steps=6), timer)
     # One stage: with one algorithm, staging would rule out little and
     # re-time the winners.
-    assert timer.timed == [sorted(["per-layer", "fused", "split 2+2", "split 1+1+1+1"])]
+    assert timer.names == [sorted(["per-layer", "fused", "split 2+2", "split 1+1+1+1"])]
     # No cuDNN algorithm candidates: PyTorch picks its own.
-    assert not any("@" in name for name in timer.timed[0])
+    assert not any("@" in name for name in timer.names[0])
 
 
 @pytest.mark.parametrize(

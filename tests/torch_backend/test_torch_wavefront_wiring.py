@@ -28,6 +28,7 @@ import torch
 
 import rnnfuse
 from builders import fused_layers, fused_with_plan, max_abs_diff, wavefront_inputs, wavefront_stack
+from fake_clock import FakeTimer
 from rnnfuse.backends.cuda import library
 from rnnfuse.backends.torch import wavefront
 from rnnfuse.plan import FUSED, Plan
@@ -114,9 +115,6 @@ def fake_kernel(monkeypatch):
 def half():
     keras.config.set_dtype_policy("mixed_float16")
     yield
-
-
-
 
 
 @pytest.mark.parametrize("kind", ["lstm", "gru"])
@@ -216,15 +214,6 @@ def test_gradients_through_an_inference_call_are_the_kernels(fake_kernel, half, 
     for got, want in zip(grads, _gradients(layer, x, weights)):
         assert np.max(np.abs(got - want)) <= FP16_TOL * max(1.0, np.max(np.abs(want)))
     assert all(np.max(np.abs(g)) > 0 for g in grads)
-
-
-class FakeTimer:
-    def __init__(self, medians):
-        self.medians, self.names = medians, []
-
-    def __call__(self, steps):
-        self.names.append(sorted(steps))
-        return {name: {"median": self.medians.get(name, 1.0)} for name in steps}
 
 
 def _groups(model):

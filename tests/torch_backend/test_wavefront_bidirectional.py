@@ -278,8 +278,6 @@ def _bi_model(kind="lstm", merge_mode="concat", layers=2, units=8, steps=7):
     return keras.Model(inp, x)
 
 
-
-
 @pytest.mark.parametrize("kind", ["lstm", "gru"])
 @pytest.mark.parametrize("merge_mode", ["concat", "sum", "ave"])
 def test_an_inference_call_runs_one_launch_a_layer(enabled, half, kind, merge_mode):
