@@ -746,10 +746,14 @@ def run_stack(sequences: Any, call: StackCall) -> StackRun:
         )
     if call.kernel == "wavefront":
         from rnnfuse.backends.cuda.library import WavefrontError
-        from rnnfuse.backends.torch import wavefront
+        from rnnfuse.backends.torch import wavefront, wavefront_bidirectional
 
+        # No wavefront across bidirectional layers: a layer's directions run
+        # side by side instead (one after the other for training).
+        run = (wavefront_bidirectional.run_stack if call.stack.num_directions == 2
+               else wavefront.run_autograd)
         return run_or_fall_back(
-            lambda: wavefront.run_autograd(sequences, call),
+            lambda: run(sequences, call),
             lambda: run_stack(sequences, dataclasses.replace(
                 call, seed=(0, 0), algorithm=None, kernel="cudnn", training=False)),
             "the wavefront kernel",

@@ -895,21 +895,14 @@ def run_autograd(sequences, call):
     kernel in autograd's backward pass) where autograd will want a
     gradient of this call (`wants_gradient`: a Keras training step, or a
     user's own loop), else `run_stack` (the forward alone: `predict` and
-    `evaluate` run under `torch.no_grad()`). A bidirectional stack runs
-    `wavefront_bidirectional.run_stack` (one launch a layer; where autograd
-    records the call, its training form, a launch a direction).
+    `evaluate` run under `torch.no_grad()`). Unidirectional stacks only
+    (the backend sends bidirectional ones to `wavefront_bidirectional`).
 
     Raises:
         NotImplementedError: the kernels cannot run this call (the reason:
             a shape over the limits, say): the caller runs cuDNN, which
             then gives the gradient.
     """
-    if call.stack.num_directions == 2:
-        # No wavefront across bidirectional layers: a layer's directions run
-        # side by side instead (and one after the other for training).
-        from rnnfuse.backends.torch import wavefront_bidirectional
-
-        return wavefront_bidirectional.run_stack(sequences, call)
     if wants_gradient(sequences, call.stack, call.initial_h, call.initial_c):
         return run_trainable(sequences, call)
     return run_stack(sequences, call)
