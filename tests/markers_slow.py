@@ -53,6 +53,15 @@ SLOW: dict[str, str] = {
             "test_the_training_wrappers_bind_to_the_ops_signatures",
         )
     },
+    # -- fits long enough for the tuning budget: TensorFlow traces per fit -----
+    "test_budget.py::test_a_decision_cut_short_is_not_cached_and_a_full_one_is": (
+        "three optimized fits, each traced (24 s); test_call_steps and the spend tests stay fast"
+    ),
+    "test_budget.py::test_a_short_fit_times_less_than_a_long_one": "three optimized fits (18 s)",
+    "test_budget.py::test_the_budget_scales_with_the_original_layers_step": "two optimized fits (14 s)",
+    "test_online.py::test_the_candidates_race_as_traced_training_steps_and_the_fastest_is_committed": (
+        "a traced step per candidate (14 s); torch's online tests stay fast"
+    ),
     "test_wavefront_wiring.py::test_predict_and_fit_each_run_their_own_decision[lstm]": "predict and fit with tuning (6.5 s)",
     "test_wavefront_wiring.py::test_predict_and_fit_each_run_their_own_decision[gru]": "as [lstm]",
     "test_wavefront_wiring.py::test_a_step_whose_kernel_falls_back_is_not_timed": "tuner steps (5 s)",
