@@ -400,14 +400,9 @@ class FusedRNN(keras.layers.Layer):
         """The original layers' own calls, with this call's arguments as the
         rewrite received them for the run's first layer (a mask not passed
         reaches each layer on its input tensor, as in the original model)."""
-        rest = {} if training is None else {"training": training}
-        if mask is not None:
-            rest["mask"] = tree.flatten(mask)[0]
-        first = dict(rest)
-        if initial_state is not None:
-            first["initial_state"] = initial_state
         object.__setattr__(self, "last_path", _KEPT_ORIGINAL)
-        return call_members(self._members, sequences, first=first, rest=rest)
+        mask = None if mask is None else tree.flatten(mask)[0]
+        return self._call_layers(sequences, initial_state, mask, training)
 
     def call(self, sequences, initial_state=None, mask=None, training=None,
              algorithm=None, mask_is_right_padded=False):
@@ -520,14 +515,15 @@ class FusedRNN(keras.layers.Layer):
     def _call_layers(self, sequences, initial_state, mask, training, generic=False):
         """The original layers in sequence (exactly the original numbers)."""
         context = _keras_generic_loop(self.fused_layers) if generic else contextlib.nullcontext()
-        rest = {"training": training}
+        # training=None is Keras' own default: the outer call's value.
+        rest = {} if training is None else {"training": training}
         if mask is not None:
             rest["mask"] = mask
         first = dict(rest)
         if initial_state is not None:
             first["initial_state"] = initial_state
         with context:
-            return call_members(self.members(), sequences, first=first, rest=rest)
+            return call_members(self._members, sequences, first=first, rest=rest)
 
     def _call_pieces(self, plan, sequences, initial_state, mask, training, algorithm,
                      right_padded):
