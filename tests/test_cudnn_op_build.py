@@ -1,8 +1,10 @@
 """Building and loading rnnfuse's cuDNN op, on the CPU (no GPU needed).
 
 - the real op compiles here from the package's csrc/ (TensorFlow's headers,
-  cuDNN headers from nvidia-cudnn-cu12) and registers both ops;
-- the build cache: a second build reuses the library;
+  cuDNN headers from nvidia-cudnn-cu12) with the cuDNN core compiled in,
+  and registers both ops; the op's source calls cuDNN only through the core;
+- the build cache: a second build reuses the library, an edit of the core
+  rebuilds it;
 - the lock: two processes building at once compile once;
 - a missing compiler: build_op raises the documented BuildError, load_op
   warns once (logger "rnnfuse" and warnings.warn) and returns None;
@@ -14,6 +16,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -75,6 +78,12 @@ def test_the_op_compiles_here_and_registers_both_ops(fresh):
     assert f"tf{tf.__version__}-cudnn9." in path.parent.name
     needed = subprocess.run(["readelf", "-d", str(path)], capture_output=True, text=True).stdout
     assert "libcudnn.so.9" in needed and "libcudart" not in needed
+    # The cuDNN core is compiled in: the library defines its entries.
+    defined = subprocess.run(["nm", "-D", "--defined-only", str(path)], capture_output=True,
+                             text=True).stdout
+    for entry in ("rnnfuse_cudnn_sizes", "rnnfuse_cudnn_forward", "rnnfuse_cudnn_backward_data",
+                  "rnnfuse_cudnn_backward_weights"):
+        assert entry in defined
     # Load it in a child (libcudnn.so.9 is found through the rpath): both ops
     # register; their kernels are GPU-only, so nothing runs here.
     code = (
@@ -83,6 +92,29 @@ def test_the_op_compiles_here_and_registers_both_ops(fresh):
     )
     out = subprocess.run([sys.executable, "-c", code, str(path)], capture_output=True, text=True)
     assert out.stdout.strip().endswith("True True"), out.stderr[-2000:]
+
+
+def test_the_op_calls_cudnn_only_through_the_core():
+    """The kernels adapt tensors; every cuDNN call (descriptors, plans, the
+    weight-space layout) is the core's, so none is left in the op's source."""
+    source = (op_build.SOURCE_DIR / "rnnfuse_cudnn_rnn.cc").read_text()
+    assert re.findall(r"\bcudnn[A-Z]\w*\s*\(", source) == []
+    assert "rnnfuse_cudnn_forward" in source and "rnnfuse_cudnn_backward_weights" in source
+
+
+def test_the_cache_key_covers_the_cores_source(fresh, monkeypatch):
+    """Editing the core rebuilds the op that compiles it in."""
+    from rnnfuse.backends.cuda import build
+
+    monkeypatch.setenv("CUDNN", str(_fake_cudnn(fresh / "cudnn")))
+    core = fresh / "core"
+    core.mkdir()
+    for name in build.CORE_SOURCES:
+        (core / name).write_text(f"// {name}\n")
+    monkeypatch.setattr(op_build, "CORE_SOURCES", tuple(core / n for n in build.CORE_SOURCES))
+    before = op_build.library_path()
+    (core / "cudnn_rnn_core.cc").write_text("// edited\n")
+    assert op_build.library_path() != before
 
 
 def test_a_second_build_reuses_the_cached_library(fresh, monkeypatch):

@@ -1,4 +1,6 @@
-"""Python side of rnnfuse's own cuDNN RNN op (csrc/rnnfuse_cudnn_rnn.cc).
+"""Python side of rnnfuse's own cuDNN RNN op (csrc/rnnfuse_cudnn_rnn.cc, a
+thin TensorFlow wrapper over rnnfuse's cuDNN core,
+rnnfuse/backends/cuda/csrc/cudnn_rnn_core.h).
 
 `run_op` calls `RnnfuseCudnnRnn` on time-major data with the canonical
 flat parameters that `pack_params` builds (the CudnnRNNV3 layout, with the
@@ -169,8 +171,9 @@ def run_op(
         params: canonical flat parameters.
         lengths: int32 [B] sequence lengths, each in [1, T].
         dropout: cuDNN's dropout on the input of every level but the first
-            (applied only with `is_training`); the kernel's masks come from
-            states seeded once with `seed` and advance on every call.
+            (applied only with `is_training`); the masks come from the
+            cuDNN core's states for this (GPU, dropout, seed), seeded once
+            with `seed`, and advance on every call.
         code: an int32 scalar tensor to pass as the op's `algorithm` input
             instead of `algorithm_code(algorithm, dtype)` (a traced step
             that runs every algorithm; see `timed_steps`).

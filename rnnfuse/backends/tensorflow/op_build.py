@@ -1,9 +1,11 @@
 """Builds and loads rnnfuse's own cuDNN RNN op for TensorFlow (csrc/).
 
 Nothing to do for the user: the first time a GPU is visible, `load_op()`
-compiles `csrc/rnnfuse_cudnn_rnn.cc` (a few seconds of g++, about 20 s on
-two cores) with TensorFlow's compile and link flags (`tf.sysconfig`) and
-loads it. The library is cached in the user cache folder
+compiles `csrc/rnnfuse_cudnn_rnn.cc` (the ops' kernels, which adapt
+tensors) together with rnnfuse's cuDNN RNN core
+(rnnfuse/backends/cuda/csrc/cudnn_rnn_core.cc, where the cuDNN logic
+lives; about 25 s of g++ on two cores) with TensorFlow's compile and link
+flags (`tf.sysconfig`) and loads it. The library is cached in the user cache folder
 (`platformdirs.user_cache_dir("rnnfuse")/ops/`, or `$RNNFUSE_CACHE_DIR`),
 under a name keyed by the TensorFlow version, the cuDNN version and a
 hash of the source and build flags; a `filelock` lock keeps two processes
@@ -20,8 +22,9 @@ What the build needs:
   (/usr/include, /usr/lib/x86_64-linux-gnu).
 
 libcudnn.so.9 is linked as a NEEDED entry (`--no-as-needed`) with an rpath
-to the folder it was found in; no CUDA runtime is linked (its calls bind to
-the runtime inside libtensorflow_framework.so.2).
+to the folder it was found in, so loading the op loads that cuDNN and the
+core's dlopen of the soname binds to it; no CUDA runtime is linked (its
+calls bind to the runtime inside libtensorflow_framework.so.2).
 
 The same machinery builds `RnnfuseWavefront` (csrc/rnnfuse_wavefront_op.cc
 with rnnfuse/backends/cuda/csrc/, which also needs nvcc: see
@@ -74,7 +77,9 @@ logger = logging.getLogger("rnnfuse")
 SOURCE_DIR = Path(__file__).resolve().parent / "csrc"
 SOURCES = ("rnnfuse_cudnn_rnn.cc",)
 LIBRARY_NAME = "rnnfuse_cudnn_rnn.so"
-_FLAGS_VERSION = "1"  # bump when the build command changes
+_FLAGS_VERSION = "2"  # bump when the build command changes
+# The cuDNN core's sources, compiled into the op's library (build_command).
+CORE_SOURCES = tuple(cuda_build.SOURCE_DIR / name for name in cuda_build.CORE_SOURCES)
 
 WAVEFRONT_SOURCE = "rnnfuse_wavefront_op.cc"
 WAVEFRONT_LIBRARY_NAME = "rnnfuse_wavefront_op.so"
@@ -128,10 +133,15 @@ def build_command(compiler: str, output: Path) -> list[str]:
         *compile_flags,
         f"-I{cuda_include}",
         f"-I{cudnn_inc}",
+        f"-I{cuda_build.SOURCE_DIR}",
         *[str(SOURCE_DIR / s) for s in SOURCES],
+        # The core compiled in, not linked: one self-contained library to
+        # load (and ship next to a SavedModel), keyed by the core's source.
+        str(cuda_build.SOURCE_DIR / "cudnn_rnn_core.cc"),
         "-o",
         str(output),
         *link_flags,
+        "-ldl",
         f"-L{cudnn_lib}",
         f"-Wl,-rpath,{cudnn_lib}",
         "-Wl,--no-as-needed",
@@ -146,8 +156,8 @@ def library_path() -> Path:
     import tensorflow as tf
 
     digest = hashlib.sha256(_FLAGS_VERSION.encode())
-    for name in SOURCES:
-        digest.update((SOURCE_DIR / name).read_bytes())
+    for path in (*(SOURCE_DIR / name for name in SOURCES), *CORE_SOURCES):
+        digest.update(path.read_bytes())
     key = f"tf{tf.__version__}-cudnn{cudnn_header_version(cudnn_inc)}-{digest.hexdigest()[:12]}"
     return cache_dir() / key / LIBRARY_NAME
 

@@ -8,8 +8,9 @@
 // A missing cuDNN is then an error code with a message, never a loader
 // failure or an abort. cudnn.h and cuda.h are read for types only.
 //
-// The cuDNN logic is the TensorFlow op's (backends/tensorflow/csrc/
-// rnnfuse_cudnn_rnn.cc) without TensorFlow: a handle per device, one RNN
+// The cuDNN logic lives here only (the TensorFlow op, backends/tensorflow/
+// csrc/rnnfuse_cudnn_rnn.cc, compiles this file in and adapts tensors to
+// it; torch calls the built library through ctypes): a handle per device, one RNN
 // descriptor per configuration and algorithm (a "plan", cached with its
 // weight-space layout), dropout states per (device, dropout, seed), all
 // under one mutex per device that a call holds from start to end.

@@ -1,8 +1,9 @@
 // rnnfuse's cuDNN RNN core: a C ABI over cuDNN 9's RNN API, no framework.
 //
 // One library, every binding: torch calls it through ctypes
-// (rnnfuse/backends/cuda/cudnn_core.py), a TensorFlow or JAX op can compile
-// it in. Every entry takes device pointers and the caller's CUDA stream
+// (rnnfuse/backends/cuda/cudnn_core.py), the TensorFlow op compiles it in
+// (rnnfuse/backends/tensorflow/csrc/rnnfuse_cudnn_rnn.cc), a JAX handler
+// could do the same. Every entry takes device pointers and the caller's CUDA stream
 // (a cudaStream_t / CUstream; NULL: the legacy default stream of the
 // current context); the caller allocates every buffer, sized by
 // rnnfuse_cudnn_sizes.

@@ -1,64 +1,46 @@
-// rnnfuse's own TensorFlow GPU ops on cuDNN 9's RNN API.
+// rnnfuse's own TensorFlow GPU ops over rnnfuse's cuDNN RNN core.
 //
 // RnnfuseCudnnRnn         forward (training mode: returns a reserve space)
-// RnnfuseCudnnRnnBackprop gradient (cudnnRNNBackwardData_v8 then
-//                         cudnnRNNBackwardWeights_v8, CUDNN_WGRAD_MODE_ADD
-//                         into a zeroed buffer)
+// RnnfuseCudnnRnnBackprop gradient (the core's backward data, then its
+//                         backward weights, on the forward's reserve space)
 //
-// Both build their cuDNN RNN descriptor from the same attributes and the
-// same `algorithm` input (the gradient passes the forward's tensor on), so
-// the algorithm chosen in Python (standard, persistent static, persistent
-// dynamic, persistent static small-h, with its math type) runs in the
-// forward AND the backward pass. The algorithm is an int32 host input, not
-// an attribute, so one traced graph runs every algorithm: rnnfuse's tuner
-// traces one step per split of a run and times each algorithm on it.
+// The cuDNN logic (descriptors, plans per shape and algorithm, the weight
+// space layout, dropout states) lives once, in the core
+// (rnnfuse/backends/cuda/csrc/cudnn_rnn_core.h, compiled into this library
+// by op_build.py); these kernels only turn TensorFlow's tensors, stream and
+// allocations into the core's C ABI arguments, and its error codes into
+// TensorFlow errors carrying its message.
+//
+// Both ops take the same attributes and the same `algorithm` input (the
+// gradient passes the forward's tensor on), so the algorithm chosen in
+// Python runs in the forward AND the backward pass. It is an int32 host
+// input, not an attribute, so one traced graph runs every algorithm:
+// rnnfuse's tuner traces one step per split of a run and times each
+// algorithm on it.
 //   algorithm = 4 * algo + math, algo: 0 standard, 1 persistent_static,
 //   2 persistent_dynamic, 3 persistent_static_small_h; math: 0 default,
 //   1 tensor_op, 2 tensor_op_allow_conversion, 3 fma.
-// Each kernel keeps one cuDNN RNN descriptor (and weight-space layout) per
-// algorithm it has run. Data are time-major padded (CUDNN_RNN_DATA_LAYOUT_SEQ_MAJOR_UNPACKED)
-// with per-sequence lengths; padded outputs are filled with 0.
 //
-// Weights come in rnnfuse's canonical flat layout (the one CudnnRNNV3 takes,
-// see rnnfuse/backends/tensorflow/__init__.py), extended for projections:
+// Data are time-major and right-padded with per-sequence lengths (padded
+// outputs are 0); parameters are rnnfuse's canonical flat buffer (the
+// CudnnRNNV3 layout with the LSTMP projection appended per pseudo-layer;
+// see the core's header). Workspace and reserve space come from
+// TensorFlow's allocator, sized by the core; the core's cuDNN dropout
+// (attribute `dropout` > 0) keeps its random states per (device, dropout,
+// seed), seeded once with `seed` and advanced by every training forward.
 //
-//   flat = W(p0) ++ W(p1) ++ ... ++ B(p0) ++ B(p1) ++ ...
-//   W(p) = M_0 ++ ... ++ M_{2G-1} [++ M_proj]   (row-major matrices)
-//   M_k  = [H, n] for k < G (n: input width of the pseudo-layer),
-//          [H, R] for G <= k < 2G (R = projSize if set, else H),
-//          M_proj = [P, H] (LSTM with projSize P only; cuDNN's linLayerID 8)
-//   B(p) = b_0 ++ ... ++ b_{2G-1}, each [H]   (the projection has no bias)
-//
-// Inside the kernel the flat buffer is scattered into cuDNN's weight space
-// with offsets from cudnnGetRNNWeightParams (and dweights gathered back).
-// The shapes cuDNN reports are checked against this layout, so a mismatch
-// is an op error, not wrong numbers.
-//
-// Between-level dropout (attribute `dropout` > 0) is cuDNN's own: each
-// kernel keeps its dropout states (cudnnDropoutGetStatesSize bytes from
-// TensorFlow's allocator), initialised once from the `seed` attribute; the
-// states advance on every training forward, so each step draws new masks,
-// and the backward reads the forward's masks from the reserve space (as
-// TensorFlow's CudnnRNN kernels do).
-//
-// Every cuDNN failure becomes an op error (never a CHECK) carrying the cuDNN
-// status; it reaches the caller as it is (the tuner leaves out a candidate
-// cuDNN refuses). Only what Python rules out before the call (a
-// NotImplementedError) sends a FusedRNN to the original layers.
-// Only host code: cuDNN plus cudaMemcpyAsync/cudaMemsetAsync on
-// TensorFlow's stream, so g++ can compile it against TensorFlow's headers.
+// Errors: a bad argument is InvalidArgument, what cuDNN does not run
+// (CUDNN_STATUS_NOT_SUPPORTED: a persistent algorithm with this shape, ...)
+// is Unimplemented (the tuner leaves such a candidate out), no usable cuDNN
+// or driver is FailedPrecondition, any other failure Internal.
 
 #define EIGEN_USE_GPU
 #include <cuda_runtime_api.h>
-#include <cudnn.h>
 
-#include <cstring>
-#include <map>
-#include <memory>
-#include <mutex>
+#include <algorithm>
 #include <string>
-#include <vector>
 
+#include "cudnn_rnn_core.h"
 #include "tensorflow/core/framework/op.h"
 #include "tensorflow/core/framework/op_kernel.h"
 #include "tensorflow/core/framework/shape_inference.h"
@@ -75,10 +57,22 @@ using tensorflow::TensorShape;
 namespace errors = tensorflow::errors;
 namespace shape_inference = tensorflow::shape_inference;
 
-#define RF_RETURN_IF_CUDNN(expr)                                               \
-  do {                                                                         \
-    cudnnStatus_t rf_status_ = (expr);                                         \
-    if (rf_status_ != CUDNN_STATUS_SUCCESS) return CudnnError(#expr, rf_status_); \
+// A core return code as a TensorFlow error with the core's message.
+Status CoreError(int rc, const char* entry) {
+  const std::string msg = std::string("rnnfuse cuDNN core, ") + entry + ": " +
+                          rnnfuse_cudnn_last_error();
+  switch (rc) {
+    case RF_CUDNN_E_ARGUMENT: return errors::InvalidArgument(msg);
+    case RF_CUDNN_E_NOT_SUPPORTED: return errors::Unimplemented(msg);
+    case RF_CUDNN_E_UNAVAILABLE: return errors::FailedPrecondition(msg);
+    default: return errors::Internal(msg);
+  }
+}
+
+#define RF_RETURN_IF_CORE(entry, ...)                                      \
+  do {                                                                     \
+    const int rf_rc_ = entry(__VA_ARGS__);                                 \
+    if (rf_rc_ != RF_CUDNN_OK) return CoreError(rf_rc_, #entry);          \
   } while (0)
 
 #define RF_RETURN_IF_CUDA(expr)                                                \
@@ -89,291 +83,82 @@ namespace shape_inference = tensorflow::shape_inference;
                               static_cast<int>(rf_err_));                      \
   } while (0)
 
-Status CudnnError(const char* what, cudnnStatus_t status) {
-  std::string msg = std::string("rnnfuse cuDNN call ") + what + " failed: " +
-                    cudnnGetErrorString(status);
-  if (status == CUDNN_STATUS_NOT_SUPPORTED ||
-      status == CUDNN_STATUS_NOT_SUPPORTED_ARCH_MISMATCH) {
-    return errors::Unimplemented(msg, " (cuDNN does not support this configuration)");
-  }
-  return errors::Internal(msg);
+template <typename T> struct CoreDtype;
+template <> struct CoreDtype<float> { static constexpr int value = RF_CUDNN_FLOAT32; };
+template <> struct CoreDtype<Eigen::half> { static constexpr int value = RF_CUDNN_FLOAT16; };
+template <> struct CoreDtype<Eigen::bfloat16> { static constexpr int value = RF_CUDNN_BFLOAT16; };
+
+const void* Ptr(const Tensor& t) { return static_cast<const void*>(t.tensor_data().data()); }
+void* Mut(const Tensor& t) { return const_cast<char*>(t.tensor_data().data()); }
+
+Status AllocateBytes(OpKernelContext* ctx, size_t bytes, Tensor* t) {
+  return ctx->allocate_temp(tensorflow::DT_UINT8,
+                            TensorShape({static_cast<int64_t>(std::max<size_t>(bytes, 1))}), t);
 }
 
-// ---------------------------------------------------------------------------
-// One cuDNN handle per CUDA device, shared by every kernel; its stream is set
-// on each call, under its mutex.
-struct SharedHandle {
-  std::mutex mu;
-  cudnnHandle_t handle = nullptr;
-};
-
-Status GetHandle(SharedHandle** out) {
-  static std::mutex registry_mu;
-  static std::map<int, std::unique_ptr<SharedHandle>>* registry =
-      new std::map<int, std::unique_ptr<SharedHandle>>();
-  int device = 0;
-  RF_RETURN_IF_CUDA(cudaGetDevice(&device));
-  std::lock_guard<std::mutex> lock(registry_mu);
-  auto& slot = (*registry)[device];
-  if (!slot) {
-    auto shared = std::make_unique<SharedHandle>();
-    RF_RETURN_IF_CUDNN(cudnnCreate(&shared->handle));
-    slot = std::move(shared);
-  }
-  *out = slot.get();
-  return absl::OkStatus();
-}
-
-// ---------------------------------------------------------------------------
-// RAII descriptors.
-struct TensorDesc {
-  cudnnTensorDescriptor_t d = nullptr;
-  ~TensorDesc() { if (d) cudnnDestroyTensorDescriptor(d); }
-  Status Create() { RF_RETURN_IF_CUDNN(cudnnCreateTensorDescriptor(&d)); return absl::OkStatus(); }
-};
-struct DataDesc {
-  cudnnRNNDataDescriptor_t d = nullptr;
-  ~DataDesc() { if (d) cudnnDestroyRNNDataDescriptor(d); }
-  Status Create() { RF_RETURN_IF_CUDNN(cudnnCreateRNNDataDescriptor(&d)); return absl::OkStatus(); }
-};
-
-template <typename T> struct CudnnType;
-template <> struct CudnnType<float> { static constexpr cudnnDataType_t value = CUDNN_DATA_FLOAT; };
-template <> struct CudnnType<Eigen::half> { static constexpr cudnnDataType_t value = CUDNN_DATA_HALF; };
-template <> struct CudnnType<Eigen::bfloat16> { static constexpr cudnnDataType_t value = CUDNN_DATA_BFLOAT16; };
-
-// One contiguous copy between the canonical flat buffer and the weight space.
-struct Copy {
-  size_t flat;   // byte offset in the canonical buffer
-  size_t space;  // byte offset in cuDNN's weight space
-  size_t bytes;
-};
-
-// The attributes shared by both ops, and the cuDNN state derived from them.
-class RnnConfig {
+// The attributes both ops share, as the core's configuration.
+template <typename T>
+class CoreConfig {
  public:
-  explicit RnnConfig(OpKernelConstruction* ctx) {
+  explicit CoreConfig(OpKernelConstruction* ctx) {
     std::string mode, direction;
+    int num_layers = 0, num_units = 0, proj_size = 0, input_size = 0;
+    int64_t seed = 0;
     OP_REQUIRES_OK(ctx, ctx->GetAttr("rnn_mode", &mode));
     OP_REQUIRES_OK(ctx, ctx->GetAttr("direction", &direction));
-    OP_REQUIRES_OK(ctx, ctx->GetAttr("num_layers", &num_layers_));
-    OP_REQUIRES_OK(ctx, ctx->GetAttr("num_units", &num_units_));
-    OP_REQUIRES_OK(ctx, ctx->GetAttr("proj_size", &proj_size_));
-    OP_REQUIRES_OK(ctx, ctx->GetAttr("input_size", &input_size_));
-    OP_REQUIRES_OK(ctx, ctx->GetAttr("dropout", &dropout_));
-    OP_REQUIRES_OK(ctx, ctx->GetAttr("seed", &seed_));
-    if (mode == "lstm") { cell_ = CUDNN_LSTM; gates_ = 4; }
-    else if (mode == "gru") { cell_ = CUDNN_GRU; gates_ = 3; }
-    else if (mode == "rnn_tanh") { cell_ = CUDNN_RNN_TANH; gates_ = 1; }
-    else if (mode == "rnn_relu") { cell_ = CUDNN_RNN_RELU; gates_ = 1; }
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("num_layers", &num_layers));
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("num_units", &num_units));
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("proj_size", &proj_size));
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("input_size", &input_size));
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("dropout", &rnn_.dropout));
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("seed", &seed));
+    if (mode == "lstm") rnn_.mode = RF_CUDNN_LSTM;
+    else if (mode == "gru") rnn_.mode = RF_CUDNN_GRU;
+    else if (mode == "rnn_tanh") rnn_.mode = RF_CUDNN_RNN_TANH;
+    else if (mode == "rnn_relu") rnn_.mode = RF_CUDNN_RNN_RELU;
     else { ctx->CtxFailure(errors::InvalidArgument("rnn_mode ", mode)); return; }
-    dirs_ = direction == "bidirectional" ? 2 : 1;
-    OP_REQUIRES(ctx, proj_size_ == 0 || cell_ == CUDNN_LSTM,
-                errors::InvalidArgument("proj_size needs rnn_mode='lstm'"));
-    OP_REQUIRES(ctx, proj_size_ >= 0 && proj_size_ < num_units_ + (proj_size_ == 0),
-                errors::InvalidArgument("proj_size must be 0 or in [1, num_units); got ",
-                                        proj_size_, " with num_units ", num_units_));
-    OP_REQUIRES(ctx, dropout_ >= 0.0f && dropout_ < 1.0f,
-                errors::InvalidArgument("dropout must be in [0, 1); got ", dropout_));
-    OP_REQUIRES(ctx, num_layers_ >= 1 && num_units_ >= 1 && input_size_ >= 1,
-                errors::InvalidArgument("num_layers, num_units and input_size must be >= 1"));
+    rnn_.num_layers = num_layers;
+    rnn_.num_units = num_units;
+    rnn_.proj_size = proj_size;
+    rnn_.input_size = input_size;
+    rnn_.directions = direction == "bidirectional" ? 2 : 1;
+    rnn_.dtype = CoreDtype<T>::value;
+    // The math type comes with the `algorithm` input (Python's
+    // math_type_for picks FMA where TensorFlow's TF32 is off): keep it.
+    rnn_.allow_tf32 = 1;
+    rnn_.seed = static_cast<uint64_t>(seed);
+    flat_size_ = rnnfuse_cudnn_param_count(&rnn_);  // -1: the core refuses the attributes
+    OP_REQUIRES(ctx, flat_size_ >= 0, errors::InvalidArgument(rnnfuse_cudnn_last_error()));
   }
 
-  ~RnnConfig() {
-    if (dropout_desc_) cudnnDestroyDropoutDescriptor(dropout_desc_);
-  }
-
-  // Makes the algorithm in input `index` (see the header) this call's
-  // variant; the caller holds `mu` until the call ends.
-  Status Select(OpKernelContext* ctx, int index) {
+  // This call's configuration: the attributes with the algorithm in input
+  // `index`.
+  Status ForCall(OpKernelContext* ctx, int index, rnnfuse_cudnn_rnn* out) const {
     const Tensor& t = ctx->input(index);
     if (t.dims() != 0)
       return errors::InvalidArgument("algorithm must be an int32 scalar; got shape ",
                                      t.shape().DebugString());
-    const int code = t.scalar<int32_t>()();
-    static const cudnnRNNAlgo_t kAlgos[] = {CUDNN_RNN_ALGO_STANDARD, CUDNN_RNN_ALGO_PERSIST_STATIC,
-                                            CUDNN_RNN_ALGO_PERSIST_DYNAMIC,
-                                            CUDNN_RNN_ALGO_PERSIST_STATIC_SMALL_H};
-    static const cudnnMathType_t kMaths[] = {CUDNN_DEFAULT_MATH, CUDNN_TENSOR_OP_MATH,
-                                             CUDNN_TENSOR_OP_MATH_ALLOW_CONVERSION, CUDNN_FMA_MATH};
-    if (code < 0 || code >= 16)
-      return errors::InvalidArgument("algorithm must be 4 * algo + math in [0, 16); got ", code);
-    std::unique_ptr<Variant>& v = variants_[code];
-    if (!v) {
-      v.reset(new Variant);
-      v->algo = kAlgos[code / 4];
-      v->math = kMaths[code % 4];
-    }
-    v_ = v.get();
+    *out = rnn_;
+    out->algorithm = t.scalar<int32_t>()();
     return absl::OkStatus();
   }
 
-  int out_units() const { return proj_size_ ? proj_size_ : num_units_; }
-  int pseudo_layers() const { return num_layers_ * dirs_; }
-  int dirs() const { return dirs_; }
-  int num_units() const { return num_units_; }
-  bool lstm() const { return cell_ == CUDNN_LSTM; }
+  int out_units() const { return rnn_.proj_size ? rnn_.proj_size : rnn_.num_units; }
+  int pseudo_layers() const { return rnn_.num_layers * rnn_.directions; }
+  int64_t out_width() const { return int64_t(rnn_.directions) * out_units(); }
+  bool lstm() const { return rnn_.mode == RF_CUDNN_LSTM; }
 
-  // Elements of the canonical flat buffer.
-  int64_t FlatSize() const {
-    int64_t h = num_units_, r = out_units(), g = gates_, total = 0;
-    for (int p = 0; p < pseudo_layers(); ++p) {
-      int64_t n = p < dirs_ ? input_size_ : int64_t(dirs_) * r;
-      total += g * h * n + g * h * r + (proj_size_ ? int64_t(proj_size_) * h : 0) + 2 * g * h;
-    }
-    return total;
-  }
-
-  // Creates the selected algorithm's RNN descriptor once (holding the
-  // handle's lock); with dropout, first the kernel's dropout states
-  // (allocated from `ctx`), which every algorithm's descriptor shares.
-  template <typename T>
-  Status Prepare(OpKernelContext* ctx, cudnnHandle_t handle, int batch) {
-    if (CudnnType<T>::value == CUDNN_DATA_BFLOAT16 && cudnnGetVersion() < 90000) {
-      return errors::Unimplemented("bfloat16 RNNs need cuDNN >= 9.0; this process loaded ",
-                                   cudnnGetVersion());
-    }
-    if (!dropout_ready_) {  // a failed attempt is retried whole on the next call
-      if (!dropout_desc_) RF_RETURN_IF_CUDNN(cudnnCreateDropoutDescriptor(&dropout_desc_));
-      void* states = nullptr;
-      size_t state_bytes = 0;
-      if (dropout_ > 0.0f) {
-        RF_RETURN_IF_CUDNN(cudnnDropoutGetStatesSize(handle, &state_bytes));
-        if (dropout_states_.NumElements() != static_cast<int64_t>(state_bytes))
-          TF_RETURN_IF_ERROR(ctx->allocate_temp(
-              tensorflow::DT_UINT8, TensorShape({static_cast<int64_t>(state_bytes)}),
-              &dropout_states_));
-        states = const_cast<char*>(dropout_states_.tensor_data().data());
-      }
-      RF_RETURN_IF_CUDNN(cudnnSetDropoutDescriptor(dropout_desc_, handle, dropout_, states,
-                                                   state_bytes,
-                                                   static_cast<unsigned long long>(seed_)));
-      dropout_ready_ = true;
-    }
-    Variant& v = *v_;
-    if (!v.prepared) {  // a failed attempt is retried whole on the next call
-      if (!v.rnn) RF_RETURN_IF_CUDNN(cudnnCreateRNNDescriptor(&v.rnn));
-      RF_RETURN_IF_CUDNN(cudnnSetRNNDescriptor_v8(
-          v.rnn, v.algo, cell_, CUDNN_RNN_DOUBLE_BIAS,
-          dirs_ == 2 ? CUDNN_BIDIRECTIONAL : CUDNN_UNIDIRECTIONAL, CUDNN_LINEAR_INPUT,
-          CudnnType<T>::value, CUDNN_DATA_FLOAT, v.math, input_size_, num_units_, out_units(),
-          num_layers_, dropout_desc_, CUDNN_RNN_PADDED_IO_ENABLED));
-      RF_RETURN_IF_CUDNN(cudnnGetRNNWeightSpaceSize(handle, v.rnn, &v.weight_bytes));
-      v.prepared = true;
-    }
-    if (v.algo == CUDNN_RNN_ALGO_PERSIST_DYNAMIC && v.built_batch != batch) {
-      RF_RETURN_IF_CUDNN(cudnnBuildRNNDynamic(handle, v.rnn, batch));
-      v.built_batch = batch;
-    }
-    return absl::OkStatus();
-  }
-
-  // The canonical <-> weight space copies (computed once, with `space`, a
-  // real weight-space allocation, as the base address).
-  template <typename T>
-  Status Layout(cudnnHandle_t handle, const void* space, const std::vector<Copy>** out) {
-    std::vector<Copy>& cached = v_->copies;
-    if (!cached.empty()) { *out = &cached; return absl::OkStatus(); }
-    TensorDesc m, b;
-    TF_RETURN_IF_ERROR(m.Create());
-    TF_RETURN_IF_ERROR(b.Create());
-    const int64_t h = num_units_, r = out_units(), g = gates_;
-    const size_t es = sizeof(T);
-    std::vector<Copy> copies;
-    size_t flat = 0;
-    auto add = [&](const void* addr, int64_t count) {
-      size_t space_off = static_cast<const char*>(addr) - static_cast<const char*>(space);
-      size_t bytes = count * es;
-      if (!copies.empty() && copies.back().flat + copies.back().bytes == flat &&
-          copies.back().space + copies.back().bytes == space_off) {
-        copies.back().bytes += bytes;  // contiguous on both sides: merge
-      } else {
-        copies.push_back({flat, space_off, bytes});
-      }
-      flat += bytes;
-    };
-    auto count_of = [&](cudnnTensorDescriptor_t d, int64_t* count) -> Status {
-      cudnnDataType_t dt;
-      int nb = 0, dims[8], strides[8];
-      RF_RETURN_IF_CUDNN(cudnnGetTensorNdDescriptor(d, 8, &dt, &nb, dims, strides));
-      int64_t c = 1;
-      for (int i = 0; i < nb; ++i) c *= dims[i];
-      *count = c;
-      return absl::OkStatus();
-    };
-    const int matrices = 2 * gates_ + (proj_size_ ? 1 : 0);
-    // Pass 1: matrices; pass 2: biases.
-    for (int pass = 0; pass < 2; ++pass) {
-      for (int p = 0; p < pseudo_layers(); ++p) {
-        const int64_t n = p < dirs_ ? input_size_ : int64_t(dirs_) * r;
-        for (int k = 0; k < (pass == 0 ? matrices : 2 * gates_); ++k) {
-          void* maddr = nullptr;
-          void* baddr = nullptr;
-          RF_RETURN_IF_CUDNN(cudnnGetRNNWeightParams(handle, rnn(), p, weight_bytes(), space, k,
-                                                     m.d, &maddr, b.d, &baddr));
-          int64_t expected, got;
-          if (pass == 0) {
-            expected = k < g ? h * n : (k < 2 * g ? h * r : int64_t(proj_size_) * h);
-            TF_RETURN_IF_ERROR(count_of(m.d, &got));
-            if (maddr == nullptr || got != expected)
-              return errors::Internal("rnnfuse: cuDNN weight matrix (pseudo-layer ", p,
-                                      ", linLayerID ", k, ") has ", got,
-                                      " elements; the canonical layout expects ", expected);
-            add(maddr, got);
-          } else {
-            expected = h;
-            TF_RETURN_IF_ERROR(count_of(b.d, &got));
-            if (baddr == nullptr || got != expected)
-              return errors::Internal("rnnfuse: cuDNN bias (pseudo-layer ", p, ", linLayerID ",
-                                      k, ") has ", got, " elements; expected ", expected);
-            add(baddr, got);
-          }
-        }
-      }
-    }
-    if (flat != size_t(FlatSize()) * es)
-      return errors::Internal("rnnfuse: canonical layout covers ", flat / es,
-                              " elements, expected ", FlatSize());
-    cached = std::move(copies);
-    *out = &cached;
-    return absl::OkStatus();
-  }
-
-  Status DataDescs(cudnnDataType_t dtype, int steps, int batch, const int* lengths,
-                   DataDesc* x, DataDesc* y) const {
-    double fill = 0.0;  // all-zero bytes: 0 in any data type
-    TF_RETURN_IF_ERROR(x->Create());
-    TF_RETURN_IF_ERROR(y->Create());
-    RF_RETURN_IF_CUDNN(cudnnSetRNNDataDescriptor(x->d, dtype,
-                                                 CUDNN_RNN_DATA_LAYOUT_SEQ_MAJOR_UNPACKED, steps,
-                                                 batch, input_size_, lengths, &fill));
-    RF_RETURN_IF_CUDNN(cudnnSetRNNDataDescriptor(y->d, dtype,
-                                                 CUDNN_RNN_DATA_LAYOUT_SEQ_MAJOR_UNPACKED, steps,
-                                                 batch, dirs_ * out_units(), lengths, &fill));
-    return absl::OkStatus();
-  }
-
-  Status StateDescs(cudnnDataType_t dtype, int batch, TensorDesc* h, TensorDesc* c) const {
-    TF_RETURN_IF_ERROR(h->Create());
-    TF_RETURN_IF_ERROR(c->Create());
-    int hd[3] = {pseudo_layers(), batch, out_units()};
-    int hs[3] = {batch * out_units(), out_units(), 1};
-    int cd[3] = {pseudo_layers(), batch, num_units_};
-    int cs[3] = {batch * num_units_, num_units_, 1};
-    RF_RETURN_IF_CUDNN(cudnnSetTensorNdDescriptor(h->d, dtype, 3, hd, hs));
-    RF_RETURN_IF_CUDNN(cudnnSetTensorNdDescriptor(c->d, dtype, 3, cd, cs));
-    return absl::OkStatus();
-  }
-
-  // Checks the inputs shared by both ops; fills the host sequence lengths.
-  Status CheckInputs(OpKernelContext* ctx, std::vector<int>* lengths) const {
+  // Checks the inputs both ops share (0 x, 1 h, 2 c, 3 params,
+  // 4 sequence_lengths) against the attributes; the core checks the
+  // lengths' values.
+  Status CheckInputs(OpKernelContext* ctx) const {
     const Tensor& x = ctx->input(0);
     const Tensor& h = ctx->input(1);
     const Tensor& c = ctx->input(2);
     const Tensor& params = ctx->input(3);
     const Tensor& seq = ctx->input(4);
-    if (x.dims() != 3 || x.dim_size(2) != input_size_)
-      return errors::InvalidArgument("input must be [time, batch, ", input_size_, "]; got ",
+    if (x.dims() != 3 || x.dim_size(2) != rnn_.input_size)
+      return errors::InvalidArgument("input must be [time, batch, ", rnn_.input_size, "]; got ",
                                      x.shape().DebugString());
     const int64_t steps = x.dim_size(0), batch = x.dim_size(1);
     if (steps < 1 || batch < 1)
@@ -383,134 +168,55 @@ class RnnConfig {
     if (h.shape() != hshape)
       return errors::InvalidArgument("input_h must be ", hshape.DebugString(), "; got ",
                                      h.shape().DebugString());
-    TensorShape cshape({pseudo_layers(), batch, num_units_});
+    TensorShape cshape({pseudo_layers(), batch, rnn_.num_units});
     if (lstm() && c.shape() != cshape)
       return errors::InvalidArgument("input_c must be ", cshape.DebugString(), "; got ",
                                      c.shape().DebugString());
-    if (params.dims() != 1 || params.NumElements() != FlatSize())
-      return errors::InvalidArgument("params must be a flat vector of ", FlatSize(),
+    if (params.dims() != 1 || params.NumElements() != flat_size_)
+      return errors::InvalidArgument("params must be a flat vector of ", flat_size_,
                                      " elements; got ", params.shape().DebugString());
     if (seq.dims() != 1 || seq.dim_size(0) != batch)
       return errors::InvalidArgument("sequence_lengths must be [", batch, "]; got ",
                                      seq.shape().DebugString());
-    auto v = seq.flat<int32_t>();
-    lengths->resize(batch);
-    for (int64_t i = 0; i < batch; ++i) {
-      int len = v(i);
-      if (len < 1 || len > steps)
-        return errors::InvalidArgument("sequence_lengths[", i, "] = ", len,
-                                       " is outside [1, ", steps, "]");
-      (*lengths)[i] = len;
-    }
     return absl::OkStatus();
   }
-
-  cudnnRNNDescriptor_t rnn() const { return v_->rnn; }
-  size_t weight_bytes() const { return v_->weight_bytes; }
-  std::mutex mu;  // guards the cached descriptors, layouts and the selection
 
  private:
-  cudnnRNNMode_t cell_ = CUDNN_LSTM;
-  int gates_ = 4;
-  int dirs_ = 1;
-  // One algorithm's cuDNN state.
-  struct Variant {
-    cudnnRNNAlgo_t algo = CUDNN_RNN_ALGO_STANDARD;
-    cudnnMathType_t math = CUDNN_DEFAULT_MATH;
-    cudnnRNNDescriptor_t rnn = nullptr;
-    bool prepared = false;
-    size_t weight_bytes = 0;
-    int built_batch = -1;
-    std::vector<Copy> copies;
-    ~Variant() {
-      if (rnn) cudnnDestroyRNNDescriptor(rnn);
-    }
-  };
-  int num_layers_ = 1, num_units_ = 1, proj_size_ = 0, input_size_ = 1;
-  float dropout_ = 0.0f;
-  int64_t seed_ = 0;
-  cudnnDropoutDescriptor_t dropout_desc_ = nullptr;
-  Tensor dropout_states_;  // cuDNN's RNG states, kept for the kernel's life
-  bool dropout_ready_ = false;
-  std::map<int, std::unique_ptr<Variant>> variants_;
-  Variant* v_ = nullptr;  // the selected one (under `mu`)
+  rnnfuse_cudnn_rnn rnn_{};
+  int64_t flat_size_ = 0;
 };
 
-Status CopyParams(const std::vector<Copy>& copies, const char* flat, char* space, bool to_space,
-                  cudaStream_t stream) {
-  for (const Copy& c : copies) {
-    if (to_space) {
-      RF_RETURN_IF_CUDA(cudaMemcpyAsync(space + c.space, flat + c.flat, c.bytes,
-                                        cudaMemcpyDeviceToDevice, stream));
-    } else {
-      RF_RETURN_IF_CUDA(cudaMemcpyAsync(const_cast<char*>(flat) + c.flat, space + c.space,
-                                        c.bytes, cudaMemcpyDeviceToDevice, stream));
-    }
-  }
-  return absl::OkStatus();
-}
-
-Status AllocateBytes(OpKernelContext* ctx, size_t bytes, Tensor* t) {
-  return ctx->allocate_temp(tensorflow::DT_UINT8,
-                            TensorShape({static_cast<int64_t>(std::max<size_t>(bytes, 1))}), t);
-}
-
-template <typename T>
-char* Bytes(const Tensor& t) {
-  return const_cast<char*>(reinterpret_cast<const char*>(t.tensor_data().data()));
-}
-
-// ---------------------------------------------------------------------------
-// Holds the shared handle's lock and sets its stream for one call.
-struct HandleCall {
-  SharedHandle* shared = nullptr;
-  std::unique_lock<std::mutex> lock;
-  Status Begin(cudaStream_t stream) {
-    TF_RETURN_IF_ERROR(GetHandle(&shared));
-    lock = std::unique_lock<std::mutex>(shared->mu);
-    RF_RETURN_IF_CUDNN(cudnnSetStream(shared->handle, stream));
-    return absl::OkStatus();
-  }
-  cudnnHandle_t handle() const { return shared->handle; }
-};
-
-// The per-call cuDNN state both ops build the same way.
-template <typename T>
-struct CallState {
-  HandleCall call;
-  DataDesc xd, yd;
-  TensorDesc hd, cd;
-  Tensor space, dev_lengths;
-  const std::vector<Copy>* copies = nullptr;
+// What both kernels prepare the same way: the shape, the lengths (host
+// and a device copy), the stream and the core's workspace.
+struct CallArgs {
+  rnnfuse_cudnn_rnn rnn{};
   int steps = 0, batch = 0;
+  const int32_t* host_lengths = nullptr;
+  cudaStream_t stream = nullptr;
+  Tensor dev_lengths, workspace;
+  size_t workspace_bytes = 0, reserve_bytes = 0;
 
-  Status Begin(OpKernelContext* ctx, RnnConfig* config, int algorithm_input, cudaStream_t stream,
-               std::unique_lock<std::mutex>* config_lock) {
-    std::vector<int> lengths;
-    TF_RETURN_IF_ERROR(config->CheckInputs(ctx, &lengths));
-    const Tensor& x = ctx->input(0);
-    steps = x.dim_size(0);
-    batch = x.dim_size(1);
-    const cudnnDataType_t dtype = CudnnType<T>::value;
-    TF_RETURN_IF_ERROR(call.Begin(stream));
-    *config_lock = std::unique_lock<std::mutex>(config->mu);
-    TF_RETURN_IF_ERROR(config->Select(ctx, algorithm_input));
-    TF_RETURN_IF_ERROR(config->Prepare<T>(ctx, call.handle(), batch));
-    TF_RETURN_IF_ERROR(config->DataDescs(dtype, steps, batch, lengths.data(), &xd, &yd));
-    TF_RETURN_IF_ERROR(config->StateDescs(dtype, batch, &hd, &cd));
-    // The weight space, scattered from the canonical flat params.
-    TF_RETURN_IF_ERROR(AllocateBytes(ctx, config->weight_bytes(), &space));
-    char* sp = Bytes<T>(space);
-    TF_RETURN_IF_ERROR(config->Layout<T>(call.handle(), sp, &copies));
-    RF_RETURN_IF_CUDA(cudaMemsetAsync(sp, 0, config->weight_bytes(), stream));
-    TF_RETURN_IF_ERROR(CopyParams(*copies, Bytes<T>(ctx->input(3)), sp, true, stream));
-    // Device copy of the sequence lengths.
+  void* dev() const { return Mut(dev_lengths); }
+
+  template <typename T>
+  Status Begin(OpKernelContext* ctx, const CoreConfig<T>& config, int algorithm_input) {
+    TF_RETURN_IF_ERROR(config.CheckInputs(ctx));
+    TF_RETURN_IF_ERROR(config.ForCall(ctx, algorithm_input, &rnn));
+    stream = ctx->eigen_device<Eigen::GpuDevice>().stream();
+    steps = ctx->input(0).dim_size(0);
+    batch = ctx->input(0).dim_size(1);
+    host_lengths = ctx->input(4).flat<int32_t>().data();  // a HostMemory input
+    RF_RETURN_IF_CORE(rnnfuse_cudnn_sizes, &rnn, steps, batch, host_lengths, stream,
+                      &workspace_bytes, &reserve_bytes);
+    TF_RETURN_IF_ERROR(AllocateBytes(ctx, workspace_bytes, &workspace));
     TF_RETURN_IF_ERROR(ctx->allocate_temp(tensorflow::DT_INT32, TensorShape({batch}),
                                           &dev_lengths));
-    RF_RETURN_IF_CUDA(cudaMemcpyAsync(Bytes<int>(dev_lengths), ctx->input(4).tensor_data().data(),
-                                      sizeof(int) * batch, cudaMemcpyHostToDevice, stream));
+    RF_RETURN_IF_CUDA(cudaMemcpyAsync(dev(), host_lengths, sizeof(int32_t) * batch,
+                                      cudaMemcpyHostToDevice, stream));
     return absl::OkStatus();
   }
+
+  const int32_t* device_lengths() const { return static_cast<const int32_t*>(dev()); }
 };
 
 template <typename T>
@@ -523,40 +229,31 @@ class RnnfuseCudnnRnnOp : public OpKernel {
   void Compute(OpKernelContext* ctx) override { OP_REQUIRES_OK(ctx, DoCompute(ctx)); }
 
  private:
+  // Inputs: 0 x, 1 h, 2 c, 3 params, 4 sequence_lengths, 5 algorithm.
   Status DoCompute(OpKernelContext* ctx) {
-    cudaStream_t stream = ctx->eigen_device<Eigen::GpuDevice>().stream();
-    CallState<T> st;
-    std::unique_lock<std::mutex> config_lock;
-    TF_RETURN_IF_ERROR(st.Begin(ctx, &config_, /*algorithm_input=*/5, stream, &config_lock));
+    CallArgs a;
+    TF_RETURN_IF_ERROR(a.Begin(ctx, config_, /*algorithm_input=*/5));
     const Tensor& h = ctx->input(1);
     const Tensor& c = ctx->input(2);
-    const bool lstm = config_.lstm();
+    const size_t reserve_bytes = is_training_ ? a.reserve_bytes : 0;
     Tensor *y = nullptr, *hy = nullptr, *cy = nullptr, *reserve = nullptr;
     TF_RETURN_IF_ERROR(ctx->allocate_output(
-        0, TensorShape({st.steps, st.batch, int64_t(config_.dirs()) * config_.out_units()}), &y));
+        0, TensorShape({a.steps, a.batch, config_.out_width()}), &y));
     TF_RETURN_IF_ERROR(ctx->allocate_output(1, h.shape(), &hy));
     TF_RETURN_IF_ERROR(ctx->allocate_output(2, c.shape(), &cy));
-    const cudnnForwardMode_t mode = is_training_ ? CUDNN_FWD_MODE_TRAINING : CUDNN_FWD_MODE_INFERENCE;
-    size_t work_bytes = 0, reserve_bytes = 0;
-    RF_RETURN_IF_CUDNN(cudnnGetRNNTempSpaceSizes(st.call.handle(), config_.rnn(), mode, st.xd.d,
-                                                 &work_bytes, &reserve_bytes));
-    if (!is_training_) reserve_bytes = 0;
     TF_RETURN_IF_ERROR(ctx->allocate_output(
         3, TensorShape({static_cast<int64_t>(reserve_bytes)}), &reserve));
-    Tensor work;
-    TF_RETURN_IF_ERROR(AllocateBytes(ctx, work_bytes, &work));
-    if (!lstm && cy->NumElements() > 0)
-      RF_RETURN_IF_CUDA(cudaMemsetAsync(Bytes<T>(*cy), 0, cy->TotalBytes(), stream));
-    RF_RETURN_IF_CUDNN(cudnnRNNForward(
-        st.call.handle(), config_.rnn(), mode, reinterpret_cast<const int32_t*>(Bytes<int>(st.dev_lengths)), st.xd.d,
-        Bytes<T>(ctx->input(0)), st.yd.d, Bytes<T>(*y), st.hd.d, Bytes<T>(h), Bytes<T>(*hy),
-        st.cd.d, lstm ? Bytes<T>(c) : nullptr, lstm ? Bytes<T>(*cy) : nullptr,
-        config_.weight_bytes(), Bytes<T>(st.space), work_bytes, Bytes<T>(work), reserve_bytes,
-        reserve_bytes ? Bytes<T>(*reserve) : nullptr));
+    // The core reads and writes c only for an LSTM; any other output_c is 0.
+    if (!config_.lstm() && cy->NumElements() > 0)
+      RF_RETURN_IF_CUDA(cudaMemsetAsync(Mut(*cy), 0, cy->TotalBytes(), a.stream));
+    RF_RETURN_IF_CORE(rnnfuse_cudnn_forward, &a.rnn, is_training_ ? 1 : 0, a.steps, a.batch,
+                      a.host_lengths, a.device_lengths(), a.stream, Ptr(ctx->input(0)), Ptr(h),
+                      Ptr(c), Ptr(ctx->input(3)), Mut(*y), Mut(*hy), Mut(*cy), Mut(a.workspace),
+                      a.workspace_bytes, reserve_bytes ? Mut(*reserve) : nullptr, reserve_bytes);
     return absl::OkStatus();
   }
 
-  RnnConfig config_;
+  CoreConfig<T> config_;
   bool is_training_ = true;
 };
 
@@ -572,10 +269,8 @@ class RnnfuseCudnnRnnBackpropOp : public OpKernel {
   // 6 output_backprop, 7 output_h_backprop, 8 output_c_backprop, 9 reserve_space,
   // 10 algorithm.
   Status DoCompute(OpKernelContext* ctx) {
-    cudaStream_t stream = ctx->eigen_device<Eigen::GpuDevice>().stream();
-    CallState<T> st;
-    std::unique_lock<std::mutex> config_lock;
-    TF_RETURN_IF_ERROR(st.Begin(ctx, &config_, /*algorithm_input=*/10, stream, &config_lock));
+    CallArgs a;
+    TF_RETURN_IF_ERROR(a.Begin(ctx, config_, /*algorithm_input=*/10));
     const Tensor& x = ctx->input(0);
     const Tensor& h = ctx->input(1);
     const Tensor& c = ctx->input(2);
@@ -584,49 +279,36 @@ class RnnfuseCudnnRnnBackpropOp : public OpKernel {
     const Tensor& dhy = ctx->input(7);
     const Tensor& dcy = ctx->input(8);
     const Tensor& reserve = ctx->input(9);
-    const bool lstm = config_.lstm();
-    TensorShape yshape({st.steps, st.batch, int64_t(config_.dirs()) * config_.out_units()});
+    TensorShape yshape({a.steps, a.batch, config_.out_width()});
     if (y.shape() != yshape || dy.shape() != yshape)
       return errors::InvalidArgument("output and output_backprop must be ", yshape.DebugString());
     if (dhy.shape() != h.shape() || dcy.shape() != c.shape())
       return errors::InvalidArgument("output_h/c_backprop must match input_h/c");
-    size_t work_bytes = 0, reserve_bytes = 0;
-    RF_RETURN_IF_CUDNN(cudnnGetRNNTempSpaceSizes(st.call.handle(), config_.rnn(),
-                                                 CUDNN_FWD_MODE_TRAINING, st.xd.d, &work_bytes,
-                                                 &reserve_bytes));
-    if (size_t(reserve.NumElements()) != reserve_bytes)
+    if (size_t(reserve.NumElements()) != a.reserve_bytes)
       return errors::InvalidArgument("reserve_space has ", reserve.NumElements(),
-                                     " bytes; cuDNN needs ", reserve_bytes,
+                                     " bytes; cuDNN needs ", a.reserve_bytes,
                                      " (was the forward op run with is_training=True?)");
     Tensor *dx = nullptr, *dh = nullptr, *dc = nullptr, *dparams = nullptr;
     TF_RETURN_IF_ERROR(ctx->allocate_output(0, x.shape(), &dx));
     TF_RETURN_IF_ERROR(ctx->allocate_output(1, h.shape(), &dh));
     TF_RETURN_IF_ERROR(ctx->allocate_output(2, c.shape(), &dc));
     TF_RETURN_IF_ERROR(ctx->allocate_output(3, ctx->input(3).shape(), &dparams));
-    Tensor work, dspace;
-    TF_RETURN_IF_ERROR(AllocateBytes(ctx, work_bytes, &work));
-    TF_RETURN_IF_ERROR(AllocateBytes(ctx, config_.weight_bytes(), &dspace));
-    RF_RETURN_IF_CUDA(cudaMemsetAsync(Bytes<T>(dspace), 0, config_.weight_bytes(), stream));
-    if (!lstm && dc->NumElements() > 0)
-      RF_RETURN_IF_CUDA(cudaMemsetAsync(Bytes<T>(*dc), 0, dc->TotalBytes(), stream));
+    if (!config_.lstm() && dc->NumElements() > 0)
+      RF_RETURN_IF_CUDA(cudaMemsetAsync(Mut(*dc), 0, dc->TotalBytes(), a.stream));
     // cuDNN writes into the reserve space: TensorFlow's own CudnnRNN
     // backprop kernel uses its input the same way (its only consumer).
-    char* rs = Bytes<T>(reserve);
-    RF_RETURN_IF_CUDNN(cudnnRNNBackwardData_v8(
-        st.call.handle(), config_.rnn(), reinterpret_cast<const int32_t*>(Bytes<int>(st.dev_lengths)), st.yd.d, Bytes<T>(y),
-        Bytes<T>(dy), st.xd.d, Bytes<T>(*dx), st.hd.d, Bytes<T>(h), Bytes<T>(dhy), Bytes<T>(*dh),
-        st.cd.d, lstm ? Bytes<T>(c) : nullptr, lstm ? Bytes<T>(dcy) : nullptr,
-        lstm ? Bytes<T>(*dc) : nullptr, config_.weight_bytes(), Bytes<T>(st.space), work_bytes,
-        Bytes<T>(work), reserve_bytes, rs));
-    RF_RETURN_IF_CUDNN(cudnnRNNBackwardWeights_v8(
-        st.call.handle(), config_.rnn(), CUDNN_WGRAD_MODE_ADD, reinterpret_cast<const int32_t*>(Bytes<int>(st.dev_lengths)),
-        st.xd.d, Bytes<T>(x), st.hd.d, Bytes<T>(h), st.yd.d, Bytes<T>(y), config_.weight_bytes(),
-        Bytes<T>(dspace), work_bytes, Bytes<T>(work), reserve_bytes, rs));
-    TF_RETURN_IF_ERROR(CopyParams(*st.copies, Bytes<T>(*dparams), Bytes<T>(dspace), false, stream));
+    void* rs = Mut(reserve);
+    RF_RETURN_IF_CORE(rnnfuse_cudnn_backward_data, &a.rnn, a.steps, a.batch, a.host_lengths,
+                      a.device_lengths(), a.stream, Ptr(y), Ptr(dy), Ptr(dhy), Ptr(dcy), Ptr(h),
+                      Ptr(c), Ptr(ctx->input(3)), Mut(*dx), Mut(*dh), Mut(*dc), Mut(a.workspace),
+                      a.workspace_bytes, rs, a.reserve_bytes);
+    RF_RETURN_IF_CORE(rnnfuse_cudnn_backward_weights, &a.rnn, a.steps, a.batch, a.host_lengths,
+                      a.device_lengths(), a.stream, Ptr(x), Ptr(h), Ptr(y), Mut(*dparams),
+                      Mut(a.workspace), a.workspace_bytes, rs, a.reserve_bytes);
     return absl::OkStatus();
   }
 
-  RnnConfig config_;
+  CoreConfig<T> config_;
 };
 
 // ---------------------------------------------------------------------------
