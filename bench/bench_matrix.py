@@ -26,11 +26,13 @@ step; `fit_ms` is its step median.
     python bench/bench_matrix.py --backend pytorch --out /tmp/m_pt.json
     python bench/bench_matrix.py --table /tmp/m_tf.json /tmp/m_torch.json /tmp/m_pt.json
     python bench/bench_matrix.py --quick --out /tmp/q.json   # tiny shapes, any machine
+    KERAS_BACKEND=torch python bench/bench_matrix.py --tuned ...  # every candidate timed first
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import platform
@@ -141,7 +143,8 @@ def _interleaved_calls(pair, call, rounds: int) -> dict:
     return seconds
 
 
-def measure_keras(shape: dict, epochs: int, epoch_steps: int, rounds: int, steps: int) -> dict:
+def measure_keras(shape: dict, epochs: int, epoch_steps: int, rounds: int, steps: int,
+                  tuned: bool = False) -> dict:
     import keras
     import numpy as np
 
@@ -152,10 +155,14 @@ def measure_keras(shape: dict, epochs: int, epoch_steps: int, rounds: int, steps
     from rnnfuse.tuning.first_batch import decisions
 
     model = build_keras(shape)
-    fast = rnnfuse.optimize(model, cache=False)
+    x, y, _ = data(shape)
+    # --tuned: the plan a long fit commits to (every candidate timed on the
+    # batch now), instead of what a short first fit's budget allows.
+    start = time.perf_counter()
+    fast = rnnfuse.optimize(model, cache=False, tune=x if tuned else "auto")
+    optimize_s = time.perf_counter() - start
     model.compile(optimizer="adam", loss="mse")
     fast.compile(optimizer="adam", loss="mse")
-    x, y, _ = data(shape)
     b = shape["batch"]
     xe, ye = np.concatenate([x] * epoch_steps), np.concatenate([y] * epoch_steps)
     first = {}
@@ -172,6 +179,7 @@ def measure_keras(shape: dict, epochs: int, epoch_steps: int, rounds: int, steps
     pred = _alternate(pair, rounds, lambda m, cb: m.predict(xs, batch_size=b, verbose=0, callbacks=[cb]))
     row = dict(
         first_call_s=first,
+        optimize_s=optimize_s,
         fit_ms={k: _median_ms(v) for k, v in fit.items()},
         train_on_batch_ms={k: _median_ms(v[1:]) for k, v in tob.items()},
         predict_on_batch_ms={k: _median_ms(v[1:]) for k, v in pob.items()},
@@ -304,6 +312,8 @@ def main(argv=None) -> int:
     parser.add_argument("--rounds", type=int, default=5, help="interleaved timed rounds")
     parser.add_argument("--steps", type=int, default=5, help="steps a timed round")
     parser.add_argument("--quick", action="store_true", help="tiny shapes, any machine")
+    parser.add_argument("--tuned", action="store_true",
+                        help="optimize(model, tune=batch): time every candidate first (a long fit's plan)")
     parser.add_argument("--table", nargs="+", metavar="JSON", help="print the table of these results")
     args = parser.parse_args(argv)
     if args.table:
@@ -325,10 +335,12 @@ def main(argv=None) -> int:
 
         import rnnfuse
 
-        backend, measure = keras.backend.backend(), measure_keras
+        backend = keras.backend.backend()
+        measure = functools.partial(measure_keras, tuned=args.tuned)
         meta = dict(backend=backend, keras=keras.__version__, rnnfuse=rnnfuse.__version__)
     meta.update(python=platform.python_version(), epochs=args.epochs, epoch_steps=args.epoch_steps,
-                rounds=args.rounds, steps=args.steps, quick=args.quick)
+                rounds=args.rounds, steps=args.steps, quick=args.quick,
+                tuned=args.tuned)
     args.out = args.out or out_path(f"matrix_{backend}.json")
     results = []
     for name in args.shapes.split(","):
