@@ -590,17 +590,20 @@ def test_optimize_projected_stack_equals_original(bidirectional, emulated_cudnn)
     assert all(p.last_path == "custom" for p in parts)
 
 
-def test_auto_picks_xla_only_with_a_gpu_where_xla_compiles(monkeypatch, caplog):
+def test_auto_picks_xla_only_with_a_gpu_where_xla_compiles(monkeypatch, caplog, request):
     assert plstm.get_fast_path(resolve=True) == "custom"  # no GPU here
     monkeypatch.setattr(tf.config, "list_logical_devices", lambda kind=None: ["GPU:0"])
-    monkeypatch.setattr(tf_plstm, "_xla_ok", True)
+    probe = tf_plstm._xla_works
+    monkeypatch.setattr(tf_plstm, "_xla_works", lambda: True)
     assert plstm.get_fast_path(resolve=True) == "custom_xla"
 
     def broken(jit):
         raise tf.errors.InternalError(None, None, "libdevice not found")
 
-    monkeypatch.setattr(tf_plstm, "_xla_ok", None)
+    monkeypatch.setattr(tf_plstm, "_xla_works", probe)
     monkeypatch.setattr(tf_plstm, "_custom_functions", broken)
+    probe.cache_clear()
+    request.addfinalizer(probe.cache_clear)  # no probe answer leaks out
     with caplog.at_level(logging.WARNING, logger="rnnfuse"):
         assert plstm.get_fast_path(resolve=True) == "custom"
     # The layer recovers by itself: a notice on the rnnfuse logger, not a warning.

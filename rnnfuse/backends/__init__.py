@@ -29,6 +29,7 @@ Example:
 
 from __future__ import annotations
 
+import functools
 import importlib
 
 import keras
@@ -66,9 +67,6 @@ _CLASSES = {
     "torch": ("rnnfuse.backends.torch.backend", "TorchBackend", "TorchTooling", "TorchTiming"),
     "jax": ("rnnfuse.backends.jax.backend", "JaxBackend", "JaxTooling", "JaxTiming"),
 }
-
-_INSTANCES: dict[tuple[str, int], object] = {}
-
 
 def get_backend(name: str | None = None) -> Backend:
     """The `Backend` for Keras backend `name` (default: the active one).
@@ -112,13 +110,12 @@ def active_name() -> str:
 
 def _instance(name: str | None, which: int, missing):
     """One object per (backend name, class) for the process."""
-    name = name or active_name()
-    found = _INSTANCES.get((name, which))
-    if found is None:
-        target = _CLASSES.get(name)
-        if target is None:
-            found = missing(name)
-        else:
-            found = getattr(importlib.import_module(target[0]), target[which])()
-        _INSTANCES[(name, which)] = found
-    return found
+    return _made(name or active_name(), which, missing)
+
+
+@functools.cache  # memo: one object per (backend name, class)
+def _made(name: str, which: int, missing):
+    target = _CLASSES.get(name)
+    if target is None:
+        return missing(name)
+    return getattr(importlib.import_module(target[0]), target[which])()

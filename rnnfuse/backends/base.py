@@ -234,6 +234,22 @@ class ProjectedLSTMCall:
     # Time steps per loop iteration, used where it divides the sequence length.
     unroll: int = 1
 
+    def dropped_out(self, sequences):
+        """`sequences` [B, T, F] times the input dropout mask `RNN.call`
+        drew for this call (one per sequence), where training with dropout."""
+        if self.training and 0.0 < self.cell.dropout < 1.0:
+            return sequences * self.cell.get_dropout_mask(sequences[:, 0, :])[:, None, :]
+        return sequences
+
+    def inner_loop_result(self, outputs, h, c):
+        """What `keras.layers.RNN.inner_loop` returns from batch-major
+        `outputs` [B, T, P]: (last_output, outputs, or [B, 1, P] without
+        return_sequences as the generic loop gives, [h, c])."""
+        last_output = outputs[:, -1]
+        if not self.return_sequences:
+            outputs = last_output[:, None, :]
+        return last_output, outputs, [h, c]
+
 
 def tanh_sigmoid(cell, extra: dict | None = None) -> bool:
     """Whether `cell` uses exactly tanh and sigmoid activations (cuDNN's and
@@ -501,6 +517,26 @@ class KernelModuleBackend(Backend):
     """
 
     kernels: Any = None
+
+    def fused_capabilities(self, **fields) -> Capabilities:
+        """`Capabilities` of a fused cuDNN call with seeded dropout, the
+        kernels' tuned algorithms and the wavefront kernel for inference
+        and training; `fields` add to these or replace them."""
+        return Capabilities(**{
+            "fused_kernel": True,
+            "absorbs_dropout": True,
+            "xla_compiles_fused_call": False,
+            "tuned_algorithms": self.kernels.tuned_algorithms(),
+            "inference_kernels": ("wavefront",),
+            "training_kernels": ("wavefront",),
+            **fields,
+        })
+
+    def group_reason(self, group):
+        return None
+
+    def kernel_reason(self, kernel, group, shape, training=False):
+        return self.kernels.kernel_reason(kernel, group, shape, training=training)
 
     def is_available(self):
         return self.kernels.is_available()

@@ -246,7 +246,7 @@ def test_loop_kinds_follow_keras_precision_with_default_tf32(which, user_default
     print(f"{which} with cuDNN TF32 allowed: worst (out, grad) {worst}")
     assert cudnn_calls and all(c["cudnn"] for c in cudnn_calls)
     assert torch.backends.cudnn.allow_tf32 is True
-    assert torch_backend._tf32_holds == 0
+    assert torch_backend._EXACT_FLOAT32.holds == 0
 
 
 @pytest.mark.parametrize("kind", ["lstm", "gru"])

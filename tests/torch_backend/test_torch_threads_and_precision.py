@@ -12,6 +12,7 @@
 
 from __future__ import annotations
 
+import contextvars
 import os
 import subprocess
 import sys
@@ -85,12 +86,20 @@ def test_call_mode_is_not_seen_by_a_thread_started_inside_the_block():
     assert seen == ["auto"] and torch_backend.get_call_mode() == "auto"
 
 
-def test_set_call_mode_is_the_process_default_under_blocks(monkeypatch):
-    monkeypatch.setattr(torch_backend, "_default_mode", "auto")
-    torch_backend.set_call_mode("one")
-    with torch_backend.call_mode("per_level"):
-        assert torch_backend.get_call_mode() == "per_level"
-    assert torch_backend.get_call_mode() == "one"
+def test_set_call_mode_holds_in_this_thread_under_blocks():
+    seen = []
+
+    def body():
+        torch_backend.set_call_mode("one")
+        with torch_backend.call_mode("per_level"):
+            assert torch_backend.get_call_mode() == "per_level"
+        assert torch_backend.get_call_mode() == "one"
+        t = threading.Thread(target=lambda: seen.append(torch_backend.get_call_mode()))
+        t.start(); t.join()  # noqa: E702
+
+    contextvars.copy_context().run(body)
+    assert seen == ["auto"]  # a new thread starts from RNNFUSE_TORCH_CALLS
+    assert torch_backend.get_call_mode() == "auto"  # set only in body's context
     with pytest.raises(ValueError, match="unknown mode 'split'"):
         with torch_backend.call_mode("split"):
             pass
@@ -184,7 +193,7 @@ def test_loop_kinds_run_cudnn_without_tf32_forward_and_backward(which, tf32_watc
     assert torch.backends.cudnn.allow_tf32 is True  # back after the call
     y.float().sum().backward()
     assert _FlagAtBackward.log == [False]  # off while the call's backward runs
-    assert torch.backends.cudnn.allow_tf32 is True and torch_backend._tf32_holds == 0
+    assert torch.backends.cudnn.allow_tf32 is True and torch_backend._EXACT_FLOAT32.holds == 0
     assert max_abs_diff(fast(x), model(x)) <= 1e-5
 
 
@@ -238,6 +247,6 @@ def test_a_hold_left_by_a_failed_backward_is_released_with_its_graph():
         assert torch.backends.cudnn.allow_tf32 is False
         del hold
         gc.collect()
-        assert torch.backends.cudnn.allow_tf32 is True and torch_backend._tf32_holds == 0
+        assert torch.backends.cudnn.allow_tf32 is True and torch_backend._EXACT_FLOAT32.holds == 0
     finally:
         torch.backends.cudnn.allow_tf32 = old

@@ -58,6 +58,7 @@ __all__ = [
     "cudnn_header_version",
     "find_cudnn",
     "find_cxx",
+    "load_library",
     "find_nvcc",
     "nvcc_version",
     "run_compiler",
@@ -193,6 +194,21 @@ def _digest(names, *extra: str) -> str:
     for e in extra:
         h.update(e.encode())
     return h.hexdigest()[:12]
+
+
+def load_library(path, env_var: str, built, loaded: dict, lock, open_library):
+    """The library at `path`, else at $`env_var`, else `built()`'s, opened
+    by `open_library` once per resolved path (`loaded`: the caller's memo
+    cache, guarded by `lock`)."""
+    if path is None:
+        path = os.environ.get(env_var) or None
+    if path is None:
+        path = built()
+    key = str(Path(path).resolve())
+    with lock:
+        if key not in loaded:
+            loaded[key] = open_library(key)
+        return loaded[key]
 
 
 def run_compiler(cmd: list[str], what: str, fix: str) -> None:

@@ -37,6 +37,7 @@ E_ARGUMENT, E_UNAVAILABLE, E_NOT_SUPPORTED, E_CUDNN, E_CUDA = -1, -2, -3, -4, -5
 MATHS = ("default", "tensor_op", "tensor_op_allow_conversion", "fma")
 
 _LOCK = threading.Lock()
+# Memo caches: resolved path -> its loaded library.
 _LOADED: dict[str, "CoreLibrary"] = {}
 # Cache folder -> the library built there, or the build's error: a process
 # builds (or fails to) once, not on every call that asks.
@@ -208,15 +209,9 @@ def load(path: str | os.PathLike | None = None) -> CoreLibrary:
         BuildError: the build failed; CoreError: the library is not this
         rnnfuse's (ABI version); OSError: it does not load.
     """
-    if path is None:
-        path = os.environ.get("RNNFUSE_CUDNN_CORE_LIB") or None
-    if path is None:
-        path = _built()
-    key = str(Path(path).resolve())
-    with _LOCK:
-        if key not in _LOADED:
-            _LOADED[key] = CoreLibrary(key)
-        return _LOADED[key]
+    from rnnfuse.backends.cuda import build
+
+    return build.load_library(path, "RNNFUSE_CUDNN_CORE_LIB", _built, _LOADED, _LOCK, CoreLibrary)
 
 
 def _built() -> Path:

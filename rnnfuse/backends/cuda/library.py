@@ -50,6 +50,7 @@ H200 = {"sms": 132, "smem": 232448}
 _LAYER_FIELDS = ("ctas", "mg", "kg", "ng", "units", "kpad", "smem")
 
 _LOCK = threading.Lock()
+# Memo cache: resolved path -> its loaded library.
 _LOADED: dict[str, "WavefrontLibrary"] = {}
 # Cache folder -> the library built there, once per process: checking the
 # build runs nvcc twice (--version, --dryrun), about 15 ms, and every torch
@@ -391,15 +392,10 @@ def _kind(kind: str) -> int:
 def load(path: str | os.PathLike | None = None) -> WavefrontLibrary:
     """The library at `path`, else $RNNFUSE_WAVEFRONT_LIB, else the cached
     build (building it the first time: rnnfuse.backends.cuda.build)."""
-    if path is None:
-        path = os.environ.get("RNNFUSE_WAVEFRONT_LIB") or None
-    if path is None:
-        path = _built_library()
-    key = str(Path(path).resolve())
-    with _LOCK:
-        if key not in _LOADED:
-            _LOADED[key] = WavefrontLibrary(key)
-        return _LOADED[key]
+    from rnnfuse.backends.cuda import build
+
+    return build.load_library(path, "RNNFUSE_WAVEFRONT_LIB", _built_library, _LOADED, _LOCK,
+                              WavefrontLibrary)
 
 
 def _built_library() -> Path:

@@ -464,64 +464,90 @@ def run_stack(sequences: tf.Tensor, call: StackCall) -> StackRun:
             f"the TensorFlow backend runs the kernels {list(KERNELS)}, not {call.kernel!r}"
         )
     if call.kernel == "wavefront":
-        from rnnfuse.backends.tensorflow import wavefront_op
-
-        run = wavefront_op.run_trainable if call.training else wavefront_op.run_differentiable
-        return run_or_fall_back(
-            lambda: run(sequences, call),
-            lambda: run_stack(sequences, dataclasses.replace(
-                call, algorithm=None, kernel="cudnn", training=False)),
-            "the wavefront kernel",
-        )
-    stack, initial_h, initial_c, mask = call.stack, call.initial_h, call.initial_c, call.mask
-    reverse, dropout, seed, algorithm = call.reverse, call.dropout, call.seed, call.algorithm
-    kernel = call.kernel
-    dtype = sequences.dtype
-    x = tf.transpose(sequences, [1, 0, 2])  # time-major [T, B, F]
-    steps, batch = tf.shape(x)[0], tf.shape(x)[1]
-    if mask is not None:
-        lengths = tf.reduce_sum(tf.cast(mask, tf.int32), axis=1)
-    else:
-        lengths = tf.fill(tf.expand_dims(batch, 0), steps)
-    if reverse:
-        x = tf.reverse_sequence(x, lengths, seq_axis=0, batch_axis=1)
-    lstm = stack.kind == "lstm"
-    runtime = algorithm is not None and not isinstance(algorithm, Algorithm)
-    note = None
-    if mask is not None and (runtime or (algorithm is not None and not algorithm.is_standard)):
-        # cuDNN's persistent algorithms refuse padded sequence lengths
-        # (CUDNN_STATUS_NOT_SUPPORTED; PyTorch runs them only
-        # for unpacked input): a masked call runs the standard algorithm.
-        note = "a masked call runs the standard algorithm (padded lengths)"
-        algorithm, runtime = None, False
-    if kernel == "stock":
+        return _run_wavefront(sequences, call)
+    x, batch, lengths = _time_major(sequences, call)
+    algorithm, runtime, note = _algorithm_for(call)
+    if call.kernel == "stock":
         module, reason = None, "the plan's kernel is 'stock' (no rnnfuse op in the graph)"
     else:
-        module, reason = _op_for(dtype, dropout)
+        module, reason = _op_for(sequences.dtype, call.dropout)
     if module is not None:
-        code = algorithm if runtime else None
-        input_size = int(stack.cells[0][0].kernel.shape[0])
-        outputs, h, c = cudnn_op.run_op(
-            module,
-            x,
-            _states(initial_h, stack, batch, dtype, width=stack.output_size),
-            _states(initial_c, stack, batch, dtype) if lstm else tf.zeros([0], dtype),
-            pack_params(stack, dtype),
-            lengths,
-            kind=stack.kind,
-            num_layers=stack.num_levels,
-            num_directions=stack.num_directions,
-            units=stack.units,
-            input_size=input_size,
-            proj_size=stack.proj_size,
-            algorithm=None if runtime else algorithm,
-            dropout=dropout,
-            seed=int(seed[0]) + (int(seed[1]) << 31),
-            code=code,
-        )
-        name = "runtime" if runtime else (algorithm or Algorithm()).name
-        ran = KernelRun("RnnfuseCudnnRnn", name, note)
-        return StackRun(tf.transpose(outputs, [1, 0, 2]), h, (c if lstm else None), ran)
+        return _run_on_op(module, call, x, batch, lengths, algorithm, runtime, note)
+    return _run_on_cudnn_rnn_v3(call, x, batch, lengths, algorithm, runtime, note, reason)
+
+
+def _run_wavefront(sequences: tf.Tensor, call: StackCall) -> StackRun:
+    """The "wavefront" kernel, or "cudnn" on the standard algorithm where
+    it cannot run the call."""
+    from rnnfuse.backends.tensorflow import wavefront_op
+
+    run = wavefront_op.run_trainable if call.training else wavefront_op.run_differentiable
+    return run_or_fall_back(
+        lambda: run(sequences, call),
+        lambda: run_stack(sequences, dataclasses.replace(
+            call, algorithm=None, kernel="cudnn", training=False)),
+        "the wavefront kernel",
+    )
+
+
+def _time_major(sequences: tf.Tensor, call: StackCall):
+    """(x [T, B, F], batch, lengths [B]), x reversed within lengths where
+    `call.reverse`."""
+    x = tf.transpose(sequences, [1, 0, 2])
+    steps, batch = tf.shape(x)[0], tf.shape(x)[1]
+    if call.mask is not None:
+        lengths = tf.reduce_sum(tf.cast(call.mask, tf.int32), axis=1)
+    else:
+        lengths = tf.fill(tf.expand_dims(batch, 0), steps)
+    if call.reverse:
+        x = tf.reverse_sequence(x, lengths, seq_axis=0, batch_axis=1)
+    return x, batch, lengths
+
+
+def _algorithm_for(call: StackCall):
+    """(algorithm, runtime, note): `runtime` when the algorithm is a tensor;
+    a masked call runs the standard algorithm (cuDNN's persistent ones
+    refuse padded lengths), and `note` says so."""
+    algorithm = call.algorithm
+    runtime = algorithm is not None and not isinstance(algorithm, Algorithm)
+    if call.mask is not None and (
+            runtime or (algorithm is not None and not algorithm.is_standard)):
+        return None, False, "a masked call runs the standard algorithm (padded lengths)"
+    return algorithm, runtime, None
+
+
+def _run_on_op(module, call, x, batch, lengths, algorithm, runtime, note) -> StackRun:
+    """`run_stack` on rnnfuse's cuDNN op (`cudnn_op.run_op`)."""
+    stack, dtype = call.stack, x.dtype
+    lstm = stack.kind == "lstm"
+    outputs, h, c = cudnn_op.run_op(
+        module,
+        x,
+        _states(call.initial_h, stack, batch, dtype, width=stack.output_size),
+        _states(call.initial_c, stack, batch, dtype) if lstm else tf.zeros([0], dtype),
+        pack_params(stack, dtype),
+        lengths,
+        kind=stack.kind,
+        num_layers=stack.num_levels,
+        num_directions=stack.num_directions,
+        units=stack.units,
+        input_size=int(stack.cells[0][0].kernel.shape[0]),
+        proj_size=stack.proj_size,
+        algorithm=None if runtime else algorithm,
+        dropout=call.dropout,
+        seed=int(call.seed[0]) + (int(call.seed[1]) << 31),
+        code=algorithm if runtime else None,
+    )
+    name = "runtime" if runtime else (algorithm or Algorithm()).name
+    ran = KernelRun("RnnfuseCudnnRnn", name, note)
+    return StackRun(tf.transpose(outputs, [1, 0, 2]), h, (c if lstm else None), ran)
+
+
+def _run_on_cudnn_rnn_v3(call, x, batch, lengths, algorithm, runtime, note, reason) -> StackRun:
+    """`run_stack` on `tf.raw_ops.CudnnRNNV3` (standard algorithm only);
+    `reason` says why rnnfuse's op does not run it."""
+    stack, dtype = call.stack, x.dtype
+    lstm = stack.kind == "lstm"
     if stack.proj_size or tf.as_dtype(dtype) == tf.bfloat16:
         raise NotImplementedError(
             f"this stack needs rnnfuse's cuDNN op, which cannot run it: {reason}"
@@ -533,8 +559,8 @@ def run_stack(sequences: tf.Tensor, call: StackCall) -> StackRun:
     ran = KernelRun("CudnnRNNV3", "standard", reason if note is None else f"{reason}; {note}")
     tensors = dict(
         input=x,
-        input_h=_states(initial_h, stack, batch, dtype),
-        input_c=_states(initial_c, stack, batch, dtype) if lstm else tf.constant(0, dtype),
+        input_h=_states(call.initial_h, stack, batch, dtype),
+        input_c=_states(call.initial_c, stack, batch, dtype) if lstm else tf.constant(0, dtype),
         params=pack_params(stack, dtype),
         sequence_lengths=lengths,
     )
@@ -542,9 +568,9 @@ def run_stack(sequences: tf.Tensor, call: StackCall) -> StackRun:
         rnn_mode=stack.kind,
         input_mode="linear_input",
         direction="bidirectional" if stack.num_directions == 2 else "unidirectional",
-        dropout=float(dropout),
-        seed=int(seed[0]),
-        seed2=int(seed[1]),
+        dropout=float(call.dropout),
+        seed=int(call.seed[0]),
+        seed2=int(call.seed[1]),
         is_training=True,
         time_major=True,
     )

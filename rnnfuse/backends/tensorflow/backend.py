@@ -44,28 +44,13 @@ class TensorFlowBackend(KernelModuleBackend):
 
     @property
     def capabilities(self) -> Capabilities:
-        return Capabilities(
-            fused_kernel=True,
-            absorbs_dropout=True,
-            # Neither rnnfuse's op nor CudnnRNNV3 has an XLA kernel.
-            xla_compiles_fused_call=False,
-            tunes_one_call_per_layer=False,
-            tuned_algorithms=kernels.tuned_algorithms(),
+        return self.fused_capabilities(
             # The rule table measured with these kernels (docs/benchmarks.md).
             plan_table="tensorflow",
             projected_lstm_loop="tensorflow",
             auto_jit_from_layers=True,
-            # rnnfuse's wavefront op, where it loads: inference, and
-            # training on its saving forward and backward ops (LSTM stacks).
-            inference_kernels=("wavefront",),
-            training_kernels=("wavefront",),
+            tunes_one_call_per_layer=False,
         )
-
-    def group_reason(self, group):
-        return None
-
-    def kernel_reason(self, kernel, group, shape, training=False):
-        return kernels.kernel_reason(kernel, group, shape, training=training)
 
     def in_xla_context(self):
         return kernels.in_xla_context()

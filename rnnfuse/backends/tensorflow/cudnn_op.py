@@ -29,6 +29,7 @@ Example (with a GPU and the op built):
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import tensorflow as tf
@@ -61,7 +62,6 @@ SHARED_ATTRS = (
     "dropout",
     "seed",
 )
-_MODULE: list[Any] = []
 # The op's math types, in the order of the code's low two bits.
 _MATHS = ("default", "tensor_op", "tensor_op_allow_conversion", "fma")
 
@@ -123,16 +123,12 @@ def decode_algorithm_code(code: int) -> tuple[str, str]:
 
 
 def _module():
-    if not _MODULE:
-        from rnnfuse.backends.tensorflow import op_build
+    from rnnfuse.backends.tensorflow import op_build
 
-        module = op_build.load_op()
-        if module is None:
-            raise NotImplementedError(
-                f"rnnfuse's cuDNN op is not loaded: {op_build.load_failure()}"
-            )
-        _MODULE.append(module)
-    return _MODULE[0]
+    module = op_build.load_op()
+    if module is None:
+        raise NotImplementedError(f"rnnfuse's cuDNN op is not loaded: {op_build.load_failure()}")
+    return module
 
 
 def call_op(module, **kwargs):
@@ -181,6 +177,38 @@ def run_op(
     Raises:
         ValueError: an argument the op would reject, named.
     """
+    dtype = _checked_dtype(x, h, c, params, kind, num_layers, num_directions, units,
+                           input_size, proj_size, dropout)
+    if code is None:
+        code = tf.constant(algorithm_code(algorithm, dtype), tf.int32)
+    outputs, final_h, final_c, _ = call_op(
+        module,
+        input=x,
+        input_h=h,
+        input_c=c,
+        params=params,
+        sequence_lengths=tf.cast(lengths, tf.int32),
+        algorithm=code,
+        rnn_mode=kind,
+        direction="bidirectional" if num_directions == 2 else "unidirectional",
+        num_layers=int(num_layers),
+        num_units=int(units),
+        proj_size=int(proj_size),
+        input_size=int(input_size),
+        dropout=float(dropout),
+        seed=int(seed),
+        is_training=bool(is_training),
+    )
+    return outputs, final_h, final_c
+
+
+def _checked_dtype(x, h, c, params, kind, num_layers, num_directions, units, input_size,
+                   proj_size, dropout) -> tf.DType:
+    """`run_op`'s argument checks; returns the input's dtype.
+
+    Raises:
+        ValueError: an argument the op would reject, named.
+    """
     if kind not in _KINDS:
         raise ValueError(f"run_op: kind must be one of {_KINDS}; received {kind!r}")
     if num_directions not in (1, 2):
@@ -210,27 +238,7 @@ def run_op(
         raise ValueError(
             f"run_op: params has {params.shape[0]} elements; this stack needs {expected}"
         )
-    if code is None:
-        code = tf.constant(algorithm_code(algorithm, dtype), tf.int32)
-    outputs, final_h, final_c, _ = call_op(
-        module,
-        input=x,
-        input_h=h,
-        input_c=c,
-        params=params,
-        sequence_lengths=tf.cast(lengths, tf.int32),
-        algorithm=code,
-        rnn_mode=kind,
-        direction="bidirectional" if num_directions == 2 else "unidirectional",
-        num_layers=int(num_layers),
-        num_units=int(units),
-        proj_size=int(proj_size),
-        input_size=int(input_size),
-        dropout=float(dropout),
-        seed=int(seed),
-        is_training=bool(is_training),
-    )
-    return outputs, final_h, final_c
+    return dtype
 
 
 def _gradient(op, d_output, d_h, d_c, _d_reserve):
@@ -264,15 +272,13 @@ def _gradient(op, d_output, d_h, d_c, _d_reserve):
     return dx, dh, dc, dparams, None, None
 
 
+@functools.cache  # memo: TensorFlow's gradient registry is process-wide
 def register_gradient() -> None:
     """Registers `_gradient` for RnnfuseCudnnRnn (once per process)."""
-    if getattr(register_gradient, "done", False):
-        return
     try:
         tf.RegisterGradient("RnnfuseCudnnRnn")(_gradient)
     except KeyError:  # already registered (module reloaded)
         pass
-    register_gradient.done = True
 
 
 # Gradients are registered by op type name, so this holds before the library

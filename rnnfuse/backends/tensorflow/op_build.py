@@ -48,7 +48,6 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
-import shutil
 import sys
 import threading
 import warnings
@@ -85,19 +84,13 @@ WAVEFRONT_SOURCE = "rnnfuse_wavefront_op.cc"
 WAVEFRONT_LIBRARY_NAME = "rnnfuse_wavefront_op.so"
 
 _LOCK = threading.Lock()
-_STATE: dict[str, Any] = {"module": None, "tried": False, "reason": None, "warned": False}
+# Memo caches: each op's one load attempt a process (module, reason).
+_STATE: dict[str, Any] = {"module": None, "tried": False, "reason": None}
 _WAVEFRONT: dict[str, Any] = {"module": None, "tried": False, "reason": None}
 
 
-def find_compiler() -> str:
-    """The C++ compiler to use; raises BuildError."""
-    for name in (os.environ.get("CXX"), "g++", "c++"):
-        if name and shutil.which(name):
-            return shutil.which(name)
-    raise BuildError(
-        "no C++ compiler found (looked for $CXX, g++, c++ on PATH). Fix: install "
-        "one (for example `apt-get install g++`) or set CXX"
-    )
+# The C++ compiler ($CXX, g++, c++): the same search as the CUDA builds'.
+find_compiler = cuda_build.find_cxx
 
 
 def _tf_flags() -> tuple[list[str], list[str], str, str]:
@@ -173,14 +166,19 @@ def build_op(force: bool = False, verbose: bool = False) -> Path:
         BuildError: no compiler, no headers, or the compiler failed.
     """
     compiler = find_compiler()
-    target = library_path()
+    return _build(library_path(), lambda tmp: build_command(compiler, tmp), "the op",
+                  "rnnfuse's cuDNN RNN op", force, verbose)
+
+
+def _build(target: Path, command, what: str, name: str, force: bool, verbose: bool) -> Path:
+    """`target` built (unless cached) by `command(tmp_path)`."""
 
     def make(tmp: Path) -> None:
-        cmd = build_command(compiler, tmp)
+        cmd = command(tmp)
         if verbose:
             print(" ".join(cmd), file=sys.stderr)
-        logger.info("building rnnfuse's cuDNN RNN op for TensorFlow (%s)", target)
-        cuda_build.run_compiler(cmd, "the op", _FIX)
+        logger.info("building %s for TensorFlow (%s)", name, target)
+        cuda_build.run_compiler(cmd, what, _FIX)
 
     return cuda_build.cached_build(target, make, force)
 
@@ -196,9 +194,6 @@ def load_failure() -> str | None:
 
 
 def _warn(reason: str) -> None:
-    if _STATE["warned"]:
-        return
-    _STATE["warned"] = True
     message = (
         f"rnnfuse: its own cuDNN RNN op is not available ({reason}); fused "
         "TensorFlow stacks run on tf.raw_ops.CudnnRNNV3 (standard cuDNN algorithm "
@@ -230,13 +225,20 @@ def load_op():
         return module
 
 
-def _load():
+def _check_gpu() -> None:
+    """Raises RuntimeError where no op may load: RNNFUSE_DISABLE_OP, no GPU."""
     if disabled():
         raise RuntimeError("RNNFUSE_DISABLE_OP is set. Fix: unset it to use the op")
     import tensorflow as tf
 
     if not tf.config.list_physical_devices("GPU"):
         raise RuntimeError("no GPU visible to TensorFlow")
+
+
+def _load():
+    import tensorflow as tf
+
+    _check_gpu()
     if not tf.test.is_built_with_cuda():
         raise RuntimeError("this TensorFlow is not built with CUDA")
     path = build_op()
@@ -289,15 +291,8 @@ def build_wavefront_op(force: bool = False, verbose: bool = False) -> Path:
                  *(cuda_build.SOURCE_DIR / n for n in cuda_build.HOST_SOURCES)):
         digest.update(path.read_bytes())
     target = cache_dir() / f"tf{tf.__version__}-wavefront-{digest.hexdigest()[:12]}" / WAVEFRONT_LIBRARY_NAME
-
-    def make(tmp: Path) -> None:
-        cmd = wavefront_command(compiler, cubin, tmp)
-        if verbose:
-            print(" ".join(cmd), file=sys.stderr)
-        logger.info("building rnnfuse's wavefront op for TensorFlow (%s)", target)
-        cuda_build.run_compiler(cmd, "the wavefront op", _FIX)
-
-    return cuda_build.cached_build(target, make, force)
+    return _build(target, lambda tmp: wavefront_command(compiler, cubin, tmp),
+                  "the wavefront op", "rnnfuse's wavefront op", force, verbose)
 
 
 def wavefront_load_failure() -> str | None:
@@ -318,12 +313,9 @@ def load_wavefront_op():
             return _WAVEFRONT["module"]
         module, reason = None, None
         try:
-            if disabled():
-                raise RuntimeError("RNNFUSE_DISABLE_OP is set. Fix: unset it to use the op")
+            _check_gpu()
             import tensorflow as tf
 
-            if not tf.config.list_physical_devices("GPU"):
-                raise RuntimeError("no GPU visible to TensorFlow")
             module = tf.load_op_library(str(build_wavefront_op()))
         except Exception as exc:  # any failure means: cuDNN runs
             reason = str(exc) or type(exc).__name__
@@ -334,5 +326,5 @@ def load_wavefront_op():
 
 def reset_for_tests() -> None:
     """Forget previous load attempts (tests only)."""
-    _STATE.update(module=None, tried=False, reason=None, warned=False)
+    _STATE.update(module=None, tried=False, reason=None)
     _WAVEFRONT.update(module=None, tried=False, reason=None)

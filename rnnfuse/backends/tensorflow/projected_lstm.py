@@ -29,6 +29,7 @@ Example:
 
 from __future__ import annotations
 
+import functools
 import logging
 
 import tensorflow as tf
@@ -76,38 +77,18 @@ def run(sequences, initial_state, mask, call: ProjectedLSTMCall):
     """
     cell = call.cell
     if mask is None and op_reason(cell) is None:
-        result = _op_inner_loop(
-            cell,
-            sequences,
-            initial_state,
-            training=call.training,
-            go_backwards=call.go_backwards,
-            return_sequences=call.return_sequences,
-        )
+        result = _op_inner_loop(call, sequences, initial_state)
         return _static_shapes(result, sequences, cell, call.return_sequences), "cudnn_op"
     variant = resolve_path(call.path)
     if variant.startswith("custom") and not _tanh_sigmoid(cell):
         variant = variant.replace("custom", "while")
     unroll = _unroll_factor(call.unroll, sequences.shape[1])
     path = variant + (f"/u{unroll}" if unroll > 1 else "")
-    result = _fast_inner_loop(
-        cell,
-        sequences,
-        initial_state,
-        mask,
-        training=call.training,
-        go_backwards=call.go_backwards,
-        zero_output_for_mask=call.zero_output_for_mask,
-        return_sequences=call.return_sequences,
-        variant=variant,
-        unroll=unroll,
-    )
+    result = _fast_inner_loop(call, sequences, initial_state, mask, variant, unroll)
     return _static_shapes(result, sequences, cell, call.return_sequences), path
 
 
-_xla_ok: bool | None = None
-
-
+@functools.cache  # memo: the probe's answer holds for the process
 def _xla_works() -> bool:
     """Whether XLA can compile the fast path's loops here (checked once).
 
@@ -115,50 +96,33 @@ def _xla_works() -> bool:
     installs lack; "auto" then uses the "custom" loop instead of failing
     at run time. The check compiles the loops for a 1x1 problem eagerly.
     """
-    global _xla_ok
-    if _xla_ok is None:
-        with tf.init_scope():
-            try:
-                forward, backward = _custom_functions(jit=True)
-                xw, small = tf.zeros([2, 1, 4]), tf.zeros([1, 1])
-                hs, c, gates, cs = forward(xw, tf.zeros([1, 4]), small, small, small, None, 1)
-                backward(hs, c, tf.zeros([1, 4]), small, small, small, None, hs, gates, cs, 1)
-                _xla_ok = True
-            except (tf.errors.OpError, RuntimeError, ValueError) as err:
-                # Informational: the layer recovers by itself.
-                logger.warning(
-                    "ProjectedLSTM: XLA cannot compile here, so the fast path "
-                    "runs without it ('custom'). XLA said: %s",
-                    str(err)[:300],
-                )
-                _xla_ok = False
-    return _xla_ok
+    with tf.init_scope():
+        try:
+            forward, backward = _custom_functions(jit=True)
+            xw, small = tf.zeros([2, 1, 4]), tf.zeros([1, 1])
+            hs, c, gates, cs = forward(xw, tf.zeros([1, 4]), small, small, small, None, 1)
+            backward(hs, c, tf.zeros([1, 4]), small, small, small, None, hs, gates, cs, 1)
+            return True
+        except (tf.errors.OpError, RuntimeError, ValueError) as err:
+            # Informational: the layer recovers by itself.
+            logger.warning(
+                "ProjectedLSTM: XLA cannot compile here, so the fast path "
+                "runs without it ('custom'). XLA said: %s",
+                str(err)[:300],
+            )
+            return False
 
 
-def _fast_inner_loop(
-    cell,
-    sequences,
-    initial_state,
-    mask,
-    *,
-    training,
-    go_backwards,
-    zero_output_for_mask,
-    return_sequences,
-    variant,
-    unroll,
-):
+def _fast_inner_loop(call: ProjectedLSTMCall, sequences, initial_state, mask, variant, unroll):
     """What `keras.layers.RNN.inner_loop` returns, computed on the fast path.
 
     Returns:
         (last_output [B, P], outputs [B, T, P] (or [B, 1, P] when not
         return_sequences, as the generic loop), [h [B, P], c [B, U]]).
     """
+    cell, go_backwards = call.cell, call.go_backwards
     dtype = sequences.dtype
-    x = tf.transpose(sequences, [1, 0, 2])  # time-major [T, B, F]
-    if training and 0.0 < cell.dropout < 1.0:
-        # The mask RNN.call drew for this call (one per sequence).
-        x = x * cell.get_dropout_mask(sequences[:, 0, :])
+    x = tf.transpose(call.dropped_out(sequences), [1, 0, 2])  # time-major [T, B, F]
     if go_backwards:
         x = tf.reverse(x, [0])
     kernel = tf.cast(cell.kernel, dtype)
@@ -187,13 +151,13 @@ def _fast_inner_loop(
     else:
         # Generic loop: a masked step outputs zeros (zero_output_for_mask) or
         # the previous output, which is zeros before the first unmasked step.
-        if zero_output_for_mask:
+        if call.zero_output_for_mask:
             shown = keep
         else:
             shown = tf.cumsum(tf.cast(keep, tf.int32), axis=0) > 0
         outputs = tf.where(shown, hs, tf.zeros_like(hs))
     last_output = outputs[-1]
-    if return_sequences:
+    if call.return_sequences:
         outputs = tf.transpose(outputs, [1, 0, 2])
     else:
         outputs = last_output[:, None, :]
@@ -394,7 +358,6 @@ def _backward_loop(
     """
     dtype = gates.dtype
     steps = tf.shape(gates)[0]
-    units = int(recurrent.shape[1]) // 4
     c_prev = tf.concat([c0[None], cs[:-1]], axis=0)
     tanh_c = tf.tanh(cs)
 
@@ -452,7 +415,15 @@ def _backward_loop(
         maximum_iterations=steps // unroll,
     )
     dz = dz_ta.stack()
-    dh_new = dh_new_ta.stack()
+    units = int(recurrent.shape[1]) // 4
+    d_recurrent, d_projection = _weight_gradients(
+        dz, dh_new_ta.stack(), h0, hs, gates, tanh_c, units)
+    return dz, d_recurrent, d_projection, d_h0, d_c0
+
+
+def _weight_gradients(dz, dh_new, h0, hs, gates, tanh_c, units):
+    """(dR, dP): dR = H_prev^T dZ and dP = M^T dH_new over all T*B rows,
+    with M = o * tanh(c)."""
     proj = int(hs.shape[-1])
     h_prev = tf.concat([h0[None], hs[:-1]], axis=0)
     d_recurrent = tf.matmul(
@@ -462,8 +433,7 @@ def _backward_loop(
     d_projection = tf.matmul(
         tf.reshape(gated, [-1, units]), tf.reshape(dh_new, [-1, proj]), transpose_a=True
     )
-    return dz, d_recurrent, d_projection, d_h0, d_c0
-
+    return d_recurrent, d_projection
 
 
 def _static_shapes(result, sequences, cell, return_sequences):
@@ -507,24 +477,18 @@ def op_reason(cell) -> str | None:
     return tf_backend.unsupported_reason(stack, cell.compute_dtype)
 
 
-def _op_inner_loop(cell, sequences, initial_state, *, training, go_backwards, return_sequences):
+def _op_inner_loop(call: ProjectedLSTMCall, sequences, initial_state):
     """What `keras.layers.RNN.inner_loop` returns (no mask), from one
     RnnfuseCudnnRnn call with `proj_size` (TensorFlow backend)."""
     from rnnfuse.backends import tensorflow as tf_backend
 
-    x = sequences
-    if training and 0.0 < cell.dropout < 1.0:
-        # The mask RNN.call drew for this call (one per sequence).
-        x = x * tf.expand_dims(cell.get_dropout_mask(sequences[:, 0, :]), axis=1)
-    if go_backwards:
+    cell = call.cell
+    x = call.dropped_out(sequences)
+    if call.go_backwards:
         x = tf.reverse(x, [1])  # no mask: every row is full length
     stack = StackSpec("lstm", cell.units, ((cell,),), proj_size=cell.proj_size)
     outputs, final_h, final_c, _ = tf_backend.run_stack(
         x, StackCall(stack, initial_h=[initial_state[0]], initial_c=[initial_state[1]])
     )
-    h_last, c_last = final_h[0], final_c[0]
-    last_output = outputs[:, -1]
-    if not return_sequences:
-        outputs = last_output[:, None, :]
-    return last_output, outputs, [h_last, c_last]
+    return call.inner_loop_result(outputs, final_h[0], final_c[0])
 

@@ -50,6 +50,7 @@ Example (on a Hopper GPU, inside a tf.function or eagerly):
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any
 
 import tensorflow as tf
@@ -133,6 +134,16 @@ def _static_batch_and_steps(sequences: tf.Tensor) -> tuple[int, int]:
     return int(batch), int(steps)
 
 
+def _kernel_input(sequences: tf.Tensor, call: StackCall, reason_of):
+    """(batch, x [T, B, F], lengths) of a call that `reason_of` (one of the
+    stack reasons above) accepts; NotImplementedError with its reason."""
+    batch, steps = _static_batch_and_steps(sequences)
+    reason = reason_of(call.stack, sequences.dtype, batch, steps, call.dropout)
+    if reason is not None:
+        raise NotImplementedError(reason)
+    return (batch, *_time_major(sequences, call.mask, call.reverse))
+
+
 def _time_major(sequences: tf.Tensor, mask: Any, reverse: bool):
     """(x [T, B, F], lengths int32 [B] or None): the kernel's input, the
     first level reading each sequence reversed within its length."""
@@ -156,13 +167,8 @@ def run_stack(sequences: tf.Tensor, call: StackCall) -> StackRun:
     from rnnfuse.backends import tensorflow as tf_backend
     from rnnfuse.backends.tensorflow import op_build, wavefront_training
 
-    stack = call.stack
-    dtype = sequences.dtype
-    batch, steps = _static_batch_and_steps(sequences)
-    reason = stack_unsupported_reason(stack, dtype, batch, steps, call.dropout)
-    if reason is not None:
-        raise NotImplementedError(reason)
-    x, lengths = _time_major(sequences, call.mask, call.reverse)
+    stack, dtype = call.stack, sequences.dtype
+    batch, x, lengths = _kernel_input(sequences, call, stack_unsupported_reason)
     params = tf_backend.pack_params(stack, dtype)
     xproj = wavefront_training.input_projection(x, params, GATES[stack.kind] * stack.units)
     lstm = stack.kind == "lstm"
@@ -204,11 +210,7 @@ def run_trainable(sequences: tf.Tensor, call: StackCall) -> StackRun:
     stack = call.stack
     sequences = tf.convert_to_tensor(sequences)
     dtype = sequences.dtype
-    batch, steps = _static_batch_and_steps(sequences)
-    reason = stack_training_reason(stack, dtype, batch, steps, call.dropout)
-    if reason is not None:
-        raise NotImplementedError(reason)
-    x, lengths = _time_major(sequences, call.mask, call.reverse)
+    batch, x, lengths = _kernel_input(sequences, call, stack_training_reason)
     h0 = tf_backend._states(call.initial_h, stack, batch, dtype)
     choice = wavefront_training.backward_choice(x, h0, kind=stack.kind)
     c0 = tf_backend._states(call.initial_c, stack, batch, dtype) if stack.kind == "lstm" else None
@@ -289,10 +291,9 @@ def _no_training_gradient(op, *grads):
     )
 
 
+@functools.cache  # memo: TensorFlow's gradient registry is process-wide
 def register_gradient() -> None:
     """Registers the error-raising gradients of the wavefront ops (once)."""
-    if getattr(register_gradient, "done", False):
-        return
     for name, fn in ((KERNEL_NAME, _no_gradient), ("RnnfuseWavefrontSaving", _no_training_gradient),
                      ("RnnfuseWavefrontBackward", _no_training_gradient),
                      ("RnnfuseWavefrontBackwardStack", _no_training_gradient)):
@@ -300,7 +301,6 @@ def register_gradient() -> None:
             tf.RegisterGradient(name)(fn)
         except KeyError:  # already registered (module reloaded)
             pass
-    register_gradient.done = True
 
 
 register_gradient()

@@ -184,19 +184,11 @@ def backward_layer(w_hh, gates, cseq, c0, dy, dhy, dcy, lengths, *, kind: str = 
 
 def backward_stack_kernel(params, input_size, gates, cseq, c0, dy, dhy, dcy, lengths, *,
                           check: bool = False, variant: int | None = None):
-    """Every layer's backward recurrence of an LSTM stack on the reverse-
-    wavefront kernel, in ONE launch (`RnnfuseWavefrontBackwardStack`).
-
-    params: the canonical flat buffer (element type; layer 0's W_ih, of
-    `input_size` inputs, is not read); gates [L, T, B, 4H], cseq
-    [L, T, B, H] float32 (`forward_saving`'s); c0, dhy, dcy [L, B, H] and
-    dy [T, B, H] (the gradient of the TOP layer's output sequence) in the
-    element type; lengths int32 [B] or None. Returns (dgates [L, T, B, 4H]
-    in the element type, 0 at t >= length; dh0, dc0 [L, B, H] float32).
-    The layers below the top get their dy = dgates^{l+1} W_ih^{l+1} inside
-    the kernel. `check`: the op waits for the kernel and fails if one of
-    its waits timed out (a bug). `variant`: the kernel's variant (None: the
-    library's `STACK_BACKWARD_VARIANT`; wavefront.cuh, "Variants").
+    """Every layer's backward recurrence of an LSTM stack in ONE launch of
+    `RnnfuseWavefrontBackwardStack`: arguments and results as torch's
+    `rnnfuse.backends.torch.wavefront.backward_stack_kernel` (gates and
+    cseq from `forward_saving`). `check`: the op waits for the kernel and
+    fails if one of its waits timed out (a bug).
     `stack_recurrence_reference` is the same in TensorFlow.
 
     Raises:
@@ -555,12 +547,8 @@ def recurrence_reference(w_hh, gates, cseq, c0, dy, dhy, dcy, lengths, *, dtype=
     `_gru_recurrence_reference`."""
     if kind == "gru":
         return _gru_recurrence_reference(w_hh, gates, cseq, dy, dhy, lengths, dtype=dtype)
-    steps, batch, units = (int(d) for d in dy.shape)
-    dtype = dy.dtype if dtype is None else tf.as_dtype(dtype)
-    acc = _accumulation(dtype)
+    steps, dtype, acc, lens, alive, zeros = _reference_start(dy, lengths, dtype)
     w = tf.cast(w_hh, acc)
-    lens, alive = _alive(steps, batch, lengths)
-    zeros = tf.zeros([batch, units], acc)
     carry, rec = zeros, zeros
     dgates = [None] * steps
     for t in reversed(range(steps)):
@@ -581,18 +569,24 @@ def recurrence_reference(w_hh, gates, cseq, c0, dy, dhy, dcy, lengths, *, dtype=
     return tf.stack(dgates), rec, carry
 
 
+def _reference_start(dy, lengths, dtype):
+    """A reference backward's start over dy [T, B, H]: (T, element dtype,
+    accumulation dtype, lengths, alive [T, B], zeros [B, H] accumulated)."""
+    steps, batch, units = (int(d) for d in dy.shape)
+    dtype = dy.dtype if dtype is None else tf.as_dtype(dtype)
+    acc = _accumulation(dtype)
+    lens, alive = _alive(steps, batch, lengths)
+    return steps, dtype, acc, lens, alive, tf.zeros([batch, units], acc)
+
+
 def _gru_recurrence_reference(w_hh, gates, hprev, dy, dhy, lengths, *, dtype=None):
     """`recurrence_reference` of a GRU layer (wavefront.cuh, "The GRU
     backward"; the torch binding's `_gru_recurrence_reference`): returns
     (dgates [T, B, 4H] = (dr, dz, dn_x, dn_h) in the element type, dh0 in
     the accumulation dtype, None)."""
-    steps, batch, units = (int(d) for d in dy.shape)
-    dtype = dy.dtype if dtype is None else tf.as_dtype(dtype)
-    acc = _accumulation(dtype)
+    steps, dtype, acc, lens, alive, zeros = _reference_start(dy, lengths, dtype)
     w_r, w_z, w_n = tf.split(tf.cast(w_hh, acc), 3, axis=0)
     w = tf.concat([w_r, w_z, tf.zeros_like(w_n), w_n], 0)  # rows of (dr, dz, dn_x, dn_h)
-    lens, alive = _alive(steps, batch, lengths)
-    zeros = tf.zeros([batch, units], acc)
     carry, rec = zeros, zeros
     dgates = [None] * steps
     for t in reversed(range(steps)):

@@ -122,6 +122,7 @@ from rnnfuse.backends.base import GATES, StackCall, StackRun, StackSpec, run_or_
 from rnnfuse.backends.cuda.cudnn_core import E_NOT_SUPPORTED, CoreError
 from rnnfuse.backends.torch import cudnn_core
 from rnnfuse.reasons import FusionWarning, KernelRun
+from rnnfuse.scoped import scoped
 
 __all__ = [
     "CALL_MODES",
@@ -174,14 +175,10 @@ def _mode_from_environment() -> str:
     return "auto"
 
 
-# The process-wide default (set_call_mode, RNNFUSE_TORCH_CALLS) and the
-# mode of the current thread / context (call_mode()). A context variable
-# starts unset in every new thread, so one thread's `with call_mode(...)`
-# is never seen by another, and leaving the block resets exactly what it
-# set, whatever the order in which threads leave theirs.
-_default_mode = _mode_from_environment()
-_context_mode: contextvars.ContextVar[str | None] = contextvars.ContextVar(
-    "rnnfuse_torch_call_mode", default=None
+# The call mode of this thread or task: set_call_mode sets it, call_mode()
+# scopes it; a new thread starts from RNNFUSE_TORCH_CALLS (read at import).
+_MODE: contextvars.ContextVar[str] = contextvars.ContextVar(
+    "rnnfuse_torch_call_mode", default=_mode_from_environment()
 )
 
 
@@ -195,21 +192,20 @@ def _check_mode(mode: Any, where: str) -> str:
 
 
 def set_call_mode(mode: str) -> None:
-    """The process-wide default of how `run_stack` splits a stack into
-    `torch._VF` calls (`CALL_MODES`); `call_mode()` blocks override it.
+    """How `run_stack` splits a stack into `torch._VF` calls (`CALL_MODES`),
+    from now on in this thread (or asyncio task); `call_mode()` does it for
+    a block.
 
     Raises:
         ValueError: `mode` is not one of `CALL_MODES`.
     """
-    global _default_mode
-    _default_mode = _check_mode(mode, "set_call_mode(mode)")
+    _MODE.set(_check_mode(mode, "set_call_mode(mode)"))
 
 
 def get_call_mode() -> str:
-    """The call mode in force here: the innermost `call_mode()` block of this
-    thread, else the process default (see `set_call_mode`)."""
-    mode = _context_mode.get()
-    return _default_mode if mode is None else mode
+    """The call mode in force here: the innermost `call_mode()` block or
+    `set_call_mode` of this thread, else RNNFUSE_TORCH_CALLS's (or "auto")."""
+    return _MODE.get()
 
 
 @contextlib.contextmanager
@@ -217,7 +213,7 @@ def call_mode(mode: str):
     """Context manager: calls made in this block, in this thread only, use `mode`.
 
     Other threads keep their own mode, and nothing is left changed after
-    the block (the mode is a context variable, not process state).
+    the block.
 
     Example:
 
@@ -227,13 +223,8 @@ def call_mode(mode: str):
         >>> get_call_mode()
         'auto'
     """
-    token = _context_mode.set(_check_mode(mode, "call_mode(mode)"))
-    try:
+    with scoped(_MODE, _check_mode(mode, "call_mode(mode)")):
         yield
-    finally:
-        _context_mode.reset(token)
-
-
 
 
 def concrete_bool(value: Any) -> bool | None:
@@ -601,26 +592,39 @@ def _run_calls(
 # same calls (two identity autograd nodes around them). Nothing stays
 # changed after the last fused call and its backward.
 
-_TF32_LOCK = threading.Lock()
-_tf32_holds = 0
-_tf32_user_value: bool | None = None
+class _FlagHolds:
+    """Counted holds of cuDNN's TF32 flag at False. Process-wide because the
+    flag is, and a hold taken in a forward may end in an autograd thread: the
+    first hold saves the user's value, the last release puts it back."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self.holds = 0
+        self._user_value: bool | None = None
+
+    def hold(self) -> None:
+        with self._lock:
+            if self.holds == 0:
+                self._user_value = torch.backends.cudnn.allow_tf32
+                torch.backends.cudnn.allow_tf32 = False
+            self.holds += 1
+
+    def release(self) -> None:
+        with self._lock:
+            self.holds -= 1
+            if self.holds == 0:
+                torch.backends.cudnn.allow_tf32 = self._user_value
+
+
+_EXACT_FLOAT32 = _FlagHolds()
 
 
 def _hold_exact_float32() -> None:
-    global _tf32_holds, _tf32_user_value
-    with _TF32_LOCK:
-        if _tf32_holds == 0:
-            _tf32_user_value = torch.backends.cudnn.allow_tf32
-            torch.backends.cudnn.allow_tf32 = False
-        _tf32_holds += 1
+    _EXACT_FLOAT32.hold()
 
 
 def _release_exact_float32() -> None:
-    global _tf32_holds
-    with _TF32_LOCK:
-        _tf32_holds -= 1
-        if _tf32_holds == 0:
-            torch.backends.cudnn.allow_tf32 = _tf32_user_value
+    _EXACT_FLOAT32.release()
 
 
 def needs_exact_float32(stack: StackSpec, x: torch.Tensor, mask: Any) -> bool:
@@ -745,56 +749,67 @@ def run_stack(sequences: Any, call: StackCall) -> StackRun:
             f"the torch backend runs the kernels {list(KERNELS)}, not {call.kernel!r}"
         )
     if call.kernel == "wavefront":
-        from rnnfuse.backends.cuda.library import WavefrontError
-        from rnnfuse.backends.torch import wavefront, wavefront_bidirectional
-
-        # No wavefront across bidirectional layers: a layer's directions run
-        # side by side instead (one after the other for training).
-        run = (wavefront_bidirectional.run_stack if call.stack.num_directions == 2
-               else wavefront.run_autograd)
-        return run_or_fall_back(
-            lambda: run(sequences, call),
-            lambda: run_stack(sequences, dataclasses.replace(
-                call, seed=(0, 0), algorithm=None, kernel="cudnn", training=False)),
-            "the wavefront kernel",
-            # A launch the driver refuses at run time (the CTAs cannot all
-            # be resident) is refused here too: torch runs eagerly.
-            errors=(NotImplementedError, WavefrontError),
-        )
-    stack, initial_h, initial_c, mask = call.stack, call.initial_h, call.initial_c, call.mask
-    reverse, dropout = call.reverse, call.dropout
-    seed, algorithm, kernel = call.seed, call.algorithm, call.kernel
+        return _run_wavefront(sequences, call)
+    stack, dropout = call.stack, float(call.dropout)
     x = keras.ops.convert_to_tensor(sequences)
     batch, steps = int(x.shape[0]), int(x.shape[1])
-    lstm = stack.kind == "lstm"
-    h0 = _states(initial_h, stack, stack.output_size, batch, x)
-    hx: Any = (h0, _states(initial_c, stack, stack.units, batch, x)) if lstm else h0
+    hx: Any = _states(call.initial_h, stack, stack.output_size, batch, x)
+    if stack.kind == "lstm":
+        hx = (hx, _states(call.initial_c, stack, stack.units, batch, x))
     params = pack_params(stack, x.dtype, x.device)
-    dropout = float(dropout)
-    # cuDNN's backward needs train=True; dropout > 0 only comes when training.
-    train = torch.is_grad_enabled() or dropout > 0
-
-    lengths = None
-    if mask is not None:
-        lengths_cpu = keras.ops.convert_to_tensor(mask).to(torch.int64).sum(dim=1).cpu()
-        if bool((lengths_cpu < steps).any()):
-            lengths = lengths_cpu
-    if reverse:
+    lengths = _short_lengths(call.mask, steps)
+    if call.reverse:
         x = torch.flip(x, [1]) if lengths is None else _reverse_within_lengths(x, lengths)
     per_call = levels_per_call(stack, x, packed=lengths is not None)
-    exact = needs_exact_float32(stack, x, mask)
+    exact = needs_exact_float32(stack, x, call.mask)
     core_note = None
-    if kernel == "cudnn" and core_applies(x):
+    if call.kernel == "cudnn" and core_applies(x):
         core_note = cudnn_core.core_reason(x)
         if core_note is None:
             try:
-                return _run_on_core(stack, x, lengths, hx, params, dropout, seed, algorithm,
-                                    per_call, exact)
+                return _run_on_core(stack, x, lengths, hx, params, dropout, call.seed,
+                                    call.algorithm, per_call, exact)
             except CoreError as err:
                 core_note = f"the cuDNN core refused this call ({err})"
         core_note += "; torch._VF runs it (PyTorch chooses cuDNN's algorithm)"
-    run_calls = _run_calls_exact if exact else _run_calls
+    return _run_on_vf(stack, x, lengths, hx, params, dropout, per_call, exact, core_note)
 
+
+def _run_wavefront(sequences: Any, call: StackCall) -> StackRun:
+    """The "wavefront" kernel, or "cudnn" where it cannot run the call."""
+    from rnnfuse.backends.cuda.library import WavefrontError
+    from rnnfuse.backends.torch import wavefront, wavefront_bidirectional
+
+    # No wavefront across bidirectional layers: a layer's directions run
+    # side by side instead (one after the other for training).
+    run = (wavefront_bidirectional.run_stack if call.stack.num_directions == 2
+           else wavefront.run_autograd)
+    return run_or_fall_back(
+        lambda: run(sequences, call),
+        lambda: run_stack(sequences, dataclasses.replace(
+            call, seed=(0, 0), algorithm=None, kernel="cudnn", training=False)),
+        "the wavefront kernel",
+        # A launch the driver refuses at run time (the CTAs cannot all
+        # be resident) is refused here too: torch runs eagerly.
+        errors=(NotImplementedError, WavefrontError),
+    )
+
+
+def _short_lengths(mask: Any, steps: int) -> torch.Tensor | None:
+    """The mask's sequence lengths on the host, or None where every
+    sequence is `steps` long (no packing needed)."""
+    if mask is None:
+        return None
+    lengths = keras.ops.convert_to_tensor(mask).to(torch.int64).sum(dim=1).cpu()
+    return lengths if bool((lengths < steps).any()) else None
+
+
+def _run_on_vf(stack, x, lengths, hx, params, dropout, per_call, exact, core_note) -> StackRun:
+    """`run_stack`'s calls on `torch._VF`, packed where `lengths` is given."""
+    lstm = stack.kind == "lstm"
+    # cuDNN's backward needs train=True; dropout > 0 only comes when training.
+    train = torch.is_grad_enabled() or dropout > 0
+    run_calls = _run_calls_exact if exact else _run_calls
     if lengths is None:
         outputs, final = run_calls(stack, x, None, hx, params, dropout, train, per_call)
     else:
@@ -809,14 +824,13 @@ def run_stack(sequences: Any, call: StackCall) -> StackRun:
             stack, packed.data, packed.batch_sizes, hx_sorted, params, dropout, train, per_call
         )
         out = rnn_utils.PackedSequence(data, packed.batch_sizes, order, restore)
-        outputs, _ = rnn_utils.pad_packed_sequence(out, batch_first=True, total_length=steps)
+        outputs, _ = rnn_utils.pad_packed_sequence(
+            out, batch_first=True, total_length=int(x.shape[1]))
         final = tuple(s.index_select(1, restore) for s in final)
-    final_h = final[0]
-    final_c = final[1] if lstm else None
     calls = -(-stack.num_levels // per_call)
     note = None if calls == 1 else f"{calls} calls of {per_call} level(s) each"
     ran = KernelRun(f"torch._VF.{stack.kind}", "", note).with_note(core_note)
-    return StackRun(outputs, final_h, final_c, ran)
+    return StackRun(outputs, final[0], final[1] if lstm else None, ran)
 
 
 def core_applies(x: torch.Tensor) -> bool:

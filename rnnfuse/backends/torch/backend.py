@@ -42,28 +42,16 @@ class TorchBackend(KernelModuleBackend):
 
     @property
     def capabilities(self) -> Capabilities:
-        return Capabilities(
-            fused_kernel=True,
-            absorbs_dropout=True,
-            xla_compiles_fused_call=False,
+        return self.fused_capabilities(
+            # Also one call per level: where PyTorch runs cuDNN's persistent
+            # kernel for single-layer calls only (levels_per_call).
             tunes_one_call_per_layer=True,
-            # cuDNN's algorithms, where rnnfuse's cuDNN core runs the fused
-            # calls (as TensorFlow's op does); else PyTorch's own choice.
-            tuned_algorithms=kernels.tuned_algorithms(),
-            # The TensorFlow table was measured with TensorFlow's kernels: torch has
-            # its own (fuse, keep Keras' layers in half precision) and picks
-            # its own calls (levels_per_call).
+            # Torch's own table: it fuses and keeps Keras' layers in half
+            # precision differently from TensorFlow.
             plan_table="torch",
             projected_lstm_loop="torch",
             first_call_compiles=False,
-            # rnnfuse's wavefront kernel, on CUDA: inference, and training on
-            # its own backward kernel (LSTM stacks).
-            inference_kernels=("wavefront",),
-            training_kernels=("wavefront",),
         )
-
-    def group_reason(self, group):
-        return None
 
     def fused_call_kernel(self, plan):
         """What a fused "cudnn" call runs on here, for `inspect` (None on
@@ -75,9 +63,6 @@ class TorchBackend(KernelModuleBackend):
 
         reason = cudnn_core.core_reason(torch.empty(0))  # float32: the dtype passes
         return "rnnfuse's cuDNN core" if reason is None else f"torch._VF ({reason})"
-
-    def kernel_reason(self, kernel, group, shape, training=False):
-        return kernels.kernel_reason(kernel, group, shape, training=training)
 
     def in_xla_context(self):
         return False

@@ -53,29 +53,10 @@ def run(sequences, initial_state, mask, call: ProjectedLSTMCall):
         mask = ops.convert_to_tensor(mask)
         if mask.device.type != "meta" and not bool(torch_backend.mask_is_supported(mask)):
             raise NotImplementedError(MASK_REASON)
-    return _inner_loop(
-        call.cell,
-        sequences,
-        initial_state,
-        mask,
-        training=call.training,
-        go_backwards=call.go_backwards,
-        zero_output_for_mask=call.zero_output_for_mask,
-        return_sequences=call.return_sequences,
-    ), "torch_fused"
+    return _inner_loop(call, sequences, initial_state, mask), "torch_fused"
 
 
-def _inner_loop(
-    cell,
-    sequences,
-    initial_state,
-    mask,
-    *,
-    training,
-    go_backwards,
-    zero_output_for_mask,
-    return_sequences,
-):
+def _inner_loop(call: ProjectedLSTMCall, sequences, initial_state, mask):
     """What `keras.layers.RNN.inner_loop` returns, from one `torch._VF.lstm`
     call with `proj_size` (`rnnfuse.backends.torch.run_stack`).
 
@@ -94,22 +75,19 @@ def _inner_loop(
     """
     from rnnfuse.backends import torch as torch_backend
 
-    x = sequences
-    if training and 0.0 < cell.dropout < 1.0:
-        # The mask RNN.call drew for this call (one per sequence).
-        x = x * ops.expand_dims(cell.get_dropout_mask(sequences[:, 0, :]), axis=1)
+    cell = call.cell
     stack = StackSpec("lstm", cell.units, ((cell,),), proj_size=cell.proj_size)
-    outputs, final_h, final_c, _ = torch_backend.run_stack(x, StackCall(
+    outputs, final_h, final_c, _ = torch_backend.run_stack(call.dropped_out(sequences), StackCall(
         stack,
         initial_h=[initial_state[0]],
         initial_c=[initial_state[1]],
         mask=mask,
-        reverse=go_backwards,
+        reverse=call.go_backwards,
     ))
     h_last, c_last = final_h[0], final_c[0]
     if mask is not None:
         keep = ops.convert_to_tensor(mask).to(device=outputs.device, dtype=torch.bool)
-        if go_backwards:
+        if call.go_backwards:
             # Valid step j (processed j-th) moves to position T - length + j.
             steps = outputs.shape[1]
             lengths = keep.sum(dim=1, keepdim=True)  # [B, 1]
@@ -120,10 +98,7 @@ def _inner_loop(
             outputs = torch.where(
                 (source >= 0)[:, :, None], gathered, torch.zeros_like(gathered)
             )
-        elif not zero_output_for_mask:
+        elif not call.zero_output_for_mask:
             # Past its length a row repeats its last output: the final h.
             outputs = torch.where(keep[:, :, None], outputs, h_last[:, None, :])
-    last_output = outputs[:, -1]
-    if not return_sequences:
-        outputs = last_output[:, None, :]
-    return last_output, outputs, [h_last, c_last]
+    return call.inner_loop_result(outputs, h_last, c_last)

@@ -306,16 +306,10 @@ def recurrence_reference(w_hh, gates, cseq, c0, dy, dhy, dcy, lengths, *, dtype=
     it (`stack_recurrence_reference` passes a float32 dy)."""
     if kind == "gru":
         return _gru_recurrence_reference(w_hh, gates, cseq, dy, dhy, lengths, dtype=dtype)
-    steps, batch, units = dy.shape
-    dtype = dy.dtype if dtype is None else dtype
-    acc = _accumulation(dtype)
+    dtype, acc, lengths, dgates, carry = _reference_start(dy, lengths, dtype)
     w = w_hh.to(acc)
-    full = torch.full((batch,), steps, device=dy.device)
-    lengths = full if lengths is None else lengths.to(dy.device)
-    dgates = dy.new_zeros((steps, batch, 4 * units), dtype=dtype)
-    carry = torch.zeros((batch, units), dtype=acc, device=dy.device)
     rec = torch.zeros_like(carry)
-    for t in reversed(range(steps)):
+    for t in reversed(range(dy.shape[0])):
         alive = (t < lengths)[:, None]
         last = (t == lengths - 1)[:, None]
         dh = rec + dy[t].to(acc) + torch.where(last, dhy.to(acc), torch.zeros_like(rec))
@@ -333,23 +327,31 @@ def recurrence_reference(w_hh, gates, cseq, c0, dy, dhy, dcy, lengths, *, dtype=
     return dgates, rec, carry
 
 
+def _reference_start(dy, lengths, dtype):
+    """A reference backward's start over dy [T, B, H]: (element dtype,
+    accumulation dtype, lengths [B] (T where None), dgates [T, B, 4H] and
+    the carried gradient [B, H], both zeros)."""
+    steps, batch, units = dy.shape
+    dtype = dy.dtype if dtype is None else dtype
+    acc = _accumulation(dtype)
+    full = torch.full((batch,), steps, device=dy.device)
+    lengths = full if lengths is None else lengths.to(dy.device)
+    dgates = dy.new_zeros((steps, batch, 4 * units), dtype=dtype)
+    carry = torch.zeros((batch, units), dtype=acc, device=dy.device)
+    return dtype, acc, lengths, dgates, carry
+
+
 def _gru_recurrence_reference(w_hh, gates, hprev, dy, dhy, lengths, *, dtype=None):
     """`recurrence_reference` of a GRU layer (wavefront.cuh, "The GRU
     backward"): gates [T, B, 4H] = r, z, n, W_hn h_{t-1} + b_hn and hprev
     [T, B, H] = h_{t-1}, as `forward_training` saves them. Returns (dgates
     [T, B, 4H] = (dr, dz, dn_x, dn_h) in the element type, dh0 in the
     accumulation dtype, None)."""
-    steps, batch, units = dy.shape
-    dtype = dy.dtype if dtype is None else dtype
-    acc = _accumulation(dtype)
+    dtype, acc, lengths, dgates, carry = _reference_start(dy, lengths, dtype)
     w_r, w_z, w_n = w_hh.to(acc).chunk(3, dim=0)
     w = torch.cat([w_r, w_z, torch.zeros_like(w_n), w_n])  # rows of (dr, dz, dn_x, dn_h)
-    full = torch.full((batch,), steps, device=dy.device)
-    lengths = full if lengths is None else lengths.to(dy.device)
-    dgates = dy.new_zeros((steps, batch, 4 * units), dtype=dtype)
-    carry = torch.zeros((batch, units), dtype=acc, device=dy.device)
     rec = torch.zeros_like(carry)
-    for t in reversed(range(steps)):
+    for t in reversed(range(dy.shape[0])):
         alive = (t < lengths)[:, None]
         last = (t == lengths - 1)[:, None]
         dh = rec + dy[t].to(acc) + carry + torch.where(last, dhy.to(acc), torch.zeros_like(rec))

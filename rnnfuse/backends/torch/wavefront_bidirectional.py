@@ -114,6 +114,15 @@ def _(xproj, params, h0, c0, lengths, kind, input_size):
             torch.empty_like(h0), cy)
 
 
+def _checked_weights(weights: Sequence[torch.Tensor], where: str) -> list[torch.Tensor]:
+    """`weights` as a list of 8 tensors a layer; ValueError naming `where`."""
+    weights = list(weights)
+    if not weights or len(weights) % 8:
+        raise ValueError(f"wavefront_bidirectional.{where}: expected [w_ih, w_hh, b_ih, b_hh] "
+                         f"for each direction of each layer; received {len(weights)} tensors")
+    return weights
+
+
 def forward(x: torch.Tensor, weights: Sequence[torch.Tensor], h0: torch.Tensor,
             c0: torch.Tensor | None, lengths: torch.Tensor | None, *, kind: str):
     """A bidirectional stack, one launch a layer (see the module doc).
@@ -127,10 +136,7 @@ def forward(x: torch.Tensor, weights: Sequence[torch.Tensor], h0: torch.Tensor,
         ValueError: weights that are not 8 tensors a layer.
         library.WavefrontError: a launch the library refuses.
     """
-    weights = list(weights)
-    if not weights or len(weights) % 8:
-        raise ValueError("wavefront_bidirectional.forward: expected [w_ih, w_hh, b_ih, b_hh] "
-                         f"for each direction of each layer; received {len(weights)} tensors")
+    weights = _checked_weights(weights, "forward")
     layers = len(weights) // 8
     gh = int(weights[0].shape[0])
     lens = (lengths.to(device=x.device, dtype=torch.int32).contiguous() if lengths is not None
@@ -170,11 +176,7 @@ def trainable_forward(x: torch.Tensor, weights: Sequence[torch.Tensor], h0: torc
     """
     from rnnfuse.backends.torch import wavefront
 
-    weights = list(weights)
-    if not weights or len(weights) % 8:
-        raise ValueError("wavefront_bidirectional.trainable_forward: expected [w_ih, w_hh, b_ih, "
-                         f"b_hh] for each direction of each layer; received {len(weights)} "
-                         "tensors")
+    weights = _checked_weights(weights, "trainable_forward")
     inp, hys, cys = x, [], []
     for l in range(len(weights) // 8):
         outs = []
