@@ -1,4 +1,5 @@
-"""One way to switch a setting for a block of code: a ContextVar, set and reset.
+"""One way to switch a setting for a block of code: a ContextVar, set and reset
+(`scoped`), and one check of a switch's value (`checked_choice`).
 
 Every run-time switch in rnnfuse (the tuner's clock, ProjectedLSTM's fast path,
 ...) is a `contextvars.ContextVar` changed only through `scoped`, so a
@@ -20,9 +21,9 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
-from typing import Iterator, TypeVar
+from typing import Any, Iterator, Sequence, TypeVar
 
-__all__ = ["scoped"]
+__all__ = ["checked_choice", "scoped"]
 
 T = TypeVar("T")
 
@@ -35,3 +36,18 @@ def scoped(var: contextvars.ContextVar[T], value: T) -> Iterator[T]:
         yield value
     finally:
         var.reset(token)
+
+
+def checked_choice(value: Any, allowed: Sequence[str], where: str, noun: str) -> str:
+    """`value` where it is one of `allowed`; else a ValueError naming `where`,
+    the value received and the choices.
+
+    >>> checked_choice("one", ("auto", "one"), "call_mode(mode)", "mode")
+    'one'
+    """
+    if value not in allowed:
+        raise ValueError(
+            f"{where}: unknown {noun} {value!r}; expected one of "
+            f"{', '.join(repr(a) for a in allowed)}."
+        )
+    return value

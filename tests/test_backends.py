@@ -68,7 +68,9 @@ def _implementations():
 def test_every_implementation_takes_its_contracts_arguments(contract, cls):
     """Each method a class defines takes the parameters its contract names,
     so a caller passing them by keyword reaches every backend."""
-    for name in sorted(contract.__abstractmethods__ | {"timed_steps", "gradients_of"}):
+    defaults = {"timed_steps", "gradients_of", "kernel_reason", "in_xla_context",
+                "keras_runs_cudnn", "strategy_scope"}
+    for name in sorted(contract.__abstractmethods__ | defaults):
         if not hasattr(contract, name) or isinstance(getattr(contract, name), property):
             continue
         want = list(inspect.signature(getattr(contract, name)).parameters)

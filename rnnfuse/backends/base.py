@@ -376,15 +376,16 @@ class Backend(abc.ABC):
         """The Python value of a boolean scalar tensor where it is known now
         (an eager call), or None while a graph is traced."""
 
-    @abc.abstractmethod
     def in_xla_context(self) -> bool:
         """Whether the current trace is compiled by XLA where the fused call
-        cannot be (False where `xla_compiles_fused_call`)."""
+        cannot be (False where `xla_compiles_fused_call`). Default: False."""
+        return False
 
-    @abc.abstractmethod
     def keras_runs_cudnn(self) -> bool:
         """Whether Keras' own LSTM/GRU run cuDNN here (padded steps of a
-        returned sequence are then zeros, not zero_output_for_mask's)."""
+        returned sequence are then zeros, not zero_output_for_mask's).
+        Default: False."""
+        return False
 
     def assert_mask_supported(self, supported: Any) -> None:
         """In a traced call, fail at run time where `supported`
@@ -414,9 +415,10 @@ class Backend(abc.ABC):
 
     # -- runtime environment ------------------------------------------------------
 
-    @abc.abstractmethod
     def strategy_scope(self, strategy: Any) -> Any:
-        """A context manager entering `strategy`'s scope when one is needed."""
+        """A context manager entering `strategy`'s scope when one is needed.
+        Default: none is."""
+        return contextlib.nullcontext()
 
     @abc.abstractmethod
     def activation_functions(self) -> dict:
@@ -607,15 +609,6 @@ class NoFusedKernel(NoProjectedLSTMPath, Backend):
 
     def concrete_bool(self, value):
         return None
-
-    def in_xla_context(self):
-        return False
-
-    def keras_runs_cudnn(self):
-        return False
-
-    def strategy_scope(self, strategy):
-        return contextlib.nullcontext()
 
     def activation_functions(self):
         return {}

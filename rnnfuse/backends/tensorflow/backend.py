@@ -23,14 +23,8 @@ import numpy as np
 import tensorflow as tf
 
 from rnnfuse.backends import tensorflow as kernels
-from rnnfuse.backends.base import (
-    Capabilities,
-    KernelModuleBackend,
-    Timing,
-    Tooling,
-    cpu_description,
-    loss_weights,
-)
+from rnnfuse.backends.base import (Capabilities, KernelModuleBackend, Timing, Tooling,
+                                   cpu_description, loss_weights)
 
 __all__ = ["TensorFlowBackend", "TensorFlowTiming", "TensorFlowTooling"]
 

@@ -122,7 +122,7 @@ from rnnfuse.backends.base import GATES, StackCall, StackRun, StackSpec, run_or_
 from rnnfuse.backends.cuda.cudnn_core import E_NOT_SUPPORTED, CoreError
 from rnnfuse.backends.torch import cudnn_core
 from rnnfuse.reasons import FusionWarning, KernelRun
-from rnnfuse.scoped import scoped
+from rnnfuse.scoped import checked_choice, scoped
 
 __all__ = [
     "CALL_MODES",
@@ -183,12 +183,7 @@ _MODE: contextvars.ContextVar[str] = contextvars.ContextVar(
 
 
 def _check_mode(mode: Any, where: str) -> str:
-    if mode not in CALL_MODES:
-        raise ValueError(
-            f"{where}: unknown mode {mode!r}; expected one of "
-            f"{', '.join(repr(m) for m in CALL_MODES)}."
-        )
-    return mode
+    return checked_choice(mode, CALL_MODES, where, "mode")
 
 
 def set_call_mode(mode: str) -> None:

@@ -13,7 +13,6 @@ Example:
 
 from __future__ import annotations
 
-import contextlib
 import os
 from typing import Any, Sequence
 
@@ -22,14 +21,8 @@ import numpy as np
 import torch
 
 from rnnfuse.backends import torch as kernels
-from rnnfuse.backends.base import (
-    Capabilities,
-    KernelModuleBackend,
-    Timing,
-    Tooling,
-    cpu_description,
-    loss_weights,
-)
+from rnnfuse.backends.base import (Capabilities, KernelModuleBackend, Timing, Tooling,
+                                   cpu_description, loss_weights)
 
 __all__ = ["TorchBackend", "TorchTiming", "TorchTooling"]
 
@@ -64,9 +57,6 @@ class TorchBackend(KernelModuleBackend):
         reason = cudnn_core.core_reason(torch.empty(0))  # float32: the dtype passes
         return "rnnfuse's cuDNN core" if reason is None else f"torch._VF ({reason})"
 
-    def in_xla_context(self):
-        return False
-
     def keras_runs_cudnn(self):
         # Keras 3.15's torch LSTM/GRU take cuDNN only without a mask.
         return False
@@ -84,9 +74,6 @@ class TorchBackend(KernelModuleBackend):
     def resolve_projected_lstm_path(self, path):
         # One torch._VF.lstm call whatever the variant.
         return path
-
-    def strategy_scope(self, strategy):
-        return contextlib.nullcontext()
 
     def activation_functions(self):
         from rnnfuse.backends.torch.projected_lstm import ACTIVATIONS

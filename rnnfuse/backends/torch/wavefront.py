@@ -411,9 +411,7 @@ def reference_forward_saving(x: torch.Tensor, params: torch.Tensor, h0: torch.Te
             h = out[t]
         seqs.append(out)
         inp = out
-    hseq = (torch.stack(seqs[:-1]) if num_layers > 1
-            else x.new_empty((0, steps, batch, units)))
-    return seqs[-1], hy, cy, (hseq, gates, cseq)
+    return seqs[-1], hy, cy, (_lower_sequences(seqs, x), gates, cseq)
 
 
 def _gru_reference_forward_saving(x, params, h0, lengths):
@@ -452,9 +450,15 @@ def _gru_reference_forward_saving(x, params, h0, lengths):
             h = out[t]
         seqs.append(out)
         inp = out
-    hseq = (torch.stack(seqs[:-1]) if num_layers > 1
-            else x.new_empty((0, steps, batch, units)))
-    return seqs[-1], hy, None, (hseq, gates, hprev)
+    return seqs[-1], hy, None, (_lower_sequences(seqs, x), gates, hprev)
+
+
+def _lower_sequences(seqs: list, x: torch.Tensor) -> torch.Tensor:
+    """hseq [L-1, T, B, H]: the output sequences of the layers below the top."""
+    if len(seqs) > 1:
+        return torch.stack(seqs[:-1])
+    steps, batch, units = seqs[0].shape
+    return x.new_empty((0, steps, batch, units))
 
 
 def _layer_views(params: torch.Tensor, num_layers: int, units: int, input_size: int,
