@@ -180,6 +180,7 @@ def _unroll_factor(unroll: int, steps) -> int:
     return 1
 
 
+# Memo cache: (activations, jit, ...) -> the traced loop functions.
 _FUNCTIONS: dict = {}
 
 

@@ -38,6 +38,8 @@ from typing import Optional
 
 import torch
 
+from rnnfuse.backends.torch.streams import launch_stream
+
 __all__ = ["KERNEL_NAME", "CoreCall", "algorithm_code", "canonical_params", "core_backward",
            "core_forward", "core_reason", "disabled", "run"]
 
@@ -46,6 +48,7 @@ KERNEL_NAME = "torch.ops.rnnfuse.cudnn_rnn"
 _MODES = ("lstm", "gru", "rnn_tanh", "rnn_relu")
 _DTYPES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
 _MATHS = ("default", "tensor_op", "tensor_op_allow_conversion", "fma")
+# Memo cache: call configuration -> the core's (workspace, reserve) sizes.
 _SIZES: dict[tuple, tuple[int, int]] = {}
 _SIZES_LOCK = threading.Lock()
 
@@ -139,12 +142,6 @@ def _config(ints, dtype: torch.dtype, dropout: float, seed: int):
                                 allow_tf32=bool(tf32), dropout=dropout, seed=seed)
 
 
-def _stream(device: torch.device) -> int:
-    from rnnfuse.backends.torch.wavefront import _launch_stream
-
-    return _launch_stream(device)
-
-
 def _sizes(lib, config, steps: int, batch: int, lengths, stream: int, device) -> tuple[int, int]:
     """(workspace, reserve) bytes, asked once per configuration and shape."""
     key = (config.key(), steps, batch, device.index,
@@ -168,7 +165,7 @@ def _launch(ints, dropout: float, seed: int, x):
     `x` [T, B, D]."""
     lib = _cuda().load()
     return (lib, _config(ints, x.dtype, dropout, seed), int(x.shape[0]), int(x.shape[1]),
-            _stream(x.device))
+            launch_stream(x.device))
 
 
 def core_forward(ints: list[int], dropout: float, seed: int, training: bool, x, hx, cx, params,

@@ -58,6 +58,8 @@ from typing import Sequence
 
 import torch
 
+from rnnfuse.backends.torch.streams import launch_stream
+
 __all__ = ["KERNEL_NAME", "TRAINING_KERNEL_NAME", "backward_choice", "backward_layer",
            "backward_stack",
            "backward_stack_kernel", "backward_stack_wavefront", "flat_params", "forward",
@@ -111,22 +113,6 @@ def unsupported_reason(kind: str, num_layers: int, units: int, batch: int, steps
     return library.device_reason(kind, num_layers, units, batch, steps, input_size, ordinal)
 
 
-def _launch_stream(device: torch.device) -> int:
-    """torch's current stream on `device` (a `CUstream` as an int), with the
-    device's context current on this thread.
-
-    The library launches on the context current on the calling thread when
-    the stream is the default one (0). torch's autograd thread for a device
-    starts without one (its set_device skips the runtime call where the
-    device is already the current one), so the backward pass's first launch
-    found no context; a stream query (a runtime call) makes the
-    primary context current.
-    """
-    stream = torch.cuda.current_stream(device)
-    stream.query()
-    return stream.cuda_stream
-
-
 def forward_into(xproj, params, h0, c0, lengths, y, hy, cy, workspace, *, kind: str,
                  input_size: int, mode: int = 0, trace: torch.Tensor | None = None,
                  gates_out: torch.Tensor | None = None,
@@ -156,7 +142,7 @@ def forward_into(xproj, params, h0, c0, lengths, y, hy, cy, workspace, *, kind: 
                              f"and device ({xproj.dtype}, {xproj.device})")
     lib = library.load()
     lib.forward(
-        _launch_stream(xproj.device),
+        launch_stream(xproj.device),
         str(xproj.dtype).replace("torch.", ""), kind, num_layers, units, batch, steps,
         input_size,
         xproj=xproj.data_ptr(), params=params.data_ptr(), h0=h0.data_ptr(),
@@ -286,7 +272,7 @@ def backward_layer(w_hh, gates, cseq, c0, dy, dhy, dcy, lengths, *, kind: str = 
     tensors = (w_hh, gates, cseq, dy, dhy) + ((c0, dcy) if lstm else ())
     if not all(t.is_contiguous() for t in tensors):
         raise ValueError("backward_layer: every tensor must be contiguous")
-    lib.backward(_launch_stream(dy.device),
+    lib.backward(launch_stream(dy.device),
                  str(dy.dtype).replace("torch.", ""), units, batch, steps,
                  w_hh=w_hh.data_ptr(), gates=gates.data_ptr(), cseq=cseq.data_ptr(),
                  c0=c0.data_ptr() if lstm else 0, dy=dy.data_ptr(), dhy=dhy.data_ptr(),
@@ -606,7 +592,7 @@ def backward_stack_kernel(params, input_size, gates, cseq, c0, dy, dhy, dcy, len
     tensors = (params, gates, cseq, c0, dy, dhy, dcy)
     if not all(t.is_contiguous() for t in tensors):
         raise ValueError("backward_stack_kernel: every tensor must be contiguous")
-    lib.backward_stack(_launch_stream(dy.device), str(dy.dtype).replace("torch.", ""),
+    lib.backward_stack(launch_stream(dy.device), str(dy.dtype).replace("torch.", ""),
                        num_layers, units, batch, steps, input_size,
                        params=params.data_ptr(), gates=gates.data_ptr(), cseq=cseq.data_ptr(),
                        c0=c0.data_ptr(), dy=dy.data_ptr(), dhy=dhy.data_ptr(),

@@ -45,7 +45,9 @@ from typing import Sequence
 
 import torch
 
-from rnnfuse.backends.torch.wavefront import _GATES, _launch_stream, flat_params
+from rnnfuse.backends.base import GATES
+from rnnfuse.backends.torch.streams import launch_stream
+from rnnfuse.backends.torch.wavefront import flat_params
 
 __all__ = ["KERNEL_NAME", "TRAINING_ALGORITHM", "forward", "reverse_within_lengths",
            "run_stack", "trainable_forward", "training_reason", "unsupported_reason"]
@@ -85,7 +87,7 @@ def _directions_op(xproj: torch.Tensor, params: torch.Tensor, h0: torch.Tensor,
                    c0: torch.Tensor, lengths: torch.Tensor, kind: str, input_size: int
                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     directions, steps, batch, gh = xproj.shape
-    units = gh // _GATES[kind]
+    units = gh // GATES[kind]
     y = xproj.new_empty((directions, steps, batch, units))
     hy = torch.empty_like(h0)
     cy = torch.empty_like(h0) if kind == "lstm" else h0.new_empty((0,))
@@ -97,7 +99,7 @@ def _directions_op(xproj: torch.Tensor, params: torch.Tensor, h0: torch.Tensor,
             raise ValueError("wavefront_directions: every tensor must be contiguous, of "
                              f"xproj's dtype and device ({xproj.dtype}, {xproj.device})")
     lib.forward_directions(
-        _launch_stream(xproj.device), str(xproj.dtype).replace("torch.", ""), kind, units,
+        launch_stream(xproj.device), str(xproj.dtype).replace("torch.", ""), kind, units,
         batch, steps, input_size, xproj=xproj.data_ptr(), params=params.data_ptr(),
         h0=h0.data_ptr(), c0=c0.data_ptr() if kind == "lstm" else 0,
         lengths=lengths.data_ptr() if lengths.numel() else 0, y=y.data_ptr(),
@@ -110,7 +112,7 @@ def _directions_op(xproj: torch.Tensor, params: torch.Tensor, h0: torch.Tensor,
 def _(xproj, params, h0, c0, lengths, kind, input_size):
     directions, steps, batch, gh = xproj.shape
     cy = torch.empty_like(h0) if kind == "lstm" else h0.new_empty((0,))
-    return (xproj.new_empty((directions, steps, batch, gh // _GATES[kind])),
+    return (xproj.new_empty((directions, steps, batch, gh // GATES[kind])),
             torch.empty_like(h0), cy)
 
 
