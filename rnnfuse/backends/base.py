@@ -2,19 +2,11 @@
 `Tooling`, and their records `StackSpec`, `StackCall`, `StackRun` and
 `ProjectedLSTMCall`.
 
-`StackSpec` is what a backend needs to know about a fused stack,
-`StackCall` one fused call of it (`Backend.run_stack`), `StackRun` what
-that call returns; `ProjectedLSTMCall` what it needs to run one
-`ProjectedLSTM` call on its own fast path (`Backend.run_projected_lstm`).
-Every backend (rnnfuse/backends/<name>/backend.py) implements three
-abstract classes in full, each for its own callers: `Backend`, the kernel
-interface that the layers and the planner call; `Timing`, what only the
-tuner (rnnfuse/tuning/) calls (timed steps, gradients for its check, the
-device a plan is cached for); and `Tooling`, what `rnnfuse bench` /
-`check` and the examples call (describing the device, timing a whole
-model's step, a model's outputs and gradients). `NoFusedKernel`,
-`NoTiming` and `NoTooling` stand in for Keras backends rnnfuse has no
-kernel for. This module imports no framework.
+Every backend (rnnfuse/backends/<name>/backend.py) implements the three
+contracts, each for its own callers: `Backend` for the layers and the
+planner, `Timing` for the tuner, `Tooling` for `rnnfuse bench` / `check`.
+`NoFusedKernel`, `NoTiming` and `NoTooling` stand in for Keras backends
+rnnfuse has no kernel for. This module imports no framework.
 
 Example:
 
@@ -24,15 +16,13 @@ Example:
     >>> spec.num_levels, spec.num_directions, spec.num_pseudo_layers
     (2, 1, 2)
 
-A level that reads a Bidirectional merged by "sum" or "ave" (`input_merges`)
-gets its input kernel doubled: cuDNN feeds every level above the first the
-concatenation [fwd, bwd] (2R wide), while the original layer reads fwd + bwd
-(or their mean, R wide) through its kernel W [R, G*H]. Since
+A level that reads a Bidirectional merged by "sum" or "ave" gets its input
+kernel W [R, G*H] doubled: cuDNN feeds it [fwd, bwd] (2R wide), and
 
     (fwd + bwd) W == [fwd, bwd] [W; W]    and    (fwd + bwd)/2 W == [fwd, bwd] [W/2; W/2],
 
-the backends pack `input_scale(level) * W` twice along the input axis, from
-the live variable, so W's gradient is the sum of both halves' gradients.
+so the backends pack `input_scale(level) * W` twice, from the live
+variable, and W's gradient is the sum of both halves'.
 
     >>> bi = ((keras.layers.LSTMCell(4), keras.layers.LSTMCell(4)),) * 2
     >>> spec = StackSpec("lstm", 4, bi, input_merges=(None, "ave"))
@@ -76,9 +66,7 @@ __all__ = [
 
 # Gate matrices per cell kind (cuDNN's "pseudo-layer" has 2*G matrices).
 GATES = {"lstm": 4, "gru": 3, "rnn_tanh": 1, "rnn_relu": 1}
-# The Bidirectional merge modes a level above the first can read inside one
-# fused call through its doubled input kernel (rnnfuse.recurrent
-# .PACKED_MERGES), and the factor that kernel is packed with.
+# Merge modes a fused level can read through its doubled input kernel, and its factor.
 INPUT_SCALES = {"sum": 1.0, "ave": 0.5}
 
 
@@ -90,22 +78,15 @@ class StackSpec:
     kind: str
     # Width of each cell's state.
     units: int
-    # cells[i][d]: the Keras cell of level i, direction d (0 fwd, 1 bwd);
-    # backends read each cell's kernel, recurrent_kernel and bias.
+    # cells[i][d]: the Keras cell of level i, direction d (0 fwd, 1 bwd).
     cells: tuple[tuple[Any, ...], ...]
     # Recurrent projection width (0: none).
     proj_size: int = 0
-    # Some of the original layers have no Keras cuDNN path (SimpleRNN,
-    # RNN(cell), no bias): Keras runs them in its generic loop, whose float32
-    # matmuls follow the backend's matmul precision, not cuDNN's (torch:
-    # `torch.backends.cuda.matmul.allow_tf32`, False by default, while
-    # `torch.backends.cudnn.allow_tf32` is True by default).
+    # Keras runs some original layer in its generic loop (SimpleRNN,
+    # RNN(cell), no bias), whose float32 follows matmul precision, not cuDNN's.
     keras_loop: bool = False
-    # input_merges[i]: "sum" or "ave" where the original layers merge level
-    # i-1's two directions that way before level i reads them (level i's
-    # input kernel is then packed doubled, see the module doc); None, or no
-    # entry (the default ()), where level i reads its input as it is: the
-    # first level, a unidirectional level below, or merge_mode "concat".
+    # input_merges[i]: "sum" or "ave" where level i reads level i-1's two
+    # directions merged that way (see the module doc); None or no entry: as is.
     input_merges: tuple[str | None, ...] = ()
 
     @property
@@ -136,8 +117,7 @@ class StackSpec:
 class StackCall:
     """One fused call of a stack, as `Backend.run_stack` runs it.
 
-    One record instead of keyword arguments, so every backend and kernel
-    binding takes the same call; change a field with `dataclasses.replace`.
+    Change a field with `dataclasses.replace`:
 
     >>> import keras
     >>> spec = StackSpec("lstm", 4, ((keras.layers.LSTMCell(4),),))
@@ -150,28 +130,23 @@ class StackCall:
 
     # The levels and cells to run.
     stack: StackSpec
-    # Per pseudo-layer initial states, h [B, R] and c [B, H], in cuDNN order
-    # (level-major, fwd before bwd); None (or a missing entry): zeros.
+    # Per pseudo-layer initial h [B, R] and c [B, H], level-major, fwd first;
+    # None (or a missing entry): zeros.
     initial_h: Sequence[Any] | None = None
     initial_c: Sequence[Any] | None = None
     # Right-padded boolean mask [B, T] (the sequence lengths), or None.
     mask: Any = None
-    # The first level reads each sequence reversed; outputs stay in
-    # processing order (as a Keras go_backwards layer returns them).
+    # The first level reads each sequence reversed (outputs in processing order).
     reverse: bool = False
-    # The between-level dropout rate (a training call's), and its seed pair
-    # (`FusedRNN` splits the Dropout layer's seed into two).
+    # The between-level dropout rate and its seed pair.
     dropout: float = 0.0
     seed: tuple[int, int] = (0, 0)
-    # The kernel's variant: for "cudnn" an `rnnfuse.plan.Algorithm` (None:
-    # standard), or the runtime value `Timing.timed_steps` passes so one
-    # trace runs every algorithm.
+    # For "cudnn" an `rnnfuse.plan.Algorithm` (None: standard), or the
+    # runtime value `Timing.timed_steps` passes (one trace, every algorithm).
     algorithm: Any = None
-    # The plan's kernel, one of `rnnfuse.plan.KERNELS`; one the backend
-    # does not have raises NotImplementedError.
+    # One of `rnnfuse.plan.KERNELS`; one the backend lacks raises NotImplementedError.
     kernel: str = "cudnn"
-    # Keras' training flag for the layer's call (a kernel of
-    # `Capabilities.training_kernels` then runs its own backward).
+    # Keras' training flag (a `Capabilities.training_kernels` kernel runs its backward).
     training: bool = False
 
 
@@ -190,10 +165,8 @@ class StackRun(NamedTuple):
 
 def run_or_fall_back(run_kernel, run_cudnn, what: str,
                      errors: tuple = (NotImplementedError,)) -> StackRun:
-    """`run_kernel()`, or where it raises one of `errors` (the kernel
-    cannot run this call), `run_cudnn()` with the reason in its
-    `KernelRun`'s note: how a backend runs a plan on a kernel that refuses
-    some calls (rnnfuse's wavefront kernel), never a wrong answer.
+    """`run_kernel()`, or where it raises one of `errors`, `run_cudnn()`
+    with the reason in its `KernelRun`'s note.
 
     >>> def refuse():
     ...     raise NotImplementedError("8 layers of 512 do not fit on chip")
@@ -210,8 +183,7 @@ def run_or_fall_back(run_kernel, run_cudnn, what: str,
         )
 
 
-# ProjectedLSTM's fast-path variants (the TensorFlow loops; "auto" picks
-# one, "off" runs Keras' generic loop). See rnnfuse.layers.projected_lstm.
+# ProjectedLSTM's fast-path variants ("off": Keras' generic loop).
 PROJECTED_LSTM_PATHS = ("auto", "custom_xla", "custom", "while_xla", "while", "off")
 
 
@@ -219,8 +191,7 @@ PROJECTED_LSTM_PATHS = ("auto", "custom_xla", "custom", "while_xla", "while", "o
 class ProjectedLSTMCall:
     """One `ProjectedLSTM` call, as `Backend.run_projected_lstm` runs it."""
 
-    # The layer's `ProjectedLSTMCell` (kernel, recurrent_kernel, bias,
-    # projection_kernel, activations, dropout).
+    # The layer's `ProjectedLSTMCell`.
     cell: Any
     # Keras' training flag (input dropout).
     training: bool = False
@@ -228,8 +199,7 @@ class ProjectedLSTMCall:
     go_backwards: bool = False
     zero_output_for_mask: bool = False
     return_sequences: bool = False
-    # The fast-path variant asked for (one of PROJECTED_LSTM_PATHS but
-    # "off"), read when the call runs or is traced.
+    # The fast-path variant asked for (a PROJECTED_LSTM_PATHS entry but "off").
     path: str = "auto"
     # Time steps per loop iteration, used where it divides the sequence length.
     unroll: int = 1
@@ -252,10 +222,8 @@ class ProjectedLSTMCall:
 
 
 def tanh_sigmoid(cell, extra: dict | None = None) -> bool:
-    """Whether `cell` uses exactly tanh and sigmoid activations (cuDNN's and
-    PyTorch's fused LSTM, and the hand-written TensorFlow gradient).
-
-    `extra`: a backend's `activation_functions()`, so its own tanh counts.
+    """Whether `cell` uses exactly tanh and sigmoid activations, counting a
+    backend's own from `extra` (its `activation_functions()`).
     """
     from rnnfuse.recurrent import _activation_name
 
@@ -270,61 +238,42 @@ def tanh_sigmoid(cell, extra: dict | None = None) -> bool:
 
 @dataclasses.dataclass(frozen=True)
 class Capabilities:
-    """What a backend can do, as fields the planner and the layers read.
+    """What a backend can do, as fields the planner and the layers read
+    (every backend states every field; no probing with `getattr`)."""
 
-    Replaces probing backend modules with `getattr`: every backend states
-    every field.
-    """
-
-    # There is a fused kernel for this Keras backend at all (False only for
-    # `NoFusedKernel`, the stand-in for Keras backends rnnfuse does not know).
+    # False only for `NoFusedKernel`.
     fused_kernel: bool
-    # The fused call takes cuDNN's seeded between-level dropout, so the
-    # planner absorbs `Dropout` layers between recurrent layers.
+    # The fused call takes seeded between-level dropout: Dropout layers fuse.
     absorbs_dropout: bool
-    # The fused call is itself an XLA op (JAX's cuDNN custom call), so
-    # `FusedRNN.supports_jit` stays True.
+    # The fused call is itself an XLA op, so `FusedRNN.supports_jit` stays True.
     xla_compiles_fused_call: bool
-    # The tuner also times one fused call per layer (torch: where PyTorch
-    # runs cuDNN's persistent kernels).
+    # The tuner also times one fused call per layer.
     tunes_one_call_per_layer: bool
-    # The cuDNN algorithms the tuner times for fused pieces (None: default).
+    # The cuDNN algorithms the tuner times (None: default).
     tuned_algorithms: tuple = (None,)
-    # Which static plan table `rnnfuse.tuning.table.static_plan` uses
-    # without `tune=` (a name in `rnnfuse.tuning.table.TABLES`).
+    # The static plan table without `tune=` (`rnnfuse.tuning.table.TABLES`).
     plan_table: str = "fused"
-    # ProjectedLSTM's own fast loop on this backend ("tensorflow", "torch"),
-    # or None: Keras' generic loop.
+    # ProjectedLSTM's own fast loop ("tensorflow", "torch"), or None.
     projected_lstm_loop: str | None = None
-    # Keras resolves jit_compile="auto" from its layers' `supports_jit` here
-    # (TensorFlow), so first-batch tuning times the original layers
-    # XLA-compiled where Keras would (torch: no XLA; JAX: always jitted).
+    # Keras resolves jit_compile="auto" from its layers here, so the tuner
+    # times the original layers XLA-compiled where Keras would.
     auto_jit_from_layers: bool = False
-    # A timed step's first call traces or compiles it (TensorFlow's
-    # tf.function, JAX's jit). False (torch): it runs eagerly, so that call
-    # already says how slow a candidate is, and the tuner stops one that is
-    # clearly slower there instead of also giving it a warm-up call.
+    # A timed step's first call compiles it; False (eager): that call already
+    # says how slow a candidate is, so a clearly slower one gets no warm-up.
     first_call_compiles: bool = True
-    # Plan kernels besides cuDNN that the tuner also times for inference
-    # calls (forward-only kernels: `rnnfuse.plan.INFERENCE_ONLY_KERNELS`),
-    # for the groups `Backend.kernel_reason` accepts at the timed shape.
+    # Kernels besides cuDNN the tuner also times for inference calls, where
+    # `Backend.kernel_reason` accepts the group.
     inference_kernels: tuple = ()
-    # Those of them this backend also trains on (TensorFlow, torch: the
-    # wavefront kernel's own backward), which the tuner times for training calls too
-    # where `Backend.kernel_reason(..., training=True)` accepts the group.
-    # A training call of a plan on another forward-only kernel runs
-    # `Plan.for_training()` (cuDNN).
+    # Those of them this backend also trains on; a training call of a plan on
+    # another forward-only kernel runs `Plan.for_training()` (cuDNN).
     training_kernels: tuple = ()
 
 
 class Backend(abc.ABC):
-    """The kernel interface every backend implements in full: what
-    `FusedRNN`, the layers and the planner call (timing is `Timing`'s).
-
-    `rnnfuse.backends.get_backend()` returns one of these for the active
-    Keras backend. Kernel methods delegate to the backend package's module
-    functions at call time, so a test that replaces a module function
-    (`tf_backend.cudnn_rnn`, `jax_backend.is_available`) still takes effect.
+    """The kernel interface every backend implements: what `FusedRNN`, the
+    layers and the planner call. Kernel methods look the backend package's
+    module functions up at call time, so a test that replaces one still
+    takes effect.
     """
 
     # The Keras backend name ("tensorflow", "torch", "jax", ...).
@@ -343,12 +292,10 @@ class Backend(abc.ABC):
 
     def kernel_reason(self, kernel: str, group: Any, shape: tuple,
                       training: bool = False) -> str | None:
-        """Why plan kernel `kernel` (one of `capabilities.inference_kernels`)
-        cannot run `group`'s inference calls (with `training`, its training
-        calls: forward and backward) at input `shape` (batch, steps,
-        features) here, or None: the kernel's own checks (its dtypes, its
-        on-chip plan, the device), asked before the tuner times it.
-        Default: this backend has no such kernel."""
+        """Why plan kernel `kernel` cannot run `group`'s inference calls (with
+        `training`: forward and backward) at input `shape` (batch, steps,
+        features) here, or None; asked before the tuner times it.
+        """
         return f"the {self.name} backend has no {kernel!r} kernel"
 
     # -- the fused call ---------------------------------------------------------
@@ -367,57 +314,57 @@ class Backend(abc.ABC):
 
     @abc.abstractmethod
     def run_stack(self, sequences, call: StackCall) -> StackRun:
-        """`call` over `sequences` [B, T, F]: a `StackRun` (outputs,
-        final_h, final_c, kernel). Raises NotImplementedError when it cannot
-        run this call (the layer then runs the original layers)."""
+        """`call` over `sequences` [B, T, F] as a `StackRun`; NotImplementedError
+        where it cannot run this call (the original layers then run).
+        """
 
     @abc.abstractmethod
     def concrete_bool(self, value: Any) -> bool | None:
-        """The Python value of a boolean scalar tensor where it is known now
-        (an eager call), or None while a graph is traced."""
+        """A boolean scalar tensor's Python value where known now, or None
+        while a graph is traced.
+        """
 
     def in_xla_context(self) -> bool:
         """Whether the current trace is compiled by XLA where the fused call
-        cannot be (False where `xla_compiles_fused_call`). Default: False."""
+        cannot be. Default: False.
+        """
         return False
 
     def keras_runs_cudnn(self) -> bool:
         """Whether Keras' own LSTM/GRU run cuDNN here (padded steps of a
-        returned sequence are then zeros, not zero_output_for_mask's).
-        Default: False."""
+        returned sequence are then zeros). Default: False.
+        """
         return False
 
     def assert_mask_supported(self, supported: Any) -> None:
-        """In a traced call, fail at run time where `supported`
-        (`mask_is_supported`'s tensor) is False, with the message Keras'
-        own cuDNN path fails with. Called only where `keras_runs_cudnn()`."""
+        """In a traced call, fail at run time where `supported` is False, with
+        Keras' own cuDNN message. Called only where `keras_runs_cudnn()`.
+        """
         raise NotImplementedError(f"{self.name}: Keras' own layers do not assert masks here")
 
     # -- ProjectedLSTM's own fast path ---------------------------------------------
 
     @abc.abstractmethod
     def projected_lstm_reason(self, cell: Any) -> str | None:
-        """Why this backend's ProjectedLSTM fast path never runs `cell`
-        (no fast path here, its activations, dtype or sizes), or None."""
+        """Why this backend's ProjectedLSTM fast path never runs `cell`, or None."""
 
     @abc.abstractmethod
     def run_projected_lstm(self, sequences, initial_state, mask, call: ProjectedLSTMCall):
-        """((last_output, outputs, [h, c]), path): what
-        `keras.layers.RNN.inner_loop` returns, and the name of the path that
-        computed it ("custom/u4", "cudnn_op", "torch_fused", ...). Raises
-        NotImplementedError (its message: why) when it cannot run this call;
-        the layer then runs Keras' generic loop."""
+        """((last_output, outputs, [h, c]), path name): what
+        `keras.layers.RNN.inner_loop` returns; NotImplementedError (why) where
+        it cannot run this call, and Keras' generic loop runs.
+        """
 
     @abc.abstractmethod
     def resolve_projected_lstm_path(self, path: str) -> str:
-        """The variant fast path `path` means here ("auto" -> "custom_xla"
-        or "custom" on TensorFlow); unchanged where it means nothing."""
+        """The variant fast path `path` means here ("auto" -> "custom_xla" or
+        "custom" on TensorFlow).
+        """
 
     # -- runtime environment ------------------------------------------------------
 
     def strategy_scope(self, strategy: Any) -> Any:
-        """A context manager entering `strategy`'s scope when one is needed.
-        Default: none is."""
+        """A context manager entering `strategy`'s scope where needed. Default: none."""
         return contextlib.nullcontext()
 
     @abc.abstractmethod
@@ -426,10 +373,8 @@ class Backend(abc.ABC):
 
 
 class Timing(abc.ABC):
-    """What the tuner (rnnfuse/tuning/) needs from a framework to time
-    candidate plans and check their gradients, apart from the `Backend`
-    contract that the layers call. `rnnfuse.backends.get_timing()` returns
-    the active backend's.
+    """What the tuner needs from a framework to time plans and check their
+    gradients; `rnnfuse.backends.get_timing()` returns the active one's.
 
     >>> NoTiming("numpy").timing_context() is None
     True
@@ -441,49 +386,44 @@ class Timing(abc.ABC):
 
     @abc.abstractmethod
     def timed_step(self, run, x, variables: Sequence[Any], training: bool, jit: bool = False):
-        """A compiled step of `run(x, training)` (+ gradients) for the
-        tuner; returns a callable giving a scalar tensor. `jit`: compile it
-        with XLA (only asked where `capabilities.auto_jit_from_layers`).
-        A step whose first call compiles may carry a `trace()` that builds
-        its program without running it: the tuner then traces each step on
-        its own thread while the step before makes its first call on
-        another (`rnnfuse.tuning.tuner._first_calls`)."""
+        """A compiled step of `run(x, training)` (+ gradients): a callable giving
+        a scalar tensor. `jit`: compile with XLA. It may carry a `trace()` that
+        builds its program without running it, so the tuner can trace on
+        another thread.
+        """
 
     def timed_steps(self, make_run, x, variables: Sequence[Any], training: bool,
                     algorithms: Sequence[Any], dtype: str) -> dict | None:
-        """{algorithm name (None: standard): step} for fused plans that differ
-        only in their cuDNN algorithm, all on one compiled step of
-        `make_run()`, whose run is called `run(x, training, algorithm=a)`
-        with a value standing for each algorithm (one trace and one graph
-        set-up for the set); None, without calling `make_run`, where the
-        backend cannot take the algorithm at run time (the tuner then builds
-        one `timed_step` per plan). Default: None."""
+        """{algorithm name: step} for plans that differ only in cuDNN's algorithm,
+        all on one compiled step of `make_run()` called as `run(x, training,
+        algorithm=a)`; None, without calling `make_run`, where the backend cannot
+        take the algorithm at run time. Default: None.
+        """
         return None
 
     @abc.abstractmethod
     def gradients(self, run, x, variables: Sequence[Any], training: bool = False) -> list:
-        """d(sum of squared outputs of `run(x, training)`)/d(variables),
-        float64 NumPy arrays (the tuner's gradient check)."""
+        """d(sum of squared outputs of `run(x, training)`)/d(variables) as float64
+        NumPy arrays.
+        """
 
     def gradients_of(self, calls: Sequence[tuple], variables: Sequence[Any]) -> list[list]:
-        """`gradients` of each (run, x, training) of `calls`, in order; a
-        backend that compiles may take them all in one program (TensorFlow:
-        one trace and one graph set-up). Default: one `gradients` each."""
+        """`gradients` of each (run, x, training) of `calls`, in order (a backend
+        that compiles may take them in one program). Default: one each.
+        """
         return [self.gradients(run, x, variables, training=training) for run, x, training in calls]
 
     @abc.abstractmethod
     def timing_context(self) -> Any:
-        """A context manager under which the tuner can build, run and time
-        its steps from inside a call that is being traced (a custom loop's
-        first trace: TensorFlow lifts out of the graph with tf.init_scope),
-        or None where it cannot (an XLA or JAX trace)."""
+        """A context manager under which the tuner can build, run and time steps
+        from inside a traced call, or None where it cannot (XLA, JAX).
+        """
 
 
 class Tooling(abc.ABC):
-    """What rnnfuse's tools (`rnnfuse bench`, `rnnfuse check`, the examples)
-    need from a framework, apart from the `Backend` and `Timing`
-    contracts: nothing in the optimize -> kernel flow calls it.
-    `rnnfuse.backends.get_tooling()` returns the active backend's."""
+    """What `rnnfuse bench` / `check` and the examples need from a framework;
+    `rnnfuse.backends.get_tooling()` returns the active backend's.
+    """
 
     @abc.abstractmethod
     def describe_device(self) -> tuple[str, bool]:
@@ -499,31 +439,28 @@ class Tooling(abc.ABC):
 
     @abc.abstractmethod
     def model_step(self, model, train: bool):
-        """inputs -> float: one inference or training step of `model`,
-        returning when the device is done (bench)."""
+        """inputs -> float: one inference or training step of `model`, returning
+        when the device is done.
+        """
 
     @abc.abstractmethod
     def outputs_and_grads(self, model, inputs, variables, seed: int) -> tuple[list, list]:
-        """(outputs, gradients) of sum(mean(output_i * w_i)) in inference
-        mode, w_i = `loss_weights(shapes, seed)[i]`, as float32 NumPy
-        arrays (`rnnfuse check`)."""
+        """(outputs, gradients) of sum(mean(output_i * w_i)) in inference mode,
+        w_i = `loss_weights(shapes, seed)[i]`, as float32 NumPy arrays.
+        """
 
 
 class KernelModuleBackend(Backend):
-    """A backend whose kernel calls are its package's module functions.
-
-    Subclasses set `kernels` (the backend package, e.g.
-    `rnnfuse.backends.torch`); the kernel methods look the function up on
-    it at call time, so a test that replaces a module function still takes
-    effect.
+    """A backend whose kernel calls are its package's module functions
+    (`kernels`), looked up at call time so tests can replace them.
     """
 
     kernels: Any = None
 
     def fused_capabilities(self, **fields) -> Capabilities:
-        """`Capabilities` of a fused cuDNN call with seeded dropout, the
-        kernels' tuned algorithms and the wavefront kernel for inference
-        and training; `fields` add to these or replace them."""
+        """`Capabilities` of a fused cuDNN call with seeded dropout and the
+        wavefront kernel for inference and training; `fields` add or replace.
+        """
         return Capabilities(**{
             "fused_kernel": True,
             "absorbs_dropout": True,
@@ -557,9 +494,9 @@ class KernelModuleBackend(Backend):
 
 
 class NoProjectedLSTMPath:
-    """The ProjectedLSTM part of the contract for a backend with no fast
-    path for it: `run_projected_lstm` raises NotImplementedError and the
-    layer runs Keras' generic loop. Mixed in before the contract class."""
+    """The ProjectedLSTM part of the contract where there is no fast path
+    (Keras' generic loop runs). Mixed in before the contract class.
+    """
 
     def projected_lstm_reason(self, cell):
         return f"no fast path for the {self.name} backend"

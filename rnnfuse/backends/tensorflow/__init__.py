@@ -1,65 +1,40 @@
 """TensorFlow backend: a whole stack as one cuDNN call.
 
-Two kernels run a fused stack:
-
-- rnnfuse's own op `RnnfuseCudnnRnn` (csrc/, built and loaded on first GPU
-  use by `op_build.load_op()`; see `cudnn_op`): the plan's cuDNN algorithm
-  in the forward and the backward pass, LSTM projections, bfloat16,
-  between-layer dropout;
-- `tf.raw_ops.CudnnRNNV3`, the fallback when the op is not loaded (or for
-  float64), and what a plan on the "stock" kernel runs (a graph without
-  rnnfuse's op, for a portable export): standard algorithm only, no
-  projections, no bfloat16;
-- for a plan on the "wavefront" kernel, rnnfuse's wavefront op
-  `RnnfuseWavefront` (`wavefront_op`: inference, with cuDNN's gradient
-  recomputed in the backward pass), or cuDNN as above where it cannot run
-  the call (the `KernelRun`'s note says why).
-
-`run_stack` returns which of them ran, with its algorithm and why
-(`StackRun.kernel`); `FusedRNN.last_path.kernel` keeps it.
-
-Both take the same flat parameters.
+Kernels: rnnfuse's own op `RnnfuseCudnnRnn` (`cudnn_op`, built and loaded
+on first GPU use by `op_build.load_op()`): the plan's cuDNN algorithm in
+both passes, projections, bfloat16, between-layer dropout;
+`tf.raw_ops.CudnnRNNV3` where the op is not loaded and for the "stock"
+kernel (a graph without rnnfuse's op): standard algorithm only; the
+wavefront op (`wavefront_op`) for the "wavefront" kernel. `run_stack`
+returns which ran and why (`StackRun.kernel`).
 
 The flat parameter buffer is built on every call from the original Keras
-variables, so gradients reach them. Layout (cuDNN's canonical order; with it
-a fused 3-layer LSTM and GRU and a 2-layer bidirectional stack reproduced
-Keras' per-layer cuDNN output with max abs diff 0.0):
+variables, so gradients reach them. Layout (cuDNN's canonical order):
 
     flat = W(p0) ++ W(p1) ++ ... ++ B(p0) ++ B(p1) ++ ...
 
 over the pseudo-layers p = (level 0, fwd), (level 0, bwd), (level 1, fwd),
-... : every weight matrix first, then every bias. For one pseudo-layer with
-input width `n` (input_size at level 0, units * directions above) and
-`H = units`:
+... . For input width `n` (input_size at level 0, R * directions above)
+and `H = units`:
 
 - lstm: W = [W_i, W_f, W_c, W_o, R_i, R_f, R_c, R_o], each gate's matrix
-  transposed to [H, n] (R: [H, H]) and flattened row-major, which is exactly
-  `reshape(transpose(kernel), [-1])`. B = [0] * 4H (cuDNN's input biases,
-  unused by Keras) ++ Keras' bias (i, f, c, o).
-- gru (reset_after=True): Keras gate order (z, r, h) becomes cuDNN's
-  (r, z, h) in W, R and in both rows of Keras' (2, 3H) bias, which are
-  cuDNN's input and recurrent biases.
+  transposed to [H, n] (R: [H, H]) and flattened row-major, i.e.
+  `reshape(transpose(kernel), [-1])`. B = [0] * 4H (cuDNN's input biases)
+  ++ Keras' bias (i, f, c, o).
+- gru (reset_after=True): Keras' (z, r, h) becomes cuDNN's (r, z, h) in W,
+  R and both rows of Keras' (2, 3H) bias (cuDNN's input and recurrent biases).
 - rnn_tanh / rnn_relu: W = [W, R]; B = [0] * H ++ Keras' bias.
-- lstm with projection P (rnnfuse's op only; `ProjectedLSTMCell`): W =
-  [W_i..W_o ([H, n] each), R_i..R_o ([H, P] each: transposed
-  recurrent_kernel [P, 4H]), M_proj [P, H] (transposed projection_kernel
-  [H, P])]; B as for lstm; the input width above level 0 is P * directions.
+- lstm with projection P (rnnfuse's op only): W = [W_i..W_o ([H, n]),
+  R_i..R_o ([H, P]: transposed recurrent_kernel [P, 4H]), M_proj [P, H]
+  (transposed projection_kernel [H, P])]; B as for lstm.
 
 Sizes: weights G*H*(n + R) + P*H, biases 2*G*H per pseudo-layer, G = 4, 3,
-1, R = P or H (P = 0 without projection).
-`use_bias=False` gives zero biases.
+1, R = P or H (P = 0 without projection). `use_bias=False` gives zero
+biases. A level reading a Bidirectional merged by "sum" or "ave" packs its
+kernel as the rows [s*W; s*W], s = 1 or 1/2 (`StackSpec.input_scale`).
 
-A level that reads a Bidirectional merged by "sum" or "ave"
-(`StackSpec.input_scale`): its Keras kernel is [R, G*H] (the merge is R
-wide), but cuDNN feeds it the concatenation [fwd, bwd], 2R wide; the kernel
-is packed as the rows [s*W; s*W] (s = 1 for sum, 1/2 for ave), so
-[fwd, bwd] [s*W; s*W] = s*(fwd + bwd) W: the same n = 2R as above, and W's
-gradient is the sum of both halves'. Biases are unchanged.
-
-Multi-layer states are passed time-major ([levels * directions, B, H]):
-TensorFlow does not transpose batch-major multi-layer states for cuDNN.
-`CudnnRNNCanonicalToParams` is not used: it aborted the process with a
-CHECK failure on flat per-gate weights.
+States are time-major [levels * directions, B, H]. `CudnnRNNCanonicalToParams`
+is not used: it aborts the process on flat per-gate weights.
 
 Example (on a machine with a GPU):
 
@@ -103,25 +78,20 @@ __all__ = [
 ]
 
 SUPPORTED_DTYPES = ("float16", "float32", "float64")
-# The plan kernels (`rnnfuse.plan.KERNELS`) this backend runs.
 KERNELS = ("cudnn", "stock", "wavefront")
 logger = logging.getLogger("rnnfuse")
 
-# The cuDNN algorithms the tuner tries for fused pieces when rnnfuse's op is
-# loaded (None: the standard algorithm); without the op only the standard.
 OP_TUNED_ALGORITHMS = (None, "persistent_static+tc", "persistent_dynamic+tc")
 
 
 def tuned_algorithms() -> tuple:
-    """The algorithms the tuner times here: every one of OP_TUNED_ALGORITHMS
-    with rnnfuse's op loaded, else the standard one only."""
+    """OP_TUNED_ALGORITHMS with rnnfuse's op loaded, else the standard only."""
     return OP_TUNED_ALGORITHMS if op_loaded() else (None,)
 
 
 def op_loaded() -> bool:
-    """Whether rnnfuse's own cuDNN op is loaded (builds it on first use).
-
-    `RNNFUSE_DISABLE_OP=1` (read on every call) keeps it off.
+    """Whether rnnfuse's own cuDNN op is loaded (builds it on first use);
+    `RNNFUSE_DISABLE_OP=1` keeps it off.
     """
     return is_available() and not op_build.disabled() and op_build.load_op() is not None
 
@@ -132,16 +102,11 @@ def is_available() -> bool:
 
 
 def device_environment() -> dict:
-    """The GPU and library versions that a tuned plan depends on.
-
-    Read at every `fit`/`evaluate`/`predict` call of an optimized model;
-    the GPU's details and the build's cuDNN version are read once a process
-    (`_gpu_name`, `_cudnn_version`: neither can change in one, and reading
-    them cost every call about a millisecond).
+    """The GPU and library versions a tuned plan depends on (read at every
+    `fit`/`predict` call, so the device details are memos).
     """
     gpus = tf.config.list_physical_devices("GPU")
     return {
-        # "cpu": nothing real to time on (the emulated kernel in tests).
         "device": _gpu_name(gpus[0]) if gpus else "cpu",
         "tensorflow": tf.__version__,
         "cudnn": _cudnn_version(),
@@ -172,14 +137,10 @@ def _step_body(run, x, variables, training):
 
 
 def graph_gradients(loss, variables: Sequence[Any]) -> list:
-    """`tf.gradients` of `loss` for Keras or TensorFlow `variables`, inside
-    a `tf.function` (a step's own graph).
-
-    Not a `GradientTape`: the tuner may time from inside a user's traced
-    step whose tape is recording (a custom training loop), through
-    `tf.init_scope`, which stops every tape on the thread, a new one too
-    (its gradients were all None there). Graph gradients need no tape.
-    A variable the loss does not read gets zeros.
+    """`tf.gradients` of `loss` for Keras or TensorFlow `variables` inside a
+    `tf.function`; zeros for a variable the loss does not read. Not a tape:
+    the tuner may time inside a user's traced step through `tf.init_scope`,
+    which stops every tape on the thread.
 
     >>> import keras
     >>> v = keras.Variable(3.0)
@@ -191,18 +152,11 @@ def graph_gradients(loss, variables: Sequence[Any]) -> list:
 
 
 def timed_step(run, x, variables: Sequence[Any], training: bool, jit: bool = False):
-    """A compiled step of `run(x, training)` (+ gradients) for the tuner.
+    """A compiled step of `run(x, training)` (+ gradients) for the tuner: a
+    callable giving a scalar tensor. `jit`: compile it with XLA.
 
-    `jit`: compile it with XLA (how Keras runs a model whose layers all
-    support XLA under jit_compile="auto"). Returns a callable giving a
-    scalar tensor (converting it to NumPy waits for the device).
-
-    Traced without AutoGraph (`autograph=False`): the step's Python has no
-    tensor-dependent control flow, and inside Keras' own train step the
-    layers' code runs unconverted too (AutoGraph does not convert Keras, so
-    nothing it calls is converted), so the graph is the one `fit` traces;
-    converting rnnfuse's functions cost a new process's first tuning about
-    30 source-to-source transforms.
+    Traced without AutoGraph, as Keras' own train step runs the layers, so
+    the graph is the one `fit` traces (and no source transforms).
     """
 
     @tf.function(jit_compile=bool(jit), autograph=False)
@@ -213,9 +167,8 @@ def timed_step(run, x, variables: Sequence[Any], training: bool, jit: bool = Fal
 
 
 def _with_trace(call, trace):
-    """`call` with a `trace()` that traces its `tf.function` without running
-    it (the tuner traces each step on its own thread and makes its first
-    call, the graph set-up, on another: `tuner._first_calls`).
+    """`call` with a `trace()` that traces its `tf.function` without running it
+    (the tuner traces and makes first calls on different threads).
 
     >>> f = tf.function(lambda: tf.constant(1.0))
     >>> step = _with_trace(lambda: f(), f.get_concrete_function)
@@ -228,16 +181,9 @@ def _with_trace(call, trace):
 
 def timed_steps(make_run, x, variables: Sequence[Any], training: bool,
                 algorithms: Sequence[Any], dtype: Any) -> dict | None:
-    """Steps as `timed_step` gives them for `make_run()`, one per algorithm
-    of `algorithms` (None: standard) but all on ONE traced function: the
-    step passes its int32 input (`cudnn_op.algorithm_code`) to the run as
-    `run(x, training, algorithm=code)`, and the fused calls hand it to the
-    op as its algorithm input. A trace and a graph set-up for a whole set
-    of candidates that differ only in their algorithm. None (`make_run`
-    not called) where rnnfuse's op is not loaded (then every algorithm
-    runs as standard).
-
-    Returns {algorithm: callable giving a scalar tensor}.
+    """{algorithm: step} as `timed_step` gives them, all on ONE traced
+    function whose int32 input (`cudnn_op.algorithm_code`) the fused calls
+    hand to the op; None (`make_run` not called) where the op is not loaded.
     """
     if not op_loaded():
         return None
@@ -259,11 +205,9 @@ def timed_steps(make_run, x, variables: Sequence[Any], training: bool,
 
 
 def unsupported_reason(stack: StackSpec, dtype: str) -> str | None:
-    """Why this backend cannot run `stack` in `dtype`, or None.
-
-    bfloat16 and projections need rnnfuse's own op (CudnnRNNV3 casts
-    bfloat16 to float32 and rejects every real projection shape).
-    """
+    """Why this backend cannot run `stack` in `dtype`, or None. bfloat16 and
+    projections need rnnfuse's own op (CudnnRNNV3 casts bfloat16 to float32
+    and rejects real projection shapes)."""
     dtype = str(dtype)
     needs_op = dtype == "bfloat16" or stack.proj_size
     if needs_op and dtype in cudnn_op.OP_DTYPES:
@@ -286,11 +230,10 @@ def unsupported_reason(stack: StackSpec, dtype: str) -> str | None:
 
 
 def kernel_reason(kernel: str, group: Any, shape: tuple, training: bool = False) -> str | None:
-    """Why plan kernel `kernel` cannot run `group`'s (a `FusionGroup`)
-    inference calls (with `training`: its training calls, the forward and
-    backward kernels, `wavefront_op.training_reason`) at input `shape`
-    (batch, steps, features) here, or None (`TensorFlowBackend.kernel_reason`:
-    the wavefront ops' checks)."""
+    """Why plan kernel `kernel` cannot run `group`'s inference (with
+    `training`: training) calls at input `shape` here, or None (the
+    wavefront ops' checks).
+    """
     if kernel != "wavefront":
         return f"the TensorFlow backend has no {kernel!r} kernel to time"
     from rnnfuse.backends.tensorflow import wavefront_op
@@ -313,8 +256,7 @@ def mask_is_supported(mask: Any) -> tf.Tensor:
     )
 
 
-# Keras' own message (keras/src/backend/tensorflow/rnn.py, `_assert_valid_mask`),
-# which its traced cuDNN LSTM/GRU fail with on such a mask.
+# Keras' own message (keras/src/backend/tensorflow/rnn.py, `_assert_valid_mask`).
 MASK_NOT_SUPPORTED = (
     "You are passing a RNN mask that does not correspond to right-padded sequences, "
     "while using cuDNN, which is not supported. With cuDNN, RNN masks can only be used "
@@ -327,8 +269,7 @@ MASK_NOT_SUPPORTED = (
 
 def assert_mask_supported(supported: tf.Tensor) -> None:
     """Fails the traced step at run time where `supported` is False, as
-    Keras' traced cuDNN LSTM/GRU do on a mask that is not right-padded or
-    holds an empty sequence.
+    Keras' traced cuDNN LSTM/GRU do.
 
     >>> f = tf.function(lambda m: (assert_mask_supported(mask_is_supported(m)), 0)[1])
     >>> int(f(tf.constant([[True, False]])))
@@ -336,17 +277,13 @@ def assert_mask_supported(supported: tf.Tensor) -> None:
     >>> f(tf.constant([[False, True]]))
     Traceback (most recent call last):
     ...
-    tensorflow.python.framework.errors_impl.InvalidArgumentError: ...
-    """
+    tensorflow.python.framework.errors_impl.InvalidArgumentError: ..."""
     tf.debugging.Assert(supported, [MASK_NOT_SUPPORTED])
 
 
 def _cell_params(kind: str, cell: Any, dtype: str, input_scale: float | None = None) -> tuple[list, list]:
-    """(weights, biases) of one pseudo-layer, flattened in cuDNN order.
-
-    `input_scale`: pack the input kernel doubled, [s*W; s*W] (see
-    `StackSpec.input_scale`).
-    """
+    """(weights, biases) of one pseudo-layer in cuDNN order; `input_scale`
+    packs the input kernel doubled, [s*W; s*W]."""
     kernel = tf.cast(cell.kernel, dtype)
     if input_scale is not None:
         half = kernel if input_scale == 1.0 else kernel * tf.constant(input_scale, dtype)
@@ -362,9 +299,7 @@ def _cell_params(kind: str, cell: Any, dtype: str, input_scale: float | None = N
         rows = 2 if kind == "gru" else 1
         bias = tf.zeros([rows, gates * units], dtype)
     if kind == "gru":
-        # One split and one concat per tensor: this packing is traced into
-        # every training step, and its op count is most of the trace time
-        # (three slices per gate swap made a 5-layer GRU step 1,217 ops).
+        # One split and one concat per tensor: op count is most of the trace time.
         w, r = _zrh_to_rzh(w, axis=0), _zrh_to_rzh(r, axis=0)
         # [b_in; b_rec] as one swap: [2, 3H] -> flat b_in then b_rec.
         biases = [tf.reshape(_zrh_to_rzh(tf.reshape(bias, [2, gates * units]), axis=1), [-1])]
@@ -382,8 +317,7 @@ def _zrh_to_rzh(x: tf.Tensor, axis: int) -> tf.Tensor:
     -> cuDNN r, z, h).
 
     >>> _zrh_to_rzh(tf.constant([1, 2, 3, 4, 5, 6]), axis=0).numpy().tolist()
-    [3, 4, 1, 2, 5, 6]
-    """
+    [3, 4, 1, 2, 5, 6]"""
     z, r, h = tf.split(x, 3, axis=axis)
     return tf.concat([r, z, h], axis=axis)
 
@@ -431,34 +365,21 @@ def cudnn_rnn(**kwargs):
 
 
 def run_stack(sequences: tf.Tensor, call: StackCall) -> StackRun:
-    """Runs `call.stack` over `sequences` [B, T, F] (batch-major, already
-    in the compute dtype) in one cuDNN call.
+    """Runs `call.stack` over `sequences` [B, T, F] (batch-major, in the
+    compute dtype) in one cuDNN call.
 
     How TensorFlow reads the `StackCall`'s fields:
-        seed: CudnnRNNV3's two seeds, or seed + seed2 * 2**31 as rnnfuse's
-            op's one.
-        algorithm: an `Algorithm` (None: standard), or an int32 scalar
-            tensor (`cudnn_op.algorithm_code`, what `timed_steps` passes)
-            that is the op's algorithm input as it is. It runs in both
-            passes on rnnfuse's op; the CudnnRNNV3 fallback runs the
-            standard algorithm whatever is asked, and so does a masked call
-            (cuDNN's persistent algorithms refuse padded sequence lengths);
-            the result's `kernel` says so.
-        kernel: "cudnn" (rnnfuse's op where it is loaded, else
-            CudnnRNNV3), "stock" (CudnnRNNV3 only, so the graph holds no
-            rnnfuse op) or "wavefront" (rnnfuse's wavefront op:
-            `wavefront_op.run_differentiable`, or with `training`
-            `wavefront_op.run_trainable`, the kernel's forward saving what
-            its backward reads and the backward kernel in the gradient;
-            where it cannot run the call, "cudnn" on the standard
-            algorithm, with the reason in the `KernelRun`'s note). Another
-            raises NotImplementedError.
+        seed: CudnnRNNV3's two seeds, or seed + seed2 * 2**31 as the op's one.
+        algorithm: an `Algorithm` (None: standard), or an int32 scalar tensor
+            (`timed_steps`) passed as the op's algorithm input. CudnnRNNV3 and
+            a masked call run the standard algorithm; the result says so.
+        kernel: "cudnn" (rnnfuse's op where loaded, else CudnnRNNV3), "stock"
+            (CudnnRNNV3 only) or "wavefront" (`wavefront_op`, with `training`
+            its trainable form; "cudnn" where it cannot run the call).
 
     Returns:
-        A `StackRun`: outputs [B, T, D*R] with zeros past each sequence's
-        length, final h [L*D, B, R], final c [L*D, B, H] or None, and the
-        `KernelRun` (which kernel and algorithm ran, and why).
-    """
+        A `StackRun`: outputs [B, T, D*R] with zeros past each length, final
+        h [L*D, B, R], final c [L*D, B, H] or None, and the `KernelRun`."""
     if call.kernel not in KERNELS:
         raise NotImplementedError(
             f"the TensorFlow backend runs the kernels {list(KERNELS)}, not {call.kernel!r}"

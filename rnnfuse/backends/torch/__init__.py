@@ -1,97 +1,48 @@
 """PyTorch backend: a whole stack as one `torch._VF.lstm/gru/rnn_*` call.
 
-Under `KERAS_BACKEND=torch` Keras variables are `torch.nn.Parameter`s
-(`variable.value`). The weight list PyTorch's functional RNNs take is built
-on every call from those variables (the way Keras' own torch backend builds
-its one-layer list in `keras/src/backend/torch/rnn.py`), so gradients and
-assignments reach the original layers.
+Keras variables are `torch.nn.Parameter`s under KERAS_BACKEND=torch; the
+weight list is built from them on every call, so gradients and assignments
+reach the original layers.
 
-Weight list layout (PyTorch's `nn.LSTM._flat_weights` order): for each
-pseudo-layer p = (level 0, fwd), (level 0, bwd), (level 1, fwd), ...:
+Weight list layout (`nn.LSTM._flat_weights` order), per pseudo-layer
+p = (level 0, fwd), (level 0, bwd), (level 1, fwd), ...:
 
     [w_ih, w_hh, b_ih, b_hh]          (+ [w_hr] for projected LSTMs)
 
 with `n` the pseudo-layer's input width (input_size at level 0, D times the
 output width above), `H = units`, `P = proj_size`, `G` gates (4, 3, 1):
 
-- lstm: gate order i, f, c, o is the same in Keras and PyTorch.
-  w_ih = kernel^T [4H, n], w_hh = recurrent_kernel^T [4H, H] (or [4H, P]),
-  b_ih = Keras' bias, b_hh = 0. Projections: w_hr = projection_kernel^T
-  [P, H]; PyTorch turns projections on when h (P wide) and c (H wide)
-  differ in width.
-- gru (reset_after=True): Keras' gate blocks z, r, h become PyTorch's
-  r, z, n in w_ih, w_hh and in both rows of Keras' (2, 3H) bias, which are
-  b_ih (row 0) and b_hh (row 1).
+- lstm: gate order i, f, c, o in both. w_ih = kernel^T [4H, n], w_hh =
+  recurrent_kernel^T [4H, H] (or [4H, P]), b_ih = Keras' bias, b_hh = 0,
+  w_hr = projection_kernel^T [P, H].
+- gru (reset_after=True): Keras' z, r, h become PyTorch's r, z, n in w_ih,
+  w_hh and both rows of Keras' (2, 3H) bias (b_ih row 0, b_hh row 1).
 - rnn_tanh / rnn_relu: w_ih = kernel^T, w_hh = recurrent_kernel^T,
   b_ih = Keras' bias, b_hh = 0.
 
 `use_bias=False` gives zero biases. States are [L*D, B, H] (h: [L*D, B, P]
-when projected), pseudo-layers in the same order.
+when projected). A level reading a Bidirectional merged by "sum" or "ave"
+packs w_ih = [s*W; s*W]^T, s = 1 or 1/2 (see `StackSpec.input_scale`).
 
-A level that reads a Bidirectional merged by "sum" or "ave"
-(`StackSpec.input_scale`): PyTorch feeds it [fwd, bwd] (n = 2 times the
-output width, as above) while the Keras kernel W reads their sum or mean,
-so w_ih = [s*W; s*W]^T, s = 1 (sum) or 1/2 (ave): [fwd, bwd] [s*W; s*W] =
-s*(fwd + bwd) W. Built from the live W, so its gradient is the sum of both
-halves'. Biases are unchanged.
+Masks: a right-padded mask becomes lengths through `pack_padded_sequence`;
+`reverse=True` reverses each sequence within its length first.
 
-Masks: a right-padded mask becomes sequence lengths through
-`torch.nn.utils.rnn.pack_padded_sequence(enforce_sorted=False)`: outputs
-are zero past each length, final states are those at each length (what
-Keras' masked loop keeps). `reverse=True` reverses each sequence within its
-length before the first level, as `tf.reverse_sequence` does in the
-TensorFlow backend. Between-level dropout on `torch._VF` draws from
-PyTorch's global RNG (`keras.utils.set_random_seed` seeds it); on the core
-it is cuDNN's, seeded by the `seed` argument.
+Kernels: "cudnn" is rnnfuse's cuDNN core (`cudnn_core`) on CUDA, else
+`torch._VF` (the `KernelRun`'s note says why); "stock" is `torch._VF`;
+"wavefront" is rnnfuse's wavefront kernel (`wavefront`), or "cudnn" where
+it cannot run the call.
 
-Kernels (`rnnfuse.plan.KERNELS`): "cudnn" is, on a CUDA device, rnnfuse's
-cuDNN core (`cudnn_core`: `torch.ops.rnnfuse.cudnn_rnn`, the plan's
-algorithm in both passes, lengths instead of packing, LSTMP, bfloat16),
-and PyTorch's own `torch._VF` calls below where the core cannot run the
-call (not built, no cuDNN, a configuration cuDNN refuses: the reason is
-in the `KernelRun`'s note, which `inspect` shows) and on the CPU; "stock"
-is always `torch._VF`; "wavefront" is rnnfuse's wavefront kernel (`wavefront`: the
-custom op `torch.ops.rnnfuse.wavefront_forward` on a Hopper GPU, for
-inference, with cuDNN's gradient recomputed in the backward pass), or those
-calls where it cannot run the call (the `KernelRun`'s note says why).
+Calls: one `torch._VF` call for the stack, except float16 stacks on CUDA
+that PyTorch would run on cuDNN's persistent kernel only as single-layer
+calls (`levels_per_call`). `set_call_mode` (this thread), `call_mode()` (a
+block) or RNNFUSE_TORCH_CALLS override that choice.
 
-Calls: the whole stack is one `torch._VF` call with num_layers = levels,
-except that (call mode "auto", see `levels_per_call`) float16 stacks on CUDA
-that PyTorch would run on cuDNN's persistent kernel as single-layer calls
-run one call per level: PyTorch picks that kernel only for single-layer,
-unidirectional, unpacked float16 calls, and its fused multi-layer float16
-call runs cuDNN's standard kernel, several times slower than per-layer
-calls (docs/benchmarks.md). `set_call_mode("one" | "per_level" | "auto")` (or
-the environment variable RNNFUSE_TORCH_CALLS) overrides the choice for the
-process, `with call_mode(...)` for the calls of one thread, for benchmarks.
+Precision: float32 stacks that Keras runs in its Python loop run cuDNN with
+TF32 off unless TF32 matmuls are allowed (`needs_exact_float32`).
 
-Precision: float32 stacks that Keras runs in its Python loop (SimpleRNN,
-RNN(cell), masked layers) run on cuDNN with TF32 off unless the user
-allows TF32 matmuls (`needs_exact_float32`), so they follow the original
-computation's precision; LSTM/GRU stacks follow `torch.backends.cudnn
-.allow_tf32` as Keras' own cuDNN layers do.
-
-The CPU decision: `is_available()` is True without a GPU too. PyTorch has
-native CPU kernels for these ops (oneDNN for LSTM/GRU where it applies),
-computing the same equations as Keras' loops to float rounding (1e-6 in
-float32, checked in tests/torch_backend), and they run the whole time loop in C++
-while Keras' torch backend steps through time in Python (its
-`_fallback_lstm`/`_fallback_gru`, or the generic `rnn()` loop under a mask
-and for SimpleRNN/`RNN(cell)`). Measured on a 2-core CPU, torch 2.13.0+cpu,
-float32, median ms over 7 interleaved repeats, `bench/bench_torch.py --quick
---layers 2 --threads 1` (a shared machine, load ~4: ratios, not absolute
-times, are the result):
-
-    2 x LSTM 64,  B=16, T=100: train 35.8 vs Keras 166 (4.6x), infer 5.3x
-    2 x LSTM 128, B=16, T=100: train  183 vs Keras 685 (3.7x), infer 3.0x
-    2 x GRU 64,   B=16, T=100: train  245 vs Keras 419 (1.7x), infer 4.3x
-    2 x GRU 128,  B=16, T=100: train  339 vs Keras 657 (1.9x), infer 2.1x
-
-(with 2 threads and 2 or 4 layers: 1.2x-5x, never slower.)
-
-So the fused call also runs on the CPU. The price: CPU results are no
-longer bit-identical to the original layers (differences at float
-rounding level, like Keras' cuDNN vs its own loop on a GPU).
+The CPU: PyTorch's native kernels run the whole loop in C++ while Keras'
+torch backend steps through time in Python, so the fused call runs there
+too, equal to Keras' loop to float rounding (docs/benchmarks.md).
 
 Example:
 
@@ -147,21 +98,17 @@ __all__ = [
 
 SUPPORTED_DTYPES = ("float16", "bfloat16", "float32", "float64")
 
-# The plan kernels (`rnnfuse.plan.KERNELS`) this backend runs: "cudnn" and
-# "stock" are both PyTorch's own calls; "wavefront" rnnfuse's kernel.
 KERNELS = ("cudnn", "stock", "wavefront")
 
-# "auto": one call for the whole stack, except where PyTorch would run
-# cuDNN's persistent kernel for single-layer calls only (see
-# `levels_per_call`); "one": always one call; "per_level": one call per level.
+# "auto": see `levels_per_call`; "one": one call; "per_level": one a level.
 CALL_MODES = ("auto", "one", "per_level")
 _ENV_VAR = "RNNFUSE_TORCH_CALLS"
 
 
 def _mode_from_environment() -> str:
-    """RNNFUSE_TORCH_CALLS's mode, or "auto" (with a `FusionWarning` naming
-    the variable and its allowed values) when it holds anything else, so a
-    typo there never stops `import rnnfuse`."""
+    """RNNFUSE_TORCH_CALLS's mode, or "auto" with a `FusionWarning` for
+    anything else, so a typo never stops `import rnnfuse`.
+    """
     raw = os.environ.get(_ENV_VAR, "")
     if not raw or raw in CALL_MODES:
         return raw or "auto"
@@ -175,8 +122,7 @@ def _mode_from_environment() -> str:
     return "auto"
 
 
-# The call mode of this thread or task: set_call_mode sets it, call_mode()
-# scopes it; a new thread starts from RNNFUSE_TORCH_CALLS (read at import).
+# A new thread starts from RNNFUSE_TORCH_CALLS (read at import).
 _MODE: contextvars.ContextVar[str] = contextvars.ContextVar(
     "rnnfuse_torch_call_mode", default=_mode_from_environment()
 )
@@ -207,9 +153,6 @@ def get_call_mode() -> str:
 def call_mode(mode: str):
     """Context manager: calls made in this block, in this thread only, use `mode`.
 
-    Other threads keep their own mode, and nothing is left changed after
-    the block.
-
     Example:
 
         >>> with call_mode("per_level"):
@@ -223,20 +166,17 @@ def call_mode(mode: str):
 
 
 def concrete_bool(value: Any) -> bool | None:
-    """`value` (a boolean scalar tensor) as a Python bool: torch runs
-    eagerly, so it is always known."""
+    """`value` as a Python bool: torch runs eagerly, so it is known."""
     return bool(value)
 
 
-# The cuDNN algorithms the tuner times for fused pieces where the core runs
-# them (TensorFlow's OP_TUNED_ALGORITHMS; None: the standard algorithm).
 CORE_TUNED_ALGORITHMS = (None, "persistent_static+tc", "persistent_dynamic+tc")
 
 
 def tuned_algorithms() -> tuple:
-    """The algorithms the tuner times here: CORE_TUNED_ALGORITHMS where a
-    CUDA device is visible and rnnfuse's cuDNN core loads, else (None,)
-    (`torch._VF` picks cuDNN's algorithm itself)."""
+    """CORE_TUNED_ALGORITHMS where rnnfuse's cuDNN core loads on a CUDA
+    device, else (None,): `torch._VF` picks cuDNN's algorithm itself.
+    """
     if not torch.cuda.is_available() or cudnn_core.disabled():
         return (None,)
     from rnnfuse.backends.cuda import cudnn_core as library
@@ -245,18 +185,13 @@ def tuned_algorithms() -> tuple:
 
 
 def is_available() -> bool:
-    """Always True: PyTorch runs these ops on CUDA (cuDNN) and on the CPU.
-
-    See the module docstring for why the fused call also runs on the CPU.
-    """
+    """Always True: PyTorch runs these ops on CUDA and on the CPU."""
     return True
 
 
 def device_environment() -> dict:
-    """The device and library versions that a tuned plan depends on.
-
-    On the CPU the fused call runs PyTorch's own kernels, so the tuner
-    times plans there too (with the thread count in the key).
+    """The device and library versions a tuned plan depends on (on the
+    CPU with the thread count).
     """
     if torch.cuda.is_available():
         device = torch.cuda.get_device_name(torch.cuda.current_device())
@@ -271,10 +206,8 @@ def device_environment() -> dict:
 
 
 def timed_step(run, x, variables: Sequence[Any], training: bool):
-    """A step of `run(x, training)` (+ gradients) for the tuner.
-
-    Returns a callable giving a scalar tensor (converting it to NumPy waits
-    for the device).
+    """A step of `run(x, training)` (+ gradients) for the tuner: a callable
+    giving a scalar tensor.
     """
     params = [getattr(v, "value", v) for v in variables]
 
@@ -309,11 +242,10 @@ def unsupported_reason(stack: StackSpec, dtype: str) -> str | None:
 
 
 def kernel_reason(kernel: str, group: Any, shape: tuple, training: bool = False) -> str | None:
-    """Why plan kernel `kernel` cannot run `group`'s (a `FusionGroup`)
-    inference calls (with `training`: its training calls, forward and
-    backward) at input `shape` (batch, steps, features) here, or None
-    (`TorchBackend.kernel_reason`: the wavefront kernels' checks, on the
-    device the group's variables are on)."""
+    """Why plan kernel `kernel` cannot run `group`'s inference (or with
+    `training`, training) calls at input `shape` here, or None: the
+    wavefront kernels' checks on the device of the group's variables.
+    """
     if kernel != "wavefront":
         return f"the torch backend has no {kernel!r} kernel to time"
     from rnnfuse.backends.torch import wavefront
@@ -362,10 +294,8 @@ def _cell_params(
     device: torch.device,
     input_scale: float | None = None,
 ) -> list[torch.Tensor]:
-    """[w_ih, w_hh, b_ih, b_hh] (+ [w_hr]) of one pseudo-layer.
-
-    `input_scale`: pack the input kernel doubled, [s*W; s*W] (see
-    `StackSpec.input_scale`).
+    """[w_ih, w_hh, b_ih, b_hh] (+ [w_hr]) of one pseudo-layer; `input_scale`
+    packs the input kernel doubled, [s*W; s*W].
     """
     kernel = _tensor(cell.kernel, dtype, device)
     if input_scale is not None:
@@ -399,16 +329,13 @@ def pack_params(
     dtype: torch.dtype | str = torch.float32,
     device: torch.device | str | None = None,
 ) -> list[torch.Tensor]:
-    """PyTorch's flat weight list for `stack`, from its live variables.
+    """PyTorch's flat weight list for `stack`, from its live variables:
+    4 tensors per pseudo-layer (5 projected), in `torch._VF`'s order.
 
     Args:
         stack: the levels and cells.
         dtype: the compute dtype (a torch dtype or its name).
         device: where the call runs (default: where the variables are).
-
-    Returns:
-        4 tensors per pseudo-layer (5 with a projection), in the order
-        `torch._VF.lstm/gru/rnn_tanh/rnn_relu` read them.
     """
     dtype = _torch_dtype(dtype)
     if device is None:
@@ -460,10 +387,8 @@ def _reverse_within_lengths(x: torch.Tensor, lengths: torch.Tensor) -> torch.Ten
 
 @contextlib.contextmanager
 def _quiet_projection_warning(stack: StackSpec, x: torch.Tensor):
-    """Hides PyTorch's once-per-process note that oneDNN has no LSTMP.
-
-    On the CPU PyTorch runs projected LSTMs with its own native kernel and
-    says so with a UserWarning; that is the intended path here.
+    """Hides PyTorch's note that oneDNN has no LSTMP: on the CPU its own
+    native kernel runs projected LSTMs, the intended path here.
     """
     if not stack.proj_size or x.device.type != "cpu":
         yield
@@ -477,9 +402,9 @@ def _quiet_projection_warning(stack: StackSpec, x: torch.Tensor):
 
 def _persistent_single_layer(kind: str, units: int, batch: int, steps: int, device) -> bool:
     """Whether PyTorch runs a float16 single-layer call on cuDNN's persistent
-    kernel (`use_persist_common_heuristics` and `..._device_heuristics` in
-    aten/src/ATen/native/cudnn/RNN.cpp), for levels whose input width is
-    `units` (every level above the first)."""
+    kernel (aten/src/ATen/native/cudnn/RNN.cpp's heuristics), for levels
+    whose input width is `units`.
+    """
     if not (units <= 1024 and units % 128 == 0):
         return False
     prop = torch.cuda.get_device_properties(device)
@@ -503,13 +428,10 @@ def _persistent_single_layer(kind: str, units: int, batch: int, steps: int, devi
 def levels_per_call(stack: StackSpec, x: torch.Tensor, packed: bool) -> int:
     """How many levels each `torch._VF` call runs (the call mode's choice).
 
-    "auto" runs the whole stack in one call, except for float16 on CUDA
-    where PyTorch picks cuDNN's persistent kernel only for single-layer,
-    unidirectional, unpacked calls without projection: there the fused
-    multi-layer call runs cuDNN's standard kernel, several times slower
-    than per-layer calls (docs/benchmarks.md), so each level
-    gets its own call (still inside the one FusedRNN layer: no Keras loop,
-    no per-layer Python overhead, masks stay packed).
+    "auto" runs the whole stack in one call, except float16 on CUDA where
+    PyTorch picks cuDNN's persistent kernel only for single-layer,
+    unidirectional, unpacked calls without projection: its multi-layer call
+    is then several times slower than one call a level.
     """
     mode = get_call_mode()
     if mode == "one" or stack.num_levels == 1:
@@ -540,11 +462,9 @@ def _run_calls(
     train: bool,
     per_call: int,
 ) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
-    """The stack as ceil(levels / per_call) `torch._VF` calls, chained.
-
-    `inputs` is batch-first [B, T, F], or packed data with `batch_sizes`
-    (a packed output feeds the next call as it is). Between calls the
-    between-level dropout is applied here; inside a call PyTorch applies it.
+    """The stack as ceil(levels / per_call) chained `torch._VF` calls on
+    batch-first `inputs`, or packed data with `batch_sizes`; the
+    between-level dropout between calls is applied here.
     """
     lstm = stack.kind == "lstm"
     dirs = stack.num_directions
@@ -570,22 +490,10 @@ def _run_calls(
     return y, tuple(torch.cat(parts) for parts in zip(*finals))
 
 
-# -- float32 precision ---------------------------------------------------------
-#
-# Keras runs SimpleRNN, RNN(cell) and (under torch) every masked layer in its
-# Python loop, whose float32 matmuls follow torch.backends.cuda.matmul
-# .allow_tf32 (False by default): exact float32. cuDNN's RNN kernels follow
-# torch.backends.cudnn.allow_tf32 (True by default): TF32 on Ampere and
-# later, up to 8e-4 from Keras on a relu stack. So a fused call for such a
-# stack runs with cuDNN's TF32 off when the matmul setting is off.
-#
-# PyTorch has only the process-wide flag, read when a cuDNN RNN call (and
-# its backward) sets up its descriptors. So the flag is held off by a
-# counted, locked hold: the first holder saves the user's value, the last
-# one puts it back, whatever the order in which threads finish; the hold
-# spans the host-side forward calls and, for training, the backward of the
-# same calls (two identity autograd nodes around them). Nothing stays
-# changed after the last fused call and its backward.
+# -- float32 precision: Keras' Python loop computes exact float32 matmuls, while
+# cuDNN follows torch.backends.cudnn.allow_tf32 (on by default). The flag is
+# process-wide and read when a call (or its backward) sets up, so it is held
+# off around both passes of such a call.
 
 class _FlagHolds:
     """Counted holds of cuDNN's TF32 flag at False. Process-wide because the
@@ -623,11 +531,9 @@ def _release_exact_float32() -> None:
 
 
 def needs_exact_float32(stack: StackSpec, x: torch.Tensor, mask: Any) -> bool:
-    """Whether this call must run cuDNN without TF32 to follow the original.
-
-    True for float32 on CUDA where Keras' loop (which runs `stack` when
-    `stack.keras_loop`, and masked LSTM/GRU layers under torch) computes
-    exact float32 matmuls while cuDNN would use TF32.
+    """Whether this call runs cuDNN without TF32 to follow Keras' loop: float32
+    on CUDA with TF32 matmuls off, for `stack.keras_loop` stacks and masked
+    LSTM/GRU layers.
     """
     if not (x.is_cuda and x.dtype == torch.float32):
         return False
@@ -637,11 +543,8 @@ def needs_exact_float32(stack: StackSpec, x: torch.Tensor, mask: Any) -> bool:
 
 
 class _Hold:
-    """One call's hold on exact float32 in its backward pass.
-
-    If the backward stops between the two nodes (an error inside the cuDNN
-    call's backward), the hold is released when the graph that references
-    it is freed.
+    """One call's hold on exact float32 in its backward pass, released when
+    its graph is freed if the backward stopped between the two nodes.
     """
 
     def __init__(self):
@@ -664,9 +567,9 @@ def _release_if_held(state: list) -> None:
 
 
 class _BackwardSwitch(torch.autograd.Function):
-    """Identity on tensors whose backward sets the hold (`held`): on a
-    call's outputs it holds exact float32 (that backward runs before the
-    call's), on its inputs it releases it (that one runs after)."""
+    """Identity whose backward takes the hold (on a call's outputs) or
+    releases it (on its inputs).
+    """
 
     @staticmethod
     def forward(ctx, hold, held, *tensors):
@@ -710,34 +613,23 @@ def torch_rnn(mode: str, *args):
 
 
 def run_stack(sequences: Any, call: StackCall) -> StackRun:
-    """Runs `call.stack` over `sequences` [B, T, F] (batch-major, already in
-    the compute dtype) in one PyTorch RNN call (or one call per level where
-    `levels_per_call` says so).
+    """Runs `call.stack` over `sequences` [B, T, F] (batch-major, in the
+    compute dtype) in one PyTorch RNN call (or one a level, `levels_per_call`).
 
     How torch reads the `StackCall`'s fields:
         initial_h: h [B, H], or [B, P] when projected.
-        dropout: the dropout between levels: cuDNN's on the core, seeded
-            by `seed` (seed + seed2 * 2**31); on `torch._VF` from PyTorch's
-            global RNG (`seed` is not read there).
-        algorithm: the cuDNN algorithm (`rnnfuse.plan.Algorithm`, None:
-            standard, or PyTorch's persistent choice for its per-level
-            calls) of a call on the core, in both passes; `torch._VF`
-            chooses its own.
-        kernel: "cudnn" (rnnfuse's cuDNN core on CUDA where it can run the
-            call, else `torch._VF` with the reason in the `KernelRun`'s
-            note), "stock" (`torch._VF`), or "wavefront"
-            (`wavefront.run_autograd`: the kernel's forward, and its
-            backward where autograd will want a gradient; where the kernels
-            cannot run the call, "cudnn", with the reason in the
-            `KernelRun`'s note); another raises NotImplementedError.
-        training: not read: whether autograd records the call decides
-            whether the wavefront kernel also saves for its backward.
+        dropout: cuDNN's between levels on the core, seeded by seed + seed2 *
+            2**31; on `torch._VF` from PyTorch's global RNG.
+        algorithm: the core's cuDNN algorithm in both passes (`torch._VF`
+            chooses its own).
+        kernel: "cudnn", "stock" or "wavefront" (see the module docstring);
+            another raises NotImplementedError.
+        training: not read: whether autograd records the call decides.
 
     Returns:
-        A `StackRun`: outputs [B, T, D*P'] with zeros past each sequence's
-        length, final h [L*D, B, P'], final c [L*D, B, H] or None, where
-        P' = proj_size or units, and the `KernelRun`
-        (``torch.ops.rnnfuse.cudnn_rnn`` or ``torch._VF.<kind>``).
+        A `StackRun`: outputs [B, T, D*P'] with zeros past each length, final
+        h [L*D, B, P'], final c [L*D, B, H] or None (P' = proj_size or units),
+        and the `KernelRun`.
     """
     if call.kernel not in KERNELS:
         raise NotImplementedError(
@@ -829,23 +721,20 @@ def _run_on_vf(stack, x, lengths, hx, params, dropout, per_call, exact, core_not
 
 
 def core_applies(x: torch.Tensor) -> bool:
-    """Whether a "cudnn" call on `x` is meant for rnnfuse's cuDNN core (a
-    CUDA tensor); on the CPU PyTorch's own kernels are the plan. (The CPU
-    tests make it True to run the core's emulation.)"""
+    """Whether a "cudnn" call on `x` is meant for rnnfuse's cuDNN core (CUDA);
+    the CPU tests make it True to run the core's emulation.
+    """
     return x.is_cuda
 
 
 def _run_on_core(stack, x, lengths, hx, params, dropout, seed, algorithm, per_call, exact):
-    """`run_stack`'s calls on rnnfuse's cuDNN core (`cudnn_core`): x is
-    batch-major (already reversed where asked), `lengths` the host lengths
-    or None. The plan's algorithm runs in both passes; without one, calls
-    that PyTorch would run on cuDNN's persistent kernel (`levels_per_call`
-    gives one level a call) run persistent static with tensor ops, as
-    PyTorch picks them. A masked call runs the standard algorithm (cuDNN's
-    persistent algorithms refuse padded lengths), as on TensorFlow.
+    """`run_stack`'s calls on rnnfuse's cuDNN core, the plan's algorithm in
+    both passes. Without one, per-level calls run persistent static with
+    tensor ops, as PyTorch picks them; a masked call runs the standard
+    algorithm (the persistent ones refuse padded lengths).
 
     Raises:
-        CoreError: the core refused or failed a call (nothing was returned).
+        CoreError: the core refused or failed a call.
     """
     from rnnfuse.plan import Algorithm
 
