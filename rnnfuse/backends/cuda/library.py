@@ -1,24 +1,13 @@
 """ctypes binding of librnnfuse_wavefront.so (csrc/wavefront_host.cc).
 
-The library is framework-free: it takes device pointers and a CUDA stream
-(a `cudaStream_t`/`CUstream` as an integer) and launches rnnfuse's
-wavefront kernel through the CUDA driver API. The torch binding
-(rnnfuse/backends/torch/wavefront.py) passes torch tensors' data pointers
-and `torch.cuda.current_stream().cuda_stream`.
+The library is framework-free: device pointers and a CUDA stream as
+integers, launches through the CUDA driver API. `plan()` says without a
+GPU whether a stack fits the kernel and why not; a refused launch raises
+`WavefrontError`, and the caller falls back to cuDNN.
 
-`plan()` answers, without a GPU, whether a stack fits the kernel for given
-device limits, and why not; `forward()` raises `WavefrontError` with the
-library's message when a launch is refused (no driver, not a Hopper GPU, a
-shape outside the plan), so the caller falls back to cuDNN.
-
-`stack_reason` (what the kernel never runs, whatever the shape) and
-`device_reason` (this shape on this device: the library, the GPU's compute
-capability and the plan) are the checks the TensorFlow and torch bindings
-share, before a call and in the tuner. For training, `choose_backward` is
-the rule both bindings use to pick the backward: `backward="auto"` (their
-default) runs the reverse-wavefront backward (v2, one launch for every
-layer) where `backward_stack_reason` accepts the stack, else the per-layer
-backward (v1), and the `BackwardChoice` says which and why.
+`stack_reason`, `device_reason` and the backward reasons are the checks
+both bindings share; `choose_backward` is their rule for the training
+backward (the one-launch stack backward where it fits, else per layer).
 
 Example (no GPU needed; builds the library once):
 
@@ -44,18 +33,14 @@ __all__ = ["BACKWARDS", "BIDIRECTIONAL", "DTYPES", "FORWARD_VARIANT", "H200", "K
 
 KINDS = ("lstm", "gru")
 DTYPES = ("float16", "bfloat16")
-# The limits the plan is checked against where no device is asked (tests,
-# docs): a 132-SM Hopper GPU's SM count and opt-in shared memory a block.
+# The plan's limits where no device is asked: a 132-SM Hopper GPU's.
 H200 = {"sms": 132, "smem": 232448}
 _LAYER_FIELDS = ("ctas", "mg", "kg", "ng", "units", "kpad", "smem")
 
 _LOCK = threading.Lock()
 # Memo cache: resolved path -> its loaded library.
 _LOADED: dict[str, "WavefrontLibrary"] = {}
-# Cache folder -> the library built there, once per process: checking the
-# build runs nvcc twice (--version, --dryrun), about 15 ms, and every torch
-# call of the kernel loads the library three times: unchecked, that cost
-# several times the kernel itself.
+# Memo cache: cache folder -> the library built there (checking a build runs nvcc).
 _BUILT: dict[str, Path] = {}
 
 
@@ -150,14 +135,10 @@ class WavefrontLibrary:
                 c_out: int = 0, variant: int = 0) -> None:
         """One forward pass (device pointers as ints; see wavefront.cuh).
 
-        `mode`: a debug mode (wavefront.cuh; 0 computes the right answer);
-        `variant`: the forward step's variant (wavefront.cuh; 0, the default,
-        or 1, opt-in: the same results up to float32 rounding of the sums);
-        `trace`: 0, or a device buffer of 2 * trace_steps * 8 uint64 for the
-        kernel's timeline; `gates_out`, `c_out`: 0, or float32 buffers
-        [L, T, B, 4H] and [L, T, B, H] where an LSTM's forward saves its
-        activated gates and cell states for `backward`.
-        """
+        `mode`: a debug mode (0 computes the right answer); `variant`: 0 or 1;
+        `trace`: 0 or a buffer of 2 * trace_steps * 8 uint64 for the timeline;
+        `gates_out`, `c_out`: 0, or float32 [L, T, B, 4H] and [L, T, B, H] where
+        the forward saves gates and c for `backward`."""
         if dtype not in DTYPES:
             raise WavefrontError(f"the wavefront kernel runs {DTYPES}, not {dtype}")
         rc = self._lib.rnnfuse_wf_forward_variant(
@@ -170,13 +151,11 @@ class WavefrontLibrary:
 
     def backward_plan(self, units: int, batch: int, steps: int, *, sms: int,
                       smem: int) -> dict | str:
-        """The backward kernel's launch for one LSTM or GRU layer (the same
-        plan: a GRU's four virtual gates) ({ctas, smem, rows}: CTAs, shared
-        bytes a CTA, batch rows a group), or why it cannot run.
+        """The backward kernel's launch for one LSTM or GRU layer ({ctas, smem,
+        rows}), or why it cannot run.
 
         >>> load().backward_plan(512, 64, 1000, **H200)  # doctest: +SKIP
-        {'ctas': 128, 'smem': 79360, 'rows': 16}
-        """
+        {'ctas': 128, 'smem': 79360, 'rows': 16}"""
         ctas, nbytes, rows = ctypes.c_int(), ctypes.c_int(), ctypes.c_int()
         ok = self._lib.rnnfuse_wf_backward_plan(units, batch, steps, sms, smem,
                                                 ctypes.byref(ctas), ctypes.byref(nbytes),
@@ -193,12 +172,10 @@ class WavefrontLibrary:
                  w_hh: int, gates: int, cseq: int, c0: int, dy: int, dhy: int, dcy: int,
                  lengths: int | None, dgates: int, dh0: int, dc0: int, workspace: int,
                  kind: str = "lstm") -> None:
-        """The backward recurrence of one LSTM or GRU layer (device pointers
-        as ints; see wavefront.cuh, "The backward kernel"): writes dgates
-        [T, B, 4H] (the element type; a GRU's four virtual gates dr, dz,
-        dn_x, dn_h) and dh0 [B, H] (float32; an LSTM's dc0 too). A GRU's
-        `cseq` is the forward's saved h_{t-1}; its c0, dcy and dc0 are not
-        read (pass 0)."""
+        """The backward recurrence of one LSTM or GRU layer (wavefront.cuh, "The
+        backward kernel"): writes dgates [T, B, 4H] and dh0 [B, H] float32 (an
+        LSTM's dc0 too). A GRU's `cseq` is its saved h_{t-1}; pass 0 for its
+        c0, dcy and dc0."""
         if dtype not in DTYPES:
             raise WavefrontError(f"the wavefront kernel runs {DTYPES}, not {dtype}")
         rc = self._lib.rnnfuse_wf_backward_kind(
@@ -211,19 +188,12 @@ class WavefrontLibrary:
 
     def backward_stack_plan(self, num_layers: int, units: int, batch: int, steps: int, *,
                             sms: int, smem: int, variant: int = 0) -> dict | str:
-        """The reverse-wavefront backward's launch for a whole LSTM stack
-        ({ctas, smem, rows}: CTAs, shared bytes a CTA, batch rows a group),
-        or why it cannot run (wavefront.cuh, "The stack backward"). No GPU
-        needed. With a `variant` (1 or 2; wavefront.cuh, "Variants") the
-        dict also has the planned `variant` (the asked one, or a simpler one
-        where its shared memory does not fit) and its `chunk` (rows a
-        staged chunk).
+        """The one-launch backward's plan for an LSTM stack ({ctas, smem, rows},
+        with a `variant` also the planned `variant` and its `chunk`), or why it
+        cannot run. No GPU needed.
 
         >>> load().backward_stack_plan(4, 512, 64, 1000, **H200)  # doctest: +SKIP
-        {'ctas': 128, 'smem': 154368, 'rows': 64}
-        >>> load().backward_stack_plan(4, 512, 64, 1000, **H200, variant=1)  # doctest: +SKIP
-        {'ctas': 128, 'smem': 172800, 'rows': 64, 'variant': 1, 'chunk': 16}
-        """
+        {'ctas': 128, 'smem': 154368, 'rows': 64}"""
         ctas, nbytes, rows = ctypes.c_int(), ctypes.c_int(), ctypes.c_int()
         planned, chunk = ctypes.c_int(), ctypes.c_int()
         ok = self._lib.rnnfuse_wf_backward_stack_plan(num_layers, units, batch, steps, sms, smem,
@@ -239,9 +209,9 @@ class WavefrontLibrary:
 
     def backward_stack_workspace_bytes(self, num_layers: int, units: int, batch: int,
                                        steps: int) -> int:
-        """Bytes of workspace one stack backward call needs: its flags (the
-        32-bit word at STACK_TIMEOUT_WORD is nonzero after a timed-out wait),
-        then the float32 dy hand-off of the layers below the top."""
+        """Bytes of workspace one stack backward needs: its flags (the word at
+        STACK_TIMEOUT_WORD is nonzero after a timed-out wait), then the float32
+        dy hand-off of the layers below the top."""
         return int(self._lib.rnnfuse_wf_backward_stack_workspace_bytes(num_layers, units, batch,
                                                                        steps))
 
@@ -249,14 +219,9 @@ class WavefrontLibrary:
                        steps: int, input_size: int, *, params: int, gates: int, cseq: int,
                        c0: int, dy: int, dhy: int, dcy: int, lengths: int | None, dgates: int,
                        dh0: int, dc0: int, workspace: int, variant: int = 0) -> None:
-        """Every layer's backward recurrence of an LSTM stack in one launch
-        (device pointers as ints; wavefront.cuh, "The stack backward"):
-        writes dgates [L, T, B, 4H] (the element type) and dh0, dc0 [L, B, H]
-        (float32) from the canonical params, the forward's saved gates
-        [L, T, B, 4H] and c [L, T, B, H] (float32), c0 [L, B, H], the top
-        layer's dy [T, B, H] and dhy, dcy [L, B, H]. `variant`: the kernel
-        variant to plan for (0 the default; 1, 2 opt-in, wavefront.cuh,
-        "Variants"; `backward_stack_plan(..., variant=)` says which runs)."""
+        """Every layer's backward recurrence of an LSTM stack in one launch:
+        dgates [L, T, B, 4H] and float32 dh0, dc0 [L, B, H] from the canonical
+        params, the saved gates and c, c0, the top layer's dy and dhy, dcy."""
         if dtype not in DTYPES:
             raise WavefrontError(f"the wavefront kernel runs {DTYPES}, not {dtype}")
         if variant not in (0, 1, 2):
@@ -272,13 +237,11 @@ class WavefrontLibrary:
 
     def plan_directions(self, kind: str, units: int, batch: int, steps: int, input_size: int,
                         *, sms: int, smem: int, directions: int = 2) -> tuple[int, int] | str:
-        """(CTAs, shared bytes a CTA) of one bidirectional layer's launch
-        (both directions on disjoint CTA sets, wavefront.cuh "Independent
-        layers"), or why it cannot run. No GPU needed.
+        """(CTAs, shared bytes a CTA) of one bidirectional layer's launch (both
+        directions on disjoint CTAs), or why it cannot run. No GPU needed.
 
         >>> load().plan_directions("lstm", 384, 24, 700, 80, **H200)  # doctest: +SKIP
-        (96, 89056)
-        """
+        (96, 89056)"""
         ctas, nbytes = ctypes.c_int(), ctypes.c_int()
         ok = self._lib.rnnfuse_wf_plan_directions(_kind(kind), directions, units, batch, steps,
                                                   input_size, sms, smem, ctypes.byref(ctas),
@@ -291,10 +254,9 @@ class WavefrontLibrary:
 
     def plan_offsets(self, kind: str, num_layers: int, units: int, input_size: int, *,
                      independent: bool = False) -> list[dict]:
-        """The element offsets in the canonical buffer the kernel reads each
-        layer's (with `independent`: each direction's) weights at
-        ({w_ih, w_hh, b_in, b_rec} a layer): the layout arithmetic of
-        wavefront_plan.h's PlanOffsets, for the CPU tests."""
+        """The element offsets of each layer's (with `independent`: each
+        direction's) weights in the canonical buffer: wavefront_plan.h's
+        PlanOffsets, for the CPU tests."""
         out = (ctypes.c_longlong * (4 * num_layers))()
         ok = self._lib.rnnfuse_wf_plan_offsets(_kind(kind), int(independent), num_layers, units,
                                                input_size, out)
@@ -308,11 +270,9 @@ class WavefrontLibrary:
                            c0: int, lengths: int | None, y: int, hy: int, cy: int,
                            workspace: int, gates_out: int = 0, c_out: int = 0,
                            directions: int = 2) -> None:
-        """One bidirectional layer's directions in one launch (device
-        pointers as ints; wavefront_host.cc, rnnfuse_wf_forward_directions):
-        xproj [D, T, B, G*H] (direction 1's reversed within each row's
-        length), params the layer's canonical buffer (forward, then
-        backward), h0/c0/hy/cy [D, B, H], y [D, T, B, H]."""
+        """One bidirectional layer's directions in one launch: xproj [D, T, B, G*H]
+        (direction 1's reversed within each length), params the layer's buffer,
+        h0/c0/hy/cy [D, B, H], y [D, T, B, H]."""
         if dtype not in DTYPES:
             raise WavefrontError(f"the wavefront kernel runs {DTYPES}, not {dtype}")
         rc = self._lib.rnnfuse_wf_forward_directions(
@@ -323,10 +283,7 @@ class WavefrontLibrary:
             raise WavefrontError(self._error())
 
 
-# Bidirectional layers on the kernel (both directions of a layer in one
-# launch) are off until the GPU has shown them exact
-# (tests/gpu/test_gpu_wavefront_bidirectional.py turns them on for its run):
-# while False, `bidirectional_reason` refuses every bidirectional stack.
+# Off until the GPU shows bidirectional launches exact (its GPU test turns it on).
 BIDIRECTIONAL = False
 BIDIRECTIONAL_OFF = ("bidirectional layers on the wavefront kernel are off until the GPU shows "
                      "them exact (rnnfuse.backends.cuda.library.BIDIRECTIONAL)")
@@ -334,8 +291,7 @@ BIDIRECTIONAL_OFF = ("bidirectional layers on the wavefront kernel are off until
 
 def _hopper(ordinal: int):
     """(library, device `ordinal`'s properties) where the kernel can run
-    there, else (None, why not): the library does not build or load, no
-    driver, or not a Hopper GPU."""
+    there, else (None, why not)."""
     try:
         lib = load()
         dev = lib.device(ordinal)
@@ -349,14 +305,11 @@ def _hopper(ordinal: int):
 
 def bidirectional_reason(kind: str, units: int, batch: int, steps: int, input_size: int,
                          ordinal: int = 0) -> str | None:
-    """Why the kernel cannot run a bidirectional stack's layers (each
-    layer one launch of both directions; `input_size`: the first layer's,
-    2 * units above) on CUDA device `ordinal`, or None: the switch
-    `BIDIRECTIONAL`, the device and each layer's plan.
+    """Why the kernel cannot run a bidirectional stack's layers on device
+    `ordinal`, or None: `BIDIRECTIONAL`, the device and each layer's plan.
 
     >>> bidirectional_reason("lstm", 384, 24, 700, 80)[:52]
-    'bidirectional layers on the wavefront kernel are off'
-    """
+    'bidirectional layers on the wavefront kernel are off'"""
     if not BIDIRECTIONAL:
         return BIDIRECTIONAL_OFF
     lib, dev = _hopper(ordinal)
@@ -370,11 +323,8 @@ def bidirectional_reason(kind: str, units: int, batch: int, steps: int, input_si
     return None
 
 
-# The kernels' variants the bindings run unless a caller asks for another
-# (wavefront.cuh, "Variants"; the forward's 0 or 1, the stack backward's 0,
-# 1 or 2, which its plan steps down from where shared memory does not fit).
-# A variant becomes a default here only once the GPU has shown it exact and
-# faster at the headline and on the checked shapes (docs/kernel.md).
+# The variants the bindings run by default (wavefront.cuh, "Variants"); one
+# becomes the default once the GPU shows it exact and faster (docs/kernel.md).
 FORWARD_VARIANT = 0
 STACK_BACKWARD_VARIANT = 0
 
@@ -399,8 +349,8 @@ def load(path: str | os.PathLike | None = None) -> WavefrontLibrary:
 
 
 def _built_library() -> Path:
-    """The cached build's library, built (or found) once per cache folder
-    in this process; a failed build is tried again next time."""
+    """The cached build's library, built once per cache folder a process (a
+    failed build is tried again next time)."""
     from rnnfuse.backends.cuda import build
 
     folder = str(build.cache_dir())
@@ -434,9 +384,8 @@ def stack_reason(kind: str, dtype: str, *, directions: int = 1, proj_size: int =
 
 def device_reason(kind: str, num_layers: int, units: int, batch: int, steps: int,
                   input_size: int, ordinal: int = 0) -> str | None:
-    """Why the kernel cannot run this stack on CUDA device `ordinal` (the
-    library does not build or load, no driver, not a Hopper GPU, or the
-    plan's refusal, which names the limit), or None."""
+    """Why the kernel cannot run this stack on device `ordinal` (no library,
+    no driver, not Hopper, or the plan's refusal naming the limit), or None."""
     lib, dev = _hopper(ordinal)
     if lib is None:
         return dev
@@ -447,13 +396,11 @@ def device_reason(kind: str, num_layers: int, units: int, batch: int, steps: int
 
 def backward_reason(kind: str, units: int, batch: int, steps: int,
                     ordinal: int = 0) -> str | None:
-    """Why the backward kernel cannot run this stack's layers on CUDA device
-    `ordinal` (LSTM and GRU; the backward's plan), or None. The forward's
-    limits are `stack_reason` and `device_reason`: training needs all three.
+    """Why the backward kernel cannot run this stack's layers on device
+    `ordinal`, or None (training also needs the forward's checks).
 
     >>> backward_reason("simple_rnn", 64, 8, 10)
-    'the wavefront backward kernel runs LSTM and GRU stacks, not simple_rnn'
-    """
+    'the wavefront backward kernel runs LSTM and GRU stacks, not simple_rnn'"""
     if kind not in KINDS:
         return f"the wavefront backward kernel runs LSTM and GRU stacks, not {kind}"
     lib = load()
@@ -464,9 +411,8 @@ def backward_reason(kind: str, units: int, batch: int, steps: int,
 
 def backward_stack_reason(kind: str, num_layers: int, units: int, batch: int, steps: int,
                           ordinal: int = 0) -> str | None:
-    """Why the reverse-wavefront backward (one launch for the whole stack)
-    cannot run this stack on CUDA device `ordinal` (an LSTM only; its plan),
-    or None. A GRU trains on the per-layer backward (v1) instead."""
+    """Why the one-launch backward cannot run this LSTM stack on device
+    `ordinal`, or None (a GRU trains per layer)."""
     if kind != "lstm":
         return "the reverse-wavefront backward runs LSTM stacks only (a GRU runs the per-layer one)"
     lib = load()
@@ -476,8 +422,7 @@ def backward_stack_reason(kind: str, num_layers: int, units: int, batch: int, st
     return plan if isinstance(plan, str) else None
 
 
-# The training paths' `backward` values: "auto" (the bindings' default) is
-# "stack" where `backward_stack_reason` accepts the stack, else "layer".
+# "auto": "stack" where `backward_stack_reason` accepts the stack, else "layer".
 BACKWARDS = ("auto", "layer", "stack")
 
 
@@ -489,8 +434,7 @@ class BackwardChoice:
     'per-layer backward (v1): too many CTAs'
     """
 
-    # What runs: "stack" (the reverse wavefront, every layer in one launch)
-    # or "layer" (one backward launch a layer).
+    # What runs: "stack" (one launch) or "layer" (a launch a layer).
     backward: str
     # What the caller asked for: "auto", "layer" or "stack".
     requested: str
@@ -499,20 +443,17 @@ class BackwardChoice:
 
     @property
     def note(self) -> str:
-        """One line for a user: which backward runs, and why where "auto"
-        fell back to the per-layer one."""
+        """One line for a user: which backward runs, and why "auto" fell back."""
         if self.backward == "stack":
             return "reverse-wavefront backward (v2, one launch for every layer)"
         return "per-layer backward (v1)" + (f": {self.reason}" if self.reason else "")
 
 
 def check_backward(backward: object, where: str = "backward") -> str:
-    """`backward` if it is one of BACKWARDS, else a ValueError naming what was
-    received (`where`: the argument's name in the message).
+    """`backward` if it is one of BACKWARDS, else a ValueError naming `where`.
 
     >>> check_backward("stack")
-    'stack'
-    """
+    'stack'"""
     if not isinstance(backward, str) or backward not in BACKWARDS:
         raise ValueError(f"{where} must be one of {BACKWARDS} (\"auto\": the reverse-wavefront "
                          f"backward where its plan accepts the stack, else the per-layer one); "
@@ -523,22 +464,17 @@ def check_backward(backward: object, where: str = "backward") -> str:
 def choose_backward(backward: str, kind: str, num_layers: int, units: int, batch: int,
                     steps: int, ordinal: int = 0, *, unavailable: str | None = None,
                     stack_reason: Callable[..., str | None] | None = None) -> BackwardChoice:
-    """The backward a training call runs: `backward` "layer" or "stack" as
-    asked; "auto" is "stack" where `stack_reason` (default
-    `backward_stack_reason`) accepts this stack on CUDA device `ordinal`,
-    else "layer" with the refusal as the reason. `unavailable`: the
-    binding's own reason no kernel can run here (not a CUDA tensor, no op),
-    which makes "auto" "layer" without asking the library. Never raises
-    for "auto" (a library that does not load or a missing driver is a
-    reason); a bad `backward` is a ValueError.
+    """The backward a training call runs: "layer" or "stack" as asked; "auto"
+    is "stack" where `stack_reason` accepts this stack on device `ordinal`,
+    else "layer" with the refusal as the reason (`unavailable`: the
+    binding's reason no kernel runs here). "auto" never raises.
 
     >>> choose_backward("auto", "lstm", 4, 512, 64, 1000,
     ...                 stack_reason=lambda *a: None).backward
     'stack'
     >>> choose_backward("auto", "lstm", 7, 320, 8, 10,
     ...                 stack_reason=lambda *a: "too many CTAs").reason
-    'too many CTAs'
-    """
+    'too many CTAs'"""
     check_backward(backward)
     if backward != "auto":
         return BackwardChoice(backward, backward)

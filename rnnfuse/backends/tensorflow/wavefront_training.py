@@ -1,49 +1,28 @@
-"""Training an LSTM or GRU stack on rnnfuse's wavefront kernels in TensorFlow.
+"""Training an LSTM or GRU stack on rnnfuse's wavefront kernels in TensorFlow:
+the twin of the torch binding's training path (torch/wavefront.py), over
+the ops of csrc/rnnfuse_wavefront_op.cc.
 
-The TensorFlow twin of the torch binding's training path
-(rnnfuse/backends/torch/wavefront.py), over the ops of
-rnnfuse/backends/tensorflow/csrc/rnnfuse_wavefront_op.cc:
+`trainable_forward(x, params, h0, c0, lengths, backward="auto")` is the
+forward (`forward_saving`: layer 0's projection as one matmul, then the
+kernel saving every layer's gates and c) with the kernels' gradient
+(`tf.custom_gradient`): `backward_stack_wavefront` (every layer's
+recurrence in ONE launch, LSTM only) where the stack backward's plan
+accepts the stack, else `backward_stack` (per layer `backward_layer`),
+then dx, dW and the biases as GEMMs.
 
-- `forward_saving(x, params, h0, c0, lengths)`: layer 0's input projection
-  as one `tf.matmul`, then `RnnfuseWavefrontSaving` (the forward kernel,
-  also saving every layer's activated gates and c in float32);
-- `backward_layer(...)`: `RnnfuseWavefrontBackward`, the backward
-  recurrence of one layer (dgates, the gradient of its gates'
-  pre-activations, and the initial states' gradients);
-- `backward_stack(...)`: per layer from the top, that recurrence, then dx,
-  dW_ih, dW_hh and the biases as `tf.matmul`s and a reduction (v1);
-- `backward_stack_kernel(...)`: `RnnfuseWavefrontBackwardStack`, every
-  layer's backward recurrence in ONE reverse-wavefront launch, and
-  `backward_stack_wavefront(...)`: that launch, then dx^0, dW_ih, dW_hh
-  and the biases as the same GEMMs (v2);
-- `trainable_forward(x, params, h0, c0, lengths, backward="auto")`: the
-  forward with that gradient (`tf.custom_gradient`), differentiable with
-  respect to x, the flat buffer `params` (so whatever it was packed from)
-  and the states. "auto" (`backward_choice`, the rule of
-  `rnnfuse.backends.cuda.library.choose_backward`) runs v2 where the stack
-  backward's plan accepts the stack, else v1; "layer" or "stack" force one.
+Inputs are time-major: x [T, B, I] float16 or bfloat16 (float64 with the
+references); params the canonical flat buffer (`pack_params`: per layer
+W_ih [4H, n] and W_hh [4H, H] row-major, then per layer b_ih, b_hh [4H]);
+h0, c0 [L, B, H]; lengths int32 [B] or None. The `reference_*` functions
+are the kernels in plain TensorFlow, for the CPU tests.
 
-Inputs are time-major: x [T, B, I] in float16 or bfloat16 (float64 with
-the references below); params is rnnfuse's canonical flat buffer (per
-layer W_ih [4H, n] and W_hh [4H, H] row-major, then per layer b_ih and
-b_hh [4H], gates i, f, g, o: `rnnfuse.backends.tensorflow.pack_params`);
-h0, c0 [L, B, H]; lengths int32 [B] or None (every sequence T long).
-
-`reference_forward_saving`, `recurrence_reference` and
-`stack_recurrence_reference` are the kernels in plain TensorFlow, step by
-step (any device, float64 in the CPU tests, which put them in the
-kernels' place); `reference_forward` is the stack in
-float64 with cuDNN's rules for lengths, differentiable (the tests'
-reference gradients). `wavefront_op.run_trainable` is the `run_stack`
-form, from a `StackSpec`.
-
-Example (on a Hopper GPU; x [T, B, I] float16, params, h0, c0 as above):
+Example (on a Hopper GPU):
 
     >>> with tf.GradientTape() as tape:  # doctest: +SKIP
     ...     tape.watch(params)
     ...     y, hy, cy = trainable_forward(x, params, h0, c0)
     ...     loss = tf.reduce_sum(tf.cast(y, tf.float32) ** 2)
-    >>> dparams = tape.gradient(loss, params)  # the backward kernel's  # doctest: +SKIP
+    >>> dparams = tape.gradient(loss, params)  # doctest: +SKIP
 """
 
 from __future__ import annotations
@@ -59,9 +38,7 @@ __all__ = ["backward_choice", "backward_layer", "backward_stack", "backward_stac
 
 
 def kernel_variants():
-    """The module naming the kernels' default variants
-    (`rnnfuse.backends.cuda.library`: FORWARD_VARIANT,
-    STACK_BACKWARD_VARIANT), which the ops are given as attributes."""
+    """The module naming the kernels' default variants (`cuda.library`)."""
     from rnnfuse.backends.cuda import library
 
     return library
@@ -83,8 +60,7 @@ def lengths_input(lengths: Any) -> tf.Tensor:
 
 
 def input_projection(x: tf.Tensor, params: tf.Tensor, gh: int) -> tf.Tensor:
-    """Layer 0's x W_ih^T [T, B, gh] (no bias; the ops add the biases) as one
-    matmul in x's dtype, from the canonical flat buffer."""
+    """Layer 0's x W_ih^T [T, B, gh] (no bias) as one matmul in x's dtype."""
     steps, batch, input_size = (int(d) for d in x.shape)
     w_ih0 = tf.reshape(params[: gh * input_size], [gh, input_size])
     return tf.reshape(tf.matmul(tf.reshape(x, [-1, input_size]), w_ih0, transpose_b=True),
@@ -132,20 +108,13 @@ def _biases(params: tf.Tensor, num_layers: int, units: int, input_size: int,
 
 def forward_saving(x: tf.Tensor, params: tf.Tensor, h0: tf.Tensor, c0: tf.Tensor | None,
                    lengths: Any, *, kind: str = "lstm"):
-    """A stack's forward on the kernel, saving what `backward_stack` reads.
-
-    Returns (y [T, B, H], hy, cy [L, B, H], saved), saved = (hseq
-    [L-1, T, B, H]: the h sequences of the layers below the top, in x's
-    dtype, 0 at t >= length; gates [L, T, B, 4H] float32: an LSTM's
-    activated i, f, g, o, a GRU's r, z, n, W_hn h_{t-1} + b_hn; cseq
-    [L, T, B, H] float32: an LSTM's c, a GRU's h_{t-1}). A GRU's c0 is
-    ignored and its cy is [0].
+    """A stack's forward on the kernel, saving what `backward_stack` reads:
+    (y [T, B, H], hy, cy [L, B, H], saved) as torch's `forward_training`
+    (a GRU's cy is [0]).
 
     Raises:
         NotImplementedError: the op is not loaded.
-        tf.errors.UnimplementedError: the kernel cannot run this stack (the
-            op names the limit; `wavefront_op.training_reason` says so first).
-    """
+        tf.errors.UnimplementedError: the kernel cannot run this stack."""
     _, _, input_size, _, units = _dims(x, h0)
     xproj = input_projection(x, params, (3 if kind == "gru" else 4) * units)
     y, hy, cy, hseq, gates, cseq = _op().rnnfuse_wavefront_saving(
@@ -157,19 +126,9 @@ def forward_saving(x: tf.Tensor, params: tf.Tensor, h0: tf.Tensor, c0: tf.Tensor
 
 
 def backward_layer(w_hh, gates, cseq, c0, dy, dhy, dcy, lengths, *, kind: str = "lstm"):
-    """The backward recurrence of one LSTM or GRU layer on the kernel.
-
-    A GRU (`kind`): w_hh [3H, H], c0 and dcy not read (may be None),
-    dgates (dr, dz, dn_x, dn_h), dc0 None (wavefront.cuh, "The GRU
-    backward").
-
-    w_hh [4H, H], c0, dhy, dcy [B, H] and dy [T, B, H] (the gradient of the
-    layer's output sequence) in the element type; gates [T, B, 4H] and cseq
-    [T, B, H] float32 (`forward_saving`'s, of this layer); lengths int32
-    [B] or None. Returns (dgates [T, B, 4H] in the element type: the
-    gradient of the gates' pre-activations, 0 at t >= length; dh0, dc0
-    [B, H] float32). `recurrence_reference` is the same in TensorFlow.
-    """
+    """The backward recurrence of one LSTM or GRU layer on the kernel;
+    arguments and results as torch's `backward_layer`.
+    `recurrence_reference` is the same in TensorFlow."""
     if kind == "gru":
         empty = tf.zeros([0], dy.dtype)
         dgates, dh0, _ = _op().rnnfuse_wavefront_backward(
@@ -185,17 +144,12 @@ def backward_layer(w_hh, gates, cseq, c0, dy, dhy, dcy, lengths, *, kind: str = 
 def backward_stack_kernel(params, input_size, gates, cseq, c0, dy, dhy, dcy, lengths, *,
                           check: bool = False, variant: int | None = None):
     """Every layer's backward recurrence of an LSTM stack in ONE launch of
-    `RnnfuseWavefrontBackwardStack`: arguments and results as torch's
-    `rnnfuse.backends.torch.wavefront.backward_stack_kernel` (gates and
-    cseq from `forward_saving`). `check`: the op waits for the kernel and
-    fails if one of its waits timed out (a bug).
-    `stack_recurrence_reference` is the same in TensorFlow.
+    `RnnfuseWavefrontBackwardStack`, as torch's `backward_stack_kernel`.
+    `check`: the op waits and fails if a wait timed out (a bug).
 
     Raises:
         NotImplementedError: the op is not loaded.
-        tf.errors.UnimplementedError: the stack backward's plan refuses the
-            stack (`library.backward_stack_reason` says so first).
-    """
+        tf.errors.UnimplementedError: the stack backward's plan refuses it."""
     dgates, dh0, dc0 = _op().rnnfuse_wavefront_backward_stack(
         params=params, gates=gates, cseq=cseq, c0=c0, dy=dy, dhy=dhy, dcy=dcy,
         sequence_lengths=lengths_input(lengths), input_size=int(input_size), check=check,
@@ -212,11 +166,9 @@ def _upstream(dtype, y, h0, c0, dy, dhy, dcy):
 
 
 def _weight_gradients(dgates, l, x, h0, y, hseq):
-    """Layer l's weight and bias gradients from its dgates [T, B, 4H]: (dW_ih
-    and dW_hh flattened, as the canonical buffer lays them out; db twice,
-    for b_ih and b_hh), and dg, dgates as [T*B, 4H] in x's dtype. dW_ih =
-    dg^T x^l, dW_hh = dg^T [h0, h_0..h_{T-2}], db = the sum of dg (in
-    float32, float64 for float64)."""
+    """Layer l's (dW_ih and dW_hh flattened, db twice) and dg [T*B, 4H] from
+    its dgates: dW_ih = dg^T x^l, dW_hh = dg^T [h0, h_0..h_{T-2}], db the
+    sum of dg in the accumulation dtype."""
     steps, batch, _, num_layers, units = _dims(x, h0)
     dtype = x.dtype
     inp = x if l == 0 else hseq[l - 1]
@@ -233,17 +185,10 @@ def _weight_gradients(dgates, l, x, h0, y, hseq):
 
 def backward_stack(params, x, h0, c0, lengths, y, saved, dy, dhy, dcy, *,
                    recurrence: Callable | None = None, kind: str = "lstm"):
-    """The gradients of an LSTM stack's forward (`forward_saving`) from what
-    it saved, layer by layer from the top (v1): the recurrence
-    (`recurrence`, default `backward_layer`, the kernel), the rest as
-    GEMMs: dx^l = dgates^l W_ih^l (the layer below's dy), dW_ih^l =
-    dgates^T x^l, dW_hh^l = dgates^T [h0, h_0..h_{T-2}], db_ih = db_hh =
-    the sum of dgates (in float32, float64 for float64).
-
-    Returns (dx [T, B, I], dparams in the canonical flat layout, dh0, dc0
-    [L, B, H]), all in x's dtype; dy, dhy, dcy may be None (zero). A GRU
-    (`kind`): `_gru_backward_stack` (dc0 None).
-    """
+    """The gradients of a stack's forward, layer by layer from the top: the
+    recurrence (`recurrence`, default `backward_layer`), the rest as GEMMs
+    (dx^l = dgates^l W_ih^l). Returns (dx, dparams, dh0, dc0) in x's dtype;
+    dy, dhy, dcy may be None. A GRU: `_gru_backward_stack`."""
     recurrence = recurrence or backward_layer
     if kind == "gru":
         return _gru_backward_stack(params, x, h0, lengths, y, saved, dy, dhy,
@@ -267,11 +212,8 @@ def backward_stack(params, x, h0, c0, lengths, y, saved, dy, dhy, dcy, *,
 
 
 def _gru_backward_stack(params, x, h0, lengths, y, saved, dy, dhy, *, recurrence: Callable):
-    """`backward_stack` of a GRU stack (the torch binding's
-    `_gru_backward_stack`): each layer's dgates [T, B, 4H] = (dr, dz, dn_x,
-    dn_h); the input side's gradient is (dr, dz, dn_x) (dx, dW_ih, db_ih),
-    the recurrent side's (dr, dz, dn_h) (dW_hh, db_hh). Returns (dx,
-    dparams, dh0, None) in x's dtype."""
+    """`backward_stack` of a GRU stack: dgates = (dr, dz, dn_x, dn_h), the
+    input side's (dr, dz, dn_x), the recurrent side's (dr, dz, dn_h)."""
     hseq, gates, hprev = saved
     steps, batch, input_size, num_layers, units = _dims(x, h0)
     dtype, acc = x.dtype, _accumulation(x.dtype)
@@ -303,17 +245,8 @@ def _gru_backward_stack(params, x, h0, lengths, y, saved, dy, dhy, *, recurrence
 
 def backward_stack_wavefront(params, x, h0, c0, lengths, y, saved, dy, dhy, dcy, *,
                              recurrence: Callable | None = None):
-    """`backward_stack` with every layer's recurrence in ONE launch of the
-    reverse-wavefront kernel (v2; `recurrence`, default
-    `backward_stack_kernel`; the CPU tests pass `stack_recurrence_reference`),
-    then the GEMMs: dx = dgates^0 W_ih^0, dW_ih^l = dgates^T x^l, dW_hh^l =
-    dgates^T [h0, h_0..h_{T-2}], db_ih = db_hh = the sum of dgates (dx of
-    the layers above the first stays inside the kernel). The torch
-    binding's `backward_stack_wavefront`, in TensorFlow.
-
-    Returns (dx [T, B, I], dparams in the canonical flat layout, dh0, dc0
-    [L, B, H]), all in x's dtype; dy, dhy, dcy may be None (zero).
-    """
+    """`backward_stack` with every layer's recurrence in ONE launch
+    (`recurrence`, default `backward_stack_kernel`), then the GEMMs."""
     recurrence = recurrence or backward_stack_kernel
     hseq, gates, cseq = saved
     steps, batch, input_size, num_layers, units = _dims(x, h0)
@@ -329,16 +262,11 @@ def backward_stack_wavefront(params, x, h0, c0, lengths, y, saved, dy, dhy, dcy,
 
 
 def backward_choice(x, h0, backward: str = "auto", *, kind: str = "lstm"):
-    """The backward `trainable_forward(x, ..., h0, ..., backward=backward)`
-    runs: `library.choose_backward` for x [T, B, I] and h0 [L, B, H] (static
-    shapes) on GPU 0; "auto" is "layer" where the wavefront op is not
-    loaded (no GPU), and for a GRU. Returns a `library.BackwardChoice`
-    (which, and why).
+    """The backward `trainable_forward` runs (`library.choose_backward` on
+    GPU 0; "layer" without the op, and for a GRU).
 
     Raises:
-        ValueError: `backward` is not "auto", "layer" or "stack", or a shape
-            is not static.
-    """
+        ValueError: an unknown `backward`, or a shape that is not static."""
     from rnnfuse.backends.cuda import library
 
     library.check_backward(backward, "trainable_forward: backward")
@@ -364,29 +292,15 @@ def trainable_forward(x, params, h0, c0, lengths=None, *, saving: Callable | Non
                       kind: str = "lstm"):
     """An LSTM or GRU stack on the kernel with the kernel's gradient.
 
-    A GRU (`kind="gru"`; c0 is ignored, cy is None) runs the per-layer
-    backward ("auto" is "layer" for it; "stack" is refused: the reverse-
-    wavefront backward runs LSTM stacks only); `saving` is then called
-    with `kind="gru"` and `recurrence` with `kind="gru"`.
-
-    Returns (y [T, B, H], hy, cy [L, B, H]) as `forward_saving` does,
-    differentiable (`tf.custom_gradient`) with respect to x, params (so the
-    variables it was packed from: `pack_params` is differentiable), h0 and
-    c0. `backward` (`backward_choice` applies it, when the call is traced):
-    "auto" (the default) is `backward_stack_wavefront` (one reverse-
-    wavefront launch for every layer, v2) where
-    `library.backward_stack_reason` accepts the stack, else "layer"
-    (`backward_stack`, one backward launch a layer, v1); "layer" and
-    "stack" force one. `saving` and `recurrence` replace the forward
-    kernel and the recurrence of the backward that runs (`backward_layer`
-    for "layer", `backward_stack_kernel` for "stack"; the CPU tests pass
-    `reference_forward_saving` and `recurrence_reference` or
-    `stack_recurrence_reference`; on the CPU "auto" is "layer").
+    Returns (y, hy, cy) as `forward_saving`, differentiable with respect to
+    x, params, h0 and c0. `backward`: "auto" (the one-launch backward where
+    `library.backward_stack_reason` accepts the stack, else "layer"),
+    "layer" or "stack" (LSTM only). `saving` and `recurrence` replace the
+    forward kernel and the backward's recurrence (the CPU tests' references).
 
     Raises:
-        ValueError: an LSTM's c0 is None, a shape is not static, `backward`
-            is not "auto", "layer" or "stack", or a GRU's is "stack".
-    """
+        ValueError: an LSTM's c0 is None, a shape is not static, an unknown
+            `backward`, or a GRU's "stack"."""
     if kind not in ("lstm", "gru"):
         raise ValueError(f"trainable_forward: kind must be 'lstm' or 'gru'; received {kind!r}")
     if kind == "gru":
@@ -449,11 +363,8 @@ def _alive(steps: int, batch: int, lengths: Any):
 
 
 def reference_forward_saving(x, params, h0, c0, lengths, *, kind: str = "lstm"):
-    """`forward_saving` in TensorFlow, step by step (float32 arithmetic,
-    float64 for float64 inputs): the same outputs and saved tensors, h
-    rounded to x's dtype between steps and layers, 0 in the sequences at
-    t >= length (the next step reads that 0, as the kernel does), c not
-    held past a length (the kernel's saved c there is never read)."""
+    """`forward_saving` step by step (float32 arithmetic, float64 for
+    float64): h rounded to x's dtype between steps, 0 at t >= length."""
     if kind == "gru":
         return _gru_reference_forward_saving(x, params, h0, lengths)
     steps, batch, input_size, num_layers, units = _dims(x, h0)
@@ -497,9 +408,7 @@ def reference_forward_saving(x, params, h0, c0, lengths, *, kind: str = "lstm"):
 
 
 def _gru_reference_forward_saving(x, params, h0, lengths):
-    """`reference_forward_saving` of a GRU stack (r, z, n; reset_after):
-    saves r, z, n, W_hn h_{t-1} + b_hn and h_{t-1}, as the kernel does.
-    Returns (y, hy, [0], (hseq, gates, hprev))."""
+    """`reference_forward_saving` of a GRU stack: (y, hy, [0], (hseq, gates, hprev))."""
     steps, batch, input_size, num_layers, units = _dims(x, h0)
     acc, dtype = _accumulation(x.dtype), x.dtype
     lens, alive = _alive(steps, batch, lengths)
@@ -540,11 +449,8 @@ def _gru_reference_forward_saving(x, params, h0, lengths):
 
 def recurrence_reference(w_hh, gates, cseq, c0, dy, dhy, dcy, lengths, *, dtype=None,
                          kind: str = "lstm"):
-    """`backward_layer` in TensorFlow, step by step (float32 arithmetic,
-    float64 for float64 inputs; dgates rounded to the element type as the
-    kernel stores them). `dtype`: the element type where dy is not in it
-    (`stack_recurrence_reference` passes a float32 dy). A GRU (`kind`):
-    `_gru_recurrence_reference`."""
+    """`backward_layer` step by step (dgates rounded to the element type as
+    the kernel stores them); `dtype`: the element type where dy is not in it."""
     if kind == "gru":
         return _gru_recurrence_reference(w_hh, gates, cseq, dy, dhy, lengths, dtype=dtype)
     steps, dtype, acc, lens, alive, zeros = _reference_start(dy, lengths, dtype)
@@ -580,10 +486,8 @@ def _reference_start(dy, lengths, dtype):
 
 
 def _gru_recurrence_reference(w_hh, gates, hprev, dy, dhy, lengths, *, dtype=None):
-    """`recurrence_reference` of a GRU layer (wavefront.cuh, "The GRU
-    backward"; the torch binding's `_gru_recurrence_reference`): returns
-    (dgates [T, B, 4H] = (dr, dz, dn_x, dn_h) in the element type, dh0 in
-    the accumulation dtype, None)."""
+    """`recurrence_reference` of a GRU layer: (dgates = (dr, dz, dn_x, dn_h),
+    dh0 in the accumulation dtype, None)."""
     steps, dtype, acc, lens, alive, zeros = _reference_start(dy, lengths, dtype)
     w_r, w_z, w_n = tf.split(tf.cast(w_hh, acc), 3, axis=0)
     w = tf.concat([w_r, w_z, tf.zeros_like(w_n), w_n], 0)  # rows of (dr, dz, dn_x, dn_h)
@@ -606,10 +510,7 @@ def _gru_recurrence_reference(w_hh, gates, hprev, dy, dhy, lengths, *, dtype=Non
 
 def stack_recurrence_reference(params, input_size, gates, cseq, c0, dy, dhy, dcy, lengths):
     """`backward_stack_kernel` in TensorFlow: per layer from the top,
-    `recurrence_reference` with dy^l = dgates^{l+1} W_ih^{l+1} kept in the
-    accumulation dtype (float32; float64 for float64 inputs), as the kernel
-    keeps it in float32. Returns (dgates [L, T, B, 4H] in dy's dtype, dh0,
-    dc0 [L, B, H] in the accumulation dtype)."""
+    `recurrence_reference` with dy^l kept in the accumulation dtype."""
     num_layers, steps, batch, units = (int(d) for d in cseq.shape)
     acc = _accumulation(dy.dtype)
     views = _layer_views(params, num_layers, units, int(input_size))
@@ -625,12 +526,9 @@ def stack_recurrence_reference(params, input_size, gates, cseq, c0, dy, dhy, dcy
 
 
 def reference_forward(x, params, h0, c0, lengths=None, *, kind: str = "lstm"):
-    """The stack in float64 with cuDNN's rules for lengths (outputs 0 past
-    each length, final states at each length): plain TensorFlow ops (a
-    `tf.scan` over time a layer, so it traces small in a `tf.function`), so
-    a `GradientTape` gives its reference gradients. Inputs as
-    `trainable_forward`'s; returns (y, hy, cy) in float64 (a GRU's cy None;
-    its c0 is ignored)."""
+    """The stack in float64 with cuDNN's rules for lengths, in plain ops (a
+    `tf.scan` a layer) so a tape gives reference gradients; returns (y, hy,
+    cy) (a GRU's cy None)."""
     if kind == "gru":
         return _gru_reference_forward(x, params, h0, lengths)
     steps, batch, input_size, num_layers, units = _dims(x, h0)
@@ -665,8 +563,7 @@ def reference_forward(x, params, h0, c0, lengths=None, *, kind: str = "lstm"):
 
 
 def _gru_reference_forward(x, params, h0, lengths):
-    """`reference_forward` of a GRU stack (r, z, n; reset_after: n = tanh(x
-    W_in + b_in + r (h W_hn + b_hn))): (y, hy, None) in float64."""
+    """`reference_forward` of a GRU stack (reset_after): (y, hy, None)."""
     steps, batch, input_size, num_layers, units = _dims(x, h0)
     f64 = tf.float64
     _, alive = _alive(steps, batch, lengths)

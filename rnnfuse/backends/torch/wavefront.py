@@ -1,48 +1,30 @@
 """torch binding of rnnfuse's wavefront kernel (rnnfuse/backends/cuda/).
 
 `torch.ops.rnnfuse.wavefront_forward` is a `torch.library.custom_op` over
-the C-ABI library (loaded with ctypes): torch here may be a CPU build and
-the GPU's torch another version, so `torch.utils.cpp_extension` (which
-compiles against the torch it runs under, with nvcc matching that torch's
-CUDA) is not used: the library is built once with nvcc and g++, depends on
-no torch, and takes data pointers and `torch.cuda.current_stream()`.
+the C-ABI library, loaded with ctypes rather than built with
+`torch.utils.cpp_extension`, so one build serves any torch (a CPU build
+here, another version on the GPU).
 
-`run_stack` is `rnnfuse.backends.torch.run_stack` for inference on the
-kernel (same arguments and results, NotImplementedError where it cannot
-run; the custom op has no autograd formula). `run_autograd`, what the
-backend's `run_stack` calls for a plan on the "wavefront" kernel, is
-`run_stack` where autograd does not record the call (`predict`,
-`evaluate`: `torch.no_grad()`), and `run_trainable` where it does (a
-training step, a user's loop, a gradient through an inference call): the
-kernel's forward and the kernel's backward. Where the kernels refuse the
-call (a shape over the backward's limits) the backend runs cuDNN, which
-also gives the gradient. `forward(x, params, h0, c0, lengths, kind=...)` runs a
-whole stack: layer 0's input projection as one torch matmul (x W_ih0^T in
-the input's dtype), then the kernel. Inputs are time-major: x [T, B, I];
-params is rnnfuse's canonical flat buffer (per layer W_ih [G*H, n] and
-W_hh [G*H, H] row-major, then per layer b_ih and b_hh [G*H]; PyTorch's
-own nn.LSTM/GRU gate order, see `flat_params`); h0, c0 [L, B, H]; lengths
-int32 [B] on the device, or None. It returns (y [T, B, H], hy [L, B, H],
-cy [L, B, H] or None). Outside the kernel's limits it raises
-`library.WavefrontError` (`unsupported_reason` says so beforehand): the
-caller runs cuDNN instead.
+`run_autograd`, what the backend calls for the "wavefront" kernel, is
+`run_stack` (inference) where autograd does not record the call and
+`run_trainable` (the kernel's forward and backward) where it does; where
+the kernels refuse the call the backend runs cuDNN.
 
-Training (LSTM and GRU): `trainable_forward(x, params, h0, c0, lengths)` is
-`forward` with the kernel's own gradient: `forward_training` (the forward
-kernel, also saving every layer's gates and c in float32) and, in the
-backward pass, `backward_stack` (per layer from the top: the backward
-kernel's recurrence, `backward_layer`, then dx, dW_ih, dW_hh and the
-biases as GEMMs). `run_trainable` is its `run_stack`; `training_reason`
-its checks. `reference_forward_saving` and `recurrence_reference` are the
-two kernels in torch (the CPU tests'). By default (`backward="auto"`,
-`backward_choice`) the backward pass is `backward_stack_wavefront`
-instead where its plan accepts the stack (v2): every
-layer's recurrence in ONE reverse-wavefront launch
-(`backward_stack_kernel`; `stack_recurrence_reference` in torch), then
-the same GEMMs; `backward="layer"` forces v1. A GRU
-(`trainable_forward(..., kind="gru")`) runs v1 (the reverse wavefront is
-LSTM only): `backward_layer(..., kind="gru")` and the GEMMs over its four
-virtual gates (wavefront.cuh, "The GRU backward").
+`forward(x, params, h0, c0, lengths, kind=...)` runs a whole stack: layer
+0's input projection as one torch matmul, then the kernel. x [T, B, I] is
+time-major; params is the canonical flat buffer (per layer W_ih [G*H, n]
+and W_hh [G*H, H] row-major, then per layer b_ih and b_hh [G*H], PyTorch's
+gate order, see `flat_params`); h0, c0 [L, B, H]; lengths int32 [B] or
+None. It returns (y [T, B, H], hy, cy [L, B, H] or None), or raises
+`library.WavefrontError` outside the kernel's limits (`unsupported_reason`).
+
+Training: `trainable_forward` is `forward` with the kernel's gradient:
+`forward_training` saves every layer's gates and c, and the backward is
+`backward_stack_wavefront` (every layer's recurrence in ONE reverse
+wavefront launch, LSTM only) where its plan accepts the stack, else
+`backward_stack` (per layer: `backward_layer`, then GEMMs).
+`reference_forward_saving` and `recurrence_reference` are the kernels in
+torch, for the CPU tests.
 
 Example (on a Hopper GPU):
 
@@ -463,16 +445,13 @@ def _layer_views(params: torch.Tensor, num_layers: int, units: int, input_size: 
 
 def backward_stack(params, x, h0, c0, lengths, y, saved, dy, dhy, dcy, *,
                    recurrence=backward_layer, kind: str = "lstm"):
-    """The gradients of an LSTM stack's forward (`forward_training`) from what
-    it saved, layer by layer from the top: the recurrence on the kernel
-    (`recurrence`, `backward_layer`), the rest as GEMMs: dx^l = dgates^l
-    W_ih^l (the layer below's dy), dW_ih^l = dgates^T x^l, dW_hh^l =
-    dgates^T [h0, h_0..h_{T-2}], db_ih = db_hh = the sum of dgates. A GRU
+    """The gradients of an LSTM stack's forward (`forward_training`), layer by
+    layer from the top: the recurrence on the kernel (`recurrence`), the
+    rest as GEMMs (see `_weight_gradients`; dx^l = dgates^l W_ih^l). A GRU
     (`kind`): `_gru_backward_stack`.
 
     Returns (dx [T, B, I], dparams in the canonical flat layout, dh0, dc0
-    [L, B, H]), all in x's dtype; dy, dhy, dcy may be None (zero).
-    """
+    [L, B, H]) in x's dtype; dy, dhy, dcy may be None (zero)."""
     if kind == "gru":
         return _gru_backward_stack(params, x, h0, lengths, y, saved, dy, dhy,
                                    recurrence=recurrence)
@@ -497,13 +476,8 @@ def backward_stack(params, x, h0, c0, lengths, y, saved, dy, dhy, dcy, *,
 
 def _gru_backward_stack(params, x, h0, lengths, y, saved, dy, dhy, *, recurrence):
     """`backward_stack` of a GRU stack. Each layer's dgates [T, B, 4H] =
-    (dr, dz, dn_x, dn_h) (wavefront.cuh, "The GRU backward"): the input
-    side's gradient is (dr, dz, dn_x), the recurrent side's (dr, dz, dn_h),
-    so dx^l = (dr, dz, dn_x) W_ih^l, dW_ih^l and db_ih^l from (dr, dz,
-    dn_x), dW_hh^l and db_hh^l from (dr, dz, dn_h).
-
-    Returns (dx [T, B, I], dparams in the canonical flat layout, dh0
-    [L, B, H], None), in x's dtype."""
+    (dr, dz, dn_x, dn_h): the input side's gradient is (dr, dz, dn_x), the
+    recurrent side's (dr, dz, dn_h). Returns (dx, dparams, dh0, None)."""
     hseq, gates, hprev = saved
     steps, batch, input_size = x.shape
     num_layers, _, units = h0.shape
@@ -543,9 +517,8 @@ def _upstream(dtype, y, h0, c0, dy, dhy, dcy, lengths):
 
 
 def _weight_gradients(dgates, l, x, h0, y, hseq):
-    """Layer l's weight and bias gradients from its dgates [T, B, 4H]: (dW_ih
-    and dW_hh flattened, as the canonical buffer lays them out; db twice,
-    for b_ih and b_hh). dW_ih = dgates^T x^l, dW_hh = dgates^T [h0,
+    """Layer l's (dW_ih and dW_hh flattened, db twice for b_ih and b_hh) from
+    its dgates [T, B, 4H]: dW_ih = dgates^T x^l, dW_hh = dgates^T [h0,
     h_0..h_{T-2}], db = the sum of dgates (accumulated in float32)."""
     steps, batch = x.shape[0], x.shape[1]
     units = h0.shape[2]
@@ -561,24 +534,17 @@ def _weight_gradients(dgates, l, x, h0, y, hseq):
 
 def backward_stack_kernel(params, input_size, gates, cseq, c0, dy, dhy, dcy, lengths, *,
                           check: bool = False, variant: int | None = None):
-    """Every layer's backward recurrence of an LSTM stack on the reverse-
-    wavefront kernel, in ONE launch (wavefront.cuh, "The stack backward").
+    """Every layer's backward recurrence of an LSTM stack in ONE launch of the
+    reverse-wavefront kernel (wavefront.cuh, "The stack backward").
 
-    params: the canonical flat buffer (element type; layer 0's W_ih, of
-    `input_size` inputs, is not read); gates [L, T, B, 4H], cseq
-    [L, T, B, H] float32 (`forward_training`'s); c0, dhy, dcy [L, B, H] and
-    dy [T, B, H] (the gradient of the TOP layer's output sequence) in the
-    element type; lengths int32 [B] or None. Returns (dgates [L, T, B, 4H]
-    in the element type, 0 at t >= length; dh0, dc0 [L, B, H] float32).
-    The layers below the top get their dy = dgates^{l+1} W_ih^{l+1} inside
-    the kernel (float32, handed from layer to layer in the workspace).
-    `check`: synchronise and raise `library.WavefrontError` if a wait in
-    the kernel timed out (a bug). `variant`: the kernel variant (None: the
-    library's `STACK_BACKWARD_VARIANT`; 0; 1, 2 the pipelined ones,
-    wavefront.cuh "Variants"; the plan falls back to a simpler one where the
-    asked one does not fit). `stack_recurrence_reference` is the same in
-    torch.
-    """
+    params: the canonical flat buffer (layer 0's W_ih not read); gates
+    [L, T, B, 4H], cseq [L, T, B, H] float32 (`forward_training`'s); c0,
+    dhy, dcy [L, B, H] and dy [T, B, H] (the TOP layer's output gradient) in
+    the element type; lengths int32 [B] or None. Returns (dgates [L, T, B,
+    4H], 0 at t >= length; dh0, dc0 [L, B, H] float32). `check`: synchronise
+    and raise `library.WavefrontError` if a wait timed out (a bug).
+    `variant`: None (the library's `STACK_BACKWARD_VARIANT`), 0, 1 or 2.
+    `stack_recurrence_reference` is the same in torch."""
     library = _library()
     if variant is None:
         variant = library.STACK_BACKWARD_VARIANT
@@ -611,8 +577,7 @@ def backward_stack_kernel(params, input_size, gates, cseq, c0, dy, dhy, dcy, len
 def stack_recurrence_reference(params, input_size, gates, cseq, c0, dy, dhy, dcy, lengths):
     """`backward_stack_kernel` in torch (any device): per layer from the top,
     `recurrence_reference` with dy^l = dgates^{l+1} W_ih^{l+1} kept in the
-    accumulation dtype (float32; float64 for float64 inputs), as the kernel
-    keeps it in float32 registers."""
+    accumulation dtype, as the kernel keeps it in float32."""
     num_layers, steps, batch, units = cseq.shape
     acc = _accumulation(dy.dtype)
     views = _layer_views(params, num_layers, units, input_size)
@@ -631,16 +596,9 @@ def stack_recurrence_reference(params, input_size, gates, cseq, c0, dy, dhy, dcy
 
 def backward_stack_wavefront(params, x, h0, c0, lengths, y, saved, dy, dhy, dcy, *,
                              recurrence=backward_stack_kernel):
-    """`backward_stack` with every layer's recurrence in ONE launch of the
-    reverse-wavefront kernel (`recurrence`: `backward_stack_kernel`; the
-    tests pass `stack_recurrence_reference`), then the GEMMs: dx = dgates^0
-    W_ih^0, dW_ih^l = dgates^T x^l, dW_hh^l = dgates^T [h0, h_0..h_{T-2}],
-    db_ih = db_hh = the sum of dgates (dx of the layers above the first
-    stays inside the kernel).
-
-    Returns (dx [T, B, I], dparams in the canonical flat layout, dh0, dc0
-    [L, B, H]), all in x's dtype; dy, dhy, dcy may be None (zero).
-    """
+    """`backward_stack` with every layer's recurrence in ONE launch
+    (`recurrence`: `backward_stack_kernel`, or a reference in tests), then
+    the GEMMs; the layers' dx above the first stay inside the kernel."""
     hseq, gates, cseq = saved
     steps, batch, input_size = x.shape
     num_layers, _, units = h0.shape
@@ -655,9 +613,8 @@ def backward_stack_wavefront(params, x, h0, c0, lengths, y, saved, dy, dhy, dcy,
 
 
 class _TrainableLSTM(torch.autograd.Function):
-    """forward: `saving(x, params, h0, c0, lengths)` (the kernel saving gates
-    and c); backward: `stack_backward` (`backward_stack` or
-    `backward_stack_wavefront`) with `recurrence`."""
+    """forward: `saving` (the kernel saving gates and c); backward:
+    `stack_backward` with `recurrence`."""
 
     @staticmethod
     def forward(ctx, x, params, h0, c0, lengths, saving, recurrence, stack_backward):
@@ -675,9 +632,7 @@ class _TrainableLSTM(torch.autograd.Function):
 
 
 class _TrainableGRU(torch.autograd.Function):
-    """`_TrainableLSTM` for a GRU stack: no c0 and no cy; forward:
-    `saving(x, params, h0, None, lengths)`; backward: `backward_stack`'s
-    GRU case with `recurrence` (one backward launch a layer)."""
+    """`_TrainableLSTM` for a GRU stack (no c0, no cy; one backward launch a layer)."""
 
     @staticmethod
     def forward(ctx, x, params, h0, lengths, saving, recurrence):
@@ -700,39 +655,23 @@ def trainable_forward(x: torch.Tensor, params: torch.Tensor, h0: torch.Tensor,
                       kind: str = "lstm"):
     """An LSTM or GRU stack on the kernel with the kernel's gradient (autograd).
 
-    A GRU (`kind="gru"`: c0 is ignored, the third result is None) runs the
-    per-layer backward ("layer"; "auto" is "layer" for it, "stack" is
-    refused: the reverse-wavefront backward runs LSTM stacks only), with
-    the GRU forms of `forward_training` and `backward_layer`.
-
-    Like `forward(x, params, h0, c0, lengths, kind="lstm")`, differentiable
-    with respect to x, params (so the tensors it was made of: `flat_params`
-    is a `torch.cat`), h0 and c0. `backward` (`backward_choice` applies
-    it): "auto" (the default) is the reverse-wavefront backward
-    (`backward_stack_wavefront`, every layer's recurrence in ONE launch,
-    v2) where `library.backward_stack_reason` accepts
-    the stack, else "layer" (`backward_stack`, one backward launch a
-    layer, v1); "layer" and "stack" force one. `saving` and `recurrence`
-    replace the forward kernel and the recurrence of the backward that
-    runs (`backward_layer` for "layer", `backward_stack_kernel` for
-    "stack"; tests run torch versions of them on the CPU, where "auto" is
-    "layer"). Outside the kernels' limits it raises
-    `library.WavefrontError` (`training_reason` says so beforehand for
-    the forward and v1).
+    Like `forward`, differentiable with respect to x, params (so the tensors
+    `flat_params` concatenated), h0 and c0. `backward`: "auto" (the reverse
+    wavefront backward where `library.backward_stack_reason` accepts the
+    stack, else "layer"), "layer" or "stack" (LSTM only). `saving` and
+    `recurrence` replace the forward kernel and the backward's recurrence
+    (the CPU tests' torch versions). Outside the kernels' limits it raises
+    `library.WavefrontError` (`training_reason` says so beforehand).
 
     Raises:
-        ValueError: an LSTM's c0 is None, `backward` is not "auto", "layer"
-            or "stack", or a GRU's is "stack".
+        ValueError: an LSTM's c0 is None, an unknown `backward`, or a GRU's
+            "stack".
 
     Example (on a Hopper GPU):
 
         >>> lstm = torch.nn.LSTM(512, 512, 4).cuda().half()  # doctest: +SKIP
-        >>> backward_choice(x, h0).backward  # 4 x 512, B64, T1000  # doctest: +SKIP
-        'stack'
         >>> y, hy, cy = trainable_forward(x, flat_params(lstm), h0, c0)  # doctest: +SKIP
-        >>> (y.float().square().sum()).backward()  # doctest: +SKIP
-        >>> lstm.weight_hh_l0.grad  # the backward kernel's  # doctest: +SKIP
-    """
+        >>> (y.float().square().sum()).backward()  # doctest: +SKIP"""
     if kind not in _GATES:
         raise ValueError(f"trainable_forward: kind must be one of {tuple(_GATES)}; "
                          f"received {kind!r}")
@@ -760,14 +699,11 @@ def trainable_forward(x: torch.Tensor, params: torch.Tensor, h0: torch.Tensor,
 
 def backward_choice(x: torch.Tensor, h0: torch.Tensor, backward: str = "auto", *,
                     kind: str = "lstm"):
-    """The backward `trainable_forward(x, ..., h0, ..., backward=backward)`
-    runs: `library.choose_backward` for x [T, B, I] and h0 [L, B, H] on x's
-    device ("auto" is "layer" off a CUDA device, and for a GRU). Returns a
-    `library.BackwardChoice` (which, and why).
+    """The backward `trainable_forward` runs for x and h0 on x's device
+    (`library.choose_backward`: which, and why).
 
     Raises:
-        ValueError: `backward` is not "auto", "layer" or "stack".
-    """
+        ValueError: `backward` is not "auto", "layer" or "stack"."""
     library = _library()
     library.check_backward(backward, "trainable_forward: backward")
     steps, batch = int(x.shape[0]), int(x.shape[1])
@@ -792,9 +728,7 @@ def training_reason(kind: str, num_layers: int, units: int, batch: int, steps: i
                     input_size: int, dtype: torch.dtype, device: torch.device,
                     **structure) -> str | None:
     """Why `trainable_forward` cannot run this stack here, or None: the
-    forward's `unsupported_reason` (`structure`: its keyword arguments),
-    then the backward kernel's (`_backward_reason`: LSTM or GRU; its
-    plan)."""
+    forward's `unsupported_reason`, then the backward kernel's."""
     return (unsupported_reason(kind, num_layers, units, batch, steps, input_size, dtype, device,
                                **structure)
             or _backward_reason(kind, units, batch, steps, device))
@@ -809,16 +743,12 @@ def _backward_reason(kind: str, units: int, batch: int, steps: int,
 
 
 def run_trainable(sequences, call):
-    """`run_stack` for training: the kernel's forward AND backward (an LSTM
-    or GRU stack; the gradient reaches the Keras variables through
-    `pack_params`); `run_autograd` calls it where a gradient is wanted.
-    The backward is `backward_choice`'s "auto" (the reverse wavefront where
-    its plan accepts the stack, else per layer; a GRU's is per layer); the
-    `KernelRun`'s algorithm names it: "backward=stack" or "backward=layer".
+    """`run_stack` for training: the kernel's forward and backward (the
+    gradient reaches the Keras variables through `pack_params`); the
+    `KernelRun`'s algorithm names the backward ("backward=stack" or "=layer").
 
     Raises:
-        NotImplementedError: the kernels cannot run this call (the reason).
-    """
+        NotImplementedError: the kernels cannot run this call (the reason)."""
     from rnnfuse.backends.base import StackRun
     from rnnfuse.reasons import KernelRun
 
@@ -831,13 +761,12 @@ def run_trainable(sequences, call):
 
 
 def _kernel_inputs(sequences, call, *, training: bool):
-    """The kernel's inputs for a `StackCall`: (x time-major
-    [T, B, I], params, h0, c0 or None, lengths or None), after the checks
-    of the forward (and, with `training`, of the backward).
+    """(x [T, B, I], params, h0, c0 or None, lengths or None) for a
+    `StackCall`, after the forward's (and with `training` the backward's)
+    checks.
 
     Raises:
-        NotImplementedError: the kernels cannot run this call (the reason).
-    """
+        NotImplementedError: the kernels cannot run this call (the reason)."""
     from rnnfuse.backends import torch as kernels
 
     stack, mask = call.stack, call.mask
@@ -866,13 +795,11 @@ def _kernel_inputs(sequences, call, *, training: bool):
 
 
 def run_stack(sequences, call):
-    """`rnnfuse.backends.torch.run_stack` on the wavefront kernel (inference;
-    no gradient: see `run_autograd`). Returns a `StackRun`. The call's
-    `seed`, `algorithm`, `kernel` and `training` are not read.
+    """`rnnfuse.backends.torch.run_stack` on the wavefront kernel, inference
+    only; `seed`, `algorithm`, `kernel` and `training` are not read.
 
     Raises:
-        NotImplementedError: the kernel cannot run this call (the reason).
-    """
+        NotImplementedError: the kernel cannot run this call (the reason)."""
     from rnnfuse.backends.base import StackRun
     from rnnfuse.reasons import KernelRun
 
@@ -882,19 +809,12 @@ def run_stack(sequences, call):
 
 
 def run_autograd(sequences, call):
-    """The backend's call of a plan on the kernel: `run_trainable` (the
-    kernel's forward saving what its backward reads, and the backward
-    kernel in autograd's backward pass) where autograd will want a
-    gradient of this call (`wants_gradient`: a Keras training step, or a
-    user's own loop), else `run_stack` (the forward alone: `predict` and
-    `evaluate` run under `torch.no_grad()`). Unidirectional stacks only
-    (the backend sends bidirectional ones to `wavefront_bidirectional`).
+    """`run_trainable` where autograd will want a gradient of this call
+    (`wants_gradient`), else `run_stack`. Unidirectional stacks only.
 
     Raises:
-        NotImplementedError: the kernels cannot run this call (the reason:
-            a shape over the limits, say): the caller runs cuDNN, which
-            then gives the gradient.
-    """
+        NotImplementedError: the kernels cannot run this call; the caller
+            runs cuDNN."""
     if wants_gradient(sequences, call.stack, call.initial_h, call.initial_c):
         return run_trainable(sequences, call)
     return run_stack(sequences, call)
@@ -913,11 +833,9 @@ def wants_gradient(sequences, stack, initial_h=None, initial_c=None) -> bool:
 def reference_forward(kind: str, weights: Sequence[torch.Tensor], x: torch.Tensor,
                       h0: torch.Tensor, c0: torch.Tensor | None,
                       lengths: torch.Tensor | None = None):
-    """The stack in float64 with cuDNN's rules for lengths (the tests' and
-    the benchmark's reference): outputs 0 past each length, final states at
-    each length. `weights` is PyTorch's [w_ih, w_hh, b_ih, b_hh] per layer;
-    x is time-major [T, B, I]. Returns (y, hy, cy or None) in float64.
-    """
+    """The stack in float64 with cuDNN's rules for lengths (the tests'
+    reference): `weights` PyTorch's per-layer list, x [T, B, I]; returns
+    (y, hy, cy or None)."""
     steps, batch, _ = x.shape
     w = [t.double() for t in weights]
     layers, units = len(w) // 4, w[1].shape[1]
