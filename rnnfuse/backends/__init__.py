@@ -1,25 +1,14 @@
 """Backends: run a whole stack of recurrent levels as one fused call.
 
-`get_backend()` returns the `Backend` (rnnfuse.backends.base) of the active
-Keras backend: an object implementing the kernel interface, with its
-`capabilities` as fields. It is the only place in rnnfuse that reads
-`keras.backend.backend()`; everything else asks the object. A Keras backend
-rnnfuse has no kernel for gets `NoFusedKernel` (every group keeps its
-layers, with a reason). `get_timing()` returns its `Timing`, what only the
-tuner uses (timed steps, gradients, the device environment), and
-`get_tooling()` its `Tooling`, what `rnnfuse bench` / `check` and the
-examples use (device description, model steps and gradients); both are
-kept out of the `Backend` contract.
-
-Each backend is a package, `rnnfuse/backends/<name>/`: the package module
-holds the kernels (packing, the fused call, its timed step) and
-`backend.py` the contract class that delegates to them, its `Timing` and
-its `Tooling`.
-Only code under `rnnfuse/backends/` imports TensorFlow, torch or JAX.
+`get_backend()` returns the active Keras backend's `Backend` (the kernel
+interface, with its `capabilities`), `get_timing()` its `Timing` (the
+tuner's) and `get_tooling()` its `Tooling` (bench, check, examples). This is
+the only place in rnnfuse that reads `keras.backend.backend()`, and only
+code under rnnfuse/backends/ imports TensorFlow, torch or JAX. A Keras
+backend rnnfuse has no kernel for gets `NoFusedKernel`.
 
 Adding a backend: a package `rnnfuse/backends/<name>/` with its kernels and
-a `backend.py` subclassing `Backend`, `Timing` and `Tooling`, and one line in
-`_CLASSES` below.
+a `backend.py` subclassing the three contracts, and one line in `_CLASSES`.
 
 Example:
 
@@ -59,8 +48,7 @@ __all__ = [
     "get_tooling",
 ]
 
-# Keras backend name -> the module of its contract implementations, and
-# their class names (Backend, Tooling, Timing).
+# Keras backend name -> (module, Backend, Tooling, Timing class names).
 _CLASSES = {
     "tensorflow": ("rnnfuse.backends.tensorflow.backend", "TensorFlowBackend",
                    "TensorFlowTooling", "TensorFlowTiming"),
@@ -69,42 +57,32 @@ _CLASSES = {
 }
 
 def get_backend(name: str | None = None) -> Backend:
-    """The `Backend` for Keras backend `name` (default: the active one).
-
-    A Keras backend rnnfuse has no fused kernel for gets `NoFusedKernel`,
-    whose `capabilities.fused_kernel` is False.
-    """
+    """The `Backend` for Keras backend `name` (default: the active one);
+    `NoFusedKernel` for one rnnfuse has no kernel for."""
     return _instance(name, 1, NoFusedKernel)
 
 
 def get_tooling(name: str | None = None) -> Tooling:
-    """The `Tooling` for Keras backend `name` (default: the active one);
-    `NoTooling` for a Keras backend rnnfuse has no kernel for.
+    """The `Tooling` for Keras backend `name` (default: the active one).
 
     >>> type(get_tooling()).__name__
-    'TensorFlowTooling'
-    """
+    'TensorFlowTooling'"""
     return _instance(name, 2, NoTooling)
 
 
 def get_timing(name: str | None = None) -> Timing:
-    """The `Timing` for Keras backend `name` (default: the active one), what
-    the tuner times plans with; `NoTiming` for a Keras backend rnnfuse has
-    no kernel for.
+    """The `Timing` the tuner times plans with for Keras backend `name`.
 
     >>> type(get_timing()).__name__
-    'TensorFlowTiming'
-    """
+    'TensorFlowTiming'"""
     return _instance(name, 3, NoTiming)
 
 
 def active_name() -> str:
-    """The active Keras backend's name, read without importing its
-    framework (what `get_backend()` would return the backend of).
+    """The active Keras backend's name, read without importing its framework.
 
     >>> active_name()
-    'tensorflow'
-    """
+    'tensorflow'"""
     return keras.backend.backend()
 
 

@@ -1,30 +1,15 @@
 """Stacks larger than the chip: consecutive wavefront segments that each fit.
 
-The wavefront kernel keeps every layer's weights in the register files of
-one CTA an SM, so a stack whose weights do not fit (8 LSTM layers of 512
-units, 2 of 1024 on a 132-SM Hopper GPU) is refused whole. Run as
-consecutive segments, each one launch of the kernel over a sub-stack, it
-still runs on the kernel: segment s + 1 reads segment s's output sequence
-as its input (its first layer's input projection is one matmul before its
-launch, as the stack's first layer's is), so the stack takes
-T * S + L - S dependent steps for S segments, against L * T for cuDNN
-run a layer at a time.
+A stack whose weights do not fit on chip is refused whole; run as
+consecutive segments, each one launch over a sub-stack reading the one
+below's output sequence, it takes T * S + L - S dependent steps for S
+segments, against L * T for cuDNN a layer at a time.
 
-`fewest_balanced(n, refusal)` chooses the segmentation from a refusal
-function of a sub-stack (layers[start:stop] -> why the kernel cannot run
-it, or None): the fewest segments, and among those the most balanced (the
-smallest largest segment; ties: the larger segments at the bottom). It
-asks each sub-stack at most once (O(n^2) questions), makes no assumption
-that a shorter sub-stack fits where a longer one does, and answers the
-pieces, or the reason none exists (the refusal of the first layer alone,
-the smallest sub-stack that has to fit).
-
-`stack_segments(lib, ...)` is that choice on the library's own plan check
-(`WavefrontLibrary.plan`, and for training the backward's plans), without
-a GPU: what the tuner's candidate and the benchmark run. In the tuner the
-refusal is the backend's `kernel_reason` of each sub-group
-(`rnnfuse.tuning.plans.kernel_plans`), so the device, the dtype and the
-bindings' own checks decide too.
+`fewest_balanced(n, refusal)` chooses the segmentation from a refusal of
+sub-stacks (layers[start:stop] -> why not, or None): the fewest segments,
+then the smallest largest one (ties: larger at the bottom), asking each
+sub-stack at most once. `stack_segments` applies it to the library's plan
+check; the tuner to the backend's `kernel_reason`.
 
 Example (the refusal of a plan that holds at most 4 layers):
 
@@ -84,18 +69,14 @@ def fewest_balanced(n: int, refusal: Callable[[int, int], str | None]) -> tuple[
 def stack_segments(lib, kind: str, num_layers: int, units: int, batch: int, steps: int,
                    input_size: int, *, sms: int, smem: int,
                    training: bool = False) -> tuple[int, ...] | str:
-    """`fewest_balanced` on the library's plan check for the device limits
-    `sms`, `smem` (no GPU needed): each segment's forward plan
-    (`lib.plan`; a segment above the first reads `units` inputs) and, with
-    `training`, the backward's per-layer plan (`lib.backward_plan`, which
-    every layer of every segment shares). `lib`: a loaded
-    `library.WavefrontLibrary`.
+    """`fewest_balanced` on the library's plan check for device limits `sms`,
+    `smem` (no GPU needed): each segment's forward plan and, with `training`,
+    the backward's per-layer plan.
 
     >>> from rnnfuse.backends.cuda import library  # doctest: +SKIP
     >>> stack_segments(library.load(), "lstm", 8, 512, 32, 1000, 512,
     ...                **library.H200)  # doctest: +SKIP
-    (4, 4)
-    """
+    (4, 4)"""
     def refusal(start: int, stop: int) -> str | None:
         width = input_size if start == 0 else units
         plan = lib.plan(kind, stop - start, units, batch, steps, width, sms=sms, smem=smem)

@@ -1,45 +1,25 @@
 """Builds and loads rnnfuse's own cuDNN RNN op for TensorFlow (csrc/).
 
-Nothing to do for the user: the first time a GPU is visible, `load_op()`
-compiles `csrc/rnnfuse_cudnn_rnn.cc` (the ops' kernels, which adapt
-tensors) together with rnnfuse's cuDNN RNN core
-(rnnfuse/backends/cuda/csrc/cudnn_rnn_core.cc, where the cuDNN logic
-lives; about 25 s of g++ on two cores) with TensorFlow's compile and link
-flags (`tf.sysconfig`) and loads it. The library is cached in the user cache folder
-(`platformdirs.user_cache_dir("rnnfuse")/ops/`, or `$RNNFUSE_CACHE_DIR`),
-under a name keyed by the TensorFlow version, the cuDNN version and a
-hash of the source and build flags; a `filelock` lock keeps two processes
-from building at once (the second waits, then loads the first's library).
+The first time a GPU is visible, `load_op()` compiles the op's kernels
+(csrc/rnnfuse_cudnn_rnn.cc) with rnnfuse's cuDNN core
+(rnnfuse/backends/cuda/csrc/cudnn_rnn_core.cc) under TensorFlow's flags
+and loads it, cached in the user cache folder (or $RNNFUSE_CACHE_DIR)
+under a key of the TensorFlow and cuDNN versions and the sources' hash.
 
-What the build needs:
+It needs a C++17 compiler ($CXX, g++, c++), TensorFlow's headers (in its
+wheel) and cuDNN 9 ($CUDNN, the `nvidia-cudnn-cu12` package, $CUDNN_HOME /
+$CUDA_HOME, the system). libcudnn.so.9 is linked NEEDED with an rpath to
+its folder, so the core's dlopen binds to that cuDNN; no CUDA runtime is
+linked (TensorFlow's serves). `build_wavefront_op()` / `load_wavefront_op()`
+build the wavefront op into its own library (it also needs nvcc).
 
-- a C++17 compiler: `$CXX`, else `g++`, else `c++`;
-- TensorFlow's headers (its wheel ships them, CUDA's runtime headers
-  included under `include/third_party/gpus/cuda/include`);
-- cuDNN 9's headers and `libcudnn.so.9`, found in this order: `$CUDNN`
-  (a folder with include/ and lib/), the `nvidia-cudnn-cu12` pip package
-  (`pip install rnnfuse[cuda]`), `$CUDNN_HOME`/`$CUDA_HOME`, the system
-  (/usr/include, /usr/lib/x86_64-linux-gnu).
-
-libcudnn.so.9 is linked as a NEEDED entry (`--no-as-needed`) with an rpath
-to the folder it was found in, so loading the op loads that cuDNN and the
-core's dlopen of the soname binds to it; no CUDA runtime is linked (its
-calls bind to the runtime inside libtensorflow_framework.so.2).
-
-The same machinery builds `RnnfuseWavefront` (csrc/rnnfuse_wavefront_op.cc
-with rnnfuse/backends/cuda/csrc/, which also needs nvcc: see
-rnnfuse.backends.cuda.build) into its own library, `build_wavefront_op()` /
-`load_wavefront_op()`, so a machine without nvcc keeps the cuDNN op.
-
-If anything fails (no compiler, no headers, a load error), `load_op()`
-warns once (logger "rnnfuse" and `warnings.warn`) with the reason and the
-fix, returns None, and the TensorFlow backend keeps using CudnnRNNV3.
-`RNNFUSE_DISABLE_OP=1` turns the op off. `rnnfuse build-ops` prebuilds.
+Any failure warns once with the reason and the fix and returns None; the
+backend then runs CudnnRNNV3. `RNNFUSE_DISABLE_OP=1` turns the op off;
+`rnnfuse build-ops` prebuilds.
 
 Example (no GPU needed; compiles only):
 
-    >>> path = build_op()  # doctest: +SKIP
-    >>> path.name  # doctest: +SKIP
+    >>> build_op().name  # doctest: +SKIP
     'rnnfuse_cudnn_rnn.so'
 """
 
@@ -204,11 +184,8 @@ def _warn(reason: str) -> None:
 
 
 def load_op():
-    """The loaded op module (with `rnnfuse_cudnn_rnn`, `..._backprop`), or None.
-
-    Builds it on first use. Loads only when TensorFlow sees a GPU; any
-    failure warns once and returns None (see the module docstring).
-    """
+    """The loaded op module, or None (built on first use where TensorFlow
+    sees a GPU; a failure warns once)."""
     if _STATE["tried"]:
         return _STATE["module"]
     with _LOCK:
@@ -253,14 +230,9 @@ def _load():
 
 
 def wavefront_command(compiler: str, cubin: Path, output: Path) -> list[str]:
-    """The compile command for the RnnfuseWavefront op around `cubin`.
-
-    TensorFlow's flags and headers (cuda.h, cuda_runtime_api.h come with its
-    wheel), the op's adapter and the kernel's C-ABI launcher
-    (rnnfuse/backends/cuda/csrc/wavefront_host.cc, which embeds `cubin` and
-    reaches the CUDA driver through dlopen); no CUDA runtime is linked, as
-    for the cuDNN op.
-    """
+    """The compile command for the wavefront ops around `cubin`: TensorFlow's
+    flags, the op's adapter and the kernel's C-ABI launcher (the driver
+    through dlopen; no CUDA runtime linked)."""
     compile_flags, link_flags, cuda_include, _ = _tf_flags()
     return [
         compiler, "-std=c++17", "-shared", "-fPIC", "-O2", "-DGOOGLE_CUDA=1", "-w",
@@ -272,16 +244,11 @@ def wavefront_command(compiler: str, cubin: Path, output: Path) -> list[str]:
 
 
 def build_wavefront_op(force: bool = False, verbose: bool = False) -> Path:
-    """Compiles the wavefront ops (unless cached); returns their library's
-    path: RnnfuseWavefront (inference), RnnfuseWavefrontSaving and
-    RnnfuseWavefrontBackward (training; rnnfuse_wavefront_op.cc).
-
-    Needs what `build_op` needs but cuDNN, plus nvcc for the kernel's cubin
-    (rnnfuse.backends.cuda.build). No GPU needed.
+    """Compiles the wavefront ops (unless cached) and returns their library's
+    path; needs `build_op`'s tools but cuDNN, plus nvcc. No GPU needed.
 
     Raises:
-        BuildError: no compiler, no nvcc, or a compiler failed.
-    """
+        BuildError: no compiler, no nvcc, or a compiler failed."""
     import tensorflow as tf
 
     compiler = find_compiler()
@@ -301,13 +268,8 @@ def wavefront_load_failure() -> str | None:
 
 
 def load_wavefront_op():
-    """The loaded RnnfuseWavefront op module, or None (with the reason in
-    `wavefront_load_failure()`).
-
-    Builds it on first use, only when TensorFlow sees a GPU and
-    RNNFUSE_DISABLE_OP is unset. No warning: the op is a tuner candidate,
-    and without it fused stacks run on cuDNN as before.
-    """
+    """The loaded wavefront op module, or None (the reason in
+    `wavefront_load_failure()`); no warning: without it cuDNN runs."""
     with _LOCK:
         if _WAVEFRONT["tried"]:
             return _WAVEFRONT["module"]

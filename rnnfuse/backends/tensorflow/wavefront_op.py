@@ -1,50 +1,23 @@
 """TensorFlow side of rnnfuse's wavefront kernel (the `RnnfuseWavefront` op).
 
-`run_stack` runs a fused unidirectional LSTM or GRU stack's inference on
-the kernel (rnnfuse/backends/cuda/csrc/wavefront.cuh: every layer's weights
-on chip, the layers as a wavefront), with the arguments and results of
-`rnnfuse.backends.tensorflow.run_stack` (a `StackCall`), from the same canonical flat
-buffer (`pack_params`). Layer 0's input projection x W_ih^T is one
-`tf.matmul` in the compute dtype before the op; the biases are added in the
-kernel, in float32.
+`run_stack` runs a unidirectional LSTM or GRU stack's inference on the
+kernel with `rnnfuse.backends.tensorflow.run_stack`'s arguments and
+results, from the same flat buffer (`pack_params`); layer 0's input
+projection is one `tf.matmul` before the op. Where the kernel cannot run
+the call (`unsupported_reason`) it raises NotImplementedError with the
+reason and the caller runs cuDNN.
 
-It raises NotImplementedError, naming the reason, where the kernel cannot
-run the call (`unsupported_reason`: not float16/bfloat16, a projection,
-bidirectional or summed inputs, dropout, a shape over the on-chip limits,
-a batch or length unknown when the call is traced, no op, no Hopper GPU);
-the caller then runs cuDNN. The op itself has no gradient (a gradient
-through the raw op is an error that says so): `run_differentiable`, what
-the backend's `run_stack` calls for a plan on the "wavefront" kernel, gives
-the call cuDNN's gradient, recomputed in the backward pass, so a
-`GradientTape` around an inference call gets the gradient Keras' own
-layers would give.
+The op has no gradient: `run_differentiable`, what the backend calls,
+gives the call cuDNN's gradient recomputed in the backward pass.
+`run_trainable` is the training form with the kernels' own gradient
+(`wavefront_training.trainable_forward`); its `KernelRun`'s algorithm says
+which backward ran ("backward=stack" or "backward=layer").
 
-Training (an LSTM or GRU stack): `run_trainable` is `run_stack` with the
-kernel's own gradient (`wavefront_training.trainable_forward`): the forward
-kernel saving every layer's gates and c (`RnnfuseWavefrontSaving`), and in
-the backward pass every layer's recurrence in one reverse-wavefront launch
-(`RnnfuseWavefrontBackwardStack`, v2) where its plan accepts the stack,
-else per layer from the top the backward kernel's recurrence
-(`RnnfuseWavefrontBackward`, v1) (`wavefront_training.backward_choice`),
-then dx, dW and the biases as `tf.matmul`s, reaching the Keras variables
-through `pack_params`; its `KernelRun`'s algorithm says which backward
-ran ("backward=stack" or "backward=layer"; a GRU's is always "layer",
-the reverse wavefront being LSTM only).
-`training_reason` says beforehand why it cannot run a call (the forward's
-reasons, then the backward's: its plan); `run_trainable`
-raises NotImplementedError with it, and the caller runs cuDNN.
-
-Example (on a Hopper GPU, inside a tf.function or eagerly):
+Example (on a Hopper GPU):
 
     >>> run = run_stack(x, StackCall(stack))  # doctest: +SKIP
     >>> run.kernel.name  # doctest: +SKIP
     'RnnfuseWavefront'
-    >>> with tf.GradientTape() as tape:  # doctest: +SKIP
-    ...     run = run_trainable(x, StackCall(stack))
-    ...     loss = tf.reduce_sum(tf.cast(run.outputs, tf.float32) ** 2)
-    >>> grads = tape.gradient(loss, variables)  # the backward kernel's  # doctest: +SKIP
-    >>> run.kernel.name  # doctest: +SKIP
-    'RnnfuseWavefront forward+backward'
 """
 
 from __future__ import annotations
@@ -62,15 +35,13 @@ __all__ = ["KERNEL_NAME", "TRAINING_KERNEL_NAME", "register_gradient", "run_diff
            "run_stack", "run_trainable", "training_reason", "unsupported_reason"]
 
 KERNEL_NAME = "RnnfuseWavefront"
-# The `KernelRun` name of a training call (`run_trainable`: both kernels).
 TRAINING_KERNEL_NAME = "RnnfuseWavefront forward+backward"
 
 
 def unsupported_reason(kind: str, num_layers: int, units: int, batch: int, steps: int,
                        input_size: int, dtype: Any, *, directions: int = 1, proj_size: int = 0,
                        summed_inputs: bool = False, dropout: float = 0.0) -> str | None:
-    """Why the wavefront op cannot run this inference call here, or None
-    (the checks of `rnnfuse.backends.cuda.library`, and the op loaded)."""
+    """Why the wavefront op cannot run this inference call here, or None."""
     from rnnfuse.backends.cuda import library
     from rnnfuse.backends.tensorflow import wavefront_training
 
@@ -89,9 +60,7 @@ def training_reason(kind: str, num_layers: int, units: int, batch: int, steps: i
                     input_size: int, dtype: Any, *, directions: int = 1, proj_size: int = 0,
                     summed_inputs: bool = False, dropout: float = 0.0) -> str | None:
     """Why `run_trainable` cannot run this training call here, or None: the
-    forward's `unsupported_reason`, then the backward kernel's
-    (`library.backward_reason`: LSTM or GRU; its plan for one layer of
-    `units` at `batch`)."""
+    forward's `unsupported_reason`, then the backward kernel's."""
     from rnnfuse.backends.cuda import library
 
     reason = unsupported_reason(kind, num_layers, units, batch, steps, input_size, dtype,
@@ -157,13 +126,11 @@ def _time_major(sequences: tf.Tensor, mask: Any, reverse: bool):
 
 
 def run_stack(sequences: tf.Tensor, call: StackCall) -> StackRun:
-    """`rnnfuse.backends.tensorflow.run_stack` on the wavefront op (inference;
-    no gradient: see `run_differentiable`). The call's `seed`, `algorithm`,
-    `kernel` and `training` are not read.
+    """`rnnfuse.backends.tensorflow.run_stack` on the wavefront op, inference
+    only; `seed`, `algorithm`, `kernel` and `training` are not read.
 
     Raises:
-        NotImplementedError: the op cannot run this call (the reason).
-    """
+        NotImplementedError: the op cannot run this call (the reason)."""
     from rnnfuse.backends import tensorflow as tf_backend
     from rnnfuse.backends.tensorflow import op_build, wavefront_training
 
@@ -188,22 +155,12 @@ def run_stack(sequences: tf.Tensor, call: StackCall) -> StackRun:
 
 
 def run_trainable(sequences: tf.Tensor, call: StackCall) -> StackRun:
-    """`run_stack` for training: the kernel's forward AND backward (an LSTM
-    or GRU stack; a GRU's backward is per layer). The gradient with
-    respect to the sequences, the initial states and every variable the
-    call read (through `pack_params`) is
-    `wavefront_training.backward_stack_wavefront`'s (one reverse-wavefront
-    launch for every layer) where the stack backward's plan accepts the
-    stack, else `backward_stack`'s (per layer from the top the backward
-    kernel's recurrence), then dx, dW and the biases as GEMMs
-    (`wavefront_training.backward_choice`, "auto"). Its `KernelRun` is
-    TRAINING_KERNEL_NAME with the algorithm "backward=stack" or
-    "backward=layer".
+    """`run_stack` for training: the kernels' forward and backward, the
+    gradient reaching every variable the call read (through `pack_params`).
 
     Raises:
-        NotImplementedError: the kernels cannot run this call (the reason,
-            `training_reason`'s); the caller runs cuDNN.
-    """
+        NotImplementedError: the kernels cannot run this call
+            (`training_reason`); the caller runs cuDNN."""
     from rnnfuse.backends import tensorflow as tf_backend
     from rnnfuse.backends.tensorflow import wavefront_training
 
@@ -222,20 +179,13 @@ def run_trainable(sequences: tf.Tensor, call: StackCall) -> StackRun:
 
 
 def run_differentiable(sequences: tf.Tensor, call: StackCall) -> StackRun:
-    """`run_stack` (looked up when called), with cuDNN's gradient.
-
-    The forward pass is the wavefront op's; the gradient with respect to
-    the sequences, the initial states and every variable the call read is
-    that of the same call on cuDNN (`rnnfuse.backends.tensorflow.run_stack`,
-    kernel "cudnn", the standard algorithm), recomputed from the saved
-    inputs when a gradient is asked for (TensorFlow's `tf.recompute_grad`
-    pattern): nothing more runs in an inference call, and a `GradientTape`
-    around `model(x, training=False)` gets cuDNN's gradient, as Keras' own
-    layers give one there.
+    """`run_stack` with cuDNN's gradient: the same call on cuDNN (standard
+    algorithm) recomputed from the saved inputs when a gradient is asked for
+    (`tf.recompute_grad`'s pattern), so a tape around an inference call gets
+    the gradient Keras' own layers give.
 
     Raises:
-        NotImplementedError: the op cannot run this call (the reason).
-    """
+        NotImplementedError: the op cannot run this call (the reason)."""
     from rnnfuse.backends import tensorflow as tf_backend
 
     h, c = list(call.initial_h or []), list(call.initial_c or [])

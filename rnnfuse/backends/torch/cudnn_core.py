@@ -1,29 +1,14 @@
-"""torch binding of rnnfuse's cuDNN RNN core (rnnfuse/backends/cuda/csrc/
-cudnn_rnn_core.h): the fused cuDNN call with the algorithm as an input.
+"""torch binding of rnnfuse's cuDNN RNN core (cuda/csrc/cudnn_rnn_core.h):
+the fused cuDNN call with the algorithm as an input, so the plan's
+algorithm (standard, persistent static or dynamic) runs in both passes,
+which `torch._VF` never chooses for a multi-layer call.
 
-`torch.ops.rnnfuse.cudnn_rnn` is a `torch.library.custom_op` over the
-core's C ABI, loaded with ctypes (`rnnfuse.backends.cuda.cudnn_core`), not
-`torch.utils.cpp_extension`: the library depends on no torch, so it serves
-whatever torch runs it. Its gradient (`register_autograd`) is
-`torch.ops.rnnfuse.cudnn_rnn_backward`: cuDNN's backward data and backward
-weights on the forward's reserve space, with the forward's algorithm.
-
-PyTorch's own `torch._VF.lstm/gru` picks cuDNN's algorithm itself and never
-runs a persistent kernel for a multi-layer or bidirectional call; through
-the core the plan's algorithm (standard, persistent static, persistent
-dynamic) runs in both passes, and the tuner can time each.
-
-`run(x, stack, ...)` runs a stack's calls on the core (time-major x
-[T, B, F]; canonical flat parameters from PyTorch's weight list,
-`canonical_params`); `core_reason` says beforehand why the core cannot run
-a call here (not a CUDA tensor, a dtype, the library not loading), and a
-`CoreError` at run time (a configuration cuDNN refuses) is the other
-reason; the backend then runs `torch._VF` with the reason in the
-`KernelRun`'s note.
-
-The two functions that reach the library, `core_forward` and
-`core_backward`, take and give tensors: the CPU tests replace them with an
-emulation of the core's arithmetic (tests/cudnn_reference.py).
+`torch.ops.rnnfuse.cudnn_rnn` is a custom op over the core's C ABI (ctypes,
+no torch dependency); its gradient is `cudnn_rnn_backward` on the forward's
+reserve space. `core_reason` says beforehand why the core cannot run a call
+here; a `CoreError` is cuDNN refusing it; either way the backend runs
+`torch._VF`. The CPU tests replace `core_forward` and `core_backward`
+with an emulation (tests/cudnn_reference.py).
 
 Example (on a GPU with the core built):
 
@@ -43,7 +28,6 @@ from rnnfuse.backends.torch.streams import launch_stream
 __all__ = ["KERNEL_NAME", "CoreCall", "algorithm_code", "canonical_params", "core_backward",
            "core_forward", "core_reason", "disabled", "run"]
 
-# The `KernelRun` name of a call on the core.
 KERNEL_NAME = "torch.ops.rnnfuse.cudnn_rnn"
 _MODES = ("lstm", "gru", "rnn_tanh", "rnn_relu")
 _DTYPES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
@@ -79,16 +63,15 @@ def core_reason(x: torch.Tensor) -> str | None:
 
 
 def algorithm_code(algorithm, dtype: torch.dtype, allow_tf32: bool) -> int:
-    """The core's `algorithm` field for a `rnnfuse.plan.Algorithm` (None:
-    standard) in `dtype`: half types run tensor ops unless asked otherwise
-    (what PyTorch and TensorFlow do); float32 without TF32 runs FMA.
+    """The core's `algorithm` field for an `Algorithm` (None: standard) in
+    `dtype`: half types run tensor ops unless asked otherwise; float32
+    without TF32 runs FMA.
 
     >>> from rnnfuse.plan import Algorithm
     >>> algorithm_code(Algorithm.parse("persistent_static+tc"), torch.float16, True)
     5
     >>> algorithm_code(None, torch.float32, False)
-    3
-    """
+    3"""
     algo = 0 if algorithm is None else int(algorithm.algo)
     math = "default" if algorithm is None else algorithm.math
     if dtype == torch.float32 and not allow_tf32:
@@ -99,17 +82,14 @@ def algorithm_code(algorithm, dtype: torch.dtype, allow_tf32: bool) -> int:
 
 
 def canonical_params(weights, num_pseudo_layers: int) -> torch.Tensor:
-    """The core's flat buffer from PyTorch's weight list ([w_ih, w_hh, b_ih,
-    b_hh] (+ [w_hr]) per pseudo-layer, `rnnfuse.backends.torch.pack_params`):
-    every pseudo-layer's matrices (w_ih, w_hh, then w_hr) row-major, then
-    every pseudo-layer's biases. PyTorch's gate orders are cuDNN's, so the
-    rows need no reordering.
+    """The core's flat buffer from PyTorch's weight list: every pseudo-layer's
+    matrices (w_ih, w_hh, w_hr) row-major, then every one's biases (PyTorch's
+    gate orders are cuDNN's).
 
     >>> w = [torch.full((4, 3), 1.), torch.full((4, 1), 2.), torch.full((4,), 3.),
     ...      torch.full((4,), 4.)]
     >>> canonical_params(w, 1).tolist()[:12] == [1.0] * 12
-    True
-    """
+    True"""
     weights = list(weights)
     per = len(weights) // num_pseudo_layers
     if per not in (4, 5) or per * num_pseudo_layers != len(weights):
@@ -170,10 +150,9 @@ def _launch(ints, dropout: float, seed: int, x):
 
 def core_forward(ints: list[int], dropout: float, seed: int, training: bool, x, hx, cx, params,
                  lengths, dev_lengths):
-    """The core's forward on tensors: (y [T, B, D*R], hy, cy, reserve
-    uint8). `lengths`: host int32 [B] or None (every sequence full);
-    `dev_lengths`: the same on the device. cx and cy are empty but for an
-    LSTM. The CPU tests replace this function."""
+    """The core's forward: (y [T, B, D*R], hy, cy, reserve uint8); `lengths`
+    on the host, `dev_lengths` on the device (or None); cx and cy are empty
+    but for an LSTM."""
     lib, config, steps, batch, stream = _launch(ints, dropout, seed, x)
     work, reserve_bytes = _sizes(lib, config, steps, batch, lengths, stream, x.device)
     lstm = ints[0] == 0
@@ -194,8 +173,7 @@ def core_forward(ints: list[int], dropout: float, seed: int, training: bool, x, 
 
 def core_backward(ints: list[int], dropout: float, seed: int, x, hx, cx, params, lengths,
                   dev_lengths, y, dy, dhy, dcy, reserve):
-    """The core's backward data then backward weights on tensors: (dx,
-    dhx, dcx, dparams). The CPU tests replace this function."""
+    """The core's backward data then backward weights: (dx, dhx, dcx, dparams)."""
     lib, config, steps, batch, stream = _launch(ints, dropout, seed, x)
     work, reserve_bytes = _sizes(lib, config, steps, batch, lengths, stream, x.device)
     lstm = ints[0] == 0
@@ -281,17 +259,12 @@ def run(x: torch.Tensor, kind: str, num_layers: int, units: int, params: torch.T
         hx: torch.Tensor, cx: torch.Tensor | None, lengths: torch.Tensor | None = None, *,
         directions: int = 1, proj_size: int = 0, algorithm: int = 0, allow_tf32: bool = False,
         dropout: float = 0.0, seed: int = 0, training: bool = False):
-    """One core call: (y [T, B, D*R], hy [L*D, B, R], cy [L*D, B, H] or None).
-
-    x [T, B, F] time-major; params the canonical buffer (`canonical_params`);
-    hx, cx the initial states (cx None unless an LSTM); `lengths` int32 [B]
-    on the host (None: all T); `algorithm` the core's code
-    (`algorithm_code`); `training`: run the training forward (a reserve
-    space, dropout applied, the gradient available).
+    """One core call: (y [T, B, D*R], hy [L*D, B, R], cy [L*D, B, H] or None)
+    from time-major x, the canonical params, hx, cx, host `lengths` and the
+    `algorithm_code`; `training` runs the training forward (reserve, dropout).
 
     Raises:
-        CoreError: the core refused or failed the call.
-    """
+        CoreError: the core refused or failed the call."""
     call = CoreCall(kind, num_layers, units, int(x.shape[-1]), directions=directions,
                     proj_size=proj_size, algorithm=algorithm, allow_tf32=allow_tf32,
                     dropout=dropout, seed=seed)

@@ -1,13 +1,9 @@
-"""ProjectedLSTM's torch fast path: PyTorch's own LSTMP (one
-`torch._VF.lstm` call with `proj_size`, through `rnnfuse.backends.torch.run_stack`).
+"""ProjectedLSTM's torch fast path: one `torch._VF.lstm` call with
+`proj_size` (path "torch_fused"), through `rnnfuse.backends.torch.run_stack`.
 
-cuDNN on CUDA, PyTorch's native kernel on the CPU; path "torch_fused".
-`reason` says which cells it cannot compute exactly (not tanh/sigmoid,
-proj_size >= units, a dtype PyTorch refuses); `run` raises
-NotImplementedError for a mask that is not right-padded or has an empty
-sequence (checked on its values: Keras' torch backend runs eagerly), and
-the layer then runs Keras' generic loop. Results match that loop to float
-rounding. `TorchBackend.run_projected_lstm` calls `run`.
+`reason` says which cells it cannot compute exactly; `run` raises
+NotImplementedError for a mask that is not right-padded, and the layer
+then runs Keras' generic loop.
 
 Example:
 
@@ -57,22 +53,13 @@ def run(sequences, initial_state, mask, call: ProjectedLSTMCall):
 
 
 def _inner_loop(call: ProjectedLSTMCall, sequences, initial_state, mask):
-    """What `keras.layers.RNN.inner_loop` returns, from one `torch._VF.lstm`
-    call with `proj_size` (`rnnfuse.backends.torch.run_stack`).
+    """What `keras.layers.RNN.inner_loop` returns, from one projected
+    `torch._VF.lstm` call.
 
-    `mask`, when given, is right-padded with no empty row. `run_stack`
-    returns outputs with zeros past each length, and with `reverse` each
-    sequence reversed within its length; Keras' loop instead reverses the
-    whole padded sequence, so a go_backwards layer first sees the padding
-    (state kept, output zeros) and then the valid steps. Rearranged here
-    to Keras' processing order; a masked step's output is zeros with
-    `zero_output_for_mask`, else the last unmasked output (zeros before the
-    first one), as Keras' loop does.
-
-    Returns:
-        (last_output [B, P], outputs [B, T, P] (or [B, 1, P] when not
-        return_sequences, as the generic loop), [h [B, P], c [B, U]]).
-    """
+    `run_stack` reverses each sequence within its length, while Keras' loop
+    reverses the whole padded sequence (a go_backwards layer first sees the
+    padding), so outputs are rearranged to Keras' order; a masked step's
+    output is zeros with `zero_output_for_mask`, else the last unmasked one."""
     from rnnfuse.backends import torch as torch_backend
 
     cell = call.cell

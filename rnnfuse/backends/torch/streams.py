@@ -1,7 +1,5 @@
 """The CUDA stream a torch binding hands to rnnfuse's C-ABI libraries.
 
-Example (on a GPU):
-
     >>> launch_stream(torch.device("cuda", 0))  # doctest: +SKIP
     0
 """
@@ -14,14 +12,9 @@ __all__ = ["launch_stream"]
 
 
 def launch_stream(device: torch.device) -> int:
-    """torch's current stream on `device` (a `CUstream` as an int), with the
-    device's context current on this thread.
-
-    The libraries launch on the calling thread's current context when the
-    stream is the default one (0), and torch's autograd thread for a device
-    starts without one; a stream query (a runtime call) makes the primary
-    context current.
-    """
+    """torch's current stream on `device` as an int, with the device's context
+    current on this thread: autograd's device thread starts without one, and
+    a stream query (a runtime call) makes the primary context current."""
     stream = torch.cuda.current_stream(device)
     stream.query()
     return stream.cuda_stream

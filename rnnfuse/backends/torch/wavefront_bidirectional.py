@@ -1,36 +1,20 @@
 """torch binding of bidirectional layers on rnnfuse's wavefront kernel.
 
-There is no wavefront across bidirectional layers (layer l + 1 needs both
-directions of layer l whole), but a layer's two directions are independent:
-one launch a layer runs both concurrently on disjoint CTA sets, each
-direction's weights resident (wavefront.cuh, "Independent layers";
-docs/kernel.md, "Bidirectional layers"). Per layer l, time-major:
+Layer l + 1 needs both directions of layer l whole, so there is no
+wavefront across bidirectional layers; a layer's two directions run in one
+launch on disjoint CTAs instead (wavefront.cuh, "Independent layers").
+Per layer, time-major:
 
 1. xproj = inp W_ih^T for both directions as one matmul ([T, B, 2 G H]),
-   split, and direction 1's reversed within each row's length
-   (`reverse_within_lengths`: t -> len - 1 - t for t < len, padded steps
-   stay), so the kernel runs both directions forward in time;
-2. one launch (`torch.ops.rnnfuse.wavefront_directions`): y [2, T, B, H],
-   hy, cy [2, B, H] from the layer's canonical buffer (`flat_params` of its
-   [w_ih, w_hh, b_ih, b_hh] forward, then backward: the kernel's
-   independent PlanOffsets layout), h0, c0 [2, B, H];
-3. direction 1's output reversed back within each length, and the layer's
-   output the two concatenated ([T, B, 2H]: cuDNN's; Keras' sum and ave
-   merges below the top are packed into the next layer's input kernel,
-   `StackSpec.input_scale`, and the top's merge is the layer's own).
+   direction 1's reversed within each row's length
+   (`reverse_within_lengths`), so both run forward in time;
+2. one launch: y [2, T, B, H], hy, cy [2, B, H] from the layer's canonical
+   buffer (`flat_params` of its forward, then backward weights);
+3. direction 1's output reversed back, the two concatenated ([T, B, 2H]).
 
-`forward(x, weights, h0, c0, lengths, kind=...)` runs a stack this way
-(weights: PyTorch's per pseudo-layer list, layer-major, forward before
-backward; h0, c0 [2L, B, H]) and returns cuDNN's (y [T, B, 2H], hy, cy
-[2L, B, H]). It has no gradient of its own: `trainable_forward` is the
-training form, each direction of each layer a one-layer
-`wavefront.trainable_forward` (the saving forward and backward kernels of
-the unidirectional stacks), direction 1 over the reversed input, one
-direction after the other. `run_stack` is the backend's call (the
-training form where autograd records it). `unsupported_reason` and
-`training_reason` say why not (the `library.BIDIRECTIONAL` switch, the
-device, the plans). The CPU tests fake the op
-(tests/torch_backend/test_wavefront_bidirectional.py).
+`forward` has no gradient; `trainable_forward` is the training form (each
+direction of each layer a one-layer `wavefront.trainable_forward`).
+`run_stack` is the backend's call.
 
 Example (on a Hopper GPU, with library.BIDIRECTIONAL on):
 
@@ -161,21 +145,13 @@ def forward(x: torch.Tensor, weights: Sequence[torch.Tensor], h0: torch.Tensor,
 
 def trainable_forward(x: torch.Tensor, weights: Sequence[torch.Tensor], h0: torch.Tensor,
                       c0: torch.Tensor | None, lengths: torch.Tensor | None, *, kind: str):
-    """`forward` with the kernels' gradient (autograd): each direction of
-    each layer is a one-layer `wavefront.trainable_forward` (the saving
-    forward and the backward kernels the unidirectional stacks train on),
-    direction 1 over the layer's input reversed within each length and its
-    output reversed back, so the gradient is theirs through two gathers.
-    The directions run one after the other (two launches a layer each
-    way), not concurrently: the training form that needs no new kernel.
-
-    Same arguments and results as `forward`, differentiable with respect to
-    x, the weights (the tensors `weights` holds), h0 and c0.
+    """`forward` with the kernels' gradient (autograd): each direction of each
+    layer a one-layer `wavefront.trainable_forward`, direction 1 over the
+    reversed input, one direction after the other (no new kernel needed).
 
     Raises:
         ValueError: weights that are not 8 tensors a layer.
-        library.WavefrontError: a launch the library refuses.
-    """
+        library.WavefrontError: a launch the library refuses."""
     from rnnfuse.backends.torch import wavefront
 
     weights = _checked_weights(weights, "trainable_forward")
@@ -198,9 +174,7 @@ def trainable_forward(x: torch.Tensor, weights: Sequence[torch.Tensor], h0: torc
 def _structure_reason(library, kind: str, dtype: torch.dtype, device: torch.device,
                       proj_size: int, dropout: float) -> tuple[str | None, int | None]:
     """(why not, None) where the kernel never runs this stack here whatever
-    the shape (the kernel's kinds, dtypes, no projection, no dropout between
-    layers, the `library.BIDIRECTIONAL` switch, a CUDA device), else (None,
-    the device's CUDA ordinal)."""
+    the shape, else (None, the device's CUDA ordinal)."""
     reason = library.stack_reason(kind, str(dtype).replace("torch.", ""), proj_size=proj_size,
                                   dropout=dropout)
     if reason is not None:
@@ -215,10 +189,8 @@ def _structure_reason(library, kind: str, dtype: torch.dtype, device: torch.devi
 def training_reason(kind: str, num_layers: int, units: int, batch: int, steps: int,
                     input_size: int, dtype: torch.dtype, device: torch.device, *,
                     proj_size: int = 0, dropout: float = 0.0) -> str | None:
-    """Why `trainable_forward` cannot run this bidirectional stack here, or
-    None: the structure and switch checks of `unsupported_reason`, then the
-    one-layer forward plan at each input width (`input_size`, 2 * units)
-    and the backward's (`library.backward_reason`)."""
+    """Why `trainable_forward` cannot run this stack here, or None: the
+    structure checks, the one-layer forward plans and the backward's."""
     library = _library()
     reason, ordinal = _structure_reason(library, kind, dtype, device, proj_size, dropout)
     if reason is not None:
@@ -233,10 +205,8 @@ def training_reason(kind: str, num_layers: int, units: int, batch: int, steps: i
 def unsupported_reason(kind: str, num_layers: int, units: int, batch: int, steps: int,
                        input_size: int, dtype: torch.dtype, device: torch.device, *,
                        proj_size: int = 0, dropout: float = 0.0) -> str | None:
-    """Why the kernel cannot run this bidirectional stack here (then run
-    cuDNN), or None: the kernel's kinds, dtypes, no projection, no dropout
-    between layers, the `library.BIDIRECTIONAL` switch, a CUDA device,
-    then `library.bidirectional_reason` (the device, each layer's plan)."""
+    """Why the kernel cannot run this bidirectional stack here, or None: the
+    structure checks, then `library.bidirectional_reason`."""
     library = _library()
     reason, ordinal = _structure_reason(library, kind, dtype, device, proj_size, dropout)
     if reason is not None:
@@ -246,16 +216,12 @@ def unsupported_reason(kind: str, num_layers: int, units: int, batch: int, steps
 
 def run_stack(sequences, call):
     """`rnnfuse.backends.torch.run_stack` of a bidirectional stack on the
-    kernel: `call` a `StackCall`. Returns a `StackRun`: where autograd
-    records the call (a training step), `trainable_forward`'s (its
-    `KernelRun` is `wavefront.TRAINING_KERNEL_NAME`, algorithm
-    TRAINING_ALGORITHM); else `forward`'s, both directions of a layer in
-    one launch.
+    kernel: `trainable_forward` where autograd records the call, else
+    `forward`.
 
     Raises:
-        NotImplementedError: the kernels cannot run this call (the reason):
-            the caller runs cuDNN.
-    """
+        NotImplementedError: the kernels cannot run this call; the caller
+            runs cuDNN."""
     from rnnfuse.backends import torch as kernels
     from rnnfuse.backends.base import StackRun
     from rnnfuse.backends.torch import wavefront
