@@ -1,36 +1,20 @@
-"""Builds rnnfuse's native libraries (csrc/) and caches what it built.
+"""Builds rnnfuse's native libraries (csrc/) and caches them under
+`cache_dir()`, keyed by a hash of the sources, the compiler and the flags.
 
-The wavefront kernel in two steps, each cached under `cache_dir()` by a
-hash of its sources, the compiler's version and the flags:
+- `build_cubin()`: nvcc compiles `csrc/wavefront.cu` to an sm_90 cubin;
+- `build_library()`: g++ embeds it (`.incbin`) with `csrc/wavefront_host.cc`
+  into `librnnfuse_wavefront.so`, a C ABI over the CUDA driver API;
+- `build_cudnn_core()`: g++ compiles `csrc/cudnn_rnn_core.cc` into
+  `librnnfuse_cudnn_core.so` against cuDNN's headers (`find_cudnn`), with
+  an rpath to the cuDNN found.
 
-1. `build_cubin()`: nvcc compiles `csrc/wavefront.cu` to an sm_90 cubin
-   (the device code: about 15 s on two cores);
-2. `build_library()`: g++ compiles `csrc/wavefront_host.cc` with that cubin
-   embedded (`.incbin`) into `librnnfuse_wavefront.so`, a C-ABI library
-   over the CUDA driver API that `library.py` loads with ctypes (torch) and
-   that rnnfuse's TensorFlow op compiles in (op_build.py).
-
-and the cuDNN RNN core, `build_cudnn_core()`: g++ compiles
-`csrc/cudnn_rnn_core.cc` into `librnnfuse_cudnn_core.so` (a C ABI over
-cuDNN 9's RNN API that reaches cuDNN and the driver through dlopen;
-`cudnn_core.py` loads it with ctypes) against cuDNN's headers
-(`find_cudnn`: the nvidia-cudnn-cu12 wheel, `$CUDNN`, ...) and the CUDA
-toolkit's, with an rpath to the cuDNN found, about 4 s on two cores.
-
-No step needs a GPU, so CI compiles all three. What they need:
-
-- nvcc (CUDA 12.4 or newer): `$NVCC`, else `$CUDA_HOME/bin/nvcc`, else
-  `nvcc` on PATH, else the newest `/usr/local/cuda*/bin/nvcc`; its
-  toolkit's include/ supplies cuda.h for step 2;
-- a C++17 compiler: `$CXX`, else `g++`, else `c++`.
-
-A `filelock` lock (or fcntl) keeps two processes from building the same
-file at once; the second waits, then uses the first's.
+No step needs a GPU. They need nvcc 12.4+ ($NVCC, $CUDA_HOME/bin, PATH, the
+newest /usr/local/cuda*) and a C++17 compiler ($CXX, g++, c++). A file lock
+keeps two processes from building the same file at once.
 
 Example (no GPU needed; compiles only):
 
-    >>> path = build_library()  # doctest: +SKIP
-    >>> path.name  # doctest: +SKIP
+    >>> build_library().name  # doctest: +SKIP
     'librnnfuse_wavefront.so'
 """
 

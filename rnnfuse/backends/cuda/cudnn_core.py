@@ -1,15 +1,9 @@
 """ctypes binding of librnnfuse_cudnn_core.so (csrc/cudnn_rnn_core.h).
 
-The core is framework-free: it takes device pointers (ints) and a CUDA
-stream (a `cudaStream_t` as an int, 0 for the default stream) and runs
-cuDNN 9's RNN API on them. The torch binding (rnnfuse/backends/torch/
-cudnn_core.py) passes torch tensors' data pointers and
-`torch.cuda.current_stream().cuda_stream`.
-
-`RnnConfig` is the C struct `rnnfuse_cudnn_rnn`; `param_count` needs no
-GPU and no cuDNN; every other call raises `CoreError` with the library's
-message and code where it fails (no cuDNN, no driver, a configuration
-cuDNN refuses: `CoreError.unsupported`), so a caller can fall back.
+The core is framework-free: device pointers and a CUDA stream as ints, run
+through cuDNN 9's RNN API. `RnnConfig` is the C struct `rnnfuse_cudnn_rnn`;
+`param_count` needs no GPU; every other call raises `CoreError` with the
+library's message and code where it fails, so a caller can fall back.
 
 Example (no GPU needed; builds the library once):
 
@@ -39,8 +33,7 @@ MATHS = ("default", "tensor_op", "tensor_op_allow_conversion", "fma")
 _LOCK = threading.Lock()
 # Memo caches: resolved path -> its loaded library.
 _LOADED: dict[str, "CoreLibrary"] = {}
-# Cache folder -> the library built there, or the build's error: a process
-# builds (or fails to) once, not on every call that asks.
+# Memo cache: cache folder -> the library built there, or the build's error.
 _BUILT: dict[str, object] = {}
 
 

@@ -1,23 +1,13 @@
 """Python side of rnnfuse's own cuDNN RNN op (csrc/rnnfuse_cudnn_rnn.cc, a
-thin TensorFlow wrapper over rnnfuse's cuDNN core,
-rnnfuse/backends/cuda/csrc/cudnn_rnn_core.h).
+thin TensorFlow wrapper over the cuDNN core, cuda/csrc/cudnn_rnn_core.h).
 
-`run_op` calls `RnnfuseCudnnRnn` on time-major data with the canonical
-flat parameters that `pack_params` builds (the CudnnRNNV3 layout, with the
-projection matrix appended per pseudo-layer for an LSTM with `proj_size`,
-see `rnnfuse.backends.tensorflow`), and the gradient registered here runs
-`RnnfuseCudnnRnnBackprop` with the SAME attributes and the forward's
-`algorithm` input tensor, so the algorithm of the forward is the algorithm
-of the backward. The algorithm (with its math type) is an int32 input
-(`algorithm_code`), not an attribute: one traced graph can run every
-algorithm, which is how the tuner times them all on one trace
-(`rnnfuse.backends.tensorflow.timed_steps` passes it to the fused calls
-as their `algorithm` argument).
-
-Attribute checks happen here, before TensorFlow sees the op, so a wrong
-call fails with a ValueError naming the argument; what cuDNN itself
-refuses (a persistent algorithm with this shape, ...) comes back as a
-`tf.errors.OpError` (UnimplementedError for CUDNN_STATUS_NOT_SUPPORTED).
+`run_op` calls `RnnfuseCudnnRnn` on time-major data with `pack_params`'s
+flat buffer; its gradient runs `RnnfuseCudnnRnnBackprop` with the same
+attributes and the forward's `algorithm` input, so both passes run one
+algorithm. The algorithm is an int32 input (`algorithm_code`), not an
+attribute, so one traced graph can run every algorithm (the tuner's
+`timed_steps`). Arguments are checked here, naming the argument; what
+cuDNN refuses comes back as a `tf.errors.OpError`.
 
 Example (with a GPU and the op built):
 
@@ -88,13 +78,9 @@ def op_unsupported_reason(dtype: Any, dropout: float = 0.0) -> str | None:
 
 
 def math_type_for(algorithm: Algorithm, dtype: Any) -> str:
-    """The cuDNN math type for `algorithm` in `dtype` (in `algorithm_code`).
-
-    float32: "fma" when TF32 is off (TensorFlow's
-    `enable_tensor_float_32_execution(False)`) so results stay IEEE float32
-    as Keras' own call gives them; half types: tensor ops unless asked
-    otherwise (what TensorFlow and PyTorch do).
-    """
+    """The cuDNN math type for `algorithm` in `dtype`: "fma" for float32
+    with TF32 off (IEEE float32, as Keras' own call), tensor ops for half
+    types unless asked otherwise."""
     name = tf.as_dtype(dtype).name
     if name == "float32" and not tf.config.experimental.tensor_float_32_execution_enabled():
         return "fma"
@@ -162,21 +148,16 @@ def run_op(
         module: the loaded op module (`op_build.load_op()`).
         x: time-major input [T, B, input_size].
         h: initial h [L*D, B, R] (R = proj_size or units).
-        c: initial c [L*D, B, units] for an LSTM; ignored otherwise (pass
-            an empty tensor).
+        c: initial c [L*D, B, units] for an LSTM, else an empty tensor.
         params: canonical flat parameters.
         lengths: int32 [B] sequence lengths, each in [1, T].
-        dropout: cuDNN's dropout on the input of every level but the first
-            (applied only with `is_training`); the masks come from the
-            cuDNN core's states for this (GPU, dropout, seed), seeded once
-            with `seed`, and advance on every call.
-        code: an int32 scalar tensor to pass as the op's `algorithm` input
-            instead of `algorithm_code(algorithm, dtype)` (a traced step
-            that runs every algorithm; see `timed_steps`).
+        dropout: cuDNN's dropout before every level but the first (with
+            `is_training`), seeded once per (GPU, dropout, seed).
+        code: an int32 scalar tensor passed as the op's `algorithm` input
+            instead of `algorithm_code(algorithm, dtype)`.
 
     Raises:
-        ValueError: an argument the op would reject, named.
-    """
+        ValueError: an argument the op would reject, named."""
     dtype = _checked_dtype(x, h, c, params, kind, num_layers, num_directions, units,
                            input_size, proj_size, dropout)
     if code is None:
