@@ -125,8 +125,7 @@ class StackCall:
     >>> call.kernel, call.training
     ('cudnn', False)
     >>> dataclasses.replace(call, kernel="wavefront").dropout
-    0.25
-    """
+    0.25"""
 
     # The levels and cells to run.
     stack: StackSpec
@@ -172,8 +171,7 @@ def run_or_fall_back(run_kernel, run_cudnn, what: str,
     ...     raise NotImplementedError("8 layers of 512 do not fit on chip")
     >>> run = run_or_fall_back(refuse, lambda: StackRun(0, 0, None, KernelRun("cuDNN")), "the kernel")
     >>> run.kernel.note
-    'the kernel cannot run this call (8 layers of 512 do not fit on chip); cuDNN runs it'
-    """
+    'the kernel cannot run this call (8 layers of 512 do not fit on chip); cuDNN runs it'"""
     try:
         return run_kernel()
     except errors as err:
@@ -223,8 +221,7 @@ class ProjectedLSTMCall:
 
 def tanh_sigmoid(cell, extra: dict | None = None) -> bool:
     """Whether `cell` uses exactly tanh and sigmoid activations, counting a
-    backend's own from `extra` (its `activation_functions()`).
-    """
+    backend's own from `extra` (its `activation_functions()`)."""
     from rnnfuse.recurrent import _activation_name
 
     return (
@@ -273,8 +270,7 @@ class Backend(abc.ABC):
     """The kernel interface every backend implements: what `FusedRNN`, the
     layers and the planner call. Kernel methods look the backend package's
     module functions up at call time, so a test that replaces one still
-    takes effect.
-    """
+    takes effect."""
 
     # The Keras backend name ("tensorflow", "torch", "jax", ...).
     name: str
@@ -294,8 +290,7 @@ class Backend(abc.ABC):
                       training: bool = False) -> str | None:
         """Why plan kernel `kernel` cannot run `group`'s inference calls (with
         `training`: forward and backward) at input `shape` (batch, steps,
-        features) here, or None; asked before the tuner times it.
-        """
+        features) here, or None; asked before the tuner times it."""
         return f"the {self.name} backend has no {kernel!r} kernel"
 
     # -- the fused call ---------------------------------------------------------
@@ -315,31 +310,26 @@ class Backend(abc.ABC):
     @abc.abstractmethod
     def run_stack(self, sequences, call: StackCall) -> StackRun:
         """`call` over `sequences` [B, T, F] as a `StackRun`; NotImplementedError
-        where it cannot run this call (the original layers then run).
-        """
+        where it cannot run this call (the original layers then run)."""
 
     @abc.abstractmethod
     def concrete_bool(self, value: Any) -> bool | None:
         """A boolean scalar tensor's Python value where known now, or None
-        while a graph is traced.
-        """
+        while a graph is traced."""
 
     def in_xla_context(self) -> bool:
         """Whether the current trace is compiled by XLA where the fused call
-        cannot be. Default: False.
-        """
+        cannot be. Default: False."""
         return False
 
     def keras_runs_cudnn(self) -> bool:
         """Whether Keras' own LSTM/GRU run cuDNN here (padded steps of a
-        returned sequence are then zeros). Default: False.
-        """
+        returned sequence are then zeros). Default: False."""
         return False
 
     def assert_mask_supported(self, supported: Any) -> None:
         """In a traced call, fail at run time where `supported` is False, with
-        Keras' own cuDNN message. Called only where `keras_runs_cudnn()`.
-        """
+        Keras' own cuDNN message. Called only where `keras_runs_cudnn()`."""
         raise NotImplementedError(f"{self.name}: Keras' own layers do not assert masks here")
 
     # -- ProjectedLSTM's own fast path ---------------------------------------------
@@ -352,14 +342,12 @@ class Backend(abc.ABC):
     def run_projected_lstm(self, sequences, initial_state, mask, call: ProjectedLSTMCall):
         """((last_output, outputs, [h, c]), path name): what
         `keras.layers.RNN.inner_loop` returns; NotImplementedError (why) where
-        it cannot run this call, and Keras' generic loop runs.
-        """
+        it cannot run this call, and Keras' generic loop runs."""
 
     @abc.abstractmethod
     def resolve_projected_lstm_path(self, path: str) -> str:
         """The variant fast path `path` means here ("auto" -> "custom_xla" or
-        "custom" on TensorFlow).
-        """
+        "custom" on TensorFlow)."""
 
     # -- runtime environment ------------------------------------------------------
 
@@ -377,8 +365,7 @@ class Timing(abc.ABC):
     gradients; `rnnfuse.backends.get_timing()` returns the active one's.
 
     >>> NoTiming("numpy").timing_context() is None
-    True
-    """
+    True"""
 
     @abc.abstractmethod
     def device_environment(self) -> dict:
@@ -389,41 +376,35 @@ class Timing(abc.ABC):
         """A compiled step of `run(x, training)` (+ gradients): a callable giving
         a scalar tensor. `jit`: compile with XLA. It may carry a `trace()` that
         builds its program without running it, so the tuner can trace on
-        another thread.
-        """
+        another thread."""
 
     def timed_steps(self, make_run, x, variables: Sequence[Any], training: bool,
                     algorithms: Sequence[Any], dtype: str) -> dict | None:
         """{algorithm name: step} for plans that differ only in cuDNN's algorithm,
         all on one compiled step of `make_run()` called as `run(x, training,
         algorithm=a)`; None, without calling `make_run`, where the backend cannot
-        take the algorithm at run time. Default: None.
-        """
+        take the algorithm at run time. Default: None."""
         return None
 
     @abc.abstractmethod
     def gradients(self, run, x, variables: Sequence[Any], training: bool = False) -> list:
         """d(sum of squared outputs of `run(x, training)`)/d(variables) as float64
-        NumPy arrays.
-        """
+        NumPy arrays."""
 
     def gradients_of(self, calls: Sequence[tuple], variables: Sequence[Any]) -> list[list]:
         """`gradients` of each (run, x, training) of `calls`, in order (a backend
-        that compiles may take them in one program). Default: one each.
-        """
+        that compiles may take them in one program). Default: one each."""
         return [self.gradients(run, x, variables, training=training) for run, x, training in calls]
 
     @abc.abstractmethod
     def timing_context(self) -> Any:
         """A context manager under which the tuner can build, run and time steps
-        from inside a traced call, or None where it cannot (XLA, JAX).
-        """
+        from inside a traced call, or None where it cannot (XLA, JAX)."""
 
 
 class Tooling(abc.ABC):
     """What `rnnfuse bench` / `check` and the examples need from a framework;
-    `rnnfuse.backends.get_tooling()` returns the active backend's.
-    """
+    `rnnfuse.backends.get_tooling()` returns the active backend's."""
 
     @abc.abstractmethod
     def describe_device(self) -> tuple[str, bool]:
@@ -440,27 +421,23 @@ class Tooling(abc.ABC):
     @abc.abstractmethod
     def model_step(self, model, train: bool):
         """inputs -> float: one inference or training step of `model`, returning
-        when the device is done.
-        """
+        when the device is done."""
 
     @abc.abstractmethod
     def outputs_and_grads(self, model, inputs, variables, seed: int) -> tuple[list, list]:
         """(outputs, gradients) of sum(mean(output_i * w_i)) in inference mode,
-        w_i = `loss_weights(shapes, seed)[i]`, as float32 NumPy arrays.
-        """
+        w_i = `loss_weights(shapes, seed)[i]`, as float32 NumPy arrays."""
 
 
 class KernelModuleBackend(Backend):
     """A backend whose kernel calls are its package's module functions
-    (`kernels`), looked up at call time so tests can replace them.
-    """
+    (`kernels`), looked up at call time so tests can replace them."""
 
     kernels: Any = None
 
     def fused_capabilities(self, **fields) -> Capabilities:
         """`Capabilities` of a fused cuDNN call with seeded dropout and the
-        wavefront kernel for inference and training; `fields` add or replace.
-        """
+        wavefront kernel for inference and training; `fields` add or replace."""
         return Capabilities(**{
             "fused_kernel": True,
             "absorbs_dropout": True,
@@ -495,8 +472,7 @@ class KernelModuleBackend(Backend):
 
 class NoProjectedLSTMPath:
     """The ProjectedLSTM part of the contract where there is no fast path
-    (Keras' generic loop runs). Mixed in before the contract class.
-    """
+    (Keras' generic loop runs). Mixed in before the contract class."""
 
     def projected_lstm_reason(self, cell):
         return f"no fast path for the {self.name} backend"

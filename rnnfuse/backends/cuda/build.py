@@ -158,8 +158,7 @@ def cuda_include(nvcc: str) -> Path:
     """The toolkit's include/ that `nvcc` compiles with (cuda.h); raises BuildError.
 
     Asked of nvcc itself (`--dryrun` prints its INCLUDES), so a wrapper
-    script on PATH works too.
-    """
+    script on PATH works too."""
     proc = subprocess.run([nvcc, "--dryrun", "-c", "-x", "cu", os.devnull, "-o", os.devnull],
                           capture_output=True, text=True)
     dirs = re.findall(r'-I"?([^"\s]+)', proc.stdout + proc.stderr)
@@ -251,8 +250,7 @@ def build_library(force: bool = False) -> Path:
     """Builds (unless cached) librnnfuse_wavefront.so; returns its path.
 
     Raises:
-        BuildError: no nvcc, no C++ compiler, or a compiler failed.
-    """
+        BuildError: no nvcc, no C++ compiler, or a compiler failed."""
     cxx = find_cxx()
     cubin = build_cubin(force=force)
     include = cuda_include(find_nvcc())
@@ -271,8 +269,7 @@ def find_cudnn() -> tuple[Path, Path]:
 
     Looked for in this order: `$CUDNN` (a folder with include/ and lib/),
     the `nvidia-cudnn-cu12` pip package (`pip install rnnfuse[cuda]`),
-    `$CUDNN_HOME`/`$CUDA_HOME`/`$CUDA_PATH`, the system, /usr/local/cuda.
-    """
+    `$CUDNN_HOME`/`$CUDA_HOME`/`$CUDA_PATH`, the system, /usr/local/cuda."""
     candidates: list[tuple[str, Path]] = []
     if os.environ.get("CUDNN"):
         candidates.append(("$CUDNN", Path(os.environ["CUDNN"])))
@@ -372,8 +369,7 @@ def build_cudnn_core(force: bool = False) -> Path:
     no framework, no nvcc where a wheel brings the headers.
 
     Raises:
-        BuildError: no compiler, no headers, or the compiler failed.
-    """
+        BuildError: no compiler, no headers, or the compiler failed."""
     cxx = find_cxx()
     cuda_inc = core_cuda_include()
     cudnn_inc, cudnn_lib = find_cudnn()

@@ -55,8 +55,7 @@ class RnnConfig(ctypes.Structure):
 
     >>> c = RnnConfig.of("gru", 3, 16, 8, directions=2, dtype="float16")
     >>> (c.mode, c.num_layers, c.directions, c.dtype, ctypes.sizeof(c))
-    (1, 3, 2, 1, 48)
-    """
+    (1, 3, 2, 1, 48)"""
 
     _fields_ = [
         ("mode", ctypes.c_int32),
@@ -95,8 +94,7 @@ def algorithm_code(algo: int, math: str) -> int:
     """The core's `algorithm` field: 4 * algo + the math type's index.
 
     >>> algorithm_code(2, "tensor_op")
-    9
-    """
+    9"""
     if algo not in range(4) or math not in MATHS:
         raise ValueError(f"algorithm_code: algo must be 0-3 and math one of {MATHS}; "
                          f"received {algo!r}, {math!r}")
@@ -200,8 +198,7 @@ def load(path: str | os.PathLike | None = None) -> CoreLibrary:
 
     Raises:
         BuildError: the build failed; CoreError: the library is not this
-        rnnfuse's (ABI version); OSError: it does not load.
-    """
+        rnnfuse's (ABI version); OSError: it does not load."""
     from rnnfuse.backends.cuda import build
 
     return build.load_library(path, "RNNFUSE_CUDNN_CORE_LIB", _built, _LOADED, _LOCK, CoreLibrary)

@@ -367,8 +367,7 @@ def stack_reason(kind: str, dtype: str, *, directions: int = 1, proj_size: int =
     >>> stack_reason("gru", "float32")
     'the wavefront kernel runs float16 and bfloat16, not float32'
     >>> stack_reason("lstm", "bfloat16") is None
-    True
-    """
+    True"""
     if kind not in KINDS:
         return f"the wavefront kernel runs LSTM and GRU stacks, not {kind}"
     if str(dtype) not in DTYPES:
@@ -431,8 +430,7 @@ class BackwardChoice:
     """Which backward an LSTM stack's training call runs, and why.
 
     >>> BackwardChoice("layer", "auto", "too many CTAs").note
-    'per-layer backward (v1): too many CTAs'
-    """
+    'per-layer backward (v1): too many CTAs'"""
 
     # What runs: "stack" (one launch) or "layer" (a launch a layer).
     backward: str

@@ -38,8 +38,7 @@ def fewest_balanced(n: int, refusal: Callable[[int, int], str | None]) -> tuple[
     exists (`refusal(0, 1)`, else the first refused single layer's).
 
     Raises:
-        ValueError: `n` is not a positive layer count.
-    """
+        ValueError: `n` is not a positive layer count."""
     if isinstance(n, bool) or not isinstance(n, int) or n < 1:
         raise ValueError(f"fewest_balanced: n must be a positive layer count; received {n!r}")
     ask = functools.lru_cache(maxsize=None)(refusal)

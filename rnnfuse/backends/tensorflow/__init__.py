@@ -91,8 +91,7 @@ def tuned_algorithms() -> tuple:
 
 def op_loaded() -> bool:
     """Whether rnnfuse's own cuDNN op is loaded (builds it on first use);
-    `RNNFUSE_DISABLE_OP=1` keeps it off.
-    """
+    `RNNFUSE_DISABLE_OP=1` keeps it off."""
     return is_available() and not op_build.disabled() and op_build.load_op() is not None
 
 
@@ -103,8 +102,7 @@ def is_available() -> bool:
 
 def device_environment() -> dict:
     """The GPU and library versions a tuned plan depends on (read at every
-    `fit`/`predict` call, so the device details are memos).
-    """
+    `fit`/`predict` call, so the device details are memos)."""
     gpus = tf.config.list_physical_devices("GPU")
     return {
         "device": _gpu_name(gpus[0]) if gpus else "cpu",
@@ -145,8 +143,7 @@ def graph_gradients(loss, variables: Sequence[Any]) -> list:
     >>> import keras
     >>> v = keras.Variable(3.0)
     >>> [float(g) for g in tf.function(lambda: graph_gradients(v * v, [v]))()]
-    [6.0]
-    """
+    [6.0]"""
     handles = [getattr(v, "value", v) if isinstance(v, keras.Variable) else v for v in variables]
     return tf.gradients(loss, handles, unconnected_gradients=tf.UnconnectedGradients.ZERO)
 
@@ -156,8 +153,7 @@ def timed_step(run, x, variables: Sequence[Any], training: bool, jit: bool = Fal
     callable giving a scalar tensor. `jit`: compile it with XLA.
 
     Traced without AutoGraph, as Keras' own train step runs the layers, so
-    the graph is the one `fit` traces (and no source transforms).
-    """
+    the graph is the one `fit` traces (and no source transforms)."""
 
     @tf.function(jit_compile=bool(jit), autograph=False)
     def step():
@@ -173,8 +169,7 @@ def _with_trace(call, trace):
     >>> f = tf.function(lambda: tf.constant(1.0))
     >>> step = _with_trace(lambda: f(), f.get_concrete_function)
     >>> _ = step.trace(); float(step()), f.experimental_get_tracing_count()
-    (1.0, 1)
-    """
+    (1.0, 1)"""
     call.trace = trace
     return call
 
@@ -183,8 +178,7 @@ def timed_steps(make_run, x, variables: Sequence[Any], training: bool,
                 algorithms: Sequence[Any], dtype: Any) -> dict | None:
     """{algorithm: step} as `timed_step` gives them, all on ONE traced
     function whose int32 input (`cudnn_op.algorithm_code`) the fused calls
-    hand to the op; None (`make_run` not called) where the op is not loaded.
-    """
+    hand to the op; None (`make_run` not called) where the op is not loaded."""
     if not op_loaded():
         return None
     run = make_run()
@@ -232,8 +226,7 @@ def unsupported_reason(stack: StackSpec, dtype: str) -> str | None:
 def kernel_reason(kernel: str, group: Any, shape: tuple, training: bool = False) -> str | None:
     """Why plan kernel `kernel` cannot run `group`'s inference (with
     `training`: training) calls at input `shape` here, or None (the
-    wavefront ops' checks).
-    """
+    wavefront ops' checks)."""
     if kernel != "wavefront":
         return f"the TensorFlow backend has no {kernel!r} kernel to time"
     from rnnfuse.backends.tensorflow import wavefront_op

@@ -96,8 +96,7 @@ def algorithm_code(algorithm: Algorithm | None, dtype: Any) -> int:
     >>> algorithm_code(Algorithm.parse("persistent_dynamic+tc"), "float16")
     9
     >>> decode_algorithm_code(algorithm_code(None, "bfloat16"))
-    ('standard', 'tensor_op')
-    """
+    ('standard', 'tensor_op')"""
     algorithm = algorithm or Algorithm()
     return 4 * algorithm.algo + _MATHS.index(math_type_for(algorithm, dtype))
 
@@ -188,8 +187,7 @@ def _checked_dtype(x, h, c, params, kind, num_layers, num_directions, units, inp
     """`run_op`'s argument checks; returns the input's dtype.
 
     Raises:
-        ValueError: an argument the op would reject, named.
-    """
+        ValueError: an argument the op would reject, named."""
     if kind not in _KINDS:
         raise ValueError(f"run_op: kind must be one of {_KINDS}; received {kind!r}")
     if num_directions not in (1, 2):

@@ -143,8 +143,7 @@ def build_op(force: bool = False, verbose: bool = False) -> Path:
     """Compiles the op (unless cached) and returns the library's path.
 
     Raises:
-        BuildError: no compiler, no headers, or the compiler failed.
-    """
+        BuildError: no compiler, no headers, or the compiler failed."""
     compiler = find_compiler()
     return _build(library_path(), lambda tmp: build_command(compiler, tmp), "the op",
                   "rnnfuse's cuDNN RNN op", force, verbose)

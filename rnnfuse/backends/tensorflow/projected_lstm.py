@@ -1,25 +1,18 @@
 """ProjectedLSTM's TensorFlow fast path: rnnfuse's cuDNN op, or loops over
 time with a hand-written gradient (optionally XLA-compiled).
 
-`run` computes what `keras.layers.RNN.inner_loop` returns for one
-`ProjectedLSTM` call (`rnnfuse.backends.base.ProjectedLSTMCall`), and names
-the path it took; `TensorFlowBackend.run_projected_lstm` calls it. The
-maths and the variants are described in `rnnfuse.layers.projected_lstm`.
+`run` returns what `keras.layers.RNN.inner_loop` returns for one
+`ProjectedLSTM` call, and the path it took:
 
-1. With a GPU, no mask, tanh/sigmoid, rnnfuse's op loaded and no XLA
-   compilation around the call: one RnnfuseCudnnRnn call with `proj_size`
-   (path "cudnn_op"), forward and backward.
-2. Otherwise the fast path: one GEMM for the input projection of all time
-   steps (`x @ kernel + bias` over [T*B, F]), then a `tf.while_loop` over
-   time running only the recurrent GEMM, the gate maths and the projection;
-   `call.path` picks the variant ("auto" is resolved by `resolve_path`:
-   "custom_xla" when a GPU is visible and XLA compiles there, else
-   "custom"). The "custom" variants need tanh/sigmoid (else the "while"
-   variant of the same compile mode runs). Path "<variant>[/u<k>]".
+1. With a GPU, no mask, tanh/sigmoid, rnnfuse's op loaded and no XLA around
+   the call: one RnnfuseCudnnRnn call with `proj_size` ("cudnn_op").
+2. Otherwise one GEMM for the input projection of all steps, then a
+   `tf.while_loop` running the recurrent GEMM, the gates and the
+   projection; `call.path` picks the variant ("custom" ones need
+   tanh/sigmoid, else "while" runs). Path "<variant>[/u<k>]".
 
-The hand-written backward pass runs two GEMMs per step (dh @ P^T and
-dz @ R^T) and computes the weight gradients after the loop as two GEMMs
-over all steps (dR = H_prev^T dZ, dP = M^T dH), as cuDNN does.
+The hand-written backward runs two GEMMs a step (dh @ P^T, dz @ R^T) and
+the weight gradients after the loop as two GEMMs over all steps, as cuDNN.
 
 Example:
 
@@ -73,8 +66,7 @@ def run(sequences, initial_state, mask, call: ProjectedLSTMCall):
     Args:
         sequences: [B, T, F]. initial_state: [h [B, P], c [B, U]].
         mask: [B, T] boolean, or None.
-        call: the cell and the layer's flags; `call.path` is not "off".
-    """
+        call: the cell and the layer's flags; `call.path` is not "off"."""
     cell = call.cell
     if mask is None and op_reason(cell) is None:
         result = _op_inner_loop(call, sequences, initial_state)
@@ -90,12 +82,8 @@ def run(sequences, initial_state, mask, call: ProjectedLSTMCall):
 
 @functools.cache  # memo: the probe's answer holds for the process
 def _xla_works() -> bool:
-    """Whether XLA can compile the fast path's loops here (checked once).
-
-    XLA on a GPU needs CUDA's libdevice and ptxas, which some TensorFlow
-    installs lack; "auto" then uses the "custom" loop instead of failing
-    at run time. The check compiles the loops for a 1x1 problem eagerly.
-    """
+    """Whether XLA can compile the fast path's loops here (some TensorFlow
+    installs lack libdevice or ptxas): compiles them for a 1x1 problem once."""
     with tf.init_scope():
         try:
             forward, backward = _custom_functions(jit=True)
@@ -118,8 +106,7 @@ def _fast_inner_loop(call: ProjectedLSTMCall, sequences, initial_state, mask, va
 
     Returns:
         (last_output [B, P], outputs [B, T, P] (or [B, 1, P] when not
-        return_sequences, as the generic loop), [h [B, P], c [B, U]]).
-    """
+        return_sequences, as the generic loop), [h [B, P], c [B, U]])."""
     cell, go_backwards = call.cell, call.go_backwards
     dtype = sequences.dtype
     x = tf.transpose(call.dropped_out(sequences), [1, 0, 2])  # time-major [T, B, F]
@@ -185,14 +172,9 @@ _FUNCTIONS: dict = {}
 
 
 def _autodiff_function(act, rec_act, jit):
-    """The loop as a function TensorFlow differentiates.
-
-    Without XLA, TensorFlow differentiates the while loop itself. With XLA
-    it cannot (the loop's saved intermediates, TensorLists, may not cross
-    the XLA boundary), so the gradient is a second XLA function that runs
-    the loop again under a tape and differentiates it inside XLA: one extra
-    forward pass, in exchange for a fully compiled backward.
-    """
+    """The loop as a function TensorFlow differentiates. With XLA the loop's
+    TensorLists may not cross the XLA boundary, so the gradient is a second
+    XLA function that reruns the loop under a tape."""
     key = ("while", act, rec_act, jit)
     if key not in _FUNCTIONS:
         def forward(xw, recurrent, projection, h0, c0, keep, unroll):
@@ -273,12 +255,8 @@ def _custom_recurrence(xw, recurrent, projection, h0, c0, keep, jit, unroll):
 
 
 def _detached(*tensors):
-    """The inputs with their gradient stopped.
-
-    Inside `tf.custom_gradient`, a tape that is recording would otherwise
-    make TensorFlow call the differentiable variant of the inner function,
-    whose saved intermediates (TensorLists) cannot leave an XLA function.
-    """
+    """The inputs with their gradient stopped, so a recording tape does not
+    make TensorFlow call the inner function's differentiable variant."""
     return [tf.stop_gradient(t) for t in tensors]
 
 
@@ -290,8 +268,7 @@ def _forward_loop(xw, recurrent, projection, h0, c0, keep, act, rec_act, save, u
     Returns:
         (hs [T, B, P], c after the last step [B, U], and with `save` the
         activated gates (i, f, g, o) [T, B, 4U] and the c states [T, B, U]
-        for the hand-written backward pass; else None, None).
-    """
+        for the hand-written backward pass; else None, None)."""
     steps = tf.shape(xw)[0]
     xs = tf.TensorArray(xw.dtype, size=steps, element_shape=xw.shape[1:]).unstack(xw)
     keeps = None
@@ -355,8 +332,7 @@ def _backward_loop(
     through unchanged.
 
     Returns:
-        (d_xw [T, B, 4U], d_recurrent, d_projection, d_h0, d_c0).
-    """
+        (d_xw [T, B, 4U], d_recurrent, d_projection, d_h0, d_c0)."""
     dtype = gates.dtype
     steps = tf.shape(gates)[0]
     c_prev = tf.concat([c0[None], cs[:-1]], axis=0)
@@ -456,12 +432,9 @@ def _static_shapes(result, sequences, cell, return_sequences):
 
 
 def op_reason(cell) -> str | None:
-    """Why rnnfuse's cuDNN op (TensorFlow) cannot run this cell, or None.
-
-    It runs when a GPU is visible and the op is loaded, the activations are
-    tanh/sigmoid, the dtype is float16/bfloat16/float32, and the call is not
-    being compiled by XLA (the op has no XLA kernel; the XLA loop runs then).
-    """
+    """Why rnnfuse's cuDNN op cannot run this cell, or None: a GPU and the op
+    loaded, tanh/sigmoid, float16/bfloat16/float32, and no XLA around the
+    call (the op has no XLA kernel)."""
     from rnnfuse.backends import tensorflow as tf_backend
 
     if not _tanh_sigmoid(cell):

@@ -107,8 +107,7 @@ _ENV_VAR = "RNNFUSE_TORCH_CALLS"
 
 def _mode_from_environment() -> str:
     """RNNFUSE_TORCH_CALLS's mode, or "auto" with a `FusionWarning` for
-    anything else, so a typo never stops `import rnnfuse`.
-    """
+    anything else, so a typo never stops `import rnnfuse`."""
     raw = os.environ.get(_ENV_VAR, "")
     if not raw or raw in CALL_MODES:
         return raw or "auto"
@@ -138,8 +137,7 @@ def set_call_mode(mode: str) -> None:
     a block.
 
     Raises:
-        ValueError: `mode` is not one of `CALL_MODES`.
-    """
+        ValueError: `mode` is not one of `CALL_MODES`."""
     _MODE.set(_check_mode(mode, "set_call_mode(mode)"))
 
 
@@ -159,8 +157,7 @@ def call_mode(mode: str):
         ...     get_call_mode()
         'per_level'
         >>> get_call_mode()
-        'auto'
-    """
+        'auto'"""
     with scoped(_MODE, _check_mode(mode, "call_mode(mode)")):
         yield
 
@@ -175,8 +172,7 @@ CORE_TUNED_ALGORITHMS = (None, "persistent_static+tc", "persistent_dynamic+tc")
 
 def tuned_algorithms() -> tuple:
     """CORE_TUNED_ALGORITHMS where rnnfuse's cuDNN core loads on a CUDA
-    device, else (None,): `torch._VF` picks cuDNN's algorithm itself.
-    """
+    device, else (None,): `torch._VF` picks cuDNN's algorithm itself."""
     if not torch.cuda.is_available() or cudnn_core.disabled():
         return (None,)
     from rnnfuse.backends.cuda import cudnn_core as library
@@ -191,8 +187,7 @@ def is_available() -> bool:
 
 def device_environment() -> dict:
     """The device and library versions a tuned plan depends on (on the
-    CPU with the thread count).
-    """
+    CPU with the thread count)."""
     if torch.cuda.is_available():
         device = torch.cuda.get_device_name(torch.cuda.current_device())
     else:
@@ -207,8 +202,7 @@ def device_environment() -> dict:
 
 def timed_step(run, x, variables: Sequence[Any], training: bool):
     """A step of `run(x, training)` (+ gradients) for the tuner: a callable
-    giving a scalar tensor.
-    """
+    giving a scalar tensor."""
     params = [getattr(v, "value", v) for v in variables]
 
     def step():
@@ -244,8 +238,7 @@ def unsupported_reason(stack: StackSpec, dtype: str) -> str | None:
 def kernel_reason(kernel: str, group: Any, shape: tuple, training: bool = False) -> str | None:
     """Why plan kernel `kernel` cannot run `group`'s inference (or with
     `training`, training) calls at input `shape` here, or None: the
-    wavefront kernels' checks on the device of the group's variables.
-    """
+    wavefront kernels' checks on the device of the group's variables."""
     if kernel != "wavefront":
         return f"the torch backend has no {kernel!r} kernel to time"
     from rnnfuse.backends.torch import wavefront
@@ -295,8 +288,7 @@ def _cell_params(
     input_scale: float | None = None,
 ) -> list[torch.Tensor]:
     """[w_ih, w_hh, b_ih, b_hh] (+ [w_hr]) of one pseudo-layer; `input_scale`
-    packs the input kernel doubled, [s*W; s*W].
-    """
+    packs the input kernel doubled, [s*W; s*W]."""
     kernel = _tensor(cell.kernel, dtype, device)
     if input_scale is not None:
         half = kernel if input_scale == 1.0 else kernel * input_scale
@@ -335,8 +327,7 @@ def pack_params(
     Args:
         stack: the levels and cells.
         dtype: the compute dtype (a torch dtype or its name).
-        device: where the call runs (default: where the variables are).
-    """
+        device: where the call runs (default: where the variables are)."""
     dtype = _torch_dtype(dtype)
     if device is None:
         device = keras.ops.convert_to_tensor(stack.cells[0][0].kernel).device
@@ -388,8 +379,7 @@ def _reverse_within_lengths(x: torch.Tensor, lengths: torch.Tensor) -> torch.Ten
 @contextlib.contextmanager
 def _quiet_projection_warning(stack: StackSpec, x: torch.Tensor):
     """Hides PyTorch's note that oneDNN has no LSTMP: on the CPU its own
-    native kernel runs projected LSTMs, the intended path here.
-    """
+    native kernel runs projected LSTMs, the intended path here."""
     if not stack.proj_size or x.device.type != "cpu":
         yield
         return
@@ -403,8 +393,7 @@ def _quiet_projection_warning(stack: StackSpec, x: torch.Tensor):
 def _persistent_single_layer(kind: str, units: int, batch: int, steps: int, device) -> bool:
     """Whether PyTorch runs a float16 single-layer call on cuDNN's persistent
     kernel (aten/src/ATen/native/cudnn/RNN.cpp's heuristics), for levels
-    whose input width is `units`.
-    """
+    whose input width is `units`."""
     if not (units <= 1024 and units % 128 == 0):
         return False
     prop = torch.cuda.get_device_properties(device)
@@ -431,8 +420,7 @@ def levels_per_call(stack: StackSpec, x: torch.Tensor, packed: bool) -> int:
     "auto" runs the whole stack in one call, except float16 on CUDA where
     PyTorch picks cuDNN's persistent kernel only for single-layer,
     unidirectional, unpacked calls without projection: its multi-layer call
-    is then several times slower than one call a level.
-    """
+    is then several times slower than one call a level."""
     mode = get_call_mode()
     if mode == "one" or stack.num_levels == 1:
         return stack.num_levels
@@ -464,8 +452,7 @@ def _run_calls(
 ) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
     """The stack as ceil(levels / per_call) chained `torch._VF` calls on
     batch-first `inputs`, or packed data with `batch_sizes`; the
-    between-level dropout between calls is applied here.
-    """
+    between-level dropout between calls is applied here."""
     lstm = stack.kind == "lstm"
     dirs = stack.num_directions
     per_pseudo = len(params) // stack.num_pseudo_layers
@@ -533,8 +520,7 @@ def _release_exact_float32() -> None:
 def needs_exact_float32(stack: StackSpec, x: torch.Tensor, mask: Any) -> bool:
     """Whether this call runs cuDNN without TF32 to follow Keras' loop: float32
     on CUDA with TF32 matmuls off, for `stack.keras_loop` stacks and masked
-    LSTM/GRU layers.
-    """
+    LSTM/GRU layers."""
     if not (x.is_cuda and x.dtype == torch.float32):
         return False
     if torch.backends.cuda.matmul.allow_tf32 or not torch.backends.cudnn.allow_tf32:
@@ -544,8 +530,7 @@ def needs_exact_float32(stack: StackSpec, x: torch.Tensor, mask: Any) -> bool:
 
 class _Hold:
     """One call's hold on exact float32 in its backward pass, released when
-    its graph is freed if the backward stopped between the two nodes.
-    """
+    its graph is freed if the backward stopped between the two nodes."""
 
     def __init__(self):
         self._state = [False]
@@ -568,8 +553,7 @@ def _release_if_held(state: list) -> None:
 
 class _BackwardSwitch(torch.autograd.Function):
     """Identity whose backward takes the hold (on a call's outputs) or
-    releases it (on its inputs).
-    """
+    releases it (on its inputs)."""
 
     @staticmethod
     def forward(ctx, hold, held, *tensors):
@@ -629,8 +613,7 @@ def run_stack(sequences: Any, call: StackCall) -> StackRun:
     Returns:
         A `StackRun`: outputs [B, T, D*P'] with zeros past each length, final
         h [L*D, B, P'], final c [L*D, B, H] or None (P' = proj_size or units),
-        and the `KernelRun`.
-    """
+        and the `KernelRun`."""
     if call.kernel not in KERNELS:
         raise NotImplementedError(
             f"the torch backend runs the kernels {list(KERNELS)}, not {call.kernel!r}"
@@ -722,8 +705,7 @@ def _run_on_vf(stack, x, lengths, hx, params, dropout, per_call, exact, core_not
 
 def core_applies(x: torch.Tensor) -> bool:
     """Whether a "cudnn" call on `x` is meant for rnnfuse's cuDNN core (CUDA);
-    the CPU tests make it True to run the core's emulation.
-    """
+    the CPU tests make it True to run the core's emulation."""
     return x.is_cuda
 
 
@@ -734,8 +716,7 @@ def _run_on_core(stack, x, lengths, hx, params, dropout, seed, algorithm, per_ca
     algorithm (the persistent ones refuse padded lengths).
 
     Raises:
-        CoreError: the core refused or failed a call.
-    """
+        CoreError: the core refused or failed a call."""
     from rnnfuse.plan import Algorithm
 
     h0, c0 = hx if stack.kind == "lstm" else (hx, None)

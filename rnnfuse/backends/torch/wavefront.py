@@ -108,8 +108,7 @@ def forward_into(xproj, params, h0, c0, lengths, y, hy, cy, workspace, *, kind: 
     `c_out` [L, T, B, H] (float32, an LSTM's): where the forward saves its
     activated gates and cell states for the backward (`forward_training`).
     `variant`: the forward step's variant (wavefront.cuh; 0 the default, 1
-    opt-in).
-    """
+    opt-in)."""
     for t in (gates_out, c_out):
         if t is not None and (t.dtype != torch.float32 or not t.is_contiguous()):
             raise ValueError("forward_into: gates_out and c_out must be contiguous float32")
@@ -206,8 +205,7 @@ def forward_training(x: torch.Tensor, params: torch.Tensor, h0: torch.Tensor,
     c0 is ignored and its cy is None.
 
     Raises:
-        library.WavefrontError: the kernel cannot run this stack.
-    """
+        library.WavefrontError: the kernel cannot run this stack."""
     library = _library()
     steps, batch, input_size = x.shape
     num_layers, _, units = h0.shape
@@ -241,8 +239,7 @@ def backward_layer(w_hh, gates, cseq, c0, dy, dhy, dcy, lengths, *, kind: str = 
     (may be None). Returns (dgates [T, B, 4H] in the element type: the
     gradient of the gates' pre-activations, a GRU's (dr, dz, dn_x, dn_h),
     0 at t >= length; dh0 [B, H] float32; dc0 [B, H] float32, a GRU's
-    None). `recurrence_reference` is the same in torch.
-    """
+    None). `recurrence_reference` is the same in torch."""
     library = _library()
     steps, batch, units = dy.shape
     lstm = kind == "lstm"

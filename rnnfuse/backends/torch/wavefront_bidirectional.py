@@ -54,8 +54,7 @@ def reverse_within_lengths(x: torch.Tensor, lengths: torch.Tensor | None) -> tor
 
     >>> x = torch.arange(4.0).view(4, 1, 1).expand(4, 2, 1)
     >>> reverse_within_lengths(x, torch.tensor([4, 2]))[:, :, 0].t().tolist()
-    [[3.0, 2.0, 1.0, 0.0], [1.0, 0.0, 2.0, 3.0]]
-    """
+    [[3.0, 2.0, 1.0, 0.0], [1.0, 0.0, 2.0, 3.0]]"""
     steps = x.shape[0]
     if lengths is None:
         return x.flip(0)
@@ -120,8 +119,7 @@ def forward(x: torch.Tensor, weights: Sequence[torch.Tensor], h0: torch.Tensor,
 
     Raises:
         ValueError: weights that are not 8 tensors a layer.
-        library.WavefrontError: a launch the library refuses.
-    """
+        library.WavefrontError: a launch the library refuses."""
     weights = _checked_weights(weights, "forward")
     layers = len(weights) // 8
     gh = int(weights[0].shape[0])
