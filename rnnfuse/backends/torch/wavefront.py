@@ -51,9 +51,7 @@ __all__ = ["KERNEL_NAME", "TRAINING_KERNEL_NAME", "backward_choice", "backward_l
            "training_reason", "unsupported_reason", "wants_gradient"]
 
 _GATES = {"lstm": 4, "gru": 3}
-# The `KernelRun` name of a call on the kernel.
 KERNEL_NAME = "torch.ops.rnnfuse.wavefront_forward"
-# ... and of a training call (`run_trainable`: forward and backward kernels).
 TRAINING_KERNEL_NAME = "rnnfuse wavefront forward+backward"
 
 
@@ -81,8 +79,7 @@ def unsupported_reason(kind: str, num_layers: int, units: int, batch: int, steps
                        input_size: int, dtype: torch.dtype, device: torch.device, *,
                        directions: int = 1, proj_size: int = 0, summed_inputs: bool = False,
                        dropout: float = 0.0) -> str | None:
-    """Why the kernel cannot run this stack here (then run cuDNN), or None
-    (the checks of `rnnfuse.backends.cuda.library`, on a CUDA device)."""
+    """Why the kernel cannot run this stack here (then cuDNN runs), or None."""
     library = _library()
     reason = library.stack_reason(kind, str(dtype).replace("torch.", ""), directions=directions,
                                   proj_size=proj_size, summed_inputs=summed_inputs,
@@ -101,14 +98,10 @@ def forward_into(xproj, params, h0, c0, lengths, y, hy, cy, workspace, *, kind: 
                  c_out: torch.Tensor | None = None, variant: int = 0) -> None:
     """The kernel on preallocated outputs (tests poison them first).
 
-    xproj [T, B, G*H] = x W_ih0^T (no bias); workspace: a uint8 CUDA tensor
-    of `library.load().workspace_bytes(L, H, B, T)` bytes. `mode` and
-    `trace` (an int64 CUDA tensor [2, steps, 8]) are the library's debug
-    options (`WavefrontLibrary.forward`). `gates_out` [L, T, B, 4H] and
-    `c_out` [L, T, B, H] (float32, an LSTM's): where the forward saves its
-    activated gates and cell states for the backward (`forward_training`).
-    `variant`: the forward step's variant (wavefront.cuh; 0 the default, 1
-    opt-in)."""
+    xproj [T, B, G*H] = x W_ih0^T; workspace: `workspace_bytes(L, H, B, T)`
+    uint8 bytes. `mode`, `trace`: the library's debug options; `gates_out`,
+    `c_out`: where the forward saves gates and c for the backward;
+    `variant`: 0 (default) or 1."""
     for t in (gates_out, c_out):
         if t is not None and (t.dtype != torch.float32 or not t.is_contiguous()):
             raise ValueError("forward_into: gates_out and c_out must be contiguous float32")
@@ -171,9 +164,8 @@ def _input_projection(x: torch.Tensor, params: torch.Tensor, gh: int) -> torch.T
 
 def forward(x: torch.Tensor, params: torch.Tensor, h0: torch.Tensor, c0: torch.Tensor | None,
             lengths: torch.Tensor | None, *, kind: str, variant: int | None = None):
-    """The whole stack's forward pass (see the module docstring); `variant`:
-    the forward step's variant (wavefront.cuh; None: the library's
-    `FORWARD_VARIANT`)."""
+    """The whole stack's forward pass (see the module docstring); `variant`
+    None is the library's `FORWARD_VARIANT`."""
     if variant is None:
         variant = _library().FORWARD_VARIANT
     input_size, units = x.shape[2], h0.shape[2]
@@ -181,7 +173,6 @@ def forward(x: torch.Tensor, params: torch.Tensor, h0: torch.Tensor, c0: torch.T
     if lengths is None:
         lengths = torch.empty(0, dtype=torch.int32, device=x.device)
     c0 = c0 if c0 is not None else h0.new_empty((0,))
-    # Variant 0 calls the op as before the variant existed (its default).
     extra = (variant,) if variant else ()
     y, hy, cy = _wavefront_op(xproj.contiguous(), params.contiguous(), h0.contiguous(),
                               c0.contiguous(), lengths.to(torch.int32).contiguous(), kind,
@@ -195,14 +186,10 @@ def forward(x: torch.Tensor, params: torch.Tensor, h0: torch.Tensor, c0: torch.T
 def forward_training(x: torch.Tensor, params: torch.Tensor, h0: torch.Tensor,
                      c0: torch.Tensor | None, lengths: torch.Tensor | None, *,
                      kind: str = "lstm"):
-    """A stack's forward on the kernel, saving what `backward_stack` reads.
-
-    Same inputs as `forward(..., kind=kind)`. Returns (y, hy, cy, saved),
-    saved = (hseq [L-1, T, B, H]: the h sequences of the layers below the
-    top, in x's dtype; gates [L, T, B, 4H] float32: an LSTM's activated i,
-    f, g, o, a GRU's r, z, n and W_hn h_{t-1} + b_hn; cseq [L, T, B, H]
-    float32: an LSTM's c, a GRU's h_{t-1} as each step read it). A GRU's
-    c0 is ignored and its cy is None.
+    """A stack's forward on the kernel, saving what `backward_stack` reads:
+    (y, hy, cy, (hseq [L-1, T, B, H] in x's dtype, gates [L, T, B, 4H] and
+    cseq [L, T, B, H] float32)). gates: an LSTM's i, f, g, o, a GRU's r, z,
+    n, W_hn h_{t-1} + b_hn; cseq: an LSTM's c, a GRU's h_{t-1}.
 
     Raises:
         library.WavefrontError: the kernel cannot run this stack."""
@@ -232,14 +219,10 @@ def forward_training(x: torch.Tensor, params: torch.Tensor, h0: torch.Tensor,
 def backward_layer(w_hh, gates, cseq, c0, dy, dhy, dcy, lengths, *, kind: str = "lstm"):
     """The backward recurrence of one LSTM or GRU layer on the kernel.
 
-    w_hh [G*H, H] (G = 4, a GRU's 3), c0, dhy, dcy [B, H] and dy [T, B, H]
-    (the gradient of the layer's output sequence) in the element type;
-    gates [T, B, 4H] and cseq [T, B, H] float32 (`forward_training`'s, of
-    this layer); lengths int32 [B] or None. A GRU's c0 and dcy are not read
-    (may be None). Returns (dgates [T, B, 4H] in the element type: the
-    gradient of the gates' pre-activations, a GRU's (dr, dz, dn_x, dn_h),
-    0 at t >= length; dh0 [B, H] float32; dc0 [B, H] float32, a GRU's
-    None). `recurrence_reference` is the same in torch."""
+    w_hh [G*H, H], c0, dhy, dcy [B, H], dy [T, B, H] in the element type;
+    gates, cseq float32 (this layer's saved); lengths int32 [B] or None (a
+    GRU's c0 and dcy are not read). Returns (dgates [T, B, 4H], 0 at t >=
+    length; dh0, dc0 [B, H] float32; a GRU's dc0 None)."""
     library = _library()
     steps, batch, units = dy.shape
     lstm = kind == "lstm"
@@ -265,10 +248,9 @@ def backward_layer(w_hh, gates, cseq, c0, dy, dhy, dcy, lengths, *, kind: str = 
 
 def recurrence_reference(w_hh, gates, cseq, c0, dy, dhy, dcy, lengths, *, dtype=None,
                          kind: str = "lstm"):
-    """`backward_layer` in torch, step by step (float32 arithmetic, float64
-    for float64 inputs; dgates rounded to the element type as the kernel
-    stores them; any device). `dtype`: the element type where dy is not in
-    it (`stack_recurrence_reference` passes a float32 dy)."""
+    """`backward_layer` in torch, step by step (dgates rounded to the element
+    type as the kernel stores them); `dtype`: the element type where dy is
+    not in it."""
     if kind == "gru":
         return _gru_recurrence_reference(w_hh, gates, cseq, dy, dhy, lengths, dtype=dtype)
     dtype, acc, lengths, dgates, carry = _reference_start(dy, lengths, dtype)
@@ -293,9 +275,8 @@ def recurrence_reference(w_hh, gates, cseq, c0, dy, dhy, dcy, lengths, *, dtype=
 
 
 def _reference_start(dy, lengths, dtype):
-    """A reference backward's start over dy [T, B, H]: (element dtype,
-    accumulation dtype, lengths [B] (T where None), dgates [T, B, 4H] and
-    the carried gradient [B, H], both zeros)."""
+    """A reference backward's start over dy [T, B, H]: (dtype, accumulation
+    dtype, lengths, zero dgates [T, B, 4H], zero carry [B, H])."""
     steps, batch, units = dy.shape
     dtype = dy.dtype if dtype is None else dtype
     acc = _accumulation(dtype)
@@ -307,11 +288,8 @@ def _reference_start(dy, lengths, dtype):
 
 
 def _gru_recurrence_reference(w_hh, gates, hprev, dy, dhy, lengths, *, dtype=None):
-    """`recurrence_reference` of a GRU layer (wavefront.cuh, "The GRU
-    backward"): gates [T, B, 4H] = r, z, n, W_hn h_{t-1} + b_hn and hprev
-    [T, B, H] = h_{t-1}, as `forward_training` saves them. Returns (dgates
-    [T, B, 4H] = (dr, dz, dn_x, dn_h) in the element type, dh0 in the
-    accumulation dtype, None)."""
+    """`recurrence_reference` of a GRU layer over its saved r, z, n,
+    W_hn h_{t-1} + b_hn and h_{t-1}: (dgates, dh0, None)."""
     dtype, acc, lengths, dgates, carry = _reference_start(dy, lengths, dtype)
     w_r, w_z, w_n = w_hh.to(acc).chunk(3, dim=0)
     w = torch.cat([w_r, w_z, torch.zeros_like(w_n), w_n])  # rows of (dr, dz, dn_x, dn_h)
@@ -338,10 +316,8 @@ def _accumulation(dtype: torch.dtype) -> torch.dtype:
 def reference_forward_saving(x: torch.Tensor, params: torch.Tensor, h0: torch.Tensor,
                              c0: torch.Tensor | None, lengths: torch.Tensor | None, *,
                              kind: str = "lstm"):
-    """`forward_training` in torch, step by step (any device and dtype; float32
-    arithmetic, float64 for float64 inputs): the same outputs and saved
-    tensors, h rounded to x's dtype between steps and layers, 0 in the
-    sequences at t >= length, as the kernel writes them."""
+    """`forward_training` in torch, step by step: h rounded to x's dtype
+    between steps and layers, 0 at t >= length, as the kernel writes them."""
     if kind == "gru":
         return _gru_reference_forward_saving(x, params, h0, lengths)
     steps, batch, input_size = x.shape
@@ -380,9 +356,8 @@ def reference_forward_saving(x: torch.Tensor, params: torch.Tensor, h0: torch.Te
 
 
 def _gru_reference_forward_saving(x, params, h0, lengths):
-    """`reference_forward_saving` of a GRU stack (reset_after, PyTorch's and
-    cuDNN's r, z, n): saves r, z, n, W_hn h_{t-1} + b_hn and h_{t-1} as
-    the kernel does. Returns (y, hy, None, (hseq, gates, hprev))."""
+    """`reference_forward_saving` of a GRU stack: (y, hy, None, (hseq,
+    gates, hprev))."""
     steps, batch, input_size = x.shape
     num_layers, _, units = h0.shape
     acc = _accumulation(x.dtype)
