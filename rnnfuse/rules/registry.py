@@ -2,7 +2,7 @@
 
 A `Rule` is a small record: a stable `name` (what `Reason.rule` says), a
 `scope`, a one-line `doc`, and a `check` that returns a `Reason` or None and
-never raises. Rules register themselves with `@rule(...)` in the modules of
+never raises (a check may return just the message: `rule` names it). Rules register themselves with `@rule(...)` in the modules of
 this package, in evaluation order; the planner and `FusedRNN` iterate
 `rules_for(scope, ...)`, and docs/guide.md's rule table is
 `markdown_table()` (tests/test_rules_registry.py fails when they differ).
@@ -40,7 +40,9 @@ from __future__ import annotations
 import dataclasses
 from typing import Callable
 
-__all__ = ["RULES", "SCOPES", "Rule", "markdown_table", "rule", "rules_for"]
+from rnnfuse.reasons import Reason
+
+__all__ = ["RULES", "SCOPES", "Rule", "first_reason", "markdown_table", "rule", "rules_for"]
 
 SCOPES = ("layer", "link", "run", "backend", "runtime")
 
@@ -61,7 +63,7 @@ class Rule:
     applies: str = ""
 
 
-# (scope, name) -> Rule, in evaluation order.
+# (scope, name) -> Rule, in evaluation order; filled by @rule at import only.
 RULES: dict[tuple[str, str], Rule] = {}
 
 
@@ -74,10 +76,20 @@ def rule(name: str, scope: str, doc: str, applies: str = "") -> Callable:
         key = (scope, name)
         if key in RULES:
             raise ValueError(f"rule {name!r} of scope {scope!r} is registered twice")
-        RULES[key] = Rule(name, scope, doc, check, applies)
+        RULES[key] = Rule(name, scope, doc, _named(name, check), applies)
         return check
 
     return register
+
+
+def _named(name: str, check: Callable) -> Callable:
+    """`check`, with a bare message it returns made a Reason of rule `name`."""
+
+    def named(*args):
+        said = check(*args)
+        return Reason(name, said) if said is not None and not isinstance(said, Reason) else said
+
+    return named
 
 
 def rules_for(scope: str, applies: str | None = None) -> list[Rule]:
@@ -85,6 +97,15 @@ def rules_for(scope: str, applies: str | None = None) -> list[Rule]:
     return [
         r for r in RULES.values() if r.scope == scope and (applies is None or r.applies == applies)
     ]
+
+
+def first_reason(scope: str, applies: str, *args) -> Reason | None:
+    """The Reason of the first rule of `scope` and `applies` that `args` fail, or None."""
+    for r in rules_for(scope, applies):
+        reason = r.check(*args)
+        if reason is not None:
+            return reason
+    return None
 
 
 def markdown_table() -> str:

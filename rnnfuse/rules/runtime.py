@@ -20,18 +20,14 @@ from __future__ import annotations
 from typing import Any
 
 from rnnfuse.reasons import Reason
-from rnnfuse.rules.registry import rule, rules_for
+from rnnfuse.rules.registry import first_reason, rule
 
 __all__ = ["runtime_reason"]
 
 
 def runtime_reason(backend: Any, stack: Any, dtype: str, views, mask) -> Reason | None:
     """The first runtime rule this call fails, or None (the fused call runs)."""
-    for r in rules_for("runtime", "call"):
-        reason = r.check(backend, stack, dtype, views, mask)
-        if reason is not None:
-            return reason
-    return None
+    return first_reason("runtime", "call", backend, stack, dtype, views, mask)
 
 
 @rule("no_fused_kernel", "runtime", "rnnfuse has no fused kernel for the active Keras backend (OpenVINO, numpy)", "call")
