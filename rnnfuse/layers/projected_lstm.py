@@ -100,11 +100,12 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import inspect
 import os
 from typing import Any
 
 import keras
-from keras import activations, constraints, initializers, ops, regularizers, tree
+from keras import constraints, initializers, ops, regularizers, tree
 
 from rnnfuse.backends import get_backend
 from rnnfuse.scoped import scoped
@@ -138,12 +139,10 @@ _CHOICE: contextvars.ContextVar[tuple[str | None, int | None]] = contextvars.Con
 
 
 def _check_path(name: Any, where: str) -> str:
-    if name not in FAST_PATHS:
-        raise ValueError(
-            f"{where}: unknown fast path {name!r}; expected one of "
-            f"{', '.join(repr(p) for p in FAST_PATHS)}."
-        )
-    return name
+    if name in FAST_PATHS:
+        return name
+    known = ", ".join(map(repr, FAST_PATHS))
+    raise ValueError(f"{where}: unknown fast path {name!r}; expected one of {known}.")
 
 
 def _check_unroll(unroll: Any, where: str) -> int:
@@ -386,12 +385,17 @@ class ProjectedLSTMCell(keras.layers.LSTMCell):
         return {**super().get_config(), **config}
 
 
+# The arguments a ProjectedLSTM hands its cell, besides units and proj_size
+# (the rest go to keras.layers.RNN).
+_CELL_ARGS = tuple(inspect.signature(ProjectedLSTMCell.__init__).parameters)[3:-1]
+
+
 @keras.saving.register_keras_serializable(package="rnnfuse")
 class ProjectedLSTM(keras.layers.RNN):
     """LSTM with a recurrent projection (LSTMP), fast on TensorFlow and torch.
 
-    Every argument of `keras.layers.LSTM` behaves as there, with `proj_size`
-    second. `use_cudnn` keeps LSTM's meaning of "the fast implementation":
+    Every argument of `keras.layers.LSTM` behaves as there (by keyword),
+    with `proj_size` second. `use_cudnn` keeps LSTM's meaning of "the fast implementation":
     TensorFlow has no cuDNN kernel for projections, so "auto" and True pick
     this module's fast path; under the torch backend they pick PyTorch's
     proj_size LSTM (cuDNN on CUDA). True raises where the fast path cannot
@@ -436,77 +440,19 @@ class ProjectedLSTM(keras.layers.RNN):
     # Read by rnnfuse.recurrent: this layer can take part in a fused stack.
     _rnnfuse_recurrent = True
 
-    def __init__(
-        self,
-        units,
-        proj_size,
-        activation="tanh",
-        recurrent_activation="sigmoid",
-        use_bias=True,
-        kernel_initializer="glorot_uniform",
-        recurrent_initializer="orthogonal",
-        bias_initializer="zeros",
-        unit_forget_bias=True,
-        kernel_regularizer=None,
-        recurrent_regularizer=None,
-        bias_regularizer=None,
-        activity_regularizer=None,
-        kernel_constraint=None,
-        recurrent_constraint=None,
-        bias_constraint=None,
-        dropout=0.0,
-        recurrent_dropout=0.0,
-        seed=None,
-        return_sequences=False,
-        return_state=False,
-        go_backwards=False,
-        stateful=False,
-        unroll=False,
-        use_cudnn="auto",
-        projection_initializer="glorot_uniform",
-        projection_regularizer=None,
-        projection_constraint=None,
-        fast_path=None,
-        fast_path_unroll=None,
-        **kwargs,
-    ):
+    def __init__(self, units, proj_size, *, use_cudnn="auto", fast_path=None, fast_path_unroll=None,
+                 **kwargs):
+        cell_args = {k: kwargs.pop(k) for k in _CELL_ARGS if k in kwargs}
         cell = ProjectedLSTMCell(
             units,
             proj_size,
-            activation=activation,
-            recurrent_activation=recurrent_activation,
-            use_bias=use_bias,
-            kernel_initializer=kernel_initializer,
-            unit_forget_bias=unit_forget_bias,
-            recurrent_initializer=recurrent_initializer,
-            bias_initializer=bias_initializer,
-            kernel_regularizer=kernel_regularizer,
-            recurrent_regularizer=recurrent_regularizer,
-            bias_regularizer=bias_regularizer,
-            kernel_constraint=kernel_constraint,
-            recurrent_constraint=recurrent_constraint,
-            bias_constraint=bias_constraint,
-            dropout=dropout,
-            recurrent_dropout=recurrent_dropout,
-            projection_initializer=projection_initializer,
-            projection_regularizer=projection_regularizer,
-            projection_constraint=projection_constraint,
+            **cell_args,
             dtype=kwargs.get("dtype", None),
             trainable=kwargs.get("trainable", True),
             name="projected_lstm_cell",
-            seed=seed,
             implementation=kwargs.pop("implementation", 2),
         )
-        super().__init__(
-            cell,
-            return_sequences=return_sequences,
-            return_state=return_state,
-            go_backwards=go_backwards,
-            stateful=stateful,
-            unroll=unroll,
-            activity_regularizer=activity_regularizer,
-            **kwargs,
-        )
+        super().__init__(cell, **kwargs)
         self.input_spec = keras.layers.InputSpec(ndim=3)
         if use_cudnn not in ("auto", True, False):
             raise ValueError(
@@ -566,14 +512,9 @@ class ProjectedLSTM(keras.layers.RNN):
         if reason is not None:
             return self._keras_loop(sequences, initial_state, mask, training, reason)
         call = ProjectedLSTMCall(
-            cell=self.cell,
-            training=training,
-            go_backwards=self.go_backwards,
+            cell=self.cell, training=training, go_backwards=self.go_backwards,
             zero_output_for_mask=self.zero_output_for_mask,
-            return_sequences=self.return_sequences,
-            path=path,
-            unroll=unroll,
-        )
+            return_sequences=self.return_sequences, path=path, unroll=unroll)
         try:
             result, taken = get_backend().run_projected_lstm(sequences, initial_state, mask, call)
         except NotImplementedError as err:
@@ -673,33 +614,10 @@ class ProjectedLSTM(keras.layers.RNN):
         return self.cell.recurrent_dropout
 
     def get_config(self):
+        cell = self.cell.get_config()
         config = {
-            "units": self.units,
-            "proj_size": self.proj_size,
-            "activation": activations.serialize(self.activation),
-            "recurrent_activation": activations.serialize(self.recurrent_activation),
-            "use_bias": self.use_bias,
-            "kernel_initializer": initializers.serialize(self.kernel_initializer),
-            "recurrent_initializer": initializers.serialize(self.recurrent_initializer),
-            "bias_initializer": initializers.serialize(self.bias_initializer),
-            "projection_initializer": initializers.serialize(
-                self.projection_initializer
-            ),
-            "unit_forget_bias": self.unit_forget_bias,
-            "kernel_regularizer": regularizers.serialize(self.kernel_regularizer),
-            "recurrent_regularizer": regularizers.serialize(self.recurrent_regularizer),
-            "bias_regularizer": regularizers.serialize(self.bias_regularizer),
-            "projection_regularizer": regularizers.serialize(
-                self.projection_regularizer
-            ),
+            **{k: cell[k] for k in ("units", "proj_size", *_CELL_ARGS)},
             "activity_regularizer": regularizers.serialize(self.activity_regularizer),
-            "kernel_constraint": constraints.serialize(self.kernel_constraint),
-            "recurrent_constraint": constraints.serialize(self.recurrent_constraint),
-            "bias_constraint": constraints.serialize(self.bias_constraint),
-            "projection_constraint": constraints.serialize(self.projection_constraint),
-            "dropout": self.dropout,
-            "recurrent_dropout": self.recurrent_dropout,
-            "seed": self.cell.seed,
             "fast_path": self.fast_path,
             "fast_path_unroll": self.fast_path_unroll,
         }
