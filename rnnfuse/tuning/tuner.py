@@ -333,59 +333,75 @@ def tune_plans(
         shape_of: group -> (batch, steps, features) of its input.
         training: time forward + backward (True) or forward only.
         cache: where decisions are kept (None: no cache).
-        measure: {name: step} -> {name: {"median": s}}; default times the
-            steps with `interleaved_medians` (`warmup` untimed calls after
-            each step's first, `repeats` rounds, pruned at PRUNE, raced at
-            RACE, and a plan that cannot beat the original layers by
-            KEEP_ORIGINAL_MARGIN stops after three rounds).
-        warmup: None: none where the backend's first call compiles (a
-            TensorFlow step's first call has set its graph up and run it
-            once; the first round's calls are pruned as a warm-up call's
-            would be), one where it runs eagerly (torch).
-        check_gradients: (group, plan, x, dtype) -> relative error against
-            a float64 reference; default runs it on the device.
-        environment: device and versions for the cache key; default reads
-            them (None without a GPU: the static table decides).
+        measure: {name: step} -> {name: {"median": s}}; default:
+            `interleaved_medians` with `warmup`, `repeats`, PRUNE and RACE.
+        warmup: untimed calls after a step's first (None: `default_warmup`).
+        check_gradients: (group, plan, shape, dtype) -> relative error
+            against a float64 reference (default: `GradientCheck`).
+        environment: device and versions for the cache key (default: read
+            them; None without a GPU, where the static table decides).
         progress: show a progress bar.
         jit_baseline: time the original layers XLA-compiled, as Keras runs
-            them when it compiles the original model with XLA
-            (jit_compile="auto" on a model whose layers all support it); a
-            fused plan, which turns XLA off, must beat that.
+            them under jit_compile="auto"; a fused plan must beat that.
         masked_of: group -> whether its input carries a padding mask (the
-            candidates are then timed with a right-padded mask, since a
-            mask changes the kernels Keras runs: under torch it sends
-            Keras' LSTM/GRU to their Python loop). Default: no mask.
-        candidates_of: group -> the plans to time for it (None: all of
-            `candidate_plans`'), e.g. only the candidates still in
-            contention at another shape (`rnnfuse.tuning.first_batch`).
-        budget: what the call being served can pay for
-            (`rnnfuse.tuning.budget`): the original layers and the static
-            table's plan are timed first, and each further stage only
-            within the budget; a decision it cut short is not cached.
-            None: every stage.
+            steps then get a right-padded one: a mask changes the kernels
+            Keras runs). Default: no mask.
+        candidates_of: group -> the plans to time (None: `candidate_plans`').
+        budget: what the call being served can pay for: the original layers
+            and the static plan first, each further stage within it; a cut
+            decision is not cached. None: every stage.
     """
     environment = environment if environment is not None else device_environment()
-    results = []
     if environment is None:
-        for group in groups:
-            dtype = group.dtype
-            plan = static_plan(group, dtype, training)
-            results.append(TuneResult(group, plan, "static: no GPU to time on"))
-        return results
+        return [TuneResult(g, static_plan(g, g.dtype, training), "static: no GPU to time on")
+                for g in groups]
     backend_name = environment.get("backend", "tensorflow")
+    results, jobs = _look_up(groups, shape_of, cache, environment, training, masked_of, jit_baseline)
+    if not jobs:
+        return results
     every = candidates_for(backend_name)
 
     def candidates(group):
         chosen = candidates_of(group) if candidates_of is not None else None
         return list(chosen) if chosen is not None else every(group)
 
-    eager_first_calls = not get_backend(backend_name).capabilities.first_call_compiles
-    if warmup is None:
-        warmup = default_warmup(backend_name)
+    warmup = default_warmup(backend_name) if warmup is None else warmup
     measure = measure or (lambda steps, on_step=None: interleaved_medians(
         steps, warmup=warmup, repeats=repeats, on_step=on_step, prune=PRUNE, race=RACE,
         keep=(PER_LAYER.name,), beat=1 - KEEP_ORIGINAL_MARGIN))
     check_gradients = check_gradients or GradientCheck()
+    with _progress(progress, sum(len(candidates(job.group)) for job in jobs)) as bar:
+        for job in jobs:
+            plans, rejected = _plans_to_time(job, candidates(job.group), backend_name, training, bar)
+            results[job.index] = result = _tune_group(
+                job, plans, rejected, backend_name, jit_baseline, measure, check_gradients,
+                budget, bar)
+            if cache is not None and result.source == "measured":
+                cache.put(job.key, {
+                    "plan": result.plan.to_dict(), "timings": result.timings,
+                    "rejected": result.rejected,
+                    "when": datetime.datetime.now(datetime.timezone.utc).isoformat(),
+                })
+    return results
+
+
+@dataclasses.dataclass(frozen=True)
+class _Job:
+    """One group to time: where its result goes and what it is timed on."""
+
+    index: int
+    group: FusionGroup
+    shape: tuple
+    dtype: str
+    key: object
+    masked: bool
+    training: bool
+
+
+def _look_up(groups, shape_of, cache, environment, training, masked_of, jit_baseline):
+    """(results with the cache's hits filled in and None elsewhere, the
+    groups left to time); a cached plan that no longer fits is set aside."""
+    results: list = []
     jobs = []
     for group in groups:
         dtype = group.dtype
@@ -399,61 +415,54 @@ def tune_plans(
                 results.append(TuneResult(group, plan, "cache", dict(hit.get("timings", {}))))
                 continue
             cache.set_aside(key, problem)
-        jobs.append((len(results), group, shape, dtype, key, masked))
+        jobs.append(_Job(len(results), group, shape, dtype, key, masked, training))
         results.append(None)
-    if not jobs:
-        return results
-    bar = _progress(progress, sum(len(candidates(g)) for _, g, *_ in jobs))
-    with bar:
-        for index, group, shape, dtype, key, masked in jobs:
-            plans = candidates(group)
-            rejected = {}
-            # cuDNN's persistent algorithms refuse padded sequence lengths (a
-            # masked call runs the standard one: the TensorFlow backend's
-            # run_stack), and never came close above PERSISTENT_MAX_BATCH.
-            no_persistent = ("cuDNN's persistent algorithms do not take padded sequence lengths"
-                             if masked else persistent_reason(dtype, shape[0]))
-            if no_persistent is not None:
-                rejected.update({p.name: no_persistent for p in plans if p.algorithm})
-            plans = [p for p in plans if p.name not in rejected]
-            bar.advance_rest(len(rejected))
-            # Kernels besides cuDNN (rnnfuse's wavefront kernel): timed for
-            # inference, and for training where the backend trains on them,
-            # where the kernel takes the group at this shape.
-            backend = get_backend(backend_name)
-            caps = backend.capabilities
-            more, why = kernel_plans(
-                group, shape, caps.training_kernels if training else caps.inference_kernels,
-                lambda k, g, s: backend.kernel_reason(k, g, s, training=training))
-            plans += [p for p in more if p.name not in {q.name for q in plans}]
-            rejected.update(why)
-            spend = budget.start() if budget is not None else None
-            timings, plans = _time_in_stages(
-                plans, rejected, bar,
-                _Measured(group, shape, dtype, training, jit_baseline, masked, measure, bar,
-                          eager_first_calls=eager_first_calls),
-                spend=spend, lead=leading_candidates(group, dtype, training, shape, plans),
-            )
-            cut = spend is not None and spend.cut
-            best = _keep_original_unless_clearly_slower(plans, timings, _fastest_with_sound_gradients(
-                plans, timings, rejected, training,
-                lambda p: check_gradients(group, p, shape, dtype), dtype,
-                keeps_original=lambda p: _keep_original_unless_clearly_slower(
-                    plans, timings, p) is not p,
-            ))
-            source = "measured: within the call's budget" if cut else "measured"
-            results[index] = TuneResult(group, best, source, timings, rejected)
-            if cache is not None and not cut:
-                cache.put(
-                    key,
-                    {
-                        "plan": best.to_dict(),
-                        "timings": timings,
-                        "rejected": rejected,
-                        "when": datetime.datetime.now(datetime.timezone.utc).isoformat(),
-                    },
-                )
-    return results
+    return results, jobs
+
+
+def _plans_to_time(job: _Job, plans: list, backend_name: str, training: bool, bar):
+    """(the candidates worth timing, {name: why not} for the others): no
+    persistent algorithm for a masked group (cuDNN refuses padded lengths)
+    or above PERSISTENT_MAX_BATCH, and the other kernels' plans (the
+    wavefront kernel) where the backend runs them for this shape."""
+    group, shape, rejected = job.group, job.shape, {}
+    no_persistent = ("cuDNN's persistent algorithms do not take padded sequence lengths"
+                     if job.masked else persistent_reason(job.dtype, shape[0]))
+    if no_persistent is not None:
+        rejected.update({p.name: no_persistent for p in plans if p.algorithm})
+    plans = [p for p in plans if p.name not in rejected]
+    bar.advance_rest(len(rejected))
+    backend = get_backend(backend_name)
+    caps = backend.capabilities
+    more, why = kernel_plans(
+        group, shape, caps.training_kernels if training else caps.inference_kernels,
+        lambda k, g, s: backend.kernel_reason(k, g, s, training=training))
+    plans += [p for p in more if p.name not in {q.name for q in plans}]
+    rejected.update(why)
+    return plans, rejected
+
+
+def _tune_group(job: _Job, plans, rejected, backend_name, jit_baseline, measure, check_gradients,
+                budget, bar) -> TuneResult:
+    """Times `plans` for one group and keeps the fastest sound one."""
+    group, shape, dtype, training = job.group, job.shape, job.dtype, job.training
+    eager_first_calls = not get_backend(backend_name).capabilities.first_call_compiles
+    spend = budget.start() if budget is not None else None
+    timings, plans = _time_in_stages(
+        plans, rejected, bar,
+        _Measured(group, shape, dtype, training, jit_baseline, job.masked, measure, bar,
+                  eager_first_calls=eager_first_calls),
+        spend=spend, lead=leading_candidates(group, dtype, training, shape, plans),
+    )
+    best = _keep_original_unless_clearly_slower(plans, timings, _fastest_with_sound_gradients(
+        plans, timings, rejected, training,
+        lambda p: check_gradients(group, p, shape, dtype), dtype,
+        keeps_original=lambda p: _keep_original_unless_clearly_slower(plans, timings, p) is not p,
+    ))
+    # A decision the budget cut short is not kept (a longer call times it all).
+    cut = spend is not None and spend.cut
+    return TuneResult(group, best, "measured: within the call's budget" if cut else "measured",
+                      timings, rejected)
 
 
 def _cached_plan(entry: dict, group: FusionGroup) -> tuple[Plan | None, str]:
@@ -654,17 +663,7 @@ def _time_in_stages(plans, rejected, bar, measured, spend=None, lead=()):
     >>> sorted(t), why["split 1+1 @persistent_static"][:49]
     (['fused', 'fused @persistent_static', 'per-layer', 'split 1+1'], 'not timed: fused @persistent_static was over 1.5x')
     """
-    n = max((sum(p.pieces) for p in plans), default=0)
-    wholes = {(p.kernel, p.algorithm) for p in plans if p.pieces == (n,)}
-    # A split on a kernel whose whole run is no candidate (a stack larger
-    # than the chip as wavefront segments) has nothing to wait for.
-    first = [p for p in plans
-             if not p.pieces or p.pieces == (n,) or (p.kernel, p.algorithm) not in wholes]
-    rest = [p for p in plans if p not in first]
-    if len({p.algorithm for p in plans if p.pieces}) <= 1:
-        # One algorithm (a masked group, torch): stage one could rule out
-        # only the split on it, and re-timing would cost more than it saves.
-        first, rest = plans, []
+    first, rest = _stages(plans)
     leading = [p for p in plans if p.name in lead] if spend is not None else []
     if 0 < len(leading) < len(plans):
         first = leading + [p for p in first if p not in leading]
@@ -685,6 +684,40 @@ def _time_in_stages(plans, rejected, bar, measured, spend=None, lead=()):
     bar.advance_rest(len(first))
     if not rest or not timings:
         return timings, timed
+    again, second = _second_stage(rest, timed, timings, rejected)
+    if second:
+        if spend is not None and not spend.allows(len(again + second), timings.get(PER_LAYER.name)):
+            _left_out(second, rejected, spend, timings.get(PER_LAYER.name))
+            bar.advance_rest(len(rest))
+            return timings, timed
+        more, refused = measured(again + second)
+        rejected.update(refused)
+        timings.update(more)
+        timed += [p for p in second if p.name in more]
+    bar.advance_rest(len(rest))
+    return timings, timed
+
+
+def _stages(plans) -> tuple[list, list]:
+    """(stage one, stage two) of `_time_in_stages`: everything in stage one
+    where the fused plans have one algorithm (a masked group, torch), since
+    stage one could rule out only the split on it."""
+    n = max((sum(p.pieces) for p in plans), default=0)
+    wholes = {(p.kernel, p.algorithm) for p in plans if p.pieces == (n,)}
+    if len({p.algorithm for p in plans if p.pieces}) <= 1:
+        return plans, []
+    # A split on a kernel whose whole run is no candidate (a stack larger
+    # than the chip as wavefront segments) has nothing to wait for.
+    first = [p for p in plans
+             if not p.pieces or p.pieces == (n,) or (p.kernel, p.algorithm) not in wholes]
+    return first, [p for p in plans if p not in first]
+
+
+def _second_stage(rest, timed, timings, rejected) -> tuple[list, list]:
+    """(stage one's plans to time again, stage two's plans): the splits whose
+    whole run came within PRUNE of the best, beside that best and the
+    original layers where they came within PRUNE of it (Keras' masked
+    torch loop is not run again to lose again); the others go to `rejected`."""
     best = min(timings.values())
     whole = {(p.kernel, p.algorithm): p for p in timed if p.pieces}
     second = []
@@ -698,24 +731,9 @@ def _time_in_stages(plans, rejected, bar, measured, spend=None, lead=()):
             )
         else:
             second.append(p)
-    if second:
-        # Re-timed: stage one's best, and the original layers where they came
-        # within PRUNE of it (Keras' masked torch loop at 17 s a step is not
-        # run again to lose again).
-        again = [
-            p for p in timed
-            if timings[p.name] == best or (not p.pieces and timings[p.name] <= PRUNE * best)
-        ]
-        if spend is not None and not spend.allows(len(again + second), timings.get(PER_LAYER.name)):
-            _left_out(second, rejected, spend, timings.get(PER_LAYER.name))
-            bar.advance_rest(len(rest))
-            return timings, timed
-        more, refused = measured(again + second)
-        rejected.update(refused)
-        timings.update(more)
-        timed += [p for p in second if p.name in more]
-    bar.advance_rest(len(rest))
-    return timings, timed
+    again = [p for p in timed
+             if timings[p.name] == best or (not p.pieces and timings[p.name] <= PRUNE * best)]
+    return again, second
 
 
 def _left_out(plans, rejected, spend, original_step_s) -> None:
