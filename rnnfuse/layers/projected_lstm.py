@@ -12,80 +12,34 @@ h_t is both the output and the recurrent input; the states are [h, c].
 Weights: kernel (input_dim, 4U), recurrent_kernel (P, 4U), bias (4U,),
 projection_kernel (U, P).
 
-Two implementations of the same maths:
+Keras' generic loop (`keras.layers.RNN` over `ProjectedLSTMCell`) runs on
+every backend and is the reference. The fast path runs the input GEMM for
+all steps at once, then a loop of only the recurrent GEMM, gates and
+projection. Its variant is the layer's `fast_path`, else `set_fast_path`
+/ `fast_path()` in this context, else RNNFUSE_PROJECTED_LSTM_PATH, else
+"auto" (read when a call runs or is traced):
 
-- Keras' generic loop (`keras.layers.RNN` calling `ProjectedLSTMCell` once
-  per step): every Keras backend, and the reference.
-- The fast path (TensorFlow backend, in
-  `rnnfuse.backends.tensorflow.projected_lstm`): one GEMM for the input
-  projection of all time steps (`x @ kernel + bias` over [T*B, F]), then a
-  tight loop over time that runs only the recurrent GEMM, the gate maths
-  and the projection. Variants (the layer's `fast_path` argument; where it
-  is None, the choice of `set_fast_path` or `fast_path()` in this thread or
-  task (a ContextVar), else the environment
-  variable RNNFUSE_PROJECTED_LSTM_PATH, else "auto": "custom_xla" when a GPU
-  is visible and XLA compiles there (checked once), else "custom"; on the
-  CPU XLA's compile time is not repaid). All of these are read when a call
-  runs eagerly or is traced, not at import:
-
-  | variant        | loop                         | gradient                 |
+  | variant        | loop (TensorFlow)            | gradient                 |
   |----------------|------------------------------|--------------------------|
   | "custom_xla"   | tf.while_loop, XLA-compiled  | hand-written, XLA        |
   | "custom"       | tf.while_loop                | hand-written             |
-  | "while_xla"    | tf.while_loop, XLA-compiled  | autodiff in XLA (*)      |
+  | "while_xla"    | tf.while_loop, XLA-compiled  | autodiff in XLA          |
   | "while"        | tf.while_loop                | TensorFlow autodiff      |
   | "off"          | Keras' generic loop          | TensorFlow autodiff      |
 
-  (*) TensorFlow cannot differentiate a loop across an XLA function's
-  boundary, so "while_xla" differentiates a second run of the loop inside
-  XLA (one extra forward pass). When the whole train step is XLA-compiled
-  (Keras' `jit_compile`), every variant is compiled into it.
+"auto" is "custom_xla" where a GPU is visible and XLA compiles, else
+"custom". The hand-written backward computes the weight gradients after
+the loop as two GEMMs over all steps, as cuDNN does (tanh/sigmoid only).
+`fast_path_unroll=k` runs k steps per loop iteration where k divides T.
+On a TensorFlow GPU, rnnfuse's cuDNN op ("cudnn_op") runs unmasked calls
+outside XLA; under torch the fast path is PyTorch's own LSTMP
+("torch_fused", proj_size < units, no mask or a right-padded one).
 
-  The hand-written backward pass runs two GEMMs per step (dh @ P^T and
-  dz @ R^T) and computes the weight gradients after the loop as two GEMMs
-  over all steps (dR = H_prev^T dZ, dP = M^T dH), as cuDNN does; autodiff
-  accumulates them step by step. It needs tanh/sigmoid activations (other
-  activations use the autodiff loop of the same compile mode).
-
-  `fast_path_unroll=k` (else `set_fast_path(name, unroll=k)`, else
-  RNNFUSE_PROJECTED_LSTM_UNROLL) runs k time steps per loop iteration when k divides the static sequence length,
-  trading a longer loop body for fewer iterations (default 4: faster in
-  every configuration measured, docs/benchmarks.md).
-
-  The fast path is used when the backend is TensorFlow, `use_cudnn` is not
-  False, `unroll` is False and there is no recurrent dropout (nor input
-  dropout with `implementation=1`, which draws one mask per gate);
-  otherwise Keras' generic loop runs. Masks follow the generic loop
-  exactly: masked steps keep the state; a masked step's output is zeros
-  with `zero_output_for_mask=True`, else the last unmasked output (zeros
-  before the first one).
-
-On the TensorFlow backend with a GPU, rnnfuse's own cuDNN op
-(`rnnfuse.backends.tensorflow.cudnn_op`, path "cudnn_op") runs the layer as
-one cuDNN LSTMP call, forward and backward, when there is no mask, the
-activations are tanh/sigmoid, the op is loaded and the call is not being
-compiled by XLA; the loops above are the fallback. The fast path's outputs
-keep the static shapes Keras' loop gives (time dimension included).
-
-Under the torch backend the fast path is PyTorch's own LSTMP
-(`nn.LSTM(proj_size=P)`'s `torch._VF.lstm` call, through
-`rnnfuse.backends.torch.run_stack`; in `rnnfuse.backends.torch.projected_lstm`): cuDNN on CUDA, PyTorch's native kernel
-on the CPU; path "torch_fused". It runs when `use_cudnn` is not False, the
-fast path is not switched "off", `unroll` is False, there is no recurrent
-dropout (nor input dropout with `implementation=1`), the activations are
-tanh/sigmoid, proj_size < units (PyTorch's limit) and the mask is None or
-right-padded with no empty sequence (checked on its values; other masks run
-Keras' generic loop). Results match the generic loop to float rounding.
-
-This module holds the layer and the cell only and imports no framework: it
-asks the active backend (`rnnfuse.backends.get_backend()`) through the
-contract's `projected_lstm_reason`, `run_projected_lstm` and
-`resolve_projected_lstm_path`. A backend without a fast path (JAX) raises
-NotImplementedError there and the layer runs Keras' generic loop, with the
-reason in `last_path`.
-
-`layer.last_path` names the path its last call took (set each time `call`
-runs eagerly or is traced), so tests can prove which path ran.
+The fast path needs `use_cudnn` not False, `unroll=False` and no
+recurrent dropout (nor input dropout with `implementation=1`); elsewhere,
+and on a backend without one (JAX), Keras' generic loop runs. Masks follow
+the generic loop exactly. `layer.last_path` names the path the last call
+took, with the reason where it fell back.
 
 Example:
 
@@ -123,16 +77,12 @@ __all__ = [
 
 FAST_PATHS = PROJECTED_LSTM_PATHS
 
-# Read when a call runs or is traced (not at import), where neither the
-# layer's arguments nor set_fast_path chose.
+# Read when a call runs or is traced, where nothing else chose.
 _ENV_VAR = "RNNFUSE_PROJECTED_LSTM_PATH"
 _UNROLL_ENV_VAR = "RNNFUSE_PROJECTED_LSTM_UNROLL"
-# Four steps per loop iteration by default (where 4 divides T): fewer
-# iterations beat the longer body in every measured configuration
-# (docs/benchmarks.md, "ProjectedLSTM on its own loop").
+# Fewer iterations beat the longer body in every measured configuration.
 DEFAULT_UNROLL = 4
-# (path, unroll) chosen by set_fast_path / fast_path() in this context
-# (None: not chosen, so the environment's or the default).
+# (path, unroll) chosen in this context; None: the environment's or the default.
 _CHOICE: contextvars.ContextVar[tuple[str | None, int | None]] = contextvars.ContextVar(
     "rnnfuse_projected_lstm_path", default=(None, None)
 )
@@ -156,15 +106,13 @@ def _check_unroll(unroll: Any, where: str) -> int:
 
 def set_fast_path(name: str, unroll: int | None = None) -> None:
     """Selects the ProjectedLSTM implementation for calls traced from now on
-    in this thread (or asyncio task); `fast_path()` does it for a block.
-
-    A layer's own `fast_path` / `fast_path_unroll` arguments win over this;
-    this wins over the environment variables.
+    in this thread (or task); `fast_path()` does it for a block. A layer's own
+    arguments win over this; this wins over the environment variables.
 
     Args:
         name: one of `FAST_PATHS` ("off" runs Keras' generic loop).
-        unroll: optional; time steps per iteration of the fast path's loops
-            (4 by default). Used when it divides the static sequence length.
+        unroll: optional; time steps per loop iteration (default 4), used
+            where it divides the static sequence length.
 
     Raises:
         ValueError: `name` is not one of `FAST_PATHS`, or a bad `unroll`.
@@ -195,12 +143,12 @@ def get_unroll() -> int:
 
 
 def get_fast_path(resolve: bool = False) -> str:
-    """The ProjectedLSTM implementation new calls use (see `set_fast_path`).
+    """The ProjectedLSTM implementation new calls use (see `set_fast_path`);
+    `resolve` turns "auto" into the variant it means here.
 
-    Args:
-        resolve: turn "auto" into the variant it means here (TensorFlow:
-            "custom_xla" with a visible GPU where XLA compiles, else
-            "custom"; asked of the active backend).
+    >>> with fast_path("while"):
+    ...     get_fast_path()
+    'while'
     """
     path = _CHOICE.get()[0]
     if path is None and os.environ.get(_ENV_VAR):
@@ -213,11 +161,8 @@ def get_fast_path(resolve: bool = False) -> str:
 
 @contextlib.contextmanager
 def fast_path(name: str, unroll: int | None = None):
-    """Context manager: `set_fast_path(name, unroll)` inside, the old values after.
-
-    The choice is read when a call runs eagerly or is traced, so trace the
-    model (first `fit`/`predict` step, or a fresh `tf.function`) inside.
-    """
+    """Context manager: `set_fast_path(name, unroll)` inside, the old values
+    after. The choice is read when a call runs or is traced, so trace inside."""
     with scoped(_CHOICE, _choice(name, unroll, "fast_path")):
         yield
 
@@ -235,24 +180,15 @@ def _check_size(value: Any, arg: str, cls: str) -> int:
 class ProjectedLSTMCell(keras.layers.LSTMCell):
     """One step of an LSTM with a recurrent projection.
 
-    The arguments of `keras.layers.LSTMCell`, plus `proj_size` and the
-    projection's initializer, regularizer and constraint. `state_size` is
-    `[proj_size, units]` and `output_size` is `proj_size`.
-
-    Args:
-        units: width of the cell state c.
-        proj_size: width of the output and recurrent state h.
-        projection_initializer: initializer of `projection_kernel`
-            (default "glorot_uniform").
-        projection_regularizer: regularizer of `projection_kernel`.
-        projection_constraint: constraint of `projection_kernel`.
-        **kwargs: everything else as `keras.layers.LSTMCell`.
+    The arguments of `keras.layers.LSTMCell`, plus `proj_size` (the width of
+    the output and recurrent state h) and `projection_initializer`,
+    `projection_regularizer`, `projection_constraint` for `projection_kernel`.
+    `state_size` is `[proj_size, units]`.
 
     Example:
 
         >>> import numpy as np, keras
-        >>> cell = ProjectedLSTMCell(8, proj_size=3)
-        >>> rnn = keras.layers.RNN(cell)
+        >>> rnn = keras.layers.RNN(ProjectedLSTMCell(8, proj_size=3))
         >>> tuple(rnn(np.zeros((2, 4, 5), "float32")).shape)
         (2, 3)
     """
@@ -394,39 +330,25 @@ _CELL_ARGS = tuple(inspect.signature(ProjectedLSTMCell.__init__).parameters)[3:-
 class ProjectedLSTM(keras.layers.RNN):
     """LSTM with a recurrent projection (LSTMP), fast on TensorFlow and torch.
 
-    Every argument of `keras.layers.LSTM` behaves as there (by keyword),
-    with `proj_size` second. `use_cudnn` keeps LSTM's meaning of "the fast implementation":
-    TensorFlow has no cuDNN kernel for projections, so "auto" and True pick
-    this module's fast path; under the torch backend they pick PyTorch's
-    proj_size LSTM (cuDNN on CUDA). True raises where the fast path cannot
-    run, False forces Keras' generic loop. Like LSTM, `use_cudnn` is not
-    serialized.
+    Every argument of `keras.layers.LSTM` behaves as there (by keyword), with
+    `proj_size` second. `use_cudnn` keeps LSTM's meaning of "the fast
+    implementation": "auto" and True pick the fast path (True raises where it
+    cannot run), False forces Keras' generic loop; it is not serialized.
 
     Args:
         units: width of the cell state c.
         proj_size: width of the output and of the recurrent state h.
-        projection_initializer: initializer of `projection_kernel`.
-        projection_regularizer: regularizer of `projection_kernel`.
-        projection_constraint: constraint of `projection_kernel`.
-        fast_path: this layer's fast-path variant (one of `FAST_PATHS`), or
-            None (default) for the process-wide one (`set_fast_path`, the
-            environment variable, else "auto"). Serialized.
-        fast_path_unroll: time steps per loop iteration of the fast path,
-            or None (default) for the process-wide one (`get_unroll()`).
-            Serialized.
-        **kwargs: the other arguments of `keras.layers.LSTM`
-            (return_sequences, return_state, go_backwards, dropout, ...) and
-            of `keras.layers.RNN` (zero_output_for_mask).
+        projection_initializer, projection_regularizer, projection_constraint:
+            for `projection_kernel`.
+        fast_path: this layer's variant (one of `FAST_PATHS`), or None for the
+            context's (`set_fast_path`). Serialized.
+        fast_path_unroll: time steps per loop iteration, or None for the
+            context's (`get_unroll()`). Serialized.
+        **kwargs: the other arguments of `keras.layers.LSTM` and
+            `keras.layers.RNN`.
 
-    Call arguments:
-        sequences: [batch, time, features].
-        initial_state: [h (batch, proj_size), c (batch, units)].
-        mask: [batch, time] boolean.
-        training: Python boolean (dropout).
-
-    Returns:
-        The output ([batch, proj_size], or [batch, time, proj_size] with
-        return_sequences), followed by h and c with return_state.
+    Call arguments: sequences [batch, time, features], initial_state [h, c],
+    mask [batch, time], training.
 
     Example:
 
