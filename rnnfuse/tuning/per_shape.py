@@ -340,7 +340,7 @@ class Planner:
         >>> from rnnfuse.plan import PER_LAYER
         >>> state = AutoTune(cache=None, members=[None])
         >>> state.decided[decision_key(0, True, (32, 100), False)] = TuneResult(None, PER_LAYER, "cache")
-        >>> Planner(state, 0).keeps_original((30, 90, 8), True), Planner(state, 0).keeps_original((30, 90, 8), False)
+        >>> Planner(state, 0).keeps_original((30, 110, 8), True), Planner(state, 0).keeps_original((30, 110, 8), False)
         (True, False)
         """
         state, i = self.state, self.index
