@@ -1,21 +1,17 @@
-"""The public entry points: `analyze(model)` and `optimize(model)`.
+"""The public entry points: `analyze(model)` and `optimize(model)`, which
+check their arguments at the boundary (the argument, what was received,
+the fix); nothing deeper raises on bad input.
 
-Both check their arguments at the boundary and raise clear errors (the
-argument, what was received, the fix); nothing deeper raises on bad input.
-
-Example:
-
-    >>> import keras, numpy as np, rnnfuse
-    >>> inp = keras.Input((12, 8))
-    >>> x = keras.layers.LSTM(16, return_sequences=True)(inp)
-    >>> x = keras.layers.LSTM(16)(x)
-    >>> model = keras.Model(inp, keras.layers.Dense(2)(x))
-    >>> fast = rnnfuse.optimize(model)
-    >>> [type(l).__name__ for l in fast.layers[1:]]
-    ['FusedRNN', 'Dense']
-    >>> x = np.random.rand(3, 12, 8).astype("float32")
-    >>> bool(np.allclose(fast(x), model(x), atol=1e-6))
-    True
+>>> import keras, numpy as np, rnnfuse
+>>> inp = keras.Input((12, 8))
+>>> x = keras.layers.LSTM(16)(keras.layers.LSTM(16, return_sequences=True)(inp))
+>>> model = keras.Model(inp, keras.layers.Dense(2)(x))
+>>> fast = rnnfuse.optimize(model)
+>>> [type(l).__name__ for l in fast.layers[1:]]
+['FusedRNN', 'Dense']
+>>> x = np.random.rand(3, 12, 8).astype("float32")
+>>> bool(np.allclose(fast(x), model(x), atol=1e-6))
+True
 """
 
 from __future__ import annotations
@@ -54,26 +50,25 @@ def analyze(
     """Finds the runs of `model`'s recurrent layers that fuse, and why not.
 
     Args:
-        model: a built Keras 3 Sequential or Functional model (nested
-            sub-models are looked into).
-        min_layers: the least number of recurrent levels worth fusing.
-            None (the default): per kind, 1 for LSTM, GRU, SimpleRNN and
-            RNN(cell) layers (a lone layer is a group of one; its plan
-            keeps the original layer unless the fused call is measured
-            faster), 2 for ProjectedLSTM. 2: stacks only.
-        absorb_dropout: treat a `Dropout` layer between two recurrent layers
-            as cuDNN's between-layer dropout instead of a break in the run.
+        model: a built Keras 3 Sequential or Functional model.
+        min_layers: the least number of recurrent levels worth fusing; None:
+            1 (a lone layer is a group, kept unless fusing is faster), 2 for
+            ProjectedLSTM.
+        absorb_dropout: treat a `Dropout` between two recurrent layers as
+            cuDNN's between-layer dropout instead of a break in the run.
 
     Returns:
-        A `FusionReport`: `.groups` (one `FusionGroup` per run),
-        `.skipped` (every other recurrent layer -> the reason) and
-        `.breaks` (two grouped layers, one feeding the other, that are
-        separate calls -> the link rule's reason).
+        A `FusionReport`: `.groups`, `.skipped` (layer -> reason) and `.breaks`
+        (two grouped layers that are separate calls -> reason).
 
     Raises:
         TypeError: `model` is not a Keras 3 model.
-        ValueError: `model` is not built, or `min_layers` is not a positive
-            integer.
+        ValueError: `model` is not built, or a bad `min_layers`.
+
+    >>> import keras
+    >>> m = keras.Sequential([keras.Input((5, 3)), keras.layers.GRU(4)])
+    >>> [g.layers for g in analyze(m).groups]
+    [('gru',)]
     """
     _check_model(model, "analyze")
     _check_min_layers(min_layers, "analyze")
@@ -163,8 +158,8 @@ def optimize(
 
 
 def _plan_chooser(model, tuned: list, at_first_batch: bool, **choice) -> Callable:
-    """The pipeline's `choose` step (between planning and rewrite, so the
-    passes get plans, not the tuner); what it chose is appended to `tuned`."""
+    """The pipeline's `choose` step (the passes get plans, not the tuner);
+    what it chose is appended to `tuned`."""
 
     def choose(report: FusionReport):
         if at_first_batch:
@@ -205,15 +200,11 @@ def _say_if_nothing_runs_fused(model, plans: list[TuneResult]) -> None:
 
 @dataclasses.dataclass(frozen=True)
 class TuneShape:
-    """Input shape to tune for, when no sample batch is at hand.
+    """Input shape to tune for, when no sample batch is at hand; a bad
+    `batch_size` or `steps` raises ValueError.
 
-    Raises:
-        ValueError: `batch_size` or `steps` is not a positive integer.
-
-    Example:
-
-        >>> TuneShape(32, 100).steps
-        100
+    >>> TuneShape(32, 100).steps
+    100
     """
 
     batch_size: int

@@ -1,31 +1,19 @@
 """The rule registry: every fusion rule, by name, with its scope and doc.
 
-A `Rule` is a small record: a stable `name` (what `Reason.rule` says), a
-`scope`, a one-line `doc`, and a `check` that returns a `Reason` or None and
-never raises (a check may return just the message: `rule` names it). Rules register themselves with `@rule(...)` in the modules of
-this package, in evaluation order; the planner and `FusedRNN` iterate
-`rules_for(scope, ...)`, and docs/guide.md's rule table is
-`markdown_table()` (tests/test_rules_registry.py fails when they differ).
+A `Rule` is a stable `name` (what `Reason.rule` says), a `scope`, a
+one-line `doc` and a `check` that returns a `Reason` (or just its message)
+or None, and never raises. Rules register with `@rule(...)` in evaluation
+order; `first_reason` runs a scope's rules, and docs/guide.md's rule table
+is `markdown_table()`. What a check takes, by scope and `applies`:
 
-Scopes and what a check takes:
-
-- "layer": one recurrent layer on its own. `applies` says which part:
-  "part" (a unidirectional layer: check(part, ctx)), "cell"
-  (check(cell, ctx)), "stack" (the levels of one part: check(part, levels,
-  ctx)), "bidirectional" (check(layer, forward view, backward view)),
-  "node" (the layer's node in the model graph: check(graph, key)),
-  "container" (a recurrent layer rnnfuse cannot reach, inside a subclassed
-  model, a wrapper or a custom layer: the check builds its Reason).
-- "link": one layer feeding the next inside a run. "edge" checks (the
-  edge's role, run first) and "graph" checks take (graph, upper key, lower
-  key, bridges); "views" checks take (upper view, lower view).
-- "run": a run of linked layers (becomes a group or not); the planner calls
-  each with what it measured (levels, gap rates, neighbours).
-- "backend": what the active backend never runs (check(backend, group)).
-- "runtime": why one `FusedRNN` call runs the original layers: "call"
-  checks take (backend, stack, dtype, views, mask); "raised" builds the
-  Reason for a NotImplementedError from the backend; "plan" the Reason when
-  the group's plan keeps the original layers.
+- "layer": "part" (part, ctx), "cell" (cell, ctx), "stack" (part, levels,
+  ctx), "bidirectional" (layer, forward view, backward view), "node"
+  (graph, key); "container" builds the Reason for a layer out of reach;
+- "link": "edge" and "graph" (graph, upper key, lower key, bridges),
+  "views" (upper view, lower view);
+- "run": what the planner measured; "backend": (backend, group);
+- "runtime": "call" (backend, stack, dtype, views, mask); "raised" and
+  "plan" build the Reason for a call that runs the original layers.
 
 Example:
 

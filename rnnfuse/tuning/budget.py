@@ -41,11 +41,9 @@ from rnnfuse.tuning import clock
 
 __all__ = ["FIT_SHARE", "Spend", "TuningBudget", "call_steps"]
 
-# The share of a call's projected time (at the original layers' speed) its
-# tuning may take: a third of the margin a plan must win by.
+# The share of a call's time its tuning may take: a third of the winning margin.
 FIT_SHARE = 0.03
-# The leading candidates every timing starts with: the original layers and
-# the static table's plan.
+# The candidates every timing starts with: the original layers, the static plan.
 LEADING = 2
 
 
@@ -58,9 +56,8 @@ class TuningBudget:
     share: float = FIT_SHARE
 
     def min_steps(self, warmup: int, repeats: int) -> int:
-        """The fewest steps a call needs to time the LEADING candidates:
-        each runs a first call, `warmup` and `repeats` steps at about the
-        original layers' step (traces not counted, a floor)."""
+        """The fewest steps a call needs to time the LEADING candidates (a first
+        call, `warmup` and `repeats` steps each, at the original layers' speed)."""
         return math.ceil(LEADING * (1 + warmup + repeats) / self.share)
 
     def times_anything(self, warmup: int, repeats: int) -> bool:
@@ -96,9 +93,8 @@ class Spend:
         return clock.now() - self.started
 
     def allows(self, more: int, original_step_s: float | None) -> bool:
-        """Whether `more` candidates fit in what is left: the seconds spent
-        so far plus `more` x the mean cost of a candidate timed so far stay
-        within `TuningBudget.seconds` (no original step known: no)."""
+        """Whether `more` candidates, at the mean cost of those timed so far,
+        fit in what is left."""
         if original_step_s is None or self.timed == 0:
             return False
         spent = self.spent()
