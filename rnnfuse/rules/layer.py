@@ -1,21 +1,14 @@
 """Layer rules: can this recurrent layer be part of a fused call at all?
 
-`layer_reason(layer)` runs the "layer" rules of the registry in order:
-for each direction of the layer (one, or two inside a `Bidirectional`), the
-"part" rules, then the "cell" rules on each cell, then the "stack" rules on
-its levels; then, for a `Bidirectional`, the rules on the pair; with a
-model graph, the "node" rules. The first failing rule's `Reason` is the
-answer (inside a `Bidirectional`, prefixed with "its forward layer
-'<name>': "). When it returns None, `rnnfuse.recurrent.describe(layer)`
-gives the layer's `RecurrentView`.
+`layer_reason(layer)` runs, for each direction, the "part", "cell" and
+"stack" rules, then the "bidirectional" and "node" rules; the first
+failing rule's `Reason` is the answer.
 
-Example:
-
-    >>> import keras
-    >>> layer = keras.layers.GRU(4, recurrent_dropout=0.2)
-    >>> _ = layer(keras.ops.zeros((1, 3, 2)))
-    >>> layer_reason(layer).rule
-    'recurrent_dropout'
+>>> import keras
+>>> layer = keras.layers.GRU(4, recurrent_dropout=0.2)
+>>> _ = layer(keras.ops.zeros((1, 3, 2)))
+>>> layer_reason(layer).rule
+'recurrent_dropout'
 """
 
 from __future__ import annotations

@@ -1,18 +1,10 @@
-"""Runtime rules: why one `FusedRNN` call runs the original layers.
+"""Runtime rules: why one `FusedRNN` call runs the original layers (the
+answer becomes its `last_path`); `not_implemented` is the backend raising
+`NotImplementedError` from `run_stack`.
 
-`runtime_reason(backend, stack, dtype, views, mask)` runs the "runtime"
-rules in order (at trace time in a `tf.function`); the layer records the
-answer as its `last_path` (a `rnnfuse.reasons.CallPath`). The last rule,
-`not_implemented`, is the backend raising `NotImplementedError` from
-`run_stack`, which `FusedRNN` catches; `mask_not_right_padded` is the
-reason a masked call's other branch gives (the mask's values decide), and
-`plan_per_layer` the reason of a plan that keeps the original layers.
-
-Example:
-
-    >>> from rnnfuse.backends.base import NoFusedKernel
-    >>> runtime_reason(NoFusedKernel("openvino"), None, "float32", (), None).rule
-    'no_fused_kernel'
+>>> from rnnfuse.backends.base import NoFusedKernel
+>>> runtime_reason(NoFusedKernel("openvino"), None, "float32", (), None).rule
+'no_fused_kernel'
 """
 
 from __future__ import annotations
