@@ -14,7 +14,6 @@ to the `rnnfuse` logger (no handler added); problems with what you passed
 are `FusionWarning`s.
 
 Example:
-
     >>> import keras, rnnfuse
     >>> m = keras.Sequential([keras.Input((20, 4)),
     ...                       keras.layers.LSTM(8, return_sequences=True),

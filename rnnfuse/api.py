@@ -118,7 +118,6 @@ def optimize(
             is not valid.
 
     Example:
-
         >>> import keras
         >>> m = keras.Sequential([keras.Input((5, 3)), keras.layers.GRU(4, return_sequences=True),
         ...                       keras.layers.GRU(4)])

@@ -23,7 +23,6 @@ padded steps. Under torch, training-mode input dropout draws other masks
 (same distribution) than Keras' loop.
 
 Example:
-
     >>> import keras, numpy as np
     >>> a = keras.layers.LSTM(8, return_sequences=True)
     >>> b = keras.layers.LSTM(8)

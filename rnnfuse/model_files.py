@@ -10,7 +10,6 @@ wrong extension, corrupt, refused by `safe_mode`, an unregistered custom
 class) raises one `ModelFileError` naming the path, the problem and the fix.
 
 Example:
-
     >>> import os, tempfile, keras, rnnfuse
     >>> m = keras.Sequential([keras.Input((5, 2)),
     ...     keras.layers.GRU(3, return_sequences=True), keras.layers.GRU(3)])

@@ -13,7 +13,6 @@ classes with a few methods changed, registered so that
   (`rnnfuse.persistence`); `fused=True` writes the optimized structure.
 
 Example:
-
     >>> import keras, rnnfuse
     >>> m = keras.Sequential([keras.Input((5, 2)),
     ...     keras.layers.LSTM(3, return_sequences=True), keras.layers.LSTM(3)])

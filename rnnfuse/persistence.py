@@ -18,7 +18,6 @@ cannot read (silently wrong where shapes agree): weight files go through
 `restore(self)` in the original order.
 
 Example:
-
     >>> import keras, numpy as np, rnnfuse, tempfile, os
     >>> model = keras.Sequential([keras.Input((6, 3)),
     ...     keras.layers.GRU(4, return_sequences=True), keras.layers.GRU(4)])
@@ -73,7 +72,6 @@ def restore(model: keras.Model) -> keras.Model:
         TypeError: `model` is not a Sequential or Functional Keras model.
 
     Example:
-
         >>> import keras, rnnfuse
         >>> m = keras.Sequential([keras.Input((5, 2)),
         ...     keras.layers.LSTM(3, return_sequences=True), keras.layers.LSTM(3)])

@@ -18,7 +18,6 @@ runs the original layers. Where a backend does not train on a kernel
 (`INFERENCE_ONLY_KERNELS`), a training call runs `for_training()`.
 
 Example:
-
     >>> Plan((2, 2), "persistent_static+tc").name
     'split 2+2 @persistent_static+tc'
     >>> Plan(()).name

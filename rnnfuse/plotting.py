@@ -1,46 +1,23 @@
 """Draws a model's layer graph with the fused groups highlighted.
 
-`plot_layer_graph(model, path)` draws the graph `build_layer_graph` sees
-(nested models expanded, one box per layer call), laid out top to bottom
-like `keras.utils.plot_model(show_shapes=True)`, and colours it with
-`analyze`'s verdicts:
+`plot_layer_graph(model, path)` draws the graph `build_layer_graph` sees,
+top to bottom like `keras.utils.plot_model(show_shapes=True)`, coloured
+with `analyze`'s verdicts: a box per layer call (name, class, shapes); each
+fused group's layers in its colour inside a frame that holds no other
+layer; a recurrent layer left alone red-bordered with "not fused: <rule>";
+a subclassed sub-model dark; the rest grey. Arrows are the tensors between
+layers; a propagated mask is a "mask from <layer>" line instead.
 
-- each box: the layer's name, its class and its input and output shapes;
-  model inputs show their name, shape and dtype;
-- each fused group: its layers (and absorbed Dropout layers) filled with the
-  group's colour inside a frame labelled "group i: <cell> x <levels>"; the
-  frame holds no other layer;
-- each recurrent layer left alone: a red-bordered box whose last line is
-  "not fused: <rule>" (the `Reason.rule`; `rnnfuse inspect` prints the text);
-- a subclassed sub-model rnnfuse cannot see into: a dark box;
-- every other layer: grey;
-- arrows are the tensors between layers. A mask Keras passes along is not
-  drawn as an arrow: each layer whose call receives it says "mask from
-  <layer>" (the Masking layer, or the Embedding with mask_zero=True, that
-  made it), in Sequential and Functional models alike. The ops that
-  compute a mask (Masking's NotEqual -> Any) and the model's output
-  markers are not drawn.
-
-Two renderers, one picture:
-
-- "graphviz": with pydot and Graphviz's `dot` program installed
-  (`pip install 'rnnfuse[plot]'` and `apt-get install graphviz`), what
-  plot_model uses: groups (and nested models) are Graphviz clusters and
-  `dot` routes the arrows around the boxes;
-- "matplotlib": everywhere else, on networkx's layered layout (one row
-  per topological generation; an arrow that skips rows passes a waypoint
-  of its own in each row it crosses, so no arrow runs through a box). It
-  draws on the Agg canvas directly, without pyplot, so it never changes
-  the process's matplotlib backend or opens a window.
+Two renderers: "graphviz" (pydot and Graphviz's `dot`, what plot_model
+uses; groups are clusters) and "matplotlib" everywhere else, on networkx's
+layered layout, drawn on the Agg canvas without pyplot (no window, the
+process's matplotlib backend untouched).
 
 Example:
-
     >>> import keras
     >>> m = keras.Sequential([keras.Input((6, 2)),
-    ...     keras.layers.GRU(4, return_sequences=True),
-    ...     keras.layers.GRU(4), keras.layers.Dense(1)])
-    >>> fig = plot_layer_graph(m, engine="matplotlib")   # or (m, "m.png")
-    >>> type(fig).__name__
+    ...     keras.layers.GRU(4, return_sequences=True), keras.layers.GRU(4)])
+    >>> type(plot_layer_graph(m, engine="matplotlib")).__name__   # or (m, "m.png")
     'Figure'
 """
 
@@ -152,9 +129,8 @@ def _bridged(graph, src, dst, hidden):
 
 
 def _mask_ops(graph: nx.DiGraph) -> set[str]:
-    """The Keras ops (not layers) whose outputs end only in masks: the
-    NotEqual -> Any chain of a Masking layer in a Functional model, the
-    NotEqual of an Embedding(mask_zero=True), a mask the user computed."""
+    """The Keras ops (not layers) whose outputs end only in masks (a Masking
+    layer's NotEqual -> Any, an Embedding's NotEqual, a user's mask)."""
     import keras
 
     found: set[str] = set()
@@ -170,14 +146,9 @@ def _mask_ops(graph: nx.DiGraph) -> set[str]:
 
 
 def _received_masks(graph: nx.DiGraph, hidden: set[str]) -> dict[str, list[str]]:
-    """Layer key -> the layers whose mask its call received.
-
-    The mask of a call is its `mask=` argument, else its input's
-    `_keras_mask` (what Keras passes along, in a Sequential model too); it
-    comes from the first layer whose output carries it (the Masking or
-    Embedding that made it), else from the inputs of the ops that
-    computed it.
-    """
+    """Layer key -> the layers whose mask its call received (its `mask=`
+    argument, else its input's `_keras_mask`), traced back to the layer that
+    made it, else to the inputs of the ops that computed it."""
     import keras
 
     creators: dict[int, str] = {}
@@ -306,8 +277,7 @@ def _shapes(layer) -> str:
         shapes = [_shape(t.shape) for t in tree.flatten(tensors) if hasattr(t, "shape")]
         return shapes[0] if len(shapes) == 1 else "[" + ", ".join(shapes) + "]"
 
-    # The positional arguments: a mask or initial state passed by keyword
-    # is not the layer's input.
+    # A mask or initial state passed by keyword is not the layer's input.
     args = getattr(getattr(node, "arguments", None), "args", None)
     inputs = args[0] if args and len(args) == 1 else (args or node.input_tensors)
     try:
@@ -352,23 +322,20 @@ def plot_layer_graph(
 
     Args:
         model: a built Sequential or Functional keras.Model.
-        path: where to save the drawing (.png, .svg, .pdf, ...); None to
-            only return the drawing.
+        path: where to save the drawing (.png, .svg, .pdf, ...); None: only
+            return it.
         report: `rnnfuse.analyze(model)`'s report, if already computed.
         min_layers: passed to `analyze` when `report` is None.
         title: the picture's title (default: the model's name and counts).
         dpi: resolution of a saved raster image.
-        engine: "graphviz" (pydot and Graphviz's `dot`), "matplotlib", or
-            "auto": graphviz where both are installed, else matplotlib.
+        engine: "graphviz", "matplotlib", or "auto" (graphviz where installed).
 
     Returns:
-        A `matplotlib.figure.Figure` (matplotlib) or a `pydot.Dot` (graphviz).
+        A `matplotlib.figure.Figure` or a `pydot.Dot`.
 
     Raises:
-        ValueError: `model` is a subclassed model (it has no layer graph),
-            or `engine` is not one of the above.
-        MissingPlotDependency: the renderer's package is not installed (an
-            ImportError whose message names the install command).
+        ValueError: a subclassed `model` (no layer graph), or a bad `engine`.
+        MissingPlotDependency: the renderer is not installed (names the fix).
     """
     import rnnfuse
     from rnnfuse.passes.graph import build_layer_graph, is_graph_model
@@ -577,13 +544,9 @@ class _Layout:
 
 def _layout(picture: _Picture) -> _Layout:
     """networkx's layered layout (`multipartite_layout`), one row per
-    topological generation, scaled so the widest neighbours fit.
-
-    An arrow that skips rows passes a waypoint of its own in each row it
-    crosses, and runs vertically inside a row band and diagonally only in
-    the gaps between rows, so no arrow crosses a box. Within a row, nodes
-    keep depth-first order from the inputs, so a tower stays in its column.
-    """
+    topological generation, scaled so the widest neighbours fit. An arrow
+    that skips rows passes a waypoint of its own in each row it crosses, and
+    runs diagonally only in the gaps between rows, so it crosses no box."""
     size = {k: (max(map(len, b.lines)) * _CHAR_W + 2 * _PAD + 0.1, len(b.lines) * _LINE_H + 2 * _PAD)
             for k, b in picture.boxes.items()}
     graph, chains = _layered_graph(picture, size)
@@ -591,8 +554,7 @@ def _layout(picture: _Picture) -> _Layout:
     for key in graph:
         rows.setdefault(graph.nodes[key]["row"], []).append(key)
     unit = nx.multipartite_layout(graph, subset_key=rows, align="horizontal")
-    # multipartite_layout spaces every row's nodes one step apart: scale
-    # that step to the widest pair of neighbours.
+    # multipartite_layout spaces a row's nodes one step apart: fit the widest pair.
     step = max((abs(unit[a][0] - unit[b][0]) for r in rows.values() for a, b in zip(r, r[1:])),
                default=1.0)
     need = max((size[a][0] / 2 + size[b][0] / 2 + _COL_GAP for r in rows.values()
@@ -619,9 +581,8 @@ def _layout(picture: _Picture) -> _Layout:
 
 
 def _layered_graph(picture: _Picture, size: dict) -> tuple[nx.DiGraph, list[list[str]]]:
-    """The boxes as nodes with a "row" (topological generation), an arrow
-    that skips rows as a chain through "~" waypoint nodes (added to `size`),
-    nodes in depth-first order from the inputs; and each arrow's chain."""
+    """(the boxes and "~" waypoints as nodes with a "row", in depth-first
+    order from the inputs, so a tower keeps its column; each arrow's chain)."""
     boxes = nx.DiGraph()
     boxes.add_nodes_from(picture.boxes)
     boxes.add_edges_from(picture.arrows)

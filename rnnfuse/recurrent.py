@@ -19,7 +19,6 @@ view, never the layer class.
 say why a layer cannot fuse; it never raises.
 
 Example:
-
     >>> import keras
     >>> layer = keras.layers.LSTM(8, return_sequences=True)
     >>> _ = layer(keras.ops.zeros((1, 5, 3)))

@@ -22,7 +22,6 @@ prints one record fixed by `schema_version`
 it after its arguments are parsed.
 
 Example:
-
     >>> from rnnfuse.cli import main
     >>> main(["inspect", "examples/text_classifier.py:build_model", "--json"])  # doctest: +SKIP
     0

@@ -6,7 +6,6 @@ Timing, model steps and gradients are the backend's own
 rnnfuse has a kernel for.
 
 Example:
-
     >>> import keras, numpy as np
     >>> m = keras.Sequential([keras.Input((4, 2)), keras.layers.LSTM(3)])
     >>> x, _ = random_inputs(m, batch=2, steps=None, rng=np.random.default_rng(0))

@@ -42,7 +42,6 @@ the generic loop exactly. `layer.last_path` names the path the last call
 took, with the reason where it fell back.
 
 Example:
-
     >>> import numpy as np
     >>> layer = ProjectedLSTM(16, proj_size=4, return_state=True)
     >>> y, h, c = layer(np.random.rand(2, 7, 3).astype("float32"))
@@ -186,7 +185,6 @@ class ProjectedLSTMCell(keras.layers.LSTMCell):
     `state_size` is `[proj_size, units]`.
 
     Example:
-
         >>> import numpy as np, keras
         >>> rnn = keras.layers.RNN(ProjectedLSTMCell(8, proj_size=3))
         >>> tuple(rnn(np.zeros((2, 4, 5), "float32")).shape)
@@ -351,7 +349,6 @@ class ProjectedLSTM(keras.layers.RNN):
     mask [batch, time], training.
 
     Example:
-
         >>> import numpy as np
         >>> layer = ProjectedLSTM(32, 8, return_sequences=True)
         >>> y = layer(np.random.rand(4, 10, 6).astype("float32"))

@@ -14,7 +14,6 @@ the call received). Edge attributes: ``role`` ("sequence",
 the producer). ``graph.graph["scopes"]``: scope prefix -> (sub-)model.
 
 Example:
-
     >>> import keras
     >>> m = keras.Sequential([keras.Input((5, 3)),
     ...     keras.layers.LSTM(4, return_sequences=True, name="a"), keras.layers.LSTM(4, name="b")])

@@ -14,7 +14,6 @@
    report's `breaks` entry (why they are two calls, not one).
 
 Example:
-
     >>> import keras
     >>> from rnnfuse.passes.graph import build_layer_graph
     >>> m = keras.Sequential([keras.Input((6, 2)),

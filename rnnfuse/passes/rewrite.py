@@ -11,7 +11,6 @@ calls the fused layer at a run's first layer and passes its inner layers
 through.
 
 Example:
-
     >>> import keras
     >>> from rnnfuse.passes.graph import build_layer_graph
     >>> from rnnfuse.passes.planning import plan_fusion

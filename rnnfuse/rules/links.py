@@ -1,28 +1,17 @@
 """Link rules: can `upper` feed `lower` inside one fused call?
 
-Two kinds, both registered in `rnnfuse.rules.registry` with scope "link":
+"views" rules need only the two layers' `RecurrentView`s
+(`stack_link_reason`), so `FusedRNN` checks them too; "edge" and "graph"
+rules need the model graph (the edge's role, other consumers, model
+outputs, masks, extra inputs). `link_reason` runs the edge rules, the
+views rules, then the graph rules; the first failing one's `Reason` wins.
 
-- "views" rules need only the two layers' `RecurrentView`s
-  (`stack_link_reason`), so the `FusedRNN` layer checks them too;
-- "graph" rules need the model graph: the edge's role (does `lower` read
-  `upper`'s output sequence at all), other consumers, model outputs,
-  masks, extra inputs.
-
-`link_reason` runs, in order: the edge-role rules (an encoder -> decoder
-`initial_state` link is `not_sequence_input`, whatever the layers'
-arguments), the "views" rules, then the other graph rules. Every check
-returns None when the rule holds and a `Reason` when it does not; none of
-them raises (a check that returns a message gets its rule's name).
-
-Example:
-
-    >>> import keras
-    >>> from rnnfuse.recurrent import describe
-    >>> a = keras.layers.LSTM(8, return_sequences=True, name="a")
-    >>> b = keras.layers.LSTM(16, name="b")
-    >>> _ = b(a(keras.ops.zeros((1, 4, 3))))
-    >>> stack_link_reason(describe(a), describe(b)).rule
-    'units'
+>>> import keras
+>>> from rnnfuse.recurrent import describe
+>>> a, b = keras.layers.LSTM(8, return_sequences=True), keras.layers.LSTM(16)
+>>> _ = b(a(keras.ops.zeros((1, 4, 3))))
+>>> stack_link_reason(describe(a), describe(b)).rule
+'units'
 """
 
 from __future__ import annotations
@@ -37,11 +26,8 @@ __all__ = ["link_reason", "stack_link_reason"]
 
 
 def stack_link_reason(upper: RecurrentView, lower: RecurrentView) -> Reason | None:
-    """The "views" link rules for `upper` feeding `lower` in one cuDNN call.
-
-    `upper` is the layer below in the stack (it runs first); `lower` reads
-    its output sequence.
-    """
+    """The "views" link rules for `upper` (the layer below, which runs first)
+    feeding `lower` in one call."""
     return first_reason("link", "views", upper, lower)
 
 
@@ -53,15 +39,8 @@ def link_reason(
     lower: RecurrentView,
     bridges: tuple[str, ...] = (),
 ) -> Reason | None:
-    """All link rules for `upper_key` -> (`bridges`) -> `lower_key`.
-
-    Args:
-        graph: the layer graph.
-        upper_key, lower_key: node keys of the two recurrent layers.
-        upper, lower: their views.
-        bridges: keys of layers between them that the fused call absorbs
-            (a `Dropout`), in order.
-    """
+    """All link rules for `upper_key` -> (`bridges`: absorbed Dropout keys)
+    -> `lower_key` in `graph`, with the two layers' views."""
     edge = (graph, upper_key, lower_key, bridges)
     return (first_reason("link", "edge", *edge) or stack_link_reason(upper, lower)
             or first_reason("link", "graph", *edge))

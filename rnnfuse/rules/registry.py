@@ -16,7 +16,6 @@ is `markdown_table()`. What a check takes, by scope and `applies`:
   "plan" build the Reason for a call that runs the original layers.
 
 Example:
-
     >>> import rnnfuse.rules
     >>> r = RULES[("layer", "recurrent_dropout")]
     >>> r.scope, r.doc

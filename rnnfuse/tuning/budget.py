@@ -22,7 +22,6 @@ The rule (`TuningBudget`):
 5. A call of unknown length (a generator, a custom loop) times everything.
 
 Example:
-
     >>> import numpy as np
     >>> call_steps(np.zeros((1000, 10, 4)), batch_size=32, epochs=10)
     320

@@ -15,7 +15,6 @@ fit its group moves to ``set_aside``, and a location that cannot hold the
 file warns once and tuning runs without a cache (`default_cache`).
 
 Example:
-
     >>> import tempfile, pathlib
     >>> cache = PlanCache(pathlib.Path(tempfile.mkdtemp()) / "plans.json")
     >>> key = CacheKey.of({"device": "GPU-A"}, "lstm/u8", (32, 20, 4), "float32", training=True)

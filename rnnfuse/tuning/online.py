@@ -14,7 +14,6 @@ PRUNE from the second round; the fastest median wins unless the original
 layers are within `KEEP_ORIGINAL_MARGIN` of it.
 
 Example:
-
     >>> race = OnlineRace(["per-layer", "fused"], warmup=0, repeats=3)
     >>> seconds = {"per-layer": 2.0, "fused": 1.0}
     >>> while race.committed is None:

@@ -6,7 +6,6 @@ each kernel besides cuDNN the backend runs for the mode; `split_groups`
 turns groups and their plans into the groups the rewrite builds.
 
 Example:
-
     >>> import types
     >>> group = types.SimpleNamespace(layers=("a", "b", "c", "d"), absorbed_dropout=())
     >>> [p.name for p in candidate_plans(group, [None, "persistent_static+tc"])]

@@ -9,7 +9,6 @@ why, and whether its plan was slower than the original layers anywhere in
 the measurements of docs/benchmarks.md (`proven` when not).
 
 Example:
-
     >>> plan_for_regime(Regime("rnn_tanh", 512, 4, False, True, "float32", True)).name
     'fused'
     >>> plan_for_regime(Regime("lstm", 512, 4, False, False, "float16", True, batch=64)).name

@@ -262,23 +262,18 @@ def tune_plans(
         shape_of: group -> (batch, steps, features) of its input.
         training: time forward + backward (True) or forward only.
         cache: where decisions are kept (None: no cache).
-        measure: {name: step} -> {name: {"median": s}}; default:
-            `interleaved_medians` with `warmup`, `repeats`, PRUNE and RACE.
+        measure: {name: step} -> {name: {"median": s}} (default:
+            `interleaved_medians` with `warmup`, `repeats`, PRUNE and RACE).
         warmup: untimed calls after a step's first (None: `default_warmup`).
-        check_gradients: (group, plan, shape, dtype) -> relative error
-            against a float64 reference (default: `GradientCheck`).
-        environment: device and versions for the cache key (default: read
-            them; None without a GPU, where the static table decides).
+        check_gradients: (group, plan, shape, dtype) -> error against float64.
+        environment: device and versions for the cache key (default: read;
+            None without a GPU, where the static table decides).
         progress: show a progress bar.
-        jit_baseline: time the original layers XLA-compiled, as Keras runs
-            them under jit_compile="auto"; a fused plan must beat that.
-        masked_of: group -> whether its input carries a padding mask (the
-            steps then get a right-padded one: a mask changes the kernels
-            Keras runs). Default: no mask.
-        candidates_of: group -> the plans to time (None: `candidate_plans`').
-        budget: what the call being served can pay for: the original layers
-            and the static plan first, each further stage within it; a cut
-            decision is not cached. None: every stage.
+        jit_baseline: time the original layers XLA-compiled, as Keras runs them.
+        masked_of: group -> whether its input carries a padding mask.
+        candidates_of: group -> the plans to time (None: all).
+        budget: what the call being served can pay for (`rnnfuse.tuning.budget`);
+            a decision it cut short is not cached.
     """
     environment = environment if environment is not None else device_environment()
     if environment is None:
@@ -548,23 +543,12 @@ def _time_in_stages(plans, rejected, bar, measured, spend=None, lead=()):
     """Times `plans` in two stages; returns ({name: seconds}, the plans timed).
 
     Stage one: the original layers and the whole run on every algorithm.
-    Stage two: the splits, only on the algorithms whose whole run came
-    within PRUNE of the best (a trace costs about a second, and such a split
-    never won), timed beside stage one's best again so the deciding plans
-    share one interleaved session. One stage where there is one algorithm.
-    With `spend` (a `budget.Spend`), `lead` is timed first and each stage
-    runs only where the budget allows; what is left out goes to `rejected`.
-
-    >>> from rnnfuse.plan import Plan, PER_LAYER
-    >>> p = "persistent_static"
-    >>> plans = [PER_LAYER, Plan((2,)), Plan((2,), p), Plan((1, 1)), Plan((1, 1), p)]
-    >>> fake = dict(zip([q.name for q in plans], [1.0, 0.5, 2.0, 0.4, 0.1]))
-    >>> class Bar:
-    ...     def advance_rest(self, n): pass
-    >>> why = {}
-    >>> t, timed = _time_in_stages(plans, why, Bar(), lambda ps: ({q.name: fake[q.name] for q in ps}, {}))
-    >>> sorted(t), why["split 1+1 @persistent_static"][:49]
-    (['fused', 'fused @persistent_static', 'per-layer', 'split 1+1'], 'not timed: fused @persistent_static was over 1.5x')
+    Stage two: the splits, only on the algorithms whose whole run came within
+    PRUNE of the best (a trace costs about a second, and such a split never
+    won), beside stage one's best again so the deciding plans share one
+    interleaved session. With `spend` (a `budget.Spend`), `lead` is timed
+    first and each stage runs only where the budget allows; what is left out
+    goes to `rejected` (tests/test_tuning_stages.py).
     """
     first, rest = _stages(plans)
     leading = [p for p in plans if p.name in lead] if spend is not None else []
@@ -684,12 +668,7 @@ def _shared_steps(group, plans, x, dtype, training) -> dict:
 
 def _keep_original_unless_clearly_slower(plans, timings, best):
     """`best`, or the original layers where `best` wins by less than
-    KEEP_ORIGINAL_MARGIN.
-
-    >>> from rnnfuse.plan import FUSED, PER_LAYER
-    >>> _keep_original_unless_clearly_slower([PER_LAYER, FUSED], {"per-layer": 1.0, "fused": 0.98}, FUSED).name
-    'per-layer'
-    """
+    KEEP_ORIGINAL_MARGIN."""
     original = next((p for p in plans if p == PER_LAYER), None)
     if original is None or best is original or original.name not in timings or best.name not in timings:
         return best
@@ -747,21 +726,11 @@ def _fastest_with_sound_gradients(plans, timings, rejected, training, check, dty
 def _first_calls(steps: dict, plans: dict, seconds: dict | None = None) -> tuple[dict, dict]:
     """Calls each step once, untimed (trace, compile, cuDNN's plan).
 
-    Returns (kept steps, {name: refusal}): a step a kernel refuses (an op
-    error) is left out instead of ending all timing; `seconds` receives each
-    call's seconds. A step with `trace()` is traced here and its first call
-    runs on a worker thread while the next step traces (tracing is Python,
-    the call mostly is not); first calls still run one at a time, so the
-    device holds one candidate's step at a time.
-
-    >>> calls = []
-    >>> def step():
-    ...     calls.append("call")
-    ...     return 1.0
-    >>> step.trace = lambda: calls.append("trace")
-    >>> kept, refused = _first_calls({"fused": step}, {})
-    >>> calls, list(kept), refused
-    (['trace', 'call'], ['fused'], {})
+    Returns (kept steps, {name: refusal}): a step a kernel refuses is left out
+    instead of ending all timing; `seconds` receives each call's seconds. A
+    step with `trace()` is traced here and its first call runs on a worker
+    thread while the next step traces; first calls still run one at a time,
+    so the device holds one candidate's step at a time.
     """
     outcomes: dict = {}
     clock = current_clock()  # the worker thread does not see this context
