@@ -2,25 +2,18 @@
 
     fast = rnnfuse.optimize(model)   # shares every variable with `model`
 
-Public API: `analyze`, `optimize`, `restore`, `load_model` (a saved model,
-optimized again), `FusedRNN`, the report records `FusionReport` and
-`FusionGroup`, `Reason`, `FusionWarning` and `ModelFileError`.
+Public API: `analyze`, `optimize`, `restore`, `load_model`, `FusedRNN`,
+the report records `FusionReport` and `FusionGroup`, `Reason`,
+`FusionWarning` and `ModelFileError`.
 
-`import rnnfuse` imports keras (and so the Keras backend) and registers
-rnnfuse's layers, so `keras.models.load_model` also reads files in rnnfuse's
-fused format (`save(path, fused=True)`). When
-the selected backend is not installed it raises an ImportError naming the
-extra to install (`pip install 'rnnfuse[torch]'`). Only the `rnnfuse`
-command defers all that until its arguments are parsed, so `rnnfuse --help`
-answers at once.
-
-rnnfuse logs its own messages to one logger, `logging.getLogger("rnnfuse")`
-(it adds no handler: warnings reach stderr through Python's default, INFO
-and DEBUG only where you configure logging); problems with what you passed
-are `FusionWarning`s (`warnings.warn`).
+`import rnnfuse` imports keras and registers rnnfuse's layers, so
+`keras.models.load_model` reads rnnfuse's fused files too; a missing
+backend raises an ImportError naming the extra to install. Only the
+`rnnfuse` command defers that until its arguments are parsed. Messages go
+to the `rnnfuse` logger (no handler added); problems with what you passed
+are `FusionWarning`s.
 
 Example:
-
     >>> import keras, rnnfuse
     >>> m = keras.Sequential([keras.Input((20, 4)),
     ...                       keras.layers.LSTM(8, return_sequences=True),
@@ -28,35 +21,21 @@ Example:
     >>> len(rnnfuse.analyze(m).groups)
     1
 
-The dependency rule. The package is in layers, lowest first; a module
-imports only from its own layer or the layers below it (also inside
-functions; tests/test_layering.py checks every import):
+The dependency rule: the package is in layers, lowest first, and a module
+imports only from its own layer or those below (tests/test_layering.py):
 
-    records        reasons.py (Reason, CallPath), report.py (the records
-                   only), report_text.py (a report as rich tables and
-                   text), plan.py (Plan, Algorithm), _version.py, _deps.py
-                   (importing keras), schema/ (JSON Schema files),
-                   scoped.py (the one helper for scoped switches)
-    describe/graph recurrent.py (RecurrentView)
-    rules          rules/ (the registry and every fusion rule)
-    backends       backends/ (the Backend contract and one package per
-                   framework; the only code importing TensorFlow, torch or
-                   JAX, and get_backend the only reader of
-                   keras.backend.backend(); ProjectedLSTM's kernels in
-                   tensorflow/projected_lstm.py, torch/projected_lstm.py)
-    layers         fused.py (FusedRNN), layers/ (the ProjectedLSTM layer
-                   and cell, which reach their kernels through the
-                   Backend contract)
-    passes         passes/ (graph, rules, planning, rewrite), run in order
-                   by passes/pipeline.py; the rewrite makes a plain Keras
-                   model, so no pass needs the tuner
-    tuning         tuning/, placement.py (where a plan runs here)
-    saving         optimized.py (the Optimized* model classes and their
-                   hooks), persistence.py (restore, weight files)
-    api            api.py, model_files.py (loading files), this package's
-                   __init__
-    cli/render     cli/ (one module per command; cli/render.py prints
-                   their text), plotting.py, __main__.py
+    records        reasons, report, report_text, plan, _version, _deps,
+                   schema/, scoped
+    describe/graph recurrent
+    rules          rules/
+    backends       backends/ (the only code importing TensorFlow, torch
+                   or JAX)
+    layers         fused, layers/
+    passes         passes/ (run in order by passes/pipeline.py)
+    tuning         tuning/, placement
+    saving         optimized, persistence
+    api            api, model_files, this package's __init__
+    cli/render     cli/, plotting, __main__
 
 `LAYERS` below is that list; `LAYER_EXCEPTIONS` names the imports that
 break it for now, each with the reason.
@@ -191,14 +170,8 @@ def __getattr__(name: str):
 
 
 def _started_by_command_line() -> bool:
-    """Whether this import is the `rnnfuse` script's (or `python -m rnnfuse`'s).
-
-    The script's wrapper imports `rnnfuse.cli` before anything else, with
-    sys.argv[0] naming the script; `python -m rnnfuse` shows in
-    sys.orig_argv. The command line then loads the API itself after parsing
-    its arguments. Any other import (a program that imports rnnfuse, even
-    one run with `python -m`) loads it now.
-    """
+    """Whether this import is the `rnnfuse` script's (or `python -m
+    rnnfuse`'s), which loads the API itself after parsing its arguments."""
     if os.environ.get("RNNFUSE_EAGER_IMPORT") == "1":
         return False
     argv0 = os.path.basename(sys.argv[0] if sys.argv else "").lower()

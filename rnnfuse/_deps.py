@@ -7,7 +7,6 @@ that backend's package is absent, `import rnnfuse` raises an ImportError
 naming the extra instead of Keras' bare "No module named 'torch'".
 
 Example:
-
     >>> _extra_for("jax")
     'jax'
 """

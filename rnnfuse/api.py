@@ -1,21 +1,17 @@
-"""The public entry points: `analyze(model)` and `optimize(model)`.
+"""The public entry points: `analyze(model)` and `optimize(model)`, which
+check their arguments at the boundary (the argument, what was received,
+the fix); nothing deeper raises on bad input.
 
-Both check their arguments at the boundary and raise clear errors (the
-argument, what was received, the fix); nothing deeper raises on bad input.
-
-Example:
-
-    >>> import keras, numpy as np, rnnfuse
-    >>> inp = keras.Input((12, 8))
-    >>> x = keras.layers.LSTM(16, return_sequences=True)(inp)
-    >>> x = keras.layers.LSTM(16)(x)
-    >>> model = keras.Model(inp, keras.layers.Dense(2)(x))
-    >>> fast = rnnfuse.optimize(model)
-    >>> [type(l).__name__ for l in fast.layers[1:]]
-    ['FusedRNN', 'Dense']
-    >>> x = np.random.rand(3, 12, 8).astype("float32")
-    >>> bool(np.allclose(fast(x), model(x), atol=1e-6))
-    True
+>>> import keras, numpy as np, rnnfuse
+>>> inp = keras.Input((12, 8))
+>>> x = keras.layers.LSTM(16)(keras.layers.LSTM(16, return_sequences=True)(inp))
+>>> model = keras.Model(inp, keras.layers.Dense(2)(x))
+>>> fast = rnnfuse.optimize(model)
+>>> [type(l).__name__ for l in fast.layers[1:]]
+['FusedRNN', 'Dense']
+>>> x = np.random.rand(3, 12, 8).astype("float32")
+>>> bool(np.allclose(fast(x), model(x), atol=1e-6))
+True
 """
 
 from __future__ import annotations
@@ -54,26 +50,25 @@ def analyze(
     """Finds the runs of `model`'s recurrent layers that fuse, and why not.
 
     Args:
-        model: a built Keras 3 Sequential or Functional model (nested
-            sub-models are looked into).
-        min_layers: the least number of recurrent levels worth fusing.
-            None (the default): per kind, 1 for LSTM, GRU, SimpleRNN and
-            RNN(cell) layers (a lone layer is a group of one; its plan
-            keeps the original layer unless the fused call is measured
-            faster), 2 for ProjectedLSTM. 2: stacks only.
-        absorb_dropout: treat a `Dropout` layer between two recurrent layers
-            as cuDNN's between-layer dropout instead of a break in the run.
+        model: a built Keras 3 Sequential or Functional model.
+        min_layers: the least number of recurrent levels worth fusing; None:
+            1 (a lone layer is a group, kept unless fusing is faster), 2 for
+            ProjectedLSTM.
+        absorb_dropout: treat a `Dropout` between two recurrent layers as
+            cuDNN's between-layer dropout instead of a break in the run.
 
     Returns:
-        A `FusionReport`: `.groups` (one `FusionGroup` per run),
-        `.skipped` (every other recurrent layer -> the reason) and
-        `.breaks` (two grouped layers, one feeding the other, that are
-        separate calls -> the link rule's reason).
+        A `FusionReport`: `.groups`, `.skipped` (layer -> reason) and `.breaks`
+        (two grouped layers that are separate calls -> reason).
 
     Raises:
         TypeError: `model` is not a Keras 3 model.
-        ValueError: `model` is not built, or `min_layers` is not a positive
-            integer.
+        ValueError: `model` is not built, or a bad `min_layers`.
+
+    >>> import keras
+    >>> m = keras.Sequential([keras.Input((5, 3)), keras.layers.GRU(4)])
+    >>> [g.layers for g in analyze(m).groups]
+    [('gru',)]
     """
     _check_model(model, "analyze")
     _check_min_layers(min_layers, "analyze")
@@ -93,45 +88,41 @@ def optimize(
 ) -> keras.Model | OptimizeResult:
     """A new model in which each fusable run is one `FusedRNN` layer.
 
-    The new model has the same inputs, outputs and output names; every layer
-    outside a run is the same object, and the runs' layers live inside the
-    fused layers, so all variables are shared: training the new model
-    trains `model`. `model` itself is not changed.
+    The new model has the same inputs, outputs and output names and shares
+    every layer and variable with `model` (training one trains the other);
+    `model` itself is not changed.
 
     Args:
         model: a built Keras 3 Sequential or Functional model.
-        min_layers: the least number of recurrent levels worth fusing
-            (None: per kind, see `analyze`).
-        absorb_dropout: see `analyze`.
-        tune: how each group's plan (fused whole, split, per-layer; cuDNN
-            algorithm) is chosen. "auto" (the default): the static rule
-            table now, then, on a GPU, the plans are timed on the first
-            batch the model meets in `fit`/`evaluate`/`predict` and the
-            fastest kept (`rnnfuse.tuning.first_batch`; cached on disk).
-            False or None: the static rule table only
-            (`rnnfuse.tuning.table`). A sample batch (what the model takes)
-            or `rnnfuse.TuneShape(batch_size, steps)`: time the candidates
-            on this device and keep the fastest per group; decisions are
-            cached on disk, so a second call costs nothing.
+        min_layers, absorb_dropout: see `analyze`.
+        tune: how each group's plan is chosen. "auto" (the default): the
+            static rule table now, then, on a GPU, the plans timed on the
+            first batch of `fit`/`evaluate`/`predict` (cached on disk).
+            False or None: the static rule table only. A sample batch or
+            `rnnfuse.TuneShape(batch_size, steps)`: time the candidates now.
         training: tune for training steps (forward + backward) or inference.
-        plan: force one `rnnfuse.Plan` for every group (or a callable
-            group -> Plan); overrides `tune`. `rnnfuse.FUSED` fuses every
-            run whole with TensorFlow's default algorithm.
-        cache: the plan cache for `tune`: None (the default file, see
-            `rnnfuse.tuning.cache`), False (none), a path, or a `PlanCache`.
-        return_result: return an `rnnfuse.OptimizeResult` (the model, the
-            report, the plan per group and the groups that failed to
-            rewrite) instead of the model alone.
+        plan: one `rnnfuse.Plan` for every group (or a callable group ->
+            Plan); overrides `tune`.
+        cache: the plan cache: None (the default file), False (none), a
+            path, or a `PlanCache`.
+        return_result: return an `rnnfuse.OptimizeResult` (model, report,
+            plans, groups that failed to rewrite) instead of the model.
 
     Returns:
-        The optimized `keras.Model` (for a subclassed model: `model` itself,
-        with a warning, since its call() cannot be rewritten), or with
-        `return_result=True` an `OptimizeResult` holding it.
+        The optimized `keras.Model` (a subclassed model comes back as it is,
+        with a warning), or its `OptimizeResult`.
 
     Raises:
         TypeError: `model` is not a Keras 3 model.
         ValueError: `model` is not built, or `min_layers`, `tune` or `plan`
             is not valid.
+
+    Example:
+        >>> import keras
+        >>> m = keras.Sequential([keras.Input((5, 3)), keras.layers.GRU(4, return_sequences=True),
+        ...                       keras.layers.GRU(4)])
+        >>> [type(l).__name__ for l in optimize(m, tune=False).layers]
+        ['FusedRNN']
     """
     _check_model(model, "optimize")
     _check_min_layers(min_layers, "optimize")
@@ -142,21 +133,10 @@ def optimize(
         isinstance(tune, str) and tune == AUTO and plan is None and first_batch.can_time_here()
     )
     tuned: list[TuneResult] = []  # the tuner's choice, kept for OptimizeResult.plans
-
-    def choose(report: FusionReport):
-        # Between planning and rewrite: the passes get plans, not the tuner.
-        if at_first_batch:
-            tuned.extend(_first_batch_plans(report.groups, training))
-            return [(r.group, r.plan) for r in tuned]
-        tuned.extend(
-            choose_plans(model, report.groups, tune=tune, training=training, plan=plan, cache=cache)
-        )
-        _say_if_nothing_runs_fused(model, tuned)
-        return split_groups(report.groups, [r.plan for r in tuned])
-
+    choose = _plan_chooser(model, tuned, at_first_batch, tune=tune, training=training, plan=plan,
+                           cache=cache)
     done = run_pipeline(model, PassOptions(min_layers, absorb_dropout, choose))
     if done.rewritten is None:
-        new = model
         warnings.warn(
             f"rnnfuse.optimize: '{model.name}' is a subclassed model "
             f"({type(model).__name__}); rnnfuse cannot see inside its call(), "
@@ -165,6 +145,7 @@ def optimize(
             FusionWarning,
             stacklevel=2,
         )
+        new = model
     else:
         # Weight files in the original layout, registered classes (optimized.py).
         new = as_optimized(done.rewritten, like=model)
@@ -173,6 +154,21 @@ def optimize(
     if return_result:
         return OptimizeResult(model=new, report=done.report, plans=tuple(tuned), failed=done.failed)
     return new
+
+
+def _plan_chooser(model, tuned: list, at_first_batch: bool, **choice) -> Callable:
+    """The pipeline's `choose` step (the passes get plans, not the tuner);
+    what it chose is appended to `tuned`."""
+
+    def choose(report: FusionReport):
+        if at_first_batch:
+            tuned.extend(_first_batch_plans(report.groups, choice["training"]))
+            return [(r.group, r.plan) for r in tuned]
+        tuned.extend(choose_plans(model, report.groups, **choice))
+        _say_if_nothing_runs_fused(model, tuned)
+        return split_groups(report.groups, [r.plan for r in tuned])
+
+    return choose
 
 
 def _first_batch_plans(groups, training) -> list[TuneResult]:
@@ -203,15 +199,11 @@ def _say_if_nothing_runs_fused(model, plans: list[TuneResult]) -> None:
 
 @dataclasses.dataclass(frozen=True)
 class TuneShape:
-    """Input shape to tune for, when no sample batch is at hand.
+    """Input shape to tune for, when no sample batch is at hand; a bad
+    `batch_size` or `steps` raises ValueError.
 
-    Raises:
-        ValueError: `batch_size` or `steps` is not a positive integer.
-
-    Example:
-
-        >>> TuneShape(32, 100).steps
-        100
+    >>> TuneShape(32, 100).steps
+    100
     """
 
     batch_size: int

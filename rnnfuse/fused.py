@@ -1,51 +1,28 @@
 """`FusedRNN`: one Keras layer that runs a stack of recurrent layers at once.
 
-The layer holds the original layers (which own the variables) and, on every
-call, decides how to run them:
+The layer holds the original layers (which own the variables) and decides
+on every call how to run them:
 
-1. If the active backend has a fused kernel that can run here (TensorFlow:
-   a GPU; a supported dtype), the whole stack runs as one multi-layer call
-   whose weights are packed from the original variables on every call, so
-   gradients and assignments reach them.
-2. Otherwise (no GPU, bfloat16, a reversed first layer under a mask) it
-   calls the original layers in sequence: exactly the original numbers.
-3. With a mask, the choice is made on the mask's values: a right-padded
-   mask becomes sequence lengths; any other mask runs the original layers
-   through Keras' generic loop, except in a traced call of LSTM/GRU layers
-   that Keras itself runs on cuDNN there (TensorFlow with a GPU): their
-   traced step fails on such a mask with Keras' message, and so does this
-   one (pass `use_cudnn=False` to the layers, as Keras' message says).
+1. Where the backend's fused kernel can run (TensorFlow: a GPU; a supported
+   dtype), the stack runs as one multi-layer call whose weights are packed
+   from the original variables on every call, so gradients reach them.
+2. Otherwise it calls the original layers in sequence: the same numbers.
+3. A right-padded mask becomes sequence lengths; any other mask runs the
+   original layers, except in a traced LSTM/GRU step that Keras itself
+   runs on cuDNN, which fails on such a mask with Keras' own message.
 
-How the fused path runs is the layer's `rnnfuse.plan.Plan` (`plan=`,
-`set_plan`): the whole run as one call, consecutive pieces of it, or the
-original layers; the kernel and its algorithm. A plan on rnnfuse's
-"wavefront" kernel runs inference calls there; a training call runs there
-too where the backend trains on it (`Capabilities.training_kernels`:
-TensorFlow and torch, with the kernel's backward), else
-`plan.for_training()` (cuDNN), and its `KernelRun`'s note says so.
-Everything one call needs arrives as arguments (the plan's fields, the
-tuner's runtime algorithm, what the caller knows about the mask); what the
-call ran comes back as `last_path` (a `CallPath` with the `KernelRun` of
-the fused kernel), set by the branch that ran. No process-wide switch is read, so two models
-traced in two threads each run their own plan.
+The layer's `rnnfuse.plan.Plan` says how the fused path runs: whole,
+in pieces, or the original layers, on which kernel and algorithm. All a
+call needs arrives as arguments and what it ran comes back in `last_path`,
+so two models traced in two threads each run their own plan.
 
-What it reproduces from the original stack: the first layer's input
-dropout (one mask per sequence, drawn from that layer's seed generator as
-Keras does), its `initial_state` and `go_backwards`; the last layer's
-`return_sequences`, `return_state`, merge mode and output mask; a
-Bidirectional inside the run merging by "sum" or "ave" (the next level's
-input kernel is packed doubled: `StackSpec.input_merges`); and the
-values at padded time steps (zeros where Keras runs cuDNN, the generic
-loop's `zero_output_for_mask` behaviour elsewhere, including its last
-output: that of the last time step, zero for a right-padded row).
-
-Not reproduced bit for bit: training-mode outputs with input `dropout`
-under torch. Unseeded dropout draws from PyTorch's global generator, in
-another order than Keras' per-step loop draws: the same distribution,
-other masks.
+It reproduces the first layer's input dropout, `initial_state` and
+`go_backwards`; the last layer's `return_sequences`, `return_state`, merge
+mode and output mask; "sum"/"ave" merges inside the run; and the values at
+padded steps. Under torch, training-mode input dropout draws other masks
+(same distribution) than Keras' loop.
 
 Example:
-
     >>> import keras, numpy as np
     >>> a = keras.layers.LSTM(8, return_sequences=True)
     >>> b = keras.layers.LSTM(8)
@@ -76,13 +53,7 @@ __all__ = ["FusedRNN", "call_members", "default_name", "first_call_kwargs", "fus
 
 def default_name(layers) -> str:
     """A FusedRNN's name: "fused_" and its first and last layers' names, so
-    it differs from every layer it holds (a model's output names are kept
-    by the rewrite, not by this name).
-
-    >>> import keras
-    >>> default_name([keras.layers.LSTM(2, name="a"), keras.layers.LSTM(2, name="b")])
-    'fused_a_to_b'
-    """
+    it differs from every layer it holds."""
     first, last = layers[0].name, layers[-1].name
     return f"fused_{first}" if first == last else f"fused_{first}_to_{last}"
 
@@ -95,56 +66,35 @@ class FusedRNN(keras.layers.Layer):
     """Runs stacked recurrent layers as one multi-layer cuDNN call.
 
     Args:
-        layers: the recurrent layers of the run, bottom to top. Each must be
-            fusable (see `rnnfuse.analyze`), and each must feed the next.
-        dropout_layers: optional, one entry per gap between layers: a
-            `keras.layers.Dropout` the fused call absorbs as cuDNN's
-            between-layer dropout, or None.
-        plan: how calls run the stack, an `rnnfuse.Plan` (or its
-            `to_dict()`): None (the default) is `rnnfuse.FUSED`, one fused
-            call for the whole run on cuDNN's standard algorithm;
-            `Plan(())` the original layers, one Keras call each;
-            `Plan((a, b, ...), algorithm, kernel=...)` consecutive fused
-            calls of `a`, `b`, ... layers (summing to the number of layers)
-            on that kernel and algorithm (`rnnfuse.plan`; e.g.
-            `kernel="stock"` keeps rnnfuse's op out of a traced graph, for
-            an export that loads without rnnfuse). `set_plan` switches it
-            later (rnnfuse's first-batch tuning does, before a trace).
-        **kwargs: Keras layer arguments. `name` defaults to
-            `default_name(layers)` ("fused_lstm_to_lstm_2": not a name of a
-            layer it holds), `dtype` to the first layer's dtype policy. (`algorithm` and `pieces`, the
-            arguments of layers saved before `plan` existed, are read as
-            that plan.)
+        layers: the recurrent layers of the run, bottom to top, each fusable
+            (see `rnnfuse.analyze`) and feeding the next.
+        dropout_layers: optional, one entry per gap: a `keras.layers.Dropout`
+            absorbed as cuDNN's between-layer dropout, or None.
+        plan: an `rnnfuse.Plan` (or its `to_dict()`); None is `rnnfuse.FUSED`,
+            the whole run in one call. `set_plan` switches it later.
+        **kwargs: Keras layer arguments; `name` defaults to
+            `default_name(layers)`, `dtype` to the first layer's policy.
 
     Call arguments:
         sequences: [batch, time, features].
-        initial_state: the first layer's initial state, as it would take it.
+        initial_state: the first layer's initial state.
         mask: [batch, time] boolean mask.
         training: Python boolean.
-        algorithm: a value standing for the plan's algorithm in this call
-            (None: the plan's): what `Timing.timed_steps` passes so that
-            one traced step runs every algorithm (the tuner's shared step).
-        mask_is_right_padded: True where the caller knows that `mask` is
-            right-padded: the branch for other masks is then the fused call
-            too, so the original layers are not traced (the mask's check
-            stays in the step). The tuner does not pass it: it times the
-            step the model runs, both branches traced.
+        algorithm: a runtime value for the plan's algorithm (the tuner's
+            shared step); None: the plan's.
+        mask_is_right_padded: True where the caller knows it, so the original
+            layers are not traced as the other branch.
 
-    Where the call's plan is known to keep the original layers (the plan
-    itself without a planner; the planner's decided plan for the call's
-    mode and shape), the call is theirs alone: `__call__` hands it to the
-    layers' own calls, without this layer's Keras call, so a kept-original
-    group costs what the original model's layers cost.
+    A call whose plan keeps the original layers is handed to their own calls,
+    so a kept-original group costs what the original layers cost.
 
     Returns:
-        What the last layer returns (output, plus states with
-        `return_state=True`).
+        What the last layer returns (output, plus states with return_state).
 
     Raises:
-        TypeError: `layers` is not a list of Keras layers, or
-            `dropout_layers` holds something other than Dropout layers.
-        ValueError: a layer that cannot be fused, or two layers that cannot
-            be stacked, naming the rule.
+        TypeError: `layers` or `dropout_layers` hold the wrong types.
+        ValueError: a layer that cannot be fused, or two that cannot be
+            stacked, naming the rule.
     """
 
     def __init__(self, layers, dropout_layers=None, plan=None, **kwargs):
@@ -195,20 +145,15 @@ class FusedRNN(keras.layers.Layer):
         # The members in call order, for the original layers' direct call
         # (untracked: Keras tracks them through `fused_layers`).
         object.__setattr__(self, "_members", self.members())
-        # Sub-stacks a split plan runs, built on first use; a plain dict set
-        # with object.__setattr__ so Keras neither tracks nor saves them
-        # (they hold the same layers and variables as this layer).
+        # A split plan's sub-stacks, built on first use; untracked and unsaved (they
+        # share this layer's layers and variables).
         object.__setattr__(self, "_piece_cache", {})
         self._plan = FUSED.for_length(len(layers))
         self.set_plan(plan)
-        # Where set (rnnfuse's tuning: `rnnfuse.tuning.per_shape.Planner`),
-        # a callable (input shape, training) -> Plan or None that each call
-        # asks for its plan first (at trace time in a graph); None: `plan`.
-        # A plain attribute (object.__setattr__): neither tracked nor saved.
+        # (input shape, training) -> Plan or None, asked first by each call (the
+        # tuner's `per_shape.Planner`); untracked and unsaved. None: `plan`.
         object.__setattr__(self, "planner", None)
-        # Which path the last call took (a CallPath: "fused" with the
-        # KernelRun, or "layers: <why>"); set by the branch that ran, when
-        # the call runs eagerly or is traced.
+        # The CallPath of the last call, set by the branch that ran.
         self.last_path: CallPath | None = None
         if all(layer.built for layer in layers):
             self.built = True
@@ -222,21 +167,13 @@ class FusedRNN(keras.layers.Layer):
 
     @property
     def layers(self) -> list:
-        """The original layers this layer runs, as `members()` lists them.
-
-        Keras' `summary(expand_nested=True)` and `plot_model(expand_nested=
-        True)` list these under the FusedRNN row, with their own output
-        shapes and parameter counts. Saving is unchanged: Keras' saver
-        reaches the same layer objects through `fused_layers` first and
-        skips objects it has visited.
-        """
+        """The original layers, as `members()` lists them (what Keras'
+        `summary(expand_nested=True)` shows under this layer)."""
         return self.members()
 
     def members(self) -> list:
-        """The run's layers in call order, absorbed Dropout layers in place.
-
-        (A method, not a property: Keras' saving walks properties.)
-        """
+        """The run's layers in call order, absorbed Dropout layers in place (a
+        method: Keras' saving walks properties)."""
         dropouts = dict(zip(self._dropout_after, self.absorbed_dropout))
         out = []
         for i, layer in enumerate(self.fused_layers):
@@ -252,12 +189,8 @@ class FusedRNN(keras.layers.Layer):
         return self._plan
 
     def set_plan(self, plan: Plan | None) -> None:
-        """Switches how later traces run the stack (see the `plan` argument;
-        None: `rnnfuse.FUSED`).
-
-        Takes effect for the next trace (Keras re-traces its train/predict
-        functions after `make_train_function(force=True)`); the variables
-        and the layers are unchanged.
+        """Switches how later traces run the stack (None: `rnnfuse.FUSED`); the
+        layers and variables are unchanged.
 
         Raises:
             TypeError: `plan` is not a Plan.
@@ -286,29 +219,20 @@ class FusedRNN(keras.layers.Layer):
 
     @property
     def uses_fused_kernel(self) -> bool:
-        """Whether calls here run the fused kernel (backend, device, dtype).
-
-        With a mask, the mask's values still decide per call.
-        """
+        """Whether calls here run the fused kernel (a mask's values still decide
+        per call)."""
         return self._fallback_reason(None) is None
 
     @property
     def supports_jit(self) -> bool:
-        """False while the fused kernel may run: XLA cannot compile cuDNN ops.
-
-        Keras reads this (`model_supports_jit`) for `jit_compile="auto"`, as
-        it reads its own LSTM's. Where only the original layers can run (no
-        GPU, an unsupported dtype) it is what Keras says for those layers.
-        A backend whose fused call is itself an XLA op (JAX's cuDNN custom
-        call) keeps jit on.
-        """
+        """False while a fused kernel XLA cannot compile may run; Keras reads it
+        for `jit_compile="auto"` as it reads its own LSTM's."""
         return self._supports_jit and not self.fused_call_blocks_xla
 
     @property
     def fused_call_blocks_xla(self) -> bool:
-        """Whether calls here run a fused kernel that XLA cannot compile
-        (TensorFlow's CudnnRNNV3; not JAX's cuDNN custom call, whose backend
-        has `capabilities.xla_compiles_fused_call`)."""
+        """Whether calls here may run a fused kernel XLA cannot compile
+        (TensorFlow's CudnnRNNV3; not JAX's cuDNN custom call)."""
         if get_backend().capabilities.xla_compiles_fused_call:
             return False
         plans = [self._plan] + (self.planner.plans() if self.planner is not None else [])
@@ -367,20 +291,14 @@ class FusedRNN(keras.layers.Layer):
     # -- call ------------------------------------------------------------------
 
     def __call__(self, *args, **kwargs):
-        # Where this call's plan keeps the original layers, their own calls
-        # are all that runs: none of this layer's Keras call set-up, planner
-        # or path record (a kept-original group costs what the original
-        # model's layers cost, plus this check).
+        # A kept-original call is theirs alone: it costs what the original layers cost.
         if self._keeps_original(args, kwargs):
             return self._original_call(*args, **kwargs)
         return super().__call__(*args, **kwargs)
 
     def _keeps_original(self, args, kwargs) -> bool:
-        """Whether this call's plan is known, without timing, to keep the
-        original layers: the layer's own plan where no planner is set, else
-        the planner's lookup (`keeps_original`: the call's decided plan). A
-        symbolic call (a functional model being built) keeps this layer's
-        node, and a tuner's call (`algorithm=`) runs as asked."""
+        """Whether this call's plan is known, untimed, to keep the original layers
+        (a symbolic call keeps this layer's node; a tuner's call runs as asked)."""
         if not args or not self.built or kwargs.get("algorithm") is not None:
             return False
         sequences = args[0]
@@ -397,9 +315,8 @@ class FusedRNN(keras.layers.Layer):
 
     def _original_call(self, sequences, initial_state=None, mask=None, training=None,
                        algorithm=None, mask_is_right_padded=False):
-        """The original layers' own calls, with this call's arguments as the
-        rewrite received them for the run's first layer (a mask not passed
-        reaches each layer on its input tensor, as in the original model)."""
+        """The original layers' own calls, with this call's arguments as the run's
+        first layer received them."""
         object.__setattr__(self, "last_path", _KEPT_ORIGINAL)
         mask = None if mask is None else tree.flatten(mask)[0]
         return self._call_layers(sequences, initial_state, mask, training)
@@ -441,12 +358,10 @@ class FusedRNN(keras.layers.Layer):
                                  right_padded)
 
     def _call_masked(self, plan, sequences, initial_state, mask, training, algorithm, right_padded):
-        """A masked call: the mask's values decide (right-padded: the fused
-        call with sequence lengths; else the original layers in Keras'
-        generic loop). Where the mask is known now (an eager call) only its
-        branch runs; in a trace both are traced and the graph chooses, except
-        where the original layers' own traced call asserts the mask
-        (`_keras_asserts_traced_masks`): then so does this one."""
+        """A masked call: right-padded, the fused call with sequence lengths; else
+        the original layers in Keras' generic loop. Eagerly only the mask's branch
+        runs; in a trace both are traced, unless Keras' own traced call asserts
+        the mask (`_keras_asserts_traced_masks`), which this one then does too."""
         backend = get_backend()
         paths = []
 
@@ -465,12 +380,8 @@ class FusedRNN(keras.layers.Layer):
         supported = backend.mask_is_supported(mask)
         known = backend.concrete_bool(supported)
         if known is None and not right_padded and self._keras_asserts_traced_masks(backend):
-            # Traced where Keras' own LSTM/GRU run cuDNN: their traced step
-            # fails at run time on a mask that is not right-padded (Keras'
-            # `_assert_valid_mask`), so this one fails the same way and
-            # traces no branch for other masks. That branch costs a masked
-            # step at run time (its gradient carries both branches'
-            # intermediates) and its trace seconds of tuning.
+            # Keras' traced cuDNN step asserts a right-padded mask; so does this one, and
+            # the other branch (a masked step's cost, seconds of tracing) is not traced.
             backend.assert_mask_supported(supported)
             known = True
         # The last layer's activity loss is added once, after the branch: a
@@ -489,11 +400,8 @@ class FusedRNN(keras.layers.Layer):
         return outputs, next((p for p in paths if p.kind is PathKind.FUSED), paths[0])
 
     def _keras_asserts_traced_masks(self, backend) -> bool:
-        """Whether the original layers, traced on this device, accept only
-        right-padded masks: every one is an LSTM or GRU that Keras runs on
-        cuDNN here (the rules leave only cuDNN's configurations in a run),
-        whose traced call asserts the mask. Eagerly, Keras catches that
-        assertion and runs its generic loop, and so does this layer."""
+        """Whether the original layers, traced here, accept only right-padded masks
+        (every one an LSTM or GRU that Keras runs on cuDNN here)."""
         return backend.keras_runs_cudnn() and all(keras_has_cudnn_path(v) for v in self._views)
 
     def _fallback_reason(self, mask) -> Reason | None:
@@ -527,11 +435,8 @@ class FusedRNN(keras.layers.Layer):
 
     def _call_pieces(self, plan, sequences, initial_state, mask, training, algorithm,
                      right_padded):
-        """A split plan: one fused call per piece, absorbed Dropout between;
-        the path is fused only if every piece ran fused (else the first
-        other piece's), and names the first piece whose kernel is not the
-        one the plan asked for (its note says why: wavefront segments, one
-        of which fell back to cuDNN) where there is one."""
+        """A split plan: one fused call per piece, absorbed Dropout between; the
+        path is fused only if every piece ran fused."""
         dropouts = dict(zip(self._dropout_after, self.absorbed_dropout))
         x = sequences
         paths = []
@@ -571,11 +476,8 @@ class FusedRNN(keras.layers.Layer):
 
     def _call_fused(self, plan, sequences, initial_state, mask, training, algorithm=None,
                     add_losses=True):
-        """The whole stack as one backend call: (outputs, CallPath).
-
-        `algorithm`: a runtime value for the plan's algorithm (see `call`);
-        `add_losses`: add the last layer's activity-regularization loss, as
-        its own call would."""
+        """The whole stack as one backend call: (outputs, CallPath); `add_losses`
+        adds the last layer's activity-regularization loss."""
         backend = get_backend()
         x = self._input_dropout(sequences, training)
         initial_h, initial_c = self._initial_states(initial_state)
@@ -583,9 +485,7 @@ class FusedRNN(keras.layers.Layer):
         note = None
         if (training and plan.inference_only
                 and plan.kernel not in backend.capabilities.training_kernels):
-            # A forward-only kernel (rnnfuse.plan.INFERENCE_ONLY_KERNELS)
-            # this backend does not train on: a training call runs the same
-            # pieces on cuDNN.
+            # A forward-only kernel this backend does not train on: cuDNN trains.
             note = f"a training call: the {plan.kernel} kernel runs inference only here"
             plan = plan.for_training()
         try:
@@ -612,12 +512,9 @@ class FusedRNN(keras.layers.Layer):
         return outputs, CallPath(PathKind.FUSED, kernel=run.kernel.with_note(note))
 
     def _add_activity_losses(self, outputs) -> None:
-        """The loss Keras' `Layer.__call__` adds for the run's last layer's
-        `activity_regularizer` (the only layer of a run that may have one:
-        rule `activity_regularizer`): the regularizer of each output tensor
-        (the sequence or last output, and the states with return_state),
-        divided by the batch size, added to that layer's own losses so that
-        `model.losses` lists it as the original model does."""
+        """The loss Keras' `Layer.__call__` adds for the last layer's
+        `activity_regularizer`: per output tensor, divided by the batch size, on
+        that layer's own losses, so `model.losses` matches the original model."""
         layer = self._views[-1].layer
         regularizer = layer.activity_regularizer
         if regularizer is None:
@@ -685,9 +582,7 @@ class FusedRNN(keras.layers.Layer):
             if not view.return_sequences:
                 output = last
                 if mask is not None and view.zero_output_for_mask and not (keras_has_cudnn_path(view) and get_backend().keras_runs_cudnn()):
-                    # Keras' generic loop returns the output of the last
-                    # time step, zeroed where that step is masked (a
-                    # right-padded row), not the last valid step's.
+                    # Keras' loop returns the last step's output, zero where it is masked.
                     keep = ops.expand_dims(ops.cast(mask[:, -1], "bool"), -1)
                     output = ops.where(keep, last, ops.zeros_like(last))
             elif mask is not None and not (
@@ -735,17 +630,19 @@ class FusedRNN(keras.layers.Layer):
 
 
 def call_members(members, x, *, first: dict, rest: dict):
-    """Runs a run's layers one after the other: the one per-layer runner
-    (FusedRNN's fallback, the tuner's per-layer plan, `restore`).
+    """Runs a run's layers one after the other (FusedRNN's fallback, the
+    tuner's per-layer plan, `restore`).
 
     Args:
-        members: the recurrent layers in call order, absorbed `Dropout`
-            layers in place (`FusedRNN.members()`).
+        members: the layers in call order, absorbed Dropout layers in place.
         x: the first layer's input sequence.
-        first: keyword arguments of the first layer (`initial_state`,
-            `mask`, `training`).
-        rest: keyword arguments of the later recurrent layers; a Dropout
-            gets only `training`.
+        first: keyword arguments of the first layer.
+        rest: keyword arguments of the later ones (a Dropout gets `training`).
+
+    >>> import keras, numpy as np
+    >>> a, b = keras.layers.GRU(2, return_sequences=True), keras.layers.GRU(2)
+    >>> tuple(call_members([a, b], np.zeros((1, 3, 4), "float32"), first={}, rest={}).shape)
+    (1, 2)
     """
     for i, layer in enumerate(members):
         if i and type(layer) is keras.layers.Dropout:
@@ -757,8 +654,7 @@ def call_members(members, x, *, first: dict, rest: dict):
 
 
 def fused_layers(model) -> list:
-    """The FusedRNN layers of `model`, nested models included (the one
-    lister of a model's fused layers).
+    """The FusedRNN layers of `model`, nested models included.
 
     >>> import keras
     >>> fused_layers(keras.Sequential([keras.Input((3,)), keras.layers.Dense(2)]))
@@ -768,9 +664,8 @@ def fused_layers(model) -> list:
 
 
 def _plan_argument(plan, algorithm, pieces) -> Plan:
-    """FusedRNN's `plan` argument as a Plan: a Plan, its dict (a saved
-    config), None, or the `algorithm`/`pieces` of a layer saved before
-    `plan` existed (pieces None: whole; (): the original layers)."""
+    """FusedRNN's `plan` argument as a Plan: a Plan, its dict, None, or the
+    `algorithm`/`pieces` arguments of a layer saved before `plan` existed."""
     if plan is not None and (algorithm is not None or pieces != "unset"):
         raise ValueError(
             "FusedRNN: pass plan=, not algorithm= or pieces= beside it; received "
@@ -850,11 +745,8 @@ def _dropout_list(dropout_layers, num_layers: int) -> list:
 
 
 def first_call_kwargs(args, kwargs) -> dict:
-    """The keyword arguments to replay a recorded call of a run's first layer.
-
-    Keeps what a Keras functional node recorded for it: `initial_state`
-    (keyword or second positional), an explicit `mask`, and `training`.
-    """
+    """The keyword arguments to replay a recorded call of a run's first layer:
+    `initial_state`, an explicit `mask`, and `training`."""
     out = {}
     initial_state = kwargs.get("initial_state")
     if initial_state is None and len(args) > 1:
@@ -891,9 +783,8 @@ def _merge(mode, y, y_rev):
 
 @contextlib.contextmanager
 def _activity_regularizer_off(layer):
-    """Temporarily clears `layer.activity_regularizer` while a masked call's
-    two branches are traced, so that the original layers' branch adds no
-    loss inside it; `FusedRNN` adds the loss once, after the branch."""
+    """Clears `layer.activity_regularizer` while a masked call's branches are
+    traced; `FusedRNN` adds the loss once, after the branch."""
     regularizer = layer.activity_regularizer
     if regularizer is None:
         yield
@@ -907,11 +798,8 @@ def _activity_regularizer_off(layer):
 
 @contextlib.contextmanager
 def _keras_generic_loop(layers):
-    """Temporarily sets use_cudnn=False on Keras' LSTM/GRU layers.
-
-    Used only while tracing the branch that handles masks cuDNN cannot take:
-    Keras' own cuDNN path would reject them (it asserts right padding).
-    """
+    """Sets use_cudnn=False on Keras' LSTM/GRU layers while the branch for
+    masks cuDNN cannot take is traced (Keras' cuDNN path asserts right padding)."""
     touched = []
     for layer in layers:
         parts = (

@@ -1,29 +1,20 @@
 """Loading model files: `rnnfuse.load_model`, with errors that say what is
 wrong and the fix.
 
-`load_model(path)` loads a `.keras` file and returns it optimized
-(`rnnfuse.optimize`, or, for a file in rnnfuse's fused format, the original
-layers fused again), keeping the optimizer state the file holds. An
-optimized model's `save` writes plain Keras files, so this is how a saved
-model comes back fused; `keras.models.load_model` gives the original model.
-
-`read_model(path)` is the file's model as saved: `keras.models.load_model`
-behind checks of the file. A missing file, a directory (a SavedModel), an
-unreadable file, a weights-only file, a file that is no Keras model or has
-the wrong extension, a truncated or corrupt archive, a Lambda layer refused
-by `safe_mode`, or a custom class that is not registered each raise one
-`ModelFileError` (a ValueError) naming the path, the problem and the fix.
-The `rnnfuse` command reads files through it.
+`load_model(path)` loads a `.keras` file and returns it optimized, keeping
+the optimizer state it holds: an optimized model's `save` writes plain
+Keras files, so this is how a saved model comes back fused.
+`read_model(path)` is the file's model as saved. Each problem with a file
+(missing, a directory, unreadable, weights only, not a Keras model, the
+wrong extension, corrupt, refused by `safe_mode`, an unregistered custom
+class) raises one `ModelFileError` naming the path, the problem and the fix.
 
 Example:
-
     >>> import os, tempfile, keras, rnnfuse
     >>> m = keras.Sequential([keras.Input((5, 2)),
     ...     keras.layers.GRU(3, return_sequences=True), keras.layers.GRU(3)])
     >>> path = os.path.join(tempfile.mkdtemp(), "m.keras")
     >>> rnnfuse.optimize(m).save(path)       # a plain Keras file
-    >>> type(keras.models.load_model(path)).__name__
-    'Sequential'
     >>> [type(l).__name__ for l in rnnfuse.load_model(path).layers]
     ['FusedRNN']
     >>> m.save_weights(path[:-6] + ".weights.h5")
@@ -52,18 +43,11 @@ __all__ = ["ModelFileError", "archived_configs", "load_model", "read_model"]
 
 class ModelFileError(ValueError):
     """A file `load_model` / `read_model` cannot load as a Keras model:
-    what and the fix.
-
-    `str(error)` is one sentence pair, "rnnfuse.load_model: <problem>.
-    Fix: <fix>."; the fields let a caller (the `rnnfuse` command) word the
-    fix for its own options.
-    """
+    "rnnfuse.load_model: <problem>. Fix: <fix>."; the fields let a caller
+    word the fix for its own options."""
 
     def __init__(self, kind: str, path: str, problem: str, fix: str, **details: Any):
-        # A short name for the problem: "directory", "saved_model",
-        # "unreadable", "weights_only", "not_a_model_file", "not_keras_zip",
-        # "needs_keras_extension", "needs_h5_extension", "corrupt",
-        # "custom_class", "unsafe", "not_a_model" or "load_failed".
+        # A short name for the problem ("directory", "weights_only", "corrupt", ...).
         self.kind = kind
         # The path as given.
         self.path = path
@@ -85,12 +69,9 @@ def load_model(
 ) -> keras.Model:
     """Loads a saved Keras model and optimizes it again.
 
-    The file is what an optimized model's `save` (and `ModelCheckpoint`)
-    writes, the original model's own file, or a file in rnnfuse's fused
-    format (`save(path, fused=True)`, and every optimized model's `.keras`
-    file before rnnfuse 0.2). The model comes back as `rnnfuse.optimize`
-    returns it (its default arguments: plans chosen on the first batch), with
-    the compile() arguments and the optimizer's state that the file holds, so
+    The file is what an optimized model's `save` writes, the original model's
+    own file, or rnnfuse's fused format. The model comes back as `optimize`
+    returns it, with the file's compile() arguments and optimizer state, so
     training resumes where it stopped.
 
     Args:
@@ -98,14 +79,9 @@ def load_model(
         custom_objects, compile, safe_mode: as for `keras.models.load_model`.
         fuse: False returns the model as the file holds it (`read_model`).
 
-    Returns:
-        The optimized model (a model `optimize` cannot rewrite, such as a
-        subclassed one, comes back as it loaded, with `optimize`'s warning).
-
     Raises:
         FileNotFoundError: nothing at `filepath`.
-        ModelFileError: (a ValueError) the file is not a loadable Keras
-            model, with the reason and the fix.
+        ModelFileError: the file is not a loadable Keras model.
     """
     model = read_model(
         filepath, custom_objects=custom_objects, compile=compile, safe_mode=safe_mode
@@ -128,24 +104,12 @@ def read_model(
     compile: bool = True,
     safe_mode: bool = True,
 ) -> keras.Model:
-    """`keras.models.load_model` with errors that say what is wrong.
-
-    Loads any `.keras` file (fused or not: importing rnnfuse registers its
-    classes) and legacy `.h5` models, and returns the model the file holds;
-    the problems the module doc lists raise one clear error instead of
-    Keras' internal one.
-
-    Args:
-        filepath: path of a `.keras` file (or a legacy `.h5` model).
-        custom_objects, compile, safe_mode: as for `keras.models.load_model`.
-
-    Returns:
-        The loaded model.
+    """`keras.models.load_model` with errors that say what is wrong (see the
+    module doc); the arguments as for `load_model`.
 
     Raises:
         FileNotFoundError: nothing at `filepath`.
-        ModelFileError: (a ValueError) the file is not a loadable Keras
-            model, with the reason and the fix.
+        ModelFileError: the file is not a loadable Keras model.
     """
     path = os.fspath(filepath)
     if not os.path.exists(path):

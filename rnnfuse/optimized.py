@@ -1,26 +1,18 @@
 """The model classes `rnnfuse.optimize` returns, and their hooks.
 
 `OptimizedModel` (Functional) and `OptimizedSequential` are the plain Keras
-classes with a few methods changed, registered as
-"rnnfuse>OptimizedModel" / "rnnfuse>OptimizedSequential" so that
+classes with a few methods changed, registered so that
 `keras.models.load_model` rebuilds a fused file with rnnfuse imported:
 
-- `fit`, `evaluate`, `predict`: plans are first chosen on the first batch
-  (`rnnfuse.tuning.first_batch`); `make_train_function` and the others:
-  each mode's step XLA-compiled where its plans allow;
-- `jit_compile`, `compile`, `compile_from_config`: a clear error for a
-  forced `jit_compile=True` while cuDNN may run;
-- `get_layer`: also finds the layers inside each FusedRNN; `summary`: a
-  line per FusedRNN naming the layers it runs;
-- `save`, `export`: the original model's file and export (`save(path,
-  fused=True)`, `export(path, fused=True)`: the optimized structure);
-- `weights`, `variables`: in the original model's order (so optimizer slots
-  mean the same in both models);
-- `save_weights`, `load_weights`: the original model's file layout
-  (`rnnfuse.persistence`).
+- `fit`, `evaluate`, `predict`: plans chosen on the first batch
+  (`rnnfuse.tuning.first_batch`); each mode's step XLA-compiled where its
+  plans allow, and a clear error for a forced `jit_compile=True`;
+- `get_layer`, `summary`: also the layers inside each FusedRNN;
+- `save`, `export`, `weights`, `save_weights`, `load_weights`: the original
+  model's file, export, variable order and weight layout
+  (`rnnfuse.persistence`); `fused=True` writes the optimized structure.
 
 Example:
-
     >>> import keras, rnnfuse
     >>> m = keras.Sequential([keras.Input((5, 2)),
     ...     keras.layers.LSTM(3, return_sequences=True), keras.layers.LSTM(3)])
@@ -66,12 +58,8 @@ FUSED_FORMAT_NOTE = (
 
 
 class _OptimizedMixin:
-    """save_weights/load_weights in the original model's file layout.
-
-    Also refuses `jit_compile=True` with a clear error while a FusedRNN may
-    run its cuDNN kernel (Keras alone would only warn that the model "doesn't
-    support" it and quietly run without XLA).
-    """
+    """The methods both optimized classes change (see the module doc); refuses
+    `jit_compile=True` while cuDNN may run, where Keras would only warn."""
 
     def _cudnn_layers(self) -> list[str]:
         """Names of the FusedRNN layers that would run the fused kernel here."""
@@ -96,9 +84,8 @@ class _OptimizedMixin:
         keras.Model.jit_compile.fset(self, value)
 
     def compile(self, *args, **kwargs):
-        # Remember the jit_compile argument: first-batch tuning compares
-        # against the original layers the way Keras would run them ("auto"),
-        # and `save` writes it for the original layers to resolve.
+        # Kept for first-batch tuning (the original layers as Keras would run them)
+        # and for `save`.
         jit = _argument(keras.Model.compile, args, kwargs, "jit_compile")
         object.__setattr__(self, "_rnnfuse_jit_compile", jit)
         state = getattr(self, "_rnnfuse_autotune", None)
@@ -107,10 +94,8 @@ class _OptimizedMixin:
         return super().compile(*args, **kwargs)
 
     def fit(self, x=None, y=None, batch_size=None, *args, **kwargs):
-        """`keras.Model.fit`, with plans first chosen on the first batch
-        (`rnnfuse.tuning.first_batch`; nothing is timed without a GPU), as
-        much timing as the fit's epochs x steps can pay for
-        (`rnnfuse.tuning.budget`)."""
+        """`keras.Model.fit`, with plans first chosen on the first batch, as much
+        timing as the fit's epochs x steps can pay for (`rnnfuse.tuning.budget`)."""
         given = (x, y, batch_size, *args)
         steps = call_steps(
             x, batch_size,
@@ -136,10 +121,7 @@ class _OptimizedMixin:
         with first_batch.keras_call(self, x, batch_size, training=False, steps=steps):
             return super().predict(x, batch_size, *args, **kwargs)
 
-    # Each mode's step function is made with the jit_compile its plans
-    # allow (`first_batch.mode_jit_compile`). Keras asks for it on every
-    # `train_on_batch`/`predict_on_batch`; where one is made, Keras' own
-    # method answers without the plans' walk.
+    # Each mode's step is made with the jit_compile its plans allow.
     def make_train_function(self, force=False):
         if self.train_function is not None and not force:
             return super().make_train_function(force)
@@ -190,13 +172,8 @@ class _OptimizedMixin:
         if hasattr(self, "optimizer") and self.built:
             self.optimizer.build(self.trainable_variables)
 
-    # Variables in the original model's order. Keras numbers an optimizer's
-    # slot variables by the position of their model variable in the list the
-    # optimizer was built with (`model.trainable_variables`), and a weights
-    # file stores them by number; so the optimized model lists its variables
-    # as the original model does (as `restore(self)` does), and the optimizer
-    # state in a weights file means the same in both models. `get_weights()`
-    # and `set_weights()` are then interchangeable too.
+    # The original model's variable order: optimizer slots and weight files
+    # number variables by position, so both models then mean the same.
 
     @property
     def weights(self):
@@ -207,14 +184,8 @@ class _OptimizedMixin:
         return in_original_order(self, super().variables)
 
     def get_layer(self, name=None, index=None):
-        """`keras.Model.get_layer`, which also finds the layers a FusedRNN runs.
-
-        A name that is no layer of this model but one that runs inside one of
-        its FusedRNN layers returns that original layer (the same object as
-        in the original model, with its weights). (A file saved before
-        FusedRNN layers had names of their own gives the FusedRNN for its
-        last layer's name; `.fused_layers[-1]` is that layer.)
-        """
+        """`keras.Model.get_layer`, which also finds the original layers a
+        FusedRNN runs (the same objects as in the original model)."""
         try:
             return super().get_layer(name=name, index=index)
         except ValueError as err:
@@ -249,22 +220,12 @@ class _OptimizedMixin:
             (print_fn or io_utils.print_msg)(line)
 
     def save(self, filepath, overwrite=True, zipped=None, *, fused=False, **kwargs):
-        """Saves the model as the original (unfused) model would: a file
-        that plain Keras loads without rnnfuse.
-
-        The file holds the original architecture (each FusedRNN's layers back
-        in place), the current weights, the compile() arguments and the
-        optimizer's state: exactly what `original.save(filepath)` writes
-        after the same training. `keras.models.load_model` gives the original
-        model back; `rnnfuse.load_model(filepath)` gives it optimized again.
-        `ModelCheckpoint` saves through this method, so its `.keras` files
-        are the same.
+        """Saves the model as the original (unfused) model would, a file plain
+        Keras loads: `rnnfuse.load_model` gives it optimized again.
 
         Args:
             filepath, overwrite, zipped, **kwargs: as for `keras.Model.save`.
-            fused: write the optimized structure instead (FusedRNN layers
-                with their plans), which loads only where rnnfuse is
-                imported.
+            fused: write the optimized structure instead (loads with rnnfuse).
         """
         if fused:
             return super().save(filepath, overwrite=overwrite, zipped=zipped, **kwargs)
@@ -274,23 +235,14 @@ class _OptimizedMixin:
         self, filepath, format="tf_saved_model", verbose=None, input_signature=None,
         *, fused=False, **kwargs,
     ):
-        """Exports the model for inference as the original model would.
-
-        By default the artifact is the original model's own export
-        (`keras.Model.export` of `rnnfuse.restore(self)`, in every format
-        Keras exports: "tf_saved_model", "onnx", ...). Its graph holds the
-        original layers' ops, on a GPU Keras' own CudnnRNNV3 per LSTM/GRU
-        layer and its loops elsewhere, so it serves wherever the original's
-        export would, in a process without rnnfuse, with the same numbers.
+        """Exports the model for inference as the original model would: the
+        original layers' export, which serves without rnnfuse.
 
         Args:
             filepath, format, verbose, input_signature, **kwargs: as for
                 `keras.Model.export`.
-            fused: format "tf_saved_model" only: trace the optimized model
-                as it runs here instead. On a GPU its fused groups then run
-                rnnfuse's own op (`RnnfuseCudnnRnn`), which a serving process
-                must load first (`tf.load_op_library`, see
-                docs/deployment.md), or CudnnRNNV3 where that op is off.
+            fused: "tf_saved_model" only: the optimized model as it runs here; a
+                server must load rnnfuse's op first (docs/deployment.md).
 
         Raises:
             ValueError: `fused=True` with another format.
@@ -330,23 +282,13 @@ class _OptimizedMixin:
         return model
 
     def save_weights(self, filepath, overwrite=True, **kwargs):
-        """Saves the weights as the original (unfused) model would.
-
-        The file (weights and, once built, the optimizer's state) loads into
-        the original model, into `rnnfuse.restore(self)` and into this
-        model. Arguments are those of `keras.Model.save_weights`.
-        """
+        """Saves the weights (and optimizer state) as the original model would;
+        the arguments of `keras.Model.save_weights`."""
         return weights_model(self).save_weights(filepath, overwrite=overwrite, **kwargs)
 
     def load_weights(self, filepath, skip_mismatch=False, **kwargs):
-        """Loads weights saved by the original model or by this model.
-
-        A `.keras` archive saved from an optimized model (it holds FusedRNN
-        layers) loads as Keras loads it; every other file (`.weights.h5`,
-        `.weights.json`, a `.keras` of the original model, a legacy `.h5`)
-        is read in the original layout. Arguments are those of
-        `keras.Model.load_weights`.
-        """
+        """Loads weights saved by the original model or by this model, in the
+        original layout unless the file is a fused `.keras` archive."""
         if is_fused_archive(filepath):
             return super().load_weights(filepath, skip_mismatch=skip_mismatch, **kwargs)
         return weights_model(self).load_weights(
@@ -356,12 +298,7 @@ class _OptimizedMixin:
 
 @keras.saving.register_keras_serializable(package="rnnfuse")
 class OptimizedModel(_OptimizedMixin, Functional):
-    """A Functional model made by `rnnfuse.optimize`.
-
-    Exactly a Functional model (same constructor, config and `.keras`
-    format) whose `save_weights`/`load_weights` use the original model's
-    file layout (see the module docstring).
-    """
+    """A Functional model made by `rnnfuse.optimize` (see the module doc)."""
 
 
 @keras.saving.register_keras_serializable(package="rnnfuse")
@@ -370,16 +307,9 @@ class OptimizedSequential(_OptimizedMixin, keras.Sequential):
 
 
 def as_optimized(model: keras.Model, like: keras.Model | None = None) -> keras.Model:
-    """`model` (a rewritten Sequential or Functional) as an Optimized* model.
-
-    Builds an `OptimizedSequential` / `OptimizedModel` over the same layers
-    and graph, with `model`'s name and trainable flag, and the compile()
-    arguments of `like` (the original model; `model`'s own where None).
-    When `like` (the original model) was built under a `tf.distribute`
-    strategy and none is active now, the new model is made under that
-    strategy's scope, so `optimize` may be called outside it. Any other kind
-    of model is returned as it is.
-    """
+    """`model` (a rewritten Sequential or Functional) as an Optimized* model,
+    with `like`'s compile() arguments (the original model), made under
+    `like`'s distribution strategy where none is active now."""
     if isinstance(model, (OptimizedModel, OptimizedSequential)):
         return model
     if not isinstance(model, keras.Sequential) and type(model) is not Functional:

@@ -1,36 +1,27 @@
 """Un-fusing optimized models, and their files in the original layout.
 
 `restore(optimized)` gives a plain Keras model of the original layers (the
-same objects, so the current weights). The optimized classes
-(`rnnfuse.optimized`) write and read their files through it:
+same objects, so the current weights). The optimized classes write and
+read their files through it:
 
-| call                                   | writes / reads                          |
-|----------------------------------------|-----------------------------------------|
-| `optimized.save("m.keras")`, `ModelCheckpoint` | the original model's file (`portable_model`): plain Keras loads it |
-| `optimized.save("m.keras", fused=True)` | the optimized structure (FusedRNN); needs rnnfuse to load |
-| `rnnfuse.load_model("m.keras")`        | either file, optimized again            |
-| `optimized.save_weights(path)`         | the *original* model's layout           |
-| `optimized.load_weights(path)`         | the original layout, or a fused .keras  |
-| `optimized.export(path)`               | the original model's export (`export_model`) |
-| `optimized.export(path, fused=True)`   | the optimized model as traced here      |
-| `restore(optimized)`                   | a plain model over the same layers      |
+| call                                    | writes / reads                            |
+|-----------------------------------------|-------------------------------------------|
+| `save("m.keras")`, `ModelCheckpoint`    | the original model's file; plain Keras loads it |
+| `save("m.keras", fused=True)`           | the optimized structure; needs rnnfuse    |
+| `rnnfuse.load_model("m.keras")`         | either file, optimized again              |
+| `save_weights` / `load_weights`         | the original model's layout               |
+| `export(path)` / `export(path, fused=True)` | the original's export / the optimized one |
 
-Weight files use the original layout: Keras names a file's variables by
-where they sit in the object tree, so the optimized model's own tree would
-write names the original model cannot read (silently wrong where shapes
-agree). `save_weights` and `load_weights` go through `restore(self)`, a
-plain model over the same layer objects in the original order, so files
-move both ways (docs/deployment.md has the naming in full).
+Keras names a weight file's variables by where they sit in the object
+tree, so the optimized model's own tree would write names the original
+cannot read (silently wrong where shapes agree): weight files go through
+`restore(self)` in the original order.
 
 Example:
-
     >>> import keras, numpy as np, rnnfuse, tempfile, os
     >>> model = keras.Sequential([keras.Input((6, 3)),
     ...     keras.layers.GRU(4, return_sequences=True), keras.layers.GRU(4)])
     >>> fast = rnnfuse.optimize(model)
-    >>> plain = rnnfuse.restore(fast)
-    >>> [type(l).__name__ for l in plain.layers]
-    ['GRU', 'GRU']
     >>> path = os.path.join(tempfile.mkdtemp(), "w.weights.h5")
     >>> fast.save_weights(path); model.load_weights(path)
 """
@@ -67,32 +58,23 @@ _FUSED_NAME = "rnnfuse>FusedRNN"
 def restore(model: keras.Model) -> keras.Model:
     """A plain Keras model with the original layers of an optimized model.
 
-    Every `FusedRNN` (also inside nested models) is replaced by the layers
-    it holds, called as the original model called them (absorbed Dropout
-    layers back in place). The layers are the same objects, so the result
-    has the current (trained) weights and shares them with `model`. Its
-    config names only Keras classes (except rnnfuse's own layers, such as
-    `rnnfuse.layers.ProjectedLSTM`, which need `import rnnfuse` to load):
-    `restore(fast).save("m.keras")` loads where rnnfuse is not installed. `model`'s compile() arguments are
-    carried over (a fresh optimizer with the same config).
+    Every `FusedRNN` (nested models too) is replaced by the layers it holds,
+    called as the original model called them, absorbed Dropout back in place.
+    The layers are the same objects (current weights, shared); the config
+    names only Keras classes and rnnfuse's own layers, and the compile()
+    arguments carry over with a fresh optimizer.
 
     Args:
-        model: a model returned by `rnnfuse.optimize` (or loaded from its
-            `.keras` file); any other Sequential or Functional model is
-            rebuilt as a plain model with the same layers.
-
-    Returns:
-        A `keras.Sequential` or Functional `keras.Model`.
+        model: a model from `rnnfuse.optimize` (or its file); any other
+            Sequential or Functional model is rebuilt over the same layers.
 
     Raises:
         TypeError: `model` is not a Sequential or Functional Keras model.
 
     Example:
-
         >>> import keras, rnnfuse
         >>> m = keras.Sequential([keras.Input((5, 2)),
-        ...     keras.layers.LSTM(3, return_sequences=True),
-        ...     keras.layers.LSTM(3)])
+        ...     keras.layers.LSTM(3, return_sequences=True), keras.layers.LSTM(3)])
         >>> plain = rnnfuse.restore(rnnfuse.optimize(m))
         >>> [a is b for a, b in zip(plain.layers, m.layers)]
         [True, True]
@@ -213,13 +195,8 @@ def plain_twin(model) -> keras.Model:
 
 
 def weights_model(model) -> keras.Model:
-    """`plain_twin(model)` holding `model`'s optimizer, for weight files.
-
-    Keras writes (and reads) a model's optimizer state with its weights
-    (``optimizer/vars/<i>``); the plain stand-in shares the optimizer
-    object, so both go through it. As in Keras, an optimizer that is not
-    built yet has no state to load (Keras warns and skips it).
-    """
+    """`plain_twin(model)` holding `model`'s optimizer, so a weight file
+    carries the optimizer state as Keras writes it."""
     plain = plain_twin(model)
     optimizer = getattr(model, "optimizer", None)
     if optimizer is not None:
@@ -237,15 +214,9 @@ def export_model(model) -> keras.Model:
 
 
 def portable_model(model) -> keras.Model:
-    """What an optimized model's `save` writes: `plain_twin(model)` compiled
-    with `model`'s compile() arguments and holding its optimizer object, so
-    the file carries that optimizer's state, as the original model compiled
-    the same way would.
-
-    jit_compile is written as `model` was given it ("auto" resolves for the
-    original layers when the file is loaded: a SimpleRNN stack that Keras
-    compiles with XLA keeps XLA, although the fused model could not).
-    """
+    """What an optimized model's `save` writes: `plain_twin(model)` with
+    `model`'s compile() arguments and optimizer; jit_compile as given, so
+    "auto" resolves for the original layers when the file is loaded."""
     plain = plain_twin(model)
     config = getattr(model, "_compile_config", None)
     if getattr(model, "compiled", False) and config is not None:

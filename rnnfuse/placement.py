@@ -8,7 +8,6 @@ one group's plan, whether its fused call will run here and how;
 a model will.
 
 Example:
-
     >>> from rnnfuse.plan import PER_LAYER
     >>> placement(PER_LAYER).fused
     False

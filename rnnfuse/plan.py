@@ -1,53 +1,33 @@
 """The `Plan` record: how one fusion group runs, from `optimize` to the kernel.
 
-One `Plan` travels the whole way: the static table or the tuner chooses it,
-the rewrite builds each `FusedRNN` with it (`FusedRNN(plan=...)`),
-first-batch tuning switches it (`FusedRNN.set_plan(plan)`), the plan cache
-stores it (`to_dict`), and the fused call hands its kernel and algorithm to
-the backend. A plan says:
+The static table or the tuner chooses a plan, the rewrite builds each
+`FusedRNN` with it, first-batch tuning switches it, the plan cache stores
+it (`to_dict`), and the fused call hands its kernel and algorithm to the
+backend. A plan says:
 
-- `pieces`: `(n,)` the whole run of `n` layers as one fused call;
-  `(a, b, ...)` consecutive sub-runs, each one fused call (a + b + ... =
-  n); `()` the original layers, one Keras call each;
-- `kernel`: which fused kernel runs the fused pieces (`KERNELS`);
-- `algorithm`: that kernel's variant. For "cudnn", a cuDNN algorithm and
-  math type (`Algorithm`; None: cuDNN's standard algorithm).
+- `pieces`: `(n,)` the whole run as one fused call; `(a, b, ...)`
+  consecutive sub-runs, one fused call each; `()` the original layers;
+- `kernel`: which fused kernel runs the pieces (`KERNELS`);
+- `algorithm`: that kernel's variant; for "cudnn" one of cuDNN 9's RNN
+  algorithms and a math type (`Algorithm`: "standard",
+  "persistent_static+tc", ...; None: the standard one).
 
-`Algorithm` is the cuDNN part: one of cuDNN 9's four RNN algorithms
-(`cudnnRNNAlgo_t`) and a math type, named "standard",
-"persistent_static+tc" (tensor ops), "persistent_dynamic+tcc" (tensor ops
-allowing fp32 -> fp16/bf16 conversion), ... rnnfuse's TensorFlow op runs it
-in both passes; the CudnnRNNV3 fallback runs the standard one only.
-
-A new kernel is one more entry of `KERNELS` and a backend that runs it. A
-backend that cannot run a plan's kernel raises NotImplementedError from its
-fused call, and the layer runs the original layers. Not every backend
-trains on every kernel (`INFERENCE_ONLY_KERNELS`, the backend's
-`Capabilities.training_kernels`): a training call there runs
-`for_training()`, the same pieces on cuDNN. A stack too large for one
-launch of the "wavefront" kernel runs on it as a split plan, consecutive
-segments that each fit: `Plan((4, 4), kernel="wavefront")`, "split 4+4 on
-wavefront" (the tuner's `kernel_plans` offers it where the whole run is
-refused).
+A new kernel is one more entry of `KERNELS` and a backend that runs it; a
+backend that cannot run a plan raises NotImplementedError and the layer
+runs the original layers. Where a backend does not train on a kernel
+(`INFERENCE_ONLY_KERNELS`), a training call runs `for_training()`.
 
 Example:
-
     >>> Plan((2, 2), "persistent_static+tc").name
     'split 2+2 @persistent_static+tc'
     >>> Plan(()).name
     'per-layer'
     >>> FUSED.for_length(3)
     Plan(pieces=(3,), algorithm=None, kernel='cudnn', whole=False)
-    >>> Plan((3,), kernel="stock").name
-    'fused on stock'
     >>> Plan((4,), kernel="wavefront").for_training().name
     'fused'
-    >>> Plan((4, 4), kernel="wavefront").name
-    'split 4+4 on wavefront'
     >>> Plan.from_dict(Plan((1, 2), "persistent_dynamic+tc").to_dict()).name
     'split 1+2 @persistent_dynamic+tc'
-    >>> Algorithm.parse("persistent_static+tc").algo
-    1
 """
 
 from __future__ import annotations
@@ -65,10 +45,9 @@ __all__ = [
     "Plan",
 ]
 
-# The fused kernels a plan can name -> what runs. "cudnn": rnnfuse's op on
-# TensorFlow where loaded (every algorithm, both passes), else CudnnRNNV3;
-# "stock": only the framework's own ops, so an exported graph serves where
-# rnnfuse is not installed; "wavefront": rnnfuse/backends/cuda's kernel.
+# Plan kernels: "cudnn" (rnnfuse's op on TensorFlow where loaded, else
+# CudnnRNNV3); "stock" (framework ops only, for exports without rnnfuse);
+# "wavefront" (rnnfuse/backends/cuda's kernel).
 KERNELS = {
     "cudnn": "the backend's cuDNN call",
     "stock": "the framework's own cuDNN op (no rnnfuse op in the graph)",
@@ -264,8 +243,7 @@ class Plan:
 
     @classmethod
     def from_dict(cls, d: dict) -> "Plan":
-        """The inverse of `to_dict` (a cache entry written before `kernel`
-        existed is a "cudnn" plan).
+        """The inverse of `to_dict` (an entry without `kernel` is a "cudnn" plan).
 
         Raises:
             KeyError, TypeError, ValueError: `d` is not a plan's dict.

@@ -1,47 +1,23 @@
 """Draws a model's layer graph with the fused groups highlighted.
 
-`plot_layer_graph(model, path)` draws the graph `build_layer_graph` sees
-(nested models expanded, one box per layer call), laid out top to bottom
-like `keras.utils.plot_model(show_shapes=True)`, and colours it with
-`analyze`'s verdicts:
+`plot_layer_graph(model, path)` draws the graph `build_layer_graph` sees,
+top to bottom like `keras.utils.plot_model(show_shapes=True)`, coloured
+with `analyze`'s verdicts: a box per layer call (name, class, shapes); each
+fused group's layers in its colour inside a frame that holds no other
+layer; a recurrent layer left alone red-bordered with "not fused: <rule>";
+a subclassed sub-model dark; the rest grey. Arrows are the tensors between
+layers; a propagated mask is a "mask from <layer>" line instead.
 
-- each box: the layer's name, its class and its input and output shapes;
-  model inputs show their name, shape and dtype;
-- each fused group: its layers (and absorbed Dropout layers) filled with the
-  group's colour inside a frame labelled "group i: <cell> x <levels>"; the
-  frame holds no other layer;
-- each recurrent layer left alone: a red-bordered box whose last line is
-  "not fused: <rule>" (the `Reason.rule`; `rnnfuse inspect` prints the text);
-- a subclassed sub-model rnnfuse cannot see into: a dark box;
-- every other layer: grey;
-- arrows are the tensors between layers. A mask Keras passes along is not
-  drawn as an arrow: each layer whose call receives it says "mask from
-  <layer>" (the Masking layer, or the Embedding with mask_zero=True, that
-  made it), in Sequential and Functional models alike. The ops that
-  compute a mask (Masking's NotEqual -> Any) and the model's output
-  markers are not drawn.
-
-Two renderers, one picture:
-
-- "graphviz": with pydot and Graphviz's `dot` program installed
-  (`pip install 'rnnfuse[plot]'` and `apt-get install graphviz`), what
-  plot_model uses: groups (and nested models) are Graphviz clusters and
-  `dot` routes the arrows around the boxes;
-- "matplotlib": everywhere else. A layered layout (one row per
-  topological generation; an arrow that skips rows gets a waypoint in each
-  row it crosses, with a slot of its own) and arrows drawn as vertical and
-  horizontal segments in the gaps between rows, so no arrow runs through a
-  box. It draws on the Agg canvas directly, without pyplot, so it never
-  changes the process's matplotlib backend or opens a window.
+Two renderers: "graphviz" (pydot and Graphviz's `dot`, what plot_model
+uses; groups are clusters) and "matplotlib" everywhere else, on networkx's
+layered layout, drawn on the Agg canvas without pyplot (no window, the
+process's matplotlib backend untouched).
 
 Example:
-
     >>> import keras
     >>> m = keras.Sequential([keras.Input((6, 2)),
-    ...     keras.layers.GRU(4, return_sequences=True),
-    ...     keras.layers.GRU(4), keras.layers.Dense(1)])
-    >>> fig = plot_layer_graph(m, engine="matplotlib")   # or (m, "m.png")
-    >>> type(fig).__name__
+    ...     keras.layers.GRU(4, return_sequences=True), keras.layers.GRU(4)])
+    >>> type(plot_layer_graph(m, engine="matplotlib")).__name__   # or (m, "m.png")
     'Figure'
 """
 
@@ -153,9 +129,8 @@ def _bridged(graph, src, dst, hidden):
 
 
 def _mask_ops(graph: nx.DiGraph) -> set[str]:
-    """The Keras ops (not layers) whose outputs end only in masks: the
-    NotEqual -> Any chain of a Masking layer in a Functional model, the
-    NotEqual of an Embedding(mask_zero=True), a mask the user computed."""
+    """The Keras ops (not layers) whose outputs end only in masks (a Masking
+    layer's NotEqual -> Any, an Embedding's NotEqual, a user's mask)."""
     import keras
 
     found: set[str] = set()
@@ -171,14 +146,9 @@ def _mask_ops(graph: nx.DiGraph) -> set[str]:
 
 
 def _received_masks(graph: nx.DiGraph, hidden: set[str]) -> dict[str, list[str]]:
-    """Layer key -> the layers whose mask its call received.
-
-    The mask of a call is its `mask=` argument, else its input's
-    `_keras_mask` (what Keras passes along, in a Sequential model too); it
-    comes from the first layer whose output carries it (the Masking or
-    Embedding that made it), else from the inputs of the ops that
-    computed it.
-    """
+    """Layer key -> the layers whose mask its call received (its `mask=`
+    argument, else its input's `_keras_mask`), traced back to the layer that
+    made it, else to the inputs of the ops that computed it."""
     import keras
 
     creators: dict[int, str] = {}
@@ -307,8 +277,7 @@ def _shapes(layer) -> str:
         shapes = [_shape(t.shape) for t in tree.flatten(tensors) if hasattr(t, "shape")]
         return shapes[0] if len(shapes) == 1 else "[" + ", ".join(shapes) + "]"
 
-    # The positional arguments: a mask or initial state passed by keyword
-    # is not the layer's input.
+    # A mask or initial state passed by keyword is not the layer's input.
     args = getattr(getattr(node, "arguments", None), "args", None)
     inputs = args[0] if args and len(args) == 1 else (args or node.input_tensors)
     try:
@@ -353,23 +322,20 @@ def plot_layer_graph(
 
     Args:
         model: a built Sequential or Functional keras.Model.
-        path: where to save the drawing (.png, .svg, .pdf, ...); None to
-            only return the drawing.
+        path: where to save the drawing (.png, .svg, .pdf, ...); None: only
+            return it.
         report: `rnnfuse.analyze(model)`'s report, if already computed.
         min_layers: passed to `analyze` when `report` is None.
         title: the picture's title (default: the model's name and counts).
         dpi: resolution of a saved raster image.
-        engine: "graphviz" (pydot and Graphviz's `dot`), "matplotlib", or
-            "auto": graphviz where both are installed, else matplotlib.
+        engine: "graphviz", "matplotlib", or "auto" (graphviz where installed).
 
     Returns:
-        A `matplotlib.figure.Figure` (matplotlib) or a `pydot.Dot` (graphviz).
+        A `matplotlib.figure.Figure` or a `pydot.Dot`.
 
     Raises:
-        ValueError: `model` is a subclassed model (it has no layer graph),
-            or `engine` is not one of the above.
-        MissingPlotDependency: the renderer's package is not installed (an
-            ImportError whose message names the install command).
+        ValueError: a subclassed `model` (no layer graph), or a bad `engine`.
+        MissingPlotDependency: the renderer is not installed (names the fix).
     """
     import rnnfuse
     from rnnfuse.passes.graph import build_layer_graph, is_graph_model
@@ -403,13 +369,16 @@ def _has_graphviz() -> bool:
 # -- graphviz ------------------------------------------------------------------
 
 
-def _draw_graphviz(picture: _Picture, path, dpi: int):
+def _require(name: str, needs: str):
+    """Imports `name`, or raises MissingPlotDependency naming the fix."""
     try:
-        import pydot
+        return __import__(name)
     except ImportError as err:
-        raise MissingPlotDependency(
-            f"engine='graphviz' needs pydot, which is not installed. Fix: {_INSTALL}"
-        ) from err
+        raise MissingPlotDependency(f"{needs} {name}, which is not installed. Fix: {_INSTALL}") from err
+
+
+def _draw_graphviz(picture: _Picture, path, dpi: int):
+    pydot = _require("pydot", "engine='graphviz' needs")
     dot = pydot.Dot(
         graph_type="digraph", rankdir="TB", nodesep="0.3", ranksep="0.35",
         fontname="Helvetica", label=_quote(picture.title), labelloc="t",
@@ -483,16 +452,10 @@ _ROW_GAP, _COL_GAP, _MARGIN = 0.42, 0.25, 0.3
 
 
 def _draw_matplotlib(picture: _Picture, path, dpi: int):
-    try:
-        from matplotlib.backends.backend_agg import FigureCanvasAgg
-        from matplotlib.figure import Figure
-        from matplotlib.patches import FancyBboxPatch, Patch
-        from matplotlib.path import Path
-        from matplotlib.patches import FancyArrowPatch, PathPatch
-    except ImportError as err:
-        raise MissingPlotDependency(
-            f"drawing needs matplotlib, which is not installed. Fix: {_INSTALL}"
-        ) from err
+    _require("matplotlib", "drawing needs")
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+    from matplotlib.patches import FancyArrowPatch, FancyBboxPatch, Patch
 
     layout = _layout(picture)
     fig = Figure(figsize=(layout.width, layout.height))
@@ -501,82 +464,64 @@ def _draw_matplotlib(picture: _Picture, path, dpi: int):
     ax.set_axis_off()
     ax.set_xlim(0, layout.width)
     ax.set_ylim(0, layout.height)
+    _draw_group_frames(ax, picture, layout, FancyBboxPatch)
+    _draw_boxes(ax, picture, layout, FancyBboxPatch)
+    for route in layout.routes:
+        ax.add_patch(FancyArrowPatch(path=_polyline(route), arrowstyle="-|>", mutation_scale=7,
+                                     color="#555555", linewidth=0.8, zorder=1))
+    fig.text(_MARGIN / layout.width, 1 - 0.12 / layout.height, picture.title, fontsize=8,
+             ha="left", va="top")
+    # Under the title, so a long title never runs into it.
+    fig.legend(handles=_legend(picture, Patch), loc="upper right", fontsize=6.5, frameon=False,
+               bbox_to_anchor=(1 - 0.1 / layout.width, 1 - 0.32 / layout.height))
+    if path is not None:
+        fig.savefig(os.fspath(path), dpi=dpi)
+    return fig
 
-    # Group frames: one rounded rectangle per member and a band between
-    # consecutive members, so the frame holds the group's boxes only.
+
+def _polyline(points):
+    from matplotlib.path import Path
+
+    return Path(points, [Path.MOVETO] + [Path.LINETO] * (len(points) - 1))
+
+
+def _draw_group_frames(ax, picture: _Picture, layout: "_Layout", FancyBboxPatch) -> None:
+    """A rounded rectangle per member of a group and a band between
+    consecutive members in one column, so the frame holds its boxes only."""
+    pad = 0.07
     for i, (title, colour) in picture.groups.items():
-        members = [k for k, b in picture.boxes.items() if b.group == i]
-        if not members:
-            continue
-        members.sort(key=lambda k: -layout.centre[k][1])
-        pad = 0.07
+        members = sorted((k for k, b in picture.boxes.items() if b.group == i),
+                         key=lambda k: -layout.centre[k][1])
         for j, key in enumerate(members):
             (x, y), (w, h) = layout.centre[key], layout.size[key]
             top = h / 2 + pad + (_LINE_H + 0.02 if j == 0 else 0)
-            ax.add_patch(
-                FancyBboxPatch(
-                    (x - w / 2 - pad, y - h / 2 - pad), w + 2 * pad, h / 2 + pad + top,
-                    boxstyle="round,pad=0,rounding_size=0.06", facecolor=colour,
-                    alpha=0.16, edgecolor="none", zorder=0,
-                )
-            )
+            ax.add_patch(FancyBboxPatch(
+                (x - w / 2 - pad, y - h / 2 - pad), w + 2 * pad, h / 2 + pad + top,
+                boxstyle="round,pad=0,rounding_size=0.06", facecolor=colour, alpha=0.16,
+                edgecolor="none", zorder=0))
             if j == 0:
                 ax.text(x - w / 2 - pad + 0.04, y + top - 0.03, title, ha="left", va="top",
                         fontsize=6.5, color=colour, fontweight="bold", zorder=1)
             if j + 1 < len(members):
                 (x2, y2), (w2, h2) = layout.centre[members[j + 1]], layout.size[members[j + 1]]
                 if abs(x2 - x) < 1e-6:
-                    band = min(w, w2) * 0.5
-                    ax.add_patch(
-                        FancyBboxPatch(
-                            (x - band / 2, y2 + h2 / 2 + pad), band, (y - h / 2 - pad) - (y2 + h2 / 2 + pad),
-                            boxstyle="square,pad=0", facecolor=colour, alpha=0.16,
-                            edgecolor="none", zorder=0,
-                        )
-                    )
+                    band, low = min(w, w2) * 0.5, y2 + h2 / 2 + pad
+                    ax.add_patch(FancyBboxPatch(
+                        (x - band / 2, low), band, (y - h / 2 - pad) - low, boxstyle="square,pad=0",
+                        facecolor=colour, alpha=0.16, edgecolor="none", zorder=0))
 
+
+def _draw_boxes(ax, picture: _Picture, layout: "_Layout", FancyBboxPatch) -> None:
     for key, box in picture.boxes.items():
         (x, y), (w, h) = layout.centre[key], layout.size[key]
-        ax.add_patch(
-            FancyBboxPatch(
-                (x - w / 2, y - h / 2), w, h, boxstyle="round,pad=0,rounding_size=0.05",
-                facecolor=box.fill, edgecolor=box.edge,
-                linestyle="dashed" if box.dashed else "solid",
-                linewidth=1.8 if box.kind == "skipped" else (1.3 if box.kind == "fused" else 0.9),
-                zorder=2,
-            )
-        )
+        ax.add_patch(FancyBboxPatch(
+            (x - w / 2, y - h / 2), w, h, boxstyle="round,pad=0,rounding_size=0.05",
+            facecolor=box.fill, edgecolor=box.edge, linestyle="dashed" if box.dashed else "solid",
+            linewidth=1.8 if box.kind == "skipped" else (1.3 if box.kind == "fused" else 0.9),
+            zorder=2))
         for n, line in enumerate(box.lines):
-            ax.text(
-                x, y + h / 2 - _PAD - (n + 0.5) * _LINE_H, line, ha="center", va="center",
-                fontsize=7, color=box.text, zorder=3,
-                fontweight="bold" if n == 0 else "normal",
-            )
-
-    for points in layout.routes:
-        vertices = [points[0]]
-        for p in points[1:]:
-            vertices.append(p)
-        *body, end = vertices
-        if len(body) >= 1:
-            ax.add_patch(
-                PathPatch(Path(body + [end]), facecolor="none", edgecolor="#555555",
-                          linewidth=0.8, zorder=1)
-            )
-        ax.add_patch(
-            FancyArrowPatch(body[-1], end, arrowstyle="-|>", mutation_scale=7,
-                            color="#555555", linewidth=0.8, zorder=1, shrinkA=0, shrinkB=0)
-        )
-
-    legend = _legend(picture, Patch)
-    fig.text(_MARGIN / layout.width, 1 - 0.12 / layout.height, picture.title, fontsize=8,
-             ha="left", va="top")
-    # Under the title, so a long title never runs into it.
-    fig.legend(handles=legend, loc="upper right", fontsize=6.5, frameon=False,
-               bbox_to_anchor=(1 - 0.1 / layout.width, 1 - 0.32 / layout.height))
-    if path is not None:
-        fig.savefig(os.fspath(path), dpi=dpi)
-    return fig
+            ax.text(x, y + h / 2 - _PAD - (n + 0.5) * _LINE_H, line, ha="center", va="center",
+                    fontsize=7, color=box.text, zorder=3, fontweight="bold" if n == 0 else "normal")
 
 
 def _legend(picture: _Picture, Patch) -> list:
@@ -598,194 +543,80 @@ class _Layout:
 
 
 def _layout(picture: _Picture) -> _Layout:
-    """A layered layout; every arrow segment runs between adjacent rows.
-
-    1. Rows: the longest path from a source (topological generations).
-    2. An arrow that skips rows gets a waypoint in each row it crosses.
-    3. Order within rows: barycentres of the neighbours, swept down and up.
-    4. x: each row's slots in that order, pulled to their neighbours' mean
-       and pushed apart to fit the boxes.
-    5. Arrows: down from the source, across in the gap above the target's
-       row, down into the target.
-    """
-    size = {}
-    for key, box in picture.boxes.items():
-        chars = max(len(line) for line in box.lines)
-        size[key] = (chars * _CHAR_W + 2 * _PAD + 0.1, len(box.lines) * _LINE_H + 2 * _PAD)
-    rows, row, chains = _rows(picture, size)
-    preds: dict[str, list[str]] = {k: [] for k in row}
-    succs: dict[str, list[str]] = {k: [] for k in row}
+    """networkx's layered layout (`multipartite_layout`), one row per
+    topological generation, scaled so the widest neighbours fit. An arrow
+    that skips rows passes a waypoint of its own in each row it crosses, and
+    runs diagonally only in the gaps between rows, so it crosses no box."""
+    size = {k: (max(map(len, b.lines)) * _CHAR_W + 2 * _PAD + 0.1, len(b.lines) * _LINE_H + 2 * _PAD)
+            for k, b in picture.boxes.items()}
+    graph, chains = _layered_graph(picture, size)
+    rows: dict[int, list[str]] = {}
+    for key in graph:
+        rows.setdefault(graph.nodes[key]["row"], []).append(key)
+    unit = nx.multipartite_layout(graph, subset_key=rows, align="horizontal")
+    # multipartite_layout spaces a row's nodes one step apart: fit the widest pair.
+    step = max((abs(unit[a][0] - unit[b][0]) for r in rows.values() for a, b in zip(r, r[1:])),
+               default=1.0)
+    need = max((size[a][0] / 2 + size[b][0] / 2 + _COL_GAP for r in rows.values()
+                for a, b in zip(r, r[1:])), default=1.0)
+    x = {k: unit[k][0] * need / step for k in graph}
+    low = min(x[k] - size[k][0] / 2 for k in x)
+    content = max(x[k] + size[k][0] / 2 for k in x) - low + 2 * _MARGIN
+    width = max(content, 5.0, len(picture.title) * 0.075 + 2 * _MARGIN)
+    x = {k: v - low + _MARGIN + (width - content) / 2 for k, v in x.items()}
+    y, height, band = _y_positions(picture, [rows[r] for r in sorted(rows)], size)
+    routes = []
     for chain in chains:
-        for a, b in zip(chain, chain[1:]):
-            succs[a].append(b)
-            preds[b].append(a)
-    _order_rows(rows, preds, succs)
-    x, width = _x_positions(picture, rows, row, preds, succs, size)
-    y, total, row_bottom = _y_positions(picture, rows, size)
-    routes = _routes(picture, rows, row, chains, preds, succs, size, x, y, row_bottom)
-    return _Layout({k: (x[k], y[k]) for k in picture.boxes}, size, routes, width, total)
+        start = chain[0]
+        points = [(x[start], y[start] - size[start][1] / 2), (x[start], band[graph.nodes[start]["row"]][1])]
+        for key in chain[1:-1]:
+            top, bottom = band[graph.nodes[key]["row"]]
+            points += [(x[key], top), (x[key], bottom)]
+        end = chain[-1]
+        points += [(x[end], band[graph.nodes[end]["row"]][0]), (x[end], y[end] + size[end][1] / 2)]
+        # A stub of no length (a box as tall as its row) would leave the
+        # arrow head no direction.
+        routes.append([p for i, p in enumerate(points) if i == 0 or p != points[i - 1]])
+    return _Layout({k: (x[k], y[k]) for k in picture.boxes}, size, routes, width, height)
 
 
-def _rows(picture: _Picture, size: dict) -> tuple[list[list[str]], dict[str, int], list[list[str]]]:
-    """Steps 1 and 2: the rows (with "~" waypoint keys added to `size`),
-    each key's row, and each arrow as a chain of keys one row apart."""
-    graph = nx.DiGraph()
-    graph.add_nodes_from(picture.boxes)
-    graph.add_edges_from(picture.arrows)
-    if nx.is_directed_acyclic_graph(graph):
-        generations = [list(g) for g in nx.topological_generations(graph)]
-    else:  # cannot happen for a Keras graph; stay drawable anyway
-        generations = [[n] for n in graph]
-    row = {k: r for r, g in enumerate(generations) for k in g}
-    rows: list[list[str]] = [list(g) for g in generations]
+def _layered_graph(picture: _Picture, size: dict) -> tuple[nx.DiGraph, list[list[str]]]:
+    """(the boxes and "~" waypoints as nodes with a "row", in depth-first
+    order from the inputs, so a tower keeps its column; each arrow's chain)."""
+    boxes = nx.DiGraph()
+    boxes.add_nodes_from(picture.boxes)
+    boxes.add_edges_from(picture.arrows)
+    row = {k: r for r, g in enumerate(nx.topological_generations(boxes)) for k in g}
     chains = []
     for src, dst in picture.arrows:
-        chain = [src]
-        for r in range(row[src] + 1, row[dst]):
-            way = f"~{src}~{dst}~{r}"
-            rows[r].append(way)
-            row[way] = r
-            size[way] = (0.12, 0.0)
-            chain.append(way)
-        chain.append(dst)
+        chain = [src, *(f"~{src}~{dst}~{r}" for r in range(row[src] + 1, row[dst])), dst]
+        for r, way in enumerate(chain[1:-1], start=row[src] + 1):
+            row[way], size[way] = r, (0.12, 0.0)
         chains.append(chain)
-    return rows, row, chains
+    layered = nx.DiGraph()
+    layered.add_nodes_from(sorted(row, key=row.get))  # the search starts from the inputs
+    for chain in chains:
+        nx.add_path(layered, chain)
+    order = nx.DiGraph()
+    order.add_nodes_from(nx.dfs_preorder_nodes(layered))
+    order.add_edges_from(layered.edges)
+    nx.set_node_attributes(order, row, "row")
+    return order, chains
 
 
-def _order_rows(rows: list[list[str]], preds: dict, succs: dict) -> None:
-    """Step 3: sorts each row (in place) by its neighbours' barycentres."""
-    index = {k: i for r in rows for i, k in enumerate(r)}
-    for sweep in range(6):
-        down = sweep % 2 == 0
-        order = range(1, len(rows)) if down else range(len(rows) - 2, -1, -1)
-        for r in order:
-            def bary(k, down=down):
-                near = preds[k] if down else succs[k]
-                return sum(index[n] for n in near) / len(near) if near else index[k]
-
-            rows[r].sort(key=bary)
-            index.update({k: i for i, k in enumerate(rows[r])})
-
-
-def _x_positions(picture, rows, row, preds, succs, size) -> tuple[dict[str, float], float]:
-    """Step 4: box centres' x (inches) and the picture's width."""
-    x: dict[str, float] = {}
-    for r_nodes in rows:
-        left = 0.0
-        for k in r_nodes:
-            x[k] = left + size[k][0] / 2
-            left += size[k][0] + _COL_GAP
-    # A box with one input, whose producer feeds only it (a run's next
-    # layer, a waypoint), goes straight under its producer.
-    straight = {k for k in row if len(preds[k]) == 1 and len(succs[preds[k][0]]) == 1}
-    for sweep in range(9):
-        down = sweep % 2 == 0
-        order = rows if down else rows[::-1]
-        for r_nodes in order:
-            wanted, priority = [], []
-            for k in r_nodes:
-                near = preds[k] if down else succs[k]
-                wanted.append(sum(x[n] for n in near) / len(near) if near else x[k])
-                priority.append((k in straight, len(preds[k]) + len(succs[k])))
-            _fit(r_nodes, wanted, priority, size, x)
-    low = min(x[k] - size[k][0] / 2 for k in x)
-    for k in x:
-        x[k] += _MARGIN - low
-    content = max(x[k] + size[k][0] / 2 for k in x) + _MARGIN
-    width = max(content, 5.0, len(picture.title) * 0.075 + 2 * _MARGIN)
-    for k in x:  # centred under the title
-        x[k] += (width - content) / 2
-    return x, width
-
-
-def _y_positions(picture, rows, size) -> tuple[dict[str, float], float, list[float]]:
+def _y_positions(picture, rows, size) -> tuple[dict[str, float], float, list[tuple[float, float]]]:
     """Row heights and y (top row highest; a band at the top for the title
-    and legend): box centres' y, the picture's height, each row's bottom."""
+    and legend): box centres' y, the picture's height, each row's (top, bottom)."""
     heights = [max([size[k][1] for k in r_nodes] + [0.3]) for r_nodes in rows]
     y: dict[str, float] = {}
     entries = len(picture.groups) + 1 + any(b.kind == "skipped" for b in picture.boxes.values())
     top = 0.45 + 0.14 * entries
     total = top + sum(heights) + _ROW_GAP * max(len(rows) - 1, 0) + _MARGIN
     cursor = total - top
-    row_bottom = []
+    band = []
     for r_nodes, h in zip(rows, heights):
         for k in r_nodes:
             y[k] = cursor - h / 2
-        row_bottom.append(cursor - h)
+        band.append((cursor, cursor - h))
         cursor -= h + _ROW_GAP
-    return y, total, row_bottom
-
-
-def _routes(picture, rows, row, chains, preds, succs, size, x, y, row_bottom) -> list:
-    """Step 5: one polyline per arrow, with a lane per source in each gap
-    so horizontal runs of different arrows do not overlap."""
-    lanes: dict[tuple[int, str], float] = {}
-    for gap in range(len(rows) - 1):
-        sources = sorted({a for chain in chains for a, b in zip(chain, chain[1:]) if row[a] == gap},
-                         key=lambda k: x[k])
-        for n, src in enumerate(sources):
-            lanes[(gap, src)] = row_bottom[gap] - _ROW_GAP * (n + 1) / (len(sources) + 1)
-    # Where arrows leave and enter a box: spread along its edge, in the
-    # order of the boxes at their other ends.
-    exits, entries = {}, {}
-    for key in picture.boxes:
-        outs = sorted(succs[key], key=lambda k: x[k])
-        ins = sorted(preds[key], key=lambda k: x[k])
-        for ends, near in ((outs, exits), (ins, entries)):
-            span = min(size[key][0] * 0.5, 0.3 * max(len(ends) - 1, 0))
-            for n, other in enumerate(ends):
-                offset = span * (n / (len(ends) - 1) - 0.5) if len(ends) > 1 else 0.0
-                near[(key, other)] = x[key] + offset
-    routes = []
-    for chain in chains:
-        points = []
-        for a, b in zip(chain, chain[1:]):
-            xa = exits.get((a, b), x[a])
-            xb = entries.get((b, a), x[b])
-            if not points:
-                points.append((xa, y[a] - size[a][1] / 2))
-            lane = lanes[(row[a], a)]
-            points.append((xa, lane))
-            points.append((xb, lane))
-            points.append((xb, y[b] + size[b][1] / 2))
-        routes.append(_simplify(points))
-    return routes
-
-
-def _fit(nodes: list[str], wanted: list[float], priority: list, size: dict, x: dict) -> None:
-    """x positions near `wanted`, in order, with boxes a gap apart.
-
-    Boxes are placed in priority order, each as near its wanted x as the
-    boxes already placed in the row allow (the priority-layout step of
-    Sugiyama-style drawings).
-    """
-    def need(i: int, j: int) -> float:
-        lo, hi = min(i, j), max(i, j)
-        return sum(size[nodes[m]][0] for m in range(lo, hi + 1)) - (
-            size[nodes[lo]][0] + size[nodes[hi]][0]
-        ) / 2 + _COL_GAP * (hi - lo)
-
-    placed: dict[int, float] = {}
-    for i in sorted(range(len(nodes)), key=lambda i: priority[i], reverse=True):
-        low = max((placed[j] + need(j, i) for j in placed if j < i), default=float("-inf"))
-        high = min((placed[j] - need(i, j) for j in placed if j > i), default=float("inf"))
-        placed[i] = min(max(wanted[i], low), high) if low <= high else low
-    for i, k in enumerate(nodes):
-        x[k] = placed[i]
-
-
-def _simplify(points: list[tuple[float, float]]) -> list[tuple[float, float]]:
-    """Drops repeated points and the middle of straight runs."""
-    out: list[tuple[float, float]] = []
-    for p in points:
-        if out and abs(out[-1][0] - p[0]) < 1e-9 and abs(out[-1][1] - p[1]) < 1e-9:
-            continue
-        if len(out) >= 2:
-            (x0, y0), (x1, y1) = out[-2], out[-1]
-            if (abs(x0 - x1) < 1e-9 and abs(x1 - p[0]) < 1e-9) or (
-                abs(y0 - y1) < 1e-9 and abs(y1 - p[1]) < 1e-9
-            ):
-                out[-1] = p
-                continue
-        out.append(p)
-    return out
+    return y, total, band

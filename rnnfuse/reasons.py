@@ -1,16 +1,11 @@
-"""Records of why: `Reason` (why a layer or a link cannot be fused),
-`CallPath` (which path a `FusedRNN` call took, and why) and `KernelRun`
-(which kernel a fused call ran).
+"""Records of why: `Reason` (why a layer or link cannot be fused),
+`CallPath` (which path a `FusedRNN` call took) and `KernelRun` (which
+kernel a fused call ran). A reason is a readable string carrying its
+rule's name (`reason.rule`), so code matches on the rule, not the wording.
 
-A reason is a plain string a user can read, carrying the name of the rule
-that produced it (`reason.rule`), so tools and tests can match on the rule
-rather than on the wording.
-
-Example:
-
-    >>> r = Reason("units", "lstm_2 has 16 units, lstm_1 has 32")
-    >>> r.rule, str(r)
-    ('units', 'lstm_2 has 16 units, lstm_1 has 32')
+>>> r = Reason("units", "lstm_2 has 16 units, lstm_1 has 32")
+>>> r.rule, str(r)
+('units', 'lstm_2 has 16 units, lstm_1 has 32')
 """
 
 from __future__ import annotations
@@ -50,25 +45,19 @@ class PathKind(str, enum.Enum):
 
 @dataclasses.dataclass(frozen=True)
 class KernelRun:
-    """Which kernel one fused call ran (what `Backend.run_stack` returns
-    beside its tensors; decided when the call is traced).
+    """Which kernel one fused call ran (`Backend.run_stack` returns it).
 
-    Example:
-
-        >>> KernelRun("CudnnRNNV3", "standard", "rnnfuse's cuDNN op is turned off").name
-        'CudnnRNNV3'
+    >>> KernelRun("CudnnRNNV3", "standard", "rnnfuse's cuDNN op is turned off").name
+    'CudnnRNNV3'
     """
 
     # The kernel: "RnnfuseCudnnRnn" (rnnfuse's op), "CudnnRNNV3",
     # "torch._VF.lstm", "jax.experimental.rnn.lstm", ...
     name: str
-    # Its algorithm: "standard", "persistent_static+tc", ...; "runtime"
-    # where the algorithm is an input of the traced step (the tuner's
-    # shared step); "" where the framework chooses it (torch, JAX).
+    # "standard", "persistent_static+tc", ...; "runtime" where the step takes it
+    # as an input; "" where the framework chooses (torch, JAX).
     algorithm: str = ""
-    # Why this is not the kernel or algorithm the plan asked for (the op
-    # not loaded, a persistent algorithm refused under a mask, the
-    # wavefront kernel refusing a shape), or None.
+    # Why this is not the kernel or algorithm the plan asked for, or None.
     note: str | None = None
 
     def with_note(self, note: str | None) -> "KernelRun":
@@ -83,19 +72,13 @@ class KernelRun:
 
 
 class CallPath(str):
-    """The path a `FusedRNN` call took: `kind`, for `LAYERS` the reason,
-    and for `FUSED` the `KernelRun` of the fused call.
+    """The path a `FusedRNN` call took: `kind`, for `LAYERS` the reason, for
+    `FUSED` the `KernelRun`. A string ("fused", "layers: <why>"); match on
+    `.kind`, `.reason.rule` and `.kernel` in code.
 
-    A string ("fused", or "layers: <why>") so it prints and compares as
-    before; match on `.kind`, `.reason.rule` and `.kernel` in code.
-
-    Example:
-
-        >>> p = CallPath(PathKind.LAYERS, Reason("no_device", "no CUDA GPU"))
-        >>> p.kind is PathKind.LAYERS, p.reason.rule, str(p)
-        (True, 'no_device', 'layers: no CUDA GPU')
-        >>> CallPath(PathKind.FUSED, kernel=KernelRun("RnnfuseCudnnRnn", "standard")).kernel.name
-        'RnnfuseCudnnRnn'
+    >>> p = CallPath(PathKind.LAYERS, Reason("no_device", "no CUDA GPU"))
+    >>> p.kind is PathKind.LAYERS, p.reason.rule, str(p)
+    (True, 'no_device', 'layers: no CUDA GPU')
     """
 
     kind: PathKind

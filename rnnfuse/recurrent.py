@@ -1,14 +1,9 @@
 """A uniform view of the Keras recurrent layers rnnfuse can fuse.
 
-Keras spells one recurrent computation in several ways: `LSTM(...)`,
-`RNN(LSTMCell(...))`, `RNN(StackedRNNCells([...]))` (several levels inside one
-layer) and `Bidirectional(LSTM(...))` (two directions). `describe(layer)`
-turns each of them into a `RecurrentView`: the cuDNN cell kind and a grid of
-cells, `levels[i][d]`, level `i` (bottom to top) and direction `d`
-(0 forward, 1 backward). Everything downstream (rules, packing, backends)
-reads the view, never the layer class.
-
-Supported:
+`describe(layer)` turns each spelling of a recurrent computation into a
+`RecurrentView`: the cuDNN cell kind and a grid of cells `levels[i][d]`
+(level `i` bottom to top, direction `d`). Everything downstream reads the
+view, never the layer class.
 
 | Keras layer                                  | kind                  |
 |----------------------------------------------|-----------------------|
@@ -20,13 +15,10 @@ Supported:
 | `Bidirectional(<any of the above>)`          | that kind, 2 dirs     |
 | `rnnfuse.layers.ProjectedLSTM`               | "lstm", proj_size > 0 |
 
-`describe` is structural: it assumes the layer passed the layer rules
-(`rnnfuse.rules.layer_reason`, which says why a layer cannot fuse) and
-returns a `Reason` only when it finds no cuDNN cell mode at all; it never
-raises.
+`describe` is structural: the layer rules (`rnnfuse.rules.layer_reason`)
+say why a layer cannot fuse; it never raises.
 
 Example:
-
     >>> import keras
     >>> layer = keras.layers.LSTM(8, return_sequences=True)
     >>> _ = layer(keras.ops.zeros((1, 5, 3)))
@@ -57,12 +49,9 @@ __all__ = [
 
 CELL_KINDS = ("lstm", "gru", "rnn_tanh", "rnn_relu")
 
-# The merge modes of a Bidirectional below the top of a fused run: cuDNN
-# feeds the next level the concatenation [fwd, bwd] ("concat" as it is);
-# "sum" and "ave" are linear in it, so the next level's input kernel is
-# packed doubled instead (PACKED_MERGES; rnnfuse.backends.base.StackSpec
-# .input_merges). "mul" and None (the pair) are not linear in it: such a
-# layer ends its run.
+# Merges a Bidirectional below the top of a run may have: cuDNN feeds the
+# next level [fwd, bwd]; "sum" and "ave" are linear in it, so the next input
+# kernel is packed doubled (PACKED_MERGES); "mul" and None end the run.
 PACKED_MERGES = ("sum", "ave")
 STACKABLE_MERGES = ("concat", *PACKED_MERGES)
 
@@ -126,12 +115,8 @@ def is_recurrent(layer: Any) -> bool:
 
 
 def _activation_name(fn: Any, extra: Mapping[str, Any] | None = None) -> str | None:
-    """'tanh', 'sigmoid' or 'relu' when `fn` is exactly that function.
-
-    `extra` adds a framework's own functions (name -> list), which the
-    caller gets from its backend object (`activation_functions()`): this
-    module imports no framework and no backend.
-    """
+    """'tanh', 'sigmoid' or 'relu' when `fn` is exactly that function;
+    `extra` adds the framework's own (this module imports no framework)."""
     known = {
         "tanh": [keras.activations.tanh, keras.ops.tanh],
         "sigmoid": [keras.activations.sigmoid, keras.ops.sigmoid],
@@ -146,11 +131,8 @@ def _activation_name(fn: Any, extra: Mapping[str, Any] | None = None) -> str | N
 
 
 def cell_kind(cell: Any, activations: Mapping[str, Any] | None = None) -> str | None:
-    """The cuDNN mode of one Keras cell, or None when it has none.
-
-    Structural only: the rules about the cell's arguments (activations,
-    reset_after, dropout) are `rnnfuse.rules`' layer rules.
-    """
+    """The cuDNN mode of one Keras cell, or None (structural only; the rules
+    check the cell's arguments)."""
     declared = getattr(cell, "_rnnfuse_cell_kind", None)
     if declared:
         return declared
@@ -194,21 +176,12 @@ def _input_size(layer: Any) -> int | None:
 def describe(
     layer: Any, require_built: bool = True, activations: Mapping[str, Any] | None = None
 ) -> RecurrentView | Reason:
-    """A `RecurrentView` of `layer`, or the `Reason` it cannot be fused.
+    """A `RecurrentView` of `layer`, or the `Reason` it has no cuDNN cell mode.
 
     Args:
-        layer: a Keras layer.
+        layer: a Keras layer (check `rnnfuse.rules.layer_reason` first).
         require_built: kept for callers; the `not_built` rule checks it.
-        activations: the active framework's own tanh/sigmoid/relu (name ->
-            functions; `get_backend().activation_functions()`), besides
-            Keras' own.
-
-    Returns:
-        `RecurrentView` for LSTM, GRU, SimpleRNN, RNN(cell),
-        RNN(StackedRNNCells), Bidirectional of those, and ProjectedLSTM
-        (check `rnnfuse.rules.layer_reason(layer)` first: the view does not
-        say whether the layer's arguments allow fusing); a `Reason` when the
-        layer has no cuDNN cell mode at all.
+        activations: the framework's own tanh/sigmoid/relu, besides Keras'.
     """
     if isinstance(layer, keras.layers.Bidirectional):
         return _describe_bidirectional(layer, require_built, activations)
@@ -265,18 +238,15 @@ def _describe_bidirectional(layer: Any, require_built: bool, activations=None) -
 
 
 def input_merges(views) -> tuple[str | None, ...]:
-    """Per level of the stack `views` make (bottom to top, every view's
-    levels in turn): "sum" or "ave" where the level reads a Bidirectional
-    below it merged that way, else None.
+    """Per level of the stack `views` make: "sum" or "ave" where the level
+    reads a Bidirectional below it merged that way, else None.
 
-    Example:
-
-        >>> import keras
-        >>> a = keras.layers.Bidirectional(keras.layers.GRU(4, return_sequences=True), merge_mode="sum")
-        >>> b = keras.layers.Bidirectional(keras.layers.GRU(4))
-        >>> _ = b(a(keras.ops.zeros((1, 3, 2))))
-        >>> input_merges([describe(a), describe(b)])
-        (None, 'sum')
+    >>> import keras
+    >>> a = keras.layers.Bidirectional(keras.layers.GRU(4, return_sequences=True), merge_mode="sum")
+    >>> b = keras.layers.Bidirectional(keras.layers.GRU(4))
+    >>> _ = b(a(keras.ops.zeros((1, 3, 2))))
+    >>> input_merges([describe(a), describe(b)])
+    (None, 'sum')
     """
     merges: list[str | None] = []
     below = None
@@ -292,10 +262,8 @@ def input_merges(views) -> tuple[str | None, ...]:
 
 
 def keras_has_cudnn_path(view: RecurrentView) -> bool:
-    """Whether Keras has a cuDNN path for this layer at all: `LSTM` or
-    `GRU` (each direction of a Bidirectional) with a bias. Everything else
-    (SimpleRNN, RNN(cell), StackedRNNCells, no bias) runs Keras' generic
-    Python-level loop on every device."""
+    """Whether Keras has a cuDNN path for this layer (LSTM or GRU with a
+    bias); everything else runs Keras' generic loop on every device."""
     layers = (
         (view.layer.forward_layer, view.layer.backward_layer)
         if isinstance(view.layer, keras.layers.Bidirectional)

@@ -1,20 +1,13 @@
-"""The records `analyze` and `optimize` return: `FusionGroup`,
-`FusionReport`, and `OptimizeResult` (with its `RewriteFailure`s).
+"""The records `analyze` and `optimize` return: `FusionGroup` (one run that
+becomes one fused layer), `FusionReport` (the groups, and the `Reason`
+for every recurrent layer left alone) and `OptimizeResult`.
+`str(report)` is a plain-text table; `report.to_dict()` is JSON-ready.
 
-A `FusionGroup` is one run of stacked recurrent layers that becomes one
-fused layer; a `FusionReport` lists the groups of a model and, for every
-recurrent layer left alone, the `Reason` why. `str(report)` is a plain-text
-table (drawn by rnnfuse.report_text); `report.to_dict()` is JSON-ready.
-
-Example:
-
-    >>> import keras, rnnfuse
-    >>> m = keras.Sequential([keras.Input((10, 4)),
-    ...                       keras.layers.GRU(8, return_sequences=True),
-    ...                       keras.layers.GRU(8)])
-    >>> report = rnnfuse.analyze(m)
-    >>> [(g.cell, g.num_layers) for g in report.groups]
-    [('gru', 2)]
+>>> import keras, rnnfuse
+>>> m = keras.Sequential([keras.Input((10, 4)),
+...                       keras.layers.GRU(8, return_sequences=True), keras.layers.GRU(8)])
+>>> [(g.cell, g.num_layers) for g in rnnfuse.analyze(m).groups]
+[('gru', 2)]
 """
 
 from __future__ import annotations
@@ -87,9 +80,7 @@ class FusionReport:
     skipped: Mapping[str, Reason]
     # Model-level remarks (a subclassed model, for example).
     notes: tuple[str, ...] = ()
-    # (layer, the recurrent layer reading it) -> why the two run as separate
-    # groups, not one call (the failing link rule's `Reason`), for each such
-    # pair of layers that are both in groups.
+    # (layer, the recurrent layer reading it) -> why two grouped layers are two calls.
     breaks: Mapping[tuple[str, str], Reason] = dataclasses.field(default_factory=dict)
 
     def __post_init__(self):
@@ -118,13 +109,8 @@ class FusionReport:
         }
 
     def tables(self, runs: list[str] | None = None, runs_title: str = "runs") -> tuple:
-        """rich Tables: the fused groups and the layers left alone
-        (`rnnfuse.report_text.report_tables`).
-
-        Args:
-            runs: one extra cell per group (the CLI's "how it runs here").
-            runs_title: that column's title.
-        """
+        """rich Tables of the fused groups and the layers left alone; `runs`: one
+        extra cell per group, under `runs_title`."""
         from rnnfuse.report_text import report_tables
 
         return report_tables(self, runs, runs_title)

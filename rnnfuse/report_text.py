@@ -1,20 +1,13 @@
-"""A `FusionReport` as text: the table of fused groups, the table of
-recurrent layers left alone (each with its rule and reason), the notes.
+"""A `FusionReport` as text: the fused groups, the recurrent layers left
+alone (each with its rule and reason), the notes. Cells are rich `Text`
+and consoles have markup off, so a layer named `enc[bold]` prints as
+written.
 
-`str(report)` is `report_text(report)`; `rnnfuse inspect` prints the same
-tables through `print_report`, with one more column saying how each group
-runs here. The tables' cells are rich `Text`, never read as markup, and
-every console made here has markup off, so a layer named `enc[bold]` or
-an advice line naming `rnnfuse[torch]` prints as written, in any console.
-
-Example:
-
-    >>> import keras, rnnfuse
-    >>> m = keras.Sequential([keras.Input((10, 4)),
-    ...                       keras.layers.GRU(8, return_sequences=True, name="enc[bold]"),
-    ...                       keras.layers.GRU(8)])
-    >>> "enc[bold] -> gru" in report_text(rnnfuse.analyze(m))
-    True
+>>> import keras, rnnfuse
+>>> m = keras.Sequential([keras.Input((10, 4)),
+...     keras.layers.GRU(8, return_sequences=True, name="enc[bold]"), keras.layers.GRU(8)])
+>>> "enc[bold] -> gru" in report_text(rnnfuse.analyze(m))
+True
 """
 
 from __future__ import annotations
@@ -33,13 +26,8 @@ def plain_console(file: TextIO, *, width: int | None = None, color: bool = True)
 
 
 def report_tables(report: Any, runs: Sequence[str] | None = None, runs_title: str = "runs") -> tuple:
-    """rich Tables: the fused groups and the layers left alone.
-
-    Args:
-        report: a `FusionReport`.
-        runs: one extra cell per group (the CLI's "how it runs here").
-        runs_title: that column's title.
-    """
+    """rich Tables of the fused groups and the layers left alone; `runs`: one
+    extra cell per group, under `runs_title`."""
     from rich.table import Table
     from rich.text import Text
 
@@ -73,9 +61,8 @@ def print_report(
     runs_title: str = "runs",
     empty: str | None = None,
 ) -> None:
-    """Prints the groups (or `empty`, the line for a report without any),
-    the layers left alone, why grouped neighbours are separate calls
-    (`report.breaks`) and the notes."""
+    """Prints the groups (or `empty`), the layers left alone, the grouped
+    neighbours that are separate calls, and the notes."""
     fused, alone = report_tables(report, runs, runs_title)
     if report.groups:
         console.print(fused)

@@ -7,7 +7,6 @@ switch holds for the block that set it and the thread (or task) that runs
 it, and is undone however the block ends.
 
 Example:
-
     >>> import contextvars
     >>> level = contextvars.ContextVar("level", default="low")
     >>> with scoped(level, "high"):

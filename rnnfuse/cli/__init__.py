@@ -1,63 +1,27 @@
 """The `rnnfuse` command line: what fuses in a model, how fast, how exact.
 
-Commands (MODEL is a `.keras` file, or `module:function` / `path/to/file.py:fn`
-naming a function that takes no arguments and returns a built keras.Model),
-one module each:
+Commands (MODEL is a `.keras` file, or `module:function` / `file.py:fn`
+naming a function that returns a built keras.Model), one module each:
 
-    rnnfuse inspect MODEL [--json] [--plot FILE.png]           (cli/inspect.py)
-    rnnfuse bench   MODEL [--batch N] [--steps T] [--train] [--mixed-precision]
-                          [--repeats K] [--warmup W] [--plan P] [--tune] [--json]
-                                                                (cli/bench.py)
-    rnnfuse check   MODEL [--tolerance X] [--batch N] [--steps T] [--seed S]
-                          [--mixed-precision] [--plan P] [--json] (cli/check.py)
-    rnnfuse build-ops [--force]                                 (cli/build_ops.py)
+    rnnfuse inspect MODEL [--json] [--plot FILE.png]
+    rnnfuse bench   MODEL [--batch N] [--steps T] [--train] [--tune] [--json] ...
+    rnnfuse check   MODEL [--tolerance X] [--batch N] [--steps T] [--json] ...
+    rnnfuse build-ops [--force]
 
-The commands that read a MODEL take `--min-layers N`, `--import MODULE`
-(import a module first, for example the one that registers a model's
-custom layers; repeatable) and `--unsafe` (load a `.keras` file with
-`safe_mode=False`, for Lambda layers you trust); `--plan
-auto|fused|per-layer` picks how each group runs (auto is
-`rnnfuse.optimize`'s own choice). Every command takes, before or after its
-name, `-q` (errors and the command's one-line result only), `-v` (debug
-messages too) and `--debug` (TensorFlow's own log lines, Python warnings,
-and the traceback of an error).
-
-The other modules: `arguments` (the parser, built from `COMMANDS`),
-`pipeline` (analyze, plans, optimize as the commands call them), `inputs`
-(random inputs, running the model), `loading` (MODEL -> keras.Model),
-`output` (the `--json` records), `render` (what the commands print),
-`errors` and `quiet` (logging and TensorFlow's start-up lines). A new
-command is a module with NAME, HELP, PARENTS, add_arguments and run, named
-in `COMMANDS` below.
+`rnnfuse COMMAND --help` lists each command's options; `-q`, `-v` and
+`--debug` go before or after the command's name. A new command is a module
+with NAME, HELP, PARENTS, add_arguments and run, named in `COMMANDS`.
 
 Exit codes: 0 success; 1 `check` found a difference above the tolerance;
-2 a problem with the input (a missing or unreadable file, a file that is not
-a Keras model, custom objects that cannot be found, a bad option, a function
-that does not return a model): one line on stderr saying what and how to fix
-it; 3 an unexpected internal error (also one line; `--debug` shows the
-traceback).
+2 a problem with the input (one line on stderr: what and how to fix it);
+3 an unexpected internal error (`--debug` shows the traceback). `--json`
+prints one record fixed by `schema_version`
+(rnnfuse/schema/cli-output-v1.json), errors included.
 
-Start-up: `--help` and `--version` answer without importing keras; a command
-imports keras (and the backend) after its arguments are parsed. TensorFlow's
-C++ start-up log lines are dropped unless `--debug` (see `rnnfuse.cli.quiet`).
-rnnfuse's own messages go through the `rnnfuse` logger to stderr.
-
-`--json` prints one record whose fields and types are fixed by
-`schema_version` (rnnfuse/schema/cli-output-v1.json; `rnnfuse.cli.output`);
-an error under `--json` is a record too, `{"error": {"exit_code",
-"message"}, ...}` on stdout, besides its line on stderr.
-
-Random inputs (`bench`, `check`) follow each model input's shape and dtype:
-the batch size from `--batch`; the time axis (axis 1) from the input's shape,
-or from `--steps` where the shape leaves it open; floats are standard
-normal; integer inputs that feed an `Embedding` get token ids below its
-`input_dim` (from 1 when `mask_zero=True`, and then right-padded with 0 to
-random lengths, so masks take the sequence-length path).
-
-`bench` and `check` run on the TensorFlow, torch and JAX Keras backends.
+`--help` and `--version` answer without importing keras; a command imports
+it after its arguments are parsed.
 
 Example:
-
     >>> from rnnfuse.cli import main
     >>> main(["inspect", "examples/text_classifier.py:build_model", "--json"])  # doctest: +SKIP
     0
@@ -90,15 +54,8 @@ EXIT_OK, EXIT_MISMATCH, EXIT_USAGE, EXIT_INTERNAL = 0, 1, 2, 3
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Runs the command line; returns the exit code.
-
-    Args:
-        argv: the arguments after the program name (default: sys.argv[1:]).
-
-    Returns:
-        0 on success, 1 when `check` finds a difference above the tolerance,
-        2 for a problem with the input, 3 for an unexpected error.
-    """
+    """Runs the command line; returns the exit code (see the module doc).
+    `argv`: the arguments after the program name (default: sys.argv[1:])."""
     argv = list(sys.argv[1:] if argv is None else argv)
     names = {c.NAME for c in COMMANDS}
     # What a bad option must still honour: --debug, and --json (the error

@@ -1,24 +1,12 @@
-"""The command line's argument parser, built from the commands' modules.
+"""The command line's argument parser, built from the commands' modules
+(each declares `NAME`, `HELP`, `PARENTS`, `add_arguments` and `run`). The
+shared option sets: "model" (MODEL, `--import`, `--unsafe`,
+`--min-layers`), "plan" and "json"; `-q`, `-v` and `--debug` everywhere.
+A bad option is a one-line `CliError` (exit 2).
 
-Each command module (`rnnfuse.cli.inspect`, `bench`, `check`,
-`build_ops`) declares `NAME`, `HELP`, `PARENTS` (which of the shared option
-sets below it takes), `add_arguments(parser)` and `run(args) -> int`;
-`build_parser(commands)` puts them under one `rnnfuse` parser. The shared
-option sets:
-
-- "model": MODEL, `--import`, `--unsafe`, `--min-layers`;
-- "plan": `--plan auto|fused|per-layer`;
-- "json": `--json`;
-- every command, and the program itself, takes `-q`, `-v` and `--debug`,
-  before or after the command name.
-
-A bad option is a one-line `CliError` (exit 2), not argparse's usage dump.
-
-Example:
-
-    >>> from rnnfuse.cli import build_ops
-    >>> build_parser([build_ops]).parse_args(["build-ops", "--debug"]).debug
-    True
+>>> from rnnfuse.cli import build_ops
+>>> build_parser([build_ops]).parse_args(["build-ops", "--debug"]).debug
+True
 """
 
 from __future__ import annotations

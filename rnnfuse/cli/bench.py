@@ -1,18 +1,10 @@
-"""`rnnfuse bench MODEL`: times the original and the optimized model here.
+"""`rnnfuse bench MODEL`: times the original and the optimized model on the
+same random inputs, `--warmup` untimed runs each, then `--repeats` timed
+runs in alternating order, so drift favours neither.
 
-    rnnfuse bench MODEL [--batch N] [--steps T] [--train] [--mixed-precision]
-                        [--repeats K] [--warmup W] [--plan P] [--tune] [--json]
-
-Both models run on the same random inputs (`rnnfuse.cli.inputs`), `--warmup`
-untimed runs each, then `--repeats` timed runs in alternating order, so drift
-favours neither. What the timing can show (nothing fuses here, say) is
-printed before any timing. `-q` prints the speedup line only.
-
-Example:
-
-    >>> from rnnfuse.cli import main
-    >>> main(["bench", "model.keras", "--batch", "32", "--steps", "200", "--train"])  # doctest: +SKIP
-    0
+>>> from rnnfuse.cli import main
+>>> main(["bench", "model.keras", "--batch", "32", "--steps", "200", "--train"])  # doctest: +SKIP
+0
 """
 
 from __future__ import annotations

@@ -1,25 +1,12 @@
 """`rnnfuse build-ops [--force]`: compiles rnnfuse's native libraries now
-(no GPU needed) and prints where they went: first the framework-free cuDNN
-RNN core (torch's fused calls; rnnfuse.backends.cuda.build
-.build_cudnn_core), then, with TensorFlow installed, the wavefront op's
-(inference kernel, needs nvcc) and the cuDNN RNN op's on the last line.
-A failed core or wavefront build is a note on stderr, not an error.
-Under KERAS_BACKEND=jax the core is followed by the XLA FFI library for
-JAX instead of TensorFlow's ops (rnnfuse.backends.jax.ffi_build: the
-wavefront kernel's handlers; needs nvcc and jaxlib's FFI headers), whose
-path is the last line; a failure there is an error.
+(no GPU needed) and prints where they went: the cuDNN RNN core, then the
+TensorFlow ops (with TensorFlow installed) or, under KERAS_BACKEND=jax, the
+XLA FFI library, on the last line. Each is otherwise built on first GPU
+use, into $RNNFUSE_CACHE_DIR/ops or the user cache folder.
 
-Each is otherwise built on first GPU use, into $RNNFUSE_CACHE_DIR/ops or
-the user cache folder. Without TensorFlow installed it builds the core
-only, and exits 2 (saying how to install TensorFlow) if the core did not
-build either.
-
-Example:
-
-    >>> from rnnfuse.cli import main
-    >>> main(["build-ops"])  # doctest: +SKIP
-    /home/me/.cache/rnnfuse/ops/...
-    0
+>>> from rnnfuse.cli import main
+>>> main(["build-ops"])  # doctest: +SKIP
+0
 """
 
 from __future__ import annotations

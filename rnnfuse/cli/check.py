@@ -1,20 +1,11 @@
 """`rnnfuse check MODEL`: the largest difference between the original and
-the optimized model, in outputs and in every trainable variable's gradient.
+the optimized model, in outputs and every trainable variable's gradient;
+exits 1 above the tolerance (default: `DEFAULT_TOLERANCE` of the model's
+narrowest dtype). Float32 matmuls are kept exact on GPUs, so TF32 rounding
+does not hide rnnfuse's differences.
 
-    rnnfuse check MODEL [--tolerance X] [--batch N] [--steps T] [--seed S]
-                        [--mixed-precision] [--plan P] [--json]
-
-Exits 1 when either difference is above the tolerance (by default
-`DEFAULT_TOLERANCE` of the model's narrowest compute dtype). Float32
-matmuls are kept exact on GPUs, so the comparison shows rnnfuse's
-differences rather than TF32 rounding in either model. When no fused call
-ran here, it says so: the original layers were compared against
-themselves. `-q` prints the PASS or FAIL line only.
-
-Example:
-
-    >>> DEFAULT_TOLERANCE["float16"]
-    0.02
+>>> DEFAULT_TOLERANCE["float16"]
+0.02
 """
 
 from __future__ import annotations

@@ -1,7 +1,6 @@
 """The command line's one error type and its one-line formatting.
 
 Example:
-
     >>> _first_line(ValueError("first\\nsecond"))
     'first'
 """

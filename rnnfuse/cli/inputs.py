@@ -6,7 +6,6 @@ Timing, model steps and gradients are the backend's own
 rnnfuse has a kernel for.
 
 Example:
-
     >>> import keras, numpy as np
     >>> m = keras.Sequential([keras.Input((4, 2)), keras.layers.LSTM(3)])
     >>> x, _ = random_inputs(m, batch=2, steps=None, rng=np.random.default_rng(0))
@@ -127,54 +126,66 @@ def random_inputs(
     arrays, described = [], []
     for i, spec in enumerate(specs):
         name = getattr(spec, "name", f"input_{i}")
-        shape = [batch]
-        for axis, dim in enumerate(spec.shape[1:], start=1):
-            if dim is not None:
-                if axis == 1 and asked is not None and dim != asked and notes is not None:
-                    notes.append(
-                        f"input '{name}' has a fixed time dimension of {dim}; "
-                        f"--steps {asked} does not apply to it"
-                    )
-                shape.append(int(dim))
-            elif axis == 1:
-                if steps is None:
-                    raise CliError(
-                        f"input '{name}' has no fixed time dimension (shape "
-                        f"{tuple(spec.shape)}). Fix: pass --steps T"
-                    )
-                shape.append(steps)
-            else:
-                raise CliError(
-                    f"input '{name}' has an open dimension at axis {axis} "
-                    f"(shape {tuple(spec.shape)}), so rnnfuse cannot make random "
-                    "inputs for it. Fix: give that dimension a size in "
-                    "keras.Input(shape)"
-                )
-        dtype = str(spec.dtype)
-        if "int" in dtype:
-            high, mask_zero = vocab.get(i, (2, False))
-            low = 1 if mask_zero and high > 1 else 0
-            values = rng.integers(low, high, size=shape)
-            text = f"{name}: {dtype} {shape}, token ids {low}..{high - 1}"
-            if mask_zero and len(shape) >= 2:
-                lengths = rng.integers(max(1, shape[1] // 2), shape[1] + 1, size=batch)
-                for b, n in enumerate(lengths):
-                    values[b, n:] = 0
-                text += ", right-padded with 0"
-            arrays.append(values.astype(dtype))
-        elif dtype == "bool":
-            arrays.append(rng.random(shape) < 0.5)
-            text = f"{name}: bool {shape}"
-        else:
-            arrays.append(rng.standard_normal(shape).astype(dtype))
-            text = f"{name}: {dtype} {shape}, standard normal"
-        described.append(text)
+        shape = _input_shape(spec, name, batch, steps, asked, notes)
+        values, text = _random_array(rng, str(spec.dtype), shape, vocab.get(i, (2, False)))
+        arrays.append(values)
+        described.append(f"{name}: {text}")
     struct = getattr(model, "_inputs_struct", None)
     if struct is not None:
         packed = keras.tree.pack_sequence_as(struct, arrays)
     else:
         packed = arrays[0] if len(arrays) == 1 else arrays
     return packed, described
+
+
+def _input_shape(spec, name: str, batch: int, steps: int | None, asked: int | None,
+                 notes: list | None) -> list:
+    """The shape of one random input: `batch`, then `spec`'s dimensions, an
+    open time axis taking `steps`."""
+    shape = [batch]
+    for axis, dim in enumerate(spec.shape[1:], start=1):
+        if dim is not None:
+            if axis == 1 and asked is not None and dim != asked and notes is not None:
+                notes.append(
+                    f"input '{name}' has a fixed time dimension of {dim}; "
+                    f"--steps {asked} does not apply to it"
+                )
+            shape.append(int(dim))
+        elif axis == 1:
+            if steps is None:
+                raise CliError(
+                    f"input '{name}' has no fixed time dimension (shape "
+                    f"{tuple(spec.shape)}). Fix: pass --steps T"
+                )
+            shape.append(steps)
+        else:
+            raise CliError(
+                f"input '{name}' has an open dimension at axis {axis} "
+                f"(shape {tuple(spec.shape)}), so rnnfuse cannot make random "
+                "inputs for it. Fix: give that dimension a size in "
+                "keras.Input(shape)"
+            )
+    return shape
+
+
+def _random_array(rng, dtype: str, shape: list, vocab: tuple[int, bool]):
+    """(values, description) of one input: token ids below the vocabulary
+    size `vocab[0]` (right-padded with 0 where `vocab[1]`, mask_zero),
+    random booleans, or standard normal floats."""
+    if "int" in dtype:
+        high, mask_zero = vocab
+        low = 1 if mask_zero and high > 1 else 0
+        values = rng.integers(low, high, size=shape)
+        text = f"{dtype} {shape}, token ids {low}..{high - 1}"
+        if mask_zero and len(shape) >= 2:
+            lengths = rng.integers(max(1, shape[1] // 2), shape[1] + 1, size=shape[0])
+            for b, n in enumerate(lengths):
+                values[b, n:] = 0
+            text += ", right-padded with 0"
+        return values.astype(dtype), text
+    if dtype == "bool":
+        return rng.random(shape) < 0.5, f"bool {shape}"
+    return rng.standard_normal(shape).astype(dtype), f"{dtype} {shape}, standard normal"
 
 
 def _embedding_inputs(model, specs) -> dict[int, tuple[int, bool]]:

@@ -5,7 +5,6 @@ Builds no optimized model: the plans come from `optimize`'s rule table (or
 `--plan`). `-q` prints the one-line summary only.
 
 Example:
-
     >>> from rnnfuse.cli import main
     >>> main(["inspect", "examples/text_classifier.py:build_model", "-q"])  # doctest: +SKIP
     1 group(s) of 2 layer(s) can fuse; here (tensorflow) they run unfused; 0 other recurrent layer(s) cannot fuse.

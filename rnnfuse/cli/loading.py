@@ -3,7 +3,6 @@
 Every failure becomes a `CliError` with one line saying what and how to fix.
 
 Example:
-
     >>> _looks_like_function("models.py:build")
     True
 """

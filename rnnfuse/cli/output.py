@@ -1,28 +1,12 @@
 """The `--json` records of `inspect`, `bench` and `check` (schema version 1).
 
-Every record is one JSON object with the same envelope and the same types
-in every command; rnnfuse/schema/cli-output-v1.json is the JSON Schema
-(shipped with the package, documented in docs/api.md):
-
-- `schema_version` (1), `command`, `rnnfuse_version`, `backend`, `model`;
-- `groups`: a list, one object per fusion group: the `FusionGroup` fields,
-  `plan` ({name, pieces, algorithm, source}) and `runs` ({fused, how,
-  why}: whether its fused call runs on this backend and device);
-- `notes`: a list of strings;
-- `inspect` adds `skipped` (layer -> {rule, reason});
-- `bench` and `check` add `device`, `gpu`, `inputs` (a list of {name,
-  dtype, shape, values}), `fused_paths` (fused layer -> what it ran) and
-  `caveat` (a string or null), and their measurements;
-- an error is `schema_version`, `command` (null when none was named),
-  `rnnfuse_version` and `error`: {exit_code, message} (`error_record`).
-
-A later version that changes a field's meaning or type bumps
+Every record is one JSON object with the same envelope and types in every
+command; rnnfuse/schema/cli-output-v1.json is the JSON Schema (documented
+in docs/api.md). A version that changes a field's meaning or type bumps
 `schema_version`; adding a field does not.
 
-Example:
-
-    >>> SCHEMA_VERSION
-    1
+>>> SCHEMA_VERSION
+1
 """
 
 from __future__ import annotations

@@ -6,7 +6,6 @@ dtype, why no group runs fused here, and why the two models should time
 alike.
 
 Example:
-
     >>> import keras
     >>> m = keras.Sequential([keras.Input((5, 2)), keras.layers.GRU(3)])
     >>> compute_dtype(m)

@@ -1,26 +1,15 @@
 """Start-up of a command-line run: logging levels and a quiet TensorFlow.
 
-`-q` shows only errors, the default shows warnings and the `rnnfuse`
-logger's INFO messages (one line each, on stderr), `-v` adds DEBUG, and
-`--debug` also shows TensorFlow's C++ log lines and other libraries' Python
-warnings. rnnfuse's own warnings (`FusionWarning`, `PlanCacheWarning`: a
-setting or argument to fix) are always shown, as one line each on the
-`rnnfuse` logger (`rnnfuse_warnings_logged`).
+`-q` shows errors only, the default warnings and the `rnnfuse` logger's
+INFO lines, `-v` adds DEBUG, `--debug` TensorFlow's C++ log lines and
+other libraries' warnings; rnnfuse's own warnings always show. TensorFlow
+writes some C++ log lines while it is imported, before it reads
+TF_CPP_MIN_LOG_LEVEL, so without `--debug` `quiet_native_stderr` points
+fd 2 at /dev/null and gives `sys.stderr` a copy of the real one.
 
-TensorFlow 2.21 writes some C++ log lines (cuda stubs, CPU features,
-"All log messages before absl::InitializeLog()") from static initializers
-while it is imported, before TF_CPP_MIN_LOG_LEVEL is read, so the
-environment alone does not quiet it. Without `--debug`, `quiet_native_stderr`
-points file descriptor 2 at /dev/null for the run and gives Python's
-`sys.stderr` a copy of the real one: rnnfuse's own messages, errors and
-progress bars still reach the terminal; only native code's direct writes
-are dropped.
-
-Example:
-
-    >>> import logging
-    >>> verbosity_level(quiet=1, verbose=0) == logging.ERROR
-    True
+>>> import logging
+>>> verbosity_level(quiet=1, verbose=0) == logging.ERROR
+True
 """
 
 from __future__ import annotations

@@ -1,19 +1,11 @@
 """What the commands print: text on stdout (or one JSON record), progress
-on stderr.
+on stderr. A `Printer`'s `detail` lines are dropped under `-q`, its
+`result` line never is; markup is off, so names print as written.
 
-Text goes through a `Printer`: `detail` lines (tables, devices, inputs,
-notes) are dropped under `-q`, the `result` line (inspect's summary,
-bench's speedup, check's PASS or FAIL) never is. Its console has rich's
-markup off (`rnnfuse.report_text.plain_console`), so layer names and
-advice such as `pip install 'rnnfuse[torch]'` print as written. `--json`
-prints one record (`print_json`; fields in rnnfuse.cli.output) instead.
-
-Example:
-
-    >>> printer = Printer(quiet=True)
-    >>> printer.detail("dropped under -q")
-    >>> printer.result("PASS [ok]")
-    PASS [ok]
+>>> printer = Printer(quiet=True)
+>>> printer.detail("dropped under -q")
+>>> printer.result("PASS [ok]")
+PASS [ok]
 """
 
 from __future__ import annotations

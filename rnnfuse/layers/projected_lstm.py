@@ -12,83 +12,36 @@ h_t is both the output and the recurrent input; the states are [h, c].
 Weights: kernel (input_dim, 4U), recurrent_kernel (P, 4U), bias (4U,),
 projection_kernel (U, P).
 
-Two implementations of the same maths:
+Keras' generic loop (`keras.layers.RNN` over `ProjectedLSTMCell`) runs on
+every backend and is the reference. The fast path runs the input GEMM for
+all steps at once, then a loop of only the recurrent GEMM, gates and
+projection. Its variant is the layer's `fast_path`, else `set_fast_path`
+/ `fast_path()` in this context, else RNNFUSE_PROJECTED_LSTM_PATH, else
+"auto" (read when a call runs or is traced):
 
-- Keras' generic loop (`keras.layers.RNN` calling `ProjectedLSTMCell` once
-  per step): every Keras backend, and the reference.
-- The fast path (TensorFlow backend, in
-  `rnnfuse.backends.tensorflow.projected_lstm`): one GEMM for the input
-  projection of all time steps (`x @ kernel + bias` over [T*B, F]), then a
-  tight loop over time that runs only the recurrent GEMM, the gate maths
-  and the projection. Variants (the layer's `fast_path` argument; where it
-  is None, the choice of `set_fast_path` or `fast_path()` in this thread or
-  task (a ContextVar), else the environment
-  variable RNNFUSE_PROJECTED_LSTM_PATH, else "auto": "custom_xla" when a GPU
-  is visible and XLA compiles there (checked once), else "custom"; on the
-  CPU XLA's compile time is not repaid). All of these are read when a call
-  runs eagerly or is traced, not at import:
-
-  | variant        | loop                         | gradient                 |
+  | variant        | loop (TensorFlow)            | gradient                 |
   |----------------|------------------------------|--------------------------|
   | "custom_xla"   | tf.while_loop, XLA-compiled  | hand-written, XLA        |
   | "custom"       | tf.while_loop                | hand-written             |
-  | "while_xla"    | tf.while_loop, XLA-compiled  | autodiff in XLA (*)      |
+  | "while_xla"    | tf.while_loop, XLA-compiled  | autodiff in XLA          |
   | "while"        | tf.while_loop                | TensorFlow autodiff      |
   | "off"          | Keras' generic loop          | TensorFlow autodiff      |
 
-  (*) TensorFlow cannot differentiate a loop across an XLA function's
-  boundary, so "while_xla" differentiates a second run of the loop inside
-  XLA (one extra forward pass). When the whole train step is XLA-compiled
-  (Keras' `jit_compile`), every variant is compiled into it.
+"auto" is "custom_xla" where a GPU is visible and XLA compiles, else
+"custom". The hand-written backward computes the weight gradients after
+the loop as two GEMMs over all steps, as cuDNN does (tanh/sigmoid only).
+`fast_path_unroll=k` runs k steps per loop iteration where k divides T.
+On a TensorFlow GPU, rnnfuse's cuDNN op ("cudnn_op") runs unmasked calls
+outside XLA; under torch the fast path is PyTorch's own LSTMP
+("torch_fused", proj_size < units, no mask or a right-padded one).
 
-  The hand-written backward pass runs two GEMMs per step (dh @ P^T and
-  dz @ R^T) and computes the weight gradients after the loop as two GEMMs
-  over all steps (dR = H_prev^T dZ, dP = M^T dH), as cuDNN does; autodiff
-  accumulates them step by step. It needs tanh/sigmoid activations (other
-  activations use the autodiff loop of the same compile mode).
-
-  `fast_path_unroll=k` (else `set_fast_path(name, unroll=k)`, else
-  RNNFUSE_PROJECTED_LSTM_UNROLL) runs k time steps per loop iteration when k divides the static sequence length,
-  trading a longer loop body for fewer iterations (default 4: faster in
-  every configuration measured, docs/benchmarks.md).
-
-  The fast path is used when the backend is TensorFlow, `use_cudnn` is not
-  False, `unroll` is False and there is no recurrent dropout (nor input
-  dropout with `implementation=1`, which draws one mask per gate);
-  otherwise Keras' generic loop runs. Masks follow the generic loop
-  exactly: masked steps keep the state; a masked step's output is zeros
-  with `zero_output_for_mask=True`, else the last unmasked output (zeros
-  before the first one).
-
-On the TensorFlow backend with a GPU, rnnfuse's own cuDNN op
-(`rnnfuse.backends.tensorflow.cudnn_op`, path "cudnn_op") runs the layer as
-one cuDNN LSTMP call, forward and backward, when there is no mask, the
-activations are tanh/sigmoid, the op is loaded and the call is not being
-compiled by XLA; the loops above are the fallback. The fast path's outputs
-keep the static shapes Keras' loop gives (time dimension included).
-
-Under the torch backend the fast path is PyTorch's own LSTMP
-(`nn.LSTM(proj_size=P)`'s `torch._VF.lstm` call, through
-`rnnfuse.backends.torch.run_stack`; in `rnnfuse.backends.torch.projected_lstm`): cuDNN on CUDA, PyTorch's native kernel
-on the CPU; path "torch_fused". It runs when `use_cudnn` is not False, the
-fast path is not switched "off", `unroll` is False, there is no recurrent
-dropout (nor input dropout with `implementation=1`), the activations are
-tanh/sigmoid, proj_size < units (PyTorch's limit) and the mask is None or
-right-padded with no empty sequence (checked on its values; other masks run
-Keras' generic loop). Results match the generic loop to float rounding.
-
-This module holds the layer and the cell only and imports no framework: it
-asks the active backend (`rnnfuse.backends.get_backend()`) through the
-contract's `projected_lstm_reason`, `run_projected_lstm` and
-`resolve_projected_lstm_path`. A backend without a fast path (JAX) raises
-NotImplementedError there and the layer runs Keras' generic loop, with the
-reason in `last_path`.
-
-`layer.last_path` names the path its last call took (set each time `call`
-runs eagerly or is traced), so tests can prove which path ran.
+The fast path needs `use_cudnn` not False, `unroll=False` and no
+recurrent dropout (nor input dropout with `implementation=1`); elsewhere,
+and on a backend without one (JAX), Keras' generic loop runs. Masks follow
+the generic loop exactly. `layer.last_path` names the path the last call
+took, with the reason where it fell back.
 
 Example:
-
     >>> import numpy as np
     >>> layer = ProjectedLSTM(16, proj_size=4, return_state=True)
     >>> y, h, c = layer(np.random.rand(2, 7, 3).astype("float32"))
@@ -100,11 +53,12 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import inspect
 import os
 from typing import Any
 
 import keras
-from keras import activations, constraints, initializers, ops, regularizers, tree
+from keras import constraints, initializers, ops, regularizers, tree
 
 from rnnfuse.backends import get_backend
 from rnnfuse.scoped import scoped
@@ -122,28 +76,22 @@ __all__ = [
 
 FAST_PATHS = PROJECTED_LSTM_PATHS
 
-# Read when a call runs or is traced (not at import), where neither the
-# layer's arguments nor set_fast_path chose.
+# Read when a call runs or is traced, where nothing else chose.
 _ENV_VAR = "RNNFUSE_PROJECTED_LSTM_PATH"
 _UNROLL_ENV_VAR = "RNNFUSE_PROJECTED_LSTM_UNROLL"
-# Four steps per loop iteration by default (where 4 divides T): fewer
-# iterations beat the longer body in every measured configuration
-# (docs/benchmarks.md, "ProjectedLSTM on its own loop").
+# Fewer iterations beat the longer body in every measured configuration.
 DEFAULT_UNROLL = 4
-# (path, unroll) chosen by set_fast_path / fast_path() in this context
-# (None: not chosen, so the environment's or the default).
+# (path, unroll) chosen in this context; None: the environment's or the default.
 _CHOICE: contextvars.ContextVar[tuple[str | None, int | None]] = contextvars.ContextVar(
     "rnnfuse_projected_lstm_path", default=(None, None)
 )
 
 
 def _check_path(name: Any, where: str) -> str:
-    if name not in FAST_PATHS:
-        raise ValueError(
-            f"{where}: unknown fast path {name!r}; expected one of "
-            f"{', '.join(repr(p) for p in FAST_PATHS)}."
-        )
-    return name
+    if name in FAST_PATHS:
+        return name
+    known = ", ".join(map(repr, FAST_PATHS))
+    raise ValueError(f"{where}: unknown fast path {name!r}; expected one of {known}.")
 
 
 def _check_unroll(unroll: Any, where: str) -> int:
@@ -157,15 +105,13 @@ def _check_unroll(unroll: Any, where: str) -> int:
 
 def set_fast_path(name: str, unroll: int | None = None) -> None:
     """Selects the ProjectedLSTM implementation for calls traced from now on
-    in this thread (or asyncio task); `fast_path()` does it for a block.
-
-    A layer's own `fast_path` / `fast_path_unroll` arguments win over this;
-    this wins over the environment variables.
+    in this thread (or task); `fast_path()` does it for a block. A layer's own
+    arguments win over this; this wins over the environment variables.
 
     Args:
         name: one of `FAST_PATHS` ("off" runs Keras' generic loop).
-        unroll: optional; time steps per iteration of the fast path's loops
-            (4 by default). Used when it divides the static sequence length.
+        unroll: optional; time steps per loop iteration (default 4), used
+            where it divides the static sequence length.
 
     Raises:
         ValueError: `name` is not one of `FAST_PATHS`, or a bad `unroll`.
@@ -196,12 +142,12 @@ def get_unroll() -> int:
 
 
 def get_fast_path(resolve: bool = False) -> str:
-    """The ProjectedLSTM implementation new calls use (see `set_fast_path`).
+    """The ProjectedLSTM implementation new calls use (see `set_fast_path`);
+    `resolve` turns "auto" into the variant it means here.
 
-    Args:
-        resolve: turn "auto" into the variant it means here (TensorFlow:
-            "custom_xla" with a visible GPU where XLA compiles, else
-            "custom"; asked of the active backend).
+    >>> with fast_path("while"):
+    ...     get_fast_path()
+    'while'
     """
     path = _CHOICE.get()[0]
     if path is None and os.environ.get(_ENV_VAR):
@@ -214,11 +160,8 @@ def get_fast_path(resolve: bool = False) -> str:
 
 @contextlib.contextmanager
 def fast_path(name: str, unroll: int | None = None):
-    """Context manager: `set_fast_path(name, unroll)` inside, the old values after.
-
-    The choice is read when a call runs eagerly or is traced, so trace the
-    model (first `fit`/`predict` step, or a fresh `tf.function`) inside.
-    """
+    """Context manager: `set_fast_path(name, unroll)` inside, the old values
+    after. The choice is read when a call runs or is traced, so trace inside."""
     with scoped(_CHOICE, _choice(name, unroll, "fast_path")):
         yield
 
@@ -236,24 +179,14 @@ def _check_size(value: Any, arg: str, cls: str) -> int:
 class ProjectedLSTMCell(keras.layers.LSTMCell):
     """One step of an LSTM with a recurrent projection.
 
-    The arguments of `keras.layers.LSTMCell`, plus `proj_size` and the
-    projection's initializer, regularizer and constraint. `state_size` is
-    `[proj_size, units]` and `output_size` is `proj_size`.
-
-    Args:
-        units: width of the cell state c.
-        proj_size: width of the output and recurrent state h.
-        projection_initializer: initializer of `projection_kernel`
-            (default "glorot_uniform").
-        projection_regularizer: regularizer of `projection_kernel`.
-        projection_constraint: constraint of `projection_kernel`.
-        **kwargs: everything else as `keras.layers.LSTMCell`.
+    The arguments of `keras.layers.LSTMCell`, plus `proj_size` (the width of
+    the output and recurrent state h) and `projection_initializer`,
+    `projection_regularizer`, `projection_constraint` for `projection_kernel`.
+    `state_size` is `[proj_size, units]`.
 
     Example:
-
         >>> import numpy as np, keras
-        >>> cell = ProjectedLSTMCell(8, proj_size=3)
-        >>> rnn = keras.layers.RNN(cell)
+        >>> rnn = keras.layers.RNN(ProjectedLSTMCell(8, proj_size=3))
         >>> tuple(rnn(np.zeros((2, 4, 5), "float32")).shape)
         (2, 3)
     """
@@ -386,46 +319,36 @@ class ProjectedLSTMCell(keras.layers.LSTMCell):
         return {**super().get_config(), **config}
 
 
+# The arguments a ProjectedLSTM hands its cell, besides units and proj_size
+# (the rest go to keras.layers.RNN).
+_CELL_ARGS = tuple(inspect.signature(ProjectedLSTMCell.__init__).parameters)[3:-1]
+
+
 @keras.saving.register_keras_serializable(package="rnnfuse")
 class ProjectedLSTM(keras.layers.RNN):
     """LSTM with a recurrent projection (LSTMP), fast on TensorFlow and torch.
 
-    Every argument of `keras.layers.LSTM` behaves as there, with `proj_size`
-    second. `use_cudnn` keeps LSTM's meaning of "the fast implementation":
-    TensorFlow has no cuDNN kernel for projections, so "auto" and True pick
-    this module's fast path; under the torch backend they pick PyTorch's
-    proj_size LSTM (cuDNN on CUDA). True raises where the fast path cannot
-    run, False forces Keras' generic loop. Like LSTM, `use_cudnn` is not
-    serialized.
+    Every argument of `keras.layers.LSTM` behaves as there (by keyword), with
+    `proj_size` second. `use_cudnn` keeps LSTM's meaning of "the fast
+    implementation": "auto" and True pick the fast path (True raises where it
+    cannot run), False forces Keras' generic loop; it is not serialized.
 
     Args:
         units: width of the cell state c.
         proj_size: width of the output and of the recurrent state h.
-        projection_initializer: initializer of `projection_kernel`.
-        projection_regularizer: regularizer of `projection_kernel`.
-        projection_constraint: constraint of `projection_kernel`.
-        fast_path: this layer's fast-path variant (one of `FAST_PATHS`), or
-            None (default) for the process-wide one (`set_fast_path`, the
-            environment variable, else "auto"). Serialized.
-        fast_path_unroll: time steps per loop iteration of the fast path,
-            or None (default) for the process-wide one (`get_unroll()`).
-            Serialized.
-        **kwargs: the other arguments of `keras.layers.LSTM`
-            (return_sequences, return_state, go_backwards, dropout, ...) and
-            of `keras.layers.RNN` (zero_output_for_mask).
+        projection_initializer, projection_regularizer, projection_constraint:
+            for `projection_kernel`.
+        fast_path: this layer's variant (one of `FAST_PATHS`), or None for the
+            context's (`set_fast_path`). Serialized.
+        fast_path_unroll: time steps per loop iteration, or None for the
+            context's (`get_unroll()`). Serialized.
+        **kwargs: the other arguments of `keras.layers.LSTM` and
+            `keras.layers.RNN`.
 
-    Call arguments:
-        sequences: [batch, time, features].
-        initial_state: [h (batch, proj_size), c (batch, units)].
-        mask: [batch, time] boolean.
-        training: Python boolean (dropout).
-
-    Returns:
-        The output ([batch, proj_size], or [batch, time, proj_size] with
-        return_sequences), followed by h and c with return_state.
+    Call arguments: sequences [batch, time, features], initial_state [h, c],
+    mask [batch, time], training.
 
     Example:
-
         >>> import numpy as np
         >>> layer = ProjectedLSTM(32, 8, return_sequences=True)
         >>> y = layer(np.random.rand(4, 10, 6).astype("float32"))
@@ -436,77 +359,19 @@ class ProjectedLSTM(keras.layers.RNN):
     # Read by rnnfuse.recurrent: this layer can take part in a fused stack.
     _rnnfuse_recurrent = True
 
-    def __init__(
-        self,
-        units,
-        proj_size,
-        activation="tanh",
-        recurrent_activation="sigmoid",
-        use_bias=True,
-        kernel_initializer="glorot_uniform",
-        recurrent_initializer="orthogonal",
-        bias_initializer="zeros",
-        unit_forget_bias=True,
-        kernel_regularizer=None,
-        recurrent_regularizer=None,
-        bias_regularizer=None,
-        activity_regularizer=None,
-        kernel_constraint=None,
-        recurrent_constraint=None,
-        bias_constraint=None,
-        dropout=0.0,
-        recurrent_dropout=0.0,
-        seed=None,
-        return_sequences=False,
-        return_state=False,
-        go_backwards=False,
-        stateful=False,
-        unroll=False,
-        use_cudnn="auto",
-        projection_initializer="glorot_uniform",
-        projection_regularizer=None,
-        projection_constraint=None,
-        fast_path=None,
-        fast_path_unroll=None,
-        **kwargs,
-    ):
+    def __init__(self, units, proj_size, *, use_cudnn="auto", fast_path=None, fast_path_unroll=None,
+                 **kwargs):
+        cell_args = {k: kwargs.pop(k) for k in _CELL_ARGS if k in kwargs}
         cell = ProjectedLSTMCell(
             units,
             proj_size,
-            activation=activation,
-            recurrent_activation=recurrent_activation,
-            use_bias=use_bias,
-            kernel_initializer=kernel_initializer,
-            unit_forget_bias=unit_forget_bias,
-            recurrent_initializer=recurrent_initializer,
-            bias_initializer=bias_initializer,
-            kernel_regularizer=kernel_regularizer,
-            recurrent_regularizer=recurrent_regularizer,
-            bias_regularizer=bias_regularizer,
-            kernel_constraint=kernel_constraint,
-            recurrent_constraint=recurrent_constraint,
-            bias_constraint=bias_constraint,
-            dropout=dropout,
-            recurrent_dropout=recurrent_dropout,
-            projection_initializer=projection_initializer,
-            projection_regularizer=projection_regularizer,
-            projection_constraint=projection_constraint,
+            **cell_args,
             dtype=kwargs.get("dtype", None),
             trainable=kwargs.get("trainable", True),
             name="projected_lstm_cell",
-            seed=seed,
             implementation=kwargs.pop("implementation", 2),
         )
-        super().__init__(
-            cell,
-            return_sequences=return_sequences,
-            return_state=return_state,
-            go_backwards=go_backwards,
-            stateful=stateful,
-            unroll=unroll,
-            activity_regularizer=activity_regularizer,
-            **kwargs,
-        )
+        super().__init__(cell, **kwargs)
         self.input_spec = keras.layers.InputSpec(ndim=3)
         if use_cudnn not in ("auto", True, False):
             raise ValueError(
@@ -566,14 +431,9 @@ class ProjectedLSTM(keras.layers.RNN):
         if reason is not None:
             return self._keras_loop(sequences, initial_state, mask, training, reason)
         call = ProjectedLSTMCall(
-            cell=self.cell,
-            training=training,
-            go_backwards=self.go_backwards,
+            cell=self.cell, training=training, go_backwards=self.go_backwards,
             zero_output_for_mask=self.zero_output_for_mask,
-            return_sequences=self.return_sequences,
-            path=path,
-            unroll=unroll,
-        )
+            return_sequences=self.return_sequences, path=path, unroll=unroll)
         try:
             result, taken = get_backend().run_projected_lstm(sequences, initial_state, mask, call)
         except NotImplementedError as err:
@@ -673,33 +533,10 @@ class ProjectedLSTM(keras.layers.RNN):
         return self.cell.recurrent_dropout
 
     def get_config(self):
+        cell = self.cell.get_config()
         config = {
-            "units": self.units,
-            "proj_size": self.proj_size,
-            "activation": activations.serialize(self.activation),
-            "recurrent_activation": activations.serialize(self.recurrent_activation),
-            "use_bias": self.use_bias,
-            "kernel_initializer": initializers.serialize(self.kernel_initializer),
-            "recurrent_initializer": initializers.serialize(self.recurrent_initializer),
-            "bias_initializer": initializers.serialize(self.bias_initializer),
-            "projection_initializer": initializers.serialize(
-                self.projection_initializer
-            ),
-            "unit_forget_bias": self.unit_forget_bias,
-            "kernel_regularizer": regularizers.serialize(self.kernel_regularizer),
-            "recurrent_regularizer": regularizers.serialize(self.recurrent_regularizer),
-            "bias_regularizer": regularizers.serialize(self.bias_regularizer),
-            "projection_regularizer": regularizers.serialize(
-                self.projection_regularizer
-            ),
+            **{k: cell[k] for k in ("units", "proj_size", *_CELL_ARGS)},
             "activity_regularizer": regularizers.serialize(self.activity_regularizer),
-            "kernel_constraint": constraints.serialize(self.kernel_constraint),
-            "recurrent_constraint": constraints.serialize(self.recurrent_constraint),
-            "bias_constraint": constraints.serialize(self.bias_constraint),
-            "projection_constraint": constraints.serialize(self.projection_constraint),
-            "dropout": self.dropout,
-            "recurrent_dropout": self.recurrent_dropout,
-            "seed": self.cell.seed,
             "fast_path": self.fast_path,
             "fast_path_unroll": self.fast_path_unroll,
         }

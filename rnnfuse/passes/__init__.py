@@ -1,7 +1,6 @@
 """The graph passes: graph -> rules -> planning -> rewrite (`run_pipeline`).
 
 Example:
-
     >>> from rnnfuse.passes import PassOptions, run_pipeline
 """
 

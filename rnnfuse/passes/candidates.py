@@ -1,20 +1,13 @@
-"""Pass 2: the layer rules over the graph, a view or a reason per recurrent layer.
+"""Pass 2: the layer rules over the graph: a `RecurrentView` (may fuse) or
+a `Reason` per recurrent layer, those out of reach included.
 
-`find_candidates(graph)` gives every recurrent layer node a `RecurrentView`
-(it may fuse) or a `Reason` (it may not: its own arguments, or it is
-shared), including the layers rnnfuse cannot reach (inside a subclassed
-model, a wrapper such as TimeDistributed, or a custom layer).
-
-Example:
-
-    >>> import keras
-    >>> from rnnfuse.passes.graph import build_layer_graph
-    >>> m = keras.Sequential([keras.Input((6, 2)),
-    ...     keras.layers.LSTM(4, return_sequences=True, name="a"),
-    ...     keras.layers.LSTM(4, name="b"), keras.layers.Dense(1, name="d")])
-    >>> found = find_candidates(build_layer_graph(m))
-    >>> sorted(found.views), sorted(found.recurrent), found.reasons
-    (['a', 'b'], ['a', 'b'], {})
+>>> import keras
+>>> from rnnfuse.passes.graph import build_layer_graph
+>>> m = keras.Sequential([keras.Input((6, 2)),
+...     keras.layers.LSTM(4, return_sequences=True, name="a"), keras.layers.LSTM(4, name="b")])
+>>> found = find_candidates(build_layer_graph(m))
+>>> sorted(found.views), found.reasons
+(['a', 'b'], {})
 """
 
 from __future__ import annotations

@@ -1,38 +1,23 @@
 """Pass 1: the layer graph of a built Keras model, as a networkx DiGraph.
 
-`build_layer_graph(model)` walks a Sequential or Functional model and returns
-a directed graph whose nodes are layer calls and whose edges are the tensors
-between them. Nested Sequential and Functional sub-models are expanded in
-place, so runs inside them are found; their inputs and outputs become nodes
-of their own, so a run never silently crosses a model boundary.
+Nodes are layer calls, edges the tensors between them. Nested Sequential
+and Functional sub-models are expanded in place; their inputs and outputs
+are nodes of their own, so a run never silently crosses a model boundary.
 
-Nodes are keyed by a qualified name: the layer's name, prefixed by the names
-of the sub-models it sits in (``"encoder/lstm_1"``). Special nodes are
-``"<scope><input:NAME>"`` and ``"<scope><output:NAME>"``. Node attributes:
-
-- ``kind``: "layer", "input", "output" or "opaque" (a subclassed model whose
-  ``call()`` cannot be seen into);
-- ``layer``: the Keras layer object (None for inputs and outputs);
-- ``scope``: the qualified-name prefix of the (sub-)model holding the node;
-- ``calls``: how many times the layer object is called in the whole model;
-- ``mask_sources``: (producer key, output index) of the mask tensors the
-  call received (Keras 3 records a propagated mask as a ``mask`` argument).
-
-Edge attributes: ``role`` ("sequence" for the first positional argument,
-"initial_state", "mask", "other", or "output" for a model output) and
-``index``, which output of the producer the tensor is.
-
-The graph's own attributes hold ``scopes``: scope prefix -> (sub-)model.
+Nodes are keyed by qualified name (``"encoder/lstm_1"``), with special
+``"<scope><input:NAME>"`` and ``"<scope><output:NAME>"`` nodes. Node
+attributes: ``kind`` ("layer", "input", "output", or "opaque": a
+subclassed model), ``layer``, ``scope``, ``calls`` (calls of the layer in
+the whole model), ``mask_sources`` ((producer, output index) of the masks
+the call received). Edge attributes: ``role`` ("sequence",
+"initial_state", "mask", "other", "output") and ``index`` (which output of
+the producer). ``graph.graph["scopes"]``: scope prefix -> (sub-)model.
 
 Example:
-
     >>> import keras
     >>> m = keras.Sequential([keras.Input((5, 3)),
-    ...                       keras.layers.LSTM(4, return_sequences=True,
-    ...                                         name="a"),
-    ...                       keras.layers.LSTM(4, name="b")])
-    >>> g = build_layer_graph(m)
-    >>> list(g.successors("a"))
+    ...     keras.layers.LSTM(4, return_sequences=True, name="a"), keras.layers.LSTM(4, name="b")])
+    >>> list(build_layer_graph(m).successors("a"))
     ['b']
 """
 
@@ -73,14 +58,8 @@ def graph_pass(model: keras.Model, so_far: PassResult, options: PassOptions) -> 
 
 
 def build_layer_graph(model: keras.Model) -> nx.DiGraph:
-    """The layer graph of a built Sequential or Functional `model`.
-
-    Args:
-        model: a built `keras.Sequential` or Functional `keras.Model`.
-
-    Returns:
-        A `networkx.DiGraph` as described in the module docstring.
-    """
+    """The layer graph of a built Sequential or Functional `model`, a
+    `networkx.DiGraph` as the module doc describes."""
     graph = nx.DiGraph(scopes={})
     builder = _GraphBuilder(graph)
     builder.add_model(model, scope="")

@@ -1,7 +1,6 @@
 """Notes on a whole model that the planning pass adds to its report.
 
 Example:
-
     >>> import keras
     >>> from rnnfuse.report import FusionReport
     >>> m = keras.Sequential([keras.Input((6, 2)), keras.layers.Dense(1)])

@@ -6,7 +6,6 @@ is given, and makes a plain Keras model (`rnnfuse.api` makes it an
 optimized one).
 
 Example:
-
     >>> import keras
     >>> m = keras.Sequential([keras.Input((6, 2)),
     ...     keras.layers.GRU(4, return_sequences=True, name="a"),

@@ -1,30 +1,19 @@
 """Pass 3: find the maximal runs of fusable layers and explain the rest.
 
-`plan_fusion(graph, ...)` works in four steps:
+`plan_fusion(graph, ...)`:
 
-1. Candidates (the rules pass, `rnnfuse.passes.candidates`): every
-   recurrent layer node gets a `RecurrentView` (it may fuse) or a `Reason`
-   (it may not: its own arguments, or it is shared).
-2. Links: from each candidate, follow its output to the single layer that
-   reads it (through an absorbable `Dropout` when allowed) and check the
-   link rules. A passing link becomes an edge of a new "chain" DiGraph.
-   Each layer reads one sequence and feeds one layer inside a run, so the
-   chain graph is a set of disjoint paths.
-3. Runs: each weakly connected component of the chain graph, in
-   topological order, is a run; runs with at least `min_layers` recurrent
-   levels become `FusionGroup`s. With `min_layers=None` (the default) the
-   least is per kind (`default_min_layers`): 1 (every LSTM, GRU,
-   SimpleRNN and RNN(cell) layer is a group, a lone one too: a group of
-   one, whose plan keeps the original layers unless the fused call is
-   measured faster), 2 for ProjectedLSTM runs.
+1. Candidates (`rnnfuse.passes.candidates`): every recurrent layer gets a
+   `RecurrentView` (it may fuse) or a `Reason`.
+2. Links: from each candidate, follow its output to the one layer that
+   reads it (through an absorbable `Dropout`) and check the link rules; a
+   passing link is an edge of a "chain" DiGraph of disjoint paths.
+3. Runs: each weakly connected component of the chain graph is a run; runs
+   with at least `min_layers` levels become `FusionGroup`s.
 4. Reasons: every recurrent layer outside a group gets the reason of the
-   rule that stopped it: its own, the link to a neighbour, or a run too
-   short for `min_layers`. A failed link between two layers that are both
-   in groups is the report's `breaks` entry for that pair: why they are
-   two calls, not one.
+   rule that stopped it; a failed link between two grouped layers is the
+   report's `breaks` entry (why they are two calls, not one).
 
 Example:
-
     >>> import keras
     >>> from rnnfuse.passes.graph import build_layer_graph
     >>> m = keras.Sequential([keras.Input((6, 2)),
@@ -34,8 +23,6 @@ Example:
     >>> report = plan_fusion(build_layer_graph(m), model_name=m.name)
     >>> [g.layers for g in report.groups], report.breaks[("b", "c")].rule
     ([('a', 'b'), ('c',)], 'units')
-    >>> plan_fusion(build_layer_graph(m), model_name=m.name, min_layers=2).skipped["c"].rule
-    'units'
 """
 
 from __future__ import annotations
@@ -69,25 +56,16 @@ def is_absorbable_dropout(layer: Any) -> bool:
     )
 
 
-# The least number of levels worth fusing when min_layers is None. One
-# level is worth a group of one: a layer Keras runs in its generic Python
-# loop gains from one cuDNN call (about 8x on the torch CPU path for a relu
-# SimpleRNN); an LSTM/GRU that Keras runs on cuDNN itself can gain from
-# rnnfuse's op, which runs cuDNN's persistent algorithms in both passes
-# (Keras' CudnnRNNV3 backward always runs the standard one), and the plan
-# (tuned, or the static table's) keeps the original layers where that is
-# not measured faster. A ProjectedLSTM fuses from two layers: alone it runs
-# its own fast path, and TensorFlow cannot run a projected cuDNN call.
+# One level is worth a group: a layer in Keras' generic loop gains from one
+# cuDNN call, an LSTM/GRU from rnnfuse's op, and the plan keeps the original
+# where that is not faster. A lone ProjectedLSTM runs its own fast path.
 MIN_LAYERS_ONE = 1
 MIN_LAYERS_PROJECTED = 2
 
 
 def default_min_layers(views: list[RecurrentView]) -> int:
-    """The default least number of levels for a run of `views`.
-
-    `MIN_LAYERS_PROJECTED` (2) for a run of ProjectedLSTM layers (a
-    projection), else `MIN_LAYERS_ONE` (1): every LSTM, GRU, SimpleRNN and
-    RNN(cell) layer is a group, alone too.
+    """The default least number of levels for a run of `views`: 2 for
+    ProjectedLSTM, else 1 (a lone layer is a group).
 
     >>> import keras
     >>> from rnnfuse.recurrent import describe
@@ -127,11 +105,10 @@ def plan_fusion(
     Args:
         graph: a layer graph from `build_layer_graph`.
         model_name: name shown in the report.
-        min_layers: the least number of recurrent levels worth fusing;
-            None: per kind (`default_min_layers`: 1, so a lone layer is a
-            group of one; 2 for ProjectedLSTM); 2 fuses stacks only.
-        absorb_dropout: whether a `Dropout` layer between two recurrent
-            layers joins them (it becomes cuDNN's between-layer dropout).
+        min_layers: the least number of recurrent levels worth fusing (None:
+            `default_min_layers`).
+        absorb_dropout: whether a `Dropout` between two recurrent layers
+            joins them as cuDNN's between-layer dropout.
 
     Returns:
         A `FusionReport`.
@@ -234,10 +211,8 @@ def _links(graph: nx.DiGraph, views: dict, recurrent: frozenset, absorb_dropout:
 
 
 def _reader(graph: nx.DiGraph, key: str, recurrent: frozenset, absorb_dropout: bool):
-    """The recurrent layer that reads `key`'s output, and any Dropout between.
-
-    Returns (target key or None, tuple of bridge keys).
-    """
+    """(the recurrent layer that reads `key`'s output or None, the Dropout
+    keys between)."""
     succ = list(graph.successors(key))
     if len(succ) != 1:
         # Several readers: report the link to a recurrent one, if any.
@@ -269,12 +244,8 @@ def _gap_rate(graph, bridges, upper, lower) -> float | None:
 
 
 def _split_by_dropout(graph, run, bridges, link_reasons) -> list[list[str]]:
-    """Splits `run` where the absorbed dropout between layers changes.
-
-    cuDNN applies one dropout rate between every pair of levels, so a run
-    whose gaps do not all carry a Dropout of the same rate (or all none)
-    is cut at the first gap that differs from the gaps before it.
-    """
+    """Splits `run` at the first gap whose absorbed dropout differs from the
+    gaps before it (cuDNN applies one rate between every pair of levels)."""
     pieces, current, rate = [], [run[0]], None
     for upper, lower in zip(run, run[1:]):
         gap = _gap_rate(graph, bridges, upper, lower)

@@ -5,7 +5,6 @@ Every pass has one signature, `pass_(model, so_far, options) -> PassResult`
 changed) and what the passes before it found, and returns a new record.
 
 Example:
-
     >>> PassResult().modified, PassOptions().min_layers
     (False, None)
 """

@@ -1,28 +1,16 @@
 """Pass 4: a new model in which each fusion group is one `FusedRNN` layer.
 
-`rewrite_model(model, groups)` returns a new Sequential or Functional
+`rewrite_model(model, groups)` returns a plain Sequential or Functional
 model with the same inputs, outputs and output names, and the groups whose
-fused layer could not be built (`RewriteFailure`s). Every layer that is
-not in a group is the same object as in `model`; each group's layers move
-inside a `FusedRNN` (still the same objects, so the variables are shared).
-`model` itself is never changed.
-
-The result is a plain Keras model (`rnnfuse.api` makes it an optimized
-one). With no group at all, it is a plain Sequential or Functional `model`
-itself (the same nodes: nothing runs twice, nothing is added). Otherwise,
-per (sub-)model, bottom-up:
-
-1. Build one `FusedRNN` per group of this scope. A group whose fused layer
-   cannot be built keeps its original layers, with a warning.
-2. Rewrite nested sub-models that hold groups; the others stay as they are.
-3. Sequential: a new layer list, each run replaced by its fused layer.
-   Functional: `keras.models.clone_model` with the layers themselves as
-   clones and a `call_function` that calls the fused layer in place of a
-   run's first layer, passes the run's inner layers (and absorbed Dropout
-   layers) through, and returns the fused output at the run's last layer.
+fused layer could not be built. Every layer outside a group is the same
+object; each group's layers move inside a `FusedRNN` (same objects, shared
+variables); `model` is never changed. Per (sub-)model, bottom-up: one
+`FusedRNN` per group, nested sub-models rewritten, then Sequential: a new
+layer list; Functional: `keras.models.clone_model` whose `call_function`
+calls the fused layer at a run's first layer and passes its inner layers
+through.
 
 Example:
-
     >>> import keras
     >>> from rnnfuse.passes.graph import build_layer_graph
     >>> from rnnfuse.passes.planning import plan_fusion
@@ -69,20 +57,12 @@ def rewrite_model(
     groups: Sequence[FusionGroup],
     plans: Sequence[Plan | None] | None = None,
 ) -> tuple[keras.Model, tuple[RewriteFailure, ...]]:
-    """A new model in which each of `groups` is one `FusedRNN`, and the
-    groups whose fused layer could not be built.
+    """(a new model sharing every layer and variable with `model`, in which
+    each of `groups` is one `FusedRNN`; a `RewriteFailure` per group that
+    keeps its original layers, each also warned about).
 
-    Args:
-        model: the analyzed Sequential or Functional model.
-        groups: the groups to fuse (from `plan_fusion`, or split by a plan).
-        plans: optional `rnnfuse.Plan` per group, its `FusedRNN`'s plan
-            (None: `rnnfuse.FUSED`; a per-layer plan keeps the original
-            layers inside a switchable FusedRNN).
-
-    Returns:
-        (a new `keras.Model` sharing every layer and variable with `model`,
-        one `RewriteFailure` per group that keeps its original layers; each
-        is also warned about with a `FusionWarning`).
+    `plans`: optional `rnnfuse.Plan` per group (None: `rnnfuse.FUSED`; a
+    per-layer plan keeps the original layers inside a switchable FusedRNN).
     """
     plans = list(plans or [None] * len(groups))
     if not groups and type(model) in (keras.Sequential, Functional):
@@ -197,11 +177,8 @@ def _rewrite_functional(model, fused, replacements) -> keras.Model:
             return args[0]
         return results[i]
 
-    # The original input tensors, not new ones: the rewritten model then has
-    # the original InputLayers (same names), so a sub-model cut from its
-    # layers, `keras.Model(fast.get_layer("image").output,
-    # fast.get_layer("dense2").output)`, finds one input of each name (the
-    # layers' first outputs are those of the original graph).
+    # The original input tensors, so a sub-model cut from the rewritten model's
+    # layers finds one input of each name.
     new = keras.models.clone_model(
         model,
         input_tensors=model.input,

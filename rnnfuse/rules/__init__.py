@@ -1,23 +1,11 @@
-"""The fusion rules, in one package with a registry.
+"""The fusion rules, in one package with a registry (`RULES`), by scope:
+`layer` (can a layer fuse at all), `links` (can it feed the next inside
+one call), `runs` (which runs become groups), `runtime` (why one call
+runs the original layers). A new rule is one decorated check in the
+module of its scope, and the regenerated table in docs/guide.md.
 
-Every rule is a `Rule` record in `RULES` (name, scope, one-line doc,
-check); the modules register theirs in evaluation order:
-
-- `layer`: can this layer be part of a fused call at all (its own
-  arguments, its cells, its place in the graph)?
-- `links`: can one layer feed the next inside one call?
-- `runs`: which runs become groups; what the backend never fuses.
-- `runtime`: why one `FusedRNN` call runs the original layers.
-
-docs/guide.md's rule table is `markdown_table()`.
-
-Adding a rule: one decorated check in the module of its scope (and the
-regenerated table in docs/guide.md).
-
-Example:
-
-    >>> sorted({r.scope for r in RULES.values()})
-    ['backend', 'layer', 'link', 'run', 'runtime']
+>>> sorted({r.scope for r in RULES.values()})
+['backend', 'layer', 'link', 'run', 'runtime']
 """
 
 from rnnfuse.rules.registry import RULES, SCOPES, Rule, markdown_table, rules_for

@@ -1,21 +1,14 @@
 """Layer rules: can this recurrent layer be part of a fused call at all?
 
-`layer_reason(layer)` runs the "layer" rules of the registry in order:
-for each direction of the layer (one, or two inside a `Bidirectional`), the
-"part" rules, then the "cell" rules on each cell, then the "stack" rules on
-its levels; then, for a `Bidirectional`, the rules on the pair; with a
-model graph, the "node" rules. The first failing rule's `Reason` is the
-answer (inside a `Bidirectional`, prefixed with "its forward layer
-'<name>': "). When it returns None, `rnnfuse.recurrent.describe(layer)`
-gives the layer's `RecurrentView`.
+`layer_reason(layer)` runs, for each direction, the "part", "cell" and
+"stack" rules, then the "bidirectional" and "node" rules; the first
+failing rule's `Reason` is the answer.
 
-Example:
-
-    >>> import keras
-    >>> layer = keras.layers.GRU(4, recurrent_dropout=0.2)
-    >>> _ = layer(keras.ops.zeros((1, 3, 2)))
-    >>> layer_reason(layer).rule
-    'recurrent_dropout'
+>>> import keras
+>>> layer = keras.layers.GRU(4, recurrent_dropout=0.2)
+>>> _ = layer(keras.ops.zeros((1, 3, 2)))
+>>> layer_reason(layer).rule
+'recurrent_dropout'
 """
 
 from __future__ import annotations
@@ -28,7 +21,7 @@ import networkx as nx
 
 from rnnfuse.reasons import Reason
 from rnnfuse.recurrent import _activation_name, _fn_name, cell_kind, describe, is_recurrent
-from rnnfuse.rules.registry import rule, rules_for
+from rnnfuse.rules.registry import first_reason, rule
 
 __all__ = ["LayerContext", "layer_reason", "recurrent_sublayers"]
 
@@ -64,38 +57,21 @@ def layer_reason(
                 return Reason(reason.rule, f"its {which} layer '{part.name}': {reason}")
         fview = describe(layer.forward_layer, ctx.require_built, ctx.activations)
         bview = describe(layer.backward_layer, ctx.require_built, ctx.activations)
-        for r in rules_for("layer", "bidirectional"):
-            reason = r.check(layer, fview, bview)
-            if reason is not None:
-                return reason
+        reason = first_reason("layer", "bidirectional", layer, fview, bview)
+        if reason is not None:
+            return reason
     else:
         reason = _part_reason(layer, ctx)
         if reason is not None:
             return reason
-    if graph is not None:
-        for r in rules_for("layer", "node"):
-            reason = r.check(graph, key)
-            if reason is not None:
-                return reason
-    return None
+    return first_reason("layer", "node", graph, key) if graph is not None else None
 
 
 def _part_reason(part: Any, ctx: LayerContext) -> Reason | None:
-    for r in rules_for("layer", "part"):
-        reason = r.check(part, ctx)
-        if reason is not None:
-            return reason
     levels = _levels(part)
-    for cell in levels:
-        for r in rules_for("layer", "cell"):
-            reason = r.check(cell, ctx)
-            if reason is not None:
-                return reason
-    for r in rules_for("layer", "stack"):
-        reason = r.check(part, levels, ctx)
-        if reason is not None:
-            return reason
-    return None
+    cells = (first_reason("layer", "cell", cell, ctx) for cell in levels)
+    return (first_reason("layer", "part", part, ctx) or next((r for r in cells if r is not None), None)
+            or first_reason("layer", "stack", part, levels, ctx))
 
 
 def _levels(part: Any) -> list:
@@ -115,45 +91,36 @@ def _layer_type(part, ctx):
         return None
     base = next((b.__name__ for b in _PLAIN if isinstance(part, b)), None)
     what = f"a subclass of {base}" if base else "a recurrent layer"
-    return Reason(
-        "layer_type",
-        f"{cls.__name__} is {what} whose call() rnnfuse cannot "
-        "see into; only LSTM, GRU, SimpleRNN, RNN(cell), "
-        "Bidirectional and ProjectedLSTM are fused",
-    )
+    return (f"{cls.__name__} is {what} whose call() rnnfuse cannot see into; only LSTM, GRU, "
+            "SimpleRNN, RNN(cell), Bidirectional and ProjectedLSTM are fused")
 
 
 @rule("unroll", "layer", "unroll=True unrolls the loop into separate ops", "part")
 def _unroll(part, ctx):
     if getattr(part, "unroll", False):
-        return Reason(
-            "unroll", "unroll=True unrolls the loop into separate ops; set unroll=False to fuse"
-        )
+        return "unroll=True unrolls the loop into separate ops; set unroll=False to fuse"
     return None
 
 
 @rule("stateful", "layer", "stateful=True keeps state between batches in the layer's own variables", "part")
 def _stateful(part, ctx):
     if getattr(part, "stateful", False):
-        return Reason(
-            "stateful",
-            "stateful=True keeps state between batches in the layer's own "
-            "variables; stateful layers are not fused",
-        )
+        return ("stateful=True keeps state between batches in the layer's own variables; stateful "
+                "layers are not fused")
     return None
 
 
 @rule("use_cudnn", "layer", "use_cudnn=False: the layer was told not to use cuDNN", "part")
 def _use_cudnn(part, ctx):
     if getattr(part, "use_cudnn", "auto") is False:
-        return Reason("use_cudnn", "use_cudnn=False: the layer was told not to use cuDNN")
+        return "use_cudnn=False: the layer was told not to use cuDNN"
     return None
 
 
 @rule("not_built", "layer", "the layer is not built (start the model with keras.Input)", "part")
 def _not_built(part, ctx):
     if ctx.require_built and not part.built:
-        return Reason("not_built", "the layer is not built")
+        return "the layer is not built"
     return None
 
 
@@ -163,23 +130,17 @@ def _not_built(part, ctx):
 @rule("recurrent_dropout", "layer", "recurrent_dropout draws a new mask inside the time loop, which cuDNN cannot do", "cell")
 def _recurrent_dropout(cell, ctx):
     if getattr(cell, "recurrent_dropout", 0):
-        return Reason(
-            "recurrent_dropout",
-            f"recurrent_dropout={cell.recurrent_dropout} draws a new mask "
-            "inside the time loop, which cuDNN cannot do; set it to 0 to fuse",
-        )
+        return (f"recurrent_dropout={cell.recurrent_dropout} draws a new mask inside the time loop, "
+                "which cuDNN cannot do; set it to 0 to fuse")
     return None
 
 
 @rule("dropout_implementation", "layer", "dropout with implementation=1 draws one input mask per gate; cuDNN applies one", "cell")
 def _dropout_implementation(cell, ctx):
     if getattr(cell, "dropout", 0) and getattr(cell, "implementation", 2) == 1:
-        return Reason(
-            "dropout_implementation",
-            f"dropout={cell.dropout} with implementation=1 applies a different "
-            "mask row to each gate in Keras' loop; cuDNN applies one input "
-            "mask (use the default implementation=2 to fuse)",
-        )
+        return (f"dropout={cell.dropout} with implementation=1 applies a different mask row to each "
+                "gate in Keras' loop; cuDNN applies one input mask (use the default implementation=2 "
+                "to fuse)")
     return None
 
 
@@ -187,22 +148,15 @@ def _dropout_implementation(cell, ctx):
 def _cell_type(cell, ctx):
     if getattr(cell, "_rnnfuse_cell_kind", None) or type(cell) in _CELLS:
         return None
-    return Reason(
-        "cell_type",
-        f"cell {type(cell).__name__} has no cuDNN equivalent (supported: LSTMCell, "
-        "GRUCell, SimpleRNNCell and rnnfuse.layers.ProjectedLSTM)",
-    )
+    return (f"cell {type(cell).__name__} has no cuDNN equivalent (supported: LSTMCell, GRUCell, "
+            "SimpleRNNCell and rnnfuse.layers.ProjectedLSTM)")
 
 
 @rule("cell_activity_regularizer", "layer", "a cell with an activity_regularizer (Keras applies it at every time step of its loop)", "cell")
 def _cell_activity_regularizer(cell, ctx):
     if getattr(cell, "activity_regularizer", None) is not None:
-        return Reason(
-            "cell_activity_regularizer",
-            f"its cell '{cell.name}' has an activity_regularizer, which Keras "
-            "applies to the cell's output at every time step; the fused call runs "
-            "no per-step cell call",
-        )
+        return (f"its cell '{cell.name}' has an activity_regularizer, which Keras applies to the "
+                "cell's output at every time step; the fused call runs no per-step cell call")
     return None
 
 
@@ -213,30 +167,22 @@ def _activation(cell, ctx):
     if type(cell) is keras.layers.SimpleRNNCell:
         if act in ("tanh", "relu"):
             return None
-        return Reason(
-            "activation",
-            f"SimpleRNN uses activation={_fn_name(cell.activation)}; cuDNN "
-            "computes only tanh and relu",
-        )
+        return (f"SimpleRNN uses activation={_fn_name(cell.activation)}; cuDNN computes only tanh and "
+                "relu")
+
     rec = _activation_name(getattr(cell, "recurrent_activation", None), ctx.activations)
     if act == "tanh" and rec == "sigmoid":
         return None
-    return Reason(
-        "activation",
-        f"{name} uses activation={_fn_name(cell.activation)} and "
-        f"recurrent_activation={_fn_name(cell.recurrent_activation)}; "
-        "cuDNN computes only tanh and sigmoid",
-    )
+    return (f"{name} uses activation={_fn_name(cell.activation)} and "
+            f"recurrent_activation={_fn_name(cell.recurrent_activation)}; cuDNN computes only tanh and"
+            " sigmoid")
 
 
 @rule("reset_after", "layer", "GRU with reset_after=False, which cuDNN does not compute", "cell")
 def _reset_after(cell, ctx):
     if type(cell) is keras.layers.GRUCell and not cell.reset_after:
-        return Reason(
-            "reset_after",
-            "GRU with reset_after=False applies the reset gate before "
-            "the recurrent matrix; cuDNN only computes reset_after=True",
-        )
+        return ("GRU with reset_after=False applies the reset gate before the recurrent matrix; cuDNN"
+                " only computes reset_after=True")
     return None
 
 
@@ -247,12 +193,8 @@ def _reset_after(cell, ctx):
 def _stacked_dropout(part, levels, ctx):
     for i, cell in enumerate(levels[1:], start=1):
         if getattr(cell, "dropout", 0):
-            return Reason(
-                "dropout",
-                f"cell {i} of its StackedRNNCells has dropout={cell.dropout}; "
-                "input dropout can only be applied before the first level of "
-                "a fused call",
-            )
+            return (f"cell {i} of its StackedRNNCells has dropout={cell.dropout}; input dropout can "
+                    "only be applied before the first level of a fused call")
     return None
 
 
@@ -260,9 +202,7 @@ def _stacked_dropout(part, levels, ctx):
 def _mixed_cells(part, levels, ctx):
     kinds = {cell_kind(c, ctx.activations) for c in levels}
     if len(kinds) > 1:
-        return Reason(
-            "mixed_cells", "its cells are of different kinds (" + ", ".join(sorted(kinds)) + ")"
-        )
+        return "its cells are of different kinds (" + ", ".join(sorted(kinds)) + ")"
     return None
 
 
@@ -270,10 +210,7 @@ def _mixed_cells(part, levels, ctx):
 def _mixed_units(part, levels, ctx):
     units = {(int(c.units), int(getattr(c, "proj_size", 0))) for c in levels}
     if len(units) > 1:
-        return Reason(
-            "mixed_units",
-            "its cells have different widths " + ", ".join(str(u) for u, _ in sorted(units)),
-        )
+        return "its cells have different widths " + ", ".join(str(u) for u, _ in sorted(units))
     return None
 
 
@@ -283,43 +220,30 @@ def _mixed_units(part, levels, ctx):
 @rule("stacked_cells_in_bidirectional", "layer", "Bidirectional(RNN(StackedRNNCells)) runs each direction through all levels first; cuDNN interleaves them", "bidirectional")
 def _stacked_cells_in_bidirectional(layer, fview, bview):
     if fview.num_levels != 1 or bview.num_levels != 1:
-        return Reason(
-            "stacked_cells_in_bidirectional",
-            "Bidirectional(RNN(StackedRNNCells)) runs each direction through "
-            "all levels before the other direction; cuDNN interleaves them",
-        )
+        return ("Bidirectional(RNN(StackedRNNCells)) runs each direction through all levels before "
+                "the other direction; cuDNN interleaves them")
     return None
 
 
 @rule("bidirectional_directions", "layer", "a Bidirectional whose forward layer reads backwards or backward layer forwards", "bidirectional")
 def _bidirectional_directions(layer, fview, bview):
     if fview.go_backwards or not bview.go_backwards:
-        return Reason(
-            "bidirectional_directions",
-            "its forward layer must read forwards and its backward layer backwards",
-        )
+        return "its forward layer must read forwards and its backward layer backwards"
     return None
 
 
 @rule("bidirectional_mismatch", "layer", "a Bidirectional whose two layers differ in kind or width", "bidirectional")
 def _bidirectional_mismatch(layer, fview, bview):
     if (fview.kind, fview.units, fview.proj_size) != (bview.kind, bview.units, bview.proj_size):
-        return Reason(
-            "bidirectional_mismatch",
-            f"its forward layer ({_width(fview)}) and backward layer "
-            f"({_width(bview)}) differ",
-        )
+        return f"its forward layer ({_width(fview)}) and backward layer ({_width(bview)}) differ"
     return None
 
 
 @rule("bidirectional_dropout", "layer", "input dropout inside a Bidirectional (one mask per direction; the fused call has one input)", "bidirectional")
 def _bidirectional_dropout(layer, fview, bview):
     if fview.dropout or bview.dropout:
-        return Reason(
-            "bidirectional_dropout",
-            "dropout inside a Bidirectional layer draws one input mask per "
-            "direction; a fused bidirectional call has one input",
-        )
+        return ("dropout inside a Bidirectional layer draws one input mask per direction; a fused "
+                "bidirectional call has one input")
     return None
 
 
@@ -327,13 +251,9 @@ def _bidirectional_dropout(layer, fview, bview):
 def _bidirectional_activity_regularizer(layer, fview, bview):
     for part in (layer.forward_layer, layer.backward_layer):
         if part.activity_regularizer is not None:
-            return Reason(
-                "bidirectional_activity_regularizer",
-                f"its layer '{part.name}' has an activity_regularizer, which Keras "
-                "applies to that direction's own output; a fused bidirectional call "
-                "returns the two directions together (an activity_regularizer on the "
-                "Bidirectional itself is fine)",
-            )
+            return (f"its layer '{part.name}' has an activity_regularizer, which Keras applies to that"
+                    " direction's own output; a fused bidirectional call returns the two directions "
+                    "together (an activity_regularizer on the Bidirectional itself is fine)")
     return None
 
 
@@ -349,11 +269,8 @@ def _width(view) -> str:
 def _shared_layer(graph, key):
     calls = graph.nodes[key]["calls"]
     if calls > 1:
-        return Reason(
-            "shared_layer",
-            f"the layer is called {calls} times in the model (a "
-            "shared layer); only layers called once are fused",
-        )
+        return (f"the layer is called {calls} times in the model (a shared layer); only layers called "
+                "once are fused")
     return None
 
 

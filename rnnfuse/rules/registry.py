@@ -1,34 +1,21 @@
 """The rule registry: every fusion rule, by name, with its scope and doc.
 
-A `Rule` is a small record: a stable `name` (what `Reason.rule` says), a
-`scope`, a one-line `doc`, and a `check` that returns a `Reason` or None and
-never raises. Rules register themselves with `@rule(...)` in the modules of
-this package, in evaluation order; the planner and `FusedRNN` iterate
-`rules_for(scope, ...)`, and docs/guide.md's rule table is
-`markdown_table()` (tests/test_rules_registry.py fails when they differ).
+A `Rule` is a stable `name` (what `Reason.rule` says), a `scope`, a
+one-line `doc` and a `check` that returns a `Reason` (or just its message)
+or None, and never raises. Rules register with `@rule(...)` in evaluation
+order; `first_reason` runs a scope's rules, and docs/guide.md's rule table
+is `markdown_table()`. What a check takes, by scope and `applies`:
 
-Scopes and what a check takes:
-
-- "layer": one recurrent layer on its own. `applies` says which part:
-  "part" (a unidirectional layer: check(part, ctx)), "cell"
-  (check(cell, ctx)), "stack" (the levels of one part: check(part, levels,
-  ctx)), "bidirectional" (check(layer, forward view, backward view)),
-  "node" (the layer's node in the model graph: check(graph, key)),
-  "container" (a recurrent layer rnnfuse cannot reach, inside a subclassed
-  model, a wrapper or a custom layer: the check builds its Reason).
-- "link": one layer feeding the next inside a run. "edge" checks (the
-  edge's role, run first) and "graph" checks take (graph, upper key, lower
-  key, bridges); "views" checks take (upper view, lower view).
-- "run": a run of linked layers (becomes a group or not); the planner calls
-  each with what it measured (levels, gap rates, neighbours).
-- "backend": what the active backend never runs (check(backend, group)).
-- "runtime": why one `FusedRNN` call runs the original layers: "call"
-  checks take (backend, stack, dtype, views, mask); "raised" builds the
-  Reason for a NotImplementedError from the backend; "plan" the Reason when
-  the group's plan keeps the original layers.
+- "layer": "part" (part, ctx), "cell" (cell, ctx), "stack" (part, levels,
+  ctx), "bidirectional" (layer, forward view, backward view), "node"
+  (graph, key); "container" builds the Reason for a layer out of reach;
+- "link": "edge" and "graph" (graph, upper key, lower key, bridges),
+  "views" (upper view, lower view);
+- "run": what the planner measured; "backend": (backend, group);
+- "runtime": "call" (backend, stack, dtype, views, mask); "raised" and
+  "plan" build the Reason for a call that runs the original layers.
 
 Example:
-
     >>> import rnnfuse.rules
     >>> r = RULES[("layer", "recurrent_dropout")]
     >>> r.scope, r.doc
@@ -40,7 +27,9 @@ from __future__ import annotations
 import dataclasses
 from typing import Callable
 
-__all__ = ["RULES", "SCOPES", "Rule", "markdown_table", "rule", "rules_for"]
+from rnnfuse.reasons import Reason
+
+__all__ = ["RULES", "SCOPES", "Rule", "first_reason", "markdown_table", "rule", "rules_for"]
 
 SCOPES = ("layer", "link", "run", "backend", "runtime")
 
@@ -61,7 +50,7 @@ class Rule:
     applies: str = ""
 
 
-# (scope, name) -> Rule, in evaluation order.
+# (scope, name) -> Rule, in evaluation order; filled by @rule at import only.
 RULES: dict[tuple[str, str], Rule] = {}
 
 
@@ -74,10 +63,20 @@ def rule(name: str, scope: str, doc: str, applies: str = "") -> Callable:
         key = (scope, name)
         if key in RULES:
             raise ValueError(f"rule {name!r} of scope {scope!r} is registered twice")
-        RULES[key] = Rule(name, scope, doc, check, applies)
+        RULES[key] = Rule(name, scope, doc, _named(name, check), applies)
         return check
 
     return register
+
+
+def _named(name: str, check: Callable) -> Callable:
+    """`check`, with a bare message it returns made a Reason of rule `name`."""
+
+    def named(*args):
+        said = check(*args)
+        return Reason(name, said) if said is not None and not isinstance(said, Reason) else said
+
+    return named
 
 
 def rules_for(scope: str, applies: str | None = None) -> list[Rule]:
@@ -85,6 +84,15 @@ def rules_for(scope: str, applies: str | None = None) -> list[Rule]:
     return [
         r for r in RULES.values() if r.scope == scope and (applies is None or r.applies == applies)
     ]
+
+
+def first_reason(scope: str, applies: str, *args) -> Reason | None:
+    """The Reason of the first rule of `scope` and `applies` that `args` fail, or None."""
+    for r in rules_for(scope, applies):
+        reason = r.check(*args)
+        if reason is not None:
+            return reason
+    return None
 
 
 def markdown_table() -> str:

@@ -5,7 +5,6 @@ why a run, or a layer left alone, does not become a fusion group. Each is
 registered with scope "run" (or "backend") and returns a `Reason` or None.
 
 Example:
-
     >>> _min_layers(("a",), 1, 2).rule
     'min_layers'
 """

@@ -1,18 +1,10 @@
-"""Runtime rules: why one `FusedRNN` call runs the original layers.
+"""Runtime rules: why one `FusedRNN` call runs the original layers (the
+answer becomes its `last_path`); `not_implemented` is the backend raising
+`NotImplementedError` from `run_stack`.
 
-`runtime_reason(backend, stack, dtype, views, mask)` runs the "runtime"
-rules in order (at trace time in a `tf.function`); the layer records the
-answer as its `last_path` (a `rnnfuse.reasons.CallPath`). The last rule,
-`not_implemented`, is the backend raising `NotImplementedError` from
-`run_stack`, which `FusedRNN` catches; `mask_not_right_padded` is the
-reason a masked call's other branch gives (the mask's values decide), and
-`plan_per_layer` the reason of a plan that keeps the original layers.
-
-Example:
-
-    >>> from rnnfuse.backends.base import NoFusedKernel
-    >>> runtime_reason(NoFusedKernel("openvino"), None, "float32", (), None).rule
-    'no_fused_kernel'
+>>> from rnnfuse.backends.base import NoFusedKernel
+>>> runtime_reason(NoFusedKernel("openvino"), None, "float32", (), None).rule
+'no_fused_kernel'
 """
 
 from __future__ import annotations
@@ -20,18 +12,14 @@ from __future__ import annotations
 from typing import Any
 
 from rnnfuse.reasons import Reason
-from rnnfuse.rules.registry import rule, rules_for
+from rnnfuse.rules.registry import first_reason, rule
 
 __all__ = ["runtime_reason"]
 
 
 def runtime_reason(backend: Any, stack: Any, dtype: str, views, mask) -> Reason | None:
     """The first runtime rule this call fails, or None (the fused call runs)."""
-    for r in rules_for("runtime", "call"):
-        reason = r.check(backend, stack, dtype, views, mask)
-        if reason is not None:
-            return reason
-    return None
+    return first_reason("runtime", "call", backend, stack, dtype, views, mask)
 
 
 @rule("no_fused_kernel", "runtime", "rnnfuse has no fused kernel for the active Keras backend (OpenVINO, numpy)", "call")

@@ -1,15 +1,9 @@
-"""Tuning: choose, per fusion group, how to run it (fused, split, per-layer;
-cuDNN algorithm), by a static rule table or by timing on the device.
+"""Tuning: choose each fusion group's `rnnfuse.plan.Plan`, from the static
+rule table (`table`) or by timing on the device (`tuner`, `timing`), per
+shape bucket (`per_shape`), on a model's first batch (`first_batch`),
+kept on disk (`cache`).
 
-The choice is a `rnnfuse.plan.Plan`. `table` gives the static choice,
-`tuner` the measured one, `per_shape` keeps one per shape bucket (and times
-a custom loop's shapes), `first_batch` makes them on a model's
-fit/evaluate/predict calls, `cache` keeps measured choices on disk,
-`timing` times candidates.
-
-Example:
-
-    >>> from rnnfuse.tuning.table import Regime, plan_for_regime
-    >>> plan_for_regime(Regime("lstm", 512, 4, False, False, "float16", True)).name
-    'fused @persistent_static+tc'
+>>> from rnnfuse.tuning.table import Regime, plan_for_regime
+>>> plan_for_regime(Regime("lstm", 512, 4, False, False, "float16", True)).name
+'fused @persistent_static+tc'
 """

@@ -1,39 +1,27 @@
 """How much timing a `fit`, `evaluate` or `predict` call can pay for.
 
-When a call starts, Keras knows how many steps it will run: `epochs x
-steps_per_epoch` for `fit` (`call_steps`). Timing plans on the first batch
-is worth its cost only where the call is long enough to earn it back, so
-the tuner's budget scales with the call it serves:
+Keras knows a call's steps when it starts (`call_steps`); timing plans on
+the first batch is worth it only where the call earns it back:
 
     budget_s = FIT_SHARE x steps x t_original
 
-where `t_original` is the group's original layers' step, as the tuner
-timed it (they are always timed first, beside the static table's plan).
-A plan replaces the original layers only where it beats them by the
-tuner's margin (`tuner.KEEP_ORIGINAL_MARGIN`, 10% of every later step), so
-a tuning within FIT_SHARE (3%) of the call pays for itself when a plan
-wins, and costs at most that share when none does.
+with `t_original` the original layers' step as the tuner timed it. A plan
+replaces them only where it wins by `tuner.KEEP_ORIGINAL_MARGIN`, so a
+tuning within FIT_SHARE of the call pays for itself when a plan wins and
+costs at most that share when none does.
 
-The rule (`TuningBudget`; `tuner.tune_plans` and `per_shape.decide`):
+The rule (`TuningBudget`):
 
-1. A decision in the plan cache costs nothing and is always used.
-2. A call too short to time even the two leading candidates within its
-   budget (each costs at least a first call, the warm-up and the timed
-   rounds, at about the original layers' step: `min_steps`) times
-   nothing: the static table's proven plan runs it.
-3. Otherwise the original layers and the static table's plan are timed
-   first; each further stage (the whole run on every other algorithm,
-   then the splits) is timed only where the seconds spent so far plus the
-   stage's projected cost (its candidates at the mean cost of those timed
-   so far) stay within the budget. A longer call times more stages.
-4. A decision cut short by its budget is used for the rest of the process
-   but not written to the plan cache, so a longer call in a new process
-   times the candidates that were left out.
-5. A call whose length cannot be known (a generator, a dataset of unknown
-   cardinality, a custom loop) times everything, as before.
+1. A cached decision costs nothing and is always used.
+2. A call too short to time the two leading candidates times nothing: the
+   static table's proven plan runs it.
+3. Otherwise the original layers and the static plan are timed first, and
+   each further stage only where its projected cost fits the budget.
+4. A decision cut short is used but not cached, so a longer call in a new
+   process times what was left out.
+5. A call of unknown length (a generator, a custom loop) times everything.
 
 Example:
-
     >>> import numpy as np
     >>> call_steps(np.zeros((1000, 10, 4)), batch_size=32, epochs=10)
     320
@@ -52,29 +40,23 @@ from rnnfuse.tuning import clock
 
 __all__ = ["FIT_SHARE", "Spend", "TuningBudget", "call_steps"]
 
-# The share of a call's projected time (at the original layers' speed) its
-# tuning may take: a third of the margin a plan must win by.
+# The share of a call's time its tuning may take: a third of the winning margin.
 FIT_SHARE = 0.03
-# The leading candidates every timing starts with: the original layers and
-# the static table's plan.
+# The candidates every timing starts with: the original layers, the static plan.
 LEADING = 2
 
 
 @dataclasses.dataclass(frozen=True)
 class TuningBudget:
-    """The timing one Keras call can pay for (see the module doc).
-
-    `steps`: the call's steps; `share`: FIT_SHARE. Seconds are read on
-    `rnnfuse.tuning.clock` (a fake clock in tests).
-    """
+    """The timing one Keras call can pay for (see the module doc), in seconds
+    of `rnnfuse.tuning.clock`."""
 
     steps: int
     share: float = FIT_SHARE
 
     def min_steps(self, warmup: int, repeats: int) -> int:
-        """The fewest steps a call needs to time the LEADING candidates:
-        each runs a first call, `warmup` and `repeats` steps at about the
-        original layers' step (traces not counted, a floor)."""
+        """The fewest steps a call needs to time the LEADING candidates (a first
+        call, `warmup` and `repeats` steps each, at the original layers' speed)."""
         return math.ceil(LEADING * (1 + warmup + repeats) / self.share)
 
     def times_anything(self, warmup: int, repeats: int) -> bool:
@@ -110,9 +92,8 @@ class Spend:
         return clock.now() - self.started
 
     def allows(self, more: int, original_step_s: float | None) -> bool:
-        """Whether `more` candidates fit in what is left: the seconds spent
-        so far plus `more` x the mean cost of a candidate timed so far stay
-        within `TuningBudget.seconds` (no original step known: no)."""
+        """Whether `more` candidates, at the mean cost of those timed so far,
+        fit in what is left."""
         if original_step_s is None or self.timed == 0:
             return False
         spent = self.spent()
@@ -127,12 +108,8 @@ class Spend:
 def call_steps(x: Any, batch_size: int | None = None, epochs: int = 1,
                steps: int | None = None, initial_epoch: int = 0,
                validation_split: float = 0.0) -> int | None:
-    """The steps a Keras `fit` (or, with epochs=1, `evaluate`/`predict`)
-    call will run over `x`, or None where they cannot be known without
-    consuming the data (a generator; a dataset of unknown or infinite
-    cardinality).
-
-    `steps`: the call's `steps_per_epoch` / `steps` argument, where given.
+    """The steps a `fit` (epochs=1: `evaluate`/`predict`) call will run over
+    `x`, or None where the data would have to be consumed to know.
 
     >>> import numpy as np
     >>> call_steps(np.zeros((100, 5, 2)), 8, epochs=3, validation_split=0.2)

@@ -1,46 +1,26 @@
 """An on-disk cache of tuned plans, so a second `optimize` costs nothing.
 
-One JSON file: ``plans.json`` in the user cache folder that platformdirs
-gives for "rnnfuse" (``~/.cache/rnnfuse`` on Linux, ``~/Library/Caches/
-rnnfuse`` on macOS, ``%LOCALAPPDATA%\\rnnfuse\\Cache`` on Windows), or in
-``$RNNFUSE_CACHE_DIR``. A decision is filed under a `CacheKey`, a record of
-everything it depends on: the device (GPU name), the library and cuDNN
-versions, the group's signature (cell, width, levels per layer,
-directions, input width, absorbed dropout), the input shape, the dtype,
-whether it was tuned for training and whether the input is masked. The
-file keeps each entry under the key's text (`CacheKey.text`) and the key
-itself as a record (`"key"`), so a reader compares fields, never parses
-text; an entry written before keys were stored answers only an exact
-lookup.
+One JSON file: ``plans.json`` in the user cache folder platformdirs gives
+for "rnnfuse", or in ``$RNNFUSE_CACHE_DIR``. A decision is filed under a
+`CacheKey` of everything it depends on: device, library and cuDNN
+versions, the group's signature, input shape, dtype, mode and masking.
+Entries keep the key as a record, so a reader compares fields.
 
-Several processes may tune at once. Every write is a read-modify-write
-under a file lock (``plans.json.lock``, filelock): the file is read again,
-the new entry merged in, written to ``plans.json.tmp``, fsync'ed and moved
-over ``plans.json`` with an atomic replace, so no entry of another writer is
-lost and a reader never sees half a file. A writer killed mid-write leaves
-at most that one temporary file, which the next process to take the lock
-removes.
-
-Damage is set aside, never fatal: a file that is not JSON or not in this
-cache format is renamed ``plans.json.corrupt-<time>`` with a warning (and
-a new file starts; where the folder is read-only the warning says so and
-the file is only ignored); an entry whose plan does not fit its group (see
-`PlanCache.set_aside`) moves to the file's ``set_aside`` section with a
-warning, and the group is tuned again. Entries for another device or
-version simply never match. A default location that cannot hold the file
-(``RNNFUSE_CACHE_DIR`` naming a regular file, ``plans.json`` being a
-folder) warns once and tuning runs without a cache (`default_cache`).
+Several processes may tune at once: every write is a read-modify-write
+under a file lock, written to a temporary file and moved over the cache
+atomically, so no writer's entry is lost and no reader sees half a file.
+Damage is set aside, never fatal: a file in no known format is renamed
+``plans.json.corrupt-<time>`` with a warning, an entry whose plan does not
+fit its group moves to ``set_aside``, and a location that cannot hold the
+file warns once and tuning runs without a cache (`default_cache`).
 
 Example:
-
     >>> import tempfile, pathlib
     >>> cache = PlanCache(pathlib.Path(tempfile.mkdtemp()) / "plans.json")
     >>> key = CacheKey.of({"device": "GPU-A"}, "lstm/u8", (32, 20, 4), "float32", training=True)
     >>> cache.put(key, {"plan": {"pieces": [2], "algorithm": None}})
     >>> cache.get(key)["plan"]["pieces"]
     [2]
-    >>> [k.shape for k, _ in cache.entries()]
-    [(32, 20, 4)]
 """
 
 from __future__ import annotations
@@ -105,11 +85,8 @@ class CacheKey:
     # The input carries a padding mask (right-padded lengths), which
     # changes which kernels Keras runs: its own decision.
     masked: bool = False
-    # The original layers were timed XLA-compiled (as Keras' `fit` runs a
-    # model under jit_compile="auto"), not as a user's own `tf.function` or
-    # an eager call runs them: the same shape on another path is another
-    # decision (on a GPU, Keras XLA-compiles a SimpleRNN stack's steps;
-    # its LSTM and GRU layers, which run cuDNN, it does not).
+    # The original layers were timed XLA-compiled (as Keras' `fit` runs them under
+    # jit_compile="auto"): the same shape on another path is another decision.
     xla_baseline: bool = False
 
     @classmethod
@@ -243,12 +220,8 @@ class PlanCache:
                 self._entries[key] = value
 
     def set_aside(self, key: CacheKey | str, reason: str) -> None:
-        """Moves the entry under `key` to the file's ``set_aside`` section.
-
-        For an entry that cannot be used (a plan covering 5 layers for a
-        2-layer group, pieces that are not numbers): warns with `reason`;
-        the caller tunes the group again.
-        """
+        """Moves the entry under `key` to the file's ``set_aside`` section, with
+        a warning giving `reason`; the caller tunes the group again."""
         key = _text(key)
         warnings.warn(
             f"rnnfuse: setting aside the cached plan for this group in "
@@ -359,11 +332,8 @@ def _text(key: CacheKey | str) -> str:
 
 
 def default_cache() -> PlanCache | None:
-    """The cache at `default_cache_path()`, or None (no cache, with one
-    warning naming the location and the fix) where that location cannot
-    hold the file: ``RNNFUSE_CACHE_DIR`` is a regular file or under one,
-    or ``plans.json`` there is a folder. A bad default location is never
-    fatal: tuning then runs without a cache.
+    """The cache at `default_cache_path()`, or None with one warning naming
+    the location and the fix where it cannot hold the file.
 
     >>> import os, tempfile, warnings
     >>> os.environ["RNNFUSE_CACHE_DIR"] = tempfile.mkstemp()[1]  # a file

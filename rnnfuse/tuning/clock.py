@@ -1,17 +1,11 @@
-"""The clock that tuning's timing reads: `time.perf_counter`, or another.
+"""The clock tuning's timing reads: `time.perf_counter`, or a test's fake
+one (`using_clock`), so no decision depends on the machine's load.
 
-The tuner's decisions (the prune and race of `interleaved_medians`, the cut
-of a clearly slow first call) compare seconds read from `now()`. Tests run
-them under `using_clock(fake)`, where a fake step advances the clock by its
-cost, so a decision never depends on the machine's load.
-
-Example:
-
-    >>> ticks = iter([10.0, 10.5])
-    >>> with using_clock(lambda: next(ticks)):
-    ...     start = now()
-    ...     now() - start
-    0.5
+>>> ticks = iter([10.0, 10.5])
+>>> with using_clock(lambda: next(ticks)):
+...     start = now()
+...     now() - start
+0.5
 """
 
 from __future__ import annotations

@@ -1,30 +1,14 @@
 """First-batch tuning: each group's plan chosen on the real batch shape.
 
-`rnnfuse.optimize(model)` (``tune="auto"``, the default) returns a model
-whose `fit`, `evaluate` and `predict` look at the first batch before any
-step runs (`keras_call`). Where the backend can time its fused kernel here
-(a GPU; see `device_environment`), each `FusedRNN`'s plan is decided for
-that batch's shape bucket (`rnnfuse.tuning.per_shape`: the first bucket of
-a mode times every candidate plan, the original layers always among them,
-jit-compiled when Keras would compile the original model with XLA; a later
-bucket times the candidates still in contention; a decision cached on disk
-for the bucket counts), and the fused layers switch (`FusedRNN.set_plan`)
-before Keras traces its step function. One INFO line on the ``rnnfuse``
-logger says what was measured and chosen, and how long it took; tuning that
-takes more than a few seconds shows a progress bar. A call of known
-length times only what it can pay for (`rnnfuse.tuning.budget`: a share of
-its steps at the original layers' speed; too short a call runs the static
-table's proven plan).
-
-Within one call nothing more is timed: the call's plan runs every batch (a
-batch of another bucket, such as the last partial one, on cuDNN's standard
-algorithm where the plan has a persistent one; `per_shape.untimed`), so a
-plan never switches mid-epoch. Outside these calls (a custom training loop,
-the user's own `tf.function`, a direct call) each FusedRNN asks its
-`per_shape.Planner` when first called or traced with a new shape bucket.
-
-Without a GPU (or with ``tune=False``) nothing is timed: the static table
-decides, exactly as before.
+`rnnfuse.optimize(model)` (``tune="auto"``) returns a model whose `fit`,
+`evaluate` and `predict` look at the first batch before any step runs
+(`keras_call`). Where the fused kernel can be timed here (a GPU), each
+`FusedRNN`'s plan is decided for that batch's shape bucket
+(`rnnfuse.tuning.per_shape`) within what the call can pay for
+(`rnnfuse.tuning.budget`), and the layers switch before Keras traces its
+step. One INFO line on the ``rnnfuse`` logger says what was chosen.
+Nothing more is timed within the call, so a plan never switches
+mid-epoch. Without a GPU (or with ``tune=False``) the static table decides.
 
 Example (no GPU here: nothing is timed, nothing changes):
 
@@ -89,12 +73,8 @@ logger = logging.getLogger("rnnfuse")
 
 
 def can_time_here(environment: dict | None = None) -> bool:
-    """Whether first-batch tuning has an accelerator to time on here.
-
-    False without a fused kernel for this backend, under TensorFlow without
-    a GPU, and on a CPU (the torch backend's fused call runs there, but
-    nothing is timed on a CPU unless `tune=` asks for it).
-    """
+    """Whether first-batch tuning has an accelerator to time on here (not on
+    a CPU, though torch's fused call runs there)."""
     environment = environment if environment is not None else device_environment()
     if environment is None:
         return False
@@ -103,11 +83,8 @@ def can_time_here(environment: dict | None = None) -> bool:
 
 
 def attach(model: keras.Model, groups, state: AutoTune) -> keras.Model:
-    """Marks `model` (an optimized model) for first-batch tuning, with the
-    `FusionGroup`s its FusedRNN layers were built from (`optimize`'s): each
-    FusedRNN is paired with the group whose first layer it runs first (a
-    group whose fused layer failed to build has none) and gets its
-    `per_shape.Planner`."""
+    """Marks an optimized `model` for first-batch tuning: each FusedRNN gets
+    the `per_shape.Planner` of the group it runs."""
     by_first = {id(g.views[0].layer): g for g in groups}
     state.members = [
         Member(f, by_first[id(f.fused_layers[0])], masked=receives_mask(f), steps=_static_steps(f))
@@ -123,15 +100,9 @@ def attach(model: keras.Model, groups, state: AutoTune) -> keras.Model:
 @contextlib.contextmanager
 def keras_call(model: keras.Model, x: Any, batch_size: int | None, *, training: bool,
                steps: int | None = None):
-    """Around one `fit` (`training=True`), `evaluate` or `predict` of an
-    optimized model: the plans decided for the call's first batch
-    (`prepare`), held for the whole call (a call inside it, `fit`'s
-    validation `evaluate`, holds its own mode's).
-
-    `steps`: the steps the call will run (`budget.call_steps`; None:
-    unknown): its timing is held to what they can pay for
-    (`rnnfuse.tuning.budget`). A call inside another spends the outer
-    call's budget."""
+    """Around one `fit`, `evaluate` or `predict`: the plans decided for the
+    call's first batch, held for the whole call, with timing held to what
+    `steps` can pay for (a call inside another spends the outer budget)."""
     state = getattr(model, "_rnnfuse_autotune", None)
     if state is None or not state.members:
         yield
@@ -152,11 +123,8 @@ def keras_call(model: keras.Model, x: Any, batch_size: int | None, *, training: 
 
 
 def prepare(model: keras.Model, x: Any, batch_size: int | None, *, training: bool) -> list[TuneResult]:
-    """Chooses each FusedRNN's plan for the first batch of `x` (see module doc).
-
-    Returns the decisions that were timed or looked up (empty where nothing
-    was: no GPU, no FusedRNN, a shape that cannot be known).
-    """
+    """Chooses each FusedRNN's plan for the first batch of `x`; returns the
+    decisions timed or looked up (empty where there were none)."""
     state = getattr(model, "_rnnfuse_autotune", None)
     if state is None or not state.members:
         return []
@@ -170,9 +138,8 @@ def prepare(model: keras.Model, x: Any, batch_size: int | None, *, training: boo
 
 
 def _prepare(model, state: AutoTune, x, batch_size, training) -> dict:
-    """The decisions for the first batch of `x`, applied: (member index,
-    training) -> (bucket, plan) of the call, or None where the first batch
-    cannot be known here (the layers then decide at their first trace)."""
+    """The decisions for the first batch of `x`, applied: (member, training)
+    -> (bucket, plan), or None where the first batch cannot be known."""
     undecided = {(i, training): None for i in range(len(state.members))}
     environment = state.environment if state.environment is not None else device_environment()
     if environment is None:
@@ -214,13 +181,9 @@ def _prepare(model, state: AutoTune, x, batch_size, training) -> dict:
 
 def _online_races(state: AutoTune, environment: dict, shapes: dict, training: bool,
                   jit: bool) -> dict | None:
-    """With online tuning on, for a training call: the decided or cached
-    results, the members without one set to race on the fit's own steps
-    (`state.online_pending`, run by `online_train_function`), running the
-    original layers until their race starts. None where the call is timed
-    apart as before (online tuning off, inference, a backend whose step
-    takes the plans only when traced statelessly (JAX), no member to race,
-    or a call too short for the race)."""
+    """With online tuning on, for a training call: the decided results, the
+    other members set to race on the fit's own steps; None where the call is
+    timed apart (online off, inference, JAX, nothing to race, too short)."""
     backend = environment.get("backend", "tensorflow")
     if not (state.online and training and backend in ("tensorflow", "torch")):
         return None
@@ -248,10 +211,8 @@ def _online_races(state: AutoTune, environment: dict, shapes: dict, training: bo
 
 
 def online_train_function(model: keras.Model, make) -> Any:
-    """The fit's step function while online races are pending: an
-    `online.OnlineFit` over `make` (() -> Keras' train function for the
-    plans set now), installed as the model's train function until every
-    race is committed; None where no race is pending."""
+    """The fit's step function while online races are pending (an
+    `online.OnlineFit` over `make`); None where none is."""
     state = getattr(model, "_rnnfuse_autotune", None)
     if state is None or not state.online_pending or state.online_fit is not None:
         return None
@@ -303,10 +264,8 @@ def online_train_function(model: keras.Model, make) -> Any:
 
 
 def _traces_differ(before: dict, now: dict) -> bool:
-    """Whether a step traced for the (bucket, plan)s `before` would run
-    another plan than `now` asks: a plan changed, or a plan with a
-    persistent algorithm moved to another bucket (where it is not the same
-    plan: `untimed`)."""
+    """Whether a step traced for `before` would run another plan than `now`
+    asks (a persistent plan in another bucket runs `untimed`)."""
     for i, (bucket, plan) in now.items():
         old_bucket, old_plan = before.get(i, (None, None))
         if old_plan != plan or (old_bucket != bucket and untimed(plan) != plan):
@@ -315,14 +274,8 @@ def _traces_differ(before: dict, now: dict) -> bool:
 
 
 def first_batch_shape(x: Any, batch_size: int | None) -> tuple[int, ...] | None:
-    """(batch, time, ...) of the first batch `fit`/`predict` will draw from `x`.
-
-    Arrays and tensors: (min(batch_size or 32, len), *rest). A `tf.data`
-    dataset, a Keras `PyDataset`, or another iterable of batches: the shape
-    of its first element's first input (a dataset's static element spec
-    where it is fully known, else one element is read). None where the shape
-    cannot be known without consuming the user's data (a generator).
-    """
+    """(batch, time, ...) of the first batch `fit`/`predict` will draw from
+    `x`; None where it cannot be known without consuming the data."""
     first = _first_input(x)
     shape = getattr(first, "shape", None)
     if shape is not None and not _is_batched_source(x):
@@ -391,9 +344,7 @@ def _member_shape(member: Member, batch_shape: tuple) -> tuple:
 
 
 def receives_mask(fused: FusedRNN) -> bool:
-    """Whether `fused` is called with a padding mask in its model (the
-    rewrite passes the mask as an argument; Keras' own propagation sets it
-    on the input tensor)."""
+    """Whether `fused` is called with a padding mask in its model."""
     for node in getattr(fused, "_inbound_nodes", ()):
         arguments = getattr(node, "arguments", None)
         if arguments is not None and arguments.kwargs.get("mask") is not None:
@@ -420,22 +371,13 @@ def _keras_would_jit(model: keras.Model, state: AutoTune) -> bool:
 
 @contextlib.contextmanager
 def mode_jit_compile(model: keras.Model, *, training: bool):
-    """Around Keras making `model`'s step function of one mode (training:
-    the train function; else the test or predict function): the model's
-    `jit_compile` as Keras' "auto" resolves it for the plans that mode runs.
-
-    Keras has one `jit_compile` for all three functions, and a fused cuDNN
-    plan in either mode turns it off for all. Where every fused layer runs
-    the original layers in this mode (the tuner chose them, timed with XLA),
-    the mode's function is XLA-compiled as the original model's would be: a
-    SimpleRNN stack that trains fused and predicts per layer would
-    otherwise predict without XLA, several times slower. Nothing changes where
-    the user chose jit_compile, where Keras would not XLA-compile the
-    original, or where no fused kernel runs here.
+    """Around Keras making one mode's step function: `jit_compile` as Keras'
+    "auto" resolves it for the plans that mode runs. Keras has one setting
+    for all modes and a fused cuDNN plan turns it off; where a mode runs only
+    original layers, it is XLA-compiled as the original model would be.
 
     >>> import keras, rnnfuse
-    >>> m = keras.Sequential([keras.Input((4, 2)), keras.layers.SimpleRNN(3)])
-    >>> fast = rnnfuse.optimize(m)
+    >>> fast = rnnfuse.optimize(keras.Sequential([keras.Input((4, 2)), keras.layers.SimpleRNN(3)]))
     >>> with mode_jit_compile(fast, training=False):
     ...     pass  # no GPU here: Keras' own value, untouched
     """
@@ -479,9 +421,8 @@ def _mode_jit(model: keras.Model, training: bool) -> bool | None:
 
 
 def _retrace(model: keras.Model, state: AutoTune, training: bool) -> None:
-    """Drops Keras' traced step functions of one mode (training: the train
-    function; inference: the test and predict functions) so the next step
-    runs the new plans."""
+    """Drops Keras' traced step functions of one mode so the next step runs
+    the new plans."""
     names = ("train_function",) if training else ("test_function", "predict_function")
     for name in names:
         if getattr(model, name, None) is not None:
@@ -493,10 +434,8 @@ def _retrace(model: keras.Model, state: AutoTune, training: bool) -> None:
 
 
 def decisions(model: keras.Model) -> list[dict]:
-    """What first-batch tuning measured and chose for `model` so far: one
-    `per_shape.decision_record` per timed group, mode and bucket (empty
-    before the first batch, without a GPU, or for a model `optimize` did not
-    return).
+    """What first-batch tuning measured and chose for `model` so far, one
+    `per_shape.decision_record` per group, mode and bucket.
 
     >>> import keras
     >>> decisions(keras.Sequential([keras.Input((3,)), keras.layers.Dense(2)]))

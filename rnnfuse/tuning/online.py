@@ -1,38 +1,19 @@
 """Online tuning: the candidate plans race on the fit's own training steps.
 
-Every candidate plan computes the same function within float tolerance, so
-real training steps may serve as timing rounds. With online tuning on
+Every candidate computes the same function within float tolerance, so
+real training steps can serve as timing rounds. With online tuning on
 (`AutoTune.online`), a `fit` whose first batch's bucket has no decision
-does not time the candidates apart from the fit: its first steps run them,
-with real gradient updates, one candidate a step in interleaved rounds;
-each step is timed; once the race is decided the fastest plan is committed
-and the fit's step function becomes that plan's own. The plan changes once,
-inside the first epoch, and never again for that bucket.
+runs the candidates on its first steps, one a step in interleaved rounds,
+with real updates; once the race is decided the fastest plan is committed
+and the fit's step becomes that plan's own, once, inside the first epoch.
 
-The race (`OnlineRace`):
-
-1. Before a candidate's first real step it must pass the exactness check
-   (`check(name)`: its gradients against a float64 reference, as the
-   offline tuner checks a non-default algorithm); one that fails is out
-   and never runs or is committed.
-2. Each candidate's first step (its trace, its first call) and `warmup`
-   steps are not timed; then `repeats` timed rounds, the order rotating
-   between rounds. After each timed round from the second on, a candidate
-   whose fastest step is over PRUNE x the best median stops being run
-   (the original layers, the baseline, too: they stay in the result), and
-   the race ends when one candidate is left.
-3. The fastest median wins; the original layers stay unless it beats them
-   by the tuner's margin (`KEEP_ORIGINAL_MARGIN`).
-
-Each candidate's step function (Keras' train function made with its
-plan) is built on its first step and reused every round. Candidates that
-differ only in cuDNN's algorithm do not share one trace here yet: that
-needs the algorithm as a runtime input of the model's own train step (a
-variable the fused calls read, as `Backend.timed_steps` passes a tensor to
-the tuner's steps), which the backends do not offer.
+The race (`OnlineRace`): a candidate must pass the exactness check
+(`check(name)`) before its first step; its first step and `warmup` steps
+are untimed, then `repeats` timed rounds in rotating order, pruning at
+PRUNE from the second round; the fastest median wins unless the original
+layers are within `KEEP_ORIGINAL_MARGIN` of it.
 
 Example:
-
     >>> race = OnlineRace(["per-layer", "fused"], warmup=0, repeats=3)
     >>> seconds = {"per-layer": 2.0, "fused": 1.0}
     >>> while race.committed is None:
@@ -60,12 +41,10 @@ class OnlineRace:
     """Which candidate each of a fit's first steps runs, and the commit.
 
     Args:
-        names: the candidates, the original layers (`PER_LAYER.name`)
-            among them as the baseline.
+        names: the candidates, the original layers among them as the baseline.
         warmup: untimed steps after each candidate's first.
         repeats: timed rounds.
-        check: name -> whether the candidate passes the exactness check
-            (asked once, before its first step; default: all pass).
+        check: name -> whether it passes the exactness check (default: all).
     """
 
     def __init__(self, names: Sequence[str], *, warmup: int = 1, repeats: int = 5,
@@ -166,25 +145,19 @@ class OnlineRace:
 
 
 class OnlineFit:
-    """One `fit`'s online tuning: its step function while the race runs.
-
-    Made by `first_batch` for the members whose first batch's bucket has no
-    decision; one member races at a time (the others run their current
-    plan), each member's winner committed once. `make()` builds Keras'
-    train function for the plans set now (`make_train_function(force=True)`);
-    each candidate's is built once, on its first step, and reused.
+    """One `fit`'s online tuning: its step function while the races run, one
+    member at a time, each winner committed once.
 
     Args:
         state: the model's `per_shape.AutoTune`.
         races: [(member index, bucket, shape, {name: Plan})], in order.
-        make: () -> a train function for the current plans.
-        apply: (member index, bucket, plan) -> None: sets the plan for the
-            fit's later steps and traces (the call's entry, the layer's plan).
-        measure_step: (name, run) -> (logs, seconds); default: `clock.now`,
-            waiting for the step's results.
+        make: () -> Keras' train function for the plans set now (each
+            candidate's is built on its first step and reused).
+        apply: (member index, bucket, plan) -> None: sets the plan.
+        measure_step: (name, run) -> (logs, seconds); default: `clock.now`.
         check: (member index, Plan) -> whether it passes the exactness check.
         record: (member index, shape, TuneResult) -> None: keeps a decision.
-        install: (train function) -> None: makes it the model's, once every
+        install: (train function) -> None: makes it the model's once every
             race is committed.
     """
 
@@ -266,9 +239,7 @@ class OnlineFit:
         self.record(index, shape, TuneResult(
             None, plan, "measured: online, on the fit's own steps", self.race.medians(), rejected))
         if last:
-            # The fit is over: its next call makes its function anew, for
-            # the plans committed (members whose race never started keep
-            # the original layers, undecided, for a later fit to race).
+            # The fit is over: the next makes its function anew for the committed plans.
             self.races, self.race = [], None
             self.final = None
             self.install(None)

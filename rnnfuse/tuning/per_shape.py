@@ -1,53 +1,29 @@
 """Per-shape decisions: each plan is timed for the shape bucket it runs on.
 
-A plan decided at one input shape does not carry to another: cuDNN's
-persistent algorithms in particular do not carry across batch sizes
-(docs/benchmarks.md, "The tuner's thresholds"). So an optimized model
-keeps one decision per group, mode (training, inference) and shape
-bucket, `bucket_of(batch, steps)`: the batch size and the number of steps,
-each rounded to the nearest power of two.
+A plan decided at one input shape does not carry to another (cuDNN's
+persistent algorithms in particular), so an optimized model keeps one
+decision per group, mode (training, inference) and shape bucket,
+`bucket_of(batch, steps)`: each rounded to the nearest power of two.
 
 The rule (what `decide` and the layers' `Planner` do):
 
 1. A (group, mode, bucket) is timed on a real shape of that bucket before
-   a plan runs on it. The first bucket of a mode times every candidate
-   (`rnnfuse.tuning.tuner.tune_plans`); a later bucket times only the
-   candidates still in contention at the nearest decided bucket (within
-   CONTENTION of its best there), the standard-algorithm twin of the plan
-   chosen there, and the original layers. A decision in the plan cache for
-   a shape of the bucket counts as timed.
-2. A shape that is not timed (no decision for its bucket, and no timing
-   possible: a custom loop's trace that leaves the batch open, a JAX or
-   XLA trace, timing that failed) runs the static table's plan for it
-   where that rule is proven (`rnnfuse.tuning.table`: its plan lost in
-   none of the table's measurements), else the original layers; a decided
-   plan never runs with a persistent
-   algorithm on a batch of a bucket it was not timed in (`untimed`).
-3. Inside one `fit`, `evaluate` or `predict` call nothing is timed after
-   the call's first batch, so a plan is never switched mid-epoch: the plan
-   chosen for the first batch's bucket runs the call. TensorFlow traces one
-   step for all of a call's batches (their batch size left open), so its
-   last, partial batch runs that plan too; where a batch of another bucket
-   is traced or run on its own (torch runs each batch eagerly), it runs
-   under rule 2.
-4. Outside those calls (a custom training loop, the user's own
-   `tf.function`, a direct call), a FusedRNN asks its `Planner` when it is
-   first called or traced with a concrete shape, and the plan is timed for
-   that shape then, before the trace goes on (on TensorFlow from inside the
-   trace, through `Timing.timing_context`).
-5. A decision is made for the path it runs on: where Keras XLA-compiles
-   the original model's steps (jit_compile="auto"), `fit`, `evaluate` and
-   `predict` time the original layers XLA-compiled, while a custom loop's
-   `tf.function` or an eager call runs them without XLA, so those are timed
-   apart (`decision_key`). On a GPU this concerns SimpleRNN stacks: Keras
-   XLA-compiles their steps, while its LSTM and GRU layers (cuDNN) are not
-   XLA-compiled on either path. XLA changes the original's speed by
-   whole factors there (`first_batch.mode_jit_compile`).
-
-The cost: the first bucket of a mode times every candidate (what
-first-batch tuning has always cost); each later bucket times a few
-candidates (usually two to four), about a second of traces and a fraction
-of a second of timing.
+   a plan runs on it: the first bucket of a mode times every candidate,
+   a later one only those within CONTENTION of the best at the nearest
+   decided bucket, its choice's standard twin and the original layers.
+   A cached decision for a shape of the bucket counts as timed.
+2. A shape that cannot be timed (no decision, and a trace that leaves the
+   batch open, a JAX or XLA trace, a failed timing) runs the static
+   table's proven plan, else the original layers; a decided plan never
+   runs a persistent algorithm on a bucket it was not timed in (`untimed`).
+3. Inside one `fit`, `evaluate` or `predict` nothing is timed after the
+   first batch, so a plan never switches mid-epoch.
+4. Elsewhere (a custom loop, a direct call) a FusedRNN asks its `Planner`
+   when first called or traced with a concrete shape, and the plan is
+   timed then (on TensorFlow from inside the trace).
+5. The original layers are timed on the path they run: XLA-compiled under
+   Keras' jit_compile="auto" in `fit`/`evaluate`/`predict`, not in a custom
+   loop (`decision_key` keeps them apart).
 
 Example (no GPU: nothing is timed; a persistent plan runs as standard
 where it was not timed):
@@ -103,8 +79,7 @@ logger = logging.getLogger("rnnfuse")
 # Timed rounds of a first-batch tuning (`tune_plans`' default).
 REPEATS = 5
 # A candidate within this factor of the best at the nearest decided bucket
-# is timed again at a new bucket (PRUNE of the tuner: the candidates it
-# would have raced to the end).
+# is timed again at a new one.
 CONTENTION = 1.5
 
 
@@ -145,13 +120,9 @@ class AutoTune:
     seconds: float = 0.0
     # One record per timed group, mode and bucket (`decision_record`).
     decisions: list = dataclasses.field(default_factory=list)
-    # While a fit/evaluate/predict call of known length runs: what its
-    # timing may cost (`rnnfuse.tuning.budget`; the outermost call's); else
-    # None (no limit).
+    # What the running fit/evaluate/predict call's timing may cost; None: no limit.
     budget: TuningBudget | None = None
-    # The share of a call's time its timing may take
-    # (`budget.FIT_SHARE`); None: no limit, every call of a new shape times
-    # every candidate.
+    # The share of a call's time its timing may take; None: no limit.
     fit_share: float | None = FIT_SHARE
     # Race the candidates on a fit's own first steps instead of timing them
     # apart (`rnnfuse.tuning.online`); off by default.
@@ -183,10 +154,9 @@ def _power_of_two(n: int) -> int:
 
 
 def untimed(plan: Plan) -> Plan:
-    """`plan` as it runs on a shape it was not timed for: a cuDNN plan with
-    a persistent algorithm runs on the standard one, a plan on a
-    forward-only kernel whose speed depends on the shape (rnnfuse's
-    wavefront kernel) on cuDNN's standard one (same pieces)."""
+    """`plan` as it runs on a shape it was not timed for: a persistent
+    algorithm, or a forward-only kernel whose speed depends on the shape,
+    runs as cuDNN's standard algorithm (same pieces)."""
     if plan.inference_only:
         return plan.for_training()
     if plan.kernel == "cudnn" and plan.algorithm is not None:
@@ -226,10 +196,8 @@ def contenders(result: TuneResult, group: FusionGroup, backend_name: str) -> lis
 
 def decide(state: AutoTune, environment: dict, shapes: dict, training: bool, *,
            jit_baseline: bool = False, progress: bool = True, lookup_only: bool = False) -> dict:
-    """member index -> the TuneResult for its shape in `shapes` (index ->
-    (batch, steps, features)), or None where timing failed (see the module
-    doc: decided buckets as they are, cached shapes of the bucket, the first
-    bucket of a mode timed in full, later ones on their contenders)."""
+    """member index -> the TuneResult for its shape in `shapes`, or None where
+    timing failed (the module doc's rule 1)."""
     out, todo, narrowed = {}, {}, {}
     for i, shape in shapes.items():
         member = state.members[i]
@@ -303,11 +271,8 @@ def decide(state: AutoTune, environment: dict, shapes: dict, training: bool, *,
 
 
 def decision_key(index: int, training: bool, shape: tuple, xla_baseline: bool) -> tuple:
-    """The key of one decision in `AutoTune.decided`: the member, the mode,
-    the shape's bucket, and whether the original layers were timed
-    XLA-compiled (Keras' `fit`/`evaluate`/`predict` under
-    jit_compile="auto") or not (a custom loop's `tf.function`, an eager
-    call): the same shape on another path is decided apart.
+    """The key of one decision in `AutoTune.decided`: member, mode, bucket,
+    and whether the original layers were timed XLA-compiled.
 
     >>> decision_key(0, True, (48, 200, 8), True)
     (0, True, (64, 256), True)
@@ -317,9 +282,8 @@ def decision_key(index: int, training: bool, shape: tuple, xla_baseline: bool) -
 
 def _cached_in_bucket(cache, environment, member, shape, training,
                       xla_baseline=False) -> TuneResult | None:
-    """A cached decision for `shape` itself, else for another shape of its
-    bucket (the same group, dtype, mode, masking and baseline), as a
-    TuneResult."""
+    """A cached decision for `shape`, else for another shape of its bucket,
+    as a TuneResult."""
     if cache is None:
         return None
     group = member.group
@@ -357,13 +321,9 @@ def _nearest_decided(state: AutoTune, index: int, training: bool, bucket) -> tup
 
 
 class Planner:
-    """A FusedRNN's `planner`: the plan of each call, asked by the layer at
-    the start of every call (at trace time in a graph) with the call's input
-    shape and mode (see the module doc for the rule).
-
-    Set by `rnnfuse.tuning.first_batch.attach`; the layer holds it as a
-    plain attribute, not saved with the model.
-    """
+    """A FusedRNN's `planner`: the plan of each call, asked with the call's
+    input shape and mode (the module doc's rule). Set by
+    `rnnfuse.tuning.first_batch.attach`; not saved with the model."""
 
     def __init__(self, state: AutoTune, index: int):
         self.state, self.index = state, index
@@ -374,16 +334,13 @@ class Planner:
 
     def keeps_original(self, shape: tuple, training: bool) -> bool:
         """Whether the call's plan is already decided and keeps the original
-        layers: the plan `__call__` would return for it, looked up only
-        (nothing timed, logged or recorded), so that a kept-original group's
-        eager calls skip its FusedRNN's own call (`FusedRNN.__call__`). False
-        wherever `__call__` may time, read the static table or fall back to
-        the layer's own plan: that call goes through `__call__`.
+        layers, looked up only (nothing timed or recorded), so such a call can
+        skip its FusedRNN's own call; False wherever `__call__` may time.
 
         >>> from rnnfuse.plan import PER_LAYER
         >>> state = AutoTune(cache=None, members=[None])
         >>> state.decided[decision_key(0, True, (32, 100), False)] = TuneResult(None, PER_LAYER, "cache")
-        >>> Planner(state, 0).keeps_original((30, 90, 8), True), Planner(state, 0).keeps_original((30, 90, 8), False)
+        >>> Planner(state, 0).keeps_original((30, 110, 8), True), Planner(state, 0).keeps_original((30, 110, 8), False)
         (True, False)
         """
         state, i = self.state, self.index
@@ -407,10 +364,7 @@ class Planner:
         bucket = None if batch is None or steps is None else bucket_of(batch, steps)
         call = state.keras_call
         if call is not None and (i, training) in call and call[(i, training)] is not None:
-            # Inside fit/evaluate/predict: the call's plan. A trace that
-            # leaves the batch open (TensorFlow's step over the dataset's
-            # batches, the last partial one included) runs it as it is; a
-            # batch of another bucket traced or run on its own, untimed.
+            # Inside fit/evaluate/predict: the call's plan (rule 3).
             decided_bucket, plan = call[(i, training)]
             return plan if bucket in (None, decided_bucket) else untimed(plan)
         if bucket is not None:
@@ -421,9 +375,7 @@ class Planner:
                 if call is not None and (i, training) in call:
                     call[(i, training)] = (bucket, result.plan)  # the call's first batch
                 return result.plan
-        # Nothing timed for this shape, nor timing possible here: the static
-        # table's proven rules (fused only where it lost in none of its
-        # measurements).
+        # Not timed and no timing possible: the static table's proven rules (rule 2).
         return static_plan(member.group, member.group.dtype, training, batch, proven_only=True)
 
     def _time_now(self, shape: tuple, training: bool) -> TuneResult | None:
@@ -461,10 +413,8 @@ def _symbolic() -> bool:
 
 @contextlib.contextmanager
 def _apart_from_the_callers_call(group: FusionGroup):
-    """Runs the tuner's steps outside the Keras call that asked (a custom
-    loop's model call): each step's layer calls are calls of their own, and
-    the losses they add (activity regularizers) are cleared afterwards, so
-    the caller's `model.losses` holds only its own."""
+    """Runs the tuner's steps outside the Keras call that asked, clearing the
+    losses they add, so the caller's `model.losses` holds only its own."""
     from keras.src.backend.common import global_state
 
     outer = global_state.get_global_attribute("current_call_ctx")
@@ -479,14 +429,8 @@ def _apart_from_the_callers_call(group: FusionGroup):
 
 def decision_record(result: TuneResult, shape: tuple, training: bool,
                     xla_baseline: bool = False) -> dict:
-    """A JSON-ready record of one group's decision.
-
-    Keys: layers, mode, input (batch, steps, features), bucket, dtype,
-    xla_baseline (the original layers were timed XLA-compiled, as Keras'
-    own calls run them; `decision_key`), source, chosen (plan name),
-    timings_ms (candidate -> median ms), rejected, and static (the plan the
-    static table gives the group without timing).
-    """
+    """A JSON-ready record of one group's decision: layers, mode, input,
+    bucket, dtype, xla_baseline, source, chosen, timings_ms, rejected, static."""
     group = result.group
     return dict(
         layers=list(group.layers),

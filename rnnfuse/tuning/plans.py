@@ -1,17 +1,11 @@
 """The plans the tuner times for a group, and the groups a plan turns into.
 
-A `rnnfuse.plan.Plan` says how one group runs (pieces, kernel, algorithm).
 `candidate_plans(group)` lists what the tuner times; `kernel_plans` adds
-the whole run on each kernel besides cuDNN the backend has for the mode
-(`Capabilities.inference_kernels`, `training_kernels`: rnnfuse's wavefront
-kernel) where that kernel accepts the group at the timed shape, and where
-it does not, the run as the fewest consecutive segments it accepts each
-(`kernel_segments`: a stack larger than the chip);
-`split_groups` turns groups
-and their plans into the groups the rewrite builds.
+the whole run (or the fewest segments it takes, `kernel_segments`) on
+each kernel besides cuDNN the backend runs for the mode; `split_groups`
+turns groups and their plans into the groups the rewrite builds.
 
 Example:
-
     >>> import types
     >>> group = types.SimpleNamespace(layers=("a", "b", "c", "d"), absorbed_dropout=())
     >>> [p.name for p in candidate_plans(group, [None, "persistent_static+tc"])]
@@ -29,10 +23,8 @@ from rnnfuse.report import FusionGroup
 __all__ = ["CANDIDATE_ALGORITHMS", "PERSISTENT_MAX_BATCH", "candidate_plans", "kernel_plans",
            "kernel_segments", "persistent_reason", "split_groups"]
 
-# The algorithms the tuner tries for fused pieces (None: the standard one).
-# On TensorFlow they need rnnfuse's own op, which runs the algorithm in the
-# backward pass too (the backend's `capabilities.tuned_algorithms` is
-# (None,) without it).
+# The algorithms tried for fused pieces (None: standard); on TensorFlow only
+# with rnnfuse's op, which runs them in the backward pass too.
 CANDIDATE_ALGORITHMS: tuple[str | None, ...] = (
     None,
     "persistent_static+tc",
@@ -40,10 +32,8 @@ CANDIDATE_ALGORITHMS: tuple[str | None, ...] = (
 )
 
 
-# Batches above which cuDNN's persistent algorithms never came within 24%
-# of the best plan (docs/benchmarks.md, "The tuner's thresholds"), so they
-# are not timed there: their first calls cost most. bfloat16 has no such
-# bound (they won at every batch).
+# Above these batches cuDNN's persistent algorithms never came close, and
+# their first calls cost most; bfloat16 has no bound.
 PERSISTENT_MAX_BATCH = {"float32": 32, "float16": 128}
 
 
@@ -69,13 +59,10 @@ def candidate_plans(
     *,
     one_per_layer: bool = False,
 ) -> list[Plan]:
-    """What the tuner times for `group`, the per-layer original first.
-
-    The whole run; its two halves from 4 layers; with `one_per_layer`, one
-    fused call per layer (from 2 layers); each with every algorithm. Runs
-    with an absorbed Dropout are not split (the dropout lives in the fused
-    call).
-    """
+    """What the tuner times for `group`, the original layers first: the whole
+    run, its halves from 4 layers, with `one_per_layer` one fused call per
+    layer, each with every algorithm; a run with an absorbed Dropout is not
+    split."""
     n = len(group.layers)
     shapes: list[tuple[int, ...]] = [(n,)]
     if n >= 4 and not group.absorbed_dropout:
@@ -95,28 +82,18 @@ def kernel_plans(
     kernels: Sequence[str],
     reason_of: Callable[[str, FusionGroup, tuple], str | None],
 ) -> tuple[list[Plan], dict]:
-    """The candidates on kernels besides cuDNN: (the plans on each of
-    `kernels` that can run `group` at input `shape`, {plan name: why not}
-    for the others). `reason_of` is `Backend.kernel_reason` for the mode
-    timed (the kernel's own checks: dtypes, its on-chip plan, the device).
-
-    The whole run where the kernel takes it. Where it does not, the run as
-    consecutive segments the kernel takes each (`kernel_segments`: the
-    fewest, balanced; a stack larger than the chip), a split plan on the
-    kernel ("split 4+4 on wavefront"); the whole run's refusal is recorded
-    either way, and says which segments are timed instead.
+    """(plans on `kernels` besides cuDNN that can run `group` at `shape`,
+    {plan name: why not}); `reason_of` is the backend's `kernel_reason`.
+    Where a kernel refuses the whole run, the fewest segments it takes each
+    (`kernel_segments`) are a split plan on it.
 
     >>> import types
     >>> views = tuple(types.SimpleNamespace(num_levels=1, input_size=8) for _ in range(4))
     >>> group = FusionGroup(("a", "b", "c", "d"), "lstm", 8, 4, 8, False, views=views,
     ...                     gap_dropout=(None,) * 3)
-    >>> kernel_plans(group, (64, 10, 8), ["wavefront"], lambda k, g, s: None)[0]
-    [Plan(pieces=(4,), algorithm=None, kernel='wavefront', whole=False)]
     >>> two = lambda k, g, s: None if g.num_layers <= 2 else "too big"
     >>> [p.name for p in kernel_plans(group, (64, 10, 8), ["wavefront"], two)[0]]
     ['split 2+2 on wavefront']
-    >>> kernel_plans(group, (64, 10, 8), ["wavefront"], lambda k, g, s: "float32")[1]
-    {'fused on wavefront': 'float32'}
     """
     plans, rejected = [], {}
     for kernel in kernels:
@@ -139,13 +116,9 @@ def kernel_segments(
     shape: tuple,
     reason_of: Callable[[FusionGroup, tuple], str | None],
 ) -> tuple[int, ...] | str:
-    """The fewest, balanced consecutive segments of `group` that a kernel
-    takes each (`rnnfuse.backends.cuda.segments.fewest_balanced` over
-    `reason_of(sub_group, sub_shape)`: a segment above the first reads the
-    layer below's output, `units` features), or why there are none: a run
-    with an absorbed Dropout is not split (as `candidate_plans`), nor a
-    single layer, nor a bidirectional run (the kernel runs it a layer a
-    launch anyway: there is no wavefront across bidirectional layers).
+    """The fewest balanced consecutive segments of `group` a kernel takes
+    each, or why there are none (an absorbed Dropout, a single layer, a
+    bidirectional run: the kernel runs those a layer a launch anyway).
 
     >>> import types
     >>> views = [types.SimpleNamespace(num_levels=1, input_size=n) for n in (5, 8, 8)]
@@ -176,12 +149,8 @@ def kernel_segments(
 def split_groups(
     groups: Iterable[FusionGroup], plans: Sequence[Plan]
 ) -> list[tuple[FusionGroup, Plan]]:
-    """The (group, plan) pairs to fuse under `plans`, each plan one fused
-    call of its group (`Plan.with_pieces`: the same kernel and algorithm).
-
-    A per-layer plan drops its group (its layers stay as they are); a split
-    plan gives one group per piece.
-    """
+    """The (group, plan) pairs to fuse: a per-layer plan drops its group, a
+    split plan gives one group per piece (same kernel and algorithm)."""
     out = []
     for group, plan in zip(groups, plans):
         plan = plan.for_length(len(group.layers))

@@ -1,38 +1,19 @@
 """Timing candidates side by side: warm-up, interleaved rounds, medians.
 
-Both the tuner and bench/ time with `interleaved_medians`, so a plan the
-tuner picks and a row of docs/benchmarks.md come from the same measurement:
-every round runs each candidate once, in an order that rotates between
-rounds, so drift (clocks, temperature, other work) hits all of them alike.
-A step must return something whose conversion to NumPy waits for the device
-(a scalar tensor), which is what each timed call does.
+The tuner and bench/ both time with `interleaved_medians`: every round
+runs each candidate once, in an order that rotates between rounds, so
+drift hits all of them alike. A step returns something whose conversion to
+NumPy waits for the device.
 
-With `prune`, a race: a candidate that is clearly slower than the best one
-stops being run; its times so far stay in the result. "Clearly": its last
-warm-up call, or its call in the first round, took over `prune`**2 times
-the best one's, or, after each timed round from the second on, its fastest
-call took over `prune` times the best median, or (with `race`, a smaller
-factor) after each round from the third on, its fastest call took over
-`race` times the best median, or (with `beat`, against the steps named in
-`keep`, the baseline) after each round from the third on, its fastest call
-took over `beat` times the baseline's median: it cannot beat the baseline
-by the margin a decision against it needs. A race ends
-early when one candidate is left (from the second round on): its median is
-then taken over the rounds it ran, and no other candidate is in contention.
-Tuning uses this so a kernel ten times slower than the winner costs two
-calls, not seven, a candidate 20% behind stops after three rounds, a
-candidate that cannot beat the original layers by the tuner's margin stops
-after three, and the candidates that are close are all timed every round.
-
-Seconds are read from `rnnfuse.tuning.clock.now()`, so a test can time
-fake steps on a fake clock.
+With `prune`, a race: a candidate clearly slower than the best stops being
+run (its times so far stay), so a kernel ten times slower costs two calls
+and the close candidates are timed every round; the race ends when one is
+left. Seconds come from `rnnfuse.tuning.clock.now()`, so tests use a fake
+clock.
 
 Example (on a clock that each step advances by its cost):
 
     >>> from rnnfuse.tuning.clock import using_clock
-    >>> stats = interleaved_medians({"a": lambda: 1, "b": lambda: 2}, warmup=1, repeats=3)
-    >>> sorted(stats), len(stats["a"]["times"])
-    (['a', 'b'], 3)
     >>> t = [0.0]
     >>> def costs(s): return lambda: t.__setitem__(0, t[0] + s)
     >>> with using_clock(lambda: t[0]):
@@ -75,17 +56,15 @@ def interleaved_medians(
 ) -> dict[str, dict]:
     """Times each step `repeats` times, interleaved, after `warmup` calls.
 
-    `prune` (> 1): race the steps (see the module doc); a pruned step's
-    median is taken over the calls it ran (the last warm-up call when it
-    was pruned before any timed round). `race` (> 1, with `prune`): the
-    tighter factor applied from the third round on, to every step but those
-    named in `keep` (the tuner's baseline, the original layers: a decision
-    against them needs their median over every round, and a launch-bound
-    step's calls can spread 40%). `beat` (in (0, 1], with
-    `prune` and `keep`): from the third round on, a step not in `keep` whose
-    fastest call is over `beat` x the best median of the `keep` steps still
-    running stops (the tuner keeps the original layers unless a plan beats
-    them by a margin: 0.9 there).
+    Args:
+        prune: (> 1) a step whose last warm-up or first-round call took over
+            prune**2 x the best, or whose fastest call is over prune x the best
+            median after a timed round, stops.
+        race: (> 1) the tighter factor from the third round, for every step
+            not in `keep` (the baseline needs its median over every round).
+        beat: (in (0, 1]) from the third round, a step not in `keep` whose
+            fastest call is over beat x the `keep` steps' best median stops: it
+            cannot beat the baseline by the margin a decision needs.
 
     Returns:
         name -> {"median": seconds, "times": [seconds, ...], "pruned": bool}.

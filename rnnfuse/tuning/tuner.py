@@ -2,60 +2,25 @@
 
 `tune_plans(groups, shape_of, ...)`, per group:
 
-1. Look the decision up in the plan cache (device, versions, group
-   signature, input shape, dtype, mode); a hit costs nothing.
-2. Otherwise build one step per candidate plan (`candidate_plans`): the
-   original layers, the whole run fused, the run split in two, and per
-   backend: TensorFlow times each fused plan with the default and the
-   persistent cuDNN algorithms (rnnfuse's own op runs them in both
-   passes; without it only the default); torch (no algorithm switch) adds one fused
-   call per layer. A step (the backend's `Timing.timed_step`) is a forward pass
-   (inference) or forward + backward (training) of that group alone on a
-   random batch of the group's input shape. The fused plans that differ
-   only in their algorithm share one step where the backend takes the
-   algorithm at run time (`Timing.timed_steps`: rnnfuse's op), so a piece
-   set costs one trace and one graph set-up.
-3. Run each step once (its first call traces and compiles, so it is
-   never timed; torch's steps run eagerly, so there a first call over a
-   second and 2.25x the fastest one's is taken as that step's time and it
-   is not run again, and the original layers, called last, are first called
-   on PROBE_STEPS and twice as many steps: where that extrapolates to such a
-   call, the extrapolation is their time and the full call is not made):
-   a non-default-algorithm step cuDNN refuses for this shape
-   (an op error) is left out with cuDNN's message. A group that reads a
-   padding mask gets no persistent candidates (cuDNN refuses them with
-   padded lengths), nor does a batch over `PERSISTENT_MAX_BATCH` of its
-   dtype (they never came close there).
-4. Time the steps side by side (`interleaved_medians`: one more warm-up
-   call where the first call ran eagerly (torch; a TensorFlow step's first
-   call set its graph up and ran it), then interleaved rounds, racing: a
-   step more than PRUNE**2 x slower than the best after its first call
-   timed, or PRUNE x after two, stops being run, from the third round one
-   whose fastest call is RACE x the best median, or over
-   1 - KEEP_ORIGINAL_MARGIN x the original layers' median (it cannot win
-   against them), except the original layers, the baseline, which only
-   PRUNE stops, and the race ends when one step is left), in two stages (`_time_in_stages`): the
-   original layers and the whole run on every algorithm first, then the
-   split plans only on the algorithms whose whole run came within PRUNE
-   of the best, beside that best again (and the original layers, where
-   they came within PRUNE of it); one stage where the fused plans have
-   one algorithm (a candidate's trace and first call cost about a second,
-   and a split on an algorithm that lost by 1.5x on the
-   whole run never won in the user-view matrix). Keep the fastest; for training, a
-   plan with a non-default algorithm is kept only if its gradients are as
-   close to a float64 reference as the default algorithm's with the same
-   pieces (`gradient_tolerance`); the check runs
-   lazily, fastest first, so one or two float64 references are paid for,
-   not one per candidate. The original layers stay unless the winner beats
-   them by KEEP_ORIGINAL_MARGIN (10%). Write the decision to the cache.
+1. Look the decision up in the plan cache (device, versions, group, input
+   shape, dtype, mode); a hit costs nothing.
+2. Build one step per candidate plan (`candidate_plans`): the original
+   layers, the whole run fused, splits, and per backend the cuDNN
+   algorithms (TensorFlow) or one fused call per layer (torch). A step is
+   a forward (inference) or forward + backward (training) pass of the
+   group alone on a random batch of its input shape.
+3. Call each step once, untimed (trace, compile, cuDNN's plan); a step
+   cuDNN refuses is left out with its message. Where first calls run
+   eagerly (torch), a clearly slow first call is that step's time.
+4. Time the steps interleaved, racing out the clearly slower ones
+   (`interleaved_medians`), in two stages (`_time_in_stages`).
+5. Keep the fastest plan whose gradients pass the float64 check
+   (`gradient_tolerance`), unless the original layers come within
+   KEEP_ORIGINAL_MARGIN of it, and cache the decision.
 
-Under TensorFlow without a GPU there is nothing to time (the fused layer
-runs the original layers): the static rule table decides, and the result
-says so. The torch backend's fused call also runs on the CPU, so there it
-is timed on the CPU.
-
-The timer and the gradient check are parameters, so the planner and the
-cache logic are tested on the CPU with a deterministic fake timer.
+Under TensorFlow without a GPU nothing is timed: the static rule table
+decides. The timer and the gradient check are parameters, so this logic is
+tested on the CPU with a fake timer.
 
 Example (no GPU: the static table answers):
 
@@ -93,41 +58,25 @@ __all__ = ["TuneResult", "candidates_for", "default_warmup", "device_environment
 # A non-default algorithm's gradients may be at most this many times
 # further from the float64 reference than the default algorithm's.
 GRADIENT_SLACK = 2.0
-# ... or within this many units of the compute dtype's rounding (relative):
-# in float16, every algorithm's gradients are ~1e-3 from float64 (the fp16
-# rounding of activations), so "2x the default's" alone would reject
-# cuDNN's persistent kernels on noise (docs/benchmarks.md).
+# ... or this many units of the dtype's rounding: in float16 every algorithm
+# is ~1e-3 from float64, so the factor alone would reject on noise.
 ROUNDING_UNITS = 4.0
 _EPS = {"float16": 2.0**-10, "bfloat16": 2.0**-7}
-# A candidate this many times slower than the best stops being timed
-# (`interleaved_medians`' prune): the winner and the close ones get every
-# round, a kernel several times slower costs two calls.
+# A candidate this many times slower than the best stops being timed.
 PRUNE = 1.5
-# ... and, from the third round, a candidate whose fastest call is this many
-# times the best median (`interleaved_medians`' race): it cannot win, nor
-# keep the original layers (they stay only within KEEP_ORIGINAL_MARGIN of
-# the best), and per-call noise of up to 8% cannot hide the fastest behind
-# it (tests/test_timing.py); a race with one candidate left ends there.
+# From the third round, one whose fastest call is this many times the best
+# median cannot win; the original layers, the baseline, are never raced.
 RACE = 1.2
-# ... except the original layers: the margin below is judged against their
-# median, so it is taken over every round (raced out after a few slow
-# calls, a noisy baseline let a slower fused plan win).
 
-# Where a step's first call runs it eagerly (torch), a step whose first call
-# took over PRUNE**2 x the fastest one's and over this many seconds gets no
-# warm-up call: Keras' masked torch loop (seconds a step, against
-# milliseconds fused) would cost a second call to lose.
+# An eager first call (torch) over PRUNE**2 x the fastest and this many
+# seconds is the step's time: a second call of Keras' masked loop only loses.
 FIRST_CALL_PRUNE_S = 1.0
-# ... and the original layers' first call at the full length is not made
-# at all where first calls on PROBE_STEPS and 2 x PROBE_STEPS steps
-# extrapolate (a fixed part plus a part linear in the steps) to a clearly
-# slow one: a full first call of Keras' masked torch loop is most of a
-# model's tuning. Only for groups of at least PROBE_MIN_STEPS steps.
+# The original layers' full-length first call is skipped where first calls
+# on PROBE_STEPS and twice as many extrapolate to a clearly slow one.
 PROBE_STEPS = 16
 PROBE_MIN_STEPS = 8 * PROBE_STEPS
-# The original layers are kept unless a plan beats them by this share on
-# the tuner's clock: the tuner times a group alone, and through `fit`
-# smaller wins did not hold (docs/benchmarks.md, "The tuner's thresholds").
+# The original layers stay unless a plan beats them by this share: smaller
+# wins on the tuner's clock did not hold through `fit`.
 KEEP_ORIGINAL_MARGIN = 0.10
 
 
@@ -137,8 +86,6 @@ def gradient_tolerance(default_error: float, dtype: str) -> float:
     of `dtype`'s rounding, whichever is larger.
 
         >>> gradient_tolerance(1e-5, "float32") == 2e-5 + 1e-7
-        True
-        >>> gradient_tolerance(3e-4, "float16") > 7.6e-4
         True
     """
     return max(GRADIENT_SLACK * default_error + 1e-7, ROUNDING_UNITS * _EPS.get(str(dtype), 0.0))
@@ -159,11 +106,8 @@ class TuneResult:
 
 
 def device_environment() -> dict | None:
-    """Device and library versions, or None when nothing can be timed.
-
-    None without a fused kernel for this Keras backend, or (TensorFlow)
-    without a GPU.
-    """
+    """Device and library versions, or None when nothing can be timed (no
+    fused kernel for this backend, or TensorFlow without a GPU)."""
     backend = get_backend()
     if not backend.capabilities.fused_kernel or not backend.is_available():
         return None
@@ -180,13 +124,12 @@ def _input_batch(shape: tuple, dtype: str, seed: int = 0):
 
 
 def padding_mask(shape: tuple, seed: int = 0):
-    """A right-padded boolean mask (batch, steps) like a real ragged batch:
-    lengths drawn between half the steps and all of them, the first row
-    full length (so the padded length is the real one).
+    """A right-padded boolean mask (batch, steps): lengths between half the
+    steps and all of them, the first row full.
 
     >>> m = keras.ops.convert_to_numpy(padding_mask((3, 8)))
-    >>> m.shape, bool(m[0].all()), all((row[:-1] >= row[1:]).all() for row in m)
-    ((3, 8), True, True)
+    >>> m.shape, bool(m[0].all())
+    ((3, 8), True)
     """
     rng = np.random.default_rng(seed)
     batch, steps = int(shape[0]), int(shape[1])
@@ -203,16 +146,10 @@ def _with_mask(run: Callable, mask) -> Callable:
 
 
 def _runner(group: FusionGroup, plan: Plan, dtype: str | None = None) -> Callable:
-    """A callable `run(x, training, mask=None, algorithm=None)` -> outputs
-    that runs `group` under `plan`. Its masks are `padding_mask`'s,
-    right-padded, but a fused call is not told so: it traces what the
-    model's own step traces, its branch for other masks (the original
-    layers in Keras' generic loop) or, where Keras' own layers assert the
-    mask (`FusedRNN._keras_asserts_traced_masks`), that assertion, since
-    the branch is part of what a masked step costs (a masked split plan
-    14% ahead on a clock without it ran 7% behind through `fit`);
-    `algorithm` is `Timing.timed_steps`' runtime value for the fused
-    calls' algorithm (the original layers ignore it)."""
+    """`run(x, training, mask=None, algorithm=None)` running `group` under
+    `plan`. A masked fused call traces what the model's own step traces (its
+    fallback branch or Keras' mask assertion), since that is part of what a
+    masked step costs; `algorithm` is `Timing.timed_steps`' runtime value."""
     from rnnfuse.fused import FusedRNN, call_members
 
     if plan.for_length(len(group.layers)).per_layer:
@@ -269,11 +206,8 @@ def _runner(group: FusionGroup, plan: Plan, dtype: str | None = None) -> Callabl
 
 
 def _step(group: FusionGroup, run: Callable, x, training: bool, jit: bool = False):
-    """A forward (+ backward) step on this backend; returns a scalar to sync on.
-
-    `jit`: compile the step with XLA (the per-layer baseline, where Keras
-    would compile the original model with XLA under jit_compile="auto").
-    """
+    """A forward (+ backward) step on this backend; `jit` compiles it with XLA
+    (the per-layer baseline under Keras' jit_compile="auto")."""
     variables = _group_variables(group)
     if jit:
         return get_timing().timed_step(run, x, variables, training, jit=True)
@@ -286,9 +220,8 @@ def _group_variables(group: FusionGroup) -> list:
 
 
 def gradient_error(got: list, reference: list) -> float:
-    """Max relative difference of a plan's gradients `got` from `reference`
-    (float64 NumPy arrays, in the same order), relative to the reference's
-    largest magnitude.
+    """Max difference of `got` from `reference` (float64 arrays, in order),
+    relative to the reference's largest magnitude.
 
     >>> import numpy as np
     >>> round(gradient_error([np.array([1.0, 2.1])], [np.array([1.0, 2.0])]), 3)
@@ -299,13 +232,9 @@ def gradient_error(got: list, reference: list) -> float:
 
 
 def _gradient_call(group: FusionGroup, plan: Plan, x) -> tuple:
-    """(run, x, training) whose gradients are `plan`'s for the check
-    (`Timing.gradients_of`). Through an inference call, except for a plan
-    on a kernel besides cuDNN: its training calls run its own backward (the
-    wavefront kernel's training ops), which only a training call reaches on
-    TensorFlow, so that is what is checked. (An inference call keeps cuDNN
-    algorithms' checks free of dropout; the wavefront kernel refuses groups
-    with dropout.)"""
+    """(run, x, training) for `plan`'s gradient check: an inference call (no
+    dropout), except on a kernel besides cuDNN, whose own backward only a
+    training call reaches."""
     return _runner(group, plan), x, plan.inference_only
 
 
@@ -333,59 +262,70 @@ def tune_plans(
         shape_of: group -> (batch, steps, features) of its input.
         training: time forward + backward (True) or forward only.
         cache: where decisions are kept (None: no cache).
-        measure: {name: step} -> {name: {"median": s}}; default times the
-            steps with `interleaved_medians` (`warmup` untimed calls after
-            each step's first, `repeats` rounds, pruned at PRUNE, raced at
-            RACE, and a plan that cannot beat the original layers by
-            KEEP_ORIGINAL_MARGIN stops after three rounds).
-        warmup: None: none where the backend's first call compiles (a
-            TensorFlow step's first call has set its graph up and run it
-            once; the first round's calls are pruned as a warm-up call's
-            would be), one where it runs eagerly (torch).
-        check_gradients: (group, plan, x, dtype) -> relative error against
-            a float64 reference; default runs it on the device.
-        environment: device and versions for the cache key; default reads
-            them (None without a GPU: the static table decides).
+        measure: {name: step} -> {name: {"median": s}} (default:
+            `interleaved_medians` with `warmup`, `repeats`, PRUNE and RACE).
+        warmup: untimed calls after a step's first (None: `default_warmup`).
+        check_gradients: (group, plan, shape, dtype) -> error against float64.
+        environment: device and versions for the cache key (default: read;
+            None without a GPU, where the static table decides).
         progress: show a progress bar.
-        jit_baseline: time the original layers XLA-compiled, as Keras runs
-            them when it compiles the original model with XLA
-            (jit_compile="auto" on a model whose layers all support it); a
-            fused plan, which turns XLA off, must beat that.
-        masked_of: group -> whether its input carries a padding mask (the
-            candidates are then timed with a right-padded mask, since a
-            mask changes the kernels Keras runs: under torch it sends
-            Keras' LSTM/GRU to their Python loop). Default: no mask.
-        candidates_of: group -> the plans to time for it (None: all of
-            `candidate_plans`'), e.g. only the candidates still in
-            contention at another shape (`rnnfuse.tuning.first_batch`).
-        budget: what the call being served can pay for
-            (`rnnfuse.tuning.budget`): the original layers and the static
-            table's plan are timed first, and each further stage only
-            within the budget; a decision it cut short is not cached.
-            None: every stage.
+        jit_baseline: time the original layers XLA-compiled, as Keras runs them.
+        masked_of: group -> whether its input carries a padding mask.
+        candidates_of: group -> the plans to time (None: all).
+        budget: what the call being served can pay for (`rnnfuse.tuning.budget`);
+            a decision it cut short is not cached.
     """
     environment = environment if environment is not None else device_environment()
-    results = []
     if environment is None:
-        for group in groups:
-            dtype = group.dtype
-            plan = static_plan(group, dtype, training)
-            results.append(TuneResult(group, plan, "static: no GPU to time on"))
-        return results
+        return [TuneResult(g, static_plan(g, g.dtype, training), "static: no GPU to time on")
+                for g in groups]
     backend_name = environment.get("backend", "tensorflow")
+    results, jobs = _look_up(groups, shape_of, cache, environment, training, masked_of, jit_baseline)
+    if not jobs:
+        return results
     every = candidates_for(backend_name)
 
     def candidates(group):
         chosen = candidates_of(group) if candidates_of is not None else None
         return list(chosen) if chosen is not None else every(group)
 
-    eager_first_calls = not get_backend(backend_name).capabilities.first_call_compiles
-    if warmup is None:
-        warmup = default_warmup(backend_name)
+    warmup = default_warmup(backend_name) if warmup is None else warmup
     measure = measure or (lambda steps, on_step=None: interleaved_medians(
         steps, warmup=warmup, repeats=repeats, on_step=on_step, prune=PRUNE, race=RACE,
         keep=(PER_LAYER.name,), beat=1 - KEEP_ORIGINAL_MARGIN))
     check_gradients = check_gradients or GradientCheck()
+    with _progress(progress, sum(len(candidates(job.group)) for job in jobs)) as bar:
+        for job in jobs:
+            plans, rejected = _plans_to_time(job, candidates(job.group), backend_name, training, bar)
+            results[job.index] = result = _tune_group(
+                job, plans, rejected, backend_name, jit_baseline, measure, check_gradients,
+                budget, bar)
+            if cache is not None and result.source == "measured":
+                cache.put(job.key, {
+                    "plan": result.plan.to_dict(), "timings": result.timings,
+                    "rejected": result.rejected,
+                    "when": datetime.datetime.now(datetime.timezone.utc).isoformat(),
+                })
+    return results
+
+
+@dataclasses.dataclass(frozen=True)
+class _Job:
+    """One group to time: where its result goes and what it is timed on."""
+
+    index: int
+    group: FusionGroup
+    shape: tuple
+    dtype: str
+    key: object
+    masked: bool
+    training: bool
+
+
+def _look_up(groups, shape_of, cache, environment, training, masked_of, jit_baseline):
+    """(results with the cache's hits filled in and None elsewhere, the
+    groups left to time); a cached plan that no longer fits is set aside."""
+    results: list = []
     jobs = []
     for group in groups:
         dtype = group.dtype
@@ -399,61 +339,54 @@ def tune_plans(
                 results.append(TuneResult(group, plan, "cache", dict(hit.get("timings", {}))))
                 continue
             cache.set_aside(key, problem)
-        jobs.append((len(results), group, shape, dtype, key, masked))
+        jobs.append(_Job(len(results), group, shape, dtype, key, masked, training))
         results.append(None)
-    if not jobs:
-        return results
-    bar = _progress(progress, sum(len(candidates(g)) for _, g, *_ in jobs))
-    with bar:
-        for index, group, shape, dtype, key, masked in jobs:
-            plans = candidates(group)
-            rejected = {}
-            # cuDNN's persistent algorithms refuse padded sequence lengths (a
-            # masked call runs the standard one: the TensorFlow backend's
-            # run_stack), and never came close above PERSISTENT_MAX_BATCH.
-            no_persistent = ("cuDNN's persistent algorithms do not take padded sequence lengths"
-                             if masked else persistent_reason(dtype, shape[0]))
-            if no_persistent is not None:
-                rejected.update({p.name: no_persistent for p in plans if p.algorithm})
-            plans = [p for p in plans if p.name not in rejected]
-            bar.advance_rest(len(rejected))
-            # Kernels besides cuDNN (rnnfuse's wavefront kernel): timed for
-            # inference, and for training where the backend trains on them,
-            # where the kernel takes the group at this shape.
-            backend = get_backend(backend_name)
-            caps = backend.capabilities
-            more, why = kernel_plans(
-                group, shape, caps.training_kernels if training else caps.inference_kernels,
-                lambda k, g, s: backend.kernel_reason(k, g, s, training=training))
-            plans += [p for p in more if p.name not in {q.name for q in plans}]
-            rejected.update(why)
-            spend = budget.start() if budget is not None else None
-            timings, plans = _time_in_stages(
-                plans, rejected, bar,
-                _Measured(group, shape, dtype, training, jit_baseline, masked, measure, bar,
-                          eager_first_calls=eager_first_calls),
-                spend=spend, lead=leading_candidates(group, dtype, training, shape, plans),
-            )
-            cut = spend is not None and spend.cut
-            best = _keep_original_unless_clearly_slower(plans, timings, _fastest_with_sound_gradients(
-                plans, timings, rejected, training,
-                lambda p: check_gradients(group, p, shape, dtype), dtype,
-                keeps_original=lambda p: _keep_original_unless_clearly_slower(
-                    plans, timings, p) is not p,
-            ))
-            source = "measured: within the call's budget" if cut else "measured"
-            results[index] = TuneResult(group, best, source, timings, rejected)
-            if cache is not None and not cut:
-                cache.put(
-                    key,
-                    {
-                        "plan": best.to_dict(),
-                        "timings": timings,
-                        "rejected": rejected,
-                        "when": datetime.datetime.now(datetime.timezone.utc).isoformat(),
-                    },
-                )
-    return results
+    return results, jobs
+
+
+def _plans_to_time(job: _Job, plans: list, backend_name: str, training: bool, bar):
+    """(the candidates worth timing, {name: why not} for the others): no
+    persistent algorithm for a masked group (cuDNN refuses padded lengths)
+    or above PERSISTENT_MAX_BATCH, and the other kernels' plans (the
+    wavefront kernel) where the backend runs them for this shape."""
+    group, shape, rejected = job.group, job.shape, {}
+    no_persistent = ("cuDNN's persistent algorithms do not take padded sequence lengths"
+                     if job.masked else persistent_reason(job.dtype, shape[0]))
+    if no_persistent is not None:
+        rejected.update({p.name: no_persistent for p in plans if p.algorithm})
+    plans = [p for p in plans if p.name not in rejected]
+    bar.advance_rest(len(rejected))
+    backend = get_backend(backend_name)
+    caps = backend.capabilities
+    more, why = kernel_plans(
+        group, shape, caps.training_kernels if training else caps.inference_kernels,
+        lambda k, g, s: backend.kernel_reason(k, g, s, training=training))
+    plans += [p for p in more if p.name not in {q.name for q in plans}]
+    rejected.update(why)
+    return plans, rejected
+
+
+def _tune_group(job: _Job, plans, rejected, backend_name, jit_baseline, measure, check_gradients,
+                budget, bar) -> TuneResult:
+    """Times `plans` for one group and keeps the fastest sound one."""
+    group, shape, dtype, training = job.group, job.shape, job.dtype, job.training
+    eager_first_calls = not get_backend(backend_name).capabilities.first_call_compiles
+    spend = budget.start() if budget is not None else None
+    timings, plans = _time_in_stages(
+        plans, rejected, bar,
+        _Measured(group, shape, dtype, training, jit_baseline, job.masked, measure, bar,
+                  eager_first_calls=eager_first_calls),
+        spend=spend, lead=leading_candidates(group, dtype, training, shape, plans),
+    )
+    best = _keep_original_unless_clearly_slower(plans, timings, _fastest_with_sound_gradients(
+        plans, timings, rejected, training,
+        lambda p: check_gradients(group, p, shape, dtype), dtype,
+        keeps_original=lambda p: _keep_original_unless_clearly_slower(plans, timings, p) is not p,
+    ))
+    # A decision the budget cut short is not kept (a longer call times it all).
+    cut = spend is not None and spend.cut
+    return TuneResult(group, best, "measured: within the call's budget" if cut else "measured",
+                      timings, rejected)
 
 
 def _cached_plan(entry: dict, group: FusionGroup) -> tuple[Plan | None, str]:
@@ -467,13 +400,8 @@ def _cached_plan(entry: dict, group: FusionGroup) -> tuple[Plan | None, str]:
 
 
 def candidates_for(backend_name: str) -> Callable[[FusionGroup], list[Plan]]:
-    """group -> the plans to time on this backend.
-
-    TensorFlow: whole and halves, each with the default and the persistent
-    cuDNN algorithm. torch (no algorithm switch): whole, halves, and one
-    fused call per layer, which is where PyTorch runs cuDNN's persistent
-    kernels (single-layer float16 calls).
-    """
+    """group -> the plans to time on this backend: whole and halves, with
+    each cuDNN algorithm (TensorFlow) or with one fused call per layer (torch)."""
     capabilities = get_backend(backend_name).capabilities
     algorithms = capabilities.tuned_algorithms
     per_layer = capabilities.tunes_one_call_per_layer
@@ -490,18 +418,15 @@ def _takes_on_step(fn) -> bool:
 
 
 class _Measured:
-    """`plans` -> ({name: median seconds}, {name: why refused}) for one
-    group: each plan's step is built and called once, untimed (its trace),
-    the first time it is asked for, and reused by a later stage. With
-    `eager_first_calls` (torch), a step whose first call was clearly slow
-    (`clearly_slow_first_calls`) is not run again: that call is its time;
-    and the original layers' first call at the full length is not made
-    where short first calls extrapolate to a clearly slow one
-    (`_extrapolated_first_call`): the extrapolation is its time.
-    The original layers' first call comes last, and the first step called
-    is never judged by its first call: that call may carry the process's
-    one-time set-up (cuDNN's libraries, kernel loading), which must not
-    count against the original layers."""
+    """`plans` -> ({name: median seconds}, {name: why refused}) for one group.
+
+    Each step is built and called once, untimed, the first time it is asked
+    for, and reused by a later stage. With `eager_first_calls` (torch) a
+    clearly slow first call is the step's time, and the original layers'
+    full-length first call may be extrapolated instead (see PROBE_STEPS).
+    The original layers are called last, and the very first call is never
+    judged: it may carry the process's one-time set-up (cuDNN, kernels).
+    """
 
     def __init__(self, group, shape, dtype, training, jit_baseline, masked, measure, bar,
                  eager_first_calls=False):
@@ -545,20 +470,15 @@ class _Measured:
         return timings, refused
 
     def _judged_first_calls(self, names) -> dict:
-        """The first-call seconds of `names` that may judge a step: all
-        recorded ones but the first call of all (it may carry the process's
-        one-time set-up)."""
+        """The first-call seconds of `names` that may judge a step (all but
+        the process's very first call)."""
         judged = {n: self.first_s[n] for n in names if n in self.first_s}
         judged.pop(next(iter(self.first_s), None), None)
         return judged
 
     def _extrapolated_first_call(self, plan) -> str | None:
-        """Where the original layers' eager first call at the full length
-        would be clearly slow (`clearly_slow_first_calls`, against the other
-        candidates' first calls but the first of all), judged from first
-        calls on PROBE_STEPS and 2 x PROBE_STEPS steps: keeps the
-        extrapolated seconds as its time (`self.estimated`) and returns
-        why it was not run in full; else None (it is run as usual)."""
+        """Why the original layers' full-length first call is skipped (its
+        extrapolated seconds go to `self.estimated`), or None to run it."""
         group, shape, dtype, training, jit_baseline, masked = self.args
         judged = self._judged_first_calls(self.first_s)
         length = int(shape[1])
@@ -580,13 +500,11 @@ class _Measured:
 
 
 def clearly_slow_first_calls(first_s: dict) -> set:
-    """The steps whose (eager) first call took over FIRST_CALL_PRUNE_S and
+    """The steps whose eager first call took over FIRST_CALL_PRUNE_S and
     over PRUNE**2 x the fastest first call.
 
     >>> sorted(clearly_slow_first_calls({"per-layer": 17.2, "fused": 0.3, "split 3+3": 0.35}))
     ['per-layer']
-    >>> clearly_slow_first_calls({"per-layer": 0.9, "fused": 0.01})  # under a second: timed as usual
-    set()
     """
     if len(first_s) < 2:
         return set()
@@ -602,8 +520,8 @@ def default_warmup(backend_name: str) -> int:
 
 def leading_candidates(group, dtype, training, shape, plans) -> tuple[str, ...]:
     """The names a budgeted timing starts with: the original layers and the
-    static table's plan for this shape (the whole run on the default
-    algorithm where the table keeps the original layers), among `plans`.
+    static table's plan for this shape (the whole run where the table keeps
+    the original layers), among `plans`.
 
     >>> import types
     >>> from rnnfuse.plan import Plan, PER_LAYER
@@ -624,47 +542,15 @@ def leading_candidates(group, dtype, training, shape, plans) -> tuple[str, ...]:
 def _time_in_stages(plans, rejected, bar, measured, spend=None, lead=()):
     """Times `plans` in two stages; returns ({name: seconds}, the plans timed).
 
-    With one algorithm among the fused plans, in one stage. Else stage one:
-    the original layers and the whole run fused, with every algorithm, and
-    the splits on a kernel whose whole run is no candidate (a stack larger
-    than the chip as wavefront segments, `kernel_plans`). Stage two: the
-    other pieces (halves; torch's one call per layer), only with the
-    algorithms whose whole-run plan came within PRUNE of stage one's best
-    (the others are recorded in `rejected`, not traced:
-    each candidate's trace and first call cost about 1 s, and a
-    split on an algorithm that loses by 1.5x on the whole run has never
-    won), timed beside stage one's best again (and the original layers,
-    where they came within PRUNE of it), so the plans that decide are
-    compared in one interleaved session.
-    `measured(plans)` -> ({name: seconds}, {name: why refused}).
-
-    With `spend` (a `budget.Spend`), the plans named in `lead` are timed
-    first, alone, and stage one (them again, beside the rest of it) and
-    stage two each run only where the budget allows them; what was left
-    out is recorded in `rejected` and `spend.cut` set.
-
-    >>> from rnnfuse.plan import Plan, PER_LAYER
-    >>> p = "persistent_static"
-    >>> plans = [PER_LAYER, Plan((2,)), Plan((2,), p), Plan((1, 1)), Plan((1, 1), p)]
-    >>> fake = dict(zip([q.name for q in plans], [1.0, 0.5, 2.0, 0.4, 0.1]))
-    >>> class Bar:
-    ...     def advance_rest(self, n): pass
-    >>> why = {}
-    >>> t, timed = _time_in_stages(plans, why, Bar(), lambda ps: ({q.name: fake[q.name] for q in ps}, {}))
-    >>> sorted(t), why["split 1+1 @persistent_static"][:49]
-    (['fused', 'fused @persistent_static', 'per-layer', 'split 1+1'], 'not timed: fused @persistent_static was over 1.5x')
+    Stage one: the original layers and the whole run on every algorithm.
+    Stage two: the splits, only on the algorithms whose whole run came within
+    PRUNE of the best (a trace costs about a second, and such a split never
+    won), beside stage one's best again so the deciding plans share one
+    interleaved session. With `spend` (a `budget.Spend`), `lead` is timed
+    first and each stage runs only where the budget allows; what is left out
+    goes to `rejected` (tests/test_tuning_stages.py).
     """
-    n = max((sum(p.pieces) for p in plans), default=0)
-    wholes = {(p.kernel, p.algorithm) for p in plans if p.pieces == (n,)}
-    # A split on a kernel whose whole run is no candidate (a stack larger
-    # than the chip as wavefront segments) has nothing to wait for.
-    first = [p for p in plans
-             if not p.pieces or p.pieces == (n,) or (p.kernel, p.algorithm) not in wholes]
-    rest = [p for p in plans if p not in first]
-    if len({p.algorithm for p in plans if p.pieces}) <= 1:
-        # One algorithm (a masked group, torch): stage one could rule out
-        # only the split on it, and re-timing would cost more than it saves.
-        first, rest = plans, []
+    first, rest = _stages(plans)
     leading = [p for p in plans if p.name in lead] if spend is not None else []
     if 0 < len(leading) < len(plans):
         first = leading + [p for p in first if p not in leading]
@@ -685,6 +571,37 @@ def _time_in_stages(plans, rejected, bar, measured, spend=None, lead=()):
     bar.advance_rest(len(first))
     if not rest or not timings:
         return timings, timed
+    again, second = _second_stage(rest, timed, timings, rejected)
+    if second:
+        if spend is not None and not spend.allows(len(again + second), timings.get(PER_LAYER.name)):
+            _left_out(second, rejected, spend, timings.get(PER_LAYER.name))
+            bar.advance_rest(len(rest))
+            return timings, timed
+        more, refused = measured(again + second)
+        rejected.update(refused)
+        timings.update(more)
+        timed += [p for p in second if p.name in more]
+    bar.advance_rest(len(rest))
+    return timings, timed
+
+
+def _stages(plans) -> tuple[list, list]:
+    """(stage one, stage two) of `_time_in_stages`; all in stage one where the
+    fused plans have one algorithm (a masked group, torch)."""
+    n = max((sum(p.pieces) for p in plans), default=0)
+    wholes = {(p.kernel, p.algorithm) for p in plans if p.pieces == (n,)}
+    if len({p.algorithm for p in plans if p.pieces}) <= 1:
+        return plans, []
+    # A split on a kernel whose whole run is no candidate (a stack larger
+    # than the chip as wavefront segments) has nothing to wait for.
+    first = [p for p in plans
+             if not p.pieces or p.pieces == (n,) or (p.kernel, p.algorithm) not in wholes]
+    return first, [p for p in plans if p not in first]
+
+
+def _second_stage(rest, timed, timings, rejected) -> tuple[list, list]:
+    """(stage one's plans to time again, stage two's plans); the splits left
+    out go to `rejected`."""
     best = min(timings.values())
     whole = {(p.kernel, p.algorithm): p for p in timed if p.pieces}
     second = []
@@ -698,24 +615,9 @@ def _time_in_stages(plans, rejected, bar, measured, spend=None, lead=()):
             )
         else:
             second.append(p)
-    if second:
-        # Re-timed: stage one's best, and the original layers where they came
-        # within PRUNE of it (Keras' masked torch loop at 17 s a step is not
-        # run again to lose again).
-        again = [
-            p for p in timed
-            if timings[p.name] == best or (not p.pieces and timings[p.name] <= PRUNE * best)
-        ]
-        if spend is not None and not spend.allows(len(again + second), timings.get(PER_LAYER.name)):
-            _left_out(second, rejected, spend, timings.get(PER_LAYER.name))
-            bar.advance_rest(len(rest))
-            return timings, timed
-        more, refused = measured(again + second)
-        rejected.update(refused)
-        timings.update(more)
-        timed += [p for p in second if p.name in more]
-    bar.advance_rest(len(rest))
-    return timings, timed
+    again = [p for p in timed
+             if timings[p.name] == best or (not p.pieces and timings[p.name] <= PRUNE * best)]
+    return again, second
 
 
 def _left_out(plans, rejected, spend, original_step_s) -> None:
@@ -727,9 +629,8 @@ def _left_out(plans, rejected, spend, original_step_s) -> None:
 
 
 def _steps(group, plans, shape, dtype, training, jit_baseline=False, masked=False) -> dict:
-    """name -> step for each of `plans`, in their order: the fused plans
-    that differ only in their algorithm share one compiled step where the
-    backend can take the algorithm at run time (`_shared_steps`)."""
+    """name -> step for each of `plans`; fused plans that differ only in
+    their algorithm share one step where the backend can (`_shared_steps`)."""
     x = _input_batch(shape, dtype)
     mask = padding_mask(shape) if masked else None
     shared = {} if masked else _shared_steps(group, plans, x, dtype, training)
@@ -743,12 +644,9 @@ def _steps(group, plans, shape, dtype, training, jit_baseline=False, masked=Fals
 
 
 def _shared_steps(group, plans, x, dtype, training) -> dict:
-    """name -> step for the fused plans among `plans` whose pieces another
-    plan has with another algorithm: one `Timing.timed_steps` per piece
-    set, so each set costs one trace and one graph set-up (about half a
-    second each, most of TensorFlow's tuning), however
-    many algorithms it is timed with. {} where the backend builds a step
-    per plan."""
+    """name -> step for the fused plans that share their pieces with another
+    algorithm: one `Timing.timed_steps` (one trace, one graph set-up) per
+    piece set. {} where the backend builds a step per plan."""
     by_pieces: dict = {}
     for p in plans:
         if p.pieces and p.kernel == "cudnn":
@@ -770,15 +668,7 @@ def _shared_steps(group, plans, x, dtype, training) -> dict:
 
 def _keep_original_unless_clearly_slower(plans, timings, best):
     """`best`, or the original layers where `best` wins by less than
-    KEEP_ORIGINAL_MARGIN (or the original layers were not timed: `best`).
-
-    >>> from rnnfuse.plan import FUSED, PER_LAYER
-    >>> t = {"per-layer": 1.0, "fused": 0.98}
-    >>> _keep_original_unless_clearly_slower([PER_LAYER, FUSED], t, FUSED).name
-    'per-layer'
-    >>> _keep_original_unless_clearly_slower([PER_LAYER, FUSED], {**t, "fused": 0.9}, FUSED).name
-    'fused'
-    """
+    KEEP_ORIGINAL_MARGIN."""
     original = next((p for p in plans if p == PER_LAYER), None)
     if original is None or best is original or original.name not in timings or best.name not in timings:
         return best
@@ -791,20 +681,11 @@ def _fastest_with_sound_gradients(plans, timings, rejected, training, check, dty
                                   keeps_original=None):
     """The fastest plan whose gradients may be trusted for training.
 
-    A plan on cuDNN's default algorithm needs no check. One on another
-    algorithm, or on another kernel (the wavefront kernel's backward), must
-    have gradients no farther from float64 than the default algorithm's
-    with the same pieces (`gradient_tolerance`); the check runs
-    lazily, fastest candidate first, so a tuning run pays for one or two
-    float64 references instead of one per candidate. Failures are recorded
-    in `rejected` (name -> why).
-
-    `keeps_original(plan)`: whether the original layers would stay over
-    `plan` anyway (`_keep_original_unless_clearly_slower`). Where a plan to
-    check is that close to them, the original layers are returned without
-    the check: every plan after it is slower, so whichever one passed, the
-    original layers would stay (the decision is the same; a float64
-    reference and two gradient traces are not paid for).
+    A plan on a non-default algorithm or another kernel must have gradients
+    within `gradient_tolerance` of its default-algorithm twin's. Checks run
+    lazily, fastest first, so one or two float64 references are paid for;
+    failures go to `rejected`. Where `keeps_original(plan)` says the original
+    layers would stay anyway, they are returned without the check.
     """
     errors: dict = {}
     original = next((p for p in plans if p == PER_LAYER), None)
@@ -843,30 +724,13 @@ def _fastest_with_sound_gradients(plans, timings, rejected, training, check, dty
 
 
 def _first_calls(steps: dict, plans: dict, seconds: dict | None = None) -> tuple[dict, dict]:
-    """Runs each step once, untimed by the timer (tracing, compiling,
-    cuDNN's plan); a non-default-algorithm step that cuDNN refuses (an op
-    error) is left out with its reason instead of ending all timing. Steps
-    that are not callables (a test's fake timer) are kept as they are.
-    `seconds`, if given, receives each call's wall-clock seconds.
+    """Calls each step once, untimed (trace, compile, cuDNN's plan).
 
-    A step with a `trace()` (a compiled step: `Timing.timed_step`) is
-    traced here, in order, and its first call is then made on one worker
-    thread while the next step traces: a trace is Python work, a compiled
-    first call (graph set-up, cuDNN's plan, one run) is mostly not, so the
-    two overlap, and first calls still run one at a time (the device's
-    memory holds one candidate's step at a time, as before). Its `seconds`
-    are then the call's alone, without the trace. A step without one
-    (torch's eager steps, whose first call is their first timing) is
-    called here, at its turn, while no other first call runs.
-
-    >>> calls = []
-    >>> def step():
-    ...     calls.append("call")
-    ...     return 1.0
-    >>> step.trace = lambda: calls.append("trace")
-    >>> kept, refused = _first_calls({"fused": step}, {})
-    >>> calls, list(kept), refused
-    (['trace', 'call'], ['fused'], {})
+    Returns (kept steps, {name: refusal}): a step a kernel refuses is left out
+    instead of ending all timing; `seconds` receives each call's seconds. A
+    step with `trace()` is traced here and its first call runs on a worker
+    thread while the next step traces; first calls still run one at a time,
+    so the device holds one candidate's step at a time.
     """
     outcomes: dict = {}
     clock = current_clock()  # the worker thread does not see this context
@@ -918,11 +782,9 @@ def _done(fn, *args) -> concurrent.futures.Future:
 
 
 def _refusal(plan: Plan | None, exc: Exception) -> str | None:
-    """Why the kernel refused `plan` (its last message line), when `exc` is
-    a kernel's op error on a non-default algorithm or a forward-only kernel,
-    or (NotImplementedError) that kernel fell back to cuDNN in the step, or
-    another algorithm than the plan's ran (`_runner`); None for anything
-    else (a real error, to raise)."""
+    """Why the kernel refused `plan`, when `exc` is a kernel's op error (or
+    NotImplementedError) on a non-default algorithm or another kernel; None
+    for anything else (a real error, to raise)."""
     if plan is None:
         return None
     last_line = str(exc).strip().splitlines()[-1].strip()[:300]
@@ -941,26 +803,17 @@ def _is_op_error(exc: Exception) -> bool:
     return any(c.__name__ == "OpError" for c in type(exc).__mro__)
 
 
-# The gradient check runs on at most this many time steps of the batch: it
-# compares two algorithms' errors on the same input, which the sequence's
-# length does not favour either way, and its float64 reference of the whole
-# batch cost 2.6 s of the 4x512 fp16 anchor's 14.7 s of tuning (T=1000).
+# The gradient check's steps: the length favours neither algorithm, and a
+# float64 reference of a long batch was most of a tuning's cost.
 CHECK_STEPS = 64
 
 
 class GradientCheck:
-    """`check_gradients` for `tune_plans`: a plan's gradient error against
-    the whole run fused in float64, with that reference computed once per
-    (group, shape, dtype) and reused for every candidate checked. The batch
-    is the real one cut to its first CHECK_STEPS steps.
-
-    The first check of a (group, shape, dtype) computes the reference, the
-    plan's gradients and, for a plan besides cuDNN's default algorithm, its
-    default-algorithm twin's (which `_fastest_with_sound_gradients` asks for
-    next) in one `Timing.gradients_of` call: on TensorFlow one trace and
-    one graph set-up instead of three (about half a second each). Where
-    that call fails, each is computed on its own, so an error is the
-    plan's that raised it (a refusal, or a bug to raise)."""
+    """`check_gradients` for `tune_plans`: a plan's gradient error against the
+    whole run fused in float64, on the batch's first CHECK_STEPS steps. The
+    reference is computed once per (group, shape, dtype), together with the
+    plan's and its default-algorithm twin's gradients in one call where that
+    works (one trace instead of three)."""
 
     def __init__(self):
         self._references: dict = {}
