@@ -24,6 +24,7 @@ from typing import Any
 
 import tensorflow as tf
 
+from rnnfuse.backends.base import GATES
 from rnnfuse.plan import ALGORITHM_NAMES, Algorithm
 
 __all__ = [
@@ -39,8 +40,7 @@ __all__ = [
 ]
 
 OP_DTYPES = ("float16", "bfloat16", "float32")
-_KINDS = ("lstm", "gru", "rnn_tanh", "rnn_relu")
-_GATES = {"lstm": 4, "gru": 3, "rnn_tanh": 1, "rnn_relu": 1}
+_KINDS = tuple(GATES)
 # The attributes both ops share (the gradient copies them from the forward).
 SHARED_ATTRS = (
     "rnn_mode",
@@ -59,7 +59,7 @@ _MATHS = ("default", "tensor_op", "tensor_op_allow_conversion", "fma")
 def flat_size(kind: str, num_layers: int, num_directions: int, units: int,
               input_size: int, proj_size: int = 0) -> int:
     """Elements of the canonical flat buffer (see the C++ source's header)."""
-    g, h, r = _GATES[kind], units, proj_size or units
+    g, h, r = GATES[kind], units, proj_size or units
     total = 0
     for p in range(num_layers * num_directions):
         n = input_size if p < num_directions else num_directions * r
