@@ -23,26 +23,16 @@ output width above), `H = units`, `P = proj_size`, `G` gates (4, 3, 1):
 `use_bias=False` gives zero biases. States are [L*D, B, H] (h: [L*D, B, P]
 when projected). A level reading a Bidirectional merged by "sum" or "ave"
 packs w_ih = [s*W; s*W]^T, s = 1 or 1/2 (see `StackSpec.input_scale`).
-
-Masks: a right-padded mask becomes lengths through `pack_padded_sequence`;
-`reverse=True` reverses each sequence within its length first.
+A right-padded mask becomes lengths (`pack_padded_sequence`).
 
 Kernels: "cudnn" is rnnfuse's cuDNN core (`cudnn_core`) on CUDA, else
 `torch._VF` (the `KernelRun`'s note says why); "stock" is `torch._VF`;
-"wavefront" is rnnfuse's wavefront kernel (`wavefront`), or "cudnn" where
-it cannot run the call.
+"wavefront" is rnnfuse's wavefront kernel, or "cudnn" where it cannot run
+the call. `levels_per_call` splits a stack into calls (`set_call_mode`,
+`call_mode()` or RNNFUSE_TORCH_CALLS override it).
 
-Calls: one `torch._VF` call for the stack, except float16 stacks on CUDA
-that PyTorch would run on cuDNN's persistent kernel only as single-layer
-calls (`levels_per_call`). `set_call_mode` (this thread), `call_mode()` (a
-block) or RNNFUSE_TORCH_CALLS override that choice.
-
-Precision: float32 stacks that Keras runs in its Python loop run cuDNN with
-TF32 off unless TF32 matmuls are allowed (`needs_exact_float32`).
-
-The CPU: PyTorch's native kernels run the whole loop in C++ while Keras'
-torch backend steps through time in Python, so the fused call runs there
-too, equal to Keras' loop to float rounding (docs/benchmarks.md).
+The fused call also runs on the CPU: PyTorch's native kernels run the
+whole loop in C++ where Keras' torch backend steps in Python.
 
 Example:
 
