@@ -52,18 +52,14 @@ def analyze(
     Args:
         model: a built Keras 3 Sequential or Functional model.
         min_layers: the least number of recurrent levels worth fusing; None:
-            1 (a lone layer is a group, kept unless fusing is faster), 2 for
-            ProjectedLSTM.
+            1 (a lone layer is a group), 2 for ProjectedLSTM.
         absorb_dropout: treat a `Dropout` between two recurrent layers as
             cuDNN's between-layer dropout instead of a break in the run.
 
-    Returns:
-        A `FusionReport`: `.groups`, `.skipped` (layer -> reason) and `.breaks`
-        (two grouped layers that are separate calls -> reason).
-
-    Raises:
-        TypeError: `model` is not a Keras 3 model.
-        ValueError: `model` is not built, or a bad `min_layers`.
+    Returns a `FusionReport`: `.groups`, `.skipped` (layer -> reason) and
+    `.breaks` (grouped neighbours that are separate calls -> reason). Raises
+    TypeError for a non-Keras model, ValueError for an unbuilt one or a bad
+    `min_layers`.
 
     >>> import keras
     >>> m = keras.Sequential([keras.Input((5, 3)), keras.layers.GRU(4)])
@@ -88,34 +84,28 @@ def optimize(
 ) -> keras.Model | OptimizeResult:
     """A new model in which each fusable run is one `FusedRNN` layer.
 
-    The new model has the same inputs, outputs and output names and shares
-    every layer and variable with `model` (training one trains the other);
-    `model` itself is not changed.
+    It has the same inputs, outputs and output names and shares every layer
+    and variable with `model` (training one trains the other); `model` is
+    not changed. A subclassed model comes back as it is, with a warning.
 
     Args:
         model: a built Keras 3 Sequential or Functional model.
         min_layers, absorb_dropout: see `analyze`.
-        tune: how each group's plan is chosen. "auto" (the default): the
-            static rule table now, then, on a GPU, the plans timed on the
-            first batch of `fit`/`evaluate`/`predict` (cached on disk).
-            False or None: the static rule table only. A sample batch or
+        tune: "auto" (the default): the static rule table now, then on a GPU
+            the plans timed on the first batch of `fit`/`evaluate`/`predict`;
+            False or None: the static table only; a sample batch or
             `rnnfuse.TuneShape(batch_size, steps)`: time the candidates now.
-        training: tune for training steps (forward + backward) or inference.
-        plan: one `rnnfuse.Plan` for every group (or a callable group ->
-            Plan); overrides `tune`.
-        cache: the plan cache: None (the default file), False (none), a
-            path, or a `PlanCache`.
+        training: tune for training steps or for inference.
+        plan: one `rnnfuse.Plan` for every group (or group -> Plan); overrides
+            `tune`.
+        cache: the plan cache: None (the default file), False, a path, or a
+            `PlanCache`.
         return_result: return an `rnnfuse.OptimizeResult` (model, report,
-            plans, groups that failed to rewrite) instead of the model.
-
-    Returns:
-        The optimized `keras.Model` (a subclassed model comes back as it is,
-        with a warning), or its `OptimizeResult`.
+            plans, failed rewrites) instead of the model.
 
     Raises:
         TypeError: `model` is not a Keras 3 model.
-        ValueError: `model` is not built, or `min_layers`, `tune` or `plan`
-            is not valid.
+        ValueError: `model` is not built, or a bad `min_layers`, `tune` or `plan`.
 
     Example:
         >>> import keras

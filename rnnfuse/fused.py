@@ -70,26 +70,16 @@ class FusedRNN(keras.layers.Layer):
             (see `rnnfuse.analyze`) and feeding the next.
         dropout_layers: optional, one entry per gap: a `keras.layers.Dropout`
             absorbed as cuDNN's between-layer dropout, or None.
-        plan: an `rnnfuse.Plan` (or its `to_dict()`); None is `rnnfuse.FUSED`,
-            the whole run in one call. `set_plan` switches it later.
+        plan: an `rnnfuse.Plan` (or its `to_dict()`); None is `rnnfuse.FUSED`.
+            `set_plan` switches it later.
         **kwargs: Keras layer arguments; `name` defaults to
             `default_name(layers)`, `dtype` to the first layer's policy.
 
-    Call arguments:
-        sequences: [batch, time, features].
-        initial_state: the first layer's initial state.
-        mask: [batch, time] boolean mask.
-        training: Python boolean.
-        algorithm: a runtime value for the plan's algorithm (the tuner's
-            shared step); None: the plan's.
-        mask_is_right_padded: True where the caller knows it, so the original
-            layers are not traced as the other branch.
-
-    A call whose plan keeps the original layers is handed to their own calls,
-    so a kept-original group costs what the original layers cost.
-
-    Returns:
-        What the last layer returns (output, plus states with return_state).
+    Call arguments: sequences, initial_state, mask, training as the first
+    layer takes them; `algorithm`, a runtime value for the plan's algorithm
+    (the tuner's shared step); `mask_is_right_padded`, where the caller knows
+    it. A call whose plan keeps the original layers is handed to their own
+    calls. Returns what the last layer returns.
 
     Raises:
         TypeError: `layers` or `dropout_layers` hold the wrong types.

@@ -67,17 +67,11 @@ def load_model(
     safe_mode: bool = True,
     fuse: bool = True,
 ) -> keras.Model:
-    """Loads a saved Keras model and optimizes it again.
-
-    The file is what an optimized model's `save` writes, the original model's
-    own file, or rnnfuse's fused format. The model comes back as `optimize`
-    returns it, with the file's compile() arguments and optimizer state, so
-    training resumes where it stopped.
-
-    Args:
-        filepath: path of a `.keras` file (or a legacy `.h5` model).
-        custom_objects, compile, safe_mode: as for `keras.models.load_model`.
-        fuse: False returns the model as the file holds it (`read_model`).
+    """Loads a saved Keras model and optimizes it again, with the file's
+    compile() arguments and optimizer state, so training resumes where it
+    stopped. The file is an optimized model's `save`, the original model's own
+    file, or rnnfuse's fused format; `custom_objects`, `compile`, `safe_mode`
+    as for `keras.models.load_model`; `fuse=False` returns it as saved.
 
     Raises:
         FileNotFoundError: nothing at `filepath`.

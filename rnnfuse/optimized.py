@@ -235,18 +235,11 @@ class _OptimizedMixin:
         self, filepath, format="tf_saved_model", verbose=None, input_signature=None,
         *, fused=False, **kwargs,
     ):
-        """Exports the model for inference as the original model would: the
-        original layers' export, which serves without rnnfuse.
-
-        Args:
-            filepath, format, verbose, input_signature, **kwargs: as for
-                `keras.Model.export`.
-            fused: "tf_saved_model" only: the optimized model as it runs here; a
-                server must load rnnfuse's op first (docs/deployment.md).
-
-        Raises:
-            ValueError: `fused=True` with another format.
-        """
+        """Exports the model for inference as the original model would (its
+        export serves without rnnfuse); arguments as for `keras.Model.export`.
+        `fused=True` ("tf_saved_model" only, else ValueError) traces the
+        optimized model as it runs here; a server then loads rnnfuse's op first
+        (docs/deployment.md)."""
         if not fused:
             return export_model(self).export(
                 filepath, format=format, verbose=verbose, input_signature=input_signature,

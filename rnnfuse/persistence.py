@@ -59,17 +59,11 @@ def restore(model: keras.Model) -> keras.Model:
     """A plain Keras model with the original layers of an optimized model.
 
     Every `FusedRNN` (nested models too) is replaced by the layers it holds,
-    called as the original model called them, absorbed Dropout back in place.
-    The layers are the same objects (current weights, shared); the config
-    names only Keras classes and rnnfuse's own layers, and the compile()
-    arguments carry over with a fresh optimizer.
-
-    Args:
-        model: a model from `rnnfuse.optimize` (or its file); any other
-            Sequential or Functional model is rebuilt over the same layers.
-
-    Raises:
-        TypeError: `model` is not a Sequential or Functional Keras model.
+    called as the original model called them; they are the same objects
+    (current weights, shared), the config names only Keras' and rnnfuse's own
+    layer classes, and the compile() arguments carry over. Any other
+    Sequential or Functional model is rebuilt over the same layers; anything
+    else raises TypeError.
 
     Example:
         >>> import keras, rnnfuse

@@ -318,20 +318,17 @@ def plot_layer_graph(
     dpi: int = 120,
     engine: str = "auto",
 ):
-    """Draws `model`'s layer graph, fused groups highlighted.
+    """Draws `model`'s layer graph, fused groups highlighted; returns a
+    matplotlib `Figure` or a `pydot.Dot`.
 
     Args:
         model: a built Sequential or Functional keras.Model.
         path: where to save the drawing (.png, .svg, .pdf, ...); None: only
             return it.
-        report: `rnnfuse.analyze(model)`'s report, if already computed.
-        min_layers: passed to `analyze` when `report` is None.
-        title: the picture's title (default: the model's name and counts).
-        dpi: resolution of a saved raster image.
+        report: `rnnfuse.analyze(model)`'s report, if already computed, else
+            made with `min_layers`.
+        title, dpi: the picture's title and a raster's resolution.
         engine: "graphviz", "matplotlib", or "auto" (graphviz where installed).
-
-    Returns:
-        A `matplotlib.figure.Figure` or a `pydot.Dot`.
 
     Raises:
         ValueError: a subclassed `model` (no layer graph), or a bad `engine`.

@@ -90,25 +90,14 @@ def random_inputs(
     notes: list | None = None,
     default_steps: int | None = None,
 ):
-    """Random arrays for every input of `model`, as `model(...)` takes them.
+    """Random arrays for every input of `model`, as `model(...)` takes them:
+    (inputs, one-line descriptions).
 
-    Args:
-        model: a built Functional or Sequential keras.Model.
-        batch: the batch size.
-        steps: the time steps the user asked for (`--steps`), for inputs
-            whose axis 1 is None; a note says where an input's own time
-            dimension overrides it.
-        rng: a numpy Generator.
-        notes: a list that receives one line per remark (may be None).
-        default_steps: the time steps where `steps` is None (None: such an
-            input is an error that asks for --steps).
-
-    Returns:
-        (inputs as the model takes them, list of one-line descriptions).
-
-    Raises:
-        CliError: the model has no inputs to read, or an open dimension
-            other than batch and time.
+    `steps` (`--steps`) fills an open time axis (a note in `notes` where an
+    input's own time dimension wins), else `default_steps`; floats are
+    standard normal, an Embedding's inputs token ids below its input_dim
+    (right-padded with 0 under mask_zero). Raises CliError for a model without
+    readable inputs or an open dimension besides batch and time.
     """
     import keras
 

@@ -30,21 +30,10 @@ def load_model(
     safe_mode: bool = True,
     mixed_precision: bool = False,
 ):
-    """The keras.Model that `source` names, or a one-line `CliError`.
-
-    Args:
-        source: a `.keras` (or legacy `.h5`) file, or `module:function` /
-            `path/to/file.py:function` returning a built keras.Model.
-        imports: modules to import first (names or .py paths).
-        safe_mode: Keras' `safe_mode` for loading files.
-        mixed_precision: rebuild the model under `mixed_float16`.
-
-    Returns:
-        A built keras.Model.
-
-    Raises:
-        CliError: what went wrong and how to fix it.
-    """
+    """The built keras.Model that `source` names (a `.keras`/`.h5` file, or
+    `module:function` / `file.py:function`), after importing `imports`;
+    `mixed_precision` rebuilds it under `mixed_float16`. Every failure is a
+    one-line `CliError` saying what and how to fix it."""
     import keras
 
     for module in imports:

@@ -79,17 +79,10 @@ def progress(disable: bool):
 
 def print_inspect(printer: Printer, report, groups: list[dict], *, backend: str, empty: str | None,
                   already: list, why: str | None, plot: str | None) -> None:
-    """The report with how each group runs here, and a one-line summary.
-
-    Args:
-        groups: the `--json` group records (plan and placement per group).
-        backend: the Keras backend's name.
-        empty: the line to print when the model has no group (None: "no
-            fusable runs").
-        already: the FusedRNN layers the model already holds.
-        why: why no group runs fused here (None: some do).
-        plot: the file the layer graph was drawn to, if any.
-    """
+    """The report with how each group runs here (`groups`: the `--json` group
+    records), and a one-line summary; `empty` is the line for a model without
+    groups, `already` its FusedRNN layers, `why` why none runs fused here,
+    `plot` the drawing's file."""
     if not printer.quiet:
         here = [f"plan {g['plan']['name']}; runs {g['runs']['how']}" for g in groups]
         print_report(printer.console, report, runs=here, runs_title=f"runs here ({backend})", empty=empty)

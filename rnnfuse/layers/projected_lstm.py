@@ -105,17 +105,10 @@ def _check_unroll(unroll: Any, where: str) -> int:
 
 def set_fast_path(name: str, unroll: int | None = None) -> None:
     """Selects the ProjectedLSTM implementation for calls traced from now on
-    in this thread (or task); `fast_path()` does it for a block. A layer's own
-    arguments win over this; this wins over the environment variables.
-
-    Args:
-        name: one of `FAST_PATHS` ("off" runs Keras' generic loop).
-        unroll: optional; time steps per loop iteration (default 4), used
-            where it divides the static sequence length.
-
-    Raises:
-        ValueError: `name` is not one of `FAST_PATHS`, or a bad `unroll`.
-    """
+    in this thread (or task): `name` one of `FAST_PATHS` ("off": Keras'
+    generic loop), `unroll` time steps per loop iteration (default 4, used
+    where it divides the sequence length); ValueError for either out of
+    range. A layer's own arguments win; this wins over the environment."""
     _CHOICE.set(_choice(name, unroll, "set_fast_path"))
 
 

@@ -100,19 +100,10 @@ def plan_fusion(
     min_layers: int | None = None,
     absorb_dropout: bool = True,
 ) -> FusionReport:
-    """Groups of fusable runs in `graph`, and a reason for every other RNN.
-
-    Args:
-        graph: a layer graph from `build_layer_graph`.
-        model_name: name shown in the report.
-        min_layers: the least number of recurrent levels worth fusing (None:
-            `default_min_layers`).
-        absorb_dropout: whether a `Dropout` between two recurrent layers
-            joins them as cuDNN's between-layer dropout.
-
-    Returns:
-        A `FusionReport`.
-    """
+    """A `FusionReport` of the fusable runs in `graph` (from
+    `build_layer_graph`) and a reason for every other recurrent layer;
+    `min_layers` (None: `default_min_layers`) and `absorb_dropout` as for
+    `rnnfuse.analyze`."""
     candidates = find_candidates(graph, get_backend().activation_functions())
     return _plan(graph, candidates, model_name, min_layers, absorb_dropout)
 

@@ -143,15 +143,9 @@ def cache_key(
 
 
 class PlanCache:
-    """A JSON file of tuning decisions, safe for concurrent processes.
-
-    Args:
-        path: the cache file (default: `default_cache_path()`).
-
-    Raises:
-        TypeError: `path` is not a path.
-        ValueError: `path` is a folder, or a parent of it is a regular file.
-    """
+    """A JSON file of tuning decisions, safe for concurrent processes, at
+    `path` (default: `default_cache_path()`); a path that is a folder, or
+    under a regular file, raises ValueError."""
 
     def __init__(self, path: str | os.PathLike | None = None):
         if path is None:

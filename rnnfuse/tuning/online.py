@@ -38,14 +38,10 @@ KEEP_ORIGINAL_MARGIN = 0.10
 
 
 class OnlineRace:
-    """Which candidate each of a fit's first steps runs, and the commit.
-
-    Args:
-        names: the candidates, the original layers among them as the baseline.
-        warmup: untimed steps after each candidate's first.
-        repeats: timed rounds.
-        check: name -> whether it passes the exactness check (default: all).
-    """
+    """Which candidate each of a fit's first steps runs, and the commit:
+    `names` (the original layers among them as the baseline), `warmup`
+    untimed steps after each one's first, `repeats` timed rounds, `check`
+    name -> whether it passes the exactness check."""
 
     def __init__(self, names: Sequence[str], *, warmup: int = 1, repeats: int = 5,
                  check: Callable[[str], bool] | None = None, baseline: str = PER_LAYER.name):
@@ -148,17 +144,11 @@ class OnlineFit:
     """One `fit`'s online tuning: its step function while the races run, one
     member at a time, each winner committed once.
 
-    Args:
-        state: the model's `per_shape.AutoTune`.
-        races: [(member index, bucket, shape, {name: Plan})], in order.
-        make: () -> Keras' train function for the plans set now (each
-            candidate's is built on its first step and reused).
-        apply: (member index, bucket, plan) -> None: sets the plan.
-        measure_step: (name, run) -> (logs, seconds); default: `clock.now`.
-        check: (member index, Plan) -> whether it passes the exactness check.
-        record: (member index, shape, TuneResult) -> None: keeps a decision.
-        install: (train function) -> None: makes it the model's once every
-            race is committed.
+    `state` is the model's `per_shape.AutoTune`; `races` [(member, bucket,
+    shape, {name: Plan})]; `make()` Keras' train function for the plans set
+    now (built once per candidate); `apply`, `record` and `install` set a
+    plan, keep a decision and install the final train function; `check` and
+    `measure_step` are the exactness check and the step timer.
     """
 
     def __init__(self, races, *, make, apply, record, install, check=None, measure_step=None,

@@ -167,17 +167,7 @@ def untimed(plan: Plan) -> Plan:
 def contenders(result: TuneResult, group: FusionGroup, backend_name: str) -> list[Plan]:
     """What a new bucket times after `result` was decided at another: the
     original layers, the plan chosen there and its standard-algorithm twin,
-    and every candidate timed within CONTENTION of the best there.
-
-    >>> import types
-    >>> from rnnfuse.plan import Plan
-    >>> group = types.SimpleNamespace(layers=("a", "b"), absorbed_dropout=())
-    >>> r = types.SimpleNamespace(plan=Plan((2,), "persistent_dynamic+tc"), timings={
-    ...     "per-layer": 5.8, "fused": 5.0, "fused @persistent_dynamic+tc": 4.2,
-    ...     "fused @persistent_static+tc": 9.0})
-    >>> [p.name for p in contenders(r, group, "tensorflow")]
-    ['per-layer', 'fused @persistent_dynamic+tc', 'fused']
-    """
+    and every candidate within CONTENTION of the best there."""
     every = {p.name: p for p in candidates_for(backend_name)(group)}
     chosen = result.plan.for_length(len(group.layers))
     out = [PER_LAYER, chosen, untimed(chosen)]

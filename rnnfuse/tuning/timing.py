@@ -54,20 +54,14 @@ def interleaved_medians(
     keep: tuple = (),
     beat: float | None = None,
 ) -> dict[str, dict]:
-    """Times each step `repeats` times, interleaved, after `warmup` calls.
+    """Times each step `repeats` times, interleaved, after `warmup` calls;
+    returns name -> {"median": s, "times": [s, ...], "pruned": bool}.
 
-    Args:
-        prune: (> 1) a step whose last warm-up or first-round call took over
-            prune**2 x the best, or whose fastest call is over prune x the best
-            median after a timed round, stops.
-        race: (> 1) the tighter factor from the third round, for every step
-            not in `keep` (the baseline needs its median over every round).
-        beat: (in (0, 1]) from the third round, a step not in `keep` whose
-            fastest call is over beat x the `keep` steps' best median stops: it
-            cannot beat the baseline by the margin a decision needs.
-
-    Returns:
-        name -> {"median": seconds, "times": [seconds, ...], "pruned": bool}.
+    `prune` (> 1): a step over prune**2 x the best on its last warm-up or
+    first-round call, or over prune x the best median after a timed round,
+    stops. `race` (> 1): the tighter factor from the third round for steps
+    not in `keep` (the baseline needs every round). `beat` (in (0, 1]): from
+    the third round, a step over beat x the `keep` steps' best median stops.
     """
     if prune is not None and not prune > 1:
         raise ValueError(f"interleaved_medians: prune must be > 1 or None; received {prune!r}")

@@ -420,12 +420,11 @@ def _takes_on_step(fn) -> bool:
 class _Measured:
     """`plans` -> ({name: median seconds}, {name: why refused}) for one group.
 
-    Each step is built and called once, untimed, the first time it is asked
-    for, and reused by a later stage. With `eager_first_calls` (torch) a
-    clearly slow first call is the step's time, and the original layers'
-    full-length first call may be extrapolated instead (see PROBE_STEPS).
-    The original layers are called last, and the very first call is never
-    judged: it may carry the process's one-time set-up (cuDNN, kernels).
+    Each step is built and called once, untimed, when first asked for, and
+    reused by a later stage. With `eager_first_calls` (torch) a clearly slow
+    first call is the step's time, and the original layers' full-length first
+    call may be extrapolated instead; they are called last, and the process's
+    very first call (one-time set-up) never judges a step.
     """
 
     def __init__(self, group, shape, dtype, training, jit_baseline, masked, measure, bar,
@@ -521,14 +520,7 @@ def default_warmup(backend_name: str) -> int:
 def leading_candidates(group, dtype, training, shape, plans) -> tuple[str, ...]:
     """The names a budgeted timing starts with: the original layers and the
     static table's plan for this shape (the whole run where the table keeps
-    the original layers), among `plans`.
-
-    >>> import types
-    >>> from rnnfuse.plan import Plan, PER_LAYER
-    >>> g = types.SimpleNamespace(layers=("a", "b"))
-    >>> leading_candidates(g, "float32", True, (8, 10, 4), [PER_LAYER, Plan((2,)), Plan((1, 1))])[0]
-    'per-layer'
-    """
+    the original layers), among `plans`."""
     names = {p.name for p in plans}
     try:
         static = static_plan(group, dtype, training, shape[0]).for_length(len(group.layers))
