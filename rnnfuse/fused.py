@@ -209,8 +209,7 @@ class FusedRNN(keras.layers.Layer):
 
     @property
     def uses_fused_kernel(self) -> bool:
-        """Whether calls here run the fused kernel (a mask's values still decide
-        per call)."""
+        """Whether calls here run the fused kernel (a mask's values still decide per call)."""
         return self._fallback_reason(None) is None
 
     @property

@@ -136,8 +136,7 @@ class _OptimizedMixin:
         return online
 
     def _train_function_now(self):
-        """Keras' train function for the plans set now (the model's own
-        stays in place)."""
+        """Keras' train function for the plans set now (the model's own stays in place)."""
         keep = self.train_function
         with first_batch.mode_jit_compile(self, training=True):
             super().make_train_function(force=True)

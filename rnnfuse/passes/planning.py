@@ -202,8 +202,7 @@ def _links(graph: nx.DiGraph, views: dict, recurrent: frozenset, absorb_dropout:
 
 
 def _reader(graph: nx.DiGraph, key: str, recurrent: frozenset, absorb_dropout: bool):
-    """(the recurrent layer that reads `key`'s output or None, the Dropout
-    keys between)."""
+    """(the recurrent layer that reads `key`'s output or None, the Dropout keys between)."""
     succ = list(graph.successors(key))
     if len(succ) != 1:
         # Several readers: report the link to a recurrent one, if any.

@@ -1,25 +1,15 @@
-"""How much timing a `fit`, `evaluate` or `predict` call can pay for.
-
-Keras knows a call's steps when it starts (`call_steps`); timing plans on
-the first batch is worth it only where the call earns it back:
+"""How much timing a `fit`, `evaluate` or `predict` call can pay for:
 
     budget_s = FIT_SHARE x steps x t_original
 
-with `t_original` the original layers' step as the tuner timed it. A plan
-replaces them only where it wins by `tuner.KEEP_ORIGINAL_MARGIN`, so a
-tuning within FIT_SHARE of the call pays for itself when a plan wins and
-costs at most that share when none does.
-
-The rule (`TuningBudget`):
-
-1. A cached decision costs nothing and is always used.
-2. A call too short to time the two leading candidates times nothing: the
-   static table's proven plan runs it.
-3. Otherwise the original layers and the static plan are timed first, and
-   each further stage only where its projected cost fits the budget.
-4. A decision cut short is used but not cached, so a longer call in a new
-   process times what was left out.
-5. A call of unknown length (a generator, a custom loop) times everything.
+with `steps` the call's steps (`call_steps`) and `t_original` the original
+layers' step as timed. A plan replaces them only where it wins by
+`tuner.KEEP_ORIGINAL_MARGIN`, so such a tuning pays for itself when a plan
+wins and costs at most FIT_SHARE when none does. A call too short to time
+the two leading candidates times nothing (the static table's proven plan
+runs it); otherwise each stage is timed only where its projected cost
+fits; a decision cut short is not cached; a call of unknown length times
+everything.
 
 Example:
     >>> import numpy as np
@@ -64,8 +54,7 @@ class TuningBudget:
         return self.steps >= self.min_steps(warmup, repeats)
 
     def seconds(self, original_step_s: float) -> float:
-        """The budget in seconds for a group whose original layers take
-        `original_step_s` a step."""
+        """The budget in seconds for a group whose original layers take `original_step_s` a step."""
         return self.share * self.steps * original_step_s
 
     def start(self) -> "Spend":

@@ -31,8 +31,7 @@ def now() -> float:
 
 
 def current_clock() -> Clock:
-    """The clock in effect here: hand it to a worker thread, which does not
-    inherit this context."""
+    """The clock in effect here: hand it to a worker thread, which does not inherit this context."""
     return _CLOCK.get()
 
 

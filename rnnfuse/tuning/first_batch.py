@@ -421,8 +421,7 @@ def _mode_jit(model: keras.Model, training: bool) -> bool | None:
 
 
 def _retrace(model: keras.Model, state: AutoTune, training: bool) -> None:
-    """Drops Keras' traced step functions of one mode so the next step runs
-    the new plans."""
+    """Drops Keras' traced step functions of one mode so the next step runs the new plans."""
     names = ("train_function",) if training else ("test_function", "predict_function")
     for name in names:
         if getattr(model, name, None) is not None:

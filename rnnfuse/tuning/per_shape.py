@@ -2,32 +2,22 @@
 
 A plan decided at one input shape does not carry to another (cuDNN's
 persistent algorithms in particular), so an optimized model keeps one
-decision per group, mode (training, inference) and shape bucket,
-`bucket_of(batch, steps)`: each rounded to the nearest power of two.
+decision per group, mode and bucket (`bucket_of`: batch and steps, each
+rounded to the nearest power of two). The rule:
 
-The rule (what `decide` and the layers' `Planner` do):
+1. A bucket is timed on a real shape of it before a plan runs there: the
+   first bucket of a mode times every candidate, a later one only the
+   `contenders`; a cached decision for the bucket counts as timed.
+2. A shape that cannot be timed (a trace that leaves the batch open, JAX
+   or XLA, a failed timing) runs the static table's proven plan, and a
+   decided plan runs `untimed` on a bucket it was not timed in.
+3. Within one `fit`/`evaluate`/`predict` nothing is timed after the first
+   batch, so a plan never switches mid-epoch; elsewhere a FusedRNN asks its
+   `Planner` when first called or traced with a concrete shape.
+4. The original layers are timed on the path they run (XLA-compiled or
+   not: `decision_key`).
 
-1. A (group, mode, bucket) is timed on a real shape of that bucket before
-   a plan runs on it: the first bucket of a mode times every candidate,
-   a later one only those within CONTENTION of the best at the nearest
-   decided bucket, its choice's standard twin and the original layers.
-   A cached decision for a shape of the bucket counts as timed.
-2. A shape that cannot be timed (no decision, and a trace that leaves the
-   batch open, a JAX or XLA trace, a failed timing) runs the static
-   table's proven plan, else the original layers; a decided plan never
-   runs a persistent algorithm on a bucket it was not timed in (`untimed`).
-3. Inside one `fit`, `evaluate` or `predict` nothing is timed after the
-   first batch, so a plan never switches mid-epoch.
-4. Elsewhere (a custom loop, a direct call) a FusedRNN asks its `Planner`
-   when first called or traced with a concrete shape, and the plan is
-   timed then (on TensorFlow from inside the trace).
-5. The original layers are timed on the path they run: XLA-compiled under
-   Keras' jit_compile="auto" in `fit`/`evaluate`/`predict`, not in a custom
-   loop (`decision_key` keeps them apart).
-
-Example (no GPU: nothing is timed; a persistent plan runs as standard
-where it was not timed):
-
+Example (no GPU: a persistent plan runs as standard where not timed):
     >>> from rnnfuse.plan import Plan
     >>> bucket_of(48, 200), bucket_of(173, 108)
     ((64, 256), (128, 128))
@@ -272,8 +262,7 @@ def decision_key(index: int, training: bool, shape: tuple, xla_baseline: bool) -
 
 def _cached_in_bucket(cache, environment, member, shape, training,
                       xla_baseline=False) -> TuneResult | None:
-    """A cached decision for `shape`, else for another shape of its bucket,
-    as a TuneResult."""
+    """A cached decision for `shape`, else for another shape of its bucket, as a TuneResult."""
     if cache is None:
         return None
     group = member.group

@@ -193,8 +193,7 @@ def _tensorflow_table(group, dtype, training, batch=None, proven_only=False) -> 
 
 
 def _torch_table(group, dtype, training, batch=None, proven_only=False) -> Plan:
-    """torch: every run fused; proven only outside half precision on Keras'
-    cuDNN path."""
+    """torch: every run fused; proven only outside half precision on Keras' cuDNN path."""
     if proven_only and str(dtype) in ("float16", "bfloat16") and not _keras_loop(group):
         return PER_LAYER
     return FUSED

@@ -1,29 +1,18 @@
 """Choose each group's plan by timing the candidates on this device.
 
-`tune_plans(groups, shape_of, ...)`, per group:
-
-1. Look the decision up in the plan cache (device, versions, group, input
-   shape, dtype, mode); a hit costs nothing.
-2. Build one step per candidate plan (`candidate_plans`): the original
-   layers, the whole run fused, splits, and per backend the cuDNN
-   algorithms (TensorFlow) or one fused call per layer (torch). A step is
-   a forward (inference) or forward + backward (training) pass of the
-   group alone on a random batch of its input shape.
-3. Call each step once, untimed (trace, compile, cuDNN's plan); a step
-   cuDNN refuses is left out with its message. Where first calls run
-   eagerly (torch), a clearly slow first call is that step's time.
-4. Time the steps interleaved, racing out the clearly slower ones
-   (`interleaved_medians`), in two stages (`_time_in_stages`).
-5. Keep the fastest plan whose gradients pass the float64 check
-   (`gradient_tolerance`), unless the original layers come within
-   KEEP_ORIGINAL_MARGIN of it, and cache the decision.
-
-Under TensorFlow without a GPU nothing is timed: the static rule table
-decides. The timer and the gradient check are parameters, so this logic is
-tested on the CPU with a fake timer.
+`tune_plans(groups, shape_of, ...)`, per group: look the decision up in
+the plan cache; else build one step (a forward, or forward + backward,
+pass of the group alone on a random batch) per candidate plan
+(`candidate_plans`), call each once untimed (a step cuDNN refuses is left
+out with its message), time them interleaved with racing
+(`interleaved_medians`) in two stages (`_time_in_stages`), keep the
+fastest plan whose gradients pass the float64 check
+(`gradient_tolerance`) unless the original layers come within
+KEEP_ORIGINAL_MARGIN of it, and cache the decision. Under TensorFlow
+without a GPU the static rule table decides. The timer and the gradient
+check are parameters, so tests run this logic on a fake clock.
 
 Example (no GPU: the static table answers):
-
     >>> import keras
     >>> from rnnfuse.passes import build_layer_graph, plan_fusion
     >>> m = keras.Sequential([keras.Input((10, 4)),
@@ -659,8 +648,7 @@ def _shared_steps(group, plans, x, dtype, training) -> dict:
 
 
 def _keep_original_unless_clearly_slower(plans, timings, best):
-    """`best`, or the original layers where `best` wins by less than
-    KEEP_ORIGINAL_MARGIN."""
+    """`best`, or the original layers where `best` wins by less than KEEP_ORIGINAL_MARGIN."""
     original = next((p for p in plans if p == PER_LAYER), None)
     if original is None or best is original or original.name not in timings or best.name not in timings:
         return best
