@@ -1,35 +1,22 @@
 """`FusedRNN`: one Keras layer that runs a stack of recurrent layers at once.
 
-The layer holds the original layers (which own the variables) and decides
-on every call how to run them:
-
-1. Where the backend's fused kernel can run (TensorFlow: a GPU; a supported
-   dtype), the stack runs as one multi-layer call whose weights are packed
-   from the original variables on every call, so gradients reach them.
-2. Otherwise it calls the original layers in sequence: the same numbers.
-3. A right-padded mask becomes sequence lengths; any other mask runs the
-   original layers, except in a traced LSTM/GRU step that Keras itself
-   runs on cuDNN, which fails on such a mask with Keras' own message.
-
-The layer's `rnnfuse.plan.Plan` says how the fused path runs: whole,
-in pieces, or the original layers, on which kernel and algorithm. All a
-call needs arrives as arguments and what it ran comes back in `last_path`,
-so two models traced in two threads each run their own plan.
-
-It reproduces the first layer's input dropout, `initial_state` and
-`go_backwards`; the last layer's `return_sequences`, `return_state`, merge
-mode and output mask; "sum"/"ave" merges inside the run; and the values at
-padded steps. Under torch, training-mode input dropout draws other masks
-(same distribution) than Keras' loop.
+The layer holds the original layers (which own the variables). Where the
+backend's fused kernel can run, the stack runs as one multi-layer call
+whose weights are packed from the original variables on every call, so
+gradients reach them; otherwise it calls the original layers in sequence.
+A right-padded mask becomes sequence lengths; any other mask runs the
+original layers. The layer's `rnnfuse.plan.Plan` says how the fused path
+runs; all a call needs arrives as arguments and what it ran comes back in
+`last_path`, so two models traced in two threads each run their own plan.
+Under torch, training-mode input dropout draws other masks (same
+distribution) than Keras' loop.
 
 Example:
     >>> import keras, numpy as np
-    >>> a = keras.layers.LSTM(8, return_sequences=True)
-    >>> b = keras.layers.LSTM(8)
+    >>> a, b = keras.layers.LSTM(8, return_sequences=True), keras.layers.LSTM(8)
     >>> x = np.random.rand(2, 5, 3).astype("float32")
     >>> y = b(a(x))
-    >>> fused = FusedRNN([a, b])
-    >>> bool(np.allclose(fused(x), y, atol=1e-6))
+    >>> bool(np.allclose(FusedRNN([a, b])(x), y, atol=1e-6))
     True
 """
 

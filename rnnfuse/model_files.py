@@ -1,28 +1,17 @@
-"""Loading model files: `rnnfuse.load_model`, with errors that say what is
-wrong and the fix.
+"""Loading model files: `rnnfuse.load_model` (a `.keras` file, optimized
+again with its optimizer state) and `read_model` (the file's model as
+saved), with one `ModelFileError` naming the path, the problem and the fix
+for each problem a file can have.
 
-`load_model(path)` loads a `.keras` file and returns it optimized, keeping
-the optimizer state it holds: an optimized model's `save` writes plain
-Keras files, so this is how a saved model comes back fused.
-`read_model(path)` is the file's model as saved. Each problem with a file
-(missing, a directory, unreadable, weights only, not a Keras model, the
-wrong extension, corrupt, refused by `safe_mode`, an unregistered custom
-class) raises one `ModelFileError` naming the path, the problem and the fix.
-
-Example:
-    >>> import os, tempfile, keras, rnnfuse
-    >>> m = keras.Sequential([keras.Input((5, 2)),
-    ...     keras.layers.GRU(3, return_sequences=True), keras.layers.GRU(3)])
-    >>> path = os.path.join(tempfile.mkdtemp(), "m.keras")
-    >>> rnnfuse.optimize(m).save(path)       # a plain Keras file
-    >>> [type(l).__name__ for l in rnnfuse.load_model(path).layers]
-    ['FusedRNN']
-    >>> m.save_weights(path[:-6] + ".weights.h5")
-    >>> try:
-    ...     rnnfuse.load_model(path[:-6] + ".weights.h5")
-    ... except rnnfuse.ModelFileError as err:
-    ...     print(err.kind)
-    weights_only
+>>> import os, tempfile, keras, rnnfuse
+>>> m = keras.Sequential([keras.Input((5, 2)), keras.layers.GRU(3)])
+>>> path = os.path.join(tempfile.mkdtemp(), "m.weights.h5")
+>>> m.save_weights(path)
+>>> try:
+...     rnnfuse.load_model(path)
+... except rnnfuse.ModelFileError as err:
+...     print(err.kind)
+weights_only
 """
 
 from __future__ import annotations

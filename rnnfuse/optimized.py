@@ -1,23 +1,15 @@
-"""The model classes `rnnfuse.optimize` returns, and their hooks.
+"""The model classes `rnnfuse.optimize` returns: `OptimizedModel`
+(Functional) and `OptimizedSequential`, the plain Keras classes with a few
+methods changed and registered, so `keras.models.load_model` rebuilds a
+fused file. `fit`/`evaluate`/`predict` choose plans on the first batch;
+`get_layer` and `summary` also see the layers inside each FusedRNN;
+`save`, `export` and weight files keep the original model's layout
+(`rnnfuse.persistence`).
 
-`OptimizedModel` (Functional) and `OptimizedSequential` are the plain Keras
-classes with a few methods changed, registered so that
-`keras.models.load_model` rebuilds a fused file with rnnfuse imported:
-
-- `fit`, `evaluate`, `predict`: plans chosen on the first batch
-  (`rnnfuse.tuning.first_batch`); each mode's step XLA-compiled where its
-  plans allow, and a clear error for a forced `jit_compile=True`;
-- `get_layer`, `summary`: also the layers inside each FusedRNN;
-- `save`, `export`, `weights`, `save_weights`, `load_weights`: the original
-  model's file, export, variable order and weight layout
-  (`rnnfuse.persistence`); `fused=True` writes the optimized structure.
-
-Example:
-    >>> import keras, rnnfuse
-    >>> m = keras.Sequential([keras.Input((5, 2)),
-    ...     keras.layers.LSTM(3, return_sequences=True), keras.layers.LSTM(3)])
-    >>> type(rnnfuse.optimize(m)).__name__
-    'OptimizedSequential'
+>>> import keras, rnnfuse
+>>> m = keras.Sequential([keras.Input((5, 2)), keras.layers.LSTM(3)])
+>>> type(rnnfuse.optimize(m)).__name__
+'OptimizedSequential'
 """
 
 from __future__ import annotations

@@ -1,29 +1,17 @@
 """Un-fusing optimized models, and their files in the original layout.
 
 `restore(optimized)` gives a plain Keras model of the original layers (the
-same objects, so the current weights). The optimized classes write and
-read their files through it:
+same objects, so the current weights). An optimized model's `save`,
+`save_weights`, `load_weights` and `export` go through it, so its files
+are the original model's (plain Keras loads them), unless `fused=True`.
+Keras names a weight file's variables by their place in the object tree,
+so the optimized tree would write names the original cannot read.
 
-| call                                    | writes / reads                            |
-|-----------------------------------------|-------------------------------------------|
-| `save("m.keras")`, `ModelCheckpoint`    | the original model's file; plain Keras loads it |
-| `save("m.keras", fused=True)`           | the optimized structure; needs rnnfuse    |
-| `rnnfuse.load_model("m.keras")`         | either file, optimized again              |
-| `save_weights` / `load_weights`         | the original model's layout               |
-| `export(path)` / `export(path, fused=True)` | the original's export / the optimized one |
-
-Keras names a weight file's variables by where they sit in the object
-tree, so the optimized model's own tree would write names the original
-cannot read (silently wrong where shapes agree): weight files go through
-`restore(self)` in the original order.
-
-Example:
-    >>> import keras, numpy as np, rnnfuse, tempfile, os
-    >>> model = keras.Sequential([keras.Input((6, 3)),
-    ...     keras.layers.GRU(4, return_sequences=True), keras.layers.GRU(4)])
-    >>> fast = rnnfuse.optimize(model)
-    >>> path = os.path.join(tempfile.mkdtemp(), "w.weights.h5")
-    >>> fast.save_weights(path); model.load_weights(path)
+>>> import keras, rnnfuse, tempfile, os
+>>> model = keras.Sequential([keras.Input((6, 3)),
+...     keras.layers.GRU(4, return_sequences=True), keras.layers.GRU(4)])
+>>> path = os.path.join(tempfile.mkdtemp(), "w.weights.h5")
+>>> rnnfuse.optimize(model).save_weights(path); model.load_weights(path)
 """
 
 from __future__ import annotations

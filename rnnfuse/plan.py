@@ -1,31 +1,18 @@
 """The `Plan` record: how one fusion group runs, from `optimize` to the kernel.
 
-The static table or the tuner chooses a plan, the rewrite builds each
-`FusedRNN` with it, first-batch tuning switches it, the plan cache stores
-it (`to_dict`), and the fused call hands its kernel and algorithm to the
-backend. A plan says:
-
-- `pieces`: `(n,)` the whole run as one fused call; `(a, b, ...)`
-  consecutive sub-runs, one fused call each; `()` the original layers;
-- `kernel`: which fused kernel runs the pieces (`KERNELS`);
-- `algorithm`: that kernel's variant; for "cudnn" one of cuDNN 9's RNN
-  algorithms and a math type (`Algorithm`: "standard",
-  "persistent_static+tc", ...; None: the standard one).
-
-A new kernel is one more entry of `KERNELS` and a backend that runs it; a
+A plan says `pieces` (`(n,)` the whole run as one fused call, `(a, b,
+...)` consecutive sub-runs, `()` the original layers), `kernel` (a key of
+`KERNELS`) and `algorithm` (for "cudnn", an `Algorithm`: one of cuDNN's RNN
+algorithms and a math type; None: the standard one). The static table or
+the tuner chooses it, `FusedRNN` runs it, the plan cache stores it. A
 backend that cannot run a plan raises NotImplementedError and the layer
-runs the original layers. Where a backend does not train on a kernel
-(`INFERENCE_ONLY_KERNELS`), a training call runs `for_training()`.
+runs the original layers.
 
 Example:
     >>> Plan((2, 2), "persistent_static+tc").name
     'split 2+2 @persistent_static+tc'
-    >>> Plan(()).name
-    'per-layer'
-    >>> FUSED.for_length(3)
-    Plan(pieces=(3,), algorithm=None, kernel='cudnn', whole=False)
-    >>> Plan((4,), kernel="wavefront").for_training().name
-    'fused'
+    >>> Plan(()).name, FUSED.for_length(3).pieces
+    ('per-layer', (3,))
     >>> Plan.from_dict(Plan((1, 2), "persistent_dynamic+tc").to_dict()).name
     'split 1+2 @persistent_dynamic+tc'
 """

@@ -1,24 +1,17 @@
 """Draws a model's layer graph with the fused groups highlighted.
 
-`plot_layer_graph(model, path)` draws the graph `build_layer_graph` sees,
-top to bottom like `keras.utils.plot_model(show_shapes=True)`, coloured
-with `analyze`'s verdicts: a box per layer call (name, class, shapes); each
-fused group's layers in its colour inside a frame that holds no other
-layer; a recurrent layer left alone red-bordered with "not fused: <rule>";
-a subclassed sub-model dark; the rest grey. Arrows are the tensors between
-layers; a propagated mask is a "mask from <layer>" line instead.
+`plot_layer_graph(model, path)` draws what `build_layer_graph` sees, top to
+bottom, coloured with `analyze`'s verdicts: each fused group in its colour
+inside a frame of its own, a recurrent layer left alone red-bordered with
+"not fused: <rule>", a propagated mask as a "mask from <layer>" line.
+Renderers: "graphviz" (pydot and `dot`) and "matplotlib" (networkx's
+layered layout on the Agg canvas, without pyplot or a window).
 
-Two renderers: "graphviz" (pydot and Graphviz's `dot`, what plot_model
-uses; groups are clusters) and "matplotlib" everywhere else, on networkx's
-layered layout, drawn on the Agg canvas without pyplot (no window, the
-process's matplotlib backend untouched).
-
-Example:
-    >>> import keras
-    >>> m = keras.Sequential([keras.Input((6, 2)),
-    ...     keras.layers.GRU(4, return_sequences=True), keras.layers.GRU(4)])
-    >>> type(plot_layer_graph(m, engine="matplotlib")).__name__   # or (m, "m.png")
-    'Figure'
+>>> import keras
+>>> m = keras.Sequential([keras.Input((6, 2)),
+...     keras.layers.GRU(4, return_sequences=True), keras.layers.GRU(4)])
+>>> type(plot_layer_graph(m, engine="matplotlib")).__name__   # or (m, "m.png")
+'Figure'
 """
 
 from __future__ import annotations

@@ -1,19 +1,13 @@
-"""One way to switch a setting for a block of code: a ContextVar, set and reset
-(`scoped`), and one check of a switch's value (`checked_choice`).
+"""One way to switch a setting for a block of code: a ContextVar, set and
+reset. Every run-time switch in rnnfuse is a `contextvars.ContextVar`, so
+it holds for the thread (or task) that set it; `scoped` undoes it however
+the block ends.
 
-Every run-time switch in rnnfuse (the tuner's clock, ProjectedLSTM's fast path,
-...) is a `contextvars.ContextVar` changed only through `scoped`, so a
-switch holds for the block that set it and the thread (or task) that runs
-it, and is undone however the block ends.
-
-Example:
-    >>> import contextvars
-    >>> level = contextvars.ContextVar("level", default="low")
-    >>> with scoped(level, "high"):
-    ...     level.get()
-    'high'
-    >>> level.get()
-    'low'
+>>> import contextvars
+>>> level = contextvars.ContextVar("level", default="low")
+>>> with scoped(level, "high"):
+...     level.get()
+'high'
 """
 
 from __future__ import annotations

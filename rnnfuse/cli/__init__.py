@@ -1,30 +1,19 @@
 """The `rnnfuse` command line: what fuses in a model, how fast, how exact.
 
-Commands (MODEL is a `.keras` file, or `module:function` / `file.py:fn`
-naming a function that returns a built keras.Model), one module each:
-
     rnnfuse inspect MODEL [--json] [--plot FILE.png]
-    rnnfuse bench   MODEL [--batch N] [--steps T] [--train] [--tune] [--json] ...
-    rnnfuse check   MODEL [--tolerance X] [--batch N] [--steps T] [--json] ...
+    rnnfuse bench   MODEL [--batch N] [--steps T] [--train] [--tune] ...
+    rnnfuse check   MODEL [--tolerance X] [--batch N] [--steps T] ...
     rnnfuse build-ops [--force]
 
-`rnnfuse COMMAND --help` lists each command's options; `-q`, `-v` and
-`--debug` go before or after the command's name. A new command is a module
-with NAME, HELP, PARENTS, add_arguments and run, named in `COMMANDS`.
+MODEL is a `.keras` file or `module:function` / `file.py:fn` returning a
+built model; one module per command, named in `COMMANDS`. Exit codes: 0
+success; 1 `check` found a difference above the tolerance; 2 a problem
+with the input (one line: what and how to fix it); 3 an internal error.
+`--json` prints one record fixed by `schema_version`.
 
-Exit codes: 0 success; 1 `check` found a difference above the tolerance;
-2 a problem with the input (one line on stderr: what and how to fix it);
-3 an unexpected internal error (`--debug` shows the traceback). `--json`
-prints one record fixed by `schema_version`
-(rnnfuse/schema/cli-output-v1.json), errors included.
-
-`--help` and `--version` answer without importing keras; a command imports
-it after its arguments are parsed.
-
-Example:
-    >>> from rnnfuse.cli import main
-    >>> main(["inspect", "examples/text_classifier.py:build_model", "--json"])  # doctest: +SKIP
-    0
+>>> from rnnfuse.cli import main
+>>> main(["inspect", "examples/text_classifier.py:build_model", "--json"])  # doctest: +SKIP
+0
 """
 
 from __future__ import annotations

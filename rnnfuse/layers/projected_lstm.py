@@ -1,45 +1,32 @@
 """`ProjectedLSTM`: an LSTM with a recurrent projection (LSTMP).
 
-The maths (Sak et al. 2014; PyTorch's `nn.LSTM(proj_size=P)`), per time
-step, with gate order i, f, c, o as in `keras.layers.LSTM`:
+Per time step, gate order i, f, c, o as in `keras.layers.LSTM`:
 
     z   = x_t @ kernel + h_{t-1} @ recurrent_kernel + bias     [B, 4U]
     i, f, o = recurrent_activation(z_i, z_f, z_o);  g = activation(z_c)
     c_t = f * c_{t-1} + i * g                                   [B, U]
     h_t = (o * activation(c_t)) @ projection_kernel             [B, P]
 
-h_t is both the output and the recurrent input; the states are [h, c].
 Weights: kernel (input_dim, 4U), recurrent_kernel (P, 4U), bias (4U,),
-projection_kernel (U, P).
+projection_kernel (U, P); the states are [h, c].
 
-Keras' generic loop (`keras.layers.RNN` over `ProjectedLSTMCell`) runs on
-every backend and is the reference. The fast path runs the input GEMM for
-all steps at once, then a loop of only the recurrent GEMM, gates and
-projection. Its variant is the layer's `fast_path`, else `set_fast_path`
-/ `fast_path()` in this context, else RNNFUSE_PROJECTED_LSTM_PATH, else
-"auto" (read when a call runs or is traced):
+Keras' generic loop over `ProjectedLSTMCell` runs everywhere and is the
+reference. The fast path runs the input GEMM for all steps at once, then a
+loop of only the recurrent GEMM, gates and projection; its variant is the
+layer's `fast_path`, else the context's (`set_fast_path`, `fast_path()`),
+else RNNFUSE_PROJECTED_LSTM_PATH, else "auto":
 
-  | variant        | loop (TensorFlow)            | gradient                 |
-  |----------------|------------------------------|--------------------------|
-  | "custom_xla"   | tf.while_loop, XLA-compiled  | hand-written, XLA        |
-  | "custom"       | tf.while_loop                | hand-written             |
-  | "while_xla"    | tf.while_loop, XLA-compiled  | autodiff in XLA          |
-  | "while"        | tf.while_loop                | TensorFlow autodiff      |
-  | "off"          | Keras' generic loop          | TensorFlow autodiff      |
+  | variant      | loop (TensorFlow)            | gradient             |
+  |--------------|------------------------------|----------------------|
+  | "custom_xla" | tf.while_loop, XLA-compiled  | hand-written, XLA    |
+  | "custom"     | tf.while_loop                | hand-written         |
+  | "while_xla"  | tf.while_loop, XLA-compiled  | autodiff in XLA      |
+  | "while"      | tf.while_loop                | TensorFlow autodiff  |
+  | "off"        | Keras' generic loop          | TensorFlow autodiff  |
 
-"auto" is "custom_xla" where a GPU is visible and XLA compiles, else
-"custom". The hand-written backward computes the weight gradients after
-the loop as two GEMMs over all steps, as cuDNN does (tanh/sigmoid only).
-`fast_path_unroll=k` runs k steps per loop iteration where k divides T.
-On a TensorFlow GPU, rnnfuse's cuDNN op ("cudnn_op") runs unmasked calls
-outside XLA; under torch the fast path is PyTorch's own LSTMP
-("torch_fused", proj_size < units, no mask or a right-padded one).
-
-The fast path needs `use_cudnn` not False, `unroll=False` and no
-recurrent dropout (nor input dropout with `implementation=1`); elsewhere,
-and on a backend without one (JAX), Keras' generic loop runs. Masks follow
-the generic loop exactly. `layer.last_path` names the path the last call
-took, with the reason where it fell back.
+On a TensorFlow GPU rnnfuse's cuDNN op runs unmasked calls; under torch
+the fast path is PyTorch's own LSTMP. Keras' loop runs where the fast path
+cannot (unroll, recurrent dropout, JAX); `layer.last_path` says which ran.
 
 Example:
     >>> import numpy as np

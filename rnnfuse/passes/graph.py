@@ -1,24 +1,17 @@
 """Pass 1: the layer graph of a built Keras model, as a networkx DiGraph.
 
-Nodes are layer calls, edges the tensors between them. Nested Sequential
-and Functional sub-models are expanded in place; their inputs and outputs
-are nodes of their own, so a run never silently crosses a model boundary.
+Nodes are layer calls keyed by qualified name (``"encoder/lstm_1"``; nested
+models expanded, with ``<input:NAME>``/``<output:NAME>`` nodes at their
+boundaries), with attributes ``kind`` ("layer", "input", "output",
+"opaque"), ``layer``, ``scope``, ``calls`` and ``mask_sources``. Edges are
+tensors, with ``role`` ("sequence", "initial_state", "mask", "other",
+"output") and ``index``. ``graph.graph["scopes"]`` maps scopes to models.
 
-Nodes are keyed by qualified name (``"encoder/lstm_1"``), with special
-``"<scope><input:NAME>"`` and ``"<scope><output:NAME>"`` nodes. Node
-attributes: ``kind`` ("layer", "input", "output", or "opaque": a
-subclassed model), ``layer``, ``scope``, ``calls`` (calls of the layer in
-the whole model), ``mask_sources`` ((producer, output index) of the masks
-the call received). Edge attributes: ``role`` ("sequence",
-"initial_state", "mask", "other", "output") and ``index`` (which output of
-the producer). ``graph.graph["scopes"]``: scope prefix -> (sub-)model.
-
-Example:
-    >>> import keras
-    >>> m = keras.Sequential([keras.Input((5, 3)),
-    ...     keras.layers.LSTM(4, return_sequences=True, name="a"), keras.layers.LSTM(4, name="b")])
-    >>> list(build_layer_graph(m).successors("a"))
-    ['b']
+>>> import keras
+>>> m = keras.Sequential([keras.Input((5, 3)),
+...     keras.layers.LSTM(4, return_sequences=True, name="a"), keras.layers.LSTM(4, name="b")])
+>>> list(build_layer_graph(m).successors("a"))
+['b']
 """
 
 from __future__ import annotations

@@ -1,21 +1,12 @@
-"""The passes in order: graph -> rules -> planning -> rewrite.
+"""The passes in order: graph -> rules -> planning -> rewrite. `run_pipeline`
+is the one place that runs them; the rewrite runs only with
+`options.choose_plans`, and makes a plain Keras model.
 
-`run_pipeline` is the one place that runs them. Each has the signature of
-`rnnfuse.passes.result`; the rewrite runs only when `options.choose_plans`
-is given, and makes a plain Keras model (`rnnfuse.api` makes it an
-optimized one).
-
-Example:
-    >>> import keras
-    >>> m = keras.Sequential([keras.Input((6, 2)),
-    ...     keras.layers.GRU(4, return_sequences=True, name="a"),
-    ...     keras.layers.GRU(4, name="b")])
-    >>> found = run_pipeline(m, PassOptions())
-    >>> [g.layers for g in found.report.groups], found.modified
-    ([('a', 'b')], False)
-    >>> done = run_pipeline(m, PassOptions(choose_plans=lambda r: [(g, None) for g in r.groups]))
-    >>> [type(l).__name__ for l in done.rewritten.layers]
-    ['FusedRNN']
+>>> import keras
+>>> m = keras.Sequential([keras.Input((6, 2)),
+...     keras.layers.GRU(4, return_sequences=True, name="a"), keras.layers.GRU(4, name="b")])
+>>> [g.layers for g in run_pipeline(m, PassOptions()).report.groups]
+[('a', 'b')]
 """
 
 from __future__ import annotations

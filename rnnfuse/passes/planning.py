@@ -1,28 +1,20 @@
 """Pass 3: find the maximal runs of fusable layers and explain the rest.
 
-`plan_fusion(graph, ...)`:
+`plan_fusion(graph)`: every recurrent layer gets a view or a reason
+(`rnnfuse.passes.candidates`); each candidate's output is followed to the
+one layer that reads it (through an absorbable Dropout) and the link rules
+checked; the passing links form disjoint paths, and each path with
+`min_layers` levels is a `FusionGroup`. Every other recurrent layer gets
+the reason of the rule that stopped it, and a failed link between two
+grouped layers is a `breaks` entry.
 
-1. Candidates (`rnnfuse.passes.candidates`): every recurrent layer gets a
-   `RecurrentView` (it may fuse) or a `Reason`.
-2. Links: from each candidate, follow its output to the one layer that
-   reads it (through an absorbable `Dropout`) and check the link rules; a
-   passing link is an edge of a "chain" DiGraph of disjoint paths.
-3. Runs: each weakly connected component of the chain graph is a run; runs
-   with at least `min_layers` levels become `FusionGroup`s.
-4. Reasons: every recurrent layer outside a group gets the reason of the
-   rule that stopped it; a failed link between two grouped layers is the
-   report's `breaks` entry (why they are two calls, not one).
-
-Example:
-    >>> import keras
-    >>> from rnnfuse.passes.graph import build_layer_graph
-    >>> m = keras.Sequential([keras.Input((6, 2)),
-    ...     keras.layers.LSTM(4, return_sequences=True, name="a"),
-    ...     keras.layers.LSTM(4, return_sequences=True, name="b"),
-    ...     keras.layers.LSTM(8, name="c")])
-    >>> report = plan_fusion(build_layer_graph(m), model_name=m.name)
-    >>> [g.layers for g in report.groups], report.breaks[("b", "c")].rule
-    ([('a', 'b'), ('c',)], 'units')
+>>> import keras
+>>> from rnnfuse.passes.graph import build_layer_graph
+>>> m = keras.Sequential([keras.Input((6, 2)), keras.layers.LSTM(4, return_sequences=True, name="a"),
+...     keras.layers.LSTM(4, return_sequences=True, name="b"), keras.layers.LSTM(8, name="c")])
+>>> report = plan_fusion(build_layer_graph(m), model_name=m.name)
+>>> [g.layers for g in report.groups], report.breaks[("b", "c")].rule
+([('a', 'b'), ('c',)], 'units')
 """
 
 from __future__ import annotations

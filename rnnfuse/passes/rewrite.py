@@ -1,26 +1,19 @@
 """Pass 4: a new model in which each fusion group is one `FusedRNN` layer.
 
 `rewrite_model(model, groups)` returns a plain Sequential or Functional
-model with the same inputs, outputs and output names, and the groups whose
-fused layer could not be built. Every layer outside a group is the same
-object; each group's layers move inside a `FusedRNN` (same objects, shared
-variables); `model` is never changed. Per (sub-)model, bottom-up: one
-`FusedRNN` per group, nested sub-models rewritten, then Sequential: a new
-layer list; Functional: `keras.models.clone_model` whose `call_function`
-calls the fused layer at a run's first layer and passes its inner layers
-through.
+model with the same inputs, outputs and output names (every layer outside
+a group the same object, each group's layers inside a `FusedRNN`), and
+the groups whose fused layer could not be built. Sequential models get a
+new layer list; Functional ones `keras.models.clone_model` with a
+`call_function` that calls the fused layer at a run's first layer.
 
-Example:
-    >>> import keras
-    >>> from rnnfuse.passes.graph import build_layer_graph
-    >>> from rnnfuse.passes.planning import plan_fusion
-    >>> m = keras.Sequential([keras.Input((6, 2)),
-    ...     keras.layers.GRU(4, return_sequences=True),
-    ...     keras.layers.GRU(4), keras.layers.Dense(1)])
-    >>> report = plan_fusion(build_layer_graph(m), model_name=m.name)
-    >>> new, failed = rewrite_model(m, report.groups)
-    >>> [type(l).__name__ for l in new.layers], failed
-    (['FusedRNN', 'Dense'], ())
+>>> import keras
+>>> from rnnfuse.passes import run_pipeline, PassOptions
+>>> m = keras.Sequential([keras.Input((6, 2)), keras.layers.GRU(4, return_sequences=True),
+...     keras.layers.GRU(4), keras.layers.Dense(1)])
+>>> new, failed = rewrite_model(m, run_pipeline(m, PassOptions()).report.groups)
+>>> [type(l).__name__ for l in new.layers], failed
+(['FusedRNN', 'Dense'], ())
 """
 
 from __future__ import annotations

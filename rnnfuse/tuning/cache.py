@@ -1,26 +1,19 @@
 """An on-disk cache of tuned plans, so a second `optimize` costs nothing.
 
-One JSON file: ``plans.json`` in the user cache folder platformdirs gives
-for "rnnfuse", or in ``$RNNFUSE_CACHE_DIR``. A decision is filed under a
-`CacheKey` of everything it depends on: device, library and cuDNN
-versions, the group's signature, input shape, dtype, mode and masking.
-Entries keep the key as a record, so a reader compares fields.
-
-Several processes may tune at once: every write is a read-modify-write
-under a file lock, written to a temporary file and moved over the cache
-atomically, so no writer's entry is lost and no reader sees half a file.
+``plans.json`` in the user cache folder (or ``$RNNFUSE_CACHE_DIR``) files
+each decision under a `CacheKey` of all it depends on (device, versions,
+group, shape, dtype, mode, masking). Writes are read-modify-write under a
+file lock with an atomic replace, so concurrent processes lose no entry.
 Damage is set aside, never fatal: a file in no known format is renamed
-``plans.json.corrupt-<time>`` with a warning, an entry whose plan does not
-fit its group moves to ``set_aside``, and a location that cannot hold the
-file warns once and tuning runs without a cache (`default_cache`).
+with a warning, an entry that does not fit its group moves to
+``set_aside``, and an unusable location means no cache (`default_cache`).
 
-Example:
-    >>> import tempfile, pathlib
-    >>> cache = PlanCache(pathlib.Path(tempfile.mkdtemp()) / "plans.json")
-    >>> key = CacheKey.of({"device": "GPU-A"}, "lstm/u8", (32, 20, 4), "float32", training=True)
-    >>> cache.put(key, {"plan": {"pieces": [2], "algorithm": None}})
-    >>> cache.get(key)["plan"]["pieces"]
-    [2]
+>>> import tempfile, pathlib
+>>> cache = PlanCache(pathlib.Path(tempfile.mkdtemp()) / "plans.json")
+>>> key = CacheKey.of({"device": "GPU-A"}, "lstm/u8", (32, 20, 4), "float32", training=True)
+>>> cache.put(key, {"plan": {"pieces": [2], "algorithm": None}})
+>>> cache.get(key)["plan"]["pieces"]
+[2]
 """
 
 from __future__ import annotations

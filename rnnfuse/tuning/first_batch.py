@@ -1,23 +1,17 @@
 """First-batch tuning: each group's plan chosen on the real batch shape.
 
-`rnnfuse.optimize(model)` (``tune="auto"``) returns a model whose `fit`,
+With ``tune="auto"`` (the default), an optimized model's `fit`,
 `evaluate` and `predict` look at the first batch before any step runs
-(`keras_call`). Where the fused kernel can be timed here (a GPU), each
-`FusedRNN`'s plan is decided for that batch's shape bucket
-(`rnnfuse.tuning.per_shape`) within what the call can pay for
-(`rnnfuse.tuning.budget`), and the layers switch before Keras traces its
-step. One INFO line on the ``rnnfuse`` logger says what was chosen.
-Nothing more is timed within the call, so a plan never switches
-mid-epoch. Without a GPU (or with ``tune=False``) the static table decides.
+(`keras_call`): on a GPU each `FusedRNN`'s plan is decided for that
+batch's bucket (`rnnfuse.tuning.per_shape`) within what the call can pay
+for (`rnnfuse.tuning.budget`), and the layers switch before Keras traces
+its step; an INFO line says what was chosen. Without a GPU the static
+table decides.
 
-Example (no GPU here: nothing is timed, nothing changes):
-
-    >>> import keras, numpy as np, rnnfuse
-    >>> m = keras.Sequential([keras.Input((10, 4)),
-    ...     keras.layers.GRU(8, return_sequences=True), keras.layers.GRU(8)])
-    >>> fast = rnnfuse.optimize(m)
-    >>> prepare(fast, np.zeros((2, 10, 4), "float32"), None, training=False)
-    []
+>>> import keras, numpy as np, rnnfuse
+>>> fast = rnnfuse.optimize(keras.Sequential([keras.Input((10, 4)), keras.layers.GRU(8)]))
+>>> prepare(fast, np.zeros((2, 10, 4), "float32"), None, training=False)
+[]
 """
 
 from __future__ import annotations

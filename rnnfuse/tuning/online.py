@@ -1,26 +1,20 @@
 """Online tuning: the candidate plans race on the fit's own training steps.
 
 Every candidate computes the same function within float tolerance, so
-real training steps can serve as timing rounds. With online tuning on
-(`AutoTune.online`), a `fit` whose first batch's bucket has no decision
-runs the candidates on its first steps, one a step in interleaved rounds,
-with real updates; once the race is decided the fastest plan is committed
-and the fit's step becomes that plan's own, once, inside the first epoch.
+with online tuning on (`AutoTune.online`) a `fit` whose first batch's
+bucket has no decision runs the candidates on its first steps, one a step
+in rotating rounds, with real updates. A candidate must pass the
+exactness check before its first step; after `warmup` untimed steps and
+`repeats` timed rounds (pruned at PRUNE), the fastest is committed once,
+unless the original layers come within `KEEP_ORIGINAL_MARGIN` of it.
 
-The race (`OnlineRace`): a candidate must pass the exactness check
-(`check(name)`) before its first step; its first step and `warmup` steps
-are untimed, then `repeats` timed rounds in rotating order, pruning at
-PRUNE from the second round; the fastest median wins unless the original
-layers are within `KEEP_ORIGINAL_MARGIN` of it.
-
-Example:
-    >>> race = OnlineRace(["per-layer", "fused"], warmup=0, repeats=3)
-    >>> seconds = {"per-layer": 2.0, "fused": 1.0}
-    >>> while race.committed is None:
-    ...     name = race.next()
-    ...     race.record(name, seconds[name])
-    >>> race.committed, race.steps_run
-    ('fused', 6)
+>>> race = OnlineRace(["per-layer", "fused"], warmup=0, repeats=3)
+>>> seconds = {"per-layer": 2.0, "fused": 1.0}
+>>> while race.committed is None:
+...     name = race.next()
+...     race.record(name, seconds[name])
+>>> race.committed, race.steps_run
+('fused', 6)
 """
 
 from __future__ import annotations

@@ -1,26 +1,18 @@
 """Timing candidates side by side: warm-up, interleaved rounds, medians.
 
-The tuner and bench/ both time with `interleaved_medians`: every round
-runs each candidate once, in an order that rotates between rounds, so
-drift hits all of them alike. A step returns something whose conversion to
-NumPy waits for the device.
+Every round runs each candidate once, in an order that rotates between
+rounds, so drift hits all alike; with `prune`, a candidate clearly slower
+than the best stops being run. The tuner and bench/ both time this way.
+Seconds come from `rnnfuse.tuning.clock.now()`, so tests use a fake clock.
 
-With `prune`, a race: a candidate clearly slower than the best stops being
-run (its times so far stay), so a kernel ten times slower costs two calls
-and the close candidates are timed every round; the race ends when one is
-left. Seconds come from `rnnfuse.tuning.clock.now()`, so tests use a fake
-clock.
-
-Example (on a clock that each step advances by its cost):
-
-    >>> from rnnfuse.tuning.clock import using_clock
-    >>> t = [0.0]
-    >>> def costs(s): return lambda: t.__setitem__(0, t[0] + s)
-    >>> with using_clock(lambda: t[0]):
-    ...     raced = interleaved_medians({"fast": costs(0.001), "slow": costs(0.02)},
-    ...                                 warmup=1, repeats=5, prune=1.5)
-    >>> len(raced["fast"]["times"]), len(raced["slow"]["times"]), raced["slow"]["pruned"]
-    (2, 1, True)
+>>> from rnnfuse.tuning.clock import using_clock
+>>> t = [0.0]
+>>> def costs(s): return lambda: t.__setitem__(0, t[0] + s)
+>>> with using_clock(lambda: t[0]):
+...     raced = interleaved_medians({"fast": costs(0.001), "slow": costs(0.02)},
+...                                 warmup=1, repeats=5, prune=1.5)
+>>> len(raced["fast"]["times"]), len(raced["slow"]["times"]), raced["slow"]["pruned"]
+(2, 1, True)
 """
 
 from __future__ import annotations
