@@ -138,6 +138,7 @@ def _import_public_names() -> None:
     from rnnfuse.report import FusionGroup, FusionReport, OptimizeResult, RewriteFailure
     from rnnfuse.plan import FUSED, PER_LAYER, Plan
 
+    # A lazy import, not state: these names are bound once, to the same objects.
     globals().update(
         CallPath=CallPath,
         PathKind=PathKind,

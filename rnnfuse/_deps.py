@@ -1,14 +1,9 @@
-"""Imports keras, and says which extra to install when a backend is missing.
+"""Imports keras, naming the extra to install (`pip install
+'rnnfuse[torch]'`, `[tensorflow]`, `[jax]`) when the selected Keras
+backend's package is missing, instead of Keras' bare "No module named".
 
-rnnfuse declares no backend of its own: `pip install 'rnnfuse[torch]'`
-(or `[tensorflow]`, `[jax]`) adds one. Keras picks the backend from
-KERAS_BACKEND or ~/.keras/keras.json (TensorFlow when neither says); when
-that backend's package is absent, `import rnnfuse` raises an ImportError
-naming the extra instead of Keras' bare "No module named 'torch'".
-
-Example:
-    >>> _extra_for("jax")
-    'jax'
+>>> _extra_for("jax")
+'jax'
 """
 
 from __future__ import annotations

@@ -606,14 +606,9 @@ class FusedRNN(keras.layers.Layer):
 
 
 def call_members(members, x, *, first: dict, rest: dict):
-    """Runs a run's layers one after the other (FusedRNN's fallback, the
-    tuner's per-layer plan, `restore`).
-
-    Args:
-        members: the layers in call order, absorbed Dropout layers in place.
-        x: the first layer's input sequence.
-        first: keyword arguments of the first layer.
-        rest: keyword arguments of the later ones (a Dropout gets `training`).
+    """Runs a run's `members` (absorbed Dropout layers in place) one after the
+    other on `x`, with `first` the first layer's keyword arguments and `rest`
+    the later ones' (a Dropout gets `training`).
 
     >>> import keras, numpy as np
     >>> a, b = keras.layers.GRU(2, return_sequences=True), keras.layers.GRU(2)

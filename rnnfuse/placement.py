@@ -1,16 +1,10 @@
-"""Where each fusion group's plan runs on this backend and device.
+"""Where each fusion group's plan runs on this backend and device:
+`placement(plan)` says whether its fused call runs here and how, and
+`nothing_fused_reason` gives the line `optimize` logs when no group will.
 
-`optimize` can build `FusedRNN` layers that still run the original layers:
-TensorFlow's fused kernel needs a CUDA GPU, JAX's needs JAX on a GPU, and
-the static plan keeps Keras' layers under JAX. `placement(plan)` says, for
-one group's plan, whether its fused call will run here and how;
-`nothing_fused_reason` gives the one line `optimize` logs when no group of
-a model will.
-
-Example:
-    >>> from rnnfuse.plan import PER_LAYER
-    >>> placement(PER_LAYER).fused
-    False
+>>> from rnnfuse.plan import PER_LAYER
+>>> placement(PER_LAYER).fused
+False
 """
 
 from __future__ import annotations

@@ -1,9 +1,9 @@
 """A uniform view of the Keras recurrent layers rnnfuse can fuse.
 
-`describe(layer)` turns each spelling of a recurrent computation into a
-`RecurrentView`: the cuDNN cell kind and a grid of cells `levels[i][d]`
-(level `i` bottom to top, direction `d`). Everything downstream reads the
-view, never the layer class.
+`describe(layer)` gives a `RecurrentView`: the cuDNN cell kind and a grid
+of cells `levels[i][d]` (level bottom to top, direction); everything
+downstream reads the view, never the layer class. It is structural (the
+rules say why a layer cannot fuse) and never raises.
 
 | Keras layer                                  | kind                  |
 |----------------------------------------------|-----------------------|
@@ -15,16 +15,12 @@ view, never the layer class.
 | `Bidirectional(<any of the above>)`          | that kind, 2 dirs     |
 | `rnnfuse.layers.ProjectedLSTM`               | "lstm", proj_size > 0 |
 
-`describe` is structural: the layer rules (`rnnfuse.rules.layer_reason`)
-say why a layer cannot fuse; it never raises.
-
-Example:
-    >>> import keras
-    >>> layer = keras.layers.LSTM(8, return_sequences=True)
-    >>> _ = layer(keras.ops.zeros((1, 5, 3)))
-    >>> view = describe(layer)
-    >>> (view.kind, view.units, view.input_size, view.num_levels)
-    ('lstm', 8, 3, 1)
+>>> import keras
+>>> layer = keras.layers.LSTM(8, return_sequences=True)
+>>> _ = layer(keras.ops.zeros((1, 5, 3)))
+>>> view = describe(layer)
+>>> (view.kind, view.units, view.input_size, view.num_levels)
+('lstm', 8, 3, 1)
 """
 
 from __future__ import annotations

@@ -1,16 +1,10 @@
-"""Random inputs for `bench` and `check`, and running the user's model.
+"""Random inputs for `bench` and `check`, and running the user's model
+through the backend's own tooling (`rnnfuse.backends.get_tooling()`).
 
-Timing, model steps and gradients are the backend's own
-(`rnnfuse.backends.get_tooling()`: `describe_device`, `model_step`,
-`outputs_and_grads`), so `bench` and `check` run under every backend
-rnnfuse has a kernel for.
-
-Example:
-    >>> import keras, numpy as np
-    >>> m = keras.Sequential([keras.Input((4, 2)), keras.layers.LSTM(3)])
-    >>> x, _ = random_inputs(m, batch=2, steps=None, rng=np.random.default_rng(0))
-    >>> x.shape
-    (2, 4, 2)
+>>> import keras, numpy as np
+>>> m = keras.Sequential([keras.Input((4, 2)), keras.layers.LSTM(3)])
+>>> random_inputs(m, batch=2, steps=None, rng=np.random.default_rng(0))[0].shape
+(2, 4, 2)
 """
 
 from __future__ import annotations

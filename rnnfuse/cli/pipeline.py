@@ -1,15 +1,11 @@
-"""rnnfuse's own steps as the commands call them: analyze, choose the
-plans, optimize; a bad argument becomes a one-line `CliError`.
+"""rnnfuse's own steps as the commands call them (analyze, choose the
+plans, optimize; a bad argument becomes a one-line `CliError`), and what
+every command says about the result (the compute dtype, why nothing runs
+fused here).
 
-Also what every command says about the result: the narrowest compute
-dtype, why no group runs fused here, and why the two models should time
-alike.
-
-Example:
-    >>> import keras
-    >>> m = keras.Sequential([keras.Input((5, 2)), keras.layers.GRU(3)])
-    >>> compute_dtype(m)
-    'float32'
+>>> import keras
+>>> compute_dtype(keras.Sequential([keras.Input((5, 2)), keras.layers.GRU(3)]))
+'float32'
 """
 
 from __future__ import annotations

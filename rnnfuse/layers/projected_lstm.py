@@ -309,24 +309,12 @@ class ProjectedLSTM(keras.layers.RNN):
     """LSTM with a recurrent projection (LSTMP), fast on TensorFlow and torch.
 
     Every argument of `keras.layers.LSTM` behaves as there (by keyword), with
-    `proj_size` second. `use_cudnn` keeps LSTM's meaning of "the fast
-    implementation": "auto" and True pick the fast path (True raises where it
-    cannot run), False forces Keras' generic loop; it is not serialized.
-
-    Args:
-        units: width of the cell state c.
-        proj_size: width of the output and of the recurrent state h.
-        projection_initializer, projection_regularizer, projection_constraint:
-            for `projection_kernel`.
-        fast_path: this layer's variant (one of `FAST_PATHS`), or None for the
-            context's (`set_fast_path`). Serialized.
-        fast_path_unroll: time steps per loop iteration, or None for the
-            context's (`get_unroll()`). Serialized.
-        **kwargs: the other arguments of `keras.layers.LSTM` and
-            `keras.layers.RNN`.
-
-    Call arguments: sequences [batch, time, features], initial_state [h, c],
-    mask [batch, time], training.
+    `proj_size` (the width of the output and of h) second and the
+    `projection_*` initializer, regularizer and constraint. `use_cudnn`:
+    "auto" and True pick the fast path (True raises where it cannot run),
+    False Keras' generic loop; not serialized. `fast_path` and
+    `fast_path_unroll`: this layer's variant and steps per loop iteration
+    (None: the context's); serialized.
 
     Example:
         >>> import numpy as np

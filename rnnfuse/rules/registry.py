@@ -1,25 +1,16 @@
 """The rule registry: every fusion rule, by name, with its scope and doc.
 
 A `Rule` is a stable `name` (what `Reason.rule` says), a `scope`, a
-one-line `doc` and a `check` that returns a `Reason` (or just its message)
-or None, and never raises. Rules register with `@rule(...)` in evaluation
-order; `first_reason` runs a scope's rules, and docs/guide.md's rule table
-is `markdown_table()`. What a check takes, by scope and `applies`:
+one-line `doc` and a `check` that returns a `Reason` (or its message) or
+None and never raises; `@rule(...)` registers it in evaluation order,
+`first_reason` runs a scope's rules, and docs/guide.md's rule table is
+`markdown_table()`. Scopes: "layer" (a layer on its own; `applies`: part,
+cell, stack, bidirectional, node, container), "link" (edge, views,
+graph), "run", "backend" and "runtime" (call, raised, plan).
 
-- "layer": "part" (part, ctx), "cell" (cell, ctx), "stack" (part, levels,
-  ctx), "bidirectional" (layer, forward view, backward view), "node"
-  (graph, key); "container" builds the Reason for a layer out of reach;
-- "link": "edge" and "graph" (graph, upper key, lower key, bridges),
-  "views" (upper view, lower view);
-- "run": what the planner measured; "backend": (backend, group);
-- "runtime": "call" (backend, stack, dtype, views, mask); "raised" and
-  "plan" build the Reason for a call that runs the original layers.
-
-Example:
-    >>> import rnnfuse.rules
-    >>> r = RULES[("layer", "recurrent_dropout")]
-    >>> r.scope, r.doc
-    ('layer', 'recurrent_dropout draws a new mask inside the time loop, which cuDNN cannot do')
+>>> import rnnfuse.rules
+>>> RULES[("layer", "recurrent_dropout")].scope
+'layer'
 """
 
 from __future__ import annotations

@@ -246,23 +246,15 @@ def tune_plans(
 ) -> list[TuneResult]:
     """The plan for each group, measured on this device (see module doc).
 
-    Args:
-        groups: the fusion groups of one model.
-        shape_of: group -> (batch, steps, features) of its input.
-        training: time forward + backward (True) or forward only.
-        cache: where decisions are kept (None: no cache).
-        measure: {name: step} -> {name: {"median": s}} (default:
-            `interleaved_medians` with `warmup`, `repeats`, PRUNE and RACE).
-        warmup: untimed calls after a step's first (None: `default_warmup`).
-        check_gradients: (group, plan, shape, dtype) -> error against float64.
-        environment: device and versions for the cache key (default: read;
-            None without a GPU, where the static table decides).
-        progress: show a progress bar.
-        jit_baseline: time the original layers XLA-compiled, as Keras runs them.
-        masked_of: group -> whether its input carries a padding mask.
-        candidates_of: group -> the plans to time (None: all).
-        budget: what the call being served can pay for (`rnnfuse.tuning.budget`);
-            a decision it cut short is not cached.
+    `shape_of`: group -> (batch, steps, features); `training`: time forward +
+    backward; `cache`: where decisions are kept; `measure`, `warmup`,
+    `repeats`: the timer (default `interleaved_medians`); `check_gradients`:
+    (group, plan, shape, dtype) -> error against float64; `environment`:
+    device and versions (None without a GPU: the static table decides);
+    `jit_baseline`: time the original layers XLA-compiled, as Keras runs
+    them; `masked_of`: group -> whether its input is masked; `candidates_of`:
+    group -> the plans to time; `budget`: what the call can pay for (a cut
+    decision is not cached).
     """
     environment = environment if environment is not None else device_environment()
     if environment is None:
