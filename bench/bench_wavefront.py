@@ -1315,10 +1315,10 @@ def _segmented(kind, mod, pieces, x, h0, c0, lengths):
     return y, torch.cat(hys), (torch.cat(cys) if kind == "lstm" else None)
 
 
-def _bidirectional_reason(lib, dev, kind, units, batch, steps, inputs):
+def _bidirectional_reason(lib, dev, kind, layers, units, batch, steps, inputs):
     """The kernel's plan for a bidirectional stack's layers (the switch
     `library.BIDIRECTIONAL` aside: the sweep checks the opt-in path too)."""
-    for width in {inputs, 2 * units}:
+    for width in {inputs} if layers == 1 else {inputs, 2 * units}:
         plan = lib.plan_directions(kind, units, batch, steps, width, sms=dev["sms"],
                                    smem=dev["smem"])
         if isinstance(plan, str):
@@ -1360,7 +1360,7 @@ def sweep_case(kind, directions, layers, units, batch, steps, inputs, dtype_name
         reason = wavefront.unsupported_reason(kind, layers, units, batch, steps, inputs, dtype,
                                               torch.device("cuda"))
     else:
-        reason = _bidirectional_reason(lib, dev, kind, units, batch, steps, inputs)
+        reason = _bidirectional_reason(lib, dev, kind, layers, units, batch, steps, inputs)
 
     def kernel():
         if directions == 2:
