@@ -29,6 +29,8 @@ built into the cache (nvcc + g++).
     python3 bench/bench_wavefront.py segments --train --out $OUT/segments.json
     # bidirectional layers, one launch a layer (BiLSTM 4x384 B24 T700, BiGRU 5x512 B32 T500)
     python3 bench/bench_wavefront.py bidirectional --train --out $OUT/bidirectional.json
+    # randomized exactness over the brief's ranges, within a time budget
+    python3 bench/bench_wavefront.py sweep --cases 200 --seed 0 --budget 110 --out $OUT/sweep.json
 
 `check`: each case draws fresh random weights, inputs, initial states (and
 lengths), poisons the outputs with NaN, runs the kernel and compares y, hy
@@ -1260,6 +1262,211 @@ def cmd_segments(args):
     return 0
 
 
+# --- sweep: randomized exactness over the brief's ranges ---------------------
+# A case's float64 reference must stay small enough to run in seconds:
+# T * B * H elements of one sequence (float64), and steps x layers.
+SWEEP_MAX_ELEMENTS = 6e7
+SWEEP_MAX_LAYER_STEPS = 8000
+
+
+def sweep_cases(n: int, seed: int):
+    """`n` random shapes over 1-8 layers, 64-1024 units (a tenth not a
+    multiple of 8), batch 1-256, T 1-2000 (log-uniform), with and without
+    lengths, unidirectional and bidirectional, LSTM and GRU, float16 and
+    bfloat16; T shrunk where the float64 reference would be too large."""
+    rng = random.Random(seed)
+    cases = []
+    for _ in range(n):
+        layers = rng.randint(1, 8)
+        if rng.random() < 0.1:
+            units = rng.randint(64, 1024)
+        else:
+            units = 8 * rng.randint(8, 128)
+        batch = int(round(math.exp(rng.uniform(0, math.log(256)))))
+        steps = int(round(math.exp(rng.uniform(0, math.log(2000)))))
+        directions = rng.choice([1, 2])
+        width = directions * units
+        steps = max(1, min(steps, int(SWEEP_MAX_ELEMENTS // (batch * width)),
+                           SWEEP_MAX_LAYER_STEPS // layers))
+        cases.append((rng.choice(["lstm", "gru"]), directions, layers, units, batch, steps,
+                      rng.choice([units, 80, 300]), rng.choice(["float16", "bfloat16"]),
+                      rng.random() < 0.5))
+    return cases
+
+
+def _lengths_for(steps, batch, gen):
+    lengths = torch.randint(1, steps + 1, (batch,), generator=gen, device="cuda")
+    lengths[0] = steps  # the padded output keeps T steps
+    return lengths
+
+
+def _segmented(kind, mod, pieces, x, h0, c0, lengths):
+    """`segments_forward` with lengths: each segment's launch reads the
+    previous one's output, zero past each length, as the fused call does."""
+    start, y, hys, cys = 0, x, [], []
+    for size in pieces:
+        stop = start + size
+        c = c0[start:stop].contiguous() if kind == "lstm" else None
+        y, hy, cy = wavefront.forward(y, _segment_params(mod, start, stop),
+                                      h0[start:stop].contiguous(), c, lengths, kind=kind)
+        hys.append(hy)
+        cys.append(cy)
+        start = stop
+    return y, torch.cat(hys), (torch.cat(cys) if kind == "lstm" else None)
+
+
+def _bidirectional_reason(lib, dev, kind, layers, units, batch, steps, inputs):
+    """The kernel's plan for a bidirectional stack's layers (the switch
+    `library.BIDIRECTIONAL` aside: the sweep checks the opt-in path too)."""
+    for width in {inputs} if layers == 1 else {inputs, 2 * units}:
+        plan = lib.plan_directions(kind, units, batch, steps, width, sms=dev["sms"],
+                                   smem=dev["smem"])
+        if isinstance(plan, str):
+            return plan
+    return None
+
+
+def sweep_case(kind, directions, layers, units, batch, steps, inputs, dtype_name, with_lengths,
+               seed):
+    """One shape the way a fused call meets it: the kernel where its plan
+    takes the stack (bidirectional: each layer's two directions, opt-in),
+    else consecutive segments where those fit (unidirectional), else cuDNN,
+    which must then have been refused by the kernel with a reason
+    (WavefrontError, nothing launched). Whatever runs is compared with
+    float64 of the same rounded weights and with cuDNN; the row's `ratio`
+    is its error over the tolerance (the check's: max(TOL, 2 x cuDNN's))."""
+    import copy
+
+    dtype = DTYPES[dtype_name]
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    cls = torch.nn.LSTM if kind == "lstm" else torch.nn.GRU
+    mod = cls(inputs, units, layers, bidirectional=directions == 2).cuda()
+    bound = 1.0 / math.sqrt(units)
+    with torch.no_grad():
+        for w in mod._flat_weights:
+            w.copy_((torch.rand(w.shape, generator=gen, device="cuda") * 2 - 1) * bound)
+    mod = mod.to(dtype)
+    pseudo = directions * layers
+    x = torch.randn(steps, batch, inputs, generator=gen, device="cuda").to(dtype)
+    h0 = (0.5 * torch.randn(pseudo, batch, units, generator=gen, device="cuda")).to(dtype)
+    c0 = (0.5 * torch.randn(pseudo, batch, units, generator=gen, device="cuda")).to(dtype)
+    lengths = _lengths_for(steps, batch, gen) if with_lengths else None
+    row = dict(kind=kind, directions=directions, layers=layers, units=units, batch=batch,
+               steps=steps, inputs=inputs, dtype=dtype_name, lengths=with_lengths, seed=seed)
+    lib = library.load()
+    dev = lib.device(torch.cuda.current_device())
+    bidir = _bidirectional_module() if directions == 2 else None
+    if directions == 1:
+        reason = wavefront.unsupported_reason(kind, layers, units, batch, steps, inputs, dtype,
+                                              torch.device("cuda"))
+    else:
+        reason = _bidirectional_reason(lib, dev, kind, layers, units, batch, steps, inputs)
+
+    def kernel():
+        if directions == 2:
+            return bidir.forward(x, mod._flat_weights, h0, c0, lengths, kind=kind)
+        return kernel_forward(kind, mod, x, h0, c0, lengths)
+
+    with torch.no_grad():
+        if reason is None:
+            path, run = "kernel" if directions == 1 else "kernel-bidirectional", kernel
+        else:
+            row["reason"] = reason
+            refused = refused_row({}, reason, kernel)
+            if refused["status"] != "fallback":
+                row.update(status="FAIL", path="kernel", error=refused["reason"])
+                return row
+            pieces = None
+            if directions == 1 and units % 8 == 0:
+                from rnnfuse.backends.cuda import segments
+
+                pieces = segments.stack_segments(lib, kind, layers, units, batch, steps, inputs,
+                                                 sms=dev["sms"], smem=dev["smem"])
+            if isinstance(pieces, tuple) and len(pieces) > 1:
+                path = "segments " + "+".join(map(str, pieces))
+                run = functools.partial(_segmented, kind, mod, pieces, x, h0, c0, lengths)
+            else:
+                path, run = "cudnn", functools.partial(cudnn_forward, kind, mod, x, h0, c0,
+                                                       lengths)
+        t0 = time.perf_counter()
+        y, hy, cy = run()
+        torch.cuda.synchronize()
+        if directions == 1:
+            ref = reference(kind, mod, x, h0, c0, lengths)
+        else:
+            ref = cudnn_forward(kind, copy.deepcopy(mod).double(), x.double(), h0.double(),
+                                c0.double(), lengths)
+        cud = cudnn_forward(kind, mod, x, h0, c0, lengths)
+    names = ("y", "hy", "cy") if kind == "lstm" else ("y", "hy")
+    got = dict(zip(names, (y, hy, cy)))
+    err = {k: rel(got[k], r) for k, r in zip(names, ref)}
+    cudnn_err = {k: rel(c, r) for k, c, r in zip(names, cud, ref)}
+    tol = max(TOL[dtype_name], 2 * max(cudnn_err.values()))
+    worst = max(err.values())
+    unwritten = sum(int(torch.isnan(t).sum()) for t in got.values())
+    ok = unwritten == 0 and math.isfinite(worst) and worst <= tol
+    row.update(path=path, status=("fallback" if path == "cudnn" else "ok") if ok else "FAIL",
+               err_vs_f64=err, cudnn_err_vs_f64=cudnn_err, tol=tol, ratio=worst / tol,
+               unwritten=unwritten, seconds=round(time.perf_counter() - t0, 2))
+    return row
+
+
+def _reason_key(reason: str) -> str:
+    """A refusal's kind: its text up to the first number."""
+    import re
+
+    head = re.split(r"\d", reason, maxsplit=1)[0].rstrip(" :,(")
+    return head[:70]
+
+
+def sweep_summary(rows, seconds: float) -> str:
+    """One line: cases, passed on each path, refused (with their reasons),
+    failed, and the worst error over its tolerance."""
+    from collections import Counter
+
+    paths = Counter(r.get("path", "?").split(" ")[0] for r in rows if r["status"] == "ok")
+    fell = [r for r in rows if r["status"] == "fallback"]
+    bad = [r for r in rows if r["status"] not in ("ok", "fallback")]
+    reasons = Counter(_reason_key(r.get("reason", "")) for r in rows if r.get("reason"))
+    worst = max(rows, key=lambda r: r.get("ratio", -1.0), default=None)
+    worst_txt = "none"
+    if worst is not None and "ratio" in worst:
+        worst_txt = (f"{max(worst['err_vs_f64'].values()):.2e} vs tol {worst['tol']:.2e} "
+                     f"(x{worst['ratio']:.2f}; {worst['kind']} {worst['directions']}d "
+                     f"{worst['layers']}x{worst['units']} B{worst['batch']} T{worst['steps']} "
+                     f"{worst['dtype']}, {worst['path']})")
+    return (f"sweep: {len(rows)} cases in {seconds:.0f} s, "
+            f"{len(rows) - len(fell) - len(bad)} passed on the kernel ("
+            + ", ".join(f"{k} {v}" for k, v in sorted(paths.items())) + "), "
+            f"{len(fell)} refused and exact on cuDNN, {len(bad)} FAILED; refusals: "
+            + ("; ".join(f"{v}x {k}" for k, v in reasons.most_common()) or "none")
+            + f"; worst error {worst_txt}")
+
+
+def cmd_sweep(args):
+    """`sweep_case` over `sweep_cases(args.cases, args.seed)`, stopping
+    when `args.budget` seconds have passed; exit 1 if any case failed."""
+    start = time.perf_counter()
+    rows = []
+    for i, case in enumerate(sweep_cases(args.cases, args.seed)):
+        if time.perf_counter() - start > args.budget:
+            print(f"budget of {args.budget:.0f} s reached after {i} cases", flush=True)
+            break
+        try:
+            row = sweep_case(*case, seed=args.seed * 100000 + i)
+        except Exception as exc:  # noqa: BLE001 - record and go on
+            row = dict(case=list(case), status="ERROR", error=f"{type(exc).__name__}: {exc}")
+        rows.append(row)
+        print(list(case), json.dumps({k: row.get(k) for k in
+                                      ("status", "path", "ratio", "reason", "error")}), flush=True)
+        _dump(args.out, dict(meta=_meta(), results=rows))
+        torch.cuda.empty_cache()
+    line = sweep_summary(rows, time.perf_counter() - start)
+    print(line, flush=True)
+    _dump(args.out, dict(meta=_meta(), summary=line, results=rows))
+    return 1 if any(r["status"] not in ("ok", "fallback") for r in rows) else 0
+
+
 def _print_row(row):
     if "error" in row or "skipped" in row or "cudnn_fused_ms" not in row:
         print(json.dumps({k: v for k, v in row.items() if k != "plan"}), flush=True)
@@ -1355,8 +1562,13 @@ def main(argv=None):
     bi.add_argument("--train", action="store_true",
                     help="also time a training step (a one-layer launch a direction)")
     bi.add_argument("--out", default="")
+    sw = sub.add_parser("sweep", help="randomized exactness over the brief's ranges")
+    sw.add_argument("--cases", type=int, default=200)
+    sw.add_argument("--seed", type=int, default=0)
+    sw.add_argument("--budget", type=float, default=110.0, help="seconds; stops drawing cases")
+    sw.add_argument("--out", default="")
     args = ap.parse_args(argv)
-    return {"check": cmd_check, "bench": cmd_bench, "modes": cmd_modes,
+    return {"check": cmd_check, "sweep": cmd_sweep, "bench": cmd_bench, "modes": cmd_modes,
             "trace": cmd_trace, "grad": cmd_grad, "train": cmd_train,
             "segments": cmd_segments, "bidirectional": cmd_bidirectional}[args.cmd](args)
 

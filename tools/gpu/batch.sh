@@ -18,6 +18,7 @@
 #   MATRIX_ARGS="--shapes lstm4x512" bash tools/gpu/batch.sh matrix-torch matrix-pytorch
 #   bash tools/gpu/batch.sh wavefront-segments   # stacks larger than the chip
 #   bash tools/gpu/batch.sh wavefront-bidirectional   # bidirectional layers (off by default)
+#   bash tools/gpu/batch.sh wavefront-sweep   # randomized exactness, about 150 s
 #
 # The tf-* stages need the staging runs of ../shared/gpu/README.md first
 # (tf-setup is a no-op on a machine that already has /tmp/tfsite).
@@ -192,6 +193,20 @@ run_stage() {
       cp $LOGS/wavefront_bidirectional_h200.json $OUT/ 2>/dev/null
       echo "[$(since) s] wavefront-bidirectional rc $rc"
       summary wavefront-bidirectional "speedup|status|GPU_REPORT decision|passed|failed|^FAILED|^ERROR|Error" 30 ;;
+    wavefront-sweep)
+      # Randomized exactness over 1-8 layers, 64-1024 units, batch 1-256,
+      # T 1-2000, with and without lengths, both directions, LSTM and GRU,
+      # float16 and bfloat16: what runs (the kernel, its segments, the
+      # opt-in bidirectional launches, or cuDNN after the kernel refused
+      # with a reason) against float64 and cuDNN. Cases stop at the budget;
+      # the last line is the summary. SWEEP_SEED, SWEEP_ARGS: more arguments.
+      s=$(limit wavefront-sweep 150)
+      ( torch_env; timeout $s python3 bench/bench_wavefront.py sweep --cases 400 \
+          --seed ${SWEEP_SEED:-0} --budget $(( s - 45 )) ${SWEEP_ARGS} \
+          --out $LOGS/wavefront_sweep.json ) > $log 2>&1; rc=$?
+      cp $LOGS/wavefront_sweep.json $OUT/ 2>/dev/null
+      echo "[$(since) s] wavefront-sweep rc $rc"
+      grep -E "^sweep:|FAIL|ERROR|Error|budget" $log | cut -c1-700 | tail -14 ;;
     *) echo "unknown stage $stage"; return 2 ;;
   esac
 }

@@ -52,7 +52,7 @@ logger = logging.getLogger("rnnfuse")
 
 SOURCE_DIR = Path(__file__).resolve().parent / "csrc"
 KERNEL_SOURCES = ("wavefront.cu", "wavefront.cuh")
-HOST_SOURCES = ("wavefront_host.cc", "wavefront_plan.h", "wavefront.cuh")
+HOST_SOURCES = ("wavefront_host.cc", "wavefront_plan.h", "wavefront.cuh", "cuda_driver.h")
 LIBRARY_NAME = "librnnfuse_wavefront.so"
 CUBIN_NAME = "wavefront.cubin"
 # Plain sm_90: the kernel uses mma.sync, ldmatrix and cp.async only.
@@ -61,7 +61,7 @@ CXX_FLAGS = ("-std=c++17", "-O2", "-shared", "-fPIC", "-fvisibility=hidden",
              "-static-libstdc++", "-static-libgcc")
 _FLAGS_VERSION = "1"  # bump when a build command changes
 
-CORE_SOURCES = ("cudnn_rnn_core.cc", "cudnn_rnn_core.h")
+CORE_SOURCES = ("cudnn_rnn_core.cc", "cudnn_rnn_core.h", "cuda_driver.h")
 CORE_LIBRARY_NAME = "librnnfuse_cudnn_core.so"
 # Hides the static libstdc++'s symbols: the core loads into processes with
 # their own C++ runtime (torch, TensorFlow).

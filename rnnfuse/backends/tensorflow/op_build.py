@@ -55,6 +55,8 @@ logger = logging.getLogger("rnnfuse")
 
 SOURCE_DIR = Path(__file__).resolve().parent / "csrc"
 SOURCES = ("rnnfuse_cudnn_rnn.cc",)
+# Headers the op files include (csrc/): part of both libraries' cache keys.
+HEADERS = ("rnnfuse_tf_op.h",)
 LIBRARY_NAME = "rnnfuse_cudnn_rnn.so"
 _FLAGS_VERSION = "2"  # bump when the build command changes
 # The cuDNN core's sources, compiled into the op's library (build_command).
@@ -129,7 +131,7 @@ def library_path() -> Path:
     import tensorflow as tf
 
     digest = hashlib.sha256(_FLAGS_VERSION.encode())
-    for path in (*(SOURCE_DIR / name for name in SOURCES), *CORE_SOURCES):
+    for path in (*(SOURCE_DIR / name for name in SOURCES + HEADERS), *CORE_SOURCES):
         digest.update(path.read_bytes())
     key = f"tf{tf.__version__}-cudnn{cudnn_header_version(cudnn_inc)}-{digest.hexdigest()[:12]}"
     return cache_dir() / key / LIBRARY_NAME
@@ -253,7 +255,7 @@ def build_wavefront_op(force: bool = False, verbose: bool = False) -> Path:
     compiler = find_compiler()
     cubin = cuda_build.build_cubin(force=force)
     digest = hashlib.sha256(_FLAGS_VERSION.encode() + cubin.parent.name.encode())
-    for path in (SOURCE_DIR / WAVEFRONT_SOURCE,
+    for path in (SOURCE_DIR / WAVEFRONT_SOURCE, *(SOURCE_DIR / name for name in HEADERS),
                  *(cuda_build.SOURCE_DIR / n for n in cuda_build.HOST_SOURCES)):
         digest.update(path.read_bytes())
     target = cache_dir() / f"tf{tf.__version__}-wavefront-{digest.hexdigest()[:12]}" / WAVEFRONT_LIBRARY_NAME

@@ -16,6 +16,7 @@
 // under one mutex per device that a call holds from start to end.
 
 #include "cudnn_rnn_core.h"
+#include "cuda_driver.h"
 
 #include <cuda.h>
 #include <cudnn.h>
@@ -31,8 +32,6 @@
 #include <vector>
 
 #define RF_EXPORT __attribute__((visibility("default")))
-#define RF_STR2(x) #x
-#define RF_STR(x) RF_STR2(x)
 
 namespace {
 
@@ -96,10 +95,10 @@ int LoadCudnn(const char* path) {
   }
   std::unique_ptr<Cudnn> c(new Cudnn());
 #define RF_RESOLVE(fn)                                                         \
-  c->fn##_ = reinterpret_cast<decltype(&fn)>(dlsym(lib, RF_STR(fn)));          \
+  c->fn##_ = reinterpret_cast<decltype(&fn)>(dlsym(lib, RF_DRIVER_STR(fn)));          \
   if (!c->fn##_)                                                               \
     return Fail(RF_CUDNN_E_UNAVAILABLE,                                        \
-                std::string(name) + " lacks " RF_STR(fn) " (cuDNN 9 is needed)");
+                std::string(name) + " lacks " RF_DRIVER_STR(fn) " (cuDNN 9 is needed)");
   RF_CUDNN_FUNCTIONS(RF_RESOLVE)
 #undef RF_RESOLVE
   c->version = static_cast<int>(c->cudnnGetVersion_());
@@ -114,61 +113,12 @@ int LoadCudnn(const char* path) {
 // ---------------------------------------------------------------------------
 // The CUDA driver, resolved from libcuda.so.1 (names as cuda.h maps them).
 #define RF_DRIVER_FUNCTIONS(X) \
-  X(cuInit)                    \
-  X(cuGetErrorString)          \
-  X(cuCtxGetCurrent)           \
-  X(cuCtxPushCurrent)          \
-  X(cuCtxPopCurrent)           \
-  X(cuCtxGetDevice)            \
-  X(cuStreamGetCtx)            \
-  X(cuMemAlloc)                \
-  X(cuMemcpyDtoDAsync)         \
+  RF_DRIVER_CONTEXT_FUNCTIONS(X) \
+  X(cuMemAlloc)                  \
+  X(cuMemcpyDtoDAsync)           \
   X(cuMemsetD8Async)
 
-struct Driver {
-#define RF_DECLARE(name) decltype(&name) name##_ = nullptr;
-  RF_DRIVER_FUNCTIONS(RF_DECLARE)
-#undef RF_DECLARE
-  bool ok = false;
-  std::string why;
-};
-
-Driver* GetDriver() {
-  static Driver* driver = [] {
-    Driver* d = new Driver();
-    void* lib = dlopen("libcuda.so.1", RTLD_NOW | RTLD_LOCAL);
-    if (!lib) {
-      const char* why = dlerror();
-      d->why = std::string("the CUDA driver (libcuda.so.1) could not be loaded: ") +
-               (why ? why : "not found") + " (no GPU driver on this machine?)";
-      return d;
-    }
-#define RF_RESOLVE(name)                                                     \
-  d->name##_ = reinterpret_cast<decltype(&name)>(dlsym(lib, RF_STR(name)));  \
-  if (!d->name##_) {                                                         \
-    d->why = "the CUDA driver lacks " RF_STR(name);                          \
-    return d;                                                                \
-  }
-    RF_DRIVER_FUNCTIONS(RF_RESOLVE)
-#undef RF_RESOLVE
-    CUresult r = d->cuInit_(0);
-    if (r != CUDA_SUCCESS) {
-      d->why = "cuInit failed (CUDA error " + std::to_string(static_cast<int>(r)) +
-               "; no usable GPU?)";
-      return d;
-    }
-    d->ok = true;
-    return d;
-  }();
-  return driver;
-}
-
-std::string DriverError(Driver* d, const char* what, CUresult r) {
-  const char* text = nullptr;
-  if (d->cuGetErrorString_) d->cuGetErrorString_(r, &text);
-  return std::string(what) + " failed: " + (text ? text : "unknown CUDA error") + " (" +
-         std::to_string(static_cast<int>(r)) + ")";
-}
+RF_DEFINE_DRIVER(RF_DRIVER_FUNCTIONS)
 
 #define RF_CU(d, expr)                                                             \
   do {                                                                             \

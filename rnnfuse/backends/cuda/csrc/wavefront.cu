@@ -13,42 +13,49 @@ namespace rnnfuse_wf {
 
 // ---------------------------------------------------------------------------
 // Element types: float conversion, packing two values in 32 bits, and the
-// tensor-core product.
-template <typename T> struct Elem;
-
-template <> struct Elem<__half> {
-  static __device__ __forceinline__ float to_float(__half x) { return __half2float(x); }
-  static __device__ __forceinline__ uint32_t pack(float a, float b) {
-    __half2 v = __floats2half2_rn(a, b);
-    return *reinterpret_cast<uint32_t*>(&v);
-  }
-  static __device__ __forceinline__ float2 unpack(uint32_t w) {
-    return __half22float2(*reinterpret_cast<__half2*>(&w));
-  }
-  static __device__ __forceinline__ void mma(float (&c)[4], const uint32_t (&a)[4], uint32_t b0,
-                                             uint32_t b1) {
-    asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
-        "{%8,%9}, {%0,%1,%2,%3};"
-        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+// tensor-core product. The two types differ only in their intrinsics' names
+// (Pair and the overloads below) and the mma's type suffix.
+__device__ __forceinline__ float to_float(__half x) { return __half2float(x); }
+__device__ __forceinline__ float to_float(__nv_bfloat16 x) { return __bfloat162float(x); }
+__device__ __forceinline__ float2 to_float2(__half2 x) { return __half22float2(x); }
+__device__ __forceinline__ float2 to_float2(__nv_bfloat162 x) { return __bfloat1622float2(x); }
+template <typename T> struct Pair;
+template <> struct Pair<__half> {
+  using type = __half2;
+  static __device__ __forceinline__ __half2 of(float a, float b) { return __floats2half2_rn(a, b); }
+};
+template <> struct Pair<__nv_bfloat16> {
+  using type = __nv_bfloat162;
+  static __device__ __forceinline__ __nv_bfloat162 of(float a, float b) {
+    return __floats2bfloat162_rn(a, b);
   }
 };
 
-template <> struct Elem<__nv_bfloat16> {
-  static __device__ __forceinline__ float to_float(__nv_bfloat16 x) { return __bfloat162float(x); }
+// mma.sync m16n8k16, A row-major, B column-major, float32 accumulators;
+// AB: the operands' PTX type (f16, bf16).
+#define RF_MMA_M16N8K16(AB, c, a, b0, b1)                                                  \
+  asm("mma.sync.aligned.m16n8k16.row.col.f32." AB "." AB ".f32 {%0,%1,%2,%3}, "           \
+      "{%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"                                             \
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])                                     \
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1))
+
+template <typename T> struct Elem {
+  using P2 = typename Pair<T>::type;
+  static __device__ __forceinline__ float to_float(T x) { return rnnfuse_wf::to_float(x); }
   static __device__ __forceinline__ uint32_t pack(float a, float b) {
-    __nv_bfloat162 v = __floats2bfloat162_rn(a, b);
+    P2 v = Pair<T>::of(a, b);
     return *reinterpret_cast<uint32_t*>(&v);
   }
   static __device__ __forceinline__ float2 unpack(uint32_t w) {
-    return __bfloat1622float2(*reinterpret_cast<__nv_bfloat162*>(&w));
+    return to_float2(*reinterpret_cast<P2*>(&w));
   }
   static __device__ __forceinline__ void mma(float (&c)[4], const uint32_t (&a)[4], uint32_t b0,
                                              uint32_t b1) {
-    asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
-        "{%8,%9}, {%0,%1,%2,%3};"
-        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+    if constexpr (sizeof(T) == 2 && __is_same(T, __half)) {
+      RF_MMA_M16N8K16("f16", c, a, b0, b1);
+    } else {
+      RF_MMA_M16N8K16("bf16", c, a, b0, b1);
+    }
   }
 };
 
@@ -196,6 +203,94 @@ __device__ __forceinline__ long long weight_offset(const Args& a, const LayerPla
 }
 
 // ---------------------------------------------------------------------------
+// Pieces every kernel shares.
+
+// Thread `tid`'s share of a row-major grid of 16-byte chunks, `per_row` a
+// row: it starts at (n0, q0) and steps kThreads chunks, (dn, dq), so a
+// walk needs no division a chunk.
+struct ChunkWalk {
+  int n0, q0, dn, dq, per_row;
+  __device__ __forceinline__ ChunkWalk(int tid, int row_chunks)
+      : n0(tid / row_chunks), q0(tid % row_chunks), dn(kThreads / row_chunks),
+        dq(kThreads % row_chunks), per_row(row_chunks) {}
+  // f(n, q) for each of this thread's chunks in rows [first, end).
+  template <typename F>
+  __device__ __forceinline__ void run(int first, int end, F&& f) const {
+    int n = first + n0, q = q0;
+    while (n < end) {
+      f(n, q);
+      q += dq;
+      n += dn;
+      if (q >= per_row) {
+        q -= per_row;
+        ++n;
+      }
+    }
+  }
+};
+
+// cp.async of `rows` rows of `per_row` 16-byte chunks from src (a row every
+// src_stride elements) to dst (every dst_stride), as one commit group.
+template <typename T>
+__device__ __forceinline__ void stage_rows(T* dst, int dst_stride, const T* src, int src_stride,
+                                           int rows, const ChunkWalk& walk) {
+  walk.run(0, rows, [&](int n, int q) {
+    cp_async16(dst + n * dst_stride + q * 8, src + static_cast<size_t>(n) * src_stride + q * 8);
+  });
+  cp_async_commit();
+}
+
+// An m16n8 C fragment (rows row and row + 8, columns col and col + 1) to or
+// from a column-major slice p[col * stride + row].
+__device__ __forceinline__ void store_fragment(float* p, int stride, int row, int col,
+                                               const float (&c)[4]) {
+  p[col * stride + row] = c[0];
+  p[(col + 1) * stride + row] = c[1];
+  p[col * stride + row + 8] = c[2];
+  p[(col + 1) * stride + row + 8] = c[3];
+}
+__device__ __forceinline__ void add_fragment(float (&c)[4], const float* p, int stride, int row,
+                                             int col) {
+  c[0] += p[col * stride + row];
+  c[1] += p[(col + 1) * stride + row];
+  c[2] += p[col * stride + row + 8];
+  c[3] += p[(col + 1) * stride + row + 8];
+}
+
+// lens[n] = the length of batch row row0 + n, at most steps (steps where
+// `lengths` is null), for n < rows.
+__device__ __forceinline__ void load_lengths(int* lens, const int* lengths, int row0, int rows,
+                                             int steps, int tid) {
+  for (int n = tid; n < rows; n += kThreads) {
+    const int len = lengths ? lengths[row0 + n] : steps;
+    lens[n] = len < steps ? len : steps;
+  }
+}
+
+// The lanes of one warp spin (acquire) until flags[0, count) all reach need.
+__device__ __forceinline__ void await_flags(const unsigned* flags, int count, unsigned need,
+                                            int lane) {
+  for (int i = lane; i < count; i += 32)
+    while (load_acquire(flags + i) < need) {
+    }
+}
+
+// Spins until *flag reaches need; false, with *timed_out set, once
+// kBwdWaitNs have passed since `start` (a broken protocol then gives
+// flagged wrong numbers, not a hang).
+__device__ __forceinline__ bool await_flag_or_time_out(const unsigned* flag, unsigned need,
+                                                       unsigned long long start,
+                                                       unsigned* timed_out) {
+  while (load_acquire(flag) < need) {
+    if (global_ns() - start > kBwdWaitNs) {
+      atomicExch(timed_out, 1u);
+      return false;
+    }
+  }
+  return true;
+}
+
+// ---------------------------------------------------------------------------
 // The forward kernel; V: the step's variant (wavefront.cuh: 0, or 1 with
 // the overlapped pointwise step, paired partial sums and fixed staging);
 // I: independent layers (wavefront.cuh, "Independent layers"; variant 0).
@@ -280,10 +375,7 @@ __device__ __forceinline__ void wavefront_body(const Args& a) {
     }
     bias[r] = v;
   }
-  for (int n = tid; n < B; n += kThreads) {
-    int len = a.lengths ? a.lengths[n] : steps;
-    lens[n] = len < steps ? len : steps;
-  }
+  load_lengths(lens, a.lengths, 0, B, steps, tid);
 
   const size_t seq = static_cast<size_t>(B) * H;  // one step of a sequence buffer
   const T* below = !first ? static_cast<const T*>(a.work) + static_cast<size_t>(l - 1) * steps * seq
@@ -300,19 +392,16 @@ __device__ __forceinline__ void wavefront_body(const Args& a) {
   const int below_ctas = !first ? a.layer[l - 1].ctas : 0;
   const int UG = U / 8, UP = U / 2;  // powers of two (U = 8 * mg)
   const int ug_shift = __ffs(UG) - 1, up_shift = __ffs(UP) - 1;
-  const int xs_per_row = G * UG;
-  const int xs_n0 = tid / xs_per_row, xs_q0 = tid % xs_per_row;
-  const int xs_dn = kThreads / xs_per_row, xs_dq = kThreads % xs_per_row;
-  const int hs_per_row = K / 8;  // 16-byte chunks of one hs row
-  const int hs_n0 = tid / hs_per_row, hs_q0 = tid % hs_per_row;
-  const int hs_dn = kThreads / hs_per_row, hs_dq = kThreads % hs_per_row;
+  const ChunkWalk xs_walk(tid, G * UG);  // items (n, g, 8 units) of one step's xproj slice
+  const ChunkWalk hs_walk(tid, K / 8);   // 16-byte chunks of one hs row
   // Variant 1 (wavefront.cuh): fixed staging where every thread keeps one
-  // column chunk (hs_dq == 0); the warps that run their share of the first
-  // half's pointwise step after their second-half products (`late`); the
-  // K-group pairs (warp (m, k >= kg/2) hands its partials to (m, k - kg/2);
-  // with ng == 1, warp = m + mg * k and mg * kg = 8, so those are warps 4-7).
-  const bool hs_fixed = V == 1 && hs_dq == 0;
-  const int hs_k = hs_q0 * 8;
+  // column chunk (hs_walk.dq == 0); the warps that run their share of the
+  // first half's pointwise step after their second-half products (`late`);
+  // the K-group pairs (warp (m, k >= kg/2) hands its partials to
+  // (m, k - kg/2); with ng == 1, warp = m + mg * k and mg * kg = 8, so those
+  // are warps 4-7).
+  const bool hs_fixed = V == 1 && hs_walk.dq == 0;
+  const int hs_k = hs_walk.q0 * 8;
   const bool pair = V == 1 && p.ng == 1 && p.kg >= 2;
   const bool upper = kg >= p.kg / 2;
   const bool late = p.ng == 1 ? warp >= kWarps / 2 : ng == 1;
@@ -323,7 +412,7 @@ __device__ __forceinline__ void wavefront_body(const Args& a) {
   // layer below's flags and releases the other below warps (named barrier
   // 3, kThreads/2 threads), issues its copies, then polls its own layer's
   // flags and releases the own warps (barrier 4, 32 + kThreads/2 threads).
-  const bool split_wait = V == 1 && !first && hs_fixed && (hs_per_row / 2) % 32 == 0;
+  const bool split_wait = V == 1 && !first && hs_fixed && (hs_walk.per_row / 2) % 32 == 0;
   const bool stage_below = hs_k < p.kin;  // warp-uniform where split_wait
 
   const int nchunks = (B + kNC - 1) / kNC;
@@ -344,21 +433,13 @@ __device__ __forceinline__ void wavefront_body(const Args& a) {
     if (!first || t >= steps) return;
     T* dst = xs + (t & 1) * xs_size;
     const T* src = xproj + static_cast<size_t>(t) * B * G * H + u0;
-    // item (n, g, q): batch row n, gate g, 8 units q; walked without
-    // divisions (xs_dn, xs_dq: one step of kThreads items).
-    int n = xs_n0, q = xs_q0;
-    while (n < B) {
+    // item (n, g, q): batch row n, gate g, 8 units q.
+    xs_walk.run(0, B, [&](int n, int q) {
       const int g = q >> ug_shift, qq = q & (UG - 1);
       if (u0 + qq * 8 < H)
         cp_async16(dst + (n * G + g) * U + qq * 8,
                    src + static_cast<size_t>(n) * G * H + g * H + qq * 8);
-      q += xs_dq;
-      n += xs_dn;
-      if (q >= xs_per_row) {
-        q -= xs_per_row;
-        ++n;
-      }
-    }
+    });
   };
   stage_xs(0);
   cp_async_commit();
@@ -368,14 +449,8 @@ __device__ __forceinline__ void wavefront_body(const Args& a) {
     mark(t, 0);
     // --- wait for the inputs of step t ---------------------------------------
     if (V == 0 && warp == 0 && !(a.mode & kModeNoWait)) {
-      if (t > 0)
-        for (int i = lane; i < p.ctas; i += 32)
-          while (load_acquire(my_flags + i) < static_cast<unsigned>(t)) {
-          }
-      if (!first)
-        for (int i = lane; i < below_ctas; i += 32)
-          while (load_acquire(below_flags + i) < static_cast<unsigned>(t + 1)) {
-          }
+      if (t > 0) await_flags(my_flags, p.ctas, static_cast<unsigned>(t), lane);
+      if (!first) await_flags(below_flags, below_ctas, static_cast<unsigned>(t + 1), lane);
       __syncwarp();
     }
     if (V == 1 && !split_wait && warp == 0 && !(a.mode & kModeNoWait)) {
@@ -404,57 +479,155 @@ __device__ __forceinline__ void wavefront_body(const Args& a) {
                            : mine + static_cast<size_t>(t - 1) * seq;
     const T* below_t = !first ? below + static_cast<size_t>(t) * seq : nullptr;
     const T* xs_t = xs + (t & 1) * xs_size;
+    // This thread's fixed staging source for step t (variant 1, hs_fixed).
+    const T* hs_src = hs_k < p.kin ? below_t + hs_k : prev + (hs_k - p.kin);
 
-    if constexpr (V == 1) {
-      // --- variant 1 (wavefront.cuh): the pointwise step of rows [r0, r1)
-      // of chunk n0, summing `kparts` partial slices ---------------------
-      auto pointwise_rows = [&](int n0, int r0, int r1) {
-        const int items = (a.mode & kModeNoPointwise) ? 0 : (r1 - r0) * UP;
-        for (int idx = tid; idx < items; idx += kThreads) {
-          const int n = r0 + (idx >> up_shift), u = (idx & (UP - 1)) * 2;
-          if (u0 + u >= H) continue;
-          const int nb = n0 + n;
-          float pre[4][2];
+    // --- stage h_t (below) and h_{t-1} (own) of chunk rows [r0, r1) into
+    // hs (one cp.async group) ----------------------------------------------
+    auto stage_hs = [&](int n0, int r0, int r1) {
+      if (hs_fixed) {
+        const T* src = hs_src + static_cast<size_t>(n0) * H;
+        for (int n = r0 + hs_walk.n0; n < r1; n += hs_walk.dn)
+          cp_async16(hs + n * KS + hs_k, src + static_cast<size_t>(n) * H);
+      } else {
+        hs_walk.run(r0, r1, [&](int n, int q) {
+          const int k = q * 8;
+          const T* src = k < p.kin ? below_t + static_cast<size_t>(n0 + n) * H + k
+                                   : prev + static_cast<size_t>(n0 + n) * H + (k - p.kin);
+          cp_async16(hs + n * KS + k, src);
+        });
+      }
+      cp_async_commit();
+    };
+
+    // --- partial gates of the phase's n-groups (phase 0: the chunk's first
+    // kNGroup rows): this warp's rows x K range, into part_k ---------------
+    auto products = [&](int phase, int ntiles, float* part_k) {
+      for (int t0 = ng * 4; t0 < ntiles; t0 += 4 * p.ng) {
+        if ((t0 < kNGroup / 8) != (phase == 0)) continue;
+        float acc[kWM][4][4];
 #pragma unroll
-          for (int vg = 0; vg < 4; ++vg) {
-            float2 s = *reinterpret_cast<const float2*>(bias + vg * U + u);
-            for (int kk = 0; kk < kparts; ++kk) {
-              const float2 v =
-                  *reinterpret_cast<const float2*>(part + (kk * kNC + n) * RS + vg * U + u);
-              s.x += v.x;
-              s.y += v.y;
-            }
-            pre[vg][0] = s.x;
-            pre[vg][1] = s.y;
-          }
-          if (first) {
+        for (int i = 0; i < kWM; ++i)
 #pragma unroll
-            for (int g = 0; g < 4; ++g) {
-              if (g >= G) break;
-              const float2 f =
-                  E::unpack(*reinterpret_cast<const uint32_t*>(xs_t + (nb * G + g) * U + u));
-              pre[g][0] += f.x;
-              pre[g][1] += f.y;
+          for (int nt = 0; nt < 4; ++nt)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) acc[i][nt][e] = 0.0f;
+#pragma unroll
+        for (int jt = 0; jt < kWK; ++jt) {
+          const int kcol = kg * kWarpK + jt * 16;
+          uint32_t b[4][2];
+#pragma unroll
+          for (int pr = 0; pr < 2; ++pr) {
+            b[2 * pr][0] = b[2 * pr][1] = b[2 * pr + 1][0] = b[2 * pr + 1][1] = 0;
+            if (t0 + 2 * pr < ntiles) {
+              const int q = lane >> 3;
+              const int n = (t0 + 2 * pr) * 8 + (q >> 1) * 8 + (lane & 7);
+              const int k = kcol + (q & 1) * 8;
+              ldmatrix_x4(b[2 * pr][0], b[2 * pr][1], b[2 * pr + 1][0], b[2 * pr + 1][1],
+                          hs + n * KS + k);
             }
           }
-          float h[2], cv[2] = {0.0f, 0.0f};
-          cell_pointwise(a, pre, a.gru ? nullptr : reinterpret_cast<float2*>(cs + nb * U + u),
-                         a.gru ? E::unpack(*reinterpret_cast<const uint32_t*>(hs + n * KS + p.kin + u0 + u))
-                               : float2{},
-                         (static_cast<size_t>(l) * steps + t) * B + nb, u0 + u, H, h, cv);
-          const int len = lens[nb];
-          const uint32_t out = t < len ? E::pack(h[0], h[1]) : 0u;
-          const size_t o = static_cast<size_t>(nb) * H + u0 + u;
-          *reinterpret_cast<uint32_t*>(mine + static_cast<size_t>(t) * seq + o) = out;
-          if (t == len - 1) {
-            *reinterpret_cast<uint32_t*>(hy + o) = out;
-            if (!a.gru) *reinterpret_cast<uint32_t*>(cy + o) = E::pack(cv[0], cv[1]);
+#pragma unroll
+          for (int i = 0; i < kWM; ++i) {
+            if (live & (1u << (i * kWK + jt))) {
+#pragma unroll
+              for (int nt = 0; nt < 4; ++nt)
+                if (t0 + nt < ntiles) E::mma(acc[i][nt], wa[i][jt], b[nt][0], b[nt][1]);
+            }
           }
         }
-      };
-      // This thread's fixed staging source for step t (hs_fixed).
-      const T* hs_src = hs_k < p.kin ? below_t + hs_k : prev + (hs_k - p.kin);
+        // Pairs (variant 1): with ng == 1 every warp runs this tile group of
+        // the phase (t0 = 4 * phase), so each arrive meets its sync. The
+        // partner's partials sit where this warp's own would go.
+        if (pair && !upper) {
+          if (phase == 0) {
+            named_barrier_sync<1>();
+          } else {
+            named_barrier_sync<2>();
+          }
+          const float* mate = part_k + (p.kg / 2) * kNC * RS;
+#pragma unroll
+          for (int i = 0; i < kWM; ++i) {
+#pragma unroll
+            for (int nt = 0; nt < 4; ++nt) {
+              if (t0 + nt < ntiles)
+                add_fragment(acc[i][nt], mate, RS, mg * kWarpRows + i * 16 + (lane >> 2),
+                             (t0 + nt) * 8 + (lane & 3) * 2);
+            }
+          }
+        }
+        // C fragment (row, col) -> part_k[col][row]: the pointwise step
+        // reads consecutive rows (units) of one batch row.
+#pragma unroll
+        for (int i = 0; i < kWM; ++i) {
+#pragma unroll
+          for (int nt = 0; nt < 4; ++nt) {
+            if (t0 + nt < ntiles)
+              store_fragment(part_k, RS, mg * kWarpRows + i * 16 + (lane >> 2),
+                             (t0 + nt) * 8 + (lane & 3) * 2, acc[i][nt]);
+          }
+        }
+        if (pair && upper) {
+          if (phase == 0) {
+            named_barrier_arrive<1>();
+          } else {
+            named_barrier_arrive<2>();
+          }
+        }
+      }
+    };
 
+    // --- pointwise, rows [r0, r1) of chunk n0, 2 units of one batch row a
+    // thread, summing `kparts` partial slices ------------------------------
+    auto pointwise_rows = [&](int n0, int r0, int r1) {
+      const int items = (a.mode & kModeNoPointwise) ? 0 : (r1 - r0) * UP;
+      for (int idx = tid; idx < items; idx += kThreads) {
+        const int n = r0 + (idx >> up_shift), u = (idx & (UP - 1)) * 2;
+        if (u0 + u >= H) continue;
+        const int nb = n0 + n;
+        float pre[4][2];
+#pragma unroll
+        for (int vg = 0; vg < 4; ++vg) {
+          float2 s = *reinterpret_cast<const float2*>(bias + vg * U + u);
+          // (variant 0 reads p.kg itself: one register fewer than kparts)
+          for (int kk = 0; kk < (V == 1 ? kparts : p.kg); ++kk) {
+            const float2 v =
+                *reinterpret_cast<const float2*>(part + (kk * kNC + n) * RS + vg * U + u);
+            s.x += v.x;
+            s.y += v.y;
+          }
+          pre[vg][0] = s.x;
+          pre[vg][1] = s.y;
+        }
+        if (first) {
+#pragma unroll
+          for (int g = 0; g < 4; ++g) {
+            if (g >= G) break;
+            const float2 f =
+                E::unpack(*reinterpret_cast<const uint32_t*>(xs_t + (nb * G + g) * U + u));
+            pre[g][0] += f.x;
+            pre[g][1] += f.y;
+          }
+        }
+        float h[2], cv[2] = {0.0f, 0.0f};
+        cell_pointwise(a, pre, a.gru ? nullptr : reinterpret_cast<float2*>(cs + nb * U + u),
+                       a.gru ? E::unpack(*reinterpret_cast<const uint32_t*>(hs + n * KS + p.kin + u0 + u))
+                             : float2{},
+                       (static_cast<size_t>(l) * steps + t) * B + nb, u0 + u, H, h, cv);
+        const int len = lens[nb];
+        const uint32_t out = t < len ? E::pack(h[0], h[1]) : 0u;
+        const size_t o = static_cast<size_t>(nb) * H + u0 + u;
+        *reinterpret_cast<uint32_t*>(mine + static_cast<size_t>(t) * seq + o) = out;
+        if (t == len - 1) {
+          *reinterpret_cast<uint32_t*>(hy + o) = out;
+          if (!a.gru) *reinterpret_cast<uint32_t*>(cy + o) = E::pack(cv[0], cv[1]);
+        }
+      }
+    };
+
+    if constexpr (V == 1) {
+      // --- variant 1 (wavefront.cuh): the first half's pointwise step
+      // overlaps the second half's products ---------------------------------
       for (int c = 0; c < nchunks; ++c) {
         const int n0 = c * kNC, nc = min(kNC, B - n0);
         const int half = nc < kNGroup ? nc : kNGroup;
@@ -462,10 +635,7 @@ __device__ __forceinline__ void wavefront_body(const Args& a) {
         const bool poll = !(a.mode & kModeNoWait);
         if (split_wait && c == 0) {
           if (warp == 0) {
-            if (poll)
-              for (int i = lane; i < below_ctas; i += 32)
-                while (load_acquire(below_flags + i) < static_cast<unsigned>(t + 1)) {
-                }
+            if (poll) await_flags(below_flags, below_ctas, static_cast<unsigned>(t + 1), lane);
             __syncwarp();
             named_barrier_arrive<3, kThreads / 2>();
           } else if (stage_below) {
@@ -476,32 +646,10 @@ __device__ __forceinline__ void wavefront_body(const Args& a) {
         }
         for (int part_rows = 0; part_rows < 2; ++part_rows) {
           const int r0 = part_rows ? half : 0, r1 = stage ? (part_rows ? nc : half) : r0;
-          if (hs_fixed) {
-            const T* src = hs_src + static_cast<size_t>(n0) * H;
-            for (int n = r0 + hs_n0; n < r1; n += hs_dn)
-              cp_async16(hs + n * KS + hs_k, src + static_cast<size_t>(n) * H);
-          } else {
-            int n = r0 + hs_n0, q = hs_q0;
-            while (n < r1) {
-              const int k = q * 8;
-              const T* src = k < p.kin ? below_t + static_cast<size_t>(n0 + n) * H + k
-                                       : prev + static_cast<size_t>(n0 + n) * H + (k - p.kin);
-              cp_async16(hs + n * KS + k, src);
-              q += hs_dq;
-              n += hs_dn;
-              if (q >= hs_per_row) {
-                q -= hs_per_row;
-                ++n;
-              }
-            }
-          }
-          cp_async_commit();
+          stage_hs(n0, r0, r1);
         }
         if (split_wait && c == 0 && warp == 0) {
-          if (poll && t > 0)
-            for (int i = lane; i < p.ctas; i += 32)
-              while (load_acquire(my_flags + i) < static_cast<unsigned>(t)) {
-              }
+          if (poll && t > 0) await_flags(my_flags, p.ctas, static_cast<unsigned>(t), lane);
           __syncwarp();
           named_barrier_arrive<4, 32 + kThreads / 2>();
           mark(t, 1);
@@ -524,89 +672,7 @@ __device__ __forceinline__ void wavefront_body(const Args& a) {
             }
             if (!late) pointwise_rows(n0, 0, half);
           }
-          if (!(a.mode & kModeNoMma)) {
-            for (int t0 = ng * 4; t0 < ntiles; t0 += 4 * p.ng) {
-              if ((t0 < kNGroup / 8) != (phase == 0)) continue;
-              float acc[kWM][4][4];
-#pragma unroll
-              for (int i = 0; i < kWM; ++i)
-#pragma unroll
-                for (int nt = 0; nt < 4; ++nt)
-#pragma unroll
-                  for (int e = 0; e < 4; ++e) acc[i][nt][e] = 0.0f;
-#pragma unroll
-              for (int jt = 0; jt < kWK; ++jt) {
-                const int kcol = kg * kWarpK + jt * 16;
-                uint32_t b[4][2];
-#pragma unroll
-                for (int pr = 0; pr < 2; ++pr) {
-                  b[2 * pr][0] = b[2 * pr][1] = b[2 * pr + 1][0] = b[2 * pr + 1][1] = 0;
-                  if (t0 + 2 * pr < ntiles) {
-                    const int q = lane >> 3;
-                    const int n = (t0 + 2 * pr) * 8 + (q >> 1) * 8 + (lane & 7);
-                    const int k = kcol + (q & 1) * 8;
-                    ldmatrix_x4(b[2 * pr][0], b[2 * pr][1], b[2 * pr + 1][0], b[2 * pr + 1][1],
-                                hs + n * KS + k);
-                  }
-                }
-#pragma unroll
-                for (int i = 0; i < kWM; ++i) {
-                  if (live & (1u << (i * kWK + jt))) {
-#pragma unroll
-                    for (int nt = 0; nt < 4; ++nt)
-                      if (t0 + nt < ntiles) E::mma(acc[i][nt], wa[i][jt], b[nt][0], b[nt][1]);
-                  }
-                }
-              }
-              // Pairs: with ng == 1 every warp runs this tile group of the
-              // phase (t0 = 4 * phase), so each arrive meets its sync. The
-              // partner's partials sit where this warp's own would go.
-              if (pair && !upper) {
-                if (phase == 0) {
-                  named_barrier_sync<1>();
-                } else {
-                  named_barrier_sync<2>();
-                }
-                const float* mate = part_k + (p.kg / 2) * kNC * RS;
-#pragma unroll
-                for (int i = 0; i < kWM; ++i) {
-#pragma unroll
-                  for (int nt = 0; nt < 4; ++nt) {
-                    if (t0 + nt < ntiles) {
-                      const int row = mg * kWarpRows + i * 16 + (lane >> 2);
-                      const int col = (t0 + nt) * 8 + (lane & 3) * 2;
-                      acc[i][nt][0] += mate[col * RS + row];
-                      acc[i][nt][1] += mate[(col + 1) * RS + row];
-                      acc[i][nt][2] += mate[col * RS + row + 8];
-                      acc[i][nt][3] += mate[(col + 1) * RS + row + 8];
-                    }
-                  }
-                }
-              }
-              // C fragment (row, col) -> part_k[col][row], as variant 0.
-#pragma unroll
-              for (int i = 0; i < kWM; ++i) {
-#pragma unroll
-                for (int nt = 0; nt < 4; ++nt) {
-                  if (t0 + nt < ntiles) {
-                    const int row = mg * kWarpRows + i * 16 + (lane >> 2);
-                    const int col = (t0 + nt) * 8 + (lane & 3) * 2;
-                    part_k[col * RS + row] = acc[i][nt][0];
-                    part_k[(col + 1) * RS + row] = acc[i][nt][1];
-                    part_k[col * RS + row + 8] = acc[i][nt][2];
-                    part_k[(col + 1) * RS + row + 8] = acc[i][nt][3];
-                  }
-                }
-              }
-              if (pair && upper) {
-                if (phase == 0) {
-                  named_barrier_arrive<1>();
-                } else {
-                  named_barrier_arrive<2>();
-                }
-              }
-            }
-          }
+          if (!(a.mode & kModeNoMma)) products(phase, ntiles, part_k);
           if (phase == 1 && late) pointwise_rows(n0, 0, half);
         }
         __syncthreads();  // every partial of the second half is in part
@@ -620,30 +686,16 @@ __device__ __forceinline__ void wavefront_body(const Args& a) {
     for (int c = 0; V == 0 && c < nchunks; ++c) {
       const int n0 = c * kNC, nc = min(kNC, B - n0);
 
-      // --- stage h_t (below) and h_{t-1} (own) into hs, in two halves of
-      // the chunk's rows (two cp.async groups), so the first n-group's
-      // products start while the second half is still in flight ------
+      // --- stage the chunk in two halves of its rows (two cp.async
+      // groups), so the first n-group's products start while the second
+      // half is still in flight ------------------------------------------
       const int half = nc < kNGroup ? nc : kNGroup;
       const bool stage = !(a.mode & kModeNoStage);
       for (int part_rows = 0; part_rows < 2; ++part_rows) {
         const int r0 = part_rows ? half : 0, r1 = stage ? (part_rows ? nc : half) : r0;
-        int n = r0 + hs_n0, q = hs_q0;
-        while (n < r1) {
-          const int k = q * 8;
-          const T* src = k < p.kin ? below_t + static_cast<size_t>(n0 + n) * H + k
-                                   : prev + static_cast<size_t>(n0 + n) * H + (k - p.kin);
-          cp_async16(hs + n * KS + k, src);
-          q += hs_dq;
-          n += hs_dn;
-          if (q >= hs_per_row) {
-            q -= hs_per_row;
-            ++n;
-          }
-        }
-        cp_async_commit();
+        stage_hs(n0, r0, r1);
       }
 
-      // --- partial gates: this warp's rows x K range x its n-groups ------
       const int ntiles = (nc + 7) / 8;
       float* part_k = part + kg * kNC * RS;
       for (int phase = 0; phase < 2; ++phase) {
@@ -655,56 +707,7 @@ __device__ __forceinline__ void wavefront_body(const Args& a) {
         __syncthreads();
         if (c == 0 && phase == 0) mark(t, 2);
         if (a.mode & kModeNoMma) continue;
-        for (int t0 = ng * 4; t0 < ntiles; t0 += 4 * p.ng) {
-          if ((t0 < kNGroup / 8) != (phase == 0)) continue;
-          float acc[kWM][4][4];
-#pragma unroll
-          for (int i = 0; i < kWM; ++i)
-#pragma unroll
-            for (int nt = 0; nt < 4; ++nt)
-#pragma unroll
-              for (int e = 0; e < 4; ++e) acc[i][nt][e] = 0.0f;
-#pragma unroll
-          for (int jt = 0; jt < kWK; ++jt) {
-            const int kcol = kg * kWarpK + jt * 16;
-            uint32_t b[4][2];
-#pragma unroll
-            for (int pr = 0; pr < 2; ++pr) {
-              b[2 * pr][0] = b[2 * pr][1] = b[2 * pr + 1][0] = b[2 * pr + 1][1] = 0;
-              if (t0 + 2 * pr < ntiles) {
-                const int q = lane >> 3;
-                const int n = (t0 + 2 * pr) * 8 + (q >> 1) * 8 + (lane & 7);
-                const int k = kcol + (q & 1) * 8;
-                ldmatrix_x4(b[2 * pr][0], b[2 * pr][1], b[2 * pr + 1][0], b[2 * pr + 1][1],
-                            hs + n * KS + k);
-              }
-            }
-#pragma unroll
-            for (int i = 0; i < kWM; ++i) {
-              if (live & (1u << (i * kWK + jt))) {
-#pragma unroll
-                for (int nt = 0; nt < 4; ++nt)
-                  if (t0 + nt < ntiles) E::mma(acc[i][nt], wa[i][jt], b[nt][0], b[nt][1]);
-              }
-            }
-          }
-          // C fragment (row, col) -> part_k[col][row]: the pointwise step
-          // reads consecutive rows (units) of one batch row.
-#pragma unroll
-          for (int i = 0; i < kWM; ++i) {
-#pragma unroll
-            for (int nt = 0; nt < 4; ++nt) {
-              if (t0 + nt < ntiles) {
-                const int row = mg * kWarpRows + i * 16 + (lane >> 2);
-                const int col = (t0 + nt) * 8 + (lane & 3) * 2;
-                part_k[col * RS + row] = acc[i][nt][0];
-                part_k[(col + 1) * RS + row] = acc[i][nt][1];
-                part_k[col * RS + row + 8] = acc[i][nt][2];
-                part_k[(col + 1) * RS + row + 8] = acc[i][nt][3];
-              }
-            }
-          }
-        }
+        products(phase, ntiles, part_k);
       }
       __syncthreads();
       if (c == 0) {
@@ -713,48 +716,7 @@ __device__ __forceinline__ void wavefront_body(const Args& a) {
         stage_xs(t + 1);
         cp_async_commit();
       }
-
-      // --- pointwise: 2 units of one batch row a thread ------------------
-      const int items = (a.mode & kModeNoPointwise) ? 0 : nc * UP;
-      for (int idx = tid; idx < items; idx += kThreads) {
-        const int n = idx >> up_shift, u = (idx & (UP - 1)) * 2;
-        if (u0 + u >= H) continue;
-        const int nb = n0 + n;
-        float pre[4][2];
-#pragma unroll
-        for (int vg = 0; vg < 4; ++vg) {
-          float2 s = *reinterpret_cast<const float2*>(bias + vg * U + u);
-          for (int kk = 0; kk < p.kg; ++kk) {
-            const float2 v = *reinterpret_cast<const float2*>(part + (kk * kNC + n) * RS + vg * U + u);
-            s.x += v.x;
-            s.y += v.y;
-          }
-          pre[vg][0] = s.x;
-          pre[vg][1] = s.y;
-        }
-        if (first) {
-#pragma unroll
-          for (int g = 0; g < 4; ++g) {
-            if (g >= G) break;
-            const float2 f = E::unpack(*reinterpret_cast<const uint32_t*>(xs_t + (nb * G + g) * U + u));
-            pre[g][0] += f.x;
-            pre[g][1] += f.y;
-          }
-        }
-        float h[2], cv[2] = {0.0f, 0.0f};
-        cell_pointwise(a, pre, a.gru ? nullptr : reinterpret_cast<float2*>(cs + nb * U + u),
-                       a.gru ? E::unpack(*reinterpret_cast<const uint32_t*>(hs + n * KS + p.kin + u0 + u))
-                             : float2{},
-                       (static_cast<size_t>(l) * steps + t) * B + nb, u0 + u, H, h, cv);
-        const int len = lens[nb];
-        const uint32_t out = t < len ? E::pack(h[0], h[1]) : 0u;
-        const size_t o = static_cast<size_t>(nb) * H + u0 + u;
-        *reinterpret_cast<uint32_t*>(mine + static_cast<size_t>(t) * seq + o) = out;
-        if (t == len - 1) {
-          *reinterpret_cast<uint32_t*>(hy + o) = out;
-          if (!a.gru) *reinterpret_cast<uint32_t*>(cy + o) = E::pack(cv[0], cv[1]);
-        }
-      }
+      pointwise_rows(n0, 0, nc);
       __syncthreads();
     }
     mark(t, 4);
@@ -767,6 +729,35 @@ __device__ __forceinline__ void wavefront_body(const Args& a) {
     mark(t, 5);
   }
   cp_async_wait_all();
+}
+
+// ---------------------------------------------------------------------------
+// Pieces of the backward kernels.
+
+// Zeroes the `ds_elems` staging elements and the rows' carried dc, and
+// reads the rows' lengths.
+template <typename T>
+__device__ __forceinline__ void init_backward_smem(T* ds, int ds_elems, float* dcs, int* lens,
+                                                   const int* lengths, int row0, int rows,
+                                                   int steps, int tid) {
+  for (int idx = tid; idx < ds_elems; idx += kThreads) ds[idx] = T(0.0f);
+  for (int idx = tid; idx < rows * kBwdUnits; idx += kThreads) dcs[idx] = 0.0f;
+  load_lengths(lens, lengths, row0, rows, steps, tid);
+}
+
+// The LSTM cell's backward at one (row, unit), from dh, the carried dc and
+// the saved gates i, f, g, o, c_t (ct) and c_{t-1} (cp): the pre-activation
+// gate gradients da and the carry dc f.
+__device__ __forceinline__ void lstm_cell_backward(float dh, float dc, float ig, float fg,
+                                                   float gg, float og, float ct, float cp,
+                                                   float (&da)[4], float& carry) {
+  const float tc = tanhf(ct);
+  dc += dh * og * (1.0f - tc * tc);
+  da[0] = dc * gg * ig * (1.0f - ig);
+  da[1] = dc * cp * fg * (1.0f - fg);
+  da[2] = dc * ig * (1.0f - gg * gg);
+  da[3] = dh * tc * og * (1.0f - og);
+  carry = dc * fg;
 }
 
 // ---------------------------------------------------------------------------
@@ -816,12 +807,7 @@ __device__ __forceinline__ void backward_body(const BwdArgs& a) {
     }
   }
 
-  for (int idx = tid; idx < kBwdChunk * KS; idx += kThreads) ds[idx] = T(0.0f);
-  for (int idx = tid; idx < rows * kBwdUnits; idx += kThreads) dcs[idx] = 0.0f;
-  for (int n = tid; n < rows; n += kThreads) {
-    const int len = a.lengths ? a.lengths[row0 + n] : steps;
-    lens[n] = len < steps ? len : steps;
-  }
+  init_backward_smem(ds, kBwdChunk * KS, dcs, lens, a.lengths, row0, rows, steps, tid);
   __syncthreads();
 
   const T* dgates_in = static_cast<const T*>(a.dgates);
@@ -831,9 +817,7 @@ __device__ __forceinline__ void backward_body(const BwdArgs& a) {
   const T* dcy = static_cast<const T*>(a.dcy);
   const T* c0 = static_cast<const T*>(a.c0);
   const unsigned* group_flags = a.flags + s * a.ctas_per_group;
-  const int per_row = G4 / 8;  // 16-byte pieces of one row of da
-  const int st_n0 = tid / per_row, st_q0 = tid % per_row;
-  const int st_dn = kThreads / per_row, st_dq = kThreads % per_row;
+  const ChunkWalk walk(tid, G4 / 8);  // 16-byte pieces of one row of da
   const int nchunks = (rows + kBwdChunk - 1) / kBwdChunk;
   bool waits = true;  // false after a timed-out wait (then the results are wrong, flagged)
 
@@ -844,13 +828,7 @@ __device__ __forceinline__ void backward_body(const BwdArgs& a) {
       const unsigned need = static_cast<unsigned>(steps - 1 - t);  // step t+1 done
       for (int i = lane; i < a.ctas_per_group; i += 32) {
         const unsigned long long start = global_ns();
-        while (load_acquire(group_flags + i) < need) {
-          if (global_ns() - start > kBwdWaitNs) {
-            atomicExch(a.flags + a.ctas, 1u);
-            waits = false;
-            break;
-          }
-        }
+        if (!await_flag_or_time_out(group_flags + i, need, start, a.flags + a.ctas)) waits = false;
       }
       __syncwarp();
     }
@@ -860,18 +838,8 @@ __device__ __forceinline__ void backward_body(const BwdArgs& a) {
       const int n0 = c * kBwdChunk, nc = min(kBwdChunk, rows - n0);
       if (product) {
         // --- stage da_{t+1} of the chunk's rows, all 4H columns ---------
-        const T* src0 = dgates_in + (static_cast<size_t>(t + 1) * B + row0 + n0) * G4;
-        int n = st_n0, q = st_q0;
-        while (n < nc) {
-          cp_async16(ds + n * KS + q * 8, src0 + static_cast<size_t>(n) * G4 + q * 8);
-          q += st_dq;
-          n += st_dn;
-          if (q >= per_row) {
-            q -= per_row;
-            ++n;
-          }
-        }
-        cp_async_commit();
+        stage_rows(ds, KS, dgates_in + (static_cast<size_t>(t + 1) * B + row0 + n0) * G4, G4, nc,
+                   walk);
         cp_async_wait_all();
         __syncthreads();
         // --- this warp's partial dh^T: 16 units x nc rows over its K range
@@ -896,13 +864,8 @@ __device__ __forceinline__ void backward_body(const BwdArgs& a) {
         // C fragment (unit row, batch col) -> part[warp][col][row]
         float* pw = part + warp * kBwdChunk * kBwdPartStride;
 #pragma unroll
-        for (int nt = 0; nt < 2; ++nt) {
-          const int row = lane >> 2, col = nt * 8 + (lane & 3) * 2;
-          pw[col * kBwdPartStride + row] = acc[nt][0];
-          pw[(col + 1) * kBwdPartStride + row] = acc[nt][1];
-          pw[col * kBwdPartStride + row + 8] = acc[nt][2];
-          pw[(col + 1) * kBwdPartStride + row + 8] = acc[nt][3];
-        }
+        for (int nt = 0; nt < 2; ++nt)
+          store_fragment(pw, kBwdPartStride, lane >> 2, nt * 8 + (lane & 3) * 2, acc[nt]);
         __syncthreads();
       }
 
@@ -954,13 +917,7 @@ __device__ __forceinline__ void backward_body(const BwdArgs& a) {
             const float ig = gp[0], fg = gp[H], gg = gp[2 * H], og = gp[3 * H];
             const float ct = a.cseq[ot];
             const float cp = t > 0 ? a.cseq[ot - static_cast<size_t>(B) * H] : E::to_float(c0[o]);
-            const float tc = tanhf(ct);
-            dc += dh * og * (1.0f - tc * tc);
-            da[0] = dc * gg * ig * (1.0f - ig);
-            da[1] = dc * cp * fg * (1.0f - fg);
-            da[2] = dc * ig * (1.0f - gg * gg);
-            da[3] = dh * tc * og * (1.0f - og);
-            carry = dc * fg;
+            lstm_cell_backward(dh, dc, ig, fg, gg, og, ct, cp, da, carry);
           }
           dcs[nl * kBwdUnits + u] = carry;
           T* dp = dgates + (static_cast<size_t>(t) * B + nb) * G4 + ug;
@@ -973,6 +930,118 @@ __device__ __forceinline__ void backward_body(const BwdArgs& a) {
     }
 
     if (t >= 0 && tid == 0) publish(a.flags + cta, static_cast<unsigned>(steps - t));
+  }
+}
+
+// ---------------------------------------------------------------------------
+// Pieces of the stack backward's kernels (backward_stack_body and its
+// pipelined variants).
+
+// Layer l's slices of the stack backward's buffers and the flags of CTA
+// (l, s, j) (wavefront.cuh, "The stack backward").
+template <typename T>
+struct StackLayer {
+  T* dgates;                  // [T][B][4H] of layer l
+  const T* dy;                // the top layer's [T][B][H]
+  const T *dhy, *dcy, *c0;    // [B][H] of layer l
+  const float *gates, *cseq;  // the forward's saved [T][B][4H] and [T][B][H] of layer l
+  float *dh0, *dc0;           // [B][H] of layer l
+  // dy of layer l (from the CTA above) and of layer l-1 (this CTA's m-tile 1).
+  const float* dy_in;
+  float* dy_out;
+  unsigned* own_flags;  // the group's flags of layer l; this CTA's: own_flags[j]
+  const unsigned* above_flag;
+  unsigned* timed_out;
+
+  __device__ __forceinline__ StackLayer(const BwdStackArgs& a, int l, int s, int j) {
+    const int steps = a.T;
+    const bool top = l == a.L - 1, dual = l > 0;
+    const size_t seq = static_cast<size_t>(a.B) * a.H;
+    const size_t gseq = static_cast<size_t>(a.B) * (4 * a.H);
+    dgates = static_cast<T*>(a.dgates) + static_cast<size_t>(l) * steps * gseq;
+    dy = static_cast<const T*>(a.dy);
+    dhy = static_cast<const T*>(a.dhy) + static_cast<size_t>(l) * seq;
+    dcy = static_cast<const T*>(a.dcy) + static_cast<size_t>(l) * seq;
+    c0 = static_cast<const T*>(a.c0) + static_cast<size_t>(l) * seq;
+    gates = a.gates + static_cast<size_t>(l) * steps * gseq;
+    cseq = a.cseq + static_cast<size_t>(l) * steps * seq;
+    dh0 = a.dh0 + static_cast<size_t>(l) * seq;
+    dc0 = a.dc0 + static_cast<size_t>(l) * seq;
+    dy_in = top ? nullptr : a.dyl + static_cast<size_t>(l) * steps * seq;
+    dy_out = dual ? a.dyl + static_cast<size_t>(l - 1) * steps * seq : nullptr;
+    own_flags = a.flags + l * kFlagStride + s * a.per_group;
+    above_flag = top ? nullptr : a.flags + (l + 1) * kFlagStride + s * a.per_group + j;
+    timed_out = a.flags + kMaxLayers * kFlagStride;
+  }
+
+  // cp.async of da_l[t+1] of batch rows [row, row + rows) (all 4H
+  // columns, row stride G4) into dst (row stride KS), one commit group.
+  __device__ __forceinline__ void stage_da(T* dst, int KS, int t, size_t gseq, int G4, int row,
+                                           int rows, const ChunkWalk& walk) const {
+    stage_rows(dst, KS, dgates + static_cast<size_t>(t + 1) * gseq + static_cast<size_t>(row) * G4,
+               G4, rows, walk);
+  }
+
+  // The start of step t: warp 0 waits for its own layer's group (step t+1
+  // done; `product`) and for the one CTA above (its step t-1 done: dy_l[t]
+  // written; `needs_dy`), then the CTA barrier.
+  __device__ __forceinline__ void begin_step(const BwdStackArgs& a, int t, bool product,
+                                             bool needs_dy, int warp, int lane,
+                                             bool& waits) const {
+    if (warp == 0 && (product || needs_dy)) {
+      await_inputs(a, t, product, needs_dy, lane, waits);
+      __syncwarp();
+    }
+    __syncthreads();
+  }
+
+  // Warp 0's waits of begin_step. `waits` is per lane, false after a
+  // timeout (the branch to __syncwarp stays warp-uniform).
+  __device__ __forceinline__ void await_inputs(const BwdStackArgs& a, int t, bool product,
+                                               bool needs_dy, int lane, bool& waits) const {
+    const int steps = a.T;
+    const unsigned long long start = global_ns();
+    if (product && waits) {
+      const unsigned need = static_cast<unsigned>(steps - 1 - t);  // own step t+1 done
+      for (int i = lane; i < a.per_group && waits; i += 32)
+        waits = await_flag_or_time_out(own_flags + i, need, start, timed_out);
+    }
+    if (needs_dy && lane == 0 && waits) {
+      const unsigned need = static_cast<unsigned>(steps - t + 1);  // above's step t-1 done
+      waits = await_flag_or_time_out(above_flag, need, start, timed_out);
+    }
+  }
+};
+
+// This warp's weights of layer l as mma A fragments, slot i of wa:
+//   dual:  i < 16: W_hh_l^T tile jt = i;  i >= 16: W_ih_l^T tile jt = i - 16
+//   else:  W_hh_l^T tile jt = i (up to kBwdMaxKt tiles: a 1-layer stack's H <= 1024)
+// A[r][k] = W[k][u0 + r] (W: [4H][H], rows = gate columns k of tile
+// warp * kt + jt), as backward_body loads W_hh.
+__device__ __forceinline__ void load_stack_weights(const BwdStackArgs& a, int l, bool dual,
+                                                   int warp, int lane, int u0,
+                                                   uint32_t (&wa)[kBwdMaxKt][4]) {
+  constexpr int kHalf = kBwdMaxKt / 2;
+  const int H = a.H, G4 = 4 * H, kt = a.kt;
+  const unsigned short* P = static_cast<const unsigned short*>(a.params);
+  const unsigned short* Whh = P + a.w_hh[l];
+  const unsigned short* Wih = P + a.w_ih[l];  // read only where dual (layer l's input is H wide)
+#pragma unroll
+  for (int i = 0; i < kBwdMaxKt; ++i) {
+    const bool second = dual && i >= kHalf;
+    const int jt = second ? i - kHalf : i;
+    const unsigned short* W = second ? Wih : Whh;
+#pragma unroll
+    for (int q = 0; q < 4; ++q) {
+      const int r = (lane >> 2) + ((q & 1) ? 8 : 0);
+      const int k = (warp * kt + jt) * 16 + (lane & 3) * 2 + ((q & 2) ? 8 : 0);
+      uint32_t w = 0;
+      if (jt < kt && u0 + r < H && k < G4) {
+        const size_t off = static_cast<size_t>(k) * H + u0 + r;
+        w = static_cast<uint32_t>(W[off]) | (static_cast<uint32_t>(W[off + H]) << 16);
+      }
+      wa[i][q] = w;
+    }
   }
 }
 
@@ -1007,113 +1076,33 @@ __device__ __forceinline__ void backward_stack_body(const BwdStackArgs& a) {
   float* dcs = reinterpret_cast<float*>(smem + a.smem_dc);     // [rows][kBwdUnits]
   int* lens = reinterpret_cast<int*>(smem + a.smem_len);       // [rows]
 
-  // --- this warp's weights as mma A fragments, slot i of wa:
-  //   dual:  i < 16: W_hh_l^T tile jt = i;  i >= 16: W_ih_l^T tile jt = i - 16
-  //   else:  W_hh_l^T tile jt = i (up to kBwdMaxKt tiles: a 1-layer stack's H <= 1024)
-  // A[r][k] = W[k][u0 + r] (W: [4H][H], rows = gate columns k of tile
-  // warp * kt + jt), as backward_body loads W_hh.
-  const unsigned short* P = static_cast<const unsigned short*>(a.params);
-  const unsigned short* Whh = P + a.w_hh[l];
-  const unsigned short* Wih = P + a.w_ih[l];  // read only where dual (layer l's input is H wide)
+  // --- this warp's weights as mma A fragments (load_stack_weights) ---------
   uint32_t wa[kBwdMaxKt][4];
-#pragma unroll
-  for (int i = 0; i < kBwdMaxKt; ++i) {
-    const bool second = dual && i >= kHalf;
-    const int jt = second ? i - kHalf : i;
-    const unsigned short* W = second ? Wih : Whh;
-#pragma unroll
-    for (int q = 0; q < 4; ++q) {
-      const int r = (lane >> 2) + ((q & 1) ? 8 : 0);
-      const int k = (warp * kt + jt) * 16 + (lane & 3) * 2 + ((q & 2) ? 8 : 0);
-      uint32_t w = 0;
-      if (jt < kt && u0 + r < H && k < G4) {
-        const size_t off = static_cast<size_t>(k) * H + u0 + r;
-        w = static_cast<uint32_t>(W[off]) | (static_cast<uint32_t>(W[off + H]) << 16);
-      }
-      wa[i][q] = w;
-    }
-  }
+  load_stack_weights(a, l, dual, warp, lane, u0, wa);
 
-  for (int idx = tid; idx < a.ds_bufs * kBwdChunk * KS; idx += kThreads) ds[idx] = T(0.0f);
-  for (int idx = tid; idx < rows * kBwdUnits; idx += kThreads) dcs[idx] = 0.0f;
-  for (int n = tid; n < rows; n += kThreads) {
-    const int len = a.lengths ? a.lengths[row0 + n] : steps;
-    lens[n] = len < steps ? len : steps;
-  }
+  init_backward_smem(ds, a.ds_bufs * kBwdChunk * KS, dcs, lens, a.lengths, row0, rows, steps,
+                     tid);
   __syncthreads();
 
   const size_t seq = static_cast<size_t>(B) * H;   // one step of an [.][B][H] buffer
   const size_t gseq = static_cast<size_t>(B) * G4;  // one step of an [.][B][4H] buffer
-  T* dgates = static_cast<T*>(a.dgates) + static_cast<size_t>(l) * steps * gseq;
-  const T* dy = static_cast<const T*>(a.dy);
-  const T* dhy = static_cast<const T*>(a.dhy) + static_cast<size_t>(l) * seq;
-  const T* dcy = static_cast<const T*>(a.dcy) + static_cast<size_t>(l) * seq;
-  const T* c0 = static_cast<const T*>(a.c0) + static_cast<size_t>(l) * seq;
-  const float* gates = a.gates + static_cast<size_t>(l) * steps * gseq;
-  const float* cseq = a.cseq + static_cast<size_t>(l) * steps * seq;
-  float* dh0 = a.dh0 + static_cast<size_t>(l) * seq;
-  float* dc0 = a.dc0 + static_cast<size_t>(l) * seq;
-  // dy of layer l (from the CTA above) and of layer l-1 (this CTA's m-tile 1).
-  const float* dy_in = top ? nullptr : a.dyl + static_cast<size_t>(l) * steps * seq;
-  float* dy_out = dual ? a.dyl + static_cast<size_t>(l - 1) * steps * seq : nullptr;
-  unsigned* own_flags = a.flags + l * kFlagStride + s * a.per_group;  // this CTA's: own_flags[j]
-  const unsigned* above_flag = top ? nullptr : a.flags + (l + 1) * kFlagStride + s * a.per_group + j;
-  unsigned* timed_out = a.flags + kMaxLayers * kFlagStride;
+  const StackLayer<T> io(a, l, s, j);
   const int nchunks = (rows + kBwdChunk - 1) / kBwdChunk;
-  const int per_row = G4 / 8;  // 16-byte pieces of one row of da
-  const int st_n0 = tid / per_row, st_q0 = tid % per_row;
-  const int st_dn = kThreads / per_row, st_dq = kThreads % per_row;
+  const ChunkWalk walk(tid, G4 / 8);  // 16-byte pieces of one row of da
   bool waits = true;  // false after a timed-out wait (then the results are wrong, flagged)
 
   // t = T-1 .. 0: step t; t = -1: only the products of da_0 (dh0, and the
   // layer below's dy at 0). After step t, flag = T - t (T + 1 after t = -1).
   for (int t = steps - 1; t >= -1; --t) {
-    const bool product = t < steps - 1;       // da_l[t+1] staged and multiplied
-    const bool needs_dy = !top && t >= 0;     // dy_l[t]: CTA (l+1, s, j) after its step t-1
-    // (waits is per lane, after a timeout: the branch to __syncwarp is warp-uniform)
-    if (warp == 0 && (product || needs_dy)) {
-      const unsigned long long start = global_ns();
-      if (product && waits) {
-        const unsigned need = static_cast<unsigned>(steps - 1 - t);  // own step t+1 done
-        for (int i = lane; i < a.per_group && waits; i += 32)
-          while (load_acquire(own_flags + i) < need) {
-            if (global_ns() - start > kBwdWaitNs) {
-              atomicExch(timed_out, 1u);
-              waits = false;
-              break;
-            }
-          }
-      }
-      if (needs_dy && lane == 0 && waits) {
-        const unsigned need = static_cast<unsigned>(steps - t + 1);  // above's step t-1 done
-        while (load_acquire(above_flag) < need) {
-          if (global_ns() - start > kBwdWaitNs) {
-            atomicExch(timed_out, 1u);
-            waits = false;
-            break;
-          }
-        }
-      }
-      __syncwarp();
-    }
-    __syncthreads();
+    const bool product = t < steps - 1;  // da_l[t+1] staged and multiplied
+    // dy_l[t] (below the top): CTA (l+1, s, j) after its step t-1
+    io.begin_step(a, t, product, !top && t >= 0, warp, lane, waits);
 
     // --- stage da_l[t+1] of chunk c's rows, all 4H columns, into buffer b
     auto stage = [&](int c, int b) {
-      const int n0 = c * kBwdChunk, nc = min(kBwdChunk, rows - n0);
-      T* dst = ds + b * kBwdChunk * KS;
-      const T* src0 = dgates + static_cast<size_t>(t + 1) * gseq + static_cast<size_t>(row0 + n0) * G4;
-      int n = st_n0, q = st_q0;
-      while (n < nc) {
-        cp_async16(dst + n * KS + q * 8, src0 + static_cast<size_t>(n) * G4 + q * 8);
-        q += st_dq;
-        n += st_dn;
-        if (q >= per_row) {
-          q -= per_row;
-          ++n;
-        }
-      }
-      cp_async_commit();
+      const int n0 = c * kBwdChunk;
+      io.stage_da(ds + b * kBwdChunk * KS, KS, t, gseq, G4, row0 + n0, min(kBwdChunk, rows - n0),
+                  walk);
     };
     if (product) stage(0, 0);
 
@@ -1170,16 +1159,8 @@ __device__ __forceinline__ void backward_stack_body(const BwdStackArgs& a) {
 #pragma unroll
         for (int nt = 0; nt < 2; ++nt) {
           const int row = lane >> 2, col = nt * 8 + (lane & 3) * 2;
-          pw[col * kBwdStackPartStride + row] = acc0[nt][0];
-          pw[(col + 1) * kBwdStackPartStride + row] = acc0[nt][1];
-          pw[col * kBwdStackPartStride + row + 8] = acc0[nt][2];
-          pw[(col + 1) * kBwdStackPartStride + row + 8] = acc0[nt][3];
-          if (dual) {
-            pw[col * kBwdStackPartStride + 16 + row] = acc1[nt][0];
-            pw[(col + 1) * kBwdStackPartStride + 16 + row] = acc1[nt][1];
-            pw[col * kBwdStackPartStride + 16 + row + 8] = acc1[nt][2];
-            pw[(col + 1) * kBwdStackPartStride + 16 + row + 8] = acc1[nt][3];
-          }
+          store_fragment(pw, kBwdStackPartStride, row, col, acc0[nt]);
+          if (dual) store_fragment(pw, kBwdStackPartStride, 16 + row, col, acc1[nt]);
         }
         __syncthreads();
       }
@@ -1198,10 +1179,10 @@ __device__ __forceinline__ void backward_stack_body(const BwdStackArgs& a) {
             rec += pr[u];
             below += pr[16 + u];
           }
-          if (dual) dy_out[static_cast<size_t>(t + 1) * seq + o] = below;
+          if (dual) io.dy_out[static_cast<size_t>(t + 1) * seq + o] = below;
         }
         if (t < 0) {
-          dh0[o] = rec;
+          io.dh0[o] = rec;
         } else {
           const int len = lens[nl];
           float da[4] = {0.0f, 0.0f, 0.0f, 0.0f};
@@ -1209,35 +1190,29 @@ __device__ __forceinline__ void backward_stack_body(const BwdStackArgs& a) {
           if (t < len) {
             const size_t ot = static_cast<size_t>(t) * seq + o;
             // ld.global.cg: the hand-off is read from L2, never from L1.
-            float dh = rec + (top ? E::to_float(dy[ot]) : __ldcg(dy_in + ot));
+            float dh = rec + (top ? E::to_float(io.dy[ot]) : __ldcg(io.dy_in + ot));
             float dc = dcs[nl * kBwdUnits + u];
             if (t == len - 1) {
-              dh += E::to_float(dhy[o]);
-              dc = E::to_float(dcy[o]);
+              dh += E::to_float(io.dhy[o]);
+              dc = E::to_float(io.dcy[o]);
             }
-            const float* gp = gates + static_cast<size_t>(t) * gseq + static_cast<size_t>(nb) * G4 + ug;
+            const float* gp = io.gates + static_cast<size_t>(t) * gseq + static_cast<size_t>(nb) * G4 + ug;
             const float ig = gp[0], fg = gp[H], gg = gp[2 * H], og = gp[3 * H];
-            const float ct = cseq[ot];
-            const float cp = t > 0 ? cseq[ot - seq] : E::to_float(c0[o]);
-            const float tc = tanhf(ct);
-            dc += dh * og * (1.0f - tc * tc);
-            da[0] = dc * gg * ig * (1.0f - ig);
-            da[1] = dc * cp * fg * (1.0f - fg);
-            da[2] = dc * ig * (1.0f - gg * gg);
-            da[3] = dh * tc * og * (1.0f - og);
-            carry = dc * fg;
+            const float ct = io.cseq[ot];
+            const float cp = t > 0 ? io.cseq[ot - seq] : E::to_float(io.c0[o]);
+            lstm_cell_backward(dh, dc, ig, fg, gg, og, ct, cp, da, carry);
           }
           dcs[nl * kBwdUnits + u] = carry;
-          T* dp = dgates + static_cast<size_t>(t) * gseq + static_cast<size_t>(nb) * G4 + ug;
+          T* dp = io.dgates + static_cast<size_t>(t) * gseq + static_cast<size_t>(nb) * G4 + ug;
 #pragma unroll
           for (int g = 0; g < 4; ++g) dp[g * H] = T(da[g]);
-          if (t == 0) dc0[o] = carry;
+          if (t == 0) io.dc0[o] = carry;
         }
       }
       __syncthreads();  // ds and part are the next chunk's
     }
 
-    if (tid == 0) publish(own_flags + j, static_cast<unsigned>(steps - t));
+    if (tid == 0) publish(io.own_flags + j, static_cast<unsigned>(steps - t));
   }
 }
 
@@ -1294,108 +1269,28 @@ __device__ __forceinline__ void backward_stack_pipelined_body(const BwdStackArgs
   float* dcs = reinterpret_cast<float*>(smem + a.smem_dc);     // [rows][kBwdUnits]
   int* lens = reinterpret_cast<int*>(smem + a.smem_len);       // [rows]
 
-  // --- the weights, exactly as backward_stack_body ---
-  const unsigned short* P = static_cast<const unsigned short*>(a.params);
-  const unsigned short* Whh = P + a.w_hh[l];
-  const unsigned short* Wih = P + a.w_ih[l];
   uint32_t wa[kBwdMaxKt][4];
-#pragma unroll
-  for (int i = 0; i < kBwdMaxKt; ++i) {
-    const bool second = dual && i >= kHalf;
-    const int jt = second ? i - kHalf : i;
-    const unsigned short* W = second ? Wih : Whh;
-#pragma unroll
-    for (int q = 0; q < 4; ++q) {
-      const int r = (lane >> 2) + ((q & 1) ? 8 : 0);
-      const int k = (warp * kt + jt) * 16 + (lane & 3) * 2 + ((q & 2) ? 8 : 0);
-      uint32_t w = 0;
-      if (jt < kt && u0 + r < H && k < G4) {
-        const size_t off = static_cast<size_t>(k) * H + u0 + r;
-        w = static_cast<uint32_t>(W[off]) | (static_cast<uint32_t>(W[off + H]) << 16);
-      }
-      wa[i][q] = w;
-    }
-  }
+  load_stack_weights(a, l, dual, warp, lane, u0, wa);
 
-  for (int idx = tid; idx < bufs * kRows * KS; idx += kThreads) ds[idx] = T(0.0f);
-  for (int idx = tid; idx < rows * kBwdUnits; idx += kThreads) dcs[idx] = 0.0f;
-  for (int n = tid; n < rows; n += kThreads) {
-    const int len = a.lengths ? a.lengths[row0 + n] : steps;
-    lens[n] = len < steps ? len : steps;
-  }
+  init_backward_smem(ds, bufs * kRows * KS, dcs, lens, a.lengths, row0, rows, steps, tid);
   __syncthreads();
 
   const size_t seq = static_cast<size_t>(B) * H;
   const size_t gseq = static_cast<size_t>(B) * G4;
-  T* dgates = static_cast<T*>(a.dgates) + static_cast<size_t>(l) * steps * gseq;
-  const T* dy = static_cast<const T*>(a.dy);
-  const T* dhy = static_cast<const T*>(a.dhy) + static_cast<size_t>(l) * seq;
-  const T* dcy = static_cast<const T*>(a.dcy) + static_cast<size_t>(l) * seq;
-  const T* c0 = static_cast<const T*>(a.c0) + static_cast<size_t>(l) * seq;
-  const float* gates = a.gates + static_cast<size_t>(l) * steps * gseq;
-  const float* cseq = a.cseq + static_cast<size_t>(l) * steps * seq;
-  float* dh0 = a.dh0 + static_cast<size_t>(l) * seq;
-  float* dc0 = a.dc0 + static_cast<size_t>(l) * seq;
-  const float* dy_in = top ? nullptr : a.dyl + static_cast<size_t>(l) * steps * seq;
-  float* dy_out = dual ? a.dyl + static_cast<size_t>(l - 1) * steps * seq : nullptr;
-  unsigned* own_flags = a.flags + l * kFlagStride + s * a.per_group;
-  const unsigned* above_flag =
-      top ? nullptr : a.flags + (l + 1) * kFlagStride + s * a.per_group + j;
-  unsigned* timed_out = a.flags + kMaxLayers * kFlagStride;
+  const StackLayer<T> io(a, l, s, j);
   const int nchunks = (rows + kRows - 1) / kRows;
-  const int per_row = G4 / 8;
-  const int st_n0 = tid / per_row, st_q0 = tid % per_row;
-  const int st_dn = kThreads / per_row, st_dq = kThreads % per_row;
+  const ChunkWalk walk(tid, G4 / 8);
   const int pn = tid / kBwdUnits, pu = tid % kBwdUnits;  // pointwise: rows pn + 16 r, unit pu
   const int ug = u0 + pu;
   bool waits = true;
 
   for (int t = steps - 1; t >= -1; --t) {
     const bool product = t < steps - 1;
-    const bool needs_dy = !top && t >= 0;
-    if (warp == 0 && (product || needs_dy)) {
-      const unsigned long long start = global_ns();
-      if (product && waits) {
-        const unsigned need = static_cast<unsigned>(steps - 1 - t);
-        for (int i = lane; i < a.per_group && waits; i += 32)
-          while (load_acquire(own_flags + i) < need) {
-            if (global_ns() - start > kBwdWaitNs) {
-              atomicExch(timed_out, 1u);
-              waits = false;
-              break;
-            }
-          }
-      }
-      if (needs_dy && lane == 0 && waits) {
-        const unsigned need = static_cast<unsigned>(steps - t + 1);
-        while (load_acquire(above_flag) < need) {
-          if (global_ns() - start > kBwdWaitNs) {
-            atomicExch(timed_out, 1u);
-            waits = false;
-            break;
-          }
-        }
-      }
-      __syncwarp();
-    }
-    __syncthreads();
+    io.begin_step(a, t, product, !top && t >= 0, warp, lane, waits);
 
     auto stage = [&](int c, int b) {
-      const int n0 = c * kRows, nc = min(kRows, rows - n0);
-      T* dst = ds + b * kRows * KS;
-      const T* src0 =
-          dgates + static_cast<size_t>(t + 1) * gseq + static_cast<size_t>(row0 + n0) * G4;
-      int n = st_n0, q = st_q0;
-      while (n < nc) {
-        cp_async16(dst + n * KS + q * 8, src0 + static_cast<size_t>(n) * G4 + q * 8);
-        q += st_dq;
-        n += st_dn;
-        if (q >= per_row) {
-          q -= per_row;
-          ++n;
-        }
-      }
-      cp_async_commit();
+      const int n0 = c * kRows;
+      io.stage_da(ds + b * kRows * KS, KS, t, gseq, G4, row0 + n0, min(kRows, rows - n0), walk);
     };
     // Chunk c's pointwise inputs for this thread's rows (loaded a chunk ahead).
     auto load_pre = [&](int c, BwdPre* pre) {
@@ -1408,17 +1303,17 @@ __device__ __forceinline__ void backward_stack_pipelined_body(const BwdStackArgs
           const size_t o = static_cast<size_t>(nb) * H + ug;
           const size_t ot = static_cast<size_t>(t) * seq + o;
           const float* gp =
-              gates + static_cast<size_t>(t) * gseq + static_cast<size_t>(nb) * G4 + ug;
+              io.gates + static_cast<size_t>(t) * gseq + static_cast<size_t>(nb) * G4 + ug;
           p.ig = gp[0];
           p.fg = gp[H];
           p.gg = gp[2 * H];
           p.og = gp[3 * H];
-          p.ct = cseq[ot];
-          p.cp = t > 0 ? cseq[ot - seq] : E::to_float(c0[o]);
-          p.dy = top ? E::to_float(dy[ot]) : __ldcg(dy_in + ot);  // the hand-off: from L2
+          p.ct = io.cseq[ot];
+          p.cp = t > 0 ? io.cseq[ot - seq] : E::to_float(io.c0[o]);
+          p.dy = top ? E::to_float(io.dy[ot]) : __ldcg(io.dy_in + ot);  // the hand-off: from L2
           if (t == lens[nl] - 1) {
-            p.dhy = E::to_float(dhy[o]);
-            p.dcy = E::to_float(dcy[o]);
+            p.dhy = E::to_float(io.dhy[o]);
+            p.dcy = E::to_float(io.dcy[o]);
           }
         }
       }
@@ -1440,10 +1335,10 @@ __device__ __forceinline__ void backward_stack_pipelined_body(const BwdStackArgs
             rec += v.x;
             below += v.y;
           }
-          if (dual) dy_out[static_cast<size_t>(t + 1) * seq + o] = below;
+          if (dual) io.dy_out[static_cast<size_t>(t + 1) * seq + o] = below;
         }
         if (t < 0) {
-          dh0[o] = rec;
+          io.dh0[o] = rec;
           continue;
         }
         const int len = lens[nl];
@@ -1457,19 +1352,13 @@ __device__ __forceinline__ void backward_stack_pipelined_body(const BwdStackArgs
             dh += p.dhy;
             dc = p.dcy;
           }
-          const float tc = tanhf(p.ct);
-          dc += dh * p.og * (1.0f - tc * tc);
-          da[0] = dc * p.gg * p.ig * (1.0f - p.ig);
-          da[1] = dc * p.cp * p.fg * (1.0f - p.fg);
-          da[2] = dc * p.ig * (1.0f - p.gg * p.gg);
-          da[3] = dh * tc * p.og * (1.0f - p.og);
-          carry = dc * p.fg;
+          lstm_cell_backward(dh, dc, p.ig, p.fg, p.gg, p.og, p.ct, p.cp, da, carry);
         }
         dcs[nl * kBwdUnits + pu] = carry;
-        T* dp = dgates + static_cast<size_t>(t) * gseq + static_cast<size_t>(nb) * G4 + ug;
+        T* dp = io.dgates + static_cast<size_t>(t) * gseq + static_cast<size_t>(nb) * G4 + ug;
 #pragma unroll
         for (int g = 0; g < 4; ++g) dp[g * H] = T(da[g]);
-        if (t == 0) dc0[o] = carry;
+        if (t == 0) io.dc0[o] = carry;
       }
     };
     // Chunk c's products from ds buffer b into part[c & 1].
@@ -1548,92 +1437,33 @@ __device__ __forceinline__ void backward_stack_pipelined_body(const BwdStackArgs
     }
     if (bufs > 1) __syncthreads();  // every pointwise store before the publish
 
-    if (tid == 0) publish(own_flags + j, static_cast<unsigned>(steps - t));
+    if (tid == 0) publish(io.own_flags + j, static_cast<unsigned>(steps - t));
   }
 }
 
 }  // namespace rnnfuse_wf
 
-extern "C" __global__ void __launch_bounds__(rnnfuse_wf::kThreads, 1)
-    rnnfuse_wf_forward_f16(const __grid_constant__ rnnfuse_wf::Args a) {
-  rnnfuse_wf::wavefront_body<__half, 0>(a);
-}
+// The kernels, one a body and element type: NAME_f16 and NAME_bf16 run
+// BODY<T, the rest>.
+#define RF_KERNEL(NAME, ARGS, ...)                                       \
+  extern "C" __global__ void __launch_bounds__(rnnfuse_wf::kThreads, 1) \
+      NAME(const __grid_constant__ rnnfuse_wf::ARGS a) {                 \
+    rnnfuse_wf::__VA_ARGS__(a);                                          \
+  }
+#define RF_KERNELS(NAME, ARGS, BODY, ...)                       \
+  RF_KERNEL(NAME##_f16, ARGS, BODY<__half, ##__VA_ARGS__>)      \
+  RF_KERNEL(NAME##_bf16, ARGS, BODY<__nv_bfloat16, ##__VA_ARGS__>)
 
-extern "C" __global__ void __launch_bounds__(rnnfuse_wf::kThreads, 1)
-    rnnfuse_wf_forward_bf16(const __grid_constant__ rnnfuse_wf::Args a) {
-  rnnfuse_wf::wavefront_body<__nv_bfloat16, 0>(a);
-}
-
+RF_KERNELS(rnnfuse_wf_forward, Args, wavefront_body, 0)
 // Variant 1 of the forward step (Args::variant = 1; wavefront.cuh).
-extern "C" __global__ void __launch_bounds__(rnnfuse_wf::kThreads, 1)
-    rnnfuse_wf_forward_v1_f16(const __grid_constant__ rnnfuse_wf::Args a) {
-  rnnfuse_wf::wavefront_body<__half, 1>(a);
-}
-
-extern "C" __global__ void __launch_bounds__(rnnfuse_wf::kThreads, 1)
-    rnnfuse_wf_forward_v1_bf16(const __grid_constant__ rnnfuse_wf::Args a) {
-  rnnfuse_wf::wavefront_body<__nv_bfloat16, 1>(a);
-}
-
+RF_KERNELS(rnnfuse_wf_forward_v1, Args, wavefront_body, 1)
 // Independent layers: a bidirectional layer's directions (Args::independent;
 // wavefront.cuh, "Independent layers").
-extern "C" __global__ void __launch_bounds__(rnnfuse_wf::kThreads, 1)
-    rnnfuse_wf_forward_ind_f16(const __grid_constant__ rnnfuse_wf::Args a) {
-  rnnfuse_wf::wavefront_body<__half, 0, true>(a);
-}
-
-extern "C" __global__ void __launch_bounds__(rnnfuse_wf::kThreads, 1)
-    rnnfuse_wf_forward_ind_bf16(const __grid_constant__ rnnfuse_wf::Args a) {
-  rnnfuse_wf::wavefront_body<__nv_bfloat16, 0, true>(a);
-}
-
-extern "C" __global__ void __launch_bounds__(rnnfuse_wf::kThreads, 1)
-    rnnfuse_wf_backward_f16(const __grid_constant__ rnnfuse_wf::BwdArgs a) {
-  rnnfuse_wf::backward_body<__half, false>(a);
-}
-
-extern "C" __global__ void __launch_bounds__(rnnfuse_wf::kThreads, 1)
-    rnnfuse_wf_backward_bf16(const __grid_constant__ rnnfuse_wf::BwdArgs a) {
-  rnnfuse_wf::backward_body<__nv_bfloat16, false>(a);
-}
-
+RF_KERNELS(rnnfuse_wf_forward_ind, Args, wavefront_body, 0, true)
+RF_KERNELS(rnnfuse_wf_backward, BwdArgs, backward_body, false)
 // The GRU backward (wavefront.cuh, "The GRU backward").
-extern "C" __global__ void __launch_bounds__(rnnfuse_wf::kThreads, 1)
-    rnnfuse_wf_backward_gru_f16(const __grid_constant__ rnnfuse_wf::BwdArgs a) {
-  rnnfuse_wf::backward_body<__half, true>(a);
-}
-
-extern "C" __global__ void __launch_bounds__(rnnfuse_wf::kThreads, 1)
-    rnnfuse_wf_backward_gru_bf16(const __grid_constant__ rnnfuse_wf::BwdArgs a) {
-  rnnfuse_wf::backward_body<__nv_bfloat16, true>(a);
-}
-
-extern "C" __global__ void __launch_bounds__(rnnfuse_wf::kThreads, 1)
-    rnnfuse_wf_backward_stack_f16(const __grid_constant__ rnnfuse_wf::BwdStackArgs a) {
-  rnnfuse_wf::backward_stack_body<__half>(a);
-}
-
-extern "C" __global__ void __launch_bounds__(rnnfuse_wf::kThreads, 1)
-    rnnfuse_wf_backward_stack_bf16(const __grid_constant__ rnnfuse_wf::BwdStackArgs a) {
-  rnnfuse_wf::backward_stack_body<__nv_bfloat16>(a);
-}
-
-extern "C" __global__ void __launch_bounds__(rnnfuse_wf::kThreads, 1)
-    rnnfuse_wf_backward_stack_v1_f16(const __grid_constant__ rnnfuse_wf::BwdStackArgs a) {
-  rnnfuse_wf::backward_stack_pipelined_body<__half, 16>(a);
-}
-
-extern "C" __global__ void __launch_bounds__(rnnfuse_wf::kThreads, 1)
-    rnnfuse_wf_backward_stack_v1_bf16(const __grid_constant__ rnnfuse_wf::BwdStackArgs a) {
-  rnnfuse_wf::backward_stack_pipelined_body<__nv_bfloat16, 16>(a);
-}
-
-extern "C" __global__ void __launch_bounds__(rnnfuse_wf::kThreads, 1)
-    rnnfuse_wf_backward_stack_v2_f16(const __grid_constant__ rnnfuse_wf::BwdStackArgs a) {
-  rnnfuse_wf::backward_stack_pipelined_body<__half, 32>(a);
-}
-
-extern "C" __global__ void __launch_bounds__(rnnfuse_wf::kThreads, 1)
-    rnnfuse_wf_backward_stack_v2_bf16(const __grid_constant__ rnnfuse_wf::BwdStackArgs a) {
-  rnnfuse_wf::backward_stack_pipelined_body<__nv_bfloat16, 32>(a);
-}
+RF_KERNELS(rnnfuse_wf_backward_gru, BwdArgs, backward_body, true)
+RF_KERNELS(rnnfuse_wf_backward_stack, BwdStackArgs, backward_stack_body)
+// The stack backward's variants 1 (16-row chunks) and 2 (32-row chunks).
+RF_KERNELS(rnnfuse_wf_backward_stack_v1, BwdStackArgs, backward_stack_pipelined_body, 16)
+RF_KERNELS(rnnfuse_wf_backward_stack_v2, BwdStackArgs, backward_stack_pipelined_body, 32)

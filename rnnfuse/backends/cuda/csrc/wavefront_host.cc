@@ -28,25 +28,20 @@
 //   rnnfuse_wf_backward_stack(...)  every layer's backward recurrence in one
 //                               launch (v2, reverse wavefront)
 
-#include <dlfcn.h>
 #include <stddef.h>
 #include <stdint.h>
 #include <string.h>
-
-#include <cuda.h>  // types and enums only: every call goes through dlsym
 
 #include <map>
 #include <mutex>
 #include <string>
 
+#include "cuda_driver.h"
 #include "wavefront_plan.h"
 
 #ifndef RF_WAVEFRONT_CUBIN
 #error "define RF_WAVEFRONT_CUBIN as the path of the compiled wavefront cubin"
 #endif
-
-#define RF_ASM_STR2(x) #x
-#define RF_ASM_STR(x) RF_ASM_STR2(x)
 
 asm(".section .rodata\n"
     ".balign 64\n"
@@ -71,18 +66,10 @@ int Fail(const std::string& message) {
   return -1;
 }
 
-// The driver functions this library calls, resolved from libcuda.so.1. The
-// symbol names are the ones cuda.h maps each API name to (cuCtxPushCurrent
-// -> cuCtxPushCurrent_v2, ...), so the types below are the right ones.
+// The driver functions this library calls (cuda_driver.h resolves them).
 #define RF_DRIVER_FUNCTIONS(X)                       \
-  X(cuInit)                                          \
-  X(cuGetErrorString)                                \
-  X(cuCtxGetCurrent)                                 \
-  X(cuCtxPushCurrent)                                \
-  X(cuCtxPopCurrent)                                 \
-  X(cuCtxGetDevice)                                  \
+  RF_DRIVER_CONTEXT_FUNCTIONS(X)                     \
   X(cuDeviceGet)                                     \
-  X(cuStreamGetCtx)                                  \
   X(cuDeviceGetAttribute)                            \
   X(cuModuleLoadData)                                \
   X(cuModuleGetFunction)                             \
@@ -91,47 +78,7 @@ int Fail(const std::string& message) {
   X(cuMemsetD32Async)                                \
   X(cuLaunchKernelEx)
 
-struct Driver {
-#define RF_DECLARE(name) decltype(&name) name##_ = nullptr;
-  RF_DRIVER_FUNCTIONS(RF_DECLARE)
-#undef RF_DECLARE
-  bool ok = false;
-  std::string why;
-};
-
-Driver* GetDriver() {
-  static Driver* driver = [] {
-    Driver* d = new Driver();
-    void* lib = dlopen("libcuda.so.1", RTLD_NOW | RTLD_LOCAL);
-    if (!lib) {
-      d->why = std::string("the CUDA driver (libcuda.so.1) could not be loaded: ") + dlerror();
-      return d;
-    }
-#define RF_RESOLVE(name)                                                        \
-  d->name##_ = reinterpret_cast<decltype(&name)>(dlsym(lib, RF_ASM_STR(name))); \
-  if (!d->name##_) {                                                            \
-    d->why = "the CUDA driver lacks " RF_ASM_STR(name);                         \
-    return d;                                                                   \
-  }
-    RF_DRIVER_FUNCTIONS(RF_RESOLVE)
-#undef RF_RESOLVE
-    CUresult r = d->cuInit_(0);
-    if (r != CUDA_SUCCESS) {
-      d->why = "cuInit failed (error " + std::to_string(static_cast<int>(r)) + ")";
-      return d;
-    }
-    d->ok = true;
-    return d;
-  }();
-  return driver;
-}
-
-std::string DriverError(Driver* d, const char* what, CUresult r) {
-  const char* text = nullptr;
-  if (d->cuGetErrorString_) d->cuGetErrorString_(r, &text);
-  return std::string(what) + " failed: " + (text ? text : "unknown CUDA error") + " (" +
-         std::to_string(static_cast<int>(r)) + ")";
-}
+RF_DEFINE_DRIVER(RF_DRIVER_FUNCTIONS)
 
 #define RF_CHECK_CU(d, expr)                                  \
   do {                                                        \
@@ -340,6 +287,46 @@ bool PlanBackwardStackInto(int num_layers, int units, int batch, int steps, int 
   return true;
 }
 
+// The driver, in *out, for an entry of element type `dtype`; -1 with the
+// reason where the driver cannot be used or dtype is neither 0 (float16)
+// nor 1 (bfloat16).
+int Begin(int dtype, Driver** out) {
+  Driver* d = GetDriver();
+  if (!d->ok) return Fail(d->why);
+  if (dtype != 0 && dtype != 1) return Fail("dtype must be 0 (float16) or 1 (bfloat16)");
+  *out = d;
+  return 0;
+}
+
+// The buffers both backward kernels read and write (BwdArgs, BwdStackArgs:
+// wavefront.cuh), the flags at the start of `workspace`.
+template <typename A>
+void SetBackwardBuffers(A* args, const float* gates, const float* cseq, const void* c0,
+                        const void* dy, const void* dhy, const void* dcy, const int* lengths,
+                        void* dgates, float* dh0, float* dc0, void* workspace) {
+  args->gates = gates;
+  args->cseq = cseq;
+  args->c0 = c0;
+  args->dy = dy;
+  args->dhy = dhy;
+  args->dcy = dcy;
+  args->lengths = lengths;
+  args->dgates = dgates;
+  args->dh0 = dh0;
+  args->dc0 = dc0;
+  args->flags = static_cast<unsigned*>(workspace);
+}
+
+// Raises the kernel pair's shared-memory limit where needed, then launches
+// the one of element type `dtype` (0: f16, 1: bf16) cooperatively.
+int Launch(Driver* d, const StreamContext& sc, CUstream s, int dtype, CUfunction f16,
+           CUfunction bf16, int* configured, int ctas, int smem, void* args, void* workspace,
+           size_t flag_words) {
+  if (ConfigureSmem(d, f16, bf16, smem, configured) != 0) return -1;
+  return LaunchCooperative(d, dtype == 0 ? f16 : bf16, s, sc.sms, ctas, smem, args, workspace,
+                           flag_words);
+}
+
 // One forward launch (the entries below; `independent`: wavefront.cuh,
 // "Independent layers").
 int Forward(void* stream, int dtype, int gru, int num_layers, int units, int batch, int steps,
@@ -507,9 +494,8 @@ int Forward(void* stream, int dtype, int gru, int num_layers, int units, int bat
                 std::to_string(variant));
   if (independent && variant != 0)
     return Fail("independent layers (a bidirectional layer's directions) run variant 0 only");
-  Driver* d = GetDriver();
-  if (!d->ok) return Fail(d->why);
-  if (dtype != 0 && dtype != 1) return Fail("dtype must be 0 (float16) or 1 (bfloat16)");
+  Driver* d = nullptr;
+  if (Begin(dtype, &d) != 0) return -1;
   CUstream s = static_cast<CUstream>(stream);
   StreamContext sc(d, s);
   if (sc.rc != 0) return -1;
@@ -542,9 +528,8 @@ int Forward(void* stream, int dtype, int gru, int num_layers, int units, int bat
   int* configured = independent    ? &k->configured_ind_smem
                     : variant == 1 ? &k->configured_v1_smem
                                    : &k->configured_smem;
-  if (ConfigureSmem(d, f16, bf16, smem, configured) != 0) return -1;
-  return LaunchCooperative(d, dtype == 0 ? f16 : bf16, s, sc.sms, args.cta_start[num_layers],
-                           smem, &args, workspace, FlagBytes(num_layers) / 4);
+  return Launch(d, sc, s, dtype, f16, bf16, configured, args.cta_start[num_layers], smem, &args,
+                workspace, FlagBytes(num_layers) / 4);
 }
 
 }  // namespace
@@ -614,9 +599,8 @@ __attribute__((visibility("default"))) int rnnfuse_wf_backward_kind(
     const float* gates, const float* cseq, const void* c0, const void* dy, const void* dhy,
     const void* dcy, const int* lengths, void* dgates, float* dh0, float* dc0,
     void* workspace) {
-  Driver* d = GetDriver();
-  if (!d->ok) return Fail(d->why);
-  if (dtype != 0 && dtype != 1) return Fail("dtype must be 0 (float16) or 1 (bfloat16)");
+  Driver* d = nullptr;
+  if (Begin(dtype, &d) != 0) return -1;
   if (gru != 0 && gru != 1) return Fail("gru must be 0 (LSTM) or 1 (GRU)");
   if (!gru && (!c0 || !dcy || !dc0)) return Fail("an LSTM's backward needs c0, dcy and dc0");
   CUstream s = static_cast<CUstream>(stream);
@@ -625,25 +609,14 @@ __attribute__((visibility("default"))) int rnnfuse_wf_backward_kind(
   rnnfuse_wf::BwdArgs args;
   if (!PlanBackwardInto(units, batch, steps, sc.sms, sc.smem_limit, &args)) return -1;
   args.w_hh = w_hh;
-  args.gates = gates;
-  args.cseq = cseq;
-  args.c0 = c0;
-  args.dy = dy;
-  args.dhy = dhy;
-  args.dcy = dcy;
-  args.lengths = lengths;
-  args.dgates = dgates;
-  args.dh0 = dh0;
-  args.dc0 = dc0;
-  args.flags = static_cast<unsigned*>(workspace);
+  SetBackwardBuffers(&args, gates, cseq, c0, dy, dhy, dcy, lengths, dgates, dh0, dc0, workspace);
   Kernels* k = nullptr;
   if (GetKernels(d, sc.ctx, &k) != 0) return -1;
   CUfunction f16 = gru ? k->bwd_gru_f16 : k->bwd_f16;
   CUfunction bf16 = gru ? k->bwd_gru_bf16 : k->bwd_bf16;
   int* configured = gru ? &k->configured_bwd_gru_smem : &k->configured_bwd_smem;
-  if (ConfigureSmem(d, f16, bf16, args.smem_total, configured) != 0) return -1;
-  return LaunchCooperative(d, dtype == 0 ? f16 : bf16, s, sc.sms, args.ctas, args.smem_total,
-                           &args, workspace, BwdFlagBytes() / 4);
+  return Launch(d, sc, s, dtype, f16, bf16, configured, args.ctas, args.smem_total, &args,
+                workspace, BwdFlagBytes() / 4);
 }
 
 // 1 if the reverse-wavefront backward (wavefront.cuh, "The stack
@@ -694,9 +667,8 @@ __attribute__((visibility("default"))) int rnnfuse_wf_backward_stack(
     const void* params, const float* gates, const float* cseq, const void* c0, const void* dy,
     const void* dhy, const void* dcy, const int* lengths, void* dgates, float* dh0, float* dc0,
     void* workspace, int variant) {
-  Driver* d = GetDriver();
-  if (!d->ok) return Fail(d->why);
-  if (dtype != 0 && dtype != 1) return Fail("dtype must be 0 (float16) or 1 (bfloat16)");
+  Driver* d = nullptr;
+  if (Begin(dtype, &d) != 0) return -1;
   CUstream s = static_cast<CUstream>(stream);
   StreamContext sc(d, s);
   if (sc.rc != 0) return -1;
@@ -705,17 +677,7 @@ __attribute__((visibility("default"))) int rnnfuse_wf_backward_stack(
                              &args, variant))
     return -1;
   args.params = params;
-  args.gates = gates;
-  args.cseq = cseq;
-  args.c0 = c0;
-  args.dy = dy;
-  args.dhy = dhy;
-  args.dcy = dcy;
-  args.lengths = lengths;
-  args.dgates = dgates;
-  args.dh0 = dh0;
-  args.dc0 = dc0;
-  args.flags = static_cast<unsigned*>(workspace);
+  SetBackwardBuffers(&args, gates, cseq, c0, dy, dhy, dcy, lengths, dgates, dh0, dc0, workspace);
   args.dyl = reinterpret_cast<float*>(static_cast<unsigned char*>(workspace) + BwdStackFlagBytes());
   Kernels* k = nullptr;
   if (GetKernels(d, sc.ctx, &k) != 0) return -1;
@@ -726,9 +688,8 @@ __attribute__((visibility("default"))) int rnnfuse_wf_backward_stack(
     bf16 = k->bwds_v_bf16[args.variant - 1];
     configured = &k->configured_bwds_v_smem[args.variant - 1];
   }
-  if (ConfigureSmem(d, f16, bf16, args.smem_total, configured) != 0) return -1;
-  return LaunchCooperative(d, dtype == 0 ? f16 : bf16, s, sc.sms, args.L * args.ctas_per_layer,
-                           args.smem_total, &args, workspace, BwdStackFlagBytes() / 4);
+  return Launch(d, sc, s, dtype, f16, bf16, configured, args.L * args.ctas_per_layer,
+                args.smem_total, &args, workspace, BwdStackFlagBytes() / 4);
 }
 
 }  // extern "C"

@@ -20,6 +20,49 @@ namespace rnnfuse_wf {
 
 inline int RoundUp16(int bytes) { return (bytes + 15) / 16 * 16; }
 
+// The backward kernels' split of B batch rows over at most `groups_max`
+// groups: the fewest rows a group (a multiple of 8), and the groups that
+// makes.
+inline void SplitRows(int B, int groups_max, int* rows, int* groups) {
+  const int want = (B + groups_max - 1) / groups_max;
+  *rows = (want + 7) / 8 * 8;
+  *groups = (B + *rows - 1) / *rows;
+}
+
+// The backward kernels' k-tiles (of 16 gate columns) a warp holds: 4H
+// columns over kWarps warps.
+inline int WarpGateTiles(int H) { return (4 * H + kWarps * 16 - 1) / (kWarps * 16); }
+
+// What both backward plans (BwdArgs, BwdStackArgs) set alike: the shape,
+// the rows a group, the k-tiles a warp and the padded 4H.
+template <typename A>
+inline void SetBackwardShape(A* a, int H, int B, int T, int rows) {
+  a->H = H;
+  a->B = B;
+  a->T = T;
+  a->rows = rows;
+  a->kt = WarpGateTiles(H);
+  a->kpad = kWarps * 16 * a->kt;
+}
+
+// A backward kernel's shared memory: `ds_bytes` of staged da rows, then
+// `part_bytes` of the warps' partials, the carried dc [rows][kBwdUnits]
+// (float) and the lengths [rows] (int). Returns the total.
+template <typename A>
+inline int LayOutBackwardSmem(A* a, int ds_bytes, int part_bytes) {
+  int off = 0;
+  a->smem_ds = off;
+  off += ds_bytes;
+  a->smem_part = off;
+  off += part_bytes;
+  a->smem_dc = off;
+  off += RoundUp16(a->rows * kBwdUnits * 4);
+  a->smem_len = off;
+  off += RoundUp16(a->rows * 4);
+  a->smem_total = off;
+  return off;
+}
+
 // Fills `layer` for layer l of a stack with `mg`; returns its shared bytes.
 inline int PlanLayer(int gru, int l, int H, int B, int mg, LayerPlan* layer) {
   const int K = (l == 0 ? 0 : H) + H;
@@ -171,29 +214,16 @@ inline bool PlanBackward(int H, int B, int T, int sms, int smem_limit, BwdArgs* 
              "SMs", per_group, H, sms);
     return false;
   }
-  const int groups_max = sms / per_group;
-  const int want = (B + groups_max - 1) / groups_max;
-  const int rows = (want + 7) / 8 * 8;
-  const int groups = (B + rows - 1) / rows;
+  int rows = 0, groups = 0;
+  SplitRows(B, sms / per_group, &rows, &groups);
   BwdArgs& a = *args;
-  a.H = H;
-  a.B = B;
-  a.T = T;
+  SetBackwardShape(&a, H, B, T, rows);
   a.ctas_per_group = per_group;
-  a.rows = rows;
   a.ctas = groups * per_group;
-  a.kt = (4 * H + kWarps * 16 - 1) / (kWarps * 16);
-  a.kpad = kWarps * 16 * a.kt;
-  int off = 0;
-  a.smem_ds = off;  // [kBwdChunk][kpad + kHsPad] of the element type
-  off += RoundUp16(kBwdChunk * (a.kpad + kHsPad) * 2);
-  a.smem_part = off;  // [kWarps][kBwdChunk][kBwdPartStride] float
-  off += RoundUp16(kWarps * kBwdChunk * kBwdPartStride * 4);
-  a.smem_dc = off;  // [rows][kBwdUnits] float
-  off += RoundUp16(rows * kBwdUnits * 4);
-  a.smem_len = off;  // [rows] int
-  off += RoundUp16(rows * 4);
-  a.smem_total = off;
+  // ds: [kBwdChunk][kpad + kHsPad] of the element type; part:
+  // [kWarps][kBwdChunk][kBwdPartStride] float.
+  const int off = LayOutBackwardSmem(&a, RoundUp16(kBwdChunk * (a.kpad + kHsPad) * 2),
+                                     RoundUp16(kWarps * kBwdChunk * kBwdPartStride * 4));
   if (off > smem_limit) {
     snprintf(why, why_len,
              "the wavefront backward kernel's shared memory does not fit: %d units at batch %d "
@@ -254,20 +284,14 @@ inline bool PlanBackwardStack(int L, int H, int B, int T, int input_size, int sm
   }
   int groups_max = sms / (L * per_group);
   if (groups_max > kFlagStride / per_group) groups_max = kFlagStride / per_group;
-  const int want = (B + groups_max - 1) / groups_max;
-  const int rows = (want + 7) / 8 * 8;
-  const int groups = (B + rows - 1) / rows;
+  int rows = 0, groups = 0;
+  SplitRows(B, groups_max, &rows, &groups);
   BwdStackArgs& a = *args;
+  SetBackwardShape(&a, H, B, T, rows);
   a.L = L;
-  a.H = H;
-  a.B = B;
-  a.T = T;
   a.per_group = per_group;
   a.groups = groups;
-  a.rows = rows;
   a.ctas_per_layer = groups * per_group;
-  a.kt = (4 * H + kWarps * 16 - 1) / (kWarps * 16);
-  a.kpad = kWarps * 16 * a.kt;
   Args offsets;
   PlanOffsets(0, L, H, input_size, &offsets);
   for (int l = 0; l < kMaxLayers; ++l) {
@@ -290,16 +314,10 @@ inline bool PlanBackwardStack(int L, int H, int B, int T, int input_size, int sm
     if (v == 2 && rows <= kBwdChunk) continue;
     const int part_bufs = v == 0 ? 1 : 2;
     for (int bufs = rows > chunk ? 2 : 1; bufs >= 1 && !fits; --bufs) {
-      off = 0;
-      a.smem_ds = off;  // [ds_bufs][chunk][kpad + kHsPad] of the element type
-      off += bufs * RoundUp16(chunk * (a.kpad + kHsPad) * 2);
-      a.smem_part = off;  // [part_bufs][kWarps][chunk][kBwdStackPartStride] float
-      off += part_bufs * RoundUp16(kWarps * chunk * kBwdStackPartStride * 4);
-      a.smem_dc = off;  // [rows][kBwdUnits] float
-      off += RoundUp16(rows * kBwdUnits * 4);
-      a.smem_len = off;  // [rows] int
-      off += RoundUp16(rows * 4);
-      a.smem_total = off;
+      // ds: [ds_bufs][chunk][kpad + kHsPad] of the element type; part:
+      // [part_bufs][kWarps][chunk][kBwdStackPartStride] float.
+      off = LayOutBackwardSmem(&a, bufs * RoundUp16(chunk * (a.kpad + kHsPad) * 2),
+                               part_bufs * RoundUp16(kWarps * chunk * kBwdStackPartStride * 4));
       a.variant = v;
       a.chunk = chunk;
       a.ds_bufs = bufs;

@@ -37,25 +37,14 @@
 #define EIGEN_USE_GPU
 #include <cuda_runtime_api.h>
 
-#include <algorithm>
+#include <initializer_list>
 #include <string>
+#include <utility>
 
 #include "cudnn_rnn_core.h"
-#include "tensorflow/core/framework/op.h"
-#include "tensorflow/core/framework/op_kernel.h"
-#include "tensorflow/core/framework/shape_inference.h"
+#include "rnnfuse_tf_op.h"
 
 namespace rnnfuse {
-
-using tensorflow::DEVICE_GPU;
-using tensorflow::OpKernel;
-using tensorflow::OpKernelConstruction;
-using tensorflow::OpKernelContext;
-using tensorflow::Status;
-using tensorflow::Tensor;
-using tensorflow::TensorShape;
-namespace errors = tensorflow::errors;
-namespace shape_inference = tensorflow::shape_inference;
 
 // A core return code as a TensorFlow error with the core's message.
 Status CoreError(int rc, const char* entry) {
@@ -88,13 +77,6 @@ template <> struct CoreDtype<float> { static constexpr int value = RF_CUDNN_FLOA
 template <> struct CoreDtype<Eigen::half> { static constexpr int value = RF_CUDNN_FLOAT16; };
 template <> struct CoreDtype<Eigen::bfloat16> { static constexpr int value = RF_CUDNN_BFLOAT16; };
 
-const void* Ptr(const Tensor& t) { return static_cast<const void*>(t.tensor_data().data()); }
-void* Mut(const Tensor& t) { return const_cast<char*>(t.tensor_data().data()); }
-
-Status AllocateBytes(OpKernelContext* ctx, size_t bytes, Tensor* t) {
-  return ctx->allocate_temp(tensorflow::DT_UINT8,
-                            TensorShape({static_cast<int64_t>(std::max<size_t>(bytes, 1))}), t);
-}
 
 // The attributes both ops share, as the core's configuration.
 template <typename T>
@@ -186,6 +168,15 @@ class CoreConfig {
   int64_t flat_size_ = 0;
 };
 
+// Allocates outputs 0, 1, ... in order, one a (shape, tensor) pair.
+Status AllocateOutputs(OpKernelContext* ctx,
+                       std::initializer_list<std::pair<TensorShape, Tensor**>> outputs) {
+  int index = 0;
+  for (const auto& [shape, tensor] : outputs)
+    TF_RETURN_IF_ERROR(ctx->allocate_output(index++, shape, tensor));
+  return absl::OkStatus();
+}
+
 // What both kernels prepare the same way: the shape, the lengths (host
 // and a device copy), the stream and the core's workspace.
 struct CallArgs {
@@ -217,35 +208,39 @@ struct CallArgs {
   }
 
   const int32_t* device_lengths() const { return static_cast<const int32_t*>(dev()); }
+
+  // The core reads and writes c only for an LSTM: any other mode's c
+  // output (output_c, input_c_backprop) is 0.
+  template <typename T>
+  Status ZeroUnlessLstm(const CoreConfig<T>& config, Tensor* c) const {
+    if (!config.lstm() && c->NumElements() > 0)
+      RF_RETURN_IF_CUDA(cudaMemsetAsync(Mut(*c), 0, c->TotalBytes(), stream));
+    return absl::OkStatus();
+  }
 };
 
 template <typename T>
-class RnnfuseCudnnRnnOp : public OpKernel {
+class RnnfuseCudnnRnnOp : public StatusKernel {
  public:
-  explicit RnnfuseCudnnRnnOp(OpKernelConstruction* ctx) : OpKernel(ctx), config_(ctx) {
+  explicit RnnfuseCudnnRnnOp(OpKernelConstruction* ctx) : StatusKernel(ctx), config_(ctx) {
     OP_REQUIRES_OK(ctx, ctx->GetAttr("is_training", &is_training_));
   }
 
-  void Compute(OpKernelContext* ctx) override { OP_REQUIRES_OK(ctx, DoCompute(ctx)); }
-
  private:
   // Inputs: 0 x, 1 h, 2 c, 3 params, 4 sequence_lengths, 5 algorithm.
-  Status DoCompute(OpKernelContext* ctx) {
+  Status DoCompute(OpKernelContext* ctx) override {
     CallArgs a;
     TF_RETURN_IF_ERROR(a.Begin(ctx, config_, /*algorithm_input=*/5));
     const Tensor& h = ctx->input(1);
     const Tensor& c = ctx->input(2);
     const size_t reserve_bytes = is_training_ ? a.reserve_bytes : 0;
     Tensor *y = nullptr, *hy = nullptr, *cy = nullptr, *reserve = nullptr;
-    TF_RETURN_IF_ERROR(ctx->allocate_output(
-        0, TensorShape({a.steps, a.batch, config_.out_width()}), &y));
-    TF_RETURN_IF_ERROR(ctx->allocate_output(1, h.shape(), &hy));
-    TF_RETURN_IF_ERROR(ctx->allocate_output(2, c.shape(), &cy));
-    TF_RETURN_IF_ERROR(ctx->allocate_output(
-        3, TensorShape({static_cast<int64_t>(reserve_bytes)}), &reserve));
-    // The core reads and writes c only for an LSTM; any other output_c is 0.
-    if (!config_.lstm() && cy->NumElements() > 0)
-      RF_RETURN_IF_CUDA(cudaMemsetAsync(Mut(*cy), 0, cy->TotalBytes(), a.stream));
+    TF_RETURN_IF_ERROR(AllocateOutputs(
+        ctx, {{TensorShape({a.steps, a.batch, config_.out_width()}), &y},
+              {h.shape(), &hy},
+              {c.shape(), &cy},
+              {TensorShape({static_cast<int64_t>(reserve_bytes)}), &reserve}}));
+    TF_RETURN_IF_ERROR(a.ZeroUnlessLstm(config_, cy));
     RF_RETURN_IF_CORE(rnnfuse_cudnn_forward, &a.rnn, is_training_ ? 1 : 0, a.steps, a.batch,
                       a.host_lengths, a.device_lengths(), a.stream, Ptr(ctx->input(0)), Ptr(h),
                       Ptr(c), Ptr(ctx->input(3)), Mut(*y), Mut(*hy), Mut(*cy), Mut(a.workspace),
@@ -258,17 +253,16 @@ class RnnfuseCudnnRnnOp : public OpKernel {
 };
 
 template <typename T>
-class RnnfuseCudnnRnnBackpropOp : public OpKernel {
+class RnnfuseCudnnRnnBackpropOp : public StatusKernel {
  public:
-  explicit RnnfuseCudnnRnnBackpropOp(OpKernelConstruction* ctx) : OpKernel(ctx), config_(ctx) {}
-
-  void Compute(OpKernelContext* ctx) override { OP_REQUIRES_OK(ctx, DoCompute(ctx)); }
+  explicit RnnfuseCudnnRnnBackpropOp(OpKernelConstruction* ctx)
+      : StatusKernel(ctx), config_(ctx) {}
 
  private:
   // Inputs: 0 x, 1 h, 2 c, 3 params, 4 sequence_lengths, 5 output,
   // 6 output_backprop, 7 output_h_backprop, 8 output_c_backprop, 9 reserve_space,
   // 10 algorithm.
-  Status DoCompute(OpKernelContext* ctx) {
+  Status DoCompute(OpKernelContext* ctx) override {
     CallArgs a;
     TF_RETURN_IF_ERROR(a.Begin(ctx, config_, /*algorithm_input=*/10));
     const Tensor& x = ctx->input(0);
@@ -289,12 +283,11 @@ class RnnfuseCudnnRnnBackpropOp : public OpKernel {
                                      " bytes; cuDNN needs ", a.reserve_bytes,
                                      " (was the forward op run with is_training=True?)");
     Tensor *dx = nullptr, *dh = nullptr, *dc = nullptr, *dparams = nullptr;
-    TF_RETURN_IF_ERROR(ctx->allocate_output(0, x.shape(), &dx));
-    TF_RETURN_IF_ERROR(ctx->allocate_output(1, h.shape(), &dh));
-    TF_RETURN_IF_ERROR(ctx->allocate_output(2, c.shape(), &dc));
-    TF_RETURN_IF_ERROR(ctx->allocate_output(3, ctx->input(3).shape(), &dparams));
-    if (!config_.lstm() && dc->NumElements() > 0)
-      RF_RETURN_IF_CUDA(cudaMemsetAsync(Mut(*dc), 0, dc->TotalBytes(), a.stream));
+    TF_RETURN_IF_ERROR(AllocateOutputs(ctx, {{x.shape(), &dx},
+                                             {h.shape(), &dh},
+                                             {c.shape(), &dc},
+                                             {ctx->input(3).shape(), &dparams}}));
+    TF_RETURN_IF_ERROR(a.ZeroUnlessLstm(config_, dc));
     // cuDNN writes into the reserve space: TensorFlow's own CudnnRNN
     // backprop kernel uses its input the same way (its only consumer).
     void* rs = Mut(reserve);

@@ -35,9 +35,7 @@
 
 #include <string>
 
-#include "tensorflow/core/framework/op.h"
-#include "tensorflow/core/framework/op_kernel.h"
-#include "tensorflow/core/framework/shape_inference.h"
+#include "rnnfuse_tf_op.h"
 #include "wavefront.cuh"  // kMaxLayers, kFlagStride: where the timed-out word is
 
 extern "C" {
@@ -67,22 +65,9 @@ int rnnfuse_wf_backward_stack(void* stream, int dtype, int num_layers, int units
 
 namespace rnnfuse {
 
-using tensorflow::DEVICE_GPU;
-using tensorflow::OpKernel;
-using tensorflow::OpKernelConstruction;
-using tensorflow::OpKernelContext;
-using tensorflow::Status;
-using tensorflow::Tensor;
-using tensorflow::TensorShape;
-namespace errors = tensorflow::errors;
-namespace shape_inference = tensorflow::shape_inference;
-
 template <typename T> struct WavefrontDtype;
 template <> struct WavefrontDtype<Eigen::half> { static constexpr int value = 0; };
 template <> struct WavefrontDtype<Eigen::bfloat16> { static constexpr int value = 1; };
-
-const void* Ptr(const Tensor& t) { return static_cast<const void*>(t.tensor_data().data()); }
-char* Mut(Tensor* t) { return const_cast<char*>(t->tensor_data().data()); }
 
 // `lengths` ([B] int32 in host memory, or [0]) copied to the device on
 // `stream`: *out is the device copy (held by `dev`), or null for [0].
@@ -100,6 +85,46 @@ Status DeviceLengths(OpKernelContext* ctx, cudaStream_t stream, const Tensor& le
   return absl::OkStatus();
 }
 
+// sequence_lengths must be [B] or [0] (every sequence T long).
+Status CheckLengths(const Tensor& lengths, int64_t batch) {
+  if (lengths.NumElements() != 0 && lengths.NumElements() != batch)
+    return errors::InvalidArgument("sequence_lengths must be [B] or [0], got ",
+                                   lengths.shape().DebugString());
+  return absl::OkStatus();
+}
+
+// The inputs both backward ops share: 0 the weights (w_hh, or the stack's
+// params), 1 gates, 2 cseq, 3 c0, 4 dy, 5 dhy, 6 dcy, 7 sequence_lengths.
+struct BackwardInputs {
+  const Tensor &weights, &gates, &cseq, &c0, &dy, &dhy, &dcy, &lengths;
+  explicit BackwardInputs(OpKernelContext* ctx)
+      : weights(ctx->input(0)), gates(ctx->input(1)), cseq(ctx->input(2)), c0(ctx->input(3)),
+        dy(ctx->input(4)), dhy(ctx->input(5)), dcy(ctx->input(6)), lengths(ctx->input(7)) {}
+};
+
+// What both backward ops do before their launch: allocate dgates (the
+// gates' shape), dh0 and dc0 (`dc0_shape`), copy the lengths to the device
+// on the op's stream, and allocate `workspace_bytes` of workspace.
+struct BackwardCall {
+  Tensor *dgates = nullptr, *dh0 = nullptr, *dc0 = nullptr;
+  cudaStream_t stream = nullptr;
+  Tensor dev_lengths, workspace;
+  const int* lengths = nullptr;
+
+  Status Begin(OpKernelContext* ctx, const BackwardInputs& in, const TensorShape& state,
+               const TensorShape& dc0_shape, int64_t batch, size_t workspace_bytes) {
+    TF_RETURN_IF_ERROR(ctx->allocate_output(0, in.gates.shape(), &dgates));
+    TF_RETURN_IF_ERROR(ctx->allocate_output(1, state, &dh0));
+    TF_RETURN_IF_ERROR(ctx->allocate_output(2, dc0_shape, &dc0));
+    stream = ctx->eigen_device<Eigen::GpuDevice>().stream();
+    TF_RETURN_IF_ERROR(
+        DeviceLengths(ctx, stream, in.lengths, static_cast<int>(batch), &dev_lengths, &lengths));
+    return AllocateBytes(ctx, workspace_bytes, &workspace);
+  }
+  float* dh0_ptr() const { return reinterpret_cast<float*>(Mut(dh0)); }
+  float* dc0_ptr() const { return reinterpret_cast<float*>(Mut(dc0)); }
+};
+
 // The forward (inference), or with kSave the saving forward
 // (RnnfuseWavefrontSaving): outputs 3-5 are then hseq [L-1, T, B, H]
 // (the sequences of the layers below the top, in T: a view of the
@@ -107,9 +132,9 @@ Status DeviceLengths(OpKernelContext* ctx, cudaStream_t stream, const Tensor& le
 // activated i, f, g, o; a GRU's r, z, n, W_hn h + b_hn) and cseq
 // [L, T, B, H] (an LSTM's c; a GRU's h_{t-1}), both float32.
 template <typename T, bool kSave>
-class RnnfuseWavefrontOp : public OpKernel {
+class RnnfuseWavefrontOp : public StatusKernel {
  public:
-  explicit RnnfuseWavefrontOp(OpKernelConstruction* ctx) : OpKernel(ctx) {
+  explicit RnnfuseWavefrontOp(OpKernelConstruction* ctx) : StatusKernel(ctx) {
     std::string mode;
     OP_REQUIRES_OK(ctx, ctx->GetAttr("rnn_mode", &mode));
     gru_ = mode == "gru";
@@ -117,10 +142,8 @@ class RnnfuseWavefrontOp : public OpKernel {
     OP_REQUIRES_OK(ctx, ctx->GetAttr("kernel_variant", &variant_));
   }
 
-  void Compute(OpKernelContext* ctx) override { OP_REQUIRES_OK(ctx, DoCompute(ctx)); }
-
  private:
-  Status DoCompute(OpKernelContext* ctx) {
+  Status DoCompute(OpKernelContext* ctx) override {
     const Tensor& xproj = ctx->input(0);
     const Tensor& params = ctx->input(1);
     const Tensor& h0 = ctx->input(2);
@@ -139,8 +162,7 @@ class RnnfuseWavefrontOp : public OpKernel {
                                      gates, " * H], input_h [L, B, H])");
     if (!gru_ && c0.shape() != h0.shape())
       return errors::InvalidArgument("input_c must be ", h0.shape().DebugString());
-    if (lengths.NumElements() != 0 && lengths.NumElements() != batch)
-      return errors::InvalidArgument("sequence_lengths must be [B] or [0]");
+    TF_RETURN_IF_ERROR(CheckLengths(lengths, batch));
     if (kSave && layers < 1)
       return errors::InvalidArgument("input_h must have at least one layer");
 
@@ -159,8 +181,7 @@ class RnnfuseWavefrontOp : public OpKernel {
     if (!kSave && (steps == 0 || batch == 0)) return absl::OkStatus();
     const size_t ws_bytes = rnnfuse_wf_workspace_bytes(layers, units, batch, steps, sizeof(T));
     Tensor workspace;
-    TF_RETURN_IF_ERROR(ctx->allocate_temp(
-        tensorflow::DT_UINT8, TensorShape({static_cast<int64_t>(ws_bytes)}), &workspace));
+    TF_RETURN_IF_ERROR(AllocateBytes(ctx, ws_bytes, &workspace));
     if (kSave) {
       // hseq is the workspace past its flags (rnnfuse_wf_workspace_bytes:
       // the flags, 256-byte aligned, then the L-1 sequences), shared.
@@ -203,26 +224,19 @@ class RnnfuseWavefrontOp : public OpKernel {
 // c0 and dcy are not read: anything, [0] say). A shape outside the
 // backward's plan is an Unimplemented error naming the limit.
 template <typename T>
-class RnnfuseWavefrontBackwardOp : public OpKernel {
+class RnnfuseWavefrontBackwardOp : public StatusKernel {
  public:
-  explicit RnnfuseWavefrontBackwardOp(OpKernelConstruction* ctx) : OpKernel(ctx) {
+  explicit RnnfuseWavefrontBackwardOp(OpKernelConstruction* ctx) : StatusKernel(ctx) {
     std::string mode;
     OP_REQUIRES_OK(ctx, ctx->GetAttr("rnn_mode", &mode));
     gru_ = mode == "gru";
   }
 
-  void Compute(OpKernelContext* ctx) override { OP_REQUIRES_OK(ctx, DoCompute(ctx)); }
-
  private:
-  Status DoCompute(OpKernelContext* ctx) {
-    const Tensor& w_hh = ctx->input(0);
-    const Tensor& gates = ctx->input(1);
-    const Tensor& cseq = ctx->input(2);
-    const Tensor& c0 = ctx->input(3);
-    const Tensor& dy = ctx->input(4);
-    const Tensor& dhy = ctx->input(5);
-    const Tensor& dcy = ctx->input(6);
-    const Tensor& lengths = ctx->input(7);
+  Status DoCompute(OpKernelContext* ctx) override {
+    const BackwardInputs in(ctx);
+    const Tensor &w_hh = in.weights, &gates = in.gates, &cseq = in.cseq, &c0 = in.c0;
+    const Tensor &dy = in.dy, &dhy = in.dhy, &dcy = in.dcy;
     if (dy.dims() != 3) return errors::InvalidArgument("dy must be [T, B, H], got ",
                                                        dy.shape().DebugString());
     const int64_t steps = dy.dim_size(0), batch = dy.dim_size(1), units = dy.dim_size(2);
@@ -244,30 +258,17 @@ class RnnfuseWavefrontBackwardOp : public OpKernel {
       if (t->shape() != state && (t == &dhy || !gru_))
         return errors::InvalidArgument("c0, dhy and dcy must be [B, H] = ",
                                        state.DebugString(), ", got ", t->shape().DebugString());
-    if (lengths.NumElements() != 0 && lengths.NumElements() != batch)
-      return errors::InvalidArgument("sequence_lengths must be [B] or [0], got ",
-                                     lengths.shape().DebugString());
+    TF_RETURN_IF_ERROR(CheckLengths(in.lengths, batch));
 
-    Tensor *dgates = nullptr, *dh0 = nullptr, *dc0 = nullptr;
-    TF_RETURN_IF_ERROR(ctx->allocate_output(0, gates.shape(), &dgates));
-    TF_RETURN_IF_ERROR(ctx->allocate_output(1, state, &dh0));
-    TF_RETURN_IF_ERROR(ctx->allocate_output(2, gru_ ? TensorShape({0}) : state, &dc0));
-    cudaStream_t stream = ctx->eigen_device<Eigen::GpuDevice>().stream();
-    Tensor dev_lengths;
-    const int* lengths_ptr = nullptr;
-    TF_RETURN_IF_ERROR(DeviceLengths(ctx, stream, lengths, static_cast<int>(batch), &dev_lengths,
-                                     &lengths_ptr));
-    Tensor workspace;
-    TF_RETURN_IF_ERROR(ctx->allocate_temp(
-        tensorflow::DT_UINT8,
-        TensorShape({static_cast<int64_t>(rnnfuse_wf_backward_workspace_bytes())}), &workspace));
+    BackwardCall call;
+    TF_RETURN_IF_ERROR(call.Begin(ctx, in, state, gru_ ? TensorShape({0}) : state, batch,
+                                  rnnfuse_wf_backward_workspace_bytes()));
     const int rc = rnnfuse_wf_backward_kind(
-        stream, WavefrontDtype<T>::value, gru_ ? 1 : 0, static_cast<int>(units),
+        call.stream, WavefrontDtype<T>::value, gru_ ? 1 : 0, static_cast<int>(units),
         static_cast<int>(batch), static_cast<int>(steps), Ptr(w_hh),
         static_cast<const float*>(Ptr(gates)), static_cast<const float*>(Ptr(cseq)),
-        gru_ ? nullptr : Ptr(c0), Ptr(dy), Ptr(dhy), gru_ ? nullptr : Ptr(dcy), lengths_ptr,
-        Mut(dgates), reinterpret_cast<float*>(Mut(dh0)),
-        gru_ ? nullptr : reinterpret_cast<float*>(Mut(dc0)), Mut(&workspace));
+        gru_ ? nullptr : Ptr(c0), Ptr(dy), Ptr(dhy), gru_ ? nullptr : Ptr(dcy), call.lengths,
+        Mut(call.dgates), call.dh0_ptr(), gru_ ? nullptr : call.dc0_ptr(), Mut(&call.workspace));
     if (rc != 0)
       return errors::Unimplemented("rnnfuse wavefront backward: ", rnnfuse_wf_last_error());
     return absl::OkStatus();
@@ -290,26 +291,19 @@ class RnnfuseWavefrontBackwardOp : public OpKernel {
 // (Internal) if one of its waits timed out (a bug: the results are wrong),
 // as the torch binding's backward_stack_kernel(check=True) raises.
 template <typename T>
-class RnnfuseWavefrontBackwardStackOp : public OpKernel {
+class RnnfuseWavefrontBackwardStackOp : public StatusKernel {
  public:
-  explicit RnnfuseWavefrontBackwardStackOp(OpKernelConstruction* ctx) : OpKernel(ctx) {
+  explicit RnnfuseWavefrontBackwardStackOp(OpKernelConstruction* ctx) : StatusKernel(ctx) {
     OP_REQUIRES_OK(ctx, ctx->GetAttr("input_size", &input_size_));
     OP_REQUIRES_OK(ctx, ctx->GetAttr("check", &check_));
     OP_REQUIRES_OK(ctx, ctx->GetAttr("kernel_variant", &variant_));
   }
 
-  void Compute(OpKernelContext* ctx) override { OP_REQUIRES_OK(ctx, DoCompute(ctx)); }
-
  private:
-  Status DoCompute(OpKernelContext* ctx) {
-    const Tensor& params = ctx->input(0);
-    const Tensor& gates = ctx->input(1);
-    const Tensor& cseq = ctx->input(2);
-    const Tensor& c0 = ctx->input(3);
-    const Tensor& dy = ctx->input(4);
-    const Tensor& dhy = ctx->input(5);
-    const Tensor& dcy = ctx->input(6);
-    const Tensor& lengths = ctx->input(7);
+  Status DoCompute(OpKernelContext* ctx) override {
+    const BackwardInputs in(ctx);
+    const Tensor &params = in.weights, &gates = in.gates, &cseq = in.cseq, &c0 = in.c0;
+    const Tensor &dy = in.dy, &dhy = in.dhy, &dcy = in.dcy;
     if (cseq.dims() != 4)
       return errors::InvalidArgument("cseq must be [L, T, B, H], got ",
                                      cseq.shape().DebugString());
@@ -340,36 +334,24 @@ class RnnfuseWavefrontBackwardStackOp : public OpKernel {
                                      " layers of ", units, " units over ", input_size_,
                                      " inputs: [", want, "], got ",
                                      params.shape().DebugString());
-    if (lengths.NumElements() != 0 && lengths.NumElements() != batch)
-      return errors::InvalidArgument("sequence_lengths must be [B] or [0], got ",
-                                     lengths.shape().DebugString());
+    TF_RETURN_IF_ERROR(CheckLengths(in.lengths, batch));
 
-    Tensor *dgates = nullptr, *dh0 = nullptr, *dc0 = nullptr;
-    TF_RETURN_IF_ERROR(ctx->allocate_output(0, gates.shape(), &dgates));
-    TF_RETURN_IF_ERROR(ctx->allocate_output(1, state, &dh0));
-    TF_RETURN_IF_ERROR(ctx->allocate_output(2, state, &dc0));
-    cudaStream_t stream = ctx->eigen_device<Eigen::GpuDevice>().stream();
-    Tensor dev_lengths;
-    const int* lengths_ptr = nullptr;
-    TF_RETURN_IF_ERROR(DeviceLengths(ctx, stream, lengths, static_cast<int>(batch), &dev_lengths,
-                                     &lengths_ptr));
-    const size_t ws_bytes = rnnfuse_wf_backward_stack_workspace_bytes(
-        static_cast<int>(layers), static_cast<int>(units), static_cast<int>(batch),
-        static_cast<int>(steps));
-    Tensor workspace;
-    TF_RETURN_IF_ERROR(ctx->allocate_temp(
-        tensorflow::DT_UINT8, TensorShape({static_cast<int64_t>(ws_bytes)}), &workspace));
+    BackwardCall call;
+    TF_RETURN_IF_ERROR(call.Begin(
+        ctx, in, state, state, batch,
+        rnnfuse_wf_backward_stack_workspace_bytes(static_cast<int>(layers), static_cast<int>(units),
+                                                  static_cast<int>(batch),
+                                                  static_cast<int>(steps))));
     const int rc = rnnfuse_wf_backward_stack(
-        stream, WavefrontDtype<T>::value, static_cast<int>(layers), static_cast<int>(units),
+        call.stream, WavefrontDtype<T>::value, static_cast<int>(layers), static_cast<int>(units),
         static_cast<int>(batch), static_cast<int>(steps), input_size_, Ptr(params),
         static_cast<const float*>(Ptr(gates)), static_cast<const float*>(Ptr(cseq)), Ptr(c0),
-        Ptr(dy), Ptr(dhy), Ptr(dcy), lengths_ptr, Mut(dgates),
-        reinterpret_cast<float*>(Mut(dh0)), reinterpret_cast<float*>(Mut(dc0)),
-        Mut(&workspace), variant_);
+        Ptr(dy), Ptr(dhy), Ptr(dcy), call.lengths, Mut(call.dgates), call.dh0_ptr(),
+        call.dc0_ptr(), Mut(&call.workspace), variant_);
     if (rc != 0)
       return errors::Unimplemented("rnnfuse wavefront stack backward: ",
                                    rnnfuse_wf_last_error());
-    if (check_) return CheckTimeout(stream, workspace);
+    if (check_) return CheckTimeout(call.stream, call.workspace);
     return absl::OkStatus();
   }
 
@@ -395,19 +377,37 @@ class RnnfuseWavefrontBackwardStackOp : public OpKernel {
   int variant_ = 0;  // the stack kernel's variant (wavefront.cuh, "Variants")
 };
 
+// The forward ops' inputs, first outputs and attributes.
+#define RF_WAVEFRONT_FORWARD_SIGNATURE                  \
+  .Input("xproj: T")                                    \
+      .Input("params: T")                               \
+      .Input("input_h: T")                              \
+      .Input("input_c: T")                              \
+      .Input("sequence_lengths: int32")                 \
+      .Output("output: T")                              \
+      .Output("output_h: T")                            \
+      .Output("output_c: T")                            \
+      .Attr("T: {half, bfloat16}")                      \
+      .Attr("rnn_mode: {'lstm', 'gru'} = 'lstm'")       \
+      .Attr("input_size: int >= 1")                     \
+      .Attr("kernel_variant: int >= 0 = 0")
+
+// The backward ops' inputs after the weights (input 0), and outputs.
+#define RF_WAVEFRONT_BACKWARD_SIGNATURE \
+  .Input("gates: float")                \
+      .Input("cseq: float")             \
+      .Input("c0: T")                   \
+      .Input("dy: T")                   \
+      .Input("dhy: T")                  \
+      .Input("dcy: T")                  \
+      .Input("sequence_lengths: int32") \
+      .Output("dgates: T")              \
+      .Output("dh0: float")             \
+      .Output("dc0: float")             \
+      .Attr("T: {half, bfloat16}")
+
 REGISTER_OP("RnnfuseWavefront")
-    .Input("xproj: T")
-    .Input("params: T")
-    .Input("input_h: T")
-    .Input("input_c: T")
-    .Input("sequence_lengths: int32")
-    .Output("output: T")
-    .Output("output_h: T")
-    .Output("output_c: T")
-    .Attr("T: {half, bfloat16}")
-    .Attr("rnn_mode: {'lstm', 'gru'} = 'lstm'")
-    .Attr("input_size: int >= 1")
-    .Attr("kernel_variant: int >= 0 = 0")
+    RF_WAVEFRONT_FORWARD_SIGNATURE
     .SetShapeFn([](shape_inference::InferenceContext* c) {
       shape_inference::ShapeHandle x, h;
       TF_RETURN_IF_ERROR(c->WithRank(c->input(0), 3, &x));
@@ -421,21 +421,10 @@ REGISTER_OP("RnnfuseWavefront")
     });
 
 REGISTER_OP("RnnfuseWavefrontSaving")
-    .Input("xproj: T")
-    .Input("params: T")
-    .Input("input_h: T")
-    .Input("input_c: T")
-    .Input("sequence_lengths: int32")
-    .Output("output: T")
-    .Output("output_h: T")
-    .Output("output_c: T")
+    RF_WAVEFRONT_FORWARD_SIGNATURE
     .Output("hseq: T")
     .Output("gates: float")
     .Output("cseq: float")
-    .Attr("T: {half, bfloat16}")
-    .Attr("rnn_mode: {'lstm', 'gru'} = 'lstm'")
-    .Attr("input_size: int >= 1")
-    .Attr("kernel_variant: int >= 0 = 0")
     .SetShapeFn([](shape_inference::InferenceContext* c) {
       std::string mode;
       TF_RETURN_IF_ERROR(c->GetAttr("rnn_mode", &mode));
@@ -458,17 +447,7 @@ REGISTER_OP("RnnfuseWavefrontSaving")
 
 REGISTER_OP("RnnfuseWavefrontBackward")
     .Input("w_hh: T")
-    .Input("gates: float")
-    .Input("cseq: float")
-    .Input("c0: T")
-    .Input("dy: T")
-    .Input("dhy: T")
-    .Input("dcy: T")
-    .Input("sequence_lengths: int32")
-    .Output("dgates: T")
-    .Output("dh0: float")
-    .Output("dc0: float")
-    .Attr("T: {half, bfloat16}")
+    RF_WAVEFRONT_BACKWARD_SIGNATURE
     .Attr("rnn_mode: {'lstm', 'gru'} = 'lstm'")
     .SetShapeFn([](shape_inference::InferenceContext* c) {
       shape_inference::ShapeHandle g, s;
@@ -484,17 +463,7 @@ REGISTER_OP("RnnfuseWavefrontBackward")
 
 REGISTER_OP("RnnfuseWavefrontBackwardStack")
     .Input("params: T")
-    .Input("gates: float")
-    .Input("cseq: float")
-    .Input("c0: T")
-    .Input("dy: T")
-    .Input("dhy: T")
-    .Input("dcy: T")
-    .Input("sequence_lengths: int32")
-    .Output("dgates: T")
-    .Output("dh0: float")
-    .Output("dc0: float")
-    .Attr("T: {half, bfloat16}")
+    RF_WAVEFRONT_BACKWARD_SIGNATURE
     .Attr("input_size: int >= 1")
     .Attr("check: bool = false")
     .Attr("kernel_variant: int >= 0 = 0")
@@ -508,27 +477,17 @@ REGISTER_OP("RnnfuseWavefrontBackwardStack")
       return absl::OkStatus();
     });
 
-#define RF_REGISTER_WAVEFRONT(T)                                                   \
-  REGISTER_KERNEL_BUILDER(Name("RnnfuseWavefront")                                 \
-                              .Device(DEVICE_GPU)                                  \
-                              .TypeConstraint<T>("T")                              \
-                              .HostMemory("sequence_lengths"),                     \
-                          RnnfuseWavefrontOp<T, false>);                           \
-  REGISTER_KERNEL_BUILDER(Name("RnnfuseWavefrontSaving")                           \
-                              .Device(DEVICE_GPU)                                  \
-                              .TypeConstraint<T>("T")                              \
-                              .HostMemory("sequence_lengths"),                     \
-                          RnnfuseWavefrontOp<T, true>);                            \
-  REGISTER_KERNEL_BUILDER(Name("RnnfuseWavefrontBackward")                         \
-                              .Device(DEVICE_GPU)                                  \
-                              .TypeConstraint<T>("T")                              \
-                              .HostMemory("sequence_lengths"),                     \
-                          RnnfuseWavefrontBackwardOp<T>);                   \
-  REGISTER_KERNEL_BUILDER(Name("RnnfuseWavefrontBackwardStack")                    \
-                              .Device(DEVICE_GPU)                                  \
-                              .TypeConstraint<T>("T")                              \
-                              .HostMemory("sequence_lengths"),                     \
-                          RnnfuseWavefrontBackwardStackOp<T>);
+// One GPU kernel of op NAME for element type T (sequence_lengths in host memory).
+#define RF_REGISTER_WAVEFRONT_KERNEL(NAME, T, ...)                                          \
+  REGISTER_KERNEL_BUILDER(                                                                  \
+      Name(NAME).Device(DEVICE_GPU).TypeConstraint<T>("T").HostMemory("sequence_lengths"), \
+      __VA_ARGS__);
+#define RF_REGISTER_WAVEFRONT(T)                                                       \
+  RF_REGISTER_WAVEFRONT_KERNEL("RnnfuseWavefront", T, RnnfuseWavefrontOp<T, false>)     \
+  RF_REGISTER_WAVEFRONT_KERNEL("RnnfuseWavefrontSaving", T, RnnfuseWavefrontOp<T, true>) \
+  RF_REGISTER_WAVEFRONT_KERNEL("RnnfuseWavefrontBackward", T, RnnfuseWavefrontBackwardOp<T>) \
+  RF_REGISTER_WAVEFRONT_KERNEL("RnnfuseWavefrontBackwardStack", T,                     \
+                               RnnfuseWavefrontBackwardStackOp<T>)
 
 RF_REGISTER_WAVEFRONT(Eigen::half);
 RF_REGISTER_WAVEFRONT(Eigen::bfloat16);
