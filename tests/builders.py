@@ -24,6 +24,17 @@ def num_states(kind: str) -> int:
     return 2 if kind == "lstm" else 1
 
 
+def layers_model(layers, functional: bool = True, shape=(6, 3)) -> keras.Model:
+    """`layers` applied in turn to one input of `shape`: a functional model,
+    or a Sequential one."""
+    if not functional:
+        return keras.Sequential([keras.Input(shape), *layers])
+    x = inp = keras.Input(shape)
+    for layer in layers:
+        x = layer(x)
+    return keras.Model(inp, x)
+
+
 def stack_model(
     kind: str,
     num_layers: int,
@@ -381,3 +392,18 @@ def stack_spec(layers):
         proj_size=views[0].proj_size,
         input_merges=input_merges(views),
     )
+
+
+def failing_to_build(monkeypatch, first_layer: str, error: Exception) -> None:
+    """The rewrite's FusedRNN raises `error` for the group whose first layer
+    is named `first_layer`, and builds every other group."""
+    from rnnfuse.passes import rewrite
+
+    real = rewrite.FusedRNN
+
+    def flaky(layers, **kwargs):
+        if layers[0].name == first_layer:
+            raise error
+        return real(layers, **kwargs)
+
+    monkeypatch.setattr(rewrite, "FusedRNN", flaky)
