@@ -24,6 +24,17 @@ def num_states(kind: str) -> int:
     return 2 if kind == "lstm" else 1
 
 
+def layers_model(layers, functional: bool = True, shape=(6, 3)) -> keras.Model:
+    """`layers` applied in turn to one input of `shape`: a functional model,
+    or a Sequential one."""
+    if not functional:
+        return keras.Sequential([keras.Input(shape), *layers])
+    x = inp = keras.Input(shape)
+    for layer in layers:
+        x = layer(x)
+    return keras.Model(inp, x)
+
+
 def stack_model(
     kind: str,
     num_layers: int,
@@ -210,6 +221,28 @@ def spy_on(monkeypatch, owner, attr: str, ran: list, label: str | None = None) -
     monkeypatch.setattr(owner, attr, spy)
 
 
+def spy_each(monkeypatch, owner, attrs) -> list:
+    """`spy_on` each of `owner`'s `attrs`: the list of the names called, in order."""
+    ran = []
+    for attr in attrs:
+        spy_on(monkeypatch, owner, attr, ran)
+    return ran
+
+
+def answering(answer, asked: list):
+    """A stand-in function that records its arguments in `asked` and returns `answer`.
+
+    >>> asked = []; answering("no", asked)(1, 2), asked
+    ('no', [(1, 2)])
+    """
+
+    def stand_in(*args):
+        asked.append(args)
+        return answer
+
+    return stand_in
+
+
 def wavefront_stack(kind: str = "lstm", layers: int = 2, units: int = 8, steps: int = 7,
                     **kwargs) -> keras.Model:
     """The wavefront tests' stack: `stack_model` with 5 input features and
@@ -223,9 +256,154 @@ def wavefront_inputs(batch: int = 4, steps: int = 7, seed: int = 0) -> np.ndarra
     return np.random.default_rng(seed).standard_normal((batch, steps, 5)).astype("float32")
 
 
+def wavefront_mask(masked: bool = True):
+    """The right-padded [4, 7] mask (lengths 7, 5, 3, 6) of `wavefront_inputs`, or None."""
+    return np.arange(7)[None, :] < np.array([7, 5, 3, 6])[:, None] if masked else None
+
+
 def fused_with_plan(model: keras.Model, plan):
     """The one FusedRNN of `rnnfuse.optimize(model, tune=False)`, set to
     `plan` (a `FusedPlan`, sized to the run)."""
     (layer,) = fused_layers(rnnfuse.optimize(model, tune=False))
     layer.set_plan(plan.for_length(len(layer.fused_layers)))
     return layer
+
+
+def built_stack(kind: str, layers: int, units: int, inputs: int, **cell_kwargs):
+    """A `StackSpec` of `layers` built Keras LSTM or GRU cells, one a level,
+    the first reading `inputs` features.
+
+    >>> built_stack("gru", 2, 4, 3).cells[1][0].kernel.shape
+    (4, 12)
+    """
+    from rnnfuse.backends.base import StackSpec
+
+    cell_type = {"lstm": keras.layers.LSTMCell, "gru": keras.layers.GRUCell}[kind]
+    cells = []
+    for i in range(layers):
+        cell = cell_type(units, **cell_kwargs)
+        cell.build((None, inputs if i == 0 else units))
+        cells.append((cell,))
+    return StackSpec(kind, units, tuple(cells))
+
+
+def randomize(model: keras.Model, seed: int = 0, scale: float = 0.5) -> None:
+    """Every weight of `model` drawn uniform in [-scale, scale) from `seed`."""
+    rng = np.random.default_rng(seed)
+    for v in model.weights:
+        v.assign(rng.uniform(-scale, scale, v.shape).astype(v.dtype))
+
+
+def fused_stack(kind: str, num_layers: int, seed: int, **stack_kwargs):
+    """(model, fast): a `stack_model` with `randomize`d weights, and its
+    optimization that runs every group fused (plan FUSED)."""
+    model = stack_model(kind, num_layers, **stack_kwargs)
+    randomize(model, seed)
+    return model, rnnfuse.optimize(model, plan=rnnfuse.FUSED)
+
+
+def stack_case(kind: str, num_layers: int, *, batch: int, seeds, **stack_kwargs):
+    """(model, fast, inputs): a `fused_stack` (weights from seeds[0]) and
+    `random_inputs` of `batch` rows from seeds[1]."""
+    model, fast = fused_stack(kind, num_layers, seeds[0], **stack_kwargs)
+    return model, fast, random_inputs(model, batch, np.random.default_rng(seeds[1]))
+
+
+def masked_stack_case(kind: str, num_layers: int = 3, *, units: int = 32, input_size: int = 16,
+                      steps: int = 40, batch: int = 8, seeds=(2, 3), first_row: int = 5,
+                      **stack_kwargs):
+    """(model, fast, tokens): a `fused_stack` behind an Embedding mask (its
+    last layer returning sequences), weights from seeds[0], and right-padded
+    tokens from seeds[1] whose first row keeps `first_row` tokens."""
+    model, fast = fused_stack(kind, num_layers, seeds[0], units=units, input_size=input_size,
+                              steps=steps, masked=True, last_return_sequences=True,
+                              **stack_kwargs)
+    tokens = random_inputs(model, batch, np.random.default_rng(seeds[1]), padding="right")
+    tokens[0, first_row:] = 0
+    return model, fast, tokens
+
+
+def initial_state_case(kind: str, num_layers: int = 3, *, units: int = 32, input_size: int = 16,
+                       steps: int = 40, batch: int = 8, seeds=(4, 5)):
+    """(model, fast, inputs): a `stack_case` whose first layer takes initial
+    states and runs backwards, and whose last returns its states."""
+    return stack_case(kind, num_layers, batch=batch, seeds=seeds, units=units,
+                      input_size=input_size, steps=steps, initial_state=True,
+                      go_backwards_first=True, last_return_state=True)
+
+
+def sequence_input(masked: bool, steps, features: int, vocab: int = 11):
+    """(model input, what the first layer reads): int tokens through
+    Embedding(vocab, features, mask_zero=True) where `masked`, else
+    float [steps, features] inputs themselves."""
+    if masked:
+        inp = keras.Input((steps,), dtype="int32")
+        return inp, keras.layers.Embedding(vocab, features, mask_zero=True)(inp)
+    inp = keras.Input((steps, features))
+    return inp, inp
+
+
+def lstm_dropout_lstm(units: int, rate: float, steps: int, features: int,
+                      **dropout_kwargs) -> keras.Model:
+    """LSTM, Dropout(rate), LSTM, both returning sequences: a Dropout that
+    a fused run absorbs."""
+    inp = keras.Input((steps, features))
+    x = keras.layers.LSTM(units, return_sequences=True)(inp)
+    x = keras.layers.Dropout(rate, **dropout_kwargs)(x)
+    return keras.Model(inp, keras.layers.LSTM(units, return_sequences=True)(x))
+
+
+def projected_stack(levels: int, units: int, proj: int, steps: int, features: int, *,
+                    bidirectional: bool = False) -> keras.Model:
+    """`levels` ProjectedLSTM layers returning sequences (each wrapped in
+    Bidirectional where `bidirectional`)."""
+    from rnnfuse.layers import ProjectedLSTM
+
+    inp = keras.Input((steps, features))
+    x = inp
+    for _ in range(levels):
+        layer = ProjectedLSTM(units, proj, return_sequences=True)
+        x = (keras.layers.Bidirectional(layer) if bidirectional else layer)(x)
+    return keras.Model(inp, x)
+
+
+def saved_stack(tmp_path, layer_type=keras.layers.LSTM):
+    """The path of a saved Sequential of two `layer_type` layers of 4 units
+    over [6, 3] inputs (one group that fuses), for the CLI tests."""
+    model = keras.Sequential(
+        [keras.Input((6, 3)), layer_type(4, return_sequences=True), layer_type(4)]
+    )
+    path = tmp_path / "m.keras"
+    model.save(path)
+    return path
+
+
+def stack_spec(layers):
+    """The `StackSpec` of consecutive recurrent `layers` (as FusedRNN
+    describes them, but for the Keras-loop flag)."""
+    from rnnfuse.backends.base import StackSpec
+    from rnnfuse.recurrent import describe, input_merges
+
+    views = [describe(layer) for layer in layers]
+    return StackSpec(
+        kind=views[0].kind,
+        units=views[0].units,
+        cells=tuple(level for v in views for level in v.levels),
+        proj_size=views[0].proj_size,
+        input_merges=input_merges(views),
+    )
+
+
+def failing_to_build(monkeypatch, first_layer: str, error: Exception) -> None:
+    """The rewrite's FusedRNN raises `error` for the group whose first layer
+    is named `first_layer`, and builds every other group."""
+    from rnnfuse.passes import rewrite
+
+    real = rewrite.FusedRNN
+
+    def flaky(layers, **kwargs):
+        if layers[0].name == first_layer:
+            raise error
+        return real(layers, **kwargs)
+
+    monkeypatch.setattr(rewrite, "FusedRNN", flaky)

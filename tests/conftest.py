@@ -76,12 +76,21 @@ def pytest_collection_modifyitems(config, items):
 
 
 @pytest.fixture(autouse=True)
-def _fresh_keras_state():
-    """Each test starts with a float32 policy and a fixed seed."""
+def _fresh_keras_state(request):
+    """Each test starts with a float32 policy and a fixed seed: 1234, or its
+    module's `KERAS_SEED`."""
     keras.config.set_dtype_policy("float32")
-    keras.utils.set_random_seed(1234)
+    keras.utils.set_random_seed(getattr(getattr(request, "module", None), "KERAS_SEED", 1234))
     yield
     keras.config.set_dtype_policy("float32")
+
+
+@pytest.fixture
+def half():
+    """The test runs under the mixed_float16 policy (`_fresh_keras_state`
+    puts float32 back)."""
+    keras.config.set_dtype_policy("mixed_float16")
+    yield
 
 
 @pytest.fixture

@@ -44,7 +44,7 @@ import numpy as np
 from hypothesis import strategies as st
 
 import rnnfuse
-from builders import flat_numpy, max_abs_diff
+from builders import KINDS, flat_numpy, max_abs_diff, sequence_input
 
 L = keras.layers
 KINDS = ("lstm", "gru", "rnn_tanh", "rnn_relu")
@@ -163,12 +163,7 @@ def build(case) -> keras.Model:
         first = [keras.Input((steps,), dtype="int32"), L.Embedding(9, features, mask_zero=True)] if case["masked"] else [keras.Input((steps, features))]
         tail = [L.Dense(2)] if case["head"] else []
         return keras.Sequential(first + layers + tail)
-    if case["masked"]:
-        inp = keras.Input((steps,), dtype="int32")
-        x = L.Embedding(9, features, mask_zero=True)(inp)
-    else:
-        inp = keras.Input((steps, features))
-        x = inp
+    inp, x = sequence_input(case["masked"], steps, features, vocab=9)
     model_inputs = [inp]
     for i, layer in enumerate(layers):
         if i == 0 and case["encoder"]:

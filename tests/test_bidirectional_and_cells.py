@@ -12,22 +12,16 @@ import pytest
 import tensorflow as tf
 
 import rnnfuse
-from builders import fused_layers, max_abs_diff, random_inputs, rnn_layer, stack_model
+from builders import fused_layers, max_abs_diff, random_inputs, randomize, rnn_layer, sequence_input, stack_model
 
 L = keras.layers
 MERGE_MODES = ["concat", "sum", "mul", "ave", None]
 CELLS = {"lstm": L.LSTMCell, "gru": L.GRUCell, "rnn_tanh": L.SimpleRNNCell}
 
 
-def _randomize(model, seed=0):
-    rng = np.random.default_rng(seed)
-    for v in model.weights:
-        v.assign(rng.uniform(-0.5, 0.5, v.shape).astype(v.dtype))
-
-
 def _check(model, emulated_cudnn, *, masked_padding="right", tol=2e-5, seed=0, num_fused=1, **optimize_kwargs):
     """optimize(model) == model in outputs and gradients, fused path used."""
-    _randomize(model, seed)
+    randomize(model, seed)
     fast = rnnfuse.optimize(model, **optimize_kwargs)
     assert len(fused_layers(fast)) == num_fused, rnnfuse.analyze(model)
     rng = np.random.default_rng(seed)
@@ -149,12 +143,7 @@ def test_bidirectional_rules():
 
 
 def _merged_stack(kind, merge_mode, *, masked, top_merge="concat", levels=3, **top):
-    if masked:
-        inp = keras.Input((7,), dtype="int32")
-        x = L.Embedding(11, 3, mask_zero=True)(inp)
-    else:
-        inp = keras.Input((7, 3))
-        x = inp
+    inp, x = sequence_input(masked, 7, 3)
     for i in range(levels - 1):
         x = L.Bidirectional(rnn_layer(kind, 4, return_sequences=True), merge_mode=merge_mode, name=f"b{i}")(x)
     top.setdefault("return_sequences", True)
@@ -189,7 +178,7 @@ def test_merged_levels_with_a_merged_top_returning_states(kind, emulated_cudnn):
 
 def test_assigning_the_original_kernel_changes_the_fused_output(emulated_cudnn):
     model = _merged_stack("gru", "ave", masked=False)
-    _randomize(model, 3)
+    randomize(model, 3)
     fast = rnnfuse.optimize(model, plan=rnnfuse.FUSED)
     x = np.random.default_rng(3).standard_normal((2, 7, 3)).astype("float32")
     before = np.asarray(fast(x))
@@ -202,7 +191,7 @@ def test_assigning_the_original_kernel_changes_the_fused_output(emulated_cudnn):
 
 def test_a_saved_merged_stack_loads_with_the_same_packing(emulated_cudnn, tmp_path):
     model = _merged_stack("lstm", "sum", masked=True)
-    _randomize(model, 5)
+    randomize(model, 5)
     fast = rnnfuse.optimize(model, plan=rnnfuse.FUSED)
     x = random_inputs(model, 3, np.random.default_rng(5))
     fast.save(tmp_path / "fast.keras", fused=True)
@@ -220,7 +209,7 @@ def test_pieces_split_between_a_summing_level_and_the_next(pieces, emulated_cudn
     own merge), the piece above starts with plain input, so nothing is packed
     doubled at the split."""
     model = _merged_stack("lstm", "sum", masked=True)
-    _randomize(model, 4)
+    randomize(model, 4)
     layers = [model.get_layer(f"b{i}") for i in range(3)]
     fused = rnnfuse.FusedRNN(layers, plan=rnnfuse.Plan(pieces))
     x = random_inputs(model, 3, np.random.default_rng(4))

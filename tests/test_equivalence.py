@@ -13,10 +13,10 @@ import numpy as np
 import pytest
 import tensorflow as tf
 from hypothesis import given
-from hypothesis import strategies as st
 
 import rnnfuse
 from builders import KINDS, fused_layers, max_abs_diff, random_inputs, stack_model
+from stack_cases import case_model, masked_stack_with_head, stacks
 
 
 def _outputs_and_grads(model, inputs, weights_for_loss):
@@ -32,48 +32,9 @@ def _outputs_and_grads(model, inputs, weights_for_loss):
     }
 
 
-@st.composite
-def stacks(draw):
-    kind = draw(st.sampled_from(KINDS))
-    masked = draw(st.booleans())
-    initial_state = draw(st.booleans()) and not masked
-    return dict(
-        kind=kind,
-        num_layers=draw(st.integers(2, 5)),
-        units=draw(st.integers(1, 8)),
-        input_size=draw(st.integers(1, 6)),
-        last_return_sequences=draw(st.booleans()),
-        last_return_state=draw(st.booleans()),
-        go_backwards_first=draw(st.booleans()),
-        initial_state=initial_state,
-        masked=masked,
-        padding=draw(st.sampled_from(["right", "middle", "none"])),
-        mixed=draw(st.booleans()),
-        seed=draw(st.integers(0, 2**16)),
-    )
-
-
-@given(case=stacks())
+@given(case=stacks(mixed=True))
 def test_optimized_stack_matches_original(case, emulated_cudnn):
-    if case["mixed"]:
-        keras.config.set_dtype_policy("mixed_float16")
-    try:
-        model = stack_model(
-            case["kind"],
-            case["num_layers"],
-            units=case["units"],
-            input_size=case["input_size"],
-            last_return_sequences=case["last_return_sequences"],
-            last_return_state=case["last_return_state"],
-            go_backwards_first=case["go_backwards_first"],
-            initial_state=case["initial_state"],
-            masked=case["masked"],
-        )
-    finally:
-        keras.config.set_dtype_policy("float32")
-    rng = np.random.default_rng(case["seed"])
-    for v in model.weights:  # non-trivial biases everywhere
-        v.assign(rng.uniform(-0.6, 0.6, v.shape).astype(v.dtype))
+    model, rng = case_model(case)
     fast = rnnfuse.optimize(model)
     fused = fused_layers(fast)
     assert len(fused) == 1, rnnfuse.analyze(model)
@@ -142,10 +103,7 @@ def test_relu_stack_gradients_in_float16(go_backwards_first, emulated_cudnn):
 @pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("functional", [True, False])
 def test_sequential_and_functional_stacks_fuse_exactly(kind, functional, emulated_cudnn):
-    model = stack_model(kind, 3, functional=functional, head=True, masked=True)
-    fast = rnnfuse.optimize(model)
-    assert isinstance(fast, keras.Sequential) is (not functional)
-    assert len(fused_layers(fast)) == 1
+    model, fast = masked_stack_with_head(kind, functional)
     inputs = random_inputs(model, 4, np.random.default_rng(3))
     assert max_abs_diff(fast(inputs), model(inputs)) <= 2e-5
     assert emulated_cudnn, "the fused path did not run"

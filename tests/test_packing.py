@@ -16,11 +16,11 @@ import keras
 import numpy as np
 import pytest
 
-from builders import KINDS, rnn_layer
+from builders import KINDS, rnn_layer, stack_spec
 from cudnn_reference import numpy_cudnn_rnn, unpack
-from rnnfuse.backends.base import GATES, INPUT_SCALES, StackSpec
+from rnnfuse.backends.base import GATES, INPUT_SCALES
 from rnnfuse.backends.tensorflow import pack_params
-from rnnfuse.recurrent import PACKED_MERGES, describe, input_merges
+from rnnfuse.recurrent import PACKED_MERGES
 
 
 def _run_keras(layers, x, initial=None):
@@ -28,16 +28,6 @@ def _run_keras(layers, x, initial=None):
     for i, layer in enumerate(layers):
         y = layer(y, initial_state=initial if i == 0 else None)
     return np.asarray(y)
-
-
-def _spec(layers) -> StackSpec:
-    views = [describe(l) for l in layers]
-    return StackSpec(
-        kind=views[0].kind,
-        units=views[0].units,
-        cells=tuple(level for v in views for level in v.levels),
-        input_merges=input_merges(views),
-    )
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -56,7 +46,7 @@ def test_reference_reads_packed_buffer_like_keras(kind, num_layers, use_bias):
             w.assign(rng.standard_normal(w.shape).astype("float32") * 0.5)
     expected = _run_keras(layers, x)
 
-    params = pack_params(_spec(layers), "float32").numpy()
+    params = pack_params(stack_spec(layers), "float32").numpy()
     h0 = np.zeros((num_layers, 3, 4))
     out, h_n, _ = numpy_cudnn_rnn(
         x.transpose(1, 0, 2), h0, h0 if kind == "lstm" else None, params, [6, 6, 6], kind
@@ -78,7 +68,7 @@ def test_bidirectional_layout_is_fwd0_bwd0_fwd1_bwd1_then_biases(kind):
         for w in layer.weights:
             w.assign(rng.standard_normal(w.shape).astype("float32") * 0.5)
     expected = _run_keras(layers, x)
-    params = pack_params(_spec(layers), "float32").numpy()
+    params = pack_params(stack_spec(layers), "float32").numpy()
     h0 = np.zeros((4, 2, 4))
     out, _, _ = numpy_cudnn_rnn(
         x.transpose(1, 0, 2), h0, h0 if kind == "lstm" else None, params,
@@ -93,14 +83,14 @@ def test_buffer_size_matches_cudnn_arithmetic(kind):
     _run_keras(layers, np.zeros((1, 2, 5), "float32"))
     gates, h, n0 = GATES[kind], 7, 5
     expected = sum(gates * h * (n + h) + 2 * gates * h for n in (n0, h, h))
-    assert int(pack_params(_spec(layers), "float32").shape[0]) == expected
+    assert int(pack_params(stack_spec(layers), "float32").shape[0]) == expected
 
 
 def test_lstm_input_biases_are_zero_and_keras_bias_is_recurrent():
     layer = keras.layers.LSTM(3)
     layer(np.zeros((1, 2, 2), "float32"))
     layer.cell.bias.assign(np.arange(12, dtype="float32") + 1)
-    params = pack_params(_spec([layer]), "float32").numpy()
+    params = pack_params(stack_spec([layer]), "float32").numpy()
     parts = unpack(np, params, "lstm", 2, 3, 1, 1)[0]
     np.testing.assert_array_equal(np.concatenate(parts["bW"]), np.zeros(12))
     np.testing.assert_array_equal(np.concatenate(parts["bR"]), np.arange(12) + 1)
@@ -111,7 +101,7 @@ def test_gru_gates_are_reordered_z_r_h_to_r_z_h():
     layer(np.zeros((1, 2, 1), "float32"))
     bias = np.arange(12, dtype="float32").reshape(2, 6)
     layer.cell.bias.assign(bias)
-    params = pack_params(_spec([layer]), "float32").numpy()
+    params = pack_params(stack_spec([layer]), "float32").numpy()
     parts = unpack(np, params, "gru", 1, 2, 1, 1)[0]
     # Keras rows: input [z0 z1 r0 r1 h0 h1], recurrent likewise.
     np.testing.assert_array_equal(np.concatenate(parts["bW"]), [2, 3, 0, 1, 4, 5])
@@ -121,8 +111,8 @@ def test_gru_gates_are_reordered_z_r_h_to_r_z_h():
 def test_float16_buffer_is_cast_from_float32_variables():
     layer = keras.layers.GRU(4, return_sequences=True)
     layer(np.zeros((1, 2, 3), "float32"))
-    p16 = pack_params(_spec([layer]), "float16")
-    p32 = pack_params(_spec([layer]), "float32")
+    p16 = pack_params(stack_spec([layer]), "float16")
+    p32 = pack_params(stack_spec([layer]), "float32")
     assert p16.dtype.name == "float16"
     np.testing.assert_allclose(p16.numpy(), p32.numpy(), atol=1e-3, rtol=1e-3)
 
@@ -208,7 +198,7 @@ def test_sum_and_ave_between_levels_pack_the_next_kernel_doubled(kind, merges):
     # The NumPy forward is Keras' own computation (unmasked rows).
     np.testing.assert_allclose(expected[0], _run_keras(layers, x)[0], atol=2e-5)
 
-    spec = _spec(layers)
+    spec = stack_spec(layers)
     assert spec.input_merges == (None, *[m if m != "concat" else None for m in merges])
     params = pack_params(spec, "float32").numpy()
     levels = len(layers)
@@ -231,7 +221,7 @@ def test_the_doubled_kernel_is_the_original_stacked_on_the_input_axis(merge, sca
         keras.layers.Bidirectional(keras.layers.GRU(4, return_sequences=True)),
     ]
     _run_keras(layers, np.zeros((1, 2, 3), "float32"))
-    params = pack_params(_spec(layers), "float32").numpy()
+    params = pack_params(stack_spec(layers), "float32").numpy()
     # Level 1 reads 2H = 8 features in the buffer; its Keras kernel is [4, 12].
     gates, h = GATES["gru"], 4
     assert params.shape[0] == 2 * (gates * h * (3 + h) + gates * h * (2 * h + h)) + 4 * 2 * gates * h

@@ -440,13 +440,21 @@ def test_weights_file_of_the_optimized_model_has_the_original_layout(tmp_path):
     assert _h5_paths(tmp_path / "fast.weights.h5") == paths
 
 
-@pytest.mark.parametrize("direction", ["original_to_optimized", "optimized_to_original"])
-def test_weights_files_are_interchangeable(tmp_path, direction):
-    source_model, target_model = _interleaved_model(), _interleaved_model()
+DIRECTIONS = ["original_to_optimized", "optimized_to_original"]
+
+
+def _either_way(make, direction):
+    """(source model, target model, source, target): two fresh `make()`
+    models, the one on `direction`'s optimized side optimized."""
+    source_model, target_model = make(), make()
     if direction == "original_to_optimized":
-        source, target = source_model, rnnfuse.optimize(target_model)
-    else:
-        source, target = rnnfuse.optimize(source_model), target_model
+        return source_model, target_model, source_model, rnnfuse.optimize(target_model)
+    return source_model, target_model, rnnfuse.optimize(source_model), target_model
+
+
+@pytest.mark.parametrize("direction", DIRECTIONS)
+def test_weights_files_are_interchangeable(tmp_path, direction):
+    source_model, target_model, source, target = _either_way(_interleaved_model, direction)
     _perturb(source_model, 7)
     path = tmp_path / "w.weights.h5"
     source.save_weights(path)
@@ -578,13 +586,9 @@ def test_optimized_model_lists_variables_in_the_original_order():
     assert [id(v) for v in fast.weights] == [id(v) for v in model.weights]
 
 
-@pytest.mark.parametrize("direction", ["original_to_optimized", "optimized_to_original"])
+@pytest.mark.parametrize("direction", DIRECTIONS)
 def test_weights_files_carry_the_optimizer_state_both_ways(tmp_path, direction):
-    source_model, target_model = _branchy_model(), _branchy_model()
-    if direction == "original_to_optimized":
-        source, target = source_model, rnnfuse.optimize(target_model)
-    else:
-        source, target = rnnfuse.optimize(source_model), target_model
+    source_model, target_model, source, target = _either_way(_branchy_model, direction)
     x, y = _trained(source, 1)
     path = tmp_path / "w.weights.h5"
     source.save_weights(path)

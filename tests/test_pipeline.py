@@ -12,6 +12,7 @@ import pytest
 from keras.src.models.functional import Functional
 
 import rnnfuse
+from builders import layers_model
 from rnnfuse.optimized import OptimizedModel, OptimizedSequential
 from rnnfuse.passes import graph as graph_module
 from rnnfuse.passes.pipeline import PassOptions, PassResult, run_pipeline
@@ -21,12 +22,7 @@ L = keras.layers
 
 def _stack(functional: bool):
     layers = [L.GRU(4, return_sequences=True, name="a"), L.GRU(4, name="b"), L.Dense(2, name="d")]
-    if not functional:
-        return keras.Sequential([keras.Input((6, 3)), *layers])
-    x = inp = keras.Input((6, 3))
-    for layer in layers:
-        x = layer(x)
-    return keras.Model(inp, x)
+    return layers_model(layers, functional)
 
 
 def _fuse_whole(report):

@@ -14,6 +14,7 @@ import keras
 import tensorflow as tf
 
 import rnnfuse
+from lstmp_reference import lstmp
 from rnnfuse.layers import ProjectedLSTM, ProjectedLSTMCell
 from rnnfuse.backends.tensorflow import projected_lstm as tf_plstm
 from rnnfuse.layers import projected_lstm as plstm
@@ -29,33 +30,12 @@ VARIANTS = ("off", "while", "custom", "while_xla", "custom_xla")
 # -- float64 NumPy reference ---------------------------------------------------------
 
 
-def _sigmoid(x):
-    return 1.0 / (1.0 + np.exp(-x))
-
-
 def reference(x, weights, h0, c0, mask=None, go_backwards=False, zero_output_for_mask=False):
-    """Keras' generic loop over the LSTMP step, in float64.
+    """Keras' generic loop over the LSTMP step, in float64 (tests/lstmp_reference.py).
 
     Returns (outputs [B, T, P] in processing order, h, c).
     """
-    kernel, recurrent, bias, projection = weights
-    batch, steps, _ = x.shape
-    h, c = h0, c0
-    prev = np.zeros_like(h0)
-    outputs = []
-    for t in (range(steps)[::-1] if go_backwards else range(steps)):
-        z = x[:, t] @ kernel + h @ recurrent + bias
-        zi, zf, zg, zo = np.split(z, 4, axis=-1)
-        i, f, o, g = _sigmoid(zi), _sigmoid(zf), _sigmoid(zo), np.tanh(zg)
-        c_new = f * c + i * g
-        h_new = (o * np.tanh(c_new)) @ projection
-        keep = np.ones((batch, 1), bool) if mask is None else mask[:, t][:, None]
-        out = np.where(keep, h_new, 0.0 if zero_output_for_mask else prev)
-        h = np.where(keep, h_new, h)
-        c = np.where(keep, c_new, c)
-        prev = out
-        outputs.append(out)
-    return np.stack(outputs, axis=1), h, c
+    return lstmp(x, weights, h0, c0, mask, go_backwards, zero_output_for_mask)
 
 
 def reference_grads(loss, params, eps=1e-6):

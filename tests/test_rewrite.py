@@ -15,11 +15,11 @@ import numpy as np
 import pytest
 
 import rnnfuse
-from rnnfuse.passes import build_layer_graph, plan_fusion, rewrite
+from rnnfuse.passes import build_layer_graph, plan_fusion
 from rnnfuse.passes.rewrite import rewrite_model
 from rnnfuse.plan import PER_LAYER
 
-from builders import fused_layers, max_abs_diff, stack_model
+from builders import failing_to_build, fused_layers, layers_model, max_abs_diff, stack_model
 
 L = keras.layers
 
@@ -36,12 +36,7 @@ def _two_runs(functional: bool):
         L.LSTM(5, return_sequences=True, name="l1"),
         L.LSTM(5, name="l2"),
     ]
-    if not functional:
-        return keras.Sequential([keras.Input((6, 3)), *layers])
-    x = inp = keras.Input((6, 3))
-    for layer in layers:
-        x = layer(x)
-    return keras.Model(inp, x)
+    return layers_model(layers, functional)
 
 
 @pytest.mark.parametrize("functional", [False, True])
@@ -77,14 +72,7 @@ def test_a_run_broken_by_a_rule_is_zero_rewrites():
 
 
 def test_a_failed_group_is_recorded_in_the_result(monkeypatch):
-    real = rewrite.FusedRNN
-
-    def flaky(layers, **kwargs):
-        if layers[0].name == "g1":
-            raise ValueError("cannot stack")
-        return real(layers, **kwargs)
-
-    monkeypatch.setattr(rewrite, "FusedRNN", flaky)
+    failing_to_build(monkeypatch, "g1", ValueError("cannot stack"))
     model = _two_runs(True)
     with pytest.warns(rnnfuse.FusionWarning, match="g1 -> g2"):
         result = rnnfuse.optimize(model, return_result=True)

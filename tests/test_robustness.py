@@ -19,13 +19,12 @@ import zipfile
 import keras
 import numpy as np
 import pytest
-from builders import fused_layers, max_abs_diff, random_inputs, stack_model
+from builders import failing_to_build, fused_layers, max_abs_diff, random_inputs, stack_model
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import rnnfuse
 from rnnfuse import FusionWarning
-from rnnfuse.passes import rewrite
 from rnnfuse.model_files import read_model
 
 L = keras.layers
@@ -75,14 +74,7 @@ def test_optimize_never_changes_original_variable_values(build):
 
 
 def test_a_group_that_fails_to_build_keeps_its_layers_and_the_rest_fuse(monkeypatch, tmp_path):
-    real = rewrite.FusedRNN
-
-    def flaky(layers, **kwargs):
-        if layers[0].name == "gru_a":
-            raise RuntimeError("packing exploded")
-        return real(layers, **kwargs)
-
-    monkeypatch.setattr(rewrite, "FusedRNN", flaky)
+    failing_to_build(monkeypatch, "gru_a", RuntimeError("packing exploded"))
     model = _two_group_model()
     with pytest.warns(FusionWarning, match=r"gru_a -> gru_b.*RuntimeError: packing exploded"):
         fast = rnnfuse.optimize(model)

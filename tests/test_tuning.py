@@ -223,15 +223,20 @@ def test_corrupt_or_stale_cache_is_ignored_with_a_warning(tmp_path, content):
     assert json.loads(path.read_text())["format"] == 1  # rewritten
 
 
-def test_cache_entry_with_a_bad_plan_is_measured_again(tmp_path):
-    cache = PlanCache(tmp_path / "plans.json")
+def _cached_with_plan(tmp_path, plan: dict):
+    """(group, timer): a 2-layer GRU group tuned once into tmp_path's
+    plans.json, whose entries then hold `plan`, and a fresh fake timer."""
     (group,) = _groups(stack_model("gru", 2))
-    _tune([group], FakeTimer({"fused": 0.1}), cache=cache)
+    _tune([group], FakeTimer({"fused": 0.1}), cache=PlanCache(tmp_path / "plans.json"))
     data = json.loads((tmp_path / "plans.json").read_text())
     for entry in data["entries"].values():
-        entry["plan"] = {"pieces": ["x"]}
+        entry["plan"] = plan
     (tmp_path / "plans.json").write_text(json.dumps(data))
-    timer = FakeTimer({"fused": 0.1})
+    return group, FakeTimer({"fused": 0.1})
+
+
+def test_cache_entry_with_a_bad_plan_is_measured_again(tmp_path):
+    group, timer = _cached_with_plan(tmp_path, {"pieces": ["x"]})
     with pytest.warns(RuntimeWarning, match="setting aside the cached plan"):
         _tune([group], timer, cache=PlanCache(tmp_path / "plans.json"))
     assert timer.calls == 1
@@ -405,14 +410,8 @@ def test_gradients_are_checked_lazily_fastest_first():
 
 
 def test_cached_plan_that_does_not_fit_the_group_is_set_aside_and_retuned(tmp_path):
-    cache = PlanCache(tmp_path / "plans.json")
-    (group,) = _groups(stack_model("gru", 2))
-    _tune([group], FakeTimer({"fused": 0.1}), cache=cache)
-    data = json.loads((tmp_path / "plans.json").read_text())
-    for entry in data["entries"].values():
-        entry["plan"] = {"pieces": [5], "algorithm": None}  # 5 layers for a 2-layer group
-    (tmp_path / "plans.json").write_text(json.dumps(data))
-    timer = FakeTimer({"fused": 0.1})
+    # 5 layers for a 2-layer group
+    group, timer = _cached_with_plan(tmp_path, {"pieces": [5], "algorithm": None})
     with pytest.warns(RuntimeWarning, match="setting aside.*covers 5 layers; the group has 2"):
         (result,) = _tune([group], timer, cache=PlanCache(tmp_path / "plans.json"))
     assert timer.calls == 1 and result.source == "measured"

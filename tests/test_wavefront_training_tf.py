@@ -26,8 +26,8 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from builders import spy_on
-from rnnfuse.backends.base import StackCall, StackSpec
+from builders import answering, built_stack, spy_each
+from rnnfuse.backends.base import StackCall
 from rnnfuse.backends.cuda import library
 from rnnfuse.backends.tensorflow import wavefront_op, wavefront_training as wt
 
@@ -282,12 +282,7 @@ def test_training_calls_it_cannot_run_say_why(monkeypatch):
 
 
 def _stack(layers, units, inputs):
-    cells = []
-    for i in range(layers):
-        cell = keras.layers.LSTMCell(units, dtype="float64")
-        cell.build((None, inputs if i == 0 else units))
-        cells.append((cell,))
-    return StackSpec("lstm", units, tuple(cells))
+    return built_stack("lstm", layers, units, inputs, dtype="float64")
 
 
 def test_run_trainable_refuses_the_cpu_and_an_unknown_batch():
@@ -549,10 +544,7 @@ def test_auto_is_the_layer_backward_without_the_op():
 @pytest.fixture
 def ran_backward(monkeypatch):
     """Which of the two backward passes ran: a spy around each (they still run)."""
-    ran = []
-    for name in ("backward_stack", "backward_stack_wavefront"):
-        spy_on(monkeypatch, wt, name, ran)
-    return ran
+    return spy_each(monkeypatch, wt, ("backward_stack", "backward_stack_wavefront"))
 
 
 @pytest.mark.parametrize("refusal", [None, "L x ceil(H/16) CTAs do not fit the SMs"])
@@ -565,13 +557,8 @@ def test_auto_runs_the_stack_backward_where_its_plan_accepts_the_stack(monkeypat
     from rnnfuse.backends.cuda import library
 
     asked = []
-
-    def stack_reason(*args):
-        asked.append(args)
-        return refusal
-
     monkeypatch.setattr(wt, "op_unavailable", lambda: None)
-    monkeypatch.setattr(library, "backward_stack_reason", stack_reason)
+    monkeypatch.setattr(library, "backward_stack_reason", answering(refusal, asked))
     x, params, h0, c0, lengths = _inputs(3, 8, 4, 6, 5, True)
     choice = wt.backward_choice(x, h0)
     assert asked == [("lstm", 3, 8, 4, 6, 0)]

@@ -28,8 +28,7 @@ import pytest
 import tensorflow as tf
 
 import rnnfuse
-from builders import (fused_layers, fused_with_plan, max_abs_diff, stack_model, wavefront_inputs,
-                      wavefront_stack)
+from builders import fused_layers, fused_with_plan, max_abs_diff, stack_model, wavefront_inputs, wavefront_mask, wavefront_stack
 from cudnn_reference import emulated_cudnn_rnn
 from fake_clock import FakeTimer
 from rnnfuse.backends.cuda import library
@@ -107,12 +106,6 @@ def fake_wavefront(monkeypatch, emulated_cudnn):
     yield op
 
 
-@pytest.fixture
-def half():
-    keras.config.set_dtype_policy("mixed_float16")
-    yield
-
-
 # -- the fused call -----------------------------------------------------------------
 
 
@@ -123,7 +116,7 @@ def test_an_inference_call_runs_the_wavefront_op(fake_wavefront, half, kind, mas
     model = wavefront_stack(kind, go_backwards_first=not masked)
     layer = fused_with_plan(model, WAVEFRONT)
     x = wavefront_inputs()
-    mask = np.arange(7)[None, :] < np.array([7, 5, 3, 6])[:, None] if masked else None
+    mask = wavefront_mask(masked)
     y = layer(x, mask=mask, training=False)
     assert layer.last_path.kind == "fused" and layer.last_path.kernel.name == "RnnfuseWavefront"
     assert layer.last_path.kernel.note is None
@@ -419,7 +412,7 @@ def test_a_stack_over_the_limit_runs_as_segments_on_the_wavefront_op(
     model = wavefront_stack(layers=4, units=16)
     layer = fused_with_plan(model, SEGMENTS)
     x = wavefront_inputs()
-    mask = np.arange(7)[None, :] < np.array([7, 5, 3, 6])[:, None] if masked else None
+    mask = wavefront_mask(masked)
     y = layer(x, mask=mask, training=False)
     ran = layer.last_path.kernel
     assert ran.name == "RnnfuseWavefront" and ran.note is None

@@ -33,7 +33,7 @@ if keras.backend.backend() != "torch":
 import torch  # noqa: E402
 
 import rnnfuse  # noqa: E402
-from builders import KINDS, fused_layers, random_inputs, rnn_layer, stack_model  # noqa: E402
+from builders import KINDS, fused_layers, initial_state_case, lstm_dropout_lstm, masked_stack_case, randomize, rnn_layer  # noqa: E402
 from rnnfuse.backends.torch import cudnn_core  # noqa: E402
 from rnnfuse.plan import Plan  # noqa: E402
 
@@ -84,12 +84,6 @@ def _compare(model, fast, inputs, *, out_tol, grad_tol):
     return worst_out, worst_grad
 
 
-def _randomize(model, seed=0, scale=0.5):
-    rng = np.random.default_rng(seed)
-    for v in model.weights:
-        v.assign(rng.uniform(-scale, scale, v.shape).astype(v.dtype))
-
-
 def _on_core(fast, algorithm="standard"):
     (layer,) = fused_layers(fast)
     ran = layer.last_path.kernel
@@ -111,7 +105,7 @@ def _stack3(kind, bidirectional, dtype=None, steps=50, features=16, units=32):
 @pytest.mark.parametrize("bidirectional", [False, True])
 def test_core_matches_keras(kind, bidirectional, launches):
     model = _stack3(kind, bidirectional)
-    _randomize(model, scale=0.5 if kind in ("lstm", "gru") else 0.1)
+    randomize(model, scale=0.5 if kind in ("lstm", "gru") else 0.1)
     fast = rnnfuse.optimize(model, plan=rnnfuse.FUSED)
     inputs = np.random.default_rng(1).standard_normal((8, 50, 16)).astype("float32")
     if kind in ("lstm", "gru"):
@@ -128,12 +122,7 @@ def test_core_matches_keras(kind, bidirectional, launches):
 
 @pytest.mark.parametrize("kind", ["lstm", "gru"])
 def test_right_padded_masks_run_as_lengths(kind, launches):
-    model = stack_model(kind, 3, units=32, input_size=16, steps=40, masked=True,
-                        last_return_sequences=True, last_return_state=True)
-    _randomize(model, 2)
-    fast = rnnfuse.optimize(model, plan=rnnfuse.FUSED)
-    tokens = random_inputs(model, 8, np.random.default_rng(3), padding="right")
-    tokens[0, 5:] = 0
+    model, fast, tokens = masked_stack_case(kind, last_return_state=True)
     _compare(model, fast, tokens, out_tol=5e-5, grad_tol=1e-4)
     _on_core(fast)
     assert launches["forward"] == 1 and launches["backward"] == 1
@@ -141,14 +130,7 @@ def test_right_padded_masks_run_as_lengths(kind, launches):
 
 @pytest.mark.parametrize("kind", ["lstm", "gru"])
 def test_initial_state_go_backwards_and_return_state(kind, launches):
-    model = stack_model(kind, 3, units=32, input_size=16, steps=40, initial_state=True,
-                        go_backwards_first=True, last_return_state=True)
-    _randomize(model, 4)
-    fast = rnnfuse.optimize(model, plan=rnnfuse.FUSED)
-    rng = np.random.default_rng(5)
-    inputs = [rng.standard_normal((8, 40, 16)).astype("float32")]
-    inputs += [rng.standard_normal((8, 32)).astype("float32")
-               for _ in range(len(model.inputs) - 1)]
+    model, fast, inputs = initial_state_case(kind)
     _compare(model, fast, inputs, out_tol=5e-5, grad_tol=1e-4)
     _on_core(fast)
     assert launches["forward"] == 1 and launches["backward"] == 1
@@ -165,7 +147,7 @@ def test_half_precision_and_every_algorithm(policy, tol, kind, algorithm, launch
     keras.mixed_precision.set_global_policy(policy)
     try:
         model = _stack3(kind, True, steps=40, units=64)
-        _randomize(model, 6, scale=0.2)
+        randomize(model, 6, scale=0.2)
         plan = Plan((3,), None if algorithm == "standard" else algorithm)
         fast = rnnfuse.optimize(model, plan=plan)
         inputs = np.random.default_rng(7).standard_normal((16, 40, 16)).astype("float32")
@@ -193,12 +175,8 @@ def test_between_layer_dropout_is_cudnns_seeded_and_trains(launches):
     """An absorbed Dropout runs as cuDNN's: a training call differs from
     inference (which equals Keras'), two training calls draw new masks, and
     the backward runs on the forward's reserve (finite gradients)."""
-    inp = keras.Input((30, 16))
-    x = L.LSTM(32, return_sequences=True)(inp)
-    x = L.Dropout(0.5, seed=3)(x)
-    out = L.LSTM(32, return_sequences=True)(x)
-    model = keras.Model(inp, out)
-    _randomize(model, 8)
+    model = lstm_dropout_lstm(32, 0.5, 30, 16, seed=3)
+    randomize(model, 8)
     fast = rnnfuse.optimize(model, plan=rnnfuse.FUSED)
     assert len(fused_layers(fast)) == 1
     inputs = np.random.default_rng(9).standard_normal((8, 30, 16)).astype("float32")
@@ -272,7 +250,7 @@ def test_projected_lstm_stack_runs_the_cores_projection(policy, tol, launches):
         for _ in range(3):
             x = L.Bidirectional(ProjectedLSTM(64, 16, return_sequences=True))(x)
         model = keras.Model(inp, x)
-        _randomize(model, 10, 0.3)
+        randomize(model, 10, 0.3)
         inputs = np.random.default_rng(11).standard_normal((8, 40, 16)).astype("float32")
         with fast_path("off"):
             o0, g0 = _outputs_and_grads(model, inputs, model.trainable_variables)

@@ -32,14 +32,7 @@ import pytest
 import tensorflow as tf
 
 import rnnfuse
-from builders import (
-    KINDS,
-    fused_layers,
-    kernels_ran,
-    random_inputs,
-    stack_model,
-    traced_op_types,
-)
+from builders import KINDS, fused_layers, kernels_ran, random_inputs, stack_model, traced_op_types
 from rnnfuse.backends import tensorflow as tf_backend
 from rnnfuse.backends.tensorflow import op_build
 from rnnfuse.layers import ProjectedLSTM
@@ -53,16 +46,9 @@ if os.environ.get("RNNFUSE_GPU_DRYRUN"):
 
 L = keras.layers
 REPORT = {}
+KERAS_SEED = 7  # tests/conftest.py seeds each test with it
 # The op's math types as the low bits of its `algorithm` input (algo 0: standard).
 _MATH_CODES = {"default": 0, "tensor_op": 1, "tensor_op_allow_conversion": 2, "fma": 3}
-
-
-@pytest.fixture(autouse=True)
-def _policy():
-    keras.config.set_dtype_policy("float32")
-    keras.utils.set_random_seed(7)
-    yield
-    keras.config.set_dtype_policy("float32")
 
 
 def teardown_module(module):

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import os
 import sys
-import time
 
 os.environ["NCCL_NVLS_ENABLE"] = "0"
 
@@ -33,6 +32,7 @@ import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 
 from gpu_report import report  # noqa: E402
+from gpu_timing import EpochTimes  # noqa: E402
 
 import rnnfuse  # noqa: E402
 from rnnfuse.backends import tensorflow as tf_backend  # noqa: E402
@@ -68,17 +68,6 @@ def _stack() -> keras.Model:
     ])
 
 
-class _EpochTimes(keras.callbacks.Callback):
-    def on_train_begin(self, logs=None):
-        self.times = []
-
-    def on_epoch_begin(self, epoch, logs=None):
-        self._t = time.perf_counter()
-
-    def on_epoch_end(self, epoch, logs=None):
-        self.times.append(time.perf_counter() - self._t)
-
-
 def test_mirrored_fit_on_two_gpus_trains_the_same_variables(monkeypatch, tmp_path):
     import tensorflow as tf
 
@@ -99,7 +88,7 @@ def test_mirrored_fit_on_two_gpus_trains_the_same_variables(monkeypatch, tmp_pat
         fast = rnnfuse.optimize(model, plan=rnnfuse.FUSED)  # whatever the table says
         fast.compile(optimizer=keras.optimizers.Adam(1e-3), loss="mse")
     initial = model.get_weights()
-    timer = _EpochTimes()
+    timer = EpochTimes()
     got = fast.fit(x, y, batch_size=GLOBAL_BATCH, epochs=EPOCHS, shuffle=False,
                    verbose=0, callbacks=[timer])
     assert len(calls) >= 2, "the fused kernel was not traced on both replicas"
@@ -114,7 +103,7 @@ def test_mirrored_fit_on_two_gpus_trains_the_same_variables(monkeypatch, tmp_pat
     reference = _stack()
     reference.set_weights(initial)
     reference.compile(optimizer=keras.optimizers.Adam(1e-3), loss="mse")
-    ref_timer = _EpochTimes()
+    ref_timer = EpochTimes()
     want = reference.fit(x, y, batch_size=GLOBAL_BATCH, epochs=EPOCHS, shuffle=False,
                          verbose=0, callbacks=[ref_timer])
     weight_diff = max(float(np.max(np.abs(a - b)))

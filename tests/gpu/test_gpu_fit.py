@@ -15,12 +15,11 @@ Exports and saved files: test_gpu_export.py.
 
 from __future__ import annotations
 
-import time
-
 import keras
 import numpy as np
 import pytest
 from gpu_report import report
+from gpu_timing import EpochTimes
 
 import rnnfuse
 from rnnfuse.backends import tensorflow as tf_backend
@@ -49,17 +48,6 @@ def _data(seed: int = 0):
     return x, y
 
 
-class _EpochTimes(keras.callbacks.Callback):
-    def on_train_begin(self, logs=None):
-        self.times = []
-
-    def on_epoch_begin(self, epoch, logs=None):
-        self._t = time.perf_counter()
-
-    def on_epoch_end(self, epoch, logs=None):
-        self.times.append(time.perf_counter() - self._t)
-
-
 def _cudnn_ops(graph) -> int:
     """CudnnRNNV3 ops in `graph` and in every function it calls."""
     count = sum(op.type == "CudnnRNNV3" for op in graph.get_operations())
@@ -85,7 +73,7 @@ def test_fit_through_the_fused_kernel_tracks_the_original(kind, monkeypatch):
     for m in (fast, reference):
         m.compile(optimizer=keras.optimizers.Adam(1e-3), loss="mse", jit_compile=False)
     x, y = _data()
-    timers = {"fused": _EpochTimes(), "original": _EpochTimes()}
+    timers = {"fused": EpochTimes(), "original": EpochTimes()}
     got = fast.fit(x, y, batch_size=BATCH, epochs=EPOCHS, shuffle=False, verbose=0,
                    callbacks=[timers["fused"]])
     want = reference.fit(x, y, batch_size=BATCH, epochs=EPOCHS, shuffle=False, verbose=0,

@@ -20,15 +20,8 @@ import pytest
 import tensorflow as tf
 
 import rnnfuse
-from builders import (
-    KINDS,
-    fused_layers,
-    kernels_ran,
-    random_inputs,
-    rnn_layer,
-    stack_model,
-    traced_op_types,
-)
+from builders import KINDS, fused_layers, kernels_ran, lstm_dropout_lstm, random_inputs, rnn_layer, stack_model, traced_op_types
+from gpu_compare import worst_within
 from rnnfuse.backends import tensorflow as tf_backend
 
 L = keras.layers
@@ -70,13 +63,7 @@ def _compare(model, fast, inputs, *, out_tol, grad_tol, training=False):
             loss = sum(tf.reduce_sum(t * _weights(t) + t**2) for t in flat)
         grads = tape.gradient(loss, model.trainable_variables)
         results.append((flat, [tf.convert_to_tensor(g) for g in grads]))
-    (o0, g0), (o1, g1) = results
-    assert len(o0) == len(o1)
-    worst_out = max(_rel(b, a) for a, b in zip(o0, o1))
-    worst_grad = max(_rel(b, a) for a, b in zip(g0, g1))
-    assert worst_out <= out_tol, worst_out
-    assert worst_grad <= grad_tol, worst_grad
-    return worst_out, worst_grad
+    return worst_within(results, _rel, out_tol=out_tol, grad_tol=grad_tol)
 
 
 def _weights(t):
@@ -308,11 +295,7 @@ def test_rnn_cell_and_stacked_cells(cell, cudnn_calls):
 
 @pytest.mark.real_gpu_only  # the CPU emulator applies no dropout
 def test_absorbed_dropout_is_cudnn_dropout_in_training(cudnn_calls):
-    inp = keras.Input((20, 8))
-    x = L.LSTM(32, return_sequences=True)(inp)
-    x = L.Dropout(0.5)(x)
-    out = L.LSTM(32, return_sequences=True)(x)
-    model = keras.Model(inp, out)
+    model = lstm_dropout_lstm(32, 0.5, 20, 8)
     fast = rnnfuse.optimize(model, plan=rnnfuse.FUSED)
     x = random_inputs(model, 8, np.random.default_rng(6))
     assert _rel(fast(x), model(x)) <= 1e-5  # inference: exact

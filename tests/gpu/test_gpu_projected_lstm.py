@@ -18,6 +18,7 @@ import pytest
 import keras
 import tensorflow as tf
 
+from lstmp_reference import lstmp, tensorflow_ops
 from rnnfuse.layers import ProjectedLSTM
 from rnnfuse.backends.tensorflow import projected_lstm as tf_plstm
 from rnnfuse.layers import projected_lstm as plstm
@@ -26,14 +27,7 @@ pytestmark = pytest.mark.gpu
 
 B, T, F, U, P = 4, 40, 12, 32, 8
 GPU_VARIANTS = ("custom_xla", "custom", "while_xla", "while")
-
-
-@pytest.fixture(autouse=True)
-def _policy():
-    keras.config.set_dtype_policy("float32")
-    keras.utils.set_random_seed(99)
-    yield
-    keras.config.set_dtype_policy("float32")
+KERAS_SEED = 99  # tests/conftest.py seeds each test with it
 
 
 @pytest.fixture
@@ -48,26 +42,6 @@ def spy(monkeypatch):
 
     monkeypatch.setattr(tf_plstm, "_recurrence", recording)
     return seen
-
-
-def _reference(x, weights, h0, c0, mask, go_backwards, zero_output_for_mask):
-    """Keras' generic loop over the LSTMP step in float64 TensorFlow ops, on
-    the CPU, written independently of the layer (for outputs and gradients)."""
-    kernel, recurrent, bias, projection = weights
-    steps = x.shape[1]
-    h, c = h0, c0
-    prev = tf.zeros_like(h0)
-    outs = []
-    for t in (range(steps)[::-1] if go_backwards else range(steps)):
-        z = x[:, t] @ kernel + h @ recurrent + bias
-        zi, zf, zg, zo = tf.split(z, 4, axis=-1)
-        c_new = tf.sigmoid(zf) * c + tf.sigmoid(zi) * tf.tanh(zg)
-        h_new = (tf.sigmoid(zo) * tf.tanh(c_new)) @ projection
-        keep = mask[:, t][:, None]
-        out = tf.where(keep, h_new, tf.zeros_like(h_new) if zero_output_for_mask else prev)
-        h, c, prev = tf.where(keep, h_new, h), tf.where(keep, c_new, c), out
-        outs.append(out)
-    return tf.stack(outs, axis=1), h, c
 
 
 def _data(seed, batch=B, steps=T, features=F, units=U, proj=P):
@@ -109,9 +83,11 @@ def _reference_run(layer, x, mask, h0, c0, loss_w, go_backwards, zero_output):
         ] + [tf.constant(h0, tf.float64), tf.constant(c0, tf.float64)]
         with tf.GradientTape() as tape:
             tape.watch(params)
-            y, h, c = _reference(
+            # Keras' generic loop in float64 TensorFlow ops, written
+            # independently of the layer (for outputs and gradients).
+            y, h, c = lstmp(
                 tf.constant(x, tf.float64), params[:4], params[4], params[5],
-                tf.constant(mask), go_backwards, zero_output,
+                tf.constant(mask), go_backwards, zero_output, ops=tensorflow_ops(),
             )
             loss = sum(
                 tf.reduce_sum(a * tf.constant(w, tf.float64)) for a, w in zip((y, h, c), loss_w)

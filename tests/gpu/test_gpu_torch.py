@@ -28,8 +28,11 @@ if keras.backend.backend() != "torch":
 import torch  # noqa: E402
 
 import rnnfuse  # noqa: E402
-from builders import KINDS, assert_fastest_or_kept_original, fused_layers, random_inputs, rnn_layer, stack_model  # noqa: E402
+from builders import KINDS, assert_fastest_or_kept_original, fused_layers, initial_state_case, masked_stack_case, projected_stack, random_inputs, randomize, rnn_layer, sequence_input, stack_model  # noqa: E402
+from gpu_compare import worst_within  # noqa: E402
 from rnnfuse.backends import torch as torch_backend  # noqa: E402
+from lstmp_reference import lstmp  # noqa: E402
+from torch_checks import vf_call  # noqa: E402
 
 L = keras.layers
 
@@ -64,22 +67,13 @@ def cudnn_calls(monkeypatch):
 
     def spy(mode, *args):
         result = real(mode, *args)
-        packed = isinstance(args[1], torch.Tensor) and args[1].dtype == torch.int64
-        rest = args[2:] if packed else args[1:]
-        calls.append(
-            dict(
-                mode=mode,
-                packed=packed,
-                num_layers=rest[3],
-                bidirectional=rest[6],
-                dtype=args[0].dtype,
-                device=args[0].device.type,
-                params=rest[1],
-                cudnn="CudnnRnnBackward0" in _autograd_nodes(result[0])
-                if torch.is_grad_enabled()
-                else None,
-            )
-        )
+        calls.append(dict(
+            vf_call(mode, args),
+            dtype=args[0].dtype,
+            device=args[0].device.type,
+            cudnn=("CudnnRnnBackward0" in _autograd_nodes(result[0])
+                   if torch.is_grad_enabled() else None),
+        ))
         return result
 
     monkeypatch.setattr(torch_backend, "torch_rnn", spy)
@@ -100,19 +94,7 @@ def _compare(model, fast, inputs, *, out_tol, grad_tol):
         loss = sum((t * torch.sin(torch.arange(t.shape[-1], device=t.device) + 1.0) + t**2).sum() for t in flat)
         grads = torch.autograd.grad(loss, [v.value for v in model.trainable_variables])
         results.append((flat, grads))
-    (o0, g0), (o1, g1) = results
-    assert len(o0) == len(o1)
-    worst_out = max(_rel(b, a) for a, b in zip(o0, o1))
-    worst_grad = max(_rel(b, a) for a, b in zip(g0, g1))
-    assert worst_out <= out_tol, worst_out
-    assert worst_grad <= grad_tol, worst_grad
-    return worst_out, worst_grad
-
-
-def _randomize(model, seed=0):
-    rng = np.random.default_rng(seed)
-    for v in model.weights:
-        v.assign(rng.uniform(-0.5, 0.5, v.shape).astype(v.dtype))
+    return worst_within(results, _rel, out_tol=out_tol, grad_tol=grad_tol)
 
 
 def _one_cudnn_call(calls, num_layers, bidirectional=False):
@@ -160,7 +142,7 @@ def test_fused_matches_keras_on_gpu(kind, bidirectional, cudnn_calls):
     are printed. Weights that damp the recurrence: 1e-5 (next test).
     """
     model = _stack3(kind, bidirectional)
-    _randomize(model)
+    randomize(model)
     fast = rnnfuse.optimize(model, plan=rnnfuse.FUSED)
     assert len(fused_layers(fast)) == 1
     inputs = np.random.default_rng(1).standard_normal((8, 50, 16)).astype("float32")
@@ -251,12 +233,7 @@ def test_loop_kinds_follow_keras_precision_with_default_tf32(which, user_default
 
 @pytest.mark.parametrize("kind", ["lstm", "gru"])
 def test_right_padded_mask_runs_packed_cudnn(kind, cudnn_calls):
-    model = stack_model(kind, 3, units=32, input_size=16, steps=40, masked=True,
-                        last_return_sequences=True, last_return_state=True)
-    _randomize(model, 2)
-    fast = rnnfuse.optimize(model, plan=rnnfuse.FUSED)
-    tokens = random_inputs(model, 8, np.random.default_rng(3), padding="right")
-    tokens[0, 5:] = 0
+    model, fast, tokens = masked_stack_case(kind, last_return_state=True)
     _compare(model, fast, tokens, out_tol=1e-5, grad_tol=1e-4)
     call = _one_cudnn_call(cudnn_calls, 3)
     assert call["packed"]
@@ -264,11 +241,7 @@ def test_right_padded_mask_runs_packed_cudnn(kind, cudnn_calls):
 
 @pytest.mark.parametrize("kind", ["lstm", "gru"])
 def test_initial_state_go_backwards_and_return_state(kind, cudnn_calls):
-    model = stack_model(kind, 3, units=32, input_size=16, steps=40, initial_state=True,
-                        go_backwards_first=True, last_return_state=True)
-    _randomize(model, 4)
-    fast = rnnfuse.optimize(model, plan=rnnfuse.FUSED)
-    inputs = random_inputs(model, 8, np.random.default_rng(5))
+    model, fast, inputs = initial_state_case(kind)
     _compare(model, fast, inputs, out_tol=1e-5, grad_tol=1e-4)
     _one_cudnn_call(cudnn_calls, 3)
 
@@ -343,8 +316,6 @@ def test_training_on_gpu_matches_the_original(cudnn_calls):
 
 def _numpy_lstmp(x, cells, bidirectional):
     """Float64 NumPy LSTMP stack (zero initial states): the exact reference."""
-    sig = lambda v: 1 / (1 + np.exp(-v))  # noqa: E731
-
     def run(seq, cell):
         k, r, b, p = (
             keras.ops.convert_to_numpy(keras.ops.convert_to_tensor(w)).astype(np.float64)
@@ -352,14 +323,7 @@ def _numpy_lstmp(x, cells, bidirectional):
         )
         h = np.zeros((seq.shape[0], p.shape[1]))
         c = np.zeros((seq.shape[0], p.shape[0]))
-        outs = []
-        for t in range(seq.shape[1]):
-            z = seq[:, t] @ k + h @ r + b
-            i, f, g, o = np.split(z, 4, axis=-1)
-            c = sig(f) * c + sig(i) * np.tanh(g)
-            h = (sig(o) * np.tanh(c)) @ p
-            outs.append(h)
-        return np.stack(outs, axis=1)
+        return lstmp(seq, (k, r, b, p), h, c)[0]
 
     y = x.astype(np.float64)
     for level in cells:
@@ -375,12 +339,7 @@ def _numpy_lstmp(x, cells, bidirectional):
 def _merged3(kind, merge_mode, masked, layer=None):
     """Three Bidirectional levels over 50 steps (tokens through a masking
     Embedding, or 16 features); the lower two merge by `merge_mode`."""
-    if masked:
-        inp = keras.Input((50,), dtype="int32")
-        x = L.Embedding(11, 16, mask_zero=True)(inp)
-    else:
-        inp = keras.Input((50, 16))
-        x = inp
+    inp, x = sequence_input(masked, 50, 16)
     layer = layer or (lambda **kw: rnn_layer(kind, 32, **kw))
     for i in range(3):
         x = L.Bidirectional(layer(return_sequences=True), merge_mode=merge_mode if i < 2 else "concat")(x)
@@ -424,7 +383,7 @@ def test_projected_bidirectional_sum_and_ave_on_gpu(merge_mode, cudnn_calls):
     from rnnfuse.layers.projected_lstm import fast_path
 
     model = _merged3("lstm", merge_mode, True, layer=lambda **kw: ProjectedLSTM(64, 16, **kw))
-    _randomize(model, 43)
+    randomize(model, 43)
     fast = rnnfuse.optimize(model, plan=rnnfuse.FUSED)
     (fused,) = fused_layers(fast)
     assert fused.stack.input_merges == (None, merge_mode, merge_mode)
@@ -437,15 +396,8 @@ def test_projected_bidirectional_sum_and_ave_on_gpu(merge_mode, cudnn_calls):
 
 @pytest.mark.parametrize("bidirectional", [False, True])
 def test_projected_lstm_stack_runs_cudnn_projections(bidirectional, cudnn_calls):
-    from rnnfuse.layers import ProjectedLSTM
-
-    inp = keras.Input((40, 16))
-    x = inp
-    for _ in range(3):
-        layer = ProjectedLSTM(64, 16, return_sequences=True)
-        x = (L.Bidirectional(layer) if bidirectional else layer)(x)
-    model = keras.Model(inp, x)
-    _randomize(model, 8)
+    model = projected_stack(3, 64, 16, 40, 16, bidirectional=bidirectional)
+    randomize(model, 8)
     fast = rnnfuse.optimize(model, plan=rnnfuse.FUSED)
     (fused,) = fused_layers(fast)
     inputs = np.random.default_rng(9).standard_normal((8, 40, 16)).astype("float32")
@@ -480,7 +432,7 @@ def test_single_projected_lstm_layer_runs_cudnn(bidirectional, cudnn_calls):
     )
     outer = L.Bidirectional(layer) if bidirectional else layer
     model = keras.Model(inp, outer(x))
-    _randomize(model, 10)
+    randomize(model, 10)
     tokens = np.random.default_rng(11).integers(1, 50, (8, 40)).astype("int32")
     tokens[1, 25:] = 0
     tokens[5, 3:] = 0

@@ -47,19 +47,18 @@ is faster than the original's.
 from __future__ import annotations
 
 import json
-import time
 
-import keras
 import numpy as np
 import pytest
 import tensorflow as tf
 
 import rnnfuse
-from builders import fused_layers, stack_model, traced_op_types
+from builders import built_stack, fused_layers, traced_op_types
 from gpu_report import report
-from gpu_timing import predict_medians
+from gpu_timing import median_seconds, predict_medians
+from gpu_wavefront_checks import assert_batch_8_keeps_cudnn_or_the_original, assert_fit_is_faster, fit_at_the_headline, float16_lstm
 from rnnfuse.backends import tensorflow as tf_backend
-from rnnfuse.backends.base import StackCall, StackSpec
+from rnnfuse.backends.base import StackCall
 from rnnfuse.backends.tensorflow import op_build, wavefront_op
 from rnnfuse.tuning import first_batch
 from rnnfuse.tuning.cache import PlanCache
@@ -74,16 +73,6 @@ def _op_loaded():
     if op_build.load_wavefront_op() is None:
         pytest.fail(f"the wavefront op did not load: {op_build.wavefront_load_failure()}")
     yield
-
-
-def _stack(kind, layers, units, inputs):
-    cls = keras.layers.LSTMCell if kind == "lstm" else keras.layers.GRUCell
-    cells = []
-    for i in range(layers):
-        cell = cls(units)
-        cell.build((None, inputs if i == 0 else units))
-        cells.append((cell,))
-    return StackSpec(kind, units, tuple(cells))
 
 
 def _sigmoid(x):
@@ -137,7 +126,7 @@ def _rel(a, b):
 )
 def test_the_op_matches_float64_and_the_cudnn_op(kind, layers, units, batch, steps, dtype, masked):
     rng = np.random.default_rng(layers * 1000 + units + batch)
-    stack = _stack(kind, layers, units, units)
+    stack = built_stack(kind, layers, units, units)
     for (cell,) in stack.cells:  # random biases too (Keras initialises them to 0 / 1)
         cell.bias.assign(rng.uniform(-0.3, 0.3, cell.bias.shape).astype("float32"))
     x = rng.standard_normal((batch, steps, units)).astype("float32")
@@ -161,13 +150,13 @@ def test_the_op_matches_float64_and_the_cudnn_op(kind, layers, units, batch, ste
 
 
 def test_a_stack_over_the_limits_raises_not_implemented():
-    stack = _stack("lstm", 8, 512, 512)
+    stack = built_stack("lstm", 8, 512, 512)
     with pytest.raises(NotImplementedError, match="do not fit on chip"):
         wavefront_op.run_stack(tf.zeros([64, 10, 512], tf.float16), StackCall(stack))
 
 
 def test_float32_and_training_calls_are_refused():
-    stack = _stack("lstm", 2, 64, 64)
+    stack = built_stack("lstm", 2, 64, 64)
     with pytest.raises(NotImplementedError, match="float16 and bfloat16"):
         wavefront_op.run_stack(tf.zeros([4, 5, 64]), StackCall(stack))
     with pytest.raises(NotImplementedError, match="no dropout"):
@@ -175,7 +164,7 @@ def test_float32_and_training_calls_are_refused():
 
 
 def test_a_gradient_through_the_raw_op_is_a_clear_error():
-    stack = _stack("gru", 2, 64, 64)
+    stack = built_stack("gru", 2, 64, 64)
     x = tf.Variable(tf.zeros([4, 5, 64], tf.float16))
     with tf.GradientTape() as tape:
         # The loss inside the tape (outside it the tape sees no path, and
@@ -189,7 +178,7 @@ def test_a_gradient_through_the_raw_op_is_a_clear_error():
 def test_the_backends_wavefront_call_has_cudnns_gradient(kind):
     """kernel="wavefront" through the backend: the op runs the forward
     pass, the gradient (inputs and every variable) is cuDNN's."""
-    stack = _stack(kind, 3, 256, 128)
+    stack = built_stack(kind, 3, 256, 128)
     rng = np.random.default_rng(5)
     x = tf.constant(rng.standard_normal((16, 40, 128)), tf.float16)
     weights = tf.constant(rng.standard_normal((16, 40, 256)), tf.float32)
@@ -211,17 +200,8 @@ def test_the_backends_wavefront_call_has_cudnns_gradient(kind):
 # -- the tuner candidate, through predict ------------------------------------------------
 
 
-def _lstm_model(layers, units, steps):
-    keras.config.set_dtype_policy("mixed_float16")
-    try:
-        return stack_model("lstm", layers, units=units, input_size=units, steps=steps,
-                           last_return_sequences=True)
-    finally:
-        keras.config.set_dtype_policy("float32")
-
-
 def test_predict_of_a_4x512_float16_lstm_at_batch_64_runs_the_wavefront_kernel(tmp_path):
-    model = _lstm_model(4, 512, 1000)
+    model = float16_lstm(4, 512, 1000)
     x = np.random.default_rng(0).standard_normal((256, 1000, 512)).astype("float32")
     fast = rnnfuse.optimize(model, cache=PlanCache(tmp_path / "plans.json"))
     (layer,) = fused_layers(fast)
@@ -252,18 +232,7 @@ def test_predict_of_a_4x512_float16_lstm_at_batch_64_runs_the_wavefront_kernel(t
 def test_predict_at_batch_8_keeps_cudnn_or_the_original(tmp_path):
     """Batch 8, where cuDNN's persistent kernel is faster (docs/kernel.md's
     crossover): the wavefront plan is timed and not chosen."""
-    model = _lstm_model(2, 512, 1000)
-    x = np.random.default_rng(1).standard_normal((16, 1000, 512)).astype("float32")
-    fast = rnnfuse.optimize(model, cache=PlanCache(tmp_path / "plans.json"))
-    (layer,) = fused_layers(fast)
-    fast.predict(x, batch_size=8, verbose=0)
-    (record,) = first_batch.decisions(fast)
-    print("GPU_REPORT decision", json.dumps(record, default=str))
-    report("wavefront_predict_tf_b8", {"chosen": record["chosen"],
-                                       "timings_ms": record["timings_ms"],
-                                       "rejected": record["rejected"]})
-    assert "fused on wavefront" in record["timings_ms"], record
-    assert layer.plan.kernel != "wavefront" and "wavefront" not in record["chosen"], record
+    assert_batch_8_keeps_cudnn_or_the_original(tmp_path, "wavefront_predict_tf_b8")
 
 
 # -- training: the kernel's forward AND backward (run_trainable) ---------------------------
@@ -318,7 +287,7 @@ def _training_inputs(layers, units, batch, steps, inputs, dtype, with_lengths, k
     kernels see, so the float64 reference sees the same), inputs, initial
     states (a GRU's c: None), upstream gradients and a mask."""
     rng = np.random.default_rng(seed)
-    stack = _stack(kind, layers, units, inputs)
+    stack = built_stack(kind, layers, units, inputs)
     for (cell,) in stack.cells:
         cell.bias.assign(rng.uniform(-0.3, 0.3, cell.bias.shape).astype("float32"))
         for v in (cell.kernel, cell.recurrent_kernel, cell.bias):
@@ -435,7 +404,7 @@ def test_run_trainables_gradients_match_float64_and_the_cudnn_op(case, backward_
 def _saving_inputs(layers, units, batch, steps, inputs, dtype, seed, kind="lstm"):
     """Time-major x, a flat buffer, h0, c0 and lengths (row 0 full length)."""
     rng = np.random.default_rng(seed)
-    stack = _stack(kind, layers, units, inputs)
+    stack = built_stack(kind, layers, units, inputs)
     for (cell,) in stack.cells:
         cell.bias.assign(rng.uniform(-0.3, 0.3, cell.bias.shape).astype("float32"))
     def rand(*shape):
@@ -557,10 +526,10 @@ def test_the_stack_backward_op_names_the_limit_it_refuses():
 def test_training_calls_the_kernels_cannot_run_are_refused():
     with pytest.raises(NotImplementedError, match="do not fit on chip"):
         wavefront_op.run_trainable(tf.zeros([64, 10, 512], tf.float16),
-                                   StackCall(_stack("lstm", 8, 512, 512)))
+                                   StackCall(built_stack("lstm", 8, 512, 512)))
     with pytest.raises(NotImplementedError, match="do not fit on chip"):
         wavefront_op.run_trainable(tf.zeros([64, 10, 512], tf.float16),
-                                   StackCall(_stack("gru", 8, 512, 512)))
+                                   StackCall(built_stack("gru", 8, 512, 512)))
     assert wavefront_op.training_reason("lstm", 4, 512, 64, 1000, 512, "float16") is None
     assert wavefront_op.training_reason("gru", 4, 512, 64, 1000, 512, "float16") is None
 
@@ -582,7 +551,7 @@ def test_a_gradient_through_the_raw_training_ops_is_a_clear_error():
     from rnnfuse.backends.tensorflow import wavefront_training
 
     x = tf.Variable(tf.zeros([5, 4, 64], tf.float16))
-    params = tf_backend.pack_params(_stack("lstm", 1, 64, 64), "float16")
+    params = tf_backend.pack_params(built_stack("lstm", 1, 64, 64), "float16")
     h0 = tf.zeros([1, 4, 64], tf.float16)
     with tf.GradientTape() as tape:
         y = wavefront_training.forward_saving(x, params, h0, h0, None)[0]
@@ -592,14 +561,7 @@ def test_a_gradient_through_the_raw_training_ops_is_a_clear_error():
 
 
 def _median_ms(fn, reps=10):
-    fn()
-    fn()  # traced and warm
-    times = []
-    for _ in range(reps):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return 1e3 * float(np.median(times))
+    return 1e3 * median_seconds(fn, reps, warmup=2)  # traced and warm
 
 
 def test_a_training_step_at_the_headline_shape_is_timed_against_the_cudnn_op():
@@ -641,35 +603,12 @@ def test_a_training_step_at_the_headline_shape_is_timed_against_the_cudnn_op():
 # -- the tuner candidate, through fit ----------------------------------------------------
 
 
-def _median_fit_s(model, x, y, batch, repeats=3):
-    model.fit(x, y, batch_size=batch, epochs=1, verbose=0)  # trace
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        model.fit(x, y, batch_size=batch, epochs=1, verbose=0)
-        times.append(time.perf_counter() - start)
-    return float(np.median(times))
-
-
 def test_fit_of_a_4x512_float16_lstm_at_batch_64_trains_on_the_training_ops(tmp_path):
     """The training decision chooses the wavefront plan (its saving forward
     and backward ops), the traced train step runs them, the gradients match
     the original layers' within float16 rounding, and fit is faster."""
-    model = _lstm_model(4, 512, 1000)
-    rng = np.random.default_rng(2)
-    x = rng.standard_normal((256, 1000, 512)).astype("float32")
-    y = (0.1 * rng.standard_normal((256, 1000, 512))).astype("float32")
-    fast = rnnfuse.optimize(model, cache=PlanCache(tmp_path / "plans.json"))
-    (layer,) = fused_layers(fast)
-    fast.compile(optimizer="sgd", loss="mse")
-    model.compile(optimizer="sgd", loss="mse")
-    fast.fit(x, y, batch_size=64, epochs=1, verbose=0)
-    (record,) = first_batch.decisions(fast)
-    print("GPU_REPORT decision", json.dumps(record, default=str))
-    assert record["mode"] == "training" and record["chosen"] == "fused on wavefront", record
-    ran = layer.last_path.kernel
-    assert ran.name == wavefront_op.TRAINING_KERNEL_NAME and ran.note is None, layer.last_path
-    assert ran.algorithm == "backward=stack", layer.last_path  # the default, at the headline
+    model, fast, layer, record, x, y, rng = fit_at_the_headline(
+        tmp_path, wavefront_op.TRAINING_KERNEL_NAME)
     batch = tf.constant(x[:64])
     upstream = tf.constant(rng.standard_normal((64, 1000, 512)), tf.float32)
     variables = model.trainable_variables
@@ -684,13 +623,4 @@ def test_fit_of_a_4x512_float16_lstm_at_batch_64_trains_on_the_training_ops(tmp_
     assert layer.last_path.kernel.name == wavefront_op.TRAINING_KERNEL_NAME, layer.last_path
     want = grads(model)
     rel = max(float(np.linalg.norm(g - w) / np.linalg.norm(w)) for g, w in zip(got, want))
-    original_s = _median_fit_s(model, x, y, 64)
-    fast_s = _median_fit_s(fast, x, y, 64)
-    report("wavefront_fit_tf", {
-        "shape": "4x512 LSTM B64 T1000 float16", "chosen": record["chosen"],
-        "timings_ms": record["timings_ms"], "rejected": record["rejected"],
-        "fit_original_ms": 1e3 * original_s, "fit_optimized_ms": 1e3 * fast_s,
-        "speedup": original_s / fast_s, "grad_rel_diff": rel,
-    })
-    assert rel <= 2e-2, rel
-    assert fast_s < original_s, (fast_s, original_s)
+    assert_fit_is_faster("wavefront_fit_tf", model, fast, x, y, record, rel)

@@ -40,10 +40,11 @@ import torch  # noqa: E402
 import rnnfuse  # noqa: E402
 from builders import fused_layers  # noqa: E402
 from gpu_report import report  # noqa: E402
+from gpu_wavefront_checks import count_backward_launches, new_launch_counts, predict_and_report, record_first_shapes, torch_variable_gradients  # noqa: E402
 from rnnfuse.backends.cuda import library  # noqa: E402
 from rnnfuse.backends.torch import wavefront_bidirectional as bidir  # noqa: E402
 from rnnfuse.plan import Plan  # noqa: E402
-from rnnfuse.tuning import first_batch  # noqa: E402
+from torch_checks import planned_then_original  # noqa: E402
 from rnnfuse.tuning.cache import PlanCache  # noqa: E402
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "bench"))
@@ -64,15 +65,7 @@ def _hopper_and_on(monkeypatch):
 @pytest.fixture
 def launches(monkeypatch):
     """The directions op's real launches (xproj shapes); they still run."""
-    calls = []
-    real = bidir._directions_op
-
-    def spy(*args):
-        calls.append(tuple(args[0].shape))
-        return real(*args)
-
-    monkeypatch.setattr(bidir, "_directions_op", spy)
-    return calls
+    return record_first_shapes(monkeypatch, bidir, "_directions_op", [])
 
 
 CASES = [
@@ -134,11 +127,7 @@ def test_a_keras_stack_runs_one_launch_a_layer(launches, kind, merge_mode, maske
         lengths = rng.integers(1, steps + 1, batch)
         lengths[0] = steps
         mask = keras.ops.convert_to_tensor(np.arange(steps)[None, :] < lengths[:, None])
-    with torch.no_grad():
-        y = layer(x, mask=mask, training=False)
-        ran = layer.last_path.kernel
-        layer.set_plan(Plan(()))
-        want = layer(x, mask=mask, training=False)
+    y, ran, want = planned_then_original(layer, x, mask)
     assert ran.name == bidir.KERNEL_NAME and ran.note is None, layer.last_path
     assert launches == [(2, steps, batch, (4 if kind == "lstm" else 3) * units)] * layers
     rel = _rel(keras.ops.convert_to_numpy(y), keras.ops.convert_to_numpy(want))
@@ -152,13 +141,8 @@ def test_predict_of_a_bilstm_4x384_times_the_kernel(tmp_path, launches):
     x = np.random.default_rng(1).standard_normal((48, 700, 80)).astype("float32")
     fast = rnnfuse.optimize(model, cache=PlanCache(tmp_path / "plans.json"))
     (layer,) = fused_layers(fast)
-    y = fast.predict(x, batch_size=24, verbose=0)
-    (record,) = first_batch.decisions(fast)
-    print("GPU_REPORT decision", json.dumps(record, default=str))
-    report("wavefront_bidirectional_predict", {"shape": "BiLSTM 4x384 in80 B24 T700 float16",
-                                               "chosen": record["chosen"],
-                                               "timings_ms": record["timings_ms"],
-                                               "rejected": record["rejected"]})
+    y, record = predict_and_report("wavefront_bidirectional_predict",
+                                   "BiLSTM 4x384 in80 B24 T700 float16", fast, x, 24)
     assert "fused on wavefront" in record["timings_ms"], record
     assert _rel(y, model.predict(x, batch_size=24, verbose=0)) <= REL_TOL
     if record["chosen"] == "fused on wavefront":
@@ -172,7 +156,7 @@ def training_launches(monkeypatch):
     the backward recurrences (per layer v1 or the one-layer stack v2)."""
     from rnnfuse.backends.torch import wavefront
 
-    calls = {"saving": 0, "layer": 0, "stack": 0}
+    calls = {"saving": 0, **new_launch_counts()}
     saving = wavefront.forward_training
 
     def saving_spy(*args, **kwargs):
@@ -180,15 +164,7 @@ def training_launches(monkeypatch):
         return saving(*args, **kwargs)
 
     monkeypatch.setattr(wavefront, "forward_training", saving_spy)
-    for name, key in (("backward_stack", "stack"), ("backward", "layer")):
-        real = getattr(library.WavefrontLibrary, name)
-
-        def spy(self, *args, _real=real, _key=key, **kw):
-            calls[_key] += 1
-            return _real(self, *args, **kw)
-
-        monkeypatch.setattr(library.WavefrontLibrary, name, spy)
-    return calls
+    return count_backward_launches(monkeypatch, calls)
 
 
 @pytest.mark.parametrize("kind", ["lstm", "gru"])
@@ -202,21 +178,14 @@ def test_a_training_call_runs_a_launch_a_direction_with_matching_gradients(
     x = keras.ops.convert_to_tensor(rng.standard_normal((batch, steps, inputs)).astype("float32"))
     upstream = torch.as_tensor(rng.standard_normal((batch, steps, 2 * units)),
                                dtype=torch.float32, device=x.device)
-    variables = model.trainable_variables
-
-    def gradients(run):
-        y = run(x, training=True).float()
-        return [g.double() for g in torch.autograd.grad((y * upstream).sum(),
-                                                        [v.value for v in variables])]
-
-    got = gradients(layer)
+    got = torch_variable_gradients(layer, x, upstream, model.trainable_variables)
     ran = layer.last_path.kernel
     assert ran.name == "rnnfuse wavefront forward+backward" and ran.note is None, layer.last_path
     assert ran.algorithm == bidir.TRAINING_ALGORITHM
     assert launches == [], "the training form runs the one-layer kernels"
     assert training_launches["saving"] == 2 * layers, training_launches
     assert training_launches["stack"] + training_launches["layer"] >= 2 * layers
-    want = gradients(model)
+    want = torch_variable_gradients(model, x, upstream, model.trainable_variables)
     rel = max(float(torch.linalg.norm(g - w) / torch.linalg.norm(w)) for g, w in zip(got, want))
     report("wavefront_bidirectional_training", {"kind": kind, "grad_rel_diff": rel})
     assert rel <= 2e-2, rel

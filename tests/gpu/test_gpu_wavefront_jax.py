@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import os
 import sys
-import time
 
 import keras
 import numpy as np
@@ -39,6 +38,7 @@ import jax.numpy as jnp  # noqa: E402
 import rnnfuse  # noqa: E402
 from builders import fused_layers, stack_model  # noqa: E402
 from gpu_report import report  # noqa: E402
+from gpu_timing import median_seconds  # noqa: E402
 from rnnfuse.backends.jax import wavefront  # noqa: E402
 from rnnfuse.plan import Plan  # noqa: E402
 
@@ -167,13 +167,7 @@ def test_the_compiled_step_holds_the_handlers(traced):
 
 
 def _step_ms(run, repeats):
-    run()  # compile
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        run()
-        times.append(time.perf_counter() - start)
-    return 1000 * float(np.median(times))
+    return 1000 * median_seconds(run, repeats)  # after one call that compiles
 
 
 @pytest.mark.real_gpu_only

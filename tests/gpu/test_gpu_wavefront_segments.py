@@ -27,8 +27,6 @@ Runs only with KERAS_BACKEND=torch and CUDA visible to PyTorch:
 
 from __future__ import annotations
 
-import json
-
 import keras
 import pytest
 
@@ -39,13 +37,13 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 import rnnfuse  # noqa: E402
-from builders import fused_layers, stack_model  # noqa: E402
+from builders import fused_layers  # noqa: E402
 from gpu_report import report  # noqa: E402
+from gpu_wavefront_checks import count_backward_launches, float16_lstm, new_launch_counts, predict_and_report, record_first_shapes, torch_variable_gradients  # noqa: E402
 from rnnfuse.backends.cuda import library, segments  # noqa: E402
 from rnnfuse.backends.torch import cudnn_core  # noqa: E402
 from rnnfuse.backends.torch import wavefront  # noqa: E402
 from rnnfuse.plan import Plan  # noqa: E402
-from rnnfuse.tuning import first_batch  # noqa: E402
 from rnnfuse.tuning.cache import PlanCache  # noqa: E402
 
 pytestmark = pytest.mark.real_gpu_only
@@ -53,6 +51,9 @@ pytestmark = pytest.mark.real_gpu_only
 # ||optimized - original|| / ||original|| in float16 (the original layers
 # run cuDNN in float16 too; both are a few float16 ulps from float64).
 REL_TOL = 2e-3
+
+# (layers, units, batch, pieces): stacks this GPU runs only as segments.
+SEGMENTED = [(8, 512, 32, (4, 4)), (2, 1024, 16, (1, 1))]
 
 
 @pytest.fixture(autouse=True)
@@ -66,14 +67,8 @@ def launches(monkeypatch):
     """Counts the real launches (they still run): the forward custom op's
     xproj shapes, and the backward kernels' calls (stack: one a segment
     where the reverse wavefront runs it; layer: one a layer)."""
-    calls = {"forward": [], "stack": 0, "layer": 0}
-    real = wavefront._wavefront_op
-
-    def forward_spy(*args):
-        calls["forward"].append(tuple(args[0].shape))
-        return real(*args)
-
-    monkeypatch.setattr(wavefront, "_wavefront_op", forward_spy)
+    calls = {"forward": [], **new_launch_counts()}
+    record_first_shapes(monkeypatch, wavefront, "_wavefront_op", calls["forward"])
     saving = wavefront.forward_training
 
     def saving_spy(x, *args, **kwargs):
@@ -81,24 +76,7 @@ def launches(monkeypatch):
         return saving(x, *args, **kwargs)
 
     monkeypatch.setattr(wavefront, "forward_training", saving_spy)
-    for name, key in (("backward_stack", "stack"), ("backward", "layer")):
-        real_method = getattr(library.WavefrontLibrary, name)
-
-        def spy(self, *args, _real=real_method, _key=key, **kw):
-            calls[_key] += 1
-            return _real(self, *args, **kw)
-
-        monkeypatch.setattr(library.WavefrontLibrary, name, spy)
-    return calls
-
-
-def _model(layers, units, steps):
-    keras.config.set_dtype_policy("mixed_float16")
-    try:
-        return stack_model("lstm", layers, units=units, input_size=units, steps=steps,
-                           last_return_sequences=True)
-    finally:
-        keras.config.set_dtype_policy("float32")
+    return count_backward_launches(monkeypatch, calls)
 
 
 def _rel(got, want) -> float:
@@ -106,10 +84,12 @@ def _rel(got, want) -> float:
     return float(np.linalg.norm(got - want) / np.linalg.norm(want))
 
 
-def _fused(model, plan):
+def _fused(layers, units, steps, pieces):
+    """(a `float16_lstm`, its FusedRNN set to run `pieces` on the wavefront kernel)."""
+    model = float16_lstm(layers, units, steps)
     (layer,) = fused_layers(rnnfuse.optimize(model, tune=False))
-    layer.set_plan(plan)
-    return layer
+    layer.set_plan(Plan(pieces, kernel="wavefront"))
+    return model, layer
 
 
 def _device_limits():
@@ -129,15 +109,11 @@ def test_this_gpus_plan_refuses_the_stack_whole_and_cuts_it(shape, want, trainin
     assert segments.stack_segments(lib, *shape, training=training, **limits) == want
 
 
-@pytest.mark.parametrize("layers, units, batch, pieces", [
-    (8, 512, 32, (4, 4)),
-    (2, 1024, 16, (1, 1)),
-])
+@pytest.mark.parametrize("layers, units, batch, pieces", SEGMENTED)
 def test_an_inference_call_runs_each_segment_on_the_kernel(launches, layers, units, batch,
                                                            pieces):
     steps = 200
-    model = _model(layers, units, steps)
-    layer = _fused(model, Plan(pieces, kernel="wavefront"))
+    model, layer = _fused(layers, units, steps, pieces)
     x = keras.ops.convert_to_tensor(
         np.random.default_rng(0).standard_normal((batch, steps, units)).astype("float32"))
     with torch.no_grad():
@@ -152,34 +128,23 @@ def test_an_inference_call_runs_each_segment_on_the_kernel(launches, layers, uni
     assert rel <= REL_TOL, rel
 
 
-@pytest.mark.parametrize("layers, units, batch, pieces", [
-    (8, 512, 32, (4, 4)),
-    (2, 1024, 16, (1, 1)),
-])
+@pytest.mark.parametrize("layers, units, batch, pieces", SEGMENTED)
 def test_a_training_call_runs_each_segments_forward_and_backward(launches, layers, units, batch,
                                                                  pieces):
     steps = 100
-    model = _model(layers, units, steps)
-    layer = _fused(model, Plan(pieces, kernel="wavefront"))
+    model, layer = _fused(layers, units, steps, pieces)
     rng = np.random.default_rng(1)
     x = keras.ops.convert_to_tensor(rng.standard_normal((batch, steps, units)).astype("float32"))
     upstream = torch.as_tensor(rng.standard_normal((batch, steps, units)), dtype=torch.float32,
                                device=x.device)
-    variables = model.trainable_variables
-
-    def gradients(run):
-        y = run(x, training=True).float()
-        return [g.double() for g in torch.autograd.grad((y * upstream).sum(),
-                                                        [v.value for v in variables])]
-
-    got = gradients(layer)
+    got = torch_variable_gradients(layer, x, upstream, model.trainable_variables)
     ran = layer.last_path.kernel
     assert ran.name == wavefront.TRAINING_KERNEL_NAME and ran.note is None, layer.last_path
     assert [c[0] for c in launches["forward"]] == ["saving"] * len(pieces), launches
     # Each segment's backward: one reverse-wavefront launch, or one a layer.
     stack, per_layer = launches["stack"], launches["layer"]
     assert stack + per_layer >= len(pieces) and (stack == len(pieces) or per_layer), launches
-    want = gradients(model)
+    want = torch_variable_gradients(model, x, upstream, model.trainable_variables)
     rel = max(float(torch.linalg.norm(g - w) / torch.linalg.norm(w)) for g, w in zip(got, want))
     report("wavefront_segments_training", {"shape": f"{layers}x{units} B{batch} T{steps}",
                                             "pieces": list(pieces), "backward": ran.algorithm,
@@ -188,8 +153,7 @@ def test_a_training_call_runs_each_segments_forward_and_backward(launches, layer
 
 
 def test_a_plan_the_kernel_refuses_runs_cudnn_with_the_reason(launches):
-    model = _model(2, 1024, 50)
-    layer = _fused(model, Plan((2,), kernel="wavefront"))
+    model, layer = _fused(2, 1024, 50, (2,))
     x = keras.ops.convert_to_tensor(
         np.random.default_rng(2).standard_normal((16, 50, 1024)).astype("float32"))
     with torch.no_grad():
@@ -203,17 +167,12 @@ def test_a_plan_the_kernel_refuses_runs_cudnn_with_the_reason(launches):
 
 
 def test_predict_of_an_8x512_lstm_at_batch_32_times_the_segments(tmp_path, launches):
-    model = _model(8, 512, 1000)
+    model = float16_lstm(8, 512, 1000)
     x = np.random.default_rng(3).standard_normal((64, 1000, 512)).astype("float32")
     fast = rnnfuse.optimize(model, cache=PlanCache(tmp_path / "plans.json"))
     (layer,) = fused_layers(fast)
-    y = fast.predict(x, batch_size=32, verbose=0)
-    (record,) = first_batch.decisions(fast)
-    print("GPU_REPORT decision", json.dumps(record, default=str))
-    report("wavefront_segments_predict", {"shape": "8x512 LSTM B32 T1000 float16",
-                                          "chosen": record["chosen"],
-                                          "timings_ms": record["timings_ms"],
-                                          "rejected": record["rejected"]})
+    y, record = predict_and_report("wavefront_segments_predict", "8x512 LSTM B32 T1000 float16",
+                                   fast, x, 32)
     assert "split 4+4 on wavefront" in record["timings_ms"], record
     assert "split 4+4 on wavefront" in record["rejected"]["fused on wavefront"], record
     want = model.predict(x, batch_size=32, verbose=0)

@@ -47,16 +47,15 @@ import pytest
 if keras.backend.backend() != "torch":
     pytest.skip("the torch backend's GPU tests need KERAS_BACKEND=torch", allow_module_level=True)
 
-import time  # noqa: E402
-
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 import rnnfuse  # noqa: E402
-from builders import fused_layers, stack_model  # noqa: E402
+from builders import built_stack, fused_layers  # noqa: E402
 from gpu_report import report  # noqa: E402
-from gpu_timing import predict_medians  # noqa: E402
-from rnnfuse.backends.base import StackCall, StackSpec  # noqa: E402
+from gpu_timing import median_seconds, predict_medians  # noqa: E402
+from gpu_wavefront_checks import assert_batch_8_keeps_cudnn_or_the_original, assert_fit_is_faster, count_backward_launches, fit_at_the_headline, float16_lstm, new_launch_counts, record_first_shapes, torch_variable_gradients  # noqa: E402
+from rnnfuse.backends.base import StackCall  # noqa: E402
 from rnnfuse.backends.torch import wavefront  # noqa: E402
 from rnnfuse.tuning import first_batch  # noqa: E402
 from rnnfuse.tuning.cache import PlanCache  # noqa: E402
@@ -114,18 +113,7 @@ GRAD_FIXED = [c for c in bench_wavefront.GRAD_CASES + bench_wavefront.GRU_GRAD_C
 def backward_launches(monkeypatch):
     """Counts the library's backward launches (they still run): the stack
     backward's one a call, the per-layer backward's one a layer."""
-    from rnnfuse.backends.cuda import library
-
-    calls = {"stack": 0, "layer": 0}
-    for name, key in (("backward_stack", "stack"), ("backward", "layer")):
-        real = getattr(library.WavefrontLibrary, name)
-
-        def spy(self, *args, _real=real, _key=key, **kw):
-            calls[_key] += 1
-            return _real(self, *args, **kw)
-
-        monkeypatch.setattr(library.WavefrontLibrary, name, spy)
-    return calls
+    return count_backward_launches(monkeypatch, new_launch_counts())
 
 
 @pytest.fixture
@@ -233,12 +221,7 @@ def test_run_stack_runs_a_keras_stack_from_its_live_variables():
     the same packed (float16) weights."""
     from rnnfuse.backends import torch as torch_backend
 
-    cells = []
-    for i in range(3):
-        cell = keras.layers.LSTMCell(256)
-        cell.build((None, 64 if i == 0 else 256))
-        cells.append((cell,))
-    stack = StackSpec("lstm", 256, tuple(cells))
+    stack = built_stack("lstm", 3, 256, 64)
     x = torch.randn(16, 50, 64, device="cuda").half()
     lengths = torch.randint(1, 51, (16,), device="cuda")
     mask = torch.arange(50, device="cuda")[None, :] < lengths[:, None]
@@ -260,12 +243,7 @@ def test_run_trainable_trains_a_keras_gru_stack_on_the_kernels(backward_launches
     the same packed weights."""
     from rnnfuse.backends import torch as torch_backend
 
-    cells = []
-    for i in range(3):
-        cell = keras.layers.GRUCell(256)  # reset_after=True: Keras 3's default, cuDNN's
-        cell.build((None, 64 if i == 0 else 256))
-        cells.append((cell,))
-    stack = StackSpec("gru", 256, tuple(cells))
+    stack = built_stack("gru", 3, 256, 64)  # reset_after=True: Keras 3's default, cuDNN's
     x = torch.randn(16, 50, 64, device="cuda").half().requires_grad_()
     lengths = torch.randint(1, 51, (16,), device="cuda")
     lengths[0] = 50
@@ -295,45 +273,21 @@ def test_run_trainable_trains_a_keras_gru_stack_on_the_kernels(backward_launches
 # -- the tuner candidate, through predict ------------------------------------------------
 
 
-def _lstm_model(layers, units, steps):
-    keras.config.set_dtype_policy("mixed_float16")
-    try:
-        return stack_model("lstm", layers, units=units, input_size=units, steps=steps,
-                           last_return_sequences=True)
-    finally:
-        keras.config.set_dtype_policy("float32")
-
-
 def _median_call_s(model, x, repeats=7):
     """Median seconds of `model(x, training=False)` on a device batch."""
     with torch.no_grad():
-        model(x, training=False)
-        times = []
-        for _ in range(repeats):
-            torch.cuda.synchronize()
-            start = time.perf_counter()
-            model(x, training=False)
-            torch.cuda.synchronize()
-            times.append(time.perf_counter() - start)
-    return float(np.median(times))
+        return median_seconds(lambda: model(x, training=False), repeats,
+                              sync=torch.cuda.synchronize)
 
 
 @pytest.fixture
 def op_calls(monkeypatch):
     """Counts the custom op's real calls (the op still runs)."""
-    calls = []
-    real = wavefront._wavefront_op
-
-    def spy(*args):
-        calls.append(tuple(args[0].shape))
-        return real(*args)
-
-    monkeypatch.setattr(wavefront, "_wavefront_op", spy)
-    return calls
+    return record_first_shapes(monkeypatch, wavefront, "_wavefront_op", [])
 
 
 def test_predict_of_a_4x512_float16_lstm_at_batch_64_runs_the_custom_op(tmp_path, op_calls):
-    model = _lstm_model(4, 512, 1000)
+    model = float16_lstm(4, 512, 1000)
     x = np.random.default_rng(0).standard_normal((256, 1000, 512)).astype("float32")
     fast = rnnfuse.optimize(model, cache=PlanCache(tmp_path / "plans.json"))
     (layer,) = fused_layers(fast)
@@ -376,75 +330,22 @@ def test_predict_of_a_4x512_float16_lstm_at_batch_64_runs_the_custom_op(tmp_path
 
 
 def test_predict_at_batch_8_keeps_cudnn_or_the_original(tmp_path):
-    model = _lstm_model(2, 512, 1000)
-    x = np.random.default_rng(1).standard_normal((16, 1000, 512)).astype("float32")
-    fast = rnnfuse.optimize(model, cache=PlanCache(tmp_path / "plans.json"))
-    (layer,) = fused_layers(fast)
-    fast.predict(x, batch_size=8, verbose=0)
-    (record,) = first_batch.decisions(fast)
-    print("GPU_REPORT decision", json.dumps(record, default=str))
-    report("wavefront_predict_torch_b8", {"chosen": record["chosen"],
-                                          "timings_ms": record["timings_ms"],
-                                          "rejected": record["rejected"]})
-    assert "fused on wavefront" in record["timings_ms"], record
-    assert layer.plan.kernel != "wavefront" and "wavefront" not in record["chosen"], record
+    assert_batch_8_keeps_cudnn_or_the_original(tmp_path, "wavefront_predict_torch_b8")
 
 
 # -- the tuner candidate, through fit ----------------------------------------------------
 
 
-def _variable_gradients(model, x, upstream, variables):
-    """The gradients of sum(model(x, training=True) * upstream) with respect
-    to `variables` (the original model's: the optimized one trains them)."""
-    y = model(x, training=True).float()
-    params = [v.value for v in variables]
-    grads = torch.autograd.grad((y * upstream).sum(), params)
-    return [g.double() for g in grads]
-
-
-def _median_fit_s(model, x, y, batch, repeats=3):
-    model.fit(x, y, batch_size=batch, epochs=1, verbose=0)
-    times = []
-    for _ in range(repeats):
-        torch.cuda.synchronize()
-        start = time.perf_counter()
-        model.fit(x, y, batch_size=batch, epochs=1, verbose=0)
-        torch.cuda.synchronize()
-        times.append(time.perf_counter() - start)
-    return float(np.median(times))
-
-
 def test_fit_of_a_4x512_float16_lstm_at_batch_64_trains_on_the_kernels_backward(tmp_path):
-    model = _lstm_model(4, 512, 1000)
-    rng = np.random.default_rng(2)
-    x = rng.standard_normal((256, 1000, 512)).astype("float32")
-    y = (0.1 * rng.standard_normal((256, 1000, 512))).astype("float32")
-    fast = rnnfuse.optimize(model, cache=PlanCache(tmp_path / "plans.json"))
-    (layer,) = fused_layers(fast)
-    fast.compile(optimizer="sgd", loss="mse")
-    model.compile(optimizer="sgd", loss="mse")
-    fast.fit(x, y, batch_size=64, epochs=1, verbose=0)
-    (record,) = first_batch.decisions(fast)
-    print("GPU_REPORT decision", json.dumps(record, default=str))
-    assert record["mode"] == "training" and record["chosen"] == "fused on wavefront", record
-    ran = layer.last_path.kernel
-    assert ran.name == wavefront.TRAINING_KERNEL_NAME and ran.note is None, layer.last_path
-    assert ran.algorithm == "backward=stack", layer.last_path  # the default, at the headline
+    model, fast, layer, record, x, y, rng = fit_at_the_headline(
+        tmp_path, wavefront.TRAINING_KERNEL_NAME)
     # The kernel's gradients against the original layers' (same variables).
     batch = keras.ops.convert_to_tensor(x[:64])
     upstream = torch.as_tensor(rng.standard_normal((64, 1000, 512)), dtype=torch.float32,
                                device=batch.device)
-    got = _variable_gradients(fast, batch, upstream, model.trainable_variables)
+    got = torch_variable_gradients(fast, batch, upstream, model.trainable_variables)
     assert layer.last_path.kernel.name == wavefront.TRAINING_KERNEL_NAME, layer.last_path
-    want = _variable_gradients(model, batch, upstream, model.trainable_variables)
+    want = torch_variable_gradients(model, batch, upstream, model.trainable_variables)
     rel = max(float(torch.linalg.norm(g - w) / torch.linalg.norm(w)) for g, w in zip(got, want))
-    original_s = _median_fit_s(model, x, y, 64)
-    fast_s = _median_fit_s(fast, x, y, 64)
-    report("wavefront_fit_torch", {
-        "shape": "4x512 LSTM B64 T1000 float16", "chosen": record["chosen"],
-        "timings_ms": record["timings_ms"], "rejected": record["rejected"],
-        "fit_original_ms": 1e3 * original_s, "fit_optimized_ms": 1e3 * fast_s,
-        "speedup": original_s / fast_s, "grad_rel_diff": rel,
-    })
-    assert rel <= 2e-2, rel
-    assert fast_s < original_s, (fast_s, original_s)
+    assert_fit_is_faster("wavefront_fit_torch", model, fast, x, y, record, rel,
+                         sync=torch.cuda.synchronize)

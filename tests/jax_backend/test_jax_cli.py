@@ -7,20 +7,12 @@ import json
 
 import keras
 
+from builders import saved_stack
 from rnnfuse import cli
 
 
-def _saved(tmp_path):
-    model = keras.Sequential(
-        [keras.Input((6, 3)), keras.layers.LSTM(4, return_sequences=True), keras.layers.LSTM(4)]
-    )
-    path = tmp_path / "m.keras"
-    model.save(path)
-    return path
-
-
 def test_check_runs_under_jax(tmp_path, capsys):
-    code = cli.main(["check", str(_saved(tmp_path)), "--batch", "2", "--json"])
+    code = cli.main(["check", str(saved_stack(tmp_path)), "--batch", "2", "--json"])
     out = json.loads(capsys.readouterr().out)
     assert code == 0 and out["passed"]
     assert "JAX" in out["device"]
@@ -28,7 +20,7 @@ def test_check_runs_under_jax(tmp_path, capsys):
 
 def test_bench_runs_under_jax(tmp_path, capsys):
     code = cli.main(
-        ["bench", str(_saved(tmp_path)), "--batch", "2", "--repeats", "2", "--warmup", "1", "--json"]
+        ["bench", str(saved_stack(tmp_path)), "--batch", "2", "--repeats", "2", "--warmup", "1", "--json"]
     )
     out = json.loads(capsys.readouterr().out)
     assert code == 0 and len(out["optimized_ms"]) == 2

@@ -54,13 +54,6 @@ def emulated(monkeypatch):
     return emulation
 
 
-@pytest.fixture
-def half():
-    keras.config.set_dtype_policy("mixed_float16")
-    yield
-    keras.config.set_dtype_policy("float32")
-
-
 def _targets(emulation):
     return [target.removeprefix("rnnfuse_wf_ffi_") for target, _ in emulation.calls]
 

@@ -27,7 +27,7 @@ def torch_calls(monkeypatch):
     Yields a list of dicts (mode, packed, params, num_layers, dropout, train,
     bidirectional); the calls still run.
     """
-    import torch
+    from torch_checks import vf_call
 
     from rnnfuse.backends import torch as torch_backend
 
@@ -35,21 +35,7 @@ def torch_calls(monkeypatch):
     real = torch_backend.torch_rnn
 
     def spy(mode, *args):
-        # Padded: (x, hx, params, has_biases, layers, dropout, train, bidir,
-        # batch_first); packed: (data, batch_sizes, hx, params, ...bidir).
-        packed = isinstance(args[1], torch.Tensor) and args[1].dtype == torch.int64
-        rest = args[2:] if packed else args[1:]
-        calls.append(
-            dict(
-                mode=mode,
-                packed=packed,
-                params=rest[1],
-                num_layers=rest[3],
-                dropout=rest[4],
-                train=rest[5],
-                bidirectional=rest[6],
-            )
-        )
+        calls.append(vf_call(mode, args))
         return real(mode, *args)
 
     monkeypatch.setattr(torch_backend, "torch_rnn", spy)

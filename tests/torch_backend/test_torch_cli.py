@@ -7,32 +7,20 @@ import json
 
 import keras
 
+from builders import saved_stack
 from rnnfuse import cli
 
 
 def test_check_runs_under_torch(tmp_path, capsys):
-    model = keras.Sequential(
-        [keras.Input((6, 3)), keras.layers.GRU(4, return_sequences=True), keras.layers.GRU(4)]
-    )
-    path = tmp_path / "m.keras"
-    model.save(path)
-    code = cli.main(["check", str(path), "--batch", "2", "--json"])
+    code = cli.main(["check", str(saved_stack(tmp_path, keras.layers.GRU)), "--batch", "2",
+                     "--json"])
     out = json.loads(capsys.readouterr().out)
     assert code == 0 and out["passed"] and "PyTorch" in out["device"]
     assert len(out["groups"]) == 1 and all(p == "fused" for p in out["fused_paths"].values())
 
 
-def _saved(tmp_path):
-    model = keras.Sequential(
-        [keras.Input((6, 3)), keras.layers.GRU(4, return_sequences=True), keras.layers.GRU(4)]
-    )
-    path = tmp_path / "m.keras"
-    model.save(path)
-    return path
-
-
 def test_inspect_says_each_group_runs_fused_here(tmp_path, capsys):
-    code = cli.main(["inspect", str(_saved(tmp_path)), "-q"])
+    code = cli.main(["inspect", str(saved_stack(tmp_path, keras.layers.GRU)), "-q"])
     assert code == 0
     assert capsys.readouterr().out.strip() == (
         "1 group(s) of 2 layer(s) can fuse; here (torch) each runs fused; "
@@ -41,7 +29,7 @@ def test_inspect_says_each_group_runs_fused_here(tmp_path, capsys):
 
 
 def test_bench_on_a_cpu_says_how_to_steady_torchs_timings(tmp_path, capsys, monkeypatch):
-    argv = ["bench", str(_saved(tmp_path)), "--batch", "2", "--repeats", "1", "--warmup", "1", "--json"]
+    argv = ["bench", str(saved_stack(tmp_path, keras.layers.GRU)), "--batch", "2", "--repeats", "1", "--warmup", "1", "--json"]
     monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
     assert cli.main(argv) == 0
     notes = json.loads(capsys.readouterr().out)["notes"]

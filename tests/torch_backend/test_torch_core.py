@@ -19,7 +19,7 @@ import pytest
 import torch
 
 import rnnfuse
-from builders import KINDS, fused_layers, random_inputs, rnn_layer, stack_model
+from builders import KINDS, fused_layers, initial_state_case, lstm_dropout_lstm, masked_stack_case, projected_stack, random_inputs, randomize, rnn_layer, stack_model
 from core_emulation import install
 from cudnn_reference import numpy_cudnn_rnn
 from rnnfuse.backends import torch as torch_backend
@@ -35,12 +35,6 @@ L = keras.layers
 def core(monkeypatch):
     monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", False)  # as on the GPU suite
     return install(monkeypatch)
-
-
-def _randomize(model, seed=0, scale=0.5):
-    rng = np.random.default_rng(seed)
-    for v in model.weights:
-        v.assign(rng.uniform(-scale, scale, v.shape).astype(v.dtype))
 
 
 def _stack(kind, bidirectional, levels=3, steps=9, features=5, units=6, **kwargs):
@@ -81,7 +75,7 @@ def test_canonical_params_are_the_layout_the_reference_reads(kind, bidirectional
     """Keras' own layers against the NumPy reference reading the canonical
     buffer that the binding builds from PyTorch's weight list."""
     model = _stack(kind, bidirectional, levels=2)
-    _randomize(model, 1)
+    randomize(model, 1)
     x = np.random.default_rng(2).standard_normal((4, 9, 5)).astype("float32")
     cells = tuple(
         tuple(getattr(l, d).cell for d in ("forward_layer", "backward_layer"))
@@ -128,7 +122,7 @@ def test_canonical_params_refuse_a_list_of_the_wrong_length():
 @pytest.mark.parametrize("bidirectional", [False, True])
 def test_fused_stacks_run_on_the_core_with_their_gradients(kind, bidirectional, core):
     model = _stack(kind, bidirectional)
-    _randomize(model, 3, 0.5 if kind in ("lstm", "gru") else 0.2)
+    randomize(model, 3, 0.5 if kind in ("lstm", "gru") else 0.2)
     fast = rnnfuse.optimize(model, plan=rnnfuse.FUSED)
     inputs = np.random.default_rng(4).standard_normal((4, 9, 5)).astype("float32")
     _compare(model, fast, inputs)
@@ -147,12 +141,8 @@ def test_fused_stacks_run_on_the_core_with_their_gradients(kind, bidirectional, 
 
 @pytest.mark.parametrize("kind", ["lstm", "gru"])
 def test_masks_become_lengths_and_states_follow_them(kind, core):
-    model = stack_model(kind, 3, units=6, input_size=5, steps=8, masked=True,
-                        last_return_sequences=True, last_return_state=True)
-    _randomize(model, 5)
-    fast = rnnfuse.optimize(model, plan=rnnfuse.FUSED)
-    tokens = random_inputs(model, 4, np.random.default_rng(6), padding="right")
-    tokens[0, 3:] = 0
+    model, fast, tokens = masked_stack_case(kind, units=6, input_size=5, steps=8, batch=4,
+                                            seeds=(5, 6), first_row=3, last_return_state=True)
     _compare(model, fast, tokens)
     assert _ran(fast).name == cudnn_core.KERNEL_NAME
     assert core[0]["training"] is True
@@ -160,13 +150,8 @@ def test_masks_become_lengths_and_states_follow_them(kind, core):
 
 @pytest.mark.parametrize("kind", ["lstm", "gru"])
 def test_initial_states_go_backwards_and_return_state(kind, core):
-    model = stack_model(kind, 3, units=6, input_size=5, steps=8, initial_state=True,
-                        go_backwards_first=True, last_return_state=True)
-    _randomize(model, 7)
-    fast = rnnfuse.optimize(model, plan=rnnfuse.FUSED)
-    rng = np.random.default_rng(8)
-    inputs = [rng.standard_normal((4, 8, 5)).astype("float32")]
-    inputs += [rng.standard_normal((4, 6)).astype("float32") for _ in model.inputs[1:]]
+    model, fast, inputs = initial_state_case(kind, units=6, input_size=5, steps=8, batch=4,
+                                             seeds=(7, 8))
     o0, _ = _outputs_and_grads(model, inputs, model.trainable_variables)
     o1, _ = _outputs_and_grads(fast, inputs, model.trainable_variables)
     assert max(float((a - b).abs().max()) for a, b in zip(o0, o1)) <= 2e-5
@@ -263,10 +248,7 @@ def test_float64_is_refused_by_the_core_with_its_dtype():
 
 
 def test_between_layer_dropout_is_the_cores_with_the_layers_seed(core):
-    inp = keras.Input((9, 5))
-    x = L.LSTM(6, return_sequences=True)(inp)
-    x = L.Dropout(0.25, seed=5)(x)
-    model = keras.Model(inp, L.LSTM(6, return_sequences=True)(x))
+    model = lstm_dropout_lstm(6, 0.25, 9, 5, seed=5)
     fast = rnnfuse.optimize(model, plan=rnnfuse.FUSED)
     assert len(fused_layers(fast)) == 1
     fast(np.ones((2, 9, 5), "float32"), training=True)
@@ -352,16 +334,10 @@ def test_projected_lstm_stacks_and_layers_run_the_cores_projection(bidirectional
     """An optimized ProjectedLSTM stack is one core call with proj_size; a
     lone ProjectedLSTM layer's fast path reaches the core too. Both match
     Keras' generic loop (`fast_path("off")`)."""
-    from rnnfuse.layers import ProjectedLSTM
     from rnnfuse.layers.projected_lstm import fast_path
 
-    inp = keras.Input((6, 5))
-    x = inp
-    for _ in range(2):
-        layer = ProjectedLSTM(7, 3, return_sequences=True)
-        x = (L.Bidirectional(layer) if bidirectional else layer)(x)
-    model = keras.Model(inp, x)
-    _randomize(model, 13, 0.6)
+    model = projected_stack(2, 7, 3, 6, 5, bidirectional=bidirectional)
+    randomize(model, 13, 0.6)
     inputs = np.random.default_rng(14).standard_normal((3, 6, 5)).astype("float32")
     with fast_path("off"):
         o0, g0 = _outputs_and_grads(model, inputs, model.trainable_variables)

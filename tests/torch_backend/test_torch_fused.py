@@ -12,11 +12,11 @@ import numpy as np
 import pytest
 import torch
 from hypothesis import given
-from hypothesis import strategies as st
 
 import rnnfuse
-from builders import KINDS, fused_layers, max_abs_diff, random_inputs, rnn_layer, stack_model
+from builders import KINDS, fused_layers, lstm_dropout_lstm, max_abs_diff, random_inputs, rnn_layer, sequence_input, stack_model
 from rnnfuse.backends import torch as torch_backend
+from stack_cases import case_model, masked_stack_with_head, stacks
 
 L = keras.layers
 
@@ -24,6 +24,22 @@ L = keras.layers
 def _randomize(model, rng):
     for v in model.weights:
         v.assign(rng.uniform(-0.6, 0.6, v.shape).astype(v.dtype))
+
+
+def _optimized_and_compared(model, seed, torch_calls, *, cut_first_row=False):
+    """(fast, inputs): `model` randomized from `seed`, optimized, and
+    compared with its optimization on random inputs (the first row's tokens
+    from the fourth on padding where `cut_first_row`), `torch_calls`
+    holding the optimized model's calls."""
+    rng = np.random.default_rng(seed)
+    _randomize(model, rng)
+    fast = rnnfuse.optimize(model)
+    inputs = random_inputs(model, 3, rng)
+    if cut_first_row:
+        inputs[0, 3:] = 0
+    torch_calls.clear()
+    _compare(model, fast, inputs, rng, tol=2e-5, grad_tol=1e-4)
+    return fast, inputs
 
 
 def _outputs_and_grads(model, inputs, loss_w):
@@ -49,40 +65,9 @@ def _compare(model, fast, inputs, rng, *, tol, grad_tol):
         assert diff <= grad_tol, (path, diff)
 
 
-@st.composite
-def stacks(draw):
-    kind = draw(st.sampled_from(KINDS))
-    masked = draw(st.booleans())
-    return dict(
-        kind=kind,
-        num_layers=draw(st.integers(2, 4)),
-        units=draw(st.integers(1, 8)),
-        input_size=draw(st.integers(1, 6)),
-        last_return_sequences=draw(st.booleans()),
-        last_return_state=draw(st.booleans()),
-        go_backwards_first=draw(st.booleans()),
-        initial_state=draw(st.booleans()) and not masked,
-        masked=masked,
-        padding=draw(st.sampled_from(["right", "middle", "none"])),
-        seed=draw(st.integers(0, 2**16)),
-    )
-
-
-@given(case=stacks())
+@given(case=stacks(max_layers=4))
 def test_optimized_stack_matches_original(case, torch_calls):
-    model = stack_model(
-        case["kind"],
-        case["num_layers"],
-        units=case["units"],
-        input_size=case["input_size"],
-        last_return_sequences=case["last_return_sequences"],
-        last_return_state=case["last_return_state"],
-        go_backwards_first=case["go_backwards_first"],
-        initial_state=case["initial_state"],
-        masked=case["masked"],
-    )
-    rng = np.random.default_rng(case["seed"])
-    _randomize(model, rng)
+    model, rng = case_model(case)
     fast = rnnfuse.optimize(model)
     (fused,) = fused_layers(fast)
     assert fused.stack.num_levels == case["num_layers"]
@@ -103,10 +88,7 @@ def test_optimized_stack_matches_original(case, torch_calls):
 @pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("functional", [True, False])
 def test_sequential_and_functional_masked_stacks(kind, functional, torch_calls):
-    model = stack_model(kind, 3, functional=functional, head=True, masked=True)
-    fast = rnnfuse.optimize(model)
-    assert isinstance(fast, keras.Sequential) is (not functional)
-    assert len(fused_layers(fast)) == 1
+    model, fast = masked_stack_with_head(kind, functional)
     rng = np.random.default_rng(3)
     inputs = random_inputs(model, 4, rng)
     inputs[0, 2:] = 0  # at least one padded sequence
@@ -161,24 +143,14 @@ def test_masks_that_are_not_right_padded_run_the_original_layers(kind, torch_cal
 @pytest.mark.parametrize("kind", ["lstm", "rnn_tanh"])
 def test_go_backwards_first_layer(kind, torch_calls):
     model = stack_model(kind, 3, go_backwards_first=True, last_return_sequences=True)
-    rng = np.random.default_rng(2)
-    _randomize(model, rng)
-    fast = rnnfuse.optimize(model)
-    x = random_inputs(model, 3, rng)
-    torch_calls.clear()
-    _compare(model, fast, x, rng, tol=2e-5, grad_tol=1e-4)
+    _optimized_and_compared(model, 2, torch_calls)
     assert len(torch_calls) == 1
 
 
 @pytest.mark.parametrize("kind", KINDS)
 def test_initial_state_and_return_state(kind, torch_calls):
     model = stack_model(kind, 3, initial_state=True, last_return_state=True, last_return_sequences=True)
-    rng = np.random.default_rng(6)
-    _randomize(model, rng)
-    fast = rnnfuse.optimize(model)
-    inputs = random_inputs(model, 3, rng)
-    torch_calls.clear()
-    _compare(model, fast, inputs, rng, tol=2e-5, grad_tol=1e-4)
+    fast, inputs = _optimized_and_compared(model, 6, torch_calls)
     assert len(torch_calls) == 1
     assert len(fast(inputs)) == 1 + (2 if kind == "lstm" else 1)
 
@@ -187,25 +159,13 @@ def test_initial_state_and_return_state(kind, torch_calls):
 @pytest.mark.parametrize("merge_mode", ["concat", "sum", None])
 @pytest.mark.parametrize("masked", [False, True])
 def test_bidirectional_stacks(kind, merge_mode, masked, torch_calls):
-    if masked:
-        inp = keras.Input((7,), dtype="int32")
-        x = L.Embedding(11, 5, mask_zero=True)(inp)
-    else:
-        inp = keras.Input((7, 5))
-        x = inp
+    inp, x = sequence_input(masked, 7, 5)
     for i in range(3):
         last = i == 2
         layer = rnn_layer(kind, 4, return_sequences=True, return_state=last)
         x = L.Bidirectional(layer, merge_mode=merge_mode if last else "concat")(x)
     model = keras.Model(inp, x)
-    rng = np.random.default_rng(9)
-    _randomize(model, rng)
-    fast = rnnfuse.optimize(model)
-    inputs = random_inputs(model, 3, rng)
-    if masked:
-        inputs[0, 3:] = 0
-    torch_calls.clear()
-    _compare(model, fast, inputs, rng, tol=2e-5, grad_tol=1e-4)
+    _optimized_and_compared(model, 9, torch_calls, cut_first_row=masked)
     assert len(torch_calls) == 1
     assert torch_calls[0]["bidirectional"] and torch_calls[0]["num_layers"] == 3
 
@@ -213,12 +173,7 @@ def test_bidirectional_stacks(kind, merge_mode, masked, torch_calls):
 def _merged_stack(kind, merge_mode, *, masked, levels=3, units=4, layer=None):
     """`levels` Bidirectional layers; all but the top merge by `merge_mode`,
     the top concatenates and returns its states."""
-    if masked:
-        inp = keras.Input((7,), dtype="int32")
-        x = L.Embedding(11, 5, mask_zero=True)(inp)
-    else:
-        inp = keras.Input((7, 5))
-        x = inp
+    inp, x = sequence_input(masked, 7, 5)
     layer = layer or (lambda **kw: rnn_layer(kind, units, **kw))
     for i in range(levels):
         last = i == levels - 1
@@ -411,11 +366,7 @@ def test_fit_on_the_optimized_model_trains_the_original_like_fit_on_it(kind, tor
 
 
 def test_absorbed_dropout_goes_to_the_fused_call_when_training(torch_calls):
-    inp = keras.Input((6, 3))
-    x = L.LSTM(5, return_sequences=True)(inp)
-    x = L.Dropout(0.25)(x)
-    x = L.LSTM(5, return_sequences=True)(x)
-    model = keras.Model(inp, x)
+    model = lstm_dropout_lstm(5, 0.25, 6, 3)
     fast = rnnfuse.optimize(model)
     (fused,) = fused_layers(fast)
     assert fused.absorbed_dropout
@@ -454,12 +405,7 @@ def test_rnn_of_cells_and_stacked_cells(kind, torch_calls):
     x = L.RNN(L.StackedRNNCells([cell(4, **kwargs), cell(4, **kwargs)]), return_sequences=True)(inp)
     x = L.RNN(cell(4, **kwargs), return_sequences=True)(x)
     model = keras.Model(inp, x)
-    rng = np.random.default_rng(3)
-    _randomize(model, rng)
-    fast = rnnfuse.optimize(model)
-    x = random_inputs(model, 3, rng)
-    torch_calls.clear()
-    _compare(model, fast, x, rng, tol=2e-5, grad_tol=1e-4)
+    _optimized_and_compared(model, 3, torch_calls)
     assert len(torch_calls) == 1 and torch_calls[0]["num_layers"] == 3
 
 

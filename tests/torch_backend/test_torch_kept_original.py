@@ -64,12 +64,19 @@ def _data(model, n=8, seed=0):
     return x, np.asarray(model.predict(x, verbose=0))
 
 
-def test_a_kept_original_group_runs_the_original_calls_and_no_wrapper_work(fake_gpu, monkeypatch):
-    model = stack_model("gru", 3, steps=6)
+def _kept_and_fit(model):
+    """(fast, x, y): `model` optimized on a clock where the original layers
+    are faster, compiled and fit one epoch on `_data`."""
     fast = _optimized(model, {"per-layer": 1.0, "fused": 5.0})
     x, y = _data(model)
     fast.compile(optimizer="sgd", loss="mse")
     fast.fit(x, y, batch_size=4, epochs=1, verbose=0)
+    return fast, x, y
+
+
+def test_a_kept_original_group_runs_the_original_calls_and_no_wrapper_work(fake_gpu, monkeypatch):
+    model = stack_model("gru", 3, steps=6)
+    fast, x, y = _kept_and_fit(model)
     fast.predict(x, batch_size=4, verbose=0)
     (layer,) = fused_layers(fast)
     assert all(r.plan.per_layer for r in fast._rnnfuse_autotune.decided.values())
@@ -93,10 +100,7 @@ def test_a_mode_decided_fused_or_not_yet_decided_goes_through_the_wrapper(fake_g
     # Training keeps the original layers; inference is not decided before
     # the first predict, which must time it (through the planner).
     model = stack_model("lstm", 2, steps=5)
-    fast = _optimized(model, {"per-layer": 1.0, "fused": 5.0})
-    x, y = _data(model)
-    fast.compile(optimizer="sgd", loss="mse")
-    fast.fit(x, y, batch_size=4, epochs=1, verbose=0)
+    fast, x, y = _kept_and_fit(model)
     (layer,) = fused_layers(fast)
     spies = _Spies(monkeypatch, layer.fused_layers)
     fast.train_on_batch(x[:4], y[:4])

@@ -14,11 +14,11 @@ import numpy as np
 import pytest
 import torch
 
-from builders import KINDS, rnn_layer
+from builders import KINDS, rnn_layer, stack_spec
+from lstmp_reference import lstmp
 from rnnfuse.backends import torch as torch_backend
 from rnnfuse.backends.base import GATES, StackCall, StackSpec
 from rnnfuse.layers import ProjectedLSTM
-from rnnfuse.recurrent import describe, input_merges
 
 B, T, F, H = 3, 6, 5, 4
 
@@ -41,17 +41,6 @@ def _build(kind, num_levels, bidirectional, use_bias=True, rng=None):
         y = layer(y)[0]
     _randomize(layers, rng)
     return layers, x
-
-
-def _spec(layers) -> StackSpec:
-    views = [describe(layer) for layer in layers]
-    return StackSpec(
-        kind=views[0].kind,
-        units=views[0].units,
-        cells=tuple(level for v in views for level in v.levels),
-        proj_size=views[0].proj_size,
-        input_merges=input_merges(views),
-    )
 
 
 def _keras_reference(layers, x, kind):
@@ -79,7 +68,7 @@ def _np(t):
 def test_run_stack_matches_keras_layers(kind, num_levels, bidirectional, torch_calls):
     layers, x = _build(kind, num_levels, bidirectional, rng=np.random.default_rng(num_levels))
     expected, states = _keras_reference(layers, x, kind)
-    spec = _spec(layers)
+    spec = stack_spec(layers)
     out, h, c, _ = torch_backend.run_stack(keras.ops.convert_to_tensor(x), StackCall(spec))
 
     assert [call["mode"] for call in torch_calls] == [kind], "not one fused call"
@@ -100,7 +89,7 @@ def test_run_stack_matches_keras_layers(kind, num_levels, bidirectional, torch_c
 def test_use_bias_false_matches_keras(kind):
     layers, x = _build(kind, 2, False, use_bias=False)
     expected, _ = _keras_reference(layers, x, kind)
-    out, _, _, _ = torch_backend.run_stack(keras.ops.convert_to_tensor(x), StackCall(_spec(layers)))
+    out, _, _, _ = torch_backend.run_stack(keras.ops.convert_to_tensor(x), StackCall(stack_spec(layers)))
     np.testing.assert_allclose(_np(out), _np(expected), atol=2e-6)
 
 
@@ -109,7 +98,7 @@ def test_weight_list_layout_per_kind():
     rng = np.random.default_rng(1)
     for kind in KINDS:
         layers, _ = _build(kind, 2, True, rng=rng)
-        spec = _spec(layers)
+        spec = stack_spec(layers)
         params = torch_backend.pack_params(spec)
         g = GATES[kind]
         assert len(params) == 4 * 4
@@ -145,7 +134,7 @@ def test_gradients_reach_the_original_variables(kind):
     loss = (expected * w[: expected.shape[-1]]).sum()
     expected_grads = torch.autograd.grad(loss, params)
 
-    out, _, _, _ = torch_backend.run_stack(keras.ops.convert_to_tensor(x), StackCall(_spec(layers)))
+    out, _, _, _ = torch_backend.run_stack(keras.ops.convert_to_tensor(x), StackCall(stack_spec(layers)))
     loss = (out * w[: out.shape[-1]]).sum()
     got_grads = torch.autograd.grad(loss, params)
     for v, g, e in zip(variables, got_grads, expected_grads):
@@ -155,7 +144,7 @@ def test_gradients_reach_the_original_variables(kind):
 
 def test_assigning_a_variable_changes_the_fused_output():
     layers, x = _build("gru", 2, False)
-    spec = _spec(layers)
+    spec = stack_spec(layers)
     before = _np(torch_backend.run_stack(keras.ops.convert_to_tensor(x), StackCall(spec))[0])
     cell = spec.cells[1][0]
     cell.recurrent_kernel.assign(np.zeros(cell.recurrent_kernel.shape, "float32"))
@@ -167,20 +156,11 @@ def test_assigning_a_variable_changes_the_fused_output():
 
 def _numpy_lstmp(x, cells, h0, c0):
     """Independent NumPy LSTMP over levels (unidirectional): the equations."""
-    sig = lambda v: 1 / (1 + np.exp(-v))  # noqa: E731
     y = x.astype(np.float64)
     hs, cs = [], []
     for level, cell in enumerate(cells):
         k, r, b, p = (_np(cell.kernel), _np(cell.recurrent_kernel), _np(cell.bias), _np(cell.projection_kernel))
-        h, c = h0[level].astype(np.float64), c0[level].astype(np.float64)
-        outs = []
-        for t in range(y.shape[1]):
-            z = y[:, t] @ k + h @ r + b
-            i, f, g, o = np.split(z, 4, axis=-1)
-            c = sig(f) * c + sig(i) * np.tanh(g)
-            h = (sig(o) * np.tanh(c)) @ p
-            outs.append(h)
-        y = np.stack(outs, axis=1)
+        y, h, c = lstmp(y, (k, r, b, p), h0[level].astype(np.float64), c0[level].astype(np.float64))
         hs.append(h)
         cs.append(c)
     return y, hs, cs
@@ -197,7 +177,7 @@ def test_projection_matches_numpy_lstmp_reference(torch_calls):
     _randomize(layers, rng)
     h0 = rng.standard_normal((3, B, proj)).astype("float32")
     c0 = rng.standard_normal((3, B, units)).astype("float32")
-    spec = _spec(layers)
+    spec = stack_spec(layers)
     assert spec.proj_size == proj
     torch_calls.clear()  # building the layers ran their own (single-layer) calls
     out, h, c, _ = torch_backend.run_stack(
@@ -218,7 +198,7 @@ def test_lengths_reverse_and_initial_states_match_a_per_sequence_run():
     """Masked run == each sequence run alone on its own length."""
     rng = np.random.default_rng(5)
     layers, x = _build("lstm", 2, True, rng=rng)
-    spec = _spec(layers)
+    spec = stack_spec(layers)
     lengths = [6, 2, 4]
     mask = np.arange(T)[None, :] < np.array(lengths)[:, None]
     h0 = [rng.standard_normal((B, H)).astype("float32") for _ in range(4)]
@@ -268,7 +248,7 @@ def test_unsupported_reason():
 def test_per_level_calls_compute_what_one_call_computes(kind, bidirectional, masked, torch_calls):
     rng = np.random.default_rng(21)
     layers, x = _build(kind, 3, bidirectional, rng=rng)
-    spec = _spec(layers)
+    spec = stack_spec(layers)
     mask = (np.arange(T)[None, :] < np.array([6, 3, 1])[:, None]) if masked else None
     n = 2 if kind == "lstm" else 1
     h0 = [rng.standard_normal((B, H)).astype("float32") for _ in range(spec.num_pseudo_layers)]
@@ -290,7 +270,7 @@ def test_per_level_calls_compute_what_one_call_computes(kind, bidirectional, mas
 def test_call_mode_auto_is_one_call_on_the_cpu(torch_calls):
     layers, x = _build("lstm", 3, False)
     assert torch_backend.get_call_mode() == "auto"
-    torch_backend.run_stack(keras.ops.convert_to_tensor(x).half(), StackCall(_spec(layers)))
+    torch_backend.run_stack(keras.ops.convert_to_tensor(x).half(), StackCall(stack_spec(layers)))
     assert [c["num_layers"] for c in torch_calls] == [3]
     with pytest.raises(ValueError, match="per_level"):
         torch_backend.set_call_mode("split")
@@ -299,7 +279,7 @@ def test_call_mode_auto_is_one_call_on_the_cpu(torch_calls):
 def test_per_level_calls_apply_between_level_dropout(torch_calls):
     layers, x = _build("gru", 3, False)
     xt = keras.ops.convert_to_tensor(x)
-    spec = _spec(layers)
+    spec = stack_spec(layers)
     with torch_backend.call_mode("per_level"):
         plain = _np(torch_backend.run_stack(xt, StackCall(spec))[0])
         torch.manual_seed(0)
@@ -325,7 +305,7 @@ def test_sum_and_ave_merges_pack_the_next_input_kernel_doubled(kind, merge_mode,
     x = keras.ops.convert_to_tensor(rng.standard_normal((B, T, F)).astype("float32"))
     layers[1](layers[0](x))
     _randomize(layers, rng)
-    spec = _spec(layers)
+    spec = stack_spec(layers)
     assert spec.input_merges == (None, merge_mode)
     params = torch_backend.pack_params(spec)
     g = GATES[kind]

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import rnnfuse
-from builders import fused_layers, max_abs_diff
+from builders import fused_layers, max_abs_diff, sequence_input
 from rnnfuse.layers import ProjectedLSTM
 from rnnfuse.layers.projected_lstm import fast_path
 
@@ -24,12 +24,7 @@ UNITS, PROJ, STEPS, FEATURES = 7, 3, 6, 5
 
 
 def _model(num_layers, *, bidirectional=False, masked=False, return_state=False, initial_state=False):
-    if masked:
-        inp = keras.Input((STEPS,), dtype="int32")
-        x = L.Embedding(11, FEATURES, mask_zero=True)(inp)
-    else:
-        inp = keras.Input((STEPS, FEATURES))
-        x = inp
+    inp, x = sequence_input(masked, STEPS, FEATURES)
     inputs = [inp]
     for i in range(num_layers):
         last = i == num_layers - 1
@@ -132,12 +127,7 @@ def test_projected_mixed_bfloat16(torch_calls):
 
 def _single(*, bidirectional=False, masked=False, initial_state=False, dtype=None, **kwargs):
     """One ProjectedLSTM (or Bidirectional) layer returning sequences and states."""
-    if masked:
-        inp = keras.Input((STEPS,), dtype="int32")
-        x = L.Embedding(11, FEATURES, mask_zero=True)(inp)
-    else:
-        inp = keras.Input((STEPS, FEATURES))
-        x = inp
+    inp, x = sequence_input(masked, STEPS, FEATURES)
     layer = ProjectedLSTM(
         UNITS, PROJ, return_sequences=True, return_state=True, dtype=dtype, **kwargs
     )

@@ -9,11 +9,12 @@ why (the caller's cue to run cuDNN).
 
 from __future__ import annotations
 
-import keras
 import pytest
 import torch
 
-from rnnfuse.backends.base import StackCall, StackSpec
+from builders import built_stack
+from torch_checks import module_run
+from rnnfuse.backends.base import StackCall
 from rnnfuse.backends.torch import wavefront
 
 
@@ -32,18 +33,12 @@ def test_the_reference_is_pytorchs_own_recurrence(kind, with_lengths):
     c0 = torch.randn(layers, batch, units, dtype=torch.float64)
     lengths = torch.randint(1, steps + 1, (batch,)) if with_lengths else None
     y, hy, cy = wavefront.reference_forward(kind, mod._flat_weights, x, h0, c0, lengths)
-    state = (h0, c0) if kind == "lstm" else h0
     with torch.no_grad():
-        if lengths is None:
-            want, st = mod(x, state)
-        else:
-            packed = torch.nn.utils.rnn.pack_padded_sequence(x, lengths, enforce_sorted=False)
-            out, st = mod(packed, state)
-            want, _ = torch.nn.utils.rnn.pad_packed_sequence(out, total_length=steps)
+        want, want_h, want_c = module_run(mod, kind, x, h0, c0, lengths)
     torch.testing.assert_close(y, want, rtol=0, atol=1e-12)
-    torch.testing.assert_close(hy, st[0] if kind == "lstm" else st, rtol=0, atol=1e-12)
+    torch.testing.assert_close(hy, want_h, rtol=0, atol=1e-12)
     if kind == "lstm":
-        torch.testing.assert_close(cy, st[1], rtol=0, atol=1e-12)
+        torch.testing.assert_close(cy, want_c, rtol=0, atol=1e-12)
 
 
 def test_flat_params_is_the_canonical_layout():
@@ -84,12 +79,7 @@ def test_the_custom_op_has_shapes_for_tracing():
 
 
 def test_run_stack_refuses_on_the_cpu_with_the_reason():
-    cells = []
-    for i in range(2):
-        cell = keras.layers.LSTMCell(8)
-        cell.build((None, 3 if i == 0 else 8))
-        cells.append((cell,))
-    stack = StackSpec("lstm", 8, tuple(cells))
+    stack = built_stack("lstm", 2, 8, 3)
     x = torch.zeros(2, 5, 3, dtype=torch.float16)
     with pytest.raises(NotImplementedError, match="CUDA devices only"):
         wavefront.run_stack(x, StackCall(stack))

@@ -16,12 +16,11 @@ from __future__ import annotations
 
 import functools
 
-import keras
 import pytest
 import torch
 
-from builders import spy_on
-from rnnfuse.backends.base import StackCall, StackSpec
+from builders import answering, built_stack, spy_each
+from rnnfuse.backends.base import StackCall
 from rnnfuse.backends.torch import wavefront
 
 TORCH_KERNELS = dict(saving=wavefront.reference_forward_saving,
@@ -168,10 +167,7 @@ def test_auto_is_the_layer_backward_off_a_cuda_device():
 @pytest.fixture
 def ran_backward(monkeypatch):
     """Which of the two backward passes ran: a spy around each (they still run)."""
-    ran = []
-    for name in ("backward_stack", "backward_stack_wavefront"):
-        spy_on(monkeypatch, wavefront, name, ran)
-    return ran
+    return spy_each(monkeypatch, wavefront, ("backward_stack", "backward_stack_wavefront"))
 
 
 @pytest.mark.parametrize("refusal", [None, "L x ceil(H/16) CTAs do not fit the SMs"])
@@ -184,13 +180,8 @@ def test_auto_runs_the_stack_backward_where_its_plan_accepts_the_stack(monkeypat
     float64 reference (the torch stand-in of the recurrence that runs)."""
     library = wavefront._library()
     asked = []
-
-    def stack_reason(*args):
-        asked.append(args)
-        return refusal
-
     monkeypatch.setattr(wavefront, "_stack_unavailable", lambda device: None)
-    monkeypatch.setattr(library, "backward_stack_reason", stack_reason)
+    monkeypatch.setattr(library, "backward_stack_reason", answering(refusal, asked))
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
     weights, x, h0, c0, lengths = _inputs(3, 8, 4, 6, 5, True)
     choice = wavefront.backward_choice(x, h0)
@@ -279,12 +270,7 @@ def test_training_calls_it_cannot_run_say_why():
 
 
 def _stack(layers, units, inputs):
-    cells = []
-    for i in range(layers):
-        cell = keras.layers.LSTMCell(units, dtype="float64")
-        cell.build((None, inputs if i == 0 else units))
-        cells.append((cell,))
-    return StackSpec("lstm", units, tuple(cells))
+    return built_stack("lstm", layers, units, inputs, dtype="float64")
 
 
 def test_run_trainable_refuses_the_cpu():

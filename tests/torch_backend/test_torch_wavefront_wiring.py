@@ -21,13 +21,12 @@ tuner. The real kernels run on the GPU
 
 from __future__ import annotations
 
-import keras
 import numpy as np
 import pytest
 import torch
 
 import rnnfuse
-from builders import fused_layers, fused_with_plan, max_abs_diff, wavefront_inputs, wavefront_stack
+from builders import fused_layers, fused_with_plan, max_abs_diff, wavefront_inputs, wavefront_mask, wavefront_stack
 from fake_clock import FakeTimer
 from rnnfuse.backends.cuda import library
 from rnnfuse.backends.torch import wavefront
@@ -111,19 +110,11 @@ def fake_kernel(monkeypatch):
     yield kernel
 
 
-@pytest.fixture
-def half():
-    keras.config.set_dtype_policy("mixed_float16")
-    yield
-
-
 @pytest.mark.parametrize("kind", ["lstm", "gru"])
 @pytest.mark.parametrize("masked", [False, True])
 def test_an_inference_call_runs_the_custom_op(fake_kernel, half, kind, masked):
-    model = wavefront_stack(kind, go_backwards_first=not masked)
-    layer = fused_with_plan(model, WAVEFRONT)
-    x = wavefront_inputs()
-    mask = (np.arange(7)[None, :] < np.array([7, 5, 3, 6])[:, None]) if masked else None
+    layer = fused_with_plan(wavefront_stack(kind, go_backwards_first=not masked), WAVEFRONT)
+    x, mask = wavefront_inputs(), wavefront_mask(masked)
     with torch.no_grad():
         y = layer(x, mask=mask, training=False)
     ran = layer.last_path.kernel
@@ -138,6 +129,15 @@ def test_an_inference_call_runs_the_custom_op(fake_kernel, half, kind, masked):
     assert max_abs_diff(y, want) <= 2e-3 and max_abs_diff(y, original) <= FP16_TOL
 
 
+def _layer_inputs_and_weights(kind, plan=WAVEFRONT, *, units=8, **stack_kwargs):
+    """(a `wavefront_stack`'s FusedRNN on `plan`, its inputs, loss weights
+    of its outputs' shape): a gradient test's case."""
+    layer = fused_with_plan(wavefront_stack(kind, units=units, **stack_kwargs), plan)
+    weights = torch.tensor(np.random.default_rng(3).standard_normal((4, 7, units)),
+                           dtype=torch.float32)
+    return layer, wavefront_inputs(), weights
+
+
 def _training_gradients(layer, x, weights, training=True):
     """The gradients of a weighted sum of `layer`'s outputs, as a training
     step takes them: (the variables' gradients, in layer order)."""
@@ -149,9 +149,7 @@ def _training_gradients(layer, x, weights, training=True):
 
 @pytest.mark.parametrize("kind", ["lstm", "gru"])
 def test_a_training_call_runs_the_kernels_forward_and_backward(fake_kernel, half, kind):
-    layer = fused_with_plan(wavefront_stack(kind), WAVEFRONT)
-    x = wavefront_inputs()
-    weights = torch.tensor(np.random.default_rng(3).standard_normal((4, 7, 8)), dtype=torch.float32)
+    layer, x, weights = _layer_inputs_and_weights(kind)
     grads = _training_gradients(layer, x, weights)
     assert layer.last_path.kernel.name == wavefront.TRAINING_KERNEL_NAME
     assert layer.last_path.kernel.note is None
@@ -203,9 +201,7 @@ def _gradients(layer, x, weights):
 
 @pytest.mark.parametrize("kind", ["lstm", "gru"])
 def test_gradients_through_an_inference_call_are_the_kernels(fake_kernel, half, kind):
-    layer = fused_with_plan(wavefront_stack(kind), WAVEFRONT)
-    x = wavefront_inputs()
-    weights = torch.tensor(np.random.default_rng(3).standard_normal((4, 7, 8)), dtype=torch.float32)
+    layer, x, weights = _layer_inputs_and_weights(kind)
     grads = _gradients(layer, x, weights)
     assert [c.get("saving") for c in fake_kernel.calls] == [True]
     assert fake_kernel.recurrences == 2
@@ -265,17 +261,25 @@ def test_a_kernel_backward_with_wrong_gradients_is_rejected(fake_kernel, half, m
     assert "gradient error" in trained.rejected["fused on wavefront"]
 
 
-@pytest.mark.parametrize("kind", ["lstm", "gru"])
-def test_predict_and_fit_each_choose_their_plan(fake_kernel, half, tmp_path, monkeypatch, kind):
-    # A device to time on (the timer is fake; the steps run on the CPU).
+def _tuned_here(model, tmp_path, monkeypatch, fastest):
+    """(fast, its FusedRNN): `model` optimized to tune on its first batch,
+    here on the CPU, on a fake timer that makes `fastest` the fastest plan
+    (0.5 s against per-layer's 2 and fused's 1)."""
     monkeypatch.setattr(first_batch, "can_time_here", lambda environment=None: True)
-    model = wavefront_stack(kind)
     fast = rnnfuse.optimize(model, cache=PlanCache(tmp_path / "plans.json"))
     state = fast._rnnfuse_autotune
     state.environment = dict(ENV)
-    state.measure = FakeTimer({"per-layer": 2.0, "fused": 1.0, "fused on wavefront": 0.5})
+    state.measure = FakeTimer({"per-layer": 2.0, "fused": 1.0, fastest: 0.5})
     state.fit_share = None  # a tiny predict times everything
     (layer,) = fused_layers(fast)
+    return fast, layer
+
+
+@pytest.mark.parametrize("kind", ["lstm", "gru"])
+def test_predict_and_fit_each_choose_their_plan(fake_kernel, half, tmp_path, monkeypatch, kind):
+    # A device to time on (the timer is fake; the steps run on the CPU).
+    model = wavefront_stack(kind)
+    fast, layer = _tuned_here(model, tmp_path, monkeypatch, "fused on wavefront")
     x = wavefront_inputs(batch=8)
     y = fast.predict(x, batch_size=8, verbose=0)
     assert layer.plan == WAVEFRONT
@@ -315,10 +319,7 @@ def test_a_stack_over_the_limit_runs_as_segments_on_the_custom_op(fake_kernel, h
 
 @pytest.mark.parametrize("kind", ["lstm", "gru"])
 def test_a_training_call_runs_each_segments_forward_and_backward(fake_kernel, half, kind):
-    layer = fused_with_plan(wavefront_stack(kind, layers=4, units=16), SEGMENTS)
-    x = wavefront_inputs()
-    weights = torch.tensor(np.random.default_rng(3).standard_normal((4, 7, 16)),
-                           dtype=torch.float32)
+    layer, x, weights = _layer_inputs_and_weights(kind, SEGMENTS, layers=4, units=16)
     grads = _training_gradients(layer, x, weights)
     ran = layer.last_path.kernel
     assert ran.name == wavefront.TRAINING_KERNEL_NAME and ran.note is None
@@ -368,14 +369,8 @@ def test_the_tuner_times_segments_where_the_whole_stack_does_not_fit(
 
 def test_predict_and_fit_choose_segments_on_the_first_batch(
         fake_kernel, half, tmp_path, monkeypatch):
-    monkeypatch.setattr(first_batch, "can_time_here", lambda environment=None: True)
     model = wavefront_stack(layers=4, units=16)
-    fast = rnnfuse.optimize(model, cache=PlanCache(tmp_path / "plans.json"))
-    state = fast._rnnfuse_autotune
-    state.environment = dict(ENV)
-    state.measure = FakeTimer({"per-layer": 2.0, "fused": 1.0, "split 2+2 on wavefront": 0.5})
-    state.fit_share = None  # a tiny predict times everything
-    (layer,) = fused_layers(fast)
+    fast, layer = _tuned_here(model, tmp_path, monkeypatch, "split 2+2 on wavefront")
     x = wavefront_inputs(batch=8)
     y = fast.predict(x, batch_size=8, verbose=0)
     assert layer.plan == SEGMENTS

@@ -29,10 +29,11 @@ import pytest
 import torch
 
 import rnnfuse
-from builders import fused_with_plan, max_abs_diff, wavefront_inputs
+from builders import fused_with_plan, max_abs_diff, wavefront_inputs, wavefront_mask
 from rnnfuse.backends.cuda import library
 from rnnfuse.backends.torch import wavefront, wavefront_bidirectional as bidir
 from rnnfuse.plan import FUSED, Plan
+from torch_checks import module_run, planned_then_original
 
 WAVEFRONT = Plan((2,), kernel="wavefront")
 FP16_TOL = 5e-3
@@ -110,15 +111,8 @@ def _torch_rnn(kind, layers, units, inputs, seed):
 
 
 def _cudnn_semantics(mod, kind, x, h0, c0, lengths):
-    state = (h0, c0) if kind == "lstm" else h0
     with torch.no_grad():
-        if lengths is None:
-            y, st = mod(x, state)
-        else:
-            packed = torch.nn.utils.rnn.pack_padded_sequence(x, lengths, enforce_sorted=False)
-            yp, st = mod(packed, state)
-            y, _ = torch.nn.utils.rnn.pad_packed_sequence(yp, total_length=x.shape[0])
-    return (y, *st) if kind == "lstm" else (y, st, None)
+        return module_run(mod, kind, x, h0, c0, lengths)
 
 
 @pytest.mark.parametrize("kind", ["lstm", "gru"])
@@ -213,7 +207,7 @@ def test_the_training_form_has_pytorchs_bidirectional_gradients(fake_training, k
     def pytorchs(leaves, weights):
         ref = _torch_rnn(kind, layers, units, inputs, seed=0)
         ref._flat_weights = weights  # autograd through these very tensors
-        y, hy, cy = _cudnn_semantics_grad(ref, kind, leaves[0], leaves[1], leaves[2], lens)
+        y, hy, cy = module_run(ref, kind, leaves[0], leaves[1], leaves[2], lens)
         return y, hy, cy
 
     got, want = grads(ours), grads(pytorchs)
@@ -221,19 +215,6 @@ def test_the_training_form_has_pytorchs_bidirectional_gradients(fake_training, k
     assert len(got) == len(want)
     for g, w in zip(got, want):
         torch.testing.assert_close(g, w, rtol=0, atol=1e-10)
-
-
-def _cudnn_semantics_grad(mod, kind, x, h0, c0, lengths):
-    """`_cudnn_semantics` with autograd on (PyTorch's RNN through
-    `torch._VF`, packed for lengths)."""
-    state = (h0, c0) if kind == "lstm" else h0
-    if lengths is None:
-        y, st = mod(x, state)
-    else:
-        packed = torch.nn.utils.rnn.pack_padded_sequence(x, lengths, enforce_sorted=False)
-        yp, st = mod(packed, state)
-        y, _ = torch.nn.utils.rnn.pad_packed_sequence(yp, total_length=x.shape[0])
-    return (y, *st) if kind == "lstm" else (y, st, None)
 
 
 def test_weights_that_are_not_a_layers_eight_tensors_are_a_clear_error():
@@ -260,12 +241,6 @@ def enabled(monkeypatch, fake_op):
     monkeypatch.setattr(bidir, "training_reason", reason)
     fake_op.asked = asked
     return fake_op
-
-
-@pytest.fixture
-def half():
-    keras.config.set_dtype_policy("mixed_float16")
-    yield
 
 
 def _bi_model(kind="lstm", merge_mode="concat", layers=2, units=8, steps=7):
@@ -299,12 +274,8 @@ def test_a_masked_call_reverses_each_row_within_its_length(enabled, half):
     model = _bi_model()
     layer = fused_with_plan(model, WAVEFRONT)
     x = wavefront_inputs()
-    mask = np.arange(7)[None, :] < np.array([7, 5, 3, 6])[:, None]
-    with torch.no_grad():
-        y = layer(x, mask=mask, training=False)
-        ran = layer.last_path.kernel
-        layer.set_plan(Plan(()))
-        original = layer(x, mask=mask, training=False)
+    mask = wavefront_mask()
+    y, ran, original = planned_then_original(layer, x, mask)
     assert ran.name == bidir.KERNEL_NAME and ran.note is None, layer.last_path
     assert [c["lengths"] for c in enabled.calls] == [4, 4]
     assert max_abs_diff(y, original) <= FP16_TOL

@@ -485,6 +485,26 @@ class Tracked:
         self.w_end[idx] = epoch
 
 
+def _case(shape, seed_shift=0):
+    """A stack's saved forward and upstream gradients, and the reference."""
+    layers, units, batch, steps, inputs, with_lengths = shape
+    gen = torch.Generator().manual_seed(sum(shape) + seed_shift)
+    mod = torch.nn.LSTM(inputs, units, layers).double()
+    params = wavefront.flat_params([w.detach() for w in mod._flat_weights])
+    rand = lambda *s, scale=1.0: torch.randn(*s, generator=gen, dtype=torch.float64) * scale  # noqa: E731
+    x = rand(steps, batch, inputs)
+    h0, c0 = rand(layers, batch, units, scale=0.5), rand(layers, batch, units, scale=0.5)
+    lengths = None
+    if with_lengths:
+        lengths = torch.randint(1, steps + 1, (batch,), generator=gen)
+        lengths[0] = steps
+    _, _, _, (_, gates, cseq) = wavefront.reference_forward_saving(x, params, h0, c0, lengths)
+    dy, dhy, dcy = rand(steps, batch, units), rand(layers, batch, units), rand(layers, batch, units)
+    lens = lengths.to(torch.int32) if lengths is not None else None
+    args = (params, inputs, gates, cseq, c0, dy, dhy, dcy, lens)
+    return args, wavefront.stack_recurrence_reference(*args)
+
+
 def emulate(params, input_size, gates, cseq, c0, dy, dhy, dcy, lengths, *, seed=0, sms=132,
             smem=232448, variant=0, mutate=""):
     L, T, B, H = cseq.shape
@@ -527,23 +547,9 @@ def test_the_kernel_emulation_matches_the_stack_recurrence(shape):
     layers, units, batch, steps, inputs, with_lengths, sms, *smem = shape
     if smem:
         assert plan(layers, units, batch, sms, *smem)["ds_bufs"] == 1
-    gen = torch.Generator().manual_seed(sum(shape))
-    mod = torch.nn.LSTM(inputs, units, layers).double()
-    params = wavefront.flat_params([w.detach() for w in mod._flat_weights])
-    rand = lambda *s, scale=1.0: torch.randn(*s, generator=gen, dtype=torch.float64) * scale  # noqa: E731
-    x = rand(steps, batch, inputs)
-    h0, c0 = rand(layers, batch, units, scale=0.5), rand(layers, batch, units, scale=0.5)
-    lengths = None
-    if with_lengths:
-        lengths = torch.randint(1, steps + 1, (batch,), generator=gen)
-        lengths[0] = steps
-    y, _, _, (_, gates, cseq) = wavefront.reference_forward_saving(x, params, h0, c0, lengths)
-    dy, dhy, dcy = rand(steps, batch, units), rand(layers, batch, units), rand(layers, batch, units)
-    lens = lengths.to(torch.int32) if lengths is not None else None
-    want = wavefront.stack_recurrence_reference(params, inputs, gates, cseq, c0, dy, dhy, dcy, lens)
+    args, want = _case(shape[:6], seed_shift=sum(shape[6:]))
     for seed in range(2):
-        got = emulate(params, inputs, gates, cseq, c0, dy, dhy, dcy, lens, seed=seed, sms=sms,
-                      smem=smem[0] if smem else 232448)
+        got = emulate(*args, seed=seed, sms=sms, smem=smem[0] if smem else 232448)
         for a, b in zip(got, want):
             torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
 
@@ -588,26 +594,6 @@ def test_the_emulated_plan_is_the_librarys():
                                                                       rows=64)
     assert "variant is 0, 1 or 2, not 3" in lib.backward_stack_plan(4, 512, 64, 10, **h200,
                                                                     variant=3)
-
-
-def _case(shape, seed_shift=0):
-    """A stack's saved forward and upstream gradients, and the reference."""
-    layers, units, batch, steps, inputs, with_lengths = shape
-    gen = torch.Generator().manual_seed(sum(shape) + seed_shift)
-    mod = torch.nn.LSTM(inputs, units, layers).double()
-    params = wavefront.flat_params([w.detach() for w in mod._flat_weights])
-    rand = lambda *s, scale=1.0: torch.randn(*s, generator=gen, dtype=torch.float64) * scale  # noqa: E731
-    x = rand(steps, batch, inputs)
-    h0, c0 = rand(layers, batch, units, scale=0.5), rand(layers, batch, units, scale=0.5)
-    lengths = None
-    if with_lengths:
-        lengths = torch.randint(1, steps + 1, (batch,), generator=gen)
-        lengths[0] = steps
-    _, _, _, (_, gates, cseq) = wavefront.reference_forward_saving(x, params, h0, c0, lengths)
-    dy, dhy, dcy = rand(steps, batch, units), rand(layers, batch, units), rand(layers, batch, units)
-    lens = lengths.to(torch.int32) if lengths is not None else None
-    args = (params, inputs, gates, cseq, c0, dy, dhy, dcy, lens)
-    return args, wavefront.stack_recurrence_reference(*args)
 
 
 PIPELINED = [

@@ -1,0 +1,24 @@
+"""The GPU tests' comparison of an optimized model with its original: the
+worst relative difference of the outputs and of the gradients, each held to
+its tolerance.
+
+    >>> worst_within([([1.0], [2.0]), ([1.0], [2.0])], lambda a, b: abs(a - b),
+    ...              out_tol=0, grad_tol=0)
+    (0.0, 0.0)
+"""
+
+from __future__ import annotations
+
+
+def worst_within(results, rel, *, out_tol: float, grad_tol: float) -> tuple[float, float]:
+    """`results`: [(outputs, gradients) of the original, of the optimized].
+    Asserts as many outputs, and the worst `rel(optimized, original)` of the
+    outputs within `out_tol` and of the gradients within `grad_tol`; returns
+    both worsts."""
+    (o0, g0), (o1, g1) = results
+    assert len(o0) == len(o1)
+    worst_out = max(rel(b, a) for a, b in zip(o0, o1))
+    worst_grad = max(rel(b, a) for a, b in zip(g0, g1))
+    assert worst_out <= out_tol, worst_out
+    assert worst_grad <= grad_tol, worst_grad
+    return float(worst_out), float(worst_grad)
