@@ -150,7 +150,6 @@ SLOW: dict[str, str] = {
     ),
     "test_persistence.py::test_save_writes_exactly_the_original_models_file[functional]": "fit and save (5 s); [sequential] stays fast",
     "test_training.py::test_without_a_gpu_jit_compile_true_just_works": "a jit-compiled fit (2 s)",
-    "test_bench_single_layers.py::test_a_seq2seq_cell_times_both_models_interleaved_as_groups_of_one": "times two fits (3 s)",
     "test_cli.py::test_bench_json_train_and_mixed_precision": (
         "rebuilds under mixed_float16 and times training (3 s); test_bench_prints_device_medians_and_ratio stays fast"
     ),
