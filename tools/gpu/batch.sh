@@ -127,6 +127,17 @@ run_stage() {
       cp $LOGS/whole_fit_${backend}${BENCH_TAG}.json $OUT/ 2>/dev/null
       echo "[$(since) s] $stage rc $rc"
       summary $stage "^whole |ERROR|budget|forked" 30 ;;
+    profile-small-torch)
+      # Where a small model's step goes under torch (bench/profile_small.py):
+      # step medians, host time in rnnfuse's calls, torch.profiler (GPU
+      # busy, gaps, syncs, allocations, ops), then the knobs. PROFILE_ARGS:
+      # its arguments (e.g. --shapes gru3x64 --no-jit).
+      s=$(limit profile-small-torch 240)
+      ( torch_env; timeout $s python3 bench/profile_small.py ${PROFILE_ARGS} \
+          --out $LOGS/profile_small_torch${BENCH_TAG}.json ) > $log 2>&1; rc=$?
+      cp $LOGS/profile_small_torch${BENCH_TAG}.json $OUT/ 2>/dev/null
+      echo "[$(since) s] $stage rc $rc"
+      summary $stage "fit_ms|host|profile|knob|ERROR|Error" 40 ;;
     tf-diag)
       # DIAG_ARGS: bench/diag_tuning_cost.py's arguments (e.g. --cells 19 --compare 2).
       s=$(limit tf-diag 200)
