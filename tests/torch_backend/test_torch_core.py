@@ -121,6 +121,57 @@ def test_canonical_params_refuse_a_list_of_the_wrong_length():
         cudnn_core.canonical_params([torch.zeros(1)] * 6, 2)
 
 
+def _pack_case(kind, bidirectional, merge, use_bias, proj):
+    """Three levels of `kind` (projected LSTMs where `proj`), built and
+    randomized, as a StackSpec."""
+    from rnnfuse.layers import ProjectedLSTM
+    from rnnfuse.recurrent import describe, input_merges
+
+    layers = []
+    for _ in range(3):
+        layer = (ProjectedLSTM(6, proj, return_sequences=True, use_bias=use_bias) if proj
+                 else rnn_layer(kind, 4, return_sequences=True, use_bias=use_bias))
+        layers.append(L.Bidirectional(layer, merge_mode=merge) if bidirectional else layer)
+    y = keras.ops.convert_to_tensor(np.zeros((2, 5, 7), "float32"))
+    for layer in layers:
+        y = layer(y)
+    rng = np.random.default_rng(3)
+    for layer in layers:
+        for w in layer.weights:
+            w.assign(rng.uniform(-0.5, 0.5, w.shape).astype("float32"))
+    views = [describe(layer) for layer in layers]
+    spec = StackSpec(views[0].kind, views[0].units, tuple(lv for v in views for lv in v.levels),
+                     proj_size=views[0].proj_size, input_merges=input_merges(views))
+    return spec, [v.value for layer in layers for v in layer.trainable_weights]
+
+
+@pytest.mark.parametrize("kind, bidirectional, merge, use_bias, proj", [
+    ("lstm", False, "concat", True, 0), ("gru", False, "concat", True, 0),
+    ("rnn_tanh", False, "concat", False, 0), ("gru", True, "concat", False, 0),
+    ("lstm", True, "sum", True, 0), ("gru", True, "ave", True, 0), ("lstm", True, "concat", True, 3),
+])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_pack_canonical_is_canonical_params_of_pack_params(kind, bidirectional, merge, use_bias,
+                                                          proj, dtype):
+    """The core's buffer built in a few copies holds the same values, for
+    every slice of levels a call may take, and gives every variable the
+    same gradient (a doubled input kernel's halves summed in `dtype`)."""
+    spec, variables = _pack_case(kind, bidirectional, merge, use_bias, proj)
+    dirs = spec.num_directions
+    for first, levels in [(0, 3), (0, 1), (1, 2), (2, 1)]:
+        weights = torch_backend.pack_params(spec, dtype, "cpu")
+        per = len(weights) // spec.num_pseudo_layers
+        want = cudnn_core.canonical_params(
+            weights[first * dirs * per:(first + levels) * dirs * per], levels * dirs)
+        got = torch_backend.pack_canonical(spec, dtype, "cpu", first, levels)
+        assert got.dtype == want.dtype and torch.equal(got, want)
+        probe = torch.randn(want.shape, generator=torch.Generator().manual_seed(first)).to(dtype)
+        grads = [torch.autograd.grad((flat * probe).sum(), variables, allow_unused=True)
+                 for flat in (want, got)]
+        for a, b in zip(*grads):
+            assert (a is None and b is None) or torch.equal(a, b)
+
+
 # -- the fused call on the (emulated) core ---------------------------------------------
 
 
