@@ -476,3 +476,23 @@ def test_the_environment_turns_the_core_off_or_names_its_library(monkeypatch, tm
     monkeypatch.setenv("RNNFUSE_CUDNN_CORE_LIB", str(missing))
     reason = cudnn_core.core_reason(torch.zeros(1))
     assert reason.startswith("the cuDNN core is not available:") and str(missing) in reason
+
+
+def test_unmasked_calls_share_one_lengths_tensor_of_full_lengths(monkeypatch):
+    """An unmasked call allocates and fills no lengths of its own: calls of
+    one shape get the same tensor, holding every sequence's full length."""
+    seen = []
+
+    def record(ints, dropout, seed, training, x, hx, cx, params, lengths, dev_lengths):
+        seen.append(dev_lengths)
+        return x.new_zeros((x.shape[0], x.shape[1], ints[2])), hx.clone(), cx.clone(), \
+            torch.empty(0, dtype=torch.uint8)
+
+    monkeypatch.setattr(cudnn_core, "core_forward", record)
+    params = torch.zeros(4 * 3 * (2 + 3) + 8 * 3)
+    for batch in (2, 2, 5):
+        x, h = torch.zeros(7, batch, 2), torch.zeros(1, batch, 3)
+        cudnn_core.run(x, "lstm", 1, 3, params, h, h)
+    assert seen[0] is seen[1] and seen[2] is not seen[0]
+    assert seen[0].tolist() == [7, 7] and seen[2].tolist() == [7] * 5
+    assert seen[0].dtype == torch.int32

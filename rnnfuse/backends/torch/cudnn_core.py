@@ -136,6 +136,26 @@ def _sizes(lib, config, steps: int, batch: int, lengths, stream: int, device) ->
     return found
 
 
+_FULL_LENGTHS: dict[tuple, torch.Tensor] = {}
+
+
+def _full_lengths(batch: int, steps: int, device: torch.device) -> torch.Tensor:
+    """Every sequence's length (`steps`) on `device`, made once per shape:
+    the core only reads it, and an unmasked call needs no allocation or
+    fill of its own."""
+    if torch.compiler.is_compiling():  # a trace makes its own (fake) tensor
+        return torch.full((batch,), steps, dtype=torch.int32, device=device)
+    key = (batch, steps, device)
+    found = _FULL_LENGTHS.get(key)
+    if found is None:
+        found = torch.full((batch,), steps, dtype=torch.int32, device=device)
+        if type(found) is torch.Tensor:  # never a fake or meta subclass
+            if len(_FULL_LENGTHS) >= 256:  # a long run of new shapes: start over
+                _FULL_LENGTHS.clear()
+            _FULL_LENGTHS[key] = found
+    return found
+
+
 def _ptr(t: torch.Tensor | None) -> int:
     return 0 if t is None or t.numel() == 0 else t.data_ptr()
 
@@ -272,8 +292,7 @@ def run(x: torch.Tensor, kind: str, num_layers: int, units: int, params: torch.T
         lengths = lengths.to(device="cpu", dtype=torch.int32).contiguous()
         dev_lengths = lengths.to(x.device)
     else:
-        dev_lengths = torch.full((int(x.shape[1]),), int(x.shape[0]), dtype=torch.int32,
-                                 device=x.device)
+        dev_lengths = _full_lengths(int(x.shape[1]), int(x.shape[0]), x.device)
     cx_in = cx.contiguous() if kind == "lstm" else x.new_empty((0,))
     y, hy, cy, _ = _rnn_op(x.contiguous(), hx.contiguous(), cx_in, params.contiguous(),
                            lengths, dev_lengths, call.ints, call.dropout, call.seed,
