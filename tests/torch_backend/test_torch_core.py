@@ -496,3 +496,33 @@ def test_unmasked_calls_share_one_lengths_tensor_of_full_lengths(monkeypatch):
     assert seen[0] is seen[1] and seen[2] is not seen[0]
     assert seen[0].tolist() == [7, 7] and seen[2].tolist() == [7] * 5
     assert seen[0].dtype == torch.int32
+
+
+def test_an_eager_call_skips_the_custom_ops_dispatch_and_a_fake_one_takes_it(core):
+    """Plain tensors run the core's functions through an autograd.Function
+    (same gradients as the custom op's formula); fake tensors (a trace)
+    take the registered custom op and its fake kernel, never the core."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv
+
+    x = torch.randn(5, 2, 3, requires_grad=True)
+    h = torch.zeros(1, 2, 4)
+    params = torch.randn(4 * 4 * (3 + 4) + 8 * 4, requires_grad=True)
+    y, _, _ = cudnn_core.run(x, "lstm", 1, 4, params, h, h, training=True)
+    assert type(y.grad_fn).__name__ == "_EagerCallBackward"
+    eager = torch.autograd.grad(y.sum(), [x, params])
+    with torch.no_grad():
+        inputs = (x.contiguous(), h, h, params, None, torch.full((2,), 5, dtype=torch.int32),
+                  cudnn_core.CoreCall("lstm", 1, 4, 3).ints, 0.0, 0, True)
+    y_op = cudnn_core._rnn_op(*inputs[:4], *inputs[4:])
+    assert torch.equal(y_op[0], y.detach())
+    x2, p2 = x.detach().requires_grad_(True), params.detach().requires_grad_(True)
+    y2 = cudnn_core._rnn_op(x2, h, h, p2, *inputs[4:])[0]
+    for a, b in zip(eager, torch.autograd.grad(y2.sum(), [x2, p2])):
+        assert torch.equal(a, b)
+    core.clear()
+    plain = [x.detach(), params.detach(), h]
+    with FakeTensorMode(shape_env=ShapeEnv()) as mode:  # the reserve's size is dynamic
+        fx, fp, fh = (mode.from_tensor(t) for t in plain)
+        y_fake, _, _ = cudnn_core.run(fx, "lstm", 1, 4, fp, fh, fh)
+    assert tuple(y_fake.shape) == (5, 2, 4) and core == []
