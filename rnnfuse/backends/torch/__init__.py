@@ -380,7 +380,10 @@ _ZEROS: dict[tuple, torch.Tensor] = {}
 
 
 def _zeros(n: int, like: torch.Tensor) -> torch.Tensor:
-    """A constant zero bias (read, never written, no gradient), made once."""
+    """A constant zero bias (read, never written, no gradient), made once
+    (in a trace: made there)."""
+    if not cudnn_core.runs_eagerly(like):
+        return torch.zeros(n, dtype=like.dtype, device=like.device)
     key = (n, like.dtype, like.device)
     found = _ZEROS.get(key)
     if found is None:
@@ -391,32 +394,50 @@ def _zeros(n: int, like: torch.Tensor) -> torch.Tensor:
 def _canonical_pieces(kind: str, cell: Any, input_scale: float | None, dtype: torch.dtype,
                       read, mats: list, biases: list) -> None:
     """Appends one pseudo-layer's matrices (w_ih, w_hh[, w_hr] as 2-D views
-    [rows, cols], GRU rows as three blocks each) and biases (b_ih, b_hh,
-    1-D) in the layout `_cell_params` gives, before the cast (a doubled
-    input kernel is cast first, as `_cell_params` casts it: its halves'
-    gradients then sum in `dtype`)."""
+    [rows, cols]) and biases (1-D) in the layout `_cell_params` gives,
+    before the cast (a doubled input kernel is cast first, as `_cell_params`
+    casts it: its halves' gradients then sum in `dtype`). GRU gate blocks
+    are reordered by one gather per tensor (its gradient one scatter)."""
     kernel = read(cell.kernel)
     if input_scale is not None:
         kernel = kernel.to(dtype)
         half = kernel if input_scale == 1.0 else kernel * input_scale
         kernel = torch.cat([half, half], dim=0)
-    w_ih, w_hh = kernel.t(), read(cell.recurrent_kernel).t()
-    rows = int(w_ih.shape[0])
-    units = rows // GATES[kind]
+    recurrent = read(cell.recurrent_kernel)
+    rows = int(kernel.shape[1])
     if kind == "gru":
-        order = (slice(units, 2 * units), slice(0, units), slice(2 * units, rows))
-        mats += [w_ih[o] for o in order] + [w_hh[o] for o in order]
+        order = _rzn_order(rows // 3, kernel)
+        mats += [kernel.index_select(1, order).t(), recurrent.index_select(1, order).t()]
         if cell.use_bias:
-            bias = read(cell.bias).reshape(2, rows)
-            biases += [bias[r, o] for r in (0, 1) for o in order]
+            biases.append(read(cell.bias).reshape(2, rows).index_select(1, order).reshape(-1))
         else:
             biases.append(_zeros(2 * rows, kernel))
     else:
-        mats += [w_ih, w_hh]
+        mats += [kernel.t(), recurrent.t()]
         biases += [read(cell.bias).reshape(rows) if cell.use_bias else _zeros(rows, kernel),
                    _zeros(rows, kernel)]
     if getattr(cell, "proj_size", 0):
         mats.append(read(cell.projection_kernel).t())
+
+
+_RZN: dict[tuple, torch.Tensor] = {}
+
+
+def _rzn_order(units: int, like: torch.Tensor) -> torch.Tensor:
+    """The gate columns of Keras' z, r, h blocks in PyTorch's r, z, n order
+    (`_zrh_to_rzn` as an index) on `like`'s device, made once per width and
+    device (in a trace: made there)."""
+    def make():
+        return torch.cat([torch.arange(units, 2 * units), torch.arange(units),
+                          torch.arange(2 * units, 3 * units)]).to(like.device)
+
+    if not cudnn_core.runs_eagerly(like):
+        return make()
+    key = (units, like.device)
+    found = _RZN.get(key)
+    if found is None:
+        found = _RZN[key] = make()
+    return found
 
 
 def _live(variable: Any) -> torch.Tensor:

@@ -26,7 +26,7 @@ import torch
 from rnnfuse.backends.torch.streams import launch_stream
 
 __all__ = ["KERNEL_NAME", "CoreCall", "algorithm_code", "canonical_params", "core_backward",
-           "core_forward", "core_reason", "disabled", "run"]
+           "core_forward", "core_reason", "disabled", "run", "runs_eagerly"]
 
 KERNEL_NAME = "torch.ops.rnnfuse.cudnn_rnn"
 _MODES = ("lstm", "gru", "rnn_tanh", "rnn_relu")
@@ -145,7 +145,7 @@ def _full_lengths(x: torch.Tensor) -> torch.Tensor:
     (the core only reads it: no allocation or fill a call); a trace makes
     its own."""
     steps, batch = int(x.shape[0]), int(x.shape[1])
-    if not _eager(x):
+    if not runs_eagerly(x):
         return torch.full((batch,), steps, dtype=torch.int32, device=x.device)
     key = (batch, steps, x.device)
     found = _FULL_LENGTHS.get(key)
@@ -285,7 +285,7 @@ class _EagerCall(torch.autograd.Function):
     tensors: the same forward and backward functions, without the custom
     op's dispatch (tens of microseconds of host time a call, each way).
     Traces (torch.compile, export) and fake or meta tensors take the
-    custom op (`_eager`)."""
+    custom op (`runs_eagerly`)."""
 
     @staticmethod
     def forward(ctx, x, hx, cx, params, lengths, dev_lengths, ints, dropout, seed, training):
@@ -303,12 +303,13 @@ class _EagerCall(torch.autograd.Function):
         return _backward(ctx, dy, dhy, dcy, dreserve, eager=True)
 
 
-def _eager(*tensors: torch.Tensor) -> bool:
-    """Whether a call on `tensors` runs eagerly on plain tensors (no trace,
-    no fake, meta or functorch-wrapped tensor)."""
+def runs_eagerly(*tensors: torch.Tensor) -> bool:
+    """Whether a call on `tensors` runs eagerly on plain tensors or
+    Parameters (no trace; no fake, meta or functorch-wrapped tensor): where
+    a tensor made once may be kept and reused."""
     if torch.compiler.is_compiling():
         return False
-    return all(type(t) is torch.Tensor and t.device.type != "meta"
+    return all(type(t) in (torch.Tensor, torch.nn.Parameter) and t.device.type != "meta"
                and not torch._C._functorch.is_functorch_wrapped_tensor(t) for t in tensors)
 
 
@@ -332,7 +333,7 @@ def run(x: torch.Tensor, kind: str, num_layers: int, units: int, params: torch.T
         dev_lengths = _full_lengths(x)
     cx_in = cx.contiguous() if kind == "lstm" else x.new_empty((0,))
     args = (x.contiguous(), hx.contiguous(), cx_in, params.contiguous())
-    op = _EagerCall.apply if _eager(*args) else _rnn_op
+    op = _EagerCall.apply if runs_eagerly(*args) else _rnn_op
     y, hy, cy, _ = op(*args, lengths, dev_lengths, call.ints, call.dropout, call.seed,
                       bool(training))
     return y, hy, (cy if kind == "lstm" else None)
