@@ -481,6 +481,9 @@ def _states(
     like: torch.Tensor,
 ) -> torch.Tensor:
     """[levels * directions, B, width] from per-pseudo-layer states (None: 0)."""
+    if not given or all(s is None for s in given):  # one allocation, no stacking
+        return torch.zeros((stack.num_pseudo_layers, batch, width), dtype=like.dtype,
+                           device=like.device)
     zeros = torch.zeros((batch, width), dtype=like.dtype, device=like.device)
     given = list(given or [])
     given += [None] * (stack.num_pseudo_layers - len(given))
