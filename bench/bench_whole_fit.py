@@ -49,11 +49,13 @@ sys.path.insert(0, os.path.dirname(HERE))
 
 # The four small float32 shapes and two large ones of bench_matrix.SHAPES.
 DEFAULT_SHAPES = "gru3x64,rnn3x256,lstm8x128,lstm2x40,lstm4x512,bilstm4x384"
-# Batches an epoch per shape (others: DEFAULT_EPOCH_STEPS), sized so an
-# original epoch lasts about a second where Keras' step is slow
-# (SimpleRNN under torch runs Keras' Python loop).
-EPOCH_STEPS = {"rnn3x256": 10, "lstm4x512": 10, "bilstm4x384": 10, "lstm3x768": 10,
-               "bigru5x512": 10, "plstm4x1024": 10, "masked_lstm2x256": 10}
+# Batches an epoch per shape (others: DEFAULT_EPOCH_STEPS): fewer where
+# the original step is slow (SimpleRNN under torch runs Keras' Python loop;
+# the large shapes), so six shapes' pairs fit in a few minutes. 50 batches
+# make fit(epochs=10) long enough for first-batch tuning (the budget's
+# floor, docs/guide.md) and fit(epochs=1) too short.
+EPOCH_STEPS = {"rnn3x256": 5, "lstm4x512": 5, "bilstm4x384": 5, "lstm3x768": 5,
+               "bigru5x512": 5, "plstm4x1024": 5, "masked_lstm2x256": 5}
 DEFAULT_EPOCH_STEPS = 50
 RESULT = "WHOLE_FIT_RESULT "
 
@@ -62,7 +64,7 @@ def epoch_steps_for(name: str, override: int | None) -> int:
     """`--epoch-steps` where given, else the shape's default.
 
     >>> epoch_steps_for("gru3x64", None), epoch_steps_for("rnn3x256", None), epoch_steps_for("rnn3x256", 3)
-    (50, 10, 3)
+    (50, 5, 3)
     """
     return override or EPOCH_STEPS.get(name, DEFAULT_EPOCH_STEPS)
 

@@ -198,10 +198,9 @@ def host_split(model, x, y, batch: int, steps: int) -> dict:
     return row
 
 
-def knobs(build, x, y, batch: int, steps: int, spe: list[int], jit: bool) -> list[dict]:
-    """A warm whole fit's ms a step per setting, original and optimized."""
-    rows = []
-    settings = [(k, False) for k in spe] + ([(1, True)] if jit else [])
+def knobs(build, x, y, batch: int, steps: int, settings: list[tuple], rows: list, save) -> None:
+    """A warm whole fit's ms a step per (steps_per_execution, jit_compile)
+    setting, original and optimized, appended to `rows` and saved one by one."""
     for k, j in settings:
         for name in ("original", "optimized"):
             row = dict(model=name, steps_per_execution=k, jit_compile=j)
@@ -215,8 +214,8 @@ def knobs(build, x, y, batch: int, steps: int, spe: list[int], jit: bool) -> lis
             except Exception as err:  # noqa: BLE001 - record it
                 row["error"] = f"{type(err).__name__}: {err}"[:300]
             rows.append(row)
+            save()
             print("knob", row, flush=True)
-    return rows
 
 
 def measure(name: str, shape: dict, steps: int, rounds: int, save) -> tuple[dict, tuple]:
@@ -317,7 +316,7 @@ def main(argv=None) -> int:
     results = []
 
     def save(row):
-        rows = results + ([row] if row not in results else [])
+        rows = results + ([] if any(r is row for r in results) else [row])
         with open(out, "w") as f:
             json.dump(dict(meta=meta, results=rows), f, indent=1)
 
@@ -334,10 +333,13 @@ def main(argv=None) -> int:
             print("ERROR", name, row["error"], flush=True)
         results.append(row)
         save(row)
-    # The knobs last: torch.compile's first call may take long.
-    for row, (build, xs, ys, b) in later:
-        row["knobs"] = knobs(build, xs, ys, b, args.steps, spe, not args.no_jit)
-        save(row)
+    # The knobs last, jit_compile after every shape's steps_per_execution:
+    # torch.compile's first call may take long.
+    phases = [[(k, False) for k in spe]] + ([[(1, True)]] if not args.no_jit else [])
+    for settings in phases:
+        for row, (build, xs, ys, b) in later:
+            rows = row.setdefault("knobs", [])
+            knobs(build, xs, ys, b, args.steps, settings, rows, lambda: save(row))
     return 0
 
 
