@@ -61,3 +61,21 @@ def test_host_timers_count_the_outermost_call_and_restore_the_methods():
         layer(x)
     assert timers.calls["rnn_calls"] == 2 and timers.seconds["rnn_calls"] > 0
     assert (keras.layers.RNN.__call__, FusedRNN.__call__) == before
+    # A fused call's kernel call counts inside it (on the CPU: torch._VF);
+    # one made outside a fused call (a backward pass's) does not.
+    import torch
+
+    import rnnfuse
+    import rnnfuse.backends.torch as torch_kernels
+
+    inp = keras.Input((4, 5))
+    model = keras.Model(inp, keras.layers.LSTM(3)(keras.layers.LSTM(3, return_sequences=True)(inp)))
+    fast = rnnfuse.optimize(model, plan=rnnfuse.FUSED)
+    with profile_small.HostTimers().on() as timers:
+        fast(x)
+        torch_kernels.torch_rnn("relu", torch.zeros(1))  # any torch._VF call, outside
+    assert timers.calls["fused_calls"] == 1 and timers.calls["kernel_calls_in_fused"] == 1
+    assert timers.calls["kernel_calls"] == 2
+    step = timers.per_step(1)
+    assert step["rnnfuse_own_ms"] == step["fused_calls_ms"] - step["kernel_calls_in_fused_ms"]
+    assert (keras.layers.RNN.__call__, FusedRNN.__call__) == before
