@@ -11,8 +11,12 @@ after the other. Per shape, for Keras' own model ("original") and
   library loading;
 - `fit_ms`: `fit` step medians, the two models in interleaved rounds
   (bench_user_view's step timer: the gap between two batch ends);
-- `train_on_batch_ms`, `predict_on_batch_ms`, `predict_ms`: medians of
-  interleaved calls;
+- `train_on_batch_ms`, `test_on_batch_ms`, `predict_on_batch_ms`,
+  `predict_ms`, `evaluate_ms`: medians of interleaved calls (`predict` and
+  `evaluate` steps timed as `fit`'s);
+- `loop_ms`: a custom training loop's step median (a `tf.function`
+  GradientTape step on TensorFlow, forward, `backward()` and a torch
+  optimizer step on torch; bench_user_view.custom_loop; none on JAX);
 - `plans`: what each fused layer of the optimized model chose.
 
 The peer (`--backend pytorch`) trains the same model written as a PyTorch
@@ -149,10 +153,20 @@ def measure_keras(shape: dict, epochs: int, epoch_steps: int, rounds: int, steps
     import numpy as np
 
     import rnnfuse
-    from bench_user_view import _alternate, _tuning_seconds
+    from bench_user_view import _alternate, _tuning_seconds, custom_loop
 
     from rnnfuse.fused import fused_layers
     from rnnfuse.tuning.first_batch import decisions
+
+    class TestStamps(keras.callbacks.Callback):
+        """`evaluate`'s batch ends, stamped on the step timer `_alternate` gives."""
+
+        def __init__(self, timer):
+            super().__init__()
+            self.timer = timer
+
+        def on_test_batch_end(self, batch, logs=None):
+            self.timer._stamp(logs)
 
     model = build_keras(shape)
     x, y, _ = data(shape)
@@ -177,6 +191,10 @@ def measure_keras(shape: dict, epochs: int, epoch_steps: int, rounds: int, steps
     tob = _interleaved_calls(pair, lambda m: float(np.asarray(m.train_on_batch(x, y))), 3 * rounds)
     pob = _interleaved_calls(pair, lambda m: np.asarray(m.predict_on_batch(x)), 3 * rounds)
     pred = _alternate(pair, rounds, lambda m, cb: m.predict(xs, batch_size=b, verbose=0, callbacks=[cb]))
+    tst = _interleaved_calls(pair, lambda m: float(np.asarray(m.test_on_batch(x, y))), 3 * rounds)
+    ev = _alternate(pair, rounds, lambda m, cb: m.evaluate(xs, ys, batch_size=b, verbose=0,
+                                                           callbacks=[TestStamps(cb)]))
+    loop = custom_loop(pair, x, y, steps=max(3, steps) * rounds, block=max(3, steps))
     row = dict(
         first_call_s=first,
         optimize_s=optimize_s,
@@ -184,6 +202,10 @@ def measure_keras(shape: dict, epochs: int, epoch_steps: int, rounds: int, steps
         train_on_batch_ms={k: _median_ms(v[1:]) for k, v in tob.items()},
         predict_on_batch_ms={k: _median_ms(v[1:]) for k, v in pob.items()},
         predict_ms={k: _median_ms(v) for k, v in pred.items()},
+        test_on_batch_ms={k: _median_ms(v[1:]) for k, v in tst.items()},
+        evaluate_ms={k: _median_ms(v) for k, v in ev.items()},
+        loop_ms=None if loop is None else {k: _median_ms(v[1:]) for k, v in loop.items()},
+        loop_first_s=None if loop is None else {k: v[0] for k, v in loop.items()},
         tuning_s=_tuning_seconds(fast),
         plans=[dict(layers=[l.name for l in f.fused_layers], plan=f.plan.name, kernel=f.plan.kernel)
                for f in fused_layers(fast)],

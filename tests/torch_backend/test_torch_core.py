@@ -115,6 +115,57 @@ def test_canonical_params_refuse_a_list_of_the_wrong_length():
         cudnn_core.canonical_params([torch.zeros(1)] * 6, 2)
 
 
+def _pack_case(kind, bidirectional, merge, use_bias, proj):
+    """Three levels of `kind` (projected LSTMs where `proj`), built and
+    randomized, as a StackSpec."""
+    from rnnfuse.layers import ProjectedLSTM
+    from rnnfuse.recurrent import describe, input_merges
+
+    layers = []
+    for _ in range(3):
+        layer = (ProjectedLSTM(6, proj, return_sequences=True, use_bias=use_bias) if proj
+                 else rnn_layer(kind, 4, return_sequences=True, use_bias=use_bias))
+        layers.append(L.Bidirectional(layer, merge_mode=merge) if bidirectional else layer)
+    y = keras.ops.convert_to_tensor(np.zeros((2, 5, 7), "float32"))
+    for layer in layers:
+        y = layer(y)
+    rng = np.random.default_rng(3)
+    for layer in layers:
+        for w in layer.weights:
+            w.assign(rng.uniform(-0.5, 0.5, w.shape).astype("float32"))
+    views = [describe(layer) for layer in layers]
+    spec = StackSpec(views[0].kind, views[0].units, tuple(lv for v in views for lv in v.levels),
+                     proj_size=views[0].proj_size, input_merges=input_merges(views))
+    return spec, [v.value for layer in layers for v in layer.trainable_weights]
+
+
+@pytest.mark.parametrize("kind, bidirectional, merge, use_bias, proj", [
+    ("lstm", False, "concat", True, 0), ("gru", False, "concat", True, 0),
+    ("rnn_tanh", False, "concat", False, 0), ("gru", True, "concat", False, 0),
+    ("lstm", True, "sum", True, 0), ("gru", True, "ave", True, 0), ("lstm", True, "concat", True, 3),
+])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_pack_canonical_is_canonical_params_of_pack_params(kind, bidirectional, merge, use_bias,
+                                                          proj, dtype):
+    """The core's buffer built in a few copies holds the same values, for
+    every slice of levels a call may take, and gives every variable the
+    same gradient (a doubled input kernel's halves summed in `dtype`)."""
+    spec, variables = _pack_case(kind, bidirectional, merge, use_bias, proj)
+    dirs = spec.num_directions
+    for first, levels in [(0, 3), (0, 1), (1, 2), (2, 1)]:
+        weights = torch_backend.pack_params(spec, dtype, "cpu")
+        per = len(weights) // spec.num_pseudo_layers
+        want = cudnn_core.canonical_params(
+            weights[first * dirs * per:(first + levels) * dirs * per], levels * dirs)
+        got = torch_backend.pack_canonical(spec, dtype, "cpu", first, levels)
+        assert got.dtype == want.dtype and torch.equal(got, want)
+        probe = torch.randn(want.shape, generator=torch.Generator().manual_seed(first)).to(dtype)
+        grads = [torch.autograd.grad((flat * probe).sum(), variables, allow_unused=True)
+                 for flat in (want, got)]
+        for a, b in zip(*grads):
+            assert (a is None and b is None) or torch.equal(a, b)
+
+
 # -- the fused call on the (emulated) core ---------------------------------------------
 
 
@@ -401,3 +452,53 @@ def test_the_environment_turns_the_core_off_or_names_its_library(monkeypatch, tm
     monkeypatch.setenv("RNNFUSE_CUDNN_CORE_LIB", str(missing))
     reason = cudnn_core.core_reason(torch.zeros(1))
     assert reason.startswith("the cuDNN core is not available:") and str(missing) in reason
+
+
+def test_unmasked_calls_share_one_lengths_tensor_of_full_lengths(monkeypatch):
+    """An unmasked call allocates and fills no lengths of its own: calls of
+    one shape get the same tensor, holding every sequence's full length."""
+    seen = []
+
+    def record(ints, dropout, seed, training, x, hx, cx, params, lengths, dev_lengths):
+        seen.append(dev_lengths)
+        return x.new_zeros((x.shape[0], x.shape[1], ints[2])), hx.clone(), cx.clone(), \
+            torch.empty(0, dtype=torch.uint8)
+
+    monkeypatch.setattr(cudnn_core, "core_forward", record)
+    params = torch.zeros(4 * 3 * (2 + 3) + 8 * 3)
+    for batch in (2, 2, 5):
+        x, h = torch.zeros(7, batch, 2), torch.zeros(1, batch, 3)
+        cudnn_core.run(x, "lstm", 1, 3, params, h, h)
+    assert seen[0] is seen[1] and seen[2] is not seen[0]
+    assert seen[0].tolist() == [7, 7] and seen[2].tolist() == [7] * 5
+    assert seen[0].dtype == torch.int32
+
+
+def test_an_eager_call_skips_the_custom_ops_dispatch_and_a_fake_one_takes_it(core):
+    """Plain tensors run the core's functions through an autograd.Function
+    (same gradients as the custom op's formula); fake tensors (a trace)
+    take the registered custom op and its fake kernel, never the core."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv
+
+    x = torch.randn(5, 2, 3, requires_grad=True)
+    h = torch.zeros(1, 2, 4)
+    params = torch.randn(4 * 4 * (3 + 4) + 8 * 4, requires_grad=True)
+    y, _, _ = cudnn_core.run(x, "lstm", 1, 4, params, h, h, training=True)
+    assert type(y.grad_fn).__name__ == "_EagerCallBackward"
+    eager = torch.autograd.grad(y.sum(), [x, params])
+    with torch.no_grad():
+        inputs = (x.contiguous(), h, h, params, None, torch.full((2,), 5, dtype=torch.int32),
+                  cudnn_core.CoreCall("lstm", 1, 4, 3).ints, 0.0, 0, True)
+    y_op = cudnn_core._rnn_op(*inputs[:4], *inputs[4:])
+    assert torch.equal(y_op[0], y.detach())
+    x2, p2 = x.detach().requires_grad_(True), params.detach().requires_grad_(True)
+    y2 = cudnn_core._rnn_op(x2, h, h, p2, *inputs[4:])[0]
+    for a, b in zip(eager, torch.autograd.grad(y2.sum(), [x2, p2])):
+        assert torch.equal(a, b)
+    core.clear()
+    plain = [x.detach(), params.detach(), h]
+    with FakeTensorMode(shape_env=ShapeEnv()) as mode:  # the reserve's size is dynamic
+        fx, fp, fh = (mode.from_tensor(t) for t in plain)
+        y_fake, _, _ = cudnn_core.run(fx, "lstm", 1, 4, fp, fh, fh)
+    assert tuple(y_fake.shape) == (5, 2, 4) and core == []

@@ -16,6 +16,9 @@
 #   bash tools/gpu/batch.sh wavefront-check torch-tests
 #   bash tools/gpu/batch.sh wavefront-variants   # the kernels' opt-in variants
 #   MATRIX_ARGS="--shapes lstm4x512" bash tools/gpu/batch.sh matrix-torch matrix-pytorch
+#   bash tools/gpu/batch.sh whole-fit-torch      # whole fits from fresh processes
+#   WHOLE_ARGS="--shapes gru3x64,lstm2x40 --pairs 5" bash tools/gpu/batch.sh whole-fit-tf
+#   bash tools/gpu/batch.sh profile-small-torch  # where a small model's step goes
 #   bash tools/gpu/batch.sh wavefront-segments   # stacks larger than the chip
 #   bash tools/gpu/batch.sh wavefront-bidirectional   # bidirectional layers (off by default)
 #   bash tools/gpu/batch.sh wavefront-sweep   # randomized exactness, about 150 s
@@ -108,6 +111,34 @@ run_stage() {
       cp $LOGS/matrix_${backend}${BENCH_TAG}.json $OUT/ 2>/dev/null
       echo "[$(since) s] $stage rc $rc"
       summary $stage "fit_ms|ERROR|Error" 20 ;;
+    whole-fit-tf|whole-fit-torch|whole-fit-jax)
+      # Whole fit(epochs=1) and fit(epochs=10) calls, each model in its own
+      # fresh process with an empty plan cache (bench/bench_whole_fit.py);
+      # no child starts in the stage's last 60 s. WHOLE_ARGS: its arguments
+      # (e.g. --shapes gru3x64,lstm2x40 --pairs 5 --online).
+      s=$(limit $stage 270)
+      local backend=${stage#whole-fit-}
+      ( case $backend in
+          tf) tf_env ;;
+          jax) torch_env; export KERAS_BACKEND=jax ;;
+          *) torch_env ;;
+        esac
+        timeout $s python3 bench/bench_whole_fit.py --budget $(( s - 60 )) --child-timeout 55 ${WHOLE_ARGS} \
+          --out $LOGS/whole_fit_${backend}${BENCH_TAG}.json ) > $log 2>&1; rc=$?
+      cp $LOGS/whole_fit_${backend}${BENCH_TAG}.json $OUT/ 2>/dev/null
+      echo "[$(since) s] $stage rc $rc"
+      summary $stage "^whole |ERROR|budget|forked" 30 ;;
+    profile-small-torch)
+      # Where a small model's step goes under torch (bench/profile_small.py):
+      # step medians, host time in rnnfuse's calls, torch.profiler (GPU
+      # busy, gaps, syncs, allocations, ops), then the knobs. PROFILE_ARGS:
+      # its arguments (e.g. --shapes gru3x64 --no-jit).
+      s=$(limit profile-small-torch 240)
+      ( torch_env; timeout $s python3 bench/profile_small.py ${PROFILE_ARGS} \
+          --out $LOGS/profile_small_torch${BENCH_TAG}.json ) > $log 2>&1; rc=$?
+      cp $LOGS/profile_small_torch${BENCH_TAG}.json $OUT/ 2>/dev/null
+      echo "[$(since) s] $stage rc $rc"
+      summary $stage "fit_ms|host|profile|knob|ERROR|Error" 40 ;;
     tf-diag)
       # DIAG_ARGS: bench/diag_tuning_cost.py's arguments (e.g. --cells 19 --compare 2).
       s=$(limit tf-diag 200)

@@ -30,6 +30,8 @@ Kernels: "cudnn" is rnnfuse's cuDNN core (`cudnn_core`) on CUDA, else
 "wavefront" is rnnfuse's wavefront kernel, or "cudnn" where it cannot run
 the call. `levels_per_call` splits a stack into calls (`set_call_mode`,
 `call_mode()` or RNNFUSE_TORCH_CALLS override it).
+Calls on the core read one flat buffer (`cudnn_core.canonical_params`'s
+layout), built straight from the variables by `pack_canonical`.
 
 The fused call also runs on the CPU: PyTorch's native kernels run the
 whole loop in C++ where Keras' torch backend steps in Python.
@@ -330,6 +332,141 @@ def pack_params(
     return params
 
 
+def pack_canonical(
+    stack: StackSpec,
+    dtype: torch.dtype | str,
+    device: torch.device | str,
+    first: int = 0,
+    levels: int | None = None,
+) -> torch.Tensor:
+    """The core's flat buffer (`cudnn_core.canonical_params` of
+    `pack_params`, value for value) for levels [first, first + levels) of
+    `stack`, from its live variables in a few copies.
+
+    `canonical_params(pack_params(...))` copies each matrix twice (its
+    transpose, then the concatenation) and launches three to five ops per
+    pseudo-layer. Here the matrices are transposed views, consecutive ones
+    of equal width are concatenated row-wise in one copy, everything else
+    joins them in one more, and the result is cast once: the same values
+    (cast and copy commute), the same gradients, a few ops per call.
+
+    >>> import keras
+    >>> from rnnfuse.backends.torch import cudnn_core
+    >>> cell = keras.layers.GRUCell(4)
+    >>> cell.build((None, 3))
+    >>> stack = StackSpec("gru", 4, ((cell,),))
+    >>> flat = pack_canonical(stack, torch.float32, "cpu")
+    >>> bool(torch.equal(flat, cudnn_core.canonical_params(pack_params(stack), 1)))
+    True
+    """
+    levels = stack.num_levels - first if levels is None else levels
+    dtype = _torch_dtype(dtype)
+    read = _reader()
+    mats, biases = [], []
+    for i in range(first, first + levels):
+        for cell in stack.cells[i]:
+            _canonical_pieces(stack.kind, cell, stack.input_scale(i), dtype, read, mats, biases)
+    flats, group = [], []
+    for m in mats + [None]:
+        if group and (m is None or m.shape[1] != group[0].shape[1] or m.dtype != group[0].dtype):
+            flats.append(group[0].reshape(-1) if len(group) == 1 else torch.cat(group).view(-1))
+            group = []
+        if m is not None:
+            group.append(m)
+    return torch.cat(flats + biases).to(device=torch.device(device), dtype=dtype)
+
+
+_ZEROS: dict[tuple, torch.Tensor] = {}
+
+
+def _zeros(n: int, like: torch.Tensor) -> torch.Tensor:
+    """A constant zero bias (read, never written, no gradient), made once
+    (in a trace: made there)."""
+    if not cudnn_core.runs_eagerly(like):
+        return torch.zeros(n, dtype=like.dtype, device=like.device)
+    key = (n, like.dtype, like.device)
+    found = _ZEROS.get(key)
+    if found is None:
+        found = _ZEROS[key] = torch.zeros(n, dtype=like.dtype, device=like.device)
+    return found
+
+
+def _canonical_pieces(kind: str, cell: Any, input_scale: float | None, dtype: torch.dtype,
+                      read, mats: list, biases: list) -> None:
+    """Appends one pseudo-layer's matrices (w_ih, w_hh[, w_hr] as 2-D views
+    [rows, cols]) and biases (1-D) in the layout `_cell_params` gives,
+    before the cast (a doubled input kernel is cast first, as `_cell_params`
+    casts it: its halves' gradients then sum in `dtype`). GRU gate blocks
+    are reordered by one gather per tensor (its gradient one scatter)."""
+    kernel = read(cell.kernel)
+    if input_scale is not None:
+        kernel = kernel.to(dtype)
+        half = kernel if input_scale == 1.0 else kernel * input_scale
+        kernel = torch.cat([half, half], dim=0)
+    recurrent = read(cell.recurrent_kernel)
+    rows = int(kernel.shape[1])
+    if kind == "gru":
+        order = _rzn_order(rows // 3, kernel)
+        mats += [kernel.index_select(1, order).t(), recurrent.index_select(1, order).t()]
+        if cell.use_bias:
+            biases.append(read(cell.bias).reshape(2, rows).index_select(1, order).reshape(-1))
+        else:
+            biases.append(_zeros(2 * rows, kernel))
+    else:
+        mats += [kernel.t(), recurrent.t()]
+        biases += [read(cell.bias).reshape(rows) if cell.use_bias else _zeros(rows, kernel),
+                   _zeros(rows, kernel)]
+    if getattr(cell, "proj_size", 0):
+        mats.append(read(cell.projection_kernel).t())
+
+
+_RZN: dict[tuple, torch.Tensor] = {}
+
+
+def _rzn_order(units: int, like: torch.Tensor) -> torch.Tensor:
+    """The gate columns of Keras' z, r, h blocks in PyTorch's r, z, n order
+    (`_zrh_to_rzn` as an index) on `like`'s device, made once per width and
+    device (in a trace: made there)."""
+    def make():
+        return torch.cat([torch.arange(units, 2 * units), torch.arange(units),
+                          torch.arange(2 * units, 3 * units)]).to(like.device)
+
+    if not cudnn_core.runs_eagerly(like):
+        return make()
+    key = (units, like.device)
+    found = _RZN.get(key)
+    if found is None:
+        found = _RZN[key] = make()
+    return found
+
+
+def _live(variable: Any) -> torch.Tensor:
+    """A variable's live value (the Parameter itself, as `_tensor` reads it,
+    without its cast and move: `pack_canonical` does those once)."""
+    if isinstance(variable, keras.Variable):
+        return variable.value
+    return keras.ops.convert_to_tensor(variable)
+
+
+def _reader():
+    """How one packing reads its variables: `_live` (Keras' `value`, which
+    checks its scopes on every read: a stateless call's values, autocast's
+    casts), or, outside every scope, the Parameter `value` would return,
+    read directly (a few microseconds a variable less)."""
+    from keras.src.backend.common.stateless_scope import in_stateless_scope
+    from keras.src.backend.common.variables import get_autocast_scope
+
+    if in_stateless_scope() or get_autocast_scope() is not None or str(
+            keras.src.backend.torch.core.get_device()) == "meta":
+        return _live
+
+    def read(variable):
+        value = getattr(variable, "_value", None)
+        return value if isinstance(value, torch.Tensor) else _live(variable)
+
+    return read
+
+
 def _torch_dtype(dtype: torch.dtype | str) -> torch.dtype:
     if isinstance(dtype, torch.dtype):
         return dtype
@@ -344,6 +481,9 @@ def _states(
     like: torch.Tensor,
 ) -> torch.Tensor:
     """[levels * directions, B, width] from per-pseudo-layer states (None: 0)."""
+    if not given or all(s is None for s in given):  # one allocation, no stacking
+        return torch.zeros((stack.num_pseudo_layers, batch, width), dtype=like.dtype,
+                           device=like.device)
     zeros = torch.zeros((batch, width), dtype=like.dtype, device=like.device)
     given = list(given or [])
     given += [None] * (stack.num_pseudo_layers - len(given))
@@ -616,7 +756,6 @@ def run_stack(sequences: Any, call: StackCall) -> StackRun:
     hx: Any = _states(call.initial_h, stack, stack.output_size, batch, x)
     if stack.kind == "lstm":
         hx = (hx, _states(call.initial_c, stack, stack.units, batch, x))
-    params = pack_params(stack, x.dtype, x.device)
     lengths = _short_lengths(call.mask, steps)
     if call.reverse:
         x = torch.flip(x, [1]) if lengths is None else _reverse_within_lengths(x, lengths)
@@ -627,11 +766,12 @@ def run_stack(sequences: Any, call: StackCall) -> StackRun:
         core_note = cudnn_core.core_reason(x)
         if core_note is None:
             try:
-                return _run_on_core(stack, x, lengths, hx, params, dropout, call.seed,
-                                    call.algorithm, per_call, exact)
+                return _run_on_core(stack, x, lengths, hx, dropout, call.seed, call.algorithm,
+                                    per_call, exact)
             except CoreError as err:
                 core_note = f"the cuDNN core refused this call ({err})"
         core_note += "; torch._VF runs it (PyTorch chooses cuDNN's algorithm)"
+    params = pack_params(stack, x.dtype, x.device)
     return _run_on_vf(stack, x, lengths, hx, params, dropout, per_call, exact, core_note)
 
 
@@ -699,7 +839,7 @@ def core_applies(x: torch.Tensor) -> bool:
     return x.is_cuda
 
 
-def _run_on_core(stack, x, lengths, hx, params, dropout, seed, algorithm, per_call, exact):
+def _run_on_core(stack, x, lengths, hx, dropout, seed, algorithm, per_call, exact):
     """`run_stack`'s calls on rnnfuse's cuDNN core, the plan's algorithm in
     both passes. Without one, per-level calls run persistent static with
     tensor ops, as PyTorch picks them; a masked call runs the standard
@@ -720,18 +860,18 @@ def _run_on_core(stack, x, lengths, hx, params, dropout, seed, algorithm, per_ca
         note = "a masked call runs the standard algorithm (padded lengths)"
         algorithm = None
     try:
-        return _core_calls(stack, x, lengths, h0, c0, params, dropout, seed, algorithm,
-                           per_call, allow_tf32, note)
+        return _core_calls(stack, x, lengths, h0, c0, dropout, seed, algorithm, per_call,
+                           allow_tf32, note)
     except CoreError as err:
         if algorithm is None or algorithm.is_standard or err.code != E_NOT_SUPPORTED:
             raise
         note = (f"cuDNN refused {algorithm.name} for this call ({err}); the standard "
                 "algorithm runs")
-        return _core_calls(stack, x, lengths, h0, c0, params, dropout, seed, None, per_call,
+        return _core_calls(stack, x, lengths, h0, c0, dropout, seed, None, per_call,
                            allow_tf32, note)
 
 
-def _core_calls(stack, x, lengths, h0, c0, params, dropout, seed, algorithm, per_call,
+def _core_calls(stack, x, lengths, h0, c0, dropout, seed, algorithm, per_call,
                 allow_tf32, note):
     """`_run_on_core`'s calls with one algorithm (None: standard)."""
     from rnnfuse.plan import Algorithm
@@ -739,21 +879,22 @@ def _core_calls(stack, x, lengths, h0, c0, params, dropout, seed, algorithm, per
     lstm = stack.kind == "lstm"
     dirs = stack.num_directions
     code = cudnn_core.algorithm_code(algorithm, x.dtype, allow_tf32)
+    firsts = range(0, stack.num_levels, per_call)
+    flats = [pack_canonical(stack, x.dtype, x.device, first, min(per_call, stack.num_levels - first))
+             for first in firsts]
     wants_grad = torch.is_grad_enabled() and any(
-        t.requires_grad for t in (x, h0, *(() if c0 is None else (c0,)), *params))
+        t.requires_grad for t in (x, h0, *(() if c0 is None else (c0,)), *flats))
     training = wants_grad or dropout > 0
-    per_pseudo = len(params) // stack.num_pseudo_layers
     seed_value = int(seed[0]) + (int(seed[1]) << 31)
     y = x.transpose(0, 1)
     finals = []
-    for first in range(0, stack.num_levels, per_call):
+    for first, flat in zip(firsts, flats):
         levels = min(per_call, stack.num_levels - first)
         if first and dropout and training:
             y = torch.nn.functional.dropout(y, dropout, training=True)
         rows = slice(first * dirs, (first + levels) * dirs)
-        part = params[first * dirs * per_pseudo:(first + levels) * dirs * per_pseudo]
         y, hy, cy = cudnn_core.run(
-            y, stack.kind, levels, stack.units, cudnn_core.canonical_params(part, levels * dirs),
+            y, stack.kind, levels, stack.units, flat,
             h0[rows], None if c0 is None else c0[rows], lengths, directions=dirs,
             proj_size=stack.proj_size, algorithm=code, allow_tf32=allow_tf32,
             dropout=dropout, seed=seed_value, training=training)

@@ -26,7 +26,7 @@ import torch
 from rnnfuse.backends.torch.streams import launch_stream
 
 __all__ = ["KERNEL_NAME", "CoreCall", "algorithm_code", "canonical_params", "core_backward",
-           "core_forward", "core_reason", "disabled", "run"]
+           "core_forward", "core_reason", "disabled", "run", "runs_eagerly"]
 
 KERNEL_NAME = "torch.ops.rnnfuse.cudnn_rnn"
 _MODES = ("lstm", "gru", "rnn_tanh", "rnn_relu")
@@ -136,6 +136,27 @@ def _sizes(lib, config, steps: int, batch: int, lengths, stream: int, device) ->
     return found
 
 
+_FULL_LENGTHS: dict[tuple, torch.Tensor] = {}
+
+
+def _full_lengths(x: torch.Tensor) -> torch.Tensor:
+    """Every sequence's length for a call on x [T, B, F], int32 on x's
+    device. An eager call on plain tensors reads one made once per shape
+    (the core only reads it: no allocation or fill a call); a trace makes
+    its own."""
+    steps, batch = int(x.shape[0]), int(x.shape[1])
+    if not runs_eagerly(x):
+        return torch.full((batch,), steps, dtype=torch.int32, device=x.device)
+    key = (batch, steps, x.device)
+    found = _FULL_LENGTHS.get(key)
+    if found is None:
+        if len(_FULL_LENGTHS) >= 256:  # a long run of new shapes: start over
+            _FULL_LENGTHS.clear()
+        found = _FULL_LENGTHS[key] = torch.full((batch,), steps, dtype=torch.int32,
+                                                device=x.device)
+    return found
+
+
 def _ptr(t: torch.Tensor | None) -> int:
     return 0 if t is None or t.numel() == 0 else t.data_ptr()
 
@@ -236,7 +257,7 @@ def _setup_context(ctx, inputs, output):
     ctx.args = (list(ints), dropout, seed, training)
 
 
-def _backward(ctx, dy, dhy, dcy, _dreserve):
+def _backward(ctx, dy, dhy, dcy, _dreserve, eager=False):
     x, hx, cx, params, y, reserve = ctx.saved_tensors
     ints, dropout, seed, training = ctx.args
     if not training:
@@ -247,12 +268,49 @@ def _backward(ctx, dy, dhy, dcy, _dreserve):
     dy = torch.zeros_like(y) if dy is None else dy.contiguous()
     dhy = torch.zeros_like(hx) if dhy is None else dhy.contiguous()
     dcy = (torch.zeros_like(cx) if dcy is None else dcy.contiguous()) if lstm else cx
-    dx, dhx, dcx, dparams = _rnn_backward_op(x, hx, cx, params, ctx.lengths, ctx.dev_lengths,
-                                             y, dy, dhy, dcy, reserve, ints, dropout, seed)
+    if eager:
+        dx, dhx, dcx, dparams = core_backward(ints, dropout, seed, x, hx, cx, params, ctx.lengths,
+                                              ctx.dev_lengths, y, dy, dhy, dcy, reserve)
+    else:
+        dx, dhx, dcx, dparams = _rnn_backward_op(x, hx, cx, params, ctx.lengths, ctx.dev_lengths,
+                                                 y, dy, dhy, dcy, reserve, ints, dropout, seed)
     return dx, dhx, (dcx if lstm else None), dparams, None, None, None, None, None, None
 
 
 _rnn_op.register_autograd(_backward, setup_context=_setup_context)
+
+
+class _EagerCall(torch.autograd.Function):
+    """`_rnn_op` with its gradient, for a call that runs eagerly on plain
+    tensors: the same forward and backward functions, without the custom
+    op's dispatch (tens of microseconds of host time a call, each way).
+    Traces (torch.compile, export) and fake or meta tensors take the
+    custom op (`runs_eagerly`)."""
+
+    @staticmethod
+    def forward(ctx, x, hx, cx, params, lengths, dev_lengths, ints, dropout, seed, training):
+        output = core_forward(ints, dropout, seed, training, x, hx, cx, params, lengths,
+                              dev_lengths)
+        _setup_context(ctx, (x, hx, cx, params, lengths, dev_lengths, ints, dropout, seed,
+                             training), output)
+        ctx.mark_non_differentiable(output[3])
+        ctx.set_materialize_grads(False)  # None for an unused output, as the custom op's
+        return output
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, dy, dhy, dcy, dreserve):
+        return _backward(ctx, dy, dhy, dcy, dreserve, eager=True)
+
+
+def runs_eagerly(*tensors: torch.Tensor) -> bool:
+    """Whether a call on `tensors` runs eagerly on plain tensors or
+    Parameters (no trace; no fake, meta or functorch-wrapped tensor): where
+    a tensor made once may be kept and reused."""
+    if torch.compiler.is_compiling():
+        return False
+    return all(type(t) in (torch.Tensor, torch.nn.Parameter) and t.device.type != "meta"
+               and not torch._C._functorch.is_functorch_wrapped_tensor(t) for t in tensors)
 
 
 def run(x: torch.Tensor, kind: str, num_layers: int, units: int, params: torch.Tensor,
@@ -272,10 +330,10 @@ def run(x: torch.Tensor, kind: str, num_layers: int, units: int, params: torch.T
         lengths = lengths.to(device="cpu", dtype=torch.int32).contiguous()
         dev_lengths = lengths.to(x.device)
     else:
-        dev_lengths = torch.full((int(x.shape[1]),), int(x.shape[0]), dtype=torch.int32,
-                                 device=x.device)
+        dev_lengths = _full_lengths(x)
     cx_in = cx.contiguous() if kind == "lstm" else x.new_empty((0,))
-    y, hy, cy, _ = _rnn_op(x.contiguous(), hx.contiguous(), cx_in, params.contiguous(),
-                           lengths, dev_lengths, call.ints, call.dropout, call.seed,
-                           bool(training))
+    args = (x.contiguous(), hx.contiguous(), cx_in, params.contiguous())
+    op = _EagerCall.apply if runs_eagerly(*args) else _rnn_op
+    y, hy, cy, _ = op(*args, lengths, dev_lengths, call.ints, call.dropout, call.seed,
+                      bool(training))
     return y, hy, (cy if kind == "lstm" else None)
