@@ -37,18 +37,18 @@ __all__ = ["JaxBackend", "JaxTiming", "JaxTooling"]
 
 
 class JaxBackend(NoProjectedLSTMPath, KernelModuleBackend):
-    """JAX: an LSTM stack as one `jax.experimental.rnn.lstm` call (GPU), or
-    an LSTM or GRU stack on rnnfuse's wavefront kernel (XLA FFI, float16
-    and bfloat16, Hopper). ProjectedLSTM runs Keras' loop:
-    jax.experimental.rnn's cuDNN LSTM has no projection."""
+    """JAX: a stack as one call of rnnfuse's cuDNN core (XLA FFI; LSTM,
+    LSTMP, GRU, SimpleRNN, float32/float16/bfloat16), or an LSTM or GRU
+    stack on rnnfuse's wavefront kernel (XLA FFI, float16 and bfloat16,
+    Hopper). A ProjectedLSTM layer alone runs Keras' loop."""
 
     name = "jax"
     kernels = kernels
     capabilities = Capabilities(
         fused_kernel=True,
-        # jax.experimental.rnn takes a dropout rate but no seed.
-        absorbs_dropout=False,
-        # The call is an XLA custom call: jitted train steps keep working.
+        # The core's cuDNN dropout, seeded by the Dropout layer's seed.
+        absorbs_dropout=True,
+        # The calls are XLA custom calls: jitted train steps keep working.
         xla_compiles_fused_call=True,
         tunes_one_call_per_layer=False,
         tuned_algorithms=(None,),
