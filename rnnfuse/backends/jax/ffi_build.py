@@ -1,7 +1,7 @@
 """Builds rnnfuse's XLA FFI library for JAX (the csrc/jax_*.cc handlers).
 
 One shared library, `librnnfuse_jax_ffi.so`, holds the FFI handlers (one
-source file an operation: `FFI_SOURCES`) and the framework-free libraries
+source file a pass: `FFI_SOURCES`) and the framework-free libraries
 they wrap (`LIBRARY_SOURCES`: the wavefront launcher, with its cubin
 embedded), compiled by g++ against:
 
@@ -43,12 +43,11 @@ __all__ = ["CUDNN_FFI_SOURCES", "CUDNN_LIBRARY_NAME", "FFI_SOURCES", "LIBRARY_NA
            "cudnn_ffi_command", "ffi_command", "ffi_include"]
 
 LIBRARY_NAME = "librnnfuse_jax_ffi.so"
-# The handlers: one file an operation.
-FFI_SOURCES = ("jax_wavefront_forward.cc", "jax_wavefront_backward_stack.cc",
-               "jax_wavefront_backward_layer.cc")
+# The handlers: one file a pass (forward, backward).
+FFI_SOURCES = ("jax_wavefront_forward.cc", "jax_wavefront_backward.cc")
 # The C-ABI libraries the handlers call, compiled into the same library.
 LIBRARY_SOURCES = ("wavefront_host.cc",)
-HEADERS = ("jax_ffi_common.h", "wavefront_plan.h", "wavefront.cuh")
+HEADERS = ("jax_ffi_common.h", "wavefront_abi.h", "wavefront_plan.h", "wavefront.cuh")
 _FLAGS_VERSION = "1"  # bump when the command changes
 CUDNN_LIBRARY_NAME = "librnnfuse_jax_cudnn_ffi.so"
 # The cuDNN core's handlers: forward (inference and training), backward
