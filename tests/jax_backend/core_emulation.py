@@ -59,6 +59,8 @@ class Emulation:
 
     def __init__(self):
         self.calls: list[tuple[str, dict]] = []
+        # One a forward: kind, num_layers, bidirectional, blob_size.
+        self.stacks: list[dict] = []
         self.sizes: list[tuple] = []
         self.refuse: callable | None = None  # config -> CoreError or None
 
@@ -134,6 +136,8 @@ class Emulation:
 
     def _forward(self, training, results, x, hx, cx, params, lengths, **attrs):
         mode, dirs = self._config(x, hx, cx, params, lengths, **attrs)
+        self.stacks.append(dict(kind=mode, num_layers=int(attrs["num_layers"]),
+                                bidirectional=dirs == 2, blob_size=int(params.shape[0])))
         y, h, c = self._reference(mode, dirs, x, hx, cx, params, lengths)
         dt = x.dtype
         out = [y.astype(dt), h.astype(dt), c.astype(dt) if mode == "lstm" else jnp.zeros((0,), dt)]

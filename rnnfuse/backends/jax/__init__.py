@@ -67,6 +67,7 @@ __all__ = [
     "right_padded",
     "run_stack",
     "timed_step",
+    "tuned_algorithms",
     "unsupported_reason",
 ]
 
@@ -87,6 +88,19 @@ def concrete_bool(value: Any) -> bool | None:
 def is_available() -> bool:
     """Whether the fused calls can run here: JAX's default device is a GPU."""
     return jax.default_backend() == "gpu"
+
+
+def tuned_algorithms() -> tuple:
+    """The cuDNN algorithms the tuner times here: every candidate
+    (`rnnfuse.tuning.plans.CANDIDATE_ALGORITHMS`) where the cuDNN core runs
+    (a GPU, its handlers registered; it runs the algorithm in both
+    passes), else (None,)."""
+    from rnnfuse.backends.jax import cudnn_core
+    from rnnfuse.tuning.plans import CANDIDATE_ALGORITHMS
+
+    if not is_available() or cudnn_core.core_reason("float32") is not None:
+        return (None,)
+    return CANDIDATE_ALGORITHMS
 
 
 def group_reason(group: Any) -> str | None:

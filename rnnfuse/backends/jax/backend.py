@@ -9,7 +9,7 @@ runs them.
 Example:
 
     >>> JaxBackend().capabilities.absorbs_dropout
-    False
+    True
 """
 
 from __future__ import annotations
@@ -44,23 +44,27 @@ class JaxBackend(NoProjectedLSTMPath, KernelModuleBackend):
 
     name = "jax"
     kernels = kernels
-    capabilities = Capabilities(
-        fused_kernel=True,
-        # The core's cuDNN dropout, seeded by the Dropout layer's seed.
-        absorbs_dropout=True,
-        # The calls are XLA custom calls: jitted train steps keep working.
-        xla_compiles_fused_call=True,
-        tunes_one_call_per_layer=False,
-        tuned_algorithms=(None,),
-        # One multi-layer call measured 0.88x-1.62x against Keras' per-layer
-        # calls (bench/bench_jax.py): without tune= the layers stay.
-        plan_table="per_layer",
-        projected_lstm_loop=None,
-        # rnnfuse's wavefront kernel through XLA FFI: inference, and
-        # training on its backward kernel (a jax.custom_vjp).
-        inference_kernels=("wavefront",),
-        training_kernels=("wavefront",),
-    )
+    @property
+    def capabilities(self) -> Capabilities:
+        return Capabilities(
+            fused_kernel=True,
+            # The core's cuDNN dropout, seeded by the Dropout layer's seed.
+            absorbs_dropout=True,
+            # The calls are XLA custom calls: jitted train steps keep working.
+            xla_compiles_fused_call=True,
+            tunes_one_call_per_layer=False,
+            # cuDNN's algorithms where the core runs (it runs the plan's
+            # algorithm in both passes).
+            tuned_algorithms=kernels.tuned_algorithms(),
+            # Nothing timed (no GPU, tune=False, a shape not timed): Keras'
+            # layers stay; the first batch (tune="auto") or tune= measures.
+            plan_table="per_layer",
+            projected_lstm_loop=None,
+            # rnnfuse's wavefront kernel through XLA FFI: inference, and
+            # training on its backward kernel (a jax.custom_vjp).
+            inference_kernels=("wavefront",),
+            training_kernels=("wavefront",),
+        )
 
     def kernel_reason(self, kernel, group, shape, training=False):
         return kernels.kernel_reason(kernel, group, shape, training=training)
