@@ -135,7 +135,7 @@ run_stage() {
       summary torch-tests "GPU_REPORT|passed|failed|^FAILED|^ERROR" 30 ;;
     jax-tests)
       # The JAX GPU tests (JAX_TESTS: the files; default the cuDNN core's).
-      s=$(limit jax-tests 300)
+      s=$(limit jax-tests 420)
       ( torch_env; export KERAS_BACKEND=jax; timeout $s python3 -m pytest -q -p no:cacheprovider -s -rs \
           ${JAX_TESTS:-tests/gpu/test_gpu_core_jax.py} ${TESTS_ARGS} ${JAX_TESTS_K:+-k "$JAX_TESTS_K"} ) > $log 2>&1; rc=$?
       echo "[$(since) s] jax-tests rc $rc"
