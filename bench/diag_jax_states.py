@@ -6,9 +6,9 @@ rnnfuse's fused call and Keras' layers for a masked stack (outputs within
 differently. This compares both with Keras' generic loop (`use_cudnn=False`,
 same weights) on the GPU, feature by feature (initial states, returned
 states, go_backwards), including the test's own model, and runs a
-right-padded masked call through the fused kernel (`mask_is_supported`
-patched to the right-padded check) against the same loop. Results:
-docs/benchmarks.md, "JAX".
+right-padded masked call through the fused kernel against the same loop.
+Results (measured when the fused call was jax.experimental.rnn's; it is
+rnnfuse's cuDNN core now): docs/benchmarks.md, "JAX".
 
     KERAS_BACKEND=jax python3 bench/diag_jax_states.py [--test-model-only]
 """
@@ -120,20 +120,5 @@ with jax.default_matmul_precision("highest"):
             print("ERROR", initial_state, go_backwards, return_state, type(e).__name__, e, flush=True)
     for last_sequences in (True, False):
         compare(True, False, True, last_sequences=last_sequences)
-    jax_backend.mask_is_supported = jax_backend.right_padded
     for return_state in (False, True):
         compare(False, False, return_state, masked=True)
-
-    # The same with the outputs' cotangent made dense (a zero-weighted sum
-    # of y tied into the final states): is a symbolic-zero cotangent for an
-    # unused output sequence what goes wrong?
-    real = jax_backend.jax_lstm
-
-    def tied(*args, **kwargs):
-        y, h, c = real(*args, **kwargs)
-        zero = 0.0 * jnp.sum(y)
-        return y, h + zero, c + zero
-
-    jax_backend.jax_lstm = tied
-    compare(True, False, True, last_sequences=False, tag="tied ")
-    compare(False, False, False, masked=True, tag="tied ")

@@ -19,7 +19,7 @@ __all__ = ["Placement", "backend_name", "nothing_fused_reason", "placement"]
 _UNAVAILABLE = {
     "tensorflow": "TensorFlow's fused kernel (rnnfuse's cuDNN op, or CudnnRNNV3) "
     "needs a CUDA GPU and none is visible",
-    "jax": "JAX's fused kernel (jax.experimental.rnn) needs JAX on a GPU and "
+    "jax": "JAX's fused kernel (rnnfuse's cuDNN core through XLA FFI) needs JAX on a GPU and "
     "JAX's default device is not one",
 }
 

@@ -1,7 +1,8 @@
 """`rnnfuse build-ops [--force]`: compiles rnnfuse's native libraries now
 (no GPU needed) and prints where they went: the cuDNN RNN core, then the
 TensorFlow ops (with TensorFlow installed) or, under KERAS_BACKEND=jax, the
-XLA FFI library, on the last line. Each is otherwise built on first GPU
+XLA FFI libraries (the cuDNN core's handlers, a failure a note; then the
+wavefront kernel's, on the last line). Each is otherwise built on first GPU
 use, into $RNNFUSE_CACHE_DIR/ops or the user cache folder.
 
 >>> from rnnfuse.cli import main
@@ -68,12 +69,17 @@ def run(args) -> int:
 
 
 def _build_for_jax(force: bool) -> int:
-    """Builds the XLA FFI library for JAX and prints its path."""
+    """Builds the XLA FFI libraries for JAX and prints their paths."""
     from rnnfuse.backends.jax import ffi_build
 
+    try:
+        print(ffi_build.build_cudnn_ffi_library(force=force))
+    except ffi_build.BuildError as err:
+        print(f"rnnfuse: the cuDNN core's XLA FFI library was not built ({err}); fused "
+              "stacks run the wavefront kernel or the original layers", file=sys.stderr)
     try:
         print(ffi_build.build_ffi_library(force=force))
     except ffi_build.BuildError as err:
         raise CliError(f"building rnnfuse's XLA FFI library for JAX failed ({err}); fused "
-                       "stacks run jax.experimental.rnn or the original layers") from err
+                       "stacks run the cuDNN core or the original layers") from err
     return 0

@@ -1,13 +1,14 @@
-"""FusedRNN under Keras' JAX backend on a real GPU (jax.experimental.rnn).
+"""FusedRNN under Keras' JAX backend on a real GPU (rnnfuse's cuDNN core).
 
 Runs only with KERAS_BACKEND=jax and a GPU visible to JAX. A spy on the
-backend's single call site (`rnnfuse.backends.jax.jax_lstm`) proves the
-multi-layer call ran (a silent fallback to Keras' layers fails); the
-traced train step must hold one cuDNN custom call per fused stack.
+binding's single call site (`rnnfuse.backends.jax.cudnn_core.ffi_call`)
+proves the multi-layer call ran (a silent fallback to Keras' layers
+fails); the traced train step must hold the core's custom calls.
+tests/gpu/test_gpu_core_jax.py covers every kind, dtype and dropout.
 
     KERAS_BACKEND=jax python3 -m pytest -q tests/gpu/test_gpu_jax.py
 
-Tolerances: float32 relative error <= 1e-5 (outputs), 1e-4 (gradients);
+Tolerances: float32 relative error <= 5e-4 (outputs), 1e-3 (gradients);
 matmul precision "highest" (no TF32), as Keras' own cuDNN LSTM then runs.
 """
 
@@ -25,7 +26,7 @@ import jax.numpy as jnp  # noqa: E402
 
 import rnnfuse  # noqa: E402
 from builders import assert_fastest_or_kept_original, fit_from_same_start, fused_layers, random_inputs, stack_model  # noqa: E402
-from rnnfuse.backends import jax as jax_backend  # noqa: E402
+from rnnfuse.backends.jax import cudnn_core  # noqa: E402
 
 L = keras.layers
 
@@ -38,15 +39,18 @@ def _highest_precision():
 
 @pytest.fixture
 def lstm_calls(monkeypatch):
+    """The core's forward calls traced (their attributes)."""
     calls = []
-    real = jax_backend.jax_lstm
+    real = cudnn_core.ffi_call
 
-    def spy(*args, **kwargs):
-        calls.append(dict(num_layers=kwargs["num_layers"], bidirectional=kwargs["bidirectional"],
-                          platform=jax.default_backend()))
-        return real(*args, **kwargs)
+    def spy(target, results, *operands, **kwargs):
+        if "forward" in target:
+            calls.append(dict(num_layers=int(kwargs["num_layers"]),
+                              bidirectional=int(kwargs["directions"]) == 2,
+                              platform=jax.default_backend()))
+        return real(target, results, *operands, **kwargs)
 
-    monkeypatch.setattr(jax_backend, "jax_lstm", spy)
+    monkeypatch.setattr(cudnn_core, "ffi_call", spy)
     return calls
 
 
@@ -68,7 +72,7 @@ def _loss_and_grads(model, inputs):
     return outs, grads
 
 
-def _compare(model, fast, inputs, out_tol=1e-5, grad_tol=1e-4):
+def _compare(model, fast, inputs, out_tol=5e-4, grad_tol=1e-3):
     (o0, g0), (o1, g1) = _loss_and_grads(model, inputs), _loss_and_grads(fast, inputs)
     worst_out = max(_rel(b, a) for a, b in zip(o0, o1))
     worst_grad = max(_rel(b, a) for a, b in zip(g0, g1))
@@ -99,14 +103,15 @@ def test_fused_lstm_stack_matches_keras_on_gpu(bidirectional, lstm_calls):
     assert all(c["bidirectional"] is bidirectional and c["platform"] == "gpu" for c in lstm_calls)
 
 
-def test_masked_call_runs_keras_layers_and_initial_and_final_states_fuse_on_gpu(lstm_calls):
+def test_masked_calls_and_initial_and_final_states_fuse_on_gpu(lstm_calls):
     model = stack_model("lstm", 3, units=32, input_size=16, steps=40, masked=True,
                         last_return_sequences=True)
     _randomize(model, 2)
     fast = rnnfuse.optimize(model, plan=rnnfuse.FUSED)
     tokens = random_inputs(model, 8, np.random.default_rng(3), padding="right")
     tokens[0, 5:] = 0
-    np.testing.assert_array_equal(np.asarray(fast(tokens)), np.asarray(model(tokens)))
+    _compare(model, fast, tokens, out_tol=5e-4, grad_tol=1e-3)
+    assert lstm_calls and lstm_calls[0]["num_layers"] == 3
     lstm_calls.clear()
     model = stack_model("lstm", 2, units=32, input_size=16, steps=40, initial_state=True,
                         last_return_state=True)
@@ -128,9 +133,9 @@ def test_jitted_train_step_holds_one_multi_layer_cudnn_call(lstm_calls):
             return jnp.mean(fast(inputs) ** 2)
 
     hlo = jax.jit(jax.grad(loss)).lower([v.value for v in variables], x).as_text()
-    cudnn = [line for line in hlo.splitlines() if "cudnn_rnn" in line and "custom_call" in line]
-    print("cuDNN RNN custom calls in the train step:", len(cudnn))
-    assert cudnn, "no cuDNN RNN custom call in the jitted step"
+    cudnn = [line for line in hlo.splitlines() if "rnnfuse_cudnn_ffi" in line and "custom_call" in line]
+    print("cuDNN core custom calls in the train step:", len(cudnn))
+    assert cudnn, "no cuDNN core custom call in the jitted step"
     assert {c["num_layers"] for c in lstm_calls} == {3}
 
 
@@ -158,6 +163,6 @@ def test_tuner_keeps_the_faster_of_keras_and_fused(batch, units, lstm_calls):
     print(f"B{batch} H{units} tuner ms:", {n: round(t * 1e3, 2) for n, t in result.timings.items()},
           "->", result.plan.name)
     assert result.source == "measured"
-    assert set(result.timings) == {"per-layer", "fused", "split 2+2"}
+    assert {"per-layer", "fused", "split 2+2"} <= set(result.timings)
     assert_fastest_or_kept_original(result)
     assert lstm_calls, "the fused candidates never ran the multi-layer call"

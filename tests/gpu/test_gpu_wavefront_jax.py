@@ -10,7 +10,7 @@ JAX LSTM runs jax.experimental.rnn in float32 only): outputs, final states
 and every gradient (jax.grad of a weighted sum, jitted), as ||a - b|| /
 ||b|| within the element type's tolerance. A spy on the binding's
 `ffi_call` records the FFI targets traced into each step, so a silent
-fallback (the layers, or jax.experimental.rnn) fails the test; the
+fallback (the layers, or the cuDNN core) fails the test; the
 compiled step is checked to hold the handlers' custom calls. The last
 test times Keras' jitted fit and predict steps of a 4 x 512 LSTM at batch
 64, T=1000, float16, on the kernel against Keras-on-JAX (GPU_REPORT line).

@@ -2,12 +2,11 @@
 
     KERAS_BACKEND=jax .venv/bin/python -m pytest -q tests/jax_backend
 
-jax.experimental.rnn's cuDNN call has no CPU lowering, so on the CPU the
-`emulated_jax_lstm` fixture puts its own reference implementation
-(`jax.experimental.rnn.lstm_ref`, fed the blob through
-`unpack_lstm_weights`, i.e. the same layout cuDNN reads) in place of the
-call and says the backend is available. The GPU tests
-(tests/gpu/test_gpu_jax.py) run the real call.
+The cuDNN core's FFI calls have no CPU lowering, so on the CPU the
+`emulated_core` fixture puts an emulation of its targets
+(core_emulation.py: cuDNN's equations in jax.numpy) in place of the calls
+and says the backend is available. The GPU tests
+(tests/gpu/test_gpu_core_jax.py) run the real calls.
 """
 
 from __future__ import annotations
@@ -20,24 +19,9 @@ if keras.backend.backend() != "jax":
 
 
 @pytest.fixture
-def emulated_jax_lstm(monkeypatch):
-    """jax.experimental.rnn.lstm -> its reference; records each call."""
-    from jax.experimental import rnn
+def emulated_core(monkeypatch):
+    """The core's FFI targets -> their emulation; records each call
+    (`.calls`: (target, attributes); `.stacks`: one dict a forward)."""
+    import core_emulation
 
-    from rnnfuse.backends import jax as jax_backend
-
-    calls = []
-
-    def reference(x, h0, c0, blob, lengths, *, input_size, hidden_size, num_layers, dropout,
-                  bidirectional):
-        calls.append(dict(num_layers=num_layers, bidirectional=bidirectional,
-                          blob_size=int(blob.shape[0])))
-        w_ih, w_hh, b_ih, b_hh = rnn.unpack_lstm_weights(
-            blob, input_size, hidden_size, num_layers, bidirectional
-        )
-        return rnn.lstm_ref(x, h0, c0, w_ih, w_hh, b_ih, b_hh, lengths, input_size,
-                            hidden_size, num_layers, dropout, bidirectional)
-
-    monkeypatch.setattr(jax_backend, "jax_lstm", reference)
-    monkeypatch.setattr(jax_backend, "is_available", lambda: True)
-    return calls
+    return core_emulation.install(monkeypatch)

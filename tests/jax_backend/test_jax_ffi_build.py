@@ -65,12 +65,61 @@ def test_the_handlers_compile_and_register_with_jax(built, monkeypatch):
     assert ffi_build.build_ffi_library(cubin=cubin) == path
 
 
-def test_every_handler_has_its_own_source_file():
+def test_each_pass_has_its_own_source_file_on_xlas_stream():
     names = {s.removeprefix("jax_").removesuffix(".cc") for s in ffi_build.FFI_SOURCES}
-    assert names == {"wavefront_forward", "wavefront_backward_stack", "wavefront_backward_layer"}
-    for source in ffi_build.FFI_SOURCES:
+    assert names == {"wavefront_forward", "wavefront_backward"}
+    names = {s.removeprefix("jax_").removesuffix(".cc") for s in ffi_build.CUDNN_FFI_SOURCES}
+    assert names == {"cudnn_forward", "cudnn_backward"}
+    for source in ffi_build.FFI_SOURCES + ffi_build.CUDNN_FFI_SOURCES:
         text = (build.SOURCE_DIR / source).read_text()
         assert "PlatformStream<cudaStream_t>" in text  # XLA's stream, not a default one
+
+
+def test_the_wavefront_abi_is_declared_once_for_every_binding():
+    """The JAX handlers and the TensorFlow op read one framework-free header."""
+    assert "#include \"wavefront_abi.h\"" in (build.SOURCE_DIR / "jax_ffi_common.h").read_text()
+    op_source = build.SOURCE_DIR.parent.parent / "tensorflow" / "csrc" / "rnnfuse_wavefront_op.cc"
+    op = op_source.read_text()
+    assert "#include \"wavefront_abi.h\"" in op and "size_t rnnfuse_wf_workspace_bytes(" not in op
+
+
+def _have_core_toolchain():
+    try:
+        build.find_cxx(), build.find_cudnn(), build.core_cuda_include(), ffi_build.ffi_include()
+    except build.BuildError as err:
+        return str(err)
+    return None
+
+
+@pytest.mark.skipif(_have_core_toolchain() is not None, reason=str(_have_core_toolchain()))
+def test_the_cudnn_handlers_build_link_the_core_and_register(tmp_path, monkeypatch):
+    """The cuDNN core's handlers compile against jaxlib's FFI headers and
+    link the core itself (its folder on the rpath: one copy a process)."""
+    import subprocess
+
+    from rnnfuse.backends.jax import cudnn_core
+
+    monkeypatch.setenv("RNNFUSE_CACHE_DIR", str(tmp_path))
+    path = ffi_build.build_cudnn_ffi_library()
+    assert path.name == ffi_build.CUDNN_LIBRARY_NAME
+    core = build.build_cudnn_core()
+    needed = subprocess.run(["readelf", "-d", str(path)], capture_output=True, text=True).stdout
+    assert core.name in needed and str(core.parent) in needed, needed
+    lib = ctypes.CDLL(str(path))
+    for target in cudnn_core.TARGETS:
+        jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(lib, target)),
+                                    platform="CUDA")
+    monkeypatch.setenv("CXX", "false")  # cached: nothing is compiled again
+    assert ffi_build.build_cudnn_ffi_library() == path
+
+
+def test_a_cudnn_handler_build_failure_is_a_build_error(tmp_path, monkeypatch):
+    monkeypatch.setenv("RNNFUSE_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("CXX", "false")
+    core = tmp_path / "librnnfuse_cudnn_core.so"
+    core.write_text("")
+    with pytest.raises(ffi_build.BuildError, match="cuDNN core for JAX failed"):
+        ffi_build.build_cudnn_ffi_library(core=core)
 
 
 def test_missing_ffi_headers_are_a_build_error_with_the_fix(tmp_path, monkeypatch):
@@ -105,9 +154,20 @@ def test_build_ops_under_jax_builds_the_ffi_library(monkeypatch, capsys, tmp_pat
     from rnnfuse.cli import main
 
     monkeypatch.setattr(build, "build_cudnn_core", lambda force=False: tmp_path / "core.so")
+    monkeypatch.setattr(ffi_build, "build_cudnn_ffi_library",
+                        lambda force=False: tmp_path / "cudnn.so")
     monkeypatch.setattr(ffi_build, "build_ffi_library", lambda force=False: tmp_path / "lib.so")
     assert main(["build-ops"]) == 0
-    assert capsys.readouterr().out.strip().splitlines()[-1] == str(tmp_path / "lib.so")
+    assert capsys.readouterr().out.strip().splitlines()[-2:] == [str(tmp_path / "cudnn.so"),
+                                                                  str(tmp_path / "lib.so")]
+
+    def no_headers(force=False):
+        raise ffi_build.BuildError("no xla/ffi/api/ffi.h")
+
+    monkeypatch.setattr(ffi_build, "build_cudnn_ffi_library", no_headers)
+    assert main(["build-ops"]) == 0  # the wavefront library still built: a note
+    assert "cuDNN core's XLA FFI library was not built (no xla/ffi/api/ffi.h)" in (
+        capsys.readouterr().err)
 
     def fails(force=False):
         raise ffi_build.BuildError("no nvcc found")

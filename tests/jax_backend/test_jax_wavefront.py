@@ -233,24 +233,25 @@ def test_assigning_a_variable_changes_the_fused_output(emulated, half):
 
 
 def test_a_shape_the_kernel_refuses_runs_the_layers_with_both_reasons(emulated, half):
-    """A float16 LSTM that the kernel's plan refuses: jax.experimental.rnn
-    runs float32 only, so the original layers run, saying why."""
+    """A float16 LSTM that the kernel's plan refuses, where the cuDNN core
+    cannot run either (no GPU): the original layers run, saying why."""
     model = wavefront_stack(layers=4, units=16)
     layer = _fused(model, Plan((4,), kernel="wavefront"))
     x = wavefront_inputs()
     y = layer(x, training=False)
     assert emulated.calls == [] and layer.last_path.kind == "layers"
     reason = str(layer.last_path.reason)
-    assert "4 layers of 16 units do not fit on chip" in reason and "float32 only" in reason
+    assert "4 layers of 16 units do not fit on chip" in reason and "JAX runs on the cpu" in reason
     assert max_abs_diff(y, model(x)) <= FP16_TOL
 
 
 def test_a_float32_lstm_on_the_wavefront_plan_runs_cudnn_with_the_reason(
-        emulated, emulated_jax_lstm):
+        emulated, emulated_core):
     layer = _fused(wavefront_stack(), WAVEFRONT)
     layer(wavefront_inputs(), training=False)
     ran = layer.last_path.kernel
-    assert emulated.calls == [] and ran.name == "jax.experimental.rnn.lstm"
+    assert emulated.calls == [] and ran.name == "rnnfuse cuDNN core (XLA FFI)"
+    assert [t for t, _ in emulated_core.calls] == ["rnnfuse_cudnn_ffi_forward"]
     assert "float16 and bfloat16, not float32" in ran.note and "cuDNN runs it" in ran.note
 
 

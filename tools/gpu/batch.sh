@@ -13,6 +13,7 @@
 #   STAGE_S_tf_view=300 bash tools/gpu/batch.sh tf-view tf-single
 #   DIAG_ARGS="--cells 19 --compare 2" bash tools/gpu/batch.sh tf-diag
 #   bash tools/gpu/batch.sh torch-tests torch-ddp torch-view
+#   bash tools/gpu/batch.sh jax-tests   # the cuDNN core under Keras' JAX backend
 #   bash tools/gpu/batch.sh wavefront-check torch-tests
 #   bash tools/gpu/batch.sh wavefront-variants   # the kernels' opt-in variants
 #   MATRIX_ARGS="--shapes lstm4x512" bash tools/gpu/batch.sh matrix-torch matrix-pytorch
@@ -164,6 +165,13 @@ run_stage() {
           ${TORCH_TESTS_K:+-k "$TORCH_TESTS_K"} ) > $log 2>&1; rc=$?
       echo "[$(since) s] torch-tests rc $rc"
       summary torch-tests "GPU_REPORT|passed|failed|^FAILED|^ERROR" 30 ;;
+    jax-tests)
+      # The JAX GPU tests (JAX_TESTS: the files; default the cuDNN core's).
+      s=$(limit jax-tests 420)
+      ( torch_env; export KERAS_BACKEND=jax; timeout $s python3 -m pytest -q -p no:cacheprovider -s -rs \
+          ${JAX_TESTS:-tests/gpu/test_gpu_core_jax.py} ${TESTS_ARGS} ${JAX_TESTS_K:+-k "$JAX_TESTS_K"} ) > $log 2>&1; rc=$?
+      echo "[$(since) s] jax-tests rc $rc"
+      summary jax-tests "GPU_REPORT|worst|path:|registration|passed|failed|^FAILED|^ERROR|Error" 60 ;;
     torch-ddp)
       s=$(limit torch-ddp 120)
       ( torch_env; timeout $s python3 -m pytest -q -p no:cacheprovider -s -rs tests/gpu/test_gpu_distribute_torch.py ) > $log 2>&1; rc=$?

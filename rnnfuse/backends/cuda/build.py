@@ -52,7 +52,7 @@ logger = logging.getLogger("rnnfuse")
 
 SOURCE_DIR = Path(__file__).resolve().parent / "csrc"
 KERNEL_SOURCES = ("wavefront.cu", "wavefront.cuh")
-HOST_SOURCES = ("wavefront_host.cc", "wavefront_plan.h", "wavefront.cuh", "cuda_driver.h")
+HOST_SOURCES = ("wavefront_host.cc", "wavefront_plan.h", "wavefront.cuh", "cuda_driver.h", "wavefront_abi.h")
 LIBRARY_NAME = "librnnfuse_wavefront.so"
 CUBIN_NAME = "wavefront.cubin"
 # Plain sm_90: the kernel uses mma.sync, ldmatrix and cp.async only.

@@ -1,45 +1,37 @@
-"""JAX backend: an LSTM stack as one `jax.experimental.rnn.lstm` call, and
-LSTM and GRU stacks on rnnfuse's wavefront kernel through XLA FFI.
+"""JAX backend: a stack of LSTM, GRU or SimpleRNN levels as one call of
+rnnfuse's cuDNN core, and LSTM and GRU stacks on rnnfuse's wavefront
+kernel, both through XLA FFI.
 
-Plan kernel "wavefront" (`wavefront`: the kernel's FFI handlers, called
-with `jax.ffi.ffi_call` inside Keras' jitted steps, with a
-`jax.custom_vjp` whose backward pass runs the backward kernel) runs
-unidirectional float16 and bfloat16 LSTM and GRU stacks on a Hopper GPU;
-`kernel_reason` says where it cannot, and a call it refuses runs the
-"cudnn" kernel (jax.experimental.rnn), else the original layers, with the
-reason. The rest of this docstring is the "cudnn" kernel's.
+Plan kernel "cudnn" (and "stock": JAX has no other fused cuDNN call) runs
+the core (`cudnn_core`: the core's FFI handlers called with
+`jax.ffi.ffi_call` inside Keras' jitted steps, a `jax.custom_vjp` whose
+backward pass is cuDNN's backward data and weights): LSTM (with
+projections), GRU and SimpleRNN (tanh, relu) stacks, bidirectional,
+right-padded masks as sequence lengths, cuDNN's seeded dropout between
+levels, float32, float16 and bfloat16, the plan's cuDNN algorithm in both
+passes. A masked call runs the standard algorithm (cuDNN's persistent
+ones refuse padded lengths); an algorithm cuDNN refuses when the step is
+traced runs as standard, with the reason in the `KernelRun`'s note; a call
+the core cannot run at all raises NotImplementedError with the reason, and
+the original layers run.
 
-Keras' JAX backend (3.15) already runs each unmasked float32 `LSTM` layer
-on the GPU as one single-layer `jax.experimental.rnn.lstm` call (cuDNN).
-This backend runs a whole stack of LSTM levels as one call with
-num_layers = L. It is the only RNN jax.experimental.rnn has: GRU and
-SimpleRNN stacks, and other dtypes than float32, stay on Keras' path
-(`unsupported_reason`), and it has no CPU lowering (`is_available` needs a
-GPU).
+Plan kernel "wavefront" (`wavefront`) runs unidirectional float16 and
+bfloat16 LSTM and GRU stacks on a Hopper GPU; `kernel_reason` says where it
+cannot, and a call it refuses runs the core, with the reason.
 
-One multi-layer call wins against Keras' per-layer calls at large batch
-and width and loses a little at small batch (docs/benchmarks.md, "JAX").
-So the static plan under JAX keeps Keras' layers (`rnnfuse.tuning.table.static_plan`),
-and `optimize(model, tune=batch)` times both and fuses where it is faster.
+Parameters: the core's canonical flat layout (csrc/cudnn_rnn_core.h,
+`pack_params`), built inside the traced function from the live variables
+on every call, so gradients reach them: per pseudo-layer (level-major,
+forward before backward) W = kernel^T and R = recurrent_kernel^T as gate
+blocks of rows (a GRU's reordered from Keras' z, r, h to cuDNN's r, z, h),
+an LSTMP's projection^T after them; then per pseudo-layer the input and
+recurrent biases (an LSTM's and SimpleRNN's Keras bias is the recurrent
+one, the input one 0; a GRU's reset_after rows are the two). A level that
+reads a Bidirectional merged by "sum" or "ave" (`StackSpec.input_scale`)
+gets W = [s*W; s*W]^T, s = 1 or 1/2: the call feeds it [fwd, bwd].
 
-Weight blob (jax.experimental.rnn's `_get_params_shapes_in_lstm`, cuDNN's
-canonical layout): for each pseudo-layer p = (level 0, fwd), (level 0,
-bwd), (level 1, fwd), ...: W_ih [4H, n] then W_hh [4H, H], row-major; then
-for each pseudo-layer b_ih [4H], b_hh [4H]. Keras' gate order i, f, c, o is
-cuDNN's; W_ih = kernel^T, W_hh = recurrent_kernel^T, b_ih = Keras' bias,
-b_hh = 0. The blob is built inside the traced function from the live
-variables on every call, so gradients reach them. A level that reads a
-Bidirectional merged by "sum" or "ave" (`StackSpec.input_scale`) gets
-W_ih = [s*W; s*W]^T, s = 1 or 1/2: the call feeds it [fwd, bwd], and
-[fwd, bwd] [s*W; s*W] = s*(fwd + bwd) W.
-
-Not fused under JAX (the original layers run, exactly): masked calls
-(`mask_is_supported` is False: wrong gradients from the cuDNN call with
-ragged lengths), an LSTM's go_backwards first layer (`group_reason`),
-SimpleRNN; float16/bfloat16 and GRU stacks only on the "wavefront" plan,
-where its kernel accepts them. Between-level dropout has no seed in
-jax.experimental.rnn, so the planner does not absorb Dropout layers under
-JAX.
+Not fused under JAX (the original layers run, exactly): an LSTM's
+go_backwards first layer (`group_reason`).
 
 Example (packing only; the call itself needs a GPU):
 
@@ -59,27 +51,29 @@ import jax
 import jax.numpy as jnp
 import keras
 
-from rnnfuse.backends.base import StackCall, StackRun, StackSpec
+from rnnfuse.backends.base import GATES, StackCall, StackRun, StackSpec
 from rnnfuse.reasons import KernelRun
 
 __all__ = [
     "KERNELS",
+    "allow_tf32",
     "concrete_bool",
     "device_environment",
     "group_reason",
     "is_available",
-    "jax_lstm",
     "kernel_reason",
     "mask_is_supported",
     "pack_params",
+    "right_padded",
     "run_stack",
     "timed_step",
+    "tuned_algorithms",
     "unsupported_reason",
 ]
 
 # The plan kernels (`rnnfuse.plan.KERNELS`) this backend runs: "cudnn" and
-# "stock" are both jax.experimental.rnn's cuDNN call; "wavefront" is
-# rnnfuse's kernel (`wavefront`).
+# "stock" are both the cuDNN core's call (JAX has no other fused cuDNN
+# RNN); "wavefront" is rnnfuse's kernel (`wavefront`).
 KERNELS = ("cudnn", "stock", "wavefront")
 
 
@@ -92,54 +86,52 @@ def concrete_bool(value: Any) -> bool | None:
 
 
 def is_available() -> bool:
-    """Whether jax.experimental.rnn can run here: JAX's default device is a GPU."""
+    """Whether the fused calls can run here: JAX's default device is a GPU."""
     return jax.default_backend() == "gpu"
 
 
-def _kind_reason(kind: str) -> str | None:
-    if kind != "lstm":
-        return (
-            f"jax.experimental.rnn runs only LSTMs, not {kind}; Keras' JAX "
-            "layers run as they are"
-        )
-    return None
+def tuned_algorithms() -> tuple:
+    """The cuDNN algorithms the tuner times here: every candidate
+    (`rnnfuse.tuning.plans.CANDIDATE_ALGORITHMS`) where the cuDNN core runs
+    (a GPU, its handlers registered; it runs the algorithm in both
+    passes), else (None,)."""
+    from rnnfuse.backends.jax import cudnn_core
+    from rnnfuse.tuning.plans import CANDIDATE_ALGORITHMS
+
+    if not is_available() or cudnn_core.core_reason("float32") is not None:
+        return (None,)
+    return CANDIDATE_ALGORITHMS
 
 
 def group_reason(group: Any) -> str | None:
     """Why a fusion group must stay with Keras' layers under JAX, or None.
 
-    GRU runs are kept for the wavefront kernel (whose plan, chosen by the
-    tuner or set, runs them; the "cudnn" kernel refuses them at the call).
-    Besides SimpleRNN runs: an LSTM's go_backwards first layer. Keras 3.15's JAX
-    cuDNN LSTM returns a go_backwards layer's sequence flipped back to input
-    order, while its own loop (and the TensorFlow and torch backends)
-    return it in processing order (bench/diag_jax_states.py). rnnfuse's call follows the loop,
-    so fusing would change the numbers of the original model.
+    An LSTM's go_backwards first layer: Keras 3.15's JAX cuDNN LSTM returns
+    a go_backwards layer's sequence flipped back to input order, while its
+    own loop (and the TensorFlow and torch backends) return it in
+    processing order (bench/diag_jax_states.py). rnnfuse's call follows the
+    loop, so fusing would change the numbers of the original model.
     """
-    if group.cell == "gru":
-        return None
-    reason = _kind_reason(group.cell)
-    if reason is None and group.views[0].go_backwards:
-        reason = (
-            "its first layer reads backwards, and Keras' JAX cuDNN LSTM orders "
-            "that layer's output differently from its own loop; the layers "
-            "run as they are"
-        )
-    return reason
+    if group.cell == "lstm" and group.views[0].go_backwards:
+        return ("its first layer reads backwards, and Keras' JAX cuDNN LSTM orders "
+                "that layer's output differently from its own loop; the layers "
+                "run as they are")
+    return None
 
 
 def unsupported_reason(stack: StackSpec, dtype: str) -> str | None:
     """Why neither of this backend's kernels can run `stack` in `dtype`, or
     None (the call's own checks say which kernel runs it)."""
     from rnnfuse.backends.cuda import library
+    from rnnfuse.backends.jax import cudnn_core
 
-    cudnn = _cudnn_reason(stack, dtype)
-    if cudnn is None:
+    core = cudnn_core.core_reason(str(dtype))
+    if core is None:
         return None
     summed = any(stack.input_scale(i) is not None for i in range(stack.num_levels))
     kernel = library.stack_reason(stack.kind, str(dtype), directions=stack.num_directions,
                                   proj_size=stack.proj_size, summed_inputs=summed)
-    return None if kernel is None else f"{cudnn}; {kernel}"
+    return None if kernel is None else f"{core}; {kernel}"
 
 
 def kernel_reason(kernel: str, group: Any, shape: tuple, training: bool = False) -> str | None:
@@ -158,73 +150,76 @@ def kernel_reason(kernel: str, group: Any, shape: tuple, training: bool = False)
         proj_size=group.proj_size)
 
 
-def _cudnn_reason(stack: StackSpec, dtype: str) -> str | None:
-    """Why jax.experimental.rnn cannot run `stack` in `dtype`, or None."""
-    reason = _kind_reason(stack.kind)
-    if reason is not None:
-        return reason
-    if str(dtype) != "float32":
-        return f"jax.experimental.rnn runs float32 only, not {dtype}"
-    if stack.proj_size:
-        return "jax.experimental.rnn has no LSTM projections"
-    return None
-
-
 def mask_is_supported(mask: Any):
-    """Always False: masked calls run Keras' layers (exactly).
-
-    `run_stack` turns a right-padded mask into `seq_lengths`, which matches
-    Keras' loop through jax.experimental.rnn's reference on the CPU and in
-    the forward pass on the GPU, but the cuDNN call's gradients with
-    ragged lengths are wrong (bench/diag_jax_states.py), so masked calls
-    are not fused.
-    """
-    del mask
-    return jnp.asarray(False)
+    """True when `mask` [B, T] is right-padded and no sequence is empty:
+    the core runs it as sequence lengths (cuDNN's padded IO)."""
+    return right_padded(mask)
 
 
 def right_padded(mask: Any):
-    """True when `mask` [B, T] is right-padded and no sequence is empty
-    (what `mask_is_supported` would check if masked calls were fused)."""
+    """True when `mask` [B, T] is right-padded and no sequence is empty."""
     mask = jnp.asarray(mask).astype(bool)
     lengths = mask.sum(axis=1)
     steps = jnp.arange(mask.shape[1])[None, :] < lengths[:, None]
     return jnp.logical_and(jnp.all(mask == steps), jnp.all(lengths > 0))
 
 
-def _value(variable: Any) -> jax.Array:
-    return jnp.asarray(getattr(variable, "value", variable), jnp.float32)
+def _value(variable: Any, dtype) -> jax.Array:
+    return jnp.asarray(getattr(variable, "value", variable)).astype(dtype)
 
 
-def pack_params(stack: StackSpec) -> jax.Array:
-    """The flat weight blob of `stack`, from its live variables."""
+def _zrh_to_rzh(x: jax.Array, axis: int) -> jax.Array:
+    """Swap the first two of three gate blocks along `axis` (Keras z, r, h
+    -> cuDNN r, z, h)."""
+    z, r, h = jnp.split(x, 3, axis=axis)
+    return jnp.concatenate([r, z, h], axis=axis)
+
+
+def _cell_params(kind: str, cell: Any, dtype, input_scale: float | None) -> tuple[list, list]:
+    """(weights, biases) of one pseudo-layer, flattened in the canonical order."""
+    gates = GATES[kind]
+    kernel = _value(cell.kernel, dtype)
+    if input_scale is not None:  # [s*W; s*W]: see the module doc
+        half = kernel if input_scale == 1.0 else kernel * jnp.asarray(input_scale, dtype)
+        kernel = jnp.concatenate([half, half], axis=0)
+    recurrent = _value(cell.recurrent_kernel, dtype)
+    units = int(recurrent.shape[1]) // gates
+    w, r = kernel.T, recurrent.T  # [G*H, n], [G*H, R]: gate blocks of rows
+    if cell.use_bias:
+        bias = _value(cell.bias, dtype)
+    else:
+        bias = jnp.zeros((2 if kind == "gru" else 1, gates * units), dtype)
+    if kind == "gru":
+        w, r = _zrh_to_rzh(w, 0), _zrh_to_rzh(r, 0)
+        biases = [_zrh_to_rzh(bias.reshape(2, gates * units), 1).reshape(-1)]
+    else:
+        biases = [jnp.zeros((gates * units,), dtype), bias.reshape(-1)]
+    weights = [w.reshape(-1), r.reshape(-1)]
+    projection = getattr(cell, "projection_kernel", None)
+    if projection is not None:  # [H, P] -> cuDNN's [P, H]
+        weights.append(_value(projection, dtype).T.reshape(-1))
+    return weights, biases
+
+
+def pack_params(stack: StackSpec, dtype="float32") -> jax.Array:
+    """The core's canonical flat buffer of `stack` in `dtype`, from its live
+    variables (see the module doc)."""
     weights, biases = [], []
     for i, level in enumerate(stack.cells):
-        scale = stack.input_scale(i)
         for cell in level:
-            kernel = _value(cell.kernel)
-            if scale is not None:  # [s*W; s*W]: see the module doc
-                half = kernel if scale == 1.0 else kernel * scale
-                kernel = jnp.concatenate([half, half], axis=0)
-            weights += [kernel.T.ravel(), _value(cell.recurrent_kernel).T.ravel()]
-            bias = _value(cell.bias) if cell.use_bias else jnp.zeros((4 * stack.units,), jnp.float32)
-            biases += [bias, jnp.zeros_like(bias)]
+            w, b = _cell_params(stack.kind, cell, dtype, stack.input_scale(i))
+            weights += w
+            biases += b
     return jnp.concatenate(weights + biases)
 
 
-def jax_lstm(*args, **kwargs):
-    """`jax.experimental.rnn.lstm`; one module-level name so tests can spy on it."""
-    from jax.experimental import rnn
-
-    return rnn.lstm(*args, **kwargs)
-
-
-def _states(given: Sequence[Any] | None, stack: StackSpec, batch: int) -> jax.Array:
-    """[levels * directions, B, H] from the first pseudo-layers' states (rest: 0)."""
-    zeros = jnp.zeros((batch, stack.units), jnp.float32)
+def _states(given: Sequence[Any] | None, stack: StackSpec, batch: int, dtype,
+            width: int) -> jax.Array:
+    """[levels * directions, B, width] from the first pseudo-layers' states (rest: 0)."""
+    zeros = jnp.zeros((batch, width), dtype)
     given = list(given or [])
     given += [None] * (stack.num_pseudo_layers - len(given))
-    return jnp.stack([zeros if s is None else jnp.asarray(s, jnp.float32) for s in given])
+    return jnp.stack([zeros if s is None else jnp.asarray(s).astype(dtype) for s in given])
 
 
 def _reverse_within_lengths(x: jax.Array, lengths: jax.Array) -> jax.Array:
@@ -234,59 +229,113 @@ def _reverse_within_lengths(x: jax.Array, lengths: jax.Array) -> jax.Array:
     return jnp.take_along_axis(x, index[:, :, None], axis=1)
 
 
-def run_stack(sequences: Any, call: StackCall) -> StackRun:
-    """Runs the LSTM `call.stack` over `sequences` [B, T, F] in one call.
+def allow_tf32() -> bool:
+    """Whether float32 calls may use TF32 tensor cores: where JAX's own
+    float32 matmuls may (`jax_default_matmul_precision` unset or a
+    TF32-or-faster setting), as Keras' layers on JAX then run."""
+    precision = jax.config.jax_default_matmul_precision
+    return str(precision or "default").lower() in ("default", "fastest", "bfloat16",
+                                                  "tensorfloat32")
 
-    The call's `seed`, `algorithm` and `training` are not read, its
-    `dropout` must be 0 (see module doc), and its `kernel` "cudnn" or
-    "stock" (the same call here), or "wavefront" (`wavefront.run_stack`;
-    where it cannot run the call, "cudnn" with the reason in the
-    `KernelRun`'s note).
+
+def run_stack(sequences: Any, call: StackCall) -> StackRun:
+    """Runs `call.stack` over `sequences` [B, T, F] (batch-major, already in
+    the compute dtype) in one call of the cuDNN core (`cudnn_core.rnn`).
+
+    How JAX reads the `StackCall`'s fields:
+        initial_h, initial_c: h [B, R] (R = proj_size or units), c [B, H].
+        mask: right-padded (the caller checked): the sequence lengths.
+        dropout, seed: cuDNN's dropout between levels, seeded by seed +
+            seed2 * 2**31 (the absorbed Dropout layer's seed generator's).
+        algorithm: an `Algorithm` (None: standard), run in both passes; a
+            masked call runs the standard one; one cuDNN refuses when the
+            step is traced runs as standard, with the reason in the note.
+        kernel: "cudnn" or "stock" (the core), or "wavefront"
+            (`wavefront.run_stack`; where it cannot run the call, the core,
+            with the reason in the `KernelRun`'s note).
+        training: with dropout, the training forward runs even where
+            nothing differentiates the call.
 
     Returns:
-        A `StackRun`: outputs [B, T, D*H] with zeros past each length,
-        final h [L*D, B, H], final c [L*D, B, H], and the `KernelRun`.
+        A `StackRun`: outputs [B, T, D*R] with zeros past each length,
+        final h [L*D, B, R], final c [L*D, B, H] or None, and the `KernelRun`.
+
+    Raises:
+        NotImplementedError: the core cannot run this call (the reason);
+            the layer then runs the original layers.
     """
     if call.kernel not in KERNELS:
         raise NotImplementedError(
             f"the JAX backend runs the kernels {list(KERNELS)}, not {call.kernel!r}")
     if call.kernel == "wavefront":
         return _run_wavefront(sequences, call)
-    reason = _cudnn_reason(call.stack, jnp.asarray(sequences).dtype.name)
+    return _run_core(sequences, call)
+
+
+def _run_core(sequences, call: StackCall) -> StackRun:
+    """`run_stack` on the cuDNN core (see there)."""
+    from rnnfuse.backends.cuda.cudnn_core import CoreError
+    from rnnfuse.backends.jax import cudnn_core
+    from rnnfuse.plan import Algorithm
+
+    stack, mask = call.stack, call.mask
+    x = jnp.asarray(sequences)
+    dtype = x.dtype.name
+    reason = cudnn_core.core_reason(dtype)
     if reason is not None:
         raise NotImplementedError(reason)
-    if call.dropout:
-        raise NotImplementedError("jax.experimental.rnn has no seeded dropout")
-    stack, mask = call.stack, call.mask
-    x = jnp.asarray(sequences, jnp.float32)
-    batch, steps = x.shape[0], x.shape[1]
+    batch, steps, features = (int(d) for d in x.shape)
     if mask is None:
         lengths = jnp.full((batch,), steps, jnp.int32)
     else:
         lengths = jnp.asarray(mask).astype(jnp.int32).sum(axis=1)
     if call.reverse:
         x = jnp.flip(x, 1) if mask is None else _reverse_within_lengths(x, lengths)
-    y, h, c = jax_lstm(
-        x,
-        _states(call.initial_h, stack, batch),
-        _states(call.initial_c, stack, batch),
-        pack_params(stack),
-        lengths,
-        input_size=x.shape[-1],
-        hidden_size=stack.units,
-        num_layers=stack.num_levels,
-        dropout=0.0,
-        bidirectional=stack.num_directions == 2,
-    )
-    if mask is not None:
-        y = jnp.where(jnp.arange(steps)[None, :, None] < lengths[:, None, None], y, 0.0)
-    return StackRun(y, h, c, KernelRun("jax.experimental.rnn.lstm"))
+    algorithm, note = call.algorithm, None
+    if mask is not None and algorithm is not None and not algorithm.is_standard:
+        # cuDNN's persistent algorithms refuse padded sequence lengths.
+        note = "a masked call runs the standard algorithm (padded lengths)"
+        algorithm = None
+    tf32 = dtype == "float32" and allow_tf32()
+
+    def config_for(algo):
+        return cudnn_core.CoreConfig(
+            stack.kind, stack.num_levels, stack.units, features,
+            directions=stack.num_directions, proj_size=stack.proj_size,
+            algorithm=cudnn_core.algorithm_code(algo, dtype, tf32), allow_tf32=tf32,
+            dropout=float(call.dropout), seed=int(call.seed[0]) + (int(call.seed[1]) << 31),
+            full_lengths=mask is None)
+
+    config = config_for(algorithm)
+    try:
+        # Sizes the reserve space, and asks cuDNN whether it runs this
+        # configuration, while the step is traced (a running step cannot fall back).
+        cudnn_core.reserve_bytes(config, dtype, steps, batch)
+    except CoreError as err:
+        if algorithm is None or algorithm.is_standard or not err.unsupported:
+            raise NotImplementedError(f"the cuDNN core refused this call ({err})") from None
+        note = f"cuDNN refused {algorithm.name} for this call ({err}); the standard algorithm runs"
+        algorithm = None
+        config = config_for(None)
+        try:
+            cudnn_core.reserve_bytes(config, dtype, steps, batch)
+        except CoreError as err2:
+            raise NotImplementedError(f"the cuDNN core refused this call ({err2})") from None
+    except Exception as err:  # noqa: BLE001 - the core does not load: the layers run
+        raise NotImplementedError(f"the cuDNN core is not available ({err})") from None
+    lstm = stack.kind == "lstm"
+    h0 = _states(call.initial_h, stack, batch, x.dtype, stack.output_size)
+    c0 = _states(call.initial_c, stack, batch, x.dtype, stack.units) if lstm else None
+    y, hy, cy = cudnn_core.rnn(jnp.swapaxes(x, 0, 1), h0, c0, pack_params(stack, x.dtype),
+                               lengths, config=config, training=config.dropout > 0)
+    ran = KernelRun(cudnn_core.KERNEL_NAME, (algorithm or Algorithm()).name, note)
+    return StackRun(jnp.swapaxes(y, 0, 1), hy, cy, ran)
 
 
 def _run_wavefront(sequences, call: StackCall) -> StackRun:
     """A plan's call on the wavefront kernel; where it cannot run the call,
-    jax.experimental.rnn with the reason in the `KernelRun`'s note; where
-    neither can, NotImplementedError naming both (the layers then run)."""
+    the cuDNN core with the reason in the `KernelRun`'s note; where neither
+    can, NotImplementedError naming both (the layers then run)."""
     import dataclasses
 
     from rnnfuse.backends.jax import wavefront
@@ -296,10 +345,10 @@ def _run_wavefront(sequences, call: StackCall) -> StackRun:
     except NotImplementedError as err:
         kernel_err = err
     try:
-        run = run_stack(sequences, dataclasses.replace(call, kernel="cudnn"))
+        run = _run_core(sequences, dataclasses.replace(call, kernel="cudnn", algorithm=None))
     except NotImplementedError as err:
         raise NotImplementedError(f"the wavefront kernel cannot run this call ({kernel_err}), "
-                                  f"nor can jax.experimental.rnn ({err})") from None
+                                  f"nor can the cuDNN core ({err})") from None
     return run._replace(kernel=run.kernel.with_note(
         f"the wavefront kernel cannot run this call ({kernel_err}); cuDNN runs it"))
 

@@ -9,7 +9,7 @@ runs them.
 Example:
 
     >>> JaxBackend().capabilities.absorbs_dropout
-    False
+    True
 """
 
 from __future__ import annotations
@@ -37,30 +37,34 @@ __all__ = ["JaxBackend", "JaxTiming", "JaxTooling"]
 
 
 class JaxBackend(NoProjectedLSTMPath, KernelModuleBackend):
-    """JAX: an LSTM stack as one `jax.experimental.rnn.lstm` call (GPU), or
-    an LSTM or GRU stack on rnnfuse's wavefront kernel (XLA FFI, float16
-    and bfloat16, Hopper). ProjectedLSTM runs Keras' loop:
-    jax.experimental.rnn's cuDNN LSTM has no projection."""
+    """JAX: a stack as one call of rnnfuse's cuDNN core (XLA FFI; LSTM,
+    LSTMP, GRU, SimpleRNN, float32/float16/bfloat16), or an LSTM or GRU
+    stack on rnnfuse's wavefront kernel (XLA FFI, float16 and bfloat16,
+    Hopper). A ProjectedLSTM layer alone runs Keras' loop."""
 
     name = "jax"
     kernels = kernels
-    capabilities = Capabilities(
-        fused_kernel=True,
-        # jax.experimental.rnn takes a dropout rate but no seed.
-        absorbs_dropout=False,
-        # The call is an XLA custom call: jitted train steps keep working.
-        xla_compiles_fused_call=True,
-        tunes_one_call_per_layer=False,
-        tuned_algorithms=(None,),
-        # One multi-layer call measured 0.88x-1.62x against Keras' per-layer
-        # calls (bench/bench_jax.py): without tune= the layers stay.
-        plan_table="per_layer",
-        projected_lstm_loop=None,
-        # rnnfuse's wavefront kernel through XLA FFI: inference, and
-        # training on its backward kernel (a jax.custom_vjp).
-        inference_kernels=("wavefront",),
-        training_kernels=("wavefront",),
-    )
+    @property
+    def capabilities(self) -> Capabilities:
+        return Capabilities(
+            fused_kernel=True,
+            # The core's cuDNN dropout, seeded by the Dropout layer's seed.
+            absorbs_dropout=True,
+            # The calls are XLA custom calls: jitted train steps keep working.
+            xla_compiles_fused_call=True,
+            tunes_one_call_per_layer=False,
+            # cuDNN's algorithms where the core runs (it runs the plan's
+            # algorithm in both passes).
+            tuned_algorithms=kernels.tuned_algorithms(),
+            # Nothing timed (no GPU, tune=False, a shape not timed): Keras'
+            # layers stay; the first batch (tune="auto") or tune= measures.
+            plan_table="per_layer",
+            projected_lstm_loop=None,
+            # rnnfuse's wavefront kernel through XLA FFI: inference, and
+            # training on its backward kernel (a jax.custom_vjp).
+            inference_kernels=("wavefront",),
+            training_kernels=("wavefront",),
+        )
 
     def kernel_reason(self, kernel, group, shape, training=False):
         return kernels.kernel_reason(kernel, group, shape, training=training)

@@ -1,7 +1,7 @@
 """Builds rnnfuse's XLA FFI library for JAX (the csrc/jax_*.cc handlers).
 
 One shared library, `librnnfuse_jax_ffi.so`, holds the FFI handlers (one
-source file an operation: `FFI_SOURCES`) and the framework-free libraries
+source file a pass: `FFI_SOURCES`) and the framework-free libraries
 they wrap (`LIBRARY_SOURCES`: the wavefront launcher, with its cubin
 embedded), compiled by g++ against:
 
@@ -12,14 +12,22 @@ embedded), compiled by g++ against:
 
 No GPU is needed to build; the library is cached under
 `rnnfuse.backends.cuda.build.cache_dir()` by a hash of its sources, the
-jaxlib version and the flags, like the other libraries. A handler for
-another C ABI (the cuDNN core) is one more file in `FFI_SOURCES` and its
-library's sources in `LIBRARY_SOURCES`.
+jaxlib version and the flags, like the other libraries.
+
+A second library, `librnnfuse_jax_cudnn_ffi.so` (`build_cudnn_ffi_library`),
+holds the cuDNN core's handlers (`CUDNN_FFI_SOURCES`) and links the core
+itself, `librnnfuse_cudnn_core.so` (`rnnfuse.backends.cuda.build
+.build_cudnn_core`), by its rpath: one copy of the core in a process
+however many bindings reach it (its plans, handles and dropout states are
+per process). It needs no nvcc and no CUDA header, so the cuDNN path
+builds where the wavefront kernel cannot.
 
 Example (no GPU needed; compiles only):
 
     >>> build_ffi_library().name  # doctest: +SKIP
     'librnnfuse_jax_ffi.so'
+    >>> build_cudnn_ffi_library().name  # doctest: +SKIP
+    'librnnfuse_jax_cudnn_ffi.so'
 """
 
 from __future__ import annotations
@@ -30,17 +38,22 @@ from pathlib import Path
 from rnnfuse.backends.cuda import build
 from rnnfuse.backends.cuda.build import BuildError
 
-__all__ = ["FFI_SOURCES", "LIBRARY_NAME", "LIBRARY_SOURCES", "BuildError", "build_ffi_library",
-           "ffi_command", "ffi_include"]
+__all__ = ["CUDNN_FFI_SOURCES", "CUDNN_LIBRARY_NAME", "FFI_SOURCES", "LIBRARY_NAME",
+           "LIBRARY_SOURCES", "BuildError", "build_cudnn_ffi_library", "build_ffi_library",
+           "cudnn_ffi_command", "ffi_command", "ffi_include"]
 
 LIBRARY_NAME = "librnnfuse_jax_ffi.so"
-# The handlers: one file an operation.
-FFI_SOURCES = ("jax_wavefront_forward.cc", "jax_wavefront_backward_stack.cc",
-               "jax_wavefront_backward_layer.cc")
+# The handlers: one file a pass (forward, backward).
+FFI_SOURCES = ("jax_wavefront_forward.cc", "jax_wavefront_backward.cc")
 # The C-ABI libraries the handlers call, compiled into the same library.
 LIBRARY_SOURCES = ("wavefront_host.cc",)
-HEADERS = ("jax_ffi_common.h", "wavefront_plan.h", "wavefront.cuh")
+HEADERS = ("jax_ffi_common.h", "wavefront_abi.h", "wavefront_plan.h", "wavefront.cuh")
 _FLAGS_VERSION = "1"  # bump when the command changes
+CUDNN_LIBRARY_NAME = "librnnfuse_jax_cudnn_ffi.so"
+# The cuDNN core's handlers: forward (inference and training), backward
+# (data and weights).
+CUDNN_FFI_SOURCES = ("jax_cudnn_forward.cc", "jax_cudnn_backward.cc")
+CUDNN_HEADERS = ("jax_cudnn_rnn.h", "cudnn_rnn_core.h")
 
 
 def ffi_include() -> Path:
@@ -102,6 +115,49 @@ def build_ffi_library(force: bool = False, cubin: Path | None = None) -> Path:
     def make(tmp: Path) -> None:
         build.run_compiler(ffi_command(cxx, cubin, cuda_include, include, tmp),
                            "rnnfuse's XLA FFI library for JAX",
+                           "check that the C++ compiler supports C++17 and that jaxlib's "
+                           "FFI headers match it")
+
+    return build.cached_build(target, make, force)
+
+
+def cudnn_ffi_command(cxx: str, include: Path, core: Path, output: Path,
+                      sources: tuple = CUDNN_FFI_SOURCES) -> list[str]:
+    """The g++ command that builds the cuDNN core's handlers, linked to the
+    core at `core` (its folder on the rpath, so the library loads the copy
+    `rnnfuse.backends.cuda.cudnn_core.load` loads)."""
+    return [
+        cxx, *build.CXX_FLAGS, "-isystem", str(include), f"-I{build.SOURCE_DIR}",
+        *(str(build.SOURCE_DIR / s) for s in sources), "-o", str(output),
+        f"-L{core.parent}", f"-l:{core.name}", f"-Wl,-rpath,{core.parent}", "-ldl",
+    ]
+
+
+def build_cudnn_ffi_library(force: bool = False, core: Path | None = None) -> Path:
+    """Builds (unless cached) librnnfuse_jax_cudnn_ffi.so; returns its path.
+
+    `core`: the cuDNN core to link (default: `build.build_cudnn_core()`, g++
+    against cuDNN's and CUDA's headers; no GPU, no nvcc).
+
+    Raises:
+        BuildError: no jaxlib headers, no C++ compiler, no cuDNN headers,
+            or a compiler failed (the message says which and the fix).
+    """
+    import jaxlib
+
+    include = ffi_include()
+    cxx = build.find_cxx()
+    core = Path(core) if core is not None else build.build_cudnn_core(force=force)
+    h = hashlib.sha256(_FLAGS_VERSION.encode())
+    for name in CUDNN_FFI_SOURCES + CUDNN_HEADERS:
+        h.update((build.SOURCE_DIR / name).read_bytes())
+    for extra in (str(core), jaxlib.__version__, *build.CXX_FLAGS):
+        h.update(extra.encode())
+    target = build.cache_dir() / f"jax-cudnn-ffi-{h.hexdigest()[:12]}" / CUDNN_LIBRARY_NAME
+
+    def make(tmp: Path) -> None:
+        build.run_compiler(cudnn_ffi_command(cxx, include, core, tmp),
+                           "rnnfuse's XLA FFI library of the cuDNN core for JAX",
                            "check that the C++ compiler supports C++17 and that jaxlib's "
                            "FFI headers match it")
 

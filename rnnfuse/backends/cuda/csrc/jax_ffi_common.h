@@ -22,6 +22,7 @@
 #include <cstdint>
 #include <string>
 
+#include "wavefront_abi.h"
 #include "xla/ffi/api/ffi.h"
 
 // A handler symbol that survives -fvisibility=hidden (Python finds it with
@@ -30,31 +31,6 @@
   extern "C" __attribute__((visibility("default"))) XLA_FFI_Error* name(XLA_FFI_CallFrame*); \
   XLA_FFI_DEFINE_HANDLER_SYMBOL(name, impl, binding)
 
-// The wavefront library's C ABI (wavefront_host.cc).
-extern "C" {
-const char* rnnfuse_wf_last_error();
-size_t rnnfuse_wf_workspace_bytes(int num_layers, int units, int batch, int steps,
-                                  int elem_bytes);
-int rnnfuse_wf_forward_variant(void* stream, int dtype, int gru, int num_layers, int units,
-                               int batch, int steps, int input_size, const void* xproj,
-                               const void* params, const void* h0, const void* c0,
-                               const int* lengths, void* y, void* hy, void* cy, void* workspace,
-                               int mode, int variant, unsigned long long* trace, int trace_steps,
-                               float* gates_out, float* c_out);
-size_t rnnfuse_wf_backward_workspace_bytes();
-int rnnfuse_wf_backward_kind(void* stream, int dtype, int gru, int units, int batch, int steps,
-                             const void* w_hh, const float* gates, const float* cseq,
-                             const void* c0, const void* dy, const void* dhy, const void* dcy,
-                             const int* lengths, void* dgates, float* dh0, float* dc0,
-                             void* workspace);
-size_t rnnfuse_wf_backward_stack_workspace_bytes(int num_layers, int units, int batch,
-                                                 int steps);
-int rnnfuse_wf_backward_stack(void* stream, int dtype, int num_layers, int units, int batch,
-                              int steps, int input_size, const void* params, const float* gates,
-                              const float* cseq, const void* c0, const void* dy, const void* dhy,
-                              const void* dcy, const int* lengths, void* dgates, float* dh0,
-                              float* dc0, void* workspace, int variant);
-}
 
 namespace rnnfuse_ffi {
 

@@ -95,36 +95,26 @@ ffi::Error Saving(cudaStream_t stream, ffi::AnyBuffer xproj, ffi::AnyBuffer para
 
 namespace ffi = xla::ffi;
 
-RNNFUSE_FFI_HANDLER(rnnfuse_wf_ffi_forward, rnnfuse_ffi::Inference,
-                    ffi::Ffi::Bind()
-                        .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                        .Arg<ffi::AnyBuffer>()  // xproj
-                        .Arg<ffi::AnyBuffer>()  // params
-                        .Arg<ffi::AnyBuffer>()  // h0
-                        .Arg<ffi::AnyBuffer>()  // c0
-                        .Arg<ffi::AnyBuffer>()  // lengths
-                        .Attr<int32_t>("gru")
-                        .Attr<int32_t>("input_size")
-                        .Attr<int32_t>("variant")
-                        .Ret<ffi::AnyBuffer>()  // y
-                        .Ret<ffi::AnyBuffer>()  // hy
-                        .Ret<ffi::AnyBuffer>()  // cy
-                        .Ret<ffi::AnyBuffer>());  // workspace
+// The operands, attributes and first four results both forwards take.
+#define RNNFUSE_WF_FORWARD_BINDING                \
+  ffi::Ffi::Bind()                                \
+      .Ctx<ffi::PlatformStream<cudaStream_t>>()   \
+      .Arg<ffi::AnyBuffer>() /* xproj */          \
+      .Arg<ffi::AnyBuffer>() /* params */         \
+      .Arg<ffi::AnyBuffer>() /* h0 */             \
+      .Arg<ffi::AnyBuffer>() /* c0 */             \
+      .Arg<ffi::AnyBuffer>() /* lengths */        \
+      .Attr<int32_t>("gru")                       \
+      .Attr<int32_t>("input_size")                \
+      .Attr<int32_t>("variant")                   \
+      .Ret<ffi::AnyBuffer>() /* y */              \
+      .Ret<ffi::AnyBuffer>() /* hy */             \
+      .Ret<ffi::AnyBuffer>() /* cy */             \
+      .Ret<ffi::AnyBuffer>() /* workspace */
+
+RNNFUSE_FFI_HANDLER(rnnfuse_wf_ffi_forward, rnnfuse_ffi::Inference, RNNFUSE_WF_FORWARD_BINDING);
 
 RNNFUSE_FFI_HANDLER(rnnfuse_wf_ffi_forward_saving, rnnfuse_ffi::Saving,
-                    ffi::Ffi::Bind()
-                        .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                        .Arg<ffi::AnyBuffer>()  // xproj
-                        .Arg<ffi::AnyBuffer>()  // params
-                        .Arg<ffi::AnyBuffer>()  // h0
-                        .Arg<ffi::AnyBuffer>()  // c0
-                        .Arg<ffi::AnyBuffer>()  // lengths
-                        .Attr<int32_t>("gru")
-                        .Attr<int32_t>("input_size")
-                        .Attr<int32_t>("variant")
-                        .Ret<ffi::AnyBuffer>()   // y
-                        .Ret<ffi::AnyBuffer>()   // hy
-                        .Ret<ffi::AnyBuffer>()   // cy
-                        .Ret<ffi::AnyBuffer>()   // workspace (hseq after the flags)
-                        .Ret<ffi::AnyBuffer>()   // gates
+                    RNNFUSE_WF_FORWARD_BINDING
+                        .Ret<ffi::AnyBuffer>()    // gates
                         .Ret<ffi::AnyBuffer>());  // cseq
