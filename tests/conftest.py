@@ -175,7 +175,7 @@ def emulated_op(monkeypatch):
 
 @pytest.fixture(scope="session")
 def built_wavefront(tmp_path_factory):
-    """(path, cache dir) of rnnfuse's wavefront library, built (nvcc sm_90
+    """(path, cache dir) of rnnfuse's wavefront library, built (nvcc sm_90a
     cubin + g++ launcher, about 30 s) once a session into a fresh cache, for
     every test module that needs the real library."""
     from rnnfuse.backends.cuda import build

@@ -1,6 +1,6 @@
 """Building rnnfuse's wavefront kernel on the CPU (no GPU needed).
 
-- the real kernel compiles here (nvcc to an sm_90 cubin, g++ around it) into
+- the real kernel compiles here (nvcc to an sm_90a cubin, g++ around it) into
   a C-ABI library that links no CUDA runtime or driver (dlopen at first
   call) and carries the cubin;
 - its plan answers without a GPU: the headline stack fits a Hopper GPU's

@@ -23,6 +23,7 @@
 #   bash tools/gpu/batch.sh wavefront-segments   # stacks larger than the chip
 #   bash tools/gpu/batch.sh wavefront-bidirectional   # bidirectional layers (off by default)
 #   bash tools/gpu/batch.sh wavefront-sweep   # randomized exactness, about 150 s
+#   bash tools/gpu/batch.sh wavefront-wgmma   # the forward's opt-in wgmma variant
 #
 # The tf-* stages need the staging runs of ../shared/gpu/README.md first
 # (tf-setup is a no-op on a machine that already has /tmp/tfsite).
@@ -232,6 +233,17 @@ run_stage() {
       cp $LOGS/wavefront_bidirectional_h200.json $OUT/ 2>/dev/null
       echo "[$(since) s] wavefront-bidirectional rc $rc"
       summary wavefront-bidirectional "speedup|status|GPU_REPORT decision|passed|failed|^FAILED|^ERROR|Error" 30 ;;
+    wavefront-wgmma)
+      # The forward's opt-in variant 2 (wgmma, sm_90a; off by default): its
+      # exactness against float64, cuDNN and variant 0 (a shape whose plan
+      # it does not take falls back, with the reason), then the headline
+      # timed interleaved with variant 0, kernel only.
+      s=$(limit wavefront-wgmma 200)
+      ( torch_env; timeout $s bash -c "python3 bench/bench_wavefront.py check --fixed 4 --random 6 --variant 2 --out $LOGS/wavefront_check_v2.json; \
+          python3 bench/bench_wavefront.py bench --cells headline --variants 0,2 --reps 20 --kernel-only --out $LOGS/wavefront_bench_v02.json" ) > $log 2>&1; rc=$?
+      cp $LOGS/wavefront_check_v2.json $LOGS/wavefront_bench_v02.json $OUT/ 2>/dev/null
+      echo "[$(since) s] wavefront-wgmma rc $rc"
+      grep -E "ok|FAIL|fail|ms|ratio|Error|fallback|passed" $log | grep -v Warning | cut -c1-300 | tail -30 ;;
     wavefront-sweep)
       # Randomized exactness over 1-8 layers, 64-1024 units, batch 1-256,
       # T 1-2000, with and without lengths, both directions, LSTM and GRU,

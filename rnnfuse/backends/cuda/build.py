@@ -1,7 +1,7 @@
 """Builds rnnfuse's native libraries (csrc/) and caches them under
 `cache_dir()`, keyed by a hash of the sources, the compiler and the flags.
 
-- `build_cubin()`: nvcc compiles `csrc/wavefront.cu` to an sm_90 cubin;
+- `build_cubin()`: nvcc compiles `csrc/wavefront.cu` to an sm_90a cubin;
 - `build_library()`: g++ embeds it (`.incbin`) with `csrc/wavefront_host.cc`
   into `librnnfuse_wavefront.so`, a C ABI over the CUDA driver API;
 - `build_cudnn_core()`: g++ compiles `csrc/cudnn_rnn_core.cc` into
@@ -55,8 +55,9 @@ KERNEL_SOURCES = ("wavefront.cu", "wavefront.cuh")
 HOST_SOURCES = ("wavefront_host.cc", "wavefront_plan.h", "wavefront.cuh", "cuda_driver.h", "wavefront_abi.h")
 LIBRARY_NAME = "librnnfuse_wavefront.so"
 CUBIN_NAME = "wavefront.cubin"
-# Plain sm_90: the kernel uses mma.sync, ldmatrix and cp.async only.
-NVCC_FLAGS = ("-std=c++17", "-O3", "-cubin", "-gencode=arch=compute_90,code=sm_90")
+# sm_90a: the forward's opt-in variant 2 uses wgmma; the other kernels
+# compile to the same code as for sm_90.
+NVCC_FLAGS = ("-std=c++17", "-O3", "-cubin", "-gencode=arch=compute_90a,code=sm_90a")
 CXX_FLAGS = ("-std=c++17", "-O2", "-shared", "-fPIC", "-fvisibility=hidden",
              "-static-libstdc++", "-static-libgcc")
 _FLAGS_VERSION = "1"  # bump when a build command changes
@@ -225,7 +226,7 @@ def cached_build(target: Path, make, force: bool = False) -> Path:
 
 
 def build_cubin(force: bool = False) -> Path:
-    """Compiles csrc/wavefront.cu to a cached sm_90 cubin; returns its path."""
+    """Compiles csrc/wavefront.cu to a cached sm_90a cubin; returns its path."""
     nvcc = find_nvcc()
     version = nvcc_version(nvcc)
     key = f"wavefront-nvcc{version}-{_digest(KERNEL_SOURCES, *NVCC_FLAGS)}"

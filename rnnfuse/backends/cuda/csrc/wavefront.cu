@@ -1,8 +1,9 @@
 // rnnfuse's persistent wavefront kernel (device code). The design, the
 // layout arithmetic, the synchronisation protocol and the limits are in
-// wavefront.cuh; this file is the kernel. Compiled to a cubin for sm_90
-// (plain sm_90: mma.sync, ldmatrix and cp.async, no sm_90a instruction) and
-// launched through the driver API by wavefront_host.cc.
+// wavefront.cuh; this file is the kernel. Compiled to a cubin for sm_90a
+// (mma.sync, ldmatrix and cp.async; wgmma in the forward's opt-in variant 2
+// only, the other kernels compile as for plain sm_90) and launched through
+// the driver API by wavefront_host.cc.
 
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -39,6 +40,20 @@ template <> struct Pair<__nv_bfloat16> {
       : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])                                     \
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1))
 
+// wgmma.mma_async m64n32k16, A (64 x 16) from registers in mma.sync's
+// m16n8k16 A layout a warp, B (16 x 32, K-major) from the shared-memory
+// descriptor `desc`, float32 accumulators d += A B (scale-d 1); AB: the
+// operands' PTX type. sm_90a only (variant 2; wavefront.cuh, "Variant 2").
+#define RF_WGMMA_M64N32K16(AB, d, a, desc)                                                   \
+  asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %21, 0;\n"                                \
+               "wgmma.mma_async.sync.aligned.m64n32k16.f32." AB "." AB " "                   \
+               "{%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15}, "                    \
+               "{%16,%17,%18,%19}, %20, p, 1, 1, 0;\n}\n"                                     \
+               : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]),     \
+                 "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]),   \
+                 "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15])                          \
+               : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc), "r"(1))
+
 template <typename T> struct Elem {
   using P2 = typename Pair<T>::type;
   static __device__ __forceinline__ float to_float(T x) { return rnnfuse_wf::to_float(x); }
@@ -56,6 +71,18 @@ template <typename T> struct Elem {
     } else {
       RF_MMA_M16N8K16("bf16", c, a, b0, b1);
     }
+  }
+  static __device__ __forceinline__ void wgmma(float (&d)[16], const uint32_t (&a)[4],
+                                               uint64_t desc) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+    if constexpr (sizeof(T) == 2 && __is_same(T, __half)) {
+      RF_WGMMA_M64N32K16("f16", d, a, desc);
+    } else {
+      RF_WGMMA_M64N32K16("bf16", d, a, desc);
+    }
+#else
+    __trap();  // built without sm_90a: the host never launches variant 2 there
+#endif
   }
 };
 
@@ -102,6 +129,35 @@ __device__ __forceinline__ void named_barrier_arrive() {
 template <int kId, int kCount = kThreads>
 __device__ __forceinline__ void named_barrier_sync() {
   asm volatile("bar.sync %0, %1;" ::"n"(kId), "n"(kCount) : "memory");
+}
+
+// wgmma's ordering (sm_90a): fence before the first of a group (its
+// accumulators and A registers were written by ordinary instructions),
+// commit the group, wait for all of them; and the proxy fence that makes a
+// thread's generic-proxy writes to shared memory (cp.async, st.shared)
+// visible to wgmma's async-proxy reads.
+__device__ __forceinline__ void wgmma_fence() {
+  asm volatile("wgmma.fence.sync.aligned;" ::: "memory");
+}
+__device__ __forceinline__ void wgmma_commit() {
+  asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory");
+}
+__device__ __forceinline__ void wgmma_wait_all() {
+  asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory");
+}
+__device__ __forceinline__ void fence_proxy_async() {
+  asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+}
+
+template <int N> struct Count { static constexpr int value = N; };
+
+// A wgmma shared-memory matrix descriptor without swizzle: the start
+// address, the leading (next core matrix along K) and stride (next 8 rows)
+// byte offsets, each in 16-byte units in 14 bits.
+__device__ __forceinline__ uint64_t smem_desc(uint32_t start, uint32_t lbo, uint32_t sbo) {
+  return static_cast<uint64_t>((start >> 4) & 0x3FFF) |
+         (static_cast<uint64_t>((lbo >> 4) & 0x3FFF) << 16) |
+         (static_cast<uint64_t>((sbo >> 4) & 0x3FFF) << 32);
 }
 
 // fence.acq_rel.gpu + a relaxed store, after a CTA barrier: the release
@@ -291,8 +347,9 @@ __device__ __forceinline__ bool await_flag_or_time_out(const unsigned* flag, uns
 }
 
 // ---------------------------------------------------------------------------
-// The forward kernel; V: the step's variant (wavefront.cuh: 0, or 1 with
-// the overlapped pointwise step, paired partial sums and fixed staging);
+// The forward kernel; V: the step's variant (wavefront.cuh: 0, 1 with
+// the overlapped pointwise step, paired partial sums and fixed staging, or
+// 2: variant 0's schedule with wgmma products, sm_90a);
 // I: independent layers (wavefront.cuh, "Independent layers"; variant 0).
 template <typename T, int V, bool I = false>
 __device__ __forceinline__ void wavefront_body(const Args& a) {
@@ -316,6 +373,10 @@ __device__ __forceinline__ void wavefront_body(const Args& a) {
   // A template parameter, so the stack kernels compile as before (as a
   // runtime flag it cost variant 1, at 255 registers, a spill).
   static_assert(!I || V == 0, "independent layers run variant 0");
+  // Variant 2: warpgroup wg = warp / 4 multiplies all R = 64 rows against
+  // K [wg KH, (wg + 1) KH), KH = kpad / 2 (the host's plan check: U = 16,
+  // kpad 512 or 1024), as kj = KH / 16 wgmma k-steps.
+  const int KH = p.kpad / 2, kj = KH / 16;
   const bool independent = I;
   const bool first = l == 0 || independent;
 
@@ -341,8 +402,11 @@ __device__ __forceinline__ void wavefront_body(const Args& a) {
       bool any = false;
 #pragma unroll
       for (int q = 0; q < 4; ++q) {
-        const int r = mg * kWarpRows + i * 16 + (lane >> 2) + ((q & 1) ? 8 : 0);
-        const int k = kg * kWarpK + jt * 16 + (lane & 3) * 2 + ((q & 2) ? 8 : 0);
+        // Variant 2: k-step i * kWK + jt of warpgroup warp / 4, rows of warp % 4.
+        const int r = (V == 2 ? (warp & 3) * 16 : mg * kWarpRows + i * 16) + (lane >> 2) +
+                      ((q & 1) ? 8 : 0);
+        const int k = (V == 2 ? (warp >> 2) * KH + (i * kWK + jt) * 16 : kg * kWarpK + jt * 16) +
+                      (lane & 3) * 2 + ((q & 2) ? 8 : 0);
         const long long off = weight_offset(a, p, u0, r, k);
         uint32_t w = 0;
         if (off >= 0) {
@@ -405,7 +469,8 @@ __device__ __forceinline__ void wavefront_body(const Args& a) {
   const bool pair = V == 1 && p.ng == 1 && p.kg >= 2;
   const bool upper = kg >= p.kg / 2;
   const bool late = p.ng == 1 ? warp >= kWarps / 2 : ng == 1;
-  const int kparts = pair ? p.kg / 2 : p.kg;  // partial slices the pointwise step sums
+  // partial slices the pointwise step sums (variant 2: one a warpgroup)
+  const int kparts = V == 2 ? 2 : pair ? p.kg / 2 : p.kg;
   // Split wait (variant 1, layers above 0 with fixed staging where each
   // warp copies only the layer below's h or only its own: half the chunks
   // of a row, (K/8)/2 a multiple of 32): warp 0 (a below warp) polls the
@@ -479,6 +544,15 @@ __device__ __forceinline__ void wavefront_body(const Args& a) {
                            : mine + static_cast<size_t>(t - 1) * seq;
     const T* below_t = !first ? below + static_cast<size_t>(t) * seq : nullptr;
     const T* xs_t = xs + (t & 1) * xs_size;
+    // Element (batch row n, input k) of the staged chunk. Variant 2: wgmma's
+    // no-swizzle K-major canonical layout, 8 x 8 core matrices (8 rows x 16
+    // bytes of K) of 128 contiguous bytes, consecutive along K (LBO 128
+    // bytes), 8-row groups kpad * 16 bytes apart (SBO); else [n][KS].
+    auto hs_at = [&](int n, int k) -> T* {
+      if constexpr (V == 2)
+        return hs + (n >> 3) * (p.kpad * 8) + (k >> 3) * 64 + (n & 7) * 8 + (k & 7);
+      return hs + n * KS + k;
+    };
     // This thread's fixed staging source for step t (variant 1, hs_fixed).
     const T* hs_src = hs_k < p.kin ? below_t + hs_k : prev + (hs_k - p.kin);
 
@@ -494,7 +568,7 @@ __device__ __forceinline__ void wavefront_body(const Args& a) {
           const int k = q * 8;
           const T* src = k < p.kin ? below_t + static_cast<size_t>(n0 + n) * H + k
                                    : prev + static_cast<size_t>(n0 + n) * H + (k - p.kin);
-          cp_async16(hs + n * KS + k, src);
+          cp_async16(hs_at(n, k), src);
         });
       }
       cp_async_commit();
@@ -577,6 +651,44 @@ __device__ __forceinline__ void wavefront_body(const Args& a) {
       }
     };
 
+    // --- variant 2: the phase's 32 rows (phase 0: the chunk's first
+    // kNGroup) x 64 rows x this warpgroup's K half, as kj wgmma into one
+    // m64n32 float32 accumulator, stored to part slice warp / 4 ----------
+    auto products_wgmma = [&](int phase, int nc) {
+      const int r0 = phase * kNGroup;
+      if (r0 >= nc) return;  // CTA-uniform
+      float d[16];
+#pragma unroll
+      for (int e = 0; e < 16; ++e) d[e] = 0.0f;
+      // k-step j: rows [r0, r0 + 32) (4 row groups), K chunks 2j, 2j + 1
+      // of the warpgroup's half: 256 bytes a step.
+      const uint32_t base =
+          smem_addr(hs) + (r0 >> 3) * (p.kpad * 16) + (warp >> 2) * (KH / 8) * 128;
+      // The k-steps' count as a constant (16 or 32): one unconditional run
+      // of wgmma, so none needs its own fence.
+      auto run = [&](auto steps) {
+        wgmma_fence();
+#pragma unroll
+        for (int j = 0; j < decltype(steps)::value; ++j)
+          E::wgmma(d, wa[j / kWK][j % kWK], smem_desc(base + j * 256, 128, p.kpad * 16));
+        wgmma_commit();
+        wgmma_wait_all();
+      };
+      if (kj == 2 * kWK) {
+        run(Count<2 * kWK>{});
+      } else {
+        run(Count<kWK>{});
+      }
+      // D (row, col) -> part[warp / 4][col][row], as mma.sync's C fragments:
+      // n8 block b holds d[4b .. 4b + 3].
+      float* slice = part + (warp >> 2) * kNC * RS;
+#pragma unroll
+      for (int b = 0; b < 4; ++b) {
+        const float c[4] = {d[4 * b], d[4 * b + 1], d[4 * b + 2], d[4 * b + 3]};
+        store_fragment(slice, RS, (warp & 3) * 16 + (lane >> 2), r0 + 8 * b + (lane & 3) * 2, c);
+      }
+    };
+
     // --- pointwise, rows [r0, r1) of chunk n0, 2 units of one batch row a
     // thread, summing `kparts` partial slices ------------------------------
     auto pointwise_rows = [&](int n0, int r0, int r1) {
@@ -590,7 +702,7 @@ __device__ __forceinline__ void wavefront_body(const Args& a) {
         for (int vg = 0; vg < 4; ++vg) {
           float2 s = *reinterpret_cast<const float2*>(bias + vg * U + u);
           // (variant 0 reads p.kg itself: one register fewer than kparts)
-          for (int kk = 0; kk < (V == 1 ? kparts : p.kg); ++kk) {
+          for (int kk = 0; kk < (V == 0 ? p.kg : kparts); ++kk) {
             const float2 v =
                 *reinterpret_cast<const float2*>(part + (kk * kNC + n) * RS + vg * U + u);
             s.x += v.x;
@@ -611,7 +723,7 @@ __device__ __forceinline__ void wavefront_body(const Args& a) {
         }
         float h[2], cv[2] = {0.0f, 0.0f};
         cell_pointwise(a, pre, a.gru ? nullptr : reinterpret_cast<float2*>(cs + nb * U + u),
-                       a.gru ? E::unpack(*reinterpret_cast<const uint32_t*>(hs + n * KS + p.kin + u0 + u))
+                       a.gru ? E::unpack(*reinterpret_cast<const uint32_t*>(hs_at(n, p.kin + u0 + u)))
                              : float2{},
                        (static_cast<size_t>(l) * steps + t) * B + nb, u0 + u, H, h, cv);
         const int len = lens[nb];
@@ -682,8 +794,8 @@ __device__ __forceinline__ void wavefront_body(const Args& a) {
       }
     }
 
-    // Variant 0's chunks (variant 1 ran its own above).
-    for (int c = 0; V == 0 && c < nchunks; ++c) {
+    // Variant 0's chunks, and variant 2's (variant 1 ran its own above).
+    for (int c = 0; V != 1 && c < nchunks; ++c) {
       const int n0 = c * kNC, nc = min(kNC, B - n0);
 
       // --- stage the chunk in two halves of its rows (two cp.async
@@ -704,10 +816,15 @@ __device__ __forceinline__ void wavefront_body(const Args& a) {
         } else {
           cp_async_wait_all();
         }
+        if constexpr (V == 2) fence_proxy_async();  // the copies, to wgmma's reads
         __syncthreads();
         if (c == 0 && phase == 0) mark(t, 2);
         if (a.mode & kModeNoMma) continue;
-        products(phase, ntiles, part_k);
+        if constexpr (V == 2) {
+          products_wgmma(phase, nc);
+        } else {
+          products(phase, ntiles, part_k);
+        }
       }
       __syncthreads();
       if (c == 0) {
@@ -1457,6 +1574,8 @@ __device__ __forceinline__ void backward_stack_pipelined_body(const BwdStackArgs
 RF_KERNELS(rnnfuse_wf_forward, Args, wavefront_body, 0)
 // Variant 1 of the forward step (Args::variant = 1; wavefront.cuh).
 RF_KERNELS(rnnfuse_wf_forward_v1, Args, wavefront_body, 1)
+// Variant 2: wgmma products (sm_90a; wavefront.cuh, "Variant 2").
+RF_KERNELS(rnnfuse_wf_forward_v2, Args, wavefront_body, 2)
 // Independent layers: a bidirectional layer's directions (Args::independent;
 // wavefront.cuh, "Independent layers").
 RF_KERNELS(rnnfuse_wf_forward_ind, Args, wavefront_body, 0, true)

@@ -84,6 +84,23 @@
 //      flight while the own layer's flags are awaited. Acquire by warp 0,
 //      __syncwarp, bar.arrive -> bar.sync: the same causality chain as
 //      variant 0's acquire + __syncthreads.
+// Variant 2 (Args::variant = 2, opt-in, sm_90a; Variant2Fits: every
+// layer's CTA owns 16 units, K padded to 512 or 1024): variant 0's schedule
+// with the products on wgmma. The two warpgroups (warps 0-3, 4-7) split K
+// in halves of KH = kpad / 2; warp w of warpgroup g holds rows [16(w % 4),
+// +16) of the CTA's R = 64 rows against K [g KH, (g + 1) KH) as wgmma's
+// register A fragments (mma.sync's m16n8k16 A layout), KH / 16 k-steps in
+// the same 128 registers. hs is staged in wgmma's no-swizzle K-major
+// canonical layout: element (row n, input k) at (n / 8) SBO + (k / 8) 128 +
+// (n % 8) 16 + (k % 8) 2 bytes, SBO = kpad * 16: 8 x 8 core matrices of
+// 128 contiguous bytes, consecutive along K (LBO = 128). Per chunk half
+// (32 batch rows) each warpgroup runs KH / 16 wgmma.mma_async m64n32k16
+// (B from the descriptor of rows [32h, 32h + 32) and K chunks 2j, 2j + 1
+// of its half: start hs + 4h SBO + (g KH / 8 + 2j) 128) into one float32
+// m64n32 accumulator, then stores it to part slice g in the C-fragment
+// order of mma.sync's n8 blocks; the pointwise step sums the two slices.
+// Every thread fences its copies to the async proxy (fence.proxy.async)
+// before the barrier that releases the products.
 // Trace point 3 is after the second half's products.
 // Layer 0 reads its slice of xproj[t] from `xs`, two [B][G][U] buffers
 // that step t-1 filled by cp.async behind its own loads.
@@ -145,7 +162,7 @@ constexpr int kModeScFence = 4;  // __threadfence (fence.sc) before publishing
 constexpr int kModeNoStage = 8;  // never load h into shared memory
 constexpr int kModeNoPointwise = 16;  // skip the pointwise step (no outputs)
 
-constexpr int kVariants = 2;  // Args::variant in [0, kVariants)
+constexpr int kVariants = 3;  // Args::variant in [0, kVariants)
 
 struct LayerPlan {
   int ctas;        // CTAs of this layer
@@ -163,7 +180,7 @@ struct Args {
   int gru;  // 0: LSTM (gates i, f, c, o), 1: GRU (r, z, n), cuDNN's order
   int L, H, B, T;
   int mode;
-  int variant;  // 0: the step above; 1: variant 1 (opt-in, see above)
+  int variant;  // 0: the step above; 1, 2: variants 1 and 2 (opt-in, see above)
   int independent;  // 1: the layers read no layer below ("Independent layers";
                     // the host launches the _ind kernels for it)
   const void* xproj;   // [T][B][G*H]: x W_ih^T of layer 0, no bias

@@ -20,7 +20,7 @@
 //   rnnfuse_wf_forward(...)     one forward pass on a stream
 //   rnnfuse_wf_forward_saving   the same, also saving gates and c (training)
 //   rnnfuse_wf_forward_variant  the same, with the forward step's variant
-//                               (wavefront.cuh: 0, or the opt-in 1)
+//                               (wavefront.cuh: 0, or the opt-in 1 and 2)
 //   rnnfuse_wf_backward_plan    can the backward run one LSTM or GRU layer? (no GPU)
 //   rnnfuse_wf_backward_kind(...)  the backward recurrence of one LSTM or GRU layer
 //   rnnfuse_wf_backward_stack_plan  can the reverse-wavefront backward run the
@@ -90,6 +90,7 @@ struct Kernels {
   CUmodule module = nullptr;
   CUfunction f16 = nullptr, bf16 = nullptr;
   CUfunction f16_v1 = nullptr, bf16_v1 = nullptr;  // the forward's variant 1
+  CUfunction f16_v2 = nullptr, bf16_v2 = nullptr;  // the forward's variant 2 (wgmma)
   CUfunction f16_ind = nullptr, bf16_ind = nullptr;  // independent layers
   CUfunction bwd_f16 = nullptr, bwd_bf16 = nullptr;
   CUfunction bwd_gru_f16 = nullptr, bwd_gru_bf16 = nullptr;  // the GRU backward
@@ -98,7 +99,7 @@ struct Kernels {
   CUfunction bwds_v_f16[2] = {nullptr, nullptr}, bwds_v_bf16[2] = {nullptr, nullptr};
   int configured_bwds_v_smem[2] = {0, 0};
   int configured_smem = 0, configured_bwd_smem = 0, configured_bwds_smem = 0;
-  int configured_v1_smem = 0, configured_ind_smem = 0;
+  int configured_v1_smem = 0, configured_v2_smem = 0, configured_ind_smem = 0;
   int configured_bwd_gru_smem = 0;
 };
 
@@ -115,6 +116,8 @@ int GetKernels(Driver* d, CUcontext ctx, Kernels** out) {
     RF_CHECK_CU(d, d->cuModuleGetFunction_(&k.bf16, k.module, "rnnfuse_wf_forward_bf16"));
     RF_CHECK_CU(d, d->cuModuleGetFunction_(&k.f16_v1, k.module, "rnnfuse_wf_forward_v1_f16"));
     RF_CHECK_CU(d, d->cuModuleGetFunction_(&k.bf16_v1, k.module, "rnnfuse_wf_forward_v1_bf16"));
+    RF_CHECK_CU(d, d->cuModuleGetFunction_(&k.f16_v2, k.module, "rnnfuse_wf_forward_v2_f16"));
+    RF_CHECK_CU(d, d->cuModuleGetFunction_(&k.bf16_v2, k.module, "rnnfuse_wf_forward_v2_bf16"));
     RF_CHECK_CU(d, d->cuModuleGetFunction_(&k.f16_ind, k.module, "rnnfuse_wf_forward_ind_f16"));
     RF_CHECK_CU(d, d->cuModuleGetFunction_(&k.bf16_ind, k.module,
                                            "rnnfuse_wf_forward_ind_bf16"));
@@ -490,7 +493,7 @@ int Forward(void* stream, int dtype, int gru, int num_layers, int units, int bat
             int variant, unsigned long long* trace, int trace_steps, float* gates_out,
             float* c_out, int independent) {
   if (variant < 0 || variant >= rnnfuse_wf::kVariants)
-    return Fail("variant must be 0 or 1 (the forward step's variants), not " +
+    return Fail("variant must be 0, 1 or 2 (the forward step's variants), not " +
                 std::to_string(variant));
   if (independent && variant != 0)
     return Fail("independent layers (a bidirectional layer's directions) run variant 0 only");
@@ -504,6 +507,10 @@ int Forward(void* stream, int dtype, int gru, int num_layers, int units, int bat
   if (!PlanInto(gru, num_layers, units, batch, steps, input_size, sc.sms, sc.smem_limit, &args,
                 &smem, independent))
     return -1;
+  if (variant == 2) {
+    char why[256];
+    if (!rnnfuse_wf::Variant2Fits(args, why, sizeof(why))) return Fail(why);
+  }
   args.mode = mode;
   args.variant = variant;
   args.trace = trace;
@@ -523,10 +530,17 @@ int Forward(void* stream, int dtype, int gru, int num_layers, int units, int bat
 
   Kernels* k = nullptr;
   if (GetKernels(d, sc.ctx, &k) != 0) return -1;
-  CUfunction f16 = independent ? k->f16_ind : variant == 1 ? k->f16_v1 : k->f16;
-  CUfunction bf16 = independent ? k->bf16_ind : variant == 1 ? k->bf16_v1 : k->bf16;
+  CUfunction f16 = independent    ? k->f16_ind
+                   : variant == 1 ? k->f16_v1
+                   : variant == 2 ? k->f16_v2
+                                  : k->f16;
+  CUfunction bf16 = independent    ? k->bf16_ind
+                    : variant == 1 ? k->bf16_v1
+                    : variant == 2 ? k->bf16_v2
+                                   : k->bf16;
   int* configured = independent    ? &k->configured_ind_smem
                     : variant == 1 ? &k->configured_v1_smem
+                    : variant == 2 ? &k->configured_v2_smem
                                    : &k->configured_smem;
   return Launch(d, sc, s, dtype, f16, bf16, configured, args.cta_start[num_layers], smem, &args,
                 workspace, FlagBytes(num_layers) / 4);

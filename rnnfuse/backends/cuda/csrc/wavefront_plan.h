@@ -190,6 +190,24 @@ inline bool Plan(int gru, int L, int H, int B, int T, int input_size, int sms, i
   return false;
 }
 
+// Whether a planned stack suits the forward's variant 2 (wavefront.cuh,
+// "Variant 2"): every layer's CTA owns 16 units (R = 64 rows, wgmma's M)
+// and its K is padded to 512 or 1024 (two warpgroups of 16 or 32 k-steps).
+// False with the reason in `why`; the caller runs another variant.
+inline bool Variant2Fits(const Args& args, char* why, int why_len) {
+  for (int l = 0; l < args.L; ++l) {
+    const LayerPlan& p = args.layer[l];
+    if (p.units != 16 || (p.kpad != 512 && p.kpad != 1024)) {
+      snprintf(why, why_len,
+               "the forward's variant 2 (wgmma) runs CTAs of 16 units over 512 or 1024 inputs; "
+               "layer %d's plan has %d units over %d",
+               l, p.units, p.kpad);
+      return false;
+    }
+  }
+  return true;
+}
+
 // The backward kernel's plan (wavefront.cuh, "The backward kernel"): one
 // LSTM layer of H units at batch B. ceil(H / 16) CTAs a group of batch
 // rows; as many groups as the SMs hold (the fewest rows a group, a multiple
