@@ -264,12 +264,14 @@ def test_a_call_without_a_driver_or_a_bad_argument_is_a_clear_error(built):
 def test_the_kind_backward_entry_is_declared_as_the_host_defines_it(built):
     """rnnfuse_wf_backward_kind (the LSTM and GRU backward) has as many
     parameters in wavefront_host.cc as library.py declares (ctypes does
-    not check), the TF op declares the same list, and a kind the kernel
-    does not run is refused before the library is called."""
+    not check), the bindings' declaration (wavefront_abi.h, which the TF op
+    includes) has the same list, and a kind the kernel does not run is
+    refused before the library is called."""
     import re
 
     csrc = Path(library.__file__).parent / "csrc"
     host = (csrc / "wavefront_host.cc").read_text()
+    abi = (csrc / "wavefront_abi.h").read_text()
     op = (Path(library.__file__).parents[1] / "tensorflow" / "csrc" /
           "rnnfuse_wavefront_op.cc").read_text()
 
@@ -278,7 +280,8 @@ def test_the_kind_backward_entry_is_declared_as_the_host_defines_it(built):
         return [" ".join(p.split()[:-1]) for p in sig.split(",")]
 
     defined = params(host, "int rnnfuse_wf_backward_kind")
-    assert defined == params(op, "int rnnfuse_wf_backward_kind")
+    assert defined == params(abi, "int rnnfuse_wf_backward_kind")
+    assert '#include "wavefront_abi.h"' in op
     lib = library.load(built[0])
     declared = lib._lib.rnnfuse_wf_backward_kind.argtypes
     assert len(declared) == len(defined) == 18
