@@ -1275,13 +1275,17 @@ def cmd_segments(args):
 # T * B * H elements of one sequence (float64), and steps x layers.
 SWEEP_MAX_ELEMENTS = 6e7
 SWEEP_MAX_LAYER_STEPS = 8000
+# ... and its products: directions x layers x T x B x H^2 (a float64 stack
+# of 4 x 512 at batch 64 and T 2000 is 1.3e11).
+SWEEP_MAX_WORK = 5e11
 
 
 def sweep_cases(n: int, seed: int):
     """`n` random shapes over 1-8 layers, 64-1024 units (a tenth not a
     multiple of 8), batch 1-256, T 1-2000 (log-uniform), with and without
     lengths, unidirectional and bidirectional, LSTM and GRU, float16 and
-    bfloat16; T shrunk where the float64 reference would be too large."""
+    bfloat16; T shrunk where the float64 reference would be too large
+    (SWEEP_MAX_*)."""
     rng = random.Random(seed)
     cases = []
     for _ in range(n):
@@ -1295,7 +1299,8 @@ def sweep_cases(n: int, seed: int):
         directions = rng.choice([1, 2])
         width = directions * units
         steps = max(1, min(steps, int(SWEEP_MAX_ELEMENTS // (batch * width)),
-                           SWEEP_MAX_LAYER_STEPS // layers))
+                           SWEEP_MAX_LAYER_STEPS // layers,
+                           int(SWEEP_MAX_WORK // (directions * layers * batch * units ** 2))))
         cases.append((rng.choice(["lstm", "gru"]), directions, layers, units, batch, steps,
                       rng.choice([units, 80, 300]), rng.choice(["float16", "bfloat16"]),
                       rng.random() < 0.5))

@@ -48,6 +48,7 @@ def test_the_cases_cover_the_promised_ranges_within_the_reference_caps(bench):
     for kind, d, l, u, b, t, *_ in cases:
         assert t * b * d * u <= bench.SWEEP_MAX_ELEMENTS or t == 1
         assert t * l <= bench.SWEEP_MAX_LAYER_STEPS
+        assert d * l * t * b * u * u <= bench.SWEEP_MAX_WORK or t == 1
     assert bench.sweep_cases(50, seed=3) == cases[:50]  # a seed replays its cases
 
 
