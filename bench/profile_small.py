@@ -297,10 +297,13 @@ def measure(name: str, shape: dict, steps: int, rounds: int, save) -> tuple[dict
     save(row)
     row["profile"] = {}
     for k, m in models.items():
-        row["profile"][k] = profile_fit(m, xs, ys, b, steps)
-        p = row["profile"][k]
-        print(name, "profile", k, f"wall {p['wall_ms']:.2f} ms busy {p['gpu_busy_ms']} "
-              f"syncs {p['syncs']} allocations {p['allocations']}", flush=True)
+        try:
+            p = row["profile"][k] = profile_fit(m, xs, ys, b, steps)
+            print(name, "profile", k, f"wall {p['wall_ms']:.2f} ms busy {p['gpu_busy_ms']} "
+                  f"syncs {p['syncs']} allocations {p['allocations']}", flush=True)
+        except Exception as err:  # noqa: BLE001 - a profiler that cannot run here: record it
+            row["profile"][k] = dict(error=f"{type(err).__name__}: {err}"[:300])
+            print("ERROR", name, "profile", k, row["profile"][k]["error"], flush=True)
         save(row)
     kind_fresh[0] = True
     return row, (build, xs, ys, b)
