@@ -48,6 +48,7 @@ __all__ = [
     "INPUT_SCALES",
     "KernelModuleBackend",
     "NoFusedKernel",
+    "TUNED_ALGORITHMS",
     "NoProjectedLSTMPath",
     "NoTiming",
     "NoTooling",
@@ -65,6 +66,10 @@ __all__ = [
 ]
 
 # Gate matrices per cell kind (cuDNN's "pseudo-layer" has 2*G matrices).
+# cuDNN's algorithms the tuner times where rnnfuse's own cuDNN call runs
+# them in both passes (None: cuDNN's standard algorithm).
+TUNED_ALGORITHMS = (None, "persistent_static+tc", "persistent_dynamic+tc")
+
 GATES = {"lstm": 4, "gru": 3, "rnn_tanh": 1, "rnn_relu": 1}
 # Merge modes a fused level can read through its doubled input kernel, and its factor.
 INPUT_SCALES = {"sum": 1.0, "ave": 0.5}

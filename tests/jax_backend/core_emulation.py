@@ -34,6 +34,8 @@ import numpy as np
 from cudnn_reference import cudnn_rnn
 from rnnfuse.backends.jax import cudnn_core
 
+# The workspace size the emulated core asks for (any size works: it writes nothing there).
+WORKSPACE = 16
 MODES = cudnn_core.MODES
 ATTRIBUTES = ("mode", "num_layers", "num_units", "proj_size", "directions", "algorithm",
               "allow_tf32", "dropout", "seed", "full_lengths")
@@ -75,6 +77,9 @@ class Emulation:
         # dparams, then x, in float32 (see the module doc).
         return 4 * (self._params(config) + steps * batch * config.input_size)
 
+    def workspace_bytes(self, config, dtype, steps, batch):
+        return WORKSPACE
+
     @staticmethod
     def _params(config):
         return _param_count(config.kind, config.num_layers, config.units, config.proj_size,
@@ -88,6 +93,11 @@ class Emulation:
             want = np.float32 if name == "dropout" else (np.int64 if name == "seed" else np.int32)
             _check(type(value) is want, f"{target}: {name} is {type(value)}, not {want}")
         self.calls.append((target, {k: v.item() for k, v in attrs.items()}))
+        # Every call's last result is its workspace (uint8, workspace_bytes).
+        *results, space = results
+        _check(space.dtype == jnp.uint8 and tuple(space.shape) == (WORKSPACE,),
+               f"{target}: the last result is the uint8 [{WORKSPACE}] workspace, not "
+               f"{space.dtype} {space.shape}")
         short = target.removeprefix("rnnfuse_cudnn_ffi_")
         if short in ("forward", "forward_training"):
             _check(input_output_aliases is None, f"{target} aliases nothing")
@@ -103,7 +113,7 @@ class Emulation:
         for got, want in zip(out, results):
             _check(tuple(got.shape) == tuple(want.shape) and got.dtype == want.dtype,
                    f"{target}: result {want.shape} {want.dtype}, computed {got.shape} {got.dtype}")
-        return out
+        return list(out) + [jnp.zeros((WORKSPACE,), jnp.uint8)]
 
     # -- the targets -----------------------------------------------------------------
 
@@ -201,6 +211,7 @@ def install(monkeypatch) -> Emulation:
     emulation = Emulation()
     monkeypatch.setattr(cudnn_core, "ffi_call", emulation.ffi_call)
     monkeypatch.setattr(cudnn_core, "reserve_bytes", emulation.reserve_bytes)
+    monkeypatch.setattr(cudnn_core, "workspace_bytes", emulation.workspace_bytes)
     monkeypatch.setattr(cudnn_core, "register", lambda: None)
     monkeypatch.setattr(jax_backend, "is_available", lambda: True)
     return emulation

@@ -171,7 +171,8 @@ def test_backward_weights_must_read_backward_datas_reserve(emulated, monkeypatch
     def stale(target, results, *operands, **kwargs):
         out = real(target, results, *operands, **kwargs)
         if target.endswith("backward_data"):
-            out = list(out[:3]) + [operands[8]]  # the forward's reserve, not backward data's
+            # the forward's reserve, not backward data's (then the workspace)
+            out = list(out[:3]) + [operands[8], out[4]]
         return out
 
     monkeypatch.setattr(cudnn_core, "ffi_call", stale)

@@ -91,16 +91,15 @@ def is_available() -> bool:
 
 
 def tuned_algorithms() -> tuple:
-    """The cuDNN algorithms the tuner times here: every candidate
-    (`rnnfuse.tuning.plans.CANDIDATE_ALGORITHMS`) where the cuDNN core runs
-    (a GPU, its handlers registered; it runs the algorithm in both
-    passes), else (None,)."""
+    """The cuDNN algorithms the tuner times here: `base.TUNED_ALGORITHMS`
+    where the cuDNN core runs (a GPU, its handlers registered; it runs the
+    algorithm in both passes), else (None,)."""
+    from rnnfuse.backends.base import TUNED_ALGORITHMS
     from rnnfuse.backends.jax import cudnn_core
-    from rnnfuse.tuning.plans import CANDIDATE_ALGORITHMS
 
     if not is_available() or cudnn_core.core_reason("float32") is not None:
         return (None,)
-    return CANDIDATE_ALGORITHMS
+    return TUNED_ALGORITHMS
 
 
 def group_reason(group: Any) -> str | None:

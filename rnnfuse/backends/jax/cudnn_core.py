@@ -3,8 +3,8 @@ XLA FFI.
 
 The handlers (csrc/jax_cudnn_forward.cc, jax_cudnn_backward.cc, built by
 `ffi_build.build_cudnn_ffi_library`) are thin C++ over the core's C ABI:
-the stream is XLA's, the workspace XLA scratch, the reserve space a result
-of the training forward, and a refusal an FFI error with the core's
+the stream is XLA's, the workspace a result of every call, the reserve
+space a result of the training forward, and a refusal an FFI error with the core's
 message. The core is the library the torch binding loads, so a plan's
 cuDNN algorithm (standard, persistent static, persistent dynamic) runs in
 both passes on JAX as it does there.
@@ -28,12 +28,12 @@ jitted Keras step runs it with no host callback. A masked call
 (`CoreConfig.full_lengths` False) copies the lengths to the host inside
 the handler (cuDNN 9 reads them there too).
 
-The reserve space's size is the one thing XLA needs before the step runs:
-`reserve_bytes` asks the core (`rnnfuse_cudnn_sizes`) when the step is
-traced, which also tells whether cuDNN accepts the configuration there
-(`CoreError`), so a refused algorithm falls back when traced, not when
-the step runs. `ffi_call` and `reserve_bytes` are the binding's only
-calls out: the CPU tests replace both with an emulation
+The reserve space's and the workspace's sizes are what XLA needs before
+the step runs: `call_sizes` asks the core (`rnnfuse_cudnn_sizes`) when the
+step is traced, which also tells whether cuDNN accepts the configuration
+there (`CoreError`), so a refused algorithm falls back when traced, not
+when the step runs. `ffi_call`, `reserve_bytes` and `workspace_bytes` are
+the binding's only calls out: the CPU tests replace them with an emulation
 (tests/jax_backend/core_emulation.py).
 
 Example (on a GPU):
@@ -55,7 +55,8 @@ import jax.numpy as jnp
 import numpy as np
 
 __all__ = ["KERNEL_NAME", "TARGETS", "CoreConfig", "algorithm_code", "core_reason",
-           "disabled", "ffi_call", "register", "reserve_bytes", "rnn"]
+           "call_sizes", "disabled", "ffi_call", "register", "reserve_bytes", "rnn",
+           "workspace_bytes"]
 
 TARGETS = ("rnnfuse_cudnn_ffi_forward", "rnnfuse_cudnn_ffi_forward_training",
            "rnnfuse_cudnn_ffi_backward_data", "rnnfuse_cudnn_ffi_backward_weights")
@@ -197,13 +198,13 @@ def ffi_call(target: str, results, *operands, input_output_aliases=None, **attri
 
 # -- the reserve space's size, asked when a step is traced -----------------------------
 
-_SIZES: dict[tuple, int] = {}
+_SIZES: dict[tuple, tuple[int, int]] = {}  # a memo of the core's answers
 
 
-def reserve_bytes(config: CoreConfig, dtype: str, steps: int, batch: int) -> int:
-    """Bytes of the reserve space of a training call (the core's
-    `rnnfuse_cudnn_sizes` for full-length sequences: cuDNN sizes it by the
-    longest), asked once per configuration and shape on the first local
+def call_sizes(config: CoreConfig, dtype: str, steps: int, batch: int) -> tuple[int, int]:
+    """(workspace bytes, reserve bytes) of a call (the core's
+    `rnnfuse_cudnn_sizes` for full-length sequences: cuDNN sizes both by
+    the longest), asked once per configuration and shape on the first local
     GPU with its primary context current (XLA's).
 
     Raises:
@@ -218,10 +219,20 @@ def reserve_bytes(config: CoreConfig, dtype: str, steps: int, batch: int) -> int
     if found is None:
         lib = cudnn_core.load()
         with _primary_context(_ORDINAL):
-            _, found = lib.sizes(config.struct(dtype), int(steps), int(batch), None, 0)
+            found = tuple(lib.sizes(config.struct(dtype), int(steps), int(batch), None, 0))
         with _LOCK:
             _SIZES[key] = found
     return found
+
+
+def reserve_bytes(config: CoreConfig, dtype: str, steps: int, batch: int) -> int:
+    """Bytes of the reserve space of a training call (see `call_sizes`)."""
+    return call_sizes(config, dtype, steps, batch)[1]
+
+
+def workspace_bytes(config: CoreConfig, dtype: str, steps: int, batch: int) -> int:
+    """Bytes of a call's workspace, at least 1 (see `call_sizes`)."""
+    return max(1, call_sizes(config, dtype, steps, batch)[0])
 
 
 # Every local GPU is asked as the first one: a Keras distribution
@@ -279,9 +290,16 @@ def _forward(x, hx, cx, params, lengths, config: CoreConfig, save: bool):
     if save:
         results.append(_sds((reserve_bytes(config, jnp.dtype(dt).name, steps, batch),),
                             jnp.uint8))
-    out = ffi_call(TARGETS[1] if save else TARGETS[0], results, x, hx, cx, params, lengths,
-                   **config.attributes())
-    return tuple(out)
+    out = ffi_call(TARGETS[1] if save else TARGETS[0], results + [_workspace(config, x)],
+                   x, hx, cx, params, lengths, **config.attributes())
+    return tuple(out[:-1])
+
+
+def _workspace(config: CoreConfig, x):
+    """The workspace result of a call on x [T, B, F]: uint8, sized when
+    the step is traced."""
+    steps, batch, _ = x.shape
+    return _sds((workspace_bytes(config, jnp.dtype(x.dtype).name, steps, batch),), jnp.uint8)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6))
@@ -298,13 +316,13 @@ def _rnn_bwd(config, training, residuals, cotangents):
     x, hx, cx, params, lengths, y, reserve = residuals
     dy, dhy, dcy = (jnp.asarray(c).astype(x.dtype) for c in cotangents)
     attrs = config.attributes()
-    dx, dhx, dcx, reserve = ffi_call(
+    dx, dhx, dcx, reserve, _ = ffi_call(
         TARGETS[2], [_sds(x.shape, x.dtype), _sds(hx.shape, x.dtype), _sds(cx.shape, x.dtype),
-                     _sds(reserve.shape, reserve.dtype)],
+                     _sds(reserve.shape, reserve.dtype), _workspace(config, x)],
         y, dy, dhy, dcy, hx, cx, params, lengths, reserve, input_output_aliases={8: 3},
         **attrs)
-    (dparams,) = ffi_call(TARGETS[3], [_sds(params.shape, params.dtype)], x, hx, y, lengths,
-                          reserve, **attrs)
+    dparams, _ = ffi_call(TARGETS[3], [_sds(params.shape, params.dtype), _workspace(config, x)],
+                          x, hx, y, lengths, reserve, **attrs)
     return dx, dhx, dcx, dparams, None
 
 

@@ -56,7 +56,8 @@ from typing import Any, Sequence
 import keras
 import tensorflow as tf
 
-from rnnfuse.backends.base import GATES, StackCall, StackRun, StackSpec, run_or_fall_back
+from rnnfuse.backends.base import (GATES, TUNED_ALGORITHMS, StackCall, StackRun, StackSpec,
+                                   run_or_fall_back)
 from rnnfuse.backends.tensorflow import cudnn_op, op_build
 from rnnfuse.plan import Algorithm
 from rnnfuse.reasons import KernelRun
@@ -81,7 +82,7 @@ SUPPORTED_DTYPES = ("float16", "float32", "float64")
 KERNELS = ("cudnn", "stock", "wavefront")
 logger = logging.getLogger("rnnfuse")
 
-OP_TUNED_ALGORITHMS = (None, "persistent_static+tc", "persistent_dynamic+tc")
+OP_TUNED_ALGORITHMS = TUNED_ALGORITHMS
 
 
 def tuned_algorithms() -> tuple:

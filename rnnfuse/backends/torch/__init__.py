@@ -61,7 +61,8 @@ import keras
 import torch
 from torch.nn.utils import rnn as rnn_utils
 
-from rnnfuse.backends.base import GATES, StackCall, StackRun, StackSpec, run_or_fall_back
+from rnnfuse.backends.base import (GATES, TUNED_ALGORITHMS, StackCall, StackRun, StackSpec,
+                                   run_or_fall_back)
 from rnnfuse.backends.cuda.cudnn_core import E_NOT_SUPPORTED, CoreError
 from rnnfuse.backends.torch import cudnn_core
 from rnnfuse.reasons import FusionWarning, KernelRun
@@ -159,7 +160,7 @@ def concrete_bool(value: Any) -> bool | None:
     return bool(value)
 
 
-CORE_TUNED_ALGORITHMS = (None, "persistent_static+tc", "persistent_dynamic+tc")
+CORE_TUNED_ALGORITHMS = TUNED_ALGORITHMS
 
 
 def tuned_algorithms() -> tuple:

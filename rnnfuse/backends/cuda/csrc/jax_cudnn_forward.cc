@@ -14,14 +14,15 @@
 // Attributes: jax_cudnn_rnn.h's Attrs.
 // Results: y [T, B, D*R] (zeros past each length), hy [L*D, B, R],
 // cy [L*D, B, H] (else [0]); the training forward adds reserve [S] uint8
-// (S >= the core's reserve size). The workspace is XLA scratch.
+// (S >= the core's reserve size); last, workspace [W] uint8 (W >= the
+// core's workspace size).
 
 #include "jax_cudnn_rnn.h"
 
 namespace rnnfuse_cudnn_ffi {
 namespace {
 
-ffi::Error Forward(const char* what, cudaStream_t stream, ffi::ScratchAllocator& scratch,
+ffi::Error Forward(const char* what, cudaStream_t stream, ffi::AnyBuffer& workspace,
                    const ffi::AnyBuffer& x, const ffi::AnyBuffer& hx, const ffi::AnyBuffer& cx,
                    const ffi::AnyBuffer& params, const ffi::AnyBuffer& lengths, const Attrs& a,
                    ffi::AnyBuffer& y, ffi::AnyBuffer& hy, ffi::AnyBuffer& cy, void* reserve,
@@ -31,7 +32,7 @@ ffi::Error Forward(const char* what, cudaStream_t stream, ffi::ScratchAllocator&
   if (reserve != nullptr) {
     if (auto e = Reserve(what, call, reserve_bytes); e.failure()) return e;
   }
-  if (auto e = Workspace(what, scratch, call); e.failure()) return e;
+  if (auto e = Workspace(what, workspace, call); e.failure()) return e;
   const bool lstm = a.mode == RF_CUDNN_LSTM;
   const int rc = rnnfuse_cudnn_forward(
       &call.rnn, reserve != nullptr, call.steps, call.batch, call.host_lengths,
@@ -43,22 +44,22 @@ ffi::Error Forward(const char* what, cudaStream_t stream, ffi::ScratchAllocator&
   return ffi::Error::Success();
 }
 
-ffi::Error Inference(cudaStream_t stream, ffi::ScratchAllocator scratch, ffi::AnyBuffer x,
-                     ffi::AnyBuffer hx, ffi::AnyBuffer cx, ffi::AnyBuffer params,
-                     ffi::AnyBuffer lengths, Attrs a, ffi::Result<ffi::AnyBuffer> y,
-                     ffi::Result<ffi::AnyBuffer> hy, ffi::Result<ffi::AnyBuffer> cy) {
-  return Forward("forward", stream, scratch, x, hx, cx, params, lengths, a, *y, *hy, *cy,
+ffi::Error Inference(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer hx,
+                     ffi::AnyBuffer cx, ffi::AnyBuffer params, ffi::AnyBuffer lengths, Attrs a,
+                     ffi::Result<ffi::AnyBuffer> y, ffi::Result<ffi::AnyBuffer> hy,
+                     ffi::Result<ffi::AnyBuffer> cy, ffi::Result<ffi::AnyBuffer> workspace) {
+  return Forward("forward", stream, *workspace, x, hx, cx, params, lengths, a, *y, *hy, *cy,
                  nullptr, 0);
 }
 
-ffi::Error Training(cudaStream_t stream, ffi::ScratchAllocator scratch, ffi::AnyBuffer x,
-                    ffi::AnyBuffer hx, ffi::AnyBuffer cx, ffi::AnyBuffer params,
-                    ffi::AnyBuffer lengths, Attrs a, ffi::Result<ffi::AnyBuffer> y,
-                    ffi::Result<ffi::AnyBuffer> hy, ffi::Result<ffi::AnyBuffer> cy,
-                    ffi::Result<ffi::AnyBuffer> reserve) {
+ffi::Error Training(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer hx,
+                    ffi::AnyBuffer cx, ffi::AnyBuffer params, ffi::AnyBuffer lengths, Attrs a,
+                    ffi::Result<ffi::AnyBuffer> y, ffi::Result<ffi::AnyBuffer> hy,
+                    ffi::Result<ffi::AnyBuffer> cy, ffi::Result<ffi::AnyBuffer> reserve,
+                    ffi::Result<ffi::AnyBuffer> workspace) {
   if (reserve->element_type() != ffi::DataType::U8 || reserve->element_count() == 0)
     return Invalid("training forward", "reserve must be a non-empty uint8 [S]");
-  return Forward("training forward", stream, scratch, x, hx, cx, params, lengths, a, *y, *hy,
+  return Forward("training forward", stream, *workspace, x, hx, cx, params, lengths, a, *y, *hy,
                  *cy, reserve->untyped_data(), reserve->size_bytes());
 }
 
@@ -71,7 +72,6 @@ namespace ffi = xla::ffi;
 #define RNNFUSE_CUDNN_FORWARD_OPERANDS                  \
   ffi::Ffi::Bind()                                      \
       .Ctx<ffi::PlatformStream<cudaStream_t>>()         \
-      .Ctx<ffi::ScratchAllocator>()                     \
       .Arg<ffi::AnyBuffer>() /* x */                    \
       .Arg<ffi::AnyBuffer>() /* hx */                   \
       .Arg<ffi::AnyBuffer>() /* cx */                   \
@@ -83,7 +83,8 @@ namespace ffi = xla::ffi;
       .Ret<ffi::AnyBuffer>() /* cy */
 
 RNNFUSE_CUDNN_FFI_HANDLER(rnnfuse_cudnn_ffi_forward, rnnfuse_cudnn_ffi::Inference,
-                          RNNFUSE_CUDNN_FORWARD_OPERANDS);
+                          RNNFUSE_CUDNN_FORWARD_OPERANDS.Ret<ffi::AnyBuffer>() /* workspace */);
 
 RNNFUSE_CUDNN_FFI_HANDLER(rnnfuse_cudnn_ffi_forward_training, rnnfuse_cudnn_ffi::Training,
-                          RNNFUSE_CUDNN_FORWARD_OPERANDS.Ret<ffi::AnyBuffer>() /* reserve */);
+                          RNNFUSE_CUDNN_FORWARD_OPERANDS.Ret<ffi::AnyBuffer>() /* reserve */
+                              .Ret<ffi::AnyBuffer>() /* workspace */);

@@ -1,7 +1,7 @@
 // What rnnfuse's XLA FFI handlers of the cuDNN core (jax_cudnn_*.cc) share:
 // the attributes every call takes, the core's configuration built from
 // them and the operands, the sequence lengths on the host, the workspace
-// from XLA's scratch allocator, and the core's errors as FFI errors.
+// (a result the binding sizes), and the core's errors as FFI errors.
 //
 // The handlers are thin: every cuDNN call is the core's
 // (cudnn_rnn_core.h, linked as librnnfuse_cudnn_core.so, the library the
@@ -176,15 +176,15 @@ inline ffi::Error Prepare(const char* what, cudaStream_t stream, const Attrs& a,
   return ffi::Error::Success();
 }
 
-// The call's workspace from XLA's scratch allocator (freed when the
-// handler returns; XLA orders it on the stream).
-inline ffi::Error Workspace(const char* what, ffi::ScratchAllocator& scratch, Call& call) {
-  auto space = scratch.Allocate(call.workspace_bytes, 256);
-  if (!space.has_value())
-    return ffi::Error(ffi::ErrorCode::kResourceExhausted,
-                      std::string("rnnfuse cuDNN ") + what + ": XLA could not allocate the " +
-                          std::to_string(call.workspace_bytes) + "-byte workspace");
-  call.workspace = *space;
+// The call's workspace: a uint8 result the binding sizes when the step is
+// traced (XLA's scratch allocator refused cuDNN's workspace sizes on the GPU).
+inline ffi::Error Workspace(const char* what, ffi::AnyBuffer& space, Call& call) {
+  if (space.size_bytes() < call.workspace_bytes)
+    return Invalid(what, "the workspace holds " + std::to_string(space.size_bytes()) +
+                             " bytes; this call needs " + std::to_string(call.workspace_bytes) +
+                             " (the binding sized it for another configuration)");
+  call.workspace = space.untyped_data();
+  call.workspace_bytes = space.size_bytes();
   return ffi::Error::Success();
 }
 
