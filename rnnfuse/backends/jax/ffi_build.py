@@ -19,8 +19,9 @@ holds the cuDNN core's handlers (`CUDNN_FFI_SOURCES`) and links the core
 itself, `librnnfuse_cudnn_core.so` (`rnnfuse.backends.cuda.build
 .build_cudnn_core`), by its rpath: one copy of the core in a process
 however many bindings reach it (its plans, handles and dropout states are
-per process). It needs no nvcc and no CUDA header, so the cuDNN path
-builds where the wavefront kernel cannot.
+per process). It needs no nvcc (CUDA's headers for types: the core's,
+`build.core_cuda_include`), so the cuDNN path builds where the wavefront
+kernel cannot.
 
 Example (no GPU needed; compiles only):
 
@@ -47,13 +48,14 @@ LIBRARY_NAME = "librnnfuse_jax_ffi.so"
 FFI_SOURCES = ("jax_wavefront_forward.cc", "jax_wavefront_backward.cc")
 # The C-ABI libraries the handlers call, compiled into the same library.
 LIBRARY_SOURCES = ("wavefront_host.cc",)
-HEADERS = ("jax_ffi_common.h", "wavefront_abi.h", "wavefront_plan.h", "wavefront.cuh")
+HEADERS = ("jax_ffi_common.h", "wavefront_abi.h", "wavefront_plan.h", "wavefront.cuh",
+           "cuda_driver.h")
 _FLAGS_VERSION = "1"  # bump when the command changes
 CUDNN_LIBRARY_NAME = "librnnfuse_jax_cudnn_ffi.so"
 # The cuDNN core's handlers: forward (inference and training), backward
 # (data and weights).
 CUDNN_FFI_SOURCES = ("jax_cudnn_forward.cc", "jax_cudnn_backward.cc")
-CUDNN_HEADERS = ("jax_cudnn_rnn.h", "cudnn_rnn_core.h")
+CUDNN_HEADERS = ("jax_cudnn_rnn.h", "cudnn_rnn_core.h", "cuda_driver.h")
 
 
 def ffi_include() -> Path:
@@ -121,13 +123,14 @@ def build_ffi_library(force: bool = False, cubin: Path | None = None) -> Path:
     return build.cached_build(target, make, force)
 
 
-def cudnn_ffi_command(cxx: str, include: Path, core: Path, output: Path,
+def cudnn_ffi_command(cxx: str, include: Path, cuda_include: Path, core: Path, output: Path,
                       sources: tuple = CUDNN_FFI_SOURCES) -> list[str]:
     """The g++ command that builds the cuDNN core's handlers, linked to the
     core at `core` (its folder on the rpath, so the library loads the copy
     `rnnfuse.backends.cuda.cudnn_core.load` loads)."""
     return [
-        cxx, *build.CXX_FLAGS, "-isystem", str(include), f"-I{build.SOURCE_DIR}",
+        cxx, *build.CXX_FLAGS, "-isystem", str(include), "-isystem", str(cuda_include),
+        f"-I{build.SOURCE_DIR}",
         *(str(build.SOURCE_DIR / s) for s in sources), "-o", str(output),
         f"-L{core.parent}", f"-l:{core.name}", f"-Wl,-rpath,{core.parent}", "-ldl",
     ]
@@ -140,13 +143,14 @@ def build_cudnn_ffi_library(force: bool = False, core: Path | None = None) -> Pa
     against cuDNN's and CUDA's headers; no GPU, no nvcc).
 
     Raises:
-        BuildError: no jaxlib headers, no C++ compiler, no cuDNN headers,
+        BuildError: no jaxlib headers, no C++ compiler, no CUDA or cuDNN headers,
             or a compiler failed (the message says which and the fix).
     """
     import jaxlib
 
     include = ffi_include()
     cxx = build.find_cxx()
+    cuda_include = build.core_cuda_include()
     core = Path(core) if core is not None else build.build_cudnn_core(force=force)
     h = hashlib.sha256(_FLAGS_VERSION.encode())
     for name in CUDNN_FFI_SOURCES + CUDNN_HEADERS:
@@ -156,7 +160,7 @@ def build_cudnn_ffi_library(force: bool = False, core: Path | None = None) -> Pa
     target = build.cache_dir() / f"jax-cudnn-ffi-{h.hexdigest()[:12]}" / CUDNN_LIBRARY_NAME
 
     def make(tmp: Path) -> None:
-        build.run_compiler(cudnn_ffi_command(cxx, include, core, tmp),
+        build.run_compiler(cudnn_ffi_command(cxx, include, cuda_include, core, tmp),
                            "rnnfuse's XLA FFI library of the cuDNN core for JAX",
                            "check that the C++ compiler supports C++17 and that jaxlib's "
                            "FFI headers match it")

@@ -5,27 +5,35 @@
 //
 // The handlers are thin: every cuDNN call is the core's
 // (cudnn_rnn_core.h, linked as librnnfuse_cudnn_core.so, the library the
-// torch binding loads), on XLA's stream, with buffers XLA allocated. No
-// CUDA header is needed: the stream is an opaque pointer to the core, and
-// the one driver call here (the lengths' copy to the host) is dlopen'ed.
+// torch binding loads), on XLA's stream, with buffers XLA allocated. The
+// one driver call here (the lengths' copy to the host) goes through the
+// libraries' shared loader (cuda_driver.h: dlopen, cuda.h for types).
 
 #ifndef RNNFUSE_JAX_CUDNN_RNN_H_
 #define RNNFUSE_JAX_CUDNN_RNN_H_
 
-#include <dlfcn.h>
-
 #include <cstddef>
 #include <cstdint>
-#include <mutex>
 #include <string>
 #include <vector>
 
+#include "cuda_driver.h"
 #include "cudnn_rnn_core.h"
 #include "xla/ffi/api/ffi.h"
 
 // CUDA's stream type, declared as cuda_runtime_api.h does (XLA hands the
 // handler its CUDA stream; the core takes it as void*).
 typedef struct CUstream_st* cudaStream_t;
+
+namespace {
+// The driver calls of a masked call's lengths copy (one loader a handler file).
+#define RNNFUSE_CUDNN_FFI_DRIVER_FUNCTIONS(X) \
+  X(cuInit)                                  \
+  X(cuGetErrorString)                        \
+  X(cuMemcpyDtoHAsync)                       \
+  X(cuStreamSynchronize)
+RF_DEFINE_DRIVER(RNNFUSE_CUDNN_FFI_DRIVER_FUNCTIONS)
+}  // namespace
 
 // A handler symbol that survives -fvisibility=hidden (Python finds it with
 // ctypes and registers it with jax.ffi.register_ffi_target).
@@ -102,45 +110,27 @@ inline void* Data(const ffi::AnyBuffer& b) {
   return b.element_count() == 0 ? nullptr : b.untyped_data();
 }
 
-// The driver calls that copy the lengths to the host, resolved once.
-struct Driver {
-  int (*memcpy_dtoh)(void*, unsigned long long, size_t, void*) = nullptr;
-  int (*synchronize)(void*) = nullptr;
-  bool ok = false;
-};
-
-inline const Driver& GetDriver() {
-  static Driver driver;
-  static std::once_flag once;
-  std::call_once(once, [] {
-    void* lib = dlopen("libcuda.so.1", RTLD_NOW | RTLD_LOCAL);
-    if (!lib) return;
-    driver.memcpy_dtoh = reinterpret_cast<decltype(driver.memcpy_dtoh)>(
-        dlsym(lib, "cuMemcpyDtoHAsync_v2"));
-    driver.synchronize = reinterpret_cast<decltype(driver.synchronize)>(
-        dlsym(lib, "cuStreamSynchronize"));
-    driver.ok = driver.memcpy_dtoh && driver.synchronize;
-  });
-  return driver;
-}
-
 // cuDNN 9 reads the lengths on the host too (its data descriptors): a
 // masked call copies them there and waits for the copy (full-length calls
 // skip this).
 inline ffi::Error CopyLengths(const char* what, Call& call) {
-  const Driver& d = GetDriver();
-  if (!d.ok)
+  Driver* d = GetDriver();
+  if (!d->ok)
     return ffi::Error(ffi::ErrorCode::kUnavailable,
-                      std::string("rnnfuse cuDNN ") + what +
-                          ": libcuda.so.1 (cuMemcpyDtoHAsync_v2) did not load");
+                      std::string("rnnfuse cuDNN ") + what + ": " + d->why);
   call.host.resize(call.batch);
-  int rc = d.memcpy_dtoh(call.host.data(), reinterpret_cast<unsigned long long>(call.dev_lengths),
-                         sizeof(int32_t) * call.batch, call.stream);
-  if (rc == 0) rc = d.synchronize(call.stream);
-  if (rc != 0)
-    return ffi::Error::Internal(std::string("rnnfuse cuDNN ") + what +
-                                ": copying the lengths to the host failed (CUDA error " +
-                                std::to_string(rc) + ")");
+  CUstream stream = static_cast<CUstream>(call.stream);
+  CUresult r = d->cuMemcpyDtoHAsync_(call.host.data(),
+                                     reinterpret_cast<CUdeviceptr>(call.dev_lengths),
+                                     sizeof(int32_t) * call.batch, stream);
+  const char* step = "cuMemcpyDtoHAsync (the lengths to the host)";
+  if (r == CUDA_SUCCESS) {
+    r = d->cuStreamSynchronize_(stream);
+    step = "cuStreamSynchronize (the lengths' copy)";
+  }
+  if (r != CUDA_SUCCESS)
+    return ffi::Error::Internal(std::string("rnnfuse cuDNN ") + what + ": " +
+                                DriverError(d, step, r));
   call.host_lengths = call.host.data();
   return ffi::Error::Success();
 }
