@@ -44,6 +44,7 @@ from rnnfuse.reasons import KernelRun
 __all__ = [
     "Backend",
     "Capabilities",
+    "canonical_pieces",
     "GATES",
     "INPUT_SCALES",
     "KernelModuleBackend",
@@ -605,3 +606,17 @@ def cpu_description(library: str) -> str:
         pass
     name = name or platform.processor() or platform.machine() or "unknown"
     return f"CPU: {name}, {os.cpu_count()} cores, {library} (no GPU visible)"
+
+
+def canonical_pieces(stack: StackSpec, cell_params, dtype) -> list:
+    """Every cell's weights, then every cell's biases, in cuDNN's canonical
+    order: what a backend concatenates into the flat parameter buffer.
+    `cell_params(kind, cell, dtype, input_scale)` gives one cell's
+    (weights, biases)."""
+    weights, biases = [], []
+    for i, level in enumerate(stack.cells):
+        for cell in level:
+            w, b = cell_params(stack.kind, cell, dtype, stack.input_scale(i))
+            weights += w
+            biases += b
+    return weights + biases

@@ -203,13 +203,9 @@ def _cell_params(kind: str, cell: Any, dtype, input_scale: float | None) -> tupl
 def pack_params(stack: StackSpec, dtype="float32") -> jax.Array:
     """The core's canonical flat buffer of `stack` in `dtype`, from its live
     variables (see the module doc)."""
-    weights, biases = [], []
-    for i, level in enumerate(stack.cells):
-        for cell in level:
-            w, b = _cell_params(stack.kind, cell, dtype, stack.input_scale(i))
-            weights += w
-            biases += b
-    return jnp.concatenate(weights + biases)
+    from rnnfuse.backends.base import canonical_pieces
+
+    return jnp.concatenate(canonical_pieces(stack, _cell_params, dtype))
 
 
 def _states(given: Sequence[Any] | None, stack: StackSpec, batch: int, dtype,

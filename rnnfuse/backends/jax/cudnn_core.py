@@ -158,10 +158,9 @@ def register() -> str | None:
     None, or why the core cannot run under JAX here (no GPU, no jaxlib FFI
     headers, no cuDNN headers, a build or load failure). Tried once a
     process."""
-    with _LOCK:
-        if "targets" not in _REGISTERED:
-            _REGISTERED["targets"] = _register()
-        return _REGISTERED["targets"]
+    from rnnfuse.backends.jax import ffi_build
+
+    return ffi_build.registered_once(_REGISTERED, _LOCK, _register)
 
 
 def _register() -> str | None:

@@ -166,3 +166,12 @@ def build_cudnn_ffi_library(force: bool = False, core: Path | None = None) -> Pa
                            "FFI headers match it")
 
     return build.cached_build(target, make, force)
+
+
+def registered_once(answers: dict, lock, register) -> str | None:
+    """`register()`'s answer (None, or why the handlers cannot run), asked
+    once a process: `answers` keeps it under `lock`."""
+    with lock:
+        if "targets" not in answers:
+            answers["targets"] = register()
+        return answers["targets"]

@@ -109,10 +109,9 @@ def register() -> str | None:
     """Builds (once, cached) and registers the FFI handlers for CUDA; returns
     None, or why the kernel cannot run under JAX here (no GPU, no jaxlib FFI
     headers, no nvcc, a build failure). Tried once a process."""
-    with _LOCK:
-        if "targets" not in _REGISTERED:
-            _REGISTERED["targets"] = _register()
-        return _REGISTERED["targets"]
+    from rnnfuse.backends.jax import ffi_build
+
+    return ffi_build.registered_once(_REGISTERED, _LOCK, _register)
 
 
 def _register() -> str | None:

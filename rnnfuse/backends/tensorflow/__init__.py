@@ -57,7 +57,7 @@ import keras
 import tensorflow as tf
 
 from rnnfuse.backends.base import (GATES, TUNED_ALGORITHMS, StackCall, StackRun, StackSpec,
-                                   run_or_fall_back)
+                                   canonical_pieces, run_or_fall_back)
 from rnnfuse.backends.tensorflow import cudnn_op, op_build
 from rnnfuse.plan import Algorithm
 from rnnfuse.reasons import KernelRun
@@ -318,13 +318,7 @@ def _zrh_to_rzh(x: tf.Tensor, axis: int) -> tf.Tensor:
 
 def pack_params(stack: StackSpec, dtype: str) -> tf.Tensor:
     """The flat cuDNN parameter buffer of `stack`, from its live variables."""
-    weights, biases = [], []
-    for i, level in enumerate(stack.cells):
-        for cell in level:
-            w, b = _cell_params(stack.kind, cell, dtype, stack.input_scale(i))
-            weights += w
-            biases += b
-    return tf.concat(weights + biases, axis=0)
+    return tf.concat(canonical_pieces(stack, _cell_params, dtype), axis=0)
 
 
 def _states(
