@@ -56,7 +56,8 @@ from typing import Any, Sequence
 import keras
 import tensorflow as tf
 
-from rnnfuse.backends.base import (GATES, TUNED_ALGORITHMS, StackCall, StackRun, StackSpec,
+from rnnfuse.backends.base import TUNED_ALGORITHMS as OP_TUNED_ALGORITHMS
+from rnnfuse.backends.base import (GATES, StackCall, StackRun, StackSpec,
                                    canonical_pieces, run_or_fall_back)
 from rnnfuse.backends.tensorflow import cudnn_op, op_build
 from rnnfuse.plan import Algorithm
@@ -82,7 +83,6 @@ SUPPORTED_DTYPES = ("float16", "float32", "float64")
 KERNELS = ("cudnn", "stock", "wavefront")
 logger = logging.getLogger("rnnfuse")
 
-OP_TUNED_ALGORITHMS = TUNED_ALGORITHMS
 
 
 def tuned_algorithms() -> tuple:

@@ -61,7 +61,8 @@ import keras
 import torch
 from torch.nn.utils import rnn as rnn_utils
 
-from rnnfuse.backends.base import (GATES, TUNED_ALGORITHMS, StackCall, StackRun, StackSpec,
+from rnnfuse.backends.base import TUNED_ALGORITHMS as CORE_TUNED_ALGORITHMS
+from rnnfuse.backends.base import (GATES, StackCall, StackRun, StackSpec,
                                    run_or_fall_back)
 from rnnfuse.backends.cuda.cudnn_core import E_NOT_SUPPORTED, CoreError
 from rnnfuse.backends.torch import cudnn_core
@@ -160,7 +161,6 @@ def concrete_bool(value: Any) -> bool | None:
     return bool(value)
 
 
-CORE_TUNED_ALGORITHMS = TUNED_ALGORITHMS
 
 
 def tuned_algorithms() -> tuple:
