@@ -1,13 +1,9 @@
 """ctypes binding of librnnfuse_wavefront.so (csrc/wavefront_host.cc).
 
-The library is framework-free: device pointers and a CUDA stream as
-integers, launches through the CUDA driver API. `plan()` says without a
-GPU whether a stack fits the kernel and why not; a refused launch raises
-`WavefrontError`, and the caller falls back to cuDNN.
-
-`stack_reason`, `device_reason` and the backward reasons are the checks
-both bindings share; `choose_backward` is their rule for the training
-backward (the one-launch stack backward where it fits, else per layer).
+Framework-free: device pointers and a CUDA stream as integers. `plan()`
+says without a GPU whether a stack fits; a refused launch raises
+`WavefrontError` and the caller falls back to cuDNN. The `*_reason` checks
+and `choose_backward` are shared by every binding.
 
 Example (no GPU needed; builds the library once):
 
@@ -38,9 +34,8 @@ H200 = {"sms": 132, "smem": 232448}
 _LAYER_FIELDS = ("ctas", "mg", "kg", "ng", "units", "kpad", "smem")
 
 _LOCK = threading.Lock()
-# Memo cache: resolved path -> its loaded library.
-_LOADED: dict[str, "WavefrontLibrary"] = {}
-# Memo cache: cache folder -> the library built there (checking a build runs nvcc).
+_LOADED: dict[str, "WavefrontLibrary"] = {}  # resolved path -> library
+# cache folder -> library built there (checking a build runs nvcc)
 _BUILT: dict[str, Path] = {}
 
 
@@ -172,10 +167,8 @@ class WavefrontLibrary:
                  w_hh: int, gates: int, cseq: int, c0: int, dy: int, dhy: int, dcy: int,
                  lengths: int | None, dgates: int, dh0: int, dc0: int, workspace: int,
                  kind: str = "lstm") -> None:
-        """The backward recurrence of one LSTM or GRU layer (wavefront.cuh, "The
-        backward kernel"): writes dgates [T, B, 4H] and dh0 [B, H] float32 (an
-        LSTM's dc0 too). A GRU's `cseq` is its saved h_{t-1}; pass 0 for its
-        c0, dcy and dc0."""
+        """One layer's backward recurrence: float32 dgates [T, B, 4H], dh0 and
+        an LSTM's dc0 [B, H]. A GRU's `cseq` is its saved h_{t-1}; c0, dcy, dc0 0."""
         if dtype not in DTYPES:
             raise WavefrontError(f"the wavefront kernel runs {DTYPES}, not {dtype}")
         rc = self._lib.rnnfuse_wf_backward_kind(
@@ -209,9 +202,8 @@ class WavefrontLibrary:
 
     def backward_stack_workspace_bytes(self, num_layers: int, units: int, batch: int,
                                        steps: int) -> int:
-        """Bytes of workspace one stack backward needs: its flags (the word at
-        STACK_TIMEOUT_WORD is nonzero after a timed-out wait), then the float32
-        dy hand-off of the layers below the top."""
+        """Bytes of workspace one stack backward needs: flags (STACK_TIMEOUT_WORD
+        set by a timed-out wait), then float32 dy for the layers below the top."""
         return int(self._lib.rnnfuse_wf_backward_stack_workspace_bytes(num_layers, units, batch,
                                                                        steps))
 
@@ -219,9 +211,8 @@ class WavefrontLibrary:
                        steps: int, input_size: int, *, params: int, gates: int, cseq: int,
                        c0: int, dy: int, dhy: int, dcy: int, lengths: int | None, dgates: int,
                        dh0: int, dc0: int, workspace: int, variant: int = 0) -> None:
-        """Every layer's backward recurrence of an LSTM stack in one launch:
-        dgates [L, T, B, 4H] and float32 dh0, dc0 [L, B, H] from the canonical
-        params, the saved gates and c, c0, the top layer's dy and dhy, dcy."""
+        """An LSTM stack's backward recurrences in one launch: dgates [L, T, B, 4H]
+        and float32 dh0, dc0 [L, B, H]."""
         if dtype not in DTYPES:
             raise WavefrontError(f"the wavefront kernel runs {DTYPES}, not {dtype}")
         if variant not in (0, 1, 2):
@@ -232,8 +223,6 @@ class WavefrontLibrary:
             int(variant))
         if rc != 0:
             raise WavefrontError(self._error())
-
-    # -- bidirectional layers: both directions of a layer in one launch -------
 
     def plan_directions(self, kind: str, units: int, batch: int, steps: int, input_size: int,
                         *, sms: int, smem: int, directions: int = 2) -> tuple[int, int] | str:
@@ -254,9 +243,8 @@ class WavefrontLibrary:
 
     def plan_offsets(self, kind: str, num_layers: int, units: int, input_size: int, *,
                      independent: bool = False) -> list[dict]:
-        """The element offsets of each layer's (with `independent`: each
-        direction's) weights in the canonical buffer: wavefront_plan.h's
-        PlanOffsets, for the CPU tests."""
+        """wavefront_plan.h's PlanOffsets of each layer's (`independent`: each
+        direction's) weights, for the CPU tests."""
         out = (ctypes.c_longlong * (4 * num_layers))()
         ok = self._lib.rnnfuse_wf_plan_offsets(_kind(kind), int(independent), num_layers, units,
                                                input_size, out)
@@ -323,13 +311,11 @@ def bidirectional_reason(kind: str, units: int, batch: int, steps: int, input_si
     return None
 
 
-# The variants the bindings run by default (wavefront.cuh, "Variants"); one
-# becomes the default once the GPU shows it exact and faster (docs/kernel.md).
+# Default variants (wavefront.cuh, "Variants"): another only once shown exact and faster.
 FORWARD_VARIANT = 0
 STACK_BACKWARD_VARIANT = 0
 
-# The stack backward's workspace: kMaxLayers (8) x kFlagStride (256) flags,
-# then the word a timed-out wait sets (index in 32-bit words).
+# After kMaxLayers (8) x kFlagStride (256) flag words: the timed-out word.
 STACK_TIMEOUT_WORD = 8 * 256
 
 
@@ -432,12 +418,9 @@ class BackwardChoice:
     >>> BackwardChoice("layer", "auto", "too many CTAs").note
     'per-layer backward (v1): too many CTAs'"""
 
-    # What runs: "stack" (one launch) or "layer" (a launch a layer).
-    backward: str
-    # What the caller asked for: "auto", "layer" or "stack".
-    requested: str
-    # Why "auto" did not pick the stack backward (its refusal), or None.
-    reason: str | None = None
+    backward: str  # what runs: "stack" (one launch) or "layer"
+    requested: str  # "auto", "layer" or "stack"
+    reason: str | None = None  # why "auto" did not pick "stack"
 
     @property
     def note(self) -> str:

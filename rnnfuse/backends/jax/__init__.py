@@ -1,37 +1,24 @@
-"""JAX backend: a stack of LSTM, GRU or SimpleRNN levels as one call of
-rnnfuse's cuDNN core, and LSTM and GRU stacks on rnnfuse's wavefront
-kernel, both through XLA FFI.
+"""JAX backend: LSTM, GRU and SimpleRNN stacks as one call of rnnfuse's
+cuDNN core, and LSTM and GRU stacks on rnnfuse's wavefront kernel, both
+through XLA FFI.
 
-Plan kernel "cudnn" (and "stock": JAX has no other fused cuDNN call) runs
-the core (`cudnn_core`: the core's FFI handlers called with
-`jax.ffi.ffi_call` inside Keras' jitted steps, a `jax.custom_vjp` whose
-backward pass is cuDNN's backward data and weights): LSTM (with
-projections), GRU and SimpleRNN (tanh, relu) stacks, bidirectional,
-right-padded masks as sequence lengths, cuDNN's seeded dropout between
-levels, float32, float16 and bfloat16, the plan's cuDNN algorithm in both
-passes. A masked call runs the standard algorithm (cuDNN's persistent
-ones refuse padded lengths); an algorithm cuDNN refuses when the step is
-traced runs as standard, with the reason in the `KernelRun`'s note; a call
-the core cannot run at all raises NotImplementedError with the reason, and
-the original layers run.
+Plan kernels "cudnn" and "stock" (JAX has no other fused cuDNN call) run
+the core (`cudnn_core`): projections, bidirectional, right-padded masks as
+lengths, seeded dropout, float32/float16/bfloat16, the plan's algorithm in
+both passes. A masked call, or an algorithm cuDNN refuses when traced, runs
+the standard algorithm with the reason in the note; a call the core cannot
+run raises NotImplementedError and the original layers run. Plan kernel
+"wavefront" runs unidirectional half-precision LSTM and GRU stacks on
+Hopper (`kernel_reason`); a call it refuses runs the core.
 
-Plan kernel "wavefront" (`wavefront`) runs unidirectional float16 and
-bfloat16 LSTM and GRU stacks on a Hopper GPU; `kernel_reason` says where it
-cannot, and a call it refuses runs the core, with the reason.
-
-Parameters: the core's canonical flat layout (csrc/cudnn_rnn_core.h,
-`pack_params`), built inside the traced function from the live variables
-on every call, so gradients reach them: per pseudo-layer (level-major,
-forward before backward) W = kernel^T and R = recurrent_kernel^T as gate
-blocks of rows (a GRU's reordered from Keras' z, r, h to cuDNN's r, z, h),
-an LSTMP's projection^T after them; then per pseudo-layer the input and
-recurrent biases (an LSTM's and SimpleRNN's Keras bias is the recurrent
-one, the input one 0; a GRU's reset_after rows are the two). A level that
-reads a Bidirectional merged by "sum" or "ave" (`StackSpec.input_scale`)
-gets W = [s*W; s*W]^T, s = 1 or 1/2: the call feeds it [fwd, bwd].
-
-Not fused under JAX (the original layers run, exactly): an LSTM's
-go_backwards first layer (`group_reason`).
+Parameters: the core's canonical flat layout (`pack_params`), built from the
+live variables inside the traced function so gradients reach them: per
+pseudo-layer W = kernel^T and R = recurrent_kernel^T as gate blocks of rows
+(a GRU's reordered z, r, h -> r, z, h), an LSTMP's projection^T; then the
+input and recurrent biases (an LSTM's and SimpleRNN's Keras bias is the
+recurrent one). A level reading a Bidirectional merged by "sum" or "ave"
+gets W = [s*W; s*W]^T, s = 1 or 1/2, fed [fwd, bwd]. Not fused under JAX:
+an LSTM's go_backwards first layer (`group_reason`).
 
 Example (packing only; the call itself needs a GPU):
 
@@ -71,15 +58,12 @@ __all__ = [
     "unsupported_reason",
 ]
 
-# The plan kernels (`rnnfuse.plan.KERNELS`) this backend runs: "cudnn" and
-# "stock" are both the cuDNN core's call (JAX has no other fused cuDNN
-# RNN); "wavefront" is rnnfuse's kernel (`wavefront`).
+# "cudnn" and "stock" are both the core's call: JAX has no other fused cuDNN RNN.
 KERNELS = ("cudnn", "stock", "wavefront")
 
 
 def concrete_bool(value: Any) -> bool | None:
-    """`value` (a boolean scalar) as a Python bool, or None inside a trace
-    (a tracer has no value yet)."""
+    """`value` as a Python bool, or None for a tracer (no value yet)."""
     if isinstance(value, jax.core.Tracer):
         return None
     return bool(value)
@@ -91,9 +75,7 @@ def is_available() -> bool:
 
 
 def tuned_algorithms() -> tuple:
-    """The cuDNN algorithms the tuner times here: `base.TUNED_ALGORITHMS`
-    where the cuDNN core runs (a GPU, its handlers registered; it runs the
-    algorithm in both passes), else (None,)."""
+    """`base.TUNED_ALGORITHMS` where the cuDNN core runs here, else (None,)."""
     from rnnfuse.backends.base import TUNED_ALGORITHMS
     from rnnfuse.backends.jax import cudnn_core
 
@@ -105,11 +87,9 @@ def tuned_algorithms() -> tuple:
 def group_reason(group: Any) -> str | None:
     """Why a fusion group must stay with Keras' layers under JAX, or None.
 
-    An LSTM's go_backwards first layer: Keras 3.15's JAX cuDNN LSTM returns
-    a go_backwards layer's sequence flipped back to input order, while its
-    own loop (and the TensorFlow and torch backends) return it in
-    processing order (bench/diag_jax_states.py). rnnfuse's call follows the
-    loop, so fusing would change the numbers of the original model.
+    Keras' JAX cuDNN LSTM returns a go_backwards layer's sequence in input
+    order, its own loop in processing order; rnnfuse follows the loop, so
+    fusing such a first layer would change the original model's numbers.
     """
     if group.cell == "lstm" and group.views[0].go_backwards:
         return ("its first layer reads backwards, and Keras' JAX cuDNN LSTM orders "
@@ -119,8 +99,7 @@ def group_reason(group: Any) -> str | None:
 
 
 def unsupported_reason(stack: StackSpec, dtype: str) -> str | None:
-    """Why neither of this backend's kernels can run `stack` in `dtype`, or
-    None (the call's own checks say which kernel runs it)."""
+    """Why neither kernel can run `stack` in `dtype`, or None."""
     from rnnfuse.backends.cuda import library
     from rnnfuse.backends.jax import cudnn_core
 
@@ -134,10 +113,8 @@ def unsupported_reason(stack: StackSpec, dtype: str) -> str | None:
 
 
 def kernel_reason(kernel: str, group: Any, shape: tuple, training: bool = False) -> str | None:
-    """Why plan kernel `kernel` cannot run `group`'s (a `FusionGroup`)
-    inference calls (with `training`: its training calls, forward and
-    backward) at input `shape` (batch, steps, features) here, or None
-    (`JaxBackend.kernel_reason`: the wavefront kernel's checks)."""
+    """Why plan kernel `kernel` cannot run `group`'s calls (with `training`:
+    forward and backward) at input `shape` (batch, steps, features), or None."""
     if kernel != "wavefront":
         return f"the JAX backend has no {kernel!r} kernel to time"
     from rnnfuse.backends.jax import wavefront
@@ -150,8 +127,7 @@ def kernel_reason(kernel: str, group: Any, shape: tuple, training: bool = False)
 
 
 def mask_is_supported(mask: Any):
-    """True when `mask` [B, T] is right-padded and no sequence is empty:
-    the core runs it as sequence lengths (cuDNN's padded IO)."""
+    """`right_padded`: the core runs such a mask as sequence lengths."""
     return right_padded(mask)
 
 
@@ -168,8 +144,7 @@ def _value(variable: Any, dtype) -> jax.Array:
 
 
 def _zrh_to_rzh(x: jax.Array, axis: int) -> jax.Array:
-    """Swap the first two of three gate blocks along `axis` (Keras z, r, h
-    -> cuDNN r, z, h)."""
+    """Keras' z, r, h gate blocks along `axis` -> cuDNN's r, z, h."""
     z, r, h = jnp.split(x, 3, axis=axis)
     return jnp.concatenate([r, z, h], axis=axis)
 
@@ -201,8 +176,7 @@ def _cell_params(kind: str, cell: Any, dtype, input_scale: float | None) -> tupl
 
 
 def pack_params(stack: StackSpec, dtype="float32") -> jax.Array:
-    """The core's canonical flat buffer of `stack` in `dtype`, from its live
-    variables (see the module doc)."""
+    """The core's canonical flat buffer of `stack` in `dtype` (module doc)."""
     from rnnfuse.backends.base import canonical_pieces
 
     return jnp.concatenate(canonical_pieces(stack, _cell_params, dtype))
@@ -225,39 +199,30 @@ def _reverse_within_lengths(x: jax.Array, lengths: jax.Array) -> jax.Array:
 
 
 def allow_tf32() -> bool:
-    """Whether float32 calls may use TF32 tensor cores: where JAX's own
-    float32 matmuls may (`jax_default_matmul_precision` unset or a
-    TF32-or-faster setting), as Keras' layers on JAX then run."""
+    """Whether float32 calls may use TF32: where JAX's own matmuls may
+    (`jax_default_matmul_precision`), as Keras' layers then do."""
     precision = jax.config.jax_default_matmul_precision
     return str(precision or "default").lower() in ("default", "fastest", "bfloat16",
                                                   "tensorfloat32")
 
 
 def run_stack(sequences: Any, call: StackCall) -> StackRun:
-    """Runs `call.stack` over `sequences` [B, T, F] (batch-major, already in
-    the compute dtype) in one call of the cuDNN core (`cudnn_core.rnn`).
+    """Runs `call.stack` over `sequences` [B, T, F] (in the compute dtype)
+    in one call of the cuDNN core or, for kernel "wavefront", that kernel.
 
     How JAX reads the `StackCall`'s fields:
         initial_h, initial_c: h [B, R] (R = proj_size or units), c [B, H].
         mask: right-padded (the caller checked): the sequence lengths.
         dropout, seed: cuDNN's dropout between levels, seeded by seed +
-            seed2 * 2**31 (the absorbed Dropout layer's seed generator's).
-        algorithm: an `Algorithm` (None: standard), run in both passes; a
-            masked call runs the standard one; one cuDNN refuses when the
-            step is traced runs as standard, with the reason in the note.
-        kernel: "cudnn" or "stock" (the core), or "wavefront"
-            (`wavefront.run_stack`; where it cannot run the call, the core,
-            with the reason in the `KernelRun`'s note).
-        training: with dropout, the training forward runs even where
-            nothing differentiates the call.
+            seed2 * 2**31.
 
     Returns:
         A `StackRun`: outputs [B, T, D*R] with zeros past each length,
         final h [L*D, B, R], final c [L*D, B, H] or None, and the `KernelRun`.
 
     Raises:
-        NotImplementedError: the core cannot run this call (the reason);
-            the layer then runs the original layers.
+        NotImplementedError: the core cannot run this call; the original
+            layers run.
     """
     if call.kernel not in KERNELS:
         raise NotImplementedError(
@@ -303,8 +268,7 @@ def _run_core(sequences, call: StackCall) -> StackRun:
 
     config = config_for(algorithm)
     try:
-        # Sizes the reserve space, and asks cuDNN whether it runs this
-        # configuration, while the step is traced (a running step cannot fall back).
+        # Ask cuDNN while traced: a running step cannot fall back.
         cudnn_core.reserve_bytes(config, dtype, steps, batch)
     except CoreError as err:
         if algorithm is None or algorithm.is_standard or not err.unsupported:
@@ -328,9 +292,8 @@ def _run_core(sequences, call: StackCall) -> StackRun:
 
 
 def _run_wavefront(sequences, call: StackCall) -> StackRun:
-    """A plan's call on the wavefront kernel; where it cannot run the call,
-    the cuDNN core with the reason in the `KernelRun`'s note; where neither
-    can, NotImplementedError naming both (the layers then run)."""
+    """The wavefront kernel, else the core with the reason in the note, else
+    NotImplementedError naming both."""
     import dataclasses
 
     from rnnfuse.backends.jax import wavefront
@@ -355,11 +318,8 @@ def device_environment() -> dict:
 
 
 def timed_step(run, x, variables: Sequence[Any], training: bool):
-    """A jitted step of `run(x, training)` (+ gradients) for the tuner.
-
-    The variables' values are the jitted function's arguments (through a
-    `keras.StatelessScope`), as in a Keras JAX train step.
-    """
+    """A jitted step of `run(x, training)` (+ gradients) for the tuner, the
+    variables' values passed as arguments as in a Keras JAX train step."""
     variables = list(variables)
 
     def loss(values, inputs):

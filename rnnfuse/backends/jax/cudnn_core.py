@@ -1,40 +1,14 @@
-"""JAX binding of rnnfuse's cuDNN RNN core (csrc/cudnn_rnn_core.h), through
-XLA FFI.
+"""JAX binding of rnnfuse's cuDNN RNN core (csrc/cudnn_rnn_core.h) through
+XLA FFI: the same core as torch's, so a plan's cuDNN algorithm runs in both
+passes. The handlers take XLA's stream; the workspace is a result of every
+call, the reserve space a result of the training forward.
 
-The handlers (csrc/jax_cudnn_forward.cc, jax_cudnn_backward.cc, built by
-`ffi_build.build_cudnn_ffi_library`) are thin C++ over the core's C ABI:
-the stream is XLA's, the workspace a result of every call, the reserve
-space a result of the training forward, and a refusal an FFI error with the core's
-message. The core is the library the torch binding loads, so a plan's
-cuDNN algorithm (standard, persistent static, persistent dynamic) runs in
-both passes on JAX as it does there.
-
-Targets (`TARGETS`):
-
-- `rnnfuse_cudnn_ffi_forward`: the inference forward;
-- `rnnfuse_cudnn_ffi_forward_training`: the training forward (dropout
-  applied, the reserve space filled);
-- `rnnfuse_cudnn_ffi_backward_data`: dx, dhx, dcx (writes into the
-  reserve, which it returns aliased);
-- `rnnfuse_cudnn_ffi_backward_weights`: the parameters' gradient.
-
-`rnn(x, hx, cx, params, lengths, config=..., training=...)` is a
-`jax.custom_vjp` over them: time-major x [T, B, F], canonical flat params,
-int32 lengths [B]. Where nothing differentiates it, the inference forward
-runs (the training one where `training`: dropout); under `jax.grad` the
-training forward runs and the backward pass is backward data then
-backward weights on its reserve. Everything is an XLA custom call: a
-jitted Keras step runs it with no host callback. A masked call
-(`CoreConfig.full_lengths` False) copies the lengths to the host inside
-the handler (cuDNN 9 reads them there too).
-
-The reserve space's and the workspace's sizes are what XLA needs before
-the step runs: `call_sizes` asks the core (`rnnfuse_cudnn_sizes`) when the
-step is traced, which also tells whether cuDNN accepts the configuration
-there (`CoreError`), so a refused algorithm falls back when traced, not
-when the step runs. `ffi_call`, `reserve_bytes` and `workspace_bytes` are
-the binding's only calls out: the CPU tests replace them with an emulation
-(tests/jax_backend/core_emulation.py).
+`rnn` is a `jax.custom_vjp` over `TARGETS` (time-major x [T, B, F],
+canonical flat params, int32 lengths [B]): the inference forward, or under
+`jax.grad` the training forward then backward data and backward weights.
+`call_sizes` asks the core for the buffer sizes when the step is traced, so a
+refused algorithm falls back then, not when the step runs. The CPU tests
+replace `ffi_call`, `reserve_bytes` and `workspace_bytes` with an emulation.
 
 Example (on a GPU):
 
@@ -69,8 +43,7 @@ _MATHS = ("default", "tensor_op", "tensor_op_allow_conversion", "fma")
 
 @dataclasses.dataclass(frozen=True)
 class CoreConfig:
-    """One configuration of the core: the handlers' attributes (hashable,
-    so it is a static argument of the custom_vjp).
+    """The handlers' attributes; hashable, as a static custom_vjp argument.
 
     >>> CoreConfig("gru", 2, 8, 3, directions=2).attributes()["mode"]
     np.int32(1)
@@ -123,9 +96,8 @@ class CoreConfig:
 
 
 def algorithm_code(algorithm, dtype: str, allow_tf32: bool) -> int:
-    """The core's `algorithm` field for a `rnnfuse.plan.Algorithm` (None:
-    standard) in `dtype`: half types run tensor ops unless asked otherwise,
-    float32 without TF32 runs FMA (as the torch binding's).
+    """The core's `algorithm` code for an `Algorithm` (None: standard);
+    half types default to tensor ops, float32 without TF32 to FMA, as on torch.
 
     >>> from rnnfuse.plan import Algorithm
     >>> algorithm_code(Algorithm.parse("persistent_static+tc"), "float16", False)
@@ -154,10 +126,8 @@ _REGISTERED: dict[str, str | None] = {}
 
 
 def register() -> str | None:
-    """Builds (once, cached) and registers the handlers for CUDA; returns
-    None, or why the core cannot run under JAX here (no GPU, no jaxlib FFI
-    headers, no cuDNN headers, a build or load failure). Tried once a
-    process."""
+    """Builds and registers the CUDA handlers once a process; None, or why
+    the core cannot run under JAX here."""
     from rnnfuse.backends.jax import ffi_build
 
     return ffi_build.registered_once(_REGISTERED, _LOCK, _register)
@@ -189,22 +159,17 @@ def core_reason(dtype: str) -> str | None:
 
 
 def ffi_call(target: str, results, *operands, input_output_aliases=None, **attributes):
-    """`jax.ffi.ffi_call(target, results, ...)(*operands, **attributes)`;
-    one module-level name so the CPU tests can put an emulation in its place."""
+    """`jax.ffi.ffi_call`, as one name the CPU tests can replace."""
     return jax.ffi.ffi_call(target, results, input_output_aliases=input_output_aliases)(
         *operands, **attributes)
 
-
-# -- the reserve space's size, asked when a step is traced -----------------------------
 
 _SIZES: dict[tuple, tuple[int, int]] = {}  # a memo of the core's answers
 
 
 def call_sizes(config: CoreConfig, dtype: str, steps: int, batch: int) -> tuple[int, int]:
-    """(workspace bytes, reserve bytes) of a call (the core's
-    `rnnfuse_cudnn_sizes` for full-length sequences: cuDNN sizes both by
-    the longest), asked once per configuration and shape on the first local
-    GPU with its primary context current (XLA's).
+    """(workspace bytes, reserve bytes) of a call, asked once per
+    configuration and shape in XLA's primary context on the first GPU.
 
     Raises:
         CoreError: the core cannot run this configuration here (cuDNN
@@ -234,14 +199,12 @@ def workspace_bytes(config: CoreConfig, dtype: str, steps: int, batch: int) -> i
     return max(1, call_sizes(config, dtype, steps, batch)[0])
 
 
-# Every local GPU is asked as the first one: a Keras distribution
-# replicates a step over devices of one kind.
+# A Keras distribution replicates a step over GPUs of one kind: ask the first.
 _ORDINAL = 0
 
 
 class _primary_context:
-    """Makes device `ordinal`'s primary context (the one XLA runs on)
-    current on this thread for a call of the core outside a step."""
+    """Makes the GPU's primary context (XLA's) current for a call outside a step."""
 
     def __init__(self, ordinal: int):
         self.ordinal = ordinal
@@ -269,9 +232,6 @@ class _primary_context:
         self._cuda.cuCtxPopCurrent_v2(ctypes.byref(popped))
 
 
-# -- the calls -------------------------------------------------------------------------
-
-
 def _sds(shape, dtype):
     return jax.ShapeDtypeStruct(tuple(int(d) for d in shape), dtype)
 
@@ -295,8 +255,7 @@ def _forward(x, hx, cx, params, lengths, config: CoreConfig, save: bool):
 
 
 def _workspace(config: CoreConfig, x):
-    """The workspace result of a call on x [T, B, F]: uint8, sized when
-    the step is traced."""
+    """The uint8 workspace result of a call on x [T, B, F]."""
     steps, batch, _ = x.shape
     return _sds((workspace_bytes(config, jnp.dtype(x.dtype).name, steps, batch),), jnp.uint8)
 
@@ -329,14 +288,9 @@ _rnn.defvjp(_rnn_fwd, _rnn_bwd)
 
 
 def rnn(x, hx, cx, params, lengths, *, config: CoreConfig, training: bool = False):
-    """One core call: (y [T, B, D*R], hy [L*D, B, R], cy [L*D, B, H] or
-    None but for an LSTM).
-
-    x [T, B, F] time-major in the compute dtype (float32, float16,
-    bfloat16); hx, cx the initial states (cx None unless an LSTM); params
-    the canonical flat buffer; lengths int32 [B] (every one T where
-    `config.full_lengths`); `training`: the training forward even where
-    nothing differentiates (dropout). Differentiable (`jax.custom_vjp`).
+    """One differentiable core call on time-major x [T, B, F]: (y [T, B, D*R],
+    hy [L*D, B, R], cy [L*D, B, H] or None but for an LSTM). `training` runs
+    the training forward (dropout) even where nothing differentiates.
     """
     cx = cx if config.lstm else _empty(x.dtype)
     lengths = jnp.asarray(lengths, jnp.int32)

@@ -1,47 +1,20 @@
-"""JAX binding of rnnfuse's wavefront kernel, through XLA FFI.
+"""JAX binding of rnnfuse's wavefront kernel (csrc/wavefront.cuh) through
+XLA FFI handlers (csrc/jax_wavefront_*.cc), called with `jax.ffi.ffi_call`
+so Keras' jitted steps run it with no host callback.
 
-The kernel and its launcher are rnnfuse/backends/cuda/csrc/ (design,
-layout and limits in wavefront.cuh); the XLA FFI handlers beside them
-(csrc/jax_wavefront_*.cc, built by `ffi_build`) adapt XLA's buffers and
-stream to the launcher's C ABI. This module registers the handlers
-(`register`) and calls them with `jax.ffi.ffi_call` inside whatever JAX
-traces: Keras' jitted train and predict steps run the kernel with no host
-callback.
+`forward(x, params, h0, c0, lengths, kind=...)` runs a float16 or bfloat16
+stack: layer 0's input projection as one matmul, then the kernel. It is a
+`jax.custom_vjp`: under `jax.grad` the saving forward runs, then the
+backward recurrence (`backward` "stack": all LSTM layers in one launch;
+"layer": one a layer) and the GEMMs for dx, dW and the biases. x [T, B, I]
+time-major; params the canonical flat buffer (per layer W_ih [G*H, n] and
+W_hh [G*H, H] row-major, then per layer b_ih and b_hh [G*H], PyTorch's gate
+orders; `pack_canonical`); h0, c0 [L, B, H]; lengths int32 [B] or None.
 
-Targets (`TARGETS`; operands and results in each handler's file):
-
-- `rnnfuse_wf_ffi_forward`: the forward (inference);
-- `rnnfuse_wf_ffi_forward_saving`: the forward, also saving every layer's
-  float32 gates and c (an LSTM's; a GRU's r, z, n, W_hn h + b_hn and
-  h_{t-1}) and, in its workspace, the layers' h sequences;
-- `rnnfuse_wf_ffi_backward_stack`: every LSTM layer's backward recurrence
-  in one reverse-wavefront launch (v2);
-- `rnnfuse_wf_ffi_backward_layer`: one LSTM or GRU layer's (v1).
-
-`forward(x, params, h0, c0, lengths, kind=...)` runs a stack: layer 0's
-input projection as one matmul in x's dtype (the kernel reads it
-projected), then the kernel. It is a `jax.custom_vjp`: where nothing
-differentiates it, the inference target runs; under `jax.grad` the saving
-target runs, and the backward pass is the backward kernel's recurrence
-(`backward` "stack": v2, "layer": v1 per layer) followed by the GEMMs for
-dx, dW_ih, dW_hh and the biases (`_stack_gradients`), as the torch and
-TensorFlow bindings assemble them. Inputs are time-major: x [T, B, I];
-params is rnnfuse's canonical flat buffer (per layer W_ih [G*H, n] and
-W_hh [G*H, H] row-major, then per layer b_ih and b_hh [G*H]; PyTorch's
-gate orders; `pack_canonical` builds it from Keras cells); h0, c0
-[L, B, H]; lengths int32 [B] or None. Element types float16 and bfloat16.
-
-The kernels' variants are the library's defaults when a step is traced
-(`library.FORWARD_VARIANT`, `STACK_BACKWARD_VARIANT`, as in the other
-bindings). The plan is checked when the step is traced; a launch the
-driver refuses when the step runs (its CTAs cannot all be resident, which
-the plan's limits are meant to exclude) fails the step with the library's
-message: a traced step cannot fall back.
-
-`run_stack` is the JAX backend's call of a plan on the "wavefront"
-kernel; `unsupported_reason` is its checks
-(`rnnfuse.backends.cuda.library`'s, on the GPU), which it raises as
-NotImplementedError so the backend falls back with the reason.
+The plan is checked when the step is traced: a traced step cannot fall
+back, so a launch the driver still refuses fails the step.
+`unsupported_reason` gives the checks `run_stack` raises as
+NotImplementedError.
 
 Example (on a Hopper GPU):
 
@@ -70,10 +43,9 @@ TARGETS = ("rnnfuse_wf_ffi_forward", "rnnfuse_wf_ffi_forward_saving",
 KERNEL_NAME = "rnnfuse wavefront (XLA FFI)"
 _GATES = {"lstm": 4, "gru": 3}
 
-# Workspace sizes, as wavefront_host.cc computes them (the build test
-# checks these against the library): flags of kFlagStride (256) 32-bit
-# words a layer, 256-byte aligned; the stack backward's kMaxLayers (8)
-# strides and one timed-out word; the layer backward's 1024 CTAs and one.
+# Workspace sizes as wavefront_host.cc computes them (the build test checks):
+# kFlagStride (256) 32-bit flag words a layer, 256-byte aligned; the stack
+# backward's kMaxLayers (8) strides + 1 word; the layer backward's 1024 CTAs + 1.
 _FLAG_STRIDE, _MAX_LAYERS, _BWD_MAX_CTAS = 256, 8, 1024
 
 
@@ -106,9 +78,8 @@ _REGISTERED: dict[str, str | None] = {}  # "targets" -> None, or why they are no
 
 
 def register() -> str | None:
-    """Builds (once, cached) and registers the FFI handlers for CUDA; returns
-    None, or why the kernel cannot run under JAX here (no GPU, no jaxlib FFI
-    headers, no nvcc, a build failure). Tried once a process."""
+    """Builds and registers the CUDA handlers once a process; None, or why
+    the kernel cannot run under JAX here."""
     from rnnfuse.backends.jax import ffi_build
 
     return ffi_build.registered_once(_REGISTERED, _LOCK, _register)
@@ -133,12 +104,8 @@ def _register() -> str | None:
 
 
 def ffi_call(target: str, results, *operands, **attributes):
-    """`jax.ffi.ffi_call(target, results)(*operands, **attributes)`; one
-    module-level name so the CPU tests can put an emulation in its place."""
+    """`jax.ffi.ffi_call`, as one name the CPU tests can replace."""
     return jax.ffi.ffi_call(target, results)(*operands, **attributes)
-
-
-# -- the FFI calls ---------------------------------------------------------------------
 
 
 def _sds(shape, dtype):
@@ -208,9 +175,6 @@ def _call_backward_layer(w_hh, gates, cseq, c0, dy, dhy, dcy, lengths, *, kind: 
     return dgates, dh0, (dc0 if lstm else None)
 
 
-# -- the stack, with its gradient ------------------------------------------------------
-
-
 def _matmul(a, b, dtype):
     """a @ b accumulated in float32, rounded to `dtype` (the GEMMs' rule)."""
     return jnp.matmul(a, b, preferred_element_type=jnp.float32).astype(dtype)
@@ -267,14 +231,11 @@ _stack.defvjp(_stack_fwd, _stack_bwd)
 
 
 def _stack_gradients(kind, backward, params, x, h0, c0, lengths, y, saved, dy, dhy, dcy):
-    """(dx [T, B, I], dparams (canonical layout), dh0, dc0 or None) of the
-    stack from the saving forward's tensors: the recurrences on the backward
-    kernel ("stack": every LSTM layer in one launch, where the layers below
-    the top get dy inside it; "layer": one launch a layer, dy^l = dgates^{l+1}
-    W_ih^{l+1} between them), then dW_ih^l = dgates^T x^l, dW_hh^l =
-    dgates^T [h0, h_0..h_{T-2}], db_ih = db_hh = the sum of dgates (a GRU's
-    four virtual gates: the input side reads (dr, dz, dn_x), the recurrent
-    side (dr, dz, dn_h); wavefront.cuh, "The GRU backward")."""
+    """(dx, dparams, dh0, dc0 or None) from the saving forward's tensors:
+    the backward recurrences ("layer": dy^l = dgates^{l+1} W_ih^{l+1} between
+    launches), then dW_ih^l = dgates^T x^l, dW_hh^l = dgates^T [h0, h_0..h_{T-2}],
+    db = sum of dgates (a GRU's input side (dr, dz, dn_x), recurrent side
+    (dr, dz, dn_h): wavefront.cuh, "The GRU backward")."""
     hseq, gates, cseq = saved
     steps, batch, input_size = x.shape
     num_layers, _, units = h0.shape
@@ -332,10 +293,8 @@ def _recurrent_side(dgates, units: int, lstm: bool):
 
 
 def forward(x, params, h0, c0, lengths, *, kind: str, backward: str = "layer"):
-    """The whole stack on the kernel (see the module docstring), with the
-    kernel's gradient under `jax.grad` (`backward`: "stack", the reverse
-    wavefront in one launch, LSTM only; or "layer"). Returns (y [T, B, H],
-    hy [L, B, H], cy [L, B, H] or None for a GRU).
+    """The stack on the kernel, differentiable (`backward` "stack", LSTM
+    only, or "layer"): (y [T, B, H], hy [L, B, H], cy [L, B, H] or None).
 
     Raises:
         ValueError: an unknown kind or backward, an LSTM without c0, or a
@@ -355,21 +314,15 @@ def forward(x, params, h0, c0, lengths, *, kind: str, backward: str = "layer"):
     return _stack(x, params, h0, c0, _lengths(lengths), kind, backward)
 
 
-# -- Keras cells -> the kernel's inputs ----------------------------------------------
-
-
 def _zrh_to_rzn(w, units: int):
     """Keras' GRU gate blocks (z, r, h) along axis 0 -> PyTorch's (r, z, n)."""
     return jnp.concatenate([w[units:2 * units], w[:units], w[2 * units:]], axis=0)
 
 
 def pack_canonical(stack, dtype) -> jax.Array:
-    """The canonical flat buffer of a unidirectional LSTM or GRU `stack`
-    from its live variables, in `dtype` (the variables are read inside the
-    trace on every call, so gradients reach them): per layer W_ih =
-    kernel^T and W_hh = recurrent_kernel^T, then per layer b_ih and b_hh
-    (an LSTM's b_hh is 0; a GRU's reset_after bias rows are b_ih and b_hh);
-    a GRU's gate blocks reordered from Keras' (z, r, h) to (r, z, n)."""
+    """The canonical flat buffer of a unidirectional `stack` in `dtype`, read
+    from the live variables inside the trace so gradients reach them (an
+    LSTM's b_hh is 0; a GRU's reset_after bias rows are b_ih and b_hh)."""
     kind, units = stack.kind, stack.units
     rows = _GATES[kind] * units
     mats, biases = [], []
@@ -391,27 +344,21 @@ def pack_canonical(stack, dtype) -> jax.Array:
     return jnp.concatenate(mats + biases)
 
 
-# -- the backend's call ----------------------------------------------------------------
-
-
 def _library():
     from rnnfuse.backends.cuda import library
 
     return library
 
 
-# Every local GPU is asked as the first one: a Keras distribution
-# replicates a step over devices of one kind.
+# A Keras distribution replicates a step over GPUs of one kind: ask the first.
 _ORDINAL = 0
 
 
 def unsupported_reason(kind: str, num_layers: int, units: int, dtype: str, batch: int,
                        steps: int, input_size: int, *, training: bool = False,
                        **structure) -> str | None:
-    """Why the kernel cannot run this stack's calls here, or None: its
-    structure and dtype (`library.stack_reason`; `structure`: its keyword
-    arguments), the FFI library (`register`), the device's forward plan
-    and, with `training`, the backward kernel's plan (LSTM and GRU)."""
+    """Why the kernel cannot run this stack's calls here (structure, FFI
+    library, forward plan, and with `training` the backward plan), or None."""
     library = _library()
     reason = library.stack_reason(kind, str(dtype), **structure) or register()
     if reason is None:
@@ -423,9 +370,7 @@ def unsupported_reason(kind: str, num_layers: int, units: int, dtype: str, batch
 
 
 def backward_choice(kind: str, num_layers: int, units: int, batch: int, steps: int):
-    """The backward a training call runs (`library.choose_backward`'s "auto":
-    the reverse wavefront where its plan accepts an LSTM stack, else per
-    layer; a GRU's is per layer)."""
+    """The backward a training call runs: "auto" (a GRU's is per layer)."""
     library = _library()
     unavailable = None if kind == "lstm" else "a GRU runs the per-layer backward"
     return library.choose_backward("auto", kind, num_layers, units, batch, steps, _ORDINAL,
@@ -440,14 +385,9 @@ def _states(given: Sequence[Any] | None, stack, batch: int, dtype) -> jax.Array:
 
 
 def run_stack(sequences, call) -> Any:
-    """The JAX backend's `run_stack` on the kernel for a `StackCall`: a
-    `StackRun` (outputs [B, T, H] with zeros past each length, final h and
-    c [L, B, H]).
-
-    A training call (`call.training`) needs the backward kernel's plan to
-    accept it too (a gradient of an inference call also runs the backward
-    kernel). Masks run where the caller checked them right-padded; the
-    call's seed and algorithm are not read.
+    """The JAX backend's `run_stack` on the kernel: a `StackRun` (outputs
+    [B, T, H] zeros past each length, final h and c [L, B, H]). A training
+    call also needs the backward plan; the call's seed and algorithm are not read.
 
     Raises:
         NotImplementedError: the kernels cannot run this call (the reason).

@@ -1,40 +1,31 @@
 """TensorFlow backend: a whole stack as one cuDNN call.
 
-Kernels: rnnfuse's own op `RnnfuseCudnnRnn` (`cudnn_op`, built and loaded
-on first GPU use by `op_build.load_op()`): the plan's cuDNN algorithm in
-both passes, projections, bfloat16, between-layer dropout;
-`tf.raw_ops.CudnnRNNV3` where the op is not loaded and for the "stock"
-kernel (a graph without rnnfuse's op): standard algorithm only; the
-wavefront op (`wavefront_op`) for the "wavefront" kernel. `run_stack`
-returns which ran and why (`StackRun.kernel`).
+Kernels: rnnfuse's op `RnnfuseCudnnRnn` (`cudnn_op`, loaded on first GPU
+use): the plan's algorithm in both passes, projections, bfloat16, dropout;
+`tf.raw_ops.CudnnRNNV3` without the op and for "stock" (standard algorithm
+only); `wavefront_op` for "wavefront". `StackRun.kernel` says which ran.
 
-The flat parameter buffer is built on every call from the original Keras
-variables, so gradients reach them. Layout (cuDNN's canonical order):
+The flat buffer is built on every call from the Keras variables, so
+gradients reach them, in cuDNN's canonical order:
 
     flat = W(p0) ++ W(p1) ++ ... ++ B(p0) ++ B(p1) ++ ...
 
-over the pseudo-layers p = (level 0, fwd), (level 0, bwd), (level 1, fwd),
-... . For input width `n` (input_size at level 0, R * directions above)
-and `H = units`:
+over pseudo-layers (level 0, fwd), (level 0, bwd), (level 1, fwd), ... .
+For input width `n` (input_size at level 0, R * directions above), H = units:
 
-- lstm: W = [W_i, W_f, W_c, W_o, R_i, R_f, R_c, R_o], each gate's matrix
-  transposed to [H, n] (R: [H, H]) and flattened row-major, i.e.
-  `reshape(transpose(kernel), [-1])`. B = [0] * 4H (cuDNN's input biases)
-  ++ Keras' bias (i, f, c, o).
-- gru (reset_after=True): Keras' (z, r, h) becomes cuDNN's (r, z, h) in W,
-  R and both rows of Keras' (2, 3H) bias (cuDNN's input and recurrent biases).
+- lstm: W = [W_i, W_f, W_c, W_o, R_i, R_f, R_c, R_o], each [H, n] (R: [H, H])
+  flattened row-major; B = [0] * 4H ++ Keras' bias (i, f, c, o).
+- gru (reset_after=True): Keras' (z, r, h) -> cuDNN's (r, z, h) in W, R and
+  both rows of Keras' (2, 3H) bias (cuDNN's input and recurrent biases).
 - rnn_tanh / rnn_relu: W = [W, R]; B = [0] * H ++ Keras' bias.
-- lstm with projection P (rnnfuse's op only): W = [W_i..W_o ([H, n]),
-  R_i..R_o ([H, P]: transposed recurrent_kernel [P, 4H]), M_proj [P, H]
-  (transposed projection_kernel [H, P])]; B as for lstm.
+- lstm with projection P (rnnfuse's op only): R_i..R_o are [H, P], then
+  M_proj [P, H]; B as for lstm.
 
 Sizes: weights G*H*(n + R) + P*H, biases 2*G*H per pseudo-layer, G = 4, 3,
-1, R = P or H (P = 0 without projection). `use_bias=False` gives zero
-biases. A level reading a Bidirectional merged by "sum" or "ave" packs its
-kernel as the rows [s*W; s*W], s = 1 or 1/2 (`StackSpec.input_scale`).
-
-States are time-major [levels * directions, B, H]. `CudnnRNNCanonicalToParams`
-is not used: it aborts the process on flat per-gate weights.
+1, R = P or H (P = 0 without projection). A level reading a Bidirectional
+merged by "sum" or "ave" packs its kernel as [s*W; s*W], s = 1 or 1/2.
+States are [levels * directions, B, H]. `CudnnRNNCanonicalToParams` is not
+used: it aborts the process on flat per-gate weights.
 
 Example (on a machine with a GPU):
 
@@ -102,8 +93,8 @@ def is_available() -> bool:
 
 
 def device_environment() -> dict:
-    """The GPU and library versions a tuned plan depends on (read at every
-    `fit`/`predict` call, so the device details are memos)."""
+    """The GPU and library versions a tuned plan depends on (memoized: read
+    on every `fit`/`predict`)."""
     gpus = tf.config.list_physical_devices("GPU")
     return {
         "device": _gpu_name(gpus[0]) if gpus else "cpu",
@@ -150,11 +141,8 @@ def graph_gradients(loss, variables: Sequence[Any]) -> list:
 
 
 def timed_step(run, x, variables: Sequence[Any], training: bool, jit: bool = False):
-    """A compiled step of `run(x, training)` (+ gradients) for the tuner: a
-    callable giving a scalar tensor. `jit`: compile it with XLA.
-
-    Traced without AutoGraph, as Keras' own train step runs the layers, so
-    the graph is the one `fit` traces (and no source transforms)."""
+    """A compiled step of `run(x, training)` (+ gradients) for the tuner,
+    giving a scalar; `jit`: with XLA. No AutoGraph, so the graph is `fit`'s."""
 
     @tf.function(jit_compile=bool(jit), autograph=False)
     def step():
@@ -201,8 +189,7 @@ def timed_steps(make_run, x, variables: Sequence[Any], training: bool,
 
 def unsupported_reason(stack: StackSpec, dtype: str) -> str | None:
     """Why this backend cannot run `stack` in `dtype`, or None. bfloat16 and
-    projections need rnnfuse's own op (CudnnRNNV3 casts bfloat16 to float32
-    and rejects real projection shapes)."""
+    projections need rnnfuse's op: CudnnRNNV3 upcasts the one, rejects the other."""
     dtype = str(dtype)
     needs_op = dtype == "bfloat16" or stack.proj_size
     if needs_op and dtype in cudnn_op.OP_DTYPES:
@@ -332,8 +319,7 @@ def _states(
 
 
 def concrete_bool(value: Any) -> bool | None:
-    """`value` (a boolean scalar) as a Python bool where it is known now:
-    an eager tensor, or a constant in the graph being traced; else None."""
+    """`value` as a Python bool where known now (eager, or a traced constant), else None."""
     known = tf.get_static_value(value)
     return None if known is None else bool(known)
 
@@ -348,13 +334,12 @@ def in_xla_context() -> bool:
 
 
 def cudnn_rnn(**kwargs):
-    """`tf.raw_ops.CudnnRNNV3`; one module-level name so tests can spy on it."""
+    """`tf.raw_ops.CudnnRNNV3`, as one name tests can spy on."""
     return tf.raw_ops.CudnnRNNV3(**kwargs)
 
 
 def run_stack(sequences: tf.Tensor, call: StackCall) -> StackRun:
-    """Runs `call.stack` over `sequences` [B, T, F] (batch-major, in the
-    compute dtype) in one cuDNN call.
+    """Runs `call.stack` over `sequences` [B, T, F] in one cuDNN call.
 
     How TensorFlow reads the `StackCall`'s fields:
         seed: CudnnRNNV3's two seeds, or seed + seed2 * 2**31 as the op's one.
@@ -400,8 +385,7 @@ def _run_wavefront(sequences: tf.Tensor, call: StackCall) -> StackRun:
 
 
 def _time_major(sequences: tf.Tensor, call: StackCall):
-    """(x [T, B, F], batch, lengths [B]), x reversed within lengths where
-    `call.reverse`."""
+    """(x [T, B, F], batch, lengths [B]), reversed within lengths if `call.reverse`."""
     x = tf.transpose(sequences, [1, 0, 2])
     steps, batch = tf.shape(x)[0], tf.shape(x)[1]
     if call.mask is not None:
@@ -414,9 +398,8 @@ def _time_major(sequences: tf.Tensor, call: StackCall):
 
 
 def _algorithm_for(call: StackCall):
-    """(algorithm, runtime, note): `runtime` when the algorithm is a tensor;
-    a masked call runs the standard algorithm (cuDNN's persistent ones
-    refuse padded lengths), and `note` says so."""
+    """(algorithm, runtime tensor or None, note); a masked call runs the
+    standard algorithm (persistent ones refuse padded lengths)."""
     algorithm = call.algorithm
     runtime = algorithm is not None and not isinstance(algorithm, Algorithm)
     if call.mask is not None and (
