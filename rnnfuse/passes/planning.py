@@ -104,7 +104,7 @@ def _plan(graph, candidates: Candidates, model_name, min_layers, absorb_dropout)
     """Steps 2 to 4 over the rules pass's `candidates`."""
     backend = get_backend()
     views, reasons = dict(candidates.views), dict(candidates.reasons)
-    # A backend without between-level dropout (JAX) never absorbs Dropout.
+    # A backend without seeded between-level dropout never absorbs Dropout.
     absorb_dropout = absorb_dropout and backend.capabilities.absorbs_dropout
     chain, link_reasons, bridges = _links(graph, views, candidates.recurrent, absorb_dropout)
     groups, in_group = [], set()

@@ -93,7 +93,7 @@ def lone_reason(graph, key, levels, reasons, link_reasons, min_layers) -> Reason
     return _not_stacked(feeds, levels, min_layers)
 
 
-@rule("backend", "backend", "the active Keras backend has no fused kernel, or never runs this kind of group (JAX: LSTM only, no go_backwards first layer)")
+@rule("backend", "backend", "the active Keras backend has no fused kernel, or never runs this kind of group (JAX: an LSTM whose first layer reads backwards)")
 def backend_reason(backend: Any, group: Any) -> Reason | None:
     """Why `backend` (a `rnnfuse.backends.Backend`) never fuses `group`."""
     why = backend.group_reason(group)

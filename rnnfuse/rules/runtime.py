@@ -49,7 +49,7 @@ def _go_backwards_mask(backend, stack, dtype, views, mask):
     return None
 
 
-@rule("not_implemented", "runtime", "the backend raised NotImplementedError for this call (JAX: between-level dropout in training)", "raised")
+@rule("not_implemented", "runtime", "the backend raised NotImplementedError for this call (JAX: the cuDNN core is not available or refused the call)", "raised")
 def not_implemented(backend_name: str, err: BaseException) -> Reason:
     return Reason(
         "not_implemented", f"the {backend_name} backend cannot run this call: {err}"
