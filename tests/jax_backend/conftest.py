@@ -25,3 +25,14 @@ def emulated_core(monkeypatch):
     import core_emulation
 
     return core_emulation.install(monkeypatch)
+
+
+@pytest.fixture(autouse=True)
+def _restores_matmul_precision():
+    """`rnnfuse check`'s exact float32 sets JAX's matmul precision for its
+    process; a test that runs it in this one must not leak it to the next."""
+    import jax
+
+    before = jax.config.jax_default_matmul_precision
+    yield
+    jax.config.update("jax_default_matmul_precision", before)
