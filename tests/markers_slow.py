@@ -182,6 +182,31 @@ SLOW: dict[str, str] = {
         for case in ("pieces1", "pieces2", "pieces3")
     },
     # -- JAX: XLA compiles on the CPU ------------------------------------------
+    # The cuDNN core's emulation: each case compiles a gradient. The fast loop
+    # keeps every kind unidirectional, two gradient cases and the tuner's
+    # algorithm test; bidirectional stacks and the rest run with the slow set.
+    **{
+        f"jax_backend/test_jax_core.py::test_every_kind_is_one_core_call_matching_keras[True-{kind}]": (
+            "a bidirectional stack compiled forward and backward (19-29 s); [False-*] stay fast"
+        )
+        for kind in ("lstm", "gru", "rnn_tanh", "rnn_relu")
+    },
+    **{
+        f"jax_backend/test_jax_core.py::test_the_custom_vjp_is_cudnns_gradient[{case}]": (
+            "jax.grad of the emulated core against JAX's own, compiled (18-33 s)"
+        )
+        for case in ("False-lstm-2-3", "True-lstm-2-3", "False-gru-2-0", "True-gru-2-0",
+                     "False-rnn_relu-1-0", "True-lstm-1-0")
+    },
+    "jax_backend/test_jax_core.py::test_data_parallel_over_two_devices_runs_the_core": (
+        "a subprocess with two forced host devices (18 s)"
+    ),
+    "jax_backend/test_jax_ffi_build.py::test_the_cudnn_handlers_build_link_the_core_and_register": (
+        "g++ builds the core and its FFI library (19 s)"
+    ),
+    "jax_backend/test_jax_fused.py::test_tuner_times_per_layer_and_fused_under_jax": (
+        "times every candidate, compiled (38 s); test_jax_tuning's algorithm test stays fast"
+    ),
     "jax_backend/test_jax_activity_regularizers.py::test_activity_losses_and_training_match_the_original": (
         "evaluate and a fit epoch, compiled (23 s for four cases); the TF and torch cases stay fast"
     ),
