@@ -20,6 +20,7 @@
 #   bash tools/gpu/batch.sh whole-fit-torch      # whole fits from fresh processes
 #   WHOLE_ARGS="--shapes gru3x64,lstm2x40 --pairs 5" bash tools/gpu/batch.sh whole-fit-tf
 #   bash tools/gpu/batch.sh profile-small-torch  # where a small model's step goes
+#   KEPT_ARGS="--rounds 15" bash tools/gpu/batch.sh kept-original-torch   # kept original, paired
 #   bash tools/gpu/batch.sh wavefront-segments   # stacks larger than the chip
 #   bash tools/gpu/batch.sh wavefront-bidirectional   # bidirectional layers (off by default)
 #   bash tools/gpu/batch.sh wavefront-sweep   # randomized exactness, about 150 s
@@ -130,6 +131,21 @@ run_stage() {
       cp $LOGS/whole_fit_${backend}${BENCH_TAG}.json $OUT/ 2>/dev/null
       echo "[$(since) s] $stage rc $rc"
       summary $stage "^whole |ERROR|budget|forked" 30 ;;
+    kept-original-tf|kept-original-torch|kept-original-jax)
+      # A group whose plan keeps the original layers, paired against the
+      # original model (bench/bench_kept_original.py). KEPT_ARGS: its arguments.
+      s=$(limit $stage 200)
+      local backend=${stage#kept-original-}
+      ( case $backend in
+          tf) tf_env ;;
+          jax) torch_env; export KERAS_BACKEND=jax ;;
+          *) torch_env ;;
+        esac
+        timeout $s python3 bench/bench_kept_original.py --budget $(( s - 30 )) ${KEPT_ARGS} \
+          --out $LOGS/kept_original_${backend}${BENCH_TAG}.json ) > $log 2>&1; rc=$?
+      cp $LOGS/kept_original_${backend}${BENCH_TAG}.json $OUT/ 2>/dev/null
+      echo "[$(since) s] $stage rc $rc"
+      summary $stage "x |ERROR|Error|rounds" 20 ;;
     profile-small-torch)
       # Where a small model's step goes under torch (bench/profile_small.py):
       # step medians, host time in rnnfuse's calls, torch.profiler (GPU
