@@ -20,6 +20,7 @@
 #   bash tools/gpu/batch.sh whole-fit-torch      # whole fits from fresh processes
 #   WHOLE_ARGS="--shapes gru3x64,lstm2x40 --pairs 5" bash tools/gpu/batch.sh whole-fit-tf
 #   bash tools/gpu/batch.sh profile-small-torch  # where a small model's step goes
+#   AGREE_ARGS="--shapes gru3x64,lstm4x512" bash tools/gpu/batch.sh online-agreement-torch
 #   KEPT_ARGS="--rounds 15" bash tools/gpu/batch.sh kept-original-torch   # kept original, paired
 #   bash tools/gpu/batch.sh wavefront-segments   # stacks larger than the chip
 #   bash tools/gpu/batch.sh wavefront-bidirectional   # bidirectional layers (off by default)
@@ -146,6 +147,17 @@ run_stage() {
       cp $LOGS/kept_original_${backend}${BENCH_TAG}.json $OUT/ 2>/dev/null
       echo "[$(since) s] $stage rc $rc"
       summary $stage "x |ERROR|Error|rounds" 20 ;;
+    online-agreement-tf|online-agreement-torch)
+      # Online tuning's choice against full timing's, per shape
+      # (bench/bench_online_agreement.py). AGREE_ARGS: its arguments.
+      s=$(limit $stage 300)
+      local backend=${stage#online-agreement-}
+      ( if [ $backend = tf ]; then tf_env; else torch_env; fi
+        timeout $s python3 bench/bench_online_agreement.py ${AGREE_ARGS} \
+          --out $LOGS/online_agreement_${backend}${BENCH_TAG}.json ) > $log 2>&1; rc=$?
+      cp $LOGS/online_agreement_${backend}${BENCH_TAG}.json $OUT/ 2>/dev/null
+      echo "[$(since) s] $stage rc $rc"
+      summary $stage "^online|ERROR|Error" 20 ;;
     profile-small-torch)
       # Where a small model's step goes under torch (bench/profile_small.py):
       # step medians, host time in rnnfuse's calls, torch.profiler (GPU
