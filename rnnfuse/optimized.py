@@ -66,12 +66,16 @@ class _OptimizedMixin:
         if value is True:
             cudnn = self._cudnn_layers()
             if cudnn:
+                # torch's jit_compile is torch.compile, which rnnfuse's
+                # custom ops are not yet tested under on the GPU.
+                compiler = ("XLA cannot compile cuDNN ops (nor Keras' own cuDNN LSTM/GRU)"
+                            if keras.backend.backend() != "torch"
+                            else "rnnfuse does not support torch.compile of its kernels yet")
                 raise ValueError(
                     f"jit_compile=True: model '{self.name}' runs its fused "
                     f"layers ({', '.join(repr(n) for n in cudnn)}) as cuDNN "
-                    "kernels on this machine, and XLA cannot compile cuDNN "
-                    "ops (nor Keras' own cuDNN LSTM/GRU). Fix: compile with "
-                    "jit_compile='auto' (the default) or False."
+                    f"kernels on this machine, and {compiler}. Fix: compile "
+                    "with jit_compile='auto' (the default) or False."
                 )
         keras.Model.jit_compile.fset(self, value)
 

@@ -474,3 +474,10 @@ def test_zero_output_for_mask_last_output_is_the_last_steps(kind, return_state, 
     assert max_abs_diff(got, expected) <= 2e-6
     output = keras.ops.convert_to_numpy(keras.tree.flatten(got)[0])
     assert not output[0].any() and output[1].any()
+
+
+def test_forcing_jit_compile_true_names_torch_compile_not_xla():
+    fast = rnnfuse.optimize(stack_model("gru", 2, head=True))
+    with pytest.raises(ValueError, match=r"jit_compile=True.*torch\.compile.*jit_compile='auto'") as err:
+        fast.compile(optimizer="sgd", loss="mse", jit_compile=True)
+    assert "XLA" not in str(err.value)

@@ -114,7 +114,7 @@ run_stage() {
           --out $LOGS/matrix_${backend}${BENCH_TAG}.json ) > $log 2>&1; rc=$?
       cp $LOGS/matrix_${backend}${BENCH_TAG}.json $OUT/ 2>/dev/null
       echo "[$(since) s] $stage rc $rc"
-      summary $stage "fit_ms|ERROR|Error" 20 ;;
+      summary $stage "fit_ms|^share |ERROR|Error" 30 ;;
     whole-fit-tf|whole-fit-torch|whole-fit-jax)
       # Whole fit(epochs=1) and fit(epochs=10) calls, each model in its own
       # fresh process with an empty plan cache (bench/bench_whole_fit.py);
