@@ -61,9 +61,9 @@ def placement(plan, source: str = "static") -> Placement:
         }.get(kind, "timing on this device found them fastest")
         if kind == "static" and get_backend().capabilities.plan_table == "per_layer":
             why = (
-                "under JAX the static plan keeps Keras' layers, since one fused "
-                "call measured 0.88x-1.62x of them; optimize(model, tune=batch) "
-                "times both on a GPU"
+                f"on {get_backend().name} an untimed group keeps Keras' layers; on a GPU "
+                "the first batch (tune='auto') or optimize(model, tune=batch) times "
+                "the fused call against them"
             )
         return Placement(False, _ORIGINAL, why)
     backend = get_backend()

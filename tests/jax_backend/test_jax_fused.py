@@ -14,6 +14,8 @@ import pytest
 
 import rnnfuse
 from rnnfuse import PathKind
+from rnnfuse.placement import placement
+from rnnfuse.plan import PER_LAYER
 from builders import fit_from_same_start, fused_layers, max_abs_diff, random_inputs, stack_model
 
 L = keras.layers
@@ -193,6 +195,8 @@ def test_without_tune_jax_keeps_keras_layers_and_says_why(emulated_core):
     assert fused_layers(fast) == []
     report = rnnfuse.analyze(model)
     assert len(report.groups) == 1  # it could fuse; the plan keeps the layers
+    why = str(placement(PER_LAYER))
+    assert "untimed group keeps Keras' layers" in why and "tune=batch" in why
 
 
 @pytest.mark.parametrize("kind", ["gru", "rnn_tanh", "rnn_relu"])
