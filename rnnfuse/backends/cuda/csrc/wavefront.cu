@@ -608,22 +608,44 @@ __device__ __forceinline__ void wavefront_body(const Args& a) {
     // written them yet) until none does. Step 0's own part comes from h0,
     // the caller's, and never waits. A wait longer than kBwdWaitNs sets
     // flags[kLamportTimedOut] and stops waiting: wrong numbers, not a hang.
+    // The usual case, every chunk in, is one pass of independent loads:
+    // where a thread keeps one column chunk (kThreads a multiple of the
+    // chunks of a row: every 4x512 and 8x256 layer), a strided loop the
+    // compiler unrolls, so the loads are in flight together.
+    auto all_in = [&](int r0, int r1) -> bool {
+      uint32_t seen = 0;
+      if (hs_walk.dq == 0) {
+        const int k = hs_walk.q0 * 8;
+        if (t == 0 && k >= p.kin) return true;
+#pragma unroll 8
+        for (int n = r0 + hs_walk.n0; n < r1; n += hs_walk.dn) {
+          const uint4 v = *reinterpret_cast<const uint4*>(hs_at(n, k));
+          seen |= sentinel_halves(v.x) | sentinel_halves(v.y) | sentinel_halves(v.z) |
+                  sentinel_halves(v.w);
+        }
+      } else {
+        hs_walk.run(r0, r1, [&](int n, int q) {
+          if (t == 0 && q * 8 >= p.kin) return;
+          const uint4 v = *reinterpret_cast<const uint4*>(hs_at(n, q * 8));
+          seen |= sentinel_halves(v.x) | sentinel_halves(v.y) | sentinel_halves(v.z) |
+                  sentinel_halves(v.w);
+        });
+      }
+      return seen == 0u;
+    };
     auto await_rows = [&](int n0, int r0, int r1) {
       if (a.mode & (kModeNoWait | kModeNoStage)) return;
       unsigned long long start = 0;
-      for (;;) {
-        bool missing = false;
+      while (!all_in(r0, r1)) {
+        // re-copy the chunks still missing
         hs_walk.run(r0, r1, [&](int n, int q) {
           const int k = q * 8;
           if (t == 0 && k >= p.kin) return;
           T* dst = hs_at(n, k);
-          if (has_sentinel(*reinterpret_cast<const uint4*>(dst))) {
-            missing = true;
+          if (has_sentinel(*reinterpret_cast<const uint4*>(dst)))
             cp_async16(dst, k < p.kin ? below_t + static_cast<size_t>(n0 + n) * H + k
                                       : prev + static_cast<size_t>(n0 + n) * H + (k - p.kin));
-          }
         });
-        if (!missing) return;
         cp_async_commit();
         cp_async_wait_all();  // this thread's re-copies (and anything else in flight)
         if (start == 0) {
