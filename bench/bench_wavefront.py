@@ -25,6 +25,9 @@ built into the cache (nvcc + g++).
     # the forward's opt-in variant 2 (wgmma; wavefront.cuh, "Variant 2"): checked, then timed
     python3 bench/bench_wavefront.py check --variant 2 --random 6 --out $OUT/check_v2.json
     python3 bench/bench_wavefront.py bench --cells headline --variants 0,2 --kernel-only
+    # the forward's opt-in variant 3 (the h values as their own flags; "Variant 3")
+    python3 bench/bench_wavefront.py check --variant 3 --random 6 --out $OUT/check_v3.json
+    python3 bench/bench_wavefront.py bench --cells headline --variants 0,3 --kernel-only
     # its opt-in pipelined variants (wavefront.cuh, "Variants"): checked, and timed interleaved
     python3 bench/bench_wavefront.py grad --random 4 --backward stack --variant 1
     python3 bench/bench_wavefront.py train --cells 2 --backward stack --variants 0,1,2

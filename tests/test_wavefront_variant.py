@@ -45,9 +45,10 @@ def test_the_library_carries_the_variant_kernels(lib):
     assert b"rnnfuse_wf_forward_variant" in data
 
 
-@pytest.mark.parametrize("variant", [-1, 3])
+@pytest.mark.parametrize("variant", [-1, 4])
 def test_an_unknown_variant_is_refused_with_the_reason(lib, variant):
-    with pytest.raises(library.WavefrontError, match=f"variant must be 0, 1 or 2.*not {variant}"):
+    with pytest.raises(library.WavefrontError,
+                       match=f"variant must be 0, 1, 2 or 3.*not {variant}"):
         lib.forward(0, "float16", "lstm", 1, 8, 1, 1, 3, xproj=0, params=0, h0=0, c0=0,
                     lengths=None, y=0, hy=0, cy=0, workspace=0, variant=variant)
 

@@ -26,6 +26,7 @@
 #   bash tools/gpu/batch.sh wavefront-bidirectional   # bidirectional layers (off by default)
 #   bash tools/gpu/batch.sh wavefront-sweep   # randomized exactness, about 150 s
 #   bash tools/gpu/batch.sh wavefront-wgmma   # the forward's opt-in wgmma variant
+#   bash tools/gpu/batch.sh wavefront-variant3   # the forward's opt-in variant 3 (h as flags)
 #
 # The tf-* stages need the staging runs of ../shared/gpu/README.md first
 # (tf-setup is a no-op on a machine that already has /tmp/tfsite).
@@ -271,6 +272,17 @@ run_stage() {
           python3 bench/bench_wavefront.py bench --cells headline --variants 0,2 --reps 20 --kernel-only --out $LOGS/wavefront_bench_v02.json" ) > $log 2>&1; rc=$?
       cp $LOGS/wavefront_check_v2.json $LOGS/wavefront_bench_v02.json $OUT/ 2>/dev/null
       echo "[$(since) s] wavefront-wgmma rc $rc"
+      grep -E "ok|FAIL|fail|ms|ratio|Error|fallback|passed" $log | grep -v Warning | cut -c1-300 | tail -30 ;;
+    wavefront-variant3)
+      # The forward's opt-in variant 3 (the h values as their own flags,
+      # Lamport-style; off by default): its exactness against float64, cuDNN
+      # and variant 0, then the headline timed interleaved with variant 0,
+      # kernel only. A wait that never ends shows as NaN results after 4 s.
+      s=$(limit wavefront-variant3 150)
+      ( torch_env; timeout $s bash -c "python3 bench/bench_wavefront.py check --fixed 4 --random 6 --variant 3 --out $LOGS/wavefront_check_v3.json; \
+          python3 bench/bench_wavefront.py bench --cells headline --variants 0,3 --reps 20 --kernel-only --out $LOGS/wavefront_bench_v03.json" ) > $log 2>&1; rc=$?
+      cp $LOGS/wavefront_check_v3.json $LOGS/wavefront_bench_v03.json $OUT/ 2>/dev/null
+      echo "[$(since) s] wavefront-variant3 rc $rc"
       grep -E "ok|FAIL|fail|ms|ratio|Error|fallback|passed" $log | grep -v Warning | cut -c1-300 | tail -30 ;;
     wavefront-sweep)
       # Randomized exactness over 1-8 layers, 64-1024 units, batch 1-256,

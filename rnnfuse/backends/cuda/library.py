@@ -130,7 +130,8 @@ class WavefrontLibrary:
                 c_out: int = 0, variant: int = 0) -> None:
         """One forward pass (device pointers as ints; see wavefront.cuh).
 
-        `mode`: a debug mode (0 computes the right answer); `variant`: 0, 1 or 2 (wgmma);
+        `mode`: a debug mode (0 computes the right answer); `variant`: 0, 1, 2 (wgmma) or 3 (the h
+        values as their own flags);
         `trace`: 0 or a buffer of 2 * trace_steps * 8 uint64 for the timeline;
         `gates_out`, `c_out`: 0, or float32 [L, T, B, 4H] and [L, T, B, H] where
         the forward saves gates and c for `backward`."""

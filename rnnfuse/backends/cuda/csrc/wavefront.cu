@@ -167,6 +167,32 @@ __device__ __forceinline__ void publish(unsigned* p, unsigned v) {
                : "memory");
 }
 
+// Variant 3 (wavefront.cuh, "Variant 3"): the sequence buffers start
+// filled with kSentinel halves and a step's h values are their own flag.
+// Nonzero iff a half of w is kSentinel (0xFFFF): with x = ~w, a half of x
+// is zero; (x - 1) & ~x has a half's top bit set only for a zero half, and
+// a borrow out of the low half happens only when that half is zero itself,
+// so the "any" answer is exact.
+__device__ __forceinline__ uint32_t sentinel_halves(uint32_t w) {
+  return (~w - 0x00010001u) & w & 0x80008000u;
+}
+__device__ __forceinline__ bool has_sentinel(const uint4& v) {
+  return (sentinel_halves(v.x) | sentinel_halves(v.y) | sentinel_halves(v.z) |
+          sentinel_halves(v.w)) != 0u;
+}
+// A computed h never reads as "not written yet": a kSentinel half (a NaN)
+// becomes 0x7FFF (a NaN too), so a NaN still propagates.
+__device__ __forceinline__ uint32_t lamport_value(uint32_t w) {
+  const uint32_t lo = (w & 0xFFFFu) == 0xFFFFu ? 0x8000u : 0u;
+  const uint32_t hi = w >= 0xFFFF0000u ? 0x80000000u : 0u;
+  return w ^ lo ^ hi;
+}
+// The producer's store of two h halves: strong (relaxed, gpu scope), so the
+// consumers' polling reads of the same word see it without a fence.
+__device__ __forceinline__ void store_relaxed(void* p, uint32_t v) {
+  asm volatile("st.relaxed.gpu.global.b32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
+}
+
 __device__ __forceinline__ unsigned long long global_ns() {
   unsigned long long t;
   asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
@@ -349,7 +375,8 @@ __device__ __forceinline__ bool await_flag_or_time_out(const unsigned* flag, uns
 // ---------------------------------------------------------------------------
 // The forward kernel; V: the step's variant (wavefront.cuh: 0, 1 with
 // the overlapped pointwise step, paired partial sums and fixed staging, or
-// 2: variant 0's schedule with wgmma products, sm_90a);
+// 2: variant 0's schedule with wgmma products, sm_90a; or 3: variant 0's
+// schedule with the h values as their own flags, Lamport-style);
 // I: independent layers (wavefront.cuh, "Independent layers"; variant 0).
 template <typename T, int V, bool I = false>
 __device__ __forceinline__ void wavefront_body(const Args& a) {
@@ -536,7 +563,9 @@ __device__ __forceinline__ void wavefront_body(const Args& a) {
       __syncwarp();
     }
     if (!split_wait) {
-      __syncthreads();
+      // (variant 3 waits in the copies below; the previous step's last
+      // barrier already freed hs and part)
+      if (V != 3) __syncthreads();
       mark(t, 1);
     }
 
@@ -572,6 +601,60 @@ __device__ __forceinline__ void wavefront_body(const Args& a) {
         });
       }
       cp_async_commit();
+    };
+
+    // --- variant 3: wait in the data. Re-copies this thread's chunks of
+    // rows [r0, r1) that still hold a kSentinel half (their producer has not
+    // written them yet) until none does. Step 0's own part comes from h0,
+    // the caller's, and never waits. A wait longer than kBwdWaitNs sets
+    // flags[kLamportTimedOut] and stops waiting: wrong numbers, not a hang.
+    // The usual case, every chunk in, is one pass of independent loads:
+    // where a thread keeps one column chunk (kThreads a multiple of the
+    // chunks of a row: every 4x512 and 8x256 layer), a strided loop the
+    // compiler unrolls, so the loads are in flight together.
+    auto all_in = [&](int r0, int r1) -> bool {
+      uint32_t seen = 0;
+      if (hs_walk.dq == 0) {
+        const int k = hs_walk.q0 * 8;
+        if (t == 0 && k >= p.kin) return true;
+#pragma unroll 8
+        for (int n = r0 + hs_walk.n0; n < r1; n += hs_walk.dn) {
+          const uint4 v = *reinterpret_cast<const uint4*>(hs_at(n, k));
+          seen |= sentinel_halves(v.x) | sentinel_halves(v.y) | sentinel_halves(v.z) |
+                  sentinel_halves(v.w);
+        }
+      } else {
+        hs_walk.run(r0, r1, [&](int n, int q) {
+          if (t == 0 && q * 8 >= p.kin) return;
+          const uint4 v = *reinterpret_cast<const uint4*>(hs_at(n, q * 8));
+          seen |= sentinel_halves(v.x) | sentinel_halves(v.y) | sentinel_halves(v.z) |
+                  sentinel_halves(v.w);
+        });
+      }
+      return seen == 0u;
+    };
+    auto await_rows = [&](int n0, int r0, int r1) {
+      if (a.mode & (kModeNoWait | kModeNoStage)) return;
+      unsigned long long start = 0;
+      while (!all_in(r0, r1)) {
+        // re-copy the chunks still missing
+        hs_walk.run(r0, r1, [&](int n, int q) {
+          const int k = q * 8;
+          if (t == 0 && k >= p.kin) return;
+          T* dst = hs_at(n, k);
+          if (has_sentinel(*reinterpret_cast<const uint4*>(dst)))
+            cp_async16(dst, k < p.kin ? below_t + static_cast<size_t>(n0 + n) * H + k
+                                      : prev + static_cast<size_t>(n0 + n) * H + (k - p.kin));
+        });
+        cp_async_commit();
+        cp_async_wait_all();  // this thread's re-copies (and anything else in flight)
+        if (start == 0) {
+          start = global_ns();
+        } else if (global_ns() - start > kBwdWaitNs) {
+          atomicExch(a.flags + kLamportTimedOut, 1u);
+          return;
+        }
+      }
     };
 
     // --- partial gates of the phase's n-groups (phase 0: the chunk's first
@@ -727,9 +810,14 @@ __device__ __forceinline__ void wavefront_body(const Args& a) {
                              : float2{},
                        (static_cast<size_t>(l) * steps + t) * B + nb, u0 + u, H, h, cv);
         const int len = lens[nb];
-        const uint32_t out = t < len ? E::pack(h[0], h[1]) : 0u;
         const size_t o = static_cast<size_t>(nb) * H + u0 + u;
-        *reinterpret_cast<uint32_t*>(mine + static_cast<size_t>(t) * seq + o) = out;
+        uint32_t out = t < len ? E::pack(h[0], h[1]) : 0u;
+        if constexpr (V == 3) {
+          out = lamport_value(out);  // never the sentinel: the value is the flag
+          store_relaxed(mine + static_cast<size_t>(t) * seq + o, out);
+        } else {
+          *reinterpret_cast<uint32_t*>(mine + static_cast<size_t>(t) * seq + o) = out;
+        }
         if (t == len - 1) {
           *reinterpret_cast<uint32_t*>(hy + o) = out;
           if (!a.gru) *reinterpret_cast<uint32_t*>(cy + o) = E::pack(cv[0], cv[1]);
@@ -794,7 +882,7 @@ __device__ __forceinline__ void wavefront_body(const Args& a) {
       }
     }
 
-    // Variant 0's chunks, and variant 2's (variant 1 ran its own above).
+    // Variant 0's chunks, and variants 2 and 3's (variant 1 ran its own above).
     for (int c = 0; V != 1 && c < nchunks; ++c) {
       const int n0 = c * kNC, nc = min(kNC, B - n0);
 
@@ -816,6 +904,7 @@ __device__ __forceinline__ void wavefront_body(const Args& a) {
         } else {
           cp_async_wait_all();
         }
+        if constexpr (V == 3) await_rows(n0, phase ? half : 0, phase ? nc : half);
         if constexpr (V == 2) fence_proxy_async();  // the copies, to wgmma's reads
         __syncthreads();
         if (c == 0 && phase == 0) mark(t, 2);
@@ -838,8 +927,8 @@ __device__ __forceinline__ void wavefront_body(const Args& a) {
     }
     mark(t, 4);
 
-    // --- step t done: publish -------------------------------------------------
-    if (tid == 0) {
+    // --- step t done: publish (variant 3: the h stores were the publication)
+    if (V != 3 && tid == 0) {
       if (a.mode & kModeScFence) __threadfence();
       publish(my_flags + j, static_cast<unsigned>(t + 1));
     }
@@ -1576,6 +1665,8 @@ RF_KERNELS(rnnfuse_wf_forward, Args, wavefront_body, 0)
 RF_KERNELS(rnnfuse_wf_forward_v1, Args, wavefront_body, 1)
 // Variant 2: wgmma products (sm_90a; wavefront.cuh, "Variant 2").
 RF_KERNELS(rnnfuse_wf_forward_v2, Args, wavefront_body, 2)
+// Variant 3: the h values are their own flags (wavefront.cuh, "Variant 3").
+RF_KERNELS(rnnfuse_wf_forward_v3, Args, wavefront_body, 3)
 // Independent layers: a bidirectional layer's directions (Args::independent;
 // wavefront.cuh, "Independent layers").
 RF_KERNELS(rnnfuse_wf_forward_ind, Args, wavefront_body, 0, true)

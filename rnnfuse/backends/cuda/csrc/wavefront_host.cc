@@ -20,7 +20,7 @@
 //   rnnfuse_wf_forward(...)     one forward pass on a stream
 //   rnnfuse_wf_forward_saving   the same, also saving gates and c (training)
 //   rnnfuse_wf_forward_variant  the same, with the forward step's variant
-//                               (wavefront.cuh: 0, or the opt-in 1 and 2)
+//                               (wavefront.cuh: 0, or the opt-in 1, 2 and 3)
 //   rnnfuse_wf_backward_plan    can the backward run one LSTM or GRU layer? (no GPU)
 //   rnnfuse_wf_backward_kind(...)  the backward recurrence of one LSTM or GRU layer
 //   rnnfuse_wf_backward_stack_plan  can the reverse-wavefront backward run the
@@ -91,6 +91,7 @@ struct Kernels {
   CUfunction f16 = nullptr, bf16 = nullptr;
   CUfunction f16_v1 = nullptr, bf16_v1 = nullptr;  // the forward's variant 1
   CUfunction f16_v2 = nullptr, bf16_v2 = nullptr;  // the forward's variant 2 (wgmma)
+  CUfunction f16_v3 = nullptr, bf16_v3 = nullptr;  // the forward's variant 3 (data as flags)
   CUfunction f16_ind = nullptr, bf16_ind = nullptr;  // independent layers
   CUfunction bwd_f16 = nullptr, bwd_bf16 = nullptr;
   CUfunction bwd_gru_f16 = nullptr, bwd_gru_bf16 = nullptr;  // the GRU backward
@@ -100,6 +101,7 @@ struct Kernels {
   int configured_bwds_v_smem[2] = {0, 0};
   int configured_smem = 0, configured_bwd_smem = 0, configured_bwds_smem = 0;
   int configured_v1_smem = 0, configured_v2_smem = 0, configured_ind_smem = 0;
+  int configured_v3_smem = 0;
   int configured_bwd_gru_smem = 0;
 };
 
@@ -118,6 +120,8 @@ int GetKernels(Driver* d, CUcontext ctx, Kernels** out) {
     RF_CHECK_CU(d, d->cuModuleGetFunction_(&k.bf16_v1, k.module, "rnnfuse_wf_forward_v1_bf16"));
     RF_CHECK_CU(d, d->cuModuleGetFunction_(&k.f16_v2, k.module, "rnnfuse_wf_forward_v2_f16"));
     RF_CHECK_CU(d, d->cuModuleGetFunction_(&k.bf16_v2, k.module, "rnnfuse_wf_forward_v2_bf16"));
+    RF_CHECK_CU(d, d->cuModuleGetFunction_(&k.f16_v3, k.module, "rnnfuse_wf_forward_v3_f16"));
+    RF_CHECK_CU(d, d->cuModuleGetFunction_(&k.bf16_v3, k.module, "rnnfuse_wf_forward_v3_bf16"));
     RF_CHECK_CU(d, d->cuModuleGetFunction_(&k.f16_ind, k.module, "rnnfuse_wf_forward_ind_f16"));
     RF_CHECK_CU(d, d->cuModuleGetFunction_(&k.bf16_ind, k.module,
                                            "rnnfuse_wf_forward_ind_bf16"));
@@ -408,7 +412,8 @@ __attribute__((visibility("default"))) int rnnfuse_wf_device_limits(int ordinal,
 // `workspace` holds rnnfuse_wf_workspace_bytes. mode: 0 (wavefront.cuh has
 // the debug modes). variant: the forward step's variant (wavefront.cuh; 0
 // is the default step, 1 the opt-in rescheduled one: same results up to
-// float32 rounding). trace: null, or 2 * trace_steps * kTraceSlots uint64
+// float32 rounding; 2 wgmma products; 3 the h values as their own flags,
+// variant 0's arithmetic). trace: null, or 2 * trace_steps * kTraceSlots uint64
 // for the timeline (wavefront.cuh).
 __attribute__((visibility("default"))) int rnnfuse_wf_forward_variant(
     void* stream, int dtype, int gru, int num_layers, int units, int batch, int steps,
@@ -493,7 +498,7 @@ int Forward(void* stream, int dtype, int gru, int num_layers, int units, int bat
             int variant, unsigned long long* trace, int trace_steps, float* gates_out,
             float* c_out, int independent) {
   if (variant < 0 || variant >= rnnfuse_wf::kVariants)
-    return Fail("variant must be 0, 1 or 2 (the forward step's variants), not " +
+    return Fail("variant must be 0, 1, 2 or 3 (the forward step's variants), not " +
                 std::to_string(variant));
   if (independent && variant != 0)
     return Fail("independent layers (a bidirectional layer's directions) run variant 0 only");
@@ -533,15 +538,30 @@ int Forward(void* stream, int dtype, int gru, int num_layers, int units, int bat
   CUfunction f16 = independent    ? k->f16_ind
                    : variant == 1 ? k->f16_v1
                    : variant == 2 ? k->f16_v2
+                   : variant == 3 ? k->f16_v3
                                   : k->f16;
   CUfunction bf16 = independent    ? k->bf16_ind
                     : variant == 1 ? k->bf16_v1
                     : variant == 2 ? k->bf16_v2
+                    : variant == 3 ? k->bf16_v3
                                    : k->bf16;
   int* configured = independent    ? &k->configured_ind_smem
                     : variant == 1 ? &k->configured_v1_smem
                     : variant == 2 ? &k->configured_v2_smem
+                    : variant == 3 ? &k->configured_v3_smem
                                    : &k->configured_smem;
+  if (variant == 3) {
+    // Variant 3 (wavefront.cuh): every sequence buffer (the workspace's L-1
+    // and y) starts as sentinels, in stream order before the launch, so a
+    // value left by an earlier call never reads as this call's h.
+    const size_t words = static_cast<size_t>(steps) * batch * units / 2;  // units % 8 == 0
+    RF_CHECK_CU(d, d->cuMemsetD32Async_(reinterpret_cast<CUdeviceptr>(y),
+                                        rnnfuse_wf::kSentinelWord, words, s));
+    if (num_layers > 1)
+      RF_CHECK_CU(d, d->cuMemsetD32Async_(reinterpret_cast<CUdeviceptr>(args.work),
+                                          rnnfuse_wf::kSentinelWord, words * (num_layers - 1),
+                                          s));
+  }
   return Launch(d, sc, s, dtype, f16, bf16, configured, args.cta_start[num_layers], smem, &args,
                 workspace, FlagBytes(num_layers) / 4);
 }
