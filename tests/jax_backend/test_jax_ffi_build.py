@@ -10,6 +10,10 @@ and the launcher compile against jaxlib's FFI headers.
 from __future__ import annotations
 
 import ctypes
+import re
+import shutil
+import threading
+from pathlib import Path
 
 import jax
 import pytest
@@ -81,6 +85,78 @@ def test_the_wavefront_abi_is_declared_once_for_every_binding():
     op_source = build.SOURCE_DIR.parent.parent / "tensorflow" / "csrc" / "rnnfuse_wavefront_op.cc"
     op = op_source.read_text()
     assert "#include \"wavefront_abi.h\"" in op and "size_t rnnfuse_wf_workspace_bytes(" not in op
+
+
+def _reached_headers(sources) -> set[str]:
+    """The csrc/ headers `sources` reach by `#include "..."`, read here
+    independently of `build.included_files`."""
+    seen, todo = set(), list(sources)
+    while todo:
+        text = (build.SOURCE_DIR / todo.pop()).read_text()
+        for name in re.findall(r'#\s*include\s*"([^"]+)"', text):
+            if (build.SOURCE_DIR / name).is_file() and name not in seen:
+                seen.add(name)
+                todo.append(name)
+    return seen
+
+
+LIBRARIES = [
+    (ffi_build.ffi_key, Path("/cache/wavefront-nvcc12.6-0123/wavefront.cubin"),
+     ffi_build.FFI_SOURCES + ffi_build.LIBRARY_SOURCES),
+    (ffi_build.cudnn_ffi_key, Path("/cache/cudnn-core-0123/librnnfuse_cudnn_core.so"),
+     ffi_build.CUDNN_FFI_SOURCES),
+]
+
+
+@pytest.mark.parametrize("key, built_from, sources", LIBRARIES, ids=["wavefront", "cudnn"])
+def test_an_edit_to_any_file_a_library_reads_changes_its_cache_key(key, built_from, sources,
+                                                                   tmp_path, monkeypatch):
+    """Every source and every header it includes (cuda_driver.h among them)
+    keys the library's cache; a file it does not read does not."""
+    headers = _reached_headers(sources)
+    assert "cuda_driver.h" in headers and not any(h.startswith("xla/") for h in headers)
+    copy = tmp_path / "csrc"
+    shutil.copytree(build.SOURCE_DIR, copy)
+    monkeypatch.setattr(build, "SOURCE_DIR", copy)
+    for name in sorted(set(sources) | headers):
+        before = key(built_from)
+        with open(copy / name, "a") as f:
+            f.write("\n// edited\n")
+        assert key(built_from) != before, name
+    unread = (set(ffi_build.FFI_SOURCES + ffi_build.LIBRARY_SOURCES + ffi_build.CUDNN_FFI_SOURCES)
+              | {"wavefront.cu"}) - set(sources) - headers
+    before = key(built_from)
+    for name in unread:
+        with open(copy / name, "a") as f:
+            f.write("\n// edited\n")
+    assert key(built_from) == before, unread
+
+
+def test_the_native_builds_key_their_caches_with_one_digest():
+    """No build module hashes its sources by hand: `build.digest` keys them all."""
+    root = Path(build.__file__).resolve().parents[1]
+    for module in ("jax/ffi_build.py", "tensorflow/op_build.py", "cuda/build.py"):
+        text = (root / module).read_text()
+        assert ("hashlib" in text) == (module == "cuda/build.py"), module
+
+
+def test_registration_happens_once_and_says_why_it_failed(monkeypatch):
+    """One loader for both libraries: the build is tried once a process and
+    its failure is the reason the layers run."""
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    builds = []
+
+    def no_library():
+        builds.append(1)
+        raise ffi_build.BuildError("no nvcc found")
+
+    answers = {}
+    for _ in range(2):
+        why = ffi_build.load_and_register(answers, threading.Lock(), "the wavefront kernel",
+                                          no_library, ("rnnfuse_wf_forward",))
+        assert why == ("rnnfuse's XLA FFI library of the wavefront kernel is not available: "
+                       "no nvcc found")
+    assert builds == [1]
 
 
 def _have_core_toolchain():

@@ -258,7 +258,8 @@ def test_a_float32_lstm_on_the_wavefront_plan_runs_cudnn_with_the_reason(
 def test_a_missing_ffi_library_runs_the_layers_with_the_build_failure(emulated, half,
                                                                      monkeypatch):
     monkeypatch.setattr(wavefront, "register",
-                        lambda: "rnnfuse's XLA FFI library is not available: no nvcc found")
+                        lambda: "rnnfuse's XLA FFI library of the wavefront kernel is not available: "
+                        "no nvcc found")
     layer = _fused(wavefront_stack("gru"), WAVEFRONT)
     layer(wavefront_inputs(), training=False)
     assert emulated.calls == [] and layer.last_path.kind == "layers"

@@ -40,10 +40,12 @@ __all__ = [
     "file_lock",
     "core_cuda_include",
     "cudnn_header_version",
+    "digest",
     "find_cudnn",
     "find_cxx",
     "load_library",
     "find_nvcc",
+    "included_files",
     "nvcc_version",
     "run_compiler",
 ]
@@ -171,10 +173,47 @@ def cuda_include(nvcc: str) -> Path:
                      "set NVCC to the nvcc of a complete CUDA toolkit")
 
 
-def _digest(names, *extra: str) -> str:
+_INCLUDE = re.compile(r'^\s*#\s*include\s*"([^"]+)"', re.MULTILINE)
+
+
+def included_files(sources) -> list[Path]:
+    """`sources` (names under SOURCE_DIR, or paths) and every rnnfuse header
+    they reach by `#include "..."`, in the order first reached.
+
+    A header is looked for next to the file that includes it, then in
+    SOURCE_DIR (the builds' -I); one found in neither (jaxlib's, TensorFlow's)
+    is left out: its library's version keys it.
+
+    >>> [p.name for p in included_files(["jax_cudnn_forward.cc"])]
+    ['jax_cudnn_forward.cc', 'jax_cudnn_rnn.h', 'cuda_driver.h', 'cudnn_rnn_core.h']
+    """
+    found: dict[Path, None] = {}
+    todo = [SOURCE_DIR / s for s in sources]  # an absolute path stays as it is
+    while todo:
+        path = todo.pop(0)
+        if path in found:
+            continue
+        found[path] = None
+        for name in _INCLUDE.findall(path.read_text()):
+            for folder in (path.parent, SOURCE_DIR):
+                if (folder / name).is_file():
+                    todo.append(folder / name)
+                    break
+    return list(found)
+
+
+def digest(sources, *extra: str) -> str:
+    """The 12-hex-digit cache key of a native build: the bytes of `sources`
+    and of every header they include (`included_files`), and `extra` (the
+    compiler's version, flags, the libraries built against). Every native
+    build keys its cache with it, so an edit to any file it reads rebuilds.
+
+    >>> len(digest(["cudnn_rnn_core.cc"], "-O2")), digest(["cudnn_rnn_core.cc"], "-O2") == digest(["cudnn_rnn_core.cc"], "-O3")
+    (12, False)
+    """
     h = hashlib.sha256(_FLAGS_VERSION.encode())
-    for name in names:
-        h.update((SOURCE_DIR / name).read_bytes())
+    for path in included_files(sources):
+        h.update(path.read_bytes())
     for e in extra:
         h.update(e.encode())
     return h.hexdigest()[:12]
@@ -229,7 +268,7 @@ def build_cubin(force: bool = False) -> Path:
     """Compiles csrc/wavefront.cu to a cached sm_90a cubin; returns its path."""
     nvcc = find_nvcc()
     version = nvcc_version(nvcc)
-    key = f"wavefront-nvcc{version}-{_digest(KERNEL_SOURCES, *NVCC_FLAGS)}"
+    key = f"wavefront-nvcc{version}-{digest(KERNEL_SOURCES, *NVCC_FLAGS)}"
     target = cache_dir() / key / CUBIN_NAME
 
     def make(tmp: Path) -> None:
@@ -255,7 +294,7 @@ def build_library(force: bool = False) -> Path:
     cxx = find_cxx()
     cubin = build_cubin(force=force)
     include = cuda_include(find_nvcc())
-    key = f"wavefront-lib-{_digest(HOST_SOURCES, cubin.parent.name, *CXX_FLAGS)}"
+    key = f"wavefront-lib-{digest(HOST_SOURCES, cubin.parent.name, *CXX_FLAGS)}"
     target = cache_dir() / key / LIBRARY_NAME
 
     def make(tmp: Path) -> None:
@@ -375,7 +414,7 @@ def build_cudnn_core(force: bool = False) -> Path:
     cuda_inc = core_cuda_include()
     cudnn_inc, cudnn_lib = find_cudnn()
     key = (f"cudnn-core-cudnn{cudnn_header_version(cudnn_inc)}-"
-           f"{_digest(CORE_SOURCES, *CXX_FLAGS, *CORE_LINK_FLAGS, str(cudnn_lib))}")
+           f"{digest(CORE_SOURCES, *CXX_FLAGS, *CORE_LINK_FLAGS, str(cudnn_lib))}")
     target = cache_dir() / key / CORE_LIBRARY_NAME
 
     def make(tmp: Path) -> None:

@@ -130,22 +130,8 @@ def register() -> str | None:
     the core cannot run under JAX here."""
     from rnnfuse.backends.jax import ffi_build
 
-    return ffi_build.registered_once(_REGISTERED, _LOCK, _register)
-
-
-def _register() -> str | None:
-    from rnnfuse.backends.jax import ffi_build
-
-    if jax.default_backend() != "gpu":
-        return f"the cuDNN core runs on CUDA GPUs; JAX runs on the {jax.default_backend()}"
-    try:
-        lib = ctypes.CDLL(str(ffi_build.build_cudnn_ffi_library()))
-        for target in TARGETS:
-            jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(lib, target)),
-                                        platform="CUDA")
-    except Exception as exc:  # noqa: BLE001 - a failed build or load: the layers run
-        return f"rnnfuse's XLA FFI library of the cuDNN core is not available: {exc}"
-    return None
+    return ffi_build.load_and_register(_REGISTERED, _LOCK, "the cuDNN core",
+                                       ffi_build.build_cudnn_ffi_library, TARGETS)
 
 
 def core_reason(dtype: str) -> str | None:

@@ -11,8 +11,9 @@ embedded), compiled by g++ against:
 - the wavefront cubin of `rnnfuse.backends.cuda.build.build_cubin` (nvcc).
 
 No GPU is needed to build; the library is cached under
-`rnnfuse.backends.cuda.build.cache_dir()` by a hash of its sources, the
-jaxlib version and the flags, like the other libraries.
+`rnnfuse.backends.cuda.build.cache_dir()` by `build.digest` of its sources
+(with every header they include), the jaxlib version and the flags, like
+the other libraries.
 
 A second library, `librnnfuse_jax_cudnn_ffi.so` (`build_cudnn_ffi_library`),
 holds the cuDNN core's handlers (`CUDNN_FFI_SOURCES`) and links the core
@@ -33,7 +34,6 @@ Example (no GPU needed; compiles only):
 
 from __future__ import annotations
 
-import hashlib
 from pathlib import Path
 
 from rnnfuse.backends.cuda import build
@@ -41,21 +41,20 @@ from rnnfuse.backends.cuda.build import BuildError
 
 __all__ = ["CUDNN_FFI_SOURCES", "CUDNN_LIBRARY_NAME", "FFI_SOURCES", "LIBRARY_NAME",
            "LIBRARY_SOURCES", "BuildError", "build_cudnn_ffi_library", "build_ffi_library",
-           "cudnn_ffi_command", "ffi_command", "ffi_include"]
+           "cudnn_ffi_command", "cudnn_ffi_key", "ffi_command", "ffi_include", "ffi_key",
+           "load_and_register"]
 
 LIBRARY_NAME = "librnnfuse_jax_ffi.so"
 # The handlers: one file a pass (forward, backward).
 FFI_SOURCES = ("jax_wavefront_forward.cc", "jax_wavefront_backward.cc")
 # The C-ABI libraries the handlers call, compiled into the same library.
 LIBRARY_SOURCES = ("wavefront_host.cc",)
-HEADERS = ("jax_ffi_common.h", "wavefront_abi.h", "wavefront_plan.h", "wavefront.cuh",
-           "cuda_driver.h")
+# The headers they include are found by `build.digest` (`build.included_files`).
 _FLAGS_VERSION = "1"  # bump when the command changes
 CUDNN_LIBRARY_NAME = "librnnfuse_jax_cudnn_ffi.so"
 # The cuDNN core's handlers: forward (inference and training), backward
 # (data and weights).
 CUDNN_FFI_SOURCES = ("jax_cudnn_forward.cc", "jax_cudnn_backward.cc")
-CUDNN_HEADERS = ("jax_cudnn_rnn.h", "cudnn_rnn_core.h", "cuda_driver.h")
 
 
 def ffi_include() -> Path:
@@ -86,15 +85,15 @@ def ffi_command(cxx: str, cubin: Path, cuda_include: Path, include: Path, output
     ]
 
 
-def _key(cubin: Path) -> str:
+def ffi_key(cubin: Path) -> str:
+    """The cache folder's name of the library around `cubin`: `build.digest`
+    of the sources and their headers, the cubin's own key (its folder), the
+    jaxlib version and the flags."""
     import jaxlib
 
-    h = hashlib.sha256(_FLAGS_VERSION.encode())
-    for name in FFI_SOURCES + LIBRARY_SOURCES + HEADERS:
-        h.update((build.SOURCE_DIR / name).read_bytes())
-    for extra in (str(cubin.parent.name), jaxlib.__version__, *build.CXX_FLAGS):
-        h.update(extra.encode())
-    return f"jax-ffi-{h.hexdigest()[:12]}"
+    key = build.digest(FFI_SOURCES + LIBRARY_SOURCES, _FLAGS_VERSION, cubin.parent.name,
+                       jaxlib.__version__, *build.CXX_FLAGS)
+    return f"jax-ffi-{key}"
 
 
 def build_ffi_library(force: bool = False, cubin: Path | None = None) -> Path:
@@ -112,7 +111,7 @@ def build_ffi_library(force: bool = False, cubin: Path | None = None) -> Path:
     cxx = build.find_cxx()
     cubin = Path(cubin) if cubin is not None else build.build_cubin(force=force)
     cuda_include = build.cuda_include(build.find_nvcc())
-    target = build.cache_dir() / _key(cubin) / LIBRARY_NAME
+    target = build.cache_dir() / ffi_key(cubin) / LIBRARY_NAME
 
     def make(tmp: Path) -> None:
         build.run_compiler(ffi_command(cxx, cubin, cuda_include, include, tmp),
@@ -136,6 +135,17 @@ def cudnn_ffi_command(cxx: str, include: Path, cuda_include: Path, core: Path, o
     ]
 
 
+def cudnn_ffi_key(core: Path) -> str:
+    """The cache folder's name of the cuDNN handlers linked to `core`:
+    `build.digest` of their sources and headers, the core's path (its
+    folder is its own key), the jaxlib version and the flags."""
+    import jaxlib
+
+    key = build.digest(CUDNN_FFI_SOURCES, _FLAGS_VERSION, str(core), jaxlib.__version__,
+                       *build.CXX_FLAGS)
+    return f"jax-cudnn-ffi-{key}"
+
+
 def build_cudnn_ffi_library(force: bool = False, core: Path | None = None) -> Path:
     """Builds (unless cached) librnnfuse_jax_cudnn_ffi.so; returns its path.
 
@@ -146,18 +156,11 @@ def build_cudnn_ffi_library(force: bool = False, core: Path | None = None) -> Pa
         BuildError: no jaxlib headers, no C++ compiler, no CUDA or cuDNN headers,
             or a compiler failed (the message says which and the fix).
     """
-    import jaxlib
-
     include = ffi_include()
     cxx = build.find_cxx()
     cuda_include = build.core_cuda_include()
     core = Path(core) if core is not None else build.build_cudnn_core(force=force)
-    h = hashlib.sha256(_FLAGS_VERSION.encode())
-    for name in CUDNN_FFI_SOURCES + CUDNN_HEADERS:
-        h.update((build.SOURCE_DIR / name).read_bytes())
-    for extra in (str(core), jaxlib.__version__, *build.CXX_FLAGS):
-        h.update(extra.encode())
-    target = build.cache_dir() / f"jax-cudnn-ffi-{h.hexdigest()[:12]}" / CUDNN_LIBRARY_NAME
+    target = build.cache_dir() / cudnn_ffi_key(core) / CUDNN_LIBRARY_NAME
 
     def make(tmp: Path) -> None:
         build.run_compiler(cudnn_ffi_command(cxx, include, cuda_include, core, tmp),
@@ -168,10 +171,37 @@ def build_cudnn_ffi_library(force: bool = False, core: Path | None = None) -> Pa
     return build.cached_build(target, make, force)
 
 
-def registered_once(answers: dict, lock, register) -> str | None:
-    """`register()`'s answer (None, or why the handlers cannot run), asked
-    once a process: `answers` keeps it under `lock`."""
+def load_and_register(answers: dict, lock, what: str, build_library, targets) -> str | None:
+    """Loads `build_library()`'s library and registers its `targets` with
+    jax.ffi for CUDA, once a process (`answers` keeps the answer under
+    `lock`); None, or why `what` cannot run under JAX here: JAX is not on a
+    GPU, or the library failed to build or load (then the layers run).
+
+    >>> import threading
+    >>> def no_library():
+    ...     raise BuildError("no nvcc found")
+    >>> why = load_and_register({}, threading.Lock(), "the wavefront kernel", no_library, ())
+    >>> why.endswith("no nvcc found") or why.startswith("the wavefront kernel runs on CUDA GPUs")
+    True
+    """
     with lock:
         if "targets" not in answers:
-            answers["targets"] = register()
+            answers["targets"] = _register(what, build_library, targets)
         return answers["targets"]
+
+
+def _register(what: str, build_library, targets) -> str | None:
+    import ctypes
+
+    import jax
+
+    if jax.default_backend() != "gpu":
+        return f"{what} runs on CUDA GPUs only; JAX runs on the {jax.default_backend()}"
+    try:
+        lib = ctypes.CDLL(str(build_library()))
+        for target in targets:
+            jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(lib, target)),
+                                        platform="CUDA")
+    except Exception as exc:  # noqa: BLE001 - a failed build or load: the layers run
+        return f"rnnfuse's XLA FFI library of {what} is not available: {exc}"
+    return None

@@ -82,25 +82,8 @@ def register() -> str | None:
     the kernel cannot run under JAX here."""
     from rnnfuse.backends.jax import ffi_build
 
-    return ffi_build.registered_once(_REGISTERED, _LOCK, _register)
-
-
-def _register() -> str | None:
-    import ctypes
-
-    from rnnfuse.backends.jax import ffi_build
-
-    if jax.default_backend() != "gpu":
-        return "the wavefront kernel runs on CUDA GPUs only; JAX runs on the " \
-               f"{jax.default_backend()}"
-    try:
-        lib = ctypes.CDLL(str(ffi_build.build_ffi_library()))
-        for target in TARGETS:
-            jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(lib, target)),
-                                        platform="CUDA")
-    except Exception as exc:  # noqa: BLE001 - a failed build or load: the layers run
-        return f"rnnfuse's XLA FFI library is not available: {exc}"
-    return None
+    return ffi_build.load_and_register(_REGISTERED, _LOCK, "the wavefront kernel",
+                                       ffi_build.build_ffi_library, TARGETS)
 
 
 def ffi_call(target: str, results, *operands, **attributes):

@@ -25,7 +25,6 @@ Example (no GPU needed; compiles only):
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import os
 import sys
@@ -55,7 +54,8 @@ logger = logging.getLogger("rnnfuse")
 
 SOURCE_DIR = Path(__file__).resolve().parent / "csrc"
 SOURCES = ("rnnfuse_cudnn_rnn.cc",)
-# Headers the op files include (csrc/): part of both libraries' cache keys.
+# Headers the op files include (csrc/): part of both libraries' cache keys
+# (`cuda_build.digest` also follows every `#include "..."` it can find).
 HEADERS = ("rnnfuse_tf_op.h",)
 LIBRARY_NAME = "rnnfuse_cudnn_rnn.so"
 _FLAGS_VERSION = "2"  # bump when the build command changes
@@ -130,10 +130,9 @@ def library_path() -> Path:
     cudnn_inc, _ = find_cudnn()
     import tensorflow as tf
 
-    digest = hashlib.sha256(_FLAGS_VERSION.encode())
-    for path in (*(SOURCE_DIR / name for name in SOURCES + HEADERS), *CORE_SOURCES):
-        digest.update(path.read_bytes())
-    key = f"tf{tf.__version__}-cudnn{cudnn_header_version(cudnn_inc)}-{digest.hexdigest()[:12]}"
+    digest = cuda_build.digest((*(SOURCE_DIR / name for name in SOURCES + HEADERS), *CORE_SOURCES),
+                               _FLAGS_VERSION)
+    key = f"tf{tf.__version__}-cudnn{cudnn_header_version(cudnn_inc)}-{digest}"
     return cache_dir() / key / LIBRARY_NAME
 
 
@@ -254,11 +253,9 @@ def build_wavefront_op(force: bool = False, verbose: bool = False) -> Path:
 
     compiler = find_compiler()
     cubin = cuda_build.build_cubin(force=force)
-    digest = hashlib.sha256(_FLAGS_VERSION.encode() + cubin.parent.name.encode())
-    for path in (SOURCE_DIR / WAVEFRONT_SOURCE, *(SOURCE_DIR / name for name in HEADERS),
-                 *(cuda_build.SOURCE_DIR / n for n in cuda_build.HOST_SOURCES)):
-        digest.update(path.read_bytes())
-    target = cache_dir() / f"tf{tf.__version__}-wavefront-{digest.hexdigest()[:12]}" / WAVEFRONT_LIBRARY_NAME
+    digest = cuda_build.digest((SOURCE_DIR / WAVEFRONT_SOURCE, *(SOURCE_DIR / name for name in HEADERS),
+                                *cuda_build.HOST_SOURCES), _FLAGS_VERSION, cubin.parent.name)
+    target = cache_dir() / f"tf{tf.__version__}-wavefront-{digest}" / WAVEFRONT_LIBRARY_NAME
     return _build(target, lambda tmp: wavefront_command(compiler, cubin, tmp),
                   "the wavefront op", "rnnfuse's wavefront op", force, verbose)
 
