@@ -17,7 +17,12 @@ after the other. Per shape, for Keras' own model ("original") and
 - `loop_ms`: a custom training loop's step median (a `tf.function`
   GradientTape step on TensorFlow, forward, `backward()` and a torch
   optimizer step on torch; bench_user_view.custom_loop; none on JAX);
-- `plans`: what each fused layer of the optimized model chose.
+- `plans`: what each fused layer of the optimized model chose;
+- `tuning_share`: the tuner's seconds (every candidate's first call
+  included: on JAX its step's compile) against the first fit's, as its
+  user waits: first-batch tuning runs inside that fit; `--tuned` tuning
+  runs in `optimize`, before it, so the wait is both. With `--epochs 10`
+  it is tuning's share of a 10-epoch fit; `--shares` compares backends.
 
 The peer (`--backend pytorch`) trains the same model written as a PyTorch
 user would: `nn.LSTM`/`nn.GRU`/`nn.RNN` with `num_layers`, `bidirectional`
@@ -31,6 +36,7 @@ step; `fit_ms` is its step median.
     python bench/bench_matrix.py --table /tmp/m_tf.json /tmp/m_torch.json /tmp/m_pt.json
     python bench/bench_matrix.py --quick --out /tmp/q.json   # tiny shapes, any machine
     KERAS_BACKEND=torch python bench/bench_matrix.py --tuned ...  # every candidate timed first
+    python bench/bench_matrix.py --shares /tmp/m_jax.json /tmp/m_tf.json  # tuning's shares
 """
 
 from __future__ import annotations
@@ -45,7 +51,7 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from common import out_path  # noqa: E402
+from common import out_path, share_table, tuning_share  # noqa: E402
 
 # The named shapes: the large matrix first, then the small float32 models.
 SHAPES = {
@@ -64,6 +70,9 @@ SHAPES = {
 }
 VOCAB = 1000
 HEAD = 8
+# The clock of the first fits, `optimize` and the tuner's stopwatch (tests
+# replace it with a fake one).
+clock = time.perf_counter
 
 
 def quick(shape: dict) -> dict:
@@ -147,8 +156,57 @@ def _interleaved_calls(pair, call, rounds: int) -> dict:
     return seconds
 
 
+class _Stopwatch:
+    """Wraps `owner.name` while on and adds up the seconds spent in it (the
+    tuner's `choose_plans` inside `optimize`)."""
+
+    def __init__(self, owner, name: str):
+        self.owner, self.name, self.seconds = owner, name, 0.0
+
+    def __enter__(self):
+        real = self.real = getattr(self.owner, self.name)
+
+        def timed(*args, **kwargs):
+            start = clock()
+            try:
+                return real(*args, **kwargs)
+            finally:
+                self.seconds += clock() - start
+
+        setattr(self.owner, self.name, timed)
+        return self
+
+    def __exit__(self, *exc):
+        setattr(self.owner, self.name, self.real)
+
+
+def share_line(backend: str, name: str, share: dict) -> str:
+    """The printed line of a shape's tuning share.
+
+    >>> share_line("jax", "gru3x64", dict(tuning_s=1.5, fit_s=30.0, share=0.05, epochs=10))
+    'share jax gru3x64: tuning 1.50 s of a 10-epoch fit of 30.00 s = 5.0%'
+    """
+    pct = "-" if share["share"] is None else f"{100 * share['share']:.1f}%"
+    return (f"share {backend} {name}: tuning {share['tuning_s']:.2f} s of a {share['epochs']}-epoch "
+            f"fit of {share['fit_s']:.2f} s = {pct}")
+
+
+def shares_of(files: list[str]) -> list[tuple[str, dict]]:
+    """[(backend, {shape: tuning share})] of result files, for `share_table`."""
+    runs = []
+    for path in files:
+        with open(path) as f:
+            run = json.load(f)
+        shares = {r["shape_name"]: r["tuning_share"]["share"] for r in run["results"]
+                  if "tuning_share" in r}
+        runs.append((run["meta"]["backend"], shares))
+    return runs
+
+
 def measure_keras(shape: dict, epochs: int, epoch_steps: int, rounds: int, steps: int,
                   tuned: bool = False) -> dict:
+    import importlib
+
     import keras
     import numpy as np
 
@@ -172,18 +230,21 @@ def measure_keras(shape: dict, epochs: int, epoch_steps: int, rounds: int, steps
     x, y, _ = data(shape)
     # --tuned: the plan a long fit commits to (every candidate timed on the
     # batch now), instead of what a short first fit's budget allows.
-    start = time.perf_counter()
-    fast = rnnfuse.optimize(model, cache=False, tune=x if tuned else "auto")
-    optimize_s = time.perf_counter() - start
+    start = clock()
+    with _Stopwatch(importlib.import_module("rnnfuse.api"), "choose_plans") as tuner:
+        fast = rnnfuse.optimize(model, cache=False, tune=x if tuned else "auto")
+    optimize_s = clock() - start
     model.compile(optimizer="adam", loss="mse")
     fast.compile(optimizer="adam", loss="mse")
     b = shape["batch"]
     xe, ye = np.concatenate([x] * epoch_steps), np.concatenate([y] * epoch_steps)
     first = {}
     for name, m in (("optimized", fast), ("original", model)):
-        start = time.perf_counter()
+        start = clock()
         m.fit(xe, ye, batch_size=b, epochs=epochs, verbose=0)
-        first[name] = time.perf_counter() - start
+        first[name] = clock() - start
+        if name == "optimized":  # later calls may tune more (inference, other shapes)
+            first_fit_tuning_s = _tuning_seconds(fast)
     pair = [("original", model), ("optimized", fast)]
     xs, ys = np.concatenate([x] * max(3, steps)), np.concatenate([y] * max(3, steps))
     fit = _alternate(pair, rounds, lambda m, cb: m.fit(xs, ys, batch_size=b, epochs=1, verbose=0,
@@ -214,6 +275,9 @@ def measure_keras(shape: dict, epochs: int, epoch_steps: int, rounds: int, steps
         raw=dict(fit=fit),
     )
     row["fit_speedup"] = row["fit_ms"]["original"] / row["fit_ms"]["optimized"]
+    row["tuning_share"] = dict(
+        tuning_share(tuner.seconds if tuned else first_fit_tuning_s, first["optimized"], tuned),
+        epochs=epochs, epoch_steps=epoch_steps, where="optimize" if tuned else "first batch")
     keras.backend.clear_session()
     return row
 
@@ -337,12 +401,17 @@ def main(argv=None) -> int:
     parser.add_argument("--tuned", action="store_true",
                         help="optimize(model, tune=batch): time every candidate first (a long fit's plan)")
     parser.add_argument("--table", nargs="+", metavar="JSON", help="print the table of these results")
+    parser.add_argument("--shares", nargs="+", metavar="JSON",
+                        help="print the tuning shares of these results (two: the first over the second)")
     args = parser.parse_args(argv)
     if args.table:
         print(table(args.table))
         return 0
+    if args.shares:
+        print(share_table(shares_of(args.shares)))
+        return 0
     if not args.out:
-        parser.error("--out is required unless --table is given")
+        parser.error("--out is required unless --table or --shares is given")
     unknown = [n for n in args.shapes.split(",") if n not in SHAPES]
     if unknown:
         parser.error(f"--shapes: unknown {unknown}; choose from {', '.join(SHAPES)}")
@@ -372,6 +441,8 @@ def main(argv=None) -> int:
                        **measure(shape, args.epochs, args.epoch_steps, args.rounds, args.steps))
             print(f"{backend} {name} fit_ms {row['fit_ms']} first {row['first_call_s']}"
                   f"{' plans ' + str(row['plans']) if 'plans' in row else ''}", flush=True)
+            if "tuning_share" in row:
+                print(share_line(backend, name, row["tuning_share"]), flush=True)
         except Exception as err:  # noqa: BLE001 - record and go on
             row = dict(shape_name=name, shape=shape, error=f"{type(err).__name__}: {err}")
             print("ERROR", backend, name, row["error"], flush=True)

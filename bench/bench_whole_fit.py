@@ -14,9 +14,15 @@ by `--budget` still has the first pairs of everything.
 A child records `fit_s` (the fit call), `epoch_end_s` (seconds from the
 call's start to each epoch's end), `optimize_s` (the `optimize` call),
 `tuning_s`, the plans and the final loss; the parent adds `process_s`
-(the child's whole life). The summary gives, per shape and epoch count,
+(the child's whole life). rnnfuse's native libraries are built once
+first (`rnnfuse build-ops`, its seconds in `meta.prebuild`) and shared by
+the children, so no fit pays a compiler (`--child-builds`: each does). The summary gives, per shape and epoch count,
 the median `fit_s` of each model and `fit_speedup` = original / optimized
-(above 1: the optimized fit was faster), with the per-pair ratios.
+(above 1: the optimized fit was faster), with the per-pair ratios, and
+`tuning_share`: the median over the optimized fits of first-batch tuning's
+seconds (every candidate's first call included: on JAX its step's
+compile) over the fit's, which includes them. At 10 epochs this is the
+tuning-cost target's figure; `--shares` compares two backends' runs.
 
 Fresh processes: under torch the parent imports torch, Keras and rnnfuse
 once, without starting CUDA, and forks a child per measurement (a child
@@ -28,6 +34,7 @@ where CUDA was started in the parent, each child is a new interpreter
     KERAS_BACKEND=torch python bench/bench_whole_fit.py --out /tmp/whole_torch.json
     python bench/bench_whole_fit.py --shapes gru3x64,lstm2x40 --pairs 3 --out /tmp/whole_tf.json
     KERAS_BACKEND=torch python bench/bench_whole_fit.py --quick --out /tmp/q.json   # tiny, any machine
+    python bench/bench_whole_fit.py --shares /tmp/whole_jax.json /tmp/whole_tf.json  # tuning's shares
 """
 
 from __future__ import annotations
@@ -46,6 +53,7 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.dirname(HERE))
+from common import share_table, tuning_share  # noqa: E402
 
 # The four small float32 shapes and two large ones of bench_matrix.SHAPES.
 DEFAULT_SHAPES = "gru3x64,rnn3x256,lstm8x128,lstm2x40,lstm4x512,bilstm4x384"
@@ -106,8 +114,10 @@ def measure(job: dict) -> dict:
     history = model.fit(xe, ye, batch_size=shape["batch"], epochs=job["epochs"], verbose=0,
                         shuffle=False, callbacks=[EpochEnds()])
     fit_s = now() - start
+    from rnnfuse.backends.cuda import build
+
     row = dict(job, fit_s=fit_s, epoch_end_s=[e - start for e in ends], optimize_s=optimize_s,
-               loss=float(history.history["loss"][-1]))
+               loss=float(history.history["loss"][-1]), libraries=str(build.cache_dir().resolve()))
     if job["model"] == "optimized":
         from rnnfuse.fused import fused_layers
         from rnnfuse.tuning.first_batch import decisions
@@ -141,10 +151,14 @@ def _can_fork(backend: str) -> bool:
     return not torch.cuda.is_initialized()
 
 
-def run_child(job: dict, start: str, timeout_s: float) -> dict:
+def run_child(job: dict, start: str, timeout_s: float, ops: str | None = None) -> dict:
     """`job` in a fresh process with an empty plan cache: its row, with
-    `process_s`; an `error` row where it failed or ran past `timeout_s`."""
+    `process_s`; an `error` row where it failed or ran past `timeout_s`.
+    `ops`: the folder of built native libraries the child uses (none: it
+    builds them itself)."""
     cache = tempfile.mkdtemp(prefix="rnnfuse-whole-fit-")
+    if ops is not None:
+        os.symlink(ops, os.path.join(cache, "ops"))
     began = time.perf_counter()
     if start == "fork":
         row = _forked(job, cache, timeout_s)
@@ -196,16 +210,35 @@ def _forked(job: dict, cache: str, timeout_s: float) -> dict:
     return dict(job, error=f"the child exited with status {status} and no result")
 
 
+MODELS = ("original", "optimized")
+
+
+def prebuild() -> tuple[str, dict]:
+    """Builds rnnfuse's native libraries once (`rnnfuse build-ops`, in a
+    process of its own: the parent starts no CUDA), so that no child's fit
+    pays a compiler; returns their folder and what the build took."""
+    from rnnfuse.backends.cuda import build
+
+    began = time.perf_counter()
+    done = subprocess.run([sys.executable, "-m", "rnnfuse", "build-ops"], capture_output=True,
+                          text=True)
+    ops = build.cache_dir()
+    ops.mkdir(parents=True, exist_ok=True)
+    return str(ops), dict(seconds=round(time.perf_counter() - began, 2), rc=done.returncode,
+                          note=(done.stderr.strip() or done.stdout.strip())[-300:])
+
+
 def jobs(shapes: list[str], epochs: list[int], pairs: int, epoch_steps: int | None,
-         quick: bool, online: bool) -> list[dict]:
+         quick: bool, online: bool, models: tuple = MODELS) -> list[dict]:
     """Every measurement, pair-major: pair 1 of every shape and epoch count,
     then pair 2, ...; within a pair the model order flips every time.
+    `models=("optimized",)` leaves the originals out (tuning shares only).
 
     >>> js = jobs(["a", "b"], [1], 2, 5, True, False)
     >>> [(j["pair"], j["shape_name"], j["model"]) for j in js][:4]
     [(0, 'a', 'original'), (0, 'a', 'optimized'), (0, 'b', 'optimized'), (0, 'b', 'original')]
-    >>> len(js)
-    8
+    >>> len(js), len(jobs(["a", "b"], [1], 2, 5, True, False, ("optimized",)))
+    (8, 4)
     """
     out, flip = [], 0
     for pair in range(pairs):
@@ -213,7 +246,7 @@ def jobs(shapes: list[str], epochs: list[int], pairs: int, epoch_steps: int | No
             for e in epochs:
                 order = ("original", "optimized") if flip % 2 == 0 else ("optimized", "original")
                 flip += 1
-                for model in order:
+                for model in (m for m in order if m in models):
                     out.append(dict(pair=pair, shape_name=name, model=model, epochs=e,
                                     epoch_steps=epoch_steps_for(name, epoch_steps), quick=quick,
                                     online=online))
@@ -222,14 +255,20 @@ def jobs(shapes: list[str], epochs: list[int], pairs: int, epoch_steps: int | No
 
 def summarize(rows: list[dict]) -> list[dict]:
     """Per (shape, epochs): each model's median fit_s, `fit_speedup` =
-    original / optimized medians, and the ratio of each complete pair.
+    original / optimized medians, the ratio of each complete pair, and the
+    optimized fits' median tuning seconds and `tuning_share` (median of
+    each fit's tuning_s / fit_s).
 
     >>> rows = [dict(shape_name="a", epochs=1, pair=p, model=m, fit_s=s)
     ...         for p, (o, f) in enumerate([(2.0, 1.0), (3.0, 2.0)])
     ...         for m, s in (("original", o), ("optimized", f))]
+    >>> for r, t in zip(rows[1::2], (0.1, 0.4)):
+    ...     r["tuning_s"] = t
     >>> s = summarize(rows)[0]
     >>> s["fit_s"], s["fit_speedup"], s["pair_ratios"]
     ({'original': 2.5, 'optimized': 1.5}, 1.667, [2.0, 1.5])
+    >>> s["tuning_s"], s["tuning_share"]
+    (0.25, 0.15)
     """
     groups: dict = {}
     for r in rows:
@@ -246,8 +285,26 @@ def summarize(rows: list[dict]) -> list[dict]:
         row = dict(shape_name=name, epochs=e, fit_s=med, pair_ratios=ratios, pairs=len(ratios))
         if len(med) == 2:
             row["fit_speedup"] = round(med["original"] / med["optimized"], 3)
+        tuned = [r for r in rs if r["model"] == "optimized" and "tuning_s" in r and r["fit_s"] > 0]
+        if tuned:
+            row["tuning_s"] = round(statistics.median(r["tuning_s"] for r in tuned), 4)
+            row["tuning_share"] = round(statistics.median(
+                tuning_share(r["tuning_s"], r["fit_s"])["share"] for r in tuned), 4)
         out.append(row)
     return out
+
+
+def shares_of(files: list[str], epochs: int = 10) -> list[tuple[str, dict]]:
+    """[(backend, {shape: tuning share at `epochs`})] of result files, for
+    `share_table`."""
+    runs = []
+    for path in files:
+        with open(path) as f:
+            run = json.load(f)
+        shares = {s["shape_name"]: s["tuning_share"] for s in run["summary"]
+                  if s["epochs"] == epochs and "tuning_share" in s}
+        runs.append((run["meta"]["backend"], shares))
+    return runs
 
 
 def main(argv=None) -> int:
@@ -264,9 +321,20 @@ def main(argv=None) -> int:
     parser.add_argument("--start", choices=("auto", "fork", "exec"), default="auto",
                         help="how a fresh process starts (auto: fork under torch where safe)")
     parser.add_argument("--online", action="store_true", help="turn online tuning on in the optimized fit")
+    parser.add_argument("--models", default=",".join(MODELS),
+                        help="comma-separated models to run (optimized alone: tuning shares only)")
     parser.add_argument("--quick", action="store_true", help="tiny shapes, any machine")
+    parser.add_argument("--child-builds", action="store_true",
+                        help="each child builds rnnfuse's native libraries itself (a first install); "
+                             "by default they are built once first and shared")
+    parser.add_argument("--shares", nargs="+", metavar="JSON",
+                        help="print the tuning shares of 10-epoch fits in these results "
+                             "(two: the first over the second)")
     parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    if args.shares:
+        print(share_table(shares_of(args.shares)))
+        return 0
     if args.child:
         _child_main(json.loads(args.child))
         return 0
@@ -286,6 +354,9 @@ def main(argv=None) -> int:
     if unknown:
         parser.error(f"--shapes: unknown {unknown}; choose from {', '.join(bench_matrix.SHAPES)}")
     epochs = [int(e) for e in args.epochs.split(",") if e]
+    models = tuple(m for m in args.models.split(",") if m)
+    if not models or set(models) - set(MODELS):
+        parser.error(f"--models: {args.models!r}; choose from {', '.join(MODELS)}")
     backend = keras.backend.backend()
     start_mode = args.start
     if start_mode == "auto":
@@ -293,22 +364,34 @@ def main(argv=None) -> int:
     out = args.out or out_path(f"whole_fit_{backend}.json")
     meta = dict(backend=backend, keras=keras.__version__, rnnfuse=rnnfuse.__version__,
                 python=platform.python_version(), start=start_mode, pairs=args.pairs,
-                epochs=epochs, budget_s=args.budget, quick=args.quick, online=args.online)
+                epochs=epochs, budget_s=args.budget, quick=args.quick, online=args.online,
+                models=list(models))
+    began = time.perf_counter()  # the budget counts the build too
+    ops = None
+    if not args.child_builds:
+        if args.quick:  # tiny shapes on any machine: nothing to build first
+            from rnnfuse.backends.cuda import build
+
+            ops = str(build.cache_dir())
+            os.makedirs(ops, exist_ok=True)
+        else:
+            ops, meta["prebuild"] = prebuild()
+            print(f"native libraries built once in {meta['prebuild']['seconds']} s "
+                  f"(rc {meta['prebuild']['rc']}): {ops}", flush=True)
     rows, skipped = [], []
-    began = time.perf_counter()
-    for job in jobs(names, epochs, args.pairs, args.epoch_steps, args.quick, args.online):
+    for job in jobs(names, epochs, args.pairs, args.epoch_steps, args.quick, args.online, models):
         left = args.budget - (time.perf_counter() - began)
         if left <= 0:
             skipped.append(job)
             continue
-        row = run_child(job, start_mode, min(args.child_timeout, left + 30))
+        row = run_child(job, start_mode, min(args.child_timeout, left + 30), ops)
         if start_mode == "fork" and "error" in row and not any("error" not in r for r in rows):
             # No forked child has worked yet (a CUDA runtime that refuses a
             # forked process): new interpreters from here on.
             print("a forked child failed; each child is a new interpreter from now:",
                   row["error"], flush=True)
             start_mode = meta["start"] = "exec"
-            row = run_child(job, start_mode, min(args.child_timeout, left + 30))
+            row = run_child(job, start_mode, min(args.child_timeout, left + 30), ops)
         rows.append(row)
         if "error" in row:
             print("ERROR", row["shape_name"], row["model"], row["epochs"], row["error"], flush=True)
@@ -323,8 +406,10 @@ def main(argv=None) -> int:
     with open(out, "w") as f:
         json.dump(dict(meta=meta, summary=summary, results=rows, skipped=len(skipped)), f, indent=1)
     for s in summary:
+        share = ("" if "tuning_share" not in s else
+                 f" tuning {s['tuning_s']:.2f} s = {100 * s['tuning_share']:.1f}% of the fit")
         print(f"whole {s['shape_name']} epochs={s['epochs']}: fit_s {s['fit_s']} "
-              f"speedup {s.get('fit_speedup')} pairs {s['pair_ratios']}", flush=True)
+              f"speedup {s.get('fit_speedup')} pairs {s['pair_ratios']}{share}", flush=True)
     if skipped:
         print(f"budget reached: {len(skipped)} children not run", flush=True)
     return 0

@@ -70,3 +70,47 @@ def run_matrix(
     if skipped:
         print(f"time budget reached: {len(skipped)} configurations not run", flush=True)
     return results
+
+
+def tuning_share(tuning_s: float, fit_s: float, tuned_before_fit: bool = False) -> dict:
+    """Tuning's share of a whole `fit` as its user waits for it.
+
+    First-batch tuning runs inside the fit, so `fit_s` includes it; tuning
+    in `optimize(tune=batch)` runs before the fit, so the wait is both.
+
+    >>> tuning_share(2.0, 20.0)
+    {'tuning_s': 2.0, 'fit_s': 20.0, 'share': 0.1}
+    >>> tuning_share(2.0, 18.0, tuned_before_fit=True)
+    {'tuning_s': 2.0, 'fit_s': 20.0, 'share': 0.1}
+    >>> tuning_share(0.0, 0.0)["share"] is None
+    True
+    """
+    total = fit_s + (tuning_s if tuned_before_fit else 0.0)
+    return dict(tuning_s=tuning_s, fit_s=total, share=tuning_s / total if total > 0 else None)
+
+
+def share_table(runs: list[tuple[str, dict]]) -> str:
+    """A Markdown table of tuning shares: `runs` = [(backend, {shape: share})],
+    a column each; with two runs, the first's share over the second's (the
+    target "no more on JAX than on TensorFlow" holds where it is at most 1).
+
+    >>> print(share_table([("jax", {"a": 0.05, "b": 0.2}), ("tensorflow", {"a": 0.1})]))
+    | shape | jax | tensorflow | jax / tensorflow |
+    |---|---|---|---|
+    | a | 5.0% | 10.0% | 0.50 |
+    | b | 20.0% | - | - |
+    """
+    names = list(dict.fromkeys(n for _, shares in runs for n in shares))
+    cols = [backend for backend, _ in runs]
+    two = len(runs) == 2
+    if two:
+        cols.append(f"{runs[0][0]} / {runs[1][0]}")
+    lines = ["| shape | " + " | ".join(cols) + " |", "|---" * (len(cols) + 1) + "|"]
+    for n in names:
+        values = [shares.get(n) for _, shares in runs]
+        cells = ["-" if v is None else f"{100 * v:.1f}%" for v in values]
+        if two:
+            a, b = values
+            cells.append(f"{a / b:.2f}" if a is not None and b else "-")
+        lines.append(f"| {n} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)

@@ -62,3 +62,68 @@ def test_an_unknown_shape_is_named_with_the_choices(capsys):
         bench_matrix.main(["--shapes", "lstm9x9", "--out", "x.json"])
     assert exit_info.value.code == 2
     assert "unknown ['lstm9x9']; choose from lstm4x512" in capsys.readouterr().err
+
+
+class _FakeClock:
+    """A clock that moves only when read (a millisecond) or told to."""
+
+    def __init__(self):
+        self.t = 100.0
+
+    def __call__(self):
+        self.t += 0.001
+        return self.t
+
+
+@pytest.mark.parametrize("tuned", [False, True], ids=["first batch", "in optimize"])
+def test_the_tuning_share_is_the_tuners_seconds_over_the_fit_its_user_waits_for(tuned, monkeypatch):
+    """First-batch tuning is inside the first fit (its seconds over the fit's);
+    `--tuned` tuning runs in `optimize`, before the fit (over both)."""
+    import bench_user_view
+
+    import rnnfuse.api
+
+    fake = _FakeClock()
+    monkeypatch.setattr(bench_matrix, "clock", fake)
+    real_choose = rnnfuse.api.choose_plans
+
+    def slow_choose(*args, **kwargs):
+        fake.t += 2.0  # the tuner's candidates, on the fake clock
+        return real_choose(*args, **kwargs)
+
+    monkeypatch.setattr(rnnfuse.api, "choose_plans", slow_choose)
+    monkeypatch.setattr(bench_user_view, "_tuning_seconds", lambda model: 0.0 if tuned else 0.25)
+    shape = bench_matrix.quick(bench_matrix.SHAPES["gru3x64"])
+    row = bench_matrix.measure_keras(shape, epochs=2, epoch_steps=1, rounds=1, steps=1, tuned=tuned)
+    share, fit = row["tuning_share"], row["first_call_s"]["optimized"]
+    assert share["epochs"] == 2 and share["where"] == ("optimize" if tuned else "first batch")
+    if tuned:
+        assert share["tuning_s"] == pytest.approx(2.0, abs=0.01)
+        assert share["fit_s"] == pytest.approx(fit + share["tuning_s"])
+    else:
+        assert share["tuning_s"] == 0.25 and share["fit_s"] == fit
+    assert share["share"] == pytest.approx(share["tuning_s"] / share["fit_s"])
+    line = bench_matrix.share_line("torch", "gru3x64", share)
+    assert line.startswith(f"share torch gru3x64: tuning {share['tuning_s']:.2f} s of a 2-epoch fit")
+
+
+def test_the_shares_of_two_runs_make_one_table(tmp_path, capsys):
+    for backend, share in (("jax", 0.04), ("tensorflow", 0.05)):
+        run = dict(meta=dict(backend=backend), results=[
+            dict(shape_name="gru3x64", tuning_share=dict(tuning_s=1.0, fit_s=1.0 / share, share=share)),
+            dict(shape_name="lstm2x40", error="RuntimeError: no")])
+        (tmp_path / f"{backend}.json").write_text(json.dumps(run))
+    assert bench_matrix.main(["--shares", str(tmp_path / "jax.json"), str(tmp_path / "tensorflow.json")]) == 0
+    assert capsys.readouterr().out.splitlines() == [
+        "| shape | jax | tensorflow | jax / tensorflow |", "|---|---|---|---|",
+        "| gru3x64 | 4.0% | 5.0% | 0.80 |"]
+
+
+def test_the_examples_hold():
+    import doctest
+
+    import common
+
+    for module in (bench_matrix, common):
+        result = doctest.testmod(module)
+        assert result.attempted > 0 and result.failed == 0, module.__name__

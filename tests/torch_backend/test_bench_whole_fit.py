@@ -37,6 +37,10 @@ def test_a_quick_run_times_each_model_in_its_own_process_with_an_empty_cache(tmp
     assert all(d["source"] != "cache" for r in rows for d in r.get("decisions", []))
     assert {(s["shape_name"], s["epochs"], s["pairs"]) for s in run["summary"]} == {
         ("lstm2x40", 1, 1), ("lstm2x40", 2, 1)}
+    # ... and the parent's built libraries, shared, not a compiler run each.
+    from rnnfuse.backends.cuda import build
+
+    assert {r["libraries"] for r in rows} == {str(build.cache_dir().resolve())}
 
 
 def test_a_budget_spent_leaves_the_rest_unrun(tmp_path):
@@ -79,3 +83,34 @@ def test_host_timers_count_the_outermost_call_and_restore_the_methods():
     step = timers.per_step(1)
     assert step["rnnfuse_own_ms"] == step["fused_calls_ms"] - step["kernel_calls_in_fused_ms"]
     assert (keras.layers.RNN.__call__, FusedRNN.__call__) == before
+
+
+def test_the_tuning_shares_of_two_backends_make_one_table(tmp_path, capsys):
+    """`--shares`: each backend's median share at 10 epochs, the first over the second."""
+    for backend, fits in (("jax", (20.0, 10.0)), ("tensorflow", (20.0, 40.0))):
+        rows = [dict(shape_name="gru3x64", epochs=e, pair=0, model="optimized", fit_s=fit, tuning_s=2.0)
+                for e, fit in zip((10, 1), fits)]
+        run = dict(meta=dict(backend=backend), summary=bench_whole_fit.summarize(rows), results=rows)
+        (tmp_path / f"{backend}.json").write_text(json.dumps(run))
+    assert bench_whole_fit.main(["--shares", str(tmp_path / "jax.json"), str(tmp_path / "tensorflow.json")]) == 0
+    assert capsys.readouterr().out.splitlines()[2] == "| gru3x64 | 10.0% | 10.0% | 1.00 |"
+
+
+def test_the_libraries_are_built_once_before_the_children(tmp_path, monkeypatch):
+    import subprocess
+
+    monkeypatch.setenv("RNNFUSE_CACHE_DIR", str(tmp_path / "cache"))
+    calls = []
+
+    def build_ops(cmd, **kwargs):
+        calls.append(cmd[1:])
+        return subprocess.CompletedProcess(cmd, 0, stdout="built\n", stderr="")
+
+    monkeypatch.setattr(bench_whole_fit.subprocess, "run", build_ops)
+    out = tmp_path / "whole.json"
+    assert bench_whole_fit.main(["--shapes", "lstm2x40", "--epochs", "1", "--pairs", "1",
+                                 "--budget", "0", "--out", str(out)]) == 0
+    run = json.loads(out.read_text())
+    assert calls == [["-m", "rnnfuse", "build-ops"]]
+    assert run["meta"]["prebuild"]["rc"] == 0 and run["skipped"] == 2
+    assert (tmp_path / "cache" / "ops").is_dir()

@@ -19,6 +19,12 @@
 #   MATRIX_ARGS="--shapes lstm4x512" bash tools/gpu/batch.sh matrix-torch matrix-pytorch
 #   bash tools/gpu/batch.sh whole-fit-torch      # whole fits from fresh processes
 #   WHOLE_ARGS="--shapes gru3x64,lstm2x40 --pairs 5" bash tools/gpu/batch.sh whole-fit-tf
+#   WHOLE_ARGS="--epochs 10 --models optimized" bash tools/gpu/batch.sh tf-setup whole-fit-jax whole-fit-tf
+#     # tuning's share of a 10-epoch fit on each; then, here:
+#     # python bench/bench_whole_fit.py --shares whole_fit_jax.json whole_fit_tf.json
+#   DIAG_ARGS="--cells 15" bash tools/gpu/batch.sh jax-diag   # JAX's tuning seconds by candidate
+#   MATRIX_ARGS="--epochs 10" bash tools/gpu/batch.sh tf-setup tf-build jax-build matrix-jax matrix-tf
+#     # the matrix with tuning's share of its 10-epoch first fits (bench_matrix.py --shares)
 #   bash tools/gpu/batch.sh profile-small-torch  # where a small model's step goes
 #   AGREE_ARGS="--shapes gru3x64,lstm4x512" bash tools/gpu/batch.sh online-agreement-torch
 #   KEPT_ARGS="--rounds 15" bash tools/gpu/batch.sh kept-original-torch   # kept original, paired
@@ -78,6 +84,12 @@ run_stage() {
       s=$(limit tf-build 240)
       ( tf_env; timeout $s python3 -m rnnfuse build-ops ) > $log 2>&1; rc=$?
       echo "[$(since) s] tf-build rc $rc: $(tail -3 $log | tr '\n' ' ')" ;;
+    jax-build)
+      # The XLA FFI libraries (and the cuDNN core), so that no timed JAX run
+      # (matrix-jax's first fit, its tuning) pays a compiler.
+      s=$(limit jax-build 240)
+      ( torch_env; export KERAS_BACKEND=jax; timeout $s python3 -m rnnfuse build-ops ) > $log 2>&1; rc=$?
+      echo "[$(since) s] jax-build rc $rc: $(tail -3 $log | tr '\n' ' ')" ;;
     tf-tests)
       s=$(limit tf-tests 330)
       # TF_TESTS_K: a pytest -k expression (TESTS_ARGS is split on spaces,
@@ -132,7 +144,7 @@ run_stage() {
           --out $LOGS/whole_fit_${backend}${BENCH_TAG}.json ) > $log 2>&1; rc=$?
       cp $LOGS/whole_fit_${backend}${BENCH_TAG}.json $OUT/ 2>/dev/null
       echo "[$(since) s] $stage rc $rc"
-      summary $stage "^whole |ERROR|budget|forked" 30 ;;
+      summary $stage "^whole |^native |ERROR|budget|forked" 30 ;;
     kept-original-tf|kept-original-torch|kept-original-jax)
       # A group whose plan keeps the original layers, paired against the
       # original model (bench/bench_kept_original.py). KEPT_ARGS: its arguments.
@@ -178,6 +190,15 @@ run_stage() {
       cp $LOGS/tuning_cost_tf_h200${BENCH_TAG}.json $OUT/ 2>/dev/null
       echo "[$(since) s] tf-diag rc $rc"
       summary tf-diag "^cell|^    |Error" 40 ;;
+    jax-diag)
+      # Where JAX's first-batch tuning seconds go (each candidate's first
+      # call is its step's compile and one run); DIAG_ARGS as tf-diag's.
+      s=$(limit jax-diag 200)
+      ( torch_env; export KERAS_BACKEND=jax; timeout $s python3 bench/diag_tuning_cost.py ${DIAG_ARGS:---cells 15} \
+          --out $LOGS/tuning_cost_jax${BENCH_TAG}.json ) > $log 2>&1; rc=$?
+      cp $LOGS/tuning_cost_jax${BENCH_TAG}.json $OUT/ 2>/dev/null
+      echo "[$(since) s] jax-diag rc $rc"
+      summary jax-diag "^cell|^    |Error" 40 ;;
     tf-single|torch-single)
       s=$(limit $stage 200)
       local backend=${stage%-single}
