@@ -130,6 +130,10 @@ class FusedRNN(keras.layers.Layer):
         # (input shape, training) -> Plan or None, asked first by each call (the
         # tuner's `per_shape.Planner`); untracked and unsaved. None: `plan`.
         object.__setattr__(self, "planner", None)
+        # A runtime cuDNN algorithm (`Backend.algorithm_input`) that training
+        # calls of a cuDNN plan pass to the op instead of the plan's own, so
+        # one trace serves plans that differ only in it; untracked. None: the plan's.
+        object.__setattr__(self, "algorithm_input", None)
         # The CallPath of the last call, set by the branch that ran.
         self.last_path: CallPath | None = None
         if all(layer.built for layer in layers):
@@ -301,9 +305,12 @@ class FusedRNN(keras.layers.Layer):
              algorithm=None, mask_is_right_padded=False):
         if mask is not None:
             mask = tree.flatten(mask)[0]
+        plan = self._plan_for_call(sequences, training)
+        if (algorithm is None and self.algorithm_input is not None and training is True
+                and plan.kernel == "cudnn" and not plan.per_layer):
+            algorithm = self.algorithm_input.tensor()
         outputs, self.last_path = self._run(
-            self._plan_for_call(sequences, training), sequences, initial_state, mask, training,
-            algorithm, mask_is_right_padded,
+            plan, sequences, initial_state, mask, training, algorithm, mask_is_right_padded,
         )
         return outputs
 

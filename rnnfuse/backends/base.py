@@ -318,6 +318,13 @@ class Backend(abc.ABC):
         """`call` over `sequences` [B, T, F] as a `StackRun`; NotImplementedError
         where it cannot run this call (the original layers then run)."""
 
+    def algorithm_input(self) -> Any | None:
+        """A cuDNN algorithm read at run time, for `FusedRNN.algorithm_input`:
+        an object with `set(algorithm, dtype)` (an `rnnfuse.plan.Algorithm` or
+        None: standard) and `tensor()` (the value for `StackCall.algorithm`);
+        None where a trace takes the algorithm as a constant. Default: None."""
+        return None
+
     @abc.abstractmethod
     def concrete_bool(self, value: Any) -> bool | None:
         """A boolean scalar tensor's Python value where known now, or None

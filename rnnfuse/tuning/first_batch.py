@@ -112,6 +112,7 @@ def keras_call(model: keras.Model, x: Any, batch_size: int | None, *, training: 
         if state.online_fit is not None and outer is None:
             state.online_fit.finish()  # a fit that ended before its race did
             state.online_fit = None
+            release_algorithm_inputs(state)
         state.online_pending = {} if outer is None else state.online_pending
         state.keras_call, state.budget = outer, outer_budget
 
@@ -215,11 +216,20 @@ def online_train_function(model: keras.Model, make) -> Any:
     jit_of = {i: jit for i, (_, _, _, jit) in state.online_pending.items()}
     state.online_pending = {}
     check_gradients = state.check_gradients or GradientCheck()
+    inputs = _algorithm_inputs(model, state, races)
+
+    def trace_key(index, plan):
+        if index not in inputs:
+            return plan.name
+        return _shared_trace(plan.for_length(len(state.members[index].fused.fused_layers)))
 
     def apply(index, bucket, plan):
         member = state.members[index]
         plan = plan.for_length(len(member.fused.fused_layers))
         member.fused.set_plan(plan)
+        if index in inputs:
+            object.__setattr__(member.fused, "algorithm_input", inputs[index])
+            inputs[index].set(plan.cudnn_algorithm, member.fused.compute_dtype)
         if state.keras_call is not None:
             state.keras_call[(index, True)] = (bucket, plan)
         state.traced.setdefault(True, {})[index] = (bucket, plan)
@@ -235,6 +245,9 @@ def online_train_function(model: keras.Model, make) -> Any:
 
     def record(index, shape, result):
         member = state.members[index]
+        # Committed: the steps traced from now take the plan's algorithm as a
+        # constant (those traced in the race keep reading the winner's value).
+        object.__setattr__(member.fused, "algorithm_input", None)
         result = dataclasses.replace(result, group=member.group)
         jit = jit_of[index]
         state.decided[decision_key(index, True, shape, jit)] = result
@@ -252,9 +265,42 @@ def online_train_function(model: keras.Model, make) -> Any:
     races_by_index = {r[0]: r for r in races}
     state.online_fit = OnlineFit(
         races, make=make, apply=apply, record=record, check=check, install=install,
-        measure_step=state.measure_step,
+        measure_step=state.measure_step, trace_key=trace_key,
         warmup=default_warmup(environment.get("backend", "tensorflow")), repeats=REPEATS)
     return state.online_fit
+
+
+def _shared_trace(plan: Plan):
+    """What a training step traced for `plan` depends on where its cuDNN
+    algorithm is a runtime input: the plan, but the algorithm."""
+    if plan.kernel != "cudnn" or plan.per_layer:
+        return plan.name
+    return dataclasses.replace(plan, algorithm=None)
+
+
+def _algorithm_inputs(model: keras.Model, state: AutoTune, races) -> dict:
+    """{member index: `Backend.algorithm_input()`} for the races whose
+    candidates include plans that differ only in cuDNN's algorithm, where the
+    backend takes it at run time: those plans then share one traced step."""
+    if getattr(model, "_distribute_strategy", None) is not None:
+        return {}
+    inputs = {}
+    for index, _, _, plans in races:
+        n = len(state.members[index].fused.fused_layers)
+        keys = [_shared_trace(p.for_length(n)) for p in plans.values()]
+        if len(set(keys)) < len(keys):
+            holder = get_backend().algorithm_input()
+            if holder is None:
+                return {}
+            inputs[index] = holder
+    return inputs
+
+
+def release_algorithm_inputs(state: AutoTune) -> None:
+    """Detaches every member's runtime algorithm (a race over or cut short):
+    later traces take their plans' algorithms as constants."""
+    for member in state.members:
+        object.__setattr__(member.fused, "algorithm_input", None)
 
 
 def _traces_differ(before: dict, now: dict) -> bool:

@@ -140,15 +140,18 @@ class OnlineFit:
 
     `state` is the model's `per_shape.AutoTune`; `races` [(member, bucket,
     shape, {name: Plan})]; `make()` Keras' train function for the plans set
-    now (built once per candidate); `apply`, `record` and `install` set a
-    plan, keep a decision and install the final train function; `check` and
+    now (built once per `trace_key(member, plan)`: candidates with one key,
+    such as plans that differ only in a runtime cuDNN algorithm, share it;
+    default: one each); `apply`, `record` and `install` set a plan, keep a
+    decision and install the final train function; `check` and
     `measure_step` are the exactness check and the step timer.
     """
 
     def __init__(self, races, *, make, apply, record, install, check=None, measure_step=None,
-                 warmup: int = 1, repeats: int = 5):
+                 warmup: int = 1, repeats: int = 5, trace_key=None):
         self.races = list(races)
         self.make, self.apply, self.record, self.install = make, apply, record, install
+        self.trace_key = trace_key or (lambda index, plan: plan.name)
         self.check = check or (lambda index, plan: True)
         self.measure_step = measure_step or _wall_clock_step
         self.warmup, self.repeats = warmup, repeats
@@ -201,12 +204,11 @@ class OnlineFit:
             self.install(None)
 
     def _function(self, index, bucket, name, plan):
-        if name not in self.functions:
-            self.apply(index, bucket, plan)
-            self.functions[name] = self.make()
-        else:
-            self.apply(index, bucket, plan)
-        return self.functions[name]
+        key = self.trace_key(index, plan)
+        self.apply(index, bucket, plan)
+        if key not in self.functions:
+            self.functions[key] = self.make()
+        return self.functions[key]
 
     def _commit(self, last: bool = False) -> None:
         from rnnfuse.tuning.tuner import TuneResult
@@ -219,7 +221,7 @@ class OnlineFit:
                          if not self.race.times.get(n)})
         self.apply(index, bucket, plan)
         self.switches.append((index, name))
-        function = self.functions.get(name)
+        function = self.functions.get(self.trace_key(index, plan))
         self.record(index, shape, TuneResult(
             None, plan, "measured: online, on the fit's own steps", self.race.medians(), rejected))
         if last:

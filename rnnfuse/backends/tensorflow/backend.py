@@ -46,6 +46,15 @@ class TensorFlowBackend(KernelModuleBackend):
             tunes_one_call_per_layer=False,
         )
 
+    def algorithm_input(self):
+        # Under a distribution strategy the variable would be mirrored on
+        # each GPU: every candidate keeps a trace of its own there.
+        if tf.distribute.has_strategy() or not kernels.op_loaded():
+            return None
+        from rnnfuse.backends.tensorflow.cudnn_op import AlgorithmInput
+
+        return AlgorithmInput()
+
     def in_xla_context(self):
         return kernels.in_xla_context()
 

@@ -29,6 +29,7 @@ from rnnfuse.plan import ALGORITHM_NAMES, Algorithm
 
 __all__ = [
     "OP_DTYPES",
+    "AlgorithmInput",
     "algorithm_code",
     "call_op",
     "decode_algorithm_code",
@@ -105,6 +106,32 @@ def decode_algorithm_code(code: int) -> tuple[str, str]:
     """(cuDNN algorithm name, math type) of an `algorithm_code`."""
     code = int(code)
     return ALGORITHM_NAMES[code // 4], _MATHS[code % 4]
+
+
+class AlgorithmInput:
+    """The op's `algorithm` input as a variable: a step traced once runs the
+    algorithm `set` chose last, so plans that differ only in it share that
+    trace (the online race switches by assigning). An int32 scalar on the
+    host, which the op's HostMemory input reads without a device copy.
+
+    >>> chosen = AlgorithmInput()
+    >>> chosen.set(Algorithm.parse("persistent_static"), "float16")
+    >>> decode_algorithm_code(int(chosen.tensor()))
+    ('persistent_static', 'tensor_op')
+    """
+
+    def __init__(self):
+        with tf.init_scope(), tf.device("/CPU:0"):
+            self.variable = tf.Variable(algorithm_code(None, "float32"), dtype=tf.int32,
+                                        trainable=False, name="rnnfuse_cudnn_algorithm")
+
+    def set(self, algorithm: Algorithm | None, dtype: Any) -> None:
+        """Later runs of steps that read this input run `algorithm` in `dtype`."""
+        self.variable.assign(algorithm_code(algorithm, dtype))
+
+    def tensor(self):
+        """The value for `StackCall.algorithm` (read when the step runs)."""
+        return self.variable.read_value()
 
 
 def _module():
