@@ -117,6 +117,22 @@ class _OptimizedMixin:
         with first_batch.keras_call(self, x, batch_size, training=False, steps=steps):
             return super().predict(x, batch_size, *args, **kwargs)
 
+    def train_on_batch(self, x, y=None, *args, **kwargs):
+        """`keras.Model.train_on_batch`, planned as a `fit` of as many steps as
+        this mode's batch calls so far (`first_batch.batch_call`)."""
+        with first_batch.batch_call(self, x, training=True):
+            return super().train_on_batch(x, y, *args, **kwargs)
+
+    def test_on_batch(self, x, y=None, *args, **kwargs):
+        """`keras.Model.test_on_batch`, planned as `train_on_batch` is."""
+        with first_batch.batch_call(self, x, training=False):
+            return super().test_on_batch(x, y, *args, **kwargs)
+
+    def predict_on_batch(self, x):
+        """`keras.Model.predict_on_batch`, planned as `train_on_batch` is."""
+        with first_batch.batch_call(self, x, training=False):
+            return super().predict_on_batch(x)
+
     # Each mode's step is made with the jit_compile its plans allow.
     def make_train_function(self, force=False):
         if self.train_function is not None and not force:

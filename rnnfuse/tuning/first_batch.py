@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import datetime
+import functools
 import logging
 from typing import Any
 
@@ -54,6 +55,7 @@ from rnnfuse.tuning.tuner import (
 
 __all__ = [
     "attach",
+    "batch_call",
     "can_time_here",
     "decisions",
     "first_batch_shape",
@@ -93,19 +95,21 @@ def attach(model: keras.Model, groups, state: AutoTune) -> keras.Model:
 
 @contextlib.contextmanager
 def keras_call(model: keras.Model, x: Any, batch_size: int | None, *, training: bool,
-               steps: int | None = None):
+               steps: int | None = None, online: bool = True):
     """Around one `fit`, `evaluate` or `predict`: the plans decided for the
     call's first batch, held for the whole call, with timing held to what
-    `steps` can pay for (a call inside another spends the outer budget)."""
+    `steps` can pay for (a call inside another spends the outer budget);
+    `online`: a training call may race its candidates on its own steps."""
     state = getattr(model, "_rnnfuse_autotune", None)
     if state is None or not state.members:
         yield
         return
     outer, outer_budget = state.keras_call, state.budget
+    state.batch_memo.clear()  # this call may trace other plans
     if outer_budget is None and steps is not None and state.fit_share is not None:
         state.budget = TuningBudget(steps=int(steps), share=state.fit_share)
     try:
-        chosen = _prepare(model, state, x, batch_size, training)
+        chosen = _prepare(model, state, x, batch_size, training, online=online)
         state.keras_call = {**(outer or {}), **chosen}
         yield
     finally:
@@ -115,6 +119,57 @@ def keras_call(model: keras.Model, x: Any, batch_size: int | None, *, training: 
             release_algorithm_inputs(state)
         state.online_pending = {} if outer is None else state.online_pending
         state.keras_call, state.budget = outer, outer_budget
+
+
+@contextlib.contextmanager
+def batch_call(model: keras.Model, x: Any, *, training: bool):
+    """Around one `train_on_batch`, `test_on_batch` or `predict_on_batch`:
+    a call of as many steps as the mode's batch calls so far. So the first
+    calls of a loop run the plan a `fit` that short runs (the static table's
+    proven plan, where nothing is decided); once the loop is as long as a
+    call that can pay for timing, its next step is planned as any call of
+    unknown length (`per_shape.Planner`: timed in full where undecided).
+
+    >>> import keras, numpy as np, rnnfuse
+    >>> fast = rnnfuse.optimize(keras.Sequential([
+    ...     keras.Input((10, 4)), keras.layers.GRU(8, return_sequences=True), keras.layers.GRU(8)]))
+    >>> with batch_call(fast, np.zeros((2, 10, 4), "float32"), training=False):
+    ...     pass  # no GPU here: nothing to plan, the call runs as Keras' own
+    """
+    state = getattr(model, "_rnnfuse_autotune", None)
+    if state is None or not state.members or state.keras_call is not None or state.fit_share is None:
+        yield
+        return
+    calls = state.batch_calls[training] = state.batch_calls.get(training, 0) + 1
+    enough = _paying_calls(get_backend().name, state.fit_share)
+    if calls >= enough:
+        if calls == enough:
+            _retrace(model, state, training)  # the traces holding the short calls' plans
+            state.traced.pop(training, None)
+        yield
+        return
+    shape = getattr(_first_input(x), "shape", None)
+    rows = int(shape[0]) if shape is not None and len(shape) and shape[0] is not None else None
+    # A loop's next batch of the shape planned last, with nothing decided
+    # since: the same plans, without planning again (microseconds a call).
+    memo_key = (None if shape is None else tuple(shape), len(state.decided))
+    memo = state.batch_memo.get(training)
+    if memo is not None and memo[0] == memo_key:
+        state.keras_call = memo[1]
+        try:
+            yield
+        finally:
+            state.keras_call = None
+        return
+    with keras_call(model, x, rows, training=training, steps=calls, online=False):
+        state.batch_memo[training] = (memo_key, dict(state.keras_call))
+        yield
+
+
+@functools.lru_cache(maxsize=None)  # memo: asked on every batch call
+def _paying_calls(backend_name: str, share: float) -> int:
+    """The fewest steps a call needs to pay for timing (`TuningBudget.min_steps`)."""
+    return TuningBudget(steps=0, share=share).min_steps(default_warmup(backend_name), REPEATS)
 
 
 def prepare(model: keras.Model, x: Any, batch_size: int | None, *, training: bool) -> list[TuneResult]:
@@ -132,7 +187,7 @@ def prepare(model: keras.Model, x: Any, batch_size: int | None, *, training: boo
     return [r for r in found if r is not None]
 
 
-def _prepare(model, state: AutoTune, x, batch_size, training) -> dict:
+def _prepare(model, state: AutoTune, x, batch_size, training, online: bool = True) -> dict:
     """The decisions for the first batch of `x`, applied: (member, training)
     -> (bucket, plan), or None where the first batch cannot be known."""
     undecided = {(i, training): None for i in range(len(state.members))}
@@ -152,7 +207,7 @@ def _prepare(model, state: AutoTune, x, batch_size, training) -> dict:
         return undecided
     shapes = {i: _member_shape(m, shape) for i, m in enumerate(state.members)}
     jit = _keras_would_jit(model, state)
-    results = _online_races(state, environment, shapes, training, jit)
+    results = _online_races(state, environment, shapes, training, jit) if online else None
     if results is None:
         results = decide(state, environment, shapes, training, jit_baseline=jit)
     chosen, changed = {}, False

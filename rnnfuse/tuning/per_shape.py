@@ -114,6 +114,13 @@ class AutoTune:
     budget: TuningBudget | None = None
     # The share of a call's time its timing may take; None: no limit.
     fit_share: float | None = FIT_SHARE
+    # training -> the train_on_batch / test_on_batch / predict_on_batch calls
+    # of that mode so far: a loop of them pays for timing as a fit of as
+    # many steps would (`first_batch.batch_call`).
+    batch_calls: dict = dataclasses.field(default_factory=dict)
+    # training -> ((input shape, decisions made), keras_call) of the last
+    # batch call planned (`first_batch.batch_call` reuses it).
+    batch_memo: dict = dataclasses.field(default_factory=dict)
     # Race the candidates on a fit's own first steps instead of timing them
     # apart (`rnnfuse.tuning.online`); off by default.
     online: bool = False
@@ -208,7 +215,9 @@ def decide(state: AutoTune, environment: dict, shapes: dict, training: bool, *,
             group = state.members[i].group
             out[i] = result = TuneResult(
                 group, static_plan(group, group.dtype, training, shape[0], proven_only=True), why)
-            state.decisions.append(decision_record(result, shape, training, jit_baseline))
+            record = decision_record(result, shape, training, jit_baseline)
+            if not _noted_static(state.decisions, record):
+                state.decisions.append(record)
         return out
     groups = [state.members[i].group for i in todo]
     shape_of = {id(state.members[i].group): shape for i, shape in todo.items()}
@@ -248,6 +257,17 @@ def decide(state: AutoTune, environment: dict, shapes: dict, training: bool, *,
         _log(result, shape, training, seconds)
         state.decisions.append(decision_record(result, shape, training, jit_baseline))
     return out
+
+
+def _noted_static(records: list, record: dict) -> bool:
+    """Whether the last record of `record`'s group, mode and bucket is already
+    a static one for the same plan (a loop of short calls notes it once)."""
+    for earlier in reversed(records):
+        if (earlier["layers"], earlier["mode"], earlier["bucket"]) == (
+                record["layers"], record["mode"], record["bucket"]):
+            return (earlier["source"].startswith("static: a call of")
+                    and earlier["chosen"] == record["chosen"])
+    return False
 
 
 def decision_key(index: int, training: bool, shape: tuple, xla_baseline: bool) -> tuple:
