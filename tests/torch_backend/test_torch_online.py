@@ -158,3 +158,34 @@ def test_the_race_alone():
     # "fused" is faster but within the margin: the original layers stay.
     assert race.committed == "per-layer" and "split 2+2" not in race.times or not race.times["split 2+2"]
     assert race.rejected == {"split 2+2": "failed the exactness check"}
+
+
+def test_the_races_own_step_timer_reads_the_clock_and_commits_the_fastest(fake_gpu, fake_clock,
+                                                                         monkeypatch):
+    """No injected step timer: the race times each step on rnnfuse's clock,
+    which each step here advances by its plan's cost."""
+    from rnnfuse.fused import FusedRNN
+
+    model = stack_model("gru", 3, steps=6)
+    fast, state = _online(model, MEDIANS)
+    state.measure_step = None  # the race's own timer (online._wall_clock_step)
+    real_run, real_original = FusedRNN._run, FusedRNN._original_call
+
+    def run(self, plan, *args, **kwargs):
+        if self.planner is not None:  # the model's layer, not a split plan's piece
+            fake_clock.advance(MEDIANS[plan.name])
+        return real_run(self, plan, *args, **kwargs)
+
+    def original(self, *args, **kwargs):
+        fake_clock.advance(MEDIANS["per-layer"])
+        return real_original(self, *args, **kwargs)
+
+    monkeypatch.setattr(FusedRNN, "_run", run)
+    monkeypatch.setattr(FusedRNN, "_original_call", original)
+    x, y = _data(model)
+    fast.compile(optimizer="sgd", loss="mse")
+    fast.fit(x, y, batch_size=4, epochs=4, verbose=0)
+    (record,) = first_batch.decisions(fast)
+    assert record["source"] == "measured: online, on the fit's own steps"
+    assert record["chosen"] == "fused"
+    assert record["timings_ms"] == {name: 1e3 * s for name, s in MEDIANS.items()}
