@@ -166,6 +166,28 @@ def test_pack_canonical_is_canonical_params_of_pack_params(kind, bidirectional, 
             assert (a is None and b is None) or torch.equal(a, b)
 
 
+@pytest.mark.parametrize("kind", ["gru", "lstm"])
+def test_pack_canonical_gathers_once_and_reads_new_weights(kind, monkeypatch):
+    """A stack without a doubled input kernel packs in one gather whose
+    index is built once per stack and slice; a later call reads the
+    variables' new values (weights change every step), value for value."""
+    spec, _ = _pack_case(kind, False, "concat", True, 0)
+    built = []
+    real = torch_backend._canonical_pieces
+    monkeypatch.setattr(torch_backend, "_canonical_pieces",
+                        lambda *args: (built.append(args[0]), real(*args))[1])
+    first = torch_backend.pack_canonical(spec, torch.float32, "cpu", 1, 2)
+    assert len(built) == 2  # the index: one pass over the two levels' cells
+    for cell in spec.cells[1][0], spec.cells[2][0]:
+        cell.kernel.assign(cell.kernel.numpy() + 1.0)
+    again = torch_backend.pack_canonical(spec, torch.float32, "cpu", 1, 2)
+    assert len(built) == 2  # reused
+    weights = torch_backend.pack_params(spec, torch.float32, "cpu")
+    per = len(weights) // spec.num_pseudo_layers
+    want = cudnn_core.canonical_params(weights[per:3 * per], 2)
+    assert torch.equal(again, want) and not torch.equal(first, want)
+
+
 # -- the fused call on the (emulated) core ---------------------------------------------
 
 

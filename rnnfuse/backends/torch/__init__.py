@@ -58,6 +58,7 @@ import weakref
 from typing import Any, Sequence
 
 import keras
+import numpy as np
 import torch
 from torch.nn.utils import rnn as rnn_utils
 
@@ -363,6 +364,13 @@ def pack_canonical(
     levels = stack.num_levels - first if levels is None else levels
     dtype = _torch_dtype(dtype)
     read = _reader()
+    gather = _gather_for(stack, first, levels, read)
+    if gather is not None:
+        variables, index = gather
+        raw = [read(v).reshape(-1) for v in variables]
+        # Slot 0 of the gathered buffer is the zero every constant bias reads.
+        buffer = torch.cat([_zeros(1, raw[0])] + raw)
+        return buffer.index_select(0, index).to(device=torch.device(device), dtype=dtype)
     mats, biases = [], []
     for i in range(first, first + levels):
         for cell in stack.cells[i]:
@@ -375,6 +383,52 @@ def pack_canonical(
         if m is not None:
             group.append(m)
     return torch.cat(flats + biases).to(device=torch.device(device), dtype=dtype)
+
+
+_GATHERS: dict[tuple, tuple] = {}
+
+
+def _gather_for(stack: StackSpec, first: int, levels: int, read) -> tuple | None:
+    """(variables, index) such that `pack_canonical`'s buffer is the
+    variables' values, flattened and concatenated after one zero, gathered
+    by `index`: one copy and one gather a call (and one scatter back in the
+    backward) instead of a few ops per pseudo-layer, the same values and
+    gradients (a permutation, each variable element read once). The index
+    is `pack_canonical`'s own layout, built once per stack, slice and
+    device by packing tensors that hold each element's position. None
+    where a call keeps the general path: in a trace, where a variable's
+    value is not a plain tensor, or with a doubled input kernel (whose
+    halves' gradients sum)."""
+    if any(stack.input_scale(i) is not None for i in range(first, first + levels)):
+        return None
+    cells = [cell for i in range(first, first + levels) for cell in stack.cells[i]]
+    probe = read(cells[0].kernel)
+    if not cudnn_core.runs_eagerly(probe):
+        return None
+    key = (id(stack), first, levels, probe.device)
+    found = _GATHERS.get(key)
+    if found is not None:
+        return found
+    variables, positions = [], {}
+
+    def read_positions(variable):
+        if id(variable) not in positions:
+            size = int(np.prod(variable.shape))
+            start = 1 + sum(int(np.prod(v.shape)) for v in variables)
+            variables.append(variable)
+            positions[id(variable)] = torch.arange(
+                start, start + size, dtype=torch.float64).reshape(tuple(variable.shape))
+        return positions[id(variable)]
+
+    mats, biases = [], []
+    for i in range(first, first + levels):
+        for cell in stack.cells[i]:
+            _canonical_pieces(stack.kind, cell, None, torch.float64, read_positions, mats, biases)
+    flat = torch.cat([m.reshape(-1) for m in mats] + biases)
+    index = flat.to(torch.int64).to(probe.device)
+    _GATHERS[key] = (variables, index)
+    weakref.finalize(stack, _GATHERS.pop, key, None)  # dropped with its stack
+    return variables, index
 
 
 _ZEROS: dict[tuple, torch.Tensor] = {}
