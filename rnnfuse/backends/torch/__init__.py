@@ -368,7 +368,7 @@ def pack_canonical(
     if gather is not None:
         variables, index = gather
         raw = [read(v).reshape(-1) for v in variables]
-        # Slot 0 of the gathered buffer is the zero every constant bias reads.
+        # Slot 0 is the zero every constant bias reads (its gradient is dropped).
         buffer = torch.cat([_zeros(1, raw[0])] + raw)
         return buffer.index_select(0, index).to(device=torch.device(device), dtype=dtype)
     mats, biases = [], []
@@ -391,9 +391,10 @@ _GATHERS: dict[tuple, tuple] = {}
 def _gather_for(stack: StackSpec, first: int, levels: int, read) -> tuple | None:
     """(variables, index) such that `pack_canonical`'s buffer is the
     variables' values, flattened and concatenated after one zero, gathered
-    by `index`: one copy and one gather a call (and one scatter back in the
-    backward) instead of a few ops per pseudo-layer, the same values and
-    gradients (a permutation, each variable element read once). The index
+    by `index`: one copy and one gather a call (one scatter back in the
+    backward) instead of a few ops per pseudo-layer each way, the same
+    values and gradients (each variable element read once, so its gradient
+    is one value added to zero, in any order). The index
     is `pack_canonical`'s own layout, built once per stack, slice and
     device by packing tensors that hold each element's position. None
     where a call keeps the general path: in a trace, where a variable's
@@ -406,9 +407,9 @@ def _gather_for(stack: StackSpec, first: int, levels: int, read) -> tuple | None
     if not cudnn_core.runs_eagerly(probe):
         return None
     key = (id(stack), first, levels, probe.device)
-    found = _GATHERS.get(key)
-    if found is not None:
-        return found
+    if key in _GATHERS:
+        return _GATHERS[key]
+    weakref.finalize(stack, _GATHERS.pop, key, None)  # dropped with its stack
     variables, positions = [], {}
 
     def read_positions(variable):
@@ -424,11 +425,13 @@ def _gather_for(stack: StackSpec, first: int, levels: int, read) -> tuple | None
     for i in range(first, first + levels):
         for cell in stack.cells[i]:
             _canonical_pieces(stack.kind, cell, None, torch.float64, read_positions, mats, biases)
-    flat = torch.cat([m.reshape(-1) for m in mats] + biases)
-    index = flat.to(torch.int64).to(probe.device)
-    _GATHERS[key] = (variables, index)
-    weakref.finalize(stack, _GATHERS.pop, key, None)  # dropped with its stack
-    return variables, index
+    index = torch.cat([m.reshape(-1) for m in mats] + biases).to(torch.int64)
+    reads = index[index > 0] - 1
+    if not torch.equal(torch.sort(reads).values, torch.arange(len(reads))):
+        _GATHERS[key] = None  # not a permutation of the variables' elements
+        return None
+    found = _GATHERS[key] = (variables, index.to(probe.device))
+    return found
 
 
 _ZEROS: dict[tuple, torch.Tensor] = {}
