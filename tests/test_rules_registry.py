@@ -169,3 +169,16 @@ def test_layer_reason_runs_the_registry_in_order():
     bi.build((None, 3, 2))
     reason = rules.layer_reason(bi)
     assert reason.rule == "reset_after" and reason.startswith("its forward layer")
+
+
+def test_rules_for_is_remembered_and_sees_a_rule_registered_later(monkeypatch):
+    """The runtime check asks the same question on every call: the answer
+    is kept, and a rule added to the registry afterwards is in the next one."""
+    from rnnfuse.rules import registry
+
+    first = rules.rules_for("runtime", "call")
+    assert rules.rules_for("runtime", "call") == first
+    late = rules.Rule("late_rule", "runtime", "a rule registered after the first call",
+                      lambda *args: "late", "call")
+    monkeypatch.setitem(registry.RULES, ("runtime", "late_rule"), late)
+    assert rules.rules_for("runtime", "call") == first + [late]

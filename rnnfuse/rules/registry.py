@@ -70,16 +70,26 @@ def _named(name: str, check: Callable) -> Callable:
     return named
 
 
+# (scope, applies, len(RULES)) -> rules_for's answer: a call's runtime
+# check asks the same question on every call.
+_SELECTED: dict[tuple, tuple[Rule, ...]] = {}
+
+
 def rules_for(scope: str, applies: str | None = None) -> list[Rule]:
     """The rules of `scope` (and `applies`), in evaluation order."""
-    return [
-        r for r in RULES.values() if r.scope == scope and (applies is None or r.applies == applies)
-    ]
+    key = (scope, applies, len(RULES))
+    found = _SELECTED.get(key)
+    if found is None:
+        found = _SELECTED[key] = tuple(
+            r for r in RULES.values()
+            if r.scope == scope and (applies is None or r.applies == applies))
+    return list(found)
 
 
 def first_reason(scope: str, applies: str, *args) -> Reason | None:
     """The Reason of the first rule of `scope` and `applies` that `args` fail, or None."""
-    for r in rules_for(scope, applies):
+    key = (scope, applies, len(RULES))
+    for r in _SELECTED[key] if key in _SELECTED else rules_for(scope, applies):
         reason = r.check(*args)
         if reason is not None:
             return reason
