@@ -400,16 +400,16 @@ def _gather_for(stack: StackSpec, first: int, levels: int, read) -> tuple | None
     where a call keeps the general path: in a trace, where a variable's
     value is not a plain tensor, or with a doubled input kernel (whose
     halves' gradients sum)."""
-    if any(stack.input_scale(i) is not None for i in range(first, first + levels)):
-        return None
-    cells = [cell for i in range(first, first + levels) for cell in stack.cells[i]]
-    probe = read(cells[0].kernel)
+    probe = read(stack.cells[first][0].kernel)
     if not cudnn_core.runs_eagerly(probe):
         return None
     key = (id(stack), first, levels, probe.device)
     if key in _GATHERS:
         return _GATHERS[key]
     weakref.finalize(stack, _GATHERS.pop, key, None)  # dropped with its stack
+    if any(stack.input_scale(i) is not None for i in range(first, first + levels)):
+        _GATHERS[key] = None
+        return None
     variables, positions = [], {}
 
     def read_positions(variable):
