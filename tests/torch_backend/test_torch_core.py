@@ -524,3 +524,20 @@ def test_an_eager_call_skips_the_custom_ops_dispatch_and_a_fake_one_takes_it(cor
         fx, fp, fh = (mode.from_tensor(t) for t in plain)
         y_fake, _, _ = cudnn_core.run(fx, "lstm", 1, 4, fp, fh, fh)
     assert tuple(y_fake.shape) == (5, 2, 4) and core == []
+
+
+def test_zero_initial_states_are_made_once_and_stay_zero(core):
+    """A fused call without initial states reads zeros made once per shape
+    (the core only reads them): training steps leave them zero, and a call
+    gives what a call with explicit zero states gives."""
+    model = _stack("lstm", False)
+    randomize(model, 3, 0.5)
+    layer = fused_layers(rnnfuse.optimize(model, plan=rnnfuse.FUSED))[0]
+    x = torch.from_numpy(np.random.default_rng(4).standard_normal((4, 9, 5)).astype("float32"))
+    torch_backend._ZERO_STATES.clear()
+    for _ in range(2):
+        layer(x, training=True).sum().backward()
+    assert len(torch_backend._ZERO_STATES) == 1  # h and c: both [3, 4, 6]
+    assert all(not bool(t.any()) for t in torch_backend._ZERO_STATES.values())
+    with torch.no_grad():
+        assert torch.equal(layer(x), layer(x, initial_state=[torch.zeros(4, 6)] * 2))

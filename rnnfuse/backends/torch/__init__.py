@@ -537,9 +537,14 @@ def _states(
     width: int,
     batch: int,
     like: torch.Tensor,
+    shared_zeros: bool = False,
 ) -> torch.Tensor:
-    """[levels * directions, B, width] from per-pseudo-layer states (None: 0)."""
-    if not given or all(s is None for s in given):  # one allocation, no stacking
+    """[levels * directions, B, width] from per-pseudo-layer states (None: 0);
+    `shared_zeros`: all-zero states may be `_zero_states`' (for kernels known
+    to only read them)."""
+    if not given or all(s is None for s in given):
+        if shared_zeros:
+            return _zero_states((stack.num_pseudo_layers, batch, width), like)
         return torch.zeros((stack.num_pseudo_layers, batch, width), dtype=like.dtype,
                            device=like.device)
     zeros = torch.zeros((batch, width), dtype=like.dtype, device=like.device)
@@ -553,6 +558,24 @@ def _states(
             for s in given
         ]
     )
+
+
+_ZERO_STATES: dict[tuple, torch.Tensor] = {}
+
+
+def _zero_states(shape: tuple, like: torch.Tensor) -> torch.Tensor:
+    """Zero initial states of `shape` for a kernel that only reads them: an
+    eager call on plain tensors reads one made once per shape (no
+    allocation or fill a call); a trace makes its own."""
+    if not cudnn_core.runs_eagerly(like):
+        return torch.zeros(shape, dtype=like.dtype, device=like.device)
+    key = (shape, like.dtype, like.device)
+    found = _ZERO_STATES.get(key)
+    if found is None:
+        if len(_ZERO_STATES) >= 256:  # a long run of new shapes: start over
+            _ZERO_STATES.clear()
+        found = _ZERO_STATES[key] = torch.zeros(shape, dtype=like.dtype, device=like.device)
+    return found
 
 
 def _reverse_within_lengths(x: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
@@ -811,9 +834,10 @@ def run_stack(sequences: Any, call: StackCall) -> StackRun:
     stack, dropout = call.stack, float(call.dropout)
     x = keras.ops.convert_to_tensor(sequences)
     batch, steps = int(x.shape[0]), int(x.shape[1])
-    hx: Any = _states(call.initial_h, stack, stack.output_size, batch, x)
+    # torch._VF and the cuDNN core only read the initial states.
+    hx: Any = _states(call.initial_h, stack, stack.output_size, batch, x, shared_zeros=True)
     if stack.kind == "lstm":
-        hx = (hx, _states(call.initial_c, stack, stack.units, batch, x))
+        hx = (hx, _states(call.initial_c, stack, stack.units, batch, x, shared_zeros=True))
     lengths = _short_lengths(call.mask, steps)
     if call.reverse:
         x = torch.flip(x, [1]) if lengths is None else _reverse_within_lengths(x, lengths)
