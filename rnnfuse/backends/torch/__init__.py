@@ -953,11 +953,13 @@ def _run_on_core(stack, x, lengths, hx, dropout, seed, algorithm, per_call, exac
                            allow_tf32, note)
 
 
+# The name a call without an algorithm reports (the standard one's).
+_STANDARD_NAME = "standard"
+
+
 def _core_calls(stack, x, lengths, h0, c0, dropout, seed, algorithm, per_call,
                 allow_tf32, note):
     """`_run_on_core`'s calls with one algorithm (None: standard)."""
-    from rnnfuse.plan import Algorithm
-
     lstm = stack.kind == "lstm"
     dirs = stack.num_directions
     code = cudnn_core.algorithm_code(algorithm, x.dtype, allow_tf32)
@@ -985,7 +987,7 @@ def _core_calls(stack, x, lengths, h0, c0, dropout, seed, algorithm, per_call,
     final_c = None
     if lstm:
         final_c = torch.cat([f[1] for f in finals]) if len(finals) > 1 else finals[0][1]
-    name = (algorithm or Algorithm()).name
+    name = _STANDARD_NAME if algorithm is None else algorithm.name
     calls = len(finals)
     if calls > 1:
         split = f"{calls} calls of {per_call} level(s) each"

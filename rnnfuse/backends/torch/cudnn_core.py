@@ -309,8 +309,11 @@ def runs_eagerly(*tensors: torch.Tensor) -> bool:
     a tensor made once may be kept and reused."""
     if torch.compiler.is_compiling():
         return False
-    return all(type(t) in (torch.Tensor, torch.nn.Parameter) and t.device.type != "meta"
-               and not torch._C._functorch.is_functorch_wrapped_tensor(t) for t in tensors)
+    wrapped = torch._C._functorch.is_functorch_wrapped_tensor
+    return all(type(t) in _PLAIN and not t.is_meta and not wrapped(t) for t in tensors)
+
+
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
 
 
 def run(x: torch.Tensor, kind: str, num_layers: int, units: int, params: torch.Tensor,
