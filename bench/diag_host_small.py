@@ -165,9 +165,10 @@ def measure_torch(shape: dict, steps: int, rounds: int) -> dict:
     torch_backend.core_applies = lambda x: True
     try:
         layer = _fused_layer(shape)
-        x = torch.from_numpy(_inputs(shape))
-
         params = [v.value for v in layer.trainable_variables]
+        # Where the variables are (a GPU, if any: its launches are then measured).
+        device = params[0].device
+        x = torch.from_numpy(_inputs(shape)).to(device)
 
         # Gradients returned, not accumulated into .grad: accumulation is
         # the optimizer's business, the same for the original layers.
@@ -175,7 +176,7 @@ def measure_torch(shape: dict, steps: int, rounds: int) -> dict:
             torch.autograd.grad(layer(x, training=True).sum(), params)
 
         out_shape = tuple(layer(x, training=True).shape)
-        leaf = torch.zeros(out_shape, requires_grad=True)
+        leaf = torch.zeros(out_shape, device=device, requires_grad=True)
 
         def floor():
             torch.autograd.grad(leaf.sum(), [leaf])
@@ -183,7 +184,7 @@ def measure_torch(shape: dict, steps: int, rounds: int) -> dict:
         # Keras' own price of one layer call (a layer whose call is one
         # multiply), which the original model pays once per layer.
         plain = _plain_layer()
-        weight = torch.ones((), requires_grad=True)
+        weight = torch.ones((), device=device, requires_grad=True)
 
         def keras_call():
             torch.autograd.grad(plain(x, weight).sum(), [weight])

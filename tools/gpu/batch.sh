@@ -26,6 +26,7 @@
 #   MATRIX_ARGS="--epochs 10" bash tools/gpu/batch.sh tf-setup tf-build jax-build matrix-jax matrix-tf
 #     # the matrix with tuning's share of its 10-epoch first fits (bench_matrix.py --shares)
 #   bash tools/gpu/batch.sh profile-small-torch  # where a small model's step goes
+#   bash tools/gpu/batch.sh host-small-torch     # rnnfuse's own host time a step, kernels faked
 #   AGREE_ARGS="--shapes gru3x64,lstm4x512" bash tools/gpu/batch.sh online-agreement-torch
 #   KEPT_ARGS="--rounds 15" bash tools/gpu/batch.sh kept-original-torch   # kept original, paired
 #   bash tools/gpu/batch.sh wavefront-segments   # stacks larger than the chip
@@ -182,6 +183,17 @@ run_stage() {
       cp $LOGS/profile_small_torch${BENCH_TAG}.json $OUT/ 2>/dev/null
       echo "[$(since) s] $stage rc $rc"
       summary $stage "fit_ms|host|profile|knob|ERROR|Error" 40 ;;
+    host-small-torch)
+      # rnnfuse's own host time a training step of the small shapes' fused
+      # layer, the cuDNN core's calls faked (bench/diag_host_small.py): on
+      # this host, the packing and binding launch on the GPU. HOST_ARGS: its
+      # arguments (e.g. --size full).
+      s=$(limit host-small-torch 150)
+      ( torch_env; timeout $s python3 bench/diag_host_small.py --rounds 7 ${HOST_ARGS} \
+          --out $LOGS/host_small_torch${BENCH_TAG}.json ) > $log 2>&1; rc=$?
+      cp $LOGS/host_small_torch${BENCH_TAG}.json $OUT/ 2>/dev/null
+      echo "[$(since) s] $stage rc $rc"
+      summary $stage "^gru|^rnn|^lstm|ERROR|Error" 20 ;;
     tf-diag)
       # DIAG_ARGS: bench/diag_tuning_cost.py's arguments (e.g. --cells 19 --compare 2).
       s=$(limit tf-diag 200)
