@@ -230,3 +230,50 @@ def test_first_batch_fit_survives_an_original_candidate_that_fails(emulated_core
     assert record["chosen"] != "per-layer"
     (layer,) = fused_layers(fast)
     assert layer.last_path.kind is PathKind.FUSED
+
+
+class _ClockedTimer(fake_clock.FakeTimer):
+    """Fixed medians; timing a candidate advances `clock` by 6 calls' worth."""
+
+    default = 0.5
+
+    def __init__(self, clock, medians):
+        super().__init__(medians)
+        self.clock = clock
+
+    def __call__(self, steps):
+        out = super().__call__(steps)
+        self.clock.now += sum(6 * s["median"] for s in out.values())
+        return out
+
+
+@pytest.mark.parametrize("fit_steps, source", [
+    (100, "measured: within the call's budget"), (100_000, "measured")])
+def test_a_budget_without_the_original_layers_scales_with_the_fastest_step(
+        fit_steps, source, keras_sees_gpu, monkeypatch):
+    """The budget is a share of the fit's steps at the original layers'
+    speed; where they cannot run, at the fastest step timed (the fit runs
+    that), so a long fit times every candidate and a short one the static
+    plan only."""
+    from rnnfuse.tuning.budget import TuningBudget
+    from rnnfuse.tuning.clock import using_clock
+
+    class Clock:
+        now = 0.0
+
+        def __call__(self):
+            return self.now
+
+    clock = Clock()
+    monkeypatch.setattr(tuner, "_steps", _steps_raising([]))
+    timer = _ClockedTimer(clock, {"fused": 0.4})
+    model = stack_model("lstm", 3, dtype="mixed_float16")
+    with using_clock(clock):
+        (result,) = tuner.tune_plans(
+            rnnfuse.analyze(model).groups, lambda g: (4, 7, 5), environment=dict(ENV),
+            measure=timer, check_gradients=lambda *a: 0.0, progress=False,
+            budget=TuningBudget(steps=fit_steps))
+    timed = sorted(set().union(*map(set, timer.names)))
+    assert result.source == source, (result.source, result.rejected)
+    assert "per-layer" not in timed and _fused(result.plan)
+    assert (timed == ["fused"]) == (fit_steps == 100), timed
