@@ -33,7 +33,7 @@ from rnnfuse.tuning.per_shape import AutoTune
 from rnnfuse.tuning.cache import PlanCache, default_cache
 from rnnfuse.plan import Plan
 from rnnfuse.tuning.plans import split_groups
-from rnnfuse.tuning.table import static_plan
+from rnnfuse.tuning.table import static_plan, static_source
 from rnnfuse.tuning.tuner import TuneResult, tune_plans
 
 __all__ = ["TuneShape", "analyze", "choose_plans", "optimize"]
@@ -165,7 +165,8 @@ def _first_batch_plans(groups, training) -> list[TuneResult]:
     """One switchable FusedRNN per group, on its static plan for now; the
     first batch chooses (`rnnfuse.tuning.first_batch`)."""
     return [
-        TuneResult(g, static_plan(g, g.dtype, training), "static: until the first batch")
+        TuneResult(g, static_plan(g, g.dtype, training),
+                   static_source(g, g.dtype, "static: until the first batch"))
         for g in groups
     ]
 
@@ -236,7 +237,7 @@ def choose_plans(model, groups, *, tune=None, training=True, plan=None, cache=No
         return chosen
     if tune is None or tune is False or (isinstance(tune, str) and tune == AUTO):
         return [
-            TuneResult(g, static_plan(g, g.dtype, training), "static")
+            TuneResult(g, static_plan(g, g.dtype, training), static_source(g, g.dtype))
             for g in groups
         ]
     batch, steps = _tune_shape(model, tune)

@@ -37,6 +37,7 @@ __all__ = [
     "PACKED_MERGES",
     "STACKABLE_MERGES",
     "RecurrentView",
+    "called_with_mask",
     "describe",
     "input_merges",
     "is_recurrent",
@@ -269,3 +270,23 @@ def keras_has_cudnn_path(view: RecurrentView) -> bool:
         type(layer) in (keras.layers.LSTM, keras.layers.GRU) and layer.cell.use_bias
         for layer in layers
     )
+
+
+def called_with_mask(layer: Any) -> bool:
+    """Whether `layer` is called with a padding mask in its model (a `mask=`
+    argument, or an input carrying Keras' mask).
+
+    >>> inp = keras.Input((5,), dtype="int32")
+    >>> gru = keras.layers.GRU(4)
+    >>> _ = gru(keras.layers.Embedding(9, 3, mask_zero=True)(inp))
+    >>> called_with_mask(gru)
+    True
+    """
+    for node in getattr(layer, "_inbound_nodes", ()):
+        arguments = getattr(node, "arguments", None)
+        if arguments is not None and arguments.kwargs.get("mask") is not None:
+            return True
+        for tensor in keras.tree.flatten(getattr(node, "input_tensors", ())):
+            if getattr(tensor, "_keras_mask", None) is not None:
+                return True
+    return False

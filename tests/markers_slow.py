@@ -218,6 +218,9 @@ SLOW: dict[str, str] = {
     "jax_backend/test_jax_fused.py::test_lstm_stack_is_one_call_and_matches_keras[2]": "compiles (9 s); [3] stays fast",
     "jax_backend/test_jax_fused.py::test_returned_states_with_initial_states[False]": "compiles (6 s); [True] stays fast",
     "jax_backend/test_jax_cli.py::test_check_runs_under_jax": "gradients of two compiled models (8 s)",
+    "jax_backend/test_jax_half_precision.py::test_a_fit_too_short_to_time_runs_fused_and_trains": (
+        "a compiled mixed_float16 fit (9 s); the first-batch fit test of that file stays fast"
+    ),
     "jax_backend/test_jax_cli.py::test_bench_runs_under_jax": "two compiled models timed (5 s)",
     # The emulated kernel's gradients compile unrolled loops: one case per
     # backward ([True-lstm-stack]) and the Keras-level LSTM stay fast.

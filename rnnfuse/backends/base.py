@@ -299,6 +299,14 @@ class Backend(abc.ABC):
         features) here, or None; asked before the tuner times it."""
         return f"the {self.name} backend has no {kernel!r} kernel"
 
+    def keras_path_fails(self, group: Any, dtype: str, masked: bool | None = None) -> str | None:
+        """Why Keras' own layers of `group` cannot run in `dtype` on this
+        device (its original step fails to compile), or None; where they
+        cannot, the planner fuses the group without timing it. `masked`:
+        whether its input carries a mask (None: read from the graph).
+        Default: None (they run)."""
+        return None
+
     # -- the fused call ---------------------------------------------------------
 
     @abc.abstractmethod
@@ -397,6 +405,12 @@ class Timing(abc.ABC):
         all on one compiled step of `make_run()` called as `run(x, training,
         algorithm=a)`; None, without calling `make_run`, where the backend cannot
         take the algorithm at run time. Default: None."""
+        return None
+
+    def original_refusal(self, exc: Exception) -> str | None:
+        """Why the original layers' timed step cannot run here, where `exc`
+        (raised by its first call) is the framework refusing to compile or
+        run it, not a bug; None: `exc` is raised. Default: None."""
         return None
 
     @abc.abstractmethod

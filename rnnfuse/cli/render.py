@@ -77,6 +77,14 @@ def progress(disable: bool):
 # -- inspect -------------------------------------------------------------------
 
 
+def _runs_here(group: dict) -> str:
+    """A group's cell of inspect's "runs here" column, with the static
+    plan's reason where it has one ("static: <why>")."""
+    text = f"plan {group['plan']['name']}; runs {group['runs']['how']}"
+    source = group["plan"]["source"]
+    return f"{text} ({source.removeprefix('static: ')})" if source.startswith("static: ") else text
+
+
 def print_inspect(printer: Printer, report, groups: list[dict], *, backend: str, empty: str | None,
                   already: list, why: str | None, plot: str | None) -> None:
     """The report with how each group runs here (`groups`: the `--json` group
@@ -84,7 +92,7 @@ def print_inspect(printer: Printer, report, groups: list[dict], *, backend: str,
     groups, `already` its FusedRNN layers, `why` why none runs fused here,
     `plot` the drawing's file."""
     if not printer.quiet:
-        here = [f"plan {g['plan']['name']}; runs {g['runs']['how']}" for g in groups]
+        here = [_runs_here(g) for g in groups]
         print_report(printer.console, report, runs=here, runs_title=f"runs here ({backend})", empty=empty)
     fused_count = sum(len(g.layers) for g in report.groups)
     running = sum(1 for g in groups if g["runs"]["fused"])

@@ -440,14 +440,9 @@ def _member_shape(member: Member, batch_shape: tuple) -> tuple:
 
 def receives_mask(fused: FusedRNN) -> bool:
     """Whether `fused` is called with a padding mask in its model."""
-    for node in getattr(fused, "_inbound_nodes", ()):
-        arguments = getattr(node, "arguments", None)
-        if arguments is not None and arguments.kwargs.get("mask") is not None:
-            return True
-        for tensor in keras.tree.flatten(getattr(node, "input_tensors", ())):
-            if getattr(tensor, "_keras_mask", None) is not None:
-                return True
-    return False
+    from rnnfuse.recurrent import called_with_mask
+
+    return called_with_mask(fused)
 
 
 def _keras_would_jit(model: keras.Model, state: AutoTune) -> bool:

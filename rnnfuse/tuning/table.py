@@ -27,7 +27,7 @@ from typing import Callable
 from rnnfuse.backends import get_backend
 from rnnfuse.plan import FUSED, PER_LAYER, Plan
 
-__all__ = ["Regime", "RULES", "TABLES", "plan_for_regime", "static_plan"]
+__all__ = ["Regime", "RULES", "TABLES", "plan_for_regime", "static_plan", "static_source"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -181,10 +181,30 @@ def static_plan(group, dtype: str, training: bool, batch: int | None = None,
 
     TensorFlow's table was measured with its kernels; torch's fuses where
     fusing never measured slower and keeps Keras' layers in half precision;
-    under JAX the original layers stay without `tune=`.
+    under JAX the original layers stay without `tune=`. Where the backend
+    says the original layers cannot run (`Backend.keras_path_fails`), the
+    group is fused whatever the table says: there is nothing to lose.
     """
-    table = TABLES[get_backend().capabilities.plan_table]
+    backend = get_backend()
+    if backend.keras_path_fails(group, str(dtype)) is not None:
+        return FUSED
+    table = TABLES[backend.capabilities.plan_table]
     return table(group, dtype, training, batch, proven_only)
+
+
+def static_source(group, dtype: str, source: str = "static") -> str:
+    """`source` for a static plan of `group`, with the reason where the
+    backend fuses it because the original layers cannot run here
+    ("static: <why>"), so `inspect` and `OptimizeResult.plans` say it.
+
+    >>> from rnnfuse.report import FusionGroup
+    >>> static_source(FusionGroup(("gru",), "gru", 4, 1, 3, False), "float32")
+    'static'
+    """
+    why = get_backend().keras_path_fails(group, str(dtype))
+    if why is None:
+        return source
+    return f"static: {why}" if source == "static" else f"{source}; {why}"
 
 
 def _tensorflow_table(group, dtype, training, batch=None, proven_only=False) -> Plan:

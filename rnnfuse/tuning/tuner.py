@@ -331,13 +331,17 @@ def _plans_to_time(job: _Job, plans: list, backend_name: str, training: bool, ba
     or above PERSISTENT_MAX_BATCH, and the other kernels' plans (the
     wavefront kernel) where the backend runs them for this shape."""
     group, shape, rejected = job.group, job.shape, {}
+    backend = get_backend(backend_name)
     no_persistent = ("cuDNN's persistent algorithms do not take padded sequence lengths"
                      if job.masked else persistent_reason(job.dtype, shape[0]))
     if no_persistent is not None:
         rejected.update({p.name: no_persistent for p in plans if p.algorithm})
+    # Keras' own layers whose step fails to compile here: nothing to time.
+    fails = backend.keras_path_fails(group, job.dtype, masked=job.masked)
+    if fails is not None:
+        rejected.update({p.name: f"not timed: {fails}" for p in plans if not p.pieces})
     plans = [p for p in plans if p.name not in rejected]
     bar.advance_rest(len(rejected))
-    backend = get_backend(backend_name)
     caps = backend.capabilities
     more, why = kernel_plans(
         group, shape, caps.training_kernels if training else caps.inference_kernels,
@@ -359,6 +363,10 @@ def _tune_group(job: _Job, plans, rejected, backend_name, jit_baseline, measure,
                   eager_first_calls=eager_first_calls),
         spend=spend, lead=leading_candidates(group, dtype, training, shape, plans),
     )
+    if not timings:
+        # Every candidate refused or failed: the static plan, not kept.
+        return TuneResult(group, static_plan(group, dtype, training, shape[0]),
+                          "static: no candidate ran here", {}, rejected)
     best = _keep_original_unless_clearly_slower(plans, timings, _fastest_with_sound_gradients(
         plans, timings, rejected, training,
         lambda p: check_gradients(group, p, shape, dtype), dtype,
@@ -531,9 +539,9 @@ def _time_in_stages(plans, rejected, bar, measured, spend=None, lead=()):
         timings, refused = measured(leading)
         rejected.update(refused)
         spend.timed += len(leading)
-        if not spend.allows(len(first), timings.get(PER_LAYER.name)):
+        if not spend.allows(len(first), _step_basis(timings)):
             _left_out([p for p in plans if p not in leading], rejected, spend,
-                      timings.get(PER_LAYER.name))
+                      _step_basis(timings))
             bar.advance_rest(len(plans))
             return timings, [p for p in leading if p.name in timings]
     timings, refused = measured(first)
@@ -546,8 +554,8 @@ def _time_in_stages(plans, rejected, bar, measured, spend=None, lead=()):
         return timings, timed
     again, second = _second_stage(rest, timed, timings, rejected)
     if second:
-        if spend is not None and not spend.allows(len(again + second), timings.get(PER_LAYER.name)):
-            _left_out(second, rejected, spend, timings.get(PER_LAYER.name))
+        if spend is not None and not spend.allows(len(again + second), _step_basis(timings)):
+            _left_out(second, rejected, spend, _step_basis(timings))
             bar.advance_rest(len(rest))
             return timings, timed
         more, refused = measured(again + second)
@@ -556,6 +564,14 @@ def _time_in_stages(plans, rejected, bar, measured, spend=None, lead=()):
         timed += [p for p in second if p.name in more]
     bar.advance_rest(len(rest))
     return timings, timed
+
+
+def _step_basis(timings: dict) -> float | None:
+    """The step time a budget is a share of: the original layers', or where
+    they were not timed (they cannot run here) the fastest step timed."""
+    if PER_LAYER.name in timings:
+        return timings[PER_LAYER.name]
+    return min(timings.values()) if timings else None
 
 
 def _stages(plans) -> tuple[list, list]:
@@ -755,18 +771,23 @@ def _done(fn, *args) -> concurrent.futures.Future:
 
 def _refusal(plan: Plan | None, exc: Exception) -> str | None:
     """Why the kernel refused `plan`, when `exc` is a kernel's op error (or
-    NotImplementedError) on a non-default algorithm or another kernel; None
-    for anything else (a real error, to raise)."""
+    NotImplementedError) on a non-default algorithm or another kernel, or,
+    for the original layers, the framework refusing their step
+    (`Timing.original_refusal`); None for anything else (a real error, to
+    raise)."""
     if plan is None:
         return None
-    last_line = str(exc).strip().splitlines()[-1].strip()[:300]
+    if not plan.pieces:
+        # The original layers: the framework may refuse to compile them here.
+        why = get_timing().original_refusal(exc)
+        return None if why is None else f"the original layers cannot run here: {why}"
+    last_line = (str(exc).strip().splitlines() or [""])[-1].strip()[:300]
     if (plan.inference_only or plan.algorithm) and isinstance(exc, NotImplementedError):
         return last_line.removeprefix("NotImplementedError: ")
     if not (plan.algorithm or plan.inference_only) or not _is_op_error(exc):
         return None
     who = f"the {plan.kernel} kernel" if plan.inference_only else "cuDNN"
     return f"{who} refused it: {last_line}"
-
 
 
 def _is_op_error(exc: Exception) -> bool:

@@ -327,3 +327,66 @@ def test_projected_lstm_stack_runs_the_cores_projection(policy, tol, traced):
     _on_core(fast)
     assert worst[0] <= tol and worst[1] <= 10 * tol
     assert int(traced[0][1]["proj_size"]) == 16
+
+
+def _keras_step_fails(model, x, y) -> str | None:
+    """Keras' own one-step fit of `model`: None, or the error's first line."""
+    model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse", auto_scale_loss=False)
+    try:
+        model.fit(x, y, batch_size=len(x), epochs=1, verbose=0)
+    except Exception as err:  # noqa: BLE001 - what Keras raises is the observation
+        return f"{type(err).__name__}: {str(err).strip().splitlines()[0][:200]}"
+    return None
+
+
+@pytest.mark.parametrize("tune", [False, "auto"])
+def test_mixed_float16_lstm_runs_fused_by_default_and_trains(tune, traced, monkeypatch):
+    """A mixed_float16 LSTM stack, whose Keras step fails on JAX's GPU
+    (jaxlib's cuDNN RNN takes float32 and float64 only), under optimize()'s
+    defaults (tune=False, or first-batch tuning with a one-step fit, too
+    short to time): the static plan fuses it with the reason, one fit step
+    runs the core's training calls, and the step's update matches Keras'
+    float32 one from the same weights."""
+    from rnnfuse.backends.jax import keras_paths
+
+    if DRYRUN:  # the CPU has no jaxlib cuDNN path to fail: say Keras sees a GPU
+        monkeypatch.setattr(keras_paths, "keras_sees_gpu", lambda: True)
+    tol = HALF_TOLERANCE["float16"]
+    twin = stack_model("lstm", 3, units=32, input_size=16, steps=40, head=True)
+    _randomize(twin, 14, scale=0.3)
+    rng = np.random.default_rng(15)
+    x = rng.standard_normal((16, 40, 16)).astype("float32")
+    y = rng.standard_normal((16, 3)).astype("float32")
+    start = twin.get_weights()
+    reference = np.asarray(twin.predict(x, verbose=0), np.float64)
+    assert _keras_step_fails(twin, x, y) is None
+    twin_delta = [a - b for a, b in zip(twin.get_weights(), start)]
+    keras.mixed_precision.set_global_policy("mixed_float16")
+    try:
+        if not DRYRUN:
+            own = stack_model("lstm", 3, units=32, input_size=16, steps=40, head=True)
+            own.set_weights(start)
+            print(f"Keras' own mixed_float16 step: {_keras_step_fails(own, x, y) or 'ran'}")
+        model = stack_model("lstm", 3, units=32, input_size=16, steps=40, head=True)
+        model.set_weights(start)
+        (chosen,) = rnnfuse.optimize(model, tune=tune, cache=False, return_result=True).plans
+        fast = rnnfuse.optimize(model, tune=tune, cache=False)
+        fast.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse", auto_scale_loss=False)
+        before = np.asarray(fast.predict(x, verbose=0), np.float64)
+        traced.clear()
+        fast.fit(x, y, batch_size=16, epochs=1, verbose=0)
+        fast_delta = [a - b for a, b in zip(model.get_weights(), start)]
+    finally:
+        keras.mixed_precision.set_global_policy("float32")
+    print(f"tune={tune}: plan {chosen.plan.name} ({chosen.source}); targets {_names(traced)}")
+    assert chosen.plan.name == "fused", chosen
+    assert "Keras' cuDNN LSTM on JAX fails in float16" in chosen.source, chosen.source
+    (layer,) = fused_layers(fast)
+    assert layer.plan.name == "fused", layer.plan
+    _on_core(fast, None)
+    assert {"forward_training", "backward_data", "backward_weights"} <= set(_names(traced))
+    out = _norm_rel(before, reference)
+    worst_delta = max(_norm_rel(a, b) for a, b in zip(fast_delta, twin_delta))
+    print(f"mixed_float16 LSTM 3x32 against Keras float32: outputs {out:.2e}, "
+          f"one step's update {worst_delta:.2e}")
+    assert out <= tol and worst_delta <= 2 * tol, (out, worst_delta)

@@ -72,6 +72,11 @@ class JaxBackend(NoProjectedLSTMPath, KernelModuleBackend):
     def group_reason(self, group):
         return kernels.group_reason(group)
 
+    def keras_path_fails(self, group, dtype, masked=None):
+        from rnnfuse.backends.jax import keras_paths
+
+        return keras_paths.keras_path_fails(group, dtype, masked)
+
     def in_xla_context(self):
         return False
 
@@ -94,6 +99,15 @@ class JaxTiming(Timing):
 
     def timed_step(self, run, x, variables, training, jit=False):
         return kernels.timed_step(run, x, variables, training)
+
+    def original_refusal(self, exc):
+        # jaxlib's lowerings raise ValueError (the cuDNN RNN's "Unknown output
+        # type float16"), XLA a JaxRuntimeError (a RuntimeError); a bug in the
+        # step is another type and is raised.
+        if not isinstance(exc, (ValueError, RuntimeError)):
+            return None
+        lines = str(exc).strip().splitlines() or [""]
+        return f"{type(exc).__name__}: {lines[0].strip()[:300]}"
 
     def timing_context(self):
         # Keras' JAX layers run inside jit-traced steps, where nothing runs
