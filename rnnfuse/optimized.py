@@ -68,8 +68,10 @@ class _OptimizedMixin:
             if cudnn:
                 # torch's jit_compile is torch.compile, which rnnfuse's
                 # custom ops are not yet tested under on the GPU.
+                from rnnfuse.backends import get_backend
+
                 compiler = ("XLA cannot compile cuDNN ops (nor Keras' own cuDNN LSTM/GRU)"
-                            if keras.backend.backend() != "torch"
+                            if get_backend().name != "torch"
                             else "rnnfuse does not support torch.compile of its kernels yet")
                 raise ValueError(
                     f"jit_compile=True: model '{self.name}' runs its fused "
