@@ -1,35 +1,17 @@
-"""Builds rnnfuse's XLA FFI library for JAX (the csrc/jax_*.cc handlers).
+"""Builds rnnfuse's XLA FFI libraries for JAX (the csrc/jax_*.cc handlers).
 
-One shared library, `librnnfuse_jax_ffi.so`, holds the FFI handlers (one
-source file a pass: `FFI_SOURCES`) and the framework-free libraries
-they wrap (`LIBRARY_SOURCES`: the wavefront launcher, with its cubin
-embedded), compiled by g++ against:
+- `librnnfuse_jax_ffi.so`: the wavefront handlers (`FFI_SOURCES`) and the
+  launcher they wrap, its cubin embedded; g++ against
+  `jax.ffi.include_dir()` (XLA's header-only FFI API) and CUDA's headers.
+- `librnnfuse_jax_cudnn_ffi.so`: the cuDNN core's handlers, linking the
+  core by rpath so a process holds one copy of it (its plans, handles and
+  dropout states are per process); no nvcc needed.
 
-- `jax.ffi.include_dir()`: XLA's header-only FFI API (xla/ffi/api/ffi.h);
-- the CUDA toolkit's include/ (cudaStream_t; nothing links the CUDA
-  runtime: the launchers reach the driver through dlopen);
-- the wavefront cubin of `rnnfuse.backends.cuda.build.build_cubin` (nvcc).
-
-No GPU is needed to build; the library is cached under
-`rnnfuse.backends.cuda.build.cache_dir()` by `build.digest` of its sources
-(with every header they include), the jaxlib version and the flags, like
-the other libraries.
-
-A second library, `librnnfuse_jax_cudnn_ffi.so` (`build_cudnn_ffi_library`),
-holds the cuDNN core's handlers (`CUDNN_FFI_SOURCES`) and links the core
-itself, `librnnfuse_cudnn_core.so` (`rnnfuse.backends.cuda.build
-.build_cudnn_core`), by its rpath: one copy of the core in a process
-however many bindings reach it (its plans, handles and dropout states are
-per process). It needs no nvcc (CUDA's headers for types: the core's,
-`build.core_cuda_include`), so the cuDNN path builds where the wavefront
-kernel cannot.
-
-Example (no GPU needed; compiles only):
+No GPU is needed to build; each library is cached by `build.digest` of its
+sources and their headers, the jaxlib version and the flags.
 
     >>> build_ffi_library().name  # doctest: +SKIP
     'librnnfuse_jax_ffi.so'
-    >>> build_cudnn_ffi_library().name  # doctest: +SKIP
-    'librnnfuse_jax_cudnn_ffi.so'
 """
 
 from __future__ import annotations
