@@ -176,11 +176,18 @@ def emulated_op(monkeypatch):
 @pytest.fixture(scope="session")
 def built_wavefront(tmp_path_factory):
     """(path, cache dir) of rnnfuse's wavefront library, built (nvcc sm_90a
-    cubin + g++ launcher, about 30 s) once a session into a fresh cache, for
-    every test module that needs the real library."""
+    cubin + g++ launcher, about 30 s of a core) once a run into a fresh
+    cache, for every test module that needs the real library.
+
+    Under pytest-xdist the workers share the cache (in the run's base temp
+    folder, above each worker's): the build's file lock makes the second
+    worker wait and reuse the first one's library, not build it again."""
     from rnnfuse.backends.cuda import build
 
-    cache = tmp_path_factory.mktemp("wavefront-cache")
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        cache = tmp_path_factory.getbasetemp().parent / "wavefront-cache"
+    else:
+        cache = tmp_path_factory.mktemp("wavefront-cache")
     with pytest.MonkeyPatch.context() as mp:  # the cache dir for the build only
         mp.setenv("RNNFUSE_CACHE_DIR", str(cache))
         path = build.build_library()
