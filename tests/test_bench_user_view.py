@@ -120,7 +120,10 @@ def test_a_lopsided_cell_runs_a_short_custom_loop(monkeypatch):
 
     sized = itertools.cycle([17.0, 0.2])  # original, optimized, in turn
     monkeypatch.setattr(bench_user_view, "_step_time", lambda run: next(sized))
+    # Predict at 4x the batch (two more traces) is not what this is about.
+    monkeypatch.setattr(bench_user_view, "PREDICT_4X_BYTES", 0)
     row = bench_user_view.measure(TINY, rounds=3, steps=4, predict_rounds=2)
+    assert "predict_4x_skipped" in row
     assert row["rounds"] == 1 and row["loop_steps"] == bench_user_view.LOPSIDED_LOOP_STEPS
     assert {len(t) for t in row["raw"]["loop"].values()} == {1 + bench_user_view.LOPSIDED_LOOP_STEPS}
 
