@@ -29,14 +29,20 @@ def test_default_location_is_the_platform_user_cache(monkeypatch, tmp_path):
 
 # The writer processes load cache.py by its path, not through the rnnfuse
 # package, whose import loads Keras and TensorFlow (8 s a process here):
-# the module needs only the standard library, and it is the same code.
+# an empty package stands in for rnnfuse, and cache.py and the one module
+# it imports (reasons.py) need only the standard library; it is the same code.
 _LOAD_CACHE = """
-import importlib.util, sys
-spec = importlib.util.spec_from_file_location("plan_cache", sys.argv[{root}] + "/rnnfuse/tuning/cache.py")
-cache = importlib.util.module_from_spec(spec)
-sys.modules["plan_cache"] = cache
-spec.loader.exec_module(cache)
-PlanCache = cache.PlanCache
+import importlib.util, sys, types
+def load(name, relpath):
+    spec = importlib.util.spec_from_file_location(name, sys.argv[{root}] + relpath)
+    module = sys.modules[name] = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+sys.modules["rnnfuse"] = types.ModuleType("rnnfuse")
+sys.modules["rnnfuse"].__path__ = []
+load("rnnfuse.reasons", "/rnnfuse/reasons.py")
+PlanCache = load("plan_cache", "/rnnfuse/tuning/cache.py").PlanCache
+assert "keras" not in sys.modules, "the writer imported Keras"
 """
 
 _WRITER = _LOAD_CACHE.format(root=3) + textwrap.dedent(
