@@ -24,12 +24,14 @@ seconds (every candidate's first call included: on JAX its step's
 compile) over the fit's, which includes them. At 10 epochs this is the
 tuning-cost target's figure; `--shares` compares two backends' runs.
 
-Fresh processes: under torch the parent imports torch, Keras and rnnfuse
-once, without starting CUDA, and forks a child per measurement (a child
-starts CUDA, loads the libraries and traces everything itself; module
-imports are not counted in any reading); under TensorFlow and JAX, and
-where CUDA was started in the parent, each child is a new interpreter
-(`--start exec`).
+Fresh processes: under torch a fork server (multiprocessing's
+"forkserver") imports torch, Keras and rnnfuse once, without starting CUDA,
+and forks a child per measurement (a child starts CUDA, loads the libraries
+and traces everything itself; module imports are not counted in any
+reading). The server is a new interpreter, not the caller: a process that
+has run torch's OpenMP pool (a test session) cannot fork a child that uses
+it (the child hangs). Under TensorFlow and JAX each child is a new
+interpreter (`--start exec`).
 
     KERAS_BACKEND=torch python bench/bench_whole_fit.py --out /tmp/whole_torch.json
     python bench/bench_whole_fit.py --shapes gru3x64,lstm2x40 --pairs 3 --out /tmp/whole_tf.json
@@ -41,9 +43,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import multiprocessing
+import multiprocessing.forkserver
 import os
 import platform
-import signal
 import statistics
 import subprocess
 import sys
@@ -142,17 +145,37 @@ def _child_main(job: dict) -> None:
 
 
 def _can_fork(backend: str) -> bool:
-    """Forking is safe where the parent has not started CUDA (torch only:
-    TensorFlow's and JAX's runtimes start threads at import)."""
-    if backend != "torch" or not hasattr(os, "fork"):
-        return False
-    import torch
-
-    return not torch.cuda.is_initialized()
+    """Forking from a fork server is safe under torch only (TensorFlow's
+    and JAX's runtimes start threads at import)."""
+    return backend == "torch" and "forkserver" in multiprocessing.get_all_start_methods()
 
 
-def run_child(job: dict, start: str, timeout_s: float, ops: str | None = None) -> dict:
-    """`job` in a fresh process with an empty plan cache: its row, with
+def _fork_server():
+    """multiprocessing's fork server with torch, Keras and rnnfuse imported,
+    started now, so that no child's `process_s` includes the imports."""
+    ctx = multiprocessing.get_context("forkserver")
+    ctx.set_forkserver_preload(["torch", "keras", "rnnfuse", "bench_matrix", "bench_whole_fit"])
+    warm = ctx.Process(target=_nothing)
+    warm.start()
+    warm.join()
+    return ctx
+
+
+def _nothing() -> None:
+    pass
+
+
+def _stop_fork_server() -> None:
+    # The server would otherwise live until the caller exits (a test session).
+    stop = getattr(getattr(multiprocessing.forkserver, "_forkserver", None), "_stop", None)
+    if stop is not None:
+        stop()
+
+
+def run_child(job: dict, start: str, timeout_s: float, ops: str | None = None,
+              forks=None) -> dict:
+    """`job` in a fresh process with an empty plan cache (forked by `forks`,
+    a multiprocessing context, or a new interpreter): its row, with
     `process_s`; an `error` row where it failed or ran past `timeout_s`.
     `ops`: the folder of built native libraries the child uses (none: it
     builds them itself)."""
@@ -161,7 +184,7 @@ def run_child(job: dict, start: str, timeout_s: float, ops: str | None = None) -
         os.symlink(ops, os.path.join(cache, "ops"))
     began = time.perf_counter()
     if start == "fork":
-        row = _forked(job, cache, timeout_s)
+        row = _forked(job, cache, timeout_s, forks)
     else:
         env = dict(os.environ, RNNFUSE_CACHE_DIR=cache)
         try:
@@ -176,38 +199,29 @@ def run_child(job: dict, start: str, timeout_s: float, ops: str | None = None) -
     return row
 
 
-def _forked(job: dict, cache: str, timeout_s: float) -> dict:
+def _forked(job: dict, cache: str, timeout_s: float, forks) -> dict:
     out = os.path.join(cache, "row.json")
-    pid = os.fork()
-    if pid == 0:  # the child: never returns
-        code = 0
-        try:
-            os.environ["RNNFUSE_CACHE_DIR"] = cache
-            try:
-                row = measure(job)
-            except Exception as err:  # noqa: BLE001 - the parent records it
-                row = dict(job, error=f"{type(err).__name__}: {err}"[:500])
-            with open(out, "w") as f:
-                json.dump(row, f)
-        except BaseException:  # noqa: BLE001 - a child never returns into the parent's loop
-            code = 1
-        finally:
-            sys.stdout.flush()
-            os._exit(code)
-    deadline = time.perf_counter() + timeout_s
-    while True:
-        done, status = os.waitpid(pid, os.WNOHANG)
-        if done:
-            break
-        if time.perf_counter() > deadline:
-            os.kill(pid, signal.SIGKILL)
-            os.waitpid(pid, 0)
-            return dict(job, error=f"timed out after {timeout_s:.0f} s")
-        time.sleep(0.05)
+    child = forks.Process(target=_forked_child, args=(job, cache, out))
+    child.start()
+    child.join(timeout_s)
+    if child.is_alive():
+        child.kill()
+        child.join()
+        return dict(job, error=f"timed out after {timeout_s:.0f} s")
     if os.path.exists(out):
         with open(out) as f:
             return json.load(f)
-    return dict(job, error=f"the child exited with status {status} and no result")
+    return dict(job, error=f"the child exited with status {child.exitcode} and no result")
+
+
+def _forked_child(job: dict, cache: str, out: str) -> None:
+    os.environ["RNNFUSE_CACHE_DIR"] = cache
+    try:
+        row = measure(job)
+    except Exception as err:  # noqa: BLE001 - the parent records it
+        row = dict(job, error=f"{type(err).__name__}: {err}"[:500])
+    with open(out, "w") as f:
+        json.dump(row, f)
 
 
 MODELS = ("original", "optimized")
@@ -319,7 +333,7 @@ def main(argv=None) -> int:
                         help="seconds; no child starts after this (the first pairs go first)")
     parser.add_argument("--child-timeout", type=float, default=120.0, help="seconds a child may run")
     parser.add_argument("--start", choices=("auto", "fork", "exec"), default="auto",
-                        help="how a fresh process starts (auto: fork under torch where safe)")
+                        help="how a fresh process starts (auto: forked by a fork server under torch, else exec)")
     parser.add_argument("--online", action="store_true", help="turn online tuning on in the optimized fit")
     parser.add_argument("--models", default=",".join(MODELS),
                         help="comma-separated models to run (optimized alone: tuning shares only)")
@@ -379,29 +393,36 @@ def main(argv=None) -> int:
             print(f"native libraries built once in {meta['prebuild']['seconds']} s "
                   f"(rc {meta['prebuild']['rc']}): {ops}", flush=True)
     rows, skipped = [], []
-    for job in jobs(names, epochs, args.pairs, args.epoch_steps, args.quick, args.online, models):
-        left = args.budget - (time.perf_counter() - began)
-        if left <= 0:
-            skipped.append(job)
-            continue
-        row = run_child(job, start_mode, min(args.child_timeout, left + 30), ops)
-        if start_mode == "fork" and "error" in row and not any("error" not in r for r in rows):
-            # No forked child has worked yet (a CUDA runtime that refuses a
-            # forked process): new interpreters from here on.
-            print("a forked child failed; each child is a new interpreter from now:",
-                  row["error"], flush=True)
-            start_mode = meta["start"] = "exec"
-            row = run_child(job, start_mode, min(args.child_timeout, left + 30), ops)
-        rows.append(row)
-        if "error" in row:
-            print("ERROR", row["shape_name"], row["model"], row["epochs"], row["error"], flush=True)
-        else:
-            print(f"pair {row['pair']} {row['shape_name']} epochs {row['epochs']} {row['model']}: "
-                  f"fit {row['fit_s']:.2f} s (process {row['process_s']:.1f} s)"
-                  f"{' tuning %.2f s' % row['tuning_s'] if 'tuning_s' in row else ''}", flush=True)
-        with open(out, "w") as f:
-            json.dump(dict(meta=meta, summary=summarize(rows), results=rows,
-                           skipped=len(skipped)), f, indent=1)
+    forks = None  # the fork server, started for the first forked child
+    try:
+        for job in jobs(names, epochs, args.pairs, args.epoch_steps, args.quick, args.online, models):
+            left = args.budget - (time.perf_counter() - began)
+            if left <= 0:
+                skipped.append(job)
+                continue
+            if start_mode == "fork" and forks is None:
+                forks = _fork_server()
+            row = run_child(job, start_mode, min(args.child_timeout, left + 30), ops, forks)
+            if start_mode == "fork" and "error" in row and not any("error" not in r for r in rows):
+                # No forked child has worked yet (a CUDA runtime that refuses a
+                # forked process): new interpreters from here on.
+                print("a forked child failed; each child is a new interpreter from now:",
+                      row["error"], flush=True)
+                start_mode = meta["start"] = "exec"
+                row = run_child(job, start_mode, min(args.child_timeout, left + 30), ops)
+            rows.append(row)
+            if "error" in row:
+                print("ERROR", row["shape_name"], row["model"], row["epochs"], row["error"], flush=True)
+            else:
+                print(f"pair {row['pair']} {row['shape_name']} epochs {row['epochs']} {row['model']}: "
+                      f"fit {row['fit_s']:.2f} s (process {row['process_s']:.1f} s)"
+                      f"{' tuning %.2f s' % row['tuning_s'] if 'tuning_s' in row else ''}", flush=True)
+            with open(out, "w") as f:
+                json.dump(dict(meta=meta, summary=summarize(rows), results=rows,
+                               skipped=len(skipped)), f, indent=1)
+    finally:
+        if forks is not None:
+            _stop_fork_server()
     summary = summarize(rows)
     with open(out, "w") as f:
         json.dump(dict(meta=meta, summary=summary, results=rows, skipped=len(skipped)), f, indent=1)

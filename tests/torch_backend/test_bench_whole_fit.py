@@ -29,6 +29,9 @@ def test_a_quick_run_times_each_model_in_its_own_process_with_an_empty_cache(tmp
                                  "--epoch-steps", "2", "--out", str(out)]) == 0
     run = json.loads(out.read_text())
     rows = run["results"]
+    # Forked from the fork server, though this test session has run torch's
+    # OpenMP pool (a child forked from it would hang).
+    assert run["meta"]["start"] == "fork"
     assert [(r["epochs"], r["model"]) for r in rows] == [
         (1, "original"), (1, "optimized"), (2, "optimized"), (2, "original")]
     assert all("error" not in r and r["fit_s"] > 0 and r["process_s"] >= r["fit_s"] for r in rows)
