@@ -67,6 +67,26 @@ torch_env() {
   unset LD_LIBRARY_PATH
 }
 
+# The environment of a backend's stage: tf, jax, or torch (torch, pytorch).
+backend_env() {
+  case $1 in
+    tf) tf_env ;;
+    jax) torch_env; export KERAS_BACKEND=jax ;;
+    *) torch_env ;;
+  esac
+}
+# A benchmark stage: bench_stage STAGE BACKEND SECONDS JSON PATTERN COMMAND...
+# runs COMMAND --out JSON in BACKEND's environment under SECONDS, copies the
+# JSON to $OUT and prints the log's lines that match PATTERN.
+bench_stage() {
+  local stage=$1 backend=$2 s=$3 json=$4 pattern=$5 rc
+  shift 5
+  ( backend_env "$backend"; timeout "$s" "$@" --out "$LOGS/$json" ) > "$LOGS/$stage.log" 2>&1; rc=$?
+  cp "$LOGS/$json" "$OUT/" 2>/dev/null
+  echo "[$(since) s] $stage rc $rc"
+  summary "$stage" "$pattern" 30
+}
+
 # TF_TESTS: the TensorFlow GPU test files to run (default: all of them).
 TF_TEST_FILES=${TF_TESTS:-$(ls tests/gpu/test_gpu_*.py | grep -v -E "torch|jax|distribute" | tr '\n' ' ')}
 # TORCH_TESTS: the torch GPU test files (default: both). TESTS_ARGS: more
@@ -116,19 +136,10 @@ run_stage() {
     matrix-tf|matrix-torch|matrix-jax|matrix-pytorch)
       # The backend matrix (bench/bench_matrix.py), one backend a stage;
       # MATRIX_ARGS: its arguments (e.g. --shapes lstm4x512,bilstm4x384).
-      s=$(limit $stage 300)
       local backend=${stage#matrix-}
-      ( case $backend in
-          tf) tf_env; args="" ;;
-          pytorch) torch_env; args="--backend pytorch" ;;
-          jax) torch_env; export KERAS_BACKEND=jax; args="" ;;
-          *) torch_env; args="" ;;
-        esac
-        timeout $s python3 bench/bench_matrix.py $args ${MATRIX_ARGS} \
-          --out $LOGS/matrix_${backend}${BENCH_TAG}.json ) > $log 2>&1; rc=$?
-      cp $LOGS/matrix_${backend}${BENCH_TAG}.json $OUT/ 2>/dev/null
-      echo "[$(since) s] $stage rc $rc"
-      summary $stage "fit_ms|^share |ERROR|Error" 30 ;;
+      bench_stage $stage $backend $(limit $stage 300) matrix_${backend}${BENCH_TAG}.json \
+        "fit_ms|^share |ERROR|Error" python3 bench/bench_matrix.py \
+        $([ $backend = pytorch ] && echo --backend pytorch) ${MATRIX_ARGS} ;;
     whole-fit-tf|whole-fit-torch|whole-fit-jax)
       # Whole fit(epochs=1) and fit(epochs=10) calls, each model in its own
       # fresh process with an empty plan cache (bench/bench_whole_fit.py);
@@ -136,42 +147,22 @@ run_stage() {
       # (e.g. --shapes gru3x64,lstm2x40 --pairs 5 --online).
       s=$(limit $stage 270)
       local backend=${stage#whole-fit-}
-      ( case $backend in
-          tf) tf_env ;;
-          jax) torch_env; export KERAS_BACKEND=jax ;;
-          *) torch_env ;;
-        esac
-        timeout $s python3 bench/bench_whole_fit.py --budget $(( s - 60 )) --child-timeout 55 ${WHOLE_ARGS} \
-          --out $LOGS/whole_fit_${backend}${BENCH_TAG}.json ) > $log 2>&1; rc=$?
-      cp $LOGS/whole_fit_${backend}${BENCH_TAG}.json $OUT/ 2>/dev/null
-      echo "[$(since) s] $stage rc $rc"
-      summary $stage "^whole |^native |ERROR|budget|forked" 30 ;;
+      bench_stage $stage $backend $s whole_fit_${backend}${BENCH_TAG}.json \
+        "^whole |^native |ERROR|budget|forked" \
+        python3 bench/bench_whole_fit.py --budget $(( s - 60 )) --child-timeout 55 ${WHOLE_ARGS} ;;
     kept-original-tf|kept-original-torch|kept-original-jax)
       # A group whose plan keeps the original layers, paired against the
       # original model (bench/bench_kept_original.py). KEPT_ARGS: its arguments.
       s=$(limit $stage 200)
       local backend=${stage#kept-original-}
-      ( case $backend in
-          tf) tf_env ;;
-          jax) torch_env; export KERAS_BACKEND=jax ;;
-          *) torch_env ;;
-        esac
-        timeout $s python3 bench/bench_kept_original.py --budget $(( s - 30 )) ${KEPT_ARGS} \
-          --out $LOGS/kept_original_${backend}${BENCH_TAG}.json ) > $log 2>&1; rc=$?
-      cp $LOGS/kept_original_${backend}${BENCH_TAG}.json $OUT/ 2>/dev/null
-      echo "[$(since) s] $stage rc $rc"
-      summary $stage "x |ERROR|Error|rounds" 20 ;;
+      bench_stage $stage $backend $s kept_original_${backend}${BENCH_TAG}.json "x |ERROR|Error|rounds" \
+        python3 bench/bench_kept_original.py --budget $(( s - 30 )) ${KEPT_ARGS} ;;
     online-agreement-tf|online-agreement-torch)
       # Online tuning's choice against full timing's, per shape
       # (bench/bench_online_agreement.py). AGREE_ARGS: its arguments.
-      s=$(limit $stage 300)
       local backend=${stage#online-agreement-}
-      ( if [ $backend = tf ]; then tf_env; else torch_env; fi
-        timeout $s python3 bench/bench_online_agreement.py ${AGREE_ARGS} \
-          --out $LOGS/online_agreement_${backend}${BENCH_TAG}.json ) > $log 2>&1; rc=$?
-      cp $LOGS/online_agreement_${backend}${BENCH_TAG}.json $OUT/ 2>/dev/null
-      echo "[$(since) s] $stage rc $rc"
-      summary $stage "^online|ERROR|Error" 20 ;;
+      bench_stage $stage $backend $(limit $stage 300) online_agreement_${backend}${BENCH_TAG}.json \
+        "^online|ERROR|Error" python3 bench/bench_online_agreement.py ${AGREE_ARGS} ;;
     profile-small-torch)
       # Where a small model's step goes under torch (bench/profile_small.py):
       # step medians, host time in rnnfuse's calls, torch.profiler (GPU
