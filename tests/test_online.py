@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 import rnnfuse
-from builders import fused_layers, max_abs_diff, stack_model
+from builders import fused_layers, max_abs_diff, race_online, stack_model
 from rnnfuse.plan import Plan
 from rnnfuse.tuning import first_batch, online, tuner
 
@@ -32,11 +32,8 @@ def test_the_candidates_race_as_traced_training_steps_and_the_fastest_is_committ
 ):
     model = stack_model("lstm", 4, units=6, steps=9, last_return_sequences=True)
     fast = rnnfuse.optimize(model, cache=False)
-    state = fast._rnnfuse_autotune
     ran, commits = [], []
-    state.online = True
-    state.measure_step = lambda name, run: (ran.append(name) or run(), MEDIANS[name])
-    state.check_gradients = lambda *args: 1e-6
+    race_online(fast, MEDIANS, ran)
     real_commit = online.OnlineFit._commit
 
     def commit(self, *args, **kwargs):

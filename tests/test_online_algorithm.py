@@ -11,7 +11,7 @@ import pytest
 import tensorflow as tf
 
 import rnnfuse
-from builders import fused_layers, max_abs_diff, stack_model
+from builders import fused_layers, max_abs_diff, race_online, stack_model
 from rnnfuse.plan import PER_LAYER, Plan
 from rnnfuse.backends.tensorflow import cudnn_op
 from rnnfuse.tuning import first_batch, online, tuner
@@ -46,11 +46,8 @@ def racing(monkeypatch, emulated_op):
     monkeypatch.setattr(cudnn_op, "call_op", spy)
     model = stack_model("gru", 3, units=6, steps=7, last_return_sequences=True)
     fast = rnnfuse.optimize(model, cache=False)
-    state = fast._rnnfuse_autotune
     ran, made = [], []
-    state.online = True
-    state.measure_step = lambda name, run: (ran.append(name) or run(), MEDIANS[name])
-    state.check_gradients = lambda *args: 1e-6
+    race_online(fast, MEDIANS, ran)
     make = fast._train_function_now
     monkeypatch.setattr(fast, "_train_function_now", lambda: made.append(1) or make())
     return model, fast, ran, seen, made

@@ -87,6 +87,19 @@ bench_stage() {
   summary "$stage" "$pattern" 30
 }
 
+# An opt-in forward variant: variant_stage STAGE VARIANT SECONDS checks it
+# against float64, cuDNN and variant 0, then times the headline interleaved
+# with variant 0, kernel only.
+variant_stage() {
+  local stage=$1 v=$2 s log=$LOGS/$1.log rc
+  s=$(limit "$stage" "$3")
+  ( torch_env; timeout "$s" bash -c "python3 bench/bench_wavefront.py check --fixed 4 --random 6 --variant $v --out $LOGS/wavefront_check_v$v.json; \
+      python3 bench/bench_wavefront.py bench --cells headline --variants 0,$v --reps 20 --kernel-only --out $LOGS/wavefront_bench_v0$v.json" ) > "$log" 2>&1; rc=$?
+  cp "$LOGS/wavefront_check_v$v.json" "$LOGS/wavefront_bench_v0$v.json" "$OUT/" 2>/dev/null
+  echo "[$(since) s] $stage rc $rc"
+  grep -E "ok|FAIL|fail|ms|ratio|Error|fallback|passed" "$log" | grep -v Warning | cut -c1-300 | tail -30
+}
+
 # TF_TESTS: the TensorFlow GPU test files to run (default: all of them).
 TF_TEST_FILES=${TF_TESTS:-$(ls tests/gpu/test_gpu_*.py | grep -v -E "torch|jax|distribute" | tr '\n' ' ')}
 # TORCH_TESTS: the torch GPU test files (default: both). TESTS_ARGS: more
@@ -291,23 +304,12 @@ run_stage() {
       # exactness against float64, cuDNN and variant 0 (a shape whose plan
       # it does not take falls back, with the reason), then the headline
       # timed interleaved with variant 0, kernel only.
-      s=$(limit wavefront-wgmma 200)
-      ( torch_env; timeout $s bash -c "python3 bench/bench_wavefront.py check --fixed 4 --random 6 --variant 2 --out $LOGS/wavefront_check_v2.json; \
-          python3 bench/bench_wavefront.py bench --cells headline --variants 0,2 --reps 20 --kernel-only --out $LOGS/wavefront_bench_v02.json" ) > $log 2>&1; rc=$?
-      cp $LOGS/wavefront_check_v2.json $LOGS/wavefront_bench_v02.json $OUT/ 2>/dev/null
-      echo "[$(since) s] wavefront-wgmma rc $rc"
-      grep -E "ok|FAIL|fail|ms|ratio|Error|fallback|passed" $log | grep -v Warning | cut -c1-300 | tail -30 ;;
+      variant_stage $stage 2 200 ;;
     wavefront-variant3)
       # The forward's opt-in variant 3 (the h values as their own flags,
-      # Lamport-style; off by default): its exactness against float64, cuDNN
-      # and variant 0, then the headline timed interleaved with variant 0,
-      # kernel only. A wait that never ends shows as NaN results after 4 s.
-      s=$(limit wavefront-variant3 150)
-      ( torch_env; timeout $s bash -c "python3 bench/bench_wavefront.py check --fixed 4 --random 6 --variant 3 --out $LOGS/wavefront_check_v3.json; \
-          python3 bench/bench_wavefront.py bench --cells headline --variants 0,3 --reps 20 --kernel-only --out $LOGS/wavefront_bench_v03.json" ) > $log 2>&1; rc=$?
-      cp $LOGS/wavefront_check_v3.json $LOGS/wavefront_bench_v03.json $OUT/ 2>/dev/null
-      echo "[$(since) s] wavefront-variant3 rc $rc"
-      grep -E "ok|FAIL|fail|ms|ratio|Error|fallback|passed" $log | grep -v Warning | cut -c1-300 | tail -30 ;;
+      # Lamport-style; off by default), checked and timed as variant 2 is.
+      # A wait that never ends shows as NaN results after 4 s.
+      variant_stage $stage 3 150 ;;
     wavefront-sweep)
       # Randomized exactness over 1-8 layers, 64-1024 units, batch 1-256,
       # T 1-2000, with and without lengths, both directions, LSTM and GRU,
