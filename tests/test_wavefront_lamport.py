@@ -28,8 +28,6 @@ import random
 import numpy as np
 import pytest
 
-from rnnfuse.backends.cuda import library
-
 SENTINEL = 0xFFFF  # one half of wavefront.cuh's kSentinelWord
 MASK = 0xFFFFFFFF
 
@@ -237,16 +235,3 @@ def test_an_h0_holding_the_sentinel_hangs_unless_step_zero_skips_it():
     h0 = _h0(4, with_sentinel=True)
     assert run_protocol(0, h0=h0, exempt_h0=False, budget=100_000) is None
     assert np.array_equal(run_protocol(0, h0=h0), reference(h0, False))
-
-
-# --- the library ---------------------------------------------------------------
-
-@pytest.fixture
-def lib(built_wavefront):
-    """The real library (built once a session: conftest)."""
-    return library.load(built_wavefront[0])
-
-
-def test_the_library_carries_variant_threes_kernels(lib):
-    data = lib.path.read_bytes()
-    assert b"rnnfuse_wf_forward_v3_f16" in data and b"rnnfuse_wf_forward_v3_bf16" in data

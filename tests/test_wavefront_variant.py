@@ -41,7 +41,9 @@ def lib(built_wavefront):
 
 def test_the_library_carries_the_variant_kernels(lib):
     data = lib.path.read_bytes()
-    assert b"rnnfuse_wf_forward_v1_f16" in data and b"rnnfuse_wf_forward_v1_bf16" in data
+    for variant in (1, 3):
+        assert f"rnnfuse_wf_forward_v{variant}_f16".encode() in data
+        assert f"rnnfuse_wf_forward_v{variant}_bf16".encode() in data
     assert b"rnnfuse_wf_forward_variant" in data
 
 
