@@ -9,7 +9,8 @@ rounded to the nearest power of two). The rule:
    first bucket of a mode times every candidate, a later one only the
    `contenders`; a cached decision for the bucket counts as timed.
 2. A shape that cannot be timed (a trace that leaves the batch open, JAX
-   or XLA, a failed timing) runs the static table's proven plan, and a
+   or XLA, a failed timing) runs what its mode and bucket decided, else
+   the static table's proven plan (JAX's traces: the layer's own), and a
    decided plan runs `untimed` on a bucket it was not timed in.
 3. Within one `fit`/`evaluate`/`predict` nothing is timed after the first
    batch, so a plan never switches mid-epoch; elsewhere a FusedRNN asks its
@@ -35,7 +36,7 @@ from typing import Callable
 
 import keras
 
-from rnnfuse.backends import get_timing
+from rnnfuse.backends import get_backend, get_timing
 from rnnfuse.fused import FusedRNN
 from rnnfuse.plan import PER_LAYER, Plan
 from rnnfuse.report import FusionGroup
@@ -350,14 +351,19 @@ class Planner:
             return entry is not None and entry[1].per_layer
         if len(shape) < 2 or shape[0] is None or shape[1] is None or _symbolic():
             return False
-        result = state.decided.get((i, training, bucket_of(shape[0], shape[1]), False))
+        result = state.decided.get(decision_key(i, training, shape, _xla_baseline()))
         return result is not None and result.plan.per_layer
 
     def __call__(self, shape: tuple, training: bool) -> Plan | None:
         state, i = self.state, self.index
         member = state.members[i]
-        if _symbolic():
+        from keras.src import backend as keras_backend
+
+        if keras_backend.in_symbolic_scope():
             return None  # shapes only (Keras building a model): the layer's own plan
+        # A stateless trace (JAX's steps, a user's `stateless_call` under
+        # jax.jit) cannot time, but runs what its mode and bucket decided.
+        stateless = keras_backend.in_stateless_scope()
         batch = shape[0] if len(shape) > 0 else None
         steps = shape[1] if len(shape) > 1 else None
         bucket = None if batch is None or steps is None else bucket_of(batch, steps)
@@ -367,17 +373,20 @@ class Planner:
             decided_bucket, plan = call[(i, training)]
             return plan if bucket in (None, decided_bucket) else untimed(plan)
         if bucket is not None:
-            result = state.decided.get(decision_key(i, training, shape, False))
-            if result is None:
-                result = self._time_now(shape, training)
+            xla = _xla_baseline()
+            result = state.decided.get(decision_key(i, training, shape, xla))
+            if result is None and not stateless:
+                result = self._time_now(shape, training, xla)
             if result is not None:
                 if call is not None and (i, training) in call:
                     call[(i, training)] = (bucket, result.plan)  # the call's first batch
                 return result.plan
+        if stateless:
+            return None  # nothing decided for it: the layer's own plan
         # Not timed and no timing possible: the static table's proven rules (rule 2).
         return static_plan(member.group, member.group.dtype, training, batch, proven_only=True)
 
-    def _time_now(self, shape: tuple, training: bool) -> TuneResult | None:
+    def _time_now(self, shape: tuple, training: bool, xla: bool) -> TuneResult | None:
         """The plan timed for `shape` now, from inside the caller's call or
         trace, or None where nothing can be timed here."""
         state = self.state
@@ -391,7 +400,18 @@ class Planner:
         features = shape[2] if len(shape) > 2 and shape[2] is not None else member.group.input_size
         full = (int(shape[0]), int(shape[1]), int(features or 1))
         with context, _apart_from_the_callers_call(member.group):
-            return decide(state, environment, {self.index: full}, training, progress=False).get(self.index)
+            return decide(state, environment, {self.index: full}, training, jit_baseline=xla,
+                          progress=False).get(self.index)
+
+
+def _xla_baseline() -> bool:
+    """Whether a call outside fit/evaluate/predict runs its original layers
+    XLA-compiled (traced under jit_compile=True): the baseline its decision
+    is keyed by (rule 4). A user's XLA-compiled step thus reuses what a
+    `fit` that Keras XLA-compiles decided; an eager call or a plain
+    `tf.function` runs the original layers without XLA, a baseline of its
+    own, so where `fit`'s was XLA-compiled that shape is decided apart."""
+    return get_backend().in_xla_context()
 
 
 def _is_accelerator(environment: dict | None) -> bool:

@@ -71,3 +71,55 @@ def test_first_fit_times_cudnns_algorithms_and_runs_the_fastest(fake_gpu, emulat
 def test_without_a_device_to_time_on_jax_keeps_the_layers():
     model = stack_model("lstm", 3)
     assert fused_layers(rnnfuse.optimize(model)) == []
+
+
+def test_a_custom_jitted_loop_runs_its_modes_decision_not_the_last_one_set(
+        fake_gpu, emulated_core, tmp_path, monkeypatch):
+    """`predict` after `fit` sets the layer's own plan to the inference
+    decision; a user's own jitted training step (`stateless_call` under
+    `jax.grad`) still runs the training decision, looked up, untimed."""
+    import jax
+    import jax.numpy as jnp
+
+    from rnnfuse.fused import FusedRNN
+
+    ran = []
+    real_run = FusedRNN._run
+
+    def run(self, plan, *args, **kwargs):
+        if self.planner is not None:  # the model's layer, not a split plan's piece
+            ran.append(plan.name)
+        return real_run(self, plan, *args, **kwargs)
+
+    monkeypatch.setattr(FusedRNN, "_run", run)
+    model = stack_model("gru", 4, units=6, steps=9, last_return_sequences=True)
+    timer = FakeTimer({"per-layer": 3.0, "fused": 2.0, "split 2+2": 1.0})
+    fast = rnnfuse.optimize(model, cache=PlanCache(tmp_path / "plans.json"))
+    state = fast._rnnfuse_autotune
+    state.measure = timer
+    state.check_gradients = lambda g, p, shape, dtype: 1e-6
+    state.fit_share = None  # tiny fits time everything (the budget: test_budget.py)
+    (layer,) = fused_layers(fast)
+    x = random_inputs(model, 8, np.random.default_rng(0))
+    y = np.asarray(model.predict(x, verbose=0))
+    fast.compile(optimizer="sgd", loss="mse")
+    fast.fit(x, y, batch_size=8, epochs=1, verbose=0)
+    timer.medians = {"per-layer": 3.0, "fused": 1.0, "split 2+2": 2.0}
+    fast.predict(x, batch_size=8, verbose=0)
+    chosen = {r["mode"]: r["chosen"] for r in first_batch.decisions(fast)}
+    assert chosen["training"].startswith("split 2+2") and chosen["inference"].startswith("fused")
+    assert layer.plan.name == chosen["inference"]
+    timings, ran[:] = timer.calls, []
+    trainable = [v.value for v in fast.trainable_variables]
+    others = [v.value for v in fast.non_trainable_variables]
+
+    @jax.jit
+    def grads(trainable, x):
+        def loss(trainable):
+            out, _ = fast.stateless_call(trainable, others, x, training=True)
+            return jnp.mean(out ** 2)
+        return jax.grad(loss)(trainable)
+
+    grads(trainable, jnp.asarray(x))
+    assert ran == [chosen["training"]]
+    assert timer.calls == timings and len(first_batch.decisions(fast)) == 2

@@ -1,0 +1,85 @@
+"""Every entry point of one model runs the plan decided for its group, mode
+and bucket (torch on the CPU): after `fit` decides (online, on its own
+steps), a user's own training loop -- a direct call and `backward()` --
+and `train_on_batch` run the committed plan, looked up, not timed again.
+The device is faked and each race step's seconds come from a fixed median.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+import rnnfuse
+from builders import fused_layers, race_online, stack_model
+from rnnfuse.fused import FusedRNN
+from rnnfuse.plan import Plan
+from rnnfuse.tuning import first_batch, per_shape, tuner
+
+ENV = {"device": "FakeGPU", "torch": "2", "backend": "torch", "rnnfuse": "0.1.0"}
+MEDIANS = {"per-layer": 3.0, "fused": 1.0, "split 1+1+1": 2.0}
+
+
+@pytest.fixture
+def fake_gpu(monkeypatch):
+    """A device to time on where any timing apart from the fit fails the test."""
+    monkeypatch.setattr(first_batch, "device_environment", lambda: dict(ENV))
+    monkeypatch.setattr(per_shape, "device_environment", lambda: dict(ENV))
+    timed_apart = []
+
+    def no_offline_timing(*args, **kwargs):
+        timed_apart.append(args)
+        raise AssertionError("timed apart from the fit")
+
+    monkeypatch.setattr(tuner, "_steps", no_offline_timing)
+    return timed_apart
+
+
+@pytest.fixture
+def plans_run(monkeypatch):
+    """The plan of each call of the model's FusedRNN (not a split plan's piece)."""
+    ran = []
+    real_run, real_original = FusedRNN._run, FusedRNN._original_call
+
+    def run(self, plan, *args, **kwargs):
+        if self.planner is not None:
+            ran.append(plan.name)
+        return real_run(self, plan, *args, **kwargs)
+
+    def original(self, *args, **kwargs):
+        ran.append("original")
+        return real_original(self, *args, **kwargs)
+
+    monkeypatch.setattr(FusedRNN, "_run", run)
+    monkeypatch.setattr(FusedRNN, "_original_call", original)
+    return ran
+
+
+def test_after_fit_decides_a_custom_loop_runs_the_decided_plan_untimed(fake_gpu, plans_run):
+    model = stack_model("gru", 3, steps=6)
+    fast = rnnfuse.optimize(model, cache=False)
+    ran = []
+    state = race_online(fast, MEDIANS, ran)
+    state.environment = dict(ENV)
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((32, *model.input_shape[1:])).astype("float32")
+    y = np.asarray(model.predict(x, verbose=0))
+    fast.compile(optimizer="sgd", loss="mse")
+    fast.fit(x, y, batch_size=4, epochs=4, verbose=0)
+    (layer,) = fused_layers(fast)
+    (record,) = first_batch.decisions(fast)
+    assert record["chosen"] == "fused" and layer.plan == Plan((3,))
+    raced = list(ran)
+    plans_run.clear()
+    # A user's own step: a direct call, a loss, backward() and an update.
+    optimizer = torch.optim.SGD([w.value for w in fast.trainable_weights], lr=0.01)
+    for start in (0, 4):
+        optimizer.zero_grad()
+        loss = ((fast(x[start:start + 4], training=True) - torch.as_tensor(y[start:start + 4])) ** 2).mean()
+        loss.backward()
+        optimizer.step()
+    fast.train_on_batch(x[:4], y[:4])
+    assert ran == raced and not fake_gpu, "fit's decision was timed again"
+    assert len(first_batch.decisions(fast)) == 1
+    assert plans_run == ["fused"] * 3
