@@ -192,3 +192,19 @@ def built_wavefront(tmp_path_factory):
         mp.setenv("RNNFUSE_CACHE_DIR", str(cache))
         path = build.build_library()
     return path, cache
+
+
+@pytest.fixture(scope="session")
+def wavefront_host(tmp_path_factory):
+    """Path of rnnfuse's wavefront library built around a stand-in cubin
+    (g++ only, about a second): for the tests of the host's plans and
+    argument checks, which never load the kernels. Tests of the kernels'
+    build itself use `built_wavefront`."""
+    from rnnfuse.backends.cuda import build
+
+    folder = tmp_path_factory.mktemp("wavefront-host")
+    cubin = folder / "stand_in.cubin"
+    cubin.write_bytes(b"not a cubin")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("RNNFUSE_CACHE_DIR", str(folder))
+        return build.build_library(cubin=cubin)

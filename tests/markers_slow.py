@@ -53,6 +53,15 @@ SLOW: dict[str, str] = {
             "test_the_training_wrappers_bind_to_the_ops_signatures",
         )
     },
+    # The compiled cubin (nvcc, 25 s of a core): the fast loop checks the
+    # kernels' names in the sources (test_wavefront_build.py::
+    # test_every_kernel_the_host_loads_is_one_the_cubin_source_defines).
+    "test_wavefront_variant.py::test_the_cubin_carries_the_variant_kernels": (
+        "reads the nvcc-built cubin (`built_wavefront`, 25 s of a core, shared)"
+    ),
+    "test_wavefront_wgmma_layout.py::test_the_cubin_carries_variant_twos_kernels": (
+        "reads the nvcc-built cubin (`built_wavefront`, 25 s of a core, shared)"
+    ),
     # -- fits long enough for the tuning budget: TensorFlow traces per fit -----
     "test_budget.py::test_a_decision_cut_short_is_not_cached_and_a_full_one_is": (
         "three optimized fits, each traced (24 s); test_call_steps and the spend tests stay fast"

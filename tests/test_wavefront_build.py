@@ -36,6 +36,13 @@ def built(built_wavefront, monkeypatch):
     return built_wavefront
 
 
+@pytest.fixture
+def host(wavefront_host):
+    """The library's host (plans, argument checks, the C entries) around a
+    stand-in cubin, for the tests that never load a kernel: conftest."""
+    return library.load(wavefront_host)
+
+
 def test_the_library_compiles_here_without_a_cuda_runtime(built):
     path, cache = built
     assert path.name == "librnnfuse_wavefront.so" and cache in path.parents
@@ -124,9 +131,9 @@ def test_workspace_holds_the_flags_and_the_sequences_below_the_top(built):
     assert lib.workspace_bytes(1, 8, 1, 1) == 256 * 4  # the flags; no sequence buffer
 
 
-def test_the_backward_splits_the_headline_layer_over_the_h200(built):
+def test_the_backward_splits_the_headline_layer_over_the_h200(host):
     """16 units a CTA (32 CTAs a 512-unit layer), 4 groups of 16 batch rows."""
-    lib = library.load(built[0])
+    lib = host
     assert lib.backward_plan(512, 64, 1000, **H200) == dict(ctas=128, smem=77120, rows=16)
     assert lib.backward_plan(64, 3, 7, **H200) == dict(ctas=4, smem=19232, rows=8)
     plan = lib.backward_plan(1024, 256, 10, **H200)
@@ -141,21 +148,21 @@ def test_the_backward_splits_the_headline_layer_over_the_h200(built):
         ((1024, 4096), "shared memory does not fit"),
     ],
 )
-def test_refused_backward_shapes_say_why(built, shape, message):
-    lib = library.load(built[0])
+def test_refused_backward_shapes_say_why(host, shape, message):
+    lib = host
     reason = lib.backward_plan(*shape, 100, **H200)
     assert isinstance(reason, str) and message in reason, reason
     small = lib.backward_plan(512, 8, 100, sms=16, smem=H200["smem"])
     assert "needs 32 CTAs for 512 units" in small
 
 
-def test_the_stack_backward_holds_the_headline_stack_on_an_h200(built):
+def test_the_stack_backward_holds_the_headline_stack_on_an_h200(host):
     """The reverse wavefront: 32 CTAs of 16 units a 512-unit layer, 4 layers
     on 128 SMs, one group of all 64 batch rows; a CTA stages 16 rows x 4H
     gate columns of its own layer's da_{t+1} at a time (two buffers: the
     next chunk lands while this one multiplies), and its 8 warps' partials
     of two m16 tiles (dh, the layer below's dy)."""
-    lib = library.load(built[0])
+    lib = host
     plan = lib.backward_stack_plan(4, 512, 64, 1000, **H200)
     assert plan == dict(
         ctas=128, smem=2 * 16 * (2048 + 8) * 2 + 8 * 16 * 36 * 4 + 64 * 16 * 4 + 64 * 4, rows=64)
@@ -186,8 +193,8 @@ def test_the_stack_backward_holds_the_headline_stack_on_an_h200(built):
         ((2, 64, 0), "batch, steps and inputs >= 1"),
     ],
 )
-def test_refused_stack_backward_shapes_say_why(built, shape, message):
-    lib = library.load(built[0])
+def test_refused_stack_backward_shapes_say_why(host, shape, message):
+    lib = host
     layers, units, batch = shape
     reason = lib.backward_stack_plan(layers, units, batch, 100, **H200)
     assert isinstance(reason, str) and message in reason, reason
@@ -204,12 +211,12 @@ def _h200_stack_reason(lib):
     return reason
 
 
-def test_auto_picks_the_stack_backward_where_the_h200_plan_accepts_it(built):
+def test_auto_picks_the_stack_backward_where_the_h200_plan_accepts_it(host):
     """The choice rule on the real plan: the headline 4 x 512 B64 T1000 runs
     the reverse wavefront; 7 x 320 (140 CTAs, the forward's 130 fit) runs
     per layer, whose plan accepts it, with the stack plan's refusal as the
     reason; "layer" and "stack" are what was asked."""
-    lib = library.load(built[0])
+    lib = host
     reason = _h200_stack_reason(lib)
     head = library.choose_backward("auto", "lstm", 4, 512, 64, 1000, stack_reason=reason)
     assert head == library.BackwardChoice("stack", "auto", None)
@@ -261,7 +268,7 @@ def test_a_call_without_a_driver_or_a_bad_argument_is_a_clear_error(built):
         assert limits["sms"] > 0 and limits["smem"] > 0
 
 
-def test_the_kind_backward_entry_is_declared_as_the_host_defines_it(built):
+def test_the_kind_backward_entry_is_declared_as_the_host_defines_it(host):
     """rnnfuse_wf_backward_kind (the LSTM and GRU backward) has as many
     parameters in wavefront_host.cc as library.py declares (ctypes does
     not check), the bindings' declaration (wavefront_abi.h, which the TF op
@@ -270,7 +277,7 @@ def test_the_kind_backward_entry_is_declared_as_the_host_defines_it(built):
     import re
 
     csrc = Path(library.__file__).parent / "csrc"
-    host = (csrc / "wavefront_host.cc").read_text()
+    host_source = (csrc / "wavefront_host.cc").read_text()
     abi = (csrc / "wavefront_abi.h").read_text()
     op = (Path(library.__file__).parents[1] / "tensorflow" / "csrc" /
           "rnnfuse_wavefront_op.cc").read_text()
@@ -279,17 +286,34 @@ def test_the_kind_backward_entry_is_declared_as_the_host_defines_it(built):
         sig = re.search(name + r"\(([^)]*)\)", src).group(1)
         return [" ".join(p.split()[:-1]) for p in sig.split(",")]
 
-    defined = params(host, "int rnnfuse_wf_backward_kind")
+    defined = params(host_source, "int rnnfuse_wf_backward_kind")
     assert defined == params(abi, "int rnnfuse_wf_backward_kind")
     assert '#include "wavefront_abi.h"' in op
-    lib = library.load(built[0])
-    declared = lib._lib.rnnfuse_wf_backward_kind.argtypes
+    declared = host._lib.rnnfuse_wf_backward_kind.argtypes
     assert len(declared) == len(defined) == 18
     for c_type, ctype in zip(defined, declared):
         assert ("*" in c_type) == (ctype is ctypes.c_void_p), (c_type, ctype)
     with pytest.raises(library.WavefrontError, match="not 'simple_rnn'"):
-        lib.backward(0, "float16", 8, 1, 1, w_hh=0, gates=0, cseq=0, c0=0, dy=0, dhy=0, dcy=0,
-                     lengths=None, dgates=0, dh0=0, dc0=0, workspace=0, kind="simple_rnn")
+        host.backward(0, "float16", 8, 1, 1, w_hh=0, gates=0, cseq=0, c0=0, dy=0, dhy=0, dcy=0,
+                      lengths=None, dgates=0, dh0=0, dc0=0, workspace=0, kind="simple_rnn")
+
+
+def test_every_kernel_the_host_loads_is_one_the_cubin_source_defines():
+    """The names wavefront_host.cc asks the cubin for (cuModuleGetFunction)
+    are the kernels wavefront.cu's RF_KERNELS lines define, each in f16 and
+    bf16: the fast loop's check of the variants' kernels, whose compiled
+    cubin the slow tests read (test_wavefront_variant.py,
+    test_wavefront_wgmma_layout.py)."""
+    import re
+
+    csrc = Path(library.__file__).parent / "csrc"
+    loaded = set(re.findall(r'cuModuleGetFunction_\([^"]*"(\w+)"',
+                            (csrc / "wavefront_host.cc").read_text()))
+    defined = {f"{name}_{t}" for name in re.findall(r"^RF_KERNELS\((\w+),",
+                                                    (csrc / "wavefront.cu").read_text(), re.M)
+               for t in ("f16", "bf16")}
+    assert {f"rnnfuse_wf_forward_v{v}_{t}" for v in (1, 2, 3) for t in ("f16", "bf16")} <= loaded
+    assert loaded == defined, (loaded ^ defined)
 
 
 @pytest.mark.parametrize("name, count", [("rnnfuse_wf_forward_directions", 19),

@@ -23,7 +23,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from rnnfuse.backends.cuda import library
+from rnnfuse.backends.cuda import build, library
 
 K_NC, K_NGROUP, K_THREADS, K_WK = 64, 32, 256, 16
 R = 64  # rows of a variant-2 CTA: 4 gates x 16 units
@@ -153,8 +153,9 @@ def test_the_descriptor_fields_hold_the_largest_offsets():
 
 
 @pytest.fixture
-def lib(built_wavefront):
-    return library.load(built_wavefront[0])
+def lib(wavefront_host):
+    """The library's host (plans) around a stand-in cubin: conftest."""
+    return library.load(wavefront_host)
 
 
 def test_the_headline_plan_suits_variant_two(lib):
@@ -164,6 +165,8 @@ def test_the_headline_plan_suits_variant_two(lib):
     assert [(p["units"], p["kpad"]) for p in plan] == [(16, 512)] + [(16, 1024)] * 3
 
 
-def test_the_library_carries_variant_twos_kernels(lib):
-    data = lib.path.read_bytes()
+def test_the_cubin_carries_variant_twos_kernels(built_wavefront, monkeypatch):
+    # The cubin's bytes, not the library's: the host names every kernel it loads.
+    monkeypatch.setenv("RNNFUSE_CACHE_DIR", str(built_wavefront[1]))
+    data = build.build_cubin().read_bytes()
     assert b"rnnfuse_wf_forward_v2_f16" in data and b"rnnfuse_wf_forward_v2_bf16" in data

@@ -286,13 +286,16 @@ def host_command(cxx: str, cubin: Path, include: Path, output: Path) -> list[str
     ]
 
 
-def build_library(force: bool = False) -> Path:
+def build_library(force: bool = False, cubin: Path | None = None) -> Path:
     """Builds (unless cached) librnnfuse_wavefront.so; returns its path.
+
+    `cubin`: the wavefront cubin to embed (default: `build_cubin()`, which
+    runs nvcc; tests of the host's plans and argument checks pass any file).
 
     Raises:
         BuildError: no nvcc, no C++ compiler, or a compiler failed."""
     cxx = find_cxx()
-    cubin = build_cubin(force=force)
+    cubin = Path(cubin) if cubin is not None else build_cubin(force=force)
     include = cuda_include(find_nvcc())
     key = f"wavefront-lib-{digest(HOST_SOURCES, cubin.parent.name, *CXX_FLAGS)}"
     target = cache_dir() / key / LIBRARY_NAME
