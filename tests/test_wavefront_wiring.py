@@ -329,8 +329,10 @@ def test_a_training_candidate_whose_backward_is_wrong_is_rejected(
 
     monkeypatch.setattr(wavefront_training, "backward_layer", wrong)
     timer = FakeTimer({"per-layer": 2.0, "fused": 1.0, "fused on wavefront": 0.5})
-    (trained,) = tune_plans(_groups(wavefront_stack()), lambda g: (8, 7, 5), training=True,
-                            measure=timer, environment=ENV, progress=False)
+    # 2 steps, 4 units: the check traces every step of three gradients (the
+    # float64 reference, the candidate, its cuDNN twin) in Python.
+    (trained,) = tune_plans(_groups(wavefront_stack(units=4, steps=2)), lambda g: (8, 2, 5),
+                            training=True, measure=timer, environment=ENV, progress=False)
     assert trained.plan == Plan((2,))
     assert "gradient error" in trained.rejected["fused on wavefront"]
 
