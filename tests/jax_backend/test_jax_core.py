@@ -224,9 +224,14 @@ def test_a_masked_call_runs_the_standard_algorithm_and_says_why(emulated):
     fast = rnnfuse.optimize(model, plan=Plan((3,), "persistent_static+tc"))
     tokens = random_inputs(model, 3, np.random.default_rng(3), padding="right")
     tokens[0, 2:] = 0
-    _check(model, fast, tokens)
+    # The forward pass only: the backward runs the same core config, and the
+    # gradients of a masked core call (12 s of XLA compile) are
+    # test_jax_fused.py::test_masked_calls_run_the_core_with_lengths's.
+    assert max_abs_diff(fast(tokens), model(tokens)) < 1e-4
     ran = _ran(fast)
     assert ran.algorithm == "standard" and "padded lengths" in ran.note
+    assert emulated.calls and all(a["algorithm"] < 4 and a["full_lengths"] == 0
+                                  for _, a in emulated.calls)
 
 
 def test_an_algorithm_cudnn_refuses_runs_as_standard_with_the_reason(emulated):
