@@ -27,6 +27,9 @@ from rnnfuse.tuning.cache import PlanCache
 
 ENV = {"device": "FakeGPU", "tensorflow": "2.21.0", "cudnn": "9", "backend": "tensorflow", "rnnfuse": "0.1.0"}
 PERSISTENT = "fused @persistent_dynamic+tc"
+# Few steps: the emulated op and the traced steps unroll every one; no
+# decision here depends on the length.
+STEPS = 3
 
 
 class ShapeTimer:
@@ -66,12 +69,12 @@ def timed(monkeypatch, emulated_op, tmp_path):
 
 
 def _model():
-    return stack_model("lstm", 2, units=6, steps=7, input_size=5, last_return_sequences=True)
+    return stack_model("lstm", 2, units=6, steps=STEPS, input_size=5, last_return_sequences=True)
 
 
 def _xy(model, n, seed=0):
     rng = np.random.default_rng(seed)
-    x = rng.standard_normal((n, 7, 5)).astype("float32")
+    x = rng.standard_normal((n, STEPS, 5)).astype("float32")
     return x, np.asarray(model.predict(x, verbose=0))
 
 
@@ -126,7 +129,7 @@ def test_a_plan_is_never_switched_mid_epoch(timed):
     # (the partial one too, its batch size left open): the call's plan.
     assert algorithms() == ["persistent_dynamic"]
     (record,) = first_batch.decisions(fast)
-    assert record["mode"] == "training" and record["input"] == [8, 7, 5]
+    assert record["mode"] == "training" and record["input"] == [8, STEPS, 5]
 
 
 def test_a_custom_loop_trace_gets_a_plan_timed_for_its_shape(timed):
@@ -187,7 +190,7 @@ def test_a_trace_whose_batch_is_open_runs_the_static_table_without_timing(timed)
     fast, timer = make(model, MEDIANS)
     x, _ = _xy(model, 8)
     fast.predict(x, batch_size=8, verbose=0)  # persistent_dynamic at 8
-    spec = tf.TensorSpec((None, 7, 5), tf.float32)
+    spec = tf.TensorSpec((None, STEPS, 5), tf.float32)
     out = tf.function(lambda t: fast(t, training=False), input_signature=[spec])(x)
     assert len(timer.calls) == 1, "an open batch cannot be timed"
     # The table keeps a float32 2x6 LSTM's layers (fused lost there).
@@ -286,10 +289,10 @@ def test_timing_from_inside_a_custom_training_loop_trace_times_training_steps(
     import keras
 
     monkeypatch.setattr(first_batch, "device_environment", lambda: dict(ENV))
-    model = stack_model("lstm", 2, units=6, steps=7, input_size=5, last_return_sequences=False)
+    model = stack_model("lstm", 2, units=6, steps=STEPS, input_size=5, last_return_sequences=False)
     fast = rnnfuse.optimize(model, cache=PlanCache(tmp_path / "plans.json"))
     fast._rnnfuse_autotune.environment = dict(ENV)
-    x = np.random.default_rng(4).standard_normal((4, 7, 5)).astype("float32")
+    x = np.random.default_rng(4).standard_normal((4, STEPS, 5)).astype("float32")
 
     def step_of(m):
         @tf.function
@@ -339,7 +342,7 @@ TRAIN_FUSED_PREDICT_PER_LAYER = {
 def _trained_fused(timed):
     """(a SimpleRNN stack, its optimized model after one fused fit epoch, x)."""
     make, _ = timed
-    model = stack_model("rnn_tanh", 2, units=6, steps=7, input_size=5)
+    model = stack_model("rnn_tanh", 2, units=6, steps=STEPS, input_size=5)
     fast, _ = make(model, TRAIN_FUSED_PREDICT_PER_LAYER)
     x, y = _xy(model, 64)
     fast.compile(optimizer="sgd", loss="mse")
