@@ -366,7 +366,7 @@ def gradient_calls(monkeypatch):
     `gradients_of` sees, and how many `gradients_of` calls (programs) were made."""
     from rnnfuse.backends import get_timing
 
-    model = stack_model("lstm", 2, units=4, steps=5)
+    model = stack_model("lstm", 2, units=4, steps=2)  # each step is traced: few
     (group,) = rnnfuse.analyze(model).groups
     timing = type(get_timing())
     calls, programs = [], []
@@ -386,7 +386,7 @@ def test_the_float64_reference_is_computed_once_for_all_candidates(emulated_cudn
 
     group, calls, programs = gradient_calls
     check = tuner.GradientCheck()
-    shape = (3, 5, group.input_size)
+    shape = (3, 2, group.input_size)
     errors = [check(group, plan, shape, "float32") for plan in (FUSED, Plan((1, 1)))]
     dtypes = [dtype for dtype, _ in calls]
     assert dtypes.count("float64") == 1, calls
@@ -399,7 +399,7 @@ def test_a_plan_its_default_twin_and_the_reference_share_one_program(emulated_cu
 
     group, calls, programs = gradient_calls
     check = tuner.GradientCheck()
-    shape = (3, 5, group.input_size)
+    shape = (3, 2, group.input_size)
     plan = Plan((2,), "persistent_static+tc")
     error = check(group, plan, shape, "float32")
     assert programs == [3], programs  # reference, plan, twin: one program
@@ -427,11 +427,13 @@ def test_a_failing_shared_program_is_redone_one_call_at_a_time(emulated_cudnn, g
 
     monkeypatch.setattr(timing, "gradients_of", fails_when_shared)
     check = tuner.GradientCheck()
-    check(group, Plan((2,), "persistent_static+tc"), (3, 5, group.input_size), "float32")
+    check(group, Plan((2,), "persistent_static+tc"), (3, 2, group.input_size), "float32")
     assert programs == [1, 1], programs  # the reference, then the plan alone
 
 
-def test_the_gradient_check_runs_on_the_first_check_steps_of_a_long_batch(gradient_calls):
+def test_the_gradient_check_runs_on_the_first_check_steps_of_a_long_batch(gradient_calls,
+                                                                          monkeypatch):
+    monkeypatch.setattr(tuner, "CHECK_STEPS", 3)  # each step is traced: few
     group, calls, programs = gradient_calls
     steps = tuner.CHECK_STEPS + 36
     tuner.GradientCheck()(group, rnnfuse.FUSED, (3, steps, group.input_size), "float32")
