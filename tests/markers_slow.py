@@ -146,7 +146,6 @@ SLOW: dict[str, str] = {
     "test_first_batch.py::test_a_new_bucket_is_timed_on_its_contenders_and_a_shape_of_a_decided_bucket_is_not": (
         "fits at three shapes (3 s); test_per_shape.py times a new bucket in the fast loop"
     ),
-    "test_first_batch.py::test_the_gradient_check_runs_on_the_first_check_steps_of_a_long_batch": "a fit (2 s)",
     "test_per_shape.py::test_a_plan_is_never_switched_mid_epoch": (
         "two fit epochs (5 s); the fast loop times a new bucket through predict"
     ),
