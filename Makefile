@@ -37,13 +37,12 @@ demo: $(STAMP)
 #   make test-all      both (what .ci/run runs, as make test then make test-slow)
 #   make test-thorough both, with 200 hypothesis examples per property
 #
-# The TensorFlow and JAX suites run in TEST_WORKERS processes (pytest-xdist):
-# on the 2-core machine 2 workers took the TensorFlow suite from 538 s to
-# 315 s and the JAX suite (XLA compiles on one core each) from 171 s to
-# 125 s; the torch suite runs in one (47 s, 67 s in two). `worksteal` lets
-# an idle worker take tests queued for the other, so a few long tests do not
-# leave one core idle at the end. Exit code 5 (no test selected) counts as
-# success.
+# The TensorFlow and JAX suites run in TEST_WORKERS processes (pytest-xdist;
+# XLA compiles on one core each, so two workers nearly halve them on two
+# cores); the torch suite runs in one, where two are slower (torch's own
+# threads). `worksteal` lets an idle worker take tests queued for the other,
+# so a few long tests do not leave one core idle at the end. Exit code 5
+# (no test selected) counts as success.
 TEST_WORKERS ?= 2
 TESTS ?= not slow
 PYTEST := $(BIN)/python -m pytest -q -p no:cacheprovider -m "$(TESTS)"
