@@ -15,11 +15,10 @@ import pytest
 import tensorflow as tf
 
 import rnnfuse
-from builders import fused_layers, race_online, stack_model
-from rnnfuse.backends.tensorflow import cudnn_op
+from builders import race_online, stack_model
 from rnnfuse.fused import FusedRNN
 from rnnfuse.tuning import first_batch, tuner
-from rnnfuse.tuning.cache import PlanCache
+from timed_optimize import timed_optimize
 
 ENV = {"device": "FakeGPU", "tensorflow": "2.21.0", "cudnn": "9", "backend": "tensorflow",
        "rnnfuse": "0.1.0"}
@@ -66,22 +65,7 @@ def plans_run(monkeypatch):
 @pytest.fixture
 def timed(monkeypatch, emulated_op, tmp_path):
     """optimize(model) with a fake GPU and a fake timer."""
-    monkeypatch.setattr(first_batch, "device_environment", lambda: dict(ENV))
-    monkeypatch.setattr(tuner, "_steps", lambda group, plans, shape, *a, **k: {p.name: shape for p in plans})
-
-    def make(model, medians):
-        fast = rnnfuse.optimize(model, cache=PlanCache(tmp_path / "plans.json"))
-        state = fast._rnnfuse_autotune
-        state.environment = dict(ENV)
-        state.measure = Timer(medians)
-        state.check_gradients = lambda group, plan, shape, dtype: 1e-6
-        state.fit_share = None  # tiny fits time everything (the budget: test_budget.py)
-        return fast, state.measure
-
-    def algorithms():
-        return [cudnn_op.decode_algorithm_code(tf.get_static_value(c["algorithm"]))[0] for c in emulated_op]
-
-    return make, algorithms
+    return timed_optimize(monkeypatch, emulated_op, tmp_path, ENV, Timer)
 
 
 def _model(cudnn_on_gpu: bool):

@@ -20,10 +20,10 @@ import tensorflow as tf
 
 import rnnfuse
 from builders import fused_layers, max_abs_diff, stack_model
-from rnnfuse.backends.tensorflow import cudnn_op
 from rnnfuse.plan import Algorithm
 from rnnfuse.tuning import first_batch, per_shape, tuner
 from rnnfuse.tuning.cache import PlanCache
+from timed_optimize import timed_optimize
 
 ENV = {"device": "FakeGPU", "tensorflow": "2.21.0", "cudnn": "9", "backend": "tensorflow", "rnnfuse": "0.1.0"}
 PERSISTENT = "fused @persistent_dynamic+tc"
@@ -50,22 +50,7 @@ class ShapeTimer:
 def timed(monkeypatch, emulated_op, tmp_path):
     """(optimize(model) with a fake GPU and ShapeTimer, the op's recorded
     algorithm per call)."""
-    monkeypatch.setattr(first_batch, "device_environment", lambda: dict(ENV))
-    monkeypatch.setattr(tuner, "_steps", lambda group, plans, shape, *a, **k: {p.name: shape for p in plans})
-
-    def make(model, by_batch):
-        fast = rnnfuse.optimize(model, cache=PlanCache(tmp_path / "plans.json"))
-        state = fast._rnnfuse_autotune
-        state.environment = dict(ENV)
-        state.measure = ShapeTimer(by_batch)
-        state.check_gradients = lambda group, plan, shape, dtype: 1e-6
-        state.fit_share = None  # tiny fits time everything (the budget: test_budget.py)
-        return fast, state.measure
-
-    def algorithms():
-        return [cudnn_op.decode_algorithm_code(tf.get_static_value(c["algorithm"]))[0] for c in emulated_op]
-
-    return make, algorithms
+    return timed_optimize(monkeypatch, emulated_op, tmp_path, ENV, ShapeTimer)
 
 
 def _model():
