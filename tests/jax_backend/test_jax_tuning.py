@@ -38,16 +38,22 @@ def fake_gpu(monkeypatch, emulated_core):
     return built
 
 
-def test_first_fit_times_cudnns_algorithms_and_runs_the_fastest(fake_gpu, emulated_core,
-                                                               tmp_path):
-    model = stack_model("gru", 4, units=6, steps=9, last_return_sequences=True)
-    timer = FakeTimer({"per-layer": 3.0, "fused": 2.0, "split 2+2": 2.5,
-                       "fused @persistent_static+tc": 1.0})
+def _timed(model, timer, tmp_path):
+    """optimize(model) timed by `timer`, the gradient check passing, no budget."""
     fast = rnnfuse.optimize(model, cache=PlanCache(tmp_path / "plans.json"))
     state = fast._rnnfuse_autotune
     state.measure = timer
     state.check_gradients = lambda g, p, shape, dtype: 1e-6
     state.fit_share = None  # tiny fits time everything (the budget: test_budget.py)
+    return fast
+
+
+def test_first_fit_times_cudnns_algorithms_and_runs_the_fastest(fake_gpu, emulated_core,
+                                                               tmp_path):
+    model = stack_model("gru", 4, units=6, steps=9, last_return_sequences=True)
+    timer = FakeTimer({"per-layer": 3.0, "fused": 2.0, "split 2+2": 2.5,
+                       "fused @persistent_static+tc": 1.0})
+    fast = _timed(model, timer, tmp_path)
     (layer,) = fused_layers(fast)
     rng = np.random.default_rng(0)
     x = random_inputs(model, 16, rng)
@@ -94,11 +100,7 @@ def test_a_custom_jitted_loop_runs_its_modes_decision_not_the_last_one_set(
     monkeypatch.setattr(FusedRNN, "_run", run)
     model = stack_model("gru", 4, units=6, steps=9, last_return_sequences=True)
     timer = FakeTimer({"per-layer": 3.0, "fused": 2.0, "split 2+2": 1.0})
-    fast = rnnfuse.optimize(model, cache=PlanCache(tmp_path / "plans.json"))
-    state = fast._rnnfuse_autotune
-    state.measure = timer
-    state.check_gradients = lambda g, p, shape, dtype: 1e-6
-    state.fit_share = None  # tiny fits time everything (the budget: test_budget.py)
+    fast = _timed(model, timer, tmp_path)
     (layer,) = fused_layers(fast)
     x = random_inputs(model, 8, np.random.default_rng(0))
     y = np.asarray(model.predict(x, verbose=0))
