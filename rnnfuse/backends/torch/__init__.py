@@ -366,11 +366,10 @@ def pack_canonical(
     read = _reader()
     gather = _gather_for(stack, first, levels, read)
     if gather is not None:
-        variables, index = gather
-        raw = [read(v).reshape(-1) for v in variables]
-        # Slot 0 is the zero every constant bias reads (its gradient is dropped).
-        buffer = torch.cat([_zeros(1, raw[0])] + raw)
-        return buffer.index_select(0, index).to(device=torch.device(device), dtype=dtype)
+        variables, index, inverse = gather
+        values = [read(v) for v in variables]
+        packed = _Gather.apply(index, inverse, *values)
+        return packed.to(device=torch.device(device), dtype=dtype)
     mats, biases = [], []
     for i in range(first, first + levels):
         for cell in stack.cells[i]:
@@ -389,13 +388,10 @@ _GATHERS: dict[tuple, tuple] = {}
 
 
 def _gather_for(stack: StackSpec, first: int, levels: int, read) -> tuple | None:
-    """(variables, index) such that `pack_canonical`'s buffer is the
-    variables' values, flattened and concatenated after one zero, gathered
-    by `index`: one copy and one gather a call (one scatter back in the
-    backward) instead of a few ops per pseudo-layer each way, the same
-    values and gradients (each variable element read once, so its gradient
-    is one value added to zero, in any order). The index
-    is `pack_canonical`'s own layout, built once per stack, slice and
+    """(variables, index, inverse) such that `pack_canonical`'s buffer is
+    the variables' values, flattened after one zero and gathered by `index`
+    (`_Gather`: one copy and one gather a call each way) instead of a few
+    ops per pseudo-layer each way. The index is `pack_canonical`'s own layout, built once per stack, slice and
     device by packing tensors that hold each element's position. None
     where a call keeps the general path: in a trace, where a variable's
     value is not a plain tensor, or with a doubled input kernel (whose
@@ -430,8 +426,27 @@ def _gather_for(stack: StackSpec, first: int, levels: int, read) -> tuple | None
     if not torch.equal(torch.sort(reads).values, torch.arange(len(reads))):
         _GATHERS[key] = None  # not a permutation of the variables' elements
         return None
-    found = _GATHERS[key] = (variables, index.to(probe.device))
+    inverse = torch.empty_like(reads)
+    inverse[reads] = torch.nonzero(index > 0).reshape(-1)
+    found = _GATHERS[key] = (variables, index.to(probe.device), inverse.to(probe.device))
     return found
+
+
+class _Gather(torch.autograd.Function):
+    """`_gather_for`'s packing as one autograd node; slot 0 is the zero every
+    constant bias reads. Each element is read once, so its gradient is the
+    one value `inverse` gathers back."""
+
+    @staticmethod
+    def forward(ctx, index, inverse, *values):
+        ctx.inverse, ctx.values = inverse, values
+        flat = torch._C._nn.flatten_dense_tensors([_zeros(1, values[0]), *values])
+        return flat.index_select(0, index)
+
+    @staticmethod
+    def backward(ctx, grad):
+        flat = grad.index_select(0, ctx.inverse)
+        return (None, None, *torch._C._nn.unflatten_dense_tensors(flat, ctx.values))
 
 
 _ZEROS: dict[tuple, torch.Tensor] = {}
