@@ -23,6 +23,7 @@ Example:
 from __future__ import annotations
 
 import contextlib
+import weakref
 
 import keras
 from keras import ops, tree
@@ -46,6 +47,10 @@ def default_name(layers) -> str:
 
 # `last_path` of a call whose plan keeps the original layers.
 _KEPT_ORIGINAL = CallPath(PathKind.LAYERS, plan_per_layer())
+
+
+# FusedRNN -> its sublayers, for `_clear_losses`.
+_LOSS_LAYERS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 
 @keras.saving.register_keras_serializable(package="rnnfuse")
@@ -269,6 +274,24 @@ class FusedRNN(keras.layers.Layer):
         return cls(layers, dropout_layers=dropout_layers or None, **config)
 
     # -- call ------------------------------------------------------------------
+
+    def _clear_losses(self):
+        # Keras' recursion, over the sublayers listed once and emptied only
+        # where they hold losses (a microsecond a layer less each call).
+        # (Kept off the layer: Keras' saving walks its attributes.)
+        layers = _LOSS_LAYERS.get(self)
+        if layers is None and self.built:
+            layers = tuple(self._flatten_layers(include_self=False))
+            if any(type(l)._clear_losses is not keras.Layer._clear_losses for l in layers):
+                layers = ()
+            _LOSS_LAYERS[self] = layers
+        if not layers or keras.src.backend.in_stateless_scope():
+            return super()._clear_losses()
+        for layer in (self, *layers):
+            if layer._losses:
+                layer._losses.clear()
+            if layer._loss_ids:
+                layer._loss_ids.clear()
 
     def __call__(self, *args, **kwargs):
         # A kept-original call is theirs alone: it costs what the original layers cost.
