@@ -188,6 +188,26 @@ def test_pack_canonical_gathers_once_and_reads_new_weights(kind, monkeypatch):
     assert torch.equal(again, want) and not torch.equal(first, want)
 
 
+@pytest.mark.parametrize("kind", ["gru", "lstm"])
+def test_a_core_call_packs_its_weights_in_its_own_autograd_node(kind, core):
+    """Where the weights are in the call's dtype, the core's autograd node
+    packs them itself: one node, and the outputs and gradients of a call
+    on `pack_canonical`'s buffer, value for value."""
+    spec, variables = _pack_case(kind, False, "concat", True, 0)
+    packing = torch_backend._core_params(spec, torch.float32, torch.device("cpu"), 0, 3)
+    assert isinstance(packing, torch_backend._Packing)
+    x = torch.randn(5, 2, 7, generator=torch.Generator().manual_seed(0))
+    h = torch.zeros(3, 2, 4)
+    c = h if kind == "lstm" else None
+    runs = []
+    for params in (packing, torch_backend.pack_canonical(spec, torch.float32, "cpu")):
+        y, hy, _ = cudnn_core.run(x, kind, 3, 4, params, h, c, training=True)
+        runs.append((y, torch.autograd.grad((y * y).sum() + hy.sum(), variables), y.grad_fn))
+    (y, grads, node), (y_ref, grads_ref, _) = runs
+    assert {type(f).__name__ for f, _ in node.next_functions if f} == {"AccumulateGrad"}
+    assert torch.equal(y, y_ref) and all(map(torch.equal, grads, grads_ref))
+
+
 # -- the fused call on the (emulated) core ---------------------------------------------
 
 

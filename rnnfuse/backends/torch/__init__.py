@@ -55,7 +55,7 @@ import os
 import threading
 import warnings
 import weakref
-from typing import Any, Sequence
+from typing import Any, NamedTuple, Sequence
 
 import keras
 import numpy as np
@@ -364,12 +364,9 @@ def pack_canonical(
     levels = stack.num_levels - first if levels is None else levels
     dtype = _torch_dtype(dtype)
     read = _reader()
-    gather = _gather_for(stack, first, levels, read)
-    if gather is not None:
-        variables, index, inverse = gather
-        values = [read(v) for v in variables]
-        packed = _Gather.apply(index, inverse, *values)
-        return packed.to(device=torch.device(device), dtype=dtype)
+    packing = _packing(stack, first, levels, read)
+    if packing is not None:
+        return packing.tensor().to(device=torch.device(device), dtype=dtype)
     mats, biases = [], []
     for i in range(first, first + levels):
         for cell in stack.cells[i]:
@@ -387,17 +384,72 @@ def pack_canonical(
 _GATHERS: dict[tuple, tuple] = {}
 
 
+def _core_params(stack: StackSpec, dtype: torch.dtype, device: torch.device, first: int,
+                levels: int) -> "torch.Tensor | _Packing":
+    """`pack_canonical`'s buffer for a core call, or its `_Packing` where
+    the core's own autograd node can pack it (no cast or move)."""
+    read = _reader()
+    packing = _packing(stack, first, levels, read)
+    if packing is None or packing.values[0].dtype != dtype or packing.values[0].device != device:
+        return pack_canonical(stack, dtype, device, first, levels)
+    return packing
+
+
+def _packing(stack: StackSpec, first: int, levels: int, read) -> "_Packing | None":
+    """This call's `_Packing` of `pack_canonical`'s buffer, or None where
+    the call keeps the general path."""
+    found = _gather_for(stack, first, levels, read)
+    if found is None:
+        return None
+    variables, index, inverse = found
+    return _Packing(index, inverse, tuple([read(v) for v in variables]))
+
+
+class _Packing(NamedTuple):
+    """`pack_canonical`'s buffer as `values` flattened after slot 0 (the zero
+    every constant bias reads) and gathered by `index`: one copy and one
+    gather a call each way. Each element is read once, so its gradient is
+    the one value `inverse` gathers back."""
+
+    index: torch.Tensor
+    inverse: torch.Tensor
+    values: tuple
+
+    def pack(self) -> torch.Tensor:
+        """The buffer (not recorded by autograd)."""
+        zero = _zeros(1, self.values[0])
+        return torch._C._nn.flatten_dense_tensors([zero, *self.values]).index_select(0, self.index)
+
+    def gradients(self, grad: torch.Tensor) -> tuple:
+        """The values' gradients from the buffer's."""
+        flat = grad.index_select(0, self.inverse)
+        return torch._C._nn.unflatten_dense_tensors(flat, list(self.values))
+
+    def tensor(self) -> torch.Tensor:
+        """The buffer as one autograd node."""
+        return _Gather.apply(self, *self.values)
+
+
+class _Gather(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, packing, *values):
+        ctx.packing = packing
+        return packing.pack()
+
+    @staticmethod
+    def backward(ctx, grad):
+        return (None, *ctx.packing.gradients(grad))
+
+
 def _gather_for(stack: StackSpec, first: int, levels: int, read) -> tuple | None:
-    """(variables, index, inverse) such that `pack_canonical`'s buffer is
-    the variables' values, flattened after one zero and gathered by `index`
-    (`_Gather`: one copy and one gather a call each way) instead of a few
-    ops per pseudo-layer each way. The index is `pack_canonical`'s own layout, built once per stack, slice and
+    """(variables, index, inverse) of `_Packing`; `index` is `pack_canonical`'s
+    own layout, built once per stack, slice and
     device by packing tensors that hold each element's position. None
-    where a call keeps the general path: in a trace, where a variable's
-    value is not a plain tensor, or with a doubled input kernel (whose
-    halves' gradients sum)."""
+    where a call keeps the general path: in a trace or a functorch
+    transform, where a variable's value is not a plain tensor, or with a
+    doubled input kernel (whose halves' gradients sum)."""
     probe = read(stack.cells[first][0].kernel)
-    if not cudnn_core.runs_eagerly(probe):
+    if not cudnn_core.runs_eagerly(probe) or torch._C._are_functorch_transforms_active():
         return None
     key = (id(stack), first, levels, probe.device)
     if key in _GATHERS:
@@ -430,23 +482,6 @@ def _gather_for(stack: StackSpec, first: int, levels: int, read) -> tuple | None
     inverse[reads] = torch.nonzero(index > 0).reshape(-1)
     found = _GATHERS[key] = (variables, index.to(probe.device), inverse.to(probe.device))
     return found
-
-
-class _Gather(torch.autograd.Function):
-    """`_gather_for`'s packing as one autograd node; slot 0 is the zero every
-    constant bias reads. Each element is read once, so its gradient is the
-    one value `inverse` gathers back."""
-
-    @staticmethod
-    def forward(ctx, index, inverse, *values):
-        ctx.inverse, ctx.values = inverse, values
-        flat = torch._C._nn.flatten_dense_tensors([_zeros(1, values[0]), *values])
-        return flat.index_select(0, index)
-
-    @staticmethod
-    def backward(ctx, grad):
-        flat = grad.index_select(0, ctx.inverse)
-        return (None, None, *torch._C._nn.unflatten_dense_tensors(flat, ctx.values))
 
 
 _ZEROS: dict[tuple, torch.Tensor] = {}
@@ -979,10 +1014,11 @@ def _core_calls(stack, x, lengths, h0, c0, dropout, seed, algorithm, per_call,
     dirs = stack.num_directions
     code = cudnn_core.algorithm_code(algorithm, x.dtype, allow_tf32)
     firsts = range(0, stack.num_levels, per_call)
-    flats = [pack_canonical(stack, x.dtype, x.device, first, min(per_call, stack.num_levels - first))
+    flats = [_core_params(stack, x.dtype, x.device, first, min(per_call, stack.num_levels - first))
              for first in firsts]
+    weights = [t for f in flats for t in (f.values if isinstance(f, _Packing) else (f,))]
     wants_grad = torch.is_grad_enabled() and any(
-        t.requires_grad for t in (x, h0, *(() if c0 is None else (c0,)), *flats))
+        t.requires_grad for t in (x, h0, *(() if c0 is None else (c0,)), *weights))
     training = wants_grad or dropout > 0
     seed_value = int(seed[0]) + (int(seed[1]) << 31)
     y = x.transpose(0, 1)

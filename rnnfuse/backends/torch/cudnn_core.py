@@ -288,11 +288,15 @@ class _EagerCall(torch.autograd.Function):
     custom op (`runs_eagerly`)."""
 
     @staticmethod
-    def forward(ctx, x, hx, cx, params, lengths, dev_lengths, ints, dropout, seed, training):
+    def forward(ctx, x, hx, cx, params, lengths, dev_lengths, ints, dropout, seed, training,
+                packing, *values):
+        if packing is not None:
+            params = packing.pack()
         output = core_forward(ints, dropout, seed, training, x, hx, cx, params, lengths,
                               dev_lengths)
         _setup_context(ctx, (x, hx, cx, params, lengths, dev_lengths, ints, dropout, seed,
                              training), output)
+        ctx.packing = packing
         ctx.mark_non_differentiable(output[3])
         ctx.set_materialize_grads(False)  # None for an unused output, as the custom op's
         return output
@@ -300,7 +304,10 @@ class _EagerCall(torch.autograd.Function):
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, dy, dhy, dcy, dreserve):
-        return _backward(ctx, dy, dhy, dcy, dreserve, eager=True)
+        grads = _backward(ctx, dy, dhy, dcy, dreserve, eager=True)
+        if ctx.packing is None:
+            return grads + (None,)
+        return grads[:3] + (None,) * 8 + tuple(ctx.packing.gradients(grads[3]))
 
 
 def runs_eagerly(*tensors: torch.Tensor) -> bool:
@@ -323,6 +330,8 @@ def run(x: torch.Tensor, kind: str, num_layers: int, units: int, params: torch.T
     """One core call: (y [T, B, D*R], hy [L*D, B, R], cy [L*D, B, H] or None)
     from time-major x, the canonical params, hx, cx, host `lengths` and the
     `algorithm_code`; `training` runs the training forward (reserve, dropout).
+    `params` may be a packing of them (`values`, `pack()`, `gradients(grad)`,
+    `tensor()`), packed inside an eager call's own autograd node.
 
     Raises:
         CoreError: the core refused or failed the call."""
@@ -335,8 +344,15 @@ def run(x: torch.Tensor, kind: str, num_layers: int, units: int, params: torch.T
     else:
         dev_lengths = _full_lengths(x)
     cx_in = cx.contiguous() if kind == "lstm" else x.new_empty((0,))
-    args = (x.contiguous(), hx.contiguous(), cx_in, params.contiguous())
-    op = _EagerCall.apply if runs_eagerly(*args) else _rnn_op
-    y, hy, cy, _ = op(*args, lengths, dev_lengths, call.ints, call.dropout, call.seed,
-                      bool(training))
+    args = (x.contiguous(), hx.contiguous(), cx_in)
+    rest = (lengths, dev_lengths, call.ints, call.dropout, call.seed, bool(training))
+    packing = None if isinstance(params, torch.Tensor) else params
+    if packing is not None and runs_eagerly(*args):
+        y, hy, cy, _ = _EagerCall.apply(*args, None, *rest, packing, *packing.values)
+    else:
+        args += ((params if packing is None else packing.tensor()).contiguous(),)
+        if runs_eagerly(*args):
+            y, hy, cy, _ = _EagerCall.apply(*args, *rest, None)
+        else:
+            y, hy, cy, _ = _rnn_op(*args, *rest)
     return y, hy, (cy if kind == "lstm" else None)
