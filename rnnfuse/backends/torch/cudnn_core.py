@@ -310,6 +310,17 @@ class _EagerCall(torch.autograd.Function):
         return grads[:3] + (None,) * 8 + tuple(ctx.packing.gradients(grads[3]))
 
 
+# `_EagerCall.apply` less Function.apply's Python pass over every argument, which
+# unwraps dead functorch wrappers: no plain tensor outside a transform is one.
+_eager_apply = super(torch.autograd.Function, _EagerCall).apply
+
+
+def _apply_eagerly(*args):
+    if torch._C._are_functorch_transforms_active():
+        return _EagerCall.apply(*args)
+    return _eager_apply(*args)
+
+
 def runs_eagerly(*tensors: torch.Tensor) -> bool:
     """Whether a call on `tensors` runs eagerly on plain tensors or
     Parameters (no trace; no fake, meta or functorch-wrapped tensor): where
@@ -348,11 +359,11 @@ def run(x: torch.Tensor, kind: str, num_layers: int, units: int, params: torch.T
     rest = (lengths, dev_lengths, call.ints, call.dropout, call.seed, bool(training))
     packing = None if isinstance(params, torch.Tensor) else params
     if packing is not None and runs_eagerly(*args):
-        y, hy, cy, _ = _EagerCall.apply(*args, None, *rest, packing, *packing.values)
+        y, hy, cy, _ = _apply_eagerly(*args, None, *rest, packing, *packing.values)
     else:
         args += ((params if packing is None else packing.tensor()).contiguous(),)
         if runs_eagerly(*args):
-            y, hy, cy, _ = _EagerCall.apply(*args, *rest, None)
+            y, hy, cy, _ = _apply_eagerly(*args, *rest, None)
         else:
             y, hy, cy, _ = _rnn_op(*args, *rest)
     return y, hy, (cy if kind == "lstm" else None)
