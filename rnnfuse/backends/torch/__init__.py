@@ -401,19 +401,21 @@ def _packing(stack: StackSpec, first: int, levels: int, read) -> "_Packing | Non
     found = _gather_for(stack, first, levels, read)
     if found is None:
         return None
-    variables, index, inverse = found
-    return _Packing(index, inverse, tuple([read(v) for v in variables]))
+    variables, index, inverse, layout = found
+    return _Packing(index, inverse, tuple([read(v) for v in variables]), layout)
 
 
 class _Packing(NamedTuple):
     """`pack_canonical`'s buffer as `values` flattened after slot 0 (the zero
     every constant bias reads) and gathered by `index`: one copy and one
     gather a call each way. Each element is read once, so its gradient is
-    the one value `inverse` gathers back."""
+    the one value `inverse` gathers back, viewed by `layout` (each value's
+    shape, strides and offset: one op a value, where a narrow is two)."""
 
     index: torch.Tensor
     inverse: torch.Tensor
     values: tuple
+    layout: tuple
 
     def pack(self) -> torch.Tensor:
         """The buffer (not recorded by autograd)."""
@@ -423,7 +425,7 @@ class _Packing(NamedTuple):
     def gradients(self, grad: torch.Tensor) -> tuple:
         """The values' gradients from the buffer's."""
         flat = grad.index_select(0, self.inverse)
-        return torch._C._nn.unflatten_dense_tensors(flat, list(self.values))
+        return tuple([flat.as_strided(*view) for view in self.layout])
 
     def tensor(self) -> torch.Tensor:
         """The buffer as one autograd node."""
@@ -442,7 +444,7 @@ class _Gather(torch.autograd.Function):
 
 
 def _gather_for(stack: StackSpec, first: int, levels: int, read) -> tuple | None:
-    """(variables, index, inverse) of `_Packing`; `index` is `pack_canonical`'s
+    """(variables, index, inverse, layout) of `_Packing`; `index` is `pack_canonical`'s
     own layout, built once per stack, slice and
     device by packing tensors that hold each element's position. None
     where a call keeps the general path: in a trace or a functorch
@@ -480,7 +482,10 @@ def _gather_for(stack: StackSpec, first: int, levels: int, read) -> tuple | None
         return None
     inverse = torch.empty_like(reads)
     inverse[reads] = torch.nonzero(index > 0).reshape(-1)
-    found = _GATHERS[key] = (variables, index.to(probe.device), inverse.to(probe.device))
+    offsets = np.cumsum([0] + [int(np.prod(v.shape)) for v in variables]).tolist()
+    layout = tuple((tuple(v.shape), torch.empty(tuple(v.shape), device="meta").stride(), at)
+                   for v, at in zip(variables, offsets))
+    found = _GATHERS[key] = (variables, index.to(probe.device), inverse.to(probe.device), layout)
     return found
 
 
