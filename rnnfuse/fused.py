@@ -23,11 +23,13 @@ Example:
 from __future__ import annotations
 
 import contextlib
+import sys
 import weakref
 
 import keras
 from keras import ops, tree
 from keras.src.backend.common import global_state
+from keras.src.layers.layer import CallContext
 
 from rnnfuse.backends import StackCall, StackSpec, get_backend
 from rnnfuse.plan import FUSED, Plan
@@ -47,6 +49,15 @@ def default_name(layers) -> str:
 
 # `last_path` of a call whose plan keeps the original layers.
 _KEPT_ORIGINAL = CallPath(PathKind.LAYERS, plan_per_layer())
+
+
+def _torch_global_hooks() -> bool:
+    """Whether torch has a global module hook (none where torch is not loaded)."""
+    module = sys.modules.get("torch.nn.modules.module")
+    return module is not None and any(
+        getattr(module, name) for name in ("_global_forward_hooks", "_global_forward_pre_hooks",
+                                           "_global_backward_hooks",
+                                           "_global_backward_pre_hooks"))
 
 
 # FusedRNN -> its sublayers, for `_clear_losses`.
@@ -297,7 +308,52 @@ class FusedRNN(keras.layers.Layer):
         # A kept-original call is theirs alone: it costs what the original layers cost.
         if self._keeps_original(args, kwargs):
             return self._original_call(*args, **kwargs)
+        if self._calls_bare(args, kwargs):
+            return self._bare_call(args[0], kwargs)
         return super().__call__(*args, **kwargs)
+
+    def _calls_bare(self, args, kwargs) -> bool:
+        """Whether Keras' `Layer.__call__` would do no more for this call than
+        `_bare_call`: an eager call on one plain tensor of the compute dtype,
+        with no mask, autocast, stateless scope, distribution or hooks."""
+        if len(args) != 1 or (kwargs and kwargs.keys() != {"training"}) or not self.built:
+            return False
+        x = args[0]
+        if getattr(x, "_keras_mask", None) is not None or not get_backend().plain_eager_tensor(x):
+            return False
+        if (self.input_spec is not None or self.activity_regularizer is not None
+                or self._call_context_args != {"training"} or self._forward_hooks
+                or self._forward_pre_hooks or self._backward_hooks
+                or self._backward_pre_hooks or _torch_global_hooks()):
+            return False
+        dtype = self.compute_dtype
+        return (keras.backend.standardize_dtype(x.dtype) == dtype == self.variable_dtype
+                and self.input_dtype == dtype
+                and keras.src.backend.get_autocast_scope() is None
+                and not keras.src.backend.in_stateless_scope()
+                and global_state.get_global_attribute("distribution") is None)
+
+    def _bare_call(self, sequences, kwargs):
+        """What `Layer.__call__` does around `call` for a `_calls_bare` call:
+        the call context (training resolved and passed on as Keras does),
+        the entry layer's loss clearing, and the outputs' mask metadata."""
+        if not self._called:
+            self._called = True
+        context = global_state.get_global_attribute("current_call_ctx")
+        entry = context is None
+        if entry:
+            context = CallContext(entry_layer=self)
+            global_state.set_global_attribute("current_call_ctx", context)
+            self._clear_losses()
+        try:
+            training = kwargs["training"] if kwargs else getattr(context, "training", None)
+            context.training = training
+            outputs = self.call(sequences, training=training)
+            self._set_mask_metadata(sequences, outputs, None)
+        finally:
+            if entry or context.entry_layer is self:
+                global_state.set_global_attribute("current_call_ctx", None)
+        return outputs
 
     def _keeps_original(self, args, kwargs) -> bool:
         """Whether this call's plan is known, untimed, to keep the original layers

@@ -343,6 +343,11 @@ class Backend(abc.ABC):
         cannot be. Default: False."""
         return False
 
+    def plain_eager_tensor(self, x: Any) -> bool:
+        """Whether `x` is a plain tensor of an eager call (no trace, no
+        transform), whose Keras `Layer.__call__` a layer may skip. Default: False."""
+        return False
+
     def keras_runs_cudnn(self) -> bool:
         """Whether Keras' own LSTM/GRU run cuDNN here (padded steps of a
         returned sequence are then zeros). Default: False."""

@@ -377,6 +377,54 @@ def test_absorbed_dropout_goes_to_the_fused_call_when_training(torch_calls):
     assert torch_calls[-1]["dropout"] == 0.25 and torch_calls[-1]["train"]
 
 
+def test_an_eager_call_skips_keras_layer_call_with_its_semantics(monkeypatch, torch_calls):
+    """An eager call on a plain tensor runs `call` without Keras'
+    `Layer.__call__`, with what it does: the training flag Keras would pass
+    (from the outer call, or given, None included), the same outputs; a
+    masked input or a hook takes Keras' own `__call__` (the hook runs)."""
+    model = lstm_dropout_lstm(5, 0.25, 6, 3)
+    fast = rnnfuse.optimize(model)
+    (fused,) = fused_layers(fast)
+    entered, trainings = [], []
+    keras_call, call = keras.layers.Layer.__call__, type(fused).call
+    monkeypatch.setattr(keras.layers.Layer, "__call__",
+                        lambda self, *a, **k: (entered.append(self), keras_call(self, *a, **k))[1])
+    monkeypatch.setattr(type(fused), "call",
+                        lambda self, *a, **k: (trainings.append(k.get("training")),
+                                               call(self, *a, **k))[1])
+    data = torch.from_numpy(np.random.default_rng(0).standard_normal((2, 6, 3)).astype("float32"))
+    class Outer(keras.layers.Layer):  # calls the layer without a training flag
+        def call(self, x, training=None):
+            return fused(x)
+
+    outer = Outer()
+    calls = [lambda t: fast(data, training=t), lambda t: fused(data, training=t),
+             lambda t: fused(data), lambda t: outer(data, training=t)]
+    real, runs = type(fused)._calls_bare, {}
+    for bare in (False, True):
+        monkeypatch.setattr(type(fused), "_calls_bare", real if bare else (lambda *_: False))
+        trainings.clear()
+        entered.clear()
+        outs = []
+        for run in calls:
+            for training in (True, False, None):
+                torch.manual_seed(1)
+                outs.append(run(training))
+        runs[bare] = (outs, list(trainings), fused in entered)
+    (bare_outs, bare_flags, bare_entered), (outs, flags, keras_entered) = runs[True], runs[False]
+    assert not bare_entered and keras_entered and bare_flags == flags
+    assert all(torch.equal(a, b) for a, b in zip(bare_outs, outs))
+    assert 0.25 in {c["dropout"] for c in torch_calls}
+    entered.clear()
+    masked = data.clone()
+    masked._keras_mask = torch.ones((2, 6), dtype=torch.bool)
+    fused(masked)
+    hooked = []
+    fused.register_forward_hook(lambda *_: hooked.append(1))
+    fused(data)
+    assert entered == [fused, fused] and hooked == [1]
+
+
 def test_input_dropout_of_first_layer_matches_keras_in_training(torch_calls):
     model = stack_model("gru", 2, dropout_first=0.4, last_return_sequences=True)
     fast = rnnfuse.optimize(model)

@@ -57,6 +57,10 @@ class TorchBackend(KernelModuleBackend):
         reason = cudnn_core.core_reason(torch.empty(0))  # float32: the dtype passes
         return "rnnfuse's cuDNN core" if reason is None else f"torch._VF ({reason})"
 
+    def plain_eager_tensor(self, x):
+        return (type(x) is torch.Tensor and not torch._C._get_tracing_state()
+                and kernels.cudnn_core.runs_eagerly(x))
+
     def keras_runs_cudnn(self):
         # Keras 3.15's torch LSTM/GRU take cuDNN only without a mask.
         return False
