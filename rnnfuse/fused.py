@@ -82,7 +82,8 @@ class FusedRNN(keras.layers.Layer):
     layer takes them; `algorithm`, a runtime value for the plan's algorithm
     (the tuner's shared step); `mask_is_right_padded`, where the caller knows
     it. A call whose plan keeps the original layers is handed to their own
-    calls. Returns what the last layer returns.
+    calls; an eager torch call on a plain tensor skips Keras' `__call__`
+    (`_calls_bare`). Returns what the last layer returns.
 
     Raises:
         TypeError: `layers` or `dropout_layers` hold the wrong types.
