@@ -23,7 +23,6 @@ Example:
 from __future__ import annotations
 
 import contextlib
-import sys
 import weakref
 
 import keras
@@ -49,15 +48,6 @@ def default_name(layers) -> str:
 
 # `last_path` of a call whose plan keeps the original layers.
 _KEPT_ORIGINAL = CallPath(PathKind.LAYERS, plan_per_layer())
-
-
-def _torch_global_hooks() -> bool:
-    """Whether torch has a global module hook (none where torch is not loaded)."""
-    module = sys.modules.get("torch.nn.modules.module")
-    return module is not None and any(
-        getattr(module, name) for name in ("_global_forward_hooks", "_global_forward_pre_hooks",
-                                           "_global_backward_hooks",
-                                           "_global_backward_pre_hooks"))
 
 
 # FusedRNN -> its sublayers, for `_clear_losses`.
@@ -316,16 +306,17 @@ class FusedRNN(keras.layers.Layer):
     def _calls_bare(self, args, kwargs) -> bool:
         """Whether Keras' `Layer.__call__` would do no more for this call than
         `_bare_call`: an eager call on one plain tensor of the compute dtype,
-        with no mask, autocast, stateless scope, distribution or hooks."""
+        with no mask, autocast, stateless scope or distribution
+        (`Backend.may_skip_call`)."""
         if len(args) != 1 or (kwargs and kwargs.keys() != {"training"}) or not self.built:
             return False
         x = args[0]
-        if getattr(x, "_keras_mask", None) is not None or not get_backend().plain_eager_tensor(x):
+        if getattr(x, "_keras_mask", None) is not None:
+            return False
+        if not get_backend().may_skip_call(self, x):
             return False
         if (self.input_spec is not None or self.activity_regularizer is not None
-                or self._call_context_args != {"training"} or self._forward_hooks
-                or self._forward_pre_hooks or self._backward_hooks
-                or self._backward_pre_hooks or _torch_global_hooks()):
+                or self._call_context_args != {"training"}):
             return False
         dtype = self.compute_dtype
         return (keras.backend.standardize_dtype(x.dtype) == dtype == self.variable_dtype

@@ -343,9 +343,10 @@ class Backend(abc.ABC):
         cannot be. Default: False."""
         return False
 
-    def plain_eager_tensor(self, x: Any) -> bool:
-        """Whether `x` is a plain tensor of an eager call (no trace, no
-        transform), whose Keras `Layer.__call__` a layer may skip. Default: False."""
+    def may_skip_call(self, layer: Any, x: Any) -> bool:
+        """Whether `layer`'s call on `x` may skip Keras' `Layer.__call__` here:
+        an eager call (no trace, no transform, no hook) on a plain tensor.
+        Default: False."""
         return False
 
     def keras_runs_cudnn(self) -> bool:

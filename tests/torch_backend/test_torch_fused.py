@@ -381,7 +381,8 @@ def test_an_eager_call_skips_keras_layer_call_with_its_semantics(monkeypatch, to
     """An eager call on a plain tensor runs `call` without Keras'
     `Layer.__call__`, with what it does: the training flag Keras would pass
     (from the outer call, or given, None included), the same outputs; a
-    masked input or a hook takes Keras' own `__call__` (the hook runs)."""
+    masked input or a hook (global or the layer's) takes Keras' own
+    `__call__` (the hook runs)."""
     model = lstm_dropout_lstm(5, 0.25, 6, 3)
     fast = rnnfuse.optimize(model)
     (fused,) = fused_layers(fast)
@@ -420,9 +421,12 @@ def test_an_eager_call_skips_keras_layer_call_with_its_semantics(monkeypatch, to
     masked._keras_mask = torch.ones((2, 6), dtype=torch.bool)
     fused(masked)
     hooked = []
-    fused.register_forward_hook(lambda *_: hooked.append(1))
+    handle = torch.nn.modules.module.register_module_forward_hook(lambda *_: hooked.append(1))
     fused(data)
-    assert entered == [fused, fused] and hooked == [1]
+    handle.remove()
+    fused.register_forward_hook(lambda *_: hooked.append(2))
+    fused(data)
+    assert entered == [fused] * 3 and hooked[0] == 1 and hooked[-1] == 2
 
 
 def test_input_dropout_of_first_layer_matches_keras_in_training(torch_calls):

@@ -433,6 +433,8 @@ class _Packing(NamedTuple):
 
 
 class _Gather(torch.autograd.Function):
+    """`_Packing.tensor`'s autograd node."""
+
     @staticmethod
     def forward(ctx, packing, *values):
         ctx.packing = packing
@@ -444,12 +446,12 @@ class _Gather(torch.autograd.Function):
 
 
 def _gather_for(stack: StackSpec, first: int, levels: int, read) -> tuple | None:
-    """(variables, index, inverse, layout) of `_Packing`; `index` is `pack_canonical`'s
-    own layout, built once per stack, slice and
-    device by packing tensors that hold each element's position. None
-    where a call keeps the general path: in a trace or a functorch
-    transform, where a variable's value is not a plain tensor, or with a
-    doubled input kernel (whose halves' gradients sum)."""
+    """(variables, index, inverse, layout) of `_Packing`; `index` is
+    `pack_canonical`'s own layout, built once per stack, slice and device by
+    packing tensors that hold each element's position. None where a call
+    keeps the general path: in a trace or a functorch transform, where a
+    variable's value is not a plain tensor, or with a doubled input kernel
+    (whose halves' gradients sum)."""
     probe = read(stack.cells[first][0].kernel)
     if not cudnn_core.runs_eagerly(probe) or torch._C._are_functorch_transforms_active():
         return None

@@ -19,12 +19,19 @@ from typing import Any, Sequence
 import keras
 import numpy as np
 import torch
+from torch.nn.modules import module as _module
 
 from rnnfuse.backends import torch as kernels
 from rnnfuse.backends.base import (Capabilities, KernelModuleBackend, Timing, Tooling,
                                    cpu_description, loss_weights)
 
 __all__ = ["TorchBackend", "TorchTiming", "TorchTooling"]
+
+
+def _global_hooks() -> bool:
+    """Whether a global module hook is registered (`torch.nn.modules.module`'s)."""
+    return bool(_module._global_forward_hooks or _module._global_forward_pre_hooks
+                or _module._global_backward_hooks or _module._global_backward_pre_hooks)
 
 
 class TorchBackend(KernelModuleBackend):
@@ -57,9 +64,13 @@ class TorchBackend(KernelModuleBackend):
         reason = cudnn_core.core_reason(torch.empty(0))  # float32: the dtype passes
         return "rnnfuse's cuDNN core" if reason is None else f"torch._VF ({reason})"
 
-    def plain_eager_tensor(self, x):
-        return (type(x) is torch.Tensor and not torch._C._get_tracing_state()
-                and kernels.cudnn_core.runs_eagerly(x))
+    def may_skip_call(self, layer, x):
+        if type(x) is not torch.Tensor or torch._C._get_tracing_state():
+            return False
+        if (layer._forward_hooks or layer._forward_pre_hooks or layer._backward_hooks
+                or layer._backward_pre_hooks or _global_hooks()):
+            return False
+        return kernels.cudnn_core.runs_eagerly(x)
 
     def keras_runs_cudnn(self):
         # Keras 3.15's torch LSTM/GRU take cuDNN only without a mask.
