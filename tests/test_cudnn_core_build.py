@@ -198,3 +198,22 @@ def test_a_failed_build_is_remembered_not_retried(fresh, monkeypatch):
     assert "no C++ compiler found" in cudnn_core.load_failure()
     assert "no C++ compiler found" in cudnn_core.load_failure()
     assert len(calls) == 1
+
+
+def test_what_nvcc_says_is_asked_once_per_nvcc_file(fresh):
+    """A fresh process loading built libraries spawns no compiler: nvcc's
+    answers are kept per nvcc file (a changed nvcc is asked again), and a
+    failed run is not kept."""
+    log = fresh / "ran.log"
+    nvcc = fresh / "nvcc"
+    nvcc.write_text(f'#!/bin/sh\necho "$@" >> {log}\necho "Cuda compilation tools, release 12.8, V12.8.1"\n')
+    nvcc.chmod(0o755)
+    assert build.nvcc_version(str(nvcc)) == build.nvcc_version(str(nvcc)) == "12.8"
+    assert log.read_text().splitlines() == ["--version"]
+    nvcc.write_text(nvcc.read_text().replace("12.8", "13.0") + "exit 0\n")
+    assert build.nvcc_version(str(nvcc)) == "13.0"
+    failing = fresh / "nvcc-failing"
+    failing.write_text(f'#!/bin/sh\necho "$@" >> {log}\nexit 1\n')
+    failing.chmod(0o755)
+    assert build.nvcc_version(str(failing)) == build.nvcc_version(str(failing)) == "unknown"
+    assert log.read_text().splitlines() == ["--version"] * 4

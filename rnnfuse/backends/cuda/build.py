@@ -47,6 +47,7 @@ __all__ = [
     "find_nvcc",
     "included_files",
     "nvcc_version",
+    "asked_of_tool",
     "run_compiler",
 ]
 
@@ -150,9 +151,39 @@ def find_cxx() -> str:
     )
 
 
+def asked_of_tool(tool: str, *args: str) -> str:
+    """`tool args`' stdout and stderr, kept in the cache folder per tool file
+    (path, size, mtime) and args: a process that loads built libraries
+    spawns no compiler.
+
+    >>> asked_of_tool(shutil.which("true") or "/bin/true") == ""
+    True
+    """
+    info = os.stat(tool)
+    key = hashlib.sha256(repr((os.path.realpath(tool), info.st_size, info.st_mtime_ns, args))
+                         .encode()).hexdigest()[:16]
+    memo = cache_dir() / "tools" / f"{key}.txt"
+    try:
+        return memo.read_text()
+    except OSError:
+        pass
+    proc = subprocess.run([tool, *args], capture_output=True, text=True)
+    out = proc.stdout + proc.stderr
+    if proc.returncode == 0:
+        try:
+            memo.parent.mkdir(parents=True, exist_ok=True)
+            fd, tmp = tempfile.mkstemp(dir=memo.parent)
+            with os.fdopen(fd, "w") as f:
+                f.write(out)
+            os.replace(tmp, memo)
+        except OSError:
+            pass  # a read-only cache folder: ask again next time
+    return out
+
+
 def nvcc_version(nvcc: str) -> str:
     """'13.0' from `nvcc --version` ('unknown' if it does not say)."""
-    out = subprocess.run([nvcc, "--version"], capture_output=True, text=True).stdout
+    out = asked_of_tool(nvcc, "--version")
     m = re.search(r"release (\d+\.\d+)", out)
     return m.group(1) if m else "unknown"
 
@@ -162,9 +193,8 @@ def cuda_include(nvcc: str) -> Path:
 
     Asked of nvcc itself (`--dryrun` prints its INCLUDES), so a wrapper
     script on PATH works too."""
-    proc = subprocess.run([nvcc, "--dryrun", "-c", "-x", "cu", os.devnull, "-o", os.devnull],
-                          capture_output=True, text=True)
-    dirs = re.findall(r'-I"?([^"\s]+)', proc.stdout + proc.stderr)
+    out = asked_of_tool(nvcc, "--dryrun", "-c", "-x", "cu", os.devnull, "-o", os.devnull)
+    dirs = re.findall(r'-I"?([^"\s]+)', out)
     dirs.append(str(Path(nvcc).resolve().parent.parent / "include"))
     for inc in map(Path, dirs):
         if (inc / "cuda.h").is_file():
