@@ -93,3 +93,25 @@ def test_no_proven_rule_lost_in_the_user_view_matrix():
                 checked += 1
                 assert times[plan.name] <= times["per-layer"], (os.path.basename(path), s, d["mode"], plan.name)
     assert checked >= 10
+
+
+def test_torch_table_proves_fusing_only_where_keras_runs_its_generic_loop():
+    """torch's proven plan (a call too short to time) keeps Keras' cuDNN
+    layers in every dtype; a SimpleRNN run or a masked call fuses."""
+    import keras
+
+    from rnnfuse import analyze
+
+    def group(layer, mask=False):
+        inputs = keras.Input((6,), dtype="int32")
+        x = keras.layers.Embedding(9, 4, mask_zero=mask)(inputs)
+        x = layer(8, return_sequences=True)(x)
+        model = keras.Model(inputs, layer(8)(x))
+        (found,) = analyze(model).groups
+        return found
+
+    for dtype in ("float32", "float16"):
+        assert table._torch_table(group(keras.layers.LSTM), dtype, True, proven_only=True) == PER_LAYER
+        assert table._torch_table(group(keras.layers.LSTM), dtype, True) == FUSED
+    assert table._torch_table(group(keras.layers.GRU, mask=True), "float32", True, proven_only=True) == FUSED
+    assert table._torch_table(group(keras.layers.SimpleRNN), "float32", True, proven_only=True) == FUSED

@@ -179,8 +179,8 @@ def static_plan(group, dtype: str, training: bool, batch: int | None = None,
     """The plan the backend's rule table gives `group` in `dtype` (at `batch`
     where known; with `proven_only`, only a plan that lost nowhere).
 
-    TensorFlow's table was measured with its kernels; torch's fuses where
-    fusing never measured slower and keeps Keras' layers in half precision;
+    TensorFlow's table was measured with its kernels; torch's fuses every
+    run, proven only where Keras runs its generic loop;
     under JAX the original layers stay without `tune=`. Where the backend
     says the original layers cannot run (`Backend.keras_path_fails`), the
     group is fused whatever the table says: there is nothing to lose.
@@ -213,10 +213,14 @@ def _tensorflow_table(group, dtype, training, batch=None, proven_only=False) -> 
 
 
 def _torch_table(group, dtype, training, batch=None, proven_only=False) -> Plan:
-    """torch: every run fused; proven only outside half precision on Keras' cuDNN path."""
-    if proven_only and str(dtype) in ("float16", "bfloat16") and not _keras_loop(group):
-        return PER_LAYER
-    return FUSED
+    """torch: every run fused; proven only where Keras runs its generic loop
+    (or a masked call): on its cuDNN path the core's call lost to Keras'
+    per-layer calls on small float32 stacks and in half precision."""
+    from rnnfuse.recurrent import called_with_mask
+
+    if _keras_loop(group) or any(called_with_mask(view.layer) for view in group.views):
+        return FUSED
+    return PER_LAYER if proven_only else FUSED
 
 
 # The static tables a backend can name (`Capabilities.plan_table`).
