@@ -8,13 +8,14 @@ For each named shape (bench_matrix.SHAPES), in one process:
 - **online**: `rnnfuse.optimize(model, cache=False)` with online tuning on
   races the candidates on a `fit`'s own training steps and commits one.
 
-A shape agrees where both commit the same plan. Where they differ, the
+A shape agrees where both commit the same plan, a fused one or the
+original layers (`per-layer`). Where they differ, the
 online choice's cost is read from full timing's medians: it is within
 target if it is at most 5% slower than full timing's choice. The target:
 agreement in at least 90% of the shapes, every other shape within 5%.
 
     python bench/bench_online_agreement.py --out $OUT/online_agreement_torch.json
-    python bench/bench_online_agreement.py --quick   # tiny shapes, any machine
+    python bench/bench_online_agreement.py --quick   # tiny shapes (still a GPU)
 
 >>> judge({"chosen": "fused", "timings_ms": {"fused": 10.0, "per-layer": 20.0}},
 ...       {"chosen": "fused"})["verdict"]
@@ -43,10 +44,13 @@ DEFAULT_SHAPES = "bilstm4x384,lstm4x512,lstm3x768,bigru5x512,gru3x192,gru3x64,rn
 
 def judge(full: dict, online: dict) -> dict:
     """One group's verdict from full timing's decision record (`chosen`,
-    `timings_ms`) and online tuning's (`chosen`): "agrees", "within 5%",
-    "slower" (by `ratio`, online's choice over full's, from full's medians)
-    or "unmeasured" (full timing did not time online's choice)."""
+    `timings_ms`) and online tuning's (`chosen`, None where it decided
+    nothing): "agrees", "within 5%", "slower" (by `ratio`, online's choice
+    over full's, from full's medians), "unmeasured" (full timing did not
+    time online's choice) or "undecided" (online tuning made no decision)."""
     chosen, picked = full["chosen"], online["chosen"]
+    if picked is None:
+        return dict(full=chosen, online=None, ratio=None, verdict="undecided")
     if picked == chosen:
         return dict(full=chosen, online=picked, ratio=1.0, verdict="agrees")
     times = full.get("timings_ms") or {}
@@ -71,47 +75,85 @@ def summarize(verdicts: list[dict]) -> dict:
                 worst_ratio=max(ratios) if ratios else None, met=met)
 
 
-def _training_decisions(model) -> list[dict]:
+def full_timing(model, x) -> list[dict]:
+    """Full timing's decision for each fusion group of `model` on the batch
+    `x`, whether it fuses or keeps the original layers (then the optimized
+    model has no fused layer to ask: the decisions are `optimize`'s result)."""
+    import rnnfuse
+
+    results = rnnfuse.optimize(model, cache=False, tune=x, return_result=True).plans
+    if not results:
+        raise RuntimeError(f"model '{model.name}' has no fusion group to time")
+    if not any(r.timings for r in results):
+        raise RuntimeError(f"full timing timed nothing here ({results[0].source}; no GPU "
+                           "visible to the backend?)")
+    return [dict(layers=list(r.group.layers), chosen=r.plan.name, source=r.source,
+                 timings_ms={n: 1e3 * s for n, s in r.timings.items()}) for r in results]
+
+
+def online_decisions(model, x, y, steps: int) -> list[dict]:
+    """Online tuning's training decisions for `model` over one `fit` of
+    `steps` batches, each the batch `x`, `y` (its candidates race on the
+    fit's own steps)."""
+    import keras
+
+    import rnnfuse
     from rnnfuse.tuning.first_batch import decisions
 
-    return [d for d in decisions(model) if d.get("mode") == "training"]
+    class Repeated(keras.utils.PyDataset):
+        """The one batch, `steps` times (no copy of it a step)."""
+
+        def __init__(self):
+            super().__init__()
+
+        def __len__(self):
+            return steps
+
+        def __getitem__(self, index):
+            return x, y
+
+    online = rnnfuse.optimize(model, cache=False)
+    state = getattr(online, "_rnnfuse_autotune", None)
+    if state is None:
+        raise RuntimeError("optimize made no layer that tunes at its first batch "
+                           "(no GPU visible to the backend?)")
+    state.online = True
+    online.compile(optimizer="adam", loss="mse")
+    online.fit(Repeated(), epochs=1, verbose=0, shuffle=False)
+    return [dict(layers=d["layers"], chosen=d["chosen"], source=d["source"],
+                 timings_ms=d["timings_ms"]) for d in decisions(online) if d.get("mode") == "training"]
+
+
+def compare(full: list[dict], online: list[dict]) -> dict:
+    """Full timing's and online tuning's decisions paired by group (its
+    layers), with each pair's verdict."""
+    by_layers = {tuple(o["layers"]): o for o in online}
+    missing = dict(chosen=None, source="no online decision", timings_ms={})
+    paired = [by_layers.get(tuple(f["layers"]), dict(missing, layers=f["layers"])) for f in full]
+    return dict(full=full, online=paired, verdicts=[judge(f, o) for f, o in zip(full, paired)])
 
 
 def measure(shape: dict, steps: int) -> dict:
     """Full timing's and online tuning's training decisions for `shape`."""
     import keras
-    import numpy as np
 
     import bench_matrix
-    import rnnfuse
 
     model = bench_matrix.build_keras(shape)
     x, y, _ = bench_matrix.data(shape)
-    xs, ys = np.concatenate([x] * steps), np.concatenate([y] * steps)
-    full = rnnfuse.optimize(model, cache=False, tune=x)
-    if getattr(full, "_rnnfuse_autotune", None) is None:
-        raise RuntimeError("no group of this model is tuned here (no GPU visible to the backend?)")
-    full.compile(optimizer="adam", loss="mse")
-    full.train_on_batch(x, y)
-    online = rnnfuse.optimize(model, cache=False)
-    online._rnnfuse_autotune.online = True
-    online.compile(optimizer="adam", loss="mse")
-    online.fit(xs, ys, batch_size=shape["batch"], epochs=1, verbose=0, shuffle=False)
-    pairs = list(zip(_training_decisions(full), _training_decisions(online)))
+    full = full_timing(model, x)
+    online = online_decisions(model, x, y, steps)
     keras.backend.clear_session()
-    return dict(
-        full=[dict(chosen=f["chosen"], source=f["source"], timings_ms=f["timings_ms"]) for f, _ in pairs],
-        online=[dict(chosen=o["chosen"], source=o["source"], timings_ms=o["timings_ms"]) for _, o in pairs],
-        verdicts=[judge(f, o) for f, o in pairs],
-    )
+    return compare(full, online)
 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default=None, help="JSON file (default: outside the repository)")
     parser.add_argument("--shapes", default=DEFAULT_SHAPES, help="comma-separated names of bench_matrix.SHAPES")
-    parser.add_argument("--steps", type=int, default=60, help="batches of the online fit (the race's room)")
-    parser.add_argument("--quick", action="store_true", help="tiny shapes, any machine")
+    parser.add_argument("--steps", type=int, default=80,
+                        help="batches of the online fit (the race's room: 10 candidates of 7 steps)")
+    parser.add_argument("--quick", action="store_true", help="tiny shapes (still a GPU)")
     args = parser.parse_args(argv)
     import keras
 
@@ -131,7 +173,8 @@ def main(argv=None) -> int:
         shape = bench_matrix.quick(shape) if args.quick else shape
         try:
             row = dict(shape_name=name, **measure(shape, args.steps))
-            print(f"online {backend} {name}: {row['verdicts']}", flush=True)
+            sources = [o["source"] for o in row["online"]]
+            print(f"online {backend} {name}: {row['verdicts']} (online: {sources})", flush=True)
         except Exception as err:  # noqa: BLE001 - record and go on
             row = dict(shape_name=name, error=f"{type(err).__name__}: {err}"[:500])
             print("ERROR", backend, name, row["error"], flush=True)

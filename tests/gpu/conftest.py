@@ -113,11 +113,15 @@ def _exact_float32():
 
 
 @pytest.fixture(autouse=True)
-def _no_call_budget(monkeypatch):
+def _no_call_budget(request, monkeypatch):
     """These tests time plans on fits and predicts of a few steps, which a
     call's budget (`rnnfuse.tuning.budget`) would leave to the static
-    table: every optimized model here times every call's candidates."""
+    table: every optimized model here times every call's candidates, but
+    in a test marked `call_budget` (it checks what a short call runs)."""
     from rnnfuse.tuning import first_batch
+
+    if request.node.get_closest_marker("call_budget") is not None:
+        return
 
     attach = first_batch.attach
 

@@ -339,18 +339,24 @@ def _keras_step_fails(model, x, y) -> str | None:
     return None
 
 
+@pytest.mark.call_budget  # one-step calls under the library's own budget
 @pytest.mark.parametrize("tune", [False, "auto"])
 def test_mixed_float16_lstm_runs_fused_by_default_and_trains(tune, traced, monkeypatch):
     """A mixed_float16 LSTM stack, whose Keras step fails on JAX's GPU
     (jaxlib's cuDNN RNN takes float32 and float64 only), under optimize()'s
-    defaults (tune=False, or first-batch tuning with a one-step fit, too
-    short to time): the static plan fuses it with the reason, one fit step
-    runs the core's training calls, and the step's update matches Keras'
-    float32 one from the same weights."""
+    defaults (tune=False, or first-batch tuning with a one-step predict and
+    fit, too short to time: nothing is timed): the static plan fuses it with
+    the reason, one fit step runs the core's training calls, and the step's
+    update matches Keras' float32 one from the same weights."""
+    from rnnfuse.backends import jax as jax_backend
     from rnnfuse.backends.jax import keras_paths
+    from rnnfuse.tuning import first_batch
 
-    if DRYRUN:  # the CPU has no jaxlib cuDNN path to fail: say Keras sees a GPU
+    if DRYRUN:  # the CPU has no jaxlib cuDNN path to fail: say Keras sees a GPU,
         monkeypatch.setattr(keras_paths, "keras_sees_gpu", lambda: True)
+        # and first-batch tuning a device to time on.
+        monkeypatch.setattr(jax_backend, "device_environment",
+                            lambda: {"device": "FakeGPU", "jax": jax.__version__})
     tol = HALF_TOLERANCE["float16"]
     twin = stack_model("lstm", 3, units=32, input_size=16, steps=40, head=True)
     _randomize(twin, 14, scale=0.3)
@@ -381,6 +387,10 @@ def test_mixed_float16_lstm_runs_fused_by_default_and_trains(tune, traced, monke
     print(f"tune={tune}: plan {chosen.plan.name} ({chosen.source}); targets {_names(traced)}")
     assert chosen.plan.name == "fused", chosen
     assert "Keras' cuDNN LSTM on JAX fails in float16" in chosen.source, chosen.source
+    records = first_batch.decisions(fast)
+    assert all(r["source"].startswith("static: a call of 1 steps cannot pay")
+               and not r["timings_ms"] for r in records), records
+    assert {r["mode"] for r in records} == ({"inference", "training"} if tune else set())
     (layer,) = fused_layers(fast)
     assert layer.plan.name == "fused", layer.plan
     _on_core(fast, None)
