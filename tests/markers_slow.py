@@ -62,6 +62,11 @@ SLOW: dict[str, str] = {
     "test_wavefront_wgmma_layout.py::test_the_cubin_carries_variant_twos_kernels": (
         "reads the nvcc-built cubin (`built_wavefront`, 25 s of a core, shared)"
     ),
+    # nvcc to PTX (15 s of a core, once a module): the forward kernels' waits and fences
+    **{f"test_wavefront_ptx.py::{name}": "compiles the kernel to PTX (nvcc, 15 s of a core, shared)"
+       for name in ("test_a_forward_that_publishes_its_steps_waits_for_its_inputs",
+                    "test_variant_three_waits_in_the_data_not_on_flags",
+                    "test_variant_two_orders_its_copies_and_its_products")},
     # -- fits long enough for the tuning budget: TensorFlow traces per fit -----
     "test_budget.py::test_a_decision_cut_short_is_not_cached_and_a_full_one_is": (
         "three optimized fits, each traced (24 s); test_call_steps and the spend tests stay fast"

@@ -540,7 +540,7 @@ __device__ __forceinline__ void wavefront_body(const Args& a) {
   for (int t = 0; t < steps; ++t) {
     mark(t, 0);
     // --- wait for the inputs of step t ---------------------------------------
-    if (V == 0 && warp == 0 && !(a.mode & kModeNoWait)) {
+    if ((V == 0 || V == 2) && warp == 0 && !(a.mode & kModeNoWait)) {
       if (t > 0) await_flags(my_flags, p.ctas, static_cast<unsigned>(t), lane);
       if (!first) await_flags(below_flags, below_ctas, static_cast<unsigned>(t + 1), lane);
       __syncwarp();
