@@ -33,6 +33,7 @@
 #   bash tools/gpu/batch.sh wavefront-bidirectional   # bidirectional layers (off by default)
 #   bash tools/gpu/batch.sh wavefront-sweep   # randomized exactness, about 150 s
 #   bash tools/gpu/batch.sh wavefront-wgmma   # the forward's opt-in wgmma variant
+#   bash tools/gpu/batch.sh wavefront-wgmma-diag   # where variant 2 goes wrong, tiny cases (~40 s)
 #   bash tools/gpu/batch.sh wavefront-variant3   # the forward's opt-in variant 3 (h as flags)
 #
 # The tf-* stages need the staging runs of ../shared/gpu/README.md first
@@ -305,6 +306,17 @@ run_stage() {
       # it does not take falls back, with the reason), then the headline
       # timed interleaved with variant 0, kernel only.
       variant_stage $stage 2 200 ;;
+    wavefront-wgmma-diag)
+      # Where the forward's variant 2 goes wrong (variant 0 beside it):
+      # tiny LSTM stacks, 1-3 steps, each (step, layer)'s gates against the
+      # reference, and one-hot weights that say which (batch row, input)
+      # each product read (bench/diag_wavefront_variant.py). DIAG_VARIANT: another variant.
+      s=$(limit wavefront-wgmma-diag 120)
+      ( torch_env; timeout $s python3 bench/diag_wavefront_variant.py --variant ${DIAG_VARIANT:-2} \
+          --out $LOGS/wavefront_diag_v${DIAG_VARIANT:-2}.json ) > $log 2>&1; rc=$?
+      cp $LOGS/wavefront_diag_v${DIAG_VARIANT:-2}.json $OUT/ 2>/dev/null
+      echo "[$(since) s] wavefront-wgmma-diag rc $rc"
+      grep -E '^\{|^diag:|Error' $log | cut -c1-600 | tail -14 ;;
     wavefront-variant3)
       # The forward's opt-in variant 3 (the h values as their own flags,
       # Lamport-style; off by default), checked and timed as variant 2 is.
