@@ -13,6 +13,8 @@ order), and the accumulators' stores to the warpgroups' partial slices.
 The two slices must sum to W @ h for every row and batch column of the
 chunk, the copies must land in distinct bytes of the staging buffer, and
 the descriptor's fields must hold their values at the largest offsets.
+The register fragments are also checked against an independent reference,
+CUTLASS's SM90 GMMA layouts (ALayout_64x16, CLayout_64xN).
 What this cannot check: the hardware (wgmma's issue, the proxy fence,
 cp.async); `bench/bench_wavefront.py check --variant 2` does, on the GPU
 (`tools/gpu/batch.sh wavefront-wgmma`).
@@ -136,6 +138,39 @@ def test_the_weight_load_is_wgmmas_register_a_layout():
                     gid, tig = lane // 4, lane % 4
                     assert r - 16 * (warp % 4) == gid + 8 * (q % 2)
                     assert k - (warp // 4) * kh - 16 * j == 2 * tig + 8 * (q // 2)
+
+
+def cute_tv(thread: int, value: int) -> tuple[int, int]:
+    """(row, col) of a warpgroup thread's value in CUTLASS's (CuTe's) SM90
+    GMMA register layouts ALayout_64x16 and CLayout_64xN (mma_traits_sm90_gmma.hpp):
+    ((4, 8, 4), (2, 2, N / 8)) : ((128, 1, 16), (64, 8, 512)), the offset
+    column-major in (64, N)."""
+    t0, t1, t2 = thread % 4, thread // 4 % 8, thread // 32
+    v0, v1, v2 = value % 2, value // 2 % 2, value // 4
+    off = 128 * t0 + t1 + 16 * t2 + 64 * v0 + 8 * v1 + 512 * v2
+    return off % 64, off // 64
+
+
+def test_the_weight_load_is_cutlasss_register_a_layout():
+    """An independent reference for the A fragments: value 2q + h of a
+    thread is the low (h 0) or high half of the kernel's register q."""
+    for warp in range(4):
+        for lane in range(32):
+            for q, (r, k) in enumerate(a_fragment_rows_cols(warp, lane, 0, 512)):
+                for h in (0, 1):
+                    assert cute_tv(32 * warp + lane, 2 * q + h) == (r, k + h)
+
+
+def test_the_accumulator_stores_are_cutlasss_c_layout():
+    """The kernel's stores of d[4b + e] (store_fragment of n8 block b: e 0, 1
+    at row gid, columns 2 tig + e; e 2, 3 eight rows below) put each value
+    where CLayout_64x32 says wgmma left it."""
+    for warp in range(4):
+        for lane in range(32):
+            row, col = (warp & 3) * 16 + (lane >> 2), (lane & 3) * 2
+            for i in range(16):
+                blk, e = divmod(i, 4)
+                assert cute_tv(32 * warp + lane, i) == (row + 8 * (e >> 1), 8 * blk + col + (e & 1))
 
 
 @pytest.mark.parametrize("kpad, nc", [(1024, 64), (512, 64), (1024, 40), (512, 7), (1024, 33)])
