@@ -73,6 +73,9 @@ SLOW: dict[str, str] = {
     ),
     "test_budget.py::test_a_short_fit_times_less_than_a_long_one": "three optimized fits (18 s)",
     "test_budget.py::test_the_budget_scales_with_the_original_layers_step": "two optimized fits (14 s)",
+    "test_bench_online_agreement.py::test_online_tuning_that_keeps_the_original_layers_agrees": (
+        "an online fit racing its candidates on the emulated op (5.5 s); the judging tests stay fast"
+    ),
     "test_online.py::test_the_candidates_race_as_traced_training_steps_and_the_fastest_is_committed": (
         "a traced step per candidate (14 s); torch's online tests stay fast"
     ),
