@@ -362,9 +362,14 @@ def pack_canonical(
     True
     """
     levels = stack.num_levels - first if levels is None else levels
-    dtype = _torch_dtype(dtype)
     read = _reader()
-    packing = _packing(stack, first, levels, read)
+    return _packed(_packing(stack, first, levels, read), stack, _torch_dtype(dtype), device,
+                   first, levels, read)
+
+
+def _packed(packing: "_Packing | None", stack: StackSpec, dtype: torch.dtype, device,
+            first: int, levels: int, read) -> torch.Tensor:
+    """`pack_canonical`'s buffer, from `packing` where the call has one."""
     if packing is not None:
         return packing.tensor().to(device=torch.device(device), dtype=dtype)
     mats, biases = [], []
@@ -391,7 +396,7 @@ def _core_params(stack: StackSpec, dtype: torch.dtype, device: torch.device, fir
     read = _reader()
     packing = _packing(stack, first, levels, read)
     if packing is None or packing.values[0].dtype != dtype or packing.values[0].device != device:
-        return pack_canonical(stack, dtype, device, first, levels)
+        return _packed(packing, stack, dtype, device, first, levels, read)
     return packing
 
 
