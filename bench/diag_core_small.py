@@ -156,6 +156,17 @@ class RawCore:
         return self.y.transpose(0, 1), self.dparams
 
 
+def _raw_step(shape: dict, x, h0, c0, flat, g, dev_lengths: bool):
+    """A `RawCore`'s step, the core made by the first step (its one-time costs)."""
+    made = []
+
+    def step():
+        if not made:
+            made.append(RawCore(shape, x, h0, c0, flat, dev_lengths))
+        return made[0].step(g)
+    return step
+
+
 def keras_models(shape: dict):
     """(Keras' model, the same model fused whole on the core)."""
     import keras
@@ -203,8 +214,7 @@ def make_steps(shape: dict, names, device="cuda") -> dict:
             steps[name] = (graded(lambda a=tf32: core_step(shape, x, h0, c0, flat, a), [flat],
                                   lambda grads: grads[0]), None)
         elif name.startswith("core_raw"):
-            raw = RawCore(shape, x, h0, c0, flat, dev_lengths=name == "core_raw")
-            steps[name] = (lambda r=raw: r.step(g), None)
+            steps[name] = (_raw_step(shape, x, h0, c0, flat, g, name == "core_raw"), None)
         elif name in ("keras", "fused"):
             model = keras_models(shape)[name == "fused"]
             variables = [v.value for v in model.trainable_variables]
@@ -382,6 +392,11 @@ def main(argv=None) -> int:
         print("diag_core_small needs a CUDA device (the cuDNN core and cuDNN itself)")
         return 2
     out = args.out or out_path("diag_core_small.json")
+    start = time.perf_counter()
+    from rnnfuse.backends.cuda import cudnn_core as binding
+
+    binding.load()  # built (or found) before any variant's first step
+    print(f"the cuDNN core loaded in {time.perf_counter() - start:.1f} s", flush=True)
     report = dict(device=torch.cuda.get_device_name(0), torch=torch.__version__,
                   cudnn=torch.backends.cudnn.version(), python=platform.python_version(),
                   allow_tf32=bool(torch.backends.cudnn.allow_tf32), args=vars(args), results=[])
