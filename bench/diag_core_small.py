@@ -11,9 +11,11 @@ sum(y * g)) runs as:
 - `core`, `core_fma`: rnnfuse's torch binding of its cuDNN core
   (`cudnn_core.run`) on the canonical buffer, TF32 as torch allows it /
   off (cuDNN's FMA math);
-- `core_raw`, `core_raw_nolen`: the core's three C calls through ctypes on
-  buffers made once (no torch glue), with the device lengths / with NULL
-  for them (as PyTorch calls cuDNN);
+- `core_raw`, `core_raw_nolen`, `core_raw_thread`: the core's three C calls
+  through ctypes on buffers made once (no torch glue), with the device
+  lengths / with NULL for them (as PyTorch calls cuDNN) / with the backward
+  calls on another thread (as autograd runs them: the core's one handle a
+  device serves both threads, where PyTorch keeps one a thread);
 - `keras`, `fused`: Keras' model and `rnnfuse.optimize(model,
   plan=rnnfuse.FUSED)` (the torch backend's `run_stack` on the core).
 
@@ -40,7 +42,7 @@ blocks inside the call itself.
 from __future__ import annotations
 
 import argparse
-import ctypes
+import concurrent.futures
 import json
 import os
 import platform
@@ -62,7 +64,7 @@ SHAPES = {
 }
 GATES = {"lstm": 4, "gru": 3}
 VARIANTS = ("vf_per_layer", "vf_multi", "core", "core_fma", "core_raw", "core_raw_nolen",
-            "keras", "fused")
+            "core_raw_thread", "keras", "fused")
 CORE_CALLS = ("forward", "backward_data", "backward_weights")
 
 
@@ -107,9 +109,11 @@ def core_step(shape: dict, x, h0, c0, flat, allow_tf32: bool):
 
 class RawCore:
     """The core's three C calls on buffers made once; `dev_lengths=False`
-    passes NULL for the device lengths."""
+    passes NULL for the device lengths; `worker`, an executor whose thread
+    runs the backward calls (autograd runs a backward on its own thread)."""
 
-    def __init__(self, shape: dict, x, h0, c0, flat, dev_lengths: bool):
+    def __init__(self, shape: dict, x, h0, c0, flat, dev_lengths: bool, worker=None):
+        self.worker = worker
         from rnnfuse.backends.cuda import cudnn_core as binding
         from rnnfuse.backends.torch import cudnn_core
 
@@ -147,22 +151,35 @@ class RawCore:
                          cx=p(cx) if self.lstm else 0, params=p(self.flat), y=p(self.y),
                          hy=p(self.hy), cy=p(self.cy) if self.lstm else 0, **common)
         self.dy.copy_(g.transpose(0, 1))
+        if self.worker is None:
+            self._backward(p, common, cx)
+        else:
+            self.worker.submit(self._on_worker, p, common, cx).result()
+        return self.y.transpose(0, 1), self.dparams
+
+    def _on_worker(self, p, common, cx):
+        from rnnfuse.backends.torch.streams import launch_stream
+
+        launch_stream(self.x.device)  # the context current, as on autograd's thread
+        self._backward(p, common, cx)
+
+    def _backward(self, p, common, cx):
         self.lib.backward_data(self.config, self.steps, self.batch, y=p(self.y), dy=p(self.dy),
                                dhy=0, dcy=0, hx=p(self.h0), cx=p(cx) if self.lstm else 0,
                                params=p(self.flat), dx=p(self.dx), dhx=p(self.dhx),
                                dcx=p(self.dcx) if self.lstm else 0, **common)
         self.lib.backward_weights(self.config, self.steps, self.batch, x=p(self.x),
                                   hx=p(self.h0), y=p(self.y), dparams=p(self.dparams), **common)
-        return self.y.transpose(0, 1), self.dparams
 
 
-def _raw_step(shape: dict, x, h0, c0, flat, g, dev_lengths: bool):
+def _raw_step(shape: dict, x, h0, c0, flat, g, dev_lengths: bool, thread: bool = False):
     """A `RawCore`'s step, the core made by the first step (its one-time costs)."""
     made = []
 
     def step():
         if not made:
-            made.append(RawCore(shape, x, h0, c0, flat, dev_lengths))
+            worker = concurrent.futures.ThreadPoolExecutor(1) if thread else None
+            made.append(RawCore(shape, x, h0, c0, flat, dev_lengths, worker))
         return made[0].step(g)
     return step
 
@@ -214,7 +231,8 @@ def make_steps(shape: dict, names, device="cuda") -> dict:
             steps[name] = (graded(lambda a=tf32: core_step(shape, x, h0, c0, flat, a), [flat],
                                   lambda grads: grads[0]), None)
         elif name.startswith("core_raw"):
-            steps[name] = (_raw_step(shape, x, h0, c0, flat, g, name == "core_raw"), None)
+            steps[name] = (_raw_step(shape, x, h0, c0, flat, g, name != "core_raw_nolen",
+                                     thread=name == "core_raw_thread"), None)
         elif name in ("keras", "fused"):
             model = keras_models(shape)[name == "fused"]
             variables = [v.value for v in model.trainable_variables]
