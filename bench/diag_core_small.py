@@ -417,7 +417,12 @@ def main(argv=None) -> int:
     print(f"the cuDNN core loaded in {time.perf_counter() - start:.1f} s", flush=True)
     report = dict(device=torch.cuda.get_device_name(0), torch=torch.__version__,
                   cudnn=torch.backends.cudnn.version(), python=platform.python_version(),
-                  allow_tf32=bool(torch.backends.cudnn.allow_tf32), args=vars(args), results=[])
+                  allow_tf32=bool(torch.backends.cudnn.allow_tf32),
+                  rnn_fp32_precision=str(getattr(getattr(torch.backends.cudnn, "rnn", None),
+                                                 "fp32_precision", None)),
+                  args=vars(args), results=[])
+    print(f"cudnn.allow_tf32 {report['allow_tf32']}, cudnn.rnn.fp32_precision "
+          f"{report['rnn_fp32_precision']}", flush=True)
     names = [n for n in args.variants.split(",") if n]
     for shape_name in args.shapes.split(","):
         shape = SHAPES[shape_name]

@@ -210,7 +210,7 @@ run_stage() {
           --out $LOGS/diag_core_small${BENCH_TAG}.json ) > $log 2>&1; rc=$?
       cp $LOGS/diag_core_small${BENCH_TAG}.json $OUT/ 2>/dev/null
       echo "[$(since) s] $stage rc $rc"
-      summary $stage "^gru|^lstm|ERROR|Error|Traceback" 24 ;;
+      summary $stage "^gru|^lstm|^cudnn|^the cuDNN|ERROR|Error|Traceback" 26 ;;
     tf-diag)
       # DIAG_ARGS: bench/diag_tuning_cost.py's arguments (e.g. --cells 19 --compare 2).
       s=$(limit tf-diag 200)
