@@ -204,13 +204,20 @@ run_stage() {
       # The fused call on the cuDNN core against torch._VF (a call a layer,
       # one call) on lstm2x40 and gru3x64 training steps: GPU time, host
       # time, each C call's host time, kernel counts, CUDA API calls
-      # (bench/diag_core_small.py). CORE_SMALL_ARGS: its arguments.
-      s=$(limit core-small-torch 150)
+      # (bench/diag_core_small.py). CORE_SMALL_ARGS: its arguments. Then
+      # each of FRESH_VARIANTS alone in a fresh process on lstm2x40: its
+      # first step pays every one-time cost, as a new user's first fit does.
+      s=$(limit core-small-torch 200)
       ( torch_env; timeout $s python3 bench/diag_core_small.py ${CORE_SMALL_ARGS} \
-          --out $LOGS/diag_core_small${BENCH_TAG}.json ) > $log 2>&1; rc=$?
+          --out $LOGS/diag_core_small${BENCH_TAG}.json
+        for v in ${FRESH_VARIANTS:-keras fused}; do
+          echo "fresh process, $v alone:"
+          timeout 60 python3 bench/diag_core_small.py --shapes lstm2x40 --variants $v \
+            --steps 5 --repeats 3 --profile-steps 1 --out $LOGS/diag_core_small_fresh_$v.json
+        done ) > $log 2>&1; rc=$?
       cp $LOGS/diag_core_small${BENCH_TAG}.json $OUT/ 2>/dev/null
       echo "[$(since) s] $stage rc $rc"
-      summary $stage "^gru|^lstm|^cudnn|^the cuDNN|ERROR|Error|Traceback" 26 ;;
+      summary $stage "^gru|^lstm|^cudnn|^the cuDNN|^fresh|ERROR|Error|Traceback" 40 ;;
     tf-diag)
       # DIAG_ARGS: bench/diag_tuning_cost.py's arguments (e.g. --cells 19 --compare 2).
       s=$(limit tf-diag 200)
