@@ -34,7 +34,9 @@ is the diagnosis's own). Core variants add `first_calls_ms`,
 step, and its median with the GPU idle before it / inside back-to-back steps; `max_diff`: the largest difference of y and of the
 weights' gradients from `vf_multi`. Busy GPU time near `events_ms` means
 the GPU is the limit; `calls_idle_ms` in milliseconds means the host
-blocks inside the call itself.
+blocks inside the call itself. `--first-profile` adds `first_profile`:
+cProfile's top functions of the first step (a ctypes call's time is its
+Python caller's own).
 
     KERAS_BACKEND=torch python bench/diag_core_small.py --out /tmp/core_small.json
 """
@@ -43,9 +45,11 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures
+import cProfile
 import json
 import os
 import platform
+import pstats
 import statistics
 import sys
 import time
@@ -335,13 +339,30 @@ class CallTimer:
         return out
 
 
-def measure(step, steps: int, repeats: int, profile_steps: int, core: bool) -> dict:
+def first_profile(step, top: int = 12) -> list:
+    """cProfile's functions with the most own time in one call of `step`."""
+    prof = cProfile.Profile()
+    prof.enable()
+    step()
+    _sync()
+    prof.disable()
+    rows = [dict(fn=f"{os.path.basename(path)}:{line}({fn})", own_ms=_ms(own), cum_ms=_ms(cum),
+                 calls=calls)
+            for (path, line, fn), (_, calls, own, cum, _) in pstats.Stats(prof).stats.items()]
+    return sorted(rows, key=lambda r: -r["own_ms"])[:top]
+
+
+def measure(step, steps: int, repeats: int, profile_steps: int, core: bool,
+            profile_first: bool = False) -> dict:
     """One variant's timings (the module docstring's fields)."""
     row = {}
     with CallTimer() as calls:
         _sync()
         start = time.perf_counter()
-        step()
+        if profile_first:
+            row["first_profile"] = first_profile(step)
+        else:
+            step()
         _sync()
         row["first_ms"] = _ms(time.perf_counter() - start)
         first_calls = calls.take()
@@ -404,6 +425,8 @@ def main(argv=None) -> int:
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--repeats", type=int, default=10)
     parser.add_argument("--profile-steps", type=int, default=3)
+    parser.add_argument("--first-profile", action="store_true",
+                        help="cProfile each variant's first step (its top functions)")
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
@@ -432,7 +455,8 @@ def main(argv=None) -> int:
             row = dict(shape=shape_name, variant=name)
             try:
                 row.update(measure(step, args.steps, args.repeats, args.profile_steps,
-                                   core=name.startswith("core") or name == "fused"))
+                                   core=name.startswith("core") or name == "fused",
+                                   profile_first=args.first_profile))
                 if reference is not None and name.startswith("core"):
                     row["max_diff"] = max_diff(reference, step())
                 if model is not None and name == "fused":
@@ -444,6 +468,8 @@ def main(argv=None) -> int:
                 row["error"] = f"{type(err).__name__}: {err}"[:400]
             report["results"].append(row)
             print(line(shape_name, name, row), flush=True)
+            for top in row.get("first_profile", [])[:6]:
+                print(f"{shape_name} {name} first step: {top}", flush=True)
             with open(out, "w") as fh:
                 json.dump(report, fh, indent=1)
     return 0

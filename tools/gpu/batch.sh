@@ -213,7 +213,7 @@ run_stage() {
         for v in ${FRESH_VARIANTS:-keras fused}; do
           echo "fresh process, $v alone:"
           timeout 60 python3 bench/diag_core_small.py --shapes lstm2x40 --variants $v \
-            --steps 5 --repeats 3 --profile-steps 1 --out $LOGS/diag_core_small_fresh_$v.json
+            --steps 5 --repeats 3 --profile-steps 1 --first-profile --out $LOGS/diag_core_small_fresh_$v.json
         done ) > $log 2>&1; rc=$?
       cp $LOGS/diag_core_small${BENCH_TAG}.json $OUT/ 2>/dev/null
       echo "[$(since) s] $stage rc $rc"
