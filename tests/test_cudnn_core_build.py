@@ -96,10 +96,11 @@ def test_the_core_compiles_here_links_no_cuda_and_errs_cleanly_without_a_driver(
             lib.forward(config, True, 5, 2, host_lengths=None, dev_lengths=8, stream=0, x=8,
                         hx=0, cx=0, params=8, y=8, hy=0, cy=0, workspace=0, workspace_bytes=0,
                         reserve=0, reserve_bytes=0)
-    with pytest.raises(cudnn_core.CoreError, match="dev_lengths is NULL"):
-        lib.backward_weights(config, 5, 2, host_lengths=None, dev_lengths=0, stream=0, x=8,
-                             hx=0, y=8, dparams=8, workspace=0, workspace_bytes=0, reserve=0,
-                             reserve_bytes=0)
+    with pytest.raises(cudnn_core.CoreError, match="dev_lengths is NULL with host_lengths"):
+        lengths = (ctypes.c_int32 * 2)(5, 4)
+        lib.backward_weights(config, 5, 2, host_lengths=ctypes.addressof(lengths),
+                             dev_lengths=0, stream=0, x=8, hx=0, y=8, dparams=8,
+                             workspace=0, workspace_bytes=0, reserve=0, reserve_bytes=0)
 
 
 def test_the_ctypes_struct_is_the_headers():

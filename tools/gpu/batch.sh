@@ -27,6 +27,7 @@
 #     # the matrix with tuning's share of its 10-epoch first fits (bench_matrix.py --shares)
 #   bash tools/gpu/batch.sh profile-small-torch  # where a small model's step goes
 #   bash tools/gpu/batch.sh host-small-torch     # rnnfuse's own host time a step, kernels faked
+#   bash tools/gpu/batch.sh core-small-torch     # the core's small steps: GPU time vs host time
 #   AGREE_ARGS="--shapes gru3x64,lstm4x512" bash tools/gpu/batch.sh online-agreement-torch
 #   KEPT_ARGS="--rounds 15" bash tools/gpu/batch.sh kept-original-torch   # kept original, paired
 #   bash tools/gpu/batch.sh wavefront-segments   # stacks larger than the chip
@@ -199,6 +200,24 @@ run_stage() {
       cp $LOGS/host_small_torch${BENCH_TAG}.json $OUT/ 2>/dev/null
       echo "[$(since) s] $stage rc $rc"
       summary $stage "^gru|^rnn|^lstm|ERROR|Error" 20 ;;
+    core-small-torch)
+      # The fused call on the cuDNN core against torch._VF (a call a layer,
+      # one call) on lstm2x40 and gru3x64 training steps: GPU time, host
+      # time, each C call's host time, kernel counts, CUDA API calls
+      # (bench/diag_core_small.py). CORE_SMALL_ARGS: its arguments. Then
+      # each of FRESH_VARIANTS alone in a fresh process on lstm2x40: its
+      # first step pays every one-time cost, as a new user's first fit does.
+      s=$(limit core-small-torch 200)
+      ( torch_env; timeout $s python3 bench/diag_core_small.py ${CORE_SMALL_ARGS} \
+          --out $LOGS/diag_core_small${BENCH_TAG}.json
+        for v in ${FRESH_VARIANTS:-keras fused}; do
+          echo "fresh process, $v alone:"
+          timeout 60 python3 bench/diag_core_small.py --shapes lstm2x40 --variants $v \
+            --steps 5 --repeats 3 --profile-steps 1 --first-profile --out $LOGS/diag_core_small_fresh_$v.json
+        done ) > $log 2>&1; rc=$?
+      cp $LOGS/diag_core_small${BENCH_TAG}.json $OUT/ 2>/dev/null
+      echo "[$(since) s] $stage rc $rc"
+      summary $stage "^gru|^lstm|^cudnn|^the cuDNN|^fresh|ERROR|Error|Traceback" 40 ;;
     tf-diag)
       # DIAG_ARGS: bench/diag_tuning_cost.py's arguments (e.g. --cells 19 --compare 2).
       s=$(limit tf-diag 200)

@@ -222,13 +222,19 @@ struct Copy {
   size_t flat, space, bytes;
 };
 
-// One configuration's RNN descriptor, weight-space size and layout.
+// (steps, batch, lengths or empty for all `steps`) -> (work, reserve).
+using ShapeKey = std::tuple<int, int, std::vector<int32_t>>;
+
+// One configuration's RNN descriptor, weight-space size and layout, and
+// cuDNN's temp-space sizes per shape (asked once: not before every call).
 struct Plan {
   cudnnRNNDescriptor_t rnn = nullptr;
   size_t weight_bytes = 0;
   int built_batch = -1;  // persistent dynamic: the batch it was built for
   bool dynamic = false;
+  bool copies_cover_space = false;  // no gap for a memset to zero
   std::vector<Copy> copies;  // computed on the first call that has a workspace
+  std::map<ShapeKey, std::pair<size_t, size_t>> temp_sizes;
   ~Plan() {
     if (rnn && g_cudnn) g_cudnn->cudnnDestroyRNNDescriptor_(rnn);
   }
@@ -332,14 +338,20 @@ class Call {
   // The workspace this shape needs (two weight spaces, cuDNN's work space)
   // and the training reserve.
   int Sizes(size_t* workspace, size_t* reserve, size_t* work) {
-    size_t w_inf = 0, r_inf = 0, w_tr = 0, r_tr = 0;
-    RF_DNN(cudnnGetRNNTempSpaceSizes_(handle(), rnn(), CUDNN_FWD_MODE_INFERENCE, xd_, &w_inf,
-                                      &r_inf));
-    RF_DNN(cudnnGetRNNTempSpaceSizes_(handle(), rnn(), CUDNN_FWD_MODE_TRAINING, xd_, &w_tr,
-                                      &r_tr));
-    *work = w_inf > w_tr ? w_inf : w_tr;
+    auto found = plan_->temp_sizes.find(shape_);
+    if (found == plan_->temp_sizes.end()) {
+      size_t w_inf = 0, r_inf = 0, w_tr = 0, r_tr = 0;
+      RF_DNN(cudnnGetRNNTempSpaceSizes_(handle(), rnn(), CUDNN_FWD_MODE_INFERENCE, xd_, &w_inf,
+                                        &r_inf));
+      RF_DNN(cudnnGetRNNTempSpaceSizes_(handle(), rnn(), CUDNN_FWD_MODE_TRAINING, xd_, &w_tr,
+                                        &r_tr));
+      if (plan_->temp_sizes.size() >= 256) plan_->temp_sizes.clear();
+      found = plan_->temp_sizes.emplace(shape_, std::make_pair(w_inf > w_tr ? w_inf : w_tr, r_tr))
+                  .first;
+    }
+    *work = found->second.first;
     *workspace = 2 * AlignUp(weight_bytes()) + AlignUp(*work);
-    *reserve = r_tr;
+    *reserve = found->second.second;
     return 0;
   }
 
@@ -367,8 +379,9 @@ class Call {
 
   // The canonical parameters scattered into the weight space.
   int Scatter(const void* params) {
-    RF_CU(d_, d_->cuMemsetD8Async_(reinterpret_cast<CUdeviceptr>(space_), 0, weight_bytes(),
-                                   stream_));
+    if (!plan_->copies_cover_space)
+      RF_CU(d_, d_->cuMemsetD8Async_(reinterpret_cast<CUdeviceptr>(space_), 0, weight_bytes(),
+                                     stream_));
     for (const Copy& c : plan_->copies) {
       RF_CU(d_, d_->cuMemcpyDtoDAsync_(reinterpret_cast<CUdeviceptr>(space_ + c.space),
                                        reinterpret_cast<CUdeviceptr>(params) + c.flat, c.bytes,
@@ -476,6 +489,9 @@ class Call {
   int Descriptors(const int32_t* lengths) {
     const cudnnDataType_t dt = DataType(r_.dtype);
     std::vector<int> all;
+    std::get<0>(shape_) = steps_;
+    std::get<1>(shape_) = batch_;
+    if (lengths) std::get<2>(shape_).assign(lengths, lengths + batch_);
     if (!lengths) {
       all.assign(batch_, steps_);
       lengths = all.data();
@@ -575,6 +591,7 @@ class Call {
       return Fail(RF_CUDNN_E_CUDNN, "the canonical layout covers " + std::to_string(flat / es) +
                                         " elements; expected " +
                                         std::to_string(ParamCount(&r_)));
+    plan_->copies_cover_space = flat == weight_bytes();
     plan_->copies = std::move(copies);
     return 0;
   }
@@ -587,13 +604,14 @@ class Call {
   Device* device_ = nullptr;
   std::unique_lock<std::mutex> lock_;
   Plan* plan_ = nullptr;
+  ShapeKey shape_;
 };
 
-int CheckDeviceLengths(const int32_t* dev_lengths) {
-  if (!dev_lengths)
+int CheckDeviceLengths(const int32_t* host_lengths, const int32_t* dev_lengths) {
+  if (host_lengths && !dev_lengths)
     return Fail(RF_CUDNN_E_ARGUMENT,
-                "dev_lengths is NULL: cuDNN 9 reads the sequence lengths from device memory "
-                "too (int32 [batch])");
+                "dev_lengths is NULL with host_lengths given: padded lengths need their copy "
+                "in device memory too (int32 [batch])");
   return 0;
 }
 
@@ -647,7 +665,7 @@ RF_EXPORT int rnnfuse_cudnn_forward(const rnnfuse_cudnn_rnn* rnn, int training, 
                                     void* hy, void* cy, void* workspace, size_t workspace_bytes,
                                     void* reserve, size_t reserve_bytes) {
   return Guarded([&]() -> int {
-    RF_TRY(CheckDeviceLengths(dev_lengths));
+    RF_TRY(CheckDeviceLengths(host_lengths, dev_lengths));
     if (!x || !params || !y) return Fail(RF_CUDNN_E_ARGUMENT, "x, params and y must not be NULL");
     Call call;
     RF_TRY(call.Begin(rnn, steps, batch, host_lengths, stream));
@@ -673,7 +691,7 @@ RF_EXPORT int rnnfuse_cudnn_backward_data(const rnnfuse_cudnn_rnn* rnn, int step
                                           size_t workspace_bytes, void* reserve,
                                           size_t reserve_bytes) {
   return Guarded([&]() -> int {
-    RF_TRY(CheckDeviceLengths(dev_lengths));
+    RF_TRY(CheckDeviceLengths(host_lengths, dev_lengths));
     if (!y || !dy || !params || !dx)
       return Fail(RF_CUDNN_E_ARGUMENT, "y, dy, params and dx must not be NULL");
     Call call;
@@ -698,7 +716,7 @@ RF_EXPORT int rnnfuse_cudnn_backward_weights(const rnnfuse_cudnn_rnn* rnn, int s
                                              size_t workspace_bytes, void* reserve,
                                              size_t reserve_bytes) {
   return Guarded([&]() -> int {
-    RF_TRY(CheckDeviceLengths(dev_lengths));
+    RF_TRY(CheckDeviceLengths(host_lengths, dev_lengths));
     if (!x || !y || !dparams)
       return Fail(RF_CUDNN_E_ARGUMENT, "x, y and dparams must not be NULL");
     Call call;

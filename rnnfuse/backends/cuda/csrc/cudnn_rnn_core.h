@@ -109,8 +109,8 @@ int rnnfuse_cudnn_sizes(const rnnfuse_cudnn_rnn* rnn, int steps, int batch,
                         const int32_t* host_lengths, void* stream, size_t* workspace_bytes,
                         size_t* reserve_bytes);
 
-// The forward pass. `host_lengths` as above; `dev_lengths` the same
-// lengths in device memory (int32 [batch]; cuDNN 9 reads both). hx, cx: NULL
+// The forward pass. `host_lengths` as above; `dev_lengths` the same lengths
+// in device memory (int32 [batch]; NULL only with NULL host_lengths). hx, cx: NULL
 // for zeros; hy, cy: NULL to skip. cx/cy are read only for an LSTM. With
 // `training`, `reserve` (reserve_bytes from rnnfuse_cudnn_sizes) is filled
 // for the backward; without, it may be NULL.
