@@ -136,6 +136,7 @@ def set_call_mode(mode: str) -> None:
     _MODE.set(_check_mode(mode, "set_call_mode(mode)"))
 
 
+@torch.compiler.assume_constant_result
 def get_call_mode() -> str:
     """The call mode in force here: the innermost `call_mode()` block or
     `set_call_mode` of this thread, else RNNFUSE_TORCH_CALLS's (or "auto")."""
@@ -910,6 +911,10 @@ def run_stack(sequences: Any, call: StackCall) -> StackRun:
             except CoreError as err:
                 core_note = f"the cuDNN core refused this call ({err})"
         core_note += "; torch._VF runs it (PyTorch chooses cuDNN's algorithm)"
+    if (stack.kind == "lstm" and not x.is_cuda and torch.is_grad_enabled()
+            and torch.compiler.is_compiling()):
+        raise NotImplementedError(
+            "torch.compile cannot differentiate PyTorch's CPU LSTM kernel (mkldnn_rnn_layer)")
     params = pack_params(stack, x.dtype, x.device)
     return _run_on_vf(stack, x, lengths, hx, params, dropout, per_call, exact, core_note)
 
