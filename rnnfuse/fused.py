@@ -229,7 +229,7 @@ class FusedRNN(keras.layers.Layer):
     def fused_call_blocks_xla(self) -> bool:
         """Whether calls here may run a fused kernel XLA cannot compile
         (TensorFlow's CudnnRNNV3; not JAX's cuDNN custom call)."""
-        if get_backend().capabilities.xla_compiles_fused_call:
+        if get_backend().capabilities.jit_compiles_fused_call:
             return False
         plans = [self._plan] + (self.planner.plans() if self.planner is not None else [])
         if all(p.per_layer for p in plans):
