@@ -116,10 +116,13 @@ SLOW: dict[str, str] = {
     ),
     **{
         f"torch_backend/test_torch_compile.py::test_the_fused_call_compiles_whole_and_matches_the_eager_call[{case}]": (
-            "two compiles of a fused call (3-7 s); [lstm-core], [gru-core], [gru-torch_vf] stay fast"
+            "two compiles of a fused call (3-7 s); [lstm-core] and [gru-torch_vf] stay fast"
         )
-        for case in ("bigru-core", "bigru-torch_vf", "lstm-torch_vf")
+        for case in ("gru-core", "bigru-core", "bigru-torch_vf", "lstm-torch_vf")
     },
+    "torch_backend/test_torch_compile.py::test_a_wavefront_inference_call_compiles_whole": (
+        "a compile of a float16 call (4 s); tests/gpu/test_gpu_torch_compile.py runs the kernel"
+    ),
     "torch_backend/test_torch_compile.py::test_a_masked_call_compiles_exactly_with_a_break_for_the_hosts_lengths": (
         "a compile in three graphs (6 s)"
     ),

@@ -3,7 +3,8 @@
 The fused call compiles without a graph break (`fullgraph=True`) on both of
 its torch paths: rnnfuse's cuDNN core (its custom ops, emulated on the CPU
 by core_emulation.py) and `torch._VF`; outputs and gradients equal the
-eager call's. A masked call breaks the graph where cuDNN needs the lengths
+eager call's; so does the wavefront kernel's inference op (its library
+calls faked). A masked call breaks the graph where cuDNN needs the lengths
 on the host, and stays exact. Models compiled with jit_compile=True train,
 predict and evaluate as the unfused model compiled the same way (the slow
 tests, tests/markers_slow.py). With tuning, a torch-compiled fit is planned
@@ -18,6 +19,7 @@ runs inductor on a GPU.
 from __future__ import annotations
 
 import functools
+import types
 
 import keras
 import numpy as np
@@ -26,10 +28,12 @@ import torch
 
 import core_emulation
 import rnnfuse
-from builders import fused_layers, max_abs_diff, stack_model
+from builders import fused_layers, fused_with_plan, max_abs_diff, stack_model, wavefront_inputs, wavefront_stack
 from fake_clock import FakeTimer
 from rnnfuse import FusedRNN, PathKind
+from rnnfuse.backends.torch import wavefront
 from rnnfuse.optimized import _OptimizedMixin
+from rnnfuse.plan import Plan
 from rnnfuse.tuning import first_batch, tuner
 
 L = keras.layers
@@ -96,6 +100,39 @@ def test_the_fused_call_compiles_whole_and_matches_the_eager_call(case, core, mo
                                   fullgraph=True)(x)
     assert layer.last_path.kind is PathKind.FUSED, layer.last_path
     assert max_abs_diff(inference, layer(x, training=False)) <= 1e-6
+
+
+def test_a_wavefront_inference_call_compiles_whole(monkeypatch, half):
+    """The real custom op, its body's library calls faked (test_torch_wavefront_wiring's
+    kernel computes the outputs): the op traces whole and its body runs."""
+    from test_torch_wavefront_wiring import FakeKernel
+
+    kernel = FakeKernel()
+
+    def forward_into(xproj, params, h0, c0, lengths, y, hy, cy, workspace, *, kind,
+                     input_size, **options):
+        none = torch.empty(0, dtype=torch.int32)
+        got = kernel.op(xproj, params, h0, c0, none if lengths is None else lengths, kind,
+                        input_size)
+        for out, value in zip((y, hy, cy), got):
+            out.copy_(value)
+
+    library = types.SimpleNamespace(
+        FORWARD_VARIANT=0, load=lambda: types.SimpleNamespace(workspace_bytes=lambda *a: 0))
+    monkeypatch.setattr(wavefront, "_library", lambda: library)
+    monkeypatch.setattr(wavefront, "forward_into", forward_into)
+    monkeypatch.setattr(wavefront, "unsupported_reason", kernel.unsupported_reason)
+    layer = fused_with_plan(wavefront_stack("lstm"), Plan((2,), kernel="wavefront"))
+    x = torch.as_tensor(wavefront_inputs())
+    torch._dynamo.reset()
+    with torch.no_grad():
+        got = torch.compile(lambda t: layer(t, training=False), backend="aot_eager",
+                            fullgraph=True)(x)
+        ran = layer.last_path.kernel
+        want = layer(x, training=False)
+    assert ran.name == wavefront.KERNEL_NAME and ran.note is None, ran
+    assert len(kernel.calls) == 2, "the compiled call and the eager one ran the op's body"
+    assert max_abs_diff(got, want) <= 1e-3
 
 
 def test_a_masked_call_compiles_exactly_with_a_break_for_the_hosts_lengths(monkeypatch):
