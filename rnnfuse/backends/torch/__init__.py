@@ -659,6 +659,7 @@ def _quiet_projection_warning(stack: StackSpec, x: torch.Tensor):
         yield
 
 
+@torch.compiler.assume_constant_result  # a trace's constant (the device's properties)
 def _persistent_single_layer(kind: str, units: int, batch: int, steps: int, device) -> bool:
     """Whether PyTorch runs a float16 single-layer call on cuDNN's persistent
     kernel (aten/src/ATen/native/cudnn/RNN.cpp's heuristics), for levels

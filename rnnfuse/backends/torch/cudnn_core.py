@@ -56,10 +56,15 @@ def core_reason(x: torch.Tensor) -> str | None:
                 f"{str(x.dtype).replace('torch.', '')}")
     if disabled():
         return "the cuDNN core is turned off (RNNFUSE_DISABLE_CORE)"
-    failure = _cuda().load_failure()
+    failure = _load_failure()
     if failure is not None:
         return f"the cuDNN core is not available: {failure}"
     return None
+
+
+@torch.compiler.assume_constant_result  # a trace's constant (the loader takes locks)
+def _load_failure() -> str | None:
+    return _cuda().load_failure()
 
 
 def algorithm_code(algorithm, dtype: torch.dtype, allow_tf32: bool) -> int:

@@ -89,7 +89,12 @@ def unsupported_reason(kind: str, num_layers: int, units: int, batch: int, steps
     if device.type != "cuda":
         return "the wavefront kernel runs on CUDA devices only"
     ordinal = device.index if device.index is not None else torch.cuda.current_device()
-    return library.device_reason(kind, num_layers, units, batch, steps, input_size, ordinal)
+    return _device_reason(kind, num_layers, units, batch, steps, input_size, ordinal)
+
+
+@torch.compiler.assume_constant_result  # a trace's constant (the library's calls)
+def _device_reason(*args) -> str | None:
+    return _library().device_reason(*args)
 
 
 def forward_into(xproj, params, h0, c0, lengths, y, hy, cy, workspace, *, kind: str,
@@ -711,7 +716,12 @@ def _backward_reason(kind: str, units: int, batch: int, steps: int,
     """`library.backward_reason` on `device` (a CUDA device the forward's
     checks accepted)."""
     ordinal = device.index if device.index is not None else torch.cuda.current_device()
-    return _library().backward_reason(kind, units, batch, steps, ordinal)
+    return _library_backward_reason(kind, units, batch, steps, ordinal)
+
+
+@torch.compiler.assume_constant_result  # a trace's constant (the library's calls)
+def _library_backward_reason(*args) -> str | None:
+    return _library().backward_reason(*args)
 
 
 def run_trainable(sequences, call):
