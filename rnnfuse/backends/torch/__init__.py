@@ -170,9 +170,7 @@ def tuned_algorithms() -> tuple:
     device, else (None,): `torch._VF` picks cuDNN's algorithm itself."""
     if not torch.cuda.is_available() or cudnn_core.disabled():
         return (None,)
-    from rnnfuse.backends.cuda import cudnn_core as library
-
-    return CORE_TUNED_ALGORITHMS if library.load_failure() is None else (None,)
+    return CORE_TUNED_ALGORITHMS if cudnn_core.load_failure() is None else (None,)
 
 
 def is_available() -> bool:

@@ -26,7 +26,8 @@ import torch
 from rnnfuse.backends.torch.streams import launch_stream
 
 __all__ = ["KERNEL_NAME", "CoreCall", "algorithm_code", "canonical_params", "core_backward",
-           "core_forward", "core_reason", "disabled", "reserve_bytes", "run", "runs_eagerly"]
+           "core_forward", "core_reason", "disabled", "load_failure", "reserve_bytes", "run",
+           "runs_eagerly"]
 
 KERNEL_NAME = "torch.ops.rnnfuse.cudnn_rnn"
 _MODES = ("lstm", "gru", "rnn_tanh", "rnn_relu")
@@ -56,14 +57,15 @@ def core_reason(x: torch.Tensor) -> str | None:
                 f"{str(x.dtype).replace('torch.', '')}")
     if disabled():
         return "the cuDNN core is turned off (RNNFUSE_DISABLE_CORE)"
-    failure = _load_failure()
+    failure = load_failure()
     if failure is not None:
         return f"the cuDNN core is not available: {failure}"
     return None
 
 
 @torch.compiler.assume_constant_result  # a trace's constant (the loader takes locks)
-def _load_failure() -> str | None:
+def load_failure() -> str | None:
+    """Why the core does not load here, or None."""
     return _cuda().load_failure()
 
 
