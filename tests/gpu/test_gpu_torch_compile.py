@@ -30,20 +30,12 @@ import torch  # noqa: E402
 import rnnfuse  # noqa: E402
 from builders import fused_layers, stack_model  # noqa: E402
 from gpu_wavefront_checks import float16_lstm  # noqa: E402
-from rnnfuse import FusedRNN, PathKind  # noqa: E402
+from rnnfuse import PathKind  # noqa: E402
 from rnnfuse.backends.torch import cudnn_core, wavefront  # noqa: E402
-from rnnfuse.optimized import _OptimizedMixin  # noqa: E402
 from rnnfuse.plan import Plan  # noqa: E402
 
 L = keras.layers
 pytestmark = pytest.mark.real_gpu_only
-
-
-@pytest.fixture(autouse=True)
-def _jit_allowed(monkeypatch):
-    """Lets an optimized model compile with jit_compile=True on the GPU."""
-    monkeypatch.setattr(_OptimizedMixin, "_cudnn_layers", lambda self: [])
-    monkeypatch.setattr(FusedRNN, "fused_call_blocks_xla", property(lambda self: False))
 
 
 @pytest.fixture

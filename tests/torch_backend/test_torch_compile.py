@@ -32,7 +32,6 @@ from builders import fused_layers, fused_with_plan, max_abs_diff, stack_model, w
 from fake_clock import FakeTimer
 from rnnfuse import FusedRNN, PathKind
 from rnnfuse.backends.torch import wavefront
-from rnnfuse.optimized import _OptimizedMixin
 from rnnfuse.plan import Plan
 from rnnfuse.tuning import first_batch, tuner
 
@@ -48,13 +47,6 @@ def aot_eager(monkeypatch):
     monkeypatch.setattr(torch, "compile", functools.partial(torch.compile, backend="aot_eager"))
     yield
     torch._dynamo.reset()
-
-
-@pytest.fixture
-def jit_allowed(monkeypatch):
-    """Lets an optimized model compile with jit_compile=True here."""
-    monkeypatch.setattr(_OptimizedMixin, "_cudnn_layers", lambda self: [])
-    monkeypatch.setattr(FusedRNN, "fused_call_blocks_xla", property(lambda self: False))
 
 
 def _fused(kind, *, bidirectional=False):
@@ -147,7 +139,7 @@ def test_a_masked_call_compiles_exactly_with_a_break_for_the_hosts_lengths(monke
     assert max_abs_diff(got, layer(x, mask=mask)) <= 1e-6
 
 
-def test_a_torch_compiled_fit_is_planned_on_eager_timing_not_raced(monkeypatch, jit_allowed):
+def test_a_torch_compiled_fit_is_planned_on_eager_timing_not_raced(monkeypatch):
     monkeypatch.setattr(first_batch, "device_environment", lambda: dict(ENV))
     baselines = []
 
@@ -201,7 +193,7 @@ def _assert_same_training(make, x, y):
 
 
 def test_a_jit_compiled_model_with_states_and_a_bidirectional_stack_trains_as_the_unfused(
-        monkeypatch, aot_eager, jit_allowed):
+        monkeypatch, aot_eager):
     core_emulation.install(monkeypatch)
 
     def make():
@@ -221,7 +213,7 @@ def test_a_jit_compiled_model_with_states_and_a_bidirectional_stack_trains_as_th
 
 
 def test_a_jit_compiled_masked_model_with_dropout_between_layers_matches_the_unfused(
-        monkeypatch, aot_eager, jit_allowed):
+        monkeypatch, aot_eager):
     """Inference as the unfused model's; training passes the Dropout's rate
     to the core's compiled calls (cuDNN's dropout draws its own masks)."""
     calls = core_emulation.install(monkeypatch)

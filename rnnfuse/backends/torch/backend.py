@@ -51,6 +51,7 @@ class TorchBackend(KernelModuleBackend):
             plan_table="torch",
             projected_lstm_loop="torch",
             first_call_compiles=False,
+            jit_compiles_fused_call=True,  # torch.compile traces rnnfuse's custom ops
         )
 
     def fused_call_kernel(self, plan):
