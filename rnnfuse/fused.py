@@ -47,7 +47,8 @@ def default_name(layers) -> str:
     return f"fused_{first}" if first == last else f"fused_{first}_to_{last}"
 
 # `last_path` of a call whose plan keeps the original layers.
-_KEPT_ORIGINAL = CallPath(PathKind.LAYERS, plan_per_layer())
+_KEPT_ORIGINAL = (PathKind.LAYERS, plan_per_layer(), None)
+_NOT_RIGHT_PADDED = (PathKind.LAYERS, mask_not_right_padded(), None)
 
 
 # FusedRNN -> its sublayers, for `_clear_losses`.
@@ -141,8 +142,8 @@ class FusedRNN(keras.layers.Layer):
         # calls of a cuDNN plan pass to the op instead of the plan's own, so
         # one trace serves plans that differ only in it; untracked. None: the plan's.
         object.__setattr__(self, "algorithm_input", None)
-        # The CallPath of the last call, set by the branch that ran.
-        self.last_path: CallPath | None = None
+        # `last_path` as (kind, reason or (rule, args), kernel): a trace builds no str subclass.
+        object.__setattr__(self, "_path", None)
         if all(layer.built for layer in layers):
             self.built = True
 
@@ -206,6 +207,14 @@ class FusedRNN(keras.layers.Layer):
         self._plan = plan
 
     @property
+    def last_path(self) -> CallPath | None:
+        """The path the last call took, set by the branch that ran."""
+        if self._path is None:
+            return None
+        kind, reason, kernel = self._path
+        return CallPath(kind, reason[0](*reason[1]) if isinstance(reason, tuple) else reason, kernel)
+
+    @property
     def uses_fused_kernel(self) -> bool:
         """Whether calls here run the fused kernel (a mask's values still decide per call)."""
         return self._fallback_reason(None) is None
@@ -220,7 +229,7 @@ class FusedRNN(keras.layers.Layer):
     def fused_call_blocks_xla(self) -> bool:
         """Whether calls here may run a fused kernel XLA cannot compile
         (TensorFlow's CudnnRNNV3; not JAX's cuDNN custom call)."""
-        if get_backend().capabilities.xla_compiles_fused_call:
+        if get_backend().capabilities.jit_compiles_fused_call:
             return False
         plans = [self._plan] + (self.planner.plans() if self.planner is not None else [])
         if all(p.per_layer for p in plans):
@@ -368,7 +377,7 @@ class FusedRNN(keras.layers.Layer):
                        algorithm=None, mask_is_right_padded=False):
         """The original layers' own calls, with this call's arguments as the run's
         first layer received them."""
-        object.__setattr__(self, "last_path", _KEPT_ORIGINAL)
+        object.__setattr__(self, "_path", _KEPT_ORIGINAL)
         mask = None if mask is None else tree.flatten(mask)[0]
         return self._call_layers(sequences, initial_state, mask, training)
 
@@ -383,9 +392,8 @@ class FusedRNN(keras.layers.Layer):
         outputs, path = self._run(
             plan, sequences, initial_state, mask, training, algorithm, mask_is_right_padded,
         )
-        # Past Keras' attribute tracking (tens of microseconds a call): a
-        # CallPath is nothing it tracks.
-        object.__setattr__(self, "last_path", path)
+        # Past Keras' attribute tracking (tens of microseconds a call).
+        object.__setattr__(self, "_path", path)
         return outputs
 
     def _plan_for_call(self, sequences, training) -> Plan:
@@ -397,17 +405,17 @@ class FusedRNN(keras.layers.Layer):
         return self._plan if chosen is None else chosen.for_length(len(self.fused_layers))
 
     def _run(self, plan, sequences, initial_state, mask, training, algorithm, right_padded):
-        """(outputs, CallPath) of one call under `plan`."""
+        """(outputs, path) of one call under `plan` (`last_path`'s parts)."""
         if plan.per_layer:
             outputs = self._call_layers(sequences, initial_state, mask, training)
-            return outputs, CallPath(PathKind.LAYERS, plan_per_layer())
+            return outputs, _KEPT_ORIGINAL
         if len(plan.pieces) > 1:
             return self._call_pieces(plan, sequences, initial_state, mask, training, algorithm,
                                      right_padded)
         reason = self._fallback_reason(mask)
         if reason is not None:
             outputs = self._call_layers(sequences, initial_state, mask, training)
-            return outputs, CallPath(PathKind.LAYERS, reason)
+            return outputs, (PathKind.LAYERS, reason, None)
         self._check_not_xla()
         if mask is None:
             return self._call_fused(plan, sequences, initial_state, None, training, algorithm)
@@ -431,7 +439,7 @@ class FusedRNN(keras.layers.Layer):
         def layers():
             if right_padded:
                 return fused()
-            paths.append(CallPath(PathKind.LAYERS, mask_not_right_padded()))
+            paths.append(_NOT_RIGHT_PADDED)
             return self._call_layers(sequences, initial_state, mask, training, generic=True)
 
         supported = backend.mask_is_supported(mask)
@@ -454,7 +462,7 @@ class FusedRNN(keras.layers.Layer):
                 outputs = tree.pack_sequence_as(structure, flat)
         self._add_activity_losses(outputs)
         # Traced: the graph holds the fused call for right-padded masks.
-        return outputs, next((p for p in paths if p.kind is PathKind.FUSED), paths[0])
+        return outputs, next((p for p in paths if p[0] is PathKind.FUSED), paths[0])
 
     def _keras_asserts_traced_masks(self, backend) -> bool:
         """Whether the original layers, traced here, accept only right-padded masks
@@ -506,11 +514,11 @@ class FusedRNN(keras.layers.Layer):
             if start == 0 and initial_state is not None:
                 kwargs["initial_state"] = initial_state
             x = piece(x, **kwargs)
-            paths.append(piece.last_path)
+            paths.append(piece._path)
             if (stop - 1) in dropouts:
                 x = dropouts[stop - 1](x, training=training)
-        noted = [p for p in paths if p.kernel is not None and p.kernel.note]
-        return x, next((p for p in paths if p.kind is not PathKind.FUSED), (noted or paths)[0])
+        noted = [p for p in paths if p[2] is not None and p[2].note]
+        return x, next((p for p in paths if p[0] is not PathKind.FUSED), (noted or paths)[0])
 
     def _piece(self, plan: Plan, start: int, stop: int) -> "FusedRNN":
         """The sub-stack layers[start:stop] as a FusedRNN running `plan`'s
@@ -533,7 +541,7 @@ class FusedRNN(keras.layers.Layer):
 
     def _call_fused(self, plan, sequences, initial_state, mask, training, algorithm=None,
                     add_losses=True):
-        """The whole stack as one backend call: (outputs, CallPath); `add_losses`
+        """The whole stack as one backend call: (outputs, path); `add_losses`
         adds the last layer's activity-regularization loss."""
         backend = get_backend()
         x = self._input_dropout(sequences, training)
@@ -561,12 +569,12 @@ class FusedRNN(keras.layers.Layer):
         except NotImplementedError as err:
             # As Keras' Bidirectional does for its fused LSTM: the backend
             # cannot run this call, so the original layers run it.
-            path = CallPath(PathKind.LAYERS, not_implemented(backend.name, err))
+            path = (PathKind.LAYERS, (not_implemented, (backend.name, err)), None)
             return self._call_layers(sequences, initial_state, mask, training), path
         outputs = self._assemble(run.outputs, run.final_h, run.final_c, mask)
         if add_losses:
             self._add_activity_losses(outputs)
-        return outputs, CallPath(PathKind.FUSED, kernel=run.kernel.with_note(note))
+        return outputs, (PathKind.FUSED, None, run.kernel.with_note(note))
 
     def _add_activity_losses(self, outputs) -> None:
         """The loss Keras' `Layer.__call__` adds for the last layer's

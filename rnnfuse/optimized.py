@@ -51,7 +51,7 @@ FUSED_FORMAT_NOTE = (
 
 class _OptimizedMixin:
     """The methods both optimized classes change (see the module doc); refuses
-    `jit_compile=True` while cuDNN may run, where Keras would only warn."""
+    `jit_compile=True` while a cuDNN kernel XLA cannot compile may run."""
 
     def _cudnn_layers(self) -> list[str]:
         """Names of the FusedRNN layers that would run the fused kernel here."""
@@ -66,18 +66,12 @@ class _OptimizedMixin:
         if value is True:
             cudnn = self._cudnn_layers()
             if cudnn:
-                # torch's jit_compile is torch.compile, which rnnfuse's
-                # custom ops are not yet tested under on the GPU.
-                from rnnfuse.backends import get_backend
-
-                compiler = ("XLA cannot compile cuDNN ops (nor Keras' own cuDNN LSTM/GRU)"
-                            if get_backend().name != "torch"
-                            else "rnnfuse does not support torch.compile of its kernels yet")
                 raise ValueError(
                     f"jit_compile=True: model '{self.name}' runs its fused "
                     f"layers ({', '.join(repr(n) for n in cudnn)}) as cuDNN "
-                    f"kernels on this machine, and {compiler}. Fix: compile "
-                    "with jit_compile='auto' (the default) or False."
+                    "kernels on this machine, and XLA cannot compile cuDNN ops "
+                    "(nor Keras' own cuDNN LSTM/GRU). Fix: compile with "
+                    "jit_compile='auto' (the default) or False."
                 )
         keras.Model.jit_compile.fset(self, value)
 

@@ -115,6 +115,25 @@ SLOW: dict[str, str] = {
     "torch_backend/test_torch_threads_and_precision.py::test_a_bad_rnnfuse_torch_calls_warns_and_import_rnnfuse_still_works": (
         "import rnnfuse in a fresh process (10 s wall); test_rnnfuse_torch_calls_sets_the_process_default stays fast"
     ),
+    # -- torch.compile: dynamo traces Keras' unrolled loops and training steps --
+    "torch_backend/test_torch_compile.py::test_a_jit_compiled_model_with_states_and_a_bidirectional_stack_trains_as_the_unfused": (
+        "two models compiled for fit, predict and evaluate (66 s)"
+    ),
+    "torch_backend/test_torch_compile.py::test_a_jit_compiled_masked_model_with_dropout_between_layers_matches_the_unfused": (
+        "two models compiled for predict and evaluate, one for fit (43 s)"
+    ),
+    **{
+        f"torch_backend/test_torch_compile.py::test_the_fused_call_compiles_whole_and_matches_the_eager_call[{case}]": (
+            "two compiles of a fused call (3-7 s); [lstm-core] and [gru-torch_vf] stay fast"
+        )
+        for case in ("gru-core", "bigru-core", "bigru-torch_vf", "lstm-torch_vf")
+    },
+    "torch_backend/test_torch_compile.py::test_a_wavefront_inference_call_compiles_whole": (
+        "a compile of a float16 call (4 s); tests/gpu/test_gpu_torch_compile.py runs the kernel"
+    ),
+    "torch_backend/test_torch_compile.py::test_a_masked_call_compiles_exactly_with_a_break_for_the_hosts_lengths": (
+        "a compile in three graphs (6 s)"
+    ),
     # -- fit, several models, or a real tuner run (CPU seconds) ----------------
     "test_activity_regularizers.py::test_activity_losses_and_training_match_the_original[masked]": (
         "evaluate and a fit epoch of two models (12 s); [issue_repro] stays fast"

@@ -53,7 +53,7 @@ def test_backend_reason_names_the_run_only_where_a_kernel_exists():
 
     class Picky(NoFusedKernel):
         capabilities = NoFusedKernel.capabilities.__class__(
-            fused_kernel=True, absorbs_dropout=False, xla_compiles_fused_call=False,
+            fused_kernel=True, absorbs_dropout=False, jit_compiles_fused_call=False,
             tunes_one_call_per_layer=False,
         )
 

@@ -15,7 +15,7 @@ class _Fake(NoFusedKernel):
     def __init__(self, fused=True, available=True, unsupported=None):
         super().__init__("fake")
         self.capabilities = Capabilities(
-            fused_kernel=fused, absorbs_dropout=False, xla_compiles_fused_call=False,
+            fused_kernel=fused, absorbs_dropout=False, jit_compiles_fused_call=False,
             tunes_one_call_per_layer=False,
         )
         self._available, self._unsupported = available, unsupported

@@ -18,8 +18,8 @@ Example:
 
 from __future__ import annotations
 
-import functools
 import importlib
+from typing import Any
 
 import keras
 
@@ -91,9 +91,14 @@ def _instance(name: str | None, which: int, missing):
     return _made(name or active_name(), which, missing)
 
 
-@functools.cache  # memo: one object per (backend name, class)
+_MADE: dict[tuple, Any] = {}  # memo: one object per (backend name, class)
+
+
 def _made(name: str, which: int, missing):
-    target = _CLASSES.get(name)
-    if target is None:
-        return missing(name)
-    return getattr(importlib.import_module(target[0]), target[which])()
+    found = _MADE.get((name, which))
+    if found is None:
+        target = _CLASSES.get(name)
+        found = missing(name) if target is None else getattr(
+            importlib.import_module(target[0]), target[which])()
+        _MADE[(name, which)] = found
+    return found

@@ -248,8 +248,8 @@ class Capabilities:
     fused_kernel: bool
     # The fused call takes seeded between-level dropout: Dropout layers fuse.
     absorbs_dropout: bool
-    # The fused call is itself an XLA op, so `FusedRNN.supports_jit` stays True.
-    xla_compiles_fused_call: bool
+    # jit_compile (XLA, torch.compile) compiles the fused call: `FusedRNN.supports_jit` stays True.
+    jit_compiles_fused_call: bool
     # The tuner also times one fused call per layer.
     tunes_one_call_per_layer: bool
     # The cuDNN algorithms the tuner times (None: default).
@@ -474,7 +474,7 @@ class KernelModuleBackend(Backend):
         return Capabilities(**{
             "fused_kernel": True,
             "absorbs_dropout": True,
-            "xla_compiles_fused_call": False,
+            "jit_compiles_fused_call": False,
             "tuned_algorithms": self.kernels.tuned_algorithms(),
             "inference_kernels": ("wavefront",),
             "training_kernels": ("wavefront",),
@@ -524,7 +524,7 @@ class NoFusedKernel(NoProjectedLSTMPath, Backend):
     capabilities = Capabilities(
         fused_kernel=False,
         absorbs_dropout=False,
-        xla_compiles_fused_call=False,
+        jit_compiles_fused_call=False,
         tunes_one_call_per_layer=False,
         plan_table="per_layer",
     )

@@ -32,7 +32,7 @@ def xla_cost_notes(model: keras.Model, report: FusionReport) -> list[str]:
     XLA-compiled, so a fused model runs without XLA."""
     backend = get_backend()
     caps = backend.capabilities
-    if not report.groups or not caps.auto_jit_from_layers or caps.xla_compiles_fused_call:
+    if not report.groups or not caps.auto_jit_from_layers or caps.jit_compiles_fused_call:
         return []
     if not backend.is_available():
         return []  # no fused kernel runs here; the fused layers keep XLA

@@ -207,6 +207,7 @@ def _prepare(model, state: AutoTune, x, batch_size, training, online: bool = Tru
         return undecided
     shapes = {i: _member_shape(m, shape) for i, m in enumerate(state.members)}
     jit = _keras_would_jit(model, state)
+    online = online and not _torch_compiled_step(model)
     results = _online_races(state, environment, shapes, training, jit) if online else None
     if results is None:
         results = decide(state, environment, shapes, training, jit_baseline=jit)
@@ -457,6 +458,11 @@ def _keras_would_jit(model: keras.Model, state: AutoTune) -> bool:
         elif not isinstance(layer, keras.Model) and not layer.supports_jit:
             return False
     return True
+
+
+def _torch_compiled_step(model: keras.Model) -> bool:
+    """Whether Keras torch.compiles the steps: not raced (a recompile a plan; dynamo's limit)."""
+    return get_backend().name == "torch" and getattr(model, "_jit_compile", None) is True
 
 
 @contextlib.contextmanager

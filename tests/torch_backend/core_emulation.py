@@ -60,8 +60,13 @@ def forward(ints, dropout, seed, training, x, hx, cx, params, lengths, dev_lengt
         as64 = [t.double() for t in (x, hx, cx, params)]
         y, h, c = _reference(ints, *as64, lengths)
     cy = c.to(x.dtype) if ints[0] == 0 else x.new_empty((0,))
-    reserve = torch.zeros(8 if training else 0, dtype=torch.uint8)
+    reserve = torch.zeros(reserve_bytes(ints, dropout, seed, training, x), dtype=torch.uint8)
     return y.to(x.dtype), h.to(x.dtype), cy, reserve
+
+
+def reserve_bytes(ints, dropout, seed, training, x):
+    """`cudnn_core.reserve_bytes`: the size `forward` gives its reserve."""
+    return 8 if training else 0
 
 
 def backward(ints, dropout, seed, x, hx, cx, params, lengths, dev_lengths, y, dy, dhy, dcy,
@@ -114,5 +119,6 @@ def install(monkeypatch):
     monkeypatch.setattr(cudnn_core, "core_forward", spy_forward)
     monkeypatch.setattr(cudnn_core, "core_backward", spy_backward)
     monkeypatch.setattr(cudnn_core, "core_reason", lambda x: None)
+    monkeypatch.setattr(cudnn_core, "reserve_bytes", reserve_bytes)
     monkeypatch.setattr(torch_backend, "core_applies", lambda x: True)
     return calls

@@ -51,7 +51,7 @@ class JaxBackend(NoProjectedLSTMPath, KernelModuleBackend):
             # The core's cuDNN dropout, seeded by the Dropout layer's seed.
             absorbs_dropout=True,
             # The calls are XLA custom calls: jitted train steps keep working.
-            xla_compiles_fused_call=True,
+            jit_compiles_fused_call=True,
             tunes_one_call_per_layer=False,
             # cuDNN's algorithms where the core runs (it runs the plan's
             # algorithm in both passes).

@@ -136,6 +136,7 @@ def set_call_mode(mode: str) -> None:
     _MODE.set(_check_mode(mode, "set_call_mode(mode)"))
 
 
+@torch.compiler.assume_constant_result
 def get_call_mode() -> str:
     """The call mode in force here: the innermost `call_mode()` block or
     `set_call_mode` of this thread, else RNNFUSE_TORCH_CALLS's (or "auto")."""
@@ -169,9 +170,7 @@ def tuned_algorithms() -> tuple:
     device, else (None,): `torch._VF` picks cuDNN's algorithm itself."""
     if not torch.cuda.is_available() or cudnn_core.disabled():
         return (None,)
-    from rnnfuse.backends.cuda import cudnn_core as library
-
-    return CORE_TUNED_ALGORITHMS if library.load_failure() is None else (None,)
+    return CORE_TUNED_ALGORITHMS if cudnn_core.load_failure() is None else (None,)
 
 
 def is_available() -> bool:
@@ -663,6 +662,7 @@ def _quiet_projection_warning(stack: StackSpec, x: torch.Tensor):
         yield
 
 
+@torch.compiler.assume_constant_result  # a trace's constant (the device's properties)
 def _persistent_single_layer(kind: str, units: int, batch: int, steps: int, device) -> bool:
     """Whether PyTorch runs a float16 single-layer call on cuDNN's persistent
     kernel (aten/src/ATen/native/cudnn/RNN.cpp's heuristics), for levels
@@ -915,6 +915,10 @@ def run_stack(sequences: Any, call: StackCall) -> StackRun:
             except CoreError as err:
                 core_note = f"the cuDNN core refused this call ({err})"
         core_note += "; torch._VF runs it (PyTorch chooses cuDNN's algorithm)"
+    if (stack.kind == "lstm" and not x.is_cuda and torch.is_grad_enabled()
+            and torch.compiler.is_compiling()):
+        raise NotImplementedError(
+            "torch.compile cannot differentiate PyTorch's CPU LSTM kernel (mkldnn_rnn_layer)")
     params = pack_params(stack, x.dtype, x.device)
     return _run_on_vf(stack, x, lengths, hx, params, dropout, per_call, exact, core_note)
 

@@ -51,6 +51,7 @@ class TorchBackend(KernelModuleBackend):
             plan_table="torch",
             projected_lstm_loop="torch",
             first_call_compiles=False,
+            jit_compiles_fused_call=True,  # torch.compile traces rnnfuse's custom ops
         )
 
     def fused_call_kernel(self, plan):
@@ -107,8 +108,8 @@ class TorchTiming(Timing):
         return kernels.timed_step(run, x, variables, training)
 
     def timing_context(self):
-        # Eager: only gradients may be off (a loop under torch.no_grad()).
-        return torch.enable_grad()
+        # Eager: only gradients may be off (torch.no_grad()); a trace cannot time.
+        return None if torch.compiler.is_compiling() else torch.enable_grad()
 
     def gradients(self, run, x, variables: Sequence[Any], training=False):
         params = [getattr(v, "value", v) for v in variables]

@@ -26,7 +26,8 @@ import torch
 from rnnfuse.backends.torch.streams import launch_stream
 
 __all__ = ["KERNEL_NAME", "CoreCall", "algorithm_code", "canonical_params", "core_backward",
-           "core_forward", "core_reason", "disabled", "run", "runs_eagerly"]
+           "core_forward", "core_reason", "disabled", "load_failure", "reserve_bytes", "run",
+           "runs_eagerly"]
 
 KERNEL_NAME = "torch.ops.rnnfuse.cudnn_rnn"
 _MODES = ("lstm", "gru", "rnn_tanh", "rnn_relu")
@@ -56,10 +57,16 @@ def core_reason(x: torch.Tensor) -> str | None:
                 f"{str(x.dtype).replace('torch.', '')}")
     if disabled():
         return "the cuDNN core is turned off (RNNFUSE_DISABLE_CORE)"
-    failure = _cuda().load_failure()
+    failure = load_failure()
     if failure is not None:
         return f"the cuDNN core is not available: {failure}"
     return None
+
+
+@torch.compiler.assume_constant_result  # a trace's constant (the loader takes locks)
+def load_failure() -> str | None:
+    """Why the core does not load here, or None."""
+    return _cuda().load_failure()
 
 
 def algorithm_code(algorithm, dtype: torch.dtype, allow_tf32: bool) -> int:
@@ -140,10 +147,8 @@ _FULL_LENGTHS: dict[tuple, torch.Tensor] = {}
 
 
 def _full_lengths(x: torch.Tensor) -> torch.Tensor:
-    """Every sequence's length for a call on x [T, B, F], int32 on x's
-    device. An eager call on plain tensors reads one made once per shape
-    (the core only reads it: no allocation or fill a call); a trace makes
-    its own."""
+    """int32 lengths (all T) for x [T, B, F] on its device: made once per shape
+    for eager calls (the core only reads them); a trace makes its own."""
     steps, batch = int(x.shape[0]), int(x.shape[1])
     if not runs_eagerly(x):
         return torch.full((batch,), steps, dtype=torch.int32, device=x.device)
@@ -225,11 +230,21 @@ def _rnn_op(x: torch.Tensor, hx: torch.Tensor, cx: torch.Tensor, params: torch.T
     return core_forward(ints, dropout, seed, training, x, hx, cx, params, lengths, dev_lengths)
 
 
+def reserve_bytes(ints: list[int], dropout: float, seed: int, training: bool, x) -> int:
+    """The reserve bytes of a call on `x` [T, B, D], full lengths (a trace's)."""
+    if not training:
+        return 0
+    lib, config, steps, batch, stream = _launch(ints, dropout, seed, x)
+    return _sizes(lib, config, steps, batch, None, stream, x.device)[1]
+
+
 @_rnn_op.register_fake
 def _(x, hx, cx, params, lengths, dev_lengths, ints, dropout, seed, training):
     out = (ints[3] or ints[2]) * ints[5]
     cy = torch.empty_like(cx) if ints[0] == 0 else x.new_empty((0,))
-    reserve = x.new_empty((torch.library.get_ctx().new_dynamic_size(),), dtype=torch.uint8)
+    size = (torch.library.get_ctx().new_dynamic_size() if lengths is not None
+            else reserve_bytes(ints, dropout, seed, training, x))
+    reserve = x.new_empty((size,), dtype=torch.uint8)
     return x.new_empty((x.shape[0], x.shape[1], out)), torch.empty_like(hx), cy, reserve
 
 

@@ -45,7 +45,7 @@ from rnnfuse.backends.torch.streams import launch_stream
 __all__ = ["KERNEL_NAME", "TRAINING_KERNEL_NAME", "backward_choice", "backward_layer",
            "backward_stack",
            "backward_stack_kernel", "backward_stack_wavefront", "flat_params", "forward",
-           "forward_into", "forward_training", "recurrence_reference",
+           "forward_into", "forward_training", "library_reason", "recurrence_reference",
            "reference_forward", "reference_forward_saving", "run_autograd", "run_stack",
            "run_trainable", "stack_recurrence_reference", "trainable_forward",
            "training_reason", "unsupported_reason", "wants_gradient"]
@@ -89,7 +89,14 @@ def unsupported_reason(kind: str, num_layers: int, units: int, batch: int, steps
     if device.type != "cuda":
         return "the wavefront kernel runs on CUDA devices only"
     ordinal = device.index if device.index is not None else torch.cuda.current_device()
-    return library.device_reason(kind, num_layers, units, batch, steps, input_size, ordinal)
+    return library_reason("device_reason", kind, num_layers, units, batch, steps, input_size,
+                          ordinal)
+
+
+@torch.compiler.assume_constant_result  # a trace's constant (the library's calls)
+def library_reason(name: str, *args) -> str | None:
+    """The library's check `name` (`device_reason`, ...) of `args`."""
+    return getattr(_library(), name)(*args)
 
 
 def forward_into(xproj, params, h0, c0, lengths, y, hy, cy, workspace, *, kind: str,
@@ -711,7 +718,7 @@ def _backward_reason(kind: str, units: int, batch: int, steps: int,
     """`library.backward_reason` on `device` (a CUDA device the forward's
     checks accepted)."""
     ordinal = device.index if device.index is not None else torch.cuda.current_device()
-    return _library().backward_reason(kind, units, batch, steps, ordinal)
+    return library_reason("backward_reason", kind, units, batch, steps, ordinal)
 
 
 def run_trainable(sequences, call):

@@ -31,7 +31,7 @@ import torch
 
 from rnnfuse.backends.base import GATES
 from rnnfuse.backends.torch.streams import launch_stream
-from rnnfuse.backends.torch.wavefront import flat_params
+from rnnfuse.backends.torch.wavefront import flat_params, library_reason
 
 __all__ = ["KERNEL_NAME", "TRAINING_ALGORITHM", "forward", "reverse_within_lengths",
            "run_stack", "trainable_forward", "training_reason", "unsupported_reason"]
@@ -194,10 +194,10 @@ def training_reason(kind: str, num_layers: int, units: int, batch: int, steps: i
     if reason is not None:
         return reason
     for width in {int(input_size), 2 * int(units)}:
-        reason = library.device_reason(kind, 1, units, batch, steps, width, ordinal)
+        reason = library_reason("device_reason", kind, 1, units, batch, steps, width, ordinal)
         if reason is not None:
             return reason
-    return library.backward_reason(kind, units, batch, steps, ordinal)
+    return library_reason("backward_reason", kind, units, batch, steps, ordinal)
 
 
 def unsupported_reason(kind: str, num_layers: int, units: int, batch: int, steps: int,
@@ -209,7 +209,7 @@ def unsupported_reason(kind: str, num_layers: int, units: int, batch: int, steps
     reason, ordinal = _structure_reason(library, kind, dtype, device, proj_size, dropout)
     if reason is not None:
         return reason
-    return library.bidirectional_reason(kind, units, batch, steps, input_size, ordinal)
+    return library_reason("bidirectional_reason", kind, units, batch, steps, input_size, ordinal)
 
 
 def run_stack(sequences, call):
