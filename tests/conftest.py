@@ -106,6 +106,34 @@ def fake_clock():
 
 
 @pytest.fixture
+def plans_run(monkeypatch):
+    """The plan name of each call of a FusedRNN's own `_run` (not a split
+    plan's pieces, which run inside it), or "original" for each call that
+    runs the original layers instead; the calls still run."""
+    from rnnfuse.fused import FusedRNN
+
+    ran, depth = [], [0]
+    real_run, real_original = FusedRNN._run, FusedRNN._original_call
+
+    def run(self, plan, *args, **kwargs):
+        if not depth[0]:
+            ran.append(plan.name)
+        depth[0] += 1
+        try:
+            return real_run(self, plan, *args, **kwargs)
+        finally:
+            depth[0] -= 1
+
+    def original(self, *args, **kwargs):
+        ran.append("original")
+        return real_original(self, *args, **kwargs)
+
+    monkeypatch.setattr(FusedRNN, "_run", run)
+    monkeypatch.setattr(FusedRNN, "_original_call", original)
+    return ran
+
+
+@pytest.fixture
 def emulated_cudnn(monkeypatch):
     """Runs FusedRNN's fused path on the CPU with a reference CudnnRNNV3.
 

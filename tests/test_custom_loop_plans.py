@@ -16,7 +16,6 @@ import tensorflow as tf
 
 import rnnfuse
 from builders import race_online, stack_model
-from rnnfuse.fused import FusedRNN
 from rnnfuse.tuning import first_batch, tuner
 from timed_optimize import timed_optimize
 
@@ -35,31 +34,6 @@ class Timer:
     def __call__(self, steps):
         self.calls += 1
         return {name: {"median": self.medians.get(name, 10.0)} for name in steps}
-
-
-@pytest.fixture
-def plans_run(monkeypatch):
-    """The plan of each FusedRNN call that ran the layer's own call (a call
-    whose decided plan keeps the original layers runs theirs: "original")."""
-    ran, depth = [], [0]
-    real_run, real_original = FusedRNN._run, FusedRNN._original_call
-
-    def run(self, plan, *args, **kwargs):
-        if not depth[0]:  # a split plan's pieces run inside its call
-            ran.append(plan.name)
-        depth[0] += 1
-        try:
-            return real_run(self, plan, *args, **kwargs)
-        finally:
-            depth[0] -= 1
-
-    def original(self, *args, **kwargs):
-        ran.append("original")
-        return real_original(self, *args, **kwargs)
-
-    monkeypatch.setattr(FusedRNN, "_run", run)
-    monkeypatch.setattr(FusedRNN, "_original_call", original)
-    return ran
 
 
 @pytest.fixture

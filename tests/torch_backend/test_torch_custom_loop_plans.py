@@ -13,7 +13,6 @@ import torch
 
 import rnnfuse
 from builders import fused_layers, race_online, stack_model
-from rnnfuse.fused import FusedRNN
 from rnnfuse.plan import Plan
 from rnnfuse.tuning import first_batch, per_shape, tuner
 
@@ -34,26 +33,6 @@ def fake_gpu(monkeypatch):
 
     monkeypatch.setattr(tuner, "_steps", no_offline_timing)
     return timed_apart
-
-
-@pytest.fixture
-def plans_run(monkeypatch):
-    """The plan of each call of the model's FusedRNN (not a split plan's piece)."""
-    ran = []
-    real_run, real_original = FusedRNN._run, FusedRNN._original_call
-
-    def run(self, plan, *args, **kwargs):
-        if self.planner is not None:
-            ran.append(plan.name)
-        return real_run(self, plan, *args, **kwargs)
-
-    def original(self, *args, **kwargs):
-        ran.append("original")
-        return real_original(self, *args, **kwargs)
-
-    monkeypatch.setattr(FusedRNN, "_run", run)
-    monkeypatch.setattr(FusedRNN, "_original_call", original)
-    return ran
 
 
 def test_after_fit_decides_a_custom_loop_runs_the_decided_plan_untimed(fake_gpu, plans_run):
