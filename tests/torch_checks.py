@@ -1,8 +1,9 @@
 """Torch-backend checks the CPU tests (tests/torch_backend) and the GPU
 ones (tests/gpu/*torch*) share: what a spy on `torch_rnn` records of each
 call (the `torch_calls` and `cudnn_calls` fixtures), PyTorch's own RNN
-modules run the way cuDNN runs lengths, and a fused layer's call on its
-plan next to its original layers'.
+modules run the way cuDNN runs lengths, a fused layer's call on its plan
+next to its original layers', and the environment of the tuning tests'
+fake device (the `fake_gpu` fixtures).
 
     >>> import torch
     >>> x, hx = torch.zeros(3, 2, 4), torch.zeros(1, 2, 5)
@@ -11,6 +12,8 @@ plan next to its original layers'.
 """
 
 from __future__ import annotations
+
+FAKE_GPU_ENV = {"device": "FakeGPU", "torch": "2", "backend": "torch", "rnnfuse": "0.1.0"}
 
 
 def vf_call(mode: str, args: tuple) -> dict:

@@ -42,6 +42,40 @@ def torch_calls(monkeypatch):
     yield calls
 
 
+def _fake_device(monkeypatch, steps):
+    """The tuner sees `torch_checks.FAKE_GPU_ENV` and builds its candidates'
+    steps with `steps` (in place of `tuner._steps`)."""
+    from torch_checks import FAKE_GPU_ENV
+
+    from rnnfuse.tuning import first_batch, per_shape, tuner
+
+    monkeypatch.setattr(first_batch, "device_environment", lambda: dict(FAKE_GPU_ENV))
+    monkeypatch.setattr(per_shape, "device_environment", lambda: dict(FAKE_GPU_ENV))
+    monkeypatch.setattr(tuner, "_steps", steps)
+
+
+@pytest.fixture
+def fake_gpu(monkeypatch):
+    """A device to 'time' on; the candidates' steps are never built (the
+    test's timer is a fake)."""
+    _fake_device(monkeypatch, lambda group, plans, *a, **k: {p.name: None for p in plans})
+
+
+@pytest.fixture
+def fake_gpu_online(monkeypatch):
+    """A device to time on where any timing apart from the fit's own steps
+    fails the test. Returns the arguments of each such timing (the tuner
+    may catch the failure)."""
+    timed_apart = []
+
+    def no_offline_timing(*args, **kwargs):
+        timed_apart.append(args)
+        raise AssertionError("timed apart from the fit")
+
+    _fake_device(monkeypatch, no_offline_timing)
+    return timed_apart
+
+
 def pytest_collection_modifyitems(config, items):
     # Keras' torch convert_to_numpy calls np.array(tensor); NumPy 2 warns
     # that torch's __array__ takes no `copy`. Not ours; keep the output clean.

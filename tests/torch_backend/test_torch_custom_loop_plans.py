@@ -8,39 +8,23 @@ The device is faked and each race step's seconds come from a fixed median.
 from __future__ import annotations
 
 import numpy as np
-import pytest
 import torch
 
 import rnnfuse
 from builders import fused_layers, race_online, stack_model
 from rnnfuse.plan import Plan
-from rnnfuse.tuning import first_batch, per_shape, tuner
+from rnnfuse.tuning import first_batch
+from torch_checks import FAKE_GPU_ENV
 
-ENV = {"device": "FakeGPU", "torch": "2", "backend": "torch", "rnnfuse": "0.1.0"}
 MEDIANS = {"per-layer": 3.0, "fused": 1.0, "split 1+1+1": 2.0}
 
 
-@pytest.fixture
-def fake_gpu(monkeypatch):
-    """A device to time on where any timing apart from the fit fails the test."""
-    monkeypatch.setattr(first_batch, "device_environment", lambda: dict(ENV))
-    monkeypatch.setattr(per_shape, "device_environment", lambda: dict(ENV))
-    timed_apart = []
-
-    def no_offline_timing(*args, **kwargs):
-        timed_apart.append(args)
-        raise AssertionError("timed apart from the fit")
-
-    monkeypatch.setattr(tuner, "_steps", no_offline_timing)
-    return timed_apart
-
-
-def test_after_fit_decides_a_custom_loop_runs_the_decided_plan_untimed(fake_gpu, plans_run):
+def test_after_fit_decides_a_custom_loop_runs_the_decided_plan_untimed(fake_gpu_online, plans_run):
     model = stack_model("gru", 3, steps=6)
     fast = rnnfuse.optimize(model, cache=False)
     ran = []
     state = race_online(fast, MEDIANS, ran)
-    state.environment = dict(ENV)
+    state.environment = dict(FAKE_GPU_ENV)
     rng = np.random.default_rng(0)
     x = rng.standard_normal((32, *model.input_shape[1:])).astype("float32")
     y = np.asarray(model.predict(x, verbose=0))
@@ -59,6 +43,6 @@ def test_after_fit_decides_a_custom_loop_runs_the_decided_plan_untimed(fake_gpu,
         loss.backward()
         optimizer.step()
     fast.train_on_batch(x[:4], y[:4])
-    assert ran == raced and not fake_gpu, "fit's decision was timed again"
+    assert ran == raced and not fake_gpu_online, "fit's decision was timed again"
     assert len(first_batch.decisions(fast)) == 1
     assert plans_run == ["fused"] * 3

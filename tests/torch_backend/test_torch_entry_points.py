@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import keras
 import numpy as np
-import pytest
 
 import rnnfuse
 from builders import fused_layers, stack_model
@@ -16,15 +15,7 @@ from rnnfuse.plan import PER_LAYER, Plan
 from rnnfuse.tuning import first_batch, per_shape, tuner
 from rnnfuse.tuning.budget import TuningBudget
 
-ENV = {"device": "FakeGPU", "torch": "2", "backend": "torch", "rnnfuse": "0.1.0"}
 MEDIANS = {"per-layer": 3.0, "fused": 2.0, "split 1+1": 1.0}
-
-
-@pytest.fixture
-def fake_gpu(monkeypatch):
-    monkeypatch.setattr(first_batch, "device_environment", lambda: dict(ENV))
-    monkeypatch.setattr(per_shape, "device_environment", lambda: dict(ENV))
-    monkeypatch.setattr(tuner, "_steps", lambda group, plans, *a, **k: {p.name: None for p in plans})
 
 
 def _optimized(model):

@@ -17,9 +17,8 @@ import pytest
 import rnnfuse
 from builders import fused_layers, max_abs_diff, spy_on, stack_model
 from rnnfuse.fused import FusedRNN
-from rnnfuse.tuning import first_batch, per_shape, tuner
-
-ENV = {"device": "FakeGPU", "torch": "2", "backend": "torch", "rnnfuse": "0.1.0"}
+from rnnfuse.tuning import per_shape
+from torch_checks import FAKE_GPU_ENV
 
 
 def _fake_clock(medians):
@@ -27,18 +26,10 @@ def _fake_clock(medians):
     return lambda steps, on_step=None: {n: {"median": medians.get(n, 5.0)} for n in steps}
 
 
-@pytest.fixture
-def fake_gpu(monkeypatch):
-    """A device to 'time' on; the candidates' steps are never built."""
-    monkeypatch.setattr(first_batch, "device_environment", lambda: dict(ENV))
-    monkeypatch.setattr(per_shape, "device_environment", lambda: dict(ENV))
-    monkeypatch.setattr(tuner, "_steps", lambda group, plans, *a, **k: {p.name: None for p in plans})
-
-
 def _optimized(model, medians):
     fast = rnnfuse.optimize(model, cache=False)
     state = fast._rnnfuse_autotune
-    state.environment = dict(ENV)
+    state.environment = dict(FAKE_GPU_ENV)
     state.measure = _fake_clock(medians)
     state.check_gradients = lambda *args: 1e-6
     state.fit_share = None  # tiny fits time everything (the budget: test_budget.py)

@@ -7,25 +7,12 @@ training steps on the CPU.
 from __future__ import annotations
 
 import numpy as np
-import pytest
 
 import rnnfuse
 from builders import fused_layers, max_abs_diff, stack_model
 from rnnfuse.plan import PER_LAYER, Plan
-from rnnfuse.tuning import first_batch, online, per_shape, tuner
-
-ENV = {"device": "FakeGPU", "torch": "2", "backend": "torch", "rnnfuse": "0.1.0"}
-
-
-@pytest.fixture
-def fake_gpu(monkeypatch):
-    monkeypatch.setattr(first_batch, "device_environment", lambda: dict(ENV))
-    monkeypatch.setattr(per_shape, "device_environment", lambda: dict(ENV))
-
-    def no_offline_timing(*args, **kwargs):
-        raise AssertionError("timed apart from the fit")
-
-    monkeypatch.setattr(tuner, "_steps", no_offline_timing)
+from rnnfuse.tuning import first_batch, online
+from torch_checks import FAKE_GPU_ENV
 
 
 class StepClock:
@@ -43,7 +30,7 @@ class StepClock:
 def _online(model, medians, tmp_path=None, check=None):
     fast = rnnfuse.optimize(model, cache=False if tmp_path is None else str(tmp_path / "p.json"))
     state = fast._rnnfuse_autotune
-    state.online, state.environment = True, dict(ENV)
+    state.online, state.environment = True, dict(FAKE_GPU_ENV)
     state.measure_step = StepClock(medians)
     state.check_gradients = check or (lambda *args: 1e-6)
     return fast, state
@@ -58,7 +45,7 @@ def _data(model, rows=32, seed=0):
 MEDIANS = {"per-layer": 3.0, "fused": 1.0, "split 1+1+1": 2.0}
 
 
-def test_online_tuning_commits_the_fastest_plan_on_the_fits_own_steps(fake_gpu):
+def test_online_tuning_commits_the_fastest_plan_on_the_fits_own_steps(fake_gpu_online):
     model = stack_model("gru", 3, steps=6)
     fast, state = _online(model, MEDIANS)
     (layer,) = fused_layers(fast)
@@ -78,7 +65,7 @@ def test_online_tuning_commits_the_fastest_plan_on_the_fits_own_steps(fake_gpu):
     assert max_abs_diff(fast.predict(x, verbose=0), model.predict(x, verbose=0)) <= 1e-5
 
 
-def test_the_switch_happens_once(fake_gpu, monkeypatch):
+def test_the_switch_happens_once(fake_gpu_online, monkeypatch):
     model = stack_model("gru", 3, steps=6)
     fast, state = _online(model, MEDIANS)
     (layer,) = fused_layers(fast)
@@ -103,7 +90,7 @@ def test_the_switch_happens_once(fake_gpu, monkeypatch):
     assert layer.plan == Plan((3,))
 
 
-def test_a_plan_that_fails_the_exactness_check_is_never_run_or_committed(fake_gpu, monkeypatch):
+def test_a_plan_that_fails_the_exactness_check_is_never_run_or_committed(fake_gpu_online, monkeypatch):
     inexact = Plan((3,), "persistent_static")
     monkeypatch.setattr(first_batch, "candidates_for",
                         lambda backend: lambda group: [PER_LAYER, Plan((3,)), inexact])
@@ -120,7 +107,7 @@ def test_a_plan_that_fails_the_exactness_check_is_never_run_or_committed(fake_gp
     assert record["rejected"][inexact.name] == "failed the exactness check"
 
 
-def test_a_fit_too_short_for_the_race_is_timed_apart_within_its_budget(fake_gpu):
+def test_a_fit_too_short_for_the_race_is_timed_apart_within_its_budget(fake_gpu_online):
     model = stack_model("gru", 3, steps=6)
     fast, state = _online(model, MEDIANS)
     x, y = _data(model, rows=8)
@@ -131,7 +118,7 @@ def test_a_fit_too_short_for_the_race_is_timed_apart_within_its_budget(fake_gpu)
     assert record["source"].startswith("static: a call of 2 steps")
 
 
-def test_the_race_ends_with_the_fit_where_the_fit_ends_first(fake_gpu):
+def test_the_race_ends_with_the_fit_where_the_fit_ends_first(fake_gpu_online):
     model = stack_model("gru", 3, steps=6)
     fast, state = _online(model, MEDIANS)
     state.fit_share = None  # no length known to the race: it starts
@@ -160,8 +147,8 @@ def test_the_race_alone():
     assert race.rejected == {"split 2+2": "failed the exactness check"}
 
 
-def test_the_races_own_step_timer_reads_the_clock_and_commits_the_fastest(fake_gpu, fake_clock,
-                                                                         monkeypatch):
+def test_the_races_own_step_timer_reads_the_clock_and_commits_the_fastest(fake_gpu_online,
+                                                                         fake_clock, monkeypatch):
     """No injected step timer: the race times each step on rnnfuse's clock,
     which each step here advances by its plan's cost."""
     from rnnfuse.fused import FusedRNN
