@@ -98,17 +98,23 @@ def _fit_and_compare(make, x, y, launches, *, loss_rtol, output_atol, weight_ato
     return layer
 
 
+def _fit_and_compare_on_the_core(make, launches, seed, x_shape, y_shape):
+    """`_fit_and_compare` at float32's tolerances on random float32 data of
+    these shapes (from `seed`); the fused layer ran rnnfuse's cuDNN core."""
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal(x_shape).astype("float32")
+    y = rng.standard_normal(y_shape).astype("float32")
+    layer = _fit_and_compare(make, x, y, launches, loss_rtol=1e-4, output_atol=1e-4,
+                             weight_atol=1e-5)
+    assert layer.last_path.kernel.name == cudnn_core.KERNEL_NAME, layer.last_path
+
+
 def test_a_float32_lstm_stack_fits_and_predicts_on_the_core(launches):
     def make():
         keras.utils.set_random_seed(1)
         return stack_model("lstm", 3, units=64, input_size=16, steps=40, head=True)
 
-    rng = np.random.default_rng(0)
-    x = rng.standard_normal((128, 40, 16)).astype("float32")
-    y = rng.standard_normal((128, 3)).astype("float32")
-    layer = _fit_and_compare(make, x, y, launches, loss_rtol=1e-4, output_atol=1e-4,
-                             weight_atol=1e-5)
-    assert layer.last_path.kernel.name == cudnn_core.KERNEL_NAME, layer.last_path
+    _fit_and_compare_on_the_core(make, launches, 0, (128, 40, 16), (128, 3))
     # Two epochs of 4 steps train on the core; predict's 4 batches run it too.
     assert launches["core_backward"] >= 8 and launches["core_forward"] >= 12, launches
 
@@ -121,12 +127,7 @@ def test_a_bidirectional_gru_stack_fits_and_predicts_on_the_core(launches):
         x = L.Bidirectional(L.GRU(32))(x)
         return keras.Model(inp, L.Dense(2)(x))
 
-    rng = np.random.default_rng(1)
-    x = rng.standard_normal((64, 30, 8)).astype("float32")
-    y = rng.standard_normal((64, 2)).astype("float32")
-    layer = _fit_and_compare(make, x, y, launches, loss_rtol=1e-4, output_atol=1e-4,
-                             weight_atol=1e-5)
-    assert layer.last_path.kernel.name == cudnn_core.KERNEL_NAME, layer.last_path
+    _fit_and_compare_on_the_core(make, launches, 1, (64, 30, 8), (64, 2))
     assert launches["core_backward"] >= 4 and launches["core_forward"] >= 6, launches
 
 
