@@ -42,7 +42,6 @@ from rnnfuse.tuning.per_shape import (
     decision_record,
     untimed,
 )
-from rnnfuse.tuning.plans import persistent_reason
 from rnnfuse.tuning.table import static_plan
 from rnnfuse.tuning.tuner import (
     GradientCheck,
@@ -51,6 +50,7 @@ from rnnfuse.tuning.tuner import (
     default_warmup,
     device_environment,
     gradient_tolerance,
+    plans_worth_timing,
 )
 
 __all__ = [
@@ -245,8 +245,9 @@ def _online_races(state: AutoTune, environment: dict, shapes: dict, training: bo
         if i in results:
             continue
         member = state.members[i]
-        plans = [p for p in every(member.group)
-                 if not (p.algorithm and (member.masked or persistent_reason(member.group.dtype, shape[0])))]
+        # As the offline tuner's: its kernels' plans (the wavefront) included.
+        plans, _ = plans_worth_timing(member.group, shape, member.group.dtype, member.masked,
+                                      True, backend, every(member.group))
         pending[i] = (bucket_of(shape[0], shape[1]), shape, {p.name: p for p in plans}, jit)
     if not pending:
         return None

@@ -42,7 +42,8 @@ from rnnfuse.tuning.plans import candidate_plans, kernel_plans, persistent_reaso
 from rnnfuse.tuning.table import static_plan
 from rnnfuse.tuning.timing import interleaved_medians
 
-__all__ = ["TuneResult", "candidates_for", "default_warmup", "device_environment", "tune_plans"]
+__all__ = ["TuneResult", "candidates_for", "default_warmup", "device_environment",
+           "plans_worth_timing", "tune_plans"]
 
 # A non-default algorithm's gradients may be at most this many times
 # further from the float64 reference than the default algorithm's.
@@ -326,22 +327,30 @@ def _look_up(groups, shape_of, cache, environment, training, masked_of, jit_base
 
 
 def _plans_to_time(job: _Job, plans: list, backend_name: str, training: bool, bar):
+    """`plans_worth_timing` for a job, the refused ones counted as done."""
+    kept, rejected = plans_worth_timing(job.group, job.shape, job.dtype, job.masked, training,
+                                        backend_name, plans)
+    bar.advance_rest(sum(1 for p in plans if p.name in rejected))
+    return kept, rejected
+
+
+def plans_worth_timing(group: FusionGroup, shape: tuple, dtype: str, masked: bool,
+                       training: bool, backend_name: str, plans: list) -> tuple[list, dict]:
     """(the candidates worth timing, {name: why not} for the others): no
     persistent algorithm for a masked group (cuDNN refuses padded lengths)
     or above PERSISTENT_MAX_BATCH, and the other kernels' plans (the
     wavefront kernel) where the backend runs them for this shape."""
-    group, shape, rejected = job.group, job.shape, {}
+    rejected = {}
     backend = get_backend(backend_name)
     no_persistent = ("cuDNN's persistent algorithms do not take padded sequence lengths"
-                     if job.masked else persistent_reason(job.dtype, shape[0]))
+                     if masked else persistent_reason(dtype, shape[0]))
     if no_persistent is not None:
         rejected.update({p.name: no_persistent for p in plans if p.algorithm})
     # Keras' own layers whose step fails to compile here: nothing to time.
-    fails = backend.keras_path_fails(group, job.dtype, masked=job.masked)
+    fails = backend.keras_path_fails(group, dtype, masked=masked)
     if fails is not None:
         rejected.update({p.name: f"not timed: {fails}" for p in plans if not p.pieces})
     plans = [p for p in plans if p.name not in rejected]
-    bar.advance_rest(len(rejected))
     caps = backend.capabilities
     more, why = kernel_plans(
         group, shape, caps.training_kernels if training else caps.inference_kernels,

@@ -176,3 +176,19 @@ def test_the_races_own_step_timer_reads_the_clock_and_commits_the_fastest(fake_g
     assert record["source"] == "measured: online, on the fit's own steps"
     assert record["chosen"] == "fused"
     assert record["timings_ms"] == {name: 1e3 * s for name, s in MEDIANS.items()}
+
+
+def test_the_race_includes_the_kernels_the_offline_tuner_times(fake_gpu_online, monkeypatch):
+    """The wavefront kernel's plan races where the backend runs it for the
+    shape, as the offline tuner times it, and wins where it is fastest."""
+    from rnnfuse.backends import torch as torch_backend
+
+    monkeypatch.setattr(torch_backend, "kernel_reason", lambda *args, **kwargs: None)
+    model = stack_model("lstm", 3, steps=6)
+    fast, state = _online(model, {**MEDIANS, "fused on wavefront": 0.5})
+    x, y = _data(model)
+    fast.compile(optimizer="sgd", loss="mse")
+    fast.fit(x, y, batch_size=4, epochs=4, verbose=0)
+    assert "fused on wavefront" in state.measure_step.ran
+    (record,) = first_batch.decisions(fast)
+    assert record["chosen"] == "fused on wavefront", record
