@@ -5,8 +5,9 @@ with online tuning on (`AutoTune.online`) a `fit` whose first batch's
 bucket has no decision runs the candidates on its first steps, one a step
 in rotating rounds, with real updates. A candidate must pass the
 exactness check before its first step; after `warmup` untimed steps and
-`repeats` timed rounds (pruned at PRUNE), the fastest is committed once,
-unless the original layers come within `KEEP_ORIGINAL_MARGIN` of it.
+`repeats` timed rounds (pruned at PRUNE, and at WARM_PRUNE on the last
+warm-up step), the fastest is committed once, unless the original layers
+come within `KEEP_ORIGINAL_MARGIN` of it.
 
 >>> race = OnlineRace(["per-layer", "fused"], warmup=0, repeats=3)
 >>> seconds = {"per-layer": 2.0, "fused": 1.0}
@@ -29,6 +30,9 @@ __all__ = ["OnlineRace"]
 # As the offline tuner (`tuner.PRUNE`, `tuner.KEEP_ORIGINAL_MARGIN`).
 PRUNE = 1.5
 KEEP_ORIGINAL_MARGIN = 0.10
+# A candidate whose last warm-up step took this many times the fastest
+# one's runs no timed round: each of its steps is a slow real step.
+WARM_PRUNE = 3.0
 
 
 class OnlineRace:
@@ -50,6 +54,7 @@ class OnlineRace:
         self.committed: str | None = None
         self.steps_run = 0
         self._untimed = {n: 1 + self.warmup for n in self.names}
+        self._warm: dict[str, float] = {}
         self._round, self._queue = 0, []
         self._checked: set[str] = set()
 
@@ -85,6 +90,8 @@ class OnlineRace:
         self.steps_run += 1
         if self._untimed[name] > 0:
             self._untimed[name] -= 1
+            if self._untimed[name] == 0 and self.warmup > 0:
+                self._warm[name] = float(seconds)  # a warm step, not the first call
         else:
             self.times[name].append(float(seconds))
         if not self._queue:
@@ -103,6 +110,11 @@ class OnlineRace:
         if warming:
             self._queue = list(warming)
             return
+        if self._round == 0 and self._warm:
+            fastest = min(self._warm.values())
+            self.pruned.update(n for n in running if self._warm.get(n, 0.0) > WARM_PRUNE * fastest)
+            self._warm = {}
+            running = self.running()
         if self._round >= self.repeats or (self._round >= 2 and len(running) == 1):
             self._commit()
             return

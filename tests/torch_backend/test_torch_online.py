@@ -147,6 +147,23 @@ def test_the_race_alone():
     assert race.rejected == {"split 2+2": "failed the exactness check"}
 
 
+def test_a_candidate_far_slower_on_its_warm_up_step_runs_no_timed_round():
+    """Each of a slow candidate's steps is a slow real step: one far slower
+    on its last warm-up step (WARM_PRUNE) leaves the race before the timed
+    rounds; one only somewhat slower is timed and pruned at PRUNE."""
+    race = online.OnlineRace(["per-layer", "fused", "dynamic", "split"], warmup=1, repeats=5)
+    seconds = {"per-layer": 1.0, "fused": 0.5, "dynamic": 10.0, "split": 1.2}
+    ran = []
+    while race.committed is None:
+        name = race.next()
+        ran.append(name)
+        race.record(name, seconds[name])
+    assert race.committed == "fused"
+    assert ran.count("dynamic") == 2 and not race.times["dynamic"]  # first call, warm-up
+    assert race.pruned == {"dynamic", "per-layer", "split"}
+    assert 1 <= len(race.times["split"]) <= 2
+
+
 def test_the_races_own_step_timer_reads_the_clock_and_commits_the_fastest(fake_gpu_online,
                                                                          fake_clock, monkeypatch):
     """No injected step timer: the race times each step on rnnfuse's clock,
