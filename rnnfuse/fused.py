@@ -358,12 +358,15 @@ class FusedRNN(keras.layers.Layer):
 
     def _keeps_original(self, args, kwargs) -> bool:
         """Whether this call's plan is known, untimed, to keep the original layers
-        (a symbolic call keeps this layer's node; a tuner's call runs as asked)."""
+        (a symbolic call keeps this layer's node; a tuner's call runs as asked;
+        a shapes-only call runs them)."""
         if not args or not self.built or kwargs.get("algorithm") is not None:
             return False
         sequences = args[0]
         if isinstance(sequences, keras.KerasTensor):
             return False
+        if get_backend().shapes_only(sequences):
+            return True  # the original layers' shapes, at their cost (no kernel runs)
         if self.planner is None:
             return self._plan.per_layer
         training = kwargs.get("training")

@@ -343,6 +343,11 @@ class Backend(abc.ABC):
         cannot be. Default: False."""
         return False
 
+    def shapes_only(self, x: Any) -> bool:
+        """Whether `x` carries shapes and no values (Keras' symbolic build on
+        torch runs the model on "meta" tensors). Default: False."""
+        return False
+
     def may_skip_call(self, layer: Any, x: Any) -> bool:
         """Whether `layer`'s call on `x` may skip Keras' `Layer.__call__` here:
         an eager call (no trace, no transform, no hook) on a plain tensor.

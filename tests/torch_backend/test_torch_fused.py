@@ -533,3 +533,20 @@ def test_jit_compile_true_is_kept_torch_compile_traces_the_fused_layers():
     fast.compile(optimizer="sgd", loss="mse", jit_compile=True)
     assert fast.jit_compile is True
     assert all(layer.supports_jit for layer in fused_layers(fast))
+
+
+def test_keras_symbolic_build_on_meta_tensors_runs_the_original_layers(torch_calls):
+    """Keras' torch `fit` first runs the model on "meta" tensors for its
+    output shapes: the fused layer answers with the original layers' own
+    call, as the original model does, and runs no fused kernel (which could
+    fail there, sending Keras to a full eager run on the device)."""
+    from keras.src.backend.torch.core import compute_output_spec
+
+    model = stack_model("lstm", 3, steps=7, units=5, input_size=4)
+    fast = rnnfuse.optimize(model, plan=rnnfuse.FUSED)
+    (layer,) = fused_layers(fast)
+    spec = compute_output_spec(fast, keras.KerasTensor((None, 7, 4)))
+    assert torch_calls == [], "no fused call on meta tensors"
+    assert tuple(spec.shape) == tuple(model.compute_output_spec(keras.KerasTensor((None, 7, 4))).shape)
+    fast(np.ones((2, 7, 4), "float32"))
+    assert len(torch_calls) == 1 and layer.last_path.kind.name == "FUSED"

@@ -65,6 +65,9 @@ class TorchBackend(KernelModuleBackend):
         reason = cudnn_core.core_reason(torch.empty(0))  # float32: the dtype passes
         return "rnnfuse's cuDNN core" if reason is None else f"torch._VF ({reason})"
 
+    def shapes_only(self, x):
+        return isinstance(x, torch.Tensor) and x.is_meta
+
     def may_skip_call(self, layer, x):
         if type(x) is not torch.Tensor or torch._C._get_tracing_state():
             return False
