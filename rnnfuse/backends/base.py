@@ -344,8 +344,9 @@ class Backend(abc.ABC):
         return False
 
     def shapes_only(self, x: Any) -> bool:
-        """Whether `x` carries shapes and no values (Keras' symbolic build on
-        torch runs the model on "meta" tensors). Default: False."""
+        """Whether `x` carries shapes and no values that matter (Keras'
+        symbolic build on torch runs the model on "meta" tensors, or on
+        real ones where that fails). Default: False."""
         return False
 
     def may_skip_call(self, layer: Any, x: Any) -> bool:

@@ -535,7 +535,7 @@ def test_jit_compile_true_is_kept_torch_compile_traces_the_fused_layers():
     assert all(layer.supports_jit for layer in fused_layers(fast))
 
 
-def test_keras_symbolic_build_on_meta_tensors_runs_the_original_layers(torch_calls):
+def test_keras_shape_builds_run_the_original_layers(torch_calls):
     """Keras' torch `fit` first runs the model on "meta" tensors for its
     output shapes: the fused layer answers with the original layers' own
     call, as the original model does, and runs no fused kernel (which could
@@ -548,5 +548,11 @@ def test_keras_symbolic_build_on_meta_tensors_runs_the_original_layers(torch_cal
     spec = compute_output_spec(fast, keras.KerasTensor((None, 7, 4)))
     assert torch_calls == [], "no fused call on meta tensors"
     assert tuple(spec.shape) == tuple(model.compute_output_spec(keras.KerasTensor((None, 7, 4))).shape)
+    # Where an op has no meta kernel, Keras runs real tensors in the scope.
+    from keras.src.backend.common.symbolic_scope import SymbolicScope
+
+    with SymbolicScope(), torch.no_grad():
+        fast(torch.ones(2, 7, 4))
+    assert torch_calls == [], "no fused call in a symbolic scope"
     fast(np.ones((2, 7, 4), "float32"))
     assert len(torch_calls) == 1 and layer.last_path.kind.name == "FUSED"

@@ -66,7 +66,11 @@ class TorchBackend(KernelModuleBackend):
         return "rnnfuse's cuDNN core" if reason is None else f"torch._VF ({reason})"
 
     def shapes_only(self, x):
-        return isinstance(x, torch.Tensor) and x.is_meta
+        # Keras' compute_output_spec: meta tensors, else (where an op has no
+        # meta kernel) real ones on the device, both in a symbolic scope.
+        from keras.src.backend.common.symbolic_scope import in_symbolic_scope
+
+        return isinstance(x, torch.Tensor) and (x.is_meta or in_symbolic_scope())
 
     def may_skip_call(self, layer, x):
         if type(x) is not torch.Tensor or torch._C._get_tracing_state():
