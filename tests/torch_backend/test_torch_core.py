@@ -220,12 +220,14 @@ def test_fused_stacks_run_on_the_core_with_their_gradients(kind, bidirectional, 
     inputs = np.random.default_rng(4).standard_normal((4, 9, 5)).astype("float32")
     _compare(model, fast, inputs)
     ran = _ran(fast)
-    assert (ran.name, ran.algorithm, ran.note) == (cudnn_core.KERNEL_NAME, "standard", None)
+    # A 6-unit state runs cuDNN's small-h algorithm, as PyTorch's calls do.
+    assert (ran.name, ran.algorithm) == (cudnn_core.KERNEL_NAME, "persistent_static_small_h")
+    assert "small-h" in ran.note
     forward = [c for c in core if c["pass_"] == "forward"]
     assert [c["pass_"] for c in core] == ["forward", "backward"]
     assert forward[0] | {"pass_": None} == dict(
         pass_=None, kind=kind, layers=3, units=6, proj=0, input_size=5,
-        directions=2 if bidirectional else 1, algorithm=3, tf32=False, dropout=0.0, seed=0,
+        directions=2 if bidirectional else 1, algorithm=15, tf32=False, dropout=0.0, seed=0,
         training=True)
     with torch.no_grad():
         fast(inputs)
@@ -362,13 +364,14 @@ def test_exact_float32_loops_turn_tf32_off_on_the_core(core, monkeypatch):
         fast = rnnfuse.optimize(_stack(kind, False), plan=rnnfuse.FUSED)
         fast(np.ones((2, 9, 5), "float32"))
         assert core[-1]["tf32"] is tf32, kind
-        assert core[-1]["algorithm"] == (0 if tf32 else 3)
+        assert core[-1]["algorithm"] == (12 if tf32 else 15)  # small-h, default or FMA
 
 
 def test_pytorchs_persistent_single_level_calls_run_persistent_on_the_core(core, monkeypatch):
     """Without a plan algorithm, the calls PyTorch would run one level at a
     time on its persistent kernel run that way on the core."""
     monkeypatch.setattr(torch_backend, "levels_per_call", lambda stack, x, packed: 1)
+    monkeypatch.setattr(torch_backend, "prefers_small_h", lambda *args: False)  # a wide state
     model = _stack("lstm", False)
     fast = rnnfuse.optimize(model, plan=rnnfuse.FUSED)
     _compare(model, fast, np.random.default_rng(12).standard_normal((2, 9, 5)).astype("float32"))

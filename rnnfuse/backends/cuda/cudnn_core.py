@@ -19,8 +19,9 @@ import os
 import threading
 from pathlib import Path
 
-__all__ = ["ABI_VERSION", "DTYPES", "MODES", "CoreError", "CoreLibrary", "RnnConfig",
-           "algorithm_code", "load", "load_failure", "reset_for_tests"]
+__all__ = ["ABI_VERSION", "DTYPES", "MODES", "SMALL_H_UNITS", "CoreError", "CoreLibrary",
+           "RnnConfig", "algorithm_code", "load", "load_failure", "prefers_small_h",
+           "reset_for_tests"]
 
 ABI_VERSION = 1
 MODES = ("lstm", "gru", "rnn_tanh", "rnn_relu")
@@ -88,6 +89,22 @@ class RnnConfig(ctypes.Structure):
     def key(self) -> tuple:
         """The fields as a tuple (hashable; equal configurations, equal keys)."""
         return tuple(getattr(self, name) for name, _ in self._fields_)
+
+
+# The widest state cuDNN's small-h persistent algorithm serves in both
+# passes, by cell kind: PyTorch's bounds for its backward pass.
+SMALL_H_UNITS = {"lstm": 128, "gru": 128, "rnn_tanh": 256, "rnn_relu": 256}
+
+
+def prefers_small_h(kind: str, units: int, proj_size: int, masked: bool) -> bool:
+    """Whether a call with no plan algorithm runs cuDNN's persistent static
+    small-h algorithm, as PyTorch's own calls of this shape do: far fewer
+    launches than the standard one's per-step kernels. Never with a
+    projection or padded lengths, which it refuses.
+
+    >>> prefers_small_h("gru", 64, 0, False), prefers_small_h("lstm", 512, 0, False)
+    (True, False)"""
+    return not masked and not proj_size and int(units) <= SMALL_H_UNITS.get(kind, 0)
 
 
 def algorithm_code(algo: int, math: str) -> int:

@@ -39,6 +39,7 @@ import jax.numpy as jnp
 import keras
 
 from rnnfuse.backends.base import GATES, StackCall, StackRun, StackSpec
+from rnnfuse.backends.cuda.cudnn_core import prefers_small_h
 from rnnfuse.reasons import KernelRun
 
 __all__ = [
@@ -252,6 +253,10 @@ def _run_core(sequences, call: StackCall) -> StackRun:
     if call.reverse:
         x = jnp.flip(x, 1) if mask is None else _reverse_within_lengths(x, lengths)
     algorithm, note = call.algorithm, None
+    if algorithm is None and prefers_small_h(stack.kind, stack.units, stack.proj_size,
+                                             mask is not None):
+        algorithm = Algorithm.parse("persistent_static_small_h")
+        note = "PyTorch's choice for this state width: persistent static small-h"
     if mask is not None and algorithm is not None and not algorithm.is_standard:
         # cuDNN's persistent algorithms refuse padded sequence lengths.
         note = "a masked call runs the standard algorithm (padded lengths)"

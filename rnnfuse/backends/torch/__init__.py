@@ -65,7 +65,7 @@ from torch.nn.utils import rnn as rnn_utils
 from rnnfuse.backends.base import TUNED_ALGORITHMS as CORE_TUNED_ALGORITHMS
 from rnnfuse.backends.base import (GATES, StackCall, StackRun, StackSpec,
                                    run_or_fall_back)
-from rnnfuse.backends.cuda.cudnn_core import E_NOT_SUPPORTED, CoreError
+from rnnfuse.backends.cuda.cudnn_core import E_NOT_SUPPORTED, CoreError, prefers_small_h
 from rnnfuse.backends.torch import cudnn_core
 from rnnfuse.reasons import FusionWarning, KernelRun
 from rnnfuse.scoped import checked_choice, scoped
@@ -989,8 +989,9 @@ def core_applies(x: torch.Tensor) -> bool:
 
 def _run_on_core(stack, x, lengths, hx, dropout, seed, algorithm, per_call, exact):
     """`run_stack`'s calls on rnnfuse's cuDNN core, the plan's algorithm in
-    both passes. Without one, per-level calls run persistent static with
-    tensor ops, as PyTorch picks them; a masked call runs the standard
+    both passes. Without one, a narrow state runs persistent static small-h
+    and per-level calls persistent static with tensor ops, as PyTorch picks
+    them; a masked call runs the standard
     algorithm (the persistent ones refuse padded lengths).
 
     Raises:
@@ -1000,7 +1001,11 @@ def _run_on_core(stack, x, lengths, hx, dropout, seed, algorithm, per_call, exac
     h0, c0 = hx if stack.kind == "lstm" else (hx, None)
     allow_tf32 = bool(torch.backends.cudnn.allow_tf32) and not exact
     note = None
-    if (algorithm is None and per_call == 1 and stack.num_levels > 1
+    if algorithm is None and prefers_small_h(
+            stack.kind, stack.units, stack.proj_size, lengths is not None):
+        algorithm = Algorithm.parse("persistent_static_small_h")
+        note = "PyTorch's choice for this state width: persistent static small-h"
+    elif (algorithm is None and per_call == 1 and stack.num_levels > 1
             and get_call_mode() == "auto"):
         algorithm = Algorithm.parse("persistent_static+tc")
         note = "PyTorch's choice for these calls: persistent static, one level a call"
