@@ -8,9 +8,9 @@ sum(y * g)) runs as:
 - `vf_per_layer`: one `torch._VF` call a layer, the weights as separate
   tensors (what Keras' torch LSTM/GRU layers run);
 - `vf_multi`: one `torch._VF` call over every layer;
-- `core`, `core_fma`: rnnfuse's torch binding of its cuDNN core
+- `core`, `core_fma`, `core_small_h`: rnnfuse's torch binding of its cuDNN core
   (`cudnn_core.run`) on the canonical buffer, TF32 as torch allows it /
-  off (cuDNN's FMA math);
+  off (cuDNN's FMA math) / on cuDNN's persistent small-h algorithm;
 - `core_raw`, `core_raw_nolen`, `core_raw_thread`: the core's three C calls
   through ctypes on buffers made once (no torch glue), with the device
   lengths / with NULL for them (as PyTorch calls cuDNN) / with the backward
@@ -67,8 +67,8 @@ SHAPES = {
     "gru3x64": dict(kind="gru", layers=3, units=64, batch=256, steps=100, features=64),
 }
 GATES = {"lstm": 4, "gru": 3}
-VARIANTS = ("vf_per_layer", "vf_multi", "core", "core_fma", "core_raw", "core_raw_nolen",
-            "core_raw_thread", "keras", "fused")
+VARIANTS = ("vf_per_layer", "vf_multi", "core", "core_fma", "core_small_h", "core_raw",
+            "core_raw_nolen", "core_raw_thread", "keras", "fused")
 CORE_CALLS = ("forward", "backward_data", "backward_weights")
 
 
@@ -100,11 +100,14 @@ def vf_step(shape: dict, x, h0, c0, ws, per_layer: bool):
     return y
 
 
-def core_step(shape: dict, x, h0, c0, flat, allow_tf32: bool):
-    """y (batch-first) of rnnfuse's torch binding of the core."""
+def core_step(shape: dict, x, h0, c0, flat, allow_tf32: bool, algorithm: str | None = None):
+    """y (batch-first) of rnnfuse's torch binding of the core, on
+    `algorithm` (None: the standard one)."""
     from rnnfuse.backends.torch import cudnn_core
+    from rnnfuse.plan import Algorithm
 
-    code = cudnn_core.algorithm_code(None, torch.float32, allow_tf32)
+    algo = None if algorithm is None else Algorithm.parse(algorithm)
+    code = cudnn_core.algorithm_code(algo, torch.float32, allow_tf32)
     y, _, _ = cudnn_core.run(x.transpose(0, 1), shape["kind"], shape["layers"],
                              shape["units"], flat, h0, c0 if shape["kind"] == "lstm" else None,
                              algorithm=code, allow_tf32=allow_tf32, training=True)
@@ -230,10 +233,11 @@ def make_steps(shape: dict, names, device="cuda") -> dict:
             per_layer = name == "vf_per_layer"
             steps[name] = (graded(lambda p=per_layer: vf_step(shape, x, h0, c0, ws, p), ws,
                                   as_flat), None)
-        elif name in ("core", "core_fma"):
-            tf32 = name == "core" and bool(torch.backends.cudnn.allow_tf32)
-            steps[name] = (graded(lambda a=tf32: core_step(shape, x, h0, c0, flat, a), [flat],
-                                  lambda grads: grads[0]), None)
+        elif name in ("core", "core_fma", "core_small_h"):
+            tf32 = name != "core_fma" and bool(torch.backends.cudnn.allow_tf32)
+            algo = "persistent_static_small_h" if name == "core_small_h" else None
+            steps[name] = (graded(lambda a=tf32, al=algo: core_step(shape, x, h0, c0, flat, a, al),
+                                  [flat], lambda grads: grads[0]), None)
         elif name.startswith("core_raw"):
             steps[name] = (_raw_step(shape, x, h0, c0, flat, g, name != "core_raw_nolen",
                                      thread=name == "core_raw_thread"), None)

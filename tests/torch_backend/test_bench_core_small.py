@@ -24,7 +24,7 @@ TINY = {kind: dict(kind=kind, layers=2, units=5, batch=3, steps=4, features=3)
 @pytest.mark.parametrize("kind", ["lstm", "gru"])
 def test_the_variants_compute_the_same_step(kind, monkeypatch):
     calls = install(monkeypatch)
-    names = ["vf_multi", "vf_per_layer", "core", "core_fma"]
+    names = ["vf_multi", "vf_per_layer", "core", "core_fma", "core_small_h"]
     steps = diag_core_small.make_steps(TINY[kind], names, device="cpu")
     assert list(steps) == names
     reference = steps["vf_multi"][0]()
@@ -33,8 +33,10 @@ def test_the_variants_compute_the_same_step(kind, monkeypatch):
         diff = diag_core_small.max_diff(reference, steps[name][0]())
         assert diff["y"] < 1e-5 and diff["weight_grad"] < 1e-4, (name, diff)
     forwards = [c for c in calls if c["pass_"] == "forward"]
-    assert [(c["kind"], c["layers"], c["training"]) for c in forwards] == [(kind, 2, True)] * 2
-    assert [c["tf32"] for c in forwards] == [bool(torch.backends.cudnn.allow_tf32), False]
+    assert [(c["kind"], c["layers"], c["training"]) for c in forwards] == [(kind, 2, True)] * 3
+    tf32 = bool(torch.backends.cudnn.allow_tf32)
+    assert [c["tf32"] for c in forwards] == [tf32, False, tf32]
+    assert forwards[2]["algorithm"] // 4 == 3  # persistent static small-h
 
 
 def test_without_cuda_it_says_what_it_needs(monkeypatch, capsys, tmp_path):
