@@ -306,11 +306,16 @@ def test_the_concurrent_form_runs_direction_1_on_the_side_stream(fake_training, 
 
 
 def test_the_side_stream_is_cuda_only_and_orders_both_ways(monkeypatch):
-    """`streams.side_stream` gives no side off CUDA (the directions then run
-    one after the other); `SideStream.fork` makes the side wait for the
+    """`streams.side_stream` gives no side off CUDA or in a trace (the
+    directions then run one after the other); `SideStream.fork` makes the side wait for the
     current stream and keeps its inputs from reuse until the side's work is
     done, `join` the other way round."""
     assert streams.side_stream(torch.device("cpu")) is None
+    monkeypatch.setattr(streams, "SideStream", lambda device: "side")
+    assert streams.side_stream(torch.device("cuda", 0)) == "side"
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    assert streams.side_stream(torch.device("cuda", 0)) is None, "a trace runs one stream"
+    monkeypatch.undo()
     log = []
 
     class Stream:

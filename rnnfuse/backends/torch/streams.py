@@ -54,6 +54,7 @@ class SideStream:
 
 
 def side_stream(device: torch.device) -> SideStream | None:
-    """A `SideStream` of `device`, None where it is not a CUDA device (the
-    work then runs one piece after the other)."""
-    return SideStream(device) if device.type == "cuda" else None
+    """A `SideStream` of `device`; None (the work runs one piece after the
+    other) off CUDA and inside a trace (torch.compile)."""
+    eager = device.type == "cuda" and not torch.compiler.is_compiling()
+    return SideStream(device) if eager else None
