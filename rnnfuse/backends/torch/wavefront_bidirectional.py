@@ -175,7 +175,7 @@ def trainable_forward(x: torch.Tensor, weights: Sequence[torch.Tensor], h0: torc
         run = functools.partial(_direction, wavefront, inp, weights, h0, c0, lengths, kind)
         if side is None:
             outs = [run(2 * l), run(2 * l + 1)]
-        else:
+        else:  # each grid is cooperative (resident whole): where both do not fit, one waits
             side.fork(inp, h0, c0, lengths, *weights[8 * l + 4:8 * l + 8])
             with side.running():
                 second = run(2 * l + 1)
