@@ -93,7 +93,8 @@ float64 of the same rounded weights and cuDNN's, with and without lengths,
 and the kernel, cuDNN as one multi-layer call and cuDNN a layer at a time
 timed interleaved (ms, us a layer-step, TFLOP/s, the speed-up over cuDNN's
 best); with `--train`, a training step of the training form (a one-layer
-launch a direction) against cuDNN's bidirectional call.
+launch a direction), its directions one after the other and on two CUDA
+streams (`concurrent`), against cuDNN's bidirectional call, interleaved.
 """
 
 from __future__ import annotations
@@ -1213,27 +1214,39 @@ def bidirectional_cell(kind, layers, units, inputs, batch, steps, dtype_name, re
     row["us_per_step"] = 1000 * times["kernel"] / (layers * steps)
     if train:
         # A training step (forward + every gradient): the training form (a
-        # one-layer launch a direction) against cuDNN's bidirectional call.
+        # one-layer launch a direction), its directions one after the other
+        # and on two streams, against cuDNN's bidirectional call.
         dy = torch.randn(steps, batch, 2 * units, generator=gen, device="cuda").to(dtype)
         xs = x.clone().requires_grad_()
         leaves = [w.detach().clone().requires_grad_() for w in mod._flat_weights]
         hc = (h0, c0 if kind == "lstm" else None)
 
-        def ours():
-            y, _, _ = bidir.trainable_forward(xs, leaves, *hc, None, kind=kind)
-            return torch.autograd.grad([y], [xs, *leaves], [dy])
+        def ours(concurrent):
+            def step():
+                y, _, _ = bidir.trainable_forward(xs, leaves, *hc, None, kind=kind,
+                                                  concurrent=concurrent)
+                return torch.autograd.grad([y], [xs, *leaves], [dy])
+            return step
 
         def cudnn():
             y, _ = mod(xs, cstate)
             return torch.autograd.grad([y], [xs, *mod._flat_weights], [dy])
 
-        got, want = ours(), cudnn()
+        fns = {"kernel_train": ours(False), "kernel_concurrent_train": ours(True),
+               "cudnn_fused_train": cudnn}
+        got, both, want = fns["kernel_train"](), fns["kernel_concurrent_train"](), cudnn()
         row["train_grad_rel_vs_cudnn"] = max(rel(g, w) for g, w in zip(got, want))
-        del got, want
-        steps_ms = time_interleaved({"kernel_train": ours, "cudnn_fused_train": cudnn},
-                                    max(3, reps // 2))
+        row["train_concurrent_grad_rel_vs_cudnn"] = max(rel(g, w) for g, w in zip(both, want))
+        row["train_concurrent_rel_vs_sequential"] = max(rel(g, w) for g, w in zip(both, got))
+        row["train_concurrent_bit_identical"] = all(torch.equal(g, w) for g, w in zip(both, got))
+        del got, both, want
+        steps_ms = time_interleaved(fns, max(3, reps // 2))
         row.update({f"{k}_ms": v for k, v in steps_ms.items()})
         row["train_speedup_vs_cudnn"] = steps_ms["cudnn_fused_train"] / steps_ms["kernel_train"]
+        row["train_concurrent_speedup_vs_cudnn"] = (steps_ms["cudnn_fused_train"]
+                                                    / steps_ms["kernel_concurrent_train"])
+        row["train_concurrent_speedup_vs_sequential"] = (
+            steps_ms["kernel_train"] / steps_ms["kernel_concurrent_train"])
     g = 4 if kind == "lstm" else 3
     f = 2.0 * 2 * steps * batch * g * units * ((inputs + units) + (layers - 1) * 3 * units)
     row["gflop"], row["floor_ms"] = f / 1e9, f / (PEAK_TFLOPS * 1e9)
@@ -1576,7 +1589,8 @@ def main(argv=None):
     bi = sub.add_parser("bidirectional", help="bidirectional layers, one launch a layer")
     bi.add_argument("--reps", type=int, default=10)
     bi.add_argument("--train", action="store_true",
-                    help="also time a training step (a one-layer launch a direction)")
+                    help="also time a training step (a one-layer launch a direction, "
+                    "sequential and concurrent)")
     bi.add_argument("--out", default="")
     sw = sub.add_parser("sweep", help="randomized exactness over the brief's ranges")
     sw.add_argument("--cases", type=int, default=200)

@@ -1,6 +1,6 @@
 """Bidirectional layers on the wavefront kernel (one launch a layer, both
-directions concurrently), through torch, on a real Hopper GPU
-(docs/kernel.md, "Bidirectional layers"). The path is off by default
+directions concurrently; in training, two streams), through torch, on a
+real Hopper GPU (docs/kernel.md, "Bidirectional layers"). The path is off by default
 (`library.BIDIRECTIONAL`); these tests turn it on for their run, and must
 pass before it is turned on for users.
 
@@ -20,6 +20,11 @@ process):
   has no note, and the outputs match the original layers.
 - The tuner: `predict` of a BiLSTM 4 x 384 at batch 24 times the kernel
   (its decision is a GPU_REPORT line); where chosen, it ran.
+- Training (`trainable_forward`, a one-layer launch a direction): through
+  Keras (the concurrent form, the default) outputs and gradients against
+  the original layers; directly, the concurrent form against the
+  sequential one and float64 torch, with the launches' streams (direction
+  1's forward and backward on a second one).
 """
 
 from __future__ import annotations
@@ -44,7 +49,7 @@ from gpu_wavefront_checks import count_backward_launches, new_launch_counts, pre
 from rnnfuse.backends.cuda import library  # noqa: E402
 from rnnfuse.backends.torch import wavefront_bidirectional as bidir  # noqa: E402
 from rnnfuse.plan import Plan  # noqa: E402
-from torch_checks import planned_then_original  # noqa: E402
+from torch_checks import module_run, planned_then_original  # noqa: E402
 from rnnfuse.tuning.cache import PlanCache  # noqa: E402
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "bench"))
@@ -187,5 +192,121 @@ def test_a_training_call_runs_a_launch_a_direction_with_matching_gradients(
     assert training_launches["stack"] + training_launches["layer"] >= 2 * layers
     want = torch_variable_gradients(model, x, upstream, model.trainable_variables)
     rel = max(float(torch.linalg.norm(g - w) / torch.linalg.norm(w)) for g, w in zip(got, want))
-    report("wavefront_bidirectional_training", {"kind": kind, "grad_rel_diff": rel})
+    y_rel = _rel(*(m(x, training=True).detach().float().cpu().numpy() for m in (layer, model)))
+    assert layer.last_path.kernel.algorithm == bidir.TRAINING_ALGORITHM, layer.last_path
+    report("wavefront_bidirectional_training", {"kind": kind, "grad_rel_diff": rel,
+                                                "y_rel_diff": y_rel})
     assert rel <= 2e-2, rel
+    assert y_rel <= REL_TOL, y_rel
+
+
+@pytest.fixture
+def launch_streams(monkeypatch):
+    """The CUDA stream of each real launch of the one-layer training kernels
+    (the saving forward's, the backward's either form); they still run."""
+    seen = {"forward": [], "backward": []}
+    for name, key in (("forward", "forward"), ("backward", "backward"),
+                      ("backward_stack", "backward")):
+        real = getattr(library.WavefrontLibrary, name)
+
+        def spy(self, stream, *args, _real=real, _key=key, **kw):
+            seen[_key].append(stream)
+            return _real(self, stream, *args, **kw)
+
+        monkeypatch.setattr(library.WavefrontLibrary, name, spy)
+    return seen
+
+
+TRAINING_CASES = [
+    # (kind, layers, units, inputs, batch, steps, masked); 1024 units: the two
+    # directions' grids cannot all be resident at once, so they take turns.
+    ("lstm", 2, 256, 80, 16, 100, False),
+    ("gru", 2, 256, 80, 16, 100, True),
+    ("lstm", 1, 1024, 80, 16, 40, True),
+]
+
+
+@pytest.mark.parametrize("case", TRAINING_CASES, ids=lambda c: "-".join(map(str, c)))
+def test_the_concurrent_training_form_matches_the_sequential_one_and_float64(
+        launch_streams, case):
+    """`trainable_forward(concurrent=True)`: direction 1's saving forward and
+    backward on a second stream, direction 0's on the current one; outputs
+    and every gradient as the sequential form's and float64 torch's."""
+    import copy
+
+    kind, layers, units, inputs, batch, steps, masked = case
+    reason = bidir.training_reason(kind, layers, units, batch, steps, inputs, torch.float16,
+                                   torch.device("cuda"))
+    if reason is not None:
+        pytest.skip(reason)
+    gen = torch.Generator(device="cuda").manual_seed(11)
+    cls = torch.nn.LSTM if kind == "lstm" else torch.nn.GRU
+    mod = cls(inputs, units, layers, bidirectional=True).cuda().half()
+    ref = copy.deepcopy(mod).double()
+    x = torch.randn(steps, batch, inputs, generator=gen, device="cuda").half()
+    h0, c0 = (0.5 * torch.randn(2, 2 * layers, batch, units, generator=gen,
+                                device="cuda")).half()
+    lens = None
+    if masked:
+        lens = torch.randint(1, steps + 1, (batch,), generator=gen, device="cuda")
+        lens[0] = steps
+    alive = (torch.arange(steps, device="cuda")[:, None]
+             < (lens if lens is not None else steps))[..., None]
+    dy = torch.randn(steps, batch, 2 * units, generator=gen, device="cuda") * alive
+    dh = torch.randn(2 * layers, batch, units, generator=gen, device="cuda")
+
+    def run(weights, dtype, forward):
+        leaves = [t.detach().to(dtype).requires_grad_()
+                  for t in ((x, h0, c0) if kind == "lstm" else (x, h0))]
+        y, hy, cy = forward(leaves, weights)
+        loss = ((y.to(dy.dtype) * dy).sum() + (hy.to(dh.dtype) * dh).sum()
+                + (0 if cy is None else (cy.to(dh.dtype) * dh).sum()))
+        grads = torch.autograd.grad(loss, leaves + list(weights))
+        return [t.detach().double() for t in (y, hy) + ((cy,) if cy is not None else ()) + grads]
+
+    def ours(concurrent):
+        def forward(leaves, weights):
+            return bidir.trainable_forward(leaves[0], weights, leaves[1],
+                                           leaves[2] if kind == "lstm" else None, lens,
+                                           kind=kind, concurrent=concurrent)
+        launch_streams["forward"].clear()
+        launch_streams["backward"].clear()
+        weights = [w.detach().clone().requires_grad_() for w in mod._flat_weights]
+        got = run(weights, torch.float16, forward)
+        torch.cuda.synchronize()
+        return got, {k: list(v) for k, v in launch_streams.items()}
+
+    def torchs(leaves, weights):
+        ref._flat_weights = list(weights)
+        return module_run(ref, kind, leaves[0], leaves[1],
+                          leaves[2] if kind == "lstm" else None,
+                          None if lens is None else lens.cpu())
+
+    sequential, one_stream = ours(False)
+    concurrent, two_streams = ours(True)
+    want = run([w.detach().double().requires_grad_() for w in mod._flat_weights],
+               torch.float64, torchs)
+    here = torch.cuda.current_stream().cuda_stream
+    assert set(one_stream["forward"]) == set(one_stream["backward"]) == {here}, one_stream
+    assert len(set(two_streams["forward"])) == 2 and here in two_streams["forward"], two_streams
+    assert set(two_streams["backward"]) == set(two_streams["forward"]), \
+        "autograd runs direction 1's backward on its forward's stream"
+    assert len(two_streams["forward"]) == 2 * layers
+    def rel(a, b):
+        return float(torch.linalg.norm(a - b) / torch.linalg.norm(b).clamp_min(1e-30))
+
+    outputs = 3 if kind == "lstm" else 2
+    row = {"case": list(case),
+           "bit_identical": all(torch.equal(a, b) for a, b in zip(concurrent, sequential)),
+           "concurrent_vs_sequential": max(rel(a, b) for a, b in zip(concurrent, sequential)),
+           "outputs_vs_float64": max(rel(a, b) for a, b in
+                                     zip(concurrent[:outputs], want[:outputs])),
+           "grads_vs_float64": max(rel(a, b) for a, b in
+                                   zip(concurrent[outputs:], want[outputs:])),
+           "sequential_grads_vs_float64": max(rel(a, b) for a, b in
+                                              zip(sequential[outputs:], want[outputs:]))}
+    print("GPU_REPORT bidirectional_concurrent_training", json.dumps(row))
+    report("wavefront_bidirectional_concurrent_training", row)
+    assert row["concurrent_vs_sequential"] <= 1e-3, row
+    assert row["outputs_vs_float64"] <= 5e-3, row
+    assert row["grads_vs_float64"] <= 2e-2, row

@@ -23,6 +23,8 @@ PyTorch's bidirectional RNN.
 
 from __future__ import annotations
 
+import contextlib
+
 import keras
 import numpy as np
 import pytest
@@ -31,7 +33,7 @@ import torch
 import rnnfuse
 from builders import fused_with_plan, max_abs_diff, wavefront_inputs, wavefront_mask
 from rnnfuse.backends.cuda import library
-from rnnfuse.backends.torch import wavefront, wavefront_bidirectional as bidir
+from rnnfuse.backends.torch import streams, wavefront, wavefront_bidirectional as bidir
 from rnnfuse.plan import FUSED, Plan
 from torch_checks import module_run, planned_then_original
 
@@ -154,14 +156,46 @@ def test_the_layers_buffer_is_the_kernels_independent_layout():
             assert torch.equal(flat[off["b_rec"]:off["b_rec"] + 32], b_hh)
 
 
+class FakeSide:
+    """`streams.SideStream` on the CPU: logs its calls and whether work runs
+    on the side (the training stand-ins log their launches here)."""
+
+    def __init__(self):
+        self.log, self.active = [], False
+
+    def fork(self, *inputs):
+        self.log.append(("fork", inputs))
+
+    @contextlib.contextmanager
+    def running(self):
+        self.active = True
+        try:
+            yield
+        finally:
+            self.active = False
+        self.log.append(("back",))
+
+    def join(self, *outputs):
+        self.log.append(("join", outputs))
+
+
 @pytest.fixture
-def fake_training(monkeypatch):
+def fake_side(monkeypatch):
+    side = FakeSide()
+    monkeypatch.setattr(streams, "side_stream", lambda device: side)
+    return side
+
+
+@pytest.fixture
+def fake_training(monkeypatch, fake_side):
     """The one-layer training kernels as their torch versions (the
-    unidirectional tests' stand-ins), counted."""
+    unidirectional tests' stand-ins), counted, each logged on `fake_side`
+    with the stream it launches on."""
     calls = {"saving": 0, "recurrence": 0}
 
     def saving(*args, **kwargs):
         calls["saving"] += 1
+        fake_side.log.append(("saving", "side" if fake_side.active else "current"))
         return wavefront.reference_forward_saving(*args, **kwargs)
 
     def recurrence(*args, **kwargs):
@@ -176,11 +210,13 @@ def fake_training(monkeypatch):
 @pytest.mark.parametrize("kind", ["lstm", "gru"])
 @pytest.mark.parametrize("lengths", [None, [6, 3, 1, 6]])
 @pytest.mark.parametrize("layers", [1, 2])
-def test_the_training_form_has_pytorchs_bidirectional_gradients(fake_training, kind, lengths,
-                                                                 layers):
+@pytest.mark.parametrize("concurrent", [False, True])
+def test_the_training_form_has_pytorchs_bidirectional_gradients(fake_training, fake_side, kind,
+                                                                 lengths, layers, concurrent):
     """Each direction a one-layer trainable_forward (direction 1 over the
-    reversed input): outputs, final states and every gradient (x, h0, c0,
-    each weight) equal autograd through PyTorch's bidirectional RNN."""
+    reversed input), one after the other or with the (fake) side stream:
+    outputs, final states and every gradient (x, h0, c0, each weight) equal
+    autograd through PyTorch's bidirectional RNN."""
     units, inputs, steps, batch = 5, 4, 6, 4
     mod = _torch_rnn(kind, layers, units, inputs, seed=10 + layers)
     rng = torch.Generator().manual_seed(layers)
@@ -202,7 +238,8 @@ def test_the_training_form_has_pytorchs_bidirectional_gradients(fake_training, k
 
     def ours(leaves, weights):
         return bidir.trainable_forward(leaves[0], weights, leaves[1],
-                                       leaves[2] if kind == "lstm" else None, lens, kind=kind)
+                                       leaves[2] if kind == "lstm" else None, lens, kind=kind,
+                                       concurrent=concurrent)
 
     def pytorchs(leaves, weights):
         ref = _torch_rnn(kind, layers, units, inputs, seed=0)
@@ -215,6 +252,93 @@ def test_the_training_form_has_pytorchs_bidirectional_gradients(fake_training, k
     assert len(got) == len(want)
     for g, w in zip(got, want):
         torch.testing.assert_close(g, w, rtol=0, atol=1e-10)
+    assert [e[0] for e in fake_side.log].count("fork") == (layers if concurrent else 0)
+
+
+@pytest.mark.parametrize("kind", ["lstm", "gru"])
+@pytest.mark.parametrize("lengths", [None, [6, 3, 1, 6]])
+def test_the_concurrent_form_runs_direction_1_on_the_side_stream(fake_training, fake_side,
+                                                                 kind, lengths):
+    """Per layer: the side waits for the layer's input, h0, c0, lengths and
+    direction 1's weights; direction 1's saving forward runs on the side
+    (where autograd then runs its backward), direction 0's on the current
+    stream after it is queued; then the current stream waits for direction
+    1's outputs, which are the returned ones. The results equal the
+    sequential form's bit for bit."""
+    layers, units, inputs, steps, batch = 2, 5, 4, 6, 4
+    mod = _torch_rnn(kind, layers, units, inputs, seed=3)
+    rng = torch.Generator().manual_seed(5)
+    x = torch.randn(steps, batch, inputs, dtype=torch.float64, generator=rng)
+    h0 = torch.randn(2 * layers, batch, units, dtype=torch.float64, generator=rng)
+    c0 = torch.randn(2 * layers, batch, units, dtype=torch.float64, generator=rng) \
+        if kind == "lstm" else None
+    lens = None if lengths is None else torch.tensor(lengths)
+    leaves = [t.requires_grad_() for t in (x, h0, c0) if t is not None]
+    weights = [w.detach().clone().requires_grad_() for w in mod._flat_weights]
+
+    def run(concurrent):
+        fake_side.log.clear()
+        out = bidir.trainable_forward(x, weights, h0, c0, lens, kind=kind,
+                                      concurrent=concurrent)
+        loss = sum((t * torch.linspace(-1, 1, t.numel(), dtype=t.dtype).view(t.shape)).sum()
+                   for t in out if t is not None)
+        return out, torch.autograd.grad(loss, leaves + weights), list(fake_side.log)
+
+    (y, hy, cy), grads, log = run(True)
+    (y_s, hy_s, cy_s), grads_s, log_s = run(False)
+    assert log_s == [("saving", "current")] * 2 * layers
+    assert [e[0] if e[0] != "saving" else e for e in log] == [
+        "fork", ("saving", "side"), "back", ("saving", "current"), "join"] * layers
+    forks, joins = [e[1] for e in log if e[0] == "fork"], [e[1] for e in log if e[0] == "join"]
+    assert forks[0][0] is x and forks[0][1] is h0 and forks[0][2] is c0
+    assert forks[0][3] is lens
+    for l in range(layers):
+        assert all(a is b for a, b in zip(forks[l][4:], weights[8 * l + 4:8 * l + 8]))
+        assert len(forks[l]) == 8
+        joined_y, joined_hy, joined_cy = joins[l]
+        assert torch.equal(joined_hy[0], hy[2 * l + 1])
+        if kind == "lstm":
+            assert torch.equal(joined_cy[0], cy[2 * l + 1])
+    assert torch.equal(joins[-1][0], y[..., units:])
+    assert all(torch.equal(a, b) for a, b in zip((y, hy), (y_s, hy_s)))
+    assert cy is None if kind == "gru" else torch.equal(cy, cy_s)
+    assert all(torch.equal(a, b) for a, b in zip(grads, grads_s))
+
+
+def test_the_side_stream_is_cuda_only_and_orders_both_ways(monkeypatch):
+    """`streams.side_stream` gives no side off CUDA or in a trace (the
+    directions then run one after the other); `SideStream.fork` makes the side wait for the
+    current stream and keeps its inputs from reuse until the side's work is
+    done, `join` the other way round."""
+    assert streams.side_stream(torch.device("cpu")) is None
+    monkeypatch.setattr(streams, "SideStream", lambda device: "side")
+    assert streams.side_stream(torch.device("cuda", 0)) == "side"
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    assert streams.side_stream(torch.device("cuda", 0)) is None, "a trace runs one stream"
+    monkeypatch.undo()
+    log = []
+
+    class Stream:
+        def __init__(self, name):
+            self.name = name
+
+        def wait_stream(self, other):
+            log.append((self.name, "waits for", other.name))
+
+    class Tensor:
+        def __init__(self, name):
+            self.name = name
+
+        def record_stream(self, stream):
+            log.append((self.name, "used on", stream.name))
+
+    side = streams.SideStream.__new__(streams.SideStream)
+    side.current, side.side = Stream("current"), Stream("side")
+    side.fork(Tensor("x"), None, Tensor("w"))
+    side.join(Tensor("y"), None)
+    assert log == [("side", "waits for", "current"), ("x", "used on", "side"),
+                   ("w", "used on", "side"), ("current", "waits for", "side"),
+                   ("y", "used on", "current")]
 
 
 def test_weights_that_are_not_a_layers_eight_tensors_are_a_clear_error():

@@ -19,6 +19,7 @@ from typing import Any, Sequence
 import keras
 import numpy as np
 import torch
+from keras.src.backend import in_symbolic_scope
 from torch.nn.modules import module as _module
 
 from rnnfuse.backends import torch as kernels
@@ -68,8 +69,6 @@ class TorchBackend(KernelModuleBackend):
     def shapes_only(self, x):
         # Keras' compute_output_spec: meta tensors, else (where an op has no
         # meta kernel) real ones on the device, both in a symbolic scope.
-        from keras.src.backend.common.symbolic_scope import in_symbolic_scope
-
         return isinstance(x, torch.Tensor) and (x.is_meta or in_symbolic_scope())
 
     def may_skip_call(self, layer, x):

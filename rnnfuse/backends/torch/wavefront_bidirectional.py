@@ -13,7 +13,8 @@ Per layer, time-major:
 3. direction 1's output reversed back, the two concatenated ([T, B, 2H]).
 
 `forward` has no gradient; `trainable_forward` is the training form (each
-direction of each layer a one-layer `wavefront.trainable_forward`).
+direction of each layer a one-layer `wavefront.trainable_forward`, the two
+directions on two CUDA streams).
 `run_stack` is the backend's call.
 
 Example (on a Hopper GPU, with library.BIDIRECTIONAL on):
@@ -25,11 +26,13 @@ Example (on a Hopper GPU, with library.BIDIRECTIONAL on):
 
 from __future__ import annotations
 
+import functools
 from typing import Sequence
 
 import torch
 
 from rnnfuse.backends.base import GATES
+from rnnfuse.backends.torch import streams
 from rnnfuse.backends.torch.streams import launch_stream
 from rnnfuse.backends.torch.wavefront import flat_params, library_reason
 
@@ -141,11 +144,24 @@ def forward(x: torch.Tensor, weights: Sequence[torch.Tensor], h0: torch.Tensor,
     return inp, torch.cat(hys), (torch.cat(cys) if kind == "lstm" else None)
 
 
+def _direction(wavefront, inp, weights, h0, c0, lengths, kind, k):
+    """Pseudo layer k (direction k % 2) as a one-layer `wavefront.trainable_forward`:
+    (y in inp's time order, hy, cy)."""
+    src = inp if k % 2 == 0 else reverse_within_lengths(inp, lengths)
+    y, hy, cy = wavefront.trainable_forward(
+        src, flat_params(weights[4 * k:4 * k + 4]), h0[k:k + 1],
+        c0[k:k + 1] if kind == "lstm" else None, lengths, kind=kind)
+    return (y if k % 2 == 0 else reverse_within_lengths(y, lengths)), hy, cy
+
+
 def trainable_forward(x: torch.Tensor, weights: Sequence[torch.Tensor], h0: torch.Tensor,
-                      c0: torch.Tensor | None, lengths: torch.Tensor | None, *, kind: str):
+                      c0: torch.Tensor | None, lengths: torch.Tensor | None, *, kind: str,
+                      concurrent: bool = True):
     """`forward` with the kernels' gradient (autograd): each direction of each
     layer a one-layer `wavefront.trainable_forward`, direction 1 over the
-    reversed input, one direction after the other (no new kernel needed).
+    reversed input (no new kernel needed). `concurrent` (on CUDA): direction
+    1 on a side stream (`streams.SideStream`), forward and backward, else
+    one direction after the other; the same kernels either way.
 
     Raises:
         ValueError: weights that are not 8 tensors a layer.
@@ -153,19 +169,21 @@ def trainable_forward(x: torch.Tensor, weights: Sequence[torch.Tensor], h0: torc
     from rnnfuse.backends.torch import wavefront
 
     weights = _checked_weights(weights, "trainable_forward")
+    side = streams.side_stream(x.device) if concurrent else None
     inp, hys, cys = x, [], []
     for l in range(len(weights) // 8):
-        outs = []
-        for d in range(2):
-            k = 2 * l + d
-            src = inp if d == 0 else reverse_within_lengths(inp, lengths)
-            c = c0[k:k + 1] if kind == "lstm" else None
-            y, hy, cy = wavefront.trainable_forward(
-                src, flat_params(weights[4 * k:4 * k + 4]), h0[k:k + 1], c, lengths, kind=kind)
-            outs.append(y if d == 0 else reverse_within_lengths(y, lengths))
-            hys.append(hy)
-            cys.append(cy)
-        inp = torch.cat(outs, dim=-1)
+        run = functools.partial(_direction, wavefront, inp, weights, h0, c0, lengths, kind)
+        if side is None:
+            outs = [run(2 * l), run(2 * l + 1)]
+        else:  # each grid is cooperative (resident whole): where both do not fit, one waits
+            side.fork(inp, h0, c0, lengths, *weights[8 * l + 4:8 * l + 8])
+            with side.running():
+                second = run(2 * l + 1)
+            outs = [run(2 * l), second]
+            side.join(*second)
+        inp = torch.cat([y for y, _, _ in outs], dim=-1)
+        hys += [hy for _, hy, _ in outs]
+        cys += [cy for _, _, cy in outs]
     return inp, torch.cat(hys), (torch.cat(cys) if kind == "lstm" else None)
 
 
