@@ -74,6 +74,9 @@ def main() -> None:
     parser.add_argument("--policy", default="mixed_float16")
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--repeats", type=int, default=10)
+    parser.add_argument("--wavefront", action="store_true",
+                        help="also the plan on rnnfuse's wavefront kernel (bidirectional "
+                             "layers switched on for this process)")
     args = parser.parse_args()
     keras.mixed_precision.set_global_policy(args.policy)
     model = build(args)
@@ -83,6 +86,12 @@ def main() -> None:
     for algorithm in (None, "persistent_static+tc", "persistent_dynamic+tc"):
         fast = rnnfuse.optimize(model, plan=Plan((args.layers,), algorithm))
         variants[f"core {algorithm or 'standard'}"] = (fast, None)
+    if args.wavefront:
+        from rnnfuse.backends.cuda import library
+
+        library.BIDIRECTIONAL = True
+        variants["wavefront"] = (rnnfuse.optimize(
+            model, plan=Plan((args.layers,), kernel="wavefront")), None)
     variants["torch._VF"] = (rnnfuse.optimize(model, plan=rnnfuse.FUSED),
                              {"RNNFUSE_DISABLE_CORE": "1"})
     steps = {name: step_of(m, x, env) for name, (m, env) in variants.items()}

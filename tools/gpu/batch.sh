@@ -314,11 +314,14 @@ run_stage() {
       s=$(limit wavefront-bidirectional 420)
       ( torch_env; timeout $s bash -c "python3 bench/bench_wavefront.py bidirectional --train \
           --out $LOGS/wavefront_bidirectional_h200.json; \
+          python3 bench/bench_core_torch.py --bidirectional --wavefront --repeats 7; \
+          python3 bench/bench_core_torch.py --bidirectional --wavefront --repeats 7 --kind gru \
+            --layers 5 --units 512 --input 512 --batch 32 --steps 500; \
           python3 -m pytest -q -p no:cacheprovider -s -rs tests/gpu/test_gpu_wavefront_bidirectional.py" \
       ) > $log 2>&1; rc=$?
       cp $LOGS/wavefront_bidirectional_h200.json $OUT/ 2>/dev/null
       echo "[$(since) s] wavefront-bidirectional rc $rc"
-      summary wavefront-bidirectional "speedup|status|GPU_REPORT decision|passed|failed|^FAILED|^ERROR|Error" 30 ;;
+      summary wavefront-bidirectional "median_ms|^ *\"(keras|core|wavefront|torch)|speedup|status|GPU_REPORT decision|passed|failed|^FAILED|^ERROR|Error" 45 ;;
     wavefront-wgmma)
       # The forward's opt-in variant 2 (wgmma, sm_90a; off by default): its
       # exactness against float64, cuDNN and variant 0 (a shape whose plan
