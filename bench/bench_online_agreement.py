@@ -88,7 +88,8 @@ def full_timing(model, x) -> list[dict]:
         raise RuntimeError(f"full timing timed nothing here ({results[0].source}; no GPU "
                            "visible to the backend?)")
     return [dict(layers=list(r.group.layers), chosen=r.plan.name, source=r.source,
-                 timings_ms={n: 1e3 * s for n, s in r.timings.items()}) for r in results]
+                 timings_ms={n: 1e3 * s for n, s in r.timings.items()},
+                 rejected=dict(r.rejected)) for r in results]
 
 
 def online_decisions(model, x, y, steps: int) -> list[dict]:
@@ -121,7 +122,8 @@ def online_decisions(model, x, y, steps: int) -> list[dict]:
     online.compile(optimizer="adam", loss="mse")
     online.fit(Repeated(), epochs=1, verbose=0, shuffle=False)
     return [dict(layers=d["layers"], chosen=d["chosen"], source=d["source"],
-                 timings_ms=d["timings_ms"]) for d in decisions(online) if d.get("mode") == "training"]
+                 timings_ms=d["timings_ms"], rejected=d["rejected"])
+            for d in decisions(online) if d.get("mode") == "training"]
 
 
 def compare(full: list[dict], online: list[dict]) -> dict:
@@ -175,6 +177,8 @@ def main(argv=None) -> int:
             row = dict(shape_name=name, **measure(shape, args.steps))
             sources = [o["source"] for o in row["online"]]
             print(f"online {backend} {name}: {row['verdicts']} (online: {sources})", flush=True)
+            for o in row["online"]:
+                print(f"online {backend} {name} not raced: {o.get('rejected')}", flush=True)
         except Exception as err:  # noqa: BLE001 - record and go on
             row = dict(shape_name=name, error=f"{type(err).__name__}: {err}"[:500])
             print("ERROR", backend, name, row["error"], flush=True)

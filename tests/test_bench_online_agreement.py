@@ -60,7 +60,7 @@ def test_full_timing_that_keeps_the_original_layers_is_a_decision(monkeypatch):
     model, full = _full_timing_keeps_the_layers(monkeypatch)
     layers = [layer.name for layer in model.layers if isinstance(layer, keras.layers.LSTM)]
     assert full == [dict(layers=layers, chosen="per-layer", source="measured",
-                         timings_ms={"per-layer": 10.0, "fused": 12.0})]
+                         timings_ms={"per-layer": 10.0, "fused": 12.0}, rejected={})]
     same = agreement.compare(full, [dict(layers=layers, chosen="per-layer", source="online")])
     assert same["verdicts"][0]["verdict"] == "agrees"
     assert agreement.summarize(same["verdicts"])["met"]

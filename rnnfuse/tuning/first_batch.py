@@ -246,12 +246,13 @@ def _online_races(state: AutoTune, environment: dict, shapes: dict, training: bo
             continue
         member = state.members[i]
         # As the offline tuner's: its kernels' plans (the wavefront) included.
-        plans, _ = plans_worth_timing(member.group, shape, member.group.dtype, member.masked,
-                                      True, backend, every(member.group))
-        pending[i] = (bucket_of(shape[0], shape[1]), shape, {p.name: p for p in plans}, jit)
+        plans, refused = plans_worth_timing(member.group, shape, member.group.dtype,
+                                            member.masked, True, backend, every(member.group))
+        pending[i] = (bucket_of(shape[0], shape[1]), shape, {p.name: p for p in plans}, jit,
+                      refused)
     if not pending:
         return None
-    race_steps = sum(len(plans) for _, _, plans, _ in pending.values()) * (
+    race_steps = sum(len(pending_plans) for _, _, pending_plans, *_ in pending.values()) * (
         1 + default_warmup(backend) + REPEATS)
     if state.budget is not None and state.budget.steps < race_steps:
         return None  # the budgeted offline timing (or the static table) decides
@@ -269,8 +270,10 @@ def online_train_function(model: keras.Model, make) -> Any:
     if state is None or not state.online_pending or state.online_fit is not None:
         return None
     environment = state.environment if state.environment is not None else device_environment()
-    races = [(i, bucket, shape, plans) for i, (bucket, shape, plans, _) in state.online_pending.items()]
-    jit_of = {i: jit for i, (_, _, _, jit) in state.online_pending.items()}
+    races = [(i, bucket, shape, plans)
+             for i, (bucket, shape, plans, _, _) in state.online_pending.items()]
+    jit_of = {i: jit for i, (_, _, _, jit, _) in state.online_pending.items()}
+    refused_of = {i: refused for i, (*_, refused) in state.online_pending.items()}
     state.online_pending = {}
     check_gradients = state.check_gradients or GradientCheck()
     inputs = _algorithm_inputs(model, state, races)
@@ -305,7 +308,9 @@ def online_train_function(model: keras.Model, make) -> Any:
         # Committed: the steps traced from now take the plan's algorithm as a
         # constant (those traced in the race keep reading the winner's value).
         object.__setattr__(member.fused, "algorithm_input", None)
-        result = dataclasses.replace(result, group=member.group)
+        # The record says why a plan did not race, as the offline tuner's does.
+        result = dataclasses.replace(result, group=member.group,
+                                     rejected={**refused_of[index], **result.rejected})
         jit = jit_of[index]
         state.decided[decision_key(index, True, shape, jit)] = result
         state.decisions.append(decision_record(result, shape, True, jit))

@@ -126,7 +126,8 @@ class AutoTune:
     # apart (`rnnfuse.tuning.online`); off by default.
     online: bool = False
     # While a fit prepares its online races: {member index: (bucket, shape,
-    # {name: Plan}, xla_baseline)}; the fit's OnlineFit while they run.
+    # {name: Plan}, xla_baseline, {name: why not raced})}; the fit's
+    # OnlineFit while they run.
     online_pending: dict = dataclasses.field(default_factory=dict)
     online_fit: object = None
     # For tests: the online race's step timer ((name, run) -> (logs, s)).

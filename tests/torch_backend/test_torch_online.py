@@ -209,3 +209,21 @@ def test_the_race_includes_the_kernels_the_offline_tuner_times(fake_gpu_online, 
     assert "fused on wavefront" in state.measure_step.ran
     (record,) = first_batch.decisions(fast)
     assert record["chosen"] == "fused on wavefront", record
+
+
+def test_the_race_record_says_why_a_kernel_plan_did_not_race(fake_gpu_online, monkeypatch):
+    """A plan the backend refuses for the shape is not run, and the decision
+    names it with the backend's reason, as the offline tuner's does."""
+    from rnnfuse.backends import torch as torch_backend
+
+    why = "the wavefront kernel refuses this shape (a test's reason)"
+    monkeypatch.setattr(torch_backend, "kernel_reason", lambda *args, **kwargs: why)
+    model = stack_model("lstm", 3, steps=6)
+    fast, state = _online(model, {**MEDIANS, "fused on wavefront": 0.5})
+    x, y = _data(model)
+    fast.compile(optimizer="sgd", loss="mse")
+    fast.fit(x, y, batch_size=4, epochs=4, verbose=0)
+    assert "fused on wavefront" not in state.measure_step.ran
+    (record,) = first_batch.decisions(fast)
+    assert record["chosen"] == "fused", record
+    assert record["rejected"]["fused on wavefront"] == why, record["rejected"]
