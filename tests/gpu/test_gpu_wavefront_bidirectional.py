@@ -1,8 +1,8 @@
 """Bidirectional layers on the wavefront kernel (one launch a layer, both
 directions concurrently; in training, two streams), through torch, on a
-real Hopper GPU (docs/kernel.md, "Bidirectional layers"). The path is off by default
-(`library.BIDIRECTIONAL`); these tests turn it on for their run, and must
-pass before it is turned on for users.
+real Hopper GPU (docs/kernel.md, "Bidirectional layers"). The tuner times
+it beside cuDNN where `library.BIDIRECTIONAL` is on (the default); these
+tests turn it on whatever the default.
 
 Runs only with KERAS_BACKEND=torch and CUDA visible to PyTorch; in its own
 process (a path that has never run on a GPU may fault, which ends the
