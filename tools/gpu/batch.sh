@@ -144,8 +144,8 @@ run_stage() {
       local backend=${stage%-view}
       ( if [ $backend = tf ]; then tf_env; else torch_env; fi
         timeout $(( s + 30 )) python3 bench/bench_user_view.py ${VIEW_ARGS:---cells 30 --work-cap 2e11 --rounds 5 --predict-rounds 3 --steps 8} --budget $s \
-          --out $LOGS/user_view_${backend}_h200${BENCH_TAG}.json ) > $log 2>&1; rc=$?
-      cp $LOGS/user_view_${backend}_h200${BENCH_TAG}.json $OUT/ 2>/dev/null
+          --out $LOGS/user_view_${backend}${BENCH_TAG}.json ) > $log 2>&1; rc=$?
+      cp $LOGS/user_view_${backend}${BENCH_TAG}.json $OUT/ 2>/dev/null
       echo "[$(since) s] $stage rc $rc"
       summary $stage "x predict|fit .*x|custom|whole|ERROR|cells|geomean|below|overhead|min " 40 ;;
     matrix-tf|matrix-torch|matrix-jax|matrix-pytorch)
@@ -222,8 +222,8 @@ run_stage() {
       # DIAG_ARGS: bench/diag_tuning_cost.py's arguments (e.g. --cells 19 --compare 2).
       s=$(limit tf-diag 200)
       ( tf_env; timeout $s python3 bench/diag_tuning_cost.py ${DIAG_ARGS:---cells 15} \
-          --out $LOGS/tuning_cost_tf_h200${BENCH_TAG}.json ) > $log 2>&1; rc=$?
-      cp $LOGS/tuning_cost_tf_h200${BENCH_TAG}.json $OUT/ 2>/dev/null
+          --out $LOGS/tuning_cost_tf${BENCH_TAG}.json ) > $log 2>&1; rc=$?
+      cp $LOGS/tuning_cost_tf${BENCH_TAG}.json $OUT/ 2>/dev/null
       echo "[$(since) s] tf-diag rc $rc"
       summary tf-diag "^cell|^    |Error" 40 ;;
     jax-diag)
@@ -240,8 +240,8 @@ run_stage() {
       local backend=${stage%-single}
       ( if [ $backend = tf ]; then tf_env; else torch_env; fi
         timeout $(( s + 40 )) python3 bench/bench_single_layers.py --budget $s ${SINGLE_ARGS} \
-          --out $LOGS/single_layers_${backend}_h200.json ) > $log 2>&1; rc=$?
-      cp $LOGS/single_layers_${backend}_h200.json $OUT/ 2>/dev/null
+          --out $LOGS/single_layers_${backend}.json ) > $log 2>&1; rc=$?
+      cp $LOGS/single_layers_${backend}.json $OUT/ 2>/dev/null
       echo "[$(since) s] $stage rc $rc"
       summary $stage "x|ERROR|Error" 20 ;;
     torch-tests)
@@ -269,17 +269,17 @@ run_stage() {
       # gradients against float64 and cuDNN, and the headline training step.
       # WF_GRAD_ARGS: more arguments of the grad and train modes.
       s=$(limit wavefront-check 150)
-      ( torch_env; timeout $s bash -c "python3 bench/bench_wavefront.py check --fixed 4 --random 4 --out $LOGS/wavefront_check_h200.json; \
-          python3 bench/bench_wavefront.py grad --random 4 ${WF_GRAD_ARGS} --out $LOGS/wavefront_grad_h200.json; \
-          python3 bench/bench_wavefront.py train --cells 2 ${WF_GRAD_ARGS} --out $LOGS/wavefront_train_h200.json" ) > $log 2>&1; rc=$?
-      cp $LOGS/wavefront_grad_h200.json $LOGS/wavefront_train_h200.json $OUT/ 2>/dev/null
+      ( torch_env; timeout $s bash -c "python3 bench/bench_wavefront.py check --fixed 4 --random 4 --out $LOGS/wavefront_check.json; \
+          python3 bench/bench_wavefront.py grad --random 4 ${WF_GRAD_ARGS} --out $LOGS/wavefront_grad.json; \
+          python3 bench/bench_wavefront.py train --cells 2 ${WF_GRAD_ARGS} --out $LOGS/wavefront_train.json" ) > $log 2>&1; rc=$?
+      cp $LOGS/wavefront_grad.json $LOGS/wavefront_train.json $OUT/ 2>/dev/null
       echo "[$(since) s] wavefront-check rc $rc"
       grep -E "ok|FAIL|fail|ms|Error" $log | cut -c1-240 | tail -40 ;;
     wavefront-bench)
       s=$(limit wavefront-bench 150)
       ( torch_env; timeout $(( s + 30 )) python3 bench/bench_wavefront.py bench --cells matrix --budget $s \
-          --out $LOGS/wavefront_matrix_h200.json ) > $log 2>&1; rc=$?
-      cp $LOGS/wavefront_matrix_h200.json $OUT/ 2>/dev/null
+          --out $LOGS/wavefront_matrix.json ) > $log 2>&1; rc=$?
+      cp $LOGS/wavefront_matrix.json $OUT/ 2>/dev/null
       echo "[$(since) s] wavefront-bench rc $rc"
       tail -25 $log | cut -c1-300 ;;
     wavefront-variants)
@@ -289,12 +289,12 @@ run_stage() {
       # the stack backward's variants 1 and 2 (gradients; the training step
       # of each variant timed interleaved).
       s=$(limit wavefront-variants 240)
-      ( torch_env; timeout $s bash -c "python3 bench/bench_wavefront.py check --fixed 4 --random 6 --variant 1 --out $LOGS/wavefront_check_v1_h200.json; \
-          python3 bench/bench_wavefront.py bench --cells headline --variants 0,1 --reps 20 --kernel-only --out $LOGS/wavefront_bench_v01_h200.json; \
-          python3 bench/bench_wavefront.py grad --random 4 --backward stack --variant 1 --out $LOGS/wavefront_grad_stack_v1_h200.json; \
-          python3 bench/bench_wavefront.py grad --random 2 --backward stack --variant 2 --out $LOGS/wavefront_grad_stack_v2_h200.json; \
-          python3 bench/bench_wavefront.py train --cells 2 --backward stack --variants 0,1,2 --out $LOGS/wavefront_train_variants_h200.json" ) > $log 2>&1; rc=$?
-      cp $LOGS/wavefront_bench_v01_h200.json $LOGS/wavefront_train_variants_h200.json $OUT/ 2>/dev/null
+      ( torch_env; timeout $s bash -c "python3 bench/bench_wavefront.py check --fixed 4 --random 6 --variant 1 --out $LOGS/wavefront_check_v1.json; \
+          python3 bench/bench_wavefront.py bench --cells headline --variants 0,1 --reps 20 --kernel-only --out $LOGS/wavefront_bench_v01.json; \
+          python3 bench/bench_wavefront.py grad --random 4 --backward stack --variant 1 --out $LOGS/wavefront_grad_stack_v1.json; \
+          python3 bench/bench_wavefront.py grad --random 2 --backward stack --variant 2 --out $LOGS/wavefront_grad_stack_v2.json; \
+          python3 bench/bench_wavefront.py train --cells 2 --backward stack --variants 0,1,2 --out $LOGS/wavefront_train_variants.json" ) > $log 2>&1; rc=$?
+      cp $LOGS/wavefront_bench_v01.json $LOGS/wavefront_train_variants.json $OUT/ 2>/dev/null
       echo "[$(since) s] wavefront-variants rc $rc"
       grep -E "ok|FAIL|fail|ms|ratio|Error|refused" $log | grep -v Warning | cut -c1-260 | tail -45 ;;
     wavefront-segments)
@@ -302,10 +302,10 @@ run_stage() {
       # timings against cuDNN's best, then the torch GPU tests of the path.
       s=$(limit wavefront-segments 420)
       ( torch_env; timeout $s bash -c "python3 bench/bench_wavefront.py segments --train \
-          --out $LOGS/wavefront_segments_h200.json; \
+          --out $LOGS/wavefront_segments.json; \
           python3 -m pytest -q -p no:cacheprovider -s -rs tests/gpu/test_gpu_wavefront_segments.py" \
       ) > $log 2>&1; rc=$?
-      cp $LOGS/wavefront_segments_h200.json $OUT/ 2>/dev/null
+      cp $LOGS/wavefront_segments.json $OUT/ 2>/dev/null
       echo "[$(since) s] wavefront-segments rc $rc"
       summary wavefront-segments "kernel_segments|GPU_REPORT|passed|failed|^FAILED|^ERROR|Error" 30 ;;
     wavefront-bidirectional)
@@ -313,13 +313,13 @@ run_stage() {
       # GPU before this stage: its own processes, a fault ends only them).
       s=$(limit wavefront-bidirectional 420)
       ( torch_env; timeout $s bash -c "python3 bench/bench_wavefront.py bidirectional --train \
-          --out $LOGS/wavefront_bidirectional_h200.json; \
+          --out $LOGS/wavefront_bidirectional.json; \
           python3 bench/bench_core_torch.py --bidirectional --wavefront --repeats 7; \
           python3 bench/bench_core_torch.py --bidirectional --wavefront --repeats 7 --kind gru \
             --layers 5 --units 512 --input 512 --batch 32 --steps 500; \
           python3 -m pytest -q -p no:cacheprovider -s -rs tests/gpu/test_gpu_wavefront_bidirectional.py" \
       ) > $log 2>&1; rc=$?
-      cp $LOGS/wavefront_bidirectional_h200.json $OUT/ 2>/dev/null
+      cp $LOGS/wavefront_bidirectional.json $OUT/ 2>/dev/null
       echo "[$(since) s] wavefront-bidirectional rc $rc"
       summary wavefront-bidirectional "median_ms|^ *\"(keras|core|wavefront|torch)|speedup|status|GPU_REPORT decision|passed|failed|^FAILED|^ERROR|Error" 45 ;;
     wavefront-wgmma)
