@@ -195,35 +195,34 @@ def test_the_races_own_step_timer_reads_the_clock_and_commits_the_fastest(fake_g
     assert record["timings_ms"] == {name: 1e3 * s for name, s in MEDIANS.items()}
 
 
-def test_the_race_includes_the_kernels_the_offline_tuner_times(fake_gpu_online, monkeypatch):
-    """The wavefront kernel's plan races where the backend runs it for the
-    shape, as the offline tuner times it, and wins where it is fastest."""
+def _race_with_the_kernel(monkeypatch, reason):
+    """A 3-layer LSTM's online race where the backend's `kernel_reason` is
+    `reason` and the wavefront plan would be the fastest."""
     from rnnfuse.backends import torch as torch_backend
 
-    monkeypatch.setattr(torch_backend, "kernel_reason", lambda *args, **kwargs: None)
+    monkeypatch.setattr(torch_backend, "kernel_reason", lambda *args, **kwargs: reason)
     model = stack_model("lstm", 3, steps=6)
     fast, state = _online(model, {**MEDIANS, "fused on wavefront": 0.5})
     x, y = _data(model)
     fast.compile(optimizer="sgd", loss="mse")
     fast.fit(x, y, batch_size=4, epochs=4, verbose=0)
-    assert "fused on wavefront" in state.measure_step.ran
     (record,) = first_batch.decisions(fast)
+    return state.measure_step.ran, record
+
+
+def test_the_race_includes_the_kernels_the_offline_tuner_times(fake_gpu_online, monkeypatch):
+    """The wavefront kernel's plan races where the backend runs it for the
+    shape, as the offline tuner times it, and wins where it is fastest."""
+    ran, record = _race_with_the_kernel(monkeypatch, None)
+    assert "fused on wavefront" in ran
     assert record["chosen"] == "fused on wavefront", record
 
 
 def test_the_race_record_says_why_a_kernel_plan_did_not_race(fake_gpu_online, monkeypatch):
     """A plan the backend refuses for the shape is not run, and the decision
     names it with the backend's reason, as the offline tuner's does."""
-    from rnnfuse.backends import torch as torch_backend
-
     why = "the wavefront kernel refuses this shape (a test's reason)"
-    monkeypatch.setattr(torch_backend, "kernel_reason", lambda *args, **kwargs: why)
-    model = stack_model("lstm", 3, steps=6)
-    fast, state = _online(model, {**MEDIANS, "fused on wavefront": 0.5})
-    x, y = _data(model)
-    fast.compile(optimizer="sgd", loss="mse")
-    fast.fit(x, y, batch_size=4, epochs=4, verbose=0)
-    assert "fused on wavefront" not in state.measure_step.ran
-    (record,) = first_batch.decisions(fast)
+    ran, record = _race_with_the_kernel(monkeypatch, why)
+    assert "fused on wavefront" not in ran
     assert record["chosen"] == "fused", record
     assert record["rejected"]["fused on wavefront"] == why, record["rejected"]
