@@ -8,8 +8,9 @@ lengths, seeded dropout, float32/float16/bfloat16, the plan's algorithm in
 both passes. A masked call, or an algorithm cuDNN refuses when traced, runs
 the standard algorithm with the reason in the note; a call the core cannot
 run raises NotImplementedError and the original layers run. Plan kernel
-"wavefront" runs unidirectional half-precision LSTM and GRU stacks on
-Hopper (`kernel_reason`); a call it refuses runs the core.
+"wavefront" runs half-precision LSTM and GRU stacks on Hopper
+(`kernel_reason`; bidirectional ones: `wavefront_bidirectional`); a call
+it refuses runs the core.
 
 Parameters: the core's canonical flat layout (`pack_params`), built from the
 live variables inside the traced function so gradients reach them: per
@@ -107,9 +108,14 @@ def unsupported_reason(stack: StackSpec, dtype: str) -> str | None:
     core = cudnn_core.core_reason(str(dtype))
     if core is None:
         return None
-    summed = any(stack.input_scale(i) is not None for i in range(stack.num_levels))
-    kernel = library.stack_reason(stack.kind, str(dtype), directions=stack.num_directions,
-                                  proj_size=stack.proj_size, summed_inputs=summed)
+    if stack.num_directions == 2:
+        from rnnfuse.backends.jax import wavefront_bidirectional as bidir
+
+        kernel = bidir.structure_reason(stack.kind, str(dtype), proj_size=stack.proj_size)
+    else:
+        summed = any(stack.input_scale(i) is not None for i in range(stack.num_levels))
+        kernel = library.stack_reason(stack.kind, str(dtype), proj_size=stack.proj_size,
+                                      summed_inputs=summed)
     return None if kernel is None else f"{core}; {kernel}"
 
 
@@ -118,13 +124,13 @@ def kernel_reason(kernel: str, group: Any, shape: tuple, training: bool = False)
     forward and backward) at input `shape` (batch, steps, features), or None."""
     if kernel != "wavefront":
         return f"the JAX backend has no {kernel!r} kernel to time"
-    from rnnfuse.backends.jax import wavefront
+    from rnnfuse.backends.jax import wavefront, wavefront_bidirectional
 
     batch, steps, features = (int(d) for d in shape[:3])
-    return wavefront.unsupported_reason(
-        group.cell, group.num_layers, group.units, str(group.dtype), batch, steps, features,
-        training=training, directions=2 if group.bidirectional else 1,
-        proj_size=group.proj_size)
+    check = (wavefront_bidirectional.unsupported_reason if group.bidirectional
+             else wavefront.unsupported_reason)
+    return check(group.cell, group.num_layers, group.units, str(group.dtype), batch, steps,
+                 features, training=training, proj_size=group.proj_size)
 
 
 def mask_is_supported(mask: Any):
@@ -301,10 +307,12 @@ def _run_wavefront(sequences, call: StackCall) -> StackRun:
     NotImplementedError naming both."""
     import dataclasses
 
-    from rnnfuse.backends.jax import wavefront
+    from rnnfuse.backends.jax import wavefront, wavefront_bidirectional
 
+    run = (wavefront_bidirectional.run_stack if call.stack.num_directions == 2
+           else wavefront.run_stack)
     try:
-        return wavefront.run_stack(sequences, call)
+        return run(sequences, call)
     except NotImplementedError as err:
         kernel_err = err
     try:

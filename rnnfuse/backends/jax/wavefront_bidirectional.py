@@ -1,0 +1,139 @@
+"""JAX binding of bidirectional stacks on rnnfuse's wavefront kernel, composed
+of one-layer `wavefront.forward` calls (their custom_vjp is the gradient):
+per layer, direction 1 reads the input reversed within each row's length
+and its output is reversed back; [fwd, bwd] concatenated as cuDNN does.
+Off (`BIDIRECTIONAL`) until the GPU test passes.
+
+Example (on a Hopper GPU, with BIDIRECTIONAL on):
+
+    >>> y, hy, cy = forward(x, params, h0, c0, None, kind="lstm")  # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import jax
+import jax.numpy as jnp
+
+from rnnfuse.backends.jax import wavefront
+
+__all__ = ["ALGORITHM", "BIDIRECTIONAL", "BIDIRECTIONAL_OFF", "forward", "pack_directions",
+           "reverse_within_lengths", "run_stack", "structure_reason", "unsupported_reason"]
+
+BIDIRECTIONAL = False
+BIDIRECTIONAL_OFF = ("bidirectional layers on the wavefront kernel are switched off under JAX "
+                     "(rnnfuse.backends.jax.wavefront_bidirectional.BIDIRECTIONAL)")
+# The `KernelRun` algorithm of a call.
+ALGORITHM = "bidirectional: a call a direction"
+
+
+def reverse_within_lengths(x, lengths) -> jax.Array:
+    """x [T, B, ...] with each row's first len steps reversed, its padding kept.
+
+    >>> x = jnp.arange(4.0).reshape(4, 1).repeat(2, axis=1)
+    >>> reverse_within_lengths(x, jnp.array([4, 2])).T.tolist()
+    [[3.0, 2.0, 1.0, 0.0], [1.0, 0.0, 2.0, 3.0]]"""
+    if lengths is None:
+        return jnp.flip(x, 0)
+    t = jnp.arange(x.shape[0])[:, None]
+    lens = jnp.asarray(lengths, jnp.int32)[None, :]
+    index = jnp.where(t < lens, lens - 1 - t, t)
+    return jnp.take_along_axis(x, index.reshape(index.shape + (1,) * (x.ndim - 2)), axis=0)
+
+
+def forward(x, params: Sequence[Any], h0, c0, lengths, *, kind: str, backward: str = "layer"):
+    """x [T, B, I]; params: a one-layer canonical buffer per pseudo layer
+    (layer-major, forward first); h0, c0 [2L, B, H]. Returns (y [T, B, 2H],
+    hy [2L, B, H], cy or None), differentiable.
+
+    Raises:
+        ValueError: an odd number of buffers, or `wavefront.forward`'s errors."""
+    if not params or len(params) % 2:
+        raise ValueError("wavefront_bidirectional.forward: expected a buffer for each direction "
+                         f"of each layer; received {len(params)}")
+    inp, hys, cys = x, [], []
+    for k, flat in enumerate(params):
+        if k % 2 == 0:
+            outs = []
+        src = inp if k % 2 == 0 else reverse_within_lengths(inp, lengths)
+        y, hy, cy = wavefront.forward(src, flat, h0[k:k + 1],
+                                      None if c0 is None else c0[k:k + 1], lengths, kind=kind,
+                                      backward=backward)
+        outs.append(y if k % 2 == 0 else reverse_within_lengths(y, lengths))
+        hys.append(hy)
+        cys.append(cy)
+        if k % 2:
+            inp = jnp.concatenate(outs, axis=-1)
+    return inp, jnp.concatenate(hys), (jnp.concatenate(cys) if kind == "lstm" else None)
+
+
+def pack_directions(stack, dtype) -> list:
+    """One one-layer canonical buffer per pseudo layer of `stack`, a level
+    reading a summed/averaged merge packed [s*W; s*W] (`StackSpec.input_scale`)."""
+    from rnnfuse.backends.jax import _cell_params
+
+    out = []
+    for level, cells in enumerate(stack.cells):
+        for cell in cells:
+            weights, biases = _cell_params(stack.kind, cell, dtype, stack.input_scale(level))
+            out.append(jnp.concatenate(weights + biases))
+    return out
+
+
+def structure_reason(kind: str, dtype: str, *, proj_size: int = 0,
+                     dropout: float = 0.0) -> str | None:
+    """What the composition never runs, whatever the shape, or None."""
+    from rnnfuse.backends.cuda import library
+
+    reason = library.stack_reason(kind, str(dtype), proj_size=proj_size, dropout=dropout)
+    return reason or (None if BIDIRECTIONAL else BIDIRECTIONAL_OFF)
+
+
+def unsupported_reason(kind: str, num_layers: int, units: int, dtype: str, batch: int,
+                       steps: int, input_size: int, *, training: bool = False,
+                       proj_size: int = 0, dropout: float = 0.0) -> str | None:
+    """Why the composition cannot run here, or None: the structure, the FFI
+    library, each layer's one-layer plan and, with `training`, the backward's."""
+    from rnnfuse.backends.cuda import library
+
+    reason = structure_reason(kind, dtype, proj_size=proj_size, dropout=dropout)
+    reason = reason or wavefront.register()
+    for width in sorted({int(input_size), 2 * int(units)}):
+        reason = reason or library.device_reason(kind, 1, units, int(batch), int(steps), width,
+                                                 wavefront._ORDINAL)
+    if reason is None and training:
+        reason = library.backward_reason(kind, units, int(batch), int(steps), wavefront._ORDINAL)
+    return reason
+
+
+def run_stack(sequences, call) -> Any:
+    """`wavefront.run_stack` for a bidirectional stack (outputs [B, T, 2H]).
+
+    Raises:
+        NotImplementedError: the composition cannot run this call (the reason)."""
+    from rnnfuse.backends.base import StackRun
+    from rnnfuse.reasons import KernelRun
+
+    stack = call.stack
+    if call.reverse:
+        raise NotImplementedError("a bidirectional stack whose first layer reads reversed "
+                                  "sequences runs cuDNN")
+    x = jnp.asarray(sequences)
+    batch, steps, input_size = (int(d) for d in x.shape)
+    reason = unsupported_reason(stack.kind, stack.num_levels, stack.units, x.dtype.name, batch,
+                                steps, input_size, training=call.training,
+                                proj_size=stack.proj_size, dropout=call.dropout)
+    if reason is not None:
+        raise NotImplementedError(reason)
+    lengths = None
+    if call.mask is not None:
+        lengths = jnp.asarray(call.mask).astype(jnp.int32).sum(axis=1)
+    choice = wavefront.backward_choice(stack.kind, 1, stack.units, batch, steps)
+    lstm = stack.kind == "lstm"
+    y, hy, cy = forward(jnp.swapaxes(x, 0, 1), pack_directions(stack, x.dtype),
+                        wavefront._states(call.initial_h, stack, batch, x.dtype),
+                        wavefront._states(call.initial_c, stack, batch, x.dtype) if lstm
+                        else None, lengths, kind=stack.kind, backward=choice.backward)
+    algorithm = f"{ALGORITHM}, backward={choice.backward}" if call.training else ALGORITHM
+    return StackRun(jnp.swapaxes(y, 0, 1), hy, cy, KernelRun(wavefront.KERNEL_NAME, algorithm))
