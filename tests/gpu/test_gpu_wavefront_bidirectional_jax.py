@@ -1,0 +1,159 @@
+"""Bidirectional stacks on rnnfuse's wavefront kernel through JAX's FFI on a
+real Hopper GPU (rnnfuse/backends/jax/wavefront_bidirectional.py, its
+switch turned on here):
+
+    KERAS_BACKEND=jax python3 -m pytest -q -s tests/gpu/test_gpu_wavefront_bidirectional_jax.py
+
+A FusedRNN of Keras Bidirectional LSTM / GRU layers on the "wavefront"
+plan in mixed_float16, against the same layers in float32 on Keras'
+generic loop: outputs and every gradient (jax.grad of a weighted sum,
+jitted) as ||a - b|| / ||b||, a masked call included, and a predict step.
+A spy on the binding's `ffi_call` records the FFI targets traced into
+each step (one-layer calls a direction), so a silent fallback fails.
+
+RNNFUSE_GPU_DRYRUN=1 runs them on the CPU with the emulated FFI calls
+(tests/jax_backend/wavefront_emulation.py) to check the tests themselves.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import keras
+import numpy as np
+import pytest
+
+if keras.backend.backend() != "jax":
+    pytest.skip("the JAX GPU tests need KERAS_BACKEND=jax", allow_module_level=True)
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+
+import rnnfuse  # noqa: E402
+from builders import fused_layers  # noqa: E402
+from gpu_report import report  # noqa: E402
+from rnnfuse.backends.jax import wavefront  # noqa: E402
+from rnnfuse.backends.jax import wavefront_bidirectional as bidir  # noqa: E402
+from rnnfuse.plan import Plan  # noqa: E402
+
+DRYRUN = bool(os.environ.get("RNNFUSE_GPU_DRYRUN"))
+TOLERANCE = 1e-2  # float16 against float32, ||a - b|| / ||b||; gradients twice this
+FEATURES = 32
+
+
+@pytest.fixture(autouse=True)
+def _hopper(monkeypatch):
+    monkeypatch.setattr(bidir, "BIDIRECTIONAL", True)
+    if DRYRUN:
+        sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "jax_backend"))
+        from wavefront_emulation import Emulation
+
+        from rnnfuse.backends import jax as jax_backend
+        from rnnfuse.backends.cuda import library
+
+        monkeypatch.setattr(wavefront, "ffi_call", Emulation())
+        monkeypatch.setattr(wavefront, "register", lambda: None)
+        monkeypatch.setattr(library, "device_reason", lambda *a, **k: None)
+        monkeypatch.setattr(library, "backward_reason", lambda *a, **k: None)
+        monkeypatch.setattr(library, "backward_stack_reason", lambda *a, **k: None)
+        monkeypatch.setattr(jax_backend, "is_available", lambda: True)
+        return
+    kind = jax.devices()[0].device_kind
+    if not any(name in kind for name in ("H100", "H200", "H800", "GH200")):
+        pytest.skip(f"the wavefront kernel runs on Hopper; this GPU is {kind}")
+
+
+@pytest.fixture
+def traced(monkeypatch):
+    """The FFI targets traced into steps (the calls still run)."""
+    targets = []
+    real = wavefront.ffi_call
+
+    def spy(target, *args, **kwargs):
+        targets.append(target.removeprefix("rnnfuse_wf_ffi_"))
+        return real(target, *args, **kwargs)
+
+    monkeypatch.setattr(wavefront, "ffi_call", spy)
+    return targets
+
+
+def _rel(a, b) -> float:
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
+
+
+def _bi_model(kind, layers, units, steps, merge_mode, masked):
+    rnn = keras.layers.LSTM if kind == "lstm" else keras.layers.GRU
+    inp = keras.Input((steps, FEATURES))
+    x = keras.layers.Masking(0.0)(inp) if masked else inp
+    for _ in range(layers):
+        x = keras.layers.Bidirectional(rnn(units, return_sequences=True),
+                                       merge_mode=merge_mode)(x)
+    return keras.Model(inp, x)
+
+
+def _models(kind, layers, units, steps, merge_mode, masked):
+    """(the fused mixed_float16 model on the wavefront plan, the same layers
+    in float32 on Keras' generic loop with its weights)."""
+    keras.config.set_dtype_policy("mixed_float16")
+    model = _bi_model(kind, layers, units, steps, merge_mode, masked)
+    fast = rnnfuse.optimize(model, tune=False,
+                            plan=lambda g: Plan((g.num_layers,), kernel="wavefront"))
+    keras.config.set_dtype_policy("float32")
+    reference = _bi_model(kind, layers, units, steps, merge_mode, masked)
+    for layer in reference.layers:
+        for sub in (getattr(layer, "forward_layer", None), getattr(layer, "backward_layer", None)):
+            if sub is not None:
+                sub.use_cudnn = False
+    reference.set_weights(model.get_weights())
+    return fast, reference
+
+
+def _outputs_and_grads(model, x, weights):
+    variables = model.trainable_variables
+
+    def loss(values, x):
+        out, _ = model.stateless_call(values, [v.value for v in model.non_trainable_variables],
+                                      x, training=True)
+        out = out.astype(jnp.float32)
+        return jnp.sum(out * weights), out
+
+    (_, out), grads = jax.jit(jax.value_and_grad(loss, has_aux=True))(
+        [v.value for v in variables], x)
+    return out, grads
+
+
+@pytest.mark.parametrize("kind,layers,units,merge_mode,masked", [
+    ("lstm", 2, 128, "concat", True), ("gru", 3, 64, "sum", False)])
+def test_outputs_and_gradients_match_keras_bidirectional_in_float32(
+        kind, layers, units, merge_mode, masked, traced):
+    steps, batch = (10, 4) if DRYRUN else (40, 16)
+    fast, reference = _models(kind, layers, units, steps, merge_mode, masked)
+    rng = np.random.default_rng(7)
+    x = rng.standard_normal((batch, steps, FEATURES)).astype("float32")
+    if masked:  # right-padded lengths down to 1; the padding is zeros
+        lengths = np.linspace(steps, 1, batch).astype(int)
+        x[np.arange(steps)[None, :] >= lengths[:, None]] = 0.0
+    x = jnp.asarray(x)
+    weights = jnp.asarray(rng.standard_normal(reference(x).shape), jnp.float32)
+    out, grads = _outputs_and_grads(fast, x, weights)
+    (layer,) = fused_layers(fast)
+    ran = layer.last_path.kernel
+    assert layer.last_path.kind == "fused" and ran.name == wavefront.KERNEL_NAME, layer.last_path
+    assert ran.note is None and ran.algorithm.startswith(bidir.ALGORITHM), ran
+    backward = "backward_stack" if ran.algorithm.endswith("stack") else "backward_layer"
+    # One call a direction of each layer (a masked step traces its cond's branches again).
+    assert traced.count("forward_saving") >= 2 * layers, traced
+    assert traced.count(backward) >= 2 * layers, traced
+    want_out, want_grads = _outputs_and_grads(reference, x, weights)
+    errors = {"out": _rel(out, want_out)}
+    errors.update({f"grad_{v.path}": _rel(g, w)
+                   for v, g, w in zip(fast.trainable_variables, grads, want_grads)})
+    report(f"jax_wavefront_bidirectional_{kind}", errors)
+    for name, err in errors.items():
+        assert err <= (2 * TOLERANCE if name.startswith("grad") else TOLERANCE), (name, err)
+    del traced[:]
+    predicted = np.asarray(fast.predict(x, verbose=0), np.float32)
+    assert traced.count("forward") >= 2 * layers, traced
+    assert _rel(predicted, want_out) <= TOLERANCE
