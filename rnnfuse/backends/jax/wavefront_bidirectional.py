@@ -1,10 +1,7 @@
-"""JAX binding of bidirectional stacks on rnnfuse's wavefront kernel, composed
-of one-layer `wavefront.forward` calls (their custom_vjp is the gradient):
-per layer, direction 1 reads the input reversed within each row's length
-and its output is reversed back; [fwd, bwd] concatenated as cuDNN does.
-Off (`BIDIRECTIONAL`) until the GPU test passes.
-
-Example (on a Hopper GPU, with BIDIRECTIONAL on):
+"""Bidirectional stacks on the wavefront kernel under JAX: per layer, each
+direction a one-layer `wavefront.forward` (its custom_vjp the gradient),
+direction 1 over the input reversed within lengths and its output reversed
+back, concatenated. Off (`BIDIRECTIONAL`) until its GPU test passes.
 
     >>> y, hy, cy = forward(x, params, h0, c0, None, kind="lstm")  # doctest: +SKIP
 """
@@ -24,7 +21,6 @@ __all__ = ["ALGORITHM", "BIDIRECTIONAL", "BIDIRECTIONAL_OFF", "forward", "pack_d
 BIDIRECTIONAL = False
 BIDIRECTIONAL_OFF = ("bidirectional layers on the wavefront kernel are switched off under JAX "
                      "(rnnfuse.backends.jax.wavefront_bidirectional.BIDIRECTIONAL)")
-# The `KernelRun` algorithm of a call.
 ALGORITHM = "bidirectional: a call a direction"
 
 
@@ -69,8 +65,7 @@ def forward(x, params: Sequence[Any], h0, c0, lengths, *, kind: str, backward: s
 
 
 def pack_directions(stack, dtype) -> list:
-    """One one-layer canonical buffer per pseudo layer of `stack`, a level
-    reading a summed/averaged merge packed [s*W; s*W] (`StackSpec.input_scale`)."""
+    """A one-layer canonical buffer per pseudo layer (merges: `StackSpec.input_scale`)."""
     from rnnfuse.backends.jax import _cell_params
 
     out = []
@@ -93,8 +88,7 @@ def structure_reason(kind: str, dtype: str, *, proj_size: int = 0,
 def unsupported_reason(kind: str, num_layers: int, units: int, dtype: str, batch: int,
                        steps: int, input_size: int, *, training: bool = False,
                        proj_size: int = 0, dropout: float = 0.0) -> str | None:
-    """Why the composition cannot run here, or None: the structure, the FFI
-    library, each layer's one-layer plan and, with `training`, the backward's."""
+    """Why the composition cannot run here (each layer's one-layer plans), or None."""
     from rnnfuse.backends.cuda import library
 
     reason = structure_reason(kind, dtype, proj_size=proj_size, dropout=dropout)
