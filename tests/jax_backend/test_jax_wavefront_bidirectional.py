@@ -266,3 +266,16 @@ def test_the_tuner_is_offered_the_plan_only_with_the_switch_on(emulated, half, m
     keras.config.set_dtype_policy("float32")
     (group32,) = rnnfuse.analyze(_bi_model()).groups
     assert "not float32" in backend.kernel_reason("wavefront", group32, (4, 7, 5))
+
+
+def test_tune_times_the_plan_with_the_switch_on(enabled, half):
+    """`optimize(model, tune=...)`'s timing: the plan's candidate is a real
+    jitted training step on the composition, kept after its gradient check."""
+    from rnnfuse.api import choose_plans
+
+    model = _bi_model()
+    (result,) = choose_plans(model, rnnfuse.analyze(model).groups,
+                             tune=rnnfuse.TuneShape(4, 7), cache=False)
+    assert result.source == "measured"
+    assert "fused on wavefront" in result.timings, result
+    assert {"forward_saving", "backward_stack"} <= set(_targets(enabled))
