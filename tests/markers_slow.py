@@ -250,6 +250,15 @@ SLOW: dict[str, str] = {
     # stacks and the CLI under JAX run with the slow set.
     "jax_backend/test_jax_fused.py::test_bidirectional_sum_and_ave_below_the_top": "compiles, 6-15 s a case",
     "jax_backend/test_jax_fused.py::test_bidirectional_stack": "compiles (9 s)",
+    "jax_backend/test_jax_wavefront_bidirectional.py::test_tune_times_the_plan_with_the_switch_on": (
+        "jitted training steps per candidate (17 s); test_the_tuner_is_offered_the_plan_only_with_the_switch_on stays fast"
+    ),
+    **{f"jax_backend/test_jax_wavefront_bidirectional.py::{name}": "2-3 layers, jitted gradients (5-8 s); the cheaper cases cover each feature"
+       for name in ("test_the_composition_is_cudnns_bidirectional_stack[3-True-lstm]",
+                    "test_the_composition_is_cudnns_bidirectional_stack[3-True-gru]",
+                    "test_a_layer_on_the_plan_matches_keras_bidirectional_layers[lstm-ave-2-True-False]",
+                    "test_a_layer_on_the_plan_matches_keras_bidirectional_layers[gru-concat-3-True-False]",
+                    "test_a_layer_on_the_plan_matches_keras_bidirectional_layers[lstm-sum-3-True-True]")},
     "jax_backend/test_jax_fused.py::test_lstm_stack_is_one_call_and_matches_keras[2]": "compiles (9 s); [3] stays fast",
     "jax_backend/test_jax_fused.py::test_returned_states_with_initial_states[False]": "compiles (6 s); [True] stays fast",
     "jax_backend/test_jax_cli.py::test_check_runs_under_jax": "gradients of two compiled models (8 s)",
