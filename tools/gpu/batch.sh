@@ -31,7 +31,7 @@
 #   AGREE_ARGS="--shapes gru3x64,lstm4x512" bash tools/gpu/batch.sh online-agreement-torch
 #   KEPT_ARGS="--rounds 15" bash tools/gpu/batch.sh kept-original-torch   # kept original, paired
 #   bash tools/gpu/batch.sh wavefront-segments   # stacks larger than the chip
-#   bash tools/gpu/batch.sh wavefront-bidirectional   # bidirectional layers (off by default)
+#   bash tools/gpu/batch.sh wavefront-bidirectional   # bidirectional layers on the kernel (torch)
 #   bash tools/gpu/batch.sh wavefront-sweep   # randomized exactness, about 150 s
 #   bash tools/gpu/batch.sh wavefront-wgmma   # the forward's opt-in wgmma variant
 #   bash tools/gpu/batch.sh wavefront-wgmma-diag   # where variant 2 goes wrong, tiny cases (~40 s)
@@ -309,8 +309,8 @@ run_stage() {
       echo "[$(since) s] wavefront-segments rc $rc"
       summary wavefront-segments "kernel_segments|GPU_REPORT|passed|failed|^FAILED|^ERROR|Error" 30 ;;
     wavefront-bidirectional)
-      # Bidirectional layers on the kernel (off by default; never run on a
-      # GPU before this stage: its own processes, a fault ends only them).
+      # Bidirectional layers on the kernel (torch), in their own processes
+      # (a fault ends only them), and a Keras step against cuDNN's best.
       s=$(limit wavefront-bidirectional 420)
       ( torch_env; timeout $s bash -c "python3 bench/bench_wavefront.py bidirectional --train \
           --out $LOGS/wavefront_bidirectional.json; \
