@@ -5,9 +5,19 @@ its tolerance.
     >>> worst_within([([1.0], [2.0]), ([1.0], [2.0])], lambda a, b: abs(a - b),
     ...              out_tol=0, grad_tol=0)
     (0.0, 0.0)
+    >>> rel([1.0, 1.0], [1.0, 0.0])
+    1.0
 """
 
 from __future__ import annotations
+
+import numpy as np
+
+
+def rel(a, b) -> float:
+    """||a - b|| / ||b|| in float64."""
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
 
 
 def worst_within(results, rel, *, out_tol: float, grad_tol: float) -> tuple[float, float]:

@@ -17,9 +17,6 @@ RNNFUSE_GPU_DRYRUN=1 runs them on the CPU with the emulated FFI calls
 
 from __future__ import annotations
 
-import os
-import sys
-
 import keras
 import numpy as np
 import pytest
@@ -30,14 +27,14 @@ if keras.backend.backend() != "jax":
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
-import rnnfuse  # noqa: E402
 from builders import fused_layers  # noqa: E402
+from gpu_compare import rel as _rel  # noqa: E402
 from gpu_report import report  # noqa: E402
+from jax_wavefront_device import (DRYRUN, fused_and_generic_twin,  # noqa: E402
+                                  hopper_or_emulation, traced_targets)
 from rnnfuse.backends.jax import wavefront  # noqa: E402
 from rnnfuse.backends.jax import wavefront_bidirectional as bidir  # noqa: E402
-from rnnfuse.plan import Plan  # noqa: E402
 
-DRYRUN = bool(os.environ.get("RNNFUSE_GPU_DRYRUN"))
 TOLERANCE = 1e-2  # float16 against float32, ||a - b|| / ||b||; gradients twice this
 FEATURES = 32
 
@@ -45,42 +42,13 @@ FEATURES = 32
 @pytest.fixture(autouse=True)
 def _hopper(monkeypatch):
     monkeypatch.setattr(bidir, "BIDIRECTIONAL", True)
-    if DRYRUN:
-        sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "jax_backend"))
-        from wavefront_emulation import Emulation
-
-        from rnnfuse.backends import jax as jax_backend
-        from rnnfuse.backends.cuda import library
-
-        monkeypatch.setattr(wavefront, "ffi_call", Emulation())
-        monkeypatch.setattr(wavefront, "register", lambda: None)
-        monkeypatch.setattr(library, "device_reason", lambda *a, **k: None)
-        monkeypatch.setattr(library, "backward_reason", lambda *a, **k: None)
-        monkeypatch.setattr(library, "backward_stack_reason", lambda *a, **k: None)
-        monkeypatch.setattr(jax_backend, "is_available", lambda: True)
-        return
-    kind = jax.devices()[0].device_kind
-    if not any(name in kind for name in ("H100", "H200", "H800", "GH200")):
-        pytest.skip(f"the wavefront kernel runs on Hopper; this GPU is {kind}")
+    hopper_or_emulation(monkeypatch)
 
 
 @pytest.fixture
 def traced(monkeypatch):
     """The FFI targets traced into steps (the calls still run)."""
-    targets = []
-    real = wavefront.ffi_call
-
-    def spy(target, *args, **kwargs):
-        targets.append(target.removeprefix("rnnfuse_wf_ffi_"))
-        return real(target, *args, **kwargs)
-
-    monkeypatch.setattr(wavefront, "ffi_call", spy)
-    return targets
-
-
-def _rel(a, b) -> float:
-    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-    return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
+    return traced_targets(monkeypatch)
 
 
 def _bi_model(kind, layers, units, steps, merge_mode, masked):
@@ -96,18 +64,8 @@ def _bi_model(kind, layers, units, steps, merge_mode, masked):
 def _models(kind, layers, units, steps, merge_mode, masked):
     """(the fused mixed_float16 model on the wavefront plan, the same layers
     in float32 on Keras' generic loop with its weights)."""
-    keras.config.set_dtype_policy("mixed_float16")
-    model = _bi_model(kind, layers, units, steps, merge_mode, masked)
-    fast = rnnfuse.optimize(model, tune=False,
-                            plan=lambda g: Plan((g.num_layers,), kernel="wavefront"))
-    keras.config.set_dtype_policy("float32")
-    reference = _bi_model(kind, layers, units, steps, merge_mode, masked)
-    for layer in reference.layers:
-        for sub in (getattr(layer, "forward_layer", None), getattr(layer, "backward_layer", None)):
-            if sub is not None:
-                sub.use_cudnn = False
-    reference.set_weights(model.get_weights())
-    return fast, reference
+    return fused_and_generic_twin(
+        lambda: _bi_model(kind, layers, units, steps, merge_mode, masked), "mixed_float16")
 
 
 def _outputs_and_grads(model, x, weights):

@@ -22,9 +22,6 @@ tests themselves; it proves nothing about the kernel.
 
 from __future__ import annotations
 
-import os
-import sys
-
 import keras
 import numpy as np
 import pytest
@@ -37,73 +34,36 @@ import jax.numpy as jnp  # noqa: E402
 
 import rnnfuse  # noqa: E402
 from builders import fused_layers, stack_model  # noqa: E402
+from gpu_compare import rel as _rel  # noqa: E402
 from gpu_report import report  # noqa: E402
 from gpu_timing import median_seconds  # noqa: E402
+from jax_wavefront_device import (DRYRUN, fused_and_generic_twin,  # noqa: E402
+                                  hopper_or_emulation, traced_targets)
 from rnnfuse.backends.jax import wavefront  # noqa: E402
 from rnnfuse.plan import Plan  # noqa: E402
 
-DRYRUN = bool(os.environ.get("RNNFUSE_GPU_DRYRUN"))
 # ||a - b|| / ||b|| against float32 (outputs, states; gradients twice this).
 TOLERANCE = {"float16": 1e-2, "bfloat16": 6e-2}
 
 
 @pytest.fixture(autouse=True)
 def _hopper(monkeypatch):
-    if DRYRUN:
-        sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "jax_backend"))
-        from wavefront_emulation import Emulation
-
-        from rnnfuse.backends import jax as jax_backend
-        from rnnfuse.backends.cuda import library
-
-        monkeypatch.setattr(wavefront, "ffi_call", Emulation())
-        monkeypatch.setattr(wavefront, "register", lambda: None)
-        monkeypatch.setattr(library, "device_reason", lambda *a, **k: None)
-        monkeypatch.setattr(library, "backward_reason", lambda *a, **k: None)
-        monkeypatch.setattr(library, "backward_stack_reason", lambda *a, **k: None)
-        monkeypatch.setattr(jax_backend, "is_available", lambda: True)
-        return
-    kind = jax.devices()[0].device_kind
-    if "H100" not in kind and "H200" not in kind and "H800" not in kind and "GH200" not in kind:
-        pytest.skip(f"the wavefront kernel runs on Hopper; this GPU is {kind}")
+    hopper_or_emulation(monkeypatch)
 
 
 @pytest.fixture
 def traced(monkeypatch):
     """The FFI targets traced into steps (the calls still run)."""
-    targets = []
-    real = wavefront.ffi_call
-
-    def spy(target, *args, **kwargs):
-        targets.append(target.removeprefix("rnnfuse_wf_ffi_"))
-        return real(target, *args, **kwargs)
-
-    monkeypatch.setattr(wavefront, "ffi_call", spy)
-    return targets
-
-
-def _rel(a, b) -> float:
-    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-    return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
+    return traced_targets(monkeypatch)
 
 
 def _models(kind, layers, units, steps, policy):
     """(the fused model on the wavefront plan in `policy`, the same layers'
     float32 model on Keras' generic loop, sharing no variables: its
     weights are the first's)."""
-    keras.config.set_dtype_policy(policy)
-    model = stack_model(kind, layers, units=units, input_size=32, steps=steps,
-                        last_return_sequences=True, last_return_state=True)
-    fast = rnnfuse.optimize(model, tune=False,
-                            plan=lambda g: Plan((g.num_layers,), kernel="wavefront"))
-    keras.config.set_dtype_policy("float32")
-    reference = stack_model(kind, layers, units=units, input_size=32, steps=steps,
-                            last_return_sequences=True, last_return_state=True)
-    for layer in reference.layers:
-        if hasattr(layer, "use_cudnn"):
-            layer.use_cudnn = False
-    reference.set_weights(model.get_weights())
-    return fast, reference
+    return fused_and_generic_twin(
+        lambda: stack_model(kind, layers, units=units, input_size=32, steps=steps,
+                            last_return_sequences=True, last_return_state=True), policy)
 
 
 def _outputs_and_grads(model, x, weights):

@@ -22,12 +22,11 @@ from builders import fused_layers, max_abs_diff, wavefront_inputs, wavefront_sta
 from cudnn_reference import cudnn_rnn
 from fake_clock import FakeTimer
 from rnnfuse.backends import get_backend
-from rnnfuse.backends import jax as jax_backend
 from rnnfuse.backends.cuda import library
 from rnnfuse.backends.jax import wavefront
 from rnnfuse.passes import build_layer_graph, plan_fusion
 from rnnfuse.plan import Plan
-from wavefront_emulation import Emulation
+from wavefront_emulation import install, targets
 
 WAVEFRONT = Plan((2,), kernel="wavefront")
 LIMIT = 48  # the fake on-chip plan: layers x units above this do not fit
@@ -36,26 +35,11 @@ FP16_TOL = 5e-3
 
 @pytest.fixture
 def emulated(monkeypatch):
-    emulation = Emulation()
-    emulation.asked = []
-
-    def limits(kind, num_layers, units, batch, steps, input_size, ordinal=0):
-        emulation.asked.append((kind, num_layers, units, batch, steps, input_size))
-        if num_layers * units > LIMIT:
-            return f"{num_layers} layers of {units} units do not fit on chip"
-        return None
-
-    monkeypatch.setattr(wavefront, "ffi_call", emulation)
-    monkeypatch.setattr(wavefront, "register", lambda: None)
-    monkeypatch.setattr(library, "device_reason", limits)
-    monkeypatch.setattr(library, "backward_reason", lambda *a, **k: None)
-    monkeypatch.setattr(library, "backward_stack_reason", lambda *a, **k: None)
-    monkeypatch.setattr(jax_backend, "is_available", lambda: True)
-    return emulation
+    return install(monkeypatch, LIMIT)
 
 
 def _targets(emulation):
-    return [target.removeprefix("rnnfuse_wf_ffi_") for target, _ in emulation.calls]
+    return targets(emulation.calls)
 
 
 # -- the binding: packing and custom_vjp against cuDNN's equations -------------------------

@@ -263,3 +263,35 @@ class Emulation:
         dgates, dh0, dc0 = recurrence(w_hh, gates, cseq, c0, dy, dhy, dcy, lengths, gru=gru)
         return dgates, dh0, dc0, jnp.zeros((wavefront.backward_layer_workspace_bytes(),),
                                            jnp.uint8)
+
+
+def install(monkeypatch, limit: int | None = None) -> Emulation:
+    """The JAX binding on a fresh `Emulation`: no FFI library to register,
+    every device and backward check passing, the backend available. With
+    `limit`, a fake on-chip plan: a stack of more than `limit` layers x units
+    is refused with a reason; each check's shape is kept in `.asked`."""
+    from rnnfuse.backends import jax as jax_backend
+    from rnnfuse.backends.cuda import library
+
+    emulation = Emulation()
+    emulation.asked = []
+
+    def limits(kind, num_layers, units, batch, steps, input_size, ordinal=0):
+        emulation.asked.append((kind, num_layers, units, batch, steps, input_size))
+        if limit is not None and num_layers * units > limit:
+            return f"{num_layers} layers of {units} units do not fit on chip"
+        return None
+
+    monkeypatch.setattr(wavefront, "ffi_call", emulation)
+    monkeypatch.setattr(wavefront, "register", lambda: None)
+    monkeypatch.setattr(library, "device_reason", limits)
+    monkeypatch.setattr(library, "backward_reason", lambda *a, **k: None)
+    monkeypatch.setattr(library, "backward_stack_reason", lambda *a, **k: None)
+    monkeypatch.setattr(jax_backend, "is_available", lambda: True)
+    return emulation
+
+
+def targets(calls) -> list[str]:
+    """The short names of the targets in `calls` ((target, ...) pairs)."""
+    return [call[0].removeprefix("rnnfuse_wf_ffi_") for call in calls]
+
