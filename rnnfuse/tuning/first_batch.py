@@ -35,6 +35,7 @@ from rnnfuse.tuning.per_shape import (
     REPEATS,
     AutoTune,
     Member,
+    PendingRace,
     Planner,
     bucket_of,
     decide,
@@ -248,11 +249,11 @@ def _online_races(state: AutoTune, environment: dict, shapes: dict, training: bo
         # As the offline tuner's: its kernels' plans (the wavefront) included.
         plans, refused = plans_worth_timing(member.group, shape, member.group.dtype,
                                             member.masked, True, backend, every(member.group))
-        pending[i] = (bucket_of(shape[0], shape[1]), shape, {p.name: p for p in plans}, jit,
-                      refused)
+        pending[i] = PendingRace(bucket_of(shape[0], shape[1]), shape,
+                                 {p.name: p for p in plans}, jit, refused)
     if not pending:
         return None
-    race_steps = sum(len(pending_plans) for _, _, pending_plans, *_ in pending.values()) * (
+    race_steps = sum(len(race.plans) for race in pending.values()) * (
         1 + default_warmup(backend) + REPEATS)
     if state.budget is not None and state.budget.steps < race_steps:
         return None  # the budgeted offline timing (or the static table) decides
@@ -270,11 +271,8 @@ def online_train_function(model: keras.Model, make) -> Any:
     if state is None or not state.online_pending or state.online_fit is not None:
         return None
     environment = state.environment if state.environment is not None else device_environment()
-    races = [(i, bucket, shape, plans)
-             for i, (bucket, shape, plans, _, _) in state.online_pending.items()]
-    jit_of = {i: jit for i, (_, _, _, jit, _) in state.online_pending.items()}
-    refused_of = {i: refused for i, (*_, refused) in state.online_pending.items()}
-    state.online_pending = {}
+    pending, state.online_pending = state.online_pending, {}
+    races = [(i, race.bucket, race.shape, race.plans) for i, race in pending.items()]
     check_gradients = state.check_gradients or GradientCheck()
     inputs = _algorithm_inputs(model, state, races)
 
@@ -298,7 +296,7 @@ def online_train_function(model: keras.Model, make) -> Any:
         if not (plan.algorithm or plan.inference_only):
             return True
         member = state.members[index]
-        shape, dtype = races_by_index[index][2], member.group.dtype
+        shape, dtype = pending[index].shape, member.group.dtype
         error = check_gradients(member.group, plan, shape, dtype)
         base = check_gradients(member.group, Plan(plan.pieces), shape, dtype)
         return error <= gradient_tolerance(base, dtype)
@@ -310,8 +308,8 @@ def online_train_function(model: keras.Model, make) -> Any:
         object.__setattr__(member.fused, "algorithm_input", None)
         # The record says why a plan did not race, as the offline tuner's does.
         result = dataclasses.replace(result, group=member.group,
-                                     rejected={**refused_of[index], **result.rejected})
-        jit = jit_of[index]
+                                     rejected={**pending[index].refused, **result.rejected})
+        jit = pending[index].xla_baseline
         state.decided[decision_key(index, True, shape, jit)] = result
         state.decisions.append(decision_record(result, shape, True, jit))
         if state.cache is not None and environment is not None:
@@ -324,7 +322,6 @@ def online_train_function(model: keras.Model, make) -> Any:
     def install(function):
         model.train_function = function
 
-    races_by_index = {r[0]: r for r in races}
     state.online_fit = OnlineFit(
         races, make=make, apply=apply, record=record, check=check, install=install,
         measure_step=state.measure_step, trace_key=trace_key,

@@ -32,7 +32,7 @@ import contextlib
 import dataclasses
 import logging
 import math
-from typing import Callable
+from typing import Callable, NamedTuple
 
 import keras
 
@@ -56,6 +56,7 @@ __all__ = [
     "AutoTune",
     "CONTENTION",
     "Member",
+    "PendingRace",
     "Planner",
     "bucket_of",
     "contenders",
@@ -72,6 +73,17 @@ REPEATS = 5
 # A candidate within this factor of the best at the nearest decided bucket
 # is timed again at a new one.
 CONTENTION = 1.5
+
+
+class PendingRace(NamedTuple):
+    """A member's online race before the fit's first step: its candidates
+    (`plans`, {name: Plan}) and why the others do not race (`refused`)."""
+
+    bucket: tuple
+    shape: tuple
+    plans: dict
+    xla_baseline: bool
+    refused: dict
 
 
 @dataclasses.dataclass
@@ -125,9 +137,8 @@ class AutoTune:
     # Race the candidates on a fit's own first steps instead of timing them
     # apart (`rnnfuse.tuning.online`); off by default.
     online: bool = False
-    # While a fit prepares its online races: {member index: (bucket, shape,
-    # {name: Plan}, xla_baseline, {name: why not raced})}; the fit's
-    # OnlineFit while they run.
+    # While a fit prepares its online races: {member index: PendingRace};
+    # the fit's OnlineFit while they run.
     online_pending: dict = dataclasses.field(default_factory=dict)
     online_fit: object = None
     # For tests: the online race's step timer ((name, run) -> (logs, s)).
