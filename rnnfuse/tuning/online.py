@@ -3,8 +3,9 @@
 Every candidate computes the same function within float tolerance, so
 with online tuning on (`AutoTune.online`) a `fit` whose first batch's
 bucket has no decision runs the candidates on its first steps, one a step
-in rotating rounds, with real updates. A candidate must pass the
-exactness check before its first step; after `warmup` untimed steps and
+in rotating rounds, with real updates. Every candidate's exactness check
+runs before the race's first step, so all are checked on the same weights
+(its steps update them); after `warmup` untimed steps and
 `repeats` timed rounds (pruned at PRUNE, and at WARM_PRUNE on the last
 warm-up step), the fastest is committed once, unless the original layers
 come within `KEEP_ORIGINAL_MARGIN` of it.
@@ -56,7 +57,7 @@ class OnlineRace:
         self._untimed = {n: 1 + self.warmup for n in self.names}
         self._warm: dict[str, float] = {}
         self._round, self._queue = 0, []
-        self._checked: set[str] = set()
+        self._checked = False
 
     def running(self) -> list[str]:
         """The candidates still in the race, in their order."""
@@ -66,18 +67,15 @@ class OnlineRace:
         """The candidate the next step runs (the committed one once decided)."""
         if self.committed is not None:
             return self.committed
+        if not self._checked:
+            self._checked = True
+            self.rejected.update({n: "failed the exactness check" for n in self.names
+                                  if not self.check(n)})
         while not self._queue:
             self._fill()
             if self.committed is not None:
                 return self.committed
-        name = self._queue[0]
-        if name not in self._checked:
-            self._checked.add(name)
-            if not self.check(name):
-                self.rejected[name] = "failed the exactness check"
-                self._queue.pop(0)
-                return self.next()
-        return name
+        return self._queue[0]
 
     def record(self, name: str, seconds: float) -> None:
         """The step `next()` gave ran `name` and took `seconds`."""

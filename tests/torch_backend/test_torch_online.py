@@ -107,6 +107,37 @@ def test_a_plan_that_fails_the_exactness_check_is_never_run_or_committed(fake_gp
     assert record["rejected"][inexact.name] == "failed the exactness check"
 
 
+def test_every_candidate_is_checked_on_the_same_weights_before_the_race_steps(
+        fake_gpu_online, monkeypatch):
+    """A check compares a plan's gradients with a float64 reference on the
+    weights of its moment: one checked after other candidates' real steps
+    would be compared with a reference on stale weights, and fail (its
+    default-algorithm twin's error is kept from the first check)."""
+    static, dynamic = Plan((3,), "persistent_static"), Plan((3,), "persistent_dynamic")
+    monkeypatch.setattr(first_batch, "candidates_for",
+                        lambda backend: lambda group: [PER_LAYER, Plan((3,)), static, dynamic])
+    checked_on = []
+
+    def check(group, plan, shape, dtype):
+        if not plan.algorithm:
+            return 1e-6
+        weights = [np.array(w) for v in group.views for w in v.layer.trainable_weights]
+        checked_on.append(weights)
+        same = all(np.array_equal(a, b) for a, b in zip(checked_on[0], weights))
+        return 1e-6 if same else 1e-2
+
+    model = stack_model("gru", 3, steps=6)
+    fast, state = _online(model, {**MEDIANS, static.name: 0.5, dynamic.name: 0.4}, check=check)
+    x, y = _data(model)
+    fast.compile(optimizer="sgd", loss="mse")
+    fast.fit(x, y, batch_size=4, epochs=4, verbose=0)
+    (record,) = first_batch.decisions(fast)
+    assert len(checked_on) >= 2
+    assert "failed the exactness check" not in record["rejected"].values()
+    assert {static.name, dynamic.name} <= set(state.measure_step.ran)
+    assert record["chosen"] == dynamic.name
+
+
 def test_a_fit_too_short_for_the_race_is_timed_apart_within_its_budget(fake_gpu_online):
     model = stack_model("gru", 3, steps=6)
     fast, state = _online(model, MEDIANS)
