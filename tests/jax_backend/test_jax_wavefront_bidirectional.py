@@ -32,13 +32,13 @@ FP16_TOL = 5e-3
 
 @pytest.fixture
 def emulated(monkeypatch):
-    """The emulation, the switch as it ships (off)."""
+    """The emulation, the switch as it ships (on)."""
     return install(monkeypatch, LIMIT)
 
 
 @pytest.fixture
 def enabled(monkeypatch):
-    """The emulation with the switch on: the path the GPU takes once it is."""
+    """The emulation with the switch on, whatever it ships as."""
     monkeypatch.setattr(bidir, "BIDIRECTIONAL", True)
     return install(monkeypatch, LIMIT)
 
@@ -222,7 +222,8 @@ def test_an_inference_call_runs_the_inference_target_a_direction(enabled, half):
     assert max_abs_diff(y, layer(x, training=False)) <= FP16_TOL
 
 
-def test_while_the_switch_is_off_the_layers_run_with_the_reason(emulated, half):
+def test_while_the_switch_is_off_the_layers_run_with_the_reason(emulated, half, monkeypatch):
+    monkeypatch.setattr(bidir, "BIDIRECTIONAL", False)
     model = _bi_model()
     layer = _fused(model, 2)
     x = wavefront_inputs()
@@ -235,6 +236,7 @@ def test_while_the_switch_is_off_the_layers_run_with_the_reason(emulated, half):
 def test_the_tuner_is_offered_the_plan_only_with_the_switch_on(emulated, half, monkeypatch):
     backend = get_backend()
     (group,) = rnnfuse.analyze(_bi_model()).groups
+    monkeypatch.setattr(bidir, "BIDIRECTIONAL", False)
     assert bidir.BIDIRECTIONAL_OFF == backend.kernel_reason("wavefront", group, (4, 7, 5))
     monkeypatch.setattr(bidir, "BIDIRECTIONAL", True)
     assert backend.kernel_reason("wavefront", group, (4, 7, 5), training=True) is None

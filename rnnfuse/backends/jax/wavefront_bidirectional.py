@@ -1,7 +1,7 @@
 """Bidirectional stacks on the wavefront kernel under JAX: per layer, each
 direction a one-layer `wavefront.forward` (its custom_vjp the gradient),
 direction 1 over the input reversed within lengths and its output reversed
-back, concatenated. Off (`BIDIRECTIONAL`) until its GPU test passes.
+back, concatenated. `BIDIRECTIONAL` switches it off.
 
     >>> y, hy, cy = forward(x, params, h0, c0, None, kind="lstm")  # doctest: +SKIP
 """
@@ -18,7 +18,7 @@ from rnnfuse.backends.jax import wavefront
 __all__ = ["ALGORITHM", "BIDIRECTIONAL", "BIDIRECTIONAL_OFF", "forward", "pack_directions",
            "reverse_within_lengths", "run_stack", "structure_reason", "unsupported_reason"]
 
-BIDIRECTIONAL = False
+BIDIRECTIONAL = True
 BIDIRECTIONAL_OFF = ("bidirectional layers on the wavefront kernel are switched off under JAX "
                      "(rnnfuse.backends.jax.wavefront_bidirectional.BIDIRECTIONAL)")
 ALGORITHM = "bidirectional: a call a direction"
