@@ -107,6 +107,28 @@ def test_the_tuning_share_is_the_tuners_seconds_over_the_fit_its_user_waits_for(
     assert line.startswith(f"share torch gru3x64: tuning {share['tuning_s']:.2f} s of a 2-epoch fit")
 
 
+def test_an_original_that_fails_in_its_policy_is_timed_in_float32(monkeypatch):
+    """Keras' own LSTM fails in mixed_float16 on JAX: the baseline is the
+    model its user can run, in float32, and the row keeps Keras' error."""
+    built, real_build = [], bench_matrix.build_keras
+
+    def build(shape):
+        model = real_build(shape)
+        built.append(shape["dtype"])
+        if shape["dtype"] != "float32":
+            def fail(*args, **kwargs):
+                raise ValueError("Unknown output type float16")
+            model.fit = fail
+        return model
+
+    monkeypatch.setattr(bench_matrix, "build_keras", build)
+    shape = bench_matrix.quick(bench_matrix.SHAPES["lstm4x512"])
+    row = bench_matrix.measure_keras(shape, epochs=1, epoch_steps=1, rounds=1, steps=1)
+    assert built == ["mixed_float16", "float32"]
+    assert row["original_failed"] == "ValueError: Unknown output type float16"
+    assert set(row["fit_ms"]) == {"original", "optimized"} and row["fit_speedup"] > 0
+
+
 def test_the_shares_of_two_runs_make_one_table(tmp_path, capsys):
     for backend, share in (("jax", 0.04), ("tensorflow", 0.05)):
         run = dict(meta=dict(backend=backend), results=[
