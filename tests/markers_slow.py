@@ -264,6 +264,22 @@ SLOW: dict[str, str] = {
                     "test_a_layer_on_the_plan_matches_keras_bidirectional_layers[lstm-ave-2-True-False]",
                     "test_a_layer_on_the_plan_matches_keras_bidirectional_layers[gru-concat-3-True-False]",
                     "test_a_layer_on_the_plan_matches_keras_bidirectional_layers[lstm-sum-3-True-True]")},
+    # The TensorFlow twin: one ragged GRU case of the equations, one inference
+    # case, one Keras training case, the switch and the tuner stay fast.
+    **{f"test_wavefront_bidirectional_tf.py::{name}": (
+        "eager step-by-step references a direction, 0.3-0.7 s a case")
+       for name in ("test_the_composition_is_cudnns_bidirectional_stack[1-True-lstm]",
+                    "test_the_composition_is_cudnns_bidirectional_stack[3-True-lstm]",
+                    "test_the_composition_is_cudnns_bidirectional_stack[3-True-gru]",
+                    "test_the_composition_is_cudnns_bidirectional_stack[1-False-lstm]",
+                    "test_the_composition_is_cudnns_bidirectional_stack[1-False-gru]",
+                    "test_inference_runs_the_inference_op_a_direction[lstm]",
+                    "test_a_training_call_on_the_plan_matches_keras_bidirectional_layers[gru-concat-3-True-False]",
+                    "test_a_training_call_on_the_plan_matches_keras_bidirectional_layers[lstm-sum-3-True-True]",
+                    "test_a_training_call_on_the_plan_matches_keras_bidirectional_layers[gru-ave-2-False-True]",
+                    "test_a_training_call_on_the_plan_matches_keras_bidirectional_layers[lstm-ave-2-True-False]",
+                    "test_a_training_call_on_the_plan_matches_keras_bidirectional_layers[gru-sum-1-True-True]",
+                    "test_a_layer_the_kernel_refuses_runs_cudnn_with_the_reason")},
     "jax_backend/test_jax_fused.py::test_lstm_stack_is_one_call_and_matches_keras[2]": "compiles (9 s); [3] stays fast",
     "jax_backend/test_jax_fused.py::test_returned_states_with_initial_states[False]": "compiles (6 s); [True] stays fast",
     "jax_backend/test_jax_cli.py::test_check_runs_under_jax": "gradients of two compiled models (8 s)",

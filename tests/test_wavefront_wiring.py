@@ -1,7 +1,7 @@
 """rnnfuse's wavefront kernel as a plan kernel and a tuner candidate for
 inference and training (TensorFlow backend), on the CPU.
 
-The op is faked at its lowest level: `op_build.load_wavefront_op` returns
+The op is faked at its lowest level (wavefront_fakes.py): `op_build.load_wavefront_op` returns
 `FakeWavefrontOp`, whose `rnnfuse_wavefront` records each call and
 computes what the kernel computes (the emulated cuDNN of
 cudnn_reference.py, from the op's own inputs: layer 0's input projection
@@ -29,10 +29,9 @@ import tensorflow as tf
 
 import rnnfuse
 from builders import fused_layers, fused_with_plan, max_abs_diff, stack_model, wavefront_inputs, wavefront_mask, wavefront_stack
-from cudnn_reference import emulated_cudnn_rnn
 from fake_clock import FakeTimer
 from rnnfuse.backends.cuda import library
-from rnnfuse.backends.tensorflow import op_build, wavefront_op, wavefront_training
+from rnnfuse.backends.tensorflow import wavefront_bidirectional, wavefront_op, wavefront_training
 from rnnfuse.fused import FusedRNN
 from rnnfuse.passes import build_layer_graph, plan_fusion
 from rnnfuse.plan import FUSED, Plan
@@ -40,6 +39,7 @@ from rnnfuse.tuning import first_batch, tuner
 from rnnfuse.tuning.cache import PlanCache
 from rnnfuse.tuning.table import static_plan
 from rnnfuse.tuning.tuner import KEEP_ORIGINAL_MARGIN, tune_plans
+from wavefront_fakes import install
 
 ENV = {"device": "FakeGPU", "tensorflow": "2.21.0", "cudnn": "9", "backend": "tensorflow",
        "rnnfuse": "0.1.0"}
@@ -49,61 +49,9 @@ LIMIT = 48
 FP16_TOL = 5e-3
 
 
-class FakeWavefrontOp:
-    """The loaded op module: `rnnfuse_wavefront` as the real op takes it."""
-
-    def __init__(self):
-        self.calls, self.asked = [], []
-
-    def rnnfuse_wavefront(self, *, xproj, params, input_h, input_c, sequence_lengths,
-                          rnn_mode, input_size, kernel_variant):
-        steps, batch, gh = (int(d) for d in xproj.shape)
-        self.calls.append(dict(mode=rnn_mode, steps=steps, batch=batch,
-                               lengths=int(sequence_lengths.shape[0]), variant=kernel_variant))
-        # x W_ih0^T arrives projected: layer 0's input matrix is the identity.
-        eye = tf.reshape(tf.eye(gh, dtype=xproj.dtype), [-1])
-        params = tf.concat([eye, params[gh * input_size:]], axis=0)
-        lengths = sequence_lengths if sequence_lengths.shape[0] else tf.fill([batch], steps)
-        out, h, c, *_ = emulated_cudnn_rnn(
-            input=xproj, input_h=input_h, input_c=input_c, params=params,
-            sequence_lengths=lengths, rnn_mode=rnn_mode, direction="unidirectional",
-            time_major=True)
-        if rnn_mode == "gru":
-            c = tf.zeros([0], xproj.dtype)
-        return [tf.stop_gradient(t) for t in (out, h, c)]  # the op has no gradient
-
-    def fake_limits(self, kind, num_layers, units, batch, steps, input_size, ordinal=0):
-        self.asked.append((kind, num_layers, units, batch, steps, input_size))
-        if num_layers * units > LIMIT:
-            return f"{num_layers} layers of {units} units do not fit on chip"
-        return None
-
-
-def _fake_backward_reason(kind, units, batch, steps, ordinal=0):
-    if kind not in library.KINDS:
-        return f"the wavefront backward kernel runs LSTM and GRU stacks, not {kind}"
-    return None
-
-
 @pytest.fixture
 def fake_wavefront(monkeypatch, emulated_cudnn):
-    op = FakeWavefrontOp()
-    op.training = []
-    monkeypatch.setattr(op_build, "load_wavefront_op", lambda: op)
-    monkeypatch.setattr(library, "device_reason", op.fake_limits)
-    monkeypatch.setattr(library, "backward_reason", _fake_backward_reason)
-
-    def saving(*args, **kwargs):
-        op.training.append("forward")
-        return wavefront_training.reference_forward_saving(*args, **kwargs)
-
-    def recurrence(*args, **kwargs):
-        op.training.append("backward")
-        return wavefront_training.recurrence_reference(*args, **kwargs)
-
-    monkeypatch.setattr(wavefront_training, "forward_saving", saving)
-    monkeypatch.setattr(wavefront_training, "backward_layer", recurrence)
-    yield op
+    return install(monkeypatch, LIMIT)
 
 
 # -- the fused call -----------------------------------------------------------------
@@ -305,7 +253,8 @@ def test_a_group_the_kernel_refuses_is_not_timed_and_says_why(fake_wavefront, ha
         keras.layers.Bidirectional(keras.layers.GRU(8, return_sequences=True)),
         keras.layers.Bidirectional(keras.layers.GRU(8)),
     ])), FakeTimer({}))
-    assert "unidirectional" in bi.rejected["fused on wavefront"]
+    # Bidirectional runs: test_wavefront_bidirectional_tf.py.
+    assert bi.rejected["fused on wavefront"] == wavefront_bidirectional.BIDIRECTIONAL_OFF
 
 
 def test_the_decision_is_cached_with_its_kernel(fake_wavefront, half, no_steps, tmp_path):

@@ -214,16 +214,19 @@ def unsupported_reason(stack: StackSpec, dtype: str) -> str | None:
 def kernel_reason(kernel: str, group: Any, shape: tuple, training: bool = False) -> str | None:
     """Why plan kernel `kernel` cannot run `group`'s inference (with
     `training`: training) calls at input `shape` here, or None (the
-    wavefront ops' checks)."""
+    wavefront ops' checks; bidirectional: `wavefront_bidirectional`)."""
     if kernel != "wavefront":
         return f"the TensorFlow backend has no {kernel!r} kernel to time"
-    from rnnfuse.backends.tensorflow import wavefront_op
+    from rnnfuse.backends.tensorflow import wavefront_bidirectional, wavefront_op
 
     batch, steps, features = (int(d) for d in shape[:3])
+    if group.bidirectional:
+        return wavefront_bidirectional.unsupported_reason(
+            group.cell, group.num_layers, group.units, group.dtype, batch, steps, features,
+            training=training, proj_size=group.proj_size)
     check = wavefront_op.training_reason if training else wavefront_op.unsupported_reason
-    return check(
-        group.cell, group.num_layers, group.units, batch, steps, features, group.dtype,
-        directions=2 if group.bidirectional else 1, proj_size=group.proj_size)
+    return check(group.cell, group.num_layers, group.units, batch, steps, features, group.dtype,
+                 proj_size=group.proj_size)
 
 
 def mask_is_supported(mask: Any) -> tf.Tensor:
@@ -373,9 +376,10 @@ def run_stack(sequences: tf.Tensor, call: StackCall) -> StackRun:
 def _run_wavefront(sequences: tf.Tensor, call: StackCall) -> StackRun:
     """The "wavefront" kernel, or "cudnn" on the standard algorithm where
     it cannot run the call."""
-    from rnnfuse.backends.tensorflow import wavefront_op
+    from rnnfuse.backends.tensorflow import wavefront_bidirectional, wavefront_op
 
-    run = wavefront_op.run_trainable if call.training else wavefront_op.run_differentiable
+    module = wavefront_bidirectional if call.stack.num_directions == 2 else wavefront_op
+    run = module.run_trainable if call.training else module.run_differentiable
     return run_or_fall_back(
         lambda: run(sequences, call),
         lambda: run_stack(sequences, dataclasses.replace(

@@ -31,8 +31,9 @@ import tensorflow as tf
 from rnnfuse.backends.base import GATES, StackCall, StackRun, StackSpec
 from rnnfuse.reasons import KernelRun
 
-__all__ = ["KERNEL_NAME", "TRAINING_KERNEL_NAME", "register_gradient", "run_differentiable",
-           "run_stack", "run_trainable", "training_reason", "unsupported_reason"]
+__all__ = ["KERNEL_NAME", "TRAINING_KERNEL_NAME", "forward", "register_gradient",
+           "run_differentiable", "run_stack", "run_trainable", "training_reason",
+           "unsupported_reason"]
 
 KERNEL_NAME = "RnnfuseWavefront"
 TRAINING_KERNEL_NAME = "RnnfuseWavefront forward+backward"
@@ -132,26 +133,33 @@ def run_stack(sequences: tf.Tensor, call: StackCall) -> StackRun:
     Raises:
         NotImplementedError: the op cannot run this call (the reason)."""
     from rnnfuse.backends import tensorflow as tf_backend
-    from rnnfuse.backends.tensorflow import op_build, wavefront_training
 
     stack, dtype = call.stack, sequences.dtype
     batch, x, lengths = _kernel_input(sequences, call, stack_unsupported_reason)
-    params = tf_backend.pack_params(stack, dtype)
-    xproj = wavefront_training.input_projection(x, params, GATES[stack.kind] * stack.units)
     lstm = stack.kind == "lstm"
-    outputs, h, c = op_build.load_wavefront_op().rnnfuse_wavefront(
-        xproj=xproj,
-        params=params,
-        input_h=tf_backend._states(call.initial_h, stack, batch, dtype),
-        input_c=(tf_backend._states(call.initial_c, stack, batch, dtype) if lstm
-                 else tf.zeros([0], dtype)),
-        sequence_lengths=wavefront_training.lengths_input(lengths),
-        rnn_mode=stack.kind,
+    y, h, c = forward(x, tf_backend.pack_params(stack, dtype),
+                      tf_backend._states(call.initial_h, stack, batch, dtype),
+                      tf_backend._states(call.initial_c, stack, batch, dtype) if lstm else None,
+                      lengths, kind=stack.kind)
+    return StackRun(tf.transpose(y, [1, 0, 2]), h, c, KernelRun(KERNEL_NAME))
+
+
+def forward(x: tf.Tensor, params: tf.Tensor, h0: tf.Tensor, c0: Any, lengths: Any, *,
+            kind: str):
+    """One `RnnfuseWavefront` launch over x [T, B, I] (time-major): (y, hy,
+    cy, None for a GRU); layer 0's input projection is one matmul before it."""
+    from rnnfuse.backends.tensorflow import op_build, wavefront_training
+
+    units = int(h0.shape[-1])
+    xproj = wavefront_training.input_projection(x, params, GATES[kind] * units)
+    lstm = kind == "lstm"
+    y, h, c = op_build.load_wavefront_op().rnnfuse_wavefront(
+        xproj=xproj, params=params, input_h=h0,
+        input_c=c0 if lstm else tf.zeros([0], x.dtype),
+        sequence_lengths=wavefront_training.lengths_input(lengths), rnn_mode=kind,
         input_size=int(x.shape[-1]),
-        kernel_variant=wavefront_training.kernel_variants().FORWARD_VARIANT,
-    )
-    return StackRun(tf.transpose(outputs, [1, 0, 2]), h, (c if lstm else None),
-                    KernelRun(KERNEL_NAME))
+        kernel_variant=wavefront_training.kernel_variants().FORWARD_VARIANT)
+    return y, h, (c if lstm else None)
 
 
 def run_trainable(sequences: tf.Tensor, call: StackCall) -> StackRun:
@@ -178,8 +186,8 @@ def run_trainable(sequences: tf.Tensor, call: StackCall) -> StackRun:
                     KernelRun(TRAINING_KERNEL_NAME, f"backward={choice.backward}"))
 
 
-def run_differentiable(sequences: tf.Tensor, call: StackCall) -> StackRun:
-    """`run_stack` with cuDNN's gradient: the same call on cuDNN (standard
+def run_differentiable(sequences: tf.Tensor, call: StackCall, run=None) -> StackRun:
+    """`run` (default `run_stack`) with cuDNN's gradient: the same call on cuDNN (standard
     algorithm) recomputed from the saved inputs when a gradient is asked for
     (`tf.recompute_grad`'s pattern), so a tape around an inference call gets
     the gradient Keras' own layers give.
@@ -198,8 +206,8 @@ def run_differentiable(sequences: tf.Tensor, call: StackCall) -> StackRun:
     @tf.custom_gradient
     def wavefront(*flat):
         x, hs, cs = unpack(flat)
-        run = run_stack(x, dataclasses.replace(call, initial_h=hs, initial_c=cs))
-        ran.append(run.kernel)
+        out = (run or run_stack)(x, dataclasses.replace(call, initial_h=hs, initial_c=cs))
+        ran.append(out.kernel)
 
         def grad(*upstream, variables=None):
             variables = list(variables or [])
@@ -214,7 +222,7 @@ def run_differentiable(sequences: tf.Tensor, call: StackCall) -> StackRun:
             grads = tape.gradient(targets, list(flat) + variables, output_gradients=upstream)
             return grads[:len(flat)], grads[len(flat):]
 
-        return _tensors(run, lstm), grad
+        return _tensors(out, lstm), grad
 
     out = wavefront(tf.convert_to_tensor(sequences), *(tf.convert_to_tensor(s) for s in h + c))
     return StackRun(out[0], out[1], out[2] if lstm else None, ran[0])
