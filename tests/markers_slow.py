@@ -280,6 +280,9 @@ SLOW: dict[str, str] = {
                     "test_a_training_call_on_the_plan_matches_keras_bidirectional_layers[lstm-ave-2-True-False]",
                     "test_a_training_call_on_the_plan_matches_keras_bidirectional_layers[gru-sum-1-True-True]",
                     "test_a_layer_the_kernel_refuses_runs_cudnn_with_the_reason")},
+    "test_wavefront_bidirectional_tf.py::test_tune_times_the_plan_with_the_switch_on": (
+        "traced training steps per candidate (23 s); test_the_tuner_times_the_plan_with_the_switch_on stays fast"
+    ),
     "jax_backend/test_jax_fused.py::test_lstm_stack_is_one_call_and_matches_keras[2]": "compiles (9 s); [3] stays fast",
     "jax_backend/test_jax_fused.py::test_returned_states_with_initial_states[False]": "compiles (6 s); [True] stays fast",
     "jax_backend/test_jax_cli.py::test_check_runs_under_jax": "gradients of two compiled models (8 s)",

@@ -315,3 +315,16 @@ def test_the_tuner_times_the_plan_with_the_switch_on(faked, half, monkeypatch, t
     on, timed = tune()
     assert "fused on wavefront" in timed
     assert on.plan == Plan((2,), kernel="wavefront") and on.timings["fused on wavefront"] == 0.5
+
+
+def test_tune_times_the_plan_with_the_switch_on(enabled, half):
+    """`optimize(model, tune=...)`'s timing: the plan's candidate is a real
+    traced training step on the composition, kept after its gradient check."""
+    from rnnfuse.api import choose_plans
+
+    model = _bi_model()
+    (result,) = choose_plans(model, rnnfuse.analyze(model).groups,
+                             tune=rnnfuse.TuneShape(4, 7), cache=False)
+    assert result.source == "measured"
+    assert "fused on wavefront" in result.timings, result
+    assert {"forward", "backward"} <= set(enabled.training)
