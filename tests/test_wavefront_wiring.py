@@ -1,9 +1,10 @@
 """rnnfuse's wavefront kernel as a plan kernel and a tuner candidate for
 inference and training (TensorFlow backend), on the CPU.
 
-The op is faked at its lowest level (wavefront_fakes.py): `op_build.load_wavefront_op` returns
-`FakeWavefrontOp`, whose `rnnfuse_wavefront` records each call and
-computes what the kernel computes (the emulated cuDNN of
+The op is faked at its lowest level (wavefront_fakes.py):
+`op_build.load_wavefront_op` returns `FakeWavefrontOp`, whose
+`rnnfuse_wavefront` records each call and computes what the kernel
+computes (the emulated cuDNN of
 cudnn_reference.py, from the op's own inputs: layer 0's input projection
 and the canonical flat buffer) with no gradient of its own, as the real op
 has none; the kernel's on-chip plan is `fake_limits` (a stack fits when
@@ -237,7 +238,8 @@ def test_the_wavefront_plan_must_win_by_the_margin(fake_wavefront, half, no_step
     assert result.plan == Plan((2,)), "chosen only where it measures faster"
 
 
-def test_a_group_the_kernel_refuses_is_not_timed_and_says_why(fake_wavefront, half, no_steps):
+def test_a_group_the_kernel_refuses_is_not_timed_and_says_why(fake_wavefront, half, no_steps,
+                                                             monkeypatch):
     timer = FakeTimer({"fused on wavefront": 0.1})
     # Two layers of 32 fit nowhere as one, and each alone (32 <= LIMIT) would,
     # but 2 x 64 units: not even one layer fits, so no segments either.
@@ -248,12 +250,13 @@ def test_a_group_the_kernel_refuses_is_not_timed_and_says_why(fake_wavefront, ha
     (f32,) = _tune(_groups(stack_model("lstm", 2, units=8, input_size=5, steps=7,
                                        dtype="float32")), FakeTimer({}))
     assert "float16 and bfloat16" in f32.rejected["fused on wavefront"]
+    monkeypatch.setattr(wavefront_bidirectional, "BIDIRECTIONAL", False)
     (bi,) = _tune(_groups(keras.Sequential([
         keras.Input((7, 5)),
         keras.layers.Bidirectional(keras.layers.GRU(8, return_sequences=True)),
         keras.layers.Bidirectional(keras.layers.GRU(8)),
     ])), FakeTimer({}))
-    # Bidirectional runs: test_wavefront_bidirectional_tf.py.
+    # Switched on: test_wavefront_bidirectional_tf.py.
     assert bi.rejected["fused on wavefront"] == wavefront_bidirectional.BIDIRECTIONAL_OFF
 
 
