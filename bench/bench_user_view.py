@@ -173,12 +173,21 @@ def build(shape: dict) -> keras.Model:
 
 
 def cell_shape(cell: str) -> dict:
-    """The shape of cell `cell`: a drawn cell's number ("15"), or "A1".. for
-    an anchor.
+    """The shape of cell `cell`: a drawn cell's number ("15"), "A1".. for
+    an anchor, or a shape of the backend matrix (bench_matrix.SHAPES).
 
     >>> cell_shape("A1") == dict(ANCHORS[0]), cell_shape("4") == draw_shapes(30)[3]
     (True, True)
+    >>> cell_shape("bigru5x512")["kind"], cell_shape("bigru5x512")["masked"]
+    ('bi_gru', False)
     """
+    if cell[:1].islower():
+        from bench_matrix import SHAPES
+
+        if cell not in SHAPES or SHAPES[cell]["kind"] == "plstm":
+            raise ValueError(f"cell {cell!r}: not a shape of bench_matrix.SHAPES this bench "
+                             f"builds; choose from {', '.join(n for n, s in SHAPES.items() if s['kind'] != 'plstm')}")
+        return dict(SHAPES[cell], masked=bool(SHAPES[cell].get("masked")))
     if cell.startswith("A"):
         return dict(ANCHORS[int(cell[1:]) - 1])
     return draw_shapes(30)[int(cell) - 1]

@@ -20,6 +20,7 @@ graph set-up, tuning's own Python), which is what TensorFlow's tuning cost
 is made of on a GPU; the timings and choices mean nothing.
 
     python bench/diag_tuning_cost.py --cells 15,A1 --out $OUT/tuning_cost.json
+    KERAS_BACKEND=jax python bench/diag_tuning_cost.py --cells lstm4x512,bigru5x512 --out $OUT/t.json
     python bench/diag_tuning_cost.py --quick --out /tmp/t.json   # tiny, any machine
     python bench/diag_tuning_cost.py --cells 19 --compare 2 --out $OUT/pipelined.json
     python bench/diag_tuning_cost.py --cells 15 --compare 3 --arms full,cut --out $OUT/cut.json
@@ -302,7 +303,7 @@ def table(rows: list[dict]) -> str:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--table", help="print the markdown table of a saved --out file and stop")
-    parser.add_argument("--cells", default="15", help="drawn cell numbers (A1.. for anchors), comma-separated")
+    parser.add_argument("--cells", default="15", help="drawn cell numbers (A1.. for anchors, or bench_matrix's shape names), comma-separated")
     parser.add_argument("--profile", action="store_true", help="add cProfile's top 30 functions")
     parser.add_argument("--quick", action="store_true", help="the cells with 32 units, batch 4, 10 steps: any machine")
     parser.add_argument("--emulate", action="store_true",
