@@ -26,6 +26,8 @@
 #   MATRIX_ARGS="--epochs 10" bash tools/gpu/batch.sh tf-setup tf-build jax-build matrix-jax matrix-tf
 #     # the matrix with tuning's share of its 10-epoch first fits (bench_matrix.py --shares)
 #   bash tools/gpu/batch.sh profile-small-torch  # where a small model's step goes
+#   KNOBS_ARGS="--jit auto" bash tools/gpu/batch.sh knobs-jax knobs-torch   # Keras' knobs, small shapes
+#     # then, here: python bench/bench_knobs.py --table knobs_jax.json knobs_torch.json --peer matrix_pytorch.json
 #   bash tools/gpu/batch.sh host-small-torch     # rnnfuse's own host time a step, kernels faked
 #   bash tools/gpu/batch.sh core-small-torch     # the core's small steps: GPU time vs host time
 #   AGREE_ARGS="--shapes gru3x64,lstm4x512" bash tools/gpu/batch.sh online-agreement-torch
@@ -155,6 +157,13 @@ run_stage() {
       bench_stage $stage $backend $(limit $stage 300) matrix_${backend}${BENCH_TAG}.json \
         "fit_ms|^share |ERROR|Error" python3 bench/bench_matrix.py \
         $([ $backend = pytorch ] && echo --backend pytorch) ${MATRIX_ARGS} ;;
+    knobs-tf|knobs-torch|knobs-jax)
+      # Keras' steps_per_execution and jit_compile on the small shapes
+      # (bench/bench_knobs.py); KNOBS_ARGS: its arguments (torch: --jit auto
+      # leaves torch.compile out, whose first calls take minutes).
+      local backend=${stage#knobs-}
+      bench_stage $stage $backend $(limit $stage 300) knobs_${backend}${BENCH_TAG}.json \
+        "^knob|ERROR|Error" python3 bench/bench_knobs.py ${KNOBS_ARGS} ;;
     whole-fit-tf|whole-fit-torch|whole-fit-jax)
       # Whole fit(epochs=1) and fit(epochs=10) calls, each model in its own
       # fresh process with an empty plan cache (bench/bench_whole_fit.py);

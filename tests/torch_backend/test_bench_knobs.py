@@ -1,0 +1,65 @@
+"""The knobs benchmark's own logic (bench/bench_knobs.py) on the CPU with a
+tiny shape and a fake clock: every setting is recorded per model, a
+setting Keras refuses is recorded as its error, and the table reads the
+optimized model's best setting against the PyTorch loop."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+import pytest
+
+BENCH = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "bench")
+sys.path.insert(0, BENCH)
+
+import bench_knobs  # noqa: E402
+
+
+class _Clock:
+    """Moves 8 ms each time it is read: a timed fit of 2 steps reads 4 ms a step."""
+
+    def __init__(self):
+        self.t = 0.0
+
+    def __call__(self):
+        self.t += 0.008
+        return self.t
+
+
+def test_a_run_records_each_setting_and_the_table_reads_it(tmp_path, monkeypatch):
+    monkeypatch.setattr(bench_knobs, "clock", _Clock())
+    out = tmp_path / "knobs.json"
+    assert bench_knobs.main(["--quick", "--shapes", "gru3x64", "--spe", "1,2", "--jit", "auto",
+                             "--steps", "2", "--out", str(out)]) == 0
+    run = json.loads(out.read_text())
+    assert run["meta"]["backend"] == "torch"
+    (row,) = run["results"]
+    one, two = row["settings"]
+    assert (one["spe"], one["jit"], two["spe"]) == (1, "auto", 2)
+    assert one["ms"] == {"original": pytest.approx(4.0), "optimized": pytest.approx(4.0)}
+    # Keras' torch trainer takes one step an execution: the refusal is the result.
+    assert all("steps_per_execution" in two["ms"][m] for m in ("original", "optimized"))
+    peer = tmp_path / "pt.json"
+    peer.write_text(json.dumps({"meta": {"backend": "pytorch"},
+                                "results": [{"shape_name": "gru3x64", "fit_ms": {"pytorch": 2.0}}]}))
+    lines = bench_knobs.table([str(out)], str(peer)).splitlines()
+    assert lines[0] == "| shape | torch | PyTorch loop |"
+    assert lines[2].startswith("| gru3x64 | 4.00 ms (steps_per_execution=1, jit_compile=auto, "
+                               "2.00x the loop; Keras' model at best 4.00) | 2.00 ms |")
+
+
+def test_a_bad_setting_is_named_with_the_fix(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        bench_knobs.main(["--jit", "maybe", "--out", "x.json"])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert "--jit auto, true or false" in err and "--jit 'maybe'" in err
+
+
+def test_the_examples_hold():
+    import doctest
+
+    result = doctest.testmod(bench_knobs)
+    assert result.attempted > 0 and result.failed == 0
