@@ -62,9 +62,11 @@ def measure(shape: dict, setting: tuple, steps: int) -> dict:
     spe, jit = setting
     x, y, _ = bench_matrix.data(shape)
     xs, ys = np.concatenate([x] * steps), np.concatenate([y] * steps)
-    base = bench_matrix.build_keras(shape)
     out = {}
-    for name, model in (("original", base), ("optimized", rnnfuse.optimize(base, cache=False))):
+    # Each built apart: a fit that fails leaves its model's variables unusable.
+    for name, model in (("original", bench_matrix.build_keras(shape)),
+                        ("optimized", rnnfuse.optimize(bench_matrix.build_keras(shape),
+                                                       cache=False))):
         try:
             model.compile(optimizer="adam", loss="mse", steps_per_execution=spe, jit_compile=jit)
             model.fit(xs, ys, batch_size=shape["batch"], epochs=1, verbose=0)  # traces, tuning

@@ -184,10 +184,11 @@ def cell_shape(cell: str) -> dict:
     if cell[:1].islower():
         from bench_matrix import SHAPES
 
-        if cell not in SHAPES or SHAPES[cell]["kind"] == "plstm":
+        built = {n: s for n, s in SHAPES.items() if s["kind"] != "plstm"}  # `build`'s kinds
+        if cell not in built:
             raise ValueError(f"cell {cell!r}: not a shape of bench_matrix.SHAPES this bench "
-                             f"builds; choose from {', '.join(n for n, s in SHAPES.items() if s['kind'] != 'plstm')}")
-        return dict(SHAPES[cell], masked=bool(SHAPES[cell].get("masked")))
+                             f"builds; choose from {', '.join(built)}")
+        return dict(built[cell], masked=bool(built[cell].get("masked")))
     if cell.startswith("A"):
         return dict(ANCHORS[int(cell[1:]) - 1])
     return draw_shapes(30)[int(cell) - 1]
