@@ -251,6 +251,23 @@ def wavefront_stack(kind: str = "lstm", layers: int = 2, units: int = 8, steps: 
                        last_return_sequences=True, **kwargs)
 
 
+def bidirectional_stack(kind: str = "lstm", merge_mode: str = "concat", layers: int = 2,
+                        units: int = 8, steps: int = 7, *, features: int = 5,
+                        masked: bool = False, initial_state: bool = False) -> keras.Model:
+    """Keras Bidirectional LSTM or GRU layers, each returning sequences, over
+    [steps, features]: a Masking layer first where `masked`; where
+    `initial_state`, the first layer's states are model inputs."""
+    rnn = keras.layers.LSTM if kind == "lstm" else keras.layers.GRU
+    inp = keras.Input((steps, features))
+    states = [keras.Input((units,)) for _ in range(4 if kind == "lstm" else 2)]
+    x = keras.layers.Masking(0.0)(inp) if masked else inp
+    for i in range(layers):
+        wrapped = keras.layers.Bidirectional(rnn(units, return_sequences=True),
+                                             merge_mode=merge_mode)
+        x = wrapped(x, initial_state=states) if initial_state and i == 0 else wrapped(x)
+    return keras.Model([inp, *states] if initial_state else inp, x)
+
+
 def wavefront_inputs(batch: int = 4, steps: int = 7, seed: int = 0) -> np.ndarray:
     """float32 [batch, steps, 5] standard-normal inputs for `wavefront_stack`."""
     return np.random.default_rng(seed).standard_normal((batch, steps, 5)).astype("float32")

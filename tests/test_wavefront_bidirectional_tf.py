@@ -20,7 +20,8 @@ import tensorflow as tf
 import tensorflow.experimental.numpy as tnp
 
 import rnnfuse
-from builders import fused_layers, max_abs_diff, wavefront_inputs, wavefront_mask
+from builders import (bidirectional_stack, fused_layers, max_abs_diff, wavefront_inputs,
+                      wavefront_mask)
 from cudnn_reference import cudnn_rnn
 from fake_clock import FakeTimer
 from rnnfuse.backends import tensorflow as tf_backend
@@ -171,19 +172,6 @@ def test_clear_errors():
 # -- the backend: Keras' Bidirectional layers, the switch, the tuner --------------------------
 
 
-def _bi_model(kind="lstm", merge_mode="concat", layers=2, units=8, steps=7,
-              initial_state=False):
-    rnn = keras.layers.LSTM if kind == "lstm" else keras.layers.GRU
-    inp = keras.Input((steps, 5))
-    states = [keras.Input((units,)) for _ in range(4 if kind == "lstm" else 2)]
-    x = inp
-    for i in range(layers):
-        wrapped = keras.layers.Bidirectional(rnn(units, return_sequences=True),
-                                             merge_mode=merge_mode)
-        x = wrapped(x, initial_state=states) if initial_state and i == 0 else wrapped(x)
-    return keras.Model([inp, *states] if initial_state else inp, x)
-
-
 def _fused(model, layers):
     plan = Plan((layers,), kernel="wavefront")
     (layer,) = fused_layers(rnnfuse.optimize(model, tune=False, plan=lambda g: plan))
@@ -200,7 +188,7 @@ def _outputs_and_grads(layer, x, weights, training=True, **kwargs):
 
 def _keras_case(kind, merge_mode, layers, masked, initial):
     """(the fused layer on the plan, x, weights, call kwargs)."""
-    layer = _fused(_bi_model(kind, merge_mode, layers, initial_state=initial), layers)
+    layer = _fused(bidirectional_stack(kind, merge_mode, layers, initial_state=initial), layers)
     kwargs = {}
     if masked:
         kwargs["mask"] = tf.constant(wavefront_mask())
@@ -260,7 +248,7 @@ def test_an_inference_call_runs_the_op_a_direction_with_cudnns_gradient(enabled,
 
 
 def test_while_the_switch_is_off_cudnn_runs_with_the_reason(faked, half):
-    model = _bi_model()
+    model = bidirectional_stack()
     layer = _fused(model, 2)
     x = wavefront_inputs()
     y = layer(x, training=False)
@@ -271,7 +259,7 @@ def test_while_the_switch_is_off_cudnn_runs_with_the_reason(faked, half):
 
 
 def test_a_layer_the_kernel_refuses_runs_cudnn_with_the_reason(enabled, half):
-    model = _bi_model(layers=1, units=64)
+    model = bidirectional_stack(layers=1, units=64)
     layer = _fused(model, 1)
     x = wavefront_inputs()
     y = layer(x, training=True)
@@ -282,16 +270,16 @@ def test_a_layer_the_kernel_refuses_runs_cudnn_with_the_reason(enabled, half):
 
 
 def test_the_tuner_is_offered_the_plan_only_with_the_switch_on(faked, half, monkeypatch):
-    (group,) = rnnfuse.analyze(_bi_model()).groups
+    (group,) = rnnfuse.analyze(bidirectional_stack()).groups
     assert bidir.BIDIRECTIONAL_OFF == tf_backend.kernel_reason("wavefront", group, (4, 7, 5))
     monkeypatch.setattr(bidir, "BIDIRECTIONAL", True)
     assert tf_backend.kernel_reason("wavefront", group, (4, 7, 5), training=True) is None
     assert sorted(faked.asked) == [("lstm", 1, 8, 4, 7, 5), ("lstm", 1, 8, 4, 7, 16)]
-    (wide,) = rnnfuse.analyze(_bi_model(units=64)).groups
+    (wide,) = rnnfuse.analyze(bidirectional_stack(units=64)).groups
     assert tf_backend.kernel_reason("wavefront", wide, (4, 7, 5)) == \
         "1 layers of 64 units do not fit on chip"
     keras.config.set_dtype_policy("float32")
-    (group32,) = rnnfuse.analyze(_bi_model()).groups
+    (group32,) = rnnfuse.analyze(bidirectional_stack()).groups
     assert "not float32" in tf_backend.kernel_reason("wavefront", group32, (4, 7, 5))
 
 
@@ -299,7 +287,7 @@ def test_the_tuner_is_offered_the_plan_only_with_the_switch_on(faked, half, monk
 def test_the_tuner_times_the_plan_with_the_switch_on(faked, half, monkeypatch, training):
     monkeypatch.setattr(tuner, "_steps", lambda group, plans, *a, **k: {p.name: None
                                                                         for p in plans})
-    groups = rnnfuse.analyze(_bi_model("gru")).groups
+    groups = rnnfuse.analyze(bidirectional_stack("gru")).groups
 
     def tune():
         timer = FakeTimer({"per-layer": 2.0, "fused": 1.0, "fused on wavefront": 0.5})
@@ -322,7 +310,7 @@ def test_tune_times_the_plan_with_the_switch_on(enabled, half):
     traced training step on the composition, kept after its gradient check."""
     from rnnfuse.api import choose_plans
 
-    model = _bi_model()
+    model = bidirectional_stack()
     (result,) = choose_plans(model, rnnfuse.analyze(model).groups,
                              tune=rnnfuse.TuneShape(4, 7), cache=False)
     assert result.source == "measured"

@@ -1,6 +1,6 @@
 """The GPU tests' comparison of an optimized model with its original: the
 worst relative difference of the outputs and of the gradients, each held to
-its tolerance.
+its tolerance, and the float32 twin on Keras' generic loop compared with.
 
     >>> worst_within([([1.0], [2.0]), ([1.0], [2.0])], lambda a, b: abs(a - b),
     ...              out_tol=0, grad_tol=0)
@@ -11,7 +11,11 @@ its tolerance.
 
 from __future__ import annotations
 
+import keras
 import numpy as np
+
+import rnnfuse
+from rnnfuse.plan import Plan
 
 
 def rel(a, b) -> float:
@@ -32,3 +36,22 @@ def worst_within(results, rel, *, out_tol: float, grad_tol: float) -> tuple[floa
     assert worst_out <= out_tol, worst_out
     assert worst_grad <= grad_tol, worst_grad
     return float(worst_out), float(worst_grad)
+
+
+def fused_and_generic_twin(build, policy: str):
+    """(`build()` in `policy` optimized onto the wavefront plan, `build()`
+    in float32 with every RNN layer on Keras' generic loop, holding the
+    first's weights in variables of its own)."""
+    keras.config.set_dtype_policy(policy)
+    model = build()
+    fast = rnnfuse.optimize(model, tune=False,
+                            plan=lambda g: Plan((g.num_layers,), kernel="wavefront"))
+    keras.config.set_dtype_policy("float32")
+    twin = build()
+    for layer in twin.layers:
+        for rnn in (layer, getattr(layer, "forward_layer", None),
+                    getattr(layer, "backward_layer", None)):
+            if hasattr(rnn, "use_cudnn"):
+                rnn.use_cudnn = False
+    twin.set_weights(model.get_weights())
+    return fast, twin

@@ -1,7 +1,7 @@
 """What the JAX wavefront GPU tests share: the device they run on (a Hopper
 GPU, or with RNNFUSE_GPU_DRYRUN=1 the CPU with the emulated FFI calls of
 tests/jax_backend/wavefront_emulation.py, to check the tests themselves),
-a spy on the FFI targets traced into each step, and the models compared.
+and a spy on the FFI targets traced into each step.
 
     >>> len(HOPPER), DRYRUN in (True, False)
     (4, True)
@@ -13,12 +13,9 @@ import os
 import sys
 
 import jax
-import keras
 import pytest
 
-import rnnfuse
 from rnnfuse.backends.jax import wavefront
-from rnnfuse.plan import Plan
 
 DRYRUN = bool(os.environ.get("RNNFUSE_GPU_DRYRUN"))
 HOPPER = ("H100", "H200", "H800", "GH200")
@@ -50,22 +47,3 @@ def traced_targets(monkeypatch) -> list[str]:
 
     monkeypatch.setattr(wavefront, "ffi_call", spy)
     return targets
-
-
-def fused_and_generic_twin(build, policy: str):
-    """(`build()` in `policy` optimized onto the wavefront plan, `build()`
-    in float32 with every RNN layer on Keras' generic loop, holding the
-    first's weights in variables of its own)."""
-    keras.config.set_dtype_policy(policy)
-    model = build()
-    fast = rnnfuse.optimize(model, tune=False,
-                            plan=lambda g: Plan((g.num_layers,), kernel="wavefront"))
-    keras.config.set_dtype_policy("float32")
-    twin = build()
-    for layer in twin.layers:
-        for rnn in (layer, getattr(layer, "forward_layer", None),
-                    getattr(layer, "backward_layer", None)):
-            if hasattr(rnn, "use_cudnn"):
-                rnn.use_cudnn = False
-    twin.set_weights(model.get_weights())
-    return fast, twin

@@ -27,11 +27,10 @@ if keras.backend.backend() != "jax":
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
-from builders import fused_layers  # noqa: E402
-from gpu_compare import rel as _rel  # noqa: E402
+from builders import bidirectional_stack, fused_layers  # noqa: E402
+from gpu_compare import fused_and_generic_twin, rel as _rel  # noqa: E402
 from gpu_report import report  # noqa: E402
-from jax_wavefront_device import (DRYRUN, fused_and_generic_twin,  # noqa: E402
-                                  hopper_or_emulation, traced_targets)
+from jax_wavefront_device import DRYRUN, hopper_or_emulation, traced_targets  # noqa: E402
 from rnnfuse.backends.jax import wavefront  # noqa: E402
 from rnnfuse.backends.jax import wavefront_bidirectional as bidir  # noqa: E402
 
@@ -51,21 +50,12 @@ def traced(monkeypatch):
     return traced_targets(monkeypatch)
 
 
-def _bi_model(kind, layers, units, steps, merge_mode, masked):
-    rnn = keras.layers.LSTM if kind == "lstm" else keras.layers.GRU
-    inp = keras.Input((steps, FEATURES))
-    x = keras.layers.Masking(0.0)(inp) if masked else inp
-    for _ in range(layers):
-        x = keras.layers.Bidirectional(rnn(units, return_sequences=True),
-                                       merge_mode=merge_mode)(x)
-    return keras.Model(inp, x)
-
-
 def _models(kind, layers, units, steps, merge_mode, masked):
     """(the fused mixed_float16 model on the wavefront plan, the same layers
     in float32 on Keras' generic loop with its weights)."""
     return fused_and_generic_twin(
-        lambda: _bi_model(kind, layers, units, steps, merge_mode, masked), "mixed_float16")
+        lambda: bidirectional_stack(kind, merge_mode, layers, units, steps, features=FEATURES,
+                                    masked=masked), "mixed_float16")
 
 
 def _outputs_and_grads(model, x, weights):

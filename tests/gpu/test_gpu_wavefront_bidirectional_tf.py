@@ -33,15 +33,13 @@ if keras.backend.backend() != "tensorflow":
 import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
-import rnnfuse  # noqa: E402
-from builders import fused_layers  # noqa: E402
-from gpu_compare import rel as _rel  # noqa: E402
+from builders import bidirectional_stack, fused_layers  # noqa: E402
+from gpu_compare import fused_and_generic_twin, rel as _rel  # noqa: E402
 from gpu_report import report  # noqa: E402
 from rnnfuse.backends import tensorflow as tf_backend  # noqa: E402
 from rnnfuse.backends.tensorflow import op_build, wavefront_op  # noqa: E402
 from rnnfuse.backends.tensorflow import wavefront_bidirectional as bidir  # noqa: E402
 from rnnfuse.backends.tensorflow import wavefront_training  # noqa: E402
-from rnnfuse.plan import Plan  # noqa: E402
 
 # The op loads with RNNFUSE_DISABLE_OP unset (tests/gpu/conftest.py).
 pytestmark = pytest.mark.cudnn_op
@@ -85,31 +83,12 @@ def traced(monkeypatch):
     return names
 
 
-def _bi_model(kind, layers, units, steps, merge_mode, masked):
-    rnn = keras.layers.LSTM if kind == "lstm" else keras.layers.GRU
-    inp = keras.Input((steps, FEATURES))
-    x = keras.layers.Masking(0.0)(inp) if masked else inp
-    for _ in range(layers):
-        x = keras.layers.Bidirectional(rnn(units, return_sequences=True),
-                                       merge_mode=merge_mode)(x)
-    return keras.Model(inp, x)
-
-
-def _models(*args):
+def _models(kind, layers, units, steps, merge_mode, masked):
     """(the model in mixed_float16 optimized onto the wavefront plan, the
     same layers in float32 on Keras' generic loop with its weights)."""
-    keras.config.set_dtype_policy("mixed_float16")
-    model = _bi_model(*args)
-    fast = rnnfuse.optimize(model, tune=False,
-                            plan=lambda g: Plan((g.num_layers,), kernel="wavefront"))
-    keras.config.set_dtype_policy("float32")
-    twin = _bi_model(*args)
-    for layer in twin.layers:
-        for rnn in (getattr(layer, "forward_layer", None), getattr(layer, "backward_layer", None)):
-            if hasattr(rnn, "use_cudnn"):
-                rnn.use_cudnn = False
-    twin.set_weights(model.get_weights())
-    return fast, twin
+    return fused_and_generic_twin(
+        lambda: bidirectional_stack(kind, merge_mode, layers, units, steps, features=FEATURES,
+                                    masked=masked), "mixed_float16")
 
 
 def _outputs_and_grads(model, x, weights):

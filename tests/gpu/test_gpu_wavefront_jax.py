@@ -34,11 +34,10 @@ import jax.numpy as jnp  # noqa: E402
 
 import rnnfuse  # noqa: E402
 from builders import fused_layers, stack_model  # noqa: E402
-from gpu_compare import rel as _rel  # noqa: E402
+from gpu_compare import fused_and_generic_twin, rel as _rel  # noqa: E402
 from gpu_report import report  # noqa: E402
 from gpu_timing import median_seconds  # noqa: E402
-from jax_wavefront_device import (DRYRUN, fused_and_generic_twin,  # noqa: E402
-                                  hopper_or_emulation, traced_targets)
+from jax_wavefront_device import DRYRUN, hopper_or_emulation, traced_targets  # noqa: E402
 from rnnfuse.backends.jax import wavefront  # noqa: E402
 from rnnfuse.plan import Plan  # noqa: E402
 

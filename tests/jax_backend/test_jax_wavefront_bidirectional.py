@@ -18,7 +18,8 @@ import numpy as np
 import pytest
 
 import rnnfuse
-from builders import fused_layers, max_abs_diff, wavefront_inputs, wavefront_mask
+from builders import (bidirectional_stack, fused_layers, max_abs_diff, wavefront_inputs,
+                      wavefront_mask)
 from cudnn_reference import cudnn_rnn
 from rnnfuse.backends import get_backend
 from rnnfuse.backends.jax import wavefront
@@ -149,19 +150,6 @@ def test_an_odd_number_of_buffers_is_a_clear_error():
 # -- the backend: Keras' Bidirectional layers, the switch, the tuner --------------------------
 
 
-def _bi_model(kind="lstm", merge_mode="concat", layers=2, units=8, steps=7,
-              initial_state=False):
-    rnn = keras.layers.LSTM if kind == "lstm" else keras.layers.GRU
-    inp = keras.Input((steps, 5))
-    states = [keras.Input((units,)) for _ in range(4 if kind == "lstm" else 2)]
-    x = inp
-    for i in range(layers):
-        wrapped = keras.layers.Bidirectional(rnn(units, return_sequences=True),
-                                             merge_mode=merge_mode)
-        x = wrapped(x, initial_state=states) if initial_state and i == 0 else wrapped(x)
-    return keras.Model([inp, *states] if initial_state else inp, x)
-
-
 def _fused(model, layers):
     plan = Plan((layers,), kernel="wavefront")
     (layer,) = fused_layers(rnnfuse.optimize(model, tune=False, plan=lambda g: plan))
@@ -186,7 +174,7 @@ def _outputs_and_grads(layer, x, weights, **kwargs):
     ("lstm", "ave", 2, True, False), ("gru", "sum", 1, True, True)])
 def test_a_layer_on_the_plan_matches_keras_bidirectional_layers(
         enabled, half, kind, merge_mode, layers, masked, initial):
-    model = _bi_model(kind, merge_mode, layers, initial_state=initial)
+    model = bidirectional_stack(kind, merge_mode, layers, initial_state=initial)
     layer = _fused(model, layers)
     x = jnp.asarray(wavefront_inputs())
     kwargs = {}
@@ -212,7 +200,7 @@ def test_a_layer_on_the_plan_matches_keras_bidirectional_layers(
 
 
 def test_an_inference_call_runs_the_inference_target_a_direction(enabled, half):
-    layer = _fused(_bi_model("gru"), 2)
+    layer = _fused(bidirectional_stack("gru"), 2)
     x = wavefront_inputs()
     y = layer(x, training=False)
     assert _targets(enabled) == ["forward"] * 4
@@ -224,7 +212,7 @@ def test_an_inference_call_runs_the_inference_target_a_direction(enabled, half):
 
 def test_while_the_switch_is_off_the_layers_run_with_the_reason(emulated, half, monkeypatch):
     monkeypatch.setattr(bidir, "BIDIRECTIONAL", False)
-    model = _bi_model()
+    model = bidirectional_stack()
     layer = _fused(model, 2)
     x = wavefront_inputs()
     y = layer(x, training=False)
@@ -235,17 +223,17 @@ def test_while_the_switch_is_off_the_layers_run_with_the_reason(emulated, half, 
 
 def test_the_tuner_is_offered_the_plan_only_with_the_switch_on(emulated, half, monkeypatch):
     backend = get_backend()
-    (group,) = rnnfuse.analyze(_bi_model()).groups
+    (group,) = rnnfuse.analyze(bidirectional_stack()).groups
     monkeypatch.setattr(bidir, "BIDIRECTIONAL", False)
     assert bidir.BIDIRECTIONAL_OFF == backend.kernel_reason("wavefront", group, (4, 7, 5))
     monkeypatch.setattr(bidir, "BIDIRECTIONAL", True)
     assert backend.kernel_reason("wavefront", group, (4, 7, 5), training=True) is None
     assert sorted(emulated.asked) == [("lstm", 1, 8, 4, 7, 5), ("lstm", 1, 8, 4, 7, 16)]
-    (wide,) = rnnfuse.analyze(_bi_model(units=64)).groups
+    (wide,) = rnnfuse.analyze(bidirectional_stack(units=64)).groups
     assert backend.kernel_reason("wavefront", wide, (4, 7, 5)) == \
         "1 layers of 64 units do not fit on chip"
     keras.config.set_dtype_policy("float32")
-    (group32,) = rnnfuse.analyze(_bi_model()).groups
+    (group32,) = rnnfuse.analyze(bidirectional_stack()).groups
     assert "not float32" in backend.kernel_reason("wavefront", group32, (4, 7, 5))
 
 
@@ -254,7 +242,7 @@ def test_tune_times_the_plan_with_the_switch_on(enabled, half):
     jitted training step on the composition, kept after its gradient check."""
     from rnnfuse.api import choose_plans
 
-    model = _bi_model()
+    model = bidirectional_stack()
     (result,) = choose_plans(model, rnnfuse.analyze(model).groups,
                              tune=rnnfuse.TuneShape(4, 7), cache=False)
     assert result.source == "measured"

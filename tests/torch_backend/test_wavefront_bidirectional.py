@@ -25,13 +25,13 @@ from __future__ import annotations
 
 import contextlib
 
-import keras
 import numpy as np
 import pytest
 import torch
 
 import rnnfuse
-from builders import fused_with_plan, max_abs_diff, wavefront_inputs, wavefront_mask
+from builders import (bidirectional_stack, fused_with_plan, max_abs_diff, wavefront_inputs,
+                      wavefront_mask)
 from rnnfuse.backends.cuda import library
 from rnnfuse.backends.torch import streams, wavefront, wavefront_bidirectional as bidir
 from rnnfuse.plan import FUSED, Plan
@@ -367,20 +367,10 @@ def enabled(monkeypatch, fake_op):
     return fake_op
 
 
-def _bi_model(kind="lstm", merge_mode="concat", layers=2, units=8, steps=7):
-    rnn = keras.layers.LSTM if kind == "lstm" else keras.layers.GRU
-    inp = keras.Input((steps, 5))
-    x = inp
-    for i in range(layers):
-        x = keras.layers.Bidirectional(rnn(units, return_sequences=True, name=f"{kind}_{i}"),
-                                       merge_mode=merge_mode, name=f"bi_{i}")(x)
-    return keras.Model(inp, x)
-
-
 @pytest.mark.parametrize("kind", ["lstm", "gru"])
 @pytest.mark.parametrize("merge_mode", ["concat", "sum", "ave"])
 def test_an_inference_call_runs_one_launch_a_layer(enabled, half, kind, merge_mode):
-    model = _bi_model(kind, merge_mode)
+    model = bidirectional_stack(kind, merge_mode)
     layer = fused_with_plan(model, WAVEFRONT)
     x = wavefront_inputs()
     with torch.no_grad():
@@ -395,7 +385,7 @@ def test_an_inference_call_runs_one_launch_a_layer(enabled, half, kind, merge_mo
 
 
 def test_a_masked_call_reverses_each_row_within_its_length(enabled, half):
-    model = _bi_model()
+    model = bidirectional_stack()
     layer = fused_with_plan(model, WAVEFRONT)
     x = wavefront_inputs()
     mask = wavefront_mask()
@@ -408,7 +398,7 @@ def test_a_masked_call_reverses_each_row_within_its_length(enabled, half):
 @pytest.mark.parametrize("kind", ["lstm", "gru"])
 def test_a_training_call_runs_a_launch_a_direction_with_the_kernels_gradient(
         enabled, fake_training, half, kind):
-    model = _bi_model(kind, "sum")
+    model = bidirectional_stack(kind, "sum")
     layer = fused_with_plan(model, WAVEFRONT)
     x = wavefront_inputs()
     weights = torch.tensor(np.random.default_rng(3).standard_normal((4, 7, 8)),
@@ -434,7 +424,7 @@ def test_a_training_call_runs_a_launch_a_direction_with_the_kernels_gradient(
 
 def test_while_the_switch_is_off_cudnn_runs_with_the_reason(fake_op, half, monkeypatch):
     monkeypatch.setattr(library, "BIDIRECTIONAL", False)
-    layer = fused_with_plan(_bi_model(), WAVEFRONT)
+    layer = fused_with_plan(bidirectional_stack(), WAVEFRONT)
     with torch.no_grad():
         layer(wavefront_inputs(), training=False)
     assert fake_op.calls == []
@@ -453,7 +443,7 @@ def test_the_tuner_times_a_bidirectional_stack_for_inference_and_training(
             self.names.append(sorted(steps))
             return {n: {"median": self.medians.get(n, 1.0)} for n in steps}
 
-    groups = rnnfuse.analyze(_bi_model()).groups
+    groups = rnnfuse.analyze(bidirectional_stack()).groups
     timer = Timer({"per-layer": 2.0, "fused": 1.0, "fused on wavefront": 0.5})
     (result,) = tune_plans(groups, lambda g: (4, 7, 5), training=False, measure=timer,
                            progress=False)
