@@ -313,6 +313,21 @@ def bidirectional_reason(kind: str, units: int, batch: int, steps: int, input_si
     return None
 
 
+def directions_composed_reason(kind: str, units: int, batch: int, steps: int, input_size: int,
+                               *, training: bool = False, ordinal: int = 0) -> str | None:
+    """Why the TensorFlow and JAX compositions (one-layer calls a direction)
+    cannot run: each layer's plan at the input width and 2H (and backward).
+
+    >>> reason = directions_composed_reason("gru", 512, 32, 500, 512, training=True)
+    >>> reason is None or isinstance(reason, str)
+    True"""
+    for width in sorted({int(input_size), 2 * int(units)}):
+        reason = device_reason(kind, 1, units, int(batch), int(steps), width, ordinal)
+        if reason is not None:
+            return reason
+    return backward_reason(kind, units, int(batch), int(steps), ordinal) if training else None
+
+
 # Default variants (wavefront.cuh, "Variants"): another only once shown exact and faster.
 FORWARD_VARIANT = 0
 STACK_BACKWARD_VARIANT = 0

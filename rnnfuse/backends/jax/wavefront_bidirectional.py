@@ -13,6 +13,7 @@ from typing import Any, Sequence
 import jax
 import jax.numpy as jnp
 
+from rnnfuse.backends import directions
 from rnnfuse.backends.jax import wavefront
 
 __all__ = ["ALGORITHM", "BIDIRECTIONAL", "BIDIRECTIONAL_OFF", "forward", "pack_directions",
@@ -39,29 +40,13 @@ def reverse_within_lengths(x, lengths) -> jax.Array:
 
 
 def forward(x, params: Sequence[Any], h0, c0, lengths, *, kind: str, backward: str = "layer"):
-    """x [T, B, I]; params: a one-layer canonical buffer per pseudo layer
-    (layer-major, forward first); h0, c0 [2L, B, H]. Returns (y [T, B, 2H],
-    hy [2L, B, H], cy or None), differentiable.
+    """`directions.compose` on `wavefront.forward`, differentiable."""
+    def one_layer(src, flat, h0_k, c0_k):
+        return wavefront.forward(src, flat, h0_k, c0_k, lengths, kind=kind, backward=backward)
 
-    Raises:
-        ValueError: an odd number of buffers, or `wavefront.forward`'s errors."""
-    if not params or len(params) % 2:
-        raise ValueError("wavefront_bidirectional.forward: expected a buffer for each direction "
-                         f"of each layer; received {len(params)}")
-    inp, hys, cys = x, [], []
-    for k, flat in enumerate(params):
-        if k % 2 == 0:
-            outs = []
-        src = inp if k % 2 == 0 else reverse_within_lengths(inp, lengths)
-        y, hy, cy = wavefront.forward(src, flat, h0[k:k + 1],
-                                      None if c0 is None else c0[k:k + 1], lengths, kind=kind,
-                                      backward=backward)
-        outs.append(y if k % 2 == 0 else reverse_within_lengths(y, lengths))
-        hys.append(hy)
-        cys.append(cy)
-        if k % 2:
-            inp = jnp.concatenate(outs, axis=-1)
-    return inp, jnp.concatenate(hys), (jnp.concatenate(cys) if kind == "lstm" else None)
+    return directions.compose(x, params, h0, c0, one_layer=one_layer,
+                              reverse=lambda t: reverse_within_lengths(t, lengths),
+                              concat=lambda parts, axis: jnp.concatenate(parts, axis))
 
 
 def pack_directions(stack, dtype) -> list:
@@ -93,12 +78,8 @@ def unsupported_reason(kind: str, num_layers: int, units: int, dtype: str, batch
 
     reason = structure_reason(kind, dtype, proj_size=proj_size, dropout=dropout)
     reason = reason or wavefront.register()
-    for width in sorted({int(input_size), 2 * int(units)}):
-        reason = reason or library.device_reason(kind, 1, units, int(batch), int(steps), width,
-                                                 wavefront._ORDINAL)
-    if reason is None and training:
-        reason = library.backward_reason(kind, units, int(batch), int(steps), wavefront._ORDINAL)
-    return reason
+    return reason or library.directions_composed_reason(
+        kind, units, batch, steps, input_size, training=training, ordinal=wavefront._ORDINAL)
 
 
 def run_stack(sequences, call) -> Any:

@@ -13,6 +13,7 @@ from typing import Any, Sequence
 
 import tensorflow as tf
 
+from rnnfuse.backends import directions
 from rnnfuse.backends.tensorflow import wavefront_op, wavefront_training
 
 __all__ = ["ALGORITHM", "BIDIRECTIONAL", "BIDIRECTIONAL_OFF", "forward", "pack_directions",
@@ -39,32 +40,16 @@ def reverse_within_lengths(x, lengths) -> tf.Tensor:
 
 def forward(x, params: Sequence[Any], h0, c0, lengths, *, kind: str, training: bool = False,
             backward: str = "layer"):
-    """x [T, B, I]; params: a one-layer canonical buffer per pseudo layer
-    (layer-major, forward first); h0, c0 [2L, B, H]. Returns (y [T, B, 2H],
-    hy [2L, B, H], cy or None); `training`: differentiable (the kernels').
-
-    Raises:
-        ValueError: an odd number of buffers."""
-    if not params or len(params) % 2:
-        raise ValueError("wavefront_bidirectional.forward: expected a buffer for each direction "
-                         f"of each layer; received {len(params)}")
-    inp, hys, cys = x, [], []
-    for k, flat in enumerate(params):
-        if k % 2 == 0:
-            outs = []
-        src = inp if k % 2 == 0 else reverse_within_lengths(inp, lengths)
-        c0_k = None if c0 is None else c0[k:k + 1]
+    """`directions.compose` on the wavefront ops (`training`: the kernels' gradient)."""
+    def one_layer(src, flat, h0_k, c0_k):
         if training:
-            y, hy, cy = wavefront_training.trainable_forward(
-                src, flat, h0[k:k + 1], c0_k, lengths, backward=backward, kind=kind)
-        else:
-            y, hy, cy = wavefront_op.forward(src, flat, h0[k:k + 1], c0_k, lengths, kind=kind)
-        outs.append(y if k % 2 == 0 else reverse_within_lengths(y, lengths))
-        hys.append(hy)
-        cys.append(cy)
-        if k % 2:
-            inp = tf.concat(outs, axis=-1)
-    return inp, tf.concat(hys, 0), (tf.concat(cys, 0) if kind == "lstm" else None)
+            return wavefront_training.trainable_forward(src, flat, h0_k, c0_k, lengths,
+                                                        backward=backward, kind=kind)
+        return wavefront_op.forward(src, flat, h0_k, c0_k, lengths, kind=kind)
+
+    return directions.compose(x, params, h0, c0, one_layer=one_layer,
+                              reverse=lambda t: reverse_within_lengths(t, lengths),
+                              concat=lambda parts, axis: tf.concat(parts, axis))
 
 
 def pack_directions(stack, dtype) -> list:
@@ -97,11 +82,8 @@ def unsupported_reason(kind: str, num_layers: int, units: int, dtype: Any, batch
 
     reason = structure_reason(kind, dtype, proj_size=proj_size, dropout=dropout)
     reason = reason or wavefront_training.op_unavailable()
-    for width in sorted({int(input_size), 2 * int(units)}):
-        reason = reason or library.device_reason(kind, 1, units, int(batch), int(steps), width)
-    if reason is None and training:
-        reason = library.backward_reason(kind, units, int(batch), int(steps))
-    return reason
+    return reason or library.directions_composed_reason(kind, units, batch, steps, input_size,
+                                                        training=training)
 
 
 def _run(sequences, call, training: bool):
