@@ -52,8 +52,8 @@ def enabled(monkeypatch, faked):
     return faked
 
 
-def test_the_switch_ships_off():
-    assert bidir.BIDIRECTIONAL is False
+def test_the_switch_ships_on_and_its_reason_names_it():
+    assert bidir.BIDIRECTIONAL is True
     assert "wavefront_bidirectional.BIDIRECTIONAL" in bidir.BIDIRECTIONAL_OFF
 
 
@@ -247,7 +247,8 @@ def test_an_inference_call_runs_the_op_a_direction_with_cudnns_gradient(enabled,
     assert all(np.max(np.abs(g)) > 0 for g in got[1])
 
 
-def test_while_the_switch_is_off_cudnn_runs_with_the_reason(faked, half):
+def test_while_the_switch_is_off_cudnn_runs_with_the_reason(faked, half, monkeypatch):
+    monkeypatch.setattr(bidir, "BIDIRECTIONAL", False)
     model = bidirectional_stack()
     layer = _fused(model, 2)
     x = wavefront_inputs()
@@ -270,6 +271,7 @@ def test_a_layer_the_kernel_refuses_runs_cudnn_with_the_reason(enabled, half):
 
 
 def test_the_tuner_is_offered_the_plan_only_with_the_switch_on(faked, half, monkeypatch):
+    monkeypatch.setattr(bidir, "BIDIRECTIONAL", False)
     (group,) = rnnfuse.analyze(bidirectional_stack()).groups
     assert bidir.BIDIRECTIONAL_OFF == tf_backend.kernel_reason("wavefront", group, (4, 7, 5))
     monkeypatch.setattr(bidir, "BIDIRECTIONAL", True)
@@ -285,6 +287,7 @@ def test_the_tuner_is_offered_the_plan_only_with_the_switch_on(faked, half, monk
 
 @pytest.mark.parametrize("training", [False, True])
 def test_the_tuner_times_the_plan_with_the_switch_on(faked, half, monkeypatch, training):
+    monkeypatch.setattr(bidir, "BIDIRECTIONAL", False)
     monkeypatch.setattr(tuner, "_steps", lambda group, plans, *a, **k: {p.name: None
                                                                         for p in plans})
     groups = rnnfuse.analyze(bidirectional_stack("gru")).groups

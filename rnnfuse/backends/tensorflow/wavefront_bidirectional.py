@@ -2,7 +2,7 @@
 each direction a one-layer call (`wavefront_op.forward`; training:
 `wavefront_training.trainable_forward`, the kernels' gradient), direction
 1 over the input reversed within lengths and its output reversed back,
-concatenated. Off (`BIDIRECTIONAL`) until its GPU test passes.
+concatenated. `BIDIRECTIONAL` switches it off.
 
     >>> y, hy, cy = forward(x, params, h0, c0, None, kind="lstm")  # doctest: +SKIP
 """
@@ -20,7 +20,7 @@ __all__ = ["ALGORITHM", "BIDIRECTIONAL", "BIDIRECTIONAL_OFF", "forward", "pack_d
            "reverse_within_lengths", "run_differentiable", "run_stack", "run_trainable",
            "structure_reason", "unsupported_reason"]
 
-BIDIRECTIONAL = False
+BIDIRECTIONAL = True
 BIDIRECTIONAL_OFF = ("bidirectional layers on the wavefront kernel are switched off under "
                      "TensorFlow (rnnfuse.backends.tensorflow.wavefront_bidirectional."
                      "BIDIRECTIONAL)")
