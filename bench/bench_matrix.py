@@ -160,11 +160,11 @@ def _interleaved_calls(pair, call, rounds: int) -> dict:
 
 
 class _Stopwatch:
-    """Wraps `owner.name` while on and adds up the seconds spent in it (the
-    tuner's `choose_plans` inside `optimize`)."""
+    """Wraps `owner.name` while on, adds up the seconds spent in it (the
+    tuner's `choose_plans` inside `optimize`) and keeps what it returned."""
 
     def __init__(self, owner, name: str):
-        self.owner, self.name, self.seconds = owner, name, 0.0
+        self.owner, self.name, self.seconds, self.returned = owner, name, 0.0, []
 
     def __enter__(self):
         real = self.real = getattr(self.owner, self.name)
@@ -172,7 +172,9 @@ class _Stopwatch:
         def timed(*args, **kwargs):
             start = clock()
             try:
-                return real(*args, **kwargs)
+                result = real(*args, **kwargs)
+                self.returned.append(result)
+                return result
             finally:
                 self.seconds += clock() - start
 
@@ -181,6 +183,19 @@ class _Stopwatch:
 
     def __exit__(self, *exc):
         setattr(self.owner, self.name, self.real)
+
+
+def tuned_decisions(returned: list) -> list[dict]:
+    """`optimize(tune=...)`'s choices and per-candidate step medians in ms,
+    from the `TuneResult` lists `choose_plans` returned.
+
+    >>> from types import SimpleNamespace as R
+    >>> tuned_decisions([[R(plan=R(name="fused"), source="measured", timings={"fused": 0.002})]])
+    [{'mode': 'tuned', 'chosen': 'fused', 'source': 'measured', 'timings_ms': {'fused': 2.0}}]
+    """
+    return [dict(mode="tuned", chosen=r.plan.name, source=r.source,
+                 timings_ms={k: 1e3 * v for k, v in r.timings.items()})
+            for results in returned for r in results]
 
 
 def share_line(backend: str, name: str, share: dict) -> str:
@@ -290,7 +305,7 @@ def measure_keras(shape: dict, epochs: int, epoch_steps: int, rounds: int, steps
         plans=[dict(layers=[l.name for l in f.fused_layers], plan=f.plan.name, kernel=f.plan.kernel)
                for f in fused_layers(fast)],
         decisions=[dict(mode=d.get("mode"), chosen=d.get("chosen"), timings_ms=d.get("timings_ms"))
-                   for d in decisions(fast)],
+                   for d in decisions(fast)] + tuned_decisions(tuner.returned),
         raw=dict(fit=fit),
     )
     row["fit_speedup"] = row["fit_ms"]["original"] / row["fit_ms"]["optimized"]
