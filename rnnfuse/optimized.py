@@ -14,6 +14,7 @@ fused file. `fit`/`evaluate`/`predict` choose plans on the first batch;
 
 from __future__ import annotations
 
+import functools
 import inspect
 from typing import Any
 
@@ -332,10 +333,13 @@ def as_optimized(model: keras.Model, like: keras.Model | None = None) -> keras.M
     return new
 
 
+_signature = functools.lru_cache(maxsize=None)(inspect.signature)
+
+
 def _argument(function, args: tuple, kwargs: dict, name: str) -> Any:
     """The value of parameter `name` in a call `function(self, *args,
     **kwargs)` (its default where not given)."""
-    signature = inspect.signature(function)
+    signature = _signature(function)
     bound = signature.bind_partial(None, *args, **kwargs).arguments
     return bound.get(name, signature.parameters[name].default)
 

@@ -212,7 +212,8 @@ def portable_model(model) -> keras.Model:
 
 
 def in_original_order(model, variables: list) -> list:
-    """`variables` sorted as the original (restored) model lists them."""
+    """`variables` sorted as the original (restored) model lists them (each
+    list's order found once: a training step reads `trainable_weights`)."""
     rank = model.__dict__.get("_rnnfuse_rank")
     if rank is None:
         if model.__dict__.get("_rnnfuse_ranking") or not model.built:
@@ -228,9 +229,17 @@ def in_original_order(model, variables: list) -> list:
         object.__setattr__(model, "_rnnfuse_rank", rank)
     if not rank:
         return variables
-    last = len(rank)
-    order = sorted(range(len(variables)), key=lambda i: (rank.get(id(variables[i]), last), i))
-    return [variables[i] for i in order]
+    key = tuple(map(id, variables))
+    orders = model.__dict__.get("_rnnfuse_orders")
+    if orders is None or len(orders) > 16:
+        orders = {}
+        object.__setattr__(model, "_rnnfuse_orders", orders)
+    order = orders.get(key)
+    if order is None:
+        last = len(rank)
+        order = sorted(range(len(key)), key=lambda i: (rank.get(key[i], last), i))
+        order = orders[key] = () if order == sorted(order) else tuple(order)
+    return [variables[i] for i in order] if order else variables
 
 
 def is_fused_archive(filepath: Any) -> bool:
