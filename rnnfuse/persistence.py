@@ -26,6 +26,7 @@ from keras import tree
 from keras.src.models.functional import Functional
 
 from rnnfuse.fused import FusedRNN, call_members, first_call_kwargs, fused_layers
+from rnnfuse.passes.rewrite import keep_dtype_policy
 from rnnfuse.reasons import FusionWarning
 
 __all__ = [
@@ -88,8 +89,8 @@ def _restore(model: Any) -> keras.Model:
         if isinstance(layer, (keras.Sequential, Functional)) and holds_fused(layer):
             replacements[id(layer)] = _restore(layer)
     if isinstance(model, keras.Sequential):
-        return _restore_sequential(model, replacements)
-    return _restore_functional(model, replacements)
+        return keep_dtype_policy(model, _restore_sequential(model, replacements))
+    return keep_dtype_policy(model, _restore_functional(model, replacements))
 
 
 def _restore_sequential(model, replacements) -> keras.Sequential:
@@ -212,8 +213,7 @@ def portable_model(model) -> keras.Model:
 
 
 def in_original_order(model, variables: list) -> list:
-    """`variables` sorted as the original (restored) model lists them (each
-    list's order found once: a training step reads `trainable_weights`)."""
+    """`variables` sorted as the original (restored) model lists them (each list's order once)."""
     rank = model.__dict__.get("_rnnfuse_rank")
     if rank is None:
         if model.__dict__.get("_rnnfuse_ranking") or not model.built:
