@@ -10,18 +10,15 @@ plans.
 
 from __future__ import annotations
 
-import collections
-
 import keras
 import numpy as np
 import pytest
-import torch
 
 import rnnfuse
 from builders import bidirectional_stack, fused_layers, max_abs_diff, spy_on, stack_model
 from rnnfuse.fused import FusedRNN
 from rnnfuse.tuning import per_shape
-from torch_checks import FAKE_GPU_ENV
+from torch_checks import FAKE_GPU_ENV, torch_ops
 
 
 def _fake_clock(medians):
@@ -90,17 +87,22 @@ def test_a_kept_original_group_runs_the_original_calls_and_no_wrapper_work(fake_
     assert max_abs_diff(out, model.predict_on_batch(x[:4])) == 0.0
 
 
-def _torch_ops(run) -> collections.Counter:
-    """The torch ops `run()` dispatches, by name (torch.profiler on the CPU)."""
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
-        run()
-    return collections.Counter(e.name for e in prof.events())
+def _mixed_float16(build):
+    """`build()` under mixed_float16 (the policy reset before the model is optimized)."""
+    keras.config.set_dtype_policy("mixed_float16")
+    try:
+        return build()
+    finally:
+        keras.config.set_dtype_policy("float32")
 
 
-@pytest.mark.parametrize("build", [lambda: stack_model("gru", 3, steps=6),
-                                   lambda: bidirectional_stack("lstm", layers=3, steps=6)],
-                         ids=["gru", "bidirectional_lstm"])
-def test_a_kept_original_group_dispatches_the_original_models_torch_ops(fake_gpu, build):
+@pytest.mark.parametrize("build", [
+    lambda: stack_model("gru", 3, steps=6),
+    lambda: bidirectional_stack("lstm", layers=3, steps=6),
+    # compile() gives both models a LossScaleOptimizer (the same ops a step).
+    lambda: _mixed_float16(lambda: bidirectional_stack("lstm", layers=2, steps=6)),
+], ids=["gru", "bidirectional_lstm", "bidirectional_lstm_mixed_float16"])
+def test_a_kept_original_group_dispatches_the_original_modelstorch_ops(fake_gpu, build):
     model = build()
     fast, x, y = _kept_and_fit(model)
     fast.predict(x, batch_size=4, verbose=0)
@@ -113,7 +115,7 @@ def test_a_kept_original_group_dispatches_the_original_models_torch_ops(fake_gpu
     for name, run in entry_points.items():
         for m in (model, fast):
             run(m)  # warm: Keras makes each mode's step on its first call
-        original, optimized = _torch_ops(lambda: run(model)), _torch_ops(lambda: run(fast))
+        original, optimized = torch_ops(lambda: run(model)), torch_ops(lambda: run(fast))
         assert sum(original.values()) > 50, name
         assert optimized == original, f"{name}: {optimized - original} more, {original - optimized} fewer"
 
