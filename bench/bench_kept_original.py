@@ -8,9 +8,13 @@ candidates' steps are built as in a real tuning, and a fixed clock makes
 the original layers win in both modes), then times both models side by
 side: every round runs each entry point of each model once, the order
 rotating between rounds (`rnnfuse.tuning.timing.interleaved_medians`, no
-pruning), after warm-up calls. An entry point's reading is the median of
-the per-round ratios original / optimized (1.00x: the same speed; the
-target is at least 0.99x over at least 15 rounds) beside both medians.
+pruning), after warm-up calls. Python's cyclic collector stays out of the
+timed calls (what is alive before them frozen, the young generations
+collected after each). An entry point's reading is the median of the
+per-round ratios original / optimized (1.00x: the same speed; the target
+is at least 0.99x over at least 15 rounds) with a 95% interval for it
+(order statistics: no assumption on the rounds' spread), beside both
+medians; each round's ms a step are kept in the JSON.
 
 Entry points, each timed over `--steps` batches a round: `fit` (one
 `fit(epochs=1)` call of that many batches, whole), `train_on_batch`,
@@ -27,6 +31,9 @@ bi_lstm, bi_gru; dtype a Keras dtype policy, float32 by default).
 from __future__ import annotations
 
 import argparse
+import contextlib
+import gc
+import math
 import os
 import platform
 import statistics
@@ -106,6 +113,41 @@ def kept_original(model: keras.Model) -> keras.Model:
     return fast
 
 
+def median_interval(values, level: float = 0.95) -> tuple[float, float]:
+    """An interval holding the median of the rounds' distribution with
+    probability at least `level` (binomial order statistics): the k-th
+    smallest to the k-th largest value; the whole range where there are
+    too few values for `level`.
+
+    >>> median_interval(range(1, 16))
+    (4, 12)
+    >>> median_interval([1.0, 2.0, 3.0])
+    (1.0, 3.0)
+    """
+    xs, n = sorted(values), len(values)
+    k, below = 0, 0.0
+    while k < n and below + math.comb(n, k) / 2**n <= (1 - level) / 2:
+        below += math.comb(n, k) / 2**n
+        k += 1
+    k = max(k, 1)
+    return xs[k - 1], xs[n - k]
+
+
+@contextlib.contextmanager
+def collector_between_calls():
+    """Python's cyclic collector kept out of timed calls: what is alive now
+    frozen, automatic collection off; yields the `on_step` that collects
+    the young generations after each timed call."""
+    gc.collect()
+    gc.freeze()
+    gc.disable()
+    try:
+        yield lambda name: gc.collect(1)
+    finally:
+        gc.enable()
+        gc.unfreeze()
+
+
 def measure(config: tuple, rounds: int, steps: int, warmup: int) -> list[dict]:
     (text,) = config
     cell = parse_cell(text)
@@ -132,15 +174,20 @@ def measure(config: tuple, rounds: int, steps: int, warmup: int) -> list[dict]:
     }
     row = dict(config=[text], cell=cell, rounds=rounds, steps_per_round=steps, plans=plans)
     for entry, run in runs.items():
-        timed = interleaved_medians(
-            {name: (lambda m=m, run=run: run(m)) for name, m in models.items()},
-            warmup=warmup, repeats=rounds)
+        with collector_between_calls() as collect:
+            timed = interleaved_medians(
+                {name: (lambda m=m, run=run: run(m)) for name, m in models.items()},
+                warmup=warmup, repeats=rounds, on_step=collect)
         a, b = timed["original"]["times"], timed["optimized"]["times"]
+        ratios = [o / k for o, k in zip(a, b)]
         row[entry] = dict(
             original_ms=1e3 * statistics.median(a) / steps,
             optimized_ms=1e3 * statistics.median(b) / steps,
-            ratio=statistics.median(o / k for o, k in zip(a, b)),
-            ratios=[o / k for o, k in zip(a, b)],
+            ratio=statistics.median(ratios),
+            interval_95=list(median_interval(ratios)),
+            ratios=ratios,
+            original_round_ms=[1e3 * t / steps for t in a],
+            optimized_round_ms=[1e3 * t / steps for t in b],
         )
     keras.backend.clear_session()
     return [row]
@@ -148,7 +195,8 @@ def measure(config: tuple, rounds: int, steps: int, warmup: int) -> list[dict]:
 
 def describe(row: dict) -> str:
     cell = row["cell"]
-    parts = [f"{e} {row[e]['ratio']:.3f}x ({row[e]['original_ms']:.2f} / "
+    parts = [f"{e} {row[e]['ratio']:.3f}x (95%: {row[e]['interval_95'][0]:.3f}-"
+             f"{row[e]['interval_95'][1]:.3f}; {row[e]['original_ms']:.2f} / "
              f"{row[e]['optimized_ms']:.2f} ms)" for e in ENTRY_POINTS]
     return (f"{cell['kind']} {cell['layers']}x{cell['units']} B{cell['batch']} "
             f"T{cell['steps']} {cell['dtype']}, {row['rounds']} rounds: " + ", ".join(parts))

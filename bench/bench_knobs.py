@@ -4,10 +4,15 @@ For each shape of bench/bench_matrix.py (`--shapes`, the small float32
 ones by default) and each (`steps_per_execution`, `jit_compile`) setting,
 Keras' model ("original") and `rnnfuse.optimize(model)` ("optimized") are
 compiled with it (Adam, MSE), fitted once untimed (traces, tuning), then
-timed over one warm whole `fit` of `--steps` batches: ms a step. One
+timed over one warm whole `fit` of `--steps` batches: ms a step. A
+setting refused before any step (by `compile()` or the making of the train
+step: Keras' torch trainer takes one step an execution; rnnfuse refuses
+`jit_compile=True` where a cuDNN kernel runs) is recorded as not available,
+with the reason; Keras' model refusing it skips the optimized one. One
 backend a process; `--table` sets the optimized model's best setting on
 each backend (and Keras' model's best) beside the plain PyTorch loop
-(bench_matrix.py `--backend pytorch`), with the ratio to it.
+(bench_matrix.py `--backend pytorch`), with the ratio to it, and lists
+what was not available or failed below it.
 
     KERAS_BACKEND=jax python bench/bench_knobs.py --out /tmp/knobs_jax.json
     KERAS_BACKEND=torch python bench/bench_knobs.py --jit auto --out /tmp/knobs_torch.json
@@ -33,6 +38,10 @@ SMALL = "gru3x64,rnn3x256,lstm8x128,lstm2x40"
 JIT = {"auto": "auto", "true": True, "false": False}
 # The clock of the timed fits (tests replace it with a fake one).
 clock = time.perf_counter
+XLA_REFUSAL = "not available (cuDNN ops do not compile under XLA)"
+# Refusals recorded as error text by earlier runs of this bench.
+_REFUSALS_AS_ERRORS = {"must be 1 with the PyTorch backend": None,
+                       "XLA cannot compile cuDNN ops": XLA_REFUSAL}
 
 
 def settings(spe: str, jit: str) -> list[tuple[int, object]]:
@@ -50,33 +59,80 @@ def settings(spe: str, jit: str) -> list[tuple[int, object]]:
                          f"received --spe {spe!r} --jit {jit!r}") from err
 
 
+def refusal(model, setting: tuple) -> dict | None:
+    """{"not_available": why} where `model` refuses `setting` before any step
+    runs (`compile()` or Keras making the train step raises ValueError), or None."""
+    import keras
+
+    from rnnfuse.fused import fused_layers
+
+    spe, jit = setting
+    try:
+        model.compile(optimizer="adam", loss="mse", steps_per_execution=spe, jit_compile=jit)
+        model.make_train_function()
+    except ValueError as err:
+        if jit is True and any(f.fused_call_blocks_xla for f in fused_layers(model)):
+            return {"not_available": XLA_REFUSAL}
+        return {"not_available": f"not available on {keras.backend.backend()}: {err}"}
+    return None
+
+
 def measure(shape: dict, setting: tuple, steps: int) -> dict:
-    """{model: ms a step} of one warm whole fit per model under `setting`
-    ({model: "Error: ..."} where Keras refuses it)."""
+    """{model: ms a step} of one warm whole fit per model under `setting`;
+    `refusal`'s record where a model refuses the setting (Keras' model
+    refusing it: both, the optimized model not built), "Error: ..." text
+    where a fit fails."""
     import keras
     import numpy as np
 
     import bench_matrix
     import rnnfuse
 
-    spe, jit = setting
     x, y, _ = bench_matrix.data(shape)
     xs, ys = np.concatenate([x] * steps), np.concatenate([y] * steps)
     out = {}
     # Each built apart: a fit that fails leaves its model's variables unusable.
-    for name, model in (("original", bench_matrix.build_keras(shape)),
-                        ("optimized", rnnfuse.optimize(bench_matrix.build_keras(shape),
-                                                       cache=False))):
+    for name in ("original", "optimized"):
+        model = bench_matrix.build_keras(shape)
+        if name == "optimized":
+            model = rnnfuse.optimize(model, cache=False)
+        refused = refusal(model, setting)
+        if refused is not None:
+            out[name] = refused
+            if name == "original":
+                out["optimized"] = refused
+                break
+            continue
         try:
-            model.compile(optimizer="adam", loss="mse", steps_per_execution=spe, jit_compile=jit)
             model.fit(xs, ys, batch_size=shape["batch"], epochs=1, verbose=0)  # traces, tuning
             start = clock()
             model.fit(xs, ys, batch_size=shape["batch"], epochs=1, verbose=0)
             out[name] = 1e3 * (clock() - start) / steps
-        except Exception as err:  # noqa: BLE001 - Keras refusing a setting is a result
+        except Exception as err:  # noqa: BLE001 - a failing fit is a result
             out[name] = f"{type(err).__name__}: {err}"[:300]
     keras.backend.clear_session()
     return out
+
+
+def not_available(value, backend: str) -> str | None:
+    """The reason a recorded value says the setting was not available, or
+    None (a time or a failure); reads earlier runs' error text too.
+
+    >>> not_available({"not_available": "not available on torch: no"}, "torch")
+    'not available on torch: no'
+    >>> not_available("ValueError: `steps_per_execution` must be 1 with the PyTorch backend.", "torch")
+    'not available on torch: `steps_per_execution` must be 1 with the PyTorch backend.'
+    >>> not_available(4.0, "jax") is None
+    True
+    """
+    if isinstance(value, dict):
+        return value.get("not_available")
+    if not isinstance(value, str):
+        return None
+    for text, note in _REFUSALS_AS_ERRORS.items():
+        if text in value:
+            return note or f"not available on {backend}: {value.partition(': ')[2]}"
+    return None
 
 
 def best(row: dict, model: str) -> tuple[str, float] | None:
@@ -125,7 +181,38 @@ def table(files: list[str], peer: str | None) -> str:
             cells.append(f"{ms:.2f} ms ({where}{ratio}{keras_ms})")
         ref = f"{loop[name]:.2f} ms" if name in loop else "-"
         lines.append(f"| {name} | " + " | ".join(cells) + f" | {ref} |")
-    return "\n".join(lines)
+    return "\n".join(lines + notes(runs))
+
+
+def notes(runs: list) -> list[str]:
+    """Lines below the table: per backend, the settings not available (with
+    the reason) and the fits that failed, grouped by reason."""
+    grouped: dict = {}
+    for backend, rows in runs:
+        for name, row in rows.items():
+            for s in row.get("settings", []):
+                ms = s["ms"]
+                found = {m: not_available(ms.get(m), backend) for m in ("original", "optimized")}
+                for m, value in ms.items():
+                    why = found.get(m)
+                    if why is None and isinstance(value, float):
+                        continue
+                    who = ("both models" if why is not None and len(set(found.values())) == 1
+                           else "Keras' model" if m == "original" else "the optimized model")
+                    why = why or f"failed: {value}"
+                    where = f"steps_per_execution={s['spe']}, jit_compile={s['jit']}"
+                    grouped.setdefault((backend, who, why.split(" Received:")[0]), {}).setdefault(
+                        where, set()).add(name)
+    every = {n for _, rows in runs for n in rows}
+    lines = []
+    for (backend, who, why), settings in grouped.items():
+        by_shapes: dict = {}
+        for where, shapes in settings.items():
+            by_shapes.setdefault(frozenset(shapes), []).append(where)
+        for shapes, wheres in by_shapes.items():
+            on = "every shape" if shapes == every else ", ".join(sorted(shapes))
+            lines.append(f"- {backend}, {who}, on {on}: {'; '.join(wheres)}: {why}")
+    return [""] + lines if lines else []
 
 
 def main(argv=None) -> int:

@@ -14,6 +14,7 @@ fused file. `fit`/`evaluate`/`predict` choose plans on the first batch;
 
 from __future__ import annotations
 
+import functools
 import inspect
 from typing import Any
 
@@ -22,6 +23,7 @@ from keras.src.models.functional import Functional
 from keras.src.utils import io_utils
 
 from rnnfuse.fused import FusedRNN, fused_layers
+from rnnfuse.passes.rewrite import keep_dtype_policy
 from rnnfuse.persistence import (
     copy_compile,
     export_model,
@@ -76,8 +78,7 @@ class _OptimizedMixin:
         keras.Model.jit_compile.fset(self, value)
 
     def compile(self, *args, **kwargs):
-        # Kept for first-batch tuning (the original layers as Keras would run them)
-        # and for `save`.
+        # Kept for first-batch tuning (the original layers as Keras runs them) and `save`.
         jit = _argument(keras.Model.compile, args, kwargs, "jit_compile")
         object.__setattr__(self, "_rnnfuse_jit_compile", jit)
         state = getattr(self, "_rnnfuse_autotune", None)
@@ -135,8 +136,7 @@ class _OptimizedMixin:
             return super().make_train_function(force)
         with first_batch.mode_jit_compile(self, training=True):
             made = super().make_train_function(force)
-        # With online tuning, a fit whose plans race on its own steps steps
-        # through the race (`rnnfuse.tuning.online`) until it commits.
+        # Online tuning: a fit steps through its plans' race (`tuning.online`) until it commits.
         online = first_batch.online_train_function(self, self._train_function_now)
         if online is None:
             return made
@@ -164,23 +164,20 @@ class _OptimizedMixin:
             return super().make_predict_function(force)
 
     def compile_from_config(self, config):
-        # A model compiled with jit_compile=True where no GPU was visible
-        # may be loaded where one is: fall back to "auto" rather than fail.
+        # Compiled with jit_compile=True where no GPU was visible, loaded where one is: "auto".
         if (
             isinstance(config, dict)
             and config.get("jit_compile") is True
             and self._cudnn_layers()
         ):
             config = {**config, "jit_compile": "auto"}
-        # Keras' own compile_from_config, which skips a model whose compile()
-        # is overridden (ours only records the jit_compile argument).
+        # Keras' own, which skips a model whose compile() is overridden (ours records jit_compile).
         config = keras.saving.deserialize_keras_object(config)
         self.compile(**config)
         if hasattr(self, "optimizer") and self.built:
             self.optimizer.build(self.trainable_variables)
 
-    # The original model's variable order: optimizer slots and weight files
-    # number variables by position, so both models then mean the same.
+    # The original model's variable order: optimizer slots and weight files number by position.
 
     @property
     def weights(self):
@@ -264,8 +261,7 @@ class _OptimizedMixin:
         )
 
     def get_config(self):
-        # Read first in Keras' error where the fused format (save(fused=True))
-        # is loaded without rnnfuse: what the file is and the fix.
+        # Read first in Keras' error where a save(fused=True) file loads without rnnfuse.
         config = {_FORMAT_KEY: FUSED_FORMAT_NOTE, **super().get_config()}
         if hasattr(self, "output_names"):
             # The original model's: a FusedRNN at an output has its own name.
@@ -328,14 +324,18 @@ def as_optimized(model: keras.Model, like: keras.Model | None = None) -> keras.M
                 model.input, model.output, name=model.name, trainable=model.trainable
             )
             new.output_names = list(model.output_names)
+        keep_dtype_policy(model, new)
         copy_compile(model if like is None else like, new)
     return new
+
+
+_signature = functools.lru_cache(maxsize=None)(inspect.signature)
 
 
 def _argument(function, args: tuple, kwargs: dict, name: str) -> Any:
     """The value of parameter `name` in a call `function(self, *args,
     **kwargs)` (its default where not given)."""
-    signature = inspect.signature(function)
+    signature = _signature(function)
     bound = signature.bind_partial(None, *args, **kwargs).arguments
     return bound.get(name, signature.parameters[name].default)
 

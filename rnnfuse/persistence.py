@@ -26,6 +26,7 @@ from keras import tree
 from keras.src.models.functional import Functional
 
 from rnnfuse.fused import FusedRNN, call_members, first_call_kwargs, fused_layers
+from rnnfuse.passes.rewrite import keep_dtype_policy
 from rnnfuse.reasons import FusionWarning
 
 __all__ = [
@@ -88,8 +89,8 @@ def _restore(model: Any) -> keras.Model:
         if isinstance(layer, (keras.Sequential, Functional)) and holds_fused(layer):
             replacements[id(layer)] = _restore(layer)
     if isinstance(model, keras.Sequential):
-        return _restore_sequential(model, replacements)
-    return _restore_functional(model, replacements)
+        return keep_dtype_policy(model, _restore_sequential(model, replacements))
+    return keep_dtype_policy(model, _restore_functional(model, replacements))
 
 
 def _restore_sequential(model, replacements) -> keras.Sequential:
@@ -212,7 +213,7 @@ def portable_model(model) -> keras.Model:
 
 
 def in_original_order(model, variables: list) -> list:
-    """`variables` sorted as the original (restored) model lists them."""
+    """`variables` sorted as the original (restored) model lists them (each list's order once)."""
     rank = model.__dict__.get("_rnnfuse_rank")
     if rank is None:
         if model.__dict__.get("_rnnfuse_ranking") or not model.built:
@@ -228,9 +229,17 @@ def in_original_order(model, variables: list) -> list:
         object.__setattr__(model, "_rnnfuse_rank", rank)
     if not rank:
         return variables
-    last = len(rank)
-    order = sorted(range(len(variables)), key=lambda i: (rank.get(id(variables[i]), last), i))
-    return [variables[i] for i in order]
+    key = tuple(map(id, variables))
+    orders = model.__dict__.get("_rnnfuse_orders")
+    if orders is None or len(orders) > 16:
+        orders = {}
+        object.__setattr__(model, "_rnnfuse_orders", orders)
+    order = orders.get(key)
+    if order is None:
+        last = len(rank)
+        order = sorted(range(len(key)), key=lambda i: (rank.get(key[i], last), i))
+        order = orders[key] = () if order == sorted(order) else tuple(order)
+    return [variables[i] for i in order] if order else variables
 
 
 def is_fused_archive(filepath: Any) -> bool:

@@ -5,7 +5,9 @@
 - `summary()` states the fused layers;
 - `keras.utils.model_to_dot` (what `plot_model` draws): what Keras draws for
   an optimized model, and the original layers drawn from `rnnfuse.restore`;
-- saving repeatedly calls the original layers once, not once per file.
+- saving repeatedly calls the original layers once, not once per file;
+- the optimized and restored models keep the original's dtype policy, so
+  compile() gives a mixed_float16 model its LossScaleOptimizer as Keras does.
 """
 
 from __future__ import annotations
@@ -102,3 +104,26 @@ def test_saving_again_does_not_call_the_original_layers_again(tmp_path):
     fast.save_weights(tmp_path / "w.weights.h5")
     fast.export(str(tmp_path / "saved"), verbose=False)
     assert len(first._inbound_nodes) == nodes
+
+
+@pytest.mark.parametrize("functional", [True, False], ids=["functional", "sequential"])
+def test_a_mixed_float16_model_keeps_its_policy_and_its_loss_scaling(functional):
+    keras.config.set_dtype_policy("mixed_float16")
+    try:
+        model = _model(functional)
+        nested = keras.Sequential([keras.Input((5, 3)), L.GRU(4, return_sequences=True),
+                                   L.GRU(4)])
+        x = inp = keras.Input((5, 3))
+        outer = keras.Model(inp, L.Dense(1)(nested(x)))
+    finally:
+        keras.config.set_dtype_policy("float32")  # optimized and compiled under float32
+    for original in (model, outer):
+        fast = rnnfuse.optimize(original)
+        assert fused_layers(fast)
+        for made in (fast, rnnfuse.restore(fast)):
+            assert made.dtype_policy.name == "mixed_float16"
+            made.compile(optimizer="adam", loss="mse")
+            assert isinstance(made.optimizer, keras.optimizers.LossScaleOptimizer)
+    assert rnnfuse.optimize(outer).layers[1].dtype_policy.name == "mixed_float16"
+    plain = rnnfuse.optimize(_model(functional))
+    assert plain.dtype_policy.name == "float32"

@@ -584,6 +584,15 @@ def test_optimized_model_lists_variables_in_the_original_order():
         v.path for v in model.trainable_variables
     ]
     assert [id(v) for v in fast.weights] == [id(v) for v in model.weights]
+    # Read again (each list's order kept), and after the lists change.
+    assert [id(v) for v in fast.weights] == [id(v) for v in model.weights]
+    model.get_layer("side").trainable = False
+    assert [v.path for v in fast.trainable_variables] == [
+        v.path for v in model.trainable_variables
+    ]
+    assert [id(v) for v in fast.non_trainable_weights] == [
+        id(v) for v in model.non_trainable_weights
+    ] != []
 
 
 @pytest.mark.parametrize("direction", DIRECTIONS)

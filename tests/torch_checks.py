@@ -2,8 +2,8 @@
 ones (tests/gpu/*torch*) share: what a spy on `torch_rnn` records of each
 call (the `torch_calls` and `cudnn_calls` fixtures), PyTorch's own RNN
 modules run the way cuDNN runs lengths, a fused layer's call on its plan
-next to its original layers', and the environment of the tuning tests'
-fake device (the `fake_gpu` fixtures).
+next to its original layers', the torch ops a call dispatches, and the
+environment of the tuning tests' fake device (the `fake_gpu` fixtures).
 
     >>> import torch
     >>> x, hx = torch.zeros(3, 2, 4), torch.zeros(1, 2, 5)
@@ -58,3 +58,14 @@ def module_run(mod, kind: str, x, h0, c0, lengths):
         yp, st = mod(packed, state)
         y, _ = torch.nn.utils.rnn.pad_packed_sequence(yp, total_length=x.shape[0])
     return (y, *st) if kind == "lstm" else (y, st, None)
+
+
+def torch_ops(run) -> "collections.Counter":
+    """The torch ops `run()` dispatches, by name (torch.profiler's CPU-side events)."""
+    import collections
+
+    import torch
+
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        run()
+    return collections.Counter(e.name for e in prof.events())

@@ -33,7 +33,7 @@ from rnnfuse.plan import Plan
 from rnnfuse.reasons import FusionWarning
 from rnnfuse.report import FusionGroup, RewriteFailure
 
-__all__ = ["FusionWarning", "rewrite_model", "rewrite_pass"]
+__all__ = ["FusionWarning", "keep_dtype_policy", "rewrite_model", "rewrite_pass"]
 
 
 def rewrite_pass(model: keras.Model, so_far: PassResult, options: PassOptions) -> PassResult:
@@ -93,7 +93,7 @@ class _Rewriter:
             new = _rewrite_sequential(model, fused, replacements)
         else:
             new = _rewrite_functional(model, fused, replacements)
-        self.done[id(model)] = new
+        self.done[id(model)] = new = keep_dtype_policy(model, new)
         return new
 
     def _fused_layers(self, groups: list) -> list[tuple[FusionGroup, FusedRNN]]:
@@ -119,6 +119,19 @@ class _Rewriter:
                 continue
             built.append((group, fused))
         return built
+
+
+def keep_dtype_policy(model, new):
+    """`new` with `model`'s dtype policy: compile() gives mixed_float16 a LossScaleOptimizer.
+
+    >>> m = keras.Sequential([keras.Input((2,))], name="m"); m.dtype_policy = "mixed_float16"
+    >>> keep_dtype_policy(m, keras.Sequential([keras.Input((2,))])).dtype_policy.name
+    'mixed_float16'
+    """
+    policy = model.dtype_policy
+    if policy.name != new.dtype_policy.name and policy.quantization_mode is None:
+        new.dtype_policy = policy
+    return new
 
 
 def _members(group: FusionGroup) -> list[Any]:

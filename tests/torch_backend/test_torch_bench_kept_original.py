@@ -9,6 +9,8 @@ import json
 import os
 import sys
 
+import pytest
+
 BENCH = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
                      "bench")
 sys.path.insert(0, BENCH)
@@ -23,12 +25,34 @@ def test_quick_run_writes_paired_ratios_for_every_entry_point(tmp_path):
     assert "error" not in row, row
     assert row["plans"] == ["per-layer"]
     for entry in bench_kept_original.ENTRY_POINTS:
-        assert len(row[entry]["ratios"]) == row["rounds"] and row[entry]["ratio"] > 0
+        reading = row[entry]
+        assert len(reading["ratios"]) == row["rounds"] and reading["ratio"] > 0
+        lo, hi = reading["interval_95"]
+        assert lo <= reading["ratio"] <= hi
+        # Each round's ms a step, whose quotients are the ratios.
+        pairs = zip(reading["original_round_ms"], reading["optimized_round_ms"])
+        assert [o / k for o, k in pairs] == pytest.approx(reading["ratios"])
+
+
+def test_the_collector_stays_out_of_the_timed_calls_and_comes_back():
+    import gc
+
+    assert gc.isenabled()
+    with bench_kept_original.collector_between_calls() as collect:
+        assert not gc.isenabled() and gc.get_freeze_count() > 0
+        collect("original")  # between timed calls: the young generations
+        assert not gc.isenabled()
+    assert gc.isenabled() and gc.get_freeze_count() == 0
+
+
+def test_the_examples_hold():
+    import doctest
+
+    result = doctest.testmod(bench_kept_original)
+    assert result.attempted > 0 and result.failed == 0
 
 
 def test_fewer_than_15_rounds_is_refused_outside_a_smoke_run(tmp_path, capsys):
-    import pytest
-
     with pytest.raises(SystemExit):
         bench_kept_original.main(["--rounds", "5", "--out", str(tmp_path / "x.json")])
     assert "15 rounds" in capsys.readouterr().err

@@ -15,10 +15,10 @@ import numpy as np
 import pytest
 
 import rnnfuse
-from builders import fused_layers, max_abs_diff, spy_on, stack_model
+from builders import bidirectional_stack, fused_layers, max_abs_diff, spy_on, stack_model
 from rnnfuse.fused import FusedRNN
 from rnnfuse.tuning import per_shape
-from torch_checks import FAKE_GPU_ENV
+from torch_checks import FAKE_GPU_ENV, torch_ops
 
 
 def _fake_clock(medians):
@@ -85,6 +85,39 @@ def test_a_kept_original_group_runs_the_original_calls_and_no_wrapper_work(fake_
     assert spies.layer_calls[:3] == ["gru_0", "gru_1", "gru_2"]
     assert "layers" in layer.last_path
     assert max_abs_diff(out, model.predict_on_batch(x[:4])) == 0.0
+
+
+def _mixed_float16(build):
+    """`build()` under mixed_float16 (the policy reset before the model is optimized)."""
+    keras.config.set_dtype_policy("mixed_float16")
+    try:
+        return build()
+    finally:
+        keras.config.set_dtype_policy("float32")
+
+
+@pytest.mark.parametrize("build", [
+    lambda: stack_model("gru", 3, steps=6),
+    lambda: bidirectional_stack("lstm", layers=3, steps=6),
+    # compile() gives both models a LossScaleOptimizer (the same ops a step).
+    lambda: _mixed_float16(lambda: bidirectional_stack("lstm", layers=2, steps=6)),
+], ids=["gru", "bidirectional_lstm", "bidirectional_lstm_mixed_float16"])
+def test_a_kept_original_group_dispatches_the_original_modelstorch_ops(fake_gpu, build):
+    model = build()
+    fast, x, y = _kept_and_fit(model)
+    fast.predict(x, batch_size=4, verbose=0)
+    model.compile(optimizer="sgd", loss="mse")
+    xb, yb = x[:4], y[:4]
+    entry_points = {"train_on_batch": lambda m: m.train_on_batch(xb, yb),
+                    "test_on_batch": lambda m: m.test_on_batch(xb, yb),
+                    "predict_on_batch": lambda m: m.predict_on_batch(xb),
+                    "fit": lambda m: m.fit(x, y, batch_size=4, epochs=1, verbose=0)}
+    for name, run in entry_points.items():
+        for m in (model, fast):
+            run(m)  # warm: Keras makes each mode's step on its first call
+        original, optimized = torch_ops(lambda: run(model)), torch_ops(lambda: run(fast))
+        assert sum(original.values()) > 50, name
+        assert optimized == original, f"{name}: {optimized - original} more, {original - optimized} fewer"
 
 
 def test_a_mode_decided_fused_or_not_yet_decided_goes_through_the_wrapper(fake_gpu, monkeypatch):
