@@ -19,6 +19,7 @@ what was not available or failed below it.
     python bench/bench_matrix.py --backend pytorch --shapes gru3x64,rnn3x256,lstm8x128,lstm2x40 --out /tmp/pt.json
     python bench/bench_knobs.py --table /tmp/knobs_jax.json /tmp/knobs_torch.json --peer /tmp/pt.json
     python bench/bench_knobs.py --quick --spe 1,2 --out /tmp/q.json   # tiny, any machine
+    KERAS_BACKEND=jax python bench/bench_knobs.py --tuned --spe 1 --jit auto --out /tmp/k.json
 """
 
 from __future__ import annotations
@@ -77,16 +78,19 @@ def refusal(model, setting: tuple) -> dict | None:
     return None
 
 
-def measure(shape: dict, setting: tuple, steps: int) -> dict:
-    """{model: ms a step} of one warm whole fit per model under `setting`;
+def measure(shape: dict, setting: tuple, steps: int, tuned: bool = False) -> dict:
+    """{model: ms a step} of one warm whole fit per model under `setting`
+    (`tuned`: the optimized model times every candidate on a batch first,
+    the plan a long fit commits to; "plans" then names what it runs);
     `refusal`'s record where a model refuses the setting (Keras' model
     refusing it: both, the optimized model not built), "Error: ..." text
-    where a fit fails."""
+    where a fit fails; "plans": the optimized model's plan names."""
     import keras
     import numpy as np
 
     import bench_matrix
     import rnnfuse
+    from rnnfuse.fused import fused_layers
 
     x, y, _ = bench_matrix.data(shape)
     xs, ys = np.concatenate([x] * steps), np.concatenate([y] * steps)
@@ -95,7 +99,7 @@ def measure(shape: dict, setting: tuple, steps: int) -> dict:
     for name in ("original", "optimized"):
         model = bench_matrix.build_keras(shape)
         if name == "optimized":
-            model = rnnfuse.optimize(model, cache=False)
+            model = rnnfuse.optimize(model, cache=False, tune=x if tuned else "auto")
         refused = refusal(model, setting)
         if refused is not None:
             out[name] = refused
@@ -108,6 +112,8 @@ def measure(shape: dict, setting: tuple, steps: int) -> dict:
             start = clock()
             model.fit(xs, ys, batch_size=shape["batch"], epochs=1, verbose=0)
             out[name] = 1e3 * (clock() - start) / steps
+            if name == "optimized":
+                out["plans"] = [f.plan.name for f in fused_layers(model)]
         except Exception as err:  # noqa: BLE001 - a failing fit is a result
             out[name] = f"{type(err).__name__}: {err}"[:300]
     keras.backend.clear_session()
@@ -223,6 +229,8 @@ def main(argv=None) -> int:
     parser.add_argument("--jit", default="auto,true", help="jit_compile values: auto, true, false")
     parser.add_argument("--steps", type=int, default=64, help="batches of a timed fit")
     parser.add_argument("--quick", action="store_true", help="tiny shapes, any machine")
+    parser.add_argument("--tuned", action="store_true",
+                        help="optimize(model, tune=batch): a long fit's plan, not a short one's")
     parser.add_argument("--table", nargs="+", metavar="JSON", help="print the table of these runs")
     parser.add_argument("--peer", default=None, help="with --table: bench_matrix's PyTorch loop JSON")
     args = parser.parse_args(argv)
@@ -246,7 +254,8 @@ def main(argv=None) -> int:
     backend = keras.backend.backend()
     out = args.out or out_path(f"knobs_{backend}.json")
     meta = dict(backend=backend, keras=keras.__version__, rnnfuse=rnnfuse.__version__,
-                python=platform.python_version(), steps=args.steps, quick=args.quick)
+                python=platform.python_version(), steps=args.steps, quick=args.quick,
+                tuned=args.tuned)
     results = []
     for name in names:
         shape = bench_matrix.SHAPES[name]
@@ -254,8 +263,8 @@ def main(argv=None) -> int:
         row = dict(shape_name=name, shape=shape, settings=[])
         results.append(row)
         for spe, jit in chosen:
-            ms = measure(shape, (spe, jit), args.steps)
-            row["settings"].append(dict(spe=spe, jit=jit, ms=ms))
+            ms = measure(shape, (spe, jit), args.steps, args.tuned)
+            row["settings"].append(dict(spe=spe, jit=jit, plans=ms.pop("plans", None), ms=ms))
             print(f"knob {backend} {name} steps_per_execution={spe} jit_compile={jit}: {ms}",
                   flush=True)
             with open(out, "w") as f:

@@ -64,6 +64,24 @@ def test_a_run_records_each_setting_and_the_table_reads_it(tmp_path, monkeypatch
                              "must be 1 with the PyTorch backend."]
 
 
+def test_tuned_times_the_candidates_first_and_records_the_plans_run(tmp_path, monkeypatch):
+    import rnnfuse
+
+    monkeypatch.setattr(bench_knobs, "clock", _Clock())
+    tunes = []
+    real_optimize = rnnfuse.optimize
+    monkeypatch.setattr(rnnfuse, "optimize",
+                        lambda model, **k: tunes.append(k["tune"]) or real_optimize(model, **k))
+    out = tmp_path / "knobs.json"
+    assert bench_knobs.main(["--quick", "--tuned", "--shapes", "gru3x64", "--spe", "1",
+                             "--jit", "auto", "--steps", "2", "--out", str(out)]) == 0
+    run = json.loads(out.read_text())
+    (setting,) = run["results"][0]["settings"]
+    assert run["meta"]["tuned"] is True and not isinstance(tunes[0], str)  # a batch, not "auto"
+    assert setting["plans"] and all(isinstance(p, str) for p in setting["plans"])
+    assert set(setting["ms"]) == {"original", "optimized"}
+
+
 def test_the_table_lists_refusals_and_failures_apart_from_the_times(tmp_path):
     xla = "ValueError: jit_compile=True: model 'm' runs ... and XLA cannot compile cuDNN ops (nor"
     settings = [
