@@ -138,6 +138,18 @@ SLOW: dict[str, str] = {
         "a compile in three graphs (6 s)"
     ),
     # -- fit, several models, or a real tuner run (CPU seconds) ----------------
+    "test_wavefront_training_tf.py::test_the_gradient_is_the_same_inside_a_tf_function": (
+        "traces the emulated kernels' training step in a tf.function (25-60 s); the eager gradient tests stay fast"
+    ),
+    "test_custom_loop_plans.py::test_after_an_online_race_a_custom_loop_runs_the_committed_plan": (
+        "a raced fit, then a traced custom loop (25-54 s); test_online.py's races and the decided-fit loop stay fast"
+    ),
+    "test_bench_user_view.py::test_a_lopsided_cell_runs_a_short_custom_loop": (
+        "a cell's fits and custom loop (12-26 s); the bench's other tests stay fast"
+    ),
+    "test_online_algorithm.py::test_without_a_runtime_algorithm_each_candidate_traces_its_own_step": (
+        "a race tracing a step per candidate (11-24 s); the shared-trace race stays fast"
+    ),
     "test_activity_regularizers.py::test_activity_losses_and_training_match_the_original[masked]": (
         "evaluate and a fit epoch of two models (12 s); [issue_repro] stays fast"
     ),
@@ -289,6 +301,9 @@ SLOW: dict[str, str] = {
     "jax_backend/test_jax_fused.py::test_lstm_stack_is_one_call_and_matches_keras[2]": "compiles (9 s); [3] stays fast",
     "jax_backend/test_jax_fused.py::test_returned_states_with_initial_states[False]": "compiles (6 s); [True] stays fast",
     "jax_backend/test_jax_cli.py::test_check_runs_under_jax": "gradients of two compiled models (8 s)",
+    "jax_backend/test_jax_tuning.py::test_a_custom_jitted_loop_runs_its_modes_decision_not_the_last_one_set": (
+        "a timed predict and fit, then a jitted custom step (15-57 s); the first-fit tuning test stays fast"
+    ),
     "jax_backend/test_jax_half_precision.py::test_a_fit_too_short_to_time_runs_fused_and_trains": (
         "a compiled mixed_float16 fit (9 s); the first-batch fit test of that file stays fast"
     ),
