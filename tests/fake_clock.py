@@ -10,12 +10,19 @@ from __future__ import annotations
 
 
 class FakeClock:
-    """Seconds since the test began, advanced only by the test's steps."""
+    """Seconds since the test began (from `start`), advanced by the test's
+    steps and by `tick` at each read (a whole timed call reads it twice).
 
-    def __init__(self):
-        self.now = 0.0
+    >>> clock = FakeClock(tick=0.5)
+    >>> clock(), clock()
+    (0.5, 1.0)
+    """
+
+    def __init__(self, start: float = 0.0, tick: float = 0.0):
+        self.now, self.tick = start, tick
 
     def __call__(self) -> float:
+        self.now += self.tick
         return self.now
 
     def advance(self, seconds: float) -> None:

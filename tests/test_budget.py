@@ -16,6 +16,7 @@ import pytest
 
 import rnnfuse
 from builders import fused_layers, stack_model
+from fake_clock import FakeClock
 from rnnfuse.tuning import budget, first_batch, tuner
 from rnnfuse.tuning.cache import PlanCache
 from rnnfuse.tuning.clock import using_clock
@@ -25,16 +26,6 @@ ENV = {"device": "FakeGPU", "tensorflow": "2.21.0", "cudnn": "9", "backend": "te
 MEDIANS = {"per-layer": 1.0, "fused": 0.8, "split 2+2": 0.5}
 # A first call and 5 rounds a candidate (TensorFlow: no warm-up call).
 CALLS = 6
-
-
-class FakeClock:
-    """Seconds that pass only when a candidate is 'timed'."""
-
-    def __init__(self):
-        self.now = 0.0
-
-    def __call__(self):
-        return self.now
 
 
 class ClockedTimer:

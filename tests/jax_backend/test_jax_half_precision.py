@@ -258,13 +258,7 @@ def test_a_budget_without_the_original_layers_scales_with_the_fastest_step(
     from rnnfuse.tuning.budget import TuningBudget
     from rnnfuse.tuning.clock import using_clock
 
-    class Clock:
-        now = 0.0
-
-        def __call__(self):
-            return self.now
-
-    clock = Clock()
+    clock = fake_clock.FakeClock()
     monkeypatch.setattr(tuner, "_steps", _steps_raising([]))
     timer = _ClockedTimer(clock, {"fused": 0.4})
     model = stack_model("lstm", 3, dtype="mixed_float16")

@@ -16,23 +16,13 @@ BENCH = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abs
 sys.path.insert(0, BENCH)
 
 import bench_knobs  # noqa: E402
-
-
-class _Clock:
-    """Moves 8 ms each time it is read: a timed fit of 2 steps reads 4 ms a step."""
-
-    def __init__(self):
-        self.t = 0.0
-
-    def __call__(self):
-        self.t += 0.008
-        return self.t
+from fake_clock import FakeClock  # noqa: E402
 
 
 def test_a_run_records_each_setting_and_the_table_reads_it(tmp_path, monkeypatch):
     import rnnfuse
 
-    monkeypatch.setattr(bench_knobs, "clock", _Clock())
+    monkeypatch.setattr(bench_knobs, "clock", FakeClock(tick=0.008))  # 2 steps: 4 ms a step
     optimized = []
     real_optimize = rnnfuse.optimize
     monkeypatch.setattr(rnnfuse, "optimize",
@@ -67,7 +57,7 @@ def test_a_run_records_each_setting_and_the_table_reads_it(tmp_path, monkeypatch
 def test_tuned_times_the_candidates_first_and_records_the_plans_run(tmp_path, monkeypatch):
     import rnnfuse
 
-    monkeypatch.setattr(bench_knobs, "clock", _Clock())
+    monkeypatch.setattr(bench_knobs, "clock", FakeClock(tick=0.008))  # 2 steps: 4 ms a step
     tunes = []
     real_optimize = rnnfuse.optimize
     monkeypatch.setattr(rnnfuse, "optimize",

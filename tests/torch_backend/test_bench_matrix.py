@@ -14,6 +14,7 @@ BENCH = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abs
 sys.path.insert(0, BENCH)
 
 import bench_matrix  # noqa: E402
+from fake_clock import FakeClock  # noqa: E402
 
 
 @pytest.mark.parametrize("name", ["lstm4x512", "bigru5x512", "plstm4x1024", "masked_lstm2x256", "rnn3x256"])
@@ -64,17 +65,6 @@ def test_an_unknown_shape_is_named_with_the_choices(capsys):
     assert "unknown ['lstm9x9']; choose from lstm4x512" in capsys.readouterr().err
 
 
-class _FakeClock:
-    """A clock that moves only when read (a millisecond) or told to."""
-
-    def __init__(self):
-        self.t = 100.0
-
-    def __call__(self):
-        self.t += 0.001
-        return self.t
-
-
 @pytest.mark.parametrize("tuned", [False, True], ids=["first batch", "in optimize"])
 def test_the_tuning_share_is_the_tuners_seconds_over_the_fit_its_user_waits_for(tuned, monkeypatch):
     """First-batch tuning is inside the first fit (its seconds over the fit's);
@@ -83,12 +73,12 @@ def test_the_tuning_share_is_the_tuners_seconds_over_the_fit_its_user_waits_for(
 
     import rnnfuse.api
 
-    fake = _FakeClock()
+    fake = FakeClock(start=100.0, tick=0.001)
     monkeypatch.setattr(bench_matrix, "clock", fake)
     real_choose = rnnfuse.api.choose_plans
 
     def slow_choose(*args, **kwargs):
-        fake.t += 2.0  # the tuner's candidates, on the fake clock
+        fake.advance(2.0)  # the tuner's candidates, on the fake clock
         return real_choose(*args, **kwargs)
 
     monkeypatch.setattr(rnnfuse.api, "choose_plans", slow_choose)
