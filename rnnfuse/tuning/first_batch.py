@@ -301,7 +301,8 @@ def online_train_function(model: keras.Model, make) -> Any:
         base = check_gradients(member.group, Plan(plan.pieces), shape, dtype)
         return error <= gradient_tolerance(base, dtype)
 
-    def record(index, shape, result):
+    def record(index, shape, result, seconds):
+        state.seconds += seconds  # the race's cost, as the offline tuner's timing counts
         member = state.members[index]
         # Committed: the steps traced from now take the plan's algorithm as a
         # constant (those traced in the race keep reading the winner's value).

@@ -6,17 +6,19 @@ bucket has no decision runs the candidates on its first steps, one a step
 in rotating rounds, with real updates. Every candidate's exactness check
 runs before the race's first step, so all are checked on the same weights
 (its steps update them); after `warmup` untimed steps and
-`repeats` timed rounds (pruned at PRUNE, and at WARM_PRUNE on the last
-warm-up step), the fastest is committed once, unless the original layers
-come within `KEEP_ORIGINAL_MARGIN` of it.
+`repeats` timed rounds (pruned at PRUNE from the first, and at WARM_PRUNE
+and to the WARM_KEEP fastest on the last warm-up step), the fastest is
+committed once, unless the original layers come within
+`KEEP_ORIGINAL_MARGIN` of it. `overhead()` is what the race cost over
+running the winner on its steps.
 
 >>> race = OnlineRace(["per-layer", "fused"], warmup=0, repeats=3)
 >>> seconds = {"per-layer": 2.0, "fused": 1.0}
 >>> while race.committed is None:
 ...     name = race.next()
 ...     race.record(name, seconds[name])
->>> race.committed, race.steps_run
-('fused', 6)
+>>> race.committed, race.steps_run, race.overhead()
+('fused', 4, 2.0)
 """
 
 from __future__ import annotations
@@ -33,7 +35,11 @@ PRUNE = 1.5
 KEEP_ORIGINAL_MARGIN = 0.10
 # A candidate whose last warm-up step took this many times the fastest
 # one's runs no timed round: each of its steps is a slow real step.
-WARM_PRUNE = 3.0
+WARM_PRUNE = 2.0
+# Of those, only the fastest few go on to the timed rounds: a race's cost
+# grows with each candidate's steps, and cuDNN's close algorithms differ
+# by less than a warm step's noise decides anyway.
+WARM_KEEP = 3
 
 
 class OnlineRace:
@@ -54,6 +60,7 @@ class OnlineRace:
         self.pruned: set[str] = set()
         self.committed: str | None = None
         self.steps_run = 0
+        self.spent = 0.0  # seconds of every step run, untimed ones included
         self._untimed = {n: 1 + self.warmup for n in self.names}
         self._warm: dict[str, float] = {}
         self._round, self._queue = 0, []
@@ -86,6 +93,7 @@ class OnlineRace:
                              f"received one of {name!r}")
         self._queue.pop(0)
         self.steps_run += 1
+        self.spent += float(seconds)
         if self._untimed[name] > 0:
             self._untimed[name] -= 1
             if self._untimed[name] == 0 and self.warmup > 0:
@@ -94,6 +102,14 @@ class OnlineRace:
             self.times[name].append(float(seconds))
         if not self._queue:
             self._end_of_round()
+
+    def overhead(self) -> float:
+        """Seconds the race's steps took beyond as many steps of the committed
+        candidate (0 before the commit)."""
+        median = self.medians().get(self.committed)
+        if median is None:
+            return 0.0
+        return max(0.0, self.spent - self.steps_run * median)
 
     def medians(self) -> dict[str, float]:
         """name -> median seconds of its timed steps (those timed so far)."""
@@ -111,9 +127,11 @@ class OnlineRace:
         if self._round == 0 and self._warm:
             fastest = min(self._warm.values())
             self.pruned.update(n for n in running if self._warm.get(n, 0.0) > WARM_PRUNE * fastest)
+            by_speed = sorted(self.running(), key=lambda n: self._warm.get(n, 0.0))
+            self.pruned.update(by_speed[WARM_KEEP:])
             self._warm = {}
             running = self.running()
-        if self._round >= self.repeats or (self._round >= 2 and len(running) == 1):
+        if self._round >= self.repeats or (self._round >= 1 and len(running) == 1):
             self._commit()
             return
         r = self._round % len(running)
@@ -123,7 +141,7 @@ class OnlineRace:
         if any(self._untimed[n] > 0 for n in self.running()) or not self.medians():
             return  # a warm-up round
         self._round += 1
-        if self._round >= 2:
+        if self._round >= 1:
             medians = self.medians()
             best = min(medians.values())
             for n in self.running():
@@ -154,7 +172,9 @@ class OnlineFit:
     such as plans that differ only in a runtime cuDNN algorithm, share it;
     default: one each); `apply`, `record` and `install` set a plan, keep a
     decision and install the final train function; `check` and
-    `measure_step` are the exactness check and the step timer.
+    `measure_step` are the exactness check and the step timer. `record`
+    also gets the race's cost: its overhead over the winner's steps and its
+    exactness checks' seconds.
     """
 
     def __init__(self, races, *, make, apply, record, install, check=None, measure_step=None,
@@ -180,8 +200,18 @@ class OnlineFit:
             return
         index, bucket, shape, plans = self.races[0]
         self.race = OnlineRace(list(plans), warmup=self.warmup, repeats=self.repeats,
-                               check=lambda name: self.check(index, plans[name]))
+                               check=lambda name: self._timed_check(index, plans[name]))
         self.functions = {}
+        self.check_s = 0.0
+
+    def _timed_check(self, index, plan) -> bool:
+        from rnnfuse.tuning import clock
+
+        start = clock.now()
+        try:
+            return self.check(index, plan)
+        finally:
+            self.check_s += clock.now() - start
 
     def __call__(self, *args, **kwargs):
         """One step of the fit: a candidate's real step, timed, or (decided)
@@ -233,7 +263,8 @@ class OnlineFit:
         self.switches.append((index, name))
         function = self.functions.get(self.trace_key(index, plan))
         self.record(index, shape, TuneResult(
-            None, plan, "measured: online, on the fit's own steps", self.race.medians(), rejected))
+            None, plan, "measured: online, on the fit's own steps", self.race.medians(), rejected),
+            self.race.overhead() + self.check_s)
         if last:
             # The fit is over: the next makes its function anew for the committed plans.
             self.races, self.race = [], None

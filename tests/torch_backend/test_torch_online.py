@@ -7,6 +7,7 @@ training steps on the CPU.
 from __future__ import annotations
 
 import numpy as np
+import pytest
 
 import rnnfuse
 from builders import fused_layers, max_abs_diff, stack_model
@@ -42,7 +43,7 @@ def _data(model, rows=32, seed=0):
     return x, np.asarray(model.predict(x, verbose=0))
 
 
-MEDIANS = {"per-layer": 3.0, "fused": 1.0, "split 1+1+1": 2.0}
+MEDIANS = {"per-layer": 1.8, "fused": 1.0, "split 1+1+1": 1.6}
 
 
 def test_online_tuning_commits_the_fastest_plan_on_the_fits_own_steps(fake_gpu_online):
@@ -58,7 +59,7 @@ def test_online_tuning_commits_the_fastest_plan_on_the_fits_own_steps(fake_gpu_o
     assert layer.plan == Plan((3,))
     (record,) = first_batch.decisions(fast)
     assert record["source"] == "measured: online, on the fit's own steps"
-    assert record["chosen"] == "fused" and record["timings_ms"]["per-layer"] == 3000.0
+    assert record["chosen"] == "fused" and record["timings_ms"]["per-layer"] == 1800.0
     # The race's steps were real training steps.
     assert all(np.isfinite(history.history["loss"]))
     assert any(not np.array_equal(a, np.array(b)) for a, b in zip(before, layer.get_weights()))
@@ -183,7 +184,7 @@ def test_a_candidate_far_slower_on_its_warm_up_step_runs_no_timed_round():
     on its last warm-up step (WARM_PRUNE) leaves the race before the timed
     rounds; one only somewhat slower is timed and pruned at PRUNE."""
     race = online.OnlineRace(["per-layer", "fused", "dynamic", "split"], warmup=1, repeats=5)
-    seconds = {"per-layer": 1.0, "fused": 0.5, "dynamic": 10.0, "split": 1.2}
+    seconds = {"per-layer": 1.0, "fused": 0.5, "dynamic": 10.0, "split": 0.9}
     ran = []
     while race.committed is None:
         name = race.next()
@@ -193,6 +194,29 @@ def test_a_candidate_far_slower_on_its_warm_up_step_runs_no_timed_round():
     assert ran.count("dynamic") == 2 and not race.times["dynamic"]  # first call, warm-up
     assert race.pruned == {"dynamic", "per-layer", "split"}
     assert 1 <= len(race.times["split"]) <= 2
+
+
+def test_only_the_fastest_few_on_their_warm_up_step_run_timed_rounds():
+    race = online.OnlineRace(["per-layer", "a", "b", "c", "d"], warmup=1, repeats=3)
+    seconds = {"per-layer": 1.0, "a": 0.6, "b": 0.7, "c": 0.8, "d": 0.9}
+    while race.committed is None:
+        name = race.next()
+        race.record(name, seconds[name])
+    assert online.WARM_KEEP == 3 and race.committed == "a"
+    assert not race.times["d"] and not race.times["per-layer"]
+    assert race.times["b"] and race.times["c"]
+
+
+def test_the_races_overhead_is_its_steps_beyond_as_many_of_the_winners():
+    race = online.OnlineRace(["per-layer", "fused"], warmup=1, repeats=5)
+    seconds = {"per-layer": 2.0, "fused": 1.0}
+    assert race.overhead() == 0.0
+    while race.committed is None:
+        name = race.next()
+        race.record(name, seconds[name])
+    # Each ran its first call, its warm-up and one timed round, which pruned per-layer.
+    assert race.committed == "fused" and race.steps_run == 6
+    assert race.overhead() == pytest.approx(3 * 2.0 + 3 * 1.0 - 6 * 1.0)
 
 
 def test_the_races_own_step_timer_reads_the_clock_and_commits_the_fastest(fake_gpu_online,
@@ -223,7 +247,10 @@ def test_the_races_own_step_timer_reads_the_clock_and_commits_the_fastest(fake_g
     (record,) = first_batch.decisions(fast)
     assert record["source"] == "measured: online, on the fit's own steps"
     assert record["chosen"] == "fused"
-    assert record["timings_ms"] == {name: 1e3 * s for name, s in MEDIANS.items()}
+    assert record["timings_ms"] == pytest.approx({name: 1e3 * s for name, s in MEDIANS.items()})
+    # Its cost counts as tuning: three steps of each candidate (first call,
+    # warm-up, one timed round that prunes the other two) beyond 9 of fused's.
+    assert state.seconds == pytest.approx(3 * (1.8 + 1.6 + 1.0) - 9 * 1.0)
 
 
 def _race_with_the_kernel(monkeypatch, reason):
