@@ -36,9 +36,7 @@ KEEP_ORIGINAL_MARGIN = 0.10
 # A candidate whose last warm-up step took this many times the fastest
 # one's runs no timed round: each of its steps is a slow real step.
 WARM_PRUNE = 2.0
-# Of those, only the fastest few go on to the timed rounds: a race's cost
-# grows with each candidate's steps, and cuDNN's close algorithms differ
-# by less than a warm step's noise decides anyway.
+# Only the fastest few go on: each candidate's step adds to the race's cost.
 WARM_KEEP = 3
 
 
