@@ -59,7 +59,7 @@ def placement(plan, source: str = "static") -> Placement:
             "static": "the static plan for this backend keeps them",
             "forced": "the plan was forced to per-layer",
         }.get(kind, "timing on this device found them fastest")
-        if kind == "static" and get_backend().capabilities.plan_table == "per_layer":
+        if kind == "static" and get_backend().capabilities.plan_table in ("per_layer", "jax"):
             why = (
                 f"on {get_backend().name} an untimed group keeps Keras' layers; on a GPU "
                 "the first batch (tune='auto') or optimize(model, tune=batch) times "

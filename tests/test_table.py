@@ -38,7 +38,7 @@ def test_every_rule_has_a_name_its_evidence_and_whether_it_is_proven():
         assert name and evidence and callable(predicate) and callable(plan)
         assert isinstance(proven, bool)
     assert table.RULES[-1][1](Regime("lstm", 1, 1, False, False, "x", False))
-    assert set(table.TABLES) == {"tensorflow", "torch", "fused", "per_layer"}
+    assert set(table.TABLES) == {"tensorflow", "torch", "jax", "fused", "per_layer"}
     assert table.TABLES["per_layer"](None, "float32", False) == PER_LAYER
 
 

@@ -180,8 +180,8 @@ def static_plan(group, dtype: str, training: bool, batch: int | None = None,
     where known; with `proven_only`, only a plan that lost nowhere).
 
     TensorFlow's table was measured with its kernels; torch's fuses every
-    run, proven only where Keras runs its generic loop;
-    under JAX the original layers stay without `tune=`. Where the backend
+    run, proven only where Keras runs its generic loop; JAX's fuses where
+    Keras runs a scan or the stack is small (`JAX_RULES`). Where the backend
     says the original layers cannot run (`Backend.keras_path_fails`), the
     group is fused whatever the table says: there is nothing to lose.
     """
@@ -212,6 +212,60 @@ def _tensorflow_table(group, dtype, training, batch=None, proven_only=False) -> 
     return plan_for_regime(regime, len(group.layers), proven_only)
 
 
+# JAX's rules, measured in the backend matrix (docs/benchmarks.md); first match wins.
+# Keras' JAX GRU has no cuDNN path: every GRU layer runs a lax.scan there.
+JAX_RULES: list[tuple[str, Callable[[Regime, bool], bool], Plan, str, bool]] = [
+    (
+        "a masked call: per layer",
+        lambda r, masked: masked,
+        PER_LAYER,
+        "a masked LSTM 2x256 fused timed within 3% of Keras' layers",
+        True,
+    ),
+    (
+        "float32 where Keras runs a scan (GRU, SimpleRNN, RNN(cell)): fused",
+        lambda r, masked: r.dtype == "float32" and (r.keras_loop or r.kind == "gru"),
+        FUSED,
+        "one cuDNN call against Keras' lax.scan won in every measured case (1.3x-4.7x)",
+        True,
+    ),
+    (
+        "float32, units <= 256: fused",
+        lambda r, masked: r.dtype == "float32" and r.units <= 256,
+        FUSED,
+        "won against jaxlib's cuDNN LSTM per layer in every measured case (1.3x-7.2x)",
+        True,
+    ),
+    (
+        "half precision where Keras runs a scan: fused",
+        lambda r, masked: r.keras_loop or r.kind == "gru",
+        FUSED,
+        "not measured untuned; first-batch tuning decides",
+        False,
+    ),
+]
+
+
+def _jax_table(group, dtype, training, batch=None, proven_only=False) -> Plan:
+    """JAX: fused where Keras runs a lax.scan in float32 or the stack is
+    small; the original layers where it runs jaxlib's cuDNN or is masked.
+
+    >>> from rnnfuse.report import FusionGroup
+    >>> _jax_table(FusionGroup(("g0", "g1", "g2"), "gru", 64, 1, 3, False), "float32", True).name
+    'fused'
+    >>> _jax_table(FusionGroup(("l0", "l1"), "lstm", 1024, 1, 2, False), "float32", True).name
+    'per-layer'
+    """
+    from rnnfuse.recurrent import called_with_mask
+
+    regime = regime_of(group, dtype, training, batch)
+    masked = any(called_with_mask(view.layer) for view in getattr(group, "views", ()))
+    for _name, predicate, plan, _evidence, proven in JAX_RULES:
+        if predicate(regime, masked):
+            return plan if proven or not proven_only else PER_LAYER
+    return PER_LAYER
+
+
 def _torch_table(group, dtype, training, batch=None, proven_only=False) -> Plan:
     """torch: every run fused; proven only where Keras runs its generic loop
     (or a masked call): on its cuDNN path the core's call lost to Keras'
@@ -227,6 +281,7 @@ def _torch_table(group, dtype, training, batch=None, proven_only=False) -> Plan:
 TABLES: dict[str, Callable] = {
     "tensorflow": _tensorflow_table,
     "torch": _torch_table,
+    "jax": _jax_table,
     "fused": lambda group, dtype, training, batch=None, proven_only=False: FUSED,
     "per_layer": lambda group, dtype, training, batch=None, proven_only=False: PER_LAYER,
 }

@@ -87,11 +87,15 @@ def test_half_precision_lstm_is_fused_untimed_with_the_reason(kind, policy, kera
     assert {s[1] for s in keras_sees_gpu.sizes} == {dtype}
 
 
-@pytest.mark.parametrize("case", ["float32", "masked", "gru", "bidirectional gru", "no gpu"])
-def test_what_keras_runs_keeps_todays_static_plan(case, keras_sees_gpu, monkeypatch):
-    """A float32 LSTM (jaxlib takes it), a masked one (Keras' loop), a GRU
-    (Keras' lax.scan), or no GPU for Keras: the original layers run, so
-    JAX's static plan keeps them."""
+@pytest.mark.parametrize("case, fused", [
+    ("float32", True), ("masked", False), ("gru", True), ("bidirectional gru", True), ("no gpu", False)])
+def test_where_keras_runs_its_own_layers_jaxs_static_table_decides(case, fused, keras_sees_gpu,
+                                                                    monkeypatch):
+    """Where Keras' own layers run (a float32 LSTM on jaxlib's cuDNN, a
+    masked one in Keras' loop, a GRU as a lax.scan, half precision where
+    Keras sees no GPU) the static plan is JAX's table's (`JAX_RULES`): a small
+    float32 stack and a GRU fused, a masked stack and a half-precision LSTM
+    kept."""
     policy = None if case == "float32" else "mixed_float16"
     if case == "no gpu":
         monkeypatch.setattr(keras_paths, "keras_sees_gpu", lambda: False)
@@ -103,9 +107,10 @@ def test_what_keras_runs_keeps_todays_static_plan(case, keras_sees_gpu, monkeypa
     else:
         model = stack_model("gru" if case == "gru" else "lstm", 3, dtype=policy)
     results = _plans(model, tune=False)
-    assert results and all(r.plan == rnnfuse.PER_LAYER and r.source == "static"
+    want = rnnfuse.FUSED if fused else rnnfuse.PER_LAYER
+    assert results and all(r.plan.for_length(1) == want.for_length(1) and r.source == "static"
                            for r in results), results
-    assert fused_layers(rnnfuse.optimize(model, tune=False)) == []
+    assert bool(fused_layers(rnnfuse.optimize(model, tune=False))) == fused
 
 
 def test_a_fit_too_short_to_time_runs_fused_and_trains(keras_sees_gpu, monkeypatch, tmp_path):

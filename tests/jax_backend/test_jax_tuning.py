@@ -74,9 +74,13 @@ def test_first_fit_times_cudnns_algorithms_and_runs_the_fastest(fake_gpu, emulat
     assert record["mode"] == "training" and record["input"] == [8, 9, 5]
 
 
-def test_without_a_device_to_time_on_jax_keeps_the_layers():
-    model = stack_model("lstm", 3)
-    assert fused_layers(rnnfuse.optimize(model)) == []
+def test_without_a_device_to_time_on_jax_the_static_table_decides():
+    """A small float32 stack is planned fused (here, without a GPU, its
+    layers still run Keras' call); a large one keeps Keras' layers."""
+    small, large = stack_model("lstm", 3), stack_model("lstm", 3, units=512)
+    (layer,) = fused_layers(rnnfuse.optimize(small))
+    assert layer.plan == rnnfuse.FUSED.for_length(3)
+    assert fused_layers(rnnfuse.optimize(large)) == []
 
 
 def test_a_custom_jitted_loop_runs_its_modes_decision_not_the_last_one_set(

@@ -56,9 +56,9 @@ class JaxBackend(NoProjectedLSTMPath, KernelModuleBackend):
             # cuDNN's algorithms where the core runs (it runs the plan's
             # algorithm in both passes).
             tuned_algorithms=kernels.tuned_algorithms(),
-            # Nothing timed (no GPU, tune=False, a shape not timed): Keras'
-            # layers stay; the first batch (tune="auto") or tune= measures.
-            plan_table="per_layer",
+            # Nothing timed (a fit too short to tune, a shape not timed):
+            # JAX's rules (tuning.table.JAX_RULES).
+            plan_table="jax",
             projected_lstm_loop=None,
             # rnnfuse's wavefront kernel through XLA FFI: inference, and
             # training on its backward kernel (a jax.custom_vjp).
