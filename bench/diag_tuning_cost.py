@@ -16,9 +16,11 @@ TensorFlow (tests/conftest.py's `emulated_op`) rnnfuse's cuDNN op is
 replaced by a few differentiable ops of its output shapes (one op on the
 GPU: a trace of the reference's Python loop over the steps would be
 nothing like it) and CudnnRNNV3 by the reference of tests/cudnn_reference.py;
-under JAX the cuDNN core's FFI targets by their jax.numpy emulation
-(tests/jax_backend/core_emulation.py). Host seconds only (traces, graph
-set-up, compiles, tuning's own Python); the timings and choices mean nothing.
+under JAX the core is made available as tests/jax_backend/core_emulation.py
+does (its refusals included) and its differentiable call is likewise a few
+ops of its output shapes (the emulation's unrolled equations would make
+every compile that of a loop). Host seconds only (traces, graph set-up,
+compiles, tuning's own Python); the timings and choices mean nothing.
 
 The fit is one batch, so the budget rule (rnnfuse.tuning.budget) would
 give it the static plan: the fit here times every candidate, as a long
@@ -257,14 +259,25 @@ class _Setter:
 
 
 def _emulate_jax_core() -> None:
-    """The cuDNN core's FFI targets -> tests/jax_backend/core_emulation.py,
-    and the CPU named a GPU."""
+    """The cuDNN core available as tests/jax_backend/core_emulation.py makes
+    it, its call a few ops of its output shapes, and the CPU named a GPU."""
     sys.path.insert(0, os.path.join(TESTS, "jax_backend"))
     import core_emulation
+    import jax.numpy as jnp
 
     from rnnfuse.backends import jax as jax_backend
+    from rnnfuse.backends.jax import cudnn_core
+
+    def rnn(x, hx, cx, params, lengths, *, config, training=False):
+        # A gradient to every input, as the one custom call on the GPU has.
+        width = config.directions * (config.proj_size or config.units)
+        mix = jnp.mean(x, -1, keepdims=True) + jnp.mean(params).astype(x.dtype)
+        y = jnp.tanh(mix * jnp.ones((width,), x.dtype))
+        hy = hx * 0.5 + jnp.mean(y).astype(hx.dtype)
+        return y, hy, (cx * 0.5 + jnp.mean(hy).astype(cx.dtype) if config.lstm else None)
 
     core_emulation.install(_Setter())
+    cudnn_core.rnn = rnn
     environment = jax_backend.device_environment
     jax_backend.device_environment = lambda: {**environment(), "device": "EmulatedGPU"}
 
