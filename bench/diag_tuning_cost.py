@@ -10,14 +10,24 @@ tuner's own functions (`_first_calls`, `interleaved_medians`,
 `GradientCheck`), so the figures are those of a real first-batch tuning;
 `--profile` adds cProfile's top functions by cumulative time.
 
-`--emulate` (a machine without a GPU, TensorFlow): the tuner times the GPU's
-candidate set on the CPU, as the tests do (tests/conftest.py's `emulated_op`):
-rnnfuse's cuDNN op is replaced by a few differentiable ops of its output
-shapes (one op on the GPU: a trace of the reference's Python loop over
-the steps would be nothing like it), CudnnRNNV3 by the reference of
-tests/cudnn_reference.py, and the device is named a GPU. Host seconds only (traces,
-graph set-up, tuning's own Python), which is what TensorFlow's tuning cost
-is made of on a GPU; the timings and choices mean nothing.
+`--emulate` (a machine without a GPU): the tuner times the GPU's candidate
+set on the CPU, as the tests do, and the device is named a GPU. Under
+TensorFlow (tests/conftest.py's `emulated_op`) rnnfuse's cuDNN op is
+replaced by a few differentiable ops of its output shapes (one op on the
+GPU: a trace of the reference's Python loop over the steps would be
+nothing like it) and CudnnRNNV3 by the reference of tests/cudnn_reference.py;
+under JAX the core is made available as tests/jax_backend/core_emulation.py
+does (its refusals included) and its differentiable call is likewise a few
+ops of its output shapes (the emulation's unrolled equations would make
+every compile that of a loop). Host seconds only (traces, graph set-up,
+compiles, tuning's own Python); the timings and choices mean nothing.
+
+The fit is one batch, so the budget rule (rnnfuse.tuning.budget) would
+give it the static plan: the fit here times every candidate, as a long
+fit does. Under JAX every phase also counts XLA's compiles (jax.monitoring's
+backend-compile events: `compiles`, `compile_s`). `static_optimize` is a
+static `optimize(model)` of the same model: its seconds, compiles and
+cProfile's top functions.
 
     python bench/diag_tuning_cost.py --cells 15,A1 --out $OUT/tuning_cost.json
     KERAS_BACKEND=jax python bench/diag_tuning_cost.py --cells lstm4x512,bigru5x512 --out $OUT/t.json
@@ -25,6 +35,7 @@ is made of on a GPU; the timings and choices mean nothing.
     python bench/diag_tuning_cost.py --cells 19 --compare 2 --out $OUT/pipelined.json
     python bench/diag_tuning_cost.py --cells 15 --compare 3 --arms full,cut --out $OUT/cut.json
     python bench/diag_tuning_cost.py --quick --emulate --cells 3 --out /tmp/t.json
+    KERAS_BACKEND=jax python bench/diag_tuning_cost.py --quick --emulate --cells lstm4x512 --out /tmp/t.json
     python bench/diag_tuning_cost.py --table bench/results/tuning_cost_tf_h200_s17a.json
 """
 
@@ -52,6 +63,44 @@ from report_user_view import shape_text  # noqa: E402
 from rnnfuse.tuning import tuner  # noqa: E402
 
 
+class XlaCompiles:
+    """Counts XLA's compiles (and their seconds) inside a `with` block, from
+    jax.monitoring's backend-compile events: every jit, AOT `.compile()` or
+    op-by-op dispatch that compiles reports one. Under other backends it
+    counts nothing (`listening` is False).
+
+    >>> with XlaCompiles() as c:
+    ...     pass
+    >>> c.count
+    0
+    """
+
+    EVENT = "/jax/core/compile/backend_compile_duration"
+
+    def __init__(self):
+        self.count, self.seconds, self.listening = 0, 0.0, False
+
+    def _heard(self, event: str, seconds: float, **_):
+        if event == self.EVENT:
+            self.count += 1
+            self.seconds += seconds
+
+    def __enter__(self):
+        if keras.backend.backend() == "jax":
+            import jax.monitoring
+
+            jax.monitoring.register_event_duration_secs_listener(self._heard)
+            self.listening = True
+        return self
+
+    def __exit__(self, *exc):
+        if self.listening:
+            import jax.monitoring
+
+            jax.monitoring.unregister_event_duration_listener(self._heard)
+        return False
+
+
 class Recorder:
     """Wraps the tuner's phases for one `with` block and keeps their times.
 
@@ -60,7 +109,8 @@ class Recorder:
     tracing (`trace_s`; a shared step's trace is its first candidate's).
     Phases: building the steps (`build_s`: the fused pieces, the
     tf.functions), the first calls (traces included), the timed calls and
-    the gradient check; `traces` counts the step traces."""
+    the gradient check; `traces` counts the step traces. Under JAX,
+    `<phase>_compiles` counts each phase's XLA compiles (`XlaCompiles`)."""
 
     def __init__(self, serial: bool = False, full: bool = False):
         self.serial, self.full = serial, full
@@ -68,6 +118,19 @@ class Recorder:
         self.phases = {"build_s": 0.0, "first_calls_s": 0.0, "timing_s": 0.0,
                        "gradient_check_s": 0.0, "trace_s": 0.0, "traces": 0}
         self.gradient_checks = []
+        self.compiles = XlaCompiles()
+
+    def _phase(self, name: str, fn, *args, **kwargs):
+        """`fn(*args, **kwargs)`, its seconds added to phase `name`_s and
+        its XLA compiles to `name`_compiles."""
+        start, compiled = time.perf_counter(), self.compiles.count
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            self.phases[f"{name}_s"] += time.perf_counter() - start
+            if self.compiles.listening:
+                key = f"{name}_compiles"
+                self.phases[key] = self.phases.get(key, 0) + self.compiles.count - compiled
 
     def __enter__(self):
         self._saved = (tuner._steps, tuner._first_calls, tuner.interleaved_medians,
@@ -92,16 +155,15 @@ class Recorder:
         self._body, self._traced = body, 0.0
 
         def timed_steps(*args, **kwargs):
-            start = time.perf_counter()
-            try:
-                return steps_of(*args, **kwargs)
-            finally:
-                rec.phases["build_s"] += time.perf_counter() - start
+            return rec._phase("build", steps_of, *args, **kwargs)
 
         def timed_first_calls(steps, plans, seconds=None):
+            return rec._phase("first_calls", first_calls_of, steps, plans, seconds)
+
+        def first_calls_of(steps, plans, seconds=None):
             # All at once, as tuning makes them (a traced step's first call
-            # overlaps the next one's trace), each trace timed on its own.
-            start = time.perf_counter()
+            # overlaps the next one's trace, JAX compiles them together),
+            # each trace timed on its own.
             calls = {}
             wrapped = {}
             for name, step in steps.items():
@@ -112,37 +174,36 @@ class Recorder:
                 call = (lambda step=step: step())
                 if not rec.serial:  # --serial: untraceable, so traced in its first call
                     call.trace = rec._timed_trace(name, trace)
+                    if callable(getattr(step, "compile", None)):
+                        call.compile = step.compile
                 wrapped[name] = call
             kept, refused = first_calls(wrapped, plans, calls)
             for name, took in calls.items():
                 rec.candidates.setdefault(name, {})["first_call_s"] = took
             if seconds is not None:
                 seconds.update(calls)
-            rec.phases["first_calls_s"] += time.perf_counter() - start
             return {n: steps[n] for n in kept}, refused
 
         def timed_medians(steps, **kwargs):
             if rec.full:  # a warm-up call and no margin race: every candidate's full rounds
                 kwargs = {k: v for k, v in kwargs.items() if k != "beat"} | {"warmup": 1}
-            start = time.perf_counter()
-            stats = medians(steps, **kwargs)
-            rec.phases["timing_s"] += time.perf_counter() - start
+            stats = rec._phase("timing", medians, steps, **kwargs)
             for name, s in stats.items():
                 row = rec.candidates.setdefault(name, {})
                 row.update(median_ms=1e3 * s["median"], timed_calls=len(s["times"]), pruned=s["pruned"])
             return stats
 
         def timed_check(self_, group, plan, shape, dtype):
-            start = time.perf_counter()
+            start, compiled = time.perf_counter(), rec.compiles.count
             try:
-                return check(self_, group, plan, shape, dtype)
+                return rec._phase("gradient_check", check, self_, group, plan, shape, dtype)
             finally:
-                seconds = time.perf_counter() - start
-                rec.phases["gradient_check_s"] += seconds
-                rec.gradient_checks.append(dict(plan=plan.name, seconds=seconds))
+                rec.gradient_checks.append(dict(plan=plan.name, seconds=time.perf_counter() - start,
+                                                compiles=rec.compiles.count - compiled))
 
         tuner._steps, tuner._first_calls = timed_steps, timed_first_calls
         tuner.interleaved_medians, tuner.GradientCheck.__call__ = timed_medians, timed_check
+        self.compiles.__enter__()
         return self
 
     def _timed_trace(self, name, trace):
@@ -155,6 +216,9 @@ class Recorder:
         return timed
 
     def __exit__(self, *exc):
+        self.compiles.__exit__(*exc)
+        if self.compiles.listening:
+            self.phases.update(compiles=self.compiles.count, compile_s=self.compiles.seconds)
         (tuner._steps, tuner._first_calls, tuner.interleaved_medians,
          tuner.GradientCheck.__call__) = self._saved
         if self._body is not None:
@@ -165,10 +229,61 @@ class Recorder:
         return False
 
 
+TESTS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests")
+
+
 def emulate_gpu_on_cpu() -> None:
-    """Makes this process's TensorFlow backend time the GPU candidate set on
-    the CPU (see the module doc): for `--emulate` only, never undone."""
-    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests"))
+    """Makes this process's backend (TensorFlow or JAX) time the GPU
+    candidate set on the CPU (see the module doc): for `--emulate` only,
+    never undone."""
+    import tempfile
+
+    # Its decisions are filed in a folder of their own, never read again.
+    os.environ["RNNFUSE_CACHE_DIR"] = tempfile.mkdtemp(prefix="rnnfuse_emulated_")
+    sys.path.insert(0, TESTS)
+    if keras.backend.backend() == "jax":
+        _emulate_jax_core()
+    elif keras.backend.backend() == "tensorflow":
+        _emulate_tensorflow_op()
+    else:
+        raise SystemExit(f"--emulate: TensorFlow or JAX only, not {keras.backend.backend()}; "
+                         "set KERAS_BACKEND=tensorflow or jax")
+
+
+class _Setter:
+    """The one method of pytest's monkeypatch that core_emulation.install uses."""
+
+    @staticmethod
+    def setattr(owner, name, value):
+        setattr(owner, name, value)
+
+
+def _emulate_jax_core() -> None:
+    """The cuDNN core available as tests/jax_backend/core_emulation.py makes
+    it, its call a few ops of its output shapes, and the CPU named a GPU."""
+    sys.path.insert(0, os.path.join(TESTS, "jax_backend"))
+    import core_emulation
+    import jax.numpy as jnp
+
+    from rnnfuse.backends import jax as jax_backend
+    from rnnfuse.backends.jax import cudnn_core
+
+    def rnn(x, hx, cx, params, lengths, *, config, training=False):
+        # A gradient to every input, as the one custom call on the GPU has.
+        width = config.directions * (config.proj_size or config.units)
+        mix = jnp.mean(x, -1, keepdims=True) + jnp.mean(params).astype(x.dtype)
+        y = jnp.tanh(mix * jnp.ones((width,), x.dtype))
+        hy = hx * 0.5 + jnp.mean(y).astype(hx.dtype)
+        return y, hy, (cx * 0.5 + jnp.mean(hy).astype(cx.dtype) if config.lstm else None)
+
+    core_emulation.install(_Setter())
+    cudnn_core.rnn = rnn
+    environment = jax_backend.device_environment
+    jax_backend.device_environment = lambda: {**environment(), "device": "EmulatedGPU"}
+
+
+def _emulate_tensorflow_op() -> None:
+    """rnnfuse's cuDNN op and CudnnRNNV3 -> their CPU stand-ins (module doc)."""
     import tensorflow as tf
     from cudnn_reference import emulated_cudnn_rnn
 
@@ -191,10 +306,6 @@ def emulate_gpu_on_cpu() -> None:
         reason = cudnn_op.op_unsupported_reason(dtype, dropout)
         return (None, reason) if reason is not None else (object(), None)
 
-    import tempfile
-
-    # Its decisions are filed in a folder of their own, never read again.
-    os.environ["RNNFUSE_CACHE_DIR"] = tempfile.mkdtemp(prefix="rnnfuse_emulated_")
     environment = tf_backend.device_environment
     cudnn_op.call_op = call_op
     tf_backend.cudnn_rnn = emulated_cudnn_rnn
@@ -234,17 +345,74 @@ def _tune(fast, run, profile: bool, serial: bool = False, full: bool = False) ->
     return out
 
 
+def static_optimize(shape: dict) -> dict:
+    """A static `optimize` (tune="auto": the static table until a first
+    batch) of a new model of `shape`: its seconds, XLA compiles and
+    cProfile's functions by cumulative time (`profile`; `top`: the slowest
+    of rnnfuse's own, with their seconds)."""
+    model = build(shape)
+    profiler = cProfile.Profile()
+    with XlaCompiles() as compiles:
+        profiler.enable()
+        start = time.perf_counter()
+        rnnfuse.optimize(model, cache=False)
+        seconds = time.perf_counter() - start
+        profiler.disable()
+    out = dict(seconds=seconds)
+    if compiles.listening:
+        out.update(compiles=compiles.count, compile_s=compiles.seconds)
+    text = io.StringIO()
+    stats = pstats.Stats(profiler, stream=text)
+    stats.sort_stats("cumulative").print_stats(30)
+    out["profile"] = text.getvalue()
+    own = [(f"{os.path.basename(file)}:{line}({name})", row[3])
+           for (file, line, name), row in stats.stats.items() if "rnnfuse" in file]
+    out["top"] = sorted(own, key=lambda r: -r[1])[:8]
+    return out
+
+
+def gradient_check_alone(shape: dict) -> dict | None:
+    """The tuner's gradient check of the whole run on the first tuned
+    cuDNN algorithm (else the default one), with its twin and the float64
+    reference, on a new model of `shape`: seconds and XLA compiles. A fit
+    checks gradients only where such a plan beats the original layers, so
+    this is measured apart. None where nothing can be timed here."""
+    if tuner.device_environment() is None:
+        return None
+    model = build(shape)
+    (group, *_) = rnnfuse.analyze(model).groups
+    plans = [p for p in tuner.candidates_for(keras.backend.backend())(group)
+             if p.pieces == (len(group.layers),)]
+    plan = next((p for p in plans if p.algorithm), plans[0])
+    batch = (shape["batch"], shape["steps"], group.input_size)
+    with XlaCompiles() as compiles:
+        start = time.perf_counter()
+        error = tuner.GradientCheck()(group, plan, batch, group.dtype)
+        seconds = time.perf_counter() - start
+    out = dict(plan=plan.name, seconds=seconds, error=error)
+    if compiles.listening:
+        out.update(compiles=compiles.count, compile_s=compiles.seconds)
+    return out
+
+
 def measure(shape: dict, profile: bool, serial: bool = False, full: bool = False) -> dict:
+    # First: a process's first optimize pays its one-time set-up.
+    static = static_optimize(shape)
     model = build(shape)
     x, y = data(shape, np.random.default_rng(0))
     fast = rnnfuse.optimize(model, cache=False)  # what a new user's first calls pay
+    state = getattr(fast, "_rnnfuse_autotune", None)
+    if state is not None:
+        # A one-batch fit: the budget would keep the static plan; time it all.
+        state.fit_share = None
     fast.compile(optimizer="adam", loss="mse")
     b = shape["batch"]
     fit = _tune(fast, lambda: fast.fit(x, y, batch_size=b, epochs=1, verbose=0), profile, serial,
                 full)
     predict = _tune(fast, lambda: fast.predict(x, batch_size=b, verbose=0), profile, serial, full)
     return dict(shape=shape, fit=fit, predict=predict, serial=serial, full=full,
-                decisions=rnnfuse.tuning.first_batch.decisions(fast))
+                decisions=rnnfuse.tuning.first_batch.decisions(fast),
+                static_optimize=static, gradient_check=gradient_check_alone(shape))
 
 
 # --compare's arms: name -> measure()'s keyword arguments.
@@ -307,7 +475,7 @@ def main(argv=None) -> int:
     parser.add_argument("--profile", action="store_true", help="add cProfile's top 30 functions")
     parser.add_argument("--quick", action="store_true", help="the cells with 32 units, batch 4, 10 steps: any machine")
     parser.add_argument("--emulate", action="store_true",
-                        help="no GPU (TensorFlow): time the GPU's candidates on the CPU, emulated")
+                        help="no GPU (TensorFlow, JAX): time the GPU's candidates on the CPU, emulated")
     parser.add_argument("--compare", type=int, default=0, metavar="PAIRS",
                         help="time each cell's tuning PAIRS times in each of --arms")
     parser.add_argument("--arms", default="serial,pipelined",
@@ -343,10 +511,20 @@ def main(argv=None) -> int:
         for mode in ("fit", "predict"):
             r = row[mode]
             print(f"cell {cell} {mode}: tuning {r['tuning_s']:.2f} s; "
-                  + ", ".join(f"{k} {v:.2f}" for k, v in r["phases"].items()))
+                  + ", ".join(f"{k} {v:.2f}" if isinstance(v, float) else f"{k} {v}"
+                              for k, v in r["phases"].items()))
             for name, c in r["candidates"].items():
                 print(f"    {name}: " + ", ".join(
                     f"{k} {v:.3f}" if isinstance(v, float) else f"{k} {v}" for k, v in c.items()))
+        check = row["gradient_check"]
+        if check is not None:
+            print(f"cell {cell} gradient check of {check['plan']} alone: {check['seconds']:.2f} s"
+                  + (f", {check['compiles']} XLA compiles" if "compiles" in check else ""))
+        opt = row["static_optimize"]
+        print(f"cell {cell} static optimize: {opt['seconds']:.2f} s"
+              + (f", {opt['compiles']} XLA compiles ({opt['compile_s']:.2f} s)" if "compiles" in opt else ""))
+        for name, cumulative in opt["top"]:
+            print(f"    optimize {cumulative:.3f} s in {name}")
         with open(args.out, "w") as f:
             json.dump(rows, f, indent=1)
     return 0

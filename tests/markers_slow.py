@@ -301,6 +301,14 @@ SLOW: dict[str, str] = {
     "jax_backend/test_jax_fused.py::test_lstm_stack_is_one_call_and_matches_keras[2]": "compiles (9 s); [3] stays fast",
     "jax_backend/test_jax_fused.py::test_returned_states_with_initial_states[False]": "compiles (6 s); [True] stays fast",
     "jax_backend/test_jax_cli.py::test_check_runs_under_jax": "gradients of two compiled models (8 s)",
+    "jax_backend/test_jax_tuner_programs.py::test_the_gradient_check_is_one_compiled_program": (
+        "compiles the emulated core's reference, plan and twin gradients (6 s); "
+        "test_gradients_of_all_calls_is_one_compiled_program stays fast"),
+    "jax_backend/test_jax_tuner_programs.py::test_the_jitted_gradients_are_those_of_jax_grad_alone": (
+        "the emulated core's gradients op by op and compiled (9 s a case)"),
+    "jax_backend/test_jax_tuner_programs.py::test_a_step_traced_and_compiled_ahead_runs_what_jit_runs": (
+        "compiles an emulated training step twice (5 s); timed_step's doctest and "
+        "test_tuning_stages.py's compile tests stay fast"),
     "jax_backend/test_jax_tuning.py::test_a_custom_jitted_loop_runs_its_modes_decision_not_the_last_one_set": (
         "a timed predict and fit, then a jitted custom step (15-57 s); the first-fit tuning test stays fast"
     ),

@@ -125,6 +125,71 @@ def test_a_refusal_raised_while_tracing_is_left_out_and_a_bug_still_raises():
         tuner._first_calls({"fused": _traceable(lambda: 1.0, lambda: 1 / 0)}, plans)
 
 
+def _compilable(call, trace, compile_):
+    call.trace, call.compile = trace, compile_
+    return call
+
+
+def test_steps_compile_together_off_the_main_thread_and_a_refused_trace_never_compiles(
+        monkeypatch):
+    import threading
+
+    monkeypatch.setattr(tuner, "COMPILE_THREADS", 2)
+    both = threading.Barrier(2, timeout=10)  # only two compiles at once pass it
+    events = []
+
+    def event(what):
+        def record():
+            events.append((what, threading.current_thread().name))
+        return record
+
+    def compile_(name):
+        def run():
+            event(f"compile {name}")()
+            both.wait()
+        return run
+
+    def refuse():
+        raise NotImplementedError("not timed: standard ran for persistent_static+tc (refused)")
+
+    plans = {"a": Plan((2,)), "b": Plan((2,), ALGORITHM), "c": Plan((2,), "persistent_dynamic+tc")}
+    steps = {
+        "a": _compilable(event("call a"), event("trace a"), compile_("a")),
+        "b": _compilable(event("call b"), event("trace b"), compile_("b")),
+        "c": _compilable(event("call c"), refuse, event("compile c")),
+    }
+    kept, why = tuner._first_calls(steps, plans)
+    assert list(kept) == ["a", "b"] and "standard ran" in why["c"]
+    threads = {what: thread for what, thread in events}
+    main = threading.current_thread().name
+    assert threads["trace a"] == threads["trace b"] == main
+    assert all(threads[f"compile {n}"].startswith("rnnfuse-compile") for n in "ab")
+    assert threads["call a"] == threads["call b"] != main
+    assert not any(what.endswith(" c") for what, _ in events), "a refused trace was compiled"
+    order = [what for what, _ in events]
+    assert order.index("call a") > order.index("compile a")
+    assert order.index("call b") > order.index("compile b")
+
+
+def test_a_compile_that_fails_is_its_steps_refusal_or_raises():
+    import pytest
+
+    plans = {"fused @persistent_static+tc": Plan((2,), ALGORITHM), "fused": Plan((2,))}
+    called = []
+
+    def refuse():
+        raise NotImplementedError("the kernel cannot run this shape")
+
+    kept, why = tuner._first_calls({
+        "fused @persistent_static+tc": _compilable(lambda: called.append(1), lambda: None, refuse),
+        "fused": _compilable(lambda: 1.0, lambda: None, lambda: None),
+    }, plans)
+    assert list(kept) == ["fused"] and not called
+    assert why["fused @persistent_static+tc"] == "the kernel cannot run this shape"
+    with pytest.raises(ZeroDivisionError):
+        tuner._first_calls({"fused": _compilable(lambda: 1.0, lambda: None, lambda: 1 / 0)}, plans)
+
+
 def test_a_real_step_is_traced_once_though_its_first_call_runs_on_another_thread():
     import tensorflow as tf
 

@@ -270,6 +270,9 @@ class Capabilities:
     # Those of them this backend also trains on; a training call of a plan on
     # another forward-only kernel runs `Plan.for_training()` (cuDNN).
     training_kernels: tuple = ()
+    # A traced call fixes its cuDNN algorithm (the standard one where cuDNN
+    # refuses the plan's): the tuner drops such a candidate before compiling.
+    algorithm_fixed_when_traced: bool = False
 
 
 class Backend(abc.ABC):
@@ -407,9 +410,9 @@ class Timing(abc.ABC):
     @abc.abstractmethod
     def timed_step(self, run, x, variables: Sequence[Any], training: bool, jit: bool = False):
         """A compiled step of `run(x, training)` (+ gradients): a callable giving
-        a scalar tensor. `jit`: compile with XLA. It may carry a `trace()` that
-        builds its program without running it, so the tuner can trace on
-        another thread."""
+        a scalar tensor. `jit`: compile with XLA. It may carry `trace()`, which
+        builds its program without running it, and then `compile()`, which
+        compiles it on any thread, beside other steps' compiles."""
 
     def timed_steps(self, make_run, x, variables: Sequence[Any], training: bool,
                     algorithms: Sequence[Any], dtype: str) -> dict | None:

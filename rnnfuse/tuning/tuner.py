@@ -27,6 +27,7 @@ from __future__ import annotations
 import concurrent.futures
 import dataclasses
 import datetime
+import os
 from typing import Callable, Sequence
 
 import keras
@@ -68,6 +69,8 @@ PROBE_MIN_STEPS = 8 * PROBE_STEPS
 # The original layers stay unless a plan beats them by this share: smaller
 # wins on the tuner's clock did not hold through `fit`.
 KEEP_ORIGINAL_MARGIN = 0.10
+# At most this many steps compile at once (`_first_calls`; XLA frees the GIL).
+COMPILE_THREADS = min(8, os.cpu_count() or 1)
 
 
 def gradient_tolerance(default_error: float, dtype: str) -> float:
@@ -166,9 +169,10 @@ def _runner(group: FusionGroup, plan: Plan, dtype: str | None = None) -> Callabl
         for g, piece_plan in split_groups([group], [plan])
     ]
 
-    # Only an eager call says which algorithm really ran; a traced one
-    # decides it when its program is built.
-    eager = not get_backend().capabilities.first_call_compiles
+    # An eager call says which algorithm ran, and so does a JAX trace; a
+    # TensorFlow trace decides it when its program is built.
+    caps = get_backend().capabilities
+    known = not caps.first_call_compiles or caps.algorithm_fixed_when_traced
 
     def fused(x, training, mask=None, algorithm=None):
         kwargs = {"algorithm": algorithm}
@@ -184,10 +188,9 @@ def _runner(group: FusionGroup, plan: Plan, dtype: str | None = None) -> Callabl
                     f"not timed: the {piece.plan.kernel} kernel did not run "
                     f"({ran.note if ran is not None else piece.last_path})")
             asked = piece.plan.algorithm
-            if (eager and asked and ran is not None and ran.algorithm not in ("", "runtime")
+            if (known and asked and ran is not None and ran.algorithm not in ("", "runtime")
                     and ran.algorithm != asked):
-                # An eager backend ran another algorithm than the candidate's
-                # (cuDNN refused it: torch's core falls back to standard).
+                # cuDNN refused the candidate's algorithm (the core ran standard).
                 raise NotImplementedError(
                     f"not timed: {ran.algorithm} ran for {asked} ({ran.note})")
         return x
@@ -726,14 +729,19 @@ def _first_calls(steps: dict, plans: dict, seconds: dict | None = None) -> tuple
     Returns (kept steps, {name: refusal}): a step a kernel refuses is left out
     instead of ending all timing; `seconds` receives each call's seconds. A
     step with `trace()` is traced here and its first call runs on a worker
-    thread while the next step traces; first calls still run one at a time,
-    so the device holds one candidate's step at a time.
+    thread while the next step traces, after its `compile()` (if any) on a
+    pool of threads beside the others' (a refused trace is not compiled);
+    first calls run one at a time, so the device holds one step at a time.
     """
     outcomes: dict = {}
     clock = current_clock()  # the worker thread does not see this context
+    compiling = sum(1 for s in steps.values() if callable(getattr(s, "compile", None)))
     with concurrent.futures.ThreadPoolExecutor(
         max_workers=1, thread_name_prefix="rnnfuse-first-call"
-    ) as worker:
+    ) as worker, concurrent.futures.ThreadPoolExecutor(
+        max_workers=max(1, min(compiling, COMPILE_THREADS)),
+        thread_name_prefix="rnnfuse-compile"
+    ) as compiler:
         for name, step in steps.items():
             if not callable(step):
                 continue
@@ -743,7 +751,12 @@ def _first_calls(steps: dict, plans: dict, seconds: dict | None = None) -> tuple
                 outcomes[name] = _done(_call_once, step, clock)
                 continue
             traced = _done(trace)
-            outcomes[name] = traced if traced.exception() else worker.submit(_call_once, step, clock)
+            if traced.exception():
+                outcomes[name] = traced
+                continue
+            compile_ = getattr(step, "compile", None)
+            compiled = compiler.submit(compile_) if callable(compile_) else _done(lambda: None)
+            outcomes[name] = worker.submit(_call_once_compiled, compiled, step, clock)
         kept, refused = {}, {}
         for name, step in steps.items():
             if name in outcomes:
@@ -759,6 +772,12 @@ def _first_calls(steps: dict, plans: dict, seconds: dict | None = None) -> tuple
                     seconds[name] = took
             kept[name] = step
     return kept, refused
+
+
+def _call_once_compiled(compiled: concurrent.futures.Future, step, clock: Clock) -> float:
+    """`_call_once` after the step's compile (`compiled`), failing as it did."""
+    compiled.result()
+    return _call_once(step, clock)
 
 
 def _call_once(step, clock: Clock) -> float:

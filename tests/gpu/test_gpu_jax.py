@@ -166,3 +166,53 @@ def test_tuner_keeps_the_faster_of_keras_and_fused(batch, units, lstm_calls):
     assert {"per-layer", "fused", "split 2+2"} <= set(result.timings)
     assert_fastest_or_kept_original(result)
     assert lstm_calls, "the fused candidates never ran the multi-layer call"
+
+
+@pytest.mark.parametrize("kind", ["lstm", "gru"])
+def test_the_gradient_check_is_one_compile_with_jax_grads_numbers(kind):
+    """Reference, plan and twin: one XLA compile (jax.grad alone compiled
+    over a hundred programs op by op), and the plan's gradients are those of
+    jax.grad alone."""
+    from rnnfuse.backends import get_timing
+    from rnnfuse.plan import Plan
+    from rnnfuse.tuning import tuner
+
+    model = stack_model(kind, 2, units=64, input_size=32, steps=40, last_return_sequences=True)
+    (group,) = rnnfuse.analyze(model).groups
+    compiles, programs = [], []
+
+    def heard(event, seconds, **_):
+        if event == "/jax/core/compile/backend_compile_duration":
+            compiles.append(seconds)
+
+    timing = get_timing()
+    real = timing.gradients_of
+
+    def counted(calls, variables):
+        before = len(compiles)
+        out = real(calls, variables)
+        programs.append((len(calls), len(compiles) - before))
+        return out
+
+    jax.monitoring.register_event_duration_secs_listener(heard)
+    try:
+        timing.gradients_of = counted
+        error = tuner.GradientCheck()(group, Plan((2,), "persistent_static+tc"), (16, 40, 32),
+                                      "float32")
+    finally:
+        del timing.gradients_of
+        jax.monitoring.unregister_event_duration_listener(heard)
+    print(f"{kind}: gradient check programs (calls, compiles) {programs}, error {error:.2e}")
+    assert programs == [(3, 1)] and error < 1e-3
+    variables = tuner._group_variables(group)
+    x = tuner._input_batch((16, 40, 32), "float32", seed=1)
+    run = tuner._runner(group, Plan((2,)))
+
+    def loss(values, inputs):
+        with keras.StatelessScope(state_mapping=list(zip(variables, values))):
+            y = run(inputs, False)
+        return jnp.sum(jnp.square(y.astype(jnp.float32)))
+
+    alone = jax.grad(loss)([v.value for v in variables], x)
+    for got, want in zip(timing.gradients(run, x, variables), alone):
+        assert _rel(got, want) < 1e-4

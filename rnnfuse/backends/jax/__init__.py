@@ -33,21 +33,25 @@ Example (packing only; the call itself needs a GPU):
 
 from __future__ import annotations
 
+import threading
 from typing import Any, Sequence
 
 import jax
 import jax.numpy as jnp
 import keras
+import numpy as np
 
 from rnnfuse.backends.base import GATES, StackCall, StackRun, StackSpec
 from rnnfuse.backends.cuda.cudnn_core import prefers_small_h
 from rnnfuse.reasons import KernelRun
 
 __all__ = [
+    "AheadOfTimeStep",
     "KERNELS",
     "allow_tf32",
     "concrete_bool",
     "device_environment",
+    "gradients_of",
     "group_reason",
     "is_available",
     "kernel_reason",
@@ -334,17 +338,66 @@ def timed_step(run, x, variables: Sequence[Any], training: bool):
     """A jitted step of `run(x, training)` (+ gradients) for the tuner, the
     variables' values passed as arguments as in a Keras JAX train step."""
     variables = list(variables)
+    loss = _square_loss(variables, run, training, jnp.mean)
+    fn = jax.jit(jax.value_and_grad(loss) if training else loss)
+    return AheadOfTimeStep(fn, ([v.value for v in variables], x), training)
+
+
+class AheadOfTimeStep:
+    """`Timing.timed_step`'s step: `trace()` lowers `fn` (the plan may refuse).
+
+    >>> v = keras.Variable([2.0])
+    >>> step = timed_step(lambda x, training: x * v, jnp.ones(1), [v], True)
+    >>> step.trace(); step.compile(); float(step())
+    4.0
+    """
+
+    def __init__(self, fn, args: tuple, training: bool):
+        self._fn, self._args, self._training = fn, args, training
+        self._lowered = self._compiled = None
+        self._lock = threading.Lock()
+
+    def trace(self) -> None:
+        if self._lowered is None and self._compiled is None:
+            self._lowered = self._fn.lower(*self._args)
+
+    def compile(self) -> None:
+        with self._lock:
+            if self._compiled is None:
+                self.trace()
+                self._compiled, self._lowered = self._lowered.compile(), None
+
+    def __call__(self):
+        if self._compiled is None:
+            self.compile()
+        out = self._compiled(*self._args)
+        return out[0] if self._training else out
+
+
+def _square_loss(variables: list, run, training: bool, reduce):
+    """(values, inputs) -> `reduce` of `run(inputs, training)`'s squares."""
 
     def loss(values, inputs):
         with keras.StatelessScope(state_mapping=list(zip(variables, values))):
             y = run(inputs, training)
-        return sum(jnp.mean(jnp.square(t.astype(jnp.float32))) for t in jax.tree.leaves(y))
+        return sum(reduce(jnp.square(t.astype(jnp.float32))) for t in jax.tree.leaves(y))
 
-    fn = jax.jit(jax.value_and_grad(loss) if training else loss)
-    values = [v.value for v in variables]
+    return loss
 
-    def step():
-        out = fn(values, x)
-        return out[0] if training else out
 
-    return step
+def gradients_of(calls: Sequence[tuple], variables: Sequence[Any]) -> list[list]:
+    """`Timing.gradients_of` in one jitted program, the variables' values
+    and the inputs its arguments (so XLA folds no weight in).
+
+    >>> v = keras.Variable([2.0])
+    >>> gradients_of([(lambda x, training: x * v, jnp.ones(1), False)], [v])[0][0].tolist()
+    [4.0]
+    """
+    variables = list(variables)
+    grads = [jax.grad(_square_loss(variables, run, training, jnp.sum)) for run, _, training in calls]
+
+    def program(values, inputs):
+        return [grad(values, x) for grad, x in zip(grads, inputs)]
+
+    out = jax.jit(program)([v.value for v in variables], [x for _, x, _ in calls])
+    return [[np.asarray(g, np.float64) for g in each] for each in out]

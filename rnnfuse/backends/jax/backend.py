@@ -19,7 +19,6 @@ from typing import Any, Sequence
 
 import jax
 import jax.numpy as jnp
-import keras
 import numpy as np
 
 from rnnfuse.backends import jax as kernels
@@ -64,6 +63,8 @@ class JaxBackend(NoProjectedLSTMPath, KernelModuleBackend):
             # training on its backward kernel (a jax.custom_vjp).
             inference_kernels=("wavefront",),
             training_kernels=("wavefront",),
+            # `run_stack` asks cuDNN while traced and falls back there.
+            algorithm_fixed_when_traced=True,
         )
 
     def kernel_reason(self, kernel, group, shape, training=False):
@@ -91,8 +92,8 @@ class JaxBackend(NoProjectedLSTMPath, KernelModuleBackend):
 
 
 class JaxTiming(Timing):
-    """What the tuner times plans with under JAX: jitted steps (this
-    package's `timed_step`) and `jax.grad` for the gradient check."""
+    """What the tuner times plans with under JAX: jitted steps (`timed_step`)
+    and one jitted gradient program per check (`gradients_of`)."""
 
     def device_environment(self):
         return kernels.device_environment()
@@ -115,15 +116,12 @@ class JaxTiming(Timing):
         return None
 
     def gradients(self, run, x, variables: Sequence[Any], training=False):
-        variables = list(variables)
+        return self.gradients_of([(run, x, training)], variables)[0]
 
-        def loss(values, inputs):
-            with keras.StatelessScope(state_mapping=list(zip(variables, values))):
-                y = run(inputs, training)
-            return sum(jnp.sum(jnp.square(t.astype(jnp.float32))) for t in jax.tree.leaves(y))
-
-        grads = jax.grad(loss)([v.value for v in variables], x)
-        return [np.asarray(g, np.float64) for g in grads]
+    def gradients_of(self, calls, variables):
+        # One trace and one XLA compile for reference, plan and twin, where
+        # jax.grad alone compiles op by op.
+        return kernels.gradients_of(calls, variables)
 
 
 class JaxTooling(Tooling):
