@@ -44,10 +44,13 @@ class OnlineRace:
     """Which candidate each of a fit's first steps runs, and the commit:
     `names` (the original layers among them as the baseline), `warmup`
     untimed steps after each one's first, `repeats` timed rounds, `check`
-    name -> whether it passes the exactness check."""
+    name -> whether it passes the exactness check. `later` {split: twin}:
+    a split joins only if its twin was within PRUNE of the fastest warm-up
+    step (the offline tuner's second stage); with no warm-up, all race."""
 
     def __init__(self, names: Sequence[str], *, warmup: int = 1, repeats: int = 5,
-                 check: Callable[[str], bool] | None = None, baseline: str = PER_LAYER.name):
+                 check: Callable[[str], bool] | None = None, baseline: str = PER_LAYER.name,
+                 later: dict[str, str] | None = None):
         if not names:
             raise ValueError("OnlineRace needs at least one candidate; received none")
         self.names = list(dict.fromkeys(names))
@@ -63,10 +66,15 @@ class OnlineRace:
         self._warm: dict[str, float] = {}
         self._round, self._queue = 0, []
         self._checked = False
+        self.later = dict(later or {}) if self.warmup > 0 else {}
+        self._waiting = set(self.later) & set(self.names)
+        self.skipped: dict[str, str] = {}  # second-stage candidates left out, and why
+        self._warm_done = False
 
     def running(self) -> list[str]:
         """The candidates still in the race, in their order."""
-        return [n for n in self.names if n not in self.rejected and n not in self.pruned]
+        return [n for n in self.names
+                if n not in self.rejected and n not in self.pruned and n not in self._waiting]
 
     def next(self) -> str:
         """The candidate the next step runs (the committed one once decided)."""
@@ -102,8 +110,7 @@ class OnlineRace:
             self._end_of_round()
 
     def overhead(self) -> float:
-        """Seconds the race's steps took beyond as many steps of the committed
-        candidate (0 before the commit)."""
+        """Seconds beyond as many of the committed candidate's steps (0 before)."""
         median = self.medians().get(self.committed)
         if median is None:
             return 0.0
@@ -122,18 +129,33 @@ class OnlineRace:
         if warming:
             self._queue = list(warming)
             return
-        if self._round == 0 and self._warm:
+        if self._round == 0 and self._warm and not self._warm_done:
             fastest = min(self._warm.values())
             self.pruned.update(n for n in running if self._warm.get(n, 0.0) > WARM_PRUNE * fastest)
+            if self._waiting:
+                self._admit(fastest)
+                return  # the next fill queues the admitted ones' warm-ups
             by_speed = sorted(self.running(), key=lambda n: self._warm.get(n, 0.0))
             self.pruned.update(by_speed[WARM_KEEP:])
-            self._warm = {}
+            self._warm_done = True
             running = self.running()
         if self._round >= self.repeats or (self._round >= 1 and len(running) == 1):
             self._commit()
             return
         r = self._round % len(running)
         self._queue = running[r:] + running[:r]
+
+    def _admit(self, fastest: float) -> None:
+        """The second stage: splits whose twin runs, within PRUNE of `fastest`."""
+        running = set(self.running())
+        admitted = {n for n in self._waiting
+                    if self.later[n] in running and self._warm.get(self.later[n], fastest) <= PRUNE * fastest}
+        for n in self._waiting - admitted:
+            twin = self.later[n]
+            self.skipped[n] = (f"not run: {twin} was over {PRUNE}x the fastest on its warm-up step"
+                               if twin in running else f"not run: {twin} left the race")
+        self.pruned.update(self._waiting - admitted)
+        self._waiting = set()
 
     def _end_of_round(self) -> None:
         if any(self._untimed[n] > 0 for n in self.running()) or not self.medians():
@@ -198,7 +220,8 @@ class OnlineFit:
             return
         index, bucket, shape, plans = self.races[0]
         self.race = OnlineRace(list(plans), warmup=self.warmup, repeats=self.repeats,
-                               check=lambda name: self._timed_check(index, plans[name]))
+                               check=lambda name: self._timed_check(index, plans[name]),
+                               later=split_twins(plans))
         self.functions = {}
         self.check_s = 0.0
 
@@ -257,6 +280,7 @@ class OnlineFit:
         rejected = dict(self.race.rejected)
         rejected.update({n: "not run: pruned in the online race" for n in self.race.pruned
                          if not self.race.times.get(n)})
+        rejected.update(self.race.skipped)
         self.apply(index, bucket, plan)
         self.switches.append((index, name))
         function = self.functions.get(self.trace_key(index, plan))
@@ -275,6 +299,20 @@ class OnlineFit:
             # function, without this wrapper.
             self.final = function if function is not None else self.make()
             self.install(self.final)
+
+
+def split_twins(plans: dict) -> dict[str, str]:
+    """{split's name: the whole run's on its kernel and algorithm}, among
+    `plans` {name: Plan}: the race's second stage.
+
+    >>> from rnnfuse.plan import Plan
+    >>> split_twins({p.name: p for p in (Plan((4,)), Plan((2, 2)), Plan((2, 2), "persistent_static"))})
+    {'split 2+2': 'fused'}
+    """
+    n = max((sum(p.pieces) for p in plans.values()), default=0)
+    wholes = {(p.kernel, p.algorithm): name for name, p in plans.items() if p.pieces == (n,)}
+    return {name: wholes[(p.kernel, p.algorithm)] for name, p in plans.items()
+            if len(p.pieces) > 1 and (p.kernel, p.algorithm) in wholes}
 
 
 def _wall_clock_step(name, run):

@@ -219,6 +219,29 @@ def test_the_races_overhead_is_its_steps_beyond_as_many_of_the_winners():
     assert race.overhead() == pytest.approx(3 * 2.0 + 3 * 1.0 - 6 * 1.0)
 
 
+def test_a_split_runs_only_where_its_whole_run_came_within_prune_of_the_fastest():
+    later = {"split 2+2": "fused", "split 2+2 @ps": "fused @ps"}
+    race = online.OnlineRace(["per-layer", "fused", "fused @ps", "split 2+2", "split 2+2 @ps"],
+                             warmup=1, repeats=3, later=later)
+    seconds = {"per-layer": 1.0, "fused": 0.9, "fused @ps": 0.5, "split 2+2": 0.6,
+               "split 2+2 @ps": 0.4}
+    ran = []
+    while race.committed is None:
+        ran.append(race.next())
+        race.record(ran[-1], seconds[ran[-1]])
+    # fused (0.9) was over 1.5x fused @ps (0.5) on its warm-up step: its split never ran.
+    assert "split 2+2" not in ran and race.skipped == {
+        "split 2+2": "not run: fused was over 1.5x the fastest on its warm-up step"}
+    assert ran[:6] == ["per-layer", "fused", "fused @ps"] * 2  # stage one's first calls and warm-ups
+    assert race.committed == "split 2+2 @ps"
+
+
+def test_without_a_warm_up_step_every_candidate_races_at_once():
+    race = online.OnlineRace(["fused", "split 2+2"], warmup=0, repeats=2,
+                             later={"split 2+2": "fused"})
+    assert race.next() == "fused" and race.running() == ["fused", "split 2+2"]
+
+
 def test_the_races_own_step_timer_reads_the_clock_and_commits_the_fastest(fake_gpu_online,
                                                                          fake_clock, monkeypatch):
     """No injected step timer: the race times each step on rnnfuse's clock,
