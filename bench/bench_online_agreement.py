@@ -113,12 +113,10 @@ def online_decisions(model, x, y, steps: int) -> list[dict]:
         def __getitem__(self, index):
             return x, y
 
-    online = rnnfuse.optimize(model, cache=False)
-    state = getattr(online, "_rnnfuse_autotune", None)
-    if state is None:
+    online = rnnfuse.optimize(model, cache=False, online=True)
+    if getattr(online, "_rnnfuse_autotune", None) is None:
         raise RuntimeError("optimize made no layer that tunes at its first batch "
                            "(no GPU visible to the backend?)")
-    state.online = True
     online.compile(optimizer="adam", loss="mse")
     online.fit(Repeated(), epochs=1, verbose=0, shuffle=False)
     return [dict(layers=d["layers"], chosen=d["chosen"], source=d["source"],

@@ -99,11 +99,8 @@ def measure(job: dict) -> dict:
     optimize_s = 0.0
     if job["model"] == "optimized":
         start = now()
-        model = rnnfuse.optimize(model)
+        model = rnnfuse.optimize(model, online=bool(job.get("online")))
         optimize_s = now() - start
-        state = getattr(model, "_rnnfuse_autotune", None)  # None: nothing to time on here
-        if job.get("online") and state is not None:
-            state.online = True
     model.compile(optimizer="adam", loss="mse")
     x, y, _ = bench_matrix.data(shape)
     n = job["epoch_steps"]

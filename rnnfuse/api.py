@@ -80,6 +80,7 @@ def optimize(
     training: bool = True,
     plan: Plan | Callable[[FusionGroup], Plan] | None = None,
     cache: Any = None,
+    online: bool = False,
     return_result: bool = False,
 ) -> keras.Model | OptimizeResult:
     """A new model in which each fusable run is one `FusedRNN` layer.
@@ -100,6 +101,8 @@ def optimize(
             `tune`.
         cache: the plan cache: None (the default file), False, a path, or a
             `PlanCache`.
+        online: with `tune="auto"`, a `fit` races the candidates on its own
+            first steps (TensorFlow, torch) instead of timing them apart.
         return_result: return an `rnnfuse.OptimizeResult` (model, report,
             plans, failed rewrites) instead of the model.
 
@@ -117,6 +120,8 @@ def optimize(
     _check_model(model, "optimize")
     _check_min_layers(min_layers, "optimize")
     _check_tune(tune)
+    if not isinstance(online, bool):
+        raise ValueError(f"optimize: online must be True or False; received {online!r}")
     if not (cache is None or cache is False or cache is True or isinstance(cache, PlanCache)):
         _plan_cache(cache)  # a bad cache argument fails before any work
     at_first_batch = (
@@ -140,7 +145,8 @@ def optimize(
         # Weight files in the original layout, registered classes (optimized.py).
         new = as_optimized(done.rewritten, like=model)
         if at_first_batch:
-            first_batch.attach(new, done.report.groups, AutoTune(cache=_plan_cache(cache)))
+            first_batch.attach(new, done.report.groups,
+                               AutoTune(cache=_plan_cache(cache), online=online))
     if return_result:
         return OptimizeResult(model=new, report=done.report, plans=tuple(tuned), failed=done.failed)
     return new

@@ -341,3 +341,14 @@ def test_optimize_warns_once_when_nothing_runs_fused_here(caplog):
     with caplog.at_level(logging.WARNING, logger="rnnfuse"):
         rnnfuse.optimize(model, plan=rnnfuse.PER_LAYER)
     assert "plan was forced to per-layer" in caplog.records[0].getMessage()
+
+
+def test_online_turns_the_fits_race_on_and_must_be_a_bool(monkeypatch):
+    from rnnfuse.tuning import first_batch
+
+    monkeypatch.setattr(first_batch, "can_time_here", lambda *args, **kwargs: True)
+    model = stack_model("gru", 2, steps=6)
+    assert rnnfuse.optimize(model, online=True, cache=False)._rnnfuse_autotune.online is True
+    assert rnnfuse.optimize(model, cache=False)._rnnfuse_autotune.online is False
+    with pytest.raises(ValueError, match="online must be True or False; received 'yes'"):
+        rnnfuse.optimize(model, online="yes")
