@@ -438,6 +438,15 @@ class Timing(abc.ABC):
         that compiles may take them in one program). Default: one each."""
         return [self.gradients(run, x, variables, training=training) for run, x, training in calls]
 
+    def float64_scope(self) -> Any:
+        """A context manager under which float64 tensors stay float64 (the
+        gradient check's reference). Default: a no-op one."""
+        return contextlib.nullcontext()
+
+    # The gradient check's float64 reference runs float64 copies of the
+    # layers, where the fused call runs no float64 (JAX's cuDNN core).
+    reference_on_layer_copies: bool = False
+
     @abc.abstractmethod
     def timing_context(self) -> Any:
         """A context manager under which the tuner can build, run and time steps

@@ -212,6 +212,36 @@ def _group_variables(group: FusionGroup) -> list:
     return [w for v in group.views for w in v.layer.trainable_weights]
 
 
+def _on_float64_copies(group: FusionGroup, x) -> tuple[Callable, list]:
+    """(run, variables): `group`'s layers as float64 copies holding their
+    weights now, and the copies' trainable variables in `_group_variables`'
+    order. Called under `Timing.float64_scope()` with float64 `x`."""
+    from rnnfuse.fused import call_members
+
+    copies = [type(v.layer).from_config(_float64_config(v.layer.get_config())) for v in group.views]
+
+    def run(x, training, mask=None, algorithm=None):
+        return call_members(copies, x, first={"training": training}, rest={"training": training})
+
+    run(x, False)  # builds them
+    for copy, view in zip(copies, group.views):
+        copy.set_weights([np.asarray(w, np.float64) for w in view.layer.get_weights()])
+    return run, [w for c in copies for w in c.trainable_weights]
+
+
+def _float64_config(config):
+    """A layer config with every (nested) dtype policy float64.
+
+    >>> _float64_config({"dtype": "mixed_float16", "layer": {"config": {"dtype": "float32"}}})
+    {'dtype': 'float64', 'layer': {'config': {'dtype': 'float64'}}}
+    """
+    if isinstance(config, dict):
+        return {k: "float64" if k == "dtype" else _float64_config(v) for k, v in config.items()}
+    if isinstance(config, list):
+        return [_float64_config(v) for v in config]
+    return config
+
+
 def gradient_error(got: list, reference: list) -> float:
     """Max difference of `got` from `reference` (float64 arrays, in order),
     relative to the reference's largest magnitude.
@@ -834,7 +864,7 @@ class GradientCheck:
     whole run fused in float64, on the batch's first CHECK_STEPS steps. The
     reference is computed once per (group, shape, dtype), together with the
     plan's and its default-algorithm twin's gradients in one call where that
-    works (one trace instead of three)."""
+    works; under JAX on float64 copies of the layers, in a call of its own."""
 
     def __init__(self):
         self._references: dict = {}
@@ -846,6 +876,14 @@ class GradientCheck:
         if (key, plan.name) in self._errors:
             return self._errors[(key, plan.name)]
         x = _input_batch(shape, dtype, seed=1)
+        variables = _group_variables(group)
+        timing = get_timing()
+        if key not in self._references and timing.reference_on_layer_copies:
+            # A program of its own: under JAX only its own scope keeps float64.
+            with timing.float64_scope():
+                x64 = keras.ops.cast(x, "float64")
+                run, of = _on_float64_copies(group, x64)
+                (self._references[key],) = timing.gradients_of([(run, x64, False)], of)
         # The twin `_fastest_with_sound_gradients` compares a plan on another
         # algorithm or kernel with.
         twin = Plan(plan.pieces) if plan.algorithm or plan.inference_only else None
@@ -854,8 +892,6 @@ class GradientCheck:
         if key not in self._references:
             reference = _runner(group, Plan((len(group.layers),)), dtype="float64")
             calls.insert(0, (reference, keras.ops.cast(x, "float64"), False))
-        variables = _group_variables(group)
-        timing = get_timing()
         try:
             grads = timing.gradients_of(calls, variables)
         except Exception:  # noqa: BLE001 - re-raised below by the call that fails alone

@@ -163,16 +163,18 @@ def test_tuner_keeps_the_faster_of_keras_and_fused(batch, units, lstm_calls):
     print(f"B{batch} H{units} tuner ms:", {n: round(t * 1e3, 2) for n, t in result.timings.items()},
           "->", result.plan.name)
     assert result.source == "measured"
-    assert {"per-layer", "fused", "split 2+2"} <= set(result.timings)
+    assert {"per-layer", "fused"} <= set(result.timings)
+    # A split runs in the second stage only where its whole run came close.
+    assert "split 2+2" in result.timings or "not timed" in result.rejected["split 2+2"]
     assert_fastest_or_kept_original(result)
     assert lstm_calls, "the fused candidates never ran the multi-layer call"
 
 
 @pytest.mark.parametrize("kind", ["lstm", "gru"])
 def test_the_gradient_check_is_one_compile_with_jax_grads_numbers(kind):
-    """Reference, plan and twin: one XLA compile (jax.grad alone compiled
-    over a hundred programs op by op), and the plan's gradients are those of
-    jax.grad alone."""
+    """The float64 reference, then plan and twin: one XLA compile each
+    (jax.grad alone compiled over a hundred programs op by op), and the
+    plan's gradients are those of jax.grad alone."""
     from rnnfuse.backends import get_timing
     from rnnfuse.plan import Plan
     from rnnfuse.tuning import tuner
@@ -203,7 +205,7 @@ def test_the_gradient_check_is_one_compile_with_jax_grads_numbers(kind):
         del timing.gradients_of
         jax.monitoring.unregister_event_duration_listener(heard)
     print(f"{kind}: gradient check programs (calls, compiles) {programs}, error {error:.2e}")
-    assert programs == [(3, 1)] and error < 1e-3
+    assert programs == [(1, 1), (2, 1)] and 0 < error < 1e-3
     variables = tuner._group_variables(group)
     x = tuner._input_batch((16, 40, 32), "float32", seed=1)
     run = tuner._runner(group, Plan((2,)))

@@ -91,9 +91,38 @@ def test_the_gradient_check_is_one_compiled_program(emulated_core, compiles, mon
     monkeypatch.setattr(type(get_timing()), "gradients_of", counted)
     error = tuner.GradientCheck()(group, Plan((2,), "persistent_static+tc"),
                                   (2, 2, group.input_size), "float32")
-    # Reference, plan and twin: one program, one XLA compile.
-    assert programs == [(3, 1)], programs
-    assert 0.0 <= error < 1e-4
+    # The float64 reference (its own program: x64 is scoped), then plan and
+    # twin together: one XLA compile each.
+    assert programs == [(1, 1), (2, 1)], programs
+    assert 0.0 < error < 1e-4
+
+
+@pytest.mark.parametrize("kind, policy", [("lstm", "float32"), ("bi_gru", "mixed_float16")])
+def test_the_gradient_checks_reference_runs_float64_copies_of_the_layers(kind, policy):
+    """With x64 off, float64 would be float32, and the fused call has no
+    float64 on JAX: the reference runs float64 copies of the layers, leaving
+    the layers' own weights as they were."""
+    if kind == "bi_gru":
+        inputs = keras.Input((2, 4))
+        h = inputs
+        for _ in range(2):
+            h = keras.layers.Bidirectional(keras.layers.GRU(3, return_sequences=True,
+                                                            dtype=policy))(h)
+        (group,) = rnnfuse.analyze(keras.Model(inputs, h)).groups
+    else:
+        group = _group(kind)
+    before = [w.copy() for v in group.views for w in v.layer.get_weights()]
+    x = tuner._input_batch((2, 2, group.input_size), "float32", seed=1)
+    with get_timing().float64_scope():
+        run, variables = tuner._on_float64_copies(group, keras.ops.cast(x, "float64"))
+        y = run(keras.ops.cast(x, "float64"), False)
+    assert str(y.dtype) == "float64" and {str(w.dtype) for w in variables} == {"float64"}
+    assert [tuple(w.shape) for w in variables] == [tuple(w.shape) for w in tuner._group_variables(group)]
+    error = tuner.GradientCheck()(group, Plan((2,)), (2, 2, group.input_size), group.dtype)
+    # The layers' own float32 (or float16) call against float64: close, not equal.
+    assert 0.0 < error < (1e-2 if policy == "mixed_float16" else 1e-5)
+    after = [w for v in group.views for w in v.layer.get_weights()]
+    assert all(np.array_equal(a, b) for a, b in zip(before, after))
 
 
 @pytest.mark.parametrize("kind", ["lstm", "gru"])

@@ -118,6 +118,12 @@ class JaxTiming(Timing):
     def gradients(self, run, x, variables: Sequence[Any], training=False):
         return self.gradients_of([(run, x, training)], variables)[0]
 
+    reference_on_layer_copies = True
+
+    def float64_scope(self):
+        # Keras' JAX backend runs without x64: float64 would be float32.
+        return jax.enable_x64(True)
+
     def gradients_of(self, calls, variables):
         # One trace and one XLA compile for reference, plan and twin, where
         # jax.grad alone compiles op by op.
