@@ -51,5 +51,11 @@ def test_the_candidates_race_as_traced_training_steps_and_the_fastest_is_committ
     assert layer.plan == Plan((2, 2))
     (record,) = first_batch.decisions(fast)
     assert record["source"] == "measured: online, on the fit's own steps"
+    # The race's cost, in its record: every step it ran beyond the winner's.
+    race = record["race"]
+    assert race["steps"] == len(ran)
+    assert race["first_ms"] == {name: 1e3 * t for name, t in MEDIANS.items()}
+    assert race["overhead_ms"] == pytest.approx(1e3 * sum(MEDIANS[n] - 1.0 for n in ran))
+    assert fast._rnnfuse_autotune.seconds >= race["overhead_ms"] / 1e3
     assert not isinstance(fast.train_function, online.OnlineFit)
     assert max_abs_diff(fast.predict(x, verbose=0), model.predict(x, verbose=0)) <= 2e-5

@@ -301,8 +301,9 @@ def online_train_function(model: keras.Model, make) -> Any:
         base = check_gradients(member.group, Plan(plan.pieces), shape, dtype)
         return error <= gradient_tolerance(base, dtype)
 
-    def record(index, shape, result, seconds):
-        state.seconds += seconds  # the race's cost, as the offline tuner's timing counts
+    def record(index, shape, result, cost):
+        # The race's cost, as the offline tuner's timing counts.
+        state.seconds += cost["overhead_s"] + cost["check_s"]
         member = state.members[index]
         # Committed: the steps traced from now take the plan's algorithm as a
         # constant (those traced in the race keep reading the winner's value).
@@ -312,7 +313,7 @@ def online_train_function(model: keras.Model, make) -> Any:
                                      rejected={**pending[index].refused, **result.rejected})
         jit = pending[index].xla_baseline
         state.decided[decision_key(index, True, shape, jit)] = result
-        state.decisions.append(decision_record(result, shape, True, jit))
+        state.decisions.append({**decision_record(result, shape, True, jit), "race": _rounded(cost)})
         if state.cache is not None and environment is not None:
             key = cache_key(environment, member.group, shape, member.group.dtype, True,
                             member.masked, jit)
@@ -328,6 +329,22 @@ def online_train_function(model: keras.Model, make) -> Any:
         measure_step=state.measure_step, trace_key=trace_key,
         warmup=default_warmup(environment.get("backend", "tensorflow")), repeats=REPEATS)
     return state.online_fit
+
+
+def _rounded(cost: dict) -> dict:
+    """The online race's cost for its record, in milliseconds where seconds.
+
+    >>> _rounded({"steps": 9, "check_s": 0.01234, "first_s": {"fused": 0.5}})
+    {'steps': 9, 'check_ms': 12.3, 'first_ms': {'fused': 500.0}}
+    """
+    out = {}
+    for name, value in cost.items():
+        if name.endswith("_s"):
+            name = name[:-2] + "_ms"
+            value = ({k: round(1e3 * v, 1) for k, v in value.items()} if isinstance(value, dict)
+                     else round(1e3 * value, 1))
+        out[name] = value
+    return out
 
 
 def _shared_trace(plan: Plan):

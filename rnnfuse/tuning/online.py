@@ -27,6 +27,7 @@ import statistics
 from typing import Callable, Sequence
 
 from rnnfuse.plan import PER_LAYER
+from rnnfuse.tuning.plans import whole_run_twins
 
 __all__ = ["OnlineRace"]
 
@@ -62,6 +63,7 @@ class OnlineRace:
         self.committed: str | None = None
         self.steps_run = 0
         self.spent = 0.0  # seconds of every step run, untimed ones included
+        self.first: dict[str, float] = {}  # each candidate's first step
         self._untimed = {n: 1 + self.warmup for n in self.names}
         self._warm: dict[str, float] = {}
         self._round, self._queue = 0, []
@@ -101,6 +103,7 @@ class OnlineRace:
         self.steps_run += 1
         self.spent += float(seconds)
         if self._untimed[name] > 0:
+            self.first.setdefault(name, float(seconds))
             self._untimed[name] -= 1
             if self._untimed[name] == 0 and self.warmup > 0:
                 self._warm[name] = float(seconds)  # a warm step, not the first call
@@ -194,7 +197,7 @@ class OnlineFit:
     decision and install the final train function; `check` and
     `measure_step` are the exactness check and the step timer. `record`
     also gets the race's cost: its overhead over the winner's steps and its
-    exactness checks' seconds.
+    exactness checks' seconds (`cost`: steps, overhead_s, check_s, first_s).
     """
 
     def __init__(self, races, *, make, apply, record, install, check=None, measure_step=None,
@@ -221,7 +224,7 @@ class OnlineFit:
         index, bucket, shape, plans = self.races[0]
         self.race = OnlineRace(list(plans), warmup=self.warmup, repeats=self.repeats,
                                check=lambda name: self._timed_check(index, plans[name]),
-                               later=split_twins(plans))
+                               later=whole_run_twins(list(plans.values())))
         self.functions = {}
         self.check_s = 0.0
 
@@ -284,9 +287,11 @@ class OnlineFit:
         self.apply(index, bucket, plan)
         self.switches.append((index, name))
         function = self.functions.get(self.trace_key(index, plan))
+        cost = dict(steps=self.race.steps_run, overhead_s=self.race.overhead(),
+                    check_s=self.check_s, first_s=dict(self.race.first))
         self.record(index, shape, TuneResult(
             None, plan, "measured: online, on the fit's own steps", self.race.medians(), rejected),
-            self.race.overhead() + self.check_s)
+            cost)
         if last:
             # The fit is over: the next makes its function anew for the committed plans.
             self.races, self.race = [], None
@@ -299,20 +304,6 @@ class OnlineFit:
             # function, without this wrapper.
             self.final = function if function is not None else self.make()
             self.install(self.final)
-
-
-def split_twins(plans: dict) -> dict[str, str]:
-    """{split's name: the whole run's on its kernel and algorithm}, among
-    `plans` {name: Plan}: the race's second stage.
-
-    >>> from rnnfuse.plan import Plan
-    >>> split_twins({p.name: p for p in (Plan((4,)), Plan((2, 2)), Plan((2, 2), "persistent_static"))})
-    {'split 2+2': 'fused'}
-    """
-    n = max((sum(p.pieces) for p in plans.values()), default=0)
-    wholes = {(p.kernel, p.algorithm): name for name, p in plans.items() if p.pieces == (n,)}
-    return {name: wholes[(p.kernel, p.algorithm)] for name, p in plans.items()
-            if len(p.pieces) > 1 and (p.kernel, p.algorithm) in wholes}
 
 
 def _wall_clock_step(name, run):

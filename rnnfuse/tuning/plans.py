@@ -21,7 +21,7 @@ from rnnfuse.plan import PER_LAYER, Plan
 from rnnfuse.report import FusionGroup
 
 __all__ = ["CANDIDATE_ALGORITHMS", "PERSISTENT_MAX_BATCH", "candidate_plans", "kernel_plans",
-           "kernel_segments", "persistent_reason", "split_groups"]
+           "kernel_segments", "persistent_reason", "split_groups", "whole_run_twins"]
 
 # The algorithms tried for fused pieces (None: standard); on TensorFlow only
 # with rnnfuse's op, which runs them in the backward pass too.
@@ -72,6 +72,21 @@ def candidate_plans(
         for algorithm in algorithms:
             plans.append(Plan(pieces, algorithm))
     return plans
+
+
+def whole_run_twins(plans: Sequence[Plan]) -> dict[str, str]:
+    """{split's name: the whole run's on its kernel and algorithm}, among
+    `plans`: the splits timed in a second stage, only where their twin came
+    close. A split with no whole-run twin among them (wavefront segments
+    where the kernel refuses the whole run) is not in it.
+
+    >>> whole_run_twins([Plan((4,)), Plan((2, 2)), Plan((2, 2), "persistent_static")])
+    {'split 2+2': 'fused'}
+    """
+    n = max((sum(p.pieces) for p in plans), default=0)
+    wholes = {(p.kernel, p.algorithm): p.name for p in plans if p.pieces == (n,)}
+    return {p.name: wholes[(p.kernel, p.algorithm)] for p in plans
+            if len(p.pieces) > 1 and (p.kernel, p.algorithm) in wholes}
 
 
 def kernel_plans(

@@ -39,7 +39,8 @@ from rnnfuse.tuning.budget import TuningBudget
 from rnnfuse.tuning.cache import PlanCache, cache_key
 from rnnfuse.tuning.clock import Clock, current_clock
 from rnnfuse.plan import PER_LAYER, Plan
-from rnnfuse.tuning.plans import candidate_plans, kernel_plans, persistent_reason, split_groups
+from rnnfuse.tuning.plans import (candidate_plans, kernel_plans, persistent_reason, split_groups,
+                                   whole_run_twins)
 from rnnfuse.tuning.table import static_plan
 from rnnfuse.tuning.timing import interleaved_medians
 
@@ -619,15 +620,10 @@ def _step_basis(timings: dict) -> float | None:
 def _stages(plans) -> tuple[list, list]:
     """(stage one, stage two) of `_time_in_stages`; all in stage one where the
     fused plans have one algorithm (a masked group, torch)."""
-    n = max((sum(p.pieces) for p in plans), default=0)
-    wholes = {(p.kernel, p.algorithm) for p in plans if p.pieces == (n,)}
     if len({p.algorithm for p in plans if p.pieces}) <= 1:
         return plans, []
-    # A split on a kernel whose whole run is no candidate (a stack larger
-    # than the chip as wavefront segments) has nothing to wait for.
-    first = [p for p in plans
-             if not p.pieces or p.pieces == (n,) or (p.kernel, p.algorithm) not in wholes]
-    return first, [p for p in plans if p not in first]
+    twins = whole_run_twins(plans)
+    return [p for p in plans if p.name not in twins], [p for p in plans if p.name in twins]
 
 
 def _second_stage(rest, timed, timings, rejected) -> tuple[list, list]:
