@@ -231,13 +231,15 @@ def _on_float64_copies(group: FusionGroup, x) -> tuple[Callable, list]:
 
 
 def _float64_config(config):
-    """A layer config with every (nested) dtype policy float64.
+    """A layer config with every (nested) dtype policy float64, and Keras'
+    own loop (jaxlib's float64 cuDNN LSTM backward fails to compile).
 
-    >>> _float64_config({"dtype": "mixed_float16", "layer": {"config": {"dtype": "float32"}}})
-    {'dtype': 'float64', 'layer': {'config': {'dtype': 'float64'}}}
+    >>> _float64_config({"dtype": "mixed_float16", "layer": {"config": {"use_cudnn": "auto"}}})
+    {'dtype': 'float64', 'layer': {'config': {'use_cudnn': False}}}
     """
+    fixed = {"dtype": "float64", "use_cudnn": False}
     if isinstance(config, dict):
-        return {k: "float64" if k == "dtype" else _float64_config(v) for k, v in config.items()}
+        return {k: fixed[k] if k in fixed else _float64_config(v) for k, v in config.items()}
     if isinstance(config, list):
         return [_float64_config(v) for v in config]
     return config
