@@ -220,6 +220,11 @@ def _on_float64_copies(group: FusionGroup, x) -> tuple[Callable, list]:
     from rnnfuse.fused import call_members
 
     copies = [type(v.layer).from_config(_float64_config(v.layer.get_config())) for v in group.views]
+    for layer in (inner for c in copies for inner in c._flatten_layers()):
+        if hasattr(layer, "use_cudnn"):
+            # Keras' own loop: jaxlib's float64 cuDNN LSTM backward fails
+            # XLA's verifier (and `use_cudnn` is not in the config).
+            layer.use_cudnn = False
 
     def run(x, training, mask=None, algorithm=None):
         return call_members(copies, x, first={"training": training}, rest={"training": training})
@@ -231,15 +236,13 @@ def _on_float64_copies(group: FusionGroup, x) -> tuple[Callable, list]:
 
 
 def _float64_config(config):
-    """A layer config with every (nested) dtype policy float64, and Keras'
-    own loop (jaxlib's float64 cuDNN LSTM backward fails to compile).
+    """A layer config with every (nested) dtype policy float64.
 
-    >>> _float64_config({"dtype": "mixed_float16", "layer": {"config": {"use_cudnn": "auto"}}})
-    {'dtype': 'float64', 'layer': {'config': {'use_cudnn': False}}}
+    >>> _float64_config({"dtype": "mixed_float16", "layer": {"config": {"dtype": "float32"}}})
+    {'dtype': 'float64', 'layer': {'config': {'dtype': 'float64'}}}
     """
-    fixed = {"dtype": "float64", "use_cudnn": False}
     if isinstance(config, dict):
-        return {k: fixed[k] if k in fixed else _float64_config(v) for k, v in config.items()}
+        return {k: "float64" if k == "dtype" else _float64_config(v) for k, v in config.items()}
     if isinstance(config, list):
         return [_float64_config(v) for v in config]
     return config
