@@ -443,8 +443,7 @@ class Timing(abc.ABC):
         gradient check's reference). Default: a no-op one."""
         return contextlib.nullcontext()
 
-    # The gradient check's float64 reference runs float64 copies of the
-    # layers, where the fused call runs no float64 (JAX's cuDNN core).
+    # The float64 reference runs on float64 layer copies (JAX: no fused float64).
     reference_on_layer_copies: bool = False
 
     @abc.abstractmethod

@@ -302,8 +302,7 @@ def online_train_function(model: keras.Model, make) -> Any:
         return error <= gradient_tolerance(base, dtype)
 
     def record(index, shape, result, cost):
-        # The race's cost, as the offline tuner's timing counts.
-        state.seconds += cost["overhead_s"] + cost["check_s"]
+        state.seconds += cost["overhead_s"] + cost["check_s"]  # as timing's seconds count
         member = state.members[index]
         # Committed: the steps traced from now take the plan's algorithm as a
         # constant (those traced in the race keep reading the winner's value).

@@ -4,13 +4,13 @@ Every candidate computes the same function within float tolerance, so
 with online tuning on (`AutoTune.online`) a `fit` whose first batch's
 bucket has no decision runs the candidates on its first steps, one a step
 in rotating rounds, with real updates. Every candidate's exactness check
-runs before the race's first step, so all are checked on the same weights
-(its steps update them); after `warmup` untimed steps and
-`repeats` timed rounds (pruned at PRUNE from the first, and at WARM_PRUNE
-and to the WARM_KEEP fastest on the last warm-up step), the fastest is
-committed once, unless the original layers come within
-`KEEP_ORIGINAL_MARGIN` of it. `overhead()` is what the race cost over
-running the winner on its steps.
+runs before the race's first step, on the same weights (its steps update
+them); after `warmup` untimed steps and `repeats` timed rounds (pruned at
+PRUNE from the first, at WARM_PRUNE and to the WARM_KEEP fastest on the
+last warm-up step, and where an eager first step was clearly slow), the
+fastest is committed once, unless the original layers come within
+`KEEP_ORIGINAL_MARGIN` of it. `overhead()` is the race's cost over running
+the winner on its steps.
 
 >>> race = OnlineRace(["per-layer", "fused"], warmup=0, repeats=3)
 >>> seconds = {"per-layer": 2.0, "fused": 1.0}
@@ -72,6 +72,7 @@ class OnlineRace:
         self._waiting = set(self.later) & set(self.names)
         self.skipped: dict[str, str] = {}  # second-stage candidates left out, and why
         self._warm_done = False
+        self._firsts_judged = self.warmup == 0  # a compiling first step says nothing
 
     def running(self) -> list[str]:
         """The candidates still in the race, in their order."""
@@ -128,6 +129,10 @@ class OnlineRace:
         if not running:
             self.committed = self.baseline
             return
+        if not self._firsts_judged and all(n in self.first for n in running):
+            self._firsts_judged = True
+            self._prune_slow_first_steps(running)
+            running = self.running()
         warming = [n for n in running if self._untimed[n] > 0]
         if warming:
             self._queue = list(warming)
@@ -147,6 +152,19 @@ class OnlineRace:
             return
         r = self._round % len(running)
         self._queue = running[r:] + running[:r]
+
+    def _prune_slow_first_steps(self, running) -> None:
+        """As the offline tuner's eager first calls: a clearly slow first step
+        ends a candidate (the race's first, the fit's set-up, not judged)."""
+        from rnnfuse.tuning.tuner import PRUNE as OFFLINE_PRUNE, clearly_slow_first_calls
+
+        judged = {n: self.first[n] for n in running}
+        judged.pop(next(iter(self.first)), None)
+        fastest = min(judged.values(), default=0.0)
+        for n in clearly_slow_first_calls(judged):
+            self.pruned.add(n)
+            self.skipped[n] = (f"not timed: its first step took {judged[n]:.2f} s, over "
+                               f"{OFFLINE_PRUNE**2:g}x the fastest first step ({fastest:.2f} s)")
 
     def _admit(self, fastest: float) -> None:
         """The second stage: splits whose twin runs, within PRUNE of `fastest`."""

@@ -222,8 +222,7 @@ def _on_float64_copies(group: FusionGroup, x) -> tuple[Callable, list]:
     copies = [type(v.layer).from_config(_float64_config(v.layer.get_config())) for v in group.views]
     for layer in (inner for c in copies for inner in c._flatten_layers()):
         if hasattr(layer, "use_cudnn"):
-            # Keras' own loop: jaxlib's float64 cuDNN LSTM backward fails
-            # XLA's verifier (and `use_cudnn` is not in the config).
+            # jaxlib's float64 cuDNN LSTM backward fails XLA's verifier.
             layer.use_cudnn = False
 
     def run(x, training, mask=None, algorithm=None):
@@ -862,10 +861,9 @@ CHECK_STEPS = 64
 
 class GradientCheck:
     """`check_gradients` for `tune_plans`: a plan's gradient error against the
-    whole run fused in float64, on the batch's first CHECK_STEPS steps. The
-    reference is computed once per (group, shape, dtype), together with the
-    plan's and its default-algorithm twin's gradients in one call where that
-    works; under JAX on float64 copies of the layers, in a call of its own."""
+    whole run in float64 on the batch's first CHECK_STEPS steps, computed once
+    per (group, shape, dtype) with the plan's and its default twin's where
+    that works (under JAX: float64 layer copies, in a call of their own)."""
 
     def __init__(self):
         self._references: dict = {}

@@ -184,7 +184,7 @@ def test_a_candidate_far_slower_on_its_warm_up_step_runs_no_timed_round():
     on its last warm-up step (WARM_PRUNE) leaves the race before the timed
     rounds; one only somewhat slower is timed and pruned at PRUNE."""
     race = online.OnlineRace(["per-layer", "fused", "dynamic", "split"], warmup=1, repeats=5)
-    seconds = {"per-layer": 1.0, "fused": 0.5, "dynamic": 10.0, "split": 0.9}
+    seconds = {"per-layer": 0.1, "fused": 0.05, "dynamic": 0.9, "split": 0.09}
     ran = []
     while race.committed is None:
         name = race.next()
@@ -194,6 +194,31 @@ def test_a_candidate_far_slower_on_its_warm_up_step_runs_no_timed_round():
     assert ran.count("dynamic") == 2 and not race.times["dynamic"]  # first call, warm-up
     assert race.pruned == {"dynamic", "per-layer", "split"}
     assert 1 <= len(race.times["split"]) <= 2
+
+
+def test_a_clearly_slow_eager_first_step_runs_no_warm_up_step():
+    """Over a second and 2.25x the fastest first step (the race's very first
+    step, which carries the fit's set-up, not judged): as the offline tuner
+    does with eager first calls, no warm-up step follows."""
+    race = online.OnlineRace(["per-layer", "fused", "dynamic", "split"], warmup=1, repeats=3)
+    first = {"per-layer": 5.0, "fused": 0.4, "dynamic": 3.0, "split": 0.5}
+    later = {"per-layer": 0.3, "fused": 0.2, "dynamic": 2.0, "split": 0.25}
+    ran = []
+    while race.committed is None:
+        name = race.next()
+        race.record(name, (later if name in ran else first)[name])
+        ran.append(name)
+    assert ran.count("dynamic") == 1 and ran.count("per-layer") > 1
+    assert race.skipped == {"dynamic": "not timed: its first step took 3.00 s, over 2.25x "
+                                       "the fastest first step (0.40 s)"}
+    assert race.committed == "fused"
+    # Without a warm-up step (a first step that compiles), nothing is judged on it.
+    race = online.OnlineRace(["per-layer", "fused", "dynamic"], warmup=0, repeats=1)
+    ran = []
+    while race.committed is None:
+        ran.append(race.next())
+        race.record(ran[-1], (later if ran.count(ran[-1]) > 1 else first)[ran[-1]])
+    assert ran.count("dynamic") == 2 and not race.skipped
 
 
 def test_only_the_fastest_few_on_their_warm_up_step_run_timed_rounds():
