@@ -724,6 +724,9 @@ def _fastest_with_sound_gradients(plans, timings, rejected, training, check, dty
         if plan.name not in errors:
             try:
                 errors[plan.name] = check(plan)
+            except ReferenceFailed as exc:
+                errors[plan.name] = None
+                rejected[plan.name] = f"not checked: {exc}"
             except Exception as exc:  # cuDNN refusing an algorithm: an op error
                 reason = _refusal(plan, exc)
                 if reason is None:
@@ -859,6 +862,11 @@ def _is_op_error(exc: Exception) -> bool:
 CHECK_STEPS = 64
 
 
+class ReferenceFailed(RuntimeError):
+    """The gradient check's float64 reference could not be computed: the
+    plans it would check are not chosen for training."""
+
+
 class GradientCheck:
     """`check_gradients` for `tune_plans`: a plan's gradient error against the
     whole run in float64 on the batch's first CHECK_STEPS steps, computed once
@@ -879,10 +887,15 @@ class GradientCheck:
         timing = get_timing()
         if key not in self._references and timing.reference_on_layer_copies:
             # A program of its own: under JAX only its own scope keeps float64.
-            with timing.float64_scope():
-                x64 = keras.ops.cast(x, "float64")
-                run, of = _on_float64_copies(group, x64)
-                (self._references[key],) = timing.gradients_of([(run, x64, False)], of)
+            try:
+                with timing.float64_scope():
+                    x64 = keras.ops.cast(x, "float64")
+                    run, of = _on_float64_copies(group, x64)
+                    (self._references[key],) = timing.gradients_of([(run, x64, False)], of)
+            except Exception as exc:  # noqa: BLE001 - the plan is then not checked
+                line = (str(exc).strip().splitlines() or [""])[0][:200]
+                raise ReferenceFailed(f"the float64 reference failed ({type(exc).__name__}: "
+                                      f"{line})") from exc
         # The twin `_fastest_with_sound_gradients` compares a plan on another
         # algorithm or kernel with.
         twin = Plan(plan.pieces) if plan.algorithm or plan.inference_only else None

@@ -197,3 +197,24 @@ def test_a_candidate_whose_algorithm_the_trace_replaces_is_left_out_uncompiled(
     assert "cuDNN refused" in result.rejected[refused]
     assert timed == [["fused", "per-layer"]] and len(compiled) == 2
     assert result.plan == Plan((2,))
+
+
+def test_a_failing_float64_reference_leaves_the_plans_it_checks_unchosen(monkeypatch):
+    """No traceback out of tuning: the plan it would check is rejected with
+    the reason, and the fastest plan needing no check is chosen."""
+    from rnnfuse.plan import PER_LAYER
+
+    def fails(group, x):
+        raise ValueError("Cannot lower jaxpr with verifier errors:\n  details")
+
+    monkeypatch.setattr(tuner, "_on_float64_copies", fails)
+    group = _group("lstm")
+    check = tuner.GradientCheck()
+    default, fast = Plan((2,)), Plan((2,), "persistent_static+tc")
+    rejected = {}
+    chosen = tuner._fastest_with_sound_gradients(
+        [PER_LAYER, default, fast], {PER_LAYER.name: 3.0, default.name: 2.0, fast.name: 1.0},
+        rejected, True, lambda p: check(group, p, (2, 2, group.input_size), "float32"), "float32")
+    assert chosen == default
+    assert rejected == {fast.name: "not checked: the float64 reference failed (ValueError: "
+                                   "Cannot lower jaxpr with verifier errors:)"}
