@@ -228,7 +228,7 @@ def _on_float64_copies(group: FusionGroup, x) -> tuple[Callable, list]:
     def run(x, training, mask=None, algorithm=None):
         return call_members(copies, x, first={"training": training}, rest={"training": training})
 
-    run(x, False)  # builds them
+    run(keras.KerasTensor(tuple(x.shape), "float64"), False)  # builds them, computing nothing
     for copy, view in zip(copies, group.views):
         copy.set_weights([np.asarray(w, np.float64) for w in view.layer.get_weights()])
     return run, [w for c in copies for w in c.trainable_weights]
@@ -241,7 +241,9 @@ def _float64_config(config):
     {'dtype': 'float64', 'layer': {'config': {'dtype': 'float64'}}}
     """
     if isinstance(config, dict):
-        return {k: "float64" if k == "dtype" else _float64_config(v) for k, v in config.items()}
+        # Zeros, not the initializers: the copies take the layers' weights.
+        return {k: "float64" if k == "dtype" else "zeros" if k.endswith("_initializer")
+                else _float64_config(v) for k, v in config.items()}
     if isinstance(config, list):
         return [_float64_config(v) for v in config]
     return config
