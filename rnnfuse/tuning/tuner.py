@@ -226,12 +226,19 @@ def _on_float64_copies(group: FusionGroup, x) -> tuple[Callable, list]:
             layer.use_cudnn = False
 
     def run(x, training, mask=None, algorithm=None):
-        return call_members(copies, x, first={"training": training}, rest={"training": training})
+        y = call_members(copies, x, first={"training": training}, rest={"training": training})
+        narrowed = {str(t.dtype) for t in keras.tree.flatten(y)} - {"float64"}
+        if narrowed:
+            raise TypeError(f"the float64 copies computed {sorted(narrowed)}")
+        return y
 
     run(keras.KerasTensor(tuple(x.shape), "float64"), False)  # builds them, computing nothing
+    twin = {}
     for copy, view in zip(copies, group.views):
         copy.set_weights([np.asarray(w, np.float64) for w in view.layer.get_weights()])
-    return run, [w for c in copies for w in c.trainable_weights]
+        # Paired by position: a copy's trainable flags come from its config.
+        twin.update({id(w): c for w, c in zip(view.layer.weights, copy.weights)})
+    return run, [twin[id(w)] for w in _group_variables(group)]
 
 
 def _float64_config(config):
@@ -896,8 +903,10 @@ class GradientCheck:
                     (self._references[key],) = timing.gradients_of([(run, x64, False)], of)
             except Exception as exc:  # noqa: BLE001 - the plan is then not checked
                 line = (str(exc).strip().splitlines() or [""])[0][:200]
-                raise ReferenceFailed(f"the float64 reference failed ({type(exc).__name__}: "
-                                      f"{line})") from exc
+                self._references[key] = ReferenceFailed(
+                    f"the float64 reference failed ({type(exc).__name__}: {line})")
+        if isinstance(self._references.get(key), ReferenceFailed):
+            raise self._references[key]
         # The twin `_fastest_with_sound_gradients` compares a plan on another
         # algorithm or kernel with.
         twin = Plan(plan.pieces) if plan.algorithm or plan.inference_only else None

@@ -97,11 +97,13 @@ def test_the_gradient_check_is_one_compiled_program(emulated_core, compiles, mon
     assert 0.0 < error < 1e-4
 
 
-@pytest.mark.parametrize("kind, policy", [("lstm", "float32"), ("bi_gru", "mixed_float16")])
+@pytest.mark.parametrize("kind, policy", [("lstm", "float32"), ("rnn_tanh", "float32"),
+                                          ("bi_gru", "mixed_float16")])
 def test_the_gradient_checks_reference_runs_float64_copies_of_the_layers(kind, policy):
-    """With x64 off, float64 would be float32, and the fused call has no
-    float64 on JAX: the reference runs float64 copies of the layers, leaving
-    the layers' own weights as they were."""
+    """With x64 off, float64 would be float32 (and Keras' JAX `tanh` makes a
+    float64 tensor float32), and the fused call has no float64 on JAX: the
+    reference runs float64 copies of the layers, every op in float64,
+    leaving the layers' own weights as they were."""
     if kind == "bi_gru":
         inputs = keras.Input((2, 4))
         h = inputs
@@ -204,7 +206,10 @@ def test_a_failing_float64_reference_leaves_the_plans_it_checks_unchosen(monkeyp
     the reason, and the fastest plan needing no check is chosen."""
     from rnnfuse.plan import PER_LAYER
 
+    calls = []
+
     def fails(group, x):
+        calls.append(group)
         raise ValueError("Cannot lower jaxpr with verifier errors:\n  details")
 
     monkeypatch.setattr(tuner, "_on_float64_copies", fails)
@@ -218,3 +223,24 @@ def test_a_failing_float64_reference_leaves_the_plans_it_checks_unchosen(monkeyp
     assert chosen == default
     assert rejected == {fast.name: "not checked: the float64 reference failed (ValueError: "
                                    "Cannot lower jaxpr with verifier errors:)"}
+    # The failure is kept: another plan's check does not build the copies again.
+    with pytest.raises(tuner.ReferenceFailed):
+        check(group, Plan((2,), "persistent_dynamic+tc"), (2, 2, group.input_size), "float32")
+    assert len(calls) == 1
+
+
+def test_the_copies_gradients_pair_with_the_layers_trainable_variables():
+    """A sublayer frozen after construction: its copy is trainable (its
+    config says so), but the reference's gradients stay in the layers'
+    trainable variables' order."""
+    inputs = keras.Input((4, 6))
+    first = keras.layers.Bidirectional(keras.layers.LSTM(3, return_sequences=True))
+    model = keras.Model(inputs, keras.layers.Bidirectional(keras.layers.LSTM(3))(first(inputs)))
+    first.forward_layer.cell.trainable = False
+    (group,) = rnnfuse.analyze(model).groups
+    x = tuner._input_batch((2, 4, 6), "float32", seed=1)
+    with get_timing().float64_scope():
+        _, variables = tuner._on_float64_copies(group, keras.ops.cast(x, "float64"))
+    assert [tuple(v.shape) for v in variables] == [tuple(v.shape) for v in tuner._group_variables(group)]
+    assert len(variables) == len(tuner._group_variables(group)) == 9
+    assert 0.0 < tuner.GradientCheck()(group, Plan((2,)), (2, 4, 6), "float32") < 1e-5

@@ -380,7 +380,8 @@ def _square_loss(variables: list, run, training: bool, reduce):
     def loss(values, inputs):
         with keras.StatelessScope(state_mapping=list(zip(variables, values))):
             y = run(inputs, training)
-        return sum(reduce(jnp.square(t.astype(jnp.float32))) for t in jax.tree.leaves(y))
+        return sum(reduce(jnp.square(t.astype(jnp.promote_types(t.dtype, jnp.float32))))
+                   for t in jax.tree.leaves(y))
 
     return loss
 

@@ -121,8 +121,7 @@ class JaxTiming(Timing):
     reference_on_layer_copies = True
 
     def float64_scope(self):
-        # Keras' JAX backend runs without x64: float64 would be float32.
-        return jax.enable_x64(True)
+        return _float64_scope()
 
     def gradients_of(self, calls, variables):
         # One trace and one XLA compile for reference, plan and twin, where
@@ -186,3 +185,19 @@ class JaxTooling(Tooling):
             for v in variables
         ]
         return [np.asarray(t) for t in flat], out
+
+
+@contextlib.contextmanager
+def _float64_scope():
+    """x64 on, and Keras' type promotion keeping float64 (it maps float64
+    results to float32 on JAX: `tanh` of a float64 tensor is float32)."""
+    from keras.src.backend.common import dtypes
+
+    narrowed = dtypes.BIT64_TO_BIT32_DTYPE
+    kept = narrowed.get("float64")
+    narrowed["float64"] = "float64"
+    try:
+        with jax.enable_x64(True):
+            yield
+    finally:
+        narrowed["float64"] = kept
