@@ -126,7 +126,9 @@ def measure(job: dict) -> dict:
         row["tuning_s"] = getattr(getattr(model, "_rnnfuse_autotune", None), "seconds", 0.0)
         row["plans"] = [dict(layers=len(f.fused_layers), plan=f.plan.name, kernel=f.plan.kernel)
                         for f in fused_layers(model)]
-        row["decisions"] = [dict(mode=d.get("mode"), chosen=d.get("chosen"), source=d.get("source"))
+        # An online race's record says where its seconds went.
+        row["decisions"] = [dict(mode=d.get("mode"), chosen=d.get("chosen"), source=d.get("source"),
+                                 **({"race": d["race"]} if "race" in d else {}))
                             for d in decisions(model)]
     return row
 
