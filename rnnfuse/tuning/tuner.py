@@ -643,15 +643,15 @@ def _second_stage(rest, timed, timings, rejected) -> tuple[list, list]:
     """(stage one's plans to time again, stage two's plans); the splits left
     out go to `rejected`."""
     best = min(timings.values())
-    whole = {(p.kernel, p.algorithm): p for p in timed if p.pieces}
+    twins = whole_run_twins([*timed, *rest])
     second = []
     for p in rest:
-        twin = whole.get((p.kernel, p.algorithm))
-        if twin is None:
+        twin = twins.get(p.name)
+        if twin not in timings:
             rejected[p.name] = "not timed: the whole run on its algorithm was not timed"
-        elif timings[twin.name] > PRUNE * best:
+        elif timings[twin] > PRUNE * best:
             rejected[p.name] = (
-                f"not timed: {twin.name} was over {PRUNE}x slower than the best of stage one"
+                f"not timed: {twin} was over {PRUNE}x slower than the best of stage one"
             )
         else:
             second.append(p)
