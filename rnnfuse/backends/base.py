@@ -438,13 +438,12 @@ class Timing(abc.ABC):
         that compiles may take them in one program). Default: one each."""
         return [self.gradients(run, x, variables, training=training) for run, x, training in calls]
 
-    def float64_scope(self) -> Any:
-        """A context manager under which float64 tensors stay float64 (the
-        gradient check's reference). Default: a no-op one."""
-        return contextlib.nullcontext()
-
-    # The float64 reference runs on float64 layer copies (JAX: no fused float64).
-    reference_on_layer_copies: bool = False
+    def float64_copies_scope(self) -> Any:
+        """A context manager under which the gradient check's float64 reference
+        runs, in a program of its own, on float64 copies of the layers; None
+        (default): the reference runs the fused call in float64, in the timed
+        plans' program."""
+        return None
 
     @abc.abstractmethod
     def timing_context(self) -> Any:

@@ -216,7 +216,7 @@ def _group_variables(group: FusionGroup) -> list:
 def _on_float64_copies(group: FusionGroup, x) -> tuple[Callable, list]:
     """(run, variables): `group`'s layers as float64 copies holding their
     weights now, and the copies' trainable variables in `_group_variables`'
-    order. Called under `Timing.float64_scope()` with float64 `x`."""
+    order. Called under `Timing.float64_copies_scope()` with float64 `x`."""
     from rnnfuse.fused import call_members
 
     copies = [type(v.layer).from_config(_float64_config(v.layer.get_config())) for v in group.views]
@@ -894,10 +894,10 @@ class GradientCheck:
         x = _input_batch(shape, dtype, seed=1)
         variables = _group_variables(group)
         timing = get_timing()
-        if key not in self._references and timing.reference_on_layer_copies:
-            # A program of its own: under JAX only its own scope keeps float64.
+        scope = timing.float64_copies_scope() if key not in self._references else None
+        if scope is not None:
             try:
-                with timing.float64_scope():
+                with scope:
                     x64 = keras.ops.cast(x, "float64")
                     run, of = _on_float64_copies(group, x64)
                     (self._references[key],) = timing.gradients_of([(run, x64, False)], of)

@@ -115,7 +115,7 @@ def test_the_gradient_checks_reference_runs_float64_copies_of_the_layers(kind, p
         group = _group(kind)
     before = [w.copy() for v in group.views for w in v.layer.get_weights()]
     x = tuner._input_batch((2, 2, group.input_size), "float32", seed=1)
-    with get_timing().float64_scope():
+    with get_timing().float64_copies_scope():
         run, variables = tuner._on_float64_copies(group, keras.ops.cast(x, "float64"))
         y = run(keras.ops.cast(x, "float64"), False)
     assert str(y.dtype) == "float64" and {str(w.dtype) for w in variables} == {"float64"}
@@ -239,7 +239,7 @@ def test_the_copies_gradients_pair_with_the_layers_trainable_variables():
     first.forward_layer.cell.trainable = False
     (group,) = rnnfuse.analyze(model).groups
     x = tuner._input_batch((2, 4, 6), "float32", seed=1)
-    with get_timing().float64_scope():
+    with get_timing().float64_copies_scope():
         _, variables = tuner._on_float64_copies(group, keras.ops.cast(x, "float64"))
     assert [tuple(v.shape) for v in variables] == [tuple(v.shape) for v in tuner._group_variables(group)]
     assert len(variables) == len(tuner._group_variables(group)) == 9

@@ -118,9 +118,8 @@ class JaxTiming(Timing):
     def gradients(self, run, x, variables: Sequence[Any], training=False):
         return self.gradients_of([(run, x, training)], variables)[0]
 
-    reference_on_layer_copies = True
-
-    def float64_scope(self):
+    def float64_copies_scope(self):
+        # JAX has no fused float64 call.
         return _float64_scope()
 
     def gradients_of(self, calls, variables):
