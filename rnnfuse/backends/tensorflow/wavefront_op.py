@@ -133,32 +133,21 @@ def run_stack(sequences: tf.Tensor, call: StackCall) -> StackRun:
     Raises:
         NotImplementedError: the op cannot run this call (the reason)."""
     from rnnfuse.backends import tensorflow as tf_backend
-    from rnnfuse.backends.tensorflow import op_build, wavefront_training
 
     stack, dtype = call.stack, sequences.dtype
     batch, x, lengths = _kernel_input(sequences, call, stack_unsupported_reason)
-    params = tf_backend.pack_params(stack, dtype)
-    xproj = wavefront_training.input_projection(x, params, GATES[stack.kind] * stack.units)
-    lstm = stack.kind == "lstm"
-    outputs, h, c = op_build.load_wavefront_op().rnnfuse_wavefront(
-        xproj=xproj,
-        params=params,
-        input_h=tf_backend._states(call.initial_h, stack, batch, dtype),
-        input_c=(tf_backend._states(call.initial_c, stack, batch, dtype) if lstm
-                 else tf.zeros([0], dtype)),
-        sequence_lengths=wavefront_training.lengths_input(lengths),
-        rnn_mode=stack.kind,
-        input_size=int(x.shape[-1]),
-        kernel_variant=wavefront_training.kernel_variants().FORWARD_VARIANT,
-    )
-    return StackRun(tf.transpose(outputs, [1, 0, 2]), h, (c if lstm else None),
-                    KernelRun(KERNEL_NAME))
+    y, h, c = forward(
+        x, tf_backend.pack_params(stack, dtype),
+        tf_backend._states(call.initial_h, stack, batch, dtype),
+        tf_backend._states(call.initial_c, stack, batch, dtype) if stack.kind == "lstm" else None,
+        lengths, kind=stack.kind)
+    return StackRun(tf.transpose(y, [1, 0, 2]), h, c, KernelRun(KERNEL_NAME))
 
 
 def forward(x: tf.Tensor, params: tf.Tensor, h0: tf.Tensor, c0: Any, lengths: Any, *,
             kind: str):
-    """One `RnnfuseWavefront` launch over x [T, B, I] (time-major), as
-    `run_stack` makes it: (y, hy, cy, None for a GRU)."""
+    """One `RnnfuseWavefront` launch over x [T, B, I] (time-major): (y, hy,
+    cy, None for a GRU)."""
     from rnnfuse.backends.tensorflow import op_build, wavefront_training
 
     units = int(h0.shape[-1])
