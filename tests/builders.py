@@ -187,12 +187,15 @@ def traced_op_types(fn, *args) -> set:
 
 
 def assert_fastest_or_kept_original(result) -> None:
-    """A measured TuneResult chose the fastest candidate, or the original
-    layers where the fastest beat them by less than the tuner's margin
-    (`rnnfuse.tuning.tuner.KEEP_ORIGINAL_MARGIN`)."""
+    """A measured TuneResult chose the fastest candidate it could train on,
+    or the original layers where that one beat them by less than the tuner's
+    margin (`rnnfuse.tuning.tuner.KEEP_ORIGINAL_MARGIN`). A timed candidate
+    is out only where its gradient check rejected it."""
     from rnnfuse.tuning.tuner import KEEP_ORIGINAL_MARGIN
 
-    timings = result.timings
+    out = {n: result.rejected[n] for n in result.timings if n in result.rejected}
+    assert all(r.startswith(("gradient error", "not checked")) for r in out.values()), out
+    timings = {n: t for n, t in result.timings.items() if n not in out}
     best = min(timings.values())
     if result.plan.name == "per-layer":
         assert best >= (1 - KEEP_ORIGINAL_MARGIN) * timings["per-layer"], timings
