@@ -458,3 +458,15 @@ def test_mask_is_right_padded_leaves_the_per_layer_fallback_untraced(emulated_cu
     outside = step(False)
     assert traced == [fused.name], "without it the fallback branch is traced"
     assert max_abs_diff(inside, outside) == 0.0
+
+
+def test_a_half_precision_check_computes_the_twin_only_over_the_rounding_floor(
+        emulated_cudnn, gradient_calls, monkeypatch):
+    from rnnfuse.plan import Plan
+
+    group, calls, programs = gradient_calls
+    shape = (3, 2, group.input_size)
+    plan = Plan((2,), "persistent_static+tc")
+    tuner.GradientCheck()(group, plan, shape, "float16")
+    assert programs == [2], programs  # the reference and the plan: no twin
+    assert [d for d, _ in calls] == ["float64", "float16"]

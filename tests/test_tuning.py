@@ -568,3 +568,35 @@ def test_skipping_the_gradient_check_never_changes_the_decision():
         assert set(checked_cut) <= set(checked_all)
         saved += len(checked_all) - len(checked_cut)
     assert saved > 0
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_a_half_precision_plan_within_the_rounding_floor_needs_no_twin(dtype):
+    """In half precision a plan whose gradient error is within the rounding
+    floor passes whatever its default twin's error: the choice is the one
+    every check gives, over random timings and errors, with fewer checks."""
+    from rnnfuse.tuning import tuner
+
+    rng = np.random.default_rng(1)
+    algorithms = [None, "persistent_static+tc", "persistent_dynamic+tc"]
+    plans = [PER_LAYER] + [Plan(p, a) for p in ((4,), (2, 2)) for a in algorithms]
+    plans.append(Plan((4,), kernel="wavefront"))
+    floor = tuner.rounding_floor(dtype)
+    saved = 0
+    for _ in range(300):
+        timings = {p.name: float(rng.uniform(0.5, 1.3)) for p in plans}
+        errors = {p.name: float(rng.choice([floor / 8, floor / 2, 2 * floor, 8 * floor])) for p in plans}
+        checked = []
+
+        def check(plan):
+            checked.append(plan.name)
+            return errors[plan.name]
+
+        chosen = tuner._fastest_with_sound_gradients(plans, timings, {}, True, check, dtype)
+        # Every plan's check and its twin's, as the rule reads.
+        sound = [p for p in plans if not (p.algorithm or p.inference_only)
+                 or errors[p.name] <= tuner.gradient_tolerance(errors[Plan(p.pieces).name], dtype)]
+        assert chosen == min(sound, key=lambda p: timings[p.name])
+        twins = {Plan(p.pieces).name for p in plans if p.algorithm or p.inference_only}
+        saved += len(twins - set(checked))
+    assert saved > 0

@@ -52,6 +52,7 @@ from rnnfuse.tuning.tuner import (
     device_environment,
     gradient_tolerance,
     plans_worth_timing,
+    rounding_floor,
 )
 
 __all__ = [
@@ -298,6 +299,8 @@ def online_train_function(model: keras.Model, make) -> Any:
         member = state.members[index]
         shape, dtype = pending[index].shape, member.group.dtype
         error = check_gradients(member.group, plan, shape, dtype)
+        if error <= rounding_floor(dtype):
+            return True
         base = check_gradients(member.group, Plan(plan.pieces), shape, dtype)
         return error <= gradient_tolerance(base, dtype)
 

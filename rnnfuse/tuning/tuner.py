@@ -82,7 +82,17 @@ def gradient_tolerance(default_error: float, dtype: str) -> float:
         >>> gradient_tolerance(1e-5, "float32") == 2e-5 + 1e-7
         True
     """
-    return max(GRADIENT_SLACK * default_error + 1e-7, ROUNDING_UNITS * _EPS.get(str(dtype), 0.0))
+    return max(GRADIENT_SLACK * default_error + 1e-7, rounding_floor(dtype))
+
+
+def rounding_floor(dtype: str) -> float:
+    """ROUNDING_UNITS units of `dtype`'s rounding (0 for float32): a plan's
+    gradient error at most this passes without its twin's being computed.
+
+        >>> rounding_floor("float16"), rounding_floor("float32")
+        (0.00390625, 0.0)
+    """
+    return ROUNDING_UNITS * _EPS.get(str(dtype), 0.0)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -721,7 +731,8 @@ def _fastest_with_sound_gradients(plans, timings, rejected, training, check, dty
     """The fastest plan whose gradients may be trusted for training.
 
     A plan on a non-default algorithm or another kernel must have gradients
-    within `gradient_tolerance` of its default-algorithm twin's. Checks run
+    within `gradient_tolerance` of its default-algorithm twin's (the twin is
+    checked only above `rounding_floor`). Checks run
     lazily, fastest first, so one or two float64 references are paid for;
     failures go to `rejected`. Where `keeps_original(plan)` says the original
     layers would stay anyway, they are returned without the check.
@@ -755,6 +766,8 @@ def _fastest_with_sound_gradients(plans, timings, rejected, training, check, dty
         error = error_of(plan)
         if error is None:
             continue
+        if error <= rounding_floor(dtype):
+            return plan
         base_error = error_of(base)
         if error > gradient_tolerance(base_error, dtype):
             rejected[plan.name] = (
@@ -908,8 +921,10 @@ class GradientCheck:
         if isinstance(self._references.get(key), ReferenceFailed):
             raise self._references[key]
         # The twin `_fastest_with_sound_gradients` compares a plan on another
-        # algorithm or kernel with.
-        twin = Plan(plan.pieces) if plan.algorithm or plan.inference_only else None
+        # algorithm or kernel with; in half precision it is asked for only
+        # where the plan's error is over the rounding floor.
+        twin = (Plan(plan.pieces) if (plan.algorithm or plan.inference_only)
+                and not rounding_floor(dtype) else None)
         plans = [plan] + ([twin] if twin is not None and (key, twin.name) not in self._errors else [])
         calls = [_gradient_call(group, p, x) for p in plans]
         if key not in self._references:
