@@ -461,7 +461,7 @@ def test_mask_is_right_padded_leaves_the_per_layer_fallback_untraced(emulated_cu
 
 
 def test_a_half_precision_check_computes_the_twin_only_over_the_rounding_floor(
-        emulated_cudnn, gradient_calls, monkeypatch):
+        emulated_cudnn, gradient_calls):
     from rnnfuse.plan import Plan
 
     group, calls, programs = gradient_calls
