@@ -47,8 +47,7 @@ from rnnfuse.tuning.timing import interleaved_medians
 __all__ = ["TuneResult", "candidates_for", "default_warmup", "device_environment",
            "plans_worth_timing", "tune_plans"]
 
-# A non-default algorithm's gradients may be at most this many times
-# further from the float64 reference than the default algorithm's.
+# A non-default algorithm's gradients may be this many times further from float64 than the default's.
 GRADIENT_SLACK = 2.0
 # ... or this many units of the dtype's rounding: in float16 every algorithm
 # is ~1e-3 from float64, so the factor alone would reject on noise.
@@ -86,8 +85,8 @@ def gradient_tolerance(default_error: float, dtype: str) -> float:
 
 
 def rounding_floor(dtype: str) -> float:
-    """ROUNDING_UNITS units of `dtype`'s rounding (0 for float32): a plan's
-    gradient error at most this passes without its twin's being computed.
+    """ROUNDING_UNITS units of `dtype`'s rounding (0 for float32): a gradient
+    error within it needs no twin.
 
         >>> rounding_floor("float16"), rounding_floor("float32")
         (0.00390625, 0.0)
@@ -731,12 +730,10 @@ def _fastest_with_sound_gradients(plans, timings, rejected, training, check, dty
     """The fastest plan whose gradients may be trusted for training.
 
     A plan on a non-default algorithm or another kernel must have gradients
-    within `gradient_tolerance` of its default-algorithm twin's (the twin is
-    checked only above `rounding_floor`). Checks run
-    lazily, fastest first, so one or two float64 references are paid for;
-    failures go to `rejected`. Where `keeps_original(plan)` says the original
-    layers would stay anyway, they are returned without the check.
-    """
+    within `gradient_tolerance` of its default-algorithm twin's (checked only
+    above `rounding_floor`). Checks run lazily, fastest first; failures go to
+    `rejected`. Where `keeps_original(plan)` says the original layers would
+    stay anyway, they are returned without the check."""
     errors: dict = {}
     original = next((p for p in plans if p == PER_LAYER), None)
 
@@ -760,8 +757,7 @@ def _fastest_with_sound_gradients(plans, timings, rejected, training, check, dty
             return plan
         if original is not None and keeps_original is not None and keeps_original(plan):
             return original
-        # The default-algorithm twin: checked even where it was not timed
-        # (a split on the default algorithm left out by `_time_in_stages`).
+        # The default-algorithm twin: checked even where `_time_in_stages` left it untimed.
         base = Plan(plan.pieces)
         error = error_of(plan)
         if error is None:
@@ -920,9 +916,8 @@ class GradientCheck:
                     f"the float64 reference failed ({type(exc).__name__}: {line})")
         if isinstance(self._references.get(key), ReferenceFailed):
             raise self._references[key]
-        # The twin `_fastest_with_sound_gradients` compares a plan on another
-        # algorithm or kernel with; in half precision it is asked for only
-        # where the plan's error is over the rounding floor.
+        # The twin `_fastest_with_sound_gradients` compares a plan with (half
+        # precision: asked for only over the rounding floor).
         twin = (Plan(plan.pieces) if (plan.algorithm or plan.inference_only)
                 and not rounding_floor(dtype) else None)
         plans = [plan] + ([twin] if twin is not None and (key, twin.name) not in self._errors else [])

@@ -119,7 +119,6 @@ class JaxTiming(Timing):
         return self.gradients_of([(run, x, training)], variables)[0]
 
     def float64_copies_scope(self):
-        # JAX has no fused float64 call.
         return _float64_scope()
 
     def gradients_of(self, calls, variables):
