@@ -50,9 +50,8 @@ from rnnfuse.tuning.tuner import (
     candidates_for,
     default_warmup,
     device_environment,
-    gradient_tolerance,
     plans_worth_timing,
-    rounding_floor,
+    sound_gradients,
 )
 
 __all__ = [
@@ -299,10 +298,8 @@ def online_train_function(model: keras.Model, make) -> Any:
         member = state.members[index]
         shape, dtype = pending[index].shape, member.group.dtype
         error = check_gradients(member.group, plan, shape, dtype)
-        if error <= rounding_floor(dtype):
-            return True
-        base = check_gradients(member.group, Plan(plan.pieces), shape, dtype)
-        return error <= gradient_tolerance(base, dtype)
+        return sound_gradients(
+            error, lambda: check_gradients(member.group, Plan(plan.pieces), shape, dtype), dtype)
 
     def record(index, shape, result, cost):
         state.seconds += cost["overhead_s"] + cost["check_s"]  # as timing's seconds count

@@ -84,9 +84,14 @@ def gradient_tolerance(default_error: float, dtype: str) -> float:
     return max(GRADIENT_SLACK * default_error + 1e-7, rounding_floor(dtype))
 
 
+def sound_gradients(error: float, twin_error: Callable[[], float], dtype: str) -> bool:
+    """Whether gradient `error` passes against the twin's, asked for only above
+    `rounding_floor`: `sound_gradients(1e-3, lambda: 1 / 0, "float16")` is True."""
+    return error <= rounding_floor(dtype) or error <= gradient_tolerance(twin_error(), dtype)
+
+
 def rounding_floor(dtype: str) -> float:
-    """ROUNDING_UNITS units of `dtype`'s rounding (0 for float32): a gradient
-    error within it needs no twin.
+    """ROUNDING_UNITS units of `dtype`'s rounding (0 for float32).
 
         >>> rounding_floor("float16"), rounding_floor("float32")
         (0.00390625, 0.0)
@@ -729,9 +734,8 @@ def _fastest_with_sound_gradients(plans, timings, rejected, training, check, dty
                                   keeps_original=None):
     """The fastest plan whose gradients may be trusted for training.
 
-    A plan on a non-default algorithm or another kernel must have gradients
-    within `gradient_tolerance` of its default-algorithm twin's (checked only
-    above `rounding_floor`). Checks run lazily, fastest first; failures go to
+    A plan on a non-default algorithm or another kernel must have
+    `sound_gradients`. Checks run lazily, fastest first; failures go to
     `rejected`. Where `keeps_original(plan)` says the original layers would
     stay anyway, they are returned without the check."""
     errors: dict = {}
@@ -762,15 +766,11 @@ def _fastest_with_sound_gradients(plans, timings, rejected, training, check, dty
         error = error_of(plan)
         if error is None:
             continue
-        if error <= rounding_floor(dtype):
+        if sound_gradients(error, lambda: error_of(base), dtype):
             return plan
-        base_error = error_of(base)
-        if error > gradient_tolerance(base_error, dtype):
-            rejected[plan.name] = (
-                f"gradient error {error:.2e} vs {base_error:.2e} with the default algorithm"
-            )
-            continue
-        return plan
+        rejected[plan.name] = (
+            f"gradient error {error:.2e} vs {errors[base.name]:.2e} with the default algorithm"
+        )
     return min((p for p in plans if not p.algorithm), key=lambda p: timings[p.name])
 
 
@@ -916,8 +916,7 @@ class GradientCheck:
                     f"the float64 reference failed ({type(exc).__name__}: {line})")
         if isinstance(self._references.get(key), ReferenceFailed):
             raise self._references[key]
-        # The twin `_fastest_with_sound_gradients` compares a plan with (half
-        # precision: asked for only over the rounding floor).
+        # The twin `sound_gradients` compares with (half precision: asked for later).
         twin = (Plan(plan.pieces) if (plan.algorithm or plan.inference_only)
                 and not rounding_floor(dtype) else None)
         plans = [plan] + ([twin] if twin is not None and (key, twin.name) not in self._errors else [])
