@@ -438,11 +438,11 @@ class Timing(abc.ABC):
         that compiles may take them in one program). Default: one each."""
         return [self.gradients(run, x, variables, training=training) for run, x, training in calls]
 
-    def float64_copies_scope(self) -> Any:
+    def float64_reference_scope(self) -> Any:
         """A context manager under which the gradient check's float64 reference
-        runs, in a program of its own, on float64 copies of the layers; None
-        (default): the reference runs the fused call in float64, in the timed
-        plans' program."""
+        runs in a program of its own (the fused call in float64, or float64
+        copies of the layers where none runs); None (default): the fused call
+        in float64, in the timed plans' program."""
         return None
 
     @abc.abstractmethod

@@ -227,10 +227,49 @@ def _group_variables(group: FusionGroup) -> list:
     return [w for v in group.views for w in v.layer.trainable_weights]
 
 
+def _float64_reference(group: FusionGroup, x, timing) -> list:
+    """The gradient check's reference gradients in a program of their own,
+    under `Timing.float64_reference_scope()`: the whole run fused in float64
+    (JAX: the cuDNN core), or float64 copies of the layers where no fused
+    call runs float64 here."""
+    x64 = keras.ops.cast(x, "float64")
+    try:
+        (grads,) = timing.gradients_of([(_fused_in_float64(group), x64, False)],
+                                       _group_variables(group))
+    except Exception:  # noqa: BLE001 - no fused float64 here: the copies compute it
+        run, of = _on_float64_copies(group, x64)
+        (grads,) = timing.gradients_of([(run, x64, False)], of)
+    return grads
+
+
+def _fused_in_float64(group: FusionGroup) -> Callable:
+    """`run(x, training)`: the group as one fused call in float64, raising
+    where the layers' own call ran instead (no fused float64 here)."""
+    from rnnfuse.fused import FusedRNN
+
+    piece = FusedRNN([v.layer for v in group.views], dropout_layers=list(group.gap_dropout) or None,
+                     plan=Plan((len(group.layers),)), dtype="float64")
+
+    def run(x, training, mask=None, algorithm=None):
+        y = piece(x, training=training)
+        if piece.last_path.kernel is None:
+            raise NotImplementedError(f"no fused float64 call here ({piece.last_path})")
+        _require_float64(y)
+        return y
+
+    return run
+
+
+def _require_float64(y) -> None:
+    narrowed = {str(t.dtype) for t in keras.tree.flatten(y)} - {"float64"}
+    if narrowed:
+        raise TypeError(f"the float64 reference computed {sorted(narrowed)}")
+
+
 def _on_float64_copies(group: FusionGroup, x) -> tuple[Callable, list]:
     """(run, variables): `group`'s layers as float64 copies holding their
     weights now, and the copies' trainable variables in `_group_variables`'
-    order. Called under `Timing.float64_copies_scope()` with float64 `x`."""
+    order. Called under `Timing.float64_reference_scope()` with float64 `x`."""
     from rnnfuse.fused import call_members
 
     copies = [type(v.layer).from_config(_float64_config(v.layer.get_config())) for v in group.views]
@@ -241,9 +280,7 @@ def _on_float64_copies(group: FusionGroup, x) -> tuple[Callable, list]:
 
     def run(x, training, mask=None, algorithm=None):
         y = call_members(copies, x, first={"training": training}, rest={"training": training})
-        narrowed = {str(t.dtype) for t in keras.tree.flatten(y)} - {"float64"}
-        if narrowed:
-            raise TypeError(f"the float64 copies computed {sorted(narrowed)}")
+        _require_float64(y)
         return y
 
     run(keras.KerasTensor(tuple(x.shape), "float64"), False)  # builds them, computing nothing
@@ -903,13 +940,11 @@ class GradientCheck:
         x = _input_batch(shape, dtype, seed=1)
         variables = _group_variables(group)
         timing = get_timing()
-        scope = timing.float64_copies_scope() if key not in self._references else None
+        scope = timing.float64_reference_scope() if key not in self._references else None
         if scope is not None:
             try:
                 with scope:
-                    x64 = keras.ops.cast(x, "float64")
-                    run, of = _on_float64_copies(group, x64)
-                    (self._references[key],) = timing.gradients_of([(run, x64, False)], of)
+                    self._references[key] = _float64_reference(group, x, timing)
             except Exception as exc:  # noqa: BLE001 - the plan is then not checked
                 line = (str(exc).strip().splitlines() or [""])[0][:200]
                 self._references[key] = ReferenceFailed(

@@ -6,7 +6,7 @@
 operand, result and attribute against the handlers' contracts
 (csrc/jax_cudnn_forward.cc, jax_cudnn_backward.cc), records the call, and
 returns what the core returns, from cuDNN's equations
-(tests/cudnn_reference.py with `xp=jax.numpy`, in float32):
+(tests/cudnn_reference.py with `xp=jax.numpy`, in float32; float64 in float64):
 
 - the forwards: y, hy, cy (no dropout: the GPU tests check cuDNN's); the
   training forward keeps x (float32 bytes) in its reserve space, as the
@@ -61,7 +61,7 @@ class Emulation:
 
     def __init__(self):
         self.calls: list[tuple[str, dict]] = []
-        # One a forward: kind, num_layers, bidirectional, blob_size.
+        # One a forward: kind, num_layers, bidirectional, blob_size, dtype.
         self.stacks: list[dict] = []
         self.sizes: list[tuple] = []
         self.refuse: callable | None = None  # config -> CoreError or None
@@ -74,8 +74,8 @@ class Emulation:
             err = self.refuse(config)
             if err is not None:
                 raise err
-        # dparams, then x, in float32 (see the module doc).
-        return 4 * (self._params(config) + steps * batch * config.input_size)
+        # dparams, then x, in the compute type (see the module doc).
+        return _size(dtype) * (self._params(config) + steps * batch * config.input_size)
 
     def workspace_bytes(self, config, dtype, steps, batch):
         return WORKSPACE
@@ -123,7 +123,7 @@ class Emulation:
         steps, batch, input_size = x.shape
         dirs, layers, units, proj = int(directions), int(num_layers), int(num_units), int(proj_size)
         dt = x.dtype
-        _check(dt in (jnp.float32, jnp.float16, jnp.bfloat16), f"x is {dt}")
+        _check(dt in (jnp.float32, jnp.float16, jnp.bfloat16, jnp.float64), f"x is {dt}")
         _check(hx.shape == (layers * dirs, batch, proj or units) and hx.dtype == dt,
                f"hx {hx.shape} {hx.dtype}: want [L*D, B, R] of x's type")
         if mode == "lstm":
@@ -139,33 +139,34 @@ class Emulation:
         return mode, dirs
 
     def _reference(self, mode, dirs, x, hx, cx, params, lengths):
-        f32 = lambda a: None if a is None else a.astype(jnp.float32)  # noqa: E731
-        y, h, c = cudnn_rnn(jnp, f32(x), f32(hx), f32(cx) if mode == "lstm" else None,
-                            f32(params), lengths, mode, dirs == 2)
+        up = lambda a: None if a is None else a.astype(_compute(x.dtype))  # noqa: E731
+        y, h, c = cudnn_rnn(jnp, up(x), up(hx), up(cx) if mode == "lstm" else None,
+                            up(params), lengths, mode, dirs == 2)
         return y, h, c
 
     def _forward(self, training, results, x, hx, cx, params, lengths, **attrs):
         mode, dirs = self._config(x, hx, cx, params, lengths, **attrs)
         self.stacks.append(dict(kind=mode, num_layers=int(attrs["num_layers"]),
-                                bidirectional=dirs == 2, blob_size=int(params.shape[0])))
+                                bidirectional=dirs == 2, blob_size=int(params.shape[0]),
+                                dtype=str(x.dtype)))
         y, h, c = self._reference(mode, dirs, x, hx, cx, params, lengths)
         dt = x.dtype
         out = [y.astype(dt), h.astype(dt), c.astype(dt) if mode == "lstm" else jnp.zeros((0,), dt)]
         if training:
             (size,) = results[3].shape
-            n = params.shape[0]
-            _check(results[3].dtype == jnp.uint8 and size == 4 * (n + x.size),
-                   f"the reserve is uint8 [{4 * (n + x.size)}] (reserve_bytes), not "
+            n, es = params.shape[0], _size(dt)
+            _check(results[3].dtype == jnp.uint8 and size == es * (n + x.size),
+                   f"the reserve is uint8 [{es * (n + x.size)}] (reserve_bytes), not "
                    f"{results[3].dtype} {results[3].shape}")
-            kept = _bytes(x.astype(jnp.float32).reshape(-1))
-            out.append(jnp.concatenate([jnp.zeros((4 * n,), jnp.uint8), kept]))
+            kept = _bytes(x.reshape(-1))
+            out.append(jnp.concatenate([jnp.zeros((es * n,), jnp.uint8), kept]))
         return out
 
     def _backward_data(self, results, y, dy, dhy, dcy, hx, cx, params, lengths, reserve,
                        **attrs):
-        n = params.shape[0]
+        n, es, ct = params.shape[0], _size(y.dtype), _compute(y.dtype)
         x_shape = results[0].shape  # the backward's input size is dx's
-        x = _floats(reserve[4 * n:]).reshape(x_shape).astype(y.dtype)
+        x = _floats(reserve[es * n:], ct).reshape(x_shape).astype(y.dtype)
         mode, dirs = self._config(x, hx, cx, params, lengths, **attrs)
         _check(dy.shape == y.shape and dy.dtype == y.dtype, "dy is y's shape and type")
         _check(dhy.shape == hx.shape and dhy.dtype == hx.dtype, "dhy is hx's shape and type")
@@ -175,32 +176,41 @@ class Emulation:
         def run(x, hx, cx, params):
             return self._reference(mode, dirs, x, hx, cx if lstm else None, params, lengths)
 
-        f32 = lambda a: a.astype(jnp.float32)  # noqa: E731
-        primal = (f32(x), f32(hx), f32(cx) if lstm else jnp.zeros((0,), jnp.float32), f32(params))
+        up = lambda a: a.astype(ct)  # noqa: E731
+        primal = (up(x), up(hx), up(cx) if lstm else jnp.zeros((0,), ct), up(params))
         _, vjp = jax.vjp(run, *primal)
-        cot = (f32(dy), f32(dhy), f32(dcy) if lstm else None)
+        cot = (up(dy), up(dhy), up(dcy) if lstm else None)
         dx, dhx, dcx, dparams = vjp(cot)
         dt = y.dtype
-        kept = jnp.concatenate([_bytes(dparams), reserve[4 * n:]])
+        kept = jnp.concatenate([_bytes(dparams), reserve[es * n:]])
         return [dx.astype(dt), dhx.astype(dt),
                 dcx.astype(dt) if lstm else jnp.zeros((0,), dt), kept]
 
     def _backward_weights(self, results, x, hx, y, lengths, reserve, **attrs):
         (want,) = results
-        n = want.shape[0]
-        _check(reserve.dtype == jnp.uint8 and reserve.shape[0] >= 4 * n,
+        n, es = want.shape[0], _size(want.dtype)
+        _check(reserve.dtype == jnp.uint8 and reserve.shape[0] >= es * n,
                "backward weights reads backward data's reserve")
-        return [_floats(reserve[: 4 * n]).astype(want.dtype)]
+        return [_floats(reserve[: es * n], _compute(want.dtype)).astype(want.dtype)]
+
+
+def _compute(dtype):
+    """The type the emulation computes `dtype` in: float64 or float32."""
+    return jnp.float64 if jnp.dtype(dtype) == jnp.float64 else jnp.float32
+
+
+def _size(dtype) -> int:
+    return jnp.dtype(_compute(dtype)).itemsize
 
 
 def _bytes(a):
-    """float32 [n] -> uint8 [4n]."""
-    return jax.lax.bitcast_convert_type(a.astype(jnp.float32), jnp.uint8).reshape(-1)
+    """[n] in its compute type -> uint8 [size * n]."""
+    return jax.lax.bitcast_convert_type(a.astype(_compute(a.dtype)), jnp.uint8).reshape(-1)
 
 
-def _floats(b):
-    """uint8 [4n] -> float32 [n]."""
-    return jax.lax.bitcast_convert_type(b.reshape(-1, 4), jnp.float32)
+def _floats(b, dtype=jnp.float32):
+    """uint8 [size * n] -> [n] of `dtype`."""
+    return jax.lax.bitcast_convert_type(b.reshape(-1, jnp.dtype(dtype).itemsize), dtype)
 
 
 def install(monkeypatch) -> Emulation:

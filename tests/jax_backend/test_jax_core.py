@@ -276,8 +276,10 @@ def test_a_call_the_core_cannot_run_runs_the_layers_with_the_reason(why, emulate
     assert emulated.calls == []
 
 
-def test_float64_is_not_a_core_dtype():
-    assert "not float64" in cudnn_core.core_reason("float64")
+def test_the_core_runs_float64_and_names_a_type_it_does_not_run():
+    """float64 (the gradient check's reference, under x64) is a core type."""
+    assert "float64" in cudnn_core.DTYPES
+    assert "runs float32, float16, bfloat16, float64, not int32" in cudnn_core.core_reason("int32")
 
 
 # -- inside Keras' jitted steps ----------------------------------------------------------

@@ -89,12 +89,15 @@ def test_the_gradient_check_is_one_compiled_program(emulated_core, compiles, mon
         return out
 
     monkeypatch.setattr(type(get_timing()), "gradients_of", counted)
+    monkeypatch.setattr(tuner, "_on_float64_copies", None)  # the core runs float64
     error = tuner.GradientCheck()(group, Plan((2,), "persistent_static+tc"),
                                   (2, 2, group.input_size), "float32")
     # The float64 reference (its own program: x64 is scoped), then plan and
     # twin together: one XLA compile each.
     assert programs == [(1, 1), (2, 1)], programs
     assert 0.0 < error < 1e-4
+    x_types = [t["dtype"] for t in emulated_core.stacks]
+    assert x_types == ["float64", "float32", "float32"], x_types
 
 
 @pytest.mark.parametrize("kind, policy", [("lstm", "float32"), ("rnn_tanh", "float32"),
@@ -115,7 +118,7 @@ def test_the_gradient_checks_reference_runs_float64_copies_of_the_layers(kind, p
         group = _group(kind)
     before = [w.copy() for v in group.views for w in v.layer.get_weights()]
     x = tuner._input_batch((2, 2, group.input_size), "float32", seed=1)
-    with get_timing().float64_copies_scope():
+    with get_timing().float64_reference_scope():
         run, variables = tuner._on_float64_copies(group, keras.ops.cast(x, "float64"))
         y = run(keras.ops.cast(x, "float64"), False)
     assert str(y.dtype) == "float64" and {str(w.dtype) for w in variables} == {"float64"}
@@ -239,7 +242,7 @@ def test_the_copies_gradients_pair_with_the_layers_trainable_variables():
     first.forward_layer.cell.trainable = False
     (group,) = rnnfuse.analyze(model).groups
     x = tuner._input_batch((2, 4, 6), "float32", seed=1)
-    with get_timing().float64_copies_scope():
+    with get_timing().float64_reference_scope():
         _, variables = tuner._on_float64_copies(group, keras.ops.cast(x, "float64"))
     assert [tuple(v.shape) for v in variables] == [tuple(v.shape) for v in tuner._group_variables(group)]
     assert len(variables) == len(tuner._group_variables(group)) == 9

@@ -25,7 +25,7 @@ __all__ = ["ABI_VERSION", "DTYPES", "MODES", "SMALL_H_UNITS", "CoreError", "Core
 
 ABI_VERSION = 1
 MODES = ("lstm", "gru", "rnn_tanh", "rnn_relu")
-DTYPES = ("float32", "float16", "bfloat16")
+DTYPES = ("float32", "float16", "bfloat16", "float64")
 # cudnn_rnn_core.h's return codes.
 E_ARGUMENT, E_UNAVAILABLE, E_NOT_SUPPORTED, E_CUDNN, E_CUDA = -1, -2, -3, -4, -5
 # The math types in the order of an algorithm code's low two bits.

@@ -118,7 +118,7 @@ class JaxTiming(Timing):
     def gradients(self, run, x, variables: Sequence[Any], training=False):
         return self.gradients_of([(run, x, training)], variables)[0]
 
-    def float64_copies_scope(self):
+    def float64_reference_scope(self):
         return _float64_scope()
 
     def gradients_of(self, calls, variables):

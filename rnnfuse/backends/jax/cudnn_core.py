@@ -37,7 +37,7 @@ TARGETS = ("rnnfuse_cudnn_ffi_forward", "rnnfuse_cudnn_ffi_forward_training",
 # The `KernelRun` name of a call on the core.
 KERNEL_NAME = "rnnfuse cuDNN core (XLA FFI)"
 MODES = ("lstm", "gru", "rnn_tanh", "rnn_relu")
-DTYPES = ("float32", "float16", "bfloat16")
+DTYPES = ("float32", "float16", "bfloat16", "float64")
 _MATHS = ("default", "tensor_op", "tensor_op_allow_conversion", "fma")
 
 

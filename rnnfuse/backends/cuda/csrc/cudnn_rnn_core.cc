@@ -155,7 +155,9 @@ const char* const kModes[4] = {"lstm", "gru", "rnn_tanh", "rnn_relu"};
 
 size_t AlignUp(size_t n) { return (n + 255) / 256 * 256; }
 
-size_t ElementBytes(int dtype) { return dtype == RF_CUDNN_FLOAT32 ? 4 : 2; }
+size_t ElementBytes(int dtype) {
+  return dtype == RF_CUDNN_FLOAT64 ? 8 : (dtype == RF_CUDNN_FLOAT32 ? 4 : 2);
+}
 
 int CheckConfig(const rnnfuse_cudnn_rnn* r) {
   if (!r) return Fail(RF_CUDNN_E_ARGUMENT, "the configuration pointer is NULL");
@@ -176,8 +178,9 @@ int CheckConfig(const rnnfuse_cudnn_rnn* r) {
                 "proj_size must be 0, or in [1, num_units) for an LSTM; got proj_size " +
                     std::to_string(r->proj_size) + " with mode " + kModes[r->mode] +
                     " and num_units " + std::to_string(r->num_units));
-  if (r->dtype < 0 || r->dtype > 2)
-    return Fail(RF_CUDNN_E_ARGUMENT, "dtype must be 0-2 (float32, float16, bfloat16); got " +
+  if (r->dtype < 0 || r->dtype > 3)
+    return Fail(RF_CUDNN_E_ARGUMENT,
+                "dtype must be 0-3 (float32, float16, bfloat16, float64); got " +
                                          std::to_string(r->dtype));
   if (r->algorithm < 0 || r->algorithm >= 16)
     return Fail(RF_CUDNN_E_ARGUMENT, "algorithm must be 4 * algo + math in [0, 16); got " +
@@ -264,15 +267,23 @@ uint32_t FloatBits(float f) {
 }
 
 cudnnDataType_t DataType(int dtype) {
+  if (dtype == RF_CUDNN_FLOAT64) return CUDNN_DATA_DOUBLE;
   return dtype == RF_CUDNN_FLOAT16 ? CUDNN_DATA_HALF
                                    : (dtype == RF_CUDNN_BFLOAT16 ? CUDNN_DATA_BFLOAT16
                                                                  : CUDNN_DATA_FLOAT);
 }
 
-// The math type that runs: float32 without TF32 is FMA whatever was asked.
+// float64 computes in float64 (cuDNN requires it); every other type in float32.
+cudnnDataType_t MathPrecision(int dtype) {
+  return dtype == RF_CUDNN_FLOAT64 ? CUDNN_DATA_DOUBLE : CUDNN_DATA_FLOAT;
+}
+
+// The math type that runs: float32 without TF32 is FMA and float64 the
+// default, whatever was asked.
 int MathOf(const rnnfuse_cudnn_rnn* r) {
   int math = r->algorithm % 4;
   if (r->dtype == RF_CUDNN_FLOAT32 && !r->allow_tf32) math = 3;
+  if (r->dtype == RF_CUDNN_FLOAT64) math = 0;
   return math;
 }
 
@@ -472,7 +483,7 @@ class Call {
       RF_DNN(cudnnSetRNNDescriptor_v8_(
           plan->rnn, algo, kCells[r_.mode], CUDNN_RNN_DOUBLE_BIAS,
           r_.directions == 2 ? CUDNN_BIDIRECTIONAL : CUDNN_UNIDIRECTIONAL, CUDNN_LINEAR_INPUT,
-          DataType(r_.dtype), CUDNN_DATA_FLOAT, kMaths[math], r_.input_size, r_.num_units, out(),
+          DataType(r_.dtype), MathPrecision(r_.dtype), kMaths[math], r_.input_size, r_.num_units, out(),
           r_.num_layers, dr->desc, CUDNN_RNN_PADDED_IO_ENABLED));
       RF_DNN(cudnnGetRNNWeightSpaceSize_(handle(), plan->rnn, &plan->weight_bytes));
       plan->dynamic = algo == CUDNN_RNN_ALGO_PERSIST_DYNAMIC;

@@ -50,7 +50,7 @@ extern "C" {
 // rnnfuse_cudnn_rnn.mode
 enum { RF_CUDNN_LSTM = 0, RF_CUDNN_GRU = 1, RF_CUDNN_RNN_TANH = 2, RF_CUDNN_RNN_RELU = 3 };
 // rnnfuse_cudnn_rnn.dtype
-enum { RF_CUDNN_FLOAT32 = 0, RF_CUDNN_FLOAT16 = 1, RF_CUDNN_BFLOAT16 = 2 };
+enum { RF_CUDNN_FLOAT32 = 0, RF_CUDNN_FLOAT16 = 1, RF_CUDNN_BFLOAT16 = 2, RF_CUDNN_FLOAT64 = 3 };
 // Return codes.
 enum {
   RF_CUDNN_OK = 0,

@@ -4,8 +4,8 @@
 // reserve space the backward reads filled).
 //
 // Operands (time-major, right-padded; T steps, B batch, D directions,
-// H num_units, R = proj_size or H; one element type: float32, float16 or
-// bfloat16, but lengths):
+// H num_units, R = proj_size or H; one element type: float32, float16,
+// bfloat16 or float64, but lengths):
 //   x       [T, B, input_size]
 //   hx      [L*D, B, R]
 //   cx      [L*D, B, H]   an LSTM's; else [0]

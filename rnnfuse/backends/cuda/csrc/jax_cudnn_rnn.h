@@ -102,6 +102,7 @@ inline int DtypeCode(ffi::DataType t) {
   if (t == ffi::DataType::F32) return RF_CUDNN_FLOAT32;
   if (t == ffi::DataType::F16) return RF_CUDNN_FLOAT16;
   if (t == ffi::DataType::BF16) return RF_CUDNN_BFLOAT16;
+  if (t == ffi::DataType::F64) return RF_CUDNN_FLOAT64;
   return -1;
 }
 
@@ -140,7 +141,7 @@ inline ffi::Error CopyLengths(const char* what, Call& call) {
 inline ffi::Error Prepare(const char* what, cudaStream_t stream, const Attrs& a,
                           const ffi::AnyBuffer& x, const ffi::AnyBuffer& lengths, Call& call) {
   const int dtype = DtypeCode(x.element_type());
-  if (dtype < 0) return Invalid(what, "x must be float32, float16 or bfloat16");
+  if (dtype < 0) return Invalid(what, "x must be float32, float16, bfloat16 or float64");
   if (x.dimensions().size() != 3)
     return Invalid(what, "x must be [T, B, input_size], not of rank " +
                              std::to_string(x.dimensions().size()));
