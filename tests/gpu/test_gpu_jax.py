@@ -208,7 +208,8 @@ def test_the_gradient_check_is_one_compile_with_jax_grads_numbers(kind, monkeypa
         del timing.gradients_of
         jax.monitoring.unregister_event_duration_listener(heard)
     print(f"{kind}: gradient check programs (calls, compiles) {programs}, error {error:.2e}")
-    assert programs == [(1, 1), (2, 1)] and 0 < error < 1e-3
+    # A wrong float64 core would put the float32 plan far from it.
+    assert programs == [(1, 1), (2, 1)] and 0 < error < 1e-4
     variables = tuner._group_variables(group)
     x = tuner._input_batch((16, 40, 32), "float32", seed=1)
     run = tuner._runner(group, Plan((2,)))

@@ -4,7 +4,7 @@ through XLA FFI.
 
 Plan kernels "cudnn" and "stock" (JAX has no other fused cuDNN call) run
 the core (`cudnn_core`): projections, bidirectional, right-padded masks as
-lengths, seeded dropout, float32/float16/bfloat16, the plan's algorithm in
+lengths, seeded dropout, float32/float16/bfloat16/float64, the plan's algorithm in
 both passes. A masked call, or an algorithm cuDNN refuses when traced, runs
 the standard algorithm with the reason in the note; a call the core cannot
 run raises NotImplementedError and the original layers run. Plan kernel

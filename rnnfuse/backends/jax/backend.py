@@ -37,7 +37,7 @@ __all__ = ["JaxBackend", "JaxTiming", "JaxTooling"]
 
 class JaxBackend(NoProjectedLSTMPath, KernelModuleBackend):
     """JAX: a stack as one call of rnnfuse's cuDNN core (XLA FFI; LSTM,
-    LSTMP, GRU, SimpleRNN, float32/float16/bfloat16), or an LSTM or GRU
+    LSTMP, GRU, SimpleRNN, float32/float16/bfloat16/float64), or an LSTM or GRU
     stack on rnnfuse's wavefront kernel (XLA FFI, float16 and bfloat16,
     Hopper). A ProjectedLSTM layer alone runs Keras' loop."""
 
