@@ -229,50 +229,47 @@ def _group_variables(group: FusionGroup) -> list:
 
 def _float64_reference(group: FusionGroup, x, timing) -> list:
     """The gradient check's reference gradients in a program of their own,
-    under `Timing.float64_reference_scope()`: the whole run fused in float64
-    (JAX: the cuDNN core), or float64 copies of the layers where no fused
-    call runs float64 here."""
+    under `Timing.float64_reference_scope()`, on float64 copies of the
+    layers: as one fused call in float64 (JAX: the cuDNN core), or the
+    copies' own calls where no fused call runs float64 here."""
     x64 = keras.ops.cast(x, "float64")
+    copies, variables = _float64_copies(group, x64)
     try:
-        (grads,) = timing.gradients_of([(_fused_in_float64(group), x64, False)],
-                                       _group_variables(group))
-    except Exception:  # noqa: BLE001 - no fused float64 here: the copies compute it
-        run, of = _on_float64_copies(group, x64)
-        (grads,) = timing.gradients_of([(run, x64, False)], of)
+        (grads,) = timing.gradients_of([(_fused_on(copies, group), x64, False)], variables)
+    except Exception as fused:  # noqa: BLE001 - no fused float64 here: the layers compute it
+        try:
+            (grads,) = timing.gradients_of([(_on_layers(copies), x64, False)], variables)
+        except Exception as exc:
+            raise RuntimeError(f"{_first_line(exc)}; fused in float64: {_first_line(fused)}") from exc
     return grads
 
 
-def _fused_in_float64(group: FusionGroup) -> Callable:
-    """`run(x, training)`: the group as one fused call in float64, raising
-    where the layers' own call ran instead (no fused float64 here)."""
+def _first_line(exc: Exception) -> str:
+    return f"{type(exc).__name__}: {(str(exc).strip().splitlines() or [''])[0][:200]}"
+
+
+def _fused_on(copies: list, group: FusionGroup) -> Callable:
+    """`run(x, training)`: `copies` as one fused call in float64, raising
+    where their own calls ran instead (no fused float64 here)."""
     from rnnfuse.fused import FusedRNN
 
-    piece = FusedRNN([v.layer for v in group.views], dropout_layers=list(group.gap_dropout) or None,
-                     plan=Plan((len(group.layers),)), dtype="float64")
+    piece = FusedRNN(copies, dropout_layers=list(group.gap_dropout) or None,
+                     plan=Plan((len(copies),)), dtype="float64")
 
     def run(x, training, mask=None, algorithm=None):
         y = piece(x, training=training)
         if piece.last_path.kernel is None:
             raise NotImplementedError(f"no fused float64 call here ({piece.last_path})")
-        _require_float64(y)
         return y
 
     return run
 
 
-def _require_float64(y) -> None:
-    narrowed = {str(t.dtype) for t in keras.tree.flatten(y)} - {"float64"}
-    if narrowed:
-        raise TypeError(f"the float64 reference computed {sorted(narrowed)}")
-
-
-def _on_float64_copies(group: FusionGroup, x) -> tuple[Callable, list]:
-    """(run, variables): `group`'s layers as float64 copies holding their
-    weights now, and the copies' trainable variables in `_group_variables`'
-    order. Called under `Timing.float64_reference_scope()` with float64 `x`."""
+def _on_layers(copies: list) -> Callable:
+    """`run(x, training)`: the copies' own calls, checked to compute float64
+    (Keras' JAX type promotion can narrow it)."""
     from rnnfuse.fused import call_members
 
-    copies = [type(v.layer).from_config(_float64_config(v.layer.get_config())) for v in group.views]
     for layer in (inner for c in copies for inner in c._flatten_layers()):
         if hasattr(layer, "use_cudnn"):
             # jaxlib's float64 cuDNN LSTM backward fails XLA's verifier.
@@ -280,16 +277,29 @@ def _on_float64_copies(group: FusionGroup, x) -> tuple[Callable, list]:
 
     def run(x, training, mask=None, algorithm=None):
         y = call_members(copies, x, first={"training": training}, rest={"training": training})
-        _require_float64(y)
+        narrowed = {str(t.dtype) for t in keras.tree.flatten(y)} - {"float64"}
+        if narrowed:
+            raise TypeError(f"the float64 copies computed {sorted(narrowed)}")
         return y
 
-    run(keras.KerasTensor(tuple(x.shape), "float64"), False)  # builds them, computing nothing
+    return run
+
+
+def _float64_copies(group: FusionGroup, x) -> tuple[list, list]:
+    """(copies, variables): `group`'s layers as float64 copies holding their
+    weights now, built for float64 `x`'s shape, and the copies' trainable
+    variables in `_group_variables`' order. Called under
+    `Timing.float64_reference_scope()`."""
+    from rnnfuse.fused import call_members
+
+    copies = [type(v.layer).from_config(_float64_config(v.layer.get_config())) for v in group.views]
+    call_members(copies, keras.KerasTensor(tuple(x.shape), "float64"), first={}, rest={})  # builds them
     twin = {}
     for copy, view in zip(copies, group.views):
         copy.set_weights([np.asarray(w, np.float64) for w in view.layer.get_weights()])
         # Paired by position: a copy's trainable flags come from its config.
         twin.update({id(w): c for w, c in zip(view.layer.weights, copy.weights)})
-    return run, [twin[id(w)] for w in _group_variables(group)]
+    return copies, [twin[id(w)] for w in _group_variables(group)]
 
 
 def _float64_config(config):
@@ -926,7 +936,7 @@ class GradientCheck:
     """`check_gradients` for `tune_plans`: a plan's gradient error against the
     whole run in float64 on the batch's first CHECK_STEPS steps, computed once
     per (group, shape, dtype) with the plan's and its default twin's where
-    that works (under JAX: float64 layer copies, in a call of their own)."""
+    that works (under JAX: in a program of its own, on float64 layer copies)."""
 
     def __init__(self):
         self._references: dict = {}

@@ -180,7 +180,7 @@ def test_the_gradient_check_is_one_compile_with_jax_grads_numbers(kind, monkeypa
     from rnnfuse.plan import Plan
     from rnnfuse.tuning import tuner
 
-    monkeypatch.setattr(tuner, "_on_float64_copies", None)  # calling it fails the check
+    monkeypatch.setattr(tuner, "_on_layers", None)  # calling it fails the check
 
     model = stack_model(kind, 2, units=64, input_size=32, steps=40, last_return_sequences=True)
     (group,) = rnnfuse.analyze(model).groups
@@ -222,3 +222,31 @@ def test_the_gradient_check_is_one_compile_with_jax_grads_numbers(kind, monkeypa
     alone = jax.grad(loss)([v.value for v in variables], x)
     for got, want in zip(timing.gradients(run, x, variables), alone):
         assert _rel(got, want) < 1e-4
+
+
+@pytest.mark.parametrize("kind", ["lstm", "gru", "bi_gru"])
+def test_the_float64_reference_on_the_core_is_the_layers_own_float64(kind):
+    """The gradient check's reference, one core call in float64, against
+    the float64 copies' own calls (Keras' loop): equal to float64 rounding,
+    where a float32 computation would differ by about 1e-7."""
+    from rnnfuse.backends import get_timing
+    from rnnfuse.tuning import tuner
+
+    if kind == "bi_gru":
+        inputs = keras.Input((40, 32))
+        h = inputs
+        for _ in range(2):
+            h = keras.layers.Bidirectional(keras.layers.GRU(64, return_sequences=True))(h)
+        (group,) = rnnfuse.analyze(keras.Model(inputs, h)).groups
+    else:
+        model = stack_model(kind, 2, units=64, input_size=32, steps=40, last_return_sequences=True)
+        (group,) = rnnfuse.analyze(model).groups
+    timing = get_timing()
+    with timing.float64_reference_scope():
+        x64 = keras.ops.cast(tuner._input_batch((16, 40, 32), "float32", seed=1), "float64")
+        copies, variables = tuner._float64_copies(group, x64)
+        (fused,) = timing.gradients_of([(tuner._fused_on(copies, group), x64, False)], variables)
+        (layers,) = timing.gradients_of([(tuner._on_layers(copies), x64, False)], variables)
+    worst = max(_rel(a, b) for a, b in zip(fused, layers))
+    print(f"{kind}: float64 reference, core against Keras' loop: {worst:.2e}")
+    assert worst < 1e-9

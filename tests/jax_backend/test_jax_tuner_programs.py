@@ -89,7 +89,7 @@ def test_the_gradient_check_is_one_compiled_program(emulated_core, compiles, mon
         return out
 
     monkeypatch.setattr(type(get_timing()), "gradients_of", counted)
-    monkeypatch.setattr(tuner, "_on_float64_copies", None)  # the core runs float64
+    monkeypatch.setattr(tuner, "_on_layers", None)  # the core runs float64
     error = tuner.GradientCheck()(group, Plan((2,), "persistent_static+tc"),
                                   (2, 2, group.input_size), "float32")
     # The float64 reference (its own program: x64 is scoped), then plan and
@@ -104,7 +104,7 @@ def test_the_gradient_check_is_one_compiled_program(emulated_core, compiles, mon
                                           ("bi_gru", "mixed_float16")])
 def test_the_gradient_checks_reference_runs_float64_copies_of_the_layers(kind, policy):
     """With x64 off, float64 would be float32 (and Keras' JAX `tanh` makes a
-    float64 tensor float32), and the fused call has no float64 on JAX: the
+    float64 tensor float32), and here no core runs a fused float64 call: the
     reference runs float64 copies of the layers, every op in float64,
     leaving the layers' own weights as they were."""
     if kind == "bi_gru":
@@ -119,8 +119,8 @@ def test_the_gradient_checks_reference_runs_float64_copies_of_the_layers(kind, p
     before = [w.copy() for v in group.views for w in v.layer.get_weights()]
     x = tuner._input_batch((2, 2, group.input_size), "float32", seed=1)
     with get_timing().float64_reference_scope():
-        run, variables = tuner._on_float64_copies(group, keras.ops.cast(x, "float64"))
-        y = run(keras.ops.cast(x, "float64"), False)
+        copies, variables = tuner._float64_copies(group, keras.ops.cast(x, "float64"))
+        y = tuner._on_layers(copies)(keras.ops.cast(x, "float64"), False)
     assert str(y.dtype) == "float64" and {str(w.dtype) for w in variables} == {"float64"}
     assert [tuple(w.shape) for w in variables] == [tuple(w.shape) for w in tuner._group_variables(group)]
     error = tuner.GradientCheck()(group, Plan((2,)), (2, 2, group.input_size), group.dtype)
@@ -215,7 +215,7 @@ def test_a_failing_float64_reference_leaves_the_plans_it_checks_unchosen(monkeyp
         calls.append(group)
         raise ValueError("Cannot lower jaxpr with verifier errors:\n  details")
 
-    monkeypatch.setattr(tuner, "_on_float64_copies", fails)
+    monkeypatch.setattr(tuner, "_float64_copies", fails)
     group = _group("lstm")
     check = tuner.GradientCheck()
     default, fast = Plan((2,)), Plan((2,), "persistent_static+tc")
@@ -243,7 +243,42 @@ def test_the_copies_gradients_pair_with_the_layers_trainable_variables():
     (group,) = rnnfuse.analyze(model).groups
     x = tuner._input_batch((2, 4, 6), "float32", seed=1)
     with get_timing().float64_reference_scope():
-        _, variables = tuner._on_float64_copies(group, keras.ops.cast(x, "float64"))
+        _, variables = tuner._float64_copies(group, keras.ops.cast(x, "float64"))
     assert [tuple(v.shape) for v in variables] == [tuple(v.shape) for v in tuner._group_variables(group)]
     assert len(variables) == len(tuner._group_variables(group)) == 9
     assert 0.0 < tuner.GradientCheck()(group, Plan((2,)), (2, 4, 6), "float32") < 1e-5
+
+
+def test_a_reference_that_fails_fused_and_on_the_layers_names_both_failures(monkeypatch):
+    def narrowed(copies):
+        def run(x, training, mask=None, algorithm=None):
+            raise TypeError("the float64 copies computed ['float32']")
+        return run
+
+    monkeypatch.setattr(tuner, "_on_layers", narrowed)
+    group = _group("lstm")  # no core on the CPU: the fused call falls back, and says so
+    with pytest.raises(tuner.ReferenceFailed) as failed:
+        tuner.GradientCheck()(group, Plan((2,), "persistent_static+tc"), (2, 2, group.input_size),
+                              "float32")
+    assert "TypeError: the float64 copies computed ['float32']" in str(failed.value)
+    assert "fused in float64: NotImplementedError: no fused float64 call here" in str(failed.value)
+
+
+@pytest.mark.parametrize("kind", ["lstm", "gru", "rnn_tanh"])
+def test_the_fused_float64_reference_is_the_copies_own_float64(kind, emulated_core):
+    """The binding packs float64 weights and states as it packs float32:
+    the fused reference equals the copies' own calls to float64 rounding."""
+    group = _group(kind)
+    timing = get_timing()
+    with timing.float64_reference_scope():
+        x64 = keras.ops.cast(tuner._input_batch((2, 2, group.input_size), "float32", seed=1),
+                             "float64")
+        copies, variables = tuner._float64_copies(group, x64)
+        (fused,) = timing.gradients_of([(tuner._fused_on(copies, group), x64, False)], variables)
+        (layers,) = timing.gradients_of([(tuner._on_layers(copies), x64, False)], variables)
+    assert [s["dtype"] for s in emulated_core.stacks] == ["float64"]
+    # The standard algorithm: cuDNN's small-h one, PyTorch's choice at these
+    # widths, has no float64.
+    assert {attrs["algorithm"] for _, attrs in emulated_core.calls} == {0}
+    for a, b in zip(fused, layers):
+        np.testing.assert_allclose(a, b, rtol=1e-10, atol=1e-12)

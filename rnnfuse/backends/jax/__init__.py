@@ -263,8 +263,11 @@ def _run_core(sequences, call: StackCall) -> StackRun:
     if call.reverse:
         x = jnp.flip(x, 1) if mask is None else _reverse_within_lengths(x, lengths)
     algorithm, note = call.algorithm, None
-    if algorithm is None and prefers_small_h(stack.kind, stack.units, stack.proj_size,
-                                             mask is not None):
+    if dtype == "float64" and algorithm is not None and not algorithm.is_standard:
+        # cuDNN's small-h algorithm has no float64 (PyTorch guards it too).
+        algorithm, note = None, "float64 runs the standard algorithm"
+    if algorithm is None and dtype != "float64" and prefers_small_h(
+            stack.kind, stack.units, stack.proj_size, mask is not None):
         algorithm = Algorithm.parse("persistent_static_small_h")
         note = "PyTorch's choice for this state width: persistent static small-h"
     if mask is not None and algorithm is not None and not algorithm.is_standard:

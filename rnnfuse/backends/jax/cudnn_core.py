@@ -97,7 +97,8 @@ class CoreConfig:
 
 def algorithm_code(algorithm, dtype: str, allow_tf32: bool) -> int:
     """The core's `algorithm` code for an `Algorithm` (None: standard);
-    half types default to tensor ops, float32 without TF32 to FMA, as on torch.
+    half types default to tensor ops, float32 without TF32 to FMA, as on torch
+    (float64 runs the default math whatever the code says).
 
     >>> from rnnfuse.plan import Algorithm
     >>> algorithm_code(Algorithm.parse("persistent_static+tc"), "float16", False)

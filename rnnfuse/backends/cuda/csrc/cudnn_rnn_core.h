@@ -72,7 +72,8 @@ typedef struct rnnfuse_cudnn_rnn {
   int32_t dtype;       // RF_CUDNN_FLOAT32, ...
   // 4 * algo + math: algo 0 standard, 1 persistent static, 2 persistent
   // dynamic, 3 persistent static small-h; math 0 default, 1 tensor ops,
-  // 2 tensor ops with conversion, 3 FMA. Both passes run it.
+  // 2 tensor ops with conversion, 3 FMA (float64: the default, whatever is
+  // asked). Both passes run it.
   int32_t algorithm;
   // float32 only: 0 keeps IEEE float32 (the math becomes FMA whatever
   // `algorithm` says); 1 lets cuDNN use TF32 tensor cores.
