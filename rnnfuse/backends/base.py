@@ -440,9 +440,8 @@ class Timing(abc.ABC):
 
     def float64_reference_scope(self) -> Any:
         """A context manager under which the gradient check's float64 reference
-        runs in a program of its own (the fused call in float64, or float64
-        copies of the layers where none runs); None (default): the fused call
-        in float64, in the timed plans' program."""
+        runs in a program of its own, on float64 layer copies; None (default):
+        the fused call in float64, in the timed plans' program."""
         return None
 
     @abc.abstractmethod

@@ -228,10 +228,8 @@ def _group_variables(group: FusionGroup) -> list:
 
 
 def _float64_reference(group: FusionGroup, x, timing) -> list:
-    """The gradient check's reference gradients in a program of their own,
-    under `Timing.float64_reference_scope()`, on float64 copies of the
-    layers: as one fused call in float64 (JAX: the cuDNN core), or the
-    copies' own calls where no fused call runs float64 here."""
+    """The reference gradients on float64 copies of the layers, fused (JAX:
+    the cuDNN core) or, where that fails, on the copies' own calls."""
     x64 = keras.ops.cast(x, "float64")
     copies, variables = _float64_copies(group, x64)
     try:
@@ -249,8 +247,7 @@ def _first_line(exc: Exception) -> str:
 
 
 def _fused_on(copies: list, group: FusionGroup) -> Callable:
-    """`run(x, training)`: `copies` as one fused call in float64, raising
-    where their own calls ran instead (no fused float64 here)."""
+    """`run(x, training)`: `copies` as one fused call in float64, or raising."""
     from rnnfuse.fused import FusedRNN
 
     piece = FusedRNN(copies, dropout_layers=list(group.gap_dropout) or None,
@@ -266,8 +263,7 @@ def _fused_on(copies: list, group: FusionGroup) -> Callable:
 
 
 def _on_layers(copies: list) -> Callable:
-    """`run(x, training)`: the copies' own calls, checked to compute float64
-    (Keras' JAX type promotion can narrow it)."""
+    """`run(x, training)`: the copies' own calls, checked to stay float64."""
     from rnnfuse.fused import call_members
 
     for layer in (inner for c in copies for inner in c._flatten_layers()):
@@ -286,10 +282,8 @@ def _on_layers(copies: list) -> Callable:
 
 
 def _float64_copies(group: FusionGroup, x) -> tuple[list, list]:
-    """(copies, variables): `group`'s layers as float64 copies holding their
-    weights now, built for float64 `x`'s shape, and the copies' trainable
-    variables in `_group_variables`' order. Called under
-    `Timing.float64_reference_scope()`."""
+    """(copies, variables): `group`'s layers as built float64 copies holding
+    their weights now, and their trainable variables in `_group_variables`' order."""
     from rnnfuse.fused import call_members
 
     copies = [type(v.layer).from_config(_float64_config(v.layer.get_config())) for v in group.views]
@@ -935,8 +929,7 @@ class ReferenceFailed(RuntimeError):
 class GradientCheck:
     """`check_gradients` for `tune_plans`: a plan's gradient error against the
     whole run in float64 on the batch's first CHECK_STEPS steps, computed once
-    per (group, shape, dtype) with the plan's and its default twin's where
-    that works (under JAX: in a program of its own, on float64 layer copies)."""
+    per (group, shape, dtype), with the plan's and its twin's where it can."""
 
     def __init__(self):
         self._references: dict = {}
