@@ -25,7 +25,7 @@ from rnnfuse.backends.tensorflow import cudnn_op
 from rnnfuse.plan import Algorithm, Plan
 from rnnfuse.tuning import first_batch
 
-pytestmark = pytest.mark.gpu
+pytestmark = [pytest.mark.gpu, pytest.mark.cudnn_op]  # the race's algorithms are the op's
 
 if os.environ.get("RNNFUSE_GPU_DRYRUN"):
     pytest.skip("rnnfuse's op needs a real GPU", allow_module_level=True)
