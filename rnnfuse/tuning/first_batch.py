@@ -326,6 +326,7 @@ def online_train_function(model: keras.Model, make) -> Any:
     state.online_fit = OnlineFit(
         races, make=make, apply=apply, record=record, check=check, install=install,
         measure_step=state.measure_step, trace_key=trace_key,
+        budget=state.budget,
         warmup=default_warmup(environment.get("backend", "tensorflow")), repeats=REPEATS)
     return state.online_fit
 

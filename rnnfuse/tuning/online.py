@@ -3,9 +3,14 @@
 Every candidate computes the same function within float tolerance, so
 with online tuning on (`AutoTune.online`) a `fit` whose first batch's
 bucket has no decision runs the candidates on its first steps, one a step
-in rotating rounds, with real updates. Every candidate's exactness check
-runs before the race's first step, on the same weights (its steps update
-them); after `warmup` untimed steps and `repeats` timed rounds (pruned at
+in rotating rounds, with real updates. The exactness checks run together,
+on one set of weights, before the first candidate's first step after the
+original layers'. Where the call's length is known, the race spends what
+offline timing may (`budget.TuningBudget`): the original layers' first and
+warm-up steps come first, and another candidate starts only where its start
+(its first step's extra time, priced by the last start like it, sharing a
+trace or not, else by the original layers' first step; the checks, priced
+alike, with the first) fits in what the race has not spent. After `warmup` untimed steps and `repeats` timed rounds (pruned at
 PRUNE from the first, at WARM_PRUNE and to the WARM_KEEP fastest on the
 last warm-up step, and where an eager first step was clearly slow), the
 fastest is committed once, unless the original layers come within
@@ -23,10 +28,13 @@ the winner on its steps.
 
 from __future__ import annotations
 
+import dataclasses
 import statistics
 from typing import Callable, Sequence
 
 from rnnfuse.plan import PER_LAYER
+from rnnfuse.tuning import clock
+from rnnfuse.tuning.budget import TuningBudget
 from rnnfuse.tuning.plans import whole_run_twins
 
 __all__ = ["OnlineRace"]
@@ -47,16 +55,24 @@ class OnlineRace:
     untimed steps after each one's first, `repeats` timed rounds, `check`
     name -> whether it passes the exactness check. `later` {split: twin}:
     a split joins only if its twin was within PRUNE of the fastest warm-up
-    step (the offline tuner's second stage); with no warm-up, all race."""
+    step (the offline tuner's second stage); with no warm-up, all race.
+    `budget`: the call's (None: unknown length, every candidate starts);
+    `shares_trace` name -> whether its first step reuses a traced step."""
 
     def __init__(self, names: Sequence[str], *, warmup: int = 1, repeats: int = 5,
                  check: Callable[[str], bool] | None = None, baseline: str = PER_LAYER.name,
-                 later: dict[str, str] | None = None):
+                 later: dict[str, str] | None = None, budget: TuningBudget | None = None,
+                 shares_trace: Callable[[str], bool] | None = None):
         if not names:
             raise ValueError("OnlineRace needs at least one candidate; received none")
         self.names = list(dict.fromkeys(names))
         self.warmup, self.repeats, self.baseline = int(warmup), int(repeats), baseline
         self.check = check or (lambda name: True)
+        self.budget, self.shares_trace = budget, shares_trace or (lambda name: False)
+        self.check_s: dict[str, float] = {}  # each exactness check's seconds
+        self._started: dict[str, bool] = {}  # name -> whether it shared a trace
+        self._start_cost: dict[str, tuple[bool, float]] = {}
+        self._excess = 0.0  # the other candidates' steps beyond the original layers'
         self.times: dict[str, list[float]] = {n: [] for n in self.names}
         self.rejected: dict[str, str] = {}
         self.pruned: set[str] = set()
@@ -67,12 +83,12 @@ class OnlineRace:
         self._untimed = {n: 1 + self.warmup for n in self.names}
         self._warm: dict[str, float] = {}
         self._round, self._queue = 0, []
-        self._checked = False
         self.later = dict(later or {}) if self.warmup > 0 else {}
         self._waiting = set(self.later) & set(self.names)
         self.skipped: dict[str, str] = {}  # second-stage candidates left out, and why
         self._warm_done = False
         self._firsts_judged = self.warmup == 0  # a compiling first step says nothing
+        self._priced = budget is not None and baseline in self.names
 
     def running(self) -> list[str]:
         """The candidates still in the race, in their order."""
@@ -81,17 +97,52 @@ class OnlineRace:
 
     def next(self) -> str:
         """The candidate the next step runs (the committed one once decided)."""
-        if self.committed is not None:
-            return self.committed
-        if not self._checked:
-            self._checked = True
-            self.rejected.update({n: "failed the exactness check" for n in self.names
-                                  if not self.check(n)})
-        while not self._queue:
-            self._fill()
-            if self.committed is not None:
-                return self.committed
-        return self._queue[0]
+        while self.committed is None:
+            while not self._queue:
+                self._fill()
+                if self.committed is not None:
+                    return self.committed
+            if self._queue[0] in self._started or self._start(self._queue[0]):
+                return self._queue[0]
+            self._queue.pop(0)
+        return self.committed
+
+    def _start(self, name: str) -> bool:
+        """Before `name`'s first step: whether the call can pay for it (and
+        the checks, the first time), then whether it passed its check."""
+        cost = self._start_price(name)
+        if cost is not None and self._spent() + cost > self.budget.seconds(self._base_step()):
+            self.pruned.add(name)
+            self.skipped[name] = (f"not run: its start (about {cost:.2f} s) was over what "
+                                  f"is left of the call's budget ({self.budget.steps} steps: "
+                                  f"{self.budget.seconds(self._base_step()):.2f} s)")
+            return False
+        if name != self.baseline and not self.check_s:
+            for other in [n for n in self.names if n not in self.pruned]:  # one set of weights
+                start = clock.now()
+                if not self.check(other):
+                    self.rejected[other] = "failed the exactness check"
+                self.check_s[other] = clock.now() - start
+        self._started[name] = self.shares_trace(name)
+        return name not in self.rejected
+
+    def _start_price(self, name: str) -> float | None:
+        """The seconds `name`'s start may add (None: not priced)."""
+        base = self._base_step()
+        if not self._priced or name == self.baseline or base is None:
+            return None
+        prior = max(0.0, self.first[self.baseline] - base)
+        like = [cost for shared, cost in self._start_cost.values() if shared == self.shares_trace(name)]
+        return (max(like) if like else prior) + (0.0 if self.check_s else prior)
+
+    def _base_step(self) -> float | None:
+        """The original layers' step after their first (warm-up or timed)."""
+        timed = self.times.get(self.baseline)
+        return self._warm.get(self.baseline, timed[0] if timed else None)
+
+    def _spent(self) -> float:
+        """The race's cost so far beyond running the original layers."""
+        return max(0.0, self._excess) + sum(self.check_s.values())
 
     def record(self, name: str, seconds: float) -> None:
         """The step `next()` gave ran `name` and took `seconds`."""
@@ -103,6 +154,11 @@ class OnlineRace:
         self._queue.pop(0)
         self.steps_run += 1
         self.spent += float(seconds)
+        base = self._base_step()
+        if name != self.baseline and base is not None:
+            self._excess += float(seconds) - base
+            if name not in self.first:
+                self._start_cost[name] = (self._started.get(name, False), max(0.0, seconds - base))
         if self._untimed[name] > 0:
             self.first.setdefault(name, float(seconds))
             self._untimed[name] -= 1
@@ -135,7 +191,9 @@ class OnlineRace:
             running = self.running()
         warming = [n for n in running if self._untimed[n] > 0]
         if warming:
-            self._queue = list(warming)
+            if self._priced and self.baseline in running and self._base_step() is None:
+                warming = [self.baseline]  # its step after its first prices the others' starts
+            self._queue = warming
             return
         if self._round == 0 and self._warm and not self._warm_done:
             fastest = min(self._warm.values())
@@ -216,16 +274,18 @@ class OnlineFit:
     `measure_step` are the exactness check and the step timer. `record`
     also gets the race's cost: its overhead over the winner's steps and its
     exactness checks' seconds (`cost`: steps, overhead_s, check_s, first_s).
+    `budget`: the fit's (`budget.TuningBudget`; None: unknown length).
     """
 
     def __init__(self, races, *, make, apply, record, install, check=None, measure_step=None,
-                 warmup: int = 1, repeats: int = 5, trace_key=None):
+                 warmup: int = 1, repeats: int = 5, trace_key=None, budget=None):
         self.races = list(races)
         self.make, self.apply, self.record, self.install = make, apply, record, install
         self.trace_key = trace_key or (lambda index, plan: plan.name)
         self.check = check or (lambda index, plan: True)
         self.measure_step = measure_step or _wall_clock_step
         self.warmup, self.repeats = warmup, repeats
+        self.budget, self.steps_run = budget, 0
         self.functions: dict = {}
         self.switches: list = []
         self.final = None  # the train function once every race is committed
@@ -240,20 +300,14 @@ class OnlineFit:
             self.race = None
             return
         index, bucket, shape, plans = self.races[0]
-        self.race = OnlineRace(list(plans), warmup=self.warmup, repeats=self.repeats,
-                               check=lambda name: self._timed_check(index, plans[name]),
-                               later=whole_run_twins(list(plans.values())))
         self.functions = {}
-        self.check_s = 0.0
-
-    def _timed_check(self, index, plan) -> bool:
-        from rnnfuse.tuning import clock
-
-        start = clock.now()
-        try:
-            return self.check(index, plan)
-        finally:
-            self.check_s += clock.now() - start
+        self.race = OnlineRace(
+            list(plans), warmup=self.warmup, repeats=self.repeats,
+            check=lambda name: self.check(index, plans[name]),
+            later=whole_run_twins(list(plans.values())),
+            budget=None if self.budget is None else dataclasses.replace(
+                self.budget, steps=max(self.budget.steps - self.steps_run, 0)),
+            shares_trace=lambda name: self.trace_key(index, plans[name]) in self.functions)
 
     def __call__(self, *args, **kwargs):
         """One step of the fit: a candidate's real step, timed, or (decided)
@@ -267,6 +321,7 @@ class OnlineFit:
         index, bucket, shape, plans = self.races[0]
         function = self._function(index, bucket, name, plans[name])
         logs, seconds = self.measure_step(name, lambda: function(*args, **kwargs))
+        self.steps_run += 1
         self.race.record(name, seconds)
         if self.race.committed is not None:
             self._commit()
@@ -306,7 +361,7 @@ class OnlineFit:
         self.switches.append((index, name))
         function = self.functions.get(self.trace_key(index, plan))
         cost = dict(steps=self.race.steps_run, overhead_s=self.race.overhead(),
-                    check_s=self.check_s, first_s=dict(self.race.first))
+                    check_s=sum(self.race.check_s.values()), first_s=dict(self.race.first))
         self.record(index, shape, TuneResult(
             None, plan, "measured: online, on the fit's own steps", self.race.medians(), rejected),
             cost)

@@ -167,6 +167,28 @@ def test_the_race_ends_with_the_fit_where_the_fit_ends_first(fake_gpu_online):
     assert len(first_batch.decisions(fast)) == 1
 
 
+def test_a_fit_too_short_to_pay_for_a_start_keeps_the_original_layers(fake_gpu_online):
+    """The original layers' first step (60 s, a slow trace) prices the
+    others' starts, over what 3% of a 32-step fit at 1.8 s a step pays."""
+    model = stack_model("gru", 3, steps=6)
+    fast, state = _online(model, MEDIANS)
+    ran = []
+
+    def step(name, run):
+        seconds = 60.0 if name not in ran else MEDIANS[name]
+        ran.append(name)
+        return run(), seconds
+
+    state.measure_step = step
+    x, y = _data(model)
+    fast.compile(optimizer="sgd", loss="mse")
+    fast.fit(x, y, batch_size=4, epochs=4, verbose=0)
+    (record,) = first_batch.decisions(fast)
+    assert record["chosen"] == "per-layer" and set(ran) == {"per-layer"}
+    assert record["rejected"]["fused"].startswith("not run: its start (about 116.40 s)")
+    assert record["race"]["check_ms"] == 0.0
+
+
 def test_the_race_alone():
     race = online.OnlineRace(["per-layer", "fused", "split 2+2"], warmup=1, repeats=5,
                              check=lambda name: name != "split 2+2")
