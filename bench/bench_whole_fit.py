@@ -13,7 +13,10 @@ by `--budget` still has the first pairs of everything.
 
 A child records `fit_s` (the fit call), `epoch_end_s` (seconds from the
 call's start to each epoch's end), `optimize_s` (the `optimize` call),
-`tuning_s`, the plans and the final loss; the parent adds `process_s`
+`tuning_s`, the plans and the final loss, and `original_failed`: Keras'
+own error where its model fails in the shape's policy (its LSTM in
+mixed_float16 on JAX), the original then timed in float32 in the same
+process, as bench_matrix does; the parent adds `process_s`
 (the child's whole life). rnnfuse's native libraries are built once
 first (`rnnfuse build-ops`, its seconds in `meta.prebuild`) and shared by
 the children, so no fit pays a compiler (`--child-builds`: each does). The summary gives, per shape and epoch count,
@@ -111,14 +114,30 @@ def measure(job: dict) -> dict:
         def on_epoch_end(self, epoch, logs=None):
             ends.append(now())
 
+    def fit(model):
+        return model.fit(xe, ye, batch_size=shape["batch"], epochs=job["epochs"], verbose=0,
+                         shuffle=False, callbacks=[EpochEnds()])
+
+    original_failed = None
     start = now()
-    history = model.fit(xe, ye, batch_size=shape["batch"], epochs=job["epochs"], verbose=0,
-                        shuffle=False, callbacks=[EpochEnds()])
+    try:
+        history = fit(model)
+    except Exception as err:  # noqa: BLE001 - Keras' own failure in this policy, recorded
+        if job["model"] != "original":
+            raise
+        # As bench_matrix: the baseline is what its user can run, the model in float32.
+        original_failed = f"{type(err).__name__}: {err}"
+        model = bench_matrix.build_keras(dict(shape, dtype="float32"))
+        model.compile(optimizer="adam", loss="mse")
+        ends.clear()
+        start = now()
+        history = fit(model)
     fit_s = now() - start
     from rnnfuse.backends.cuda import build
 
     row = dict(job, fit_s=fit_s, epoch_end_s=[e - start for e in ends], optimize_s=optimize_s,
-               loss=float(history.history["loss"][-1]), libraries=str(build.cache_dir().resolve()))
+               loss=float(history.history["loss"][-1]), libraries=str(build.cache_dir().resolve()),
+               original_failed=original_failed)
     if job["model"] == "optimized":
         from rnnfuse.fused import fused_layers
         from rnnfuse.tuning.first_batch import decisions
