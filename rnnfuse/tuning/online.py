@@ -73,6 +73,7 @@ class OnlineRace:
         self._started: dict[str, bool] = {}  # name -> whether it shared a trace
         self._start_cost: dict[str, tuple[bool, float]] = {}
         self._excess = 0.0  # the other candidates' steps beyond the original layers'
+        self.cut = False  # whether the budget left a candidate out
         self.times: dict[str, list[float]] = {n: [] for n in self.names}
         self.rejected: dict[str, str] = {}
         self.pruned: set[str] = set()
@@ -113,6 +114,7 @@ class OnlineRace:
         cost = self._start_price(name)
         if cost is not None and self._spent() + cost > self.budget.seconds(self._base_step()):
             self.pruned.add(name)
+            self.cut = True
             self.skipped[name] = (f"not run: its start (about {cost:.2f} s) was over what "
                                   f"is left of the call's budget ({self.budget.steps} steps: "
                                   f"{self.budget.seconds(self._base_step()):.2f} s)")
@@ -363,7 +365,8 @@ class OnlineFit:
         cost = dict(steps=self.race.steps_run, overhead_s=self.race.overhead(),
                     check_s=sum(self.race.check_s.values()), first_s=dict(self.race.first))
         self.record(index, shape, TuneResult(
-            None, plan, "measured: online, on the fit's own steps", self.race.medians(), rejected),
+            None, plan, "measured: online, within the call's budget" if self.race.cut
+            else "measured: online, on the fit's own steps", self.race.medians(), rejected),
             cost)
         if last:
             # The fit is over: the next makes its function anew for the committed plans.

@@ -167,11 +167,12 @@ def test_the_race_ends_with_the_fit_where_the_fit_ends_first(fake_gpu_online):
     assert len(first_batch.decisions(fast)) == 1
 
 
-def test_a_fit_too_short_to_pay_for_a_start_keeps_the_original_layers(fake_gpu_online):
+def test_a_fit_too_short_to_pay_for_a_start_keeps_the_original_layers(fake_gpu_online, tmp_path):
     """The original layers' first step (60 s, a slow trace) prices the
-    others' starts, over what 3% of a 32-step fit at 1.8 s a step pays."""
+    others' starts, over what 3% of a 32-step fit at 1.8 s a step pays; the
+    decision, cut short, is not cached."""
     model = stack_model("gru", 3, steps=6)
-    fast, state = _online(model, MEDIANS)
+    fast, state = _online(model, MEDIANS, tmp_path)
     ran = []
 
     def step(name, run):
@@ -187,6 +188,8 @@ def test_a_fit_too_short_to_pay_for_a_start_keeps_the_original_layers(fake_gpu_o
     assert record["chosen"] == "per-layer" and set(ran) == {"per-layer"}
     assert record["rejected"]["fused"].startswith("not run: its start (about 116.40 s)")
     assert record["race"]["check_ms"] == 0.0
+    assert record["source"] == "measured: online, within the call's budget"
+    assert state.cache.entries() == []
 
 
 def test_the_race_alone():
