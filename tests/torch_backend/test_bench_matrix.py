@@ -1,6 +1,7 @@
 """The backend-matrix benchmark's own logic (bench/bench_matrix.py) on the
 CPU with tiny shapes: the peer PyTorch model matches the Keras model's
-shape for every kind, and the table reads what the runs wrote."""
+shape for every kind, and the table reads what the runs wrote; the
+whole-fit benchmark's (bench/bench_whole_fit.py) baseline as the matrix's."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ BENCH = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abs
 sys.path.insert(0, BENCH)
 
 import bench_matrix  # noqa: E402
+import bench_whole_fit  # noqa: E402
 from fake_clock import FakeClock  # noqa: E402
 
 
@@ -97,9 +99,10 @@ def test_the_tuning_share_is_the_tuners_seconds_over_the_fit_its_user_waits_for(
     assert line.startswith(f"share torch gru3x64: tuning {share['tuning_s']:.2f} s of a 2-epoch fit")
 
 
-def test_an_original_that_fails_in_its_policy_is_timed_in_float32(monkeypatch):
-    """Keras' own LSTM fails in mixed_float16 on JAX: the baseline is the
-    model its user can run, in float32, and the row keeps Keras' error."""
+@pytest.fixture
+def failing_in_half_precision(monkeypatch):
+    """Keras' own LSTM fails in mixed_float16 on JAX: a model built in any
+    policy but float32 fails so; the dtypes built, in order."""
     built, real_build = [], bench_matrix.build_keras
 
     def build(shape):
@@ -112,12 +115,27 @@ def test_an_original_that_fails_in_its_policy_is_timed_in_float32(monkeypatch):
         return model
 
     monkeypatch.setattr(bench_matrix, "build_keras", build)
+    return built
+
+
+def test_an_original_that_fails_in_its_policy_is_timed_in_float32(failing_in_half_precision):
+    """The baseline is the model its user can run, in float32, and the row
+    keeps Keras' error."""
+    built = failing_in_half_precision
     shape = bench_matrix.quick(bench_matrix.SHAPES["lstm4x512"])
     row = bench_matrix.measure_keras(shape, epochs=1, epoch_steps=1, rounds=1, steps=1)
     # The model optimized, Keras' model apart from it, then its float32 twin.
     assert built == ["mixed_float16", "mixed_float16", "float32"]
     assert row["original_failed"] == "ValueError: Unknown output type float16"
     assert set(row["fit_ms"]) == {"original", "optimized"} and row["fit_speedup"] > 0
+
+
+def test_a_whole_fit_whose_original_fails_in_its_policy_times_it_in_float32(failing_in_half_precision):
+    job = dict(shape_name="lstm4x512", model="original", epochs=2, epoch_steps=1, quick=True, online=False)
+    row = bench_whole_fit.measure(job)
+    assert failing_in_half_precision == ["mixed_float16", "float32"]
+    assert row["original_failed"] == "ValueError: Unknown output type float16"
+    assert row["fit_s"] > 0 and len(row["epoch_end_s"]) == 2
 
 
 def test_the_shares_of_two_runs_make_one_table(tmp_path, capsys):
