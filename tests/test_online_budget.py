@@ -75,3 +75,61 @@ def test_a_call_of_unknown_length_races_as_before(fake_clock):
     race, ran, checked = _race(fake_clock, steps=None)
     assert ran[:4] == list(FIRST) and {at for _, at in checked} == {1}
     assert not race.skipped
+
+
+@pytest.mark.parametrize("repeats", [1, 5])
+def test_the_original_layers_early_timed_step_leaves_the_others_every_round(repeats):
+    """TensorFlow (no warm-up): the original layers' second step is timed
+    before the others' first; each other candidate still gets `repeats`."""
+    race = online.OnlineRace(["per-layer", "fused"], warmup=0, repeats=repeats,
+                             budget=TuningBudget(steps=10**6))
+    seen = set()
+    while race.committed is None:
+        name = race.next()
+        if race.committed is None:
+            race.record(name, {"per-layer": 1.0, "fused": 0.8}[name] + (2.0 if name not in seen else 0.0))
+            seen.add(name)
+    assert race.committed == "fused" and len(race.times["fused"]) == repeats
+
+
+def test_a_candidate_that_failed_its_check_is_not_priced(fake_clock):
+    race, ran, checked = _race(fake_clock, steps=75, names=("per-layer", "fused", "wavefront"),
+                               failing={"wavefront"})
+    assert race.rejected == {"wavefront": "failed the exactness check"}
+    assert not race.skipped and not race.cut
+
+
+def test_the_first_start_is_priced_again_at_what_the_checks_took(fake_clock):
+    """Checks of 2 s each (8 s) overrun a 2.7 s budget priced at 2 s: the
+    start they came with does not run, nor any after it."""
+    def slow_check(name):
+        fake_clock.advance(2.0)
+        return True
+
+    race = online.OnlineRace(list(FIRST), warmup=1, repeats=3, check=slow_check,
+                             budget=TuningBudget(steps=90))
+    ran = []
+    while race.committed is None:
+        name = race.next()
+        if race.committed is None:
+            race.record(name, (LATER if name in ran else FIRST)[name])
+            ran.append(name)
+    assert set(ran) == {"per-layer"} and race.committed == "per-layer" and race.cut
+    assert race.skipped["fused"].startswith("not run: its start (about 1.00 s)")
+
+
+def test_a_fit_that_ends_before_its_race_commits_what_it_timed_uncached():
+    from rnnfuse.plan import PER_LAYER, Plan
+
+    plans = {p.name: p for p in [PER_LAYER, Plan((3,)), Plan((2, 1))]}
+    records = []
+    fit = online.OnlineFit([(0, None, (8, 10, 4), plans)], make=lambda: (lambda: None),
+                           apply=lambda *a: None, install=lambda f: None,
+                           record=lambda i, shape, result, cost: records.append((result, cost)),
+                           measure_step=lambda name, run: (run(), 1.0), warmup=0, repeats=5,
+                           budget=TuningBudget(steps=10**4))
+    fit(), fit()  # the original layers' first two steps
+    fit.finish()
+    ((result, cost),) = records
+    assert cost["cut"] and result.source == "measured: online, cut short by the call's length"
+    assert result.rejected["fused"] == "not timed: the fit ended first"

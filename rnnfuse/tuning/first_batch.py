@@ -314,7 +314,7 @@ def online_train_function(model: keras.Model, make) -> Any:
         state.decided[decision_key(index, True, shape, jit)] = result
         state.decisions.append({**decision_record(result, shape, True, jit), "race": _rounded(cost)})
         # As the offline tuner's: a decision the budget cut short is not cached.
-        if state.cache is not None and environment is not None and not result.source.endswith("budget"):
+        if state.cache is not None and environment is not None and not cost["cut"]:
             key = cache_key(environment, member.group, shape, member.group.dtype, True,
                             member.masked, jit)
             state.cache.put(key, {"plan": result.plan.to_dict(), "timings": result.timings,

@@ -6,11 +6,12 @@ bucket has no decision runs the candidates on its first steps, one a step
 in rotating rounds, with real updates. The exactness checks run together,
 on one set of weights, before the first candidate's first step after the
 original layers'. Where the call's length is known, the race spends what
-offline timing may (`budget.TuningBudget`): the original layers' first and
-warm-up steps come first, and another candidate starts only where its start
-(its first step's extra time, priced by the last start like it, sharing a
-trace or not, else by the original layers' first step; the checks, priced
-alike, with the first) fits in what the race has not spent. After `warmup` untimed steps and `repeats` timed rounds (pruned at
+offline timing may (`budget.TuningBudget`, each race on the steps left):
+the original layers take two steps first, and another candidate starts only
+where its start (its first step's extra time, priced by the costliest start
+like it so far, sharing a trace or not, else by the original layers' first
+step; the checks, priced alike, with the first, then as they took) fits in
+what the race has not spent. After `warmup` untimed steps and `repeats` timed rounds (pruned at
 PRUNE from the first, at WARM_PRUNE and to the WARM_KEEP fastest on the
 last warm-up step, and where an eager first step was clearly slow), the
 fastest is committed once, unless the original layers come within
@@ -73,7 +74,7 @@ class OnlineRace:
         self._started: dict[str, bool] = {}  # name -> whether it shared a trace
         self._start_cost: dict[str, tuple[bool, float]] = {}
         self._excess = 0.0  # the other candidates' steps beyond the original layers'
-        self.cut = False  # whether the budget left a candidate out
+        self.cut = False  # whether the call's length left a candidate out
         self.times: dict[str, list[float]] = {n: [] for n in self.names}
         self.rejected: dict[str, str] = {}
         self.pruned: set[str] = set()
@@ -111,13 +112,7 @@ class OnlineRace:
     def _start(self, name: str) -> bool:
         """Before `name`'s first step: whether the call can pay for it (and
         the checks, the first time), then whether it passed its check."""
-        cost = self._start_price(name)
-        if cost is not None and self._spent() + cost > self.budget.seconds(self._base_step()):
-            self.pruned.add(name)
-            self.cut = True
-            self.skipped[name] = (f"not run: its start (about {cost:.2f} s) was over what "
-                                  f"is left of the call's budget ({self.budget.steps} steps: "
-                                  f"{self.budget.seconds(self._base_step()):.2f} s)")
+        if name in self.rejected or not self._affordable(name):
             return False
         if name != self.baseline and not self.check_s:
             for other in [n for n in self.names if n not in self.pruned]:  # one set of weights
@@ -125,8 +120,22 @@ class OnlineRace:
                 if not self.check(other):
                     self.rejected[other] = "failed the exactness check"
                 self.check_s[other] = clock.now() - start
+            if name in self.rejected or not self._affordable(name):  # at the checks' real cost
+                return False
         self._started[name] = self.shares_trace(name)
-        return name not in self.rejected
+        return True
+
+    def _affordable(self, name: str) -> bool:
+        """Whether `name`'s start fits in the budget left (else it leaves the race)."""
+        cost = self._start_price(name)
+        if cost is None or self._spent() + cost <= self.budget.seconds(self._base_step()):
+            return True
+        self.pruned.add(name)
+        self.cut = True
+        self.skipped[name] = (f"not run: its start (about {cost:.2f} s) was over what "
+                              f"is left of the call's budget ({self.budget.steps} steps: "
+                              f"{self.budget.seconds(self._base_step()):.2f} s)")
+        return False
 
     def _start_price(self, name: str) -> float | None:
         """The seconds `name`'s start may add (None: not priced)."""
@@ -239,8 +248,8 @@ class OnlineRace:
         self._waiting = set()
 
     def _end_of_round(self) -> None:
-        if any(self._untimed[n] > 0 for n in self.running()) or not self.medians():
-            return  # a warm-up round
+        if any(self._untimed[n] > 0 or not self.times[n] for n in self.running()):
+            return  # a warm-up round (the original layers' priced step is timed early)
         self._round += 1
         if self._round >= 1:
             medians = self.medians()
@@ -275,7 +284,8 @@ class OnlineFit:
     decision and install the final train function; `check` and
     `measure_step` are the exactness check and the step timer. `record`
     also gets the race's cost: its overhead over the winner's steps and its
-    exactness checks' seconds (`cost`: steps, overhead_s, check_s, first_s).
+    exactness checks' seconds (`cost`: steps, cut, overhead_s, check_s, first_s;
+    `cut`: the call's length left a candidate out, so the decision is not cached).
     `budget`: the fit's (`budget.TuningBudget`; None: unknown length).
     """
 
@@ -335,6 +345,10 @@ class OnlineFit:
         if self.race is None:
             return
         if self.race.committed is None and self.race.medians():
+            untimed = [n for n in self.race.running() + sorted(self.race._waiting)
+                       if not self.race.times[n]]
+            self.race.skipped.update({n: "not timed: the fit ended first" for n in untimed})
+            self.race.cut = self.race.cut or bool(untimed)
             self.race._commit()
         if self.race.committed is not None:
             self._commit(last=True)
@@ -362,10 +376,10 @@ class OnlineFit:
         self.apply(index, bucket, plan)
         self.switches.append((index, name))
         function = self.functions.get(self.trace_key(index, plan))
-        cost = dict(steps=self.race.steps_run, overhead_s=self.race.overhead(),
+        cost = dict(steps=self.race.steps_run, cut=self.race.cut, overhead_s=self.race.overhead(),
                     check_s=sum(self.race.check_s.values()), first_s=dict(self.race.first))
         self.record(index, shape, TuneResult(
-            None, plan, "measured: online, within the call's budget" if self.race.cut
+            None, plan, "measured: online, cut short by the call's length" if self.race.cut
             else "measured: online, on the fit's own steps", self.race.medians(), rejected),
             cost)
         if last:

@@ -188,7 +188,7 @@ def test_a_fit_too_short_to_pay_for_a_start_keeps_the_original_layers(fake_gpu_o
     assert record["chosen"] == "per-layer" and set(ran) == {"per-layer"}
     assert record["rejected"]["fused"].startswith("not run: its start (about 116.40 s)")
     assert record["race"]["check_ms"] == 0.0
-    assert record["source"] == "measured: online, within the call's budget"
+    assert record["source"] == "measured: online, cut short by the call's length"
     assert state.cache.entries() == []
 
 
