@@ -432,9 +432,10 @@ def failing_to_build(monkeypatch, first_layer: str, error: Exception) -> None:
 def race_online(fast, medians: dict, ran: list):
     """Turns online tuning on for `fast` with each candidate's step timed at
     `medians[name]` and the gradient check passing; `ran` collects the
-    candidate of each step. Returns the model's tuning state."""
+    candidate of each step; the whole fit its budget (a short test fit races).
+    Returns the model's tuning state."""
     state = fast._rnnfuse_autotune
-    state.online = True
+    state.online, state.fit_share = True, 1.0
     state.measure_step = lambda name, run: (ran.append(name) or run(), medians[name])
     state.check_gradients = lambda *args: 1e-6
     return state

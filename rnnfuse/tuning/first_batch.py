@@ -255,7 +255,9 @@ def _online_races(state: AutoTune, environment: dict, shapes: dict, training: bo
         return None
     race_steps = sum(len(race.plans) for race in pending.values()) * (
         1 + default_warmup(backend) + REPEATS)
-    if state.budget is not None and state.budget.steps < race_steps:
+    budget = state.budget
+    if budget is not None and (budget.steps < race_steps
+                               or not budget.times_anything(default_warmup(backend), REPEATS)):
         return None  # the budgeted offline timing (or the static table) decides
     state.online_pending = pending
     for i in pending:

@@ -13,6 +13,7 @@ import rnnfuse
 from builders import fused_layers, max_abs_diff, stack_model
 from rnnfuse.plan import PER_LAYER, Plan
 from rnnfuse.tuning import first_batch, online
+from rnnfuse.tuning.budget import FIT_SHARE
 from torch_checks import FAKE_GPU_ENV
 
 
@@ -31,7 +32,8 @@ class StepClock:
 def _online(model, medians, tmp_path=None, check=None):
     fast = rnnfuse.optimize(model, cache=False if tmp_path is None else str(tmp_path / "p.json"))
     state = fast._rnnfuse_autotune
-    state.online, state.environment = True, dict(FAKE_GPU_ENV)
+    # The whole fit its budget: a short test fit races.
+    state.online, state.environment, state.fit_share = True, dict(FAKE_GPU_ENV), 1.0
     state.measure_step = StepClock(medians)
     state.check_gradients = check or (lambda *args: 1e-6)
     return fast, state
@@ -150,6 +152,20 @@ def test_a_fit_too_short_for_the_race_is_timed_apart_within_its_budget(fake_gpu_
     assert record["source"].startswith("static: a call of 2 steps")
 
 
+def test_a_fit_long_enough_to_race_but_not_to_pay_for_timing_runs_the_static_plan(fake_gpu_online):
+    """As offline: a call too short to time the two leading candidates
+    within 3% of it races nothing (the static table's proven plan)."""
+    model = stack_model("gru", 3, steps=6)
+    fast, state = _online(model, MEDIANS)
+    state.fit_share = FIT_SHARE
+    x, y = _data(model)
+    fast.compile(optimizer="sgd", loss="mse")
+    fast.fit(x, y, batch_size=4, epochs=4, verbose=0)  # 32 steps: a race's, not a budget's
+    assert state.measure_step.ran == []
+    (record,) = first_batch.decisions(fast)
+    assert record["source"].startswith("static: a call of 32 steps cannot pay for timing")
+
+
 def test_the_race_ends_with_the_fit_where_the_fit_ends_first(fake_gpu_online):
     model = stack_model("gru", 3, steps=6)
     fast, state = _online(model, MEDIANS)
@@ -169,10 +185,11 @@ def test_the_race_ends_with_the_fit_where_the_fit_ends_first(fake_gpu_online):
 
 def test_a_fit_too_short_to_pay_for_a_start_keeps_the_original_layers(fake_gpu_online, tmp_path):
     """The original layers' first step (60 s, a slow trace) prices the
-    others' starts, over what 3% of a 32-step fit at 1.8 s a step pays; the
+    others' starts, over what half a 32-step fit at 1.8 s a step pays; the
     decision, cut short, is not cached."""
     model = stack_model("gru", 3, steps=6)
     fast, state = _online(model, MEDIANS, tmp_path)
+    state.fit_share = 0.5
     ran = []
 
     def step(name, run):
