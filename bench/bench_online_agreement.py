@@ -95,7 +95,8 @@ def full_timing(model, x) -> list[dict]:
 def online_decisions(model, x, y, steps: int) -> list[dict]:
     """Online tuning's training decisions for `model` over one `fit` of
     `steps` batches, each the batch `x`, `y` (its candidates race on the
-    fit's own steps)."""
+    fit's own steps, every one started: the question is the race's choice,
+    not what a fit this long may spend on it)."""
     import keras
 
     import rnnfuse
@@ -117,6 +118,7 @@ def online_decisions(model, x, y, steps: int) -> list[dict]:
     if getattr(online, "_rnnfuse_autotune", None) is None:
         raise RuntimeError("optimize made no layer that tunes at its first batch "
                            "(no GPU visible to the backend?)")
+    online._rnnfuse_autotune.fit_share = None  # no budget: every candidate starts
     online.compile(optimizer="adam", loss="mse")
     online.fit(Repeated(), epochs=1, verbose=0, shuffle=False)
     return [dict(layers=d["layers"], chosen=d["chosen"], source=d["source"],
