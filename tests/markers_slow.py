@@ -320,6 +320,11 @@ SLOW: dict[str, str] = {
         "test_gradients_of_all_calls_is_one_compiled_program stays fast"),
     "jax_backend/test_jax_tuner_programs.py::test_the_jitted_gradients_are_those_of_jax_grad_alone": (
         "the emulated core's gradients op by op and compiled (9 s a case)"),
+    **{f"jax_backend/test_jax_tuner_programs.py::test_the_fused_float64_reference_is_the_copies_own_float64[{k}]": (
+        "compiles the emulated core's float64 call and the copies' (4 s); [lstm] stays fast")
+       for k in ("gru", "rnn_tanh")},
+    "jax_backend/test_jax_tuner_programs.py::test_the_gradient_checks_reference_runs_float64_copies_of_the_layers[bi_gru-mixed_float16]": (
+        "float64 copies of a bidirectional GRU, compiled (5 s); [lstm-float32] stays fast"),
     "jax_backend/test_jax_tuner_programs.py::test_a_step_traced_and_compiled_ahead_runs_what_jit_runs": (
         "compiles an emulated training step twice (5 s); timed_step's doctest and "
         "test_tuning_stages.py's compile tests stay fast"),
