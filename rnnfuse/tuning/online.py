@@ -87,7 +87,7 @@ class OnlineRace:
         self._round, self._queue = 0, []
         self.later = dict(later or {}) if self.warmup > 0 else {}
         self._waiting = set(self.later) & set(self.names)
-        self.skipped: dict[str, str] = {}  # second-stage candidates left out, and why
+        self.skipped: dict[str, str] = {}  # candidates left out before a step, and why
         self._warm_done = False
         self._firsts_judged = self.warmup == 0  # a compiling first step says nothing
         self._priced = budget is not None and baseline in self.names
