@@ -82,7 +82,8 @@ def test_bidirectional_stack(emulated_core):
     data = np.random.default_rng(3).standard_normal((3, 7, 5)).astype("float32")
     _check(model, fast, data)
     assert emulated_core.stacks[0] == dict(kind="lstm", num_layers=2, bidirectional=True,
-                                           blob_size=emulated_core.stacks[0]["blob_size"])
+                                           blob_size=emulated_core.stacks[0]["blob_size"],
+                                           dtype="float32")
 
 
 @pytest.mark.parametrize("merge_mode", ["sum", "ave"])
@@ -103,7 +104,7 @@ def test_bidirectional_sum_and_ave_below_the_top(merge_mode, emulated_core):
     h = 6
     per_level = [4 * h * (n + h) + 2 * 4 * h for n in (5, 2 * h, 2 * h)]
     assert emulated_core.stacks[0] == dict(kind="lstm", num_layers=3, bidirectional=True,
-                                           blob_size=2 * sum(per_level))
+                                           blob_size=2 * sum(per_level), dtype="float32")
 
 
 def test_initial_state(emulated_core):
