@@ -247,6 +247,16 @@ class OnlineRace:
         self.pruned.update(self._waiting - admitted)
         self._waiting = set()
 
+    def end(self) -> None:
+        """The call ended first: commits what was timed (nothing where nothing
+        was), the candidates left untimed recorded so and the race cut."""
+        if self.committed is not None or not self.medians():
+            return
+        untimed = [n for n in self.running() + sorted(self._waiting) if not self.times[n]]
+        self.skipped.update({n: "not timed: the fit ended first" for n in untimed})
+        self.cut = self.cut or bool(untimed)
+        self._commit()
+
     def _end_of_round(self) -> None:
         if any(self._untimed[n] > 0 or not self.times[n] for n in self.running()):
             return  # a warm-up round (the original layers' priced step is timed early)
@@ -344,12 +354,7 @@ class OnlineFit:
         did); the races not started keep their members' current plans."""
         if self.race is None:
             return
-        if self.race.committed is None and self.race.medians():
-            untimed = [n for n in self.race.running() + sorted(self.race._waiting)
-                       if not self.race.times[n]]
-            self.race.skipped.update({n: "not timed: the fit ended first" for n in untimed})
-            self.race.cut = self.race.cut or bool(untimed)
-            self.race._commit()
+        self.race.end()
         if self.race.committed is not None:
             self._commit(last=True)
         else:

@@ -949,9 +949,8 @@ class GradientCheck:
                 with scope:
                     self._references[key] = _float64_reference(group, x, timing)
             except Exception as exc:  # noqa: BLE001 - the plan is then not checked
-                line = (str(exc).strip().splitlines() or [""])[0][:200]
                 self._references[key] = ReferenceFailed(
-                    f"the float64 reference failed ({type(exc).__name__}: {line})")
+                    f"the float64 reference failed ({_first_line(exc)})")
         if isinstance(self._references.get(key), ReferenceFailed):
             raise self._references[key]
         # The twin `sound_gradients` compares with (half precision: asked for later).
