@@ -290,10 +290,55 @@ def test_a_training_candidate_whose_backward_is_wrong_is_rejected(
 
 
 @pytest.mark.parametrize("training", [False, True])
-def test_the_static_table_never_chooses_the_wavefront_kernel(half, training):
+def test_the_static_table_never_chooses_the_wavefront_kernel_without_a_shape(half, training):
     for layers, units in [(2, 8), (4, 512), (1, 512)]:
         (group,) = _groups(stack_model("lstm", layers, units=units, input_size=5, steps=7))
         assert static_plan(group, "float16", training).kernel == "cudnn"
+
+
+def _kernel_group(cell="lstm", layers=4, units=512, bidirectional=False, dtype="float16"):
+    from rnnfuse.report import FusionGroup
+
+    return FusionGroup(tuple(f"l{i}" for i in range(layers)), cell, units, layers, units,
+                       bidirectional, dtype=dtype)
+
+
+@pytest.mark.parametrize("training", [False, True])
+def test_the_kernel_rule_picks_the_wavefront_kernel_where_it_takes_the_stack(
+        monkeypatch, training):
+    """In the measured regime, with the whole stack taken, every static
+    plan (proven ones included) is the kernel's; a refusal falls through
+    to the backend's table."""
+    from rnnfuse.backends import tensorflow as tf_backend
+
+    asked = []
+    monkeypatch.setattr(tf_backend, "kernel_reason", lambda kernel, group, shape, training=False:
+                        asked.append((kernel, shape, training)))
+    for cell, dtype in [("lstm", "float16"), ("gru", "bfloat16")]:
+        group = _kernel_group(cell, dtype=dtype)
+        plan = static_plan(group, dtype, training, proven_only=True, shape=(64, 1000, 512))
+        assert plan == Plan((4,), kernel="wavefront")
+    assert asked[-1] == ("wavefront", (64, 1000, 512), training)
+    monkeypatch.setattr(tf_backend, "kernel_reason",
+                        lambda *args, **kwargs: "weights do not fit on chip")
+    plan = static_plan(_kernel_group(), "float16", training, shape=(64, 1000, 512))
+    assert plan.kernel == "cudnn"
+
+
+@pytest.mark.parametrize("change", [
+    dict(layers=2), dict(units=128), dict(units=1024), dict(bidirectional=True),
+    dict(dtype="float32"), dict(cell="rnn_tanh"), dict(shape=(16, 1000, 512)),
+    dict(shape=(64, 100, 512)), dict(shape=(None, 1000, 512)), dict(shape=(64, 1000)),
+])
+def test_the_kernel_rule_keeps_to_its_measured_regime(monkeypatch, change):
+    from rnnfuse.backends import tensorflow as tf_backend
+    from rnnfuse.tuning.table import kernel_plan
+
+    monkeypatch.setattr(tf_backend, "kernel_reason", lambda *args, **kwargs: None)
+    shape = change.pop("shape", (64, 1000, 512))
+    group = _kernel_group(**change)
+    assert kernel_plan(group, group.dtype, True, shape) is None
+    assert kernel_plan(_kernel_group(), "float16", True, (64, 1000, 512)) is not None
 
 
 def test_a_step_whose_kernel_falls_back_is_not_timed(fake_wavefront, half, monkeypatch):

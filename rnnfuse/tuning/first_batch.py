@@ -217,7 +217,7 @@ def _prepare(model, state: AutoTune, x, batch_size, training, online: bool = Tru
         bucket = bucket_of(shapes[i][0], shapes[i][1])
         result = results.get(i)
         plan = (result.plan if result else static_plan(
-            member.group, member.group.dtype, training, shapes[i][0], proven_only=True)
+            member.group, member.group.dtype, training, proven_only=True, shape=shapes[i])
         ).for_length(len(member.fused.fused_layers))
         chosen[(i, training)] = (bucket, plan)
         if plan != member.fused.plan:

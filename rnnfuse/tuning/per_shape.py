@@ -227,7 +227,7 @@ def decide(state: AutoTune, environment: dict, shapes: dict, training: bool, *,
         for i, shape in todo.items():
             group = state.members[i].group
             out[i] = result = TuneResult(
-                group, static_plan(group, group.dtype, training, shape[0], proven_only=True), why)
+                group, static_plan(group, group.dtype, training, proven_only=True, shape=shape), why)
             record = decision_record(result, shape, training, jit_baseline)
             if not _noted_static(state.decisions, record):
                 state.decisions.append(record)
@@ -396,7 +396,8 @@ class Planner:
         if stateless:
             return None  # nothing decided for it: the layer's own plan
         # Not timed and no timing possible: the static table's proven rules (rule 2).
-        return static_plan(member.group, member.group.dtype, training, batch, proven_only=True)
+        return static_plan(member.group, member.group.dtype, training, batch, proven_only=True,
+                           shape=tuple(shape))
 
     def _time_now(self, shape: tuple, training: bool, xla: bool) -> TuneResult | None:
         """The plan timed for `shape` now, from inside the caller's call or

@@ -27,7 +27,8 @@ from typing import Callable
 from rnnfuse.backends import get_backend
 from rnnfuse.plan import FUSED, PER_LAYER, Plan
 
-__all__ = ["Regime", "RULES", "TABLES", "plan_for_regime", "static_plan", "static_source"]
+__all__ = ["KERNEL_RULE", "Regime", "RULES", "TABLES", "kernel_plan", "plan_for_regime",
+           "static_plan", "static_source"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -174,17 +175,69 @@ def regime_of(group, dtype: str, training: bool, batch: int | None = None) -> Re
     )
 
 
-def static_plan(group, dtype: str, training: bool, batch: int | None = None,
-                proven_only: bool = False) -> Plan:
-    """The plan the backend's rule table gives `group` in `dtype` (at `batch`
-    where known; with `proven_only`, only a plan that lost nowhere).
+# The one rule that picks rnnfuse's wavefront kernel, on every backend,
+# before the backend's table; proven. (name, evidence)
+KERNEL_RULE = (
+    "half precision, unidirectional LSTM/GRU, 4 layers or more of 256-512 units, "
+    "batch >= 32, T >= 500, unmasked, no absorbed Dropout, the kernel takes the whole "
+    "stack: the wavefront kernel",
+    "won in every measured case of this regime on every backend: training 1.9x-2.1x "
+    "over cuDNN's best plan (LSTM 4x512, B64, T1000), inference 1.5x-18.8x",
+)
 
-    TensorFlow's table was measured with its kernels; torch's fuses every
-    run, proven only where Keras runs its generic loop; JAX's fuses where
-    Keras runs a scan or the stack is small (`JAX_RULES`). Where the backend
-    says the original layers cannot run (`Backend.keras_path_fails`), the
-    group is fused whatever the table says: there is nothing to lose.
+
+def _kernel_regime(group, dtype: str, shape: tuple) -> bool:
+    """Whether `group` at input `shape` is in `KERNEL_RULE`'s measured regime."""
+    from rnnfuse.recurrent import called_with_mask
+
+    batch, steps = (int(d) for d in shape[:2])
+    return (group.cell in ("lstm", "gru") and not group.bidirectional and not group.proj_size
+            and str(dtype) in ("float16", "bfloat16") and group.num_layers >= 4
+            and 256 <= group.units <= 512 and batch >= 32 and steps >= 500
+            and not group.absorbed_dropout
+            and not any(called_with_mask(view.layer) for view in group.views))
+
+
+def kernel_plan(group, dtype: str, training: bool, shape: tuple | None) -> Plan | None:
+    """`KERNEL_RULE`'s plan for `group` at input `shape` (batch, steps,
+    features), or None where the rule does not match or the backend's
+    wavefront kernel does not take the whole stack (`Backend.kernel_reason`).
+
+    >>> from rnnfuse.report import FusionGroup
+    >>> kernel_plan(FusionGroup(("a", "b"), "lstm", 512, 2, 512, False), "float16", True,
+    ...             (64, 1000, 512)) is None   # two layers: not measured
+    True
     """
+    if (shape is None or len(shape) < 3 or any(d is None for d in shape[:3])
+            or not _kernel_regime(group, dtype, shape)):
+        return None
+    backend = get_backend()
+    caps = backend.capabilities
+    if "wavefront" not in (caps.training_kernels if training else caps.inference_kernels):
+        return None
+    if backend.kernel_reason("wavefront", group, tuple(shape), training=training) is not None:
+        return None
+    return Plan((len(group.layers),), kernel="wavefront")
+
+
+def static_plan(group, dtype: str, training: bool, batch: int | None = None,
+                proven_only: bool = False, shape: tuple | None = None) -> Plan:
+    """The plan the static rules give `group` in `dtype` (at `batch`, or at
+    input `shape` (batch, steps, features), where known; with `proven_only`,
+    only a plan that lost nowhere).
+
+    First `KERNEL_RULE` (with `shape` only). Then the backend's table:
+    TensorFlow's was measured with its kernels; torch's fuses every run,
+    proven only where Keras runs its generic loop; JAX's fuses where Keras
+    runs a scan or the stack is small (`JAX_RULES`). Where the backend says
+    the original layers cannot run (`Backend.keras_path_fails`), the group
+    is fused whatever the table says: there is nothing to lose.
+    """
+    kernel = kernel_plan(group, dtype, training, shape)
+    if kernel is not None:
+        return kernel
+    if shape is not None and batch is None:
+        batch = shape[0]
     backend = get_backend()
     if backend.keras_path_fails(group, str(dtype)) is not None:
         return FUSED

@@ -623,7 +623,7 @@ def leading_candidates(group, dtype, training, shape, plans) -> tuple[str, ...]:
     the original layers), among `plans`."""
     names = {p.name for p in plans}
     try:
-        static = static_plan(group, dtype, training, shape[0]).for_length(len(group.layers))
+        static = static_plan(group, dtype, training, shape=shape).for_length(len(group.layers))
     except Exception:  # noqa: BLE001 - a group the table cannot read: the whole run leads
         static = PER_LAYER
     if static.per_layer or static.name not in names:
