@@ -327,7 +327,7 @@ def test_the_kernel_rule_picks_the_wavefront_kernel_where_it_takes_the_stack(
 
 @pytest.mark.parametrize("change", [
     dict(layers=2), dict(units=128), dict(units=1024), dict(bidirectional=True),
-    dict(dtype="float32"), dict(cell="rnn_tanh"), dict(shape=(16, 1000, 512)),
+    dict(dtype="float32"), dict(cell="rnn_tanh"), dict(shape=(16, 1000, 512)), dict(shape=(256, 1000, 512)),
     dict(shape=(64, 100, 512)), dict(shape=(None, 1000, 512)), dict(shape=(64, 1000)),
 ])
 def test_the_kernel_rule_keeps_to_its_measured_regime(monkeypatch, change):
