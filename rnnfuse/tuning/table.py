@@ -175,8 +175,7 @@ def regime_of(group, dtype: str, training: bool, batch: int | None = None) -> Re
     )
 
 
-# The one rule that picks rnnfuse's wavefront kernel, on every backend,
-# before the backend's table; proven. (name, evidence)
+# (name, evidence) of the one rule that picks the wavefront kernel, before any table; proven.
 KERNEL_RULE = (
     "half precision, unidirectional LSTM/GRU, 4 layers or more of 256-512 units, "
     "batch 32-128, T >= 500, unmasked, no absorbed Dropout, the kernel takes the whole "
@@ -199,9 +198,8 @@ def _kernel_regime(group, dtype: str, shape: tuple) -> bool:
 
 
 def kernel_plan(group, dtype: str, training: bool, shape: tuple | None) -> Plan | None:
-    """`KERNEL_RULE`'s plan for `group` at input `shape` (batch, steps,
-    features), or None where the rule does not match or the backend's
-    wavefront kernel does not take the whole stack (`Backend.kernel_reason`).
+    """`KERNEL_RULE`'s plan for `group` at input `shape` (batch, steps, features),
+    or None: out of its regime, or refused whole (`Backend.kernel_reason`).
 
     >>> from rnnfuse.report import FusionGroup
     >>> kernel_plan(FusionGroup(("a", "b"), "lstm", 512, 2, 512, False), "float16", True,
@@ -222,14 +220,11 @@ def kernel_plan(group, dtype: str, training: bool, shape: tuple | None) -> Plan 
 
 def static_plan(group, dtype: str, training: bool, batch: int | None = None,
                 proven_only: bool = False, shape: tuple | None = None) -> Plan:
-    """The plan the static rules give `group` in `dtype` (at `batch`, or at
-    input `shape` (batch, steps, features), where known; with `proven_only`,
-    only a plan that lost nowhere).
-
-    First `KERNEL_RULE` (with `shape` only). Then the backend's table:
-    TensorFlow's was measured with its kernels; torch's fuses every run,
-    proven only where Keras runs its generic loop; JAX's fuses where Keras
-    runs a scan or the stack is small (`JAX_RULES`). Where the backend says
+    """The plan the static rules give `group` in `dtype` (at `batch`, or input
+    `shape` (batch, steps, features), where known; `proven_only`: only a plan
+    that lost nowhere): `KERNEL_RULE` (with `shape`), then the backend's
+    table (TensorFlow's measured with its kernels; torch's fuses every run,
+    proven only where Keras runs its generic loop; JAX's `JAX_RULES`). Where
     the original layers cannot run (`Backend.keras_path_fails`), the group
     is fused whatever the table says: there is nothing to lose.
     """
