@@ -575,6 +575,24 @@ def test_a_missing_nvcc_names_the_fix(monkeypatch):
         build.find_nvcc()
 
 
+def test_a_failed_library_build_is_not_retried_in_the_process(tmp_path, monkeypatch):
+    """Every short call in the static kernel rule asks whether the kernel
+    runs: a failed build answers from memory, not from nvcc again."""
+    monkeypatch.setenv("RNNFUSE_CACHE_DIR", str(tmp_path / "cache"))
+    calls = []
+
+    def failing(force=False):
+        calls.append(force)
+        raise build.BuildError("nvcc failed: unsupported gpu architecture 'sm_90a'")
+
+    monkeypatch.setattr(build, "build_library", failing)
+    monkeypatch.setattr(library, "_BUILT", {})
+    for _ in range(3):
+        with pytest.raises(build.BuildError, match="sm_90a"):
+            library._built_library()
+    assert calls == [False]
+
+
 def test_the_library_build_is_checked_once_per_process_not_per_call(tmp_path, monkeypatch):
     """Checking the cached build runs nvcc twice (about 15 ms); torch's
     wavefront call loaded the library three times a call, which made a 12

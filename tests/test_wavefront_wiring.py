@@ -296,11 +296,12 @@ def test_the_static_table_never_chooses_the_wavefront_kernel_without_a_shape(hal
         assert static_plan(group, "float16", training).kernel == "cudnn"
 
 
-def _kernel_group(cell="lstm", layers=4, units=512, bidirectional=False, dtype="float16"):
+def _kernel_group(cell="lstm", layers=4, units=512, bidirectional=False, dtype="float16",
+                  **fields):
     from rnnfuse.report import FusionGroup
 
     return FusionGroup(tuple(f"l{i}" for i in range(layers)), cell, units, layers, units,
-                       bidirectional, dtype=dtype)
+                       bidirectional, dtype=dtype, **fields)
 
 
 @pytest.mark.parametrize("training", [False, True])
@@ -314,7 +315,8 @@ def test_the_kernel_rule_picks_the_wavefront_kernel_where_it_takes_the_stack(
     asked = []
     monkeypatch.setattr(tf_backend, "kernel_reason", lambda kernel, group, shape, training=False:
                         asked.append((kernel, shape, training)))
-    for cell, dtype in [("lstm", "float16"), ("gru", "bfloat16")]:
+    for cell, dtype in [("lstm", "float16"), ("lstm", "bfloat16")] + (
+            [] if training else [("gru", "bfloat16")]):
         group = _kernel_group(cell, dtype=dtype)
         plan = static_plan(group, dtype, training, proven_only=True, shape=(64, 1000, 512))
         assert plan == Plan((4,), kernel="wavefront")
@@ -329,16 +331,19 @@ def test_the_kernel_rule_picks_the_wavefront_kernel_where_it_takes_the_stack(
     dict(layers=2), dict(units=128), dict(units=1024), dict(bidirectional=True),
     dict(dtype="float32"), dict(cell="rnn_tanh"), dict(shape=(16, 1000, 512)), dict(shape=(256, 1000, 512)),
     dict(shape=(64, 100, 512)), dict(shape=(None, 1000, 512)), dict(shape=(64, 1000)),
+    dict(shape=()), dict(absorbed_dropout=("dropout",)), dict(proj_size=128),
+    dict(cell="gru", training=True),
 ])
 def test_the_kernel_rule_keeps_to_its_measured_regime(monkeypatch, change):
     from rnnfuse.backends import tensorflow as tf_backend
     from rnnfuse.tuning.table import kernel_plan
 
     monkeypatch.setattr(tf_backend, "kernel_reason", lambda *args, **kwargs: None)
-    shape = change.pop("shape", (64, 1000, 512))
+    shape, training = change.pop("shape", (64, 1000, 512)), change.pop("training", True)
     group = _kernel_group(**change)
-    assert kernel_plan(group, group.dtype, True, shape) is None
-    assert kernel_plan(_kernel_group(), "float16", True, (64, 1000, 512)) is not None
+    assert kernel_plan(group, group.dtype, training, shape) is None
+    assert static_plan(group, group.dtype, training, shape=shape).kernel == "cudnn"
+    assert kernel_plan(_kernel_group(), "float16", training, (64, 1000, 512)) is not None
 
 
 def test_a_step_whose_kernel_falls_back_is_not_timed(fake_wavefront, half, monkeypatch):

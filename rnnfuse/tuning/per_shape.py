@@ -475,7 +475,7 @@ def decision_record(result: TuneResult, shape: tuple, training: bool,
         chosen=result.plan.name,
         timings_ms={name: 1e3 * s for name, s in result.timings.items()},
         rejected=dict(result.rejected),
-        static=static_plan(group, group.dtype, training).name,
+        static=static_plan(group, group.dtype, training, shape=shape).name,
     )
 
 

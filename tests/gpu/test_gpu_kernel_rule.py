@@ -15,6 +15,7 @@ import pytest
 
 import rnnfuse
 from builders import fused_layers, stack_model
+from rnnfuse.backends import get_backend
 from rnnfuse.tuning import first_batch
 
 pytestmark = [pytest.mark.real_gpu_only, pytest.mark.call_budget]
@@ -44,6 +45,10 @@ def test_a_short_call_in_the_regime_runs_the_kernel_and_matches_float32():
     start = twin.get_weights()
     x = rng.standard_normal((BATCH, STEPS, FEATURES)).astype("float32")
     y = rng.standard_normal((BATCH, 3)).astype("float32")
+    (group,) = rnnfuse.analyze(model).groups
+    reason = get_backend().kernel_reason("wavefront", group, (BATCH, STEPS, FEATURES),
+                                         training=True)
+    assert reason is None, f"the kernel does not take the stack here: {reason}"
     fast = rnnfuse.optimize(model, cache=False)
     assert _rel(fast.predict(x, batch_size=BATCH, verbose=0),
                 twin.predict(x, batch_size=BATCH, verbose=0)) <= 2e-2

@@ -36,7 +36,7 @@ _LAYER_FIELDS = ("ctas", "mg", "kg", "ng", "units", "kpad", "smem")
 _LOCK = threading.Lock()
 _LOADED: dict[str, "WavefrontLibrary"] = {}  # resolved path -> library
 # cache folder -> library built there (checking a build runs nvcc)
-_BUILT: dict[str, Path] = {}
+_BUILT: dict[str, Path | Exception] = {}
 
 
 class WavefrontError(RuntimeError):
@@ -352,14 +352,21 @@ def load(path: str | os.PathLike | None = None) -> WavefrontLibrary:
 
 
 def _built_library() -> Path:
-    """The cached build's library, built once per cache folder a process (a
-    failed build is tried again next time)."""
+    """The cached build's library, built once per cache folder a process; a
+    failed build fails the same way for the rest of the process, as the cuDNN
+    core's does (every short call in the static kernel rule asks)."""
     from rnnfuse.backends.cuda import build
 
     folder = str(build.cache_dir())
     path = _BUILT.get(folder)
+    if isinstance(path, Exception):
+        raise path
     if path is None or not path.exists():
-        path = _BUILT[folder] = build.build_library()
+        try:
+            path = _BUILT[folder] = build.build_library()
+        except build.BuildError as exc:
+            _BUILT[folder] = exc
+            raise
     return path
 
 
