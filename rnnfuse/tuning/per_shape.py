@@ -396,7 +396,7 @@ class Planner:
         if stateless:
             return None  # nothing decided for it: the layer's own plan
         # Not timed and no timing possible: the static table's proven rules (rule 2).
-        return static_plan(member.group, member.group.dtype, training, batch, proven_only=True,
+        return static_plan(member.group, member.group.dtype, training, proven_only=True,
                            shape=tuple(shape))
 
     def _time_now(self, shape: tuple, training: bool, xla: bool) -> TuneResult | None:

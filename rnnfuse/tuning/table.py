@@ -186,17 +186,22 @@ KERNEL_RULE = (
 )
 
 
-def _kernel_regime(group, dtype: str, training: bool, shape: tuple) -> bool:
-    """Whether `group` at input `shape` is in `KERNEL_RULE`'s measured regime."""
+def _masked(group) -> bool:
+    """Whether some layer of `group` is called with a mask."""
     from rnnfuse.recurrent import called_with_mask
 
+    return any(called_with_mask(view.layer) for view in getattr(group, "views", ()))
+
+
+def _kernel_regime(group, dtype: str, training: bool, shape: tuple) -> bool:
+    """Whether `group` at input `shape` is in `KERNEL_RULE`'s measured regime."""
     batch, steps = (int(d) for d in shape[:2])
     return (group.cell in (("lstm",) if training else ("lstm", "gru"))
             and not group.bidirectional and not group.proj_size
             and str(dtype) in ("float16", "bfloat16") and group.num_layers >= 4
             and 256 <= group.units <= 512 and 32 <= batch <= 128 and steps >= 500
             and not group.absorbed_dropout
-            and not any(called_with_mask(view.layer) for view in group.views))
+            and not _masked(group))
 
 
 def kernel_plan(group, dtype: str, training: bool, shape: tuple | None) -> Plan | None:
@@ -306,10 +311,8 @@ def _jax_table(group, dtype, training, batch=None, proven_only=False) -> Plan:
     >>> _jax_table(FusionGroup(("l0", "l1"), "lstm", 1024, 1, 2, False), "float32", True).name
     'per-layer'
     """
-    from rnnfuse.recurrent import called_with_mask
-
     regime = regime_of(group, dtype, training, batch)
-    masked = any(called_with_mask(view.layer) for view in getattr(group, "views", ()))
+    masked = _masked(group)
     for _name, predicate, plan, _evidence, proven in JAX_RULES:
         if predicate(regime, masked):
             return plan if proven or not proven_only else PER_LAYER
@@ -320,9 +323,7 @@ def _torch_table(group, dtype, training, batch=None, proven_only=False) -> Plan:
     """torch: every run fused; proven only where Keras runs its generic loop
     (or a masked call): on its cuDNN path the core's call lost to Keras'
     per-layer calls on small float32 stacks and in half precision."""
-    from rnnfuse.recurrent import called_with_mask
-
-    if _keras_loop(group) or any(called_with_mask(view.layer) for view in group.views):
+    if _keras_loop(group) or _masked(group):
         return FUSED
     return PER_LAYER if proven_only else FUSED
 
