@@ -66,7 +66,8 @@ SLOW: dict[str, str] = {
     **{f"test_wavefront_ptx.py::{name}": "compiles the kernel to PTX (nvcc, 15 s of a core, shared)"
        for name in ("test_a_forward_that_publishes_its_steps_waits_for_its_inputs",
                     "test_variant_three_waits_in_the_data_not_on_flags",
-                    "test_variant_two_orders_its_copies_and_its_products")},
+                    "test_variant_two_orders_its_copies_and_its_products",
+                    "test_variant_two_waits_as_variant_zero_does")},
     # -- fits long enough for the tuning budget: TensorFlow traces per fit -----
     "test_budget.py::test_a_decision_cut_short_is_not_cached_and_a_full_one_is": (
         "three optimized fits, each traced (24 s); test_call_steps and the spend tests stay fast"
