@@ -81,3 +81,24 @@ def test_variant_two_orders_its_copies_and_its_products(ptx, t):
     assert "fence.proxy.async.shared::cta" in body
     # the other kernels are plain sm_90 code
     assert all("wgmma" not in b for name, b in ptx.items() if "forward_v2" not in name)
+
+
+def wait_shape(body: str) -> tuple[int, str]:
+    """(flag polls, what follows the last poll up to its CTA barrier) of a
+    forward kernel: barriers between the polls show in the first."""
+    polls = [m.start() for m in re.finditer(r"ld\.acquire\.gpu", body)]
+    between = body[polls[0]:polls[-1]]
+    assert not re.search(r"\bbar(rier)?\.(sync|arrive)", between), "a barrier inside the poll loops"
+    after = body[polls[-1]:]
+    barrier = re.search(r"\bbar(rier)?\.sync\s+0;", after)
+    return len(polls), after[:barrier.start()]
+
+
+@pytest.mark.parametrize("t", TYPES)
+def test_variant_two_waits_as_variant_zero_does(ptx, t):
+    """One warp's poll loops, no barrier inside them, then the CTA barrier
+    before any copy of the step's h: variant 2's wait is variant 0's."""
+    polls0, tail0 = wait_shape(ptx[forward(0, t)])
+    polls2, tail2 = wait_shape(ptx[forward(2, t)])
+    assert polls2 == polls0 == 2
+    assert "cp.async" not in tail0 and "cp.async" not in tail2

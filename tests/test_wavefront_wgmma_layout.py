@@ -69,28 +69,42 @@ def a_fragment_rows_cols(warp: int, lane: int, j: int, kh: int):
     return out
 
 
+def staging_walk(tid: int, r0: int, r1: int, k: int, kpad: int):
+    """(row n, k-chunk q, hs element) of each copy thread `tid` issues for
+    rows [r0, r1) of a chunk (K = k inputs), the kernel's variant-2 branch
+    of stage_hs, with its incremental destination. A copy with n >= r1 is
+    predicated off (the kernel's `n8 + sub < r1`)."""
+    kq, sub, q = k // 8, tid & 7, tid >> 3
+    assert kq > K_THREADS // 8  # K > 256: one subtraction wraps q
+    dst, n8 = hs_at(r0 + sub, 8 * q, kpad), r0
+    while n8 < r1:
+        yield n8 + sub, q, dst
+        q += K_THREADS // 8
+        dst += (K_THREADS // 8) * 64
+        if q >= kq:
+            q -= kq
+            n8 += 8
+            dst += kpad * 8 - kq * 64
+
+
 def emulate_chunk(kpad: int, nc: int, rng) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """(sum of the warpgroups' slices [nc, R], W [R, kpad], h [nc, kpad])."""
     kh = kpad // 2
     w = rng.standard_normal((R, kpad))
     h = rng.standard_normal((nc, kpad))
-    # Staging: thread tid's 16-byte chunks (n, q) of the chunk's rows, the
-    # kernel's ChunkWalk over kpad / 8 chunks a row.
+    # Staging: the kernel's two halves of the chunk's rows, each thread's
+    # 16-byte chunks (n, q) in the order stage_hs walks them.
     smem = np.full(K_NC * kpad, np.nan)
     written = np.zeros(K_NC * kpad, dtype=int)
-    per_row = kpad // 8
-    for tid in range(K_THREADS):
-        n, q = tid // per_row, tid % per_row
-        dn, dq = K_THREADS // per_row, K_THREADS % per_row
-        while n < nc:
-            at = hs_at(n, 8 * q, kpad)
-            smem[at:at + 8] = h[n, 8 * q:8 * q + 8]
-            written[at:at + 8] += 1
-            q += dq
-            n += dn
-            if q >= per_row:
-                q -= per_row
-                n += 1
+    half = min(nc, K_NGROUP)
+    for r0, r1 in ((0, half), (half, nc)):
+        for tid in range(K_THREADS):
+            for n, q, at in staging_walk(tid, r0, r1, kpad, kpad):
+                assert at == hs_at(n, 8 * q, kpad)
+                if n >= r1:
+                    continue
+                smem[at:at + 8] = h[n, 8 * q:8 * q + 8]
+                written[at:at + 8] += 1
     assert written.max() == 1 and written.sum() == nc * kpad  # distinct, every element once
     smem = np.nan_to_num(smem)  # rows >= nc: whatever a previous chunk left (never read back)
     slices = np.zeros((2, K_NC, R))  # part[g][col][row]
@@ -177,6 +191,38 @@ def test_the_accumulator_stores_are_cutlasss_c_layout():
 def test_the_two_slices_sum_to_the_chunks_products(kpad, nc):
     got, w, h = emulate_chunk(kpad, nc, np.random.default_rng(kpad + nc))
     np.testing.assert_allclose(got, h @ w.T, rtol=1e-12, atol=1e-9)
+
+
+@pytest.mark.parametrize("k, kpad", [(264, 512), (512, 512), (520, 1024), (1000, 1024), (1024, 1024)])
+@pytest.mark.parametrize("r0, r1", [(0, 32), (32, 64), (0, 5), (32, 45)])
+def test_the_staging_copies_each_chunk_of_its_rows_once(k, kpad, r0, r1):
+    seen = [(n, q) for tid in range(K_THREADS) for n, q, _ in staging_walk(tid, r0, r1, k, kpad)
+            if n < r1]
+    assert sorted(seen) == [(n, q) for n in range(r0, r1) for q in range(k // 8)]
+
+
+def wavefronts(byte_addresses) -> int:
+    """Shared-memory wavefronts of one quarter warp's 16-byte accesses: the
+    most distinct 4-byte words that fall in one of the 32 banks."""
+    words: dict[int, set[int]] = {}
+    for a in byte_addresses:
+        for w in range(a // 4, a // 4 + 4):
+            words.setdefault(w % 32, set()).add(w)
+    return max(len(v) for v in words.values())
+
+
+@pytest.mark.parametrize("k, kpad", [(520, 1024), (1024, 1024), (512, 512)])
+def test_the_staging_writes_are_free_of_bank_conflicts(k, kpad):
+    """Each quarter warp's copies of one iteration fill one 128-byte core
+    matrix: one wavefront, where ChunkWalk's order (consecutive k-chunks of
+    a row, 128 bytes apart in this layout) took eight."""
+    walks = [list(staging_walk(tid, 0, K_NGROUP, k, kpad)) for tid in range(K_THREADS)]
+    for quarter in range(K_THREADS // 8):
+        lanes = walks[8 * quarter:8 * quarter + 8]
+        for step in zip(*lanes):
+            assert wavefronts([2 * at for _, _, at in step]) == 1
+    row = [2 * hs_at(0, 8 * q, kpad) for q in range(8)]  # ChunkWalk: lanes 0-7 of row 0
+    assert wavefronts(row) == 8
 
 
 def test_the_descriptor_fields_hold_the_largest_offsets():

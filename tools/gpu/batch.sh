@@ -37,6 +37,7 @@
 #   bash tools/gpu/batch.sh wavefront-sweep   # randomized exactness, about 150 s
 #   bash tools/gpu/batch.sh wavefront-wgmma   # the forward's opt-in wgmma variant
 #   bash tools/gpu/batch.sh wavefront-wgmma-diag   # where variant 2 goes wrong, tiny cases (~40 s)
+#   bash tools/gpu/batch.sh wavefront-wgmma-trace   # variant 2's step phases beside variant 0's
 #   bash tools/gpu/batch.sh wavefront-variant3   # the forward's opt-in variant 3 (h as flags)
 #
 # The tf-* stages need the staging runs of ../shared/gpu/README.md first
@@ -348,6 +349,17 @@ run_stage() {
       cp $LOGS/wavefront_diag_v${DIAG_VARIANT:-2}.json $OUT/ 2>/dev/null
       echo "[$(since) s] wavefront-wgmma-diag rc $rc"
       grep -E '^\{|^diag:|Error' $log | cut -c1-600 | tail -14 ;;
+    wavefront-wgmma-trace)
+      # Where a step of variant 2 goes against variant 0's (the kernel's own
+      # %globaltimer timeline, headline, per-phase medians: wait, stage,
+      # multiply, pointwise, publish; bench_wavefront.py trace).
+      s=$(limit wavefront-wgmma-trace 120)
+      ( torch_env; timeout $s bash -c "python3 bench/bench_wavefront.py trace --cells 1 --variant 0 \
+          --out $LOGS/wavefront_trace_v0.json; python3 bench/bench_wavefront.py trace --cells 1 \
+          --variant 2 --out $LOGS/wavefront_trace_v2.json" ) > $log 2>&1; rc=$?
+      cp $LOGS/wavefront_trace_v0.json $LOGS/wavefront_trace_v2.json $OUT/ 2>/dev/null
+      echo "[$(since) s] wavefront-wgmma-trace rc $rc"
+      grep -E '^\{|Error' $log | cut -c1-700 | tail -6 ;;
     wavefront-variant3)
       # The forward's opt-in variant 3 (the h values as their own flags,
       # Lamport-style; off by default), checked and timed as variant 2 is.

@@ -592,6 +592,28 @@ __device__ __forceinline__ void wavefront_body(const Args& a) {
         const T* src = hs_src + static_cast<size_t>(n0) * H;
         for (int n = r0 + hs_walk.n0; n < r1; n += hs_walk.dn)
           cp_async16(hs + n * KS + hs_k, src + static_cast<size_t>(n) * H);
+      } else if (V == 2) {
+        // The 8 lanes of a quarter warp copy rows 8g + tid % 8 of one
+        // k-chunk: one 128-byte core matrix, conflict-free. (ChunkWalk's
+        // consecutive k-chunks are 128 bytes apart in this layout, all in 4
+        // banks: 8x the shared-memory wavefronts.) r0 is 0 or kNGroup where
+        // r0 < r1, and K / 8 > kThreads / 8 (K > 256 for kpad 512 or 1024).
+        const int kq = K >> 3, sub = tid & 7;
+        int q = tid >> 3;
+        T* dst = hs_at(r0 + sub, q * 8);
+        size_t row = static_cast<size_t>(n0 + r0 + sub) * H;
+        for (int n8 = r0; n8 < r1;) {
+          const int k = q * 8;
+          if (n8 + sub < r1) cp_async16(dst, (k < p.kin ? below_t + k : prev + (k - p.kin)) + row);
+          q += kThreads / 8;
+          dst += (kThreads / 8) * 64;
+          if (q >= kq) {  // the next 8 rows: hs_at's (n / 8) kpad 8
+            q -= kq;
+            n8 += 8;
+            row += static_cast<size_t>(8) * H;
+            dst += p.kpad * 8 - kq * 64;
+          }
+        }
       } else {
         hs_walk.run(r0, r1, [&](int n, int q) {
           const int k = q * 8;

@@ -93,7 +93,10 @@
 // the same 128 registers. hs is staged in wgmma's no-swizzle K-major
 // canonical layout: element (row n, input k) at (n / 8) SBO + (k / 8) 128 +
 // (n % 8) 16 + (k % 8) 2 bytes, SBO = kpad * 16: 8 x 8 core matrices of
-// 128 contiguous bytes, consecutive along K (LBO = 128). Per chunk half
+// 128 contiguous bytes, consecutive along K (LBO = 128). The 8 lanes of a
+// quarter warp copy rows 8g .. 8g + 7 of one k-chunk (tid / 8 + 32 j), one
+// core matrix: conflict-free (consecutive k-chunks of a row, 128 bytes
+// apart, would put a warp's 32 copies in 4 banks). Per chunk half
 // (32 batch rows) each warpgroup runs KH / 16 wgmma.mma_async m64n32k16
 // (B from the descriptor of rows [32h, 32h + 32) and K chunks 2j, 2j + 1
 // of its half: start hs + 4h SBO + (g KH / 8 + 2j) 128) into one float32
