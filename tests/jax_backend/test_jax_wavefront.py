@@ -129,10 +129,11 @@ def test_the_gradient_is_not_the_reference_with_a_wrong_gemm(emulated, monkeypat
 
 def test_the_forward_passes_the_handlers_attributes_and_the_librarys_variants(emulated,
                                                                                monkeypatch):
-    x = jnp.ones((7, 4, 5), jnp.float16)
+    # Two steps: the gradient below compiles the emulation's unrolled loop.
+    x = jnp.ones((2, 4, 5), jnp.float16)
     params = jnp.zeros((4 * 8 * (5 + 8) + 4 * 8 * 16 + 2 * 2 * 32,), jnp.float16)
     h0 = jnp.zeros((2, 4, 8), jnp.float16)
-    wavefront.forward(x, params, h0, h0, jnp.full((4,), 7), kind="lstm")
+    wavefront.forward(x, params, h0, h0, jnp.full((4,), 2), kind="lstm")
     (target, attrs), = emulated.calls
     assert target == "rnnfuse_wf_ffi_forward"
     assert attrs == {"gru": 0, "input_size": 5, "variant": library.FORWARD_VARIANT}
