@@ -18,6 +18,7 @@
 #   bash tools/gpu/batch.sh wavefront-variants   # the kernels' opt-in variants
 #   MATRIX_ARGS="--shapes lstm4x512" bash tools/gpu/batch.sh matrix-torch matrix-pytorch
 #   bash tools/gpu/batch.sh whole-fit-torch      # whole fits from fresh processes
+#   FIRST_ARGS="--shape lstm4x512" bash tools/gpu/batch.sh first-fit-jax   # where optimize and a first fit go
 #   WHOLE_ARGS="--shapes gru3x64,lstm2x40 --pairs 5" bash tools/gpu/batch.sh whole-fit-tf
 #   WHOLE_ARGS="--epochs 10 --models optimized" bash tools/gpu/batch.sh tf-setup whole-fit-jax whole-fit-tf
 #     # tuning's share of a 10-epoch fit on each; then, here:
@@ -175,6 +176,18 @@ run_stage() {
       bench_stage $stage $backend $s whole_fit_${backend}${BENCH_TAG}.json \
         "^whole |^native |ERROR|budget|forked" \
         python3 bench/bench_whole_fit.py --budget $(( s - 60 )) --child-timeout 55 ${WHOLE_ARGS} ;;
+    first-fit-tf|first-fit-torch|first-fit-jax)
+      # Where a fresh process's optimize and first fit go (bench/diag_first_fit.py):
+      # the optimized model, then the original in float32 (Keras' own policy
+      # may fail on JAX), each in its own process. FIRST_ARGS: --shape etc.
+      s=$(limit $stage 150)
+      local backend=${stage#first-fit-}
+      ( backend_env $backend; for m in "--model optimized" "--model original --dtype float32"; do
+          timeout $s python3 bench/diag_first_fit.py $m ${FIRST_ARGS} --out $LOGS/first_fit_${backend}.json; done
+      ) > $log 2>&1; rc=$?
+      cp $LOGS/first_fit_${backend}.json $log $OUT/ 2>/dev/null
+      echo "[$(since) s] $stage rc $rc"
+      grep -E "^first-fit|Error" $log | cut -c1-220 | head -20 ;;
     kept-original-tf|kept-original-torch|kept-original-jax)
       # A group whose plan keeps the original layers, paired against the
       # original model (bench/bench_kept_original.py). KEPT_ARGS: its arguments.
