@@ -12,6 +12,7 @@ from __future__ import annotations
 import ctypes
 import re
 import shutil
+import sys
 import threading
 from pathlib import Path
 
@@ -196,6 +197,40 @@ def test_a_cudnn_handler_build_failure_is_a_build_error(tmp_path, monkeypatch):
     core.write_text("")
     with pytest.raises(ffi_build.BuildError, match="cuDNN core for JAX failed"):
         ffi_build.build_cudnn_ffi_library(core=core)
+
+
+def test_the_cudnn_handlers_reached_through_a_linked_cache_are_not_built_again(tmp_path,
+                                                                              monkeypatch):
+    """A second cache folder whose ops link to the first (a process with its
+    own RNNFUSE_CACHE_DIR sharing the built libraries) finds the handlers
+    built against the same core: its path through the link keys nothing."""
+    import textwrap
+
+    monkeypatch.setattr(ffi_build, "ffi_include", lambda: tmp_path)
+    monkeypatch.setattr(build, "core_cuda_include", lambda: tmp_path)
+    log = tmp_path / "cxx.log"
+    cxx = tmp_path / "fake-cxx"
+    cxx.write_text(textwrap.dedent(f"""\
+        #!{sys.executable}
+        import sys
+        open({str(log)!r}, "a").write("built\\n")
+        open(sys.argv[sys.argv.index("-o") + 1], "w").write("")
+        """))
+    cxx.chmod(0o755)
+    monkeypatch.setenv("CXX", str(cxx))
+    first = tmp_path / "first"
+    core = first / "ops" / "cudnn-core-0123" / "librnnfuse_cudnn_core.so"
+    core.parent.mkdir(parents=True)
+    core.write_text("")
+    monkeypatch.setenv("RNNFUSE_CACHE_DIR", str(first))
+    built = ffi_build.build_cudnn_ffi_library(core=core)
+    second = tmp_path / "second"
+    second.mkdir()
+    (second / "ops").symlink_to(first / "ops")
+    monkeypatch.setenv("RNNFUSE_CACHE_DIR", str(second))
+    again = ffi_build.build_cudnn_ffi_library(core=second / "ops" / core.parent.name / core.name)
+    assert again.resolve() == built.resolve()
+    assert log.read_text().count("built") == 1
 
 
 def test_missing_ffi_headers_are_a_build_error_with_the_fix(tmp_path, monkeypatch):

@@ -141,7 +141,9 @@ def build_cudnn_ffi_library(force: bool = False, core: Path | None = None) -> Pa
     include = ffi_include()
     cxx = build.find_cxx()
     cuda_include = build.core_cuda_include()
-    core = Path(core) if core is not None else build.build_cudnn_core(force=force)
+    # The real path keys it: a cache folder reached through a link (another
+    # RNNFUSE_CACHE_DIR linking the same ops) reuses the build, not g++.
+    core = (Path(core) if core is not None else build.build_cudnn_core(force=force)).resolve()
     target = build.cache_dir() / cudnn_ffi_key(core) / CUDNN_LIBRARY_NAME
 
     def make(tmp: Path) -> None:
