@@ -27,7 +27,6 @@ proves nothing about cuDNN.
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import sys
 
@@ -405,81 +404,3 @@ def test_mixed_float16_lstm_runs_fused_by_default_and_trains(tune, traced, monke
     print(f"mixed_float16 LSTM 3x32 against Keras float32: outputs {out:.2e}, "
           f"one step's update {worst_delta:.2e}")
     assert out <= tol and worst_delta <= 2 * tol, (out, worst_delta)
-
-
-def _switch_inputs(kind, dtype, units=64, batch=16, steps=40, features=32):
-    """A 2-level stack's config and (x, hx, cx, params), and its lengths."""
-    gates = {"lstm": 4, "gru": 3}[kind]
-    # Per level: W [G*H, width], R [G*H, H], two biases [G*H].
-    size = sum(gates * units * (width + units + 2) for width in (features, units))
-    rng = np.random.default_rng(11)
-    arrays = [rng.standard_normal(s) * 0.3 for s in
-              ((steps, batch, features), (2, batch, units), (2, batch, units), (size,))]
-    return (cudnn_core.CoreConfig(kind, 2, units, features),
-            [jnp.asarray(a, dtype) for a in arrays], jnp.full((batch,), steps, jnp.int32))
-
-
-@pytest.mark.parametrize("dtype", ["float32", "float16"])
-@pytest.mark.parametrize("kind", ["lstm", "gru"])
-def test_one_switched_program_runs_each_algorithm_as_its_static_call(kind, dtype):
-    """The tuner's shared step: a `jax.lax.switch` over cuDNN's algorithms
-    (the reserve space sized for the largest) gives, index by index, the
-    outputs and gradients of that algorithm's own static call."""
-    from rnnfuse.backends.cuda.cudnn_core import CoreError
-    from rnnfuse.plan import Algorithm
-
-    base, (x, hx, cx, params), lengths = _switch_inputs(kind, dtype)
-    configs, sizes = [], {}
-    for name in (None, "persistent_static+tc", "persistent_dynamic+tc"):
-        code = cudnn_core.algorithm_code(None if name is None else Algorithm.parse(name), dtype,
-                                         False)
-        config = dataclasses.replace(base, algorithm=code)
-        try:
-            sizes[name] = cudnn_core.reserve_bytes(config, dtype, x.shape[0], x.shape[1])
-        except CoreError as err:
-            print(f"{kind} {dtype}: cuDNN refused {name} ({err})")
-            continue
-        configs.append(config)
-    print(f"{kind} {dtype}: reserve bytes by algorithm {sizes}")
-    assert len(configs) >= 2, sizes
-
-    def loss(x, hx, cx, params, config, index=None):
-        y, hy, cy = cudnn_core.rnn(x, hx, cx, params, lengths, config=config, training=True,
-                                   index=index)
-        return _weighted_loss((y, hy, cy)), (y, hy, cy)
-
-    grad = jax.value_and_grad(loss, argnums=(0, 1, 2, 3), has_aux=True)
-    switched = jax.jit(lambda x, hx, cx, params, i: grad(x, hx, cx, params, tuple(configs), i))
-    for i, config in enumerate(configs):
-        got = switched(x, hx, cx, params, jnp.asarray(i, jnp.int32))
-        want = jax.jit(lambda x, hx, cx, params, c=config: grad(x, hx, cx, params, c))(
-            x, hx, cx, params)
-        worst = max(_rel(np.asarray(g, np.float64), np.asarray(w, np.float64))
-                    for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)))
-        print(f"{kind} {dtype} algorithm {config.algorithm}: switched vs static {worst:.2e}")
-        assert worst <= 1e-6, (config.algorithm, worst)
-
-
-def test_the_tuners_algorithm_twins_compile_one_program():
-    """First-batch tuning's steps for the whole run on each algorithm: one
-    XLA compile for them all, each first call on its own algorithm."""
-    from rnnfuse.tuning import tuner
-
-    compiles = []
-
-    def heard(event, seconds, **_):
-        if event == "/jax/core/compile/backend_compile_duration":
-            compiles.append(seconds)
-
-    model = stack_model("lstm", 3, units=64, steps=40)
-    (group,) = rnnfuse.analyze(model).groups
-    twins = [Plan((3,)), Plan((3,), "persistent_static+tc"), Plan((3,), "persistent_dynamic+tc")]
-    steps = tuner._steps(group, twins, (16, 40, group.input_size), "float32", True)
-    jax.monitoring.register_event_duration_secs_listener(heard)
-    try:
-        kept, refused = tuner._first_calls(steps, {p.name: p for p in twins})
-    finally:
-        jax.monitoring.unregister_event_duration_listener(heard)
-    print(f"twins: kept {sorted(kept)}, refused {refused}, {len(compiles)} compile(s)")
-    assert len(compiles) == 1 and Plan((3,)).name in kept
-    assert len(kept) + len(refused) == 3
