@@ -262,29 +262,19 @@ def _emulate_jax_core() -> None:
     """The cuDNN core available as tests/jax_backend/core_emulation.py makes
     it, its call a few ops of its output shapes, and the CPU named a GPU."""
     sys.path.insert(0, os.path.join(TESTS, "jax_backend"))
-    import functools
-
     import core_emulation
-    import jax
     import jax.numpy as jnp
 
     from rnnfuse.backends import jax as jax_backend
     from rnnfuse.backends.jax import cudnn_core
 
-    def one(config, x, hx, cx, params):
+    def rnn(x, hx, cx, params, lengths, *, config, training=False):
         # A gradient to every input, as the one custom call on the GPU has.
         width = config.directions * (config.proj_size or config.units)
         mix = jnp.mean(x, -1, keepdims=True) + jnp.mean(params).astype(x.dtype)
         y = jnp.tanh(mix * jnp.ones((width,), x.dtype))
         hy = hx * 0.5 + jnp.mean(y).astype(hx.dtype)
         return y, hy, (cx * 0.5 + jnp.mean(hy).astype(cx.dtype) if config.lstm else None)
-
-    def rnn(x, hx, cx, params, lengths, *, config, training=False, index=None):
-        if index is None:
-            return one(config, x, hx, cx, params)
-        # The tuner's shared step: a branch an algorithm, as the binding switches.
-        branches = [functools.partial(one, c) for c in config]
-        return jax.lax.switch(index, branches, x, hx, cx, params)
 
     core_emulation.install(_Setter())
     cudnn_core.rnn = rnn

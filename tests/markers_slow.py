@@ -329,11 +329,6 @@ SLOW: dict[str, str] = {
     "jax_backend/test_jax_tuner_programs.py::test_a_step_traced_and_compiled_ahead_runs_what_jit_runs": (
         "compiles an emulated training step twice (5 s); timed_step's doctest and "
         "test_tuning_stages.py's compile tests stay fast"),
-    "jax_backend/test_jax_shared_steps.py::test_the_switch_gives_the_static_calls_outputs_and_gradients": (
-        "compiles the emulated core's gradients switched and static per algorithm (9 s); the "
-        "twins' inference step stays fast"),
-    "jax_backend/test_jax_shared_steps.py::test_twins_compile_once_each_runs_its_code_and_a_refusal_is_its_own[training]": (
-        "compiles an emulated training step with a switch in both passes (4 s); [inference] stays fast"),
     "jax_backend/test_jax_tuning.py::test_a_custom_jitted_loop_runs_its_modes_decision_not_the_last_one_set": (
         "a timed predict and fit, then a jitted custom step (15-57 s); the first-fit tuning test stays fast"
     ),

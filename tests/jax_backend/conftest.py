@@ -27,22 +27,6 @@ def emulated_core(monkeypatch):
     return core_emulation.install(monkeypatch)
 
 
-@pytest.fixture
-def compiles():
-    """A list that gets one entry per XLA compile while the test runs."""
-    import jax
-
-    seen = []
-
-    def heard(event, seconds, **_):
-        if event == "/jax/core/compile/backend_compile_duration":
-            seen.append(seconds)
-
-    jax.monitoring.register_event_duration_secs_listener(heard)
-    yield seen
-    jax.monitoring.unregister_event_duration_listener(heard)
-
-
 @pytest.fixture(autouse=True)
 def _restores_matmul_precision():
     """`rnnfuse check`'s exact float32 sets JAX's matmul precision for its

@@ -19,7 +19,22 @@ from rnnfuse.backends import jax as jax_kernels
 from rnnfuse.plan import Plan
 from rnnfuse.tuning import tuner
 
+COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
 ENV = {"device": "FakeGPU", "jax": "0", "backend": "jax", "rnnfuse": "0.1.0"}
+
+
+@pytest.fixture
+def compiles():
+    """A list that gets one entry per XLA compile while the test runs."""
+    seen = []
+
+    def heard(event, seconds, **_):
+        if event == COMPILE_EVENT:
+            seen.append(seconds)
+
+    jax.monitoring.register_event_duration_secs_listener(heard)
+    yield seen
+    jax.monitoring.unregister_event_duration_listener(heard)
 
 
 def _group(kind: str, layers: int = 2):

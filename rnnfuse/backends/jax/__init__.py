@@ -244,10 +244,9 @@ def run_stack(sequences: Any, call: StackCall) -> StackRun:
 
 
 def _run_core(sequences, call: StackCall) -> StackRun:
-    """`run_stack` on the cuDNN core (see there); an `AlgorithmSwitch` as
-    the call's algorithm runs every algorithm it holds in one program."""
+    """`run_stack` on the cuDNN core (see there)."""
+    from rnnfuse.backends.cuda.cudnn_core import CoreError
     from rnnfuse.backends.jax import cudnn_core
-    from rnnfuse.backends.jax.shared_steps import AlgorithmSwitch
     from rnnfuse.plan import Algorithm
 
     stack, mask = call.stack, call.mask
@@ -263,38 +262,7 @@ def _run_core(sequences, call: StackCall) -> StackRun:
         lengths = jnp.asarray(mask).astype(jnp.int32).sum(axis=1)
     if call.reverse:
         x = jnp.flip(x, 1) if mask is None else _reverse_within_lengths(x, lengths)
-
-    def choice(algorithm):
-        return _core_choice(call, algorithm, dtype, (steps, batch, features))
-
-    index = None
-    if isinstance(call.algorithm, AlgorithmSwitch):
-        config, index = call.algorithm.configs(choice)
-        ran = KernelRun(cudnn_core.KERNEL_NAME, "runtime", None)
-    else:
-        algorithm, config, note = choice(call.algorithm)
-        ran = KernelRun(cudnn_core.KERNEL_NAME, (algorithm or Algorithm()).name, note)
-    lead = config[0] if index is not None else config
-    lstm = stack.kind == "lstm"
-    h0 = _states(call.initial_h, stack, batch, x.dtype, stack.output_size)
-    c0 = _states(call.initial_c, stack, batch, x.dtype, stack.units) if lstm else None
-    y, hy, cy = cudnn_core.rnn(jnp.swapaxes(x, 0, 1), h0, c0, pack_params(stack, x.dtype),
-                               lengths, config=config, training=lead.dropout > 0, index=index)
-    return StackRun(jnp.swapaxes(y, 0, 1), hy, cy, ran)
-
-
-def _core_choice(call: StackCall, algorithm, dtype: str, shape: tuple):
-    """(the algorithm that runs, its `CoreConfig`, the note) for `call` asking
-    for `algorithm` on x (steps, batch, features): cuDNN is asked while traced,
-    since a running step cannot fall back. Raises NotImplementedError where
-    the core cannot run the call."""
-    from rnnfuse.backends.cuda.cudnn_core import CoreError
-    from rnnfuse.backends.jax import cudnn_core
-    from rnnfuse.plan import Algorithm
-
-    stack, mask = call.stack, call.mask
-    steps, batch, features = shape
-    note = None
+    algorithm, note = call.algorithm, None
     if dtype == "float64" and algorithm is not None and not algorithm.is_standard:
         # cuDNN's small-h algorithm has no float64 (PyTorch guards it too).
         algorithm, note = None, "float64 runs the standard algorithm"
@@ -318,6 +286,7 @@ def _core_choice(call: StackCall, algorithm, dtype: str, shape: tuple):
 
     config = config_for(algorithm)
     try:
+        # Ask cuDNN while traced: a running step cannot fall back.
         cudnn_core.reserve_bytes(config, dtype, steps, batch)
     except CoreError as err:
         if algorithm is None or algorithm.is_standard or not err.unsupported:
@@ -331,7 +300,13 @@ def _core_choice(call: StackCall, algorithm, dtype: str, shape: tuple):
             raise NotImplementedError(f"the cuDNN core refused this call ({err2})") from None
     except Exception as err:  # noqa: BLE001 - the core does not load: the layers run
         raise NotImplementedError(f"the cuDNN core is not available ({err})") from None
-    return algorithm, config, note
+    lstm = stack.kind == "lstm"
+    h0 = _states(call.initial_h, stack, batch, x.dtype, stack.output_size)
+    c0 = _states(call.initial_c, stack, batch, x.dtype, stack.units) if lstm else None
+    y, hy, cy = cudnn_core.rnn(jnp.swapaxes(x, 0, 1), h0, c0, pack_params(stack, x.dtype),
+                               lengths, config=config, training=config.dropout > 0)
+    ran = KernelRun(cudnn_core.KERNEL_NAME, (algorithm or Algorithm()).name, note)
+    return StackRun(jnp.swapaxes(y, 0, 1), hy, cy, ran)
 
 
 def _run_wavefront(sequences, call: StackCall) -> StackRun:
@@ -395,20 +370,19 @@ class AheadOfTimeStep:
                 self.trace()
                 self._compiled, self._lowered = self._lowered.compile(), None
 
-    def __call__(self, *args):
-        """The compiled step on its arguments, or on `args` of their shapes."""
+    def __call__(self):
         if self._compiled is None:
             self.compile()
-        out = self._compiled(*(args or self._args))
+        out = self._compiled(*self._args)
         return out[0] if self._training else out
 
 
 def _square_loss(variables: list, run, training: bool, reduce):
-    """(values, inputs, *more) -> `reduce` of `run(inputs, training, *more)`'s squares."""
+    """(values, inputs) -> `reduce` of `run(inputs, training)`'s squares."""
 
-    def loss(values, inputs, *more):
+    def loss(values, inputs):
         with keras.StatelessScope(state_mapping=list(zip(variables, values))):
-            y = run(inputs, training, *more)
+            y = run(inputs, training)
         return sum(reduce(jnp.square(t.astype(jnp.promote_types(t.dtype, jnp.float32))))
                    for t in jax.tree.leaves(y))
 

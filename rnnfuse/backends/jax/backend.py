@@ -92,20 +92,14 @@ class JaxBackend(NoProjectedLSTMPath, KernelModuleBackend):
 
 
 class JaxTiming(Timing):
-    """What the tuner times plans with under JAX: jitted steps (`timed_step`;
-    one program for a plan's algorithm twins: `shared_steps`) and one jitted
-    gradient program per check (`gradients_of`)."""
+    """What the tuner times plans with under JAX: jitted steps (`timed_step`)
+    and one jitted gradient program per check (`gradients_of`)."""
 
     def device_environment(self):
         return kernels.device_environment()
 
     def timed_step(self, run, x, variables, training, jit=False):
         return kernels.timed_step(run, x, variables, training)
-
-    def timed_steps(self, make_run, x, variables, training, algorithms, dtype):
-        from rnnfuse.backends.jax import shared_steps
-
-        return shared_steps.timed_steps(make_run, x, variables, training, algorithms, dtype)
 
     def original_refusal(self, exc):
         # jaxlib's lowerings raise ValueError (the cuDNN RNN's "Unknown output
