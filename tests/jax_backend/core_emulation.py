@@ -19,11 +19,6 @@ returns what the core returns, from cuDNN's equations
   weights, gets wrong gradients;
 - backward weights: dparams, read from that reserve.
 
-A reserve larger than the call's own size is taken, as the handlers take
-it (a switch over algorithms sizes it for the largest); `extra_reserve`
-gives an algorithm a larger size, and `record_runs` records each call's
-algorithm as it runs (a switch traces every branch, runs one).
-
 Everything is jax.numpy, so the emulation runs inside jit like the real
 call (no host callback). `install(monkeypatch)` swaps it in and makes the
 core available; the GPU tests (tests/gpu/test_gpu_core_jax.py) prove the
@@ -31,8 +26,6 @@ library's arithmetic.
 """
 
 from __future__ import annotations
-
-import functools
 
 import jax
 import jax.numpy as jnp
@@ -72,12 +65,6 @@ class Emulation:
         self.stacks: list[dict] = []
         self.sizes: list[tuple] = []
         self.refuse: callable | None = None  # config -> CoreError or None
-        # Algorithm code -> reserve bytes it asks for beyond the others (cuDNN's differ).
-        self.extra_reserve: dict[int, int] = {}
-        # With `record_runs`, (target, algorithm) of each call as it runs
-        # (`calls` has them as traced: every branch of a switch).
-        self.record_runs = False
-        self.ran: list[tuple[str, int]] = []
 
     # -- what the binding calls ------------------------------------------------------
 
@@ -88,8 +75,7 @@ class Emulation:
             if err is not None:
                 raise err
         # dparams, then x, in the compute type (see the module doc).
-        kept = _size(dtype) * (self._params(config) + steps * batch * config.input_size)
-        return kept + self.extra_reserve.get(config.algorithm, 0)
+        return _size(dtype) * (self._params(config) + steps * batch * config.input_size)
 
     def workspace_bytes(self, config, dtype, steps, batch):
         return WORKSPACE
@@ -107,8 +93,6 @@ class Emulation:
             want = np.float32 if name == "dropout" else (np.int64 if name == "seed" else np.int32)
             _check(type(value) is want, f"{target}: {name} is {type(value)}, not {want}")
         self.calls.append((target, {k: v.item() for k, v in attrs.items()}))
-        if self.record_runs:
-            jax.debug.callback(functools.partial(self.ran.append, (target, int(attrs["algorithm"]))))
         # Every call's last result is its workspace (uint8, workspace_bytes).
         *results, space = results
         _check(space.dtype == jnp.uint8 and tuple(space.shape) == (WORKSPACE,),
@@ -171,23 +155,18 @@ class Emulation:
         if training:
             (size,) = results[3].shape
             n, es = params.shape[0], _size(dt)
-            need = self._reserve_need(es, n, x.size, attrs)
-            _check(results[3].dtype == jnp.uint8 and size >= need,
-                   f"the reserve is uint8 [>= {need}] (reserve_bytes), not "
+            _check(results[3].dtype == jnp.uint8 and size == es * (n + x.size),
+                   f"the reserve is uint8 [{es * (n + x.size)}] (reserve_bytes), not "
                    f"{results[3].dtype} {results[3].shape}")
             kept = _bytes(x.reshape(-1))
-            out.append(jnp.concatenate([jnp.zeros((es * n,), jnp.uint8), kept,
-                                        jnp.zeros((size - es * (n + x.size),), jnp.uint8)]))
+            out.append(jnp.concatenate([jnp.zeros((es * n,), jnp.uint8), kept]))
         return out
 
     def _backward_data(self, results, y, dy, dhy, dcy, hx, cx, params, lengths, reserve,
                        **attrs):
         n, es, ct = params.shape[0], _size(y.dtype), _compute(y.dtype)
         x_shape = results[0].shape  # the backward's input size is dx's
-        size = int(np.prod(x_shape))
-        _check(reserve.shape[0] >= self._reserve_need(es, n, size, attrs),
-               f"backward data: a reserve of {reserve.shape[0]} bytes is short for its algorithm")
-        x = _floats(reserve[es * n: es * (n + size)], ct).reshape(x_shape).astype(y.dtype)
+        x = _floats(reserve[es * n:], ct).reshape(x_shape).astype(y.dtype)
         mode, dirs = self._config(x, hx, cx, params, lengths, **attrs)
         _check(dy.shape == y.shape and dy.dtype == y.dtype, "dy is y's shape and type")
         _check(dhy.shape == hx.shape and dhy.dtype == hx.dtype, "dhy is hx's shape and type")
@@ -206,10 +185,6 @@ class Emulation:
         kept = jnp.concatenate([_bytes(dparams), reserve[es * n:]])
         return [dx.astype(dt), dhx.astype(dt),
                 dcx.astype(dt) if lstm else jnp.zeros((0,), dt), kept]
-
-    def _reserve_need(self, es, params, x_size, attrs):
-        """The handlers' check: the reserve holds at least this call's own size."""
-        return es * (params + x_size) + self.extra_reserve.get(int(attrs["algorithm"]), 0)
 
     def _backward_weights(self, results, x, hx, y, lengths, reserve, **attrs):
         (want,) = results

@@ -6,8 +6,6 @@ call, the reserve space a result of the training forward.
 `rnn` is a `jax.custom_vjp` over `TARGETS` (time-major x [T, B, F],
 canonical flat params, int32 lengths [B]): the inference forward, or under
 `jax.grad` the training forward then backward data and backward weights.
-The algorithm is a static attribute; given a traced `index`, `rnn` switches
-over configs differing only in it (the tuner's one program for them all).
 `call_sizes` asks the core for the buffer sizes when the step is traced, so a
 refused algorithm falls back then, not when the step runs. The CPU tests
 replace `ffi_call`, `reserve_bytes` and `workspace_bytes` with an emulation.
@@ -229,31 +227,18 @@ def _empty(dtype):
     return jnp.zeros((0,), dtype)
 
 
-def _forward(x, hx, cx, params, lengths, index, configs, save: bool):
-    """(y, hy, cy) and, with `save`, the reserve space, sized for the largest
-    of `configs` (the core hands cuDNN its own size)."""
+def _forward(x, hx, cx, params, lengths, config: CoreConfig, save: bool):
+    """(y, hy, cy) and, with `save`, the reserve space."""
     steps, batch, _ = x.shape
     dt = x.dtype
-    results = [_sds((steps, batch, configs[0].directions * configs[0].output_size), dt),
+    results = [_sds((steps, batch, config.directions * config.output_size), dt),
                _sds(hx.shape, dt), _sds(cx.shape, dt)]
     if save:
-        size = max(reserve_bytes(c, jnp.dtype(dt).name, steps, batch) for c in configs)
-        results.append(_sds((size,), jnp.uint8))
-
-    def call(config, *operands):
-        out = ffi_call(TARGETS[1] if save else TARGETS[0], results + [_workspace(config, x)],
-                       *operands, **config.attributes())
-        return tuple(out[:-1])
-
-    return _dispatch(index, configs, call, x, hx, cx, params, lengths)
-
-
-def _dispatch(index, configs: tuple, call, *operands):
-    """`call(config, *operands)` for the one config, or with `index` a
-    `jax.lax.switch` over `configs` (each branch its attributes, its workspace)."""
-    if index is None:
-        return call(configs[0], *operands)
-    return jax.lax.switch(index, [functools.partial(call, c) for c in configs], *operands)
+        results.append(_sds((reserve_bytes(config, jnp.dtype(dt).name, steps, batch),),
+                            jnp.uint8))
+    out = ffi_call(TARGETS[1] if save else TARGETS[0], results + [_workspace(config, x)],
+                   x, hx, cx, params, lengths, **config.attributes())
+    return tuple(out[:-1])
 
 
 def _workspace(config: CoreConfig, x):
@@ -262,66 +247,39 @@ def _workspace(config: CoreConfig, x):
     return _sds((workspace_bytes(config, jnp.dtype(x.dtype).name, steps, batch),), jnp.uint8)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7))
-def _rnn(x, hx, cx, params, lengths, index, configs, training):
-    return _forward(x, hx, cx, params, lengths, index, configs, save=training)[:3]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6))
+def _rnn(x, hx, cx, params, lengths, config, training):
+    return _forward(x, hx, cx, params, lengths, config, save=training)[:3]
 
 
-def _rnn_fwd(x, hx, cx, params, lengths, index, configs, training):
-    y, hy, cy, reserve = _forward(x, hx, cx, params, lengths, index, configs, save=True)
-    return (y, hy, cy), (x, hx, cx, params, lengths, index, y, reserve)
+def _rnn_fwd(x, hx, cx, params, lengths, config, training):
+    y, hy, cy, reserve = _forward(x, hx, cx, params, lengths, config, save=True)
+    return (y, hy, cy), (x, hx, cx, params, lengths, y, reserve)
 
 
-def _rnn_bwd(configs, training, residuals, cotangents):
-    x, hx, cx, params, lengths, index, y, reserve = residuals
+def _rnn_bwd(config, training, residuals, cotangents):
+    x, hx, cx, params, lengths, y, reserve = residuals
     dy, dhy, dcy = (jnp.asarray(c).astype(x.dtype) for c in cotangents)
-
-    def call(config, x, y, dy, dhy, dcy, hx, cx, params, lengths, reserve):
-        attrs = config.attributes()
-        dx, dhx, dcx, reserve, _ = ffi_call(
-            TARGETS[2], [_sds(x.shape, x.dtype), _sds(hx.shape, x.dtype),
-                         _sds(cx.shape, x.dtype), _sds(reserve.shape, reserve.dtype),
-                         _workspace(config, x)],
-            y, dy, dhy, dcy, hx, cx, params, lengths, reserve, input_output_aliases={8: 3},
-            **attrs)
-        dparams, _ = ffi_call(TARGETS[3], [_sds(params.shape, params.dtype),
-                                           _workspace(config, x)],
-                              x, hx, y, lengths, reserve, **attrs)
-        return dx, dhx, dcx, dparams
-
-    dx, dhx, dcx, dparams = _dispatch(index, configs, call, x, y, dy, dhy, dcy, hx, cx, params,
-                                      lengths, reserve)
-    return dx, dhx, dcx, dparams, None, None
+    attrs = config.attributes()
+    dx, dhx, dcx, reserve, _ = ffi_call(
+        TARGETS[2], [_sds(x.shape, x.dtype), _sds(hx.shape, x.dtype), _sds(cx.shape, x.dtype),
+                     _sds(reserve.shape, reserve.dtype), _workspace(config, x)],
+        y, dy, dhy, dcy, hx, cx, params, lengths, reserve, input_output_aliases={8: 3},
+        **attrs)
+    dparams, _ = ffi_call(TARGETS[3], [_sds(params.shape, params.dtype), _workspace(config, x)],
+                          x, hx, y, lengths, reserve, **attrs)
+    return dx, dhx, dcx, dparams, None
 
 
 _rnn.defvjp(_rnn_fwd, _rnn_bwd)
 
 
-def rnn(x, hx, cx, params, lengths, *, config, training: bool = False, index=None):
+def rnn(x, hx, cx, params, lengths, *, config: CoreConfig, training: bool = False):
     """One differentiable core call on time-major x [T, B, F]: (y [T, B, D*R],
     hy [L*D, B, R], cy [L*D, B, H] or None but for an LSTM). `training` runs
     the training forward (dropout) even where nothing differentiates.
-
-    `config`: a `CoreConfig`, or with `index` (int32, traced) a tuple of
-    them differing in their algorithm only, `index` picking the one that runs.
     """
-    configs = tuple(config) if index is not None else (config,)
-    if index is not None:
-        _check_switch(configs)
-        index = jnp.asarray(index, jnp.int32)
-    lstm = configs[0].lstm
-    cx = cx if lstm else _empty(x.dtype)
+    cx = cx if config.lstm else _empty(x.dtype)
     lengths = jnp.asarray(lengths, jnp.int32)
-    y, hy, cy = _rnn(x, hx, cx, params, lengths, index, configs, bool(training))
-    return y, hy, (cy if lstm else None)
-
-
-def _check_switch(configs: tuple) -> None:
-    """The configs of one switch differ in their algorithm only."""
-    if not configs or not all(isinstance(c, CoreConfig) for c in configs):
-        raise TypeError(f"rnn: with index=, config must be a tuple of CoreConfig; "
-                        f"received {configs!r}")
-    shared = {dataclasses.replace(c, algorithm=0) for c in configs}
-    if len(shared) != 1:
-        raise ValueError(f"rnn: the configs of one switch may differ in their algorithm only; "
-                         f"received {configs!r}")
+    y, hy, cy = _rnn(x, hx, cx, params, lengths, config, bool(training))
+    return y, hy, (cy if config.lstm else None)
