@@ -148,6 +148,18 @@ SLOW: dict[str, str] = {
     "test_bench_user_view.py::test_a_lopsided_cell_runs_a_short_custom_loop": (
         "a cell's fits and custom loop (12-26 s); the bench's other tests stay fast"
     ),
+    "test_first_batch.py::test_a_plan_its_default_twin_and_the_reference_share_one_program": (
+        "a tuned fit building the shared check program (7-13 s); the failing shared program's test stays fast"
+    ),
+    "test_first_batch.py::test_a_masked_fused_candidate_is_timed_with_its_branch_for_other_masks": (
+        "a masked tuned fit (5-9 s); the padding-mask test stays fast"
+    ),
+    "test_per_shape.py::test_timing_from_inside_a_custom_training_loop_trace_times_training_steps": (
+        "a traced custom loop timing its candidates (7-12 s); the loop-after-fit tests stay fast"
+    ),
+    "test_wavefront_lamport.py::test_the_sentinel_check_finds_a_sentinel_half_exactly": (
+        "the bit check over a grid of 32-bit words (6-11 s); the stored-value tests stay fast"
+    ),
     "test_online_algorithm.py::test_without_a_runtime_algorithm_each_candidate_traces_its_own_step": (
         "a race tracing a step per candidate (11-24 s); the shared-trace race stays fast"
     ),
