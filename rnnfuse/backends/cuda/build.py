@@ -249,6 +249,25 @@ def digest(sources, *extra: str) -> str:
     return h.hexdigest()[:12]
 
 
+def built_once(memo: dict, lock, build) -> Path:
+    """`build()`'s library, built (or found) once per cache folder a process
+    (`memo`: folder -> its path, or the BuildError it raised, guarded by
+    `lock`): a failed build fails the same way for the rest of the process,
+    so callers that ask on every call do not run the compiler again."""
+    folder = str(cache_dir())
+    with lock:
+        done = memo.get(folder)
+        if isinstance(done, Exception):
+            raise done
+        if done is None or not Path(done).exists():
+            try:
+                done = memo[folder] = build()
+            except BuildError as exc:
+                memo[folder] = exc
+                raise
+    return Path(done)
+
+
 def load_library(path, env_var: str, built, loaded: dict, lock, open_library):
     """The library at `path`, else at $`env_var`, else `built()`'s, opened
     by `open_library` once per resolved path (`loaded`: the caller's memo

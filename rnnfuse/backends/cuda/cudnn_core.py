@@ -225,18 +225,7 @@ def _built() -> Path:
     """The cached build, built (or found) once per cache folder a process."""
     from rnnfuse.backends.cuda import build
 
-    folder = str(build.cache_dir())
-    with _LOCK:
-        done = _BUILT.get(folder)
-        if isinstance(done, Exception):
-            raise done
-        if done is None or not Path(done).exists():
-            try:
-                done = _BUILT[folder] = build.build_cudnn_core()
-            except build.BuildError as exc:
-                _BUILT[folder] = exc
-                raise
-    return Path(done)
+    return build.built_once(_BUILT, _LOCK, build.build_cudnn_core)
 
 
 def reset_for_tests() -> None:

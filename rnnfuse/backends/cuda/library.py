@@ -352,22 +352,11 @@ def load(path: str | os.PathLike | None = None) -> WavefrontLibrary:
 
 
 def _built_library() -> Path:
-    """The cached build's library, built once per cache folder a process; a
-    failed build fails the same way for the rest of the process, as the cuDNN
-    core's does (every short call in the static kernel rule asks)."""
+    """The cached build's library (`build.built_once`: every short call in
+    the static kernel rule asks)."""
     from rnnfuse.backends.cuda import build
 
-    folder = str(build.cache_dir())
-    path = _BUILT.get(folder)
-    if isinstance(path, Exception):
-        raise path
-    if path is None or not path.exists():
-        try:
-            path = _BUILT[folder] = build.build_library()
-        except build.BuildError as exc:
-            _BUILT[folder] = exc
-            raise
-    return path
+    return build.built_once(_BUILT, _LOCK, build.build_library)
 
 
 def stack_reason(kind: str, dtype: str, *, directions: int = 1, proj_size: int = 0,
