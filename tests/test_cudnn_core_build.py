@@ -15,12 +15,11 @@ from __future__ import annotations
 import ctypes
 import re
 import subprocess
-import sys
-import textwrap
 from pathlib import Path
 
 import pytest
 
+from fake_compiler import fake_compiler
 from rnnfuse.backends.cuda import build, cudnn_core
 
 HEADER = Path(build.SOURCE_DIR) / "cudnn_rnn_core.h"
@@ -32,21 +31,6 @@ def fresh(tmp_path, monkeypatch):
     cudnn_core.reset_for_tests()
     yield tmp_path
     cudnn_core.reset_for_tests()
-
-
-def _fake_compiler(root: Path, log: Path) -> Path:
-    """A 'compiler' that records each command and writes its -o file."""
-    script = root / "fake-cxx"
-    script.write_text(textwrap.dedent(f"""\
-        #!{sys.executable}
-        import sys
-        with open({str(log)!r}, "a") as f:
-            f.write(" ".join(sys.argv[1:]) + "\\n")
-        out = sys.argv[sys.argv.index("-o") + 1]
-        open(out, "w").write("not really a library")
-        """))
-    script.chmod(0o755)
-    return script
 
 
 def _fake_cudnn(root: Path) -> Path:
@@ -129,7 +113,7 @@ def test_the_entries_take_as_many_arguments_as_the_header_declares():
 
 def test_the_build_command_and_its_cache(fresh, monkeypatch):
     log = fresh / "log"
-    monkeypatch.setenv("CXX", str(_fake_compiler(fresh, log)))
+    monkeypatch.setenv("CXX", str(fake_compiler(fresh, log)))
     monkeypatch.setenv("CUDNN", str(_fake_cudnn(fresh / "cudnn")))
     monkeypatch.setattr(build, "core_cuda_include", lambda: fresh / "cuda" / "include")
     path = build.build_cudnn_core()

@@ -26,6 +26,7 @@ from pathlib import Path
 import pytest
 import tensorflow as tf
 
+from fake_compiler import fake_compiler
 from rnnfuse.backends.tensorflow import op_build
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -48,26 +49,6 @@ def _fake_cudnn(root: Path) -> Path:
     (root / "include" / "cudnn.h").write_text("")
     (root / "lib" / "libcudnn.so.9").write_text("")
     return root
-
-
-def _fake_compiler(root: Path, log: Path, delay: float = 0.0) -> Path:
-    """A 'compiler' that records each run and writes its -o file."""
-    script = root / "fake-cxx"
-    script.write_text(
-        textwrap.dedent(
-            f"""\
-            #!{sys.executable}
-            import sys, time
-            time.sleep({delay})
-            with open({str(log)!r}, "a") as f:
-                f.write("built\\n")
-            out = sys.argv[sys.argv.index("-o") + 1]
-            open(out, "w").write("not really a library")
-            """
-        )
-    )
-    script.chmod(0o755)
-    return script
 
 
 def test_the_op_compiles_here_and_registers_both_ops(fresh):
@@ -120,7 +101,7 @@ def test_the_cache_key_covers_the_cores_source(fresh, monkeypatch):
 def test_a_second_build_reuses_the_cached_library(fresh, monkeypatch):
     log = fresh / "log"
     monkeypatch.setenv("CUDNN", str(_fake_cudnn(fresh / "cudnn")))
-    monkeypatch.setenv("CXX", str(_fake_compiler(fresh, log)))
+    monkeypatch.setenv("CXX", str(fake_compiler(fresh, log)))
     first = op_build.build_op()
     second = op_build.build_op()
     assert first == second and log.read_text().count("built") == 1
@@ -135,7 +116,7 @@ def test_two_processes_build_once(fresh):
         os.environ,
         RNNFUSE_CACHE_DIR=str(fresh / "cache"),
         CUDNN=str(_fake_cudnn(fresh / "cudnn")),
-        CXX=str(_fake_compiler(fresh, log, delay=3.0)),
+        CXX=str(fake_compiler(fresh, log, delay=3.0)),
         PYTHONPATH=str(ROOT),
         CUDA_VISIBLE_DEVICES="",
     )
@@ -210,8 +191,8 @@ def test_cli_build_ops_prints_the_library_paths(fresh, monkeypatch, capsys):
     from rnnfuse.cli import main
 
     monkeypatch.setenv("CUDNN", str(_fake_cudnn(fresh / "cudnn")))
-    monkeypatch.setenv("CXX", str(_fake_compiler(fresh, fresh / "log")))
-    monkeypatch.setenv("NVCC", str(_fake_compiler(fresh, fresh / "log")))
+    monkeypatch.setenv("CXX", str(fake_compiler(fresh, fresh / "log")))
+    monkeypatch.setenv("NVCC", str(fake_compiler(fresh, fresh / "log")))
     assert main(["build-ops"]) == 0
     wavefront, cudnn = capsys.readouterr().out.strip().splitlines()[-2:]
     assert cudnn.endswith("rnnfuse_cudnn_rnn.so") and Path(cudnn).is_file()
@@ -223,7 +204,7 @@ def test_cli_build_ops_without_nvcc_still_builds_the_cudnn_op(fresh, monkeypatch
     from rnnfuse.cli import main
 
     monkeypatch.setenv("CUDNN", str(_fake_cudnn(fresh / "cudnn")))
-    monkeypatch.setenv("CXX", str(_fake_compiler(fresh, fresh / "log")))
+    monkeypatch.setenv("CXX", str(fake_compiler(fresh, fresh / "log")))
     def no_nvcc():
         raise build.BuildError("no nvcc found")
 

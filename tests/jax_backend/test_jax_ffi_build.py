@@ -12,13 +12,13 @@ from __future__ import annotations
 import ctypes
 import re
 import shutil
-import sys
 import threading
 from pathlib import Path
 
 import jax
 import pytest
 
+from fake_compiler import fake_compiler
 from rnnfuse.backends.cuda import build
 from rnnfuse.backends.jax import ffi_build, wavefront
 
@@ -204,20 +204,10 @@ def test_the_cudnn_handlers_reached_through_a_linked_cache_are_not_built_again(t
     """A second cache folder whose ops link to the first (a process with its
     own RNNFUSE_CACHE_DIR sharing the built libraries) finds the handlers
     built against the same core: its path through the link keys nothing."""
-    import textwrap
-
     monkeypatch.setattr(ffi_build, "ffi_include", lambda: tmp_path)
     monkeypatch.setattr(build, "core_cuda_include", lambda: tmp_path)
     log = tmp_path / "cxx.log"
-    cxx = tmp_path / "fake-cxx"
-    cxx.write_text(textwrap.dedent(f"""\
-        #!{sys.executable}
-        import sys
-        open({str(log)!r}, "a").write("built\\n")
-        open(sys.argv[sys.argv.index("-o") + 1], "w").write("")
-        """))
-    cxx.chmod(0o755)
-    monkeypatch.setenv("CXX", str(cxx))
+    monkeypatch.setenv("CXX", str(fake_compiler(tmp_path, log)))
     first = tmp_path / "first"
     core = first / "ops" / "cudnn-core-0123" / "librnnfuse_cudnn_core.so"
     core.parent.mkdir(parents=True)
