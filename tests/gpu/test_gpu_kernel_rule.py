@@ -18,7 +18,7 @@ from builders import fused_layers, stack_model
 from rnnfuse.backends import get_backend
 from rnnfuse.tuning import first_batch
 
-pytestmark = [pytest.mark.real_gpu_only, pytest.mark.call_budget]
+pytestmark = [pytest.mark.real_gpu_only, pytest.mark.call_budget, pytest.mark.cudnn_op]
 BATCH, STEPS, FEATURES = 32, 500, 64
 
 
