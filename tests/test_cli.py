@@ -647,12 +647,14 @@ def test_build_ops_without_tensorflow_is_exit_2_with_the_install_fix(capsys, mon
         raise build.BuildError("no C++ compiler found")
 
     monkeypatch.setattr(build, "build_cudnn_core", no_core)
+    monkeypatch.setattr(build, "build_library", no_core)
     monkeypatch.setitem(sys.modules, "tensorflow", None)  # import tensorflow fails
     for name in [m for m in sys.modules if m.startswith("rnnfuse.backends.tensorflow")]:
         monkeypatch.delitem(sys.modules, name)
     code, out, err = _run(capsys, "build-ops", "--debug")
     assert code == 2
     assert "the cuDNN RNN core was not built (no C++ compiler found)" in err
+    assert "the wavefront library was not built (no C++ compiler found)" in err
     last = err.strip().splitlines()[-1]
     assert last.startswith("rnnfuse: error: build-ops compiles rnnfuse's op for TensorFlow")
     assert "Fix: pip install 'tensorflow" in last and "This may be a bug" not in err
@@ -662,13 +664,15 @@ def test_build_ops_without_tensorflow_is_exit_2_with_the_install_fix(capsys, mon
 def test_build_ops_without_tensorflow_builds_the_core_for_torch(capsys, monkeypatch, tmp_path):
     from rnnfuse.backends.cuda import build
 
-    core = tmp_path / "librnnfuse_cudnn_core.so"
+    core, wavefront = tmp_path / "librnnfuse_cudnn_core.so", tmp_path / "librnnfuse_wavefront.so"
     monkeypatch.setattr(build, "build_cudnn_core", lambda force=False: core)
+    # The wavefront library too: torch's and JAX's kernel checks load it.
+    monkeypatch.setattr(build, "build_library", lambda force=False: wavefront)
     monkeypatch.setitem(sys.modules, "tensorflow", None)
     for name in [m for m in sys.modules if m.startswith("rnnfuse.backends.tensorflow")]:
         monkeypatch.delitem(sys.modules, name)
     code, out, err = _run(capsys, "build-ops")
-    assert code == 0 and out.strip().splitlines() == [str(core)]
+    assert code == 0 and out.strip().splitlines() == [str(core), str(wavefront)]
     assert "TensorFlow is not installed here: its ops were not built" in err
 
 

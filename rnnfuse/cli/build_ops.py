@@ -1,6 +1,6 @@
 """`rnnfuse build-ops [--force]`: compiles rnnfuse's native libraries now
-(no GPU needed) and prints where they went: the cuDNN RNN core, then the
-TensorFlow ops (with TensorFlow installed) or, under KERAS_BACKEND=jax, the
+(no GPU needed) and prints where they went: the cuDNN RNN core, the
+wavefront kernel's library (a failure a note), then the TensorFlow ops (with TensorFlow installed) or, under KERAS_BACKEND=jax, the
 XLA FFI libraries (the cuDNN core's handlers, a failure a note; then the
 wavefront kernel's, on the last line). Each is otherwise built on first GPU
 use, into $RNNFUSE_CACHE_DIR/ops or the user cache folder.
@@ -36,6 +36,7 @@ def run(args) -> int:
     except build.BuildError as err:
         print(f"rnnfuse: the cuDNN RNN core was not built ({err}); fused torch stacks run on "
               "torch._VF", file=sys.stderr)
+    _build_wavefront_library(build, args.force)
     from rnnfuse.backends import active_name
 
     if active_name() == "jax":
@@ -66,6 +67,16 @@ def run(args) -> int:
               file=sys.stderr)
     print(path)
     return 0
+
+
+def _build_wavefront_library(build, force: bool) -> None:
+    """The wavefront kernel's C-ABI library, which every backend's kernel
+    checks load (else a process's first check runs the compiler)."""
+    try:
+        print(build.build_library(force=force))
+    except build.BuildError as err:
+        print(f"rnnfuse: the wavefront library was not built ({err}); fused stacks run on "
+              "cuDNN", file=sys.stderr)
 
 
 def _build_for_jax(force: bool) -> int:

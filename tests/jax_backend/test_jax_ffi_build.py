@@ -255,12 +255,14 @@ def test_build_ops_under_jax_builds_the_ffi_library(monkeypatch, capsys, tmp_pat
     from rnnfuse.cli import main
 
     monkeypatch.setattr(build, "build_cudnn_core", lambda force=False: tmp_path / "core.so")
+    monkeypatch.setattr(build, "build_library", lambda force=False: tmp_path / "wavefront.so")
     monkeypatch.setattr(ffi_build, "build_cudnn_ffi_library",
                         lambda force=False: tmp_path / "cudnn.so")
     monkeypatch.setattr(ffi_build, "build_ffi_library", lambda force=False: tmp_path / "lib.so")
     assert main(["build-ops"]) == 0
-    assert capsys.readouterr().out.strip().splitlines()[-2:] == [str(tmp_path / "cudnn.so"),
-                                                                  str(tmp_path / "lib.so")]
+    # The wavefront kernel's C-ABI library too: the kernel checks load it.
+    assert capsys.readouterr().out.strip().splitlines()[-3:] == [
+        str(tmp_path / "wavefront.so"), str(tmp_path / "cudnn.so"), str(tmp_path / "lib.so")]
 
     def no_headers(force=False):
         raise ffi_build.BuildError("no xla/ffi/api/ffi.h")
