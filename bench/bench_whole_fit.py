@@ -4,7 +4,7 @@ process with an empty plan cache, original against `rnnfuse.optimize`.
 For each shape of bench/bench_matrix.py (`--shapes`) and each epoch count
 (`--epochs`, default 1 and 10), a pair is two fresh processes, one training
 Keras' own model and one its optimized twin (`optimize(model)` with its
-defaults: first-batch tuning, the plan cache and JAX's compilation cache in a new empty folder,
+defaults: first-batch tuning, the plan cache in a new empty folder,
 RNNFUSE_CACHE_DIR); each builds its model, compiles it (Adam, MSE) and
 times one whole `fit(epochs=E)` call of `--epoch-steps` batches an epoch.
 Pairs are interleaved: pair 1 of every shape and epoch count first, then
@@ -134,7 +134,7 @@ def measure(job: dict) -> dict:
 
     row = dict(job, fit_s=fit_s, epoch_end_s=[e - start for e in ends], optimize_s=optimize_s,
                loss=float(history.history["loss"][-1]), libraries=str(build.cache_dir().resolve()),
-               original_failed=None, compile_cache=os.environ.get("JAX_COMPILATION_CACHE_DIR"))
+               original_failed=None)
     if job["model"] == "optimized":
         from rnnfuse.fused import fused_layers
         from rnnfuse.tuning.first_batch import decisions
@@ -219,7 +219,7 @@ def _run_once(job: dict, start: str, timeout_s: float, ops: str | None, forks) -
     if start == "fork":
         row = _forked(job, cache, timeout_s, forks)
     else:
-        env = dict(os.environ, **child_caches(cache))
+        env = dict(os.environ, RNNFUSE_CACHE_DIR=cache)
         try:
             done = subprocess.run([sys.executable, os.path.abspath(__file__), "--child", json.dumps(job)],
                                   env=env, capture_output=True, text=True, timeout=timeout_s)
@@ -230,18 +230,6 @@ def _run_once(job: dict, start: str, timeout_s: float, ops: str | None, forks) -
             row = dict(job, error=f"timed out after {timeout_s:.0f} s")
     row["process_s"] = time.perf_counter() - began
     return row
-
-
-def child_caches(cache: str) -> dict:
-    """A child's environment for empty caches in its own folder `cache`:
-    rnnfuse's plans and JAX's persistent compilation cache (a machine that
-    sets one would hand a later child the programs an earlier one compiled).
-
-    >>> child_caches("/tmp/c")["JAX_COMPILATION_CACHE_DIR"]
-    '/tmp/c/jax-compilation-cache'
-    """
-    return dict(RNNFUSE_CACHE_DIR=cache,
-                JAX_COMPILATION_CACHE_DIR=os.path.join(cache, "jax-compilation-cache"))
 
 
 def _forked(job: dict, cache: str, timeout_s: float, forks) -> dict:
@@ -260,7 +248,7 @@ def _forked(job: dict, cache: str, timeout_s: float, forks) -> dict:
 
 
 def _forked_child(job: dict, cache: str, out: str) -> None:
-    os.environ.update(child_caches(cache))
+    os.environ["RNNFUSE_CACHE_DIR"] = cache
     try:
         row = measure(job)
     except Exception as err:  # noqa: BLE001 - the parent records it
@@ -431,8 +419,7 @@ def main(argv=None) -> int:
     meta = dict(backend=backend, keras=keras.__version__, rnnfuse=rnnfuse.__version__,
                 python=platform.python_version(), start=start_mode, pairs=args.pairs,
                 epochs=epochs, budget_s=args.budget, quick=args.quick, online=args.online,
-                models=list(models),
-                jax_compilation_cache_replaced=os.environ.get("JAX_COMPILATION_CACHE_DIR"))
+                models=list(models))
     began = time.perf_counter()  # the budget counts the build too
     ops = None
     if not args.child_builds:

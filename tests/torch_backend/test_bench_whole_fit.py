@@ -38,8 +38,6 @@ def test_a_quick_run_times_each_model_in_its_own_process_with_an_empty_cache(tmp
     # Each child saw its own epochs end, and a fresh, empty plan cache.
     assert [len(r["epoch_end_s"]) for r in rows] == [1, 1, 2, 2]
     assert all(d["source"] != "cache" for r in rows for d in r.get("decisions", []))
-    # ... and a JAX compilation cache of its own: none inherits another's programs.
-    assert len({os.path.dirname(r["compile_cache"]) for r in rows}) == len(rows)
     assert {(s["shape_name"], s["epochs"], s["pairs"]) for s in run["summary"]} == {
         ("lstm2x40", 1, 1), ("lstm2x40", 2, 1)}
     # ... and the parent's built libraries, shared, not a compiler run each.

@@ -182,15 +182,12 @@ run_stage() {
       # may fail on JAX), each in its own process. FIRST_ARGS: --shape etc.
       s=$(limit $stage 150)
       local backend=${stage#first-fit-}
-      # Each process gets an empty JAX compilation cache of its own.
-      ( backend_env $backend; echo "inherited JAX_COMPILATION_CACHE_DIR: ${JAX_COMPILATION_CACHE_DIR:-none}"
-        for m in "--model optimized" "--model original --dtype float32"; do
-          JAX_COMPILATION_CACHE_DIR=$(mktemp -d) timeout $s python3 bench/diag_first_fit.py $m ${FIRST_ARGS} \
-            --out $LOGS/first_fit_${backend}.json; done
+      ( backend_env $backend; for m in "--model optimized" "--model original --dtype float32"; do
+          timeout $s python3 bench/diag_first_fit.py $m ${FIRST_ARGS} --out $LOGS/first_fit_${backend}.json; done
       ) > $log 2>&1; rc=$?
       cp $LOGS/first_fit_${backend}.json $log $OUT/ 2>/dev/null
       echo "[$(since) s] $stage rc $rc"
-      grep -E "^first-fit|^inherited|Error" $log | cut -c1-220 | head -20 ;;
+      grep -E "^first-fit|Error" $log | cut -c1-220 | head -20 ;;
     kept-original-tf|kept-original-torch|kept-original-jax)
       # A group whose plan keeps the original layers, paired against the
       # original model (bench/bench_kept_original.py). KEPT_ARGS: its arguments.
