@@ -11,6 +11,8 @@
 #
 #   bash tools/gpu/batch.sh tf-setup tf-build tf-tests tf-distribute
 #   STAGE_S_tf_view=300 bash tools/gpu/batch.sh tf-view tf-single
+#   VIEW_ARGS="--anchors 1 --cells 0 --rounds 15" bash tools/gpu/batch.sh torch-view jax-view
+#     # the headline through every entry point under optimize's defaults (the plan a short call gets)
 #   DIAG_ARGS="--cells 19 --compare 2" bash tools/gpu/batch.sh tf-diag
 #   bash tools/gpu/batch.sh torch-tests torch-ddp torch-view
 #   bash tools/gpu/batch.sh jax-tests   # the cuDNN core under Keras' JAX backend
@@ -143,10 +145,10 @@ run_stage() {
       ( tf_env; timeout $s bash -c "source tools/gpu/env.sh; run_distribute_tests" ) > $log 2>&1; rc=$?
       echo "[$(since) s] tf-distribute rc $rc"
       summary tf-distribute "logical GPUs|passed|failed|^FAILED" 6 ;;
-    tf-view|torch-view)
+    tf-view|torch-view|jax-view)
       s=$(limit $stage 300)
       local backend=${stage%-view}
-      ( if [ $backend = tf ]; then tf_env; else torch_env; fi
+      ( backend_env $backend
         timeout $(( s + 30 )) python3 bench/bench_user_view.py ${VIEW_ARGS:---cells 30 --work-cap 2e11 --rounds 5 --predict-rounds 3 --steps 8} --budget $s \
           --out $LOGS/user_view_${backend}${BENCH_TAG}.json ) > $log 2>&1; rc=$?
       cp $LOGS/user_view_${backend}${BENCH_TAG}.json $OUT/ 2>/dev/null
