@@ -71,8 +71,7 @@ def run(args) -> int:
 
 
 def _build_wavefront_library(build, force: bool) -> None:
-    """The wavefront kernel's C-ABI library, which every backend's kernel
-    checks load (else a process's first check runs the compiler)."""
+    """The wavefront kernel's C-ABI library: every backend's kernel checks load it."""
     try:
         print(build.build_library(force=force))
     except build.BuildError as err:
