@@ -233,7 +233,7 @@ def static_plan(group, dtype: str, training: bool, batch: int | None = None,
     table (TensorFlow's measured with its kernels; torch's fuses every run,
     proven only where Keras runs its generic loop; JAX's `JAX_RULES`). Where
     the original layers cannot run (`Backend.keras_path_fails`), the group
-    is fused whatever the table says: there is nothing to lose.
+    is fused whatever the table says (`fused_where_keras_fails`).
     """
     kernel = kernel_plan(group, dtype, training, shape)
     if kernel is not None:
@@ -242,9 +242,32 @@ def static_plan(group, dtype: str, training: bool, batch: int | None = None,
         batch = shape[0]
     backend = get_backend()
     if backend.keras_path_fails(group, str(dtype)) is not None:
-        return FUSED
+        return fused_where_keras_fails(group, dtype, batch)
     table = TABLES[backend.capabilities.plan_table]
     return table(group, dtype, training, batch, proven_only)
+
+
+def fused_where_keras_fails(group, dtype: str, batch: int | None) -> Plan:
+    """The static plan of a group whose original layers cannot run here:
+    one fused call, on cuDNN's persistent algorithm in float16 at a known
+    batch of at most 64 where the core would run the standard one (no
+    mask, projection or small state), as it ran about 2x the standard one
+    in every measured case (benchmarks.md: the op per algorithm, the tuned
+    backend matrix on TensorFlow and JAX).
+
+    >>> from rnnfuse.report import FusionGroup
+    >>> g = FusionGroup(("a", "b"), "lstm", 384, 2, 80, True)
+    >>> [fused_where_keras_fails(g, "float16", b).name for b in (24, 256, None)]
+    ['fused @persistent_static+tc', 'fused', 'fused']
+    """
+    from rnnfuse.backends.cuda.cudnn_core import prefers_small_h
+
+    masked = _masked(group)
+    if (str(dtype) == "float16" and batch is not None and batch <= 64 and not masked
+            and not group.proj_size
+            and not prefers_small_h(group.cell, group.units, group.proj_size, masked)):
+        return Plan((len(group.layers),), PERSISTENT)
+    return FUSED
 
 
 def static_source(group, dtype: str, source: str = "static") -> str:

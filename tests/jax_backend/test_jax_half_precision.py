@@ -113,28 +113,34 @@ def test_where_keras_runs_its_own_layers_jaxs_static_table_decides(case, fused, 
     assert bool(fused_layers(rnnfuse.optimize(model, tune=False))) == fused
 
 
-def test_a_fit_too_short_to_time_runs_fused_and_trains(keras_sees_gpu, monkeypatch, tmp_path):
+@pytest.mark.parametrize("units, batch, plan, algo", [
+    (160, 4, "fused @persistent_static+tc", 1), (160, 128, "fused", 0), (6, 4, "fused", 3)])
+def test_a_fit_too_short_to_time_runs_fused_and_trains(units, batch, plan, algo, keras_sees_gpu,
+                                                       monkeypatch, tmp_path):
     """`optimize(model)` defaults on a GPU (first-batch tuning): a one-step
     fit cannot pay for timing, so the static plan runs it, fused; nothing is
-    timed and the fit's jitted step runs the core."""
+    timed and the fit's jitted step runs the core. Its algorithm: cuDNN's
+    persistent one in float16 at a batch of at most 64, else the core's own
+    choice (standard; small-h for a small state)."""
     from rnnfuse.tuning.cache import PlanCache
 
     monkeypatch.setattr(first_batch, "device_environment", lambda: dict(ENV))
-    model = stack_model("lstm", 3, dtype="mixed_float16", head=True)
+    model = stack_model("lstm", 3, units=units, dtype="mixed_float16", head=True)
     fast = rnnfuse.optimize(model, cache=PlanCache(tmp_path / "plans.json"))
     timer = fake_clock.FakeTimer({})
     fast._rnnfuse_autotune.measure = timer
     (layer,) = fused_layers(fast)
     assert _fused(layer.plan)  # until the first batch: the static plan
     rng = np.random.default_rng(5)
-    x = random_inputs(model, 4, rng)
-    y = rng.standard_normal((4, 3)).astype("float32")
+    x = random_inputs(model, batch, rng)
+    y = rng.standard_normal((batch, 3)).astype("float32")
     fast.compile(optimizer="sgd", loss="mse")
-    history = fast.fit(x, y, batch_size=4, epochs=1, verbose=0)
+    history = fast.fit(x, y, batch_size=batch, epochs=1, verbose=0)
     assert np.isfinite(history.history["loss"][0])
     assert timer.calls == 0
-    assert _fused(layer.plan) and layer.last_path.kind is PathKind.FUSED
-    assert any("training" in target for target, _ in keras_sees_gpu.calls)
+    assert layer.plan.name == plan and layer.last_path.kind is PathKind.FUSED
+    trained = [attrs for target, attrs in keras_sees_gpu.calls if "training" in target]
+    assert trained and {attrs["algorithm"] // 4 for attrs in trained} == {algo}
 
 
 # -- the tuner -----------------------------------------------------------------------
