@@ -1,10 +1,8 @@
-"""`rnnfuse build-ops [--force]`: compiles rnnfuse's native libraries now
-(no GPU needed) and prints where they went: the cuDNN RNN core, the
-wavefront kernel's library (a failure a note), then the TensorFlow ops
-(with TensorFlow installed) or, under KERAS_BACKEND=jax, the XLA FFI
-libraries (the cuDNN core's handlers, a failure a note; then the wavefront
-kernel's, on the last line). Each is otherwise built on first GPU use, into
-$RNNFUSE_CACHE_DIR/ops or the user cache folder.
+"""`rnnfuse build-ops [--force]`: compiles rnnfuse's native libraries now (no
+GPU needed; else on first GPU use, into $RNNFUSE_CACHE_DIR/ops or the user
+cache folder) and prints their paths: the cuDNN RNN core, the wavefront
+library, then TensorFlow's ops or, under KERAS_BACKEND=jax, the XLA FFI
+libraries (the wavefront kernel's last). A library not built is a note.
 
 >>> from rnnfuse.cli import main
 >>> main(["build-ops"])  # doctest: +SKIP

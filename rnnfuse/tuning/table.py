@@ -56,11 +56,10 @@ def _halves(n: int) -> Plan:
 
 
 # (name, predicate, plan for a run of n layers, why, proven); first match wins.
-# `proven`: the plan lost to the original layers nowhere in docs/benchmarks.md's
-# matrices (tests/test_table.py checks the user-view ones); only proven rules
-# fuse a shape nothing can be timed on. In float32 the table keeps cuDNN's
-# standard algorithm, whose results match Keras' within 1e-5; `tune=` may pick
-# a persistent one (about 1e-4 from Keras'), float16 uses it.
+# `proven`: it lost to the original layers nowhere in benchmarks.md's matrices
+# (tests/test_table.py); only proven rules fuse a shape nothing can be timed on.
+# float32 keeps cuDNN's standard algorithm (within 1e-5 of Keras'; persistent
+# ones about 1e-4), float16 uses a persistent one.
 RULES: list[tuple[str, Callable[[Regime], bool], Callable[[int], Plan], str, bool]] = [
     (
         "one LSTM/GRU layer on Keras' cuDNN path: per layer",
@@ -229,12 +228,9 @@ def static_plan(group, dtype: str, training: bool, batch: int | None = None,
                 proven_only: bool = False, shape: tuple | None = None) -> Plan:
     """The plan the static rules give `group` in `dtype` (at `batch`, or input
     `shape` (batch, steps, features), where known; `proven_only`: only a plan
-    that lost nowhere): `KERNEL_RULE` (with `shape`), then the backend's
-    table (TensorFlow's measured with its kernels; torch's fuses every run,
-    proven only where Keras runs its generic loop; JAX's `JAX_RULES`). Where
-    the original layers cannot run (`Backend.keras_path_fails`), the group
-    is fused whatever the table says (`fused_where_keras_fails`).
-    """
+    that lost nowhere): `KERNEL_RULE` (with `shape`), then, where the
+    original layers cannot run (`Backend.keras_path_fails`),
+    `fused_where_keras_fails`, else the backend's table."""
     kernel = kernel_plan(group, dtype, training, shape)
     if kernel is not None:
         return kernel
@@ -248,12 +244,9 @@ def static_plan(group, dtype: str, training: bool, batch: int | None = None,
 
 
 def fused_where_keras_fails(group, dtype: str, batch: int | None) -> Plan:
-    """The static plan of a group whose original layers cannot run here:
-    one fused call, on cuDNN's persistent algorithm in float16 at a known
-    batch of at most 64 where the core would run the standard one (no
-    mask, projection or small state), as it ran about 2x the standard one
-    in every measured case (benchmarks.md: the op per algorithm, the tuned
-    backend matrix on TensorFlow and JAX).
+    """One fused call; in float16 at a batch of at most 64, cuDNN's persistent
+    algorithm where the core would run the standard one, about 2x faster
+    wherever measured (benchmarks.md).
 
     >>> from rnnfuse.report import FusionGroup
     >>> g = FusionGroup(("a", "b"), "lstm", 384, 2, 80, True)
