@@ -250,3 +250,51 @@ def test_the_float64_reference_on_the_core_is_the_layers_own_float64(kind):
     worst = max(_rel(a, b) for a, b in zip(fused, layers))
     print(f"{kind}: float64 reference, core against Keras' loop: {worst:.2e}")
     assert worst < 1e-9
+
+
+def test_a_short_half_precision_fit_where_keras_fails_runs_the_persistent_algorithm(monkeypatch):
+    """A mixed_float16 BiLSTM (Keras' own step fails on JAX's GPU) at batch 24
+    under `optimize`'s defaults: a one-step predict and fit, too short to
+    time, run the static plan, cuDNN's persistent algorithm in every core
+    call, close to the float32 twin's outputs and SGD step."""
+    from rnnfuse.tuning import first_batch
+
+    algorithms = []
+    real = cudnn_core.ffi_call
+
+    def spy(target, results, *operands, **kwargs):
+        algorithms.append(int(kwargs["algorithm"]) // 4)
+        return real(target, results, *operands, **kwargs)
+
+    monkeypatch.setattr(cudnn_core, "ffi_call", spy)
+
+    def model(policy):
+        keras.mixed_precision.set_global_policy(policy)
+        try:
+            inputs = keras.Input((100, 80))
+            h = inputs
+            for _ in range(2):
+                h = L.Bidirectional(L.LSTM(256, return_sequences=True))(h)
+            return keras.Model(inputs, L.Dense(3, dtype="float32")(L.GlobalAveragePooling1D()(h)))
+        finally:
+            keras.mixed_precision.set_global_policy("float32")
+
+    twin, half = model("float32"), model("mixed_float16")
+    half.set_weights(twin.get_weights())
+    start = twin.get_weights()
+    rng = np.random.default_rng(8)
+    x = rng.standard_normal((24, 100, 80)).astype("float32")
+    y = rng.standard_normal((24, 3)).astype("float32")
+    fast = rnnfuse.optimize(half, cache=False)
+    assert _rel(fast.predict(x, batch_size=24, verbose=0), twin.predict(x, batch_size=24, verbose=0)) <= 2e-2
+    for m in (fast, twin):
+        m.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse", auto_scale_loss=False)
+        m.fit(x, y, batch_size=24, epochs=1, verbose=0)
+    (layer,) = fused_layers(fast)
+    assert layer.plan.name == "fused @persistent_static+tc", layer.plan
+    assert algorithms and set(algorithms) == {1}, algorithms  # persistent_static, never standard
+    records = first_batch.decisions(fast)
+    assert records and all(r["chosen"] == layer.plan.name and not r["timings_ms"] for r in records)
+    deltas = [np.concatenate([(a - b).ravel() for a, b in zip(m.get_weights(), start)])
+              for m in (half, twin)]
+    assert _rel(*deltas) <= 5e-2
