@@ -194,6 +194,27 @@ def test_persistent_algorithms_are_not_timed_above_their_dtypes_batch_bound():
     assert tune(32).plan.name == "fused @persistent_static+tc"
 
 
+@pytest.mark.parametrize("units, dynamic_timed", [(256, True), (384, False)])
+def test_persistent_dynamic_is_not_timed_from_its_float16_width(units, dynamic_timed):
+    """float16 from 384 units (DYNAMIC_MIN_UNITS): persistent_dynamic is left
+    out with the reason, the other algorithms still timed; at 256 it is."""
+    from rnnfuse.tuning.tuner import plans_worth_timing
+
+    keras.config.set_dtype_policy("mixed_float16")
+    try:
+        (group,) = _groups(stack_model("lstm", 4, units=units, steps=None))
+    finally:
+        keras.config.set_dtype_policy("float32")
+    plans, rejected = plans_worth_timing(group, (16, 20, 5), "float16", False, True, "tensorflow",
+                                         candidate_plans(group))
+    names = {p.name for p in plans}
+    assert {"fused", "fused @persistent_static+tc", "split 2+2 @persistent_static+tc"} <= names
+    dynamic = {"fused @persistent_dynamic+tc", "split 2+2 @persistent_dynamic+tc"}
+    assert (dynamic <= names) == dynamic_timed
+    if not dynamic_timed:
+        assert all("DYNAMIC_MIN_UNITS" in rejected[n] for n in dynamic)
+
+
 def test_second_tune_reads_the_cache_without_timing(tmp_path):
     cache = PlanCache(tmp_path / "plans.json")
     (group,) = _groups(stack_model("gru", 3))

@@ -20,8 +20,9 @@ from typing import Callable, Iterable, Sequence
 from rnnfuse.plan import PER_LAYER, Plan
 from rnnfuse.report import FusionGroup
 
-__all__ = ["CANDIDATE_ALGORITHMS", "PERSISTENT_MAX_BATCH", "candidate_plans", "kernel_plans",
-           "kernel_segments", "persistent_reason", "split_groups", "whole_run_twins"]
+__all__ = ["CANDIDATE_ALGORITHMS", "DYNAMIC_MIN_UNITS", "PERSISTENT_MAX_BATCH", "candidate_plans",
+           "dynamic_reason", "kernel_plans", "kernel_segments", "persistent_reason", "split_groups",
+           "whole_run_twins"]
 
 # The algorithms tried for fused pieces (None: standard); on TensorFlow only
 # with rnnfuse's op, which runs them in the backward pass too.
@@ -49,6 +50,24 @@ def persistent_reason(dtype: str, batch: int) -> str | None:
         return None
     return (f"not timed: at a batch over {bound} in {dtype}, persistent algorithms never "
             "came within 24% of the best in the measured matrix (PERSISTENT_MAX_BATCH)")
+
+
+# From these widths in float16, persistent_dynamic ran 5-22x slower than the best
+# plan in every measured case, and its first calls and timing cost seconds.
+DYNAMIC_MIN_UNITS = {"float16": 384}
+
+
+def dynamic_reason(dtype: str, units: int) -> str | None:
+    """Why persistent_dynamic is not timed at this width, or None.
+
+    >>> dynamic_reason("float16", 256) is None, dynamic_reason("bfloat16", 512) is None
+    (True, True)
+    """
+    bound = DYNAMIC_MIN_UNITS.get(str(dtype))
+    if bound is None or int(units) < bound:
+        return None
+    return (f"not timed: from {bound} units in {dtype}, persistent_dynamic ran 5-22x slower "
+            "than the best plan in every measured case (DYNAMIC_MIN_UNITS)")
 
 
 def candidate_plans(

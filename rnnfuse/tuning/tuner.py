@@ -39,8 +39,8 @@ from rnnfuse.tuning.budget import TuningBudget
 from rnnfuse.tuning.cache import PlanCache, cache_key
 from rnnfuse.tuning.clock import Clock, current_clock
 from rnnfuse.plan import PER_LAYER, Plan
-from rnnfuse.tuning.plans import (candidate_plans, kernel_plans, persistent_reason, split_groups,
-                                   whole_run_twins)
+from rnnfuse.tuning.plans import (candidate_plans, dynamic_reason, kernel_plans, persistent_reason,
+                                  split_groups, whole_run_twins)
 from rnnfuse.tuning.table import static_plan
 from rnnfuse.tuning.timing import interleaved_medians
 
@@ -440,14 +440,20 @@ def plans_worth_timing(group: FusionGroup, shape: tuple, dtype: str, masked: boo
                        training: bool, backend_name: str, plans: list) -> tuple[list, dict]:
     """(the candidates worth timing, {name: why not} for the others): no
     persistent algorithm for a masked group (cuDNN refuses padded lengths)
-    or above PERSISTENT_MAX_BATCH, and the other kernels' plans (the
-    wavefront kernel) where the backend runs them for this shape."""
+    or above PERSISTENT_MAX_BATCH, no persistent_dynamic from
+    DYNAMIC_MIN_UNITS, and the other kernels' plans (the wavefront kernel)
+    where the backend runs them for this shape."""
     rejected = {}
     backend = get_backend(backend_name)
     no_persistent = ("cuDNN's persistent algorithms do not take padded sequence lengths"
                      if masked else persistent_reason(dtype, shape[0]))
     if no_persistent is not None:
         rejected.update({p.name: no_persistent for p in plans if p.algorithm})
+    no_dynamic = dynamic_reason(dtype, group.units)
+    if no_dynamic is not None:
+        rejected.update({p.name: no_dynamic for p in plans
+                         if p.algorithm and p.algorithm.startswith("persistent_dynamic")
+                         and p.name not in rejected})
     # Keras' own layers whose step fails to compile here: nothing to time.
     fails = backend.keras_path_fails(group, dtype, masked=masked)
     if fails is not None:

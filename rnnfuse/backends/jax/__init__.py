@@ -220,20 +220,16 @@ def allow_tf32() -> bool:
 def run_stack(sequences: Any, call: StackCall) -> StackRun:
     """Runs `call.stack` over `sequences` [B, T, F] (in the compute dtype)
     in one call of the cuDNN core or, for kernel "wavefront", that kernel.
-
-    How JAX reads the `StackCall`'s fields:
-        initial_h, initial_c: h [B, R] (R = proj_size or units), c [B, H].
-        mask: right-padded (the caller checked): the sequence lengths.
-        dropout, seed: cuDNN's dropout between levels, seeded by seed +
-            seed2 * 2**31.
+    It reads initial_h [B, R] (R = proj_size or units), initial_c [B, H], a
+    right-padded mask as sequence lengths, and cuDNN's dropout between
+    levels seeded by seed + seed2 * 2**31.
 
     Returns:
         A `StackRun`: outputs [B, T, D*R] with zeros past each length,
         final h [L*D, B, R], final c [L*D, B, H] or None, and the `KernelRun`.
 
     Raises:
-        NotImplementedError: the core cannot run this call; the original
-            layers run.
+        NotImplementedError: the core cannot run this call; the original layers run.
     """
     if call.kernel not in KERNELS:
         raise NotImplementedError(
