@@ -252,6 +252,7 @@ def test_the_float64_reference_on_the_core_is_the_layers_own_float64(kind):
     assert worst < 1e-9
 
 
+@pytest.mark.call_budget  # one-step calls under the library's own budget
 def test_a_short_half_precision_fit_where_keras_fails_runs_the_persistent_algorithm(monkeypatch):
     """A mixed_float16 BiLSTM (Keras' own step fails on JAX's GPU) at batch 24
     under `optimize`'s defaults: a one-step predict and fit, too short to
