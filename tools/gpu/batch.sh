@@ -379,7 +379,7 @@ run_stage() {
       # %globaltimer timeline, headline, per-phase medians: wait, stage,
       # multiply, pointwise, publish; bench_wavefront.py trace). WGMMA_VARIANT=4:
       # variant 4's beside both.
-      s=$(limit wavefront-wgmma-trace 120)
+      s=$(limit wavefront-wgmma-trace 150)
       traced="0 2"; [ "${WGMMA_VARIANT:-2}" = 2 ] || traced="0 2 $WGMMA_VARIANT"
       ( torch_env; timeout $s bash -c "for v in $traced; do python3 bench/bench_wavefront.py trace \
           --cells 1 --variant \$v --out $LOGS/wavefront_trace_v\$v.json; done" ) > $log 2>&1; rc=$?

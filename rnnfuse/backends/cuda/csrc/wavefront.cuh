@@ -128,7 +128,7 @@
 //      warpgroup g starts at Sw128StepOffset;
 //   d. hs is never read or written by the generic proxy after the
 //      prologue (zeroed, fenced once): the GRU's h_{t-1} comes from the
-//      global h this CTA's own thread wrote, not from hs. Layer 0's xproj
+//      global h this thread wrote a step earlier (h0 at step 0). Layer 0's xproj
 //      stays on cp.async (its wait before the pointwise barrier).
 // A staging wait longer than kBwdWaitNs traps (a byte count the copies
 // never reach would otherwise hang the launch).
