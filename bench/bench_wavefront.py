@@ -25,6 +25,9 @@ built into the cache (nvcc + g++).
     # the forward's opt-in variant 2 (wgmma; wavefront.cuh, "Variant 2"): checked, then timed
     python3 bench/bench_wavefront.py check --variant 2 --random 6 --out $OUT/check_v2.json
     python3 bench/bench_wavefront.py bench --cells headline --variants 0,2 --kernel-only
+    # variant 4 (variant 2 staged by tensor copies; "Variant 4"), with the edge shapes
+    python3 bench/bench_wavefront.py check --variant 4 --fixed 4 --edge 5 --random 6
+    python3 bench/bench_wavefront.py bench --cells headline --variants 0,2,4 --kernel-only
     # the forward's opt-in variant 3 (the h values as their own flags; "Variant 3")
     python3 bench/bench_wavefront.py check --variant 3 --random 6 --out $OUT/check_v3.json
     python3 bench/bench_wavefront.py bench --cells headline --variants 0,3 --kernel-only
@@ -76,7 +79,9 @@ add in the same order: 0 expected).
 (wavefront.cuh; 0 the default). check with N != 0 also runs variant 0 on
 the same inputs and, for an LSTM, the saving forward of both (gates_out,
 c_out), and requires every output within TOL of variant 0's
-(`err_vs_variant0`). `bench --variants 0,N` times the variants interleaved
+(`err_vs_variant0`). `check --edge N`: also the first N of EDGE_CASES,
+the shapes variants 2 and 4 take at their edges (batches not a multiple of
+32, several chunks, K padded). `bench --variants 0,N` times the variants interleaved
 (call by call, one process) and reports each one's ms and N's ratio to the
 first (`ratio_kernel_only`, `ratio_kernel`).
 `segments`: stacks larger than the chip (SEGMENT_CELLS), refused whole and
@@ -301,6 +306,16 @@ FIXED_CASES = [
 ]
 
 
+EDGE_CASES = [
+    # kind, layers, units, batch, steps, inputs, dtype, lengths
+    ("lstm", 4, 512, 33, 30, 512, "float16", True),     # a second half of 1 row
+    ("gru", 4, 512, 100, 20, 512, "bfloat16", False),   # two chunks, the second 36 rows
+    ("lstm", 3, 512, 200, 10, 512, "float16", True),    # four chunks, the last 8 rows
+    ("lstm", 4, 384, 64, 20, 384, "float16", False),    # K 768 padded to 1024
+    ("lstm", 4, 320, 20, 10, 320, "bfloat16", True),    # one half; K 320 and 640 padded
+]
+
+
 def random_cases(n: int, seed: int):
     """Random shapes over the brief's ranges; two in three drawn from stacks
     that fit on chip (4 x 512, 8 x 256, 1 x 1024 and below), the rest from
@@ -343,7 +358,8 @@ def run_cases(name, cases, run_case, seed, shown, out):
 
 
 def cmd_check(args):
-    cases = FIXED_CASES[: args.fixed] + random_cases(args.random, args.seed)
+    cases = (FIXED_CASES[: args.fixed] + EDGE_CASES[: args.edge]
+             + random_cases(args.random, args.seed))
     return run_cases("check", cases, functools.partial(check_case, variant=args.variant),
                      args.seed, ("status", "err_vs_f64", "cudnn_err_vs_f64", "err_vs_variant0",
                                  "reason"), args.out)
@@ -1540,6 +1556,7 @@ def main(argv=None):
     c = sub.add_parser("check")
     c.add_argument("--fixed", type=int, default=len(FIXED_CASES))
     c.add_argument("--random", type=int, default=12)
+    c.add_argument("--edge", type=int, default=0, help="also the first N of EDGE_CASES")
     c.add_argument("--seed", type=int, default=0)
     c.add_argument("--variant", type=int, default=0, help="the forward step's variant")
     c.add_argument("--out", default="")

@@ -301,7 +301,7 @@ def test_the_kind_backward_entry_is_declared_as_the_host_defines_it(host):
 def test_every_kernel_the_host_loads_is_one_the_cubin_source_defines():
     """The names wavefront_host.cc asks the cubin for (cuModuleGetFunction)
     are the kernels wavefront.cu's RF_KERNELS lines define, each in f16 and
-    bf16: the fast loop's check of the variants' kernels, whose compiled
+    bf16 (and its RF_TMA_KERNEL lines, one a type): the fast loop's check of the variants' kernels, whose compiled
     cubin the slow tests read (test_wavefront_variant.py,
     test_wavefront_wgmma_layout.py)."""
     import re
@@ -309,10 +309,11 @@ def test_every_kernel_the_host_loads_is_one_the_cubin_source_defines():
     csrc = Path(library.__file__).parent / "csrc"
     loaded = set(re.findall(r'cuModuleGetFunction_\([^"]*"(\w+)"',
                             (csrc / "wavefront_host.cc").read_text()))
-    defined = {f"{name}_{t}" for name in re.findall(r"^RF_KERNELS\((\w+),",
-                                                    (csrc / "wavefront.cu").read_text(), re.M)
+    source = (csrc / "wavefront.cu").read_text()
+    defined = {f"{name}_{t}" for name in re.findall(r"^RF_KERNELS\((\w+),", source, re.M)
                for t in ("f16", "bf16")}
-    assert {f"rnnfuse_wf_forward_v{v}_{t}" for v in (1, 2, 3) for t in ("f16", "bf16")} <= loaded
+    defined |= set(re.findall(r"^RF_TMA_KERNEL\((\w+),", source, re.M))  # variant 4's, named whole
+    assert {f"rnnfuse_wf_forward_v{v}_{t}" for v in (1, 2, 3, 4) for t in ("f16", "bf16")} <= loaded
     assert loaded == defined, (loaded ^ defined)
 
 

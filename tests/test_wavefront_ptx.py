@@ -12,7 +12,9 @@ waits in the data instead (tests/test_wavefront_lamport.py).
 Variant 2 also needs wgmma's own ordering: the proxy fence after its
 copies, the wgmma fence before the products and the wait before their
 accumulators are read (tests/test_wavefront_wgmma_layout.py has its layout
-arithmetic). What this cannot check: that the hardware honours them;
+arithmetic). Variant 4 stages through the async proxy instead: mbarrier
+waits, and no proxy fence, between its copies and its products
+(tests/test_wavefront_tma_layout.py has its copies and descriptors). What this cannot check: that the hardware honours them;
 `tools/gpu/batch.sh wavefront-wgmma-diag` and `wavefront-wgmma` do.
 """
 
@@ -55,7 +57,7 @@ def forward(variant: int, t: str) -> str:
 
 
 @pytest.mark.parametrize("t", TYPES)
-@pytest.mark.parametrize("variant", [0, 1, 2])
+@pytest.mark.parametrize("variant", [0, 1, 2, 4])
 def test_a_forward_that_publishes_its_steps_waits_for_its_inputs(ptx, variant, t):
     body = ptx[forward(variant, t)]
     assert "fence.acq_rel.gpu" in body  # the publication
@@ -79,8 +81,9 @@ def test_variant_two_orders_its_copies_and_its_products(ptx, t):
     assert body.count("wgmma.commit_group.sync.aligned") == 2
     assert body.count("wgmma.wait_group.sync.aligned 0") == 2
     assert "fence.proxy.async.shared::cta" in body
-    # the other kernels are plain sm_90 code
-    assert all("wgmma" not in b for name, b in ptx.items() if "forward_v2" not in name)
+    # the other kernels (but variant 4, variant 2's products) are plain sm_90 code
+    assert all("wgmma" not in b for name, b in ptx.items()
+               if "forward_v2" not in name and "forward_v4" not in name)
 
 
 def wait_shape(body: str) -> tuple[int, str]:
@@ -102,3 +105,34 @@ def test_variant_two_waits_as_variant_zero_does(ptx, t):
     polls2, tail2 = wait_shape(ptx[forward(2, t)])
     assert polls2 == polls0 == 2
     assert "cp.async" not in tail0 and "cp.async" not in tail2
+
+
+@pytest.mark.parametrize("t", TYPES)
+def test_variant_four_waits_on_its_copies_not_on_a_proxy_fence(ptx, t):
+    """Variant 4 stages hs by tensor copies that complete on an mbarrier:
+    its only shared-memory proxy fence is the prologue's (the zeroed hs and
+    the barriers' initialisation), before the first copy; between the copies
+    and the products sit only the barrier waits. Each copying lane fences
+    its acquired view of global memory to the async proxy before copying."""
+    body = ptx[forward(4, t)]
+    copy = body.index("cp.async.bulk.tensor.3d.shared::cluster.global.tile"
+                      ".mbarrier::complete_tx::bytes")
+    first_product = body.index("wgmma.mma_async")
+    assert body.count("fence.proxy.async.shared::cta") == 1
+    assert body.index("fence.proxy.async.shared::cta") < body.index("ld.acquire.gpu") < copy
+    assert body.index("mbarrier.init") < body.index("fence.mbarrier_init") < copy
+    assert body.index("ld.acquire.gpu") < body.index("fence.proxy.async.global") < copy
+    assert body.index("mbarrier.arrive.expect_tx") < copy
+    between = body[copy:first_product]
+    assert "mbarrier.try_wait.parity" in between
+    assert not re.search(r"fence\.proxy|membar|fence\.(sc|acq_rel)|cp\.async\.wait", between)
+    suffix = "f16.f16" if t == "f16" else "bf16.bf16"
+    assert body.count(f"wgmma.mma_async.sync.aligned.m64n32k16.f32.{suffix}") == 48
+
+
+@pytest.mark.parametrize("t", TYPES)
+def test_variant_four_waits_for_its_flags_as_variant_zero_does(ptx, t):
+    polls0, tail0 = wait_shape(ptx[forward(0, t)])
+    polls4, tail4 = wait_shape(ptx[forward(4, t)])
+    assert polls4 == polls0 == 2
+    assert "cp.async" not in tail4

@@ -44,16 +44,16 @@ def test_the_cubin_carries_the_variant_kernels(built_wavefront, monkeypatch):
     # The cubin's bytes, not the library's: the host names every kernel it loads.
     monkeypatch.setenv("RNNFUSE_CACHE_DIR", str(built_wavefront[1]))
     data = build.build_cubin().read_bytes()
-    for variant in (1, 3):
+    for variant in (1, 3, 4):
         assert f"rnnfuse_wf_forward_v{variant}_f16".encode() in data
         assert f"rnnfuse_wf_forward_v{variant}_bf16".encode() in data
     assert b"rnnfuse_wf_forward_variant" in library.load(built_wavefront[0]).path.read_bytes()
 
 
-@pytest.mark.parametrize("variant", [-1, 4])
+@pytest.mark.parametrize("variant", [-1, 5])
 def test_an_unknown_variant_is_refused_with_the_reason(lib, variant):
     with pytest.raises(library.WavefrontError,
-                       match=f"variant must be 0, 1, 2 or 3.*not {variant}"):
+                       match=f"variant must be 0, 1, 2, 3 or 4.*not {variant}"):
         lib.forward(0, "float16", "lstm", 1, 8, 1, 1, 3, xproj=0, params=0, h0=0, c0=0,
                     lengths=None, y=0, hy=0, cy=0, workspace=0, variant=variant)
 

@@ -33,6 +33,7 @@ def kernels(sass: str) -> dict[str, str]:
     parts = re.split(r"^\.text\.(\w+):", sass, flags=re.M)
     out = {}
     for name, body in zip(parts[1::2], parts[2::2]):
+        body = re.split(r"^//-{5,}", body, flags=re.M)[0]  # not the next section's header
         labels: dict[str, str] = {}
         renumber = lambda m: labels.setdefault(m.group(0), f".L{len(labels)}")  # noqa: E731
         out[name] = re.sub(r"\.L_x_\d+", renumber, body)
@@ -55,7 +56,7 @@ def main(argv=None) -> int:
                     help="a kernel name prefix allowed to differ (repeatable)")
     args = ap.parse_args(argv)
     old, new = kernels(disassemble(args.old)), kernels(disassemble(args.new))
-    unexpected = sorted(set(old) ^ set(new))
+    unexpected = sorted(n for n in set(old) ^ set(new) if not any(n.startswith(p) for p in args.expect))
     for name in sorted(set(old) & set(new)):
         same = old[name] == new[name]
         print(("same    " if same else "DIFFERS ") + name)

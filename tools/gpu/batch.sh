@@ -41,6 +41,8 @@
 #   bash tools/gpu/batch.sh wavefront-wgmma   # the forward's opt-in wgmma variant
 #   bash tools/gpu/batch.sh wavefront-wgmma-diag   # where variant 2 goes wrong, tiny cases (~40 s)
 #   bash tools/gpu/batch.sh wavefront-wgmma-trace   # variant 2's step phases beside variant 0's
+#   WGMMA_VARIANT=4 bash tools/gpu/batch.sh wavefront-wgmma-diag wavefront-wgmma wavefront-wgmma-trace
+#                    # the same three for variant 4 (variant 2 staged by tensor copies)
 #   bash tools/gpu/batch.sh wavefront-variant3   # the forward's opt-in variant 3 (h as flags)
 #
 # The tf-* stages need the staging runs of ../shared/gpu/README.md first
@@ -98,11 +100,13 @@ bench_stage() {
 # An opt-in forward variant: variant_stage STAGE VARIANT SECONDS checks it
 # against float64, cuDNN and variant 0, then times the headline interleaved
 # with variant 0, kernel only.
+# variant_stage STAGE VARIANT SECONDS [CHECK_ARGS] [BENCH_VARIANTS]: check (4 fixed
+# shapes, 6 random, and CHECK_ARGS), then the headline timed interleaved (0,VARIANT).
 variant_stage() {
-  local stage=$1 v=$2 s log=$LOGS/$1.log rc
+  local stage=$1 v=$2 s log=$LOGS/$1.log rc extra=${4:-} timed=${5:-0,$2}
   s=$(limit "$stage" "$3")
-  ( torch_env; timeout "$s" bash -c "python3 bench/bench_wavefront.py check --fixed 4 --random 6 --variant $v --out $LOGS/wavefront_check_v$v.json; \
-      python3 bench/bench_wavefront.py bench --cells headline --variants 0,$v --reps 20 --kernel-only --out $LOGS/wavefront_bench_v0$v.json" ) > "$log" 2>&1; rc=$?
+  ( torch_env; timeout "$s" bash -c "python3 bench/bench_wavefront.py check --fixed 4 --random 6 $extra --variant $v --out $LOGS/wavefront_check_v$v.json; \
+      python3 bench/bench_wavefront.py bench --cells headline --variants $timed --reps 20 --kernel-only --out $LOGS/wavefront_bench_v0$v.json" ) > "$log" 2>&1; rc=$?
   cp "$LOGS/wavefront_check_v$v.json" "$LOGS/wavefront_bench_v0$v.json" "$OUT/" 2>/dev/null
   echo "[$(since) s] $stage rc $rc"
   grep -E "ok|FAIL|fail|ms|ratio|Error|fallback|passed" "$log" | grep -v Warning | cut -c1-300 | tail -30
@@ -351,28 +355,37 @@ run_stage() {
       # The forward's opt-in variant 2 (wgmma, sm_90a; off by default): its
       # exactness against float64, cuDNN and variant 0 (a shape whose plan
       # it does not take falls back, with the reason), then the headline
-      # timed interleaved with variant 0, kernel only.
-      variant_stage $stage 2 200 ;;
+      # timed interleaved with variant 0, kernel only. WGMMA_VARIANT=4:
+      # variant 4 (variant 2 staged by tensor copies), also on the edge
+      # shapes (check --edge), timed interleaved with variants 0 and 2.
+      if [ "${WGMMA_VARIANT:-2}" = 4 ]; then
+        variant_stage $stage 4 300 "--edge 5" 0,2,4
+      else
+        variant_stage $stage ${WGMMA_VARIANT:-2} 200
+      fi ;;
     wavefront-wgmma-diag)
       # Where the forward's variant 2 goes wrong (variant 0 beside it):
       # tiny LSTM stacks, 1-3 steps, each (step, layer)'s gates against the
       # reference, and one-hot weights that say which (batch row, input)
-      # each product read (bench/diag_wavefront_variant.py). DIAG_VARIANT: another variant.
+      # each product read (bench/diag_wavefront_variant.py). DIAG_VARIANT (else
+      # WGMMA_VARIANT): another variant.
       s=$(limit wavefront-wgmma-diag 120)
-      ( torch_env; timeout $s python3 bench/diag_wavefront_variant.py --variant ${DIAG_VARIANT:-2} \
-          --out $LOGS/wavefront_diag_v${DIAG_VARIANT:-2}.json ) > $log 2>&1; rc=$?
-      cp $LOGS/wavefront_diag_v${DIAG_VARIANT:-2}.json $OUT/ 2>/dev/null
+      dv=${DIAG_VARIANT:-${WGMMA_VARIANT:-2}}
+      ( torch_env; timeout $s python3 bench/diag_wavefront_variant.py --variant $dv \
+          --out $LOGS/wavefront_diag_v$dv.json ) > $log 2>&1; rc=$?
+      cp $LOGS/wavefront_diag_v$dv.json $OUT/ 2>/dev/null
       echo "[$(since) s] wavefront-wgmma-diag rc $rc"
       grep -E '^\{|^diag:|Error' $log | cut -c1-600 | tail -14 ;;
     wavefront-wgmma-trace)
       # Where a step of variant 2 goes against variant 0's (the kernel's own
       # %globaltimer timeline, headline, per-phase medians: wait, stage,
-      # multiply, pointwise, publish; bench_wavefront.py trace).
-      s=$(limit wavefront-wgmma-trace 120)
-      ( torch_env; timeout $s bash -c "python3 bench/bench_wavefront.py trace --cells 1 --variant 0 \
-          --out $LOGS/wavefront_trace_v0.json; python3 bench/bench_wavefront.py trace --cells 1 \
-          --variant 2 --out $LOGS/wavefront_trace_v2.json" ) > $log 2>&1; rc=$?
-      cp $LOGS/wavefront_trace_v0.json $LOGS/wavefront_trace_v2.json $OUT/ 2>/dev/null
+      # multiply, pointwise, publish; bench_wavefront.py trace). WGMMA_VARIANT=4:
+      # variant 4's beside both.
+      s=$(limit wavefront-wgmma-trace 150)
+      traced="0 2"; [ "${WGMMA_VARIANT:-2}" = 2 ] || traced="0 2 $WGMMA_VARIANT"
+      ( torch_env; timeout $s bash -c "for v in $traced; do python3 bench/bench_wavefront.py trace \
+          --cells 1 --variant \$v --out $LOGS/wavefront_trace_v\$v.json; done" ) > $log 2>&1; rc=$?
+      for v in $traced; do cp $LOGS/wavefront_trace_v$v.json $OUT/ 2>/dev/null; done
       echo "[$(since) s] wavefront-wgmma-trace rc $rc"
       grep -E '^\{|Error' $log | cut -c1-700 | tail -6 ;;
     wavefront-variant3)

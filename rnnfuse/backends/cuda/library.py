@@ -86,6 +86,9 @@ class WavefrontLibrary:
         lib.rnnfuse_wf_forward_directions.restype = i
         lib.rnnfuse_wf_plan_offsets.argtypes = [i, i, i, i, i, ctypes.POINTER(ctypes.c_longlong)]
         lib.rnnfuse_wf_plan_offsets.restype = i
+        lib.rnnfuse_wf_tma_staging.argtypes = [i] * 11 + [ctypes.c_uint, ip, ip,
+                                                          ctypes.POINTER(ctypes.c_ulonglong)]
+        lib.rnnfuse_wf_tma_staging.restype = i
         self._lib = lib
 
     def _error(self) -> str:
@@ -130,8 +133,8 @@ class WavefrontLibrary:
                 c_out: int = 0, variant: int = 0) -> None:
         """One forward pass (device pointers as ints; see wavefront.cuh).
 
-        `mode`: a debug mode (0 computes the right answer); `variant`: 0, 1, 2 (wgmma) or 3 (the h
-        values as their own flags);
+        `mode`: a debug mode (0 computes the right answer); `variant`: 0, 1, 2 (wgmma), 3 (the h
+        values as their own flags) or 4 (variant 2 staged by tensor copies);
         `trace`: 0 or a buffer of 2 * trace_steps * 8 uint64 for the timeline;
         `gates_out`, `c_out`: 0, or float32 [L, T, B, 4H] and [L, T, B, H] where
         the forward saves gates and c for `backward`."""
@@ -253,6 +256,26 @@ class WavefrontLibrary:
             raise WavefrontError(self._error())
         return [dict(zip(("w_ih", "w_hh", "b_in", "b_rec"), out[4 * l:4 * l + 4]))
                 for l in range(num_layers)]
+
+    def tma_staging(self, kind: str, num_layers: int, units: int, batch: int, steps: int,
+                    input_size: int, *, layer: int, step: int, chunk: int, base: int = 0,
+                    sms: int, smem: int) -> dict:
+        """Variant 4's staging of one chunk as the kernel computes it
+        (wavefront.cuh, "Variant 4"), for the CPU tests: {copies: [{map, k,
+        row, plane, dst, half}], half_bytes: [2], descs: {(half, warpgroup,
+        k-step): descriptor} for a chunk at shared address `base`}."""
+        copies, half_bytes = (ctypes.c_int * (6 * 32))(), (ctypes.c_int * 2)()
+        descs = (ctypes.c_ulonglong * 128)()
+        n = self._lib.rnnfuse_wf_tma_staging(_kind(kind), num_layers, units, batch, steps,
+                                             input_size, sms, smem, layer, step, chunk, base,
+                                             copies, half_bytes, descs)
+        if n < 0:
+            raise WavefrontError(self._error())
+        fields = ("map", "k", "row", "plane", "dst", "half")
+        return {"copies": [dict(zip(fields, copies[6 * i:6 * i + 6])) for i in range(n)],
+                "half_bytes": list(half_bytes),
+                "descs": {(h, g, j): descs[(2 * h + g) * 32 + j]
+                          for h in range(2) for g in range(2) for j in range(32)}}
 
     def forward_directions(self, stream: int, dtype: str, kind: str, units: int, batch: int,
                            steps: int, input_size: int, *, xproj: int, params: int, h0: int,

@@ -199,6 +199,52 @@ __device__ __forceinline__ unsigned long long global_ns() {
   return t;
 }
 
+// Variant 4's staging (wavefront.cuh, "Variant 4"): mbarriers, the tensor
+// copy that completes on one, and the proxy fence of global memory.
+__device__ __forceinline__ void mbar_init(uint32_t bar) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(bar) : "memory");
+}
+// The barriers' initialisation, to the async proxy's complete_tx.
+__device__ __forceinline__ void mbar_init_fence() {
+  asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+}
+// The one arrival of the barrier's phase, which also expects `bytes`.
+__device__ __forceinline__ void mbar_expect_tx(uint32_t bar, uint32_t bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(bar), "r"(bytes)
+               : "memory");
+}
+__device__ __forceinline__ bool mbar_try_wait(uint32_t bar, uint32_t parity) {
+  uint32_t done;
+  asm volatile(
+      "{\n.reg .pred p;\nmbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n"
+      "selp.u32 %0, 1, 0, p;\n}\n"
+      : "=r"(done)
+      : "r"(bar), "r"(parity)
+      : "memory");
+  return done != 0;
+}
+// Until the barrier's phase of `parity` completes; a wait past kBwdWaitNs
+// traps (bytes the copies never bring: a bug, not a hang).
+__device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity) {
+  if (mbar_try_wait(bar, parity)) return;
+  const unsigned long long start = global_ns();
+  while (!mbar_try_wait(bar, parity))
+    if (global_ns() - start > kBwdWaitNs) __trap();
+}
+// This thread's generic-proxy view of global memory (the h it acquired),
+// to its async-proxy operations that follow (the tensor copies).
+__device__ __forceinline__ void fence_proxy_async_global() {
+  asm volatile("fence.proxy.async.global;" ::: "memory");
+}
+__device__ __forceinline__ void tma_load_3d(uint32_t dst, const TmaMap* map, int k, int row,
+                                            int plane, uint32_t bar) {
+  asm volatile(
+      "cp.async.bulk.tensor.3d.shared::cluster.global.tile.mbarrier::complete_tx::bytes "
+      "[%0], [%1, {%2, %3, %4}], [%5];" ::"r"(dst),
+      "l"(map), "r"(k), "r"(row), "r"(plane), "r"(bar)
+      : "memory");
+}
+
 // sigmoid and tanh from ex2 and rcp (MUFU, approximate: a few ulp of
 // float32), a few instructions each (tanhf is a dozen and a branch; an IEEE
 // division or __frcp_rn a subroutine).
@@ -376,10 +422,11 @@ __device__ __forceinline__ bool await_flag_or_time_out(const unsigned* flag, uns
 // The forward kernel; V: the step's variant (wavefront.cuh: 0, 1 with
 // the overlapped pointwise step, paired partial sums and fixed staging, or
 // 2: variant 0's schedule with wgmma products, sm_90a; or 3: variant 0's
-// schedule with the h values as their own flags, Lamport-style);
+// schedule with the h values as their own flags, Lamport-style; or 4:
+// variant 2 staged by tensor copies from `maps`);
 // I: independent layers (wavefront.cuh, "Independent layers"; variant 0).
 template <typename T, int V, bool I = false>
-__device__ __forceinline__ void wavefront_body(const Args& a) {
+__device__ __forceinline__ void wavefront_body(const Args& a, const StageMaps* maps = nullptr) {
   using E = Elem<T>;
   extern __shared__ __align__(16) unsigned char smem[];
 
@@ -404,6 +451,7 @@ __device__ __forceinline__ void wavefront_body(const Args& a) {
   // K [wg KH, (wg + 1) KH), KH = kpad / 2 (the host's plan check: U = 16,
   // kpad 512 or 1024), as kj = KH / 16 wgmma k-steps.
   const int KH = p.kpad / 2, kj = KH / 16;
+  constexpr bool kWgmma = V == 2 || V == 4;  // variant 4: variant 2's products
   const bool independent = I;
   const bool first = l == 0 || independent;
 
@@ -430,9 +478,9 @@ __device__ __forceinline__ void wavefront_body(const Args& a) {
 #pragma unroll
       for (int q = 0; q < 4; ++q) {
         // Variant 2: k-step i * kWK + jt of warpgroup warp / 4, rows of warp % 4.
-        const int r = (V == 2 ? (warp & 3) * 16 : mg * kWarpRows + i * 16) + (lane >> 2) +
+        const int r = (kWgmma ? (warp & 3) * 16 : mg * kWarpRows + i * 16) + (lane >> 2) +
                       ((q & 1) ? 8 : 0);
-        const int k = (V == 2 ? (warp >> 2) * KH + (i * kWK + jt) * 16 : kg * kWarpK + jt * 16) +
+        const int k = (kWgmma ? (warp >> 2) * KH + (i * kWK + jt) * 16 : kg * kWarpK + jt * 16) +
                       (lane & 3) * 2 + ((q & 2) ? 8 : 0);
         const long long off = weight_offset(a, p, u0, r, k);
         uint32_t w = 0;
@@ -497,7 +545,7 @@ __device__ __forceinline__ void wavefront_body(const Args& a) {
   const bool upper = kg >= p.kg / 2;
   const bool late = p.ng == 1 ? warp >= kWarps / 2 : ng == 1;
   // partial slices the pointwise step sums (variant 2: one a warpgroup)
-  const int kparts = V == 2 ? 2 : pair ? p.kg / 2 : p.kg;
+  const int kparts = kWgmma ? 2 : pair ? p.kg / 2 : p.kg;
   // Split wait (variant 1, layers above 0 with fixed staging where each
   // warp copies only the layer below's h or only its own: half the chunks
   // of a row, (K/8)/2 a multiple of 32): warp 0 (a below warp) polls the
@@ -535,12 +583,27 @@ __device__ __forceinline__ void wavefront_body(const Args& a) {
   };
   stage_xs(0);
   cp_async_commit();
+  // Variant 4: the staged chunk's base (hs rounded up to kTmaAlign) and its
+  // halves' mbarriers past it; the zeroed hs (padding inputs stay zero) and
+  // the barriers, to the async proxy.
+  const uint32_t tma_hs = (smem_addr(hs) + (kTmaAlign - 1)) & ~uint32_t(kTmaAlign - 1);
+  const uint32_t tma_bar = tma_hs + p.kpad * 128;
+  uint32_t tma_parity = 0;  // bit h: the phase parity half h's barrier completes next
+  if constexpr (V == 4) {
+    __syncthreads();  // hs zeroed before the barriers inside its padding start
+    if (tid == 0) {
+      mbar_init(tma_bar);
+      mbar_init(tma_bar + 8);
+      mbar_init_fence();
+    }
+    fence_proxy_async();
+  }
   __syncthreads();
 
   for (int t = 0; t < steps; ++t) {
     mark(t, 0);
     // --- wait for the inputs of step t ---------------------------------------
-    if ((V == 0 || V == 2) && warp == 0 && !(a.mode & kModeNoWait)) {
+    if ((V == 0 || kWgmma) && warp == 0 && !(a.mode & kModeNoWait)) {
       if (t > 0) await_flags(my_flags, p.ctas, static_cast<unsigned>(t), lane);
       if (!first) await_flags(below_flags, below_ctas, static_cast<unsigned>(t + 1), lane);
       __syncwarp();
@@ -779,7 +842,23 @@ __device__ __forceinline__ void wavefront_body(const Args& a) {
         wgmma_commit();
         wgmma_wait_all();
       };
-      if (kj == 2 * kWK) {
+      // Variant 4: the 128-byte-swizzled half (wavefront.cuh, "Variant 4").
+      auto run_tma = [&](auto steps) {
+        wgmma_fence();
+#pragma unroll
+        for (int j = 0; j < decltype(steps)::value; ++j)
+          E::wgmma(d, wa[j / kWK][j % kWK],
+                   Sw128Desc(tma_hs + Sw128StepOffset(phase, warp >> 2, j, p.kpad)));
+        wgmma_commit();
+        wgmma_wait_all();
+      };
+      if constexpr (V == 4) {
+        if (kj == 2 * kWK) {
+          run_tma(Count<2 * kWK>{});
+        } else {
+          run_tma(Count<kWK>{});
+        }
+      } else if (kj == 2 * kWK) {
         run(Count<2 * kWK>{});
       } else {
         run(Count<kWK>{});
@@ -828,7 +907,9 @@ __device__ __forceinline__ void wavefront_body(const Args& a) {
         }
         float h[2], cv[2] = {0.0f, 0.0f};
         cell_pointwise(a, pre, a.gru ? nullptr : reinterpret_cast<float2*>(cs + nb * U + u),
-                       a.gru ? E::unpack(*reinterpret_cast<const uint32_t*>(hs_at(n, p.kin + u0 + u)))
+                       a.gru ? E::unpack(*reinterpret_cast<const uint32_t*>(
+                                   V == 4 ? prev + static_cast<size_t>(nb) * H + u0 + u
+                                          : hs_at(n, p.kin + u0 + u)))
                              : float2{},
                        (static_cast<size_t>(l) * steps + t) * B + nb, u0 + u, H, h, cv);
         const int len = lens[nb];
@@ -904,8 +985,48 @@ __device__ __forceinline__ void wavefront_body(const Args& a) {
       }
     }
 
-    // Variant 0's chunks, and variants 2 and 3's (variant 1 ran its own above).
-    for (int c = 0; V != 1 && c < nchunks; ++c) {
+    if constexpr (V == 4) {
+      // --- variant 4 (wavefront.cuh): each half's tensor copies complete on
+      // the half's mbarrier; its products wait for those bytes alone -------
+      for (int c = 0; c < nchunks; ++c) {
+        const int n0 = c * kNC, nc = min(kNC, B - n0);
+        const int halves = nc > kNGroup ? 2 : 1;
+        const bool stage = !(a.mode & kModeNoStage);
+        if (stage && warp == 0) {
+          fence_proxy_async_global();  // the acquired h, to this lane's copies
+          const int copies = halves * TmaCopies(p, H);
+          if (lane == 0) {
+            for (int h = 0; h < halves; ++h) mbar_expect_tx(tma_bar + 8 * h, TmaHalfBytes(p, H));
+          }
+          __syncwarp();
+          if (lane < copies) {  // copies <= 32: K <= 1024 (Variant4Fits)
+            const TmaCopy cp = TmaStageCopy(a, p, l, t, n0, lane);
+            tma_load_3d(tma_hs + cp.dst, &maps->map[cp.map], cp.k, cp.row, cp.plane,
+                        tma_bar + 8 * cp.half);
+          }
+        }
+        for (int phase = 0; phase < halves; ++phase) {
+          if (stage) {
+            mbar_wait(tma_bar + 8 * phase, (tma_parity >> phase) & 1u);
+            tma_parity ^= 1u << phase;
+          }
+          if (c == 0 && phase == 0) mark(t, 2);
+          if (!(a.mode & kModeNoMma)) products_wgmma(phase, nc);
+        }
+        cp_async_wait_all();  // this thread's xproj copies of step t (layer 0)
+        __syncthreads();
+        if (c == 0) {
+          mark(t, 3);
+          stage_xs(t + 1);
+          cp_async_commit();
+        }
+        pointwise_rows(n0, 0, nc);
+        __syncthreads();  // part and hs are the next chunk's
+      }
+    }
+
+    // Variant 0's chunks, and variants 2 and 3's (variants 1 and 4 ran their own above).
+    for (int c = 0; V != 1 && V != 4 && c < nchunks; ++c) {
       const int n0 = c * kNC, nc = min(kNC, B - n0);
 
       // --- stage the chunk in two halves of its rows (two cp.async
@@ -1689,6 +1810,16 @@ RF_KERNELS(rnnfuse_wf_forward_v1, Args, wavefront_body, 1)
 RF_KERNELS(rnnfuse_wf_forward_v2, Args, wavefront_body, 2)
 // Variant 3: the h values are their own flags (wavefront.cuh, "Variant 3").
 RF_KERNELS(rnnfuse_wf_forward_v3, Args, wavefront_body, 3)
+// Variant 4: variant 2 staged by tensor copies (wavefront.cuh, "Variant 4"):
+// the tensor maps are a second parameter, so the other kernels' stay as they were.
+#define RF_TMA_KERNEL(NAME, T)                                                  \
+  extern "C" __global__ void __launch_bounds__(rnnfuse_wf::kThreads, 1) NAME( \
+      const __grid_constant__ rnnfuse_wf::Args a,                              \
+      const __grid_constant__ rnnfuse_wf::StageMaps maps) {                    \
+    rnnfuse_wf::wavefront_body<T, 4>(a, &maps);                                \
+  }
+RF_TMA_KERNEL(rnnfuse_wf_forward_v4_f16, __half)
+RF_TMA_KERNEL(rnnfuse_wf_forward_v4_bf16, __nv_bfloat16)
 // Independent layers: a bidirectional layer's directions (Args::independent;
 // wavefront.cuh, "Independent layers").
 RF_KERNELS(rnnfuse_wf_forward_ind, Args, wavefront_body, 0, true)

@@ -105,6 +105,33 @@
 // Every thread fences its copies to the async proxy (fence.proxy.async)
 // before the barrier that releases the products.
 // Trace point 3 is after the second half's products.
+// Variant 4 (Args::variant = 4, opt-in, sm_90a; Variant4Fits: variant 2's
+// plans with H a multiple of 64): variant 2's wait, products and sums, with
+// hs staged by the async proxy, so no proxy fence sits between the copies
+// and the products and each half's products wait only for its own bytes:
+//   a. layout: each half (32 batch rows) of the chunk is kpad / 64 blocks
+//      of 64 inputs, 4096 bytes each (32 rows of 128 bytes, the 128-byte
+//      swizzle: 16-byte piece c of row n at piece c ^ (n % 8)): element
+//      (n, k) at (n / 32) 64 kpad + (k / 64) 4096 + (n % 32) 128 +
+//      ((k / 8 % 8) ^ (n % 8)) 16 + (k % 8) 2 bytes from hs rounded up to 1024;
+//   b. copies: after the wait's CTA barrier, lane i of warp 0 runs
+//      fence.proxy.async.global (the h it acquired, written by other CTAs
+//      through the generic proxy, to the async proxy's reads) and issues
+//      copy i of TmaStageCopy: a 3D tensor copy (cp.async.bulk.tensor, box
+//      64 inputs x 32 rows x 1 step of a [planes][B][H] map: the workspace's
+//      sequences, y, or h0) completing on the half's mbarrier; lane 0 first
+//      arms each half's barrier with arrive.expect_tx(TmaHalfBytes). Rows
+//      past B are the copy's out-of-bounds rows: zeros, counted in the bytes;
+//   c. products: every thread waits on the half's barrier (try_wait.parity,
+//      a parity bit a barrier, flipped at each wait), then wgmma reads the
+//      half through Sw128Desc (128-byte swizzle, SBO 1024); k-step j of
+//      warpgroup g starts at Sw128StepOffset;
+//   d. hs is never read or written by the generic proxy after the
+//      prologue (zeroed, fenced once): the GRU's h_{t-1} comes from the
+//      global h this thread wrote a step earlier (h0 at step 0). Layer 0's xproj
+//      stays on cp.async (its wait before the pointwise barrier).
+// A staging wait longer than kBwdWaitNs traps (a byte count the copies
+// never reach would otherwise hang the launch).
 // Variant 3 (Args::variant = 3, opt-in; every plan variant 0 takes):
 // variant 0's schedule and arithmetic, with the h values as their own
 // flags (Lamport-style, as the persistent RNNs of arXiv 1804.10223 carry
@@ -195,7 +222,7 @@ constexpr int kModeScFence = 4;  // __threadfence (fence.sc) before publishing
 constexpr int kModeNoStage = 8;  // never load h into shared memory
 constexpr int kModeNoPointwise = 16;  // skip the pointwise step (no outputs)
 
-constexpr int kVariants = 4;  // Args::variant in [0, kVariants)
+constexpr int kVariants = 5;  // Args::variant in [0, kVariants)
 // Variant 3: what the sequence buffers hold until a step's h lands (every
 // half 0xFFFF, a NaN in float16 and bfloat16), and the flag word a wait
 // that timed out sets (variant 3 uses no other flag).
@@ -384,6 +411,80 @@ struct BwdStackArgs {
   int variant;         // 0: backward_stack_body; 1, 2: the pipelined body (see "Variants")
   int chunk;           // batch rows a staged chunk: kBwdChunk, 2 * kBwdChunk for variant 2
 };
+
+// ---------------------------------------------------------------------------
+// Variant 4's staging (above: "Variant 4"), shared by the kernel and the
+// host (whose C ABI hands it to the CPU tests).
+#if defined(__CUDACC__)
+#define RF_HD __host__ __device__ __forceinline__
+#else
+#define RF_HD inline
+#endif
+constexpr int kTmaBlockK = 64;                        // inputs a copy: one 128-byte swizzle row
+constexpr int kTmaBoxBytes = kTmaBlockK * kNGroup * 2;  // a copy: 32 rows x 128 bytes
+constexpr int kTmaAlign = 1024;                       // the swizzle's period: 8 rows x 128 bytes
+constexpr int kMapWork = 0, kMapY = 1, kMapH0 = 2, kTmaMaps = 3;
+// hs's row padding (kNC * kHsPad halves past the two halves' bytes) takes
+// the rounding of a 16-byte-aligned hs up to kTmaAlign (at most kTmaAlign -
+// 16 bytes) and the two mbarriers (8 bytes each) past the halves.
+static_assert(kNC * kHsPad * 2 >= (kTmaAlign - 16) + 2 * 8, "hs's padding holds the barriers");
+
+// The tensor maps (CUtensorMap, opaque), a kernel parameter of their own.
+struct alignas(64) TmaMap {
+  unsigned long long opaque[16];
+};
+struct StageMaps {
+  TmaMap map[kTmaMaps];  // [planes][B][H]: work (L-1)*T planes, y T, h0 L
+};
+
+// One copy: from map `map` at (input k, batch row `row`, plane), to `dst`
+// bytes past the staged chunk's base, completing on half `half`'s barrier.
+struct TmaCopy {
+  int map, k, row, plane, dst, half;
+};
+
+// Copies a half (the layer's K in blocks of 64) and the bytes they bring.
+RF_HD int TmaCopies(const LayerPlan& p, int H) { return (p.kin + H) / kTmaBlockK; }
+RF_HD int TmaHalfBytes(const LayerPlan& p, int H) { return TmaCopies(p, H) * kTmaBoxBytes; }
+// Copy i (half i / TmaCopies) of the chunk of rows [n0, n0 + 64) of layer
+// l at step t: inputs [0, kin) from the layer below's h_t, then the own
+// layer's h_{t-1} (h0 at t = 0; y's at the top).
+RF_HD TmaCopy TmaStageCopy(const Args& a, const LayerPlan& p, int l, int t, int n0, int i) {
+  const int per = TmaCopies(p, a.H), half = i / per, k = (i - half * per) * kTmaBlockK;
+  TmaCopy c;
+  c.half = half;
+  c.dst = half * (p.kpad * 64) + (k / kTmaBlockK) * kTmaBoxBytes;
+  c.row = n0 + half * kNGroup;
+  if (k < p.kin) {
+    c.map = kMapWork;
+    c.k = k;
+    c.plane = (l - 1) * a.T + t;
+  } else if (t == 0) {
+    c.map = kMapH0;
+    c.k = k - p.kin;
+    c.plane = l;
+  } else {
+    const bool top = l == a.L - 1;
+    c.map = top ? kMapY : kMapWork;
+    c.k = k - p.kin;
+    c.plane = (top ? 0 : l * a.T) + t - 1;
+  }
+  return c;
+}
+// Bytes past the chunk's base where k-step j (16 inputs) of warpgroup g
+// starts in half `half`: inside a 128-byte row, as the swizzle's address
+// bits make the wgmma read what the copy wrote.
+RF_HD int Sw128StepOffset(int half, int g, int j, int kpad) {
+  const int k = g * (kpad / 2) + 16 * j;
+  return half * (kpad * 64) + (k >> 6) * kTmaBoxBytes + (k & 63) * 2;
+}
+// wgmma's descriptor of a K-major operand with the 128-byte swizzle: start
+// address, LBO 1 (unused for K-major swizzled), SBO 1024 (next 8 rows),
+// base offset 0 (the blocks are kTmaAlign-aligned), layout 1 (128B).
+RF_HD unsigned long long Sw128Desc(unsigned start) {
+  return static_cast<unsigned long long>((start >> 4) & 0x3FFF) | (1ull << 16) |
+         (static_cast<unsigned long long>(1024 >> 4) << 32) | (1ull << 62);
+}
 
 constexpr int kTracePoints = 6;  // start, waited, staged, multiplied, pointwise, published
 constexpr int kTraceSlots = 8;   // + clock64 at start and published

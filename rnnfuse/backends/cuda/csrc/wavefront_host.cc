@@ -20,7 +20,8 @@
 //   rnnfuse_wf_forward(...)     one forward pass on a stream
 //   rnnfuse_wf_forward_saving   the same, also saving gates and c (training)
 //   rnnfuse_wf_forward_variant  the same, with the forward step's variant
-//                               (wavefront.cuh: 0, or the opt-in 1, 2 and 3)
+//                               (wavefront.cuh: 0, or the opt-in 1 to 4)
+//   rnnfuse_wf_tma_staging      variant 4's copies of one chunk (CPU tests)
 //   rnnfuse_wf_backward_plan    can the backward run one LSTM or GRU layer? (no GPU)
 //   rnnfuse_wf_backward_kind(...)  the backward recurrence of one LSTM or GRU layer
 //   rnnfuse_wf_backward_stack_plan  can the reverse-wavefront backward run the
@@ -32,6 +33,7 @@
 #include <stdint.h>
 #include <string.h>
 
+#include <algorithm>
 #include <map>
 #include <mutex>
 #include <string>
@@ -76,7 +78,8 @@ int Fail(const std::string& message) {
   X(cuFuncSetAttribute)                              \
   X(cuOccupancyMaxActiveBlocksPerMultiprocessor)     \
   X(cuMemsetD32Async)                                \
-  X(cuLaunchKernelEx)
+  X(cuLaunchKernelEx)                                \
+  X(cuTensorMapEncodeTiled)
 
 RF_DEFINE_DRIVER(RF_DRIVER_FUNCTIONS)
 
@@ -92,6 +95,7 @@ struct Kernels {
   CUfunction f16_v1 = nullptr, bf16_v1 = nullptr;  // the forward's variant 1
   CUfunction f16_v2 = nullptr, bf16_v2 = nullptr;  // the forward's variant 2 (wgmma)
   CUfunction f16_v3 = nullptr, bf16_v3 = nullptr;  // the forward's variant 3 (data as flags)
+  CUfunction f16_v4 = nullptr, bf16_v4 = nullptr;  // the forward's variant 4 (tensor copies)
   CUfunction f16_ind = nullptr, bf16_ind = nullptr;  // independent layers
   CUfunction bwd_f16 = nullptr, bwd_bf16 = nullptr;
   CUfunction bwd_gru_f16 = nullptr, bwd_gru_bf16 = nullptr;  // the GRU backward
@@ -101,7 +105,7 @@ struct Kernels {
   int configured_bwds_v_smem[2] = {0, 0};
   int configured_smem = 0, configured_bwd_smem = 0, configured_bwds_smem = 0;
   int configured_v1_smem = 0, configured_v2_smem = 0, configured_ind_smem = 0;
-  int configured_v3_smem = 0;
+  int configured_v3_smem = 0, configured_v4_smem = 0;
   int configured_bwd_gru_smem = 0;
 };
 
@@ -122,6 +126,8 @@ int GetKernels(Driver* d, CUcontext ctx, Kernels** out) {
     RF_CHECK_CU(d, d->cuModuleGetFunction_(&k.bf16_v2, k.module, "rnnfuse_wf_forward_v2_bf16"));
     RF_CHECK_CU(d, d->cuModuleGetFunction_(&k.f16_v3, k.module, "rnnfuse_wf_forward_v3_f16"));
     RF_CHECK_CU(d, d->cuModuleGetFunction_(&k.bf16_v3, k.module, "rnnfuse_wf_forward_v3_bf16"));
+    RF_CHECK_CU(d, d->cuModuleGetFunction_(&k.f16_v4, k.module, "rnnfuse_wf_forward_v4_f16"));
+    RF_CHECK_CU(d, d->cuModuleGetFunction_(&k.bf16_v4, k.module, "rnnfuse_wf_forward_v4_bf16"));
     RF_CHECK_CU(d, d->cuModuleGetFunction_(&k.f16_ind, k.module, "rnnfuse_wf_forward_ind_f16"));
     RF_CHECK_CU(d, d->cuModuleGetFunction_(&k.bf16_ind, k.module,
                                            "rnnfuse_wf_forward_ind_bf16"));
@@ -212,9 +218,10 @@ struct StreamContext {
 
 // A cooperative launch of `ctas` CTAs of kThreads threads (every CTA must
 // be resident at once: they wait on each other), after zeroing `flag_words`
-// words at `flags`.
+// words at `flags`. `maps`: the second parameter of a kernel that has one
+// (variant 4's StageMaps).
 int LaunchCooperative(Driver* d, CUfunction f, CUstream s, int sms, int ctas, int smem,
-                      void* args, void* flags, size_t flag_words) {
+                      void* args, void* flags, size_t flag_words, void* maps = nullptr) {
   int per_sm = 0;
   RF_CHECK_CU(d, d->cuOccupancyMaxActiveBlocksPerMultiprocessor_(&per_sm, f,
                                                                   rnnfuse_wf::kThreads, smem));
@@ -238,7 +245,7 @@ int LaunchCooperative(Driver* d, CUfunction f, CUstream s, int sms, int ctas, in
   cfg.attrs = &cooperative;
   cfg.numAttrs = 1;
   RF_CHECK_CU(d, d->cuMemsetD32Async_(reinterpret_cast<CUdeviceptr>(flags), 0, flag_words, s));
-  void* params_list[] = {args};
+  void* params_list[] = {args, maps};
   RF_CHECK_CU(d, d->cuLaunchKernelEx_(&cfg, f, params_list, nullptr));
   return 0;
 }
@@ -328,10 +335,42 @@ void SetBackwardBuffers(A* args, const float* gates, const float* cseq, const vo
 // the one of element type `dtype` (0: f16, 1: bf16) cooperatively.
 int Launch(Driver* d, const StreamContext& sc, CUstream s, int dtype, CUfunction f16,
            CUfunction bf16, int* configured, int ctas, int smem, void* args, void* workspace,
-           size_t flag_words) {
+           size_t flag_words, void* maps = nullptr) {
   if (ConfigureSmem(d, f16, bf16, smem, configured) != 0) return -1;
   return LaunchCooperative(d, dtype == 0 ? f16 : bf16, s, sc.sms, ctas, smem, args, workspace,
-                           flag_words);
+                           flag_words, maps);
+}
+
+// Variant 4's tensor maps (wavefront.cuh, "Variant 4"): each sequence buffer
+// as [planes][B][H] of the element type, boxes of 64 inputs x 32 rows x 1
+// plane with the 128-byte swizzle; rows past B read as zeros. The work map
+// only where there is a layer below the top.
+int EncodeStageMaps(Driver* d, int dtype, const Args& a, const void* h0, rnnfuse_wf::StageMaps* m) {
+  static_assert(sizeof(rnnfuse_wf::TmaMap) == sizeof(CUtensorMap), "TmaMap is a CUtensorMap");
+  memset(m, 0, sizeof(*m));
+  const void* base[rnnfuse_wf::kTmaMaps] = {a.work, a.y, h0};
+  const int planes[rnnfuse_wf::kTmaMaps] = {(a.L - 1) * a.T, a.T, a.L};
+  for (int i = 0; i < rnnfuse_wf::kTmaMaps; ++i) {
+    if (planes[i] == 0) continue;
+    if (reinterpret_cast<uintptr_t>(base[i]) % 16 != 0)
+      return Fail("the forward's variant 4 copies y, h0 and the workspace by tensor copies, "
+                  "which need 16-byte-aligned buffers; one is not (pass aligned tensors)");
+    const cuuint64_t dims[3] = {static_cast<cuuint64_t>(a.H), static_cast<cuuint64_t>(a.B),
+                                static_cast<cuuint64_t>(planes[i])};
+    const cuuint64_t strides[2] = {static_cast<cuuint64_t>(a.H) * 2,
+                                   static_cast<cuuint64_t>(a.B) * a.H * 2};
+    const cuuint32_t box[3] = {rnnfuse_wf::kTmaBlockK, rnnfuse_wf::kNGroup, 1};
+    const cuuint32_t unit[3] = {1, 1, 1};
+    CUtensorMap map;
+    RF_CHECK_CU(d, d->cuTensorMapEncodeTiled_(
+                       &map, dtype == 0 ? CU_TENSOR_MAP_DATA_TYPE_FLOAT16
+                                        : CU_TENSOR_MAP_DATA_TYPE_BFLOAT16,
+                       3, const_cast<void*>(base[i]), dims, strides, box, unit,
+                       CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
+                       CU_TENSOR_MAP_L2_PROMOTION_L2_128B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE));
+    memcpy(&m->map[i], &map, sizeof(map));
+  }
+  return 0;
 }
 
 // One forward launch (the entries below; `independent`: wavefront.cuh,
@@ -465,6 +504,45 @@ __attribute__((visibility("default"))) size_t rnnfuse_wf_directions_workspace_by
   return FlagBytes(directions);
 }
 
+// Variant 4's staging of chunk `chunk` of layer `layer` at step t, as the
+// kernel computes it (wavefront.cuh, "Variant 4"), for the CPU tests: the
+// copies (6 ints each: map, input, batch row, plane, destination byte,
+// half) in `copies` [32][6], each half's expected bytes in half_bytes[2]
+// (0 for a half the chunk lacks), and the wgmma descriptor of k-step j of
+// warpgroup g in half h at descs[(h * 2 + g) * 32 + j] for a chunk at
+// shared address `base`. Returns the number of copies, or -1 with the reason.
+__attribute__((visibility("default"))) int rnnfuse_wf_tma_staging(
+    int gru, int num_layers, int units, int batch, int steps, int input_size, int sms,
+    int smem_limit, int layer, int t, int chunk, unsigned base, int* copies, int* half_bytes,
+    unsigned long long* descs) {
+  Args args;
+  int smem = 0;
+  if (!PlanInto(gru, num_layers, units, batch, steps, input_size, sms, smem_limit, &args, &smem))
+    return -1;
+  char why[256];
+  if (!rnnfuse_wf::Variant4Fits(args, why, sizeof(why))) return Fail(why);
+  if (layer < 0 || layer >= num_layers || t < 0 || t >= steps || chunk < 0 ||
+      chunk * rnnfuse_wf::kNC >= batch)
+    return Fail("layer, step or chunk out of range");
+  const rnnfuse_wf::LayerPlan& p = args.layer[layer];
+  const int n0 = chunk * rnnfuse_wf::kNC, nc = std::min(rnnfuse_wf::kNC, batch - n0);
+  const int halves = nc > rnnfuse_wf::kNGroup ? 2 : 1;
+  const int n = halves * rnnfuse_wf::TmaCopies(p, units);
+  for (int i = 0; i < n; ++i) {
+    const rnnfuse_wf::TmaCopy c = rnnfuse_wf::TmaStageCopy(args, p, layer, t, n0, i);
+    const int v[6] = {c.map, c.k, c.row, c.plane, c.dst, c.half};
+    memcpy(copies + 6 * i, v, sizeof(v));
+  }
+  for (int h = 0; h < 2; ++h) {
+    half_bytes[h] = h < halves ? rnnfuse_wf::TmaHalfBytes(p, units) : 0;
+    for (int g = 0; g < 2; ++g)
+      for (int j = 0; j < p.kpad / 32; ++j)
+        descs[(h * 2 + g) * 32 + j] =
+            rnnfuse_wf::Sw128Desc(base + rnnfuse_wf::Sw128StepOffset(h, g, j, p.kpad));
+  }
+  return n;
+}
+
 // The weight and bias offsets the kernel reads (PlanOffsets), 4 a layer:
 // w_ih, w_hh, b_in, b_rec, in elements of the canonical buffer; with
 // `independent`, a bidirectional layer's directions. For the CPU tests of
@@ -498,7 +576,7 @@ int Forward(void* stream, int dtype, int gru, int num_layers, int units, int bat
             int variant, unsigned long long* trace, int trace_steps, float* gates_out,
             float* c_out, int independent) {
   if (variant < 0 || variant >= rnnfuse_wf::kVariants)
-    return Fail("variant must be 0, 1, 2 or 3 (the forward step's variants), not " +
+    return Fail("variant must be 0, 1, 2, 3 or 4 (the forward step's variants), not " +
                 std::to_string(variant));
   if (independent && variant != 0)
     return Fail("independent layers (a bidirectional layer's directions) run variant 0 only");
@@ -512,9 +590,11 @@ int Forward(void* stream, int dtype, int gru, int num_layers, int units, int bat
   if (!PlanInto(gru, num_layers, units, batch, steps, input_size, sc.sms, sc.smem_limit, &args,
                 &smem, independent))
     return -1;
-  if (variant == 2) {
+  if (variant == 2 || variant == 4) {
     char why[256];
-    if (!rnnfuse_wf::Variant2Fits(args, why, sizeof(why))) return Fail(why);
+    if (!(variant == 2 ? rnnfuse_wf::Variant2Fits : rnnfuse_wf::Variant4Fits)(args, why,
+                                                                              sizeof(why)))
+      return Fail(why);
   }
   args.mode = mode;
   args.variant = variant;
@@ -539,16 +619,19 @@ int Forward(void* stream, int dtype, int gru, int num_layers, int units, int bat
                    : variant == 1 ? k->f16_v1
                    : variant == 2 ? k->f16_v2
                    : variant == 3 ? k->f16_v3
+                   : variant == 4 ? k->f16_v4
                                   : k->f16;
   CUfunction bf16 = independent    ? k->bf16_ind
                     : variant == 1 ? k->bf16_v1
                     : variant == 2 ? k->bf16_v2
                     : variant == 3 ? k->bf16_v3
+                    : variant == 4 ? k->bf16_v4
                                    : k->bf16;
   int* configured = independent    ? &k->configured_ind_smem
                     : variant == 1 ? &k->configured_v1_smem
                     : variant == 2 ? &k->configured_v2_smem
                     : variant == 3 ? &k->configured_v3_smem
+                    : variant == 4 ? &k->configured_v4_smem
                                    : &k->configured_smem;
   if (variant == 3) {
     // Variant 3 (wavefront.cuh): every sequence buffer (the workspace's L-1
@@ -562,8 +645,10 @@ int Forward(void* stream, int dtype, int gru, int num_layers, int units, int bat
                                           rnnfuse_wf::kSentinelWord, words * (num_layers - 1),
                                           s));
   }
+  rnnfuse_wf::StageMaps maps;
+  if (variant == 4 && EncodeStageMaps(d, dtype, args, h0, &maps) != 0) return -1;
   return Launch(d, sc, s, dtype, f16, bf16, configured, args.cta_start[num_layers], smem, &args,
-                workspace, FlagBytes(num_layers) / 4);
+                workspace, FlagBytes(num_layers) / 4, variant == 4 ? &maps : nullptr);
 }
 
 }  // namespace

@@ -208,6 +208,33 @@ inline bool Variant2Fits(const Args& args, char* why, int why_len) {
   return true;
 }
 
+// Whether a planned stack suits the forward's variant 4 (wavefront.cuh,
+// "Variant 4"): variant 2's plans whose K splits into whole blocks of 64
+// inputs of one source (H a multiple of 64), at most 16 a half (a copy a
+// lane of one warp). False with the reason in `why`.
+inline bool Variant4Fits(const Args& args, char* why, int why_len) {
+  char v2[256];
+  if (!Variant2Fits(args, v2, sizeof(v2))) {
+    snprintf(why, why_len, "the forward's variant 4 takes variant 2's plans only: %s", v2);
+    return false;
+  }
+  if (args.independent || args.H % kTmaBlockK != 0) {
+    snprintf(why, why_len,
+             "the forward's variant 4 (tensor-copy staging) runs stacks whose units are a "
+             "multiple of %d (whole 128-byte rows of one source), not %d%s",
+             kTmaBlockK, args.H, args.independent ? " or independent layers" : "");
+    return false;
+  }
+  for (int l = 0; l < args.L; ++l) {
+    if (2 * TmaCopies(args.layer[l], args.H) > 32) {
+      snprintf(why, why_len, "the forward's variant 4 issues at most 32 copies a chunk; layer %d "
+               "needs %d", l, 2 * TmaCopies(args.layer[l], args.H));
+      return false;
+    }
+  }
+  return true;
+}
+
 // The backward kernel's plan (wavefront.cuh, "The backward kernel"): one
 // LSTM layer of H units at batch B. ceil(H / 16) CTAs a group of batch
 // rows; as many groups as the SMs hold (the fewest rows a group, a multiple
