@@ -26,6 +26,10 @@ if keras.backend.backend() != "torch":
 
 import torch  # noqa: E402
 
+# The real packages before bench_wavefront's stand-ins, which the conftest's
+# fixtures would otherwise import.
+from rnnfuse.tuning import first_batch  # noqa: E402, F401
+
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "bench"))
 import bench_wavefront  # noqa: E402
 

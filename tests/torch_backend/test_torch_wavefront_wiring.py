@@ -49,13 +49,13 @@ class FakeKernel:
         self.calls, self.asked, self.refuse_launch = [], [], False
         self.recurrences = 0
 
-    def op(self, xproj, params, h0, c0, lengths, kind, input_size):
+    def op(self, xproj, params, h0, c0, lengths, kind, input_size, variant=0):
         if self.refuse_launch:
             raise library.WavefrontError("the cooperative launch was refused")
         steps, batch, gh = xproj.shape
         layers, _, units = h0.shape
         self.calls.append(dict(kind=kind, steps=steps, batch=batch, lengths=lengths.numel(),
-                               grad=torch.is_grad_enabled()))
+                               grad=torch.is_grad_enabled(), variant=variant))
         sizes = [(gh, input_size), (gh, units)] + [(gh, units), (gh, units)] * (layers - 1)
         mats, offset = [], 0
         for rows, cols in sizes:
@@ -120,6 +120,7 @@ def test_an_inference_call_runs_the_custom_op(fake_kernel, half, kind, masked):
     ran = layer.last_path.kernel
     assert ran.name == "torch.ops.rnnfuse.wavefront_forward" and ran.note is None
     assert [c["lengths"] for c in fake_kernel.calls] == [4 if masked else 0]
+    assert [c["variant"] for c in fake_kernel.calls] == [library.FORWARD_VARIANT]
     with torch.no_grad():
         layer.set_plan(FUSED)
         want = layer(x, mask=mask, training=False)

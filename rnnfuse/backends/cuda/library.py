@@ -134,7 +134,8 @@ class WavefrontLibrary:
         """One forward pass (device pointers as ints; see wavefront.cuh).
 
         `mode`: a debug mode (0 computes the right answer); `variant`: 0, 1, 2 (wgmma), 3 (the h
-        values as their own flags) or 4 (variant 2 staged by tensor copies);
+        values as their own flags), 4 (variant 2 staged by tensor copies) or 5 (4 where it
+        takes the stack, else 0);
         `trace`: 0 or a buffer of 2 * trace_steps * 8 uint64 for the timeline;
         `gates_out`, `c_out`: 0, or float32 [L, T, B, 4H] and [L, T, B, H] where
         the forward saves gates and c for `backward`."""
@@ -352,7 +353,8 @@ def directions_composed_reason(kind: str, units: int, batch: int, steps: int, in
 
 
 # Default variants (wavefront.cuh, "Variants"): another only once shown exact and faster.
-FORWARD_VARIANT = 0
+# The forward's: variant 4 where it takes the stack, else 0 (kVariantBest).
+FORWARD_VARIANT = 5
 STACK_BACKWARD_VARIANT = 0
 
 # After kMaxLayers (8) x kFlagStride (256) flag words: the timed-out word.

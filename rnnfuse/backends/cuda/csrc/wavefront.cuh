@@ -223,6 +223,9 @@ constexpr int kModeNoStage = 8;  // never load h into shared memory
 constexpr int kModeNoPointwise = 16;  // skip the pointwise step (no outputs)
 
 constexpr int kVariants = 5;  // Args::variant in [0, kVariants)
+// The host's own choice (not an Args::variant): variant 4 where it takes the
+// plan, else variant 0.
+constexpr int kVariantBest = 5;
 // Variant 3: what the sequence buffers hold until a step's h lands (every
 // half 0xFFFF, a NaN in float16 and bfloat16), and the flag word a wait
 // that timed out sets (variant 3 uses no other flag).

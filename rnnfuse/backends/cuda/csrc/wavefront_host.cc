@@ -575,10 +575,10 @@ int Forward(void* stream, int dtype, int gru, int num_layers, int units, int bat
             const int* lengths, void* y, void* hy, void* cy, void* workspace, int mode,
             int variant, unsigned long long* trace, int trace_steps, float* gates_out,
             float* c_out, int independent) {
-  if (variant < 0 || variant >= rnnfuse_wf::kVariants)
-    return Fail("variant must be 0, 1, 2, 3 or 4 (the forward step's variants), not " +
-                std::to_string(variant));
-  if (independent && variant != 0)
+  if (variant < 0 || variant > rnnfuse_wf::kVariantBest)
+    return Fail("variant must be 0, 1, 2, 3, 4 (the forward step's variants) or 5 (the best "
+                "that takes the stack), not " + std::to_string(variant));
+  if (independent && variant != 0 && variant != rnnfuse_wf::kVariantBest)
     return Fail("independent layers (a bidirectional layer's directions) run variant 0 only");
   Driver* d = nullptr;
   if (Begin(dtype, &d) != 0) return -1;
@@ -590,7 +590,12 @@ int Forward(void* stream, int dtype, int gru, int num_layers, int units, int bat
   if (!PlanInto(gru, num_layers, units, batch, steps, input_size, sc.sms, sc.smem_limit, &args,
                 &smem, independent))
     return -1;
-  if (variant == 2 || variant == 4) {
+  if (variant == rnnfuse_wf::kVariantBest) {
+    char why[256];
+    const bool aligned = (reinterpret_cast<uintptr_t>(y) | reinterpret_cast<uintptr_t>(h0) |
+                          reinterpret_cast<uintptr_t>(workspace)) % 16 == 0;
+    variant = aligned && rnnfuse_wf::Variant4Fits(args, why, sizeof(why)) ? 4 : 0;
+  } else if (variant == 2 || variant == 4) {
     char why[256];
     if (!(variant == 2 ? rnnfuse_wf::Variant2Fits : rnnfuse_wf::Variant4Fits)(args, why,
                                                                               sizeof(why)))
