@@ -105,7 +105,7 @@
 // Every thread fences its copies to the async proxy (fence.proxy.async)
 // before the barrier that releases the products.
 // Trace point 3 is after the second half's products.
-// Variant 4 (Args::variant = 4, opt-in, sm_90a; Variant4Fits: variant 2's
+// Variant 4 (Args::variant = 4, sm_90a, default via kVariantBest; Variant4Fits: variant 2's
 // plans with H a multiple of 64): variant 2's wait, products and sums, with
 // hs staged by the async proxy, so no proxy fence sits between the copies
 // and the products and each half's products wait only for its own bytes:
@@ -248,7 +248,7 @@ struct Args {
   int gru;  // 0: LSTM (gates i, f, c, o), 1: GRU (r, z, n), cuDNN's order
   int L, H, B, T;
   int mode;
-  int variant;  // 0: the step above; 1, 2, 3: variants 1-3 (opt-in, see above)
+  int variant;  // 0: the step above; 1-4: variants 1-4 (see above)
   int independent;  // 1: the layers read no layer below ("Independent layers";
                     // the host launches the _ind kernels for it)
   const void* xproj;   // [T][B][G*H]: x W_ih^T of layer 0, no bias
