@@ -46,7 +46,9 @@ TensorFlow, a plain torch loop of forward, backward and optimizer step)
 runs LOOP_STEPS steps per model in alternating blocks (LOPSIDED_LOOP_STEPS
 in a cell that gets one round), its first step
 (trace; the optimized model's per-shape tuning) reported apart
-(`loop_speedup`, `loop_first_s`); JAX has no custom loop here.
+(`loop_speedup`, `loop_first_s`); JAX has no custom loop here. Where
+Keras' own mixed-precision step fails (JAX's GPU), the original is its
+float32 twin, and `original_failed` keeps Keras' error.
 `--control` adds an A/A control to every cell's fit rounds: a clone of the
 original model (same layers, same weights, so the same kernels) timed
 interleaved with the other two; `control_fit_speedup` (original / clone)
@@ -433,6 +435,32 @@ def _ratio(times: dict, skip_first: bool = False) -> float:
     return statistics.median(o) / statistics.median(f)
 
 
+def keras_step_error(shape: dict, model: keras.Model, x, y) -> str | None:
+    """Keras' own error where its half-precision step fails (JAX's GPU: "Unknown
+    output type float16"), from a clone's one training step, else None; the
+    model itself stays untraced. Other backends and float32 are not probed.
+
+    >>> keras_step_error(dict(dtype="float32"), None, None, None) is None
+    True"""
+    if keras.backend.backend() != "jax" or not shape["dtype"].startswith("mixed"):
+        return None
+    probe = keras.models.clone_model(model)
+    probe.compile(optimizer="adam", loss="mse")
+    try:
+        probe.train_on_batch(x[: shape["batch"]], y[: shape["batch"]])
+    except Exception as err:  # Keras' failure is the reading
+        return f"{type(err).__name__}: {err}"
+    return None
+
+
+def float32_twin(shape: dict, model: keras.Model) -> keras.Model:
+    """The original's architecture in float32 with its weights: the baseline
+    where Keras' own mixed-precision step fails, as in bench_whole_fit."""
+    twin = build(dict(shape, dtype="float32"))
+    twin.set_weights(model.get_weights())
+    return twin
+
+
 def measure(shape: dict, rounds: int, steps: int, predict_rounds: int | None = None,
             control: bool = False) -> dict:
     """One cell: whole calls, `rounds` timed fit rounds, `predict_rounds`
@@ -445,6 +473,9 @@ def measure(shape: dict, rounds: int, steps: int, predict_rounds: int | None = N
     b = shape["batch"]
     # An empty plan cache: the first calls pay what a new user's pay.
     fast = rnnfuse.optimize(model, cache=False)
+    original_failed = keras_step_error(shape, model, x, y)
+    if original_failed:
+        model = float32_twin(shape, model)
     model.compile(optimizer="adam", loss="mse")
     fast.compile(optimizer="adam", loss="mse")
     xc, yc = np.concatenate([x] * CALL_STEPS), np.concatenate([y] * CALL_STEPS)
@@ -516,6 +547,7 @@ def measure(shape: dict, rounds: int, steps: int, predict_rounds: int | None = N
     )
     return dict(
         shape=shape,
+        original_failed=original_failed,
         fit_ms=dict(original=1e3 * fit_o, optimized=1e3 * fit_f),
         fit_speedup=fit_o / fit_f,
         predict_ms=dict(original=1e3 * pr_o, optimized=1e3 * pr_f),

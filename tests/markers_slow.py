@@ -67,7 +67,9 @@ SLOW: dict[str, str] = {
        for name in ("test_a_forward_that_publishes_its_steps_waits_for_its_inputs",
                     "test_variant_three_waits_in_the_data_not_on_flags",
                     "test_variant_two_orders_its_copies_and_its_products",
-                    "test_variant_two_waits_as_variant_zero_does")},
+                    "test_variant_two_waits_as_variant_zero_does",
+                    "test_variant_four_waits_on_its_copies_not_on_a_proxy_fence",
+                    "test_variant_four_waits_for_its_flags_as_variant_zero_does")},
     # -- fits long enough for the tuning budget: TensorFlow traces per fit -----
     "test_budget.py::test_a_decision_cut_short_is_not_cached_and_a_full_one_is": (
         "three optimized fits, each traced (24 s); test_call_steps and the spend tests stay fast"

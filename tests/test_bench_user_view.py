@@ -176,3 +176,27 @@ def test_whole_calls_take_more_samples_only_while_calls_are_cheap(fake_clock):
         "predict", [0.0], None, 1, budget_s=0.05)
     # 5 calls at least, though the budget was spent after the second
     assert len(dear["a"]) == len(dear["b"]) == bench_user_view.CALLS
+
+
+def test_where_keras_own_half_precision_step_fails_the_original_is_its_float32_twin(monkeypatch):
+    import keras
+    import numpy as np
+
+    shape = dict(TINY, kind="lstm", dtype="mixed_float16", features=4)
+    model = bench_user_view.build(shape)
+    x, y = bench_user_view.data(shape, np.random.default_rng(0))
+    assert bench_user_view.keras_step_error(shape, model, x, y) is None  # not JAX: not probed
+
+    def fails(self, *args, **kwargs):
+        raise ValueError("Unknown output type float16")
+
+    monkeypatch.setattr(bench_user_view.keras.backend, "backend", lambda: "jax")
+    monkeypatch.setattr(keras.Model, "train_on_batch", fails)
+    assert bench_user_view.keras_step_error(shape, model, x, y) == (
+        "ValueError: Unknown output type float16")
+    assert bench_user_view.keras_step_error(dict(shape, dtype="float32"), model, x, y) is None
+    twin = bench_user_view.float32_twin(shape, model)
+    assert [layer.compute_dtype for layer in model.layers[1:3]] == ["float16", "float16"]
+    assert [layer.compute_dtype for layer in twin.layers[1:3]] == ["float32", "float32"]
+    for a, b in zip(twin.get_weights(), model.get_weights()):
+        np.testing.assert_array_equal(a, b)
