@@ -108,7 +108,7 @@ def forward_into(xproj, params, h0, c0, lengths, y, hy, cy, workspace, *, kind: 
     xproj [T, B, G*H] = x W_ih0^T; workspace: `workspace_bytes(L, H, B, T)`
     uint8 bytes. `mode`, `trace`: the library's debug options; `gates_out`,
     `c_out`: where the forward saves gates and c for the backward;
-    `variant`: 0 (default), 1, 2, 3 or 4."""
+    `variant`: 0 to 5 (library.forward, wavefront.cuh "Variants")."""
     for t in (gates_out, c_out):
         if t is not None and (t.dtype != torch.float32 or not t.is_contiguous()):
             raise ValueError("forward_into: gates_out and c_out must be contiguous float32")

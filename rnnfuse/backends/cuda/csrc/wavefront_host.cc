@@ -20,7 +20,7 @@
 //   rnnfuse_wf_forward(...)     one forward pass on a stream
 //   rnnfuse_wf_forward_saving   the same, also saving gates and c (training)
 //   rnnfuse_wf_forward_variant  the same, with the forward step's variant
-//                               (wavefront.cuh: 0, or the opt-in 1 to 4)
+//                               (wavefront.cuh: 0 to 4, or 5: 4 where it takes the stack)
 //   rnnfuse_wf_tma_staging      variant 4's copies of one chunk (CPU tests)
 //   rnnfuse_wf_backward_plan    can the backward run one LSTM or GRU layer? (no GPU)
 //   rnnfuse_wf_backward_kind(...)  the backward recurrence of one LSTM or GRU layer
