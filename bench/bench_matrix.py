@@ -240,6 +240,7 @@ def measure_keras(shape: dict, epochs: int, epoch_steps: int, rounds: int, steps
         def __init__(self, timer):
             super().__init__()
             self.timer = timer
+            self.async_safe = timer.async_safe
 
         def on_test_batch_end(self, batch, logs=None):
             self.timer._stamp(logs)
@@ -462,7 +463,8 @@ def main(argv=None) -> int:
 
         backend = keras.backend.backend()
         measure = functools.partial(measure_keras, tuned=args.tuned)
-        meta = dict(backend=backend, keras=keras.__version__, rnnfuse=rnnfuse.__version__)
+        meta = dict(backend=backend, keras=keras.__version__, rnnfuse=rnnfuse.__version__,
+                    step_stamps="async")
     meta.update(python=platform.python_version(), epochs=args.epochs, epoch_steps=args.epoch_steps,
                 rounds=args.rounds, steps=args.steps, quick=args.quick,
                 tuned=args.tuned)

@@ -200,3 +200,17 @@ def test_where_keras_own_half_precision_step_fails_the_original_is_its_float32_t
     assert [layer.compute_dtype for layer in twin.layers[1:3]] == ["float32", "float32"]
     for a, b in zip(twin.get_weights(), model.get_weights()):
         np.testing.assert_array_equal(a, b)
+
+
+def test_step_stamps_are_dispatched_as_a_default_fit_dispatches_its_callbacks():
+    # A callback that is not async-safe makes Keras wait for every step on
+    # the training thread, which a default fit does not do where the backend
+    # allows otherwise: the step timer must not change what it times.
+    import keras
+
+    timer = bench_user_view.StepTimes()
+    callbacks = keras.callbacks.CallbackList([timer], model=keras.Sequential([keras.Input((2,))]))
+    assert callbacks._async_train == keras.src.backend.IS_THREAD_SAFE
+    # Async stamps arrive in completion order: the gaps are read in time order.
+    timer.stamps = [0.0, 10.0, 1.0, 11.0]
+    assert timer.median_step() == 1.0
