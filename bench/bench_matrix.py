@@ -234,17 +234,6 @@ def measure_keras(shape: dict, epochs: int, epoch_steps: int, rounds: int, steps
     from rnnfuse.fused import fused_layers
     from rnnfuse.tuning.first_batch import decisions
 
-    class TestStamps(keras.callbacks.Callback):
-        """`evaluate`'s batch ends, stamped on the step timer `_alternate` gives."""
-
-        def __init__(self, timer):
-            super().__init__()
-            self.timer = timer
-            self.async_safe = timer.async_safe
-
-        def on_test_batch_end(self, batch, logs=None):
-            self.timer._stamp(logs)
-
     model = build_keras(shape)
     x, y, _ = data(shape)
     # --tuned: the plan a long fit commits to (every candidate timed on the
@@ -287,8 +276,7 @@ def measure_keras(shape: dict, epochs: int, epoch_steps: int, rounds: int, steps
     pob = _interleaved_calls(pair, lambda m: np.asarray(m.predict_on_batch(x)), 3 * rounds)
     pred = _alternate(pair, rounds, lambda m, cb: m.predict(xs, batch_size=b, verbose=0, callbacks=[cb]))
     tst = _interleaved_calls(pair, lambda m: float(np.asarray(m.test_on_batch(x, y))), 3 * rounds)
-    ev = _alternate(pair, rounds, lambda m, cb: m.evaluate(xs, ys, batch_size=b, verbose=0,
-                                                           callbacks=[TestStamps(cb)]))
+    ev = _alternate(pair, rounds, lambda m, cb: m.evaluate(xs, ys, batch_size=b, verbose=0, callbacks=[cb]))
     loop = custom_loop(pair, x, y, steps=max(3, steps) * rounds, block=max(3, steps))
     row = dict(
         original_failed=original_failed,

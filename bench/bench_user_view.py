@@ -221,7 +221,7 @@ def data(shape: dict, rng) -> tuple:
 
 
 class StepTimes(keras.callbacks.Callback):
-    """Times each batch inside one fit/predict call: when its loss or outputs
+    """Times each batch inside one fit, predict or evaluate call: when its loss or outputs
     are ready, so the per-call setup of `fit` (the data adapter, a copy of
     the arrays) is not counted in a step. Async-safe, so Keras dispatches it
     as it dispatches a default fit's callbacks (off the training thread where
@@ -243,6 +243,9 @@ class StepTimes(keras.callbacks.Callback):
         self._stamp(logs)
 
     def on_predict_batch_end(self, batch, logs=None):
+        self._stamp(logs)
+
+    def on_test_batch_end(self, batch, logs=None):  # evaluate's batches
         self._stamp(logs)
 
     def median_step(self) -> float:
