@@ -95,6 +95,45 @@ def test_no_proven_rule_lost_in_the_user_view_matrix():
     assert checked >= 10
 
 
+def test_no_proven_jax_rule_lost_in_the_jax_user_view_matrix():
+    """JAX's out-of-sample measurements (bench/results/user_view_jax_*.json,
+    optimize's defaults, so every decision static and proven-only): wherever
+    JAX's table now fuses a decision that ran fused there, rnnfuse was not
+    slower than Keras' layers at that entry point (0.97x, the matrices' noise
+    floor). The small float32 BiGRU that ran at 0.39x there now keeps them."""
+    import glob
+    import json
+    import os
+
+    root = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench", "results")
+    kinds = {"simple_rnn": "rnn_tanh", "bi_lstm": "lstm", "bi_gru": "gru"}
+    dtypes = {"mixed_float16": "float16", "mixed_bfloat16": "bfloat16"}
+    decisions = kept = 0
+    for path in sorted(glob.glob(os.path.join(root, "user_view_jax_*.json"))):
+        with open(path) as f:
+            rows = json.load(f)["results"]
+        for row in rows:
+            s = row["shape"]
+            if row.get("original_failed"):
+                continue  # the plan came from fused_where_keras_fails, not the table
+            for d in row["decisions"]:
+                batch = d["input"][0]
+                regime = Regime(kinds.get(s["kind"], s["kind"]), s["units"], s["layers"],
+                                s["kind"].startswith("bi_"), s["kind"] == "simple_rnn",
+                                dtypes.get(s["dtype"], s["dtype"]), d["mode"] == "training", batch=batch)
+                plan = table.jax_plan_for_regime(regime, s["masked"], proven_only=True)
+                decisions += 1
+                if plan.per_layer or plan.name != d["chosen"]:
+                    kept += plan.per_layer
+                    continue
+                entry = ("fit_speedup" if d["mode"] == "training" else
+                         "predict_speedup" if batch == s["batch"] else "predict_4x_speedup")
+                assert row[entry] >= 0.97, (os.path.basename(path), s, entry, row[entry])
+    assert decisions >= 12 and kept >= 3
+    small_bigru = Regime("gru", 160, 5, True, False, "float32", True, batch=10)
+    assert table.jax_plan_for_regime(small_bigru, False, proven_only=True) == PER_LAYER
+
+
 def test_torch_table_proves_fusing_only_where_keras_runs_its_generic_loop():
     """torch's proven plan (a call too short to time) keeps Keras' cuDNN
     layers in every dtype; a SimpleRNN run or a masked call fuses."""
