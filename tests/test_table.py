@@ -63,35 +63,44 @@ def test_where_nothing_can_be_timed_only_proven_rules_fuse(regime, name):
     assert plan_for_regime(regime, proven_only=True).name == name
 
 
-def test_no_proven_rule_lost_in_the_user_view_matrix():
-    """The table's own out-of-sample measurements: wherever a proven rule
-    gives a fused plan for a timed decision of
-    bench/results/user_view_tf_h200_*.json, that plan was not slower than
-    the original layers there."""
+def _user_view_results(backend: str):
+    """(file name, rows) of each bench/results/user_view_<backend>_*.json."""
     import glob
     import json
     import os
 
     root = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench", "results")
-    kinds = {"simple_rnn": "rnn_tanh", "bi_lstm": "lstm", "bi_gru": "gru"}
-    dtypes = {"mixed_float16": "float16", "mixed_bfloat16": "bfloat16"}
-    checked = 0
-    for path in sorted(glob.glob(os.path.join(root, "user_view_tf_h200_*.json"))):
+    for path in sorted(glob.glob(os.path.join(root, f"user_view_{backend}_*.json"))):
         with open(path) as f:
-            rows = json.load(f)["results"]
+            yield os.path.basename(path), json.load(f)["results"]
+
+
+def _regime_of_decision(shape: dict, decision: dict) -> Regime:
+    """The static table's view of one user-view decision, at its own batch."""
+    kind = {"simple_rnn": "rnn_tanh", "bi_lstm": "lstm", "bi_gru": "gru"}.get(shape["kind"], shape["kind"])
+    dtype = {"mixed_float16": "float16", "mixed_bfloat16": "bfloat16"}.get(shape["dtype"], shape["dtype"])
+    return Regime(kind, shape["units"], shape["layers"], shape["kind"].startswith("bi_"),
+                  shape["kind"] == "simple_rnn", dtype, decision["mode"] == "training",
+                  batch=decision.get("input", [shape["batch"]])[0])
+
+
+def test_no_proven_rule_lost_in_the_user_view_matrix():
+    """The table's own out-of-sample measurements: wherever a proven rule
+    gives a fused plan for a timed decision of
+    bench/results/user_view_tf_h200_*.json, that plan was not slower than
+    the original layers there."""
+    checked = 0
+    for path, rows in _user_view_results("tf"):
         for row in rows:
             s = row["shape"]
             for d in row.get("decisions", []):
-                regime = Regime(kinds.get(s["kind"], s["kind"]), s["units"], s["layers"],
-                                s["kind"].startswith("bi_"), s["kind"] == "simple_rnn",
-                                dtypes.get(s["dtype"], s["dtype"]), d["mode"] == "training",
-                                batch=d.get("input", [s["batch"]])[0])  # the decision's batch
+                regime = _regime_of_decision(s, d)
                 plan = plan_for_regime(regime, s["layers"], proven_only=True)
                 times = d.get("timings_ms", {})
                 if plan.per_layer or plan.name not in times or "per-layer" not in times:
                     continue
                 checked += 1
-                assert times[plan.name] <= times["per-layer"], (os.path.basename(path), s, d["mode"], plan.name)
+                assert times[plan.name] <= times["per-layer"], (path, s, d["mode"], plan.name)
     assert checked >= 10
 
 
@@ -101,26 +110,14 @@ def test_no_proven_jax_rule_lost_in_the_jax_user_view_matrix():
     JAX's table now fuses a decision that ran fused there, rnnfuse was not
     slower than Keras' layers at that entry point (0.97x, the matrices' noise
     floor). The small float32 BiGRU that ran at 0.39x there now keeps them."""
-    import glob
-    import json
-    import os
-
-    root = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench", "results")
-    kinds = {"simple_rnn": "rnn_tanh", "bi_lstm": "lstm", "bi_gru": "gru"}
-    dtypes = {"mixed_float16": "float16", "mixed_bfloat16": "bfloat16"}
     decisions = kept = 0
-    for path in sorted(glob.glob(os.path.join(root, "user_view_jax_*.json"))):
-        with open(path) as f:
-            rows = json.load(f)["results"]
+    for path, rows in _user_view_results("jax"):
         for row in rows:
             s = row["shape"]
             if row.get("original_failed"):
                 continue  # the plan came from fused_where_keras_fails, not the table
             for d in row["decisions"]:
-                batch = d["input"][0]
-                regime = Regime(kinds.get(s["kind"], s["kind"]), s["units"], s["layers"],
-                                s["kind"].startswith("bi_"), s["kind"] == "simple_rnn",
-                                dtypes.get(s["dtype"], s["dtype"]), d["mode"] == "training", batch=batch)
+                regime, batch = _regime_of_decision(s, d), d["input"][0]
                 plan = table.jax_plan_for_regime(regime, s["masked"], proven_only=True)
                 decisions += 1
                 if plan.per_layer or plan.name != d["chosen"]:
@@ -128,7 +125,7 @@ def test_no_proven_jax_rule_lost_in_the_jax_user_view_matrix():
                     continue
                 entry = ("fit_speedup" if d["mode"] == "training" else
                          "predict_speedup" if batch == s["batch"] else "predict_4x_speedup")
-                assert row[entry] >= 0.97, (os.path.basename(path), s, entry, row[entry])
+                assert row[entry] >= 0.97, (path, s, entry, row[entry])
     assert decisions >= 12 and kept >= 3
     small_bigru = Regime("gru", 160, 5, True, False, "float32", True, batch=10)
     assert table.jax_plan_for_regime(small_bigru, False, proven_only=True) == PER_LAYER
