@@ -44,8 +44,7 @@ class Regime:
     keras_loop: bool
     dtype: str  # compute dtype: float32, float16, ...
     training: bool
-    # The batch size, where it is known (a custom loop's shape); None.
-    batch: int | None = None
+    batch: int | None = None  # where known (a custom loop's shape)
 
 
 PERSISTENT = "persistent_static+tc"
@@ -283,8 +282,7 @@ def _tensorflow_table(group, dtype, training, batch=None, proven_only=False) -> 
     return plan_for_regime(regime, len(group.layers), proven_only)
 
 
-# JAX's rules, measured in the backend matrix (docs/benchmarks.md); first match wins.
-# Keras' JAX GRU has no cuDNN path: every GRU layer runs a lax.scan there.
+# JAX's rules, from the backend matrix; first match wins. Keras' JAX GRU always runs a lax.scan.
 JAX_RULES: list[tuple[str, Callable[[Regime, bool], bool], Plan, str, bool]] = [
     (
         "a masked call: per layer",
@@ -341,13 +339,10 @@ def _jax_table(group, dtype, training, batch=None, proven_only=False) -> Plan:
 
 
 def jax_plan_for_regime(regime: Regime, masked: bool, proven_only: bool = False) -> Plan:
-    """The plan of the first rule in `JAX_RULES` that matches `regime` and
-    `masked` (with `proven_only`, the original layers where it is not proven).
+    """`JAX_RULES`' plan for `regime` and `masked`, as `plan_for_regime` gives `RULES`'.
 
     >>> jax_plan_for_regime(Regime("gru", 160, 5, True, False, "float32", True, batch=10), False).name
     'per-layer'
-    >>> jax_plan_for_regime(Regime("gru", 64, 3, False, False, "float32", True, batch=256), False).name
-    'fused'
     """
     for _name, predicate, plan, _evidence, proven in JAX_RULES:
         if predicate(regime, masked):
