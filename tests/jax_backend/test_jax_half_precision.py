@@ -88,20 +88,21 @@ def test_half_precision_lstm_is_fused_untimed_with_the_reason(kind, policy, kera
 
 
 @pytest.mark.parametrize("case, fused", [
-    ("float32", True), ("masked", False), ("gru", True), ("bidirectional gru", True), ("no gpu", False)])
+    ("float32", True), ("masked", False), ("gru", True), ("bidirectional gru", True),
+    ("float32 bidirectional gru", False), ("no gpu", False)])
 def test_where_keras_runs_its_own_layers_jaxs_static_table_decides(case, fused, keras_sees_gpu,
                                                                     monkeypatch):
     """Where Keras' own layers run (a float32 LSTM on jaxlib's cuDNN, a
     masked one in Keras' loop, a GRU as a lax.scan, half precision where
     Keras sees no GPU) the static plan is JAX's table's (`JAX_RULES`): a small
-    float32 stack and a GRU fused, a masked stack and a half-precision LSTM
-    kept."""
-    policy = None if case == "float32" else "mixed_float16"
+    float32 stack and a GRU fused, a masked stack, a float32 bidirectional
+    one and a half-precision LSTM kept."""
+    policy = None if case.startswith("float32") else "mixed_float16"
     if case == "no gpu":
         monkeypatch.setattr(keras_paths, "keras_sees_gpu", lambda: False)
     if case == "masked":
         model = stack_model("lstm", 3, masked=True, dtype=policy)
-    elif case == "bidirectional gru":
+    elif case.endswith("bidirectional gru"):
         inp = keras.Input((7, 5))
         model = keras.Model(inp, L.Bidirectional(L.GRU(6, dtype=policy), dtype=policy)(inp))
     else:
