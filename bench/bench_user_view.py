@@ -221,12 +221,13 @@ def data(shape: dict, rng) -> tuple:
 
 
 class StepTimes(keras.callbacks.Callback):
-    """Times each batch inside one fit, predict or evaluate call: when its loss or outputs
-    are ready, so the per-call setup of `fit` (the data adapter, a copy of
-    the arrays) is not counted in a step. Async-safe, so Keras dispatches it
-    as it dispatches a default fit's callbacks (off the training thread where
-    the backend allows: JAX, torch): the next step is launched while this
-    one runs, as on the user's clock, and a stamp marks a step's end."""
+    """Times each batch inside one fit, predict or evaluate call when its
+    loss or outputs are ready, so the per-call setup of `fit` (the data
+    adapter, a copy of the arrays) is not counted in a step. Async-safe, so
+    Keras dispatches it as it dispatches a default fit's callbacks (off the
+    training thread where the backend allows: JAX, torch): the next step is
+    launched while this one runs, as on the user's clock, and a stamp marks
+    a step's end."""
 
     def __init__(self):
         super().__init__()
