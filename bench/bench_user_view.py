@@ -42,11 +42,12 @@ its round count, up to MAX_ROUNDS, while its rounds have taken under
 ROUNDS_BUDGET_S (the custom loop likewise, up to LOOP_MAX_STEPS): the count
 is set by the clock, never by the readings. Last, a custom
 training loop (`custom_loop`: a `tf.function` GradientTape step on
-TensorFlow, a plain torch loop of forward, backward and optimizer step)
+TensorFlow, a plain torch loop of forward, backward and optimizer step, a
+jitted `stateless_call` step with the optimizer's `stateless_apply` on JAX)
 runs LOOP_STEPS steps per model in alternating blocks (LOPSIDED_LOOP_STEPS
 in a cell that gets one round), its first step
 (trace; the optimized model's per-shape tuning) reported apart
-(`loop_speedup`, `loop_first_s`); JAX has no custom loop here. Where
+(`loop_speedup`, `loop_first_s`). Where
 Keras' own mixed-precision step fails (JAX's GPU), the original is its
 float32 twin, and `original_failed` keeps Keras' error.
 `--control` adds an A/A control to every cell's fit rounds: a clone of the
@@ -375,11 +376,11 @@ def custom_loop(models: list[tuple[str, keras.Model]], x, y, steps: int = LOOP_S
     optimizer; torch: forward, loss.backward(), a torch optimizer step), the
     first step (trace, tuning) first, then `steps` steps in alternating
     blocks of `block`, and more blocks, up to `max_steps`, while the blocks
-    so far took under `budget_s`; None under JAX."""
-    backend = keras.backend.backend()
-    if backend not in ("tensorflow", "torch"):
+    so far took under `budget_s`; None under another backend."""
+    make = {"tensorflow": _tf_loop_step, "torch": _torch_loop_step,
+            "jax": _jax_loop_step}.get(keras.backend.backend())
+    if make is None:
         return None
-    make = _tf_loop_step if backend == "tensorflow" else _torch_loop_step
     runs = {name: make(m, x, y) for name, m in models}
     seconds = {name: [] for name, _ in models}
     for name, run in runs.items():
@@ -430,6 +431,38 @@ def _torch_loop_step(model, x, y):
         loss = torch.mean((model(xt, training=True).float() - yt) ** 2)
         loss.backward()
         optimizer.step()
+        float(loss)  # waits for the device
+        return time.perf_counter() - start
+
+    return run
+
+
+def _jax_loop_step(model, x, y):
+    # Keras' JAX guide's loop: one jitted step threads the variables' values.
+    import jax
+
+    optimizer = keras.optimizers.Adam()
+    optimizer.build(model.trainable_variables)
+
+    def loss_of(trainable, frozen, x, y):
+        out, frozen = model.stateless_call(trainable, frozen, x, training=True)
+        return jax.numpy.mean(jax.numpy.square(out.astype("float32") - y)), frozen
+
+    @jax.jit
+    def step(state, x, y):
+        trainable, frozen, slots = state
+        (loss, frozen), grads = jax.value_and_grad(loss_of, has_aux=True)(trainable, frozen, x, y)
+        trainable, slots = optimizer.stateless_apply(slots, grads, trainable)
+        return loss, (trainable, frozen, slots)
+
+    state = tuple([v.value for v in vs] for vs in (
+        model.trainable_variables, model.non_trainable_variables, optimizer.variables))
+    xt, yt = jax.device_put(x), jax.device_put(y)
+
+    def run():
+        nonlocal state
+        start = time.perf_counter()
+        loss, state = step(state, xt, yt)
         float(loss)  # waits for the device
         return time.perf_counter() - start
 
