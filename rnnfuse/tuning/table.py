@@ -301,14 +301,29 @@ JAX_RULES: list[tuple[str, Callable[[Regime, bool], bool], Plan, str, bool]] = [
         True,
     ),
     (
-        "float32 where Keras runs a scan (GRU, SimpleRNN, RNN(cell)): fused",
-        lambda r, masked: r.dtype == "float32" and (r.keras_loop or r.kind == "gru"),
+        "float32 SimpleRNN or RNN(cell) (Keras' generic lax.scan): fused",
+        lambda r, masked: r.dtype == "float32" and r.keras_loop,
         FUSED,
-        "one cuDNN call against Keras' lax.scan won in every measured case (1.3x-4.7x)",
+        "one cuDNN call against Keras' lax.scan won in every measured case (SimpleRNN 3x256 B64: 4.7x)",
         True,
     ),
     (
-        "float32, units <= 256: fused",
+        "float32 GRU of up to 128 units: fused",
+        lambda r, masked: r.dtype == "float32" and r.kind == "gru" and r.units <= 128,
+        FUSED,
+        "one cuDNN call against Keras' lax.scan won wherever measured (GRU 3x64 B256: 3.8x)",
+        True,
+    ),
+    (
+        "float32 GRU over 128 units: per layer",
+        lambda r, masked: r.dtype == "float32" and r.kind == "gru",
+        PER_LAYER,
+        "fused lost at GRU 3x416 B7 (fit 0.70x) and GRU 5x160 B43 (fit 0.67x, predict at B172 "
+        "0.41x) and won at GRU 3x192 B64 (1.3x): first-batch tuning times it",
+        True,
+    ),
+    (
+        "float32 LSTM, units <= 256: fused",
         lambda r, masked: r.dtype == "float32" and r.units <= 256,
         FUSED,
         "won against jaxlib's cuDNN LSTM per layer in every measured case (1.3x-7.2x)",

@@ -89,14 +89,15 @@ def test_half_precision_lstm_is_fused_untimed_with_the_reason(kind, policy, kera
 
 @pytest.mark.parametrize("case, fused", [
     ("float32", True), ("masked", False), ("gru", True), ("bidirectional gru", True),
-    ("float32 bidirectional gru", False), ("no gpu", False)])
+    ("float32 bidirectional gru", False), ("float32 gru", True), ("float32 wide gru", False),
+    ("no gpu", False)])
 def test_where_keras_runs_its_own_layers_jaxs_static_table_decides(case, fused, keras_sees_gpu,
                                                                     monkeypatch):
     """Where Keras' own layers run (a float32 LSTM on jaxlib's cuDNN, a
     masked one in Keras' loop, a GRU as a lax.scan, half precision where
     Keras sees no GPU) the static plan is JAX's table's (`JAX_RULES`): a small
     float32 stack and a GRU fused, a masked stack, a float32 bidirectional
-    one and a half-precision LSTM kept."""
+    one, a float32 GRU of over 128 units and a half-precision LSTM kept."""
     policy = None if case.startswith("float32") else "mixed_float16"
     if case == "no gpu":
         monkeypatch.setattr(keras_paths, "keras_sees_gpu", lambda: False)
@@ -106,7 +107,8 @@ def test_where_keras_runs_its_own_layers_jaxs_static_table_decides(case, fused, 
         inp = keras.Input((7, 5))
         model = keras.Model(inp, L.Bidirectional(L.GRU(6, dtype=policy), dtype=policy)(inp))
     else:
-        model = stack_model("gru" if case == "gru" else "lstm", 3, dtype=policy)
+        model = stack_model("gru" if case.endswith("gru") else "lstm", 3,
+                            units=160 if "wide" in case else 6, dtype=policy)
     results = _plans(model, tune=False)
     want = rnnfuse.FUSED if fused else rnnfuse.PER_LAYER
     assert results and all(r.plan.for_length(1) == want.for_length(1) and r.source == "static"
