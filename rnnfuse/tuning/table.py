@@ -341,8 +341,8 @@ JAX_RULES: list[tuple[str, Callable[[Regime, bool], bool], Plan, str, bool]] = [
 
 
 def _jax_table(group, dtype, training, batch=None, proven_only=False) -> Plan:
-    """JAX: fused where Keras runs a lax.scan in float32 or the stack is
-    small; the original layers where it runs jaxlib's cuDNN or is masked.
+    """JAX, float32: fused where Keras scans a SimpleRNN or a narrow GRU, or
+    an LSTM stack is small; else, or masked, the original layers (`JAX_RULES`).
 
     >>> from rnnfuse.report import FusionGroup
     >>> _jax_table(FusionGroup(("g0", "g1", "g2"), "gru", 64, 1, 3, False), "float32", True).name
